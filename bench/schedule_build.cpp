@@ -1,0 +1,77 @@
+// bench/schedule_build: how long building + validating + simulating a schedule takes.
+//
+//   ./build/bench/schedule_build            # PO-F d=64 v=8 m=512 (target: < 50 ms), then d = 8..1024
+//   ./build/bench/schedule_build --quick    # fewer repetitions, d up to 256
+//
+// Each figure is the median of several runs of the whole pipeline (build, validate,
+// simulate) in this process; the phases are timed separately so their growth can be read.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include <pipeoffload/pipeoffload.hpp>
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+double ms_since(clock_type::time_point t0) {
+  return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Phases {
+  double build = 0, validate = 0, simulate = 0, total = 0;
+  long ops = 0;
+};
+
+Phases measure(const po::Shape& s, int reps) {
+  std::vector<double> b, v, sim, tot;
+  long ops = 0;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = clock_type::now();
+    const po::Program p = po::PO_F::build(s);
+    const double tb = ms_since(t0);
+    const auto t1 = clock_type::now();
+    const po::Validation ok = po::validate(p);
+    const double tv = ms_since(t1);
+    const auto t2 = clock_type::now();
+    const po::SimResult r = po::simulate(p);
+    const double ts = ms_since(t2);
+    if (!ok || r.makespan <= 0) {
+      std::fprintf(stderr, "schedule_build: d=%d v=%d m=%d is invalid: %s\n", s.d, s.v, s.m, ok.error.c_str());
+      std::exit(1);
+    }
+    ops = 0;
+    for (const auto& rp : p.ranks) ops += static_cast<long>(rp.compute.size() + rp.copy.size());
+    b.push_back(tb);
+    v.push_back(tv);
+    sim.push_back(ts);
+    tot.push_back(tb + tv + ts);
+  }
+  return {median(b), median(v), median(sim), median(tot), ops};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  const po::Shape target{64, 8, 512};
+  const Phases t = measure(target, quick ? 3 : 7);
+  std::printf("PO-F d=64 v=8 m=512: build+validate+simulate %.1f ms (median of %d; build %.1f, validate %.1f, simulate %.1f; %ld ops); target < 50 ms: %s\n",
+              t.total, quick ? 3 : 7, t.build, t.validate, t.simulate, t.ops, t.total < 50 ? "met" : "MISSED");
+  std::printf("\n%6s %4s %5s %10s %10s %10s %10s %10s %12s\n", "d", "v", "m", "ops", "build_ms", "valid_ms", "sim_ms",
+              "total_ms", "ns_per_op");
+  for (int d = 8; d <= (quick ? 256 : 1024); d *= 2) {
+    const Phases p = measure({d, 8, 512}, d >= 512 ? 1 : 3);
+    std::printf("%6d %4d %5d %10ld %10.1f %10.1f %10.1f %10.1f %12.1f\n", d, 8, 512, p.ops, p.build, p.validate, p.simulate,
+                p.total, 1e6 * p.total / static_cast<double>(p.ops));
+  }
+  return 0;
+}

@@ -1,0 +1,55 @@
+// pipeoffload/error.hpp: the library's exception types.
+//
+// The library never prints or exits on its own: misuse that can only be seen at run time throws
+// one of these, with a message that names the bad value and the allowed range. In a constant
+// expression the throw itself is the compile error, and the failing call's line (which carries
+// the message literal) is what the compiler shows.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace pipeoffload {
+
+/// Base of every error the library throws.
+struct error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// A schedule shape, cost model or option outside its allowed range.
+struct shape_error : error {
+  using error::error;
+};
+
+/// A schedule that breaks one of validate()'s rules (a missing pass, an unmet dependency,
+/// a P2P plan that deadlocks, a reload after its backward, ...).
+struct schedule_error : error {
+  using error::error;
+};
+
+namespace detail {
+
+/// Decimal text of an integer, usable in constant expressions (std::to_string is not).
+constexpr std::string num(long long x) {
+  std::string s;
+  const bool neg = x < 0;
+  unsigned long long u = neg ? 0ull - static_cast<unsigned long long>(x) : static_cast<unsigned long long>(x);
+  do {
+    s.insert(s.begin(), static_cast<char>('0' + u % 10));
+    u /= 10;
+  } while (u != 0);
+  if (neg) s.insert(s.begin(), '-');
+  return s;
+}
+
+/// Throws shape_error("<what> = <got> is outside the allowed range [lo, hi]") unless
+/// lo <= got <= hi. Pass the description as a string literal at the call site: in a constant
+/// expression the compiler prints that call, so the sentence is visible in the error.
+constexpr void require_range(const char* what, long long got, long long lo, long long hi) {
+  if (got < lo || got > hi)
+    throw shape_error(std::string(what) + " = " + num(got) + " is outside the allowed range [" + num(lo) + ", " +
+                      num(hi) + "]");
+}
+
+}  // namespace detail
+}  // namespace pipeoffload

@@ -1,0 +1,14 @@
+// pipeoffload/pipeoffload.hpp: the CPU-safe umbrella header.
+//
+// Schedule types, validation and simulation; no threads, no I/O, all constexpr.
+// `po` is the short name the documentation and tests use: po::PO_F::build({8, 4, 32}).
+#pragma once
+
+#include "error.hpp"
+#include "policy/policy.hpp"
+#include "schedule/schedule.hpp"
+#include "schedule/validate.hpp"
+#include "sim/simulate.hpp"
+#include "version.hpp"
+
+namespace po = pipeoffload;

@@ -1,0 +1,93 @@
+// pipeoffload/policy/policy.hpp: the policies a schedule type is composed of.
+//
+// Each policy names its slot (grouping or offload) with a `policy_slot` tag and re-exports its
+// parameters; Schedule<Policies...> (schedule/schedule.hpp) takes them in any order, at most
+// one per slot.
+#pragma once
+
+#include <concepts>
+#include <type_traits>
+
+#include "spec.hpp"
+
+namespace pipeoffload {
+
+namespace slot {
+struct grouping {};  ///< how microbatches are grouped and chunks interleaved (the order family).
+struct offload {};   ///< which chunks' activations go to host memory.
+}  // namespace slot
+
+namespace detail {
+template <class G>
+constexpr bool is_group_value = std::is_integral_v<G> || std::is_same_v<G, group::symbolic>;
+}
+
+/// GIS(g): interleaved 1F1B with split backward (B, W), adjusted warmup, and g microbatches
+/// repeated per group; legal for ceil(d/2) <= g <= d.
+/// @code
+///   using MySched = pipeoffload::Schedule<pipeoffload::InterleavePolicy<6>>;       // GIS(6)
+///   using Half = pipeoffload::Schedule<pipeoffload::InterleavePolicy<pipeoffload::group::half>>;
+/// @endcode
+template <auto G>
+struct InterleavePolicy {
+  static_assert(detail::is_group_value<decltype(G)>,
+                "InterleavePolicy<G>: G must be an integer group size or group::full / group::half.");
+  using policy_slot = slot::grouping;
+  static constexpr auto group = G;
+  static constexpr GroupSpec group_spec = [] {
+    if constexpr (std::is_same_v<decltype(G), group::symbolic>) {
+      return G == group::full ? GroupSpec{GroupSpec::Kind::full, 0} : GroupSpec{GroupSpec::Kind::half, 0};
+    } else {
+      static_assert(G >= 1, "InterleavePolicy<G>: the group size G must be at least 1.");
+      return GroupSpec{GroupSpec::Kind::number, static_cast<int>(G)};
+    }
+  }();
+  static constexpr Family family = Family::grouped;
+};
+
+/// PipeOffload's uniform repeating: the GIS building block with g = 1, so every microbatch
+/// follows the previous one after a fixed offset and each chunk's share of the peak is
+/// proportional to its lifespan (what makes selective offload better than linear).
+/// @code
+///   using PO_H = pipeoffload::Schedule<pipeoffload::UniformRepeat,
+///                                      pipeoffload::OffloadPolicy<pipeoffload::offload::half>>;
+/// @endcode
+struct UniformRepeat {
+  using policy_slot = slot::grouping;
+  static constexpr GroupSpec group_spec{GroupSpec::Kind::uniform, 1};
+  static constexpr Family family = Family::grouped;
+};
+
+/// 1F1B (PipeDream-flush): one stage per rank (v = 1), fused backward.
+struct OneF1BOrder {
+  using policy_slot = slot::grouping;
+  static constexpr GroupSpec group_spec{};
+  static constexpr Family family = Family::one_f1b;
+};
+
+/// Megatron-LM's interleaved 1F1B: v chunks per rank, fused backward, m a multiple of d.
+struct MegatronInterleave {
+  using policy_slot = slot::grouping;
+  static constexpr GroupSpec group_spec{};
+  static constexpr Family family = Family::interleaved_1f1b;
+};
+
+/// Which chunks are offloaded: offload::none, offload::half (chunks 0..ceil(v/2)-1),
+/// offload::all, offload::first(n), or offload::chunks({c0, c1, ...}).
+/// @code
+///   using GisHOff2 = pipeoffload::Schedule<pipeoffload::InterleavePolicy<pipeoffload::group::half>,
+///                                          pipeoffload::OffloadPolicy<pipeoffload::offload::first(2)>>;
+/// @endcode
+template <offload::selection Sel>
+struct OffloadPolicy {
+  using policy_slot = slot::offload;
+  static constexpr offload::selection selection = Sel;
+};
+
+/// A policy is a type that names its slot.
+template <class P>
+concept policy = requires { typename P::policy_slot; } &&
+                 (std::same_as<typename P::policy_slot, slot::grouping> ||
+                  std::same_as<typename P::policy_slot, slot::offload>);
+
+}  // namespace pipeoffload

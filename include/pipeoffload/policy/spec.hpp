@@ -1,0 +1,99 @@
+// pipeoffload/policy/spec.hpp: the value a schedule type stands for.
+//
+// A schedule type (Schedule<Policies...>) and a schedule chosen at run time by name (the plan
+// tool, train_gpt) both reduce to one ScheduleSpec, and one builder turns a spec into op lists:
+// there is a single way from a schedule to its passes.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "../error.hpp"
+
+namespace pipeoffload {
+
+/// The order family a grouping policy selects.
+enum class Family : std::uint8_t {
+  one_f1b,           ///< 1F1B: v = 1, fused backward (BW).
+  interleaved_1f1b,  ///< Megatron's interleaved 1F1B: fused backward, warmup d(v-1)+2(d-i)-1.
+  grouped,           ///< GIS(g) building block (split B/W); g = 1 is PipeOffload's uniform repeat.
+};
+
+namespace group {
+/// Group sizes that depend on d and are resolved when a shape is known.
+enum class symbolic : std::uint8_t { full, half };
+inline constexpr symbolic full = symbolic::full;  ///< g = d (GIS).
+inline constexpr symbolic half = symbolic::half;  ///< g = ceil(d/2) (GIS-H).
+}  // namespace group
+
+/// Which group size a grouped schedule uses: a number, d, or ceil(d/2).
+struct GroupSpec {
+  /// number: g = value; full: g = d; half: g = ceil(d/2); uniform: g = 1 for any d (PO).
+  enum class Kind : std::uint8_t { number, full, half, uniform } kind = Kind::full;
+  int value = 0;  ///< g when kind == number.
+
+  friend constexpr bool operator==(const GroupSpec&, const GroupSpec&) = default;
+};
+
+namespace offload {
+/// Which chunks (stages of a rank, 0..v-1) have their activations offloaded to host memory.
+/// A structural type, so it can be a template argument: OffloadPolicy<offload::first(2)>.
+struct selection {
+  enum class Kind : std::uint8_t { none, half, all, first, set } kind = Kind::none;
+  int n = 0;                ///< kind == first: chunks 0..n-1.
+  std::uint64_t mask = 0;   ///< kind == set: bit c set = chunk c offloaded (chunks 0..63).
+
+  friend constexpr bool operator==(const selection&, const selection&) = default;
+};
+
+inline constexpr selection none{selection::Kind::none};
+inline constexpr selection half{selection::Kind::half};  ///< chunks 0..ceil(v/2)-1 (PO-H).
+inline constexpr selection all{selection::Kind::all};    ///< every chunk (PO-F).
+
+/// Chunks 0..n-1, n >= 0 (n larger than v means all).
+constexpr selection first(int n) {
+  detail::require_range("offload::first(n): n, the number of offloaded chunks,", n, 0, 1 << 30);
+  return {selection::Kind::first, n, 0};
+}
+
+/// An explicit set of chunk indices, each in [0, 63].
+constexpr selection chunks(std::initializer_list<int> cs) {
+  selection s{selection::Kind::set, 0, 0};
+  for (int c : cs) {
+    detail::require_range("offload::chunks({...}): a chunk index", c, 0, 63);
+    s.mask |= std::uint64_t{1} << c;
+  }
+  return s;
+}
+
+/// Is chunk c of v offloaded under selection sel?
+constexpr bool offloaded(const selection& sel, int c, int v) {
+  switch (sel.kind) {
+    case selection::Kind::none: return false;
+    case selection::Kind::half: return c < (v + 1) / 2;
+    case selection::Kind::all: return true;
+    case selection::Kind::first: return c < sel.n;
+    case selection::Kind::set: return c < 64 && ((sel.mask >> c) & 1u) != 0;
+  }
+  return false;
+}
+
+/// Number of chunks of v that sel offloads.
+constexpr int count(const selection& sel, int v) {
+  int n = 0;
+  for (int c = 0; c < v; ++c) n += offloaded(sel, c, v) ? 1 : 0;
+  return n;
+}
+}  // namespace offload
+
+/// Everything a schedule type fixes before it sees a shape.
+struct ScheduleSpec {
+  Family family = Family::grouped;
+  GroupSpec group{};                 ///< meaningful for Family::grouped only.
+  offload::selection offload = offload::none;
+
+  friend constexpr bool operator==(const ScheduleSpec&, const ScheduleSpec&) = default;
+};
+
+}  // namespace pipeoffload

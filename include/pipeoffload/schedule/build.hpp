@@ -1,0 +1,445 @@
+// pipeoffload/schedule/build.hpp: from a schedule spec, a shape and a cost model to op lists.
+//
+// build() runs in four steps, all constexpr:
+//   1. each rank's compute order (1F1B, Megatron's 1F1B-I, or the GIS building block),
+//   2. a planning timeline of those orders (PO's shifted grid, otherwise ASAP),
+//   3. offload placement on one copy stream per rank, and the cross-stream edges that keep
+//      execution within the planned memory (DESIGN.md section 3),
+//   4. the P2P plan: each rank posts its sends and receives in the order of the messages'
+//      times on the planning timeline, one global order that every rank agrees with, so a
+//      communicator whose send waits for the matching receive cannot deadlock (a message's
+//      producer starts after every message it consumes, so induction over that order
+//      completes them all; validate() checks it).
+#pragma once
+
+#include <algorithm>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "detail/asap.hpp"
+#include "program.hpp"
+
+namespace pipeoffload {
+
+/// Allowed ranges of a shape (wide enough for any real pipeline; they bound memory use).
+inline constexpr int max_ranks = 4096;
+inline constexpr int max_chunks = 256;
+inline constexpr int max_microbatches = 1 << 16;
+/// Most copy slots one rank's offload plan may span (the plan keeps one byte per slot).
+inline constexpr long long max_copy_slots = 1LL << 26;
+
+namespace detail {
+
+constexpr long long ceil_div(long long a, long long b) { return (a + b - 1) / b; }
+
+/// Resolved group size g of a grouped spec for d ranks, checked against its legal range.
+constexpr int resolve_group(const GroupSpec& g, int d) {
+  const int lo = static_cast<int>(ceil_div(d, 2));
+  switch (g.kind) {
+    case GroupSpec::Kind::full: return d;
+    case GroupSpec::Kind::half: return lo;
+    case GroupSpec::Kind::uniform: return 1;
+    case GroupSpec::Kind::number:
+      require_range("GIS(g): group size g (legal: ceil(d/2) <= g <= d)", g.value, lo, d);
+      return g.value;
+  }
+  return d;
+}
+
+constexpr void check_shape(const ScheduleSpec& spec, const Shape& s) {
+  require_range("shape: ranks d", s.d, 1, max_ranks);
+  require_range("shape: chunks per rank v", s.v, 1, max_chunks);
+  require_range("shape: microbatches m", s.m, 1, max_microbatches);
+  if (spec.family == Family::one_f1b) require_range("1F1B: chunks per rank v (1F1B has one stage per rank)", s.v, 1, 1);
+  if (spec.family == Family::interleaved_1f1b && s.m % s.d != 0)
+    throw shape_error("1F1B-I (Megatron's interleaved order): microbatches m = " + num(s.m) +
+                      " must be a multiple of ranks d = " + num(s.d));
+  if (spec.offload.kind == offload::selection::Kind::set && s.v < 64 && (spec.offload.mask >> s.v) != 0)
+    throw shape_error("offload::chunks: a listed chunk index is >= v = " + num(s.v) + "; allowed chunks are 0.." + num(s.v - 1));
+}
+
+constexpr bool finite_positive(double x) { return x > 0 && x < 1e300; }
+
+constexpr void check_costs(const Costs& c, const Shape& s) {
+  if (!finite_positive(c.f)) throw shape_error("costs: T_F must be a finite number > 0");
+  if (!finite_positive(c.b)) throw shape_error("costs: T_B must be a finite number > 0");
+  if (!finite_positive(c.w)) throw shape_error("costs: T_W must be a finite number > 0");
+  if (!(c.comm >= 0 && c.comm < 1e300)) throw shape_error("costs: T_comm must be a finite number >= 0");
+  if (!finite_positive(c.k) && !finite_positive(c.t_o)) throw shape_error("costs: k (or T_O) must be a finite number > 0");
+  if (!(c.t_o >= 0 && c.t_o < 1e300)) throw shape_error("costs: T_O must be a finite number >= 0 (0 means: from k)");
+  const auto check_vec = [&](const std::vector<double>& vec, const char* what, bool positive) {
+    if (vec.empty()) return;
+    if (static_cast<long long>(vec.size()) != s.stages())
+      throw shape_error(std::string("costs: per-stage ") + what + " has " + num(static_cast<long long>(vec.size())) +
+                        " entries; it must have S = v*d = " + num(s.stages()) + " (or none)");
+    for (double x : vec)
+      if (positive ? !finite_positive(x) : !(x >= 0 && x < 1e300))
+        throw shape_error(std::string("costs: every per-stage ") + what + " must be a finite number " + (positive ? "> 0" : ">= 0"));
+  };
+  check_vec(c.stage_f, "T_F", true);
+  check_vec(c.stage_b, "T_B", true);
+  check_vec(c.stage_w, "T_W", true);
+  check_vec(c.unit_bytes, "unit size", false);
+}
+
+// ---- step 1: compute orders ------------------------------------------------------------
+
+constexpr void order_1f1b(Program& p) {
+  const int d = p.shape.d, m = p.shape.m;
+  for (int i = 0; i < d; ++i) {
+    auto& ops = p.ranks[static_cast<std::size_t>(i)].compute;
+    const int w = std::min(d - i - 1, m);
+    for (int k = 0; k < w; ++k) ops.push_back({OpKind::F, i, k});
+    for (int k = 0; k < m - w; ++k) {
+      ops.push_back({OpKind::F, i, w + k});
+      ops.push_back({OpKind::BW, i, k});
+    }
+    for (int k = m - w; k < m; ++k) ops.push_back({OpKind::BW, i, k});
+  }
+}
+
+constexpr void order_interleaved(Program& p) {
+  const int d = p.shape.d, v = p.shape.v, m = p.shape.m, total = m * v;
+  for (int i = 0; i < d; ++i) {
+    auto& ops = p.ranks[static_cast<std::size_t>(i)].compute;
+    const auto fwd = [&](int k) {
+      const int c = (k % (d * v)) / d;
+      return Op{OpKind::F, c * d + i, (k / (d * v)) * d + k % d};
+    };
+    const auto bwd = [&](int k) {
+      const int c = v - 1 - (k % (d * v)) / d;
+      return Op{OpKind::BW, c * d + i, (k / (d * v)) * d + k % d};
+    };
+    const int w = std::min(2 * (d - i - 1) + (v - 1) * d, total);
+    for (int k = 0; k < w; ++k) ops.push_back(fwd(k));
+    for (int k = 0; k < total - w; ++k) {
+      ops.push_back(fwd(w + k));
+      ops.push_back(bwd(k));
+    }
+    for (int k = total - w; k < total; ++k) ops.push_back(bwd(k));
+  }
+}
+
+/// The GIS(g) building block repeated every L = 3gv slots (DESIGN.md section 2). Fills the
+/// compute orders and returns each rank's slot of each op on the shifted grid.
+constexpr std::vector<std::vector<long long>> order_grouped(Program& p) {
+  const long long d = p.shape.d, v = p.shape.v, m = p.shape.m, g = p.group;
+  const long long h = ceil_div(d, 2), kp = ceil_div(h, g), gk = std::gcd(v, kp), q = v / gk, L = 3 * g * v;
+  const auto f = [&](long long c, long long j, long long i) { return 3 * kp * g * c + 3 * j + i + 3 * g * (c / q); };
+  // Shift: rank i starts min(i, e) slots late, e the smallest slack between a chunk's forward
+  // on rank d-1 and the next chunk's on rank 0 (independent of the group index).
+  long long e = d - 1;
+  for (long long c = 1; c < v; ++c) e = std::min(e, f(c, 0, 0) - f(c - 1, 0, d - 1) - 1);
+  std::vector<std::vector<long long>> grid(static_cast<std::size_t>(d));
+  // Slots are distinct, and dense on a rank unless trimming emptied most of them (m < g), so
+  // the order usually comes from placing each pass at its slot in a table and reading the
+  // table back (linear); a sparse rank sorts instead.
+  std::vector<Op> table;
+  std::vector<char> filled;
+  std::vector<std::pair<long long, Op>> sparse;
+  const long long groups = ceil_div(m, g);
+  for (long long i = 0; i < d; ++i) {
+    const long long b0 = f(v - 1, 0, i) + 3 * (d - 1 - i) + 1;
+    const long long last = b0 + f(v - 1, g - 1, 0) + (groups - 1) * L + 1;  // the latest W slot
+    const bool dense = last + 1 <= 4 * 3 * v * m;
+    if (dense) {
+      table.assign(static_cast<std::size_t>(last + 1), Op{});
+      filled.assign(table.size(), 0);
+    }
+    sparse.clear();
+    const auto put = [&](long long slot, Op op) {
+      if (!dense) {
+        sparse.push_back({slot, op});
+        return;
+      }
+      table[static_cast<std::size_t>(slot)] = op;
+      filled[static_cast<std::size_t>(slot)] = 1;
+    };
+    for (long long n = 0; n < groups; ++n)
+      for (long long j = 0; j < g; ++j) {
+        const long long mb = n * g + j;
+        if (mb >= m) break;  // trim: the slot stays idle, nothing moves
+        for (long long c = 0; c < v; ++c) {
+          const int fs = static_cast<int>(c * d + i), bs = static_cast<int>((v - 1 - c) * d + i);
+          const long long bslot = b0 + f(c, j, 0) + n * L;
+          put(f(c, j, i) + n * L, Op{OpKind::F, fs, static_cast<int>(mb)});
+          put(bslot, Op{OpKind::B, bs, static_cast<int>(mb)});
+          put(bslot + 1, Op{OpKind::W, bs, static_cast<int>(mb)});
+        }
+      }
+    auto& ops = p.ranks[static_cast<std::size_t>(i)].compute;
+    auto& slots = grid[static_cast<std::size_t>(i)];
+    ops.reserve(static_cast<std::size_t>(3 * v * m));
+    slots.reserve(static_cast<std::size_t>(3 * v * m));
+    if (dense) {
+      for (std::size_t slot = 0; slot < table.size(); ++slot)
+        if (filled[slot]) sparse.push_back({static_cast<long long>(slot), table[slot]});
+    } else {
+      std::sort(sparse.begin(), sparse.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    }
+    for (const auto& [slot, op] : sparse) {
+      ops.push_back(op);
+      slots.push_back(slot + std::min(i, e));
+    }
+  }
+  return grid;
+}
+
+// ---- step 3: offload placement ----------------------------------------------------------
+
+/// Places one rank's offloads and reloads on its copy-slot grid and derives the cross-stream
+/// edges. `ps`/`pe` are the planned start/end of each compute op.
+constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, const std::vector<double>& pe) {
+  const Shape& sh = p.shape;
+  auto& rp = p.ranks[static_cast<std::size_t>(r)];
+  const int m = sh.m, v = sh.v;
+  std::vector<int> chunks;
+  for (int c = 0; c < v; ++c)
+    if (offload::offloaded(p.spec.offload, c, v)) chunks.push_back(c);
+  if (chunks.empty()) return;
+
+  double T = 0;
+  for (int c : chunks) T = std::max(T, p.costs.T_O(sh.stage_of(r, c)));
+  rp.slot_length = T;
+  // Slots cover the planning timeline; a T_O tiny against it would need an absurd grid.
+  const double horizon = pe.empty() ? 0.0 : pe.back();
+  if (horizon / T > static_cast<double>(max_copy_slots))
+    throw shape_error("costs: T_O = k(T_F+T_B+T_W)/2 is too small for this schedule: its copy-slot grid would need " +
+                      num(static_cast<long long>(horizon / T)) + " slots, at most " + num(max_copy_slots) +
+                      " are allowed; raise k (or T_O) at least " + num(static_cast<long long>(horizon / T / max_copy_slots) + 1) + "-fold");
+  const double eps = 1e-9 * std::max(T, horizon);
+  // Slot n = [nT, (n+1)T). Offload slots have parity `po`; the odd rank of a PCIe pair
+  // (r, r^1) takes the other parity, so the pair never copies in one direction at once.
+  const long long po = (p.costs.stagger_pairs && (r & 1) == 1) ? 1 : 0;
+
+  // Index of each unit's forward and backward (B or BW) in the compute order.
+  std::vector<int> fidx(static_cast<std::size_t>(v * m), -1), bidx(fidx.size(), -1);
+  for (int x = 0; x < static_cast<int>(rp.compute.size()); ++x) {
+    const Op& op = rp.compute[static_cast<std::size_t>(x)];
+    const auto u = static_cast<std::size_t>(sh.chunk_of(op.stage) * m + op.mb);
+    if (op.kind == OpKind::F) fidx[u] = x;
+    if (op.kind == OpKind::B || op.kind == OpKind::BW) bidx[u] = x;
+  }
+  // Longest lifespan (forward end to backward start) first; chunk 0 wins ties.
+  std::vector<std::pair<double, int>> life;
+  for (int c : chunks) {
+    double sum = 0;
+    for (int mb = 0; mb < m; ++mb) {
+      const auto u = static_cast<std::size_t>(c * m + mb);
+      sum += ps[static_cast<std::size_t>(bidx[u])] - pe[static_cast<std::size_t>(fidx[u])];
+    }
+    life.push_back({-sum, c});
+  }
+  std::sort(life.begin(), life.end());
+
+  std::vector<char> used;
+  const auto is_used = [&](long long n) { return n >= 0 && n < static_cast<long long>(used.size()) && used[static_cast<std::size_t>(n)]; };
+  const auto mark = [&](long long n, char val) {
+    if (n >= static_cast<long long>(used.size())) used.resize(static_cast<std::size_t>(n + 1) * 2, 0);
+    used[static_cast<std::size_t>(n)] = val;
+  };
+  // Each chunk's microbatches in the order of their forwards and of their backwards.
+  std::vector<std::vector<int>> forder(static_cast<std::size_t>(v)), border(static_cast<std::size_t>(v));
+  for (const Op& op : rp.compute) {
+    if (op.kind == OpKind::F) forder[static_cast<std::size_t>(sh.chunk_of(op.stage))].push_back(op.mb);
+    if (op.kind == OpKind::B || op.kind == OpKind::BW) border[static_cast<std::size_t>(sh.chunk_of(op.stage))].push_back(op.mb);
+  }
+  std::vector<long long> oslot(static_cast<std::size_t>(v * m), -1), rslot(oslot.size(), -1);
+  std::vector<char> want(oslot.size(), 0);
+  for (const auto& [neg, c] : life) {
+    const auto uc = static_cast<std::size_t>(c);
+    // A unit whose gap cannot hide the round trip stays on the device.
+    for (int mb = 0; mb < m; ++mb) {
+      const auto u = static_cast<std::size_t>(c * m + mb);
+      want[u] = ps[static_cast<std::size_t>(bidx[u])] - pe[static_cast<std::size_t>(fidx[u])] + eps >= 2 * T;
+    }
+    // Offloads left to right: the earliest free offload slot starting at or after F ends.
+    for (int mb : forder[uc]) {
+      const auto u = static_cast<std::size_t>(c * m + mb);
+      if (!want[u]) continue;
+      const double fe = pe[static_cast<std::size_t>(fidx[u])];
+      long long n = std::max(0LL, static_cast<long long>((fe - eps) / T));
+      while (static_cast<double>(n) * T + eps < fe) ++n;
+      if ((n & 1) != po) ++n;
+      while (is_used(n)) n += 2;
+      oslot[u] = n;
+      mark(n, 1);
+    }
+    // Reloads right to left: the latest free reload slot that ends before B starts.
+    for (auto it = border[uc].rbegin(); it != border[uc].rend(); ++it) {
+      const auto u = static_cast<std::size_t>(c * m + *it);
+      if (!want[u]) continue;
+      const double bs = ps[static_cast<std::size_t>(bidx[u])];
+      long long n = static_cast<long long>((bs + eps) / T) - 1;
+      while (n >= 0 && (n + 1) * T > bs + eps) --n;
+      if (n >= 0 && (n & 1) == po) --n;
+      while (n > oslot[u] && is_used(n)) n -= 2;
+      if (n > oslot[u]) {
+        rslot[u] = n;
+        mark(n, 1);
+      } else {
+        mark(oslot[u], 0);  // no reload slot after the offload: keep this unit on the device
+        oslot[u] = -1;
+      }
+    }
+  }
+
+  // The copy stream in slot order: slots are distinct, so a table indexed by slot sorts them.
+  std::vector<Op> by_slot(used.size() + 1);
+  std::vector<char> has(by_slot.size(), 0);
+  for (std::size_t u = 0; u < oslot.size(); ++u) {
+    if (oslot[u] < 0) continue;
+    const int c = static_cast<int>(u) / m, mb = static_cast<int>(u) % m, s = sh.stage_of(r, c);
+    by_slot[static_cast<std::size_t>(oslot[u])] = Op{OpKind::O, s, mb, fidx[u]};
+    by_slot[static_cast<std::size_t>(rslot[u])] = Op{OpKind::R, s, mb, -1};
+    has[static_cast<std::size_t>(oslot[u])] = has[static_cast<std::size_t>(rslot[u])] = 1;
+  }
+  for (std::size_t n = 0; n < by_slot.size(); ++n)
+    if (has[n]) {
+      rp.copy.push_back(by_slot[n]);
+      rp.copy_slot.push_back(static_cast<long long>(n));
+    }
+  // Cross-stream edges. A compute op waits for every offload that ends before it starts in
+  // the plan (so a release planned earlier also happens earlier); a reload waits for every
+  // compute op that ends before it starts there; a backward waits for its own reload.
+  const int nc = static_cast<int>(rp.compute.size()), nk = static_cast<int>(rp.copy.size());
+  int last_o = -1, k = 0;
+  for (int x = 0; x < nc; ++x) {
+    while (k < nk && static_cast<double>(rp.copy_slot[static_cast<std::size_t>(k)] + 1) * T <= ps[static_cast<std::size_t>(x)] + eps) {
+      if (rp.copy[static_cast<std::size_t>(k)].kind == OpKind::O) last_o = k;
+      ++k;
+    }
+    rp.compute[static_cast<std::size_t>(x)].wait = last_o;
+  }
+  std::vector<int> ridx(static_cast<std::size_t>(v * m), -1);
+  for (int y = 0; y < nk; ++y) {
+    const Op& op = rp.copy[static_cast<std::size_t>(y)];
+    if (op.kind == OpKind::R) ridx[static_cast<std::size_t>(sh.chunk_of(op.stage) * m + op.mb)] = y;
+  }
+  for (int x = 0; x < nc; ++x) {
+    Op& op = rp.compute[static_cast<std::size_t>(x)];
+    if (op.kind != OpKind::B && op.kind != OpKind::BW) continue;
+    const int y = ridx[static_cast<std::size_t>(sh.chunk_of(op.stage) * m + op.mb)];
+    op.wait = std::max(op.wait, y);
+  }
+  int x = 0;
+  for (int y = 0; y < nk; ++y) {
+    Op& op = rp.copy[static_cast<std::size_t>(y)];
+    if (op.kind != OpKind::R) continue;
+    const double start = static_cast<double>(rp.copy_slot[static_cast<std::size_t>(y)]) * T;
+    while (x < nc && pe[static_cast<std::size_t>(x)] <= start + eps) ++x;
+    op.wait = x - 1;
+  }
+}
+
+// ---- step 4: P2P plan -------------------------------------------------------------------
+
+constexpr void plan_p2p(Program& p, const std::vector<std::vector<double>>& plan_end) {
+  const Shape& sh = p.shape;
+  const int S = sh.stages(), d = sh.d;
+  if (d == 1) return;  // one rank: no messages
+  // A message's key: (time its producer ends, producer stage, mb, dir). Sender and receiver
+  // order by the same key, which gives one global order that every rank's plan follows.
+  struct Msg { double t; int producer; int mb; Dir dir; int to; int to_rank; };
+  const auto before = [](const Msg& a, const Msg& b) {
+    if (a.t != b.t) return a.t < b.t;
+    if (a.producer != b.producer) return a.producer < b.producer;
+    if (a.mb != b.mb) return a.mb < b.mb;
+    return a.dir < b.dir;
+  };
+  // Each rank's sends, already in key order: they follow its compute stream.
+  std::vector<std::vector<Msg>> sends(static_cast<std::size_t>(d));
+  for (int r = 0; r < d; ++r) {
+    const auto& rp = p.ranks[static_cast<std::size_t>(r)];
+    auto& out = sends[static_cast<std::size_t>(r)];
+    out.reserve(rp.compute.size());
+    for (std::size_t x = 0; x < rp.compute.size(); ++x) {
+      const Op& op = rp.compute[x];
+      const double when = plan_end[static_cast<std::size_t>(r)][x];
+      if (op.kind == OpKind::F && op.stage < S - 1) out.push_back({when, op.stage, op.mb, Dir::forward, op.stage + 1, r + 1 == d ? 0 : r + 1});
+      if ((op.kind == OpKind::B || op.kind == OpKind::BW) && op.stage > 0) out.push_back({when, op.stage, op.mb, Dir::backward, op.stage - 1, r == 0 ? d - 1 : r - 1});
+    }
+  }
+  // A rank's plan merges its sends with the sends addressed to it by its neighbours.
+  for (int r = 0; r < d; ++r) {
+    const int prev = (r + d - 1) % d, next = (r + 1) % d;
+    const std::vector<Msg>* lists[3] = {&sends[static_cast<std::size_t>(r)], &sends[static_cast<std::size_t>(prev)],
+                                        prev == next ? nullptr : &sends[static_cast<std::size_t>(next)]};
+    std::size_t pos[3] = {0, 0, 0};
+    auto& comm = p.ranks[static_cast<std::size_t>(r)].comm;
+    comm.reserve(2 * sends[static_cast<std::size_t>(r)].size() + 2);
+    // Skips a neighbour's sends that go elsewhere.
+    const auto skip = [&](int l) {
+      if (l == 0 || lists[l] == nullptr) return;
+      while (pos[l] < lists[l]->size() && (*lists[l])[pos[l]].to_rank != r) ++pos[l];
+    };
+    skip(1);
+    skip(2);
+    for (;;) {
+      int best = -1;
+      for (int l = 0; l < 3; ++l)
+        if (lists[l] != nullptr && pos[l] < lists[l]->size() && (best < 0 || before((*lists[l])[pos[l]], (*lists[best])[pos[best]]))) best = l;
+      if (best < 0) break;
+      const Msg& msg = (*lists[best])[pos[best]];
+      if (best == 0) comm.push_back(CommOp{true, msg.to_rank, msg.to, msg.mb, msg.dir});
+      else comm.push_back(CommOp{false, best == 1 ? prev : next, msg.to, msg.mb, msg.dir});
+      ++pos[best];
+      skip(best);
+    }
+  }
+}
+
+}  // namespace detail
+
+/// Builds the op lists of `spec` for `shape` under `costs` (unit costs and k = 1 by default).
+/// constexpr: with a constant shape and costs, usable in static_assert. Throws shape_error
+/// naming the bad value and its allowed range.
+constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Costs& costs = {}) {
+  detail::check_shape(spec, shape);
+  detail::check_costs(costs, shape);
+  Program p;
+  p.spec = spec;
+  p.shape = shape;
+  p.costs = costs;
+  p.ranks.resize(static_cast<std::size_t>(shape.d));
+  std::vector<std::vector<long long>> grid;
+  switch (spec.family) {
+    case Family::one_f1b: detail::order_1f1b(p); break;
+    case Family::interleaved_1f1b: detail::order_interleaved(p); break;
+    case Family::grouped:
+      p.group = detail::resolve_group(spec.group, shape.d);
+      grid = detail::order_grouped(p);
+      break;
+  }
+  // Planning timeline: PO (g = 1) plans on its shifted grid, one slot = the mean of
+  // (T_F + T_B + T_W) / 3 over the stages; every other family on its compute-only ASAP
+  // timeline. Both meet every dependency with time to spare, which is all steps 3 and 4 need.
+  std::vector<std::vector<double>> ps, pe;
+  if (p.group == 1) {
+    double tau = 0;
+    for (int s = 0; s < shape.stages(); ++s) tau += costs.F(s) + costs.B(s) + costs.W(s);
+    tau /= 3.0 * shape.stages();
+    ps.resize(grid.size());
+    pe.resize(grid.size());
+    for (std::size_t r = 0; r < grid.size(); ++r) {
+      ps[r].reserve(grid[r].size());
+      pe[r].reserve(grid[r].size());
+      for (long long slot : grid[r]) {
+        ps[r].push_back(static_cast<double>(slot) * tau);
+        pe[r].push_back(static_cast<double>(slot + 1) * tau);
+      }
+    }
+  } else {
+    detail::Timing t = detail::asap(p, costs, false);
+    ps = std::move(t.compute_start);
+    pe = std::move(t.compute_end);
+  }
+  if (offload::count(spec.offload, shape.v) > 0)
+    for (int r = 0; r < shape.d; ++r) detail::place_offloads(p, r, ps[static_cast<std::size_t>(r)], pe[static_cast<std::size_t>(r)]);
+  detail::plan_p2p(p, pe);
+  return p;
+}
+
+}  // namespace pipeoffload

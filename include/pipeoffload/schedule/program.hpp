@@ -1,0 +1,160 @@
+// pipeoffload/schedule/program.hpp: what a schedule builds for one shape and cost model.
+//
+// Units (DESIGN.md section 1): d ranks, v chunks per rank, S = v*d stages, m microbatches.
+// Stage s lives on rank s % d as chunk s / d. One activation unit = the saved activations of
+// one stage for one microbatch.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../error.hpp"
+#include "../policy/spec.hpp"
+
+namespace pipeoffload {
+
+/// Pipeline shape: d ranks, v chunks (stages) per rank, m microbatches per iteration.
+struct Shape {
+  int d = 1;
+  int v = 1;
+  int m = 1;
+
+  constexpr int stages() const { return d * v; }
+  constexpr int rank_of(int stage) const { return stage % d; }
+  constexpr int chunk_of(int stage) const { return stage / d; }
+  constexpr int stage_of(int rank, int chunk) const { return chunk * d + rank; }
+  friend constexpr bool operator==(const Shape&, const Shape&) = default;
+};
+
+/// Cost model. Times are in any one unit (the tools use seconds or "unit passes").
+/// Per-stage vectors, when non-empty, have S entries and override the scalars.
+struct Costs {
+  double f = 1;     ///< T_F: forward of one stage for one microbatch.
+  double b = 1;     ///< T_B: activation-gradient backward.
+  double w = 1;     ///< T_W: weight-gradient backward (fused BW takes T_B + T_W).
+  double comm = 0;  ///< T_comm: one P2P hop between ranks.
+  double k = 1;     ///< round-trip copy time / (T_F + T_B + T_W); gives T_O = k(T_F+T_B+T_W)/2.
+  double t_o = 0;   ///< one-way copy of one unit; when > 0 it overrides k.
+  bool stagger_pairs = true;  ///< ranks r and r^1 share a PCIe switch: stagger their copy slots.
+  std::vector<double> stage_f, stage_b, stage_w;  ///< per-stage T_F, T_B, T_W (size S or empty).
+  std::vector<double> unit_bytes;                 ///< per-stage unit size (size S or empty = 1).
+
+  constexpr double F(int s) const { return stage_f.empty() ? f : stage_f[static_cast<std::size_t>(s)]; }
+  constexpr double B(int s) const { return stage_b.empty() ? b : stage_b[static_cast<std::size_t>(s)]; }
+  constexpr double W(int s) const { return stage_w.empty() ? w : stage_w[static_cast<std::size_t>(s)]; }
+  constexpr double bytes(int s) const { return unit_bytes.empty() ? 1.0 : unit_bytes[static_cast<std::size_t>(s)]; }
+  /// One-way copy time of stage s's unit.
+  constexpr double T_O(int s) const { return t_o > 0 ? t_o : k * (F(s) + B(s) + W(s)) / 2; }
+};
+
+/// A pass on a rank's compute stream (F, B, W, BW) or copy stream (O: device->host offload,
+/// R: host->device reload).
+enum class OpKind : std::uint8_t { F, B, W, BW, O, R };
+
+constexpr const char* op_name(OpKind k) {
+  switch (k) {
+    case OpKind::F: return "F";
+    case OpKind::B: return "B";
+    case OpKind::W: return "W";
+    case OpKind::BW: return "BW";
+    case OpKind::O: return "O";
+    case OpKind::R: return "R";
+  }
+  return "?";
+}
+
+/// One op of one stream. `wait` is the cross-stream edge: the op may start only after the
+/// other stream of the same rank has finished its ops 0..wait (-1: no edge). Both streams run
+/// in order, so one index is all an edge needs (DESIGN.md section 3).
+struct Op {
+  OpKind kind = OpKind::F;
+  int stage = 0;
+  int mb = 0;
+  int wait = -1;
+
+  friend constexpr bool operator==(const Op&, const Op&) = default;
+};
+
+/// Direction of a P2P message: activations forward, gradients backward.
+enum class Dir : std::uint8_t { forward, backward };
+
+/// One entry of a rank's P2P plan. The tag is (stage, mb, dir) with `stage` the stage that
+/// consumes the message; the peer is the rank of the stage that produces (recv) or consumes
+/// (send) it.
+struct CommOp {
+  bool send = false;
+  int peer = 0;
+  int stage = 0;
+  int mb = 0;
+  Dir dir = Dir::forward;
+
+  friend constexpr bool operator==(const CommOp&, const CommOp&) = default;
+};
+
+/// One rank's program: compute stream, copy stream, and P2P plan, each in execution order.
+struct RankProgram {
+  std::vector<Op> compute;
+  std::vector<Op> copy;
+  std::vector<long long> copy_slot;  ///< planned slot of each copy op (slot n = [n*T, (n+1)*T)).
+  double slot_length = 0;            ///< T of this rank's copy-slot grid (its largest T_O).
+  std::vector<CommOp> comm;
+};
+
+/// A built schedule: what a schedule type produces for a shape and cost model.
+struct Program {
+  ScheduleSpec spec{};
+  Shape shape{};
+  int group = 0;  ///< resolved g for grouped families (1 for PO), 0 otherwise.
+  Costs costs{};
+  std::vector<RankProgram> ranks;
+
+  constexpr int d() const { return shape.d; }
+  constexpr int v() const { return shape.v; }
+  constexpr int m() const { return shape.m; }
+  constexpr int stages() const { return shape.stages(); }
+};
+
+/// Fused backward? (1F1B and 1F1B-I fuse B and W into BW.)
+constexpr bool fused_backward(Family f) { return f != Family::grouped; }
+
+/// Number of forwards a rank runs before its first B (or BW).
+constexpr int warmup(const RankProgram& rp) {
+  int n = 0;
+  for (const Op& op : rp.compute) {
+    if (op.kind == OpKind::B || op.kind == OpKind::BW) break;
+    if (op.kind == OpKind::F) ++n;
+  }
+  return n;
+}
+
+/// The plan tool's name of a spec: 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f; offload
+/// other than PO's own is appended as "+offload(...)".
+constexpr std::string schedule_name(const ScheduleSpec& s, int v = 0) {
+  std::string base;
+  switch (s.family) {
+    case Family::one_f1b: base = "1f1b"; break;
+    case Family::interleaved_1f1b: base = "1f1b-i"; break;
+    case Family::grouped:
+      if (s.group.kind == GroupSpec::Kind::full) base = "gis";
+      else if (s.group.kind == GroupSpec::Kind::half) base = "gis-h";
+      else if (s.group.kind == GroupSpec::Kind::uniform) {
+        if (s.offload.kind == offload::selection::Kind::half) return "po-h";
+        if (s.offload.kind == offload::selection::Kind::all) return "po-f";
+        base = "po";
+      } else base = "gis-g";
+      break;
+  }
+  const int n = v > 0 ? offload::count(s.offload, v) : -1;
+  switch (s.offload.kind) {
+    case offload::selection::Kind::none: return base;
+    case offload::selection::Kind::half: return base + "+offload(half)";
+    case offload::selection::Kind::all: return base + "+offload(all)";
+    case offload::selection::Kind::first: return base + "+offload(first " + detail::num(s.offload.n) + ")";
+    case offload::selection::Kind::set:
+      return base + "+offload(" + (n >= 0 ? detail::num(n) + " chunks" : std::string("set")) + ")";
+  }
+  return base;
+}
+
+}  // namespace pipeoffload

@@ -1,0 +1,81 @@
+// pipeoffload/schedule/schedule.hpp: Schedule<Policies...> and the paper's schedules.
+#pragma once
+
+#include <type_traits>
+
+#include "../policy/policy.hpp"
+#include "build.hpp"
+
+namespace pipeoffload {
+
+namespace detail {
+// The slot a type names, or void: lets the static_asserts below speak before any lookup of a
+// missing `policy_slot` turns into a template backtrace.
+template <class P>
+struct slot_of {
+  using type = void;
+};
+template <class P>
+  requires requires { typename P::policy_slot; }
+struct slot_of<P> {
+  using type = typename P::policy_slot;
+};
+
+template <class Slot, class... Ps>
+constexpr int count_slot = (0 + ... + (std::is_same_v<typename slot_of<Ps>::type, Slot> ? 1 : 0));
+
+template <class Slot, class Default, class... Ps>
+struct pick_slot {
+  using type = Default;
+};
+template <class Slot, class Default, class P, class... Ps>
+struct pick_slot<Slot, Default, P, Ps...> {
+  using type = std::conditional_t<std::is_same_v<typename slot_of<P>::type, Slot>, P,
+                                  typename pick_slot<Slot, Default, Ps...>::type>;
+};
+}  // namespace detail
+
+/// A pipeline schedule type composed of policies, in any order, at most one per slot:
+/// a grouping (InterleavePolicy<g>, UniformRepeat, OneF1BOrder, MegatronInterleave; default
+/// GIS) and an offload (OffloadPolicy<...>; default none).
+/// @code
+///   using Mine = pipeoffload::Schedule<pipeoffload::OffloadPolicy<pipeoffload::offload::first(1)>,
+///                                      pipeoffload::InterleavePolicy<pipeoffload::group::half>>;
+///   static_assert(pipeoffload::validate(Mine::build({8, 4, 32})));
+///   constexpr double peak0 = pipeoffload::peak(Mine::build({8, 4, 32}), 0);
+/// @endcode
+template <class... Ps>
+struct Schedule {
+  static_assert((policy<Ps> && ...),
+                "pipeoffload::Schedule: every template argument must be a policy, a type with "
+                "`using policy_slot = slot::grouping;` or `using policy_slot = slot::offload;`.");
+  static_assert(detail::count_slot<slot::grouping, Ps...> <= 1,
+                "pipeoffload::Schedule: two grouping policies were given; choose one of "
+                "InterleavePolicy<g>, UniformRepeat, OneF1BOrder or MegatronInterleave.");
+  static_assert(detail::count_slot<slot::offload, Ps...> <= 1,
+                "pipeoffload::Schedule: two offload policies were given; merge them into one "
+                "OffloadPolicy<...>.");
+
+  using grouping = typename detail::pick_slot<slot::grouping, InterleavePolicy<group::full>, Ps...>::type;
+  using offloading = typename detail::pick_slot<slot::offload, OffloadPolicy<offload::none>, Ps...>::type;
+
+  static constexpr ScheduleSpec spec{grouping::family, grouping::group_spec, offloading::selection};
+
+  /// Op lists for `shape` under `costs` (unit costs, k = 1 by default). See pipeoffload::build.
+  static constexpr Program build(const Shape& shape, const Costs& costs = {}) {
+    return pipeoffload::build(spec, shape, costs);
+  }
+};
+
+// The paper's schedules.
+using OneF1B = Schedule<OneF1BOrder>;                          ///< 1F1B
+using Interleaved1F1B = Schedule<MegatronInterleave>;          ///< 1F1B-I (Megatron)
+using GIS = Schedule<InterleavePolicy<group::full>>;           ///< g = d
+using GIS_H = Schedule<InterleavePolicy<group::half>>;         ///< g = ceil(d/2)
+template <int G>
+using GIS_G = Schedule<InterleavePolicy<G>>;                   ///< GIS(g)
+using PO = Schedule<UniformRepeat>;                            ///< PipeOffload, no offload
+using PO_H = Schedule<UniformRepeat, OffloadPolicy<offload::half>>;  ///< chunks 0..ceil(v/2)-1 offloaded
+using PO_F = Schedule<UniformRepeat, OffloadPolicy<offload::all>>;   ///< every chunk offloaded
+
+}  // namespace pipeoffload

@@ -1,0 +1,278 @@
+// pipeoffload/schedule/validate.hpp: the rules every built schedule must satisfy.
+//
+// The P2P plan is checked under the communicator semantics the runtime implements
+// (comm/ documents them; they are NCCL's, the strictest in use):
+//   - send and recv are posted on a rank's comm stream in the order of RankProgram::comm;
+//   - a send may block until the peer has posted the matching recv (rendezvous), and a recv
+//     blocks until the matching send is posted, so a pair completes only when both are at
+//     the head of their comm streams;
+//   - between an ordered pair of ranks, messages are received in the order they were sent,
+//     and a recv that meets a message with another (stage, mb, dir) tag is an error;
+//   - a send waits for the compute op that produces its data; a compute op waits for the
+//     recvs of its inputs, for its predecessor on the compute stream, and for its
+//     cross-stream edge; a copy op for its predecessor and its edge.
+// validate() executes all ranks' streams under these rules without timing; the schedule is
+// valid only if every op of every stream completes.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "detail/asap.hpp"
+#include "program.hpp"
+
+namespace pipeoffload {
+
+/// Result of validate(): converts to true when the schedule is valid; otherwise `error`
+/// says which rule broke, naming rank, op, stage and microbatch.
+struct Validation {
+  bool ok = true;
+  std::string error;
+  constexpr explicit operator bool() const { return ok; }
+};
+
+namespace detail {
+
+constexpr std::string describe(const CommOp& c) {
+  return std::string(c.send ? "send to rank " : "recv from rank ") + num(c.peer) + " (" +
+         (c.dir == Dir::forward ? "forward" : "backward") + ", stage " + num(c.stage) + ", mb " + num(c.mb) + ")";
+}
+
+constexpr Validation fail_v(std::string msg) { return Validation{false, std::move(msg)}; }
+
+constexpr Validation check_passes(const Program& p) {
+  const Shape& sh = p.shape;
+  const int S = sh.stages(), m = sh.m;
+  const bool fused = fused_backward(p.spec.family);
+  if (static_cast<int>(p.ranks.size()) != sh.d) return fail_v("the program has " + num(static_cast<long long>(p.ranks.size())) + " ranks; the shape says d = " + num(sh.d));
+  // Per unit: position of F, B (or BW), W in its rank's order; -1 = missing.
+  std::vector<int> fpos(static_cast<std::size_t>(S * m), -1), bpos(fpos.size(), -1), wpos(fpos.size(), -1);
+  for (int r = 0; r < sh.d; ++r) {
+    const auto& ops = p.ranks[static_cast<std::size_t>(r)].compute;
+    for (int x = 0; x < static_cast<int>(ops.size()); ++x) {
+      const Op& op = ops[static_cast<std::size_t>(x)];
+      if (op.stage < 0 || op.stage >= S || op.mb < 0 || op.mb >= m)
+        return fail_v("rank " + num(r) + " op " + num(x) + " " + describe(op) + " is outside stages 0.." + num(S - 1) + ", microbatches 0.." + num(m - 1));
+      if (sh.rank_of(op.stage) != r) return fail_v("rank " + num(r) + " runs " + describe(op) + ", which lives on rank " + num(sh.rank_of(op.stage)));
+      const auto u = static_cast<std::size_t>(op.stage * m + op.mb);
+      std::vector<int>* slot = nullptr;
+      switch (op.kind) {
+        case OpKind::F: slot = &fpos; break;
+        case OpKind::B: if (fused) return fail_v("rank " + num(r) + ": a fused-backward schedule runs a split " + describe(op)); slot = &bpos; break;
+        case OpKind::BW: if (!fused) return fail_v("rank " + num(r) + ": a split-backward schedule runs a fused " + describe(op)); slot = &bpos; break;
+        case OpKind::W: if (fused) return fail_v("rank " + num(r) + ": a fused-backward schedule runs a split " + describe(op)); slot = &wpos; break;
+        default: return fail_v("rank " + num(r) + ": copy op " + describe(op) + " on the compute stream");
+      }
+      if ((*slot)[u] >= 0) return fail_v("rank " + num(r) + " runs " + describe(op) + " twice");
+      (*slot)[u] = x;
+    }
+  }
+  for (int s = 0; s < S; ++s)
+    for (int mb = 0; mb < m; ++mb) {
+      const auto u = static_cast<std::size_t>(s * m + mb);
+      if (fpos[u] >= 0 && bpos[u] >= fpos[u] && (fused || wpos[u] >= bpos[u])) continue;
+      const std::string who = "stage " + num(s) + ", mb " + num(mb);
+      if (fpos[u] < 0) return fail_v("F(" + who + ") is missing");
+      if (bpos[u] < 0) return fail_v(std::string(fused ? "BW(" : "B(") + who + ") is missing");
+      if (!fused && wpos[u] < 0) return fail_v("W(" + who + ") is missing");
+      if (bpos[u] < fpos[u]) return fail_v("on rank " + num(sh.rank_of(s)) + " the backward of " + who + " comes before its F");
+      return fail_v("on rank " + num(sh.rank_of(s)) + " W(" + who + ") comes before its B");
+    }
+  return {};
+}
+
+constexpr Validation check_copies(const Program& p) {
+  const Shape& sh = p.shape;
+  const int m = sh.m;
+  for (int r = 0; r < sh.d; ++r) {
+    const auto& rp = p.ranks[static_cast<std::size_t>(r)];
+    const int nk = static_cast<int>(rp.copy.size()), nc = static_cast<int>(rp.compute.size());
+    if (rp.copy_slot.size() != rp.copy.size()) return fail_v("rank " + num(r) + ": copy ops and copy slots differ in number");
+    std::vector<int> opos(static_cast<std::size_t>(sh.v * m), -1), rpos(opos.size(), -1);
+    for (int y = 0; y < nk; ++y) {
+      const Op& op = rp.copy[static_cast<std::size_t>(y)];
+      if (op.kind != OpKind::O && op.kind != OpKind::R) return fail_v("rank " + num(r) + ": compute op " + describe(op) + " on the copy stream");
+      if (op.stage < 0 || op.stage >= sh.stages() || sh.rank_of(op.stage) != r || op.mb < 0 || op.mb >= m)
+        return fail_v("rank " + num(r) + ": copy op " + describe(op) + " does not belong to this rank");
+      if (op.wait >= nc) return fail_v("rank " + num(r) + ": copy op " + describe(op) + " waits for compute op " + num(op.wait) + ", past the end");
+      if (y > 0 && rp.copy_slot[static_cast<std::size_t>(y)] <= rp.copy_slot[static_cast<std::size_t>(y - 1)])
+        return fail_v("rank " + num(r) + ": the copy stream is double-booked at slot " + num(rp.copy_slot[static_cast<std::size_t>(y)]));
+      auto& pos = op.kind == OpKind::O ? opos : rpos;
+      const auto u = static_cast<std::size_t>(sh.chunk_of(op.stage) * m + op.mb);
+      if (pos[u] >= 0) return fail_v("rank " + num(r) + " runs " + describe(op) + " twice");
+      pos[u] = y;
+    }
+    for (int x = 0; x < nc; ++x) {
+      const Op& op = rp.compute[static_cast<std::size_t>(x)];
+      if (op.wait >= nk) return fail_v("rank " + num(r) + ": " + describe(op) + " waits for copy op " + num(op.wait) + ", past the end");
+      const auto u = static_cast<std::size_t>(sh.chunk_of(op.stage) * m + op.mb);
+      if (op.kind == OpKind::F && opos[u] >= 0 && rp.copy[static_cast<std::size_t>(opos[u])].wait < x)
+        return fail_v("rank " + num(r) + ": the offload of " + describe(op) + " may start before its F ends");
+      if ((op.kind == OpKind::B || op.kind == OpKind::BW) && rpos[u] >= 0 && op.wait < rpos[u])
+        return fail_v("rank " + num(r) + ": " + describe(op) + " may start before its reload ends");
+    }
+    for (std::size_t u = 0; u < opos.size(); ++u) {
+      if ((opos[u] < 0) == (rpos[u] < 0) && rpos[u] >= opos[u]) continue;
+      const std::string who = "stage " + num(sh.stage_of(r, static_cast<int>(u) / m)) + ", mb " + num(static_cast<int>(u) % m);
+      if ((opos[u] < 0) != (rpos[u] < 0)) return fail_v("rank " + num(r) + ": unit (" + who + ") has an offload without a reload or the reverse");
+      if (opos[u] >= 0 && rpos[u] < opos[u]) return fail_v("rank " + num(r) + ": the reload of (" + who + ") comes before its offload");
+    }
+  }
+  return {};
+}
+
+/// Untimed execution of every stream under the documented communicator semantics.
+constexpr Validation check_execution(const Program& p) {
+  const Shape& sh = p.shape;
+  const int d = sh.d, m = sh.m, S = sh.stages();
+  const bool one_rank = d == 1;  // otherwise stages s and s+1 always live on different ranks
+  // Per unit, microbatch-major so neighbouring ranks touch nearby memory: F and B done, the
+  // forward message into the unit's stage and the backward one delivered, and how often each
+  // of those messages is sent and received in the P2P plan.
+  struct State { char f = 0, b = 0, fmsg = 0, bmsg = 0, sends[2] = {0, 0}, recvs[2] = {0, 0}; };
+  std::vector<State> st(static_cast<std::size_t>(S) * static_cast<std::size_t>(m));
+  const auto unit = [S](int s, int mb) { return static_cast<std::size_t>(mb) * static_cast<std::size_t>(S) + static_cast<std::size_t>(s); };
+  // Every cross-rank hop needs exactly one send on its producer and one recv on its consumer.
+  for (int r = 0; r < d; ++r)
+    for (const CommOp& c : p.ranks[static_cast<std::size_t>(r)].comm) {
+      if (c.stage < 0 || c.stage >= S || c.mb < 0 || c.mb >= m || c.peer < 0 || c.peer >= d)
+        return fail_v("rank " + num(r) + ": P2P op " + describe(c) + " is out of range");
+      const int producer = c.dir == Dir::forward ? c.stage - 1 : c.stage + 1;
+      if (producer < 0 || producer >= S) return fail_v("rank " + num(r) + ": P2P op " + describe(c) + " has no producing stage");
+      const int consumer_rank = sh.rank_of(c.stage);
+      const int producer_rank = c.dir == Dir::forward ? (consumer_rank == 0 ? d - 1 : consumer_rank - 1) : (consumer_rank + 1 == d ? 0 : consumer_rank + 1);
+      if ((c.send ? producer_rank : consumer_rank) != r || (c.send ? consumer_rank : producer_rank) != c.peer || one_rank)
+        return fail_v("rank " + num(r) + ": P2P op " + describe(c) + " connects the wrong ranks");
+      State& u = st[unit(c.stage, c.mb)];
+      char& cnt = (c.send ? u.sends : u.recvs)[c.dir == Dir::forward ? 0 : 1];
+      if (++cnt > 1) return fail_v("rank " + num(r) + " posts " + describe(c) + " twice");
+    }
+  if (!one_rank)
+    for (int mb = 0; mb < m; ++mb)
+      for (int s = 0; s < S; ++s)
+        for (int dir = 0; dir < 2; ++dir) {
+          if (dir == 0 ? s == 0 : s == S - 1) continue;
+          const State& u = st[unit(s, mb)];
+          if (u.sends[dir] == 1 && u.recvs[dir] == 1) continue;
+          const std::string what = std::string(dir == 0 ? "forward" : "backward") + " message into stage " + num(s) + ", mb " + num(mb);
+          return fail_v(std::string("the P2P plan never ") + (u.sends[dir] != 1 ? "sends" : "receives") + " the " + what);
+        }
+
+  std::vector<std::size_t> ci(static_cast<std::size_t>(d), 0), ki(ci), qi(ci);
+  const auto input_ready = [&](const Op& op) {
+    switch (op.kind) {
+      case OpKind::F:
+        if (op.stage == 0) return true;
+        return one_rank ? st[unit(op.stage - 1, op.mb)].f != 0 : st[unit(op.stage, op.mb)].fmsg != 0;
+      case OpKind::B:
+      case OpKind::BW: {
+        const State& u = st[unit(op.stage, op.mb)];
+        if (!u.f) return false;
+        if (op.stage == S - 1) return true;
+        return one_rank ? st[unit(op.stage + 1, op.mb)].b != 0 : u.bmsg != 0;
+      }
+      case OpKind::W: return st[unit(op.stage, op.mb)].b != 0;
+      default: return false;
+    }
+  };
+  std::string order_error;
+  // Try to complete rank r's head comm op (a send matched with its peer's head recv).
+  const auto try_comm = [&](int r) {
+    const auto& mine = p.ranks[static_cast<std::size_t>(r)].comm;
+    if (qi[static_cast<std::size_t>(r)] >= mine.size()) return false;
+    const CommOp& c = mine[qi[static_cast<std::size_t>(r)]];
+    const int sender = c.send ? r : c.peer, receiver = c.send ? c.peer : r;
+    const auto& sq = p.ranks[static_cast<std::size_t>(sender)].comm;
+    const auto& rq = p.ranks[static_cast<std::size_t>(receiver)].comm;
+    if (qi[static_cast<std::size_t>(sender)] >= sq.size() || qi[static_cast<std::size_t>(receiver)] >= rq.size()) return false;
+    const CommOp& s = sq[qi[static_cast<std::size_t>(sender)]];
+    const CommOp& rv = rq[qi[static_cast<std::size_t>(receiver)]];
+    if (!s.send || s.peer != receiver || rv.send || rv.peer != sender) return false;
+    if (s.stage != rv.stage || s.mb != rv.mb || s.dir != rv.dir) {
+      order_error = "rank " + num(receiver) + " expects " + describe(rv) + " but rank " + num(sender) + " sends " + describe(s) +
+                    " first: messages between the two arrive in another order than they are consumed";
+      return false;
+    }
+    const int producer = s.dir == Dir::forward ? s.stage - 1 : s.stage + 1;
+    const State& pu = st[unit(producer, s.mb)];
+    if (!(s.dir == Dir::forward ? pu.f : pu.b)) return false;
+    State& cu = st[unit(s.stage, s.mb)];
+    (s.dir == Dir::forward ? cu.fmsg : cu.bmsg) = 1;
+    ++qi[static_cast<std::size_t>(sender)];
+    ++qi[static_cast<std::size_t>(receiver)];
+    return true;
+  };
+  std::vector<int> work;
+  std::vector<char> queued(static_cast<std::size_t>(d), 1);
+  for (int r = d - 1; r >= 0; --r) work.push_back(r);
+  while (!work.empty()) {
+    const int r = work.back();
+    work.pop_back();
+    const auto ru = static_cast<std::size_t>(r);
+    queued[ru] = 0;
+    const auto& rp = p.ranks[ru];
+    bool moved = false;
+    for (;;) {
+      bool step = false;
+      if (ci[ru] < rp.compute.size()) {
+        const Op& op = rp.compute[ci[ru]];
+        if (input_ready(op) && (op.wait < 0 || ki[ru] > static_cast<std::size_t>(op.wait))) {
+          if (op.kind == OpKind::F) st[unit(op.stage, op.mb)].f = 1;
+          if (op.kind == OpKind::B || op.kind == OpKind::BW) st[unit(op.stage, op.mb)].b = 1;
+          ++ci[ru];
+          step = true;
+        }
+      }
+      if (ki[ru] < rp.copy.size()) {
+        const Op& op = rp.copy[ki[ru]];
+        if (op.wait < 0 || ci[ru] > static_cast<std::size_t>(op.wait)) {
+          ++ki[ru];
+          step = true;
+        }
+      }
+      while (try_comm(r)) step = true;
+      if (!order_error.empty()) return fail_v(order_error);
+      if (!step) break;
+      moved = true;
+    }
+    if (moved)
+      for (int nb : {(r + 1) % d, (r + d - 1) % d})
+        if (!queued[static_cast<std::size_t>(nb)]) {
+          queued[static_cast<std::size_t>(nb)] = 1;
+          work.push_back(nb);
+        }
+  }
+  std::string stuck;
+  int shown = 0;
+  for (int r = 0; r < d && shown < 4; ++r) {
+    const auto ru = static_cast<std::size_t>(r);
+    const auto& rp = p.ranks[ru];
+    if (ci[ru] == rp.compute.size() && ki[ru] == rp.copy.size() && qi[ru] == rp.comm.size()) continue;
+    ++shown;
+    stuck += "; rank " + num(r) + " waits at";
+    if (ci[ru] < rp.compute.size()) stuck += " compute " + describe(rp.compute[ci[ru]]);
+    if (ki[ru] < rp.copy.size()) stuck += " copy " + describe(rp.copy[ki[ru]]);
+    if (qi[ru] < rp.comm.size()) stuck += " comm " + describe(rp.comm[qi[ru]]);
+  }
+  if (shown > 0) return fail_v("the schedule deadlocks under the communicator's rendezvous semantics" + stuck);
+  return {};
+}
+
+}  // namespace detail
+
+/// Checks every rule of DESIGN.md section 4: each (stage, mb) has F, B and W (or BW) exactly
+/// once on its own rank; every dependency is met; the P2P plan completes without deadlock and
+/// in order under the documented communicator semantics; every reload follows its offload and
+/// precedes its backward; the copy stream is never double-booked.
+constexpr Validation validate(const Program& p) {
+  if (Validation v = detail::check_passes(p); !v) return v;
+  if (Validation v = detail::check_copies(p); !v) return v;
+  return detail::check_execution(p);
+}
+
+/// validate(), throwing schedule_error with the broken rule.
+constexpr void require_valid(const Program& p) {
+  if (Validation v = validate(p); !v) throw schedule_error("invalid schedule: " + v.error);
+}
+
+}  // namespace pipeoffload

@@ -1,0 +1,223 @@
+// Offload placement (DESIGN.md section 3): one copy stream, one-offload-one-reload slots,
+// longest lifespan first, units that cannot hide the round trip kept, PCIe pairs staggered,
+// cross-stream edges that keep execution within the planned memory.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <vector>
+
+#include <pipeoffload/pipeoffload.hpp>
+
+using namespace pipeoffload;
+
+namespace {
+
+ScheduleSpec with_offload(ScheduleSpec s, offload::selection sel) {
+  s.offload = sel;
+  return s;
+}
+
+double max_peak(const Program& p) { return simulate(p).max_peak(); }
+
+int offloaded_units(const Program& p) {
+  int n = 0;
+  for (const auto& r : p.ranks)
+    for (const Op& op : r.copy) n += op.kind == OpKind::O ? 1 : 0;
+  return n;
+}
+
+/// Every copy op runs in simulated time where the rules say: O after its F, R after its O and
+/// before its B, and the copy stream runs one op at a time.
+void check_copy_timing(const Program& p) {
+  const SimResult sim = simulate(p);
+  const int m = p.shape.m;
+  for (int r = 0; r < p.shape.d; ++r) {
+    const auto& rp = p.ranks[static_cast<std::size_t>(r)];
+    const auto& rs = sim.ranks[static_cast<std::size_t>(r)];
+    std::vector<double> fend(static_cast<std::size_t>(p.shape.stages() * m)), bstart(fend.size()), oend(fend.size());
+    for (std::size_t x = 0; x < rp.compute.size(); ++x) {
+      const Op& op = rp.compute[x];
+      const auto u = static_cast<std::size_t>(op.stage * m + op.mb);
+      if (op.kind == OpKind::F) fend[u] = rs.compute_end[x];
+      if (op.kind == OpKind::B || op.kind == OpKind::BW) bstart[u] = rs.compute_start[x];
+    }
+    for (std::size_t y = 0; y < rp.copy.size(); ++y) {
+      const Op& op = rp.copy[y];
+      const auto u = static_cast<std::size_t>(op.stage * m + op.mb);
+      if (y > 0) REQUIRE(rs.copy_start[y] >= rs.copy_end[y - 1]);
+      if (op.kind == OpKind::O) {
+        REQUIRE(rs.copy_start[y] >= fend[u]);
+        oend[u] = rs.copy_end[y];
+      } else {
+        REQUIRE(rs.copy_start[y] >= oend[u]);
+        REQUIRE(rs.copy_end[y] <= bstart[u]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("PO-F at k <= 1 keeps every rank's simulated peak at a small constant as d*v grows from 8 to 128") {
+  for (double k : {1.0, 0.5}) {
+    for (int dv = 8; dv <= 128; dv *= 2)
+      for (int d : {2, 4, 8, 16}) {
+        const int v = dv / d;
+        if (v < 1) continue;
+        Costs c;
+        c.k = k;
+        const Program p = PO_F::build({d, v, 4 * d}, c);
+        REQUIRE(validate(p));
+        const double pf = max_peak(p);
+        CHECK_MESSAGE(pf <= 6, "k=", k, " d=", d, " v=", v, ": PO-F peak ", pf);
+        // Without offload the same order holds O(M) units, growing with d*v.
+        CHECK(max_peak(PO::build({d, v, 4 * d})) >= v + d - 1);
+      }
+  }
+}
+
+TEST_CASE("PO's peak falls better than linearly as chunks are offloaded one by one (d=8, 16 stages per device)") {
+  const Shape s{8, 16, 64};
+  const double po0 = max_peak(PO::build(s));
+  const double gish0 = max_peak(GIS_H::build(s));
+  std::vector<double> po_curve;
+  for (int n = 0; n <= 16; ++n) {
+    const double pn = max_peak(build(with_offload(PO::spec, offload::first(n)), s));
+    po_curve.push_back(pn);
+    if (n > 0 && n < 16) CHECK_MESSAGE(pn < po0 * (16 - n) / 16.0, "n=", n, " peak ", pn, " linear ", po0 * (16 - n) / 16.0);
+    if (n > 0) CHECK(pn < po_curve[static_cast<std::size_t>(n - 1)]);
+  }
+  // Half of the chunks offloaded: about a quarter of the peak left (the paper's Section 1),
+  // against GIS-H, whose per-chunk contribution is flat, so its reduction is only linear.
+  CHECK(po_curve[8] <= po0 / 3);
+  Costs half_k;
+  half_k.k = 0.5;
+  const double gish8 = max_peak(build(with_offload(GIS_H::spec, offload::first(8)), s, half_k));
+  CHECK(gish8 >= gish0 * 0.4);
+  CHECK(po_curve[8] / po0 < gish8 / gish0);
+}
+
+TEST_CASE("offload works with v = 1 and with odd d (no partner, no stagger)") {
+  for (int d : {1, 2, 3, 5, 7, 8})
+    for (int m : {1, 3, 8, 16}) {
+      const Program p = PO_F::build({d, 1, m});
+      REQUIRE_MESSAGE(validate(p), validate(p).error);
+      check_copy_timing(p);
+      CHECK(max_peak(p) <= max_peak(PO::build({d, 1, m})));
+      const Program q = build(ScheduleSpec{Family::one_f1b, {}, offload::all}, {d, 1, m});
+      REQUIRE(validate(q));
+      check_copy_timing(q);
+    }
+  // 1F1B with every unit that can hide its round trip offloaded: rank 0 at d=8, m=32 holds
+  // far fewer than its d units.
+  const Program q = build(ScheduleSpec{Family::one_f1b, {}, offload::all}, {8, 1, 32});
+  CHECK(offloaded_units(q) > 0);
+  CHECK(simulate(q).ranks[0].peak < 8);
+}
+
+TEST_CASE("paired ranks r and r^1 offload in opposite slot parities; an unpaired last rank is not staggered") {
+  const Program p = PO_F::build({5, 2, 10});
+  for (int r = 0; r < 5; ++r) {
+    const auto& rp = p.ranks[static_cast<std::size_t>(r)];
+    REQUIRE_FALSE(rp.copy.empty());
+    for (std::size_t y = 0; y < rp.copy.size(); ++y) {
+      const long long parity = rp.copy_slot[y] & 1;
+      const long long want_o = (r & 1) ? 1 : 0;  // rank 4 has no partner: even, like rank 0
+      CHECK(parity == (rp.copy[y].kind == OpKind::O ? want_o : 1 - want_o));
+    }
+  }
+  Costs c;
+  c.stagger_pairs = false;
+  const Program q = PO_F::build({4, 2, 8}, c);
+  for (const auto& rp : q.ranks)
+    for (std::size_t y = 0; y < rp.copy.size(); ++y) CHECK((rp.copy_slot[y] & 1) == (rp.copy[y].kind == OpKind::O ? 0 : 1));
+}
+
+TEST_CASE("a unit whose forward-to-backward gap cannot hide the round trip stays on the device") {
+  const Program p = PO_F::build({4, 2, 8});
+  // The last stage runs its B right after its F: never worth a round trip.
+  for (const Op& op : p.ranks[3].copy) CHECK(op.stage != 7);
+  CHECK(offloaded_units(p) > 0);
+  Costs slow;
+  slow.k = 1000;
+  CHECK(offloaded_units(PO_F::build({4, 2, 8}, slow)) == 0);
+}
+
+TEST_CASE("longest-lifespan chunks are offloaded first when the copy stream is short of slots") {
+  Costs c;
+  c.k = 2.5;  // the copy stream cannot carry everything
+  const Program p = PO_F::build({4, 4, 16}, c);
+  std::vector<int> per_chunk(4, 0);
+  for (const Op& op : p.ranks[0].copy)
+    if (op.kind == OpKind::O) ++per_chunk[static_cast<std::size_t>(p.shape.chunk_of(op.stage))];
+  CHECK(per_chunk[0] == 16);
+  CHECK(per_chunk[0] >= per_chunk[1]);
+  CHECK(per_chunk[1] >= per_chunk[3]);
+}
+
+TEST_CASE("offload composes with every family, and every copy respects its F, O and B in simulated time") {
+  for (int d : {1, 2, 3, 4, 6, 8})
+    for (int v : {1, 2, 3, 4})
+      for (int m : {d, 2 * d, 3 * d + 1}) {
+        std::vector<ScheduleSpec> specs = {with_offload(GIS::spec, offload::first(1)), with_offload(GIS_H::spec, offload::half),
+                                           PO_H::spec, PO_F::spec, with_offload(PO::spec, offload::chunks({v - 1}))};
+        if (m % d == 0) specs.push_back(with_offload(Interleaved1F1B::spec, offload::all));
+        if (v == 1) specs.push_back(with_offload(OneF1B::spec, offload::all));
+        for (const auto& spec : specs)
+          for (double k : {0.5, 1.0, 2.0}) {
+            Costs c;
+            c.k = k;
+            c.comm = 0.25;
+            const Program p = build(spec, {d, v, m}, c);
+            const Validation ok = validate(p);
+            REQUIRE_MESSAGE(ok, schedule_name(spec, v), " d=", d, " v=", v, " m=", m, " k=", k, ": ", ok.error);
+            check_copy_timing(p);
+            Program plain = p;
+            plain.spec.offload = offload::none;
+            CHECK(max_peak(p) <= max_peak(build(plain.spec, {d, v, m}, c)));
+          }
+      }
+}
+
+TEST_CASE("per-stage unit sizes: peaks are in bytes, and offload counts each stage's own size") {
+  Costs c;
+  for (int s = 0; s < 8; ++s) c.unit_bytes.push_back(s == 0 ? 1000.0 : 10.0);
+  for (const Program& p : {GIS::build({4, 2, 8}, c), PO_H::build({4, 2, 8}, c)}) {
+    const SimResult sim = simulate(p);
+    for (int r = 0; r < 4; ++r) {
+      // Oracle: at every acquisition time, add up the bytes of the units alive there.
+      const auto& rp = p.ranks[static_cast<std::size_t>(r)];
+      const auto& rs = sim.ranks[static_cast<std::size_t>(r)];
+      std::vector<std::pair<double, double>> alive;  // [from, to) of each on-device interval
+      std::vector<double> sizes;
+      for (std::size_t x = 0; x < rp.compute.size(); ++x) {
+        const Op& f = rp.compute[x];
+        if (f.kind != OpKind::F) continue;
+        double from = rs.compute_start[x], to = 0, oend = -1, rstart = -1;
+        for (std::size_t y = 0; y < rp.compute.size(); ++y)
+          if (rp.compute[y].kind == OpKind::W && rp.compute[y].stage == f.stage && rp.compute[y].mb == f.mb) to = rs.compute_end[y];
+        for (std::size_t y = 0; y < rp.copy.size(); ++y)
+          if (rp.copy[y].stage == f.stage && rp.copy[y].mb == f.mb) (rp.copy[y].kind == OpKind::O ? oend : rstart) = rp.copy[y].kind == OpKind::O ? rs.copy_end[y] : rs.copy_start[y];
+        if (oend >= 0) {
+          alive.push_back({from, oend});
+          alive.push_back({rstart, to});
+          sizes.push_back(c.bytes(f.stage));
+        } else {
+          alive.push_back({from, to});
+        }
+        sizes.push_back(c.bytes(f.stage));
+      }
+      double oracle = 0;
+      for (const auto& [t, unused] : alive) {
+        double sum = 0;
+        for (std::size_t i = 0; i < alive.size(); ++i)
+          if (alive[i].first <= t && t < alive[i].second) sum += sizes[i];
+        oracle = std::max(oracle, sum);
+      }
+      CHECK(rs.peak == oracle);
+      CHECK(rs.memory.back().alive == 0);
+    }
+  }
+  // Rank 0 of GIS holds all 8 units of its heavy stage 0 at once in the steady state.
+  CHECK(simulate(GIS::build({4, 2, 8}, c)).ranks[0].peak >= 8 * 1000.0);
+}

@@ -1,0 +1,347 @@
+// tools/pipeoffload-plan.cpp: build a schedule, simulate it, and print or draw it.
+//
+//   ./build/pipeoffload-plan --schedule po-h --ranks 4 --chunks 2 --microbatches 8
+//   ./build/pipeoffload-plan --schedule gis-g --group 3 --ranks 4 --chunks 2 --microbatches 8 --format csv
+//   ./build/pipeoffload-plan --schedule po-f --ranks 8 --chunks 4 --microbatches 32 --format svg --out po-f.svg
+//
+// Exit status: 0 done; 2 a bad argument (one line on stderr naming it and what is allowed);
+// 1 an internal failure (a schedule that does not validate, an output that cannot be written).
+// Other tools parse the output formats; they are documented in pipeoffload/sim/render.hpp.
+#include <pipeoffload/pipeoffload.hpp>
+#include <pipeoffload/sim/render.hpp>
+
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+namespace {
+
+constexpr const char* usage_text = R"(usage: pipeoffload-plan --schedule NAME --ranks D --chunks V --microbatches M [options]
+
+Builds a pipeline schedule, simulates it (as-soon-as-possible execution) and prints it.
+
+  --schedule NAME       1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f
+  --ranks D             pipeline ranks, 1..4096
+  --chunks V            chunks (stages) per rank, 1..256; 1 for 1f1b
+  --microbatches M      microbatches per iteration, 1..65536; a multiple of D for 1f1b-i
+  --group G             group size of gis-g (required there, nowhere else), ceil(D/2)..D
+  --offload-chunks N    offload the activations of chunks 0..N-1, 0..V (po-h and po-f
+                        imply ceil(V/2) and V)
+  --k K                 round-trip copy time / (T_F + T_B + T_W); default 1
+  --hidden H --seq S --micro-batch B --tflops X --pcie-gbps Y
+                        k from hardware instead of --k (all five together):
+                        k = 10 / (3 (6H + S)) * (X * 1e12 FLOP/s) / (Y * 1e9 B/s)
+  --cost-f T --cost-b T --cost-w T
+                        time of one forward, activation-gradient and weight-gradient pass
+                        of one stage for one microbatch, > 0; default 1
+  --cost-comm T         time of one P2P hop between ranks, >= 0; default 0
+  --format FMT          text (default), csv, json, chrome-trace, svg
+  --out FILE            write to FILE instead of standard output
+  --help                print this and exit
+
+Options take their value as the next argument or after '=' (--ranks=4).
+Exit status: 0 done, 2 bad argument, 1 internal error.
+)";
+
+constexpr const char* tool = "pipeoffload-plan";
+
+/// A bad command line; what() is the one line printed after "pipeoffload-plan: ".
+struct bad_argument : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+constexpr std::string_view flags[] = {"--schedule", "--ranks",     "--chunks",       "--microbatches", "--group",
+                                      "--offload-chunks", "--k",   "--hidden",       "--seq",          "--micro-batch",
+                                      "--tflops",   "--pcie-gbps", "--cost-f",       "--cost-b",       "--cost-w",
+                                      "--cost-comm", "--format",   "--out"};
+constexpr std::string_view hardware_flags[] = {"--hidden", "--seq", "--micro-batch", "--tflops", "--pcie-gbps"};
+constexpr std::string_view schedules[] = {"1f1b", "1f1b-i", "gis", "gis-h", "gis-g", "po", "po-h", "po-f"};
+constexpr std::string_view formats[] = {"text", "csv", "json", "chrome-trace", "svg"};
+
+/// Flag name -> its raw value, as given.
+using Args = std::map<std::string, std::string, std::less<>>;
+
+/// A user's text quoted for a one-line message: control characters shown as '?', long text cut.
+std::string quoted(std::string_view s) {
+  std::string out = "'";
+  for (std::size_t i = 0; i < s.size() && i < 40; ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    out += (c < 0x20 || c == 0x7f) ? '?' : s[i];
+  }
+  return out + (s.size() > 40 ? "...'" : "'");
+}
+
+std::string num(long long x) { return std::to_string(x); }
+
+template <std::size_t N>
+std::string join(const std::string_view (&list)[N], const char* sep = ", ") {
+  std::string s;
+  for (std::size_t i = 0; i < N; ++i) s += (i ? sep : "") + std::string(list[i]);
+  return s;
+}
+
+/// Splits argv into flag -> value; rejects unknown, repeated and value-less flags.
+Args scan(int argc, char** argv) {
+  Args args;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view a = argv[i];
+    if (a.size() < 3 || a.substr(0, 2) != "--")
+      throw bad_argument("unexpected argument " + quoted(a) + "; options start with -- (see --help)");
+    std::string_view name = a, value;
+    bool has_value = false;
+    if (const auto eq = a.find('='); eq != std::string_view::npos) {
+      name = a.substr(0, eq);
+      value = a.substr(eq + 1);
+      has_value = true;
+    }
+    bool known = false;
+    for (std::string_view f : flags) known = known || f == name;
+    if (!known) throw bad_argument("unknown option " + quoted(name) + " (see --help for the options)");
+    if (args.count(name)) throw bad_argument(std::string(name) + " is given twice; give it once");
+    if (!has_value) {
+      if (i + 1 >= argc || std::string_view(argv[i + 1]).substr(0, 2) == "--")
+        throw bad_argument(std::string(name) + " needs a value (see --help)");
+      value = argv[++i];
+    }
+    args.emplace(std::string(name), std::string(value));
+  }
+  return args;
+}
+
+/// Strict integer: the whole text a decimal number in [lo, hi].
+long long parse_int(std::string_view flag, std::string_view text, long long lo, long long hi, const std::string& note = "") {
+  long long x = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), x);
+  if (text.empty() || ec != std::errc{} || end != text.data() + text.size() || x < lo || x > hi)
+    throw bad_argument(std::string(flag) + " must be an integer in [" + num(lo) + ", " + num(hi) + "]" + note + ", got " +
+                       quoted(text));
+  return x;
+}
+
+/// Strict real: the whole text a finite decimal number in (0, hi], or [0, hi] if zero_ok.
+double parse_real(std::string_view flag, std::string_view text, bool zero_ok, double hi) {
+  double x = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), x);
+  if (text.empty() || ec != std::errc{} || end != text.data() + text.size() || !std::isfinite(x) || x > hi ||
+      (zero_ok ? x < 0 : x <= 0))
+    throw bad_argument(std::string(flag) + " must be a number in " + (zero_ok ? "[0, " : "(0, ") +
+                       pipeoffload::detail::fmt(hi) + "], got " + quoted(text));
+  return x;
+}
+
+const std::string* find(const Args& args, std::string_view flag) {
+  const auto it = args.find(flag);
+  return it == args.end() ? nullptr : &it->second;
+}
+
+/// A required integer flag.
+int required_int(const Args& args, std::string_view flag, const char* what, long long lo, long long hi) {
+  const std::string* v = find(args, flag);
+  if (!v) throw bad_argument("missing " + std::string(flag) + " (" + what + ", an integer in [" + num(lo) + ", " + num(hi) + "])");
+  return static_cast<int>(parse_int(flag, *v, lo, hi));
+}
+
+/// What the command line asks for.
+struct Request {
+  pipeoffload::ScheduleSpec spec;
+  pipeoffload::Shape shape;
+  pipeoffload::Costs costs;
+  std::string format = "text";
+  std::optional<std::string> out;  ///< --out, or standard output
+};
+
+/// --schedule, --group and --offload-chunks as a ScheduleSpec, checked against the shape.
+pipeoffload::ScheduleSpec schedule_spec(const Args& args, const std::string& name, const pipeoffload::Shape& sh) {
+  using namespace pipeoffload;
+  using GK = GroupSpec::Kind;
+  ScheduleSpec spec;
+  if (name == "1f1b") spec = {Family::one_f1b, {}, offload::none};
+  else if (name == "1f1b-i") spec = {Family::interleaved_1f1b, {}, offload::none};
+  else if (name == "gis") spec = {Family::grouped, {GK::full, 0}, offload::none};
+  else if (name == "gis-h") spec = {Family::grouped, {GK::half, 0}, offload::none};
+  else if (name == "gis-g") spec = {Family::grouped, {GK::number, 0}, offload::none};
+  else if (name == "po") spec = {Family::grouped, {GK::uniform, 0}, offload::none};
+  else if (name == "po-h") spec = {Family::grouped, {GK::uniform, 0}, offload::half};
+  else spec = {Family::grouped, {GK::uniform, 0}, offload::all};
+
+  if (name == "1f1b" && sh.v != 1)
+    throw bad_argument("--chunks must be 1 with --schedule 1f1b (one stage per rank), got " + quoted(num(sh.v)));
+  if (name == "1f1b-i" && sh.m % sh.d != 0)
+    throw bad_argument("--microbatches must be a multiple of --ranks (" + num(sh.d) + ") with --schedule 1f1b-i, got " +
+                       quoted(num(sh.m)));
+  const std::string* g = find(args, "--group");
+  if (name == "gis-g") {
+    const long long lo = (sh.d + 1) / 2;
+    const std::string range = "[" + num(lo) + ", " + num(sh.d) + "]";
+    if (!g) throw bad_argument("--schedule gis-g needs --group G, an integer in " + range + " (ceil(d/2) to d)");
+    spec.group.value = static_cast<int>(parse_int("--group", *g, lo, sh.d, " (ceil(d/2) to d for --ranks " + num(sh.d) + ")"));
+  } else if (g) {
+    throw bad_argument("--group applies only to --schedule gis-g, not " + name);
+  }
+
+  if (const std::string* n = find(args, "--offload-chunks")) {
+    const int x = static_cast<int>(parse_int("--offload-chunks", *n, 0, sh.v, " (at most --chunks)"));
+    if (name == "po-h" || name == "po-f") {
+      const int implied = offload::count(spec.offload, sh.v);
+      if (x != implied)
+        throw bad_argument("--offload-chunks must be " + num(implied) + " with --schedule " + name + " (chunks 0.." +
+                           num(implied - 1) + "), got " + quoted(*n) + "; use po with --offload-chunks for other counts");
+    } else if (x > 0) {
+      spec.offload = offload::first(x);  // 0 keeps offload::none, so the name stays plain
+    }
+  }
+  return spec;
+}
+
+/// k from --k, from the five hardware flags, or 1.
+double copy_ratio(const Args& args) {
+  std::vector<std::string> given, missing;
+  for (std::string_view f : hardware_flags) (find(args, f) ? given : missing).push_back(std::string(f));
+  const std::string* k = find(args, "--k");
+  if (k && !given.empty())
+    throw bad_argument("--k cannot be combined with " + given.front() + ": give either --k or all of " + join(hardware_flags, " "));
+  if (k) return parse_real("--k", *k, false, 1e6);
+  if (given.empty()) return 1;
+  if (!missing.empty()) {
+    std::string m;
+    for (const auto& f : missing) m += (m.empty() ? "" : ", ") + f;
+    throw bad_argument("missing " + m + ": k from hardware needs all of " + join(hardware_flags, " "));
+  }
+  const double h = static_cast<double>(parse_int("--hidden", *find(args, "--hidden"), 1, 1 << 20));
+  const double s = static_cast<double>(parse_int("--seq", *find(args, "--seq"), 1, 1 << 24));
+  parse_int("--micro-batch", *find(args, "--micro-batch"), 1, 1 << 16);  // b cancels out of k, but must be sane
+  const double tflops = parse_real("--tflops", *find(args, "--tflops"), false, 1e6);
+  const double gbps = parse_real("--pcie-gbps", *find(args, "--pcie-gbps"), false, 1e6);
+  // k = 2*A*Bc / (12*b*s*h*(6h+s)*Bo) with A = 20*b*s*h bytes (bf16, selective recompute).
+  return 10.0 / (3.0 * (6.0 * h + s)) * (tflops * 1e12) / (gbps * 1e9);
+}
+
+/// The whole command line, checked; throws bad_argument at the first problem.
+Request interpret(const Args& args) {
+  Request rq;
+  const std::string* name = find(args, "--schedule");
+  if (!name) throw bad_argument("missing --schedule (one of " + join(schedules) + ")");
+  bool known = false;
+  for (std::string_view s : schedules) known = known || s == *name;
+  if (!known) throw bad_argument("--schedule must be one of " + join(schedules) + ", got " + quoted(*name));
+
+  rq.shape.d = required_int(args, "--ranks", "pipeline ranks", 1, pipeoffload::max_ranks);
+  rq.shape.v = required_int(args, "--chunks", "chunks per rank", 1, pipeoffload::max_chunks);
+  rq.shape.m = required_int(args, "--microbatches", "microbatches", 1, pipeoffload::max_microbatches);
+  rq.spec = schedule_spec(args, *name, rq.shape);
+  // Bounds the tool's time and memory (about 3 ops per unit; seconds, not minutes).
+  constexpr long long max_units = 1 << 20;
+  const long long units = 1LL * rq.shape.d * rq.shape.v * rq.shape.m;
+  if (units > max_units)
+    throw bad_argument("--ranks * --chunks * --microbatches = " + num(units) + " is too large; at most " + num(max_units) +
+                       " stage-microbatch pairs");
+
+  rq.costs.k = copy_ratio(args);
+  const auto cost = [&](std::string_view flag, double& dst, bool zero_ok) {
+    if (const std::string* v = find(args, flag)) dst = parse_real(flag, *v, zero_ok, 1e9);
+  };
+  cost("--cost-f", rq.costs.f, false);
+  cost("--cost-b", rq.costs.b, false);
+  cost("--cost-w", rq.costs.w, false);
+  cost("--cost-comm", rq.costs.comm, true);
+
+  if (const std::string* f = find(args, "--format")) {
+    known = false;
+    for (std::string_view s : formats) known = known || s == *f;
+    if (!known) throw bad_argument("--format must be one of " + join(formats) + ", got " + quoted(*f));
+    rq.format = *f;
+  }
+  if (const std::string* out = find(args, "--out")) {
+    if (out->empty()) throw bad_argument("--out needs a file name, got ''");
+    rq.out = *out;
+  }
+  return rq;
+}
+
+/// build() places copies on a grid of slots one copy long, indexed from the run's length over
+/// the copy time, with a tolerance of 1e-9 of that length. A k so small that a run spans
+/// tens of millions of slots, or a run longer than 1e8 of its shortest passes, is outside what
+/// that planner handles (memory, slot indices), so both are refused here with a reason.
+void check_copy_plan(const Request& rq, bool k_from_hardware) {
+  using namespace pipeoffload;
+  if (offload::count(rq.spec.offload, rq.shape.v) == 0) return;
+  ScheduleSpec plain = rq.spec;
+  plain.offload = offload::none;
+  const Costs& c = rq.costs;
+  const double pass = std::min({c.f, c.b, c.w}), mean = (c.f + c.b + c.w) / 3;
+  // PO plans on its grid, somewhat longer than the ASAP run; 4x covers it with room to spare.
+  const double span = 4 * std::max(simulate(build(plain, rq.shape, c)).makespan,
+                                    (3.0 * rq.shape.v * rq.shape.m + 6.0 * rq.shape.stages()) * mean);
+  constexpr double max_slots = 2e7, max_passes = 1e8;
+  if (span / c.T_O(0) > max_slots) {
+    char got[32], lo[32];
+    std::snprintf(got, sizeof got, "%.3g", c.k);
+    std::snprintf(lo, sizeof lo, "%.3g", c.k * span / c.T_O(0) / max_slots);
+    throw bad_argument(std::string(k_from_hardware ? "k from --tflops / --pcie-gbps" : "--k") + " = " + got + " is too small to plan offload for this run (over 2e7 copy slots); k must be >= " + lo);
+  }
+  if (span / pass > max_passes)
+    throw bad_argument("--cost-f/--cost-b/--cost-w/--cost-comm span too wide a range to plan offload: the run is over 1e8 of its shortest passes");
+}
+
+std::string render(const std::string& format, const pipeoffload::Program& p, const pipeoffload::SimResult& sim) {
+  if (format == "csv") return pipeoffload::render_csv(p, sim);
+  if (format == "json") return pipeoffload::render_json(p, sim);
+  if (format == "chrome-trace") return pipeoffload::render_chrome_trace(p, sim);
+  if (format == "svg") return pipeoffload::render_svg(p, sim);
+  return pipeoffload::render_text(p, sim);
+}
+
+/// Writes `text` to `path` (or stdout); returns the exit status.
+int emit(const std::string& text, const std::optional<std::string>& path) {
+  std::FILE* f = path ? std::fopen(path->c_str(), "wb") : stdout;
+  if (!f) {
+    std::fprintf(stderr, "%s: --out %s cannot be opened for writing: %s\n", tool, quoted(*path).c_str(), std::strerror(errno));
+    return 2;
+  }
+  const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  const bool closed = path ? std::fclose(f) == 0 : std::fflush(f) == 0;
+  if (!ok || !closed) {
+    std::fprintf(stderr, "%s: writing %s failed: %s\n", tool, path ? quoted(*path).c_str() : "standard output", std::strerror(errno));
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i)
+    if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") {
+      std::fputs(usage_text, stdout);
+      return 0;
+    }
+  try {
+    const Args args = scan(argc, argv);
+    const Request rq = interpret(args);
+    check_copy_plan(rq, args.count("--tflops") > 0);
+    const pipeoffload::Program p = pipeoffload::build(rq.spec, rq.shape, rq.costs);
+    if (const pipeoffload::Validation v = pipeoffload::validate(p); !v) {
+      std::fprintf(stderr, "%s: internal error: the built schedule is invalid: %s\n", tool, v.error.c_str());
+      return 1;
+    }
+    return emit(render(rq.format, p, pipeoffload::simulate(p)), rq.out);
+  } catch (const bad_argument& e) {
+    std::fprintf(stderr, "%s: %s\n", tool, e.what());
+    return 2;
+  } catch (const pipeoffload::shape_error& e) {
+    std::fprintf(stderr, "%s: %s\n", tool, e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: internal error: %s\n", tool, e.what());
+    return 1;
+  }
+}
