@@ -169,7 +169,8 @@ TEST_CASE("the PO planning grid (shifted building block) meets every dependency 
         p.shape = {d, v, m};
         p.group = 1;
         p.ranks.resize(static_cast<std::size_t>(d));
-        const auto grid = detail::order_grouped(p);
+        std::vector<std::vector<long long>> grid;
+        detail::order_grouped(p, &grid);
         const int S = d * v;
         std::vector<long long> fslot(static_cast<std::size_t>(S * m)), bslot(fslot.size()), wslot(fslot.size());
         for (int r = 0; r < d; ++r)

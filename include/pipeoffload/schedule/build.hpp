@@ -123,8 +123,8 @@ constexpr void order_interleaved(Program& p) {
 }
 
 /// The GIS(g) building block repeated every L = 3gv slots (DESIGN.md section 2). Fills the
-/// compute orders and returns each rank's slot of each op on the shifted grid.
-constexpr std::vector<std::vector<long long>> order_grouped(Program& p) {
+/// compute orders and, if `grid` is given, each rank's slot of each op on the shifted grid.
+constexpr void order_grouped(Program& p, std::vector<std::vector<long long>>* grid = nullptr) {
   const long long d = p.shape.d, v = p.shape.v, m = p.shape.m, g = p.group;
   const long long h = ceil_div(d, 2), kp = ceil_div(h, g), gk = std::gcd(v, kp), q = v / gk, L = 3 * g * v;
   const auto f = [&](long long c, long long j, long long i) { return 3 * kp * g * c + 3 * j + i + 3 * g * (c / q); };
@@ -132,7 +132,7 @@ constexpr std::vector<std::vector<long long>> order_grouped(Program& p) {
   // on rank d-1 and the next chunk's on rank 0 (independent of the group index).
   long long e = d - 1;
   for (long long c = 1; c < v; ++c) e = std::min(e, f(c, 0, 0) - f(c - 1, 0, d - 1) - 1);
-  std::vector<std::vector<long long>> grid(static_cast<std::size_t>(d));
+  if (grid != nullptr) grid->assign(static_cast<std::size_t>(d), {});
   // Slots are distinct, and dense on a rank unless trimming emptied most of them (m < g), so
   // the order usually comes from placing each pass at its slot in a table and reading the
   // table back (linear); a sparse rank sorts instead.
@@ -170,9 +170,9 @@ constexpr std::vector<std::vector<long long>> order_grouped(Program& p) {
         }
       }
     auto& ops = p.ranks[static_cast<std::size_t>(i)].compute;
-    auto& slots = grid[static_cast<std::size_t>(i)];
     ops.reserve(static_cast<std::size_t>(3 * v * m));
-    slots.reserve(static_cast<std::size_t>(3 * v * m));
+    std::vector<long long>* slots = grid != nullptr ? &(*grid)[static_cast<std::size_t>(i)] : nullptr;
+    if (slots != nullptr) slots->reserve(static_cast<std::size_t>(3 * v * m));
     if (dense) {
       for (std::size_t slot = 0; slot < table.size(); ++slot)
         if (filled[slot]) sparse.push_back({static_cast<long long>(slot), table[slot]});
@@ -181,10 +181,9 @@ constexpr std::vector<std::vector<long long>> order_grouped(Program& p) {
     }
     for (const auto& [slot, op] : sparse) {
       ops.push_back(op);
-      slots.push_back(slot + std::min(i, e));
+      if (slots != nullptr) slots->push_back(slot + std::min(i, e));
     }
   }
-  return grid;
 }
 
 // ---- step 3: offload placement ----------------------------------------------------------
@@ -342,51 +341,58 @@ constexpr void plan_p2p(Program& p, const std::vector<std::vector<double>>& plan
   if (d == 1) return;  // one rank: no messages
   // A message's key: (time its producer ends, producer stage, mb, dir). Sender and receiver
   // order by the same key, which gives one global order that every rank's plan follows.
-  struct Msg { double t; int producer; int mb; Dir dir; int to; int to_rank; };
-  const auto before = [](const Msg& a, const Msg& b) {
-    if (a.t != b.t) return a.t < b.t;
-    if (a.producer != b.producer) return a.producer < b.producer;
-    if (a.mb != b.mb) return a.mb < b.mb;
-    return a.dir < b.dir;
+  // A rank's sends follow its compute stream, so they are already in key order; so are the
+  // messages each neighbour sends it. A rank's plan is the merge of those three lists.
+  struct Cursor {
+    int rank = -1;          // whose compute ops this cursor walks
+    std::size_t x = 0;      // position in that rank's compute ops
+    int to_rank = -1;       // -1: every message this rank sends; else only those to to_rank
   };
-  // Each rank's sends, already in key order: they follow its compute stream.
-  std::vector<std::vector<Msg>> sends(static_cast<std::size_t>(d));
-  for (int r = 0; r < d; ++r) {
-    const auto& rp = p.ranks[static_cast<std::size_t>(r)];
-    auto& out = sends[static_cast<std::size_t>(r)];
-    out.reserve(rp.compute.size());
-    for (std::size_t x = 0; x < rp.compute.size(); ++x) {
-      const Op& op = rp.compute[x];
-      const double when = plan_end[static_cast<std::size_t>(r)][x];
-      if (op.kind == OpKind::F && op.stage < S - 1) out.push_back({when, op.stage, op.mb, Dir::forward, op.stage + 1, r + 1 == d ? 0 : r + 1});
-      if ((op.kind == OpKind::B || op.kind == OpKind::BW) && op.stage > 0) out.push_back({when, op.stage, op.mb, Dir::backward, op.stage - 1, r == 0 ? d - 1 : r - 1});
+  const auto sends_to = [&](const Op& op, int from) {
+    // Rank the message produced by `op` on rank `from` goes to, or -1 if it sends none.
+    if (op.kind == OpKind::F) return op.stage < S - 1 ? (from + 1 == d ? 0 : from + 1) : -1;
+    if (op.kind == OpKind::B || op.kind == OpKind::BW) return op.stage > 0 ? (from == 0 ? d - 1 : from - 1) : -1;
+    return -1;
+  };
+  const auto settle = [&](Cursor& c) {
+    const auto& ops = p.ranks[static_cast<std::size_t>(c.rank)].compute;
+    while (c.x < ops.size()) {
+      const int to = sends_to(ops[c.x], c.rank);
+      if (to >= 0 && (c.to_rank < 0 || to == c.to_rank)) return;
+      ++c.x;
     }
-  }
-  // A rank's plan merges its sends with the sends addressed to it by its neighbours.
+  };
+  const auto done = [&](const Cursor& c) { return c.rank < 0 || c.x >= p.ranks[static_cast<std::size_t>(c.rank)].compute.size(); };
+  const auto before = [&](const Cursor& a, const Cursor& b) {
+    const Op& oa = p.ranks[static_cast<std::size_t>(a.rank)].compute[a.x];
+    const Op& ob = p.ranks[static_cast<std::size_t>(b.rank)].compute[b.x];
+    const double ta = plan_end[static_cast<std::size_t>(a.rank)][a.x], tb = plan_end[static_cast<std::size_t>(b.rank)][b.x];
+    if (ta != tb) return ta < tb;
+    if (oa.stage != ob.stage) return oa.stage < ob.stage;
+    if (oa.mb != ob.mb) return oa.mb < ob.mb;
+    return (oa.kind == OpKind::F ? 0 : 1) < (ob.kind == OpKind::F ? 0 : 1);
+  };
   for (int r = 0; r < d; ++r) {
-    const int prev = (r + d - 1) % d, next = (r + 1) % d;
-    const std::vector<Msg>* lists[3] = {&sends[static_cast<std::size_t>(r)], &sends[static_cast<std::size_t>(prev)],
-                                        prev == next ? nullptr : &sends[static_cast<std::size_t>(next)]};
-    std::size_t pos[3] = {0, 0, 0};
+    const int prev = r == 0 ? d - 1 : r - 1, next = r + 1 == d ? 0 : r + 1;
+    Cursor cur[3] = {{r, 0, -1}, {prev, 0, r}, {prev == next ? -1 : next, 0, r}};
+    for (auto& c : cur)
+      if (c.rank >= 0) settle(c);
     auto& comm = p.ranks[static_cast<std::size_t>(r)].comm;
-    comm.reserve(2 * sends[static_cast<std::size_t>(r)].size() + 2);
-    // Skips a neighbour's sends that go elsewhere.
-    const auto skip = [&](int l) {
-      if (l == 0 || lists[l] == nullptr) return;
-      while (pos[l] < lists[l]->size() && (*lists[l])[pos[l]].to_rank != r) ++pos[l];
-    };
-    skip(1);
-    skip(2);
+    comm.reserve(2 * p.ranks[static_cast<std::size_t>(r)].compute.size() / 3 + 4);
     for (;;) {
       int best = -1;
       for (int l = 0; l < 3; ++l)
-        if (lists[l] != nullptr && pos[l] < lists[l]->size() && (best < 0 || before((*lists[l])[pos[l]], (*lists[best])[pos[best]]))) best = l;
+        if (!done(cur[l]) && (best < 0 || before(cur[l], cur[best]))) best = l;
       if (best < 0) break;
-      const Msg& msg = (*lists[best])[pos[best]];
-      if (best == 0) comm.push_back(CommOp{true, msg.to_rank, msg.to, msg.mb, msg.dir});
-      else comm.push_back(CommOp{false, best == 1 ? prev : next, msg.to, msg.mb, msg.dir});
-      ++pos[best];
-      skip(best);
+      Cursor& c = cur[best];
+      const Op& op = p.ranks[static_cast<std::size_t>(c.rank)].compute[c.x];
+      const bool fwd = op.kind == OpKind::F;
+      const int consumer = fwd ? op.stage + 1 : op.stage - 1;
+      const Dir dir = fwd ? Dir::forward : Dir::backward;
+      if (best == 0) comm.push_back(CommOp{true, sends_to(op, r), consumer, op.mb, dir});
+      else comm.push_back(CommOp{false, c.rank, consumer, op.mb, dir});
+      ++c.x;
+      settle(c);
     }
   }
 }
@@ -410,7 +416,7 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
     case Family::interleaved_1f1b: detail::order_interleaved(p); break;
     case Family::grouped:
       p.group = detail::resolve_group(spec.group, shape.d);
-      grid = detail::order_grouped(p);
+      detail::order_grouped(p, p.group == 1 ? &grid : nullptr);
       break;
   }
   // Planning timeline: PO (g = 1) plans on its shifted grid, one slot = the mean of

@@ -57,36 +57,49 @@ namespace detail {
 /// before acquisitions.
 constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSim& rs) {
   // Each stream's events are already in time order (an op's end is at or before the next
-  // op's start), so the two streams merge without a sort.
-  struct Event { double t, delta; };
-  std::vector<Event> comp, copy;
-  comp.reserve(rp.compute.size());
-  copy.reserve(rp.copy.size());
-  for (std::size_t x = 0; x < rp.compute.size(); ++x) {
-    const Op& op = rp.compute[x];
-    if (op.kind == OpKind::F) comp.push_back({rs.compute_start[x], costs.bytes(op.stage)});
-    if (op.kind == OpKind::W || op.kind == OpKind::BW) comp.push_back({rs.compute_end[x], -costs.bytes(op.stage)});
-  }
-  for (std::size_t y = 0; y < rp.copy.size(); ++y) {
-    const Op& op = rp.copy[y];
-    if (op.kind == OpKind::O) copy.push_back({rs.copy_end[y], -costs.bytes(op.stage)});
-    if (op.kind == OpKind::R) copy.push_back({rs.copy_start[y], costs.bytes(op.stage)});
-  }
+  // op's start), so one cursor per stream merges them without a sort.
+  struct Cursor {
+    const std::vector<Op>* ops;
+    const std::vector<double>* start;
+    const std::vector<double>* end;
+    std::size_t x = 0;
+    double t = 0, delta = 0;  // the cursor's current event
+    bool valid = false;
+  };
+  const auto advance = [&](Cursor& c) {
+    c.valid = false;
+    for (; c.x < c.ops->size(); ++c.x) {
+      const Op& op = (*c.ops)[c.x];
+      const double bytes = costs.bytes(op.stage);
+      switch (op.kind) {
+        case OpKind::F: c.t = (*c.start)[c.x]; c.delta = bytes; break;   // acquires at its start
+        case OpKind::R: c.t = (*c.start)[c.x]; c.delta = bytes; break;
+        case OpKind::W:
+        case OpKind::BW: c.t = (*c.end)[c.x]; c.delta = -bytes; break;   // releases at its end
+        case OpKind::O: c.t = (*c.end)[c.x]; c.delta = -bytes; break;
+        default: continue;
+      }
+      ++c.x;
+      c.valid = true;
+      return;
+    }
+  };
+  Cursor comp{&rp.compute, &rs.compute_start, &rs.compute_end};
+  Cursor copy{&rp.copy, &rs.copy_start, &rs.copy_end};
+  advance(comp);
+  advance(copy);
   double alive = 0;
   rs.memory.clear();
-  rs.memory.reserve(comp.size() + copy.size());
-  const auto apply = [&](const Event& e) {
-    alive += e.delta;
-    rs.peak = std::max(rs.peak, alive);
-    if (!rs.memory.empty() && rs.memory.back().time == e.t) rs.memory.back().alive = alive;
-    else rs.memory.push_back({e.t, alive});
-  };
-  std::size_t i = 0, j = 0;
-  while (i < comp.size() || j < copy.size()) {
+  rs.memory.reserve((2 * rp.compute.size()) / 3 + rp.copy.size());
+  while (comp.valid || copy.valid) {
     // Earlier first; at equal times a release before an acquisition (half-open intervals).
-    const bool take_comp = j == copy.size() ||
-                           (i < comp.size() && (comp[i].t < copy[j].t || (comp[i].t == copy[j].t && comp[i].delta <= copy[j].delta)));
-    apply(take_comp ? comp[i++] : copy[j++]);
+    const bool take_comp = !copy.valid || (comp.valid && (comp.t < copy.t || (comp.t == copy.t && comp.delta <= copy.delta)));
+    Cursor& c = take_comp ? comp : copy;
+    alive += c.delta;
+    rs.peak = std::max(rs.peak, alive);
+    if (!rs.memory.empty() && rs.memory.back().time == c.t) rs.memory.back().alive = alive;
+    else rs.memory.push_back({c.t, alive});
+    advance(c);
   }
 }
 
