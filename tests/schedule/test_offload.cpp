@@ -221,3 +221,18 @@ TEST_CASE("per-stage unit sizes: peaks are in bytes, and offload counts each sta
   // Rank 0 of GIS holds all 8 units of its heavy stage 0 at once in the steady state.
   CHECK(simulate(GIS::build({4, 2, 8}, c)).ranks[0].peak >= 8 * 1000.0);
 }
+
+TEST_CASE("offload placement copes with extreme costs: huge T_comm, a T_O too small for a slot grid") {
+  Costs far;
+  far.comm = 1e6;  // planning times dwarf the slot length
+  const Program p = build(with_offload(GIS::spec, offload::first(1)), {4, 2, 8}, far);
+  CHECK(validate(p));
+  far.comm = 1e9;  // a slot grid over this timeline would need 2e10 slots: refused, not a crash
+  CHECK_THROWS_AS(build(with_offload(GIS::spec, offload::first(1)), {4, 2, 8}, far), shape_error);
+  Costs tiny;
+  tiny.k = 1e-9;
+  CHECK_THROWS_WITH_AS(PO_F::build({4, 2, 8}, tiny),
+                       "costs: T_O = k(T_F+T_B+T_W)/2 is too small for this schedule: its copy-slot grid would need "
+                       "48000000000 slots, at most 67108864 are allowed; raise k (or T_O) at least 716-fold",
+                       shape_error);
+}

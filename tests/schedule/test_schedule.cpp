@@ -216,3 +216,11 @@ TEST_CASE("bad shapes throw shape_error naming the value and the allowed range")
   CHECK_THROWS_WITH_AS(peak(PO::build({2, 2, 4}), 2), "peak(program, rank): rank = 2 is outside the allowed range [0, 1]",
                        shape_error);
 }
+
+TEST_CASE("m much smaller than g: trimmed groups leave the building block sparse, and it still builds fast and right") {
+  const Program p = GIS::build({512, 16, 1});
+  CHECK(validate(p));
+  const SimResult s = simulate(p);
+  CHECK(s.ranks[0].peak == 16);          // min(g, m)(v-1) + min(d, m) = 15 + 1
+  CHECK(s.makespan == 2.0 * 16 * 512 + 1);  // F down every stage, B back up, then the last W
+}

@@ -206,7 +206,7 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
   const double horizon = pe.empty() ? 0.0 : pe.back();
   if (horizon / T > static_cast<double>(max_copy_slots))
     throw shape_error("costs: T_O = k(T_F+T_B+T_W)/2 is too small for this schedule: its copy-slot grid would need " +
-                      num(static_cast<long long>(horizon / T)) + " slots, at most " + num(max_copy_slots) +
+                      num(static_cast<long long>(horizon / T + 0.5)) + " slots, at most " + num(max_copy_slots) +
                       " are allowed; raise k (or T_O) at least " + num(static_cast<long long>(horizon / T / max_copy_slots) + 1) + "-fold");
   const double eps = 1e-9 * std::max(T, horizon);
   // Slot n = [nT, (n+1)T). Offload slots have parity `po`; the odd rank of a PCIe pair
