@@ -344,48 +344,53 @@ constexpr void plan_p2p(Program& p, const std::vector<std::vector<double>>& plan
   // A rank's sends follow its compute stream, so they are already in key order; so are the
   // messages each neighbour sends it. A rank's plan is the merge of those three lists.
   struct Cursor {
-    int rank = -1;          // whose compute ops this cursor walks
-    std::size_t x = 0;      // position in that rank's compute ops
-    int to_rank = -1;       // -1: every message this rank sends; else only those to to_rank
+    const Op* ops = nullptr;     // the compute ops of the rank this cursor walks
+    const double* end = nullptr; // their planned end times
+    std::size_t n = 0, x = 0;
+    int rank = -1;               // that rank
+    int to_rank = -1;            // -1: every message it sends; else only those to to_rank
   };
-  const auto sends_to = [&](const Op& op, int from) {
-    // Rank the message produced by `op` on rank `from` goes to, or -1 if it sends none.
+  // Rank the message produced by `op` on rank `from` goes to, or -1 if it sends none.
+  const auto sends_to = [S, d](const Op& op, int from) {
     if (op.kind == OpKind::F) return op.stage < S - 1 ? (from + 1 == d ? 0 : from + 1) : -1;
     if (op.kind == OpKind::B || op.kind == OpKind::BW) return op.stage > 0 ? (from == 0 ? d - 1 : from - 1) : -1;
     return -1;
   };
   const auto settle = [&](Cursor& c) {
-    const auto& ops = p.ranks[static_cast<std::size_t>(c.rank)].compute;
-    while (c.x < ops.size()) {
-      const int to = sends_to(ops[c.x], c.rank);
+    for (; c.x < c.n; ++c.x) {
+      const int to = sends_to(c.ops[c.x], c.rank);
       if (to >= 0 && (c.to_rank < 0 || to == c.to_rank)) return;
-      ++c.x;
     }
   };
-  const auto done = [&](const Cursor& c) { return c.rank < 0 || c.x >= p.ranks[static_cast<std::size_t>(c.rank)].compute.size(); };
-  const auto before = [&](const Cursor& a, const Cursor& b) {
-    const Op& oa = p.ranks[static_cast<std::size_t>(a.rank)].compute[a.x];
-    const Op& ob = p.ranks[static_cast<std::size_t>(b.rank)].compute[b.x];
-    const double ta = plan_end[static_cast<std::size_t>(a.rank)][a.x], tb = plan_end[static_cast<std::size_t>(b.rank)][b.x];
+  const auto before = [](const Cursor& a, const Cursor& b) {
+    const double ta = a.end[a.x], tb = b.end[b.x];
     if (ta != tb) return ta < tb;
+    const Op& oa = a.ops[a.x];
+    const Op& ob = b.ops[b.x];
     if (oa.stage != ob.stage) return oa.stage < ob.stage;
     if (oa.mb != ob.mb) return oa.mb < ob.mb;
     return (oa.kind == OpKind::F ? 0 : 1) < (ob.kind == OpKind::F ? 0 : 1);
   };
+  const auto cursor = [&](int rank, int to_rank) {
+    Cursor c;
+    if (rank < 0) return c;
+    const auto& ops = p.ranks[static_cast<std::size_t>(rank)].compute;
+    c = Cursor{ops.data(), plan_end[static_cast<std::size_t>(rank)].data(), ops.size(), 0, rank, to_rank};
+    settle(c);
+    return c;
+  };
   for (int r = 0; r < d; ++r) {
     const int prev = r == 0 ? d - 1 : r - 1, next = r + 1 == d ? 0 : r + 1;
-    Cursor cur[3] = {{r, 0, -1}, {prev, 0, r}, {prev == next ? -1 : next, 0, r}};
-    for (auto& c : cur)
-      if (c.rank >= 0) settle(c);
+    Cursor cur[3] = {cursor(r, -1), cursor(prev, r), cursor(prev == next ? -1 : next, r)};
     auto& comm = p.ranks[static_cast<std::size_t>(r)].comm;
-    comm.reserve(2 * p.ranks[static_cast<std::size_t>(r)].compute.size() / 3 + 4);
+    comm.reserve(4 * p.ranks[static_cast<std::size_t>(r)].compute.size() / 3 + 4);
     for (;;) {
       int best = -1;
       for (int l = 0; l < 3; ++l)
-        if (!done(cur[l]) && (best < 0 || before(cur[l], cur[best]))) best = l;
+        if (cur[l].x < cur[l].n && (best < 0 || before(cur[l], cur[best]))) best = l;
       if (best < 0) break;
       Cursor& c = cur[best];
-      const Op& op = p.ranks[static_cast<std::size_t>(c.rank)].compute[c.x];
+      const Op& op = c.ops[c.x];
       const bool fwd = op.kind == OpKind::F;
       const int consumer = fwd ? op.stage + 1 : op.stage - 1;
       const Dir dir = fwd ? Dir::forward : Dir::backward;

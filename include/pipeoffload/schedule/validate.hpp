@@ -212,23 +212,23 @@ constexpr Validation check_execution(const Program& p) {
     queued[ru] = 0;
     const auto& rp = p.ranks[ru];
     bool moved = false;
+    // Each stream runs as far as it can before the next one is tried; the loop ends when
+    // none of the three moved.
     for (;;) {
       bool step = false;
-      if (ci[ru] < rp.compute.size()) {
+      while (ci[ru] < rp.compute.size()) {
         const Op& op = rp.compute[ci[ru]];
-        if (input_ready(op) && (op.wait < 0 || ki[ru] > static_cast<std::size_t>(op.wait))) {
-          if (op.kind == OpKind::F) st[unit(op.stage, op.mb)].f = 1;
-          if (op.kind == OpKind::B || op.kind == OpKind::BW) st[unit(op.stage, op.mb)].b = 1;
-          ++ci[ru];
-          step = true;
-        }
+        if (!input_ready(op) || (op.wait >= 0 && ki[ru] <= static_cast<std::size_t>(op.wait))) break;
+        if (op.kind == OpKind::F) st[unit(op.stage, op.mb)].f = 1;
+        if (op.kind == OpKind::B || op.kind == OpKind::BW) st[unit(op.stage, op.mb)].b = 1;
+        ++ci[ru];
+        step = true;
       }
-      if (ki[ru] < rp.copy.size()) {
+      while (ki[ru] < rp.copy.size()) {
         const Op& op = rp.copy[ki[ru]];
-        if (op.wait < 0 || ci[ru] > static_cast<std::size_t>(op.wait)) {
-          ++ki[ru];
-          step = true;
-        }
+        if (op.wait >= 0 && ci[ru] <= static_cast<std::size_t>(op.wait)) break;
+        ++ki[ru];
+        step = true;
       }
       while (try_comm(r)) step = true;
       if (!order_error.empty()) return fail_v(order_error);
@@ -236,7 +236,7 @@ constexpr Validation check_execution(const Program& p) {
       moved = true;
     }
     if (moved)
-      for (int nb : {(r + 1) % d, (r + d - 1) % d})
+      for (int nb : {r + 1 == d ? 0 : r + 1, r == 0 ? d - 1 : r - 1})
         if (!queued[static_cast<std::size_t>(nb)]) {
           queued[static_cast<std::size_t>(nb)] = 1;
           work.push_back(nb);

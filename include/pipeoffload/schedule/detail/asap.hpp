@@ -76,9 +76,11 @@ constexpr Timing asap(const Program& p, const Costs& costs, bool with_copy) {
     queued[ru] = 0;
     const auto& rp = p.ranks[ru];
     bool moved = false;
+    // Each stream runs as far as it can before the other is tried; the loop ends when
+    // neither moved.
     for (;;) {
       bool step = false;
-      if (ci[ru] < rp.compute.size()) {
+      while (ci[ru] < rp.compute.size()) {
         const Op& op = rp.compute[ci[ru]];
         double ready = cfree[ru];
         bool ok = true;
@@ -102,35 +104,33 @@ constexpr Timing asap(const Program& p, const Costs& costs, bool with_copy) {
           if (ki[ru] <= static_cast<std::size_t>(op.wait)) ok = false;
           else ready = std::max(ready, t.copy_end[ru][static_cast<std::size_t>(op.wait)]);
         }
-        if (ok) {
-          const double end = ready + duration(costs, op);
-          t.compute_start[ru][ci[ru]] = ready;
-          t.compute_end[ru][ci[ru]] = end;
-          if (op.kind == OpKind::F) ends[unit(op.stage, op.mb)].f = end;
-          if (op.kind == OpKind::B || op.kind == OpKind::BW) ends[unit(op.stage, op.mb)].b = end;
-          cfree[ru] = end;
-          ++ci[ru];
-          step = true;
-        }
+        if (!ok) break;
+        const double end = ready + duration(costs, op);
+        t.compute_start[ru][ci[ru]] = ready;
+        t.compute_end[ru][ci[ru]] = end;
+        if (op.kind == OpKind::F) ends[unit(op.stage, op.mb)].f = end;
+        if (op.kind == OpKind::B || op.kind == OpKind::BW) ends[unit(op.stage, op.mb)].b = end;
+        cfree[ru] = end;
+        ++ci[ru];
+        step = true;
       }
-      if (with_copy && ki[ru] < rp.copy.size()) {
+      while (with_copy && ki[ru] < rp.copy.size()) {
         const Op& op = rp.copy[ki[ru]];
-        if (op.wait < 0 || ci[ru] > static_cast<std::size_t>(op.wait)) {
-          double ready = kfree[ru];
-          if (op.wait >= 0) ready = std::max(ready, t.compute_end[ru][static_cast<std::size_t>(op.wait)]);
-          const double end = ready + duration(costs, op);
-          t.copy_start[ru][ki[ru]] = ready;
-          t.copy_end[ru][ki[ru]] = end;
-          kfree[ru] = end;
-          ++ki[ru];
-          step = true;
-        }
+        if (op.wait >= 0 && ci[ru] <= static_cast<std::size_t>(op.wait)) break;
+        double ready = kfree[ru];
+        if (op.wait >= 0) ready = std::max(ready, t.compute_end[ru][static_cast<std::size_t>(op.wait)]);
+        const double end = ready + duration(costs, op);
+        t.copy_start[ru][ki[ru]] = ready;
+        t.copy_end[ru][ki[ru]] = end;
+        kfree[ru] = end;
+        ++ki[ru];
+        step = true;
       }
       if (!step) break;
       moved = true;
     }
     if (moved) {
-      for (int nb : {(r + 1) % d, (r + d - 1) % d}) {
+      for (int nb : {r + 1 == d ? 0 : r + 1, r == 0 ? d - 1 : r - 1}) {
         if (!queued[static_cast<std::size_t>(nb)]) {
           queued[static_cast<std::size_t>(nb)] = 1;
           work.push_back(nb);
