@@ -3,11 +3,16 @@
 //   ./build/pipeoffload-plan --schedule po-h --ranks 4 --chunks 2 --microbatches 8
 //   ./build/pipeoffload-plan --schedule gis-g --group 3 --ranks 4 --chunks 2 --microbatches 8 --format csv
 //   ./build/pipeoffload-plan --schedule po-f --ranks 8 --chunks 4 --microbatches 32 --format svg --out po-f.svg
+//   ./build/pipeoffload-plan --auto --layers 78 --hidden 10240 --heads 80 --query-groups 8 --seq 4096
+//       --micro-batch 1 --global-batch 256 --vocab 51200 --ranks 32 --device-mem-gib 80 --host-mem-gib 512
+//       --tflops 220 --pcie-gbps 15 --recompute
 //
 // Exit status: 0 done; 2 a bad argument (one line on stderr naming it and what is allowed);
+// 3 (--auto) nothing fits: the closest plan is printed with fits false, the shortfall on stderr;
 // 1 an internal failure (a schedule that does not validate, an output that cannot be written).
 // Other tools parse the output formats; they are documented in pipeoffload/sim/render.hpp.
 #include <pipeoffload/pipeoffload.hpp>
+#include <pipeoffload/plan/report.hpp>
 #include <pipeoffload/sim/render.hpp>
 
 #include <cerrno>
@@ -48,8 +53,27 @@ Builds a pipeline schedule, simulates it (as-soon-as-possible execution) and pri
   --out FILE            write to FILE instead of standard output
   --help                print this and exit
 
+
+usage: pipeoffload-plan --auto --layers L --hidden H --heads A --query-groups G --seq S
+         --micro-batch B --global-batch N --vocab V --ranks D --device-mem-gib X
+         --host-mem-gib Y --tflops T --pcie-gbps P [--recompute] [--format text|json]
+
+Plans: builds and simulates 1f1b, 1f1b-i, gis, gis(g) for every legal g, and po with 0..v
+chunks offloaded for every v up to (L+2)/D, and prints the fastest whose every rank fits in
+device and host memory (parameters + gradients + optimizer state at 18 bytes per parameter,
+peak saved activations, workspace), with a command line that draws it.
+
+  --heads A --query-groups G   attention heads and key/value groups (G = A: multi-head)
+  --global-batch N             sequences per iteration; microbatches m = N / B
+  --device-mem-gib X           memory of one device, GiB
+  --host-mem-gib Y             pinned host memory one rank may use, GiB (>= 0)
+  --tflops T                   achieved TFLOP/s of one device (Bc)
+  --pcie-gbps P                host<->device GB/s of one device in one direction (Bo), > 0
+  --recompute                  recompute LayerNorm, GeLU and dropout (34bsh -> 20bsh per layer)
+  --pcie-switch pairs|none     ranks r and r^1 share a PCIe switch (default pairs)
+
 Options take their value as the next argument or after '=' (--ranks=4).
-Exit status: 0 done, 2 bad argument, 1 internal error.
+Exit status: 0 done, 2 bad argument, 3 nothing fits (--auto), 1 internal error.
 )";
 
 constexpr const char* tool = "pipeoffload-plan";
@@ -62,7 +86,17 @@ struct bad_argument : std::runtime_error {
 constexpr std::string_view flags[] = {"--schedule", "--ranks",     "--chunks",       "--microbatches", "--group",
                                       "--offload-chunks", "--k",   "--hidden",       "--seq",          "--micro-batch",
                                       "--tflops",   "--pcie-gbps", "--cost-f",       "--cost-b",       "--cost-w",
-                                      "--cost-comm", "--format",   "--out"};
+                                      "--cost-comm", "--format",   "--out",
+                                      // --auto
+                                      "--auto", "--recompute", "--layers", "--heads", "--query-groups", "--global-batch",
+                                      "--vocab", "--device-mem-gib", "--host-mem-gib", "--pcie-switch"};
+/// Flags that take no value.
+constexpr std::string_view switches[] = {"--auto", "--recompute"};
+/// Flags only --auto reads, and flags --auto does not take.
+constexpr std::string_view auto_only[] = {"--recompute", "--layers", "--heads", "--query-groups", "--global-batch",
+                                          "--vocab", "--device-mem-gib", "--host-mem-gib", "--pcie-switch"};
+constexpr std::string_view not_auto[] = {"--schedule", "--chunks", "--microbatches", "--group", "--offload-chunks",
+                                         "--k", "--cost-f", "--cost-b", "--cost-w", "--cost-comm"};
 constexpr std::string_view hardware_flags[] = {"--hidden", "--seq", "--micro-batch", "--tflops", "--pcie-gbps"};
 constexpr std::string_view schedules[] = {"1f1b", "1f1b-i", "gis", "gis-h", "gis-g", "po", "po-h", "po-f"};
 constexpr std::string_view formats[] = {"text", "csv", "json", "chrome-trace", "svg"};
@@ -107,6 +141,13 @@ Args scan(int argc, char** argv) {
     for (std::string_view f : flags) known = known || f == name;
     if (!known) throw bad_argument("unknown option " + quoted(name) + " (see --help for the options)");
     if (args.count(name)) throw bad_argument(std::string(name) + " is given twice; give it once");
+    bool is_switch = false;
+    for (std::string_view f : switches) is_switch = is_switch || f == name;
+    if (is_switch) {
+      if (has_value) throw bad_argument(std::string(name) + " takes no value, got " + quoted(value));
+      args.emplace(std::string(name), std::string());
+      continue;
+    }
     if (!has_value) {
       if (i + 1 >= argc || std::string_view(argv[i + 1]).substr(0, 2) == "--")
         throw bad_argument(std::string(name) + " needs a value (see --help)");
@@ -228,6 +269,8 @@ double copy_ratio(const Args& args) {
 /// The whole command line, checked; throws bad_argument at the first problem.
 Request interpret(const Args& args) {
   Request rq;
+  for (std::string_view f : auto_only)
+    if (find(args, f)) throw bad_argument(std::string(f) + " applies only with --auto (the planner)");
   const std::string* name = find(args, "--schedule");
   if (!name) throw bad_argument("missing --schedule (one of " + join(schedules) + ")");
   bool known = false;
@@ -316,6 +359,78 @@ int emit(const std::string& text, const std::optional<std::string>& path) {
   return 0;
 }
 
+/// --auto: the model, machine and budget from the command line; throws bad_argument.
+struct AutoRequest {
+  pipeoffload::TransformerSpec model;
+  pipeoffload::MachineSpec machine;
+  std::string format = "text";
+  std::optional<std::string> out;
+};
+
+AutoRequest interpret_auto(const Args& args) {
+  for (std::string_view f : not_auto)
+    if (find(args, f)) throw bad_argument(std::string(f) + " cannot be combined with --auto (the planner chooses the schedule)");
+  AutoRequest rq;
+  auto& m = rq.model;
+  const auto need = [&](std::string_view flag, const char* what, long long lo, long long hi) {
+    return required_int(args, flag, what, lo, hi);
+  };
+  m.layers = need("--layers", "transformer layers", 1, 4096);
+  m.hidden = need("--hidden", "hidden size", 1, 1 << 20);
+  m.heads = need("--heads", "attention heads", 1, 1 << 16);
+  m.query_groups = need("--query-groups", "key/value groups, the heads for multi-head attention", 1, 1 << 16);
+  m.seq = need("--seq", "sequence length", 1, 1 << 24);
+  m.micro_batch = need("--micro-batch", "sequences per microbatch", 1, 1 << 16);
+  m.global_batch = need("--global-batch", "sequences per iteration", 1, 1 << 24);
+  m.vocab = need("--vocab", "vocabulary size", 1, 1 << 24);
+  m.recompute = find(args, "--recompute") != nullptr;
+  if (m.query_groups > m.heads || m.heads % m.query_groups != 0)
+    throw bad_argument("--query-groups must divide --heads (" + num(m.heads) + "), got " + quoted(num(m.query_groups)));
+  if (m.hidden % m.heads != 0)
+    throw bad_argument("--hidden must be a multiple of --heads (" + num(m.heads) + "), got " + quoted(num(m.hidden)));
+  if (m.global_batch % m.micro_batch != 0)
+    throw bad_argument("--global-batch must be a multiple of --micro-batch (" + num(m.micro_batch) + "), got " +
+                       quoted(num(m.global_batch)));
+  auto& x = rq.machine;
+  x.ranks = need("--ranks", "pipeline ranks", 1, pipeoffload::max_ranks);
+  const auto real = [&](std::string_view flag, const char* what, bool zero_ok) {
+    const std::string* v = find(args, flag);
+    if (!v) throw bad_argument("missing " + std::string(flag) + " (" + what + ")");
+    return parse_real(flag, *v, zero_ok, 1e6);
+  };
+  x.device_bytes = real("--device-mem-gib", "memory of one device in GiB, > 0", false) * pipeoffload::gib;
+  x.host_bytes = real("--host-mem-gib", "pinned host memory per rank in GiB, >= 0", true) * pipeoffload::gib;
+  x.flops = real("--tflops", "achieved TFLOP/s of one device, > 0", false) * 1e12;
+  if (const std::string* p = find(args, "--pcie-gbps"); p && parse_real("--pcie-gbps", *p, true, 1e6) == 0)
+    throw bad_argument("--pcie-gbps must be > 0: k (offload copy time / compute time) needs a host<->device bandwidth, got " + quoted(*p));
+  x.pcie_bytes_per_s = real("--pcie-gbps", "host<->device GB/s of one device in one direction, > 0", false) * 1e9;
+  if (const std::string* sw = find(args, "--pcie-switch")) {
+    if (*sw != "pairs" && *sw != "none") throw bad_argument("--pcie-switch must be pairs or none, got " + quoted(*sw));
+    x.pairs_share_switch = *sw == "pairs";
+  }
+  if (const std::string* f = find(args, "--format")) {
+    if (*f != "text" && *f != "json") throw bad_argument("--format must be text or json with --auto, got " + quoted(*f));
+    rq.format = *f;
+  }
+  if (const std::string* out = find(args, "--out")) {
+    if (out->empty()) throw bad_argument("--out needs a file name, got ''");
+    rq.out = *out;
+  }
+  return rq;
+}
+
+/// --auto: plan, print, and exit 0, or 3 when nothing fits.
+int run_auto(const Args& args) {
+  const AutoRequest rq = interpret_auto(args);
+  const pipeoffload::PlanResult r = pipeoffload::plan(rq.model, rq.machine);
+  const std::string text = rq.format == "json" ? pipeoffload::render_plan_json(r, rq.model, rq.machine)
+                                                : pipeoffload::render_plan_text(r, rq.model, rq.machine);
+  if (const int rc = emit(text, rq.out); rc != 0) return rc;
+  if (r.fits) return 0;
+  std::fprintf(stderr, "%s: %s\n", tool, r.why.c_str());
+  return 3;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -326,6 +441,7 @@ int main(int argc, char** argv) {
     }
   try {
     const Args args = scan(argc, argv);
+    if (args.count("--auto")) return run_auto(args);
     const Request rq = interpret(args);
     check_copy_plan(rq, args.count("--tflops") > 0);
     const pipeoffload::Program p = pipeoffload::build(rq.spec, rq.shape, rq.costs);

@@ -236,3 +236,16 @@ TEST_CASE("offload placement copes with extreme costs: huge T_comm, a T_O too sm
                        "48000000000 slots, at most 67108864 are allowed; raise k (or T_O) at least 716-fold",
                        shape_error);
 }
+
+TEST_CASE("a chunk none of whose units can be offloaded does not stretch the rank's copy slots") {
+  // Stage 7 (rank 3, chunk 1) is ten times heavier, so its T_O is long, but as the last stage
+  // its B follows its F at once: it never offloads, and rank 3's slots stay chunk 0's length.
+  Costs c;
+  c.stage_f.assign(8, 1.0);
+  c.stage_f[7] = 10;
+  const Program p = PO_F::build({4, 2, 8}, c);
+  REQUIRE(validate(p));
+  CHECK(p.ranks[3].slot_length == c.T_O(3));
+  for (const Op& op : p.ranks[3].copy) CHECK(op.stage == 3);
+  CHECK_FALSE(p.ranks[3].copy.empty());
+}

@@ -194,16 +194,37 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
   const Shape& sh = p.shape;
   auto& rp = p.ranks[static_cast<std::size_t>(r)];
   const int m = sh.m, v = sh.v;
+  // Index of each unit's forward and backward (B or BW) in the compute order.
+  std::vector<int> fidx(static_cast<std::size_t>(v * m), -1), bidx(fidx.size(), -1);
+  for (int x = 0; x < static_cast<int>(rp.compute.size()); ++x) {
+    const Op& op = rp.compute[static_cast<std::size_t>(x)];
+    const auto u = static_cast<std::size_t>(sh.chunk_of(op.stage) * m + op.mb);
+    if (op.kind == OpKind::F) fidx[u] = x;
+    if (op.kind == OpKind::B || op.kind == OpKind::BW) bidx[u] = x;
+  }
+  const double horizon = pe.empty() ? 0.0 : pe.back();
+  const auto gap = [&](int c, int mb) {
+    const auto u = static_cast<std::size_t>(c * m + mb);
+    return ps[static_cast<std::size_t>(bidx[u])] - pe[static_cast<std::size_t>(fidx[u])];
+  };
+  // The selected chunks that have at least one unit whose gap can hide its own round trip;
+  // the others stay on the device and must not stretch the slots (an LM-head chunk's long
+  // copies would otherwise slow every other chunk's).
   std::vector<int> chunks;
-  for (int c = 0; c < v; ++c)
-    if (offload::offloaded(p.spec.offload, c, v)) chunks.push_back(c);
-  if (chunks.empty()) return;
-
   double T = 0;
-  for (int c : chunks) T = std::max(T, p.costs.T_O(sh.stage_of(r, c)));
+  for (int c = 0; c < v; ++c) {
+    if (!offload::offloaded(p.spec.offload, c, v)) continue;
+    const double t_o = p.costs.T_O(sh.stage_of(r, c));
+    for (int mb = 0; mb < m; ++mb)
+      if (gap(c, mb) + 1e-9 * std::max(t_o, horizon) >= 2 * t_o) {
+        chunks.push_back(c);
+        T = std::max(T, t_o);
+        break;
+      }
+  }
+  if (chunks.empty()) return;
   rp.slot_length = T;
   // Slots cover the planning timeline; a T_O tiny against it would need an absurd grid.
-  const double horizon = pe.empty() ? 0.0 : pe.back();
   if (horizon / T > static_cast<double>(max_copy_slots))
     throw shape_error("costs: T_O = k(T_F+T_B+T_W)/2 is too small for this schedule: its copy-slot grid would need " +
                       num(static_cast<long long>(horizon / T + 0.5)) + " slots, at most " + num(max_copy_slots) +
@@ -213,22 +234,11 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
   // (r, r^1) takes the other parity, so the pair never copies in one direction at once.
   const long long po = (p.costs.stagger_pairs && (r & 1) == 1) ? 1 : 0;
 
-  // Index of each unit's forward and backward (B or BW) in the compute order.
-  std::vector<int> fidx(static_cast<std::size_t>(v * m), -1), bidx(fidx.size(), -1);
-  for (int x = 0; x < static_cast<int>(rp.compute.size()); ++x) {
-    const Op& op = rp.compute[static_cast<std::size_t>(x)];
-    const auto u = static_cast<std::size_t>(sh.chunk_of(op.stage) * m + op.mb);
-    if (op.kind == OpKind::F) fidx[u] = x;
-    if (op.kind == OpKind::B || op.kind == OpKind::BW) bidx[u] = x;
-  }
   // Longest lifespan (forward end to backward start) first; chunk 0 wins ties.
   std::vector<std::pair<double, int>> life;
   for (int c : chunks) {
     double sum = 0;
-    for (int mb = 0; mb < m; ++mb) {
-      const auto u = static_cast<std::size_t>(c * m + mb);
-      sum += ps[static_cast<std::size_t>(bidx[u])] - pe[static_cast<std::size_t>(fidx[u])];
-    }
+    for (int mb = 0; mb < m; ++mb) sum += gap(c, mb);
     life.push_back({-sum, c});
   }
   std::sort(life.begin(), life.end());
@@ -250,10 +260,7 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
   for (const auto& [neg, c] : life) {
     const auto uc = static_cast<std::size_t>(c);
     // A unit whose gap cannot hide the round trip stays on the device.
-    for (int mb = 0; mb < m; ++mb) {
-      const auto u = static_cast<std::size_t>(c * m + mb);
-      want[u] = ps[static_cast<std::size_t>(bidx[u])] - pe[static_cast<std::size_t>(fidx[u])] + eps >= 2 * T;
-    }
+    for (int mb = 0; mb < m; ++mb) want[static_cast<std::size_t>(c * m + mb)] = gap(c, mb) + eps >= 2 * T;
     // Offloads left to right: the earliest free offload slot starting at or after F ends.
     for (int mb : forder[uc]) {
       const auto u = static_cast<std::size_t>(c * m + mb);

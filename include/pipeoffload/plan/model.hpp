@@ -1,0 +1,303 @@
+// pipeoffload/plan/model.hpp: what the planner knows about a transformer and a machine.
+//
+// A GPT-like decoder (Megatron's layer: pre-LayerNorm attention, 4h GeLU MLP, dropout), bf16
+// by default, flash attention (no s^2 term is saved). Every figure below is a count of bytes or
+// FLOPs of one layer (or of the embedding / LM head) for one microbatch, derived here once;
+// the planner, the plan tool and bench/paper all take them from these functions.
+//
+// Saved activation bytes of one layer, per microbatch (DESIGN.md section 1). Notation: b
+// microbatch size, s sequence length, h hidden size, a heads, G query groups (G = a is
+// multi-head attention), e = dtype bytes (2 for bf16), hd = h/a the head dimension. In
+// elements per token, what backward needs:
+//
+//   tensor                                   elements   kept with --recompute
+//   LayerNorm 1 input (layer input)          h          yes (recompute LN from it)
+//   LayerNorm 1 output = QKV input           h          no  (recomputed)
+//   Q                                        h          yes
+//   K                                        G*hd       yes
+//   V                                        G*hd       yes
+//   attention output = projection input      h          yes
+//   LayerNorm 2 input                        h          yes
+//   LayerNorm 2 output = fc1 input           h          no  (recomputed)
+//   fc1 output = GeLU input                  4h         yes
+//   GeLU output = fc2 input                  4h         no  (recomputed)
+//   2 dropout masks (1 byte per element)     2 x h      no  (regenerated from the RNG seed)
+//
+// so, in bytes per layer,
+//   without recompute  bsh * (e * (14 + 2G/a) + 2)   (e = 2:  30 + 4G/a)
+//   with recompute     bsh *  e * ( 8 + 2G/a)        (e = 2:  16 + 4G/a)
+// With multi-head attention (G = a) the K and V terms are 2 * 2bsh and these are the paper's
+// 34bsh and 20bsh (Korthikanti et al. 2022, with flash attention removing the 5as^2b term).
+// With grouped-query attention only K and V shrink, by G/a: 4bsh -> 4bsh * G/a. The paper's
+// models (G = 8 query groups, a = 32..80 heads) save 31bsh..30.4bsh, and 17bsh..16.4bsh with
+// recompute. Flash attention's softmax statistics (b*a*s fp32) are left out: they are
+// 2a/h of one bsh term (under 0.1% of a layer for h >= 4096).
+//
+// FLOPs of one layer, per microbatch (matrix multiplies only; 2 FLOPs per multiply-add):
+//   linear part P = 2bsh * (h + 2G*hd)  (QKV)  + 2bsh*h (projection) + 16bsh*h (MLP)
+//                 = bsh^2 * (20 + 4G/a)       (= 24bsh^2 for MHA)
+//   F = P + 4bs^2h (QK^T and attention x V)
+//   B = P + 8bs^2h (input gradients of the linears; the attention core's backward is twice
+//                   its forward and has no weights)
+//   W = P          (weight gradients of the linears)
+// F + B + W = 3P + 12bs^2h, which for MHA is the paper's 72bsh^2 + 12bs^2h = 12bsh(6h + s).
+// k = round-trip copy time / compute time = (2A / Bo) / ((F+B+W) / Bc); for MHA with A = 20bsh
+// it is the paper's k = 10/(3(6h+s)) * Bc/Bo.
+//
+// The embedding and the LM head (vocab_stages): stage 0 also holds the word and position
+// embeddings and stage S-1 the final LayerNorm and the LM head (weights tied to the word
+// embedding, a second copy on the last stage as in Megatron). For load balance each counts as
+// one layer slot, the paper's "one transformer layer removed from the first and last stages".
+// The LM head costs 2bshV FLOPs in each of F, B and W and saves its input (bsh*e; plus the
+// LayerNorm output without recompute) and the fp32 softmax of its logits (4bsV), which the
+// cross-entropy backward needs. The embedding is a lookup: it saves the int32 token ids (4bs)
+// and its passes are memory-bound, modelled as 1% of a layer's forward each.
+#pragma once
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "../error.hpp"
+
+namespace pipeoffload {
+
+inline constexpr double gib = 1024.0 * 1024.0 * 1024.0;
+
+/// A GPT-like decoder-only transformer and how it is trained (one microbatch = micro_batch
+/// sequences; an iteration = global_batch sequences, so m = global_batch / micro_batch).
+/// @code
+///   pipeoffload::TransformerSpec m{.layers = 78, .hidden = 10240, .heads = 80, .query_groups = 8};
+///   double a = pipeoffload::activation_bytes_per_layer(m);   // 31bsh at s = 4096, b = 1
+/// @endcode
+struct TransformerSpec {
+  int layers = 32;
+  int hidden = 4096;
+  int heads = 32;
+  int query_groups = 32;  ///< G; = heads is multi-head attention, fewer is grouped-query attention
+  int seq = 4096;
+  int micro_batch = 1;
+  int global_batch = 32;
+  int vocab = 51200;
+  int dtype_bytes = 2;      ///< bf16 activations and weights
+  bool recompute = false;   ///< recompute LayerNorm, GeLU and dropout in backward (34bsh -> 20bsh)
+  bool vocab_stages = true; ///< stage 0 holds the embedding, stage S-1 the LM head (one layer slot each)
+};
+
+/// One pipeline of `ranks` devices (one rank per device).
+struct MachineSpec {
+  int ranks = 8;
+  double device_bytes = 80 * gib;   ///< memory of one device
+  double host_bytes = 256 * gib;    ///< pinned host memory available to one rank
+  double flops = 220e12;            ///< Bc: achieved FLOP/s of one device
+  double pcie_bytes_per_s = 15e9;   ///< Bo: host<->device bandwidth of one device, one direction
+  bool pairs_share_switch = true;   ///< ranks r and r^1 share a PCIe switch (stagger their copies)
+};
+
+/// What the planner may spend and assumes about the rest of device memory.
+struct PlanBudget {
+  /// Bytes of model state per parameter: bf16 weight (2) + fp32 gradient (4) + fp32 master
+  /// weight and Adam's two moments (12); no optimizer sharding.
+  double bytes_per_parameter = 18;
+  /// Device memory never available to tensors: CUDA context, cuBLAS/cuDNN workspaces,
+  /// allocator fragmentation.
+  double reserved_bytes = 1 * gib;
+  /// Largest v searched (0: as many as the layout allows, at most 64).
+  int max_chunks = 0;
+  /// Consider schedules that offload activations to host memory.
+  bool allow_offload = true;
+};
+
+namespace detail {
+
+/// Throws shape_error naming `what` unless lo <= x <= hi (doubles; NaN fails).
+constexpr void require_real(const char* what, double x, double lo, double hi) {
+  if (!(x >= lo && x <= hi))
+    throw shape_error(std::string(what) + " is outside its allowed range (" + (x < lo ? "too small" : "too large or not a number") + ")");
+}
+
+constexpr double sq(double x) { return x * x; }
+
+}  // namespace detail
+
+/// Throws shape_error with a sentence for a model the planner cannot describe.
+constexpr void check_model(const TransformerSpec& m) {
+  detail::require_range("model: layers", m.layers, 1, 4096);
+  detail::require_range("model: hidden size", m.hidden, 1, 1 << 20);
+  detail::require_range("model: attention heads", m.heads, 1, 1 << 16);
+  detail::require_range("model: query groups", m.query_groups, 1, m.heads);
+  detail::require_range("model: sequence length", m.seq, 1, 1 << 24);
+  detail::require_range("model: microbatch size", m.micro_batch, 1, 1 << 16);
+  detail::require_range("model: global batch", m.global_batch, 1, 1 << 24);
+  detail::require_range("model: vocabulary", m.vocab, 1, 1 << 24);
+  detail::require_range("model: dtype bytes", m.dtype_bytes, 1, 8);
+  if (m.hidden % m.heads != 0)
+    throw shape_error("model: hidden size " + detail::num(m.hidden) + " must be a multiple of the heads " + detail::num(m.heads));
+  if (m.heads % m.query_groups != 0)
+    throw shape_error("model: heads " + detail::num(m.heads) + " must be a multiple of the query groups " + detail::num(m.query_groups));
+  if (m.global_batch % m.micro_batch != 0)
+    throw shape_error("model: global batch " + detail::num(m.global_batch) + " must be a multiple of the microbatch size " +
+                      detail::num(m.micro_batch));
+  detail::require_range("model: microbatches per iteration (global batch / microbatch size)", m.global_batch / m.micro_batch, 1,
+                        1 << 16);
+}
+
+/// Throws shape_error with a sentence for a machine the planner cannot use.
+constexpr void check_machine(const MachineSpec& x) {
+  detail::require_range("machine: ranks", x.ranks, 1, 4096);
+  detail::require_real("machine: device memory (bytes, > 0)", x.device_bytes, 1, 1e18);
+  detail::require_real("machine: host memory per rank (bytes, >= 0)", x.host_bytes, 0, 1e18);
+  detail::require_real("machine: achieved FLOP/s (> 0)", x.flops, 1, 1e22);
+  if (!(x.pcie_bytes_per_s > 0))
+    throw shape_error("machine: PCIe bandwidth must be > 0 bytes/s: k (copy time / compute time) needs a bandwidth");
+  detail::require_real("machine: PCIe bandwidth (bytes/s)", x.pcie_bytes_per_s, 1, 1e18);
+}
+
+/// b*s*h of a model (the unit the paper counts activation bytes in).
+constexpr double bsh(const TransformerSpec& m) {
+  return static_cast<double>(m.micro_batch) * m.seq * m.hidden;
+}
+
+/// Saved activation bytes of one transformer layer for one microbatch (header comment).
+constexpr double activation_bytes_per_layer(const TransformerSpec& m) {
+  const double b = m.micro_batch, s = m.seq, h = m.hidden, e = m.dtype_bytes;
+  const double kv = 2.0 * b * s * (static_cast<double>(m.hidden / m.heads) * m.query_groups);  // K and V elements
+  const double kept = e * (4 * b * s * h + 4 * b * s * h + kv);  // LN1 in, Q, attn out, LN2 in (4 x h), fc1 out (4h); K, V
+  const double dropped = e * (2 * b * s * h + 4 * b * s * h) + 2 * b * s * h;  // LN outputs, GeLU output; masks
+  return m.recompute ? kept : kept + dropped;
+}
+
+/// FLOPs of the linear layers of one transformer layer's forward for one microbatch (P above).
+constexpr double layer_linear_flops(const TransformerSpec& m) {
+  const double b = m.micro_batch, s = m.seq, h = m.hidden;
+  const double kv = 2.0 * static_cast<double>(m.hidden / m.heads) * m.query_groups;  // K and V output width
+  return 2 * b * s * h * (h + kv) + 2 * b * s * h * h + 16 * b * s * h * h;
+}
+
+/// FLOPs of one transformer layer's F, B and W for one microbatch.
+struct PassFlops {
+  double f = 0, b = 0, w = 0;
+  constexpr double total() const { return f + b + w; }
+};
+
+constexpr PassFlops layer_flops(const TransformerSpec& m) {
+  const double P = layer_linear_flops(m), core = 4.0 * m.micro_batch * detail::sq(m.seq) * m.hidden;
+  return {P + core, P + 2 * core, P};
+}
+
+/// FLOPs of the LM head's F, B and W (a b*s x h by h x V multiply each).
+constexpr PassFlops head_flops(const TransformerSpec& m) {
+  const double x = 2.0 * bsh(m) * m.vocab;
+  return {x, x, x};
+}
+
+/// k = round-trip copy time of one layer's activations / its F+B+W time (DESIGN.md section 1).
+constexpr double copy_ratio(const TransformerSpec& m, const MachineSpec& x) {
+  return (2 * activation_bytes_per_layer(m) / x.pcie_bytes_per_s) / (layer_flops(m).total() / x.flops);
+}
+
+/// Parameters of one transformer layer: QKV, projection, two MLP linears (weights and
+/// biases) and two LayerNorms.
+constexpr double layer_parameters(const TransformerSpec& m) {
+  const double h = m.hidden, qkv = h + 2.0 * static_cast<double>(m.hidden / m.heads) * m.query_groups;
+  return h * qkv + qkv + h * h + h + h * 4 * h + 4 * h + 4 * h * h + h + 4 * h;
+}
+
+/// What stage s of S holds: its transformer layers and whether it carries the embedding or the
+/// LM head.
+struct StageContent {
+  int layers = 0;
+  bool embedding = false;
+  bool head = false;
+};
+
+/// Layer slots of a model: its layers, plus one each for the embedding and the LM head.
+constexpr int layer_slots(const TransformerSpec& m) { return m.layers + (m.vocab_stages ? 2 : 0); }
+
+/// Splits the model over S stages: layer_slots / S slots each, the remainder one more each on
+/// the last stages (they hold the shortest-lived activations, on the ranks with the fewest in
+/// flight); the embedding and LM head take one slot of the first and last stage. Throws
+/// shape_error when S exceeds the slots (a stage with nothing to do).
+constexpr std::vector<StageContent> stage_layout(const TransformerSpec& m, int S) {
+  const int slots = layer_slots(m);
+  if (S < 1 || S > slots)
+    throw shape_error("stage layout: " + detail::num(S) + " stages for " + detail::num(m.layers) + " layers" +
+                      (m.vocab_stages ? " plus embedding and LM head" : "") + "; at most " + detail::num(slots) +
+                      " stages (one layer slot each)");
+  std::vector<StageContent> out(static_cast<std::size_t>(S));
+  const int base = slots / S, extra = slots % S;
+  for (int s = 0; s < S; ++s) {
+    StageContent& c = out[static_cast<std::size_t>(s)];
+    c.layers = base + (s >= S - extra ? 1 : 0);
+    if (m.vocab_stages) {
+      c.embedding = s == 0;
+      c.head = s == S - 1;
+      c.layers -= (c.embedding ? 1 : 0) + (c.head ? 1 : 0);
+    }
+  }
+  return out;
+}
+
+/// Saved activation bytes of one stage for one microbatch: the unit the schedules count.
+constexpr double stage_activation_bytes(const TransformerSpec& m, const StageContent& c) {
+  double x = c.layers * activation_bytes_per_layer(m);
+  if (c.embedding) x += 4.0 * m.micro_batch * m.seq;  // int32 token ids
+  if (c.head) x += bsh(m) * m.dtype_bytes * (m.recompute ? 1 : 2) + 4.0 * m.micro_batch * m.seq * m.vocab;
+  return x;
+}
+
+/// Parameters of one stage.
+constexpr double stage_parameters(const TransformerSpec& m, const StageContent& c) {
+  const double h = m.hidden, V = m.vocab;
+  double p = c.layers * layer_parameters(m);
+  if (c.embedding) p += V * h + static_cast<double>(m.seq) * h;  // word and position embeddings
+  if (c.head) p += V * h + 2 * h;                               // tied LM head copy, final LayerNorm
+  return p;
+}
+
+/// FLOPs of one stage's F, B and W for one microbatch. The embedding adds 1% of a layer's
+/// forward to each pass (a memory-bound lookup and scatter-add), which also keeps every pass
+/// of a stage that holds only the embedding longer than zero.
+constexpr PassFlops stage_flops(const TransformerSpec& m, const StageContent& c) {
+  const PassFlops l = layer_flops(m), hd = head_flops(m);
+  PassFlops x{c.layers * l.f, c.layers * l.b, c.layers * l.w};
+  if (c.head) x = {x.f + hd.f, x.b + hd.b, x.w + hd.w};
+  if (c.embedding) {
+    const double e = 0.01 * l.f;
+    x = {x.f + e, x.b + e, x.w + e};
+  }
+  return x;
+}
+
+/// Transient device bytes of one pass of a stage, beyond the saved activations: the MLP's 4h
+/// intermediate and its gradient for a layer; the bf16 logits and their fp32 gradient for the
+/// LM head.
+constexpr double stage_transient_bytes(const TransformerSpec& m, const StageContent& c) {
+  double x = c.layers > 0 ? 2.0 * 4 * bsh(m) * m.dtype_bytes : 0.0;
+  if (c.head) x = std::max(x, (m.dtype_bytes + 4.0) * m.micro_batch * m.seq * m.vocab);
+  return x;
+}
+
+/// Bytes of pinned host memory one offloaded unit of `bytes` takes: the smallest sum of at most
+/// three powers of two that holds it (DESIGN.md section 3: an offload writes into at most 3
+/// power-of-two bins).
+constexpr double host_bin_bytes(double bytes) {
+  if (!(bytes > 0)) return 0;
+  unsigned long long r = static_cast<unsigned long long>(bytes);
+  if (static_cast<double>(r) < bytes) ++r;
+  unsigned long long total = 0;
+  for (int i = 0; i < 2 && r > 0; ++i) {
+    unsigned long long p = 1;
+    while (p <= r / 2) p *= 2;  // highest power of two <= r
+    total += p;
+    r -= p;
+  }
+  if (r > 0) {
+    unsigned long long p = 1;
+    while (p < r) p *= 2;  // smallest power of two >= r
+    total += p;
+  }
+  return static_cast<double>(total);
+}
+
+}  // namespace pipeoffload
