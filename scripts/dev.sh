@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's two commands.
-#   bash scripts/dev.sh main   install what is missing, build, plan and draw the paper's schedules
+#   bash scripts/dev.sh main   install what is missing, build, train a small GPT with PO-F, draw the paper's schedules
 #   bash scripts/dev.sh test   install what is missing, build, run every test
 # Both work on a fresh Debian 12 machine (as root, or with sudo) and on a warm one, where
 # they install nothing and only rebuild what changed.
@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 # is there, so a warm machine skips apt entirely.
 need=()
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-for pkg in meson ninja-build g++ pkg-config doctest-dev python3 chromium; do
+for pkg in meson ninja-build g++ pkg-config doctest-dev python3 chromium libopenblas0-pthread; do
   have_pkg "$pkg" || need+=("$pkg")
 done
 if [ "${#need[@]}" -gt 0 ]; then
@@ -30,20 +30,38 @@ ninja -C "$build"
 
 case "${1:-}" in
   main)
+    # Train a small GPT with PO-F on 4 thread ranks (CPU backend), then plan and draw the
+    # paper's schedules for a 5.8B model.
+    "$build/samples/train_gpt" --schedule po-f --ranks 4 --chunks 2 --microbatches 8 --steps 200
+    echo
     "$build/samples/plan_schedules" --out-dir "$build/schedules"
     ;;
   test)
     status=0
     meson test -C "$build" --print-errorlogs --num-processes "$(nproc)" || status=$?
+    logs=("$build/meson-logs/testlog.json")
+    # The runtime tests again under ThreadSanitizer and under AddressSanitizer+UBSan (only
+    # the runtime's test binary and train_gpt are built there, to keep this short).
+    for san in thread address,undefined; do
+      dir="build-${san%%,*}"
+      if [ ! -f "$dir/build.ninja" ]; then
+        meson setup "$dir" --buildtype=debugoptimized -Dbench=false -Db_sanitize="$san" -Db_lundef=false >/dev/null
+      fi
+      ninja -C "$dir" tests/runtime/test_runtime samples/train_gpt
+      UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 TSAN_OPTIONS=halt_on_error=1 \
+        meson test -C "$dir" --suite runtime --no-rebuild --print-errorlogs --num-processes "$(nproc)" || status=$?
+      logs+=("$dir/meson-logs/testlog.json")
+    done
     # One closing line any CI reads: "N passed, N failed, N skipped".
-    python3 - "$build/meson-logs/testlog.json" <<'PY'
+    python3 - "${logs[@]}" <<'PY'
 import json, sys
 counts = {"OK": 0, "FAIL": 0, "SKIP": 0, "EXPECTEDFAIL": 0, "UNEXPECTEDPASS": 0, "TIMEOUT": 0, "ERROR": 0}
-with open(sys.argv[1], encoding="utf-8") as f:
-    for line in f:
-        if line.strip():
-            r = json.loads(line)["result"]
-            counts[r] = counts.get(r, 0) + 1
+for path in sys.argv[1:]:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)["result"]
+                counts[r] = counts.get(r, 0) + 1
 passed = counts["OK"] + counts["EXPECTEDFAIL"]
 failed = counts["FAIL"] + counts["UNEXPECTEDPASS"] + counts["TIMEOUT"] + counts["ERROR"]
 print(f"{passed} passed, {failed} failed, {counts['SKIP']} skipped")

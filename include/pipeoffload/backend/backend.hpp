@@ -1,0 +1,118 @@
+// pipeoffload/backend/backend.hpp: the `backend` concept the runtime drives.
+//
+// A backend is one device: in-order streams, events that are real completion signals, a
+// device memory arena and a pinned host arena that count bytes in use and their peak, and
+// copies between them. The runtime only ever enqueues work; where it runs is the backend's
+// business:
+//   - launch(stream, fn): fn's work happens in stream order. backend::Cpu runs fn on the
+//     stream's worker thread; a GPU backend calls fn on the host at once and fn enqueues
+//     kernels on the stream in its context. Either way memory that fn allocates or frees is
+//     allocated or freed in stream order.
+//   - record(event, stream) / wait(stream, event): as cudaEventRecord and
+//     cudaStreamWaitEvent: a wait waits for the event's latest record at the time of the call
+//     (a wait on a never-recorded event waits for nothing). The caller must therefore enqueue
+//     a record before the waits that target it.
+//   - synchronize(): the host waits until every stream is idle; it throws the first error
+//     any stream raised (naming what failed), after which the backend stays failed.
+//   - abort(why): every wait in progress or to come throws; queued work is dropped.
+//   - set_error_hook(fn): fn(message) runs once, on the first failure, from the failing
+//     thread (the runtime uses it to abort the communicator, so peers blocked on this rank
+//     wake up).
+#pragma once
+
+#include <array>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+
+namespace pipeoffload::backend {
+
+/// What a device buffer holds; the arena counts each kind separately.
+enum class Memory : std::uint8_t {
+  activation,  ///< saved activations of one (stage, microbatch): the units schedules count
+  stash,       ///< what B leaves for W
+  message,     ///< P2P boundary tensors (received inputs, outputs waiting to be sent)
+};
+inline constexpr std::size_t memory_kinds = 3;
+
+constexpr const char* memory_name(Memory m) {
+  switch (m) {
+    case Memory::activation: return "activation";
+    case Memory::stash: return "stash";
+    case Memory::message: return "message";
+  }
+  return "?";
+}
+
+/// Byte counters of a device (and its pinned host memory).
+struct MemoryStats {
+  std::array<std::size_t, memory_kinds> in_use{};  ///< device bytes in use, per kind
+  std::array<std::size_t, memory_kinds> peak{};    ///< most device bytes in use at once, per kind
+  std::size_t total_peak = 0;          ///< most device bytes in use at once, all kinds together
+  long long device_allocations = 0;    ///< times the arena had to get new memory from the system
+  std::size_t host_in_use = 0;         ///< pinned host bytes in use (offloaded units' bins)
+  std::size_t host_peak = 0;
+  long long host_allocations = 0;
+  std::size_t in(Memory m) const { return in_use[static_cast<std::size_t>(m)]; }
+  std::size_t peak_of(Memory m) const { return peak[static_cast<std::size_t>(m)]; }
+};
+
+/// A device buffer from the arena.
+struct Block {
+  std::byte* ptr = nullptr;
+  std::size_t bytes = 0;  ///< what was asked for (the arena may hold more)
+  Memory kind = Memory::activation;
+};
+
+/// A pinned host buffer (a power-of-two bin).
+struct HostBlock {
+  std::byte* ptr = nullptr;
+  std::size_t bytes = 0;
+};
+
+/// One contiguous piece of a copy.
+struct CopyPiece {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  std::size_t bytes = 0;
+};
+
+/// A device the runtime can drive (see the file comment for the semantics).
+/// @code
+///   po::backend::Cpu dev({.copy_bytes_per_second = 12e9});   // a PCIe-like copy engine
+///   const int compute = dev.make_stream("compute"), copy = dev.make_stream("copy");
+///   const int done = dev.make_event();
+///   po::backend::Block b;
+///   dev.launch(compute, [&] { b = dev.device_alloc(1 << 20, po::backend::Memory::activation); });
+///   dev.record(done, compute);
+///   dev.wait(copy, done);
+///   dev.launch(copy, [&] { dev.device_free(b); });
+///   dev.synchronize();
+/// @endcode
+template <class B>
+concept backend = requires(B& b, int stream, int event, std::function<void()> fn, std::function<void(const std::string&)> hook,
+                           std::size_t n, Memory kind, Block blk, HostBlock hb, std::span<const CopyPiece> pieces, std::string why) {
+  typename B::Context;
+  { b.make_stream(why) } -> std::same_as<int>;
+  { b.make_event() } -> std::same_as<int>;
+  b.launch(stream, std::move(fn));
+  b.record(event, stream);
+  b.wait(stream, event);
+  b.synchronize();
+  b.abort(why);
+  b.set_error_hook(std::move(hook));
+  { b.device_alloc(n, kind) } -> std::same_as<Block>;
+  b.device_free(blk);
+  { b.host_alloc(n) } -> std::same_as<HostBlock>;
+  b.host_free(hb);
+  b.transfer(pieces);
+  { b.memory() } -> std::same_as<MemoryStats>;
+  b.reset_peaks();
+  { b.context(stream) } -> std::same_as<typename B::Context>;
+  { b.now() } -> std::same_as<double>;
+};
+
+}  // namespace pipeoffload::backend

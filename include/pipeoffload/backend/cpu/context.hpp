@@ -1,0 +1,17 @@
+// pipeoffload/backend/cpu/context.hpp: what a pass on backend::Cpu is given.
+#pragma once
+
+namespace pipeoffload::backend {
+
+class Cpu;
+
+/// Context of one pass on the CPU backend: the pass runs on its stream's worker thread, so it
+/// simply computes; `rank` and `stream` are there for logging and for layers that keep
+/// per-stream scratch.
+struct CpuContext {
+  Cpu* device = nullptr;
+  int rank = 0;
+  int stream = 0;
+};
+
+}  // namespace pipeoffload::backend

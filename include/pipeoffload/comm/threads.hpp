@@ -1,0 +1,171 @@
+// pipeoffload/comm/threads.hpp: comm::Threads, ranks that are threads of one process.
+//
+// Sends are rendezvous: a send waits until its receiver has copied the data out, the
+// strictest of the semantics in comm/communicator.hpp (NCCL's may do the same), so a schedule
+// that runs here cannot deadlock on a GPU for want of buffering.
+#pragma once
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../backend/cpu/cpu.hpp"  // aborted_error
+#include "communicator.hpp"
+
+namespace pipeoffload::comm {
+
+/// The shared state of `size` thread ranks: one FIFO channel per ordered pair of ranks.
+class ThreadsWorld {
+ public:
+  explicit ThreadsWorld(int size) : size_(size) {
+    if (size < 1 || size > 4096) throw comm_error("comm::ThreadsWorld: size = " + std::to_string(size) + " is outside the allowed range [1, 4096]");
+    channels_.resize(static_cast<std::size_t>(size) * static_cast<std::size_t>(size));
+    gathered_.resize(static_cast<std::size_t>(size));
+  }
+  int size() const { return size_; }
+
+  /// Aborts every rank (first reason wins).
+  void abort(const std::string& why) {
+    {
+      std::lock_guard lk(mu_);
+      if (aborted_) return;
+      aborted_ = true;
+      reason_ = why;
+    }
+    cv_.notify_all();
+  }
+  bool aborted() const {
+    std::lock_guard lk(mu_);
+    return aborted_;
+  }
+
+ private:
+  friend class Threads;
+  struct Message {
+    Tag tag;
+    const float* data = nullptr;
+    std::size_t count = 0;
+    bool taken = false;
+  };
+  std::deque<Message*>& channel(int from, int to) {
+    return channels_[static_cast<std::size_t>(from) * static_cast<std::size_t>(size_) + static_cast<std::size_t>(to)];
+  }
+  [[noreturn]] void throw_aborted() const { throw aborted_error("aborted: " + reason_); }
+
+  int size_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::deque<Message*>> channels_;  // [from * size + to], FIFO of posted sends
+  bool aborted_ = false;
+  std::string reason_;
+  // all_gather: contributions of the round in progress, and the published result of the last
+  // round (a rank can only enter round k+1 after every rank has left round k's wait, because
+  // round k+1 completes only when all have arrived).
+  std::vector<std::vector<double>> gathered_;
+  std::vector<double> published_;
+  int arrived_ = 0;
+  unsigned long long round_ = 0;
+};
+
+/// One rank's handle on a ThreadsWorld.
+class Threads {
+ public:
+  Threads(ThreadsWorld& world, int rank) : w_(&world), rank_(rank) {
+    if (rank < 0 || rank >= world.size())
+      throw comm_error("comm::Threads: rank = " + std::to_string(rank) + " is outside the allowed range [0, " + std::to_string(world.size() - 1) + "]");
+  }
+  int rank() const { return rank_; }
+  int size() const { return w_->size(); }
+
+  /// Blocks until `peer` has received the message (rendezvous).
+  void send(int peer, Tag tag, std::span<const float> data) {
+    check_peer(peer, "send to");
+    ThreadsWorld::Message msg{tag, data.data(), data.size(), false};
+    std::unique_lock lk(w_->mu_);
+    if (w_->aborted_) w_->throw_aborted();
+    w_->channel(rank_, peer).push_back(&msg);
+    w_->cv_.notify_all();
+    w_->cv_.wait(lk, [&] { return msg.taken || w_->aborted_; });
+    if (!msg.taken) {
+      // Aborted: withdraw the message, its storage is about to go away.
+      auto& ch = w_->channel(rank_, peer);
+      for (auto it = ch.begin(); it != ch.end(); ++it)
+        if (*it == &msg) {
+          ch.erase(it);
+          break;
+        }
+      w_->throw_aborted();
+    }
+  }
+
+  /// Blocks until the next message from `peer` arrives; it must carry `tag` and fit `out`.
+  void recv(int peer, Tag tag, std::span<float> out) {
+    check_peer(peer, "recv from");
+    std::unique_lock lk(w_->mu_);
+    auto& ch = w_->channel(peer, rank_);
+    w_->cv_.wait(lk, [&] { return !ch.empty() || w_->aborted_; });
+    if (w_->aborted_) w_->throw_aborted();
+    ThreadsWorld::Message* msg = ch.front();
+    if (!(msg->tag == tag) || msg->count != out.size()) {
+      const std::string what = "comm::Threads: rank " + std::to_string(rank_) + " expected " + describe(tag) + " of " +
+                               std::to_string(out.size()) + " floats from rank " + std::to_string(peer) + " but received " +
+                               describe(msg->tag) + " of " + std::to_string(msg->count) + " floats";
+      lk.unlock();
+      throw comm_error(what);
+    }
+    if (!out.empty()) std::memcpy(out.data(), msg->data, out.size() * sizeof(float));
+    msg->taken = true;
+    ch.pop_front();
+    w_->cv_.notify_all();
+  }
+
+  void all_gather(std::span<const double> mine, std::span<double> all) {
+    const std::size_t n = mine.size(), d = static_cast<std::size_t>(size());
+    if (all.size() != n * d)
+      throw comm_error("comm::Threads::all_gather: the output holds " + std::to_string(all.size()) + " values; it must hold size() * mine.size() = " +
+                       std::to_string(n * d));
+    std::unique_lock lk(w_->mu_);
+    if (w_->aborted_) w_->throw_aborted();
+    w_->gathered_[static_cast<std::size_t>(rank_)].assign(mine.begin(), mine.end());
+    const unsigned long long round = w_->round_;
+    if (++w_->arrived_ == size()) {
+      w_->published_.clear();
+      for (const auto& g : w_->gathered_) {
+        if (g.size() != n) {
+          w_->arrived_ = 0;
+          ++w_->round_;
+          lk.unlock();
+          w_->abort("comm::Threads::all_gather: ranks contributed different counts");
+          throw comm_error("comm::Threads::all_gather: ranks contributed different counts");
+        }
+        w_->published_.insert(w_->published_.end(), g.begin(), g.end());
+      }
+      w_->arrived_ = 0;
+      ++w_->round_;
+      w_->cv_.notify_all();
+    } else {
+      w_->cv_.wait(lk, [&] { return w_->round_ != round || w_->aborted_; });
+      if (w_->round_ == round) w_->throw_aborted();
+    }
+    std::copy(w_->published_.begin(), w_->published_.end(), all.begin());
+  }
+
+  void abort(const std::string& why) { w_->abort(why); }
+
+ private:
+  void check_peer(int peer, const char* what) const {
+    if (peer < 0 || peer >= size() || peer == rank_)
+      throw comm_error("comm::Threads: rank " + std::to_string(rank_) + " cannot " + what + " rank " + std::to_string(peer) +
+                       "; peers are the other ranks of 0.." + std::to_string(size() - 1));
+  }
+
+  ThreadsWorld* w_;
+  int rank_;
+};
+
+static_assert(communicator<Threads>, "comm::Threads must model the communicator concept.");
+
+}  // namespace pipeoffload::comm

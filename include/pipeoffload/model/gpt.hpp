@@ -1,0 +1,621 @@
+// pipeoffload/model/gpt.hpp: the reference GPT model, as pipeline stages (a po::layer).
+//
+// Token + position embedding, N pre-LN transformer blocks (causal multi-head self-attention,
+// GeLU MLP, residual dropout), final LayerNorm, LM head, softmax cross-entropy; fp32 on the
+// CPU with GEMMs on OpenBLAS (backend/cpu/blas.hpp). A stage is a run of blocks; stage 0 also
+// holds the embedding, the last stage the head.
+//
+// Split backward: B (backward_input) computes activation gradients only and stashes each
+// GEMM's output gradient; W (backward_weight) turns the stash into weight gradients.
+// Selective recompute: LayerNorm outputs, GeLU outputs and dropout masks are not saved but
+// recomputed (masks from a counter-based seed), so a block saves x, qkv, the attention output,
+// x1 and the MLP pre-activation: 10 floats per token and hidden unit, the fp32 counterpart of
+// the paper's 20bsh bytes in bf16 (plus per-row LayerNorm statistics and attention
+// log-sum-exps). With recompute off it also saves both LayerNorm outputs, the GeLU output
+// and both masks (bytes): 16 floats + 2 bytes, the counterpart of 34bsh.
+// Attention keeps no s x s matrix: backward recomputes the scores from q, k and the saved
+// log-sum-exps (flash-attention style), so there is no 5as^2b term.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "../backend/cpu/blas.hpp"
+#include "../backend/cpu/context.hpp"
+#include "../error.hpp"
+#include "layer.hpp"
+#include "math.hpp"
+
+namespace pipeoffload::model {
+
+struct GptConfig {
+  int vocab = 256;      ///< byte-level
+  int hidden = 128;     ///< h
+  int heads = 4;        ///< a; h % a == 0
+  int layers = 4;       ///< transformer blocks in the whole model
+  int seq = 64;         ///< s, also the position table size
+  float dropout = 0.1f; ///< residual dropout after attention and MLP
+  bool recompute = true;  ///< selective recompute of LayerNorm, GeLU and dropout
+  std::uint64_t seed = 1;
+
+  void check() const {
+    const auto need = [](bool ok, const std::string& what) {
+      if (!ok) throw shape_error("GptConfig: " + what);
+    };
+    need(vocab >= 2 && vocab <= (1 << 20), "vocab = " + std::to_string(vocab) + " is outside [2, 1048576]");
+    need(hidden >= 1 && hidden <= (1 << 16), "hidden = " + std::to_string(hidden) + " is outside [1, 65536]");
+    need(heads >= 1 && hidden % heads == 0, "heads = " + std::to_string(heads) + " must be >= 1 and divide hidden = " + std::to_string(hidden));
+    need(layers >= 1 && layers <= 4096, "layers = " + std::to_string(layers) + " is outside [1, 4096]");
+    need(seq >= 1 && seq <= (1 << 16), "seq = " + std::to_string(seq) + " is outside [1, 65536]");
+    need(dropout >= 0.0f && dropout < 1.0f, "dropout = " + std::to_string(dropout) + " is outside [0, 1)");
+  }
+};
+
+/// Stage `stage` of S: blocks [first, first + count) of the model, with the embedding when
+/// stage == 0 and the head when stage == S-1. Blocks are spread as evenly as possible.
+class GptStage {
+ public:
+  GptStage(const GptConfig& cfg, int stage, int stages) : c_(cfg), stage_(stage), stages_(stages) {
+    cfg.check();
+    if (stages < 1 || stage < 0 || stage >= stages)
+      throw shape_error("GptStage: stage = " + std::to_string(stage) + " is outside [0, " + std::to_string(stages - 1) + "]");
+    first_ = static_cast<int>(static_cast<long long>(cfg.layers) * stage / stages);
+    count_ = static_cast<int>(static_cast<long long>(cfg.layers) * (stage + 1) / stages) - first_;
+    h_ = cfg.hidden;
+    // Parameters: embedding (wte V x h, wpe s x h), blocks, head (lnf g/b, W h x V, b V).
+    if (embeds()) groups_.push_back(static_cast<std::size_t>(cfg.vocab + cfg.seq) * h());
+    for (int i = 0; i < count_; ++i) groups_.push_back(block_params());
+    if (heads()) groups_.push_back(2 * h() + h() * V() + V());
+    std::size_t n = 0;
+    for (std::size_t g : groups_) n += g;
+    params_.resize(n);
+    grads_.assign(n, 0.0f);
+    init();
+  }
+
+  int first_block() const { return first_; }
+  int blocks() const { return count_; }
+  bool embeds() const { return stage_ == 0; }
+  bool heads() const { return stage_ == stages_ - 1; }
+
+  // ---- po::layer -----------------------------------------------------------------------
+
+  std::size_t boundary_floats(MicrobatchShape sh) const { return tokens(sh) * h(); }
+  std::size_t saved_bytes(MicrobatchShape sh) const { return count_ * block_saved(sh) + (heads() ? head_saved(sh) : 0); }
+  std::size_t stash_bytes(MicrobatchShape sh) const {
+    return ((embeds() ? tokens(sh) * h() : 0) + count_ * block_stash_floats(sh) + (heads() ? tokens(sh) * h() : 0)) * sizeof(float);
+  }
+  std::span<float> parameters() { return params_; }
+  std::span<float> gradients() { return grads_; }
+  /// One group per embedding, block and head: the runtime sums squared gradients per group
+  /// in model order, so the clip is the same however the model is cut into stages.
+  std::vector<std::size_t> norm_groups() const { return groups_; }
+
+  /// Saved bytes of one block for a microbatch, split into what the 20bsh / 34bsh accounting
+  /// counts (per-token tensors) and the small per-row extras (statistics, log-sum-exps).
+  struct SavedBreakdown {
+    std::size_t tensor_floats = 0;  ///< floats of b*s*h-proportional tensors
+    std::size_t mask_bytes = 0;     ///< dropout masks (recompute off only)
+    std::size_t extra_floats = 0;   ///< LayerNorm mean/rstd and attention log-sum-exp per row
+  };
+  SavedBreakdown block_breakdown(MicrobatchShape sh) const {
+    const std::size_t T = tokens(sh);
+    SavedBreakdown b;
+    b.tensor_floats = T * h() * (c_.recompute ? 10 : 16);
+    b.mask_bytes = c_.recompute ? 0 : 2 * T * h();
+    b.extra_floats = 4 * T + T * static_cast<std::size_t>(c_.heads);
+    return b;
+  }
+
+  float forward(backend::CpuContext&, const Microbatch& mb, const float* x, float* y, std::byte* saved) {
+    const std::size_t T = tokens(mb.shape);
+    check_shape(mb.shape);
+    float* cur = nullptr;  // (T, h) input of the next block, in that block's saved region
+    std::byte* p = saved;
+    std::vector<float>& tmp = ws(T * h());
+    if (embeds()) {
+      cur = count_ > 0 ? block_x(p) : tmp.data();
+      const float* wte = params_.data();
+      const float* wpe = wte + static_cast<std::size_t>(V()) * h();
+      for (std::size_t t = 0; t < T; ++t) {
+        const int tok = mb.tokens[t];
+        if (tok < 0 || tok >= c_.vocab)
+          throw error("GptStage: token " + std::to_string(tok) + " at position " + std::to_string(t) + " is outside [0, " + std::to_string(c_.vocab - 1) + "]");
+        const std::size_t pos = t % static_cast<std::size_t>(mb.shape.seq);
+        for (std::size_t i = 0; i < h(); ++i) cur[t * h() + i] = wte[static_cast<std::size_t>(tok) * h() + i] + wpe[pos * h() + i];
+      }
+    } else {
+      cur = count_ > 0 ? block_x(p) : tmp.data();
+      std::memcpy(cur, x, T * h() * sizeof(float));
+    }
+    for (int i = 0; i < count_; ++i) {
+      std::byte* bp = p + static_cast<std::size_t>(i) * block_saved(mb.shape);
+      float* out = nullptr;
+      if (i + 1 < count_) out = block_x(bp + block_saved(mb.shape));
+      else if (heads()) out = head_x(p + count_ * block_saved(mb.shape));
+      else out = y;
+      block_forward(i, mb, bp, out);
+      cur = out;
+    }
+    if (heads()) {
+      std::byte* hp = p + count_ * block_saved(mb.shape);
+      if (count_ == 0) std::memcpy(head_x(hp), cur, T * h() * sizeof(float));
+      return head_forward(mb, hp);
+    }
+    if (count_ == 0 && y != nullptr) std::memcpy(y, cur, T * h() * sizeof(float));
+    return 0.0f;
+  }
+
+  void backward_input(backend::CpuContext&, const Microbatch& mb, const float* dy, float* dx, std::byte* saved, std::byte* stash) {
+    const std::size_t T = tokens(mb.shape);
+    check_shape(mb.shape);
+    float* st = reinterpret_cast<float*>(stash);
+    float* st_embed = st;
+    float* st_blocks = st + (embeds() ? T * h() : 0);
+    float* st_head = st_blocks + count_ * block_stash_floats(mb.shape);
+    std::vector<float>& g = ws(2 * T * h());
+    float* grad = g.data();  // (T, h) gradient flowing down through the blocks
+    float* spare = grad + T * h();
+    if (heads()) head_backward_input(mb, saved + count_ * block_saved(mb.shape), st_head, grad);
+    else std::memcpy(grad, dy, T * h() * sizeof(float));
+    for (int i = count_ - 1; i >= 0; --i) {
+      block_backward_input(i, mb, saved + static_cast<std::size_t>(i) * block_saved(mb.shape),
+                           st_blocks + static_cast<std::size_t>(i) * block_stash_floats(mb.shape), grad, spare);
+      std::swap(grad, spare);
+    }
+    if (embeds()) std::memcpy(st_embed, grad, T * h() * sizeof(float));
+    else std::memcpy(dx, grad, T * h() * sizeof(float));
+  }
+
+  void backward_weight(backend::CpuContext&, const Microbatch& mb, std::byte* saved, std::byte* stash) {
+    const std::size_t T = tokens(mb.shape);
+    check_shape(mb.shape);
+    const float* st = reinterpret_cast<const float*>(stash);
+    const float* st_blocks = st + (embeds() ? T * h() : 0);
+    const float* st_head = st_blocks + count_ * block_stash_floats(mb.shape);
+    if (embeds()) {
+      float* gte = grads_.data();
+      float* gpe = gte + static_cast<std::size_t>(V()) * h();
+      for (std::size_t t = 0; t < T; ++t) {
+        const std::size_t tok = static_cast<std::size_t>(mb.tokens[t]), pos = t % static_cast<std::size_t>(mb.shape.seq);
+        for (std::size_t i = 0; i < h(); ++i) {
+          gte[tok * h() + i] += st[t * h() + i];
+          gpe[pos * h() + i] += st[t * h() + i];
+        }
+      }
+    }
+    for (int i = 0; i < count_; ++i)
+      block_backward_weight(i, mb, saved + static_cast<std::size_t>(i) * block_saved(mb.shape), st_blocks + static_cast<std::size_t>(i) * block_stash_floats(mb.shape));
+    if (heads()) head_backward_weight(mb, saved + count_ * block_saved(mb.shape), st_head);
+  }
+
+ private:
+  // ---- sizes -------------------------------------------------------------------------------
+  std::size_t h() const { return static_cast<std::size_t>(h_); }
+  std::size_t V() const { return static_cast<std::size_t>(c_.vocab); }
+  static std::size_t tokens(MicrobatchShape sh) { return static_cast<std::size_t>(sh.tokens()); }
+  std::size_t block_params() const { return 4 * h() + 3 * h() * h() + 3 * h() + h() * h() + h() + 4 * h() * h() + 4 * h() + 4 * h() * h() + h(); }
+  void check_shape(MicrobatchShape sh) const {
+    if (sh.seq > c_.seq)
+      throw shape_error("GptStage: microbatch seq = " + std::to_string(sh.seq) + " is longer than the position table (" + std::to_string(c_.seq) + ")");
+  }
+
+  // Block saved layout (floats unless noted), T = b*s tokens:
+  //   x (T,h) | qkv (T,3h) | att (T,h) | x1 (T,h) | f (T,4h) | ln stats (T,4) | lse (b,a,s)
+  //   recompute off, also: a1 (T,h) | a2 (T,h) | g (T,4h) | masks (2,T,h) bytes
+  std::size_t block_saved_floats(MicrobatchShape sh) const {
+    const std::size_t T = tokens(sh);
+    return T * h() * (c_.recompute ? 10 : 16) + 4 * T + T * static_cast<std::size_t>(c_.heads);
+  }
+  std::size_t block_saved(MicrobatchShape sh) const {
+    const std::size_t bytes = block_saved_floats(sh) * sizeof(float) + (c_.recompute ? 0 : 2 * tokens(sh) * h());
+    return (bytes + 63) / 64 * 64;  // keep every block's region 64-byte aligned
+  }
+  // Block stash: dP2 (T,h) | dF (T,4h) | dA2 (T,h) | dO1 (T,h) | dQKV (T,3h) | dA1 (T,h)
+  std::size_t block_stash_floats(MicrobatchShape sh) const { return tokens(sh) * h() * 11; }
+  // Head saved: x (T,h) | lnf stats (T,2) | dlogits (T,V)
+  std::size_t head_saved(MicrobatchShape sh) const { return (tokens(sh) * (h() + 2 + V())) * sizeof(float); }
+
+  static float* block_x(std::byte* bp) { return reinterpret_cast<float*>(bp); }
+  static float* head_x(std::byte* hp) { return reinterpret_cast<float*>(hp); }
+
+  struct BlockView {
+    float *x, *qkv, *att, *x1, *f, *stats, *lse, *a1, *a2, *g;
+    std::uint8_t *m1, *m2;
+  };
+  BlockView view(std::byte* bp, MicrobatchShape sh) const {
+    const std::size_t T = tokens(sh), H = h();
+    BlockView v{};
+    float* p = reinterpret_cast<float*>(bp);
+    v.x = p;
+    v.qkv = v.x + T * H;
+    v.att = v.qkv + 3 * T * H;
+    v.x1 = v.att + T * H;
+    v.f = v.x1 + T * H;
+    v.stats = v.f + 4 * T * H;
+    v.lse = v.stats + 4 * T;
+    float* end = v.lse + T * static_cast<std::size_t>(c_.heads);
+    if (!c_.recompute) {
+      v.a1 = end;
+      v.a2 = v.a1 + T * H;
+      v.g = v.a2 + T * H;
+      v.m1 = reinterpret_cast<std::uint8_t*>(v.g + 4 * T * H);
+      v.m2 = v.m1 + T * H;
+    }
+    return v;
+  }
+
+  struct BlockParams {
+    float *ln1g, *ln1b, *wqkv, *bqkv, *wo, *bo, *ln2g, *ln2b, *wfc, *bfc, *wpr, *bpr;
+  };
+  BlockParams block(std::vector<float>& store, int i) {
+    const std::size_t H = h();
+    float* p = store.data() + (embeds() ? static_cast<std::size_t>(c_.vocab + c_.seq) * H : 0) + static_cast<std::size_t>(i) * block_params();
+    BlockParams b{};
+    b.ln1g = p;
+    b.ln1b = b.ln1g + H;
+    b.wqkv = b.ln1b + H;
+    b.bqkv = b.wqkv + 3 * H * H;
+    b.wo = b.bqkv + 3 * H;
+    b.bo = b.wo + H * H;
+    b.ln2g = b.bo + H;
+    b.ln2b = b.ln2g + H;
+    b.wfc = b.ln2b + H;
+    b.bfc = b.wfc + 4 * H * H;
+    b.wpr = b.bfc + 4 * H;
+    b.bpr = b.wpr + 4 * H * H;
+    return b;
+  }
+  float* head_params(std::vector<float>& store) { return store.data() + store.size() - (2 * h() + h() * V() + V()); }
+
+  /// Layer-owned scratch: one pass at a time runs on a rank's compute stream.
+  std::vector<float>& ws(std::size_t n) {
+    if (scratch_.size() < n) scratch_.resize(n);
+    return scratch_;
+  }
+
+  std::uint64_t drop_seed(const Microbatch& mb, int block, int site) const {
+    return math::dropout_seed(c_.seed, mb.step, first_ + block, site, mb.mb);
+  }
+
+  void init() {
+    // Every tensor is seeded by its global position (embedding, block index, head), so the
+    // model is the same however it is cut into stages.
+    const auto fill = [](float* p, std::size_t n, std::uint64_t seed, float scale) {
+      for (std::size_t i = 0; i < n; ++i) {
+        // Box-Muller on two counter-based uniforms.
+        const double u1 = (static_cast<double>(math::mix64(seed, 2 * i) >> 11) + 1.0) / 9007199254740993.0;
+        const double u2 = static_cast<double>(math::mix64(seed, 2 * i + 1) >> 11) / 9007199254740992.0;
+        p[i] = static_cast<float>(scale * std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+      }
+    };
+    const std::size_t H = h();
+    const float std_w = 0.02f, std_res = 0.02f / std::sqrt(2.0f * static_cast<float>(c_.layers));
+    if (embeds()) {
+      fill(params_.data(), V() * H, math::mix64(c_.seed, 1000001), std_w);
+      fill(params_.data() + V() * H, static_cast<std::size_t>(c_.seq) * H, math::mix64(c_.seed, 1000002), std_w * 0.5f);
+    }
+    for (int i = 0; i < count_; ++i) {
+      BlockParams b = block(params_, i);
+      const std::uint64_t s = math::mix64(c_.seed, static_cast<std::uint64_t>(first_ + i));
+      std::fill(b.ln1g, b.ln1g + H, 1.0f);
+      std::fill(b.ln2g, b.ln2g + H, 1.0f);
+      fill(b.wqkv, 3 * H * H, math::mix64(s, 1), std_w);
+      fill(b.wo, H * H, math::mix64(s, 2), std_res);
+      fill(b.wfc, 4 * H * H, math::mix64(s, 3), std_w);
+      fill(b.wpr, 4 * H * H, math::mix64(s, 4), std_res);
+    }
+    if (heads()) {
+      float* hp = head_params(params_);
+      std::fill(hp, hp + H, 1.0f);
+      fill(hp + 2 * H, H * V(), math::mix64(c_.seed, 1000003), std_w);
+    }
+  }
+
+  // ---- pieces ------------------------------------------------------------------------------
+  using T_ = blas::Trans;
+
+  /// out = LayerNorm(x) row by row; writes each row's (mean, rstd) to stats.
+  void layernorm(const float* x, float* stats, const float* g, const float* b, float* out, std::size_t T) const {
+    for (std::size_t t = 0; t < T; ++t) {
+      const math::RowStats st = math::row_stats(x + t * h(), h_);
+      stats[2 * t] = st.mean;
+      stats[2 * t + 1] = st.rstd;
+      for (std::size_t i = 0; i < h(); ++i) out[t * h() + i] = math::layernorm_apply(x[t * h() + i], st, g[i], b[i]);
+    }
+  }
+  /// The same output recomputed from saved statistics (selective recompute).
+  void relayernorm(const float* x, const float* stats, const float* g, const float* b, float* out, std::size_t T) const {
+    for (std::size_t t = 0; t < T; ++t) {
+      const math::RowStats st{stats[2 * t], stats[2 * t + 1]};
+      for (std::size_t i = 0; i < h(); ++i) out[t * h() + i] = math::layernorm_apply(x[t * h() + i], st, g[i], b[i]);
+    }
+  }
+  static void add_bias(float* y, const float* b, std::size_t rows, std::size_t cols) {
+    for (std::size_t r = 0; r < rows; ++r)
+      for (std::size_t c = 0; c < cols; ++c) y[r * cols + c] += b[c];
+  }
+  static void col_sum_into(float* out, const float* x, std::size_t rows, std::size_t cols) {
+    for (std::size_t r = 0; r < rows; ++r)
+      for (std::size_t c = 0; c < cols; ++c) out[c] += x[r * cols + c];
+  }
+  // Y (rows x n) = X (rows x k) W (k x n) [+ bias]
+  static void linear(const float* X, const float* W, const float* bias, float* Y, std::size_t rows, std::size_t k, std::size_t n) {
+    blas::sgemm(T_::no, T_::no, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k), 1.0f, X, static_cast<int>(k), W,
+                static_cast<int>(n), 0.0f, Y, static_cast<int>(n));
+    if (bias) add_bias(Y, bias, rows, n);
+  }
+  // dX (rows x k) = dY (rows x n) W^T
+  static void linear_dx(const float* dY, const float* W, float* dX, std::size_t rows, std::size_t k, std::size_t n) {
+    blas::sgemm(T_::no, T_::yes, static_cast<int>(rows), static_cast<int>(k), static_cast<int>(n), 1.0f, dY, static_cast<int>(n), W,
+                static_cast<int>(n), 0.0f, dX, static_cast<int>(k));
+  }
+  // dW (k x n) += X^T dY ; db += colsum dY
+  static void linear_dw(const float* X, const float* dY, float* dW, float* db, std::size_t rows, std::size_t k, std::size_t n) {
+    blas::sgemm(T_::yes, T_::no, static_cast<int>(k), static_cast<int>(n), static_cast<int>(rows), 1.0f, X, static_cast<int>(k), dY,
+                static_cast<int>(n), 1.0f, dW, static_cast<int>(n));
+    if (db) col_sum_into(db, dY, rows, n);
+  }
+
+  /// Causal attention of one microbatch: att = softmax(q k^T / sqrt(dh)) v per (sequence,
+  /// head); writes the log-sum-exp of each score row for backward.
+  void attention_forward(const float* qkv, float* att, float* lse, MicrobatchShape sh) {
+    const std::size_t S = static_cast<std::size_t>(sh.seq), A = static_cast<std::size_t>(c_.heads), H = h(), dh = H / A;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+    if (scores_.size() < S * S) scores_.resize(S * S);
+    float* P = scores_.data();
+    for (std::size_t b = 0; b < static_cast<std::size_t>(sh.batch); ++b)
+      for (std::size_t a = 0; a < A; ++a) {
+        const float* q = qkv + b * S * 3 * H + a * dh;
+        const float* k = q + H;
+        const float* v = q + 2 * H;
+        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), scale, q, static_cast<int>(3 * H), k,
+                    static_cast<int>(3 * H), 0.0f, P, static_cast<int>(S));
+        float* l = lse + (b * A + a) * S;
+        for (std::size_t i = 0; i < S; ++i) {
+          float* row = P + i * S;
+          float mx = row[0];
+          for (std::size_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
+          float sum = 0;
+          for (std::size_t j = 0; j <= i; ++j) sum += std::exp(row[j] - mx);
+          l[i] = mx + std::log(sum);
+          for (std::size_t j = 0; j <= i; ++j) row[j] = std::exp(row[j] - l[i]);
+          for (std::size_t j = i + 1; j < S; ++j) row[j] = 0.0f;
+        }
+        blas::sgemm(T_::no, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), 1.0f, P, static_cast<int>(S), v,
+                    static_cast<int>(3 * H), 0.0f, att + b * S * H + a * dh, static_cast<int>(H));
+      }
+  }
+
+  /// dqkv from datt, recomputing the probabilities from q, k and the log-sum-exps.
+  void attention_backward(const float* qkv, const float* att, const float* lse, const float* datt, float* dqkv, MicrobatchShape sh) {
+    const std::size_t S = static_cast<std::size_t>(sh.seq), A = static_cast<std::size_t>(c_.heads), H = h(), dh = H / A;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+    if (scores_.size() < 2 * S * S) scores_.resize(2 * S * S);
+    float* P = scores_.data();
+    float* dP = P + S * S;
+    for (std::size_t b = 0; b < static_cast<std::size_t>(sh.batch); ++b)
+      for (std::size_t a = 0; a < A; ++a) {
+        const float* q = qkv + b * S * 3 * H + a * dh;
+        const float* k = q + H;
+        const float* v = q + 2 * H;
+        float* dq = dqkv + b * S * 3 * H + a * dh;
+        float* dk = dq + H;
+        float* dv = dq + 2 * H;
+        const float* o = att + b * S * H + a * dh;
+        const float* dO = datt + b * S * H + a * dh;
+        const float* l = lse + (b * A + a) * S;
+        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), scale, q, static_cast<int>(3 * H), k,
+                    static_cast<int>(3 * H), 0.0f, P, static_cast<int>(S));
+        for (std::size_t i = 0; i < S; ++i) {
+          for (std::size_t j = 0; j <= i; ++j) P[i * S + j] = std::exp(P[i * S + j] - l[i]);
+          for (std::size_t j = i + 1; j < S; ++j) P[i * S + j] = 0.0f;
+        }
+        // dP = dO v^T ; dS = P (dP - rowsum(dO o)) ; dv = P^T dO ; dq = dS k scale ; dk = dS^T q scale
+        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), 1.0f, dO, static_cast<int>(H), v,
+                    static_cast<int>(3 * H), 0.0f, dP, static_cast<int>(S));
+        for (std::size_t i = 0; i < S; ++i) {
+          float D = 0;
+          for (std::size_t e = 0; e < dh; ++e) D += dO[i * H + e] * o[i * H + e];
+          for (std::size_t j = 0; j < S; ++j) dP[i * S + j] = j <= i ? P[i * S + j] * (dP[i * S + j] - D) : 0.0f;
+        }
+        blas::sgemm(T_::yes, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), 1.0f, P, static_cast<int>(S), dO,
+                    static_cast<int>(H), 0.0f, dv, static_cast<int>(3 * H));
+        blas::sgemm(T_::no, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), scale, dP, static_cast<int>(S), k,
+                    static_cast<int>(3 * H), 0.0f, dq, static_cast<int>(3 * H));
+        blas::sgemm(T_::yes, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), scale, dP, static_cast<int>(S), q,
+                    static_cast<int>(3 * H), 0.0f, dk, static_cast<int>(3 * H));
+      }
+  }
+
+  void block_forward(int i, const Microbatch& mb, std::byte* bp, float* out) {
+    const std::size_t T = tokens(mb.shape), H = h();
+    BlockView v = view(bp, mb.shape);
+    BlockParams w = block(params_, i);
+    std::vector<float>& s = ws(6 * T * H);
+    float* a1 = c_.recompute ? s.data() : v.a1;
+    float* tmp = s.data() + T * H;             // (T, h) projection outputs
+    float* g = c_.recompute ? tmp + T * H : v.g;  // (T, 4h)
+    layernorm(v.x, v.stats, w.ln1g, w.ln1b, a1, T);
+    linear(a1, w.wqkv, w.bqkv, v.qkv, T, H, 3 * H);
+    attention_forward(v.qkv, v.att, v.lse, mb.shape);
+    linear(v.att, w.wo, w.bo, tmp, T, H, H);
+    const std::uint64_t s1 = drop_seed(mb, i, 0), s2 = drop_seed(mb, i, 1);
+    for (std::size_t e = 0; e < T * H; ++e) {
+      const float k = math::dropout_scale(s1, e, c_.dropout);
+      if (!c_.recompute) v.m1[e] = k != 0.0f;
+      v.x1[e] = v.x[e] + tmp[e] * k;
+    }
+    float* a2 = c_.recompute ? s.data() : v.a2;
+    layernorm(v.x1, v.stats + 2 * T, w.ln2g, w.ln2b, a2, T);
+    linear(a2, w.wfc, w.bfc, v.f, T, H, 4 * H);
+    for (std::size_t e = 0; e < 4 * T * H; ++e) g[e] = math::gelu(v.f[e]);
+    linear(g, w.wpr, w.bpr, tmp, T, 4 * H, H);
+    for (std::size_t e = 0; e < T * H; ++e) {
+      const float k = math::dropout_scale(s2, e, c_.dropout);
+      if (!c_.recompute) v.m2[e] = k != 0.0f;
+      out[e] = v.x1[e] + tmp[e] * k;
+    }
+  }
+
+  float mask_scale(const std::uint8_t* saved_mask, std::uint64_t seed, std::size_t e) const {
+    if (c_.dropout <= 0.0f) return 1.0f;
+    if (!c_.recompute) return saved_mask[e] ? 1.0f / (1.0f - c_.dropout) : 0.0f;
+    return math::dropout_scale(seed, e, c_.dropout);
+  }
+
+  /// grad (T,h) = dL/d(block output) in; out (T,h) = dL/d(block input).
+  void block_backward_input(int i, const Microbatch& mb, std::byte* bp, float* st, const float* grad, float* out) {
+    const std::size_t T = tokens(mb.shape), H = h();
+    BlockView v = view(bp, mb.shape);
+    BlockParams w = block(params_, i);
+    float* dP2 = st;
+    float* dF = dP2 + T * H;
+    float* dA2 = dF + 4 * T * H;
+    float* dO1 = dA2 + T * H;
+    float* dQKV = dO1 + T * H;
+    float* dA1 = dQKV + 3 * T * H;
+    // Not ws(): the caller's grad and out live there.
+    float* dx1 = bwd_scratch(2 * T * H);  // (T, h) dL/dx1, then (T, h) dL/d(attention output)
+    float* datt = dx1 + T * H;
+    const std::uint64_t s1 = drop_seed(mb, i, 0), s2 = drop_seed(mb, i, 1);
+    for (std::size_t e = 0; e < T * H; ++e) dP2[e] = grad[e] * mask_scale(v.m2, s2, e);
+    linear_dx(dP2, w.wpr, dF, T, 4 * H, H);  // dG
+    for (std::size_t e = 0; e < 4 * T * H; ++e) dF[e] *= math::gelu_grad(v.f[e]);
+    linear_dx(dF, w.wfc, dA2, T, H, 4 * H);
+    for (std::size_t t = 0; t < T; ++t) {
+      const math::RowStats st2{v.stats[2 * T + 2 * t], v.stats[2 * T + 2 * t + 1]};
+      math::layernorm_backward_row(dA2 + t * H, v.x1 + t * H, st2, w.ln2g, dx1 + t * H, h_);
+    }
+    for (std::size_t e = 0; e < T * H; ++e) {
+      dx1[e] += grad[e];
+      dO1[e] = dx1[e] * mask_scale(v.m1, s1, e);
+    }
+    linear_dx(dO1, w.wo, datt, T, H, H);
+    attention_backward(v.qkv, v.att, v.lse, datt, dQKV, mb.shape);
+    linear_dx(dQKV, w.wqkv, dA1, T, H, 3 * H);
+    for (std::size_t t = 0; t < T; ++t) {
+      const math::RowStats st1{v.stats[2 * t], v.stats[2 * t + 1]};
+      math::layernorm_backward_row(dA1 + t * H, v.x + t * H, st1, w.ln1g, out + t * H, h_);
+    }
+    for (std::size_t e = 0; e < T * H; ++e) out[e] += dx1[e];
+  }
+
+  void block_backward_weight(int i, const Microbatch& mb, std::byte* bp, const float* st) {
+    const std::size_t T = tokens(mb.shape), H = h();
+    BlockView v = view(bp, mb.shape);
+    BlockParams gw = block(grads_, i);
+    BlockParams w = block(params_, i);
+    const float* dP2 = st;
+    const float* dF = dP2 + T * H;
+    const float* dA2 = dF + 4 * T * H;
+    const float* dO1 = dA2 + T * H;
+    const float* dQKV = dO1 + T * H;
+    const float* dA1 = dQKV + 3 * T * H;
+    std::vector<float>& s = ws(5 * T * H);
+    float* a = s.data();       // (T, h): a1, then a2 (recomputed LayerNorm outputs)
+    float* g = a + T * H;      // (T, 4h): recomputed GeLU output
+    // Attention-out projection and MLP output projection.
+    linear_dw(v.att, dO1, gw.wo, gw.bo, T, H, H);
+    const float* gsrc = v.g;
+    if (c_.recompute) {
+      for (std::size_t e = 0; e < 4 * T * H; ++e) g[e] = math::gelu(v.f[e]);
+      gsrc = g;
+    }
+    linear_dw(gsrc, dP2, gw.wpr, gw.bpr, T, 4 * H, H);
+    const float* a2 = v.a2;
+    if (c_.recompute) {
+      relayernorm(v.x1, v.stats + 2 * T, w.ln2g, w.ln2b, a, T);
+      a2 = a;
+    }
+    linear_dw(a2, dF, gw.wfc, gw.bfc, T, H, 4 * H);
+    ln_weight_grads(v.x1, v.stats + 2 * T, dA2, gw.ln2g, gw.ln2b, T);
+    const float* a1 = v.a1;
+    if (c_.recompute) {
+      relayernorm(v.x, v.stats, w.ln1g, w.ln1b, a, T);
+      a1 = a;
+    }
+    linear_dw(a1, dQKV, gw.wqkv, gw.bqkv, T, H, 3 * H);
+    ln_weight_grads(v.x, v.stats, dA1, gw.ln1g, gw.ln1b, T);
+  }
+
+  void ln_weight_grads(const float* x, const float* stats, const float* dy, float* gg, float* gb, std::size_t T) const {
+    for (std::size_t t = 0; t < T; ++t) {
+      const float mean = stats[2 * t], rstd = stats[2 * t + 1];
+      for (std::size_t i = 0; i < h(); ++i) {
+        gg[i] += dy[t * h() + i] * (x[t * h() + i] - mean) * rstd;
+        gb[i] += dy[t * h() + i];
+      }
+    }
+  }
+
+  float* bwd_scratch(std::size_t n) {
+    if (bwd_.size() < n) bwd_.resize(n);
+    return bwd_.data();
+  }
+
+  // ---- head ----------------------------------------------------------------------------------
+  float head_forward(const Microbatch& mb, std::byte* hp) {
+    const std::size_t T = tokens(mb.shape), H = h();
+    float* x = head_x(hp);
+    float* stats = x + T * H;
+    float* dlogits = stats + 2 * T;
+    float* p = head_params(params_);
+    std::vector<float>& s = ws(T * H + T * V());
+    float* a = s.data();
+    float* logits = a + T * H;
+    layernorm(x, stats, p, p + H, a, T);
+    linear(a, p + 2 * H, p + 2 * H + H * V(), logits, T, H, V());
+    double loss = 0;
+    const float scale = mb.loss_scale / static_cast<float>(T);
+    for (std::size_t t = 0; t < T; ++t) {
+      const int tgt = mb.targets[t];
+      if (tgt < 0 || tgt >= c_.vocab)
+        throw error("GptStage: target " + std::to_string(tgt) + " at position " + std::to_string(t) + " is outside [0, " + std::to_string(c_.vocab - 1) + "]");
+      loss += math::softmax_xent_row(logits + t * V(), c_.vocab, tgt, scale, dlogits + t * V());
+    }
+    return static_cast<float>(loss / static_cast<double>(T));
+  }
+
+  void head_backward_input(const Microbatch& mb, std::byte* hp, float* st, float* dx) {
+    const std::size_t T = tokens(mb.shape), H = h();
+    const float* x = head_x(hp);
+    const float* stats = x + T * H;
+    const float* dlogits = stats + 2 * T;
+    const float* p = head_params(params_);
+    float* da = st;  // (T, h) stashed for the LayerNorm weight gradients
+    linear_dx(dlogits, p + 2 * H, da, T, H, V());
+    for (std::size_t t = 0; t < T; ++t)
+      math::layernorm_backward_row(da + t * H, x + t * H, {stats[2 * t], stats[2 * t + 1]}, p, dx + t * H, h_);
+  }
+
+  void head_backward_weight(const Microbatch& mb, std::byte* hp, const float* st) {
+    const std::size_t T = tokens(mb.shape), H = h();
+    const float* x = head_x(hp);
+    const float* stats = x + T * H;
+    const float* dlogits = stats + 2 * T;
+    float* p = head_params(params_);
+    float* g = head_params(grads_);
+    std::vector<float>& s = ws(T * H);
+    relayernorm(x, stats, p, p + H, s.data(), T);
+    linear_dw(s.data(), dlogits, g + 2 * H, g + 2 * H + H * V(), T, H, V());
+    ln_weight_grads(x, stats, st, g, g + H, T);
+  }
+
+  GptConfig c_;
+  int stage_, stages_;
+  int first_ = 0, count_ = 0, h_ = 0;
+  std::vector<std::size_t> groups_;
+  std::vector<float> params_, grads_;
+  std::vector<float> scratch_, bwd_, scores_;
+};
+
+static_assert(layer<GptStage>, "GptStage must model po::layer.");
+
+}  // namespace pipeoffload::model

@@ -1,0 +1,16 @@
+// pipeoffload/runtime.hpp: the CPU training umbrella (threads, no CUDA).
+//
+// Everything pipeoffload.hpp has, plus the runtime, the CPU backend, the thread-rank
+// communicator and the host-side offload layout. `po::` as in pipeoffload.hpp.
+#pragma once
+
+#include "backend/backend.hpp"
+#include "backend/cpu/cpu.hpp"
+#include "comm/communicator.hpp"
+#include "comm/threads.hpp"
+#include "model/layer.hpp"
+#include "model/math.hpp"
+#include "offload/host_bins.hpp"
+#include "pipeoffload.hpp"
+#include "runtime/runtime.hpp"
+#include "runtime/thread_ranks.hpp"

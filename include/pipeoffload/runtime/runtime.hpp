@@ -1,0 +1,535 @@
+// pipeoffload/runtime/runtime.hpp: po::Runtime, one rank of a pipeline executing a schedule.
+//
+// Each iteration the host thread enqueues the rank's whole program: F/B/W/BW on the compute
+// stream, O/R on the copy stream, sends and receives on the comm stream in RankProgram::comm
+// order, with every dependency an event (a received input, a produced output, the schedule's
+// cross-stream edges). The streams then run as soon as possible under those events, which is
+// exactly what simulate() models. After the passes: gradients (accumulated in microbatch order
+// by the layers) are clipped by their global norm across all stages, checked for non-finite
+// values, and one AdamW step with warmup + cosine learning rate is applied.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "../backend/backend.hpp"
+#include "../comm/communicator.hpp"
+#include "../error.hpp"
+#include "../model/layer.hpp"
+#include "../model/math.hpp"
+#include "../offload/host_bins.hpp"
+#include "../schedule/schedule.hpp"
+#include "../schedule/validate.hpp"
+#include "../sim/simulate.hpp"
+
+namespace pipeoffload {
+
+/// Schedule argument of Runtime for a schedule chosen at run time (RuntimeOptions::spec).
+struct AnySchedule {};
+
+struct RuntimeOptions {
+  Shape shape{};                    ///< d ranks, v chunks per rank, m microbatches
+  MicrobatchShape microbatch{};     ///< batch x seq tokens per microbatch
+  Costs costs{};                    ///< planning costs: T_F, T_B, T_W, k (offload placement)
+  ScheduleSpec spec{};              ///< the schedule, for Runtime<AnySchedule, ...> only
+  math::AdamW optimizer{};
+};
+
+/// One iteration's inputs: m microbatches of (batch, seq) token ids and next-token targets,
+/// microbatch-major. Every rank gets the whole batch (stage 0 reads tokens, the last stage
+/// targets).
+struct Batch {
+  std::span<const std::int32_t> tokens;
+  std::span<const std::int32_t> targets;
+};
+
+/// What one step reports (identical on every rank except `memory` and `seconds`).
+struct StepStats {
+  int step = 0;             ///< 0-based index of the step just taken
+  float loss = 0;           ///< mean over microbatches of each microbatch's mean loss
+  double grad_norm = 0;     ///< global gradient norm before clipping
+  float lr = 0;             ///< learning rate used
+  double seconds = 0;       ///< wall time of the passes (enqueue to last stream idle)
+  backend::MemoryStats memory{};  ///< this rank's device and host memory; peaks of this step
+};
+
+namespace detail {
+
+template <class L>
+concept has_norm_groups = requires(const L& l) {
+  { l.norm_groups() } -> std::convertible_to<std::vector<std::size_t>>;
+};
+
+template <class S>
+struct schedule_of {
+  static Program build(const RuntimeOptions& o) { return S::build(o.shape, o.costs); }
+};
+template <>
+struct schedule_of<AnySchedule> {
+  static Program build(const RuntimeOptions& o) { return pipeoffload::build(o.spec, o.shape, o.costs); }
+};
+
+}  // namespace detail
+
+/// One rank of a pipeline: runs `Schedule`'s op lists for this rank with `Layer` stages on a
+/// `Backend` device, exchanging boundary tensors through a `Communicator`.
+/// @code
+///   po::comm::ThreadsWorld world(d);
+///   // on the thread of rank r:
+///   po::backend::Cpu dev({.rank = r});
+///   po::comm::Threads comm(world, r);
+///   std::vector<MyLayer> mine = make_stages_of_rank(r);   // v layers, chunk order
+///   po::Runtime<po::PO_F, MyLayer, po::backend::Cpu, po::comm::Threads> rt(opts, dev, comm, mine);
+///   for (int step = 0; step < steps; ++step) rt.step(batch(step));
+/// @endcode
+template <class Schedule, class Layer, class Backend, class Communicator>
+class Runtime {
+  static_assert(backend::backend<Backend>,
+                "po::Runtime: Backend must model po::backend::backend (streams, events, device_alloc/free, host_alloc/free, "
+                "transfer, synchronize, abort, memory, context, now); see backend/backend.hpp.");
+  static_assert(communicator<Communicator>,
+                "po::Runtime: Communicator must model po::communicator (rank, size, send, recv, all_gather, abort); see "
+                "comm/communicator.hpp.");
+  static_assert(layer_for<Layer, typename Backend::Context>,
+                "po::Runtime: Layer must model po::layer: it needs boundary_floats(shape), saved_bytes(shape), stash_bytes(shape), "
+                "forward(ctx, mb, x, y, saved) -> float, backward_input(ctx, mb, dy, dx, saved, stash), "
+                "backward_weight(ctx, mb, saved, stash), parameters() and gradients(); see model/layer.hpp.");
+
+ public:
+  /// `stages`: this rank's v layers in chunk order (stage c*d + rank is stages[c]); they must
+  /// outlive the runtime, as must `dev` and `comm`.
+  Runtime(const RuntimeOptions& opt, Backend& dev, Communicator& comm, std::span<Layer> stages)
+      : opt_(opt), dev_(dev), comm_(comm), layers_(stages) {
+    program_ = detail::schedule_of<Schedule>::build(opt_);
+    require_valid(program_);
+    const Shape& sh = program_.shape;
+    rank_ = comm.rank();
+    if (comm.size() != sh.d)
+      throw error("po::Runtime: the communicator has " + std::to_string(comm.size()) + " ranks; the shape has d = " + std::to_string(sh.d));
+    if (static_cast<int>(stages.size()) != sh.v)
+      throw error("po::Runtime: rank " + std::to_string(rank_) + " was given " + std::to_string(stages.size()) +
+                  " layers; it needs v = " + std::to_string(sh.v) + " (one per chunk)");
+    if (opt_.microbatch.batch < 1 || opt_.microbatch.seq < 1)
+      throw error("po::Runtime: microbatch shape batch = " + std::to_string(opt_.microbatch.batch) + ", seq = " +
+                  std::to_string(opt_.microbatch.seq) + " must both be >= 1");
+    const auto& rp = program_.ranks[static_cast<std::size_t>(rank_)];
+    boundary_ = layers_[0].boundary_floats(opt_.microbatch);
+    for (int c = 0; c < sh.v; ++c) {
+      Layer& l = layers_[static_cast<std::size_t>(c)];
+      if (l.boundary_floats(opt_.microbatch) != boundary_)
+        throw error("po::Runtime: stage " + std::to_string(sh.stage_of(rank_, c)) + " has a boundary of " +
+                    std::to_string(l.boundary_floats(opt_.microbatch)) + " floats, stage " + std::to_string(rank_) + " of " +
+                    std::to_string(boundary_) + "; all stages must agree");
+      saved_.push_back(l.saved_bytes(opt_.microbatch));
+      stash_.push_back(l.stash_bytes(opt_.microbatch));
+      if (l.parameters().size() != l.gradients().size())
+        throw error("po::Runtime: stage " + std::to_string(sh.stage_of(rank_, c)) + " has " + std::to_string(l.parameters().size()) +
+                    " parameters but " + std::to_string(l.gradients().size()) + " gradients");
+      adam_m_.emplace_back(l.parameters().size(), 0.0f);
+      adam_v_.emplace_back(l.parameters().size(), 0.0f);
+      std::vector<std::size_t> groups{l.parameters().size()};
+      if constexpr (detail::has_norm_groups<Layer>) groups = l.norm_groups();
+      std::size_t total = 0;
+      for (std::size_t g : groups) total += g;
+      if (total != l.parameters().size())
+        throw error("po::Runtime: stage " + std::to_string(sh.stage_of(rank_, c)) + "'s norm_groups() cover " + std::to_string(total) +
+                    " parameters, not its " + std::to_string(l.parameters().size()));
+      groups_.push_back(std::move(groups));
+    }
+    // Bit-exactness: each stage must accumulate its weight gradients in microbatch order, as
+    // a one-rank run does. Every family orders them so; a future one that did not is refused.
+    std::vector<int> last_w(static_cast<std::size_t>(sh.v), -1);
+    for (const Op& op : rp.compute)
+      if (op.kind == OpKind::W || op.kind == OpKind::BW) {
+        int& prev = last_w[static_cast<std::size_t>(sh.chunk_of(op.stage))];
+        if (op.mb < prev)
+          throw error("po::Runtime: stage " + std::to_string(op.stage) + " computes weight gradients of microbatch " + std::to_string(op.mb) +
+                      " after microbatch " + std::to_string(prev) + "; gradients must accumulate in microbatch order");
+        prev = op.mb;
+      }
+    index_program();
+    compute_ = dev_.make_stream("compute");
+    copy_ = dev_.make_stream("copy");
+    comm_stream_ = dev_.make_stream("comm");
+    for (std::size_t x = 0; x < rp.compute.size(); ++x) compute_done_.push_back(dev_.make_event());
+    for (std::size_t y = 0; y < rp.copy.size(); ++y) copy_done_.push_back(dev_.make_event());
+    for (std::size_t k = 0; k < rp.comm.size(); ++k) recv_done_.push_back(dev_.make_event());
+    // A failure on this device wakes every peer blocked on this rank.
+    dev_.set_error_hook([this](const std::string& why) { comm_.abort(why); });
+    // Norm groups of every rank, so each rank sums the squares in one global order.
+    std::vector<double> mine(static_cast<std::size_t>(sh.v), 0.0);
+    for (int c = 0; c < sh.v; ++c) mine[static_cast<std::size_t>(c)] = static_cast<double>(groups_[static_cast<std::size_t>(c)].size());
+    std::vector<double> all(static_cast<std::size_t>(sh.v * sh.d));
+    comm_.all_gather(mine, all);
+    max_groups_ = 0;
+    for (double g : all) max_groups_ = std::max(max_groups_, static_cast<std::size_t>(g));
+    group_counts_.resize(all.size());
+    for (std::size_t i = 0; i < all.size(); ++i) group_counts_[i] = static_cast<std::size_t>(all[i]);
+  }
+
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+  // Every step ends with its streams idle (synchronize waits for that even on failure), so
+  // only the hook can still point here.
+  ~Runtime() { dev_.set_error_hook(nullptr); }
+
+  /// Runs one iteration (all passes of this rank, then the optimizer step). Throws the first
+  /// error of any rank, naming rank and op; the runtime is unusable afterwards.
+  StepStats step(const Batch& batch) {
+    const Shape& sh = program_.shape;
+    const std::size_t per_mb = static_cast<std::size_t>(opt_.microbatch.tokens());
+    const std::size_t want = per_mb * static_cast<std::size_t>(sh.m);
+    if (batch.tokens.size() != want || batch.targets.size() != want)
+      throw error("po::Runtime::step: the batch has " + std::to_string(batch.tokens.size()) + " tokens and " +
+                  std::to_string(batch.targets.size()) + " targets; it needs m * batch * seq = " + std::to_string(want) + " of each");
+    batch_ = batch;
+    losses_.assign(static_cast<std::size_t>(sh.m), 0.0f);
+    const auto& rp = program_.ranks[static_cast<std::size_t>(rank_)];
+    trace_.compute_start.assign(rp.compute.size(), 0.0);
+    trace_.compute_end.assign(rp.compute.size(), 0.0);
+    trace_.copy_start.assign(rp.copy.size(), 0.0);
+    trace_.copy_end.assign(rp.copy.size(), 0.0);
+    dev_.reset_peaks();
+    const double t0 = dev_.now();
+    enqueue();
+    try {
+      dev_.synchronize();
+    } catch (const std::exception& e) {
+      comm_.abort(e.what());
+      throw;
+    }
+    StepStats st;
+    st.step = step_;
+    st.seconds = dev_.now() - t0;
+    st.memory = dev_.memory();
+    optimize(st);
+    ++step_;
+    return st;
+  }
+
+  const Program& program() const { return program_; }
+  int rank() const { return rank_; }
+  int steps_taken() const { return step_; }
+  std::span<Layer> layers() { return layers_; }
+
+  /// Measured start and end (backend clock, seconds) of every op of the last step, parallel
+  /// to this rank's RankProgram: fill a SimResult's RankSim with it to render a real run.
+  const RankSim& trace() const { return trace_; }
+
+ private:
+  struct Unit {
+    backend::Block device{};                  // (saved_bytes) the stage's saved activations
+    std::array<backend::HostBlock, 3> host{};  // its power-of-two bins while offloaded
+    backend::Block stash{};                   // (stash_bytes) from B to W
+  };
+
+  std::size_t unit_index(int stage, int mb) const {
+    return static_cast<std::size_t>(program_.shape.chunk_of(stage)) * static_cast<std::size_t>(program_.shape.m) + static_cast<std::size_t>(mb);
+  }
+  std::size_t tag_index(int stage, int mb, Dir dir) const {
+    return (static_cast<std::size_t>(stage) * static_cast<std::size_t>(program_.shape.m) + static_cast<std::size_t>(mb)) * 2 +
+           (dir == Dir::backward ? 1 : 0);
+  }
+
+  /// Which comm op feeds each compute op, and which compute op feeds each send.
+  void index_program() {
+    const Shape& sh = program_.shape;
+    const auto& rp = program_.ranks[static_cast<std::size_t>(rank_)];
+    const std::size_t tags = static_cast<std::size_t>(sh.stages()) * static_cast<std::size_t>(sh.m) * 2;
+    std::vector<int> recv_of(tags, -1), producer(tags, -1);
+    for (std::size_t k = 0; k < rp.comm.size(); ++k) {
+      const CommOp& c = rp.comm[k];
+      if (!c.send) recv_of[tag_index(c.stage, c.mb, c.dir)] = static_cast<int>(k);
+    }
+    const int S = sh.stages();
+    input_recv_.assign(rp.compute.size(), -1);
+    for (std::size_t x = 0; x < rp.compute.size(); ++x) {
+      const Op& op = rp.compute[x];
+      if (op.kind == OpKind::F) {
+        if (op.stage > 0) input_recv_[x] = recv_of[tag_index(op.stage, op.mb, Dir::forward)];
+        if (op.stage < S - 1) producer[tag_index(op.stage + 1, op.mb, Dir::forward)] = static_cast<int>(x);
+      }
+      if (op.kind == OpKind::B || op.kind == OpKind::BW) {
+        if (op.stage < S - 1) input_recv_[x] = recv_of[tag_index(op.stage, op.mb, Dir::backward)];
+        if (op.stage > 0) producer[tag_index(op.stage - 1, op.mb, Dir::backward)] = static_cast<int>(x);
+      }
+    }
+    send_producer_.assign(rp.comm.size(), -1);
+    for (std::size_t k = 0; k < rp.comm.size(); ++k) {
+      const CommOp& c = rp.comm[k];
+      if (c.send) send_producer_[k] = producer[tag_index(c.stage, c.mb, c.dir)];
+    }
+    units_.assign(static_cast<std::size_t>(sh.v) * static_cast<std::size_t>(sh.m), Unit{});
+    boxes_.assign(tags, backend::Block{});
+  }
+
+  Microbatch info(const Op& op) const {
+    Microbatch mb;
+    mb.stage = op.stage;
+    mb.stages = program_.shape.stages();
+    mb.mb = op.mb;
+    mb.microbatches = program_.shape.m;
+    mb.step = step_;
+    mb.shape = opt_.microbatch;
+    const std::size_t off = static_cast<std::size_t>(op.mb) * static_cast<std::size_t>(opt_.microbatch.tokens());
+    mb.tokens = batch_.tokens.data() + off;
+    mb.targets = batch_.targets.data() + off;
+    mb.loss_scale = 1.0f / static_cast<float>(program_.shape.m);
+    return mb;
+  }
+
+  std::string where(const char* stream, std::size_t index, const Op& op) const {
+    return "rank " + std::to_string(rank_) + ", " + stream + " op " + std::to_string(index) + " " + op_name(op.kind) + "(stage " +
+           std::to_string(op.stage) + ", mb " + std::to_string(op.mb) + ")";
+  }
+
+  /// Runs `body` as op `index` of a stream; an exception gets the rank and op in front.
+  template <class F>
+  void guarded(const char* stream, std::size_t index, const Op& op, F&& body) {
+    try {
+      body();
+    } catch (const aborted_error&) {
+      throw;  // the failure is someone else's and already named
+    } catch (const std::exception& e) {
+      throw error(where(stream, index, op) + ": " + e.what());
+    }
+  }
+
+  float* boundary_out(int consumer_stage, int mb, Dir dir) {
+    backend::Block b = dev_.device_alloc(boundary_ * sizeof(float), backend::Memory::message);
+    boxes_[tag_index(consumer_stage, mb, dir)] = b;
+    return reinterpret_cast<float*>(b.ptr);
+  }
+  const float* boundary_in(int stage, int mb, Dir dir) const {
+    return reinterpret_cast<const float*>(boxes_[tag_index(stage, mb, dir)].ptr);
+  }
+  void release_box(int stage, int mb, Dir dir) {
+    backend::Block& b = boxes_[tag_index(stage, mb, dir)];
+    dev_.device_free(b);
+    b = {};
+  }
+
+  void run_compute(std::size_t x) {
+    const Op op = program_.ranks[static_cast<std::size_t>(rank_)].compute[x];
+    trace_.compute_start[x] = dev_.now();
+    guarded("compute", x, op, [&] {
+      const int S = program_.shape.stages();
+      Layer& l = layers_[static_cast<std::size_t>(program_.shape.chunk_of(op.stage))];
+      const std::size_t c = static_cast<std::size_t>(program_.shape.chunk_of(op.stage));
+      Unit& u = units_[unit_index(op.stage, op.mb)];
+      auto ctx = dev_.context(compute_);
+      const Microbatch mb = info(op);
+      if (op.kind == OpKind::F) {
+        u.device = dev_.device_alloc(saved_[c], backend::Memory::activation);
+        const float* in = op.stage > 0 ? boundary_in(op.stage, op.mb, Dir::forward) : nullptr;
+        float* out = op.stage < S - 1 ? boundary_out(op.stage + 1, op.mb, Dir::forward) : nullptr;
+        const float loss = l.forward(ctx, mb, in, out, u.device.ptr);
+        if (op.stage == S - 1) losses_[static_cast<std::size_t>(op.mb)] = loss;
+        if (op.stage > 0) release_box(op.stage, op.mb, Dir::forward);
+      }
+      if (op.kind == OpKind::B || op.kind == OpKind::BW) {
+        if (u.device.ptr == nullptr) throw error("its activations are not on the device (missing reload)");
+        const float* dy = op.stage < S - 1 ? boundary_in(op.stage, op.mb, Dir::backward) : nullptr;
+        float* dx = op.stage > 0 ? boundary_out(op.stage - 1, op.mb, Dir::backward) : nullptr;
+        u.stash = dev_.device_alloc(stash_[c], backend::Memory::stash);
+        l.backward_input(ctx, mb, dy, dx, u.device.ptr, u.stash.ptr);
+        if (op.stage < S - 1) release_box(op.stage, op.mb, Dir::backward);
+      }
+      if (op.kind == OpKind::W || op.kind == OpKind::BW) {
+        if (u.device.ptr == nullptr) throw error("its activations are not on the device (missing reload)");
+        l.backward_weight(ctx, mb, u.device.ptr, u.stash.ptr);
+        dev_.device_free(u.stash);
+        dev_.device_free(u.device);
+        u.stash = {};
+        u.device = {};
+      }
+    });
+    trace_.compute_end[x] = dev_.now();
+  }
+
+  void run_copy(std::size_t y) {
+    const Op op = program_.ranks[static_cast<std::size_t>(rank_)].copy[y];
+    trace_.copy_start[y] = dev_.now();
+    guarded("copy", y, op, [&] {
+      Unit& u = units_[unit_index(op.stage, op.mb)];
+      const std::size_t bytes = saved_[static_cast<std::size_t>(program_.shape.chunk_of(op.stage))];
+      const offload::BinPlan plan = offload::plan_bins(bytes);
+      std::array<backend::CopyPiece, 3> pieces{};
+      const auto lay_out = [&](bool to_host) {
+        std::size_t off = 0;
+        for (int i = 0; i < plan.count && off < bytes; ++i) {
+          const std::size_t n = std::min<std::size_t>(static_cast<std::size_t>(plan.bins[static_cast<std::size_t>(i)]), bytes - off);
+          std::byte* dev = u.device.ptr + off;
+          std::byte* host = u.host[static_cast<std::size_t>(i)].ptr;
+          pieces[static_cast<std::size_t>(i)] = to_host ? backend::CopyPiece{host, dev, n} : backend::CopyPiece{dev, host, n};
+          off += n;
+        }
+      };
+      if (op.kind == OpKind::O) {
+        if (u.device.ptr == nullptr) throw error("nothing to offload (the unit is not on the device)");
+        for (int i = 0; i < plan.count; ++i) u.host[static_cast<std::size_t>(i)] = dev_.host_alloc(plan.bins[static_cast<std::size_t>(i)]);
+        lay_out(true);
+        dev_.transfer(std::span<const backend::CopyPiece>(pieces.data(), static_cast<std::size_t>(plan.count)));
+        dev_.device_free(u.device);
+        u.device = {};
+      } else {
+        if (u.host[0].ptr == nullptr && bytes > 0) throw error("nothing to reload (the unit was not offloaded)");
+        u.device = dev_.device_alloc(bytes, backend::Memory::activation);
+        lay_out(false);
+        dev_.transfer(std::span<const backend::CopyPiece>(pieces.data(), static_cast<std::size_t>(plan.count)));
+        for (auto& h : u.host) {
+          dev_.host_free(h);
+          h = {};
+        }
+      }
+    });
+    trace_.copy_end[y] = dev_.now();
+  }
+
+  void run_comm(std::size_t k) {
+    const CommOp c = program_.ranks[static_cast<std::size_t>(rank_)].comm[k];
+    const Tag tag{c.stage, c.mb, c.dir};
+    try {
+      if (c.send) {
+        backend::Block& b = boxes_[tag_index(c.stage, c.mb, c.dir)];
+        comm_.send(c.peer, tag, std::span<const float>(reinterpret_cast<const float*>(b.ptr), boundary_));
+        dev_.device_free(b);
+        b = {};
+      } else {
+        float* p = boundary_out(c.stage, c.mb, c.dir);
+        comm_.recv(c.peer, tag, std::span<float>(p, boundary_));
+      }
+    } catch (const aborted_error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw error("rank " + std::to_string(rank_) + ", comm op " + std::to_string(k) + " " + (c.send ? "send to" : "recv from") +
+                  " rank " + std::to_string(c.peer) + " " + describe(tag) + ": " + e.what());
+    }
+  }
+
+  /// Enqueues the rank's three streams. A wait captures the latest record of its event, so
+  /// ops go in in an order where every awaited event's record is already enqueued: advance
+  /// each stream while its next op's dependencies are in (the schedule is valid, so this
+  /// reaches the end).
+  void enqueue() {
+    const auto& rp = program_.ranks[static_cast<std::size_t>(rank_)];
+    const std::size_t nc = rp.compute.size(), ny = rp.copy.size(), nk = rp.comm.size();
+    std::size_t ic = 0, iy = 0, ik = 0;
+    while (ic < nc || iy < ny || ik < nk) {
+      bool moved = false;
+      while (ic < nc) {
+        const Op& op = rp.compute[ic];
+        const int r = input_recv_[ic];
+        if ((r >= 0 && static_cast<std::size_t>(r) >= ik) || (op.wait >= 0 && static_cast<std::size_t>(op.wait) >= iy)) break;
+        if (r >= 0) dev_.wait(compute_, recv_done_[static_cast<std::size_t>(r)]);
+        if (op.wait >= 0) dev_.wait(compute_, copy_done_[static_cast<std::size_t>(op.wait)]);
+        dev_.launch(compute_, [this, ic] { run_compute(ic); });
+        dev_.record(compute_done_[ic], compute_);
+        ++ic;
+        moved = true;
+      }
+      while (iy < ny) {
+        const Op& op = rp.copy[iy];
+        if (op.wait >= 0 && static_cast<std::size_t>(op.wait) >= ic) break;
+        if (op.wait >= 0) dev_.wait(copy_, compute_done_[static_cast<std::size_t>(op.wait)]);
+        dev_.launch(copy_, [this, iy] { run_copy(iy); });
+        dev_.record(copy_done_[iy], copy_);
+        ++iy;
+        moved = true;
+      }
+      while (ik < nk) {
+        const int p = send_producer_[ik];
+        if (rp.comm[ik].send && (p < 0 || static_cast<std::size_t>(p) >= ic)) break;
+        if (rp.comm[ik].send) dev_.wait(comm_stream_, compute_done_[static_cast<std::size_t>(p)]);
+        dev_.launch(comm_stream_, [this, ik] { run_comm(ik); });
+        if (!rp.comm[ik].send) dev_.record(recv_done_[ik], comm_stream_);
+        ++ik;
+        moved = true;
+      }
+      if (!moved) throw error("po::Runtime: rank " + std::to_string(rank_) + "'s program has a dependency cycle between its streams");
+    }
+  }
+
+  /// Global gradient norm, non-finite check, clip, AdamW; gradients are zeroed after.
+  void optimize(StepStats& st) {
+    const Shape& sh = program_.shape;
+    const std::size_t v = static_cast<std::size_t>(sh.v), m = static_cast<std::size_t>(sh.m);
+    const std::size_t width = v * max_groups_ + m;
+    std::vector<double> mine(width, 0.0), all(width * static_cast<std::size_t>(sh.d));
+    for (std::size_t c = 0; c < v; ++c) {
+      std::span<float> g = layers_[c].gradients();
+      std::size_t off = 0;
+      for (std::size_t k = 0; k < groups_[c].size(); ++k) {
+        double s = 0;
+        for (std::size_t i = off; i < off + groups_[c][k]; ++i) s += static_cast<double>(g[i]) * static_cast<double>(g[i]);
+        mine[c * max_groups_ + k] = s;
+        off += groups_[c][k];
+      }
+    }
+    if (rank_ == sh.rank_of(sh.stages() - 1))
+      for (std::size_t b = 0; b < m; ++b) mine[v * max_groups_ + b] = static_cast<double>(losses_[b]);
+    comm_.all_gather(mine, all);
+    // One global order (stage, then group): the same sum on every rank and in a one-rank run
+    // whose stages are cut at group boundaries.
+    double norm2 = 0;
+    for (int s = 0; s < sh.stages(); ++s) {
+      const std::size_t r = static_cast<std::size_t>(sh.rank_of(s)), c = static_cast<std::size_t>(sh.chunk_of(s));
+      const std::size_t groups = group_counts_[r * v + c];
+      for (std::size_t k = 0; k < groups; ++k) {
+        const double sq = all[r * width + c * max_groups_ + k];
+        if (!std::isfinite(sq))
+          throw error("po::Runtime: step " + std::to_string(step_) + ": stage " + std::to_string(s) + " has a non-finite gradient (parameter group " +
+                      std::to_string(k) + ", sum of squares " + std::to_string(sq) + "); no update was applied");
+        norm2 += sq;
+      }
+    }
+    const std::size_t lr_rank = static_cast<std::size_t>(sh.rank_of(sh.stages() - 1));
+    double loss = 0;
+    for (std::size_t b = 0; b < m; ++b) loss += all[lr_rank * width + v * max_groups_ + b];
+    st.loss = static_cast<float>(loss / static_cast<double>(m));
+    st.grad_norm = std::sqrt(norm2);
+    const math::AdamW& o = opt_.optimizer;
+    const float scale = (o.clip > 0 && st.grad_norm > o.clip) ? static_cast<float>(o.clip / st.grad_norm) : 1.0f;
+    st.lr = math::learning_rate(o, step_);
+    const math::AdamBias bias = math::adam_bias(o, step_ + 1);
+    for (std::size_t c = 0; c < v; ++c) {
+      std::span<float> p = layers_[c].parameters();
+      std::span<float> g = layers_[c].gradients();
+      float* m1 = adam_m_[c].data();
+      float* m2 = adam_v_[c].data();
+      for (std::size_t i = 0; i < p.size(); ++i) {
+        math::adamw_update(p[i], g[i] * scale, m1[i], m2[i], o, st.lr, bias);
+        g[i] = 0.0f;
+      }
+    }
+  }
+
+  RuntimeOptions opt_;
+  Backend& dev_;
+  Communicator& comm_;
+  std::span<Layer> layers_;
+  Program program_;
+  int rank_ = 0;
+  int step_ = 0;
+  std::size_t boundary_ = 0;
+  std::vector<std::size_t> saved_, stash_;  // per chunk
+  std::vector<std::vector<float>> adam_m_, adam_v_;
+  std::vector<std::vector<std::size_t>> groups_;
+  std::vector<std::size_t> group_counts_;  // [rank * v + chunk]
+  std::size_t max_groups_ = 1;
+  int compute_ = 0, copy_ = 0, comm_stream_ = 0;
+  std::vector<int> compute_done_, copy_done_, recv_done_;
+  std::vector<int> input_recv_, send_producer_;
+  std::vector<Unit> units_;
+  std::vector<backend::Block> boxes_;  // boundary tensors by tag: received inputs, outputs to send
+  std::vector<float> losses_;
+  Batch batch_{};
+  RankSim trace_;
+};
+
+}  // namespace pipeoffload

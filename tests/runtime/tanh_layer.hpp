@@ -1,0 +1,251 @@
+// tests/runtime/tanh_layer.hpp: a small real layer, y = tanh(W x + b) per token, for runtime
+// tests, and a helper that trains it with any schedule on thread ranks.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <future>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <pipeoffload/runtime.hpp>
+
+namespace test {
+
+/// Per-rank failure injection: the layer throws on the `fail_at`-th pass (1-based) it runs
+/// on rank `fail_rank`.
+struct Failure {
+  int fail_rank = -1;
+  int fail_at = 0;
+  std::atomic<int> calls{0};
+};
+
+/// Stage `stage` of a chain of tanh layers of width h. Stage 0 embeds tokens (a 16-row
+/// table); the last stage's loss is the mean of 0.5 (y - t)^2 with t derived from targets.
+/// Its activation unit is x, y and a stage-dependent pad (so stages have different unit
+/// sizes) that W checks, which catches a corrupted offload round trip.
+/// Seconds each pass of a TanhLayer sleeps (0: as fast as it computes).
+struct Timing {
+  double f = 0, b = 0, w = 0;
+};
+
+class TanhLayer {
+ public:
+
+  TanhLayer(int stage, int h, std::uint64_t seed, Timing timing = {}, Failure* failure = nullptr, int rank = 0)
+      : stage_(stage), h_(h), timing_(timing), failure_(failure), rank_(rank) {
+    const std::size_t n = static_cast<std::size_t>(h) * static_cast<std::size_t>(h) + static_cast<std::size_t>(h) +
+                          (stage == 0 ? 16 * static_cast<std::size_t>(h) : 0);
+    params_.resize(n);
+    grads_.assign(n, 0.0f);
+    std::uint64_t s = seed * 1000003u + static_cast<std::uint64_t>(stage);
+    for (float& p : params_) {
+      s = s * 6364136223846793005ull + 1442695040888963407ull;
+      p = (static_cast<float>(s >> 40) / 16777216.0f - 0.5f) * (2.0f / std::sqrt(static_cast<float>(h)));
+    }
+  }
+
+  std::size_t boundary_floats(po::MicrobatchShape sh) const { return static_cast<std::size_t>(sh.tokens()) * static_cast<std::size_t>(h_); }
+  std::size_t pad_floats(po::MicrobatchShape sh) const { return static_cast<std::size_t>(sh.tokens()) * static_cast<std::size_t>(stage_ % 3); }
+  std::size_t saved_bytes(po::MicrobatchShape sh) const { return (2 * boundary_floats(sh) + pad_floats(sh)) * sizeof(float); }
+  std::size_t stash_bytes(po::MicrobatchShape sh) const { return boundary_floats(sh) * sizeof(float); }
+
+  float forward(po::backend::CpuContext&, const po::Microbatch& mb, const float* x, float* y, std::byte* saved) {
+    pass(timing_.f);
+    const std::size_t T = static_cast<std::size_t>(mb.shape.tokens()), h = static_cast<std::size_t>(h_);
+    float* xs = reinterpret_cast<float*>(saved);
+    float* ys = xs + T * h;
+    float* pad = ys + T * h;
+    for (std::size_t t = 0; t < T; ++t)
+      for (std::size_t i = 0; i < h; ++i)
+        xs[t * h + i] = x ? x[t * h + i] : emb()[static_cast<std::size_t>(mb.tokens[t] & 15) * h + i];
+    const float* W = params_.data();
+    const float* bias = W + h * h;
+    for (std::size_t t = 0; t < T; ++t)
+      for (std::size_t o = 0; o < h; ++o) {
+        float z = bias[o];
+        for (std::size_t i = 0; i < h; ++i) z += W[o * h + i] * xs[t * h + i];
+        ys[t * h + o] = std::tanh(z);
+        if (y) y[t * h + o] = ys[t * h + o];
+      }
+    for (std::size_t i = 0; i < pad_floats(mb.shape); ++i) pad[i] = static_cast<float>(stage_ * 1000 + mb.mb) + static_cast<float>(i % 7);
+    if (!mb.last()) return 0.0f;
+    float loss = 0;
+    for (std::size_t t = 0; t < T; ++t)
+      for (std::size_t i = 0; i < h; ++i) {
+        const float d = ys[t * h + i] - target(mb, t, i);
+        loss += 0.5f * d * d;
+      }
+    return loss / static_cast<float>(T * h);
+  }
+
+  void backward_input(po::backend::CpuContext&, const po::Microbatch& mb, const float* dy, float* dx, std::byte* saved, std::byte* stash) {
+    pass(timing_.b);
+    const std::size_t T = static_cast<std::size_t>(mb.shape.tokens()), h = static_cast<std::size_t>(h_);
+    const float* ys = reinterpret_cast<const float*>(saved) + T * h;
+    float* dz = reinterpret_cast<float*>(stash);
+    for (std::size_t t = 0; t < T; ++t)
+      for (std::size_t i = 0; i < h; ++i) {
+        const float y = ys[t * h + i];
+        const float g = dy ? dy[t * h + i] : mb.loss_scale * (y - target(mb, t, i)) / static_cast<float>(T * h);
+        dz[t * h + i] = g * (1.0f - y * y);
+      }
+    if (dx == nullptr) return;
+    const float* W = params_.data();
+    for (std::size_t t = 0; t < T; ++t)
+      for (std::size_t i = 0; i < h; ++i) {
+        float s = 0;
+        for (std::size_t o = 0; o < h; ++o) s += W[o * h + i] * dz[t * h + o];
+        dx[t * h + i] = s;
+      }
+  }
+
+  void backward_weight(po::backend::CpuContext&, const po::Microbatch& mb, std::byte* saved, std::byte* stash) {
+    pass(timing_.w);
+    const std::size_t T = static_cast<std::size_t>(mb.shape.tokens()), h = static_cast<std::size_t>(h_);
+    const float* xs = reinterpret_cast<const float*>(saved);
+    const float* pad = xs + 2 * T * h;
+    for (std::size_t i = 0; i < pad_floats(mb.shape); ++i)
+      if (pad[i] != static_cast<float>(stage_ * 1000 + mb.mb) + static_cast<float>(i % 7))
+        throw std::runtime_error("saved activations of stage " + std::to_string(stage_) + " mb " + std::to_string(mb.mb) + " were corrupted");
+    const float* dz = reinterpret_cast<const float*>(stash);
+    float* gW = grads_.data();
+    float* gb = gW + h * h;
+    for (std::size_t t = 0; t < T; ++t)
+      for (std::size_t o = 0; o < h; ++o) {
+        gb[o] += dz[t * h + o];
+        for (std::size_t i = 0; i < h; ++i) gW[o * h + i] += dz[t * h + o] * xs[t * h + i];
+      }
+    if (stage_ != 0) return;
+    const float* W = params_.data();
+    float* ge = gb + h;
+    for (std::size_t t = 0; t < T; ++t)
+      for (std::size_t i = 0; i < h; ++i) {
+        float s = 0;
+        for (std::size_t o = 0; o < h; ++o) s += W[o * h + i] * dz[t * h + o];
+        ge[static_cast<std::size_t>(mb.tokens[t] & 15) * h + i] += s;
+      }
+  }
+
+  std::span<float> parameters() { return params_; }
+  std::span<float> gradients() { return grads_; }
+
+ private:
+  const float* emb() const { return params_.data() + static_cast<std::size_t>(h_) * static_cast<std::size_t>(h_) + static_cast<std::size_t>(h_); }
+  static float target(const po::Microbatch& mb, std::size_t t, std::size_t i) {
+    return static_cast<float>((mb.targets[t] + static_cast<int>(i)) % 5 - 2) * 0.2f;
+  }
+  void pass(double seconds) {
+    if (failure_ != nullptr && rank_ == failure_->fail_rank && ++failure_->calls == failure_->fail_at)
+      throw std::runtime_error("injected failure in pass " + std::to_string(failure_->fail_at));
+    if (seconds > 0) std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  }
+
+  int stage_, h_;
+  Timing timing_;
+  Failure* failure_;
+  int rank_;
+  std::vector<float> params_, grads_;
+};
+static_assert(po::layer<TanhLayer>);
+
+/// The outcome of a training run on thread ranks.
+struct Run {
+  std::vector<float> losses;                    ///< per step
+  std::vector<std::vector<float>> params;       ///< per stage, after the last step
+  std::vector<po::backend::MemoryStats> memory; ///< per rank, of the last step
+  std::vector<double> seconds;                  ///< per rank, of the last step
+  std::vector<std::string> errors;              ///< per rank ("" = ok)
+  std::vector<po::RankSim> traces;              ///< per rank, of the last step
+  po::Program program;
+};
+
+struct Config {
+  po::ScheduleSpec spec{};
+  po::Shape shape{};
+  po::MicrobatchShape mb{2, 3};
+  int h = 8;
+  int steps = 3;
+  std::uint64_t seed = 7;
+  Timing timing{};
+  double copy_bytes_per_second = 0;
+  po::Costs costs{};
+  Failure* failure = nullptr;
+};
+
+/// Deterministic tokens and targets of one step.
+inline void make_batch(const Config& c, int step, std::vector<std::int32_t>& tok, std::vector<std::int32_t>& tgt) {
+  const std::size_t n = static_cast<std::size_t>(c.mb.tokens()) * static_cast<std::size_t>(c.shape.m);
+  tok.resize(n);
+  tgt.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    tok[i] = static_cast<std::int32_t>((i * 7 + static_cast<std::size_t>(step) * 3) % 11);
+    tgt[i] = static_cast<std::int32_t>((i * 5 + static_cast<std::size_t>(step)) % 13);
+  }
+}
+
+/// Trains c.steps steps with d thread ranks; ranks that fail leave their error in `errors`.
+inline Run train(const Config& c) {
+  const po::Shape sh = c.shape;
+  Run run;
+  run.params.resize(static_cast<std::size_t>(sh.stages()));
+  run.memory.resize(static_cast<std::size_t>(sh.d));
+  run.seconds.resize(static_cast<std::size_t>(sh.d));
+  run.traces.resize(static_cast<std::size_t>(sh.d));
+  run.losses.resize(static_cast<std::size_t>(c.steps));
+  po::comm::ThreadsWorld world(sh.d);
+  po::RuntimeOptions opt;
+  opt.shape = sh;
+  opt.microbatch = c.mb;
+  opt.spec = c.spec;
+  opt.costs = c.costs;
+  opt.optimizer.lr = 0.05f;
+  opt.optimizer.warmup_steps = 2;
+  opt.optimizer.total_steps = 10;
+  opt.optimizer.clip = 0.5f;
+  std::mutex mu;
+  run.errors = po::run_thread_ranks(sh.d, [&](int r) {
+    po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = c.copy_bytes_per_second});
+    po::comm::Threads comm(world, r);
+    std::vector<TanhLayer> layers;
+    for (int ch = 0; ch < sh.v; ++ch) layers.emplace_back(sh.stage_of(r, ch), c.h, c.seed, c.timing, c.failure, r);
+    po::Runtime<po::AnySchedule, TanhLayer, po::backend::Cpu, po::comm::Threads> rt(opt, dev, comm, layers);
+    std::vector<std::int32_t> tok, tgt;
+    for (int s = 0; s < c.steps; ++s) {
+      make_batch(c, s, tok, tgt);
+      const po::StepStats st = rt.step({tok, tgt});
+      std::lock_guard lk(mu);
+      if (r == 0) run.losses[static_cast<std::size_t>(s)] = st.loss;
+      run.memory[static_cast<std::size_t>(r)] = st.memory;
+      run.seconds[static_cast<std::size_t>(r)] = st.seconds;
+    }
+    std::lock_guard lk(mu);
+    for (int ch = 0; ch < sh.v; ++ch) {
+      auto p = layers[static_cast<std::size_t>(ch)].parameters();
+      run.params[static_cast<std::size_t>(sh.stage_of(r, ch))].assign(p.begin(), p.end());
+    }
+    run.traces[static_cast<std::size_t>(r)] = rt.trace();
+    if (r == 0) run.program = rt.program();
+  });
+  return run;
+}
+
+/// train() with a deadline: a run that has not returned by then fails the test process
+/// outright (a hang must not stall the suite).
+inline Run train_within(const Config& c, double seconds) {
+  auto fut = std::async(std::launch::async, [c] { return train(c); });
+  if (fut.wait_for(std::chrono::duration<double>(seconds)) != std::future_status::ready) {
+    std::fprintf(stderr, "FATAL: a training run did not finish within %.0f s (hang)\n", seconds);
+    std::fflush(stderr);
+    std::_Exit(3);
+  }
+  return fut.get();
+}
+
+}  // namespace test

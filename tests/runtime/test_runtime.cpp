@@ -1,0 +1,244 @@
+// tests/runtime: po::Runtime on backend::Cpu with thread ranks: bit-exactness against a
+// one-rank run for every schedule family, failure propagation, memory against the simulator,
+// and the pieces (host bins, communicator tags, backend events).
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "tanh_layer.hpp"
+
+namespace {
+
+using po::Family;
+using GK = po::GroupSpec::Kind;
+namespace off = po::offload;
+
+struct Case {
+  const char* name;
+  po::ScheduleSpec spec;
+  po::Shape shape;
+};
+
+po::ScheduleSpec family(const char* name, int g = 0) {
+  const std::string n = name;
+  if (n == "1f1b") return {Family::one_f1b, {}, off::none};
+  if (n == "1f1b-i") return {Family::interleaved_1f1b, {}, off::none};
+  if (n == "gis") return {Family::grouped, {GK::full, 0}, off::none};
+  if (n == "gis-h") return {Family::grouped, {GK::half, 0}, off::none};
+  if (n == "gis-g") return {Family::grouped, {GK::number, g}, off::none};
+  if (n == "po") return {Family::grouped, {GK::uniform, 1}, off::none};
+  if (n == "po-h") return {Family::grouped, {GK::uniform, 1}, off::half};
+  if (n == "po-f") return {Family::grouped, {GK::uniform, 1}, off::all};
+  throw std::runtime_error("unknown family " + n);
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}
+
+/// The one-rank reference of a run: the same S stages, all on rank 0, in GIS order.
+test::Run reference(test::Config c) {
+  c.shape = {1, c.shape.stages(), c.shape.m};
+  c.spec = family("gis");
+  c.copy_bytes_per_second = 0;
+  c.timing = {};
+  return test::train_within(c, 120);
+}
+
+}  // namespace
+
+TEST_CASE("every family trains bit-identically to a one-rank sequential run (3 steps: losses and parameters)") {
+  const std::vector<Case> cases = {
+      {"1f1b", family("1f1b"), {2, 1, 4}},       {"1f1b", family("1f1b"), {4, 1, 6}},
+      {"1f1b-i", family("1f1b-i"), {2, 2, 4}},   {"1f1b-i", family("1f1b-i"), {3, 3, 6}},
+      {"gis", family("gis"), {2, 2, 4}},         {"gis", family("gis"), {4, 2, 7}},
+      {"gis-g", family("gis-g", 3), {4, 2, 8}},  {"gis-g", family("gis-g", 3), {5, 2, 6}},
+      {"gis-h", family("gis-h"), {4, 2, 8}},     {"gis-h", family("gis-h"), {3, 3, 5}},
+      {"po", family("po"), {4, 2, 8}},           {"po", family("po"), {2, 3, 5}},
+      {"po-h", family("po-h"), {4, 2, 8}},       {"po-h", family("po-h"), {2, 4, 6}},
+      {"po-f", family("po-f"), {4, 2, 8}},       {"po-f", family("po-f"), {3, 2, 4}},
+      {"gis-h + offload first 1", {Family::grouped, {GK::half, 0}, off::first(1)}, {4, 2, 8}},
+      {"1f1b-i + offload all", {Family::interleaved_1f1b, {}, off::all}, {2, 2, 4}},
+  };
+  for (const Case& k : cases) {
+    CAPTURE(k.name);
+    CAPTURE(k.shape.d);
+    CAPTURE(k.shape.v);
+    CAPTURE(k.shape.m);
+    test::Config c;
+    c.spec = k.spec;
+    c.shape = k.shape;
+    const test::Run ref = reference(c);
+    const test::Run run = test::train_within(c, 120);
+    for (const std::string& e : run.errors) REQUIRE(e == "");
+    for (const std::string& e : ref.errors) REQUIRE(e == "");
+    CHECK(same_bits(run.losses, ref.losses));
+    for (int s = 0; s < k.shape.stages(); ++s) {
+      CAPTURE(s);
+      CHECK(same_bits(run.params[static_cast<std::size_t>(s)], ref.params[static_cast<std::size_t>(s)]));
+    }
+    // The loss moves (the test would be vacuous if nothing trained).
+    CHECK(run.losses.front() != run.losses.back());
+  }
+}
+
+TEST_CASE("offload with a rate-limited copy engine still trains bit-identically") {
+  test::Config c;
+  c.spec = family("po-f");
+  c.shape = {2, 2, 6};
+  c.copy_bytes_per_second = 20e6;  // ~40 us per unit: copies overlap compute for real
+  const test::Run ref = reference(c);
+  const test::Run run = test::train_within(c, 120);
+  for (const std::string& e : run.errors) REQUIRE(e == "");
+  CHECK(same_bits(run.losses, ref.losses));
+  for (int s = 0; s < c.shape.stages(); ++s) CHECK(same_bits(run.params[static_cast<std::size_t>(s)], ref.params[static_cast<std::size_t>(s)]));
+  // Every offloaded unit went through host bins and came back.
+  CHECK(run.memory[0].host_peak > 0);
+  CHECK(run.memory[0].host_in_use == 0);
+}
+
+TEST_CASE("a rank that throws in its 5th op stops every rank with that error, naming rank and op") {
+  for (const char* name : {"po-f", "1f1b-i", "gis-h"}) {
+    CAPTURE(name);
+    test::Failure failure;
+    failure.fail_rank = 1;
+    failure.fail_at = 5;
+    test::Config c;
+    c.spec = family(name);
+    c.shape = {4, 2, 8};
+    c.failure = &failure;
+    const test::Run run = test::train_within(c, 60);
+    // The 5th pass of rank 1 is its 5th compute op (index 4) unless a fused BW came first.
+    const po::Program p = po::build(c.spec, c.shape);
+    const auto& ops = p.ranks[1].compute;
+    int calls = 0;
+    std::size_t x = 0;
+    for (; x < ops.size(); ++x) {
+      calls += ops[x].kind == po::OpKind::BW ? 2 : 1;
+      if (calls >= 5) break;
+    }
+    const po::Op& op = ops[x];
+    const std::string expect = "rank 1, compute op " + std::to_string(x) + " " + po::op_name(op.kind) + "(stage " + std::to_string(op.stage) +
+                               ", mb " + std::to_string(op.mb) + "): injected failure in pass 5";
+    REQUIRE(run.errors.size() == 4);
+    CHECK(run.errors[1] == expect);
+    for (int r = 0; r < 4; ++r) {
+      CAPTURE(r);
+      CHECK(run.errors[static_cast<std::size_t>(r)].find(expect) != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("a receive that meets another tag is an error naming both tags") {
+  po::comm::ThreadsWorld world(2);
+  std::vector<float> a(4, 1.0f), b(4, 0.0f);
+  const auto errors = po::run_thread_ranks(2, [&](int r) {
+    po::comm::Threads c(world, r);
+    try {
+      if (r == 0) c.send(1, {1, 2, po::Dir::forward}, a);
+      else c.recv(0, {1, 3, po::Dir::forward}, b);
+    } catch (...) {
+      c.abort("peer failed");
+      throw;
+    }
+  });
+  CHECK(errors[1] ==
+        "comm::Threads: rank 1 expected (forward, stage 1, mb 3) of 4 floats from rank 0 but received (forward, stage 1, mb 2) of 4 floats");
+  CHECK(errors[0] == "aborted: peer failed");
+  CHECK(b[0] == 0.0f);
+}
+
+TEST_CASE("a non-finite gradient stops the step with an error naming the stage") {
+  struct Bad : test::TanhLayer {
+    using TanhLayer::TanhLayer;
+    void backward_weight(po::backend::CpuContext& ctx, const po::Microbatch& mb, std::byte* saved, std::byte* stash) {
+      TanhLayer::backward_weight(ctx, mb, saved, stash);
+      if (mb.stage == 2) gradients()[0] = std::nanf("");
+    }
+  };
+  po::comm::ThreadsWorld world(2);
+  po::RuntimeOptions opt;
+  opt.shape = {2, 2, 4};
+  opt.spec = family("po");
+  opt.microbatch = {1, 2};
+  const auto errors = po::run_thread_ranks(2, [&](int r) {
+    po::backend::Cpu dev({.rank = r});
+    po::comm::Threads comm(world, r);
+    std::vector<Bad> layers;
+    for (int c = 0; c < 2; ++c) layers.emplace_back(opt.shape.stage_of(r, c), 4, 1);
+    po::Runtime<po::AnySchedule, Bad, po::backend::Cpu, po::comm::Threads> rt(opt, dev, comm, layers);
+    std::vector<std::int32_t> tok(8, 1), tgt(8, 2);
+    rt.step({tok, tgt});
+  });
+  for (const std::string& e : errors)
+    CHECK(e == "po::Runtime: step 0: stage 2 has a non-finite gradient (parameter group 0, sum of squares nan); no update was applied");
+}
+
+TEST_CASE("bad inputs are refused with a sentence") {
+  po::comm::ThreadsWorld world(1);
+  po::backend::Cpu dev;
+  po::comm::Threads comm(world, 0);
+  po::RuntimeOptions opt;
+  opt.shape = {1, 2, 2};
+  opt.microbatch = {1, 2};
+  std::vector<test::TanhLayer> one;
+  one.emplace_back(0, 4, 1);
+  CHECK_THROWS_WITH((po::Runtime<po::GIS, test::TanhLayer, po::backend::Cpu, po::comm::Threads>(opt, dev, comm, one)),
+                    "po::Runtime: rank 0 was given 1 layers; it needs v = 2 (one per chunk)");
+  std::vector<test::TanhLayer> two;
+  two.emplace_back(0, 4, 1);
+  two.emplace_back(1, 4, 1);
+  po::Runtime<po::GIS, test::TanhLayer, po::backend::Cpu, po::comm::Threads> rt(opt, dev, comm, two);
+  std::vector<std::int32_t> tok(3, 0);
+  CHECK_THROWS_WITH(rt.step({tok, tok}), "po::Runtime::step: the batch has 3 tokens and 3 targets; it needs m * batch * seq = 4 of each");
+  CHECK_THROWS_WITH(po::comm::Threads(world, 1), "comm::Threads: rank = 1 is outside the allowed range [0, 0]");
+}
+
+TEST_CASE("host bins: at most 3 powers of two with the minimal total") {
+  for (std::uint64_t n = 1; n < 5000; ++n) {
+    const po::offload::BinPlan p = po::offload::plan_bins(n);
+    REQUIRE(p.count >= 1);
+    REQUIRE(p.count <= 3);
+    REQUIRE(p.total() >= n);
+    for (int i = 0; i < p.count; ++i) REQUIRE(std::popcount(p.bins[static_cast<std::size_t>(i)]) == 1);
+    // Minimal: no total in [n, p.total()) has at most 3 set bits.
+    for (std::uint64_t t = n; t < p.total(); ++t) REQUIRE(std::popcount(t) > 3);
+  }
+}
+
+TEST_CASE("backend::Cpu: events order streams, the arena reuses memory, a failure reaches synchronize") {
+  po::backend::Cpu dev;
+  const int a = dev.make_stream("a"), b = dev.make_stream("b");
+  const int e = dev.make_event();
+  std::vector<int> order;
+  std::mutex mu;
+  dev.launch(a, [&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::lock_guard lk(mu);
+    order.push_back(1);
+  });
+  dev.record(e, a);
+  dev.wait(b, e);
+  dev.launch(b, [&] {
+    std::lock_guard lk(mu);
+    order.push_back(2);
+  });
+  dev.synchronize();
+  CHECK(order == std::vector<int>{1, 2});
+  for (int i = 0; i < 3; ++i) {
+    dev.launch(a, [&] {
+      auto x = dev.device_alloc(1000, po::backend::Memory::activation);
+      auto y = dev.device_alloc(1000, po::backend::Memory::stash);
+      dev.device_free(x);
+      dev.device_free(y);
+    });
+    dev.synchronize();
+  }
+  CHECK(dev.memory().device_allocations == 2);  // the first round's two blocks, reused after
+  CHECK(dev.memory().peak_of(po::backend::Memory::activation) == 1000);
+  dev.launch(b, [] { throw std::runtime_error("boom"); });
+  dev.wait(a, e);
+  CHECK_THROWS_WITH(dev.synchronize(), "boom");
+}

@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""samples/train_gpt's contract: the final lines are printed once and are the same for the
+one-rank reference and for pipelined runs of any schedule; bad arguments exit 2 with a sentence.
+
+usage: test_train_gpt.py path/to/train_gpt
+"""
+import subprocess
+import sys
+
+exe = sys.argv[1]
+
+
+def run(*args, code=0):
+    p = subprocess.run([exe, *args], capture_output=True, text=True, timeout=300)
+    if p.returncode != code:
+        sys.exit(f"FAIL: {' '.join(args)} exited {p.returncode}, expected {code}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")
+    return p
+
+
+def finals(out):
+    lines = [l for l in out.splitlines() if l.startswith(("final_loss=", "params_hash="))]
+    assert len(lines) == 2 and lines[0].startswith("final_loss=") and lines[1].startswith("params_hash="), lines
+    assert out.splitlines()[-2:] == lines, "the final lines must come last"
+    return lines
+
+
+small = ["--layers", "4", "--hidden", "32", "--seq", "16", "--batch", "2", "--microbatches", "4", "--steps", "4", "--quiet"]
+ref = finals(run("--ranks", "1", "--chunks", "1", *small).stdout)
+for extra in (["--schedule", "po-f", "--ranks", "2", "--chunks", "2"],
+              ["--schedule", "1f1b-i", "--ranks", "2", "--chunks", "2"],
+              ["--schedule", "gis-h", "--ranks", "4", "--chunks", "1", "--offload-chunks", "1", "--copy-gbps", "1"],
+              ["--schedule", "1f1b", "--ranks", "4", "--chunks", "1"]):
+    got = finals(run(*extra, *small).stdout)
+    if got != ref:
+        sys.exit(f"FAIL: {' '.join(extra)} gave {got}, the one-rank reference {ref}")
+
+# Loss falls over a short run.
+out = run("--ranks", "2", "--chunks", "1", "--schedule", "1f1b", "--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "4",
+          "--microbatches", "2", "--steps", "40", "--lr", "1e-2").stdout
+losses = [float(l.split(" loss ")[1].split()[0]) for l in out.splitlines() if l.startswith("[")]
+assert losses[-1] < losses[0] - 0.5, losses
+
+for args, text in ((["--schedule", "nope"], "--schedule must be one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, got 'nope'"),
+                   (["--ranks", "0"], "--ranks must be an integer in [1, 64], got '0'"),
+                   (["--schedule", "gis-g", "--ranks", "4"], "--schedule gis-g needs --group G, an integer in [2, 4]"),
+                   (["--schedule", "1f1b-i", "--ranks", "4", "--microbatches", "6"], "multiple of ranks d = 4"),
+                   (["--bogus"], "unknown option '--bogus'")):
+    err = run(*args, code=2).stderr
+    if text not in err:
+        sys.exit(f"FAIL: {args}: expected {text!r} in {err!r}")
+print("ok")
