@@ -121,44 +121,61 @@ constexpr Validation check_copies(const Program& p) {
   return {};
 }
 
-/// Untimed execution of every stream under the documented communicator semantics.
-constexpr Validation check_execution(const Program& p) {
+/// Every P2P op well-formed, and every cross-rank hop posted exactly once by its producer's rank
+/// and once by its consumer's. check_execution() runs this only when it gets stuck, to say
+/// precisely why.
+constexpr Validation check_p2p_plan(const Program& p) {
   const Shape& sh = p.shape;
   const int d = sh.d, m = sh.m, S = sh.stages();
-  const bool one_rank = d == 1;  // otherwise stages s and s+1 always live on different ranks
-  // Per unit, microbatch-major so neighbouring ranks touch nearby memory: F and B done, the
-  // forward message into the unit's stage and the backward one delivered, and how often each
-  // of those messages is sent and received in the P2P plan.
-  struct State { char f = 0, b = 0, fmsg = 0, bmsg = 0, sends[2] = {0, 0}, recvs[2] = {0, 0}; };
-  std::vector<State> st(static_cast<std::size_t>(S) * static_cast<std::size_t>(m));
   const auto unit = [S](int s, int mb) { return static_cast<std::size_t>(mb) * static_cast<std::size_t>(S) + static_cast<std::size_t>(s); };
-  // Every cross-rank hop needs exactly one send on its producer and one recv on its consumer.
+  std::vector<char> sends(2 * static_cast<std::size_t>(S) * static_cast<std::size_t>(m), 0), recvs(sends.size(), 0);
   for (int r = 0; r < d; ++r)
     for (const CommOp& c : p.ranks[static_cast<std::size_t>(r)].comm) {
       if (c.stage < 0 || c.stage >= S || c.mb < 0 || c.mb >= m || c.peer < 0 || c.peer >= d)
         return fail_v("rank " + num(r) + ": P2P op " + describe(c) + " is out of range");
       const int producer = c.dir == Dir::forward ? c.stage - 1 : c.stage + 1;
       if (producer < 0 || producer >= S) return fail_v("rank " + num(r) + ": P2P op " + describe(c) + " has no producing stage");
-      const int consumer_rank = sh.rank_of(c.stage);
-      const int producer_rank = c.dir == Dir::forward ? (consumer_rank == 0 ? d - 1 : consumer_rank - 1) : (consumer_rank + 1 == d ? 0 : consumer_rank + 1);
-      if ((c.send ? producer_rank : consumer_rank) != r || (c.send ? consumer_rank : producer_rank) != c.peer || one_rank)
+      const int consumer_rank = sh.rank_of(c.stage), producer_rank = sh.rank_of(producer);
+      if ((c.send ? producer_rank : consumer_rank) != r || (c.send ? consumer_rank : producer_rank) != c.peer || d == 1)
         return fail_v("rank " + num(r) + ": P2P op " + describe(c) + " connects the wrong ranks");
-      State& u = st[unit(c.stage, c.mb)];
-      char& cnt = (c.send ? u.sends : u.recvs)[c.dir == Dir::forward ? 0 : 1];
+      char& cnt = (c.send ? sends : recvs)[2 * unit(c.stage, c.mb) + (c.dir == Dir::forward ? 0 : 1)];
       if (++cnt > 1) return fail_v("rank " + num(r) + " posts " + describe(c) + " twice");
     }
-  if (!one_rank)
+  if (d > 1)
     for (int mb = 0; mb < m; ++mb)
       for (int s = 0; s < S; ++s)
         for (int dir = 0; dir < 2; ++dir) {
           if (dir == 0 ? s == 0 : s == S - 1) continue;
-          const State& u = st[unit(s, mb)];
-          if (u.sends[dir] == 1 && u.recvs[dir] == 1) continue;
-          const std::string what = std::string(dir == 0 ? "forward" : "backward") + " message into stage " + num(s) + ", mb " + num(mb);
-          return fail_v(std::string("the P2P plan never ") + (u.sends[dir] != 1 ? "sends" : "receives") + " the " + what);
+          const std::size_t i = 2 * unit(s, mb) + static_cast<std::size_t>(dir);
+          if (sends[i] == 1 && recvs[i] == 1) continue;
+          return fail_v(std::string("the P2P plan never ") + (sends[i] != 1 ? "sends" : "receives") + " the " +
+                        (dir == 0 ? "forward" : "backward") + " message into stage " + num(s) + ", mb " + num(mb));
         }
+  return {};
+}
 
-  std::vector<std::size_t> ci(static_cast<std::size_t>(d), 0), ki(ci), qi(ci);
+/// Untimed execution of every stream under the documented communicator semantics.
+constexpr Validation check_execution(const Program& p) {
+  const Shape& sh = p.shape;
+  const int d = sh.d, m = sh.m, S = sh.stages();
+  const bool one_rank = d == 1;  // otherwise stages s and s+1 always live on different ranks
+  // Per unit, microbatch-major so neighbouring ranks touch nearby memory: F and B done, and
+  // the forward message into the unit's stage and the backward one delivered.
+  struct State { char f = 0, b = 0, fmsg = 0, bmsg = 0; };
+  std::vector<State> st(static_cast<std::size_t>(S) * static_cast<std::size_t>(m));
+  const auto unit = [S](int s, int mb) { return static_cast<std::size_t>(mb) * static_cast<std::size_t>(S) + static_cast<std::size_t>(s); };
+  // Each rank's three streams as raw cursors.
+  struct Streams {
+    const Op* comp; std::size_t nc, ci;
+    const Op* copy; std::size_t nk, ki;
+    const CommOp* comm; std::size_t nq, qi;
+  };
+  std::vector<Streams> rs(static_cast<std::size_t>(d));
+  for (int r = 0; r < d; ++r) {
+    const auto& rp = p.ranks[static_cast<std::size_t>(r)];
+    rs[static_cast<std::size_t>(r)] = {rp.compute.data(), rp.compute.size(), 0, rp.copy.data(), rp.copy.size(), 0,
+                                       rp.comm.data(), rp.comm.size(), 0};
+  }
   const auto input_ready = [&](const Op& op) {
     switch (op.kind) {
       case OpKind::F:
@@ -175,32 +192,40 @@ constexpr Validation check_execution(const Program& p) {
       default: return false;
     }
   };
-  std::string order_error;
-  // Try to complete rank r's head comm op (a send matched with its peer's head recv).
+  std::string error;
+  // Completes rank r's head comm op if its partner is at the head of its own comm stream and
+  // the data is there: 1 = done, 0 = not yet, -1 = an error (in `error`).
   const auto try_comm = [&](int r) {
-    const auto& mine = p.ranks[static_cast<std::size_t>(r)].comm;
-    if (qi[static_cast<std::size_t>(r)] >= mine.size()) return false;
-    const CommOp& c = mine[qi[static_cast<std::size_t>(r)]];
-    const int sender = c.send ? r : c.peer, receiver = c.send ? c.peer : r;
-    const auto& sq = p.ranks[static_cast<std::size_t>(sender)].comm;
-    const auto& rq = p.ranks[static_cast<std::size_t>(receiver)].comm;
-    if (qi[static_cast<std::size_t>(sender)] >= sq.size() || qi[static_cast<std::size_t>(receiver)] >= rq.size()) return false;
-    const CommOp& s = sq[qi[static_cast<std::size_t>(sender)]];
-    const CommOp& rv = rq[qi[static_cast<std::size_t>(receiver)]];
-    if (!s.send || s.peer != receiver || rv.send || rv.peer != sender) return false;
-    if (s.stage != rv.stage || s.mb != rv.mb || s.dir != rv.dir) {
-      order_error = "rank " + num(receiver) + " expects " + describe(rv) + " but rank " + num(sender) + " sends " + describe(s) +
-                    " first: messages between the two arrive in another order than they are consumed";
-      return false;
+    Streams& me = rs[static_cast<std::size_t>(r)];
+    if (me.qi == me.nq) return 0;
+    const CommOp& c = me.comm[me.qi];
+    if (c.peer < 0 || c.peer >= d) return 0;  // check_p2p_plan names it
+    Streams& other = rs[static_cast<std::size_t>(c.peer)];
+    if (other.qi == other.nq) return 0;
+    const CommOp& o = other.comm[other.qi];
+    if (o.peer != r || o.send == c.send) return 0;
+    const CommOp& snd = c.send ? c : o;
+    const CommOp& rcv = c.send ? o : c;
+    if (snd.stage != rcv.stage || snd.mb != rcv.mb || snd.dir != rcv.dir) {
+      const int sender = c.send ? r : c.peer;
+      error = "rank " + num(c.send ? c.peer : r) + " expects " + describe(rcv) + " but rank " + num(sender) + " sends " +
+              describe(snd) + " first: messages between the two arrive in another order than they are consumed";
+      return -1;
     }
-    const int producer = s.dir == Dir::forward ? s.stage - 1 : s.stage + 1;
-    const State& pu = st[unit(producer, s.mb)];
-    if (!(s.dir == Dir::forward ? pu.f : pu.b)) return false;
-    State& cu = st[unit(s.stage, s.mb)];
-    (s.dir == Dir::forward ? cu.fmsg : cu.bmsg) = 1;
-    ++qi[static_cast<std::size_t>(sender)];
-    ++qi[static_cast<std::size_t>(receiver)];
-    return true;
+    const int producer = snd.dir == Dir::forward ? snd.stage - 1 : snd.stage + 1;
+    if (snd.stage < 0 || snd.stage >= S || producer < 0 || producer >= S || snd.mb < 0 || snd.mb >= m) return 0;
+    const State& pu = st[unit(producer, snd.mb)];
+    if (!(snd.dir == Dir::forward ? pu.f : pu.b)) return 0;
+    State& cu = st[unit(snd.stage, snd.mb)];
+    char& delivered = snd.dir == Dir::forward ? cu.fmsg : cu.bmsg;
+    if (delivered) {
+      error = "rank " + num(c.send ? r : c.peer) + " posts " + describe(snd) + " twice";
+      return -1;
+    }
+    delivered = 1;
+    ++me.qi;
+    ++other.qi;
+    return 1;
   };
   std::vector<int> work;
   std::vector<char> queued(static_cast<std::size_t>(d), 1);
@@ -208,30 +233,32 @@ constexpr Validation check_execution(const Program& p) {
   while (!work.empty()) {
     const int r = work.back();
     work.pop_back();
-    const auto ru = static_cast<std::size_t>(r);
-    queued[ru] = 0;
-    const auto& rp = p.ranks[ru];
+    queued[static_cast<std::size_t>(r)] = 0;
+    Streams& me = rs[static_cast<std::size_t>(r)];
     bool moved = false;
     // Each stream runs as far as it can before the next one is tried; the loop ends when
     // none of the three moved.
     for (;;) {
       bool step = false;
-      while (ci[ru] < rp.compute.size()) {
-        const Op& op = rp.compute[ci[ru]];
-        if (!input_ready(op) || (op.wait >= 0 && ki[ru] <= static_cast<std::size_t>(op.wait))) break;
+      for (; me.ci < me.nc; ++me.ci) {
+        const Op& op = me.comp[me.ci];
+        if (!input_ready(op) || (op.wait >= 0 && me.ki <= static_cast<std::size_t>(op.wait))) break;
         if (op.kind == OpKind::F) st[unit(op.stage, op.mb)].f = 1;
         if (op.kind == OpKind::B || op.kind == OpKind::BW) st[unit(op.stage, op.mb)].b = 1;
-        ++ci[ru];
         step = true;
       }
-      while (ki[ru] < rp.copy.size()) {
-        const Op& op = rp.copy[ki[ru]];
-        if (op.wait >= 0 && ci[ru] <= static_cast<std::size_t>(op.wait)) break;
-        ++ki[ru];
+      for (; me.ki < me.nk; ++me.ki) {
+        const Op& op = me.copy[me.ki];
+        if (op.wait >= 0 && me.ci <= static_cast<std::size_t>(op.wait)) break;
         step = true;
       }
-      while (try_comm(r)) step = true;
-      if (!order_error.empty()) return fail_v(order_error);
+      for (int done = try_comm(r); done != 0; done = try_comm(r)) {
+        if (done < 0) {
+          if (Validation plan = check_p2p_plan(p); !plan) return plan;  // the root cause, if the plan is malformed
+          return fail_v(error);
+        }
+        step = true;
+      }
       if (!step) break;
       moved = true;
     }
@@ -245,14 +272,15 @@ constexpr Validation check_execution(const Program& p) {
   std::string stuck;
   int shown = 0;
   for (int r = 0; r < d && shown < 4; ++r) {
-    const auto ru = static_cast<std::size_t>(r);
-    const auto& rp = p.ranks[ru];
-    if (ci[ru] == rp.compute.size() && ki[ru] == rp.copy.size() && qi[ru] == rp.comm.size()) continue;
+    const Streams& me = rs[static_cast<std::size_t>(r)];
+    if (me.ci == me.nc && me.ki == me.nk && me.qi == me.nq) continue;
+    if (shown == 0)
+      if (Validation plan = check_p2p_plan(p); !plan) return plan;  // a malformed plan says more than "stuck"
     ++shown;
     stuck += "; rank " + num(r) + " waits at";
-    if (ci[ru] < rp.compute.size()) stuck += " compute " + describe(rp.compute[ci[ru]]);
-    if (ki[ru] < rp.copy.size()) stuck += " copy " + describe(rp.copy[ki[ru]]);
-    if (qi[ru] < rp.comm.size()) stuck += " comm " + describe(rp.comm[qi[ru]]);
+    if (me.ci < me.nc) stuck += " compute " + describe(me.comp[me.ci]);
+    if (me.ki < me.nk) stuck += " copy " + describe(me.copy[me.ki]);
+    if (me.qi < me.nq) stuck += " comm " + describe(me.comm[me.qi]);
   }
   if (shown > 0) return fail_v("the schedule deadlocks under the communicator's rendezvous semantics" + stuck);
   return {};
