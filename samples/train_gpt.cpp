@@ -1,15 +1,27 @@
-// samples/train_gpt: trains a small byte-level GPT on data/corpus.txt with d pipeline ranks as
-// threads, under any schedule, with real activation offload on the CPU backend.
+// samples/train_gpt: trains a small byte-level GPT on data/corpus.txt with d pipeline ranks,
+// as threads of one process or as MPI processes, under any schedule, with real activation
+// offload on the CPU backend.
 //
 //   ./build/samples/train_gpt --schedule po-f --ranks 4 --chunks 2 --microbatches 8 --steps 200
 //   ./build/samples/train_gpt --ranks 1 --chunks 1 --microbatches 8 --steps 200   # one-rank reference
 //   ./build/samples/train_gpt --schedule po-f --ranks 4 --chunks 2 --microbatches 8 --steps 5 --copy-gbps 0.5 --trace po-f.json
+//   mpirun -np 4 ./build/samples/train_gpt --comm mpi --schedule po-f --chunks 2 --microbatches 8 --steps 200
+//   ./build/samples/train_gpt ... --checkpoint-every 50 --checkpoint-dir ckpt     # then: ... --resume ckpt
 //
-// The last two lines, `final_loss=...` and `params_hash=...`, are the same for every schedule
-// and rank count with the same model, data and seed (bit-exact pipelining); scripts compare them.
+// The last two lines, `final_loss=...` and `params_hash=...`, are the same for every schedule,
+// rank count and communicator with the same model, data and seed (bit-exact pipelining), and
+// for a run resumed from a checkpoint; scripts compare them.
+#include <pipeoffload/comm/handshake.hpp>
 #include <pipeoffload/model/gpt.hpp>
 #include <pipeoffload/runtime.hpp>
+#include <pipeoffload/runtime/checkpoint.hpp>
 #include <pipeoffload/sim/render.hpp>
+#ifdef PIPEOFFLOAD_WITH_MPI
+#include <pipeoffload/comm/mpi/mpi.hpp>
+#endif
+
+#include <csignal>
+#include <thread>
 
 #include <charconv>
 #include <cmath>
@@ -33,7 +45,10 @@ namespace {
 constexpr const char* usage_text = R"(usage: train_gpt [options]
 
   --schedule NAME       1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f (default po-f; gis with --ranks 1)
-  --ranks D             pipeline ranks (threads), 1..64; 1 is the one-rank sequential reference (default 4)
+  --comm NAME           threads (ranks are threads of this process, default) or mpi (one process per
+                        rank: mpirun -np D train_gpt --comm mpi ...)
+  --ranks D             pipeline ranks, 1..64; 1 is the one-rank sequential reference (default 4;
+                        with --comm mpi the number of processes, which it must equal if given)
   --chunks V            chunks (stages) per rank, 1..64; 1 for 1f1b (default 2)
   --microbatches M      microbatches per step, 1..4096; a multiple of D for 1f1b-i (default 8)
   --group G             group size of gis-g (required there), ceil(D/2)..D
@@ -46,6 +61,13 @@ constexpr const char* usage_text = R"(usage: train_gpt [options]
   --layers L --hidden H --heads A --seq S --batch B --lr LR --dropout P
                         model: 8 blocks, h=64, 4 heads, seq 64, batch 4 per microbatch, lr 3e-3, dropout 0.1
   --corpus FILE         text to train on (default data/corpus.txt)
+  --comm-timeout S      with --comm mpi: a send or receive that waits S seconds fails, naming the op
+                        and the peer (0, 86400]; default 300
+  --checkpoint-every N  save parameters, AdamW state, step, RNG seed and data position every N steps
+  --checkpoint-dir DIR  where (DIR/step-N/stage-S.bin, DIR/latest); defaults to --resume's DIR
+  --resume DIR          continue from DIR/latest (same model, stages, batch, optimizer, steps, seed, data)
+  --inject-fault R:S:K  testing: rank R fails in step S (0-based), mid-iteration, by K = kill (SIGKILL),
+                        throw, or hang (--comm mpi only: its peers' timeout ends the run)
   --quiet               no progress lines
 )";
 
@@ -81,6 +103,14 @@ struct Options {
   float lr = 3e-3f;
   std::string corpus = PIPEOFFLOAD_CORPUS;
   bool quiet = false;
+  bool mpi = false, ranks_given = false;
+  double comm_timeout = 300;
+  int checkpoint_every = 0;
+  std::string checkpoint_dir, resume;
+  struct Fault {
+    int rank = -1, step = -1;
+    std::string kind;  // kill, throw, hang
+  } fault;
 };
 
 Options parse(int argc, char** argv) {
@@ -97,7 +127,8 @@ Options parse(int argc, char** argv) {
       continue;
     }
     static const char* known[] = {"--schedule", "--ranks", "--chunks", "--microbatches", "--group", "--offload-chunks", "--k", "--copy-gbps",
-                                  "--steps", "--seed", "--trace", "--layers", "--hidden", "--heads", "--seq", "--batch", "--lr", "--dropout", "--corpus"};
+                                  "--steps", "--seed", "--trace", "--layers", "--hidden", "--heads", "--seq", "--batch", "--lr", "--dropout", "--corpus",
+                                  "--comm", "--comm-timeout", "--checkpoint-every", "--checkpoint-dir", "--resume", "--inject-fault"};
     if (std::find(std::begin(known), std::end(known), f) == std::end(known)) throw bad_argument("unknown option '" + f + "' (--help lists them)");
     if (i + 1 >= argc) throw bad_argument(f + " needs a value");
     if (a.count(f)) throw bad_argument(f + " was given twice");
@@ -107,6 +138,35 @@ Options parse(int argc, char** argv) {
   o.quiet = quiet;
   const auto get = [&](const char* f) -> const std::string* { auto it = a.find(f); return it == a.end() ? nullptr : &it->second; };
   if (auto v = get("--ranks")) o.shape.d = static_cast<int>(to_int("--ranks", *v, 1, 64));
+  o.ranks_given = get("--ranks") != nullptr;
+  if (auto v = get("--comm")) {
+    if (*v != "threads" && *v != "mpi") throw bad_argument("--comm must be threads or mpi, got '" + *v + "'");
+    o.mpi = *v == "mpi";
+#ifndef PIPEOFFLOAD_WITH_MPI
+    if (o.mpi) throw bad_argument("--comm mpi: this train_gpt was built without MPI (install openmpi-bin and libopenmpi-dev, then reconfigure)");
+#endif
+  }
+  if (auto v = get("--comm-timeout")) {
+    if (!o.mpi) throw bad_argument("--comm-timeout applies only to --comm mpi");
+    o.comm_timeout = to_real("--comm-timeout", *v, 0, 86400, true);
+  }
+  if (auto v = get("--checkpoint-every")) o.checkpoint_every = static_cast<int>(to_int("--checkpoint-every", *v, 1, 1000000));
+  if (auto v = get("--resume")) o.resume = *v;
+  if (auto v = get("--checkpoint-dir")) o.checkpoint_dir = *v;
+  else o.checkpoint_dir = o.resume;
+  if (o.checkpoint_every > 0 && o.checkpoint_dir.empty()) throw bad_argument("--checkpoint-every needs --checkpoint-dir DIR (or --resume DIR)");
+  if (o.checkpoint_every == 0 && get("--checkpoint-dir")) throw bad_argument("--checkpoint-dir needs --checkpoint-every N");
+  if (auto v = get("--inject-fault")) {
+    const std::string& f = *v;
+    const auto c1 = f.find(':'), c2 = c1 == std::string::npos ? c1 : f.find(':', c1 + 1);
+    if (c2 == std::string::npos) throw bad_argument("--inject-fault must be RANK:STEP:KIND (KIND kill, throw or hang), got '" + f + "'");
+    o.fault.rank = static_cast<int>(to_int("--inject-fault's rank", f.substr(0, c1), 0, 63));
+    o.fault.step = static_cast<int>(to_int("--inject-fault's step", f.substr(c1 + 1, c2 - c1 - 1), 0, 1000000));
+    o.fault.kind = f.substr(c2 + 1);
+    if (o.fault.kind != "kill" && o.fault.kind != "throw" && o.fault.kind != "hang")
+      throw bad_argument("--inject-fault's kind must be kill, throw or hang, got '" + o.fault.kind + "'");
+    if (o.fault.kind == "hang" && !o.mpi) throw bad_argument("--inject-fault R:S:hang needs --comm mpi (thread ranks have no receive timeout)");
+  }
   if (auto v = get("--chunks")) o.shape.v = static_cast<int>(to_int("--chunks", *v, 1, 64));
   if (auto v = get("--microbatches")) o.shape.m = static_cast<int>(to_int("--microbatches", *v, 1, 4096));
   if (auto v = get("--steps")) o.steps = static_cast<int>(to_int("--steps", *v, 1, 1000000));
@@ -170,118 +230,107 @@ std::string mib(double bytes) {
   return buf;
 }
 
-}  // namespace
+/// The GPT stage with an optional injected fault: the runtime sees it as the layer type, so a
+/// fault fires inside a real forward pass, mid-iteration, with other passes in flight.
+struct Stage : po::model::GptStage {
+  Stage(const po::model::GptConfig& cfg, int stage, int stages, const Options::Fault* fault) : GptStage(cfg, stage, stages), fault_(fault) {}
+  float forward(po::backend::CpuContext& ctx, const po::Microbatch& mb, const float* x, float* y, std::byte* saved) {
+    if (fault_ != nullptr && mb.step == fault_->step && mb.mb == std::min(1, mb.microbatches - 1)) {
+      std::fprintf(stderr, "train_gpt: rank %d: injecting '%s' in F(stage %d, mb %d) of step %d\n", fault_->rank, fault_->kind.c_str(), mb.stage, mb.mb, mb.step);
+      std::fflush(stderr);
+      if (fault_->kind == "kill") std::raise(SIGKILL);
+      if (fault_->kind == "hang") std::this_thread::sleep_for(std::chrono::hours(1));
+      throw po::error("injected fault (--inject-fault " + std::to_string(fault_->rank) + ":" + std::to_string(fault_->step) + ":throw)");
+    }
+    return GptStage::forward(ctx, mb, x, y, saved);
+  }
 
-int main(int argc, char** argv) {
-  Options o;
-  try {
-    o = parse(argc, argv);
-    po::build(o.spec, o.shape);  // shape errors (1f1b with v > 1, 1f1b-i with m % d != 0) as bad arguments
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "train_gpt: %s\n", e.what());
-    return 2;
-  }
-  std::ifstream in(o.corpus, std::ios::binary);
-  if (!in) {
-    std::fprintf(stderr, "train_gpt: cannot read the corpus '%s'\n", o.corpus.c_str());
-    return 2;
-  }
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const std::size_t seq = static_cast<std::size_t>(o.model.seq);
-  if (text.size() < seq + 2) {
-    std::fprintf(stderr, "train_gpt: the corpus has %zu bytes; it needs at least --seq + 2 = %zu\n", text.size(), seq + 2);
-    return 2;
-  }
-  po::blas::core_name();  // load the BLAS before the ranks start
+ private:
+  const Options::Fault* fault_;
+};
 
-  const po::Shape sh = o.shape;
-  const po::MicrobatchShape mbs{o.batch, o.model.seq};
+/// What every rank shares: the data, the runtime options, the configuration it agrees on.
+struct Setup {
+  std::string text;
   po::RuntimeOptions ropt;
-  ropt.shape = sh;
-  ropt.spec = o.spec;
-  ropt.microbatch = mbs;
-  ropt.costs.k = o.k;
-  ropt.optimizer.lr = o.lr;
-  ropt.optimizer.warmup_steps = std::max(1, std::min(20, o.steps / 10));
-  ropt.optimizer.total_steps = o.steps;
-  ropt.optimizer.weight_decay = 0.01f;
+  std::vector<po::HandshakeField> fields;  // the handshake's
+  std::uint64_t config_hash = 0;           // of what the training state depends on (checkpoints)
+  std::size_t tokens_per_step = 0;
+};
 
-  // Every rank's layers live here so the main thread can hash them after the run.
-  std::vector<std::vector<po::model::GptStage>> layers(static_cast<std::size_t>(sh.d));
-  std::vector<po::RankSim> traces(static_cast<std::size_t>(sh.d));
-  std::vector<std::size_t> peak(static_cast<std::size_t>(sh.d), 0), peak_total(static_cast<std::size_t>(sh.d), 0);
-  std::vector<std::size_t> host_peak(static_cast<std::size_t>(sh.d), 0);
-  float final_loss = 0;
-  po::Program program;
-  std::mutex mu;
-  const std::size_t tokens_per_step = static_cast<std::size_t>(mbs.tokens()) * static_cast<std::size_t>(sh.m);
+std::uint64_t fnv1a(std::string_view s, std::uint64_t h = 1469598103934665603ull) {
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
 
-  std::printf("train_gpt: %s, d=%d v=%d m=%d, GPT %d blocks h=%d heads=%d seq=%d batch=%d, %zu-byte corpus, BLAS %s\n", o.schedule.c_str(), sh.d, sh.v,
-              sh.m, o.model.layers, o.model.hidden, o.model.heads, o.model.seq, o.batch, text.size(), po::blas::core_name().c_str());
-  po::comm::ThreadsWorld world(sh.d);
-  const auto t_start = std::chrono::steady_clock::now();
-  const auto errors = po::run_thread_ranks(sh.d, [&](int r) {
-    po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = o.copy_gbps * 1e9});
-    po::comm::Threads comm(world, r);
-    auto& mine = layers[static_cast<std::size_t>(r)];
-    for (int c = 0; c < sh.v; ++c) mine.emplace_back(o.model, sh.stage_of(r, c), sh.stages());
-    po::Runtime<po::AnySchedule, po::model::GptStage, po::backend::Cpu, po::comm::Threads> rt(ropt, dev, comm, mine);
-    std::vector<std::int32_t> tok(tokens_per_step), tgt(tokens_per_step);
-    double tokens_seconds = 0;
-    for (int step = 0; step < o.steps; ++step) {
-      // Each sequence starts at a position drawn from (seed, step, sequence).
-      for (std::size_t q = 0; q < tokens_per_step / seq; ++q) {
-        const std::size_t at = po::math::mix64(o.seed, static_cast<std::uint64_t>(step) * 1000003u + q) % (text.size() - seq - 1);
-        for (std::size_t t = 0; t < seq; ++t) {
-          tok[q * seq + t] = static_cast<unsigned char>(text[at + t]);
-          tgt[q * seq + t] = static_cast<unsigned char>(text[at + t + 1]);
-        }
-      }
-      const po::StepStats st = rt.step({tok, tgt});
-      tokens_seconds += st.seconds;
-      std::lock_guard lk(mu);
-      peak[static_cast<std::size_t>(r)] = std::max(peak[static_cast<std::size_t>(r)], st.memory.peak_of(po::backend::Memory::activation));
-      peak_total[static_cast<std::size_t>(r)] = std::max(peak_total[static_cast<std::size_t>(r)], st.memory.total_peak);
-      host_peak[static_cast<std::size_t>(r)] = std::max(host_peak[static_cast<std::size_t>(r)], st.memory.host_peak);
-      if (r == 0) {
-        final_loss = st.loss;
-        const bool report = !o.quiet && (step == 0 || (step + 1) % std::max(1, o.steps / 20) == 0 || step + 1 == o.steps);
-        if (report) {
-          const int width = 20, done = (step + 1) * width / o.steps;
-          std::string bar(static_cast<std::size_t>(done), '#');
-          bar.resize(static_cast<std::size_t>(width), '.');
-          std::string peaks;
-          for (std::size_t q = 0; q < peak.size(); ++q) peaks += (q ? " " : "") + mib(static_cast<double>(peak[q]));
-          std::printf("[%s] step %d/%d loss %.4f lr %.2e | %.0f tokens/s | peak activation MiB per rank: %s\n", bar.c_str(), step + 1, o.steps,
-                      static_cast<double>(st.loss), static_cast<double>(st.lr), static_cast<double>(tokens_per_step) * (step + 1) / tokens_seconds,
-                      peaks.c_str());
-          std::fflush(stdout);
-        }
+Setup make_setup(const Options& o, std::string text) {
+  Setup s;
+  s.text = std::move(text);
+  const po::Shape sh = o.shape;
+  po::RuntimeOptions& r = s.ropt;
+  r.shape = sh;
+  r.spec = o.spec;
+  r.microbatch = {o.batch, o.model.seq};
+  r.costs.k = o.k;
+  r.optimizer.lr = o.lr;
+  r.optimizer.warmup_steps = std::max(1, std::min(20, o.steps / 10));
+  r.optimizer.total_steps = o.steps;
+  r.optimizer.weight_decay = 0.01f;
+  s.tokens_per_step = static_cast<std::size_t>(r.microbatch.tokens()) * static_cast<std::size_t>(sh.m);
+  char lr[32], drop[32], k[32];
+  std::snprintf(lr, sizeof lr, "%.9g", static_cast<double>(o.lr));
+  std::snprintf(drop, sizeof drop, "%.9g", static_cast<double>(o.model.dropout));
+  std::snprintf(k, sizeof k, "%.17g", o.k);
+  const std::string model = "layers=" + std::to_string(o.model.layers) + " hidden=" + std::to_string(o.model.hidden) + " heads=" +
+                            std::to_string(o.model.heads) + " seq=" + std::to_string(o.model.seq) + " dropout=" + drop;
+  const std::string batch = "batch=" + std::to_string(o.batch) + " microbatches=" + std::to_string(sh.m) + " stages=" + std::to_string(sh.stages());
+  const std::string train = "steps=" + std::to_string(o.steps) + " lr=" + lr + " seed=" + std::to_string(o.seed);
+  char data[64];
+  std::snprintf(data, sizeof data, "%zu bytes, fnv1a %016llx", s.text.size(), static_cast<unsigned long long>(fnv1a(s.text)));
+  s.fields = po::handshake_fields(o.spec, sh);
+  s.fields.push_back({"model", model});
+  s.fields.push_back({"batch", batch});
+  s.fields.push_back({"training", train});
+  s.fields.push_back({"data", data});
+  s.fields.push_back({"planning", "k=" + std::string(k) + " offload=" + std::to_string(po::offload::count(o.spec.offload, sh.v))});
+  s.fields.push_back({"run", "checkpoint-every=" + std::to_string(o.checkpoint_every) + " resume=" + (o.resume.empty() ? "no" : "yes") +
+                                 " trace=" + (o.trace ? "yes" : "no")});
+  // The training state depends on these, not on the schedule or rank count (every schedule
+  // trains bit-identically), so a checkpoint resumes under any of them.
+  s.config_hash = fnv1a(model + "|" + batch + "|" + train + "|" + data);
+  return s;
+}
+
+/// Rank 0's closing report: peaks, 1F1B-I's simulated peaks, wall time, the trace, and the
+/// two lines scripts compare.
+template <class Comm>
+void report(const Options& o, const Setup& su, Comm& comm, std::vector<Stage>& mine, const po::Program& program, int first,
+            const std::vector<double>& peaks, const std::vector<double>& units, const std::vector<double>& counts, std::vector<po::RankSim>& traces,
+            float final_loss, std::chrono::steady_clock::time_point t_start) {
+  const po::Shape sh = o.shape;
+  std::vector<std::vector<float>> params(static_cast<std::size_t>(sh.stages()));
+  for (int q = 0; q < sh.d; ++q)
+    for (int c = 0; c < sh.v; ++c) {
+      auto& p = params[static_cast<std::size_t>(sh.stage_of(q, c))];
+      if (q == 0) {
+        const auto own = mine[static_cast<std::size_t>(c)].parameters();
+        p.assign(own.begin(), own.end());
+      } else {
+        p.resize(static_cast<std::size_t>(counts[static_cast<std::size_t>(q * sh.v + c)]));
+        comm.recv(q, {sh.stage_of(q, c), sh.m, po::Dir::forward}, p);
       }
     }
-    std::lock_guard lk(mu);
-    traces[static_cast<std::size_t>(r)] = rt.trace();
-    if (r == 0) program = rt.program();
-  });
-  for (int r = 0; r < sh.d; ++r)
-    if (!errors[static_cast<std::size_t>(r)].empty()) {
-      std::fprintf(stderr, "train_gpt: rank %d: %s\n", r, errors[static_cast<std::size_t>(r)].c_str());
-      return 1;
-    }
-  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
 
-  // Unit bytes per stage, for the simulator's view of this run and of 1F1B-I.
   po::Costs sizes;
   sizes.unit_bytes.resize(static_cast<std::size_t>(sh.stages()));
-  for (int r = 0; r < sh.d; ++r)
-    for (int c = 0; c < sh.v; ++c)
-      sizes.unit_bytes[static_cast<std::size_t>(sh.stage_of(r, c))] = static_cast<double>(layers[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)].saved_bytes(mbs));
+  for (int q = 0; q < sh.d; ++q)
+    for (int c = 0; c < sh.v; ++c) sizes.unit_bytes[static_cast<std::size_t>(sh.stage_of(q, c))] = units[static_cast<std::size_t>(q * sh.v + c)];
   std::printf("peak activation per rank, measured (MiB):   ");
-  for (std::size_t r = 0; r < peak.size(); ++r) std::printf(" %s", mib(static_cast<double>(peak[r])).c_str());
+  for (int q = 0; q < sh.d; ++q) std::printf(" %s", mib(peaks[3 * static_cast<std::size_t>(q)]).c_str());
   std::printf("   (device total incl. stash and messages:");
-  for (std::size_t r = 0; r < peak.size(); ++r) std::printf(" %s", mib(static_cast<double>(peak_total[r])).c_str());
+  for (int q = 0; q < sh.d; ++q) std::printf(" %s", mib(peaks[3 * static_cast<std::size_t>(q) + 1]).c_str());
   std::printf("; pinned host:");
-  for (std::size_t r = 0; r < peak.size(); ++r) std::printf(" %s", mib(static_cast<double>(host_peak[r])).c_str());
+  for (int q = 0; q < sh.d; ++q) std::printf(" %s", mib(peaks[3 * static_cast<std::size_t>(q) + 2]).c_str());
   std::printf(")\n");
   if (sh.m % sh.d == 0) {
     const po::Program ref = po::build({po::Family::interleaved_1f1b, {}, po::offload::none}, sh);
@@ -292,7 +341,8 @@ int main(int argc, char** argv) {
   } else {
     std::printf("1F1B-I would need: n/a (1F1B-I needs m to be a multiple of d)\n");
   }
-  std::printf("wall %.2f s, %.0f tokens/s\n", wall, static_cast<double>(tokens_per_step) * o.steps / wall);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  std::printf("wall %.2f s, %.0f tokens/s\n", wall, static_cast<double>(su.tokens_per_step) * (o.steps - first) / wall);
 
   if (o.trace) {
     // The last step's measured times, from the earliest op, in milliseconds (the renderer's
@@ -304,37 +354,269 @@ int main(int argc, char** argv) {
       for (double t : rs.compute_start) t0 = std::min(t0, t);
       for (double t : rs.copy_start) t0 = std::min(t0, t);
     }
-    for (std::size_t r = 0; r < real.ranks.size(); ++r) {
-      auto& rs = real.ranks[r];
+    for (std::size_t q = 0; q < real.ranks.size(); ++q) {
+      auto& rs = real.ranks[q];
       for (auto* vec : {&rs.compute_start, &rs.compute_end, &rs.copy_start, &rs.copy_end})
         for (double& t : *vec) {
           t = (t - t0) * 1e3;
           t1 = std::max(t1, t);
         }
       for (std::size_t x = 0; x < rs.compute_start.size(); ++x) rs.busy += rs.compute_end[x] - rs.compute_start[x];
-      po::detail::memory_timeline(sizes, program.ranks[r], rs);
+      po::detail::memory_timeline(sizes, program.ranks[q], rs);
     }
     real.makespan = t1;
     for (auto& rs : real.ranks) rs.bubble = real.makespan - rs.busy;
     std::ofstream out(*o.trace);
     out << po::render_chrome_trace(program, real);
-    if (!out) {
-      std::fprintf(stderr, "train_gpt: cannot write the trace '%s'\n", o.trace->c_str());
-      return 1;
-    }
+    if (!out) throw po::error("cannot write the trace '" + *o.trace + "'");
     std::printf("trace of the last step (%.1f ms) written to %s\n", t1, o.trace->c_str());
   }
 
   // FNV-1a over every parameter's fp32 bytes, stage by stage in model order: the same bytes
   // in the same order however the model is cut into stages and ranks.
   std::uint64_t hash = 1469598103934665603ull;
-  for (int s = 0; s < sh.stages(); ++s) {
-    auto& l = layers[static_cast<std::size_t>(sh.rank_of(s))][static_cast<std::size_t>(sh.chunk_of(s))];
-    const auto p = l.parameters();
+  for (const auto& p : params) {
     const auto* bytes = reinterpret_cast<const unsigned char*>(p.data());
     for (std::size_t i = 0; i < p.size() * sizeof(float); ++i) hash = (hash ^ bytes[i]) * 1099511628211ull;
   }
   std::printf("final_loss=%.9g\n", static_cast<double>(final_loss));
   std::printf("params_hash=%s\n", hex64(hash).c_str());
+  std::fflush(stdout);
+}
+
+/// One rank's whole run, the same code under threads and MPI: handshake, train, checkpoint,
+/// then gather what rank 0 prints (peaks, unit sizes, traces, parameters for the hash).
+template <class Comm>
+void train_rank(const Options& o, const Setup& su, Comm& comm, std::chrono::steady_clock::time_point t_start) {
+  const int r = comm.rank();
+  const po::Shape sh = o.shape;
+  const po::MicrobatchShape mbs = su.ropt.microbatch;
+  const std::size_t seq = static_cast<std::size_t>(o.model.seq);
+  const std::string& text = su.text;
+  // Before the first message: every rank must run the same configuration.
+  po::handshake(comm, su.fields);
+  po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = o.copy_gbps * 1e9});
+  std::vector<Stage> mine;
+  mine.reserve(static_cast<std::size_t>(sh.v));
+  for (int c = 0; c < sh.v; ++c) mine.emplace_back(o.model, sh.stage_of(r, c), sh.stages(), o.fault.rank == r ? &o.fault : nullptr);
+  po::Runtime<po::AnySchedule, Stage, po::backend::Cpu, Comm> rt(su.ropt, dev, comm, mine);
+  int first = 0;
+  if (!o.resume.empty()) {
+    const po::CheckpointInfo info = po::load_checkpoint(o.resume, rt, su.config_hash);
+    first = rt.steps_taken();
+    if (info.data_position != first || info.rng_seed != o.seed)
+      throw po::checkpoint_error("checkpoint: " + o.resume + " has data position " + std::to_string(info.data_position) + " and seed " +
+                                 std::to_string(info.rng_seed) + "; expected " + std::to_string(first) + " and " + std::to_string(o.seed));
+    if (first >= o.steps)
+      throw po::checkpoint_error("checkpoint: " + o.resume + " is at step " + std::to_string(first) + ", already at --steps " + std::to_string(o.steps) +
+                                 "; nothing to resume");
+    if (r == 0 && !o.quiet) std::printf("resumed from %s at step %d\n", o.resume.c_str(), first);
+  }
+  // Peaks of every rank so far (rank 0 prints them): activation, device total, pinned host.
+  std::vector<double> peaks(3 * static_cast<std::size_t>(sh.d), 0.0);
+  std::vector<std::int32_t> tok(su.tokens_per_step), tgt(su.tokens_per_step);
+  double tokens_seconds = 0;
+  float final_loss = 0;
+  for (int step = first; step < o.steps; ++step) {
+    // Each sequence starts at a position drawn from (seed, step, sequence): the data position
+    // is the step, so a resumed run reads the batches an uninterrupted one would.
+    for (std::size_t q = 0; q < su.tokens_per_step / seq; ++q) {
+      const std::size_t at = po::math::mix64(o.seed, static_cast<std::uint64_t>(step) * 1000003u + q) % (text.size() - seq - 1);
+      for (std::size_t t = 0; t < seq; ++t) {
+        tok[q * seq + t] = static_cast<unsigned char>(text[at + t]);
+        tgt[q * seq + t] = static_cast<unsigned char>(text[at + t + 1]);
+      }
+    }
+    const po::StepStats st = rt.step({tok, tgt});
+    tokens_seconds += st.seconds;
+    final_loss = st.loss;
+    const double my[3] = {static_cast<double>(st.memory.peak_of(po::backend::Memory::activation)), static_cast<double>(st.memory.total_peak),
+                          static_cast<double>(st.memory.host_peak)};
+    std::vector<double> now(peaks.size());
+    comm.all_gather(my, now);
+    for (std::size_t i = 0; i < peaks.size(); ++i) peaks[i] = std::max(peaks[i], now[i]);
+    if (o.checkpoint_every > 0 && (step + 1) % o.checkpoint_every == 0)
+      po::save_checkpoint(o.checkpoint_dir, rt, comm, {su.config_hash, o.seed, static_cast<std::int64_t>(step + 1)});
+    if (r == 0) {
+      const bool report = !o.quiet && (step == first || (step + 1) % std::max(1, o.steps / 20) == 0 || step + 1 == o.steps);
+      if (report) {
+        const int width = 20, done = (step + 1) * width / o.steps;
+        std::string bar(static_cast<std::size_t>(done), '#');
+        bar.resize(static_cast<std::size_t>(width), '.');
+        std::string line;
+        for (int q = 0; q < sh.d; ++q) line += (q ? " " : "") + mib(peaks[3 * static_cast<std::size_t>(q)]);
+        std::printf("[%s] step %d/%d loss %.4f lr %.2e | %.0f tokens/s | peak activation MiB per rank: %s\n", bar.c_str(), step + 1, o.steps,
+                    static_cast<double>(st.loss), static_cast<double>(st.lr),
+                    static_cast<double>(su.tokens_per_step) * (step + 1 - first) / tokens_seconds, line.c_str());
+        std::fflush(stdout);
+      }
+    }
+  }
+
+  // Unit bytes of every stage, for the simulator's view of this run and of 1F1B-I.
+  std::vector<double> my_units(static_cast<std::size_t>(sh.v)), units(static_cast<std::size_t>(sh.stages()));
+  for (int c = 0; c < sh.v; ++c) my_units[static_cast<std::size_t>(c)] = static_cast<double>(mine[static_cast<std::size_t>(c)].saved_bytes(mbs));
+  comm.all_gather(my_units, units);  // [rank * v + chunk]
+  // The last step's measured op times of every rank, padded to the longest rank's op lists.
+  const po::Program& program = rt.program();
+  std::vector<po::RankSim> traces(static_cast<std::size_t>(sh.d));
+  if (o.trace) {
+    std::size_t nc = 0, ny = 0;
+    for (const auto& rp : program.ranks) {
+      nc = std::max(nc, rp.compute.size());
+      ny = std::max(ny, rp.copy.size());
+    }
+    const std::size_t w = 2 * nc + 2 * ny;
+    std::vector<double> t(w, 0.0), all(w * static_cast<std::size_t>(sh.d));
+    const po::RankSim& tr = rt.trace();
+    std::copy(tr.compute_start.begin(), tr.compute_start.end(), t.begin());
+    std::copy(tr.compute_end.begin(), tr.compute_end.end(), t.begin() + static_cast<std::ptrdiff_t>(nc));
+    std::copy(tr.copy_start.begin(), tr.copy_start.end(), t.begin() + static_cast<std::ptrdiff_t>(2 * nc));
+    std::copy(tr.copy_end.begin(), tr.copy_end.end(), t.begin() + static_cast<std::ptrdiff_t>(2 * nc + ny));
+    comm.all_gather(t, all);
+    for (std::size_t q = 0; q < traces.size(); ++q) {
+      const auto* b = all.data() + q * w;
+      const std::size_t c = program.ranks[q].compute.size(), y = program.ranks[q].copy.size();
+      traces[q].compute_start.assign(b, b + c);
+      traces[q].compute_end.assign(b + nc, b + nc + c);
+      traces[q].copy_start.assign(b + 2 * nc, b + 2 * nc + y);
+      traces[q].copy_end.assign(b + 2 * nc + ny, b + 2 * nc + ny + y);
+    }
+  }
+  // Parameters to rank 0 for the hash. Tag (forward, stage s, mb m): a microbatch index no
+  // pass uses, so this exchange cannot be taken for a pipeline message.
+  std::vector<double> my_counts(static_cast<std::size_t>(sh.v)), counts(static_cast<std::size_t>(sh.stages()));
+  for (int c = 0; c < sh.v; ++c) my_counts[static_cast<std::size_t>(c)] = static_cast<double>(mine[static_cast<std::size_t>(c)].parameters().size());
+  comm.all_gather(my_counts, counts);
+  if (r != 0) {
+    for (int c = 0; c < sh.v; ++c) comm.send(0, {sh.stage_of(r, c), sh.m, po::Dir::forward}, mine[static_cast<std::size_t>(c)].parameters());
+  } else {
+    report(o, su, comm, mine, rt.program(), first, peaks, units, counts, traces, final_loss, t_start);
+  }
+  // Nobody leaves (and exits 0) before rank 0 has printed everything: if rank 0 fails there,
+  // this wait fails on every rank instead.
+  const double done = 1;
+  std::vector<double> all_done(static_cast<std::size_t>(sh.d));
+  comm.all_gather(std::span<const double>(&done, 1), all_done);
+}
+
+void print_banner(const Options& o, const Setup& su) {
+  const po::Shape sh = o.shape;
+  std::printf("train_gpt: %s, d=%d v=%d m=%d, GPT %d blocks h=%d heads=%d seq=%d batch=%d, %zu-byte corpus, BLAS %s%s\n", o.schedule.c_str(), sh.d, sh.v,
+              sh.m, o.model.layers, o.model.hidden, o.model.heads, o.model.seq, o.batch, su.text.size(), po::blas::core_name().c_str(),
+              o.mpi ? ", MPI processes" : "");
+  std::fflush(stdout);
+}
+
+int run_threads(const Options& o, const Setup& su) {
+  print_banner(o, su);
+  po::comm::ThreadsWorld world(o.shape.d);
+  const auto t_start = std::chrono::steady_clock::now();
+  const auto errors = po::run_thread_ranks(o.shape.d, [&](int r) {
+    po::comm::Threads comm(world, r);
+    try {
+      train_rank(o, su, comm, t_start);
+    } catch (const std::exception& e) {
+      comm.abort(e.what());  // wake the other ranks (the runtime does this for its own failures)
+      throw;
+    }
+  });
+  for (int r = 0; r < o.shape.d; ++r)
+    if (!errors[static_cast<std::size_t>(r)].empty()) {
+      std::fprintf(stderr, "train_gpt: rank %d: %s\n", r, errors[static_cast<std::size_t>(r)].c_str());
+      return 1;
+    }
   return 0;
+}
+
+#ifdef PIPEOFFLOAD_WITH_MPI
+int run_mpi(Options& o, const std::string& text, int& argc, char**& argv) {
+  po::comm::MpiSession session(argc, argv);
+  const int r = session.rank();
+  // Every rank decides these from the same arguments and world size, so they all agree.
+  if (!o.ranks_given) o.shape.d = session.size();
+  std::string bad;
+  if (o.shape.d != session.size())
+    bad = "--ranks " + std::to_string(o.shape.d) + " but mpirun started " + std::to_string(session.size()) + " processes; they must be equal";
+  else if (o.fault.rank >= o.shape.d)
+    bad = "--inject-fault's rank " + std::to_string(o.fault.rank) + " is outside [0, " + std::to_string(o.shape.d - 1) + "]";
+  else {
+    try {
+      po::build(o.spec, o.shape);
+    } catch (const std::exception& e) {
+      bad = e.what();
+    }
+  }
+  if (!bad.empty()) {
+    if (r == 0) std::fprintf(stderr, "train_gpt: %s\n", bad.c_str());
+    return 2;
+  }
+  const Setup su = make_setup(o, text);
+  po::comm::Mpi comm({.timeout_seconds = o.comm_timeout});
+  if (r == 0) print_banner(o, su);
+  const auto t_start = std::chrono::steady_clock::now();
+  try {
+    train_rank(o, su, comm, t_start);
+  } catch (const po::handshake_error& e) {
+    // Every rank saw the same hashes and throws the same sentence, before any pipeline
+    // message: nothing is in flight, so each rank can leave normally (MPI_Finalize).
+    std::fprintf(stderr, "train_gpt: rank %d: %s\n", r, e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    comm.abort(e.what());  // tell the others (a no-op when the runtime already did)
+    std::fprintf(stderr, "train_gpt: rank %d (%s): %s\n", r, session.host().c_str(), e.what());
+    std::fflush(stderr);
+    // No MPI 4.1 job survives a lost rank, and peers may hold requests that never complete,
+    // so the job ends with MPI_Abort. The rank that failed first calls it, a moment after its
+    // note went out, so that mpirun's message names it and the others can print theirs; a
+    // rank that was told of another's failure waits for that, and ends the job itself only
+    // if it does not come.
+    const int origin = comm.abort_origin();
+    if (origin == r || origin < 0) {
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+    } else {
+      std::this_thread::sleep_for(std::chrono::seconds(15));
+    }
+    po::comm::MpiSession::abort_job(1);
+  }
+  return 0;
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  try {
+    o = parse(argc, argv);
+    if (!o.mpi) {
+      po::build(o.spec, o.shape);  // shape errors (1f1b with v > 1, 1f1b-i with m % d != 0) as bad arguments
+      if (o.fault.rank >= o.shape.d)
+        throw bad_argument("--inject-fault's rank " + std::to_string(o.fault.rank) + " is outside [0, " + std::to_string(o.shape.d - 1) + "]");
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_gpt: %s\n", e.what());
+    return 2;
+  }
+  std::ifstream in(o.corpus, std::ios::binary);
+  if (!in) {
+    std::fprintf(stderr, "train_gpt: cannot read the corpus '%s'\n", o.corpus.c_str());
+    return 2;
+  }
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::size_t seq = static_cast<std::size_t>(o.model.seq);
+  if (text.size() < seq + 2) {
+    std::fprintf(stderr, "train_gpt: the corpus has %zu bytes; it needs at least --seq + 2 = %zu\n", text.size(), seq + 2);
+    return 2;
+  }
+  po::blas::core_name();  // load the BLAS before the ranks start
+  try {
+#ifdef PIPEOFFLOAD_WITH_MPI
+    if (o.mpi) return run_mpi(o, text, argc, argv);
+#endif
+    return run_threads(o, make_setup(o, std::move(text)));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_gpt: %s\n", e.what());
+    return 1;
+  }
 }

@@ -163,6 +163,9 @@ struct Run {
   std::vector<double> seconds;                  ///< per rank, of the last step
   std::vector<std::string> errors;              ///< per rank ("" = ok)
   std::vector<po::RankSim> traces;              ///< per rank, of the last step
+  /// Per rank: the device's allocation counts (device, pinned host) once the runtime is
+  /// constructed, then after each step.
+  std::vector<std::vector<long long>> device_allocations, host_allocations;
   po::Program program;
 };
 
@@ -199,6 +202,8 @@ inline Run train(const Config& c) {
   run.seconds.resize(static_cast<std::size_t>(sh.d));
   run.traces.resize(static_cast<std::size_t>(sh.d));
   run.losses.resize(static_cast<std::size_t>(c.steps));
+  run.device_allocations.resize(static_cast<std::size_t>(sh.d));
+  run.host_allocations.resize(static_cast<std::size_t>(sh.d));
   po::comm::ThreadsWorld world(sh.d);
   po::RuntimeOptions opt;
   opt.shape = sh;
@@ -216,10 +221,16 @@ inline Run train(const Config& c) {
     std::vector<TanhLayer> layers;
     for (int ch = 0; ch < sh.v; ++ch) layers.emplace_back(sh.stage_of(r, ch), c.h, c.seed, c.timing, c.failure, r);
     po::Runtime<po::AnySchedule, TanhLayer, po::backend::Cpu, po::comm::Threads> rt(opt, dev, comm, layers);
+    auto& dev_allocs = run.device_allocations[static_cast<std::size_t>(r)];
+    auto& host_allocs = run.host_allocations[static_cast<std::size_t>(r)];
+    dev_allocs.push_back(dev.memory().device_allocations);
+    host_allocs.push_back(dev.memory().host_allocations);
     std::vector<std::int32_t> tok, tgt;
     for (int s = 0; s < c.steps; ++s) {
       make_batch(c, s, tok, tgt);
       const po::StepStats st = rt.step({tok, tgt});
+      dev_allocs.push_back(st.memory.device_allocations);
+      host_allocs.push_back(st.memory.host_allocations);
       std::lock_guard lk(mu);
       if (r == 0) run.losses[static_cast<std::size_t>(s)] = st.loss;
       run.memory[static_cast<std::size_t>(r)] = st.memory;

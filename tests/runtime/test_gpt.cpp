@@ -2,6 +2,7 @@
 // recompute (same gradients, fewer saved bytes), and pipelined training bit-identical to one rank.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -64,7 +65,80 @@ std::vector<float> noise(std::size_t n, std::uint64_t seed, float scale) {
   return v;
 }
 
+/// Floats in [lo, hi] at a relative step of 6.1e-5 (about 2^-14; 1e-8 near 0): ~ 40k points
+/// per decade, dense enough to meet each polynomial's worst case.
+template <class F>
+void sweep(float lo, float hi, F&& f) {
+  for (float x = lo; x <= hi; x += std::max(std::fabs(x) * 6.1e-5f, 1e-8f)) f(x);
+}
+
 }  // namespace
+
+TEST_CASE("math: exp_approx is within 1.5e-7 relative of exp, and exact at its edges") {
+  double worst = 0;
+  sweep(-87.0f, 88.0f, [&](float x) {
+    const double ref = std::exp(static_cast<double>(x));
+    worst = std::max(worst, std::fabs(static_cast<double>(po::math::exp_approx(x)) - ref) / ref);
+  });
+  MESSAGE("exp_approx: largest relative error ", worst);
+  CHECK(worst < 1.5e-7);
+  CHECK(po::math::exp_approx(0.0f) == 1.0f);
+  CHECK(po::math::exp_approx(-100.0f) == 0.0f);
+  CHECK(po::math::exp_approx(-INFINITY) == 0.0f);
+  CHECK(po::math::exp_approx(100.0f) == INFINITY);
+  CHECK(std::isnan(po::math::exp_approx(NAN)));
+}
+
+TEST_CASE("math: tanh_approx is within 1.5e-7 absolute and 5e-7 relative of tanh; GeLU follows") {
+  double worst_abs = 0, worst_rel = 0;
+  sweep(-20.0f, 20.0f, [&](float x) {
+    const double ref = std::tanh(static_cast<double>(x));
+    const double err = std::fabs(static_cast<double>(po::math::tanh_approx(x)) - ref);
+    worst_abs = std::max(worst_abs, err);
+    if (ref != 0) worst_rel = std::max(worst_rel, err / std::fabs(ref));
+  });
+  MESSAGE("tanh_approx: largest absolute error ", worst_abs, ", relative ", worst_rel);
+  CHECK(worst_abs < 1.5e-7);
+  CHECK(worst_rel < 5e-7);
+  CHECK(po::math::tanh_approx(0.0f) == 0.0f);
+  CHECK(std::signbit(po::math::tanh_approx(-0.0f)));
+  CHECK(po::math::tanh_approx(INFINITY) == 1.0f);
+  CHECK(po::math::tanh_approx(-INFINITY) == -1.0f);
+  CHECK(po::math::tanh_approx(1e30f) == 1.0f);
+  CHECK(std::isnan(po::math::tanh_approx(NAN)));
+  // tanh is odd, bit for bit.
+  sweep(0.0f, 20.0f, [&](float x) { REQUIRE(po::math::tanh_approx(-x) == -po::math::tanh_approx(x)); });
+  // GeLU and its derivative against the same formulas in double with exact tanh.
+  double worst_gelu = 0, worst_grad = 0;
+  sweep(-12.0f, 12.0f, [&](float xf) {
+    const double x = xf, c = 0.7978845608028654, a = 0.044715;
+    const double t = std::tanh(c * (x + a * x * x * x));
+    const double gelu = 0.5 * x * (1 + t);
+    const double grad = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * a * x * x);
+    worst_gelu = std::max(worst_gelu, std::fabs(po::math::gelu(xf) - gelu) / (1 + std::fabs(gelu)));
+    worst_grad = std::max(worst_grad, std::fabs(po::math::gelu_grad(xf) - grad) / (1 + std::fabs(grad)));
+  });
+  MESSAGE("gelu: largest error ", worst_gelu, ", gelu_grad: ", worst_grad, " (relative to 1 + |value|)");
+  CHECK(worst_gelu < 1e-6);
+  CHECK(worst_grad < 2e-6);
+}
+
+TEST_CASE("math: exp_approx and tanh_approx give the same bits in a vectorised loop as one at a time") {
+  // The GPT runs them through GptStage's 16-wide loops and scalar tails: an element's value
+  // must not depend on which of the two it went through.
+  std::vector<float> x(4099);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = (static_cast<float>(po::math::mix64(7, i) >> 40) / 16777216.0f - 0.5f) * 40.0f;
+  std::vector<float> e(x.size()), t(x.size());
+  for (std::size_t i = 0; i + 16 <= x.size(); i += 16) {
+    for (std::size_t j = 0; j < 16; ++j) e[i + j] = po::math::exp_approx(x[i + j]);
+    for (std::size_t j = 0; j < 16; ++j) t[i + j] = po::math::tanh_approx(x[i + j]);
+  }
+  for (std::size_t i = 0; i < x.size() / 16 * 16; ++i) {
+    volatile float xi = x[i];  // one scalar call at a time
+    REQUIRE(e[i] == po::math::exp_approx(xi));
+    REQUIRE(t[i] == po::math::tanh_approx(xi));
+  }
+}
 
 TEST_CASE("GPT block: B and W match central finite differences") {
   GptConfig cfg;

@@ -104,3 +104,62 @@ TEST_CASE("memory: PO-F's measured peak stays flat as d*v grows") {
   MESSAGE("PO-F rank-0 peak in units of its largest stage, (d,v) = (2,2) (4,2) (4,4) (8,2): ", units[0], " ", units[1], " ", units[2], " ", units[3]);
   for (double u : units) CHECK(u <= 5.0);  // a small constant (DESIGN.md: ~4 units), against d*v up to 16
 }
+
+TEST_CASE("memory: after construction no step takes device or pinned host memory from the system") {
+  // po::Runtime reserves, per buffer size, the most blocks its program can hold under any
+  // timing; so with fast passes, with sleeping passes and a paced copy engine, and whatever
+  // the OS does to the threads, the arena's allocation counts never move during steps.
+  using GK = po::GroupSpec::Kind;
+  const std::vector<std::pair<const char*, po::ScheduleSpec>> specs = {
+      {"1f1b", {po::Family::one_f1b, {}, po::offload::none}},
+      {"1f1b-i + offload all", {po::Family::interleaved_1f1b, {}, po::offload::all}},
+      {"gis-h", {po::Family::grouped, {GK::half, 0}, po::offload::none}},
+      {"po-h", {po::Family::grouped, {GK::uniform, 1}, po::offload::half}},
+      {"po-f", po_f()},
+  };
+  for (const auto& [name, spec] : specs)
+    for (int paced = 0; paced < 2; ++paced) {
+      CAPTURE(name);
+      CAPTURE(paced);
+      test::Config c;
+      c.spec = spec;
+      c.shape = {spec.family == po::Family::one_f1b ? 3 : 4, spec.family == po::Family::one_f1b ? 1 : 2, 8};
+      c.steps = 4;
+      if (paced) {
+        const double t = 0.0005;
+        c.timing = {t, t, t};
+        c.costs.f = c.costs.b = c.costs.w = t;
+        c.copy_bytes_per_second = 2e6;  // slower than k = 1: copies lag compute
+      }
+      const test::Run run = test::train_within(c, 120);
+      for (const std::string& e : run.errors) REQUIRE(e == "");
+      for (int r = 0; r < c.shape.d; ++r) {
+        CAPTURE(r);
+        const auto& dev = run.device_allocations[static_cast<std::size_t>(r)];
+        const auto& host = run.host_allocations[static_cast<std::size_t>(r)];
+        REQUIRE(dev.size() == static_cast<std::size_t>(c.steps) + 1);
+        CHECK(dev.front() > 0);  // reserved at construction
+        for (std::size_t s = 1; s < dev.size(); ++s) {
+          CAPTURE(s);
+          CHECK(dev[s] == dev.front());
+          CHECK(host[s] == host.front());
+        }
+      }
+    }
+}
+
+TEST_CASE("memory: the reservation bound counts every interleaving of two streams") {
+  using E = po::detail::BlockEffect;
+  // A takes a block in op 0 and gives it back in op 2; B takes one in op 0, gives it in op 1.
+  const std::vector<E> a = {{1, 0}, {0, 0}, {0, 1}}, b = {{1, 0}, {0, 1}};
+  // Unordered: both can hold theirs at once.
+  CHECK(po::detail::two_stream_peak(a, {}, b, {}) == 2);
+  // B's op 0 waits for A's op 2 (A's block is back first): never more than one.
+  CHECK(po::detail::two_stream_peak(a, {}, b, {2, -1}) == 1);
+  // A's op 0 waits for B's op 1 instead: again one.
+  CHECK(po::detail::two_stream_peak(a, {1, -1, -1}, b, {}) == 1);
+  // B's op 0 waits only for A's op 1, which runs while A still holds its block: two.
+  CHECK(po::detail::two_stream_peak(a, {}, b, {1, -1}) == 2);
+  // One stream alone: the most held at once, including what the running op took.
+  CHECK(po::detail::two_stream_peak({{1, 0}, {1, 0}, {0, 2}, {1, 1}}, {}, {}, {}) == 2);
+}

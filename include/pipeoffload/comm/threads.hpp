@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -22,7 +23,7 @@ class ThreadsWorld {
  public:
   explicit ThreadsWorld(int size) : size_(size) {
     if (size < 1 || size > 4096) throw comm_error("comm::ThreadsWorld: size = " + std::to_string(size) + " is outside the allowed range [1, 4096]");
-    channels_.resize(static_cast<std::size_t>(size) * static_cast<std::size_t>(size));
+    channels_ = std::make_unique<Channel[]>(static_cast<std::size_t>(size) * static_cast<std::size_t>(size));
     gathered_.resize(static_cast<std::size_t>(size));
   }
   int size() const { return size_; }
@@ -34,8 +35,10 @@ class ThreadsWorld {
       if (aborted_) return;
       aborted_ = true;
       reason_ = why;
+      // Under the lock, so no waiter can miss it between its check and its sleep.
+      for (std::size_t i = 0; i < static_cast<std::size_t>(size_) * static_cast<std::size_t>(size_); ++i) channels_[i].cv.notify_all();
+      cv_.notify_all();
     }
-    cv_.notify_all();
   }
   bool aborted() const {
     std::lock_guard lk(mu_);
@@ -50,15 +53,21 @@ class ThreadsWorld {
     std::size_t count = 0;
     bool taken = false;
   };
-  std::deque<Message*>& channel(int from, int to) {
+  // One per ordered pair of ranks, with its own condition variable: a message wakes its
+  // receiver (and a receipt its sender) and no other rank's comm thread.
+  struct Channel {
+    std::deque<Message*> queue;  // FIFO of posted sends
+    std::condition_variable cv;
+  };
+  Channel& channel(int from, int to) {
     return channels_[static_cast<std::size_t>(from) * static_cast<std::size_t>(size_) + static_cast<std::size_t>(to)];
   }
   [[noreturn]] void throw_aborted() const { throw aborted_error("aborted: " + reason_); }
 
   int size_;
   mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<std::deque<Message*>> channels_;  // [from * size + to], FIFO of posted sends
+  std::condition_variable cv_;  // all_gather rounds
+  std::unique_ptr<Channel[]> channels_;  // [from * size + to]
   bool aborted_ = false;
   std::string reason_;
   // all_gather: contributions of the round in progress, and the published result of the last
@@ -84,17 +93,17 @@ class Threads {
   void send(int peer, Tag tag, std::span<const float> data) {
     check_peer(peer, "send to");
     ThreadsWorld::Message msg{tag, data.data(), data.size(), false};
+    ThreadsWorld::Channel& ch = w_->channel(rank_, peer);
     std::unique_lock lk(w_->mu_);
     if (w_->aborted_) w_->throw_aborted();
-    w_->channel(rank_, peer).push_back(&msg);
-    w_->cv_.notify_all();
-    w_->cv_.wait(lk, [&] { return msg.taken || w_->aborted_; });
+    ch.queue.push_back(&msg);
+    ch.cv.notify_all();
+    ch.cv.wait(lk, [&] { return msg.taken || w_->aborted_; });
     if (!msg.taken) {
       // Aborted: withdraw the message, its storage is about to go away.
-      auto& ch = w_->channel(rank_, peer);
-      for (auto it = ch.begin(); it != ch.end(); ++it)
+      for (auto it = ch.queue.begin(); it != ch.queue.end(); ++it)
         if (*it == &msg) {
-          ch.erase(it);
+          ch.queue.erase(it);
           break;
         }
       w_->throw_aborted();
@@ -105,10 +114,10 @@ class Threads {
   void recv(int peer, Tag tag, std::span<float> out) {
     check_peer(peer, "recv from");
     std::unique_lock lk(w_->mu_);
-    auto& ch = w_->channel(peer, rank_);
-    w_->cv_.wait(lk, [&] { return !ch.empty() || w_->aborted_; });
+    ThreadsWorld::Channel& ch = w_->channel(peer, rank_);
+    ch.cv.wait(lk, [&] { return !ch.queue.empty() || w_->aborted_; });
     if (w_->aborted_) w_->throw_aborted();
-    ThreadsWorld::Message* msg = ch.front();
+    ThreadsWorld::Message* msg = ch.queue.front();
     if (!(msg->tag == tag) || msg->count != out.size()) {
       const std::string what = "comm::Threads: rank " + std::to_string(rank_) + " expected " + describe(tag) + " of " +
                                std::to_string(out.size()) + " floats from rank " + std::to_string(peer) + " but received " +
@@ -118,8 +127,9 @@ class Threads {
     }
     if (!out.empty()) std::memcpy(out.data(), msg->data, out.size() * sizeof(float));
     msg->taken = true;
-    ch.pop_front();
-    w_->cv_.notify_all();
+    ch.queue.pop_front();
+    lk.unlock();  // the sender re-takes the lock as it wakes
+    ch.cv.notify_all();
   }
 
   void all_gather(std::span<const double> mine, std::span<double> all) {

@@ -327,23 +327,47 @@ class GptStage {
       const math::RowStats st = math::row_stats(x + t * h(), h_);
       stats[2 * t] = st.mean;
       stats[2 * t + 1] = st.rstd;
-      for (std::size_t i = 0; i < h(); ++i) out[t * h() + i] = math::layernorm_apply(x[t * h() + i], st, g[i], b[i]);
+      const float* xr = x + t * h();
+      elementwise(out + t * h(), h(), [&](std::size_t i) { return math::layernorm_apply(xr[i], st, g[i], b[i]); });
     }
   }
   /// The same output recomputed from saved statistics (selective recompute).
   void relayernorm(const float* x, const float* stats, const float* g, const float* b, float* out, std::size_t T) const {
     for (std::size_t t = 0; t < T; ++t) {
       const math::RowStats st{stats[2 * t], stats[2 * t + 1]};
-      for (std::size_t i = 0; i < h(); ++i) out[t * h() + i] = math::layernorm_apply(x[t * h() + i], st, g[i], b[i]);
+      const float* xr = x + t * h();
+      elementwise(out + t * h(), h(), [&](std::size_t i) { return math::layernorm_apply(xr[i], st, g[i], b[i]); });
     }
   }
+  /// out[e] = f(e) for e in [0, n). g++ -O2 vectorises only loops that need neither a scalar
+  /// tail nor an alias check; these fixed 16-wide loops through a local buffer need neither,
+  /// so a branch-free f (math.hpp's exp_approx, tanh_approx, gelu) runs on SIMD lanes. The
+  /// tail calls the same f, which gives the same bits. f may read out[e]: a group is written
+  /// back only after all of it is computed.
+  template <class F>
+  static void elementwise(float* out, std::size_t n, F&& f) {
+    constexpr std::size_t w = 16;
+    std::size_t i = 0;
+    for (; i + w <= n; i += w) {
+      float buf[w];
+      for (std::size_t j = 0; j < w; ++j) buf[j] = f(i + j);
+      for (std::size_t j = 0; j < w; ++j) out[i + j] = buf[j];
+    }
+    for (; i < n; ++i) out[i] = f(i);
+  }
+
   static void add_bias(float* y, const float* b, std::size_t rows, std::size_t cols) {
-    for (std::size_t r = 0; r < rows; ++r)
-      for (std::size_t c = 0; c < cols; ++c) y[r * cols + c] += b[c];
+    for (std::size_t r = 0; r < rows; ++r) {
+      float* yr = y + r * cols;
+      elementwise(yr, cols, [&](std::size_t c) { return yr[c] + b[c]; });
+    }
   }
   static void col_sum_into(float* out, const float* x, std::size_t rows, std::size_t cols) {
-    for (std::size_t r = 0; r < rows; ++r)
-      for (std::size_t c = 0; c < cols; ++c) out[c] += x[r * cols + c];
+    // Row by row, so each column still sums in row order.
+    for (std::size_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * cols;
+      elementwise(out, cols, [&](std::size_t c) { return out[c] + xr[c]; });
+    }
   }
   // Y (rows x n) = X (rows x k) W (k x n) [+ bias]
   static void linear(const float* X, const float* W, const float* bias, float* Y, std::size_t rows, std::size_t k, std::size_t n) {
@@ -368,8 +392,9 @@ class GptStage {
   void attention_forward(const float* qkv, float* att, float* lse, MicrobatchShape sh) {
     const std::size_t S = static_cast<std::size_t>(sh.seq), A = static_cast<std::size_t>(c_.heads), H = h(), dh = H / A;
     const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-    if (scores_.size() < S * S) scores_.resize(S * S);
+    if (scores_.size() < S * S + S) scores_.resize(S * S + S);
     float* P = scores_.data();
+    float* ex = P + S * S;  // (S) exp(s - max) of one score row
     for (std::size_t b = 0; b < static_cast<std::size_t>(sh.batch); ++b)
       for (std::size_t a = 0; a < A; ++a) {
         const float* q = qkv + b * S * 3 * H + a * dh;
@@ -382,10 +407,13 @@ class GptStage {
           float* row = P + i * S;
           float mx = row[0];
           for (std::size_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
+          elementwise(ex, i + 1, [&](std::size_t j) { return math::exp_approx(row[j] - mx); });
           float sum = 0;
-          for (std::size_t j = 0; j <= i; ++j) sum += std::exp(row[j] - mx);
-          l[i] = mx + std::log(sum);
-          for (std::size_t j = 0; j <= i; ++j) row[j] = std::exp(row[j] - l[i]);
+          for (std::size_t j = 0; j <= i; ++j) sum += ex[j];  // in index order: the same sum on every run
+          const float li = mx + std::log(sum);
+          l[i] = li;
+          // exp(s - lse), as backward recomputes it, rather than ex / sum: the same P both ways.
+          elementwise(row, i + 1, [&](std::size_t j) { return math::exp_approx(row[j] - li); });
           for (std::size_t j = i + 1; j < S; ++j) row[j] = 0.0f;
         }
         blas::sgemm(T_::no, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), 1.0f, P, static_cast<int>(S), v,
@@ -414,8 +442,10 @@ class GptStage {
         blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), scale, q, static_cast<int>(3 * H), k,
                     static_cast<int>(3 * H), 0.0f, P, static_cast<int>(S));
         for (std::size_t i = 0; i < S; ++i) {
-          for (std::size_t j = 0; j <= i; ++j) P[i * S + j] = std::exp(P[i * S + j] - l[i]);
-          for (std::size_t j = i + 1; j < S; ++j) P[i * S + j] = 0.0f;
+          float* row = P + i * S;
+          const float li = l[i];
+          elementwise(row, i + 1, [&](std::size_t j) { return math::exp_approx(row[j] - li); });
+          for (std::size_t j = i + 1; j < S; ++j) row[j] = 0.0f;
         }
         // dP = dO v^T ; dS = P (dP - rowsum(dO o)) ; dv = P^T dO ; dq = dS k scale ; dk = dS^T q scale
         blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), 1.0f, dO, static_cast<int>(H), v,
@@ -423,7 +453,10 @@ class GptStage {
         for (std::size_t i = 0; i < S; ++i) {
           float D = 0;
           for (std::size_t e = 0; e < dh; ++e) D += dO[i * H + e] * o[i * H + e];
-          for (std::size_t j = 0; j < S; ++j) dP[i * S + j] = j <= i ? P[i * S + j] * (dP[i * S + j] - D) : 0.0f;
+          const float* prow = P + i * S;
+          float* drow = dP + i * S;
+          elementwise(drow, i + 1, [&](std::size_t j) { return prow[j] * (drow[j] - D); });
+          for (std::size_t j = i + 1; j < S; ++j) drow[j] = 0.0f;
         }
         blas::sgemm(T_::yes, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), 1.0f, P, static_cast<int>(S), dO,
                     static_cast<int>(H), 0.0f, dv, static_cast<int>(3 * H));
@@ -447,20 +480,26 @@ class GptStage {
     attention_forward(v.qkv, v.att, v.lse, mb.shape);
     linear(v.att, w.wo, w.bo, tmp, T, H, H);
     const std::uint64_t s1 = drop_seed(mb, i, 0), s2 = drop_seed(mb, i, 1);
-    for (std::size_t e = 0; e < T * H; ++e) {
-      const float k = math::dropout_scale(s1, e, c_.dropout);
-      if (!c_.recompute) v.m1[e] = k != 0.0f;
-      v.x1[e] = v.x[e] + tmp[e] * k;
-    }
+    residual_dropout(v.x1, v.x, tmp, s1, v.m1, T * H);
     float* a2 = c_.recompute ? s.data() : v.a2;
     layernorm(v.x1, v.stats + 2 * T, w.ln2g, w.ln2b, a2, T);
     linear(a2, w.wfc, w.bfc, v.f, T, H, 4 * H);
-    for (std::size_t e = 0; e < 4 * T * H; ++e) g[e] = math::gelu(v.f[e]);
+    elementwise(g, 4 * T * H, [&](std::size_t e) { return math::gelu(v.f[e]); });
     linear(g, w.wpr, w.bpr, tmp, T, 4 * H, H);
-    for (std::size_t e = 0; e < T * H; ++e) {
-      const float k = math::dropout_scale(s2, e, c_.dropout);
-      if (!c_.recompute) v.m2[e] = k != 0.0f;
-      out[e] = v.x1[e] + tmp[e] * k;
+    residual_dropout(out, v.x1, tmp, s2, v.m2, T * H);
+  }
+
+  /// out = x + y * dropout mask (seed); with recompute off the mask is saved to `mask` too.
+  void residual_dropout(float* out, const float* x, const float* y, std::uint64_t seed, std::uint8_t* mask, std::size_t n) const {
+    const float p = c_.dropout;
+    if (c_.recompute) {
+      elementwise(out, n, [&](std::size_t e) { return math::residual_dropout(x[e], y[e], seed, e, p); });
+      return;
+    }
+    for (std::size_t e = 0; e < n; ++e) {
+      const float k = math::dropout_scale(seed, e, p);
+      mask[e] = k != 0.0f;
+      out[e] = x[e] + y[e] * k;
     }
   }
 
@@ -487,7 +526,7 @@ class GptStage {
     const std::uint64_t s1 = drop_seed(mb, i, 0), s2 = drop_seed(mb, i, 1);
     for (std::size_t e = 0; e < T * H; ++e) dP2[e] = grad[e] * mask_scale(v.m2, s2, e);
     linear_dx(dP2, w.wpr, dF, T, 4 * H, H);  // dG
-    for (std::size_t e = 0; e < 4 * T * H; ++e) dF[e] *= math::gelu_grad(v.f[e]);
+    elementwise(dF, 4 * T * H, [&](std::size_t e) { return dF[e] * math::gelu_grad(v.f[e]); });
     linear_dx(dF, w.wfc, dA2, T, H, 4 * H);
     for (std::size_t t = 0; t < T; ++t) {
       const math::RowStats st2{v.stats[2 * T + 2 * t], v.stats[2 * T + 2 * t + 1]};
@@ -525,7 +564,7 @@ class GptStage {
     linear_dw(v.att, dO1, gw.wo, gw.bo, T, H, H);
     const float* gsrc = v.g;
     if (c_.recompute) {
-      for (std::size_t e = 0; e < 4 * T * H; ++e) g[e] = math::gelu(v.f[e]);
+      elementwise(g, 4 * T * H, [&](std::size_t e) { return math::gelu(v.f[e]); });
       gsrc = g;
     }
     linear_dw(gsrc, dP2, gw.wpr, gw.bpr, T, 4 * H, H);
@@ -548,10 +587,10 @@ class GptStage {
   void ln_weight_grads(const float* x, const float* stats, const float* dy, float* gg, float* gb, std::size_t T) const {
     for (std::size_t t = 0; t < T; ++t) {
       const float mean = stats[2 * t], rstd = stats[2 * t + 1];
-      for (std::size_t i = 0; i < h(); ++i) {
-        gg[i] += dy[t * h() + i] * (x[t * h() + i] - mean) * rstd;
-        gb[i] += dy[t * h() + i];
-      }
+      const float* dyr = dy + t * h();
+      const float* xr = x + t * h();
+      elementwise(gg, h(), [&](std::size_t i) { return gg[i] + dyr[i] * (xr[i] - mean) * rstd; });
+      elementwise(gb, h(), [&](std::size_t i) { return gb[i] + dyr[i]; });
     }
   }
 

@@ -6,6 +6,7 @@
 // accumulations the callers need spelled out (double where a sum must not depend on length).
 #pragma once
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 
@@ -17,21 +18,98 @@
 
 namespace pipeoffload::math {
 
+// ---- Branch-free exp and tanh ------------------------------------------------------------------
+//
+// The block's element-wise work is GeLU (a tanh per element of the (T, 4h) MLP activation,
+// forward, backward and recompute) and the attention softmax (an exp per score). libm's
+// tanhf and expf are scalar calls, and tanhf alone took a quarter of a GPT block's F+B+W on
+// one core. These are pure arithmetic (no table, no branch, no libm) so a loop over them
+// vectorises, and a GPU runs the same operations. Both are deterministic: the same input
+// gives the same bits in a SIMD lane and in scalar code (no operation depends on position).
+//
+// GCC will not if-convert `c ? a : b` when computing `a` could raise a floating-point
+// exception (-ftrapping-math, the default), which stops vectorisation; select() blends bits
+// of two values that are both already computed, which it can.
+
+/// The bits of a float, and the float of some bits.
+PIPEOFFLOAD_HOST_DEVICE inline std::uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<std::uint32_t>(__float_as_uint(x));
+#else
+  return std::bit_cast<std::uint32_t>(x);
+#endif
+}
+PIPEOFFLOAD_HOST_DEVICE inline float bits_float(std::uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  return std::bit_cast<float>(u);
+#endif
+}
+
+/// c ? a : b by masking bits (both sides already computed; see above).
+PIPEOFFLOAD_HOST_DEVICE inline float select(bool c, float a, float b) {
+  const std::uint32_t m = 0u - static_cast<std::uint32_t>(c);
+  return bits_float((float_bits(a) & m) | (float_bits(b) & ~m));
+}
+
+/// e^x. Relative error below 1.5e-7 (about 2 ulp) for x in [-87, 88] (tests/runtime/test_gpt.cpp
+/// asserts it against double exp); 0 below -87.5, +inf above 88.5, NaN for NaN.
+/// x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor polynomial to degree 7 (truncation below
+/// 5e-9 relative), 2^n put straight into the exponent bits.
+PIPEOFFLOAD_HOST_DEVICE inline float exp_approx(float x) {
+  const float xc = select(x < -87.0f, -87.0f, select(x > 88.0f, 88.0f, x));  // 2^n stays a normal float
+  // Adding 1.5 * 2^23 rounds x / ln2 to an integer n and leaves n in the low mantissa bits.
+  const float shifter = 12582912.0f;
+  const float t = xc * 1.44269504088896341f + shifter;
+  const float n = t - shifter;
+  // r = x - n ln2 with ln2 split in two (Cody and Waite), so r keeps its bits for |n| <= 127.
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const float y = p * bits_float((float_bits(t) - float_bits(shifter) + 127u) << 23);
+  return select(x < -87.5f, 0.0f, select(x > 88.5f, INFINITY, y));
+}
+
+/// tanh(x). Absolute error below 1.5e-7 everywhere, relative error below 5e-7 (tests assert
+/// both against double tanh); tanh(+-inf) = +-1, NaN for NaN.
+/// |x| < 0.25: the odd Taylor series to x^9 (next term below 1e-8 relative); above,
+/// 1 - 2 / (e^{2|x|} + 1). The sign is copied back from x.
+PIPEOFFLOAD_HOST_DEVICE inline float tanh_approx(float x) {
+  const float a = x < 0.0f ? -x : x;
+  const float a2 = a * a;
+  float s = 62.0f / 2835.0f;
+  s = s * a2 - 17.0f / 315.0f;
+  s = s * a2 + 2.0f / 15.0f;
+  s = s * a2 - 1.0f / 3.0f;
+  s = s * a2 * a + a;
+  const float big = 1.0f - 2.0f / (exp_approx(2.0f * a) + 1.0f);
+  const float m = select(a < 0.25f, s, big);
+  return bits_float(float_bits(m) | (float_bits(x) & 0x80000000u));
+}
+
 // ---- GeLU (tanh approximation, as GPT-2) ------------------------------------------------
 
 inline constexpr float gelu_c = 0.7978845608028654f;  // sqrt(2/pi)
 inline constexpr float gelu_a = 0.044715f;
 
-/// GeLU(x) = x/2 * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+/// GeLU(x) = x/2 * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), with tanh_approx (vectorises).
 PIPEOFFLOAD_HOST_DEVICE inline float gelu(float x) {
   const float u = gelu_c * (x + gelu_a * x * x * x);
-  return 0.5f * x * (1.0f + std::tanh(u));
+  return 0.5f * x * (1.0f + tanh_approx(u));
 }
 
-/// d GeLU / dx at x.
+/// d GeLU / dx at x (the derivative of the formula above, with the same tanh_approx).
 PIPEOFFLOAD_HOST_DEVICE inline float gelu_grad(float x) {
   const float u = gelu_c * (x + gelu_a * x * x * x);
-  const float t = std::tanh(u);
+  const float t = tanh_approx(u);
   const float du = gelu_c * (1.0f + 3.0f * gelu_a * x * x);
   return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
 }
@@ -82,6 +160,21 @@ PIPEOFFLOAD_HOST_DEVICE inline void layernorm_backward_row(const float* dy, cons
   }
 }
 
+/// Row statistics from a row's mean and its sum of squared deviations from that mean: the
+/// second half of row_stats, for kernels that compute the two sums with a block reduction
+/// (row_stats(x, n) == row_stats_finish(mean, sum (x_i - mean)^2, n) for the same sums).
+PIPEOFFLOAD_HOST_DEVICE inline RowStats row_stats_finish(float mean, float sum_sq_dev, int n) {
+  return {mean, 1.0f / std::sqrt(sum_sq_dev / static_cast<float>(n) + layernorm_eps)};
+}
+
+/// One element of layernorm_backward_row, given the row means of g = dy * gamma and of
+/// g * xhat (mean_g, mean_gxhat): the per-element half, for kernels that reduce per block.
+PIPEOFFLOAD_HOST_DEVICE inline float layernorm_backward_elem(float dy, float x, RowStats st, float gamma, float mean_g,
+                                                             float mean_gxhat) {
+  const float xhat = (x - st.mean) * st.rstd;
+  return st.rstd * (dy * gamma - mean_g - xhat * mean_gxhat);
+}
+
 // ---- Dropout with a counter-based RNG ---------------------------------------------------------
 
 /// A 64-bit mix of (seed, counter): the mask bit of element i of one tensor is a pure function
@@ -108,8 +201,9 @@ PIPEOFFLOAD_HOST_DEVICE inline bool dropout_keep(std::uint64_t seed, std::uint64
 }
 
 /// Dropout's forward and backward factor of element i: 0 or 1/(1-p).
+/// Branch-free (select), so loops over it vectorise; 1/(1-p) is loop-invariant.
 PIPEOFFLOAD_HOST_DEVICE inline float dropout_scale(std::uint64_t seed, std::uint64_t i, float p) {
-  return p <= 0.0f ? 1.0f : (dropout_keep(seed, i, p) ? 1.0f / (1.0f - p) : 0.0f);
+  return select(p <= 0.0f, 1.0f, select(dropout_keep(seed, i, p), 1.0f / (1.0f - p), 0.0f));
 }
 
 // ---- Softmax cross-entropy ----------------------------------------------------------------------
@@ -129,6 +223,18 @@ PIPEOFFLOAD_HOST_DEVICE inline float softmax_xent_row(const float* logits, int n
     }
   }
   return lse - logits[target];
+}
+
+/// Residual plus dropped-out branch of one element: x + y * dropout_scale(seed, i, p), as the
+/// GPT block's two residual sites compute it.
+PIPEOFFLOAD_HOST_DEVICE inline float residual_dropout(float x, float y, std::uint64_t seed, std::uint64_t i, float p) {
+  return x + y * dropout_scale(seed, i, p);
+}
+
+/// One element of softmax_xent_row's gradient from the row's log-sum-exp `lse`:
+/// scale * (exp(logit - lse) - [i == target]).
+PIPEOFFLOAD_HOST_DEVICE inline float softmax_xent_grad(float logit, float lse, bool is_target, float scale) {
+  return scale * (std::exp(logit - lse) - (is_target ? 1.0f : 0.0f));
 }
 
 // ---- AdamW and the learning-rate schedule --------------------------------------------------------

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <deque>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -73,6 +74,64 @@ template <>
 struct schedule_of<AnySchedule> {
   static Program build(const RuntimeOptions& o) { return pipeoffload::build(o.spec, o.shape, o.costs); }
 };
+
+/// What one op of a stream does to one size of buffer: blocks it takes as it starts and
+/// blocks it gives back as it ends (the runtime's ops take before they give).
+struct BlockEffect {
+  long long take = 0, give = 0;
+};
+
+/// The most blocks in use at once when stream A and stream B run in their orders, each op
+/// starting only once the other stream has completed the op it waits for (a_waits[x]: index
+/// of the B op that A's op x waits for, -1 for none; and b_waits for B), under ANY timing:
+/// every combination of "A has completed i ops and may be running op i" and "B has completed
+/// j ops and may be running op j" that the waits allow is a state, and the answer is the
+/// largest count over them. Both bounds on j move up with i, so a sliding window maximum
+/// does it in O(|A| + |B|). An empty B gives the peak of A alone.
+inline long long two_stream_peak(const std::vector<BlockEffect>& A, const std::vector<int>& a_waits, const std::vector<BlockEffect>& B,
+                                 const std::vector<int>& b_waits) {
+  // A stream's states: 2k = k ops done, none running; 2k+1 = k done, op k running.
+  struct State {
+    long long in_use;
+    std::size_t done, started;
+  };
+  const auto states = [](const std::vector<BlockEffect>& ops) {
+    std::vector<State> st;
+    long long net = 0;
+    for (std::size_t k = 0; k <= ops.size(); ++k) {
+      st.push_back({net, k, k});
+      if (k == ops.size()) break;
+      st.push_back({net + ops[k].take, k, k + 1});
+      net += ops[k].take - ops[k].give;
+    }
+    return st;
+  };
+  // need[k]: ops of the other stream that must be done before this stream has started k ops.
+  // (An empty waits vector means no op of that stream waits.)
+  const auto needs = [](const std::vector<BlockEffect>& ops, const std::vector<int>& waits) {
+    std::vector<std::size_t> need(ops.size() + 1, 0);
+    for (std::size_t k = 0; k < ops.size(); ++k) {
+      const int w = k < waits.size() ? waits[k] : -1;
+      need[k + 1] = std::max(need[k], static_cast<std::size_t>(w + 1));
+    }
+    return need;
+  };
+  const std::vector<State> sa = states(A), sb = states(B);
+  const std::vector<std::size_t> need_b = needs(A, a_waits), need_a = needs(B, b_waits);
+  long long best = 0;
+  std::deque<std::size_t> window;  // indices into sb, in_use decreasing
+  std::size_t lo = 0, hi = 0;      // sb[lo, hi) may pair with the current A state
+  for (const State& a : sa) {
+    while (hi < sb.size() && need_a[sb[hi].started] <= a.done) {
+      while (!window.empty() && sb[window.back()].in_use <= sb[hi].in_use) window.pop_back();
+      window.push_back(hi++);
+    }
+    while (lo < sb.size() && sb[lo].done < need_b[a.started]) ++lo;
+    while (!window.empty() && window.front() < lo) window.pop_front();
+    if (!window.empty()) best = std::max(best, a.in_use + sb[window.front()].in_use);
+  }
+  return best;
+}
 
 }  // namespace detail
 
@@ -153,6 +212,7 @@ class Runtime {
         prev = op.mb;
       }
     index_program();
+    if constexpr (backend::reserves_memory<Backend>) reserve_memory();
     compute_ = dev_.make_stream("compute");
     copy_ = dev_.make_stream("copy");
     comm_stream_ = dev_.make_stream("comm");
@@ -217,6 +277,17 @@ class Runtime {
   int steps_taken() const { return step_; }
   std::span<Layer> layers() { return layers_; }
 
+  // ---- checkpoint state (issue 5): with the layers' parameters, these are all a rank's
+  // training state (dropout and data are counter-based on the step).
+  /// AdamW first and second moments of chunk c, parallel to layers()[c].parameters().
+  std::span<float> adam_m(int chunk) { return adam_m_.at(static_cast<std::size_t>(chunk)); }
+  std::span<float> adam_v(int chunk) { return adam_v_.at(static_cast<std::size_t>(chunk)); }
+  /// Resume: the next step() runs as step `steps` (learning rate, bias correction, dropout).
+  void set_steps_taken(int steps) {
+    if (steps < 0) throw error("po::Runtime::set_steps_taken: steps = " + std::to_string(steps) + " must be >= 0");
+    step_ = steps;
+  }
+
   /// Measured start and end (backend clock, seconds) of every op of the last step, parallel
   /// to this rank's RankProgram: fill a SimResult's RankSim with it to render a real run.
   const RankSim& trace() const { return trace_; }
@@ -266,6 +337,101 @@ class Runtime {
     }
     units_.assign(static_cast<std::size_t>(sh.v) * static_cast<std::size_t>(sh.m), Unit{});
     boxes_.assign(tags, backend::Block{});
+  }
+
+  /// Takes from the device, up front, every buffer this rank's program can hold at once, so no
+  /// step allocates: per buffer size, the most blocks in use over every timing the streams'
+  /// orders and events allow (detail::two_stream_peak; other ranks only narrow that further).
+  /// Activation units are taken by F and R and given back by W/BW and O (compute with copy);
+  /// stashes by B/BW and W/BW (compute alone); boundary tensors by F/B (outputs) and recvs
+  /// (inputs), given back by sends and by the F/B that consumed them (compute with comm);
+  /// pinned host bins by O and R (copy alone).
+  void reserve_memory() {
+    const Shape& sh = program_.shape;
+    const auto& rp = program_.ranks[static_cast<std::size_t>(rank_)];
+    const int S = sh.stages();
+    const std::size_t nc = rp.compute.size(), ny = rp.copy.size(), nk = rp.comm.size();
+    std::vector<int> compute_waits_copy(nc), copy_waits(ny), compute_waits_comm(nc), comm_waits(nk), none;
+    for (std::size_t x = 0; x < nc; ++x) {
+      compute_waits_copy[x] = rp.compute[x].wait;
+      compute_waits_comm[x] = input_recv_[x];
+    }
+    for (std::size_t y = 0; y < ny; ++y) copy_waits[y] = rp.copy[y].wait;
+    for (std::size_t k = 0; k < nk; ++k) comm_waits[k] = rp.comm[k].send ? send_producer_[k] : -1;
+    const auto chunk = [&](const Op& op) { return static_cast<std::size_t>(sh.chunk_of(op.stage)); };
+    std::vector<std::pair<std::size_t, long long>> device, host;  // (bytes, blocks)
+    // Activation units and stashes, one size at a time (chunks may differ).
+    std::vector<std::size_t> sizes(saved_.begin(), saved_.end());
+    std::sort(sizes.begin(), sizes.end());
+    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+    for (std::size_t bytes : sizes) {
+      std::vector<detail::BlockEffect> c(nc), y(ny);
+      for (std::size_t x = 0; x < nc; ++x) {
+        const Op& op = rp.compute[x];
+        if (saved_[chunk(op)] != bytes) continue;
+        c[x].take = op.kind == OpKind::F;
+        c[x].give = op.kind == OpKind::W || op.kind == OpKind::BW;
+      }
+      for (std::size_t k = 0; k < ny; ++k) {
+        const Op& op = rp.copy[k];
+        if (saved_[chunk(op)] != bytes) continue;
+        y[k].take = op.kind == OpKind::R;
+        y[k].give = op.kind == OpKind::O;
+      }
+      device.emplace_back(bytes, detail::two_stream_peak(c, compute_waits_copy, y, copy_waits));
+    }
+    sizes.assign(stash_.begin(), stash_.end());
+    std::sort(sizes.begin(), sizes.end());
+    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+    for (std::size_t bytes : sizes) {
+      std::vector<detail::BlockEffect> c(nc);
+      for (std::size_t x = 0; x < nc; ++x) {
+        const Op& op = rp.compute[x];
+        if (stash_[chunk(op)] != bytes) continue;
+        c[x].take = op.kind == OpKind::B || op.kind == OpKind::BW;
+        c[x].give = op.kind == OpKind::W || op.kind == OpKind::BW;
+      }
+      device.emplace_back(bytes, detail::two_stream_peak(c, none, {}, none));
+    }
+    // Boundary tensors (one size).
+    {
+      std::vector<detail::BlockEffect> c(nc), k(nk);
+      for (std::size_t x = 0; x < nc; ++x) {
+        const Op& op = rp.compute[x];
+        const bool f = op.kind == OpKind::F, b = op.kind == OpKind::B || op.kind == OpKind::BW;
+        c[x].take = (f && op.stage < S - 1) || (b && op.stage > 0);
+        c[x].give = (f && op.stage > 0) || (b && op.stage < S - 1);
+      }
+      for (std::size_t j = 0; j < nk; ++j) {
+        k[j].take = !rp.comm[j].send;
+        k[j].give = rp.comm[j].send;
+      }
+      device.emplace_back(boundary_ * sizeof(float), detail::two_stream_peak(c, compute_waits_comm, k, comm_waits));
+    }
+    // Pinned host bins, one power of two at a time.
+    std::vector<std::uint64_t> bins;
+    for (std::size_t bytes : saved_) {
+      const offload::BinPlan plan = offload::plan_bins(bytes);
+      for (int i = 0; i < plan.count; ++i) bins.push_back(plan.bins[static_cast<std::size_t>(i)]);
+    }
+    std::sort(bins.begin(), bins.end());
+    bins.erase(std::unique(bins.begin(), bins.end()), bins.end());
+    for (std::uint64_t bin : bins) {
+      std::vector<detail::BlockEffect> y(ny);
+      for (std::size_t k = 0; k < ny; ++k) {
+        const Op& op = rp.copy[k];
+        const offload::BinPlan plan = offload::plan_bins(saved_[chunk(op)]);
+        long long n = 0;
+        for (int i = 0; i < plan.count; ++i) n += plan.bins[static_cast<std::size_t>(i)] == bin;
+        y[k].take = op.kind == OpKind::O ? n : 0;
+        y[k].give = op.kind == OpKind::R ? n : 0;
+      }
+      host.emplace_back(static_cast<std::size_t>(bin), detail::two_stream_peak(y, none, {}, none));
+    }
+    for (const auto& [bytes, blocks] : device)
+      if (blocks > 0) dev_.reserve_device(bytes, static_cast<std::size_t>(blocks));
+    for (const auto& [bytes, blocks] : host)
+      if (blocks > 0) dev_.reserve_host(bytes, static_cast<std::size_t>(blocks));
   }
 
   Microbatch info(const Op& op) const {

@@ -21,6 +21,10 @@
 #include <utility>
 #include <vector>
 
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
 #include "../../error.hpp"
 #include "../backend.hpp"
 #include "context.hpp"
@@ -57,7 +61,7 @@ class Cpu {
         error_ = "backend destroyed";
       }
     }
-    cv_.notify_all();
+    wake_everyone();
     for (auto& s : streams_) s->worker.join();
     // The arena owns every block it handed out, including those a failed run never freed.
     for (std::byte* p : owned_) ::operator delete(p, std::align_val_t{64});
@@ -81,13 +85,7 @@ class Cpu {
     return static_cast<int>(events_.size()) - 1;
   }
 
-  void launch(int stream, std::function<void()> fn) {
-    {
-      std::lock_guard lk(mu_);
-      at(stream).queue.push_back(std::move(fn));
-    }
-    cv_.notify_all();
-  }
+  void launch(int stream, std::function<void()> fn) { push(stream, Item{Item::run, 0, 0, std::move(fn)}); }
 
   void record(int event, int stream) {
     std::uint64_t target;
@@ -95,13 +93,7 @@ class Cpu {
       std::lock_guard lk(mu_);
       target = ++ev(event).recorded;
     }
-    launch(stream, [this, event, target] {
-      {
-        std::lock_guard lk(mu_);
-        ev(event).completed = std::max(ev(event).completed, target);
-      }
-      cv_.notify_all();
-    });
+    push(stream, Item{Item::record, event, target, {}});
   }
 
   void wait(int stream, int event) {
@@ -111,17 +103,13 @@ class Cpu {
       target = ev(event).recorded;
     }
     if (target == 0) return;
-    launch(stream, [this, event, target] {
-      std::unique_lock lk(mu_);
-      cv_.wait(lk, [&] { return failed_ || ev(event).completed >= target; });
-      if (ev(event).completed < target) throw aborted_error("aborted: " + error_);
-    });
+    push(stream, Item{Item::wait, event, target, {}});
   }
 
   /// Host waits until every stream is idle; throws the first error if any stream failed.
   void synchronize() {
     std::unique_lock lk(mu_);
-    cv_.wait(lk, [&] {
+    host_cv_.wait(lk, [&] {
       for (const auto& s : streams_)
         if (s->running || !s->queue.empty()) return false;
       return true;
@@ -156,7 +144,7 @@ class Cpu {
   Block device_alloc(std::size_t bytes, Memory kind) {
     std::lock_guard lk(mem_mu_);
     const std::size_t size = round_up(bytes);
-    std::byte* p = take(free_device_, size, stats_.device_allocations);
+    std::byte* p = take(device_, size, stats_.device_allocations);
     auto& in = stats_.in_use[static_cast<std::size_t>(kind)];
     in += bytes;
     auto& pk = stats_.peak[static_cast<std::size_t>(kind)];
@@ -169,7 +157,7 @@ class Cpu {
   void device_free(Block b) {
     if (b.ptr == nullptr) return;
     std::lock_guard lk(mem_mu_);
-    free_device_[round_up(b.bytes)].push_back(b.ptr);
+    device_[round_up(b.bytes)].free.push_back(b.ptr);
     stats_.in_use[static_cast<std::size_t>(b.kind)] -= b.bytes;
     device_total_ -= b.bytes;
   }
@@ -177,7 +165,7 @@ class Cpu {
   /// A pinned host buffer of exactly `bytes` (the offload layer asks for power-of-two bins).
   HostBlock host_alloc(std::size_t bytes) {
     std::lock_guard lk(mem_mu_);
-    std::byte* p = take(free_host_, round_up(bytes), stats_.host_allocations);
+    std::byte* p = take(host_, round_up(bytes), stats_.host_allocations);
     stats_.host_in_use += bytes;
     stats_.host_peak = std::max(stats_.host_peak, stats_.host_in_use);
     return HostBlock{p, bytes};
@@ -186,8 +174,19 @@ class Cpu {
   void host_free(HostBlock b) {
     if (b.ptr == nullptr) return;
     std::lock_guard lk(mem_mu_);
-    free_host_[round_up(b.bytes)].push_back(b.ptr);
+    host_[round_up(b.bytes)].free.push_back(b.ptr);
     stats_.host_in_use -= b.bytes;
+  }
+
+  /// Adds `count` blocks of `bytes` to what the arena holds (see backend::reserves_memory):
+  /// the pool of that size grows to the sum of its reservations now, counted as allocations.
+  void reserve_device(std::size_t bytes, std::size_t count) {
+    std::lock_guard lk(mem_mu_);
+    grow(device_[round_up(bytes)], round_up(bytes), count, stats_.device_allocations);
+  }
+  void reserve_host(std::size_t bytes, std::size_t count) {
+    std::lock_guard lk(mem_mu_);
+    grow(host_[round_up(bytes)], round_up(bytes), count, stats_.host_allocations);
   }
 
   MemoryStats memory() const {
@@ -217,7 +216,7 @@ class Cpu {
       const auto due = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                    std::chrono::duration<double>(static_cast<double>(total) / opt_.copy_bytes_per_second));
       std::unique_lock lk(mu_);
-      cv_.wait_until(lk, due, [&] { return failed_; });
+      pace_cv_.wait_until(lk, due, [&] { return failed_; });
       if (failed_) throw aborted_error("aborted: " + error_);
     }
   }
@@ -225,31 +224,59 @@ class Cpu {
   const Options& options() const { return opt_; }
 
  private:
+  // Waits and records are queue items the worker handles under the lock, without running
+  // user code: they cost no allocation and no extra wake-up.
+  struct Item {
+    enum Kind : std::uint8_t { run, record, wait } kind = run;
+    int event = 0;
+    std::uint64_t target = 0;
+    std::function<void()> fn;  // run only
+  };
   struct Stream {
     std::string name;
-    std::deque<std::function<void()>> queue;
+    std::deque<Item> queue;
     bool running = false;
+    std::condition_variable cv;  // this worker's alone: new work, an awaited record, failure, stop
     std::thread worker;
   };
   struct Event {
-    std::uint64_t recorded = 0;   // records enqueued so far
-    std::uint64_t completed = 0;  // highest record a stream has reached
+    std::uint64_t recorded = 0;     // records enqueued so far
+    std::uint64_t completed = 0;    // highest record a stream has reached
+    std::vector<Stream*> waiters;   // streams asleep on this event; woken and cleared by a record
   };
 
   static std::size_t round_up(std::size_t n) { return (std::max<std::size_t>(n, 1) + 63) / 64 * 64; }
 
-  std::byte* take(std::map<std::size_t, std::vector<std::byte*>>& pool, std::size_t size, long long& allocations) {
-    auto& list = pool[size];
-    if (!list.empty()) {
-      std::byte* p = list.back();
-      list.pop_back();
-      return p;
-    }
-    ++allocations;
+  // Blocks of one size: those free, how many exist, and how many callers reserved.
+  struct Pool {
+    std::vector<std::byte*> free;
+    std::size_t blocks = 0;
+    std::size_t reserved = 0;
+  };
+
+  std::byte* fresh(Pool& pool, std::size_t size, long long& allocations) {
     owned_.reserve(owned_.size() + 1);  // so the push below cannot throw after the allocation
     auto* p = static_cast<std::byte*>(::operator new(size, std::align_val_t{64}));
     owned_.push_back(p);
+    ++pool.blocks;
+    ++allocations;
     return p;
+  }
+
+  std::byte* take(std::map<std::size_t, Pool>& pools, std::size_t size, long long& allocations) {
+    Pool& pool = pools[size];
+    if (!pool.free.empty()) {
+      std::byte* p = pool.free.back();
+      pool.free.pop_back();
+      return p;
+    }
+    return fresh(pool, size, allocations);
+  }
+
+  void grow(Pool& pool, std::size_t size, std::size_t count, long long& allocations) {
+    pool.reserved += count;
+    pool.free.reserve(pool.reserved);
+    while (pool.blocks < pool.reserved) pool.free.push_back(fresh(pool, size, allocations));
   }
 
   Stream& at(int s) {
@@ -263,6 +290,24 @@ class Cpu {
     return events_[static_cast<std::size_t>(e)];
   }
 
+  void push(int stream, Item item) {
+    Stream* s;
+    {
+      std::lock_guard lk(mu_);
+      s = &at(stream);
+      s->queue.push_back(std::move(item));
+    }
+    s->cv.notify_one();  // one worker per stream: wake it and no one else
+  }
+
+  /// Every thread that may sleep on this device: on failure and at destruction.
+  void wake_everyone() {
+    std::lock_guard lk(mu_);  // so a waiter cannot miss it between its check and its sleep
+    for (auto& s : streams_) s->cv.notify_all();
+    host_cv_.notify_all();
+    pace_cv_.notify_all();
+  }
+
   void fail(std::string why) {
     std::function<void(const std::string&)> hook;
     {
@@ -272,42 +317,80 @@ class Cpu {
       error_ = std::move(why);
       hook = hook_;
     }
-    cv_.notify_all();
+    wake_everyone();
     if (hook) hook(error_);  // error_ no longer changes once failed_ is set
   }
 
+  // The worker of one stream. A thread wakes only when it has something to do: its stream got
+  // work, an event it sleeps on was recorded, the device failed or is being destroyed. (A
+  // shared condition variable woke all of a device's streams and its host thread on every
+  // record: ~25 context switches per pass at d = 8 on two cores, and each is latency on the
+  // pipeline's critical path.)
   void run(Stream& s) {
+#ifdef __linux__
+    // Timed waits on this thread (a paced copy, a layer that sleeps to model a device pass)
+    // should end when asked: the default 50 us timer slack adds to every one of them.
+    prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
+#endif
+    std::vector<Stream*> wake;  // waiters of events recorded while we held the lock
     std::unique_lock lk(mu_);
     for (;;) {
-      cv_.wait(lk, [&] { return stop_ || !s.queue.empty(); });
+      if (!wake.empty()) {
+        lk.unlock();  // notify outside the lock, so the woken thread does not block on it
+        for (Stream* w : wake) w->cv.notify_one();
+        wake.clear();
+        lk.lock();
+      }
+      s.cv.wait(lk, [&] { return stop_ || !s.queue.empty(); });
       if (s.queue.empty()) return;  // stop_ and nothing left
-      std::function<void()> fn = std::move(s.queue.front());
-      s.queue.pop_front();
+      Item& item = s.queue.front();
       if (failed_) {  // a failed device drops its queued work
-        cv_.notify_all();
+        s.queue.pop_front();
+        if (s.queue.empty()) host_cv_.notify_all();
         continue;
       }
-      s.running = true;
-      lk.unlock();
-      std::string err;
-      try {
-        fn();
-      } catch (const std::exception& e) {
-        err = e.what();
-      } catch (...) {
-        err = "unknown exception on stream " + s.name;
+      if (item.kind == Item::record) {
+        Event& e = events_[static_cast<std::size_t>(item.event)];
+        e.completed = std::max(e.completed, item.target);
+        wake.insert(wake.end(), e.waiters.begin(), e.waiters.end());
+        e.waiters.clear();
+        s.queue.pop_front();
+      } else if (item.kind == Item::wait) {
+        Event& e = events_[static_cast<std::size_t>(item.event)];
+        if (!failed_ && e.completed < item.target) {
+          if (!wake.empty()) continue;  // hand on our own records before we sleep
+          // Register, sleep, re-check: a record wakes and forgets its waiters.
+          if (std::find(e.waiters.begin(), e.waiters.end(), &s) == e.waiters.end()) e.waiters.push_back(&s);
+          s.cv.wait(lk);
+          continue;
+        }
+        s.queue.pop_front();  // done; on failure the next round drops the rest
+      } else {
+        std::function<void()> fn = std::move(item.fn);
+        s.queue.pop_front();
+        s.running = true;
+        lk.unlock();
+        std::string err;
+        try {
+          fn();
+        } catch (const std::exception& e) {
+          err = e.what();
+        } catch (...) {
+          err = "unknown exception on stream " + s.name;
+        }
+        fn = nullptr;  // release captures outside the lock
+        if (!err.empty()) fail(std::move(err));
+        lk.lock();
+        s.running = false;
       }
-      fn = nullptr;  // release captures outside the lock
-      if (!err.empty()) fail(std::move(err));
-      lk.lock();
-      s.running = false;
-      cv_.notify_all();
+      if (s.queue.empty() && !s.running) host_cv_.notify_all();
     }
   }
 
   Options opt_;
   mutable std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable host_cv_;  // synchronize(): a stream went idle, or the device failed
+  std::condition_variable pace_cv_;  // transfer(): only a failure cuts a paced copy short
   std::vector<std::unique_ptr<Stream>> streams_;
   std::deque<Event> events_;
   bool stop_ = false;
@@ -316,7 +399,7 @@ class Cpu {
   std::function<void(const std::string&)> hook_;
 
   mutable std::mutex mem_mu_;
-  std::map<std::size_t, std::vector<std::byte*>> free_device_, free_host_;
+  std::map<std::size_t, Pool> device_, host_;  // by block size (bytes rounded up to 64)
   std::vector<std::byte*> owned_;  // every block ever allocated (device and host), freed at destruction
   MemoryStats stats_;
   std::size_t device_total_ = 0;

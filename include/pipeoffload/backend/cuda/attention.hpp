@@ -1,0 +1,40 @@
+// pipeoffload/backend/cuda/attention.hpp: causal flash attention through cuDNN's fused SDPA.
+//
+// Three functions, implemented in kernels/attention.cpp with NVIDIA's cuDNN frontend graph
+// API (its headers come from the nvidia-cudnn-frontend package that scripts/dev.sh installs;
+// only that one file includes them, so its compile cost is paid once). Tensors use the GPT's
+// layouts (backend/cuda/shapes.hpp sdpa_layout): qkv (b*s, 3h) bf16 with rows [q | k | v],
+// out and dout (b*s, h) bf16, stats (b, heads, s) fp32 log-sum-exps, dqkv like qkv. The
+// attention scale is 1/sqrt(head_dim) and the mask causal (query i sees keys 0..i), as the
+// CPU model's attention. Graphs are built once per (handle, shape) and cached.
+#pragma once
+
+#ifndef PIPEOFFLOAD_WITH_CUDA
+#error "pipeoffload/backend/cuda needs a CUDA build: the build defines PIPEOFFLOAD_WITH_CUDA."
+#endif
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+#include <cudnn.h>
+
+#include <cstddef>
+
+namespace pipeoffload::cuda::attention {
+
+struct Shape {
+  int batch = 1, heads = 1, seq = 1, head_dim = 8;
+};
+
+/// Bytes of workspace the larger of the forward and backward graphs needs for `shape`
+/// (builds both graphs; call once before the steady state).
+std::size_t workspace_bytes(cudnnHandle_t handle, Shape shape);
+
+/// out = softmax(q k^T / sqrt(head_dim), causal) v; stats = the rows' log-sum-exps.
+void forward(cudnnHandle_t handle, cudaStream_t stream, Shape shape, const __nv_bfloat16* qkv, __nv_bfloat16* out, float* stats,
+             void* workspace, std::size_t workspace_bytes);
+
+/// dqkv from dout, recomputing the probabilities from qkv and stats (no s x s matrix kept).
+void backward(cudnnHandle_t handle, cudaStream_t stream, Shape shape, const __nv_bfloat16* qkv, const __nv_bfloat16* out,
+              const __nv_bfloat16* dout, const float* stats, __nv_bfloat16* dqkv, void* workspace, std::size_t workspace_bytes);
+
+}  // namespace pipeoffload::cuda::attention

@@ -1,0 +1,425 @@
+// pipeoffload/backend/cuda/cuda.hpp: backend::Cuda, one GPU as a pipeoffload device.
+//
+// The same `backend` concept as backend::Cpu (backend/backend.hpp), on CUDA's own primitives:
+//   - streams are non-blocking cudaStream_t (the runtime makes a compute, a copy and a comm
+//     stream; the one copy stream carries both offloads and reloads, DESIGN.md section 3);
+//   - events are cudaEvent_t without timing; record/wait are cudaEventRecord and
+//     cudaStreamWaitEvent, whose "latest record at the time of the call" semantics are the
+//     concept's;
+//   - launch(stream, fn) calls fn on the host at once; fn enqueues on context(stream).stream,
+//     and transfer() and the arena use the stream being launched (current_stream()). A
+//     failing fn fails the device: later launches are dropped and synchronize() throws;
+//   - device memory is one cudaMalloc slab taken at construction and cut into blocks; a freed
+//     block keeps an event recorded on the stream that freed it, and a later allocation from
+//     another stream waits on that event on the GPU (never on the host). Blocks are pooled by
+//     size, so once a run has seen its largest working set there is no new carving, and there
+//     is never a cudaMalloc after construction;
+//   - pinned host memory (offload bins) comes from cudaHostAlloc, pooled by size with the same
+//     event guards: pinned allocation is slow, so the first iteration allocates the bins and
+//     the next ones reuse them.
+// Every CUDA call is checked (backend/cuda/check.hpp).
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+#include <cudnn.h>
+#include <limits.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../../error.hpp"
+#include "../backend.hpp"
+#include "../cpu/cpu.hpp"  // aborted_error
+#include "check.hpp"
+#include "topology.hpp"
+
+namespace pipeoffload::backend {
+
+class Cuda;
+
+/// What a pass on backend::Cuda is given: the stream to enqueue on, and the device's library
+/// handles and workspace, all bound to that device. The workspace is shared by the passes of
+/// one stream (stream order serialises them).
+struct CudaContext {
+  Cuda* device = nullptr;
+  int rank = 0;
+  int stream = 0;
+  cudaStream_t cuda_stream = nullptr;
+  cublasLtHandle_t lt = nullptr;
+  cudnnHandle_t dnn = nullptr;
+  std::byte* workspace = nullptr;      ///< (workspace_bytes) device scratch for cuBLASLt and cuDNN
+  std::size_t workspace_bytes = 0;
+};
+
+class Cuda {
+ public:
+  using Context = CudaContext;
+
+  struct Options {
+    int device = 0;                 ///< CUDA device ordinal
+    int rank = 0;                   ///< for contexts and messages
+    std::size_t arena_bytes = 0;    ///< device slab; 0 = 3/4 of the device's free memory
+    std::size_t workspace_bytes = std::size_t{256} << 20;  ///< cuBLASLt + cuDNN scratch, inside the slab
+  };
+
+  Cuda() : Cuda(Options{}) {}
+  explicit Cuda(Options opt) : opt_(opt) {
+    select();
+    if (opt_.arena_bytes == 0) {
+      std::size_t free = 0, total = 0;
+      PIPEOFFLOAD_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+      opt_.arena_bytes = free / 4 * 3;
+    }
+    opt_.arena_bytes = opt_.arena_bytes / alignment * alignment;
+    void* slab = nullptr;
+    PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&slab, opt_.arena_bytes));
+    slab_ = static_cast<std::byte*>(slab);
+    PIPEOFFLOAD_CUDA_CHECK(cublasLtCreate(&lt_));
+    PIPEOFFLOAD_CUDA_CHECK(cudnnCreate(&dnn_));
+    // The workspace is carved first and never freed: it is not one of the runtime's kinds.
+    workspace_ = carve(round_up(opt_.workspace_bytes));
+  }
+  Cuda(const Cuda&) = delete;
+  Cuda& operator=(const Cuda&) = delete;
+
+  /// Waits for the device, then releases everything (errors are not thrown from here).
+  ~Cuda() {
+    cudaSetDevice(opt_.device);
+    for (auto& s : streams_) cudaStreamSynchronize(s.stream);
+    for (auto& [size, list] : free_host_)
+      for (const Free& f : list) cudaFreeHost(f.ptr);
+    for (std::byte* p : host_in_use_) cudaFreeHost(p);
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    for (cudaEvent_t e : guard_pool_) cudaEventDestroy(e);
+    for (auto& [size, list] : free_device_)
+      for (const Free& f : list)
+        if (f.guard) cudaEventDestroy(f.guard);
+    for (auto& s : streams_) cudaStreamDestroy(s.stream);
+    if (dnn_) cudnnDestroy(dnn_);
+    if (lt_) cublasLtDestroy(lt_);
+    cudaFree(slab_);
+    cudaGetLastError();
+  }
+
+  int make_stream(std::string name) {
+    select();
+    cudaStream_t s = nullptr;
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    streams_.push_back({std::move(name), s});
+    return static_cast<int>(streams_.size()) - 1;
+  }
+
+  int make_event() {
+    select();
+    cudaEvent_t e = nullptr;
+    PIPEOFFLOAD_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    events_.push_back(e);
+    return static_cast<int>(events_.size()) - 1;
+  }
+
+  /// Calls fn now, with `stream` as the current stream (fn enqueues work on it).
+  void launch(int stream, std::function<void()> fn) {
+    at(stream);
+    if (failed()) return;  // a failed device drops new work, as backend::Cpu does
+    select();
+    const int saved = current_;
+    current_ = stream;
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      fail(e.what());
+    } catch (...) {
+      fail("unknown exception on stream " + streams_[static_cast<std::size_t>(stream)].name);
+    }
+    current_ = saved;
+  }
+
+  void record(int event, int stream) {
+    if (failed()) return;
+    select();
+    PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev(event), at(stream)));
+  }
+
+  void wait(int stream, int event) {
+    if (failed()) return;
+    select();
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamWaitEvent(at(stream), ev(event), 0));
+  }
+
+  /// Host waits for every stream; throws the first error (a failed pass, or a CUDA error
+  /// reported by a stream), after which the device stays failed.
+  void synchronize() {
+    select();
+    for (const auto& s : streams_) {
+      try {
+        PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+      } catch (const std::exception& e) {
+        fail("stream " + s.name + ": " + e.what());
+      }
+    }
+    std::lock_guard lk(mu_);
+    if (failed_) throw error(error_);
+  }
+
+  void abort(std::string why) { fail(std::move(why)); }
+
+  bool failed() const {
+    std::lock_guard lk(mu_);
+    return failed_;
+  }
+
+  void set_error_hook(std::function<void(const std::string&)> hook) {
+    std::lock_guard lk(mu_);
+    hook_ = std::move(hook);
+  }
+
+  Context context(int stream) {
+    return Context{this, opt_.rank, stream, at(stream), lt_, dnn_, workspace_, round_up(opt_.workspace_bytes)};
+  }
+
+  /// Host seconds on a clock shared by every device of the process. The runtime's trace
+  /// records enqueue times with it on this backend (the GPU runs later); use Nsight Systems for
+  /// execution times.
+  double now() const { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+  // ---- memory ------------------------------------------------------------------------
+
+  /// A block of the device slab (256-byte aligned), in the current stream's order.
+  Block device_alloc(std::size_t bytes, Memory kind) {
+    select();
+    const std::size_t size = round_up(bytes);
+    std::byte* p = nullptr;
+    auto& list = free_device_[size];
+    if (!list.empty()) {
+      const Free f = list.back();
+      list.pop_back();
+      release_guard(f);
+      p = f.ptr;
+    } else {
+      p = carve(size);
+      ++stats_.device_allocations;
+    }
+    auto& in = stats_.in_use[static_cast<std::size_t>(kind)];
+    in += bytes;
+    auto& pk = stats_.peak[static_cast<std::size_t>(kind)];
+    pk = std::max(pk, in);
+    device_total_ += bytes;
+    stats_.total_peak = std::max(stats_.total_peak, device_total_);
+    return Block{p, bytes, kind};
+  }
+
+  /// Returns a block; it is reused only after the current stream has passed this point.
+  void device_free(Block b) {
+    if (b.ptr == nullptr) return;
+    select();
+    free_device_[round_up(b.bytes)].push_back(guarded(b.ptr));
+    stats_.in_use[static_cast<std::size_t>(b.kind)] -= b.bytes;
+    device_total_ -= b.bytes;
+  }
+
+  /// A pinned host buffer of `bytes` (the runtime asks for power-of-two bins).
+  HostBlock host_alloc(std::size_t bytes) {
+    select();
+    const std::size_t size = round_up(bytes);
+    std::byte* p = nullptr;
+    auto& list = free_host_[size];
+    if (!list.empty()) {
+      const Free f = list.back();
+      list.pop_back();
+      release_guard(f);
+      p = f.ptr;
+    } else {
+      void* raw = nullptr;
+      // Portable: a pair of GPUs driven from one process may read each other's bins.
+      PIPEOFFLOAD_CUDA_CHECK(cudaHostAlloc(&raw, size, cudaHostAllocPortable));
+      p = static_cast<std::byte*>(raw);
+      ++stats_.host_allocations;
+    }
+    host_in_use_.push_back(p);
+    stats_.host_in_use += bytes;
+    stats_.host_peak = std::max(stats_.host_peak, stats_.host_in_use);
+    return HostBlock{p, bytes};
+  }
+
+  void host_free(HostBlock b) {
+    if (b.ptr == nullptr) return;
+    select();
+    const auto it = std::find(host_in_use_.begin(), host_in_use_.end(), b.ptr);
+    if (it == host_in_use_.end()) throw error("backend::Cuda::host_free: the block was not handed out by this device's host_alloc");
+    host_in_use_.erase(it);
+    free_host_[round_up(b.bytes)].push_back(guarded(b.ptr));
+    stats_.host_in_use -= b.bytes;
+  }
+
+  MemoryStats memory() const { return stats_; }
+
+  void reset_peaks() {
+    stats_.peak = stats_.in_use;
+    stats_.total_peak = device_total_;
+    stats_.host_peak = stats_.host_in_use;
+  }
+
+  /// Enqueues the pieces, in order, on the current stream (cudaMemcpyAsync with
+  /// cudaMemcpyDefault: unified addressing tells host from device). Called from work launched
+  /// on the copy stream, so offloads and reloads share that one stream.
+  void transfer(std::span<const CopyPiece> pieces) {
+    select();
+    const cudaStream_t s = at(current_or_throw("transfer"));
+    for (const CopyPiece& c : pieces)
+      if (c.bytes > 0) PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, s));
+  }
+
+  // ---- CUDA specifics ------------------------------------------------------------------
+
+  /// The stream launch() is running work for, or -1 outside launch().
+  int current_stream() const { return current_; }
+  cudaStream_t stream(int s) { return at(s); }
+  cudaEvent_t event(int e) { return ev(e); }
+  int device() const { return opt_.device; }
+  const Options& options() const { return opt_; }
+  std::size_t arena_used() const { return static_cast<std::size_t>(top_); }
+
+ private:
+  static constexpr std::size_t alignment = 256;  // cudaMalloc's alignment; enough for every vector load and cuBLASLt
+  static std::size_t round_up(std::size_t n) { return (std::max<std::size_t>(n, 1) + alignment - 1) / alignment * alignment; }
+
+  struct StreamInfo {
+    std::string name;
+    cudaStream_t stream = nullptr;
+  };
+  /// A freed block and the event its freeing stream recorded (null: freed outside launch(),
+  /// where the caller has already synchronised).
+  struct Free {
+    std::byte* ptr = nullptr;
+    cudaEvent_t guard = nullptr;
+    int stream = -1;
+  };
+
+  void select() const { PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(opt_.device)); }
+
+  std::byte* carve(std::size_t size) {
+    if (size > opt_.arena_bytes - top_)
+      throw error("backend::Cuda: the device arena of " + std::to_string(opt_.arena_bytes) + " bytes is exhausted (" + std::to_string(top_) +
+                  " carved, " + std::to_string(size) + " more asked); raise Options::arena_bytes");
+    std::byte* p = slab_ + top_;
+    top_ += size;
+    return p;
+  }
+
+  Free guarded(std::byte* p) {
+    Free f{p, nullptr, current_};
+    if (current_ < 0) return f;
+    if (guard_pool_.empty()) {
+      cudaEvent_t e = nullptr;
+      PIPEOFFLOAD_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      guard_pool_.push_back(e);
+    }
+    f.guard = guard_pool_.back();
+    guard_pool_.pop_back();
+    PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(f.guard, at(current_)));
+    return f;
+  }
+
+  /// Orders the current stream after the block's last use on another stream (same stream:
+  /// stream order already does), then recycles the event (a wait captures the record at
+  /// call time, so re-recording it later is safe).
+  void release_guard(const Free& f) {
+    if (f.guard == nullptr) return;
+    if (current_ >= 0 && current_ != f.stream) PIPEOFFLOAD_CUDA_CHECK(cudaStreamWaitEvent(at(current_), f.guard, 0));
+    // Outside launch() the caller has synchronised, so the block is idle.
+    guard_pool_.push_back(f.guard);
+  }
+
+  int current_or_throw(const char* what) const {
+    if (current_ < 0) throw error(std::string("backend::Cuda: ") + what + " must be called from work passed to launch(stream, fn)");
+    return current_;
+  }
+
+  cudaStream_t at(int s) const {
+    if (s < 0 || s >= static_cast<int>(streams_.size()))
+      throw error("backend::Cuda: stream " + std::to_string(s) + " does not exist; streams are 0.." + std::to_string(streams_.size()) + " (exclusive)");
+    return streams_[static_cast<std::size_t>(s)].stream;
+  }
+  cudaEvent_t ev(int e) const {
+    if (e < 0 || e >= static_cast<int>(events_.size()))
+      throw error("backend::Cuda: event " + std::to_string(e) + " does not exist; events are 0.." + std::to_string(events_.size()) + " (exclusive)");
+    return events_[static_cast<std::size_t>(e)];
+  }
+
+  void fail(std::string why) {
+    std::function<void(const std::string&)> hook;
+    {
+      std::lock_guard lk(mu_);
+      if (failed_) return;
+      failed_ = true;
+      error_ = std::move(why);
+      hook = hook_;
+    }
+    if (hook) hook(error_);
+  }
+
+  Options opt_;
+  std::vector<StreamInfo> streams_;
+  std::vector<cudaEvent_t> events_;
+  int current_ = -1;
+  mutable std::mutex mu_;  // failure state: the hook and abort() may come from other threads
+  bool failed_ = false;
+  std::string error_;
+  std::function<void(const std::string&)> hook_;
+
+  std::byte* slab_ = nullptr;  // (arena_bytes) device, owned; blocks are carved from its front
+  std::size_t top_ = 0;
+  std::byte* workspace_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;
+  cudnnHandle_t dnn_ = nullptr;
+  std::map<std::size_t, std::vector<Free>> free_device_, free_host_;
+  std::vector<std::byte*> host_in_use_;  // pinned bins handed out, freed at destruction if never returned
+  std::vector<cudaEvent_t> guard_pool_;
+  MemoryStats stats_;
+  std::size_t device_total_ = 0;
+};
+
+static_assert(backend<Cuda>, "backend::Cuda must model the backend concept.");
+
+/// The sysfs PCI path of CUDA device `device` (for cuda::pair_devices).
+inline std::string pci_path(int device) {
+  char bus[32] = {};
+  PIPEOFFLOAD_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof bus, device));
+  std::string id(bus);
+  std::transform(id.begin(), id.end(), id.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  // CUDA prints an 8-digit domain ("00000000:3b:00.0"); sysfs uses 4 ("0000:3b:00.0").
+  if (id.size() > 12 && id.find(':') == 8) id = id.substr(4);
+  const std::string link = "/sys/bus/pci/devices/" + id;
+  char resolved[PATH_MAX] = {};
+  if (::realpath(link.c_str(), resolved) == nullptr) return "";  // no sysfs (a container): unknown, so unpaired
+  return resolved;
+}
+
+/// PCIe pairing of every visible GPU (cuda::pair_devices over their PCI paths).
+inline cuda::Pairing device_pairing() {
+  int n = 0;
+  PIPEOFFLOAD_CUDA_CHECK(cudaGetDeviceCount(&n));
+  std::vector<std::string> paths;
+  for (int i = 0; i < n; ++i) paths.push_back(pci_path(i));
+  return cuda::pair_devices(paths);
+}
+
+/// Number of CUDA devices, 0 when there is no GPU or no driver (never throws: tests use it to
+/// decide to SKIP).
+inline int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+  cudaGetLastError();
+  return n;
+}
+
+}  // namespace pipeoffload::backend

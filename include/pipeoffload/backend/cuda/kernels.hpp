@@ -1,0 +1,87 @@
+// pipeoffload/backend/cuda/kernels.hpp: plain C++ declarations of the CUDA kernels in kernels/.
+//
+// The kernels are compiled by nvcc into the build's pipeoffload_cuda_kernels library; this
+// header is all host code sees (llm.c's habit of keeping device code behind a small header).
+// Every launcher enqueues on `stream`, computes its launch shape with backend/cuda/shapes.hpp
+// and checks the launch. Storage is bf16 for activations (`bf16`), fp32 for parameters,
+// gradients, statistics and optimizer state; all arithmetic is fp32 through model/math.hpp.
+// Shapes: `rows` tokens (b*s) by `n` features, row-major.
+#pragma once
+
+#ifndef PIPEOFFLOAD_WITH_CUDA
+#error "pipeoffload/backend/cuda needs a CUDA build: the build defines PIPEOFFLOAD_WITH_CUDA."
+#endif
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "../../model/math.hpp"
+
+namespace pipeoffload::cuda::kernels {
+
+using bf16 = __nv_bfloat16;
+
+// ---- LayerNorm: one block per row --------------------------------------------------------
+/// y (rows, n) = LayerNorm(x) * gamma + beta; stats (rows, 2) = (mean, rstd) per row.
+void layernorm_forward(const bf16* x, const float* gamma, const float* beta, bf16* y, float* stats, long long rows, int n, cudaStream_t stream);
+/// y recomputed from saved stats (selective recompute): math::layernorm_apply per element.
+void layernorm_recompute(const bf16* x, const float* stats, const float* gamma, const float* beta, bf16* y, long long rows, int n,
+                         cudaStream_t stream);
+/// dx (rows, n) = LayerNorm's input gradient from dy (grad of the normalized output); when
+/// `accumulate`, dx += instead of = (the residual branch adds into the skip gradient).
+void layernorm_backward(const bf16* dy, const bf16* x, const float* stats, const float* gamma, bf16* dx, long long rows, int n,
+                        bool accumulate, cudaStream_t stream);
+/// dgamma (n) += sum_rows dy * xhat; dbeta (n) += sum_rows dy (fp32, one thread per column).
+void layernorm_weight_grad(const bf16* dy, const bf16* x, const float* stats, float* dgamma, float* dbeta, long long rows, int n,
+                           cudaStream_t stream);
+
+// ---- element-wise ------------------------------------------------------------------------
+/// y = GeLU(x), count elements.
+void gelu_forward(const bf16* x, bf16* y, long long count, cudaStream_t stream);
+/// g *= GeLU'(x) in place.
+void gelu_backward(const bf16* x, bf16* g, long long count, cudaStream_t stream);
+/// out = x + y * dropout_scale(seed, i, p) (residual after a dropped-out branch).
+void residual_dropout(const bf16* x, const bf16* y, bf16* out, long long count, std::uint64_t seed, float p, cudaStream_t stream);
+/// out = g * dropout_scale(seed, i, p) (the mask regenerated from the seed, never stored).
+void dropout_backward(const bf16* g, bf16* out, long long count, std::uint64_t seed, float p, cudaStream_t stream);
+/// out = a + b.
+void add(const bf16* a, const bf16* b, bf16* out, long long count, cudaStream_t stream);
+/// y (rows, n) += bias (n).
+void add_bias(bf16* y, const float* bias, long long rows, int n, cudaStream_t stream);
+/// db (n) += sum_rows dy (fp32, one thread per column, row order).
+void bias_grad(const bf16* dy, float* db, long long rows, int n, cudaStream_t stream);
+/// Precision conversions (weights: fp32 master -> bf16 working copy; boundaries: bf16 <-> fp32).
+void to_bf16(const float* in, bf16* out, long long count, cudaStream_t stream);
+void to_float(const bf16* in, float* out, long long count, cudaStream_t stream);
+
+// ---- embedding ---------------------------------------------------------------------------
+/// out (rows, h) = wte[token] + wpe[row % seq]; tokens out of [0, vocab) write NaN rows (the
+/// host cannot throw for a device-side value; the step's finite-gradient check catches it).
+void embedding_forward(const std::int32_t* tokens, const float* wte, const float* wpe, bf16* out, long long rows, int seq, int h, int vocab,
+                       cudaStream_t stream);
+/// dwte[token] += d, dwpe[row % seq] += d, one thread per column in row order (deterministic).
+void embedding_backward(const std::int32_t* tokens, const bf16* d, float* dwte, float* dwpe, long long rows, int seq, int h, int vocab,
+                        cudaStream_t stream);
+
+// ---- softmax cross-entropy: one block per row ----------------------------------------------
+/// losses (rows) = cross-entropy of each row of logits (rows, vocab) fp32 against targets;
+/// dlogits (may alias logits) = scale * (softmax - onehot).
+void softmax_xent(const float* logits, const std::int32_t* targets, float* losses, float* dlogits, long long rows, int vocab, float scale,
+                  cudaStream_t stream);
+/// *out = mean of losses (rows), one block; in row order per thread, then BlockReduce.
+void mean(const float* losses, float* out, long long rows, cudaStream_t stream);
+
+// ---- optimizer -----------------------------------------------------------------------------
+/// math::adamw_update on count parameters with gradients scaled by grad_scale (the clip).
+void adamw(float* params, const float* grads, float* m, float* v, long long count, math::AdamW opt, float lr, math::AdamBias bias,
+           float grad_scale, cudaStream_t stream);
+/// out[0] += sum of squares of x (fp64 accumulation in one block; for gradient norms).
+void sum_squares(const float* x, double* out, long long count, cudaStream_t stream);
+
+// ---- tests -------------------------------------------------------------------------------------
+/// Spins one thread for about `cycles` clock cycles: makes stream ordering observable.
+void spin(long long cycles, cudaStream_t stream);
+
+}  // namespace pipeoffload::cuda::kernels

@@ -1,0 +1,182 @@
+// pipeoffload/backend/cuda/shapes.hpp: every launch configuration and GEMM layout of the CUDA
+// backend, as plain constexpr host functions.
+//
+// DESIGN.md section 6: CUDA code is judged by reading, so nothing about a launch is computed
+// inside a kernel file or a wrapper. The kernels (kernels/*.cu) and the cuBLASLt wrapper call
+// these functions, and tests/cuda/test_shapes.cpp calls the same functions on the CPU and
+// checks grids, blocks, shared memory, limits and leading dimensions. No CUDA header here:
+// the file builds and is tested on machines without the toolkit.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "../../error.hpp"
+
+namespace pipeoffload::cuda {
+
+// ---- kernel launches ----------------------------------------------------------------------
+
+/// Threads per block of every kernel. One block per row kernels reduce with
+/// cub::BlockReduce<float, row_block>, whose template argument must be this constant.
+inline constexpr unsigned elementwise_block = 256;
+inline constexpr unsigned row_block = 256;
+/// Grid-stride kernels use at most this many blocks: enough to fill any GPU we target
+/// (B200: 148 SMs x 8 resident blocks of 256 threads = 1184) several times over, small enough
+/// that a launch never approaches gridDim.x's limit; the loop covers the rest.
+inline constexpr unsigned max_grid = 8192;
+/// CUDA's limit on gridDim.x (2^31 - 1) and on threads per block.
+inline constexpr long long grid_x_limit = 2147483647LL;
+inline constexpr unsigned block_limit = 1024;
+
+struct Launch {
+  unsigned grid = 0;         ///< blocks (gridDim.x); 0 means "nothing to do, do not launch"
+  unsigned block = 0;        ///< threads per block (blockDim.x)
+  std::size_t shared = 0;    ///< dynamic shared memory bytes
+  friend constexpr bool operator==(const Launch&, const Launch&) = default;
+};
+
+/// A grid-stride loop over n elements: ceil(n / block) blocks, capped at max_grid.
+constexpr Launch elementwise_launch(long long n) {
+  if (n < 0) throw shape_error("cuda::elementwise_launch: n = " + pipeoffload::detail::num(n) + " is negative");
+  if (n == 0) return {};
+  const long long blocks = (n + elementwise_block - 1) / elementwise_block;
+  return {static_cast<unsigned>(std::min<long long>(blocks, max_grid)), elementwise_block, 0};
+}
+
+/// One block per row of `cols` values (LayerNorm, softmax cross-entropy): rows blocks of
+/// row_block threads, each thread strides over the row; reductions use cub::BlockReduce's own
+/// static shared memory, so no dynamic shared memory.
+constexpr Launch per_row_launch(long long rows, long long cols) {
+  if (rows < 0 || cols < 1) throw shape_error("cuda::per_row_launch: rows = " + pipeoffload::detail::num(rows) + ", cols = " + pipeoffload::detail::num(cols) + " (need rows >= 0, cols >= 1)");
+  if (rows > grid_x_limit) throw shape_error("cuda::per_row_launch: rows = " + pipeoffload::detail::num(rows) + " is outside the allowed range [0, 2147483647] (gridDim.x)");
+  if (rows == 0) return {};
+  return {static_cast<unsigned>(rows), row_block, 0};
+}
+
+/// Column reductions (LayerNorm's and a bias's weight gradients, the embedding's gradient):
+/// one thread per column, each summing its column over rows in row order, so the sum has the
+/// same order as the CPU model's loop (deterministic, no atomics).
+constexpr Launch per_column_launch(long long cols) { return elementwise_launch(cols); }
+
+static_assert(elementwise_block <= block_limit && row_block <= block_limit && row_block % 32 == 0,
+              "Block sizes must be whole warps within CUDA's 1024-thread limit.");
+static_assert(elementwise_launch(1) == Launch{1, 256, 0});
+static_assert(elementwise_launch(257).grid == 2);
+static_assert(elementwise_launch(1LL << 40).grid == max_grid);
+
+// ---- GEMM layouts -------------------------------------------------------------------------
+
+enum class Op : std::uint8_t { n, t };  ///< as stored, or transposed
+
+/// A row-major GEMM as the CPU model calls OpenBLAS (backend/cpu/blas.hpp):
+/// C[M x N] = alpha * op(A)[M x K] * op(B)[K x N] + beta * C, with row strides lda, ldb, ldc.
+struct RowMajorGemm {
+  Op ta = Op::n, tb = Op::n;
+  long long M = 0, N = 0, K = 0;
+  long long lda = 0, ldb = 0, ldc = 0;
+  float alpha = 1, beta = 0;
+  friend constexpr bool operator==(const RowMajorGemm&, const RowMajorGemm&) = default;
+};
+
+/// The same product as cuBLASLt sees it (column-major, cublasLtMatmul's A, B, C): a row-major
+/// matrix is its transpose in column-major order, so C^T = op(B)^T op(A)^T: cuBLASLt's A is
+/// our B and its B our A, m = N, n = M, k = K. `a_rows x a_cols` is how cuBLASLt's A is
+/// stored (column-major, ld >= rows), likewise B and C; those are the matrix layouts to create.
+struct ColMajorGemm {
+  Op transa = Op::n, transb = Op::n;
+  long long m = 0, n = 0, k = 0;
+  long long a_rows = 0, a_cols = 0, lda = 0;  ///< cuBLASLt's A = the row-major B
+  long long b_rows = 0, b_cols = 0, ldb = 0;  ///< cuBLASLt's B = the row-major A
+  long long c_rows = 0, c_cols = 0, ldc = 0;
+  bool swapped = true;                        ///< A pointer is the row-major B (always, see above)
+  float alpha = 1, beta = 0;
+  friend constexpr bool operator==(const ColMajorGemm&, const ColMajorGemm&) = default;
+};
+
+/// Checks a row-major GEMM's leading dimensions and converts it; throws shape_error naming
+/// the bad value.
+constexpr ColMajorGemm to_column_major(const RowMajorGemm& g) {
+  if (g.M < 0 || g.N < 0 || g.K < 0) throw shape_error("cuda::to_column_major: M, N, K must be >= 0");
+  // Row-major op(A) is M x K: stored M x K (no) or K x M (t); its row stride must cover a row.
+  const long long a_row_len = g.ta == Op::n ? g.K : g.M;
+  const long long b_row_len = g.tb == Op::n ? g.N : g.K;
+  if (g.lda < std::max(1LL, a_row_len)) throw shape_error("cuda::to_column_major: lda = " + pipeoffload::detail::num(g.lda) + " is below the row length " + pipeoffload::detail::num(a_row_len));
+  if (g.ldb < std::max(1LL, b_row_len)) throw shape_error("cuda::to_column_major: ldb = " + pipeoffload::detail::num(g.ldb) + " is below the row length " + pipeoffload::detail::num(b_row_len));
+  if (g.ldc < std::max(1LL, g.N)) throw shape_error("cuda::to_column_major: ldc = " + pipeoffload::detail::num(g.ldc) + " is below N = " + pipeoffload::detail::num(g.N));
+  ColMajorGemm c;
+  c.transa = g.tb;
+  c.transb = g.ta;
+  c.m = g.N;
+  c.n = g.M;
+  c.k = g.K;
+  // cuBLASLt's A is the row-major B: a row-major R x C matrix with stride ld is a column-major
+  // C x R matrix with ld. Stored row-major B is K x N (n) or N x K (t).
+  c.a_rows = g.tb == Op::n ? g.N : g.K;
+  c.a_cols = g.tb == Op::n ? g.K : g.N;
+  c.lda = g.ldb;
+  c.b_rows = g.ta == Op::n ? g.K : g.M;
+  c.b_cols = g.ta == Op::n ? g.M : g.K;
+  c.ldb = g.lda;
+  c.c_rows = g.N;
+  c.c_cols = g.M;
+  c.ldc = g.ldc;
+  c.alpha = g.alpha;
+  c.beta = g.beta;
+  return c;
+}
+
+/// The GPT's three GEMMs of a linear layer Y = X W (X rows x k, W k x n, row-major), exactly
+/// as model/gpt.hpp's linear, linear_dx and linear_dw call the CPU GEMM.
+/// Forward: Y (rows x n) = X W.
+constexpr RowMajorGemm linear_forward(long long rows, long long k, long long n) { return {Op::n, Op::n, rows, n, k, k, n, n, 1.0f, 0.0f}; }
+/// B (dgrad): dX (rows x k) = dY W^T.
+constexpr RowMajorGemm linear_dgrad(long long rows, long long k, long long n) { return {Op::n, Op::t, rows, k, n, n, n, k, 1.0f, 0.0f}; }
+/// W (wgrad): dW (k x n) += X^T dY (accumulates over microbatches: beta = 1).
+constexpr RowMajorGemm linear_wgrad(long long rows, long long k, long long n) { return {Op::t, Op::n, k, n, rows, k, n, n, 1.0f, 1.0f}; }
+
+/// Elements of a rows x cols matrix stored with leading dimension ld (last row/column short).
+constexpr long long stored_elements(long long rows, long long cols, long long ld) { return cols == 0 ? 0 : ld * (cols - 1) + rows; }
+
+// ---- attention (cuDNN SDPA) ------------------------------------------------------------------
+
+/// Dims and strides (B, heads, S, head_dim) of Q, K, V inside the GPT's fused qkv tensor
+/// (rows b*s + t, each row [q | k | v] of h = heads * head_dim, head a at a*head_dim), of the
+/// (b*s, h) output, and of the (B, heads, S, 1) fp32 log-sum-exp statistics, which is the CPU
+/// model's lse layout (b, a, s).
+struct SdpaLayout {
+  long long dims[4] = {};
+  long long qkv_strides[4] = {};
+  long long q_offset = 0, k_offset = 0, v_offset = 0;  ///< elements from the qkv base
+  long long out_strides[4] = {};
+  long long stats_dims[4] = {};
+  long long stats_strides[4] = {};
+};
+
+constexpr SdpaLayout sdpa_layout(long long batch, long long heads, long long seq, long long head_dim) {
+  if (batch < 1 || heads < 1 || seq < 1 || head_dim < 1) throw shape_error("cuda::sdpa_layout: batch, heads, seq and head_dim must be >= 1");
+  if (head_dim % 8 != 0 || head_dim > 256)
+    throw shape_error("cuda::sdpa_layout: head_dim = " + pipeoffload::detail::num(head_dim) + " must be a multiple of 8 in [8, 256] (cuDNN's fused attention)");
+  const long long h = heads * head_dim;
+  SdpaLayout l;
+  const long long dims[4] = {batch, heads, seq, head_dim};
+  const long long qkv[4] = {seq * 3 * h, head_dim, 3 * h, 1};
+  const long long out[4] = {seq * h, head_dim, h, 1};
+  const long long sd[4] = {batch, heads, seq, 1};
+  const long long ss[4] = {heads * seq, seq, 1, 1};
+  for (int i = 0; i < 4; ++i) {
+    l.dims[i] = dims[i];
+    l.qkv_strides[i] = qkv[i];
+    l.out_strides[i] = out[i];
+    l.stats_dims[i] = sd[i];
+    l.stats_strides[i] = ss[i];
+  }
+  l.q_offset = 0;
+  l.k_offset = h;
+  l.v_offset = 2 * h;
+  return l;
+}
+
+}  // namespace pipeoffload::cuda

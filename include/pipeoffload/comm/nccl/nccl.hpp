@@ -1,0 +1,333 @@
+// pipeoffload/comm/nccl/nccl.hpp: comm::Nccl, the communicator of GPU ranks.
+//
+// Semantics are the communicator concept's (comm/communicator.hpp) with NCCL's rendezvous:
+//   - send and recv are called from work that the runtime launches on backend::Cuda's comm
+//     stream; each enqueues an ncclSend/ncclRecv on that stream (Cuda::current_stream()) and
+//     returns at once. The runtime orders the comm stream after the compute op that produced a
+//     send's data, and the compute stream after a recv, with events, so the host never waits;
+//   - calls are posted in RankProgram::comm order, which validate() proved deadlock-free for a
+//     send that waits for its receive (NCCL's behaviour); each message is one NCCL group of
+//     two operations, a 16-byte tag header and the data;
+//   - tags cannot be checked when the data arrives without a host sync, so each recv's header
+//     lands in a device log and is compared with the expected tag at the next all_gather (the
+//     runtime calls one per step, after synchronize): a mismatch throws comm_error naming both
+//     tags, never a silent swap (a step computed on swapped data is never applied, because the
+//     optimizer runs after that all_gather);
+//   - all_gather is ncclAllGather of doubles on a private stream, synchronised on the host (it
+//     is called between steps);
+//   - abort(why): ncclCommAbort on every communicator of the world in this process; calls to
+//     come throw aborted_error.
+// Bootstrap: NcclWorld::all_local (ncclCommInitAll, one process driving every listed GPU, one
+// thread per rank as po::run_thread_ranks runs them) or NcclWorld::from_file (one process per
+// GPU, ncclGetUniqueId published through comm/nccl/id_file.hpp). Every NCCL call is checked;
+// errors carry rank, host and ncclGetLastError.
+#pragma once
+
+#include <nccl.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <source_location>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "../../backend/cuda/cuda.hpp"
+#include "../communicator.hpp"
+#include "id_file.hpp"
+
+namespace pipeoffload::comm {
+
+static_assert(sizeof(ncclUniqueId) == nccl_id_bytes, "comm::Nccl: NCCL's unique id is not the 128 bytes id_file.hpp transports.");
+
+namespace detail {
+
+inline std::string host_name() {
+  char h[256] = {};
+  if (::gethostname(h, sizeof h - 1) != 0) return "?";
+  return h;
+}
+
+}  // namespace detail
+
+/// Throws cuda_error unless `status` is ncclSuccess: the call, NCCL's message, rank, host and
+/// ncclGetLastError (comm may be null before a communicator exists).
+inline void nccl_check(ncclResult_t status, const char* call, int rank, ncclComm_t comm = nullptr,
+                       std::source_location loc = std::source_location::current()) {
+  if (status == ncclSuccess) return;
+  cudaGetLastError();  // NCCL's CUDA failures must not resurface in the next CUDA check
+  const char* last = ncclGetLastError(comm);
+  throw cuda_error(std::string("NCCL error ") + ncclGetErrorString(status) + " in " + call + " on rank " + std::to_string(rank) + " (host " +
+                   detail::host_name() + ") at " + cuda::detail::where(loc) + (last && *last ? std::string(": ") + last : std::string()));
+}
+
+/// Checks an NCCL call made on behalf of rank `rank_of_call` with communicator `handle`.
+#define PIPEOFFLOAD_NCCL_CHECK(call, rank_of_call, handle)                              \
+  do {                                                                                  \
+    ::pipeoffload::comm::nccl_check((call), #call, (rank_of_call), (handle));           \
+  } while (0)
+
+/// The communicators of the ranks this process drives, and their shared abort state.
+class NcclWorld {
+ public:
+  /// One process, one rank per listed device (rank r on devices[r]): ncclCommInitAll.
+  static std::shared_ptr<NcclWorld> all_local(std::span<const int> devices) {
+    auto w = std::shared_ptr<NcclWorld>(new NcclWorld());
+    w->size_ = static_cast<int>(devices.size());
+    w->comms_.assign(devices.size(), nullptr);
+    w->ranks_.resize(devices.size());
+    for (std::size_t i = 0; i < devices.size(); ++i) w->ranks_[i] = static_cast<int>(i);
+    PIPEOFFLOAD_NCCL_CHECK(ncclCommInitAll(w->comms_.data(), w->size_, devices.data()), 0, nullptr);
+    return w;
+  }
+
+  /// A fresh NCCL unique id, for rank 0 to hand to the others (over MPI with
+  /// comm/mpi/nccl_id.hpp's broadcast_nccl_id, or through a file with from_file).
+  static NcclIdBytes new_id(int rank = 0) {
+    ncclUniqueId id{};
+    PIPEOFFLOAD_NCCL_CHECK(ncclGetUniqueId(&id), rank, nullptr);
+    NcclIdBytes bytes{};
+    std::memcpy(bytes.data(), &id, sizeof id);
+    return bytes;
+  }
+
+  /// One process per GPU, the unique id already shared by every rank (e.g. broadcast over MPI:
+  /// `from_id(broadcast_nccl_id(mpi, rank == 0 ? NcclWorld::new_id() : NcclIdBytes{}), ...)`).
+  static std::shared_ptr<NcclWorld> from_id(const NcclIdBytes& bytes, int rank, int size, int device) {
+    auto w = std::shared_ptr<NcclWorld>(new NcclWorld());
+    w->size_ = size;
+    w->ranks_ = {rank};
+    w->comms_.assign(1, nullptr);
+    ncclUniqueId id{};
+    std::memcpy(&id, bytes.data(), sizeof id);
+    PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(device));
+    PIPEOFFLOAD_NCCL_CHECK(ncclCommInitRank(&w->comms_[0], size, id, rank), rank, nullptr);
+    return w;
+  }
+
+  /// One process per GPU: rank 0 creates the unique id and publishes it at `path` (a shared
+  /// file system), the others wait up to `timeout` for it. `generation` tells this job's file
+  /// from a stale one (use the job id).
+  static std::shared_ptr<NcclWorld> from_file(const std::string& path, std::uint64_t generation, int rank, int size, int device,
+                                              std::chrono::milliseconds timeout = std::chrono::minutes(5)) {
+    NcclIdBytes bytes{};
+    if (rank == 0) {
+      bytes = new_id(rank);
+      publish_id(path, bytes, generation);
+    } else {
+      bytes = await_id(path, generation, timeout);
+    }
+    return from_id(bytes, rank, size, device);
+  }
+
+  NcclWorld(const NcclWorld&) = delete;
+  NcclWorld& operator=(const NcclWorld&) = delete;
+  ~NcclWorld() {
+    if (aborted_) return;  // ncclCommAbort already freed them
+    for (ncclComm_t c : comms_)
+      if (c) ncclCommDestroy(c);
+  }
+
+  int size() const { return size_; }
+  /// The communicator of `rank`, which this process must drive.
+  ncclComm_t comm(int rank) const {
+    for (std::size_t i = 0; i < ranks_.size(); ++i)
+      if (ranks_[i] == rank) return comms_[i];
+    throw comm_error("comm::NcclWorld: rank " + std::to_string(rank) + " is not driven by this process");
+  }
+
+  void abort(const std::string& why) {
+    std::lock_guard lk(mu_);
+    if (aborted_) return;
+    aborted_ = true;
+    reason_ = why;
+    for (ncclComm_t c : comms_)
+      if (c) ncclCommAbort(c);  // best effort: nothing to report to while failing
+  }
+  bool aborted() const { return aborted_; }
+  [[noreturn]] void throw_aborted() const {
+    std::lock_guard lk(mu_);
+    throw aborted_error("aborted: " + reason_);
+  }
+
+ private:
+  NcclWorld() = default;
+  int size_ = 0;
+  std::vector<ncclComm_t> comms_;
+  std::vector<int> ranks_;
+  mutable std::mutex mu_;
+  std::atomic<bool> aborted_{false};
+  std::string reason_;
+};
+
+/// One rank's communicator on one backend::Cuda device.
+class Nccl {
+ public:
+  struct Options {
+    std::size_t max_messages_per_step = 1 << 16;  ///< tag headers kept between two all_gathers
+  };
+
+  Nccl(std::shared_ptr<NcclWorld> world, int rank, backend::Cuda& dev) : Nccl(std::move(world), rank, dev, Options{}) {}
+  Nccl(std::shared_ptr<NcclWorld> world, int rank, backend::Cuda& dev, Options opt)
+      : w_(std::move(world)), rank_(rank), dev_(&dev), opt_(opt) {
+    comm_ = w_->comm(rank);
+    PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(dev.device()));
+    const std::size_t n = opt_.max_messages_per_step;
+    void* p = nullptr;
+    // (max_messages_per_step, 4) int32: headers of sends, pinned host, owned here, written by
+    // the host when a send is posted and read by the copy that stages them to the device.
+    PIPEOFFLOAD_CUDA_CHECK(cudaHostAlloc(&p, n * sizeof(Header), cudaHostAllocPortable));
+    send_host_ = static_cast<Header*>(p);
+    // (max_messages_per_step, 4) int32 device: staged send headers, and received headers.
+    PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, n * sizeof(Header)));
+    send_dev_ = static_cast<Header*>(p);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, n * sizeof(Header)));
+    recv_dev_ = static_cast<Header*>(p);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, 1 << 20));  // all_gather staging, grown on demand between steps
+    gather_dev_ = static_cast<double*>(p);
+    gather_capacity_ = (1 << 20) / sizeof(double);
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamCreateWithFlags(&gather_stream_, cudaStreamNonBlocking));
+  }
+  Nccl(const Nccl&) = delete;
+  Nccl& operator=(const Nccl&) = delete;
+  ~Nccl() {
+    cudaSetDevice(dev_->device());
+    cudaStreamSynchronize(gather_stream_);
+    cudaStreamDestroy(gather_stream_);
+    cudaFree(gather_dev_);
+    cudaFree(recv_dev_);
+    cudaFree(send_dev_);
+    cudaFreeHost(send_host_);
+    cudaGetLastError();
+  }
+
+  int rank() const { return rank_; }
+  int size() const { return w_->size(); }
+
+  void send(int peer, Tag tag, std::span<const float> data) {
+    check_peer(peer, "send to");
+    const cudaStream_t s = stream();
+    const std::size_t i = next_slot(sent_, "send");
+    send_host_[i] = header(tag, data.size());
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(send_dev_ + i, send_host_ + i, sizeof(Header), cudaMemcpyHostToDevice, s));
+    PIPEOFFLOAD_NCCL_CHECK(ncclGroupStart(), rank_, comm_);
+    PIPEOFFLOAD_NCCL_CHECK(ncclSend(send_dev_ + i, 4, ncclInt32, peer, comm_, s), rank_, comm_);
+    PIPEOFFLOAD_NCCL_CHECK(ncclSend(data.data(), data.size(), ncclFloat32, peer, comm_, s), rank_, comm_);
+    PIPEOFFLOAD_NCCL_CHECK(ncclGroupEnd(), rank_, comm_);
+  }
+
+  void recv(int peer, Tag tag, std::span<float> out) {
+    check_peer(peer, "recv from");
+    const cudaStream_t s = stream();
+    const std::size_t i = next_slot(received_, "recv");
+    expected_.push_back({peer, header(tag, out.size())});
+    PIPEOFFLOAD_NCCL_CHECK(ncclGroupStart(), rank_, comm_);
+    PIPEOFFLOAD_NCCL_CHECK(ncclRecv(recv_dev_ + i, 4, ncclInt32, peer, comm_, s), rank_, comm_);
+    PIPEOFFLOAD_NCCL_CHECK(ncclRecv(out.data(), out.size(), ncclFloat32, peer, comm_, s), rank_, comm_);
+    PIPEOFFLOAD_NCCL_CHECK(ncclGroupEnd(), rank_, comm_);
+  }
+
+  /// Verifies the tags received since the last call, then gathers `mine` from every rank.
+  void all_gather(std::span<const double> mine, std::span<double> all) {
+    if (w_->aborted()) w_->throw_aborted();
+    const std::size_t n = mine.size(), d = static_cast<std::size_t>(size());
+    if (all.size() != n * d)
+      throw comm_error("comm::Nccl::all_gather: the output holds " + std::to_string(all.size()) + " values; it must hold size() * mine.size() = " +
+                       std::to_string(n * d));
+    PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(dev_->device()));
+    verify_tags();
+    if (n * d > gather_capacity_) {  // between steps: the only allocation after construction
+      PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(gather_stream_));
+      PIPEOFFLOAD_CUDA_CHECK(cudaFree(gather_dev_));
+      void* p = nullptr;
+      PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, n * d * sizeof(double)));
+      gather_dev_ = static_cast<double*>(p);
+      gather_capacity_ = n * d;
+    }
+    double* slot = gather_dev_ + static_cast<std::size_t>(rank_) * n;
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(slot, mine.data(), n * sizeof(double), cudaMemcpyHostToDevice, gather_stream_));
+    PIPEOFFLOAD_NCCL_CHECK(ncclAllGather(slot, gather_dev_, n, ncclFloat64, comm_, gather_stream_), rank_, comm_);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(all.data(), gather_dev_, n * d * sizeof(double), cudaMemcpyDeviceToHost, gather_stream_));
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(gather_stream_));
+    if (w_->aborted()) w_->throw_aborted();
+  }
+
+  void abort(const std::string& why) { w_->abort(why); }
+
+ private:
+  struct Header {
+    std::int32_t stage = 0, mb = 0, dir = 0, count = 0;
+    friend bool operator==(const Header&, const Header&) = default;
+  };
+  struct Expected {
+    int peer = 0;
+    Header h;
+  };
+
+  static Header header(Tag t, std::size_t count) {
+    return {t.stage, t.mb, t.dir == Dir::forward ? 0 : 1, static_cast<std::int32_t>(count)};
+  }
+  static std::string describe_header(const Header& h) {
+    return describe(Tag{h.stage, h.mb, h.dir == 0 ? Dir::forward : Dir::backward}) + " of " + std::to_string(h.count) + " floats";
+  }
+
+  cudaStream_t stream() {
+    if (w_->aborted()) w_->throw_aborted();
+    const int s = dev_->current_stream();
+    if (s < 0) throw comm_error("comm::Nccl: send and recv must be called from work launched on the device's comm stream");
+    return dev_->stream(s);
+  }
+
+  std::size_t next_slot(std::size_t& counter, const char* what) {
+    if (counter >= opt_.max_messages_per_step)
+      throw comm_error(std::string("comm::Nccl: more than max_messages_per_step = ") + std::to_string(opt_.max_messages_per_step) + " " + what +
+                       "s between two all_gathers; raise Nccl::Options::max_messages_per_step");
+    return counter++;
+  }
+
+  /// The received headers of this step against the expected ones (one host sync, between steps).
+  void verify_tags() {
+    std::vector<Header> got(received_);
+    if (!got.empty()) {
+      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(got.data(), recv_dev_, got.size() * sizeof(Header), cudaMemcpyDeviceToHost, gather_stream_));
+      PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(gather_stream_));
+    }
+    for (std::size_t i = 0; i < got.size(); ++i)
+      if (!(got[i] == expected_[i].h))
+        throw comm_error("comm::Nccl: rank " + std::to_string(rank_) + " expected " + describe_header(expected_[i].h) + " from rank " +
+                         std::to_string(expected_[i].peer) + " but received " + describe_header(got[i]));
+    // Every message of the step has completed (the caller synchronised), so slots are free.
+    sent_ = received_ = 0;
+    expected_.clear();
+  }
+
+  void check_peer(int peer, const char* what) const {
+    if (peer < 0 || peer >= size() || peer == rank_)
+      throw comm_error("comm::Nccl: rank " + std::to_string(rank_) + " cannot " + what + " rank " + std::to_string(peer) +
+                       "; peers are the other ranks of 0.." + std::to_string(size() - 1));
+  }
+
+  std::shared_ptr<NcclWorld> w_;
+  int rank_;
+  backend::Cuda* dev_;
+  Options opt_;
+  ncclComm_t comm_ = nullptr;
+  Header* send_host_ = nullptr;  // see the constructor for shapes and owners
+  Header* send_dev_ = nullptr;
+  Header* recv_dev_ = nullptr;
+  double* gather_dev_ = nullptr;
+  std::size_t gather_capacity_ = 0;
+  cudaStream_t gather_stream_ = nullptr;
+  std::size_t sent_ = 0, received_ = 0;
+  std::vector<Expected> expected_;
+};
+
+static_assert(communicator<Nccl>, "comm::Nccl must model the communicator concept.");
+
+}  // namespace pipeoffload::comm

@@ -1,0 +1,20 @@
+// pipeoffload/cuda.hpp: the CUDA umbrella (issue 4): backend::Cuda, comm::Nccl, the kernels'
+// declarations, cuBLASLt GEMMs and cuDNN attention. Build with the pipeoffload_cuda Meson
+// dependency (it defines PIPEOFFLOAD_WITH_CUDA and links the kernels and NVIDIA libraries);
+// the CPU-safe umbrella is pipeoffload/pipeoffload.hpp.
+#pragma once
+
+#ifndef PIPEOFFLOAD_WITH_CUDA
+#error "pipeoffload/cuda.hpp needs a CUDA build: use Meson's pipeoffload_cuda_dep (-Dcuda=auto with nvcc, cuDNN, NCCL present), which defines PIPEOFFLOAD_WITH_CUDA."
+#endif
+
+#include "backend/cuda/attention.hpp"
+#include "backend/cuda/check.hpp"
+#include "backend/cuda/cuda.hpp"
+#include "backend/cuda/gemm.hpp"
+#include "backend/cuda/kernels.hpp"
+#include "backend/cuda/shapes.hpp"
+#include "backend/cuda/topology.hpp"
+#include "comm/nccl/id_file.hpp"
+#include "comm/nccl/nccl.hpp"
+#include "pipeoffload.hpp"

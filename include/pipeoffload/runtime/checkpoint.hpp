@@ -1,0 +1,279 @@
+// pipeoffload/runtime/checkpoint.hpp: saving and resuming a pipeline's training state.
+//
+// Layout of a checkpoint directory D (shared by every rank; under MPI on several hosts, a
+// shared file system):
+//   D/step-00000012/stage-3.bin   one file per stage: parameters, AdamW moments, step, RNG
+//                                 seed and data position, with a checksum
+//   D/latest                      "step-00000012": the newest complete checkpoint
+// Every file is written to a temporary name, flushed to disk and renamed, so a file is
+// either absent or whole. `latest` moves only after every rank has written all its stages
+// (a collective), so a crash at any point leaves `latest` naming a complete checkpoint: the
+// previous one until the new one is whole. The two newest step directories are kept.
+//
+// The RNG state is the run seed: dropout masks and data positions are counter-based on
+// (seed, step), so the step is the rest of it. A checkpoint is per stage, not per rank: it
+// can be resumed with another schedule or rank count of the same stage count (every schedule
+// trains bit-identically), under threads or MPI.
+#pragma once
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "../comm/communicator.hpp"
+#include "../error.hpp"
+
+namespace pipeoffload {
+
+/// A checkpoint that cannot be written or read (the message names the file and the reason).
+struct checkpoint_error : error {
+  using error::error;
+};
+
+/// What a checkpoint records beside the tensors.
+struct CheckpointInfo {
+  std::uint64_t config_hash = 0;  ///< the run's configuration; resuming under another is refused
+  std::uint64_t rng_seed = 0;     ///< counter-based RNG: with the step, the whole RNG state
+  std::int64_t data_position = 0; ///< index of the next batch the data reader draws
+};
+
+namespace checkpoint {
+
+inline constexpr char magic[8] = {'P', 'O', 'C', 'K', 'P', 'T', '0', '1'};
+
+inline std::string step_name(int step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08d", step);
+  return buf;
+}
+
+inline std::filesystem::path stage_file(const std::filesystem::path& dir, int step, int stage) {
+  return dir / step_name(step) / ("stage-" + std::to_string(stage) + ".bin");
+}
+
+inline std::uint64_t fnv1a(const std::byte* p, std::size_t n, std::uint64_t h = 1469598103934665603ull) {
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(p[i])) * 1099511628211ull;
+  return h;
+}
+
+/// Writes `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename,
+/// fsync of the directory (so the rename itself survives a power loss).
+inline void write_atomic(const std::filesystem::path& path, const std::vector<std::byte>& bytes) {
+  const std::filesystem::path tmp = path.string() + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw checkpoint_error("checkpoint: cannot create " + tmp.string() + ": " + std::strerror(errno));
+  std::size_t off = 0;
+  while (off < bytes.size()) {
+    const ::ssize_t n = ::write(fd, bytes.data() + off, bytes.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = std::strerror(errno);
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      throw checkpoint_error("checkpoint: cannot write " + tmp.string() + ": " + why);
+    }
+    off += static_cast<std::size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    ::unlink(tmp.c_str());
+    throw checkpoint_error("checkpoint: cannot flush " + tmp.string() + ": " + std::strerror(errno));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = std::strerror(errno);
+    ::unlink(tmp.c_str());
+    throw checkpoint_error("checkpoint: cannot rename " + tmp.string() + " to " + path.string() + ": " + why);
+  }
+  const int dfd = ::open(path.parent_path().empty() ? "." : path.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+inline std::vector<std::byte> read_all(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw checkpoint_error("checkpoint: cannot read " + path.string() + " (missing or unreadable)");
+  std::vector<char> raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::byte> out(raw.size());
+  if (!raw.empty()) std::memcpy(out.data(), raw.data(), raw.size());
+  return out;
+}
+
+/// One stage's state as it is on disk.
+struct StageState {
+  int stage = 0;
+  int step = 0;  ///< optimizer steps taken
+  CheckpointInfo info{};
+  std::vector<float> params, adam_m, adam_v;
+};
+
+// File: magic, then u32 format (1), i32 stage, i32 step, u64 config_hash, u64 rng_seed,
+// i64 data_position, u64 n, then n floats each of parameters, first and second moments,
+// then u64 FNV-1a of every byte before it. Native byte order (the machines that resume are
+// the machines that wrote).
+inline std::vector<std::byte> encode(const StageState& s) {
+  std::vector<std::byte> b;
+  const auto put = [&](const void* p, std::size_t n) {
+    const auto* c = static_cast<const std::byte*>(p);
+    b.insert(b.end(), c, c + n);
+  };
+  const std::uint32_t format = 1;
+  const std::int32_t stage = s.stage, step = s.step;
+  const std::uint64_t n = s.params.size();
+  put(magic, sizeof magic);
+  put(&format, 4);
+  put(&stage, 4);
+  put(&step, 4);
+  put(&s.info.config_hash, 8);
+  put(&s.info.rng_seed, 8);
+  put(&s.info.data_position, 8);
+  put(&n, 8);
+  put(s.params.data(), n * sizeof(float));
+  put(s.adam_m.data(), n * sizeof(float));
+  put(s.adam_v.data(), n * sizeof(float));
+  const std::uint64_t sum = fnv1a(b.data(), b.size());
+  put(&sum, 8);
+  return b;
+}
+
+inline StageState decode(const std::vector<std::byte>& b, const std::string& name) {
+  const std::size_t head = sizeof magic + 4 * 3 + 8 * 4;
+  if (b.size() < head + 8) throw checkpoint_error("checkpoint: " + name + " is truncated (" + std::to_string(b.size()) + " bytes)");
+  if (std::memcmp(b.data(), magic, sizeof magic) != 0) throw checkpoint_error("checkpoint: " + name + " is not a pipeoffload checkpoint (bad magic)");
+  std::size_t off = sizeof magic;
+  const auto get = [&](void* p, std::size_t n) {
+    std::memcpy(p, b.data() + off, n);
+    off += n;
+  };
+  std::uint32_t format = 0;
+  std::int32_t stage = 0, step = 0;
+  std::uint64_t n = 0, sum = 0;
+  StageState s;
+  get(&format, 4);
+  if (format != 1) throw checkpoint_error("checkpoint: " + name + " has format " + std::to_string(format) + "; this build reads format 1");
+  get(&stage, 4);
+  get(&step, 4);
+  get(&s.info.config_hash, 8);
+  get(&s.info.rng_seed, 8);
+  get(&s.info.data_position, 8);
+  get(&n, 8);
+  if (n > (b.size() - head) / (3 * sizeof(float)) || b.size() != head + 3 * n * sizeof(float) + 8)
+    throw checkpoint_error("checkpoint: " + name + " is truncated or has trailing bytes (" + std::to_string(b.size()) + " bytes for " + std::to_string(n) +
+                           " parameters)");
+  std::memcpy(&sum, b.data() + b.size() - 8, 8);
+  if (fnv1a(b.data(), b.size() - 8) != sum) throw checkpoint_error("checkpoint: " + name + " is corrupt (checksum mismatch)");
+  s.stage = stage;
+  s.step = step;
+  for (auto* v : {&s.params, &s.adam_m, &s.adam_v}) {
+    v->resize(n);
+    get(v->data(), n * sizeof(float));
+  }
+  return s;
+}
+
+}  // namespace checkpoint
+
+/// Collective over `comm`: every rank writes its stages' state after rt.steps_taken() steps
+/// into dir/step-N/, then rank 0 points dir/latest at it and removes all but the two newest
+/// step directories. Throws on every rank if any rank failed to write (naming that rank).
+/// `rt` is a po::Runtime; `info` is the caller's (config hash, seed, data position).
+/// @code
+///   if ((step + 1) % every == 0) po::save_checkpoint(dir, rt, comm, {config_hash, seed, step + 1});
+/// @endcode
+template <class Runtime, communicator C>
+void save_checkpoint(const std::filesystem::path& dir, Runtime& rt, C& comm, const CheckpointInfo& info) {
+  const int step = rt.steps_taken();
+  const Shape& sh = rt.program().shape;
+  std::string failure;
+  try {
+    std::filesystem::create_directories(dir / checkpoint::step_name(step));
+    for (int c = 0; c < sh.v; ++c) {
+      checkpoint::StageState s;
+      s.stage = sh.stage_of(rt.rank(), c);
+      s.step = step;
+      s.info = info;
+      const auto p = rt.layers()[static_cast<std::size_t>(c)].parameters();
+      s.params.assign(p.begin(), p.end());
+      const auto m = rt.adam_m(c), v = rt.adam_v(c);
+      s.adam_m.assign(m.begin(), m.end());
+      s.adam_v.assign(v.begin(), v.end());
+      checkpoint::write_atomic(checkpoint::stage_file(dir, step, s.stage), checkpoint::encode(s));
+    }
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  // Barrier and verdict in one: `latest` may move only when every stage is on disk.
+  const double ok = failure.empty() ? 1.0 : 0.0;
+  std::vector<double> all(static_cast<std::size_t>(comm.size()));
+  comm.all_gather(std::span<const double>(&ok, 1), all);
+  for (std::size_t r = 0; r < all.size(); ++r)
+    if (all[r] != 1.0)
+      throw checkpoint_error(static_cast<int>(r) == rt.rank() ? failure
+                                                             : "checkpoint: rank " + std::to_string(r) + " could not write its stages of step " + std::to_string(step));
+  if (rt.rank() != 0) return;
+  const std::string name = checkpoint::step_name(step);
+  std::vector<std::byte> text(name.size() + 1);
+  std::memcpy(text.data(), name.data(), name.size());
+  text.back() = std::byte{'\n'};
+  checkpoint::write_atomic(dir / "latest", text);
+  // Keep this checkpoint and the one before: older ones are no longer needed.
+  std::vector<std::string> steps;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string n = e.path().filename().string();
+    if (e.is_directory() && n.rfind("step-", 0) == 0 && n.size() == name.size() && n < name) steps.push_back(n);
+  }
+  std::sort(steps.begin(), steps.end());
+  for (std::size_t i = 0; i + 1 < steps.size(); ++i) {
+    std::error_code ec;  // best effort: a stale directory wastes space, nothing more
+    std::filesystem::remove_all(dir / steps[i], ec);
+  }
+}
+
+/// Loads this rank's stages from the checkpoint dir/latest names into `rt` (parameters,
+/// AdamW moments, step) and returns its info; throws checkpoint_error naming the file when a
+/// file is missing, corrupt, of another stage or size, or of another configuration.
+template <class Runtime>
+CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, std::uint64_t config_hash) {
+  const std::vector<std::byte> raw = checkpoint::read_all(dir / "latest");
+  std::string name(reinterpret_cast<const char*>(raw.data()), raw.size());
+  while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
+  int step = -1;
+  if (name.size() == 13 && name.rfind("step-", 0) == 0) step = std::atoi(name.c_str() + 5);
+  if (step < 0) throw checkpoint_error("checkpoint: " + (dir / "latest").string() + " does not name a step directory (it holds '" + name + "')");
+  const Shape& sh = rt.program().shape;
+  CheckpointInfo info{};
+  for (int c = 0; c < sh.v; ++c) {
+    const int stage = sh.stage_of(rt.rank(), c);
+    const std::filesystem::path file = checkpoint::stage_file(dir, step, stage);
+    const checkpoint::StageState s = checkpoint::decode(checkpoint::read_all(file), file.string());
+    auto p = rt.layers()[static_cast<std::size_t>(c)].parameters();
+    if (s.stage != stage || s.step != step)
+      throw checkpoint_error("checkpoint: " + file.string() + " holds stage " + std::to_string(s.stage) + " of step " + std::to_string(s.step) +
+                             ", not stage " + std::to_string(stage) + " of step " + std::to_string(step));
+    if (s.info.config_hash != config_hash)
+      throw checkpoint_error("checkpoint: " + file.string() + " was written by a run with another configuration (model, stages, batch, optimizer, steps, seed or data)");
+    if (s.params.size() != p.size())
+      throw checkpoint_error("checkpoint: " + file.string() + " has " + std::to_string(s.params.size()) + " parameters; stage " + std::to_string(stage) +
+                             " has " + std::to_string(p.size()));
+    std::copy(s.params.begin(), s.params.end(), p.begin());
+    std::copy(s.adam_m.begin(), s.adam_m.end(), rt.adam_m(c).begin());
+    std::copy(s.adam_v.begin(), s.adam_v.end(), rt.adam_v(c).begin());
+    info = s.info;
+  }
+  rt.set_steps_taken(step);
+  return info;
+}
+
+}  // namespace pipeoffload

@@ -1,0 +1,166 @@
+// kernels/attention.cpp: backend/cuda/attention.hpp on the cuDNN frontend's SDPA graphs.
+// Host C++ (no device code): built by the C++ compiler into pipeoffload_cuda_kernels.
+#include <pipeoffload/backend/cuda/attention.hpp>
+
+#include <cudnn_frontend.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <source_location>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+
+#include <pipeoffload/backend/cuda/check.hpp>
+#include <pipeoffload/backend/cuda/shapes.hpp>
+
+namespace pipeoffload::cuda::attention {
+namespace {
+
+namespace fe = cudnn_frontend;
+
+/// The frontend's error_t, checked like every cuDNN call: call text, message, location.
+void check_fe(fe::error_t e, const char* call, std::source_location loc = std::source_location::current()) {
+  if (e.is_good()) return;
+  cudaGetLastError();
+  throw cuda_error(std::string("cuDNN frontend error ") + std::to_string(static_cast<int>(e.get_code())) + " in " + call + " at " +
+                   detail::where(loc) + ": " + e.get_message());
+}
+#define PIPEOFFLOAD_FE_CHECK(call) check_fe((call), #call)
+
+// Tensor uids of the variant pack.
+enum Uid : std::int64_t { Q = 1, K, V, O, STATS, DO, DQ, DK, DV };
+
+std::vector<std::int64_t> vec(const long long (&a)[4]) { return {a[0], a[1], a[2], a[3]}; }
+
+std::shared_ptr<fe::graph::Tensor_attributes> input(fe::graph::Graph& g, const char* name, Uid uid, const std::vector<std::int64_t>& dims,
+                                                    const std::vector<std::int64_t>& strides) {
+  return g.tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(dims).set_stride(strides));
+}
+
+struct Built {
+  std::shared_ptr<fe::graph::Graph> graph;
+  std::int64_t workspace = 0;
+};
+
+void finish(fe::graph::Graph& g, cudnnHandle_t h, Built& b) {
+  PIPEOFFLOAD_FE_CHECK(g.validate());
+  PIPEOFFLOAD_FE_CHECK(g.build_operation_graph(h));
+  PIPEOFFLOAD_FE_CHECK(g.create_execution_plans({fe::HeurMode_t::A}));
+  PIPEOFFLOAD_FE_CHECK(g.check_support(h));
+  PIPEOFFLOAD_FE_CHECK(g.build_plans(h));
+  PIPEOFFLOAD_FE_CHECK(g.get_workspace_size(b.workspace));
+}
+
+void common(fe::graph::Graph& g) {
+  g.set_io_data_type(fe::DataType_t::BFLOAT16).set_intermediate_data_type(fe::DataType_t::FLOAT).set_compute_data_type(fe::DataType_t::FLOAT);
+}
+
+float scale_of(Shape s) { return 1.0f / std::sqrt(static_cast<float>(s.head_dim)); }
+
+Built build_forward(cudnnHandle_t h, Shape s) {
+  const SdpaLayout l = sdpa_layout(s.batch, s.heads, s.seq, s.head_dim);
+  Built b;
+  b.graph = std::make_shared<fe::graph::Graph>();
+  fe::graph::Graph& g = *b.graph;
+  common(g);
+  auto q = input(g, "Q", Q, vec(l.dims), vec(l.qkv_strides));
+  auto k = input(g, "K", K, vec(l.dims), vec(l.qkv_strides));
+  auto v = input(g, "V", V, vec(l.dims), vec(l.qkv_strides));
+  auto opts = fe::graph::SDPA_attributes()
+                  .set_name("sdpa_forward")
+                  .set_generate_stats(true)  // training: keep the log-sum-exps for backward
+                  .set_attn_scale(scale_of(s))
+                  .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+                  .set_diagonal_band_right_bound(0);  // causal: key j <= query i
+  auto [o, stats] = g.sdpa(q, k, v, opts);
+  o->set_output(true).set_uid(O).set_dim(vec(l.dims)).set_stride(vec(l.out_strides));
+  stats->set_output(true).set_uid(STATS).set_data_type(fe::DataType_t::FLOAT).set_dim(vec(l.stats_dims)).set_stride(vec(l.stats_strides));
+  finish(g, h, b);
+  return b;
+}
+
+Built build_backward(cudnnHandle_t h, Shape s) {
+  const SdpaLayout l = sdpa_layout(s.batch, s.heads, s.seq, s.head_dim);
+  Built b;
+  b.graph = std::make_shared<fe::graph::Graph>();
+  fe::graph::Graph& g = *b.graph;
+  common(g);
+  auto q = input(g, "Q", Q, vec(l.dims), vec(l.qkv_strides));
+  auto k = input(g, "K", K, vec(l.dims), vec(l.qkv_strides));
+  auto v = input(g, "V", V, vec(l.dims), vec(l.qkv_strides));
+  auto o = input(g, "O", O, vec(l.dims), vec(l.out_strides));
+  auto dout = input(g, "dO", DO, vec(l.dims), vec(l.out_strides));
+  auto stats = g.tensor(fe::graph::Tensor_attributes()
+                            .set_name("Stats")
+                            .set_uid(STATS)
+                            .set_dim(vec(l.stats_dims))
+                            .set_stride(vec(l.stats_strides))
+                            .set_data_type(fe::DataType_t::FLOAT));
+  auto opts = fe::graph::SDPA_backward_attributes()
+                  .set_name("sdpa_backward")
+                  .set_attn_scale(scale_of(s))
+                  .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+                  .set_diagonal_band_right_bound(0);
+  auto [dq, dk, dv] = g.sdpa_backward(q, k, v, o, dout, stats, opts);
+  dq->set_output(true).set_uid(DQ).set_dim(vec(l.dims)).set_stride(vec(l.qkv_strides));
+  dk->set_output(true).set_uid(DK).set_dim(vec(l.dims)).set_stride(vec(l.qkv_strides));
+  dv->set_output(true).set_uid(DV).set_dim(vec(l.dims)).set_stride(vec(l.qkv_strides));
+  finish(g, h, b);
+  return b;
+}
+
+/// Graphs by (handle, direction, shape); built on first use, under a lock (ranks are threads).
+const Built& cached(cudnnHandle_t h, bool backward, Shape s) {
+  static std::mutex mu;
+  static std::map<std::tuple<cudnnHandle_t, bool, int, int, int, int>, Built> cache;
+  std::lock_guard lk(mu);
+  const auto key = std::make_tuple(h, backward, s.batch, s.heads, s.seq, s.head_dim);
+  auto it = cache.find(key);
+  if (it == cache.end()) it = cache.emplace(key, backward ? build_backward(h, s) : build_forward(h, s)).first;
+  return it->second;
+}
+
+void run(cudnnHandle_t h, cudaStream_t stream, const Built& b, std::unordered_map<std::int64_t, void*>& pack, void* ws, std::size_t ws_bytes) {
+  if (static_cast<std::size_t>(b.workspace) > ws_bytes)
+    throw cuda_error("cuda::attention: the graph needs " + std::to_string(b.workspace) + " bytes of workspace, the context has " +
+                     std::to_string(ws_bytes) + " (raise backend::Cuda::Options::workspace_bytes)");
+  PIPEOFFLOAD_CUDA_CHECK(cudnnSetStream(h, stream));
+  PIPEOFFLOAD_FE_CHECK(b.graph->execute(h, pack, ws));
+}
+
+}  // namespace
+
+std::size_t workspace_bytes(cudnnHandle_t handle, Shape shape) {
+  const auto f = cached(handle, false, shape).workspace, bw = cached(handle, true, shape).workspace;
+  return static_cast<std::size_t>(std::max(f, bw));
+}
+
+void forward(cudnnHandle_t h, cudaStream_t stream, Shape s, const __nv_bfloat16* qkv, __nv_bfloat16* out, float* stats, void* ws, std::size_t ws_bytes) {
+  const SdpaLayout l = sdpa_layout(s.batch, s.heads, s.seq, s.head_dim);
+  auto* base = const_cast<__nv_bfloat16*>(qkv);  // the variant pack takes void*; cuDNN only reads inputs
+  std::unordered_map<std::int64_t, void*> pack = {
+      {Q, base + l.q_offset}, {K, base + l.k_offset}, {V, base + l.v_offset}, {O, out}, {STATS, stats}};
+  run(h, stream, cached(h, false, s), pack, ws, ws_bytes);
+}
+
+void backward(cudnnHandle_t h, cudaStream_t stream, Shape s, const __nv_bfloat16* qkv, const __nv_bfloat16* out, const __nv_bfloat16* dout,
+              const float* stats, __nv_bfloat16* dqkv, void* ws, std::size_t ws_bytes) {
+  const SdpaLayout l = sdpa_layout(s.batch, s.heads, s.seq, s.head_dim);
+  auto* base = const_cast<__nv_bfloat16*>(qkv);
+  std::unordered_map<std::int64_t, void*> pack = {{Q, base + l.q_offset},
+                                                  {K, base + l.k_offset},
+                                                  {V, base + l.v_offset},
+                                                  {O, const_cast<__nv_bfloat16*>(out)},
+                                                  {DO, const_cast<__nv_bfloat16*>(dout)},
+                                                  {STATS, const_cast<float*>(stats)},
+                                                  {DQ, dqkv + l.q_offset},
+                                                  {DK, dqkv + l.k_offset},
+                                                  {DV, dqkv + l.v_offset}};
+  run(h, stream, cached(h, true, s), pack, ws, ws_bytes);
+}
+
+}  // namespace pipeoffload::cuda::attention

@@ -1,0 +1,132 @@
+// kernels/rows.cu: one block of row_block threads per row, reductions with cub::BlockReduce
+// (no hand-written shuffles or barriers beyond the one __syncthreads a reused TempStorage needs).
+#include <cub/block/block_reduce.cuh>
+
+#include "common.cuh"
+
+namespace pipeoffload::cuda::kernels {
+namespace {
+
+using Reduce = cub::BlockReduce<float, row_block>;
+
+/// Max as a function object (CCCL 3 removed cub::Max; this works with every version).
+struct MaxOp {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+/// Block-wide sum, broadcast to every thread. The barrier after the broadcast lets the caller
+/// reuse `tmp` for its next reduction.
+__device__ float block_sum(float v, Reduce::TempStorage& tmp, float& shared) {
+  const float s = Reduce(tmp).Sum(v);
+  if (threadIdx.x == 0) shared = s;
+  __syncthreads();
+  const float out = shared;
+  __syncthreads();
+  return out;
+}
+__device__ float block_max(float v, Reduce::TempStorage& tmp, float& shared) {
+  const float s = Reduce(tmp).Reduce(v, MaxOp{});
+  if (threadIdx.x == 0) shared = s;
+  __syncthreads();
+  const float out = shared;
+  __syncthreads();
+  return out;
+}
+
+__global__ void __launch_bounds__(row_block) layernorm_forward_k(const bf16* x, const float* gamma, const float* beta, bf16* y, float* stats, int n) {
+  __shared__ Reduce::TempStorage tmp;
+  __shared__ float shared;
+  const bf16* xr = x + static_cast<long long>(blockIdx.x) * n;
+  bf16* yr = y + static_cast<long long>(blockIdx.x) * n;
+  float s = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s += ld(xr, i);
+  const float mean = block_sum(s, tmp, shared) / static_cast<float>(n);
+  float v = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const float d = ld(xr, i) - mean;
+    v += d * d;
+  }
+  const math::RowStats rs = math::row_stats_finish(mean, block_sum(v, tmp, shared), n);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = st(math::layernorm_apply(ld(xr, i), rs, gamma[i], beta[i]));
+  if (threadIdx.x == 0) {
+    stats[2 * static_cast<long long>(blockIdx.x)] = rs.mean;
+    stats[2 * static_cast<long long>(blockIdx.x) + 1] = rs.rstd;
+  }
+}
+
+__global__ void __launch_bounds__(row_block) layernorm_backward_k(const bf16* dy, const bf16* x, const float* stats, const float* gamma, bf16* dx,
+                                                                   int n, bool accumulate) {
+  __shared__ Reduce::TempStorage tmp;
+  __shared__ float shared;
+  const long long off = static_cast<long long>(blockIdx.x) * n;
+  const math::RowStats rs{stats[2 * static_cast<long long>(blockIdx.x)], stats[2 * static_cast<long long>(blockIdx.x) + 1]};
+  float sg = 0, sgx = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const float g = ld(dy, off + i) * gamma[i];
+    sg += g;
+    sgx += g * (ld(x, off + i) - rs.mean) * rs.rstd;
+  }
+  const float mean_g = block_sum(sg, tmp, shared) / static_cast<float>(n);
+  const float mean_gx = block_sum(sgx, tmp, shared) / static_cast<float>(n);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const float d = math::layernorm_backward_elem(ld(dy, off + i), ld(x, off + i), rs, gamma[i], mean_g, mean_gx);
+    dx[off + i] = st(accumulate ? ld(dx, off + i) + d : d);
+  }
+}
+
+__global__ void __launch_bounds__(row_block) softmax_xent_k(const float* logits, const std::int32_t* targets, float* losses, float* dlogits, int V,
+                                                             float scale) {
+  __shared__ Reduce::TempStorage tmp;
+  __shared__ float shared;
+  const long long off = static_cast<long long>(blockIdx.x) * V;
+  const int target = targets[blockIdx.x];
+  float mx = -INFINITY;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, logits[off + i]);
+  mx = block_max(mx, tmp, shared);
+  float s = 0;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) s += expf(logits[off + i] - mx);
+  const float lse = mx + logf(block_sum(s, tmp, shared));
+  // Read the target's logit before dlogits (which may alias logits) overwrites it.
+  const bool valid = target >= 0 && target < V;
+  const float target_logit = valid ? logits[off + target] : __int_as_float(0x7fc00000);
+  __syncthreads();
+  if (threadIdx.x == 0) losses[blockIdx.x] = lse - target_logit;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) dlogits[off + i] = math::softmax_xent_grad(logits[off + i], lse, i == target, scale);
+}
+
+__global__ void __launch_bounds__(row_block) mean_k(const float* x, float* out, long long n) {
+  __shared__ Reduce::TempStorage tmp;
+  float s = 0;
+  for (long long i = threadIdx.x; i < n; i += blockDim.x) s += x[i];
+  const float total = Reduce(tmp).Sum(s);
+  if (threadIdx.x == 0) *out = total / static_cast<float>(n);
+}
+
+__global__ void __launch_bounds__(row_block) sum_squares_k(const float* x, double* out, long long n) {
+  using ReduceD = cub::BlockReduce<double, row_block>;
+  __shared__ ReduceD::TempStorage tmp;
+  double s = 0;
+  for (long long i = threadIdx.x; i < n; i += blockDim.x) s += static_cast<double>(x[i]) * x[i];
+  const double total = ReduceD(tmp).Sum(s);
+  if (threadIdx.x == 0) *out += total;
+}
+
+}  // namespace
+
+void layernorm_forward(const bf16* x, const float* gamma, const float* beta, bf16* y, float* stats, long long rows, int n, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(layernorm_forward_k, per_row_launch(rows, n), s, x, gamma, beta, y, stats, n);
+}
+void layernorm_backward(const bf16* dy, const bf16* x, const float* stats, const float* gamma, bf16* dx, long long rows, int n, bool accumulate,
+                        cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(layernorm_backward_k, per_row_launch(rows, n), s, dy, x, stats, gamma, dx, n, accumulate);
+}
+void softmax_xent(const float* logits, const std::int32_t* targets, float* losses, float* dlogits, long long rows, int vocab, float scale,
+                  cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(softmax_xent_k, per_row_launch(rows, vocab), s, logits, targets, losses, dlogits, vocab, scale);
+}
+void mean(const float* losses, float* out, long long rows, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(mean_k, per_row_launch(rows > 0 ? 1 : 0, 1), s, losses, out, rows); }
+void sum_squares(const float* x, double* out, long long count, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(sum_squares_k, per_row_launch(count > 0 ? 1 : 0, 1), s, x, out, count);
+}
+
+}  // namespace pipeoffload::cuda::kernels

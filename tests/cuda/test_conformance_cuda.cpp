@@ -1,0 +1,38 @@
+// tests/cuda/test_conformance_cuda.cpp: the backend conformance cases on backend::Cuda.
+#include <memory>
+
+#include <pipeoffload/cuda.hpp>
+
+#include "backend_conformance.hpp"
+
+namespace {
+
+namespace pk = pipeoffload::cuda::kernels;
+
+struct CudaTraits {
+  static constexpr float tolerance = 1.0f / 64;  // through bf16 (8 significant bits) and back
+  static std::unique_ptr<pipeoffload::backend::Cuda> make() {
+    return std::make_unique<pipeoffload::backend::Cuda>(pipeoffload::backend::Cuda::Options{.arena_bytes = std::size_t{1} << 30});
+  }
+  static void delay(pipeoffload::backend::Cuda& dev) { pk::spin(100'000'000, dev.stream(dev.current_stream())); }  // ~50 ms
+  // The kernels store bf16: convert in, run, convert out (scratch from the arena's workspace).
+  static void gelu_forward(pipeoffload::backend::CudaContext& ctx, const float* x, float* y, std::size_t n) {
+    auto* a = reinterpret_cast<pk::bf16*>(ctx.workspace);
+    auto* b = a + n;
+    pk::to_bf16(x, a, static_cast<long long>(n), ctx.cuda_stream);
+    pk::gelu_forward(a, b, static_cast<long long>(n), ctx.cuda_stream);
+    pk::to_float(b, y, static_cast<long long>(n), ctx.cuda_stream);
+  }
+  static void gelu_backward(pipeoffload::backend::CudaContext& ctx, const float* x, const float* dy, float* dx, std::size_t n) {
+    auto* a = reinterpret_cast<pk::bf16*>(ctx.workspace);
+    auto* g = a + n;
+    pk::to_bf16(x, a, static_cast<long long>(n), ctx.cuda_stream);
+    pk::to_bf16(dy, g, static_cast<long long>(n), ctx.cuda_stream);
+    pk::gelu_backward(a, g, static_cast<long long>(n), ctx.cuda_stream);
+    pk::to_float(g, dx, static_cast<long long>(n), ctx.cuda_stream);
+  }
+};
+
+}  // namespace
+
+PIPEOFFLOAD_CONFORMANCE_CASES(CudaTraits, "backend::Cuda")

@@ -1,0 +1,346 @@
+// tests/cuda/test_gpu.cpp: the CUDA kernels, cuBLASLt GEMMs, cuDNN attention and NCCL against
+// the CPU math (needs a GPU; gpu_main.cpp exits 77 without one). Inputs are rounded to bf16
+// first, so a difference is the GPU's arithmetic, not the input rounding; tolerances are those
+// of one bf16 rounding of the output (2^-8 relative) unless a case says otherwise.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include <pipeoffload/cuda.hpp>
+
+namespace po = pipeoffload;
+namespace pk = pipeoffload::cuda::kernels;
+namespace math = pipeoffload::math;
+
+namespace {
+
+float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+std::vector<float> random_bf16(std::size_t n, unsigned seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = round_bf16(d(rng));
+  return v;
+}
+
+/// Device buffers for one test: uploads, downloads, frees at the end.
+struct Gpu {
+  cudaStream_t s = nullptr;
+  std::vector<void*> owned;
+  Gpu() { PIPEOFFLOAD_CUDA_CHECK(cudaStreamCreate(&s)); }
+  ~Gpu() {
+    cudaStreamSynchronize(s);
+    for (void* p : owned) cudaFree(p);
+    cudaStreamDestroy(s);
+  }
+  template <class T>
+  T* alloc(std::size_t n) {
+    void* p = nullptr;
+    PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(T)));
+    owned.push_back(p);
+    return static_cast<T*>(p);
+  }
+  pk::bf16* bf16(const std::vector<float>& v) {
+    std::vector<pk::bf16> h(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) h[i] = __float2bfloat16(v[i]);
+    pk::bf16* d = alloc<pk::bf16>(v.size());
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(pk::bf16), cudaMemcpyHostToDevice));
+    return d;
+  }
+  template <class T>
+  T* copy(const std::vector<T>& v) {
+    T* d = alloc<T>(v.size());
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+  }
+  std::vector<float> get(const pk::bf16* d, std::size_t n) {
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(s));
+    std::vector<pk::bf16> h(n);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(pk::bf16), cudaMemcpyDeviceToHost));
+    std::vector<float> out(n);
+    for (std::size_t i = 0; i < n; ++i) out[i] = __bfloat162float(h[i]);
+    return out;
+  }
+  template <class T>
+  std::vector<T> get(const T* d, std::size_t n) {
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(s));
+    std::vector<T> out(n);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(out.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return out;
+  }
+};
+
+void check_close(const std::vector<float>& got, const std::vector<float>& want, float rel, float abs_tol) {
+  REQUIRE(got.size() == want.size());
+  int bad = 0;
+  for (std::size_t i = 0; i < got.size() && bad < 10; ++i)
+    if (!(std::abs(got[i] - want[i]) <= abs_tol + rel * std::abs(want[i]))) {
+      ++bad;
+      FAIL_CHECK("element " << i << ": got " << got[i] << ", want " << want[i]);
+    }
+}
+
+constexpr float bf16_rel = 1.0f / 128;  // one rounding to bf16, with margin
+
+}  // namespace
+
+TEST_CASE("GeLU, dropout and residual kernels match model/math.hpp") {
+  Gpu g;
+  const std::size_t n = 100003;
+  const std::vector<float> x = random_bf16(n, 1, 2.0f), y = random_bf16(n, 2);
+  pk::bf16 *dx = g.bf16(x), *dy = g.bf16(y), *out = g.alloc<pk::bf16>(n);
+  std::vector<float> want(n);
+  pk::gelu_forward(dx, out, n, g.s);
+  for (std::size_t i = 0; i < n; ++i) want[i] = math::gelu(x[i]);
+  check_close(g.get(out, n), want, bf16_rel, 1e-6f);
+  pk::bf16* gr = g.bf16(y);
+  pk::gelu_backward(dx, gr, n, g.s);
+  for (std::size_t i = 0; i < n; ++i) want[i] = y[i] * math::gelu_grad(x[i]);
+  check_close(g.get(gr, n), want, bf16_rel, 1e-6f);
+  const std::uint64_t seed = math::dropout_seed(3, 1, 2, 0, 4);
+  pk::residual_dropout(dx, dy, out, n, seed, 0.1f, g.s);
+  for (std::size_t i = 0; i < n; ++i) want[i] = math::residual_dropout(x[i], y[i], seed, i, 0.1f);
+  check_close(g.get(out, n), want, bf16_rel, 1e-6f);
+  pk::dropout_backward(dy, out, n, seed, 0.1f, g.s);
+  for (std::size_t i = 0; i < n; ++i) want[i] = y[i] * math::dropout_scale(seed, i, 0.1f);
+  const std::vector<float> got = g.get(out, n);
+  check_close(got, want, bf16_rel, 0.0f);
+  for (std::size_t i = 0; i < n; ++i) CHECK((got[i] == 0.0f) == (want[i] == 0.0f));  // the very same mask
+}
+
+TEST_CASE("LayerNorm kernels match row_stats, layernorm_apply and layernorm_backward_row") {
+  Gpu g;
+  const int rows = 37, n = 1000;
+  const std::vector<float> x = random_bf16(static_cast<std::size_t>(rows) * n, 3, 3.0f), dy = random_bf16(x.size(), 4);
+  std::vector<float> gamma = random_bf16(n, 5), beta = random_bf16(n, 6);
+  pk::bf16 *dx_in = g.bf16(x), *ddy = g.bf16(dy), *y = g.alloc<pk::bf16>(x.size()), *dx = g.alloc<pk::bf16>(x.size());
+  float *dg = g.copy(gamma), *db = g.copy(beta), *stats = g.alloc<float>(2 * rows);
+  pk::layernorm_forward(dx_in, dg, db, y, stats, rows, n, g.s);
+  pk::layernorm_backward(ddy, dx_in, stats, dg, dx, rows, n, false, g.s);
+  std::vector<float> want_y(x.size()), want_dx(x.size()), want_stats(2 * rows);
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x.data() + static_cast<std::size_t>(r) * n;
+    const math::RowStats st = math::row_stats(xr, n);
+    want_stats[2 * r] = st.mean;
+    want_stats[2 * r + 1] = st.rstd;
+    for (int i = 0; i < n; ++i) want_y[static_cast<std::size_t>(r) * n + i] = math::layernorm_apply(xr[i], st, gamma[i], beta[i]);
+    math::layernorm_backward_row(dy.data() + static_cast<std::size_t>(r) * n, xr, st, gamma.data(), want_dx.data() + static_cast<std::size_t>(r) * n, n);
+  }
+  check_close(g.get(stats, 2 * rows), want_stats, 1e-5f, 1e-5f);  // fp32 sums in another order
+  check_close(g.get(y, x.size()), want_y, bf16_rel, 1e-3f);
+  check_close(g.get(dx, x.size()), want_dx, 2 * bf16_rel, 1e-3f);
+}
+
+TEST_CASE("softmax cross-entropy and its mean match softmax_xent_row") {
+  Gpu g;
+  const int rows = 19, V = 50257;
+  std::vector<float> logits = random_bf16(static_cast<std::size_t>(rows) * V, 7, 2.0f);
+  std::vector<std::int32_t> targets(rows);
+  for (int r = 0; r < rows; ++r) targets[static_cast<std::size_t>(r)] = (r * 7919) % V;
+  float* dl = g.copy(logits);
+  std::int32_t* dt = g.copy(targets);
+  float *losses = g.alloc<float>(rows), *mean = g.alloc<float>(1);
+  pk::softmax_xent(dl, dt, losses, dl, rows, V, 0.5f, g.s);  // in place, as the head does
+  pk::mean(losses, mean, rows, g.s);
+  std::vector<float> want_d(logits.size()), want_l(rows);
+  double total = 0;
+  for (int r = 0; r < rows; ++r) {
+    want_l[static_cast<std::size_t>(r)] = math::softmax_xent_row(logits.data() + static_cast<std::size_t>(r) * V, V, targets[static_cast<std::size_t>(r)], 0.5f,
+                                                                 want_d.data() + static_cast<std::size_t>(r) * V);
+    total += want_l[static_cast<std::size_t>(r)];
+  }
+  check_close(g.get(losses, rows), want_l, 1e-5f, 1e-5f);
+  check_close(g.get(dl, logits.size()), want_d, 1e-4f, 1e-8f);
+  CHECK(g.get(mean, 1)[0] == doctest::Approx(total / rows).epsilon(1e-5));
+}
+
+TEST_CASE("AdamW, embedding and column-sum kernels match the CPU model") {
+  Gpu g;
+  const std::size_t n = 4099;
+  std::vector<float> p = random_bf16(n, 8), gr = random_bf16(n, 9), m(n, 0.01f), v(n, 0.02f);
+  float *dp = g.copy(p), *dgr = g.copy(gr), *dm = g.copy(m), *dv = g.copy(v);
+  const math::AdamW o{};
+  const math::AdamBias bc = math::adam_bias(o, 3);
+  pk::adamw(dp, dgr, dm, dv, static_cast<long long>(n), o, 1e-3f, bc, 0.5f, g.s);
+  for (std::size_t i = 0; i < n; ++i) math::adamw_update(p[i], gr[i] * 0.5f, m[i], v[i], o, 1e-3f, bc);
+  check_close(g.get(dp, n), p, 1e-6f, 1e-7f);
+  check_close(g.get(dm, n), m, 1e-6f, 1e-8f);
+  // Embedding: two sequences of 5 tokens, h = 8.
+  const int seq = 5, h = 8, vocab = 11, rows = 10;
+  std::vector<std::int32_t> tokens = {1, 3, 3, 0, 10, 2, 2, 9, 1, 1};
+  const std::vector<float> wte = random_bf16(static_cast<std::size_t>(vocab) * h, 10), wpe = random_bf16(static_cast<std::size_t>(seq) * h, 11);
+  std::int32_t* dtok = g.copy(tokens);
+  float *dwte = g.copy(wte), *dwpe = g.copy(wpe);
+  pk::bf16* emb = g.alloc<pk::bf16>(static_cast<std::size_t>(rows) * h);
+  pk::embedding_forward(dtok, dwte, dwpe, emb, rows, seq, h, vocab, g.s);
+  std::vector<float> want(static_cast<std::size_t>(rows) * h);
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < h; ++c) want[static_cast<std::size_t>(r * h + c)] = wte[static_cast<std::size_t>(tokens[r] * h + c)] + wpe[static_cast<std::size_t>((r % seq) * h + c)];
+  check_close(g.get(emb, want.size()), want, bf16_rel, 1e-6f);
+  std::vector<float> gte(wte.size(), 0.0f), gpe(wpe.size(), 0.0f);
+  float *dgte = g.copy(gte), *dgpe = g.copy(gpe);
+  pk::embedding_backward(dtok, emb, dgte, dgpe, rows, seq, h, vocab, g.s);
+  const std::vector<float> embv = g.get(emb, want.size());
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < h; ++c) {
+      gte[static_cast<std::size_t>(tokens[r] * h + c)] += embv[static_cast<std::size_t>(r * h + c)];
+      gpe[static_cast<std::size_t>((r % seq) * h + c)] += embv[static_cast<std::size_t>(r * h + c)];
+    }
+  check_close(g.get(dgte, gte.size()), gte, 0.0f, 0.0f);  // same sums in the same order
+  check_close(g.get(dgpe, gpe.size()), gpe, 0.0f, 0.0f);
+}
+
+TEST_CASE("cuBLASLt runs the GPT's forward, dgrad and wgrad GEMMs as the CPU GEMM computes them") {
+  po::backend::Cuda dev({.arena_bytes = std::size_t{1} << 30});
+  const int s = dev.make_stream("compute");
+  Gpu g;
+  const long long rows = 96, k = 64, n = 192;
+  const std::vector<float> X = random_bf16(static_cast<std::size_t>(rows * k), 12), W = random_bf16(static_cast<std::size_t>(k * n), 13),
+                           dY = random_bf16(static_cast<std::size_t>(rows * n), 14);
+  pk::bf16 *dX = g.bf16(X), *dW = g.bf16(W), *ddY = g.bf16(dY);
+  pk::bf16 *Y = g.alloc<pk::bf16>(static_cast<std::size_t>(rows * n)), *dXo = g.alloc<pk::bf16>(static_cast<std::size_t>(rows * k));
+  std::vector<float> gw0 = random_bf16(static_cast<std::size_t>(k * n), 15);
+  float* gW = g.copy(gw0);
+  dev.launch(s, [&] {
+    auto ctx = dev.context(s);
+    po::cuda::gemm(ctx, po::cuda::linear_forward(rows, k, n), dX, dW, Y, po::cuda::Out::bf16);
+    po::cuda::gemm(ctx, po::cuda::linear_dgrad(rows, k, n), ddY, dW, dXo, po::cuda::Out::bf16);
+    po::cuda::gemm(ctx, po::cuda::linear_wgrad(rows, k, n), dX, ddY, gW, po::cuda::Out::f32);
+  });
+  dev.synchronize();
+  std::vector<float> y(static_cast<std::size_t>(rows * n), 0), dx(static_cast<std::size_t>(rows * k), 0), gw = gw0;
+  for (long long r = 0; r < rows; ++r)
+    for (long long c = 0; c < n; ++c)
+      for (long long p = 0; p < k; ++p) {
+        y[static_cast<std::size_t>(r * n + c)] += X[static_cast<std::size_t>(r * k + p)] * W[static_cast<std::size_t>(p * n + c)];
+        dx[static_cast<std::size_t>(r * k + p)] += dY[static_cast<std::size_t>(r * n + c)] * W[static_cast<std::size_t>(p * n + c)];
+        gw[static_cast<std::size_t>(p * n + c)] += X[static_cast<std::size_t>(r * k + p)] * dY[static_cast<std::size_t>(r * n + c)];
+      }
+  check_close(g.get(Y, y.size()), y, bf16_rel, 1e-2f);
+  check_close(g.get(dXo, dx.size()), dx, bf16_rel, 1e-2f);
+  check_close(g.get(gW, gw.size()), gw, 1e-4f, 1e-3f);  // fp32 output: only the summation order differs
+}
+
+TEST_CASE("cuDNN's causal SDPA forward and backward match the CPU model's attention") {
+  po::backend::Cuda dev({.arena_bytes = std::size_t{1} << 30});
+  const int s = dev.make_stream("compute");
+  Gpu g;
+  const int B = 2, A = 4, S = 64, D = 64, H = A * D;
+  const std::vector<float> qkv = random_bf16(static_cast<std::size_t>(B) * S * 3 * H, 16), dout = random_bf16(static_cast<std::size_t>(B) * S * H, 17);
+  pk::bf16 *dqkv_in = g.bf16(qkv), *ddout = g.bf16(dout), *out = g.alloc<pk::bf16>(dout.size()), *dqkv = g.alloc<pk::bf16>(qkv.size());
+  float* stats = g.alloc<float>(static_cast<std::size_t>(B) * A * S);
+  const po::cuda::attention::Shape shape{B, A, S, D};
+  dev.launch(s, [&] {
+    auto ctx = dev.context(s);
+    REQUIRE(po::cuda::attention::workspace_bytes(ctx.dnn, shape) <= ctx.workspace_bytes);
+    po::cuda::attention::forward(ctx.dnn, ctx.cuda_stream, shape, dqkv_in, out, stats, ctx.workspace, ctx.workspace_bytes);
+    po::cuda::attention::backward(ctx.dnn, ctx.cuda_stream, shape, dqkv_in, out, ddout, stats, dqkv, ctx.workspace, ctx.workspace_bytes);
+  });
+  dev.synchronize();
+  // The CPU model's attention (model/gpt.hpp), in double.
+  std::vector<float> want_out(dout.size()), want_lse(static_cast<std::size_t>(B) * A * S), want_d(qkv.size(), 0.0f);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const auto at = [&](int b, int t, int part, int a, int e) { return static_cast<std::size_t>((b * S + t) * 3 * H + part * H + a * D + e); };
+  for (int b = 0; b < B; ++b)
+    for (int a = 0; a < A; ++a) {
+      std::vector<double> P(static_cast<std::size_t>(S) * S, 0.0);
+      for (int i = 0; i < S; ++i) {
+        double mx = -1e300;
+        for (int j = 0; j <= i; ++j) {
+          double sc = 0;
+          for (int e = 0; e < D; ++e) sc += static_cast<double>(qkv[at(b, i, 0, a, e)]) * qkv[at(b, j, 1, a, e)];
+          P[static_cast<std::size_t>(i * S + j)] = sc * scale;
+          mx = std::max(mx, sc * scale);
+        }
+        double sum = 0;
+        for (int j = 0; j <= i; ++j) sum += std::exp(P[static_cast<std::size_t>(i * S + j)] - mx);
+        const double lse = mx + std::log(sum);
+        want_lse[static_cast<std::size_t>((b * A + a) * S + i)] = static_cast<float>(lse);
+        for (int j = 0; j <= i; ++j) P[static_cast<std::size_t>(i * S + j)] = std::exp(P[static_cast<std::size_t>(i * S + j)] - lse);
+        for (int e = 0; e < D; ++e) {
+          double o = 0;
+          for (int j = 0; j <= i; ++j) o += P[static_cast<std::size_t>(i * S + j)] * qkv[at(b, j, 2, a, e)];
+          want_out[static_cast<std::size_t>((b * S + i) * H + a * D + e)] = static_cast<float>(o);
+        }
+      }
+      for (int i = 0; i < S; ++i) {
+        double Di = 0;
+        for (int e = 0; e < D; ++e) Di += static_cast<double>(dout[static_cast<std::size_t>((b * S + i) * H + a * D + e)]) * want_out[static_cast<std::size_t>((b * S + i) * H + a * D + e)];
+        for (int j = 0; j <= i; ++j) {
+          double dp = 0;
+          for (int e = 0; e < D; ++e) dp += static_cast<double>(dout[static_cast<std::size_t>((b * S + i) * H + a * D + e)]) * qkv[at(b, j, 2, a, e)];
+          const double p = P[static_cast<std::size_t>(i * S + j)], ds = p * (dp - Di);
+          for (int e = 0; e < D; ++e) {
+            want_d[at(b, j, 2, a, e)] += static_cast<float>(p * dout[static_cast<std::size_t>((b * S + i) * H + a * D + e)]);
+            want_d[at(b, i, 0, a, e)] += static_cast<float>(ds * scale * qkv[at(b, j, 1, a, e)]);
+            want_d[at(b, j, 1, a, e)] += static_cast<float>(ds * scale * qkv[at(b, i, 0, a, e)]);
+          }
+        }
+      }
+    }
+  check_close(g.get(stats, want_lse.size()), want_lse, 1e-3f, 1e-2f);
+  check_close(g.get(out, want_out.size()), want_out, 2 * bf16_rel, 2e-2f);
+  check_close(g.get(dqkv, want_d.size()), want_d, 4 * bf16_rel, 5e-2f);  // bf16 P and dP inside the fused kernel
+}
+
+TEST_CASE("comm::Nccl moves tagged messages between two GPUs on the comm stream and catches a wrong tag") {
+  if (po::backend::device_count() < 2) {
+    MESSAGE("needs 2 GPUs (NCCL refuses two ranks on one GPU); skipped");
+    return;
+  }
+  const std::vector<int> devices = {0, 1};
+  auto world = po::comm::NcclWorld::all_local(devices);
+  const std::size_t n = 1 << 16;
+  std::vector<float> got(n, 0.0f);
+  std::string wrong_tag_error;
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.emplace_back([&, r] {
+      po::backend::Cuda dev({.device = r, .rank = r, .arena_bytes = std::size_t{64} << 20});
+      po::comm::Nccl comm(world, r, dev);
+      const int cs = dev.make_stream("comm");
+      po::backend::Block b = dev.device_alloc(n * sizeof(float), po::backend::Memory::message);
+      std::vector<float> mine(n);
+      for (std::size_t i = 0; i < n; ++i) mine[i] = static_cast<float>(r * 1000000 + static_cast<int>(i));
+      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(b.ptr, mine.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+      auto* p = reinterpret_cast<float*>(b.ptr);
+      // Step 1: rank 0 sends, rank 1 receives the right tag.
+      dev.launch(cs, [&] {
+        if (r == 0) comm.send(1, {1, 0, po::Dir::forward}, {p, n});
+        else comm.recv(0, {1, 0, po::Dir::forward}, {p, n});
+      });
+      dev.synchronize();
+      std::vector<double> one{1.0}, all(2);
+      comm.all_gather(one, all);  // verifies the step's tags
+      if (r == 1) PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(got.data(), b.ptr, n * sizeof(float), cudaMemcpyDeviceToHost));
+      // Step 2: rank 1 expects another microbatch than rank 0 sends.
+      dev.launch(cs, [&] {
+        if (r == 0) comm.send(1, {1, 1, po::Dir::forward}, {p, n});
+        else comm.recv(0, {1, 2, po::Dir::forward}, {p, n});
+      });
+      dev.synchronize();
+      try {
+        comm.all_gather(one, all);
+      } catch (const po::comm_error& e) {
+        wrong_tag_error = e.what();
+        comm.abort(e.what());
+      } catch (const po::aborted_error&) {
+      }
+    });
+  for (auto& t : ranks) t.join();
+  for (std::size_t i = 0; i < n; ++i) CHECK(got[i] == static_cast<float>(i));
+  CHECK(wrong_tag_error.find("expected (forward, stage 1, mb 2)") != std::string::npos);
+  CHECK(wrong_tag_error.find("received (forward, stage 1, mb 1)") != std::string::npos);
+}
+
+TEST_CASE("device_pairing covers every visible GPU exactly once") {
+  const po::cuda::Pairing p = po::backend::device_pairing();
+  std::vector<int> devs = p.device_of_rank;
+  std::sort(devs.begin(), devs.end());
+  for (int i = 0; i < static_cast<int>(devs.size()); ++i) CHECK(devs[static_cast<std::size_t>(i)] == i);
+  CHECK(static_cast<int>(devs.size()) == po::backend::device_count());
+}

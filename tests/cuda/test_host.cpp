@@ -1,0 +1,309 @@
+// tests/cuda/test_host.cpp: the CPU side of the CUDA backend (issue 4). Runs on every machine,
+// with or without the toolkit: the shared math the kernels call, every launch shape and GEMM
+// layout the backend computes, the PCIe pairing decision and the NCCL id-file protocol.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include <pipeoffload/backend/cuda/shapes.hpp>
+#include <pipeoffload/backend/cuda/topology.hpp>
+#include <pipeoffload/comm/nccl/id_file.hpp>
+#include <pipeoffload/model/math.hpp>
+
+namespace po = pipeoffload;
+namespace pc = pipeoffload::cuda;
+namespace math = pipeoffload::math;
+
+namespace {
+
+std::vector<float> random_vector(std::size_t n, unsigned seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+// Row-major reference: C = alpha op(A) op(B) + beta C, the CPU GEMM's convention.
+void gemm_row_major(const pc::RowMajorGemm& g, const float* A, const float* B, float* C) {
+  for (long long i = 0; i < g.M; ++i)
+    for (long long j = 0; j < g.N; ++j) {
+      double s = 0;
+      for (long long p = 0; p < g.K; ++p) {
+        const float a = g.ta == pc::Op::n ? A[i * g.lda + p] : A[p * g.lda + i];
+        const float b = g.tb == pc::Op::n ? B[p * g.ldb + j] : B[j * g.ldb + p];
+        s += static_cast<double>(a) * b;
+      }
+      C[i * g.ldc + j] = static_cast<float>(g.alpha * s + g.beta * C[i * g.ldc + j]);
+    }
+}
+
+// Column-major reference with cuBLAS semantics: C(m x n) = alpha op(A) op(B) + beta C, element
+// (r, c) of a matrix with leading dimension ld at r + c * ld.
+void gemm_col_major(const pc::ColMajorGemm& g, const float* A, const float* B, float* C) {
+  for (long long i = 0; i < g.m; ++i)
+    for (long long j = 0; j < g.n; ++j) {
+      double s = 0;
+      for (long long p = 0; p < g.k; ++p) {
+        const float a = g.transa == pc::Op::n ? A[i + p * g.lda] : A[p + i * g.lda];
+        const float b = g.transb == pc::Op::n ? B[p + j * g.ldb] : B[j + p * g.ldb];
+        s += static_cast<double>(a) * b;
+      }
+      C[i + j * g.ldc] = static_cast<float>(g.alpha * s + g.beta * C[i + j * g.ldc]);
+    }
+}
+
+}  // namespace
+
+// ---- shared math -------------------------------------------------------------------------
+
+TEST_CASE("row_stats_finish gives row_stats's statistics from the two sums a block reduction computes") {
+  for (int n : {1, 7, 64, 1000}) {
+    const std::vector<float> x = random_vector(static_cast<std::size_t>(n), static_cast<unsigned>(n), 3.0f);
+    const math::RowStats ref = math::row_stats(x.data(), n);
+    float s = 0;
+    for (float v : x) s += v;
+    const float mean = s / static_cast<float>(n);
+    float ssd = 0;
+    for (float v : x) ssd += (v - mean) * (v - mean);
+    const math::RowStats got = math::row_stats_finish(mean, ssd, n);
+    CHECK(got.mean == ref.mean);  // same sums in the same order: the same bits
+    CHECK(got.rstd == ref.rstd);
+  }
+}
+
+TEST_CASE("layernorm_backward_elem reproduces layernorm_backward_row element by element") {
+  const int n = 96;
+  const std::vector<float> x = random_vector(n, 1), dy = random_vector(n, 2), gamma = random_vector(n, 3);
+  const math::RowStats st = math::row_stats(x.data(), n);
+  std::vector<float> ref(n);
+  math::layernorm_backward_row(dy.data(), x.data(), st, gamma.data(), ref.data(), n);
+  float sg = 0, sgx = 0;
+  for (int i = 0; i < n; ++i) {
+    const float g = dy[i] * gamma[i];
+    sg += g;
+    sgx += g * (x[i] - st.mean) * st.rstd;
+  }
+  for (int i = 0; i < n; ++i)
+    CHECK(math::layernorm_backward_elem(dy[i], x[i], st, gamma[i], sg / n, sgx / n) == ref[static_cast<std::size_t>(i)]);
+}
+
+TEST_CASE("softmax_xent_grad reproduces softmax_xent_row's gradient from the row's log-sum-exp") {
+  const int n = 50, target = 17;
+  const std::vector<float> logits = random_vector(n, 4, 2.0f);
+  std::vector<float> ref(n);
+  const float loss = math::softmax_xent_row(logits.data(), n, target, 0.25f, ref.data());
+  const float lse = loss + logits[target];
+  for (int i = 0; i < n; ++i) CHECK(math::softmax_xent_grad(logits[i], lse, i == target, 0.25f) == doctest::Approx(ref[i]).epsilon(1e-5));
+}
+
+TEST_CASE("residual_dropout keeps about 1-p of the branch, scaled by 1/(1-p), and regenerates the same mask") {
+  const std::uint64_t seed = math::dropout_seed(7, 3, 2, 1, 5);
+  int kept = 0;
+  const int n = 100000;
+  for (int i = 0; i < n; ++i) {
+    const float y = math::residual_dropout(1.0f, 2.0f, seed, static_cast<std::uint64_t>(i), 0.25f);
+    CHECK((y == 1.0f || y == doctest::Approx(1.0f + 2.0f / 0.75f)));
+    kept += y != 1.0f;
+    CHECK(y == math::residual_dropout(1.0f, 2.0f, seed, static_cast<std::uint64_t>(i), 0.25f));
+  }
+  CHECK(std::abs(kept / static_cast<double>(n) - 0.75) < 0.01);
+  CHECK(math::residual_dropout(1.0f, 2.0f, seed, 0, 0.0f) == 3.0f);
+}
+
+// ---- launch shapes -----------------------------------------------------------------------
+
+TEST_CASE("elementwise launches cover every element once with a grid within CUDA's limits") {
+  for (long long n : {0LL, 1LL, 255LL, 256LL, 257LL, 1000000LL, 2097152LL, 2097153LL, 1LL << 34}) {
+    const pc::Launch l = pc::elementwise_launch(n);
+    if (n == 0) {
+      CHECK(l.grid == 0);
+      continue;
+    }
+    CHECK(l.block == pc::elementwise_block);
+    CHECK(l.shared == 0);
+    CHECK(l.grid >= 1);
+    CHECK(l.grid <= pc::max_grid);
+    // A grid-stride loop visits i, i + grid*block, ...: every element iff grid*block >= 1 and
+    // the grid is no larger than needed.
+    CHECK(static_cast<long long>(l.grid - 1) * l.block < n);
+    if (n <= static_cast<long long>(pc::max_grid) * pc::elementwise_block) CHECK(static_cast<long long>(l.grid) * l.block >= n);
+  }
+  CHECK_THROWS_AS(pc::elementwise_launch(-1), po::shape_error);
+}
+
+TEST_CASE("per-row launches give one block of row_block threads per row and refuse grids CUDA cannot launch") {
+  const pc::Launch l = pc::per_row_launch(4096 * 8, 4096);
+  CHECK(l.grid == 4096u * 8u);
+  CHECK(l.block == pc::row_block);
+  CHECK(l.block % 32 == 0);
+  CHECK(pc::per_row_launch(0, 5).grid == 0);
+  CHECK(pc::per_row_launch(2147483647LL, 1).grid == 2147483647u);
+  CHECK_THROWS_AS(pc::per_row_launch(2147483648LL, 1), po::shape_error);
+  CHECK_THROWS_AS(pc::per_row_launch(1, 0), po::shape_error);
+  CHECK(pc::per_column_launch(4096) == pc::elementwise_launch(4096));
+}
+
+// ---- GEMM layouts --------------------------------------------------------------------------
+
+TEST_CASE("the GPT's three GEMMs are the calls model/gpt.hpp makes to the CPU GEMM") {
+  // linear:    sgemm(no, no,  rows, n, k,  X lda=k, W ldb=n, beta 0, Y ldc=n)
+  CHECK(pc::linear_forward(10, 3, 5) == pc::RowMajorGemm{pc::Op::n, pc::Op::n, 10, 5, 3, 3, 5, 5, 1.0f, 0.0f});
+  // linear_dx: sgemm(no, yes, rows, k, n,  dY lda=n, W ldb=n, beta 0, dX ldc=k)
+  CHECK(pc::linear_dgrad(10, 3, 5) == pc::RowMajorGemm{pc::Op::n, pc::Op::t, 10, 3, 5, 5, 5, 3, 1.0f, 0.0f});
+  // linear_dw: sgemm(yes, no, k, n, rows,  X lda=k, dY ldb=n, beta 1, dW ldc=n)
+  CHECK(pc::linear_wgrad(10, 3, 5) == pc::RowMajorGemm{pc::Op::t, pc::Op::n, 3, 5, 10, 3, 5, 5, 1.0f, 1.0f});
+}
+
+TEST_CASE("to_column_major computes the same product under cuBLAS's column-major convention") {
+  std::vector<pc::RowMajorGemm> cases = {pc::linear_forward(7, 4, 6), pc::linear_dgrad(7, 4, 6), pc::linear_wgrad(7, 4, 6),
+                                         pc::linear_forward(1, 1, 1), pc::linear_wgrad(33, 8, 24)};
+  // Padded leading dimensions and every transpose combination.
+  for (pc::Op ta : {pc::Op::n, pc::Op::t})
+    for (pc::Op tb : {pc::Op::n, pc::Op::t}) {
+      pc::RowMajorGemm g{ta, tb, 5, 9, 3, 0, 0, 11, 0.5f, 0.25f};
+      g.lda = (ta == pc::Op::n ? g.K : g.M) + 2;
+      g.ldb = (tb == pc::Op::n ? g.N : g.K) + 1;
+      cases.push_back(g);
+    }
+  for (const pc::RowMajorGemm& g : cases) {
+    const pc::ColMajorGemm c = pc::to_column_major(g);
+    CHECK(c.m == g.N);
+    CHECK(c.n == g.M);
+    CHECK(c.k == g.K);
+    CHECK(c.lda >= std::max(1LL, c.a_rows));
+    CHECK(c.ldb >= std::max(1LL, c.b_rows));
+    CHECK(c.ldc >= std::max(1LL, c.c_rows));
+    // op(A) is m x k, op(B) is k x n in cuBLAS terms.
+    CHECK((c.transa == pc::Op::n ? c.a_rows : c.a_cols) == c.m);
+    CHECK((c.transa == pc::Op::n ? c.a_cols : c.a_rows) == c.k);
+    CHECK((c.transb == pc::Op::n ? c.b_rows : c.b_cols) == c.k);
+    CHECK((c.transb == pc::Op::n ? c.b_cols : c.b_rows) == c.n);
+    const long long a_rows_stored = g.ta == pc::Op::n ? g.M : g.K, b_rows_stored = g.tb == pc::Op::n ? g.K : g.N;
+    const std::vector<float> A = random_vector(static_cast<std::size_t>(a_rows_stored * g.lda), 11);
+    const std::vector<float> B = random_vector(static_cast<std::size_t>(b_rows_stored * g.ldb), 12);
+    std::vector<float> C1 = random_vector(static_cast<std::size_t>(g.M * g.ldc), 13), C2 = C1;
+    gemm_row_major(g, A.data(), B.data(), C1.data());
+    gemm_col_major(c, B.data(), A.data(), C2.data());  // cuBLAS's A is our B (c.swapped)
+    CHECK(c.swapped);
+    for (std::size_t i = 0; i < C1.size(); ++i) CHECK(C1[i] == C2[i]);
+    CHECK(pc::stored_elements(c.a_rows, c.a_cols, c.lda) <= static_cast<long long>(B.size()));
+    CHECK(pc::stored_elements(c.b_rows, c.b_cols, c.ldb) <= static_cast<long long>(A.size()));
+  }
+}
+
+TEST_CASE("to_column_major refuses leading dimensions shorter than a row") {
+  pc::RowMajorGemm g = pc::linear_forward(4, 8, 16);
+  g.lda = 7;
+  CHECK_THROWS_AS(pc::to_column_major(g), po::shape_error);
+  g = pc::linear_forward(4, 8, 16);
+  g.ldc = 15;
+  CHECK_THROWS_AS(pc::to_column_major(g), po::shape_error);
+}
+
+TEST_CASE("sdpa_layout addresses q, k and v of the GPT's fused qkv rows and the CPU model's lse layout") {
+  const long long B = 2, A = 4, S = 5, D = 16, H = A * D;
+  const pc::SdpaLayout l = pc::sdpa_layout(B, A, S, D);
+  // Element (b, a, s, e) of q in the CPU layout: qkv[(b*S + s) * 3H + a*D + e].
+  for (long long b = 0; b < B; ++b)
+    for (long long a = 0; a < A; ++a)
+      for (long long s = 0; s < S; ++s)
+        for (long long e = 0; e < D; ++e) {
+          const long long off = b * l.qkv_strides[0] + a * l.qkv_strides[1] + s * l.qkv_strides[2] + e * l.qkv_strides[3];
+          CHECK(off + l.q_offset == (b * S + s) * 3 * H + a * D + e);
+          CHECK(off + l.k_offset == (b * S + s) * 3 * H + H + a * D + e);
+          CHECK(off + l.v_offset == (b * S + s) * 3 * H + 2 * H + a * D + e);
+          const long long o = b * l.out_strides[0] + a * l.out_strides[1] + s * l.out_strides[2] + e * l.out_strides[3];
+          CHECK(o == (b * S + s) * H + a * D + e);
+        }
+  for (long long b = 0; b < B; ++b)
+    for (long long a = 0; a < A; ++a)
+      for (long long s = 0; s < S; ++s)
+        CHECK(b * l.stats_strides[0] + a * l.stats_strides[1] + s * l.stats_strides[2] == (b * A + a) * S + s);
+  CHECK_THROWS_AS(pc::sdpa_layout(1, 1, 1, 12), po::shape_error);
+  CHECK_THROWS_AS(pc::sdpa_layout(1, 1, 1, 264), po::shape_error);
+}
+
+// ---- topology ----------------------------------------------------------------------------
+
+TEST_CASE("pair_devices pairs GPUs under one PCIe switch and places pairs on ranks (r, r^1)") {
+  // A DGX-like box: two switches with two GPUs each, on different root ports.
+  const std::vector<std::string> paths = {
+      "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0",  // switch A
+      "/sys/devices/pci0000:40/0000:40:01.0/0000:41:00.0/0000:42:00.0/0000:43:00.0",  // switch B
+      "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:10.0/0000:04:00.0",  // switch A
+      "/sys/devices/pci0000:40/0000:40:01.0/0000:41:00.0/0000:42:10.0/0000:44:00.0",  // switch B
+  };
+  const pc::Pairing p = pc::pair_devices(paths);
+  CHECK(p.pairs == 2);
+  CHECK(p.stagger_pairs);
+  CHECK(p.device_of_rank == std::vector<int>{0, 2, 1, 3});
+  CHECK(p.partner_of_rank == std::vector<int>{1, 0, 3, 2});
+}
+
+TEST_CASE("pair_devices runs a machine without shared switches unpaired") {
+  // Each GPU directly under its own root port (no switch), and one lone GPU.
+  const pc::Pairing none = pc::pair_devices({"/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0",
+                                              "/sys/devices/pci0000:00/0000:00:02.0/0000:02:00.0"});
+  CHECK(none.pairs == 0);
+  CHECK_FALSE(none.stagger_pairs);
+  CHECK(none.device_of_rank == std::vector<int>{0, 1});
+  CHECK(none.partner_of_rank == std::vector<int>{-1, -1});
+  // Two GPUs under one root port but no switch between: siblings on the root bus, not paired.
+  CHECK(pc::switch_of("/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0") == "");
+  // Three under one switch: one pair, the third unpaired, so the schedule must not stagger.
+  const pc::Pairing three = pc::pair_devices({"/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0",
+                                               "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:04.0/0000:05:00.0",
+                                               "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:08.0/0000:06:00.0"});
+  CHECK(three.pairs == 1);
+  CHECK_FALSE(three.stagger_pairs);
+  CHECK(three.device_of_rank == std::vector<int>{0, 1, 2});
+  CHECK(three.partner_of_rank == std::vector<int>{1, 0, -1});
+  CHECK(pc::pair_devices({}).device_of_rank.empty());
+}
+
+// ---- NCCL id file --------------------------------------------------------------------------
+
+TEST_CASE("the NCCL id file round-trips the 128 bytes and refuses stale or damaged files") {
+  po::comm::NcclIdBytes id{};
+  for (std::size_t i = 0; i < id.size(); ++i) id[i] = static_cast<unsigned char>(i * 37 + 5);
+  const std::string text = po::comm::encode_id(id, 42);
+  CHECK(po::comm::decode_id(text, 42) == id);
+  CHECK_THROWS_AS(po::comm::decode_id(text, 43), po::comm_error);           // another job's id
+  CHECK_THROWS_AS(po::comm::decode_id("garbage\n", 42), po::comm_error);
+  CHECK_THROWS_AS(po::comm::decode_id(text.substr(0, text.size() - 10), 42), po::comm_error);  // truncated
+}
+
+TEST_CASE("publish_id is write-then-rename: a waiting rank sees no file or the whole id") {
+  const auto dir = std::filesystem::temp_directory_path() / ("pipeoffload-id-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "nccl.id").string();
+  po::comm::NcclIdBytes id{};
+  id.fill(0xAB);
+  std::thread reader_thread;
+  po::comm::NcclIdBytes got{};
+  std::string reader_error;
+  reader_thread = std::thread([&] {
+    try {
+      got = po::comm::await_id(path, 7, std::chrono::milliseconds(10000), std::chrono::milliseconds(1));
+    } catch (const std::exception& e) {
+      reader_error = e.what();
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  po::comm::publish_id(path, id, 7);
+  reader_thread.join();
+  CHECK(reader_error.empty());
+  CHECK(got == id);
+  // Nothing but the published file is left behind.
+  int files = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(dir)) ++files;
+  CHECK(files == 1);
+  CHECK_THROWS_AS(po::comm::await_id((dir / "absent").string(), 7, std::chrono::milliseconds(30)), po::comm_error);
+  std::filesystem::remove_all(dir);
+}

@@ -1,0 +1,184 @@
+// tests/mpi/test_mpi.cpp: comm::Mpi's contract, run under `mpirun -np 4` (any size >= 2).
+// Every test case is collective: each rank runs the same cases in the same order, and every
+// wait has a timeout, so a failing rank cannot hang the others.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <pipeoffload/comm/handshake.hpp>
+#include <pipeoffload/comm/mpi/mpi.hpp>
+#include <pipeoffload/comm/mpi/nccl_id.hpp>
+#include <pipeoffload/pipeoffload.hpp>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace {
+
+po::comm::Mpi::Options quick(double timeout = 20) {
+  po::comm::Mpi::Options o;
+  o.timeout_seconds = timeout;
+  return o;
+}
+
+/// The exception text of f(), or "" when it returns.
+template <class F>
+std::string error_of(F f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string host() { return po::comm::detail::mpi_host(); }
+
+}  // namespace
+
+TEST_CASE("comm::Mpi: tagged messages around a ring arrive intact and in order") {
+  po::comm::Mpi c(quick());
+  const int r = c.rank(), d = c.size(), next = (r + 1) % d, prev = (r + d - 1) % d;
+  REQUIRE(d >= 2);
+  // Even ranks send first, odd ranks receive first: synchronous sends need a partner posted.
+  for (int mb = 0; mb < 3; ++mb) {
+    std::vector<float> out(5), in(5, -1.0f);
+    for (int i = 0; i < 5; ++i) out[static_cast<std::size_t>(i)] = static_cast<float>(100 * r + 10 * mb + i);
+    const po::Tag to{next, mb, po::Dir::forward}, from{r, mb, po::Dir::forward};
+    if (r % 2 == 0) {
+      c.send(next, to, out);
+      c.recv(prev, from, in);
+    } else {
+      c.recv(prev, from, in);
+      c.send(next, to, out);
+    }
+    for (int i = 0; i < 5; ++i) CHECK(in[static_cast<std::size_t>(i)] == static_cast<float>(100 * prev + 10 * mb + i));
+  }
+  // An empty message is a message too.
+  if (r == 0) c.send(1, {1, 0, po::Dir::backward}, std::span<const float>());
+  if (r == 1) c.recv(0, {1, 0, po::Dir::backward}, std::span<float>());
+}
+
+TEST_CASE("comm::Mpi: a receive that meets another tag or size throws, naming both") {
+  po::comm::Mpi c(quick());
+  std::vector<float> x(3, 1.0f), y(3), z(4);
+  if (c.rank() == 0) {
+    c.send(1, {1, 0, po::Dir::forward}, x);
+    c.send(1, {1, 2, po::Dir::backward}, x);
+  }
+  if (c.rank() == 1) {
+    CHECK(error_of([&] { c.recv(0, {1, 1, po::Dir::forward}, y); }) ==
+          "comm::Mpi: rank 1 expected (forward, stage 1, mb 1) of 3 floats from rank 0 but received (forward, stage 1, mb 0) of 3 floats");
+    CHECK(error_of([&] { c.recv(0, {1, 2, po::Dir::backward}, z); }) ==
+          "comm::Mpi: rank 1 expected (backward, stage 1, mb 2) of 4 floats from rank 0 but received (backward, stage 1, mb 2) of 3 floats");
+  }
+  CHECK(error_of([&] { c.send(c.rank(), {0, 0, po::Dir::forward}, x); }) ==
+        "comm::Mpi: rank " + std::to_string(c.rank()) + " cannot send to rank " + std::to_string(c.rank()) + "; peers are the other ranks of 0.." +
+            std::to_string(c.size() - 1));
+  CHECK(error_of([&] { c.recv(c.size(), {0, 0, po::Dir::forward}, y); }) ==
+        "comm::Mpi: rank " + std::to_string(c.rank()) + " cannot recv from rank " + std::to_string(c.size()) + "; peers are the other ranks of 0.." +
+            std::to_string(c.size() - 1));
+}
+
+TEST_CASE("comm::Mpi: a receive with no sender times out, naming the op, the rank and the peer") {
+  po::comm::Mpi c(quick(0.5));
+  if (c.rank() == 1) {
+    std::vector<float> y(2);
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string e = error_of([&] { c.recv(0, {1, 7, po::Dir::backward}, y); });
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    CHECK(waited >= 0.5);
+    CHECK(waited < 5.0);
+    CHECK(e.rfind("comm::Mpi: rank 1 (" + host() + ") has waited 0.", 0) == 0);
+    CHECK(e.find(" s in recv from rank 0 of (backward, stage 1, mb 7) (timeout 0.5 s); rank 0 has not answered: it is lost, stuck, or waiting itself") !=
+          std::string::npos);
+  }
+  po::comm::Mpi sync(quick());
+  std::vector<double> all(static_cast<std::size_t>(sync.size()));
+  const double one = 1;
+  sync.all_gather(std::span<const double>(&one, 1), all);
+}
+
+TEST_CASE("comm::Mpi: a send nobody receives times out, and the late receive still gets it") {
+  po::comm::Mpi c(quick(0.5));
+  po::comm::Mpi sync(quick());
+  std::vector<double> all(static_cast<std::size_t>(sync.size()));
+  const double one = 1;
+  std::vector<float> x{1.0f, 2.0f}, y(2);
+  if (c.rank() == 0)
+    CHECK(error_of([&] { c.send(1, {1, 3, po::Dir::forward}, x); }).find("s in send to rank 1 of (forward, stage 1, mb 3) (timeout 0.5 s); rank 1 has not answered") !=
+          std::string::npos);
+  sync.all_gather(std::span<const double>(&one, 1), all);
+  // The timed-out send's buffer is kept alive by the communicator, so matching it now is safe.
+  if (c.rank() == 1) {
+    c.recv(0, {1, 3, po::Dir::forward}, y);
+    CHECK(y == x);
+  }
+  sync.all_gather(std::span<const double>(&one, 1), all);
+}
+
+TEST_CASE("comm::Mpi: all_gather returns every rank's values in rank order; unequal counts fail on every rank") {
+  po::comm::Mpi c(quick());
+  const int d = c.size();
+  const std::vector<double> mine{static_cast<double>(c.rank()), 0.5 + c.rank()};
+  std::vector<double> all(2 * static_cast<std::size_t>(d));
+  c.all_gather(mine, all);
+  for (int r = 0; r < d; ++r) {
+    CHECK(all[2 * static_cast<std::size_t>(r)] == r);
+    CHECK(all[2 * static_cast<std::size_t>(r) + 1] == 0.5 + r);
+  }
+  std::vector<double> two(c.rank() == 1 ? 2 : 1, 1.0), out(two.size() * static_cast<std::size_t>(d));
+  CHECK(error_of([&] { c.all_gather(two, out); }) == "comm::Mpi::all_gather: ranks contributed different counts (rank 0: 1, rank 1: 2)");
+  std::vector<double> wrong(1);
+  CHECK(error_of([&] { c.all_gather(mine, wrong); }) ==
+        "comm::Mpi::all_gather: the output holds 1 values; it must hold size() * mine.size() = " + std::to_string(2 * d));
+}
+
+TEST_CASE("comm::Mpi: abort on one rank wakes every other rank's wait, naming the rank that failed") {
+  po::comm::Mpi c(quick());
+  std::vector<float> y(1);
+  if (c.rank() == 1) {
+    c.abort("rank 1, compute op 4 F(stage 1, mb 2): boom");
+    CHECK(c.abort_origin() == 1);
+    CHECK(error_of([&] { c.recv(0, {1, 0, po::Dir::forward}, y); }) == "aborted: rank 1, compute op 4 F(stage 1, mb 2): boom");
+  } else {
+    // Waits on rank 1, which never sends: only the abort note can end this before the timeout.
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK(error_of([&] { c.recv(1, {c.rank(), 0, po::Dir::backward}, y); }) == "aborted: rank 1 failed: rank 1, compute op 4 F(stage 1, mb 2): boom");
+    CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 10.0);
+    CHECK(c.abort_origin() == 1);
+    std::vector<double> one{1.0}, all(static_cast<std::size_t>(c.size()));
+    CHECK(error_of([&] { c.all_gather(one, all); }) ==
+          "aborted: rank 1 failed: rank 1, compute op 4 F(stage 1, mb 2): boom");
+  }
+}
+
+TEST_CASE("comm::Mpi: the handshake finds a rank started with another schedule") {
+  po::comm::Mpi c(quick());
+  const int odd = c.size() - 1;
+  std::vector<po::HandshakeField> f{{"schedule", c.rank() == odd ? "gis-h" : "po-f"}, {"shape", "d=4 v=2 m=8"}};
+  CHECK(error_of([&] { po::handshake(c, f); }) == "handshake: ranks disagree on schedule: rank 0 has 'po-f', rank " + std::to_string(odd) +
+                                                     " has 'gis-h'; start every rank with the same configuration");
+  f[0].value = "po-f";
+  CHECK(error_of([&] { po::handshake(c, f); }) == "");
+}
+
+TEST_CASE("comm::Mpi: rank 0's NCCL unique id reaches every rank (the MPI bootstrap of comm::Nccl)") {
+  po::comm::Mpi c(quick());
+  po::comm::NcclIdBytes id{};
+  for (std::size_t i = 0; i < id.size(); ++i) id[i] = static_cast<unsigned char>(c.rank() == 0 ? (i * 7 + 3) & 0xff : 0xee);
+  const po::comm::NcclIdBytes got = po::comm::broadcast_nccl_id(c, id);
+  for (std::size_t i = 0; i < got.size(); ++i) CHECK(got[i] == static_cast<unsigned char>((i * 7 + 3) & 0xff));
+  CHECK(error_of([&] { po::comm::broadcast_nccl_id(c, id, c.size()); }) ==
+        "comm::Mpi::broadcast: root = " + std::to_string(c.size()) + " is outside [0, " + std::to_string(c.size() - 1) + "]");
+}
+
+int main(int argc, char** argv) {
+  po::comm::MpiSession mpi(argc, argv);
+  doctest::Context ctx(argc, argv);
+  const int failed = ctx.run();
+  // Every rank must agree on the verdict, or mpirun would report only some.
+  int any = failed != 0 ? 1 : 0, all = 0;
+  MPI_Allreduce(&any, &all, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  return all != 0 ? 1 : 0;
+}
