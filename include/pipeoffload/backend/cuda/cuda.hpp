@@ -197,14 +197,8 @@ class Cuda {
   Block device_alloc(std::size_t bytes, Memory kind) {
     select();
     const std::size_t size = round_up(bytes);
-    std::byte* p = nullptr;
-    auto& list = free_device_[size];
-    if (!list.empty()) {
-      const Free f = list.back();
-      list.pop_back();
-      release_guard(f);
-      p = f.ptr;
-    } else {
+    std::byte* p = take_free(free_device_[size]);
+    if (p == nullptr) {
       p = carve(size);
       ++stats_.device_allocations;
     }
@@ -230,14 +224,8 @@ class Cuda {
   HostBlock host_alloc(std::size_t bytes) {
     select();
     const std::size_t size = round_up(bytes);
-    std::byte* p = nullptr;
-    auto& list = free_host_[size];
-    if (!list.empty()) {
-      const Free f = list.back();
-      list.pop_back();
-      release_guard(f);
-      p = f.ptr;
-    } else {
+    std::byte* p = take_free(free_host_[size]);
+    if (p == nullptr) {
       void* raw = nullptr;
       // Portable: a pair of GPUs driven from one process may read each other's bins.
       PIPEOFFLOAD_CUDA_CHECK(cudaHostAlloc(&raw, size, cudaHostAllocPortable));
@@ -337,6 +325,16 @@ class Cuda {
     if (current_ >= 0 && current_ != f.stream) PIPEOFFLOAD_CUDA_CHECK(cudaStreamWaitEvent(at(current_), f.guard, 0));
     // Outside launch() the caller has synchronised, so the block is idle.
     guard_pool_.push_back(f.guard);
+  }
+
+  /// The most recently freed block of a size class, once its guard lets this stream reuse it;
+  /// nullptr when the class has none.
+  std::byte* take_free(std::vector<Free>& list) {
+    if (list.empty()) return nullptr;
+    const Free f = list.back();
+    list.pop_back();
+    release_guard(f);
+    return f.ptr;
   }
 
   int current_or_throw(const char* what) const {
