@@ -234,7 +234,7 @@ std::string mib(double bytes) {
 /// fault fires inside a real forward pass, mid-iteration, with other passes in flight.
 struct Stage : po::model::GptStage {
   Stage(const po::model::GptConfig& cfg, int stage, int stages, const Options::Fault* fault) : GptStage(cfg, stage, stages), fault_(fault) {}
-  float forward(po::backend::CpuContext& ctx, const po::Microbatch& mb, const float* x, float* y, std::byte* saved) {
+  void forward(po::backend::CpuContext& ctx, const po::Microbatch& mb, const float* x, float* y, std::byte* saved) {
     if (fault_ != nullptr && mb.step == fault_->step && mb.mb == std::min(1, mb.microbatches - 1)) {
       std::fprintf(stderr, "train_gpt: rank %d: injecting '%s' in F(stage %d, mb %d) of step %d\n", fault_->rank, fault_->kind.c_str(), mb.stage, mb.mb, mb.step);
       std::fflush(stderr);
@@ -242,7 +242,7 @@ struct Stage : po::model::GptStage {
       if (fault_->kind == "hang") std::this_thread::sleep_for(std::chrono::hours(1));
       throw po::error("injected fault (--inject-fault " + std::to_string(fault_->rank) + ":" + std::to_string(fault_->step) + ":throw)");
     }
-    return GptStage::forward(ctx, mb, x, y, saved);
+    GptStage::forward(ctx, mb, x, y, saved);
   }
 
  private:
@@ -304,7 +304,7 @@ Setup make_setup(const Options& o, std::string text) {
 /// Rank 0's closing report: peaks, 1F1B-I's simulated peaks, wall time, the trace, and the
 /// two lines scripts compare.
 template <class Comm>
-void report(const Options& o, const Setup& su, Comm& comm, std::vector<Stage>& mine, const po::Program& program, int first,
+void report(const Options& o, const Setup& su, Comm& comm, const std::vector<std::vector<float>>& own, const po::Program& program, int first,
             const std::vector<double>& peaks, const std::vector<double>& units, const std::vector<double>& counts, std::vector<po::RankSim>& traces,
             float final_loss, std::chrono::steady_clock::time_point t_start) {
   const po::Shape sh = o.shape;
@@ -313,8 +313,7 @@ void report(const Options& o, const Setup& su, Comm& comm, std::vector<Stage>& m
     for (int c = 0; c < sh.v; ++c) {
       auto& p = params[static_cast<std::size_t>(sh.stage_of(q, c))];
       if (q == 0) {
-        const auto own = mine[static_cast<std::size_t>(c)].parameters();
-        p.assign(own.begin(), own.end());
+        p = own[static_cast<std::size_t>(c)];
       } else {
         p.resize(static_cast<std::size_t>(counts[static_cast<std::size_t>(q * sh.v + c)]));
         comm.recv(q, {sh.stage_of(q, c), sh.m, po::Dir::forward}, p);
@@ -485,13 +484,17 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, std::chrono::stea
   }
   // Parameters to rank 0 for the hash. Tag (forward, stage s, mb m): a microbatch index no
   // pass uses, so this exchange cannot be taken for a pipeline message.
+  std::vector<std::vector<float>> own(static_cast<std::size_t>(sh.v));
   std::vector<double> my_counts(static_cast<std::size_t>(sh.v)), counts(static_cast<std::size_t>(sh.stages()));
-  for (int c = 0; c < sh.v; ++c) my_counts[static_cast<std::size_t>(c)] = static_cast<double>(mine[static_cast<std::size_t>(c)].parameters().size());
+  for (int c = 0; c < sh.v; ++c) {
+    own[static_cast<std::size_t>(c)] = rt.download_parameters(c);
+    my_counts[static_cast<std::size_t>(c)] = static_cast<double>(own[static_cast<std::size_t>(c)].size());
+  }
   comm.all_gather(my_counts, counts);
   if (r != 0) {
-    for (int c = 0; c < sh.v; ++c) comm.send(0, {sh.stage_of(r, c), sh.m, po::Dir::forward}, mine[static_cast<std::size_t>(c)].parameters());
+    for (int c = 0; c < sh.v; ++c) comm.send(0, {sh.stage_of(r, c), sh.m, po::Dir::forward}, std::span<const float>(own[static_cast<std::size_t>(c)]));
   } else {
-    report(o, su, comm, mine, rt.program(), first, peaks, units, counts, traces, final_loss, t_start);
+    report(o, su, comm, own, rt.program(), first, peaks, units, counts, traces, final_loss, t_start);
   }
   // Nobody leaves (and exits 0) before rank 0 has printed everything: if rank 0 fails there,
   // this wait fails on every rank instead.

@@ -8,7 +8,7 @@ struct NoWeightGradient {
   std::size_t boundary_floats(po::MicrobatchShape) const { return 1; }
   std::size_t saved_bytes(po::MicrobatchShape) const { return 4; }
   std::size_t stash_bytes(po::MicrobatchShape) const { return 4; }
-  float forward(po::backend::CpuContext&, const po::Microbatch&, const float*, float*, std::byte*) { return 0; }
+  void forward(po::backend::CpuContext&, const po::Microbatch&, const float*, float*, std::byte*) {}
   void backward_input(po::backend::CpuContext&, const po::Microbatch&, const float*, float*, std::byte*, std::byte*) {}
   std::span<float> parameters() { return {&p, 1}; }
   std::span<float> gradients() { return {&g, 1}; }

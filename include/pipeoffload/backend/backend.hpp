@@ -18,6 +18,15 @@
 //   - set_error_hook(fn): fn(message) runs once, on the first failure, from the failing
 //     thread (the runtime uses it to abort the communicator, so peers blocked on this rank
 //     wake up).
+// Between steps, with every stream idle, the runtime also calls these blocking operations on
+// device memory (a GPU backend runs them on the device and returns once they are done):
+//   - download(host, device, bytes) / upload(device, host, bytes): plain copies;
+//   - sum_squares(values, groups, out): out[k] = sum of squares, in fp64, of the k-th run of
+//     groups[k] values (the gradient norm's pieces);
+//   - adamw(params, grads, m, v, opt, lr, bias, grad_scale): math::adamw_update on every
+//     element with grads scaled by grad_scale (the clip), then grads zeroed.
+// Between steps the layers' parameters() and gradients() are device memory: host code reads
+// and writes them through download/upload (po::Runtime::get_parameters and friends).
 #pragma once
 
 #include <array>
@@ -28,6 +37,8 @@
 #include <span>
 #include <string>
 
+#include "../model/math.hpp"
+
 namespace pipeoffload::backend {
 
 /// What a device buffer holds; the arena counts each kind separately.
@@ -35,14 +46,16 @@ enum class Memory : std::uint8_t {
   activation,  ///< saved activations of one (stage, microbatch): the units schedules count
   stash,       ///< what B leaves for W
   message,     ///< P2P boundary tensors (received inputs, outputs waiting to be sent)
+  state,       ///< the runtime's long-lived buffers: optimizer moments, the step's tokens, losses
 };
-inline constexpr std::size_t memory_kinds = 3;
+inline constexpr std::size_t memory_kinds = 4;
 
 constexpr const char* memory_name(Memory m) {
   switch (m) {
     case Memory::activation: return "activation";
     case Memory::stash: return "stash";
     case Memory::message: return "message";
+    case Memory::state: return "state";
   }
   return "?";
 }
@@ -94,7 +107,10 @@ struct CopyPiece {
 /// @endcode
 template <class B>
 concept backend = requires(B& b, int stream, int event, std::function<void()> fn, std::function<void(const std::string&)> hook,
-                           std::size_t n, Memory kind, Block blk, HostBlock hb, std::span<const CopyPiece> pieces, std::string why) {
+                           std::size_t n, Memory kind, Block blk, HostBlock hb, std::span<const CopyPiece> pieces, std::string why,
+                           void* ptr, const void* cptr, std::span<float> fs, std::span<const float> cfs,
+                           std::span<const std::size_t> groups, std::span<double> out, const math::AdamW& opt, float lr,
+                           math::AdamBias bias) {
   typename B::Context;
   { b.make_stream(why) } -> std::same_as<int>;
   { b.make_event() } -> std::same_as<int>;
@@ -113,6 +129,10 @@ concept backend = requires(B& b, int stream, int event, std::function<void()> fn
   b.reset_peaks();
   { b.context(stream) } -> std::same_as<typename B::Context>;
   { b.now() } -> std::same_as<double>;
+  b.download(ptr, cptr, n);
+  b.upload(ptr, cptr, n);
+  b.sum_squares(cfs, groups, out);
+  b.adamw(fs, fs, fs, fs, opt, lr, bias, lr);
 };
 
 /// Optional, on top of `backend`: an arena that can take memory from the system ahead of use.

@@ -113,7 +113,7 @@ class GptStage {
     return b;
   }
 
-  float forward(backend::CpuContext&, const Microbatch& mb, const float* x, float* y, std::byte* saved) {
+  void forward(backend::CpuContext&, const Microbatch& mb, const float* x, float* y, std::byte* saved) {
     const std::size_t T = tokens(mb.shape);
     check_shape(mb.shape);
     float* cur = nullptr;  // (T, h) input of the next block, in that block's saved region
@@ -146,10 +146,10 @@ class GptStage {
     if (heads()) {
       std::byte* hp = p + count_ * block_saved(mb.shape);
       if (count_ == 0) std::memcpy(head_x(hp), cur, T * h() * sizeof(float));
-      return head_forward(mb, hp);
+      *mb.loss = head_forward(mb, hp);
+      return;
     }
     if (count_ == 0 && y != nullptr) std::memcpy(y, cur, T * h() * sizeof(float));
-    return 0.0f;
   }
 
   void backward_input(backend::CpuContext&, const Microbatch& mb, const float* dy, float* dx, std::byte* saved, std::byte* stash) {

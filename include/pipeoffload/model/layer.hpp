@@ -31,8 +31,12 @@ struct Microbatch {
   int microbatches = 1;  ///< m
   int step = 0;          ///< 0-based optimizer step (dropout seeds depend on it)
   MicrobatchShape shape{};
+  /// Inputs in the backend's device memory (host memory on backend::Cpu), valid in stream order:
   const std::int32_t* tokens = nullptr;   ///< (batch, seq) token ids of this microbatch
   const std::int32_t* targets = nullptr;  ///< (batch, seq) next-token targets of this microbatch
+  /// The last stage's forward writes this microbatch's mean loss here (one float of device
+  /// memory, in stream order; the runtime reads it after the step). Null on other stages.
+  float* loss = nullptr;
   /// The last stage scales its loss gradient by this: 1/m, so gradients are the mean over
   /// microbatches of each microbatch's mean loss.
   float loss_scale = 1;
@@ -47,8 +51,13 @@ struct Microbatch {
 ///   gradients backward); the same for every stage.
 /// - saved_bytes(shape): bytes kept from F until W (one activation unit; offload moves it).
 /// - stash_bytes(shape): bytes B leaves for W.
-/// - forward(ctx, mb, x, y, saved) -> float: x is null on the first stage (read mb.tokens), y
-///   is null on the last stage, which returns the microbatch's mean loss (others return 0).
+/// - forward(ctx, mb, x, y, saved) -> void: x is null on the first stage (read mb.tokens), y
+///   is null on the last stage, which writes the microbatch's mean loss to *mb.loss. A pass
+///   may run asynchronously (a GPU layer enqueues kernels on ctx's stream and returns), so
+///   nothing comes back by value.
+/// All pointers a pass gets (x, y, dy, dx, saved, stash, mb.tokens, mb.targets, mb.loss) and
+/// the spans parameters() and gradients() are the backend's device memory; on backend::Cpu
+/// that is host memory.
 /// - backward_input(ctx, mb, dy, dx, saved, stash): activation gradients only (B). dy is null
 ///   on the last stage (the loss is the output), dx is null on the first stage.
 /// - backward_weight(ctx, mb, saved, stash): accumulates (+=) into gradients() (W).
@@ -63,14 +72,14 @@ struct Microbatch {
 ///     std::size_t boundary_floats(po::MicrobatchShape) const { return n; }
 ///     std::size_t saved_bytes(po::MicrobatchShape) const { return 2 * n * sizeof(float); }  // x, y
 ///     std::size_t stash_bytes(po::MicrobatchShape) const { return n * sizeof(float); }      // dz
-///     float forward(po::backend::CpuContext&, const po::Microbatch& mb, const float* x, float* y, std::byte* saved) {
+///     void forward(po::backend::CpuContext&, const po::Microbatch& mb, const float* x, float* y, std::byte* saved) {
 ///       auto* s = reinterpret_cast<float*>(saved);
 ///       for (long long i = 0; i < n; ++i) {
 ///         s[i] = x ? x[i] : static_cast<float>(mb.tokens[0] % 7);  // first stage reads tokens
 ///         s[n + i] = std::tanh(w * s[i]);
 ///         if (y) y[i] = s[n + i];
 ///       }
-///       return mb.last() ? s[n] : 0.0f;  // last stage: the "loss"
+///       if (mb.last()) *mb.loss = s[n];  // last stage: the "loss"
 ///     }
 ///     void backward_input(po::backend::CpuContext&, const po::Microbatch& mb, const float* dy, float* dx,
 ///                         std::byte* saved, std::byte* stash) {
@@ -99,7 +108,7 @@ concept layer_for =
       { cl.boundary_floats(shape) } -> std::convertible_to<std::size_t>;
       { cl.saved_bytes(shape) } -> std::convertible_to<std::size_t>;
       { cl.stash_bytes(shape) } -> std::convertible_to<std::size_t>;
-      { l.forward(ctx, mb, cx, x, buf) } -> std::convertible_to<float>;
+      { l.forward(ctx, mb, cx, x, buf) } -> std::same_as<void>;
       l.backward_input(ctx, mb, cx, x, buf, buf);
       l.backward_weight(ctx, mb, buf, buf);
       { l.parameters() } -> std::convertible_to<std::span<float>>;

@@ -204,11 +204,9 @@ void save_checkpoint(const std::filesystem::path& dir, Runtime& rt, C& comm, con
       s.stage = sh.stage_of(rt.rank(), c);
       s.step = step;
       s.info = info;
-      const auto p = rt.layers()[static_cast<std::size_t>(c)].parameters();
-      s.params.assign(p.begin(), p.end());
-      const auto m = rt.adam_m(c), v = rt.adam_v(c);
-      s.adam_m.assign(m.begin(), m.end());
-      s.adam_v.assign(v.begin(), v.end());
+      s.params = rt.download_parameters(c);
+      s.adam_m = rt.download_moments(c, false);
+      s.adam_v = rt.download_moments(c, true);
       checkpoint::write_atomic(checkpoint::stage_file(dir, step, s.stage), checkpoint::encode(s));
     }
   } catch (const std::exception& e) {
@@ -258,18 +256,18 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, st
     const int stage = sh.stage_of(rt.rank(), c);
     const std::filesystem::path file = checkpoint::stage_file(dir, step, stage);
     const checkpoint::StageState s = checkpoint::decode(checkpoint::read_all(file), file.string());
-    auto p = rt.layers()[static_cast<std::size_t>(c)].parameters();
+    const std::size_t n = rt.layers()[static_cast<std::size_t>(c)].parameters().size();
     if (s.stage != stage || s.step != step)
       throw checkpoint_error("checkpoint: " + file.string() + " holds stage " + std::to_string(s.stage) + " of step " + std::to_string(s.step) +
                              ", not stage " + std::to_string(stage) + " of step " + std::to_string(step));
     if (s.info.config_hash != config_hash)
       throw checkpoint_error("checkpoint: " + file.string() + " was written by a run with another configuration (model, stages, batch, optimizer, steps, seed or data)");
-    if (s.params.size() != p.size())
+    if (s.params.size() != n)
       throw checkpoint_error("checkpoint: " + file.string() + " has " + std::to_string(s.params.size()) + " parameters; stage " + std::to_string(stage) +
-                             " has " + std::to_string(p.size()));
-    std::copy(s.params.begin(), s.params.end(), p.begin());
-    std::copy(s.adam_m.begin(), s.adam_m.end(), rt.adam_m(c).begin());
-    std::copy(s.adam_v.begin(), s.adam_v.end(), rt.adam_v(c).begin());
+                             " has " + std::to_string(n));
+    rt.upload_parameters(c, s.params);
+    rt.upload_moments(c, false, s.adam_m);
+    rt.upload_moments(c, true, s.adam_v);
     info = s.info;
   }
   rt.set_steps_taken(step);

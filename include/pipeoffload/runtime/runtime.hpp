@@ -7,6 +7,12 @@
 // exactly what simulate() models. After the passes: gradients (accumulated in microbatch order
 // by the layers) are clipped by their global norm across all stages, checked for non-finite
 // values, and one AdamW step with warmup + cosine learning rate is applied.
+//
+// Nothing in a step needs a value back from a pass, so the same code drives a synchronous
+// backend (backend::Cpu) and an asynchronous one (backend::Cuda): the step's tokens and
+// targets are uploaded to device memory before the passes, the last stage's losses are
+// written to device memory and downloaded after them, and the optimizer's arithmetic (sums
+// of squares, AdamW) runs on the device through the backend, on moments kept in device memory.
 #pragma once
 
 #include <algorithm>
@@ -156,7 +162,7 @@ class Runtime {
                 "comm/communicator.hpp.");
   static_assert(layer_for<Layer, typename Backend::Context>,
                 "po::Runtime: Layer must model po::layer: it needs boundary_floats(shape), saved_bytes(shape), stash_bytes(shape), "
-                "forward(ctx, mb, x, y, saved) -> float, backward_input(ctx, mb, dy, dx, saved, stash), "
+                "forward(ctx, mb, x, y, saved) -> void, backward_input(ctx, mb, dy, dx, saved, stash), "
                 "backward_weight(ctx, mb, saved, stash), parameters() and gradients(); see model/layer.hpp.");
 
  public:
@@ -189,8 +195,6 @@ class Runtime {
       if (l.parameters().size() != l.gradients().size())
         throw error("po::Runtime: stage " + std::to_string(sh.stage_of(rank_, c)) + " has " + std::to_string(l.parameters().size()) +
                     " parameters but " + std::to_string(l.gradients().size()) + " gradients");
-      adam_m_.emplace_back(l.parameters().size(), 0.0f);
-      adam_v_.emplace_back(l.parameters().size(), 0.0f);
       std::vector<std::size_t> groups{l.parameters().size()};
       if constexpr (detail::has_norm_groups<Layer>) groups = l.norm_groups();
       std::size_t total = 0;
@@ -213,6 +217,7 @@ class Runtime {
       }
     index_program();
     if constexpr (backend::reserves_memory<Backend>) reserve_memory();
+    allocate_state();
     compute_ = dev_.make_stream("compute");
     copy_ = dev_.make_stream("copy");
     comm_stream_ = dev_.make_stream("comm");
@@ -236,7 +241,12 @@ class Runtime {
   Runtime& operator=(const Runtime&) = delete;
   // Every step ends with its streams idle (synchronize waits for that even on failure), so
   // only the hook can still point here.
-  ~Runtime() { dev_.set_error_hook(nullptr); }
+  ~Runtime() {
+    dev_.set_error_hook(nullptr);
+    for (backend::Block& b : adam_) dev_.device_free(b);
+    dev_.device_free(inputs_);
+    dev_.device_free(losses_dev_);
+  }
 
   /// Runs one iteration (all passes of this rank, then the optimizer step). Throws the first
   /// error of any rank, naming rank and op; the runtime is unusable afterwards.
@@ -247,7 +257,8 @@ class Runtime {
     if (batch.tokens.size() != want || batch.targets.size() != want)
       throw error("po::Runtime::step: the batch has " + std::to_string(batch.tokens.size()) + " tokens and " +
                   std::to_string(batch.targets.size()) + " targets; it needs m * batch * seq = " + std::to_string(want) + " of each");
-    batch_ = batch;
+    dev_.upload(tokens_dev(), batch.tokens.data(), want * sizeof(std::int32_t));
+    dev_.upload(targets_dev(), batch.targets.data(), want * sizeof(std::int32_t));
     losses_.assign(static_cast<std::size_t>(sh.m), 0.0f);
     const auto& rp = program_.ranks[static_cast<std::size_t>(rank_)];
     trace_.compute_start.assign(rp.compute.size(), 0.0);
@@ -267,6 +278,7 @@ class Runtime {
     st.step = step_;
     st.seconds = dev_.now() - t0;
     st.memory = dev_.memory();
+    if (rank_ == sh.rank_of(sh.stages() - 1)) dev_.download(losses_.data(), losses_dev_.ptr, losses_.size() * sizeof(float));
     optimize(st);
     ++step_;
     return st;
@@ -277,11 +289,16 @@ class Runtime {
   int steps_taken() const { return step_; }
   std::span<Layer> layers() { return layers_; }
 
-  // ---- checkpoint state (issue 5): with the layers' parameters, these are all a rank's
-  // training state (dropout and data are counter-based on the step).
-  /// AdamW first and second moments of chunk c, parallel to layers()[c].parameters().
-  std::span<float> adam_m(int chunk) { return adam_m_.at(static_cast<std::size_t>(chunk)); }
-  std::span<float> adam_v(int chunk) { return adam_v_.at(static_cast<std::size_t>(chunk)); }
+  // ---- training state (issue 5): parameters and AdamW moments are all a rank's training
+  // state (dropout and data are counter-based on the step). They live in device memory;
+  // these copy them between steps.
+  /// Chunk c's parameters, copied to the host.
+  std::vector<float> download_parameters(int chunk) { return download(checked_layer(chunk).parameters()); }
+  /// Overwrites chunk c's parameters (values.size() must be their count).
+  void upload_parameters(int chunk, std::span<const float> values) { upload(checked_layer(chunk).parameters(), values, "parameters"); }
+  /// Chunk c's AdamW first or second moments (second = false / true), copied to the host.
+  std::vector<float> download_moments(int chunk, bool second) { return download(moments(chunk, second)); }
+  void upload_moments(int chunk, bool second, std::span<const float> values) { upload(moments(chunk, second), values, "AdamW moments"); }
   /// Resume: the next step() runs as step `steps` (learning rate, bias correction, dropout).
   void set_steps_taken(int steps) {
     if (steps < 0) throw error("po::Runtime::set_steps_taken: steps = " + std::to_string(steps) + " must be >= 0");
@@ -443,8 +460,9 @@ class Runtime {
     mb.step = step_;
     mb.shape = opt_.microbatch;
     const std::size_t off = static_cast<std::size_t>(op.mb) * static_cast<std::size_t>(opt_.microbatch.tokens());
-    mb.tokens = batch_.tokens.data() + off;
-    mb.targets = batch_.targets.data() + off;
+    mb.tokens = tokens_dev() + off;
+    mb.targets = targets_dev() + off;
+    if (op.stage == program_.shape.stages() - 1) mb.loss = reinterpret_cast<float*>(losses_dev_.ptr) + op.mb;
     mb.loss_scale = 1.0f / static_cast<float>(program_.shape.m);
     return mb;
   }
@@ -494,8 +512,7 @@ class Runtime {
         u.device = dev_.device_alloc(saved_[c], backend::Memory::activation);
         const float* in = op.stage > 0 ? boundary_in(op.stage, op.mb, Dir::forward) : nullptr;
         float* out = op.stage < S - 1 ? boundary_out(op.stage + 1, op.mb, Dir::forward) : nullptr;
-        const float loss = l.forward(ctx, mb, in, out, u.device.ptr);
-        if (op.stage == S - 1) losses_[static_cast<std::size_t>(op.mb)] = loss;
+        l.forward(ctx, mb, in, out, u.device.ptr);
         if (op.stage > 0) release_box(op.stage, op.mb, Dir::forward);
       }
       if (op.kind == OpKind::B || op.kind == OpKind::BW) {
@@ -627,16 +644,8 @@ class Runtime {
     const std::size_t v = static_cast<std::size_t>(sh.v), m = static_cast<std::size_t>(sh.m);
     const std::size_t width = v * max_groups_ + m;
     std::vector<double> mine(width, 0.0), all(width * static_cast<std::size_t>(sh.d));
-    for (std::size_t c = 0; c < v; ++c) {
-      std::span<float> g = layers_[c].gradients();
-      std::size_t off = 0;
-      for (std::size_t k = 0; k < groups_[c].size(); ++k) {
-        double s = 0;
-        for (std::size_t i = off; i < off + groups_[c][k]; ++i) s += static_cast<double>(g[i]) * static_cast<double>(g[i]);
-        mine[c * max_groups_ + k] = s;
-        off += groups_[c][k];
-      }
-    }
+    for (std::size_t c = 0; c < v; ++c)
+      dev_.sum_squares(layers_[c].gradients(), groups_[c], std::span<double>(mine).subspan(c * max_groups_, groups_[c].size()));
     if (rank_ == sh.rank_of(sh.stages() - 1))
       for (std::size_t b = 0; b < m; ++b) mine[v * max_groups_ + b] = static_cast<double>(losses_[b]);
     comm_.all_gather(mine, all);
@@ -663,16 +672,60 @@ class Runtime {
     const float scale = (o.clip > 0 && st.grad_norm > o.clip) ? static_cast<float>(o.clip / st.grad_norm) : 1.0f;
     st.lr = math::learning_rate(o, step_);
     const math::AdamBias bias = math::adam_bias(o, step_ + 1);
-    for (std::size_t c = 0; c < v; ++c) {
-      std::span<float> p = layers_[c].parameters();
-      std::span<float> g = layers_[c].gradients();
-      float* m1 = adam_m_[c].data();
-      float* m2 = adam_v_[c].data();
-      for (std::size_t i = 0; i < p.size(); ++i) {
-        math::adamw_update(p[i], g[i] * scale, m1[i], m2[i], o, st.lr, bias);
-        g[i] = 0.0f;
+    for (std::size_t c = 0; c < v; ++c)
+      dev_.adamw(layers_[c].parameters(), layers_[c].gradients(), moments(static_cast<int>(c), false), moments(static_cast<int>(c), true), o, st.lr,
+                 bias, scale);
+  }
+
+  /// Device memory of the runtime's own state, taken once here: AdamW moments (zeroed), the
+  /// step's tokens and targets, and the last stage's per-microbatch losses.
+  void allocate_state() {
+    const Shape& sh = program_.shape;
+    // Reserved for themselves, so they never take a block reserve_memory() counted on.
+    const auto take = [&](std::size_t bytes) {
+      if constexpr (backend::reserves_memory<Backend>) dev_.reserve_device(bytes, 1);
+      return dev_.device_alloc(bytes, backend::Memory::state);
+    };
+    std::vector<float> zeros;
+    for (int c = 0; c < sh.v; ++c) {
+      const std::size_t n = layers_[static_cast<std::size_t>(c)].parameters().size();
+      zeros.assign(n, 0.0f);
+      for (int k = 0; k < 2; ++k) {
+        adam_.push_back(take(n * sizeof(float)));
+        dev_.upload(adam_.back().ptr, zeros.data(), n * sizeof(float));
       }
     }
+    const std::size_t tokens = static_cast<std::size_t>(opt_.microbatch.tokens()) * static_cast<std::size_t>(sh.m);
+    inputs_ = take(2 * tokens * sizeof(std::int32_t));
+    losses_dev_ = take(static_cast<std::size_t>(sh.m) * sizeof(float));
+  }
+  const std::int32_t* tokens_dev() const { return reinterpret_cast<const std::int32_t*>(inputs_.ptr); }
+  const std::int32_t* targets_dev() const {
+    return tokens_dev() + static_cast<std::size_t>(opt_.microbatch.tokens()) * static_cast<std::size_t>(program_.shape.m);
+  }
+  std::int32_t* tokens_dev() { return reinterpret_cast<std::int32_t*>(inputs_.ptr); }
+  std::int32_t* targets_dev() {
+    return tokens_dev() + static_cast<std::size_t>(opt_.microbatch.tokens()) * static_cast<std::size_t>(program_.shape.m);
+  }
+  Layer& checked_layer(int chunk) {
+    if (chunk < 0 || chunk >= program_.shape.v)
+      throw error("po::Runtime: chunk " + std::to_string(chunk) + " is outside [0, " + std::to_string(program_.shape.v - 1) + "]");
+    return layers_[static_cast<std::size_t>(chunk)];
+  }
+  std::span<float> moments(int chunk, bool second) {
+    const std::size_t n = checked_layer(chunk).parameters().size();
+    return {reinterpret_cast<float*>(adam_[2 * static_cast<std::size_t>(chunk) + (second ? 1 : 0)].ptr), n};
+  }
+  std::vector<float> download(std::span<const float> device) {
+    std::vector<float> host(device.size());
+    dev_.download(host.data(), device.data(), device.size() * sizeof(float));
+    return host;
+  }
+  void upload(std::span<float> device, std::span<const float> host, const char* what) {
+    if (host.size() != device.size())
+      throw error(std::string("po::Runtime: ") + what + ": got " + std::to_string(host.size()) + " values; the chunk has " +
+                  std::to_string(device.size()));
+    dev_.upload(device.data(), host.data(), host.size() * sizeof(float));
   }
 
   RuntimeOptions opt_;
@@ -684,7 +737,9 @@ class Runtime {
   int step_ = 0;
   std::size_t boundary_ = 0;
   std::vector<std::size_t> saved_, stash_;  // per chunk
-  std::vector<std::vector<float>> adam_m_, adam_v_;
+  std::vector<backend::Block> adam_;   // per chunk: first moments, second moments (device)
+  backend::Block inputs_{};            // the step's tokens then targets (device)
+  backend::Block losses_dev_{};        // m losses of the last stage (device)
   std::vector<std::vector<std::size_t>> groups_;
   std::vector<std::size_t> group_counts_;  // [rank * v + chunk]
   std::size_t max_groups_ = 1;
@@ -693,8 +748,7 @@ class Runtime {
   std::vector<int> input_recv_, send_producer_;
   std::vector<Unit> units_;
   std::vector<backend::Block> boxes_;  // boundary tensors by tag: received inputs, outputs to send
-  std::vector<float> losses_;
-  Batch batch_{};
+  std::vector<float> losses_;  // host copy of losses_dev_
   RankSim trace_;
 };
 

@@ -40,6 +40,7 @@
 #include "../backend.hpp"
 #include "../cpu/cpu.hpp"  // aborted_error
 #include "check.hpp"
+#include "kernels.hpp"
 #include "topology.hpp"
 
 namespace pipeoffload::backend {
@@ -87,6 +88,8 @@ class Cuda {
     PIPEOFFLOAD_CUDA_CHECK(cudnnCreate(&dnn_));
     // The workspace is carved first and never freed: it is not one of the runtime's kinds.
     workspace_ = carve(round_up(opt_.workspace_bytes));
+    // The stream of the blocking between-steps operations (download, upload, sum_squares, adamw).
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamCreateWithFlags(&aux_, cudaStreamNonBlocking));
   }
   Cuda(const Cuda&) = delete;
   Cuda& operator=(const Cuda&) = delete;
@@ -104,6 +107,10 @@ class Cuda {
       for (const Free& f : list)
         if (f.guard) cudaEventDestroy(f.guard);
     for (auto& s : streams_) cudaStreamDestroy(s.stream);
+    if (aux_) {
+      cudaStreamSynchronize(aux_);
+      cudaStreamDestroy(aux_);
+    }
     if (dnn_) cudnnDestroy(dnn_);
     if (lt_) cublasLtDestroy(lt_);
     cudaFree(slab_);
@@ -266,6 +273,50 @@ class Cuda {
       if (c.bytes > 0) PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, s));
   }
 
+  // ---- between steps (every stream idle): blocking, on a private stream -----------------
+
+  void download(void* host, const void* device, std::size_t bytes) { blocking_copy(host, device, bytes); }
+  void upload(void* device, const void* host, std::size_t bytes) { blocking_copy(device, host, bytes); }
+
+  /// out[k] = sum of squares of the k-th run of groups[k] values (kernels::sum_squares: fp64,
+  /// one block per group, a fixed order, so the same gradients give the same bits).
+  void sum_squares(std::span<const float> values, std::span<const std::size_t> groups, std::span<double> out) {
+    std::size_t total = 0;
+    for (std::size_t g : groups) total += g;
+    if (total != values.size() || out.size() != groups.size())
+      throw error("backend::Cuda::sum_squares: " + std::to_string(groups.size()) + " groups cover " + std::to_string(total) + " of " +
+                  std::to_string(values.size()) + " values with " + std::to_string(out.size()) + " outputs; they must cover all values, one output each");
+    if (groups.empty()) return;
+    select();
+    const std::size_t bytes = groups.size() * sizeof(double);
+    if (norms_.bytes < bytes) {  // grows on the first step only: the group count is fixed
+      device_free(norms_);
+      norms_ = device_alloc(bytes, Memory::state);
+    }
+    auto* acc = reinterpret_cast<double*>(norms_.ptr);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemsetAsync(acc, 0, bytes, aux_));
+    std::size_t off = 0;
+    for (std::size_t k = 0; k < groups.size(); ++k) {
+      cuda::kernels::sum_squares(values.data() + off, acc + k, static_cast<long long>(groups[k]), aux_);
+      off += groups[k];
+    }
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(out.data(), acc, bytes, cudaMemcpyDeviceToHost, aux_));
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
+  }
+
+  /// kernels::adamw (math::adamw_update per element, grads * grad_scale), then grads zeroed.
+  void adamw(std::span<float> p, std::span<float> g, std::span<float> m, std::span<float> v, const math::AdamW& o, float lr,
+             math::AdamBias bias, float grad_scale) {
+    if (g.size() != p.size() || m.size() != p.size() || v.size() != p.size())
+      throw error("backend::Cuda::adamw: parameters, gradients and moments have " + std::to_string(p.size()) + ", " + std::to_string(g.size()) +
+                  ", " + std::to_string(m.size()) + " and " + std::to_string(v.size()) + " elements; they must be equal");
+    if (p.empty()) return;
+    select();
+    cuda::kernels::adamw(p.data(), g.data(), m.data(), v.data(), static_cast<long long>(p.size()), o, lr, bias, grad_scale, aux_);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemsetAsync(g.data(), 0, g.size() * sizeof(float), aux_));
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
+  }
+
   // ---- CUDA specifics ------------------------------------------------------------------
 
   /// The stream launch() is running work for, or -1 outside launch().
@@ -293,6 +344,13 @@ class Cuda {
   };
 
   void select() const { PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(opt_.device)); }
+
+  void blocking_copy(void* dst, const void* src, std::size_t bytes) {
+    if (bytes == 0) return;
+    select();
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, aux_));
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
+  }
 
   std::byte* carve(std::size_t size) {
     if (size > opt_.arena_bytes - top_)
@@ -379,6 +437,8 @@ class Cuda {
   std::byte* workspace_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   cudnnHandle_t dnn_ = nullptr;
+  cudaStream_t aux_ = nullptr;  // between-steps operations
+  Block norms_{};               // sum_squares' fp64 accumulators
   std::map<std::size_t, std::vector<Free>> free_device_, free_host_;
   std::vector<std::byte*> host_in_use_;  // pinned bins handed out, freed at destruction if never returned
   std::vector<cudaEvent_t> guard_pool_;
