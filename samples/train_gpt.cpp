@@ -29,6 +29,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <sstream>
@@ -385,8 +386,11 @@ void report(const Options& o, const Setup& su, Comm& comm, const std::vector<std
 
 /// One rank's whole run, the same code under threads and MPI: handshake, train, checkpoint,
 /// then gather what rank 0 prints (peaks, unit sizes, traces, parameters for the hash).
+/// `pair`: the PCIe-pair link of this rank and rank^1 (thread ranks share one; MPI ranks,
+/// separate processes, run unpaired), or null.
 template <class Comm>
-void train_rank(const Options& o, const Setup& su, Comm& comm, std::chrono::steady_clock::time_point t_start) {
+void train_rank(const Options& o, const Setup& su, Comm& comm, std::chrono::steady_clock::time_point t_start,
+                po::PairLink<po::backend::Cpu>* pair = nullptr) {
   const int r = comm.rank();
   const po::Shape sh = o.shape;
   const po::MicrobatchShape mbs = su.ropt.microbatch;
@@ -399,6 +403,7 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, std::chrono::stea
   mine.reserve(static_cast<std::size_t>(sh.v));
   for (int c = 0; c < sh.v; ++c) mine.emplace_back(o.model, sh.stage_of(r, c), sh.stages(), o.fault.rank == r ? &o.fault : nullptr);
   po::Runtime<po::AnySchedule, Stage, po::backend::Cpu, Comm> rt(su.ropt, dev, comm, mine);
+  if (pair != nullptr) rt.pair_with(*pair);
   int first = 0;
   if (!o.resume.empty()) {
     const po::CheckpointInfo info = po::load_checkpoint(o.resume, rt, su.config_hash);
@@ -514,11 +519,15 @@ void print_banner(const Options& o, const Setup& su) {
 int run_threads(const Options& o, const Setup& su) {
   print_banner(o, su);
   po::comm::ThreadsWorld world(o.shape.d);
+  // Ranks (r, r^1) are a PCIe pair, as the schedule's staggered slots assume: their copies
+  // synchronise (DESIGN.md section 3). A last rank of an odd d has no partner.
+  std::vector<std::unique_ptr<po::PairLink<po::backend::Cpu>>> links;
+  for (int p = 0; 2 * p + 1 < o.shape.d; ++p) links.push_back(std::make_unique<po::PairLink<po::backend::Cpu>>());
   const auto t_start = std::chrono::steady_clock::now();
   const auto errors = po::run_thread_ranks(o.shape.d, [&](int r) {
     po::comm::Threads comm(world, r);
     try {
-      train_rank(o, su, comm, t_start);
+      train_rank(o, su, comm, t_start, static_cast<std::size_t>(r / 2) < links.size() ? links[static_cast<std::size_t>(r / 2)].get() : nullptr);
     } catch (const std::exception& e) {
       comm.abort(e.what());  // wake the other ranks (the runtime does this for its own failures)
       throw;

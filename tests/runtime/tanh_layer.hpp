@@ -180,6 +180,7 @@ struct Config {
   double copy_bytes_per_second = 0;
   po::Costs costs{};
   Failure* failure = nullptr;
+  bool pairs = false;  ///< link ranks (r, r^1) with po::PairLink (synchronised copies)
 };
 
 /// Deterministic tokens and targets of one step.
@@ -215,12 +216,15 @@ inline Run train(const Config& c) {
   opt.optimizer.total_steps = 10;
   opt.optimizer.clip = 0.5f;
   std::mutex mu;
+  std::vector<std::unique_ptr<po::PairLink<po::backend::Cpu>>> links;
+  for (int p = 0; c.pairs && 2 * p + 1 < sh.d; ++p) links.push_back(std::make_unique<po::PairLink<po::backend::Cpu>>());
   run.errors = po::run_thread_ranks(sh.d, [&](int r) {
     po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = c.copy_bytes_per_second});
     po::comm::Threads comm(world, r);
     std::vector<TanhLayer> layers;
     for (int ch = 0; ch < sh.v; ++ch) layers.emplace_back(sh.stage_of(r, ch), c.h, c.seed, c.timing, c.failure, r);
     po::Runtime<po::AnySchedule, TanhLayer, po::backend::Cpu, po::comm::Threads> rt(opt, dev, comm, layers);
+    if (static_cast<std::size_t>(r / 2) < links.size()) rt.pair_with(*links[static_cast<std::size_t>(r / 2)]);
     auto& dev_allocs = run.device_allocations[static_cast<std::size_t>(r)];
     auto& host_allocs = run.host_allocations[static_cast<std::size_t>(r)];
     dev_allocs.push_back(dev.memory().device_allocations);

@@ -3,7 +3,9 @@
 // and the pieces (host bins, communicator tags, backend events).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -97,6 +99,103 @@ TEST_CASE("offload with a rate-limited copy engine still trains bit-identically"
   // Every offloaded unit went through host bins and came back.
   CHECK(run.memory[0].host_peak > 0);
   CHECK(run.memory[0].host_in_use == 0);
+}
+
+TEST_CASE("PCIe pairs: a pair never copies in one direction at once, and keeps its slot order") {
+  // Copies slow enough and passes short enough that an unsynchronised pair drifts off the
+  // planned grid; linked, each copy of rank r starts only after rank r^1 has completed every
+  // copy planned to end before it. On the staggered grid that means the pair's offloads run
+  // one at a time in slot order, and so do its reloads.
+  for (const char* name : {"po-f", "po-h"}) {
+    CAPTURE(name);
+    test::Config c;
+    c.spec = family(name);
+    c.shape = {4, 2, 8};
+    c.copy_bytes_per_second = 2e6;
+    c.timing = {0.0002, 0.0002, 0.0002};
+    c.pairs = true;
+    const test::Run ref = reference(c);
+    const test::Run run = test::train_within(c, 120);
+    for (const std::string& e : run.errors) REQUIRE(e == "");
+    CHECK(same_bits(run.losses, ref.losses));
+    for (int s = 0; s < c.shape.stages(); ++s) CHECK(same_bits(run.params[static_cast<std::size_t>(s)], ref.params[static_cast<std::size_t>(s)]));
+    for (int r = 0; r < c.shape.d; r += 2) {
+      CAPTURE(r);
+      const po::RankSim& a = run.traces[static_cast<std::size_t>(r)];
+      const po::RankSim& b = run.traces[static_cast<std::size_t>(r + 1)];
+      const auto& pa = run.program.ranks[static_cast<std::size_t>(r)];
+      const auto& pb = run.program.ranks[static_cast<std::size_t>(r + 1)];
+      REQUIRE(!pa.copy.empty());
+      REQUIRE(!pb.copy.empty());
+      // Per direction, the pair's slots are distinct (staggered parities), so merging them
+      // in slot order is a total order, and each copy starts after the previous one ended.
+      for (po::OpKind dir : {po::OpKind::O, po::OpKind::R}) {
+        CAPTURE(po::op_name(dir));
+        std::vector<std::tuple<long long, double, double>> copies;  // (slot, start, end)
+        for (std::size_t y = 0; y < pa.copy.size(); ++y)
+          if (pa.copy[y].kind == dir) copies.push_back({pa.copy_slot[y], a.copy_start[y], a.copy_end[y]});
+        for (std::size_t y = 0; y < pb.copy.size(); ++y)
+          if (pb.copy[y].kind == dir) copies.push_back({pb.copy_slot[y], b.copy_start[y], b.copy_end[y]});
+        std::sort(copies.begin(), copies.end());
+        REQUIRE(copies.size() > 2);
+        for (std::size_t i = 1; i < copies.size(); ++i) {
+          CAPTURE(i);
+          REQUIRE(std::get<0>(copies[i]) != std::get<0>(copies[i - 1]));
+          CHECK(std::get<1>(copies[i]) >= std::get<2>(copies[i - 1]));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("PCIe pairs: a failing rank releases its partner's waiting copy stream") {
+  test::Failure failure;
+  failure.fail_rank = 1;
+  failure.fail_at = 9;
+  test::Config c;
+  c.spec = family("po-f");
+  c.shape = {4, 2, 8};
+  c.copy_bytes_per_second = 2e6;
+  c.pairs = true;
+  c.failure = &failure;
+  const test::Run run = test::train_within(c, 60);
+  REQUIRE(run.errors.size() == 4);
+  CHECK(run.errors[1].find("injected failure in pass 9") != std::string::npos);
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    CHECK(run.errors[static_cast<std::size_t>(r)].find("injected failure in pass 9") != std::string::npos);
+  }
+}
+
+TEST_CASE("PCIe pairs: a rank without a partner, or unstaggered slots, is refused") {
+  po::comm::ThreadsWorld world(3);
+  po::RuntimeOptions opt;
+  opt.shape = {3, 1, 4};
+  opt.spec = family("po-f");
+  const auto errors = po::run_thread_ranks(3, [&](int r) {
+    po::backend::Cpu dev({.rank = r});
+    po::comm::Threads comm(world, r);
+    std::vector<test::TanhLayer> layers;
+    layers.emplace_back(r, 4, 1, test::Timing{}, nullptr, r);
+    po::Runtime<po::AnySchedule, test::TanhLayer, po::backend::Cpu, po::comm::Threads> rt(opt, dev, comm, layers);
+    po::PairLink<po::backend::Cpu> link;
+    if (r == 2) rt.pair_with(link);
+  });
+  CHECK(errors[0] == "");
+  CHECK(errors[2] == "po::Runtime::pair_with: rank 2 has no PCIe partner (rank 3 does not exist with d = 3)");
+  po::comm::ThreadsWorld world2(2);
+  opt.shape = {2, 1, 4};
+  opt.costs.stagger_pairs = false;
+  const auto errors2 = po::run_thread_ranks(2, [&](int r) {
+    po::backend::Cpu dev({.rank = r});
+    po::comm::Threads comm(world2, r);
+    std::vector<test::TanhLayer> layers;
+    layers.emplace_back(r, 4, 1, test::Timing{}, nullptr, r);
+    po::Runtime<po::AnySchedule, test::TanhLayer, po::backend::Cpu, po::comm::Threads> rt(opt, dev, comm, layers);
+    po::PairLink<po::backend::Cpu> link;
+    rt.pair_with(link);
+  });
+  CHECK(errors2[0] == "po::Runtime::pair_with: the schedule was planned with Costs::stagger_pairs = false; pairs need staggered copy slots");
 }
 
 TEST_CASE("a rank that throws in its 5th op stops every rank with that error, naming rank and op") {

@@ -141,6 +141,19 @@ concept backend = requires(B& b, int stream, int event, std::function<void()> fn
 /// device each reserve their own. po::Runtime reserves, at construction, the most blocks of
 /// each size its rank's program can have in use at once under any timing, so no step (the
 /// first included) takes device or pinned host memory from the system.
+/// Optional, on top of `backend`: the "synchronized interleaved" copies of two devices under
+/// one PCIe switch (DESIGN.md section 3). `B::Counter` is a monotone 64-bit counter that two
+/// devices of one process share; signal(stream, c, v) sets it to v in stream order (after the
+/// stream's earlier work), wait_counter(stream, c, v) makes the stream wait until it is at
+/// least v. Monotone values, unlike events, need no care about which record a wait sees.
+/// c.abort(why) releases every wait on it, present and future, with an error naming `why`.
+template <class B>
+concept pairs_copies = requires(B& b, int stream, typename B::Counter& c, std::uint64_t v, std::string why) {
+  b.signal(stream, c, v);
+  b.wait_counter(stream, c, v);
+  c.abort(why);
+};
+
 template <class B>
 concept reserves_memory = requires(B& b, std::size_t bytes, std::size_t count) {
   b.reserve_device(bytes, count);

@@ -65,6 +65,19 @@ struct StepStats {
   backend::MemoryStats memory{};  ///< this rank's device and host memory; peaks of this step
 };
 
+/// What ranks r and r^1 of a PCIe pair share when they run in one process: one counter per
+/// side, raised by that side's copy stream after each copy (DESIGN.md section 3, "synchronized
+/// interleaved"). Make one per pair, hand it to both ranks' runtimes with pair_with() before
+/// their first step, and keep it alive as long as they are.
+template <class Backend>
+struct PairLink {
+  static_assert(backend::pairs_copies<Backend>, "po::PairLink: the backend has no shared counters (backend::pairs_copies)");
+  typename Backend::Counter side[2];  ///< side[r & 1]: copies completed by rank r
+  void abort(const std::string& why) {
+    for (auto& c : side) c.abort(why);
+  }
+};
+
 namespace detail {
 
 template <class L>
@@ -224,8 +237,13 @@ class Runtime {
     for (std::size_t x = 0; x < rp.compute.size(); ++x) compute_done_.push_back(dev_.make_event());
     for (std::size_t y = 0; y < rp.copy.size(); ++y) copy_done_.push_back(dev_.make_event());
     for (std::size_t k = 0; k < rp.comm.size(); ++k) recv_done_.push_back(dev_.make_event());
-    // A failure on this device wakes every peer blocked on this rank.
-    dev_.set_error_hook([this](const std::string& why) { comm_.abort(why); });
+    // A failure on this device wakes every peer blocked on this rank (and the pair partner's
+    // copy stream, which may be waiting for this one's).
+    dev_.set_error_hook([this](const std::string& why) {
+      comm_.abort(why);
+      if constexpr (backend::pairs_copies<Backend>)
+        if (pair_ != nullptr) pair_->abort(why);
+    });
     // Norm groups of every rank, so each rank sums the squares in one global order.
     std::vector<double> mine(static_cast<std::size_t>(sh.v), 0.0);
     for (int c = 0; c < sh.v; ++c) mine[static_cast<std::size_t>(c)] = static_cast<double>(groups_[static_cast<std::size_t>(c)].size());
@@ -268,6 +286,7 @@ class Runtime {
     dev_.reset_peaks();
     const double t0 = dev_.now();
     enqueue();
+    ++iterations_;
     try {
       dev_.synchronize();
     } catch (const std::exception& e) {
@@ -282,6 +301,28 @@ class Runtime {
     optimize(st);
     ++step_;
     return st;
+  }
+
+  /// Synchronised copies with the PCIe partner rank^1 (which must get the same link): before
+  /// each copy, this rank's copy stream waits until the partner has completed every copy
+  /// planned to end before this one starts, so the pair keeps the staggered slot grid the
+  /// schedule planned even when one side runs late. Call before the first step. A rank
+  /// without a partner (odd d, last rank), or a schedule planned with stagger_pairs off,
+  /// has nothing to synchronise with and is refused.
+  template <class Link>
+    requires backend::pairs_copies<Backend> && std::same_as<Link, PairLink<Backend>>
+  void pair_with(Link& link) {
+    const Shape& sh = program_.shape;
+    const int partner = rank_ ^ 1;
+    if (partner >= sh.d)
+      throw error("po::Runtime::pair_with: rank " + std::to_string(rank_) + " has no PCIe partner (rank " + std::to_string(partner) +
+                  " does not exist with d = " + std::to_string(sh.d) + ")");
+    if (!program_.costs.stagger_pairs)
+      throw error("po::Runtime::pair_with: the schedule was planned with Costs::stagger_pairs = false; pairs need staggered copy slots");
+    if (step_ > 0 || iterations_ > 0) throw error("po::Runtime::pair_with: call it before the first step");
+    pair_ = &link;
+    pair_wait_ = pair_waits(program_.ranks[static_cast<std::size_t>(rank_)], program_.ranks[static_cast<std::size_t>(partner)]);
+    partner_copies_ = program_.ranks[static_cast<std::size_t>(partner)].copy.size();
   }
 
   const Program& program() const { return program_; }
@@ -620,8 +661,13 @@ class Runtime {
         const Op& op = rp.copy[iy];
         if (op.wait >= 0 && static_cast<std::size_t>(op.wait) >= ic) break;
         if (op.wait >= 0) dev_.wait(copy_, compute_done_[static_cast<std::size_t>(op.wait)]);
+        if constexpr (backend::pairs_copies<Backend>)
+          if (pair_ != nullptr && pair_wait_[iy] > 0)
+            dev_.wait_counter(copy_, pair_->side[(rank_ ^ 1) & 1], static_cast<std::uint64_t>(iterations_ * partner_copies_ + pair_wait_[iy]));
         dev_.launch(copy_, [this, iy] { run_copy(iy); });
         dev_.record(copy_done_[iy], copy_);
+        if constexpr (backend::pairs_copies<Backend>)
+          if (pair_ != nullptr) dev_.signal(copy_, pair_->side[rank_ & 1], static_cast<std::uint64_t>(iterations_ * ny + iy + 1));
         ++iy;
         moved = true;
       }
@@ -636,6 +682,21 @@ class Runtime {
       }
       if (!moved) throw error("po::Runtime: rank " + std::to_string(rank_) + "'s program has a dependency cycle between its streams");
     }
+  }
+
+  /// For each of `mine`'s copies, how many of `theirs` (the partner's) are planned to end no
+  /// later than it starts: the partner's copies it must wait for. Both lists are in slot order.
+  static std::vector<std::size_t> pair_waits(const RankProgram& mine, const RankProgram& theirs) {
+    std::vector<std::size_t> w(mine.copy.size(), 0);
+    const double T = mine.slot_length, U = theirs.slot_length;
+    const double eps = 1e-9 * std::max(T, U);
+    std::size_t k = 0;
+    for (std::size_t y = 0; y < mine.copy.size(); ++y) {
+      const double start = static_cast<double>(mine.copy_slot[y]) * T;
+      while (k < theirs.copy.size() && static_cast<double>(theirs.copy_slot[k] + 1) * U <= start + eps) ++k;
+      w[y] = k;
+    }
+    return w;
   }
 
   /// Global gradient norm, non-finite check, clip, AdamW; gradients are zeroed after.
@@ -749,6 +810,10 @@ class Runtime {
   std::vector<Unit> units_;
   std::vector<backend::Block> boxes_;  // boundary tensors by tag: received inputs, outputs to send
   std::vector<float> losses_;  // host copy of losses_dev_
+  long long iterations_ = 0;   // steps enqueued by this object (pair counters count from 0)
+  std::vector<std::size_t> pair_wait_;  // per copy op: partner copies to wait for
+  std::size_t partner_copies_ = 0;      // the partner's copies per step
+  PairLink<Backend>* pair_ = nullptr;  // PCIe partner's link, or none
   RankSim trace_;
 };
 

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -253,6 +254,51 @@ class Cpu {
       math::adamw_update(p[i], g[i] * grad_scale, m[i], v[i], o, lr, bias);
       g[i] = 0.0f;
     }
+  }
+
+  // ---- PCIe pairs (backend::pairs_copies) -----------------------------------------------
+
+  /// A monotone counter two devices' streams share; a waiting stream's worker blocks on it.
+  class Counter {
+   public:
+    void raise(std::uint64_t v) {
+      value_.store(v, std::memory_order_release);
+      value_.notify_all();
+    }
+    void wait_at_least(std::uint64_t v) const {
+      for (;;) {
+        const std::uint64_t now = value_.load(std::memory_order_acquire);
+        if (aborted_.load(std::memory_order_acquire)) {
+          std::lock_guard lk(why_mu_);
+          throw aborted_error("aborted: " + why_);
+        }
+        if (now >= v) return;
+        value_.wait(now, std::memory_order_acquire);
+      }
+    }
+    void abort(std::string why) {
+      {
+        std::lock_guard lk(why_mu_);
+        if (aborted_.load()) return;
+        why_ = std::move(why);
+      }
+      aborted_.store(true, std::memory_order_release);
+      value_.fetch_add(1, std::memory_order_acq_rel);  // a changed value wakes every wait
+      value_.notify_all();
+    }
+    std::uint64_t value() const { return value_.load(std::memory_order_acquire); }
+
+   private:
+    std::atomic<std::uint64_t> value_{0};
+    std::atomic<bool> aborted_{false};
+    mutable std::mutex why_mu_;
+    std::string why_;
+  };
+  void signal(int stream, Counter& c, std::uint64_t v) {
+    launch(stream, [&c, v] { c.raise(v); });
+  }
+  void wait_counter(int stream, const Counter& c, std::uint64_t v) {
+    launch(stream, [&c, v] { c.wait_at_least(v); });
   }
 
   const Options& options() const { return opt_; }

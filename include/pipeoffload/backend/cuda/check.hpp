@@ -12,6 +12,7 @@
 #endif
 
 #include <cublasLt.h>
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <cudnn.h>
 
@@ -44,6 +45,14 @@ inline void check(cudaError_t status, const char* call, std::source_location loc
   if (status == cudaSuccess) return;
   throw cuda_error(std::string("CUDA error ") + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ") in " + call + " at " +
                    detail::where(loc));
+}
+
+/// Throws cuda_error unless `status` is CUDA_SUCCESS (driver API calls reached through
+/// cudaGetDriverEntryPointByVersion, so nothing links libcuda directly).
+inline void check(CUresult status, const char* call, std::source_location loc = std::source_location::current()) {
+  if (status == CUDA_SUCCESS) return;
+  cudaGetLastError();
+  throw cuda_error(std::string("CUDA driver error ") + std::to_string(static_cast<int>(status)) + " in " + call + " at " + detail::where(loc));
 }
 
 /// Throws cuda_error unless `status` is CUBLAS_STATUS_SUCCESS.

@@ -21,12 +21,15 @@
 #pragma once
 
 #include <cublasLt.h>
+#include <cuda.h>
 #include <cuda_runtime_api.h>
+#include <cudaTypedefs.h>
 #include <cudnn.h>
 #include <limits.h>
 #include <stdlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <chrono>
 #include <functional>
@@ -46,6 +49,33 @@
 namespace pipeoffload::backend {
 
 class Cuda;
+
+namespace cuda_detail {
+
+/// cuStreamWaitValue64 / cuStreamWriteValue64, looked up once through the runtime (so the
+/// build links cudart only, not the driver library).
+struct StreamMemOps {
+  PFN_cuStreamWaitValue64_v11070 wait = nullptr;
+  PFN_cuStreamWriteValue64_v11070 write = nullptr;
+};
+inline const StreamMemOps& stream_mem_ops() {
+  static const StreamMemOps ops = [] {
+    StreamMemOps o;
+    cudaDriverEntryPointQueryResult found{};
+    void* fn = nullptr;
+    PIPEOFFLOAD_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &fn, 11070, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || fn == nullptr) throw cuda_error("backend::Cuda: the driver has no cuStreamWaitValue64 (PCIe-pair copies need it)");
+    o.wait = reinterpret_cast<PFN_cuStreamWaitValue64_v11070>(fn);
+    fn = nullptr;
+    PIPEOFFLOAD_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 11070, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || fn == nullptr) throw cuda_error("backend::Cuda: the driver has no cuStreamWriteValue64 (PCIe-pair copies need it)");
+    o.write = reinterpret_cast<PFN_cuStreamWriteValue64_v11070>(fn);
+    return o;
+  }();
+  return ops;
+}
+
+}  // namespace cuda_detail
 
 /// What a pass on backend::Cuda is given: the stream to enqueue on, and the device's library
 /// handles and workspace, all bound to that device. The workspace is shared by the passes of
@@ -315,6 +345,47 @@ class Cuda {
     cuda::kernels::adamw(p.data(), g.data(), m.data(), v.data(), static_cast<long long>(p.size()), o, lr, bias, grad_scale, aux_);
     PIPEOFFLOAD_CUDA_CHECK(cudaMemsetAsync(g.data(), 0, g.size() * sizeof(float), aux_));
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
+  }
+
+  // ---- PCIe pairs (backend::pairs_copies) -----------------------------------------------
+
+  /// A monotone counter in pinned, mapped host memory (portable: every device of the process
+  /// sees it). A stream raises it with cuStreamWriteValue64 after its earlier work and waits
+  /// for it with cuStreamWaitValue64 (GEQ); the host never blocks. abort() writes a value far
+  /// above any wait's, so a stream parked on it drains (the device is failed by then).
+  class Counter {
+   public:
+    Counter() {
+      void* p = nullptr;
+      PIPEOFFLOAD_CUDA_CHECK(cudaHostAlloc(&p, sizeof(std::uint64_t), cudaHostAllocPortable | cudaHostAllocMapped));
+      host_ = static_cast<std::uint64_t*>(p);
+      *host_ = 0;
+      void* d = nullptr;
+      PIPEOFFLOAD_CUDA_CHECK(cudaHostGetDevicePointer(&d, p, 0));
+      device_ = reinterpret_cast<CUdeviceptr>(d);
+    }
+    Counter(const Counter&) = delete;
+    Counter& operator=(const Counter&) = delete;
+    ~Counter() { cudaFreeHost(host_); }
+    void abort(std::string) {
+      std::atomic_ref<std::uint64_t>(*host_).store(std::uint64_t{1} << 62, std::memory_order_release);
+    }
+    std::uint64_t value() const { return std::atomic_ref<std::uint64_t>(*host_).load(std::memory_order_acquire); }
+    CUdeviceptr device_address() const { return device_; }
+
+   private:
+    std::uint64_t* host_ = nullptr;
+    CUdeviceptr device_ = 0;
+  };
+  void signal(int stream, Counter& c, std::uint64_t v) {
+    if (failed()) return;
+    select();
+    PIPEOFFLOAD_CUDA_CHECK(cuda_detail::stream_mem_ops().write(reinterpret_cast<CUstream>(at(stream)), c.device_address(), v, CU_STREAM_WRITE_VALUE_DEFAULT));
+  }
+  void wait_counter(int stream, const Counter& c, std::uint64_t v) {
+    if (failed()) return;
+    select();
+    PIPEOFFLOAD_CUDA_CHECK(cuda_detail::stream_mem_ops().wait(reinterpret_cast<CUstream>(at(stream)), c.device_address(), v, CU_STREAM_WAIT_VALUE_GEQ));
   }
 
   // ---- CUDA specifics ------------------------------------------------------------------
