@@ -1,12 +1,13 @@
 // samples/train_gpt: trains a small byte-level GPT on data/corpus.txt with d pipeline ranks,
 // as threads of one process or as MPI processes, under any schedule, with real activation
-// offload on the CPU backend.
+// offload, on the CPU backend or (--backend cuda, a CUDA build) one GPU per rank.
 //
 //   ./build/samples/train_gpt --schedule po-f --ranks 4 --chunks 2 --microbatches 8 --steps 200
 //   ./build/samples/train_gpt --ranks 1 --chunks 1 --microbatches 8 --steps 200   # one-rank reference
 //   ./build/samples/train_gpt --schedule po-f --ranks 4 --chunks 2 --microbatches 8 --steps 5 --copy-gbps 0.5 --trace po-f.json
 //   mpirun -np 4 ./build/samples/train_gpt --comm mpi --schedule po-f --chunks 2 --microbatches 8 --steps 200
 //   ./build/samples/train_gpt ... --checkpoint-every 50 --checkpoint-dir ckpt     # then: ... --resume ckpt
+//   ./build/samples/train_gpt --backend cuda --schedule po-f --ranks 2 --chunks 2 --microbatches 8   # 2 GPUs, NCCL
 //
 // The last two lines, `final_loss=...` and `params_hash=...`, are the same for every schedule,
 // rank count and communicator with the same model, data and seed (bit-exact pipelining), and
@@ -18,6 +19,13 @@
 #include <pipeoffload/sim/render.hpp>
 #ifdef PIPEOFFLOAD_WITH_MPI
 #include <pipeoffload/comm/mpi/mpi.hpp>
+#endif
+#ifdef PIPEOFFLOAD_WITH_CUDA
+#include <pipeoffload/backend/cuda/gpt.hpp>
+#include <pipeoffload/cuda.hpp>
+#ifdef PIPEOFFLOAD_WITH_MPI
+#include <pipeoffload/comm/mpi/nccl_id.hpp>
+#endif
 #endif
 
 #include <csignal>
@@ -46,6 +54,8 @@ namespace {
 constexpr const char* usage_text = R"(usage: train_gpt [options]
 
   --schedule NAME       1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f (default po-f; gis with --ranks 1)
+  --backend NAME        cpu (default) or cuda: rank r on GPU r (with --comm mpi: the process's local
+                        rank), bf16 activations, NCCL messages; needs a CUDA build and D GPUs
   --comm NAME           threads (ranks are threads of this process, default) or mpi (one process per
                         rank: mpirun -np D train_gpt --comm mpi ...)
   --ranks D             pipeline ranks, 1..64; 1 is the one-rank sequential reference (default 4;
@@ -106,6 +116,7 @@ struct Options {
   bool quiet = false;
   bool mpi = false, ranks_given = false;
   double comm_timeout = 300;
+  bool cuda = false;
   int checkpoint_every = 0;
   std::string checkpoint_dir, resume;
   struct Fault {
@@ -129,7 +140,7 @@ Options parse(int argc, char** argv) {
     }
     static const char* known[] = {"--schedule", "--ranks", "--chunks", "--microbatches", "--group", "--offload-chunks", "--k", "--copy-gbps",
                                   "--steps", "--seed", "--trace", "--layers", "--hidden", "--heads", "--seq", "--batch", "--lr", "--dropout", "--corpus",
-                                  "--comm", "--comm-timeout", "--checkpoint-every", "--checkpoint-dir", "--resume", "--inject-fault"};
+                                  "--comm", "--comm-timeout", "--checkpoint-every", "--checkpoint-dir", "--resume", "--inject-fault", "--backend"};
     if (std::find(std::begin(known), std::end(known), f) == std::end(known)) throw bad_argument("unknown option '" + f + "' (--help lists them)");
     if (i + 1 >= argc) throw bad_argument(f + " needs a value");
     if (a.count(f)) throw bad_argument(f + " was given twice");
@@ -146,6 +157,17 @@ Options parse(int argc, char** argv) {
 #ifndef PIPEOFFLOAD_WITH_MPI
     if (o.mpi) throw bad_argument("--comm mpi: this train_gpt was built without MPI (install openmpi-bin and libopenmpi-dev, then reconfigure)");
 #endif
+  }
+  if (auto v = get("--backend")) {
+    if (*v != "cpu" && *v != "cuda") throw bad_argument("--backend must be cpu or cuda, got '" + *v + "'");
+    o.cuda = *v == "cuda";
+#ifndef PIPEOFFLOAD_WITH_CUDA
+    if (o.cuda) throw bad_argument("--backend cuda: this train_gpt was built without CUDA (install the CUDA toolkit, cuDNN and NCCL, then reconfigure)");
+#endif
+    for (const char* f : {"--copy-gbps", "--trace", "--inject-fault"})
+      if (o.cuda && get(f))
+        throw bad_argument(std::string(f) + " applies only to --backend cpu" +
+                           (std::string(f) == "--trace" ? " (on GPUs, use Nsight Systems: nsys profile train_gpt ...)" : ""));
   }
   if (auto v = get("--comm-timeout")) {
     if (!o.mpi) throw bad_argument("--comm-timeout applies only to --comm mpi");
@@ -304,22 +326,11 @@ Setup make_setup(const Options& o, std::string text) {
 
 /// Rank 0's closing report: peaks, 1F1B-I's simulated peaks, wall time, the trace, and the
 /// two lines scripts compare.
-template <class Comm>
-void report(const Options& o, const Setup& su, Comm& comm, const std::vector<std::vector<float>>& own, const po::Program& program, int first,
-            const std::vector<double>& peaks, const std::vector<double>& units, const std::vector<double>& counts, std::vector<po::RankSim>& traces,
-            float final_loss, std::chrono::steady_clock::time_point t_start) {
+/// `params`: every stage's parameters, in stage order.
+void report(const Options& o, const Setup& su, const std::vector<std::vector<float>>& params, const po::Program& program, int first,
+            const std::vector<double>& peaks, const std::vector<double>& units, std::vector<po::RankSim>& traces, float final_loss,
+            std::chrono::steady_clock::time_point t_start) {
   const po::Shape sh = o.shape;
-  std::vector<std::vector<float>> params(static_cast<std::size_t>(sh.stages()));
-  for (int q = 0; q < sh.d; ++q)
-    for (int c = 0; c < sh.v; ++c) {
-      auto& p = params[static_cast<std::size_t>(sh.stage_of(q, c))];
-      if (q == 0) {
-        p = own[static_cast<std::size_t>(c)];
-      } else {
-        p.resize(static_cast<std::size_t>(counts[static_cast<std::size_t>(q * sh.v + c)]));
-        comm.recv(q, {sh.stage_of(q, c), sh.m, po::Dir::forward}, p);
-      }
-    }
 
   po::Costs sizes;
   sizes.unit_bytes.resize(static_cast<std::size_t>(sh.stages()));
@@ -386,23 +397,20 @@ void report(const Options& o, const Setup& su, Comm& comm, const std::vector<std
 
 /// One rank's whole run, the same code under threads and MPI: handshake, train, checkpoint,
 /// then gather what rank 0 prints (peaks, unit sizes, traces, parameters for the hash).
-/// `pair`: the PCIe-pair link of this rank and rank^1 (thread ranks share one; MPI ranks,
-/// separate processes, run unpaired), or null.
-template <class Comm>
-void train_rank(const Options& o, const Setup& su, Comm& comm, std::chrono::steady_clock::time_point t_start,
-                po::PairLink<po::backend::Cpu>* pair = nullptr) {
+/// One rank's whole run on `dev` with its v stages `mine`, the same code under threads and
+/// MPI and on every backend. `pair`: the PCIe-pair link of this rank and rank^1 (thread ranks
+/// share one; MPI ranks, separate processes, run unpaired), or null.
+template <class Comm, class Device, class Layer>
+void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std::vector<Layer>& mine, std::chrono::steady_clock::time_point t_start,
+                po::PairLink<Device>* pair = nullptr) {
   const int r = comm.rank();
   const po::Shape sh = o.shape;
   const po::MicrobatchShape mbs = su.ropt.microbatch;
   const std::size_t seq = static_cast<std::size_t>(o.model.seq);
   const std::string& text = su.text;
-  // Before the first message: every rank must run the same configuration.
+  // Before the first pipeline message: every rank must run the same configuration.
   po::handshake(comm, su.fields);
-  po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = o.copy_gbps * 1e9});
-  std::vector<Stage> mine;
-  mine.reserve(static_cast<std::size_t>(sh.v));
-  for (int c = 0; c < sh.v; ++c) mine.emplace_back(o.model, sh.stage_of(r, c), sh.stages(), o.fault.rank == r ? &o.fault : nullptr);
-  po::Runtime<po::AnySchedule, Stage, po::backend::Cpu, Comm> rt(su.ropt, dev, comm, mine);
+  po::Runtime<po::AnySchedule, Layer, Device, Comm> rt(su.ropt, dev, comm, mine);
   if (pair != nullptr) rt.pair_with(*pair);
   int first = 0;
   if (!o.resume.empty()) {
@@ -487,19 +495,39 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, std::chrono::stea
       traces[q].copy_end.assign(b + 2 * nc + ny, b + 2 * nc + ny + y);
     }
   }
-  // Parameters to rank 0 for the hash. Tag (forward, stage s, mb m): a microbatch index no
-  // pass uses, so this exchange cannot be taken for a pipeline message.
-  std::vector<std::vector<float>> own(static_cast<std::size_t>(sh.v));
+  // Every stage's parameters for rank 0's hash, through all_gather (host memory on every
+  // communicator): each rank's chunks padded to the longest rank's, fp32 values exact in fp64.
   std::vector<double> my_counts(static_cast<std::size_t>(sh.v)), counts(static_cast<std::size_t>(sh.stages()));
+  std::vector<std::vector<float>> own(static_cast<std::size_t>(sh.v));
   for (int c = 0; c < sh.v; ++c) {
     own[static_cast<std::size_t>(c)] = rt.download_parameters(c);
     my_counts[static_cast<std::size_t>(c)] = static_cast<double>(own[static_cast<std::size_t>(c)].size());
   }
-  comm.all_gather(my_counts, counts);
-  if (r != 0) {
-    for (int c = 0; c < sh.v; ++c) comm.send(0, {sh.stage_of(r, c), sh.m, po::Dir::forward}, std::span<const float>(own[static_cast<std::size_t>(c)]));
-  } else {
-    report(o, su, comm, own, rt.program(), first, peaks, units, counts, traces, final_loss, t_start);
+  comm.all_gather(my_counts, counts);  // [rank * v + chunk]
+  std::size_t width = 0;
+  for (int q = 0; q < sh.d; ++q) {
+    std::size_t n = 0;
+    for (int c = 0; c < sh.v; ++c) n += static_cast<std::size_t>(counts[static_cast<std::size_t>(q * sh.v + c)]);
+    width = std::max(width, n);
+  }
+  std::vector<double> mine_flat(width, 0.0), all_flat(width * static_cast<std::size_t>(sh.d));
+  std::size_t at = 0;
+  for (const auto& p : own)
+    for (float x : p) mine_flat[at++] = static_cast<double>(x);
+  comm.all_gather(mine_flat, all_flat);
+  if (r == 0) {
+    std::vector<std::vector<float>> params(static_cast<std::size_t>(sh.stages()));
+    for (int q = 0; q < sh.d; ++q) {
+      std::size_t off = static_cast<std::size_t>(q) * width;
+      for (int c = 0; c < sh.v; ++c) {
+        const std::size_t n = static_cast<std::size_t>(counts[static_cast<std::size_t>(q * sh.v + c)]);
+        auto& p = params[static_cast<std::size_t>(sh.stage_of(q, c))];
+        p.resize(n);
+        for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<float>(all_flat[off + i]);
+        off += n;
+      }
+    }
+    report(o, su, params, rt.program(), first, peaks, units, traces, final_loss, t_start);
   }
   // Nobody leaves (and exits 0) before rank 0 has printed everything: if rank 0 fails there,
   // this wait fails on every rank instead.
@@ -510,13 +538,102 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, std::chrono::stea
 
 void print_banner(const Options& o, const Setup& su) {
   const po::Shape sh = o.shape;
-  std::printf("train_gpt: %s, d=%d v=%d m=%d, GPT %d blocks h=%d heads=%d seq=%d batch=%d, %zu-byte corpus, BLAS %s%s\n", o.schedule.c_str(), sh.d, sh.v,
-              sh.m, o.model.layers, o.model.hidden, o.model.heads, o.model.seq, o.batch, su.text.size(), po::blas::core_name().c_str(),
-              o.mpi ? ", MPI processes" : "");
+  std::printf("train_gpt: %s, d=%d v=%d m=%d, GPT %d blocks h=%d heads=%d seq=%d batch=%d, %zu-byte corpus, %s%s\n", o.schedule.c_str(), sh.d, sh.v,
+              sh.m, o.model.layers, o.model.hidden, o.model.heads, o.model.seq, o.batch, su.text.size(),
+              o.cuda ? "CUDA (bf16, NCCL)" : ("BLAS " + po::blas::core_name()).c_str(), o.mpi ? ", MPI processes" : "");
   std::fflush(stdout);
 }
 
+#ifdef PIPEOFFLOAD_WITH_CUDA
+/// This rank's v stages on the GPU, from the CPU model's initial parameters.
+std::vector<po::cuda::GptStage> cuda_stages(const Options& o, const Setup& su, po::backend::Cuda& dev, int r) {
+  std::vector<po::cuda::GptStage> mine;
+  mine.reserve(static_cast<std::size_t>(o.shape.v));
+  for (int c = 0; c < o.shape.v; ++c) mine.emplace_back(dev, o.model, o.shape.stage_of(r, c), o.shape.stages(), su.ropt.microbatch);
+  return mine;
+}
+
+/// A device arena for train_gpt's small model: the runtime's buffers need little, and the
+/// stages' own memory (parameters, gradients, scratch) comes from outside it.
+constexpr std::size_t cuda_arena_bytes = std::size_t{2} << 30;
+
+/// --backend cuda --comm threads: one process drives D GPUs (ncclCommInitAll); ranks sit on
+/// GPUs so that PCIe pairs are ranks (r, r^1), whose copies then synchronise.
+int run_cuda_threads(const Options& o, Setup su) {
+  const int gpus = po::backend::device_count();
+  if (gpus < o.shape.d) {
+    std::fprintf(stderr, "train_gpt: --backend cuda --ranks %d needs %d GPUs; this machine has %d\n", o.shape.d, o.shape.d, gpus);
+    return 2;
+  }
+  const po::cuda::Pairing pairing = po::backend::device_pairing();
+  std::vector<int> devices(pairing.device_of_rank.begin(), pairing.device_of_rank.begin() + o.shape.d);
+  bool paired = o.shape.d >= 2 && o.shape.d % 2 == 0;
+  for (int r = 0; r < o.shape.d && paired; ++r) paired = pairing.partner_of_rank[static_cast<std::size_t>(r)] == (r ^ 1);
+  su.ropt.costs.stagger_pairs = paired;
+  print_banner(o, su);
+  std::printf("GPUs by rank:");
+  for (int dv : devices) std::printf(" %d", dv);
+  std::printf("%s\n", paired ? " (PCIe pairs (r, r^1): synchronised copies)" : " (no PCIe pairs: copies unpaired)");
+  auto world = po::comm::NcclWorld::all_local(devices);
+  std::vector<std::unique_ptr<po::PairLink<po::backend::Cuda>>> links;
+  for (int p = 0; paired && 2 * p + 1 < o.shape.d; ++p) links.push_back(std::make_unique<po::PairLink<po::backend::Cuda>>());
+  const auto t_start = std::chrono::steady_clock::now();
+  const auto errors = po::run_thread_ranks(o.shape.d, [&](int r) {
+    try {
+      po::backend::Cuda dev({.device = devices[static_cast<std::size_t>(r)], .rank = r, .arena_bytes = cuda_arena_bytes});
+      po::comm::Nccl comm(world, r, dev);
+      try {
+        std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, r);
+        train_rank(o, su, comm, dev, mine, t_start, static_cast<std::size_t>(r / 2) < links.size() ? links[static_cast<std::size_t>(r / 2)].get() : nullptr);
+      } catch (const std::exception& e) {
+        comm.abort(e.what());
+        throw;
+      }
+    } catch (const std::exception& e) {
+      world->abort(e.what());  // a rank that failed before its communicator existed
+      throw;
+    }
+  });
+  for (int r = 0; r < o.shape.d; ++r)
+    if (!errors[static_cast<std::size_t>(r)].empty()) {
+      std::fprintf(stderr, "train_gpt: rank %d: %s\n", r, errors[static_cast<std::size_t>(r)].c_str());
+      return 1;
+    }
+  return 0;
+}
+
+#ifdef PIPEOFFLOAD_WITH_MPI
+/// --backend cuda --comm mpi: one process per GPU (the node-local rank picks it); MPI only
+/// carries NCCL's unique id, NCCL carries the pipeline. Processes are separate, so their
+/// copies run unpaired.
+int run_cuda_rank(const Options& o, Setup su, po::comm::Mpi& mpi, std::chrono::steady_clock::time_point t_start) {
+  const int r = mpi.rank();
+  const int gpus = po::backend::device_count();
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  const int device = local != nullptr ? std::atoi(local) : r;
+  if (device >= gpus) throw po::error("--backend cuda: this process (rank " + std::to_string(r) + ") needs GPU " + std::to_string(device) +
+                                      " but its node has " + std::to_string(gpus));
+  su.ropt.costs.stagger_pairs = false;
+  const po::comm::NcclIdBytes id = po::comm::broadcast_nccl_id(mpi, r == 0 ? po::comm::NcclWorld::new_id() : po::comm::NcclIdBytes{});
+  auto world = po::comm::NcclWorld::from_id(id, r, mpi.size(), device);
+  po::backend::Cuda dev({.device = device, .rank = r, .arena_bytes = cuda_arena_bytes});
+  po::comm::Nccl comm(world, r, dev);
+  try {
+    std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, r);
+    train_rank(o, su, comm, dev, mine, t_start);
+  } catch (const std::exception& e) {
+    comm.abort(e.what());
+    throw;
+  }
+  return 0;
+}
+#endif
+#endif
+
 int run_threads(const Options& o, const Setup& su) {
+#ifdef PIPEOFFLOAD_WITH_CUDA
+  if (o.cuda) return run_cuda_threads(o, su);
+#endif
   print_banner(o, su);
   po::comm::ThreadsWorld world(o.shape.d);
   // Ranks (r, r^1) are a PCIe pair, as the schedule's staggered slots assume: their copies
@@ -527,7 +644,11 @@ int run_threads(const Options& o, const Setup& su) {
   const auto errors = po::run_thread_ranks(o.shape.d, [&](int r) {
     po::comm::Threads comm(world, r);
     try {
-      train_rank(o, su, comm, t_start, static_cast<std::size_t>(r / 2) < links.size() ? links[static_cast<std::size_t>(r / 2)].get() : nullptr);
+      po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = o.copy_gbps * 1e9});
+      std::vector<Stage> mine;
+      mine.reserve(static_cast<std::size_t>(o.shape.v));
+      for (int c = 0; c < o.shape.v; ++c) mine.emplace_back(o.model, o.shape.stage_of(r, c), o.shape.stages(), o.fault.rank == r ? &o.fault : nullptr);
+      train_rank(o, su, comm, dev, mine, t_start, static_cast<std::size_t>(r / 2) < links.size() ? links[static_cast<std::size_t>(r / 2)].get() : nullptr);
     } catch (const std::exception& e) {
       comm.abort(e.what());  // wake the other ranks (the runtime does this for its own failures)
       throw;
@@ -568,7 +689,14 @@ int run_mpi(Options& o, const std::string& text, int& argc, char**& argv) {
   if (r == 0) print_banner(o, su);
   const auto t_start = std::chrono::steady_clock::now();
   try {
-    train_rank(o, su, comm, t_start);
+#ifdef PIPEOFFLOAD_WITH_CUDA
+    if (o.cuda) return run_cuda_rank(o, su, comm, t_start);
+#endif
+    po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = o.copy_gbps * 1e9});
+    std::vector<Stage> mine;
+    mine.reserve(static_cast<std::size_t>(o.shape.v));
+    for (int c = 0; c < o.shape.v; ++c) mine.emplace_back(o.model, o.shape.stage_of(r, c), o.shape.stages(), o.fault.rank == r ? &o.fault : nullptr);
+    train_rank(o, su, comm, dev, mine, t_start);
   } catch (const po::handshake_error& e) {
     // Every rank saw the same hashes and throws the same sentence, before any pipeline
     // message: nothing is in flight, so each rank can leave normally (MPI_Finalize).

@@ -44,8 +44,26 @@ for args, text in ((["--schedule", "nope"], "--schedule must be one of 1f1b, 1f1
                    (["--ranks", "0"], "--ranks must be an integer in [1, 64], got '0'"),
                    (["--schedule", "gis-g", "--ranks", "4"], "--schedule gis-g needs --group G, an integer in [2, 4]"),
                    (["--schedule", "1f1b-i", "--ranks", "4", "--microbatches", "6"], "multiple of ranks d = 4"),
-                   (["--bogus"], "unknown option '--bogus'")):
+                   (["--bogus"], "unknown option '--bogus'"),
+                   (["--backend", "gpu"], "--backend must be cpu or cuda, got 'gpu'")):
     err = run(*args, code=2).stderr
     if text not in err:
         sys.exit(f"FAIL: {args}: expected {text!r} in {err!r}")
+
+# --backend cuda: options that only the CPU backend has are refused; without a GPU (or without
+# a CUDA build) the run is refused with a sentence, exit 2, never a crash. With a GPU, the GPU
+# suite (tests/cuda) runs it.
+probe = subprocess.run([exe, "--backend", "cuda", "--ranks", "1", "--chunks", "1", *small], capture_output=True, text=True, timeout=300)
+if "built without CUDA" in probe.stderr:
+    assert probe.returncode == 2, probe
+else:
+    err = run("--backend", "cuda", "--trace", "t.json", code=2).stderr
+    assert "--trace applies only to --backend cpu" in err, err
+    err = run("--backend", "cuda", "--copy-gbps", "1", code=2).stderr
+    assert "--copy-gbps applies only to --backend cpu" in err, err
+    if "this machine has 0" in probe.stderr:
+        assert probe.returncode == 2, probe
+        assert "--backend cuda --ranks 1 needs 1 GPUs; this machine has 0" in probe.stderr, probe.stderr
+    else:
+        assert probe.returncode == 0, probe
 print("ok")
