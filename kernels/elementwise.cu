@@ -18,11 +18,25 @@ __global__ void residual_dropout_k(const bf16* x, const bf16* y, bf16* out, long
 __global__ void dropout_backward_k(const bf16* g, bf16* out, long long n, std::uint64_t seed, float p) {
   for (long long i = first_index(); i < n; i += grid_stride()) out[i] = st(ld(g, i) * math::dropout_scale(seed, static_cast<std::uint64_t>(i), p));
 }
+__global__ void residual_dropout_mask_k(const bf16* x, const bf16* y, bf16* out, std::uint8_t* mask, long long n, std::uint64_t seed, float p) {
+  for (long long i = first_index(); i < n; i += grid_stride()) {
+    // math::residual_dropout's x + y * dropout_scale, with the factor kept for the mask.
+    const float k = math::dropout_scale(seed, static_cast<std::uint64_t>(i), p);
+    mask[i] = k != 0.0f;
+    out[i] = st(ld(x, i) + ld(y, i) * k);
+  }
+}
+__global__ void dropout_backward_mask_k(const bf16* g, const std::uint8_t* mask, bf16* out, long long n, float p) {
+  for (long long i = first_index(); i < n; i += grid_stride()) out[i] = st(ld(g, i) * math::dropout_mask_scale(mask[i] != 0, p));
+}
 __global__ void add_k(const bf16* a, const bf16* b, bf16* out, long long n) {
   for (long long i = first_index(); i < n; i += grid_stride()) out[i] = st(ld(a, i) + ld(b, i));
 }
 __global__ void add_bias_k(bf16* y, const float* bias, long long total, int n) {
   for (long long i = first_index(); i < total; i += grid_stride()) y[i] = st(ld(y, i) + bias[i % n]);
+}
+__global__ void add_bias_f32_k(float* y, const float* bias, long long total, int n) {
+  for (long long i = first_index(); i < total; i += grid_stride()) y[i] += bias[i % n];
 }
 __global__ void bias_grad_k(const bf16* dy, float* db, long long rows, int n) {
   for (long long c = first_index(); c < n; c += grid_stride()) {
@@ -92,9 +106,19 @@ void residual_dropout(const bf16* x, const bf16* y, bf16* out, long long count, 
 void dropout_backward(const bf16* g, bf16* out, long long count, std::uint64_t seed, float p, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(dropout_backward_k, elementwise_launch(count), s, g, out, count, seed, p);
 }
+void residual_dropout_mask(const bf16* x, const bf16* y, bf16* out, std::uint8_t* mask, long long count, std::uint64_t seed, float p,
+                           cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(residual_dropout_mask_k, elementwise_launch(count), s, x, y, out, mask, count, seed, p);
+}
+void dropout_backward_mask(const bf16* g, const std::uint8_t* mask, bf16* out, long long count, float p, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(dropout_backward_mask_k, elementwise_launch(count), s, g, mask, out, count, p);
+}
 void add(const bf16* a, const bf16* b, bf16* out, long long count, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(add_k, elementwise_launch(count), s, a, b, out, count); }
 void add_bias(bf16* y, const float* bias, long long rows, int n, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(add_bias_k, elementwise_launch(rows * n), s, y, bias, rows * n, n);
+}
+void add_bias(float* y, const float* bias, long long rows, int n, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(add_bias_f32_k, elementwise_launch(rows * n), s, y, bias, rows * n, n);
 }
 void bias_grad(const bf16* dy, float* db, long long rows, int n, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(bias_grad_k, per_column_launch(n), s, dy, db, rows, n); }
 void to_bf16(const float* in, bf16* out, long long count, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(to_bf16_k, elementwise_launch(count), s, in, out, count); }

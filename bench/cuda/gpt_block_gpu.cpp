@@ -1,27 +1,37 @@
-// bench/cuda/gpt_block_gpu.cpp: MFU of one GPT block's F+B+W on a GPU and the PCIe bandwidth
-// of one copy stream, then k measured against k from the paper's formula (DESIGN.md s. 1).
-//   ./build/bench/cuda/gpt_block_gpu [--hidden 4096] [--seq 4096] [--heads 32] [--iters 5]
-// Exits 77 without a GPU. It checks first (tests/cuda/test_gpu.cpp checks every piece against
-// the CPU reference; here one GEMM of the real size is compared on sampled entries), then
-// times with CUDA events and reports the median of --iters runs.
-//   FLOPs of F+B+W = 12 b s h (6h + s) ... the paper's count: 72bsh^2 (GEMMs) + 12bs^2h
-//   (attention, causal counted in full as the paper does).
-//   MFU = FLOPs / time / peak, peak = dense bf16 of the device (A100 312, H100 SXM 989,
+// bench/cuda/gpt_block_gpu.cpp: MFU of one real GPT block (cuda::GptStage, a middle stage of
+// one block: LayerNorms, bias adds, GeLU, dropout, cuBLASLt GEMMs, cuDNN attention) for F, B and
+// W, beside the bare GEMMs and attention of the same block, then the PCIe bandwidth of one copy
+// stream and k measured against k from the paper's formula (DESIGN.md section 1).
+//   ./build/bench/cuda/gpt_block_gpu [--hidden 4096] [--seq 4096] [--heads 32] [--batch 1]
+//                                    [--iters 5] [--recompute 1] [--peak-tflops P]
+// Exits 77 without a GPU. It checks first: the same stage code at a small size (h = 256,
+// s = 256, one block) against the CPU reference model::GptStage (y, dx and all weight
+// gradients, norm-wise relative error; tests/cuda/test_gpt_gpu.cpp checks every stage kind),
+// then times with CUDA events and reports medians of --iters runs.
+//   FLOPs of F+B+W = 12 b s h (6h + s): the paper's count, 72bsh^2 (GEMMs) + 12bs^2h (attention,
+//   causal counted in full as the paper does); F is a third of it, B and W the rest.
+//   MFU = FLOPs / time / peak, peak = dense bf16 of the device (A100 312, H100/H200 989,
 //   B200 2250 TFLOP/s; other devices: pass --peak-tflops).
-//   Bo = bytes / time of one D2H copy of A = 20 b s h bytes (one layer's saved activations
-//   with selective recompute) on one stream from the device into pinned host memory.
+//   Timed forwards use microbatch 1, so they do not refresh the bf16 weights (a step does that
+//   once, in its first forward).
+//   Bo = bytes / time of one D2H copy of the block's saved activations (saved_bytes: 20bsh plus
+//   fp32 statistics with recompute) on one stream into pinned host memory.
 //   k measured = round trip 2A/Bo over the measured F+B+W time;
 //   k formula  = 10 / (3 (6h + s)) * Bc / Bo with the measured Bc.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
+#include <pipeoffload/backend/cuda/gpt.hpp>
 #include <pipeoffload/cuda.hpp>
+#include <pipeoffload/model/gpt.hpp>
 
 namespace po = pipeoffload;
+namespace pc = pipeoffload::cuda;
 namespace pk = pipeoffload::cuda::kernels;
 
 namespace {
@@ -31,11 +41,103 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+std::vector<float> random_bf16(std::size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = __bfloat162float(__float2bfloat16(d(rng)));
+  return v;
+}
+
+double rel_error(const std::vector<float>& got, const std::vector<float>& want) {
+  double d = 0, w = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    d += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
+    w += static_cast<double>(want[i]) * want[i];
+  }
+  return w > 0 ? std::sqrt(d / w) : std::sqrt(d);
+}
+
+template <class T>
+T* device_copy(const std::vector<T>& v) {
+  void* p = nullptr;
+  PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, v.size() * sizeof(T)));
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return static_cast<T*>(p);
+}
+template <class T>
+std::vector<T> host_copy(const T* d, std::size_t n) {
+  std::vector<T> v(n);
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+po::Microbatch middle_microbatch(po::MicrobatchShape shape, int mb) {
+  po::Microbatch m;
+  m.stage = 1;
+  m.stages = 3;
+  m.mb = mb;
+  m.microbatches = 2;
+  m.shape = shape;
+  m.loss_scale = 0.5f;
+  return m;
+}
+
+/// One middle block at a small size on the GPU and on the CPU; false (and a message) when the
+/// GPU is off by more than bf16 accounts for (tests/cuda/test_gpt_gpu.cpp argues the bounds).
+bool check_against_cpu(bool recompute) {
+  po::model::GptConfig c;
+  c.vocab = 256;
+  c.hidden = 256;
+  c.heads = 4;
+  c.layers = 3;
+  c.seq = 256;
+  c.recompute = recompute;
+  const po::MicrobatchShape shape{1, 256};
+  po::model::GptStage cpu(c, 1, 3);
+  po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
+  const int cs = dev.make_stream("compute");
+  pc::GptStage gpu(dev, c, 1, 3, shape, cpu.parameters());
+  const std::size_t n = cpu.boundary_floats(shape);
+  const std::vector<float> x = random_bf16(n, 1), dy = random_bf16(n, 2);
+  std::vector<float> y(n), dx(n);
+  std::vector<std::byte> saved(cpu.saved_bytes(shape)), stash(cpu.stash_bytes(shape));
+  po::backend::CpuContext cctx{};
+  const po::Microbatch mb = middle_microbatch(shape, 0);
+  cpu.forward(cctx, mb, x.data(), y.data(), saved.data());
+  cpu.backward_input(cctx, mb, dy.data(), dx.data(), saved.data(), stash.data());
+  cpu.backward_weight(cctx, mb, saved.data(), stash.data());
+  float *dxd = device_copy(x), *ddy = device_copy(dy), *dyd = device_copy(y), *ddx = device_copy(dx);
+  std::byte *dsaved = nullptr, *dstash = nullptr;
+  PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&dsaved), gpu.saved_bytes(shape)));
+  PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&dstash), gpu.stash_bytes(shape)));
+  PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
+  dev.launch(cs, [&] {
+    po::backend::CudaContext ctx = dev.context(cs);
+    gpu.forward(ctx, mb, dxd, dyd, dsaved);
+    gpu.backward_input(ctx, mb, ddy, ddx, dsaved, dstash);
+    gpu.backward_weight(ctx, mb, dsaved, dstash);
+  });
+  dev.synchronize();
+  const double ey = rel_error(host_copy(dyd, n), y), edx = rel_error(host_copy(ddx, n), dx);
+  const std::vector<float> want_g(cpu.gradients().begin(), cpu.gradients().end());
+  const double eg = rel_error(host_copy(gpu.gradients().data(), want_g.size()), want_g);
+  for (void* p : {static_cast<void*>(dxd), static_cast<void*>(ddy), static_cast<void*>(dyd), static_cast<void*>(ddx), static_cast<void*>(dsaved),
+                  static_cast<void*>(dstash)})
+    PIPEOFFLOAD_CUDA_CHECK(cudaFree(p));
+  std::printf("check vs CPU (h=256, s=256, one block, recompute %s): relative error y %.2e, dx %.2e, weight gradients %.2e\n", recompute ? "on" : "off",
+              ey, edx, eg);
+  const bool ok = ey <= 2e-2 && edx <= 5e-2 && eg <= 5e-2;
+  if (!ok) std::fprintf(stderr, "gpt_block_gpu: the GPU block disagrees with the CPU reference (bounds 2e-2, 5e-2, 5e-2); not timing\n");
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   long long h = 4096, s = 4096, heads = 32, b = 1;
   int iters = 5;
+  bool recompute = true;
   double peak_tflops = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
@@ -43,7 +145,9 @@ int main(int argc, char** argv) {
     if (a == "--hidden") h = v;
     else if (a == "--seq") s = v;
     else if (a == "--heads") heads = v;
+    else if (a == "--batch") b = v;
     else if (a == "--iters") iters = static_cast<int>(v);
+    else if (a == "--recompute") recompute = v != 0;
     else if (a == "--peak-tflops") peak_tflops = std::atof(argv[i + 1]);
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
@@ -58,92 +162,159 @@ int main(int argc, char** argv) {
     cudaDeviceProp prop{};
     PIPEOFFLOAD_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     if (peak_tflops == 0) peak_tflops = prop.major == 8 ? 312 : prop.major == 9 ? 989 : prop.major == 10 ? 2250 : 0;
+    if (!check_against_cpu(recompute)) return 1;
+
+    // ---- the block: stage 1 of 3 of a 3-block model, so exactly one block, no embedding or head.
+    po::model::GptConfig cfg;
+    cfg.vocab = 256;
+    cfg.hidden = static_cast<int>(h);
+    cfg.heads = static_cast<int>(heads);
+    cfg.layers = 3;
+    cfg.seq = static_cast<int>(s);
+    cfg.recompute = recompute;
+    const po::MicrobatchShape shape{static_cast<int>(b), static_cast<int>(s)};
     const long long T = b * s;
-    po::backend::Cuda dev;
+    const pc::GptDims dims{cfg.vocab, h, heads, s, 1, 1, false, false, recompute};
+    const pc::GptStageBuffers bufs = pc::gpt_stage_buffers(dims, T);
+    // Arena: saved, stash, four boundaries, the bare block's buffers below, the 256 MiB
+    // workspace, and slack for the allocator's rounding.
+    const std::size_t Th = static_cast<std::size_t>(T * h), hh = static_cast<std::size_t>(h * h);
+    const std::size_t bare = 24 * hh + 48 * hh + 38 * Th + 16 * Th + static_cast<std::size_t>(b * heads * s) * 4;
+    const std::size_t arena = bufs.saved_bytes + bufs.stash_bytes + 16 * Th + bare + (std::size_t{768} << 20);
+    po::backend::Cuda dev({.arena_bytes = arena});
     const int cs = dev.make_stream("compute"), copy = dev.make_stream("copy");
+    std::printf("building the block's parameters on the CPU (model::GptStage init, %lld parameters)...\n", 12 * h * h + 13 * h);
+    pc::GptStage stage(dev, cfg, 1, 3, shape);
     using po::backend::Memory;
-    const auto bf = [&](long long n) { return reinterpret_cast<pk::bf16*>(dev.device_alloc(static_cast<std::size_t>(n) * 2, Memory::activation).ptr); };
-    const auto f32 = [&](long long n) { return reinterpret_cast<float*>(dev.device_alloc(static_cast<std::size_t>(n) * 4, Memory::stash).ptr); };
-    // Weights bf16, gradients fp32; activations (T, .) bf16.
-    pk::bf16 *wqkv = bf(h * 3 * h), *wo = bf(h * h), *wfc = bf(h * 4 * h), *wpr = bf(4 * h * h);
-    float *gqkv = f32(h * 3 * h), *go = f32(h * h), *gfc = f32(h * 4 * h), *gpr = f32(4 * h * h);
-    pk::bf16 *x = bf(T * h), *qkv = bf(T * 3 * h), *att = bf(T * h), *f = bf(T * 4 * h), *y = bf(T * h);
-    pk::bf16 *dqkv = bf(T * 3 * h), *datt = bf(T * h), *df = bf(T * 4 * h), *dx = bf(T * h);
-    float* stats = f32(b * heads * s);
-    const po::cuda::attention::Shape shape{static_cast<int>(b), static_cast<int>(heads), static_cast<int>(s), static_cast<int>(h / heads)};
-    std::vector<float> ones(static_cast<std::size_t>(T * 4 * h));
-    for (std::size_t i = 0; i < ones.size(); ++i) ones[i] = 0.01f * static_cast<float>((i * 2654435761u) % 200) - 1.0f;
-    float* init = f32(T * 4 * h);
-    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(init, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
-    for (pk::bf16* p : {wqkv, wo, wfc, wpr}) pk::to_bf16(init, p, std::min(T, h) * h, dev.stream(cs));
-    pk::to_bf16(init, x, T * h, dev.stream(cs));
-    using po::cuda::Out;
-    const auto block = [&](po::backend::CudaContext& c) {
-      // F
-      po::cuda::gemm(c, po::cuda::linear_forward(T, h, 3 * h), x, wqkv, qkv, Out::bf16);
-      po::cuda::attention::forward(c.dnn, c.cuda_stream, shape, qkv, att, stats, c.workspace, c.workspace_bytes);
-      po::cuda::gemm(c, po::cuda::linear_forward(T, h, h), att, wo, y, Out::bf16);
-      po::cuda::gemm(c, po::cuda::linear_forward(T, h, 4 * h), y, wfc, f, Out::bf16);
-      po::cuda::gemm(c, po::cuda::linear_forward(T, 4 * h, h), f, wpr, y, Out::bf16);
-      // B
-      po::cuda::gemm(c, po::cuda::linear_dgrad(T, 4 * h, h), y, wpr, df, Out::bf16);
-      po::cuda::gemm(c, po::cuda::linear_dgrad(T, h, 4 * h), df, wfc, dx, Out::bf16);
-      po::cuda::gemm(c, po::cuda::linear_dgrad(T, h, h), dx, wo, datt, Out::bf16);
-      po::cuda::attention::backward(c.dnn, c.cuda_stream, shape, qkv, att, datt, stats, dqkv, c.workspace, c.workspace_bytes);
-      po::cuda::gemm(c, po::cuda::linear_dgrad(T, h, 3 * h), dqkv, wqkv, dx, Out::bf16);
-      // W
-      po::cuda::gemm(c, po::cuda::linear_wgrad(T, 4 * h, h), f, y, gpr, Out::f32);
-      po::cuda::gemm(c, po::cuda::linear_wgrad(T, h, 4 * h), y, df, gfc, Out::f32);
-      po::cuda::gemm(c, po::cuda::linear_wgrad(T, h, h), att, datt, go, Out::f32);
-      po::cuda::gemm(c, po::cuda::linear_wgrad(T, h, 3 * h), x, dqkv, gqkv, Out::f32);
+    const auto dalloc = [&](std::size_t bytes, Memory kind) { return dev.device_alloc(bytes, kind).ptr; };
+    auto* x = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
+    auto* y = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
+    auto* dy = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
+    auto* dx = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
+    std::byte* saved = dalloc(stage.saved_bytes(shape), Memory::activation);
+    std::byte* stash = dalloc(stage.stash_bytes(shape), Memory::stash);
+    {
+      const std::vector<float> init = random_bf16(Th, 3);
+      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(x, init.data(), Th * 4, cudaMemcpyHostToDevice));
+      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(dy, init.data(), Th * 4, cudaMemcpyHostToDevice));
+      PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    cudaEvent_t ev[4];
+    for (cudaEvent_t& e : ev) PIPEOFFLOAD_CUDA_CHECK(cudaEventCreate(&e));
+    const auto elapsed = [&](int a, int z) {
+      float ms = 0;
+      PIPEOFFLOAD_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[a], ev[z]));
+      return ms / 1e3;
     };
-    cudaEvent_t e0, e1;
-    PIPEOFFLOAD_CUDA_CHECK(cudaEventCreate(&e0));
-    PIPEOFFLOAD_CUDA_CHECK(cudaEventCreate(&e1));
-    std::vector<double> t_block, t_copy;
-    dev.launch(cs, [&] {
-      auto c = dev.context(cs);
-      block(c);  // warm-up: builds the cuDNN graphs and picks cuBLASLt algorithms
-    });
-    dev.synchronize();
-    for (int it = 0; it < iters; ++it) {
+    const auto fbw = [&](int mb, bool timed) {
       dev.launch(cs, [&] {
-        auto c = dev.context(cs);
-        PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(e0, c.cuda_stream));
-        block(c);
-        PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(e1, c.cuda_stream));
+        po::backend::CudaContext c = dev.context(cs);
+        const po::Microbatch m = middle_microbatch(shape, mb);
+        if (timed) PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[0], c.cuda_stream));
+        stage.forward(c, m, x, y, saved);
+        if (timed) PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[1], c.cuda_stream));
+        stage.backward_input(c, m, dy, dx, saved, stash);
+        if (timed) PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[2], c.cuda_stream));
+        stage.backward_weight(c, m, saved, stash);
+        if (timed) PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[3], c.cuda_stream));
       });
       dev.synchronize();
-      float ms = 0;
-      PIPEOFFLOAD_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      t_block.push_back(ms / 1e3);
+    };
+    fbw(0, false);  // warm-up: refreshes the weights, builds the cuDNN graphs, picks cuBLASLt algorithms
+    std::vector<double> tf, tb, tw, tfbw;
+    for (int it = 0; it < iters; ++it) {
+      fbw(1, true);
+      tf.push_back(elapsed(0, 1));
+      tb.push_back(elapsed(1, 2));
+      tw.push_back(elapsed(2, 3));
+      tfbw.push_back(elapsed(0, 3));
     }
-    const std::size_t A = static_cast<std::size_t>(20 * b * s * h);
+
+    // ---- baseline: the same block's bare GEMMs and attention (no LayerNorm, bias, GeLU, dropout).
+    const auto bf = [&](long long n) { return reinterpret_cast<pk::bf16*>(dalloc(static_cast<std::size_t>(n) * 2, Memory::stash)); };
+    const auto f32 = [&](long long n) { return reinterpret_cast<float*>(dalloc(static_cast<std::size_t>(n) * 4, Memory::stash)); };
+    pk::bf16 *wqkv = bf(h * 3 * h), *wo = bf(h * h), *wfc = bf(h * 4 * h), *wpr = bf(4 * h * h);
+    float *gqkv = f32(h * 3 * h), *go = f32(h * h), *gfc = f32(h * 4 * h), *gpr = f32(4 * h * h);
+    pk::bf16 *bx = bf(T * h), *qkv = bf(T * 3 * h), *att = bf(T * h), *f = bf(T * 4 * h), *by = bf(T * h);
+    pk::bf16 *dqkv = bf(T * 3 * h), *datt = bf(T * h), *df = bf(T * 4 * h), *bdx = bf(T * h);
+    float* stats = f32(b * heads * s);
+    float* init = f32(T * 4 * h);
+    const pc::attention::Shape att_shape{static_cast<int>(b), static_cast<int>(heads), static_cast<int>(s), static_cast<int>(h / heads)};
+    {
+      std::vector<float> v(static_cast<std::size_t>(T * 4 * h));
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] = 0.01f * static_cast<float>((i * 2654435761u) % 200) - 1.0f;
+      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(init, v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+      PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    dev.launch(cs, [&] {
+      const cudaStream_t st = dev.stream(cs);
+      // Every element of every operand from `init` (T * 4h values), cycling when an operand is larger.
+      const std::pair<pk::bf16*, long long> operands[] = {{wqkv, 3 * h * h}, {wo, h * h}, {wfc, 4 * h * h}, {wpr, 4 * h * h}, {bx, T * h}};
+      for (const auto& [p, count] : operands)
+        for (long long at = 0; at < count; at += T * 4 * h) pk::to_bf16(init, p + at, std::min(T * 4 * h, count - at), st);
+    });
+    using pc::Out;
+    const auto bare_block = [&](po::backend::CudaContext& c) {
+      pc::gemm(c, pc::linear_forward(T, h, 3 * h), bx, wqkv, qkv, Out::bf16);
+      pc::attention::forward(c.dnn, c.cuda_stream, att_shape, qkv, att, stats, c.workspace, c.workspace_bytes);
+      pc::gemm(c, pc::linear_forward(T, h, h), att, wo, by, Out::bf16);
+      pc::gemm(c, pc::linear_forward(T, h, 4 * h), by, wfc, f, Out::bf16);
+      pc::gemm(c, pc::linear_forward(T, 4 * h, h), f, wpr, by, Out::bf16);
+      pc::gemm(c, pc::linear_dgrad(T, 4 * h, h), by, wpr, df, Out::bf16);
+      pc::gemm(c, pc::linear_dgrad(T, h, 4 * h), df, wfc, bdx, Out::bf16);
+      pc::gemm(c, pc::linear_dgrad(T, h, h), bdx, wo, datt, Out::bf16);
+      pc::attention::backward(c.dnn, c.cuda_stream, att_shape, qkv, att, datt, stats, dqkv, c.workspace, c.workspace_bytes);
+      pc::gemm(c, pc::linear_dgrad(T, h, 3 * h), dqkv, wqkv, bdx, Out::bf16);
+      pc::gemm(c, pc::linear_wgrad(T, 4 * h, h), f, by, gpr, Out::f32);
+      pc::gemm(c, pc::linear_wgrad(T, h, 4 * h), by, df, gfc, Out::f32);
+      pc::gemm(c, pc::linear_wgrad(T, h, h), att, datt, go, Out::f32);
+      pc::gemm(c, pc::linear_wgrad(T, h, 3 * h), bx, dqkv, gqkv, Out::f32);
+    };
+    std::vector<double> tbare;
+    for (int it = 0; it <= iters; ++it) {
+      dev.launch(cs, [&] {
+        po::backend::CudaContext c = dev.context(cs);
+        PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[0], c.cuda_stream));
+        bare_block(c);
+        PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[1], c.cuda_stream));
+      });
+      dev.synchronize();
+      if (it > 0) tbare.push_back(elapsed(0, 1));  // run 0 warms up
+    }
+
+    // ---- one copy stream: D2H of the block's saved activations.
+    const std::size_t A = stage.saved_bytes(shape);
     po::backend::HostBlock host = dev.host_alloc(A);
-    po::backend::Block unit = dev.device_alloc(A, Memory::activation);
+    std::vector<double> t_copy;
     for (int it = 0; it < iters; ++it) {
       dev.launch(copy, [&] {
         const cudaStream_t st = dev.stream(copy);
-        PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(e0, st));
-        const po::backend::CopyPiece p{host.ptr, unit.ptr, A};
+        PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[0], st));
+        const po::backend::CopyPiece p{host.ptr, saved, A};
         dev.transfer(std::span<const po::backend::CopyPiece>(&p, 1));
-        PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(e1, st));
+        PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[1], st));
       });
       dev.synchronize();
-      float ms = 0;
-      PIPEOFFLOAD_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      t_copy.push_back(ms / 1e3);
+      t_copy.push_back(elapsed(0, 1));
     }
+
     const double flops = 12.0 * b * s * h * (6.0 * h + s);
-    const double tb = median(t_block), tc = median(t_copy);
-    const double Bc = flops / tb, Bo = static_cast<double>(A) / tc;
-    const double k_measured = 2.0 * tc / tb;
+    const double t = median(tfbw), t0 = median(tbare), tc = median(t_copy);
+    const double Bc = flops / t, Bo = static_cast<double>(A) / tc;
+    const auto mfu = [&](double seconds) { return peak_tflops > 0 ? 100.0 * flops / seconds / (peak_tflops * 1e12) : 0.0; };
+    std::printf("device %s (sm_%d%d), h=%lld s=%lld heads=%lld b=%lld, recompute %s, median of %d\n", prop.name, prop.major, prop.minor, h, s, heads, b,
+                recompute ? "on" : "off", iters);
+    std::printf("cuda::GptStage, one block: F %.3f ms, B %.3f ms, W %.3f ms; F+B+W %.3f ms, %.1f TFLOP/s, MFU %.1f%% of %.0f TFLOP/s\n",
+                median(tf) * 1e3, median(tb) * 1e3, median(tw) * 1e3, t * 1e3, Bc / 1e12, mfu(t), peak_tflops);
+    std::printf("baseline, the block's bare GEMMs + cuDNN attention: %.3f ms, MFU %.1f%%; the stage takes %.2fx the baseline\n", t0 * 1e3, mfu(t0), t / t0);
+    std::printf("saved activations of the block: %zu bytes = %.2f bsh (20 bsh = %lld bytes of tensors + fp32 statistics)\n", A,
+                static_cast<double>(A) / static_cast<double>(T * h), 20 * T * h);
+    std::printf("one copy stream D2H of them: %.3f ms, %.2f GB/s\n", tc * 1e3, Bo / 1e9);
+    const double k_measured = 2.0 * tc / t;
     const double k_formula = 10.0 / (3.0 * (6.0 * h + s)) * Bc / Bo;
-    std::printf("device %s (sm_%d%d), h=%lld s=%lld heads=%lld b=%lld, median of %d\n", prop.name, prop.major, prop.minor, h, s, heads, b, iters);
-    std::printf("F+B+W of one block: %.3f ms, %.1f TFLOP/s, MFU %.1f%% of %.0f TFLOP/s\n", tb * 1e3, Bc / 1e12,
-                peak_tflops > 0 ? 100.0 * Bc / (peak_tflops * 1e12) : 0.0, peak_tflops);
-    std::printf("one copy stream D2H of A = 20bsh = %zu bytes: %.3f ms, %.2f GB/s\n", A, tc * 1e3, Bo / 1e9);
     std::printf("k measured (2 A / Bo over T_F+T_B+T_W) = %.3f; k formula 10/(3(6h+s)) * Bc/Bo = %.3f\n", k_measured, k_formula);
+    for (cudaEvent_t e : ev) cudaEventDestroy(e);
+    dev.host_free(host);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gpt_block_gpu: %s\n", e.what());

@@ -110,6 +110,32 @@ TEST_CASE("GeLU, dropout and residual kernels match model/math.hpp") {
   const std::vector<float> got = g.get(out, n);
   check_close(got, want, bf16_rel, 0.0f);
   for (std::size_t i = 0; i < n; ++i) CHECK((got[i] == 0.0f) == (want[i] == 0.0f));  // the very same mask
+  // Recompute off: the same residual with the keep decisions saved as bytes, and backward from them.
+  pk::bf16* out2 = g.alloc<pk::bf16>(n);
+  std::uint8_t* mask = g.alloc<std::uint8_t>(n);
+  pk::residual_dropout(dx, dy, out, n, seed, 0.1f, g.s);
+  pk::residual_dropout_mask(dx, dy, out2, mask, n, seed, 0.1f, g.s);
+  check_close(g.get(out2, n), g.get(out, n), bf16_rel, 0.0f);  // the same formula (FMA contraction may differ)
+  const std::vector<std::uint8_t> m = g.get(mask, n);
+  for (std::size_t i = 0; i < n; ++i) CHECK(m[i] == (math::dropout_scale(seed, i, 0.1f) != 0.0f ? 1 : 0));
+  pk::dropout_backward(dy, out, n, seed, 0.1f, g.s);
+  pk::dropout_backward_mask(dy, mask, out2, n, 0.1f, g.s);
+  check_close(g.get(out2, n), g.get(out, n), 0.0f, 0.0f);  // one product with the same factor: exact
+}
+
+TEST_CASE("add_bias adds a row vector to bf16 and fp32 matrices") {
+  Gpu g;
+  const int rows = 33, n = 50;
+  const std::vector<float> y = random_bf16(static_cast<std::size_t>(rows) * n, 21), b = random_bf16(n, 22);
+  pk::bf16* yb = g.bf16(y);
+  float *yf = g.copy(y), *db = g.copy(b);
+  pk::add_bias(yb, db, rows, n, g.s);
+  pk::add_bias(yf, db, rows, n, g.s);
+  std::vector<float> want(y.size());
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < n; ++c) want[static_cast<std::size_t>(r * n + c)] = y[static_cast<std::size_t>(r * n + c)] + b[static_cast<std::size_t>(c)];
+  check_close(g.get(yb, y.size()), want, bf16_rel, 0.0f);
+  check_close(g.get(yf, y.size()), want, 0.0f, 0.0f);  // one fp32 addition, as the CPU does
 }
 
 TEST_CASE("LayerNorm kernels match row_stats, layernorm_apply and layernorm_backward_row") {
@@ -223,6 +249,17 @@ TEST_CASE("cuBLASLt runs the GPT's forward, dgrad and wgrad GEMMs as the CPU GEM
   check_close(g.get(Y, y.size()), y, bf16_rel, 1e-2f);
   check_close(g.get(dXo, dx.size()), dx, bf16_rel, 1e-2f);
   check_close(g.get(gW, gw.size()), gw, 1e-4f, 1e-3f);  // fp32 output: only the summation order differs
+  // Operands 16 bytes past a 256-byte boundary, as tensors inside a parameter vector may be:
+  // gemm tells cuBLASLt's heuristic each operand's alignment.
+  pk::bf16* X16 = g.alloc<pk::bf16>(static_cast<std::size_t>(rows * k) + 8) + 8;
+  pk::bf16* W16 = g.alloc<pk::bf16>(static_cast<std::size_t>(k * n) + 8) + 8;
+  pk::bf16* Y16 = g.alloc<pk::bf16>(static_cast<std::size_t>(rows * n) + 8) + 8;
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(X16, dX, static_cast<std::size_t>(rows * k) * 2, cudaMemcpyDeviceToDevice));
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(W16, dW, static_cast<std::size_t>(k * n) * 2, cudaMemcpyDeviceToDevice));
+  PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
+  dev.launch(s, [&] { po::cuda::gemm(dev.context(s), po::cuda::linear_forward(rows, k, n), X16, W16, Y16, po::cuda::Out::bf16); });
+  dev.synchronize();
+  check_close(g.get(Y16, y.size()), y, bf16_rel, 1e-2f);
 }
 
 TEST_CASE("cuDNN's causal SDPA forward and backward match the CPU model's attention") {

@@ -3,6 +3,7 @@
 // layout the backend computes, the PCIe pairing decision and the NCCL id-file protocol.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -13,6 +14,7 @@
 #include <pipeoffload/backend/cuda/shapes.hpp>
 #include <pipeoffload/backend/cuda/topology.hpp>
 #include <pipeoffload/comm/nccl/id_file.hpp>
+#include <pipeoffload/model/gpt.hpp>
 #include <pipeoffload/model/math.hpp>
 
 namespace po = pipeoffload;
@@ -114,6 +116,17 @@ TEST_CASE("residual_dropout keeps about 1-p of the branch, scaled by 1/(1-p), an
   }
   CHECK(std::abs(kept / static_cast<double>(n) - 0.75) < 0.01);
   CHECK(math::residual_dropout(1.0f, 2.0f, seed, 0, 0.0f) == 3.0f);
+}
+
+TEST_CASE("dropout_mask_scale of the saved keep decision gives dropout_scale's factor (recompute off)") {
+  for (float p : {0.0f, 0.1f, 0.5f}) {
+    const std::uint64_t seed = math::dropout_seed(11, 2, 3, 1, 0);
+    for (std::uint64_t i = 0; i < 10000; ++i) {
+      const float k = math::dropout_scale(seed, i, p);
+      const std::uint8_t saved = k != 0.0f;  // what kernels::residual_dropout_mask and the CPU model store
+      CHECK(math::dropout_mask_scale(saved != 0, p) == k);
+    }
+  }
 }
 
 // ---- launch shapes -----------------------------------------------------------------------
@@ -227,6 +240,185 @@ TEST_CASE("sdpa_layout addresses q, k and v of the GPT's fused qkv rows and the 
         CHECK(b * l.stats_strides[0] + a * l.stats_strides[1] + s * l.stats_strides[2] == (b * A + a) * S + s);
   CHECK_THROWS_AS(pc::sdpa_layout(1, 1, 1, 12), po::shape_error);
   CHECK_THROWS_AS(pc::sdpa_layout(1, 1, 1, 264), po::shape_error);
+}
+
+// ---- the GPT stage's layouts (backend/cuda/gpt.hpp) -----------------------------------------
+
+namespace {
+
+po::model::GptConfig small_gpt(int layers, bool recompute = true) {
+  po::model::GptConfig c;
+  c.vocab = 40;
+  c.hidden = 64;
+  c.heads = 4;
+  c.layers = layers;
+  c.seq = 16;
+  c.recompute = recompute;
+  return c;
+}
+
+pc::GptDims dims_of(const po::model::GptConfig& c, int stage, int stages) {
+  const pc::BlockRange r = pc::gpt_blocks_of_stage(c.layers, stage, stages);
+  return {c.vocab, c.hidden, c.heads, c.seq, r.first, r.count, stage == 0, stage == stages - 1, c.recompute};
+}
+
+double std_dev(const float* p, long long n) {
+  double s = 0, s2 = 0;
+  for (long long i = 0; i < n; ++i) {
+    s += p[i];
+    s2 += static_cast<double>(p[i]) * p[i];
+  }
+  const double m = s / static_cast<double>(n);
+  return std::sqrt(s2 / static_cast<double>(n) - m * m);
+}
+bool all_equal(const float* p, long long n, float v) {
+  return std::all_of(p, p + n, [v](float x) { return x == v; });
+}
+
+/// The non-empty regions, each checked aligned, pairwise disjoint and inside [0, total).
+void check_regions(std::vector<pc::Region> rs, std::size_t total) {
+  std::erase_if(rs, [](const pc::Region& r) { return r.bytes == 0; });
+  std::sort(rs.begin(), rs.end(), [](const pc::Region& a, const pc::Region& b) { return a.offset < b.offset; });
+  for (std::size_t i = 0; i < rs.size(); ++i) {
+    CHECK(rs[i].offset % pc::region_alignment == 0);
+    CHECK(rs[i].end() <= total);
+    if (i > 0) CHECK(rs[i - 1].end() <= rs[i].offset);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("gpt_blocks_of_stage splits the blocks as model::GptStage does") {
+  for (int layers = 1; layers <= 9; ++layers)
+    for (int stages = 1; stages <= 7; ++stages)
+      for (int s = 0; s < stages; ++s) {
+        const po::model::GptStage cpu(small_gpt(layers), s, stages);
+        const pc::BlockRange r = pc::gpt_blocks_of_stage(layers, s, stages);
+        CHECK(r.first == cpu.first_block());
+        CHECK(r.count == cpu.blocks());
+      }
+  CHECK_THROWS_AS(pc::gpt_blocks_of_stage(4, 4, 4), po::shape_error);
+}
+
+TEST_CASE("gpt_stage_params addresses every tensor of model::GptStage's parameter vector") {
+  // The CPU model initialises LayerNorm gains to 1, biases and LayerNorm shifts to 0, the
+  // embedding with std 0.02 (positions 0.01), Wqkv, Wfc and the head with 0.02 and the two
+  // residual projections Wo, Wpr with 0.02 / sqrt(2 layers): each offset must land on its tensor.
+  const int layers = 4, stages = 2;
+  for (int s = 0; s < stages; ++s) {
+    const po::model::GptConfig c = small_gpt(layers);
+    po::model::GptStage cpu(c, s, stages);
+    const pc::GptDims d = dims_of(c, s, stages);
+    const pc::GptStageParams L = pc::gpt_stage_params(d);
+    CHECK(pc::gpt_norm_groups(d) == cpu.norm_groups());
+    REQUIRE(L.total == static_cast<long long>(cpu.parameters().size()));
+    const float* p = cpu.parameters().data();
+    const long long h = c.hidden, V = c.vocab;
+    const double w = 0.02, res = 0.02 / std::sqrt(2.0 * layers), tol = 0.1;  // relative error of a sample std over >= 4096 values
+    if (d.embeds) {
+      CHECK(std_dev(p, V * h) == doctest::Approx(w).epsilon(tol));
+      CHECK(std_dev(p + L.wpe, c.seq * h) == doctest::Approx(0.01).epsilon(tol));
+    }
+    for (int i = 0; i < d.blocks; ++i) {
+      const float* b = p + L.block_begin(i);
+      const pc::GptBlockParams& o = L.block;
+      CHECK(all_equal(b + o.ln1g, h, 1.0f));
+      CHECK(all_equal(b + o.ln1b, h, 0.0f));
+      CHECK(all_equal(b + o.bqkv, 3 * h, 0.0f));
+      CHECK(all_equal(b + o.bo, h, 0.0f));
+      CHECK(all_equal(b + o.ln2g, h, 1.0f));
+      CHECK(all_equal(b + o.ln2b, h, 0.0f));
+      CHECK(all_equal(b + o.bfc, 4 * h, 0.0f));
+      CHECK(all_equal(b + o.bpr, h, 0.0f));
+      CHECK(std_dev(b + o.wqkv, 3 * h * h) == doctest::Approx(w).epsilon(tol));
+      CHECK(std_dev(b + o.wo, h * h) == doctest::Approx(res).epsilon(tol));
+      CHECK(std_dev(b + o.wfc, 4 * h * h) == doctest::Approx(w).epsilon(tol));
+      CHECK(std_dev(b + o.wpr, 4 * h * h) == doctest::Approx(res).epsilon(tol));
+      CHECK(o.count == 12 * h * h + 13 * h);
+    }
+    if (d.has_head) {
+      const float* hp = p + L.head_begin;
+      CHECK(all_equal(hp + L.lnfg, h, 1.0f));
+      CHECK(all_equal(hp + L.lnfb, h, 0.0f));
+      CHECK(std_dev(hp + L.head_w, h * V) == doctest::Approx(w).epsilon(tol));
+      CHECK(all_equal(hp + L.head_b, V, 0.0f));
+      CHECK(L.head_b + V == L.head);
+    }
+  }
+}
+
+TEST_CASE("the CUDA GPT block saves 20bsh bytes with selective recompute and 34bsh without, plus fp32 statistics") {
+  for (bool recompute : {true, false})
+    for (long long heads : {1LL, 4LL, 32LL})
+      for (long long T : {1LL, 7LL, 4096LL})
+        for (long long h : {256LL, 4096LL}) {
+          CAPTURE(recompute);
+          CAPTURE(T);
+          CAPTURE(h);
+          const pc::GptDims d{50257, h, heads, 4096, 0, 1, false, false, recompute};
+          const pc::GptBlockSaved s = pc::gpt_block_saved(d, T);
+          const std::size_t Th = static_cast<std::size_t>(T * h);
+          CHECK(s.tensor_bytes == (recompute ? 20 : 34) * Th);
+          CHECK(s.extra_bytes == static_cast<std::size_t>((16 + 4 * heads) * T));  // LN (mean, rstd) x 2, one lse per head
+          CHECK(s.bytes % pc::region_alignment == 0);
+          CHECK(s.bytes >= s.tensor_bytes + s.extra_bytes);
+          CHECK(s.bytes < s.tensor_bytes + s.extra_bytes + 12 * pc::region_alignment);  // only alignment padding
+          check_regions({s.x, s.qkv, s.att, s.x1, s.f, s.stats, s.lse, s.a1, s.a2, s.g, s.m1, s.m2}, s.bytes);
+        }
+  // The same tensors as the CPU model's fp32 accounting, at half the bytes (masks are bytes on both).
+  for (bool recompute : {true, false}) {
+    const po::model::GptConfig c = small_gpt(3, recompute);
+    const po::model::GptStage cpu(c, 1, 3);
+    const po::MicrobatchShape sh{2, 16};
+    const auto b = cpu.block_breakdown(sh);
+    const pc::GptBlockSaved s = pc::gpt_block_saved(dims_of(c, 1, 3), sh.tokens());
+    CHECK(s.tensor_bytes == 2 * b.tensor_floats + b.mask_bytes);
+    CHECK(s.extra_bytes == 4 * b.extra_floats);
+  }
+}
+
+TEST_CASE("the CUDA GPT stage's saved, stash and scratch regions are aligned, disjoint and inside their buffers") {
+  for (bool recompute : {true, false})
+    for (int layers : {1, 2, 5})
+      for (int stages : {1, 3})
+        for (int s = 0; s < stages; ++s)
+          for (long long T : {1LL, 33LL, 512LL}) {
+            CAPTURE(recompute);
+            CAPTURE(layers);
+            CAPTURE(stages);
+            CAPTURE(s);
+            CAPTURE(T);
+            const pc::GptDims d = dims_of(small_gpt(layers, recompute), s, stages);
+            const pc::GptStageBuffers b = pc::gpt_stage_buffers(d, T);
+            std::vector<pc::Region> saved, stash;
+            for (int i = 0; i < d.blocks; ++i) {
+              const std::size_t o = b.block_saved(i);
+              for (pc::Region r : {b.block.x, b.block.qkv, b.block.att, b.block.x1, b.block.f, b.block.stats, b.block.lse, b.block.a1, b.block.a2,
+                                   b.block.g, b.block.m1, b.block.m2})
+                saved.push_back({o + r.offset, r.bytes});
+              const std::size_t t = b.block_stashed(i);
+              for (pc::Region r : {b.block_stash.dP2, b.block_stash.dF, b.block_stash.dA2, b.block_stash.dO1, b.block_stash.dQKV, b.block_stash.dA1})
+                stash.push_back({t + r.offset, r.bytes});
+            }
+            for (pc::Region r : {b.head.x, b.head.stats, b.head.dlogits}) saved.push_back({b.head_saved + r.offset, r.bytes});
+            stash.push_back(b.stash_embed);
+            stash.push_back(b.stash_head);
+            check_regions(saved, b.saved_bytes);
+            check_regions(stash, b.stash_bytes);
+            const std::size_t Th = static_cast<std::size_t>(T * d.hidden);
+            CHECK(b.block_stash.dQKV.bytes == 3 * Th * 2);
+            CHECK((b.stash_embed.bytes > 0) == d.embeds);
+            CHECK((b.stash_head.bytes > 0) == d.has_head);
+            CHECK((b.head.bytes > 0) == d.has_head);
+            CHECK(b.saved_bytes == static_cast<std::size_t>(d.blocks) * b.block.bytes + b.head.bytes);
+            if (d.has_head) CHECK(b.head.dlogits.bytes == static_cast<std::size_t>(T * d.vocab * 2));
+            const pc::GptWorkspace w = pc::gpt_workspace(d, T);
+            check_regions({w.ln, w.proj, w.gelu, w.io, w.logits, w.losses}, w.bytes);
+            CHECK((w.gelu.bytes > 0) == recompute);
+            CHECK((w.logits.bytes > 0) == d.has_head);
+          }
+  CHECK_THROWS_AS(pc::gpt_stage_buffers(pc::GptDims{10, 64, 3, 8, 0, 1, false, false, true}, 4), po::shape_error);  // 3 does not divide 64
+  CHECK_THROWS_AS(pc::gpt_workspace(pc::GptDims{10, 64, 4, 8, 0, 1, false, false, true}, 0), po::shape_error);
 }
 
 // ---- topology ----------------------------------------------------------------------------

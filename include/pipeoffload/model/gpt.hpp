@@ -505,7 +505,7 @@ class GptStage {
 
   float mask_scale(const std::uint8_t* saved_mask, std::uint64_t seed, std::size_t e) const {
     if (c_.dropout <= 0.0f) return 1.0f;
-    if (!c_.recompute) return saved_mask[e] ? 1.0f / (1.0f - c_.dropout) : 0.0f;
+    if (!c_.recompute) return math::dropout_mask_scale(saved_mask[e] != 0, c_.dropout);  // as the CUDA stage
     return math::dropout_scale(seed, e, c_.dropout);
   }
 

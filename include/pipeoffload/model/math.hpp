@@ -200,10 +200,16 @@ PIPEOFFLOAD_HOST_DEVICE inline bool dropout_keep(std::uint64_t seed, std::uint64
   return u >= p;
 }
 
+/// Dropout's factor for an element whose keep decision is `kept`: 0 or 1/(1-p), and 1 when
+/// p <= 0. With recompute off the GPT saves the decision as a byte and backward calls this.
+PIPEOFFLOAD_HOST_DEVICE inline float dropout_mask_scale(bool kept, float p) {
+  return select(p <= 0.0f, 1.0f, select(kept, 1.0f / (1.0f - p), 0.0f));
+}
+
 /// Dropout's forward and backward factor of element i: 0 or 1/(1-p).
 /// Branch-free (select), so loops over it vectorise; 1/(1-p) is loop-invariant.
 PIPEOFFLOAD_HOST_DEVICE inline float dropout_scale(std::uint64_t seed, std::uint64_t i, float p) {
-  return select(p <= 0.0f, 1.0f, select(dropout_keep(seed, i, p), 1.0f / (1.0f - p), 0.0f));
+  return dropout_mask_scale(dropout_keep(seed, i, p), p);
 }
 
 // ---- Softmax cross-entropy ----------------------------------------------------------------------

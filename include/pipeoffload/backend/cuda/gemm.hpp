@@ -9,6 +9,7 @@
 
 #include <cublasLt.h>
 
+#include <cstdint>
 #include <memory>
 
 #include "check.hpp"
@@ -59,6 +60,14 @@ inline void gemm(const backend::CudaContext& ctx, const RowMajorGemm& g, const _
   std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, detail::DescDeleter> pref(raw_pref);
   const std::size_t ws = ctx.workspace_bytes;
   PIPEOFFLOAD_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(raw_pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  // The heuristic assumes 256-byte aligned operands unless told otherwise; operands inside a
+  // parameter vector or a saved buffer may be less aligned (cuBLASLt's A is the row-major B).
+  const std::uint32_t align[4] = {pointer_alignment(reinterpret_cast<std::uintptr_t>(B)), pointer_alignment(reinterpret_cast<std::uintptr_t>(A)),
+                                  pointer_alignment(reinterpret_cast<std::uintptr_t>(C)), pointer_alignment(reinterpret_cast<std::uintptr_t>(C))};
+  const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                              CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 4; ++i)
+    PIPEOFFLOAD_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(raw_pref, align_attr[i], &align[i], sizeof align[i]));
   cublasLtMatmulHeuristicResult_t best{};
   int found = 0;
   PIPEOFFLOAD_CUDA_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx.lt, raw_desc, la.get(), lb.get(), lc.get(), lc.get(), raw_pref, 1, &best, &found));

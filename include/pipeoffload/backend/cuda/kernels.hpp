@@ -46,10 +46,17 @@ void gelu_backward(const bf16* x, bf16* g, long long count, cudaStream_t stream)
 void residual_dropout(const bf16* x, const bf16* y, bf16* out, long long count, std::uint64_t seed, float p, cudaStream_t stream);
 /// out = g * dropout_scale(seed, i, p) (the mask regenerated from the seed, never stored).
 void dropout_backward(const bf16* g, bf16* out, long long count, std::uint64_t seed, float p, cudaStream_t stream);
+/// residual_dropout that also saves each element's keep decision as a byte (recompute off):
+/// mask[i] = dropout_scale(seed, i, p) != 0.
+void residual_dropout_mask(const bf16* x, const bf16* y, bf16* out, std::uint8_t* mask, long long count, std::uint64_t seed, float p,
+                           cudaStream_t stream);
+/// out = g * dropout_mask_scale(mask[i], p): dropout_backward from the saved mask.
+void dropout_backward_mask(const bf16* g, const std::uint8_t* mask, bf16* out, long long count, float p, cudaStream_t stream);
 /// out = a + b.
 void add(const bf16* a, const bf16* b, bf16* out, long long count, cudaStream_t stream);
-/// y (rows, n) += bias (n).
+/// y (rows, n) += bias (n), bf16 activations or fp32 (the LM head's logits).
 void add_bias(bf16* y, const float* bias, long long rows, int n, cudaStream_t stream);
+void add_bias(float* y, const float* bias, long long rows, int n, cudaStream_t stream);
 /// db (n) += sum_rows dy (fp32, one thread per column, row order).
 void bias_grad(const bf16* dy, float* db, long long rows, int n, cudaStream_t stream);
 /// Precision conversions (weights: fp32 master -> bf16 working copy; boundaries: bf16 <-> fp32).

@@ -1,0 +1,455 @@
+// pipeoffload/backend/cuda/gpt.hpp: cuda::GptStage, the reference GPT's pipeline stage on one
+// GPU: bf16 activations, fp32 parameters, gradients and accumulation.
+//
+// The same model as model::GptStage (model/gpt.hpp), stage for stage: the same blocks per
+// stage, the same fp32 parameter vector (order, offsets and norm_groups()), the same dropout
+// seeds (math::dropout_seed of run seed, step, block, site and microbatch) and the same
+// per-element math (model/math.hpp, through kernels/). What differs is precision and where the
+// work runs:
+//   - activations, saved tensors and stashed gradients are bf16; parameters, gradients,
+//     LayerNorm statistics, attention log-sum-exps, logits and losses are fp32;
+//   - GEMMs run on cuBLASLt (cuda::gemm: bf16 operands, fp32 accumulation) with a bf16 working
+//     copy of the parameters, refreshed from the fp32 master by the forward of microbatch 0
+//     (every iteration's first pass of a stage, after the previous step's update);
+//   - attention is cuDNN's fused causal SDPA: F keeps qkv, the attention output and the
+//     log-sum-exps; B recomputes the probabilities inside cuDNN's backward (no s x s matrix);
+//   - the rest are thin kernels (backend/cuda/kernels.hpp) over model/math.hpp's functions.
+// Split backward as on the CPU: B runs the dgrad GEMMs (bf16 outputs) and stashes every GEMM's
+// output gradient; W runs the wgrad GEMMs, accumulating (beta = 1) into the fp32 gradients,
+// and the bias and LayerNorm weight gradients.
+//
+// Memory. What F keeps for B and W is all in `saved` (per block 20 b s h bytes with selective
+// recompute, 34 b s h without, plus fp32 statistics; backend/cuda/shapes.hpp gpt_block_saved),
+// what B keeps for W all in `stash`. The parameters, gradients, working copy and the stage's
+// scratch (gpt_workspace, sized for the largest microbatch) are cudaMalloc'd once, at
+// construction; no pass allocates. No scratch region lives from one pass to the next, but the
+// passes of one stage share it, so they must run in order on one stream (po::Runtime runs F, B
+// and W on its compute stream). backend::Cuda takes 3/4 of the free memory for its arena by
+// default: give it Options::arena_bytes so that the stage's own allocations fit beside it.
+//
+// Every pass checks its arguments on the host, enqueues work on ctx.cuda_stream and returns
+// (po::layer_for's asynchronous contract): the last stage's forward writes the microbatch's
+// mean loss to mb.loss on the device. Tokens and targets are read on the device, where nothing
+// can throw: a token outside the vocabulary gives a NaN embedding row (so non-finite gradients,
+// which the runtime's check reports), a target outside it a NaN loss.
+//
+// @code
+//   po::model::GptConfig cfg{.vocab = 50304, .hidden = 2048, .heads = 16, .layers = 24, .seq = 2048};
+//   po::backend::Cuda dev({.arena_bytes = std::size_t{40} << 30});  // leaves room for the stage
+//   // Stage 3 of 8 (blocks 9..11), from the CPU model's initial parameters:
+//   po::cuda::GptStage stage(dev, cfg, 3, 8, {.batch = 1, .seq = 2048});
+//   // po::Runtime<Schedule, po::cuda::GptStage, po::backend::Cuda, Comm> takes a rank's stages.
+//   static_assert(po::layer_for<po::cuda::GptStage, po::backend::CudaContext>);
+// @endcode
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../../error.hpp"
+#include "../../model/gpt.hpp"
+#include "../../model/layer.hpp"
+#include "../../model/math.hpp"
+#include "attention.hpp"
+#include "check.hpp"
+#include "cuda.hpp"
+#include "gemm.hpp"
+#include "kernels.hpp"
+#include "shapes.hpp"
+
+namespace pipeoffload::cuda {
+
+namespace detail {
+
+/// cudaMalloc'd memory of one device, freed there on destruction (errors are not thrown from a
+/// destructor; the owner keeps it alive until the passes that use it are done).
+class DeviceMemory {
+ public:
+  DeviceMemory() = default;
+  DeviceMemory(int device, std::size_t bytes) : device_(device) {
+    PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(device));
+    void* p = nullptr;
+    PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
+    ptr_ = static_cast<std::byte*>(p);
+  }
+  DeviceMemory(DeviceMemory&& o) noexcept : device_(o.device_), ptr_(std::exchange(o.ptr_, nullptr)) {}
+  DeviceMemory& operator=(DeviceMemory&& o) noexcept {
+    if (this != &o) {
+      release();
+      device_ = o.device_;
+      ptr_ = std::exchange(o.ptr_, nullptr);
+    }
+    return *this;
+  }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  ~DeviceMemory() { release(); }
+
+  template <class T>
+  T* as() const {
+    return reinterpret_cast<T*>(ptr_);
+  }
+
+ private:
+  void release() noexcept {
+    if (ptr_ == nullptr) return;
+    int previous = -1;
+    if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+    cudaSetDevice(device_);
+    cudaFree(ptr_);
+    if (previous >= 0) cudaSetDevice(previous);
+    cudaGetLastError();  // a failure here must not surface in an unrelated later check
+    ptr_ = nullptr;
+  }
+  int device_ = 0;
+  std::byte* ptr_ = nullptr;
+};
+
+}  // namespace detail
+
+/// Stage `stage` of `stages` of the reference GPT (model::GptConfig) on a GPU; see the file
+/// comment. Models po::layer_for<cuda::GptStage, backend::CudaContext>.
+class GptStage {
+ public:
+  using bf16 = __nv_bfloat16;
+
+  /// Starts from model::GptStage(cfg, stage, stages)'s initial parameters (built on the CPU,
+  /// so a GPU run starts from exactly a CPU run's parameters); microbatches of at most
+  /// max_shape.tokens() tokens and max_shape.seq <= cfg.seq.
+  GptStage(backend::Cuda& dev, const model::GptConfig& cfg, int stage, int stages, MicrobatchShape max_shape)
+      : GptStage(dev, cfg, stage, stages, max_shape, model::GptStage(cfg, stage, stages).parameters()) {}
+
+  /// Starts from `initial`: the parameters() of a model::GptStage(cfg, stage, stages), e.g. a
+  /// CPU run's current ones (same layout, copied as they are).
+  GptStage(backend::Cuda& dev, const model::GptConfig& cfg, int stage, int stages, MicrobatchShape max_shape, std::span<const float> initial)
+      : cfg_(cfg), max_(max_shape), device_(dev.device()) {
+    cfg.check();
+    const BlockRange r = gpt_blocks_of_stage(cfg.layers, stage, stages);
+    dims_ = GptDims{cfg.vocab, cfg.hidden, cfg.heads, cfg.seq, r.first, r.count, stage == 0, stage == stages - 1, cfg.recompute};
+    params_ = gpt_stage_params(dims_);
+    if (max_shape.batch < 1 || max_shape.seq < 1 || max_shape.seq > cfg.seq)
+      throw shape_error("cuda::GptStage: microbatch shape batch = " + std::to_string(max_shape.batch) + ", seq = " + std::to_string(max_shape.seq) +
+                        " (need batch >= 1 and 1 <= seq <= the position table's " + std::to_string(cfg.seq) + ")");
+    if (dims_.blocks > 0) (void)sdpa_layout(max_shape.batch, cfg.heads, max_shape.seq, cfg.hidden / cfg.heads);  // cuDNN's head_dim limits
+    if (static_cast<long long>(initial.size()) != params_.total)
+      throw error("cuda::GptStage: stage " + std::to_string(stage) + " of " + std::to_string(stages) + " has " + std::to_string(params_.total) +
+                  " parameters; the initial values have " + std::to_string(initial.size()));
+    const std::size_t n = static_cast<std::size_t>(params_.total);
+    master_ = detail::DeviceMemory(device_, n * sizeof(float));
+    grads_ = detail::DeviceMemory(device_, n * sizeof(float));
+    work_ = detail::DeviceMemory(device_, working_count() * sizeof(bf16));
+    scratch_ = detail::DeviceMemory(device_, gpt_workspace(dims_, max_.tokens()).bytes);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(master(), initial.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemset(grad(), 0, n * sizeof(float)));
+    refresh_working_copy(nullptr);
+    // The passes run on non-blocking streams, which do not wait for the legacy stream above.
+    PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+  // ---- po::layer_for<GptStage, backend::CudaContext> -------------------------------------------
+
+  std::size_t boundary_floats(MicrobatchShape sh) const { return static_cast<std::size_t>(sh.tokens() * dims_.hidden); }
+  std::size_t saved_bytes(MicrobatchShape sh) const { return gpt_stage_buffers(dims_, sh.tokens()).saved_bytes; }
+  std::size_t stash_bytes(MicrobatchShape sh) const { return gpt_stage_buffers(dims_, sh.tokens()).stash_bytes; }
+  /// fp32 master parameters and gradients, device memory, model::GptStage's layout.
+  std::span<float> parameters() { return {master(), static_cast<std::size_t>(params_.total)}; }
+  std::span<float> gradients() { return {grad(), static_cast<std::size_t>(params_.total)}; }
+  std::vector<std::size_t> norm_groups() const { return gpt_norm_groups(dims_); }
+
+  void forward(backend::CudaContext& ctx, const Microbatch& mb, const float* x, float* y, std::byte* saved) {
+    const Pass p = begin("forward", ctx, mb, saved, nullptr, false);
+    if (!dims_.embeds && x == nullptr) throw error(who("forward") + ": x is null; only stage 0 reads tokens instead");
+    if (dims_.embeds && mb.tokens == nullptr) throw error(who("forward") + ": mb.tokens is null");
+    if (!dims_.has_head && y == nullptr) throw error(who("forward") + ": y is null; only the last stage has no output");
+    if (dims_.has_head && (mb.targets == nullptr || mb.loss == nullptr)) throw error(who("forward") + ": mb.targets or mb.loss is null");
+    if (mb.mb == 0) refresh_working_copy(p.s);
+    const long long T = p.T;
+    // The stage's input goes where the first consumer keeps it: block 0's saved x, the head's
+    // saved x, or (no blocks, no head) the scratch output that becomes y.
+    bf16* in = dims_.blocks > 0 ? saved_block(saved, p, 0).x : dims_.has_head ? head_x(saved, p) : scratch<bf16>(p.ws.io);
+    if (dims_.embeds)
+      kernels::embedding_forward(mb.tokens, master(), master() + params_.wpe, in, T, mb.shape.seq, h(), V(), p.s);
+    else
+      kernels::to_bf16(x, in, T * h(), p.s);
+    for (int i = 0; i < dims_.blocks; ++i) {
+      bf16* out = i + 1 < dims_.blocks ? saved_block(saved, p, i + 1).x : dims_.has_head ? head_x(saved, p) : scratch<bf16>(p.ws.io);
+      block_forward(ctx, mb, p, i, saved, out);
+    }
+    if (dims_.has_head) head_forward(ctx, mb, p, saved);
+    else kernels::to_float(scratch<bf16>(p.ws.io), y, T * h(), p.s);
+  }
+
+  void backward_input(backend::CudaContext& ctx, const Microbatch& mb, const float* dy, float* dx, std::byte* saved, std::byte* stash) {
+    const Pass p = begin("backward_input", ctx, mb, saved, stash, true);
+    if (!dims_.has_head && dy == nullptr) throw error(who("backward_input") + ": dy is null; only the last stage starts from its loss");
+    if (!dims_.embeds && dx == nullptr) throw error(who("backward_input") + ": dx is null; only stage 0 has no input gradient");
+    // (T, h) bf16 gradient flowing down through the blocks. Stage 0 keeps the last one in the
+    // stash, where W's embedding gradient reads it.
+    bf16* g = dims_.embeds ? at<bf16>(stash, p.buf.stash_embed) : scratch<bf16>(p.ws.io);
+    if (dims_.has_head) head_backward_input(ctx, p, saved, stash, g);
+    else kernels::to_bf16(dy, g, p.T * h(), p.s);
+    for (int i = dims_.blocks - 1; i >= 0; --i) block_backward_input(ctx, mb, p, i, saved, stash, g);
+    if (!dims_.embeds) kernels::to_float(g, dx, p.T * h(), p.s);
+  }
+
+  void backward_weight(backend::CudaContext& ctx, const Microbatch& mb, std::byte* saved, std::byte* stash) {
+    const Pass p = begin("backward_weight", ctx, mb, saved, stash, true);
+    if (dims_.embeds) {
+      if (mb.tokens == nullptr) throw error(who("backward_weight") + ": mb.tokens is null");
+      kernels::embedding_backward(mb.tokens, at<bf16>(stash, p.buf.stash_embed), grad(), grad() + params_.wpe, p.T, mb.shape.seq, h(), V(), p.s);
+    }
+    for (int i = 0; i < dims_.blocks; ++i) block_backward_weight(ctx, p, i, saved, stash);
+    if (dims_.has_head) head_backward_weight(ctx, p, saved, stash);
+  }
+
+  // ---- what the tests and benchmarks look at ----------------------------------------------------
+
+  const GptDims& dims() const { return dims_; }
+  const GptStageParams& parameter_layout() const { return params_; }
+  MicrobatchShape max_shape() const { return max_; }
+
+ private:
+  // ---- sizes and pointers -------------------------------------------------------------------
+
+  int h() const { return static_cast<int>(dims_.hidden); }
+  int V() const { return static_cast<int>(dims_.vocab); }
+  float* master() const { return master_.as<float>(); }
+  float* grad() const { return grads_.as<float>(); }
+  /// The working copy covers the blocks and the head (what GEMMs read), not the embedding.
+  std::size_t working_count() const { return static_cast<std::size_t>(params_.total - params_.blocks_begin); }
+  /// Element `off` of block i's group in the fp32 master, the gradients, or the bf16 copy.
+  float* param(int i, long long off) const { return master() + params_.block_begin(i) + off; }
+  float* grad(int i, long long off) const { return grad() + params_.block_begin(i) + off; }
+  const bf16* weight(int i, long long off) const { return work_.as<bf16>() + (params_.block_begin(i) - params_.blocks_begin) + off; }
+  float* head_param(long long off) const { return master() + params_.head_begin + off; }
+  float* head_grad(long long off) const { return grad() + params_.head_begin + off; }
+  const bf16* head_weight(long long off) const { return work_.as<bf16>() + (params_.head_begin - params_.blocks_begin) + off; }
+
+  template <class T>
+  static T* at(std::byte* base, Region r) {
+    return r.bytes == 0 ? nullptr : reinterpret_cast<T*>(base + r.offset);
+  }
+  template <class T>
+  T* scratch(Region r) const {
+    return at<T>(scratch_.as<std::byte>(), r);
+  }
+
+  std::string who(const char* pass) const {
+    return std::string("cuda::GptStage (blocks ") + std::to_string(dims_.first_block) + ".." + std::to_string(dims_.first_block + dims_.blocks) +
+           ")::" + pass;
+  }
+
+  /// What every pass needs about its microbatch, checked once on the host.
+  struct Pass {
+    cudaStream_t s = nullptr;
+    long long T = 0;
+    GptStageBuffers buf{};
+    GptWorkspace ws{};
+    attention::Shape att{};
+  };
+  Pass begin(const char* pass, const backend::CudaContext& ctx, const Microbatch& mb, const std::byte* saved, const std::byte* stash,
+             bool needs_stash) const {
+    const MicrobatchShape sh = mb.shape;
+    if (sh.batch < 1 || sh.seq < 1 || sh.seq > cfg_.seq || sh.tokens() > max_.tokens())
+      throw shape_error(who(pass) + ": microbatch shape batch = " + std::to_string(sh.batch) + ", seq = " + std::to_string(sh.seq) +
+                        " (need batch, seq >= 1, seq <= " + std::to_string(cfg_.seq) + ", batch * seq <= the constructor's " +
+                        std::to_string(max_.tokens()) + ")");
+    Pass p;
+    p.s = ctx.cuda_stream;
+    p.T = sh.tokens();
+    p.buf = gpt_stage_buffers(dims_, p.T);
+    // (A stage without blocks, embedding or head keeps nothing: its buffers may be null.)
+    const auto aligned = [](const std::byte* q) { return q != nullptr && reinterpret_cast<std::uintptr_t>(q) % region_alignment == 0; };
+    const std::string align = " must be a device buffer aligned to " + std::to_string(region_alignment) + " bytes (backend::Cuda's blocks are)";
+    if (p.buf.saved_bytes > 0 && !aligned(saved)) throw error(who(pass) + ": saved" + align);
+    if (needs_stash && p.buf.stash_bytes > 0 && !aligned(stash)) throw error(who(pass) + ": stash" + align);
+    p.ws = gpt_workspace(dims_, p.T);
+    p.att = attention::Shape{sh.batch, static_cast<int>(dims_.heads), sh.seq, static_cast<int>(dims_.hidden / dims_.heads)};
+    return p;
+  }
+
+  /// One block's saved tensors (null where recompute leaves a region out).
+  struct Saved {
+    bf16 *x, *qkv, *att, *x1, *f, *a1, *a2, *g;
+    float *stats, *lse;  // stats: LN1 (mean, rstd) rows, then LN2's at + 2T
+    std::uint8_t *m1, *m2;
+  };
+  static Saved saved_block(std::byte* saved, const Pass& p, int i) {
+    std::byte* b = saved + p.buf.block_saved(i);
+    const GptBlockSaved& L = p.buf.block;
+    return {at<bf16>(b, L.x),     at<bf16>(b, L.qkv), at<bf16>(b, L.att), at<bf16>(b, L.x1), at<bf16>(b, L.f),
+            at<bf16>(b, L.a1),    at<bf16>(b, L.a2),  at<bf16>(b, L.g),   at<float>(b, L.stats), at<float>(b, L.lse),
+            at<std::uint8_t>(b, L.m1), at<std::uint8_t>(b, L.m2)};
+  }
+  static bf16* head_x(std::byte* saved, const Pass& p) { return at<bf16>(saved + p.buf.head_saved, p.buf.head.x); }
+
+  /// One block's stash: the gradients of its GEMM and LayerNorm outputs.
+  struct Stash {
+    bf16 *dP2, *dF, *dA2, *dO1, *dQKV, *dA1;
+  };
+  static Stash stash_block(std::byte* stash, const Pass& p, int i) {
+    std::byte* b = stash + p.buf.block_stashed(i);
+    const GptBlockStash& L = p.buf.block_stash;
+    return {at<bf16>(b, L.dP2), at<bf16>(b, L.dF), at<bf16>(b, L.dA2), at<bf16>(b, L.dO1), at<bf16>(b, L.dQKV), at<bf16>(b, L.dA1)};
+  }
+
+  std::uint64_t drop_seed(const Microbatch& mb, int block, int site) const {
+    return math::dropout_seed(cfg_.seed, mb.step, dims_.first_block + block, site, mb.mb);
+  }
+
+  void refresh_working_copy(cudaStream_t s) {
+    kernels::to_bf16(master() + params_.blocks_begin, work_.as<bf16>(), static_cast<long long>(working_count()), s);
+  }
+
+  // ---- one block -----------------------------------------------------------------------------
+  // Y = X W + b as model/gpt.hpp's linear: the GEMM rounds to bf16, then the fp32 bias is added.
+
+  void linear(const backend::CudaContext& ctx, const Pass& p, const bf16* X, const bf16* W, const float* b, bf16* Y, long long k, long long n) const {
+    gemm(ctx, linear_forward(p.T, k, n), X, W, Y, Out::bf16);
+    kernels::add_bias(Y, b, p.T, static_cast<int>(n), p.s);
+  }
+  /// dW (k, n) += X^T dY ; db (n) += column sums of dY.
+  void linear_weight_grad(const backend::CudaContext& ctx, const Pass& p, const bf16* X, const bf16* dY, float* dW, float* db, long long k,
+                          long long n) const {
+    gemm(ctx, linear_wgrad(p.T, k, n), X, dY, dW, Out::f32);
+    kernels::bias_grad(dY, db, p.T, static_cast<int>(n), p.s);
+  }
+
+  void block_forward(const backend::CudaContext& ctx, const Microbatch& mb, const Pass& p, int i, std::byte* saved, bf16* out) {
+    const Saved v = saved_block(saved, p, i);
+    const GptBlockParams& o = params_.block;
+    const long long T = p.T, H = dims_.hidden;
+    const float drop = cfg_.dropout;
+    bf16* proj = scratch<bf16>(p.ws.proj);  // (T, h) projection output before its residual
+    bf16* a1 = cfg_.recompute ? scratch<bf16>(p.ws.ln) : v.a1;
+    kernels::layernorm_forward(v.x, param(i, o.ln1g), param(i, o.ln1b), a1, v.stats, T, h(), p.s);
+    linear(ctx, p, a1, weight(i, o.wqkv), param(i, o.bqkv), v.qkv, H, 3 * H);
+    attention::forward(ctx.dnn, p.s, p.att, v.qkv, v.att, v.lse, ctx.workspace, ctx.workspace_bytes);
+    linear(ctx, p, v.att, weight(i, o.wo), param(i, o.bo), proj, H, H);
+    if (cfg_.recompute) kernels::residual_dropout(v.x, proj, v.x1, T * H, drop_seed(mb, i, 0), drop, p.s);
+    else kernels::residual_dropout_mask(v.x, proj, v.x1, v.m1, T * H, drop_seed(mb, i, 0), drop, p.s);
+    bf16* a2 = cfg_.recompute ? scratch<bf16>(p.ws.ln) : v.a2;
+    kernels::layernorm_forward(v.x1, param(i, o.ln2g), param(i, o.ln2b), a2, v.stats + 2 * T, T, h(), p.s);
+    linear(ctx, p, a2, weight(i, o.wfc), param(i, o.bfc), v.f, H, 4 * H);
+    bf16* g = cfg_.recompute ? scratch<bf16>(p.ws.gelu) : v.g;
+    kernels::gelu_forward(v.f, g, 4 * T * H, p.s);
+    linear(ctx, p, g, weight(i, o.wpr), param(i, o.bpr), proj, 4 * H, H);
+    if (cfg_.recompute) kernels::residual_dropout(v.x1, proj, out, T * H, drop_seed(mb, i, 1), drop, p.s);
+    else kernels::residual_dropout_mask(v.x1, proj, out, v.m2, T * H, drop_seed(mb, i, 1), drop, p.s);
+  }
+
+  /// g (T, h): dL/d(block output) in, dL/d(block input) out, in place. model/gpt.hpp's
+  /// block_backward_input, with LayerNorm backward accumulating into the residual gradient.
+  void block_backward_input(const backend::CudaContext& ctx, const Microbatch& mb, const Pass& p, int i, std::byte* saved, std::byte* stash,
+                            bf16* g) {
+    const Saved v = saved_block(saved, p, i);
+    const Stash st = stash_block(stash, p, i);
+    const GptBlockParams& o = params_.block;
+    const long long T = p.T, H = dims_.hidden;
+    const float drop = cfg_.dropout;
+    // MLP: dP2 = dropout'(g); dG = dP2 Wpr^T; dF = dG * GeLU'(f); dA2 = dF Wfc^T.
+    if (cfg_.recompute) kernels::dropout_backward(g, st.dP2, T * H, drop_seed(mb, i, 1), drop, p.s);
+    else kernels::dropout_backward_mask(g, v.m2, st.dP2, T * H, drop, p.s);
+    gemm(ctx, linear_dgrad(T, 4 * H, H), st.dP2, weight(i, o.wpr), st.dF, Out::bf16);
+    kernels::gelu_backward(v.f, st.dF, 4 * T * H, p.s);
+    gemm(ctx, linear_dgrad(T, H, 4 * H), st.dF, weight(i, o.wfc), st.dA2, Out::bf16);
+    // g becomes dL/dx1 = g + LN2's input gradient.
+    kernels::layernorm_backward(st.dA2, v.x1, v.stats + 2 * T, param(i, o.ln2g), g, T, h(), true, p.s);
+    // Attention: dO1 = dropout'(dL/dx1); datt = dO1 Wo^T; dqkv by cuDNN; dA1 = dqkv Wqkv^T.
+    if (cfg_.recompute) kernels::dropout_backward(g, st.dO1, T * H, drop_seed(mb, i, 0), drop, p.s);
+    else kernels::dropout_backward_mask(g, v.m1, st.dO1, T * H, drop, p.s);
+    bf16* datt = scratch<bf16>(p.ws.proj);
+    gemm(ctx, linear_dgrad(T, H, H), st.dO1, weight(i, o.wo), datt, Out::bf16);
+    attention::backward(ctx.dnn, p.s, p.att, v.qkv, v.att, datt, v.lse, st.dQKV, ctx.workspace, ctx.workspace_bytes);
+    gemm(ctx, linear_dgrad(T, H, 3 * H), st.dQKV, weight(i, o.wqkv), st.dA1, Out::bf16);
+    // g becomes dL/dx = dL/dx1 + LN1's input gradient.
+    kernels::layernorm_backward(st.dA1, v.x, v.stats, param(i, o.ln1g), g, T, h(), true, p.s);
+  }
+
+  /// model/gpt.hpp's block_backward_weight: the recomputed (or saved) GEMM inputs against the
+  /// stashed output gradients.
+  void block_backward_weight(const backend::CudaContext& ctx, const Pass& p, int i, std::byte* saved, std::byte* stash) {
+    const Saved v = saved_block(saved, p, i);
+    const Stash st = stash_block(stash, p, i);
+    const GptBlockParams& o = params_.block;
+    const long long T = p.T, H = dims_.hidden;
+    linear_weight_grad(ctx, p, v.att, st.dO1, grad(i, o.wo), grad(i, o.bo), H, H);
+    bf16* g = v.g;
+    if (cfg_.recompute) {
+      g = scratch<bf16>(p.ws.gelu);
+      kernels::gelu_forward(v.f, g, 4 * T * H, p.s);
+    }
+    linear_weight_grad(ctx, p, g, st.dP2, grad(i, o.wpr), grad(i, o.bpr), 4 * H, H);
+    bf16* a2 = v.a2;
+    if (cfg_.recompute) {
+      a2 = scratch<bf16>(p.ws.ln);
+      kernels::layernorm_recompute(v.x1, v.stats + 2 * T, param(i, o.ln2g), param(i, o.ln2b), a2, T, h(), p.s);
+    }
+    linear_weight_grad(ctx, p, a2, st.dF, grad(i, o.wfc), grad(i, o.bfc), H, 4 * H);
+    kernels::layernorm_weight_grad(st.dA2, v.x1, v.stats + 2 * T, grad(i, o.ln2g), grad(i, o.ln2b), T, h(), p.s);
+    bf16* a1 = v.a1;
+    if (cfg_.recompute) {
+      a1 = scratch<bf16>(p.ws.ln);
+      kernels::layernorm_recompute(v.x, v.stats, param(i, o.ln1g), param(i, o.ln1b), a1, T, h(), p.s);
+    }
+    linear_weight_grad(ctx, p, a1, st.dQKV, grad(i, o.wqkv), grad(i, o.bqkv), H, 3 * H);
+    kernels::layernorm_weight_grad(st.dA1, v.x, v.stats, grad(i, o.ln1g), grad(i, o.ln1b), T, h(), p.s);
+  }
+
+  // ---- head ----------------------------------------------------------------------------------
+
+  void head_forward(const backend::CudaContext& ctx, const Microbatch& mb, const Pass& p, std::byte* saved) {
+    std::byte* hp = saved + p.buf.head_saved;
+    const bf16* x = at<bf16>(hp, p.buf.head.x);
+    float* stats = at<float>(hp, p.buf.head.stats);
+    bf16* a = scratch<bf16>(p.ws.ln);
+    float* logits = scratch<float>(p.ws.logits);  // (T, V) fp32, then the loss gradient in place
+    float* losses = scratch<float>(p.ws.losses);
+    kernels::layernorm_forward(x, head_param(params_.lnfg), head_param(params_.lnfb), a, stats, p.T, h(), p.s);
+    gemm(ctx, linear_forward(p.T, dims_.hidden, dims_.vocab), a, head_weight(params_.head_w), logits, Out::f32);
+    kernels::add_bias(logits, head_param(params_.head_b), p.T, V(), p.s);
+    // As model/gpt.hpp: the loss gradient is computed with the loss, scaled by loss_scale / T.
+    kernels::softmax_xent(logits, mb.targets, losses, logits, p.T, V(), mb.loss_scale / static_cast<float>(p.T), p.s);
+    kernels::to_bf16(logits, at<bf16>(hp, p.buf.head.dlogits), p.T * dims_.vocab, p.s);
+    kernels::mean(losses, mb.loss, p.T, p.s);
+  }
+
+  /// g (T, h) = dL/d(head input); the LayerNorm output's gradient goes to the stash for W.
+  void head_backward_input(const backend::CudaContext& ctx, const Pass& p, std::byte* saved, std::byte* stash, bf16* g) {
+    std::byte* hp = saved + p.buf.head_saved;
+    bf16* da = at<bf16>(stash, p.buf.stash_head);
+    gemm(ctx, linear_dgrad(p.T, dims_.hidden, dims_.vocab), at<bf16>(hp, p.buf.head.dlogits), head_weight(params_.head_w), da, Out::bf16);
+    kernels::layernorm_backward(da, at<bf16>(hp, p.buf.head.x), at<float>(hp, p.buf.head.stats), head_param(params_.lnfg), g, p.T, h(), false, p.s);
+  }
+
+  void head_backward_weight(const backend::CudaContext& ctx, const Pass& p, std::byte* saved, std::byte* stash) {
+    std::byte* hp = saved + p.buf.head_saved;
+    const bf16* x = at<bf16>(hp, p.buf.head.x);
+    const float* stats = at<float>(hp, p.buf.head.stats);
+    bf16* a = scratch<bf16>(p.ws.ln);
+    kernels::layernorm_recompute(x, stats, head_param(params_.lnfg), head_param(params_.lnfb), a, p.T, h(), p.s);
+    linear_weight_grad(ctx, p, a, at<bf16>(hp, p.buf.head.dlogits), head_grad(params_.head_w), head_grad(params_.head_b), dims_.hidden, dims_.vocab);
+    kernels::layernorm_weight_grad(at<bf16>(stash, p.buf.stash_head), x, stats, head_grad(params_.lnfg), head_grad(params_.lnfb), p.T, h(), p.s);
+  }
+
+  model::GptConfig cfg_;
+  MicrobatchShape max_;
+  int device_ = 0;
+  GptDims dims_{};
+  GptStageParams params_{};
+  detail::DeviceMemory master_;   // (total) fp32 parameters, the optimizer's
+  detail::DeviceMemory grads_;    // (total) fp32 gradients, accumulated by W, zeroed by the optimizer
+  detail::DeviceMemory work_;     // (total - embedding) bf16 copy of the blocks' and head's parameters
+  detail::DeviceMemory scratch_;  // gpt_workspace(dims, max tokens) bytes
+};
+
+static_assert(layer_for<GptStage, backend::CudaContext>, "cuda::GptStage must model po::layer_for<GptStage, backend::CudaContext>.");
+
+}  // namespace pipeoffload::cuda

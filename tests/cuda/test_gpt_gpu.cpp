@@ -1,0 +1,483 @@
+// tests/cuda/test_gpt_gpu.cpp: cuda::GptStage against the CPU reference model::GptStage (needs
+// a GPU; gpu_main.cpp exits 77 without one).
+//
+// Each case runs the same stage on both backends from the same parameters and inputs, in the
+// order a pipeline runs two microbatches, F0 F1 B0 B1 W0 W1, and compares the last stage's
+// losses, the boundary outputs y, B's input gradients dx and W's accumulated gradients, tensor
+// by tensor. Along the way the GPU side is held to the layer contract: saved and stash buffers
+// start as NaN (0xFF bytes), so reading a region before writing it poisons the results; F1,
+// B1 run between F0 and B0/W0 and overwrite the stage's scratch, so nothing may live there
+// between passes; and microbatch 0's saved buffer is "offloaded" between F and B (copied to
+// the host, its device buffer poisoned, reloaded into a different buffer), as PO does.
+//
+// Parameters are drawn for sensitivity, not taken from the model's init (whose zero biases,
+// unit gains and small residual projections would hide a missing bias or a wrong branch
+// behind the residual stream): gains 1 +- 0.1, biases and shifts +- 0.1, weights with std
+// 1/sqrt(fan_in), so every branch moves the residual stream by O(1). They, x and dy are rounded
+// to bf16 first, so both sides start from the same numbers and the difference is the GPU's
+// arithmetic alone.
+//
+// Tolerance: the norm-wise relative error ||gpu - cpu|| / ||cpu|| of each tensor. The GPU rounds
+// every stored activation and gradient to bf16 (unit roundoff u = 2^-8; the RMS relative error
+// of one rounding is about u / 3 = 1.3e-3), GEMMs and reductions accumulate in fp32 (error
+// ~1e-6, negligible), cuDNN's attention rounds its probabilities to bf16 inside. Independent
+// roundings add in quadrature: a forward output of a two-block stage sits behind about 30
+// roundings (sqrt(30) * 1.3e-3 = 7e-3), a gradient behind about 60 of F and B
+// (sqrt(60) * 1.3e-3 = 1e-2), and LayerNorm's and softmax's backward cancel and can amplify
+// that by 2 or 3. So: y and the loss within 2e-2, dx and weight gradients within 5e-2, three
+// to five times the expected error and well below what any wrong offset, transpose, seed or
+// missing term gives (tens of percent: with these parameters every term is O(1)). Every case
+// prints its errors (doctest -s) for tuning on a new GPU.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <pipeoffload/backend/cuda/gpt.hpp>
+#include <pipeoffload/model/gpt.hpp>
+#include <pipeoffload/runtime.hpp>
+
+namespace po = pipeoffload;
+namespace pc = pipeoffload::cuda;
+
+namespace {
+
+constexpr double forward_tol = 2e-2;   // y and the loss
+constexpr double backward_tol = 5e-2;  // dx and every weight gradient
+
+float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+std::vector<float> random_bf16(std::size_t n, unsigned seed, float scale) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = round_bf16(d(rng));
+  return v;
+}
+
+double rel_error(const float* got, const float* want, std::size_t n) {
+  double d = 0, w = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    d += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
+    w += static_cast<double>(want[i]) * want[i];
+  }
+  if (w == 0) return d == 0 ? 0.0 : INFINITY;
+  return std::sqrt(d / w);  // NaN in got gives NaN, which fails every <= check
+}
+
+void check_rel(const std::string& what, const float* got, const float* want, std::size_t n, double tol) {
+  const double e = rel_error(got, want, n);
+  MESSAGE(what << ": relative error " << e << " (tolerance " << tol << ")");
+  CHECK_MESSAGE(e <= tol, what << ": relative error " << e << " is above " << tol);
+}
+
+/// Sensitive test parameters (see the file comment), bf16-representable, in the CPU layout.
+void draw_parameters(std::span<float> p, const pc::GptDims& d, unsigned seed) {
+  const pc::GptStageParams L = pc::gpt_stage_params(d);
+  REQUIRE(static_cast<long long>(p.size()) == L.total);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n01(0.0f, 1.0f);
+  const auto fill = [&](long long off, long long count, float mean, float sd) {
+    for (long long i = 0; i < count; ++i) p[static_cast<std::size_t>(off + i)] = round_bf16(mean + sd * n01(rng));
+  };
+  const long long h = d.hidden, V = d.vocab;
+  const float in_h = 1.0f / std::sqrt(static_cast<float>(h)), in_4h = 1.0f / std::sqrt(static_cast<float>(4 * h));
+  if (d.embeds) {
+    fill(0, V * h, 0.0f, 1.0f);
+    fill(L.wpe, d.positions * h, 0.0f, 0.5f);
+  }
+  for (int i = 0; i < d.blocks; ++i) {
+    const long long b = L.block_begin(i);
+    const pc::GptBlockParams& o = L.block;
+    fill(b + o.ln1g, h, 1.0f, 0.1f);
+    fill(b + o.ln1b, h, 0.0f, 0.1f);
+    fill(b + o.wqkv, 3 * h * h, 0.0f, in_h);
+    fill(b + o.bqkv, 3 * h, 0.0f, 0.1f);
+    fill(b + o.wo, h * h, 0.0f, in_h);
+    fill(b + o.bo, h, 0.0f, 0.1f);
+    fill(b + o.ln2g, h, 1.0f, 0.1f);
+    fill(b + o.ln2b, h, 0.0f, 0.1f);
+    fill(b + o.wfc, 4 * h * h, 0.0f, in_h);
+    fill(b + o.bfc, 4 * h, 0.0f, 0.1f);
+    fill(b + o.wpr, 4 * h * h, 0.0f, in_4h);
+    fill(b + o.bpr, h, 0.0f, 0.1f);
+  }
+  if (d.has_head) {
+    const long long b = L.head_begin;
+    fill(b + L.lnfg, h, 1.0f, 0.1f);
+    fill(b + L.lnfb, h, 0.0f, 0.1f);
+    fill(b + L.head_w, h * V, 0.0f, in_h);
+    fill(b + L.head_b, V, 0.0f, 0.1f);
+  }
+}
+
+/// Named tensors of a stage's parameter vector, for per-tensor comparisons of gradients.
+struct Tensor {
+  std::string name;
+  long long offset = 0, count = 0;
+};
+std::vector<Tensor> tensors_of(const pc::GptDims& d) {
+  const pc::GptStageParams L = pc::gpt_stage_params(d);
+  const long long h = d.hidden, V = d.vocab;
+  std::vector<Tensor> t;
+  if (d.embeds) {
+    t.push_back({"wte", 0, V * h});
+    t.push_back({"wpe", L.wpe, d.positions * h});
+  }
+  for (int i = 0; i < d.blocks; ++i) {
+    const long long b = L.block_begin(i);
+    const pc::GptBlockParams& o = L.block;
+    const std::string n = "block " + std::to_string(d.first_block + i) + " ";
+    for (const Tensor& x : {Tensor{"ln1 gamma", o.ln1g, h}, Tensor{"ln1 beta", o.ln1b, h}, Tensor{"Wqkv", o.wqkv, 3 * h * h},
+                            Tensor{"bqkv", o.bqkv, 3 * h}, Tensor{"Wo", o.wo, h * h}, Tensor{"bo", o.bo, h}, Tensor{"ln2 gamma", o.ln2g, h},
+                            Tensor{"ln2 beta", o.ln2b, h}, Tensor{"Wfc", o.wfc, 4 * h * h}, Tensor{"bfc", o.bfc, 4 * h},
+                            Tensor{"Wpr", o.wpr, 4 * h * h}, Tensor{"bpr", o.bpr, h}})
+      t.push_back({n + x.name, b + x.offset, x.count});
+  }
+  if (d.has_head)
+    for (const Tensor& x : {Tensor{"lnf gamma", L.lnfg, h}, Tensor{"lnf beta", L.lnfb, h}, Tensor{"head W", L.head_w, h * V}, Tensor{"head b", L.head_b, V}})
+      t.push_back({x.name, L.head_begin + x.offset, x.count});
+  return t;
+}
+
+/// Two microbatches' inputs of one stage.
+struct Inputs {
+  po::MicrobatchShape shape;
+  std::vector<std::int32_t> tokens[2], targets[2];
+  std::vector<float> x[2], dy[2];
+};
+
+Inputs make_inputs(const po::model::GptConfig& c, po::MicrobatchShape shape, unsigned seed) {
+  Inputs in;
+  in.shape = shape;
+  const std::size_t T = static_cast<std::size_t>(shape.tokens()), n = T * static_cast<std::size_t>(c.hidden);
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> tok(0, c.vocab - 1);
+  for (int k = 0; k < 2; ++k) {
+    in.tokens[k].resize(T);
+    in.targets[k].resize(T);
+    for (std::size_t t = 0; t < T; ++t) {
+      in.tokens[k][t] = tok(rng);
+      in.targets[k][t] = tok(rng);
+    }
+    in.x[k] = random_bf16(n, seed + 10 + static_cast<unsigned>(k), 1.0f);
+    in.dy[k] = random_bf16(n, seed + 20 + static_cast<unsigned>(k), 1.0f);
+  }
+  return in;
+}
+
+/// What a stage produced for the two microbatches.
+struct Outputs {
+  float loss[2] = {0, 0};
+  std::vector<float> y[2], dx[2], grads;
+};
+
+po::Microbatch microbatch(int stage, int stages, int k, const Inputs& in, const std::int32_t* tokens, const std::int32_t* targets, float* loss) {
+  po::Microbatch mb;
+  mb.stage = stage;
+  mb.stages = stages;
+  mb.mb = k;
+  mb.microbatches = 2;
+  mb.step = 3;  // any step: the seeds depend on it the same way on both sides
+  mb.shape = in.shape;
+  mb.tokens = tokens;
+  mb.targets = targets;
+  mb.loss = loss;
+  mb.loss_scale = 0.5f;
+  return mb;
+}
+
+Outputs run_cpu(po::model::GptStage& l, int stage, int stages, const Inputs& in) {
+  const std::size_t n = l.boundary_floats(in.shape);
+  Outputs out;
+  std::vector<std::byte> saved[2], stash[2];
+  po::backend::CpuContext ctx{};
+  const bool first = stage == 0, last = stage == stages - 1;
+  for (int k = 0; k < 2; ++k) {
+    saved[k].resize(l.saved_bytes(in.shape));
+    stash[k].resize(l.stash_bytes(in.shape));
+    out.y[k].assign(last ? 0 : n, 0.0f);
+    out.dx[k].assign(first ? 0 : n, 0.0f);
+  }
+  for (int k = 0; k < 2; ++k) {
+    const po::Microbatch mb = microbatch(stage, stages, k, in, in.tokens[k].data(), in.targets[k].data(), last ? &out.loss[k] : nullptr);
+    l.forward(ctx, mb, first ? nullptr : in.x[k].data(), last ? nullptr : out.y[k].data(), saved[k].data());
+  }
+  for (int k = 0; k < 2; ++k) {
+    const po::Microbatch mb = microbatch(stage, stages, k, in, in.tokens[k].data(), in.targets[k].data(), nullptr);
+    l.backward_input(ctx, mb, last ? nullptr : in.dy[k].data(), first ? nullptr : out.dx[k].data(), saved[k].data(), stash[k].data());
+  }
+  for (int k = 0; k < 2; ++k) {
+    const po::Microbatch mb = microbatch(stage, stages, k, in, in.tokens[k].data(), in.targets[k].data(), nullptr);
+    l.backward_weight(ctx, mb, saved[k].data(), stash[k].data());
+  }
+  out.grads.assign(l.gradients().begin(), l.gradients().end());
+  return out;
+}
+
+/// Device buffers of one test, freed at the end.
+struct DeviceBuffers {
+  std::vector<void*> owned;
+  ~DeviceBuffers() {
+    cudaDeviceSynchronize();
+    for (void* p : owned) cudaFree(p);
+  }
+  template <class T>
+  T* alloc(std::size_t n) {
+    void* p = nullptr;
+    PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(n * sizeof(T), 1)));
+    owned.push_back(p);
+    return static_cast<T*>(p);
+  }
+  template <class T>
+  T* copy(const std::vector<T>& v) {
+    T* d = alloc<T>(v.size());
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+  }
+  std::byte* poisoned(std::size_t bytes) {
+    auto* d = alloc<std::byte>(bytes);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemset(d, 0xFF, bytes));  // bf16 and fp32 NaN
+    return d;
+  }
+};
+
+template <class T>
+std::vector<T> download(const T* d, std::size_t n) {
+  std::vector<T> v(n);
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+Outputs run_gpu(pc::GptStage& l, po::backend::Cuda& dev, int stream, int stage, int stages, const Inputs& in) {
+  const std::size_t n = l.boundary_floats(in.shape), sb = l.saved_bytes(in.shape), tb = l.stash_bytes(in.shape);
+  const bool first = stage == 0, last = stage == stages - 1;
+  DeviceBuffers b;
+  std::int32_t *tokens[2], *targets[2];
+  float *x[2], *y[2], *dy[2], *dx[2];
+  std::byte *saved[2], *stash[2];
+  float* loss = b.alloc<float>(2);
+  for (int k = 0; k < 2; ++k) {
+    tokens[k] = b.copy(in.tokens[k]);
+    targets[k] = b.copy(in.targets[k]);
+    x[k] = b.copy(in.x[k]);
+    dy[k] = b.copy(in.dy[k]);
+    y[k] = b.alloc<float>(n);
+    dx[k] = b.alloc<float>(n);
+    saved[k] = b.poisoned(sb);
+    stash[k] = b.poisoned(tb);
+  }
+  // The passes run on a non-blocking stream, which does not wait for the copies and memsets
+  // above (legacy stream; a pageable upload may return before its DMA is done).
+  PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto pass = [&](auto&& fn) {
+    dev.launch(stream, [&] {
+      po::backend::CudaContext ctx = dev.context(stream);
+      fn(ctx);
+    });
+    dev.synchronize();  // throws what the pass threw
+  };
+  for (int k = 0; k < 2; ++k)
+    pass([&](po::backend::CudaContext& ctx) {
+      l.forward(ctx, microbatch(stage, stages, k, in, tokens[k], targets[k], last ? loss + k : nullptr), first ? nullptr : x[k], last ? nullptr : y[k],
+                saved[k]);
+    });
+  // Offload and reload microbatch 0's activations into another buffer; poison the old one.
+  const std::vector<std::byte> host = download(saved[0], sb);
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemset(saved[0], 0xFF, sb));
+  saved[0] = b.poisoned(sb);
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(saved[0], host.data(), sb, cudaMemcpyHostToDevice));
+  PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
+  for (int k = 0; k < 2; ++k)
+    pass([&](po::backend::CudaContext& ctx) {
+      l.backward_input(ctx, microbatch(stage, stages, k, in, tokens[k], targets[k], nullptr), last ? nullptr : dy[k], first ? nullptr : dx[k], saved[k],
+                       stash[k]);
+    });
+  for (int k = 0; k < 2; ++k)
+    pass([&](po::backend::CudaContext& ctx) { l.backward_weight(ctx, microbatch(stage, stages, k, in, tokens[k], targets[k], nullptr), saved[k], stash[k]); });
+  Outputs out;
+  if (last) {
+    const std::vector<float> lv = download(loss, 2);
+    out.loss[0] = lv[0];
+    out.loss[1] = lv[1];
+  }
+  for (int k = 0; k < 2; ++k) {
+    if (!last) out.y[k] = download(y[k], n);
+    if (!first) out.dx[k] = download(dx[k], n);
+  }
+  out.grads = download(l.gradients().data(), l.gradients().size());
+  return out;
+}
+
+void compare(const Outputs& gpu, const Outputs& cpu, const pc::GptDims& d) {
+  for (int k = 0; k < 2; ++k) {
+    const std::string mb = "mb " + std::to_string(k) + " ";
+    if (d.has_head) {
+      const double e = std::abs(static_cast<double>(gpu.loss[k]) - cpu.loss[k]) / std::abs(static_cast<double>(cpu.loss[k]));
+      MESSAGE(mb << "loss: gpu " << gpu.loss[k] << ", cpu " << cpu.loss[k] << ", relative error " << e);
+      CHECK(e <= forward_tol);
+    } else {
+      check_rel(mb + "y", gpu.y[k].data(), cpu.y[k].data(), cpu.y[k].size(), forward_tol);
+    }
+    if (!d.embeds) check_rel(mb + "dx", gpu.dx[k].data(), cpu.dx[k].data(), cpu.dx[k].size(), backward_tol);
+  }
+  REQUIRE(gpu.grads.size() == cpu.grads.size());
+  // (wpe's rows past the microbatch's seq get no gradient on either side: zeros compare equal.)
+  for (const Tensor& t : tensors_of(d))
+    check_rel("gradient of " + t.name, gpu.grads.data() + t.offset, cpu.grads.data() + t.offset, static_cast<std::size_t>(t.count), backward_tol);
+}
+
+po::model::GptConfig test_config(int layers, bool recompute) {
+  po::model::GptConfig c;
+  c.vocab = 256;
+  c.hidden = 128;
+  c.heads = 4;  // head_dim 32: cuDNN's SDPA needs a multiple of 8
+  c.layers = layers;
+  c.seq = 64;   // the position table; microbatches use seq 32 (rows % 32 index it)
+  c.dropout = 0.1f;
+  c.recompute = recompute;
+  c.seed = 7;
+  return c;
+}
+
+/// Runs stage `stage` of `stages` on both backends and compares.
+void check_stage(const po::model::GptConfig& c, int stage, int stages) {
+  CAPTURE(stage);
+  CAPTURE(stages);
+  CAPTURE(c.recompute);
+  const po::MicrobatchShape shape{2, 32};
+  po::model::GptStage cpu(c, stage, stages);
+  const pc::BlockRange r = pc::gpt_blocks_of_stage(c.layers, stage, stages);
+  const pc::GptDims d{c.vocab, c.hidden, c.heads, c.seq, r.first, r.count, stage == 0, stage == stages - 1, c.recompute};
+  draw_parameters(cpu.parameters(), d, 100 + static_cast<unsigned>(stage));
+  po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});  // the cuBLASLt + cuDNN workspace (256 MiB) lives here
+  const int s = dev.make_stream("compute");
+  pc::GptStage gpu(dev, c, stage, stages, shape, cpu.parameters());
+  CHECK(gpu.norm_groups() == cpu.norm_groups());
+  CHECK(download(gpu.parameters().data(), gpu.parameters().size()) == std::vector<float>(cpu.parameters().begin(), cpu.parameters().end()));
+  CHECK(gpu.boundary_floats(shape) == cpu.boundary_floats(shape));
+  const Inputs in = make_inputs(c, shape, 1000 + static_cast<unsigned>(stage));
+  const Outputs want = run_cpu(cpu, stage, stages, in);
+  const Outputs got = run_gpu(gpu, dev, s, stage, stages, in);
+  compare(got, want, d);
+}
+
+}  // namespace
+
+TEST_CASE("cuda::GptStage matches model::GptStage on the first, a middle and the last stage, with selective recompute") {
+  const po::model::GptConfig c = test_config(6, true);  // 3 stages of 2 blocks
+  for (int s = 0; s < 3; ++s) check_stage(c, s, 3);
+}
+
+TEST_CASE("cuda::GptStage matches model::GptStage on the first, a middle and the last stage, recompute off (saved LayerNorm, GeLU, masks)") {
+  const po::model::GptConfig c = test_config(6, false);
+  for (int s = 0; s < 3; ++s) check_stage(c, s, 3);
+}
+
+TEST_CASE("cuda::GptStage matches model::GptStage as one stage holding the whole model, and as stages without blocks") {
+  check_stage(test_config(2, true), 0, 1);  // embedding, two blocks, head
+  // 2 blocks on 3 stages: stage 0 holds only the embedding, stages 1 and 2 one block each.
+  for (int s = 0; s < 3; ++s) check_stage(test_config(2, true), s, 3);
+}
+
+TEST_CASE("cuda::GptStage's forward of microbatch 0 refreshes the bf16 weights from the fp32 master parameters") {
+  const po::model::GptConfig c = test_config(3, true);
+  const int stage = 1, stages = 3;
+  const po::MicrobatchShape shape{2, 32};
+  po::model::GptStage cpu(c, stage, stages);
+  const pc::BlockRange r = pc::gpt_blocks_of_stage(c.layers, stage, stages);
+  const pc::GptDims d{c.vocab, c.hidden, c.heads, c.seq, r.first, r.count, false, false, c.recompute};
+  po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});  // the cuBLASLt + cuDNN workspace (256 MiB) lives here
+  const int s = dev.make_stream("compute");
+  pc::GptStage gpu(dev, c, stage, stages, shape);  // the CPU model's init
+  CHECK(download(gpu.parameters().data(), gpu.parameters().size()) == std::vector<float>(cpu.parameters().begin(), cpu.parameters().end()));
+  // What the runtime's optimizer step does: new master parameters, written on the device.
+  draw_parameters(cpu.parameters(), d, 5);
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(gpu.parameters().data(), cpu.parameters().data(), cpu.parameters().size() * sizeof(float), cudaMemcpyHostToDevice));
+  const Inputs in = make_inputs(c, shape, 77);
+  const Outputs want = run_cpu(cpu, stage, stages, in);
+  const Outputs got = run_gpu(gpu, dev, s, stage, stages, in);
+  compare(got, want, d);
+}
+
+TEST_CASE("cuda::GptStage refuses microbatches larger than its scratch and misaligned buffers") {
+  const po::model::GptConfig c = test_config(3, true);
+  po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
+  const int s = dev.make_stream("compute");
+  pc::GptStage gpu(dev, c, 1, 3, {1, 32});
+  DeviceBuffers b;
+  const po::MicrobatchShape big{2, 32};
+  float* x = b.alloc<float>(gpu.boundary_floats(big));
+  float* y = b.alloc<float>(gpu.boundary_floats(big));
+  std::byte* saved = b.alloc<std::byte>(gpu.saved_bytes(big) + 256);
+  Inputs in;
+  in.shape = big;
+  po::backend::CudaContext ctx = dev.context(s);
+  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, nullptr, nullptr, nullptr), x, y, saved), po::shape_error);
+  in.shape = {1, 32};
+  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, nullptr, nullptr, nullptr), x, y, saved + 16), po::error);
+  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, nullptr, nullptr, nullptr), nullptr, y, saved), po::error);
+  CHECK_THROWS_AS(pc::GptStage(dev, c, 1, 3, {1, 65}), po::shape_error);  // longer than the position table
+  po::model::GptConfig odd = c;
+  odd.heads = 32;  // head_dim 4: cuDNN's SDPA needs a multiple of 8
+  CHECK_THROWS_AS(pc::GptStage(dev, odd, 1, 3, {1, 32}), po::shape_error);
+}
+
+namespace {
+
+/// Losses of `steps` training steps of a 4-block GPT cut into 2 stages held by one rank
+/// (d = 1, v = 2, m = 4) under PO with every activation offloaded, on `Backend` with `Stage`.
+template <class Stage, class Backend, class MakeStage>
+std::vector<float> train(Backend& dev, MakeStage make, int steps) {
+  const po::Shape shape{1, 2, 4};
+  po::RuntimeOptions opt;
+  opt.shape = shape;
+  opt.spec = {po::Family::grouped, {po::GroupSpec::Kind::uniform, 1}, po::offload::all};
+  opt.microbatch = {2, 16};
+  opt.optimizer.lr = 1e-2f;
+  opt.optimizer.warmup_steps = 1;
+  po::comm::ThreadsWorld world(1);
+  po::comm::Threads comm(world, 0);
+  std::vector<Stage> layers;
+  layers.reserve(2);
+  for (int c = 0; c < shape.v; ++c) layers.push_back(make(shape.stage_of(0, c), shape.stages(), opt.microbatch));
+  po::Runtime<po::AnySchedule, Stage, Backend, po::comm::Threads> rt(opt, dev, comm, layers);
+  const std::size_t n = static_cast<std::size_t>(opt.microbatch.tokens()) * static_cast<std::size_t>(shape.m);
+  std::vector<std::int32_t> tok(n), tgt(n);
+  std::vector<float> losses;
+  for (std::size_t i = 0; i < n; ++i) {  // the same batch every step: the loss must fall
+    tok[i] = static_cast<std::int32_t>((i * 31) % 256);
+    tgt[i] = static_cast<std::int32_t>((i * 17 + 3) % 256);
+  }
+  for (int s = 0; s < steps; ++s) losses.push_back(rt.step({tok, tgt}).loss);
+  return losses;
+}
+
+}  // namespace
+
+TEST_CASE("po::Runtime trains cuda::GptStage stages (PO, every unit offloaded) along the CPU model's loss curve") {
+  po::model::GptConfig c = test_config(4, true);
+  c.hidden = 64;
+  c.heads = 2;
+  c.seq = 16;
+  const int steps = 4;
+  po::backend::Cpu cpu_dev;
+  const std::vector<float> want = train<po::model::GptStage>(cpu_dev, [&](int s, int S, po::MicrobatchShape) { return po::model::GptStage(c, s, S); }, steps);
+  po::backend::Cuda gpu_dev({.arena_bytes = std::size_t{512} << 20});
+  const std::vector<float> got =
+      train<pc::GptStage>(gpu_dev, [&](int s, int S, po::MicrobatchShape mbs) { return pc::GptStage(gpu_dev, c, s, S, mbs); }, steps);
+  // The same initial parameters and data: step 0's loss differs by the forward's bf16 error;
+  // later ones also by the parameters' response to bf16 gradient errors through AdamW (whose
+  // first steps move each parameter by about lr * sign(gradient)), hence backward_tol there.
+  for (int s = 0; s < steps; ++s) {
+    const std::size_t i = static_cast<std::size_t>(s);
+    const double e = std::abs(static_cast<double>(got[i]) - want[i]) / want[i];
+    MESSAGE("step " << s << ": loss gpu " << got[i] << ", cpu " << want[i] << ", relative error " << e);
+    CHECK(e <= (s == 0 ? forward_tol : backward_tol));
+  }
+  CHECK(want[steps - 1] < want[0]);  // both learn
+  CHECK(got[steps - 1] < got[0]);
+}
