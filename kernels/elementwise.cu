@@ -1,5 +1,5 @@
 // kernels/elementwise.cu: grid-stride loops over model/math.hpp's per-element functions, and
-// one-thread-per-column reductions (deterministic: each column summed in row order).
+// the embedding's gradient (one thread per column, rows in order: deterministic).
 #include "common.cuh"
 
 namespace pipeoffload::cuda::kernels {
@@ -38,13 +38,6 @@ __global__ void add_bias_k(bf16* y, const float* bias, long long total, int n) {
 __global__ void add_bias_f32_k(float* y, const float* bias, long long total, int n) {
   for (long long i = first_index(); i < total; i += grid_stride()) y[i] += bias[i % n];
 }
-__global__ void bias_grad_k(const bf16* dy, float* db, long long rows, int n) {
-  for (long long c = first_index(); c < n; c += grid_stride()) {
-    float s = 0;
-    for (long long r = 0; r < rows; ++r) s += ld(dy, r * n + c);
-    db[c] += s;
-  }
-}
 __global__ void to_bf16_k(const float* in, bf16* out, long long n) {
   for (long long i = first_index(); i < n; i += grid_stride()) out[i] = st(in[i]);
 }
@@ -56,18 +49,6 @@ __global__ void layernorm_recompute_k(const bf16* x, const float* stats, const f
     const long long r = i / n;
     const math::RowStats s{stats[2 * r], stats[2 * r + 1]};
     y[i] = st(math::layernorm_apply(ld(x, i), s, gamma[i % n], beta[i % n]));
-  }
-}
-__global__ void layernorm_weight_grad_k(const bf16* dy, const bf16* x, const float* stats, float* dgamma, float* dbeta, long long rows, int n) {
-  for (long long c = first_index(); c < n; c += grid_stride()) {
-    float sg = 0, sb = 0;
-    for (long long r = 0; r < rows; ++r) {
-      const float d = ld(dy, r * n + c);
-      sg += d * (ld(x, r * n + c) - stats[2 * r]) * stats[2 * r + 1];
-      sb += d;
-    }
-    dgamma[c] += sg;
-    dbeta[c] += sb;
   }
 }
 __global__ void embedding_forward_k(const std::int32_t* tokens, const float* wte, const float* wpe, bf16* out, long long total, int seq, int h,
@@ -120,14 +101,10 @@ void add_bias(bf16* y, const float* bias, long long rows, int n, cudaStream_t s)
 void add_bias(float* y, const float* bias, long long rows, int n, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(add_bias_f32_k, elementwise_launch(rows * n), s, y, bias, rows * n, n);
 }
-void bias_grad(const bf16* dy, float* db, long long rows, int n, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(bias_grad_k, per_column_launch(n), s, dy, db, rows, n); }
 void to_bf16(const float* in, bf16* out, long long count, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(to_bf16_k, elementwise_launch(count), s, in, out, count); }
 void to_float(const bf16* in, float* out, long long count, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(to_float_k, elementwise_launch(count), s, in, out, count); }
 void layernorm_recompute(const bf16* x, const float* stats, const float* gamma, const float* beta, bf16* y, long long rows, int n, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(layernorm_recompute_k, elementwise_launch(rows * n), s, x, stats, gamma, beta, y, rows * n, n);
-}
-void layernorm_weight_grad(const bf16* dy, const bf16* x, const float* stats, float* dgamma, float* dbeta, long long rows, int n, cudaStream_t s) {
-  PIPEOFFLOAD_LAUNCH(layernorm_weight_grad_k, per_column_launch(n), s, dy, x, stats, dgamma, dbeta, rows, n);
 }
 void embedding_forward(const std::int32_t* tokens, const float* wte, const float* wpe, bf16* out, long long rows, int seq, int h, int vocab,
                        cudaStream_t s) {

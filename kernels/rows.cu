@@ -1,5 +1,7 @@
-// kernels/rows.cu: one block of row_block threads per row, reductions with cub::BlockReduce
-// (no hand-written shuffles or barriers beyond the one __syncthreads a reused TempStorage needs).
+// kernels/rows.cu: reductions. One block of row_block threads per row, with cub::BlockReduce
+// (no hand-written shuffles or barriers beyond the one __syncthreads a reused TempStorage needs),
+// and column sums over a tile of columns (column_sum_launch: one barrier, then a fixed-order sum
+// of the lanes' partials).
 #include <cub/block/block_reduce.cuh>
 
 #include "common.cuh"
@@ -111,8 +113,54 @@ __global__ void __launch_bounds__(row_block) sum_squares_k(const float* x, doubl
   if (threadIdx.x == 0) *out += total;
 }
 
+/// The column sums of column_sum_launch: `term(r, c)` summed over rows into out[k][c] += ...
+/// for K outputs at once. Lane l sums rows l, l + column_lanes, ... in order; lane 0 then adds
+/// the lanes' partials in lane order. Threads past the last column still reach the barrier.
+template <int K, class Term>
+__device__ void column_sums(long long rows, int n, Term term, float* const (&out)[K]) {
+  __shared__ float part[K][column_lanes][column_tile];
+  const unsigned tx = threadIdx.x % column_tile, lane = threadIdx.x / column_tile;
+  const long long c = static_cast<long long>(blockIdx.x) * column_tile + tx;
+  float s[K] = {};
+  if (c < n)
+    for (long long r = lane; r < rows; r += column_lanes) {
+      float t[K];
+      term(r, c, t);
+      for (int k = 0; k < K; ++k) s[k] += t[k];
+    }
+  for (int k = 0; k < K; ++k) part[k][lane][tx] = s[k];
+  __syncthreads();
+  if (lane == 0 && c < n)
+    for (int k = 0; k < K; ++k) {
+      float total = 0;
+      for (unsigned l = 0; l < column_lanes; ++l) total += part[k][l][tx];
+      out[k][c] += total;
+    }
+}
+
+__global__ void __launch_bounds__(column_tile * column_lanes) bias_grad_k(const bf16* dy, float* db, long long rows, int n) {
+  float* const out[1] = {db};
+  column_sums<1>(rows, n, [=](long long r, long long c, float (&t)[1]) { t[0] = ld(dy, r * n + c); }, out);
+}
+
+__global__ void __launch_bounds__(column_tile * column_lanes) layernorm_weight_grad_k(const bf16* dy, const bf16* x, const float* stats, float* dgamma,
+                                                                                      float* dbeta, long long rows, int n) {
+  float* const out[2] = {dgamma, dbeta};
+  column_sums<2>(rows, n,
+                 [=](long long r, long long c, float (&t)[2]) {
+                   const float d = ld(dy, r * n + c);
+                   t[0] = d * (ld(x, r * n + c) - stats[2 * r]) * stats[2 * r + 1];  // dy * xhat, as model/gpt.hpp's ln_weight_grads
+                   t[1] = d;
+                 },
+                 out);
+}
+
 }  // namespace
 
+void bias_grad(const bf16* dy, float* db, long long rows, int n, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(bias_grad_k, column_sum_launch(n), s, dy, db, rows, n); }
+void layernorm_weight_grad(const bf16* dy, const bf16* x, const float* stats, float* dgamma, float* dbeta, long long rows, int n, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(layernorm_weight_grad_k, column_sum_launch(n), s, dy, x, stats, dgamma, dbeta, rows, n);
+}
 void layernorm_forward(const bf16* x, const float* gamma, const float* beta, bf16* y, float* stats, long long rows, int n, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(layernorm_forward_k, per_row_launch(rows, n), s, x, gamma, beta, y, stats, n);
 }

@@ -123,6 +123,42 @@ TEST_CASE("GeLU, dropout and residual kernels match model/math.hpp") {
   check_close(g.get(out2, n), g.get(out, n), 0.0f, 0.0f);  // one product with the same factor: exact
 }
 
+TEST_CASE("bias and LayerNorm weight gradients accumulate the column sums model/gpt.hpp computes") {
+  Gpu g;
+  for (const auto& [rows, n] : {std::pair{333, 1000}, std::pair{4096, 64}, std::pair{5, 33}}) {
+    CAPTURE(rows);
+    CAPTURE(n);
+    const std::vector<float> dy = random_bf16(static_cast<std::size_t>(rows) * n, 23), x = random_bf16(dy.size(), 24, 2.0f);
+    std::vector<float> stats(2 * static_cast<std::size_t>(rows)), g0 = random_bf16(static_cast<std::size_t>(n), 25), b0 = random_bf16(static_cast<std::size_t>(n), 26);
+    for (int r = 0; r < rows; ++r) {
+      const math::RowStats st = math::row_stats(x.data() + static_cast<std::size_t>(r) * n, n);
+      stats[2 * static_cast<std::size_t>(r)] = st.mean;
+      stats[2 * static_cast<std::size_t>(r) + 1] = st.rstd;
+    }
+    pk::bf16 *ddy = g.bf16(dy), *dx = g.bf16(x);
+    float *dstats = g.copy(stats), *dgamma = g.copy(g0), *dbeta = g.copy(b0), *db = g.copy(b0);
+    pk::layernorm_weight_grad(ddy, dx, dstats, dgamma, dbeta, rows, n, g.s);
+    pk::bias_grad(ddy, db, rows, n, g.s);
+    // The CPU model's sums (ln_weight_grads, col_sum_into), in double: the kernels add the same
+    // fp32 terms in another fixed order, so they agree to fp32 summation error.
+    std::vector<float> want_g(static_cast<std::size_t>(n)), want_b(static_cast<std::size_t>(n));
+    for (int c = 0; c < n; ++c) {
+      double sg = 0, sb = 0;
+      for (int r = 0; r < rows; ++r) {
+        const std::size_t i = static_cast<std::size_t>(r) * n + c;
+        sg += dy[i] * (x[i] - stats[2 * static_cast<std::size_t>(r)]) * stats[2 * static_cast<std::size_t>(r) + 1];
+        sb += dy[i];
+      }
+      want_g[static_cast<std::size_t>(c)] = static_cast<float>(g0[static_cast<std::size_t>(c)] + sg);
+      want_b[static_cast<std::size_t>(c)] = static_cast<float>(b0[static_cast<std::size_t>(c)] + sb);
+    }
+    check_close(g.get(dgamma, want_g.size()), want_g, 1e-4f, 1e-3f);
+    check_close(g.get(dbeta, want_b.size()), want_b, 1e-4f, 1e-3f);
+    check_close(g.get(db, want_b.size()), want_b, 1e-4f, 1e-3f);
+    check_close(g.get(db, want_b.size()), g.get(dbeta, want_b.size()), 0.0f, 0.0f);  // one kernel shape, one order: the same bits
+  }
+}
+
 TEST_CASE("add_bias adds a row vector to bf16 and fp32 matrices") {
   Gpu g;
   const int rows = 33, n = 50;

@@ -162,6 +162,20 @@ TEST_CASE("per-row launches give one block of row_block threads per row and refu
   CHECK(pc::per_column_launch(4096) == pc::elementwise_launch(4096));
 }
 
+TEST_CASE("column-sum launches give one block of 32 columns x 32 row lanes per 32 columns") {
+  CHECK(pc::column_sum_launch(0).grid == 0);
+  for (long long cols : {1LL, 31LL, 32LL, 33LL, 4096LL, 16384LL, 50257LL}) {
+    const pc::Launch l = pc::column_sum_launch(cols);
+    CHECK(l.block == pc::column_tile * pc::column_lanes);
+    CHECK(l.block <= pc::block_limit);
+    CHECK(l.block % 32 == 0);
+    // Every column has exactly one block (tiles cover [0, cols) and no tile is all past the end).
+    CHECK(static_cast<long long>(l.grid) * pc::column_tile >= cols);
+    CHECK(static_cast<long long>(l.grid - 1) * pc::column_tile < cols);
+  }
+  CHECK_THROWS_AS(pc::column_sum_launch(-1), po::shape_error);
+}
+
 // ---- GEMM layouts --------------------------------------------------------------------------
 
 TEST_CASE("the GPT's three GEMMs are the calls model/gpt.hpp makes to the CPU GEMM") {

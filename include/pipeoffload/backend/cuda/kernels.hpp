@@ -33,7 +33,7 @@ void layernorm_recompute(const bf16* x, const float* stats, const float* gamma, 
 /// `accumulate`, dx += instead of = (the residual branch adds into the skip gradient).
 void layernorm_backward(const bf16* dy, const bf16* x, const float* stats, const float* gamma, bf16* dx, long long rows, int n,
                         bool accumulate, cudaStream_t stream);
-/// dgamma (n) += sum_rows dy * xhat; dbeta (n) += sum_rows dy (fp32, one thread per column).
+/// dgamma (n) += sum_rows dy * xhat; dbeta (n) += sum_rows dy (fp32, column_sum_launch's fixed order).
 void layernorm_weight_grad(const bf16* dy, const bf16* x, const float* stats, float* dgamma, float* dbeta, long long rows, int n,
                            cudaStream_t stream);
 
@@ -57,7 +57,7 @@ void add(const bf16* a, const bf16* b, bf16* out, long long count, cudaStream_t 
 /// y (rows, n) += bias (n), bf16 activations or fp32 (the LM head's logits).
 void add_bias(bf16* y, const float* bias, long long rows, int n, cudaStream_t stream);
 void add_bias(float* y, const float* bias, long long rows, int n, cudaStream_t stream);
-/// db (n) += sum_rows dy (fp32, one thread per column, row order).
+/// db (n) += sum_rows dy (fp32, column_sum_launch's fixed order).
 void bias_grad(const bf16* dy, float* db, long long rows, int n, cudaStream_t stream);
 /// Precision conversions (weights: fp32 master -> bf16 working copy; boundaries: bf16 <-> fp32).
 void to_bf16(const float* in, bf16* out, long long count, cudaStream_t stream);

@@ -57,13 +57,29 @@ constexpr Launch per_row_launch(long long rows, long long cols) {
   return {static_cast<unsigned>(rows), row_block, 0};
 }
 
-/// Column reductions (LayerNorm's and a bias's weight gradients, the embedding's gradient):
-/// one thread per column, each summing its column over rows in row order, so the sum has the
-/// same order as the CPU model's loop (deterministic, no atomics).
+/// The embedding's gradient: one thread per column, each walking the rows in order (a row
+/// adds into the table row of its token, so rows cannot be split; deterministic, no atomics).
 constexpr Launch per_column_launch(long long cols) { return elementwise_launch(cols); }
 
-static_assert(elementwise_block <= block_limit && row_block <= block_limit && row_block % 32 == 0,
-              "Block sizes must be whole warps within CUDA's 1024-thread limit.");
+/// Column sums (bias and LayerNorm weight gradients, rows x cols -> cols): a block of
+/// column_tile x column_lanes threads owns column_tile adjacent columns; lane l sums rows l,
+/// l + column_lanes, ... in order, then the lanes' partial sums are added in lane order. A
+/// fixed order (deterministic, no atomics), with column_lanes times the parallelism of one
+/// thread per column (which leaves most of the GPU idle for a (4096, 4096) gradient), and each
+/// warp reads column_tile adjacent values of one row (coalesced).
+inline constexpr unsigned column_tile = 32;
+inline constexpr unsigned column_lanes = 32;
+constexpr Launch column_sum_launch(long long cols) {
+  if (cols < 0) throw shape_error("cuda::column_sum_launch: cols = " + pipeoffload::detail::num(cols) + " is negative");
+  if (cols == 0) return {};
+  const long long blocks = (cols + column_tile - 1) / column_tile;
+  if (blocks > grid_x_limit) throw shape_error("cuda::column_sum_launch: cols = " + pipeoffload::detail::num(cols) + " needs more blocks than gridDim.x allows");
+  return {static_cast<unsigned>(blocks), column_tile * column_lanes, 0};
+}
+
+static_assert(elementwise_block <= block_limit && row_block <= block_limit && row_block % 32 == 0 && column_tile == 32 &&
+                  column_tile * column_lanes <= block_limit,
+              "Block sizes must be whole warps within CUDA's 1024-thread limit (a column tile is one warp wide).");
 static_assert(elementwise_launch(1) == Launch{1, 256, 0});
 static_assert(elementwise_launch(257).grid == 2);
 static_assert(elementwise_launch(1LL << 40).grid == max_grid);
