@@ -1,7 +1,7 @@
 // pipeoffload/cuda.hpp: the CUDA umbrella (issue 4): backend::Cuda, comm::Nccl, the kernels'
-// declarations, cuBLASLt GEMMs and cuDNN attention. Build with the pipeoffload_cuda Meson
-// dependency (it defines PIPEOFFLOAD_WITH_CUDA and links the kernels and NVIDIA libraries);
-// the CPU-safe umbrella is pipeoffload/pipeoffload.hpp.
+// declarations, cuBLASLt GEMMs, cuDNN attention and the GPT stage (cuda::GptStage). Build
+// with the pipeoffload_cuda Meson dependency (it defines PIPEOFFLOAD_WITH_CUDA and links the
+// kernels and NVIDIA libraries); the CPU-safe umbrella is pipeoffload/pipeoffload.hpp.
 #pragma once
 
 #ifndef PIPEOFFLOAD_WITH_CUDA
@@ -12,6 +12,7 @@
 #include "backend/cuda/check.hpp"
 #include "backend/cuda/cuda.hpp"
 #include "backend/cuda/gemm.hpp"
+#include "backend/cuda/gpt.hpp"
 #include "backend/cuda/kernels.hpp"
 #include "backend/cuda/shapes.hpp"
 #include "backend/cuda/topology.hpp"

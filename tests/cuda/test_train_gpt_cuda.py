@@ -1,0 +1,49 @@
+#!/usr/bin/env python3
+"""samples/train_gpt --backend cuda against --backend cpu (a GPU test: exit 77, Meson's SKIP,
+when the machine has no GPU).
+
+The same model, data, seed and PO-F schedule on 2 GPUs (1 GPU: one rank, 4 chunks) and on CPU
+thread ranks: the GPU run must print the same closing lines, its loss must fall, and its final
+loss must be within 3% of the CPU run's (bf16 activations against fp32: close, not bit-equal;
+tests/cuda/test_runtime_gpu.cpp argues the bound per step).
+
+usage: test_train_gpt_cuda.py path/to/train_gpt
+"""
+import subprocess
+import sys
+
+exe = sys.argv[1]
+common = ["--schedule", "po-f", "--microbatches", "8", "--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "64",
+          "--batch", "2", "--steps", "60", "--quiet"]
+
+
+def run(*args):
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=500)
+
+
+def final_loss(p, what):
+    if p.returncode != 0:
+        sys.exit(f"FAIL: {what} exited {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")
+    lines = [l for l in p.stdout.splitlines() if l.startswith(("final_loss=", "params_hash="))]
+    assert len(lines) == 2 and p.stdout.splitlines()[-2:] == lines, p.stdout
+    return float(lines[0].split("=")[1])
+
+
+shape = ["--ranks", "2", "--chunks", "2"]
+probe = run("--backend", "cuda", *shape, *common[:-3], "--steps", "1", "--quiet")
+if "built without CUDA" in probe.stderr or "this machine has 0" in probe.stderr:
+    print("no GPU (or no CUDA build): SKIP")
+    sys.exit(77)
+if "this machine has 1" in probe.stderr:
+    shape = ["--ranks", "1", "--chunks", "4"]
+
+gpu = run("--backend", "cuda", *shape, *common)
+cpu = run("--backend", "cpu", *shape, *common)
+g, c = final_loss(gpu, "--backend cuda"), final_loss(cpu, "--backend cpu")
+assert abs(g - c) <= 0.03 * abs(c), f"final loss on the GPU {g} vs the CPU {c}: more than 3% apart"
+
+# Loss falls on the GPU (progress lines: "[...] step N/M loss X ...").
+verbose = run("--backend", "cuda", *shape, *[a for a in common if a != "--quiet"])
+losses = [float(l.split(" loss ")[1].split()[0]) for l in verbose.stdout.splitlines() if l.startswith("[")]
+assert len(losses) >= 2 and losses[-1] < losses[0] - 0.5, losses
+print("ok: GPU final loss", g, "CPU", c)
