@@ -4,7 +4,8 @@
 // a case cannot express through the backend concept itself: a delay on a stream (to make an
 // ordering bug observable) and a stage's forward/backward body (y = GeLU(x), dx = dy GeLU'(x),
 // the per-element math of model/math.hpp). Data moves in and out only through the concept:
-// pinned host blocks, transfer(), synchronize(). Instantiated for backend::Cpu in
+// pinned host blocks, transfer(), synchronize() (and upload/download where a case tests them).
+// Instantiated for backend::Cpu in
 // test_conformance_cpu.cpp (runs everywhere) and backend::Cuda in test_conformance_cuda.cpp
 // (SKIP without a GPU).
 #pragma once
@@ -13,6 +14,10 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include <pipeoffload/backend/backend.hpp>
@@ -194,9 +199,116 @@ void stage_forward_backward() {
   for (pb::Block b : {bx, by, bdy, bdx}) dev->device_free(b);
 }
 
+/// The blocking between-steps operations: upload/download, per-group sums of squares, AdamW.
+/// fp32 arithmetic is exact on the CPU and within `fp32_tolerance` (an FMA contracted or not)
+/// on a GPU; the fp64 sums within 1e-9 relative (another summation order).
+template <class Traits>
+void optimizer_operations() {
+  auto dev = Traits::make();
+  const std::size_t n = 10007;
+  std::vector<float> p(n), g(n), m(n), v(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    p[i] = std::sin(0.01f * static_cast<float>(i));
+    g[i] = 0.1f * std::cos(0.013f * static_cast<float>(i)) - 0.02f;
+    m[i] = 0.01f * static_cast<float>(i % 5);
+    v[i] = 1e-4f * static_cast<float>(i % 3);
+  }
+  pb::Block bp = dev->device_alloc(n * 4, pb::Memory::state), bg = dev->device_alloc(n * 4, pb::Memory::state);
+  pb::Block bm = dev->device_alloc(n * 4, pb::Memory::state), bv = dev->device_alloc(n * 4, pb::Memory::state);
+  dev->upload(bp.ptr, p.data(), n * 4);
+  dev->upload(bg.ptr, g.data(), n * 4);
+  dev->upload(bm.ptr, m.data(), n * 4);
+  dev->upload(bv.ptr, v.data(), n * 4);
+  std::vector<float> back(n);
+  dev->download(back.data(), bg.ptr, n * 4);
+  CHECK(std::memcmp(back.data(), g.data(), n * 4) == 0);
+  // Sums of squares over three groups, one of them empty.
+  const std::vector<std::size_t> groups{5000, 0, n - 5000};
+  std::vector<double> sums(3, -1.0);
+  const auto fs = [](pb::Block b, std::size_t count) { return std::span<float>(reinterpret_cast<float*>(b.ptr), count); };
+  dev->sum_squares(fs(bg, n), groups, sums);
+  std::size_t off = 0;
+  for (std::size_t k = 0; k < groups.size(); ++k) {
+    double want = 0;
+    for (std::size_t i = off; i < off + groups[k]; ++i) want += static_cast<double>(g[i]) * g[i];
+    off += groups[k];
+    CAPTURE(k);
+    CHECK(std::abs(sums[k] - want) <= 1e-9 * want);
+  }
+  // AdamW with a clip scale, against math::adamw_update on the host; gradients zeroed after.
+  pipeoffload::math::AdamW opt;
+  opt.lr = 1e-2f;
+  opt.weight_decay = 0.1f;
+  const float lr = 3e-3f, scale = 0.5f;
+  const pipeoffload::math::AdamBias bias = pipeoffload::math::adam_bias(opt, 3);
+  dev->adamw(fs(bp, n), fs(bg, n), fs(bm, n), fs(bv, n), opt, lr, bias, scale);
+  std::vector<float> got_p(n), got_g(n), got_m(n);
+  dev->download(got_p.data(), bp.ptr, n * 4);
+  dev->download(got_g.data(), bg.ptr, n * 4);
+  dev->download(got_m.data(), bm.ptr, n * 4);
+  for (std::size_t i = 0; i < n; ++i) {
+    float pi = p[i], mi = m[i], vi = v[i];
+    pipeoffload::math::adamw_update(pi, g[i] * scale, mi, vi, opt, lr, bias);
+    CHECK(std::abs(got_p[i] - pi) <= Traits::fp32_tolerance * (1 + std::abs(pi)));
+    CHECK(std::abs(got_m[i] - mi) <= Traits::fp32_tolerance * (1 + std::abs(mi)));
+    CHECK(got_g[i] == 0.0f);
+  }
+  for (pb::Block b : {bp, bg, bm, bv}) dev->device_free(b);
+}
+
+/// backend::pairs_copies: a stream that waits for a counter runs after the stream that raised
+/// it, and an aborted counter releases its waiters (the device may then report the abort).
+template <class Traits>
+void pair_counters() {
+  auto dev = Traits::make();
+  const int a = dev->make_stream("a"), b = dev->make_stream("b");
+  const std::size_t n = 1 << 20;
+  pb::Block src = dev->device_alloc(n, pb::Memory::activation), dst = dev->device_alloc(n, pb::Memory::activation);
+  std::vector<unsigned char> zeros(n, 0), ones(n, 1);
+  dev->upload(src.ptr, zeros.data(), n);
+  dev->upload(dst.ptr, zeros.data(), n);
+  pb::HostBlock h = dev->host_alloc(n);
+  std::memcpy(h.ptr, ones.data(), n);
+  auto counter = std::make_unique<typename std::remove_reference_t<decltype(*dev)>::Counter>();
+  // b waits for the counter to reach 2, then copies src; a delays, writes src, raises it to 2.
+  dev->wait_counter(b, *counter, 2);
+  dev->launch(b, [&] {
+    const pb::CopyPiece p{dst.ptr, src.ptr, n};
+    dev->transfer(std::span<const pb::CopyPiece>(&p, 1));
+  });
+  dev->launch(a, [&] { Traits::delay(*dev); });
+  dev->launch(a, [&] {
+    const pb::CopyPiece p{src.ptr, h.ptr, n};
+    dev->transfer(std::span<const pb::CopyPiece>(&p, 1));
+  });
+  dev->signal(a, *counter, 1);
+  dev->signal(a, *counter, 2);
+  dev->synchronize();
+  std::vector<unsigned char> got(n);
+  dev->download(got.data(), dst.ptr, n);
+  CHECK(std::memcmp(got.data(), ones.data(), n) == 0);
+  dev->host_free(h);
+  dev->device_free(src);
+  dev->device_free(dst);
+  // A wait for a value nobody raises ends once the counter is aborted.
+  auto other = Traits::make();
+  const int c = other->make_stream("c");
+  auto stuck = std::make_unique<typename std::remove_reference_t<decltype(*dev)>::Counter>();
+  other->wait_counter(c, *stuck, 5);
+  stuck->abort("the partner failed");
+  bool threw = false;
+  try {
+    other->synchronize();
+  } catch (const std::exception& e) {
+    threw = true;
+    CHECK(std::string(e.what()).find("the partner failed") != std::string::npos);
+  }
+  CHECK(threw == Traits::abort_throws);
+}
+
 }  // namespace conformance
 
-/// Registers the four cases for one backend; `name` goes into the test names.
+/// Registers the cases for one backend; `name` goes into the test names.
 #define PIPEOFFLOAD_CONFORMANCE_CASES(Traits, name)                                                               \
   TEST_CASE(name ": blocks are pooled by size and reused across streams without new allocations") {              \
     conformance::allocation_and_reuse<Traits>();                                                                \
@@ -205,4 +317,8 @@ void stage_forward_backward() {
   TEST_CASE(name ": an offload into power-of-two bins and its reload give back every byte") {                    \
     conformance::copy_round_trip<Traits>();                                                                     \
   }                                                                                                             \
-  TEST_CASE(name ": a stage's forward and backward match model/math.hpp") { conformance::stage_forward_backward<Traits>(); }
+  TEST_CASE(name ": a stage's forward and backward match model/math.hpp") { conformance::stage_forward_backward<Traits>(); } \
+  TEST_CASE(name ": upload, download, sums of squares and AdamW between steps") { conformance::optimizer_operations<Traits>(); } \
+  TEST_CASE(name ": a counter orders one stream after another; an aborted counter releases its waiters") {        \
+    conformance::pair_counters<Traits>();                                                                       \
+  }

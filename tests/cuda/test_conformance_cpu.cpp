@@ -11,6 +11,8 @@ namespace {
 
 struct CpuTraits {
   static constexpr float tolerance = 0.0f;  // the same function on the same CPU: exact
+  static constexpr float fp32_tolerance = 0.0f;
+  static constexpr bool abort_throws = true;  // the waiting worker throws the abort
   static std::unique_ptr<pipeoffload::backend::Cpu> make() { return std::make_unique<pipeoffload::backend::Cpu>(); }
   static void delay(pipeoffload::backend::Cpu&) { std::this_thread::sleep_for(std::chrono::milliseconds(50)); }
   static void gelu_forward(pipeoffload::backend::CpuContext&, const float* x, float* y, std::size_t n) {

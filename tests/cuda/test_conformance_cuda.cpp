@@ -11,6 +11,8 @@ namespace pk = pipeoffload::cuda::kernels;
 
 struct CudaTraits {
   static constexpr float tolerance = 1.0f / 64;  // through bf16 (8 significant bits) and back
+  static constexpr float fp32_tolerance = 1e-6f;  // fp32 on both sides; FMA contraction may differ
+  static constexpr bool abort_throws = false;     // the stream drains (the runtime fails the device itself)
   static std::unique_ptr<pipeoffload::backend::Cuda> make() {
     return std::make_unique<pipeoffload::backend::Cuda>(pipeoffload::backend::Cuda::Options{.arena_bytes = std::size_t{1} << 30});
   }
