@@ -96,3 +96,112 @@ TEST_CASE("validate finds a reload placed before its offload") {
   CHECK(contains(v.error, "the reload of (stage 0, mb"));
   CHECK_THROWS_AS(require_valid(p), schedule_error);
 }
+
+// validate() first tries to prove a program valid in one linear sweep (detail::proven_valid)
+// and falls back to the rule-by-rule checks, which name the broken rule, when it cannot. The
+// cases below break exactly one of the conditions that sweep relies on; each must still be
+// rejected, with the message of the rule-by-rule checks.
+
+TEST_CASE("validate finds a rendezvous deadlock that goes around the ring of ranks") {
+  // GIS d=3, v=2, m=1. Each pair of neighbours still lists the messages between them in one
+  // order, and no rank waits for itself; but rank 0 now posts the receive of stage 3's input
+  // (from rank 2) before it sends stage 0's output to rank 1, so rank 0 waits for rank 2,
+  // which waits for rank 1, which waits for rank 0 (clockwise around the ring).
+  Program p = GIS::build({3, 2, 1});
+  REQUIRE(validate(p));
+  REQUIRE(detail::proven_valid(p));
+  auto& comm = p.ranks[0].comm;
+  REQUIRE((comm[0] == CommOp{true, 1, 1, 0, Dir::forward}));
+  REQUIRE((comm[1] == CommOp{false, 2, 3, 0, Dir::forward}));
+  std::swap(comm[0], comm[1]);
+  CHECK_FALSE(detail::proven_valid(p));
+  const Validation v = validate(p);
+  CHECK_FALSE(v);
+  CHECK(contains(v.error, "deadlocks under the communicator's rendezvous semantics"));
+  CHECK(contains(v.error, "rank 0 waits at compute F(stage 3, mb 0) comm recv from rank 2 (forward, stage 3, mb 0)"));
+}
+
+TEST_CASE("validate finds a rendezvous deadlock around the ring the other way") {
+  // Same schedule; rank 0 now receives stage 0's gradient (from rank 1) before it sends
+  // stage 2's gradient to rank 2: rank 0 waits for rank 1, rank 1 for rank 2, rank 2 for rank 0.
+  Program p = GIS::build({3, 2, 1});
+  auto& comm = p.ranks[0].comm;
+  REQUIRE((comm[4] == CommOp{true, 2, 2, 0, Dir::backward}));
+  REQUIRE((comm[5] == CommOp{false, 1, 0, 0, Dir::backward}));
+  std::swap(comm[4], comm[5]);
+  CHECK_FALSE(detail::proven_valid(p));
+  const Validation v = validate(p);
+  CHECK_FALSE(v);
+  CHECK(contains(v.error, "deadlocks under the communicator's rendezvous semantics"));
+  CHECK(contains(v.error, "rank 0 waits at compute B(stage 0, mb 0) comm recv from rank 1 (backward, stage 0, mb 0)"));
+}
+
+TEST_CASE("validate finds two neighbours that list the messages between them in different orders") {
+  // PO d=4, v=2, m=4: rank 1 sends stage 1's activation of mb 1 before that of mb 0, and
+  // rank 2 still expects mb 0 first.
+  Program p = PO::build({4, 2, 4});
+  auto& comm = p.ranks[1].comm;
+  const auto first = std::find(comm.begin(), comm.end(), CommOp{true, 2, 2, 0, Dir::forward});
+  const auto second = std::find(comm.begin(), comm.end(), CommOp{true, 2, 2, 1, Dir::forward});
+  REQUIRE(first != comm.end());
+  REQUIRE(second != comm.end());
+  std::iter_swap(first, second);
+  CHECK_FALSE(detail::proven_valid(p));
+  const Validation v = validate(p);
+  CHECK_FALSE(v);
+  CHECK(contains(v.error, "rank 2 expects recv from rank 1 (forward, stage 2, mb 0) but rank 1 sends send to rank 2 (forward, stage 2, mb 1) first"));
+}
+
+TEST_CASE("validate finds a send addressed to the wrong rank") {
+  Program p = PO::build({4, 2, 4});
+  auto& comm = p.ranks[1].comm;
+  const auto it = std::find_if(comm.begin(), comm.end(), [](const CommOp& c) { return c.send && c.dir == Dir::forward; });
+  REQUIRE(it != comm.end());
+  it->peer = 3;
+  CHECK_FALSE(detail::proven_valid(p));
+  const Validation v = validate(p);
+  CHECK_FALSE(v);
+  CHECK(contains(v.error, "rank 1: P2P op send to rank 3 (forward, stage 2, mb 0) connects the wrong ranks"));
+}
+
+TEST_CASE("validate finds an offload that may start before its forward ends") {
+  Program p = PO_F::build({2, 2, 8});
+  auto& rp = p.ranks[0];
+  const auto o = std::find_if(rp.copy.begin(), rp.copy.end(), [](const Op& op) { return op.kind == OpKind::O; });
+  REQUIRE(o != rp.copy.end());
+  REQUIRE(o->wait >= 0);
+  o->wait -= 1;  // now it waits only for the compute ops before its F
+  CHECK_FALSE(detail::proven_valid(p));
+  const Validation v = validate(p);
+  CHECK_FALSE(v);
+  CHECK(contains(v.error, "may start before its F ends"));
+}
+
+TEST_CASE("validate finds a rank whose compute and copy streams wait for each other") {
+  // A reload that waits for the last compute op of its rank: the backward that waits for
+  // the reload can never start.
+  Program p = PO_F::build({2, 2, 8});
+  auto& rp = p.ranks[1];
+  const auto r = std::find_if(rp.copy.begin(), rp.copy.end(), [](const Op& op) { return op.kind == OpKind::R; });
+  REQUIRE(r != rp.copy.end());
+  r->wait = static_cast<int>(rp.compute.size()) - 1;
+  CHECK_FALSE(detail::proven_valid(p));
+  const Validation v = validate(p);
+  CHECK_FALSE(v);
+  CHECK(contains(v.error, "deadlocks under the communicator's rendezvous semantics"));
+  CHECK(contains(v.error, "rank 1 waits at compute B("));
+  CHECK(contains(v.error, " copy R("));
+}
+
+TEST_CASE("validate proves every built schedule valid in its linear sweep") {
+  // The fast path is what makes validate() linear for real schedules: it must accept them.
+  for (const ScheduleSpec& spec : {OneF1B::spec, Interleaved1F1B::spec, GIS::spec, GIS_H::spec, PO::spec, PO_H::spec, PO_F::spec})
+    for (int d : {1, 2, 3, 4, 7})
+      for (int v : {1, 2, 3})
+        for (int m : {1, 4, 7, 14}) {
+          if (spec.family == Family::one_f1b && v > 1) continue;
+          if (spec.family == Family::interleaved_1f1b && m % d != 0) continue;
+          const Program p = build(spec, {d, v, m});
+          CHECK(detail::proven_valid(p));
+        }
+}

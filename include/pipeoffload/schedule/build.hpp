@@ -23,10 +23,6 @@
 
 namespace pipeoffload {
 
-/// Allowed ranges of a shape (wide enough for any real pipeline; they bound memory use).
-inline constexpr int max_ranks = 4096;
-inline constexpr int max_chunks = 256;
-inline constexpr int max_microbatches = 1 << 16;
 /// Most copy slots one rank's offload plan may span (the plan keeps one byte per slot).
 inline constexpr long long max_copy_slots = 1LL << 26;
 

@@ -14,6 +14,11 @@
 
 namespace pipeoffload {
 
+/// Allowed ranges of a shape (wide enough for any real pipeline; they bound memory use).
+inline constexpr int max_ranks = 4096;
+inline constexpr int max_chunks = 256;
+inline constexpr int max_microbatches = 1 << 16;
+
 /// Pipeline shape: d ranks, v chunks (stages) per rank, m microbatches per iteration.
 struct Shape {
   int d = 1;

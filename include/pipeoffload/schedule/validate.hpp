@@ -15,6 +15,8 @@
 // valid only if every op of every stream completes.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -286,6 +288,241 @@ constexpr Validation check_execution(const Program& p) {
   return {};
 }
 
+/// One linear sweep that proves a program valid, or gives up (false) and leaves the verdict
+/// and its message to the rules above. It never accepts a program they would reject:
+///   - per rank, its three streams are run against each other in one pass, with every
+///     receive taken as already delivered. That checks the passes (each unit's F, B, W or BW
+///     once, on its own rank, in order), the copy stream (each offload after its F, each
+///     reload after its offload and before its backward, slots strictly increasing, edges in
+///     range), that every pass's input message is received before it runs and every send
+///     follows the pass that produces it, and that the rank's order of compute, copy and
+///     P2P ops has no cycle of its own;
+///   - across ranks, that the messages can be put in one global order that every rank's P2P
+///     list follows. Neighbours r and r+1 must list the messages between them in the same
+///     order (send on one side, receive on the other); then no cycle of waits can stay
+///     between neighbours, and the one left to rule out runs around the ring of ranks. From
+///     each message between ranks 0 and 1, the earliest message between ranks 0 and 1 that
+///     rendezvous can reach after going once around the ring (either way) must be a later
+///     one. Going around more often, or back and forth, reaches nothing earlier.
+/// Under those conditions the untimed execution of check_execution() completes: each rank's
+/// ops fit in one order with its messages, and the messages in one order for all ranks, so
+/// the ops of all ranks and the messages form no cycle (DESIGN.md section 4).
+constexpr bool proven_valid(const Program& p) {
+  const Shape& sh = p.shape;
+  const int d = sh.d, v = sh.v, m = sh.m;
+  if (d < 1 || d > max_ranks || v < 1 || v > max_chunks || m < 1 || m > max_microbatches) return false;
+  if (static_cast<int>(p.ranks.size()) != d) return false;
+  const int S = d * v;
+  const bool fused = fused_backward(p.spec.family);
+  // chunk_of(s) = s / d without a division: exact for s < 2^20 and d <= 2^12.
+  const std::uint64_t magic = (std::uint64_t{1} << 40) / static_cast<std::uint64_t>(d) + 1;
+  const auto chunk = [magic](int s) { return static_cast<int>((static_cast<std::uint64_t>(s) * magic) >> 40); };
+
+  // Per unit of the rank being swept (chunk-major): what has run, and where.
+  enum : std::uint16_t { kF = 1, kB = 2, kW = 4, kO = 8, kR = 16, kFmsg = 32, kBmsg = 64, kFsent = 128, kBsent = 256 };
+  struct Unit {
+    std::uint16_t has = 0;
+    int fpos = 0;  // position of its F in the compute stream
+    int rpos = 0;  // position of its reload in the copy stream
+  };
+  const std::size_t units = static_cast<std::size_t>(v) * static_cast<std::size_t>(m);
+  std::vector<Unit> st(units);
+
+  // Cross-rank bookkeeping. E_r = the messages between ranks r and r+1 in P2P-list order;
+  // a message is keyed by (stage, mb, dir, send).
+  const auto key = [](const CommOp& c) {
+    return (static_cast<std::uint64_t>(c.stage) << 18) | (static_cast<std::uint64_t>(c.mb) << 2) |
+           (c.dir == Dir::forward ? 0u : 2u) | (c.send ? 1u : 0u);
+  };
+  constexpr int none = 0x7fffffff;
+  std::vector<std::uint64_t> e_prev, e_cur;  // E_{r-1} as rank r-1 listed it; E_r as rank r lists it
+  std::vector<std::uint64_t> e_last;         // E_{d-1} as rank 0 lists it
+  std::vector<int> phi0, psi0;               // rank 0: next E_0 index after each E_{d-1} message, and the reverse
+  std::vector<int> cw;                       // per E_0 message: earliest reachable E_r index going clockwise
+  std::vector<int> ccw_prev, ccw_cur;        // per E_r message: earliest reachable E_0 index going counter-clockwise
+
+  for (int r = 0; r < d; ++r) {
+    const RankProgram& rp = p.ranks[static_cast<std::size_t>(r)];
+    const Op* const comp = rp.compute.data();
+    const Op* const copy = rp.copy.data();
+    const CommOp* const comm = rp.comm.data();
+    const long long* const slot = rp.copy_slot.data();
+    const std::size_t nc = rp.compute.size(), nk = rp.copy.size(), nq = rp.comm.size();
+    if (rp.copy_slot.size() != nk) return false;
+    if (d == 1 && nq != 0) return false;
+    if (nc > 0x7ffffff0u || nk > 0x7ffffff0u) return false;
+    std::fill(st.begin(), st.end(), Unit{});
+    std::size_t nF = 0, nB = 0, nW = 0, nO = 0, nR = 0;
+    std::size_t ci = 0, ki = 0, qi = 0;
+    const int prev = r == 0 ? d - 1 : r - 1;
+    // Ring bookkeeping of this rank: messages with prev and with next seen so far.
+    std::size_t na = 0, nb = 0, px = 0;
+    const std::size_t len_prev = e_prev.size();
+    e_cur.clear();
+    ccw_cur.clear();
+    for (;;) {
+      const std::size_t ci0 = ci, ki0 = ki, qi0 = qi;
+      // 0 = ran, 1 = waits for another stream, 2 = invalid
+      for (; ci < nc; ++ci) {
+        const Op& op = comp[ci];
+        if (static_cast<unsigned>(op.stage) >= static_cast<unsigned>(S) || static_cast<unsigned>(op.mb) >= static_cast<unsigned>(m)) return false;
+        const int c = chunk(op.stage);
+        if (op.stage - c * d != r) return false;
+        if (op.wait >= static_cast<long long>(nk)) return false;
+        Unit& u = st[static_cast<std::size_t>(c) * static_cast<std::size_t>(m) + static_cast<std::size_t>(op.mb)];
+        bool blocked = false;
+        switch (op.kind) {
+          case OpKind::F:
+            if (u.has & kF) return false;
+            if (op.stage > 0) {
+              if (d == 1) {
+                if (!(st[static_cast<std::size_t>(c - 1) * static_cast<std::size_t>(m) + static_cast<std::size_t>(op.mb)].has & kF)) return false;
+              } else if (!(u.has & kFmsg)) blocked = true;
+            }
+            break;
+          case OpKind::B:
+          case OpKind::BW:
+            if ((op.kind == OpKind::BW) != fused || (u.has & kB) || !(u.has & kF)) return false;
+            if (op.stage < S - 1) {
+              if (d == 1) {
+                if (!(st[static_cast<std::size_t>(c + 1) * static_cast<std::size_t>(m) + static_cast<std::size_t>(op.mb)].has & kB)) return false;
+              } else if (!(u.has & kBmsg)) blocked = true;
+            }
+            break;
+          case OpKind::W:
+            if (fused || (u.has & kW) || !(u.has & kB)) return false;
+            break;
+          default: return false;
+        }
+        if (blocked || (op.wait >= 0 && ki <= static_cast<std::size_t>(op.wait))) break;
+        switch (op.kind) {
+          case OpKind::F:
+            u.has |= kF;
+            u.fpos = static_cast<int>(ci);
+            ++nF;
+            break;
+          case OpKind::W:
+            u.has |= kW;
+            ++nW;
+            break;
+          default:
+            if ((u.has & kR) && u.rpos > op.wait) return false;  // may start before its reload ends
+            u.has |= kB;
+            ++nB;
+            break;
+        }
+      }
+      for (; ki < nk; ++ki) {
+        const Op& op = copy[ki];
+        if (static_cast<unsigned>(op.stage) >= static_cast<unsigned>(S) || static_cast<unsigned>(op.mb) >= static_cast<unsigned>(m)) return false;
+        const int c = chunk(op.stage);
+        if (op.stage - c * d != r || op.wait >= static_cast<long long>(nc)) return false;
+        if (ki > 0 && slot[ki] <= slot[ki - 1]) return false;
+        if (op.wait >= 0 && ci <= static_cast<std::size_t>(op.wait)) break;
+        Unit& u = st[static_cast<std::size_t>(c) * static_cast<std::size_t>(m) + static_cast<std::size_t>(op.mb)];
+        if (op.kind == OpKind::O) {
+          // Once: after its F ends (the F is among the compute ops it waits for).
+          if ((u.has & kO) || !(u.has & kF) || u.fpos > op.wait) return false;
+          u.has |= kO;
+          ++nO;
+        } else if (op.kind == OpKind::R) {
+          // Once: after its offload, before its backward.
+          if ((u.has & kR) || !(u.has & kO) || (u.has & kB)) return false;
+          u.has |= kR;
+          u.rpos = static_cast<int>(ki);
+          ++nR;
+        } else {
+          return false;
+        }
+      }
+      for (; qi < nq; ++qi) {
+        const CommOp& q = comm[qi];
+        if (static_cast<unsigned>(q.stage) >= static_cast<unsigned>(S) || static_cast<unsigned>(q.mb) >= static_cast<unsigned>(m)) return false;
+        const bool fwd = q.dir == Dir::forward;
+        if (!fwd && q.dir != Dir::backward) return false;
+        const int producer = fwd ? q.stage - 1 : q.stage + 1;
+        if (static_cast<unsigned>(producer) >= static_cast<unsigned>(S)) return false;
+        const int cp = chunk(producer), cc = chunk(q.stage);
+        const int prank = producer - cp * d, crank = q.stage - cc * d;
+        if (q.send) {
+          if (prank != r || q.peer != crank) return false;
+          Unit& u = st[static_cast<std::size_t>(cp) * static_cast<std::size_t>(m) + static_cast<std::size_t>(q.mb)];
+          if (!(u.has & (fwd ? kF : kB))) break;  // waits for the pass that produces it
+          const std::uint16_t sent = fwd ? kFsent : kBsent;
+          if (u.has & sent) return false;
+          u.has |= sent;
+        } else {
+          if (crank != r || q.peer != prank) return false;
+          Unit& u = st[static_cast<std::size_t>(cc) * static_cast<std::size_t>(m) + static_cast<std::size_t>(q.mb)];
+          const std::uint16_t got = fwd ? kFmsg : kBmsg;
+          if (u.has & got) return false;
+          u.has |= got;
+        }
+        // The message's place in E_{r-1} or E_r.
+        const std::uint64_t k = key(q);
+        if (d == 2) {
+          if (r == 0) e_cur.push_back(k);
+          else if (na >= len_prev || e_prev[na++] != (k ^ 1u)) return false;
+          continue;
+        }
+        if (q.peer == prev) {
+          // The na-th message of E_{r-1}; nb messages of E_r come before it.
+          if (r == 0) {
+            e_last.push_back(k);
+            phi0.push_back(static_cast<int>(nb));
+          } else {
+            if (na >= len_prev || e_prev[na] != (k ^ 1u)) return false;
+            if (r == 1) cw.push_back(static_cast<int>(nb));
+            else
+              for (; px < cw.size() && cw[px] == static_cast<int>(na); ++px) cw[px] = static_cast<int>(nb);
+          }
+          ++na;
+        } else {
+          // The nb-th message of E_r; na messages of E_{r-1} come before it.
+          if (r == d - 1) {
+            if (nb >= e_last.size() || e_last[nb] != (k ^ 1u)) return false;
+          } else {
+            e_cur.push_back(k);
+          }
+          if (r == 0) psi0.push_back(static_cast<int>(na));
+          else if (r == 1) ccw_cur.push_back(na < len_prev ? static_cast<int>(na) : none);
+          else ccw_cur.push_back(na < len_prev ? ccw_prev[na] : none);
+          ++nb;
+        }
+      }
+      if (ci == ci0 && ki == ki0 && qi == qi0) break;
+    }
+    if (ci != nc || ki != nk || qi != nq) return false;
+    if (nF != units || nB != units || nW != (fused ? 0 : units) || nO != nR) return false;
+    if (d == 2) {
+      if (r == 1 && na != len_prev) return false;
+    } else if (d > 2) {
+      if (r > 0 && na != len_prev) return false;
+      if (r == d - 1 && nb != e_last.size()) return false;
+      if (r >= 2)
+        for (; px < cw.size(); ++px) cw[px] = none;  // nothing of E_r after them on this rank
+      if (r >= 1) std::swap(ccw_prev, ccw_cur);
+    }
+    std::swap(e_prev, e_cur);
+  }
+  if (d > 2) {
+    // Once around the ring from each message of E_0: the earliest E_0 message reached must
+    // come after it, clockwise (through ranks 1, 2, ..., d-1, 0) and counter-clockwise
+    // (through ranks 0, d-1, ..., 1).
+    const std::size_t n0 = cw.size(), nlast = e_last.size();
+    for (std::size_t x = 0; x < n0; ++x) {
+      const int k = cw[x];
+      if (k != none && static_cast<std::size_t>(k) < nlast && static_cast<std::size_t>(phi0[static_cast<std::size_t>(k)]) <= x) return false;
+    }
+    if (psi0.size() != n0) return false;
+    for (std::size_t x = 0; x < n0; ++x) {
+      const std::size_t k = static_cast<std::size_t>(psi0[x]);
+      if (k < nlast && ccw_prev[k] != none && static_cast<std::size_t>(ccw_prev[k]) <= x) return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace detail
 
 /// Checks every rule of DESIGN.md section 4: each (stage, mb) has F, B and W (or BW) exactly
@@ -293,6 +530,8 @@ constexpr Validation check_execution(const Program& p) {
 /// in order under the documented communicator semantics; every reload follows its offload and
 /// precedes its backward; the copy stream is never double-booked.
 constexpr Validation validate(const Program& p) {
+  if (detail::proven_valid(p)) return {};
+  // Not proven: the rules one by one, which name the first one broken (or accept).
   if (Validation v = detail::check_passes(p); !v) return v;
   if (Validation v = detail::check_copies(p); !v) return v;
   return detail::check_execution(p);
