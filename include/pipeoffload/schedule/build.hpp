@@ -446,9 +446,15 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
       }
     }
   } else {
-    detail::Timing t = detail::asap(p, costs, false);
-    ps = std::move(t.compute_start);
-    pe = std::move(t.compute_end);
+    ps.resize(p.ranks.size());
+    pe.resize(p.ranks.size());
+    std::vector<detail::TimesOut> out(p.ranks.size());
+    for (std::size_t r = 0; r < p.ranks.size(); ++r) {
+      ps[r].reserve(p.ranks[r].compute.size());
+      pe[r].reserve(p.ranks[r].compute.size());
+      out[r] = {&ps[r], &pe[r]};
+    }
+    detail::asap_into<false>(p, costs, out.data());
   }
   if (offload::count(spec.offload, shape.v) > 0)
     for (int r = 0; r < shape.d; ++r) detail::place_offloads(p, r, ps[static_cast<std::size_t>(r)], pe[static_cast<std::size_t>(r)]);

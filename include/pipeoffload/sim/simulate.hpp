@@ -58,49 +58,60 @@ namespace detail {
 constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSim& rs) {
   // Each stream's events are already in time order (an op's end is at or before the next
   // op's start), so one cursor per stream merges them without a sort.
-  struct Cursor {
-    const std::vector<Op>* ops;
-    const std::vector<double>* start;
-    const std::vector<double>* end;
-    std::size_t x = 0;
-    double t = 0, delta = 0;  // the cursor's current event
-    bool valid = false;
-  };
-  const auto advance = [&](Cursor& c) {
-    c.valid = false;
-    for (; c.x < c.ops->size(); ++c.x) {
-      const Op& op = (*c.ops)[c.x];
-      const double bytes = costs.bytes(op.stage);
-      switch (op.kind) {
-        case OpKind::F: c.t = (*c.start)[c.x]; c.delta = bytes; break;   // acquires at its start
-        case OpKind::R: c.t = (*c.start)[c.x]; c.delta = bytes; break;
-        case OpKind::W:
-        case OpKind::BW: c.t = (*c.end)[c.x]; c.delta = -bytes; break;   // releases at its end
-        case OpKind::O: c.t = (*c.end)[c.x]; c.delta = -bytes; break;
-        default: continue;
-      }
-      ++c.x;
-      c.valid = true;
+  const Op* const comp = rp.compute.data();
+  const Op* const copy = rp.copy.data();
+  const std::size_t nc = rp.compute.size(), nk = rp.copy.size();
+  const double* const cs = rs.compute_start.data();
+  const double* const ce = rs.compute_end.data();
+  const double* const ks = rs.copy_start.data();
+  const double* const ke = rs.copy_end.data();
+  const bool unit = costs.unit_bytes.empty();
+  // The cursors' current events: time and change of alive bytes; x, y = past the op that made it.
+  std::size_t x = 0, y = 0;
+  double ct = 0, cd = 0, kt = 0, kd = 0;
+  bool cv = false, kv = false;
+  const auto next_compute = [&]() {
+    for (; x < nc; ++x) {
+      const Op& op = comp[x];
+      if (op.kind == OpKind::F) { ct = cs[x]; cd = unit ? 1.0 : costs.bytes(op.stage); }  // acquires at its start
+      else if (op.kind == OpKind::W || op.kind == OpKind::BW) { ct = ce[x]; cd = -(unit ? 1.0 : costs.bytes(op.stage)); }  // releases at its end
+      else continue;
+      ++x;
+      cv = true;
       return;
     }
+    cv = false;
   };
-  Cursor comp{&rp.compute, &rs.compute_start, &rs.compute_end};
-  Cursor copy{&rp.copy, &rs.copy_start, &rs.copy_end};
-  advance(comp);
-  advance(copy);
-  double alive = 0;
-  rs.memory.clear();
-  rs.memory.reserve((2 * rp.compute.size()) / 3 + rp.copy.size());
-  while (comp.valid || copy.valid) {
+  const auto next_copy = [&]() {
+    for (; y < nk; ++y) {
+      const Op& op = copy[y];
+      if (op.kind == OpKind::R) { kt = ks[y]; kd = unit ? 1.0 : costs.bytes(op.stage); }
+      else if (op.kind == OpKind::O) { kt = ke[y]; kd = -(unit ? 1.0 : costs.bytes(op.stage)); }
+      else continue;
+      ++y;
+      kv = true;
+      return;
+    }
+    kv = false;
+  };
+  next_compute();
+  next_copy();
+  double alive = 0, peak = rs.peak;
+  auto& mem = rs.memory;
+  mem.clear();
+  mem.reserve((2 * nc) / 3 + nk);
+  while (cv || kv) {
     // Earlier first; at equal times a release before an acquisition (half-open intervals).
-    const bool take_comp = !copy.valid || (comp.valid && (comp.t < copy.t || (comp.t == copy.t && comp.delta <= copy.delta)));
-    Cursor& c = take_comp ? comp : copy;
-    alive += c.delta;
-    rs.peak = std::max(rs.peak, alive);
-    if (!rs.memory.empty() && rs.memory.back().time == c.t) rs.memory.back().alive = alive;
-    else rs.memory.push_back({c.t, alive});
-    advance(c);
+    const bool take_comp = !kv || (cv && (ct < kt || (ct == kt && cd <= kd)));
+    const double t = take_comp ? ct : kt;
+    alive += take_comp ? cd : kd;
+    peak = std::max(peak, alive);
+    if (!mem.empty() && mem.back().time == t) mem.back().alive = alive;
+    else mem.push_back({t, alive});
+    if (take_comp) next_compute();
+    else next_copy();
   }
+  rs.peak = peak;
 }
 
 }  // namespace detail
@@ -108,20 +119,22 @@ constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSi
 /// Simulates `p` under `costs` (the orders, edges and P2P plan of `p`, the durations of
 /// `costs`). Throws schedule_error if the orders cannot run.
 constexpr SimResult simulate(const Program& p, const Costs& costs) {
-  detail::Timing t = detail::asap(p, costs, true);
   SimResult res;
   res.ranks.resize(p.ranks.size());
+  std::vector<detail::TimesOut> out(p.ranks.size());
   for (std::size_t r = 0; r < p.ranks.size(); ++r) {
     RankSim& rs = res.ranks[r];
-    rs.compute_start = std::move(t.compute_start[r]);
-    rs.compute_end = std::move(t.compute_end[r]);
-    rs.copy_start = std::move(t.copy_start[r]);
-    rs.copy_end = std::move(t.copy_end[r]);
-    for (std::size_t x = 0; x < rs.compute_start.size(); ++x) {
-      rs.busy += rs.compute_end[x] - rs.compute_start[x];
-      res.makespan = std::max(res.makespan, rs.compute_end[x]);
-    }
-    for (double e : rs.copy_end) res.makespan = std::max(res.makespan, e);
+    rs.compute_start.reserve(p.ranks[r].compute.size());
+    rs.compute_end.reserve(p.ranks[r].compute.size());
+    rs.copy_start.reserve(p.ranks[r].copy.size());
+    rs.copy_end.reserve(p.ranks[r].copy.size());
+    out[r] = {&rs.compute_start, &rs.compute_end, &rs.copy_start, &rs.copy_end};
+  }
+  detail::asap_into<true>(p, costs, out.data());
+  for (std::size_t r = 0; r < p.ranks.size(); ++r) {
+    RankSim& rs = res.ranks[r];
+    rs.busy = out[r].busy;
+    res.makespan = std::max(res.makespan, out[r].last);
     rs.warmup = warmup(p.ranks[r]);
     detail::memory_timeline(costs, p.ranks[r], rs);
   }

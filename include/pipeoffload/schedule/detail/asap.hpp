@@ -4,20 +4,23 @@
 // dependency has finished (plus T_comm across ranks) and its cross-stream edge is met. The
 // builder uses this for its planning timeline and P2P order, the simulator for its report:
 // one timing engine, so the plan and the report cannot drift apart.
+//
+// An op's times depend only on the times of the ops it waits for, so any order of evaluation
+// that respects the dependencies gives the same numbers. The engine runs one rank's streams
+// as far as they go, then parks the rank on the one value it waits for (the end of a pass on
+// a neighbouring rank) and wakes it only once that value exists: a visit always makes
+// progress, and no rank is polled in vain.
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../program.hpp"
 
 namespace pipeoffload::detail {
-
-struct Timing {
-  // Per rank, parallel to RankProgram::compute / ::copy.
-  std::vector<std::vector<double>> compute_start, compute_end, copy_start, copy_end;
-};
 
 constexpr double duration(const Costs& c, const Op& op) {
   switch (op.kind) {
@@ -35,120 +38,204 @@ constexpr std::string describe(const Op& op) {
   return std::string(op_name(op.kind)) + "(stage " + num(op.stage) + ", mb " + num(op.mb) + ")";
 }
 
-/// ASAP timing of `p` under `costs`. With `with_copy` false the copy streams and every
-/// cross-stream edge are ignored (the compute-only timeline the offload planner starts from).
-/// Throws schedule_error if the orders cannot all run (a dependency cycle).
-constexpr Timing asap(const Program& p, const Costs& costs, bool with_copy) {
-  const int d = p.shape.d, m = p.shape.m, S = p.shape.stages();
-  // Microbatch-major: neighbouring ranks work on the same microbatches at about the same time.
-  const auto unit = [S](int s, int mb) { return static_cast<std::size_t>(mb) * static_cast<std::size_t>(S) + static_cast<std::size_t>(s); };
-  // End of each unit's F and B (or BW), -1 until it ran; side by side, so the lookups of one
-  // op (its own unit and the next stage's) share cache lines.
-  struct Ends { double f = -1, b = -1; };
-  std::vector<Ends> ends(static_cast<std::size_t>(S) * static_cast<std::size_t>(m));
+/// Per-stage durations of every op kind, indexed [stage * 6 + kind]: one load per op instead
+/// of a branch on the cost model's per-stage vectors. Values are computed exactly as
+/// duration() computes them.
+constexpr std::vector<double> duration_table(const Costs& c, int stages) {
+  std::vector<double> t(static_cast<std::size_t>(stages) * 6);
+  for (int s = 0; s < stages; ++s)
+    for (int k = 0; k < 6; ++k) t[static_cast<std::size_t>(s) * 6 + static_cast<std::size_t>(k)] = duration(c, Op{static_cast<OpKind>(k), s, 0});
+  return t;
+}
 
-  Timing t;
-  t.compute_start.resize(static_cast<std::size_t>(d));
-  t.compute_end.resize(static_cast<std::size_t>(d));
-  t.copy_start.resize(static_cast<std::size_t>(d));
-  t.copy_end.resize(static_cast<std::size_t>(d));
-  for (int r = 0; r < d; ++r) {
-    const auto& rp = p.ranks[static_cast<std::size_t>(r)];
-    t.compute_start[static_cast<std::size_t>(r)].assign(rp.compute.size(), 0.0);
-    t.compute_end[static_cast<std::size_t>(r)].assign(rp.compute.size(), 0.0);
-    if (with_copy) {
-      t.copy_start[static_cast<std::size_t>(r)].assign(rp.copy.size(), 0.0);
-      t.copy_end[static_cast<std::size_t>(r)].assign(rp.copy.size(), 0.0);
-    }
-  }
-  std::vector<std::size_t> ci(static_cast<std::size_t>(d), 0), ki(static_cast<std::size_t>(d), 0);
-  std::vector<double> cfree(static_cast<std::size_t>(d), 0.0), kfree(static_cast<std::size_t>(d), 0.0);
-  std::vector<int> work;
-  std::vector<char> queued(static_cast<std::size_t>(d), 1);
-  for (int r = d - 1; r >= 0; --r) work.push_back(r);
+/// Where the engine writes one rank's times: vectors parallel to its compute and copy
+/// streams (copy ones only when the copy streams are timed), empty on entry, to which the
+/// engine appends; and what it adds up on the way.
+struct TimesOut {
+  std::vector<double>* compute_start = nullptr;
+  std::vector<double>* compute_end = nullptr;
+  std::vector<double>* copy_start = nullptr;
+  std::vector<double>* copy_end = nullptr;
+  double busy = 0;  ///< sum of the compute ops' end - start, in stream order
+  double last = 0;  ///< max(0, every end of the rank's ops), folded with std::max
+};
+
+/// ASAP timing of `p` under `costs`, written through `out` (one entry per rank). With
+/// `WithCopy` false the copy streams and every cross-stream edge are ignored (the compute-only
+/// timeline the offload planner starts from). Throws schedule_error if the orders cannot all
+/// run (a dependency cycle).
+template <bool WithCopy>
+constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
+  const int d = p.shape.d, S = p.shape.stages();
+  const std::vector<double> dur = duration_table(costs, S);
+  // End of each unit's F and B (or BW), -1 until it ran; microbatch-major, so neighbouring
+  // ranks working on the same microbatches touch nearby memory, and side by side, so the
+  // lookups of one op (its own unit and the next stage's) share cache lines.
+  struct Ends { double f = -1, b = -1; };
+  std::vector<Ends> ends(static_cast<std::size_t>(S) * static_cast<std::size_t>(p.shape.m));
+  const auto unit = [S](int s, int mb) { return static_cast<std::size_t>(mb) * static_cast<std::size_t>(S) + static_cast<std::size_t>(s); };
   // Stages s and s+1 live on different ranks unless d = 1: every hop pays T_comm then.
   const double hop = d > 1 ? costs.comm : 0.0;
 
-  while (!work.empty()) {
-    const int r = work.back();
-    work.pop_back();
+  struct Lane {
+    const Op* comp = nullptr;
+    const Op* copy = nullptr;
+    std::size_t nc = 0, ci = 0, nk = 0, ki = 0;
+    double cfree = 0, kfree = 0;
+    const double* need = nullptr;  // parked: the value this rank waits for (nullptr: none can come)
+    int on = -1;                   // parked: the rank that produces it
+  };
+  std::vector<Lane> lanes(static_cast<std::size_t>(d));
+  for (int r = 0; r < d; ++r) {
+    const auto& rp = p.ranks[static_cast<std::size_t>(r)];
+    Lane& L = lanes[static_cast<std::size_t>(r)];
+    L.comp = rp.compute.data();
+    L.nc = rp.compute.size();
+    if constexpr (WithCopy) {
+      L.copy = rp.copy.data();
+      L.nk = rp.copy.size();
+    }
+  }
+  // A stack of the ranks to visit; each rank is on it at most once.
+  std::vector<int> work(static_cast<std::size_t>(d));
+  std::vector<char> queued(static_cast<std::size_t>(d), 1);
+  std::size_t top = 0;
+  for (int r = d - 1; r >= 0; --r) work[top++] = r;
+
+  while (top > 0) {
+    const int r = work[--top];
     const auto ru = static_cast<std::size_t>(r);
     queued[ru] = 0;
-    const auto& rp = p.ranks[ru];
-    bool moved = false;
+    Lane& L = lanes[ru];
+    TimesOut& o = out[ru];
+    std::vector<double>& cs = *o.compute_start;
+    std::vector<double>& ce = *o.compute_end;
+    const Op* const comp = L.comp;
+    std::size_t ci = L.ci, ki = L.ki;
+    const std::size_t nc = L.nc, nk = L.nk;
+    double cfree = L.cfree, kfree = L.kfree, busy = o.busy, last = o.last;
+    const double* need = nullptr;
+    int on = -1;
     // Each stream runs as far as it can before the other is tried; the loop ends when
     // neither moved.
     for (;;) {
-      bool step = false;
-      while (ci[ru] < rp.compute.size()) {
-        const Op& op = rp.compute[ci[ru]];
-        double ready = cfree[ru];
-        bool ok = true;
-        const auto need = [&](double end, double lat) {
-          if (end < 0) ok = false;
-          else ready = std::max(ready, end + lat);
-        };
-        switch (op.kind) {
-          case OpKind::F:
-            if (op.stage > 0) need(ends[unit(op.stage - 1, op.mb)].f, hop);
-            break;
-          case OpKind::B:
-          case OpKind::BW:
-            need(ends[unit(op.stage, op.mb)].f, 0.0);
-            if (op.stage < S - 1) need(ends[unit(op.stage + 1, op.mb)].b, hop);
-            break;
-          case OpKind::W: need(ends[unit(op.stage, op.mb)].b, 0.0); break;
-          default: break;
+      const std::size_t ci0 = ci, ki0 = ki;
+      need = nullptr;
+      on = -1;
+      while (ci < nc) {
+        // A backward reads its own F's end, written long before: fetch it ahead.
+        if (!std::is_constant_evaluated() && ci + 8 < nc) {
+          const Op& ahead = comp[ci + 8];
+          __builtin_prefetch(&ends[unit(ahead.stage, ahead.mb)]);
         }
-        if (ok && with_copy && op.wait >= 0) {
-          if (ki[ru] <= static_cast<std::size_t>(op.wait)) ok = false;
-          else ready = std::max(ready, t.copy_end[ru][static_cast<std::size_t>(op.wait)]);
+        const Op& op = comp[ci];
+        const OpKind kind = op.kind;
+        const int stage = op.stage;
+        double ready = cfree;
+        const std::size_t self = unit(stage, op.mb);
+        // Blocked on a neighbour's pass (need set), or on a pass of this rank that has not
+        // run and never will: it comes later in this stream (need unset).
+        bool blocked = false;
+        if (kind == OpKind::F) {
+          if (stage > 0) {
+            const double* e = &ends[self - 1].f;
+            if (*e < 0) {
+              need = e;
+              on = d > 1 ? (r == 0 ? d - 1 : r - 1) : -1;
+              break;
+            }
+            ready = std::max(ready, *e + hop);
+          }
+        } else if (kind == OpKind::W) {
+          const double e = ends[self].b;
+          if (e < 0) break;
+          ready = std::max(ready, e);
+        } else if (kind == OpKind::B || kind == OpKind::BW) {
+          const double e = ends[self].f;
+          if (e < 0) break;
+          ready = std::max(ready, e);
+          if (stage < S - 1) {
+            const double* n = &ends[self + 1].b;
+            if (*n < 0) {
+              need = n;
+              on = d > 1 ? (r + 1 == d ? 0 : r + 1) : -1;
+              break;
+            }
+            ready = std::max(ready, *n + hop);
+          }
         }
-        if (!ok) break;
-        const double end = ready + duration(costs, op);
-        t.compute_start[ru][ci[ru]] = ready;
-        t.compute_end[ru][ci[ru]] = end;
-        if (op.kind == OpKind::F) ends[unit(op.stage, op.mb)].f = end;
-        if (op.kind == OpKind::B || op.kind == OpKind::BW) ends[unit(op.stage, op.mb)].b = end;
-        cfree[ru] = end;
-        ++ci[ru];
-        step = true;
+        if constexpr (WithCopy) {
+          if (op.wait >= 0) {
+            if (ki <= static_cast<std::size_t>(op.wait)) blocked = true;
+            else ready = std::max(ready, (*o.copy_end)[static_cast<std::size_t>(op.wait)]);
+          }
+        }
+        if (blocked) break;
+        const double end = ready + dur[static_cast<std::size_t>(stage) * 6 + static_cast<std::size_t>(kind)];
+        cs.push_back(ready);
+        ce.push_back(end);
+        busy += end - ready;
+        last = std::max(last, end);
+        if (kind == OpKind::F) ends[self].f = end;
+        else if (kind == OpKind::B || kind == OpKind::BW) ends[self].b = end;
+        cfree = end;
+        ++ci;
       }
-      while (with_copy && ki[ru] < rp.copy.size()) {
-        const Op& op = rp.copy[ki[ru]];
-        if (op.wait >= 0 && ci[ru] <= static_cast<std::size_t>(op.wait)) break;
-        double ready = kfree[ru];
-        if (op.wait >= 0) ready = std::max(ready, t.compute_end[ru][static_cast<std::size_t>(op.wait)]);
-        const double end = ready + duration(costs, op);
-        t.copy_start[ru][ki[ru]] = ready;
-        t.copy_end[ru][ki[ru]] = end;
-        kfree[ru] = end;
-        ++ki[ru];
-        step = true;
+      if constexpr (WithCopy) {
+        const Op* const copy = L.copy;
+        std::vector<double>& ks = *o.copy_start;
+        std::vector<double>& ke = *o.copy_end;
+        while (ki < nk) {
+          const Op& op = copy[ki];
+          double ready = kfree;
+          if (op.wait >= 0) {
+            if (ci <= static_cast<std::size_t>(op.wait)) break;
+            ready = std::max(ready, ce[static_cast<std::size_t>(op.wait)]);
+          }
+          const double end = ready + dur[static_cast<std::size_t>(op.stage) * 6 + static_cast<std::size_t>(op.kind)];
+          ks.push_back(ready);
+          ke.push_back(end);
+          last = std::max(last, end);
+          kfree = end;
+          ++ki;
+        }
       }
-      if (!step) break;
-      moved = true;
+      if (ci == ci0 && ki == ki0) break;
     }
-    if (moved) {
+    const bool moved = ci != L.ci || ki != L.ki;
+    L.ci = ci;
+    L.ki = ki;
+    L.cfree = cfree;
+    L.kfree = kfree;
+    o.busy = busy;
+    o.last = last;
+    // Parked on a neighbour's pass only if that is all the compute head lacks; whatever else
+    // it lacks (a pass of its own rank, a copy op that waits for compute) can never come.
+    L.need = need;
+    L.on = on;
+    if (moved && d > 1) {
+      // Wake the neighbours that wait for a value this visit produced.
       for (int nb : {r + 1 == d ? 0 : r + 1, r == 0 ? d - 1 : r - 1}) {
-        if (!queued[static_cast<std::size_t>(nb)]) {
-          queued[static_cast<std::size_t>(nb)] = 1;
-          work.push_back(nb);
+        const auto nu = static_cast<std::size_t>(nb);
+        const Lane& N = lanes[nu];
+        if (!queued[nu] && N.on == r && *N.need >= 0) {
+          queued[nu] = 1;
+          work[top++] = nb;
         }
       }
     }
   }
   for (int r = 0; r < d; ++r) {
     const auto ru = static_cast<std::size_t>(r);
+    const Lane& L = lanes[ru];
     const auto& rp = p.ranks[ru];
-    if (ci[ru] < rp.compute.size() || (with_copy && ki[ru] < rp.copy.size())) {
-      std::string msg = "schedule cannot run: rank " + num(r) + " is stuck at compute op " + num(static_cast<long long>(ci[ru]));
-      if (ci[ru] < rp.compute.size()) msg += " " + describe(rp.compute[ci[ru]]);
-      if (with_copy && ki[ru] < rp.copy.size()) msg += " and copy op " + num(static_cast<long long>(ki[ru])) + " " + describe(rp.copy[ki[ru]]);
+    if (L.ci < L.nc || (WithCopy && L.ki < L.nk)) {
+      std::string msg = "schedule cannot run: rank " + num(r) + " is stuck at compute op " + num(static_cast<long long>(L.ci));
+      if (L.ci < L.nc) msg += " " + describe(rp.compute[L.ci]);
+      if (WithCopy && L.ki < L.nk) msg += " and copy op " + num(static_cast<long long>(L.ki)) + " " + describe(rp.copy[L.ki]);
       throw schedule_error(msg + " (a dependency cycle between the ranks' orders)");
     }
   }
-  return t;
 }
 
 }  // namespace pipeoffload::detail
