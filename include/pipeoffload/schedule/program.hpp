@@ -72,9 +72,11 @@ constexpr const char* op_name(OpKind k) {
 /// One op of one stream. `wait` is the cross-stream edge: the op may start only after the
 /// other stream of the same rank has finished its ops 0..wait (-1: no edge). Both streams run
 /// in order, so one index is all an edge needs (DESIGN.md section 3).
+/// Packed in 12 bytes (a schedule holds millions of ops): stage is a 24-bit field, enough for
+/// any stage of an allowed shape (S <= max_ranks * max_chunks = 2^20).
 struct Op {
-  OpKind kind = OpKind::F;
-  int stage = 0;
+  OpKind kind : 8 = OpKind::F;
+  int stage : 24 = 0;
   int mb = 0;
   int wait = -1;
 
@@ -87,12 +89,14 @@ enum class Dir : std::uint8_t { forward, backward };
 /// One entry of a rank's P2P plan. The tag is (stage, mb, dir) with `stage` the stage that
 /// consumes the message; the peer is the rank of the stage that produces (recv) or consumes
 /// (send) it.
+/// Packed in 12 bytes: peer is a 31-bit field and mb a 24-bit one, enough for any allowed
+/// shape (max_ranks, max_microbatches).
 struct CommOp {
-  bool send = false;
-  int peer = 0;
+  bool send : 1 = false;
+  int peer : 31 = 0;
   int stage = 0;
-  int mb = 0;
-  Dir dir = Dir::forward;
+  int mb : 24 = 0;
+  Dir dir : 8 = Dir::forward;
 
   friend constexpr bool operator==(const CommOp&, const CommOp&) = default;
 };
