@@ -169,8 +169,14 @@ TEST_CASE("the PO planning grid (shifted building block) meets every dependency 
         p.shape = {d, v, m};
         p.group = 1;
         p.ranks.resize(static_cast<std::size_t>(d));
-        std::vector<std::vector<long long>> grid;
-        detail::order_grouped(p, &grid);
+        const detail::Block bk(p);
+        std::vector<std::vector<long long>> grid(static_cast<std::size_t>(d));
+        for (int r = 0; r < d; ++r) {
+          detail::order_grouped_rank(p, bk, r, &grid[static_cast<std::size_t>(r)]);
+          // The slot each pass was placed at is the one Block::slot gives it.
+          for (std::size_t x = 0; x < grid[static_cast<std::size_t>(r)].size(); ++x)
+            REQUIRE(bk.slot(r, p.ranks[static_cast<std::size_t>(r)].compute[x]) == grid[static_cast<std::size_t>(r)][x]);
+        }
         const int S = d * v;
         std::vector<long long> fslot(static_cast<std::size_t>(S * m)), bslot(fslot.size()), wslot(fslot.size());
         for (int r = 0; r < d; ++r)

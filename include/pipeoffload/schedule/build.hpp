@@ -10,9 +10,13 @@
 //      communicator whose send waits for the matching receive cannot deadlock (a message's
 //      producer starts after every message it consumes, so induction over that order
 //      completes them all; validate() checks it).
+// For PO the grid gives each pass's slot from the pass itself (Block::slot), so the four steps
+// run rank by rank while that rank's lists are in cache; its P2P plan comes from its own
+// compute list, since the messages it receives are those its passes consume.
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -23,7 +27,7 @@
 
 namespace pipeoffload {
 
-/// Most copy slots one rank's offload plan may span (the plan keeps one byte per slot).
+/// Most copy slots one rank's offload plan may span (the plan keeps a few bytes per slot).
 inline constexpr long long max_copy_slots = 1LL << 26;
 
 namespace detail {
@@ -118,95 +122,197 @@ constexpr void order_interleaved(Program& p) {
   }
 }
 
-/// The GIS(g) building block repeated every L = 3gv slots (DESIGN.md section 2). Fills the
-/// compute orders and, if `grid` is given, each rank's slot of each op on the shifted grid.
-constexpr void order_grouped(Program& p, std::vector<std::vector<long long>>* grid = nullptr) {
-  const long long d = p.shape.d, v = p.shape.v, m = p.shape.m, g = p.group;
-  const long long h = ceil_div(d, 2), kp = ceil_div(h, g), gk = std::gcd(v, kp), q = v / gk, L = 3 * g * v;
-  const auto f = [&](long long c, long long j, long long i) { return 3 * kp * g * c + 3 * j + i + 3 * g * (c / q); };
-  // Shift: rank i starts min(i, e) slots late, e the smallest slack between a chunk's forward
-  // on rank d-1 and the next chunk's on rank 0 (independent of the group index).
-  long long e = d - 1;
-  for (long long c = 1; c < v; ++c) e = std::min(e, f(c, 0, 0) - f(c - 1, 0, d - 1) - 1);
-  if (grid != nullptr) grid->assign(static_cast<std::size_t>(d), {});
-  // Slots are distinct, and dense on a rank unless trimming emptied most of them (m < g), so
-  // the order usually comes from placing each pass at its slot in a table and reading the
-  // table back (linear); a sparse rank sorts instead.
-  std::vector<Op> table;
-  std::vector<char> filled;
-  std::vector<std::pair<long long, Op>> sparse;
-  const long long groups = ceil_div(m, g);
-  for (long long i = 0; i < d; ++i) {
-    const long long b0 = f(v - 1, 0, i) + 3 * (d - 1 - i) + 1;
-    const long long last = b0 + f(v - 1, g - 1, 0) + (groups - 1) * L + 1;  // the latest W slot
-    const bool dense = last + 1 <= 4 * 3 * v * m;
-    if (dense) {
-      table.assign(static_cast<std::size_t>(last + 1), Op{});
-      filled.assign(table.size(), 0);
+/// Geometry of the GIS(g) building block of a program (DESIGN.md section 2): block slots,
+/// the repeat period L = 3gv, and the shift of each rank on PO's planning grid.
+struct Block {
+  long long d = 1, v = 1, m = 1, g = 1, kp = 1, q = 1, L = 3, e = 0, groups = 1;
+  std::uint64_t magic = 1;   // (2^40 / d) + 1, see chunk()
+  std::vector<long long> a;  // a[c] = f(c, 0, 0): the part of f that depends on the chunk only
+
+  constexpr explicit Block(const Program& p) : d(p.shape.d), v(p.shape.v), m(p.shape.m), g(p.group) {
+    magic = (std::uint64_t{1} << 40) / static_cast<std::uint64_t>(d) + 1;
+    const long long h = ceil_div(d, 2);
+    kp = ceil_div(h, g);
+    q = v / std::gcd(v, kp);
+    L = 3 * g * v;
+    groups = ceil_div(m, g);
+    a.resize(static_cast<std::size_t>(v));
+    for (long long c = 0; c < v; ++c) a[static_cast<std::size_t>(c)] = 3 * kp * g * c + 3 * g * (c / q);
+    // Shift: rank i starts min(i, e) slots late, e the smallest slack between a chunk's
+    // forward on rank d-1 and the next chunk's on rank 0 (independent of the group index).
+    e = d - 1;
+    for (long long c = 1; c < v; ++c) e = std::min(e, f(c, 0, 0) - f(c - 1, 0, d - 1) - 1);
+  }
+  /// Block slot of F(chunk c, member j) on rank i.
+  constexpr long long f(long long c, long long j, long long i) const { return a[static_cast<std::size_t>(c)] + 3 * j + i; }
+  /// Block slot of rank i's first backward.
+  constexpr long long b0(long long i) const { return f(v - 1, 0, i) + 3 * (d - 1 - i) + 1; }
+  /// Rank i's latest W slot (unshifted).
+  constexpr long long last(long long i) const { return b0(i) + f(v - 1, g - 1, 0) + (groups - 1) * L + 1; }
+  constexpr long long shift(long long i) const { return std::min(i, e); }
+  /// Chunk of a stage, s / d without a division (exact for s < 2^20 and d <= 2^12).
+  constexpr long long chunk(int s) const { return static_cast<long long>((static_cast<std::uint64_t>(s) * magic) >> 40); }
+  /// Slot of `op` (a pass of rank i) on the shifted grid.
+  constexpr long long slot(long long i, const Op& op) const {
+    const long long cc = chunk(op.stage);
+    long long j = 0, n = op.mb;
+    if (g != 1) {
+      j = op.mb % g;
+      n = op.mb / g;
     }
-    sparse.clear();
-    const auto put = [&](long long slot, Op op) {
-      if (!dense) {
-        sparse.push_back({slot, op});
-        return;
-      }
-      table[static_cast<std::size_t>(slot)] = op;
-      filled[static_cast<std::size_t>(slot)] = 1;
+    const long long base = op.kind == OpKind::F ? f(cc, j, i) : b0(i) + f(v - 1 - cc, j, 0) + (op.kind == OpKind::W ? 1 : 0);
+    return base + n * L + shift(i);
+  }
+};
+
+/// Rank i's compute order under the GIS(g) building block repeated every L = 3gv slots
+/// (DESIGN.md section 2): its passes sorted by slot.
+constexpr void order_grouped_rank(Program& p, const Block& bk, long long i, std::vector<long long>* slots = nullptr) {
+  const long long d = bk.d, v = bk.v, m = bk.m, g = bk.g, L = bk.L, groups = bk.groups;
+  const long long b0 = bk.b0(i), last = bk.last(i), shift = bk.shift(i);
+  auto& ops = p.ranks[static_cast<std::size_t>(i)].compute;
+  ops.reserve(static_cast<std::size_t>(3 * v * m));
+  if (slots != nullptr) {
+    slots->clear();
+    slots->reserve(static_cast<std::size_t>(3 * v * m));
+  }
+  // Slots are distinct, and dense on a rank unless trimming emptied most of them (m < g).
+  // Dense: the block's 3gv slots are distinct mod L, so one table entry per residue says
+  // which pass a slot holds, and the slots are walked in order (linear, no table of the
+  // whole timeline). Sparse: sort.
+  if (last + 1 <= 4 * 3 * v * m) {
+    struct Entry {
+      Op op{};          // kind, stage and member j (in mb) of the block pass at this residue
+      long long hi = -1;  // its block slot / L; -1: no pass
     };
-    for (long long n = 0; n < groups; ++n)
-      for (long long j = 0; j < g; ++j) {
-        const long long mb = n * g + j;
-        if (mb >= m) break;  // trim: the slot stays idle, nothing moves
-        for (long long c = 0; c < v; ++c) {
-          const int fs = static_cast<int>(c * d + i), bs = static_cast<int>((v - 1 - c) * d + i);
-          const long long bslot = b0 + f(c, j, 0) + n * L;
-          put(f(c, j, i) + n * L, Op{OpKind::F, fs, static_cast<int>(mb)});
-          put(bslot, Op{OpKind::B, bs, static_cast<int>(mb)});
-          put(bslot + 1, Op{OpKind::W, bs, static_cast<int>(mb)});
+    std::vector<Entry> table(static_cast<std::size_t>(L));
+    bool distinct = true;
+    const auto put = [&](long long slot, Op op) {
+      Entry& en = table[static_cast<std::size_t>(slot % L)];
+      if (en.hi >= 0) distinct = false;
+      en = Entry{op, slot / L};
+    };
+    for (long long j = 0; j < g; ++j)
+      for (long long c = 0; c < v; ++c) {
+        const int fs = static_cast<int>(c * d + i), bs = static_cast<int>((v - 1 - c) * d + i);
+        const long long bslot = b0 + bk.f(c, j, 0);
+        put(bk.f(c, j, i), Op{OpKind::F, fs, static_cast<int>(j)});
+        put(bslot, Op{OpKind::B, bs, static_cast<int>(j)});
+        put(bslot + 1, Op{OpKind::W, bs, static_cast<int>(j)});
+      }
+    if (distinct) {
+      long long res = i % L, k = i / L;  // the slot i = f(0, 0, i) is the rank's first
+      for (long long slot = i; slot <= last; ++slot) {
+        const Entry& en = table[static_cast<std::size_t>(res)];
+        const long long n = k - en.hi;
+        if (en.hi >= 0 && n >= 0 && n < groups) {
+          const long long mb = n * g + en.op.mb;
+          if (mb < m) {  // trim: mb >= m stays idle
+            ops.push_back(Op{en.op.kind, en.op.stage, static_cast<int>(mb)});
+            if (slots != nullptr) slots->push_back(slot + shift);
+          }
+        }
+        if (++res == L) {
+          res = 0;
+          ++k;
         }
       }
-    auto& ops = p.ranks[static_cast<std::size_t>(i)].compute;
-    ops.reserve(static_cast<std::size_t>(3 * v * m));
-    std::vector<long long>* slots = grid != nullptr ? &(*grid)[static_cast<std::size_t>(i)] : nullptr;
-    if (slots != nullptr) slots->reserve(static_cast<std::size_t>(3 * v * m));
-    if (dense) {
-      for (std::size_t slot = 0; slot < table.size(); ++slot)
-        if (filled[slot]) sparse.push_back({static_cast<long long>(slot), table[slot]});
-    } else {
-      std::sort(sparse.begin(), sparse.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-    }
-    for (const auto& [slot, op] : sparse) {
-      ops.push_back(op);
-      if (slots != nullptr) slots->push_back(slot + std::min(i, e));
+      return;
     }
   }
+  std::vector<std::pair<long long, Op>> sparse;
+  for (long long n = 0; n < groups; ++n)
+    for (long long j = 0; j < g; ++j) {
+      const long long mb = n * g + j;
+      if (mb >= m) break;  // trim: the slot stays idle, nothing moves
+      for (long long c = 0; c < v; ++c) {
+        const int fs = static_cast<int>(c * d + i), bs = static_cast<int>((v - 1 - c) * d + i);
+        const long long bslot = b0 + bk.f(c, j, 0) + n * L;
+        sparse.push_back({bk.f(c, j, i) + n * L, Op{OpKind::F, fs, static_cast<int>(mb)}});
+        sparse.push_back({bslot, Op{OpKind::B, bs, static_cast<int>(mb)}});
+        sparse.push_back({bslot + 1, Op{OpKind::W, bs, static_cast<int>(mb)}});
+      }
+    }
+  std::sort(sparse.begin(), sparse.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+  for (const auto& [slot, op] : sparse) {
+    ops.push_back(op);
+    if (slots != nullptr) slots->push_back(slot + shift);
+  }
+}
+
+/// Every rank's compute order under the GIS(g) building block (see order_grouped_rank); the
+/// slot of each pass on PO's shifted grid is Block::slot.
+constexpr void order_grouped(Program& p) {
+  const Block bk(p);
+  for (long long i = 0; i < bk.d; ++i) order_grouped_rank(p, bk, i);
 }
 
 // ---- step 3: offload placement ----------------------------------------------------------
 
+/// Scratch of place_offloads, kept across the ranks of one build so that each rank reuses
+/// the memory of the one before.
+struct OffloadScratch {
+  std::vector<int> fidx, bidx, forder, border, nf, nb, ridx, owner;
+  std::vector<long long> oslot, rslot;
+  std::vector<double> gaps;
+  std::vector<char> want;
+  std::vector<std::pair<double, int>> life;
+  std::vector<int> chunks;
+};
+
 /// Places one rank's offloads and reloads on its copy-slot grid and derives the cross-stream
 /// edges. `ps`/`pe` are the planned start/end of each compute op.
-constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, const std::vector<double>& pe) {
+constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, const std::vector<double>& pe,
+                              OffloadScratch* scratch = nullptr) {
+  OffloadScratch own;
+  OffloadScratch& ws = scratch != nullptr ? *scratch : own;
   const Shape& sh = p.shape;
   auto& rp = p.ranks[static_cast<std::size_t>(r)];
-  const int m = sh.m, v = sh.v;
-  // Index of each unit's forward and backward (B or BW) in the compute order.
-  std::vector<int> fidx(static_cast<std::size_t>(v * m), -1), bidx(fidx.size(), -1);
-  for (int x = 0; x < static_cast<int>(rp.compute.size()); ++x) {
-    const Op& op = rp.compute[static_cast<std::size_t>(x)];
-    const auto u = static_cast<std::size_t>(sh.chunk_of(op.stage) * m + op.mb);
-    if (op.kind == OpKind::F) fidx[u] = x;
-    if (op.kind == OpKind::B || op.kind == OpKind::BW) bidx[u] = x;
+  const int m = sh.m, v = sh.v, d = sh.d;
+  const std::size_t units = static_cast<std::size_t>(v) * static_cast<std::size_t>(m);
+  const Op* const comp = rp.compute.data();
+  const int nc = static_cast<int>(rp.compute.size());
+  // Each op's chunk (its stage is chunk * d + r), s / d without a division (exact for
+  // s < 2^20, d <= 2^12), and its unit (chunk * m + mb).
+  const std::uint64_t magic = (std::uint64_t{1} << 40) / static_cast<std::uint64_t>(d) + 1;
+  const auto chunk_of = [magic](const Op& op) { return static_cast<std::size_t>((static_cast<std::uint64_t>(op.stage) * magic) >> 40); };
+  const auto unit_of = [&](const Op& op) { return chunk_of(op) * static_cast<std::size_t>(m) + static_cast<std::size_t>(op.mb); };
+  // Index of each unit's forward and backward (B or BW) in the compute order, and each
+  // chunk's microbatches in the order of their forwards and of their backwards.
+  auto& fidx = ws.fidx;
+  auto& bidx = ws.bidx;
+  auto& forder = ws.forder;
+  auto& border = ws.border;
+  auto& nf = ws.nf;
+  auto& nb = ws.nb;
+  fidx.assign(units, -1);
+  bidx.assign(units, -1);
+  forder.resize(units);
+  border.resize(units);
+  nf.assign(static_cast<std::size_t>(v), 0);
+  nb.assign(static_cast<std::size_t>(v), 0);
+  for (int x = 0; x < nc; ++x) {
+    const Op& op = comp[x];
+    const std::size_t c = chunk_of(op), u = c * static_cast<std::size_t>(m) + static_cast<std::size_t>(op.mb);
+    if (op.kind == OpKind::F) {
+      fidx[u] = x;
+      forder[c * static_cast<std::size_t>(m) + static_cast<std::size_t>(nf[c]++)] = op.mb;
+    } else if (op.kind == OpKind::B || op.kind == OpKind::BW) {
+      bidx[u] = x;
+      border[c * static_cast<std::size_t>(m) + static_cast<std::size_t>(nb[c]++)] = op.mb;
+    }
   }
   const double horizon = pe.empty() ? 0.0 : pe.back();
-  const auto gap = [&](int c, int mb) {
-    const auto u = static_cast<std::size_t>(c * m + mb);
-    return ps[static_cast<std::size_t>(bidx[u])] - pe[static_cast<std::size_t>(fidx[u])];
-  };
+  // Each unit's gap between the end of its F and the start of its backward.
+  auto& gaps = ws.gaps;
+  gaps.resize(units);
+  for (std::size_t u = 0; u < units; ++u) gaps[u] = ps[static_cast<std::size_t>(bidx[u])] - pe[static_cast<std::size_t>(fidx[u])];
+  const auto gap = [&](int c, int mb) { return gaps[static_cast<std::size_t>(c * m + mb)]; };
   // The selected chunks that have at least one unit whose gap can hide its own round trip;
   // the others stay on the device and must not stretch the slots (an LM-head chunk's long
   // copies would otherwise slow every other chunk's).
-  std::vector<int> chunks;
+  auto& chunks = ws.chunks;
+  chunks.clear();
   double T = 0;
   for (int c = 0; c < v; ++c) {
     if (!offload::offloaded(p.spec.offload, c, v)) continue;
@@ -231,7 +337,8 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
   const long long po = (p.costs.stagger_pairs && (r & 1) == 1) ? 1 : 0;
 
   // Longest lifespan (forward end to backward start) first; chunk 0 wins ties.
-  std::vector<std::pair<double, int>> life;
+  auto& life = ws.life;
+  life.clear();
   for (int c : chunks) {
     double sum = 0;
     for (int mb = 0; mb < m; ++mb) sum += gap(c, mb);
@@ -239,27 +346,29 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
   }
   std::sort(life.begin(), life.end());
 
-  std::vector<char> used;
-  const auto is_used = [&](long long n) { return n >= 0 && n < static_cast<long long>(used.size()) && used[static_cast<std::size_t>(n)]; };
-  const auto mark = [&](long long n, char val) {
-    if (n >= static_cast<long long>(used.size())) used.resize(static_cast<std::size_t>(n + 1) * 2, 0);
-    used[static_cast<std::size_t>(n)] = val;
+  // The unit in each copy slot (2u: its offload, 2u+1: its reload), -1 if the slot is free.
+  auto& owner = ws.owner;
+  owner.clear();
+  const auto is_used = [&](long long n) { return n >= 0 && n < static_cast<long long>(owner.size()) && owner[static_cast<std::size_t>(n)] >= 0; };
+  const auto mark = [&](long long n, int val) {
+    if (n >= static_cast<long long>(owner.size())) owner.resize(static_cast<std::size_t>(n + 1) * 2, -1);
+    owner[static_cast<std::size_t>(n)] = val;
   };
-  // Each chunk's microbatches in the order of their forwards and of their backwards.
-  std::vector<std::vector<int>> forder(static_cast<std::size_t>(v)), border(static_cast<std::size_t>(v));
-  for (const Op& op : rp.compute) {
-    if (op.kind == OpKind::F) forder[static_cast<std::size_t>(sh.chunk_of(op.stage))].push_back(op.mb);
-    if (op.kind == OpKind::B || op.kind == OpKind::BW) border[static_cast<std::size_t>(sh.chunk_of(op.stage))].push_back(op.mb);
-  }
-  std::vector<long long> oslot(static_cast<std::size_t>(v * m), -1), rslot(oslot.size(), -1);
-  std::vector<char> want(oslot.size(), 0);
+  auto& oslot = ws.oslot;
+  auto& rslot = ws.rslot;
+  auto& want = ws.want;
+  oslot.assign(units, -1);
+  rslot.assign(units, -1);
+  want.assign(units, 0);
   for (const auto& [neg, c] : life) {
     const auto uc = static_cast<std::size_t>(c);
+    const int* const fo = forder.data() + uc * static_cast<std::size_t>(m);
+    const int* const bo = border.data() + uc * static_cast<std::size_t>(m);
     // A unit whose gap cannot hide the round trip stays on the device.
     for (int mb = 0; mb < m; ++mb) want[static_cast<std::size_t>(c * m + mb)] = gap(c, mb) + eps >= 2 * T;
     // Offloads left to right: the earliest free offload slot starting at or after F ends.
-    for (int mb : forder[uc]) {
-      const auto u = static_cast<std::size_t>(c * m + mb);
+    for (int k = 0; k < nf[uc]; ++k) {
+      const auto u = static_cast<std::size_t>(c * m + fo[k]);
       if (!want[u]) continue;
       const double fe = pe[static_cast<std::size_t>(fidx[u])];
       long long n = std::max(0LL, static_cast<long long>((fe - eps) / T));
@@ -267,11 +376,11 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
       if ((n & 1) != po) ++n;
       while (is_used(n)) n += 2;
       oslot[u] = n;
-      mark(n, 1);
+      mark(n, static_cast<int>(2 * u));
     }
     // Reloads right to left: the latest free reload slot that ends before B starts.
-    for (auto it = border[uc].rbegin(); it != border[uc].rend(); ++it) {
-      const auto u = static_cast<std::size_t>(c * m + *it);
+    for (int k = nb[uc] - 1; k >= 0; --k) {
+      const auto u = static_cast<std::size_t>(c * m + bo[k]);
       if (!want[u]) continue;
       const double bs = ps[static_cast<std::size_t>(bidx[u])];
       long long n = static_cast<long long>((bs + eps) / T) - 1;
@@ -280,57 +389,53 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
       while (n > oslot[u] && is_used(n)) n -= 2;
       if (n > oslot[u]) {
         rslot[u] = n;
-        mark(n, 1);
+        mark(n, static_cast<int>(2 * u + 1));
       } else {
-        mark(oslot[u], 0);  // no reload slot after the offload: keep this unit on the device
+        mark(oslot[u], -1);  // no reload slot after the offload: keep this unit on the device
         oslot[u] = -1;
       }
     }
   }
 
-  // The copy stream in slot order: slots are distinct, so a table indexed by slot sorts them.
-  std::vector<Op> by_slot(used.size() + 1);
-  std::vector<char> has(by_slot.size(), 0);
-  for (std::size_t u = 0; u < oslot.size(); ++u) {
-    if (oslot[u] < 0) continue;
+  // The copy stream in slot order.
+  std::size_t ncopy = 0;
+  for (std::size_t u = 0; u < units; ++u) ncopy += oslot[u] >= 0 ? 2 : 0;
+  rp.copy.reserve(ncopy);
+  rp.copy_slot.reserve(ncopy);
+  for (std::size_t n = 0; n < owner.size(); ++n) {
+    const int o = owner[n];
+    if (o < 0) continue;
+    const auto u = static_cast<std::size_t>(o / 2);
     const int c = static_cast<int>(u) / m, mb = static_cast<int>(u) % m, s = sh.stage_of(r, c);
-    by_slot[static_cast<std::size_t>(oslot[u])] = Op{OpKind::O, s, mb, fidx[u]};
-    by_slot[static_cast<std::size_t>(rslot[u])] = Op{OpKind::R, s, mb, -1};
-    has[static_cast<std::size_t>(oslot[u])] = has[static_cast<std::size_t>(rslot[u])] = 1;
+    rp.copy.push_back((o & 1) == 0 ? Op{OpKind::O, s, mb, fidx[u]} : Op{OpKind::R, s, mb, -1});
+    rp.copy_slot.push_back(static_cast<long long>(n));
   }
-  for (std::size_t n = 0; n < by_slot.size(); ++n)
-    if (has[n]) {
-      rp.copy.push_back(by_slot[n]);
-      rp.copy_slot.push_back(static_cast<long long>(n));
-    }
   // Cross-stream edges. A compute op waits for every offload that ends before it starts in
   // the plan (so a release planned earlier also happens earlier); a reload waits for every
   // compute op that ends before it starts there; a backward waits for its own reload.
-  const int nc = static_cast<int>(rp.compute.size()), nk = static_cast<int>(rp.copy.size());
+  const int nk = static_cast<int>(rp.copy.size());
+  Op* const cmp = rp.compute.data();
+  const Op* const cpy = rp.copy.data();
+  const long long* const cslot = rp.copy_slot.data();
+  auto& ridx = ws.ridx;
+  ridx.assign(units, -1);
+  for (int y = 0; y < nk; ++y)
+    if (cpy[y].kind == OpKind::R) ridx[unit_of(cpy[y])] = y;
   int last_o = -1, k = 0;
   for (int x = 0; x < nc; ++x) {
-    while (k < nk && static_cast<double>(rp.copy_slot[static_cast<std::size_t>(k)] + 1) * T <= ps[static_cast<std::size_t>(x)] + eps) {
-      if (rp.copy[static_cast<std::size_t>(k)].kind == OpKind::O) last_o = k;
+    while (k < nk && static_cast<double>(cslot[k] + 1) * T <= ps[static_cast<std::size_t>(x)] + eps) {
+      if (cpy[k].kind == OpKind::O) last_o = k;
       ++k;
     }
-    rp.compute[static_cast<std::size_t>(x)].wait = last_o;
-  }
-  std::vector<int> ridx(static_cast<std::size_t>(v * m), -1);
-  for (int y = 0; y < nk; ++y) {
-    const Op& op = rp.copy[static_cast<std::size_t>(y)];
-    if (op.kind == OpKind::R) ridx[static_cast<std::size_t>(sh.chunk_of(op.stage) * m + op.mb)] = y;
-  }
-  for (int x = 0; x < nc; ++x) {
-    Op& op = rp.compute[static_cast<std::size_t>(x)];
-    if (op.kind != OpKind::B && op.kind != OpKind::BW) continue;
-    const int y = ridx[static_cast<std::size_t>(sh.chunk_of(op.stage) * m + op.mb)];
-    op.wait = std::max(op.wait, y);
+    Op& op = cmp[x];
+    op.wait = last_o;
+    if (op.kind == OpKind::B || op.kind == OpKind::BW) op.wait = std::max(op.wait, ridx[unit_of(op)]);
   }
   int x = 0;
   for (int y = 0; y < nk; ++y) {
     Op& op = rp.copy[static_cast<std::size_t>(y)];
     if (op.kind != OpKind::R) continue;
-    const double start = static_cast<double>(rp.copy_slot[static_cast<std::size_t>(y)]) * T;
+    const double start = static_cast<double>(cslot[y]) * T;
     while (x < nc && pe[static_cast<std::size_t>(x)] <= start + eps) ++x;
     op.wait = x - 1;
   }
@@ -338,20 +443,22 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
 
 // ---- step 4: P2P plan -------------------------------------------------------------------
 
-constexpr void plan_p2p(Program& p, const std::vector<std::vector<double>>& plan_end) {
+/// Rank r's P2P plan. `end(rank, x, op)` is the planned end time of compute op x (`op`) of a
+/// rank. A message's key: (time its producer ends, producer stage, mb, dir). Sender and
+/// receiver order by the same key, which gives one global order that every rank's plan
+/// follows. A rank's sends follow its compute stream, so they are already in key order; so
+/// are the messages each neighbour sends it. A rank's plan is the merge of those three lists.
+template <class End>
+constexpr void plan_p2p_rank(Program& p, int r, const End& end) {
   const Shape& sh = p.shape;
   const int S = sh.stages(), d = sh.d;
   if (d == 1) return;  // one rank: no messages
-  // A message's key: (time its producer ends, producer stage, mb, dir). Sender and receiver
-  // order by the same key, which gives one global order that every rank's plan follows.
-  // A rank's sends follow its compute stream, so they are already in key order; so are the
-  // messages each neighbour sends it. A rank's plan is the merge of those three lists.
   struct Cursor {
-    const Op* ops = nullptr;     // the compute ops of the rank this cursor walks
-    const double* end = nullptr; // their planned end times
+    const Op* ops = nullptr;  // the compute ops of the rank this cursor walks
     std::size_t n = 0, x = 0;
-    int rank = -1;               // that rank
-    int to_rank = -1;            // -1: every message it sends; else only those to to_rank
+    int rank = -1;    // that rank
+    int to_rank = -1; // -1: every message it sends; else only those to to_rank
+    double t = 0;     // planned end of ops[x]
   };
   // Rank the message produced by `op` on rank `from` goes to, or -1 if it sends none.
   const auto sends_to = [S, d](const Op& op, int from) {
@@ -362,12 +469,14 @@ constexpr void plan_p2p(Program& p, const std::vector<std::vector<double>>& plan
   const auto settle = [&](Cursor& c) {
     for (; c.x < c.n; ++c.x) {
       const int to = sends_to(c.ops[c.x], c.rank);
-      if (to >= 0 && (c.to_rank < 0 || to == c.to_rank)) return;
+      if (to >= 0 && (c.to_rank < 0 || to == c.to_rank)) {
+        c.t = end(c.rank, c.x, c.ops[c.x]);
+        return;
+      }
     }
   };
   const auto before = [](const Cursor& a, const Cursor& b) {
-    const double ta = a.end[a.x], tb = b.end[b.x];
-    if (ta != tb) return ta < tb;
+    if (a.t != b.t) return a.t < b.t;
     const Op& oa = a.ops[a.x];
     const Op& ob = b.ops[b.x];
     if (oa.stage != ob.stage) return oa.stage < ob.stage;
@@ -378,31 +487,105 @@ constexpr void plan_p2p(Program& p, const std::vector<std::vector<double>>& plan
     Cursor c;
     if (rank < 0) return c;
     const auto& ops = p.ranks[static_cast<std::size_t>(rank)].compute;
-    c = Cursor{ops.data(), plan_end[static_cast<std::size_t>(rank)].data(), ops.size(), 0, rank, to_rank};
+    c = Cursor{ops.data(), ops.size(), 0, rank, to_rank, 0.0};
     settle(c);
     return c;
   };
-  for (int r = 0; r < d; ++r) {
-    const int prev = r == 0 ? d - 1 : r - 1, next = r + 1 == d ? 0 : r + 1;
-    Cursor cur[3] = {cursor(r, -1), cursor(prev, r), cursor(prev == next ? -1 : next, r)};
-    auto& comm = p.ranks[static_cast<std::size_t>(r)].comm;
-    comm.reserve(4 * p.ranks[static_cast<std::size_t>(r)].compute.size() / 3 + 4);
-    for (;;) {
-      int best = -1;
-      for (int l = 0; l < 3; ++l)
-        if (cur[l].x < cur[l].n && (best < 0 || before(cur[l], cur[best]))) best = l;
-      if (best < 0) break;
-      Cursor& c = cur[best];
-      const Op& op = c.ops[c.x];
-      const bool fwd = op.kind == OpKind::F;
-      const int consumer = fwd ? op.stage + 1 : op.stage - 1;
-      const Dir dir = fwd ? Dir::forward : Dir::backward;
-      if (best == 0) comm.push_back(CommOp{true, sends_to(op, r), consumer, op.mb, dir});
-      else comm.push_back(CommOp{false, c.rank, consumer, op.mb, dir});
-      ++c.x;
-      settle(c);
+  const int prev = r == 0 ? d - 1 : r - 1, next = r + 1 == d ? 0 : r + 1;
+  Cursor cur[3] = {cursor(r, -1), cursor(prev, r), cursor(prev == next ? -1 : next, r)};
+  auto& comm = p.ranks[static_cast<std::size_t>(r)].comm;
+  comm.reserve(4 * p.ranks[static_cast<std::size_t>(r)].compute.size() / 3 + 4);
+  for (;;) {
+    int best = -1;
+    for (int l = 0; l < 3; ++l)
+      if (cur[l].x < cur[l].n && (best < 0 || before(cur[l], cur[best]))) best = l;
+    if (best < 0) break;
+    Cursor& c = cur[best];
+    const Op& op = c.ops[c.x];
+    const bool fwd = op.kind == OpKind::F;
+    const int consumer = fwd ? op.stage + 1 : op.stage - 1;
+    const Dir dir = fwd ? Dir::forward : Dir::backward;
+    if (best == 0) comm.push_back(CommOp{true, sends_to(op, r), consumer, op.mb, dir});
+    else comm.push_back(CommOp{false, c.rank, consumer, op.mb, dir});
+    ++c.x;
+    settle(c);
+  }
+}
+
+/// Scratch of plan_p2p_po_rank, kept across ranks.
+struct P2PScratch {
+  struct Item {
+    long long key;  // producer slot * 2^21 + producer stage
+    int x;          // the compute op of this rank that sends or consumes the message
+  };
+  std::vector<Item> own, from_prev, from_next;
+};
+
+/// Rank r's P2P plan on PO's grid, from rank r's own compute list (`slots`: the slot of each
+/// of its ops): the messages it receives are those its passes consume (F of stage s > 0 from
+/// rank r-1, B of stage s < S-1 from rank r+1), and their producers' slots follow from
+/// Block::slot. Merged with its sends in the key order of plan_p2p_rank, this is that plan
+/// as long as rank r consumes each neighbour's messages in the order they are sent (their
+/// keys increase along rank r's list); otherwise it returns false and writes nothing.
+/// The key (slot end, producer stage, ...) is compared as (slot, producer stage): the caller
+/// makes sure slot end times increase strictly with the slot, and one slot and stage name
+/// one pass.
+constexpr bool plan_p2p_po_rank(Program& p, const Block& bk, const std::vector<long long>& slots, int r, P2PScratch& ws) {
+  const Shape& sh = p.shape;
+  const int S = sh.stages(), d = sh.d;
+  if (d == 1) return true;
+  const int prev = r == 0 ? d - 1 : r - 1, next = r + 1 == d ? 0 : r + 1;
+  const auto& ops = p.ranks[static_cast<std::size_t>(r)].compute;
+  const Op* const o = ops.data();
+  const int n = static_cast<int>(ops.size());
+  auto& own = ws.own;
+  auto& fp = ws.from_prev;
+  auto& fn = ws.from_next;
+  own.clear();
+  fp.clear();
+  fn.clear();
+  for (int x = 0; x < n; ++x) {
+    const Op& op = o[x];
+    if (op.kind == OpKind::F) {
+      if (op.stage < S - 1) own.push_back({(slots[static_cast<std::size_t>(x)] << 21) | op.stage, x});
+      if (op.stage > 0) {
+        const Op producer{OpKind::F, op.stage - 1, op.mb};
+        const long long key = (bk.slot(prev, producer) << 21) | producer.stage;
+        if (!fp.empty() && fp.back().key >= key) return false;
+        fp.push_back({key, x});
+      }
+    } else if (op.kind == OpKind::B || op.kind == OpKind::BW) {
+      if (op.stage > 0) own.push_back({(slots[static_cast<std::size_t>(x)] << 21) | op.stage, x});
+      if (op.stage < S - 1) {
+        const Op producer{op.kind, op.stage + 1, op.mb};
+        const long long key = (bk.slot(next, producer) << 21) | producer.stage;
+        if (!fn.empty() && fn.back().key >= key) return false;
+        fn.push_back({key, x});
+      }
     }
   }
+  auto& comm = p.ranks[static_cast<std::size_t>(r)].comm;
+  comm.reserve(own.size() + fp.size() + fn.size());
+  constexpr long long end = 0x7fffffffffffffffLL;
+  std::size_t i = 0, j = 0, k = 0;
+  const std::size_t ni = own.size(), nj = fp.size(), nk = fn.size();
+  for (;;) {
+    const long long ki = i < ni ? own[i].key : end, kj = j < nj ? fp[j].key : end, kk = k < nk ? fn[k].key : end;
+    if (ki < kj && ki < kk) {
+      const Op& op = o[own[i++].x];
+      const bool fwd = op.kind == OpKind::F;
+      comm.push_back(CommOp{true, fwd ? next : prev, fwd ? op.stage + 1 : op.stage - 1, op.mb, fwd ? Dir::forward : Dir::backward});
+    } else if (kj < kk) {
+      const Op& op = o[fp[j++].x];
+      comm.push_back(CommOp{false, prev, op.stage, op.mb, Dir::forward});
+    } else if (kk != end) {
+      const Op& op = o[fn[k++].x];
+      comm.push_back(CommOp{false, next, op.stage, op.mb, Dir::backward});
+    } else {
+      break;
+    }
+  }
+  return true;
 }
 
 }  // namespace detail
@@ -418,47 +601,64 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
   p.shape = shape;
   p.costs = costs;
   p.ranks.resize(static_cast<std::size_t>(shape.d));
-  std::vector<std::vector<long long>> grid;
-  switch (spec.family) {
-    case Family::one_f1b: detail::order_1f1b(p); break;
-    case Family::interleaved_1f1b: detail::order_interleaved(p); break;
-    case Family::grouped:
-      p.group = detail::resolve_group(spec.group, shape.d);
-      detail::order_grouped(p, p.group == 1 ? &grid : nullptr);
-      break;
-  }
-  // Planning timeline: PO (g = 1) plans on its shifted grid, one slot = the mean of
-  // (T_F + T_B + T_W) / 3 over the stages; every other family on its compute-only ASAP
-  // timeline. Both meet every dependency with time to spare, which is all steps 3 and 4 need.
-  std::vector<std::vector<double>> ps, pe;
+  if (spec.family == Family::grouped) p.group = detail::resolve_group(spec.group, shape.d);
+  const bool offloads = offload::count(spec.offload, shape.v) > 0;
+  const int d = shape.d;
+  detail::OffloadScratch scratch;
   if (p.group == 1) {
+    // PO (g = 1) plans on its shifted grid, one slot = the mean of (T_F + T_B + T_W) / 3 over
+    // the stages. A pass's slot follows from the pass itself (Block::slot), so everything
+    // goes rank by rank, on the rank's own lists while they are in cache: its order, its
+    // offloads on that order, and its P2P plan.
     double tau = 0;
     for (int s = 0; s < shape.stages(); ++s) tau += costs.F(s) + costs.B(s) + costs.W(s);
     tau /= 3.0 * shape.stages();
-    ps.resize(grid.size());
-    pe.resize(grid.size());
-    for (std::size_t r = 0; r < grid.size(); ++r) {
-      ps[r].reserve(grid[r].size());
-      pe[r].reserve(grid[r].size());
-      for (long long slot : grid[r]) {
-        ps[r].push_back(static_cast<double>(slot) * tau);
-        pe[r].push_back(static_cast<double>(slot + 1) * tau);
+    const detail::Block bk(p);
+    // Slot ends (slot + 1) * tau increase strictly with the slot unless they overflow or go
+    // subnormal (slots stay below 2^31); then the P2P keys compare as slots.
+    long long top = 0;
+    for (long long i = 0; i < bk.d; ++i) top = std::max(top, bk.last(i) + bk.shift(i));
+    const bool slot_keys = tau >= 1e-300 && static_cast<double>(top + 2) * tau < 1e300;
+    const auto end = [&](int rank, std::size_t, const Op& op) { return static_cast<double>(bk.slot(rank, op) + 1) * tau; };
+    std::vector<double> ps, pe;
+    std::vector<long long> slots;
+    detail::P2PScratch p2p;
+    std::vector<int> fallback;  // ranks whose plan needs their neighbours' lists
+    for (int r = 0; r < d; ++r) {
+      detail::order_grouped_rank(p, bk, r, &slots);
+      if (offloads) {
+        ps.resize(slots.size());
+        pe.resize(slots.size());
+        for (std::size_t x = 0; x < slots.size(); ++x) {
+          ps[x] = static_cast<double>(slots[x]) * tau;
+          pe[x] = static_cast<double>(slots[x] + 1) * tau;
+        }
+        detail::place_offloads(p, r, ps, pe, &scratch);
       }
+      if (!slot_keys || !detail::plan_p2p_po_rank(p, bk, slots, r, p2p)) fallback.push_back(r);
     }
-  } else {
-    ps.resize(p.ranks.size());
-    pe.resize(p.ranks.size());
-    std::vector<detail::TimesOut> out(p.ranks.size());
-    for (std::size_t r = 0; r < p.ranks.size(); ++r) {
-      ps[r].reserve(p.ranks[r].compute.size());
-      pe[r].reserve(p.ranks[r].compute.size());
-      out[r] = {&ps[r], &pe[r]};
-    }
-    detail::asap_into<false>(p, costs, out.data());
+    for (int r : fallback) detail::plan_p2p_rank(p, r, end);
+    return p;
   }
-  if (offload::count(spec.offload, shape.v) > 0)
-    for (int r = 0; r < shape.d; ++r) detail::place_offloads(p, r, ps[static_cast<std::size_t>(r)], pe[static_cast<std::size_t>(r)]);
-  detail::plan_p2p(p, pe);
+  switch (spec.family) {
+    case Family::one_f1b: detail::order_1f1b(p); break;
+    case Family::interleaved_1f1b: detail::order_interleaved(p); break;
+    case Family::grouped: detail::order_grouped(p); break;
+  }
+  // Every other family plans on its compute-only ASAP timeline. Both timelines meet every
+  // dependency with time to spare, which is all offload placement and the P2P plan need.
+  std::vector<std::vector<double>> ps(static_cast<std::size_t>(d)), pe(static_cast<std::size_t>(d));
+  std::vector<detail::TimesOut> out(static_cast<std::size_t>(d));
+  for (std::size_t r = 0; r < ps.size(); ++r) {
+    ps[r].reserve(p.ranks[r].compute.size());
+    pe[r].reserve(p.ranks[r].compute.size());
+    out[r] = {&ps[r], &pe[r]};
+  }
+  detail::asap_into<false>(p, costs, out.data());
+  if (offloads)
+    for (int r = 0; r < d; ++r) detail::place_offloads(p, r, ps[static_cast<std::size_t>(r)], pe[static_cast<std::size_t>(r)], &scratch);
+  const auto end = [&](int rank, std::size_t x, const Op&) { return pe[static_cast<std::size_t>(rank)][x]; };
+  for (int r = 0; r < d; ++r) detail::plan_p2p_rank(p, r, end);
   return p;
 }
 
