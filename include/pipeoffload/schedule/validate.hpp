@@ -330,16 +330,19 @@ constexpr bool proven_valid(const Program& p) {
 
   // Cross-rank bookkeeping. E_r = the messages between ranks r and r+1 in P2P-list order;
   // a message is keyed by (stage, mb, dir, send).
-  const auto key = [](const CommOp& c) {
-    return (static_cast<std::uint64_t>(c.stage) << 18) | (static_cast<std::uint64_t>(c.mb) << 2) |
-           (c.dir == Dir::forward ? 0u : 2u) | (c.send ? 1u : 0u);
+  const auto key = [](const CommOp& c, bool fwd) {
+    return (static_cast<std::uint64_t>(c.stage) << 18) | (static_cast<std::uint64_t>(c.mb) << 2) | (fwd ? 0u : 2u) | (c.send ? 1u : 0u);
   };
   constexpr int none = 0x7fffffff;
-  std::vector<std::uint64_t> e_prev, e_cur;  // E_{r-1} as rank r-1 listed it; E_r as rank r lists it
-  std::vector<std::uint64_t> e_last;         // E_{d-1} as rank 0 lists it
-  std::vector<int> phi0, psi0;               // rank 0: next E_0 index after each E_{d-1} message, and the reverse
-  std::vector<int> cw;                       // per E_0 message: earliest reachable E_r index going clockwise
-  std::vector<int> ccw_prev, ccw_cur;        // per E_r message: earliest reachable E_0 index going counter-clockwise
+  std::size_t most = 0;  // the longest P2P list: every buffer below holds at most that many
+  for (const RankProgram& rp : p.ranks) most = std::max(most, rp.comm.size());
+  if (most > 0x7ffffff0u) return false;
+  std::vector<std::uint64_t> e_prev(most), e_cur(most);  // E_{r-1} as rank r-1 listed it; E_r as rank r lists it
+  std::vector<std::uint64_t> e_last(most);                // E_{d-1} as rank 0 lists it
+  std::vector<int> phi0(most), psi0(most);                // rank 0: next E_0 index after each E_{d-1} message, and the reverse
+  std::vector<int> cw(most);                              // per E_0 message: earliest reachable E_r index going clockwise
+  std::vector<int> ccw_prev(most), ccw_cur(most);         // per E_r message: earliest reachable E_0 index going counter-clockwise
+  std::size_t n_prev = 0, n_last = 0, n0 = 0, n_psi0 = 0;
 
   for (int r = 0; r < d; ++r) {
     const RankProgram& rp = p.ranks[static_cast<std::size_t>(r)];
@@ -350,174 +353,177 @@ constexpr bool proven_valid(const Program& p) {
     const std::size_t nc = rp.compute.size(), nk = rp.copy.size(), nq = rp.comm.size();
     if (rp.copy_slot.size() != nk) return false;
     if (d == 1 && nq != 0) return false;
-    if (nc > 0x7ffffff0u || nk > 0x7ffffff0u) return false;
+    // Each unit's F, B and W (or F and BW) and nothing else: duplicates are rejected below,
+    // so this count makes every one present.
+    if (nc != (fused ? 2 : 3) * units || nk > 0x7ffffff0u) return false;
     std::fill(st.begin(), st.end(), Unit{});
-    std::size_t nF = 0, nB = 0, nW = 0, nO = 0, nR = 0;
+    std::size_t offloads = 0;
     std::size_t ci = 0, ki = 0, qi = 0;
-    const int prev = r == 0 ? d - 1 : r - 1;
-    // Ring bookkeeping of this rank: messages with prev and with next seen so far.
+    const int prev = r == 0 ? d - 1 : r - 1, next = r + 1 == d ? 0 : r + 1;
+    // Ring bookkeeping of this rank: messages with prev (na) and with next (nb) seen so far.
     std::size_t na = 0, nb = 0, px = 0;
-    const std::size_t len_prev = e_prev.size();
-    e_cur.clear();
-    ccw_cur.clear();
     for (;;) {
       const std::size_t ci0 = ci, ki0 = ki, qi0 = qi;
-      // 0 = ran, 1 = waits for another stream, 2 = invalid
       for (; ci < nc; ++ci) {
         const Op& op = comp[ci];
-        if (static_cast<unsigned>(op.stage) >= static_cast<unsigned>(S) || static_cast<unsigned>(op.mb) >= static_cast<unsigned>(m)) return false;
-        const int c = chunk(op.stage);
-        if (op.stage - c * d != r) return false;
-        if (op.wait >= static_cast<long long>(nk)) return false;
-        Unit& u = st[static_cast<std::size_t>(c) * static_cast<std::size_t>(m) + static_cast<std::size_t>(op.mb)];
-        bool blocked = false;
-        switch (op.kind) {
-          case OpKind::F:
-            if (u.has & kF) return false;
-            if (op.stage > 0) {
-              if (d == 1) {
-                if (!(st[static_cast<std::size_t>(c - 1) * static_cast<std::size_t>(m) + static_cast<std::size_t>(op.mb)].has & kF)) return false;
-              } else if (!(u.has & kFmsg)) blocked = true;
+        const int s = op.stage, mb = op.mb, w = op.wait;
+        if (static_cast<unsigned>(s) >= static_cast<unsigned>(S) || static_cast<unsigned>(mb) >= static_cast<unsigned>(m)) return false;
+        const int c = chunk(s);
+        if (s - c * d != r || w >= static_cast<long long>(nk)) return false;
+        Unit& u = st[static_cast<std::size_t>(c) * static_cast<std::size_t>(m) + static_cast<std::size_t>(mb)];
+        const std::uint16_t has = u.has;
+        const bool waits_copy = w >= 0 && ki <= static_cast<std::size_t>(w);
+        const OpKind kind = op.kind;
+        if (kind == OpKind::F) {
+          if (has & kF) return false;
+          if (s > 0) {
+            if (d == 1) {
+              if (!(st[static_cast<std::size_t>(c - 1) * static_cast<std::size_t>(m) + static_cast<std::size_t>(mb)].has & kF)) return false;
+            } else if (!(has & kFmsg)) {
+              break;  // its input is not received yet
             }
-            break;
-          case OpKind::B:
-          case OpKind::BW:
-            if ((op.kind == OpKind::BW) != fused || (u.has & kB) || !(u.has & kF)) return false;
-            if (op.stage < S - 1) {
-              if (d == 1) {
-                if (!(st[static_cast<std::size_t>(c + 1) * static_cast<std::size_t>(m) + static_cast<std::size_t>(op.mb)].has & kB)) return false;
-              } else if (!(u.has & kBmsg)) blocked = true;
+          }
+          if (waits_copy) break;
+          u.has = has | kF;
+          u.fpos = static_cast<int>(ci);
+        } else if (kind == OpKind::W) {
+          if (fused || (has & kW) || !(has & kB)) return false;
+          if (waits_copy) break;
+          u.has = has | kW;
+        } else if (kind == OpKind::B || kind == OpKind::BW) {
+          if ((kind == OpKind::BW) != fused || (has & kB) || !(has & kF)) return false;
+          if (s < S - 1) {
+            if (d == 1) {
+              if (!(st[static_cast<std::size_t>(c + 1) * static_cast<std::size_t>(m) + static_cast<std::size_t>(mb)].has & kB)) return false;
+            } else if (!(has & kBmsg)) {
+              break;
             }
-            break;
-          case OpKind::W:
-            if (fused || (u.has & kW) || !(u.has & kB)) return false;
-            break;
-          default: return false;
-        }
-        if (blocked || (op.wait >= 0 && ki <= static_cast<std::size_t>(op.wait))) break;
-        switch (op.kind) {
-          case OpKind::F:
-            u.has |= kF;
-            u.fpos = static_cast<int>(ci);
-            ++nF;
-            break;
-          case OpKind::W:
-            u.has |= kW;
-            ++nW;
-            break;
-          default:
-            if ((u.has & kR) && u.rpos > op.wait) return false;  // may start before its reload ends
-            u.has |= kB;
-            ++nB;
-            break;
+          }
+          if (waits_copy) break;
+          if ((has & kR) && u.rpos > w) return false;  // may start before its reload ends
+          u.has = has | kB;
+        } else {
+          return false;
         }
       }
       for (; ki < nk; ++ki) {
         const Op& op = copy[ki];
-        if (static_cast<unsigned>(op.stage) >= static_cast<unsigned>(S) || static_cast<unsigned>(op.mb) >= static_cast<unsigned>(m)) return false;
-        const int c = chunk(op.stage);
-        if (op.stage - c * d != r || op.wait >= static_cast<long long>(nc)) return false;
+        const int s = op.stage, mb = op.mb, w = op.wait;
+        if (static_cast<unsigned>(s) >= static_cast<unsigned>(S) || static_cast<unsigned>(mb) >= static_cast<unsigned>(m)) return false;
+        const int c = chunk(s);
+        if (s - c * d != r || w >= static_cast<long long>(nc)) return false;
         if (ki > 0 && slot[ki] <= slot[ki - 1]) return false;
-        if (op.wait >= 0 && ci <= static_cast<std::size_t>(op.wait)) break;
-        Unit& u = st[static_cast<std::size_t>(c) * static_cast<std::size_t>(m) + static_cast<std::size_t>(op.mb)];
+        if (w >= 0 && ci <= static_cast<std::size_t>(w)) break;
+        Unit& u = st[static_cast<std::size_t>(c) * static_cast<std::size_t>(m) + static_cast<std::size_t>(mb)];
+        const std::uint16_t has = u.has;
         if (op.kind == OpKind::O) {
           // Once: after its F ends (the F is among the compute ops it waits for).
-          if ((u.has & kO) || !(u.has & kF) || u.fpos > op.wait) return false;
-          u.has |= kO;
-          ++nO;
+          if ((has & kO) || !(has & kF) || u.fpos > w) return false;
+          u.has = has | kO;
+          ++offloads;
         } else if (op.kind == OpKind::R) {
           // Once: after its offload, before its backward.
-          if ((u.has & kR) || !(u.has & kO) || (u.has & kB)) return false;
-          u.has |= kR;
+          if ((has & kR) || !(has & kO) || (has & kB)) return false;
+          u.has = has | kR;
           u.rpos = static_cast<int>(ki);
-          ++nR;
         } else {
           return false;
         }
       }
       for (; qi < nq; ++qi) {
         const CommOp& q = comm[qi];
-        if (static_cast<unsigned>(q.stage) >= static_cast<unsigned>(S) || static_cast<unsigned>(q.mb) >= static_cast<unsigned>(m)) return false;
+        const int s = q.stage, mb = q.mb;
+        if (static_cast<unsigned>(s) >= static_cast<unsigned>(S) || static_cast<unsigned>(mb) >= static_cast<unsigned>(m)) return false;
         const bool fwd = q.dir == Dir::forward;
-        if (!fwd && q.dir != Dir::backward) return false;
-        const int producer = fwd ? q.stage - 1 : q.stage + 1;
-        if (static_cast<unsigned>(producer) >= static_cast<unsigned>(S)) return false;
-        const int cp = chunk(producer), cc = chunk(q.stage);
-        const int prank = producer - cp * d, crank = q.stage - cc * d;
+        if (fwd ? s == 0 : (q.dir != Dir::backward || s == S - 1)) return false;  // no producing stage
+        // The consumer (stage s) and the producer (s - 1 forward, s + 1 backward) live on
+        // neighbouring ranks.
+        const int c = chunk(s), crank = s - c * d;
+        Unit* u = nullptr;
         if (q.send) {
-          if (prank != r || q.peer != crank) return false;
-          Unit& u = st[static_cast<std::size_t>(cp) * static_cast<std::size_t>(m) + static_cast<std::size_t>(q.mb)];
-          if (!(u.has & (fwd ? kF : kB))) break;  // waits for the pass that produces it
+          // Produced here: the consumer is the next rank (forward) or the previous one.
+          if (crank != (fwd ? next : prev) || q.peer != crank || d == 1) return false;
+          const int cp = fwd ? (crank == 0 ? c - 1 : c) : (crank == d - 1 ? c + 1 : c);
+          u = &st[static_cast<std::size_t>(cp) * static_cast<std::size_t>(m) + static_cast<std::size_t>(mb)];
+          if (!(u->has & (fwd ? kF : kB))) break;  // waits for the pass that produces it
           const std::uint16_t sent = fwd ? kFsent : kBsent;
-          if (u.has & sent) return false;
-          u.has |= sent;
+          if (u->has & sent) return false;
+          u->has |= sent;
         } else {
-          if (crank != r || q.peer != prank) return false;
-          Unit& u = st[static_cast<std::size_t>(cc) * static_cast<std::size_t>(m) + static_cast<std::size_t>(q.mb)];
+          if (crank != r || q.peer != (fwd ? prev : next)) return false;
+          u = &st[static_cast<std::size_t>(c) * static_cast<std::size_t>(m) + static_cast<std::size_t>(mb)];
           const std::uint16_t got = fwd ? kFmsg : kBmsg;
-          if (u.has & got) return false;
-          u.has |= got;
+          if (u->has & got) return false;
+          u->has |= got;
         }
         // The message's place in E_{r-1} or E_r.
-        const std::uint64_t k = key(q);
+        const std::uint64_t k = key(q, fwd);
         if (d == 2) {
-          if (r == 0) e_cur.push_back(k);
-          else if (na >= len_prev || e_prev[na++] != (k ^ 1u)) return false;
+          if (r == 0) e_cur[nb++] = k;
+          else if (na >= n_prev || e_prev[na++] != (k ^ 1u)) return false;
           continue;
         }
         if (q.peer == prev) {
           // The na-th message of E_{r-1}; nb messages of E_r come before it.
           if (r == 0) {
-            e_last.push_back(k);
-            phi0.push_back(static_cast<int>(nb));
+            e_last[na] = k;
+            phi0[na] = static_cast<int>(nb);
           } else {
-            if (na >= len_prev || e_prev[na] != (k ^ 1u)) return false;
-            if (r == 1) cw.push_back(static_cast<int>(nb));
+            if (na >= n_prev || e_prev[na] != (k ^ 1u)) return false;
+            if (r == 1) cw[na] = static_cast<int>(nb);
             else
-              for (; px < cw.size() && cw[px] == static_cast<int>(na); ++px) cw[px] = static_cast<int>(nb);
+              for (; px < n0 && cw[px] == static_cast<int>(na); ++px) cw[px] = static_cast<int>(nb);
           }
           ++na;
         } else {
           // The nb-th message of E_r; na messages of E_{r-1} come before it.
           if (r == d - 1) {
-            if (nb >= e_last.size() || e_last[nb] != (k ^ 1u)) return false;
+            if (nb >= n_last || e_last[nb] != (k ^ 1u)) return false;
           } else {
-            e_cur.push_back(k);
+            e_cur[nb] = k;
           }
-          if (r == 0) psi0.push_back(static_cast<int>(na));
-          else if (r == 1) ccw_cur.push_back(na < len_prev ? static_cast<int>(na) : none);
-          else ccw_cur.push_back(na < len_prev ? ccw_prev[na] : none);
+          if (r == 0) psi0[nb] = static_cast<int>(na);
+          else if (r == 1) ccw_cur[nb] = na < n_prev ? static_cast<int>(na) : none;
+          else ccw_cur[nb] = na < n_prev ? ccw_prev[na] : none;
           ++nb;
         }
       }
       if (ci == ci0 && ki == ki0 && qi == qi0) break;
     }
     if (ci != nc || ki != nk || qi != nq) return false;
-    if (nF != units || nB != units || nW != (fused ? 0 : units) || nO != nR) return false;
+    // Every reload follows its offload, each once: as many offloads as reloads pairs them all.
+    if (2 * offloads != nk) return false;
     if (d == 2) {
-      if (r == 1 && na != len_prev) return false;
+      if (r == 1 && na != n_prev) return false;
+      n_prev = r == 0 ? nb : 0;
+      std::swap(e_prev, e_cur);
     } else if (d > 2) {
-      if (r > 0 && na != len_prev) return false;
-      if (r == d - 1 && nb != e_last.size()) return false;
+      if (r > 0 && na != n_prev) return false;
+      if (r == 0) {
+        n_last = na;
+        n_psi0 = nb;
+      }
+      if (r == 1) n0 = na;
+      if (r == d - 1 && nb != n_last) return false;
       if (r >= 2)
-        for (; px < cw.size(); ++px) cw[px] = none;  // nothing of E_r after them on this rank
+        for (; px < n0; ++px) cw[px] = none;  // nothing of E_r after them on this rank
       if (r >= 1) std::swap(ccw_prev, ccw_cur);
+      n_prev = nb;
+      std::swap(e_prev, e_cur);
     }
-    std::swap(e_prev, e_cur);
   }
   if (d > 2) {
     // Once around the ring from each message of E_0: the earliest E_0 message reached must
     // come after it, clockwise (through ranks 1, 2, ..., d-1, 0) and counter-clockwise
     // (through ranks 0, d-1, ..., 1).
-    const std::size_t n0 = cw.size(), nlast = e_last.size();
+    if (n_psi0 != n0) return false;
     for (std::size_t x = 0; x < n0; ++x) {
       const int k = cw[x];
-      if (k != none && static_cast<std::size_t>(k) < nlast && static_cast<std::size_t>(phi0[static_cast<std::size_t>(k)]) <= x) return false;
+      if (k != none && static_cast<std::size_t>(k) < n_last && static_cast<std::size_t>(phi0[static_cast<std::size_t>(k)]) <= x) return false;
     }
-    if (psi0.size() != n0) return false;
     for (std::size_t x = 0; x < n0; ++x) {
       const std::size_t k = static_cast<std::size_t>(psi0[x]);
-      if (k < nlast && ccw_prev[k] != none && static_cast<std::size_t>(ccw_prev[k]) <= x) return false;
+      if (k < n_last && ccw_prev[k] != none && static_cast<std::size_t>(ccw_prev[k]) <= x) return false;
     }
   }
   return true;
