@@ -650,8 +650,8 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
   std::vector<std::vector<double>> ps(static_cast<std::size_t>(d)), pe(static_cast<std::size_t>(d));
   std::vector<detail::TimesOut> out(static_cast<std::size_t>(d));
   for (std::size_t r = 0; r < ps.size(); ++r) {
-    ps[r].reserve(p.ranks[r].compute.size());
-    pe[r].reserve(p.ranks[r].compute.size());
+    ps[r].resize(p.ranks[r].compute.size());
+    pe[r].resize(p.ranks[r].compute.size());
     out[r] = {&ps[r], &pe[r]};
   }
   detail::asap_into<false>(p, costs, out.data());

@@ -124,10 +124,10 @@ constexpr SimResult simulate(const Program& p, const Costs& costs) {
   std::vector<detail::TimesOut> out(p.ranks.size());
   for (std::size_t r = 0; r < p.ranks.size(); ++r) {
     RankSim& rs = res.ranks[r];
-    rs.compute_start.reserve(p.ranks[r].compute.size());
-    rs.compute_end.reserve(p.ranks[r].compute.size());
-    rs.copy_start.reserve(p.ranks[r].copy.size());
-    rs.copy_end.reserve(p.ranks[r].copy.size());
+    rs.compute_start.resize(p.ranks[r].compute.size());
+    rs.compute_end.resize(p.ranks[r].compute.size());
+    rs.copy_start.resize(p.ranks[r].copy.size());
+    rs.copy_end.resize(p.ranks[r].copy.size());
     out[r] = {&rs.compute_start, &rs.compute_end, &rs.copy_start, &rs.copy_end};
   }
   detail::asap_into<true>(p, costs, out.data());

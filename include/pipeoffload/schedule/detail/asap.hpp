@@ -49,8 +49,8 @@ constexpr std::vector<double> duration_table(const Costs& c, int stages) {
 }
 
 /// Where the engine writes one rank's times: vectors parallel to its compute and copy
-/// streams (copy ones only when the copy streams are timed), empty on entry, to which the
-/// engine appends; and what it adds up on the way.
+/// streams (copy ones only when the copy streams are timed), sized to them on entry; and what
+/// it adds up on the way.
 struct TimesOut {
   std::vector<double>* compute_start = nullptr;
   std::vector<double>* compute_end = nullptr;
@@ -108,8 +108,8 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
     queued[ru] = 0;
     Lane& L = lanes[ru];
     TimesOut& o = out[ru];
-    std::vector<double>& cs = *o.compute_start;
-    std::vector<double>& ce = *o.compute_end;
+    double* const cs = o.compute_start->data();
+    double* const ce = o.compute_end->data();
     const Op* const comp = L.comp;
     std::size_t ci = L.ci, ki = L.ki;
     const std::size_t nc = L.nc, nk = L.nk;
@@ -167,13 +167,13 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
         if constexpr (WithCopy) {
           if (op.wait >= 0) {
             if (ki <= static_cast<std::size_t>(op.wait)) blocked = true;
-            else ready = std::max(ready, (*o.copy_end)[static_cast<std::size_t>(op.wait)]);
+            else ready = std::max(ready, o.copy_end->data()[op.wait]);
           }
         }
         if (blocked) break;
         const double end = ready + dur[static_cast<std::size_t>(stage) * 6 + static_cast<std::size_t>(kind)];
-        cs.push_back(ready);
-        ce.push_back(end);
+        cs[ci] = ready;
+        ce[ci] = end;
         busy += end - ready;
         last = std::max(last, end);
         if (kind == OpKind::F) ends[self].f = end;
@@ -183,8 +183,8 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
       }
       if constexpr (WithCopy) {
         const Op* const copy = L.copy;
-        std::vector<double>& ks = *o.copy_start;
-        std::vector<double>& ke = *o.copy_end;
+        double* const ks = o.copy_start->data();
+        double* const ke = o.copy_end->data();
         while (ki < nk) {
           const Op& op = copy[ki];
           double ready = kfree;
@@ -193,8 +193,8 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
             ready = std::max(ready, ce[static_cast<std::size_t>(op.wait)]);
           }
           const double end = ready + dur[static_cast<std::size_t>(op.stage) * 6 + static_cast<std::size_t>(op.kind)];
-          ks.push_back(ready);
-          ke.push_back(end);
+          ks[ki] = ready;
+          ke[ki] = end;
           last = std::max(last, end);
           kfree = end;
           ++ki;
