@@ -123,11 +123,6 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
       need = nullptr;
       on = -1;
       while (ci < nc) {
-        // A backward reads its own F's end, written long before: fetch it ahead.
-        if (!std::is_constant_evaluated() && ci + 8 < nc) {
-          const Op& ahead = comp[ci + 8];
-          __builtin_prefetch(&ends[unit(ahead.stage, ahead.mb)]);
-        }
         const Op& op = comp[ci];
         const OpKind kind = op.kind;
         const int stage = op.stage;
@@ -203,6 +198,24 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
       if (ci == ci0 && ki == ki0) break;
     }
     const bool moved = ci != L.ci || ki != L.ki;
+    // Ranks take turns every few ops, more streams than the hardware follows: fetch what this
+    // rank's next visit will read and write.
+    if (!std::is_constant_evaluated()) {
+      if (ci + 8 < nc) {
+        __builtin_prefetch(comp + ci + 8);
+        __builtin_prefetch(cs + ci + 8, 1);
+        __builtin_prefetch(ce + ci + 8, 1);
+        // The end times the next ops read (a backward's own F ended long ago).
+        for (std::size_t j = ci; j < ci + 4; ++j) __builtin_prefetch(ends.data() + unit(comp[j].stage, comp[j].mb));
+      }
+      if constexpr (WithCopy) {
+        if (ki + 8 < nk) {
+          __builtin_prefetch(L.copy + ki + 8);
+          __builtin_prefetch(o.copy_start->data() + ki + 8, 1);
+          __builtin_prefetch(o.copy_end->data() + ki + 8, 1);
+        }
+      }
+    }
     L.ci = ci;
     L.ki = ki;
     L.cfree = cfree;
