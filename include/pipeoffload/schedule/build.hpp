@@ -397,47 +397,47 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
     }
   }
 
-  // The copy stream in slot order.
+  // The copy stream in slot order, and the cross-stream edges. A compute op waits for every
+  // offload that ends before it starts in the plan (so a release planned earlier also
+  // happens earlier); a reload waits for every compute op that ends before it starts there;
+  // a backward waits for its own reload.
   std::size_t ncopy = 0;
   for (std::size_t u = 0; u < units; ++u) ncopy += oslot[u] >= 0 ? 2 : 0;
   rp.copy.reserve(ncopy);
   rp.copy_slot.reserve(ncopy);
+  auto& ridx = ws.ridx;
+  ridx.assign(units, -1);
+  // u / m without a division (exact for u < 2^24, m <= 2^16).
+  const std::uint64_t mmagic = (std::uint64_t{1} << 40) / static_cast<std::uint64_t>(m) + 1;
+  int x = 0;
   for (std::size_t n = 0; n < owner.size(); ++n) {
     const int o = owner[n];
     if (o < 0) continue;
     const auto u = static_cast<std::size_t>(o / 2);
-    const int c = static_cast<int>(u) / m, mb = static_cast<int>(u) % m, s = sh.stage_of(r, c);
-    rp.copy.push_back((o & 1) == 0 ? Op{OpKind::O, s, mb, fidx[u]} : Op{OpKind::R, s, mb, -1});
+    const int c = static_cast<int>((static_cast<std::uint64_t>(u) * mmagic) >> 40), mb = static_cast<int>(u) - c * m, s = sh.stage_of(r, c);
+    if ((o & 1) == 0) {
+      rp.copy.push_back(Op{OpKind::O, s, mb, fidx[u]});
+    } else {
+      ridx[u] = static_cast<int>(rp.copy.size());
+      const double start = static_cast<double>(static_cast<long long>(n)) * T;
+      while (x < nc && pe[static_cast<std::size_t>(x)] <= start + eps) ++x;
+      rp.copy.push_back(Op{OpKind::R, s, mb, x - 1});
+    }
     rp.copy_slot.push_back(static_cast<long long>(n));
   }
-  // Cross-stream edges. A compute op waits for every offload that ends before it starts in
-  // the plan (so a release planned earlier also happens earlier); a reload waits for every
-  // compute op that ends before it starts there; a backward waits for its own reload.
   const int nk = static_cast<int>(rp.copy.size());
   Op* const cmp = rp.compute.data();
   const Op* const cpy = rp.copy.data();
   const long long* const cslot = rp.copy_slot.data();
-  auto& ridx = ws.ridx;
-  ridx.assign(units, -1);
-  for (int y = 0; y < nk; ++y)
-    if (cpy[y].kind == OpKind::R) ridx[unit_of(cpy[y])] = y;
   int last_o = -1, k = 0;
-  for (int x = 0; x < nc; ++x) {
-    while (k < nk && static_cast<double>(cslot[k] + 1) * T <= ps[static_cast<std::size_t>(x)] + eps) {
+  for (int y = 0; y < nc; ++y) {
+    while (k < nk && static_cast<double>(cslot[k] + 1) * T <= ps[static_cast<std::size_t>(y)] + eps) {
       if (cpy[k].kind == OpKind::O) last_o = k;
       ++k;
     }
-    Op& op = cmp[x];
+    Op& op = cmp[y];
     op.wait = last_o;
     if (op.kind == OpKind::B || op.kind == OpKind::BW) op.wait = std::max(op.wait, ridx[unit_of(op)]);
-  }
-  int x = 0;
-  for (int y = 0; y < nk; ++y) {
-    Op& op = rp.copy[static_cast<std::size_t>(y)];
-    if (op.kind != OpKind::R) continue;
-    const double start = static_cast<double>(cslot[y]) * T;
-    while (x < nc && pe[static_cast<std::size_t>(x)] <= start + eps) ++x;
-    op.wait = x - 1;
   }
 }
 

@@ -77,43 +77,54 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
   // Stages s and s+1 live on different ranks unless d = 1: every hop pays T_comm then.
   const double hop = d > 1 ? costs.comm : 0.0;
 
+  // Each rank's state, all a visit touches, side by side.
   struct Lane {
     const Op* comp = nullptr;
     const Op* copy = nullptr;
+    double* cs = nullptr;  // the rank's output arrays
+    double* ce = nullptr;
+    double* ks = nullptr;
+    double* ke = nullptr;
     std::size_t nc = 0, ci = 0, nk = 0, ki = 0;
-    double cfree = 0, kfree = 0;
+    double cfree = 0, kfree = 0, busy = 0, last = 0;
     const double* need = nullptr;  // parked: the value this rank waits for (nullptr: none can come)
     int on = -1;                   // parked: the rank that produces it
+    bool queued = true;
   };
   std::vector<Lane> lanes(static_cast<std::size_t>(d));
   for (int r = 0; r < d; ++r) {
     const auto& rp = p.ranks[static_cast<std::size_t>(r)];
     Lane& L = lanes[static_cast<std::size_t>(r)];
+    const TimesOut& o = out[r];
     L.comp = rp.compute.data();
     L.nc = rp.compute.size();
+    L.cs = o.compute_start->data();
+    L.ce = o.compute_end->data();
+    L.busy = o.busy;
+    L.last = o.last;
     if constexpr (WithCopy) {
       L.copy = rp.copy.data();
       L.nk = rp.copy.size();
+      L.ks = o.copy_start->data();
+      L.ke = o.copy_end->data();
     }
   }
   // A stack of the ranks to visit; each rank is on it at most once.
   std::vector<int> work(static_cast<std::size_t>(d));
-  std::vector<char> queued(static_cast<std::size_t>(d), 1);
   std::size_t top = 0;
   for (int r = d - 1; r >= 0; --r) work[top++] = r;
 
   while (top > 0) {
     const int r = work[--top];
     const auto ru = static_cast<std::size_t>(r);
-    queued[ru] = 0;
     Lane& L = lanes[ru];
-    TimesOut& o = out[ru];
-    double* const cs = o.compute_start->data();
-    double* const ce = o.compute_end->data();
+    L.queued = false;
+    double* const cs = L.cs;
+    double* const ce = L.ce;
     const Op* const comp = L.comp;
     std::size_t ci = L.ci, ki = L.ki;
     const std::size_t nc = L.nc, nk = L.nk;
-    double cfree = L.cfree, kfree = L.kfree, busy = o.busy, last = o.last;
+    double cfree = L.cfree, kfree = L.kfree, busy = L.busy, last = L.last;
     const double* need = nullptr;
     int on = -1;
     // Each stream runs as far as it can before the other is tried; the loop ends when
@@ -162,7 +173,7 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
         if constexpr (WithCopy) {
           if (op.wait >= 0) {
             if (ki <= static_cast<std::size_t>(op.wait)) blocked = true;
-            else ready = std::max(ready, o.copy_end->data()[op.wait]);
+            else ready = std::max(ready, L.ke[op.wait]);
           }
         }
         if (blocked) break;
@@ -178,8 +189,8 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
       }
       if constexpr (WithCopy) {
         const Op* const copy = L.copy;
-        double* const ks = o.copy_start->data();
-        double* const ke = o.copy_end->data();
+        double* const ks = L.ks;
+        double* const ke = L.ke;
         while (ki < nk) {
           const Op& op = copy[ki];
           double ready = kfree;
@@ -211,8 +222,8 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
       if constexpr (WithCopy) {
         if (ki + 8 < nk) {
           __builtin_prefetch(L.copy + ki + 8);
-          __builtin_prefetch(o.copy_start->data() + ki + 8, 1);
-          __builtin_prefetch(o.copy_end->data() + ki + 8, 1);
+          __builtin_prefetch(L.ks + ki + 8, 1);
+          __builtin_prefetch(L.ke + ki + 8, 1);
         }
       }
     }
@@ -220,8 +231,8 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
     L.ki = ki;
     L.cfree = cfree;
     L.kfree = kfree;
-    o.busy = busy;
-    o.last = last;
+    L.busy = busy;
+    L.last = last;
     // Parked on a neighbour's pass only if that is all the compute head lacks; whatever else
     // it lacks (a pass of its own rank, a copy op that waits for compute) can never come.
     L.need = need;
@@ -230,9 +241,9 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
       // Wake the neighbours that wait for a value this visit produced.
       for (int nb : {r + 1 == d ? 0 : r + 1, r == 0 ? d - 1 : r - 1}) {
         const auto nu = static_cast<std::size_t>(nb);
-        const Lane& N = lanes[nu];
-        if (!queued[nu] && N.on == r && *N.need >= 0) {
-          queued[nu] = 1;
+        Lane& N = lanes[nu];
+        if (!N.queued && N.on == r && *N.need >= 0) {
+          N.queued = true;
           work[top++] = nb;
         }
       }
@@ -242,6 +253,8 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
     const auto ru = static_cast<std::size_t>(r);
     const Lane& L = lanes[ru];
     const auto& rp = p.ranks[ru];
+    out[ru].busy = L.busy;
+    out[ru].last = L.last;
     if (L.ci < L.nc || (WithCopy && L.ki < L.nk)) {
       std::string msg = "schedule cannot run: rank " + num(r) + " is stuck at compute op " + num(static_cast<long long>(L.ci));
       if (L.ci < L.nc) msg += " " + describe(rp.compute[L.ci]);
