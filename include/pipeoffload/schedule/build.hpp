@@ -519,6 +519,7 @@ struct P2PScratch {
     int x;          // the compute op of this rank that sends or consumes the message
   };
   std::vector<Item> own, from_prev, from_next;
+  std::vector<long long> delta;
 };
 
 /// Rank r's P2P plan on PO's grid, from rank r's own compute list (`slots`: the slot of each
@@ -538,37 +539,47 @@ constexpr bool plan_p2p_po_rank(Program& p, const Block& bk, const std::vector<l
   const auto& ops = p.ranks[static_cast<std::size_t>(r)].compute;
   const Op* const o = ops.data();
   const int n = static_cast<int>(ops.size());
+  // A producer's slot is the consumer's plus an offset that depends only on the consumer's
+  // chunk (g = 1: both slots grow by L per microbatch).
+  const auto v = static_cast<std::size_t>(bk.v);
+  auto& delta = ws.delta;
+  delta.resize(2 * v);
+  for (std::size_t c = 0; c < v; ++c) {
+    const int s = static_cast<int>(c) * d + r;
+    delta[2 * c] = s > 0 ? bk.slot(prev, Op{OpKind::F, s - 1, 0}) - bk.slot(r, Op{OpKind::F, s, 0}) : 0;
+    delta[2 * c + 1] = s < S - 1 ? bk.slot(next, Op{OpKind::B, s + 1, 0}) - bk.slot(r, Op{OpKind::B, s, 0}) : 0;
+  }
   auto& own = ws.own;
   auto& fp = ws.from_prev;
   auto& fn = ws.from_next;
-  own.clear();
-  fp.clear();
-  fn.clear();
+  own.resize(static_cast<std::size_t>(n));
+  fp.resize(static_cast<std::size_t>(n));
+  fn.resize(static_cast<std::size_t>(n));
+  std::size_t ni = 0, nj = 0, nk = 0;
   for (int x = 0; x < n; ++x) {
     const Op& op = o[x];
+    const long long slot = slots[static_cast<std::size_t>(x)];
+    const auto c = static_cast<std::size_t>(bk.chunk(op.stage));
     if (op.kind == OpKind::F) {
-      if (op.stage < S - 1) own.push_back({(slots[static_cast<std::size_t>(x)] << 21) | op.stage, x});
+      if (op.stage < S - 1) own[ni++] = {(slot << 21) | op.stage, x};
       if (op.stage > 0) {
-        const Op producer{OpKind::F, op.stage - 1, op.mb};
-        const long long key = (bk.slot(prev, producer) << 21) | producer.stage;
-        if (!fp.empty() && fp.back().key >= key) return false;
-        fp.push_back({key, x});
+        const long long key = ((slot + delta[2 * c]) << 21) | (op.stage - 1);
+        if (nj > 0 && fp[nj - 1].key >= key) return false;
+        fp[nj++] = {key, x};
       }
     } else if (op.kind == OpKind::B || op.kind == OpKind::BW) {
-      if (op.stage > 0) own.push_back({(slots[static_cast<std::size_t>(x)] << 21) | op.stage, x});
+      if (op.stage > 0) own[ni++] = {(slot << 21) | op.stage, x};
       if (op.stage < S - 1) {
-        const Op producer{op.kind, op.stage + 1, op.mb};
-        const long long key = (bk.slot(next, producer) << 21) | producer.stage;
-        if (!fn.empty() && fn.back().key >= key) return false;
-        fn.push_back({key, x});
+        const long long key = ((slot + delta[2 * c + 1]) << 21) | (op.stage + 1);
+        if (nk > 0 && fn[nk - 1].key >= key) return false;
+        fn[nk++] = {key, x};
       }
     }
   }
   auto& comm = p.ranks[static_cast<std::size_t>(r)].comm;
-  comm.reserve(own.size() + fp.size() + fn.size());
+  comm.reserve(ni + nj + nk);
   constexpr long long end = 0x7fffffffffffffffLL;
   std::size_t i = 0, j = 0, k = 0;
-  const std::size_t ni = own.size(), nj = fp.size(), nk = fn.size();
   for (;;) {
     const long long ki = i < ni ? own[i].key : end, kj = j < nj ? fp[j].key : end, kk = k < nk ? fn[k].key : end;
     if (ki < kj && ki < kk) {
