@@ -197,6 +197,28 @@ TEST_CASE("the PO planning grid (shifted building block) meets every dependency 
       }
 }
 
+TEST_CASE("PO's P2P plan from each rank's own list equals the merge of its neighbours' send lists") {
+  // build() plans PO's P2P rank by rank from the rank's own passes (detail::plan_p2p_po_rank);
+  // the general planner merges the neighbours' send lists (detail::plan_p2p_rank). Same plan.
+  for (const ScheduleSpec& spec : {PO::spec, PO_F::spec})
+    for (int d = 1; d <= 9; ++d)
+      for (int v = 1; v <= 4; ++v)
+        for (int m : {1, 2, 3, 5, 8, 13}) {
+          const Program p = build(spec, {d, v, m});
+          Program q = p;
+          double tau = 0;
+          for (int s = 0; s < d * v; ++s) tau += p.costs.F(s) + p.costs.B(s) + p.costs.W(s);
+          tau /= 3.0 * d * v;
+          const detail::Block bk(q);
+          const auto end = [&](int rank, std::size_t, const Op& op) { return static_cast<double>(bk.slot(rank, op) + 1) * tau; };
+          for (int r = 0; r < d; ++r) {
+            q.ranks[static_cast<std::size_t>(r)].comm.clear();
+            detail::plan_p2p_rank(q, r, end);
+            REQUIRE(q.ranks[static_cast<std::size_t>(r)].comm == p.ranks[static_cast<std::size_t>(r)].comm);
+          }
+        }
+}
+
 TEST_CASE("bad shapes throw shape_error naming the value and the allowed range") {
   CHECK_THROWS_WITH_AS(GIS_G<2>::build({8, 2, 16}),
                        "GIS(g): group size g (legal: ceil(d/2) <= g <= d) = 2 is outside the allowed range [4, 8]", shape_error);
