@@ -11,8 +11,11 @@
 //   - a send waits for the compute op that produces its data; a compute op waits for the
 //     recvs of its inputs, for its predecessor on the compute stream, and for its
 //     cross-stream edge; a copy op for its predecessor and its edge.
-// validate() executes all ranks' streams under these rules without timing; the schedule is
-// valid only if every op of every stream completes.
+// The schedule is valid only if the untimed execution of all ranks' streams under these
+// rules completes every op of every stream (check_execution). validate() first tries to prove
+// that in one linear sweep (proven_valid: a per-rank order of its three streams, and one
+// global order of the messages); only when the proof fails does it run the rules one by one
+// and the execution, which decide and name the broken rule.
 #pragma once
 
 #include <algorithm>
