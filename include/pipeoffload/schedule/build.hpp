@@ -4,7 +4,9 @@
 //   1. each rank's compute order (1F1B, Megatron's 1F1B-I, or the GIS building block),
 //   2. a planning timeline of those orders (PO's shifted grid, otherwise ASAP),
 //   3. offload placement on one copy stream per rank, and the cross-stream edges that keep
-//      execution within the planned memory (DESIGN.md section 3),
+//      execution within the planned memory (DESIGN.md section 3); on PO's grid, edges that
+//      keep the plan's peak rather than its order, and each PCIe pair's slot parities chosen
+//      so that its copies keep pace with the execution (settle_offloads),
 //   4. the P2P plan: each rank posts its sends and receives in the order of the messages'
 //      times on the planning timeline, one global order that every rank agrees with, so a
 //      communicator whose send waits for the matching receive cannot deadlock (a message's
@@ -261,9 +263,10 @@ struct OffloadScratch {
 };
 
 /// Places one rank's offloads and reloads on its copy-slot grid and derives the cross-stream
-/// edges. `ps`/`pe` are the planned start/end of each compute op.
+/// edges. `ps`/`pe` are the planned start/end of each compute op. `flip` swaps the parities
+/// of its offload and reload slots (see settle_offloads).
 constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, const std::vector<double>& pe,
-                              OffloadScratch* scratch = nullptr) {
+                              OffloadScratch* scratch = nullptr, bool flip = false) {
   OffloadScratch own;
   OffloadScratch& ws = scratch != nullptr ? *scratch : own;
   const Shape& sh = p.shape;
@@ -334,7 +337,7 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
   const double eps = 1e-9 * std::max(T, horizon);
   // Slot n = [nT, (n+1)T). Offload slots have parity `po`; the odd rank of a PCIe pair
   // (r, r^1) takes the other parity, so the pair never copies in one direction at once.
-  const long long po = (p.costs.stagger_pairs && (r & 1) == 1) ? 1 : 0;
+  const long long po = ((p.costs.stagger_pairs && (r & 1) == 1) ? 1 : 0) ^ (flip ? 1 : 0);
 
   // Longest lifespan (forward end to backward start) first; chunk 0 wins ties.
   auto& life = ws.life;
@@ -438,6 +441,233 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
     Op& op = cmp[y];
     op.wait = last_o;
     if (op.kind == OpKind::B || op.kind == OpKind::BW) op.wait = std::max(op.wait, ridx[unit_of(op)]);
+  }
+}
+
+/// Cross-stream edges of rank r (DESIGN.md section 3) that keep every execution within the
+/// peak of its plan: start and end of each compute op (ps, pe) and copy op (ks, ke). Take the
+/// plan's acquisitions (F and R starts) and releases (W/BW and O ends) in time order, a
+/// release first at equal times (`eps` apart). If every release before an acquisition a there
+/// also came before a in execution, whatever is alive at a in execution would be alive at a
+/// in the plan, so no execution would peak above it. a needs fewer: a unit alive at a in
+/// execution is alive at a in the plan or was freed by a release that a does not wait for, so
+/// a may skip the latest releases before it whose bytes fit in the plan's peak less what the
+/// plan holds just after a. So an F waits for the last O it may not skip (the W before it on
+/// its own stream come first anyway), an R for the last W or BW, a backward for its own
+/// reload, and no other op waits: only F and R acquire. Linear (the skipped tail of releases
+/// is found by a galloping search, a few steps).
+constexpr void cross_stream_edges(Program& p, int r, const std::vector<double>& ps, const std::vector<double>& pe, const std::vector<double>& ks,
+                                  const std::vector<double>& ke, double eps) {
+  const Shape& sh = p.shape;
+  auto& rp = p.ranks[static_cast<std::size_t>(r)];
+  Op* const comp = rp.compute.data();
+  Op* const copy = rp.copy.data();
+  const std::size_t nc = rp.compute.size(), nk = rp.copy.size();
+  const Costs& costs = p.costs;
+  // The plan's events in time order (x >= 0: compute op x, ~y: copy op y; B ops, which neither
+  // acquire nor release, left out) and its peak: acquisitions may fill it, not exceed it.
+  std::vector<int> order;
+  order.reserve(nc + nk);
+  double alive = 0, peak = 0;
+  std::size_t x = 0, y = 0;
+  const auto skip_b = [&] {
+    while (x < nc && comp[x].kind == OpKind::B) ++x;
+  };
+  for (skip_b(); x < nc || y < nk;) {
+    bool compute_first = y == nk;
+    if (x < nc && y < nk) {
+      const bool rc = comp[x].kind != OpKind::F, rk = copy[y].kind == OpKind::O;
+      const double tc = rc ? pe[x] : ps[x], tk = rk ? ke[y] : ks[y];
+      compute_first = rc == rk ? tc <= tk : rc ? tc <= tk + eps : tk > tc + eps;
+    }
+    if (compute_first) {
+      alive += comp[x].kind == OpKind::F ? costs.bytes(comp[x].stage) : -costs.bytes(comp[x].stage);
+      order.push_back(static_cast<int>(x++));
+      skip_b();
+    } else {
+      alive += copy[y].kind == OpKind::R ? costs.bytes(copy[y].stage) : -costs.bytes(copy[y].stage);
+      order.push_back(~static_cast<int>(y++));
+    }
+    peak = std::max(peak, alive);
+  }
+  // The releases of each stream so far: releasing op and bytes freed up to it.
+  struct Release {
+    int op;
+    double freed;
+  };
+  std::vector<Release> rel_c, rel_k;
+  rel_c.reserve(nc / 2 + 1);
+  rel_k.reserve(nk / 2 + 1);
+  const double slack = 1e-9 * peak;
+  // The release of `rel` to wait for (-1: none): the first one after which the rest, the
+  // latest, free no more than `room`. Galloping back from the end, as the skipped tail is short.
+  const auto wait_for = [&](const std::vector<Release>& rel, double room) {
+    const std::size_t n = rel.size();
+    room += slack;
+    if (n == 0 || rel[n - 1].freed <= room) return -1;
+    const double total = rel[n - 1].freed;
+    const auto fits = [&](std::size_t i) { return total - rel[i].freed <= room; };
+    std::size_t hi = n - 1, lo = hi, step = 1;  // fits(hi); lo < hi: !fits(lo)
+    while (lo > 0) {
+      lo = lo > step ? lo - step : 0;
+      if (!fits(lo)) break;
+      hi = lo;
+      step *= 2;
+    }
+    while (lo + 1 < hi) {
+      const std::size_t mid = lo + (hi - lo) / 2;
+      (fits(mid) ? hi : lo) = mid;
+    }
+    return rel[hi].op;
+  };
+  alive = 0;
+  std::vector<int> ridx(static_cast<std::size_t>(sh.v) * static_cast<std::size_t>(sh.m), -1);
+  for (const int e : order) {
+    if (e >= 0) {
+      Op& op = comp[e];
+      const double b = costs.bytes(op.stage);
+      if (op.kind == OpKind::F) {
+        alive += b;
+        op.wait = wait_for(rel_k, peak - alive);
+      } else {
+        alive -= b;
+        rel_c.push_back({e, (rel_c.empty() ? 0.0 : rel_c.back().freed) + b});
+        op.wait = -1;
+      }
+    } else {
+      Op& op = copy[~e];
+      const double b = costs.bytes(op.stage);
+      if (op.kind == OpKind::R) {
+        alive += b;
+        op.wait = wait_for(rel_c, peak - alive);
+        ridx[static_cast<std::size_t>(sh.chunk_of(op.stage)) * static_cast<std::size_t>(sh.m) + static_cast<std::size_t>(op.mb)] = ~e;
+      } else {
+        alive -= b;
+        rel_k.push_back({~e, (rel_k.empty() ? 0.0 : rel_k.back().freed) + b});
+      }
+    }
+  }
+  for (std::size_t c = 0; c < nc; ++c)
+    if (comp[c].kind == OpKind::B || comp[c].kind == OpKind::BW)
+      comp[c].wait = ridx[static_cast<std::size_t>(sh.chunk_of(comp[c].stage)) * static_cast<std::size_t>(sh.m) + static_cast<std::size_t>(comp[c].mb)];
+}
+
+/// How far rank r's compute falls behind `release` (when each compute op starts without
+/// offload) once its copy stream and edges are added, the other ranks keeping that timing: an
+/// as-soon-as-possible run of the rank's two streams alone. Returns the sum over compute ops of
+/// start - release (infinite if the streams cannot finish) and adds their durations to `busy`.
+/// `ce`, `ke`: scratch for the end of each compute and copy op.
+constexpr double copy_lag(const Program& p, int r, const std::vector<double>& release, double& busy, std::vector<double>& ce,
+                          std::vector<double>& ke) {
+  const auto& rp = p.ranks[static_cast<std::size_t>(r)];
+  const Op* const comp = rp.compute.data();
+  const Op* const copy = rp.copy.data();
+  const std::size_t nc = rp.compute.size(), nk = rp.copy.size();
+  ce.resize(nc);
+  ke.resize(nk);
+  std::size_t x = 0, y = 0;
+  double cfree = 0, kfree = 0, lag = 0;
+  while (x < nc || y < nk) {
+    const std::size_t x0 = x, y0 = y;
+    for (; x < nc; ++x) {
+      const int w = comp[x].wait;
+      if (w >= 0 && static_cast<std::size_t>(w) >= y) break;
+      double t = std::max(cfree, release[x]);
+      if (w >= 0) t = std::max(t, ke[static_cast<std::size_t>(w)]);
+      lag += t - release[x];
+      const double dur = duration(p.costs, comp[x]);
+      busy += dur;
+      cfree = ce[x] = t + dur;
+    }
+    for (; y < nk; ++y) {
+      const int w = copy[y].wait;
+      if (w >= 0 && static_cast<std::size_t>(w) >= x) break;
+      const double t = w >= 0 ? std::max(kfree, ce[static_cast<std::size_t>(w)]) : kfree;
+      kfree = ke[y] = t + duration(p.costs, copy[y]);
+    }
+    if (x == x0 && y == y0) return 1e308;
+  }
+  return lag;
+}
+
+/// The final edges and slot parities of a schedule planned on PO's grid (DESIGN.md section 3),
+/// after place_offloads. Its edges replay the plan's order: every release planned before an
+/// acquisition stays before it, which keeps the plan's memory. But the grid is much sparser
+/// than the execution, where both streams run as soon as they can, so those edges also replay
+/// the grid's pauses: compute waits for offloads that a burst of forwards queued up, a reload
+/// for a W that runs late, and at k = 1, where the copy stream is as busy as compute, it never
+/// catches up. The final edges keep the plan's peak instead of its order (cross_stream_edges).
+///
+/// Which rank of a PCIe pair (r, r^1) offloads on even slots is free, and it matters: the
+/// phase of a slot grid against the compute ops decides whether a reload queues behind an
+/// offload whose forward runs later in execution than in the plan. So a pair (a rank, when
+/// pairs are not staggered or it has no partner) whose compute falls behind `release`, the
+/// execution without offload, by more than 5% of a pass per op on average (copy_lag; a
+/// parity that is wrong for a rank keeps it behind by about a pass for good) is placed again
+/// with both parities swapped and keeps whichever falls less behind; the even rank on even
+/// slots on a tie. Linear: at most two placements and runs per rank.
+/// `plan(r)` gives rank r's planned compute start and end times (pointers to two vectors that
+/// stay valid until the next call), `release` each compute op's start without offload.
+template <class Plan>
+constexpr void settle_offloads(Program& p, const Plan& plan, const std::vector<std::vector<double>>& release, OffloadScratch* scratch = nullptr) {
+  const int d = p.shape.d;
+  const bool pairs = p.costs.stagger_pairs;
+  std::vector<double> ks, ke, ce;
+  // Rank r's final edges; returns its copy_lag.
+  const auto settle = [&](int r, double& busy) {
+    const auto ru = static_cast<std::size_t>(r);
+    const RankProgram& rp = p.ranks[ru];
+    if (rp.copy.empty()) return 0.0;
+    const double T = rp.slot_length;
+    ks.resize(rp.copy.size());
+    ke.resize(rp.copy.size());
+    for (std::size_t y = 0; y < rp.copy.size(); ++y) {
+      ks[y] = static_cast<double>(rp.copy_slot[y]) * T;
+      ke[y] = ks[y] + T;
+    }
+    const auto [ps, pe] = plan(r);
+    const double horizon = std::max(pe->empty() ? 0.0 : pe->back(), ke.back());
+    cross_stream_edges(p, r, *ps, *pe, ks, ke, 1e-9 * std::max(T, horizon));  // place_offloads' eps
+    return copy_lag(p, r, release[ru], busy, ce, ke);
+  };
+  struct Kept {
+    std::vector<Op> copy;
+    std::vector<long long> slot;
+    double slot_length = 0;
+    std::vector<int> waits;
+  };
+  std::vector<Kept> kept(pairs ? 2 : 1);
+  for (int r0 = 0; r0 < d; r0 += pairs ? 2 : 1) {
+    const int n = pairs && r0 + 1 < d ? 2 : 1;
+    double lag = 0, busy = 0;
+    for (int r = r0; r < r0 + n; ++r) lag += settle(r, busy);
+    if (!(lag > 0.05 * busy)) continue;  // lag / ops <= 5% of busy / ops, the mean pass
+    for (int i = 0; i < n; ++i) {
+      RankProgram& rp = p.ranks[static_cast<std::size_t>(r0 + i)];
+      Kept& k = kept[static_cast<std::size_t>(i)];
+      k.copy.swap(rp.copy);
+      k.slot.swap(rp.copy_slot);
+      k.slot_length = rp.slot_length;
+      k.waits.resize(rp.compute.size());
+      for (std::size_t x = 0; x < rp.compute.size(); ++x) k.waits[x] = rp.compute[x].wait;
+      rp.copy.clear();
+      rp.copy_slot.clear();
+      rp.slot_length = 0;
+      for (Op& op : rp.compute) op.wait = -1;
+      const auto [ps, pe] = plan(r0 + i);
+      place_offloads(p, r0 + i, *ps, *pe, scratch, true);
+    }
+    double flipped = 0, unused = 0;
+    for (int r = r0; r < r0 + n; ++r) flipped += settle(r, unused);
+    if (flipped < lag) continue;
+    for (int i = 0; i < n; ++i) {  // keep the first placement
+      RankProgram& rp = p.ranks[static_cast<std::size_t>(r0 + i)];
+      Kept& k = kept[static_cast<std::size_t>(i)];
+      rp.copy.swap(k.copy);
+      rp.copy_slot.swap(k.slot);
+      rp.slot_length = k.slot_length;
+      for (std::size_t x = 0; x < rp.compute.size(); ++x) rp.compute[x].wait = k.waits[x];
+    }
   }
 }
 
@@ -647,6 +877,30 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
         detail::place_offloads(p, r, ps, pe, &scratch);
       }
       if (!slot_keys || !detail::plan_p2p_po_rank(p, bk, slots, r, p2p)) fallback.push_back(r);
+    }
+    if (offloads) {
+      // settle_offloads: the final edges and slot parities, against the execution without
+      // offload (each compute op's start on the compute-only ASAP timeline).
+      std::vector<std::vector<double>> rs(static_cast<std::size_t>(d)), re(static_cast<std::size_t>(d));
+      std::vector<detail::TimesOut> out(static_cast<std::size_t>(d));
+      for (std::size_t r = 0; r < rs.size(); ++r) {
+        rs[r].resize(p.ranks[r].compute.size());
+        re[r].resize(p.ranks[r].compute.size());
+        out[r] = {&rs[r], &re[r]};
+      }
+      detail::asap_into<false>(p, costs, out.data());
+      const auto plan = [&](int r) {
+        const auto& comp = p.ranks[static_cast<std::size_t>(r)].compute;
+        ps.resize(comp.size());
+        pe.resize(comp.size());
+        for (std::size_t x = 0; x < comp.size(); ++x) {
+          const long long slot = bk.slot(r, comp[x]);
+          ps[x] = static_cast<double>(slot) * tau;
+          pe[x] = static_cast<double>(slot + 1) * tau;
+        }
+        return std::pair{&ps, &pe};
+      };
+      detail::settle_offloads(p, plan, rs, &scratch);
     }
     for (int r : fallback) detail::plan_p2p_rank(p, r, end);
     return p;
