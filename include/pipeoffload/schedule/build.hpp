@@ -264,9 +264,10 @@ struct OffloadScratch {
 
 /// Places one rank's offloads and reloads on its copy-slot grid and derives the cross-stream
 /// edges. `ps`/`pe` are the planned start/end of each compute op. `flip` swaps the parities
-/// of its offload and reload slots (see settle_offloads).
+/// of its offload and reload slots (see settle_offloads). Without `edges` only the offloads'
+/// edges (each O waits for its F) are set: settle_offloads derives the others.
 constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, const std::vector<double>& pe,
-                              OffloadScratch* scratch = nullptr, bool flip = false) {
+                              OffloadScratch* scratch = nullptr, bool flip = false, bool edges = true) {
   OffloadScratch own;
   OffloadScratch& ws = scratch != nullptr ? *scratch : own;
   const Shape& sh = p.shape;
@@ -409,7 +410,7 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
   rp.copy.reserve(ncopy);
   rp.copy_slot.reserve(ncopy);
   auto& ridx = ws.ridx;
-  ridx.assign(units, -1);
+  if (edges) ridx.assign(units, -1);
   // u / m without a division (exact for u < 2^24, m <= 2^16).
   const std::uint64_t mmagic = (std::uint64_t{1} << 40) / static_cast<std::uint64_t>(m) + 1;
   int x = 0;
@@ -420,6 +421,8 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
     const int c = static_cast<int>((static_cast<std::uint64_t>(u) * mmagic) >> 40), mb = static_cast<int>(u) - c * m, s = sh.stage_of(r, c);
     if ((o & 1) == 0) {
       rp.copy.push_back(Op{OpKind::O, s, mb, fidx[u]});
+    } else if (!edges) {
+      rp.copy.push_back(Op{OpKind::R, s, mb, -1});
     } else {
       ridx[u] = static_cast<int>(rp.copy.size());
       const double start = static_cast<double>(static_cast<long long>(n)) * T;
@@ -428,6 +431,7 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
     }
     rp.copy_slot.push_back(static_cast<long long>(n));
   }
+  if (!edges) return;
   const int nk = static_cast<int>(rp.copy.size());
   Op* const cmp = rp.compute.data();
   const Op* const cpy = rp.copy.data();
@@ -456,18 +460,50 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
 /// its own stream come first anyway), an R for the last W or BW, a backward for its own
 /// reload, and no other op waits: only F and R acquire. Linear (the skipped tail of releases
 /// is found by a galloping search, a few steps).
+/// Scratch of cross_stream_edges, copy_lag and settle_offloads, kept across the ranks of one
+/// build; and each stage's unit bytes and op durations, looked up once per op.
+struct SettleScratch {
+  struct Release {
+    int op;
+    double freed;
+  };
+  std::vector<int> order, ridx;
+  std::vector<Release> rel_c, rel_k;
+  std::vector<double> ks, ke, ce;
+  std::vector<double> bytes;  // [stage]
+  std::vector<double> dur;    // [stage * 6 + kind], see duration_table
+  struct Kept {
+    std::vector<Op> copy;
+    std::vector<long long> slot;
+    double slot_length = 0;
+    std::vector<int> waits;
+  };
+  Kept kept[2];
+
+  constexpr explicit SettleScratch(const Costs& c, int stages) : dur(duration_table(c, stages)) {
+    bytes.resize(static_cast<std::size_t>(stages));
+    for (int s = 0; s < stages; ++s) bytes[static_cast<std::size_t>(s)] = c.bytes(s);
+  }
+};
+
 constexpr void cross_stream_edges(Program& p, int r, const std::vector<double>& ps, const std::vector<double>& pe, const std::vector<double>& ks,
-                                  const std::vector<double>& ke, double eps) {
+                                  const std::vector<double>& ke, double eps, SettleScratch& ws) {
   const Shape& sh = p.shape;
   auto& rp = p.ranks[static_cast<std::size_t>(r)];
   Op* const comp = rp.compute.data();
   Op* const copy = rp.copy.data();
   const std::size_t nc = rp.compute.size(), nk = rp.copy.size();
-  const Costs& costs = p.costs;
+  const double* const bytes = ws.bytes.data();
+  const double* const cps = ps.data();
+  const double* const cpe = pe.data();
+  const double* const kps = ks.data();
+  const double* const kpe = ke.data();
   // The plan's events in time order (x >= 0: compute op x, ~y: copy op y; B ops, which neither
   // acquire nor release, left out) and its peak: acquisitions may fill it, not exceed it.
-  std::vector<int> order;
-  order.reserve(nc + nk);
+  auto& order = ws.order;
+  order.resize(nc + nk);
+  int* const ord = order.data();
+  std::size_t no = 0;
   double alive = 0, peak = 0;
   std::size_t x = 0, y = 0;
   const auto skip_b = [&] {
@@ -477,32 +513,34 @@ constexpr void cross_stream_edges(Program& p, int r, const std::vector<double>& 
     bool compute_first = y == nk;
     if (x < nc && y < nk) {
       const bool rc = comp[x].kind != OpKind::F, rk = copy[y].kind == OpKind::O;
-      const double tc = rc ? pe[x] : ps[x], tk = rk ? ke[y] : ks[y];
+      const double tc = rc ? cpe[x] : cps[x], tk = rk ? kpe[y] : kps[y];
       compute_first = rc == rk ? tc <= tk : rc ? tc <= tk + eps : tk > tc + eps;
     }
     if (compute_first) {
-      alive += comp[x].kind == OpKind::F ? costs.bytes(comp[x].stage) : -costs.bytes(comp[x].stage);
-      order.push_back(static_cast<int>(x++));
+      const double b = bytes[comp[x].stage];
+      alive += comp[x].kind == OpKind::F ? b : -b;
+      ord[no++] = static_cast<int>(x++);
       skip_b();
     } else {
-      alive += copy[y].kind == OpKind::R ? costs.bytes(copy[y].stage) : -costs.bytes(copy[y].stage);
-      order.push_back(~static_cast<int>(y++));
+      const double b = bytes[copy[y].stage];
+      alive += copy[y].kind == OpKind::R ? b : -b;
+      ord[no++] = ~static_cast<int>(y++);
     }
     peak = std::max(peak, alive);
   }
   // The releases of each stream so far: releasing op and bytes freed up to it.
-  struct Release {
-    int op;
-    double freed;
-  };
-  std::vector<Release> rel_c, rel_k;
-  rel_c.reserve(nc / 2 + 1);
-  rel_k.reserve(nk / 2 + 1);
+  using Release = SettleScratch::Release;
+  auto& rel_c = ws.rel_c;
+  auto& rel_k = ws.rel_k;
+  rel_c.resize(nc + 1);
+  rel_k.resize(nk + 1);
+  Release* const rc = rel_c.data();
+  Release* const rk = rel_k.data();
+  std::size_t nrc = 0, nrk = 0;
   const double slack = 1e-9 * peak;
   // The release of `rel` to wait for (-1: none): the first one after which the rest, the
   // latest, free no more than `room`. Galloping back from the end, as the skipped tail is short.
-  const auto wait_for = [&](const std::vector<Release>& rel, double room) {
-    const std::size_t n = rel.size();
+  const auto wait_for = [&](const Release* rel, std::size_t n, double room) {
     room += slack;
     if (n == 0 || rel[n - 1].freed <= room) return -1;
     const double total = rel[n - 1].freed;
@@ -520,51 +558,61 @@ constexpr void cross_stream_edges(Program& p, int r, const std::vector<double>& 
     }
     return rel[hi].op;
   };
+  // Each unit's reload (chunk * m + mb); s / d without a division (exact for s < 2^20, d <= 2^12).
+  const std::uint64_t magic = (std::uint64_t{1} << 40) / static_cast<std::uint64_t>(sh.d) + 1;
+  const auto unit_of = [&](const Op& op) {
+    return static_cast<std::size_t>((static_cast<std::uint64_t>(op.stage) * magic) >> 40) * static_cast<std::size_t>(sh.m) + static_cast<std::size_t>(op.mb);
+  };
+  auto& ridx = ws.ridx;
+  ridx.assign(static_cast<std::size_t>(sh.v) * static_cast<std::size_t>(sh.m), -1);
   alive = 0;
-  std::vector<int> ridx(static_cast<std::size_t>(sh.v) * static_cast<std::size_t>(sh.m), -1);
-  for (const int e : order) {
+  for (std::size_t i = 0; i < no; ++i) {
+    const int e = ord[i];
     if (e >= 0) {
       Op& op = comp[e];
-      const double b = costs.bytes(op.stage);
+      const double b = bytes[op.stage];
       if (op.kind == OpKind::F) {
         alive += b;
-        op.wait = wait_for(rel_k, peak - alive);
+        op.wait = wait_for(rk, nrk, peak - alive);
       } else {
         alive -= b;
-        rel_c.push_back({e, (rel_c.empty() ? 0.0 : rel_c.back().freed) + b});
+        rc[nrc] = {e, (nrc == 0 ? 0.0 : rc[nrc - 1].freed) + b};
+        ++nrc;
         op.wait = -1;
       }
     } else {
       Op& op = copy[~e];
-      const double b = costs.bytes(op.stage);
+      const double b = bytes[op.stage];
       if (op.kind == OpKind::R) {
         alive += b;
-        op.wait = wait_for(rel_c, peak - alive);
-        ridx[static_cast<std::size_t>(sh.chunk_of(op.stage)) * static_cast<std::size_t>(sh.m) + static_cast<std::size_t>(op.mb)] = ~e;
+        op.wait = wait_for(rc, nrc, peak - alive);
+        ridx[unit_of(op)] = ~e;
       } else {
         alive -= b;
-        rel_k.push_back({~e, (rel_k.empty() ? 0.0 : rel_k.back().freed) + b});
+        rk[nrk] = {~e, (nrk == 0 ? 0.0 : rk[nrk - 1].freed) + b};
+        ++nrk;
       }
     }
   }
   for (std::size_t c = 0; c < nc; ++c)
-    if (comp[c].kind == OpKind::B || comp[c].kind == OpKind::BW)
-      comp[c].wait = ridx[static_cast<std::size_t>(sh.chunk_of(comp[c].stage)) * static_cast<std::size_t>(sh.m) + static_cast<std::size_t>(comp[c].mb)];
+    if (comp[c].kind == OpKind::B || comp[c].kind == OpKind::BW) comp[c].wait = ridx[unit_of(comp[c])];
 }
 
 /// How far rank r's compute falls behind `release` (when each compute op starts without
 /// offload) once its copy stream and edges are added, the other ranks keeping that timing: an
 /// as-soon-as-possible run of the rank's two streams alone. Returns the sum over compute ops of
 /// start - release (infinite if the streams cannot finish) and adds their durations to `busy`.
-/// `ce`, `ke`: scratch for the end of each compute and copy op.
-constexpr double copy_lag(const Program& p, int r, const std::vector<double>& release, double& busy, std::vector<double>& ce,
-                          std::vector<double>& ke) {
+constexpr double copy_lag(const Program& p, int r, const double* release, double& busy, SettleScratch& ws) {
   const auto& rp = p.ranks[static_cast<std::size_t>(r)];
   const Op* const comp = rp.compute.data();
   const Op* const copy = rp.copy.data();
   const std::size_t nc = rp.compute.size(), nk = rp.copy.size();
-  ce.resize(nc);
-  ke.resize(nk);
+  ws.ce.resize(nc);
+  ws.ke.resize(nk);
+  double* const ce = ws.ce.data();
+  double* const ke = ws.ke.data();
+  const double* const dur = ws.dur.data();
+  const auto duration_of = [dur](const Op& op) { return dur[static_cast<std::size_t>(op.stage) * 6 + static_cast<std::size_t>(op.kind)]; };
   std::size_t x = 0, y = 0;
   double cfree = 0, kfree = 0, lag = 0;
   while (x < nc || y < nk) {
@@ -575,23 +623,23 @@ constexpr double copy_lag(const Program& p, int r, const std::vector<double>& re
       double t = std::max(cfree, release[x]);
       if (w >= 0) t = std::max(t, ke[static_cast<std::size_t>(w)]);
       lag += t - release[x];
-      const double dur = duration(p.costs, comp[x]);
-      busy += dur;
-      cfree = ce[x] = t + dur;
+      const double d = duration_of(comp[x]);
+      busy += d;
+      cfree = ce[x] = t + d;
     }
     for (; y < nk; ++y) {
       const int w = copy[y].wait;
       if (w >= 0 && static_cast<std::size_t>(w) >= x) break;
       const double t = w >= 0 ? std::max(kfree, ce[static_cast<std::size_t>(w)]) : kfree;
-      kfree = ke[y] = t + duration(p.costs, copy[y]);
+      kfree = ke[y] = t + duration_of(copy[y]);
     }
     if (x == x0 && y == y0) return 1e308;
   }
   return lag;
 }
 
-/// The final edges and slot parities of a schedule planned on PO's grid (DESIGN.md section 3),
-/// after place_offloads. Its edges replay the plan's order: every release planned before an
+/// The final edges and slot parities of a schedule planned on PO's grid (DESIGN.md section 3).
+/// Place_offloads' edges replay the plan's order: every release planned before an
 /// acquisition stays before it, which keeps the plan's memory. But the grid is much sparser
 /// than the execution, where both streams run as soon as they can, so those edges also replay
 /// the grid's pauses: compute waits for offloads that a burst of forwards queued up, a reload
@@ -606,68 +654,61 @@ constexpr double copy_lag(const Program& p, int r, const std::vector<double>& re
 /// parity that is wrong for a rank keeps it behind by about a pass for good) is placed again
 /// with both parities swapped and keeps whichever falls less behind; the even rank on even
 /// slots on a tie. Linear: at most two placements and runs per rank.
-/// `plan(r)` gives rank r's planned compute start and end times (pointers to two vectors that
-/// stay valid until the next call), `release` each compute op's start without offload.
-template <class Plan>
-constexpr void settle_offloads(Program& p, const Plan& plan, const std::vector<std::vector<double>>& release, OffloadScratch* scratch = nullptr) {
-  const int d = p.shape.d;
-  const bool pairs = p.costs.stagger_pairs;
-  std::vector<double> ks, ke, ce;
-  // Rank r's final edges; returns its copy_lag.
-  const auto settle = [&](int r, double& busy) {
-    const auto ru = static_cast<std::size_t>(r);
+///
+/// This places and settles the `n` ranks r0.. of one pair (n = 1: a rank alone), one after
+/// the other while their lists are in cache: `ps[i]`/`pe[i]` are rank r0+i's planned compute
+/// start and end times, `release[i]` each of its compute ops' start without offload.
+constexpr void settle_offloads(Program& p, int r0, int n, const std::vector<double>* ps, const std::vector<double>* pe,
+                               const double* const* release, OffloadScratch& os, SettleScratch& ws) {
+  for (int i = 0; i < n; ++i) place_offloads(p, r0 + i, ps[i], pe[i], &os, false, false);
+  // Rank r0+i's final edges; returns its copy_lag.
+  const auto settle = [&](int i, double& busy) {
+    const auto ru = static_cast<std::size_t>(r0 + i);
     const RankProgram& rp = p.ranks[ru];
     if (rp.copy.empty()) return 0.0;
     const double T = rp.slot_length;
-    ks.resize(rp.copy.size());
-    ke.resize(rp.copy.size());
-    for (std::size_t y = 0; y < rp.copy.size(); ++y) {
-      ks[y] = static_cast<double>(rp.copy_slot[y]) * T;
+    const std::size_t nk = rp.copy.size();
+    ws.ks.resize(nk);
+    ws.ke.resize(nk);
+    double* const ks = ws.ks.data();
+    double* const ke = ws.ke.data();
+    const long long* const slot = rp.copy_slot.data();
+    for (std::size_t y = 0; y < nk; ++y) {
+      ks[y] = static_cast<double>(slot[y]) * T;
       ke[y] = ks[y] + T;
     }
-    const auto [ps, pe] = plan(r);
-    const double horizon = std::max(pe->empty() ? 0.0 : pe->back(), ke.back());
-    cross_stream_edges(p, r, *ps, *pe, ks, ke, 1e-9 * std::max(T, horizon));  // place_offloads' eps
-    return copy_lag(p, r, release[ru], busy, ce, ke);
+    const auto& pend = pe[i];
+    const double horizon = std::max(pend.empty() ? 0.0 : pend.back(), ke[nk - 1]);
+    cross_stream_edges(p, r0 + i, ps[i], pend, ws.ks, ws.ke, 1e-9 * std::max(T, horizon), ws);  // place_offloads' eps
+    return copy_lag(p, r0 + i, release[i], busy, ws);
   };
-  struct Kept {
-    std::vector<Op> copy;
-    std::vector<long long> slot;
-    double slot_length = 0;
-    std::vector<int> waits;
-  };
-  std::vector<Kept> kept(pairs ? 2 : 1);
-  for (int r0 = 0; r0 < d; r0 += pairs ? 2 : 1) {
-    const int n = pairs && r0 + 1 < d ? 2 : 1;
-    double lag = 0, busy = 0;
-    for (int r = r0; r < r0 + n; ++r) lag += settle(r, busy);
-    if (!(lag > 0.05 * busy)) continue;  // lag / ops <= 5% of busy / ops, the mean pass
-    for (int i = 0; i < n; ++i) {
-      RankProgram& rp = p.ranks[static_cast<std::size_t>(r0 + i)];
-      Kept& k = kept[static_cast<std::size_t>(i)];
-      k.copy.swap(rp.copy);
-      k.slot.swap(rp.copy_slot);
-      k.slot_length = rp.slot_length;
-      k.waits.resize(rp.compute.size());
-      for (std::size_t x = 0; x < rp.compute.size(); ++x) k.waits[x] = rp.compute[x].wait;
-      rp.copy.clear();
-      rp.copy_slot.clear();
-      rp.slot_length = 0;
-      for (Op& op : rp.compute) op.wait = -1;
-      const auto [ps, pe] = plan(r0 + i);
-      place_offloads(p, r0 + i, *ps, *pe, scratch, true);
-    }
-    double flipped = 0, unused = 0;
-    for (int r = r0; r < r0 + n; ++r) flipped += settle(r, unused);
-    if (flipped < lag) continue;
-    for (int i = 0; i < n; ++i) {  // keep the first placement
-      RankProgram& rp = p.ranks[static_cast<std::size_t>(r0 + i)];
-      Kept& k = kept[static_cast<std::size_t>(i)];
-      rp.copy.swap(k.copy);
-      rp.copy_slot.swap(k.slot);
-      rp.slot_length = k.slot_length;
-      for (std::size_t x = 0; x < rp.compute.size(); ++x) rp.compute[x].wait = k.waits[x];
-    }
+  double lag = 0, busy = 0;
+  for (int i = 0; i < n; ++i) lag += settle(i, busy);
+  if (!(lag > 0.05 * busy)) return;  // lag / ops <= 5% of busy / ops, the mean pass
+  for (int i = 0; i < n; ++i) {
+    RankProgram& rp = p.ranks[static_cast<std::size_t>(r0 + i)];
+    auto& k = ws.kept[i];
+    k.copy.swap(rp.copy);
+    k.slot.swap(rp.copy_slot);
+    k.slot_length = rp.slot_length;
+    k.waits.resize(rp.compute.size());
+    for (std::size_t x = 0; x < rp.compute.size(); ++x) k.waits[x] = rp.compute[x].wait;
+    rp.copy.clear();
+    rp.copy_slot.clear();
+    rp.slot_length = 0;
+    for (Op& op : rp.compute) op.wait = -1;
+    place_offloads(p, r0 + i, ps[i], pe[i], &os, true, false);
+  }
+  double flipped = 0, unused = 0;
+  for (int i = 0; i < n; ++i) flipped += settle(i, unused);
+  if (flipped < lag) return;
+  for (int i = 0; i < n; ++i) {  // keep the first placement
+    RankProgram& rp = p.ranks[static_cast<std::size_t>(r0 + i)];
+    auto& k = ws.kept[i];
+    rp.copy.swap(k.copy);
+    rp.copy_slot.swap(k.slot);
+    rp.slot_length = k.slot_length;
+    for (std::size_t x = 0; x < rp.compute.size(); ++x) rp.compute[x].wait = k.waits[x];
   }
 }
 
@@ -861,46 +902,43 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
     for (long long i = 0; i < bk.d; ++i) top = std::max(top, bk.last(i) + bk.shift(i));
     const bool slot_keys = tau >= 1e-300 && static_cast<double>(top + 2) * tau < 1e300;
     const auto end = [&](int rank, std::size_t, const Op& op) { return static_cast<double>(bk.slot(rank, op) + 1) * tau; };
-    std::vector<double> ps, pe;
     std::vector<long long> slots;
     detail::P2PScratch p2p;
     std::vector<int> fallback;  // ranks whose plan needs their neighbours' lists
     for (int r = 0; r < d; ++r) {
       detail::order_grouped_rank(p, bk, r, &slots);
-      if (offloads) {
-        ps.resize(slots.size());
-        pe.resize(slots.size());
-        for (std::size_t x = 0; x < slots.size(); ++x) {
-          ps[x] = static_cast<double>(slots[x]) * tau;
-          pe[x] = static_cast<double>(slots[x] + 1) * tau;
-        }
-        detail::place_offloads(p, r, ps, pe, &scratch);
-      }
       if (!slot_keys || !detail::plan_p2p_po_rank(p, bk, slots, r, p2p)) fallback.push_back(r);
     }
     if (offloads) {
-      // settle_offloads: the final edges and slot parities, against the execution without
-      // offload (each compute op's start on the compute-only ASAP timeline).
-      std::vector<std::vector<double>> rs(static_cast<std::size_t>(d)), re(static_cast<std::size_t>(d));
+      // Offloads, with their final edges and slot parities (settle_offloads), against the
+      // execution without offload: each compute op's start on the compute-only ASAP timeline.
+      std::vector<std::vector<double>> rs(static_cast<std::size_t>(d));
       std::vector<detail::TimesOut> out(static_cast<std::size_t>(d));
       for (std::size_t r = 0; r < rs.size(); ++r) {
         rs[r].resize(p.ranks[r].compute.size());
-        re[r].resize(p.ranks[r].compute.size());
-        out[r] = {&rs[r], &re[r]};
+        out[r].compute_start = &rs[r];
       }
-      detail::asap_into<false>(p, costs, out.data());
-      const auto plan = [&](int r) {
-        const auto& comp = p.ranks[static_cast<std::size_t>(r)].compute;
-        ps.resize(comp.size());
-        pe.resize(comp.size());
-        for (std::size_t x = 0; x < comp.size(); ++x) {
-          const long long slot = bk.slot(r, comp[x]);
-          ps[x] = static_cast<double>(slot) * tau;
-          pe[x] = static_cast<double>(slot + 1) * tau;
+      detail::asap_into<false, false>(p, costs, out.data());
+      // Pair by pair (a rank alone when pairs are not staggered), each rank's plan from its slots.
+      std::vector<double> pps[2], ppe[2];
+      const double* release[2] = {nullptr, nullptr};
+      detail::SettleScratch ws(costs, shape.stages());
+      const int step = costs.stagger_pairs ? 2 : 1;
+      for (int r0 = 0; r0 < d; r0 += step) {
+        const int n = std::min(step, d - r0);
+        for (int i = 0; i < n; ++i) {
+          const auto& comp = p.ranks[static_cast<std::size_t>(r0 + i)].compute;
+          pps[i].resize(comp.size());
+          ppe[i].resize(comp.size());
+          for (std::size_t x = 0; x < comp.size(); ++x) {
+            const long long slot = bk.slot(r0 + i, comp[x]);
+            pps[i][x] = static_cast<double>(slot) * tau;
+            ppe[i][x] = static_cast<double>(slot + 1) * tau;
+          }
+          release[i] = rs[static_cast<std::size_t>(r0 + i)].data();
         }
-        return std::pair{&ps, &pe};
-      };
-      detail::settle_offloads(p, plan, rs, &scratch);
+        detail::settle_offloads(p, r0, n, pps, ppe, release, scratch, ws);
+      }
     }
     for (int r : fallback) detail::plan_p2p_rank(p, r, end);
     return p;

@@ -62,10 +62,12 @@ struct TimesOut {
 
 /// ASAP timing of `p` under `costs`, written through `out` (one entry per rank). With
 /// `WithCopy` false the copy streams and every cross-stream edge are ignored (the compute-only
-/// timeline the offload planner starts from). Throws schedule_error if the orders cannot all
+/// timeline the offload planner starts from); with `WithEnd` false (compute only) no
+/// compute_end is written (it may be null). Throws schedule_error if the orders cannot all
 /// run (a dependency cycle).
-template <bool WithCopy>
+template <bool WithCopy, bool WithEnd = true>
 constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
+  static_assert(WithEnd || !WithCopy, "the copy streams read the compute ends");
   const int d = p.shape.d, S = p.shape.stages();
   const std::vector<double> dur = duration_table(costs, S);
   // End of each unit's F and B (or BW), -1 until it ran; microbatch-major, so neighbouring
@@ -99,7 +101,7 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
     L.comp = rp.compute.data();
     L.nc = rp.compute.size();
     L.cs = o.compute_start->data();
-    L.ce = o.compute_end->data();
+    if constexpr (WithEnd) L.ce = o.compute_end->data();
     L.busy = o.busy;
     L.last = o.last;
     if constexpr (WithCopy) {
@@ -179,7 +181,7 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
         if (blocked) break;
         const double end = ready + dur[static_cast<std::size_t>(stage) * 6 + static_cast<std::size_t>(kind)];
         cs[ci] = ready;
-        ce[ci] = end;
+        if constexpr (WithEnd) ce[ci] = end;
         busy += end - ready;
         last = std::max(last, end);
         if (kind == OpKind::F) ends[self].f = end;
@@ -215,7 +217,7 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
       if (ci + 8 < nc) {
         __builtin_prefetch(comp + ci + 8);
         __builtin_prefetch(cs + ci + 8, 1);
-        __builtin_prefetch(ce + ci + 8, 1);
+        if constexpr (WithEnd) __builtin_prefetch(ce + ci + 8, 1);
         // The end times the next ops read (a backward's own F ended long ago).
         for (std::size_t j = ci; j < ci + 4; ++j) __builtin_prefetch(ends.data() + unit(comp[j].stage, comp[j].mb));
       }
