@@ -544,6 +544,32 @@ void print_banner(const Options& o, const Setup& su) {
   std::fflush(stdout);
 }
 
+/// Each rank's error ("" = none) to stderr; 1 if any rank failed.
+int exit_status(const std::vector<std::string>& errors) {
+  int status = 0;
+  for (std::size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty()) {
+      std::fprintf(stderr, "train_gpt: rank %zu: %s\n", r, errors[r].c_str());
+      status = 1;
+    }
+  return status;
+}
+
+/// Rank r's link with its PCIe partner r^1 (links[p] joins ranks 2p and 2p+1), or null.
+template <class Device>
+po::PairLink<Device>* link_of(const std::vector<std::unique_ptr<po::PairLink<Device>>>& links, int r) {
+  const auto p = static_cast<std::size_t>(r / 2);
+  return p < links.size() ? links[p].get() : nullptr;
+}
+
+/// This rank's v stages on the CPU (with the injected fault, if it is this rank's).
+std::vector<Stage> cpu_stages(const Options& o, int r) {
+  std::vector<Stage> mine;
+  mine.reserve(static_cast<std::size_t>(o.shape.v));
+  for (int c = 0; c < o.shape.v; ++c) mine.emplace_back(o.model, o.shape.stage_of(r, c), o.shape.stages(), o.fault.rank == r ? &o.fault : nullptr);
+  return mine;
+}
+
 #ifdef PIPEOFFLOAD_WITH_CUDA
 /// This rank's v stages on the GPU, from the CPU model's initial parameters.
 std::vector<po::cuda::GptStage> cuda_stages(const Options& o, const Setup& su, po::backend::Cuda& dev, int r) {
@@ -584,7 +610,7 @@ int run_cuda_threads(const Options& o, Setup su) {
       po::comm::Nccl comm(world, r, dev);
       try {
         std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, r);
-        train_rank(o, su, comm, dev, mine, t_start, static_cast<std::size_t>(r / 2) < links.size() ? links[static_cast<std::size_t>(r / 2)].get() : nullptr);
+        train_rank(o, su, comm, dev, mine, t_start, link_of(links, r));
       } catch (const std::exception& e) {
         comm.abort(e.what());
         throw;
@@ -594,12 +620,7 @@ int run_cuda_threads(const Options& o, Setup su) {
       throw;
     }
   });
-  for (int r = 0; r < o.shape.d; ++r)
-    if (!errors[static_cast<std::size_t>(r)].empty()) {
-      std::fprintf(stderr, "train_gpt: rank %d: %s\n", r, errors[static_cast<std::size_t>(r)].c_str());
-      return 1;
-    }
-  return 0;
+  return exit_status(errors);
 }
 
 #ifdef PIPEOFFLOAD_WITH_MPI
@@ -645,21 +666,14 @@ int run_threads(const Options& o, const Setup& su) {
     po::comm::Threads comm(world, r);
     try {
       po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = o.copy_gbps * 1e9});
-      std::vector<Stage> mine;
-      mine.reserve(static_cast<std::size_t>(o.shape.v));
-      for (int c = 0; c < o.shape.v; ++c) mine.emplace_back(o.model, o.shape.stage_of(r, c), o.shape.stages(), o.fault.rank == r ? &o.fault : nullptr);
-      train_rank(o, su, comm, dev, mine, t_start, static_cast<std::size_t>(r / 2) < links.size() ? links[static_cast<std::size_t>(r / 2)].get() : nullptr);
+      std::vector<Stage> mine = cpu_stages(o, r);
+      train_rank(o, su, comm, dev, mine, t_start, link_of(links, r));
     } catch (const std::exception& e) {
       comm.abort(e.what());  // wake the other ranks (the runtime does this for its own failures)
       throw;
     }
   });
-  for (int r = 0; r < o.shape.d; ++r)
-    if (!errors[static_cast<std::size_t>(r)].empty()) {
-      std::fprintf(stderr, "train_gpt: rank %d: %s\n", r, errors[static_cast<std::size_t>(r)].c_str());
-      return 1;
-    }
-  return 0;
+  return exit_status(errors);
 }
 
 #ifdef PIPEOFFLOAD_WITH_MPI
@@ -693,9 +707,7 @@ int run_mpi(Options& o, const std::string& text, int& argc, char**& argv) {
     if (o.cuda) return run_cuda_rank(o, su, comm, t_start);
 #endif
     po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = o.copy_gbps * 1e9});
-    std::vector<Stage> mine;
-    mine.reserve(static_cast<std::size_t>(o.shape.v));
-    for (int c = 0; c < o.shape.v; ++c) mine.emplace_back(o.model, o.shape.stage_of(r, c), o.shape.stages(), o.fault.rank == r ? &o.fault : nullptr);
+    std::vector<Stage> mine = cpu_stages(o, r);
     train_rank(o, su, comm, dev, mine, t_start);
   } catch (const po::handshake_error& e) {
     // Every rank saw the same hashes and throws the same sentence, before any pipeline
