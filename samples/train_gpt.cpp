@@ -79,6 +79,8 @@ constexpr const char* usage_text = R"(usage: train_gpt [options]
   --resume DIR          continue from DIR/latest (same model, stages, batch, optimizer, steps, seed, data)
   --inject-fault R:S:K  testing: rank R fails in step S (0-based), mid-iteration, by K = kill (SIGKILL),
                         throw, or hang (--comm mpi only: its peers' timeout ends the run)
+  --pcie-pairs          CPU thread ranks: treat ranks (r, r^1) as a PCIe pair and synchronise their copies
+                        (po::PairLink); --backend cuda pairs the GPUs that share a switch by itself
   --quiet               no progress lines
 )";
 
@@ -117,6 +119,7 @@ struct Options {
   bool mpi = false, ranks_given = false;
   double comm_timeout = 300;
   bool cuda = false;
+  bool pcie_pairs = false;  // CPU thread ranks: synchronise the copies of ranks (r, r^1)
   int checkpoint_every = 0;
   std::string checkpoint_dir, resume;
   struct Fault {
@@ -127,7 +130,7 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   std::map<std::string, std::string> a;
-  bool quiet = false;
+  bool quiet = false, pairs = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     if (f == "--help" || f == "-h") {
@@ -136,6 +139,10 @@ Options parse(int argc, char** argv) {
     }
     if (f == "--quiet") {
       quiet = true;
+      continue;
+    }
+    if (f == "--pcie-pairs") {
+      pairs = true;
       continue;
     }
     static const char* known[] = {"--schedule", "--ranks", "--chunks", "--microbatches", "--group", "--offload-chunks", "--k", "--copy-gbps",
@@ -148,6 +155,7 @@ Options parse(int argc, char** argv) {
   }
   Options o;
   o.quiet = quiet;
+  o.pcie_pairs = pairs;
   const auto get = [&](const char* f) -> const std::string* { auto it = a.find(f); return it == a.end() ? nullptr : &it->second; };
   if (auto v = get("--ranks")) o.shape.d = static_cast<int>(to_int("--ranks", *v, 1, 64));
   o.ranks_given = get("--ranks") != nullptr;
@@ -233,6 +241,8 @@ Options parse(int argc, char** argv) {
   } else if (get("--group")) {
     throw bad_argument("--group applies only to --schedule gis-g, not " + n);
   }
+  if (o.pcie_pairs && (o.mpi || o.cuda))
+    throw bad_argument("--pcie-pairs applies only to --backend cpu with thread ranks (MPI processes run unpaired; --backend cuda pairs GPUs by their PCIe switches)");
   if (auto v = get("--offload-chunks")) {
     const int x = static_cast<int>(to_int("--offload-chunks", *v, 0, o.shape.v));
     if (n == "po-h" || n == "po-f") throw bad_argument("--offload-chunks does not apply to " + n + " (it offloads " + (n == "po-h" ? "half" : "all") + " the chunks)");
@@ -657,10 +667,10 @@ int run_threads(const Options& o, const Setup& su) {
 #endif
   print_banner(o, su);
   po::comm::ThreadsWorld world(o.shape.d);
-  // Ranks (r, r^1) are a PCIe pair, as the schedule's staggered slots assume: their copies
-  // synchronise (DESIGN.md section 3). A last rank of an odd d has no partner.
+  // --pcie-pairs: ranks (r, r^1) are a PCIe pair, as the schedule's staggered slots assume,
+  // and their copies synchronise (DESIGN.md section 3). A last rank of an odd d has none.
   std::vector<std::unique_ptr<po::PairLink<po::backend::Cpu>>> links;
-  for (int p = 0; 2 * p + 1 < o.shape.d; ++p) links.push_back(std::make_unique<po::PairLink<po::backend::Cpu>>());
+  for (int p = 0; o.pcie_pairs && 2 * p + 1 < o.shape.d; ++p) links.push_back(std::make_unique<po::PairLink<po::backend::Cpu>>());
   const auto t_start = std::chrono::steady_clock::now();
   const auto errors = po::run_thread_ranks(o.shape.d, [&](int r) {
     po::comm::Threads comm(world, r);

@@ -29,7 +29,8 @@ ref = finals(run("--ranks", "1", "--chunks", "1", *small).stdout)
 for extra in (["--schedule", "po-f", "--ranks", "2", "--chunks", "2"],
               ["--schedule", "1f1b-i", "--ranks", "2", "--chunks", "2"],
               ["--schedule", "gis-h", "--ranks", "4", "--chunks", "1", "--offload-chunks", "1", "--copy-gbps", "1"],
-              ["--schedule", "1f1b", "--ranks", "4", "--chunks", "1"]):
+              ["--schedule", "1f1b", "--ranks", "4", "--chunks", "1"],
+              ["--schedule", "po-f", "--ranks", "4", "--chunks", "2", "--copy-gbps", "0.5", "--pcie-pairs"]):
     got = finals(run(*extra, *small).stdout)
     if got != ref:
         sys.exit(f"FAIL: {' '.join(extra)} gave {got}, the one-rank reference {ref}")

@@ -304,9 +304,9 @@ class Runtime {
   }
 
   /// Synchronised copies with the PCIe partner rank^1 (which must get the same link): before
-  /// each copy, this rank's copy stream waits until the partner has completed every copy
-  /// planned to end before this one starts, so the pair keeps the staggered slot grid the
-  /// schedule planned even when one side runs late. Call before the first step. A rank
+  /// each copy, this rank's copy stream waits until the partner has completed every copy in
+  /// the same direction planned to end before this one starts, so the pair keeps the
+  /// staggered slot grid the schedule planned even when one side runs late. Call before the first step. A rank
   /// without a partner (odd d, last rank), or a schedule planned with stagger_pairs off,
   /// has nothing to synchronise with and is refused.
   template <class Link>
@@ -684,17 +684,22 @@ class Runtime {
     }
   }
 
-  /// For each of `mine`'s copies, how many of `theirs` (the partner's) are planned to end no
-  /// later than it starts: the partner's copies it must wait for. Both lists are in slot order.
+  /// For each of `mine`'s copies, how many of `theirs` (the partner's, in stream order) must
+  /// have completed before it starts: up to and including the partner's last copy in the SAME
+  /// direction planned to end no later than it starts. Only a copy in the same direction
+  /// shares the switch's uplink with it (PCIe is full duplex), so the pair never copies in
+  /// one direction at once, while a reload need not wait for the partner's offloads.
   static std::vector<std::size_t> pair_waits(const RankProgram& mine, const RankProgram& theirs) {
     std::vector<std::size_t> w(mine.copy.size(), 0);
     const double T = mine.slot_length, U = theirs.slot_length;
     const double eps = 1e-9 * std::max(T, U);
     std::size_t k = 0;
+    std::size_t last[2] = {0, 0};  // per direction (O, R): 1 + index of the partner's latest copy so far
     for (std::size_t y = 0; y < mine.copy.size(); ++y) {
       const double start = static_cast<double>(mine.copy_slot[y]) * T;
-      while (k < theirs.copy.size() && static_cast<double>(theirs.copy_slot[k] + 1) * U <= start + eps) ++k;
-      w[y] = k;
+      for (; k < theirs.copy.size() && static_cast<double>(theirs.copy_slot[k] + 1) * U <= start + eps; ++k)
+        last[theirs.copy[k].kind == OpKind::O ? 0 : 1] = k + 1;
+      w[y] = last[mine.copy[y].kind == OpKind::O ? 0 : 1];
     }
     return w;
   }
