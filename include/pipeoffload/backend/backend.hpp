@@ -37,6 +37,7 @@
 #include <span>
 #include <string>
 
+#include "../error.hpp"
 #include "../model/math.hpp"
 
 namespace pipeoffload::backend {
@@ -59,6 +60,25 @@ constexpr const char* memory_name(Memory m) {
   }
   return "?";
 }
+
+namespace detail {
+
+/// The argument checks every backend's sum_squares and adamw make (`who` names the call).
+inline void require_groups(const char* who, std::size_t values, std::span<const std::size_t> groups, std::size_t outs) {
+  std::size_t total = 0;
+  for (std::size_t g : groups) total += g;
+  if (total != values || outs != groups.size())
+    throw error(std::string(who) + ": " + std::to_string(groups.size()) + " groups cover " + std::to_string(total) + " of " +
+                                std::to_string(values) + " values with " + std::to_string(outs) +
+                                " outputs; they must cover all values, one output each");
+}
+inline void require_adamw_sizes(const char* who, std::size_t p, std::size_t g, std::size_t m, std::size_t v) {
+  if (g != p || m != p || v != p)
+    throw error(std::string(who) + ": parameters, gradients and moments have " + std::to_string(p) + ", " + std::to_string(g) +
+                                ", " + std::to_string(m) + " and " + std::to_string(v) + " elements; they must be equal");
+}
+
+}  // namespace detail
 
 /// Byte counters of a device (and its pinned host memory).
 struct MemoryStats {

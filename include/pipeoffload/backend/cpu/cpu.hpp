@@ -234,7 +234,7 @@ class Cpu {
 
   /// out[k] = sum of squares of the k-th run of groups[k] values, in fp64, in index order.
   void sum_squares(std::span<const float> values, std::span<const std::size_t> groups, std::span<double> out) {
-    check_groups("sum_squares", values.size(), groups, out.size());
+    detail::require_groups("backend::Cpu::sum_squares", values.size(), groups, out.size());
     std::size_t off = 0;
     for (std::size_t k = 0; k < groups.size(); ++k) {
       double s = 0;
@@ -247,9 +247,7 @@ class Cpu {
   /// math::adamw_update per element with grads * grad_scale, then grads zeroed.
   void adamw(std::span<float> p, std::span<float> g, std::span<float> m, std::span<float> v, const math::AdamW& o, float lr,
              math::AdamBias bias, float grad_scale) {
-    if (g.size() != p.size() || m.size() != p.size() || v.size() != p.size())
-      throw error("backend::Cpu::adamw: parameters, gradients and moments have " + std::to_string(p.size()) + ", " + std::to_string(g.size()) +
-                  ", " + std::to_string(m.size()) + " and " + std::to_string(v.size()) + " elements; they must be equal");
+    detail::require_adamw_sizes("backend::Cpu::adamw", p.size(), g.size(), m.size(), v.size());
     for (std::size_t i = 0; i < p.size(); ++i) {
       math::adamw_update(p[i], g[i] * grad_scale, m[i], v[i], o, lr, bias);
       g[i] = 0.0f;
@@ -304,13 +302,6 @@ class Cpu {
   const Options& options() const { return opt_; }
 
  private:
-  static void check_groups(const char* what, std::size_t n, std::span<const std::size_t> groups, std::size_t outs) {
-    std::size_t total = 0;
-    for (std::size_t g : groups) total += g;
-    if (total != n || outs != groups.size())
-      throw error(std::string("backend::Cpu::") + what + ": " + std::to_string(groups.size()) + " groups cover " + std::to_string(total) +
-                  " of " + std::to_string(n) + " values with " + std::to_string(outs) + " outputs; they must cover all values, one output each");
-  }
 
   // Waits and records are queue items the worker handles under the lock, without running
   // user code: they cost no allocation and no extra wake-up.

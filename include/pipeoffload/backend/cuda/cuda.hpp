@@ -311,11 +311,7 @@ class Cuda {
   /// out[k] = sum of squares of the k-th run of groups[k] values (kernels::sum_squares: fp64,
   /// one block per group, a fixed order, so the same gradients give the same bits).
   void sum_squares(std::span<const float> values, std::span<const std::size_t> groups, std::span<double> out) {
-    std::size_t total = 0;
-    for (std::size_t g : groups) total += g;
-    if (total != values.size() || out.size() != groups.size())
-      throw error("backend::Cuda::sum_squares: " + std::to_string(groups.size()) + " groups cover " + std::to_string(total) + " of " +
-                  std::to_string(values.size()) + " values with " + std::to_string(out.size()) + " outputs; they must cover all values, one output each");
+    detail::require_groups("backend::Cuda::sum_squares", values.size(), groups, out.size());
     if (groups.empty()) return;
     select();
     const std::size_t bytes = groups.size() * sizeof(double);
@@ -337,9 +333,7 @@ class Cuda {
   /// kernels::adamw (math::adamw_update per element, grads * grad_scale), then grads zeroed.
   void adamw(std::span<float> p, std::span<float> g, std::span<float> m, std::span<float> v, const math::AdamW& o, float lr,
              math::AdamBias bias, float grad_scale) {
-    if (g.size() != p.size() || m.size() != p.size() || v.size() != p.size())
-      throw error("backend::Cuda::adamw: parameters, gradients and moments have " + std::to_string(p.size()) + ", " + std::to_string(g.size()) +
-                  ", " + std::to_string(m.size()) + " and " + std::to_string(v.size()) + " elements; they must be equal");
+    detail::require_adamw_sizes("backend::Cuda::adamw", p.size(), g.size(), m.size(), v.size());
     if (p.empty()) return;
     select();
     cuda::kernels::adamw(p.data(), g.data(), m.data(), v.data(), static_cast<long long>(p.size()), o, lr, bias, grad_scale, aux_);
