@@ -52,16 +52,17 @@ case "${1:-}" in
     status=0
     meson test -C "$build" --print-errorlogs --num-processes "$(nproc)" || status=$?
     logs=("$build/meson-logs/testlog.json")
-    # The runtime tests again under ThreadSanitizer and under AddressSanitizer+UBSan (only
-    # the runtime's test binary and train_gpt are built there, to keep this short).
+    # The runtime tests and the schedule's threaded passes again under ThreadSanitizer and
+    # under AddressSanitizer+UBSan (only their test binaries and train_gpt are built there,
+    # to keep this short).
     for san in thread address,undefined; do
       dir="build-${san%%,*}"
       if [ ! -f "$dir/build.ninja" ]; then
         meson setup "$dir" --buildtype=debugoptimized -Dbench=false -Db_sanitize="$san" -Db_lundef=false >/dev/null
       fi
-      ninja -C "$dir" tests/runtime/test_runtime samples/train_gpt
+      ninja -C "$dir" tests/runtime/test_runtime tests/test_schedule_threads samples/train_gpt
       UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 TSAN_OPTIONS=halt_on_error=1 \
-        meson test -C "$dir" --suite runtime --no-rebuild --print-errorlogs --num-processes "$(nproc)" || status=$?
+        meson test -C "$dir" --suite runtime --suite threads --no-rebuild --print-errorlogs --num-processes "$(nproc)" || status=$?
       logs+=("$dir/meson-logs/testlog.json")
     done
     # One closing line any CI reads: "N passed, N failed, N skipped".

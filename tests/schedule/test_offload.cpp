@@ -129,7 +129,7 @@ long long offload_parity(const RankProgram& rp) {
 }  // namespace
 
 TEST_CASE("paired ranks r and r^1 offload in opposite slot parities; every rank's offload and reload slots alternate") {
-  // Which rank of a pair takes the even slots is chosen per pair (settle_offloads), so only
+  // Which rank of a pair takes the even slots is chosen per pair (settle_pair), so only
   // the pairing is fixed: rank 4 of d = 5 has no partner.
   for (const Shape s : {Shape{5, 2, 10}, Shape{8, 2, 32}, Shape{16, 2, 32}, Shape{7, 4, 14}}) {
     const Program p = PO_F::build(s);

@@ -172,10 +172,15 @@ TEST_CASE("the PO planning grid (shifted building block) meets every dependency 
         const detail::Block bk(p);
         std::vector<std::vector<long long>> grid(static_cast<std::size_t>(d));
         for (int r = 0; r < d; ++r) {
-          detail::order_grouped_rank(p, bk, r, &grid[static_cast<std::size_t>(r)]);
-          // The slot each pass was placed at is the one Block::slot gives it.
-          for (std::size_t x = 0; x < grid[static_cast<std::size_t>(r)].size(); ++x)
-            REQUIRE(bk.slot(r, p.ranks[static_cast<std::size_t>(r)].compute[x]) == grid[static_cast<std::size_t>(r)][x]);
+          detail::order_grouped_rank(p, bk, r);
+          // Each pass's slot (Block::slot, and the per-rank table the builder uses); the order
+          // is sorted by it (checked below).
+          const detail::Block::RankGrid rg = bk.grid(r);
+          for (const Op& op : p.ranks[static_cast<std::size_t>(r)].compute) {
+            grid[static_cast<std::size_t>(r)].push_back(bk.slot(r, op));
+            REQUIRE(rg.slot(op) == grid[static_cast<std::size_t>(r)].back());
+          }
+          REQUIRE(grid[static_cast<std::size_t>(r)].size() == static_cast<std::size_t>(3 * v * m));
         }
         const int S = d * v;
         std::vector<long long> fslot(static_cast<std::size_t>(S * m)), bslot(fslot.size()), wslot(fslot.size());

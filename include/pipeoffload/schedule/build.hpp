@@ -6,7 +6,7 @@
 //   3. offload placement on one copy stream per rank, and the cross-stream edges that keep
 //      execution within the planned memory (DESIGN.md section 3); on PO's grid, edges that
 //      keep the plan's peak rather than its order, and each PCIe pair's slot parities chosen
-//      so that its copies keep pace with the execution (settle_offloads),
+//      so that its copies keep pace with the execution (settle_pair),
 //   4. the P2P plan: each rank posts its sends and receives in the order of the messages'
 //      times on the planning timeline, one global order that every rank agrees with, so a
 //      communicator whose send waits for the matching receive cannot deadlock (a message's
@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "detail/asap.hpp"
+#include "detail/parallel.hpp"
 #include "program.hpp"
 
 namespace pipeoffload {
@@ -154,6 +155,28 @@ struct Block {
   constexpr long long shift(long long i) const { return std::min(i, e); }
   /// Chunk of a stage, s / d without a division (exact for s < 2^20 and d <= 2^12).
   constexpr long long chunk(int s) const { return static_cast<long long>((static_cast<std::uint64_t>(s) * magic) >> 40); }
+  /// The slots of rank i's passes with g = 1 (PO), from two per-chunk tables: Block::slot
+  /// with its terms that depend only on the rank and chunk added up once.
+  struct RankGrid {
+    std::vector<long long> base;  // [2c]: F(chunk c, mb 0); [2c+1]: B(stage of chunk c, mb 0)
+    long long L = 3;
+    std::uint64_t magic = 1;
+    constexpr long long slot(const Op& op) const {
+      const auto c = static_cast<std::size_t>((static_cast<std::uint64_t>(op.stage) * magic) >> 40);
+      return op.kind == OpKind::F ? base[2 * c] + op.mb * L : base[2 * c + 1] + op.mb * L + (op.kind == OpKind::W ? 1 : 0);
+    }
+  };
+  constexpr RankGrid grid(long long i) const {
+    RankGrid gr;
+    gr.L = L;
+    gr.magic = magic;
+    gr.base.resize(static_cast<std::size_t>(2 * v));
+    for (long long c = 0; c < v; ++c) {
+      gr.base[static_cast<std::size_t>(2 * c)] = f(c, 0, i) + shift(i);
+      gr.base[static_cast<std::size_t>(2 * c + 1)] = b0(i) + f(v - 1 - c, 0, 0) + shift(i);
+    }
+    return gr;
+  }
   /// Slot of `op` (a pass of rank i) on the shifted grid.
   constexpr long long slot(long long i, const Op& op) const {
     const long long cc = chunk(op.stage);
@@ -169,15 +192,11 @@ struct Block {
 
 /// Rank i's compute order under the GIS(g) building block repeated every L = 3gv slots
 /// (DESIGN.md section 2): its passes sorted by slot.
-constexpr void order_grouped_rank(Program& p, const Block& bk, long long i, std::vector<long long>* slots = nullptr) {
+constexpr void order_grouped_rank(Program& p, const Block& bk, long long i) {
   const long long d = bk.d, v = bk.v, m = bk.m, g = bk.g, L = bk.L, groups = bk.groups;
-  const long long b0 = bk.b0(i), last = bk.last(i), shift = bk.shift(i);
+  const long long b0 = bk.b0(i), last = bk.last(i);
   auto& ops = p.ranks[static_cast<std::size_t>(i)].compute;
   ops.reserve(static_cast<std::size_t>(3 * v * m));
-  if (slots != nullptr) {
-    slots->clear();
-    slots->reserve(static_cast<std::size_t>(3 * v * m));
-  }
   // Slots are distinct, and dense on a rank unless trimming emptied most of them (m < g).
   // Dense: the block's 3gv slots are distinct mod L, so one table entry per residue says
   // which pass a slot holds, and the slots are walked in order (linear, no table of the
@@ -209,10 +228,7 @@ constexpr void order_grouped_rank(Program& p, const Block& bk, long long i, std:
         const long long n = k - en.hi;
         if (en.hi >= 0 && n >= 0 && n < groups) {
           const long long mb = n * g + en.op.mb;
-          if (mb < m) {  // trim: mb >= m stays idle
-            ops.push_back(Op{en.op.kind, en.op.stage, static_cast<int>(mb)});
-            if (slots != nullptr) slots->push_back(slot + shift);
-          }
+          if (mb < m) ops.push_back(Op{en.op.kind, en.op.stage, static_cast<int>(mb)});  // trim: mb >= m stays idle
         }
         if (++res == L) {
           res = 0;
@@ -236,10 +252,7 @@ constexpr void order_grouped_rank(Program& p, const Block& bk, long long i, std:
       }
     }
   std::sort(sparse.begin(), sparse.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
-  for (const auto& [slot, op] : sparse) {
-    ops.push_back(op);
-    if (slots != nullptr) slots->push_back(slot + shift);
-  }
+  for (const auto& entry : sparse) ops.push_back(entry.second);
 }
 
 /// Every rank's compute order under the GIS(g) building block (see order_grouped_rank); the
@@ -264,8 +277,8 @@ struct OffloadScratch {
 
 /// Places one rank's offloads and reloads on its copy-slot grid and derives the cross-stream
 /// edges. `ps`/`pe` are the planned start/end of each compute op. `flip` swaps the parities
-/// of its offload and reload slots (see settle_offloads). Without `edges` only the offloads'
-/// edges (each O waits for its F) are set: settle_offloads derives the others.
+/// of its offload and reload slots (see settle_pair). Without `edges` only the offloads'
+/// edges (each O waits for its F) are set: place_pair derives the others.
 constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, const std::vector<double>& pe,
                               OffloadScratch* scratch = nullptr, bool flip = false, bool edges = true) {
   OffloadScratch own;
@@ -460,7 +473,7 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
 /// its own stream come first anyway), an R for the last W or BW, a backward for its own
 /// reload, and no other op waits: only F and R acquire. Linear (the skipped tail of releases
 /// is found by a galloping search, a few steps).
-/// Scratch of cross_stream_edges, copy_lag and settle_offloads, kept across the ranks of one
+/// Scratch of cross_stream_edges, copy_lag and settle_pair, kept across the ranks of one
 /// build; and each stage's unit bytes and op durations, looked up once per op.
 struct SettleScratch {
   struct Release {
@@ -655,17 +668,16 @@ constexpr double copy_lag(const Program& p, int r, const double* release, double
 /// with both parities swapped and keeps whichever falls less behind; the even rank on even
 /// slots on a tie. Linear: at most two placements and runs per rank.
 ///
-/// This places and settles the `n` ranks r0.. of one pair (n = 1: a rank alone), one after
-/// the other while their lists are in cache: `ps[i]`/`pe[i]` are rank r0+i's planned compute
-/// start and end times, `release[i]` each of its compute ops' start without offload.
-constexpr void settle_offloads(Program& p, int r0, int n, const std::vector<double>* ps, const std::vector<double>* pe,
-                               const double* const* release, OffloadScratch& os, SettleScratch& ws) {
-  for (int i = 0; i < n; ++i) place_offloads(p, r0 + i, ps[i], pe[i], &os, false, false);
-  // Rank r0+i's final edges; returns its copy_lag.
-  const auto settle = [&](int i, double& busy) {
-    const auto ru = static_cast<std::size_t>(r0 + i);
-    const RankProgram& rp = p.ranks[ru];
-    if (rp.copy.empty()) return 0.0;
+/// place_pair places the offloads of the `n` ranks r0.. of one pair (n = 1: a rank alone),
+/// with both parities swapped if `flip`, and derives their final edges; settle_pair then keeps
+/// that placement or the swapped one. `ps[i]`/`pe[i]` are rank r0+i's planned compute start
+/// and end times, `release[i]` each of its compute ops' start without offload.
+constexpr void place_pair(Program& p, int r0, int n, const std::vector<double>* ps, const std::vector<double>* pe, bool flip, OffloadScratch& os,
+                          SettleScratch& ws) {
+  for (int i = 0; i < n; ++i) place_offloads(p, r0 + i, ps[i], pe[i], &os, flip, false);
+  for (int i = 0; i < n; ++i) {
+    const RankProgram& rp = p.ranks[static_cast<std::size_t>(r0 + i)];
+    if (rp.copy.empty()) continue;
     const double T = rp.slot_length;
     const std::size_t nk = rp.copy.size();
     ws.ks.resize(nk);
@@ -680,10 +692,22 @@ constexpr void settle_offloads(Program& p, int r0, int n, const std::vector<doub
     const auto& pend = pe[i];
     const double horizon = std::max(pend.empty() ? 0.0 : pend.back(), ke[nk - 1]);
     cross_stream_edges(p, r0 + i, ps[i], pend, ws.ks, ws.ke, 1e-9 * std::max(T, horizon), ws);  // place_offloads' eps
-    return copy_lag(p, r0 + i, release[i], busy, ws);
+  }
+}
+
+/// See place_pair. `plan()` returns the pair's ps and pe (arrays of n vectors), which only a
+/// pair that falls behind needs.
+template <class Plan>
+constexpr void settle_pair(Program& p, int r0, int n, const double* const* release, const Plan& plan, OffloadScratch& os, SettleScratch& ws) {
+  // The pair's copy_lag, and the durations of the compute ops of its ranks with offloads.
+  const auto lag_of = [&](double& busy) {
+    double lag = 0;
+    for (int i = 0; i < n; ++i)
+      if (!p.ranks[static_cast<std::size_t>(r0 + i)].copy.empty()) lag += copy_lag(p, r0 + i, release[i], busy, ws);
+    return lag;
   };
-  double lag = 0, busy = 0;
-  for (int i = 0; i < n; ++i) lag += settle(i, busy);
+  double busy = 0;
+  const double lag = lag_of(busy);
   if (!(lag > 0.05 * busy)) return;  // lag / ops <= 5% of busy / ops, the mean pass
   for (int i = 0; i < n; ++i) {
     RankProgram& rp = p.ranks[static_cast<std::size_t>(r0 + i)];
@@ -697,11 +721,11 @@ constexpr void settle_offloads(Program& p, int r0, int n, const std::vector<doub
     rp.copy_slot.clear();
     rp.slot_length = 0;
     for (Op& op : rp.compute) op.wait = -1;
-    place_offloads(p, r0 + i, ps[i], pe[i], &os, true, false);
   }
-  double flipped = 0, unused = 0;
-  for (int i = 0; i < n; ++i) flipped += settle(i, unused);
-  if (flipped < lag) return;
+  const auto [ps, pe] = plan();
+  place_pair(p, r0, n, ps, pe, true, os, ws);
+  double unused = 0;
+  if (lag_of(unused) < lag) return;
   for (int i = 0; i < n; ++i) {  // keep the first placement
     RankProgram& rp = p.ranks[static_cast<std::size_t>(r0 + i)];
     auto& k = ws.kept[i];
@@ -794,7 +818,7 @@ struct P2PScratch {
 };
 
 /// Rank r's P2P plan on PO's grid, from rank r's own compute list (`slots`: the slot of each
-/// of its ops): the messages it receives are those its passes consume (F of stage s > 0 from
+/// of its ops, Block::slot): the messages it receives are those its passes consume (F of stage s > 0 from
 /// rank r-1, B of stage s < S-1 from rank r+1), and their producers' slots follow from
 /// Block::slot. Merged with its sends in the key order of plan_p2p_rank, this is that plan
 /// as long as rank r consumes each neighbour's messages in the order they are sent (their
@@ -802,7 +826,7 @@ struct P2PScratch {
 /// The key (slot end, producer stage, ...) is compared as (slot, producer stage): the caller
 /// makes sure slot end times increase strictly with the slot, and one slot and stage name
 /// one pass.
-constexpr bool plan_p2p_po_rank(Program& p, const Block& bk, const std::vector<long long>& slots, int r, P2PScratch& ws) {
+constexpr bool plan_p2p_po_rank(Program& p, const Block& bk, const long long* slots, int r, P2PScratch& ws) {
   const Shape& sh = p.shape;
   const int S = sh.stages(), d = sh.d;
   if (d == 1) return true;
@@ -829,7 +853,7 @@ constexpr bool plan_p2p_po_rank(Program& p, const Block& bk, const std::vector<l
   std::size_t ni = 0, nj = 0, nk = 0;
   for (int x = 0; x < n; ++x) {
     const Op& op = o[x];
-    const long long slot = slots[static_cast<std::size_t>(x)];
+    const long long slot = slots[x];
     const auto c = static_cast<std::size_t>(bk.chunk(op.stage));
     if (op.kind == OpKind::F) {
       if (op.stage < S - 1) own[ni++] = {(slot << 21) | op.stage, x};
@@ -847,22 +871,25 @@ constexpr bool plan_p2p_po_rank(Program& p, const Block& bk, const std::vector<l
       }
     }
   }
+  // Sized first and then filled: CommOp's bit-fields are stored read-modify-write, and a read
+  // of a fresh page maps the zero page, which the write then has to replace.
   auto& comm = p.ranks[static_cast<std::size_t>(r)].comm;
-  comm.reserve(ni + nj + nk);
+  comm.resize(ni + nj + nk);
+  CommOp* q = comm.data();
   constexpr long long end = 0x7fffffffffffffffLL;
   std::size_t i = 0, j = 0, k = 0;
-  for (;;) {
+  for (;; ++q) {
     const long long ki = i < ni ? own[i].key : end, kj = j < nj ? fp[j].key : end, kk = k < nk ? fn[k].key : end;
     if (ki < kj && ki < kk) {
       const Op& op = o[own[i++].x];
       const bool fwd = op.kind == OpKind::F;
-      comm.push_back(CommOp{true, fwd ? next : prev, fwd ? op.stage + 1 : op.stage - 1, op.mb, fwd ? Dir::forward : Dir::backward});
+      *q = CommOp{true, fwd ? next : prev, fwd ? op.stage + 1 : op.stage - 1, op.mb, fwd ? Dir::forward : Dir::backward};
     } else if (kj < kk) {
       const Op& op = o[fp[j++].x];
-      comm.push_back(CommOp{false, prev, op.stage, op.mb, Dir::forward});
+      *q = CommOp{false, prev, op.stage, op.mb, Dir::forward};
     } else if (kk != end) {
       const Op& op = o[fn[k++].x];
-      comm.push_back(CommOp{false, next, op.stage, op.mb, Dir::backward});
+      *q = CommOp{false, next, op.stage, op.mb, Dir::backward};
     } else {
       break;
     }
@@ -886,12 +913,16 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
   if (spec.family == Family::grouped) p.group = detail::resolve_group(spec.group, shape.d);
   const bool offloads = offload::count(spec.offload, shape.v) > 0;
   const int d = shape.d;
-  detail::OffloadScratch scratch;
   if (p.group == 1) {
     // PO (g = 1) plans on its shifted grid, one slot = the mean of (T_F + T_B + T_W) / 3 over
-    // the stages. A pass's slot follows from the pass itself (Block::slot), so everything
-    // goes rank by rank, on the rank's own lists while they are in cache: its order, its
-    // offloads on that order, and its P2P plan.
+    // the stages. A pass's slot follows from the pass itself (Block::slot), so each rank's
+    // P2P plan and each pair's offloads need only that rank's or pair's own order: the work
+    // splits into independent items, run on the machine's cores (detail/parallel.hpp), each
+    // with its worker's scratch:
+    //   1. each rank's order;
+    //   2. the compute-only ASAP run (one item, on one thread), and per pair its ranks' P2P
+    //      plans and offloads with their final edges;
+    //   3. each pair's slot parities, against the ASAP run (settle_pair).
     double tau = 0;
     for (int s = 0; s < shape.stages(); ++s) tau += costs.F(s) + costs.B(s) + costs.W(s);
     tau /= 3.0 * shape.stages();
@@ -902,47 +933,87 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
     for (long long i = 0; i < bk.d; ++i) top = std::max(top, bk.last(i) + bk.shift(i));
     const bool slot_keys = tau >= 1e-300 && static_cast<double>(top + 2) * tau < 1e300;
     const auto end = [&](int rank, std::size_t, const Op& op) { return static_cast<double>(bk.slot(rank, op) + 1) * tau; };
-    std::vector<long long> slots;
-    detail::P2PScratch p2p;
-    std::vector<int> fallback;  // ranks whose plan needs their neighbours' lists
-    for (int r = 0; r < d; ++r) {
-      detail::order_grouped_rank(p, bk, r, &slots);
-      if (!slot_keys || !detail::plan_p2p_po_rank(p, bk, slots, r, p2p)) fallback.push_back(r);
-    }
-    if (offloads) {
-      // Offloads, with their final edges and slot parities (settle_offloads), against the
-      // execution without offload: each compute op's start on the compute-only ASAP timeline.
-      std::vector<std::vector<double>> rs(static_cast<std::size_t>(d));
-      std::vector<detail::TimesOut> out(static_cast<std::size_t>(d));
-      for (std::size_t r = 0; r < rs.size(); ++r) {
-        rs[r].resize(p.ranks[r].compute.size());
-        out[r].compute_start = &rs[r];
+    const int workers = detail::worker_count(3 * static_cast<std::size_t>(shape.stages()) * static_cast<std::size_t>(shape.m), d);
+    // Each compute op's start without offload (the compute-only ASAP run).
+    std::vector<std::vector<double>> rs(static_cast<std::size_t>(offloads ? d : 0));
+    std::vector<double> dur;  // the ASAP run's op durations
+    if (offloads) dur = detail::duration_table(costs, shape.stages());
+    std::vector<detail::TimesOut> out(rs.size());
+    detail::for_each_item(workers, d, [&](int r, int) {
+      detail::order_grouped_rank(p, bk, r);
+      if (offloads) {
+        const auto ru = static_cast<std::size_t>(r);
+        rs[ru].resize(p.ranks[ru].compute.size());
+        out[ru].compute_start = &rs[ru];
       }
-      detail::asap_into<false, false>(p, costs, out.data());
-      // Pair by pair (a rank alone when pairs are not staggered), each rank's plan from its slots.
-      std::vector<double> pps[2], ppe[2];
-      const double* release[2] = {nullptr, nullptr};
-      detail::SettleScratch ws(costs, shape.stages());
-      const int step = costs.stagger_pairs ? 2 : 1;
-      for (int r0 = 0; r0 < d; r0 += step) {
-        const int n = std::min(step, d - r0);
-        for (int i = 0; i < n; ++i) {
-          const auto& comp = p.ranks[static_cast<std::size_t>(r0 + i)].compute;
-          pps[i].resize(comp.size());
-          ppe[i].resize(comp.size());
-          for (std::size_t x = 0; x < comp.size(); ++x) {
-            // The list left cache during the ASAP run over all ranks: fetch ahead of the walk.
-            if (!std::is_constant_evaluated() && (x & 7) == 0) __builtin_prefetch(comp.data() + x + 96);
-            const long long slot = bk.slot(r0 + i, comp[x]);
-            pps[i][x] = static_cast<double>(slot) * tau;
-            ppe[i][x] = static_cast<double>(slot + 1) * tau;
-          }
-          release[i] = rs[static_cast<std::size_t>(r0 + i)].data();
+    });
+    // Per worker: the slots of the ops of the rank at hand, its P2P scratch, and the pair's
+    // planned times and offload scratch.
+    struct Scratch {
+      std::vector<long long> slots[2];
+      detail::P2PScratch p2p;
+      std::vector<double> ps[2], pe[2];
+      detail::OffloadScratch place;
+      detail::SettleScratch settle;
+    };
+    std::vector<Scratch> scratch;
+    scratch.reserve(static_cast<std::size_t>(workers));
+    for (int w = 0; w < workers; ++w) scratch.push_back(Scratch{{}, {}, {}, {}, {}, detail::SettleScratch(costs, offloads ? shape.stages() : 0)});
+    std::vector<char> fallback(static_cast<std::size_t>(d));  // ranks whose plan needs their neighbours' lists
+    // Slots of rank r's ops into ws.slots[i]; with `times`, its planned start and end too.
+    const auto plan = [&](Scratch& ws, int r, int i, bool times) {
+      const auto& comp = p.ranks[static_cast<std::size_t>(r)].compute;
+      const detail::Block::RankGrid grid = bk.grid(r);
+      auto& sl = ws.slots[i];
+      sl.resize(comp.size());
+      for (std::size_t x = 0; x < comp.size(); ++x) sl[x] = grid.slot(comp[x]);
+      if (!times) return;
+      ws.ps[i].resize(comp.size());
+      ws.pe[i].resize(comp.size());
+      for (std::size_t x = 0; x < comp.size(); ++x) {
+        ws.ps[i][x] = static_cast<double>(sl[x]) * tau;
+        ws.pe[i][x] = static_cast<double>(sl[x] + 1) * tau;
+      }
+    };
+    const auto plan_p2p = [&](Scratch& ws, int r, int i) {
+      fallback[static_cast<std::size_t>(r)] = !slot_keys || !detail::plan_p2p_po_rank(p, bk, ws.slots[i].data(), r, ws.p2p);
+    };
+    if (!offloads) {
+      detail::for_each_item(workers, d, [&](int r, int w) {
+        Scratch& ws = scratch[static_cast<std::size_t>(w)];
+        plan(ws, r, 0, false);
+        plan_p2p(ws, r, 0);
+      });
+    } else {
+      // Pair by pair (a rank alone when pairs are not staggered).
+      const int step = costs.stagger_pairs ? 2 : 1, pairs = (d + step - 1) / step;
+      detail::for_each_item(workers, 1 + pairs, [&](int item, int w) {
+        if (item == 0) {
+          detail::asap_into<false>(p, costs, dur, out.data());
+          return;
         }
-        detail::settle_offloads(p, r0, n, pps, ppe, release, scratch, ws);
-      }
+        Scratch& ws = scratch[static_cast<std::size_t>(w)];
+        const int r0 = (item - 1) * step, n = std::min(step, d - r0);
+        for (int i = 0; i < n; ++i) {
+          plan(ws, r0 + i, i, true);
+          plan_p2p(ws, r0 + i, i);
+        }
+        detail::place_pair(p, r0, n, ws.ps, ws.pe, false, ws.place, ws.settle);
+      });
+      detail::for_each_item(workers, pairs, [&](int pair, int w) {
+        Scratch& ws = scratch[static_cast<std::size_t>(w)];
+        const int r0 = pair * step, n = std::min(step, d - r0);
+        const double* release[2] = {nullptr, nullptr};
+        for (int i = 0; i < n; ++i) release[i] = rs[static_cast<std::size_t>(r0 + i)].data();
+        const auto planned = [&] {
+          for (int i = 0; i < n; ++i) plan(ws, r0 + i, i, true);
+          return std::pair<const std::vector<double>*, const std::vector<double>*>{ws.ps, ws.pe};
+        };
+        detail::settle_pair(p, r0, n, release, planned, ws.place, ws.settle);
+      });
     }
-    for (int r : fallback) detail::plan_p2p_rank(p, r, end);
+    for (int r = 0; r < d; ++r)
+      if (fallback[static_cast<std::size_t>(r)]) detail::plan_p2p_rank(p, r, end);
     return p;
   }
   switch (spec.family) {
@@ -956,12 +1027,20 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
   std::vector<detail::TimesOut> out(static_cast<std::size_t>(d));
   for (std::size_t r = 0; r < ps.size(); ++r) {
     ps[r].resize(p.ranks[r].compute.size());
-    pe[r].resize(p.ranks[r].compute.size());
-    out[r] = {&ps[r], &pe[r]};
+    out[r].compute_start = &ps[r];
   }
-  detail::asap_into<false>(p, costs, out.data());
-  if (offloads)
+  const std::vector<double> dur = detail::duration_table(costs, shape.stages());
+  detail::asap_into<false>(p, costs, dur, out.data());
+  for (std::size_t r = 0; r < ps.size(); ++r) {
+    const auto& comp = p.ranks[r].compute;
+    pe[r].resize(comp.size());
+    for (std::size_t x = 0; x < comp.size(); ++x)
+      pe[r][x] = ps[r][x] + dur[static_cast<std::size_t>(comp[x].stage) * 6 + static_cast<std::size_t>(comp[x].kind)];
+  }
+  if (offloads) {
+    detail::OffloadScratch scratch;
     for (int r = 0; r < d; ++r) detail::place_offloads(p, r, ps[static_cast<std::size_t>(r)], pe[static_cast<std::size_t>(r)], &scratch);
+  }
   const auto end = [&](int rank, std::size_t x, const Op&) { return pe[static_cast<std::size_t>(rank)][x]; };
   for (int r = 0; r < d; ++r) detail::plan_p2p_rank(p, r, end);
   return p;

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "detail/asap.hpp"
+#include "detail/parallel.hpp"
 #include "program.hpp"
 
 namespace pipeoffload {
@@ -291,8 +292,8 @@ constexpr Validation check_execution(const Program& p) {
   return {};
 }
 
-/// One linear sweep that proves a program valid, or gives up (false) and leaves the verdict
-/// and its message to the rules above. It never accepts a program they would reject:
+/// Linear sweeps that prove a program valid, or give up (false) and leave the verdict and its
+/// message to the rules above. They never accept a program those would reject:
 ///   - per rank, its three streams are run against each other in one pass, with every
 ///     receive taken as already delivered. That checks the passes (each unit's F, B, W or BW
 ///     once, on its own rank, in order), the copy stream (each offload after its F, each
@@ -310,6 +311,8 @@ constexpr Validation check_execution(const Program& p) {
 /// Under those conditions the untimed execution of check_execution() completes: each rank's
 /// ops fit in one order with its messages, and the messages in one order for all ranks, so
 /// the ops of all ranks and the messages form no cycle (DESIGN.md section 4).
+/// The per-rank sweeps and the comparisons between neighbours run on the machine's cores
+/// (detail/parallel.hpp); going around the ring is one pass over the ranks.
 constexpr bool proven_valid(const Program& p) {
   const Shape& sh = p.shape;
   const int d = sh.d, v = sh.v, m = sh.m;
@@ -329,25 +332,36 @@ constexpr bool proven_valid(const Program& p) {
     int rpos = 0;  // position of its reload in the copy stream
   };
   const std::size_t units = static_cast<std::size_t>(v) * static_cast<std::size_t>(m);
-  std::vector<Unit> st(units);
 
-  // Cross-rank bookkeeping. E_r = the messages between ranks r and r+1 in P2P-list order;
-  // a message is keyed by (stage, mb, dir, send).
-  const auto key = [](const CommOp& c, bool fwd) {
-    return (static_cast<std::uint64_t>(c.stage) << 18) | (static_cast<std::uint64_t>(c.mb) << 2) | (fwd ? 0u : 2u) | (c.send ? 1u : 0u);
-  };
-  constexpr int none = 0x7fffffff;
-  std::size_t most = 0;  // the longest P2P list: every buffer below holds at most that many
-  for (const RankProgram& rp : p.ranks) most = std::max(most, rp.comm.size());
+  std::size_t most = 0, ops = 0;  // the longest P2P list: every index below fits an int
+  for (const RankProgram& rp : p.ranks) {
+    most = std::max(most, rp.comm.size());
+    ops += rp.compute.size() + rp.copy.size() + rp.comm.size();
+  }
   if (most > 0x7ffffff0u) return false;
-  std::vector<std::uint64_t> e_prev(most), e_cur(most);  // E_{r-1} as rank r-1 listed it; E_r as rank r lists it
-  std::vector<std::uint64_t> e_last(most);                // E_{d-1} as rank 0 lists it
-  std::vector<int> phi0(most), psi0(most);                // rank 0: next E_0 index after each E_{d-1} message, and the reverse
-  std::vector<int> cw(most);                              // per E_0 message: earliest reachable E_r index going clockwise
-  std::vector<int> ccw_prev(most), ccw_cur(most);         // per E_r message: earliest reachable E_0 index going counter-clockwise
-  std::size_t n_prev = 0, n_last = 0, n0 = 0, n_psi0 = 0;
+  // E_r = the messages between ranks r and r+1, in P2P-list order. Rank r lists E_{r-1}
+  // (its messages with r-1) and E_r interleaved: for the i-th message of E_{r-1}, how many of
+  // E_r come before it (next_before(i)), and for the j-th message of E_r, how many of
+  // E_{r-1} (prev_before(j)). With d = 2 both neighbours are one rank and its list is one E.
+  // And each message's key, from its own fields: its consumer's chunk, whether the consumer
+  // is the later rank of the two, mb, direction and send (as the sweep checks the consumer's
+  // rank, this names the message among those between the two ranks).
+  // One array per rank holds each of these for E_{r-1} from the front and for E_r from the
+  // back, with a spare entry between them, so that the sweep writes both without a branch.
+  struct Ring {
+    std::vector<int> at;
+    std::vector<std::uint32_t> keys;
+    std::size_t n_prev = 0, n_next = 0;  // |E_{r-1}|, |E_r|
+    constexpr int next_before(std::size_t i) const { return at[i]; }
+    constexpr int prev_before(std::size_t j) const { return at[at.size() - 1 - j]; }
+    constexpr std::uint32_t prev_key(std::size_t i) const { return keys[i]; }
+    constexpr std::uint32_t next_key(std::size_t j) const { return keys[keys.size() - 1 - j]; }
+  };
+  std::vector<Ring> ring(static_cast<std::size_t>(d));
 
-  for (int r = 0; r < d; ++r) {
+  // Rank r's sweep; false if it finds a broken rule or cannot finish. (The shape is copied
+  // in: the unit table's stores cannot then be taken to change it.)
+  const auto sweep = [&p, &ring, d, S, m, units, fused, chunk](int r, std::vector<Unit>& st) {
     const RankProgram& rp = p.ranks[static_cast<std::size_t>(r)];
     const Op* const comp = rp.compute.data();
     const Op* const copy = rp.copy.data();
@@ -359,12 +373,16 @@ constexpr bool proven_valid(const Program& p) {
     // Each unit's F, B and W (or F and BW) and nothing else: duplicates are rejected below,
     // so this count makes every one present.
     if (nc != (fused ? 2 : 3) * units || nk > 0x7ffffff0u) return false;
-    std::fill(st.begin(), st.end(), Unit{});
+    st.assign(units, Unit{});
+    Ring& rg = ring[static_cast<std::size_t>(r)];
+    if (d > 2) rg.at.resize(nq + 1);
+    if (d > 1) rg.keys.resize(nq + 1);
+    int* const at = rg.at.data();
+    std::uint32_t* const keys = rg.keys.data();
+    std::size_t na = 0, nb = 0;  // messages with prev and with next so far
     std::size_t offloads = 0;
     std::size_t ci = 0, ki = 0, qi = 0;
     const int prev = r == 0 ? d - 1 : r - 1, next = r + 1 == d ? 0 : r + 1;
-    // Ring bookkeeping of this rank: messages with prev (na) and with next (nb) seen so far.
-    std::size_t na = 0, nb = 0, px = 0;
     for (;;) {
       const std::size_t ci0 = ci, ki0 = ki, qi0 = qi;
       for (; ci < nc; ++ci) {
@@ -459,75 +477,88 @@ constexpr bool proven_valid(const Program& p) {
           if (u->has & got) return false;
           u->has |= got;
         }
-        // The message's place in E_{r-1} or E_r.
-        const std::uint64_t k = key(q, fwd);
-        if (d == 2) {
-          if (r == 0) e_cur[nb++] = k;
-          else if (na >= n_prev || e_prev[na++] != (k ^ 1u)) return false;
-          continue;
-        }
-        if (q.peer == prev) {
-          // The na-th message of E_{r-1}; nb messages of E_r come before it.
-          if (r == 0) {
-            e_last[na] = k;
-            phi0[na] = static_cast<int>(nb);
-          } else {
-            if (na >= n_prev || e_prev[na] != (k ^ 1u)) return false;
-            if (r == 1) cw[na] = static_cast<int>(nb);
-            else
-              for (; px < n0 && cw[px] == static_cast<int>(na); ++px) cw[px] = static_cast<int>(nb);
+        if (d > 1) {
+          // Written at both ends: the entry that is not this message's is the spare one, or
+          // one that a later message overwrites. (d = 2: rank 0 lists E_0 as E_r, rank 1 as
+          // E_{r-1}.)
+          const bool with_prev = d == 2 ? r == 1 : q.peer == prev;
+          const auto k = (static_cast<std::uint32_t>(c) << 19) | (static_cast<std::uint32_t>(crank == (with_prev ? r : next)) << 18) |
+                         (static_cast<std::uint32_t>(mb) << 2) | (fwd ? 0u : 2u) | (q.send ? 1u : 0u);
+          keys[na] = k;
+          keys[nq - nb] = k;
+          if (d > 2) {
+            at[na] = static_cast<int>(nb);
+            at[nq - nb] = static_cast<int>(na);
           }
-          ++na;
-        } else {
-          // The nb-th message of E_r; na messages of E_{r-1} come before it.
-          if (r == d - 1) {
-            if (nb >= n_last || e_last[nb] != (k ^ 1u)) return false;
-          } else {
-            e_cur[nb] = k;
-          }
-          if (r == 0) psi0[nb] = static_cast<int>(na);
-          else if (r == 1) ccw_cur[nb] = na < n_prev ? static_cast<int>(na) : none;
-          else ccw_cur[nb] = na < n_prev ? ccw_prev[na] : none;
-          ++nb;
+          na += with_prev ? 1 : 0;
+          nb += with_prev ? 0 : 1;
         }
       }
       if (ci == ci0 && ki == ki0 && qi == qi0) break;
     }
     if (ci != nc || ki != nk || qi != nq) return false;
+    rg.n_prev = na;
+    rg.n_next = nb;
     // Every reload follows its offload, each once: as many offloads as reloads pairs them all.
-    if (2 * offloads != nk) return false;
-    if (d == 2) {
-      if (r == 1 && na != n_prev) return false;
-      n_prev = r == 0 ? nb : 0;
-      std::swap(e_prev, e_cur);
-    } else if (d > 2) {
-      if (r > 0 && na != n_prev) return false;
-      if (r == 0) {
-        n_last = na;
-        n_psi0 = nb;
-      }
-      if (r == 1) n0 = na;
-      if (r == d - 1 && nb != n_last) return false;
-      if (r >= 2)
-        for (; px < n0; ++px) cw[px] = none;  // nothing of E_r after them on this rank
-      if (r >= 1) std::swap(ccw_prev, ccw_cur);
-      n_prev = nb;
-      std::swap(e_prev, e_cur);
-    }
+    return 2 * offloads == nk;
+  };
+
+  const int workers = worker_count(ops, d);
+  std::vector<std::vector<Unit>> scratch(static_cast<std::size_t>(workers));
+  std::vector<char> ok(static_cast<std::size_t>(d), 0);
+  for_each_item(workers, d, [&](int r, int w) { ok[static_cast<std::size_t>(r)] = sweep(r, scratch[static_cast<std::size_t>(w)]); });
+  for (const char x : ok)
+    if (!x) return false;
+  if (d == 1) return true;
+  // Ranks b and b+1 list the messages between them in the same order, as the send on one
+  // side and the receive on the other. (d = 2: b = 0 only.)
+  const int boundaries = d == 2 ? 1 : d;
+  for_each_item(workers, boundaries, [&](int b, int) {
+    const Ring& x = ring[static_cast<std::size_t>(b)];
+    const Ring& y = ring[b + 1 == d ? 0 : static_cast<std::size_t>(b + 1)];
+    bool same = x.n_next == y.n_prev;
+    for (std::size_t j = 0; same && j < x.n_next; ++j) same = x.next_key(j) == (y.prev_key(j) ^ 1u);
+    ok[static_cast<std::size_t>(b)] = same;
+  });
+  for (const char x : ok)
+    if (!x) return false;
+  if (d <= 2) return true;
+
+  // Once around the ring from each message of E_0: the earliest E_0 message reached must
+  // come after it, clockwise (through ranks 1, 2, ..., d-1, 0) and counter-clockwise
+  // (through ranks 0, d-1, ..., 1). cw[x]: the earliest message of E_r that rendezvous
+  // reaches from E_0's message x through ranks 1..r (none: past the end); ccw[y]: the
+  // earliest of E_0 reached from E_r's message y through ranks r..1.
+  constexpr int none = 0x7fffffff;
+  const Ring& r1 = ring[1];
+  const std::size_t n0 = r1.n_prev;  // |E_0|, as every rank that lists it agrees
+  std::vector<int> cw(n0), ccw(r1.n_next), ccw_next;
+  for (std::size_t x = 0; x < n0; ++x) cw[x] = r1.next_before(x);
+  for (std::size_t y = 0; y < ccw.size(); ++y) {
+    const int k = r1.prev_before(y);
+    ccw[y] = static_cast<std::size_t>(k) < n0 ? k : none;
   }
-  if (d > 2) {
-    // Once around the ring from each message of E_0: the earliest E_0 message reached must
-    // come after it, clockwise (through ranks 1, 2, ..., d-1, 0) and counter-clockwise
-    // (through ranks 0, d-1, ..., 1).
-    if (n_psi0 != n0) return false;
-    for (std::size_t x = 0; x < n0; ++x) {
-      const int k = cw[x];
-      if (k != none && static_cast<std::size_t>(k) < n_last && static_cast<std::size_t>(phi0[static_cast<std::size_t>(k)]) <= x) return false;
+  for (int r = 2; r < d; ++r) {
+    const Ring& rg = ring[static_cast<std::size_t>(r)];
+    for (int& k : cw) k = (k != none && static_cast<std::size_t>(k) < rg.n_prev) ? rg.next_before(static_cast<std::size_t>(k)) : none;
+    ccw_next.resize(rg.n_next);
+    for (std::size_t y = 0; y < ccw_next.size(); ++y) {
+      const int k = rg.prev_before(y);
+      ccw_next[y] = static_cast<std::size_t>(k) < ccw.size() ? ccw[static_cast<std::size_t>(k)] : none;
     }
-    for (std::size_t x = 0; x < n0; ++x) {
-      const std::size_t k = static_cast<std::size_t>(psi0[x]);
-      if (k < n_last && ccw_prev[k] != none && static_cast<std::size_t>(ccw_prev[k]) <= x) return false;
-    }
+    std::swap(ccw, ccw_next);
+  }
+  // Rank 0 lists E_{d-1} (phi: how many of E_0 come before each) and E_0 (psi: how many of
+  // E_{d-1} before each).
+  const Ring& r0 = ring[0];
+  const std::size_t n_last = r0.n_prev;
+  for (std::size_t x = 0; x < n0; ++x) {
+    const int k = cw[x];
+    if (k != none && static_cast<std::size_t>(k) < n_last && static_cast<std::size_t>(r0.next_before(static_cast<std::size_t>(k))) <= x) return false;
+  }
+  for (std::size_t x = 0; x < n0; ++x) {
+    const std::size_t k = static_cast<std::size_t>(r0.prev_before(x));
+    if (k < n_last && ccw[k] != none && static_cast<std::size_t>(ccw[k]) <= x) return false;
   }
   return true;
 }

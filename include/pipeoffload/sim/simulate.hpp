@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../schedule/detail/asap.hpp"
+#include "../schedule/detail/parallel.hpp"
 #include "../schedule/program.hpp"
 
 namespace pipeoffload {
@@ -51,10 +52,19 @@ struct SimResult {
 
 namespace detail {
 
+/// Number of points rank `rp`'s memory timeline may hold: one per event (an F's start, a W's
+/// or BW's end, an offload's end, a reload's start), before events at equal times merge.
+constexpr std::size_t memory_events(const RankProgram& rp) {
+  std::size_t n = rp.copy.size();
+  for (const Op& op : rp.compute) n += (op.kind == OpKind::F || op.kind == OpKind::W || op.kind == OpKind::BW) ? 1 : 0;
+  return n;
+}
+
 /// Alive activation over time from the start/end of one rank's ops (DESIGN.md section 1): a
 /// unit is alive from its F's start to its W's (or BW's) end, except between the end of its
 /// offload and the start of its reload. Half-open intervals: at equal times releases count
-/// before acquisitions.
+/// before acquisitions. `rs.memory` holds memory_events(rp) points on entry (already written,
+/// so that this pass takes no page faults) and is cut to the timeline's length.
 constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSim& rs) {
   // Each stream's events are already in time order (an op's end is at or before the next
   // op's start), so one cursor per stream merges them without a sort.
@@ -97,20 +107,20 @@ constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSi
   next_compute();
   next_copy();
   double alive = 0, peak = rs.peak;
-  auto& mem = rs.memory;
-  mem.clear();
-  mem.reserve((2 * nc) / 3 + nk);
+  MemoryPoint* const mem = rs.memory.data();
+  std::size_t n = 0;
   while (cv || kv) {
     // Earlier first; at equal times a release before an acquisition (half-open intervals).
     const bool take_comp = !kv || (cv && (ct < kt || (ct == kt && cd <= kd)));
     const double t = take_comp ? ct : kt;
     alive += take_comp ? cd : kd;
     peak = std::max(peak, alive);
-    if (!mem.empty() && mem.back().time == t) mem.back().alive = alive;
-    else mem.push_back({t, alive});
+    if (n > 0 && mem[n - 1].time == t) mem[n - 1].alive = alive;
+    else mem[n++] = {t, alive};
     if (take_comp) next_compute();
     else next_copy();
   }
+  rs.memory.resize(n);
   rs.peak = peak;
 }
 
@@ -118,26 +128,50 @@ constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSi
 
 /// Simulates `p` under `costs` (the orders, edges and P2P plan of `p`, the durations of
 /// `costs`). Throws schedule_error if the orders cannot run.
+///
+/// The ASAP run visits the ranks in turn on one thread; everything else is per rank and runs
+/// on the machine's cores (detail/parallel.hpp): the start times' vectors before it, the
+/// other outputs' vectors alongside it (one item each rank, the run being item 0), and the
+/// end times and memory timelines after it.
 constexpr SimResult simulate(const Program& p, const Costs& costs) {
   SimResult res;
+  const int d = static_cast<int>(p.ranks.size());
   res.ranks.resize(p.ranks.size());
   std::vector<detail::TimesOut> out(p.ranks.size());
-  for (std::size_t r = 0; r < p.ranks.size(); ++r) {
-    RankSim& rs = res.ranks[r];
-    rs.compute_start.resize(p.ranks[r].compute.size());
-    rs.compute_end.resize(p.ranks[r].compute.size());
-    rs.copy_start.resize(p.ranks[r].copy.size());
-    rs.copy_end.resize(p.ranks[r].copy.size());
-    out[r] = {&rs.compute_start, &rs.compute_end, &rs.copy_start, &rs.copy_end};
-  }
-  detail::asap_into<true>(p, costs, out.data());
-  for (std::size_t r = 0; r < p.ranks.size(); ++r) {
-    RankSim& rs = res.ranks[r];
-    rs.busy = out[r].busy;
-    res.makespan = std::max(res.makespan, out[r].last);
-    rs.warmup = warmup(p.ranks[r]);
-    detail::memory_timeline(costs, p.ranks[r], rs);
-  }
+  std::size_t ops = 0;
+  for (const RankProgram& rp : p.ranks) ops += rp.compute.size() + rp.copy.size();
+  const std::vector<double> dur = detail::duration_table(costs, p.shape.stages());
+  const int workers = detail::worker_count(ops, d);
+  detail::for_each_item(workers, d, [&](int r, int) {
+    const auto ru = static_cast<std::size_t>(r);
+    RankSim& rs = res.ranks[ru];
+    rs.compute_start.resize(p.ranks[ru].compute.size());
+    rs.copy_start.resize(p.ranks[ru].copy.size());
+    out[ru] = {&rs.compute_start, &rs.copy_start};
+  });
+  detail::for_each_item(workers, 1 + d, [&](int item, int) {
+    if (item == 0) {
+      detail::asap_into<true>(p, costs, dur, out.data());
+      return;
+    }
+    const auto ru = static_cast<std::size_t>(item - 1);
+    RankSim& rs = res.ranks[ru];
+    rs.compute_end.resize(p.ranks[ru].compute.size());
+    rs.copy_end.resize(p.ranks[ru].copy.size());
+    rs.memory.resize(detail::memory_events(p.ranks[ru]));
+  });
+  const auto end_of = [&dur](const Op& op, double start) { return start + dur[static_cast<std::size_t>(op.stage) * 6 + static_cast<std::size_t>(op.kind)]; };
+  detail::for_each_item(workers, d, [&](int r, int) {
+    const auto ru = static_cast<std::size_t>(r);
+    const RankProgram& rp = p.ranks[ru];
+    RankSim& rs = res.ranks[ru];
+    for (std::size_t x = 0; x < rp.compute.size(); ++x) rs.compute_end[x] = end_of(rp.compute[x], rs.compute_start[x]);
+    for (std::size_t y = 0; y < rp.copy.size(); ++y) rs.copy_end[y] = end_of(rp.copy[y], rs.copy_start[y]);
+    rs.busy = out[ru].busy;
+    rs.warmup = warmup(rp);
+    detail::memory_timeline(costs, rp, rs);
+  });
+  for (const auto& o : out) res.makespan = std::max(res.makespan, o.last);
   for (auto& rs : res.ranks) rs.bubble = res.makespan - rs.busy;
   return res;
 }

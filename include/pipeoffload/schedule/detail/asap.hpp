@@ -49,27 +49,24 @@ constexpr std::vector<double> duration_table(const Costs& c, int stages) {
 }
 
 /// Where the engine writes one rank's times: vectors parallel to its compute and copy
-/// streams (copy ones only when the copy streams are timed), sized to them on entry; and what
-/// it adds up on the way.
+/// streams (the copy one only when the copy streams are timed), sized to them on entry; and
+/// what it adds up on the way. Only start times: an op's end is its start plus its duration
+/// from duration_table, the very sum the engine makes, so whoever needs the ends adds them
+/// (after the run, on as many threads as it likes).
 struct TimesOut {
   std::vector<double>* compute_start = nullptr;
-  std::vector<double>* compute_end = nullptr;
   std::vector<double>* copy_start = nullptr;
-  std::vector<double>* copy_end = nullptr;
   double busy = 0;  ///< sum of the compute ops' end - start, in stream order
   double last = 0;  ///< max(0, every end of the rank's ops), folded with std::max
 };
 
-/// ASAP timing of `p` under `costs`, written through `out` (one entry per rank). With
-/// `WithCopy` false the copy streams and every cross-stream edge are ignored (the compute-only
-/// timeline the offload planner starts from); with `WithEnd` false (compute only) no
-/// compute_end is written (it may be null). Throws schedule_error if the orders cannot all
-/// run (a dependency cycle).
-template <bool WithCopy, bool WithEnd = true>
-constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
-  static_assert(WithEnd || !WithCopy, "the copy streams read the compute ends");
+/// ASAP timing of `p` under `costs`, written through `out` (one entry per rank); `dur` is
+/// duration_table(costs, stages). With `WithCopy` false the copy streams and every
+/// cross-stream edge are ignored (the compute-only timeline the offload planner starts from).
+/// Throws schedule_error if the orders cannot all run (a dependency cycle).
+template <bool WithCopy>
+constexpr void asap_into(const Program& p, const Costs& costs, const std::vector<double>& dur, TimesOut* out) {
   const int d = p.shape.d, S = p.shape.stages();
-  const std::vector<double> dur = duration_table(costs, S);
   // End of each unit's F and B (or BW), -1 until it ran; microbatch-major, so neighbouring
   // ranks working on the same microbatches touch nearby memory, and side by side, so the
   // lookups of one op (its own unit and the next stage's) share cache lines.
@@ -84,9 +81,7 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
     const Op* comp = nullptr;
     const Op* copy = nullptr;
     double* cs = nullptr;  // the rank's output arrays
-    double* ce = nullptr;
     double* ks = nullptr;
-    double* ke = nullptr;
     std::size_t nc = 0, ci = 0, nk = 0, ki = 0;
     double cfree = 0, kfree = 0, busy = 0, last = 0;
     const double* need = nullptr;  // parked: the value this rank waits for (nullptr: none can come)
@@ -101,14 +96,12 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
     L.comp = rp.compute.data();
     L.nc = rp.compute.size();
     L.cs = o.compute_start->data();
-    if constexpr (WithEnd) L.ce = o.compute_end->data();
     L.busy = o.busy;
     L.last = o.last;
     if constexpr (WithCopy) {
       L.copy = rp.copy.data();
       L.nk = rp.copy.size();
       L.ks = o.copy_start->data();
-      L.ke = o.copy_end->data();
     }
   }
   // A stack of the ranks to visit; each rank is on it at most once.
@@ -122,8 +115,13 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
     Lane& L = lanes[ru];
     L.queued = false;
     double* const cs = L.cs;
-    double* const ce = L.ce;
     const Op* const comp = L.comp;
+    const double* const ks = L.ks;
+    const Op* const copy = L.copy;
+    // End of op x of a stream: its start plus its duration, as it was computed.
+    const auto end_of = [&dur](const double* start, const Op* ops, std::size_t x) {
+      return start[x] + dur[static_cast<std::size_t>(ops[x].stage) * 6 + static_cast<std::size_t>(ops[x].kind)];
+    };
     std::size_t ci = L.ci, ki = L.ki;
     const std::size_t nc = L.nc, nk = L.nk;
     double cfree = L.cfree, kfree = L.kfree, busy = L.busy, last = L.last;
@@ -175,13 +173,12 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
         if constexpr (WithCopy) {
           if (op.wait >= 0) {
             if (ki <= static_cast<std::size_t>(op.wait)) blocked = true;
-            else ready = std::max(ready, L.ke[op.wait]);
+            else ready = std::max(ready, end_of(ks, copy, static_cast<std::size_t>(op.wait)));
           }
         }
         if (blocked) break;
         const double end = ready + dur[static_cast<std::size_t>(stage) * 6 + static_cast<std::size_t>(kind)];
         cs[ci] = ready;
-        if constexpr (WithEnd) ce[ci] = end;
         busy += end - ready;
         last = std::max(last, end);
         if (kind == OpKind::F) ends[self].f = end;
@@ -190,19 +187,16 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
         ++ci;
       }
       if constexpr (WithCopy) {
-        const Op* const copy = L.copy;
-        double* const ks = L.ks;
-        double* const ke = L.ke;
+        double* const kw = L.ks;
         while (ki < nk) {
           const Op& op = copy[ki];
           double ready = kfree;
           if (op.wait >= 0) {
             if (ci <= static_cast<std::size_t>(op.wait)) break;
-            ready = std::max(ready, ce[static_cast<std::size_t>(op.wait)]);
+            ready = std::max(ready, end_of(cs, comp, static_cast<std::size_t>(op.wait)));
           }
           const double end = ready + dur[static_cast<std::size_t>(op.stage) * 6 + static_cast<std::size_t>(op.kind)];
-          ks[ki] = ready;
-          ke[ki] = end;
+          kw[ki] = ready;
           last = std::max(last, end);
           kfree = end;
           ++ki;
@@ -217,7 +211,6 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
       if (ci + 8 < nc) {
         __builtin_prefetch(comp + ci + 8);
         __builtin_prefetch(cs + ci + 8, 1);
-        if constexpr (WithEnd) __builtin_prefetch(ce + ci + 8, 1);
         // The end times the next ops read (a backward's own F ended long ago).
         for (std::size_t j = ci; j < ci + 4; ++j) __builtin_prefetch(ends.data() + unit(comp[j].stage, comp[j].mb));
       }
@@ -225,7 +218,6 @@ constexpr void asap_into(const Program& p, const Costs& costs, TimesOut* out) {
         if (ki + 8 < nk) {
           __builtin_prefetch(L.copy + ki + 8);
           __builtin_prefetch(L.ks + ki + 8, 1);
-          __builtin_prefetch(L.ke + ki + 8, 1);
         }
       }
     }

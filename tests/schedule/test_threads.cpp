@@ -1,0 +1,168 @@
+// build(), validate() and simulate() split their per-rank work among threads
+// (schedule/detail/parallel.hpp): every result must be bit-identical to a run on one thread,
+// for valid programs and for broken ones (same verdict, same message), and an exception thrown
+// on a worker must reach the caller. This suite also runs under ThreadSanitizer (dev.sh).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <pipeoffload/pipeoffload.hpp>
+
+using namespace pipeoffload;
+
+namespace {
+
+/// Sets the thread count for one scope, restoring the default after.
+struct Threads {
+  explicit Threads(int n) { set_schedule_threads(n); }
+  ~Threads() { set_schedule_threads(0); }
+  Threads(const Threads&) = delete;
+  Threads& operator=(const Threads&) = delete;
+};
+
+/// Everything a call produced, or the message it threw.
+struct Outcome {
+  std::string error;
+  Program program;
+  Validation valid;
+  SimResult sim;
+};
+
+bool same_sim(const SimResult& a, const SimResult& b) {
+  if (a.makespan != b.makespan || a.ranks.size() != b.ranks.size()) return false;
+  for (std::size_t r = 0; r < a.ranks.size(); ++r) {
+    const RankSim& x = a.ranks[r];
+    const RankSim& y = b.ranks[r];
+    if (x.compute_start != y.compute_start || x.compute_end != y.compute_end || x.copy_start != y.copy_start || x.copy_end != y.copy_end) return false;
+    if (x.busy != y.busy || x.bubble != y.bubble || x.peak != y.peak || x.warmup != y.warmup || x.memory.size() != y.memory.size()) return false;
+    for (std::size_t i = 0; i < x.memory.size(); ++i)
+      if (x.memory[i].time != y.memory[i].time || x.memory[i].alive != y.memory[i].alive) return false;
+  }
+  return true;
+}
+
+bool same_program(const Program& a, const Program& b) {
+  if (a.ranks.size() != b.ranks.size() || a.group != b.group) return false;
+  for (std::size_t r = 0; r < a.ranks.size(); ++r) {
+    const RankProgram& x = a.ranks[r];
+    const RankProgram& y = b.ranks[r];
+    if (x.compute != y.compute || x.copy != y.copy || x.copy_slot != y.copy_slot || x.slot_length != y.slot_length || x.comm != y.comm) return false;
+  }
+  return true;
+}
+
+/// Builds (or takes `given`), validates and simulates on `threads` threads.
+Outcome run(int threads, const ScheduleSpec& spec, const Shape& shape, const Costs& costs, const std::function<void(Program&)>& change = {}) {
+  const Threads t(threads);
+  Outcome o;
+  try {
+    o.program = build(spec, shape, costs);
+  } catch (const std::exception& e) {
+    o.error = std::string("build: ") + e.what();
+    return o;
+  }
+  if (change) change(o.program);
+  o.valid = validate(o.program);
+  try {
+    o.sim = simulate(o.program);
+  } catch (const std::exception& e) {
+    o.error = std::string("simulate: ") + e.what();
+  }
+  return o;
+}
+
+void require_same(const Outcome& one, const Outcome& many) {
+  REQUIRE(many.error == one.error);
+  REQUIRE(same_program(many.program, one.program));
+  REQUIRE(bool(many.valid) == bool(one.valid));
+  REQUIRE(many.valid.error == one.valid.error);
+  REQUIRE(same_sim(many.sim, one.sim));
+}
+
+const ScheduleSpec specs[] = {OneF1B::spec, Interleaved1F1B::spec, GIS::spec, GIS_H::spec, PO::spec, PO_H::spec, PO_F::spec};
+
+}  // namespace
+
+TEST_CASE("schedule_threads: set and read back; a bad count names the range") {
+  const Threads t(3);
+  CHECK(schedule_threads() == 3);
+  try {
+    set_schedule_threads(-1);
+    FAIL("no exception");
+  } catch (const shape_error& e) {
+    CHECK(std::string(e.what()) == "set_schedule_threads: n = -1 is outside the allowed range [0, 256]");
+  }
+  CHECK_THROWS_AS(set_schedule_threads(257), shape_error);
+  CHECK(schedule_threads() == 3);
+}
+
+TEST_CASE("build, validate and simulate are bit-identical on 1 to 4 threads") {
+  int cases = 0;
+  for (const ScheduleSpec& spec : specs)
+    for (int d : {1, 2, 3, 4, 5, 8})
+      for (int v : {1, 2, 3})
+        for (int m : {1, 4, 9}) {
+          Costs c;
+          if ((d + v + m) % 3 == 0) c.k = 0.5;
+          if ((d + v + m) % 3 == 1) {
+            c.comm = 0.25;
+            c.stage_f.assign(static_cast<std::size_t>(d * v), 1.0);
+            c.stage_f.back() = 2.5;  // a slower last stage (an LM head)
+            c.stage_b = c.stage_w = c.stage_f;
+          }
+          const Outcome one = run(1, spec, {d, v, m}, c);
+          for (int threads : {2, 3, 4}) require_same(one, run(threads, spec, {d, v, m}, c));
+          if (one.error.empty()) {
+            REQUIRE(one.valid);
+            ++cases;
+          }
+        }
+  CHECK(cases > 300);  // 1F1B-I refuses m not a multiple of d (the same refusal on any thread count)
+}
+
+TEST_CASE("broken programs: the same verdict and the same message on any number of threads") {
+  // Each change breaks a different rule; the message comes from validate() and, where the
+  // orders cannot run, from simulate()'s ASAP run.
+  const std::function<void(Program&)> changes[] = {
+      [](Program& p) { std::rotate(p.ranks[2].compute.begin(), p.ranks[2].compute.end() - 1, p.ranks[2].compute.end()); },  // a W first
+      [](Program& p) { p.ranks[2].comm.pop_back(); },                                                     // a message never received
+      [](Program& p) { std::reverse(p.ranks[0].comm.begin(), p.ranks[0].comm.end()); },                  // a P2P order that deadlocks
+      [](Program& p) {                                                                                    // a reload before its offload
+        auto& k = p.ranks[3].copy;
+        const auto r = std::find_if(k.begin(), k.end(), [](const Op& op) { return op.kind == OpKind::R; });
+        if (r != k.end()) std::rotate(k.begin(), r, r + 1);
+      },
+      [](Program& p) { p.ranks[0].compute.back().wait = static_cast<int>(p.ranks[0].copy.size()); },      // an edge past the end
+      [](Program& p) { std::rotate(p.ranks[1].compute.begin(), p.ranks[1].compute.begin() + 3, p.ranks[1].compute.end()); },
+  };
+  int broken = 0;
+  for (const ScheduleSpec& spec : {GIS::spec, PO_H::spec, PO_F::spec})
+    for (const auto& change : changes) {
+      const Outcome one = run(1, spec, {4, 2, 8}, {}, change);
+      broken += one.valid ? 0 : 1;
+      for (int threads : {2, 4}) require_same(one, run(threads, spec, {4, 2, 8}, {}, change));
+    }
+  CHECK(broken == 3 * 6 - 1);  // GIS has no reload to move
+}
+
+TEST_CASE("an exception on a worker thread reaches the caller with its message") {
+  // A copy time far below a pass: the copy-slot grid would be too fine. PO-F places each
+  // pair's offloads on a worker.
+  Costs c;
+  c.t_o = 1e-12;
+  const Outcome one = run(1, PO_F::spec, {8, 2, 16}, c);
+  REQUIRE(one.error.rfind("build: costs: T_O = k(T_F+T_B+T_W)/2 is too small for this schedule", 0) == 0);
+  for (int threads : {2, 4}) CHECK(run(threads, PO_F::spec, {8, 2, 16}, c).error == one.error);
+}
+
+TEST_CASE("a schedule large enough to use every core by default matches one thread") {
+  // 6 * 4 * 256 units on each of 16 ranks: past the default grain, so threads = 0 splits it.
+  const Outcome one = run(1, PO_F::spec, {16, 4, 256}, {});
+  const Outcome all = run(0, PO_F::spec, {16, 4, 256}, {});
+  require_same(one, all);
+  CHECK(all.valid);
+}
