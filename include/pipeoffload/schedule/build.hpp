@@ -921,8 +921,9 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
     // with its worker's scratch:
     //   1. each rank's order;
     //   2. the compute-only ASAP run (one item, on one thread), and per pair its ranks' P2P
-    //      plans and offloads with their final edges;
-    //   3. each pair's slot parities, against the ASAP run (settle_pair).
+    //      plans and offloads with their final edges, and once the ASAP run has finished,
+    //      its slot parities against it (settle_pair);
+    //   3. the parities of the pairs placed before the ASAP run finished.
     double tau = 0;
     for (int s = 0; s < shape.stages(); ++s) tau += costs.F(s) + costs.B(s) + costs.W(s);
     tau /= 3.0 * shape.stages();
@@ -987,29 +988,41 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
     } else {
       // Pair by pair (a rank alone when pairs are not staggered).
       const int step = costs.stagger_pairs ? 2 : 1, pairs = (d + step - 1) / step;
+      // A pair placed once the ASAP run has finished settles at once, while its lists are in
+      // cache; the others after this step.
+      const auto settle = [&](Scratch& ws, int pair, bool planned_now) {
+        const int r0 = pair * step, n = std::min(step, d - r0);
+        const double* release[2] = {nullptr, nullptr};
+        for (int i = 0; i < n; ++i) release[i] = rs[static_cast<std::size_t>(r0 + i)].data();
+        const auto planned = [&] {
+          if (!planned_now)
+            for (int i = 0; i < n; ++i) plan(ws, r0 + i, i, true);
+          return std::pair<const std::vector<double>*, const std::vector<double>*>{ws.ps, ws.pe};
+        };
+        detail::settle_pair(p, r0, n, release, planned, ws.place, ws.settle);
+      };
+      bool timed = false;  // the ASAP run has finished
+      std::vector<char> settled(static_cast<std::size_t>(pairs));
       detail::for_each_item(workers, 1 + pairs, [&](int item, int w) {
         if (item == 0) {
           detail::asap_into<false>(p, costs, dur, out.data());
+          detail::publish(timed);
           return;
         }
         Scratch& ws = scratch[static_cast<std::size_t>(w)];
-        const int r0 = (item - 1) * step, n = std::min(step, d - r0);
+        const int pair = item - 1, r0 = pair * step, n = std::min(step, d - r0);
         for (int i = 0; i < n; ++i) {
           plan(ws, r0 + i, i, true);
           plan_p2p(ws, r0 + i, i);
         }
         detail::place_pair(p, r0, n, ws.ps, ws.pe, false, ws.place, ws.settle);
+        if (detail::published(timed)) {
+          settle(ws, pair, true);
+          settled[static_cast<std::size_t>(pair)] = 1;
+        }
       });
       detail::for_each_item(workers, pairs, [&](int pair, int w) {
-        Scratch& ws = scratch[static_cast<std::size_t>(w)];
-        const int r0 = pair * step, n = std::min(step, d - r0);
-        const double* release[2] = {nullptr, nullptr};
-        for (int i = 0; i < n; ++i) release[i] = rs[static_cast<std::size_t>(r0 + i)].data();
-        const auto planned = [&] {
-          for (int i = 0; i < n; ++i) plan(ws, r0 + i, i, true);
-          return std::pair<const std::vector<double>*, const std::vector<double>*>{ws.ps, ws.pe};
-        };
-        detail::settle_pair(p, r0, n, release, planned, ws.place, ws.settle);
+        if (!settled[static_cast<std::size_t>(pair)]) settle(scratch[static_cast<std::size_t>(w)], pair, false);
       });
     }
     for (int r = 0; r < d; ++r)

@@ -55,6 +55,17 @@ constexpr int worker_count(std::size_t work, int items) {
   return std::max(1, std::min({cores, by_work, items}));
 }
 
+/// A flag that one item sets once and others read while it runs: release/acquire between
+/// threads, plain in a constant expression (one thread).
+constexpr void publish(bool& flag) {
+  if (std::is_constant_evaluated()) flag = true;
+  else std::atomic_ref<bool>(flag).store(true, std::memory_order_release);
+}
+constexpr bool published(bool& flag) {
+  if (std::is_constant_evaluated()) return flag;
+  return std::atomic_ref<bool>(flag).load(std::memory_order_acquire);
+}
+
 /// body(item, worker) for every item in [0, items), on `workers` threads (the caller's
 /// included), items handed out one at a time in order. An exception stops the handing out;
 /// once every thread has finished, the one thrown by the lowest item is rethrown, which is
