@@ -63,18 +63,21 @@ constexpr std::size_t memory_events(const RankProgram& rp) {
 /// Alive activation over time from the start/end of one rank's ops (DESIGN.md section 1): a
 /// unit is alive from its F's start to its W's (or BW's) end, except between the end of its
 /// offload and the start of its reload. Half-open intervals: at equal times releases count
-/// before acquisitions. `rs.memory` holds memory_events(rp) points on entry (already written,
-/// so that this pass takes no page faults) and is cut to the timeline's length.
-constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSim& rs) {
+/// before acquisitions. `rs.memory` holds at least memory_events(rp) points on entry (written
+/// already, so that this pass takes no page faults) and is cut to the timeline's length. With
+/// `dur` (see duration_table), each op's end is written on the way: its start plus its
+/// duration, the sum the ASAP run made; without, the ends are read (a measured trace).
+constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSim& rs, const std::vector<double>* dur = nullptr) {
   // Each stream's events are already in time order (an op's end is at or before the next
   // op's start), so one cursor per stream merges them without a sort.
   const Op* const comp = rp.compute.data();
   const Op* const copy = rp.copy.data();
   const std::size_t nc = rp.compute.size(), nk = rp.copy.size();
   const double* const cs = rs.compute_start.data();
-  const double* const ce = rs.compute_end.data();
+  double* const ce = rs.compute_end.data();
   const double* const ks = rs.copy_start.data();
-  const double* const ke = rs.copy_end.data();
+  double* const ke = rs.copy_end.data();
+  const double* const length = dur != nullptr ? dur->data() : nullptr;
   const bool unit = costs.unit_bytes.empty();
   // The cursors' current events: time and change of alive bytes; x, y = past the op that made it.
   std::size_t x = 0, y = 0;
@@ -83,6 +86,7 @@ constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSi
   const auto next_compute = [&]() {
     for (; x < nc; ++x) {
       const Op& op = comp[x];
+      if (length != nullptr) ce[x] = cs[x] + length[static_cast<std::size_t>(op.stage) * 6 + static_cast<std::size_t>(op.kind)];
       if (op.kind == OpKind::F) { ct = cs[x]; cd = unit ? 1.0 : costs.bytes(op.stage); }  // acquires at its start
       else if (op.kind == OpKind::W || op.kind == OpKind::BW) { ct = ce[x]; cd = -(unit ? 1.0 : costs.bytes(op.stage)); }  // releases at its end
       else continue;
@@ -95,6 +99,7 @@ constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSi
   const auto next_copy = [&]() {
     for (; y < nk; ++y) {
       const Op& op = copy[y];
+      if (length != nullptr) ke[y] = ks[y] + length[static_cast<std::size_t>(op.stage) * 6 + static_cast<std::size_t>(op.kind)];
       if (op.kind == OpKind::R) { kt = ks[y]; kd = unit ? 1.0 : costs.bytes(op.stage); }
       else if (op.kind == OpKind::O) { kt = ke[y]; kd = -(unit ? 1.0 : costs.bytes(op.stage)); }
       else continue;
@@ -160,16 +165,13 @@ constexpr SimResult simulate(const Program& p, const Costs& costs) {
     rs.copy_end.resize(p.ranks[ru].copy.size());
     rs.memory.resize(detail::memory_events(p.ranks[ru]));
   });
-  const auto end_of = [&dur](const Op& op, double start) { return start + dur[static_cast<std::size_t>(op.stage) * 6 + static_cast<std::size_t>(op.kind)]; };
   detail::for_each_item(workers, d, [&](int r, int) {
     const auto ru = static_cast<std::size_t>(r);
     const RankProgram& rp = p.ranks[ru];
     RankSim& rs = res.ranks[ru];
-    for (std::size_t x = 0; x < rp.compute.size(); ++x) rs.compute_end[x] = end_of(rp.compute[x], rs.compute_start[x]);
-    for (std::size_t y = 0; y < rp.copy.size(); ++y) rs.copy_end[y] = end_of(rp.copy[y], rs.copy_start[y]);
     rs.busy = out[ru].busy;
     rs.warmup = warmup(rp);
-    detail::memory_timeline(costs, rp, rs);
+    detail::memory_timeline(costs, rp, rs, &dur);
   });
   for (const auto& o : out) res.makespan = std::max(res.makespan, o.last);
   for (auto& rs : res.ranks) rs.bubble = res.makespan - rs.busy;
