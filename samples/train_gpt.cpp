@@ -375,7 +375,6 @@ void report(const Options& o, const Setup& su, const std::vector<std::vector<flo
       for (double t : rs.compute_start) t0 = std::min(t0, t);
       for (double t : rs.copy_start) t0 = std::min(t0, t);
     }
-    std::vector<po::MemoryPoint> points;  // memory_timeline's scratch
     for (std::size_t q = 0; q < real.ranks.size(); ++q) {
       auto& rs = real.ranks[q];
       for (auto* vec : {&rs.compute_start, &rs.compute_end, &rs.copy_start, &rs.copy_end})
@@ -384,7 +383,8 @@ void report(const Options& o, const Setup& su, const std::vector<std::vector<flo
           t1 = std::max(t1, t);
         }
       for (std::size_t x = 0; x < rs.compute_start.size(); ++x) rs.busy += rs.compute_end[x] - rs.compute_start[x];
-      po::detail::memory_timeline(sizes, program.ranks[q], rs, points);
+      rs.memory.resize(po::detail::memory_events(program.ranks[q]));
+      po::detail::memory_timeline(sizes, program.ranks[q], rs);
     }
     real.makespan = t1;
     for (auto& rs : real.ranks) rs.bubble = real.makespan - rs.busy;
