@@ -383,7 +383,6 @@ void report(const Options& o, const Setup& su, const std::vector<std::vector<flo
           t1 = std::max(t1, t);
         }
       for (std::size_t x = 0; x < rs.compute_start.size(); ++x) rs.busy += rs.compute_end[x] - rs.compute_start[x];
-      rs.memory.resize(po::detail::memory_events(program.ranks[q]));
       po::detail::memory_timeline(sizes, program.ranks[q], rs);
     }
     real.makespan = t1;

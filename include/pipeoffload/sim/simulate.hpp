@@ -63,8 +63,8 @@ constexpr std::size_t memory_events(const RankProgram& rp) {
 /// Alive activation over time from the start/end of one rank's ops (DESIGN.md section 1): a
 /// unit is alive from its F's start to its W's (or BW's) end, except between the end of its
 /// offload and the start of its reload. Half-open intervals: at equal times releases count
-/// before acquisitions. `rs.memory` holds at least memory_events(rp) points on entry (written
-/// already, so that this pass takes no page faults) and is cut to the timeline's length. With
+/// before acquisitions. The timeline replaces `rs.memory`, keeping its capacity (simulate
+/// makes the vector while the ASAP run goes, so that this pass takes no page faults). With
 /// `dur` (see duration_table), each op's end is written on the way: its start plus its
 /// duration, the sum the ASAP run made; without, the ends are read (a measured trace).
 constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSim& rs, const std::vector<double>* dur = nullptr) {
@@ -112,20 +112,20 @@ constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSi
   next_compute();
   next_copy();
   double alive = 0, peak = rs.peak;
-  MemoryPoint* const mem = rs.memory.data();
-  std::size_t n = 0;
+  auto& mem = rs.memory;
+  mem.clear();
+  if (mem.capacity() == 0) mem.reserve(memory_events(rp));
   while (cv || kv) {
     // Earlier first; at equal times a release before an acquisition (half-open intervals).
     const bool take_comp = !kv || (cv && (ct < kt || (ct == kt && cd <= kd)));
     const double t = take_comp ? ct : kt;
     alive += take_comp ? cd : kd;
     peak = std::max(peak, alive);
-    if (n > 0 && mem[n - 1].time == t) mem[n - 1].alive = alive;
-    else mem[n++] = {t, alive};
+    if (!mem.empty() && mem.back().time == t) mem.back().alive = alive;
+    else mem.push_back({t, alive});
     if (take_comp) next_compute();
     else next_copy();
   }
-  rs.memory.resize(n);
   rs.peak = peak;
 }
 
@@ -137,9 +137,10 @@ constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSi
 /// The ASAP run visits the ranks in turn on one thread; everything else is per rank and runs
 /// on the machine's cores (detail/parallel.hpp): the start times' vectors are made before
 /// it, the other outputs' vectors alongside it (one item each rank, the run being item 0),
-/// and the end times and memory timelines are filled after it. So a memory timeline's vector
-/// is made before its length is known: it keeps room for one point per event (with unit
-/// costs most events coincide: PO-F d=64 v=8 m=512 keeps 16.7 MB for 6.7 MB of points).
+/// and the end times and memory timelines are filled after it. So, on more than one thread, a
+/// memory timeline's vector is made before its length is known: it keeps room for one point
+/// per event (with unit costs most events coincide: PO-F d=64 v=8 m=512 keeps 16.7 MB for
+/// 6.7 MB of points).
 constexpr SimResult simulate(const Program& p, const Costs& costs) {
   SimResult res;
   const int d = static_cast<int>(p.ranks.size());
@@ -165,7 +166,7 @@ constexpr SimResult simulate(const Program& p, const Costs& costs) {
     RankSim& rs = res.ranks[ru];
     rs.compute_end.resize(p.ranks[ru].compute.size());
     rs.copy_end.resize(p.ranks[ru].copy.size());
-    rs.memory.resize(detail::memory_events(p.ranks[ru]));
+    if (workers > 1) rs.memory.resize(detail::memory_events(p.ranks[ru]));  // its pages written now, off the critical path
   });
   detail::for_each_item(workers, d, [&](int r, int) {
     const auto ru = static_cast<std::size_t>(r);
