@@ -20,7 +20,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "detail/asap.hpp"
@@ -292,6 +294,28 @@ constexpr Validation check_execution(const Program& p) {
   return {};
 }
 
+/// std::allocator whose resize() leaves new entries unwritten at run time (value-initialized
+/// in a constant expression): for arrays each of whose entries is written before it is read.
+template <class T>
+struct default_init : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = default_init<U>;
+  };
+  constexpr default_init() noexcept = default;
+  template <class U>
+  constexpr default_init(const default_init<U>&) noexcept {}
+  template <class U>
+  constexpr void construct(U* p) noexcept {
+    if (std::is_constant_evaluated()) std::construct_at(p);
+    else ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... A>
+  constexpr void construct(U* p, A&&... a) {
+    std::construct_at(p, std::forward<A>(a)...);
+  }
+};
+
 /// Linear sweeps that prove a program valid, or give up (false) and leave the verdict and its
 /// message to the rules above. They never accept a program those would reject:
 ///   - per rank, its three streams are run against each other in one pass, with every
@@ -349,8 +373,8 @@ constexpr bool proven_valid(const Program& p) {
   // One array per rank holds each of these for E_{r-1} from the front and for E_r from the
   // back, with a spare entry between them, so that the sweep writes both without a branch.
   struct Ring {
-    std::vector<int> at;
-    std::vector<std::uint32_t> keys;
+    std::vector<int, default_init<int>> at;
+    std::vector<std::uint32_t, default_init<std::uint32_t>> keys;
     std::size_t n_prev = 0, n_next = 0;  // |E_{r-1}|, |E_r|
     constexpr int next_before(std::size_t i) const { return at[i]; }
     constexpr int prev_before(std::size_t j) const { return at[at.size() - 1 - j]; }
