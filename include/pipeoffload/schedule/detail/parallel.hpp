@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstddef>
 #include <exception>
+#include <memory>
 #include <system_error>
 #include <thread>
 #include <type_traits>
@@ -66,14 +67,20 @@ constexpr bool published(bool& flag) {
   return std::atomic_ref<bool>(flag).load(std::memory_order_acquire);
 }
 
+/// A reference to a callable run as body(item, worker): one function, not a template, runs
+/// the threads, so that a translation unit compiles the thread machinery once.
+struct ItemBody {
+  void* object;
+  void (*call)(void* object, int item, int worker);
+};
+
 /// body(item, worker) for every item in [0, items), on `workers` threads (the caller's
 /// included), items handed out one at a time in order. An exception stops the handing out;
 /// once every thread has finished, the one thrown by the lowest item is rethrown, which is
 /// the one a run in item order on one thread throws (the items before it were all handed out
 /// and, being independent, did not throw). If a thread cannot be started, the threads that
 /// did start do the work.
-template <class Body>
-void run_on_threads(int workers, int items, Body& body) {
+inline void run_on_threads(int workers, int items, ItemBody body) {
   std::atomic<int> next{0};
   struct Failure {
     int item = -1;
@@ -83,7 +90,7 @@ void run_on_threads(int workers, int items, Body& body) {
   const auto loop = [&](int w) {
     int i = 0;
     try {
-      while ((i = next.fetch_add(1, std::memory_order_relaxed)) < items) body(i, w);
+      while ((i = next.fetch_add(1, std::memory_order_relaxed)) < items) body.call(body.object, i, w);
     } catch (...) {
       failed[static_cast<std::size_t>(w)] = {i, std::current_exception()};
       next.store(items, std::memory_order_relaxed);
@@ -111,7 +118,10 @@ void run_on_threads(int workers, int items, Body& body) {
 template <class Body>
 constexpr void for_each_item(int workers, int items, Body&& body) {
   if (workers > 1 && !std::is_constant_evaluated()) {
-    run_on_threads(workers, items, body);
+    using B = std::remove_reference_t<Body>;
+    run_on_threads(workers, items,
+                   ItemBody{const_cast<void*>(static_cast<const void*>(std::addressof(body))),
+                            [](void* object, int item, int worker) { (*static_cast<B*>(object))(item, worker); }});
     return;
   }
   for (int i = 0; i < items; ++i) body(i, 0);
