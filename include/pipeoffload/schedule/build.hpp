@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "detail/asap.hpp"
+#include "detail/default_init.hpp"
 #include "detail/parallel.hpp"
 #include "program.hpp"
 
@@ -936,7 +937,7 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
     const auto end = [&](int rank, std::size_t, const Op& op) { return static_cast<double>(bk.slot(rank, op) + 1) * tau; };
     const int workers = detail::worker_count(3 * static_cast<std::size_t>(shape.stages()) * static_cast<std::size_t>(shape.m), d);
     // Each compute op's start without offload (the compute-only ASAP run).
-    std::vector<std::vector<double>> rs(static_cast<std::size_t>(offloads ? d : 0));
+    std::vector<std::vector<double, detail::default_init<double>>> rs(static_cast<std::size_t>(offloads ? d : 0));  // written by the run
     std::vector<double> dur;  // the ASAP run's op durations
     if (offloads) dur = detail::duration_table(costs, shape.stages());
     std::vector<detail::TimesOut> out(rs.size());
@@ -945,7 +946,7 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
       if (offloads) {
         const auto ru = static_cast<std::size_t>(r);
         rs[ru].resize(p.ranks[ru].compute.size());
-        out[ru].compute_start = &rs[ru];
+        out[ru].compute_start = rs[ru].data();
       }
     });
     // Per worker: the slots of the ops of the rank at hand, its P2P scratch, and the pair's
@@ -1040,7 +1041,7 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
   std::vector<detail::TimesOut> out(static_cast<std::size_t>(d));
   for (std::size_t r = 0; r < ps.size(); ++r) {
     ps[r].resize(p.ranks[r].compute.size());
-    out[r].compute_start = &ps[r];
+    out[r].compute_start = ps[r].data();
   }
   const std::vector<double> dur = detail::duration_table(costs, shape.stages());
   detail::asap_into<false>(p, costs, dur, out.data());

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "detail/asap.hpp"
+#include "detail/default_init.hpp"
 #include "detail/parallel.hpp"
 #include "program.hpp"
 
@@ -293,28 +294,6 @@ constexpr Validation check_execution(const Program& p) {
   if (shown > 0) return fail_v("the schedule deadlocks under the communicator's rendezvous semantics" + stuck);
   return {};
 }
-
-/// std::allocator whose resize() leaves new entries unwritten at run time (value-initialized
-/// in a constant expression): for arrays each of whose entries is written before it is read.
-template <class T>
-struct default_init : std::allocator<T> {
-  template <class U>
-  struct rebind {
-    using other = default_init<U>;
-  };
-  constexpr default_init() noexcept = default;
-  template <class U>
-  constexpr default_init(const default_init<U>&) noexcept {}
-  template <class U>
-  constexpr void construct(U* p) noexcept {
-    if (std::is_constant_evaluated()) std::construct_at(p);
-    else ::new (static_cast<void*>(p)) U;
-  }
-  template <class U, class... A>
-  constexpr void construct(U* p, A&&... a) {
-    std::construct_at(p, std::forward<A>(a)...);
-  }
-};
 
 /// Linear sweeps that prove a program valid, or give up (false) and leave the verdict and its
 /// message to the rules above. They never accept a program those would reject:

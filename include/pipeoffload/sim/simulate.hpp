@@ -155,7 +155,7 @@ constexpr SimResult simulate(const Program& p, const Costs& costs) {
     RankSim& rs = res.ranks[ru];
     rs.compute_start.resize(p.ranks[ru].compute.size());
     rs.copy_start.resize(p.ranks[ru].copy.size());
-    out[ru] = {&rs.compute_start, &rs.copy_start};
+    out[ru] = {rs.compute_start.data(), rs.copy_start.data()};
   });
   detail::for_each_item(workers, 1 + d, [&](int item, int) {
     if (item == 0) {

@@ -48,14 +48,14 @@ constexpr std::vector<double> duration_table(const Costs& c, int stages) {
   return t;
 }
 
-/// Where the engine writes one rank's times: vectors parallel to its compute and copy
-/// streams (the copy one only when the copy streams are timed), sized to them on entry; and
+/// Where the engine writes one rank's times: arrays parallel to its compute and copy streams
+/// (the copy one only when the copy streams are timed), as long as they; and
 /// what it adds up on the way. Only start times: an op's end is its start plus its duration
 /// from duration_table, the very sum the engine makes, so whoever needs the ends adds them
 /// (after the run, on as many threads as it likes).
 struct TimesOut {
-  std::vector<double>* compute_start = nullptr;
-  std::vector<double>* copy_start = nullptr;
+  double* compute_start = nullptr;
+  double* copy_start = nullptr;
   double busy = 0;  ///< sum of the compute ops' end - start, in stream order
   double last = 0;  ///< max(0, every end of the rank's ops), folded with std::max
 };
@@ -95,13 +95,13 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
     const TimesOut& o = out[r];
     L.comp = rp.compute.data();
     L.nc = rp.compute.size();
-    L.cs = o.compute_start->data();
+    L.cs = o.compute_start;
     L.busy = o.busy;
     L.last = o.last;
     if constexpr (WithCopy) {
       L.copy = rp.copy.data();
       L.nk = rp.copy.size();
-      L.ks = o.copy_start->data();
+      L.ks = o.copy_start;
     }
   }
   // A stack of the ranks to visit; each rank is on it at most once.
