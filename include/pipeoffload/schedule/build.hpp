@@ -626,7 +626,7 @@ constexpr double copy_lag(const Program& p, int r, const double* release, double
   double* const ce = ws.ce.data();
   double* const ke = ws.ke.data();
   const double* const dur = ws.dur.data();
-  const auto duration_of = [dur](const Op& op) { return dur[static_cast<std::size_t>(op.stage) * 6 + static_cast<std::size_t>(op.kind)]; };
+  const auto duration_of = [dur](const Op& op) { return table_duration(dur, op); };
   std::size_t x = 0, y = 0;
   double cfree = 0, kfree = 0, lag = 0;
   while (x < nc || y < nk) {
@@ -1049,7 +1049,7 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
     const auto& comp = p.ranks[r].compute;
     pe[r].resize(comp.size());
     for (std::size_t x = 0; x < comp.size(); ++x)
-      pe[r][x] = ps[r][x] + dur[static_cast<std::size_t>(comp[x].stage) * 6 + static_cast<std::size_t>(comp[x].kind)];
+      pe[r][x] = ps[r][x] + detail::table_duration(dur.data(), comp[x]);
   }
   if (offloads) {
     detail::OffloadScratch scratch;

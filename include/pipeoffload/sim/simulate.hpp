@@ -86,7 +86,7 @@ constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSi
   const auto next_compute = [&]() {
     for (; x < nc; ++x) {
       const Op& op = comp[x];
-      if (length != nullptr) ce[x] = cs[x] + length[static_cast<std::size_t>(op.stage) * 6 + static_cast<std::size_t>(op.kind)];
+      if (length != nullptr) ce[x] = cs[x] + table_duration(length, op);
       if (op.kind == OpKind::F) { ct = cs[x]; cd = unit ? 1.0 : costs.bytes(op.stage); }  // acquires at its start
       else if (op.kind == OpKind::W || op.kind == OpKind::BW) { ct = ce[x]; cd = -(unit ? 1.0 : costs.bytes(op.stage)); }  // releases at its end
       else continue;
@@ -99,7 +99,7 @@ constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSi
   const auto next_copy = [&]() {
     for (; y < nk; ++y) {
       const Op& op = copy[y];
-      if (length != nullptr) ke[y] = ks[y] + length[static_cast<std::size_t>(op.stage) * 6 + static_cast<std::size_t>(op.kind)];
+      if (length != nullptr) ke[y] = ks[y] + table_duration(length, op);
       if (op.kind == OpKind::R) { kt = ks[y]; kd = unit ? 1.0 : costs.bytes(op.stage); }
       else if (op.kind == OpKind::O) { kt = ke[y]; kd = -(unit ? 1.0 : costs.bytes(op.stage)); }
       else continue;

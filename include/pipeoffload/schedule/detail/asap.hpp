@@ -48,6 +48,11 @@ constexpr std::vector<double> duration_table(const Costs& c, int stages) {
   return t;
 }
 
+/// Duration of `op` from a duration_table.
+constexpr double table_duration(const double* table, const Op& op) {
+  return table[static_cast<std::size_t>(op.stage) * 6 + static_cast<std::size_t>(op.kind)];
+}
+
 /// Where the engine writes one rank's times: arrays parallel to its compute and copy streams
 /// (the copy one only when the copy streams are timed), as long as they; and
 /// what it adds up on the way. Only start times: an op's end is its start plus its duration
@@ -116,12 +121,11 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
     L.queued = false;
     double* const cs = L.cs;
     const Op* const comp = L.comp;
-    const double* const ks = L.ks;
+    double* const ks = L.ks;
     const Op* const copy = L.copy;
+    const double* const table = dur.data();
     // End of op x of a stream: its start plus its duration, as it was computed.
-    const auto end_of = [&dur](const double* start, const Op* ops, std::size_t x) {
-      return start[x] + dur[static_cast<std::size_t>(ops[x].stage) * 6 + static_cast<std::size_t>(ops[x].kind)];
-    };
+    const auto end_of = [table](const double* start, const Op* ops, std::size_t x) { return start[x] + table_duration(table, ops[x]); };
     std::size_t ci = L.ci, ki = L.ki;
     const std::size_t nc = L.nc, nk = L.nk;
     double cfree = L.cfree, kfree = L.kfree, busy = L.busy, last = L.last;
@@ -177,7 +181,7 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
           }
         }
         if (blocked) break;
-        const double end = ready + dur[static_cast<std::size_t>(stage) * 6 + static_cast<std::size_t>(kind)];
+        const double end = ready + table_duration(table, op);
         cs[ci] = ready;
         busy += end - ready;
         last = std::max(last, end);
@@ -187,7 +191,6 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
         ++ci;
       }
       if constexpr (WithCopy) {
-        double* const kw = L.ks;
         while (ki < nk) {
           const Op& op = copy[ki];
           double ready = kfree;
@@ -195,8 +198,8 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
             if (ci <= static_cast<std::size_t>(op.wait)) break;
             ready = std::max(ready, end_of(cs, comp, static_cast<std::size_t>(op.wait)));
           }
-          const double end = ready + dur[static_cast<std::size_t>(op.stage) * 6 + static_cast<std::size_t>(op.kind)];
-          kw[ki] = ready;
+          const double end = ready + table_duration(table, op);
+          ks[ki] = ready;
           last = std::max(last, end);
           kfree = end;
           ++ki;
