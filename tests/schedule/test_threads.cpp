@@ -166,3 +166,26 @@ TEST_CASE("a schedule large enough to use every core by default matches one thre
   require_same(one, all);
   CHECK(all.valid);
 }
+
+TEST_CASE("simulate fills end times and memory timelines while its ASAP run goes, as one thread does") {
+  // Large enough that the item following the run takes up ranks before it ends; per-stage
+  // costs and unit sizes make the events of a timeline fall at distinct times.
+  Costs c;
+  for (int s = 0; s < 32 * 4; ++s) {
+    c.stage_f.push_back(1.0 + 0.25 * (s % 3));
+    c.stage_b.push_back(2.0 + 0.5 * (s % 5));
+    c.stage_w.push_back(0.5 + 0.25 * (s % 4));
+    c.unit_bytes.push_back(1.0 + (s % 7));
+  }
+  c.comm = 0.125;
+  for (const Costs& costs : {Costs{}, c}) {
+    const Outcome one = run(1, PO_F::spec, {32, 4, 128}, costs);
+    REQUIRE(one.error.empty());
+    for (int threads : {2, 3}) require_same(one, run(threads, PO_F::spec, {32, 4, 128}, costs));
+  }
+  // A rank that cannot start: the run throws while the other ranks' outputs are being filled.
+  const auto stuck = [](Program& p) { std::swap(p.ranks[5].compute[0], p.ranks[5].compute[p.ranks[5].compute.size() / 2]); };
+  const Outcome one = run(1, PO_F::spec, {32, 4, 128}, {}, stuck);
+  REQUIRE(one.error.rfind("simulate: schedule cannot run: rank", 0) == 0);
+  for (int threads : {2, 3}) CHECK(run(threads, PO_F::spec, {32, 4, 128}, {}, stuck).error == one.error);
+}

@@ -920,7 +920,7 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
     // P2P plan and each pair's offloads need only that rank's or pair's own order: the work
     // splits into independent items, run on the machine's cores (detail/parallel.hpp), each
     // with its worker's scratch:
-    //   1. each rank's order;
+    //   1. each rank's order (and the ASAP run's scratch);
     //   2. the compute-only ASAP run (one item, on one thread), and per pair its ranks' P2P
     //      plans and offloads with their final edges, and once the ASAP run has finished,
     //      its slot parities against it (settle_pair);
@@ -941,7 +941,13 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
     std::vector<double> dur;  // the ASAP run's op durations
     if (offloads) dur = detail::duration_table(costs, shape.stages());
     std::vector<detail::TimesOut> out(rs.size());
-    detail::for_each_item(workers, d, [&](int r, int) {
+    std::vector<detail::UnitEnds> ends;  // the ASAP run's scratch
+    detail::for_each_item(workers, (offloads ? 1 : 0) + d, [&](int item, int) {
+      if (offloads && item == 0) {
+        ends = detail::asap_scratch(p);
+        return;
+      }
+      const int r = item - (offloads ? 1 : 0);
       detail::order_grouped_rank(p, bk, r);
       if (offloads) {
         const auto ru = static_cast<std::size_t>(r);
@@ -1006,7 +1012,7 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
       std::vector<char> settled(static_cast<std::size_t>(pairs));
       detail::for_each_item(workers, 1 + pairs, [&](int item, int w) {
         if (item == 0) {
-          detail::asap_into<false>(p, costs, dur, out.data());
+          detail::asap_into<false>(p, costs, dur, out.data(), ends);
           detail::publish(timed);
           return;
         }
@@ -1044,7 +1050,8 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
     out[r].compute_start = ps[r].data();
   }
   const std::vector<double> dur = detail::duration_table(costs, shape.stages());
-  detail::asap_into<false>(p, costs, dur, out.data());
+  std::vector<detail::UnitEnds> ends = detail::asap_scratch(p);
+  detail::asap_into<false>(p, costs, dur, out.data(), ends);
   for (std::size_t r = 0; r < ps.size(); ++r) {
     const auto& comp = p.ranks[r].compute;
     pe[r].resize(comp.size());

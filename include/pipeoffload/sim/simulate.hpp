@@ -60,73 +60,109 @@ constexpr std::size_t memory_events(const RankProgram& rp) {
   return n;
 }
 
-/// Alive activation over time from the start/end of one rank's ops (DESIGN.md section 1): a
-/// unit is alive from its F's start to its W's (or BW's) end, except between the end of its
-/// offload and the start of its reload. Half-open intervals: at equal times releases count
-/// before acquisitions. The timeline replaces `rs.memory`, keeping its capacity (simulate
-/// makes the vector while the ASAP run goes, so that this pass takes no page faults). With
-/// `dur` (see duration_table), each op's end is written on the way: its start plus its
-/// duration, the sum the ASAP run made; without, the ends are read (a measured trace).
-constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSim& rs, const std::vector<double>* dur = nullptr) {
-  // Each stream's events are already in time order (an op's end is at or before the next
-  // op's start), so one cursor per stream merges them without a sort.
-  const Op* const comp = rp.compute.data();
-  const Op* const copy = rp.copy.data();
-  const std::size_t nc = rp.compute.size(), nk = rp.copy.size();
-  const double* const cs = rs.compute_start.data();
-  double* const ce = rs.compute_end.data();
-  const double* const ks = rs.copy_start.data();
-  double* const ke = rs.copy_end.data();
-  const double* const length = dur != nullptr ? dur->data() : nullptr;
-  const bool unit = costs.unit_bytes.empty();
-  // The cursors' current events: time and change of alive bytes; x, y = past the op that made it.
-  std::size_t x = 0, y = 0;
-  double ct = 0, cd = 0, kt = 0, kd = 0;
-  bool cv = false, kv = false;
-  const auto next_compute = [&]() {
-    for (; x < nc; ++x) {
-      const Op& op = comp[x];
-      if (length != nullptr) ce[x] = cs[x] + table_duration(length, op);
-      if (op.kind == OpKind::F) { ct = cs[x]; cd = unit ? 1.0 : costs.bytes(op.stage); }  // acquires at its start
-      else if (op.kind == OpKind::W || op.kind == OpKind::BW) { ct = ce[x]; cd = -(unit ? 1.0 : costs.bytes(op.stage)); }  // releases at its end
-      else continue;
-      ++x;
-      cv = true;
-      return;
+/// One rank's outputs that follow from its start times, filled in as far as the start times
+/// are known, so that a thread can fill them while the ASAP run goes (simulate) and another
+/// finish them: each op's end, the rank's busy time and last end, and its memory timeline.
+///
+/// Ends: an op's end is its start plus its duration (`dur`, see duration_table), the sum the
+/// run made. Busy: the sum of the compute ops' end - start, in stream order. Memory (DESIGN.md
+/// section 1): a unit is alive from its F's start to its W's (or BW's) end, except between the
+/// end of its offload and the start of its reload; half-open intervals, so at equal times
+/// releases count before acquisitions. Each stream's events are in time order (an op's end is
+/// at or before the next op's start), so one cursor per stream merges them without a sort; the
+/// merge stops where a stream's next event is not known yet.
+class RankFollower {
+ public:
+  /// Fills what follows from the first `nc` compute and `nk` copy ops' start times (and, if
+  /// `dur` is null, their end times, as in a measured trace). Counts only grow from call to
+  /// call; the rank is done once they reach its op counts.
+  constexpr void advance(const Costs& costs, const RankProgram& rp, RankSim& rs, const double* dur, std::size_t nc, std::size_t nk) {
+    if (!begun_) {
+      rs.memory.clear();
+      if (rs.memory.capacity() == 0) rs.memory.reserve(memory_events(rp));
+      begun_ = true;
     }
-    cv = false;
-  };
-  const auto next_copy = [&]() {
-    for (; y < nk; ++y) {
-      const Op& op = copy[y];
-      if (length != nullptr) ke[y] = ks[y] + table_duration(length, op);
-      if (op.kind == OpKind::R) { kt = ks[y]; kd = unit ? 1.0 : costs.bytes(op.stage); }
-      else if (op.kind == OpKind::O) { kt = ke[y]; kd = -(unit ? 1.0 : costs.bytes(op.stage)); }
-      else continue;
-      ++y;
-      kv = true;
-      return;
+    const Op* const comp = rp.compute.data();
+    const Op* const copy = rp.copy.data();
+    const double* const cs = rs.compute_start.data();
+    double* const ce = rs.compute_end.data();
+    const double* const ks = rs.copy_start.data();
+    double* const ke = rs.copy_end.data();
+    if (dur != nullptr) {
+      for (; xe_ < nc; ++xe_) {
+        ce[xe_] = cs[xe_] + table_duration(dur, comp[xe_]);
+        busy_ += ce[xe_] - cs[xe_];
+        last_ = std::max(last_, ce[xe_]);
+      }
+      for (; ye_ < nk; ++ye_) {
+        ke[ye_] = ks[ye_] + table_duration(dur, copy[ye_]);
+        last_ = std::max(last_, ke[ye_]);
+      }
     }
-    kv = false;
-  };
-  next_compute();
-  next_copy();
-  double alive = 0, peak = rs.peak;
-  auto& mem = rs.memory;
-  mem.clear();
-  if (mem.capacity() == 0) mem.reserve(memory_events(rp));
-  while (cv || kv) {
-    // Earlier first; at equal times a release before an acquisition (half-open intervals).
-    const bool take_comp = !kv || (cv && (ct < kt || (ct == kt && cd <= kd)));
-    const double t = take_comp ? ct : kt;
-    alive += take_comp ? cd : kd;
-    peak = std::max(peak, alive);
-    if (!mem.empty() && mem.back().time == t) mem.back().alive = alive;
-    else mem.push_back({t, alive});
-    if (take_comp) next_compute();
-    else next_copy();
+    const bool unit = costs.unit_bytes.empty();
+    const std::size_t all_c = rp.compute.size(), all_k = rp.copy.size();
+    // Each cursor's next event (time, change of alive bytes), or why there is none.
+    const auto next_compute = [&] {
+      for (; x_ < nc; ++x_) {
+        const Op& op = comp[x_];
+        if (op.kind == OpKind::F) { ct_ = cs[x_]; cd_ = unit ? 1.0 : costs.bytes(op.stage); }  // acquires at its start
+        else if (op.kind == OpKind::W || op.kind == OpKind::BW) { ct_ = ce[x_]; cd_ = -(unit ? 1.0 : costs.bytes(op.stage)); }  // releases at its end
+        else continue;
+        ++x_;
+        cstate_ = Cursor::event;
+        return;
+      }
+      cstate_ = x_ == all_c ? Cursor::done : Cursor::unknown;
+    };
+    const auto next_copy = [&] {
+      for (; y_ < nk; ++y_) {
+        const Op& op = copy[y_];
+        if (op.kind == OpKind::R) { kt_ = ks[y_]; kd_ = unit ? 1.0 : costs.bytes(op.stage); }
+        else if (op.kind == OpKind::O) { kt_ = ke[y_]; kd_ = -(unit ? 1.0 : costs.bytes(op.stage)); }
+        else continue;
+        ++y_;
+        kstate_ = Cursor::event;
+        return;
+      }
+      kstate_ = y_ == all_k ? Cursor::done : Cursor::unknown;
+    };
+    if (cstate_ == Cursor::unknown) next_compute();
+    if (kstate_ == Cursor::unknown) next_copy();
+    auto& mem = rs.memory;
+    double peak = rs.peak;
+    while (cstate_ != Cursor::unknown && kstate_ != Cursor::unknown && (cstate_ == Cursor::event || kstate_ == Cursor::event)) {
+      // Earlier first; at equal times a release before an acquisition (half-open intervals).
+      const bool take_comp = kstate_ == Cursor::done || (cstate_ == Cursor::event && (ct_ < kt_ || (ct_ == kt_ && cd_ <= kd_)));
+      const double t = take_comp ? ct_ : kt_;
+      alive_ += take_comp ? cd_ : kd_;
+      peak = std::max(peak, alive_);
+      if (!mem.empty() && mem.back().time == t) mem.back().alive = alive_;
+      else mem.push_back({t, alive_});
+      if (take_comp) next_compute();
+      else next_copy();
+    }
+    rs.peak = peak;
+    if (dur != nullptr) rs.busy = busy_;
   }
-  rs.peak = peak;
+  constexpr std::size_t compute_filled() const { return xe_; }
+  constexpr std::size_t copy_filled() const { return ye_; }
+  constexpr double last_end() const { return last_; }  ///< max(0, every end filled)
+
+ private:
+  enum class Cursor : char { unknown, event, done };
+  std::size_t xe_ = 0, ye_ = 0;  // ends filled below these
+  double busy_ = 0, last_ = 0;
+  std::size_t x_ = 0, y_ = 0;  // the merge's cursors: past the op of the current event
+  double ct_ = 0, cd_ = 0, kt_ = 0, kd_ = 0, alive_ = 0;
+  Cursor cstate_ = Cursor::unknown, kstate_ = Cursor::unknown;
+  bool begun_ = false;
+};
+
+/// Rank `rp`'s memory timeline and peak (see RankFollower) from the start and end times in
+/// `rs` (a measured trace). The timeline replaces `rs.memory`, keeping its capacity.
+constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSim& rs) {
+  RankFollower f;
+  f.advance(costs, rp, rs, nullptr, rp.compute.size(), rp.copy.size());
 }
 
 }  // namespace detail
@@ -135,48 +171,92 @@ constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSi
 /// `costs`). Throws schedule_error if the orders cannot run.
 ///
 /// The ASAP run visits the ranks in turn on one thread; everything else is per rank and runs
-/// on the machine's cores (detail/parallel.hpp): the start times' vectors are made before
-/// it, the other outputs' vectors alongside it (one item each rank, the run being item 0),
-/// and the end times and memory timelines are filled after it. So, on more than one thread, a
-/// memory timeline's vector is made before its length is known: it keeps room for one point
+/// on the machine's cores (detail/parallel.hpp):
+///   1. the start times' vectors and the run's scratch;
+///   2. the run, and beside it the other outputs' vectors (one item each rank), then, on more
+///      than one thread, one item that follows the run: it fills each rank's end times and
+///      memory timeline as far as the run has timed the rank's ops (RankFollower);
+///   3. per rank, the rest.
+/// A memory timeline's vector is made before its length is known: it keeps room for one point
 /// per event (with unit costs most events coincide: PO-F d=64 v=8 m=512 keeps 16.7 MB for
 /// 6.7 MB of points).
 constexpr SimResult simulate(const Program& p, const Costs& costs) {
   SimResult res;
   const int d = static_cast<int>(p.ranks.size());
-  res.ranks.resize(p.ranks.size());
-  std::vector<detail::TimesOut> out(p.ranks.size());
+  const auto du = static_cast<std::size_t>(d);
+  res.ranks.resize(du);
+  std::vector<detail::TimesOut> out(du);
   std::size_t ops = 0;
   for (const RankProgram& rp : p.ranks) ops += rp.compute.size() + rp.copy.size();
   const std::vector<double> dur = detail::duration_table(costs, p.shape.stages());
   const int workers = detail::worker_count(ops, d);
-  detail::for_each_item(workers, d, [&](int r, int) {
-    const auto ru = static_cast<std::size_t>(r);
-    RankSim& rs = res.ranks[ru];
-    rs.compute_start.resize(p.ranks[ru].compute.size());
-    rs.copy_start.resize(p.ranks[ru].copy.size());
-    out[ru] = {rs.compute_start.data(), rs.copy_start.data()};
-  });
+  const bool follow = workers > 1;
+  std::vector<detail::UnitEnds> ends;
+  std::vector<std::size_t> progress(follow ? 2 * du : 0);  // see TimesOut::progress
   detail::for_each_item(workers, 1 + d, [&](int item, int) {
     if (item == 0) {
-      detail::asap_into<true>(p, costs, dur, out.data());
+      ends = detail::asap_scratch(p);
       return;
     }
     const auto ru = static_cast<std::size_t>(item - 1);
     RankSim& rs = res.ranks[ru];
-    rs.compute_end.resize(p.ranks[ru].compute.size());
-    rs.copy_end.resize(p.ranks[ru].copy.size());
-    if (workers > 1) rs.memory.resize(detail::memory_events(p.ranks[ru]));  // its pages written now, off the critical path
+    rs.compute_start.resize(p.ranks[ru].compute.size());
+    rs.copy_start.resize(p.ranks[ru].copy.size());
+    out[ru] = {rs.compute_start.data(), rs.copy_start.data(), follow ? &progress[2 * ru] : nullptr};
+  });
+  std::vector<detail::RankFollower> follower(du);
+  struct Flag {
+    bool set = false;
+  };
+  Flag timed;                           // the run has ended (or thrown)
+  std::vector<Flag> made(follow ? du : 0);  // a rank's other vectors are made
+  detail::for_each_item(workers, 1 + d + (follow ? 1 : 0), [&](int item, int) {
+    if (item == 0) {
+      struct Publish {
+        bool& flag;
+        constexpr ~Publish() { detail::publish(flag); }
+      } done{timed.set};
+      detail::asap_into<true>(p, costs, dur, out.data(), ends);
+      return;
+    }
+    if (item <= d) {
+      const auto ru = static_cast<std::size_t>(item - 1);
+      RankSim& rs = res.ranks[ru];
+      rs.compute_end.resize(p.ranks[ru].compute.size());
+      rs.copy_end.resize(p.ranks[ru].copy.size());
+      rs.memory.reserve(detail::memory_events(p.ranks[ru]));
+      if (follow) detail::publish(made[ru].set);
+      return;
+    }
+    // Follow the run until it ends. A rank is taken up once the run has timed a batch of its
+    // ops, and never up to the last line of start times the run may still be writing.
+    constexpr std::size_t batch = 256, line = 8;
+    while (!detail::published(timed.set)) {
+      bool worked = false;
+      for (std::size_t r = 0; r < du && !detail::published(timed.set); ++r) {
+        if (!detail::published(made[r].set)) continue;
+        const RankProgram& rp = p.ranks[r];
+        const std::size_t nc = rp.compute.size(), nk = rp.copy.size();
+        std::size_t c = detail::acquired(progress[2 * r]), k = detail::acquired(progress[2 * r + 1]);
+        if (c < nc) c = c > line ? c - line : 0;
+        if (k < nk) k = k > line ? k - line : 0;
+        detail::RankFollower& f = follower[r];
+        const bool rest = c == nc && k == nk && (f.compute_filled() < nc || f.copy_filled() < nk);
+        if (!rest && c < f.compute_filled() + batch && k < f.copy_filled() + batch) continue;
+        f.advance(costs, rp, res.ranks[r], dur.data(), c, k);
+        worked = true;
+      }
+      if (!worked) detail::pause();
+    }
   });
   detail::for_each_item(workers, d, [&](int r, int) {
     const auto ru = static_cast<std::size_t>(r);
     const RankProgram& rp = p.ranks[ru];
     RankSim& rs = res.ranks[ru];
-    rs.busy = out[ru].busy;
+    follower[ru].advance(costs, rp, rs, dur.data(), rp.compute.size(), rp.copy.size());
     rs.warmup = warmup(rp);
-    detail::memory_timeline(costs, rp, rs, &dur);
   });
-  for (const auto& o : out) res.makespan = std::max(res.makespan, o.last);
+  for (const auto& f : follower) res.makespan = std::max(res.makespan, f.last_end());
   for (auto& rs : res.ranks) rs.bubble = res.makespan - rs.busy;
   return res;
 }

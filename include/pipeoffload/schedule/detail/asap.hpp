@@ -13,6 +13,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -54,29 +55,40 @@ constexpr double table_duration(const double* table, const Op& op) {
 }
 
 /// Where the engine writes one rank's times: arrays parallel to its compute and copy streams
-/// (the copy one only when the copy streams are timed), as long as they; and
-/// what it adds up on the way. Only start times: an op's end is its start plus its duration
-/// from duration_table, the very sum the engine makes, so whoever needs the ends adds them
-/// (after the run, on as many threads as it likes).
+/// (the copy one only when the copy streams are timed), as long as they. Only start times:
+/// an op's end is its start plus its duration from duration_table, the very sum the engine
+/// makes, so whoever needs the ends (or sums of them) adds them, on as many threads as it
+/// likes: after the run, or during it, following `progress`.
 struct TimesOut {
   double* compute_start = nullptr;
   double* copy_start = nullptr;
-  double busy = 0;  ///< sum of the compute ops' end - start, in stream order
-  double last = 0;  ///< max(0, every end of the rank's ops), folded with std::max
+  /// If set: after each visit that timed some of the rank's ops, the numbers of its compute
+  /// and copy ops timed so far (progress[0], progress[1]), stored with release order, so that
+  /// a thread that loads them with acquire order may read that many start times.
+  std::size_t* progress = nullptr;
 };
 
+/// End of a unit's F and B (or BW) in an ASAP run, -1 until it ran.
+struct UnitEnds {
+  double f = -1, b = -1;
+};
+
+/// The ASAP run's scratch for `p`: each unit's UnitEnds, microbatch-major, so neighbouring
+/// ranks working on the same microbatches touch nearby memory, and side by side, so the
+/// lookups of one op (its own unit and the next stage's) share cache lines. Made apart from
+/// the run so that a caller can write its pages (megabytes) on another thread meanwhile.
+constexpr std::vector<UnitEnds> asap_scratch(const Program& p) {
+  return std::vector<UnitEnds>(static_cast<std::size_t>(p.shape.stages()) * static_cast<std::size_t>(p.shape.m));
+}
+
 /// ASAP timing of `p` under `costs`, written through `out` (one entry per rank); `dur` is
-/// duration_table(costs, stages). With `WithCopy` false the copy streams and every
-/// cross-stream edge are ignored (the compute-only timeline the offload planner starts from).
-/// Throws schedule_error if the orders cannot all run (a dependency cycle).
+/// duration_table(costs, stages), `ends` a fresh asap_scratch(p) (the run uses it up). With
+/// `WithCopy` false the copy streams and every cross-stream edge are ignored (the
+/// compute-only timeline the offload planner starts from). Throws schedule_error if the orders
+/// cannot all run (a dependency cycle).
 template <bool WithCopy>
-constexpr void asap_into(const Program& p, const Costs& costs, const std::vector<double>& dur, TimesOut* out) {
+constexpr void asap_into(const Program& p, const Costs& costs, const std::vector<double>& dur, TimesOut* out, std::vector<UnitEnds>& ends) {
   const int d = p.shape.d, S = p.shape.stages();
-  // End of each unit's F and B (or BW), -1 until it ran; microbatch-major, so neighbouring
-  // ranks working on the same microbatches touch nearby memory, and side by side, so the
-  // lookups of one op (its own unit and the next stage's) share cache lines.
-  struct Ends { double f = -1, b = -1; };
-  std::vector<Ends> ends(static_cast<std::size_t>(S) * static_cast<std::size_t>(p.shape.m));
   const auto unit = [S](int s, int mb) { return static_cast<std::size_t>(mb) * static_cast<std::size_t>(S) + static_cast<std::size_t>(s); };
   // Stages s and s+1 live on different ranks unless d = 1: every hop pays T_comm then.
   const double hop = d > 1 ? costs.comm : 0.0;
@@ -87,8 +99,9 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
     const Op* copy = nullptr;
     double* cs = nullptr;  // the rank's output arrays
     double* ks = nullptr;
+    std::size_t* progress = nullptr;
     std::size_t nc = 0, ci = 0, nk = 0, ki = 0;
-    double cfree = 0, kfree = 0, busy = 0, last = 0;
+    double cfree = 0, kfree = 0;
     const double* need = nullptr;  // parked: the value this rank waits for (nullptr: none can come)
     int on = -1;                   // parked: the rank that produces it
     bool queued = true;
@@ -101,8 +114,7 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
     L.comp = rp.compute.data();
     L.nc = rp.compute.size();
     L.cs = o.compute_start;
-    L.busy = o.busy;
-    L.last = o.last;
+    if (!std::is_constant_evaluated()) L.progress = o.progress;
     if constexpr (WithCopy) {
       L.copy = rp.copy.data();
       L.nk = rp.copy.size();
@@ -128,15 +140,16 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
     const auto end_of = [table](const double* start, const Op* ops, std::size_t x) { return start[x] + table_duration(table, ops[x]); };
     std::size_t ci = L.ci, ki = L.ki;
     const std::size_t nc = L.nc, nk = L.nk;
-    double cfree = L.cfree, kfree = L.kfree, busy = L.busy, last = L.last;
+    double cfree = L.cfree, kfree = L.kfree;
     const double* need = nullptr;
     int on = -1;
-    // Each stream runs as far as it can before the other is tried; the loop ends when
-    // neither moved.
+    // Each stream runs as far as it can; then the other. Compute goes on only if the copy
+    // stream got past the op its head waits for (the copy stream waits only for compute ops,
+    // all of which it got past unless the compute head has not run).
     for (;;) {
-      const std::size_t ci0 = ci, ki0 = ki;
       need = nullptr;
       on = -1;
+      std::size_t copy_wait = ~std::size_t{0};  // the copy op the compute head waits for, if any
       while (ci < nc) {
         const Op& op = comp[ci];
         const OpKind kind = op.kind;
@@ -145,7 +158,6 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
         const std::size_t self = unit(stage, op.mb);
         // Blocked on a neighbour's pass (need set), or on a pass of this rank that has not
         // run and never will: it comes later in this stream (need unset).
-        bool blocked = false;
         if (kind == OpKind::F) {
           if (stage > 0) {
             const double* e = &ends[self - 1].f;
@@ -176,15 +188,15 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
         }
         if constexpr (WithCopy) {
           if (op.wait >= 0) {
-            if (ki <= static_cast<std::size_t>(op.wait)) blocked = true;
-            else ready = std::max(ready, end_of(ks, copy, static_cast<std::size_t>(op.wait)));
+            if (ki <= static_cast<std::size_t>(op.wait)) {
+              copy_wait = static_cast<std::size_t>(op.wait);
+              break;
+            }
+            ready = std::max(ready, end_of(ks, copy, static_cast<std::size_t>(op.wait)));
           }
         }
-        if (blocked) break;
         const double end = ready + table_duration(table, op);
         cs[ci] = ready;
-        busy += end - ready;
-        last = std::max(last, end);
         if (kind == OpKind::F) ends[self].f = end;
         else if (kind == OpKind::B || kind == OpKind::BW) ends[self].b = end;
         cfree = end;
@@ -198,14 +210,13 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
             if (ci <= static_cast<std::size_t>(op.wait)) break;
             ready = std::max(ready, end_of(cs, comp, static_cast<std::size_t>(op.wait)));
           }
-          const double end = ready + table_duration(table, op);
           ks[ki] = ready;
-          last = std::max(last, end);
-          kfree = end;
+          kfree = ready + table_duration(table, op);
           ++ki;
         }
+        if (copy_wait != ~std::size_t{0} && ki > copy_wait) continue;
       }
-      if (ci == ci0 && ki == ki0) break;
+      break;
     }
     const bool moved = ci != L.ci || ki != L.ki;
     // Ranks take turns every few ops, more streams than the hardware follows: fetch what this
@@ -226,10 +237,12 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
     }
     L.ci = ci;
     L.ki = ki;
+    if (moved && L.progress != nullptr) {
+      std::atomic_ref<std::size_t>(L.progress[0]).store(ci, std::memory_order_release);
+      if constexpr (WithCopy) std::atomic_ref<std::size_t>(L.progress[1]).store(ki, std::memory_order_release);
+    }
     L.cfree = cfree;
     L.kfree = kfree;
-    L.busy = busy;
-    L.last = last;
     // Parked on a neighbour's pass only if that is all the compute head lacks; whatever else
     // it lacks (a pass of its own rank, a copy op that waits for compute) can never come.
     L.need = need;
@@ -250,8 +263,6 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
     const auto ru = static_cast<std::size_t>(r);
     const Lane& L = lanes[ru];
     const auto& rp = p.ranks[ru];
-    out[ru].busy = L.busy;
-    out[ru].last = L.last;
     if (L.ci < L.nc || (WithCopy && L.ki < L.nk)) {
       std::string msg = "schedule cannot run: rank " + num(r) + " is stuck at compute op " + num(static_cast<long long>(L.ci));
       if (L.ci < L.nc) msg += " " + describe(rp.compute[L.ci]);

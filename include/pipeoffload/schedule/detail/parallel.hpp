@@ -66,6 +66,17 @@ constexpr bool published(bool& flag) {
   return std::atomic_ref<bool>(flag).load(std::memory_order_acquire);
 }
 
+/// A count that one item stores with release order (see TimesOut::progress), loaded with
+/// acquire order; plain in a constant expression.
+constexpr std::size_t acquired(std::size_t& count) {
+  if (std::is_constant_evaluated()) return count;
+  return std::atomic_ref<std::size_t>(count).load(std::memory_order_acquire);
+}
+
+/// What an item that waits for another's progress does when it found none: lets the thread
+/// that makes it run, if it shares this core.
+inline void pause() { std::this_thread::yield(); }
+
 /// A reference to a callable run as body(item, worker): one function, not a template, runs
 /// the threads, so that a translation unit compiles the thread machinery once.
 struct ItemBody {
