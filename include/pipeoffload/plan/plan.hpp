@@ -191,11 +191,13 @@ inline constexpr long long max_plan_units = 1LL << 20;
 /// simulating): a search beyond it is refused with a sentence rather than left to run.
 inline constexpr long long max_plan_work = 1LL << 25;
 
-/// Builds, simulates and measures one candidate on a layout.
-constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, const TransformerSpec& m, const MachineSpec& x) {
+/// Builds, simulates and measures one candidate on a layout, into `p` and `sim` (a search
+/// reuses them from candidate to candidate: build_into, simulate_into).
+constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, const TransformerSpec& m, const MachineSpec& x, Program& p,
+                                 SimResult& sim) {
   const int d = x.ranks, mb = m.global_batch / m.micro_batch;
-  const Program p = build(o.spec, {d, L.v, mb}, L.costs);
-  const SimResult sim = simulate(p);
+  build_into(p, o.spec, {d, L.v, mb}, L.costs);
+  simulate_into(sim, p);
   PlanCandidate c;
   c.spec = o.spec;
   c.name = o.name;
@@ -223,6 +225,13 @@ constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, c
     }
   }
   return c;
+}
+
+/// Builds, simulates and measures one candidate on a layout.
+constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, const TransformerSpec& m, const MachineSpec& x) {
+  Program p;
+  SimResult sim;
+  return evaluate(o, L, m, x, p, sim);
 }
 
 /// The fastest schedule whose every rank fits in device and host memory (header comment).
@@ -263,11 +272,13 @@ constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const 
   res.k = copy_ratio(m, x);
   res.activation_bytes_per_layer = activation_bytes_per_layer(m);
   std::vector<detail::Layout> layouts;
+  Program program;  // reused by every candidate
+  SimResult sim;
   for (int v = 1; v <= vmax; ++v) {
     layouts.push_back(detail::make_layout(m, x, bud, v));
     for (const PlanOption& o : plan_options(d, v, mb, bud.allow_offload)) {
       try {
-        res.candidates.push_back(evaluate(o, layouts.back(), m, x));
+        res.candidates.push_back(evaluate(o, layouts.back(), m, x, program, sim));
       } catch (const shape_error&) {
         // A copy-slot grid too fine for build() (k tiny against the run): that offload
         // candidate is not planned; its no-offload siblings are.

@@ -900,17 +900,27 @@ constexpr bool plan_p2p_po_rank(Program& p, const Block& bk, const long long* sl
 
 }  // namespace detail
 
-/// Builds the op lists of `spec` for `shape` under `costs` (unit costs and k = 1 by default).
-/// constexpr: with a constant shape and costs, usable in static_assert. Throws shape_error
-/// naming the bad value and its allowed range.
-constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Costs& costs = {}) {
+/// build() into `p`, reusing the memory its vectors hold: for a caller that builds many
+/// schedules in turn (a planner's search, re-planning with measured costs), whose outputs
+/// then take no page faults after the first (tens of megabytes for a large schedule). The
+/// result is the one build() returns, whatever `p` held before. A bad shape or cost throws
+/// before `p` is touched; any later exception leaves `p` a valid Program with unspecified
+/// contents.
+constexpr void build_into(Program& p, const ScheduleSpec& spec, const Shape& shape, const Costs& costs = {}) {
   detail::check_shape(spec, shape);
   detail::check_costs(costs, shape);
-  Program p;
   p.spec = spec;
   p.shape = shape;
   p.costs = costs;
+  p.group = 0;
   p.ranks.resize(static_cast<std::size_t>(shape.d));
+  for (RankProgram& rp : p.ranks) {
+    rp.compute.clear();
+    rp.copy.clear();
+    rp.copy_slot.clear();
+    rp.slot_length = 0;
+    rp.comm.clear();
+  }
   if (spec.family == Family::grouped) p.group = detail::resolve_group(spec.group, shape.d);
   const bool offloads = offload::count(spec.offload, shape.v) > 0;
   const int d = shape.d;
@@ -1034,7 +1044,7 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
     }
     for (int r = 0; r < d; ++r)
       if (fallback[static_cast<std::size_t>(r)]) detail::plan_p2p_rank(p, r, end);
-    return p;
+    return;
   }
   switch (spec.family) {
     case Family::one_f1b: detail::order_1f1b(p); break;
@@ -1064,6 +1074,14 @@ constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Cost
   }
   const auto end = [&](int rank, std::size_t x, const Op&) { return pe[static_cast<std::size_t>(rank)][x]; };
   for (int r = 0; r < d; ++r) detail::plan_p2p_rank(p, r, end);
+}
+
+/// Builds the op lists of `spec` for `shape` under `costs` (unit costs and k = 1 by default).
+/// constexpr: with a constant shape and costs, usable in static_assert. Throws shape_error
+/// naming the bad value and its allowed range.
+constexpr Program build(const ScheduleSpec& spec, const Shape& shape, const Costs& costs = {}) {
+  Program p;
+  build_into(p, spec, shape, costs);
   return p;
 }
 

@@ -65,6 +65,10 @@ struct Schedule {
   static constexpr Program build(const Shape& shape, const Costs& costs = {}) {
     return pipeoffload::build(spec, shape, costs);
   }
+  /// build() into `p`, reusing its memory. See pipeoffload::build_into.
+  static constexpr void build_into(Program& p, const Shape& shape, const Costs& costs = {}) {
+    pipeoffload::build_into(p, spec, shape, costs);
+  }
 };
 
 // The paper's schedules.

@@ -167,8 +167,9 @@ constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSi
 
 }  // namespace detail
 
-/// Simulates `p` under `costs` (the orders, edges and P2P plan of `p`, the durations of
-/// `costs`). Throws schedule_error if the orders cannot run.
+/// simulate() into `res`, reusing the memory its vectors hold (see build_into): the result
+/// is the one simulate() returns, whatever `res` held before. On an exception `res` is a
+/// valid SimResult with unspecified contents.
 ///
 /// The ASAP run visits the ranks in turn on one thread; everything else is per rank and runs
 /// on the machine's cores (detail/parallel.hpp):
@@ -180,11 +181,15 @@ constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSi
 /// A memory timeline's vector is made before its length is known: it keeps room for one point
 /// per event (with unit costs most events coincide: PO-F d=64 v=8 m=512 keeps 16.7 MB for
 /// 6.7 MB of points).
-constexpr SimResult simulate(const Program& p, const Costs& costs) {
-  SimResult res;
+constexpr void simulate_into(SimResult& res, const Program& p, const Costs& costs) {
   const int d = static_cast<int>(p.ranks.size());
   const auto du = static_cast<std::size_t>(d);
+  res.makespan = 0;
   res.ranks.resize(du);
+  for (RankSim& rs : res.ranks) {
+    rs.busy = rs.bubble = rs.peak = 0;  // the rest is overwritten
+    rs.warmup = 0;
+  }
   std::vector<detail::TimesOut> out(du);
   std::size_t ops = 0;
   for (const RankProgram& rp : p.ranks) ops += rp.compute.size() + rp.copy.size();
@@ -258,11 +263,22 @@ constexpr SimResult simulate(const Program& p, const Costs& costs) {
   });
   for (const auto& f : follower) res.makespan = std::max(res.makespan, f.last_end());
   for (auto& rs : res.ranks) rs.bubble = res.makespan - rs.busy;
+}
+
+/// Simulates `p` under `costs` (the orders, edges and P2P plan of `p`, the durations of
+/// `costs`). Throws schedule_error if the orders cannot run. See simulate_into for how the
+/// work is split among threads.
+constexpr SimResult simulate(const Program& p, const Costs& costs) {
+  SimResult res;
+  simulate_into(res, p, costs);
   return res;
 }
 
 /// Simulates `p` under the costs it was built with.
 constexpr SimResult simulate(const Program& p) { return simulate(p, p.costs); }
+
+/// simulate_into() under the costs `p` was built with.
+constexpr void simulate_into(SimResult& res, const Program& p) { simulate_into(res, p, p.costs); }
 
 /// Rank `rank`'s simulated peak of alive activation (units under unit sizes, else bytes).
 constexpr double peak(const Program& p, int rank) {
