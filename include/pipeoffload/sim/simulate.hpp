@@ -173,10 +173,10 @@ constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSi
 ///
 /// The ASAP run visits the ranks in turn on one thread; everything else is per rank and runs
 /// on the machine's cores (detail/parallel.hpp):
-///   1. the start times' vectors and the run's scratch;
-///   2. the run, and beside it the other outputs' vectors (one item each rank), then, on more
-///      than one thread, one item that follows the run: it fills each rank's end times and
-///      memory timeline as far as the run has timed the rank's ops (RankFollower);
+///   1. the start and end times' vectors and the run's scratch;
+///   2. the run, and beside it the memory timelines' vectors (one item each rank), then, on
+///      more than one thread, one item that follows the run: it fills each rank's end times
+///      and memory timeline as far as the run has timed the rank's ops (RankFollower);
 ///   3. per rank, the rest.
 /// A memory timeline's vector is made before its length is known: it keeps room for one point
 /// per event (with unit costs most events coincide: PO-F d=64 v=8 m=512 keeps 16.7 MB for
@@ -207,6 +207,8 @@ constexpr void simulate_into(SimResult& res, const Program& p, const Costs& cost
     RankSim& rs = res.ranks[ru];
     rs.compute_start.resize(p.ranks[ru].compute.size());
     rs.copy_start.resize(p.ranks[ru].copy.size());
+    rs.compute_end.resize(p.ranks[ru].compute.size());
+    rs.copy_end.resize(p.ranks[ru].copy.size());
     out[ru] = {rs.compute_start.data(), rs.copy_start.data(), follow ? &progress[2 * ru] : nullptr};
   });
   std::vector<detail::RankFollower> follower(du);
@@ -214,7 +216,7 @@ constexpr void simulate_into(SimResult& res, const Program& p, const Costs& cost
     bool set = false;
   };
   Flag timed;                           // the run has ended (or thrown)
-  std::vector<Flag> made(follow ? du : 0);  // a rank's other vectors are made
+  std::vector<Flag> made(follow ? du : 0);  // a rank's memory timeline vector is made
   detail::for_each_item(workers, 1 + d + (follow ? 1 : 0), [&](int item, int) {
     if (item == 0) {
       struct Publish {
@@ -227,8 +229,6 @@ constexpr void simulate_into(SimResult& res, const Program& p, const Costs& cost
     if (item <= d) {
       const auto ru = static_cast<std::size_t>(item - 1);
       RankSim& rs = res.ranks[ru];
-      rs.compute_end.resize(p.ranks[ru].compute.size());
-      rs.copy_end.resize(p.ranks[ru].copy.size());
       rs.memory.reserve(detail::memory_events(p.ranks[ru]));
       if (follow) detail::publish(made[ru].set);
       return;
