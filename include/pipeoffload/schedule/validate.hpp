@@ -531,25 +531,35 @@ constexpr bool proven_valid(const Program& p) {
   // (through ranks 0, d-1, ..., 1). cw[x]: the earliest message of E_r that rendezvous
   // reaches from E_0's message x through ranks 1..r (none: past the end); ccw[y]: the
   // earliest of E_0 reached from E_r's message y through ranks r..1.
+  // The two walks are independent: one item each.
   constexpr int none = 0x7fffffff;
   const Ring& r1 = ring[1];
   const std::size_t n0 = r1.n_prev;  // |E_0|, as every rank that lists it agrees
-  std::vector<int> cw(n0), ccw(r1.n_next), ccw_next;
-  for (std::size_t x = 0; x < n0; ++x) cw[x] = r1.next_before(x);
-  for (std::size_t y = 0; y < ccw.size(); ++y) {
-    const int k = r1.prev_before(y);
-    ccw[y] = static_cast<std::size_t>(k) < n0 ? k : none;
-  }
-  for (int r = 2; r < d; ++r) {
-    const Ring& rg = ring[static_cast<std::size_t>(r)];
-    for (int& k : cw) k = (k != none && static_cast<std::size_t>(k) < rg.n_prev) ? rg.next_before(static_cast<std::size_t>(k)) : none;
-    ccw_next.resize(rg.n_next);
-    for (std::size_t y = 0; y < ccw_next.size(); ++y) {
-      const int k = rg.prev_before(y);
-      ccw_next[y] = static_cast<std::size_t>(k) < ccw.size() ? ccw[static_cast<std::size_t>(k)] : none;
+  std::vector<int> cw(n0), ccw(r1.n_next);
+  for_each_item(std::min(workers, 2), 2, [&](int walk, int) {
+    if (walk == 0) {
+      for (std::size_t x = 0; x < n0; ++x) cw[x] = r1.next_before(x);
+      for (int r = 2; r < d; ++r) {
+        const Ring& rg = ring[static_cast<std::size_t>(r)];
+        for (int& k : cw) k = (k != none && static_cast<std::size_t>(k) < rg.n_prev) ? rg.next_before(static_cast<std::size_t>(k)) : none;
+      }
+      return;
     }
-    std::swap(ccw, ccw_next);
-  }
+    for (std::size_t y = 0; y < ccw.size(); ++y) {
+      const int k = r1.prev_before(y);
+      ccw[y] = static_cast<std::size_t>(k) < n0 ? k : none;
+    }
+    std::vector<int> ccw_next;
+    for (int r = 2; r < d; ++r) {
+      const Ring& rg = ring[static_cast<std::size_t>(r)];
+      ccw_next.resize(rg.n_next);
+      for (std::size_t y = 0; y < ccw_next.size(); ++y) {
+        const int k = rg.prev_before(y);
+        ccw_next[y] = static_cast<std::size_t>(k) < ccw.size() ? ccw[static_cast<std::size_t>(k)] : none;
+      }
+      std::swap(ccw, ccw_next);
+    }
+  });
   // Rank 0 lists E_{d-1} (phi: how many of E_0 come before each) and E_0 (psi: how many of
   // E_{d-1} before each).
   const Ring& r0 = ring[0];
