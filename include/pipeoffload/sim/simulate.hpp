@@ -82,6 +82,7 @@ class RankFollower {
       if (rs.memory.capacity() == 0) rs.memory.reserve(memory_events(rp));
       begun_ = true;
     }
+    State s = state_;  // worked on in registers: the stores below could otherwise alias it
     const Op* const comp = rp.compute.data();
     const Op* const copy = rp.copy.data();
     const double* const cs = rs.compute_start.data();
@@ -89,72 +90,78 @@ class RankFollower {
     const double* const ks = rs.copy_start.data();
     double* const ke = rs.copy_end.data();
     if (dur != nullptr) {
-      for (; xe_ < nc; ++xe_) {
-        ce[xe_] = cs[xe_] + table_duration(dur, comp[xe_]);
-        busy_ += ce[xe_] - cs[xe_];
-        last_ = std::max(last_, ce[xe_]);
+      for (; s.xe < nc; ++s.xe) {
+        const double end = cs[s.xe] + table_duration(dur, comp[s.xe]);
+        ce[s.xe] = end;
+        s.busy += end - cs[s.xe];
+        s.last = std::max(s.last, end);
       }
-      for (; ye_ < nk; ++ye_) {
-        ke[ye_] = ks[ye_] + table_duration(dur, copy[ye_]);
-        last_ = std::max(last_, ke[ye_]);
+      for (; s.ye < nk; ++s.ye) {
+        const double end = ks[s.ye] + table_duration(dur, copy[s.ye]);
+        ke[s.ye] = end;
+        s.last = std::max(s.last, end);
       }
     }
     const bool unit = costs.unit_bytes.empty();
     const std::size_t all_c = rp.compute.size(), all_k = rp.copy.size();
     // Each cursor's next event (time, change of alive bytes), or why there is none.
     const auto next_compute = [&] {
-      for (; x_ < nc; ++x_) {
-        const Op& op = comp[x_];
-        if (op.kind == OpKind::F) { ct_ = cs[x_]; cd_ = unit ? 1.0 : costs.bytes(op.stage); }  // acquires at its start
-        else if (op.kind == OpKind::W || op.kind == OpKind::BW) { ct_ = ce[x_]; cd_ = -(unit ? 1.0 : costs.bytes(op.stage)); }  // releases at its end
+      for (; s.x < nc; ++s.x) {
+        const Op& op = comp[s.x];
+        if (op.kind == OpKind::F) { s.ct = cs[s.x]; s.cd = unit ? 1.0 : costs.bytes(op.stage); }  // acquires at its start
+        else if (op.kind == OpKind::W || op.kind == OpKind::BW) { s.ct = ce[s.x]; s.cd = -(unit ? 1.0 : costs.bytes(op.stage)); }  // releases at its end
         else continue;
-        ++x_;
-        cstate_ = Cursor::event;
+        ++s.x;
+        s.cstate = Cursor::event;
         return;
       }
-      cstate_ = x_ == all_c ? Cursor::done : Cursor::unknown;
+      s.cstate = s.x == all_c ? Cursor::done : Cursor::unknown;
     };
     const auto next_copy = [&] {
-      for (; y_ < nk; ++y_) {
-        const Op& op = copy[y_];
-        if (op.kind == OpKind::R) { kt_ = ks[y_]; kd_ = unit ? 1.0 : costs.bytes(op.stage); }
-        else if (op.kind == OpKind::O) { kt_ = ke[y_]; kd_ = -(unit ? 1.0 : costs.bytes(op.stage)); }
+      for (; s.y < nk; ++s.y) {
+        const Op& op = copy[s.y];
+        if (op.kind == OpKind::R) { s.kt = ks[s.y]; s.kd = unit ? 1.0 : costs.bytes(op.stage); }
+        else if (op.kind == OpKind::O) { s.kt = ke[s.y]; s.kd = -(unit ? 1.0 : costs.bytes(op.stage)); }
         else continue;
-        ++y_;
-        kstate_ = Cursor::event;
+        ++s.y;
+        s.kstate = Cursor::event;
         return;
       }
-      kstate_ = y_ == all_k ? Cursor::done : Cursor::unknown;
+      s.kstate = s.y == all_k ? Cursor::done : Cursor::unknown;
     };
-    if (cstate_ == Cursor::unknown) next_compute();
-    if (kstate_ == Cursor::unknown) next_copy();
+    if (s.cstate == Cursor::unknown) next_compute();
+    if (s.kstate == Cursor::unknown) next_copy();
     auto& mem = rs.memory;
     double peak = rs.peak;
-    while (cstate_ != Cursor::unknown && kstate_ != Cursor::unknown && (cstate_ == Cursor::event || kstate_ == Cursor::event)) {
+    while (s.cstate != Cursor::unknown && s.kstate != Cursor::unknown && (s.cstate == Cursor::event || s.kstate == Cursor::event)) {
       // Earlier first; at equal times a release before an acquisition (half-open intervals).
-      const bool take_comp = kstate_ == Cursor::done || (cstate_ == Cursor::event && (ct_ < kt_ || (ct_ == kt_ && cd_ <= kd_)));
-      const double t = take_comp ? ct_ : kt_;
-      alive_ += take_comp ? cd_ : kd_;
-      peak = std::max(peak, alive_);
-      if (!mem.empty() && mem.back().time == t) mem.back().alive = alive_;
-      else mem.push_back({t, alive_});
+      const bool take_comp = s.kstate == Cursor::done || (s.cstate == Cursor::event && (s.ct < s.kt || (s.ct == s.kt && s.cd <= s.kd)));
+      const double t = take_comp ? s.ct : s.kt;
+      s.alive += take_comp ? s.cd : s.kd;
+      peak = std::max(peak, s.alive);
+      if (!mem.empty() && mem.back().time == t) mem.back().alive = s.alive;
+      else mem.push_back({t, s.alive});
       if (take_comp) next_compute();
       else next_copy();
     }
     rs.peak = peak;
-    if (dur != nullptr) rs.busy = busy_;
+    if (dur != nullptr) rs.busy = s.busy;
+    state_ = s;
   }
-  constexpr std::size_t compute_filled() const { return xe_; }
-  constexpr std::size_t copy_filled() const { return ye_; }
-  constexpr double last_end() const { return last_; }  ///< max(0, every end filled)
+  constexpr std::size_t compute_filled() const { return state_.xe; }
+  constexpr std::size_t copy_filled() const { return state_.ye; }
+  constexpr double last_end() const { return state_.last; }  ///< max(0, every end filled)
 
  private:
   enum class Cursor : char { unknown, event, done };
-  std::size_t xe_ = 0, ye_ = 0;  // ends filled below these
-  double busy_ = 0, last_ = 0;
-  std::size_t x_ = 0, y_ = 0;  // the merge's cursors: past the op of the current event
-  double ct_ = 0, cd_ = 0, kt_ = 0, kd_ = 0, alive_ = 0;
-  Cursor cstate_ = Cursor::unknown, kstate_ = Cursor::unknown;
+  struct State {
+    std::size_t xe = 0, ye = 0;  // ends filled below these
+    double busy = 0, last = 0;
+    std::size_t x = 0, y = 0;  // the merge's cursors: past the op of the current event
+    double ct = 0, cd = 0, kt = 0, kd = 0, alive = 0;
+    Cursor cstate = Cursor::unknown, kstate = Cursor::unknown;
+  };
+  State state_;
   bool begun_ = false;
 };
 
