@@ -628,7 +628,7 @@ constexpr double copy_lag(const Program& p, int r, const double* release, double
   const double* const dur = ws.dur.data();
   const auto duration_of = [dur](const Op& op) { return table_duration(dur, op); };
   std::size_t x = 0, y = 0;
-  double cfree = 0, kfree = 0, lag = 0;
+  double cfree = 0, kfree = 0, lag = 0, sum = busy;  // sum: kept in a register, not in `busy`, which the stores could alias
   while (x < nc || y < nk) {
     const std::size_t x0 = x, y0 = y;
     for (; x < nc; ++x) {
@@ -638,7 +638,7 @@ constexpr double copy_lag(const Program& p, int r, const double* release, double
       if (w >= 0) t = std::max(t, ke[static_cast<std::size_t>(w)]);
       lag += t - release[x];
       const double d = duration_of(comp[x]);
-      busy += d;
+      sum += d;
       cfree = ce[x] = t + d;
     }
     for (; y < nk; ++y) {
@@ -647,8 +647,12 @@ constexpr double copy_lag(const Program& p, int r, const double* release, double
       const double t = w >= 0 ? std::max(kfree, ce[static_cast<std::size_t>(w)]) : kfree;
       kfree = ke[y] = t + duration_of(copy[y]);
     }
-    if (x == x0 && y == y0) return 1e308;
+    if (x == x0 && y == y0) {
+      busy = sum;
+      return 1e308;
+    }
   }
+  busy = sum;
   return lag;
 }
 
