@@ -132,19 +132,18 @@ class RankFollower {
     if (s.cstate == Cursor::unknown) next_compute();
     if (s.kstate == Cursor::unknown) next_copy();
     auto& mem = rs.memory;
-    double peak = rs.peak;
     while (s.cstate != Cursor::unknown && s.kstate != Cursor::unknown && (s.cstate == Cursor::event || s.kstate == Cursor::event)) {
       // Earlier first; at equal times a release before an acquisition (half-open intervals).
       const bool take_comp = s.kstate == Cursor::done || (s.cstate == Cursor::event && (s.ct < s.kt || (s.ct == s.kt && s.cd <= s.kd)));
       const double t = take_comp ? s.ct : s.kt;
       s.alive += take_comp ? s.cd : s.kd;
-      peak = std::max(peak, s.alive);
+      s.peak = std::max(s.peak, s.alive);
       if (!mem.empty() && mem.back().time == t) mem.back().alive = s.alive;
       else mem.push_back({t, s.alive});
       if (take_comp) next_compute();
       else next_copy();
     }
-    rs.peak = peak;
+    rs.peak = s.peak;
     if (dur != nullptr) rs.busy = s.busy;
     state_ = s;
   }
@@ -158,7 +157,7 @@ class RankFollower {
     std::size_t xe = 0, ye = 0;  // ends filled below these
     double busy = 0, last = 0;
     std::size_t x = 0, y = 0;  // the merge's cursors: past the op of the current event
-    double ct = 0, cd = 0, kt = 0, kd = 0, alive = 0;
+    double ct = 0, cd = 0, kt = 0, kd = 0, alive = 0, peak = 0;
     Cursor cstate = Cursor::unknown, kstate = Cursor::unknown;
   };
   State state_;
@@ -192,11 +191,7 @@ constexpr void simulate_into(SimResult& res, const Program& p, const Costs& cost
   const int d = static_cast<int>(p.ranks.size());
   const auto du = static_cast<std::size_t>(d);
   res.makespan = 0;
-  res.ranks.resize(du);
-  for (RankSim& rs : res.ranks) {
-    rs.busy = rs.bubble = rs.peak = 0;  // the rest is overwritten
-    rs.warmup = 0;
-  }
+  res.ranks.resize(du);  // every field of every rank is overwritten below
   std::vector<detail::TimesOut> out(du);
   std::size_t ops = 0;
   for (const RankProgram& rp : p.ranks) ops += rp.compute.size() + rp.copy.size();
@@ -219,17 +214,17 @@ constexpr void simulate_into(SimResult& res, const Program& p, const Costs& cost
     out[ru] = {rs.compute_start.data(), rs.copy_start.data(), follow ? &progress[2 * ru] : nullptr};
   });
   std::vector<detail::RankFollower> follower(du);
+  bool timed = false;  // the run has ended (or thrown)
   struct Flag {
     bool set = false;
   };
-  Flag timed;                           // the run has ended (or thrown)
   std::vector<Flag> made(follow ? du : 0);  // a rank's memory timeline vector is made
   detail::for_each_item(workers, 1 + d + (follow ? 1 : 0), [&](int item, int) {
     if (item == 0) {
       struct Publish {
         bool& flag;
         constexpr ~Publish() { detail::publish(flag); }
-      } done{timed.set};
+      } done{timed};
       detail::asap_into<true>(p, costs, dur, out.data(), ends);
       return;
     }
@@ -243,9 +238,9 @@ constexpr void simulate_into(SimResult& res, const Program& p, const Costs& cost
     // Follow the run until it ends. A rank is taken up once the run has timed a batch of its
     // ops, and never up to the last line of start times the run may still be writing.
     constexpr std::size_t batch = 256, line = 8;
-    while (!detail::published(timed.set)) {
+    while (!detail::published(timed)) {
       bool worked = false;
-      for (std::size_t r = 0; r < du && !detail::published(timed.set); ++r) {
+      for (std::size_t r = 0; r < du && !detail::published(timed); ++r) {
         if (!detail::published(made[r].set)) continue;
         const RankProgram& rp = p.ranks[r];
         const std::size_t nc = rp.compute.size(), nk = rp.copy.size();
