@@ -58,8 +58,8 @@ int main(int argc, char** argv) {
   std::vector<double> times;
   for (int i = 0; i < 6; ++i) {
     const double t = seconds_of([&] {
-      st.forward(ctx, mb, x.data(), y.data(), saved.data());
-      st.backward_input(ctx, mb, dy.data(), dx.data(), saved.data(), stash.data());
+      st.forward(ctx, mb, po::view(x), po::view(y), saved.data());
+      st.backward_input(ctx, mb, po::view(dy), po::view(dx), saved.data(), stash.data());
       st.backward_weight(ctx, mb, saved.data(), stash.data());
     });
     if (i > 0) times.push_back(t);

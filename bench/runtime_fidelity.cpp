@@ -26,7 +26,8 @@ constexpr std::size_t unit_floats = 1 << 14;  // 64 KiB per unit
 /// Sleeps a fixed time per pass; saves a 64 KiB unit so offload moves real bytes.
 struct SleepLayer {
   float p = 0, g = 0;
-  std::size_t boundary_floats(po::MicrobatchShape) const { return 16; }
+  po::Boundary input_boundary(po::MicrobatchShape) const { return {16}; }
+  po::Boundary output_boundary(po::MicrobatchShape) const { return {16}; }
   std::size_t saved_bytes(po::MicrobatchShape) const { return unit_floats * sizeof(float); }
   std::size_t stash_bytes(po::MicrobatchShape) const { return 64; }
   // Sleeping overshoots by 0.1-0.2 ms on these VMs (10% of a pass): sleep to 0.3 ms before
@@ -36,14 +37,14 @@ struct SleepLayer {
     std::this_thread::sleep_until(due - std::chrono::microseconds(300));
     while (std::chrono::steady_clock::now() < due) std::this_thread::yield();
   }
-  void forward(po::backend::CpuContext&, const po::Microbatch& mb, const float*, float* y, std::byte*) {
+  void forward(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor, po::Tensor y, std::byte*) {
     nap();
-    if (y) std::fill(y, y + 16, 0.0f);
+    if (y) std::fill(y.as<float>(), y.as<float>() + 16, 0.0f);
     if (mb.last()) *mb.loss = 0.0f;
   }
-  void backward_input(po::backend::CpuContext&, const po::Microbatch&, const float*, float* dx, std::byte*, std::byte*) {
+  void backward_input(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor dx, std::byte*, std::byte*) {
     nap();
-    if (dx) std::fill(dx, dx + 16, 0.0f);
+    if (dx) std::fill(dx.as<float>(), dx.as<float>() + 16, 0.0f);
   }
   void backward_weight(po::backend::CpuContext&, const po::Microbatch&, std::byte*, std::byte*) { nap(); }
   std::span<float> parameters() { return {&p, 1}; }
@@ -56,20 +57,15 @@ double run(const po::ScheduleSpec& spec, po::Shape sh, double copy_rate, const p
   po::comm::ThreadsWorld world(sh.d);
   std::vector<std::unique_ptr<po::PairLink<po::backend::Cpu>>> links;
   for (int p = 0; paired && 2 * p + 1 < sh.d; ++p) links.push_back(std::make_unique<po::PairLink<po::backend::Cpu>>());
-  po::RuntimeOptions opt;
-  opt.shape = sh;
-  opt.spec = spec;
-  opt.costs = costs;
-  opt.microbatch = {1, 1};
+  const po::Program program = po::build(spec, sh, costs);
   std::vector<std::vector<double>> secs(static_cast<std::size_t>(sh.d));
-  const auto errors = po::run_thread_ranks(sh.d, [&](int r) {
+  const auto errors = po::run_thread_ranks(world, [&](int r) {
     po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = copy_rate});
     po::comm::Threads comm(world, r);
     std::vector<SleepLayer> layers(static_cast<std::size_t>(sh.v));
-    po::Runtime<po::AnySchedule, SleepLayer, po::backend::Cpu, po::comm::Threads> rt(opt, dev, comm, layers);
+    po::Runtime rt(program, dev, comm, std::span<SleepLayer>(layers), {.microbatch = {1, 1}});
     if (static_cast<std::size_t>(r / 2) < links.size()) rt.pair_with(*links[static_cast<std::size_t>(r / 2)]);
-    std::vector<std::int32_t> tok(static_cast<std::size_t>(sh.m), 0);
-    for (int s = 0; s < 4; ++s) secs[static_cast<std::size_t>(r)].push_back(rt.step({tok, tok}).seconds);
+    for (int s = 0; s < 4; ++s) secs[static_cast<std::size_t>(r)].push_back(rt.forward_backward(po::Batch{}).seconds);
   });
   for (const auto& e : errors)
     if (!e.empty()) {

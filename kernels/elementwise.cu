@@ -1,5 +1,6 @@
-// kernels/elementwise.cu: grid-stride loops over model/math.hpp's per-element functions, and
-// the embedding's gradient (one thread per column, rows in order: deterministic).
+// kernels/elementwise.cu: grid-stride loops over model/math.hpp's and backend/update.hpp's
+// per-element functions, the non-finite check, and the embedding's gradient (one thread per
+// column, rows in order: deterministic).
 #include "common.cuh"
 
 namespace pipeoffload::cuda::kernels {
@@ -68,8 +69,24 @@ __global__ void embedding_backward_k(const std::int32_t* tokens, const bf16* d, 
       dwpe[(r % seq) * h + c] += g;
     }
 }
-__global__ void adamw_k(float* p, const float* g, float* m, float* v, long long n, math::AdamW o, float lr, math::AdamBias bc, float scale) {
-  for (long long i = first_index(); i < n; i += grid_stride()) math::adamw_update(p[i], g[i] * scale, m[i], v[i], o, lr, bc);
+__global__ void adamw_k(float* p, const float* g, float* m, float* v, long long n, update::AdamWParams o, float lr, update::AdamBias bc,
+                        float scale) {
+  for (long long i = first_index(); i < n; i += grid_stride()) update::adamw(p[i], g[i] * scale, m[i], v[i], o, lr, bc);
+}
+__global__ void sgd_k(float* p, const float* g, float* buf, long long n, update::SgdParams o, float lr, float scale, bool first) {
+  for (long long i = first_index(); i < n; i += grid_stride()) {
+    // Without momentum there is no buffer and update::sgd does not touch it (backend::Cpu's loop likewise).
+    float unused = 0;
+    update::sgd(p[i], g[i] * scale, buf != nullptr ? buf[i] : unused, o, lr, first);
+  }
+}
+/// Each thread ORs its words' verdicts (no early exit, no divergence) and only a thread that
+/// saw a non-finite value stores: every store writes the same 1, so their order does not matter.
+template <class Word>
+__global__ void flag_nonfinite_k(const Word* x, long long n, Word mask, std::uint32_t* flag) {
+  bool bad = false;
+  for (long long i = first_index(); i < n; i += grid_stride()) bad |= nonfinite_word(x[i], mask);
+  if (bad) *flag = 1;
 }
 __global__ void spin_k(long long cycles) {
   const long long start = clock64();
@@ -114,9 +131,38 @@ void embedding_backward(const std::int32_t* tokens, const bf16* d, float* dwte, 
                         cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(embedding_backward_k, per_column_launch(h), s, tokens, d, dwte, dwpe, rows, seq, h, vocab);
 }
-void adamw(float* params, const float* grads, float* m, float* v, long long count, math::AdamW opt, float lr, math::AdamBias bias, float grad_scale,
-           cudaStream_t s) {
-  PIPEOFFLOAD_LAUNCH(adamw_k, elementwise_launch(count), s, params, grads, m, v, count, opt, lr, bias, grad_scale);
+void adamw(float* params, const float* grads, float* m, float* v, long long count, update::AdamWParams hyper, float lr, update::AdamBias bias,
+           float grad_scale, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(adamw_k, elementwise_launch(count), s, params, grads, m, v, count, hyper, lr, bias, grad_scale);
+}
+void sgd(float* params, const float* grads, float* buf, long long count, update::SgdParams hyper, float lr, float grad_scale, bool first,
+         cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(sgd_k, elementwise_launch(count), s, params, grads, buf, count, hyper, lr, grad_scale, first);
+}
+void flag_nonfinite(const void* data, long long count, DType dtype, std::uint32_t* flag, cudaStream_t s) {
+  const std::uint64_t mask = nonfinite_mask(dtype);
+  if (mask == 0) return;  // integers: nothing can be non-finite
+  // One word per value: the value's own width (dtype_size), so the mask lands on its exponent.
+  switch (dtype_size(dtype)) {
+    case 2: {
+      const auto* x = static_cast<const std::uint16_t*>(data);
+      PIPEOFFLOAD_LAUNCH(flag_nonfinite_k<std::uint16_t>, elementwise_launch(count), s, x, count, static_cast<std::uint16_t>(mask), flag);
+      break;
+    }
+    case 4: {
+      const auto* x = static_cast<const std::uint32_t*>(data);
+      PIPEOFFLOAD_LAUNCH(flag_nonfinite_k<std::uint32_t>, elementwise_launch(count), s, x, count, static_cast<std::uint32_t>(mask), flag);
+      break;
+    }
+    case 8: {
+      const auto* x = static_cast<const std::uint64_t*>(data);
+      PIPEOFFLOAD_LAUNCH(flag_nonfinite_k<std::uint64_t>, elementwise_launch(count), s, x, count, static_cast<std::uint64_t>(mask), flag);
+      break;
+    }
+    default:
+      throw shape_error(std::string("cuda::kernels::flag_nonfinite: ") + dtype_name(dtype) + " values are " + std::to_string(dtype_size(dtype)) +
+                        " bytes wide; floating types are 2, 4 or 8");
+  }
 }
 void spin(long long cycles, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(spin_k, (Launch{1, 1, 0}), s, cycles); }
 

@@ -67,6 +67,11 @@ constexpr const char* usage_text = R"(usage: train_gpt [options]
   --k K                 planning: round-trip copy time / (T_F+T_B+T_W), (0, 100]; default 1
   --copy-gbps X         pace the copy engine at X GB/s (a PCIe link); 0 = memcpy speed (default 0)
   --steps N             optimizer steps, 1..1000000 (default 200)
+  --eval-every N        hold out the corpus's last 10% and print the loss on it every N steps (forward
+                        passes only); 0 = off, the whole corpus trains (default 0)
+  --decay-all           weight decay on every parameter, as before parameter groups (default: none on
+                        biases and LayerNorm gains, GPT-2's rule)
+  --no-check-finite     do not scan activations and input gradients for NaN/Inf (losses are still checked)
   --seed S              model, dropout and data seed (default 1)
   --trace FILE          write a Chrome trace of the last step's real run (compute and copy streams per rank)
   --layers L --hidden H --heads A --seq S --batch B --lr LR --dropout P
@@ -120,6 +125,9 @@ struct Options {
   double comm_timeout = 300;
   bool cuda = false;
   bool pcie_pairs = false;  // CPU thread ranks: synchronise the copies of ranks (r, r^1)
+  int eval_every = 0;       // steps between validation losses; 0: no held-out split
+  bool decay_all = false;   // weight decay on every parameter (before parameter groups)
+  bool check_finite = true;
   int checkpoint_every = 0;
   std::string checkpoint_dir, resume;
   struct Fault {
@@ -130,7 +138,7 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   std::map<std::string, std::string> a;
-  bool quiet = false, pairs = false;
+  bool quiet = false, pairs = false, decay_all = false, no_check = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     if (f == "--help" || f == "-h") {
@@ -145,9 +153,18 @@ Options parse(int argc, char** argv) {
       pairs = true;
       continue;
     }
+    if (f == "--decay-all") {
+      decay_all = true;
+      continue;
+    }
+    if (f == "--no-check-finite") {
+      no_check = true;
+      continue;
+    }
     static const char* known[] = {"--schedule", "--ranks", "--chunks", "--microbatches", "--group", "--offload-chunks", "--k", "--copy-gbps",
                                   "--steps", "--seed", "--trace", "--layers", "--hidden", "--heads", "--seq", "--batch", "--lr", "--dropout", "--corpus",
-                                  "--comm", "--comm-timeout", "--checkpoint-every", "--checkpoint-dir", "--resume", "--inject-fault", "--backend"};
+                                  "--comm", "--comm-timeout", "--checkpoint-every", "--checkpoint-dir", "--resume", "--inject-fault", "--backend",
+                                  "--eval-every"};
     if (std::find(std::begin(known), std::end(known), f) == std::end(known)) throw bad_argument("unknown option '" + f + "' (--help lists them)");
     if (i + 1 >= argc) throw bad_argument(f + " needs a value");
     if (a.count(f)) throw bad_argument(f + " was given twice");
@@ -156,6 +173,8 @@ Options parse(int argc, char** argv) {
   Options o;
   o.quiet = quiet;
   o.pcie_pairs = pairs;
+  o.decay_all = decay_all;
+  o.check_finite = !no_check;
   const auto get = [&](const char* f) -> const std::string* { auto it = a.find(f); return it == a.end() ? nullptr : &it->second; };
   if (auto v = get("--ranks")) o.shape.d = static_cast<int>(to_int("--ranks", *v, 1, 64));
   o.ranks_given = get("--ranks") != nullptr;
@@ -201,6 +220,7 @@ Options parse(int argc, char** argv) {
   if (auto v = get("--chunks")) o.shape.v = static_cast<int>(to_int("--chunks", *v, 1, 64));
   if (auto v = get("--microbatches")) o.shape.m = static_cast<int>(to_int("--microbatches", *v, 1, 4096));
   if (auto v = get("--steps")) o.steps = static_cast<int>(to_int("--steps", *v, 1, 1000000));
+  if (auto v = get("--eval-every")) o.eval_every = static_cast<int>(to_int("--eval-every", *v, 0, 1000000));
   if (auto v = get("--seed")) o.seed = static_cast<std::uint64_t>(to_int("--seed", *v, 0, (1LL << 62)));
   if (auto v = get("--k")) o.k = to_real("--k", *v, 0, 100, true);
   if (auto v = get("--copy-gbps")) o.copy_gbps = to_real("--copy-gbps", *v, 0, 1e4, false);
@@ -267,8 +287,8 @@ std::string mib(double bytes) {
 /// fault fires inside a real forward pass, mid-iteration, with other passes in flight.
 struct Stage : po::model::GptStage {
   Stage(const po::model::GptConfig& cfg, int stage, int stages, const Options::Fault* fault) : GptStage(cfg, stage, stages), fault_(fault) {}
-  void forward(po::backend::CpuContext& ctx, const po::Microbatch& mb, const float* x, float* y, std::byte* saved) {
-    if (fault_ != nullptr && mb.step == fault_->step && mb.mb == std::min(1, mb.microbatches - 1)) {
+  void forward(po::backend::CpuContext& ctx, const po::Microbatch& mb, po::ConstTensor x, po::Tensor y, std::byte* saved) {
+    if (fault_ != nullptr && mb.training && mb.step == fault_->step && mb.mb == std::min(1, mb.microbatches - 1)) {
       std::fprintf(stderr, "train_gpt: rank %d: injecting '%s' in F(stage %d, mb %d) of step %d\n", fault_->rank, fault_->kind.c_str(), mb.stage, mb.mb, mb.step);
       std::fflush(stderr);
       if (fault_->kind == "kill") std::raise(SIGKILL);
@@ -282,10 +302,16 @@ struct Stage : po::model::GptStage {
   const Options::Fault* fault_;
 };
 
-/// What every rank shares: the data, the runtime options, the configuration it agrees on.
+/// What every rank shares: the data, the schedule and its costs, the optimizer's settings,
+/// the configuration it agrees on.
 struct Setup {
   std::string text;
-  po::RuntimeOptions ropt;
+  std::size_t train_bytes = 0;      // text[0, train_bytes) trains; the rest is held out (--eval-every)
+  po::Costs costs{};                // planning costs (the CUDA launcher sets stagger_pairs)
+  po::RuntimeOptions runtime{};
+  po::WarmupCosine lr{};
+  float clip = 1.0f;
+  po::AdamWOptions adamw{};
   std::vector<po::HandshakeField> fields;  // the handshake's
   std::uint64_t config_hash = 0;           // of what the training state depends on (checkpoints)
   std::size_t tokens_per_step = 0;
@@ -300,16 +326,14 @@ Setup make_setup(const Options& o, std::string text) {
   Setup s;
   s.text = std::move(text);
   const po::Shape sh = o.shape;
-  po::RuntimeOptions& r = s.ropt;
-  r.shape = sh;
-  r.spec = o.spec;
-  r.microbatch = {o.batch, o.model.seq};
-  r.costs.k = o.k;
-  r.optimizer.lr = o.lr;
-  r.optimizer.warmup_steps = std::max(1, std::min(20, o.steps / 10));
-  r.optimizer.total_steps = o.steps;
-  r.optimizer.weight_decay = 0.01f;
-  s.tokens_per_step = static_cast<std::size_t>(r.microbatch.tokens()) * static_cast<std::size_t>(sh.m);
+  s.train_bytes = o.eval_every > 0 ? s.text.size() - s.text.size() / 10 : s.text.size();
+  s.costs.k = o.k;
+  s.runtime = {.microbatch = {o.batch, o.model.seq}, .check_finite = o.check_finite};
+  s.lr = {.lr = o.lr, .warmup_steps = std::max(1, std::min(20, o.steps / 10)), .total_steps = o.steps, .min_lr_ratio = 0.1f};
+  s.adamw.weight_decay = 0.01f;
+  // GPT-2's rule: no weight decay on biases and LayerNorm gains (the 1-d tensors).
+  if (!o.decay_all) s.adamw.groups.push_back({"no decay", [](const po::ParamInfo& t) { return t.shape.size() < 2; }, 1.0f, 0.0f});
+  s.tokens_per_step = static_cast<std::size_t>(s.runtime.microbatch.tokens()) * static_cast<std::size_t>(sh.m);
   char lr[32], drop[32], k[32];
   std::snprintf(lr, sizeof lr, "%.9g", static_cast<double>(o.lr));
   std::snprintf(drop, sizeof drop, "%.9g", static_cast<double>(o.model.dropout));
@@ -317,9 +341,11 @@ Setup make_setup(const Options& o, std::string text) {
   const std::string model = "layers=" + std::to_string(o.model.layers) + " hidden=" + std::to_string(o.model.hidden) + " heads=" +
                             std::to_string(o.model.heads) + " seq=" + std::to_string(o.model.seq) + " dropout=" + drop;
   const std::string batch = "batch=" + std::to_string(o.batch) + " microbatches=" + std::to_string(sh.m) + " stages=" + std::to_string(sh.stages());
-  const std::string train = "steps=" + std::to_string(o.steps) + " lr=" + lr + " seed=" + std::to_string(o.seed);
-  char data[64];
-  std::snprintf(data, sizeof data, "%zu bytes, fnv1a %016llx", s.text.size(), static_cast<unsigned long long>(fnv1a(s.text)));
+  const std::string train = "steps=" + std::to_string(o.steps) + " lr=" + lr + " seed=" + std::to_string(o.seed) +
+                            " decay=" + (o.decay_all ? "all" : "2d-only");
+  char data[96];
+  std::snprintf(data, sizeof data, "%zu bytes, fnv1a %016llx, %zu train", s.text.size(), static_cast<unsigned long long>(fnv1a(s.text)),
+                s.train_bytes);
   s.fields = po::handshake_fields(o.spec, sh);
   s.fields.push_back({"model", model});
   s.fields.push_back({"batch", batch});
@@ -327,7 +353,8 @@ Setup make_setup(const Options& o, std::string text) {
   s.fields.push_back({"data", data});
   s.fields.push_back({"planning", "k=" + std::string(k) + " offload=" + std::to_string(po::offload::count(o.spec.offload, sh.v))});
   s.fields.push_back({"run", "checkpoint-every=" + std::to_string(o.checkpoint_every) + " resume=" + (o.resume.empty() ? "no" : "yes") +
-                                 " trace=" + (o.trace ? "yes" : "no")});
+                                 " trace=" + (o.trace ? "yes" : "no") + " eval-every=" + std::to_string(o.eval_every) +
+                                 " check-finite=" + (o.check_finite ? "yes" : "no")});
   // The training state depends on these, not on the schedule or rank count (every schedule
   // trains bit-identically), so a checkpoint resumes under any of them.
   s.config_hash = fnv1a(model + "|" + batch + "|" + train + "|" + data);
@@ -415,17 +442,18 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
                 po::PairLink<Device>* pair = nullptr) {
   const int r = comm.rank();
   const po::Shape sh = o.shape;
-  const po::MicrobatchShape mbs = su.ropt.microbatch;
+  const po::MicrobatchShape mbs = su.runtime.microbatch;
   const std::size_t seq = static_cast<std::size_t>(o.model.seq);
   const std::string& text = su.text;
   // Before the first pipeline message: every rank must run the same configuration.
   po::handshake(comm, su.fields);
-  po::Runtime<po::AnySchedule, Layer, Device, Comm> rt(su.ropt, dev, comm, mine);
+  po::Runtime rt(po::build(o.spec, sh, su.costs), dev, comm, std::span<Layer>(mine), su.runtime);
   if (pair != nullptr) rt.pair_with(*pair);
+  po::AdamW opt(rt, su.adamw);
   int first = 0;
   if (!o.resume.empty()) {
-    const po::CheckpointInfo info = po::load_checkpoint(o.resume, rt, su.config_hash);
-    first = rt.steps_taken();
+    const po::CheckpointInfo info = po::load_checkpoint(o.resume, rt, opt, su.config_hash);
+    first = opt.steps_taken();
     if (info.data_position != first || info.rng_seed != o.seed)
       throw po::checkpoint_error("checkpoint: " + o.resume + " has data position " + std::to_string(info.data_position) + " and seed " +
                                  std::to_string(info.rng_seed) + "; expected " + std::to_string(first) + " and " + std::to_string(o.seed));
@@ -437,19 +465,34 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
   // Peaks of every rank so far (rank 0 prints them): activation, device total, pinned host.
   std::vector<double> peaks(3 * static_cast<std::size_t>(sh.d), 0.0);
   std::vector<std::int32_t> tok(su.tokens_per_step), tgt(su.tokens_per_step);
-  double tokens_seconds = 0;
-  float final_loss = 0;
-  for (int step = first; step < o.steps; ++step) {
-    // Each sequence starts at a position drawn from (seed, step, sequence): the data position
-    // is the step, so a resumed run reads the batches an uninterrupted one would.
+  const std::vector<long long> shape = {static_cast<long long>(sh.m) * mbs.batch, mbs.seq};
+  // Sequences starting at text[from + at] for each sequence q's draw `at`, as a batch.
+  const auto batch_at = [&](std::size_t from, auto&& draw) {
     for (std::size_t q = 0; q < su.tokens_per_step / seq; ++q) {
-      const std::size_t at = po::math::mix64(o.seed, static_cast<std::uint64_t>(step) * 1000003u + q) % (text.size() - seq - 1);
+      const std::size_t at = from + draw(q);
       for (std::size_t t = 0; t < seq; ++t) {
         tok[q * seq + t] = static_cast<unsigned char>(text[at + t]);
         tgt[q * seq + t] = static_cast<unsigned char>(text[at + t + 1]);
       }
     }
-    const po::StepStats st = rt.step({tok, tgt});
+    po::Batch b;
+    b.add("tokens", tok, shape).add("targets", tgt, shape);
+    return b;
+  };
+  double tokens_seconds = 0;
+  float final_loss = 0;
+  for (int step = first; step < o.steps; ++step) {
+    // Each sequence starts at a position drawn from (seed, step, sequence): the data position
+    // is the step, so a resumed run reads the batches an uninterrupted one would.
+    const po::Batch batch = batch_at(0, [&](std::size_t q) {
+      return po::math::mix64(o.seed, static_cast<std::uint64_t>(step) * 1000003u + q) % (su.train_bytes - seq - 1);
+    });
+    // The training step, call by call: gradients of one batch, their norm, one AdamW update.
+    rt.zero_grad();
+    const po::PassStats st = rt.forward_backward(batch, {.step = step});
+    const double norm = po::grad_norm(rt);
+    const float lr = su.lr(step);
+    opt.step(lr, po::clip_scale(norm, su.clip));
     tokens_seconds += st.seconds;
     final_loss = st.loss;
     const double my[3] = {static_cast<double>(st.memory.peak_of(po::backend::Memory::activation)), static_cast<double>(st.memory.total_peak),
@@ -458,7 +501,18 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
     comm.all_gather(my, now);
     for (std::size_t i = 0; i < peaks.size(); ++i) peaks[i] = std::max(peaks[i], now[i]);
     if (o.checkpoint_every > 0 && (step + 1) % o.checkpoint_every == 0)
-      po::save_checkpoint(o.checkpoint_dir, rt, comm, {su.config_hash, o.seed, static_cast<std::int64_t>(step + 1)});
+      po::save_checkpoint(o.checkpoint_dir, rt, opt, {su.config_hash, o.seed, static_cast<std::int64_t>(step + 1)});
+    if (o.eval_every > 0 && ((step + 1) % o.eval_every == 0 || step + 1 == o.steps)) {
+      // The same held-out sequences every time: m microbatches from the corpus's last 10%.
+      const std::size_t held_out = text.size() - su.train_bytes;
+      const po::PassStats val = rt.evaluate(batch_at(su.train_bytes, [&](std::size_t q) {
+        return po::math::mix64(o.seed ^ 0x5eedULL, q) % (held_out - seq - 1);
+      }));
+      if (r == 0) {
+        std::printf("eval step %d/%d: val_loss %.4f (train loss %.4f)\n", step + 1, o.steps, static_cast<double>(val.loss), static_cast<double>(st.loss));
+        std::fflush(stdout);
+      }
+    }
     if (r == 0) {
       const bool report = !o.quiet && (step == first || (step + 1) % std::max(1, o.steps / 20) == 0 || step + 1 == o.steps);
       if (report) {
@@ -468,7 +522,7 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
         std::string line;
         for (int q = 0; q < sh.d; ++q) line += (q ? " " : "") + mib(peaks[3 * static_cast<std::size_t>(q)]);
         std::printf("[%s] step %d/%d loss %.4f lr %.2e | %.0f tokens/s | peak activation MiB per rank: %s\n", bar.c_str(), step + 1, o.steps,
-                    static_cast<double>(st.loss), static_cast<double>(st.lr),
+                    static_cast<double>(st.loss), static_cast<double>(lr),
                     static_cast<double>(su.tokens_per_step) * (step + 1 - first) / tokens_seconds, line.c_str());
         std::fflush(stdout);
       }
@@ -585,7 +639,7 @@ std::vector<Stage> cpu_stages(const Options& o, int r) {
 std::vector<po::cuda::GptStage> cuda_stages(const Options& o, const Setup& su, po::backend::Cuda& dev, int r) {
   std::vector<po::cuda::GptStage> mine;
   mine.reserve(static_cast<std::size_t>(o.shape.v));
-  for (int c = 0; c < o.shape.v; ++c) mine.emplace_back(dev, o.model, o.shape.stage_of(r, c), o.shape.stages(), su.ropt.microbatch);
+  for (int c = 0; c < o.shape.v; ++c) mine.emplace_back(dev, o.model, o.shape.stage_of(r, c), o.shape.stages(), su.runtime.microbatch);
   return mine;
 }
 
@@ -605,7 +659,7 @@ int run_cuda_threads(const Options& o, Setup su) {
   std::vector<int> devices(pairing.device_of_rank.begin(), pairing.device_of_rank.begin() + o.shape.d);
   bool paired = o.shape.d >= 2 && o.shape.d % 2 == 0;
   for (int r = 0; r < o.shape.d && paired; ++r) paired = pairing.partner_of_rank[static_cast<std::size_t>(r)] == (r ^ 1);
-  su.ropt.costs.stagger_pairs = paired;
+  su.costs.stagger_pairs = paired;
   print_banner(o, su);
   std::printf("GPUs by rank:");
   for (int dv : devices) std::printf(" %d", dv);
@@ -614,21 +668,12 @@ int run_cuda_threads(const Options& o, Setup su) {
   std::vector<std::unique_ptr<po::PairLink<po::backend::Cuda>>> links;
   for (int p = 0; paired && 2 * p + 1 < o.shape.d; ++p) links.push_back(std::make_unique<po::PairLink<po::backend::Cuda>>());
   const auto t_start = std::chrono::steady_clock::now();
-  const auto errors = po::run_thread_ranks(o.shape.d, [&](int r) {
-    try {
-      po::backend::Cuda dev({.device = devices[static_cast<std::size_t>(r)], .rank = r, .arena_bytes = cuda_arena_bytes});
-      po::comm::Nccl comm(world, r, dev);
-      try {
-        std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, r);
-        train_rank(o, su, comm, dev, mine, t_start, link_of(links, r));
-      } catch (const std::exception& e) {
-        comm.abort(e.what());
-        throw;
-      }
-    } catch (const std::exception& e) {
-      world->abort(e.what());  // a rank that failed before its communicator existed
-      throw;
-    }
+  // A rank that throws aborts the world (run_thread_ranks), so no other rank waits for it.
+  const auto errors = po::run_thread_ranks(*world, [&](int r) {
+    po::backend::Cuda dev({.device = devices[static_cast<std::size_t>(r)], .rank = r, .arena_bytes = cuda_arena_bytes});
+    po::comm::Nccl comm(world, r, dev);
+    std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, r);
+    train_rank(o, su, comm, dev, mine, t_start, link_of(links, r));
   });
   return exit_status(errors);
 }
@@ -644,7 +689,7 @@ int run_cuda_rank(const Options& o, Setup su, po::comm::Mpi& mpi, std::chrono::s
   const int device = local != nullptr ? std::atoi(local) : r;
   if (device >= gpus) throw po::error("--backend cuda: this process (rank " + std::to_string(r) + ") needs GPU " + std::to_string(device) +
                                       " but its node has " + std::to_string(gpus));
-  su.ropt.costs.stagger_pairs = false;
+  su.costs.stagger_pairs = false;
   const po::comm::NcclIdBytes id = po::comm::broadcast_nccl_id(mpi, r == 0 ? po::comm::NcclWorld::new_id() : po::comm::NcclIdBytes{});
   auto world = po::comm::NcclWorld::from_id(id, r, mpi.size(), device);
   po::backend::Cuda dev({.device = device, .rank = r, .arena_bytes = cuda_arena_bytes});
@@ -672,16 +717,12 @@ int run_threads(const Options& o, const Setup& su) {
   std::vector<std::unique_ptr<po::PairLink<po::backend::Cpu>>> links;
   for (int p = 0; o.pcie_pairs && 2 * p + 1 < o.shape.d; ++p) links.push_back(std::make_unique<po::PairLink<po::backend::Cpu>>());
   const auto t_start = std::chrono::steady_clock::now();
-  const auto errors = po::run_thread_ranks(o.shape.d, [&](int r) {
+  // A rank that throws aborts the world (run_thread_ranks), so no other rank waits for it.
+  const auto errors = po::run_thread_ranks(world, [&](int r) {
     po::comm::Threads comm(world, r);
-    try {
-      po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = o.copy_gbps * 1e9});
-      std::vector<Stage> mine = cpu_stages(o, r);
-      train_rank(o, su, comm, dev, mine, t_start, link_of(links, r));
-    } catch (const std::exception& e) {
-      comm.abort(e.what());  // wake the other ranks (the runtime does this for its own failures)
-      throw;
-    }
+    po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = o.copy_gbps * 1e9});
+    std::vector<Stage> mine = cpu_stages(o, r);
+    train_rank(o, su, comm, dev, mine, t_start, link_of(links, r));
   });
   return exit_status(errors);
 }
@@ -769,6 +810,11 @@ int main(int argc, char** argv) {
   const std::size_t seq = static_cast<std::size_t>(o.model.seq);
   if (text.size() < seq + 2) {
     std::fprintf(stderr, "train_gpt: the corpus has %zu bytes; it needs at least --seq + 2 = %zu\n", text.size(), seq + 2);
+    return 2;
+  }
+  if (o.eval_every > 0 && text.size() / 10 < seq + 2) {
+    std::fprintf(stderr, "train_gpt: --eval-every holds out the corpus's last 10%% (%zu bytes); it needs at least --seq + 2 = %zu\n", text.size() / 10,
+                 seq + 2);
     return 2;
   }
   po::blas::core_name();  // load the BLAS before the ranks start

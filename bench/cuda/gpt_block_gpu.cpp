@@ -72,6 +72,10 @@ std::vector<T> host_copy(const T* d, std::size_t n) {
   return v;
 }
 
+/// fp32 boundary views (a middle stage reads no step inputs).
+po::ConstTensor in_view(const float* p, std::size_t n) { return {reinterpret_cast<const std::byte*>(p), n, po::DType::float32}; }
+po::Tensor out_view(float* p, std::size_t n) { return {reinterpret_cast<std::byte*>(p), n, po::DType::float32}; }
+
 po::Microbatch middle_microbatch(po::MicrobatchShape shape, int mb) {
   po::Microbatch m;
   m.stage = 1;
@@ -98,14 +102,14 @@ bool check_against_cpu(bool recompute) {
   po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
   const int cs = dev.make_stream("compute");
   pc::GptStage gpu(dev, c, 1, 3, shape, cpu.parameters());
-  const std::size_t n = cpu.boundary_floats(shape);
+  const std::size_t n = cpu.input_boundary(shape).elements;
   const std::vector<float> x = random_bf16(n, 1), dy = random_bf16(n, 2);
   std::vector<float> y(n), dx(n);
   std::vector<std::byte> saved(cpu.saved_bytes(shape)), stash(cpu.stash_bytes(shape));
   po::backend::CpuContext cctx{};
   const po::Microbatch mb = middle_microbatch(shape, 0);
-  cpu.forward(cctx, mb, x.data(), y.data(), saved.data());
-  cpu.backward_input(cctx, mb, dy.data(), dx.data(), saved.data(), stash.data());
+  cpu.forward(cctx, mb, in_view(x.data(), n), out_view(y.data(), n), saved.data());
+  cpu.backward_input(cctx, mb, in_view(dy.data(), n), out_view(dx.data(), n), saved.data(), stash.data());
   cpu.backward_weight(cctx, mb, saved.data(), stash.data());
   float *dxd = device_copy(x), *ddy = device_copy(dy), *dyd = device_copy(y), *ddx = device_copy(dx);
   std::byte *dsaved = nullptr, *dstash = nullptr;
@@ -114,8 +118,8 @@ bool check_against_cpu(bool recompute) {
   PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
   dev.launch(cs, [&] {
     po::backend::CudaContext ctx = dev.context(cs);
-    gpu.forward(ctx, mb, dxd, dyd, dsaved);
-    gpu.backward_input(ctx, mb, ddy, ddx, dsaved, dstash);
+    gpu.forward(ctx, mb, in_view(dxd, n), out_view(dyd, n), dsaved);
+    gpu.backward_input(ctx, mb, in_view(ddy, n), out_view(ddx, n), dsaved, dstash);
     gpu.backward_weight(ctx, mb, dsaved, dstash);
   });
   dev.synchronize();
@@ -211,9 +215,9 @@ int main(int argc, char** argv) {
         po::backend::CudaContext c = dev.context(cs);
         const po::Microbatch m = middle_microbatch(shape, mb);
         if (timed) PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[0], c.cuda_stream));
-        stage.forward(c, m, x, y, saved);
+        stage.forward(c, m, in_view(x, Th), out_view(y, Th), saved);
         if (timed) PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[1], c.cuda_stream));
-        stage.backward_input(c, m, dy, dx, saved, stash);
+        stage.backward_input(c, m, in_view(dy, Th), out_view(dx, Th), saved, stash);
         if (timed) PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[2], c.cuda_stream));
         stage.backward_weight(c, m, saved, stash);
         if (timed) PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[3], c.cuda_stream));

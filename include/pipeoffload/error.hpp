@@ -27,6 +27,18 @@ struct schedule_error : error {
   using error::error;
 };
 
+/// A NaN or infinity where a step computes: in an activation, a loss, an input gradient or the
+/// gradient norm. Every rank throws the same one (its message names rank, stage and op), and
+/// the communicator stays usable: a loss-scaling caller may zero_grad() and go on.
+struct nonfinite_error : error {
+  using error::error;
+};
+
+/// A wait that was cut short because the device or a peer failed; what() names the failure.
+struct aborted_error : error {
+  using error::error;
+};
+
 namespace detail {
 
 /// Decimal text of an integer, usable in constant expressions (std::to_string is not).

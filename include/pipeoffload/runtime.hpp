@@ -1,7 +1,8 @@
 // pipeoffload/runtime.hpp: the CPU training umbrella (threads, no CUDA).
 //
-// Everything pipeoffload.hpp has, plus the runtime, the CPU backend, the thread-rank
-// communicator and the host-side offload layout. `po::` as in pipeoffload.hpp.
+// Everything pipeoffload.hpp has, plus the runtime, its optimizers, the CPU backend, the
+// thread-rank communicator and the host-side offload layout. `po::` as in pipeoffload.hpp.
+// Checkpoints (file I/O) are in runtime/checkpoint.hpp.
 #pragma once
 
 #include "backend/backend.hpp"
@@ -10,7 +11,11 @@
 #include "comm/threads.hpp"
 #include "model/layer.hpp"
 #include "model/math.hpp"
+#include "tensor.hpp"
 #include "offload/host_bins.hpp"
 #include "pipeoffload.hpp"
+#include "runtime/batch.hpp"
+#include "runtime/optimizer.hpp"
 #include "runtime/runtime.hpp"
+#include "runtime/stage.hpp"
 #include "runtime/thread_ranks.hpp"

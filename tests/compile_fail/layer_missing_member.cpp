@@ -1,15 +1,16 @@
-// expect: po::Runtime: Layer must model po::layer: it needs boundary_floats(shape), saved_bytes(shape), stash_bytes(shape)
+// expect: po::Runtime: Layer must model po::layer: it needs input_boundary(shape), output_boundary(shape), saved_bytes(shape)
 // A stage type without backward_weight (W) cannot run a split-backward schedule: the runtime
 // must say which members a layer needs, not fail deep inside its template.
 #include <pipeoffload/runtime.hpp>
 
 struct NoWeightGradient {
   float p = 0, g = 0;
-  std::size_t boundary_floats(po::MicrobatchShape) const { return 1; }
+  po::Boundary input_boundary(po::MicrobatchShape) const { return {1}; }
+  po::Boundary output_boundary(po::MicrobatchShape) const { return {1}; }
   std::size_t saved_bytes(po::MicrobatchShape) const { return 4; }
   std::size_t stash_bytes(po::MicrobatchShape) const { return 4; }
-  void forward(po::backend::CpuContext&, const po::Microbatch&, const float*, float*, std::byte*) {}
-  void backward_input(po::backend::CpuContext&, const po::Microbatch&, const float*, float*, std::byte*, std::byte*) {}
+  void forward(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor, std::byte*) {}
+  void backward_input(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor, std::byte*, std::byte*) {}
   std::span<float> parameters() { return {&p, 1}; }
   std::span<float> gradients() { return {&g, 1}; }
 };

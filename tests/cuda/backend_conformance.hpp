@@ -4,7 +4,8 @@
 // a case cannot express through the backend concept itself: a delay on a stream (to make an
 // ordering bug observable) and a stage's forward/backward body (y = GeLU(x), dx = dy GeLU'(x),
 // the per-element math of model/math.hpp). Data moves in and out only through the concept:
-// pinned host blocks, transfer(), synchronize() (and upload/download where a case tests them).
+// pinned host blocks, transfer(), synchronize() (and upload, download, zero, flag_nonfinite and
+// the optimizer updates where a case tests them).
 // Instantiated for backend::Cpu in
 // test_conformance_cpu.cpp (runs everywhere) and backend::Cuda in test_conformance_cuda.cpp
 // (SKIP without a GPU).
@@ -12,7 +13,9 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <span>
@@ -21,7 +24,9 @@
 #include <vector>
 
 #include <pipeoffload/backend/backend.hpp>
+#include <pipeoffload/backend/update.hpp>
 #include <pipeoffload/model/math.hpp>
+#include <pipeoffload/tensor.hpp>
 #include <pipeoffload/offload/host_bins.hpp>
 
 namespace conformance {
@@ -199,9 +204,36 @@ void stage_forward_backward() {
   for (pb::Block b : {bx, by, bdy, bdx}) dev->device_free(b);
 }
 
-/// The blocking between-steps operations: upload/download, per-group sums of squares, AdamW.
-/// fp32 arithmetic is exact on the CPU and within `fp32_tolerance` (an FMA contracted or not)
-/// on a GPU; the fp64 sums within 1e-9 relative (another summation order).
+/// A device buffer of `n` floats holding `values`, and its span (the optimizer operations
+/// take spans of device memory).
+template <class Dev>
+std::span<float> device_floats(Dev& dev, std::vector<pb::Block>& owned, const std::vector<float>& values) {
+  owned.push_back(dev.device_alloc(values.size() * sizeof(float), pb::Memory::optimizer));
+  dev.upload(owned.back().ptr, values.data(), values.size() * sizeof(float));
+  return {reinterpret_cast<float*>(owned.back().ptr), values.size()};
+}
+template <class Dev>
+std::vector<float> host_floats(Dev& dev, std::span<const float> device) {
+  std::vector<float> out(device.size());
+  dev.download(out.data(), device.data(), device.size_bytes());
+  return out;
+}
+
+/// Element-wise agreement with the host reference: exact on the CPU, within `tol` (an FMA
+/// contracted or not) relative on a GPU; a NaN never agrees.
+inline void check_floats(const char* what, const std::vector<float>& got, const std::vector<float>& want, float tol) {
+  REQUIRE(got.size() == want.size());
+  int bad = 0;
+  for (std::size_t i = 0; i < got.size() && bad < 10; ++i)
+    if (!(std::abs(got[i] - want[i]) <= tol * (1 + std::abs(want[i])))) {
+      ++bad;
+      FAIL_CHECK(what << "[" << i << "]: got " << got[i] << ", want " << want[i]);
+    }
+}
+
+/// The blocking between-steps operations: upload/download, zero, per-group sums of squares,
+/// AdamW. fp32 arithmetic is exact on the CPU and within `fp32_tolerance` (an FMA contracted
+/// or not) on a GPU; the fp64 sums within 1e-9 relative (another summation order).
 template <class Traits>
 void optimizer_operations() {
   auto dev = Traits::make();
@@ -213,20 +245,14 @@ void optimizer_operations() {
     m[i] = 0.01f * static_cast<float>(i % 5);
     v[i] = 1e-4f * static_cast<float>(i % 3);
   }
-  pb::Block bp = dev->device_alloc(n * 4, pb::Memory::state), bg = dev->device_alloc(n * 4, pb::Memory::state);
-  pb::Block bm = dev->device_alloc(n * 4, pb::Memory::state), bv = dev->device_alloc(n * 4, pb::Memory::state);
-  dev->upload(bp.ptr, p.data(), n * 4);
-  dev->upload(bg.ptr, g.data(), n * 4);
-  dev->upload(bm.ptr, m.data(), n * 4);
-  dev->upload(bv.ptr, v.data(), n * 4);
-  std::vector<float> back(n);
-  dev->download(back.data(), bg.ptr, n * 4);
-  CHECK(std::memcmp(back.data(), g.data(), n * 4) == 0);
+  std::vector<pb::Block> owned;
+  const std::span<float> dp = device_floats(*dev, owned, p), dg = device_floats(*dev, owned, g);
+  const std::span<float> dm = device_floats(*dev, owned, m), dv = device_floats(*dev, owned, v);
+  CHECK(host_floats(*dev, dg) == g);
   // Sums of squares over three groups, one of them empty.
   const std::vector<std::size_t> groups{5000, 0, n - 5000};
   std::vector<double> sums(3, -1.0);
-  const auto fs = [](pb::Block b, std::size_t count) { return std::span<float>(reinterpret_cast<float*>(b.ptr), count); };
-  dev->sum_squares(fs(bg, n), groups, sums);
+  dev->sum_squares(dg, groups, sums);
   std::size_t off = 0;
   for (std::size_t k = 0; k < groups.size(); ++k) {
     double want = 0;
@@ -235,25 +261,154 @@ void optimizer_operations() {
     CAPTURE(k);
     CHECK(std::abs(sums[k] - want) <= 1e-9 * want);
   }
-  // AdamW with a clip scale, against math::adamw_update on the host; gradients zeroed after.
-  pipeoffload::math::AdamW opt;
-  opt.lr = 1e-2f;
-  opt.weight_decay = 0.1f;
+  // AdamW with a clip scale, against update::adamw on the host. The gradients are only read:
+  // Runtime::zero_grad clears them, not the update.
+  const pipeoffload::update::AdamWParams hyper{0.9f, 0.95f, 1e-8f, 0.1f};
   const float lr = 3e-3f, scale = 0.5f;
-  const pipeoffload::math::AdamBias bias = pipeoffload::math::adam_bias(opt, 3);
-  dev->adamw(fs(bp, n), fs(bg, n), fs(bm, n), fs(bv, n), opt, lr, bias, scale);
-  std::vector<float> got_p(n), got_g(n), got_m(n);
-  dev->download(got_p.data(), bp.ptr, n * 4);
-  dev->download(got_g.data(), bg.ptr, n * 4);
-  dev->download(got_m.data(), bm.ptr, n * 4);
+  const pipeoffload::update::AdamBias bias = pipeoffload::update::adam_bias(hyper.beta1, hyper.beta2, 3);
+  dev->adamw(dp, dg, dm, dv, hyper, lr, bias, scale);
+  std::vector<float> want_p = p, want_m = m, want_v = v;
+  for (std::size_t i = 0; i < n; ++i) pipeoffload::update::adamw(want_p[i], g[i] * scale, want_m[i], want_v[i], hyper, lr, bias);
+  check_floats("adamw p", host_floats(*dev, dp), want_p, Traits::fp32_tolerance);
+  check_floats("adamw m", host_floats(*dev, dm), want_m, Traits::fp32_tolerance);
+  check_floats("adamw v", host_floats(*dev, dv), want_v, Traits::fp32_tolerance);
+  CHECK(host_floats(*dev, dg) == g);
+  // Mismatched sizes are refused, naming them.
+  CHECK_THROWS_AS(dev->adamw(dp, dg.first(n - 1), dm, dv, hyper, lr, bias, scale), pipeoffload::error);
+  for (pb::Block b : owned) dev->device_free(b);
+}
+
+/// zero(device, bytes) clears exactly the bytes asked for, at any offset and length.
+template <class Traits>
+void zero_clears_a_range() {
+  auto dev = Traits::make();
+  const std::size_t n = 4099;
+  std::vector<unsigned char> pattern(n);
+  for (std::size_t i = 0; i < n; ++i) pattern[i] = static_cast<unsigned char>(i * 37 + 1) | 1u;  // never 0
+  pb::Block b = dev->device_alloc(n, pb::Memory::state);
+  dev->upload(b.ptr, pattern.data(), n);
+  const std::size_t from = 3, len = 1001;  // unaligned start and length
+  dev->zero(b.ptr + from, len);
+  dev->zero(b.ptr, 0);  // nothing
+  std::vector<unsigned char> got(n);
+  dev->download(got.data(), b.ptr, n);
   for (std::size_t i = 0; i < n; ++i) {
-    float pi = p[i], mi = m[i], vi = v[i];
-    pipeoffload::math::adamw_update(pi, g[i] * scale, mi, vi, opt, lr, bias);
-    CHECK(std::abs(got_p[i] - pi) <= Traits::fp32_tolerance * (1 + std::abs(pi)));
-    CHECK(std::abs(got_m[i] - mi) <= Traits::fp32_tolerance * (1 + std::abs(mi)));
-    CHECK(got_g[i] == 0.0f);
+    CAPTURE(i);
+    CHECK(got[i] == (i >= from && i < from + len ? 0 : pattern[i]));
   }
-  for (pb::Block b : {bp, bg, bm, bv}) dev->device_free(b);
+  dev->device_free(b);
+}
+
+/// flag_nonfinite on a tensor of `words` raw values of `dtype`, in stream order on a
+/// compute stream, starting from `initial`; returns the flag.
+template <class Dev, class Word>
+std::uint32_t nonfinite_flag(Dev& dev, int stream, const std::vector<Word>& words, pipeoffload::DType dtype, std::uint32_t initial = 0) {
+  pb::Block data = dev.device_alloc(std::max<std::size_t>(1, words.size() * sizeof(Word)), pb::Memory::message);
+  pb::Block flag = dev.device_alloc(sizeof(std::uint32_t), pb::Memory::state);
+  if (!words.empty()) dev.upload(data.ptr, words.data(), words.size() * sizeof(Word));
+  dev.zero(flag.ptr, sizeof(std::uint32_t));
+  if (initial != 0) dev.upload(flag.ptr, &initial, sizeof initial);
+  dev.launch(stream, [&] {
+    auto ctx = dev.context(stream);
+    dev.flag_nonfinite(ctx, pipeoffload::ConstTensor{data.ptr, words.size(), dtype}, reinterpret_cast<std::uint32_t*>(flag.ptr));
+  });
+  dev.synchronize();
+  std::uint32_t out = 7;
+  dev.download(&out, flag.ptr, sizeof out);
+  dev.device_free(data);
+  dev.device_free(flag);
+  return out;
+}
+
+/// A tensor of n finite values of a type with one word replaced by `bad` at position `at`.
+template <class Word>
+std::vector<Word> with_word(std::size_t n, Word finite, std::size_t at, Word bad) {
+  std::vector<Word> w(n, finite);
+  w[at] = bad;
+  return w;
+}
+
+/// flag_nonfinite sets the flag for a NaN, +Inf or -Inf anywhere in a float32, bfloat16,
+/// float16 or float64 tensor, never for finite values (the largest, denormals, -0), never for
+/// integers, and never clears a flag already set.
+template <class Traits>
+void nonfinite_flags() {
+  using pipeoffload::DType;
+  auto dev = Traits::make();
+  const int s = dev->make_stream("compute");
+  const std::size_t n = 100003;  // several grid-stride rounds on a GPU
+  for (std::size_t at : {std::size_t{0}, n / 2, n - 1}) {
+    CAPTURE(at);
+    // float32: NaN, +Inf, -Inf; finite: 1.0, the largest float, a denormal, -0.
+    for (std::uint32_t bad : {0x7fc00000u, 0x7f800001u, 0xffc00000u, 0x7f800000u, 0xff800000u}) {
+      CAPTURE(bad);
+      CHECK(nonfinite_flag(*dev, s, with_word<std::uint32_t>(n, 0x3f800000u, at, bad), DType::float32) == 1);
+    }
+    for (std::uint32_t finite : {0x7f7fffffu, 0xff7fffffu, 0x00000001u, 0x80000000u})
+      CHECK(nonfinite_flag(*dev, s, with_word<std::uint32_t>(n, 0x3f800000u, at, finite), DType::float32) == 0);
+    // bfloat16 (the top half of a float32): NaN, +Inf, -Inf; finite: the largest, a denormal.
+    for (std::uint16_t bad : {std::uint16_t{0x7fc0}, std::uint16_t{0x7f80}, std::uint16_t{0xff80}, std::uint16_t{0xffc1}})
+      CHECK(nonfinite_flag(*dev, s, with_word<std::uint16_t>(n, 0x3f80, at, bad), DType::bfloat16) == 1);
+    for (std::uint16_t finite : {std::uint16_t{0x7f7f}, std::uint16_t{0xff7f}, std::uint16_t{0x0001}})
+      CHECK(nonfinite_flag(*dev, s, with_word<std::uint16_t>(n, 0x3f80, at, finite), DType::bfloat16) == 0);
+    // float16 and float64.
+    CHECK(nonfinite_flag(*dev, s, with_word<std::uint16_t>(n, 0x3c00, at, std::uint16_t{0x7c00}), DType::float16) == 1);
+    CHECK(nonfinite_flag(*dev, s, with_word<std::uint16_t>(n, 0x3c00, at, std::uint16_t{0x7bff}), DType::float16) == 0);
+    CHECK(nonfinite_flag(*dev, s, with_word<std::uint64_t>(n, 0x3ff0000000000000ull, at, 0xfff0000000000000ull), DType::float64) == 1);
+    CHECK(nonfinite_flag(*dev, s, with_word<std::uint64_t>(n, 0x3ff0000000000000ull, at, 0x7fefffffffffffffull), DType::float64) == 0);
+    // Integers whose bits would be a float's NaN have nothing to check.
+    CHECK(nonfinite_flag(*dev, s, with_word<std::uint32_t>(n, 1u, at, 0x7fc00000u), DType::int32) == 0);
+  }
+  // A finite tensor leaves a flag that is already set; an empty one does nothing.
+  CHECK(nonfinite_flag(*dev, s, std::vector<std::uint32_t>(n, 0x3f800000u), DType::float32, 1) == 1);
+  CHECK(nonfinite_flag(*dev, s, std::vector<std::uint32_t>{}, DType::float32) == 0);
+}
+
+/// sgd against update::sgd on the host: plain SGD without a buffer, momentum with dampening,
+/// Nesterov, L2 weight decay, and the buffer's first step (set to the gradient) followed by a
+/// second (decayed); gradients scaled by grad_scale and left as they are.
+template <class Traits>
+void sgd_updates() {
+  namespace up = pipeoffload::update;
+  auto dev = Traits::make();
+  const std::size_t n = 10007;
+  std::vector<float> p0(n), g(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    p0[i] = std::sin(0.02f * static_cast<float>(i)) + 0.1f;
+    g[i] = 0.2f * std::cos(0.007f * static_cast<float>(i)) - 0.05f;
+  }
+  struct Case {
+    const char* name;
+    up::SgdParams hyper;
+  };
+  const Case cases[] = {
+      {"plain", {0.0f, 0.0f, false, 0.0f}},
+      {"plain with weight decay", {0.0f, 0.0f, false, 0.01f}},
+      {"momentum with dampening and weight decay", {0.9f, 0.1f, false, 0.01f}},
+      {"Nesterov", {0.9f, 0.0f, true, 0.0f}},
+      {"Nesterov with weight decay", {0.8f, 0.0f, true, 0.05f}},
+  };
+  const float lr = 0.05f, scale = 0.5f;
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    const bool momentum = c.hyper.momentum != 0.0f;
+    std::vector<pb::Block> owned;
+    const std::span<float> dp = device_floats(*dev, owned, p0), dg = device_floats(*dev, owned, g);
+    // Without momentum the buffer is absent (an empty span), as po::Sgd passes it.
+    const std::span<float> dbuf = momentum ? device_floats(*dev, owned, std::vector<float>(n, 123.0f)) : std::span<float>{};
+    std::vector<float> want_p = p0, want_buf(n, 123.0f);
+    for (bool first : {true, false}) {
+      CAPTURE(first);
+      dev->sgd(dp, dg, dbuf, c.hyper, lr, scale, first);
+      float unused = 0;
+      for (std::size_t i = 0; i < n; ++i) up::sgd(want_p[i], g[i] * scale, momentum ? want_buf[i] : unused, c.hyper, lr, first);
+      check_floats("sgd p", host_floats(*dev, dp), want_p, Traits::fp32_tolerance);
+      if (momentum) check_floats("sgd buf", host_floats(*dev, dbuf), want_buf, Traits::fp32_tolerance);
+      CHECK(host_floats(*dev, dg) == g);
+    }
+    if (momentum) CHECK_THROWS_AS(dev->sgd(dp, dg, std::span<float>{}, c.hyper, lr, scale, false), pipeoffload::error);  // momentum needs its buffer
+    for (pb::Block b : owned) dev->device_free(b);
+  }
 }
 
 /// backend::pairs_copies: a stream that waits for a counter runs after the stream that raised
@@ -318,7 +473,16 @@ void pair_counters() {
     conformance::copy_round_trip<Traits>();                                                                     \
   }                                                                                                             \
   TEST_CASE(name ": a stage's forward and backward match model/math.hpp") { conformance::stage_forward_backward<Traits>(); } \
-  TEST_CASE(name ": upload, download, sums of squares and AdamW between steps") { conformance::optimizer_operations<Traits>(); } \
+  TEST_CASE(name ": upload, download, sums of squares and AdamW between steps, gradients left as they are") {          \
+    conformance::optimizer_operations<Traits>();                                                                \
+  }                                                                                                             \
+  TEST_CASE(name ": zero clears exactly the bytes asked for") { conformance::zero_clears_a_range<Traits>(); }     \
+  TEST_CASE(name ": flag_nonfinite flags NaN and infinities of every floating type, nothing finite, no integers") { \
+    conformance::nonfinite_flags<Traits>();                                                                     \
+  }                                                                                                             \
+  TEST_CASE(name ": sgd matches update::sgd with momentum, dampening, Nesterov, weight decay and the first step") { \
+    conformance::sgd_updates<Traits>();                                                                         \
+  }                                                                                                             \
   TEST_CASE(name ": a counter orders one stream after another; an aborted counter releases its waiters") {        \
     conformance::pair_counters<Traits>();                                                                       \
   }

@@ -4,7 +4,8 @@
 // Each case runs the same stage on both backends from the same parameters and inputs, in the
 // order a pipeline runs two microbatches, F0 F1 B0 B1 W0 W1, and compares the last stage's
 // losses, the boundary outputs y, B's input gradients dx and W's accumulated gradients, tensor
-// by tensor. Along the way the GPU side is held to the layer contract: saved and stash buffers
+// by tensor (the tensors of parameter_info()). An evaluation case runs the forwards alone with
+// mb.training false: no dropout on either side. Along the way the GPU side is held to the layer contract: saved and stash buffers
 // start as NaN (0xFF bytes), so reading a region before writing it poisons the results; F1,
 // B1 run between F0 and B0/W0 and overwrite the stage's scratch, so nothing may live there
 // between passes; and microbatch 0's saved buffer is "offloaded" between F and B (copied to
@@ -114,38 +115,11 @@ void draw_parameters(std::span<float> p, const pc::GptDims& d, unsigned seed) {
   }
 }
 
-/// Named tensors of a stage's parameter vector, for per-tensor comparisons of gradients.
-struct Tensor {
-  std::string name;
-  long long offset = 0, count = 0;
-};
-std::vector<Tensor> tensors_of(const pc::GptDims& d) {
-  const pc::GptStageParams L = pc::gpt_stage_params(d);
-  const long long h = d.hidden, V = d.vocab;
-  std::vector<Tensor> t;
-  if (d.embeds) {
-    t.push_back({"wte", 0, V * h});
-    t.push_back({"wpe", L.wpe, d.positions * h});
-  }
-  for (int i = 0; i < d.blocks; ++i) {
-    const long long b = L.block_begin(i);
-    const pc::GptBlockParams& o = L.block;
-    const std::string n = "block " + std::to_string(d.first_block + i) + " ";
-    for (const Tensor& x : {Tensor{"ln1 gamma", o.ln1g, h}, Tensor{"ln1 beta", o.ln1b, h}, Tensor{"Wqkv", o.wqkv, 3 * h * h},
-                            Tensor{"bqkv", o.bqkv, 3 * h}, Tensor{"Wo", o.wo, h * h}, Tensor{"bo", o.bo, h}, Tensor{"ln2 gamma", o.ln2g, h},
-                            Tensor{"ln2 beta", o.ln2b, h}, Tensor{"Wfc", o.wfc, 4 * h * h}, Tensor{"bfc", o.bfc, 4 * h},
-                            Tensor{"Wpr", o.wpr, 4 * h * h}, Tensor{"bpr", o.bpr, h}})
-      t.push_back({n + x.name, b + x.offset, x.count});
-  }
-  if (d.has_head)
-    for (const Tensor& x : {Tensor{"lnf gamma", L.lnfg, h}, Tensor{"lnf beta", L.lnfb, h}, Tensor{"head W", L.head_w, h * V}, Tensor{"head b", L.head_b, V}})
-      t.push_back({x.name, L.head_begin + x.offset, x.count});
-  return t;
-}
-
-/// Two microbatches' inputs of one stage.
+/// Two microbatches' inputs of one stage; `training` false runs the forwards alone, as
+/// Runtime::evaluate does.
 struct Inputs {
   po::MicrobatchShape shape;
+  bool training = true;
   std::vector<std::int32_t> tokens[2], targets[2];
   std::vector<float> x[2], dy[2];
 };
@@ -175,25 +149,39 @@ struct Outputs {
   std::vector<float> y[2], dx[2], grads;
 };
 
-po::Microbatch microbatch(int stage, int stages, int k, const Inputs& in, const std::int32_t* tokens, const std::int32_t* targets, float* loss) {
+/// fp32 views of boundary tensors (host memory on the CPU, device memory on the GPU).
+po::ConstTensor view(const float* p, std::size_t n) { return {reinterpret_cast<const std::byte*>(p), n, po::DType::float32}; }
+po::Tensor view(float* p, std::size_t n) { return {reinterpret_cast<std::byte*>(p), n, po::DType::float32}; }
+
+/// The step inputs a stage reads for one microbatch (tokens on stage 0, targets on the last),
+/// int32 at `tokens` and `targets` (host or device memory), as the runtime hands them over.
+std::vector<po::StepInput> step_inputs(int stage, int stages, const std::int32_t* tokens, const std::int32_t* targets, std::size_t T) {
+  std::vector<po::StepInput> in;
+  if (stage == 0) in.push_back({"tokens", {reinterpret_cast<const std::byte*>(tokens), T, po::DType::int32}});
+  if (stage == stages - 1) in.push_back({"targets", {reinterpret_cast<const std::byte*>(targets), T, po::DType::int32}});
+  return in;
+}
+
+po::Microbatch microbatch(int stage, int stages, int k, const Inputs& in, std::span<const po::StepInput> inputs, float* loss) {
   po::Microbatch mb;
   mb.stage = stage;
   mb.stages = stages;
   mb.mb = k;
   mb.microbatches = 2;
   mb.step = 3;  // any step: the seeds depend on it the same way on both sides
+  mb.training = in.training;
   mb.shape = in.shape;
-  mb.tokens = tokens;
-  mb.targets = targets;
+  mb.inputs = inputs;
   mb.loss = loss;
   mb.loss_scale = 0.5f;
   return mb;
 }
 
 Outputs run_cpu(po::model::GptStage& l, int stage, int stages, const Inputs& in) {
-  const std::size_t n = l.boundary_floats(in.shape);
+  const std::size_t n = l.input_boundary(in.shape).elements, T = static_cast<std::size_t>(in.shape.tokens());
   Outputs out;
   std::vector<std::byte> saved[2], stash[2];
+  std::vector<po::StepInput> inputs[2];
   po::backend::CpuContext ctx{};
   const bool first = stage == 0, last = stage == stages - 1;
   for (int k = 0; k < 2; ++k) {
@@ -201,19 +189,19 @@ Outputs run_cpu(po::model::GptStage& l, int stage, int stages, const Inputs& in)
     stash[k].resize(l.stash_bytes(in.shape));
     out.y[k].assign(last ? 0 : n, 0.0f);
     out.dx[k].assign(first ? 0 : n, 0.0f);
+    inputs[k] = step_inputs(stage, stages, in.tokens[k].data(), in.targets[k].data(), T);
   }
   for (int k = 0; k < 2; ++k) {
-    const po::Microbatch mb = microbatch(stage, stages, k, in, in.tokens[k].data(), in.targets[k].data(), last ? &out.loss[k] : nullptr);
-    l.forward(ctx, mb, first ? nullptr : in.x[k].data(), last ? nullptr : out.y[k].data(), saved[k].data());
+    const po::Microbatch mb = microbatch(stage, stages, k, in, inputs[k], last ? &out.loss[k] : nullptr);
+    l.forward(ctx, mb, first ? po::ConstTensor{} : view(in.x[k].data(), n), last ? po::Tensor{} : view(out.y[k].data(), n), saved[k].data());
   }
+  if (!in.training) return out;
   for (int k = 0; k < 2; ++k) {
-    const po::Microbatch mb = microbatch(stage, stages, k, in, in.tokens[k].data(), in.targets[k].data(), nullptr);
-    l.backward_input(ctx, mb, last ? nullptr : in.dy[k].data(), first ? nullptr : out.dx[k].data(), saved[k].data(), stash[k].data());
+    const po::Microbatch mb = microbatch(stage, stages, k, in, inputs[k], nullptr);
+    l.backward_input(ctx, mb, last ? po::ConstTensor{} : view(in.dy[k].data(), n), first ? po::Tensor{} : view(out.dx[k].data(), n), saved[k].data(),
+                     stash[k].data());
   }
-  for (int k = 0; k < 2; ++k) {
-    const po::Microbatch mb = microbatch(stage, stages, k, in, in.tokens[k].data(), in.targets[k].data(), nullptr);
-    l.backward_weight(ctx, mb, saved[k].data(), stash[k].data());
-  }
+  for (int k = 0; k < 2; ++k) l.backward_weight(ctx, microbatch(stage, stages, k, in, inputs[k], nullptr), saved[k].data(), stash[k].data());
   out.grads.assign(l.gradients().begin(), l.gradients().end());
   return out;
 }
@@ -253,16 +241,16 @@ std::vector<T> download(const T* d, std::size_t n) {
 }
 
 Outputs run_gpu(pc::GptStage& l, po::backend::Cuda& dev, int stream, int stage, int stages, const Inputs& in) {
-  const std::size_t n = l.boundary_floats(in.shape), sb = l.saved_bytes(in.shape), tb = l.stash_bytes(in.shape);
+  const std::size_t n = l.input_boundary(in.shape).elements, sb = l.saved_bytes(in.shape), tb = l.stash_bytes(in.shape);
+  const std::size_t T = static_cast<std::size_t>(in.shape.tokens());
   const bool first = stage == 0, last = stage == stages - 1;
   DeviceBuffers b;
-  std::int32_t *tokens[2], *targets[2];
   float *x[2], *y[2], *dy[2], *dx[2];
   std::byte *saved[2], *stash[2];
+  std::vector<po::StepInput> inputs[2];  // views of the device copies of tokens and targets
   float* loss = b.alloc<float>(2);
   for (int k = 0; k < 2; ++k) {
-    tokens[k] = b.copy(in.tokens[k]);
-    targets[k] = b.copy(in.targets[k]);
+    inputs[k] = step_inputs(stage, stages, b.copy(in.tokens[k]), b.copy(in.targets[k]), T);
     x[k] = b.copy(in.x[k]);
     dy[k] = b.copy(in.dy[k]);
     y[k] = b.alloc<float>(n);
@@ -282,22 +270,24 @@ Outputs run_gpu(pc::GptStage& l, po::backend::Cuda& dev, int stream, int stage, 
   };
   for (int k = 0; k < 2; ++k)
     pass([&](po::backend::CudaContext& ctx) {
-      l.forward(ctx, microbatch(stage, stages, k, in, tokens[k], targets[k], last ? loss + k : nullptr), first ? nullptr : x[k], last ? nullptr : y[k],
-                saved[k]);
+      l.forward(ctx, microbatch(stage, stages, k, in, inputs[k], last ? loss + k : nullptr), first ? po::ConstTensor{} : view(x[k], n),
+                last ? po::Tensor{} : view(y[k], n), saved[k]);
     });
-  // Offload and reload microbatch 0's activations into another buffer; poison the old one.
-  const std::vector<std::byte> host = download(saved[0], sb);
-  PIPEOFFLOAD_CUDA_CHECK(cudaMemset(saved[0], 0xFF, sb));
-  saved[0] = b.poisoned(sb);
-  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(saved[0], host.data(), sb, cudaMemcpyHostToDevice));
-  PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
-  for (int k = 0; k < 2; ++k)
-    pass([&](po::backend::CudaContext& ctx) {
-      l.backward_input(ctx, microbatch(stage, stages, k, in, tokens[k], targets[k], nullptr), last ? nullptr : dy[k], first ? nullptr : dx[k], saved[k],
-                       stash[k]);
-    });
-  for (int k = 0; k < 2; ++k)
-    pass([&](po::backend::CudaContext& ctx) { l.backward_weight(ctx, microbatch(stage, stages, k, in, tokens[k], targets[k], nullptr), saved[k], stash[k]); });
+  if (in.training) {
+    // Offload and reload microbatch 0's activations into another buffer; poison the old one.
+    const std::vector<std::byte> host = download(saved[0], sb);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemset(saved[0], 0xFF, sb));
+    saved[0] = b.poisoned(sb);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(saved[0], host.data(), sb, cudaMemcpyHostToDevice));
+    PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
+    for (int k = 0; k < 2; ++k)
+      pass([&](po::backend::CudaContext& ctx) {
+        l.backward_input(ctx, microbatch(stage, stages, k, in, inputs[k], nullptr), last ? po::ConstTensor{} : view(dy[k], n),
+                         first ? po::Tensor{} : view(dx[k], n), saved[k], stash[k]);
+      });
+    for (int k = 0; k < 2; ++k)
+      pass([&](po::backend::CudaContext& ctx) { l.backward_weight(ctx, microbatch(stage, stages, k, in, inputs[k], nullptr), saved[k], stash[k]); });
+  }
   Outputs out;
   if (last) {
     const std::vector<float> lv = download(loss, 2);
@@ -306,13 +296,15 @@ Outputs run_gpu(pc::GptStage& l, po::backend::Cuda& dev, int stream, int stage, 
   }
   for (int k = 0; k < 2; ++k) {
     if (!last) out.y[k] = download(y[k], n);
-    if (!first) out.dx[k] = download(dx[k], n);
+    if (!first && in.training) out.dx[k] = download(dx[k], n);
   }
-  out.grads = download(l.gradients().data(), l.gradients().size());
+  if (in.training) out.grads = download(l.gradients().data(), l.gradients().size());
   return out;
 }
 
-void compare(const Outputs& gpu, const Outputs& cpu, const pc::GptDims& d) {
+/// The GPU's outputs against the CPU's: y or the loss, and after a training run dx and the
+/// gradient of every tensor of parameter_info().
+void compare(const Outputs& gpu, const Outputs& cpu, const pc::GptDims& d, bool training = true) {
   for (int k = 0; k < 2; ++k) {
     const std::string mb = "mb " + std::to_string(k) + " ";
     if (d.has_head) {
@@ -322,12 +314,13 @@ void compare(const Outputs& gpu, const Outputs& cpu, const pc::GptDims& d) {
     } else {
       check_rel(mb + "y", gpu.y[k].data(), cpu.y[k].data(), cpu.y[k].size(), forward_tol);
     }
-    if (!d.embeds) check_rel(mb + "dx", gpu.dx[k].data(), cpu.dx[k].data(), cpu.dx[k].size(), backward_tol);
+    if (!d.embeds && training) check_rel(mb + "dx", gpu.dx[k].data(), cpu.dx[k].data(), cpu.dx[k].size(), backward_tol);
   }
+  if (!training) return;
   REQUIRE(gpu.grads.size() == cpu.grads.size());
   // (wpe's rows past the microbatch's seq get no gradient on either side: zeros compare equal.)
-  for (const Tensor& t : tensors_of(d))
-    check_rel("gradient of " + t.name, gpu.grads.data() + t.offset, cpu.grads.data() + t.offset, static_cast<std::size_t>(t.count), backward_tol);
+  for (const po::ParamInfo& t : pc::gpt_parameter_info(d))
+    check_rel("gradient of " + t.name, gpu.grads.data() + t.offset, cpu.grads.data() + t.offset, t.count(), backward_tol);
 }
 
 po::model::GptConfig test_config(int layers, bool recompute) {
@@ -343,11 +336,13 @@ po::model::GptConfig test_config(int layers, bool recompute) {
   return c;
 }
 
-/// Runs stage `stage` of `stages` on both backends and compares.
-void check_stage(const po::model::GptConfig& c, int stage, int stages) {
+/// Runs stage `stage` of `stages` on both backends and compares (`training` false: the
+/// forwards alone, without dropout).
+void check_stage(const po::model::GptConfig& c, int stage, int stages, bool training = true) {
   CAPTURE(stage);
   CAPTURE(stages);
   CAPTURE(c.recompute);
+  CAPTURE(training);
   const po::MicrobatchShape shape{2, 32};
   po::model::GptStage cpu(c, stage, stages);
   const pc::BlockRange r = pc::gpt_blocks_of_stage(c.layers, stage, stages);
@@ -357,12 +352,15 @@ void check_stage(const po::model::GptConfig& c, int stage, int stages) {
   const int s = dev.make_stream("compute");
   pc::GptStage gpu(dev, c, stage, stages, shape, cpu.parameters());
   CHECK(gpu.norm_groups() == cpu.norm_groups());
+  CHECK(gpu.parameter_info().size() == cpu.parameter_info().size());  // names and offsets: test_host.cpp
   CHECK(download(gpu.parameters().data(), gpu.parameters().size()) == std::vector<float>(cpu.parameters().begin(), cpu.parameters().end()));
-  CHECK(gpu.boundary_floats(shape) == cpu.boundary_floats(shape));
-  const Inputs in = make_inputs(c, shape, 1000 + static_cast<unsigned>(stage));
+  CHECK(gpu.input_boundary(shape) == cpu.input_boundary(shape));
+  CHECK(gpu.output_boundary(shape) == cpu.output_boundary(shape));
+  Inputs in = make_inputs(c, shape, 1000 + static_cast<unsigned>(stage));
+  in.training = training;
   const Outputs want = run_cpu(cpu, stage, stages, in);
   const Outputs got = run_gpu(gpu, dev, s, stage, stages, in);
-  compare(got, want, d);
+  compare(got, want, d, training);
 }
 
 }  // namespace
@@ -381,6 +379,13 @@ TEST_CASE("cuda::GptStage matches model::GptStage as one stage holding the whole
   check_stage(test_config(2, true), 0, 1);  // embedding, two blocks, head
   // 2 blocks on 3 stages: stage 0 holds only the embedding, stages 1 and 2 one block each.
   for (int s = 0; s < 3; ++s) check_stage(test_config(2, true), s, 3);
+}
+
+TEST_CASE("cuda::GptStage evaluates (mb.training false) as model::GptStage does: no dropout, on every stage kind") {
+  for (bool recompute : {true, false}) {
+    const po::model::GptConfig c = test_config(6, recompute);  // dropout 0.1: a training forward would differ
+    for (int s = 0; s < 3; ++s) check_stage(c, s, 3, false);
+  }
 }
 
 TEST_CASE("cuda::GptStage's forward of microbatch 0 refreshes the bf16 weights from the fp32 master parameters") {
@@ -410,16 +415,22 @@ TEST_CASE("cuda::GptStage refuses microbatches larger than its scratch and misal
   pc::GptStage gpu(dev, c, 1, 3, {1, 32});
   DeviceBuffers b;
   const po::MicrobatchShape big{2, 32};
-  float* x = b.alloc<float>(gpu.boundary_floats(big));
-  float* y = b.alloc<float>(gpu.boundary_floats(big));
+  const std::size_t n = gpu.input_boundary(big).elements, small = gpu.input_boundary({1, 32}).elements;
+  float* x = b.alloc<float>(n);
+  float* y = b.alloc<float>(n);
   std::byte* saved = b.alloc<std::byte>(gpu.saved_bytes(big) + 256);
   Inputs in;
   in.shape = big;
   po::backend::CudaContext ctx = dev.context(s);
-  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, nullptr, nullptr, nullptr), x, y, saved), po::shape_error);
+  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, {}, nullptr), view(x, n), view(y, n), saved), po::shape_error);
   in.shape = {1, 32};
-  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, nullptr, nullptr, nullptr), x, y, saved + 16), po::error);
-  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, nullptr, nullptr, nullptr), nullptr, y, saved), po::error);
+  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, {}, nullptr), view(x, small), view(y, small), saved + 16), po::error);
+  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, {}, nullptr), po::ConstTensor{}, view(y, small), saved), po::error);
+  // A boundary of the wrong size or element type.
+  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, {}, nullptr), view(x, n), view(y, small), saved), po::shape_error);
+  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, {}, nullptr), po::ConstTensor{reinterpret_cast<const std::byte*>(x), small, po::DType::int32},
+                              view(y, small), saved),
+                  po::error);
   CHECK_THROWS_AS(pc::GptStage(dev, c, 1, 3, {1, 65}), po::shape_error);  // longer than the position table
   po::model::GptConfig odd = c;
   odd.heads = 32;  // head_dim 4: cuDNN's SDPA needs a multiple of 8
@@ -429,30 +440,36 @@ TEST_CASE("cuda::GptStage refuses microbatches larger than its scratch and misal
 namespace {
 
 /// Losses of `steps` training steps of a 4-block GPT cut into 2 stages held by one rank
-/// (d = 1, v = 2, m = 4) under PO with every activation offloaded, on `Backend` with `Stage`.
+/// (d = 1, v = 2, m = 4) under PO with every activation offloaded, on `Backend` with `Stage`:
+/// the visible training step (zero_grad, forward_backward, grad_norm, clip, AdamW).
 template <class Stage, class Backend, class MakeStage>
 std::vector<float> train(Backend& dev, MakeStage make, int steps) {
   const po::Shape shape{1, 2, 4};
-  po::RuntimeOptions opt;
-  opt.shape = shape;
-  opt.spec = {po::Family::grouped, {po::GroupSpec::Kind::uniform, 1}, po::offload::all};
-  opt.microbatch = {2, 16};
-  opt.optimizer.lr = 1e-2f;
-  opt.optimizer.warmup_steps = 1;
+  const po::MicrobatchShape mbs{2, 16};
+  const po::Program program = po::build({po::Family::grouped, {po::GroupSpec::Kind::uniform, 1}, po::offload::all}, shape);
   po::comm::ThreadsWorld world(1);
   po::comm::Threads comm(world, 0);
   std::vector<Stage> layers;
   layers.reserve(2);
-  for (int c = 0; c < shape.v; ++c) layers.push_back(make(shape.stage_of(0, c), shape.stages(), opt.microbatch));
-  po::Runtime<po::AnySchedule, Stage, Backend, po::comm::Threads> rt(opt, dev, comm, layers);
-  const std::size_t n = static_cast<std::size_t>(opt.microbatch.tokens()) * static_cast<std::size_t>(shape.m);
+  for (int c = 0; c < shape.v; ++c) layers.push_back(make(shape.stage_of(0, c), shape.stages(), mbs));
+  po::Runtime rt(program, dev, comm, std::span<Stage>(layers), {.microbatch = mbs});
+  po::AdamW opt(rt);  // the defaults: weight decay 0.1 on every tensor
+  const po::WarmupCosine lr{.lr = 1e-2f, .warmup_steps = 1};
+  const std::size_t rows = static_cast<std::size_t>(mbs.batch) * static_cast<std::size_t>(shape.m);
+  const std::size_t n = rows * static_cast<std::size_t>(mbs.seq);
   std::vector<std::int32_t> tok(n), tgt(n);
-  std::vector<float> losses;
   for (std::size_t i = 0; i < n; ++i) {  // the same batch every step: the loss must fall
     tok[i] = static_cast<std::int32_t>((i * 31) % 256);
     tgt[i] = static_cast<std::int32_t>((i * 17 + 3) % 256);
   }
-  for (int s = 0; s < steps; ++s) losses.push_back(rt.step({tok, tgt}).loss);
+  po::Batch batch;
+  batch.add("tokens", tok, {static_cast<long long>(rows), mbs.seq}).add("targets", tgt, {static_cast<long long>(rows), mbs.seq});
+  std::vector<float> losses;
+  for (int s = 0; s < steps; ++s) {
+    rt.zero_grad();
+    losses.push_back(rt.forward_backward(batch, {.step = s}).loss);
+    opt.step(lr(s), po::clip_scale(po::grad_norm(rt), 1.0f));
+  }
   return losses;
 }
 

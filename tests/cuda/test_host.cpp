@@ -4,13 +4,18 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
 #include <cstdio>
 #include <filesystem>
 #include <random>
 #include <thread>
 #include <vector>
 
+#include <pipeoffload/backend/cpu/cpu.hpp>
 #include <pipeoffload/backend/cuda/shapes.hpp>
 #include <pipeoffload/backend/cuda/topology.hpp>
 #include <pipeoffload/comm/nccl/id_file.hpp>
@@ -174,6 +179,69 @@ TEST_CASE("column-sum launches give one block of 32 columns x 32 row lanes per 3
     CHECK(static_cast<long long>(l.grid - 1) * pc::column_tile < cols);
   }
   CHECK_THROWS_AS(pc::column_sum_launch(-1), po::shape_error);
+}
+
+// ---- the non-finite check -------------------------------------------------------------------
+
+namespace {
+
+/// What backend::Cpu::flag_nonfinite (the reference) says about one value with these bits.
+template <class Word>
+bool cpu_flags(Word word, po::DType t) {
+  static po::backend::Cpu cpu;  // no streams: flag_nonfinite runs on the calling thread
+  po::backend::CpuContext ctx = cpu.context(0);
+  std::uint32_t flag = 0;
+  std::uint64_t storage = 0;  // 8 bytes, whatever the type: the compiler sees every case of the CPU's switch
+  std::memcpy(&storage, &word, sizeof word);
+  cpu.flag_nonfinite(ctx, po::ConstTensor{reinterpret_cast<const std::byte*>(&storage), 1, t}, &flag);
+  return flag != 0;
+}
+
+template <class Word>
+bool cuda_flags(Word word, po::DType t) {
+  const std::uint64_t mask = pc::nonfinite_mask(t);
+  return mask != 0 && pc::nonfinite_word(word, static_cast<Word>(mask));
+}
+
+}  // namespace
+
+TEST_CASE("the CUDA non-finite check tests the bits backend::Cpu tests, and flags exactly NaN and infinities") {
+  std::mt19937 rng(5);
+  // float32 and float64: against std::isfinite as well, over the special values and random bits.
+  std::vector<std::uint32_t> w32 = {0x00000000u, 0x80000000u, 0x00000001u, 0x3f800000u, 0x7f7fffffu, 0xff7fffffu,
+                                    0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00001u, 0x7f800001u};
+  std::vector<std::uint64_t> w64 = {0x0ull, 0x1ull, 0x3ff0000000000000ull, 0x7fefffffffffffffull, 0x7ff0000000000000ull,
+                                    0xfff0000000000000ull, 0x7ff8000000000000ull, 0xfff0000000000001ull};
+  for (int i = 0; i < 2000; ++i) {
+    w32.push_back(static_cast<std::uint32_t>(rng()));
+    w64.push_back((static_cast<std::uint64_t>(rng()) << 32) | rng());
+  }
+  for (std::uint32_t w : w32) {
+    CAPTURE(w);
+    CHECK(cuda_flags(w, po::DType::float32) == cpu_flags(w, po::DType::float32));
+    CHECK(cuda_flags(w, po::DType::float32) == !std::isfinite(std::bit_cast<float>(w)));
+    CHECK_FALSE(cuda_flags(w, po::DType::int32));  // integers have no non-finite values
+    CHECK(cpu_flags(w, po::DType::int32) == false);
+  }
+  for (std::uint64_t w : w64) {
+    CAPTURE(w);
+    CHECK(cuda_flags(w, po::DType::float64) == cpu_flags(w, po::DType::float64));
+    CHECK(cuda_flags(w, po::DType::float64) == !std::isfinite(std::bit_cast<double>(w)));
+    CHECK_FALSE(cuda_flags(w, po::DType::int64));
+  }
+  // bfloat16 is the top half of a float32: every one of the 65536 values, both ways.
+  for (std::uint32_t w = 0; w <= 0xffffu; ++w) {
+    const auto h = static_cast<std::uint16_t>(w);
+    CAPTURE(h);
+    CHECK(cuda_flags(h, po::DType::bfloat16) == cpu_flags(h, po::DType::bfloat16));
+    CHECK(cuda_flags(h, po::DType::bfloat16) == !std::isfinite(std::bit_cast<float>(w << 16)));
+    CHECK(cuda_flags(h, po::DType::float16) == cpu_flags(h, po::DType::float16));
+    CHECK(cuda_flags(h, po::DType::float16) == ((h & 0x7c00u) == 0x7c00u));  // IEEE half: exponent all ones
+  }
+  for (po::DType t : {po::DType::int32, po::DType::int64, po::DType::uint8, po::DType::int8}) CHECK(pc::nonfinite_mask(t) == 0);
+  // The kernel reads one word per value: the mask fits the value's width.
+  for (po::DType t : {po::DType::float32, po::DType::float64, po::DType::bfloat16, po::DType::float16})
+    CHECK((pc::nonfinite_mask(t) >> (8 * po::dtype_size(t) - 1)) == 0u);
 }
 
 // ---- GEMM layouts --------------------------------------------------------------------------
@@ -359,6 +427,44 @@ TEST_CASE("gpt_stage_params addresses every tensor of model::GptStage's paramete
       CHECK(L.head_b + V == L.head);
     }
   }
+}
+
+TEST_CASE("cuda::GptStage's parameter_info() and inputs() are model::GptStage's: the same names, offsets, shapes and inputs") {
+  for (bool recompute : {true, false})
+    for (int layers : {1, 2, 5})
+      for (int stages : {1, 2, 3})
+        for (int s = 0; s < stages; ++s) {
+          CAPTURE(layers);
+          CAPTURE(stages);
+          CAPTURE(s);
+          const po::model::GptConfig c = small_gpt(layers, recompute);
+          const po::model::GptStage cpu(c, s, stages);
+          const pc::GptDims d = dims_of(c, s, stages);
+          const std::vector<po::ParamInfo> want = cpu.parameter_info(), got = pc::gpt_parameter_info(d);
+          REQUIRE(got.size() == want.size());
+          for (std::size_t i = 0; i < got.size(); ++i) {
+            CAPTURE(want[i].name);
+            CHECK(got[i].name == want[i].name);
+            CHECK(got[i].offset == want[i].offset);
+            CHECK(got[i].shape == want[i].shape);
+          }
+          // They tile the parameter vector (gpt_stage_params' total) without gaps.
+          std::size_t end = 0;
+          for (const po::ParamInfo& t : got) {
+            CHECK(t.offset == end);
+            end = t.offset + t.count();
+          }
+          CHECK(static_cast<long long>(end) == pc::gpt_stage_params(d).total);
+          for (const po::MicrobatchShape sh : {po::MicrobatchShape{1, 1}, po::MicrobatchShape{2, 16}, po::MicrobatchShape{3, 7}}) {
+            const std::vector<po::InputSpec> wi = cpu.inputs(sh), gi = pc::gpt_inputs(d, sh);
+            REQUIRE(gi.size() == wi.size());
+            for (std::size_t i = 0; i < gi.size(); ++i) {
+              CHECK(gi[i].name == wi[i].name);
+              CHECK(gi[i].dtype == wi[i].dtype);
+              CHECK(gi[i].elements == wi[i].elements);
+            }
+          }
+        }
 }
 
 TEST_CASE("the CUDA GPT block saves 20bsh bytes with selective recompute and 34bsh without, plus fp32 statistics") {

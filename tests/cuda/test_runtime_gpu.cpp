@@ -2,7 +2,8 @@
 // comm::Nccl, against the same run on backend::Cpu with model::GptStage (needs a GPU;
 // gpu_main.cpp exits 77 without one).
 //
-// A PO-F iteration: 2 ranks on 2 GPUs (PCIe-paired when the machine pairs them), or, on a
+// Three PO-F training steps, each the visible sequence zero_grad, forward_backward, grad_norm,
+// clip and AdamW: 2 ranks on 2 GPUs (PCIe-paired when the machine pairs them), or, on a
 // one-GPU machine, 1 rank with 4 chunks (PO-F still offloads and reloads every unit). The GPU
 // keeps activations in bf16 and accumulates in fp32, the CPU in fp32 throughout, so the losses
 // agree within bf16's error, not bit for bit: each step's loss within 2% of the CPU's, a bound
@@ -13,6 +14,8 @@
 #include <cmath>
 #include <memory>
 #include <mutex>
+#include <span>
+#include <string>
 #include <vector>
 
 #include <pipeoffload/backend/cuda/gpt.hpp>
@@ -41,84 +44,89 @@ po::model::GptConfig config() {
   return c;
 }
 
-po::RuntimeOptions options(po::Shape sh, bool stagger) {
-  po::RuntimeOptions o;
-  o.shape = sh;
-  o.spec = {po::Family::grouped, {po::GroupSpec::Kind::uniform, 1}, po::offload::all};  // PO-F
-  o.microbatch = {2, 64};
-  o.costs.stagger_pairs = stagger;
-  o.optimizer.lr = 3e-3f;
-  o.optimizer.warmup_steps = 1;
-  o.optimizer.total_steps = 4;
-  return o;
+/// PO-F's program for `sh`; `stagger` plans the copy slots of PCIe pairs staggered.
+po::Program program(po::Shape sh, bool stagger) {
+  po::Costs costs;
+  costs.stagger_pairs = stagger;
+  return po::build({po::Family::grouped, {po::GroupSpec::Kind::uniform, 1}, po::offload::all}, sh, costs);
 }
 
-void batch(int step, std::size_t n, std::vector<std::int32_t>& tok, std::vector<std::int32_t>& tgt) {
-  tok.resize(n);
-  tgt.resize(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    tok[i] = static_cast<std::int32_t>((i * 31 + static_cast<std::size_t>(step) * 7) % 256);
-    tgt[i] = static_cast<std::int32_t>((i * 17 + 3 + static_cast<std::size_t>(step)) % 256);
+constexpr po::MicrobatchShape microbatch{2, 64};
+constexpr int steps = 3;
+constexpr float clip = 1.0f;
+const po::WarmupCosine learning_rate{.lr = 3e-3f, .warmup_steps = 1, .total_steps = 4};
+
+/// Step `step`'s batch of m microbatches: (m * batch, seq) int32 tokens and targets.
+struct StepBatch {
+  std::vector<std::int32_t> tok, tgt;
+  po::Batch batch;  // views of tok and tgt: a StepBatch is never copied
+  StepBatch(const StepBatch&) = delete;
+  StepBatch& operator=(const StepBatch&) = delete;
+  StepBatch(int step, int m) {
+    const std::size_t rows = static_cast<std::size_t>(m) * microbatch.batch, n = rows * microbatch.seq;
+    tok.resize(n);
+    tgt.resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      tok[i] = static_cast<std::int32_t>((i * 31 + static_cast<std::size_t>(step) * 7) % 256);
+      tgt[i] = static_cast<std::int32_t>((i * 17 + 3 + static_cast<std::size_t>(step)) % 256);
+    }
+    const std::vector<long long> shape{static_cast<long long>(rows), microbatch.seq};
+    batch.add("tokens", tok, shape).add("targets", tgt, shape);
+  }
+};
+
+/// One rank's training, the visible step: zero_grad, forward_backward, grad_norm, clip, AdamW.
+/// Rank 0 writes the losses, every rank its memory after the last step.
+template <class Runtime>
+void train(Runtime& rt, int r, Result& res, std::mutex& mu) {
+  po::AdamW opt(rt);  // the defaults: weight decay 0.1 on every tensor
+  for (int s = 0; s < steps; ++s) {
+    const StepBatch b(s, rt.program().shape.m);
+    rt.zero_grad();
+    const po::PassStats st = rt.forward_backward(b.batch, {.step = s});
+    opt.step(learning_rate(s), po::clip_scale(po::grad_norm(rt), clip));
+    std::lock_guard lk(mu);
+    if (r == 0) res.losses[static_cast<std::size_t>(s)] = st.loss;
+    res.memory[static_cast<std::size_t>(r)] = st.memory;
   }
 }
 
-constexpr int steps = 3;
-
-Result run_cpu(po::Shape sh) {
+Result run_cpu(const po::Program& prog) {
+  const po::Shape sh = prog.shape;
   Result res;
   res.losses.resize(steps);
   res.memory.resize(static_cast<std::size_t>(sh.d));
-  const po::RuntimeOptions opt = options(sh, true);
   po::comm::ThreadsWorld world(sh.d);
   std::mutex mu;
-  res.errors = po::run_thread_ranks(sh.d, [&](int r) {
+  res.errors = po::run_thread_ranks(world, [&](int r) {
     po::backend::Cpu dev({.rank = r});
     po::comm::Threads comm(world, r);
     std::vector<po::model::GptStage> mine;
     for (int c = 0; c < sh.v; ++c) mine.emplace_back(config(), sh.stage_of(r, c), sh.stages());
-    po::Runtime<po::AnySchedule, po::model::GptStage, po::backend::Cpu, po::comm::Threads> rt(opt, dev, comm, mine);
-    std::vector<std::int32_t> tok, tgt;
-    for (int s = 0; s < steps; ++s) {
-      batch(s, static_cast<std::size_t>(opt.microbatch.tokens() * sh.m), tok, tgt);
-      const po::StepStats st = rt.step({tok, tgt});
-      std::lock_guard lk(mu);
-      if (r == 0) res.losses[static_cast<std::size_t>(s)] = st.loss;
-    }
+    po::Runtime rt(prog, dev, comm, std::span<po::model::GptStage>(mine), {.microbatch = microbatch});
+    train(rt, r, res, mu);
   });
   return res;
 }
 
-Result run_gpu(po::Shape sh) {
+Result run_gpu(const po::Program& prog, const std::vector<int>& devices, bool paired) {
+  const po::Shape sh = prog.shape;
   Result res;
   res.losses.resize(steps);
   res.memory.resize(static_cast<std::size_t>(sh.d));
-  const po::cuda::Pairing pairing = po::backend::device_pairing();
-  const std::vector<int> devices(pairing.device_of_rank.begin(), pairing.device_of_rank.begin() + sh.d);
-  const bool paired = sh.d == 2 && pairing.partner_of_rank[0] == 1;
-  const po::RuntimeOptions opt = options(sh, paired);
   auto world = po::comm::NcclWorld::all_local(devices);
   po::PairLink<po::backend::Cuda> link;
   std::mutex mu;
-  res.errors = po::run_thread_ranks(sh.d, [&](int r) {
+  // A rank that throws has its error returned, and the world aborted so the other rank's
+  // NCCL calls end too.
+  res.errors = po::run_thread_ranks(*world, [&](int r) {
     po::backend::Cuda dev({.device = devices[static_cast<std::size_t>(r)], .rank = r, .arena_bytes = std::size_t{1} << 30});
     po::comm::Nccl comm(world, r, dev);
-    try {
-      std::vector<po::cuda::GptStage> mine;
-      for (int c = 0; c < sh.v; ++c) mine.emplace_back(dev, config(), sh.stage_of(r, c), sh.stages(), opt.microbatch);
-      po::Runtime<po::AnySchedule, po::cuda::GptStage, po::backend::Cuda, po::comm::Nccl> rt(opt, dev, comm, mine);
-      if (paired) rt.pair_with(link);
-      std::vector<std::int32_t> tok, tgt;
-      for (int s = 0; s < steps; ++s) {
-        batch(s, static_cast<std::size_t>(opt.microbatch.tokens() * sh.m), tok, tgt);
-        const po::StepStats st = rt.step({tok, tgt});
-        std::lock_guard lk(mu);
-        if (r == 0) res.losses[static_cast<std::size_t>(s)] = st.loss;
-        res.memory[static_cast<std::size_t>(r)] = st.memory;
-      }
-    } catch (const std::exception& e) {
-      comm.abort(e.what());
-      throw;
-    }
+    std::vector<po::cuda::GptStage> mine;
+    for (int c = 0; c < sh.v; ++c) mine.emplace_back(dev, config(), sh.stage_of(r, c), sh.stages(), microbatch);
+    po::Runtime rt(prog, dev, comm, std::span<po::cuda::GptStage>(mine), {.microbatch = microbatch});
+    if (paired) rt.pair_with(link);
+    train(rt, r, res, mu);
   });
   return res;
 }
@@ -129,9 +137,14 @@ TEST_CASE("PO-F on backend::Cuda trains like backend::Cpu within bf16 tolerance,
   const int gpus = po::backend::device_count();
   const po::Shape sh = gpus >= 2 ? po::Shape{2, 2, 4} : po::Shape{1, 4, 4};
   CAPTURE(sh.d);
-  const Result cpu = run_cpu(sh);
+  const po::cuda::Pairing pairing = po::backend::device_pairing();
+  const std::vector<int> devices(pairing.device_of_rank.begin(), pairing.device_of_rank.begin() + sh.d);
+  const bool paired = sh.d == 2 && pairing.partner_of_rank[0] == 1;
+  // One program for both runs (the CPU run's losses do not depend on the copy slots).
+  const po::Program prog = program(sh, paired);
+  const Result cpu = run_cpu(prog);
   for (const std::string& e : cpu.errors) REQUIRE(e == "");
-  const Result gpu = run_gpu(sh);
+  const Result gpu = run_gpu(prog, devices, paired);
   for (const std::string& e : gpu.errors) REQUIRE(e == "");
   for (int s = 0; s < steps; ++s) {
     CAPTURE(s);

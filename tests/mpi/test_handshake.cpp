@@ -14,7 +14,7 @@ namespace {
 template <class Fields>
 std::vector<std::string> shake(int d, Fields fields_of) {
   po::comm::ThreadsWorld world(d);
-  return po::run_thread_ranks(d, [&](int r) {
+  return po::run_thread_ranks(world, [&](int r) {
     po::comm::Threads comm(world, r);
     // Every rank throws on its own, having seen the same hashes: no abort is needed.
     po::handshake(comm, fields_of(r));

@@ -34,6 +34,10 @@ std::string error_of(F f) {
 
 std::string host() { return po::comm::detail::mpi_host(); }
 
+/// Messages are bytes: the floats of a vector, read-only or writable.
+std::span<const std::byte> in_bytes(const std::vector<float>& v) { return std::as_bytes(std::span(v)); }
+std::span<std::byte> out_bytes(std::vector<float>& v) { return std::as_writable_bytes(std::span(v)); }
+
 }  // namespace
 
 TEST_CASE("comm::Mpi: tagged messages around a ring arrive intact and in order") {
@@ -46,36 +50,36 @@ TEST_CASE("comm::Mpi: tagged messages around a ring arrive intact and in order")
     for (int i = 0; i < 5; ++i) out[static_cast<std::size_t>(i)] = static_cast<float>(100 * r + 10 * mb + i);
     const po::Tag to{next, mb, po::Dir::forward}, from{r, mb, po::Dir::forward};
     if (r % 2 == 0) {
-      c.send(next, to, out);
-      c.recv(prev, from, in);
+      c.send(next, to, in_bytes(out));
+      c.recv(prev, from, out_bytes(in));
     } else {
-      c.recv(prev, from, in);
-      c.send(next, to, out);
+      c.recv(prev, from, out_bytes(in));
+      c.send(next, to, in_bytes(out));
     }
     for (int i = 0; i < 5; ++i) CHECK(in[static_cast<std::size_t>(i)] == static_cast<float>(100 * prev + 10 * mb + i));
   }
   // An empty message is a message too.
-  if (r == 0) c.send(1, {1, 0, po::Dir::backward}, std::span<const float>());
-  if (r == 1) c.recv(0, {1, 0, po::Dir::backward}, std::span<float>());
+  if (r == 0) c.send(1, {1, 0, po::Dir::backward}, std::span<const std::byte>());
+  if (r == 1) c.recv(0, {1, 0, po::Dir::backward}, std::span<std::byte>());
 }
 
 TEST_CASE("comm::Mpi: a receive that meets another tag or size throws, naming both") {
   po::comm::Mpi c(quick());
   std::vector<float> x(3, 1.0f), y(3), z(4);
   if (c.rank() == 0) {
-    c.send(1, {1, 0, po::Dir::forward}, x);
-    c.send(1, {1, 2, po::Dir::backward}, x);
+    c.send(1, {1, 0, po::Dir::forward}, in_bytes(x));
+    c.send(1, {1, 2, po::Dir::backward}, in_bytes(x));
   }
   if (c.rank() == 1) {
-    CHECK(error_of([&] { c.recv(0, {1, 1, po::Dir::forward}, y); }) ==
-          "comm::Mpi: rank 1 expected (forward, stage 1, mb 1) of 3 floats from rank 0 but received (forward, stage 1, mb 0) of 3 floats");
-    CHECK(error_of([&] { c.recv(0, {1, 2, po::Dir::backward}, z); }) ==
-          "comm::Mpi: rank 1 expected (backward, stage 1, mb 2) of 4 floats from rank 0 but received (backward, stage 1, mb 2) of 3 floats");
+    CHECK(error_of([&] { c.recv(0, {1, 1, po::Dir::forward}, out_bytes(y)); }) ==
+          "comm::Mpi: rank 1 expected (forward, stage 1, mb 1) of 12 bytes from rank 0 but received (forward, stage 1, mb 0) of 12 bytes");
+    CHECK(error_of([&] { c.recv(0, {1, 2, po::Dir::backward}, out_bytes(z)); }) ==
+          "comm::Mpi: rank 1 expected (backward, stage 1, mb 2) of 16 bytes from rank 0 but received (backward, stage 1, mb 2) of 12 bytes");
   }
-  CHECK(error_of([&] { c.send(c.rank(), {0, 0, po::Dir::forward}, x); }) ==
+  CHECK(error_of([&] { c.send(c.rank(), {0, 0, po::Dir::forward}, in_bytes(x)); }) ==
         "comm::Mpi: rank " + std::to_string(c.rank()) + " cannot send to rank " + std::to_string(c.rank()) + "; peers are the other ranks of 0.." +
             std::to_string(c.size() - 1));
-  CHECK(error_of([&] { c.recv(c.size(), {0, 0, po::Dir::forward}, y); }) ==
+  CHECK(error_of([&] { c.recv(c.size(), {0, 0, po::Dir::forward}, out_bytes(y)); }) ==
         "comm::Mpi: rank " + std::to_string(c.rank()) + " cannot recv from rank " + std::to_string(c.size()) + "; peers are the other ranks of 0.." +
             std::to_string(c.size() - 1));
 }
@@ -85,7 +89,7 @@ TEST_CASE("comm::Mpi: a receive with no sender times out, naming the op, the ran
   if (c.rank() == 1) {
     std::vector<float> y(2);
     const auto t0 = std::chrono::steady_clock::now();
-    const std::string e = error_of([&] { c.recv(0, {1, 7, po::Dir::backward}, y); });
+    const std::string e = error_of([&] { c.recv(0, {1, 7, po::Dir::backward}, out_bytes(y)); });
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     CHECK(waited >= 0.5);
     CHECK(waited < 5.0);
@@ -106,12 +110,12 @@ TEST_CASE("comm::Mpi: a send nobody receives times out, and the late receive sti
   const double one = 1;
   std::vector<float> x{1.0f, 2.0f}, y(2);
   if (c.rank() == 0)
-    CHECK(error_of([&] { c.send(1, {1, 3, po::Dir::forward}, x); }).find("s in send to rank 1 of (forward, stage 1, mb 3) (timeout 0.5 s); rank 1 has not answered") !=
+    CHECK(error_of([&] { c.send(1, {1, 3, po::Dir::forward}, in_bytes(x)); }).find("s in send to rank 1 of (forward, stage 1, mb 3) (timeout 0.5 s); rank 1 has not answered") !=
           std::string::npos);
   sync.all_gather(std::span<const double>(&one, 1), all);
   // The timed-out send's buffer is kept alive by the communicator, so matching it now is safe.
   if (c.rank() == 1) {
-    c.recv(0, {1, 3, po::Dir::forward}, y);
+    c.recv(0, {1, 3, po::Dir::forward}, out_bytes(y));
     CHECK(y == x);
   }
   sync.all_gather(std::span<const double>(&one, 1), all);
@@ -140,11 +144,11 @@ TEST_CASE("comm::Mpi: abort on one rank wakes every other rank's wait, naming th
   if (c.rank() == 1) {
     c.abort("rank 1, compute op 4 F(stage 1, mb 2): boom");
     CHECK(c.abort_origin() == 1);
-    CHECK(error_of([&] { c.recv(0, {1, 0, po::Dir::forward}, y); }) == "aborted: rank 1, compute op 4 F(stage 1, mb 2): boom");
+    CHECK(error_of([&] { c.recv(0, {1, 0, po::Dir::forward}, out_bytes(y)); }) == "aborted: rank 1, compute op 4 F(stage 1, mb 2): boom");
   } else {
     // Waits on rank 1, which never sends: only the abort note can end this before the timeout.
     const auto t0 = std::chrono::steady_clock::now();
-    CHECK(error_of([&] { c.recv(1, {c.rank(), 0, po::Dir::backward}, y); }) == "aborted: rank 1 failed: rank 1, compute op 4 F(stage 1, mb 2): boom");
+    CHECK(error_of([&] { c.recv(1, {c.rank(), 0, po::Dir::backward}, out_bytes(y)); }) == "aborted: rank 1 failed: rank 1, compute op 4 F(stage 1, mb 2): boom");
     CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 10.0);
     CHECK(c.abort_origin() == 1);
     std::vector<double> one{1.0}, all(static_cast<std::size_t>(c.size()));

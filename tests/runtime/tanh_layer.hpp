@@ -9,9 +9,11 @@
 #include <cstring>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <pipeoffload/runtime.hpp>
@@ -52,19 +54,32 @@ class TanhLayer {
   }
 
   std::size_t boundary_floats(po::MicrobatchShape sh) const { return static_cast<std::size_t>(sh.tokens()) * static_cast<std::size_t>(h_); }
+  po::Boundary input_boundary(po::MicrobatchShape sh) const { return {boundary_floats(sh)}; }
+  po::Boundary output_boundary(po::MicrobatchShape sh) const { return {boundary_floats(sh)}; }
+  /// Stage 0 reads token ids (an embedding row each), the last stage targets: int32, one per
+  /// token. (A TanhLayer does not know the stage count, so every stage declares the targets.)
+  std::vector<po::InputSpec> inputs(po::MicrobatchShape sh) const {
+    std::vector<po::InputSpec> in;
+    if (stage_ == 0) in.push_back({"tokens", po::DType::int32, static_cast<std::size_t>(sh.tokens())});
+    in.push_back({"targets", po::DType::int32, static_cast<std::size_t>(sh.tokens())});
+    return in;
+  }
   std::size_t pad_floats(po::MicrobatchShape sh) const { return static_cast<std::size_t>(sh.tokens()) * static_cast<std::size_t>(stage_ % 3); }
   std::size_t saved_bytes(po::MicrobatchShape sh) const { return (2 * boundary_floats(sh) + pad_floats(sh)) * sizeof(float); }
   std::size_t stash_bytes(po::MicrobatchShape sh) const { return boundary_floats(sh) * sizeof(float); }
 
-  void forward(po::backend::CpuContext&, const po::Microbatch& mb, const float* x, float* y, std::byte* saved) {
+  void forward(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor xt, po::Tensor yt, std::byte* saved) {
     pass(timing_.f);
+    const float* x = xt.as<float>();
+    float* y = yt.as<float>();
+    const std::int32_t* tokens = x ? nullptr : mb.input<std::int32_t>("tokens");
     const std::size_t T = static_cast<std::size_t>(mb.shape.tokens()), h = static_cast<std::size_t>(h_);
     float* xs = reinterpret_cast<float*>(saved);
     float* ys = xs + T * h;
     float* pad = ys + T * h;
     for (std::size_t t = 0; t < T; ++t)
       for (std::size_t i = 0; i < h; ++i)
-        xs[t * h + i] = x ? x[t * h + i] : emb()[static_cast<std::size_t>(mb.tokens[t] & 15) * h + i];
+        xs[t * h + i] = x ? x[t * h + i] : emb()[static_cast<std::size_t>(tokens[t] & 15) * h + i];
     const float* W = params_.data();
     const float* bias = W + h * h;
     for (std::size_t t = 0; t < T; ++t)
@@ -85,8 +100,10 @@ class TanhLayer {
     *mb.loss = loss / static_cast<float>(T * h);
   }
 
-  void backward_input(po::backend::CpuContext&, const po::Microbatch& mb, const float* dy, float* dx, std::byte* saved, std::byte* stash) {
+  void backward_input(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor dyt, po::Tensor dxt, std::byte* saved, std::byte* stash) {
     pass(timing_.b);
+    const float* dy = dyt.as<float>();
+    float* dx = dxt.as<float>();
     const std::size_t T = static_cast<std::size_t>(mb.shape.tokens()), h = static_cast<std::size_t>(h_);
     const float* ys = reinterpret_cast<const float*>(saved) + T * h;
     float* dz = reinterpret_cast<float*>(stash);
@@ -123,13 +140,14 @@ class TanhLayer {
         for (std::size_t i = 0; i < h; ++i) gW[o * h + i] += dz[t * h + o] * xs[t * h + i];
       }
     if (stage_ != 0) return;
+    const std::int32_t* tokens = mb.input<std::int32_t>("tokens");
     const float* W = params_.data();
     float* ge = gb + h;
     for (std::size_t t = 0; t < T; ++t)
       for (std::size_t i = 0; i < h; ++i) {
         float s = 0;
         for (std::size_t o = 0; o < h; ++o) s += W[o * h + i] * dz[t * h + o];
-        ge[static_cast<std::size_t>(mb.tokens[t] & 15) * h + i] += s;
+        ge[static_cast<std::size_t>(tokens[t] & 15) * h + i] += s;
       }
   }
 
@@ -139,7 +157,7 @@ class TanhLayer {
  private:
   const float* emb() const { return params_.data() + static_cast<std::size_t>(h_) * static_cast<std::size_t>(h_) + static_cast<std::size_t>(h_); }
   static float target(const po::Microbatch& mb, std::size_t t, std::size_t i) {
-    return static_cast<float>((mb.targets[t] + static_cast<int>(i)) % 5 - 2) * 0.2f;
+    return static_cast<float>((mb.input<std::int32_t>("targets")[t] + static_cast<int>(i)) % 5 - 2) * 0.2f;
   }
   void pass(double seconds) {
     if (failure_ != nullptr && rank_ == failure_->fail_rank && ++failure_->calls == failure_->fail_at)
@@ -158,6 +176,7 @@ static_assert(po::layer<TanhLayer>);
 /// The outcome of a training run on thread ranks.
 struct Run {
   std::vector<float> losses;                    ///< per step
+  std::vector<double> grad_norms;               ///< per step
   std::vector<std::vector<float>> params;       ///< per stage, after the last step
   std::vector<po::backend::MemoryStats> memory; ///< per rank, of the last step
   std::vector<double> seconds;                  ///< per rank, of the last step
@@ -194,6 +213,28 @@ inline void make_batch(const Config& c, int step, std::vector<std::int32_t>& tok
   }
 }
 
+/// Step `step`'s batch: tokens and targets, (m * batch, seq) each.
+inline po::Batch batch_of(const Config& c, const std::vector<std::int32_t>& tok, const std::vector<std::int32_t>& tgt) {
+  const std::vector<long long> shape = {static_cast<long long>(c.shape.m) * c.mb.batch, c.mb.seq};
+  po::Batch b;
+  b.add("tokens", tok, shape).add("targets", tgt, shape);
+  return b;
+}
+
+/// The training step of these tests, as visible calls: AdamW with warmup + cosine and a clip.
+struct Trainer {
+  po::WarmupCosine lr{.lr = 0.05f, .warmup_steps = 2, .total_steps = 10, .min_lr_ratio = 0.1f};
+  float clip = 0.5f;
+  template <class Runtime, class Optimizer>
+  std::pair<po::PassStats, double> step(Runtime& rt, Optimizer& opt, const po::Batch& b, int s) const {
+    rt.zero_grad();
+    po::PassStats st = rt.forward_backward(b, {.step = s});
+    const double norm = po::grad_norm(rt);
+    opt.step(lr(s), po::clip_scale(norm, clip));
+    return {std::move(st), norm};
+  }
+};
+
 /// Trains c.steps steps with d thread ranks; ranks that fail leave their error in `errors`.
 inline Run train(const Config& c) {
   const po::Shape sh = c.shape;
@@ -203,40 +244,38 @@ inline Run train(const Config& c) {
   run.seconds.resize(static_cast<std::size_t>(sh.d));
   run.traces.resize(static_cast<std::size_t>(sh.d));
   run.losses.resize(static_cast<std::size_t>(c.steps));
+  run.grad_norms.resize(static_cast<std::size_t>(c.steps));
   run.device_allocations.resize(static_cast<std::size_t>(sh.d));
   run.host_allocations.resize(static_cast<std::size_t>(sh.d));
   po::comm::ThreadsWorld world(sh.d);
-  po::RuntimeOptions opt;
-  opt.shape = sh;
-  opt.microbatch = c.mb;
-  opt.spec = c.spec;
-  opt.costs = c.costs;
-  opt.optimizer.lr = 0.05f;
-  opt.optimizer.warmup_steps = 2;
-  opt.optimizer.total_steps = 10;
-  opt.optimizer.clip = 0.5f;
+  const po::Program program = po::build(c.spec, sh, c.costs);
   std::mutex mu;
   std::vector<std::unique_ptr<po::PairLink<po::backend::Cpu>>> links;
   for (int p = 0; c.pairs && 2 * p + 1 < sh.d; ++p) links.push_back(std::make_unique<po::PairLink<po::backend::Cpu>>());
-  run.errors = po::run_thread_ranks(sh.d, [&](int r) {
+  run.errors = po::run_thread_ranks(world, [&](int r) {
     po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = c.copy_bytes_per_second});
     po::comm::Threads comm(world, r);
     std::vector<TanhLayer> layers;
     for (int ch = 0; ch < sh.v; ++ch) layers.emplace_back(sh.stage_of(r, ch), c.h, c.seed, c.timing, c.failure, r);
-    po::Runtime<po::AnySchedule, TanhLayer, po::backend::Cpu, po::comm::Threads> rt(opt, dev, comm, layers);
+    po::Runtime rt(program, dev, comm, std::span<TanhLayer>(layers), {.microbatch = c.mb});
     if (static_cast<std::size_t>(r / 2) < links.size()) rt.pair_with(*links[static_cast<std::size_t>(r / 2)]);
+    po::AdamW opt(rt, {.weight_decay = 0.1f});
     auto& dev_allocs = run.device_allocations[static_cast<std::size_t>(r)];
     auto& host_allocs = run.host_allocations[static_cast<std::size_t>(r)];
     dev_allocs.push_back(dev.memory().device_allocations);
     host_allocs.push_back(dev.memory().host_allocations);
     std::vector<std::int32_t> tok, tgt;
+    const Trainer trainer;
     for (int s = 0; s < c.steps; ++s) {
       make_batch(c, s, tok, tgt);
-      const po::StepStats st = rt.step({tok, tgt});
+      const auto [st, norm] = trainer.step(rt, opt, batch_of(c, tok, tgt), s);
       dev_allocs.push_back(st.memory.device_allocations);
       host_allocs.push_back(st.memory.host_allocations);
       std::lock_guard lk(mu);
-      if (r == 0) run.losses[static_cast<std::size_t>(s)] = st.loss;
+      if (r == 0) {
+        run.losses[static_cast<std::size_t>(s)] = st.loss;
+        run.grad_norms[static_cast<std::size_t>(s)] = norm;
+      }
       run.memory[static_cast<std::size_t>(r)] = st.memory;
       run.seconds[static_cast<std::size_t>(r)] = st.seconds;
     }

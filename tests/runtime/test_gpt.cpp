@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -35,8 +36,8 @@ Pass run_block(GptStage& st, const std::vector<float>& x, const std::vector<floa
   std::vector<std::byte> saved(st.saved_bytes(sh)), stash(st.stash_bytes(sh));
   p.y.resize(x.size());
   p.dx.resize(x.size());
-  st.forward(ctx, mb, x.data(), p.y.data(), saved.data());
-  st.backward_input(ctx, mb, r.data(), p.dx.data(), saved.data(), stash.data());
+  st.forward(ctx, mb, po::view(x), po::view(p.y), saved.data());
+  st.backward_input(ctx, mb, po::view(r), po::view(p.dx), saved.data(), stash.data());
   for (float& g : st.gradients()) g = 0;
   st.backward_weight(ctx, mb, saved.data(), stash.data());
   p.grads.assign(st.gradients().begin(), st.gradients().end());
@@ -53,7 +54,7 @@ double objective(GptStage& st, const std::vector<float>& x, const std::vector<fl
   mb.mb = 1;
   std::vector<std::byte> saved(st.saved_bytes(sh));
   std::vector<float> y(x.size());
-  st.forward(ctx, mb, x.data(), y.data(), saved.data());
+  st.forward(ctx, mb, po::view(x), po::view(y), saved.data());
   double s = 0;
   for (std::size_t i = 0; i < y.size(); ++i) s += static_cast<double>(y[i]) * r[i];
   return s;
@@ -231,24 +232,20 @@ GptRun train_gpt(po::ScheduleSpec spec, po::Shape shape, int steps) {
   cfg.seq = 8;
   cfg.dropout = 0.1f;
   const po::MicrobatchShape mbs{2, 8};
-  po::RuntimeOptions opt;
-  opt.shape = shape;
-  opt.spec = spec;
-  opt.microbatch = mbs;
-  opt.optimizer.lr = 1e-2f;
-  opt.optimizer.warmup_steps = 1;
-  opt.optimizer.clip = 0.5f;
+  const po::Program program = po::build(spec, shape);
+  const po::WarmupCosine lr{.lr = 1e-2f, .warmup_steps = 1, .total_steps = 1000, .min_lr_ratio = 0.1f};
   po::comm::ThreadsWorld world(shape.d);
   GptRun run;
   run.losses.resize(static_cast<std::size_t>(steps));
   std::vector<std::vector<float>> per_stage(static_cast<std::size_t>(shape.stages()));
   std::mutex mu;
-  run.errors = po::run_thread_ranks(shape.d, [&](int r) {
+  run.errors = po::run_thread_ranks(world, [&](int r) {
     po::backend::Cpu dev({.rank = r});
     po::comm::Threads comm(world, r);
     std::vector<GptStage> layers;
     for (int c = 0; c < shape.v; ++c) layers.emplace_back(cfg, shape.stage_of(r, c), shape.stages());
-    po::Runtime<po::AnySchedule, GptStage, po::backend::Cpu, po::comm::Threads> rt(opt, dev, comm, layers);
+    po::Runtime rt(program, dev, comm, std::span<GptStage>(layers), {.microbatch = mbs});
+    po::AdamW opt(rt, {.weight_decay = 0.1f});
     const std::size_t n = static_cast<std::size_t>(mbs.tokens()) * static_cast<std::size_t>(shape.m);
     std::vector<std::int32_t> tok(n), tgt(n);
     for (int s = 0; s < steps; ++s) {
@@ -256,7 +253,11 @@ GptRun train_gpt(po::ScheduleSpec spec, po::Shape shape, int steps) {
         tok[i] = static_cast<std::int32_t>((i * 31 + static_cast<std::size_t>(s) * 7) % 256);
         tgt[i] = static_cast<std::int32_t>((i * 17 + 3) % 256);
       }
-      const po::StepStats st = rt.step({tok, tgt});
+      po::Batch batch;
+      batch.add("tokens", tok, {shape.m * mbs.batch, mbs.seq}).add("targets", tgt, {shape.m * mbs.batch, mbs.seq});
+      rt.zero_grad();
+      const po::PassStats st = rt.forward_backward(batch, {.step = s});
+      opt.step(lr(s), po::clip_scale(po::grad_norm(rt), 0.5f));
       if (r == 0) run.losses[static_cast<std::size_t>(s)] = st.loss;
     }
     std::lock_guard lk(mu);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <tuple>
 #include <string>
 #include <vector>
@@ -77,6 +78,7 @@ TEST_CASE("every family trains bit-identically to a one-rank sequential run (3 s
     for (const std::string& e : run.errors) REQUIRE(e == "");
     for (const std::string& e : ref.errors) REQUIRE(e == "");
     CHECK(same_bits(run.losses, ref.losses));
+    CHECK(run.grad_norms == ref.grad_norms);
     for (int s = 0; s < k.shape.stages(); ++s) {
       CAPTURE(s);
       CHECK(same_bits(run.params[static_cast<std::size_t>(s)], ref.params[static_cast<std::size_t>(s)]));
@@ -169,29 +171,28 @@ TEST_CASE("PCIe pairs: a failing rank releases its partner's waiting copy stream
 
 TEST_CASE("PCIe pairs: a rank without a partner, or unstaggered slots, is refused") {
   po::comm::ThreadsWorld world(3);
-  po::RuntimeOptions opt;
-  opt.shape = {3, 1, 4};
-  opt.spec = family("po-f");
-  const auto errors = po::run_thread_ranks(3, [&](int r) {
+  const po::Program p3 = po::build(family("po-f"), {3, 1, 4});
+  const auto errors = po::run_thread_ranks(world, [&](int r) {
     po::backend::Cpu dev({.rank = r});
     po::comm::Threads comm(world, r);
     std::vector<test::TanhLayer> layers;
     layers.emplace_back(r, 4, 1, test::Timing{}, nullptr, r);
-    po::Runtime<po::AnySchedule, test::TanhLayer, po::backend::Cpu, po::comm::Threads> rt(opt, dev, comm, layers);
+    po::Runtime rt(p3, dev, comm, std::span<test::TanhLayer>(layers), {.microbatch = {1, 1}});
     po::PairLink<po::backend::Cpu> link;
     if (r == 2) rt.pair_with(link);
   });
   CHECK(errors[0] == "");
   CHECK(errors[2] == "po::Runtime::pair_with: rank 2 has no PCIe partner (rank 3 does not exist with d = 3)");
   po::comm::ThreadsWorld world2(2);
-  opt.shape = {2, 1, 4};
-  opt.costs.stagger_pairs = false;
-  const auto errors2 = po::run_thread_ranks(2, [&](int r) {
+  po::Costs unstaggered;
+  unstaggered.stagger_pairs = false;
+  const po::Program p2 = po::build(family("po-f"), {2, 1, 4}, unstaggered);
+  const auto errors2 = po::run_thread_ranks(world2, [&](int r) {
     po::backend::Cpu dev({.rank = r});
     po::comm::Threads comm(world2, r);
     std::vector<test::TanhLayer> layers;
     layers.emplace_back(r, 4, 1, test::Timing{}, nullptr, r);
-    po::Runtime<po::AnySchedule, test::TanhLayer, po::backend::Cpu, po::comm::Threads> rt(opt, dev, comm, layers);
+    po::Runtime rt(p2, dev, comm, std::span<test::TanhLayer>(layers), {.microbatch = {1, 1}});
     po::PairLink<po::backend::Cpu> link;
     rt.pair_with(link);
   });
@@ -233,66 +234,133 @@ TEST_CASE("a rank that throws in its 5th op stops every rank with that error, na
 TEST_CASE("a receive that meets another tag is an error naming both tags") {
   po::comm::ThreadsWorld world(2);
   std::vector<float> a(4, 1.0f), b(4, 0.0f);
-  const auto errors = po::run_thread_ranks(2, [&](int r) {
+  const auto errors = po::run_thread_ranks(world, [&](int r) {
     po::comm::Threads c(world, r);
     try {
-      if (r == 0) c.send(1, {1, 2, po::Dir::forward}, a);
-      else c.recv(0, {1, 3, po::Dir::forward}, b);
+      if (r == 0) c.send(1, {1, 2, po::Dir::forward}, std::as_bytes(std::span(a)));
+      else c.recv(0, {1, 3, po::Dir::forward}, std::as_writable_bytes(std::span(b)));
     } catch (...) {
       c.abort("peer failed");
       throw;
     }
   });
   CHECK(errors[1] ==
-        "comm::Threads: rank 1 expected (forward, stage 1, mb 3) of 4 floats from rank 0 but received (forward, stage 1, mb 2) of 4 floats");
+        "comm::Threads: rank 1 expected (forward, stage 1, mb 3) of 16 bytes from rank 0 but received (forward, stage 1, mb 2) of 16 bytes");
   CHECK(errors[0] == "aborted: peer failed");
   CHECK(b[0] == 0.0f);
 }
 
-TEST_CASE("a non-finite gradient stops the step with an error naming the stage") {
+TEST_CASE("a non-finite gradient stops the optimizer step with an error naming the stage, on every rank") {
   struct Bad : test::TanhLayer {
     using TanhLayer::TanhLayer;
     void backward_weight(po::backend::CpuContext& ctx, const po::Microbatch& mb, std::byte* saved, std::byte* stash) {
       TanhLayer::backward_weight(ctx, mb, saved, stash);
       if (mb.stage == 2) gradients()[0] = std::nanf("");
     }
+    std::string name() const { return "Bad"; }
   };
   po::comm::ThreadsWorld world(2);
-  po::RuntimeOptions opt;
-  opt.shape = {2, 2, 4};
-  opt.spec = family("po");
-  opt.microbatch = {1, 2};
-  const auto errors = po::run_thread_ranks(2, [&](int r) {
+  const po::Shape shape{2, 2, 4};
+  const po::Program program = po::build(family("po"), shape);
+  const auto errors = po::run_thread_ranks(world, [&](int r) {
     po::backend::Cpu dev({.rank = r});
     po::comm::Threads comm(world, r);
     std::vector<Bad> layers;
-    for (int c = 0; c < 2; ++c) layers.emplace_back(opt.shape.stage_of(r, c), 4, 1);
-    po::Runtime<po::AnySchedule, Bad, po::backend::Cpu, po::comm::Threads> rt(opt, dev, comm, layers);
+    for (int c = 0; c < 2; ++c) layers.emplace_back(shape.stage_of(r, c), 4, 1);
+    po::Runtime rt(program, dev, comm, std::span<Bad>(layers), {.microbatch = {1, 2}});
+    po::AdamW opt(rt);
     std::vector<std::int32_t> tok(8, 1), tgt(8, 2);
-    rt.step({tok, tgt});
+    po::Batch batch;
+    batch.add("tokens", tok, {4, 2}).add("targets", tgt, {4, 2});
+    const std::vector<float> before = rt.download_parameters(0);
+    rt.forward_backward(batch);
+    try {
+      opt.step(0.1f, po::clip_scale(po::grad_norm(rt), 1.0f));
+    } catch (const po::nonfinite_error&) {
+      CHECK(rt.download_parameters(0) == before);  // no update was applied
+      throw;
+    }
   });
   for (const std::string& e : errors)
-    CHECK(e == "po::Runtime: step 0: stage 2 has a non-finite gradient (parameter group 0, sum of squares nan); no update was applied");
+    CHECK(e == "po::grad_norm: stage 2 (Bad on rank 0) has a non-finite gradient (norm group 0, sum of squares nan); no update should be applied");
 }
 
 TEST_CASE("bad inputs are refused with a sentence") {
   po::comm::ThreadsWorld world(1);
   po::backend::Cpu dev;
   po::comm::Threads comm(world, 0);
-  po::RuntimeOptions opt;
-  opt.shape = {1, 2, 2};
-  opt.microbatch = {1, 2};
+  const po::Program program = po::GIS::build({1, 2, 2});
+  const po::RuntimeOptions opt{.microbatch = {1, 2}};
   std::vector<test::TanhLayer> one;
   one.emplace_back(0, 4, 1);
-  CHECK_THROWS_WITH((po::Runtime<po::GIS, test::TanhLayer, po::backend::Cpu, po::comm::Threads>(opt, dev, comm, one)),
-                    "po::Runtime: rank 0 was given 1 layers; it needs v = 2 (one per chunk)");
+  CHECK_THROWS_WITH(po::Runtime(program, dev, comm, std::span<test::TanhLayer>(one), opt),
+                    "po::Runtime: rank 0 was given 1 stages; it needs v = 2 (one per chunk)");
   std::vector<test::TanhLayer> two;
   two.emplace_back(0, 4, 1);
   two.emplace_back(1, 4, 1);
-  po::Runtime<po::GIS, test::TanhLayer, po::backend::Cpu, po::comm::Threads> rt(opt, dev, comm, two);
+  po::comm::ThreadsWorld world2(1);  // the failure above aborted `world`
+  po::comm::Threads comm2(world2, 0);
+  po::Runtime rt(program, dev, comm2, std::span<test::TanhLayer>(two), opt);
   std::vector<std::int32_t> tok(3, 0);
-  CHECK_THROWS_WITH(rt.step({tok, tok}), "po::Runtime::step: the batch has 3 tokens and 3 targets; it needs m * batch * seq = 4 of each");
+  po::Batch wrong;
+  wrong.add("tokens", tok).add("targets", tok);
+  CHECK_THROWS_WITH(rt.forward_backward(wrong),
+                    "rank 0, forward_backward: po::Runtime: the step input 'tokens' holds 3 int32 values; stage 0 reads m * 2 = 4 int32 values");
+  po::comm::ThreadsWorld world3(1);
+  po::comm::Threads comm3(world3, 0);
+  po::backend::Cpu dev3;
+  po::Runtime rt3(program, dev3, comm3, std::span<test::TanhLayer>(two), opt);
+  po::Batch missing;
+  const std::vector<std::int32_t> four(4, 0);
+  missing.add("tokens", four, {2, 2});
+  CHECK_THROWS_WITH(rt3.forward_backward(missing),
+                    "rank 0, forward_backward: po::Runtime: stage 0 reads the step input 'targets', which the batch does not have (it has: tokens)");
   CHECK_THROWS_WITH(po::comm::Threads(world, 1), "comm::Threads: rank = 1 is outside the allowed range [0, 0]");
+}
+
+TEST_CASE("a Runtime from a Program built at run time equals one from the schedule type, bit for bit") {
+  // Runtime<po::PO_F, Layer, Backend, Comm> builds PO_F's program itself; po::build(spec, ...)
+  // builds the same schedule from a spec chosen at run time (here parsed from its name).
+  const po::Shape shape{4, 2, 8};
+  test::Config c;
+  c.shape = shape;
+  const auto run = [&](bool typed) {
+    std::vector<std::vector<float>> params(static_cast<std::size_t>(shape.stages()));
+    std::vector<float> losses;
+    std::mutex mu;
+    po::comm::ThreadsWorld world(shape.d);
+    const po::Program program = po::build(family("po-f"), shape);
+    const auto errors = po::run_thread_ranks(world, [&](int r) {
+      po::backend::Cpu dev({.rank = r});
+      po::comm::Threads comm(world, r);
+      std::vector<test::TanhLayer> layers;
+      for (int ch = 0; ch < shape.v; ++ch) layers.emplace_back(shape.stage_of(r, ch), c.h, c.seed);
+      const auto train = [&](auto& rt) {
+        po::AdamW opt(rt);
+        std::vector<std::int32_t> tok, tgt;
+        for (int s = 0; s < 3; ++s) {
+          test::make_batch(c, s, tok, tgt);
+          const auto [st, norm] = test::Trainer{}.step(rt, opt, test::batch_of(c, tok, tgt), s);
+          std::lock_guard lk(mu);
+          if (r == 0) losses.push_back(st.loss);
+        }
+        std::lock_guard lk(mu);
+        for (int ch = 0; ch < shape.v; ++ch) params[static_cast<std::size_t>(shape.stage_of(r, ch))] = rt.download_parameters(ch);
+      };
+      if (typed) {
+        po::Runtime<po::PO_F, test::TanhLayer, po::backend::Cpu, po::comm::Threads> rt(shape, dev, comm, layers, {.microbatch = c.mb});
+        train(rt);
+      } else {
+        po::Runtime rt(program, dev, comm, std::span<test::TanhLayer>(layers), {.microbatch = c.mb});
+        train(rt);
+      }
+    });
+    for (const std::string& e : errors) REQUIRE(e == "");
+    return std::make_pair(losses, params);
+  };
+  const auto typed = run(true), built = run(false);
+  CHECK(same_bits(typed.first, built.first));
+  for (int s = 0; s < shape.stages(); ++s) CHECK(same_bits(typed.second[static_cast<std::size_t>(s)], built.second[static_cast<std::size_t>(s)]));
 }
 
 TEST_CASE("host bins: at most 3 powers of two with the minimal total") {

@@ -18,15 +18,18 @@
 //   - set_error_hook(fn): fn(message) runs once, on the first failure, from the failing
 //     thread (the runtime uses it to abort the communicator, so peers blocked on this rank
 //     wake up).
-// Between steps, with every stream idle, the runtime also calls these blocking operations on
-// device memory (a GPU backend runs them on the device and returns once they are done):
-//   - download(host, device, bytes) / upload(device, host, bytes): plain copies;
-//   - sum_squares(values, groups, out): out[k] = sum of squares, in fp64, of the k-th run of
-//     groups[k] values (the gradient norm's pieces);
-//   - adamw(params, grads, m, v, opt, lr, bias, grad_scale): math::adamw_update on every
-//     element with grads scaled by grad_scale (the clip), then grads zeroed.
+// Between passes, with every stream idle, the runtime and the optimizers also call these
+// blocking operations on device memory (a GPU backend runs them on the device and returns
+// once they are done):
+//   - download(host, device, bytes) / upload(device, host, bytes) / zero(device, bytes);
+// and, within a pass's stream order, one check:
+//   - flag_nonfinite(ctx, tensor, flag): sets the uint32 at `flag` (device memory) to 1 if any
+//     element of the floating-point `tensor` is NaN or infinite (the runtime's check of
+//     activations and gradients where they appear).
+// Optimizers need more of a backend (backend::updates_parameters below): sum_squares for
+// the gradient norm, and the adamw and sgd updates of backend/update.hpp.
 // Between steps the layers' parameters() and gradients() are device memory: host code reads
-// and writes them through download/upload (po::Runtime::get_parameters and friends).
+// and writes them through download/upload (po::Runtime::download_parameters and friends).
 #pragma once
 
 #include <array>
@@ -38,7 +41,8 @@
 #include <string>
 
 #include "../error.hpp"
-#include "../model/math.hpp"
+#include "../tensor.hpp"
+#include "update.hpp"
 
 namespace pipeoffload::backend {
 
@@ -47,9 +51,10 @@ enum class Memory : std::uint8_t {
   activation,  ///< saved activations of one (stage, microbatch): the units schedules count
   stash,       ///< what B leaves for W
   message,     ///< P2P boundary tensors (received inputs, outputs waiting to be sent)
-  state,       ///< the runtime's long-lived buffers: optimizer moments, the step's tokens, losses
+  state,       ///< the runtime's long-lived buffers: the step's inputs, losses, check flags
+  optimizer,   ///< optimizer state (AdamW moments, SGD momentum)
 };
-inline constexpr std::size_t memory_kinds = 4;
+inline constexpr std::size_t memory_kinds = 5;
 
 constexpr const char* memory_name(Memory m) {
   switch (m) {
@@ -57,13 +62,14 @@ constexpr const char* memory_name(Memory m) {
     case Memory::stash: return "stash";
     case Memory::message: return "message";
     case Memory::state: return "state";
+    case Memory::optimizer: return "optimizer";
   }
   return "?";
 }
 
 namespace detail {
 
-/// The argument checks every backend's sum_squares and adamw make (`who` names the call).
+/// The argument checks every backend's sum_squares, adamw and sgd make (`who` names the call).
 inline void require_groups(const char* who, std::size_t values, std::span<const std::size_t> groups, std::size_t outs) {
   std::size_t total = 0;
   for (std::size_t g : groups) total += g;
@@ -72,9 +78,9 @@ inline void require_groups(const char* who, std::size_t values, std::span<const 
                                 std::to_string(values) + " values with " + std::to_string(outs) +
                                 " outputs; they must cover all values, one output each");
 }
-inline void require_adamw_sizes(const char* who, std::size_t p, std::size_t g, std::size_t m, std::size_t v) {
+inline void require_update_sizes(const char* who, std::size_t p, std::size_t g, std::size_t m, std::size_t v) {
   if (g != p || m != p || v != p)
-    throw error(std::string(who) + ": parameters, gradients and moments have " + std::to_string(p) + ", " + std::to_string(g) +
+    throw error(std::string(who) + ": parameters, gradients and optimizer state have " + std::to_string(p) + ", " + std::to_string(g) +
                                 ", " + std::to_string(m) + " and " + std::to_string(v) + " elements; they must be equal");
 }
 
@@ -128,9 +134,7 @@ struct CopyPiece {
 template <class B>
 concept backend = requires(B& b, int stream, int event, std::function<void()> fn, std::function<void(const std::string&)> hook,
                            std::size_t n, Memory kind, Block blk, HostBlock hb, std::span<const CopyPiece> pieces, std::string why,
-                           void* ptr, const void* cptr, std::span<float> fs, std::span<const float> cfs,
-                           std::span<const std::size_t> groups, std::span<double> out, const math::AdamW& opt, float lr,
-                           math::AdamBias bias) {
+                           void* ptr, const void* cptr, typename B::Context& ctx, ConstTensor t, std::uint32_t* flag) {
   typename B::Context;
   { b.make_stream(why) } -> std::same_as<int>;
   { b.make_event() } -> std::same_as<int>;
@@ -151,16 +155,27 @@ concept backend = requires(B& b, int stream, int event, std::function<void()> fn
   { b.now() } -> std::same_as<double>;
   b.download(ptr, cptr, n);
   b.upload(ptr, cptr, n);
-  b.sum_squares(cfs, groups, out);
-  b.adamw(fs, fs, fs, fs, opt, lr, bias, lr);
+  b.zero(ptr, n);
+  b.flag_nonfinite(ctx, t, flag);
 };
 
-/// Optional, on top of `backend`: an arena that can take memory from the system ahead of use.
-/// reserve_device(bytes, count) adds `count` blocks of `bytes` (as device_alloc would size
-/// them) to what the arena holds for its callers; reservations add up, so two users of one
-/// device each reserve their own. po::Runtime reserves, at construction, the most blocks of
-/// each size its rank's program can have in use at once under any timing, so no step (the
-/// first included) takes device or pinned host memory from the system.
+/// Optional, on top of `backend`: what po::AdamW, po::Sgd and po::grad_norm run on the device,
+/// blocking (between steps, every stream idle):
+///   - sum_squares(values, groups, out): out[k] = sum of squares, in fp64 and a fixed order,
+///     of the k-th run of groups[k] values (the gradient norm's pieces);
+///   - adamw(params, grads, m, v, hyper, lr, bias, grad_scale): update::adamw on every element
+///     with grads * grad_scale (the clip);
+///   - sgd(params, grads, buf, hyper, lr, grad_scale, first): update::sgd likewise.
+/// Gradients are left as they are (Runtime::zero_grad clears them).
+template <class B>
+concept updates_parameters = requires(B& b, std::span<float> fs, std::span<const float> cfs, std::span<const std::size_t> groups,
+                                      std::span<double> out, const update::AdamWParams& aw, const update::SgdParams& sg, float lr,
+                                      update::AdamBias bias, bool first) {
+  b.sum_squares(cfs, groups, out);
+  b.adamw(fs, cfs, fs, fs, aw, lr, bias, lr);
+  b.sgd(fs, cfs, fs, sg, lr, lr, first);
+};
+
 /// Optional, on top of `backend`: the "synchronized interleaved" copies of two devices under
 /// one PCIe switch (DESIGN.md section 3). `B::Counter` is a monotone 64-bit counter that two
 /// devices of one process share; signal(stream, c, v) sets it to v in stream order (after the
@@ -174,6 +189,12 @@ concept pairs_copies = requires(B& b, int stream, typename B::Counter& c, std::u
   c.abort(why);
 };
 
+/// Optional, on top of `backend`: an arena that can take memory from the system ahead of use.
+/// reserve_device(bytes, count) adds `count` blocks of `bytes` (as device_alloc would size
+/// them) to what the arena holds for its callers; reservations add up, so two users of one
+/// device each reserve their own. po::Runtime reserves, at construction, the most blocks of
+/// each size its rank's program can have in use at once under any timing, so no step (the
+/// first included) takes device or pinned host memory from the system.
 template <class B>
 concept reserves_memory = requires(B& b, std::size_t bytes, std::size_t count) {
   b.reserve_device(bytes, count);

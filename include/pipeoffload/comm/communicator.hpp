@@ -5,8 +5,9 @@
 //   - send(peer, tag, data) may block until the peer has posted the matching recv and taken
 //     the data (rendezvous, as NCCL's may); recv blocks until the matching send is posted;
 //   - between an ordered pair of ranks, messages are received in the order they were sent;
-//   - every message carries its tag (stage, microbatch, forward|backward) and its size; a
-//     recv that meets another tag or size throws comm_error naming both, never a silent swap;
+//   - a message is bytes (a boundary tensor of any element type); every message carries its
+//     tag (stage, microbatch, forward|backward) and its size; a recv that meets another tag or
+//     size throws comm_error naming both, never a silent swap;
 //   - all_gather(mine, all): every rank contributes mine.size() doubles (the same count on
 //     every rank); all receives them in rank order. It is a collective: every rank calls it
 //     the same number of times;
@@ -17,6 +18,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <string>
 
@@ -50,10 +52,11 @@ inline std::string describe(const Tag& t) {
 ///   po::comm::ThreadsWorld world(2);            // two ranks that are threads of one process
 ///   po::comm::Threads c0(world, 0), c1(world, 1);
 ///   // thread of rank 0:                       // thread of rank 1:
-///   c0.send(1, {1, 0, po::Dir::forward}, x);    c1.recv(0, {1, 0, po::Dir::forward}, y);
+///   c0.send(1, {1, 0, po::Dir::forward}, std::as_bytes(std::span(x)));
+///                                               c1.recv(0, {1, 0, po::Dir::forward}, std::as_writable_bytes(std::span(y)));
 /// @endcode
 template <class C>
-concept communicator = requires(C& c, const C& cc, int peer, Tag tag, std::span<const float> in, std::span<float> out,
+concept communicator = requires(C& c, const C& cc, int peer, Tag tag, std::span<const std::byte> in, std::span<std::byte> out,
                                 std::span<const double> mine, std::span<double> all, std::string why) {
   { cc.rank() } -> std::same_as<int>;
   { cc.size() } -> std::same_as<int>;

@@ -13,7 +13,6 @@
 #include <string>
 #include <vector>
 
-#include "../backend/cpu/cpu.hpp"  // aborted_error
 #include "communicator.hpp"
 
 namespace pipeoffload::comm {
@@ -49,7 +48,7 @@ class ThreadsWorld {
   friend class Threads;
   struct Message {
     Tag tag;
-    const float* data = nullptr;
+    const std::byte* data = nullptr;
     std::size_t count = 0;
     bool taken = false;
   };
@@ -90,7 +89,7 @@ class Threads {
   int size() const { return w_->size(); }
 
   /// Blocks until `peer` has received the message (rendezvous).
-  void send(int peer, Tag tag, std::span<const float> data) {
+  void send(int peer, Tag tag, std::span<const std::byte> data) {
     check_peer(peer, "send to");
     ThreadsWorld::Message msg{tag, data.data(), data.size(), false};
     ThreadsWorld::Channel& ch = w_->channel(rank_, peer);
@@ -111,7 +110,7 @@ class Threads {
   }
 
   /// Blocks until the next message from `peer` arrives; it must carry `tag` and fit `out`.
-  void recv(int peer, Tag tag, std::span<float> out) {
+  void recv(int peer, Tag tag, std::span<std::byte> out) {
     check_peer(peer, "recv from");
     std::unique_lock lk(w_->mu_);
     ThreadsWorld::Channel& ch = w_->channel(peer, rank_);
@@ -120,12 +119,12 @@ class Threads {
     ThreadsWorld::Message* msg = ch.queue.front();
     if (!(msg->tag == tag) || msg->count != out.size()) {
       const std::string what = "comm::Threads: rank " + std::to_string(rank_) + " expected " + describe(tag) + " of " +
-                               std::to_string(out.size()) + " floats from rank " + std::to_string(peer) + " but received " +
-                               describe(msg->tag) + " of " + std::to_string(msg->count) + " floats";
+                               std::to_string(out.size()) + " bytes from rank " + std::to_string(peer) + " but received " +
+                               describe(msg->tag) + " of " + std::to_string(msg->count) + " bytes";
       lk.unlock();
       throw comm_error(what);
     }
-    if (!out.empty()) std::memcpy(out.data(), msg->data, out.size() * sizeof(float));
+    if (!out.empty()) std::memcpy(out.data(), msg->data, out.size());
     msg->taken = true;
     ch.queue.pop_front();
     lk.unlock();  // the sender re-takes the lock as it wakes

@@ -86,7 +86,16 @@ class GptStage {
 
   // ---- po::layer -----------------------------------------------------------------------
 
-  std::size_t boundary_floats(MicrobatchShape sh) const { return tokens(sh) * h(); }
+  Boundary input_boundary(MicrobatchShape sh) const { return {tokens(sh) * h(), DType::float32}; }
+  Boundary output_boundary(MicrobatchShape sh) const { return {tokens(sh) * h(), DType::float32}; }
+  /// Stage 0 reads the token ids, the last stage the next-token targets: int32, (batch, seq)
+  /// per microbatch.
+  std::vector<InputSpec> inputs(MicrobatchShape sh) const {
+    std::vector<InputSpec> in;
+    if (embeds()) in.push_back({"tokens", DType::int32, tokens(sh)});
+    if (heads()) in.push_back({"targets", DType::int32, tokens(sh)});
+    return in;
+  }
   std::size_t saved_bytes(MicrobatchShape sh) const { return count_ * block_saved(sh) + (heads() ? head_saved(sh) : 0); }
   std::size_t stash_bytes(MicrobatchShape sh) const {
     return ((embeds() ? tokens(sh) * h() : 0) + count_ * block_stash_floats(sh) + (heads() ? tokens(sh) * h() : 0)) * sizeof(float);
@@ -96,6 +105,43 @@ class GptStage {
   /// One group per embedding, block and head: the runtime sums squared gradients per group
   /// in model order, so the clip is the same however the model is cut into stages.
   std::vector<std::size_t> norm_groups() const { return groups_; }
+  /// The named tensors, in parameters() order (GPT-2's names; weights stored (in, out)).
+  std::vector<ParamInfo> parameter_info() const {
+    std::vector<ParamInfo> t;
+    std::size_t off = 0;
+    const auto add = [&](std::string name, std::vector<long long> shape) {
+      ParamInfo p{std::move(name), off, std::move(shape)};
+      off += p.count();
+      t.push_back(std::move(p));
+    };
+    const long long H = h_, V = c_.vocab;
+    if (embeds()) {
+      add("wte", {V, H});
+      add("wpe", {c_.seq, H});
+    }
+    for (int i = 0; i < count_; ++i) {
+      const std::string b = "blocks." + std::to_string(first_ + i) + ".";
+      add(b + "ln1.weight", {H});
+      add(b + "ln1.bias", {H});
+      add(b + "attn.qkv.weight", {H, 3 * H});
+      add(b + "attn.qkv.bias", {3 * H});
+      add(b + "attn.proj.weight", {H, H});
+      add(b + "attn.proj.bias", {H});
+      add(b + "ln2.weight", {H});
+      add(b + "ln2.bias", {H});
+      add(b + "mlp.fc.weight", {H, 4 * H});
+      add(b + "mlp.fc.bias", {4 * H});
+      add(b + "mlp.proj.weight", {4 * H, H});
+      add(b + "mlp.proj.bias", {H});
+    }
+    if (heads()) {
+      add("lnf.weight", {H});
+      add("lnf.bias", {H});
+      add("lm_head.weight", {H, V});
+      add("lm_head.bias", {V});
+    }
+    return t;
+  }
 
   /// Saved bytes of one block for a microbatch, split into what the 20bsh / 34bsh accounting
   /// counts (per-token tensors) and the small per-row extras (statistics, log-sum-exps).
@@ -113,8 +159,10 @@ class GptStage {
     return b;
   }
 
-  void forward(backend::CpuContext&, const Microbatch& mb, const float* x, float* y, std::byte* saved) {
+  void forward(backend::CpuContext&, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
     const std::size_t T = tokens(mb.shape);
+    const float* x = xt.as<float>();
+    float* y = yt.as<float>();
     check_shape(mb.shape);
     float* cur = nullptr;  // (T, h) input of the next block, in that block's saved region
     std::byte* p = saved;
@@ -123,8 +171,9 @@ class GptStage {
       cur = count_ > 0 ? block_x(p) : tmp.data();
       const float* wte = params_.data();
       const float* wpe = wte + static_cast<std::size_t>(V()) * h();
+      const std::int32_t* tokens = mb.input<std::int32_t>("tokens");
       for (std::size_t t = 0; t < T; ++t) {
-        const int tok = mb.tokens[t];
+        const int tok = tokens[t];
         if (tok < 0 || tok >= c_.vocab)
           throw error("GptStage: token " + std::to_string(tok) + " at position " + std::to_string(t) + " is outside [0, " + std::to_string(c_.vocab - 1) + "]");
         const std::size_t pos = t % static_cast<std::size_t>(mb.shape.seq);
@@ -152,8 +201,10 @@ class GptStage {
     if (count_ == 0 && y != nullptr) std::memcpy(y, cur, T * h() * sizeof(float));
   }
 
-  void backward_input(backend::CpuContext&, const Microbatch& mb, const float* dy, float* dx, std::byte* saved, std::byte* stash) {
+  void backward_input(backend::CpuContext&, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved, std::byte* stash) {
     const std::size_t T = tokens(mb.shape);
+    const float* dy = dyt.as<float>();
+    float* dx = dxt.as<float>();
     check_shape(mb.shape);
     float* st = reinterpret_cast<float*>(stash);
     float* st_embed = st;
@@ -182,8 +233,9 @@ class GptStage {
     if (embeds()) {
       float* gte = grads_.data();
       float* gpe = gte + static_cast<std::size_t>(V()) * h();
+      const std::int32_t* tokens = mb.input<std::int32_t>("tokens");
       for (std::size_t t = 0; t < T; ++t) {
-        const std::size_t tok = static_cast<std::size_t>(mb.tokens[t]), pos = t % static_cast<std::size_t>(mb.shape.seq);
+        const std::size_t tok = static_cast<std::size_t>(tokens[t]), pos = t % static_cast<std::size_t>(mb.shape.seq);
         for (std::size_t i = 0; i < h(); ++i) {
           gte[tok * h() + i] += st[t * h() + i];
           gpe[pos * h() + i] += st[t * h() + i];
@@ -480,18 +532,20 @@ class GptStage {
     attention_forward(v.qkv, v.att, v.lse, mb.shape);
     linear(v.att, w.wo, w.bo, tmp, T, H, H);
     const std::uint64_t s1 = drop_seed(mb, i, 0), s2 = drop_seed(mb, i, 1);
-    residual_dropout(v.x1, v.x, tmp, s1, v.m1, T * H);
+    residual_dropout(v.x1, v.x, tmp, s1, v.m1, T * H, dropout(mb));
     float* a2 = c_.recompute ? s.data() : v.a2;
     layernorm(v.x1, v.stats + 2 * T, w.ln2g, w.ln2b, a2, T);
     linear(a2, w.wfc, w.bfc, v.f, T, H, 4 * H);
     elementwise(g, 4 * T * H, [&](std::size_t e) { return math::gelu(v.f[e]); });
     linear(g, w.wpr, w.bpr, tmp, T, 4 * H, H);
-    residual_dropout(out, v.x1, tmp, s2, v.m2, T * H);
+    residual_dropout(out, v.x1, tmp, s2, v.m2, T * H, dropout(mb));
   }
 
+  /// Dropout's probability in this pass: none when evaluating.
+  float dropout(const Microbatch& mb) const { return mb.training ? c_.dropout : 0.0f; }
+
   /// out = x + y * dropout mask (seed); with recompute off the mask is saved to `mask` too.
-  void residual_dropout(float* out, const float* x, const float* y, std::uint64_t seed, std::uint8_t* mask, std::size_t n) const {
-    const float p = c_.dropout;
+  void residual_dropout(float* out, const float* x, const float* y, std::uint64_t seed, std::uint8_t* mask, std::size_t n, float p) const {
     if (c_.recompute) {
       elementwise(out, n, [&](std::size_t e) { return math::residual_dropout(x[e], y[e], seed, e, p); });
       return;
@@ -613,8 +667,9 @@ class GptStage {
     linear(a, p + 2 * H, p + 2 * H + H * V(), logits, T, H, V());
     double loss = 0;
     const float scale = mb.loss_scale / static_cast<float>(T);
+    const std::int32_t* targets = mb.input<std::int32_t>("targets");
     for (std::size_t t = 0; t < T; ++t) {
-      const int tgt = mb.targets[t];
+      const int tgt = targets[t];
       if (tgt < 0 || tgt >= c_.vocab)
         throw error("GptStage: target " + std::to_string(tgt) + " at position " + std::to_string(t) + " is outside [0, " + std::to_string(c_.vocab - 1) + "]");
       loss += math::softmax_xent_row(logits + t * V(), c_.vocab, tgt, scale, dlogits + t * V());

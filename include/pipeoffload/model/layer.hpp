@@ -1,21 +1,35 @@
 // pipeoffload/model/layer.hpp: the `layer` concept, what a user implements for their model.
 //
-// A stage is one layer object (itself any run of sub-layers). The runtime owns the memory a
-// pass touches: the stage's saved activations for one microbatch live in one contiguous
-// device buffer of saved_bytes() (what offload moves to host and back), and what B leaves for
-// W lives in a stash buffer of stash_bytes() (alive from B to W, never offloaded).
+// A stage is one layer object (itself any run of sub-layers). The stages of one pipeline may
+// be of different types (an embedding, blocks, a head): the runtime holds them type-erased
+// (runtime/stage.hpp) and checks, when it is constructed, that every producer and its consumer
+// agree on the boundary tensor between them.
+//
+// The runtime owns the memory a pass touches: the stage's saved activations for one
+// microbatch live in one contiguous device buffer of saved_bytes() (what offload moves to
+// host and back), and what B leaves for W lives in a stash buffer of stash_bytes() (alive
+// from B to W, never offloaded).
 #pragma once
 
+#include <algorithm>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <numeric>
 #include <span>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include "../backend/cpu/context.hpp"
+#include "../error.hpp"
+#include "../tensor.hpp"
 
 namespace pipeoffload {
 
-/// Shape of one microbatch: `batch` sequences of `seq` tokens.
+/// Shape of one microbatch: `batch` sequences of `seq` tokens (a model without sequences uses
+/// seq = 1 and `batch` rows).
 struct MicrobatchShape {
   int batch = 1;
   int seq = 1;
@@ -23,78 +37,143 @@ struct MicrobatchShape {
   friend constexpr bool operator==(const MicrobatchShape&, const MicrobatchShape&) = default;
 };
 
+/// The tensor between two stages for one microbatch: activations forward (the producer's
+/// output, the consumer's input) and their gradient backward, of the same size and type.
+struct Boundary {
+  std::size_t elements = 0;
+  DType dtype = DType::float32;
+  std::size_t bytes() const { return elements * dtype_size(dtype); }
+  friend constexpr bool operator==(const Boundary&, const Boundary&) = default;
+};
+
+/// A step input a stage reads (`inputs(shape)`): its name in the batch, its element type, and
+/// its elements per microbatch.
+struct InputSpec {
+  std::string name;
+  DType dtype = DType::float32;
+  std::size_t elements = 0;
+};
+
+/// One named parameter tensor of a stage (`parameter_info()`): elements [offset, offset +
+/// count()) of parameters(), row-major with `shape`. Optimizers select parameter groups by
+/// it (e.g. no weight decay on 1-d tensors); checkpoints keep the names.
+struct ParamInfo {
+  std::string name;
+  std::size_t offset = 0;
+  std::vector<long long> shape;
+  std::size_t count() const {
+    return static_cast<std::size_t>(std::accumulate(shape.begin(), shape.end(), 1LL, std::multiplies<>()));
+  }
+};
+
+/// One microbatch's slice of a step input, as a pass sees it.
+struct StepInput {
+  std::string_view name;
+  ConstTensor tensor;
+};
+
 /// What the runtime tells a pass about its microbatch.
 struct Microbatch {
   int stage = 0;         ///< this layer's stage, 0..S-1
   int stages = 1;        ///< S
-  int mb = 0;            ///< microbatch index in the iteration, 0..m-1
-  int microbatches = 1;  ///< m
+  int mb = 0;            ///< microbatch index within the optimizer step, 0..microbatches-1
+  int microbatches = 1;  ///< microbatches whose gradients one optimizer step sums (m x accumulation parts)
   int step = 0;          ///< 0-based optimizer step (dropout seeds depend on it)
+  bool training = true;  ///< false in Runtime::evaluate (no dropout, nothing kept for backward)
   MicrobatchShape shape{};
-  /// Inputs in the backend's device memory (host memory on backend::Cpu), valid in stream order:
-  const std::int32_t* tokens = nullptr;   ///< (batch, seq) token ids of this microbatch
-  const std::int32_t* targets = nullptr;  ///< (batch, seq) next-token targets of this microbatch
+  /// This microbatch's slices of the step inputs this stage declared in inputs(), in the
+  /// backend's device memory (host memory on backend::Cpu), valid in stream order.
+  std::span<const StepInput> inputs;
   /// The last stage's forward writes this microbatch's mean loss here (one float of device
-  /// memory, in stream order; the runtime reads it after the step). Null on other stages.
+  /// memory, in stream order; the runtime reads it after the passes). Null on other stages.
   float* loss = nullptr;
-  /// The last stage scales its loss gradient by this: 1/m, so gradients are the mean over
-  /// microbatches of each microbatch's mean loss.
+  /// The last stage scales its loss gradient by this: 1/microbatches, so gradients are the
+  /// mean over the step's microbatches of each microbatch's mean loss.
   float loss_scale = 1;
+
   bool first() const { return stage == 0; }
   bool last() const { return stage == stages - 1; }
+
+  /// The step input `name` (a stage reads only what it declared); throws naming the inputs there are.
+  ConstTensor input(std::string_view name) const {
+    for (const StepInput& in : inputs)
+      if (in.name == name) return in.tensor;
+    std::string have;
+    for (const StepInput& in : inputs) have += (have.empty() ? "" : ", ") + std::string(in.name);
+    throw error("stage " + std::to_string(stage) + " reads the step input '" + std::string(name) +
+                "', which it did not declare in inputs() (it declared: " + (have.empty() ? "none" : have) + ")");
+  }
+  /// The same as T elements (throws if the input holds another type).
+  template <class T>
+  const T* input(std::string_view name) const {
+    return input(name).template as<T>();
+  }
 };
 
 /// A pipeline stage's model code, for a backend whose pass context is `Ctx` (backend::Cpu's
 /// is backend::CpuContext; a CUDA context carries the stream the pass enqueues on).
 ///
-/// - boundary_floats(shape): floats of the tensor passed between stages (activations forward,
-///   gradients backward); the same for every stage.
+/// Sizes, for a microbatch shape:
+/// - input_boundary(shape): the Boundary this stage takes from the stage before it (ignored on
+///   stage 0); output_boundary(shape): what it hands to the next one (ignored on the last).
+///   A producer's output and its consumer's input must be equal (checked at construction).
 /// - saved_bytes(shape): bytes kept from F until W (one activation unit; offload moves it).
 /// - stash_bytes(shape): bytes B leaves for W.
-/// - forward(ctx, mb, x, y, saved) -> void: x is null on the first stage (read mb.tokens), y
-///   is null on the last stage, which writes the microbatch's mean loss to *mb.loss. A pass
-///   may run asynchronously (a GPU layer enqueues kernels on ctx's stream and returns), so
-///   nothing comes back by value.
-/// All pointers a pass gets (x, y, dy, dx, saved, stash, mb.tokens, mb.targets, mb.loss) and
-/// the spans parameters() and gradients() are the backend's device memory; on backend::Cpu
-/// that is host memory.
-/// - backward_input(ctx, mb, dy, dx, saved, stash): activation gradients only (B). dy is null
-///   on the last stage (the loss is the output), dx is null on the first stage.
+/// Passes (every pointer and view is the backend's device memory; host memory on backend::Cpu):
+/// - forward(ctx, mb, x, y, saved) -> void: x is empty on stage 0 (it reads a step input,
+///   mb.input<T>(name)), y is empty on the last stage, which writes the microbatch's mean loss
+///   to *mb.loss. A pass may run asynchronously (a GPU layer enqueues kernels on ctx's stream
+///   and returns), so nothing comes back by value.
+/// - backward_input(ctx, mb, dy, dx, saved, stash): activation gradients only (B). dy is empty
+///   on the last stage (the loss is the output), dx is empty on stage 0.
 /// - backward_weight(ctx, mb, saved, stash): accumulates (+=) into gradients() (W).
-/// - parameters(), gradients(): contiguous fp32 spans of equal length; the runtime zeroes the
-///   gradients after each optimizer step and updates the parameters in place.
+/// - parameters(), gradients(): contiguous fp32 spans of equal length. Gradients accumulate
+///   across forward_backward calls until Runtime::zero_grad(); optimizers update parameters.
+/// Optional members the runtime uses when present:
+/// - inputs(shape) -> std::vector<po::InputSpec>: the step inputs the stage reads (the
+///   runtime uploads them and checks each step's batch against them);
+/// - norm_groups() -> std::vector<std::size_t>: runs of parameters, in order, whose squared
+///   gradients are summed separately (in fp64) before they are added in model order; cut a
+///   model into stages only at group boundaries and the gradient norm is bit-identical for
+///   every cut (default: one group per stage);
+/// - parameter_info() -> std::vector<po::ParamInfo>: named tensors covering parameters()
+///   (default: one 1-d tensor "parameters"), for optimizer parameter groups;
+/// - name() -> std::string: the stage type's name in messages (default: the C++ type name).
 ///
 /// A minimal user layer, y = tanh(w * x) per element on a boundary of `n` floats:
 /// @code
 ///   struct Scale {
 ///     float w = 0.5f, gw = 0;
-///     static constexpr long long n = 4;
-///     std::size_t boundary_floats(po::MicrobatchShape) const { return n; }
+///     static constexpr std::size_t n = 4;
+///     po::Boundary input_boundary(po::MicrobatchShape) const { return {n}; }   // n float32
+///     po::Boundary output_boundary(po::MicrobatchShape) const { return {n}; }
 ///     std::size_t saved_bytes(po::MicrobatchShape) const { return 2 * n * sizeof(float); }  // x, y
 ///     std::size_t stash_bytes(po::MicrobatchShape) const { return n * sizeof(float); }      // dz
-///     void forward(po::backend::CpuContext&, const po::Microbatch& mb, const float* x, float* y, std::byte* saved) {
+///     std::vector<po::InputSpec> inputs(po::MicrobatchShape) const { return {{"x", po::DType::float32, n}}; }
+///     void forward(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor x, po::Tensor y, std::byte* saved) {
+///       const float* in = mb.first() ? mb.input<float>("x") : x.as<float>();
 ///       auto* s = reinterpret_cast<float*>(saved);
-///       for (long long i = 0; i < n; ++i) {
-///         s[i] = x ? x[i] : static_cast<float>(mb.tokens[0] % 7);  // first stage reads tokens
+///       for (std::size_t i = 0; i < n; ++i) {
+///         s[i] = in[i];
 ///         s[n + i] = std::tanh(w * s[i]);
-///         if (y) y[i] = s[n + i];
+///         if (y) y.as<float>()[i] = s[n + i];
 ///       }
 ///       if (mb.last()) *mb.loss = s[n];  // last stage: the "loss"
 ///     }
-///     void backward_input(po::backend::CpuContext&, const po::Microbatch& mb, const float* dy, float* dx,
+///     void backward_input(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor dy, po::Tensor dx,
 ///                         std::byte* saved, std::byte* stash) {
 ///       const auto* s = reinterpret_cast<const float*>(saved);
 ///       auto* dz = reinterpret_cast<float*>(stash);
-///       for (long long i = 0; i < n; ++i) {
-///         const float g = dy ? dy[i] : (i == 0 ? mb.loss_scale : 0.0f);
+///       for (std::size_t i = 0; i < n; ++i) {
+///         const float g = dy ? dy.as<float>()[i] : (i == 0 ? mb.loss_scale : 0.0f);
 ///         dz[i] = g * (1 - s[n + i] * s[n + i]);
-///         if (dx) dx[i] = dz[i] * w;
+///         if (dx) dx.as<float>()[i] = dz[i] * w;
 ///       }
 ///     }
 ///     void backward_weight(po::backend::CpuContext&, const po::Microbatch&, std::byte* saved, std::byte* stash) {
 ///       const auto* s = reinterpret_cast<const float*>(saved);
 ///       const auto* dz = reinterpret_cast<const float*>(stash);
-///       for (long long i = 0; i < n; ++i) gw += dz[i] * s[i];
+///       for (std::size_t i = 0; i < n; ++i) gw += dz[i] * s[i];
 ///     }
 ///     std::span<float> parameters() { return {&w, 1}; }
 ///     std::span<float> gradients() { return {&gw, 1}; }
@@ -102,21 +181,40 @@ struct Microbatch {
 ///   static_assert(po::layer<Scale>);
 /// @endcode
 template <class L, class Ctx>
-concept layer_for =
-    requires(L& l, const L& cl, Ctx& ctx, const Microbatch& mb, MicrobatchShape shape, const float* cx, float* x,
-             std::byte* buf) {
-      { cl.boundary_floats(shape) } -> std::convertible_to<std::size_t>;
-      { cl.saved_bytes(shape) } -> std::convertible_to<std::size_t>;
-      { cl.stash_bytes(shape) } -> std::convertible_to<std::size_t>;
-      { l.forward(ctx, mb, cx, x, buf) } -> std::same_as<void>;
-      l.backward_input(ctx, mb, cx, x, buf, buf);
-      l.backward_weight(ctx, mb, buf, buf);
-      { l.parameters() } -> std::convertible_to<std::span<float>>;
-      { l.gradients() } -> std::convertible_to<std::span<float>>;
-    };
+concept layer_for = requires(L& l, const L& cl, Ctx& ctx, const Microbatch& mb, MicrobatchShape shape, ConstTensor in, Tensor out,
+                             std::byte* buf) {
+  { cl.input_boundary(shape) } -> std::convertible_to<Boundary>;
+  { cl.output_boundary(shape) } -> std::convertible_to<Boundary>;
+  { cl.saved_bytes(shape) } -> std::convertible_to<std::size_t>;
+  { cl.stash_bytes(shape) } -> std::convertible_to<std::size_t>;
+  { l.forward(ctx, mb, in, out, buf) } -> std::same_as<void>;
+  l.backward_input(ctx, mb, in, out, buf, buf);
+  l.backward_weight(ctx, mb, buf, buf);
+  { l.parameters() } -> std::convertible_to<std::span<float>>;
+  { l.gradients() } -> std::convertible_to<std::span<float>>;
+};
 
 /// A layer for the CPU backend (the embedded default).
 template <class L>
 concept layer = layer_for<L, backend::CpuContext>;
+
+namespace detail {
+template <class L>
+concept declares_inputs = requires(const L& l, MicrobatchShape s) {
+  { l.inputs(s) } -> std::convertible_to<std::vector<InputSpec>>;
+};
+template <class L>
+concept has_norm_groups = requires(const L& l) {
+  { l.norm_groups() } -> std::convertible_to<std::vector<std::size_t>>;
+};
+template <class L>
+concept has_parameter_info = requires(const L& l) {
+  { l.parameter_info() } -> std::convertible_to<std::vector<ParamInfo>>;
+};
+template <class L>
+concept has_name = requires(const L& l) {
+  { l.name() } -> std::convertible_to<std::string>;
+};
+}  // namespace detail
 
 }  // namespace pipeoffload

@@ -10,11 +10,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define PIPEOFFLOAD_HOST_DEVICE __host__ __device__
-#else
-#define PIPEOFFLOAD_HOST_DEVICE
-#endif
+#include "../detail/host_device.hpp"
 
 namespace pipeoffload::math {
 
@@ -241,49 +237,6 @@ PIPEOFFLOAD_HOST_DEVICE inline float residual_dropout(float x, float y, std::uin
 /// scale * (exp(logit - lse) - [i == target]).
 PIPEOFFLOAD_HOST_DEVICE inline float softmax_xent_grad(float logit, float lse, bool is_target, float scale) {
   return scale * (std::exp(logit - lse) - (is_target ? 1.0f : 0.0f));
-}
-
-// ---- AdamW and the learning-rate schedule --------------------------------------------------------
-
-struct AdamW {
-  float lr = 3e-4f;          ///< peak learning rate
-  float beta1 = 0.9f;
-  float beta2 = 0.95f;
-  float eps = 1e-8f;
-  float weight_decay = 0.1f;
-  int warmup_steps = 10;     ///< linear warmup from lr/warmup to lr
-  int total_steps = 1000;    ///< cosine decay from lr to min_lr_ratio*lr at this step
-  float min_lr_ratio = 0.1f;
-  float clip = 1.0f;         ///< global gradient-norm clip (<= 0: no clip)
-};
-
-/// Learning rate at 0-based step t: linear warmup over warmup_steps, then cosine to
-/// min_lr_ratio * lr at total_steps, flat after.
-PIPEOFFLOAD_HOST_DEVICE inline float learning_rate(const AdamW& o, int t) {
-  if (t < o.warmup_steps) return o.lr * static_cast<float>(t + 1) / static_cast<float>(o.warmup_steps);
-  const int span = o.total_steps - o.warmup_steps;
-  if (span <= 0 || t >= o.total_steps) return o.lr * o.min_lr_ratio;
-  const double frac = static_cast<double>(t - o.warmup_steps) / static_cast<double>(span);
-  const double cosine = 0.5 * (1.0 + std::cos(3.14159265358979323846 * frac));
-  return static_cast<float>(o.lr * (o.min_lr_ratio + (1.0 - o.min_lr_ratio) * cosine));
-}
-
-/// Bias corrections 1 - beta1^t and 1 - beta2^t of 1-based step t (once per step, not per element).
-struct AdamBias {
-  float c1 = 1;
-  float c2 = 1;
-};
-PIPEOFFLOAD_HOST_DEVICE inline AdamBias adam_bias(const AdamW& o, int t) {
-  return {1.0f - std::pow(o.beta1, static_cast<float>(t)), 1.0f - std::pow(o.beta2, static_cast<float>(t))};
-}
-
-/// One AdamW update of one parameter (decoupled weight decay); `g` is already clipped.
-PIPEOFFLOAD_HOST_DEVICE inline void adamw_update(float& p, float g, float& m, float& v, const AdamW& o, float lr, AdamBias bc) {
-  m = o.beta1 * m + (1.0f - o.beta1) * g;
-  v = o.beta2 * v + (1.0f - o.beta2) * g * g;
-  const float mhat = m / bc.c1;
-  const float vhat = v / bc.c2;
-  p -= lr * (mhat / (std::sqrt(vhat) + o.eps) + o.weight_decay * p);
 }
 
 }  // namespace pipeoffload::math

@@ -2,8 +2,9 @@
 //
 // Layout of a checkpoint directory D (shared by every rank; under MPI on several hosts, a
 // shared file system):
-//   D/step-00000012/stage-3.bin   one file per stage: parameters, AdamW moments, step, RNG
-//                                 seed and data position, with a checksum
+//   D/step-00000012/stage-3.bin   one file per stage: parameters, the optimizer's state (its
+//                                 name, step and buffers: AdamW's two moments, SGD's momentum),
+//                                 RNG seed and data position, with a checksum
 //   D/latest                      "step-00000012": the newest complete checkpoint
 // Every file is written to a temporary name, flushed to disk and renamed, so a file is
 // either absent or whole. `latest` moves only after every rank has written all its stages
@@ -34,6 +35,7 @@
 
 #include "../comm/communicator.hpp"
 #include "../error.hpp"
+#include "../schedule/program.hpp"
 
 namespace pipeoffload {
 
@@ -116,22 +118,27 @@ struct StageState {
   int stage = 0;
   int step = 0;  ///< optimizer steps taken
   CheckpointInfo info{};
-  std::vector<float> params, adam_m, adam_v;
+  std::string optimizer;                  ///< the optimizer's name ("adamw", "sgd")
+  std::vector<float> params;
+  std::vector<std::vector<float>> state;  ///< the optimizer's buffers, each the size of params
 };
 
-// File: magic, then u32 format (1), i32 stage, i32 step, u64 config_hash, u64 rng_seed,
-// i64 data_position, u64 n, then n floats each of parameters, first and second moments,
-// then u64 FNV-1a of every byte before it. Native byte order (the machines that resume are
-// the machines that wrote).
+inline constexpr std::uint32_t format = 2;
+
+// File: magic, then u32 format (2), i32 stage, i32 step, u64 config_hash, u64 rng_seed,
+// i64 data_position, u64 n, u32 optimizer name length, the name, u32 state buffers k, then
+// n floats of parameters and n floats of each state buffer, then u64 FNV-1a of every byte
+// before it. Native byte order (the machines that resume are the machines that wrote).
 inline std::vector<std::byte> encode(const StageState& s) {
   std::vector<std::byte> b;
   const auto put = [&](const void* p, std::size_t n) {
     const auto* c = static_cast<const std::byte*>(p);
     b.insert(b.end(), c, c + n);
   };
-  const std::uint32_t format = 1;
   const std::int32_t stage = s.stage, step = s.step;
   const std::uint64_t n = s.params.size();
+  const auto name_len = static_cast<std::uint32_t>(s.optimizer.size());
+  const auto k = static_cast<std::uint32_t>(s.state.size());
   put(magic, sizeof magic);
   put(&format, 4);
   put(&stage, 4);
@@ -140,61 +147,89 @@ inline std::vector<std::byte> encode(const StageState& s) {
   put(&s.info.rng_seed, 8);
   put(&s.info.data_position, 8);
   put(&n, 8);
+  put(&name_len, 4);
+  put(s.optimizer.data(), name_len);
+  put(&k, 4);
   put(s.params.data(), n * sizeof(float));
-  put(s.adam_m.data(), n * sizeof(float));
-  put(s.adam_v.data(), n * sizeof(float));
+  for (const auto& buf : s.state) put(buf.data(), n * sizeof(float));
   const std::uint64_t sum = fnv1a(b.data(), b.size());
   put(&sum, 8);
   return b;
 }
 
 inline StageState decode(const std::vector<std::byte>& b, const std::string& name) {
-  const std::size_t head = sizeof magic + 4 * 3 + 8 * 4;
-  if (b.size() < head + 8) throw checkpoint_error("checkpoint: " + name + " is truncated (" + std::to_string(b.size()) + " bytes)");
-  if (std::memcmp(b.data(), magic, sizeof magic) != 0) throw checkpoint_error("checkpoint: " + name + " is not a pipeoffload checkpoint (bad magic)");
   std::size_t off = sizeof magic;
+  const auto truncated = [&] {
+    return checkpoint_error("checkpoint: " + name + " is truncated (" + std::to_string(b.size()) + " bytes)");
+  };
   const auto get = [&](void* p, std::size_t n) {
+    if (n > b.size() || off > b.size() - n) throw truncated();
     std::memcpy(p, b.data() + off, n);
     off += n;
   };
-  std::uint32_t format = 0;
+  if (b.size() < sizeof magic + 4 + 8) throw truncated();
+  if (std::memcmp(b.data(), magic, sizeof magic) != 0) throw checkpoint_error("checkpoint: " + name + " is not a pipeoffload checkpoint (bad magic)");
+  std::uint64_t sum = 0;
+  std::memcpy(&sum, b.data() + b.size() - 8, 8);
+  if (fnv1a(b.data(), b.size() - 8) != sum) throw checkpoint_error("checkpoint: " + name + " is corrupt (checksum mismatch)");
+  std::uint32_t fmt = 0, name_len = 0, k = 0;
   std::int32_t stage = 0, step = 0;
-  std::uint64_t n = 0, sum = 0;
+  std::uint64_t n = 0;
   StageState s;
-  get(&format, 4);
-  if (format != 1) throw checkpoint_error("checkpoint: " + name + " has format " + std::to_string(format) + "; this build reads format 1");
+  get(&fmt, 4);
+  if (fmt != format)
+    throw checkpoint_error("checkpoint: " + name + " has format " + std::to_string(fmt) + "; this build reads format " + std::to_string(format));
   get(&stage, 4);
   get(&step, 4);
   get(&s.info.config_hash, 8);
   get(&s.info.rng_seed, 8);
   get(&s.info.data_position, 8);
   get(&n, 8);
-  if (n > (b.size() - head) / (3 * sizeof(float)) || b.size() != head + 3 * n * sizeof(float) + 8)
+  get(&name_len, 4);
+  if (name_len > 64) throw checkpoint_error("checkpoint: " + name + " names an optimizer of " + std::to_string(name_len) + " bytes (at most 64)");
+  s.optimizer.resize(name_len);
+  get(s.optimizer.data(), name_len);
+  get(&k, 4);
+  const std::size_t rest = b.size() - 8 - off;
+  if (k > 16 || n > rest / sizeof(float) || rest != (1 + static_cast<std::size_t>(k)) * n * sizeof(float))
     throw checkpoint_error("checkpoint: " + name + " is truncated or has trailing bytes (" + std::to_string(b.size()) + " bytes for " + std::to_string(n) +
-                           " parameters)");
-  std::memcpy(&sum, b.data() + b.size() - 8, 8);
-  if (fnv1a(b.data(), b.size() - 8) != sum) throw checkpoint_error("checkpoint: " + name + " is corrupt (checksum mismatch)");
+                           " parameters and " + std::to_string(k) + " state buffers)");
   s.stage = stage;
   s.step = step;
-  for (auto* v : {&s.params, &s.adam_m, &s.adam_v}) {
-    v->resize(n);
-    get(v->data(), n * sizeof(float));
+  s.params.resize(n);
+  get(s.params.data(), n * sizeof(float));
+  s.state.resize(k);
+  for (auto& buf : s.state) {
+    buf.resize(n);
+    get(buf.data(), n * sizeof(float));
   }
   return s;
 }
 
+/// Every rank's verdict on a collective checkpoint operation: throws on every rank if any
+/// rank failed (its own message on that rank, the failed rank's number on the others).
+template <class C>
+void agree(C& comm, int rank, const std::string& failure, const std::string& what) {
+  const double ok = failure.empty() ? 1.0 : 0.0;
+  std::vector<double> all(static_cast<std::size_t>(comm.size()));
+  comm.all_gather(std::span<const double>(&ok, 1), all);
+  for (std::size_t r = 0; r < all.size(); ++r)
+    if (all[r] != 1.0) throw checkpoint_error(static_cast<int>(r) == rank ? failure : "checkpoint: rank " + std::to_string(r) + " could not " + what);
+}
+
 }  // namespace checkpoint
 
-/// Collective over `comm`: every rank writes its stages' state after rt.steps_taken() steps
-/// into dir/step-N/, then rank 0 points dir/latest at it and removes all but the two newest
-/// step directories. Throws on every rank if any rank failed to write (naming that rank).
-/// `rt` is a po::Runtime; `info` is the caller's (config hash, seed, data position).
+/// Collective: every rank writes its stages' parameters and `opt`'s state after
+/// opt.steps_taken() steps into dir/step-N/, then rank 0 points dir/latest at it and removes
+/// all but the two newest step directories. Throws on every rank if any rank failed to write
+/// (naming that rank). `rt` is a po::Runtime, `opt` its optimizer (po::AdamW, po::Sgd);
+/// `info` is the caller's (config hash, seed, data position).
 /// @code
-///   if ((step + 1) % every == 0) po::save_checkpoint(dir, rt, comm, {config_hash, seed, step + 1});
+///   if ((step + 1) % every == 0) po::save_checkpoint(dir, rt, opt, {config_hash, seed, step + 1});
 /// @endcode
-template <class Runtime, communicator C>
-void save_checkpoint(const std::filesystem::path& dir, Runtime& rt, C& comm, const CheckpointInfo& info) {
-  const int step = rt.steps_taken();
+template <class Runtime, class Optimizer>
+void save_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& opt, const CheckpointInfo& info) {
+  const int step = opt.steps_taken();
   const Shape& sh = rt.program().shape;
   std::string failure;
   try {
@@ -204,73 +239,87 @@ void save_checkpoint(const std::filesystem::path& dir, Runtime& rt, C& comm, con
       s.stage = sh.stage_of(rt.rank(), c);
       s.step = step;
       s.info = info;
+      s.optimizer = opt.name();
       s.params = rt.download_parameters(c);
-      s.adam_m = rt.download_moments(c, false);
-      s.adam_v = rt.download_moments(c, true);
+      for (int k = 0; k < opt.state_count(); ++k) s.state.push_back(rt.download(opt.state(c, k)));
       checkpoint::write_atomic(checkpoint::stage_file(dir, step, s.stage), checkpoint::encode(s));
     }
   } catch (const std::exception& e) {
     failure = e.what();
   }
   // Barrier and verdict in one: `latest` may move only when every stage is on disk.
-  const double ok = failure.empty() ? 1.0 : 0.0;
-  std::vector<double> all(static_cast<std::size_t>(comm.size()));
-  comm.all_gather(std::span<const double>(&ok, 1), all);
-  for (std::size_t r = 0; r < all.size(); ++r)
-    if (all[r] != 1.0)
-      throw checkpoint_error(static_cast<int>(r) == rt.rank() ? failure
-                                                             : "checkpoint: rank " + std::to_string(r) + " could not write its stages of step " + std::to_string(step));
+  checkpoint::agree(rt.communicator(), rt.rank(), failure, "write its stages of step " + std::to_string(step));
   if (rt.rank() != 0) return;
-  const std::string name = checkpoint::step_name(step);
-  std::vector<std::byte> text(name.size() + 1);
-  std::memcpy(text.data(), name.data(), name.size());
-  text.back() = std::byte{'\n'};
-  checkpoint::write_atomic(dir / "latest", text);
-  // Keep this checkpoint and the one before: older ones are no longer needed.
-  std::vector<std::string> steps;
-  for (const auto& e : std::filesystem::directory_iterator(dir)) {
-    const std::string n = e.path().filename().string();
-    if (e.is_directory() && n.rfind("step-", 0) == 0 && n.size() == name.size() && n < name) steps.push_back(n);
-  }
-  std::sort(steps.begin(), steps.end());
-  for (std::size_t i = 0; i + 1 < steps.size(); ++i) {
-    std::error_code ec;  // best effort: a stale directory wastes space, nothing more
-    std::filesystem::remove_all(dir / steps[i], ec);
-  }
+  rt.guard("save_checkpoint", [&] {
+    const std::string name = checkpoint::step_name(step);
+    std::vector<std::byte> text(name.size() + 1);
+    std::memcpy(text.data(), name.data(), name.size());
+    text.back() = std::byte{'\n'};
+    checkpoint::write_atomic(dir / "latest", text);
+    // Keep this checkpoint and the one before: older ones are no longer needed.
+    std::vector<std::string> steps;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      const std::string n = e.path().filename().string();
+      if (e.is_directory() && n.rfind("step-", 0) == 0 && n.size() == name.size() && n < name) steps.push_back(n);
+    }
+    std::sort(steps.begin(), steps.end());
+    for (std::size_t i = 0; i + 1 < steps.size(); ++i) {
+      std::error_code ec;  // best effort: a stale directory wastes space, nothing more
+      std::filesystem::remove_all(dir / steps[i], ec);
+    }
+    return 0;
+  });
 }
 
-/// Loads this rank's stages from the checkpoint dir/latest names into `rt` (parameters,
-/// AdamW moments, step) and returns its info; throws checkpoint_error naming the file when a
-/// file is missing, corrupt, of another stage or size, or of another configuration.
-template <class Runtime>
-CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, std::uint64_t config_hash) {
-  const std::vector<std::byte> raw = checkpoint::read_all(dir / "latest");
-  std::string name(reinterpret_cast<const char*>(raw.data()), raw.size());
-  while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
-  int step = -1;
-  if (name.size() == 13 && name.rfind("step-", 0) == 0) step = std::atoi(name.c_str() + 5);
-  if (step < 0) throw checkpoint_error("checkpoint: " + (dir / "latest").string() + " does not name a step directory (it holds '" + name + "')");
+/// Collective: loads this rank's stages from the checkpoint dir/latest names into `rt` (their
+/// parameters) and `opt` (its state and step count) and returns the checkpoint's info. Throws
+/// checkpoint_error on every rank when any rank's file is missing, corrupt, of another stage,
+/// size, optimizer or configuration (the message names the file on the rank that read it).
+template <class Runtime, class Optimizer>
+CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& opt, std::uint64_t config_hash) {
   const Shape& sh = rt.program().shape;
   CheckpointInfo info{};
-  for (int c = 0; c < sh.v; ++c) {
-    const int stage = sh.stage_of(rt.rank(), c);
-    const std::filesystem::path file = checkpoint::stage_file(dir, step, stage);
-    const checkpoint::StageState s = checkpoint::decode(checkpoint::read_all(file), file.string());
-    const std::size_t n = rt.layers()[static_cast<std::size_t>(c)].parameters().size();
-    if (s.stage != stage || s.step != step)
-      throw checkpoint_error("checkpoint: " + file.string() + " holds stage " + std::to_string(s.stage) + " of step " + std::to_string(s.step) +
-                             ", not stage " + std::to_string(stage) + " of step " + std::to_string(step));
-    if (s.info.config_hash != config_hash)
-      throw checkpoint_error("checkpoint: " + file.string() + " was written by a run with another configuration (model, stages, batch, optimizer, steps, seed or data)");
-    if (s.params.size() != n)
-      throw checkpoint_error("checkpoint: " + file.string() + " has " + std::to_string(s.params.size()) + " parameters; stage " + std::to_string(stage) +
-                             " has " + std::to_string(n));
-    rt.upload_parameters(c, s.params);
-    rt.upload_moments(c, false, s.adam_m);
-    rt.upload_moments(c, true, s.adam_v);
-    info = s.info;
+  std::vector<checkpoint::StageState> states;
+  int step = -1;
+  std::string failure;
+  try {
+    const std::vector<std::byte> raw = checkpoint::read_all(dir / "latest");
+    std::string name(reinterpret_cast<const char*>(raw.data()), raw.size());
+    while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
+    if (name.size() == 13 && name.rfind("step-", 0) == 0) step = std::atoi(name.c_str() + 5);
+    if (step < 0) throw checkpoint_error("checkpoint: " + (dir / "latest").string() + " does not name a step directory (it holds '" + name + "')");
+    for (int c = 0; c < sh.v; ++c) {
+      const int stage = sh.stage_of(rt.rank(), c);
+      const std::filesystem::path file = checkpoint::stage_file(dir, step, stage);
+      checkpoint::StageState s = checkpoint::decode(checkpoint::read_all(file), file.string());
+      const std::size_t n = rt.stages()[static_cast<std::size_t>(c)].parameters().size();
+      if (s.stage != stage || s.step != step)
+        throw checkpoint_error("checkpoint: " + file.string() + " holds stage " + std::to_string(s.stage) + " of step " + std::to_string(s.step) +
+                               ", not stage " + std::to_string(stage) + " of step " + std::to_string(step));
+      if (s.info.config_hash != config_hash)
+        throw checkpoint_error("checkpoint: " + file.string() + " was written by a run with another configuration (model, stages, batch, optimizer, steps, seed or data)");
+      if (s.params.size() != n)
+        throw checkpoint_error("checkpoint: " + file.string() + " has " + std::to_string(s.params.size()) + " parameters; stage " + std::to_string(stage) +
+                               " has " + std::to_string(n));
+      if (s.optimizer != opt.name() || static_cast<int>(s.state.size()) != opt.state_count())
+        throw checkpoint_error("checkpoint: " + file.string() + " holds the state of optimizer '" + s.optimizer + "' (" + std::to_string(s.state.size()) +
+                               " buffers); this run's is '" + opt.name() + "' (" + std::to_string(opt.state_count()) + ")");
+      info = s.info;
+      states.push_back(std::move(s));
+    }
+  } catch (const std::exception& e) {
+    failure = e.what();
   }
-  rt.set_steps_taken(step);
+  checkpoint::agree(rt.communicator(), rt.rank(), failure, "read its stages of " + dir.string());
+  rt.guard("load_checkpoint", [&] {
+    for (int c = 0; c < sh.v; ++c) {
+      const checkpoint::StageState& s = states[static_cast<std::size_t>(c)];
+      rt.upload_parameters(c, s.params);
+      for (int k = 0; k < opt.state_count(); ++k) rt.upload(opt.state(c, k), s.state[static_cast<std::size_t>(k)], "optimizer state");
+    }
+    opt.set_steps_taken(step);
+    return 0;
+  });
   return info;
 }
 

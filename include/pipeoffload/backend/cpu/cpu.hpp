@@ -20,6 +20,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -32,11 +33,6 @@
 #include "context.hpp"
 
 namespace pipeoffload {
-
-/// A wait that was cut short because the device (or a peer) failed; what() names the failure.
-struct aborted_error : error {
-  using error::error;
-};
 
 namespace backend {
 
@@ -232,6 +228,41 @@ class Cpu {
     if (bytes > 0) std::memcpy(device, host, bytes);
   }
 
+  void zero(void* device, std::size_t bytes) {
+    if (bytes > 0) std::memset(device, 0, bytes);
+  }
+
+  /// *flag = 1 if any element of `t` is NaN or infinite (the pass's own thread runs it, in
+  /// stream order). Integer tensors have nothing to check.
+  void flag_nonfinite(Context&, ConstTensor t, std::uint32_t* flag) {
+    if (t.data == nullptr || t.elements == 0) return;
+    // An IEEE value is NaN or infinite exactly when its exponent bits are all ones. Fixed
+    // 16-wide blocks with no early exit, ORing all-ones or zero lanes: g++ -O2 vectorises them
+    // (a plain loop, or a max-reduction, it does not on baseline x86-64).
+    const auto any = [&](auto word, auto mask) {
+      using W = decltype(word);
+      using S = std::make_signed_t<W>;
+      const auto* p = reinterpret_cast<const W*>(t.data);
+      S acc = 0;
+      std::size_t i = 0;
+      for (; i + 16 <= t.elements; i += 16)
+        for (std::size_t j = 0; j < 16; ++j) acc |= static_cast<S>(-static_cast<S>((p[i + j] & mask) == mask));
+      for (; i < t.elements; ++i) acc |= static_cast<S>((p[i] & mask) == mask);
+      return acc != 0;
+    };
+    bool bad = false;
+    switch (t.dtype) {
+      case DType::float32: bad = any(std::uint32_t{}, std::uint32_t{0x7f800000u}); break;
+      case DType::float64: bad = any(std::uint64_t{}, std::uint64_t{0x7ff0000000000000ull}); break;
+      case DType::bfloat16: bad = any(std::uint16_t{}, std::uint16_t{0x7f80u}); break;
+      case DType::float16: bad = any(std::uint16_t{}, std::uint16_t{0x7c00u}); break;
+      default: break;
+    }
+    if (bad) *flag = 1;
+  }
+
+  // ---- optimizer updates (backend::updates_parameters) ----------------------------------
+
   /// out[k] = sum of squares of the k-th run of groups[k] values, in fp64, in index order.
   void sum_squares(std::span<const float> values, std::span<const std::size_t> groups, std::span<double> out) {
     detail::require_groups("backend::Cpu::sum_squares", values.size(), groups, out.size());
@@ -244,14 +275,21 @@ class Cpu {
     }
   }
 
-  /// math::adamw_update per element with grads * grad_scale, then grads zeroed.
-  void adamw(std::span<float> p, std::span<float> g, std::span<float> m, std::span<float> v, const math::AdamW& o, float lr,
-             math::AdamBias bias, float grad_scale) {
-    detail::require_adamw_sizes("backend::Cpu::adamw", p.size(), g.size(), m.size(), v.size());
-    for (std::size_t i = 0; i < p.size(); ++i) {
-      math::adamw_update(p[i], g[i] * grad_scale, m[i], v[i], o, lr, bias);
-      g[i] = 0.0f;
-    }
+  /// update::adamw per element with grads * grad_scale.
+  void adamw(std::span<float> p, std::span<const float> g, std::span<float> m, std::span<float> v, const update::AdamWParams& o, float lr,
+             update::AdamBias bias, float grad_scale) {
+    detail::require_update_sizes("backend::Cpu::adamw", p.size(), g.size(), m.size(), v.size());
+    for (std::size_t i = 0; i < p.size(); ++i) update::adamw(p[i], g[i] * grad_scale, m[i], v[i], o, lr, bias);
+  }
+
+  /// update::sgd per element with grads * grad_scale; `buf` is the momentum buffer (unused,
+  /// and may be empty, without momentum).
+  void sgd(std::span<float> p, std::span<const float> g, std::span<float> buf, const update::SgdParams& o, float lr, float grad_scale,
+           bool first) {
+    const bool momentum = o.momentum != 0.0f;
+    detail::require_update_sizes("backend::Cpu::sgd", p.size(), g.size(), momentum ? buf.size() : p.size(), p.size());
+    float unused = 0;
+    for (std::size_t i = 0; i < p.size(); ++i) update::sgd(p[i], g[i] * grad_scale, momentum ? buf[i] : unused, o, lr, first);
   }
 
   // ---- PCIe pairs (backend::pairs_copies) -----------------------------------------------
@@ -485,6 +523,7 @@ class Cpu {
 };
 
 static_assert(backend<Cpu>, "backend::Cpu must model the backend concept.");
+static_assert(updates_parameters<Cpu>, "backend::Cpu must run the optimizers' updates.");
 
 }  // namespace backend
 }  // namespace pipeoffload

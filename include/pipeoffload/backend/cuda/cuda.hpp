@@ -16,7 +16,10 @@
 //     is never a cudaMalloc after construction;
 //   - pinned host memory (offload bins) comes from cudaHostAlloc, pooled by size with the same
 //     event guards: pinned allocation is slow, so the first iteration allocates the bins and
-//     the next ones reuse them.
+//     the next ones reuse them;
+//   - the between-steps operations (download, upload, zero, and the optimizers' sum_squares,
+//     adamw and sgd: backend::updates_parameters) run on a private stream and return once it
+//     is idle; flag_nonfinite enqueues its check on the pass's own stream.
 // Every CUDA call is checked (backend/cuda/check.hpp).
 #pragma once
 
@@ -41,7 +44,6 @@
 
 #include "../../error.hpp"
 #include "../backend.hpp"
-#include "../cpu/cpu.hpp"  // aborted_error
 #include "check.hpp"
 #include "kernels.hpp"
 #include "topology.hpp"
@@ -111,6 +113,12 @@ class Cuda {
       opt_.arena_bytes = free / 4 * 3;
     }
     opt_.arena_bytes = opt_.arena_bytes / alignment * alignment;
+    // The workspace is carved from the arena: an arena that cannot hold it is refused before
+    // anything is allocated (a constructor that throws later would leak the slab).
+    if (round_up(opt_.workspace_bytes) > opt_.arena_bytes)
+      throw error("backend::Cuda: Options::arena_bytes = " + std::to_string(opt_.arena_bytes) + " cannot hold the " +
+                  std::to_string(round_up(opt_.workspace_bytes)) + "-byte cuBLASLt/cuDNN workspace (Options::workspace_bytes) carved from it; "
+                  "give at least the workspace plus what the run allocates");
     void* slab = nullptr;
     PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&slab, opt_.arena_bytes));
     slab_ = static_cast<std::byte*>(slab);
@@ -118,7 +126,7 @@ class Cuda {
     PIPEOFFLOAD_CUDA_CHECK(cudnnCreate(&dnn_));
     // The workspace is carved first and never freed: it is not one of the runtime's kinds.
     workspace_ = carve(round_up(opt_.workspace_bytes));
-    // The stream of the blocking between-steps operations (download, upload, sum_squares, adamw).
+    // The stream of the blocking between-steps operations (download, upload, zero, sum_squares, adamw, sgd).
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamCreateWithFlags(&aux_, cudaStreamNonBlocking));
   }
   Cuda(const Cuda&) = delete;
@@ -308,6 +316,27 @@ class Cuda {
   void download(void* host, const void* device, std::size_t bytes) { blocking_copy(host, device, bytes); }
   void upload(void* device, const void* host, std::size_t bytes) { blocking_copy(device, host, bytes); }
 
+  /// Sets `bytes` of device memory to zero (Runtime::zero_grad, the runtime's check flags).
+  void zero(void* device, std::size_t bytes) {
+    if (bytes == 0) return;
+    select();
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemsetAsync(device, 0, bytes, aux_));
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
+  }
+
+  // ---- within a pass's stream order --------------------------------------------------------
+
+  /// Enqueues, on the pass's stream, a kernel that sets the uint32 at `flag` (device memory)
+  /// to 1 if any element of `t` is NaN or infinite (kernels::flag_nonfinite: the bits
+  /// backend::Cpu tests). Integer tensors have nothing to check; an empty view is skipped.
+  void flag_nonfinite(Context& ctx, ConstTensor t, std::uint32_t* flag) {
+    if (t.data == nullptr || t.elements == 0 || !is_floating(t.dtype)) return;
+    select();
+    cuda::kernels::flag_nonfinite(t.data, static_cast<long long>(t.elements), t.dtype, flag, ctx.cuda_stream);
+  }
+
+  // ---- optimizer updates (backend::updates_parameters): blocking, on the private stream ------
+
   /// out[k] = sum of squares of the k-th run of groups[k] values (kernels::sum_squares: fp64,
   /// one block per group, a fixed order, so the same gradients give the same bits).
   void sum_squares(std::span<const float> values, std::span<const std::size_t> groups, std::span<double> out) {
@@ -330,14 +359,27 @@ class Cuda {
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
   }
 
-  /// kernels::adamw (math::adamw_update per element, grads * grad_scale), then grads zeroed.
-  void adamw(std::span<float> p, std::span<float> g, std::span<float> m, std::span<float> v, const math::AdamW& o, float lr,
-             math::AdamBias bias, float grad_scale) {
-    detail::require_adamw_sizes("backend::Cuda::adamw", p.size(), g.size(), m.size(), v.size());
+  /// kernels::adamw: update::adamw per element with grads * grad_scale. Gradients are only
+  /// read (Runtime::zero_grad clears them), so several updates may follow one backward.
+  void adamw(std::span<float> p, std::span<const float> g, std::span<float> m, std::span<float> v, const update::AdamWParams& o, float lr,
+             update::AdamBias bias, float grad_scale) {
+    detail::require_update_sizes("backend::Cuda::adamw", p.size(), g.size(), m.size(), v.size());
     if (p.empty()) return;
     select();
     cuda::kernels::adamw(p.data(), g.data(), m.data(), v.data(), static_cast<long long>(p.size()), o, lr, bias, grad_scale, aux_);
-    PIPEOFFLOAD_CUDA_CHECK(cudaMemsetAsync(g.data(), 0, g.size() * sizeof(float), aux_));
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
+  }
+
+  /// kernels::sgd: update::sgd per element with grads * grad_scale; `buf` is the momentum
+  /// buffer, unused (and may be empty) without momentum, as on backend::Cpu. `first`: the
+  /// buffer's first step.
+  void sgd(std::span<float> p, std::span<const float> g, std::span<float> buf, const update::SgdParams& o, float lr, float grad_scale,
+           bool first) {
+    const bool momentum = o.momentum != 0.0f;
+    detail::require_update_sizes("backend::Cuda::sgd", p.size(), g.size(), momentum ? buf.size() : p.size(), p.size());
+    if (p.empty()) return;
+    select();
+    cuda::kernels::sgd(p.data(), g.data(), momentum ? buf.data() : nullptr, static_cast<long long>(p.size()), o, lr, grad_scale, first, aux_);
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
   }
 
@@ -512,6 +554,7 @@ class Cuda {
 };
 
 static_assert(backend<Cuda>, "backend::Cuda must model the backend concept.");
+static_assert(updates_parameters<Cuda>, "backend::Cuda must run the optimizers' updates on the device.");
 
 /// The sysfs PCI path of CUDA device `device` (for cuda::pair_devices).
 inline std::string pci_path(int device) {

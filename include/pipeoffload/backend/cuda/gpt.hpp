@@ -29,16 +29,20 @@
 //
 // Every pass checks its arguments on the host, enqueues work on ctx.cuda_stream and returns
 // (po::layer_for's asynchronous contract): the last stage's forward writes the microbatch's
-// mean loss to mb.loss on the device. Tokens and targets are read on the device, where nothing
-// can throw: a token outside the vocabulary gives a NaN embedding row (so non-finite gradients,
-// which the runtime's check reports), a target outside it a NaN loss.
+// mean loss to mb.loss on the device. The interface is model::GptStage's: fp32 boundaries
+// (input_boundary/output_boundary, converted to and from bf16 inside the stage), the step
+// inputs "tokens" (stage 0) and "targets" (the last stage) as int32 (inputs()), the same
+// parameter_info() names and offsets, and no dropout when !mb.training (Runtime::evaluate).
+// Tokens and targets are read on the device, where nothing can throw: a token outside the
+// vocabulary gives a NaN embedding row, a target outside it a NaN loss, both of which the
+// runtime's non-finite check reports (the CPU stage throws at once instead).
 //
 // @code
 //   po::model::GptConfig cfg{.vocab = 50304, .hidden = 2048, .heads = 16, .layers = 24, .seq = 2048};
 //   po::backend::Cuda dev({.arena_bytes = std::size_t{40} << 30});  // leaves room for the stage
 //   // Stage 3 of 8 (blocks 9..11), from the CPU model's initial parameters:
 //   po::cuda::GptStage stage(dev, cfg, 3, 8, {.batch = 1, .seq = 2048});
-//   // po::Runtime<Schedule, po::cuda::GptStage, po::backend::Cuda, Comm> takes a rank's stages.
+//   // A rank's stages go to po::Runtime(program, dev, comm, std::span(stages), {.microbatch = {1, 2048}}).
 //   static_assert(po::layer_for<po::cuda::GptStage, po::backend::CudaContext>);
 // @endcode
 #pragma once
@@ -155,41 +159,49 @@ class GptStage {
 
   // ---- po::layer_for<GptStage, backend::CudaContext> -------------------------------------------
 
-  std::size_t boundary_floats(MicrobatchShape sh) const { return static_cast<std::size_t>(sh.tokens() * dims_.hidden); }
+  /// model::GptStage's boundaries: (tokens, hidden) fp32 both ways (bf16 boundaries are a
+  /// later change, which must change the CPU stage's too: producer and consumer must agree).
+  Boundary input_boundary(MicrobatchShape sh) const { return boundary(sh); }
+  Boundary output_boundary(MicrobatchShape sh) const { return boundary(sh); }
+  /// model::GptStage's step inputs: int32 "tokens" on stage 0, "targets" on the last stage.
+  std::vector<InputSpec> inputs(MicrobatchShape sh) const { return gpt_inputs(dims_, sh); }
   std::size_t saved_bytes(MicrobatchShape sh) const { return gpt_stage_buffers(dims_, sh.tokens()).saved_bytes; }
   std::size_t stash_bytes(MicrobatchShape sh) const { return gpt_stage_buffers(dims_, sh.tokens()).stash_bytes; }
   /// fp32 master parameters and gradients, device memory, model::GptStage's layout.
   std::span<float> parameters() { return {master(), static_cast<std::size_t>(params_.total)}; }
   std::span<float> gradients() { return {grad(), static_cast<std::size_t>(params_.total)}; }
   std::vector<std::size_t> norm_groups() const { return gpt_norm_groups(dims_); }
+  /// model::GptStage::parameter_info(): the same names, offsets and shapes.
+  std::vector<ParamInfo> parameter_info() const { return gpt_parameter_info(dims_); }
 
-  void forward(backend::CudaContext& ctx, const Microbatch& mb, const float* x, float* y, std::byte* saved) {
+  void forward(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
     const Pass p = begin("forward", ctx, mb, saved, nullptr, false);
-    if (!dims_.embeds && x == nullptr) throw error(who("forward") + ": x is null; only stage 0 reads tokens instead");
-    if (dims_.embeds && mb.tokens == nullptr) throw error(who("forward") + ": mb.tokens is null");
-    if (!dims_.has_head && y == nullptr) throw error(who("forward") + ": y is null; only the last stage has no output");
-    if (dims_.has_head && (mb.targets == nullptr || mb.loss == nullptr)) throw error(who("forward") + ": mb.targets or mb.loss is null");
+    const float* x = boundary_data(xt, !dims_.embeds, "forward", "x", "only stage 0 reads tokens instead", p.T);
+    float* y = boundary_data(yt, !dims_.has_head, "forward", "y", "only the last stage has no output", p.T);
+    const std::int32_t* tokens = dims_.embeds ? step_input(mb, "tokens", "forward", p.T) : nullptr;
+    const std::int32_t* targets = dims_.has_head ? step_input(mb, "targets", "forward", p.T) : nullptr;
+    if (dims_.has_head && mb.loss == nullptr) throw error(who("forward") + ": mb.loss is null on the last stage");
     if (mb.mb == 0) refresh_working_copy(p.s);
     const long long T = p.T;
     // The stage's input goes where the first consumer keeps it: block 0's saved x, the head's
     // saved x, or (no blocks, no head) the scratch output that becomes y.
     bf16* in = dims_.blocks > 0 ? saved_block(saved, p, 0).x : dims_.has_head ? head_x(saved, p) : scratch<bf16>(p.ws.io);
     if (dims_.embeds)
-      kernels::embedding_forward(mb.tokens, master(), master() + params_.wpe, in, T, mb.shape.seq, h(), V(), p.s);
+      kernels::embedding_forward(tokens, master(), master() + params_.wpe, in, T, mb.shape.seq, h(), V(), p.s);
     else
       kernels::to_bf16(x, in, T * h(), p.s);
     for (int i = 0; i < dims_.blocks; ++i) {
       bf16* out = i + 1 < dims_.blocks ? saved_block(saved, p, i + 1).x : dims_.has_head ? head_x(saved, p) : scratch<bf16>(p.ws.io);
       block_forward(ctx, mb, p, i, saved, out);
     }
-    if (dims_.has_head) head_forward(ctx, mb, p, saved);
+    if (dims_.has_head) head_forward(ctx, mb, p, saved, targets);
     else kernels::to_float(scratch<bf16>(p.ws.io), y, T * h(), p.s);
   }
 
-  void backward_input(backend::CudaContext& ctx, const Microbatch& mb, const float* dy, float* dx, std::byte* saved, std::byte* stash) {
+  void backward_input(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved, std::byte* stash) {
     const Pass p = begin("backward_input", ctx, mb, saved, stash, true);
-    if (!dims_.has_head && dy == nullptr) throw error(who("backward_input") + ": dy is null; only the last stage starts from its loss");
-    if (!dims_.embeds && dx == nullptr) throw error(who("backward_input") + ": dx is null; only stage 0 has no input gradient");
+    const float* dy = boundary_data(dyt, !dims_.has_head, "backward_input", "dy", "only the last stage starts from its loss", p.T);
+    float* dx = boundary_data(dxt, !dims_.embeds, "backward_input", "dx", "only stage 0 has no input gradient", p.T);
     // (T, h) bf16 gradient flowing down through the blocks. Stage 0 keeps the last one in the
     // stash, where W's embedding gradient reads it.
     bf16* g = dims_.embeds ? at<bf16>(stash, p.buf.stash_embed) : scratch<bf16>(p.ws.io);
@@ -202,8 +214,8 @@ class GptStage {
   void backward_weight(backend::CudaContext& ctx, const Microbatch& mb, std::byte* saved, std::byte* stash) {
     const Pass p = begin("backward_weight", ctx, mb, saved, stash, true);
     if (dims_.embeds) {
-      if (mb.tokens == nullptr) throw error(who("backward_weight") + ": mb.tokens is null");
-      kernels::embedding_backward(mb.tokens, at<bf16>(stash, p.buf.stash_embed), grad(), grad() + params_.wpe, p.T, mb.shape.seq, h(), V(), p.s);
+      const std::int32_t* tokens = step_input(mb, "tokens", "backward_weight", p.T);
+      kernels::embedding_backward(tokens, at<bf16>(stash, p.buf.stash_embed), grad(), grad() + params_.wpe, p.T, mb.shape.seq, h(), V(), p.s);
     }
     for (int i = 0; i < dims_.blocks; ++i) block_backward_weight(ctx, p, i, saved, stash);
     if (dims_.has_head) head_backward_weight(ctx, p, saved, stash);
@@ -244,6 +256,32 @@ class GptStage {
   std::string who(const char* pass) const {
     return std::string("cuda::GptStage (blocks ") + std::to_string(dims_.first_block) + ".." + std::to_string(dims_.first_block + dims_.blocks) +
            ")::" + pass;
+  }
+
+  Boundary boundary(MicrobatchShape sh) const { return {static_cast<std::size_t>(sh.tokens() * dims_.hidden), DType::float32}; }
+
+  /// A boundary view's fp32 data, checked on the host: present exactly when the stage uses it
+  /// (`used`; `why_absent` says when it is not), and of the microbatch's (T, h) size.
+  template <class View>
+  auto boundary_data(View t, bool used, const char* pass, const char* name, const char* why_absent, long long T) const
+      -> decltype(t.template as<float>()) {
+    if (!used) return t.template as<float>();  // the runtime passes an empty view; nothing reads it
+    if (!t) throw error(who(pass) + ": " + name + " is empty; " + why_absent);
+    const std::size_t want = static_cast<std::size_t>(T * dims_.hidden);
+    if (t.elements != want)
+      throw shape_error(who(pass) + ": " + name + " holds " + std::to_string(t.elements) + " values; a microbatch of " + std::to_string(T) +
+                        " tokens needs tokens * hidden = " + std::to_string(want));
+    return t.template as<float>();  // throws unless float32
+  }
+
+  /// The step input `name` of this microbatch (device memory, the runtime's copy), checked on
+  /// the host: declared in inputs(), int32, one value per token; the kernels read it.
+  const std::int32_t* step_input(const Microbatch& mb, const char* name, const char* pass, long long T) const {
+    const ConstTensor t = mb.input(name);  // throws naming the inputs there are
+    if (!t || t.elements != static_cast<std::size_t>(T))
+      throw shape_error(who(pass) + ": the step input '" + name + "' holds " + std::to_string(t ? t.elements : 0) + " values; a microbatch of " +
+                        std::to_string(T) + " tokens needs " + std::to_string(T));
+    return t.as<std::int32_t>();  // throws unless int32
   }
 
   /// What every pass needs about its microbatch, checked once on the host.
@@ -303,6 +341,9 @@ class GptStage {
   std::uint64_t drop_seed(const Microbatch& mb, int block, int site) const {
     return math::dropout_seed(cfg_.seed, mb.step, dims_.first_block + block, site, mb.mb);
   }
+  /// Dropout's probability in a forward: none when evaluating (model::GptStage::dropout). B
+  /// runs only in training, so it uses cfg_.dropout, as the CPU stage does.
+  float dropout(const Microbatch& mb) const { return mb.training ? cfg_.dropout : 0.0f; }
 
   void refresh_working_copy(cudaStream_t s) {
     kernels::to_bf16(master() + params_.blocks_begin, work_.as<bf16>(), static_cast<long long>(working_count()), s);
@@ -326,7 +367,7 @@ class GptStage {
     const Saved v = saved_block(saved, p, i);
     const GptBlockParams& o = params_.block;
     const long long T = p.T, H = dims_.hidden;
-    const float drop = cfg_.dropout;
+    const float drop = dropout(mb);
     bf16* proj = scratch<bf16>(p.ws.proj);  // (T, h) projection output before its residual
     bf16* a1 = cfg_.recompute ? scratch<bf16>(p.ws.ln) : v.a1;
     kernels::layernorm_forward(v.x, param(i, o.ln1g), param(i, o.ln1b), a1, v.stats, T, h(), p.s);
@@ -405,7 +446,7 @@ class GptStage {
 
   // ---- head ----------------------------------------------------------------------------------
 
-  void head_forward(const backend::CudaContext& ctx, const Microbatch& mb, const Pass& p, std::byte* saved) {
+  void head_forward(const backend::CudaContext& ctx, const Microbatch& mb, const Pass& p, std::byte* saved, const std::int32_t* targets) {
     std::byte* hp = saved + p.buf.head_saved;
     const bf16* x = at<bf16>(hp, p.buf.head.x);
     float* stats = at<float>(hp, p.buf.head.stats);
@@ -416,7 +457,7 @@ class GptStage {
     gemm(ctx, linear_forward(p.T, dims_.hidden, dims_.vocab), a, head_weight(params_.head_w), logits, Out::f32);
     kernels::add_bias(logits, head_param(params_.head_b), p.T, V(), p.s);
     // As model/gpt.hpp: the loss gradient is computed with the loss, scaled by loss_scale / T.
-    kernels::softmax_xent(logits, mb.targets, losses, logits, p.T, V(), mb.loss_scale / static_cast<float>(p.T), p.s);
+    kernels::softmax_xent(logits, targets, losses, logits, p.T, V(), mb.loss_scale / static_cast<float>(p.T), p.s);
     kernels::to_bf16(logits, at<bf16>(hp, p.buf.head.dlogits), p.T * dims_.vocab, p.s);
     kernels::mean(losses, mb.loss, p.T, p.s);
   }
@@ -445,7 +486,7 @@ class GptStage {
   GptDims dims_{};
   GptStageParams params_{};
   detail::DeviceMemory master_;   // (total) fp32 parameters, the optimizer's
-  detail::DeviceMemory grads_;    // (total) fp32 gradients, accumulated by W, zeroed by the optimizer
+  detail::DeviceMemory grads_;    // (total) fp32 gradients, accumulated by W, zeroed by Runtime::zero_grad
   detail::DeviceMemory work_;     // (total - embedding) bf16 copy of the blocks' and head's parameters
   detail::DeviceMemory scratch_;  // gpt_workspace(dims, max tokens) bytes
 };

@@ -4,7 +4,8 @@
 // header is all host code sees (llm.c's habit of keeping device code behind a small header).
 // Every launcher enqueues on `stream`, computes its launch shape with backend/cuda/shapes.hpp
 // and checks the launch. Storage is bf16 for activations (`bf16`), fp32 for parameters,
-// gradients, statistics and optimizer state; all arithmetic is fp32 through model/math.hpp.
+// gradients, statistics and optimizer state; all arithmetic is fp32 through model/math.hpp
+// (the model's kernels) and backend/update.hpp (the optimizers' updates).
 // Shapes: `rows` tokens (b*s) by `n` features, row-major.
 #pragma once
 
@@ -18,6 +19,8 @@
 #include <cstdint>
 
 #include "../../model/math.hpp"
+#include "../../tensor.hpp"
+#include "../update.hpp"
 
 namespace pipeoffload::cuda::kernels {
 
@@ -81,11 +84,23 @@ void softmax_xent(const float* logits, const std::int32_t* targets, float* losse
 void mean(const float* losses, float* out, long long rows, cudaStream_t stream);
 
 // ---- optimizer -----------------------------------------------------------------------------
-/// math::adamw_update on count parameters with gradients scaled by grad_scale (the clip).
-void adamw(float* params, const float* grads, float* m, float* v, long long count, math::AdamW opt, float lr, math::AdamBias bias,
+/// update::adamw on count parameters with gradients scaled by grad_scale (the clip); the
+/// gradients are only read.
+void adamw(float* params, const float* grads, float* m, float* v, long long count, update::AdamWParams hyper, float lr, update::AdamBias bias,
            float grad_scale, cudaStream_t stream);
+/// update::sgd on count parameters with gradients scaled by grad_scale; `buf` is the momentum
+/// buffer (count floats), or null without momentum (update::sgd then never touches it).
+/// `first`: the buffer's first step (it is set to the gradient rather than decayed).
+void sgd(float* params, const float* grads, float* buf, long long count, update::SgdParams hyper, float lr, float grad_scale, bool first,
+         cudaStream_t stream);
 /// out[0] += sum of squares of x (fp64 accumulation in one block; for gradient norms).
 void sum_squares(const float* x, double* out, long long count, cudaStream_t stream);
+
+// ---- checks ------------------------------------------------------------------------------
+/// *flag = 1 if any of the `count` values at `data` is NaN or infinite (nonfinite_word with
+/// nonfinite_mask(dtype), shapes.hpp); *flag is left as it is otherwise, and for integer
+/// types, which have no such values. Runs in stream order, like the pass it checks.
+void flag_nonfinite(const void* data, long long count, DType dtype, std::uint32_t* flag, cudaStream_t stream);
 
 // ---- tests -------------------------------------------------------------------------------------
 /// Spins one thread for about `cycles` clock cycles: makes stream ordering observable.

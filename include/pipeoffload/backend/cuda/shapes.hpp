@@ -1,9 +1,10 @@
 // pipeoffload/backend/cuda/shapes.hpp: every launch configuration and GEMM layout of the CUDA
-// backend, as plain constexpr host functions.
+// backend, the CUDA GPT stage's layouts (parameters, buffers, named tensors, step inputs) and
+// the bits its non-finite check tests, as plain host functions (constexpr where they can be).
 //
 // DESIGN.md section 6: CUDA code is judged by reading, so nothing about a launch is computed
 // inside a kernel file or a wrapper. The kernels (kernels/*.cu) and the cuBLASLt wrapper call
-// these functions, and tests/cuda/test_shapes.cpp calls the same functions on the CPU and
+// these functions, and tests/cuda/test_host.cpp calls the same functions on the CPU and
 // checks grids, blocks, shared memory, limits and leading dimensions. No CUDA header here:
 // the file builds and is tested on machines without the toolkit.
 #pragma once
@@ -12,9 +13,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "../../detail/host_device.hpp"
 #include "../../error.hpp"
+#include "../../model/layer.hpp"  // ParamInfo, InputSpec, MicrobatchShape (CPU-safe)
+#include "../../tensor.hpp"
 
 namespace pipeoffload::cuda {
 
@@ -83,6 +88,32 @@ static_assert(elementwise_block <= block_limit && row_block <= block_limit && ro
 static_assert(elementwise_launch(1) == Launch{1, 256, 0});
 static_assert(elementwise_launch(257).grid == 2);
 static_assert(elementwise_launch(1LL << 40).grid == max_grid);
+
+// ---- the non-finite check (backend::Cuda::flag_nonfinite) ---------------------------------
+
+/// The exponent bits of one value of `t`: an IEEE value is NaN or infinite exactly when they
+/// are all ones, which is how backend::Cpu::flag_nonfinite tests a tensor; the CUDA kernel
+/// tests the same bits of the same words. 0 for types without such values (integers).
+constexpr std::uint64_t nonfinite_mask(DType t) {
+  switch (t) {
+    case DType::float32: return 0x7f800000u;
+    case DType::float64: return 0x7ff0000000000000ull;
+    case DType::bfloat16: return 0x7f80u;
+    case DType::float16: return 0x7c00u;
+    default: return 0;
+  }
+}
+
+/// Is the value whose raw bits are `word` NaN or infinite, for the mask of its type?
+template <class Word>
+PIPEOFFLOAD_HOST_DEVICE constexpr bool nonfinite_word(Word word, Word mask) {
+  return (word & mask) == mask;
+}
+
+static_assert(nonfinite_word(std::uint32_t{0x7fc00000u}, std::uint32_t{0x7f800000u}) &&  // float32 NaN
+                  nonfinite_word(std::uint32_t{0xff800000u}, std::uint32_t{0x7f800000u}) &&  // -Inf
+                  !nonfinite_word(std::uint32_t{0x7f7fffffu}, std::uint32_t{0x7f800000u}),   // the largest finite float
+              "nonfinite_word must flag NaN and infinities and nothing finite.");
 
 // ---- GEMM layouts -------------------------------------------------------------------------
 
@@ -339,6 +370,56 @@ inline std::vector<std::size_t> gpt_norm_groups(const GptDims& d) {
   for (int i = 0; i < d.blocks; ++i) g.push_back(static_cast<std::size_t>(p.block.count));
   if (d.has_head) g.push_back(static_cast<std::size_t>(p.head));
   return g;
+}
+
+/// model::GptStage::parameter_info(): the named tensors of the stage's parameter vector, with
+/// the offsets of gpt_stage_params (so a CPU test that compares the two lists checks those
+/// offsets against the CPU model's). GPT-2's names; weights stored (in, out).
+inline std::vector<ParamInfo> gpt_parameter_info(const GptDims& d) {
+  const GptStageParams p = gpt_stage_params(d);
+  const long long h = d.hidden, V = d.vocab;
+  std::vector<ParamInfo> t;
+  const auto add = [&t](std::string name, long long offset, std::vector<long long> shape) {
+    t.push_back(ParamInfo{std::move(name), static_cast<std::size_t>(offset), std::move(shape)});
+  };
+  if (d.embeds) {
+    add("wte", 0, {V, h});
+    add("wpe", p.wpe, {d.positions, h});
+  }
+  const GptBlockParams& o = p.block;
+  for (int i = 0; i < d.blocks; ++i) {
+    const std::string b = "blocks." + std::to_string(d.first_block + i) + ".";
+    const long long at = p.block_begin(i);
+    add(b + "ln1.weight", at + o.ln1g, {h});
+    add(b + "ln1.bias", at + o.ln1b, {h});
+    add(b + "attn.qkv.weight", at + o.wqkv, {h, 3 * h});
+    add(b + "attn.qkv.bias", at + o.bqkv, {3 * h});
+    add(b + "attn.proj.weight", at + o.wo, {h, h});
+    add(b + "attn.proj.bias", at + o.bo, {h});
+    add(b + "ln2.weight", at + o.ln2g, {h});
+    add(b + "ln2.bias", at + o.ln2b, {h});
+    add(b + "mlp.fc.weight", at + o.wfc, {h, 4 * h});
+    add(b + "mlp.fc.bias", at + o.bfc, {4 * h});
+    add(b + "mlp.proj.weight", at + o.wpr, {4 * h, h});
+    add(b + "mlp.proj.bias", at + o.bpr, {h});
+  }
+  if (d.has_head) {
+    add("lnf.weight", p.head_begin + p.lnfg, {h});
+    add("lnf.bias", p.head_begin + p.lnfb, {h});
+    add("lm_head.weight", p.head_begin + p.head_w, {h, V});
+    add("lm_head.bias", p.head_begin + p.head_b, {V});
+  }
+  return t;
+}
+
+/// model::GptStage::inputs(): stage 0 reads the token ids, the last stage the next-token
+/// targets, int32, one per token of the microbatch.
+inline std::vector<InputSpec> gpt_inputs(const GptDims& d, MicrobatchShape sh) {
+  const std::size_t tokens = static_cast<std::size_t>(sh.tokens());
+  std::vector<InputSpec> in;
+  if (d.embeds) in.push_back({"tokens", DType::int32, tokens});
+  if (d.has_head) in.push_back({"targets", DType::int32, tokens});
+  return in;
 }
 
 /// One block's slice of the saved buffer for a microbatch of T = b*s tokens:

@@ -5,7 +5,7 @@
 //   - send is synchronous (MPI_Issend): it completes only once the receiver has matched it,
 //     the rendezvous that validate() plans for, so a schedule that runs here cannot rely on
 //     buffering a GPU link would not give;
-//   - every message carries a header (stage, microbatch, direction, float count) in front of
+//   - every message carries a header (stage, microbatch, direction, byte count) in front of
 //     its data; MPI keeps messages of one (source, tag, communicator) in order, and a recv
 //     that meets another tag or size throws comm_error naming both;
 //   - no wait is unbounded: every send, recv and all_gather polls its request and gives up
@@ -41,7 +41,6 @@
 #include <thread>
 #include <vector>
 
-#include "../../backend/cpu/cpu.hpp"  // aborted_error
 #include "../communicator.hpp"
 
 namespace pipeoffload::comm {
@@ -187,7 +186,7 @@ class Mpi {
   const Options& options() const { return opt_; }
 
   /// Blocks until `peer` has matched the message (synchronous send), or fails.
-  void send(int peer, Tag tag, std::span<const float> data) {
+  void send(int peer, Tag tag, std::span<const std::byte> data) {
     check_peer(peer, "send to");
     throw_if_aborted();
     auto buf = std::make_unique<std::vector<std::byte>>(sizeof(Header) + data.size_bytes());
@@ -196,14 +195,14 @@ class Mpi {
     if (!data.empty()) std::memcpy(buf->data() + sizeof h, data.data(), data.size_bytes());
     if (buf->size() > static_cast<std::size_t>(INT_MAX))
       throw comm_error("comm::Mpi: rank " + std::to_string(rank_) + " cannot send " + std::to_string(data.size()) +
-                       " floats in one message; the limit is " + std::to_string((INT_MAX - sizeof(Header)) / sizeof(float)));
+                       " bytes in one message; the limit is " + std::to_string(INT_MAX - sizeof(Header)));
     MPI_Request req = MPI_REQUEST_NULL;
     PIPEOFFLOAD_MPI_CHECK(rank_, MPI_Issend(buf->data(), static_cast<int>(buf->size()), MPI_BYTE, peer, data_tag, comm_, &req));
     wait(req, std::move(buf), nullptr, [&] { return "send to rank " + std::to_string(peer) + " of " + describe(tag); }, peer);
   }
 
   /// Blocks until the next message from `peer` arrives; it must carry `tag` and fit `out`.
-  void recv(int peer, Tag tag, std::span<float> out) {
+  void recv(int peer, Tag tag, std::span<std::byte> out) {
     check_peer(peer, "recv from");
     throw_if_aborted();
     const auto start = std::chrono::steady_clock::now();
@@ -231,11 +230,11 @@ class Mpi {
                        " but received a " + std::to_string(buf.size()) + "-byte message without a header");
     std::memcpy(&h, buf.data(), sizeof h);
     const Tag got{h.stage, h.mb, h.dir == 0 ? Dir::forward : Dir::backward};
-    const std::size_t count = (buf.size() - sizeof h) / sizeof(float);
+    const std::size_t count = buf.size() - sizeof h;
     if (!(got == tag) || h.count != out.size() || count != out.size())
       throw comm_error("comm::Mpi: rank " + std::to_string(rank_) + " expected " + describe(tag) + " of " + std::to_string(out.size()) +
-                       " floats from rank " + std::to_string(peer) + " but received " + describe(got) + " of " + std::to_string(h.count) + " floats");
-    if (!out.empty()) std::memcpy(out.data(), buf.data() + sizeof h, out.size_bytes());
+                       " bytes from rank " + std::to_string(peer) + " but received " + describe(got) + " of " + std::to_string(h.count) + " bytes");
+    if (!out.empty()) std::memcpy(out.data(), buf.data() + sizeof h, out.size());
   }
 
   /// Every rank contributes mine.size() doubles; `all` receives them in rank order. Ranks

@@ -7,7 +7,9 @@
 //     send's data, and the compute stream after a recv, with events, so the host never waits;
 //   - calls are posted in RankProgram::comm order, which validate() proved deadlock-free for a
 //     send that waits for its receive (NCCL's behaviour); each message is one NCCL group of
-//     two operations, a 16-byte tag header and the data;
+//     two operations, a 24-byte tag header and the data. Messages are bytes (a boundary tensor
+//     of any element type: comm/communicator.hpp), sent as ncclUint8, so the header counts
+//     bytes, in 64 bits;
 //   - tags cannot be checked when the data arrives without a host sync, so each recv's header
 //     lands in a device log and is compared with the expected tag at the next all_gather (the
 //     runtime calls one per step, after synchronize): a mismatch throws comm_error naming both
@@ -180,11 +182,11 @@ class Nccl {
     PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(dev.device()));
     const std::size_t n = opt_.max_messages_per_step;
     void* p = nullptr;
-    // (max_messages_per_step, 4) int32: headers of sends, pinned host, owned here, written by
+    // (max_messages_per_step) Header: headers of sends, pinned host, owned here, written by
     // the host when a send is posted and read by the copy that stages them to the device.
     PIPEOFFLOAD_CUDA_CHECK(cudaHostAlloc(&p, n * sizeof(Header), cudaHostAllocPortable));
     send_host_ = static_cast<Header*>(p);
-    // (max_messages_per_step, 4) int32 device: staged send headers, and received headers.
+    // (max_messages_per_step) Header, device: staged send headers, and received headers.
     PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, n * sizeof(Header)));
     send_dev_ = static_cast<Header*>(p);
     PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, n * sizeof(Header)));
@@ -210,26 +212,29 @@ class Nccl {
   int rank() const { return rank_; }
   int size() const { return w_->size(); }
 
-  void send(int peer, Tag tag, std::span<const float> data) {
+  /// Enqueues `data` (device memory, any element type) to `peer` on the current stream.
+  void send(int peer, Tag tag, std::span<const std::byte> data) {
     check_peer(peer, "send to");
     const cudaStream_t s = stream();
     const std::size_t i = next_slot(sent_, "send");
     send_host_[i] = header(tag, data.size());
     PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(send_dev_ + i, send_host_ + i, sizeof(Header), cudaMemcpyHostToDevice, s));
     PIPEOFFLOAD_NCCL_CHECK(ncclGroupStart(), rank_, comm_);
-    PIPEOFFLOAD_NCCL_CHECK(ncclSend(send_dev_ + i, 4, ncclInt32, peer, comm_, s), rank_, comm_);
-    PIPEOFFLOAD_NCCL_CHECK(ncclSend(data.data(), data.size(), ncclFloat32, peer, comm_, s), rank_, comm_);
+    PIPEOFFLOAD_NCCL_CHECK(ncclSend(send_dev_ + i, sizeof(Header), ncclUint8, peer, comm_, s), rank_, comm_);
+    PIPEOFFLOAD_NCCL_CHECK(ncclSend(data.data(), data.size(), ncclUint8, peer, comm_, s), rank_, comm_);
     PIPEOFFLOAD_NCCL_CHECK(ncclGroupEnd(), rank_, comm_);
   }
 
-  void recv(int peer, Tag tag, std::span<float> out) {
+  /// Enqueues the receive of `out.size()` bytes from `peer` into `out` (device memory) on the
+  /// current stream; its tag and size are checked at the next all_gather (see the file comment).
+  void recv(int peer, Tag tag, std::span<std::byte> out) {
     check_peer(peer, "recv from");
     const cudaStream_t s = stream();
     const std::size_t i = next_slot(received_, "recv");
     expected_.push_back({peer, header(tag, out.size())});
     PIPEOFFLOAD_NCCL_CHECK(ncclGroupStart(), rank_, comm_);
-    PIPEOFFLOAD_NCCL_CHECK(ncclRecv(recv_dev_ + i, 4, ncclInt32, peer, comm_, s), rank_, comm_);
-    PIPEOFFLOAD_NCCL_CHECK(ncclRecv(out.data(), out.size(), ncclFloat32, peer, comm_, s), rank_, comm_);
+    PIPEOFFLOAD_NCCL_CHECK(ncclRecv(recv_dev_ + i, sizeof(Header), ncclUint8, peer, comm_, s), rank_, comm_);
+    PIPEOFFLOAD_NCCL_CHECK(ncclRecv(out.data(), out.size(), ncclUint8, peer, comm_, s), rank_, comm_);
     PIPEOFFLOAD_NCCL_CHECK(ncclGroupEnd(), rank_, comm_);
   }
 
@@ -261,20 +266,25 @@ class Nccl {
   void abort(const std::string& why) { w_->abort(why); }
 
  private:
+  /// A message's tag and size as it travels ahead of the data (24 bytes, no padding: every
+  /// byte is defined, so received headers compare with ==). 64-bit bytes: a boundary of
+  /// 2 GiB or more is a valid message.
   struct Header {
-    std::int32_t stage = 0, mb = 0, dir = 0, count = 0;
+    std::int32_t stage = 0, mb = 0, dir = 0, reserved = 0;
+    std::int64_t bytes = 0;
     friend bool operator==(const Header&, const Header&) = default;
   };
+  static_assert(sizeof(Header) == 24, "comm::Nccl: the tag header must be 24 bytes without padding.");
   struct Expected {
     int peer = 0;
     Header h;
   };
 
-  static Header header(Tag t, std::size_t count) {
-    return {t.stage, t.mb, t.dir == Dir::forward ? 0 : 1, static_cast<std::int32_t>(count)};
+  static Header header(Tag t, std::size_t bytes) {
+    return {t.stage, t.mb, t.dir == Dir::forward ? 0 : 1, 0, static_cast<std::int64_t>(bytes)};
   }
   static std::string describe_header(const Header& h) {
-    return describe(Tag{h.stage, h.mb, h.dir == 0 ? Dir::forward : Dir::backward}) + " of " + std::to_string(h.count) + " floats";
+    return describe(Tag{h.stage, h.mb, h.dir == 0 ? Dir::forward : Dir::backward}) + " of " + std::to_string(h.bytes) + " bytes";
   }
 
   cudaStream_t stream() {

@@ -1,0 +1,298 @@
+// pipeoffload/runtime/optimizer.hpp: the gradient norm, clipping, AdamW, SGD and learning-rate
+// schedules, as calls of their own beside the runtime (llm.c's training loop):
+//
+//   rt.zero_grad();
+//   rt.forward_backward(batch, {.step = step});            // gradients accumulate
+//   const double norm = po::grad_norm(rt);                  // collective, fixed summation order
+//   opt.step(lr(step), po::clip_scale(norm, 1.0f));         // on the device, through the backend
+//
+// An optimizer holds its state (AdamW moments, SGD momentum) in device memory, per chunk of
+// the rank, and updates every stage of its rank through the backend's update calls
+// (backend::updates_parameters), run by parameter group: runs of named parameter tensors
+// (Stage::parameter_info) with their own learning-rate scale and weight decay.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "../backend/backend.hpp"
+#include "../error.hpp"
+#include "../model/layer.hpp"
+#include "runtime.hpp"
+
+namespace pipeoffload {
+
+/// Learning rate at 0-based step t: linear warmup over warmup_steps from lr/warmup_steps to
+/// lr, then cosine to min_lr_ratio * lr at total_steps, flat after. Any callable of the step
+/// serves as well; this is the usual one.
+struct WarmupCosine {
+  float lr = 3e-4f;  ///< peak learning rate
+  int warmup_steps = 10;
+  int total_steps = 1000;
+  float min_lr_ratio = 0.1f;
+  float operator()(int t) const {
+    if (t < warmup_steps) return lr * static_cast<float>(t + 1) / static_cast<float>(warmup_steps);
+    const int span = total_steps - warmup_steps;
+    if (span <= 0 || t >= total_steps) return lr * min_lr_ratio;
+    const double frac = static_cast<double>(t - warmup_steps) / static_cast<double>(span);
+    const double cosine = 0.5 * (1.0 + std::cos(3.14159265358979323846 * frac));
+    return static_cast<float>(lr * (min_lr_ratio + (1.0 - min_lr_ratio) * cosine));
+  }
+};
+
+/// The factor that clips a gradient of global norm `norm` to `max_norm`: max_norm / norm when
+/// the norm is larger, 1 otherwise (and always 1 for max_norm <= 0). Optimizers multiply
+/// each gradient by it as they read it.
+inline float clip_scale(double norm, float max_norm) { return (max_norm > 0 && norm > max_norm) ? static_cast<float>(max_norm / norm) : 1.0f; }
+
+/// The global L2 norm of every stage's gradients, the same on every rank. Collective over the
+/// runtime's ranks. Each stage's squared gradients are summed per norm group in fp64 on the
+/// device; the groups are added in stage order, then group order, so the norm does not
+/// depend on how the model is cut into stages (at group boundaries) nor on the rank count.
+/// Throws po::nonfinite_error on every rank, naming the stage and group, for a NaN or infinity.
+template <class Runtime>
+double grad_norm(Runtime& rt) {
+  static_assert(backend::updates_parameters<typename Runtime::backend_type>,
+                "po::grad_norm: the backend must model po::backend::updates_parameters (sum_squares).");
+  return rt.guard("grad_norm", [&] {
+    const Shape& sh = rt.program().shape;
+    const std::size_t v = static_cast<std::size_t>(sh.v), groups = rt.max_norm_groups(), width = v * groups;
+    std::vector<double> mine(width, 0.0), all(width * static_cast<std::size_t>(sh.d));
+    for (std::size_t c = 0; c < v; ++c) {
+      const std::vector<std::size_t>& g = rt.norm_groups(static_cast<int>(c));
+      rt.device().sum_squares(rt.stages()[c].gradients(), g, std::span<double>(mine).subspan(c * groups, g.size()));
+    }
+    rt.communicator().all_gather(mine, all);
+    double norm2 = 0;
+    for (int s = 0; s < sh.stages(); ++s) {
+      const StageInfo& t = rt.stage_table()[static_cast<std::size_t>(s)];
+      for (std::size_t k = 0; k < t.norm_groups; ++k) {
+        const double sq = all[static_cast<std::size_t>(t.rank) * width + static_cast<std::size_t>(t.chunk) * groups + k];
+        if (!std::isfinite(sq))
+          throw nonfinite_error("po::grad_norm: stage " + std::to_string(s) + " (" + t.name + " on rank " + std::to_string(t.rank) +
+                                ") has a non-finite gradient (norm group " + std::to_string(k) + ", sum of squares " + std::to_string(sq) +
+                                "); no update should be applied");
+        norm2 += sq;
+      }
+    }
+    return std::sqrt(norm2);
+  });
+}
+
+/// A parameter group: the tensors `select` accepts (the first group that accepts a tensor
+/// takes it; tensors no group accepts get the optimizer's own settings) get their own weight
+/// decay and a scale of the step's learning rate.
+/// @code
+///   // GPT-2's rule: no weight decay on biases and LayerNorm gains (1-d tensors)
+///   po::ParamGroup no_decay{"no decay", [](const po::ParamInfo& p) { return p.shape.size() < 2; }, 1.0f, 0.0f};
+/// @endcode
+struct ParamGroup {
+  std::string name;
+  std::function<bool(const ParamInfo&)> select;
+  float lr_scale = 1.0f;
+  float weight_decay = 0.0f;
+};
+
+namespace detail {
+
+/// A run of parameters of one chunk updated with one setting.
+struct ParamRun {
+  std::size_t offset = 0, count = 0;
+  float lr_scale = 1.0f;
+  float weight_decay = 0.0f;
+};
+
+/// Chunk c's parameters as runs of one setting each: the stage's named tensors, checked to
+/// cover its parameters exactly once, assigned to groups, with neighbours of one setting merged.
+inline std::vector<ParamRun> param_runs(int stage, const std::string& stage_name, std::vector<ParamInfo> tensors, std::size_t parameters,
+                                        const std::vector<ParamGroup>& groups, float weight_decay) {
+  std::sort(tensors.begin(), tensors.end(), [](const ParamInfo& a, const ParamInfo& b) { return a.offset < b.offset; });
+  std::vector<ParamRun> runs;
+  std::size_t at = 0;
+  for (const ParamInfo& t : tensors) {
+    if (t.offset != at)
+      throw error("stage " + std::to_string(stage) + " (" + stage_name + ")'s parameter_info() " +
+                  (t.offset > at ? "leaves parameters [" + std::to_string(at) + ", " + std::to_string(t.offset) + ") out"
+                                 : "has tensor '" + t.name + "' at offset " + std::to_string(t.offset) + ", inside the one before it (which ends at " + std::to_string(at) + ")") +
+                  "; its tensors must cover parameters() exactly once");
+    ParamRun run{t.offset, t.count(), 1.0f, weight_decay};
+    for (const ParamGroup& g : groups)
+      if (g.select && g.select(t)) {
+        run.lr_scale = g.lr_scale;
+        run.weight_decay = g.weight_decay;
+        break;
+      }
+    at += run.count;
+    if (run.count == 0) continue;
+    if (!runs.empty() && runs.back().lr_scale == run.lr_scale && runs.back().weight_decay == run.weight_decay) runs.back().count += run.count;
+    else runs.push_back(run);
+  }
+  if (at != parameters)
+    throw error("stage " + std::to_string(stage) + " (" + stage_name + ")'s parameter_info() covers " + std::to_string(at) +
+                " parameters; the stage has " + std::to_string(parameters));
+  return runs;
+}
+
+/// What AdamW and Sgd share: their runs, their device state (`states` buffers per chunk, each
+/// the size of the chunk's parameters), the step count, and the failure handling.
+template <class Runtime>
+class OptimizerBase {
+ public:
+  using Backend = typename Runtime::backend_type;
+  static_assert(backend::updates_parameters<Backend>,
+                "po::AdamW and po::Sgd need a backend that models po::backend::updates_parameters (sum_squares, adamw, sgd).");
+
+  OptimizerBase(const OptimizerBase&) = delete;
+  OptimizerBase& operator=(const OptimizerBase&) = delete;
+  ~OptimizerBase() {
+    for (backend::Block& b : state_) rt_.device().device_free(b);
+  }
+
+  /// Optimizer steps taken (the next step is number steps_taken(), 0-based).
+  int steps_taken() const { return steps_; }
+  /// Resume: the next step() is step `steps` (bias corrections, momentum's first step).
+  void set_steps_taken(int steps) {
+    if (steps < 0) throw error("po::Optimizer::set_steps_taken: steps = " + std::to_string(steps) + " must be >= 0");
+    steps_ = steps;
+  }
+  /// State buffers per chunk (2 for AdamW's moments, 1 for SGD's momentum, 0 for plain SGD).
+  int state_count() const { return states_; }
+  /// Chunk c's k-th state buffer, in device memory (Runtime::download/upload copy it).
+  std::span<float> state(int chunk, int k) {
+    const std::size_t n = rt_.stages()[static_cast<std::size_t>(chunk)].parameters().size();
+    return {reinterpret_cast<float*>(state_[static_cast<std::size_t>(chunk * states_ + k)].ptr), n};
+  }
+  /// Chunk c's runs of parameters, each with its setting (for tests and reports).
+  const std::vector<ParamRun>& runs(int chunk) const { return runs_[static_cast<std::size_t>(chunk)]; }
+  Runtime& runtime() { return rt_; }
+
+ protected:
+  /// `invalid`: why the options are wrong ("" when they are right), thrown under the guard so
+  /// that the other ranks do not wait for this one.
+  OptimizerBase(Runtime& rt, const char* who, int states, const std::vector<ParamGroup>& groups, float weight_decay, const std::string& invalid = "")
+      : rt_(rt), states_(states) {
+    rt.guard(who, [&] {
+      if (!invalid.empty()) throw error(invalid);
+      const Shape& sh = rt.program().shape;
+      for (int c = 0; c < sh.v; ++c) {
+        const auto& stage = rt.stages()[static_cast<std::size_t>(c)];
+        const std::size_t n = stage.parameters().size();
+        runs_.push_back(param_runs(sh.stage_of(rt.rank(), c), stage.name(), stage.parameter_info(), n, groups, weight_decay));
+        // Zeroed state, reserved for itself so it never takes a block the runtime counted on.
+        const std::vector<float> zeros(n, 0.0f);
+        for (int k = 0; k < states; ++k) {
+          if constexpr (backend::reserves_memory<Backend>) rt.device().reserve_device(n * sizeof(float), 1);
+          state_.push_back(rt.device().device_alloc(n * sizeof(float), backend::Memory::optimizer));
+          rt.device().upload(state_.back().ptr, zeros.data(), n * sizeof(float));
+        }
+      }
+      return 0;
+    });
+  }
+
+  /// Runs `update(chunk, run, params, grads)` over every run of every chunk of this rank, then
+  /// counts the step; a failure aborts every rank, naming this one and the step.
+  template <class F>
+  void each_run(const char* who, F&& update) {
+    rt_.guard(std::string(who) + " step " + std::to_string(steps_), [&] {
+      for (std::size_t c = 0; c < runs_.size(); ++c) {
+        const auto& stage = rt_.stages()[c];
+        for (const ParamRun& r : runs_[c]) update(static_cast<int>(c), r, stage.parameters().subspan(r.offset, r.count), stage.gradients().subspan(r.offset, r.count));
+      }
+      return 0;
+    });
+    ++steps_;
+  }
+
+  Runtime& rt_;
+  int states_ = 0;
+  int steps_ = 0;
+  std::vector<std::vector<ParamRun>> runs_;  // per chunk
+  std::vector<backend::Block> state_;        // [chunk * states + k], device
+};
+
+}  // namespace detail
+
+struct AdamWOptions {
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float weight_decay = 0.1f;     ///< decoupled, for tensors no group takes
+  std::vector<ParamGroup> groups{};
+};
+
+/// AdamW (decoupled weight decay) over every stage of a runtime's rank.
+/// @code
+///   po::AdamW opt(rt, {.weight_decay = 0.1f, .groups = {no_decay}});
+///   opt.step(po::WarmupCosine{.lr = 3e-3f}(step), po::clip_scale(po::grad_norm(rt), 1.0f));
+/// @endcode
+template <class Runtime>
+class AdamW : public detail::OptimizerBase<Runtime> {
+ public:
+  AdamW(Runtime& rt, AdamWOptions opt = {}) : detail::OptimizerBase<Runtime>(rt, "po::AdamW", 2, opt.groups, opt.weight_decay), opt_(std::move(opt)) {}
+
+  /// One update of every parameter of this rank with learning rate `lr` (times its group's
+  /// scale) and gradients multiplied by `grad_scale` (the clip). Gradients are left as they
+  /// are. Not collective; a failure aborts every rank.
+  void step(float lr, float grad_scale = 1.0f) {
+    const update::AdamBias bias = update::adam_bias(opt_.beta1, opt_.beta2, this->steps_ + 1);
+    this->each_run("po::AdamW", [&](int c, const detail::ParamRun& r, std::span<float> p, std::span<float> g) {
+      const update::AdamWParams hp{opt_.beta1, opt_.beta2, opt_.eps, r.weight_decay};
+      this->rt_.device().adamw(p, g, this->state(c, 0).subspan(r.offset, r.count), this->state(c, 1).subspan(r.offset, r.count), hp, lr * r.lr_scale, bias,
+                               grad_scale);
+    });
+  }
+  static constexpr const char* name() { return "adamw"; }
+  const AdamWOptions& options() const { return opt_; }
+
+ private:
+  AdamWOptions opt_;
+};
+
+struct SgdOptions {
+  float momentum = 0;        ///< 0: plain SGD (no state)
+  float dampening = 0;
+  bool nesterov = false;     ///< needs momentum > 0 and dampening = 0
+  float weight_decay = 0;    ///< L2 (added to the gradient), for tensors no group takes
+  std::vector<ParamGroup> groups{};
+};
+
+/// SGD with optional momentum and Nesterov momentum (torch.optim.SGD's update), over every
+/// stage of a runtime's rank.
+/// @code
+///   po::Sgd opt(rt, {.momentum = 0.9f, .nesterov = true});
+///   opt.step(0.05f, po::clip_scale(po::grad_norm(rt), 1.0f));
+/// @endcode
+template <class Runtime>
+class Sgd : public detail::OptimizerBase<Runtime> {
+ public:
+  Sgd(Runtime& rt, SgdOptions opt = {})
+      : detail::OptimizerBase<Runtime>(rt, "po::Sgd", opt.momentum != 0.0f ? 1 : 0, opt.groups, opt.weight_decay, invalid(opt)), opt_(std::move(opt)) {}
+
+  /// One update of every parameter of this rank (see AdamW::step).
+  void step(float lr, float grad_scale = 1.0f) {
+    const bool first = this->steps_ == 0;
+    this->each_run("po::Sgd", [&](int c, const detail::ParamRun& r, std::span<float> p, std::span<float> g) {
+      const update::SgdParams hp{opt_.momentum, opt_.dampening, opt_.nesterov, r.weight_decay};
+      const std::span<float> buf = this->states_ > 0 ? this->state(c, 0).subspan(r.offset, r.count) : std::span<float>{};
+      this->rt_.device().sgd(p, g, buf, hp, lr * r.lr_scale, grad_scale, first);
+    });
+  }
+  static constexpr const char* name() { return "sgd"; }
+  const SgdOptions& options() const { return opt_; }
+
+ private:
+  static std::string invalid(const SgdOptions& o) {
+    if (o.momentum < 0.0f) return "momentum = " + std::to_string(o.momentum) + " must be >= 0";
+    if (o.nesterov && (o.momentum <= 0.0f || o.dampening != 0.0f))
+      return "Nesterov momentum needs momentum > 0 and dampening = 0 (momentum = " + std::to_string(o.momentum) + ", dampening = " +
+             std::to_string(o.dampening) + ")";
+    return "";
+  }
+  SgdOptions opt_;
+};
+
+}  // namespace pipeoffload

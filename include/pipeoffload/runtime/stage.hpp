@@ -1,0 +1,158 @@
+// pipeoffload/runtime/stage.hpp: po::StageRef, one stage of any layer type behind one interface.
+//
+// The stages of a pipeline may be of different types (an embedding, blocks, a head), on one
+// rank or spread over ranks. The runtime holds each as a StageRef: a pointer to the user's
+// object and a table of functions made once per type, so a pass costs one indirect call
+// (bench/RESULTS.md measures it against a pass of the sample GPT). A StageRef does not own its
+// layer: the layer must outlive every runtime that holds it.
+#pragma once
+
+#include <cstdlib>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <typeinfo>
+#include <vector>
+
+#if defined(__GNUC__) || defined(__clang__)
+#include <cxxabi.h>
+#endif
+
+#include "../model/layer.hpp"
+
+namespace pipeoffload {
+
+namespace detail {
+
+/// The readable name of a C++ type (demangled where the ABI allows it).
+template <class T>
+std::string type_name() {
+  const char* raw = typeid(T).name();
+#if defined(__GNUC__) || defined(__clang__)
+  int status = 0;
+  std::unique_ptr<char, void (*)(void*)> d(abi::__cxa_demangle(raw, nullptr, nullptr, &status), std::free);
+  if (status == 0 && d) return d.get();
+#endif
+  return raw;
+}
+
+}  // namespace detail
+
+/// A non-owning, type-erased reference to one stage whose passes run with context `Ctx`.
+/// @code
+///   Embedding embed(...); Block block(...); Head head(...);   // three types, one rank
+///   std::vector<po::StageRef<po::backend::CpuContext>> mine = {embed, block, head};  // chunk order
+///   po::Runtime rt(program, dev, comm, mine, {.microbatch = {4, 64}});
+/// @endcode
+template <class Ctx>
+class StageRef {
+ public:
+  template <class L>
+    requires(!std::is_same_v<std::remove_cvref_t<L>, StageRef>)
+  StageRef(L& layer) : obj_(&layer), vt_(table_of<L>()) {  // NOLINT: implicit on purpose, like std::function_ref
+    static_assert(layer_for<L, Ctx>,
+                  "po::StageRef: a stage must model po::layer_for<Stage, Context>: it needs input_boundary(shape), "
+                  "output_boundary(shape), saved_bytes(shape), stash_bytes(shape), forward(ctx, mb, x, y, saved) -> void, "
+                  "backward_input(ctx, mb, dy, dx, saved, stash), backward_weight(ctx, mb, saved, stash), parameters() and "
+                  "gradients(); see model/layer.hpp.");
+  }
+
+  Boundary input_boundary(MicrobatchShape s) const { return vt_->input_boundary(obj_, s); }
+  Boundary output_boundary(MicrobatchShape s) const { return vt_->output_boundary(obj_, s); }
+  std::size_t saved_bytes(MicrobatchShape s) const { return vt_->saved_bytes(obj_, s); }
+  std::size_t stash_bytes(MicrobatchShape s) const { return vt_->stash_bytes(obj_, s); }
+  void forward(Ctx& c, const Microbatch& mb, ConstTensor x, Tensor y, std::byte* saved) const { vt_->forward(obj_, c, mb, x, y, saved); }
+  void backward_input(Ctx& c, const Microbatch& mb, ConstTensor dy, Tensor dx, std::byte* saved, std::byte* stash) const {
+    vt_->backward_input(obj_, c, mb, dy, dx, saved, stash);
+  }
+  void backward_weight(Ctx& c, const Microbatch& mb, std::byte* saved, std::byte* stash) const {
+    vt_->backward_weight(obj_, c, mb, saved, stash);
+  }
+  std::span<float> parameters() const { return vt_->parameters(obj_); }
+  std::span<float> gradients() const { return vt_->gradients(obj_); }
+
+  /// The step inputs the stage reads (none when it declares none).
+  std::vector<InputSpec> inputs(MicrobatchShape s) const { return vt_->inputs(obj_, s); }
+  /// Norm groups (one group of every parameter when the stage declares none).
+  std::vector<std::size_t> norm_groups() const { return vt_->norm_groups(obj_); }
+  /// Named parameter tensors (one 1-d tensor "parameters" when the stage declares none).
+  std::vector<ParamInfo> parameter_info() const { return vt_->parameter_info(obj_); }
+  /// The stage type's name() or, without one, its C++ type name.
+  std::string name() const { return vt_->name(obj_); }
+
+  /// The layer itself, when the caller knows its type (nullptr for another type).
+  template <class L>
+  L* get() const {
+    return vt_ == &table<L> ? static_cast<L*>(obj_) : nullptr;
+  }
+
+ private:
+  struct VTable {
+    Boundary (*input_boundary)(void*, MicrobatchShape);
+    Boundary (*output_boundary)(void*, MicrobatchShape);
+    std::size_t (*saved_bytes)(void*, MicrobatchShape);
+    std::size_t (*stash_bytes)(void*, MicrobatchShape);
+    void (*forward)(void*, Ctx&, const Microbatch&, ConstTensor, Tensor, std::byte*);
+    void (*backward_input)(void*, Ctx&, const Microbatch&, ConstTensor, Tensor, std::byte*, std::byte*);
+    void (*backward_weight)(void*, Ctx&, const Microbatch&, std::byte*, std::byte*);
+    std::span<float> (*parameters)(void*);
+    std::span<float> (*gradients)(void*);
+    std::vector<InputSpec> (*inputs)(void*, MicrobatchShape);
+    std::vector<std::size_t> (*norm_groups)(void*);
+    std::vector<ParamInfo> (*parameter_info)(void*);
+    std::string (*name)(void*);
+  };
+
+  // Only for layers: a type that is not one gets the static_assert's sentence and nothing else.
+  template <class L>
+  static constexpr const VTable* table_of() {
+    if constexpr (layer_for<L, Ctx>) return &table<L>;
+    else return nullptr;
+  }
+
+  template <class L>
+  static L& self(void* p) {
+    return *static_cast<L*>(p);
+  }
+
+  template <class L>
+  static constexpr VTable table = {
+      [](void* p, MicrobatchShape s) { return Boundary(self<L>(p).input_boundary(s)); },
+      [](void* p, MicrobatchShape s) { return Boundary(self<L>(p).output_boundary(s)); },
+      [](void* p, MicrobatchShape s) { return static_cast<std::size_t>(self<L>(p).saved_bytes(s)); },
+      [](void* p, MicrobatchShape s) { return static_cast<std::size_t>(self<L>(p).stash_bytes(s)); },
+      [](void* p, Ctx& c, const Microbatch& mb, ConstTensor x, Tensor y, std::byte* saved) { self<L>(p).forward(c, mb, x, y, saved); },
+      [](void* p, Ctx& c, const Microbatch& mb, ConstTensor dy, Tensor dx, std::byte* saved, std::byte* stash) {
+        self<L>(p).backward_input(c, mb, dy, dx, saved, stash);
+      },
+      [](void* p, Ctx& c, const Microbatch& mb, std::byte* saved, std::byte* stash) { self<L>(p).backward_weight(c, mb, saved, stash); },
+      [](void* p) { return std::span<float>(self<L>(p).parameters()); },
+      [](void* p) { return std::span<float>(self<L>(p).gradients()); },
+      [](void* p, MicrobatchShape s) {
+        if constexpr (detail::declares_inputs<L>) return std::vector<InputSpec>(self<L>(p).inputs(s));
+        else return std::vector<InputSpec>{};
+      },
+      [](void* p) {
+        if constexpr (detail::has_norm_groups<L>) return std::vector<std::size_t>(self<L>(p).norm_groups());
+        else return std::vector<std::size_t>{std::span<float>(self<L>(p).parameters()).size()};
+      },
+      [](void* p) {
+        if constexpr (detail::has_parameter_info<L>) {
+          return std::vector<ParamInfo>(self<L>(p).parameter_info());
+        } else {
+          const auto n = static_cast<long long>(std::span<float>(self<L>(p).parameters()).size());
+          return std::vector<ParamInfo>{ParamInfo{"parameters", 0, {n}}};
+        }
+      },
+      [](void* p) {
+        if constexpr (detail::has_name<L>) return std::string(self<L>(p).name());
+        else return detail::type_name<L>();
+      },
+  };
+
+  void* obj_;
+  const VTable* vt_;
+};
+
+}  // namespace pipeoffload

@@ -1,0 +1,676 @@
+// tests/runtime/test_custom.cpp: the runtime with a model that is not a GPT (issue 12), the
+// sample's heterogeneous stages (samples/custom_model.hpp: InputProjection, ResidualStage,
+// RegressionHead; boundaries of different widths) on float inputs: every family is
+// bit-identical to one rank, gradient accumulation equals one large step, evaluate equals the
+// forward passes of a step, failures end every rank within seconds, parameter groups, SGD,
+// and a checkpoint round trip across schedules and rank counts.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <future>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include <pipeoffload/runtime/checkpoint.hpp>
+
+#include "custom_model.hpp"
+
+namespace {
+
+using Runtime = po::Runtime<po::backend::Cpu, po::comm::Threads>;
+using World = po::comm::ThreadsWorld;
+using po::Family;
+using GK = po::GroupSpec::Kind;
+namespace off = po::offload;
+
+po::ScheduleSpec family(const std::string& n, int g = 0) {
+  if (n == "1f1b") return {Family::one_f1b, {}, off::none};
+  if (n == "1f1b-i") return {Family::interleaved_1f1b, {}, off::none};
+  if (n == "gis") return {Family::grouped, {GK::full, 0}, off::none};
+  if (n == "gis-h") return {Family::grouped, {GK::half, 0}, off::none};
+  if (n == "gis-g") return {Family::grouped, {GK::number, g}, off::none};
+  if (n == "po") return {Family::grouped, {GK::uniform, 1}, off::none};
+  if (n == "po-h") return {Family::grouped, {GK::uniform, 1}, off::half};
+  if (n == "po-f") return {Family::grouped, {GK::uniform, 1}, off::all};
+  throw std::runtime_error("unknown family " + n);
+}
+
+// Small enough that the whole file runs in seconds; hidden 8 makes the even middle stages 6 wide.
+const custom::Config model{.features = 5, .hidden = 8, .blocks = 2, .seed = 3};
+constexpr int rows = 3;  // rows per microbatch
+const po::RuntimeOptions options{.microbatch = {rows, 1}};
+constexpr std::uint64_t config_hash = 0xC0FFEE;
+
+const custom::Dataset& data() {
+  static const custom::Dataset d(model.features, 600, 48);
+  return d;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}
+bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+/// Each rank's error ("" when it returned) and wall time.
+struct Ranks {
+  std::vector<std::string> errors;
+  std::vector<double> seconds;
+};
+
+/// Runs fn(rank, world) on d thread ranks (po::run_thread_ranks) with a deadline: a run that
+/// has not returned by then ends the test process (a hang must fail, not stall the suite).
+template <class F>
+Ranks run_ranks(int d, F fn, double deadline = 120) {
+  auto fut = std::async(std::launch::async, [d, fn]() mutable {
+    World world(d);
+    Ranks out;
+    out.seconds.assign(static_cast<std::size_t>(d), 0.0);
+    out.errors = po::run_thread_ranks(world, [&](int r) {
+      // Timed on the way out, normal or not.
+      struct Clock {
+        double& out;
+        std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+        ~Clock() { out = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
+      } clock{out.seconds[static_cast<std::size_t>(r)]};
+      fn(r, world);
+    });
+    return out;
+  });
+  if (fut.wait_for(std::chrono::duration<double>(deadline)) != std::future_status::ready) {
+    std::fprintf(stderr, "FATAL: thread ranks did not finish within %.0f s (hang)\n", deadline);
+    std::fflush(stderr);
+    std::_Exit(3);
+  }
+  return fut.get();
+}
+
+enum class Optim { adamw, sgd };
+
+struct Case {
+  po::Program program;
+  int steps = 3;
+  int parts = 1;                     ///< forward_backward calls per optimizer step (accumulation)
+  Optim optim = Optim::adamw;
+  double copy_bytes_per_second = 0;  ///< paced copy engine (0: memcpy speed)
+  std::filesystem::path save_dir{};  ///< save_checkpoint after `save_after` steps
+  int save_after = -1;
+  std::filesystem::path load_dir{};  ///< load_checkpoint, then train steps first_step..steps-1
+  int first_step = 0;
+};
+
+struct Run {
+  std::vector<std::vector<float>> losses;   ///< per step: every microbatch's loss, all parts in order
+  std::vector<double> norms;                ///< per step
+  std::vector<std::vector<float>> params;   ///< per stage, after the last step
+  std::vector<po::RankSim> traces;          ///< per rank, of the last forward_backward
+  std::vector<std::string> errors;          ///< per rank
+};
+
+const po::ParamGroup no_decay{"no decay", [](const po::ParamInfo& p) { return p.shape.size() < 2; }, 1.0f, 0.0f};
+const po::WarmupCosine lr{.lr = 1e-2f, .warmup_steps = 2, .total_steps = 10, .min_lr_ratio = 0.1f};
+
+/// Trains the sample model with c.program on d thread ranks (the visible training step).
+Run train(const Case& c) {
+  const po::Shape sh = c.program.shape;
+  const std::size_t part_rows = static_cast<std::size_t>(sh.m) * rows;
+  Run run;
+  run.losses.resize(static_cast<std::size_t>(c.steps));
+  run.norms.resize(static_cast<std::size_t>(c.steps));
+  run.params.resize(static_cast<std::size_t>(sh.stages()));
+  run.traces.resize(static_cast<std::size_t>(sh.d));
+  std::mutex mu;
+  const Ranks rk = run_ranks(sh.d, [&](int r, World& world) {
+    po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = c.copy_bytes_per_second});
+    po::comm::Threads comm(world, r);
+    std::vector<custom::Stage> mine = custom::make_rank_stages(model, sh, r);
+    const std::vector<custom::StageRef> stages = custom::refs(mine);
+    Runtime rt(c.program, dev, comm, stages, options);
+    const auto loop = [&](auto& opt) {
+      if (!c.load_dir.empty()) po::load_checkpoint(c.load_dir, rt, opt, config_hash);
+      for (int step = c.first_step; step < c.steps; ++step) {
+        std::vector<float> losses;
+        rt.zero_grad();
+        for (int part = 0; part < c.parts; ++part) {
+          const auto slice = data().train(static_cast<std::size_t>(step * c.parts + part) * part_rows, part_rows);
+          const po::PassStats fb = rt.forward_backward(slice.batch(), {.step = step, .part = part, .parts = c.parts});
+          losses.insert(losses.end(), fb.losses.begin(), fb.losses.end());
+        }
+        const double norm = po::grad_norm(rt);
+        opt.step(lr(step), po::clip_scale(norm, 0.5f));
+        if (r == 0) {
+          std::lock_guard lk(mu);
+          run.losses[static_cast<std::size_t>(step)] = losses;
+          run.norms[static_cast<std::size_t>(step)] = norm;
+        }
+        if (step + 1 == c.save_after) po::save_checkpoint(c.save_dir, rt, opt, {config_hash, 1, step + 1});
+      }
+    };
+    if (c.optim == Optim::adamw) {
+      po::AdamW opt(rt, {.weight_decay = 0.1f, .groups = {no_decay}});
+      loop(opt);
+    } else {
+      po::Sgd opt(rt, {.momentum = 0.9f, .nesterov = true});
+      loop(opt);
+    }
+    std::lock_guard lk(mu);
+    for (int ch = 0; ch < sh.v; ++ch) run.params[static_cast<std::size_t>(sh.stage_of(r, ch))] = rt.download_parameters(ch);
+    run.traces[static_cast<std::size_t>(r)] = rt.trace();
+  });
+  run.errors = rk.errors;
+  return run;
+}
+
+/// The one-rank reference of a shape: the same S stages and m, all on rank 0, in GIS order.
+po::Program one_rank(const po::Shape& sh) { return po::GIS::build({1, sh.stages(), sh.m}); }
+
+void require_ok(const Run& run) {
+  for (std::size_t r = 0; r < run.errors.size(); ++r) REQUIRE_MESSAGE(run.errors[r].empty(), "rank " << r << ": " << run.errors[r]);
+}
+
+/// Bitwise equality of two runs' losses, gradient norms and parameters, over steps [from, steps).
+void check_same(const Run& a, const Run& b, int from = 0) {
+  require_ok(a);
+  require_ok(b);
+  REQUIRE(a.losses.size() == b.losses.size());
+  for (std::size_t s = static_cast<std::size_t>(from); s < a.losses.size(); ++s) {
+    INFO("step " << s);
+    REQUIRE(!a.losses[s].empty());
+    for (float x : a.losses[s]) CHECK(std::isfinite(x));
+    CHECK(same_bits(a.losses[s], b.losses[s]));
+    CHECK(same_bits(a.norms[s], b.norms[s]));
+  }
+  REQUIRE(a.params.size() == b.params.size());
+  for (std::size_t s = 0; s < a.params.size(); ++s) {
+    INFO("stage " << s);
+    CHECK(!a.params[s].empty());
+    CHECK(same_bits(a.params[s], b.params[s]));
+  }
+}
+
+// Stages that go wrong on purpose (the runtime sees their own type through StageRef).
+
+/// Writes NaN as the loss of microbatch 2 in step 0.
+struct NanLossHead : custom::RegressionHead {
+  using RegressionHead::RegressionHead;
+  void forward(po::backend::CpuContext& ctx, const po::Microbatch& mb, po::ConstTensor x, po::Tensor y, std::byte* saved) {
+    RegressionHead::forward(ctx, mb, x, y, saved);
+    if (mb.step == 0 && mb.mb == 2) *mb.loss = std::numeric_limits<float>::quiet_NaN();
+  }
+};
+
+/// Writes NaN into its output activation for microbatch 1 in step 0 (the stages after it
+/// then see it too: the runtime must name this one).
+struct NanResidual : custom::ResidualStage {
+  using ResidualStage::ResidualStage;
+  void forward(po::backend::CpuContext& ctx, const po::Microbatch& mb, po::ConstTensor x, po::Tensor y, std::byte* saved) {
+    ResidualStage::forward(ctx, mb, x, y, saved);
+    if (mb.step == 0 && mb.mb == 1) y.as<float>()[0] = std::numeric_limits<float>::quiet_NaN();
+  }
+};
+
+/// Forgets its weight in parameter_info(): a gap the optimizers must refuse.
+struct GapHead : custom::RegressionHead {
+  using RegressionHead::RegressionHead;
+  std::vector<po::ParamInfo> parameter_info() const {
+    std::vector<po::ParamInfo> all = RegressionHead::parameter_info();
+    return {all.back()};
+  }
+};
+
+/// backend::Cpu whose AdamW update throws on rank 1.
+class ThrowingCpu : public po::backend::Cpu {
+ public:
+  explicit ThrowingCpu(Options o) : Cpu(o), rank_(o.rank) {}
+  void adamw(std::span<float> p, std::span<const float> g, std::span<float> m, std::span<float> v, const po::update::AdamWParams& o, float rate,
+             po::update::AdamBias bias, float grad_scale) {
+    if (rank_ == 1) throw std::runtime_error("injected optimizer failure on rank 1");
+    Cpu::adamw(p, g, m, v, o, rate, bias, grad_scale);
+  }
+
+ private:
+  int rank_;
+};
+
+/// What one rank saw in a run that meets a NaN in step 0 and goes on.
+struct NanOutcome {
+  std::string message;   // the nonfinite_error's text
+  int good_steps = 0;    // steps after it that trained normally
+};
+
+/// Three steps on 4 ranks (v = 2) with `replace(r, stages)` swapping in a faulty stage;
+/// a po::nonfinite_error is caught, and the rank goes on with zero_grad() and the next step.
+template <class Replace>
+std::pair<Ranks, std::vector<NanOutcome>> run_nan(Replace replace) {
+  const po::Program program = po::PO_F::build({4, 2, 8});
+  const po::Shape sh = program.shape;
+  std::vector<NanOutcome> out(4);
+  const Ranks rk = run_ranks(4, [&](int r, World& world) {
+    po::backend::Cpu dev({.rank = r});
+    po::comm::Threads comm(world, r);
+    std::vector<custom::Stage> mine = custom::make_rank_stages(model, sh, r);
+    std::vector<custom::StageRef> stages = custom::refs(mine);
+    std::optional<NanLossHead> head;
+    std::optional<NanResidual> residual;
+    replace(r, stages, head, residual);
+    Runtime rt(program, dev, comm, stages, options);
+    po::AdamW opt(rt, {.weight_decay = 0.1f, .groups = {no_decay}});
+    NanOutcome& o = out[static_cast<std::size_t>(r)];
+    for (int step = 0; step < 3; ++step) {
+      const auto slice = data().train(static_cast<std::size_t>(step) * 8 * rows, 8 * rows);
+      rt.zero_grad();
+      po::PassStats fb;
+      try {
+        fb = rt.forward_backward(slice.batch(), {.step = step});
+      } catch (const po::nonfinite_error& e) {
+        o.message = e.what();
+        continue;
+      }
+      bool finite = true;
+      for (float x : fb.losses) finite = finite && std::isfinite(x);
+      opt.step(lr(step), po::clip_scale(po::grad_norm(rt), 0.5f));
+      if (finite) ++o.good_steps;
+    }
+  });
+  return {rk, out};
+}
+
+}  // namespace
+
+TEST_CASE("custom model: each producer's output boundary equals its consumer's input, and the widths differ between stages") {
+  for (int S = 3; S <= 9; ++S) {
+    std::vector<custom::Stage> all = custom::make_stages(model, S);
+    const std::vector<custom::StageRef> refs = custom::refs(all);
+    CHECK(refs.front().name() == "InputProjection");
+    CHECK(refs.back().name() == "RegressionHead");
+    std::vector<std::size_t> widths;
+    for (int s = 0; s + 1 < S; ++s) {
+      INFO("S = " << S << ", stage " << s);
+      const po::Boundary out = refs[static_cast<std::size_t>(s)].output_boundary(options.microbatch);
+      CHECK(out == refs[static_cast<std::size_t>(s + 1)].input_boundary(options.microbatch));
+      widths.push_back(out.elements);
+      if (s > 0) CHECK(refs[static_cast<std::size_t>(s)].name() == "ResidualStage");
+    }
+    if (S >= 4) CHECK(std::adjacent_find(widths.begin(), widths.end(), std::not_equal_to<>()) != widths.end());
+  }
+  try {
+    custom::make_stages(model, 2);
+    FAIL("S = 2 was accepted");
+  } catch (const po::shape_error& e) {
+    CHECK(std::string(e.what()) ==
+          "custom::make_stage: the model needs S >= 3 stages (an InputProjection, at least one ResidualStage, a RegressionHead), got S = 2");
+  }
+}
+
+TEST_CASE("custom model: names, shapes and norm groups of every parameter tensor cover the stage exactly") {
+  std::vector<custom::Stage> all = custom::make_stages(model, 4);
+  const std::vector<custom::StageRef> refs = custom::refs(all);
+  const auto names = [&](int s) {
+    std::vector<std::string> n;
+    for (const po::ParamInfo& p : refs[static_cast<std::size_t>(s)].parameter_info()) n.push_back(p.name);
+    return n;
+  };
+  CHECK(names(0) == std::vector<std::string>{"input.weight", "input.bias"});
+  CHECK(names(1) == std::vector<std::string>{"blocks.0.fc1.weight", "blocks.0.fc1.bias", "blocks.0.fc2.weight", "blocks.0.fc2.bias",
+                                             "blocks.1.fc1.weight", "blocks.1.fc1.bias", "blocks.1.fc2.weight", "blocks.1.fc2.bias"});
+  CHECK(names(2).front() == "adapt.2.weight");
+  CHECK(refs[2].parameter_info().front().shape == std::vector<long long>{8, 6});
+  CHECK(refs[2].parameter_info()[2].shape == std::vector<long long>{6, 24});  // blocks.2.fc1.weight {w, 4w}
+  CHECK(names(3) == std::vector<std::string>{"head.weight", "head.bias"});
+  for (int s = 0; s < 4; ++s) {
+    const custom::StageRef& l = refs[static_cast<std::size_t>(s)];
+    std::size_t at = 0;
+    for (const po::ParamInfo& p : l.parameter_info()) {
+      CHECK(p.offset == at);
+      at += p.count();
+    }
+    CHECK(at == l.parameters().size());
+    std::size_t grouped = 0;
+    for (std::size_t g : l.norm_groups()) grouped += g;
+    CHECK(grouped == l.parameters().size());
+  }
+  CHECK(refs[1].norm_groups().size() == 2);  // one per block
+  CHECK(refs[2].norm_groups().size() == 3);  // the projection and two blocks
+}
+
+TEST_CASE("custom model: B and W compute the gradient of the mean loss (central finite differences through evaluate)") {
+  const po::Program program = po::GIS::build({1, 4, 2});
+  std::string failures;
+  const Ranks rk = run_ranks(1, [&](int, World& world) {
+    po::backend::Cpu dev;
+    po::comm::Threads comm(world, 0);
+    std::vector<custom::Stage> all = custom::make_stages(model, 4);  // stage 2 has a projection 8 -> 6
+    const std::vector<custom::StageRef> stages = custom::refs(all);
+    Runtime rt(program, dev, comm, stages, options);
+    const auto slice = data().train(0, 2 * rows);
+    const po::Batch batch = slice.batch();
+    rt.zero_grad();
+    rt.forward_backward(batch, {.step = 0});
+    const double eps = 1e-2;
+    for (int c = 0; c < 4; ++c) {
+      const std::vector<float> grad = rt.download_gradients(c), p0 = rt.download_parameters(c);
+      // The first, middle and last element of every tensor.
+      for (const po::ParamInfo& t : stages[static_cast<std::size_t>(c)].parameter_info())
+        for (std::size_t i : {t.offset, t.offset + t.count() / 2, t.offset + t.count() - 1}) {
+          std::vector<float> p = p0;
+          p[i] = static_cast<float>(p0[i] + eps);
+          rt.upload_parameters(c, p);
+          const double up = rt.evaluate(batch).loss;
+          p[i] = static_cast<float>(p0[i] - eps);
+          rt.upload_parameters(c, p);
+          const double down = rt.evaluate(batch).loss;
+          rt.upload_parameters(c, p0);
+          const double fd = (up - down) / (2 * eps), g = grad[i];
+          if (std::fabs(fd - g) > 2e-4 + 2e-2 * std::max(std::fabs(fd), std::fabs(g)))
+            failures += t.name + "[" + std::to_string(i - t.offset) + "]: gradient " + std::to_string(g) + ", finite difference " + std::to_string(fd) + "\n";
+        }
+    }
+  });
+  CHECK(rk.errors[0] == "");
+  CHECK(failures == "");
+}
+
+TEST_CASE("every family trains the heterogeneous model on float inputs bit-identically to one rank (AdamW, 3 steps: losses, norms, parameters)") {
+  struct Row {
+    const char* name;
+    po::ScheduleSpec spec;
+    po::Shape shape;
+    double copy_bytes_per_second = 0;
+  };
+  const std::vector<Row> rows_ = {
+      {"1f1b", family("1f1b"), {4, 1, 5}},
+      {"1f1b-i", family("1f1b-i"), {2, 2, 4}},
+      {"1f1b-i", family("1f1b-i"), {3, 2, 6}},
+      {"gis", family("gis"), {4, 2, 7}},
+      {"gis-g", family("gis-g", 3), {4, 2, 8}},
+      {"gis-h", family("gis-h"), {3, 2, 5}},
+      {"po", family("po"), {4, 2, 8}},
+      {"po-h", family("po-h"), {2, 3, 6}},
+      {"po-f", family("po-f"), {4, 2, 8}},
+      {"po-f", family("po-f"), {3, 2, 4}},
+      {"po-f with a paced copy engine", family("po-f"), {4, 2, 8}, 20e6},
+  };
+  std::map<std::pair<int, int>, Run> refs;  // by (S, m)
+  for (const Row& row : rows_) {
+    const po::Shape& sh = row.shape;
+    const std::string name = row.name;
+    CAPTURE(name);
+    CAPTURE(sh.d);
+    CAPTURE(sh.v);
+    CAPTURE(sh.m);
+    const auto key = std::make_pair(sh.stages(), sh.m);
+    if (!refs.count(key)) refs[key] = train({.program = one_rank(sh)});
+    const Run run = train({.program = po::build(row.spec, sh), .copy_bytes_per_second = row.copy_bytes_per_second});
+    check_same(run, refs[key]);
+    if (row.copy_bytes_per_second > 0) {
+      // The copies were slow enough to matter, and compute went on while they ran.
+      bool overlap = false;
+      for (const po::RankSim& t : run.traces)
+        for (std::size_t y = 0; y < t.copy_start.size(); ++y)
+          for (std::size_t x = 0; x < t.compute_start.size(); ++x)
+            overlap = overlap || (t.compute_start[x] < t.copy_end[y] && t.copy_start[y] < t.compute_end[x]);
+      CHECK(overlap);
+    }
+  }
+}
+
+TEST_CASE("a Program from po::build at run time and one from the schedule type train the custom model alike, bitwise") {
+  const po::Shape sh{4, 2, 8};
+  check_same(train({.program = po::PO_F::build(sh)}), train({.program = po::build(family("po-f"), sh, po::Costs{})}));
+}
+
+TEST_CASE("gradient accumulation: 3 forward_backward calls on m microbatches, then one step, equal one step on 3m microbatches, bitwise") {
+  for (const std::string name : {"gis-h", "po-f"}) {
+    CAPTURE(name);
+    const Run parts = train({.program = po::build(family(name), {4, 2, 4}), .parts = 3});
+    const Run whole = train({.program = po::build(family(name), {4, 2, 12})});
+    check_same(parts, whole);
+    REQUIRE(parts.losses[0].size() == 12);
+  }
+}
+
+TEST_CASE("evaluate returns the losses of a training step's forward passes, bitwise, and changes no gradient or parameter (4 ranks, PO-F)") {
+  const po::Program program = po::PO_F::build({4, 2, 8});
+  const po::Shape sh = program.shape;
+  std::vector<std::string> failures(4);
+  const Ranks rk = run_ranks(4, [&](int r, World& world) {
+    po::backend::Cpu dev({.rank = r});
+    po::comm::Threads comm(world, r);
+    std::vector<custom::Stage> mine = custom::make_rank_stages(model, sh, r);
+    const std::vector<custom::StageRef> stages = custom::refs(mine);
+    Runtime rt(program, dev, comm, stages, options);
+    std::string& fail = failures[static_cast<std::size_t>(r)];
+    const auto snapshot = [&](bool grads) {
+      std::vector<std::vector<float>> s;
+      for (int c = 0; c < sh.v; ++c) s.push_back(grads ? rt.download_gradients(c) : rt.download_parameters(c));
+      return s;
+    };
+    const auto slice = data().validation(0, static_cast<std::size_t>(sh.m) * rows);
+    const po::Batch batch = slice.batch();
+    rt.zero_grad();
+    const auto params0 = snapshot(false), zeros = snapshot(true);
+    const po::PassStats ev = rt.evaluate(batch);
+    if (snapshot(true) != zeros) fail += "evaluate wrote gradients; ";
+    if (snapshot(false) != params0) fail += "evaluate changed parameters; ";
+    const po::PassStats fb = rt.forward_backward(batch, {.step = 0});
+    if (!same_bits(fb.losses, ev.losses)) fail += "evaluate's losses differ from forward_backward's; ";
+    if (!same_bits(fb.loss, ev.loss)) fail += "evaluate's mean loss differs; ";
+    if (ev.losses.size() != 8) fail += "evaluate returned " + std::to_string(ev.losses.size()) + " losses; ";
+    const auto grads = snapshot(true);
+    if (grads == zeros) fail += "forward_backward left no gradient; ";
+    const po::PassStats ev2 = rt.evaluate(batch);  // between forward_backward and the optimizer
+    if (snapshot(true) != grads) fail += "evaluate disturbed accumulated gradients; ";
+    if (!same_bits(ev2.losses, ev.losses)) fail += "a second evaluate differs; ";
+  });
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    CHECK(rk.errors[static_cast<std::size_t>(r)] == "");
+    CHECK(failures[static_cast<std::size_t>(r)] == "");
+  }
+}
+
+TEST_CASE("failure: rank 3 of 4 constructed with the wrong number of stages ends every rank within 10 s with its message") {
+  const po::Program program = po::PO_F::build({4, 2, 8});
+  const Ranks rk = run_ranks(4, [&](int r, World& world) {
+    po::backend::Cpu dev({.rank = r});
+    po::comm::Threads comm(world, r);
+    std::vector<custom::Stage> mine = custom::make_rank_stages(model, program.shape, r);
+    std::vector<custom::StageRef> stages = custom::refs(mine);
+    if (r == 3) stages.pop_back();
+    Runtime rt(program, dev, comm, stages, options);
+  });
+  const std::string text = "po::Runtime: rank 3 was given 1 stages; it needs v = 2 (one per chunk)";
+  CHECK(rk.errors[3] == text);
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    CHECK(contains(rk.errors[static_cast<std::size_t>(r)], text));
+    CHECK(rk.seconds[static_cast<std::size_t>(r)] < 10.0);
+  }
+}
+
+TEST_CASE("failure: a boundary mismatch between two stages is refused on every rank within 10 s, naming both stages") {
+  const po::Program program = po::GIS_H::build({4, 2, 8});
+  const Ranks rk = run_ranks(4, [&](int r, World& world) {
+    po::backend::Cpu dev({.rank = r});
+    po::comm::Threads comm(world, r);
+    std::vector<custom::Stage> mine = custom::make_rank_stages(model, program.shape, r);
+    // Stage 5 (rank 1, chunk 1) believes its input is `hidden` wide; stage 4 produces 3/4 of that.
+    if (r == 1) mine[1] = custom::Stage(std::in_place_type<custom::ResidualStage>, model, 5, model.hidden, model.hidden, 4 * model.blocks);
+    const std::vector<custom::StageRef> stages = custom::refs(mine);
+    Runtime rt(program, dev, comm, stages, options);
+  });
+  const std::string text =
+      "po::Runtime: stage 4 (ResidualStage on rank 0) outputs 18 float32 values per microbatch, but stage 5 (ResidualStage on rank 1) "
+      "takes 24 float32; a stage's output and the next stage's input must agree";
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    CHECK(rk.errors[static_cast<std::size_t>(r)] == text);
+    CHECK(rk.seconds[static_cast<std::size_t>(r)] < 10.0);
+  }
+}
+
+TEST_CASE("failure: NaN in the loss is a nonfinite_error on every rank naming rank, op and the loss; the next step trains normally") {
+  const auto [rk, out] = run_nan([](int r, std::vector<custom::StageRef>& stages, std::optional<NanLossHead>& head, std::optional<NanResidual>&) {
+    if (r == 3) stages[1] = head.emplace(model, custom::width_of(model, 6));  // stage 7, the last
+  });
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    const NanOutcome& o = out[static_cast<std::size_t>(r)];
+    CHECK(rk.errors[static_cast<std::size_t>(r)] == "");
+    CHECK(rk.seconds[static_cast<std::size_t>(r)] < 10.0);
+    CHECK(contains(o.message, "po::Runtime::forward_backward (step 0): rank 3, compute op "));
+    CHECK(contains(o.message, " F(stage 7, mb 2): the loss is nan"));
+    CHECK(o.message == out[0].message);
+    CHECK(o.good_steps == 2);
+  }
+}
+
+TEST_CASE("failure: NaN in stage 2's output activation is named as stage 2's, not a later stage's; the next step trains normally") {
+  const auto [rk, out] = run_nan([](int r, std::vector<custom::StageRef>& stages, std::optional<NanLossHead>&, std::optional<NanResidual>& res) {
+    if (r == 2) stages[0] = res.emplace(model, 2, custom::width_of(model, 1), custom::width_of(model, 2), model.blocks);  // stage 2
+  });
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    const NanOutcome& o = out[static_cast<std::size_t>(r)];
+    CHECK(rk.errors[static_cast<std::size_t>(r)] == "");
+    CHECK(rk.seconds[static_cast<std::size_t>(r)] < 10.0);
+    CHECK(contains(o.message, "rank 2, compute op "));
+    CHECK(contains(o.message, " F(stage 2, mb 1): its output activation has a NaN or infinity"));
+    for (int s = 3; s < 8; ++s) CHECK_MESSAGE(!contains(o.message, "stage " + std::to_string(s)), o.message);
+    CHECK(o.good_steps == 2);
+  }
+}
+
+TEST_CASE("failure: an optimizer step that throws on rank 1 ends every rank within 10 s with that error") {
+  const po::Program program = po::PO_F::build({4, 2, 8});
+  const Ranks rk = run_ranks(4, [&](int r, World& world) {
+    ThrowingCpu dev({.rank = r});
+    po::comm::Threads comm(world, r);
+    std::vector<custom::Stage> mine = custom::make_rank_stages(model, program.shape, r);
+    const std::vector<custom::StageRef> stages = custom::refs(mine);
+    po::Runtime rt(program, dev, comm, stages, options);
+    po::AdamW opt(rt, {.weight_decay = 0.1f});
+    for (int step = 0; step < 3; ++step) {
+      const auto slice = data().train(static_cast<std::size_t>(step) * 8 * rows, 8 * rows);
+      rt.zero_grad();
+      rt.forward_backward(slice.batch(), {.step = step});
+      opt.step(lr(step), po::clip_scale(po::grad_norm(rt), 0.5f));
+    }
+  });
+  CHECK(rk.errors[1] == "rank 1, po::AdamW step 0: injected optimizer failure on rank 1");
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    CHECK(contains(rk.errors[static_cast<std::size_t>(r)], "rank 1, po::AdamW step 0: injected optimizer failure on rank 1"));
+    CHECK(rk.seconds[static_cast<std::size_t>(r)] < 10.0);
+  }
+}
+
+TEST_CASE("parameter groups: AdamW leaves a weight-decay-0 tensor with zero gradient unchanged and shrinks the others by exactly lr*wd*p") {
+  const po::Program program = po::GIS::build({1, 4, 2});
+  const float wd = 0.1f, rate = 0.01f;
+  const po::update::AdamWParams hyper{0.9f, 0.95f, 1e-8f, wd};
+  const Ranks rk = run_ranks(1, [&](int, World& world) {
+    po::backend::Cpu dev;
+    po::comm::Threads comm(world, 0);
+    std::vector<custom::Stage> all = custom::make_stages(model, 4);
+    const std::vector<custom::StageRef> stages = custom::refs(all);
+    Runtime rt(program, dev, comm, stages, options);
+    po::AdamW opt(rt, {.beta1 = hyper.beta1, .beta2 = hyper.beta2, .eps = hyper.eps, .weight_decay = wd, .groups = {no_decay}});
+    std::vector<std::vector<float>> before;
+    for (int c = 0; c < 4; ++c) before.push_back(rt.download_parameters(c));
+    rt.zero_grad();
+    opt.step(rate);
+    for (int c = 0; c < 4; ++c) {
+      CAPTURE(c);
+      const std::vector<float> after = rt.download_parameters(c);
+      for (const po::ParamInfo& t : stages[static_cast<std::size_t>(c)].parameter_info()) {
+        CAPTURE(t.name);
+        bool decayed = true, untouched = true;
+        for (std::size_t i = t.offset; i < t.offset + t.count(); ++i) {
+          float p = before[static_cast<std::size_t>(c)][i], m = 0, v = 0;
+          if (t.shape.size() < 2) {
+            untouched = untouched && same_bits(after[i], p);
+          } else {
+            po::update::adamw(p, 0.0f, m, v, hyper, rate, po::update::adam_bias(hyper.beta1, hyper.beta2, 1));
+            const float expected = before[static_cast<std::size_t>(c)][i] - rate * (wd * before[static_cast<std::size_t>(c)][i]);
+            decayed = decayed && same_bits(after[i], p) && same_bits(after[i], expected);
+          }
+        }
+        CHECK(decayed);
+        CHECK(untouched);
+      }
+      // Runs: one per tensor here (2-d and 1-d alternate), contiguous, covering every parameter.
+      const auto& runs = opt.runs(c);
+      std::size_t at = 0;
+      for (std::size_t k = 0; k < runs.size(); ++k) {
+        CHECK(runs[k].offset == at);
+        at += runs[k].count;
+        if (k > 0) CHECK(runs[k].weight_decay != runs[k - 1].weight_decay);
+      }
+      CHECK(at == stages[static_cast<std::size_t>(c)].parameters().size());
+      CHECK(runs.size() == stages[static_cast<std::size_t>(c)].parameter_info().size());
+    }
+    // Neighbours of one setting merge: a group taking block 0's four tensors makes one run of them.
+    const po::ParamGroup block0{"block 0", [](const po::ParamInfo& p) { return p.name.rfind("blocks.0.", 0) == 0; }, 0.5f, 0.1f};
+    po::AdamW merged(rt, {.weight_decay = 0.1f, .groups = {block0}});
+    const auto& runs = merged.runs(1);  // stage 1: blocks 0 and 1
+    REQUIRE(runs.size() == 2);
+    CHECK(runs[0].offset == 0);
+    CHECK(runs[0].lr_scale == 0.5f);
+    CHECK(runs[1].offset == runs[0].count);
+    CHECK(runs[0].count + runs[1].count == stages[1].parameters().size());
+    for (int c : {0, 2, 3}) CHECK(merged.runs(c).size() == 1);
+  });
+  CHECK(rk.errors[0] == "");
+}
+
+TEST_CASE("parameter groups: a parameter_info() that leaves a gap is refused with a sentence") {
+  const po::Program program = po::GIS::build({1, 4, 2});
+  const Ranks rk = run_ranks(1, [&](int, World& world) {
+    po::backend::Cpu dev;
+    po::comm::Threads comm(world, 0);
+    std::vector<custom::Stage> all = custom::make_stages(model, 4);
+    std::vector<custom::StageRef> stages = custom::refs(all);
+    GapHead head(model, custom::width_of(model, 2));
+    stages[3] = head;
+    Runtime rt(program, dev, comm, stages, options);
+    po::AdamW opt(rt);
+  });
+  CHECK(rk.errors[0] ==
+        "rank 0, po::AdamW: stage 3 (RegressionHead)'s parameter_info() leaves parameters [0, 6) out; its tensors must cover "
+        "parameters() exactly once");
+}
+
+TEST_CASE("po::Sgd with Nesterov momentum trains the custom model bit-identically on 4 ranks and on one rank") {
+  const po::Program program = po::PO_H::build({4, 2, 8});
+  check_same(train({.program = program, .optim = Optim::sgd}), train({.program = one_rank(program.shape), .optim = Optim::sgd}));
+}
+
+TEST_CASE("checkpoint round trip: resuming after 2 steps under another schedule and rank count reaches the same parameters, bitwise") {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("po_test_custom_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  for (Optim optim : {Optim::adamw, Optim::sgd}) {
+    CAPTURE(static_cast<int>(optim));
+    const Run straight = train({.program = po::PO_F::build({4, 2, 8}), .steps = 4, .optim = optim, .save_dir = dir, .save_after = 2});
+    require_ok(straight);
+    REQUIRE(std::filesystem::exists(dir / "latest"));
+    const Run resumed = train({.program = po::GIS_H::build({2, 4, 8}), .steps = 4, .optim = optim, .load_dir = dir, .first_step = 2});
+    check_same(resumed, straight, 2);
+    std::filesystem::remove_all(dir);
+  }
+}
