@@ -76,17 +76,12 @@ Options parse(int argc, char** argv) {
     else if (a == "--steps") o.steps = to_int(a, v, 1, 10000);
     else o.eval_every = to_int(a, v, 1, 10000);
   }
-  using GK = po::GroupSpec::Kind;
   const std::string& n = o.schedule;
-  if (n == "1f1b") o.spec = po::OneF1B::spec;
-  else if (n == "1f1b-i") o.spec = po::Interleaved1F1B::spec;
-  else if (n == "gis") o.spec = po::GIS::spec;
-  else if (n == "gis-h") o.spec = po::GIS_H::spec;
-  else if (n == "gis-g") o.spec = {po::Family::grouped, {GK::number, 0}, po::offload::none};
-  else if (n == "po") o.spec = po::PO::spec;
-  else if (n == "po-h") o.spec = po::PO_H::spec;
-  else if (n == "po-f") o.spec = po::PO_F::spec;
-  else bad_argument("--schedule must be one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, got '" + n + "'");
+  try {
+    o.spec = po::parse_schedule(n);
+  } catch (const po::shape_error& e) {
+    bad_argument(std::string("--") + e.what());
+  }
   if (n == "gis-g") {
     if (!group) bad_argument("--schedule gis-g needs --group G, an integer in [" + std::to_string((ranks + 1) / 2) + ", " + std::to_string(ranks) + "]");
     o.spec.group.value = *group;

@@ -241,19 +241,13 @@ Options parse(int argc, char** argv) {
     throw bad_argument("--heads " + std::to_string(o.model.heads) + " must divide --hidden " + std::to_string(o.model.hidden));
   o.model.seed = o.seed;
 
-  using po::Family;
-  using GK = po::GroupSpec::Kind;
   o.schedule = get("--schedule") ? *get("--schedule") : (o.shape.d == 1 ? "gis" : "po-f");
   const std::string& n = o.schedule;
-  if (n == "1f1b") o.spec = {Family::one_f1b, {}, po::offload::none};
-  else if (n == "1f1b-i") o.spec = {Family::interleaved_1f1b, {}, po::offload::none};
-  else if (n == "gis") o.spec = {Family::grouped, {GK::full, 0}, po::offload::none};
-  else if (n == "gis-h") o.spec = {Family::grouped, {GK::half, 0}, po::offload::none};
-  else if (n == "gis-g") o.spec = {Family::grouped, {GK::number, 0}, po::offload::none};
-  else if (n == "po") o.spec = {Family::grouped, {GK::uniform, 1}, po::offload::none};
-  else if (n == "po-h") o.spec = {Family::grouped, {GK::uniform, 1}, po::offload::half};
-  else if (n == "po-f") o.spec = {Family::grouped, {GK::uniform, 1}, po::offload::all};
-  else throw bad_argument("--schedule must be one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, got '" + n + "'");
+  try {
+    o.spec = po::parse_schedule(n);
+  } catch (const po::shape_error& e) {
+    throw bad_argument(std::string("--") + e.what());
+  }
   const int lo = (o.shape.d + 1) / 2;
   if (n == "gis-g") {
     if (!get("--group")) throw bad_argument("--schedule gis-g needs --group G, an integer in [" + std::to_string(lo) + ", " + std::to_string(o.shape.d) + "]");

@@ -37,18 +37,6 @@ using po::Family;
 using GK = po::GroupSpec::Kind;
 namespace off = po::offload;
 
-po::ScheduleSpec family(const std::string& n, int g = 0) {
-  if (n == "1f1b") return {Family::one_f1b, {}, off::none};
-  if (n == "1f1b-i") return {Family::interleaved_1f1b, {}, off::none};
-  if (n == "gis") return {Family::grouped, {GK::full, 0}, off::none};
-  if (n == "gis-h") return {Family::grouped, {GK::half, 0}, off::none};
-  if (n == "gis-g") return {Family::grouped, {GK::number, g}, off::none};
-  if (n == "po") return {Family::grouped, {GK::uniform, 1}, off::none};
-  if (n == "po-h") return {Family::grouped, {GK::uniform, 1}, off::half};
-  if (n == "po-f") return {Family::grouped, {GK::uniform, 1}, off::all};
-  throw std::runtime_error("unknown family " + n);
-}
-
 // Small enough that the whole file runs in seconds; hidden 8 makes the even middle stages 6 wide.
 const custom::Config model{.features = 5, .hidden = 8, .blocks = 2, .seed = 3};
 constexpr int rows = 3;  // rows per microbatch
@@ -393,17 +381,17 @@ TEST_CASE("every family trains the heterogeneous model on float inputs bit-ident
     double copy_bytes_per_second = 0;
   };
   const std::vector<Row> rows_ = {
-      {"1f1b", family("1f1b"), {4, 1, 5}},
-      {"1f1b-i", family("1f1b-i"), {2, 2, 4}},
-      {"1f1b-i", family("1f1b-i"), {3, 2, 6}},
-      {"gis", family("gis"), {4, 2, 7}},
-      {"gis-g", family("gis-g", 3), {4, 2, 8}},
-      {"gis-h", family("gis-h"), {3, 2, 5}},
-      {"po", family("po"), {4, 2, 8}},
-      {"po-h", family("po-h"), {2, 3, 6}},
-      {"po-f", family("po-f"), {4, 2, 8}},
-      {"po-f", family("po-f"), {3, 2, 4}},
-      {"po-f with a paced copy engine", family("po-f"), {4, 2, 8}, 20e6},
+      {"1f1b", po::parse_schedule("1f1b"), {4, 1, 5}},
+      {"1f1b-i", po::parse_schedule("1f1b-i"), {2, 2, 4}},
+      {"1f1b-i", po::parse_schedule("1f1b-i"), {3, 2, 6}},
+      {"gis", po::parse_schedule("gis"), {4, 2, 7}},
+      {"gis-g", po::parse_schedule("gis-g", 3), {4, 2, 8}},
+      {"gis-h", po::parse_schedule("gis-h"), {3, 2, 5}},
+      {"po", po::parse_schedule("po"), {4, 2, 8}},
+      {"po-h", po::parse_schedule("po-h"), {2, 3, 6}},
+      {"po-f", po::parse_schedule("po-f"), {4, 2, 8}},
+      {"po-f", po::parse_schedule("po-f"), {3, 2, 4}},
+      {"po-f with a paced copy engine", po::parse_schedule("po-f"), {4, 2, 8}, 20e6},
   };
   std::map<std::pair<int, int>, Run> refs;  // by (S, m)
   for (const Row& row : rows_) {
@@ -431,14 +419,14 @@ TEST_CASE("every family trains the heterogeneous model on float inputs bit-ident
 
 TEST_CASE("a Program from po::build at run time and one from the schedule type train the custom model alike, bitwise") {
   const po::Shape sh{4, 2, 8};
-  check_same(train({.program = po::PO_F::build(sh)}), train({.program = po::build(family("po-f"), sh, po::Costs{})}));
+  check_same(train({.program = po::PO_F::build(sh)}), train({.program = po::build(po::parse_schedule("po-f"), sh, po::Costs{})}));
 }
 
 TEST_CASE("gradient accumulation: 3 forward_backward calls on m microbatches, then one step, equal one step on 3m microbatches, bitwise") {
   for (const std::string name : {"gis-h", "po-f"}) {
     CAPTURE(name);
-    const Run parts = train({.program = po::build(family(name), {4, 2, 4}), .parts = 3});
-    const Run whole = train({.program = po::build(family(name), {4, 2, 12})});
+    const Run parts = train({.program = po::build(po::parse_schedule(name), {4, 2, 4}), .parts = 3});
+    const Run whole = train({.program = po::build(po::parse_schedule(name), {4, 2, 12})});
     check_same(parts, whole);
     REQUIRE(parts.losses[0].size() == 12);
   }

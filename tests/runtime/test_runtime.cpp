@@ -24,19 +24,6 @@ struct Case {
   po::Shape shape;
 };
 
-po::ScheduleSpec family(const char* name, int g = 0) {
-  const std::string n = name;
-  if (n == "1f1b") return {Family::one_f1b, {}, off::none};
-  if (n == "1f1b-i") return {Family::interleaved_1f1b, {}, off::none};
-  if (n == "gis") return {Family::grouped, {GK::full, 0}, off::none};
-  if (n == "gis-h") return {Family::grouped, {GK::half, 0}, off::none};
-  if (n == "gis-g") return {Family::grouped, {GK::number, g}, off::none};
-  if (n == "po") return {Family::grouped, {GK::uniform, 1}, off::none};
-  if (n == "po-h") return {Family::grouped, {GK::uniform, 1}, off::half};
-  if (n == "po-f") return {Family::grouped, {GK::uniform, 1}, off::all};
-  throw std::runtime_error("unknown family " + n);
-}
-
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
@@ -44,7 +31,7 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 /// The one-rank reference of a run: the same S stages, all on rank 0, in GIS order.
 test::Run reference(test::Config c) {
   c.shape = {1, c.shape.stages(), c.shape.m};
-  c.spec = family("gis");
+  c.spec = po::parse_schedule("gis");
   c.copy_bytes_per_second = 0;
   c.timing = {};
   return test::train_within(c, 120);
@@ -54,14 +41,14 @@ test::Run reference(test::Config c) {
 
 TEST_CASE("every family trains bit-identically to a one-rank sequential run (3 steps: losses and parameters)") {
   const std::vector<Case> cases = {
-      {"1f1b", family("1f1b"), {2, 1, 4}},       {"1f1b", family("1f1b"), {4, 1, 6}},
-      {"1f1b-i", family("1f1b-i"), {2, 2, 4}},   {"1f1b-i", family("1f1b-i"), {3, 3, 6}},
-      {"gis", family("gis"), {2, 2, 4}},         {"gis", family("gis"), {4, 2, 7}},
-      {"gis-g", family("gis-g", 3), {4, 2, 8}},  {"gis-g", family("gis-g", 3), {5, 2, 6}},
-      {"gis-h", family("gis-h"), {4, 2, 8}},     {"gis-h", family("gis-h"), {3, 3, 5}},
-      {"po", family("po"), {4, 2, 8}},           {"po", family("po"), {2, 3, 5}},
-      {"po-h", family("po-h"), {4, 2, 8}},       {"po-h", family("po-h"), {2, 4, 6}},
-      {"po-f", family("po-f"), {4, 2, 8}},       {"po-f", family("po-f"), {3, 2, 4}},
+      {"1f1b", po::parse_schedule("1f1b"), {2, 1, 4}},       {"1f1b", po::parse_schedule("1f1b"), {4, 1, 6}},
+      {"1f1b-i", po::parse_schedule("1f1b-i"), {2, 2, 4}},   {"1f1b-i", po::parse_schedule("1f1b-i"), {3, 3, 6}},
+      {"gis", po::parse_schedule("gis"), {2, 2, 4}},         {"gis", po::parse_schedule("gis"), {4, 2, 7}},
+      {"gis-g", po::parse_schedule("gis-g", 3), {4, 2, 8}},  {"gis-g", po::parse_schedule("gis-g", 3), {5, 2, 6}},
+      {"gis-h", po::parse_schedule("gis-h"), {4, 2, 8}},     {"gis-h", po::parse_schedule("gis-h"), {3, 3, 5}},
+      {"po", po::parse_schedule("po"), {4, 2, 8}},           {"po", po::parse_schedule("po"), {2, 3, 5}},
+      {"po-h", po::parse_schedule("po-h"), {4, 2, 8}},       {"po-h", po::parse_schedule("po-h"), {2, 4, 6}},
+      {"po-f", po::parse_schedule("po-f"), {4, 2, 8}},       {"po-f", po::parse_schedule("po-f"), {3, 2, 4}},
       {"gis-h + offload first 1", {Family::grouped, {GK::half, 0}, off::first(1)}, {4, 2, 8}},
       {"1f1b-i + offload all", {Family::interleaved_1f1b, {}, off::all}, {2, 2, 4}},
   };
@@ -90,7 +77,7 @@ TEST_CASE("every family trains bit-identically to a one-rank sequential run (3 s
 
 TEST_CASE("offload with a rate-limited copy engine still trains bit-identically") {
   test::Config c;
-  c.spec = family("po-f");
+  c.spec = po::parse_schedule("po-f");
   c.shape = {2, 2, 6};
   c.copy_bytes_per_second = 20e6;  // ~40 us per unit: copies overlap compute for real
   const test::Run ref = reference(c);
@@ -111,7 +98,7 @@ TEST_CASE("PCIe pairs: a pair never copies in one direction at once, and keeps i
   for (const char* name : {"po-f", "po-h"}) {
     CAPTURE(name);
     test::Config c;
-    c.spec = family(name);
+    c.spec = po::parse_schedule(name);
     c.shape = {4, 2, 8};
     c.copy_bytes_per_second = 2e6;
     c.timing = {0.0002, 0.0002, 0.0002};
@@ -155,7 +142,7 @@ TEST_CASE("PCIe pairs: a failing rank releases its partner's waiting copy stream
   failure.fail_rank = 1;
   failure.fail_at = 9;
   test::Config c;
-  c.spec = family("po-f");
+  c.spec = po::parse_schedule("po-f");
   c.shape = {4, 2, 8};
   c.copy_bytes_per_second = 2e6;
   c.pairs = true;
@@ -171,7 +158,7 @@ TEST_CASE("PCIe pairs: a failing rank releases its partner's waiting copy stream
 
 TEST_CASE("PCIe pairs: a rank without a partner, or unstaggered slots, is refused") {
   po::comm::ThreadsWorld world(3);
-  const po::Program p3 = po::build(family("po-f"), {3, 1, 4});
+  const po::Program p3 = po::build(po::parse_schedule("po-f"), {3, 1, 4});
   const auto errors = po::run_thread_ranks(world, [&](int r) {
     po::backend::Cpu dev({.rank = r});
     po::comm::Threads comm(world, r);
@@ -186,7 +173,7 @@ TEST_CASE("PCIe pairs: a rank without a partner, or unstaggered slots, is refuse
   po::comm::ThreadsWorld world2(2);
   po::Costs unstaggered;
   unstaggered.stagger_pairs = false;
-  const po::Program p2 = po::build(family("po-f"), {2, 1, 4}, unstaggered);
+  const po::Program p2 = po::build(po::parse_schedule("po-f"), {2, 1, 4}, unstaggered);
   const auto errors2 = po::run_thread_ranks(world2, [&](int r) {
     po::backend::Cpu dev({.rank = r});
     po::comm::Threads comm(world2, r);
@@ -206,7 +193,7 @@ TEST_CASE("a rank that throws in its 5th op stops every rank with that error, na
     failure.fail_rank = 1;
     failure.fail_at = 5;
     test::Config c;
-    c.spec = family(name);
+    c.spec = po::parse_schedule(name);
     c.shape = {4, 2, 8};
     c.failure = &failure;
     const test::Run run = test::train_within(c, 60);
@@ -261,7 +248,7 @@ TEST_CASE("a non-finite gradient stops the optimizer step with an error naming t
   };
   po::comm::ThreadsWorld world(2);
   const po::Shape shape{2, 2, 4};
-  const po::Program program = po::build(family("po"), shape);
+  const po::Program program = po::build(po::parse_schedule("po"), shape);
   const auto errors = po::run_thread_ranks(world, [&](int r) {
     po::backend::Cpu dev({.rank = r});
     po::comm::Threads comm(world, r);
@@ -329,7 +316,7 @@ TEST_CASE("a Runtime from a Program built at run time equals one from the schedu
     std::vector<float> losses;
     std::mutex mu;
     po::comm::ThreadsWorld world(shape.d);
-    const po::Program program = po::build(family("po-f"), shape);
+    const po::Program program = po::build(po::parse_schedule("po-f"), shape);
     const auto errors = po::run_thread_ranks(world, [&](int r) {
       po::backend::Cpu dev({.rank = r});
       po::comm::Threads comm(world, r);

@@ -257,3 +257,16 @@ TEST_CASE("m much smaller than g: trimmed groups leave the building block sparse
   CHECK(s.ranks[0].peak == 16);          // min(g, m)(v-1) + min(d, m) = 15 + 1
   CHECK(s.makespan == 2.0 * 16 * 512 + 1);  // F down every stage, B back up, then the last W
 }
+
+TEST_CASE("parse_schedule: every paper name gives its alias's spec and round-trips through schedule_name") {
+  CHECK(po::parse_schedule("1f1b") == po::OneF1B::spec);
+  CHECK(po::parse_schedule("1f1b-i") == po::Interleaved1F1B::spec);
+  CHECK(po::parse_schedule("gis") == po::GIS::spec);
+  CHECK(po::parse_schedule("gis-h") == po::GIS_H::spec);
+  CHECK(po::parse_schedule("gis-g", 3) == po::GIS_G<3>::spec);
+  CHECK(po::parse_schedule("po") == po::PO::spec);
+  CHECK(po::parse_schedule("po-h") == po::PO_H::spec);
+  CHECK(po::parse_schedule("po-f") == po::PO_F::spec);
+  for (const char* n : {"1f1b", "1f1b-i", "gis", "gis-h", "gis-g", "po", "po-h", "po-f"}) CHECK(po::schedule_name(po::parse_schedule(n, 3)) == n);
+  CHECK_THROWS_WITH(po::parse_schedule("zb-h1"), "schedule must be one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, got 'zb-h1'");
+}

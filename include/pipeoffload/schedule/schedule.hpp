@@ -1,6 +1,8 @@
 // pipeoffload/schedule/schedule.hpp: Schedule<Policies...> and the paper's schedules.
 #pragma once
 
+#include <string>
+#include <string_view>
 #include <type_traits>
 
 #include "../policy/policy.hpp"
@@ -81,5 +83,24 @@ using GIS_G = Schedule<InterleavePolicy<G>>;                   ///< GIS(g)
 using PO = Schedule<UniformRepeat>;                            ///< PipeOffload, no offload
 using PO_H = Schedule<UniformRepeat, OffloadPolicy<offload::half>>;  ///< chunks 0..ceil(v/2)-1 offloaded
 using PO_F = Schedule<UniformRepeat, OffloadPolicy<offload::all>>;   ///< every chunk offloaded
+
+/// The names of the paper's schedules, as schedule_name() writes them.
+inline constexpr const char* schedule_names = "1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f";
+
+/// The spec of a schedule named as schedule_name() names it (1f1b, 1f1b-i, gis, gis-h, gis-g,
+/// po, po-h, po-f): the alias's own spec (parse_schedule("po-f") == PO_F::spec), and for
+/// gis-g the group size `group` (checked against a shape by build). Throws shape_error with
+/// the allowed names for any other name. schedule_name(parse_schedule(n, g)) == n.
+inline ScheduleSpec parse_schedule(std::string_view name, int group = 0) {
+  if (name == "1f1b") return OneF1B::spec;
+  if (name == "1f1b-i") return Interleaved1F1B::spec;
+  if (name == "gis") return GIS::spec;
+  if (name == "gis-h") return GIS_H::spec;
+  if (name == "gis-g") return {Family::grouped, {GroupSpec::Kind::number, group}, offload::none};
+  if (name == "po") return PO::spec;
+  if (name == "po-h") return PO_H::spec;
+  if (name == "po-f") return PO_F::spec;
+  throw shape_error("schedule must be one of " + std::string(schedule_names) + ", got '" + std::string(name) + "'");
+}
 
 }  // namespace pipeoffload
