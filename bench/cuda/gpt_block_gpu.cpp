@@ -1,7 +1,8 @@
 // bench/cuda/gpt_block_gpu.cpp: MFU of one real GPT block (cuda::GptStage, a middle stage of
 // one block: LayerNorms, bias adds, GeLU, dropout, cuBLASLt GEMMs, cuDNN attention) for F, B and
-// W, beside the bare GEMMs and attention of the same block, then the PCIe bandwidth of one copy
-// stream and k measured against k from the paper's formula (DESIGN.md section 1).
+// W, beside the bare GEMMs and attention of the same block, then the pinned PCIe bandwidth per
+// direction and both at once, and k measured against k from the paper's formula (DESIGN.md
+// section 1).
 //   ./build/bench/cuda/gpt_block_gpu [--hidden 4096] [--seq 4096] [--heads 32] [--batch 1]
 //                                    [--iters 5] [--recompute 1] [--peak-tflops P]
 // Exits 77 without a GPU. It checks first: the same stage code at a small size (h = 256,
@@ -15,7 +16,8 @@
 //   Timed forwards use microbatch 1, so they do not refresh the bf16 weights (a step does that
 //   once, in its first forward).
 //   Bo = bytes / time of one D2H copy of the block's saved activations (saved_bytes: 20bsh plus
-//   fp32 statistics with recompute) on one stream into pinned host memory.
+//   fp32 statistics with recompute) on one stream into pinned host memory; H2D the same the
+//   other way; "both at once" a D2H and an H2D of that size on two streams, timed together.
 //   k measured = round trip 2A/Bo over the measured F+B+W time;
 //   k formula  = 10 / (3 (6h + s)) * Bc / Bo with the measured Bc.
 #include <algorithm>
@@ -184,7 +186,8 @@ int main(int argc, char** argv) {
     // workspace, and slack for the allocator's rounding.
     const std::size_t Th = static_cast<std::size_t>(T * h), hh = static_cast<std::size_t>(h * h);
     const std::size_t bare = 24 * hh + 48 * hh + 38 * Th + 16 * Th + static_cast<std::size_t>(b * heads * s) * 4;
-    const std::size_t arena = bufs.saved_bytes + bufs.stash_bytes + 16 * Th + bare + (std::size_t{768} << 20);
+    // (Two saved buffers: the copy benchmark moves one each way at once.)
+    const std::size_t arena = 2 * bufs.saved_bytes + bufs.stash_bytes + 16 * Th + bare + (std::size_t{768} << 20);
     po::backend::Cuda dev({.arena_bytes = arena});
     const int cs = dev.make_stream("compute"), copy = dev.make_stream("copy");
     std::printf("building the block's parameters on the CPU (model::GptStage init, %lld parameters)...\n", 12 * h * h + 13 * h);
@@ -286,24 +289,32 @@ int main(int argc, char** argv) {
       if (it > 0) tbare.push_back(elapsed(0, 1));  // run 0 warms up
     }
 
-    // ---- one copy stream: D2H of the block's saved activations.
+    // ---- pinned copies of the block's saved activations: D2H alone, H2D alone, and both at
+    // once on two streams (PCIe is full duplex; offload's one copy stream alternates them).
     const std::size_t A = stage.saved_bytes(shape);
-    po::backend::HostBlock host = dev.host_alloc(A);
-    std::vector<double> t_copy;
-    for (int it = 0; it < iters; ++it) {
-      dev.launch(copy, [&] {
-        const cudaStream_t st = dev.stream(copy);
-        PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[0], st));
-        const po::backend::CopyPiece p{host.ptr, saved, A};
-        dev.transfer(std::span<const po::backend::CopyPiece>(&p, 1));
-        PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[1], st));
-      });
-      dev.synchronize();
-      t_copy.push_back(elapsed(0, 1));
-    }
+    po::backend::HostBlock host = dev.host_alloc(A), host_in = dev.host_alloc(A);
+    std::byte* saved_in = dalloc(A, Memory::activation);
+    const int copy_in = dev.make_stream("copy in");
+    const cudaStream_t s_out = dev.stream(copy), s_in = dev.stream(copy_in);
+    const auto time_copies = [&](bool out, bool in) {
+      std::vector<double> t;
+      for (int it = 0; it <= iters; ++it) {
+        PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[0], s_out));
+        PIPEOFFLOAD_CUDA_CHECK(cudaStreamWaitEvent(s_in, ev[0]));
+        if (out) PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(host.ptr, saved, A, cudaMemcpyDeviceToHost, s_out));
+        if (in) PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(saved_in, host_in.ptr, A, cudaMemcpyHostToDevice, s_in));
+        PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[2], s_in));
+        PIPEOFFLOAD_CUDA_CHECK(cudaStreamWaitEvent(s_out, ev[2]));
+        PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[1], s_out));
+        PIPEOFFLOAD_CUDA_CHECK(cudaEventSynchronize(ev[1]));
+        if (it > 0) t.push_back(elapsed(0, 1));  // run 0 warms up
+      }
+      return median(t);
+    };
+    const double t_d2h = time_copies(true, false), t_h2d = time_copies(false, true), t_both = time_copies(true, true);
 
     const double flops = 12.0 * b * s * h * (6.0 * h + s);
-    const double t = median(tfbw), t0 = median(tbare), tc = median(t_copy);
+    const double t = median(tfbw), t0 = median(tbare), tc = t_d2h;
     const double Bc = flops / t, Bo = static_cast<double>(A) / tc;
     const auto mfu = [&](double seconds) { return peak_tflops > 0 ? 100.0 * flops / seconds / (peak_tflops * 1e12) : 0.0; };
     std::printf("device %s (sm_%d%d), h=%lld s=%lld heads=%lld b=%lld, recompute %s, median of %d\n", prop.name, prop.major, prop.minor, h, s, heads, b,
@@ -313,12 +324,16 @@ int main(int argc, char** argv) {
     std::printf("baseline, the block's bare GEMMs + cuDNN attention: %.3f ms, MFU %.1f%%; the stage takes %.2fx the baseline\n", t0 * 1e3, mfu(t0), t / t0);
     std::printf("saved activations of the block: %zu bytes = %.2f bsh (20 bsh = %lld bytes of tensors + fp32 statistics)\n", A,
                 static_cast<double>(A) / static_cast<double>(T * h), 20 * T * h);
-    std::printf("one copy stream D2H of them: %.3f ms, %.2f GB/s\n", tc * 1e3, Bo / 1e9);
+    std::printf("pinned copies of them: D2H %.3f ms, %.2f GB/s; H2D %.3f ms, %.2f GB/s; both at once %.3f ms, %.2f GB/s each way "
+                "(%.2f GB/s together)\n",
+                t_d2h * 1e3, Bo / 1e9, t_h2d * 1e3, static_cast<double>(A) / t_h2d / 1e9, t_both * 1e3, static_cast<double>(A) / t_both / 1e9,
+                2.0 * static_cast<double>(A) / t_both / 1e9);
     const double k_measured = 2.0 * tc / t;
     const double k_formula = 10.0 / (3.0 * (6.0 * h + s)) * Bc / Bo;
     std::printf("k measured (2 A / Bo over T_F+T_B+T_W) = %.3f; k formula 10/(3(6h+s)) * Bc/Bo = %.3f\n", k_measured, k_formula);
     for (cudaEvent_t e : ev) cudaEventDestroy(e);
     dev.host_free(host);
+    dev.host_free(host_in);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gpt_block_gpu: %s\n", e.what());

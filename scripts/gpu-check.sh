@@ -1,0 +1,269 @@
+#!/usr/bin/env bash
+# scripts/gpu-check.sh: validate a GPU node for pipeoffload, offline if need be, in one command.
+#
+#   bash scripts/gpu-check.sh                      # build the CUDA targets, run every GPU check, write a report
+#   bash scripts/gpu-check.sh --bundle DIR         # on a connected machine: gather what the check needs into DIR
+#   bash scripts/gpu-check.sh --from DIR           # on the (air-gapped) node: use DIR, never the network
+#
+# Options:
+#   --from DIR        take the cuDNN frontend headers, doctest, OpenBLAS (and, if bundled and the
+#                     node lacks them, cuDNN and NCCL) from a bundle made by --bundle; nothing is
+#                     downloaded and nothing is installed outside the build directory
+#   --bundled-tools   with --from: also use the bundle's Meson and Ninja (by default only when the
+#                     node has none)
+#   --build-dir DIR   where to build (default build-gpu)
+#   --report FILE     the Markdown report (default <build-dir>/gpu-check/report.md)
+#   --build-only      configure and build, run nothing (no GPU needed; the bundle round trip uses it)
+#   --targets "T..."  with --build-only: these Ninja targets instead of every CUDA one
+#   --bundle DIR      gather the bundle (needs PyPI and Debian's archive): Python wheels of
+#                     nvidia-cudnn-frontend, meson and ninja, and Debian packages of doctest and
+#                     OpenBLAS, with a SHA256 manifest
+#   --with-cuda-libs  with --bundle: also the nvidia-cudnn-cu13 and nvidia-nccl-cu13 wheels
+#                     (about 1 GB), for nodes without cuDNN or NCCL
+#
+# On a machine without an NVIDIA GPU the check (not --bundle, not --build-only) prints one line
+# and exits 77. Exit status: 0 when every step passed, 1 when one failed, 2 for bad arguments.
+# What runs, in order (each step's log and time go into the report):
+#   1. the CPU-side CUDA tests (launch shapes, layouts, conformance on backend::Cpu);
+#   2. every GPU test (tests/cuda: kernels, cuBLASLt, cuDNN attention, NCCL, the Cuda backend's
+#      conformance, cuda::GptStage against the CPU model, a PO-F po::Runtime on GPUs);
+#   3. train_gpt --backend cuda against --backend cpu (meson test --suite cuda);
+#   4. bench/cuda/gpt_block_gpu: MFU of a GPT block's F+B+W at h = s = 4096 in bf16, pinned
+#      D2H and H2D bandwidth per direction and both at once, the measured k;
+#   5. train_gpt --backend cuda with PO-F on the GPUs present (one GPU: one rank, 4 chunks);
+#   6. compute-sanitizer memcheck and racecheck on a short train_gpt run, where installed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+
+usage() { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; }
+die() {
+  echo "gpu-check: $*" >&2
+  exit 2
+}
+
+bundle_out="" from="" build="build-gpu" report="" build_only=0 with_libs=0 bundled_tools=0 targets=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bundle) [ $# -ge 2 ] || die "--bundle needs a directory"; bundle_out=$2; shift 2 ;;
+    --from) [ $# -ge 2 ] || die "--from needs a directory"; from=$2; shift 2 ;;
+    --build-dir) [ $# -ge 2 ] || die "--build-dir needs a directory"; build=$2; shift 2 ;;
+    --report) [ $# -ge 2 ] || die "--report needs a file"; report=$2; shift 2 ;;
+    --targets) [ $# -ge 2 ] || die "--targets needs a list of Ninja targets"; targets=$2; shift 2 ;;
+    --build-only) build_only=1; shift ;;
+    --with-cuda-libs) with_libs=1; shift ;;
+    --bundled-tools) bundled_tools=1; shift ;;
+    -h | --help) usage; exit 0 ;;
+    *) die "unknown option '$1' (--help lists them)" ;;
+  esac
+done
+[ -n "$bundle_out" ] && [ -n "$from" ] && die "--bundle and --from exclude each other: make the bundle on a connected machine, use it on the node"
+[ "$with_libs" = 1 ] && [ -z "$bundle_out" ] && die "--with-cuda-libs applies only to --bundle"
+[ "$bundled_tools" = 1 ] && [ -z "$from" ] && die "--bundled-tools applies only to --from"
+[ -n "$targets" ] && [ "$build_only" = 0 ] && die "--targets applies only to --build-only"
+
+# Pinned versions: what the project builds and tests with (scripts/dev.sh, Debian 12).
+frontend_version=1.32.0
+meson_version=1.0.1
+ninja_version=1.11.1.1
+
+# ---- --bundle: gather, on a connected machine ------------------------------------------------
+if [ -n "$bundle_out" ]; then
+  mkdir -p "$bundle_out/wheels" "$bundle_out/debs" || die "cannot create $bundle_out"
+  echo "gpu-check: gathering the bundle into $bundle_out"
+  # The frontend wheel is only unpacked for its headers, so any Python's build serves; Meson is
+  # pure Python; Ninja's wheel carries a static binary.
+  python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 --python-version 3.11 \
+    -d "$bundle_out/wheels" "nvidia-cudnn-frontend==$frontend_version" ||
+    die "pip could not download nvidia-cudnn-frontend==$frontend_version (is PyPI reachable?)"
+  python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 --python-version 3.11 \
+    -d "$bundle_out/wheels" "meson==$meson_version" "ninja==$ninja_version" || die "pip could not download meson and ninja"
+  if [ "$with_libs" = 1 ]; then
+    python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+      --platform manylinux2014_x86_64 --python-version 3.11 -d "$bundle_out/wheels" nvidia-cudnn-cu13 nvidia-nccl-cu13 ||
+      die "pip could not download the nvidia-cudnn-cu13 and nvidia-nccl-cu13 wheels"
+  fi
+  (cd "$bundle_out/debs" && apt-get download doctest-dev libopenblas0-pthread libgfortran5 >/dev/null 2>&1) ||
+    die "apt-get download of doctest-dev, libopenblas0-pthread and libgfortran5 failed (is Debian's archive reachable?)"
+  (cd "$bundle_out" && find wheels debs -type f | sort | xargs sha256sum >MANIFEST.sha256)
+  echo "gpu-check: bundle ready ($(du -sh "$bundle_out" | cut -f1)): $(cd "$bundle_out" && find wheels debs -type f | sort | xargs -n1 basename | tr '\n' ' ')"
+  echo "gpu-check: copy it and this checkout to the node, then run: bash scripts/gpu-check.sh --from DIR"
+  exit 0
+fi
+
+# ---- is there a GPU? -----------------------------------------------------------------------
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true); fi
+if [ "$build_only" = 0 ] && [ "$gpus" -eq 0 ]; then
+  echo "gpu-check: no NVIDIA GPU on this machine (nvidia-smi lists none): nothing to check"
+  exit 77
+fi
+command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ] || die "nvcc not found: install the CUDA toolkit (or put its bin/ on PATH)"
+export PATH="$PATH:/usr/local/cuda/bin"
+
+mkdir -p "$build" || die "cannot create $build"
+build=$(cd "$build" && pwd)
+deps="$build/gpu-deps"
+mkdir -p "$deps"
+
+# ---- dependencies: from the bundle, or what the machine has ---------------------------------
+# Python's nvidia-* wheels ship versioned libraries only (libcudnn.so.9): links with the plain
+# names let the linker find them.
+link_libs() {  # link_libs DIR...: lib*.so.N in each DIR get a lib*.so link in $deps/cuda/lib
+  mkdir -p "$deps/cuda/lib"
+  for dir in "$@"; do
+    for f in "$dir"/lib*.so.*; do
+      [ -e "$f" ] || continue
+      local base=${f##*/}
+      ln -sf "$f" "$deps/cuda/lib/${base%%.so.*}.so"
+    done
+  done
+  export LIBRARY_PATH="$deps/cuda/lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
+  export LD_LIBRARY_PATH="$deps/cuda/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+has_header() { echo "#include <$1>" | ${CXX:-g++} -x c++ -fsyntax-only -I/usr/local/cuda/include - >/dev/null 2>&1; }
+
+if [ -n "$from" ]; then
+  [ -f "$from/MANIFEST.sha256" ] || die "$from has no MANIFEST.sha256: make the bundle with --bundle DIR"
+  (cd "$from" && sha256sum --quiet -c MANIFEST.sha256) || die "$from: a file does not match MANIFEST.sha256 (incomplete copy?)"
+  # cuDNN frontend: the headers of its wheel (a zip).
+  fe=$(ls "$from"/wheels/nvidia_cudnn_frontend-*.whl 2>/dev/null | head -n 1)
+  [ -n "$fe" ] || die "$from has no nvidia_cudnn_frontend wheel"
+  python3 - "$fe" "$deps/cudnn-frontend" <<'PY' || die "cannot unpack the cuDNN frontend headers"
+import sys, zipfile
+wheel, out = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(wheel) as z:
+    names = [n for n in z.namelist() if "/include/" in "/" + n and n.endswith((".h", ".hpp"))]
+    for n in names:
+        z.extract(n, out)
+PY
+  inc=$(dirname "$(find "$deps/cudnn-frontend" -name cudnn_frontend.h | head -n 1)")
+  [ -n "$inc" ] || die "the frontend wheel holds no cudnn_frontend.h"
+  export CUDNN_FRONTEND_INCLUDE="$inc"
+  # doctest and OpenBLAS: Debian packages, unpacked (not installed) under the build directory.
+  for deb in "$from"/debs/*.deb; do dpkg-deb -x "$deb" "$deps/root" || die "cannot unpack $deb"; done
+  [ -f "$deps/root/usr/include/doctest/doctest.h" ] || die "$from holds no doctest-dev package"
+  mkdir -p "$deps/pkgconfig"
+  printf 'Name: doctest\nDescription: doctest from the gpu-check bundle\nVersion: 2.4.9\nCflags: -I%s\n' \
+    "$deps/root/usr/include" >"$deps/pkgconfig/doctest.pc"
+  export PKG_CONFIG_PATH="$deps/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+  blas=$(dirname "$(find "$deps/root" -name 'libopenblas.so.0' | head -n 1)")
+  [ -n "$blas" ] || die "$from holds no libopenblas0-pthread package"
+  export LD_LIBRARY_PATH="$blas:$deps/root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # Meson and Ninja, when the node has none (or asked for).
+  if [ "$bundled_tools" = 1 ] || ! command -v meson >/dev/null 2>&1 || ! command -v ninja >/dev/null 2>&1; then
+    python3 -m pip install -q --root-user-action=ignore --no-index --no-deps --no-compile --find-links "$from/wheels" --target "$deps/py" meson ninja ||
+      die "cannot install the bundle's meson and ninja wheels"
+    export PATH="$deps/py/bin:$PATH" PYTHONPATH="$deps/py${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  # cuDNN and NCCL from the bundle's wheels, when the node cannot compile against them.
+  if ! has_header cudnn.h || ! has_header nccl.h; then
+    for w in "$from"/wheels/nvidia_cudnn_cu13-*.whl "$from"/wheels/nvidia_nccl_cu13-*.whl; do
+      [ -e "$w" ] || die "this node has no cuDNN or NCCL headers and the bundle has no wheels of them: bundle with --with-cuda-libs"
+      python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$w" "$deps/wheels"
+    done
+  fi
+fi
+# cuDNN and NCCL from this Python's nvidia-* packages (GPU images often have them only there),
+# or from a bundle's wheels unpacked above.
+for pkg in cudnn nccl; do
+  if ! has_header "$pkg.h"; then
+    dir=$(python3 -c "import importlib.util as u, os; s = u.find_spec('nvidia.$pkg'); print(os.path.dirname(s.origin) if s and s.origin else (list(s.submodule_search_locations)[0] if s else ''))" 2>/dev/null)
+    [ -z "$dir" ] && [ -d "$deps/wheels/nvidia/$pkg" ] && dir="$deps/wheels/nvidia/$pkg"
+    [ -n "$dir" ] && [ -d "$dir/include" ] || die "$pkg.h not found (not with the CUDA toolkit, nor as Python's nvidia-$pkg package): install $pkg, or bundle it with --with-cuda-libs"
+    export CPATH="$dir/include${CPATH:+:$CPATH}"
+    link_libs "$dir/lib"
+  fi
+done
+
+# ---- build --------------------------------------------------------------------------------
+log_dir="$build/gpu-check"
+mkdir -p "$log_dir"
+[ -n "$report" ] || report="$log_dir/report.md"
+jobs=$(nproc)
+if [ ! -f "$build/build.ninja" ]; then
+  meson setup "$build" --buildtype=release -Dcuda=enabled -Dtests=true -Dbench=true >"$log_dir/setup.log" 2>&1 ||
+    { tail -n 30 "$log_dir/setup.log" >&2; die "meson setup failed (log: $log_dir/setup.log)"; }
+fi
+if [ -z "$targets" ]; then
+  targets="tests/cuda/test_cuda_host tests/cuda/test_cuda_gpu bench/cuda/gpt_block_gpu samples/train_gpt"
+fi
+# shellcheck disable=SC2086
+if ! ninja -C "$build" -j "$jobs" $targets >"$log_dir/build.log" 2>&1; then
+  tail -n 40 "$log_dir/build.log" >&2
+  die "the build failed (log: $log_dir/build.log)"
+fi
+if [ "$build_only" = 1 ]; then
+  echo "gpu-check: built $targets in $build"
+  exit 0
+fi
+
+# ---- the checks ------------------------------------------------------------------------------
+declare -a names results seconds
+failed=0
+step() {  # step NAME TIMEOUT CMD...: runs CMD, logs to $log_dir/NAME.log, records pass/fail/skip and time
+  local name=$1 limit=$2
+  shift 2
+  local t0 rc
+  t0=$(date +%s%N)
+  timeout "$limit" "$@" >"$log_dir/$name.log" 2>&1
+  rc=$?
+  names+=("$name")
+  seconds+=("$(awk -v a="$t0" -v b="$(date +%s%N)" 'BEGIN { printf "%.1f", (b - a) / 1e9 }')")
+  case $rc in
+    0) results+=("pass") ;;
+    77) results+=("skip") ;;
+    124) results+=("FAIL (timed out after $limit s)"); failed=1 ;;
+    *) results+=("FAIL (exit $rc)"); failed=1 ;;
+  esac
+}
+t_start=$(date +%s)
+step cuda-host 300 "$build/tests/cuda/test_cuda_host"
+step gpu-tests 900 "$build/tests/cuda/test_cuda_gpu"
+step train-gpt-cuda-vs-cpu 900 python3 tests/cuda/test_train_gpt_cuda.py "$build/samples/train_gpt"
+step gpt-block-bench 600 "$build/bench/cuda/gpt_block_gpu"
+ranks=$gpus chunks=2
+[ "$gpus" -gt 8 ] && ranks=8
+[ "$gpus" -eq 1 ] && chunks=4
+step train-gpt-po-f 600 "$build/samples/train_gpt" --backend cuda --schedule po-f --ranks "$ranks" --chunks "$chunks" --microbatches 8 --steps 100
+short=(--backend cuda --schedule po-f --ranks 1 --chunks 2 --microbatches 2 --layers 2 --hidden 64 --heads 4 --seq 64 --batch 2 --steps 2 --quiet)
+if command -v compute-sanitizer >/dev/null 2>&1; then
+  step sanitizer-memcheck 600 compute-sanitizer --tool memcheck --error-exitcode 1 "$build/samples/train_gpt" "${short[@]}"
+  step sanitizer-racecheck 600 compute-sanitizer --tool racecheck --error-exitcode 1 "$build/samples/train_gpt" "${short[@]}"
+fi
+total=$(($(date +%s) - t_start))
+
+# ---- the report ------------------------------------------------------------------------------
+{
+  echo "# pipeoffload GPU check"
+  echo
+  echo "- date: $(date -u +%Y-%m-%dT%H:%MZ); commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "- GPUs ($gpus):"
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/  - /'
+  echo "- CUDA: $(nvcc --version | tail -n 1); bundle: ${from:-none}"
+  echo "- checks: $total s in all"
+  echo
+  echo "| step | result | seconds |"
+  echo "|---|---|---:|"
+  for i in "${!names[@]}"; do echo "| ${names[$i]} | ${results[$i]} | ${seconds[$i]} |"; done
+  command -v compute-sanitizer >/dev/null 2>&1 || echo "| compute-sanitizer | not installed: memcheck and racecheck not run | |"
+  echo
+  echo "## Figures"
+  echo
+  echo '```'
+  grep -hE "MFU|GB/s|k measured|check vs CPU|saved activations|device " "$log_dir/gpt-block-bench.log" 2>/dev/null
+  grep -hE "^(wall|final_loss|params_hash|peak activation)" "$log_dir/train-gpt-po-f.log" 2>/dev/null
+  grep -hE "^ok: GPU final loss" "$log_dir/train-gpt-cuda-vs-cpu.log" 2>/dev/null
+  grep -hE "test cases:|assertions:" "$log_dir/gpu-tests.log" 2>/dev/null
+  echo '```'
+  for i in "${!names[@]}"; do
+    echo
+    echo "## ${names[$i]}: ${results[$i]}"
+    echo
+    echo '```'
+    tail -n 25 "$log_dir/${names[$i]}.log"
+    echo '```'
+  done
+} >"$report"
+echo "gpu-check: $([ $failed = 0 ] && echo "every check passed" || echo "a check FAILED") in $total s; report: $report"
+exit $failed
