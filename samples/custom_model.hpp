@@ -43,6 +43,7 @@
 #include <variant>
 #include <vector>
 
+#include <pipeoffload/fnv1a.hpp>
 #include <pipeoffload/runtime.hpp>
 
 namespace custom {
@@ -106,11 +107,7 @@ inline void linear_dw(const float* x, const float* dy, float* gW, float* gb, std
 }
 
 /// 64-bit FNV-1a of a name: the "global position" of a tensor, the same in every cut.
-inline std::uint64_t name_hash(const std::string& s) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (char c : s) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  return h;
-}
+inline std::uint64_t name_hash(const std::string& s) { return po::fnv1a(s); }
 
 /// A uniform value in [-1, 1) from (seed, key, i).
 inline float uniform(std::uint64_t seed, std::uint64_t key, std::uint64_t i) {

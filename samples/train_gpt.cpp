@@ -13,6 +13,7 @@
 // rank count and communicator with the same model, data and seed (bit-exact pipelining), and
 // for a run resumed from a checkpoint; scripts compare them.
 #include <pipeoffload/comm/handshake.hpp>
+#include <pipeoffload/fnv1a.hpp>
 #include <pipeoffload/model/gpt.hpp>
 #include <pipeoffload/runtime.hpp>
 #include <pipeoffload/runtime/checkpoint.hpp>
@@ -37,6 +38,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <span>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -311,11 +313,6 @@ struct Setup {
   std::size_t tokens_per_step = 0;
 };
 
-std::uint64_t fnv1a(std::string_view s, std::uint64_t h = 1469598103934665603ull) {
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
 Setup make_setup(const Options& o, std::string text) {
   Setup s;
   s.text = std::move(text);
@@ -338,7 +335,7 @@ Setup make_setup(const Options& o, std::string text) {
   const std::string train = "steps=" + std::to_string(o.steps) + " lr=" + lr + " seed=" + std::to_string(o.seed) +
                             " decay=" + (o.decay_all ? "all" : "2d-only");
   char data[96];
-  std::snprintf(data, sizeof data, "%zu bytes, fnv1a %016llx, %zu train", s.text.size(), static_cast<unsigned long long>(fnv1a(s.text)),
+  std::snprintf(data, sizeof data, "%zu bytes, fnv1a %016llx, %zu train", s.text.size(), static_cast<unsigned long long>(po::fnv1a(s.text)),
                 s.train_bytes);
   s.fields = po::handshake_fields(o.spec, sh);
   s.fields.push_back({"model", model});
@@ -351,7 +348,7 @@ Setup make_setup(const Options& o, std::string text) {
                                  " check-finite=" + (o.check_finite ? "yes" : "no")});
   // The training state depends on these, not on the schedule or rank count (every schedule
   // trains bit-identically), so a checkpoint resumes under any of them.
-  s.config_hash = fnv1a(model + "|" + batch + "|" + train + "|" + data);
+  s.config_hash = po::fnv1a(model + "|" + batch + "|" + train + "|" + data);
   return s;
 }
 
@@ -416,11 +413,8 @@ void report(const Options& o, const Setup& su, const std::vector<std::vector<flo
 
   // FNV-1a over every parameter's fp32 bytes, stage by stage in model order: the same bytes
   // in the same order however the model is cut into stages and ranks.
-  std::uint64_t hash = 1469598103934665603ull;
-  for (const auto& p : params) {
-    const auto* bytes = reinterpret_cast<const unsigned char*>(p.data());
-    for (std::size_t i = 0; i < p.size() * sizeof(float); ++i) hash = (hash ^ bytes[i]) * 1099511628211ull;
-  }
+  std::uint64_t hash = po::fnv1a_start;
+  for (const auto& p : params) hash = po::fnv1a(std::as_bytes(std::span(p)), hash);
   std::printf("final_loss=%.9g\n", static_cast<double>(final_loss));
   std::printf("params_hash=%s\n", hex64(hash).c_str());
   std::fflush(stdout);

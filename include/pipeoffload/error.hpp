@@ -1,4 +1,4 @@
-// pipeoffload/error.hpp: the library's exception types.
+// pipeoffload/error.hpp: every exception type the library throws, each derived from po::error.
 //
 // The library never prints or exits on its own: misuse that can only be seen at run time throws
 // one of these, with a message that names the bad value and the allowed range. In a constant
@@ -36,6 +36,27 @@ struct nonfinite_error : error {
 
 /// A wait that was cut short because the device or a peer failed; what() names the failure.
 struct aborted_error : error {
+  using error::error;
+};
+
+/// A message that is not the one the receiver expected, or a communicator misused.
+struct comm_error : error {
+  using error::error;
+};
+
+/// Ranks whose configurations differ at the start-up handshake (comm/handshake.hpp); the
+/// message names the field and both values.
+struct handshake_error : comm_error {
+  using comm_error::comm_error;
+};
+
+/// A checkpoint that cannot be written or read (the message names the file and the reason).
+struct checkpoint_error : error {
+  using error::error;
+};
+
+/// A CUDA, cuBLAS, cuDNN or NCCL call that failed (backend/cuda/check.hpp, comm/nccl/nccl.hpp).
+struct cuda_error : error {
   using error::error;
 };
 

@@ -27,11 +27,6 @@
 
 namespace pipeoffload {
 
-/// A message that is not the one the receiver expected, or a communicator misused.
-struct comm_error : error {
-  using error::error;
-};
-
 /// A P2P message's tag: `stage` is the stage that consumes the message (RankProgram::comm's
 /// convention), `dir` forward for activations, backward for gradients.
 struct Tag {

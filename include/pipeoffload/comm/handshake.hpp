@@ -14,15 +14,12 @@
 #include <string>
 #include <vector>
 
+#include "../error.hpp"
+#include "../fnv1a.hpp"
 #include "../version.hpp"
 #include "communicator.hpp"
 
 namespace pipeoffload {
-
-/// Ranks whose configurations differ (the message names the field and both values).
-struct handshake_error : comm_error {
-  using comm_error::comm_error;
-};
 
 /// One named part of a rank's configuration, as text (e.g. {"shape", "d=4 v=2 m=8"}).
 struct HandshakeField {
@@ -33,11 +30,7 @@ struct HandshakeField {
 namespace detail {
 
 /// FNV-1a, cut to 52 bits so that it travels exactly in a double (all_gather's type).
-inline double handshake_hash(const std::string& s) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;
-  return static_cast<double>(h >> 12);
-}
+inline double handshake_hash(const std::string& s) { return static_cast<double>(fnv1a(s) >> 12); }
 
 // A value travels as 6 bytes per double (48 bits: exact) after its length; longer values are
 // cut, which only shortens the message (the comparison uses the full-length hash).

@@ -35,14 +35,10 @@
 
 #include "../comm/communicator.hpp"
 #include "../error.hpp"
+#include "../fnv1a.hpp"
 #include "../schedule/program.hpp"
 
 namespace pipeoffload {
-
-/// A checkpoint that cannot be written or read (the message names the file and the reason).
-struct checkpoint_error : error {
-  using error::error;
-};
 
 /// What a checkpoint records beside the tensors.
 struct CheckpointInfo {
@@ -63,11 +59,6 @@ inline std::string step_name(int step) {
 
 inline std::filesystem::path stage_file(const std::filesystem::path& dir, int step, int stage) {
   return dir / step_name(step) / ("stage-" + std::to_string(stage) + ".bin");
-}
-
-inline std::uint64_t fnv1a(const std::byte* p, std::size_t n, std::uint64_t h = 1469598103934665603ull) {
-  for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(p[i])) * 1099511628211ull;
-  return h;
 }
 
 /// Writes `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename,
@@ -152,7 +143,7 @@ inline std::vector<std::byte> encode(const StageState& s) {
   put(&k, 4);
   put(s.params.data(), n * sizeof(float));
   for (const auto& buf : s.state) put(buf.data(), n * sizeof(float));
-  const std::uint64_t sum = fnv1a(b.data(), b.size());
+  const std::uint64_t sum = fnv1a(b);
   put(&sum, 8);
   return b;
 }
@@ -171,7 +162,7 @@ inline StageState decode(const std::vector<std::byte>& b, const std::string& nam
   if (std::memcmp(b.data(), magic, sizeof magic) != 0) throw checkpoint_error("checkpoint: " + name + " is not a pipeoffload checkpoint (bad magic)");
   std::uint64_t sum = 0;
   std::memcpy(&sum, b.data() + b.size() - 8, 8);
-  if (fnv1a(b.data(), b.size() - 8) != sum) throw checkpoint_error("checkpoint: " + name + " is corrupt (checksum mismatch)");
+  if (fnv1a(std::span(b).first(b.size() - 8)) != sum) throw checkpoint_error("checkpoint: " + name + " is corrupt (checksum mismatch)");
   std::uint32_t fmt = 0, name_len = 0, k = 0;
   std::int32_t stage = 0, step = 0;
   std::uint64_t n = 0;

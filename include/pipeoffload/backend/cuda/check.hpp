@@ -23,11 +23,6 @@
 
 namespace pipeoffload {
 
-/// A CUDA, cuBLAS, cuDNN or NCCL call that failed.
-struct cuda_error : error {
-  using error::error;
-};
-
 namespace cuda::detail {
 
 inline std::string where(const std::source_location& loc) {
