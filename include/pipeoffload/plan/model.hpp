@@ -55,10 +55,12 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "../error.hpp"
+#include "../offload/host_bins.hpp"
 
 namespace pipeoffload {
 
@@ -278,26 +280,14 @@ constexpr double stage_transient_bytes(const TransformerSpec& m, const StageCont
   return x;
 }
 
-/// Bytes of pinned host memory one offloaded unit of `bytes` takes: the smallest sum of at most
-/// three powers of two that holds it (DESIGN.md section 3: an offload writes into at most 3
-/// power-of-two bins).
+/// Bytes of pinned host memory one offloaded unit of `bytes` takes: the bins the runtime
+/// allocates for it (offload::plan_bins: the smallest sum of at most three powers of two that
+/// holds it, DESIGN.md section 3), for the unit's size rounded up to a whole byte.
 constexpr double host_bin_bytes(double bytes) {
   if (!(bytes > 0)) return 0;
-  unsigned long long r = static_cast<unsigned long long>(bytes);
-  if (static_cast<double>(r) < bytes) ++r;
-  unsigned long long total = 0;
-  for (int i = 0; i < 2 && r > 0; ++i) {
-    unsigned long long p = 1;
-    while (p <= r / 2) p *= 2;  // highest power of two <= r
-    total += p;
-    r -= p;
-  }
-  if (r > 0) {
-    unsigned long long p = 1;
-    while (p < r) p *= 2;  // smallest power of two >= r
-    total += p;
-  }
-  return static_cast<double>(total);
+  auto whole = static_cast<std::uint64_t>(bytes);
+  if (static_cast<double>(whole) < bytes) ++whole;
+  return static_cast<double>(offload::plan_bins(whole).total());
 }
 
 }  // namespace pipeoffload
