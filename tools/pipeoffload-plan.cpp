@@ -98,7 +98,6 @@ constexpr std::string_view auto_only[] = {"--recompute", "--layers", "--heads", 
 constexpr std::string_view not_auto[] = {"--schedule", "--chunks", "--microbatches", "--group", "--offload-chunks",
                                          "--k", "--cost-f", "--cost-b", "--cost-w", "--cost-comm"};
 constexpr std::string_view hardware_flags[] = {"--hidden", "--seq", "--micro-batch", "--tflops", "--pcie-gbps"};
-constexpr std::string_view schedules[] = {"1f1b", "1f1b-i", "gis", "gis-h", "gis-g", "po", "po-h", "po-f"};
 constexpr std::string_view formats[] = {"text", "csv", "json", "chrome-trace", "svg"};
 
 /// Flag name -> its raw value, as given.
@@ -200,20 +199,21 @@ struct Request {
   std::optional<std::string> out;  ///< --out, or standard output
 };
 
-/// --schedule, --group and --offload-chunks as a ScheduleSpec, checked against the shape.
-pipeoffload::ScheduleSpec schedule_spec(const Args& args, const std::string& name, const pipeoffload::Shape& sh) {
-  using namespace pipeoffload;
-  using GK = GroupSpec::Kind;
-  ScheduleSpec spec;
-  if (name == "1f1b") spec = {Family::one_f1b, {}, offload::none};
-  else if (name == "1f1b-i") spec = {Family::interleaved_1f1b, {}, offload::none};
-  else if (name == "gis") spec = {Family::grouped, {GK::full, 0}, offload::none};
-  else if (name == "gis-h") spec = {Family::grouped, {GK::half, 0}, offload::none};
-  else if (name == "gis-g") spec = {Family::grouped, {GK::number, 0}, offload::none};
-  else if (name == "po") spec = {Family::grouped, {GK::uniform, 0}, offload::none};
-  else if (name == "po-h") spec = {Family::grouped, {GK::uniform, 0}, offload::half};
-  else spec = {Family::grouped, {GK::uniform, 0}, offload::all};
+/// The spec --schedule names (po::parse_schedule: the alias's own spec), or bad_argument.
+pipeoffload::ScheduleSpec named_schedule(const std::string* name) {
+  const std::string names = pipeoffload::schedule_names;
+  if (!name) throw bad_argument("missing --schedule (one of " + names + ")");
+  try {
+    return pipeoffload::parse_schedule(*name);
+  } catch (const pipeoffload::shape_error&) {
+    throw bad_argument("--schedule must be one of " + names + ", got " + quoted(*name));
+  }
+}
 
+/// --group and --offload-chunks applied to the spec --schedule `name` names, checked against the shape.
+pipeoffload::ScheduleSpec schedule_spec(const Args& args, const std::string& name, pipeoffload::ScheduleSpec spec,
+                                        const pipeoffload::Shape& sh) {
+  using namespace pipeoffload;
   if (name == "1f1b" && sh.v != 1)
     throw bad_argument("--chunks must be 1 with --schedule 1f1b (one stage per rank), got " + quoted(num(sh.v)));
   if (name == "1f1b-i" && sh.m % sh.d != 0)
@@ -272,15 +272,12 @@ Request interpret(const Args& args) {
   for (std::string_view f : auto_only)
     if (find(args, f)) throw bad_argument(std::string(f) + " applies only with --auto (the planner)");
   const std::string* name = find(args, "--schedule");
-  if (!name) throw bad_argument("missing --schedule (one of " + join(schedules) + ")");
-  bool known = false;
-  for (std::string_view s : schedules) known = known || s == *name;
-  if (!known) throw bad_argument("--schedule must be one of " + join(schedules) + ", got " + quoted(*name));
+  const pipeoffload::ScheduleSpec named = named_schedule(name);
 
   rq.shape.d = required_int(args, "--ranks", "pipeline ranks", 1, pipeoffload::max_ranks);
   rq.shape.v = required_int(args, "--chunks", "chunks per rank", 1, pipeoffload::max_chunks);
   rq.shape.m = required_int(args, "--microbatches", "microbatches", 1, pipeoffload::max_microbatches);
-  rq.spec = schedule_spec(args, *name, rq.shape);
+  rq.spec = schedule_spec(args, *name, named, rq.shape);
   // Bounds the tool's time and memory (about 3 ops per unit; seconds, not minutes).
   constexpr long long max_units = 1 << 20;
   const long long units = 1LL * rq.shape.d * rq.shape.v * rq.shape.m;
@@ -298,7 +295,7 @@ Request interpret(const Args& args) {
   cost("--cost-comm", rq.costs.comm, true);
 
   if (const std::string* f = find(args, "--format")) {
-    known = false;
+    bool known = false;
     for (std::string_view s : formats) known = known || s == *f;
     if (!known) throw bad_argument("--format must be one of " + join(formats) + ", got " + quoted(*f));
     rq.format = *f;
