@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Includes flow one way (DESIGN.md section 4): fail on every back-edge of the include graph.
+
+usage: check_includes.py [REPO_ROOT]        (default: the checkout this script is in)
+
+Reads every header under include/pipeoffload/ (and models/, once the sample models live
+there), resolves its #include "..." and #include <pipeoffload/...> lines, gives each header the
+layer of its folder (LAYERS below) and fails, listing every offending include, when
+- a header includes one from a higher layer (a back-edge), or one of a peer layer without a
+  rule in PEER_EDGES saying which way that pair goes;
+- the library core includes model code (models sit above everything; nothing includes them);
+- a header outside the CUDA places (backend/cuda/, comm/nccl/, the CUDA umbrella cuda.hpp,
+  models) includes CUDA, directly or through another header; MPI likewise outside comm/mpi/;
+- a header's folder has no layer (a new folder must be placed in LAYERS) or an include does
+  not resolve to a file.
+Edges that exist today and that only the move of the GPT into its own models/ folder removes
+are listed, each with its reason, in ALLOWED; an entry that no longer matches an include
+fails too, so the list only shrinks. samples/ and tools/ are programs, not layers: exempt.
+"""
+import re
+import sys
+from pathlib import Path
+
+# Layers, bottom first. A header may include its own layer (same folder group) and any lower
+# one; peers (the same number) include each other only as PEER_EDGES allows. The first prefix
+# that matches a header's path (relative to include/pipeoffload/, or to the repository root
+# for models/) gives its layer.
+LAYERS = [
+    # prefix,                  layer       rank
+    ("error.hpp",              "core",     0),  # every exception type
+    ("version.hpp",            "core",     0),
+    ("tensor.hpp",             "core",     0),  # DType, tensor views
+    ("fnv1a.hpp",              "core",     0),  # the one checksum
+    ("detail/",                "core",     0),  # helpers of no layer (host_device.hpp)
+    ("core/",                  "core",     0),  # STYLE.md's core/: Shape, Costs, Op, Program
+    ("policy/",                "policy",   1),
+    ("schedule/",              "schedule", 2),
+    ("sim/",                   "sim",      3),
+    ("plan/",                  "plan",     3),
+    ("backend/",               "backend",  3),
+    ("comm/",                  "comm",     3),
+    ("offload/",               "offload",  3),
+    ("layer.hpp",              "layer",    3),  # the layer concept (STYLE.md: beside offload/, comm/, backend/)
+    ("model/layer.hpp",        "layer",    3),  # ... where it is today
+    ("runtime/",               "runtime",  4),
+    ("pipeoffload.hpp",        "umbrella", 5),  # front doors: include the library, never a model
+    ("runtime.hpp",            "umbrella", 5),
+    ("cuda.hpp",               "umbrella", 5),
+    ("model/",                 "models",   6),  # today's GPT (gpt.hpp) and its math (math.hpp)
+    ("models/",                "models",   6),  # the target: models/gpt/ at the repository root
+]
+# Peers that may include each other, one way only, and why.
+PEER_EDGES = {
+    ("plan", "sim"): "the planner simulates each candidate schedule with the one timing engine",
+    ("plan", "offload"): "the planner sizes pinned host memory with the runtime's host-bin algorithm",
+    ("comm", "backend"): "a communicator runs on a backend's streams (comm/nccl on backend/cuda)",
+}
+# Headers that may include CUDA (directly or through another header) and MPI.
+CUDA_PLACES = ("backend/cuda/", "comm/nccl/", "cuda.hpp", "model/", "models/")
+MPI_PLACES = ("comm/mpi/",)
+CUDA_SYSTEM = re.compile(r"^(cuda|cublas|cudnn|cufft|curand|cusparse|nccl|nvrtc|nvtx|cub/|thrust/|cuda/)")
+MPI_SYSTEM = re.compile(r"^mpi\.h$")
+
+# Back-edges of today's tree, each until the change that removes it (issue 13: "models ... in
+# their own folder above them, never included by the library core"; "layer_for<L, Ctx>
+# without a CPU default in the core"). (including header, included header): reason.
+ALLOWED = {
+    ("model/layer.hpp", "backend/cpu/context.hpp"):
+        "the layer concept defaults its context to backend::CpuContext (`concept layer = "
+        "layer_for<L, backend::CpuContext>`); goes with layer_for<L, Ctx> without a CPU default",
+    ("backend/cuda/gpt.hpp", "model/gpt.hpp"):
+        "the CUDA GPT lives in backend/; moves to models/gpt/ beside the CPU one",
+    ("backend/cuda/gpt.hpp", "model/layer.hpp"):
+        "the CUDA GPT lives in backend/ and implements the layer concept; moves to models/gpt/",
+    ("backend/cuda/gpt.hpp", "model/math.hpp"):
+        "the CUDA GPT lives in backend/; moves to models/gpt/ with the math it shares",
+    ("backend/cuda/kernels.hpp", "model/math.hpp"):
+        "GPT-specific kernels are declared in backend/cuda/kernels.hpp; move to models/gpt/",
+    ("backend/cuda/shapes.hpp", "model/layer.hpp"):
+        "the GPT's CUDA layout (ParamInfo, InputSpec, MicrobatchShape) lives in backend/cuda/; "
+        "one GPT layout in models/gpt/",
+    ("runtime.hpp", "model/math.hpp"):
+        "the runtime umbrella re-exports the GPT's math (po::math, e.g. mix64 in train_gpt); "
+        "samples include the model's own header once it is in models/gpt/",
+}
+
+INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
+
+
+def layer_of(rel):
+    for prefix, name, rank in LAYERS:
+        if rel == prefix or (prefix.endswith("/") and rel.startswith(prefix)):
+            return name, rank
+    return None, None
+
+
+def main():
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[2]).resolve()
+    lib = root / "include" / "pipeoffload"
+    if not lib.is_dir():
+        sys.exit(f"FAIL: no {lib}")
+    headers = sorted(p for d in (lib, root / "models") if d.is_dir() for p in d.rglob("*") if p.suffix in (".hpp", ".h", ".cuh"))
+
+    def name(p):  # a header's name in LAYERS' terms
+        return p.relative_to(lib).as_posix() if p.is_relative_to(lib) else p.relative_to(root).as_posix()
+
+    problems, used = [], set()
+    edges = {}  # header name -> [(line, included name)]
+    system = {}  # header name -> [(line, system header)]
+    for p in headers:
+        src = p.read_text(encoding="utf-8")
+        h = name(p)
+        edges[h], system[h] = [], []
+        for m in INCLUDE.finditer(src):
+            line = src.count("\n", 0, m.start()) + 1
+            kind, target = m.group(1), m.group(2)
+            if kind == "<" and not target.startswith(("pipeoffload/", "models/")):
+                system[h].append((line, target))
+                continue
+            candidates = ([p.parent / target] if kind == '"' else []) + [root / "include" / target, root / target]
+            hit = next((c.resolve() for c in candidates if c.is_file()), None)
+            if hit is None:
+                problems.append(f"{h}:{line}: #include {m.group(0).split('include', 1)[1].strip()} does not resolve to a file")
+                continue
+            if not (hit.is_relative_to(lib) or hit.is_relative_to(root / "models")):
+                problems.append(f"{h}:{line}: includes {hit.relative_to(root) if hit.is_relative_to(root) else hit}, "
+                                "outside include/pipeoffload/ and models/")
+                continue
+            edges[h].append((line, name(hit)))
+
+    for h in edges:
+        lh, rh = layer_of(h)
+        if lh is None:
+            problems.append(f"{h}: its folder has no layer; place it in LAYERS of {Path(__file__).name}")
+            continue
+        for line, t in edges[h]:
+            lt, rt = layer_of(t)
+            if lt is None or lt == lh or (rt < rh and lt != "models"):
+                continue
+            if (h, t) in ALLOWED:
+                used.add((h, t))
+                continue
+            if lt == "models":
+                why = "the library core includes model code (models sit above the library; nothing in it includes them)"
+            elif rt > rh:
+                why = f"a back-edge: {lh} (layer {rh}) includes {lt} (layer {rt}), which sits above it"
+            elif (lh, lt) in PEER_EDGES:
+                continue
+            elif (lt, lh) in PEER_EDGES:
+                why = f"{lh} and {lt} are peers and {lt} includes {lh} ({PEER_EDGES[(lt, lh)]}), not the other way"
+            else:
+                why = f"{lh} and {lt} are peers (layer {rh}) with no rule for {lh} -> {lt} in PEER_EDGES"
+            problems.append(f"{h}:{line}: includes {t}: {why}")
+
+    # CUDA and MPI only in their places: reported where an include crosses into them (a system
+    # header, or a header of those places that pulls one in), not at every header above.
+    def pulls(h, rx, seen):
+        """The first chain of includes from h to a system header matching rx, or None."""
+        for line, s in system.get(h, []):
+            if rx.search(s):
+                return [f"{h}:{line} <{s}>"]
+        for line, t in edges.get(h, []):
+            if t not in seen:
+                seen.add(t)
+                chain = pulls(t, rx, seen)
+                if chain:
+                    return [f"{h}:{line}"] + chain
+        return None
+
+    for what, rx, places in (("CUDA", CUDA_SYSTEM, CUDA_PLACES), ("MPI", MPI_SYSTEM, MPI_PLACES)):
+        inside = lambda x: x.startswith(places)
+        for h in edges:
+            if inside(h):
+                continue
+            for line, s in system[h]:
+                if rx.search(s):
+                    problems.append(f"{h}:{line}: includes <{s}>: {what} belongs in {', '.join(places)} only")
+            for line, t in edges[h]:
+                chain = pulls(t, rx, {t}) if inside(t) else None
+                if chain:
+                    problems.append(f"{h}:{line}: includes {t}, which brings in {what} ({' -> '.join(chain)}); "
+                                    f"{what} belongs in {', '.join(places)} only")
+
+    for stale in sorted(set(ALLOWED) - used):
+        problems.append(f"ALLOWED lists {stale[0]} -> {stale[1]}, which is no longer an offending include: "
+                        "remove the entry from the allow-list")
+
+    n_edges = sum(len(e) for e in edges.values())
+    if problems:
+        print(f"FAIL: {len(problems)} include(s) break the layering of DESIGN.md section 4 "
+              f"({len(headers)} headers, {n_edges} includes):")
+        for p in problems:
+            print("  " + p)
+        return 1
+    print(f"ok: {len(headers)} headers, {n_edges} includes flow one way "
+          f"({len(used)} known back-edges allowed until the GPT moves to models/)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
