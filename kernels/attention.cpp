@@ -83,7 +83,7 @@ Built build_forward(cudnnHandle_t h, Shape s) {
   return b;
 }
 
-Built build_backward(cudnnHandle_t h, Shape s) {
+Built build_backward(cudnnHandle_t h, Shape s, bool deterministic) {
   const SdpaLayout l = sdpa_layout(s.batch, s.heads, s.seq, s.head_dim);
   Built b;
   b.graph = std::make_shared<fe::graph::Graph>();
@@ -102,6 +102,7 @@ Built build_backward(cudnnHandle_t h, Shape s) {
                             .set_data_type(fe::DataType_t::FLOAT));
   auto opts = fe::graph::SDPA_backward_attributes()
                   .set_name("sdpa_backward")
+                  .set_deterministic_algorithm(deterministic)
                   .set_attn_scale(scale_of(s))
                   .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
                   .set_diagonal_band_right_bound(0);
@@ -111,17 +112,6 @@ Built build_backward(cudnnHandle_t h, Shape s) {
   dv->set_output(true).set_uid(DV).set_dim(vec(l.dims)).set_stride(vec(l.qkv_strides));
   finish(g, h, b);
   return b;
-}
-
-/// Graphs by (handle, direction, shape); built on first use, under a lock (ranks are threads).
-const Built& cached(cudnnHandle_t h, bool backward, Shape s) {
-  static std::mutex mu;
-  static std::map<std::tuple<cudnnHandle_t, bool, int, int, int, int>, Built> cache;
-  std::lock_guard lk(mu);
-  const auto key = std::make_tuple(h, backward, s.batch, s.heads, s.seq, s.head_dim);
-  auto it = cache.find(key);
-  if (it == cache.end()) it = cache.emplace(key, backward ? build_backward(h, s) : build_forward(h, s)).first;
-  return it->second;
 }
 
 void run(cudnnHandle_t h, cudaStream_t stream, const Built& b, std::unordered_map<std::int64_t, void*>& pack, void* ws, std::size_t ws_bytes) {
@@ -134,20 +124,48 @@ void run(cudnnHandle_t h, cudaStream_t stream, const Built& b, std::unordered_ma
 
 }  // namespace
 
-std::size_t workspace_bytes(cudnnHandle_t handle, Shape shape) {
-  const auto f = cached(handle, false, shape).workspace, bw = cached(handle, true, shape).workspace;
+struct Graphs::Impl {
+  cudnnHandle_t handle = nullptr;
+  bool deterministic = true;
+  std::mutex mu;
+  std::map<std::tuple<bool, int, int, int, int>, Built> built;  // (backward, batch, heads, seq, head_dim)
+
+  /// The graph of one direction and shape, built on first use.
+  const Built& get(bool backward, Shape s) {
+    if (backward && s.seq < 2)
+      throw cuda_error("cuda::attention: seq = " + std::to_string(s.seq) +
+                       " is outside the range the cuDNN frontend's SDPA backward supports ([2, ...)); train with seq >= 2");
+    std::lock_guard lk(mu);
+    const auto key = std::make_tuple(backward, s.batch, s.heads, s.seq, s.head_dim);
+    auto it = built.find(key);
+    if (it == built.end()) it = built.emplace(key, backward ? build_backward(handle, s, deterministic) : build_forward(handle, s)).first;
+    return it->second;
+  }
+};
+
+Graphs::Graphs(cudnnHandle_t handle, bool deterministic) : impl_(std::make_unique<Impl>()) {
+  impl_->handle = handle;
+  impl_->deterministic = deterministic;
+}
+Graphs::~Graphs() = default;
+cudnnHandle_t Graphs::handle() const { return impl_->handle; }
+bool Graphs::deterministic() const { return impl_->deterministic; }
+
+std::size_t workspace_bytes(Graphs& graphs, Shape shape) {
+  const auto f = graphs.impl().get(false, shape).workspace, bw = graphs.impl().get(true, shape).workspace;
   return static_cast<std::size_t>(std::max(f, bw));
 }
 
-void forward(cudnnHandle_t h, cudaStream_t stream, Shape s, const __nv_bfloat16* qkv, __nv_bfloat16* out, float* stats, void* ws, std::size_t ws_bytes) {
+void forward(Graphs& graphs, cudaStream_t stream, Shape s, const __nv_bfloat16* qkv, __nv_bfloat16* out, float* stats, void* ws,
+             std::size_t ws_bytes) {
   const SdpaLayout l = sdpa_layout(s.batch, s.heads, s.seq, s.head_dim);
   auto* base = const_cast<__nv_bfloat16*>(qkv);  // the variant pack takes void*; cuDNN only reads inputs
   std::unordered_map<std::int64_t, void*> pack = {
       {Q, base + l.q_offset}, {K, base + l.k_offset}, {V, base + l.v_offset}, {O, out}, {STATS, stats}};
-  run(h, stream, cached(h, false, s), pack, ws, ws_bytes);
+  run(graphs.handle(), stream, graphs.impl().get(false, s), pack, ws, ws_bytes);
 }
 
-void backward(cudnnHandle_t h, cudaStream_t stream, Shape s, const __nv_bfloat16* qkv, const __nv_bfloat16* out, const __nv_bfloat16* dout,
+void backward(Graphs& graphs, cudaStream_t stream, Shape s, const __nv_bfloat16* qkv, const __nv_bfloat16* out, const __nv_bfloat16* dout,
               const float* stats, __nv_bfloat16* dqkv, void* ws, std::size_t ws_bytes) {
   const SdpaLayout l = sdpa_layout(s.batch, s.heads, s.seq, s.head_dim);
   auto* base = const_cast<__nv_bfloat16*>(qkv);
@@ -160,7 +178,7 @@ void backward(cudnnHandle_t h, cudaStream_t stream, Shape s, const __nv_bfloat16
                                                   {DQ, dqkv + l.q_offset},
                                                   {DK, dqkv + l.k_offset},
                                                   {DV, dqkv + l.v_offset}};
-  run(h, stream, cached(h, true, s), pack, ws, ws_bytes);
+  run(graphs.handle(), stream, graphs.impl().get(true, s), pack, ws, ws_bytes);
 }
 
 }  // namespace pipeoffload::cuda::attention

@@ -263,14 +263,14 @@ int main(int argc, char** argv) {
     using pc::Out;
     const auto bare_block = [&](po::backend::CudaContext& c) {
       pc::gemm(c, pc::linear_forward(T, h, 3 * h), bx, wqkv, qkv, Out::bf16);
-      pc::attention::forward(c.dnn, c.cuda_stream, att_shape, qkv, att, stats, c.workspace, c.workspace_bytes);
+      pc::attention::forward(*c.attention, c.cuda_stream, att_shape, qkv, att, stats, c.workspace, c.workspace_bytes);
       pc::gemm(c, pc::linear_forward(T, h, h), att, wo, by, Out::bf16);
       pc::gemm(c, pc::linear_forward(T, h, 4 * h), by, wfc, f, Out::bf16);
       pc::gemm(c, pc::linear_forward(T, 4 * h, h), f, wpr, by, Out::bf16);
       pc::gemm(c, pc::linear_dgrad(T, 4 * h, h), by, wpr, df, Out::bf16);
       pc::gemm(c, pc::linear_dgrad(T, h, 4 * h), df, wfc, bdx, Out::bf16);
       pc::gemm(c, pc::linear_dgrad(T, h, h), bdx, wo, datt, Out::bf16);
-      pc::attention::backward(c.dnn, c.cuda_stream, att_shape, qkv, att, datt, stats, dqkv, c.workspace, c.workspace_bytes);
+      pc::attention::backward(*c.attention, c.cuda_stream, att_shape, qkv, att, datt, stats, dqkv, c.workspace, c.workspace_bytes);
       pc::gemm(c, pc::linear_dgrad(T, h, 3 * h), dqkv, wqkv, bdx, Out::bf16);
       pc::gemm(c, pc::linear_wgrad(T, 4 * h, h), f, by, gpr, Out::f32);
       pc::gemm(c, pc::linear_wgrad(T, h, 4 * h), by, df, gfc, Out::f32);

@@ -337,9 +337,9 @@ TEST_CASE("cuDNN's causal SDPA forward and backward match the CPU model's attent
   const po::cuda::attention::Shape shape{B, A, S, D};
   dev.launch(s, [&] {
     auto ctx = dev.context(s);
-    REQUIRE(po::cuda::attention::workspace_bytes(ctx.dnn, shape) <= ctx.workspace_bytes);
-    po::cuda::attention::forward(ctx.dnn, ctx.cuda_stream, shape, dqkv_in, out, stats, ctx.workspace, ctx.workspace_bytes);
-    po::cuda::attention::backward(ctx.dnn, ctx.cuda_stream, shape, dqkv_in, out, ddout, stats, dqkv, ctx.workspace, ctx.workspace_bytes);
+    REQUIRE(po::cuda::attention::workspace_bytes(*ctx.attention, shape) <= ctx.workspace_bytes);
+    po::cuda::attention::forward(*ctx.attention, ctx.cuda_stream, shape, dqkv_in, out, stats, ctx.workspace, ctx.workspace_bytes);
+    po::cuda::attention::backward(*ctx.attention, ctx.cuda_stream, shape, dqkv_in, out, ddout, stats, dqkv, ctx.workspace, ctx.workspace_bytes);
   });
   dev.synchronize();
   // The CPU model's attention (model/gpt.hpp), in double.

@@ -6,7 +6,9 @@
 // layouts (backend/cuda/shapes.hpp sdpa_layout): qkv (b*s, 3h) bf16 with rows [q | k | v],
 // out and dout (b*s, h) bf16, stats (b, heads, s) fp32 log-sum-exps, dqkv like qkv. The
 // attention scale is 1/sqrt(head_dim) and the mask causal (query i sees keys 0..i), as the
-// CPU model's attention. Graphs are built once per (handle, shape) and cached.
+// CPU model's attention. Graphs are built once per shape and kept in an attention::Graphs, which
+// the owner of the cuDNN handle owns (backend::Cuda), so they never outlive the handle they were
+// finalized against.
 #pragma once
 
 #ifndef PIPEOFFLOAD_WITH_CUDA
@@ -18,6 +20,7 @@
 #include <cudnn.h>
 
 #include <cstddef>
+#include <memory>
 
 namespace pipeoffload::cuda::attention {
 
@@ -25,16 +28,37 @@ struct Shape {
   int batch = 1, heads = 1, seq = 1, head_dim = 8;
 };
 
+/// The SDPA graphs of one cuDNN handle, built on first use per (direction, shape) under a lock
+/// (a handle may serve several threads). Owned by whoever owns the handle, and destroyed before
+/// it. `deterministic`: the backward graph uses cuDNN's deterministic algorithm, so a run
+/// repeats bit for bit (the default; off trades that for speed).
+class Graphs {
+ public:
+  explicit Graphs(cudnnHandle_t handle, bool deterministic = true);
+  ~Graphs();
+  Graphs(const Graphs&) = delete;
+  Graphs& operator=(const Graphs&) = delete;
+  cudnnHandle_t handle() const;
+  bool deterministic() const;
+
+  struct Impl;
+  Impl& impl() { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
 /// Bytes of workspace the larger of the forward and backward graphs needs for `shape`
-/// (builds both graphs; call once before the steady state).
-std::size_t workspace_bytes(cudnnHandle_t handle, Shape shape);
+/// (builds both graphs; call once before the steady state). The frontend's backward needs
+/// seq >= 2: seq = 1 throws cuda_error with a sentence.
+std::size_t workspace_bytes(Graphs& graphs, Shape shape);
 
 /// out = softmax(q k^T / sqrt(head_dim), causal) v; stats = the rows' log-sum-exps.
-void forward(cudnnHandle_t handle, cudaStream_t stream, Shape shape, const __nv_bfloat16* qkv, __nv_bfloat16* out, float* stats,
-             void* workspace, std::size_t workspace_bytes);
+void forward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloat16* qkv, __nv_bfloat16* out, float* stats, void* workspace,
+             std::size_t workspace_bytes);
 
 /// dqkv from dout, recomputing the probabilities from qkv and stats (no s x s matrix kept).
-void backward(cudnnHandle_t handle, cudaStream_t stream, Shape shape, const __nv_bfloat16* qkv, const __nv_bfloat16* out,
-              const __nv_bfloat16* dout, const float* stats, __nv_bfloat16* dqkv, void* workspace, std::size_t workspace_bytes);
+void backward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloat16* qkv, const __nv_bfloat16* out, const __nv_bfloat16* dout,
+              const float* stats, __nv_bfloat16* dqkv, void* workspace, std::size_t workspace_bytes);
 
 }  // namespace pipeoffload::cuda::attention

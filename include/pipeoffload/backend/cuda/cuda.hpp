@@ -37,6 +37,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -44,6 +45,7 @@
 
 #include "../../error.hpp"
 #include "../backend.hpp"
+#include "attention.hpp"
 #include "check.hpp"
 #include "kernels.hpp"
 #include "topology.hpp"
@@ -89,6 +91,7 @@ struct CudaContext {
   cudaStream_t cuda_stream = nullptr;
   cublasLtHandle_t lt = nullptr;
   cudnnHandle_t dnn = nullptr;
+  cuda::attention::Graphs* attention = nullptr;  ///< the SDPA graphs of `dnn`, owned by the backend
   std::byte* workspace = nullptr;      ///< (workspace_bytes) device scratch for cuBLASLt and cuDNN
   std::size_t workspace_bytes = 0;
 };
@@ -102,6 +105,7 @@ class Cuda {
     int rank = 0;                   ///< for contexts and messages
     std::size_t arena_bytes = 0;    ///< device slab; 0 = 3/4 of the device's free memory
     std::size_t workspace_bytes = std::size_t{256} << 20;  ///< cuBLASLt + cuDNN scratch, inside the slab
+    bool deterministic_attention = true;  ///< cuDNN's deterministic SDPA backward (runs repeat bit for bit)
   };
 
   Cuda() : Cuda(Options{}) {}
@@ -124,6 +128,7 @@ class Cuda {
     slab_ = static_cast<std::byte*>(slab);
     PIPEOFFLOAD_CUDA_CHECK(cublasLtCreate(&lt_));
     PIPEOFFLOAD_CUDA_CHECK(cudnnCreate(&dnn_));
+    attention_ = std::make_unique<cuda::attention::Graphs>(dnn_, opt_.deterministic_attention);
     // The workspace is carved first and never freed: it is not one of the runtime's kinds.
     workspace_ = carve(round_up(opt_.workspace_bytes));
     // The stream of the blocking between-steps operations (download, upload, zero, sum_squares, adamw, sgd).
@@ -149,6 +154,7 @@ class Cuda {
       cudaStreamSynchronize(aux_);
       cudaStreamDestroy(aux_);
     }
+    attention_.reset();  // its graphs were finalized against dnn_
     if (dnn_) cudnnDestroy(dnn_);
     if (lt_) cublasLtDestroy(lt_);
     cudaFree(slab_);
@@ -228,7 +234,7 @@ class Cuda {
   }
 
   Context context(int stream) {
-    return Context{this, opt_.rank, stream, at(stream), lt_, dnn_, workspace_, round_up(opt_.workspace_bytes)};
+    return Context{this, opt_.rank, stream, at(stream), lt_, dnn_, attention_.get(), workspace_, round_up(opt_.workspace_bytes)};
   }
 
   /// Host seconds on a clock shared by every device of the process. The runtime's trace
@@ -544,6 +550,7 @@ class Cuda {
   std::byte* workspace_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   cudnnHandle_t dnn_ = nullptr;
+  std::unique_ptr<cuda::attention::Graphs> attention_;  // SDPA graphs of dnn_ (destroyed before it)
   cudaStream_t aux_ = nullptr;  // between-steps operations
   Block norms_{};               // sum_squares' fp64 accumulators
   std::map<std::size_t, std::vector<Free>> free_device_, free_host_;

@@ -372,7 +372,7 @@ class GptStage {
     bf16* a1 = cfg_.recompute ? scratch<bf16>(p.ws.ln) : v.a1;
     kernels::layernorm_forward(v.x, param(i, o.ln1g), param(i, o.ln1b), a1, v.stats, T, h(), p.s);
     linear(ctx, p, a1, weight(i, o.wqkv), param(i, o.bqkv), v.qkv, H, 3 * H);
-    attention::forward(ctx.dnn, p.s, p.att, v.qkv, v.att, v.lse, ctx.workspace, ctx.workspace_bytes);
+    attention::forward(*ctx.attention, p.s, p.att, v.qkv, v.att, v.lse, ctx.workspace, ctx.workspace_bytes);
     linear(ctx, p, v.att, weight(i, o.wo), param(i, o.bo), proj, H, H);
     if (cfg_.recompute) kernels::residual_dropout(v.x, proj, v.x1, T * H, drop_seed(mb, i, 0), drop, p.s);
     else kernels::residual_dropout_mask(v.x, proj, v.x1, v.m1, T * H, drop_seed(mb, i, 0), drop, p.s);
@@ -408,7 +408,7 @@ class GptStage {
     else kernels::dropout_backward_mask(g, v.m1, st.dO1, T * H, drop, p.s);
     bf16* datt = scratch<bf16>(p.ws.proj);
     gemm(ctx, linear_dgrad(T, H, H), st.dO1, weight(i, o.wo), datt, Out::bf16);
-    attention::backward(ctx.dnn, p.s, p.att, v.qkv, v.att, datt, v.lse, st.dQKV, ctx.workspace, ctx.workspace_bytes);
+    attention::backward(*ctx.attention, p.s, p.att, v.qkv, v.att, datt, v.lse, st.dQKV, ctx.workspace, ctx.workspace_bytes);
     gemm(ctx, linear_dgrad(T, H, 3 * H), st.dQKV, weight(i, o.wqkv), st.dA1, Out::bf16);
     // g becomes dL/dx = dL/dx1 + LN1's input gradient.
     kernels::layernorm_backward(st.dA1, v.x, v.stats, param(i, o.ln1g), g, T, h(), true, p.s);
