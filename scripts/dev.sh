@@ -3,36 +3,12 @@
 #   bash scripts/dev.sh main   install what is missing, build, train a small GPT with PO-F, draw the paper's schedules
 #   bash scripts/dev.sh test   install what is missing, build, run every test
 # Both work on a fresh Debian 12 machine (as root, or with sudo) and on a warm one, where
-# they install nothing and only rebuild what changed.
+# they install nothing and only rebuild what changed. Installing is scripts/install-deps.sh;
+# this script builds and runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages the build and the tests need, each with a command or file that shows it
-# is there, so a warm machine skips apt entirely.
-need=()
-have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-for pkg in meson ninja-build g++ pkg-config doctest-dev python3 chromium libopenblas0-pthread openmpi-bin libopenmpi-dev; do
-  have_pkg "$pkg" || need+=("$pkg")
-done
-if [ "${#need[@]}" -gt 0 ]; then
-  echo "dev.sh: installing ${need[*]}"
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}"
-fi
-
-# The CUDA backend (issue 4) builds where NVIDIA's toolkit, cuDNN and NCCL are installed (they
-# are on this project's machines); its cuDNN frontend headers come from NVIDIA's official
-# package on PyPI, installed once into a fixed folder that meson.build looks in.
-fe=/usr/local/lib/cudnn-frontend
-if command -v nvcc >/dev/null 2>&1 && [ ! -f "$fe/include/cudnn_frontend.h" ]; then
-  echo "dev.sh: installing NVIDIA's cuDNN frontend headers into $fe"
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo python3 -m pip install -q --no-deps --target "$fe" nvidia-cudnn-frontend==1.32.0 ||
-    $sudo python3 -m pip install -q --no-deps --break-system-packages --target "$fe" nvidia-cudnn-frontend==1.32.0
-fi
+bash scripts/install-deps.sh
 
 build=build
 if [ ! -f "$build/build.ninja" ]; then
