@@ -5,7 +5,7 @@
 //
 // Each figure is the median of several runs of the whole pipeline (build, validate,
 // simulate) in this process; the phases are timed separately so their growth can be read.
-// The pipeline splits its per-rank work among the machine's cores (set_schedule_threads); the
+// The pipeline splits its per-rank work among the machine's cores (po::Workers); the
 // target shape is also timed on one thread, and into reused outputs (build_into,
 // simulate_into: a planner's search, where no output memory is new after the first).
 #include <algorithm>
@@ -38,7 +38,7 @@ struct Phases {
 /// Medians of `reps` runs after one untimed run (which pays the process's one-time costs);
 /// with `reuse`, each run builds and simulates into the previous run's Program and
 /// SimResult, else into fresh ones.
-Phases measure(const po::Shape& s, int reps, bool reuse = false) {
+Phases measure(const po::Shape& s, int reps, bool reuse = false, po::Workers workers = {}) {
   std::vector<double> b, v, sim, tot;
   long ops = 0;
   po::Program kept;
@@ -55,13 +55,13 @@ Phases measure(const po::Shape& s, int reps, bool reuse = false) {
     po::Program& p = reuse ? kept : fresh;
     po::SimResult& r = reuse ? kept_sim : fresh_sim;
     const auto t0 = clock_type::now();
-    po::PO_F::build_into(p, s);
+    po::PO_F::build_into(p, s, {}, workers);
     const double tb = ms_since(t0);
     const auto t1 = clock_type::now();
-    const po::Validation ok = po::validate(p);
+    const po::Validation ok = po::validate(p, workers);
     const double tv = ms_since(t1);
     const auto t2 = clock_type::now();
-    po::simulate_into(r, p);
+    po::simulate_into(r, p, workers);
     const double ts = ms_since(t2);
     if (!ok || r.makespan <= 0) {
       std::fprintf(stderr, "schedule_build: d=%d v=%d m=%d is invalid: %s\n", s.d, s.v, s.m, ok.error.c_str());
@@ -92,10 +92,8 @@ int main(int argc, char** argv) {
   std::printf("  into reused outputs: %.1f ms (build %.1f, validate %.1f, simulate %.1f); target < 50 ms: %s\n", again.total, again.build,
               again.validate, again.simulate, again.total < 50 ? "met" : "MISSED");
   // The same on one thread, for machines with one core to spare.
-  po::set_schedule_threads(1);
-  const Phases one = measure(target, reps);
-  po::set_schedule_threads(0);
-  std::printf("  on one thread (set_schedule_threads(1)): %.1f ms (build %.1f, validate %.1f, simulate %.1f)\n", one.total, one.build,
+  const Phases one = measure(target, reps, false, po::Workers{1});
+  std::printf("  on one thread (po::Workers{1}): %.1f ms (build %.1f, validate %.1f, simulate %.1f)\n", one.total, one.build,
               one.validate, one.simulate);
   std::printf("\n%6s %4s %5s %10s %10s %10s %10s %10s %12s\n", "d", "v", "m", "ops", "build_ms", "valid_ms", "sim_ms",
               "total_ms", "ns_per_op");

@@ -44,7 +44,7 @@ namespace ref = pipeoffload_test::ref;
 // The only names from po::detail this file uses (the linear proof and the rule-by-rule
 // checks that validate() combines); after the schedule core is split, update them here.
 
-bool proven_valid(const po::Program& p) { return po::detail::proven_valid(p); }
+bool proven_valid(const po::Program& p, po::Workers t = {}) { return po::detail::proven_valid(p, t); }
 
 /// validate() without its fast path: the rules one by one (validate.hpp).
 po::Validation full_check(const po::Program& p) {
@@ -80,14 +80,6 @@ int case_count(int ci = 400) {
   const long n = std::strtol(env, nullptr, 10);
   return n > 0 ? static_cast<int>(std::min(n, 10000000L)) : ci;
 }
-
-/// Sets the thread count for one scope, restoring the default after.
-struct Threads {
-  explicit Threads(int n) { po::set_schedule_threads(n); }
-  ~Threads() { po::set_schedule_threads(0); }
-  Threads(const Threads&) = delete;
-  Threads& operator=(const Threads&) = delete;
-};
 
 // ---- random configurations ---------------------------------------------------------------
 
@@ -637,22 +629,22 @@ void require_fast_equals_plain(const Case& c, const std::string& where, std::vec
   po::Validation valid_one;
   const po::Costs other = random_costs(rng, c.shape.stages());
   {
-    const Threads t(1);
-    one = po::build(c.spec, c.shape, c.costs);
-    proven_one = proven_valid(one);
-    valid_one = po::validate(one);
-    sim_one = po::simulate(one);
-    sim_other = po::simulate(one, other);
+    const po::Workers t(1);
+    one = po::build(c.spec, c.shape, c.costs, t);
+    proven_one = proven_valid(one, t);
+    valid_one = po::validate(one, t);
+    sim_one = po::simulate(one, t);
+    sim_other = po::simulate(one, other, t);
   }
   REQUIRE_MESSAGE(valid_one.ok, where << ": " << valid_one.error);
   for (const int threads : {0, 3}) {
-    const Threads t(threads);
+    const po::Workers t(threads);
     const std::string at = where + " on " + (threads == 0 ? std::string("the default threads") : std::to_string(threads) + " threads");
-    const po::Program p = po::build(c.spec, c.shape, c.costs);
+    const po::Program p = po::build(c.spec, c.shape, c.costs, t);
     if (std::string e = diff_programs(p, one); !e.empty()) FAIL(at << ": build: " << e);
-    if (proven_valid(p) != proven_one) FAIL(at << ": proven_valid differs");
-    if (std::string e = diff_sims(po::simulate(p), sim_one); !e.empty()) FAIL(at << ": simulate: " << e);
-    if (std::string e = diff_sims(po::simulate(p, other), sim_other); !e.empty()) FAIL(at << ": simulate under other costs: " << e);
+    if (proven_valid(p, t) != proven_one) FAIL(at << ": proven_valid differs");
+    if (std::string e = diff_sims(po::simulate(p, t), sim_one); !e.empty()) FAIL(at << ": simulate: " << e);
+    if (std::string e = diff_sims(po::simulate(p, other, t), sim_other); !e.empty()) FAIL(at << ": simulate under other costs: " << e);
     // Into outputs that held another program.
     const std::size_t slot = static_cast<std::size_t>(rng.below(static_cast<int>(pool.size())));
     po::Program& q = pool[slot];
@@ -661,12 +653,12 @@ void require_fast_equals_plain(const Case& c, const std::string& where, std::vec
     for (const auto& rp : one.ranks) now += rp.compute.size() + rp.copy.size() + rp.comm.size();
     reused_larger += before > now;
     reused_smaller += before < now;
-    po::build_into(q, c.spec, c.shape, c.costs);
+    po::build_into(q, c.spec, c.shape, c.costs, t);
     if (std::string e = diff_programs(q, one); !e.empty()) FAIL(at << ": build_into a Program that held another schedule: " << e);
     po::SimResult& s = sims[static_cast<std::size_t>(rng.below(static_cast<int>(sims.size())))];
-    po::simulate_into(s, q);
+    po::simulate_into(s, q, t);
     if (std::string e = diff_sims(s, sim_one); !e.empty()) FAIL(at << ": simulate_into a SimResult that held another run: " << e);
-    po::simulate_into(s, q, other);
+    po::simulate_into(s, q, other, t);
     if (std::string e = diff_sims(s, sim_other); !e.empty()) FAIL(at << ": simulate_into under other costs: " << e);
   }
 }
@@ -690,7 +682,7 @@ TEST_CASE("threads and reused outputs give bit-identical programs, verdicts and 
 TEST_CASE("threads and reused outputs on shapes large enough that every threaded pass splits") {
   // PO's builder splits its ranks among workers for 3*S*m >= 2^16 ops per extra worker
   // (detail/parallel.hpp's grain), validate and simulate for as many ops of the program; with
-  // set_schedule_threads(3) every pass splits whatever its size.
+  // po::Workers{3} every pass splits whatever its size.
   Rng rng(4000);
   std::vector<Case> cases = {
       {po::PO_F::spec, {32, 8, 256}, {}},
@@ -712,8 +704,7 @@ TEST_CASE("threads and reused outputs on shapes large enough that every threaded
     const Case& c = cases[i];
     const std::string where = "large case " + std::to_string(i) + ": " + text(c);
     require_fast_equals_plain(c, where, pool, sims, rng, larger, smaller);
-    const Threads t(8);
-    const po::Program p = po::build(c.spec, c.shape, c.costs);
+    const po::Program p = po::build(c.spec, c.shape, c.costs, po::Workers{8});
     if (std::string e = diff_orders(p, ref::orders(c.spec, c.shape)); !e.empty()) FAIL(where << ": " << e);
     if (std::string e = diff_plans(p, ref::p2p_plan(c.spec, c.shape, c.costs)); !e.empty()) FAIL(where << ": " << e);
     if (i < 2) {  // the reference simulator and rules on the largest (slow: maps of every unit)

@@ -20,14 +20,6 @@ using pipeoffload_test::same_sim;
 
 namespace {
 
-/// Sets the thread count for one scope, restoring the default after.
-struct Threads {
-  explicit Threads(int n) { set_schedule_threads(n); }
-  ~Threads() { set_schedule_threads(0); }
-  Threads(const Threads&) = delete;
-  Threads& operator=(const Threads&) = delete;
-};
-
 /// Everything a call produced, or the message it threw.
 struct Outcome {
   std::string error;
@@ -38,18 +30,18 @@ struct Outcome {
 
 /// Builds (or takes `given`), validates and simulates on `threads` threads.
 Outcome run(int threads, const ScheduleSpec& spec, const Shape& shape, const Costs& costs, const std::function<void(Program&)>& change = {}) {
-  const Threads t(threads);
+  const Workers t(threads);
   Outcome o;
   try {
-    o.program = build(spec, shape, costs);
+    o.program = build(spec, shape, costs, t);
   } catch (const std::exception& e) {
     o.error = std::string("build: ") + e.what();
     return o;
   }
   if (change) change(o.program);
-  o.valid = validate(o.program);
+  o.valid = validate(o.program, t);
   try {
-    o.sim = simulate(o.program);
+    o.sim = simulate(o.program, t);
   } catch (const std::exception& e) {
     o.error = std::string("simulate: ") + e.what();
   }
@@ -68,17 +60,18 @@ const ScheduleSpec specs[] = {OneF1B::spec, Interleaved1F1B::spec, GIS::spec, GI
 
 }  // namespace
 
-TEST_CASE("schedule_threads: set and read back; a bad count names the range") {
-  const Threads t(3);
-  CHECK(schedule_threads() == 3);
+TEST_CASE("po::Workers: the count given, 0 by default; a bad count names the range") {
+  CHECK(Workers{}.count == 0);
+  CHECK(Workers{3}.count == 3);
   try {
-    set_schedule_threads(-1);
+    (void)Workers{-1};
     FAIL("no exception");
   } catch (const shape_error& e) {
-    CHECK(std::string(e.what()) == "set_schedule_threads: n = -1 is outside the allowed range [0, 256]");
+    CHECK(std::string(e.what()) == "po::Workers: n = -1 is outside the allowed range [0, 256]");
   }
-  CHECK_THROWS_AS(set_schedule_threads(257), shape_error);
-  CHECK(schedule_threads() == 3);
+  CHECK_THROWS_AS((void)Workers{257}, shape_error);
+  // In a constant expression everything runs on the calling thread, whatever the count.
+  static_assert(validate(build(PO_F::spec, {4, 2, 8}, {}, Workers{4}), Workers{4}));
 }
 
 TEST_CASE("build, validate and simulate are bit-identical on 1 to 4 threads") {

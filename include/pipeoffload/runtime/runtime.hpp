@@ -839,7 +839,7 @@ class Runtime<Backend, Communicator> {
   static std::vector<std::size_t> pair_waits(const RankProgram& mine, const RankProgram& theirs) {
     std::vector<std::size_t> w(mine.copy.size(), 0);
     const double T = mine.slot_length, U = theirs.slot_length;
-    const double eps = 1e-9 * std::max(T, U);
+    const double eps = detail::tolerance(std::max(T, U));
     std::size_t k = 0;
     std::size_t last[2] = {0, 0};  // per direction (O, R): 1 + index of the partner's latest copy so far
     for (std::size_t y = 0; y < mine.copy.size(); ++y) {

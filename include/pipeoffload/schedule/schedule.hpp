@@ -64,12 +64,12 @@ struct Schedule {
   static constexpr ScheduleSpec spec{grouping::family, grouping::group_spec, offloading::selection};
 
   /// Op lists for `shape` under `costs` (unit costs, k = 1 by default). See pipeoffload::build.
-  static constexpr Program build(const Shape& shape, const Costs& costs = {}) {
-    return pipeoffload::build(spec, shape, costs);
+  static constexpr Program build(const Shape& shape, const Costs& costs = {}, Workers threads = {}) {
+    return pipeoffload::build(spec, shape, costs, threads);
   }
   /// build() into `p`, reusing its memory. See pipeoffload::build_into.
-  static constexpr void build_into(Program& p, const Shape& shape, const Costs& costs = {}) {
-    pipeoffload::build_into(p, spec, shape, costs);
+  static constexpr void build_into(Program& p, const Shape& shape, const Costs& costs = {}, Workers threads = {}) {
+    pipeoffload::build_into(p, spec, shape, costs, threads);
   }
 };
 

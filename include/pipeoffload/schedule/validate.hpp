@@ -26,6 +26,7 @@
 
 #include "detail/asap.hpp"
 #include "detail/default_init.hpp"
+#include "detail/numeric.hpp"
 #include "detail/parallel.hpp"
 #include "program.hpp"
 
@@ -315,16 +316,16 @@ constexpr Validation check_execution(const Program& p) {
 /// the ops of all ranks and the messages form no cycle (DESIGN.md section 4).
 /// The per-rank sweeps and the comparisons between neighbours run on the machine's cores
 /// (detail/parallel.hpp); going around the ring is one pass over the ranks.
-constexpr bool proven_valid(const Program& p) {
+constexpr bool proven_valid(const Program& p, Workers threads = {}) {
   const Shape& sh = p.shape;
   const int d = sh.d, v = sh.v, m = sh.m;
   if (d < 1 || d > max_ranks || v < 1 || v > max_chunks || m < 1 || m > max_microbatches) return false;
   if (static_cast<int>(p.ranks.size()) != d) return false;
   const int S = d * v;
   const bool fused = fused_backward(p.spec.family);
-  // chunk_of(s) = s / d without a division: exact for s < 2^20 and d <= 2^12.
-  const std::uint64_t magic = (std::uint64_t{1} << 40) / static_cast<std::uint64_t>(d) + 1;
-  const auto chunk = [magic](int s) { return static_cast<int>((static_cast<std::uint64_t>(s) * magic) >> 40); };
+  // chunk_of(s) = s / d without a division.
+  const FastDiv by_d(static_cast<std::uint64_t>(d), static_cast<std::uint64_t>(d) * static_cast<std::uint64_t>(v));
+  const auto chunk = [by_d](int s) { return static_cast<int>(by_d(static_cast<std::uint64_t>(s))); };
 
   // Per unit of the rank being swept (chunk-major): what has run, and where.
   enum : std::uint16_t { kF = 1, kB = 2, kW = 4, kO = 8, kR = 16, kFmsg = 32, kBmsg = 64, kFsent = 128, kBsent = 256 };
@@ -505,7 +506,7 @@ constexpr bool proven_valid(const Program& p) {
     return 2 * offloads == nk;
   };
 
-  const int workers = worker_count(ops, d);
+  const int workers = worker_count(ops, d, threads);
   std::vector<std::vector<Unit>> scratch(static_cast<std::size_t>(workers));
   std::vector<char> ok(static_cast<std::size_t>(d), 0);
   for_each_item(workers, d, [&](int r, int w) { ok[static_cast<std::size_t>(r)] = sweep(r, scratch[static_cast<std::size_t>(w)]); });
@@ -580,9 +581,9 @@ constexpr bool proven_valid(const Program& p) {
 /// Checks every rule of DESIGN.md section 4: each (stage, mb) has F, B and W (or BW) exactly
 /// once on its own rank; every dependency is met; the P2P plan completes without deadlock and
 /// in order under the documented communicator semantics; every reload follows its offload and
-/// precedes its backward; the copy stream is never double-booked.
-constexpr Validation validate(const Program& p) {
-  if (detail::proven_valid(p)) return {};
+/// precedes its backward; the copy stream is never double-booked. `threads`: see po::Workers.
+constexpr Validation validate(const Program& p, Workers threads = {}) {
+  if (detail::proven_valid(p, threads)) return {};
   // Not proven: the rules one by one, which name the first one broken (or accept).
   if (Validation v = detail::check_passes(p); !v) return v;
   if (Validation v = detail::check_copies(p); !v) return v;

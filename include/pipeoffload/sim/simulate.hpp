@@ -187,7 +187,7 @@ constexpr void memory_timeline(const Costs& costs, const RankProgram& rp, RankSi
 /// A memory timeline's vector is made before its length is known: it keeps room for one point
 /// per event (with unit costs most events coincide: PO-F d=64 v=8 m=512 keeps 16.7 MB for
 /// 6.7 MB of points).
-constexpr void simulate_into(SimResult& res, const Program& p, const Costs& costs) {
+constexpr void simulate_into(SimResult& res, const Program& p, const Costs& costs, Workers threads = {}) {
   const int d = static_cast<int>(p.ranks.size());
   const auto du = static_cast<std::size_t>(d);
   res.makespan = 0;
@@ -196,7 +196,7 @@ constexpr void simulate_into(SimResult& res, const Program& p, const Costs& cost
   std::size_t ops = 0;
   for (const RankProgram& rp : p.ranks) ops += rp.compute.size() + rp.copy.size();
   const std::vector<double> dur = detail::duration_table(costs, p.shape.stages());
-  const int workers = detail::worker_count(ops, d);
+  const int workers = detail::worker_count(ops, d, threads);
   const bool follow = workers > 1;
   std::vector<detail::UnitEnds> ends;
   std::vector<std::size_t> progress(follow ? 2 * du : 0);  // see TimesOut::progress
@@ -269,18 +269,18 @@ constexpr void simulate_into(SimResult& res, const Program& p, const Costs& cost
 
 /// Simulates `p` under `costs` (the orders, edges and P2P plan of `p`, the durations of
 /// `costs`). Throws schedule_error if the orders cannot run. See simulate_into for how the
-/// work is split among threads.
-constexpr SimResult simulate(const Program& p, const Costs& costs) {
+/// work is split among threads (`threads`: see po::Workers).
+constexpr SimResult simulate(const Program& p, const Costs& costs, Workers threads = {}) {
   SimResult res;
-  simulate_into(res, p, costs);
+  simulate_into(res, p, costs, threads);
   return res;
 }
 
 /// Simulates `p` under the costs it was built with.
-constexpr SimResult simulate(const Program& p) { return simulate(p, p.costs); }
+constexpr SimResult simulate(const Program& p, Workers threads = {}) { return simulate(p, p.costs, threads); }
 
 /// simulate_into() under the costs `p` was built with.
-constexpr void simulate_into(SimResult& res, const Program& p) { simulate_into(res, p, p.costs); }
+constexpr void simulate_into(SimResult& res, const Program& p, Workers threads = {}) { simulate_into(res, p, p.costs, threads); }
 
 /// Rank `rank`'s simulated peak of alive activation (units under unit sizes, else bytes).
 constexpr double peak(const Program& p, int rank) {

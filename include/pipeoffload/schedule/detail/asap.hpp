@@ -3,7 +3,9 @@
 // Every stream runs its ops in order; an op starts when its stream is free, its data
 // dependency has finished (plus T_comm across ranks) and its cross-stream edge is met. The
 // builder uses this for its planning timeline and P2P order, the simulator for its report:
-// one timing engine, so the plan and the report cannot drift apart.
+// one timing engine of whole programs, so the plan and the report cannot drift apart. (The
+// one other timing loop, copy_lag in edges.hpp, times a single rank's two streams against
+// fixed release times to choose a PCIe pair's slot parities; it reports nothing.)
 //
 // An op's times depend only on the times of the ops it waits for, so any order of evaluation
 // that respects the dependencies gives the same numbers. The engine runs one rank's streams

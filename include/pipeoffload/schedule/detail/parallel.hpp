@@ -21,19 +21,16 @@
 
 namespace pipeoffload {
 
-namespace detail {
-inline std::atomic<int> thread_limit{0};
-}  // namespace detail
-
-/// Threads that build(), validate() and simulate() use per call, the calling thread included:
-/// 0 (the default) for one per core on work large enough to pay for them; n > 0 for n, on
-/// any work (1: everything on the calling thread). Process-wide. Results are bit-identical
-/// whatever the setting. Throws shape_error outside [0, 256].
-inline void set_schedule_threads(int n) {
-  detail::require_range("set_schedule_threads: n", n, 0, 256);
-  detail::thread_limit.store(n, std::memory_order_relaxed);
-}
-inline int schedule_threads() { return detail::thread_limit.load(std::memory_order_relaxed); }
+/// Threads one call of build(), validate() or simulate() may use, the calling thread
+/// included, given as that call's last argument: Workers{} (the default) for one per core (at
+/// most 8) on work large enough to pay for them; Workers{n} for n on any work (Workers{1}:
+/// everything on the calling thread). Results are bit-identical whatever the count. Nothing
+/// is process-wide: each call says its own. Throws shape_error outside [0, 256].
+struct Workers {
+  int count = 0;  ///< 0: by the machine's cores and the work's size
+  constexpr Workers() = default;
+  constexpr explicit Workers(int n) : count(n) { detail::require_range("po::Workers: n", n, 0, 256); }
+};
 
 namespace detail {
 
@@ -44,11 +41,11 @@ inline constexpr std::size_t parallel_grain = std::size_t{1} << 16;
 inline constexpr int max_workers = 8;
 
 /// How many workers to split `items` items of `work` ops in total among: 1 in a constant
-/// expression; under set_schedule_threads(n > 0), n (at most one per item); by default one
-/// per core (at most max_workers), for work large enough to pay for them.
-constexpr int worker_count(std::size_t work, int items) {
+/// expression; under Workers{n > 0}, n (at most one per item); by default one per core (at
+/// most max_workers), for work large enough to pay for them.
+constexpr int worker_count(std::size_t work, int items, Workers threads) {
   if (std::is_constant_evaluated()) return 1;
-  const int limit = schedule_threads();
+  const int limit = threads.count;
   if (limit > 0) return std::max(1, std::min(limit, items));
   const int cores = std::min(max_workers, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   const auto by_work = static_cast<int>(std::min<std::size_t>(work / parallel_grain, static_cast<std::size_t>(cores)));
