@@ -8,7 +8,7 @@
 // recompute and element-wise work not counted). Rate = FLOPs / median time of 5.
 // Baseline: the best of square SGEMMs n = 512, 1024, 2048 and the block's own largest GEMM
 // shape (T x h x 4h), each the best of 5.
-#include <pipeoffload/model/gpt.hpp>
+#include <models/gpt/cpu.hpp>
 #include <pipeoffload/runtime.hpp>
 
 #include <algorithm>

@@ -9,7 +9,7 @@
 //    runtime runs after each F and B when RuntimeOptions::check_finite is on).
 // 3. A pass of the sample GPT's stage at train_gpt's defaults (h = 64, 4 heads, seq 64, batch 4,
 //    one block): F + B + W, median of 9; the two costs above are reported as a fraction of it.
-#include <pipeoffload/model/gpt.hpp>
+#include <models/gpt/cpu.hpp>
 #include <pipeoffload/runtime.hpp>
 
 #include <algorithm>

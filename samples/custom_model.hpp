@@ -7,7 +7,7 @@
 //                                     h = h + gelu(h W1 + b1) W2 + b2      (4w inner width)
 //   stage S-1        RegressionHead   pred = h w + b, loss = mean over rows of 0.5 (pred - t)^2
 //
-// Each type is its own po::layer (no flags): the runtime holds them as po::StageRef, and
+// Each type is its own po::layer_for<_, CpuContext> (no flags): the runtime holds them as po::StageRef, and
 // checks at construction that every producer's output_boundary equals its consumer's
 // input_boundary. Middle stages alternate between width `hidden` (odd stages) and 3/4 of
 // it (even stages), so the boundaries between stages differ in size, and every other middle
@@ -45,6 +45,8 @@
 
 #include <pipeoffload/fnv1a.hpp>
 #include <pipeoffload/runtime.hpp>
+
+#include <models/gpt/math.hpp>  // gelu, mix64
 
 namespace custom {
 
@@ -378,9 +380,9 @@ class RegressionHead {
   detail::Params p_;
 };
 
-static_assert(po::layer<InputProjection>, "custom::InputProjection must model po::layer");
-static_assert(po::layer<ResidualStage>, "custom::ResidualStage must model po::layer");
-static_assert(po::layer<RegressionHead>, "custom::RegressionHead must model po::layer");
+static_assert(po::layer_for<InputProjection, po::backend::CpuContext>, "custom::InputProjection must model po::layer_for<_, po::backend::CpuContext>");
+static_assert(po::layer_for<ResidualStage, po::backend::CpuContext>, "custom::ResidualStage must model po::layer_for<_, po::backend::CpuContext>");
+static_assert(po::layer_for<RegressionHead, po::backend::CpuContext>, "custom::RegressionHead must model po::layer_for<_, po::backend::CpuContext>");
 
 /// One stage of any of the three types, owned.
 using Stage = std::variant<InputProjection, ResidualStage, RegressionHead>;

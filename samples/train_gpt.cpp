@@ -14,7 +14,7 @@
 // for a run resumed from a checkpoint; scripts compare them.
 #include <pipeoffload/comm/handshake.hpp>
 #include <pipeoffload/fnv1a.hpp>
-#include <pipeoffload/model/gpt.hpp>
+#include <models/gpt/cpu.hpp>
 #include <pipeoffload/runtime.hpp>
 #include <pipeoffload/runtime/checkpoint.hpp>
 #include <pipeoffload/sim/render.hpp>
@@ -22,7 +22,7 @@
 #include <pipeoffload/comm/mpi/mpi.hpp>
 #endif
 #ifdef PIPEOFFLOAD_WITH_CUDA
-#include <pipeoffload/backend/cuda/gpt.hpp>
+#include <models/gpt/cuda.hpp>
 #include <pipeoffload/cuda.hpp>
 #ifdef PIPEOFFLOAD_WITH_MPI
 #include <pipeoffload/comm/mpi/nccl_id.hpp>

@@ -28,12 +28,13 @@
 #include <string>
 #include <vector>
 
-#include <pipeoffload/backend/cuda/gpt.hpp>
+#include <models/gpt/cuda.hpp>
 #include <pipeoffload/cuda.hpp>
-#include <pipeoffload/model/gpt.hpp>
+#include <models/gpt/cpu.hpp>
 
 namespace po = pipeoffload;
 namespace pc = pipeoffload::cuda;
+namespace pm = pipeoffload::model;
 namespace pk = pipeoffload::cuda::kernels;
 
 namespace {
@@ -180,7 +181,7 @@ int main(int argc, char** argv) {
     cfg.recompute = recompute;
     const po::MicrobatchShape shape{static_cast<int>(b), static_cast<int>(s)};
     const long long T = b * s;
-    const pc::GptDims dims{cfg.vocab, h, heads, s, 1, 1, false, false, recompute};
+    const pm::GptDims dims{cfg.vocab, h, heads, s, 1, 1, false, false, recompute};
     const pc::GptStageBuffers bufs = pc::gpt_stage_buffers(dims, T);
     // Arena: saved, stash, four boundaries, the bare block's buffers below, the 256 MiB
     // workspace, and slack for the allocator's rounding.

@@ -12,7 +12,6 @@
 #include "backend/cuda/check.hpp"
 #include "backend/cuda/cuda.hpp"
 #include "backend/cuda/gemm.hpp"
-#include "backend/cuda/gpt.hpp"
 #include "backend/cuda/kernels.hpp"
 #include "backend/cuda/shapes.hpp"
 #include "backend/cuda/topology.hpp"

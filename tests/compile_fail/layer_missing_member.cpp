@@ -1,4 +1,4 @@
-// expect: po::Runtime: Layer must model po::layer: it needs input_boundary(shape), output_boundary(shape), saved_bytes(shape)
+// expect: po::Runtime: Layer must model po::layer_for<Layer, Backend::Context>: it needs input_boundary(shape), output_boundary(shape), saved_bytes(shape)
 // A stage type without backward_weight (W) cannot run a split-backward schedule: the runtime
 // must say which members a layer needs, not fail deep inside its template.
 #include <pipeoffload/runtime.hpp>

@@ -3,7 +3,7 @@
 // Each case is a template over a Traits type that says how to make the device and the little
 // a case cannot express through the backend concept itself: a delay on a stream (to make an
 // ordering bug observable) and a stage's forward/backward body (y = GeLU(x), dx = dy GeLU'(x),
-// the per-element math of model/math.hpp). Data moves in and out only through the concept:
+// the per-element math of models/gpt/math.hpp). Data moves in and out only through the concept:
 // pinned host blocks, transfer(), synchronize() (and upload, download, zero, flag_nonfinite and
 // the optimizer updates where a case tests them).
 // Instantiated for backend::Cpu in
@@ -25,7 +25,7 @@
 
 #include <pipeoffload/backend/backend.hpp>
 #include <pipeoffload/backend/update.hpp>
-#include <pipeoffload/model/math.hpp>
+#include <models/gpt/math.hpp>
 #include <pipeoffload/tensor.hpp>
 #include <pipeoffload/offload/host_bins.hpp>
 
@@ -472,7 +472,7 @@ void pair_counters() {
   TEST_CASE(name ": an offload into power-of-two bins and its reload give back every byte") {                    \
     conformance::copy_round_trip<Traits>();                                                                     \
   }                                                                                                             \
-  TEST_CASE(name ": a stage's forward and backward match model/math.hpp") { conformance::stage_forward_backward<Traits>(); } \
+  TEST_CASE(name ": a stage's forward and backward match models/gpt/math.hpp") { conformance::stage_forward_backward<Traits>(); } \
   TEST_CASE(name ": upload, download, sums of squares and AdamW between steps, gradients left as they are") {          \
     conformance::optimizer_operations<Traits>();                                                                \
   }                                                                                                             \

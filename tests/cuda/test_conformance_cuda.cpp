@@ -3,6 +3,8 @@
 
 #include <pipeoffload/cuda.hpp>
 
+#include <models/gpt/kernels.hpp>  // GeLU, the conformance stage's element-wise pass on the GPU
+
 #include "backend_conformance.hpp"
 
 namespace {

@@ -37,12 +37,13 @@
 #include <string>
 #include <vector>
 
-#include <pipeoffload/backend/cuda/gpt.hpp>
-#include <pipeoffload/model/gpt.hpp>
+#include <models/gpt/cuda.hpp>
+#include <models/gpt/cpu.hpp>
 #include <pipeoffload/runtime.hpp>
 
 namespace po = pipeoffload;
 namespace pc = pipeoffload::cuda;
+namespace pm = pipeoffload::model;
 
 namespace {
 
@@ -76,8 +77,8 @@ void check_rel(const std::string& what, const float* got, const float* want, std
 }
 
 /// Sensitive test parameters (see the file comment), bf16-representable, in the CPU layout.
-void draw_parameters(std::span<float> p, const pc::GptDims& d, unsigned seed) {
-  const pc::GptStageParams L = pc::gpt_stage_params(d);
+void draw_parameters(std::span<float> p, const pm::GptDims& d, unsigned seed) {
+  const pm::GptStageParams L = pm::gpt_stage_params(d);
   REQUIRE(static_cast<long long>(p.size()) == L.total);
   std::mt19937 rng(seed);
   std::normal_distribution<float> n01(0.0f, 1.0f);
@@ -92,7 +93,7 @@ void draw_parameters(std::span<float> p, const pc::GptDims& d, unsigned seed) {
   }
   for (int i = 0; i < d.blocks; ++i) {
     const long long b = L.block_begin(i);
-    const pc::GptBlockParams& o = L.block;
+    const pm::GptBlockParams& o = L.block;
     fill(b + o.ln1g, h, 1.0f, 0.1f);
     fill(b + o.ln1b, h, 0.0f, 0.1f);
     fill(b + o.wqkv, 3 * h * h, 0.0f, in_h);
@@ -304,7 +305,7 @@ Outputs run_gpu(pc::GptStage& l, po::backend::Cuda& dev, int stream, int stage, 
 
 /// The GPU's outputs against the CPU's: y or the loss, and after a training run dx and the
 /// gradient of every tensor of parameter_info().
-void compare(const Outputs& gpu, const Outputs& cpu, const pc::GptDims& d, bool training = true) {
+void compare(const Outputs& gpu, const Outputs& cpu, const pm::GptDims& d, bool training = true) {
   for (int k = 0; k < 2; ++k) {
     const std::string mb = "mb " + std::to_string(k) + " ";
     if (d.has_head) {
@@ -319,7 +320,7 @@ void compare(const Outputs& gpu, const Outputs& cpu, const pc::GptDims& d, bool 
   if (!training) return;
   REQUIRE(gpu.grads.size() == cpu.grads.size());
   // (wpe's rows past the microbatch's seq get no gradient on either side: zeros compare equal.)
-  for (const po::ParamInfo& t : pc::gpt_parameter_info(d))
+  for (const po::ParamInfo& t : pm::gpt_parameter_info(d))
     check_rel("gradient of " + t.name, gpu.grads.data() + t.offset, cpu.grads.data() + t.offset, t.count(), backward_tol);
 }
 
@@ -345,8 +346,8 @@ void check_stage(const po::model::GptConfig& c, int stage, int stages, bool trai
   CAPTURE(training);
   const po::MicrobatchShape shape{2, 32};
   po::model::GptStage cpu(c, stage, stages);
-  const pc::BlockRange r = pc::gpt_blocks_of_stage(c.layers, stage, stages);
-  const pc::GptDims d{c.vocab, c.hidden, c.heads, c.seq, r.first, r.count, stage == 0, stage == stages - 1, c.recompute};
+  const pm::BlockRange r = pm::gpt_blocks_of_stage(c.layers, stage, stages);
+  const pm::GptDims d{c.vocab, c.hidden, c.heads, c.seq, r.first, r.count, stage == 0, stage == stages - 1, c.recompute};
   draw_parameters(cpu.parameters(), d, 100 + static_cast<unsigned>(stage));
   po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});  // the cuBLASLt + cuDNN workspace (256 MiB) lives here
   const int s = dev.make_stream("compute");
@@ -393,8 +394,8 @@ TEST_CASE("cuda::GptStage's forward of microbatch 0 refreshes the bf16 weights f
   const int stage = 1, stages = 3;
   const po::MicrobatchShape shape{2, 32};
   po::model::GptStage cpu(c, stage, stages);
-  const pc::BlockRange r = pc::gpt_blocks_of_stage(c.layers, stage, stages);
-  const pc::GptDims d{c.vocab, c.hidden, c.heads, c.seq, r.first, r.count, false, false, c.recompute};
+  const pm::BlockRange r = pm::gpt_blocks_of_stage(c.layers, stage, stages);
+  const pm::GptDims d{c.vocab, c.hidden, c.heads, c.seq, r.first, r.count, false, false, c.recompute};
   po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});  // the cuBLASLt + cuDNN workspace (256 MiB) lives here
   const int s = dev.make_stream("compute");
   pc::GptStage gpu(dev, c, stage, stages, shape);  // the CPU model's init

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include <pipeoffload/cuda.hpp>
+
+#include <models/gpt/kernels.hpp>
 #include <pipeoffload/runtime/thread_ranks.hpp>
 
 namespace po = pipeoffload;
@@ -90,7 +92,7 @@ constexpr float bf16_rel = 1.0f / 128;  // one rounding to bf16, with margin
 
 }  // namespace
 
-TEST_CASE("GeLU, dropout and residual kernels match model/math.hpp") {
+TEST_CASE("GeLU, dropout and residual kernels match models/gpt/math.hpp") {
   Gpu g;
   const std::size_t n = 100003;
   const std::vector<float> x = random_bf16(n, 1, 2.0f), y = random_bf16(n, 2);
@@ -125,7 +127,7 @@ TEST_CASE("GeLU, dropout and residual kernels match model/math.hpp") {
   check_close(g.get(out2, n), g.get(out, n), 0.0f, 0.0f);  // one product with the same factor: exact
 }
 
-TEST_CASE("bias and LayerNorm weight gradients accumulate the column sums model/gpt.hpp computes") {
+TEST_CASE("bias and LayerNorm weight gradients accumulate the column sums models/gpt/cpu.hpp computes") {
   Gpu g;
   for (const auto& [rows, n] : {std::pair{333, 1000}, std::pair{4096, 64}, std::pair{5, 33}}) {
     CAPTURE(rows);
@@ -342,7 +344,7 @@ TEST_CASE("cuDNN's causal SDPA forward and backward match the CPU model's attent
     po::cuda::attention::backward(*ctx.attention, ctx.cuda_stream, shape, dqkv_in, out, ddout, stats, dqkv, ctx.workspace, ctx.workspace_bytes);
   });
   dev.synchronize();
-  // The CPU model's attention (model/gpt.hpp), in double.
+  // The CPU model's attention (models/gpt/cpu.hpp), in double.
   std::vector<float> want_out(dout.size()), want_lse(static_cast<std::size_t>(B) * A * S), want_d(qkv.size(), 0.0f);
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   const auto at = [&](int b, int t, int part, int a, int e) { return static_cast<std::size_t>((b * S + t) * 3 * H + part * H + a * D + e); };

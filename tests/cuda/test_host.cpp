@@ -19,11 +19,14 @@
 #include <pipeoffload/backend/cuda/shapes.hpp>
 #include <pipeoffload/backend/cuda/topology.hpp>
 #include <pipeoffload/comm/nccl/id_file.hpp>
-#include <pipeoffload/model/gpt.hpp>
-#include <pipeoffload/model/math.hpp>
+#include <models/gpt/cpu.hpp>
+#include <models/gpt/cuda_layout.hpp>
+#include <models/gpt/layout.hpp>
+#include <models/gpt/math.hpp>
 
 namespace po = pipeoffload;
 namespace pc = pipeoffload::cuda;
+namespace pm = pipeoffload::model;
 namespace math = pipeoffload::math;
 
 namespace {
@@ -246,7 +249,7 @@ TEST_CASE("the CUDA non-finite check tests the bits backend::Cpu tests, and flag
 
 // ---- GEMM layouts --------------------------------------------------------------------------
 
-TEST_CASE("the GPT's three GEMMs are the calls model/gpt.hpp makes to the CPU GEMM") {
+TEST_CASE("the GPT's three GEMMs are the calls models/gpt/cpu.hpp makes to the CPU GEMM") {
   // linear:    sgemm(no, no,  rows, n, k,  X lda=k, W ldb=n, beta 0, Y ldc=n)
   CHECK(pc::linear_forward(10, 3, 5) == pc::RowMajorGemm{pc::Op::n, pc::Op::n, 10, 5, 3, 3, 5, 5, 1.0f, 0.0f});
   // linear_dx: sgemm(no, yes, rows, k, n,  dY lda=n, W ldb=n, beta 0, dX ldc=k)
@@ -324,7 +327,7 @@ TEST_CASE("sdpa_layout addresses q, k and v of the GPT's fused qkv rows and the 
   CHECK_THROWS_AS(pc::sdpa_layout(1, 1, 1, 264), po::shape_error);
 }
 
-// ---- the GPT stage's layouts (backend/cuda/gpt.hpp) -----------------------------------------
+// ---- the GPT stage's layouts (models/gpt/layout.hpp, cuda_layout.hpp) -----------------------------------------
 
 namespace {
 
@@ -339,8 +342,8 @@ po::model::GptConfig small_gpt(int layers, bool recompute = true) {
   return c;
 }
 
-pc::GptDims dims_of(const po::model::GptConfig& c, int stage, int stages) {
-  const pc::BlockRange r = pc::gpt_blocks_of_stage(c.layers, stage, stages);
+pm::GptDims dims_of(const po::model::GptConfig& c, int stage, int stages) {
+  const pm::BlockRange r = pm::gpt_blocks_of_stage(c.layers, stage, stages);
   return {c.vocab, c.hidden, c.heads, c.seq, r.first, r.count, stage == 0, stage == stages - 1, c.recompute};
 }
 
@@ -375,11 +378,11 @@ TEST_CASE("gpt_blocks_of_stage splits the blocks as model::GptStage does") {
     for (int stages = 1; stages <= 7; ++stages)
       for (int s = 0; s < stages; ++s) {
         const po::model::GptStage cpu(small_gpt(layers), s, stages);
-        const pc::BlockRange r = pc::gpt_blocks_of_stage(layers, s, stages);
+        const pm::BlockRange r = pm::gpt_blocks_of_stage(layers, s, stages);
         CHECK(r.first == cpu.first_block());
         CHECK(r.count == cpu.blocks());
       }
-  CHECK_THROWS_AS(pc::gpt_blocks_of_stage(4, 4, 4), po::shape_error);
+  CHECK_THROWS_AS(pm::gpt_blocks_of_stage(4, 4, 4), po::shape_error);
 }
 
 TEST_CASE("gpt_stage_params addresses every tensor of model::GptStage's parameter vector") {
@@ -390,9 +393,9 @@ TEST_CASE("gpt_stage_params addresses every tensor of model::GptStage's paramete
   for (int s = 0; s < stages; ++s) {
     const po::model::GptConfig c = small_gpt(layers);
     po::model::GptStage cpu(c, s, stages);
-    const pc::GptDims d = dims_of(c, s, stages);
-    const pc::GptStageParams L = pc::gpt_stage_params(d);
-    CHECK(pc::gpt_norm_groups(d) == cpu.norm_groups());
+    const pm::GptDims d = dims_of(c, s, stages);
+    const pm::GptStageParams L = pm::gpt_stage_params(d);
+    CHECK(pm::gpt_norm_groups(d) == cpu.norm_groups());
     REQUIRE(L.total == static_cast<long long>(cpu.parameters().size()));
     const float* p = cpu.parameters().data();
     const long long h = c.hidden, V = c.vocab;
@@ -403,7 +406,7 @@ TEST_CASE("gpt_stage_params addresses every tensor of model::GptStage's paramete
     }
     for (int i = 0; i < d.blocks; ++i) {
       const float* b = p + L.block_begin(i);
-      const pc::GptBlockParams& o = L.block;
+      const pm::GptBlockParams& o = L.block;
       CHECK(all_equal(b + o.ln1g, h, 1.0f));
       CHECK(all_equal(b + o.ln1b, h, 0.0f));
       CHECK(all_equal(b + o.bqkv, 3 * h, 0.0f));
@@ -439,8 +442,8 @@ TEST_CASE("cuda::GptStage's parameter_info() and inputs() are model::GptStage's:
           CAPTURE(s);
           const po::model::GptConfig c = small_gpt(layers, recompute);
           const po::model::GptStage cpu(c, s, stages);
-          const pc::GptDims d = dims_of(c, s, stages);
-          const std::vector<po::ParamInfo> want = cpu.parameter_info(), got = pc::gpt_parameter_info(d);
+          const pm::GptDims d = dims_of(c, s, stages);
+          const std::vector<po::ParamInfo> want = cpu.parameter_info(), got = pm::gpt_parameter_info(d);
           REQUIRE(got.size() == want.size());
           for (std::size_t i = 0; i < got.size(); ++i) {
             CAPTURE(want[i].name);
@@ -454,9 +457,9 @@ TEST_CASE("cuda::GptStage's parameter_info() and inputs() are model::GptStage's:
             CHECK(t.offset == end);
             end = t.offset + t.count();
           }
-          CHECK(static_cast<long long>(end) == pc::gpt_stage_params(d).total);
+          CHECK(static_cast<long long>(end) == pm::gpt_stage_params(d).total);
           for (const po::MicrobatchShape sh : {po::MicrobatchShape{1, 1}, po::MicrobatchShape{2, 16}, po::MicrobatchShape{3, 7}}) {
-            const std::vector<po::InputSpec> wi = cpu.inputs(sh), gi = pc::gpt_inputs(d, sh);
+            const std::vector<po::InputSpec> wi = cpu.inputs(sh), gi = pm::gpt_inputs(d, sh);
             REQUIRE(gi.size() == wi.size());
             for (std::size_t i = 0; i < gi.size(); ++i) {
               CHECK(gi[i].name == wi[i].name);
@@ -475,7 +478,7 @@ TEST_CASE("the CUDA GPT block saves 20bsh bytes with selective recompute and 34b
           CAPTURE(recompute);
           CAPTURE(T);
           CAPTURE(h);
-          const pc::GptDims d{50257, h, heads, 4096, 0, 1, false, false, recompute};
+          const pm::GptDims d{50257, h, heads, 4096, 0, 1, false, false, recompute};
           const pc::GptBlockSaved s = pc::gpt_block_saved(d, T);
           const std::size_t Th = static_cast<std::size_t>(T * h);
           CHECK(s.tensor_bytes == (recompute ? 20 : 34) * Th);
@@ -508,7 +511,7 @@ TEST_CASE("the CUDA GPT stage's saved, stash and scratch regions are aligned, di
             CAPTURE(stages);
             CAPTURE(s);
             CAPTURE(T);
-            const pc::GptDims d = dims_of(small_gpt(layers, recompute), s, stages);
+            const pm::GptDims d = dims_of(small_gpt(layers, recompute), s, stages);
             const pc::GptStageBuffers b = pc::gpt_stage_buffers(d, T);
             std::vector<pc::Region> saved, stash;
             for (int i = 0; i < d.blocks; ++i) {
@@ -537,8 +540,8 @@ TEST_CASE("the CUDA GPT stage's saved, stash and scratch regions are aligned, di
             CHECK((w.gelu.bytes > 0) == recompute);
             CHECK((w.logits.bytes > 0) == d.has_head);
           }
-  CHECK_THROWS_AS(pc::gpt_stage_buffers(pc::GptDims{10, 64, 3, 8, 0, 1, false, false, true}, 4), po::shape_error);  // 3 does not divide 64
-  CHECK_THROWS_AS(pc::gpt_workspace(pc::GptDims{10, 64, 4, 8, 0, 1, false, false, true}, 0), po::shape_error);
+  CHECK_THROWS_AS(pc::gpt_stage_buffers(pm::GptDims{10, 64, 3, 8, 0, 1, false, false, true}, 4), po::shape_error);  // 3 does not divide 64
+  CHECK_THROWS_AS(pc::gpt_workspace(pm::GptDims{10, 64, 4, 8, 0, 1, false, false, true}, 0), po::shape_error);
 }
 
 // ---- topology ----------------------------------------------------------------------------

@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include <pipeoffload/backend/cuda/gpt.hpp>
+#include <models/gpt/cuda.hpp>
 #include <pipeoffload/cuda.hpp>
-#include <pipeoffload/model/gpt.hpp>
+#include <models/gpt/cpu.hpp>
 #include <pipeoffload/runtime.hpp>
 
 namespace po = pipeoffload;

@@ -3,8 +3,7 @@
 
 usage: check_includes.py [REPO_ROOT]        (default: the checkout this script is in)
 
-Reads every header under include/pipeoffload/ (and models/, once the sample models live
-there), resolves its #include "..." and #include <pipeoffload/...> lines, gives each header the
+Reads every header under include/pipeoffload/ and models/, resolves its #include "..." and #include <pipeoffload/...> lines, gives each header the
 layer of its folder (LAYERS below) and fails, listing every offending include, when
 - a header includes one from a higher layer (a back-edge), or one of a peer layer without a
   rule in PEER_EDGES saying which way that pair goes;
@@ -13,9 +12,8 @@ layer of its folder (LAYERS below) and fails, listing every offending include, w
   models) includes CUDA, directly or through another header; MPI likewise outside comm/mpi/;
 - a header's folder has no layer (a new folder must be placed in LAYERS) or an include does
   not resolve to a file.
-Edges that exist today and that only the move of the GPT into its own models/ folder removes
-are listed, each with its reason, in ALLOWED; an entry that no longer matches an include
-fails too, so the list only shrinks. samples/ and tools/ are programs, not layers: exempt.
+There is no allow-list: every edge obeys the rules. samples/ and tools/ are programs, not
+layers: exempt.
 """
 import re
 import sys
@@ -41,13 +39,11 @@ LAYERS = [
     ("comm/",                  "comm",     3),
     ("offload/",               "offload",  3),
     ("layer.hpp",              "layer",    3),  # the layer concept (STYLE.md: beside offload/, comm/, backend/)
-    ("model/layer.hpp",        "layer",    3),  # ... where it is today
     ("runtime/",               "runtime",  4),
     ("pipeoffload.hpp",        "umbrella", 5),  # front doors: include the library, never a model
     ("runtime.hpp",            "umbrella", 5),
     ("cuda.hpp",               "umbrella", 5),
-    ("model/",                 "models",   6),  # today's GPT (gpt.hpp) and its math (math.hpp)
-    ("models/",                "models",   6),  # the target: models/gpt/ at the repository root
+    ("models/",                "models",   6),  # models/gpt/ at the repository root
 ]
 # Peers that may include each other, one way only, and why.
 PEER_EDGES = {
@@ -56,33 +52,10 @@ PEER_EDGES = {
     ("comm", "backend"): "a communicator runs on a backend's streams (comm/nccl on backend/cuda)",
 }
 # Headers that may include CUDA (directly or through another header) and MPI.
-CUDA_PLACES = ("backend/cuda/", "comm/nccl/", "cuda.hpp", "model/", "models/")
+CUDA_PLACES = ("backend/cuda/", "comm/nccl/", "cuda.hpp", "models/")
 MPI_PLACES = ("comm/mpi/",)
 CUDA_SYSTEM = re.compile(r"^(cuda|cublas|cudnn|cufft|curand|cusparse|nccl|nvrtc|nvtx|cub/|thrust/|cuda/)")
 MPI_SYSTEM = re.compile(r"^mpi\.h$")
-
-# Back-edges of today's tree, each until the change that removes it (issue 13: "models ... in
-# their own folder above them, never included by the library core"; "layer_for<L, Ctx>
-# without a CPU default in the core"). (including header, included header): reason.
-ALLOWED = {
-    ("model/layer.hpp", "backend/cpu/context.hpp"):
-        "the layer concept defaults its context to backend::CpuContext (`concept layer = "
-        "layer_for<L, backend::CpuContext>`); goes with layer_for<L, Ctx> without a CPU default",
-    ("backend/cuda/gpt.hpp", "model/gpt.hpp"):
-        "the CUDA GPT lives in backend/; moves to models/gpt/ beside the CPU one",
-    ("backend/cuda/gpt.hpp", "model/layer.hpp"):
-        "the CUDA GPT lives in backend/ and implements the layer concept; moves to models/gpt/",
-    ("backend/cuda/gpt.hpp", "model/math.hpp"):
-        "the CUDA GPT lives in backend/; moves to models/gpt/ with the math it shares",
-    ("backend/cuda/kernels.hpp", "model/math.hpp"):
-        "GPT-specific kernels are declared in backend/cuda/kernels.hpp; move to models/gpt/",
-    ("backend/cuda/shapes.hpp", "model/layer.hpp"):
-        "the GPT's CUDA layout (ParamInfo, InputSpec, MicrobatchShape) lives in backend/cuda/; "
-        "one GPT layout in models/gpt/",
-    ("runtime.hpp", "model/math.hpp"):
-        "the runtime umbrella re-exports the GPT's math (po::math, e.g. mix64 in train_gpt); "
-        "samples include the model's own header once it is in models/gpt/",
-}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
 
@@ -104,7 +77,7 @@ def main():
     def name(p):  # a header's name in LAYERS' terms
         return p.relative_to(lib).as_posix() if p.is_relative_to(lib) else p.relative_to(root).as_posix()
 
-    problems, used = [], set()
+    problems = []
     edges = {}  # header name -> [(line, included name)]
     system = {}  # header name -> [(line, system header)]
     for p in headers:
@@ -136,9 +109,6 @@ def main():
         for line, t in edges[h]:
             lt, rt = layer_of(t)
             if lt is None or lt == lh or (rt < rh and lt != "models"):
-                continue
-            if (h, t) in ALLOWED:
-                used.add((h, t))
                 continue
             if lt == "models":
                 why = "the library core includes model code (models sit above the library; nothing in it includes them)"
@@ -181,10 +151,6 @@ def main():
                     problems.append(f"{h}:{line}: includes {t}, which brings in {what} ({' -> '.join(chain)}); "
                                     f"{what} belongs in {', '.join(places)} only")
 
-    for stale in sorted(set(ALLOWED) - used):
-        problems.append(f"ALLOWED lists {stale[0]} -> {stale[1]}, which is no longer an offending include: "
-                        "remove the entry from the allow-list")
-
     n_edges = sum(len(e) for e in edges.values())
     if problems:
         print(f"FAIL: {len(problems)} include(s) break the layering of DESIGN.md section 4 "
@@ -192,8 +158,7 @@ def main():
         for p in problems:
             print("  " + p)
         return 1
-    print(f"ok: {len(headers)} headers, {n_edges} includes flow one way "
-          f"({len(used)} known back-edges allowed until the GPT moves to models/)")
+    print(f"ok: {len(headers)} headers, {n_edges} includes flow one way")
     return 0
 
 

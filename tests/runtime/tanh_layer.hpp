@@ -171,7 +171,7 @@ class TanhLayer {
   int rank_;
   std::vector<float> params_, grads_;
 };
-static_assert(po::layer<TanhLayer>);
+static_assert(po::layer_for<TanhLayer, po::backend::CpuContext>);
 
 /// The outcome of a training run on thread ranks.
 struct Run {

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include <pipeoffload/model/gpt.hpp>
+#include <models/gpt/cpu.hpp>
 #include <pipeoffload/runtime.hpp>
 
 namespace {

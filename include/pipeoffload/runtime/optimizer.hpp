@@ -20,7 +20,7 @@
 
 #include "../backend/backend.hpp"
 #include "../error.hpp"
-#include "../model/layer.hpp"
+#include "../layer.hpp"
 #include "runtime.hpp"
 
 namespace pipeoffload {

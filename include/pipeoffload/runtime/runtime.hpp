@@ -40,7 +40,7 @@
 #include "../comm/communicator.hpp"
 #include "../comm/handshake.hpp"
 #include "../error.hpp"
-#include "../model/layer.hpp"
+#include "../layer.hpp"
 #include "../offload/host_bins.hpp"
 #include "../schedule/schedule.hpp"
 #include "../schedule/validate.hpp"
@@ -905,9 +905,9 @@ Runtime(const Program&, B&, C&, Stages&&, RuntimeOptions) -> Runtime<B, C>;
 template <class Schedule, class Layer, class Backend, class Communicator>
 class Runtime<Schedule, Layer, Backend, Communicator> : public Runtime<Backend, Communicator> {
   static_assert(layer_for<Layer, typename Backend::Context>,
-                "po::Runtime: Layer must model po::layer: it needs input_boundary(shape), output_boundary(shape), saved_bytes(shape), "
+                "po::Runtime: Layer must model po::layer_for<Layer, Backend::Context>: it needs input_boundary(shape), output_boundary(shape), saved_bytes(shape), "
                 "stash_bytes(shape), forward(ctx, mb, x, y, saved) -> void, backward_input(ctx, mb, dy, dx, saved, stash), "
-                "backward_weight(ctx, mb, saved, stash), parameters() and gradients(); see model/layer.hpp.");
+                "backward_weight(ctx, mb, saved, stash), parameters() and gradients(); see pipeoffload/layer.hpp.");
 
  public:
   Runtime(Shape shape, Backend& dev, Communicator& comm, std::span<Layer> stages, RuntimeOptions opt = {}, const Costs& costs = {})

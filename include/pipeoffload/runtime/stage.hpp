@@ -19,7 +19,7 @@
 #include <cxxabi.h>
 #endif
 
-#include "../model/layer.hpp"
+#include "../layer.hpp"
 
 namespace pipeoffload {
 
@@ -55,7 +55,7 @@ class StageRef {
                   "po::StageRef: a stage must model po::layer_for<Stage, Context>: it needs input_boundary(shape), "
                   "output_boundary(shape), saved_bytes(shape), stash_bytes(shape), forward(ctx, mb, x, y, saved) -> void, "
                   "backward_input(ctx, mb, dy, dx, saved, stash), backward_weight(ctx, mb, saved, stash), parameters() and "
-                  "gradients(); see model/layer.hpp.");
+                  "gradients(); see pipeoffload/layer.hpp.");
   }
 
   Boundary input_boundary(MicrobatchShape s) const { return vt_->input_boundary(obj_, s); }

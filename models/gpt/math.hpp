@@ -1,7 +1,8 @@
-// pipeoffload/model/math.hpp: per-element and per-row math shared by every backend.
+// models/gpt/math.hpp: the GPT's per-element and per-row math, shared by its CPU implementation
+// (cpu.hpp) and its CUDA kernels (kernels/*.cu).
 //
-// Plain functions, no state, no allocation: the CPU backend calls them in loops and the CUDA
-// kernels (issue 4) call the same functions from grid-stride loops, so the CPU tests cover the
+// Plain functions, no state, no allocation: the CPU model calls them in loops and the CUDA
+// kernels call the same functions from grid-stride loops, so the CPU tests cover the
 // math the GPU runs (DESIGN.md section 6). Everything is float in, float out, with the
 // accumulations the callers need spelled out (double where a sum must not depend on length).
 #pragma once
@@ -10,7 +11,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "../detail/host_device.hpp"
+#include <pipeoffload/detail/host_device.hpp>
 
 namespace pipeoffload::math {
 

@@ -1,9 +1,11 @@
-// pipeoffload/model/gpt.hpp: the reference GPT model, as pipeline stages (a po::layer).
+// models/gpt/cpu.hpp: the reference GPT model on the CPU, as pipeline stages (a
+// po::layer_for<GptStage, backend::CpuContext>).
 //
 // Token + position embedding, N pre-LN transformer blocks (causal multi-head self-attention,
 // GeLU MLP, residual dropout), final LayerNorm, LM head, softmax cross-entropy; fp32 on the
 // CPU with GEMMs on OpenBLAS (backend/cpu/blas.hpp). A stage is a run of blocks; stage 0 also
-// holds the embedding, the last stage the head.
+// holds the embedding, the last stage the head. Which blocks, and where every parameter lives,
+// is layout.hpp's (shared with the CUDA implementation, cuda.hpp).
 //
 // Split backward: B (backward_input) computes activation gradients only and stashes each
 // GEMM's output gradient; W (backward_weight) turns the stash into weight gradients.
@@ -26,36 +28,15 @@
 #include <string>
 #include <vector>
 
-#include "../backend/cpu/blas.hpp"
-#include "../backend/cpu/context.hpp"
-#include "../error.hpp"
-#include "layer.hpp"
+#include <pipeoffload/backend/cpu/blas.hpp>
+#include <pipeoffload/backend/cpu/context.hpp>
+#include <pipeoffload/error.hpp>
+#include <pipeoffload/layer.hpp>
+
+#include "layout.hpp"
 #include "math.hpp"
 
 namespace pipeoffload::model {
-
-struct GptConfig {
-  int vocab = 256;      ///< byte-level
-  int hidden = 128;     ///< h
-  int heads = 4;        ///< a; h % a == 0
-  int layers = 4;       ///< transformer blocks in the whole model
-  int seq = 64;         ///< s, also the position table size
-  float dropout = 0.1f; ///< residual dropout after attention and MLP
-  bool recompute = true;  ///< selective recompute of LayerNorm, GeLU and dropout
-  std::uint64_t seed = 1;
-
-  void check() const {
-    const auto need = [](bool ok, const std::string& what) {
-      if (!ok) throw shape_error("GptConfig: " + what);
-    };
-    need(vocab >= 2 && vocab <= (1 << 20), "vocab = " + std::to_string(vocab) + " is outside [2, 1048576]");
-    need(hidden >= 1 && hidden <= (1 << 16), "hidden = " + std::to_string(hidden) + " is outside [1, 65536]");
-    need(heads >= 1 && hidden % heads == 0, "heads = " + std::to_string(heads) + " must be >= 1 and divide hidden = " + std::to_string(hidden));
-    need(layers >= 1 && layers <= 4096, "layers = " + std::to_string(layers) + " is outside [1, 4096]");
-    need(seq >= 1 && seq <= (1 << 16), "seq = " + std::to_string(seq) + " is outside [1, 65536]");
-    need(dropout >= 0.0f && dropout < 1.0f, "dropout = " + std::to_string(dropout) + " is outside [0, 1)");
-  }
-};
 
 /// Stage `stage` of S: blocks [first, first + count) of the model, with the embedding when
 /// stage == 0 and the head when stage == S-1. Blocks are spread as evenly as possible.
@@ -65,15 +46,12 @@ class GptStage {
     cfg.check();
     if (stages < 1 || stage < 0 || stage >= stages)
       throw shape_error("GptStage: stage = " + std::to_string(stage) + " is outside [0, " + std::to_string(stages - 1) + "]");
-    first_ = static_cast<int>(static_cast<long long>(cfg.layers) * stage / stages);
-    count_ = static_cast<int>(static_cast<long long>(cfg.layers) * (stage + 1) / stages) - first_;
+    dims_ = gpt_dims(cfg, stage, stages);
+    layout_ = gpt_stage_params(dims_);
+    first_ = dims_.first_block;
+    count_ = dims_.blocks;
     h_ = cfg.hidden;
-    // Parameters: embedding (wte V x h, wpe s x h), blocks, head (lnf g/b, W h x V, b V).
-    if (embeds()) groups_.push_back(static_cast<std::size_t>(cfg.vocab + cfg.seq) * h());
-    for (int i = 0; i < count_; ++i) groups_.push_back(block_params());
-    if (heads()) groups_.push_back(2 * h() + h() * V() + V());
-    std::size_t n = 0;
-    for (std::size_t g : groups_) n += g;
+    const std::size_t n = static_cast<std::size_t>(layout_.total);
     params_.resize(n);
     grads_.assign(n, 0.0f);
     init();
@@ -90,12 +68,7 @@ class GptStage {
   Boundary output_boundary(MicrobatchShape sh) const { return {tokens(sh) * h(), DType::float32}; }
   /// Stage 0 reads the token ids, the last stage the next-token targets: int32, (batch, seq)
   /// per microbatch.
-  std::vector<InputSpec> inputs(MicrobatchShape sh) const {
-    std::vector<InputSpec> in;
-    if (embeds()) in.push_back({"tokens", DType::int32, tokens(sh)});
-    if (heads()) in.push_back({"targets", DType::int32, tokens(sh)});
-    return in;
-  }
+  std::vector<InputSpec> inputs(MicrobatchShape sh) const { return gpt_inputs(dims_, sh); }
   std::size_t saved_bytes(MicrobatchShape sh) const { return count_ * block_saved(sh) + (heads() ? head_saved(sh) : 0); }
   std::size_t stash_bytes(MicrobatchShape sh) const {
     return ((embeds() ? tokens(sh) * h() : 0) + count_ * block_stash_floats(sh) + (heads() ? tokens(sh) * h() : 0)) * sizeof(float);
@@ -104,44 +77,9 @@ class GptStage {
   std::span<float> gradients() { return grads_; }
   /// One group per embedding, block and head: the runtime sums squared gradients per group
   /// in model order, so the clip is the same however the model is cut into stages.
-  std::vector<std::size_t> norm_groups() const { return groups_; }
+  std::vector<std::size_t> norm_groups() const { return gpt_norm_groups(dims_); }
   /// The named tensors, in parameters() order (GPT-2's names; weights stored (in, out)).
-  std::vector<ParamInfo> parameter_info() const {
-    std::vector<ParamInfo> t;
-    std::size_t off = 0;
-    const auto add = [&](std::string name, std::vector<long long> shape) {
-      ParamInfo p{std::move(name), off, std::move(shape)};
-      off += p.count();
-      t.push_back(std::move(p));
-    };
-    const long long H = h_, V = c_.vocab;
-    if (embeds()) {
-      add("wte", {V, H});
-      add("wpe", {c_.seq, H});
-    }
-    for (int i = 0; i < count_; ++i) {
-      const std::string b = "blocks." + std::to_string(first_ + i) + ".";
-      add(b + "ln1.weight", {H});
-      add(b + "ln1.bias", {H});
-      add(b + "attn.qkv.weight", {H, 3 * H});
-      add(b + "attn.qkv.bias", {3 * H});
-      add(b + "attn.proj.weight", {H, H});
-      add(b + "attn.proj.bias", {H});
-      add(b + "ln2.weight", {H});
-      add(b + "ln2.bias", {H});
-      add(b + "mlp.fc.weight", {H, 4 * H});
-      add(b + "mlp.fc.bias", {4 * H});
-      add(b + "mlp.proj.weight", {4 * H, H});
-      add(b + "mlp.proj.bias", {H});
-    }
-    if (heads()) {
-      add("lnf.weight", {H});
-      add("lnf.bias", {H});
-      add("lm_head.weight", {H, V});
-      add("lm_head.bias", {V});
-    }
-    return t;
-  }
+  std::vector<ParamInfo> parameter_info() const { return gpt_parameter_info(dims_); }
 
   /// Saved bytes of one block for a microbatch, split into what the 20bsh / 34bsh accounting
   /// counts (per-token tensors) and the small per-row extras (statistics, log-sum-exps).
@@ -170,7 +108,7 @@ class GptStage {
     if (embeds()) {
       cur = count_ > 0 ? block_x(p) : tmp.data();
       const float* wte = params_.data();
-      const float* wpe = wte + static_cast<std::size_t>(V()) * h();
+      const float* wpe = wte + static_cast<std::size_t>(layout_.wpe);
       const std::int32_t* tokens = mb.input<std::int32_t>("tokens");
       for (std::size_t t = 0; t < T; ++t) {
         const int tok = tokens[t];
@@ -232,7 +170,7 @@ class GptStage {
     const float* st_head = st_blocks + count_ * block_stash_floats(mb.shape);
     if (embeds()) {
       float* gte = grads_.data();
-      float* gpe = gte + static_cast<std::size_t>(V()) * h();
+      float* gpe = gte + static_cast<std::size_t>(layout_.wpe);
       const std::int32_t* tokens = mb.input<std::int32_t>("tokens");
       for (std::size_t t = 0; t < T; ++t) {
         const std::size_t tok = static_cast<std::size_t>(tokens[t]), pos = t % static_cast<std::size_t>(mb.shape.seq);
@@ -252,7 +190,6 @@ class GptStage {
   std::size_t h() const { return static_cast<std::size_t>(h_); }
   std::size_t V() const { return static_cast<std::size_t>(c_.vocab); }
   static std::size_t tokens(MicrobatchShape sh) { return static_cast<std::size_t>(sh.tokens()); }
-  std::size_t block_params() const { return 4 * h() + 3 * h() * h() + 3 * h() + h() * h() + h() + 4 * h() * h() + 4 * h() + 4 * h() * h() + h(); }
   void check_shape(MicrobatchShape sh) const {
     if (sh.seq > c_.seq)
       throw shape_error("GptStage: microbatch seq = " + std::to_string(sh.seq) + " is longer than the position table (" + std::to_string(c_.seq) + ")");
@@ -306,25 +243,18 @@ class GptStage {
   struct BlockParams {
     float *ln1g, *ln1b, *wqkv, *bqkv, *wo, *bo, *ln2g, *ln2b, *wfc, *bfc, *wpr, *bpr;
   };
-  BlockParams block(std::vector<float>& store, int i) {
-    const std::size_t H = h();
-    float* p = store.data() + (embeds() ? static_cast<std::size_t>(c_.vocab + c_.seq) * H : 0) + static_cast<std::size_t>(i) * block_params();
-    BlockParams b{};
-    b.ln1g = p;
-    b.ln1b = b.ln1g + H;
-    b.wqkv = b.ln1b + H;
-    b.bqkv = b.wqkv + 3 * H * H;
-    b.wo = b.bqkv + 3 * H;
-    b.bo = b.wo + H * H;
-    b.ln2g = b.bo + H;
-    b.ln2b = b.ln2g + H;
-    b.wfc = b.ln2b + H;
-    b.bfc = b.wfc + 4 * H * H;
-    b.wpr = b.bfc + 4 * H;
-    b.bpr = b.wpr + 4 * H * H;
-    return b;
+  BlockParams block(std::vector<float>& store, int i) const {
+    float* p = store.data() + layout_.block_begin(i);
+    const GptBlockParams& o = layout_.block;
+    return {p + o.ln1g, p + o.ln1b, p + o.wqkv, p + o.bqkv, p + o.wo, p + o.bo, p + o.ln2g, p + o.ln2b, p + o.wfc, p + o.bfc, p + o.wpr, p + o.bpr};
   }
-  float* head_params(std::vector<float>& store) { return store.data() + store.size() - (2 * h() + h() * V() + V()); }
+  struct HeadParams {
+    float *lnfg, *lnfb, *w, *b;
+  };
+  HeadParams head(std::vector<float>& store) const {
+    float* p = store.data() + layout_.head_begin;
+    return {p + layout_.lnfg, p + layout_.lnfb, p + layout_.head_w, p + layout_.head_b};
+  }
 
   /// Layer-owned scratch: one pass at a time runs on a rank's compute stream.
   std::vector<float>& ws(std::size_t n) {
@@ -364,9 +294,9 @@ class GptStage {
       fill(b.wpr, 4 * H * H, math::mix64(s, 4), std_res);
     }
     if (heads()) {
-      float* hp = head_params(params_);
-      std::fill(hp, hp + H, 1.0f);
-      fill(hp + 2 * H, H * V(), math::mix64(c_.seed, 1000003), std_w);
+      const HeadParams hp = head(params_);
+      std::fill(hp.lnfg, hp.lnfg + H, 1.0f);
+      fill(hp.w, H * V(), math::mix64(c_.seed, 1000003), std_w);
     }
   }
 
@@ -659,12 +589,12 @@ class GptStage {
     float* x = head_x(hp);
     float* stats = x + T * H;
     float* dlogits = stats + 2 * T;
-    float* p = head_params(params_);
+    const HeadParams p = head(params_);
     std::vector<float>& s = ws(T * H + T * V());
     float* a = s.data();
     float* logits = a + T * H;
-    layernorm(x, stats, p, p + H, a, T);
-    linear(a, p + 2 * H, p + 2 * H + H * V(), logits, T, H, V());
+    layernorm(x, stats, p.lnfg, p.lnfb, a, T);
+    linear(a, p.w, p.b, logits, T, H, V());
     double loss = 0;
     const float scale = mb.loss_scale / static_cast<float>(T);
     const std::int32_t* targets = mb.input<std::int32_t>("targets");
@@ -682,11 +612,11 @@ class GptStage {
     const float* x = head_x(hp);
     const float* stats = x + T * H;
     const float* dlogits = stats + 2 * T;
-    const float* p = head_params(params_);
+    const HeadParams p = head(params_);
     float* da = st;  // (T, h) stashed for the LayerNorm weight gradients
-    linear_dx(dlogits, p + 2 * H, da, T, H, V());
+    linear_dx(dlogits, p.w, da, T, H, V());
     for (std::size_t t = 0; t < T; ++t)
-      math::layernorm_backward_row(da + t * H, x + t * H, {stats[2 * t], stats[2 * t + 1]}, p, dx + t * H, h_);
+      math::layernorm_backward_row(da + t * H, x + t * H, {stats[2 * t], stats[2 * t + 1]}, p.lnfg, dx + t * H, h_);
   }
 
   void head_backward_weight(const Microbatch& mb, std::byte* hp, const float* st) {
@@ -694,22 +624,22 @@ class GptStage {
     const float* x = head_x(hp);
     const float* stats = x + T * H;
     const float* dlogits = stats + 2 * T;
-    float* p = head_params(params_);
-    float* g = head_params(grads_);
+    const HeadParams p = head(params_), g = head(grads_);
     std::vector<float>& s = ws(T * H);
-    relayernorm(x, stats, p, p + H, s.data(), T);
-    linear_dw(s.data(), dlogits, g + 2 * H, g + 2 * H + H * V(), T, H, V());
-    ln_weight_grads(x, stats, st, g, g + H, T);
+    relayernorm(x, stats, p.lnfg, p.lnfb, s.data(), T);
+    linear_dw(s.data(), dlogits, g.w, g.b, T, H, V());
+    ln_weight_grads(x, stats, st, g.lnfg, g.lnfb, T);
   }
 
   GptConfig c_;
   int stage_, stages_;
+  GptDims dims_{};
+  GptStageParams layout_{};
   int first_ = 0, count_ = 0, h_ = 0;
-  std::vector<std::size_t> groups_;
   std::vector<float> params_, grads_;
   std::vector<float> scratch_, bwd_, scores_;
 };
 
-static_assert(layer<GptStage>, "GptStage must model po::layer.");
+static_assert(layer_for<GptStage, backend::CpuContext>, "GptStage must model po::layer_for<GptStage, backend::CpuContext>.");
 
 }  // namespace pipeoffload::model

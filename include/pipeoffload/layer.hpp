@@ -1,4 +1,4 @@
-// pipeoffload/model/layer.hpp: the `layer` concept, what a user implements for their model.
+// pipeoffload/layer.hpp: the `layer` concept, what a user implements for their model.
 //
 // A stage is one layer object (itself any run of sub-layers). The stages of one pipeline may
 // be of different types (an embedding, blocks, a head): the runtime holds them type-erased
@@ -22,9 +22,8 @@
 #include <string_view>
 #include <vector>
 
-#include "../backend/cpu/context.hpp"
-#include "../error.hpp"
-#include "../tensor.hpp"
+#include "error.hpp"
+#include "tensor.hpp"
 
 namespace pipeoffload {
 
@@ -178,7 +177,7 @@ struct Microbatch {
 ///     std::span<float> parameters() { return {&w, 1}; }
 ///     std::span<float> gradients() { return {&gw, 1}; }
 ///   };
-///   static_assert(po::layer<Scale>);
+///   static_assert(po::layer_for<Scale, po::backend::CpuContext>);
 /// @endcode
 template <class L, class Ctx>
 concept layer_for = requires(L& l, const L& cl, Ctx& ctx, const Microbatch& mb, MicrobatchShape shape, ConstTensor in, Tensor out,
@@ -193,10 +192,6 @@ concept layer_for = requires(L& l, const L& cl, Ctx& ctx, const Microbatch& mb, 
   { l.parameters() } -> std::convertible_to<std::span<float>>;
   { l.gradients() } -> std::convertible_to<std::span<float>>;
 };
-
-/// A layer for the CPU backend (the embedded default).
-template <class L>
-concept layer = layer_for<L, backend::CpuContext>;
 
 namespace detail {
 template <class L>

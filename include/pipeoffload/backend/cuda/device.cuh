@@ -1,12 +1,13 @@
-// kernels/common.cuh: what every kernel file shares: the launch check and bf16 conversions.
+// pipeoffload/backend/cuda/device.cuh: what every kernel file shares (the backend's in kernels/,
+// a model's beside it, a user's own): the launch check, bf16 loads and stores, grid-stride
+// indices. nvcc only.
 #pragma once
 
 #include <cuda_bf16.h>
 
-#include <pipeoffload/backend/cuda/check.hpp>
-#include <pipeoffload/backend/cuda/kernels.hpp>
-#include <pipeoffload/backend/cuda/shapes.hpp>
-#include <pipeoffload/model/math.hpp>
+#include "check.hpp"
+#include "kernels.hpp"
+#include "shapes.hpp"
 
 namespace pipeoffload::cuda::kernels {
 

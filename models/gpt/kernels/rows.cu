@@ -1,10 +1,12 @@
-// kernels/rows.cu: reductions. One block of row_block threads per row, with cub::BlockReduce
-// (no hand-written shuffles or barriers beyond the one __syncthreads a reused TempStorage needs),
+// models/gpt/kernels/rows.cu: the GPT's reductions. One block of row_block threads per row, with
+// cub::BlockReduce (no hand-written shuffles or barriers beyond the one __syncthreads a reused TempStorage needs),
 // and column sums over a tile of columns (column_sum_launch: one barrier, then a fixed-order sum
 // of the lanes' partials).
 #include <cub/block/block_reduce.cuh>
 
-#include "common.cuh"
+#include <pipeoffload/backend/cuda/device.cuh>
+
+#include "../kernels.hpp"
 
 namespace pipeoffload::cuda::kernels {
 namespace {
@@ -104,15 +106,6 @@ __global__ void __launch_bounds__(row_block) mean_k(const float* x, float* out, 
   if (threadIdx.x == 0) *out = total / static_cast<float>(n);
 }
 
-__global__ void __launch_bounds__(row_block) sum_squares_k(const float* x, double* out, long long n) {
-  using ReduceD = cub::BlockReduce<double, row_block>;
-  __shared__ ReduceD::TempStorage tmp;
-  double s = 0;
-  for (long long i = threadIdx.x; i < n; i += blockDim.x) s += static_cast<double>(x[i]) * x[i];
-  const double total = ReduceD(tmp).Sum(s);
-  if (threadIdx.x == 0) *out += total;
-}
-
 /// The column sums of column_sum_launch: `term(r, c)` summed over rows into out[k][c] += ...
 /// for K outputs at once. Lane l sums rows l, l + column_lanes, ... in order; lane 0 then adds
 /// the lanes' partials in lane order. Threads past the last column still reach the barrier.
@@ -149,7 +142,7 @@ __global__ void __launch_bounds__(column_tile * column_lanes) layernorm_weight_g
   column_sums<2>(rows, n,
                  [=](long long r, long long c, float (&t)[2]) {
                    const float d = ld(dy, r * n + c);
-                   t[0] = d * (ld(x, r * n + c) - stats[2 * r]) * stats[2 * r + 1];  // dy * xhat, as model/gpt.hpp's ln_weight_grads
+                   t[0] = d * (ld(x, r * n + c) - stats[2 * r]) * stats[2 * r + 1];  // dy * xhat, as cpu.hpp's ln_weight_grads
                    t[1] = d;
                  },
                  out);
@@ -173,8 +166,4 @@ void softmax_xent(const float* logits, const std::int32_t* targets, float* losse
   PIPEOFFLOAD_LAUNCH(softmax_xent_k, per_row_launch(rows, vocab), s, logits, targets, losses, dlogits, vocab, scale);
 }
 void mean(const float* losses, float* out, long long rows, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(mean_k, per_row_launch(rows > 0 ? 1 : 0, 1), s, losses, out, rows); }
-void sum_squares(const float* x, double* out, long long count, cudaStream_t s) {
-  PIPEOFFLOAD_LAUNCH(sum_squares_k, per_row_launch(count > 0 ? 1 : 0, 1), s, x, out, count);
-}
-
 }  // namespace pipeoffload::cuda::kernels

@@ -1,10 +1,10 @@
-// pipeoffload/backend/cuda/gpt.hpp: cuda::GptStage, the reference GPT's pipeline stage on one
+// models/gpt/cuda.hpp: cuda::GptStage, the reference GPT's pipeline stage on one
 // GPU: bf16 activations, fp32 parameters, gradients and accumulation.
 //
-// The same model as model::GptStage (model/gpt.hpp), stage for stage: the same blocks per
-// stage, the same fp32 parameter vector (order, offsets and norm_groups()), the same dropout
+// The same model as model::GptStage (cpu.hpp), stage for stage: the same blocks per stage and
+// the same fp32 parameter vector (order, offsets and norm_groups(): layout.hpp), the same dropout
 // seeds (math::dropout_seed of run seed, step, block, site and microbatch) and the same
-// per-element math (model/math.hpp, through kernels/). What differs is precision and where the
+// per-element math (math.hpp, through kernels/). What differs is precision and where the
 // work runs:
 //   - activations, saved tensors and stashed gradients are bf16; parameters, gradients,
 //     LayerNorm statistics, attention log-sum-exps, logits and losses are fp32;
@@ -13,13 +13,13 @@
 //     (every iteration's first pass of a stage, after the previous step's update);
 //   - attention is cuDNN's fused causal SDPA: F keeps qkv, the attention output and the
 //     log-sum-exps; B recomputes the probabilities inside cuDNN's backward (no s x s matrix);
-//   - the rest are thin kernels (backend/cuda/kernels.hpp) over model/math.hpp's functions.
+//   - the rest are thin kernels (kernels.hpp) over math.hpp's functions.
 // Split backward as on the CPU: B runs the dgrad GEMMs (bf16 outputs) and stashes every GEMM's
 // output gradient; W runs the wgrad GEMMs, accumulating (beta = 1) into the fp32 gradients,
 // and the bias and LayerNorm weight gradients.
 //
 // Memory. What F keeps for B and W is all in `saved` (per block 20 b s h bytes with selective
-// recompute, 34 b s h without, plus fp32 statistics; backend/cuda/shapes.hpp gpt_block_saved),
+// recompute, 34 b s h without, plus fp32 statistics; cuda_layout.hpp gpt_block_saved),
 // what B keeps for W all in `stash`. The parameters, gradients, working copy and the stage's
 // scratch (gpt_workspace, sized for the largest microbatch) are cudaMalloc'd once, at
 // construction; no pass allocates. No scratch region lives from one pass to the next, but the
@@ -57,16 +57,20 @@
 #include <utility>
 #include <vector>
 
-#include "../../error.hpp"
-#include "../../model/gpt.hpp"
-#include "../../model/layer.hpp"
-#include "../../model/math.hpp"
-#include "attention.hpp"
-#include "check.hpp"
-#include "cuda.hpp"
-#include "gemm.hpp"
+#include <pipeoffload/backend/cuda/attention.hpp>
+#include <pipeoffload/backend/cuda/check.hpp>
+#include <pipeoffload/backend/cuda/cuda.hpp>
+#include <pipeoffload/backend/cuda/gemm.hpp>
+#include <pipeoffload/backend/cuda/kernels.hpp>
+#include <pipeoffload/backend/cuda/shapes.hpp>
+#include <pipeoffload/error.hpp>
+#include <pipeoffload/layer.hpp>
+
+#include "cpu.hpp"  // the initial parameters
+#include "cuda_layout.hpp"
 #include "kernels.hpp"
-#include "shapes.hpp"
+#include "layout.hpp"
+#include "math.hpp"
 
 namespace pipeoffload::cuda {
 
@@ -134,10 +138,8 @@ class GptStage {
   /// CPU run's current ones (same layout, copied as they are).
   GptStage(backend::Cuda& dev, const model::GptConfig& cfg, int stage, int stages, MicrobatchShape max_shape, std::span<const float> initial)
       : cfg_(cfg), max_(max_shape), device_(dev.device()) {
-    cfg.check();
-    const BlockRange r = gpt_blocks_of_stage(cfg.layers, stage, stages);
-    dims_ = GptDims{cfg.vocab, cfg.hidden, cfg.heads, cfg.seq, r.first, r.count, stage == 0, stage == stages - 1, cfg.recompute};
-    params_ = gpt_stage_params(dims_);
+    dims_ = model::gpt_dims(cfg, stage, stages);
+    params_ = model::gpt_stage_params(dims_);
     if (max_shape.batch < 1 || max_shape.seq < 1 || max_shape.seq > cfg.seq)
       throw shape_error("cuda::GptStage: microbatch shape batch = " + std::to_string(max_shape.batch) + ", seq = " + std::to_string(max_shape.seq) +
                         " (need batch >= 1 and 1 <= seq <= the position table's " + std::to_string(cfg.seq) + ")");
@@ -164,15 +166,15 @@ class GptStage {
   Boundary input_boundary(MicrobatchShape sh) const { return boundary(sh); }
   Boundary output_boundary(MicrobatchShape sh) const { return boundary(sh); }
   /// model::GptStage's step inputs: int32 "tokens" on stage 0, "targets" on the last stage.
-  std::vector<InputSpec> inputs(MicrobatchShape sh) const { return gpt_inputs(dims_, sh); }
+  std::vector<InputSpec> inputs(MicrobatchShape sh) const { return model::gpt_inputs(dims_, sh); }
   std::size_t saved_bytes(MicrobatchShape sh) const { return gpt_stage_buffers(dims_, sh.tokens()).saved_bytes; }
   std::size_t stash_bytes(MicrobatchShape sh) const { return gpt_stage_buffers(dims_, sh.tokens()).stash_bytes; }
   /// fp32 master parameters and gradients, device memory, model::GptStage's layout.
   std::span<float> parameters() { return {master(), static_cast<std::size_t>(params_.total)}; }
   std::span<float> gradients() { return {grad(), static_cast<std::size_t>(params_.total)}; }
-  std::vector<std::size_t> norm_groups() const { return gpt_norm_groups(dims_); }
+  std::vector<std::size_t> norm_groups() const { return model::gpt_norm_groups(dims_); }
   /// model::GptStage::parameter_info(): the same names, offsets and shapes.
-  std::vector<ParamInfo> parameter_info() const { return gpt_parameter_info(dims_); }
+  std::vector<ParamInfo> parameter_info() const { return model::gpt_parameter_info(dims_); }
 
   void forward(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
     const Pass p = begin("forward", ctx, mb, saved, nullptr, false);
@@ -223,8 +225,8 @@ class GptStage {
 
   // ---- what the tests and benchmarks look at ----------------------------------------------------
 
-  const GptDims& dims() const { return dims_; }
-  const GptStageParams& parameter_layout() const { return params_; }
+  const model::GptDims& dims() const { return dims_; }
+  const model::GptStageParams& parameter_layout() const { return params_; }
   MicrobatchShape max_shape() const { return max_; }
 
  private:
@@ -350,7 +352,7 @@ class GptStage {
   }
 
   // ---- one block -----------------------------------------------------------------------------
-  // Y = X W + b as model/gpt.hpp's linear: the GEMM rounds to bf16, then the fp32 bias is added.
+  // Y = X W + b as models/gpt/cpu.hpp's linear: the GEMM rounds to bf16, then the fp32 bias is added.
 
   void linear(const backend::CudaContext& ctx, const Pass& p, const bf16* X, const bf16* W, const float* b, bf16* Y, long long k, long long n) const {
     gemm(ctx, linear_forward(p.T, k, n), X, W, Y, Out::bf16);
@@ -365,7 +367,7 @@ class GptStage {
 
   void block_forward(const backend::CudaContext& ctx, const Microbatch& mb, const Pass& p, int i, std::byte* saved, bf16* out) {
     const Saved v = saved_block(saved, p, i);
-    const GptBlockParams& o = params_.block;
+    const model::GptBlockParams& o = params_.block;
     const long long T = p.T, H = dims_.hidden;
     const float drop = dropout(mb);
     bf16* proj = scratch<bf16>(p.ws.proj);  // (T, h) projection output before its residual
@@ -386,13 +388,13 @@ class GptStage {
     else kernels::residual_dropout_mask(v.x1, proj, out, v.m2, T * H, drop_seed(mb, i, 1), drop, p.s);
   }
 
-  /// g (T, h): dL/d(block output) in, dL/d(block input) out, in place. model/gpt.hpp's
+  /// g (T, h): dL/d(block output) in, dL/d(block input) out, in place. models/gpt/cpu.hpp's
   /// block_backward_input, with LayerNorm backward accumulating into the residual gradient.
   void block_backward_input(const backend::CudaContext& ctx, const Microbatch& mb, const Pass& p, int i, std::byte* saved, std::byte* stash,
                             bf16* g) {
     const Saved v = saved_block(saved, p, i);
     const Stash st = stash_block(stash, p, i);
-    const GptBlockParams& o = params_.block;
+    const model::GptBlockParams& o = params_.block;
     const long long T = p.T, H = dims_.hidden;
     const float drop = cfg_.dropout;
     // MLP: dP2 = dropout'(g); dG = dP2 Wpr^T; dF = dG * GeLU'(f); dA2 = dF Wfc^T.
@@ -414,12 +416,12 @@ class GptStage {
     kernels::layernorm_backward(st.dA1, v.x, v.stats, param(i, o.ln1g), g, T, h(), true, p.s);
   }
 
-  /// model/gpt.hpp's block_backward_weight: the recomputed (or saved) GEMM inputs against the
+  /// models/gpt/cpu.hpp's block_backward_weight: the recomputed (or saved) GEMM inputs against the
   /// stashed output gradients.
   void block_backward_weight(const backend::CudaContext& ctx, const Pass& p, int i, std::byte* saved, std::byte* stash) {
     const Saved v = saved_block(saved, p, i);
     const Stash st = stash_block(stash, p, i);
-    const GptBlockParams& o = params_.block;
+    const model::GptBlockParams& o = params_.block;
     const long long T = p.T, H = dims_.hidden;
     linear_weight_grad(ctx, p, v.att, st.dO1, grad(i, o.wo), grad(i, o.bo), H, H);
     bf16* g = v.g;
@@ -456,7 +458,7 @@ class GptStage {
     kernels::layernorm_forward(x, head_param(params_.lnfg), head_param(params_.lnfb), a, stats, p.T, h(), p.s);
     gemm(ctx, linear_forward(p.T, dims_.hidden, dims_.vocab), a, head_weight(params_.head_w), logits, Out::f32);
     kernels::add_bias(logits, head_param(params_.head_b), p.T, V(), p.s);
-    // As model/gpt.hpp: the loss gradient is computed with the loss, scaled by loss_scale / T.
+    // As models/gpt/cpu.hpp: the loss gradient is computed with the loss, scaled by loss_scale / T.
     kernels::softmax_xent(logits, targets, losses, logits, p.T, V(), mb.loss_scale / static_cast<float>(p.T), p.s);
     kernels::to_bf16(logits, at<bf16>(hp, p.buf.head.dlogits), p.T * dims_.vocab, p.s);
     kernels::mean(losses, mb.loss, p.T, p.s);
@@ -483,8 +485,8 @@ class GptStage {
   model::GptConfig cfg_;
   MicrobatchShape max_;
   int device_ = 0;
-  GptDims dims_{};
-  GptStageParams params_{};
+  model::GptDims dims_{};
+  model::GptStageParams params_{};
   detail::DeviceMemory master_;   // (total) fp32 parameters, the optimizer's
   detail::DeviceMemory grads_;    // (total) fp32 gradients, accumulated by W, zeroed by Runtime::zero_grad
   detail::DeviceMemory work_;     // (total - embedding) bf16 copy of the blocks' and head's parameters
