@@ -25,6 +25,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cli.hpp"
 #include "custom_model.hpp"
 
 namespace {
@@ -44,50 +45,23 @@ struct Options {
   int eval_every = 10;
 };
 
-[[noreturn]] void bad_argument(const std::string& why) {
-  std::fprintf(stderr, "custom_model: %s\n", why.c_str());
-  std::exit(2);
-}
-
-int to_int(const std::string& flag, const std::string& text, int lo, int hi) {
-  std::size_t used = 0;
-  long long x = 0;
-  try {
-    x = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != text.size() || text.empty() || x < lo || x > hi)
-    bad_argument(flag + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + text + "'");
-  return static_cast<int>(x);
-}
+using sample::bad_argument;
 
 Options parse(int argc, char** argv) {
   Options o;
-  std::optional<int> group;
+  std::optional<std::string> group;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a != "--schedule" && a != "--group" && a != "--steps" && a != "--eval-every")
-      bad_argument("unknown option '" + a + "'; the options are --schedule, --group, --steps and --eval-every");
-    if (i + 1 >= argc) bad_argument(a + " needs a value");
+      throw bad_argument("unknown option '" + a + "'; the options are --schedule, --group, --steps and --eval-every");
+    if (i + 1 >= argc) throw bad_argument(a + " needs a value");
     const std::string v = argv[++i];
     if (a == "--schedule") o.schedule = v;
-    else if (a == "--group") group = to_int(a, v, (ranks + 1) / 2, ranks);
-    else if (a == "--steps") o.steps = to_int(a, v, 1, 10000);
-    else o.eval_every = to_int(a, v, 1, 10000);
+    else if (a == "--group") group = v;
+    else if (a == "--steps") o.steps = static_cast<int>(sample::to_int(a, v, 1, 10000));
+    else o.eval_every = static_cast<int>(sample::to_int(a, v, 1, 10000));
   }
-  const std::string& n = o.schedule;
-  try {
-    o.spec = po::parse_schedule(n);
-  } catch (const po::shape_error& e) {
-    bad_argument(std::string("--") + e.what());
-  }
-  if (n == "gis-g") {
-    if (!group) bad_argument("--schedule gis-g needs --group G, an integer in [" + std::to_string((ranks + 1) / 2) + ", " + std::to_string(ranks) + "]");
-    o.spec.group.value = *group;
-  } else if (group) {
-    bad_argument("--group applies only to --schedule gis-g, not " + n);
-  }
+  o.spec = sample::schedule_option(o.schedule, group, ranks);
   return o;
 }
 
@@ -171,8 +145,7 @@ void describe(const custom::Config& cfg, int S) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  const Options o = parse(argc, argv);
+int run(const Options& o) {
   const custom::Config cfg{.features = 12, .hidden = 16, .blocks = 2, .seed = 1};
   const custom::Dataset data(cfg.features, 2048, static_cast<std::size_t>(microbatches) * rows);
   const po::Shape shape{ranks, chunks, microbatches};
@@ -191,7 +164,7 @@ int main(int argc, char** argv) {
   try {
     programs.push_back({o.schedule + " (run time: po::build)", po::build(o.spec, run_time_shape, po::Costs{})});
   } catch (const po::error& e) {
-    bad_argument("--schedule " + o.schedule + " cannot run " + std::to_string(run_time_shape.d) + " ranks x " +
+    throw bad_argument("--schedule " + o.schedule + " cannot run " + std::to_string(run_time_shape.d) + " ranks x " +
                  std::to_string(run_time_shape.v) + " chunks x " + std::to_string(run_time_shape.m) + " microbatches: " + e.what());
   }
 
@@ -208,4 +181,13 @@ int main(int argc, char** argv) {
     print("sgd, " + e.title, e.program, c);
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const bad_argument& e) {
+    std::fprintf(stderr, "custom_model: %s\n", e.what());
+    return 2;
+  }
 }
