@@ -1,0 +1,216 @@
+// samples/train_gpt_options.hpp: train_gpt's command line: its usage text, its options and the
+// parser that checks them (a bad one is a sample::bad_argument naming the flag, the value and
+// the allowed range; main exits with status 2).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <iterator>
+#include <map>
+#include <optional>
+#include <string>
+
+#include <pipeoffload/schedule/schedule.hpp>
+
+#include <models/gpt/layout.hpp>
+
+#include "cli.hpp"
+
+#ifndef PIPEOFFLOAD_CORPUS
+#define PIPEOFFLOAD_CORPUS "data/corpus.txt"
+#endif
+
+namespace train_gpt {
+
+namespace po = pipeoffload;
+using sample::bad_argument;
+using sample::to_int;
+using sample::to_real;
+
+inline constexpr const char* usage_text = R"(usage: train_gpt [options]
+
+  --schedule NAME       1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f (default po-f; gis with --ranks 1)
+  --backend NAME        cpu (default) or cuda: rank r on GPU r (with --comm mpi: the process's local
+                        rank), bf16 activations, NCCL messages; needs a CUDA build and D GPUs
+  --comm NAME           threads (ranks are threads of this process, default) or mpi (one process per
+                        rank: mpirun -np D train_gpt --comm mpi ...)
+  --ranks D             pipeline ranks, 1..64; 1 is the one-rank sequential reference (default 4;
+                        with --comm mpi the number of processes, which it must equal if given)
+  --chunks V            chunks (stages) per rank, 1..64; 1 for 1f1b (default 2)
+  --microbatches M      microbatches per step, 1..4096; a multiple of D for 1f1b-i (default 8)
+  --group G             group size of gis-g (required there), ceil(D/2)..D
+  --offload-chunks N    offload chunks 0..N-1 (0..V) for any schedule (po-h, po-f imply ceil(V/2), V)
+  --k K                 planning: round-trip copy time / (T_F+T_B+T_W), (0, 100]; default 1
+  --copy-gbps X         pace the copy engine at X GB/s (a PCIe link); 0 = memcpy speed (default 0)
+  --steps N             optimizer steps, 1..1000000 (default 200)
+  --eval-every N        hold out the corpus's last 10% and print the loss on it every N steps (forward
+                        passes only); 0 = off, the whole corpus trains (default 0)
+  --decay-all           weight decay on every parameter, as before parameter groups (default: none on
+                        biases and LayerNorm gains, GPT-2's rule)
+  --no-check-finite     do not scan activations and input gradients for NaN/Inf (losses are still checked)
+  --seed S              model, dropout and data seed (default 1)
+  --trace FILE          write a Chrome trace of the last step's real run (compute and copy streams per rank)
+  --layers L --hidden H --heads A --seq S --batch B --lr LR --dropout P
+                        model: 8 blocks, h=64, 4 heads, seq 64, batch 4 per microbatch, lr 3e-3, dropout 0.1
+  --corpus FILE         text to train on (default data/corpus.txt)
+  --comm-timeout S      with --comm mpi: a send or receive that waits S seconds fails, naming the op
+                        and the peer (0, 86400]; default 300
+  --checkpoint-every N  save parameters, AdamW state, step, RNG seed and data position every N steps
+  --checkpoint-dir DIR  where (DIR/step-N/stage-S.bin, DIR/latest); defaults to --resume's DIR
+  --resume DIR          continue from DIR/latest (same model, stages, batch, optimizer, steps, seed, data)
+  --inject-fault R:S:K  testing: rank R fails in step S (0-based), mid-iteration, by K = kill (SIGKILL),
+                        throw, or hang (--comm mpi only: its peers' timeout ends the run)
+  --pcie-pairs          CPU thread ranks: treat ranks (r, r^1) as a PCIe pair and synchronise their copies
+                        (po::PairLink); --backend cuda pairs the GPUs that share a switch by itself
+  --quiet               no progress lines
+)";
+
+struct Options {
+  std::string schedule;
+  po::ScheduleSpec spec{};
+  po::Shape shape{4, 2, 8};
+  double k = 1, copy_gbps = 0;
+  int steps = 200;
+  std::uint64_t seed = 1;
+  std::optional<std::string> trace;
+  po::model::GptConfig model{};
+  int batch = 4;
+  float lr = 3e-3f;
+  std::string corpus = PIPEOFFLOAD_CORPUS;
+  bool quiet = false;
+  bool mpi = false, ranks_given = false;
+  double comm_timeout = 300;
+  bool cuda = false;
+  bool pcie_pairs = false;  // CPU thread ranks: synchronise the copies of ranks (r, r^1)
+  int eval_every = 0;       // steps between validation losses; 0: no held-out split
+  bool decay_all = false;   // weight decay on every parameter (before parameter groups)
+  bool check_finite = true;
+  int checkpoint_every = 0;
+  std::string checkpoint_dir, resume;
+  struct Fault {
+    int rank = -1, step = -1;
+    std::string kind;  // kill, throw, hang
+  } fault;
+};
+
+inline Options parse(int argc, char** argv) {
+  std::map<std::string, std::string> a;
+  bool quiet = false, pairs = false, decay_all = false, no_check = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    if (f == "--help" || f == "-h") {
+      std::fputs(usage_text, stdout);
+      std::exit(0);
+    }
+    if (f == "--quiet") {
+      quiet = true;
+      continue;
+    }
+    if (f == "--pcie-pairs") {
+      pairs = true;
+      continue;
+    }
+    if (f == "--decay-all") {
+      decay_all = true;
+      continue;
+    }
+    if (f == "--no-check-finite") {
+      no_check = true;
+      continue;
+    }
+    static const char* known[] = {"--schedule", "--ranks", "--chunks", "--microbatches", "--group", "--offload-chunks", "--k", "--copy-gbps",
+                                  "--steps", "--seed", "--trace", "--layers", "--hidden", "--heads", "--seq", "--batch", "--lr", "--dropout", "--corpus",
+                                  "--comm", "--comm-timeout", "--checkpoint-every", "--checkpoint-dir", "--resume", "--inject-fault", "--backend",
+                                  "--eval-every"};
+    if (std::find(std::begin(known), std::end(known), f) == std::end(known)) throw bad_argument("unknown option '" + f + "' (--help lists them)");
+    if (i + 1 >= argc) throw bad_argument(f + " needs a value");
+    if (a.count(f)) throw bad_argument(f + " was given twice");
+    a[f] = argv[++i];
+  }
+  Options o;
+  o.quiet = quiet;
+  o.pcie_pairs = pairs;
+  o.decay_all = decay_all;
+  o.check_finite = !no_check;
+  const auto get = [&](const char* f) -> const std::string* { auto it = a.find(f); return it == a.end() ? nullptr : &it->second; };
+  if (auto v = get("--ranks")) o.shape.d = static_cast<int>(to_int("--ranks", *v, 1, 64));
+  o.ranks_given = get("--ranks") != nullptr;
+  if (auto v = get("--comm")) {
+    if (*v != "threads" && *v != "mpi") throw bad_argument("--comm must be threads or mpi, got '" + *v + "'");
+    o.mpi = *v == "mpi";
+#ifndef PIPEOFFLOAD_WITH_MPI
+    if (o.mpi) throw bad_argument("--comm mpi: this train_gpt was built without MPI (install openmpi-bin and libopenmpi-dev, then reconfigure)");
+#endif
+  }
+  if (auto v = get("--backend")) {
+    if (*v != "cpu" && *v != "cuda") throw bad_argument("--backend must be cpu or cuda, got '" + *v + "'");
+    o.cuda = *v == "cuda";
+#ifndef PIPEOFFLOAD_WITH_CUDA
+    if (o.cuda) throw bad_argument("--backend cuda: this train_gpt was built without CUDA (install the CUDA toolkit, cuDNN and NCCL, then reconfigure)");
+#endif
+    for (const char* f : {"--copy-gbps", "--trace", "--inject-fault"})
+      if (o.cuda && get(f))
+        throw bad_argument(std::string(f) + " applies only to --backend cpu" +
+                           (std::string(f) == "--trace" ? " (on GPUs, use Nsight Systems: nsys profile train_gpt ...)" : ""));
+  }
+  if (auto v = get("--comm-timeout")) {
+    if (!o.mpi) throw bad_argument("--comm-timeout applies only to --comm mpi");
+    o.comm_timeout = to_real("--comm-timeout", *v, 0, 86400, true);
+  }
+  if (auto v = get("--checkpoint-every")) o.checkpoint_every = static_cast<int>(to_int("--checkpoint-every", *v, 1, 1000000));
+  if (auto v = get("--resume")) o.resume = *v;
+  if (auto v = get("--checkpoint-dir")) o.checkpoint_dir = *v;
+  else o.checkpoint_dir = o.resume;
+  if (o.checkpoint_every > 0 && o.checkpoint_dir.empty()) throw bad_argument("--checkpoint-every needs --checkpoint-dir DIR (or --resume DIR)");
+  if (o.checkpoint_every == 0 && get("--checkpoint-dir")) throw bad_argument("--checkpoint-dir needs --checkpoint-every N");
+  if (auto v = get("--inject-fault")) {
+    const std::string& f = *v;
+    const auto c1 = f.find(':'), c2 = c1 == std::string::npos ? c1 : f.find(':', c1 + 1);
+    if (c2 == std::string::npos) throw bad_argument("--inject-fault must be RANK:STEP:KIND (KIND kill, throw or hang), got '" + f + "'");
+    o.fault.rank = static_cast<int>(to_int("--inject-fault's rank", f.substr(0, c1), 0, 63));
+    o.fault.step = static_cast<int>(to_int("--inject-fault's step", f.substr(c1 + 1, c2 - c1 - 1), 0, 1000000));
+    o.fault.kind = f.substr(c2 + 1);
+    if (o.fault.kind != "kill" && o.fault.kind != "throw" && o.fault.kind != "hang")
+      throw bad_argument("--inject-fault's kind must be kill, throw or hang, got '" + o.fault.kind + "'");
+    if (o.fault.kind == "hang" && !o.mpi) throw bad_argument("--inject-fault R:S:hang needs --comm mpi (thread ranks have no receive timeout)");
+  }
+  if (auto v = get("--chunks")) o.shape.v = static_cast<int>(to_int("--chunks", *v, 1, 64));
+  if (auto v = get("--microbatches")) o.shape.m = static_cast<int>(to_int("--microbatches", *v, 1, 4096));
+  if (auto v = get("--steps")) o.steps = static_cast<int>(to_int("--steps", *v, 1, 1000000));
+  if (auto v = get("--eval-every")) o.eval_every = static_cast<int>(to_int("--eval-every", *v, 0, 1000000));
+  if (auto v = get("--seed")) o.seed = static_cast<std::uint64_t>(to_int("--seed", *v, 0, (1LL << 62)));
+  if (auto v = get("--k")) o.k = to_real("--k", *v, 0, 100, true);
+  if (auto v = get("--copy-gbps")) o.copy_gbps = to_real("--copy-gbps", *v, 0, 1e4, false);
+  if (auto v = get("--trace")) o.trace = *v;
+  if (auto v = get("--corpus")) o.corpus = *v;
+  o.model.layers = 8;
+  o.model.hidden = 64;
+  o.model.heads = 4;
+  o.model.seq = 64;
+  if (auto v = get("--layers")) o.model.layers = static_cast<int>(to_int("--layers", *v, 1, 4096));
+  if (auto v = get("--hidden")) o.model.hidden = static_cast<int>(to_int("--hidden", *v, 1, 8192));
+  if (auto v = get("--heads")) o.model.heads = static_cast<int>(to_int("--heads", *v, 1, 1024));
+  if (auto v = get("--seq")) o.model.seq = static_cast<int>(to_int("--seq", *v, 1, 8192));
+  if (auto v = get("--batch")) o.batch = static_cast<int>(to_int("--batch", *v, 1, 4096));
+  if (auto v = get("--lr")) o.lr = static_cast<float>(to_real("--lr", *v, 0, 10, true));
+  if (auto v = get("--dropout")) o.model.dropout = static_cast<float>(to_real("--dropout", *v, 0, 0.99, false));
+  if (o.model.hidden % o.model.heads != 0)
+    throw bad_argument("--heads " + std::to_string(o.model.heads) + " must divide --hidden " + std::to_string(o.model.hidden));
+  o.model.seed = o.seed;
+
+  o.schedule = get("--schedule") ? *get("--schedule") : (o.shape.d == 1 ? "gis" : "po-f");
+  const std::string& n = o.schedule;
+  o.spec = sample::schedule_option(n, get("--group") ? std::optional<std::string>(*get("--group")) : std::nullopt, o.shape.d);
+  if (o.pcie_pairs && (o.mpi || o.cuda))
+    throw bad_argument("--pcie-pairs applies only to --backend cpu with thread ranks (MPI processes run unpaired; --backend cuda pairs GPUs by their PCIe switches)");
+  if (auto v = get("--offload-chunks")) {
+    const int x = static_cast<int>(to_int("--offload-chunks", *v, 0, o.shape.v));
+    if (n == "po-h" || n == "po-f") throw bad_argument("--offload-chunks does not apply to " + n + " (it offloads " + (n == "po-h" ? "half" : "all") + " the chunks)");
+    o.spec.offload = po::offload::first(x);
+  }
+  return o;
+}
+
+}  // namespace train_gpt
