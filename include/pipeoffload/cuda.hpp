@@ -1,4 +1,4 @@
-// pipeoffload/cuda.hpp: the CUDA umbrella (issue 4): backend::Cuda, comm::Nccl, the kernels'
+// pipeoffload/cuda.hpp: the CUDA umbrella: backend::Cuda, comm::Nccl, the kernels'
 // declarations, cuBLASLt GEMMs, cuDNN attention and the GPT stage (cuda::GptStage). Build
 // with the pipeoffload_cuda Meson dependency (it defines PIPEOFFLOAD_WITH_CUDA and links the
 // kernels and NVIDIA libraries); the CPU-safe umbrella is pipeoffload/pipeoffload.hpp.

@@ -1,4 +1,4 @@
-// tests/cuda/backend_conformance.hpp: the same cases on every backend (issue 4).
+// tests/cuda/backend_conformance.hpp: the same cases on every backend.
 //
 // Each case is a template over a Traits type that says how to make the device and the little
 // a case cannot express through the backend concept itself: a delay on a stream (to make an

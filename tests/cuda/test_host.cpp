@@ -1,4 +1,4 @@
-// tests/cuda/test_host.cpp: the CPU side of the CUDA backend (issue 4). Runs on every machine,
+// tests/cuda/test_host.cpp: the CPU side of the CUDA backend. Runs on every machine,
 // with or without the toolkit: the shared math the kernels call, every launch shape and GEMM
 // layout the backend computes, the PCIe pairing decision and the NCCL id-file protocol.
 #include <doctest/doctest.h>

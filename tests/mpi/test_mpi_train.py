@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""train_gpt --comm mpi as real processes under mpirun (issue 5).
+"""train_gpt --comm mpi as real processes under mpirun.
 
 usage: test_mpi_train.py path/to/train_gpt path/to/mpirun exactness|faults|checkpoint
 

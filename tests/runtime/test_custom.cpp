@@ -1,4 +1,4 @@
-// tests/runtime/test_custom.cpp: the runtime with a model that is not a GPT (issue 12), the
+// tests/runtime/test_custom.cpp: the runtime with a model that is not a GPT, the
 // sample's heterogeneous stages (samples/custom_model.hpp: InputProjection, ResidualStage,
 // RegressionHead; boundaries of different widths) on float inputs: every family is
 // bit-identical to one rank, gradient accumulation equals one large step, evaluate equals the

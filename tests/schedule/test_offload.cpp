@@ -147,7 +147,7 @@ TEST_CASE("paired ranks r and r^1 offload in opposite slot parities; every rank'
   for (const auto& rp : q.ranks) offload_parity(rp);
 }
 
-TEST_CASE("with k <= 1, PO-F runs as fast as PO in the simulator (issue #3), with a peak of 3 units") {
+TEST_CASE("with k <= 1, PO-F runs as fast as PO in the simulator, with a peak of 3 units") {
   // The copy stream of PO-F at k = 1 is as busy as compute, so any pause that edges replaying
   // the sparse PO grid put into it, or a reload queued behind a late offload, cost compute
   // time for good (it was +3.0% at d = 8, v = 2, m = 32).

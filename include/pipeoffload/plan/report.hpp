@@ -1,7 +1,7 @@
 // pipeoffload/plan/report.hpp: a plan as a short table a person reads, or as JSON.
 //
 // Pure functions to std::string (no I/O); `pipeoffload-plan --auto` prints them. The JSON keys
-// are a contract scripts rely on (issue 6): schedule, group, chunks, offload_chunks, k,
+// are a contract scripts rely on: schedule, group, chunks, offload_chunks, k,
 // activation_bytes_per_layer, peak_device_bytes, host_bytes, bubble_fraction,
 // iteration_time_s, fits, and more besides.
 #pragma once
