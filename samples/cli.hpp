@@ -75,5 +75,6 @@ inline std::string mib(double bytes) {
   std::snprintf(buf, sizeof buf, "%.2f", bytes / (1024.0 * 1024.0));
   return buf;
 }
+inline std::string mib(std::size_t bytes) { return mib(static_cast<double>(bytes)); }
 
 }  // namespace sample

@@ -32,6 +32,7 @@
 #include <csignal>
 #include <thread>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -133,14 +134,15 @@ Setup make_setup(const Options& o, std::string text) {
 /// two lines scripts compare.
 /// `params`: every stage's parameters, in stage order.
 void report(const Options& o, const Setup& su, const std::vector<std::vector<float>>& params, const po::Program& program, int first,
-            const std::vector<double>& peaks, const std::vector<double>& units, std::vector<po::RankSim>& traces, float final_loss,
+            const std::vector<std::size_t>& peaks, const std::vector<std::size_t>& units, std::vector<po::RankSim>& traces, float final_loss,
             std::chrono::steady_clock::time_point t_start) {
   const po::Shape sh = o.shape;
 
   po::Costs sizes;
   sizes.unit_bytes.resize(static_cast<std::size_t>(sh.stages()));
   for (int q = 0; q < sh.d; ++q)
-    for (int c = 0; c < sh.v; ++c) sizes.unit_bytes[static_cast<std::size_t>(sh.stage_of(q, c))] = units[static_cast<std::size_t>(q * sh.v + c)];
+    for (int c = 0; c < sh.v; ++c)
+      sizes.unit_bytes[static_cast<std::size_t>(sh.stage_of(q, c))] = static_cast<double>(units[static_cast<std::size_t>(q * sh.v + c)]);
   std::printf("peak activation per rank, measured (MiB):   ");
   for (int q = 0; q < sh.d; ++q) std::printf(" %s", mib(peaks[3 * static_cast<std::size_t>(q)]).c_str());
   std::printf("   (device total incl. stash and messages:");
@@ -197,6 +199,22 @@ void report(const Options& o, const Setup& su, const std::vector<std::vector<flo
   std::fflush(stdout);
 }
 
+/// Every rank's `mine`, whatever their lengths (a collective: every rank calls it): the
+/// lengths first, then the values padded to the longest.
+template <class T, class Comm>
+std::vector<std::vector<T>> gather_ragged(Comm& comm, std::span<const T> mine) {
+  const std::size_t d = static_cast<std::size_t>(comm.size()), n = mine.size();
+  std::vector<std::size_t> lengths(d);
+  comm.all_gather(std::span<const std::size_t>(&n, 1), std::span(lengths));
+  const std::size_t width = *std::max_element(lengths.begin(), lengths.end());
+  std::vector<T> padded(width), all(width * d);
+  std::copy(mine.begin(), mine.end(), padded.begin());
+  comm.all_gather(std::span<const T>(padded), std::span(all));
+  std::vector<std::vector<T>> out(d);
+  for (std::size_t q = 0; q < d; ++q) out[q].assign(all.data() + q * width, all.data() + q * width + lengths[q]);
+  return out;
+}
+
 /// One rank's whole run, the same code under threads and MPI: handshake, train, checkpoint,
 /// then gather what rank 0 prints (peaks, unit sizes, traces, parameters for the hash).
 /// One rank's whole run on `dev` with its v stages `mine`, the same code under threads and
@@ -228,7 +246,7 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
     if (r == 0 && !o.quiet) std::printf("resumed from %s at step %d\n", o.resume.c_str(), first);
   }
   // Peaks of every rank so far (rank 0 prints them): activation, device total, pinned host.
-  std::vector<double> peaks(3 * static_cast<std::size_t>(sh.d), 0.0);
+  std::vector<std::size_t> peaks(3 * static_cast<std::size_t>(sh.d), 0);
   std::vector<std::int32_t> tok(su.tokens_per_step), tgt(su.tokens_per_step);
   const std::vector<long long> shape = {static_cast<long long>(sh.m) * mbs.batch, mbs.seq};
   // Sequences starting at text[from + at] for each sequence q's draw `at`, as a batch.
@@ -260,10 +278,9 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
     opt.step(lr, po::clip_scale(norm, su.clip));
     tokens_seconds += st.seconds;
     final_loss = st.loss;
-    const double my[3] = {static_cast<double>(st.memory.peak_of(po::backend::Memory::activation)), static_cast<double>(st.memory.total_peak),
-                          static_cast<double>(st.memory.host_peak)};
-    std::vector<double> now(peaks.size());
-    comm.all_gather(my, now);
+    const std::size_t my[3] = {st.memory.peak_of(po::backend::Memory::activation), st.memory.total_peak, st.memory.host_peak};
+    std::vector<std::size_t> now(peaks.size());
+    comm.all_gather(std::span<const std::size_t>(my), std::span(now));
     for (std::size_t i = 0; i < peaks.size(); ++i) peaks[i] = std::max(peaks[i], now[i]);
     if (o.checkpoint_every > 0 && (step + 1) % o.checkpoint_every == 0)
       po::save_checkpoint(o.checkpoint_dir, rt, opt, {su.config_hash, o.seed, static_cast<std::int64_t>(step + 1)});
@@ -295,74 +312,29 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
   }
 
   // Unit bytes of every stage, for the simulator's view of this run and of 1F1B-I.
-  std::vector<double> my_units(static_cast<std::size_t>(sh.v)), units(static_cast<std::size_t>(sh.stages()));
-  for (int c = 0; c < sh.v; ++c) my_units[static_cast<std::size_t>(c)] = static_cast<double>(mine[static_cast<std::size_t>(c)].saved_bytes(mbs));
-  comm.all_gather(my_units, units);  // [rank * v + chunk]
-  // The last step's measured op times of every rank, padded to the longest rank's op lists.
-  const po::Program& program = rt.program();
+  std::vector<std::size_t> my_units(static_cast<std::size_t>(sh.v)), units(static_cast<std::size_t>(sh.stages()));
+  for (int c = 0; c < sh.v; ++c) my_units[static_cast<std::size_t>(c)] = mine[static_cast<std::size_t>(c)].saved_bytes(mbs);
+  comm.all_gather(std::span<const std::size_t>(my_units), std::span(units));  // [rank * v + chunk]
+  // The last step's measured op times of every rank.
   std::vector<po::RankSim> traces(static_cast<std::size_t>(sh.d));
-  if (o.trace) {
-    std::size_t nc = 0, ny = 0;
-    for (const auto& rp : program.ranks) {
-      nc = std::max(nc, rp.compute.size());
-      ny = std::max(ny, rp.copy.size());
+  if (o.trace)
+    for (auto times : {&po::RankSim::compute_start, &po::RankSim::compute_end, &po::RankSim::copy_start, &po::RankSim::copy_end}) {
+      std::vector<std::vector<double>> all = gather_ragged<double>(comm, rt.trace().*times);
+      for (std::size_t q = 0; q < traces.size(); ++q) traces[q].*times = std::move(all[q]);
     }
-    const std::size_t w = 2 * nc + 2 * ny;
-    std::vector<double> t(w, 0.0), all(w * static_cast<std::size_t>(sh.d));
-    const po::RankSim& tr = rt.trace();
-    std::copy(tr.compute_start.begin(), tr.compute_start.end(), t.begin());
-    std::copy(tr.compute_end.begin(), tr.compute_end.end(), t.begin() + static_cast<std::ptrdiff_t>(nc));
-    std::copy(tr.copy_start.begin(), tr.copy_start.end(), t.begin() + static_cast<std::ptrdiff_t>(2 * nc));
-    std::copy(tr.copy_end.begin(), tr.copy_end.end(), t.begin() + static_cast<std::ptrdiff_t>(2 * nc + ny));
-    comm.all_gather(t, all);
-    for (std::size_t q = 0; q < traces.size(); ++q) {
-      const auto* b = all.data() + q * w;
-      const std::size_t c = program.ranks[q].compute.size(), y = program.ranks[q].copy.size();
-      traces[q].compute_start.assign(b, b + c);
-      traces[q].compute_end.assign(b + nc, b + nc + c);
-      traces[q].copy_start.assign(b + 2 * nc, b + 2 * nc + y);
-      traces[q].copy_end.assign(b + 2 * nc + ny, b + 2 * nc + ny + y);
-    }
-  }
   // Every stage's parameters for rank 0's hash, through all_gather (host memory on every
-  // communicator): each rank's chunks padded to the longest rank's, fp32 values exact in fp64.
-  std::vector<double> my_counts(static_cast<std::size_t>(sh.v)), counts(static_cast<std::size_t>(sh.stages()));
-  std::vector<std::vector<float>> own(static_cast<std::size_t>(sh.v));
+  // communicator).
+  std::vector<std::vector<float>> params(static_cast<std::size_t>(sh.stages()));
   for (int c = 0; c < sh.v; ++c) {
-    own[static_cast<std::size_t>(c)] = rt.download_parameters(c);
-    my_counts[static_cast<std::size_t>(c)] = static_cast<double>(own[static_cast<std::size_t>(c)].size());
+    std::vector<std::vector<float>> all = gather_ragged<float>(comm, rt.download_parameters(c));
+    for (int q = 0; q < sh.d; ++q) params[static_cast<std::size_t>(sh.stage_of(q, c))] = std::move(all[static_cast<std::size_t>(q)]);
   }
-  comm.all_gather(my_counts, counts);  // [rank * v + chunk]
-  std::size_t width = 0;
-  for (int q = 0; q < sh.d; ++q) {
-    std::size_t n = 0;
-    for (int c = 0; c < sh.v; ++c) n += static_cast<std::size_t>(counts[static_cast<std::size_t>(q * sh.v + c)]);
-    width = std::max(width, n);
-  }
-  std::vector<double> mine_flat(width, 0.0), all_flat(width * static_cast<std::size_t>(sh.d));
-  std::size_t at = 0;
-  for (const auto& p : own)
-    for (float x : p) mine_flat[at++] = static_cast<double>(x);
-  comm.all_gather(mine_flat, all_flat);
-  if (r == 0) {
-    std::vector<std::vector<float>> params(static_cast<std::size_t>(sh.stages()));
-    for (int q = 0; q < sh.d; ++q) {
-      std::size_t off = static_cast<std::size_t>(q) * width;
-      for (int c = 0; c < sh.v; ++c) {
-        const std::size_t n = static_cast<std::size_t>(counts[static_cast<std::size_t>(q * sh.v + c)]);
-        auto& p = params[static_cast<std::size_t>(sh.stage_of(q, c))];
-        p.resize(n);
-        for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<float>(all_flat[off + i]);
-        off += n;
-      }
-    }
-    report(o, su, params, rt.program(), first, peaks, units, traces, final_loss, t_start);
-  }
+  if (r == 0) report(o, su, params, rt.program(), first, peaks, units, traces, final_loss, t_start);
   // Nobody leaves (and exits 0) before rank 0 has printed everything: if rank 0 fails there,
   // this wait fails on every rank instead.
   const double done = 1;
   std::vector<double> all_done(static_cast<std::size_t>(sh.d));
-  comm.all_gather(std::span<const double>(&done, 1), all_done);
+  comm.all_gather(std::span<const double>(&done, 1), std::span(all_done));
 }
 
 void print_banner(const Options& o, const Setup& su) {

@@ -1,11 +1,11 @@
 // tests/cuda/backend_conformance.hpp: the same cases on every backend.
 //
 // Each case is a template over a Traits type that says how to make the device and the little
-// a case cannot express through the backend concept itself: a delay on a stream (to make an
-// ordering bug observable) and a stage's forward/backward body (y = GeLU(x), dx = dy GeLU'(x),
-// the per-element math of models/gpt/math.hpp). Data moves in and out only through the concept:
-// pinned host blocks, transfer(), synchronize() (and upload, download, zero, flag_nonfinite and
-// the optimizer updates where a case tests them).
+// a case cannot express through the backend concept itself: a delay on the stream of a context
+// (to make an ordering bug observable) and a stage's forward/backward body (y = GeLU(x),
+// dx = dy GeLU'(x), the per-element math of models/gpt/math.hpp). Data moves in and out only through
+// the concept: pinned host blocks, transfer(), synchronize() (and upload, download, zero,
+// flag_nonfinite and the optimizer updates where a case tests them).
 // Instantiated for backend::Cpu in
 // test_conformance_cpu.cpp (runs everywhere) and backend::Cuda in test_conformance_cuda.cpp
 // (SKIP without a GPU).
@@ -120,7 +120,7 @@ void event_ordering() {
   pb::HostBlock h = dev->host_alloc(n);
   std::memcpy(h.ptr, ones.data(), n);
   // Stream a: a long delay, then src = ones. Stream b waits for a's event, then dst = src.
-  dev->launch(a, [&] { Traits::delay(*dev); });
+  dev->launch(a, [&] { Traits::delay(dev->context(a)); });
   dev->launch(a, [&] {
     const pb::CopyPiece p{src.ptr, h.ptr, n};
     dev->transfer(std::span<const pb::CopyPiece>(&p, 1));
@@ -431,7 +431,7 @@ void pair_counters() {
     const pb::CopyPiece p{dst.ptr, src.ptr, n};
     dev->transfer(std::span<const pb::CopyPiece>(&p, 1));
   });
-  dev->launch(a, [&] { Traits::delay(*dev); });
+  dev->launch(a, [&] { Traits::delay(dev->context(a)); });
   dev->launch(a, [&] {
     const pb::CopyPiece p{src.ptr, h.ptr, n};
     dev->transfer(std::span<const pb::CopyPiece>(&p, 1));

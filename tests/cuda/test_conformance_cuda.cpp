@@ -18,7 +18,7 @@ struct CudaTraits {
   static std::unique_ptr<pipeoffload::backend::Cuda> make() {
     return std::make_unique<pipeoffload::backend::Cuda>(pipeoffload::backend::Cuda::Options{.arena_bytes = std::size_t{1} << 30});
   }
-  static void delay(pipeoffload::backend::Cuda& dev) { pk::spin(100'000'000, dev.stream(dev.current_stream())); }  // ~50 ms
+  static void delay(const pipeoffload::backend::CudaContext& ctx) { pk::spin(100'000'000, ctx.cuda_stream); }  // ~50 ms
   // The kernels store bf16: convert in, run, convert out (scratch from the arena's workspace).
   static void gelu_forward(pipeoffload::backend::CudaContext& ctx, const float* x, float* y, std::size_t n) {
     auto* a = reinterpret_cast<pk::bf16*>(ctx.workspace);

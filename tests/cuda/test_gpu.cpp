@@ -417,21 +417,22 @@ TEST_CASE("comm::Nccl moves tagged messages between two GPUs on the comm stream 
     const std::span<std::byte> data(b.ptr, bytes);
     // Step 1: rank 0 sends, rank 1 receives the right tag.
     dev.launch(cs, [&] {
-      if (r == 0) comm.send(1, {1, 0, po::Dir::forward}, data);
-      else comm.recv(0, {1, 0, po::Dir::forward}, data);
+      if (r == 0) comm.send(dev.context(cs), 1, {1, 0, po::Dir::forward}, data);
+      else comm.recv(dev.context(cs), 0, {1, 0, po::Dir::forward}, data);
     });
     dev.synchronize();
-    std::vector<double> one{1.0}, all(2);
-    comm.all_gather(one, all);  // verifies the step's tags
+    const double one[1] = {1.0};
+    std::vector<double> all(2);
+    comm.all_gather(std::span<const double>(one), std::span(all));  // verifies the step's tags
     if (r == 1) PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(got.data(), b.ptr, bytes, cudaMemcpyDeviceToHost));
     // Step 2: rank 1 expects another microbatch than rank 0 sends.
     dev.launch(cs, [&] {
-      if (r == 0) comm.send(1, {1, 1, po::Dir::forward}, data);
-      else comm.recv(0, {1, 2, po::Dir::forward}, data);
+      if (r == 0) comm.send(dev.context(cs), 1, {1, 1, po::Dir::forward}, data);
+      else comm.recv(dev.context(cs), 0, {1, 2, po::Dir::forward}, data);
     });
     dev.synchronize();
     try {
-      comm.all_gather(one, all);
+      comm.all_gather(std::span<const double>(one), std::span(all));
     } catch (const po::comm_error& e) {
       // Rank 1's verdict. Thrown on, so that run_thread_ranks aborts the world: rank 0, already
       // inside ncclAllGather, waits for rank 1 until then.

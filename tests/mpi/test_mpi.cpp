@@ -10,6 +10,9 @@
 #include <pipeoffload/pipeoffload.hpp>
 
 #include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -34,6 +37,9 @@ std::string error_of(F f) {
 
 std::string host() { return po::comm::detail::mpi_host(); }
 
+/// comm::Mpi blocks the calling thread, so send and recv take any backend context.
+const po::backend::CpuContext ctx{};
+
 /// Messages are bytes: the floats of a vector, read-only or writable.
 std::span<const std::byte> in_bytes(const std::vector<float>& v) { return std::as_bytes(std::span(v)); }
 std::span<std::byte> out_bytes(std::vector<float>& v) { return std::as_writable_bytes(std::span(v)); }
@@ -50,36 +56,36 @@ TEST_CASE("comm::Mpi: tagged messages around a ring arrive intact and in order")
     for (int i = 0; i < 5; ++i) out[static_cast<std::size_t>(i)] = static_cast<float>(100 * r + 10 * mb + i);
     const po::Tag to{next, mb, po::Dir::forward}, from{r, mb, po::Dir::forward};
     if (r % 2 == 0) {
-      c.send(next, to, in_bytes(out));
-      c.recv(prev, from, out_bytes(in));
+      c.send(ctx, next, to, in_bytes(out));
+      c.recv(ctx, prev, from, out_bytes(in));
     } else {
-      c.recv(prev, from, out_bytes(in));
-      c.send(next, to, in_bytes(out));
+      c.recv(ctx, prev, from, out_bytes(in));
+      c.send(ctx, next, to, in_bytes(out));
     }
     for (int i = 0; i < 5; ++i) CHECK(in[static_cast<std::size_t>(i)] == static_cast<float>(100 * prev + 10 * mb + i));
   }
   // An empty message is a message too.
-  if (r == 0) c.send(1, {1, 0, po::Dir::backward}, std::span<const std::byte>());
-  if (r == 1) c.recv(0, {1, 0, po::Dir::backward}, std::span<std::byte>());
+  if (r == 0) c.send(ctx, 1, {1, 0, po::Dir::backward}, std::span<const std::byte>());
+  if (r == 1) c.recv(ctx, 0, {1, 0, po::Dir::backward}, std::span<std::byte>());
 }
 
 TEST_CASE("comm::Mpi: a receive that meets another tag or size throws, naming both") {
   po::comm::Mpi c(quick());
   std::vector<float> x(3, 1.0f), y(3), z(4);
   if (c.rank() == 0) {
-    c.send(1, {1, 0, po::Dir::forward}, in_bytes(x));
-    c.send(1, {1, 2, po::Dir::backward}, in_bytes(x));
+    c.send(ctx, 1, {1, 0, po::Dir::forward}, in_bytes(x));
+    c.send(ctx, 1, {1, 2, po::Dir::backward}, in_bytes(x));
   }
   if (c.rank() == 1) {
-    CHECK(error_of([&] { c.recv(0, {1, 1, po::Dir::forward}, out_bytes(y)); }) ==
+    CHECK(error_of([&] { c.recv(ctx, 0, {1, 1, po::Dir::forward}, out_bytes(y)); }) ==
           "comm::Mpi: rank 1 expected (forward, stage 1, mb 1) of 12 bytes from rank 0 but received (forward, stage 1, mb 0) of 12 bytes");
-    CHECK(error_of([&] { c.recv(0, {1, 2, po::Dir::backward}, out_bytes(z)); }) ==
+    CHECK(error_of([&] { c.recv(ctx, 0, {1, 2, po::Dir::backward}, out_bytes(z)); }) ==
           "comm::Mpi: rank 1 expected (backward, stage 1, mb 2) of 16 bytes from rank 0 but received (backward, stage 1, mb 2) of 12 bytes");
   }
-  CHECK(error_of([&] { c.send(c.rank(), {0, 0, po::Dir::forward}, in_bytes(x)); }) ==
+  CHECK(error_of([&] { c.send(ctx, c.rank(), {0, 0, po::Dir::forward}, in_bytes(x)); }) ==
         "comm::Mpi: rank " + std::to_string(c.rank()) + " cannot send to rank " + std::to_string(c.rank()) + "; peers are the other ranks of 0.." +
             std::to_string(c.size() - 1));
-  CHECK(error_of([&] { c.recv(c.size(), {0, 0, po::Dir::forward}, out_bytes(y)); }) ==
+  CHECK(error_of([&] { c.recv(ctx, c.size(), {0, 0, po::Dir::forward}, out_bytes(y)); }) ==
         "comm::Mpi: rank " + std::to_string(c.rank()) + " cannot recv from rank " + std::to_string(c.size()) + "; peers are the other ranks of 0.." +
             std::to_string(c.size() - 1));
 }
@@ -89,7 +95,7 @@ TEST_CASE("comm::Mpi: a receive with no sender times out, naming the op, the ran
   if (c.rank() == 1) {
     std::vector<float> y(2);
     const auto t0 = std::chrono::steady_clock::now();
-    const std::string e = error_of([&] { c.recv(0, {1, 7, po::Dir::backward}, out_bytes(y)); });
+    const std::string e = error_of([&] { c.recv(ctx, 0, {1, 7, po::Dir::backward}, out_bytes(y)); });
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     CHECK(waited >= 0.5);
     CHECK(waited < 5.0);
@@ -100,7 +106,7 @@ TEST_CASE("comm::Mpi: a receive with no sender times out, naming the op, the ran
   po::comm::Mpi sync(quick());
   std::vector<double> all(static_cast<std::size_t>(sync.size()));
   const double one = 1;
-  sync.all_gather(std::span<const double>(&one, 1), all);
+  sync.all_gather(std::span<const double>(&one, 1), std::span(all));
 }
 
 TEST_CASE("comm::Mpi: a send nobody receives times out, and the late receive still gets it") {
@@ -110,15 +116,15 @@ TEST_CASE("comm::Mpi: a send nobody receives times out, and the late receive sti
   const double one = 1;
   std::vector<float> x{1.0f, 2.0f}, y(2);
   if (c.rank() == 0)
-    CHECK(error_of([&] { c.send(1, {1, 3, po::Dir::forward}, in_bytes(x)); }).find("s in send to rank 1 of (forward, stage 1, mb 3) (timeout 0.5 s); rank 1 has not answered") !=
+    CHECK(error_of([&] { c.send(ctx, 1, {1, 3, po::Dir::forward}, in_bytes(x)); }).find("s in send to rank 1 of (forward, stage 1, mb 3) (timeout 0.5 s); rank 1 has not answered") !=
           std::string::npos);
-  sync.all_gather(std::span<const double>(&one, 1), all);
+  sync.all_gather(std::span<const double>(&one, 1), std::span(all));
   // The timed-out send's buffer is kept alive by the communicator, so matching it now is safe.
   if (c.rank() == 1) {
-    c.recv(0, {1, 3, po::Dir::forward}, out_bytes(y));
+    c.recv(ctx, 0, {1, 3, po::Dir::forward}, out_bytes(y));
     CHECK(y == x);
   }
-  sync.all_gather(std::span<const double>(&one, 1), all);
+  sync.all_gather(std::span<const double>(&one, 1), std::span(all));
 }
 
 TEST_CASE("comm::Mpi: all_gather returns every rank's values in rank order; unequal counts fail on every rank") {
@@ -126,16 +132,50 @@ TEST_CASE("comm::Mpi: all_gather returns every rank's values in rank order; uneq
   const int d = c.size();
   const std::vector<double> mine{static_cast<double>(c.rank()), 0.5 + c.rank()};
   std::vector<double> all(2 * static_cast<std::size_t>(d));
-  c.all_gather(mine, all);
+  c.all_gather(std::span(mine), std::span(all));
   for (int r = 0; r < d; ++r) {
     CHECK(all[2 * static_cast<std::size_t>(r)] == r);
     CHECK(all[2 * static_cast<std::size_t>(r) + 1] == 0.5 + r);
   }
   std::vector<double> two(c.rank() == 1 ? 2 : 1, 1.0), out(two.size() * static_cast<std::size_t>(d));
-  CHECK(error_of([&] { c.all_gather(two, out); }) == "comm::Mpi::all_gather: ranks contributed different counts (rank 0: 1, rank 1: 2)");
+  CHECK(error_of([&] { c.all_gather(std::span<const double>(two), std::span(out)); }) == "comm::Mpi::all_gather: ranks contributed different counts (rank 0: 1, rank 1: 2)");
   std::vector<double> wrong(1);
-  CHECK(error_of([&] { c.all_gather(mine, wrong); }) ==
+  CHECK(error_of([&] { c.all_gather(std::span(mine), std::span(wrong)); }) ==
         "comm::Mpi::all_gather: the output holds 1 values; it must hold size() * mine.size() = " + std::to_string(2 * d));
+}
+
+TEST_CASE("comm::Mpi: all_gather moves any trivially copyable type as bytes; types of different sizes fail on every rank") {
+  po::comm::Mpi c(quick());
+  const std::size_t d = static_cast<std::size_t>(c.size());
+  struct Pair {
+    std::int32_t rank;
+    float half;
+  };
+  const Pair mine{c.rank(), 0.5f * static_cast<float>(c.rank())};
+  std::vector<Pair> pairs(d);
+  c.all_gather(std::span<const Pair>(&mine, 1), std::span(pairs));
+  for (std::size_t r = 0; r < d; ++r) {
+    CHECK(pairs[r].rank == static_cast<std::int32_t>(r));
+    CHECK(pairs[r].half == 0.5f * static_cast<float>(r));
+  }
+  const std::vector<std::byte> bytes{std::byte{1}, static_cast<std::byte>(c.rank())};
+  std::vector<std::byte> all_bytes(2 * d);
+  c.all_gather(std::span(bytes), std::span(all_bytes));
+  for (std::size_t r = 0; r < d; ++r) CHECK(all_bytes[2 * r + 1] == static_cast<std::byte>(r));
+  std::vector<std::uint64_t> none, all_none;
+  c.all_gather(std::span<const std::uint64_t>(none), std::span(all_none));  // zero values: nothing moves
+  // The same count of values of another size on rank 1: every rank refuses.
+  std::string e;
+  if (c.rank() == 1) {
+    const float one = 1;
+    std::vector<float> out(d);
+    e = error_of([&] { c.all_gather(std::span<const float>(&one, 1), std::span(out)); });
+  } else {
+    const double one = 1;
+    std::vector<double> out(d);
+    e = error_of([&] { c.all_gather(std::span<const double>(&one, 1), std::span(out)); });
+  }
+  CHECK(e == "comm::Mpi::all_gather: ranks contributed values of different sizes (rank 0: 8 bytes, rank 1: 4 bytes)");
 }
 
 TEST_CASE("comm::Mpi: abort on one rank wakes every other rank's wait, naming the rank that failed") {
@@ -144,15 +184,16 @@ TEST_CASE("comm::Mpi: abort on one rank wakes every other rank's wait, naming th
   if (c.rank() == 1) {
     c.abort("rank 1, compute op 4 F(stage 1, mb 2): boom");
     CHECK(c.abort_origin() == 1);
-    CHECK(error_of([&] { c.recv(0, {1, 0, po::Dir::forward}, out_bytes(y)); }) == "aborted: rank 1, compute op 4 F(stage 1, mb 2): boom");
+    CHECK(error_of([&] { c.recv(ctx, 0, {1, 0, po::Dir::forward}, out_bytes(y)); }) == "aborted: rank 1, compute op 4 F(stage 1, mb 2): boom");
   } else {
     // Waits on rank 1, which never sends: only the abort note can end this before the timeout.
     const auto t0 = std::chrono::steady_clock::now();
-    CHECK(error_of([&] { c.recv(1, {c.rank(), 0, po::Dir::backward}, out_bytes(y)); }) == "aborted: rank 1 failed: rank 1, compute op 4 F(stage 1, mb 2): boom");
+    CHECK(error_of([&] { c.recv(ctx, 1, {c.rank(), 0, po::Dir::backward}, out_bytes(y)); }) == "aborted: rank 1 failed: rank 1, compute op 4 F(stage 1, mb 2): boom");
     CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 10.0);
     CHECK(c.abort_origin() == 1);
-    std::vector<double> one{1.0}, all(static_cast<std::size_t>(c.size()));
-    CHECK(error_of([&] { c.all_gather(one, all); }) ==
+    const double one = 1.0;
+    std::vector<double> all(static_cast<std::size_t>(c.size()));
+    CHECK(error_of([&] { c.all_gather(std::span<const double>(&one, 1), std::span(all)); }) ==
           "aborted: rank 1 failed: rank 1, compute op 4 F(stage 1, mb 2): boom");
   }
 }

@@ -4,8 +4,11 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <span>
 #include <tuple>
 #include <string>
 #include <vector>
@@ -224,8 +227,9 @@ TEST_CASE("a receive that meets another tag is an error naming both tags") {
   const auto errors = po::run_thread_ranks(world, [&](int r) {
     po::comm::Threads c(world, r);
     try {
-      if (r == 0) c.send(1, {1, 2, po::Dir::forward}, std::as_bytes(std::span(a)));
-      else c.recv(0, {1, 3, po::Dir::forward}, std::as_writable_bytes(std::span(b)));
+      const po::backend::CpuContext ctx{};  // comm::Threads blocks the calling thread: any context will do
+      if (r == 0) c.send(ctx, 1, {1, 2, po::Dir::forward}, std::as_bytes(std::span(a)));
+      else c.recv(ctx, 0, {1, 3, po::Dir::forward}, std::as_writable_bytes(std::span(b)));
     } catch (...) {
       c.abort("peer failed");
       throw;
@@ -235,6 +239,62 @@ TEST_CASE("a receive that meets another tag is an error naming both tags") {
         "comm::Threads: rank 1 expected (forward, stage 1, mb 3) of 16 bytes from rank 0 but received (forward, stage 1, mb 2) of 16 bytes");
   CHECK(errors[0] == "aborted: peer failed");
   CHECK(b[0] == 0.0f);
+}
+
+TEST_CASE("comm::Threads: all_gather moves any trivially copyable type; other counts or value sizes fail on every rank") {
+  po::comm::ThreadsWorld world(3);
+  struct Pair {
+    std::int32_t rank;
+    float half;
+  };
+  std::vector<std::vector<Pair>> pairs(3);
+  std::vector<std::vector<std::byte>> bytes(3);
+  const auto ok = po::run_thread_ranks(world, [&](int r) {
+    po::comm::Threads c(world, r);
+    const Pair mine{r, 0.5f * static_cast<float>(r)};
+    pairs[static_cast<std::size_t>(r)].resize(3);
+    c.all_gather(std::span<const Pair>(&mine, 1), std::span(pairs[static_cast<std::size_t>(r)]));
+    const std::byte two[2] = {std::byte{7}, static_cast<std::byte>(r)};
+    bytes[static_cast<std::size_t>(r)].resize(6);
+    c.all_gather(std::span<const std::byte>(two), std::span(bytes[static_cast<std::size_t>(r)]));
+  });
+  for (std::size_t q = 0; q < 3; ++q) {
+    CAPTURE(q);
+    CHECK(ok[q].empty());
+    for (std::size_t r = 0; r < 3; ++r) {
+      CHECK(pairs[q][r].rank == static_cast<std::int32_t>(r));
+      CHECK(pairs[q][r].half == 0.5f * static_cast<float>(r));
+      CHECK(bytes[q][2 * r] == std::byte{7});
+      CHECK(bytes[q][2 * r + 1] == static_cast<std::byte>(r));
+    }
+  }
+  // Rank 2 contributes two values, or values of another size: the last rank to arrive throws
+  // the mismatch and aborts the others with it.
+  for (const bool other_size : {false, true}) {
+    CAPTURE(other_size);
+    po::comm::ThreadsWorld w(3);
+    const auto errors = po::run_thread_ranks(w, [&](int r) {
+      po::comm::Threads c(w, r);
+      if (r == 2 && other_size) {
+        const float one = 1;
+        std::vector<float> all(3);
+        c.all_gather(std::span<const float>(&one, 1), std::span(all));
+      } else {
+        const std::vector<double> mine(r == 2 ? 2 : 1, 1.0);
+        std::vector<double> all(3 * mine.size());
+        c.all_gather(std::span(mine), std::span(all));
+      }
+    });
+    const std::string expect = other_size ? "comm::Threads::all_gather: ranks contributed values of different sizes"
+                                          : "comm::Threads::all_gather: ranks contributed different counts";
+    for (const std::string& e : errors) CHECK(e.find(expect) != std::string::npos);
+  }
+  po::comm::ThreadsWorld one(1);
+  po::comm::Threads c(one, 0);
+  std::vector<double> wrong(2);
+  const double x = 1;
+  CHECK_THROWS_WITH(c.all_gather(std::span<const double>(&x, 1), std::span(wrong)),
+                    "comm::Threads::all_gather: the output holds 2 values; it must hold size() * mine.size() = 1");
 }
 
 TEST_CASE("a non-finite gradient stops the optimizer step with an error naming the stage, on every rank") {

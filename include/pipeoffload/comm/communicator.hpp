@@ -1,16 +1,22 @@
-// pipeoffload/comm/communicator.hpp: the `communicator` concept.
+// pipeoffload/comm/communicator.hpp: the `collective` and `communicator` concepts.
 //
 // Semantics (README "Communicator semantics"; validate() checks schedules against them):
-//   - a rank calls send and recv from its comm stream, in the order of RankProgram::comm;
-//   - send(peer, tag, data) may block until the peer has posted the matching recv and taken
-//     the data (rendezvous, as NCCL's may); recv blocks until the matching send is posted;
+//   - a rank calls send and recv from its comm stream, in the order of RankProgram::comm, and
+//     hands each call that stream's context (the backend's Context, as a layer's passes get
+//     theirs): send(ctx, peer, tag, data), recv(ctx, peer, tag, out). A communicator that
+//     enqueues on a stream (comm::Nccl: CudaContext::cuda_stream) uses it; one that blocks the
+//     calling thread (comm::Threads, comm::Mpi) accepts any context and ignores it;
+//   - send(ctx, peer, tag, data) may block until the peer has posted the matching recv and
+//     taken the data (rendezvous, as NCCL's may); recv blocks until the matching send is posted;
 //   - between an ordered pair of ranks, messages are received in the order they were sent;
 //   - a message is bytes (a boundary tensor of any element type); every message carries its
 //     tag (stage, microbatch, forward|backward) and its size; a recv that meets another tag or
 //     size throws comm_error naming both, never a silent swap;
-//   - all_gather(mine, all): every rank contributes mine.size() doubles (the same count on
-//     every rank); all receives them in rank order. It is a collective: every rank calls it
-//     the same number of times;
+//   - all_gather(mine, all), typed: every rank contributes mine.size() values of one trivially
+//     copyable T (the same count on every rank; counts are in elements of T), moved as bytes;
+//     `all` (size() * mine.size() of them) receives them in rank order. It is a collective
+//     on host memory, called outside the passes (start-up, between steps): every rank calls it
+//     the same number of times, with the same T;
 //   - abort(why): every blocking call in progress or to come, on every rank, throws
 //     aborted_error naming `why` (the first abort wins); it is how one failing rank stops
 //     the others (NCCL: ncclCommAbort).
@@ -41,24 +47,39 @@ inline std::string describe(const Tag& t) {
          std::to_string(t.mb) + ")";
 }
 
-/// Tagged point-to-point messages between the ranks of one pipeline, plus the one small
-/// collective an optimizer step needs (see the file comment for the semantics).
+/// The collectives of a group of ranks: who am I, how many are we, all_gather of any trivially
+/// copyable type, abort (see the file comment). What the handshake, the gradient norm and
+/// checkpoints need; the concept checks all_gather for double and std::byte.
+/// @code
+///   const std::uint64_t mine[2] = {steps, tokens};
+///   std::vector<std::uint64_t> all(2 * static_cast<std::size_t>(c.size()));
+///   c.all_gather(std::span<const std::uint64_t>(mine), std::span(all));   // [rank * 2 + i]
+/// @endcode
+template <class C>
+concept collective = requires(C& c, const C& cc, std::span<const double> mine, std::span<double> all, std::span<const std::byte> mine_bytes,
+                              std::span<std::byte> all_bytes, std::string why) {
+  { cc.rank() } -> std::same_as<int>;
+  { cc.size() } -> std::same_as<int>;
+  c.all_gather(mine, all);
+  c.all_gather(mine_bytes, all_bytes);
+  c.abort(why);
+};
+
+/// Tagged point-to-point messages between the ranks of one pipeline, posted from streams whose
+/// context is `Context` (the backend's: po::Runtime passes its comm stream's), plus the
+/// collectives (see the file comment for the semantics).
 /// @code
 ///   po::comm::ThreadsWorld world(2);            // two ranks that are threads of one process
 ///   po::comm::Threads c0(world, 0), c1(world, 1);
+///   po::backend::CpuContext ctx;                // Threads ignores it; Nccl enqueues on its stream
 ///   // thread of rank 0:                       // thread of rank 1:
-///   c0.send(1, {1, 0, po::Dir::forward}, std::as_bytes(std::span(x)));
-///                                               c1.recv(0, {1, 0, po::Dir::forward}, std::as_writable_bytes(std::span(y)));
+///   c0.send(ctx, 1, {1, 0, po::Dir::forward}, std::as_bytes(std::span(x)));
+///                                               c1.recv(ctx, 0, {1, 0, po::Dir::forward}, std::as_writable_bytes(std::span(y)));
 /// @endcode
-template <class C>
-concept communicator = requires(C& c, const C& cc, int peer, Tag tag, std::span<const std::byte> in, std::span<std::byte> out,
-                                std::span<const double> mine, std::span<double> all, std::string why) {
-  { cc.rank() } -> std::same_as<int>;
-  { cc.size() } -> std::same_as<int>;
-  c.send(peer, tag, in);
-  c.recv(peer, tag, out);
-  c.all_gather(mine, all);
-  c.abort(why);
+template <class C, class Context>
+concept communicator = collective<C> && requires(C& c, const Context& ctx, int peer, Tag tag, std::span<const std::byte> in, std::span<std::byte> out) {
+  c.send(ctx, peer, tag, in);
+  c.recv(ctx, peer, tag, out);
 };
 
 }  // namespace pipeoffload

@@ -77,7 +77,7 @@ inline std::vector<HandshakeField> handshake_fields(const ScheduleSpec& spec, co
 ///   fields.push_back({"model", "layers=8 hidden=64"});
 ///   po::handshake(comm, fields);   // throws on every rank if any rank differs
 /// @endcode
-template <communicator C>
+template <collective C>
 void handshake(C& comm, std::span<const HandshakeField> fields) {
   const std::size_t d = static_cast<std::size_t>(comm.size());
   // Round 1: the list of field names. It must agree before the per-field round can (the
@@ -86,7 +86,7 @@ void handshake(C& comm, std::span<const HandshakeField> fields) {
   for (const auto& f : fields) names += f.name + '\n';
   const double head[2] = {static_cast<double>(fields.size()), detail::handshake_hash(names)};
   std::vector<double> heads(2 * d);
-  comm.all_gather(head, heads);
+  comm.all_gather(std::span<const double>(head), std::span(heads));
   for (std::size_t r = 1; r < d; ++r)
     if (heads[2 * r] != heads[0] || heads[2 * r + 1] != heads[1])
       throw handshake_error("handshake: ranks disagree on the list of configuration fields: rank 0 has " + std::to_string(static_cast<long long>(heads[0])) +
@@ -96,14 +96,14 @@ void handshake(C& comm, std::span<const HandshakeField> fields) {
   const std::size_t n = fields.size();
   std::vector<double> mine(n), all(n * d);
   for (std::size_t i = 0; i < n; ++i) mine[i] = detail::handshake_hash(fields[i].value);
-  comm.all_gather(mine, all);
+  comm.all_gather(std::span<const double>(mine), std::span(all));
   for (std::size_t i = 0; i < n; ++i)
     for (std::size_t r = 1; r < d; ++r) {
       if (all[r * n + i] == all[i]) continue;
       // Round 3 (every rank reaches it, having seen the same hashes): the values, for the message.
       const std::vector<double> text = detail::pack_text(fields[i].value);
       std::vector<double> texts(text.size() * d);
-      comm.all_gather(text, texts);
+      comm.all_gather(std::span<const double>(text), std::span(texts));
       const auto value_of = [&](std::size_t q) {
         return detail::unpack_text(std::span<const double>(texts).subspan(q * text.size(), text.size()));
       };
@@ -112,7 +112,7 @@ void handshake(C& comm, std::span<const HandshakeField> fields) {
     }
 }
 
-template <communicator C>
+template <collective C>
 void handshake(C& comm, const std::vector<HandshakeField>& fields) {
   handshake(comm, std::span<const HandshakeField>(fields));
 }

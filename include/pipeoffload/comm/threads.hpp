@@ -2,7 +2,8 @@
 //
 // Sends are rendezvous: a send waits until its receiver has copied the data out, the
 // strictest of the semantics in comm/communicator.hpp (NCCL's may do the same), so a schedule
-// that runs here cannot deadlock on a GPU for want of buffering.
+// that runs here cannot deadlock on a GPU for want of buffering. Every call blocks the calling
+// thread, so send and recv take any backend context and ignore it; all_gather copies bytes.
 #pragma once
 
 #include <condition_variable>
@@ -11,8 +12,10 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "../backend/cpu/context.hpp"
 #include "communicator.hpp"
 
 namespace pipeoffload::comm {
@@ -29,15 +32,8 @@ class ThreadsWorld {
 
   /// Aborts every rank (first reason wins).
   void abort(const std::string& why) {
-    {
-      std::lock_guard lk(mu_);
-      if (aborted_) return;
-      aborted_ = true;
-      reason_ = why;
-      // Under the lock, so no waiter can miss it between its check and its sleep.
-      for (std::size_t i = 0; i < static_cast<std::size_t>(size_) * static_cast<std::size_t>(size_); ++i) channels_[i].cv.notify_all();
-      cv_.notify_all();
-    }
+    std::lock_guard lk(mu_);
+    abort_locked(why);
   }
   bool aborted() const {
     std::lock_guard lk(mu_);
@@ -62,6 +58,14 @@ class ThreadsWorld {
     return channels_[static_cast<std::size_t>(from) * static_cast<std::size_t>(size_) + static_cast<std::size_t>(to)];
   }
   [[noreturn]] void throw_aborted() const { throw aborted_error("aborted: " + reason_); }
+  // Under the lock, so no waiter can miss it between its check and its sleep.
+  void abort_locked(const std::string& why) {
+    if (aborted_) return;
+    aborted_ = true;
+    reason_ = why;
+    for (std::size_t i = 0; i < static_cast<std::size_t>(size_) * static_cast<std::size_t>(size_); ++i) channels_[i].cv.notify_all();
+    cv_.notify_all();
+  }
 
   int size_;
   mutable std::mutex mu_;
@@ -72,8 +76,12 @@ class ThreadsWorld {
   // all_gather: contributions of the round in progress, and the published result of the last
   // round (a rank can only enter round k+1 after every rank has left round k's wait, because
   // round k+1 completes only when all have arrived).
-  std::vector<std::vector<double>> gathered_;
-  std::vector<double> published_;
+  struct Contribution {
+    std::vector<std::byte> bytes;
+    std::size_t count = 0, value_bytes = 0;  // elements of T, and sizeof(T)
+  };
+  std::vector<Contribution> gathered_;
+  std::vector<std::byte> published_;
   int arrived_ = 0;
   unsigned long long round_ = 0;
 };
@@ -88,8 +96,10 @@ class Threads {
   int rank() const { return rank_; }
   int size() const { return w_->size(); }
 
-  /// Blocks until `peer` has received the message (rendezvous).
-  void send(int peer, Tag tag, std::span<const std::byte> data) {
+  /// Blocks until `peer` has received the message (rendezvous). The context is not needed:
+  /// the calling thread does the work.
+  template <class Context>
+  void send(const Context&, int peer, Tag tag, std::span<const std::byte> data) {
     check_peer(peer, "send to");
     ThreadsWorld::Message msg{tag, data.data(), data.size(), false};
     ThreadsWorld::Channel& ch = w_->channel(rank_, peer);
@@ -110,7 +120,8 @@ class Threads {
   }
 
   /// Blocks until the next message from `peer` arrives; it must carry `tag` and fit `out`.
-  void recv(int peer, Tag tag, std::span<std::byte> out) {
+  template <class Context>
+  void recv(const Context&, int peer, Tag tag, std::span<std::byte> out) {
     check_peer(peer, "recv from");
     std::unique_lock lk(w_->mu_);
     ThreadsWorld::Channel& ch = w_->channel(peer, rank_);
@@ -131,26 +142,35 @@ class Threads {
     ch.cv.notify_all();
   }
 
-  void all_gather(std::span<const double> mine, std::span<double> all) {
+  /// Every rank contributes mine.size() values of T; `all` receives them in rank order.
+  template <class T>
+  void all_gather(std::span<const T> mine, std::span<T> all) {
+    static_assert(std::is_trivially_copyable_v<T>, "comm::Threads::all_gather: T must be trivially copyable; values travel as bytes.");
     const std::size_t n = mine.size(), d = static_cast<std::size_t>(size());
     if (all.size() != n * d)
       throw comm_error("comm::Threads::all_gather: the output holds " + std::to_string(all.size()) + " values; it must hold size() * mine.size() = " +
                        std::to_string(n * d));
     std::unique_lock lk(w_->mu_);
     if (w_->aborted_) w_->throw_aborted();
-    w_->gathered_[static_cast<std::size_t>(rank_)].assign(mine.begin(), mine.end());
+    ThreadsWorld::Contribution& own = w_->gathered_[static_cast<std::size_t>(rank_)];
+    const std::span<const std::byte> bytes = std::as_bytes(mine);
+    own.bytes.assign(bytes.begin(), bytes.end());
+    own.count = n;
+    own.value_bytes = sizeof(T);
     const unsigned long long round = w_->round_;
     if (++w_->arrived_ == size()) {
       w_->published_.clear();
-      for (const auto& g : w_->gathered_) {
-        if (g.size() != n) {
-          w_->arrived_ = 0;
-          ++w_->round_;
-          lk.unlock();
-          w_->abort("comm::Threads::all_gather: ranks contributed different counts");
-          throw comm_error("comm::Threads::all_gather: ranks contributed different counts");
+      for (const ThreadsWorld::Contribution& g : w_->gathered_) {
+        if (g.count != n || g.value_bytes != sizeof(T)) {
+          const std::string what = g.count != n ? "comm::Threads::all_gather: ranks contributed different counts"
+                                                : "comm::Threads::all_gather: ranks contributed values of different sizes (" +
+                                                      std::to_string(g.value_bytes) + " and " + std::to_string(sizeof(T)) + " bytes)";
+          // The round never completes: its waiters wake to the abort (set before the lock is
+          // released, so none can take the partial result for a finished round).
+          w_->abort_locked(what);
+          throw comm_error(what);
         }
-        w_->published_.insert(w_->published_.end(), g.begin(), g.end());
+        w_->published_.insert(w_->published_.end(), g.bytes.begin(), g.bytes.end());
       }
       w_->arrived_ = 0;
       ++w_->round_;
@@ -159,7 +179,7 @@ class Threads {
       w_->cv_.wait(lk, [&] { return w_->round_ != round || w_->aborted_; });
       if (w_->round_ == round) w_->throw_aborted();
     }
-    std::copy(w_->published_.begin(), w_->published_.end(), all.begin());
+    if (!all.empty()) std::memcpy(all.data(), w_->published_.data(), all.size_bytes());
   }
 
   void abort(const std::string& why) { w_->abort(why); }
@@ -175,6 +195,6 @@ class Threads {
   int rank_;
 };
 
-static_assert(communicator<Threads>, "comm::Threads must model the communicator concept.");
+static_assert(communicator<Threads, backend::CpuContext>, "comm::Threads must model the communicator concept.");
 
 }  // namespace pipeoffload::comm

@@ -199,11 +199,11 @@ inline StageState decode(const std::vector<std::byte>& b, const std::string& nam
 
 /// Every rank's verdict on a collective checkpoint operation: throws on every rank if any
 /// rank failed (its own message on that rank, the failed rank's number on the others).
-template <class C>
+template <collective C>
 void agree(C& comm, int rank, const std::string& failure, const std::string& what) {
   const double ok = failure.empty() ? 1.0 : 0.0;
   std::vector<double> all(static_cast<std::size_t>(comm.size()));
-  comm.all_gather(std::span<const double>(&ok, 1), all);
+  comm.all_gather(std::span<const double>(&ok, 1), std::span(all));
   for (std::size_t r = 0; r < all.size(); ++r)
     if (all[r] != 1.0) throw checkpoint_error(static_cast<int>(r) == rank ? failure : "checkpoint: rank " + std::to_string(r) + " could not " + what);
 }

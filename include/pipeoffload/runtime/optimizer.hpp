@@ -65,7 +65,7 @@ double grad_norm(Runtime& rt) {
       const std::vector<std::size_t>& g = rt.norm_groups(static_cast<int>(c));
       rt.device().sum_squares(rt.stages()[c].gradients(), g, std::span<double>(mine).subspan(c * groups, g.size()));
     }
-    rt.communicator().all_gather(mine, all);
+    rt.communicator().all_gather(std::span<const double>(mine), std::span(all));
     double norm2 = 0;
     for (int s = 0; s < sh.stages(); ++s) {
       const StageInfo& t = rt.stage_table()[static_cast<std::size_t>(s)];

@@ -125,9 +125,9 @@ class Runtime<Backend, Communicator> {
   static_assert(backend::backend<Backend>,
                 "po::Runtime: Backend must model po::backend::backend (streams, events, device_alloc/free, host_alloc/free, "
                 "transfer, synchronize, abort, memory, context, now, download, upload, zero, flag_nonfinite); see backend/backend.hpp.");
-  static_assert(communicator<Communicator>,
-                "po::Runtime: Communicator must model po::communicator (rank, size, send, recv, all_gather, abort); see "
-                "comm/communicator.hpp.");
+  static_assert(communicator<Communicator, typename Backend::Context>,
+                "po::Runtime: Communicator must model po::communicator<C, Backend::Context> (rank, size, send(ctx, ...) and "
+                "recv(ctx, ...) with the backend's stream context, all_gather of doubles and bytes, abort); see comm/communicator.hpp.");
 
  public:
   using backend_type = Backend;
@@ -370,7 +370,7 @@ class Runtime<Backend, Communicator> {
     // Every rank's stages (a collective: a rank that failed above has aborted it instead).
     const std::size_t row = fields - 1 + detail::handshake_text_doubles;
     std::vector<double> all(mine.size() * static_cast<std::size_t>(sh.d));
-    comm_.all_gather(mine, all);
+    comm_.all_gather(std::span<const double>(mine), std::span(all));
     table_.resize(static_cast<std::size_t>(sh.stages()));
     for (int r = 0; r < sh.d; ++r)
       for (int c = 0; c < sh.v; ++c) {
@@ -583,7 +583,7 @@ class Runtime<Backend, Communicator> {
     std::vector<double> mine(m + 1), all((m + 1) * static_cast<std::size_t>(sh.d));
     for (std::size_t b = 0; b < m; ++b) mine[b] = static_cast<double>(losses[b]);
     mine[m] = first;
-    comm_.all_gather(mine, all);
+    comm_.all_gather(std::span<const double>(mine), std::span(all));
     const std::size_t lr = static_cast<std::size_t>(sh.rank_of(S - 1));
     st.losses.resize(m);
     double sum = 0;
@@ -764,14 +764,16 @@ class Runtime<Backend, Communicator> {
     const CommOp c = call_.plan->rp->comm[k];
     const Tag tag{c.stage, c.mb, c.dir};
     try {
+      // Launched on the comm stream: the communicator posts there (a GPU one enqueues on it).
+      const Context ctx = dev_.context(comm_stream_);
       if (c.send) {
         backend::Block& b = box(c.stage, c.mb, c.dir);
-        comm_.send(c.peer, tag, std::span<const std::byte>(b.ptr, b.bytes));
+        comm_.send(ctx, c.peer, tag, std::span<const std::byte>(b.ptr, b.bytes));
         dev_.device_free(b);
         b = {};
       } else {
         const Tensor t = box_out(c.stage, c.mb, c.dir);
-        comm_.recv(c.peer, tag, std::span<std::byte>(t.data, t.bytes()));
+        comm_.recv(ctx, c.peer, tag, std::span<std::byte>(t.data, t.bytes()));
       }
     } catch (const aborted_error&) {
       throw;

@@ -6,9 +6,10 @@
 //   - events are cudaEvent_t without timing; record/wait are cudaEventRecord and
 //     cudaStreamWaitEvent, whose "latest record at the time of the call" semantics are the
 //     concept's;
-//   - launch(stream, fn) calls fn on the host at once; fn enqueues on context(stream).stream,
-//     and transfer() and the arena use the stream being launched (current_stream()). A
-//     failing fn fails the device: later launches are dropped and synchronize() throws;
+//   - launch(stream, fn) calls fn on the host at once; fn enqueues on context(stream).cuda_stream
+//     (and hands that context to whatever enqueues for it: layers, comm::Nccl), while
+//     transfer() and the arena use the stream being launched. A failing fn fails the device:
+//     later launches are dropped and synchronize() throws;
 //   - device memory is one cudaMalloc slab taken at construction and cut into blocks; a freed
 //     block keeps an event recorded on the stream that freed it, and a later allocation from
 //     another stream waits on that event on the GPU (never on the host). Blocks are pooled by
@@ -432,8 +433,6 @@ class Cuda {
 
   // ---- CUDA specifics ------------------------------------------------------------------
 
-  /// The stream launch() is running work for, or -1 outside launch().
-  int current_stream() const { return current_; }
   cudaStream_t stream(int s) { return at(s); }
   cudaEvent_t event(int e) { return ev(e); }
   int device() const { return opt_.device; }

@@ -1,13 +1,16 @@
 // pipeoffload/comm/mpi/mpi.hpp: comm::Mpi, pipeline ranks that are MPI processes.
 //
 // The `communicator` concept (comm/communicator.hpp) over MPI point-to-point, with the same
-// semantics as comm::Threads:
+// semantics as comm::Threads (every call blocks the calling thread, so send and recv take any
+// backend context and ignore it):
 //   - send is synchronous (MPI_Issend): it completes only once the receiver has matched it,
 //     the rendezvous that validate() plans for, so a schedule that runs here cannot rely on
 //     buffering a GPU link would not give;
 //   - every message carries a header (stage, microbatch, direction, byte count) in front of
 //     its data; MPI keeps messages of one (source, tag, communicator) in order, and a recv
 //     that meets another tag or size throws comm_error naming both;
+//   - all_gather of any trivially copyable T moves MPI_BYTEs, after a round that compares every
+//     rank's count (elements of T) and sizeof(T);
 //   - no wait is unbounded: every send, recv and all_gather polls its request and gives up
 //     after Options::timeout_seconds with a message naming the op, this rank and the peer;
 //   - abort(why) sends a short note to every other rank. Each rank polls for notes while it
@@ -39,8 +42,10 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
+#include "../../backend/cpu/context.hpp"
 #include "../communicator.hpp"
 
 namespace pipeoffload::comm {
@@ -185,8 +190,10 @@ class Mpi {
   MPI_Comm native() const { return comm_; }
   const Options& options() const { return opt_; }
 
-  /// Blocks until `peer` has matched the message (synchronous send), or fails.
-  void send(int peer, Tag tag, std::span<const std::byte> data) {
+  /// Blocks until `peer` has matched the message (synchronous send), or fails. The context is
+  /// not needed: the calling thread does the work.
+  template <class Context>
+  void send(const Context&, int peer, Tag tag, std::span<const std::byte> data) {
     check_peer(peer, "send to");
     throw_if_aborted();
     auto buf = std::make_unique<std::vector<std::byte>>(sizeof(Header) + data.size_bytes());
@@ -202,7 +209,8 @@ class Mpi {
   }
 
   /// Blocks until the next message from `peer` arrives; it must carry `tag` and fit `out`.
-  void recv(int peer, Tag tag, std::span<std::byte> out) {
+  template <class Context>
+  void recv(const Context&, int peer, Tag tag, std::span<std::byte> out) {
     check_peer(peer, "recv from");
     throw_if_aborted();
     const auto start = std::chrono::steady_clock::now();
@@ -237,31 +245,39 @@ class Mpi {
     if (!out.empty()) std::memcpy(out.data(), buf.data() + sizeof h, out.size());
   }
 
-  /// Every rank contributes mine.size() doubles; `all` receives them in rank order. Ranks
-  /// that contribute different counts all throw comm_error naming two of the counts.
-  void all_gather(std::span<const double> mine, std::span<double> all) {
+  /// Every rank contributes mine.size() values of T; `all` receives them in rank order. Ranks
+  /// that contribute different counts (or types of different sizes) all throw comm_error
+  /// naming two of them.
+  template <class T>
+  void all_gather(std::span<const T> mine, std::span<T> all) {
+    static_assert(std::is_trivially_copyable_v<T>, "comm::Mpi::all_gather: T must be trivially copyable; values travel as MPI_BYTE.");
     const std::size_t n = mine.size(), d = static_cast<std::size_t>(size_);
     if (all.size() != n * d)
       throw comm_error("comm::Mpi::all_gather: the output holds " + std::to_string(all.size()) + " values; it must hold size() * mine.size() = " +
                        std::to_string(n * d));
     throw_if_aborted();
-    // First the counts, so that a mismatch is an error on every rank instead of an MPI
-    // truncation on some. Buffers are owned here: a request cut short must not point into
-    // the caller's memory.
-    auto counts = std::make_unique<std::vector<std::byte>>((d + 1) * sizeof(long long));
-    const long long my_count = static_cast<long long>(n);
-    std::memcpy(counts->data(), &my_count, sizeof my_count);
-    gather_owned(std::move(counts), sizeof(long long), MPI_LONG_LONG, 1);
-    const long long* c = reinterpret_cast<const long long*>(last_gather_.data() + sizeof(long long));
+    // First the counts and value sizes, so that a mismatch is an error on every rank instead
+    // of an MPI truncation on some. Buffers are owned here: a request cut short must not point
+    // into the caller's memory.
+    auto counts = std::make_unique<std::vector<std::byte>>((d + 1) * 2 * sizeof(long long));
+    const long long my_count[2] = {static_cast<long long>(n), static_cast<long long>(sizeof(T))};
+    std::memcpy(counts->data(), my_count, sizeof my_count);
+    gather_owned(std::move(counts), sizeof my_count, MPI_LONG_LONG, 2);
+    const long long* c = reinterpret_cast<const long long*>(last_gather_.data() + sizeof my_count);  // [rank * 2 + {count, size}]
     for (std::size_t r = 0; r < d; ++r)
-      if (c[r] != c[0])
+      if (c[2 * r] != c[0])
         throw comm_error("comm::Mpi::all_gather: ranks contributed different counts (rank 0: " + std::to_string(c[0]) + ", rank " + std::to_string(r) +
-                         ": " + std::to_string(c[r]) + ")");
-    auto values = std::make_unique<std::vector<std::byte>>((d + 1) * n * sizeof(double));
-    if (n > 0) std::memcpy(values->data(), mine.data(), n * sizeof(double));
-    if (n * sizeof(double) > static_cast<std::size_t>(INT_MAX)) throw comm_error("comm::Mpi::all_gather: " + std::to_string(n) + " values are too many for one call");
-    gather_owned(std::move(values), n * sizeof(double), MPI_DOUBLE, static_cast<int>(n));
-    if (n > 0) std::memcpy(all.data(), last_gather_.data() + n * sizeof(double), n * d * sizeof(double));
+                         ": " + std::to_string(c[2 * r]) + ")");
+    for (std::size_t r = 0; r < d; ++r)
+      if (c[2 * r + 1] != c[1])
+        throw comm_error("comm::Mpi::all_gather: ranks contributed values of different sizes (rank 0: " + std::to_string(c[1]) + " bytes, rank " +
+                         std::to_string(r) + ": " + std::to_string(c[2 * r + 1]) + " bytes)");
+    const std::size_t block = n * sizeof(T);
+    if (block > static_cast<std::size_t>(INT_MAX)) throw comm_error("comm::Mpi::all_gather: " + std::to_string(n) + " values are too many for one call");
+    auto values = std::make_unique<std::vector<std::byte>>((d + 1) * block);
+    if (n > 0) std::memcpy(values->data(), mine.data(), block);
+    gather_owned(std::move(values), block, MPI_BYTE, static_cast<int>(block));
+    if (n > 0) std::memcpy(all.data(), last_gather_.data() + block, d * block);
   }
 
   /// Collective: `data` of rank `root` lands in `data` on every rank (same size everywhere),
@@ -421,6 +437,6 @@ class Mpi {
   std::vector<std::byte> last_gather_;  // result of the last all_gather round (host thread only)
 };
 
-static_assert(communicator<Mpi>, "comm::Mpi must model the communicator concept.");
+static_assert(communicator<Mpi, backend::CpuContext>, "comm::Mpi must model the communicator concept.");
 
 }  // namespace pipeoffload::comm

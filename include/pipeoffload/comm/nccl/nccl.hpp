@@ -1,10 +1,10 @@
 // pipeoffload/comm/nccl/nccl.hpp: comm::Nccl, the communicator of GPU ranks.
 //
 // Semantics are the communicator concept's (comm/communicator.hpp) with NCCL's rendezvous:
-//   - send and recv are called from work that the runtime launches on backend::Cuda's comm
-//     stream; each enqueues an ncclSend/ncclRecv on that stream (Cuda::current_stream()) and
-//     returns at once. The runtime orders the comm stream after the compute op that produced a
-//     send's data, and the compute stream after a recv, with events, so the host never waits;
+//   - send(ctx, ...) and recv(ctx, ...) enqueue an ncclSend/ncclRecv on ctx.cuda_stream (the
+//     runtime passes its comm stream's backend::CudaContext) and return at once. The runtime
+//     orders the comm stream after the compute op that produced a send's data, and the compute
+//     stream after a recv, with events, so the host never waits;
 //   - calls are posted in RankProgram::comm order, which validate() proved deadlock-free for a
 //     send that waits for its receive (NCCL's behaviour); each message is one NCCL group of
 //     two operations, a 24-byte tag header and the data. Messages are bytes (a boundary tensor
@@ -15,8 +15,9 @@
 //     runtime calls one per step, after synchronize): a mismatch throws comm_error naming both
 //     tags, never a silent swap (a step computed on swapped data is never applied, because the
 //     optimizer runs after that all_gather);
-//   - all_gather is ncclAllGather of doubles on a private stream, synchronised on the host (it
-//     is called between steps);
+//   - all_gather of any trivially copyable T is ncclAllGather of its bytes (ncclUint8) on a
+//     private stream, staged through a device buffer and synchronised on the host (it is called
+//     between steps). Ranks must contribute equal counts of one type: NCCL does not check;
 //   - abort(why): ncclCommAbort on every communicator of the world in this process; calls to
 //     come throw aborted_error.
 // Bootstrap: NcclWorld::all_local (ncclCommInitAll, one process driving every listed GPU, one
@@ -38,6 +39,7 @@
 #include <source_location>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../../backend/cuda/cuda.hpp"
@@ -192,8 +194,8 @@ class Nccl {
     PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, n * sizeof(Header)));
     recv_dev_ = static_cast<Header*>(p);
     PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, 1 << 20));  // all_gather staging, grown on demand between steps
-    gather_dev_ = static_cast<double*>(p);
-    gather_capacity_ = (1 << 20) / sizeof(double);
+    gather_dev_ = static_cast<std::byte*>(p);
+    gather_capacity_ = 1 << 20;
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamCreateWithFlags(&gather_stream_, cudaStreamNonBlocking));
   }
   Nccl(const Nccl&) = delete;
@@ -212,10 +214,10 @@ class Nccl {
   int rank() const { return rank_; }
   int size() const { return w_->size(); }
 
-  /// Enqueues `data` (device memory, any element type) to `peer` on the current stream.
-  void send(int peer, Tag tag, std::span<const std::byte> data) {
+  /// Enqueues `data` (device memory, any element type) to `peer` on ctx's stream.
+  void send(const backend::CudaContext& ctx, int peer, Tag tag, std::span<const std::byte> data) {
     check_peer(peer, "send to");
-    const cudaStream_t s = stream();
+    const cudaStream_t s = stream(ctx);
     const std::size_t i = next_slot(sent_, "send");
     send_host_[i] = header(tag, data.size());
     PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(send_dev_ + i, send_host_ + i, sizeof(Header), cudaMemcpyHostToDevice, s));
@@ -225,11 +227,11 @@ class Nccl {
     PIPEOFFLOAD_NCCL_CHECK(ncclGroupEnd(), rank_, comm_);
   }
 
-  /// Enqueues the receive of `out.size()` bytes from `peer` into `out` (device memory) on the
-  /// current stream; its tag and size are checked at the next all_gather (see the file comment).
-  void recv(int peer, Tag tag, std::span<std::byte> out) {
+  /// Enqueues the receive of `out.size()` bytes from `peer` into `out` (device memory) on
+  /// ctx's stream; its tag and size are checked at the next all_gather (see the file comment).
+  void recv(const backend::CudaContext& ctx, int peer, Tag tag, std::span<std::byte> out) {
     check_peer(peer, "recv from");
-    const cudaStream_t s = stream();
+    const cudaStream_t s = stream(ctx);
     const std::size_t i = next_slot(received_, "recv");
     expected_.push_back({peer, header(tag, out.size())});
     PIPEOFFLOAD_NCCL_CHECK(ncclGroupStart(), rank_, comm_);
@@ -238,8 +240,11 @@ class Nccl {
     PIPEOFFLOAD_NCCL_CHECK(ncclGroupEnd(), rank_, comm_);
   }
 
-  /// Verifies the tags received since the last call, then gathers `mine` from every rank.
-  void all_gather(std::span<const double> mine, std::span<double> all) {
+  /// Verifies the tags received since the last call, then gathers `mine` (host memory, values
+  /// of any trivially copyable T) from every rank into `all` (host memory).
+  template <class T>
+  void all_gather(std::span<const T> mine, std::span<T> all) {
+    static_assert(std::is_trivially_copyable_v<T>, "comm::Nccl::all_gather: T must be trivially copyable; values travel as bytes.");
     if (w_->aborted()) w_->throw_aborted();
     const std::size_t n = mine.size(), d = static_cast<std::size_t>(size());
     if (all.size() != n * d)
@@ -247,18 +252,21 @@ class Nccl {
                        std::to_string(n * d));
     PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(dev_->device()));
     verify_tags();
-    if (n * d > gather_capacity_) {  // between steps: the only allocation after construction
+    const std::size_t block = n * sizeof(T);  // bytes per rank
+    if (block * d > gather_capacity_) {  // between steps: the only allocation after construction
       PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(gather_stream_));
       PIPEOFFLOAD_CUDA_CHECK(cudaFree(gather_dev_));
+      gather_dev_ = nullptr;
+      gather_capacity_ = 0;
       void* p = nullptr;
-      PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, n * d * sizeof(double)));
-      gather_dev_ = static_cast<double*>(p);
-      gather_capacity_ = n * d;
+      PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, block * d));
+      gather_dev_ = static_cast<std::byte*>(p);
+      gather_capacity_ = block * d;
     }
-    double* slot = gather_dev_ + static_cast<std::size_t>(rank_) * n;
-    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(slot, mine.data(), n * sizeof(double), cudaMemcpyHostToDevice, gather_stream_));
-    PIPEOFFLOAD_NCCL_CHECK(ncclAllGather(slot, gather_dev_, n, ncclFloat64, comm_, gather_stream_), rank_, comm_);
-    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(all.data(), gather_dev_, n * d * sizeof(double), cudaMemcpyDeviceToHost, gather_stream_));
+    std::byte* slot = gather_dev_ + static_cast<std::size_t>(rank_) * block;
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(slot, mine.data(), block, cudaMemcpyHostToDevice, gather_stream_));
+    PIPEOFFLOAD_NCCL_CHECK(ncclAllGather(slot, gather_dev_, block, ncclUint8, comm_, gather_stream_), rank_, comm_);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(all.data(), gather_dev_, block * d, cudaMemcpyDeviceToHost, gather_stream_));
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(gather_stream_));
     if (w_->aborted()) w_->throw_aborted();
   }
@@ -287,11 +295,15 @@ class Nccl {
     return describe(Tag{h.stage, h.mb, h.dir == 0 ? Dir::forward : Dir::backward}) + " of " + std::to_string(h.bytes) + " bytes";
   }
 
-  cudaStream_t stream() {
+  /// ctx's stream, once ctx is known to be of this communicator's device.
+  cudaStream_t stream(const backend::CudaContext& ctx) const {
     if (w_->aborted()) w_->throw_aborted();
-    const int s = dev_->current_stream();
-    if (s < 0) throw comm_error("comm::Nccl: send and recv must be called from work launched on the device's comm stream");
-    return dev_->stream(s);
+    if (ctx.device != dev_ || ctx.cuda_stream == nullptr)
+      throw comm_error("comm::Nccl: rank " + std::to_string(rank_) + " was given the context of " +
+                       (ctx.device == nullptr ? std::string("no device") : "device " + std::to_string(ctx.device->device())) +
+                       "; send and recv take a stream context of its own device " + std::to_string(dev_->device()) +
+                       " (backend::Cuda::context(stream))");
+    return ctx.cuda_stream;
   }
 
   std::size_t next_slot(std::size_t& counter, const char* what) {
@@ -331,13 +343,13 @@ class Nccl {
   Header* send_host_ = nullptr;  // see the constructor for shapes and owners
   Header* send_dev_ = nullptr;
   Header* recv_dev_ = nullptr;
-  double* gather_dev_ = nullptr;
+  std::byte* gather_dev_ = nullptr;  // (gather_capacity_ bytes) device, owned: all_gather staging
   std::size_t gather_capacity_ = 0;
   cudaStream_t gather_stream_ = nullptr;
   std::size_t sent_ = 0, received_ = 0;
   std::vector<Expected> expected_;
 };
 
-static_assert(communicator<Nccl>, "comm::Nccl must model the communicator concept.");
+static_assert(communicator<Nccl, backend::CudaContext>, "comm::Nccl must model the communicator concept.");
 
 }  // namespace pipeoffload::comm
