@@ -1,11 +1,10 @@
 // pipeoffload/fnv1a.hpp: the one checksum of the project, 64-bit FNV-1a.
 //
 // Checkpoint files carry it (runtime/checkpoint.hpp), the start-up handshake compares it
-// (comm/handshake.hpp, cut to 52 bits there), and the samples print and key on it (train_gpt's
-// params_hash and config hash, custom_model's tensor names). Its starting value is
-// 1469598103934665603, not FNV's published offset basis 14695981039346656037 (a digit short):
-// every hash the project has written or printed was made with it, checkpoints on disk
-// included, so it stays.
+// (comm/handshake.hpp), and the samples print and key on it (train_gpt's params_hash and
+// config hash, custom_model's tensor names). Its starting value is 1469598103934665603, not
+// FNV's published offset basis 14695981039346656037 (a digit short): every hash the project
+// has written or printed was made with it, checkpoints on disk included, so it stays.
 #pragma once
 
 #include <cstddef>

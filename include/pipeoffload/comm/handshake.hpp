@@ -3,15 +3,17 @@
 // Ranks started with different configurations (a different schedule, shape, model, or a
 // different pipeoffload build) do not fail loudly on their own: they post sends and receives
 // that never match and hang, or exchange tensors of the wrong meaning. Before the first send,
-// every rank therefore contributes a hash of each named field of its configuration; every rank
-// sees every hash (all_gather), so all of them find the same first differing field and throw
-// the same sentence, naming the field and both values.
+// every rank therefore contributes a hash (64-bit FNV-1a) of each named field of its
+// configuration; every rank sees every hash (all_gather), so all of them find the same first
+// differing field and throw the same sentence, naming the field and both values.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "../error.hpp"
@@ -29,33 +31,22 @@ struct HandshakeField {
 
 namespace detail {
 
-/// FNV-1a, cut to 52 bits so that it travels exactly in a double (all_gather's type).
-inline double handshake_hash(const std::string& s) { return static_cast<double>(fnv1a(s) >> 12); }
+/// A text as it travels in an all_gather (a configuration value, a stage's name): its first
+/// `capacity` bytes and its length. Longer texts are cut, which only shortens a message (the
+/// handshake compares the full values' hashes).
+struct ShortText {
+  static constexpr std::size_t capacity = 138;
+  std::uint32_t size = 0;
+  std::array<char, capacity> bytes{};
 
-// A value travels as 6 bytes per double (48 bits: exact) after its length; longer values are
-// cut, which only shortens the message (the comparison uses the full-length hash).
-inline constexpr std::size_t handshake_text_doubles = 24;
-
-inline std::vector<double> pack_text(const std::string& s) {
-  std::vector<double> out(handshake_text_doubles, 0.0);
-  const std::size_t n = std::min(s.size(), (handshake_text_doubles - 1) * 6);
-  out[0] = static_cast<double>(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const std::size_t w = 1 + i / 6;
-    out[w] += static_cast<double>(static_cast<std::uint64_t>(static_cast<unsigned char>(s[i])) << (8 * (i % 6)));
+  static ShortText of(std::string_view s) {
+    ShortText t;
+    t.size = static_cast<std::uint32_t>(std::min(s.size(), capacity));
+    std::copy_n(s.data(), t.size, t.bytes.data());
+    return t;
   }
-  return out;
-}
-
-inline std::string unpack_text(std::span<const double> in) {
-  const std::size_t n = std::min(static_cast<std::size_t>(in[0]), (handshake_text_doubles - 1) * 6);
-  std::string s(n, '\0');
-  for (std::size_t i = 0; i < n; ++i) {
-    const auto w = static_cast<std::uint64_t>(in[1 + i / 6]);
-    s[i] = static_cast<char>((w >> (8 * (i % 6))) & 0xff);
-  }
-  return s;
-}
+  std::string str() const { return std::string(bytes.data(), std::min<std::size_t>(size, capacity)); }
+};
 
 }  // namespace detail
 
@@ -84,31 +75,28 @@ void handshake(C& comm, std::span<const HandshakeField> fields) {
   // all_gather count must be the same on every rank).
   std::string names;
   for (const auto& f : fields) names += f.name + '\n';
-  const double head[2] = {static_cast<double>(fields.size()), detail::handshake_hash(names)};
-  std::vector<double> heads(2 * d);
-  comm.all_gather(std::span<const double>(head), std::span(heads));
+  const std::uint64_t head[2] = {static_cast<std::uint64_t>(fields.size()), fnv1a(names)};
+  std::vector<std::uint64_t> heads(2 * d);
+  comm.all_gather(std::span<const std::uint64_t>(head), std::span(heads));
   for (std::size_t r = 1; r < d; ++r)
     if (heads[2 * r] != heads[0] || heads[2 * r + 1] != heads[1])
-      throw handshake_error("handshake: ranks disagree on the list of configuration fields: rank 0 has " + std::to_string(static_cast<long long>(heads[0])) +
-                            " fields, rank " + std::to_string(r) + " has " + std::to_string(static_cast<long long>(heads[2 * r])) +
+      throw handshake_error("handshake: ranks disagree on the list of configuration fields: rank 0 has " + std::to_string(heads[0]) +
+                            " fields, rank " + std::to_string(r) + " has " + std::to_string(heads[2 * r]) +
                             (heads[2 * r] == heads[0] ? " with other names" : "") + "; they were built from different pipeoffload sources");
   // Round 2: one hash per field value.
   const std::size_t n = fields.size();
-  std::vector<double> mine(n), all(n * d);
-  for (std::size_t i = 0; i < n; ++i) mine[i] = detail::handshake_hash(fields[i].value);
-  comm.all_gather(std::span<const double>(mine), std::span(all));
+  std::vector<std::uint64_t> mine(n), all(n * d);
+  for (std::size_t i = 0; i < n; ++i) mine[i] = fnv1a(fields[i].value);
+  comm.all_gather(std::span<const std::uint64_t>(mine), std::span(all));
   for (std::size_t i = 0; i < n; ++i)
     for (std::size_t r = 1; r < d; ++r) {
       if (all[r * n + i] == all[i]) continue;
       // Round 3 (every rank reaches it, having seen the same hashes): the values, for the message.
-      const std::vector<double> text = detail::pack_text(fields[i].value);
-      std::vector<double> texts(text.size() * d);
-      comm.all_gather(std::span<const double>(text), std::span(texts));
-      const auto value_of = [&](std::size_t q) {
-        return detail::unpack_text(std::span<const double>(texts).subspan(q * text.size(), text.size()));
-      };
-      throw handshake_error("handshake: ranks disagree on " + fields[i].name + ": rank 0 has '" + value_of(0) + "', rank " + std::to_string(r) + " has '" +
-                            value_of(r) + "'; start every rank with the same configuration");
+      const detail::ShortText text = detail::ShortText::of(fields[i].value);
+      std::vector<detail::ShortText> texts(d);
+      comm.all_gather(std::span<const detail::ShortText>(&text, 1), std::span(texts));
+      throw handshake_error("handshake: ranks disagree on " + fields[i].name + ": rank 0 has '" + texts[0].str() + "', rank " + std::to_string(r) +
+                            " has '" + texts[r].str() + "'; start every rank with the same configuration");
     }
 }
 

@@ -330,8 +330,12 @@ class Runtime<Backend, Communicator> {
       throw error("po::Runtime: microbatch shape batch = " + std::to_string(mbs.batch) + ", seq = " + std::to_string(mbs.seq) + " must both be >= 1");
     const RankProgram& rp = program_.ranks[static_cast<std::size_t>(rank_)];
     // This rank's stages, as every rank will know them.
-    constexpr std::size_t fields = 8;  // input (elements, dtype), output (elements, dtype), parameters, norm groups, name length
-    std::vector<double> mine;
+    struct Row {
+      Boundary input, output;
+      std::size_t parameters = 0, norm_groups = 0;
+      detail::ShortText name;
+    };
+    std::vector<Row> mine;
     for (int c = 0; c < sh.v; ++c) {
       const Stage& l = stages_[static_cast<std::size_t>(c)];
       const int s = sh.stage_of(rank_, c);
@@ -344,13 +348,7 @@ class Runtime<Backend, Communicator> {
       if (total != l.parameters().size())
         throw error("po::Runtime: stage " + std::to_string(s) + " (" + l.name() + ")'s norm_groups() cover " + std::to_string(total) +
                     " parameters, not its " + std::to_string(l.parameters().size()));
-      const Boundary in = l.input_boundary(mbs), out = l.output_boundary(mbs);
-      const std::vector<double> name = detail::pack_text(l.name());
-      const double row[fields - 1] = {static_cast<double>(in.elements), static_cast<double>(in.dtype), static_cast<double>(out.elements),
-                                      static_cast<double>(out.dtype), static_cast<double>(l.parameters().size()),
-                                      static_cast<double>(groups.size()), 0.0};
-      mine.insert(mine.end(), row, row + fields - 1);
-      mine.insert(mine.end(), name.begin(), name.end());
+      mine.push_back({l.input_boundary(mbs), l.output_boundary(mbs), l.parameters().size(), groups.size(), detail::ShortText::of(l.name())});
       saved_.push_back(l.saved_bytes(mbs));
       stash_.push_back(l.stash_bytes(mbs));
       norm_groups_.push_back(groups);
@@ -368,21 +366,13 @@ class Runtime<Backend, Communicator> {
       }
     collect_inputs();
     // Every rank's stages (a collective: a rank that failed above has aborted it instead).
-    const std::size_t row = fields - 1 + detail::handshake_text_doubles;
-    std::vector<double> all(mine.size() * static_cast<std::size_t>(sh.d));
-    comm_.all_gather(std::span<const double>(mine), std::span(all));
+    std::vector<Row> all(mine.size() * static_cast<std::size_t>(sh.d));
+    comm_.all_gather(std::span<const Row>(mine), std::span(all));  // [rank * v + chunk]
     table_.resize(static_cast<std::size_t>(sh.stages()));
     for (int r = 0; r < sh.d; ++r)
       for (int c = 0; c < sh.v; ++c) {
-        const double* x = all.data() + (static_cast<std::size_t>(r) * static_cast<std::size_t>(sh.v) + static_cast<std::size_t>(c)) * row;
-        StageInfo& t = table_[static_cast<std::size_t>(sh.stage_of(r, c))];
-        t.rank = r;
-        t.chunk = c;
-        t.input = {static_cast<std::size_t>(x[0]), static_cast<DType>(static_cast<int>(x[1]))};
-        t.output = {static_cast<std::size_t>(x[2]), static_cast<DType>(static_cast<int>(x[3]))};
-        t.parameters = static_cast<std::size_t>(x[4]);
-        t.norm_groups = static_cast<std::size_t>(x[5]);
-        t.name = detail::unpack_text(std::span<const double>(x + fields - 1, detail::handshake_text_doubles));
+        const Row& x = all[static_cast<std::size_t>(r) * static_cast<std::size_t>(sh.v) + static_cast<std::size_t>(c)];
+        table_[static_cast<std::size_t>(sh.stage_of(r, c))] = {r, c, x.name.str(), x.input, x.output, x.parameters, x.norm_groups};
       }
     // Every producer and its consumer must agree (every rank sees the same table and throws
     // the same sentence).
