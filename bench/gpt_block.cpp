@@ -26,10 +26,14 @@ double seconds_of(auto&& fn) {
 }
 
 double sgemm_rate(int M, int N, int K) {
-  std::vector<float> a(static_cast<std::size_t>(M) * K, 0.5f), b(static_cast<std::size_t>(K) * N, 0.25f), c(static_cast<std::size_t>(M) * N);
+  std::vector<float> a(static_cast<std::size_t>(M) * K, 0.5f), b(static_cast<std::size_t>(K) * N, 0.25f),
+      c(static_cast<std::size_t>(M) * N);
   double best = 1e9;
   for (int i = 0; i < 6; ++i)
-    best = std::min(best, seconds_of([&] { po::blas::sgemm(po::blas::Trans::no, po::blas::Trans::no, M, N, K, 1, a.data(), K, b.data(), N, 0, c.data(), N); }));
+    best = std::min(best, seconds_of([&] {
+                      po::blas::sgemm(po::blas::Trans::no, po::blas::Trans::no, M, N, K, 1, a.data(), K, b.data(), N, 0,
+                                      c.data(), N);
+                    }));
   return 2.0 * M * N * K / best;
 }
 
@@ -78,12 +82,15 @@ int main(int argc, char** argv) {
   const double shape_rate = sgemm_rate(static_cast<int>(T), 4 * cfg.hidden, cfg.hidden);
   const double baseline = std::max(best, shape_rate);
   std::printf("BLAS: OpenBLAS, core %s, 1 thread\n", po::blas::core_name().c_str());
-  std::printf("SGEMM square n=%d: %.1f GFLOP/s; block shape %dx%dx%d: %.1f GFLOP/s\n", best_n, best / 1e9, static_cast<int>(T), 4 * cfg.hidden,
-              cfg.hidden, shape_rate / 1e9);
-  std::printf("GPT block h=%d s=%d b=%d heads=%d: F+B+W %.1f ms, %.1f GFLOP/s = %.1f%% of the best SGEMM (target >= 60%%)\n", cfg.hidden, cfg.seq, batch,
-              cfg.heads, times[times.size() / 2] * 1e3, block_rate / 1e9, 100 * block_rate / baseline);
+  std::printf("SGEMM square n=%d: %.1f GFLOP/s; block shape %dx%dx%d: %.1f GFLOP/s\n", best_n, best / 1e9,
+              static_cast<int>(T), 4 * cfg.hidden, cfg.hidden, shape_rate / 1e9);
+  std::printf(
+      "GPT block h=%d s=%d b=%d heads=%d: F+B+W %.1f ms, %.1f GFLOP/s = %.1f%% of the best SGEMM (target >= 60%%)\n",
+      cfg.hidden, cfg.seq, batch, cfg.heads, times[times.size() / 2] * 1e3, block_rate / 1e9,
+      100 * block_rate / baseline);
   const auto bd = st.block_breakdown(sh);
-  std::printf("saved per block: %.1f bf16-equivalent bytes per b*s*h with selective recompute (paper: 20; without: 34)\n",
-              (2.0 * static_cast<double>(bd.tensor_floats) + static_cast<double>(bd.mask_bytes)) / (T * h));
+  std::printf(
+      "saved per block: %.1f bf16-equivalent bytes per b*s*h with selective recompute (paper: 20; without: 34)\n",
+      (2.0 * static_cast<double>(bd.tensor_floats) + static_cast<double>(bd.mask_bytes)) / (T * h));
   return 0;
 }

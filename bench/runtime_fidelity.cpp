@@ -33,7 +33,8 @@ struct SleepLayer {
   // Sleeping overshoots by 0.1-0.2 ms on these VMs (10% of a pass): sleep to 0.3 ms before
   // the deadline, then yield until it, so a pass takes T and not T + the timer's slack.
   static void nap() {
-    const auto due = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(pass_s));
+    const auto due = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                            std::chrono::duration<double>(pass_s));
     std::this_thread::sleep_until(due - std::chrono::microseconds(300));
     while (std::chrono::steady_clock::now() < due) std::this_thread::yield();
   }
@@ -42,7 +43,8 @@ struct SleepLayer {
     if (y) std::fill(y.as<float>(), y.as<float>() + 16, 0.0f);
     if (mb.last()) *mb.loss = 0.0f;
   }
-  void backward_input(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor dx, std::byte*, std::byte*) {
+  void backward_input(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor dx, std::byte*,
+                      std::byte*) {
     nap();
     if (dx) std::fill(dx.as<float>(), dx.as<float>() + 16, 0.0f);
   }
@@ -107,7 +109,8 @@ int main() {
   };
   // k = 1: one unit's one-way copy takes (T_F + T_B + T_W) / 2.
   const double rate = static_cast<double>(unit_floats * sizeof(float)) / costs.T_O(0);
-  std::printf("T_F = T_B = T_W = %.1f ms, m = 32, copy engine %.1f MB/s (k = 1 for offloaded schedules)\n", pass_s * 1e3, rate / 1e6);
+  std::printf("T_F = T_B = T_W = %.1f ms, m = 32, copy engine %.1f MB/s (k = 1 for offloaded schedules)\n",
+              pass_s * 1e3, rate / 1e6);
   std::printf("%-12s %3s %3s %12s %12s %8s\n", "schedule", "d", "v", "measured ms", "simulated ms", "ratio");
   double worst = 0;
   for (int d : {4, 8}) {
@@ -129,8 +132,9 @@ int main() {
     const double po_t = run({Family::grouped, {GK::uniform, 1}, po::offload::none}, sh, rate, costs);
     const double pof = run({Family::grouped, {GK::uniform, 1}, po::offload::all}, sh, rate, costs);
     const double paired = run({Family::grouped, {GK::uniform, 1}, po::offload::all}, sh, rate, costs, true);
-    std::printf("d=%d v=2 m=32: PO-F %.1f ms vs PO %.1f ms: offload costs %+.2f%% (target < 3%%); with PCIe pairs synchronised %.1f ms, %+.2f%%\n", d,
-                pof * 1e3, po_t * 1e3, (pof / po_t - 1) * 100, paired * 1e3, (paired / po_t - 1) * 100);
+    std::printf(
+        "d=%d v=2 m=32: PO-F %.1f ms vs PO %.1f ms: offload costs %+.2f%% (target < 3%%); with PCIe pairs synchronised %.1f ms, %+.2f%%\n",
+        d, pof * 1e3, po_t * 1e3, (pof / po_t - 1) * 100, paired * 1e3, (paired / po_t - 1) * 100);
   }
   return 0;
 }

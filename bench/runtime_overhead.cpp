@@ -39,10 +39,12 @@ struct NoOp {
   po::Boundary output_boundary(po::MicrobatchShape) const { return {1}; }
   std::size_t saved_bytes(po::MicrobatchShape) const { return 4; }
   std::size_t stash_bytes(po::MicrobatchShape) const { return 4; }
-  [[gnu::noinline]] void forward(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor y, std::byte*) {
+  [[gnu::noinline]] void forward(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor y,
+                                 std::byte*) {
     *y.data = std::byte{1};
   }
-  void backward_input(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor, std::byte*, std::byte*) {}
+  void backward_input(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor, std::byte*,
+                      std::byte*) {}
   void backward_weight(po::backend::CpuContext&, const po::Microbatch&, std::byte*, std::byte*) {}
   std::span<float> parameters() { return {&p, 1}; }
   std::span<float> gradients() { return {&g, 1}; }
@@ -59,13 +61,15 @@ int main() {
   std::byte out{};
   const po::Tensor y{&out, 1, po::DType::uint8};
   constexpr int calls = 20'000'000;
-  const double direct = median_of(5, [&] {
-                          for (int i = 0; i < calls; ++i) layer.forward(ctx, mb, {}, y, nullptr);
-                        }) /
+  const double direct = median_of(5,
+                                  [&] {
+                                    for (int i = 0; i < calls; ++i) layer.forward(ctx, mb, {}, y, nullptr);
+                                  }) /
                         calls;
-  const double erased = median_of(5, [&] {
-                          for (int i = 0; i < calls; ++i) ref.forward(ctx, mb, {}, y, nullptr);
-                        }) /
+  const double erased = median_of(5,
+                                  [&] {
+                                    for (int i = 0; i < calls; ++i) ref.forward(ctx, mb, {}, y, nullptr);
+                                  }) /
                         calls;
 
   // 3. A GPT stage pass at train_gpt's defaults.
@@ -95,19 +99,22 @@ int main() {
   auto dctx = dev.context(0);
   std::uint32_t flag = 0;
   constexpr int checks = 2000;
-  const double check = median_of(5, [&] {
-                         for (int i = 0; i < checks; ++i) dev.flag_nonfinite(dctx, po::view(std::as_const(yv)), &flag);
-                       }) /
+  const double check = median_of(5,
+                                 [&] {
+                                   for (int i = 0; i < checks; ++i)
+                                     dev.flag_nonfinite(dctx, po::view(std::as_const(yv)), &flag);
+                                 }) /
                        checks;
   if (flag != 0) {
     std::fprintf(stderr, "runtime_overhead: the check flagged a finite tensor\n");
     return 1;
   }
 
-  std::printf("pass call through po::StageRef: %.2f ns; direct: %.2f ns; the indirection costs %.2f ns per pass\n", erased * 1e9, direct * 1e9,
-              (erased - direct) * 1e9);
+  std::printf("pass call through po::StageRef: %.2f ns; direct: %.2f ns; the indirection costs %.2f ns per pass\n",
+              erased * 1e9, direct * 1e9, (erased - direct) * 1e9);
   std::printf("GPT stage (h=64, seq 64, batch 4, 1 block): F %.3f ms, F+B+W %.3f ms\n", forward * 1e3, pass * 1e3);
-  std::printf("non-finite check of one boundary (%zu floats): %.2f us = %.3f%% of F+B+W for two checks\n", n, check * 1e6, 100 * 2 * check / pass);
+  std::printf("non-finite check of one boundary (%zu floats): %.2f us = %.3f%% of F+B+W for two checks\n", n,
+              check * 1e6, 100 * 2 * check / pass);
   std::printf("indirection: %.5f%% of F+B+W for three calls\n", 100 * 3 * std::max(0.0, erased - direct) / pass);
   return 0;
 }

@@ -85,22 +85,23 @@ int main(int argc, char** argv) {
   const unsigned cores = std::thread::hardware_concurrency();
   const int reps = quick ? 3 : 7;
   const Phases t = measure(target, reps);
-  std::printf("PO-F d=64 v=8 m=512: build+validate+simulate %.1f ms (median of %d; build %.1f, validate %.1f, simulate %.1f; %ld ops; %u cores); target < 50 ms: %s\n",
-              t.total, reps, t.build, t.validate, t.simulate, t.ops, cores, t.total < 50 ? "met" : "MISSED");
+  std::printf(
+      "PO-F d=64 v=8 m=512: build+validate+simulate %.1f ms (median of %d; build %.1f, validate %.1f, simulate %.1f; %ld ops; %u cores); target < 50 ms: %s\n",
+      t.total, reps, t.build, t.validate, t.simulate, t.ops, cores, t.total < 50 ? "met" : "MISSED");
   // The same into the outputs of the run before (build_into, simulate_into).
   const Phases again = measure(target, reps, true);
-  std::printf("  into reused outputs: %.1f ms (build %.1f, validate %.1f, simulate %.1f); target < 50 ms: %s\n", again.total, again.build,
-              again.validate, again.simulate, again.total < 50 ? "met" : "MISSED");
+  std::printf("  into reused outputs: %.1f ms (build %.1f, validate %.1f, simulate %.1f); target < 50 ms: %s\n",
+              again.total, again.build, again.validate, again.simulate, again.total < 50 ? "met" : "MISSED");
   // The same on one thread, for machines with one core to spare.
   const Phases one = measure(target, reps, false, po::Workers{1});
-  std::printf("  on one thread (po::Workers{1}): %.1f ms (build %.1f, validate %.1f, simulate %.1f)\n", one.total, one.build,
-              one.validate, one.simulate);
+  std::printf("  on one thread (po::Workers{1}): %.1f ms (build %.1f, validate %.1f, simulate %.1f)\n", one.total,
+              one.build, one.validate, one.simulate);
   std::printf("\n%6s %4s %5s %10s %10s %10s %10s %10s %12s\n", "d", "v", "m", "ops", "build_ms", "valid_ms", "sim_ms",
               "total_ms", "ns_per_op");
   for (int d = 8; d <= (quick ? 256 : 1024); d *= 2) {
     const Phases p = measure({d, 8, 512}, d >= 512 ? 1 : 3);
-    std::printf("%6d %4d %5d %10ld %10.1f %10.1f %10.1f %10.1f %12.1f\n", d, 8, 512, p.ops, p.build, p.validate, p.simulate,
-                p.total, 1e6 * p.total / static_cast<double>(p.ops));
+    std::printf("%6d %4d %5d %10ld %10.1f %10.1f %10.1f %10.1f %12.1f\n", d, 8, 512, p.ops, p.build, p.validate,
+                p.simulate, p.total, 1e6 * p.total / static_cast<double>(p.ops));
   }
   return 0;
 }

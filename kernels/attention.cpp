@@ -26,8 +26,8 @@ namespace fe = cudnn_frontend;
 void check_fe(fe::error_t e, const char* call, std::source_location loc = std::source_location::current()) {
   if (e.is_good()) return;
   cudaGetLastError();
-  throw cuda_error(std::string("cuDNN frontend error ") + std::to_string(static_cast<int>(e.get_code())) + " in " + call + " at " +
-                   detail::where(loc) + ": " + e.get_message());
+  throw cuda_error(std::string("cuDNN frontend error ") + std::to_string(static_cast<int>(e.get_code())) + " in " +
+                   call + " at " + detail::where(loc) + ": " + e.get_message());
 }
 #define PIPEOFFLOAD_FE_CHECK(call) check_fe((call), #call)
 
@@ -36,7 +36,8 @@ enum Uid : std::int64_t { Q = 1, K, V, O, STATS, DO, DQ, DK, DV };
 
 std::vector<std::int64_t> vec(const long long (&a)[4]) { return {a[0], a[1], a[2], a[3]}; }
 
-std::shared_ptr<fe::graph::Tensor_attributes> input(fe::graph::Graph& g, const char* name, Uid uid, const std::vector<std::int64_t>& dims,
+std::shared_ptr<fe::graph::Tensor_attributes> input(fe::graph::Graph& g, const char* name, Uid uid,
+                                                    const std::vector<std::int64_t>& dims,
                                                     const std::vector<std::int64_t>& strides) {
   return g.tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(dims).set_stride(strides));
 }
@@ -56,7 +57,9 @@ void finish(fe::graph::Graph& g, cudnnHandle_t h, Built& b) {
 }
 
 void common(fe::graph::Graph& g) {
-  g.set_io_data_type(fe::DataType_t::BFLOAT16).set_intermediate_data_type(fe::DataType_t::FLOAT).set_compute_data_type(fe::DataType_t::FLOAT);
+  g.set_io_data_type(fe::DataType_t::BFLOAT16)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
 }
 
 float scale_of(Shape s) { return 1.0f / std::sqrt(static_cast<float>(s.head_dim)); }
@@ -78,7 +81,11 @@ Built build_forward(cudnnHandle_t h, Shape s) {
                   .set_diagonal_band_right_bound(0);  // causal: key j <= query i
   auto [o, stats] = g.sdpa(q, k, v, opts);
   o->set_output(true).set_uid(O).set_dim(vec(l.dims)).set_stride(vec(l.out_strides));
-  stats->set_output(true).set_uid(STATS).set_data_type(fe::DataType_t::FLOAT).set_dim(vec(l.stats_dims)).set_stride(vec(l.stats_strides));
+  stats->set_output(true)
+      .set_uid(STATS)
+      .set_data_type(fe::DataType_t::FLOAT)
+      .set_dim(vec(l.stats_dims))
+      .set_stride(vec(l.stats_strides));
   finish(g, h, b);
   return b;
 }
@@ -114,10 +121,12 @@ Built build_backward(cudnnHandle_t h, Shape s, bool deterministic) {
   return b;
 }
 
-void run(cudnnHandle_t h, cudaStream_t stream, const Built& b, std::unordered_map<std::int64_t, void*>& pack, void* ws, std::size_t ws_bytes) {
+void run(cudnnHandle_t h, cudaStream_t stream, const Built& b, std::unordered_map<std::int64_t, void*>& pack, void* ws,
+         std::size_t ws_bytes) {
   if (static_cast<std::size_t>(b.workspace) > ws_bytes)
-    throw cuda_error("cuda::attention: the graph needs " + std::to_string(b.workspace) + " bytes of workspace, the context has " +
-                     std::to_string(ws_bytes) + " (raise backend::Cuda::Options::workspace_bytes)");
+    throw cuda_error("cuda::attention: the graph needs " + std::to_string(b.workspace) +
+                     " bytes of workspace, the context has " + std::to_string(ws_bytes) +
+                     " (raise backend::Cuda::Options::workspace_bytes)");
   PIPEOFFLOAD_CUDA_CHECK(cudnnSetStream(h, stream));
   PIPEOFFLOAD_FE_CHECK(b.graph->execute(h, pack, ws));
 }
@@ -133,12 +142,14 @@ struct Graphs::Impl {
   /// The graph of one direction and shape, built on first use.
   const Built& get(bool backward, Shape s) {
     if (backward && s.seq < 2)
-      throw cuda_error("cuda::attention: seq = " + std::to_string(s.seq) +
-                       " is outside the range the cuDNN frontend's SDPA backward supports ([2, ...)); train with seq >= 2");
+      throw cuda_error(
+          "cuda::attention: seq = " + std::to_string(s.seq) +
+          " is outside the range the cuDNN frontend's SDPA backward supports ([2, ...)); train with seq >= 2");
     std::lock_guard lk(mu);
     const auto key = std::make_tuple(backward, s.batch, s.heads, s.seq, s.head_dim);
     auto it = built.find(key);
-    if (it == built.end()) it = built.emplace(key, backward ? build_backward(handle, s, deterministic) : build_forward(handle, s)).first;
+    if (it == built.end())
+      it = built.emplace(key, backward ? build_backward(handle, s, deterministic) : build_forward(handle, s)).first;
     return it->second;
   }
 };
@@ -156,8 +167,8 @@ std::size_t workspace_bytes(Graphs& graphs, Shape shape) {
   return static_cast<std::size_t>(std::max(f, bw));
 }
 
-void forward(Graphs& graphs, cudaStream_t stream, Shape s, const __nv_bfloat16* qkv, __nv_bfloat16* out, float* stats, void* ws,
-             std::size_t ws_bytes) {
+void forward(Graphs& graphs, cudaStream_t stream, Shape s, const __nv_bfloat16* qkv, __nv_bfloat16* out, float* stats,
+             void* ws, std::size_t ws_bytes) {
   const SdpaLayout l = sdpa_layout(s.batch, s.heads, s.seq, s.head_dim);
   auto* base = const_cast<__nv_bfloat16*>(qkv);  // the variant pack takes void*; cuDNN only reads inputs
   std::unordered_map<std::int64_t, void*> pack = {
@@ -165,8 +176,8 @@ void forward(Graphs& graphs, cudaStream_t stream, Shape s, const __nv_bfloat16* 
   run(graphs.handle(), stream, graphs.impl().get(false, s), pack, ws, ws_bytes);
 }
 
-void backward(Graphs& graphs, cudaStream_t stream, Shape s, const __nv_bfloat16* qkv, const __nv_bfloat16* out, const __nv_bfloat16* dout,
-              const float* stats, __nv_bfloat16* dqkv, void* ws, std::size_t ws_bytes) {
+void backward(Graphs& graphs, cudaStream_t stream, Shape s, const __nv_bfloat16* qkv, const __nv_bfloat16* out,
+              const __nv_bfloat16* dout, const float* stats, __nv_bfloat16* dqkv, void* ws, std::size_t ws_bytes) {
   const SdpaLayout l = sdpa_layout(s.batch, s.heads, s.seq, s.head_dim);
   auto* base = const_cast<__nv_bfloat16*>(qkv);
   std::unordered_map<std::int64_t, void*> pack = {{Q, base + l.q_offset},

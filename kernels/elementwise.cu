@@ -11,11 +11,12 @@ __global__ void to_bf16_k(const float* in, bf16* out, long long n) {
 __global__ void to_float_k(const bf16* in, float* out, long long n) {
   for (long long i = first_index(); i < n; i += grid_stride()) out[i] = ld(in, i);
 }
-__global__ void adamw_k(float* p, const float* g, float* m, float* v, long long n, update::AdamWParams o, float lr, update::AdamBias bc,
-                        float scale) {
+__global__ void adamw_k(float* p, const float* g, float* m, float* v, long long n, update::AdamWParams o, float lr,
+                        update::AdamBias bc, float scale) {
   for (long long i = first_index(); i < n; i += grid_stride()) update::adamw(p[i], g[i] * scale, m[i], v[i], o, lr, bc);
 }
-__global__ void sgd_k(float* p, const float* g, float* buf, long long n, update::SgdParams o, float lr, float scale, bool first) {
+__global__ void sgd_k(float* p, const float* g, float* buf, long long n, update::SgdParams o, float lr, float scale,
+                      bool first) {
   for (long long i = first_index(); i < n; i += grid_stride()) {
     // Without momentum there is no buffer and update::sgd does not touch it (backend::Cpu's loop likewise).
     float unused = 0;
@@ -38,14 +39,18 @@ __global__ void spin_k(long long cycles) {
 
 }  // namespace
 
-void to_bf16(const float* in, bf16* out, long long count, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(to_bf16_k, elementwise_launch(count), s, in, out, count); }
-void to_float(const bf16* in, float* out, long long count, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(to_float_k, elementwise_launch(count), s, in, out, count); }
-void adamw(float* params, const float* grads, float* m, float* v, long long count, update::AdamWParams hyper, float lr, update::AdamBias bias,
-           float grad_scale, cudaStream_t s) {
+void to_bf16(const float* in, bf16* out, long long count, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(to_bf16_k, elementwise_launch(count), s, in, out, count);
+}
+void to_float(const bf16* in, float* out, long long count, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(to_float_k, elementwise_launch(count), s, in, out, count);
+}
+void adamw(float* params, const float* grads, float* m, float* v, long long count, update::AdamWParams hyper, float lr,
+           update::AdamBias bias, float grad_scale, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(adamw_k, elementwise_launch(count), s, params, grads, m, v, count, hyper, lr, bias, grad_scale);
 }
-void sgd(float* params, const float* grads, float* buf, long long count, update::SgdParams hyper, float lr, float grad_scale, bool first,
-         cudaStream_t s) {
+void sgd(float* params, const float* grads, float* buf, long long count, update::SgdParams hyper, float lr,
+         float grad_scale, bool first, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(sgd_k, elementwise_launch(count), s, params, grads, buf, count, hyper, lr, grad_scale, first);
 }
 void flag_nonfinite(const void* data, long long count, DType dtype, std::uint32_t* flag, cudaStream_t s) {
@@ -55,22 +60,25 @@ void flag_nonfinite(const void* data, long long count, DType dtype, std::uint32_
   switch (dtype_size(dtype)) {
     case 2: {
       const auto* x = static_cast<const std::uint16_t*>(data);
-      PIPEOFFLOAD_LAUNCH(flag_nonfinite_k<std::uint16_t>, elementwise_launch(count), s, x, count, static_cast<std::uint16_t>(mask), flag);
+      PIPEOFFLOAD_LAUNCH(flag_nonfinite_k<std::uint16_t>, elementwise_launch(count), s, x, count,
+                         static_cast<std::uint16_t>(mask), flag);
       break;
     }
     case 4: {
       const auto* x = static_cast<const std::uint32_t*>(data);
-      PIPEOFFLOAD_LAUNCH(flag_nonfinite_k<std::uint32_t>, elementwise_launch(count), s, x, count, static_cast<std::uint32_t>(mask), flag);
+      PIPEOFFLOAD_LAUNCH(flag_nonfinite_k<std::uint32_t>, elementwise_launch(count), s, x, count,
+                         static_cast<std::uint32_t>(mask), flag);
       break;
     }
     case 8: {
       const auto* x = static_cast<const std::uint64_t*>(data);
-      PIPEOFFLOAD_LAUNCH(flag_nonfinite_k<std::uint64_t>, elementwise_launch(count), s, x, count, static_cast<std::uint64_t>(mask), flag);
+      PIPEOFFLOAD_LAUNCH(flag_nonfinite_k<std::uint64_t>, elementwise_launch(count), s, x, count,
+                         static_cast<std::uint64_t>(mask), flag);
       break;
     }
     default:
-      throw shape_error(std::string("cuda::kernels::flag_nonfinite: ") + dtype_name(dtype) + " values are " + std::to_string(dtype_size(dtype)) +
-                        " bytes wide; floating types are 2, 4 or 8");
+      throw shape_error(std::string("cuda::kernels::flag_nonfinite: ") + dtype_name(dtype) + " values are " +
+                        std::to_string(dtype_size(dtype)) + " bytes wide; floating types are 2, 4 or 8");
   }
 }
 void spin(long long cycles, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(spin_k, (Launch{1, 1, 0}), s, cycles); }

@@ -30,7 +30,8 @@ inline long long to_int(const std::string& flag, const std::string& text, long l
   long long x = 0;
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), x);
   if (text.empty() || ec != std::errc{} || end != text.data() + text.size() || x < lo || x > hi)
-    throw bad_argument(flag + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + text + "'");
+    throw bad_argument(flag + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" +
+                       text + "'");
   return x;
 }
 
@@ -39,7 +40,8 @@ inline double to_real(const std::string& flag, const std::string& text, double l
   char* end = nullptr;
   const double x = std::strtod(text.c_str(), &end);
   if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(x) || x > hi || (lo_open ? x <= lo : x < lo))
-    throw bad_argument(flag + " must be a number in " + (lo_open ? "(" : "[") + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + text + "'");
+    throw bad_argument(flag + " must be a number in " + (lo_open ? "(" : "[") + std::to_string(lo) + ", " +
+                       std::to_string(hi) + "], got '" + text + "'");
   return x;
 }
 
@@ -54,7 +56,9 @@ inline po::ScheduleSpec schedule_option(const std::string& name, const std::opti
   }
   const int lo = (d + 1) / 2;
   if (name == "gis-g") {
-    if (!group) throw bad_argument("--schedule gis-g needs --group G, an integer in [" + std::to_string(lo) + ", " + std::to_string(d) + "]");
+    if (!group)
+      throw bad_argument("--schedule gis-g needs --group G, an integer in [" + std::to_string(lo) + ", " +
+                         std::to_string(d) + "]");
     spec.group.value = static_cast<int>(to_int("--group", *group, lo, d));
   } else if (group) {
     throw bad_argument("--group applies only to --schedule gis-g, not " + name);

@@ -30,11 +30,11 @@
 
 namespace {
 
-constexpr int ranks = 4;       // d: thread ranks
-constexpr int chunks = 2;      // v: stages per rank (1 for 1f1b)
+constexpr int ranks = 4;   // d: thread ranks
+constexpr int chunks = 2;  // v: stages per rank (1 for 1f1b)
 constexpr int microbatches = 8;
-constexpr int rows = 4;        // rows per microbatch
-constexpr float clip = 1.0f;   // global gradient-norm clip
+constexpr int rows = 4;       // rows per microbatch
+constexpr float clip = 1.0f;  // global gradient-norm clip
 
 using Runtime = po::Runtime<po::backend::Cpu, po::comm::Threads>;
 
@@ -56,10 +56,14 @@ Options parse(int argc, char** argv) {
       throw bad_argument("unknown option '" + a + "'; the options are --schedule, --group, --steps and --eval-every");
     if (i + 1 >= argc) throw bad_argument(a + " needs a value");
     const std::string v = argv[++i];
-    if (a == "--schedule") o.schedule = v;
-    else if (a == "--group") group = v;
-    else if (a == "--steps") o.steps = static_cast<int>(sample::to_int(a, v, 1, 10000));
-    else o.eval_every = static_cast<int>(sample::to_int(a, v, 1, 10000));
+    if (a == "--schedule")
+      o.schedule = v;
+    else if (a == "--group")
+      group = v;
+    else if (a == "--steps")
+      o.steps = static_cast<int>(sample::to_int(a, v, 1, 10000));
+    else
+      o.eval_every = static_cast<int>(sample::to_int(a, v, 1, 10000));
   }
   o.spec = sample::schedule_option(o.schedule, group, ranks);
   return o;
@@ -67,16 +71,16 @@ Options parse(int argc, char** argv) {
 
 /// One run's losses: training at every step, validation every few steps.
 struct Curve {
-  std::vector<float> train;                      // per step
-  std::vector<std::pair<int, float>> validation; // (step, loss)
+  std::vector<float> train;                       // per step
+  std::vector<std::pair<int, float>> validation;  // (step, loss)
   double seconds = 0;
 };
 
 /// Trains the model with `program` on thread ranks; `make_optimizer(rt)` makes each rank's
 /// optimizer, `lr(step)` is the learning rate.
 template <class MakeOptimizer, class Lr>
-Curve train(const po::Program& program, const custom::Config& cfg, const custom::Dataset& data, const Options& o, MakeOptimizer make_optimizer,
-            Lr lr) {
+Curve train(const po::Program& program, const custom::Config& cfg, const custom::Dataset& data, const Options& o,
+            MakeOptimizer make_optimizer, Lr lr) {
   const po::Shape sh = program.shape;
   const std::size_t step_rows = static_cast<std::size_t>(sh.m) * rows;
   Curve curve;
@@ -116,12 +120,13 @@ Curve train(const po::Program& program, const custom::Config& cfg, const custom:
 
 void print(const std::string& title, const po::Program& program, const Curve& c) {
   const po::Shape& sh = program.shape;
-  std::printf("== %s: %d stages on %d ranks, %d microbatches of %d rows, %zu steps in %.2f s\n", title.c_str(), sh.stages(), sh.d, sh.m,
-              rows, c.train.size(), c.seconds);
+  std::printf("== %s: %d stages on %d ranks, %d microbatches of %d rows, %zu steps in %.2f s\n", title.c_str(),
+              sh.stages(), sh.d, sh.m, rows, c.train.size(), c.seconds);
   std::printf("   step ");
   for (const auto& [step, loss] : c.validation) std::printf(" %8d", step);
   std::printf("\n   train");
-  for (const auto& [step, loss] : c.validation) std::printf(" %8.5f", static_cast<double>(c.train[static_cast<std::size_t>(step)]));
+  for (const auto& [step, loss] : c.validation)
+    std::printf(" %8.5f", static_cast<double>(c.train[static_cast<std::size_t>(step)]));
   std::printf("\n   val  ");
   for (const auto& [step, loss] : c.validation) std::printf(" %8.5f", static_cast<double>(loss));
   std::printf("\nfinal_loss=%.9g\n", static_cast<double>(c.train.back()));
@@ -135,9 +140,12 @@ void describe(const custom::Config& cfg, int S) {
   for (int s = 0; s < S; ++s) {
     const custom::StageRef& l = refs[static_cast<std::size_t>(s)];
     std::printf("%s %d %s", s == 0 ? "" : ",", s, l.name().c_str());
-    if (s == 0) std::printf(" %d->%zu", cfg.features, l.output_boundary(one).elements);
-    else if (s == S - 1) std::printf(" %zu->1", l.input_boundary(one).elements);
-    else std::printf(" %zu->%zu", l.input_boundary(one).elements, l.output_boundary(one).elements);
+    if (s == 0)
+      std::printf(" %d->%zu", cfg.features, l.output_boundary(one).elements);
+    else if (s == S - 1)
+      std::printf(" %zu->1", l.input_boundary(one).elements);
+    else
+      std::printf(" %zu->%zu", l.input_boundary(one).elements, l.output_boundary(one).elements);
     std::printf(" (%zu params)", l.parameters().size());
   }
   std::printf("\n");
@@ -165,7 +173,8 @@ int run(const Options& o) {
     programs.push_back({o.schedule + " (run time: po::build)", po::build(o.spec, run_time_shape, po::Costs{})});
   } catch (const po::error& e) {
     throw bad_argument("--schedule " + o.schedule + " cannot run " + std::to_string(run_time_shape.d) + " ranks x " +
-                 std::to_string(run_time_shape.v) + " chunks x " + std::to_string(run_time_shape.m) + " microbatches: " + e.what());
+                       std::to_string(run_time_shape.v) + " chunks x " + std::to_string(run_time_shape.m) +
+                       " microbatches: " + e.what());
   }
 
   // AdamW: GPT-2's rule, no weight decay on 1-d tensors (biases).
@@ -173,11 +182,14 @@ int run(const Options& o) {
   const po::WarmupCosine adamw_lr{.lr = 1e-2f, .warmup_steps = 5, .total_steps = o.steps, .min_lr_ratio = 0.1f};
   const po::WarmupCosine sgd_lr{.lr = 5e-2f, .warmup_steps = 5, .total_steps = o.steps, .min_lr_ratio = 0.1f};
   for (const Entry& e : programs) {
-    const Curve c = train(e.program, cfg, data, o, [&](Runtime& rt) { return po::AdamW(rt, {.weight_decay = 0.1f, .groups = {no_decay}}); }, adamw_lr);
+    const Curve c = train(
+        e.program, cfg, data, o,
+        [&](Runtime& rt) { return po::AdamW(rt, {.weight_decay = 0.1f, .groups = {no_decay}}); }, adamw_lr);
     print("adamw, " + e.title, e.program, c);
   }
   for (const Entry& e : programs) {
-    const Curve c = train(e.program, cfg, data, o, [](Runtime& rt) { return po::Sgd(rt, {.momentum = 0.9f, .nesterov = true}); }, sgd_lr);
+    const Curve c = train(
+        e.program, cfg, data, o, [](Runtime& rt) { return po::Sgd(rt, {.momentum = 0.9f, .nesterov = true}); }, sgd_lr);
     print("sgd, " + e.title, e.program, c);
   }
   return 0;

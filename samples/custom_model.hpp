@@ -51,10 +51,10 @@
 namespace custom {
 
 struct Config {
-  int features = 12;         ///< input features per row
-  int hidden = 32;           ///< width of stage 0 and the odd middle stages; even middle stages use 3*hidden/4
-  int blocks = 2;            ///< residual blocks per middle stage
-  std::uint64_t seed = 1;    ///< parameter initialisation
+  int features = 12;       ///< input features per row
+  int hidden = 32;         ///< width of stage 0 and the odd middle stages; even middle stages use 3*hidden/4
+  int blocks = 2;          ///< residual blocks per middle stage
+  std::uint64_t seed = 1;  ///< parameter initialisation
 
   /// Throws po::shape_error naming the bad value and the allowed range.
   void check() const {
@@ -62,7 +62,8 @@ struct Config {
     po::detail::require_range("custom::Config: hidden", hidden, 4, 1 << 14);
     po::detail::require_range("custom::Config: blocks", blocks, 1, 1024);
     if (hidden % 4 != 0)
-      throw po::shape_error("custom::Config: hidden = " + std::to_string(hidden) + " must be a multiple of 4 (even middle stages are 3*hidden/4 wide)");
+      throw po::shape_error("custom::Config: hidden = " + std::to_string(hidden) +
+                            " must be a multiple of 4 (even middle stages are 3*hidden/4 wide)");
   }
 };
 
@@ -73,7 +74,8 @@ inline int width_of(const Config& c, int s) { return (s == 0 || s % 2 == 1) ? c.
 namespace detail {
 
 /// (rows, out) = x (rows, in) W (in, out) + b, summing over `in` in order.
-inline void linear(const float* x, const float* W, const float* b, float* y, std::size_t rows, std::size_t in, std::size_t out) {
+inline void linear(const float* x, const float* W, const float* b, float* y, std::size_t rows, std::size_t in,
+                   std::size_t out) {
   for (std::size_t r = 0; r < rows; ++r)
     for (std::size_t o = 0; o < out; ++o) {
       float s = b[o];
@@ -83,7 +85,8 @@ inline void linear(const float* x, const float* W, const float* b, float* y, std
 }
 
 /// dx (rows, in) = dy (rows, out) W^T, added to what dx holds when `add`.
-inline void linear_dx(const float* dy, const float* W, float* dx, std::size_t rows, std::size_t in, std::size_t out, bool add) {
+inline void linear_dx(const float* dy, const float* W, float* dx, std::size_t rows, std::size_t in, std::size_t out,
+                      bool add) {
   for (std::size_t r = 0; r < rows; ++r)
     for (std::size_t i = 0; i < in; ++i) {
       float s = 0;
@@ -94,7 +97,8 @@ inline void linear_dx(const float* dy, const float* W, float* dx, std::size_t ro
 
 /// gW (in, out) += x^T dy and gb (out) += column sums of dy: this microbatch's sum over its
 /// rows first, then one addition, so gradients accumulate in microbatch order.
-inline void linear_dw(const float* x, const float* dy, float* gW, float* gb, std::size_t rows, std::size_t in, std::size_t out) {
+inline void linear_dw(const float* x, const float* dy, float* gW, float* gb, std::size_t rows, std::size_t in,
+                      std::size_t out) {
   for (std::size_t i = 0; i < in; ++i)
     for (std::size_t o = 0; o < out; ++o) {
       float s = 0;
@@ -155,7 +159,8 @@ inline std::size_t rows_of(po::MicrobatchShape sh) { return static_cast<std::siz
 /// Stage 0: h = gelu(x W + b) from the step input "features", (rows, features) float32.
 class InputProjection {
  public:
-  explicit InputProjection(const Config& c) : f_(static_cast<std::size_t>(c.features)), w_(static_cast<std::size_t>(c.hidden)) {
+  explicit InputProjection(const Config& c)
+      : f_(static_cast<std::size_t>(c.features)), w_(static_cast<std::size_t>(c.hidden)) {
     c.check();
     const long long F = c.features, W = c.hidden;
     p_.add(c.seed, "input.weight", {F, W}, std::sqrt(3.0f / static_cast<float>(F)));
@@ -163,9 +168,13 @@ class InputProjection {
     p_.end_group();
   }
 
-  po::Boundary input_boundary(po::MicrobatchShape) const { return {0, po::DType::float32}; }  // stage 0 reads a step input
+  po::Boundary input_boundary(po::MicrobatchShape) const {
+    return {0, po::DType::float32};
+  }  // stage 0 reads a step input
   po::Boundary output_boundary(po::MicrobatchShape sh) const { return {detail::rows_of(sh) * w_, po::DType::float32}; }
-  std::vector<po::InputSpec> inputs(po::MicrobatchShape sh) const { return {{"features", po::DType::float32, detail::rows_of(sh) * f_}}; }
+  std::vector<po::InputSpec> inputs(po::MicrobatchShape sh) const {
+    return {{"features", po::DType::float32, detail::rows_of(sh) * f_}};
+  }
   // saved: x (rows, F) | z (rows, W); stash: dz (rows, W)
   std::size_t saved_bytes(po::MicrobatchShape sh) const { return detail::rows_of(sh) * (f_ + w_) * sizeof(float); }
   std::size_t stash_bytes(po::MicrobatchShape sh) const { return detail::rows_of(sh) * w_ * sizeof(float); }
@@ -179,8 +188,8 @@ class InputProjection {
     float* y = yt.as<float>();
     for (std::size_t e = 0; e < R * w_; ++e) y[e] = po::math::gelu(z[e]);
   }
-  void backward_input(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor dyt, po::Tensor, std::byte* saved,
-                      std::byte* stash) {
+  void backward_input(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor dyt, po::Tensor,
+                      std::byte* saved, std::byte* stash) {
     const std::size_t R = detail::rows_of(mb.shape);
     const float* z = reinterpret_cast<const float*>(saved) + R * f_;
     const float* dy = dyt.as<float>();
@@ -189,7 +198,8 @@ class InputProjection {
   }
   void backward_weight(po::backend::CpuContext&, const po::Microbatch& mb, std::byte* saved, std::byte* stash) {
     const float* x = reinterpret_cast<const float*>(saved);
-    detail::linear_dw(x, reinterpret_cast<const float*>(stash), p_.grad(0), p_.grad(1), detail::rows_of(mb.shape), f_, w_);
+    detail::linear_dw(x, reinterpret_cast<const float*>(stash), p_.grad(0), p_.grad(1), detail::rows_of(mb.shape), f_,
+                      w_);
   }
 
   std::span<float> parameters() { return p_.parameters(); }
@@ -209,7 +219,9 @@ class InputProjection {
 class ResidualStage {
  public:
   ResidualStage(const Config& c, int stage, int in_width, int width, int first_block)
-      : win_(static_cast<std::size_t>(in_width)), w_(static_cast<std::size_t>(width)), n_(static_cast<std::size_t>(c.blocks)) {
+      : win_(static_cast<std::size_t>(in_width)),
+        w_(static_cast<std::size_t>(width)),
+        n_(static_cast<std::size_t>(c.blocks)) {
     c.check();
     po::detail::require_range("custom::ResidualStage: in_width", in_width, 1, 1 << 16);
     po::detail::require_range("custom::ResidualStage: width", width, 1, 1 << 16);
@@ -235,11 +247,16 @@ class ResidualStage {
   po::Boundary input_boundary(po::MicrobatchShape sh) const { return {detail::rows_of(sh) * win_, po::DType::float32}; }
   po::Boundary output_boundary(po::MicrobatchShape sh) const { return {detail::rows_of(sh) * w_, po::DType::float32}; }
   // saved: [x (rows, in_width) when it adapts] | per block: h (rows, w) | u (rows, 4w)
-  std::size_t saved_bytes(po::MicrobatchShape sh) const { return detail::rows_of(sh) * ((adapts() ? win_ : 0) + n_ * 5 * w_) * sizeof(float); }
+  std::size_t saved_bytes(po::MicrobatchShape sh) const {
+    return detail::rows_of(sh) * ((adapts() ? win_ : 0) + n_ * 5 * w_) * sizeof(float);
+  }
   // stash: [dh0 (rows, w) when it adapts] | per block: dout (rows, w) | du (rows, 4w)
-  std::size_t stash_bytes(po::MicrobatchShape sh) const { return detail::rows_of(sh) * ((adapts() ? w_ : 0) + n_ * 5 * w_) * sizeof(float); }
+  std::size_t stash_bytes(po::MicrobatchShape sh) const {
+    return detail::rows_of(sh) * ((adapts() ? w_ : 0) + n_ * 5 * w_) * sizeof(float);
+  }
 
-  void forward(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor xt, po::Tensor yt, std::byte* saved) {
+  void forward(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor xt, po::Tensor yt,
+               std::byte* saved) {
     const std::size_t R = detail::rows_of(mb.shape);
     const float* x = xt.as<float>();
     float* s = reinterpret_cast<float*>(saved);
@@ -262,8 +279,8 @@ class ResidualStage {
     }
   }
 
-  void backward_input(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor dyt, po::Tensor dxt, std::byte* saved,
-                      std::byte* stash) {
+  void backward_input(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor dyt, po::Tensor dxt,
+                      std::byte* saved, std::byte* stash) {
     const std::size_t R = detail::rows_of(mb.shape);
     const float* s = reinterpret_cast<const float*>(saved);
     float* st = reinterpret_cast<float*>(stash);
@@ -309,11 +326,15 @@ class ResidualStage {
   std::size_t first_tensor(std::size_t block) const { return (adapts() ? 2 : 0) + 4 * block; }
   std::size_t lead(std::size_t rows, std::size_t in) const { return adapts() ? rows * in : 0; }
   float* block_h(float* s, std::size_t R, std::size_t j) const { return s + lead(R, win_) + j * R * 5 * w_; }
-  const float* block_h(const float* s, std::size_t R, std::size_t j) const { return s + lead(R, win_) + j * R * 5 * w_; }
+  const float* block_h(const float* s, std::size_t R, std::size_t j) const {
+    return s + lead(R, win_) + j * R * 5 * w_;
+  }
   float* block_u(float* s, std::size_t R, std::size_t j) const { return block_h(s, R, j) + R * w_; }
   const float* block_u(const float* s, std::size_t R, std::size_t j) const { return block_h(s, R, j) + R * w_; }
   float* block_dout(float* st, std::size_t R, std::size_t j) const { return st + lead(R, w_) + j * R * 5 * w_; }
-  const float* block_dout(const float* st, std::size_t R, std::size_t j) const { return st + lead(R, w_) + j * R * 5 * w_; }
+  const float* block_dout(const float* st, std::size_t R, std::size_t j) const {
+    return st + lead(R, w_) + j * R * 5 * w_;
+  }
   float* block_du(float* st, std::size_t R, std::size_t j) const { return block_dout(st, R, j) + R * w_; }
   const float* block_du(const float* st, std::size_t R, std::size_t j) const { return block_dout(st, R, j) + R * w_; }
 
@@ -336,7 +357,9 @@ class RegressionHead {
 
   po::Boundary input_boundary(po::MicrobatchShape sh) const { return {detail::rows_of(sh) * w_, po::DType::float32}; }
   po::Boundary output_boundary(po::MicrobatchShape) const { return {0, po::DType::float32}; }  // the loss is its output
-  std::vector<po::InputSpec> inputs(po::MicrobatchShape sh) const { return {{"targets", po::DType::float32, detail::rows_of(sh)}}; }
+  std::vector<po::InputSpec> inputs(po::MicrobatchShape sh) const {
+    return {{"targets", po::DType::float32, detail::rows_of(sh)}};
+  }
   // saved: x (rows, w) | pred - t (rows); stash: d loss / d pred (rows)
   std::size_t saved_bytes(po::MicrobatchShape sh) const { return detail::rows_of(sh) * (w_ + 1) * sizeof(float); }
   std::size_t stash_bytes(po::MicrobatchShape sh) const { return detail::rows_of(sh) * sizeof(float); }
@@ -356,8 +379,8 @@ class RegressionHead {
     *mb.loss = loss / static_cast<float>(R);
   }
   /// Starts from mb.loss_scale (1 / the step's microbatches): d loss / d pred = scale (pred - t) / rows.
-  void backward_input(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor, po::Tensor dxt, std::byte* saved,
-                      std::byte* stash) {
+  void backward_input(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor, po::Tensor dxt,
+                      std::byte* saved, std::byte* stash) {
     const std::size_t R = detail::rows_of(mb.shape);
     const float* err = reinterpret_cast<const float*>(saved) + R * w_;
     float* dpred = reinterpret_cast<float*>(stash);
@@ -365,8 +388,8 @@ class RegressionHead {
     detail::linear_dx(dpred, p_.at(0), dxt.as<float>(), R, w_, 1, false);
   }
   void backward_weight(po::backend::CpuContext&, const po::Microbatch& mb, std::byte* saved, std::byte* stash) {
-    detail::linear_dw(reinterpret_cast<const float*>(saved), reinterpret_cast<const float*>(stash), p_.grad(0), p_.grad(1),
-                      detail::rows_of(mb.shape), w_, 1);
+    detail::linear_dw(reinterpret_cast<const float*>(saved), reinterpret_cast<const float*>(stash), p_.grad(0),
+                      p_.grad(1), detail::rows_of(mb.shape), w_, 1);
   }
 
   std::span<float> parameters() { return p_.parameters(); }
@@ -380,9 +403,12 @@ class RegressionHead {
   detail::Params p_;
 };
 
-static_assert(po::layer_for<InputProjection, po::backend::CpuContext>, "custom::InputProjection must model po::layer_for<_, po::backend::CpuContext>");
-static_assert(po::layer_for<ResidualStage, po::backend::CpuContext>, "custom::ResidualStage must model po::layer_for<_, po::backend::CpuContext>");
-static_assert(po::layer_for<RegressionHead, po::backend::CpuContext>, "custom::RegressionHead must model po::layer_for<_, po::backend::CpuContext>");
+static_assert(po::layer_for<InputProjection, po::backend::CpuContext>,
+              "custom::InputProjection must model po::layer_for<_, po::backend::CpuContext>");
+static_assert(po::layer_for<ResidualStage, po::backend::CpuContext>,
+              "custom::ResidualStage must model po::layer_for<_, po::backend::CpuContext>");
+static_assert(po::layer_for<RegressionHead, po::backend::CpuContext>,
+              "custom::RegressionHead must model po::layer_for<_, po::backend::CpuContext>");
 
 /// One stage of any of the three types, owned.
 using Stage = std::variant<InputProjection, ResidualStage, RegressionHead>;
@@ -392,8 +418,9 @@ using StageRef = po::StageRef<po::backend::CpuContext>;
 /// the others ResidualStages whose input width is the previous stage's output width.
 inline Stage make_stage(const Config& c, int S, int s) {
   if (S < 3)
-    throw po::shape_error("custom::make_stage: the model needs S >= 3 stages (an InputProjection, at least one ResidualStage, a RegressionHead), got S = " +
-                          std::to_string(S));
+    throw po::shape_error(
+        "custom::make_stage: the model needs S >= 3 stages (an InputProjection, at least one ResidualStage, a RegressionHead), got S = " +
+        std::to_string(S));
   po::detail::require_range("custom::make_stage: stage", s, 0, S - 1);
   if (s == 0) return Stage(std::in_place_type<InputProjection>, c);
   if (s == S - 1) return Stage(std::in_place_type<RegressionHead>, c, width_of(c, S - 2));

@@ -36,7 +36,8 @@ long parse_int(const char* flag, const char* text, long lo, long hi) {
   char* end = nullptr;
   const long x = std::strtol(text, &end, 10);
   if (end == text || *end != '\0' || x < lo || x > hi)
-    usage_error(std::string(flag) + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + text + "'");
+    usage_error(std::string(flag) + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                "], got '" + text + "'");
   return x;
 }
 
@@ -53,27 +54,40 @@ Options parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help") {
-      std::puts("usage: plan_schedules [--layers L] [--hidden H] [--seq S] [--micro-batch B] [--ranks D]\n"
-                "                      [--microbatches M] [--tflops T] [--pcie-gbps P] [--out-dir DIR]");
+      std::puts(
+          "usage: plan_schedules [--layers L] [--hidden H] [--seq S] [--micro-batch B] [--ranks D]\n"
+          "                      [--microbatches M] [--tflops T] [--pcie-gbps P] [--out-dir DIR]");
       std::exit(0);
     }
     if (i + 1 >= argc) usage_error(a + " needs a value (see --help)");
     const char* v = argv[++i];
-    if (a == "--layers") o.layers = parse_int("--layers", v, 1, 4096);
-    else if (a == "--hidden") o.hidden = parse_int("--hidden", v, 1, 1 << 20);
-    else if (a == "--seq") o.seq = parse_int("--seq", v, 1, 1 << 24);
-    else if (a == "--micro-batch") o.micro_batch = parse_int("--micro-batch", v, 1, 1 << 16);
-    else if (a == "--ranks") o.ranks = parse_int("--ranks", v, 1, 512);
-    else if (a == "--microbatches") o.microbatches = parse_int("--microbatches", v, 1, 4096);
-    else if (a == "--tflops") o.tflops = parse_positive("--tflops", v);
-    else if (a == "--pcie-gbps") o.pcie_gbps = parse_positive("--pcie-gbps", v);
-    else if (a == "--out-dir") o.out_dir = v;
-    else usage_error("unknown option " + a + " (see --help)");
+    if (a == "--layers")
+      o.layers = parse_int("--layers", v, 1, 4096);
+    else if (a == "--hidden")
+      o.hidden = parse_int("--hidden", v, 1, 1 << 20);
+    else if (a == "--seq")
+      o.seq = parse_int("--seq", v, 1, 1 << 24);
+    else if (a == "--micro-batch")
+      o.micro_batch = parse_int("--micro-batch", v, 1, 1 << 16);
+    else if (a == "--ranks")
+      o.ranks = parse_int("--ranks", v, 1, 512);
+    else if (a == "--microbatches")
+      o.microbatches = parse_int("--microbatches", v, 1, 4096);
+    else if (a == "--tflops")
+      o.tflops = parse_positive("--tflops", v);
+    else if (a == "--pcie-gbps")
+      o.pcie_gbps = parse_positive("--pcie-gbps", v);
+    else if (a == "--out-dir")
+      o.out_dir = v;
+    else
+      usage_error("unknown option " + a + " (see --help)");
   }
   if (o.layers % o.ranks != 0)
-    usage_error("--layers " + std::to_string(o.layers) + " must be a multiple of --ranks " + std::to_string(o.ranks) + " (one or more whole layers per stage)");
+    usage_error("--layers " + std::to_string(o.layers) + " must be a multiple of --ranks " + std::to_string(o.ranks) +
+                " (one or more whole layers per stage)");
   if (o.microbatches % o.ranks != 0)
-    usage_error("--microbatches " + std::to_string(o.microbatches) + " must be a multiple of --ranks " + std::to_string(o.ranks) + " (1F1B-I needs it)");
+    usage_error("--microbatches " + std::to_string(o.microbatches) + " must be a multiple of --ranks " +
+                std::to_string(o.ranks) + " (1F1B-I needs it)");
   return o;
 }
 
@@ -81,19 +95,21 @@ Options parse(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
-  const double b = static_cast<double>(o.micro_batch), s = static_cast<double>(o.seq), h = static_cast<double>(o.hidden);
+  const double b = static_cast<double>(o.micro_batch), s = static_cast<double>(o.seq),
+               h = static_cast<double>(o.hidden);
   const double bc = o.tflops * 1e12, bo = o.pcie_gbps * 1e9;
   const double layer_flops = 12 * b * s * h * (6 * h + s);  // F + B + W of one layer
-  const double layer_bytes = 20 * b * s * h;                 // saved activation, recompute on
+  const double layer_bytes = 20 * b * s * h;                // saved activation, recompute on
   const double k = 10.0 / (3.0 * (6 * h + s)) * bc / bo;
   const int d = static_cast<int>(o.ranks), m = static_cast<int>(o.microbatches);
   const int v = static_cast<int>(o.layers / o.ranks);
 
-  std::printf("model: %ld layers, h=%ld, s=%ld, b=%ld; %d ranks, %d microbatches; Bc=%.0f TFLOP/s, Bo=%.0f GB/s -> k=%.3f\n",
-              o.layers, o.hidden, o.seq, o.micro_batch, d, m, o.tflops, o.pcie_gbps, k);
+  std::printf(
+      "model: %ld layers, h=%ld, s=%ld, b=%ld; %d ranks, %d microbatches; Bc=%.0f TFLOP/s, Bo=%.0f GB/s -> k=%.3f\n",
+      o.layers, o.hidden, o.seq, o.micro_batch, d, m, o.tflops, o.pcie_gbps, k);
   std::printf("activation per layer and microbatch: %.3f GiB\n\n", layer_bytes / (1u << 30));
-  std::printf("%-8s %3s %3s %14s %14s %10s %12s %10s\n", "schedule", "v", "g", "peak act GiB", "rank-0 units", "bubble %",
-              "iteration s", "vs 1F1B");
+  std::printf("%-8s %3s %3s %14s %14s %10s %12s %10s\n", "schedule", "v", "g", "peak act GiB", "rank-0 units",
+              "bubble %", "iteration s", "vs 1F1B");
 
   struct Row {
     const char* name;
@@ -101,8 +117,9 @@ int main(int argc, char** argv) {
     int v;
   };
   const std::vector<Row> rows = {
-      {"1f1b", po::OneF1B::spec, 1},      {"1f1b-i", po::Interleaved1F1B::spec, v}, {"gis", po::GIS::spec, v},
-      {"gis-h", po::GIS_H::spec, v},      {"po", po::PO::spec, v},                  {"po-h", po::PO_H::spec, v},
+      {"1f1b", po::OneF1B::spec, 1}, {"1f1b-i", po::Interleaved1F1B::spec, v},
+      {"gis", po::GIS::spec, v},     {"gis-h", po::GIS_H::spec, v},
+      {"po", po::PO::spec, v},       {"po-h", po::PO_H::spec, v},
       {"po-f", po::PO_F::spec, v},
   };
   std::filesystem::create_directories(o.out_dir);
@@ -118,9 +135,9 @@ int main(int argc, char** argv) {
     po::require_valid(p);
     const po::SimResult sim = po::simulate(p);
     if (base_time == 0) base_time = sim.makespan;
-    std::printf("%-8s %3d %3d %14.2f %14.1f %10.2f %12.3f %9.3fx\n", row.name, row.v, p.group, sim.max_peak() / (1u << 30),
-                sim.ranks[0].peak / (per_stage * layer_bytes), 100 * sim.bubble_fraction(), sim.makespan,
-                base_time / sim.makespan);
+    std::printf("%-8s %3d %3d %14.2f %14.1f %10.2f %12.3f %9.3fx\n", row.name, row.v, p.group,
+                sim.max_peak() / (1u << 30), sim.ranks[0].peak / (per_stage * layer_bytes), 100 * sim.bubble_fraction(),
+                sim.makespan, base_time / sim.makespan);
     const std::string path = o.out_dir + "/" + row.name + ".svg";
     std::ofstream(path) << po::render_svg(p, sim);
   }

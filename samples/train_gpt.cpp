@@ -12,9 +12,9 @@
 // The last two lines, `final_loss=...` and `params_hash=...`, are the same for every schedule,
 // rank count and communicator with the same model, data and seed (bit-exact pipelining), and
 // for a run resumed from a checkpoint; scripts compare them.
+#include <models/gpt/cpu.hpp>
 #include <pipeoffload/comm/handshake.hpp>
 #include <pipeoffload/fnv1a.hpp>
-#include <models/gpt/cpu.hpp>
 #include <pipeoffload/runtime.hpp>
 #include <pipeoffload/runtime/checkpoint.hpp>
 #include <pipeoffload/sim/render.hpp>
@@ -39,10 +39,10 @@
 #include <fstream>
 #include <iterator>
 #include <map>
-#include <span>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -60,14 +60,18 @@ using train_gpt::Options;
 /// The GPT stage with an optional injected fault: the runtime sees it as the layer type, so a
 /// fault fires inside a real forward pass, mid-iteration, with other passes in flight.
 struct Stage : po::model::GptStage {
-  Stage(const po::model::GptConfig& cfg, int stage, int stages, const Options::Fault* fault) : GptStage(cfg, stage, stages), fault_(fault) {}
-  void forward(po::backend::CpuContext& ctx, const po::Microbatch& mb, po::ConstTensor x, po::Tensor y, std::byte* saved) {
+  Stage(const po::model::GptConfig& cfg, int stage, int stages, const Options::Fault* fault)
+      : GptStage(cfg, stage, stages), fault_(fault) {}
+  void forward(po::backend::CpuContext& ctx, const po::Microbatch& mb, po::ConstTensor x, po::Tensor y,
+               std::byte* saved) {
     if (fault_ != nullptr && mb.training && mb.step == fault_->step && mb.mb == std::min(1, mb.microbatches - 1)) {
-      std::fprintf(stderr, "train_gpt: rank %d: injecting '%s' in F(stage %d, mb %d) of step %d\n", fault_->rank, fault_->kind.c_str(), mb.stage, mb.mb, mb.step);
+      std::fprintf(stderr, "train_gpt: rank %d: injecting '%s' in F(stage %d, mb %d) of step %d\n", fault_->rank,
+                   fault_->kind.c_str(), mb.stage, mb.mb, mb.step);
       std::fflush(stderr);
       if (fault_->kind == "kill") std::raise(SIGKILL);
       if (fault_->kind == "hang") std::this_thread::sleep_for(std::chrono::hours(1));
-      throw po::error("injected fault (--inject-fault " + std::to_string(fault_->rank) + ":" + std::to_string(fault_->step) + ":throw)");
+      throw po::error("injected fault (--inject-fault " + std::to_string(fault_->rank) + ":" +
+                      std::to_string(fault_->step) + ":throw)");
     }
     GptStage::forward(ctx, mb, x, y, saved);
   }
@@ -80,8 +84,8 @@ struct Stage : po::model::GptStage {
 /// the configuration it agrees on.
 struct Setup {
   std::string text;
-  std::size_t train_bytes = 0;      // text[0, train_bytes) trains; the rest is held out (--eval-every)
-  po::Costs costs{};                // planning costs (the CUDA launcher sets stagger_pairs)
+  std::size_t train_bytes = 0;  // text[0, train_bytes) trains; the rest is held out (--eval-every)
+  po::Costs costs{};            // planning costs (the CUDA launcher sets stagger_pairs)
   po::RuntimeOptions runtime{};
   po::WarmupCosine lr{};
   float clip = 1.0f;
@@ -98,31 +102,39 @@ Setup make_setup(const Options& o, std::string text) {
   s.train_bytes = o.eval_every > 0 ? s.text.size() - s.text.size() / 10 : s.text.size();
   s.costs.k = o.k;
   s.runtime = {.microbatch = {o.batch, o.model.seq}, .check_finite = o.check_finite};
-  s.lr = {.lr = o.lr, .warmup_steps = std::max(1, std::min(20, o.steps / 10)), .total_steps = o.steps, .min_lr_ratio = 0.1f};
+  s.lr = {.lr = o.lr,
+          .warmup_steps = std::max(1, std::min(20, o.steps / 10)),
+          .total_steps = o.steps,
+          .min_lr_ratio = 0.1f};
   s.adamw.weight_decay = 0.01f;
   // GPT-2's rule: no weight decay on biases and LayerNorm gains (the 1-d tensors).
-  if (!o.decay_all) s.adamw.groups.push_back({"no decay", [](const po::ParamInfo& t) { return t.shape.size() < 2; }, 1.0f, 0.0f});
+  if (!o.decay_all)
+    s.adamw.groups.push_back({"no decay", [](const po::ParamInfo& t) { return t.shape.size() < 2; }, 1.0f, 0.0f});
   s.tokens_per_step = static_cast<std::size_t>(s.runtime.microbatch.tokens()) * static_cast<std::size_t>(sh.m);
   char lr[32], drop[32], k[32];
   std::snprintf(lr, sizeof lr, "%.9g", static_cast<double>(o.lr));
   std::snprintf(drop, sizeof drop, "%.9g", static_cast<double>(o.model.dropout));
   std::snprintf(k, sizeof k, "%.17g", o.k);
-  const std::string model = "layers=" + std::to_string(o.model.layers) + " hidden=" + std::to_string(o.model.hidden) + " heads=" +
-                            std::to_string(o.model.heads) + " seq=" + std::to_string(o.model.seq) + " dropout=" + drop;
-  const std::string batch = "batch=" + std::to_string(o.batch) + " microbatches=" + std::to_string(sh.m) + " stages=" + std::to_string(sh.stages());
+  const std::string model = "layers=" + std::to_string(o.model.layers) + " hidden=" + std::to_string(o.model.hidden) +
+                            " heads=" + std::to_string(o.model.heads) + " seq=" + std::to_string(o.model.seq) +
+                            " dropout=" + drop;
+  const std::string batch = "batch=" + std::to_string(o.batch) + " microbatches=" + std::to_string(sh.m) +
+                            " stages=" + std::to_string(sh.stages());
   const std::string train = "steps=" + std::to_string(o.steps) + " lr=" + lr + " seed=" + std::to_string(o.seed) +
                             " decay=" + (o.decay_all ? "all" : "2d-only");
   char data[96];
-  std::snprintf(data, sizeof data, "%zu bytes, fnv1a %016llx, %zu train", s.text.size(), static_cast<unsigned long long>(po::fnv1a(s.text)),
-                s.train_bytes);
+  std::snprintf(data, sizeof data, "%zu bytes, fnv1a %016llx, %zu train", s.text.size(),
+                static_cast<unsigned long long>(po::fnv1a(s.text)), s.train_bytes);
   s.fields = po::handshake_fields(o.spec, sh);
   s.fields.push_back({"model", model});
   s.fields.push_back({"batch", batch});
   s.fields.push_back({"training", train});
   s.fields.push_back({"data", data});
-  s.fields.push_back({"planning", "k=" + std::string(k) + " offload=" + std::to_string(po::offload::count(o.spec.offload, sh.v))});
-  s.fields.push_back({"run", "checkpoint-every=" + std::to_string(o.checkpoint_every) + " resume=" + (o.resume.empty() ? "no" : "yes") +
-                                 " trace=" + (o.trace ? "yes" : "no") + " eval-every=" + std::to_string(o.eval_every) +
+  s.fields.push_back(
+      {"planning", "k=" + std::string(k) + " offload=" + std::to_string(po::offload::count(o.spec.offload, sh.v))});
+  s.fields.push_back({"run", "checkpoint-every=" + std::to_string(o.checkpoint_every) +
+                                 " resume=" + (o.resume.empty() ? "no" : "yes") + " trace=" + (o.trace ? "yes" : "no") +
+                                 " eval-every=" + std::to_string(o.eval_every) +
                                  " check-finite=" + (o.check_finite ? "yes" : "no")});
   // The training state depends on these, not on the schedule or rank count (every schedule
   // trains bit-identically), so a checkpoint resumes under any of them.
@@ -133,8 +145,9 @@ Setup make_setup(const Options& o, std::string text) {
 /// Rank 0's closing report: peaks, 1F1B-I's simulated peaks, wall time, the trace, and the
 /// two lines scripts compare.
 /// `params`: every stage's parameters, in stage order.
-void report(const Options& o, const Setup& su, const std::vector<std::vector<float>>& params, const po::Program& program, int first,
-            const std::vector<std::size_t>& peaks, const std::vector<std::size_t>& units, std::vector<po::RankSim>& traces, float final_loss,
+void report(const Options& o, const Setup& su, const std::vector<std::vector<float>>& params,
+            const po::Program& program, int first, const std::vector<std::size_t>& peaks,
+            const std::vector<std::size_t>& units, std::vector<po::RankSim>& traces, float final_loss,
             std::chrono::steady_clock::time_point t_start) {
   const po::Shape sh = o.shape;
 
@@ -142,7 +155,8 @@ void report(const Options& o, const Setup& su, const std::vector<std::vector<flo
   sizes.unit_bytes.resize(static_cast<std::size_t>(sh.stages()));
   for (int q = 0; q < sh.d; ++q)
     for (int c = 0; c < sh.v; ++c)
-      sizes.unit_bytes[static_cast<std::size_t>(sh.stage_of(q, c))] = static_cast<double>(units[static_cast<std::size_t>(q * sh.v + c)]);
+      sizes.unit_bytes[static_cast<std::size_t>(sh.stage_of(q, c))] =
+          static_cast<double>(units[static_cast<std::size_t>(q * sh.v + c)]);
   std::printf("peak activation per rank, measured (MiB):   ");
   for (int q = 0; q < sh.d; ++q) std::printf(" %s", mib(peaks[3 * static_cast<std::size_t>(q)]).c_str());
   std::printf("   (device total incl. stash and messages:");
@@ -221,8 +235,8 @@ std::vector<std::vector<T>> gather_ragged(Comm& comm, std::span<const T> mine) {
 /// MPI and on every backend. `pair`: the PCIe-pair link of this rank and rank^1 (thread ranks
 /// share one; MPI ranks, separate processes, run unpaired), or null.
 template <class Comm, class Device, class Layer>
-void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std::vector<Layer>& mine, std::chrono::steady_clock::time_point t_start,
-                po::PairLink<Device>* pair = nullptr) {
+void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std::vector<Layer>& mine,
+                std::chrono::steady_clock::time_point t_start, po::PairLink<Device>* pair = nullptr) {
   const int r = comm.rank();
   const po::Shape sh = o.shape;
   const po::MicrobatchShape mbs = su.runtime.microbatch;
@@ -238,11 +252,12 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
     const po::CheckpointInfo info = po::load_checkpoint(o.resume, rt, opt, su.config_hash);
     first = opt.steps_taken();
     if (info.data_position != first || info.rng_seed != o.seed)
-      throw po::checkpoint_error("checkpoint: " + o.resume + " has data position " + std::to_string(info.data_position) + " and seed " +
-                                 std::to_string(info.rng_seed) + "; expected " + std::to_string(first) + " and " + std::to_string(o.seed));
+      throw po::checkpoint_error("checkpoint: " + o.resume + " has data position " +
+                                 std::to_string(info.data_position) + " and seed " + std::to_string(info.rng_seed) +
+                                 "; expected " + std::to_string(first) + " and " + std::to_string(o.seed));
     if (first >= o.steps)
-      throw po::checkpoint_error("checkpoint: " + o.resume + " is at step " + std::to_string(first) + ", already at --steps " + std::to_string(o.steps) +
-                                 "; nothing to resume");
+      throw po::checkpoint_error("checkpoint: " + o.resume + " is at step " + std::to_string(first) +
+                                 ", already at --steps " + std::to_string(o.steps) + "; nothing to resume");
     if (r == 0 && !o.quiet) std::printf("resumed from %s at step %d\n", o.resume.c_str(), first);
   }
   // Peaks of every rank so far (rank 0 prints them): activation, device total, pinned host.
@@ -278,7 +293,8 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
     opt.step(lr, po::clip_scale(norm, su.clip));
     tokens_seconds += st.seconds;
     final_loss = st.loss;
-    const std::size_t my[3] = {st.memory.peak_of(po::backend::Memory::activation), st.memory.total_peak, st.memory.host_peak};
+    const std::size_t my[3] = {st.memory.peak_of(po::backend::Memory::activation), st.memory.total_peak,
+                               st.memory.host_peak};
     std::vector<std::size_t> now(peaks.size());
     comm.all_gather(std::span<const std::size_t>(my), std::span(now));
     for (std::size_t i = 0; i < peaks.size(); ++i) peaks[i] = std::max(peaks[i], now[i]);
@@ -291,20 +307,22 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
         return po::math::mix64(o.seed ^ 0x5eedULL, q) % (held_out - seq - 1);
       }));
       if (r == 0) {
-        std::printf("eval step %d/%d: val_loss %.4f (train loss %.4f)\n", step + 1, o.steps, static_cast<double>(val.loss), static_cast<double>(st.loss));
+        std::printf("eval step %d/%d: val_loss %.4f (train loss %.4f)\n", step + 1, o.steps,
+                    static_cast<double>(val.loss), static_cast<double>(st.loss));
         std::fflush(stdout);
       }
     }
     if (r == 0) {
-      const bool report = !o.quiet && (step == first || (step + 1) % std::max(1, o.steps / 20) == 0 || step + 1 == o.steps);
+      const bool report =
+          !o.quiet && (step == first || (step + 1) % std::max(1, o.steps / 20) == 0 || step + 1 == o.steps);
       if (report) {
         const int width = 20, done = (step + 1) * width / o.steps;
         std::string bar(static_cast<std::size_t>(done), '#');
         bar.resize(static_cast<std::size_t>(width), '.');
         std::string line;
         for (int q = 0; q < sh.d; ++q) line += (q ? " " : "") + mib(peaks[3 * static_cast<std::size_t>(q)]);
-        std::printf("[%s] step %d/%d loss %.4f lr %.2e | %.0f tokens/s | peak activation MiB per rank: %s\n", bar.c_str(), step + 1, o.steps,
-                    static_cast<double>(st.loss), static_cast<double>(lr),
+        std::printf("[%s] step %d/%d loss %.4f lr %.2e | %.0f tokens/s | peak activation MiB per rank: %s\n",
+                    bar.c_str(), step + 1, o.steps, static_cast<double>(st.loss), static_cast<double>(lr),
                     static_cast<double>(su.tokens_per_step) * (step + 1 - first) / tokens_seconds, line.c_str());
         std::fflush(stdout);
       }
@@ -313,12 +331,14 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
 
   // Unit bytes of every stage, for the simulator's view of this run and of 1F1B-I.
   std::vector<std::size_t> my_units(static_cast<std::size_t>(sh.v)), units(static_cast<std::size_t>(sh.stages()));
-  for (int c = 0; c < sh.v; ++c) my_units[static_cast<std::size_t>(c)] = mine[static_cast<std::size_t>(c)].saved_bytes(mbs);
+  for (int c = 0; c < sh.v; ++c)
+    my_units[static_cast<std::size_t>(c)] = mine[static_cast<std::size_t>(c)].saved_bytes(mbs);
   comm.all_gather(std::span<const std::size_t>(my_units), std::span(units));  // [rank * v + chunk]
   // The last step's measured op times of every rank.
   std::vector<po::RankSim> traces(static_cast<std::size_t>(sh.d));
   if (o.trace)
-    for (auto times : {&po::RankSim::compute_start, &po::RankSim::compute_end, &po::RankSim::copy_start, &po::RankSim::copy_end}) {
+    for (auto times :
+         {&po::RankSim::compute_start, &po::RankSim::compute_end, &po::RankSim::copy_start, &po::RankSim::copy_end}) {
       std::vector<std::vector<double>> all = gather_ragged<double>(comm, rt.trace().*times);
       for (std::size_t q = 0; q < traces.size(); ++q) traces[q].*times = std::move(all[q]);
     }
@@ -327,7 +347,8 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
   std::vector<std::vector<float>> params(static_cast<std::size_t>(sh.stages()));
   for (int c = 0; c < sh.v; ++c) {
     std::vector<std::vector<float>> all = gather_ragged<float>(comm, rt.download_parameters(c));
-    for (int q = 0; q < sh.d; ++q) params[static_cast<std::size_t>(sh.stage_of(q, c))] = std::move(all[static_cast<std::size_t>(q)]);
+    for (int q = 0; q < sh.d; ++q)
+      params[static_cast<std::size_t>(sh.stage_of(q, c))] = std::move(all[static_cast<std::size_t>(q)]);
   }
   if (r == 0) report(o, su, params, rt.program(), first, peaks, units, traces, final_loss, t_start);
   // Nobody leaves (and exits 0) before rank 0 has printed everything: if rank 0 fails there,
@@ -339,9 +360,10 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
 
 void print_banner(const Options& o, const Setup& su) {
   const po::Shape sh = o.shape;
-  std::printf("train_gpt: %s, d=%d v=%d m=%d, GPT %d blocks h=%d heads=%d seq=%d batch=%d, %zu-byte corpus, %s%s\n", o.schedule.c_str(), sh.d, sh.v,
-              sh.m, o.model.layers, o.model.hidden, o.model.heads, o.model.seq, o.batch, su.text.size(),
-              o.cuda ? "CUDA (bf16, NCCL)" : ("BLAS " + po::blas::core_name()).c_str(), o.mpi ? ", MPI processes" : "");
+  std::printf("train_gpt: %s, d=%d v=%d m=%d, GPT %d blocks h=%d heads=%d seq=%d batch=%d, %zu-byte corpus, %s%s\n",
+              o.schedule.c_str(), sh.d, sh.v, sh.m, o.model.layers, o.model.hidden, o.model.heads, o.model.seq, o.batch,
+              su.text.size(), o.cuda ? "CUDA (bf16, NCCL)" : ("BLAS " + po::blas::core_name()).c_str(),
+              o.mpi ? ", MPI processes" : "");
   std::fflush(stdout);
 }
 
@@ -367,7 +389,8 @@ po::PairLink<Device>* link_of(const std::vector<std::unique_ptr<po::PairLink<Dev
 std::vector<Stage> cpu_stages(const Options& o, int r) {
   std::vector<Stage> mine;
   mine.reserve(static_cast<std::size_t>(o.shape.v));
-  for (int c = 0; c < o.shape.v; ++c) mine.emplace_back(o.model, o.shape.stage_of(r, c), o.shape.stages(), o.fault.rank == r ? &o.fault : nullptr);
+  for (int c = 0; c < o.shape.v; ++c)
+    mine.emplace_back(o.model, o.shape.stage_of(r, c), o.shape.stages(), o.fault.rank == r ? &o.fault : nullptr);
   return mine;
 }
 
@@ -376,7 +399,8 @@ std::vector<Stage> cpu_stages(const Options& o, int r) {
 std::vector<po::cuda::GptStage> cuda_stages(const Options& o, const Setup& su, po::backend::Cuda& dev, int r) {
   std::vector<po::cuda::GptStage> mine;
   mine.reserve(static_cast<std::size_t>(o.shape.v));
-  for (int c = 0; c < o.shape.v; ++c) mine.emplace_back(dev, o.model, o.shape.stage_of(r, c), o.shape.stages(), su.runtime.microbatch);
+  for (int c = 0; c < o.shape.v; ++c)
+    mine.emplace_back(dev, o.model, o.shape.stage_of(r, c), o.shape.stages(), su.runtime.microbatch);
   return mine;
 }
 
@@ -389,13 +413,15 @@ constexpr std::size_t cuda_arena_bytes = std::size_t{2} << 30;
 int run_cuda_threads(const Options& o, Setup su) {
   const int gpus = po::backend::device_count();
   if (gpus < o.shape.d) {
-    std::fprintf(stderr, "train_gpt: --backend cuda --ranks %d needs %d GPUs; this machine has %d\n", o.shape.d, o.shape.d, gpus);
+    std::fprintf(stderr, "train_gpt: --backend cuda --ranks %d needs %d GPUs; this machine has %d\n", o.shape.d,
+                 o.shape.d, gpus);
     return 2;
   }
   const po::cuda::Pairing pairing = po::backend::device_pairing();
   std::vector<int> devices(pairing.device_of_rank.begin(), pairing.device_of_rank.begin() + o.shape.d);
   bool paired = o.shape.d >= 2 && o.shape.d % 2 == 0;
-  for (int r = 0; r < o.shape.d && paired; ++r) paired = pairing.partner_of_rank[static_cast<std::size_t>(r)] == (r ^ 1);
+  for (int r = 0; r < o.shape.d && paired; ++r)
+    paired = pairing.partner_of_rank[static_cast<std::size_t>(r)] == (r ^ 1);
   su.costs.stagger_pairs = paired;
   print_banner(o, su);
   std::printf("GPUs by rank:");
@@ -403,7 +429,8 @@ int run_cuda_threads(const Options& o, Setup su) {
   std::printf("%s\n", paired ? " (PCIe pairs (r, r^1): synchronised copies)" : " (no PCIe pairs: copies unpaired)");
   auto world = po::comm::NcclWorld::all_local(devices);
   std::vector<std::unique_ptr<po::PairLink<po::backend::Cuda>>> links;
-  for (int p = 0; paired && 2 * p + 1 < o.shape.d; ++p) links.push_back(std::make_unique<po::PairLink<po::backend::Cuda>>());
+  for (int p = 0; paired && 2 * p + 1 < o.shape.d; ++p)
+    links.push_back(std::make_unique<po::PairLink<po::backend::Cuda>>());
   const auto t_start = std::chrono::steady_clock::now();
   // A rank that throws aborts the world (run_thread_ranks), so no other rank waits for it.
   const auto errors = po::run_thread_ranks(*world, [&](int r) {
@@ -424,10 +451,12 @@ int run_cuda_rank(const Options& o, Setup su, po::comm::Mpi& mpi, std::chrono::s
   const int gpus = po::backend::device_count();
   const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
   const int device = local != nullptr ? std::atoi(local) : r;
-  if (device >= gpus) throw po::error("--backend cuda: this process (rank " + std::to_string(r) + ") needs GPU " + std::to_string(device) +
-                                      " but its node has " + std::to_string(gpus));
+  if (device >= gpus)
+    throw po::error("--backend cuda: this process (rank " + std::to_string(r) + ") needs GPU " +
+                    std::to_string(device) + " but its node has " + std::to_string(gpus));
   su.costs.stagger_pairs = false;
-  const po::comm::NcclIdBytes id = po::comm::broadcast_nccl_id(mpi, r == 0 ? po::comm::NcclWorld::new_id() : po::comm::NcclIdBytes{});
+  const po::comm::NcclIdBytes id =
+      po::comm::broadcast_nccl_id(mpi, r == 0 ? po::comm::NcclWorld::new_id() : po::comm::NcclIdBytes{});
   auto world = po::comm::NcclWorld::from_id(id, r, mpi.size(), device);
   po::backend::Cuda dev({.device = device, .rank = r, .arena_bytes = cuda_arena_bytes});
   po::comm::Nccl comm(world, r, dev);
@@ -452,7 +481,8 @@ int run_threads(const Options& o, const Setup& su) {
   // --pcie-pairs: ranks (r, r^1) are a PCIe pair, as the schedule's staggered slots assume,
   // and their copies synchronise (DESIGN.md section 3). A last rank of an odd d has none.
   std::vector<std::unique_ptr<po::PairLink<po::backend::Cpu>>> links;
-  for (int p = 0; o.pcie_pairs && 2 * p + 1 < o.shape.d; ++p) links.push_back(std::make_unique<po::PairLink<po::backend::Cpu>>());
+  for (int p = 0; o.pcie_pairs && 2 * p + 1 < o.shape.d; ++p)
+    links.push_back(std::make_unique<po::PairLink<po::backend::Cpu>>());
   const auto t_start = std::chrono::steady_clock::now();
   // A rank that throws aborts the world (run_thread_ranks), so no other rank waits for it.
   const auto errors = po::run_thread_ranks(world, [&](int r) {
@@ -472,9 +502,11 @@ int run_mpi(Options& o, const std::string& text, int& argc, char**& argv) {
   if (!o.ranks_given) o.shape.d = session.size();
   std::string bad;
   if (o.shape.d != session.size())
-    bad = "--ranks " + std::to_string(o.shape.d) + " but mpirun started " + std::to_string(session.size()) + " processes; they must be equal";
+    bad = "--ranks " + std::to_string(o.shape.d) + " but mpirun started " + std::to_string(session.size()) +
+          " processes; they must be equal";
   else if (o.fault.rank >= o.shape.d)
-    bad = "--inject-fault's rank " + std::to_string(o.fault.rank) + " is outside [0, " + std::to_string(o.shape.d - 1) + "]";
+    bad = "--inject-fault's rank " + std::to_string(o.fault.rank) + " is outside [0, " + std::to_string(o.shape.d - 1) +
+          "]";
   else {
     try {
       po::build(o.spec, o.shape);
@@ -532,7 +564,8 @@ int main(int argc, char** argv) {
     if (!o.mpi) {
       po::build(o.spec, o.shape);  // shape errors (1f1b with v > 1, 1f1b-i with m % d != 0) as bad arguments
       if (o.fault.rank >= o.shape.d)
-        throw bad_argument("--inject-fault's rank " + std::to_string(o.fault.rank) + " is outside [0, " + std::to_string(o.shape.d - 1) + "]");
+        throw bad_argument("--inject-fault's rank " + std::to_string(o.fault.rank) + " is outside [0, " +
+                           std::to_string(o.shape.d - 1) + "]");
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_gpt: %s\n", e.what());
@@ -546,12 +579,15 @@ int main(int argc, char** argv) {
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const std::size_t seq = static_cast<std::size_t>(o.model.seq);
   if (text.size() < seq + 2) {
-    std::fprintf(stderr, "train_gpt: the corpus has %zu bytes; it needs at least --seq + 2 = %zu\n", text.size(), seq + 2);
+    std::fprintf(stderr, "train_gpt: the corpus has %zu bytes; it needs at least --seq + 2 = %zu\n", text.size(),
+                 seq + 2);
     return 2;
   }
   if (o.eval_every > 0 && text.size() / 10 < seq + 2) {
-    std::fprintf(stderr, "train_gpt: --eval-every holds out the corpus's last 10%% (%zu bytes); it needs at least --seq + 2 = %zu\n", text.size() / 10,
-                 seq + 2);
+    std::fprintf(
+        stderr,
+        "train_gpt: --eval-every holds out the corpus's last 10%% (%zu bytes); it needs at least --seq + 2 = %zu\n",
+        text.size() / 10, seq + 2);
     return 2;
   }
   po::blas::core_name();  // load the BLAS before the ranks start

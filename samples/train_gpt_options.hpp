@@ -120,11 +120,35 @@ inline Options parse(int argc, char** argv) {
       no_check = true;
       continue;
     }
-    static const char* known[] = {"--schedule", "--ranks", "--chunks", "--microbatches", "--group", "--offload-chunks", "--k", "--copy-gbps",
-                                  "--steps", "--seed", "--trace", "--layers", "--hidden", "--heads", "--seq", "--batch", "--lr", "--dropout", "--corpus",
-                                  "--comm", "--comm-timeout", "--checkpoint-every", "--checkpoint-dir", "--resume", "--inject-fault", "--backend",
+    static const char* known[] = {"--schedule",
+                                  "--ranks",
+                                  "--chunks",
+                                  "--microbatches",
+                                  "--group",
+                                  "--offload-chunks",
+                                  "--k",
+                                  "--copy-gbps",
+                                  "--steps",
+                                  "--seed",
+                                  "--trace",
+                                  "--layers",
+                                  "--hidden",
+                                  "--heads",
+                                  "--seq",
+                                  "--batch",
+                                  "--lr",
+                                  "--dropout",
+                                  "--corpus",
+                                  "--comm",
+                                  "--comm-timeout",
+                                  "--checkpoint-every",
+                                  "--checkpoint-dir",
+                                  "--resume",
+                                  "--inject-fault",
+                                  "--backend",
                                   "--eval-every"};
-    if (std::find(std::begin(known), std::end(known), f) == std::end(known)) throw bad_argument("unknown option '" + f + "' (--help lists them)");
+    if (std::find(std::begin(known), std::end(known), f) == std::end(known))
+      throw bad_argument("unknown option '" + f + "' (--help lists them)");
     if (i + 1 >= argc) throw bad_argument(f + " needs a value");
     if (a.count(f)) throw bad_argument(f + " was given twice");
     a[f] = argv[++i];
@@ -134,47 +158,62 @@ inline Options parse(int argc, char** argv) {
   o.pcie_pairs = pairs;
   o.decay_all = decay_all;
   o.check_finite = !no_check;
-  const auto get = [&](const char* f) -> const std::string* { auto it = a.find(f); return it == a.end() ? nullptr : &it->second; };
+  const auto get = [&](const char* f) -> const std::string* {
+    auto it = a.find(f);
+    return it == a.end() ? nullptr : &it->second;
+  };
   if (auto v = get("--ranks")) o.shape.d = static_cast<int>(to_int("--ranks", *v, 1, 64));
   o.ranks_given = get("--ranks") != nullptr;
   if (auto v = get("--comm")) {
     if (*v != "threads" && *v != "mpi") throw bad_argument("--comm must be threads or mpi, got '" + *v + "'");
     o.mpi = *v == "mpi";
 #ifndef PIPEOFFLOAD_WITH_MPI
-    if (o.mpi) throw bad_argument("--comm mpi: this train_gpt was built without MPI (install openmpi-bin and libopenmpi-dev, then reconfigure)");
+    if (o.mpi)
+      throw bad_argument(
+          "--comm mpi: this train_gpt was built without MPI (install openmpi-bin and libopenmpi-dev, then reconfigure)");
 #endif
   }
   if (auto v = get("--backend")) {
     if (*v != "cpu" && *v != "cuda") throw bad_argument("--backend must be cpu or cuda, got '" + *v + "'");
     o.cuda = *v == "cuda";
 #ifndef PIPEOFFLOAD_WITH_CUDA
-    if (o.cuda) throw bad_argument("--backend cuda: this train_gpt was built without CUDA (install the CUDA toolkit, cuDNN and NCCL, then reconfigure)");
+    if (o.cuda)
+      throw bad_argument(
+          "--backend cuda: this train_gpt was built without CUDA (install the CUDA toolkit, cuDNN and NCCL, then reconfigure)");
 #endif
     for (const char* f : {"--copy-gbps", "--trace", "--inject-fault"})
       if (o.cuda && get(f))
-        throw bad_argument(std::string(f) + " applies only to --backend cpu" +
-                           (std::string(f) == "--trace" ? " (on GPUs, use Nsight Systems: nsys profile train_gpt ...)" : ""));
+        throw bad_argument(
+            std::string(f) + " applies only to --backend cpu" +
+            (std::string(f) == "--trace" ? " (on GPUs, use Nsight Systems: nsys profile train_gpt ...)" : ""));
   }
   if (auto v = get("--comm-timeout")) {
     if (!o.mpi) throw bad_argument("--comm-timeout applies only to --comm mpi");
     o.comm_timeout = to_real("--comm-timeout", *v, 0, 86400, true);
   }
-  if (auto v = get("--checkpoint-every")) o.checkpoint_every = static_cast<int>(to_int("--checkpoint-every", *v, 1, 1000000));
+  if (auto v = get("--checkpoint-every"))
+    o.checkpoint_every = static_cast<int>(to_int("--checkpoint-every", *v, 1, 1000000));
   if (auto v = get("--resume")) o.resume = *v;
-  if (auto v = get("--checkpoint-dir")) o.checkpoint_dir = *v;
-  else o.checkpoint_dir = o.resume;
-  if (o.checkpoint_every > 0 && o.checkpoint_dir.empty()) throw bad_argument("--checkpoint-every needs --checkpoint-dir DIR (or --resume DIR)");
-  if (o.checkpoint_every == 0 && get("--checkpoint-dir")) throw bad_argument("--checkpoint-dir needs --checkpoint-every N");
+  if (auto v = get("--checkpoint-dir"))
+    o.checkpoint_dir = *v;
+  else
+    o.checkpoint_dir = o.resume;
+  if (o.checkpoint_every > 0 && o.checkpoint_dir.empty())
+    throw bad_argument("--checkpoint-every needs --checkpoint-dir DIR (or --resume DIR)");
+  if (o.checkpoint_every == 0 && get("--checkpoint-dir"))
+    throw bad_argument("--checkpoint-dir needs --checkpoint-every N");
   if (auto v = get("--inject-fault")) {
     const std::string& f = *v;
     const auto c1 = f.find(':'), c2 = c1 == std::string::npos ? c1 : f.find(':', c1 + 1);
-    if (c2 == std::string::npos) throw bad_argument("--inject-fault must be RANK:STEP:KIND (KIND kill, throw or hang), got '" + f + "'");
+    if (c2 == std::string::npos)
+      throw bad_argument("--inject-fault must be RANK:STEP:KIND (KIND kill, throw or hang), got '" + f + "'");
     o.fault.rank = static_cast<int>(to_int("--inject-fault's rank", f.substr(0, c1), 0, 63));
     o.fault.step = static_cast<int>(to_int("--inject-fault's step", f.substr(c1 + 1, c2 - c1 - 1), 0, 1000000));
     o.fault.kind = f.substr(c2 + 1);
     if (o.fault.kind != "kill" && o.fault.kind != "throw" && o.fault.kind != "hang")
       throw bad_argument("--inject-fault's kind must be kill, throw or hang, got '" + o.fault.kind + "'");
-    if (o.fault.kind == "hang" && !o.mpi) throw bad_argument("--inject-fault R:S:hang needs --comm mpi (thread ranks have no receive timeout)");
+    if (o.fault.kind == "hang" && !o.mpi)
+      throw bad_argument("--inject-fault R:S:hang needs --comm mpi (thread ranks have no receive timeout)");
   }
   if (auto v = get("--chunks")) o.shape.v = static_cast<int>(to_int("--chunks", *v, 1, 64));
   if (auto v = get("--microbatches")) o.shape.m = static_cast<int>(to_int("--microbatches", *v, 1, 4096));
@@ -197,17 +236,22 @@ inline Options parse(int argc, char** argv) {
   if (auto v = get("--lr")) o.lr = static_cast<float>(to_real("--lr", *v, 0, 10, true));
   if (auto v = get("--dropout")) o.model.dropout = static_cast<float>(to_real("--dropout", *v, 0, 0.99, false));
   if (o.model.hidden % o.model.heads != 0)
-    throw bad_argument("--heads " + std::to_string(o.model.heads) + " must divide --hidden " + std::to_string(o.model.hidden));
+    throw bad_argument("--heads " + std::to_string(o.model.heads) + " must divide --hidden " +
+                       std::to_string(o.model.hidden));
   o.model.seed = o.seed;
 
   o.schedule = get("--schedule") ? *get("--schedule") : (o.shape.d == 1 ? "gis" : "po-f");
   const std::string& n = o.schedule;
-  o.spec = sample::schedule_option(n, get("--group") ? std::optional<std::string>(*get("--group")) : std::nullopt, o.shape.d);
+  o.spec = sample::schedule_option(n, get("--group") ? std::optional<std::string>(*get("--group")) : std::nullopt,
+                                   o.shape.d);
   if (o.pcie_pairs && (o.mpi || o.cuda))
-    throw bad_argument("--pcie-pairs applies only to --backend cpu with thread ranks (MPI processes run unpaired; --backend cuda pairs GPUs by their PCIe switches)");
+    throw bad_argument(
+        "--pcie-pairs applies only to --backend cpu with thread ranks (MPI processes run unpaired; --backend cuda pairs GPUs by their PCIe switches)");
   if (auto v = get("--offload-chunks")) {
     const int x = static_cast<int>(to_int("--offload-chunks", *v, 0, o.shape.v));
-    if (n == "po-h" || n == "po-f") throw bad_argument("--offload-chunks does not apply to " + n + " (it offloads " + (n == "po-h" ? "half" : "all") + " the chunks)");
+    if (n == "po-h" || n == "po-f")
+      throw bad_argument("--offload-chunks does not apply to " + n + " (it offloads " + (n == "po-h" ? "half" : "all") +
+                         " the chunks)");
     o.spec.offload = po::offload::first(x);
   }
   return o;

@@ -20,7 +20,7 @@ if [ "${#need[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}"
 fi
 
-# The CUDA backend (issue 4) builds where NVIDIA's toolkit, cuDNN and NCCL are installed (they
+# The CUDA backend builds where NVIDIA's toolkit, cuDNN and NCCL are installed (they
 # are on this project's machines); its cuDNN frontend headers come from NVIDIA's official
 # package on PyPI, installed once into a fixed folder that meson.build looks in.
 fe=/usr/local/lib/cudnn-frontend
@@ -30,4 +30,17 @@ if command -v nvcc >/dev/null 2>&1 && [ ! -f "$fe/include/cudnn_frontend.h" ]; t
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo python3 -m pip install -q --no-deps --target "$fe" nvidia-cudnn-frontend==1.32.0 ||
     $sudo python3 -m pip install -q --no-deps --break-system-packages --target "$fe" nvidia-cudnn-frontend==1.32.0
+fi
+
+# The code's layout is .clang-format's, checked by a test (tests/docs/check_format.py) with one
+# pinned clang-format (formatting changes between releases; Debian 12's is 14, which cannot lay
+# out C++20 requires-clauses). LLVM's own build of it is on PyPI; installed once into a fixed
+# folder that the test looks in.
+cf=/usr/local/lib/clang-format-19
+if [ ! -x "$cf/clang_format/data/bin/clang-format" ]; then
+  echo "install-deps.sh: installing clang-format 19.1.7 into $cf"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo python3 -m pip install -q --no-deps --target "$cf" clang-format==19.1.7 ||
+    $sudo python3 -m pip install -q --no-deps --break-system-packages --target "$cf" clang-format==19.1.7
 fi

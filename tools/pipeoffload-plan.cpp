@@ -30,7 +30,8 @@
 
 namespace {
 
-constexpr const char* usage_text = R"(usage: pipeoffload-plan --schedule NAME --ranks D --chunks V --microbatches M [options]
+constexpr const char* usage_text =
+    R"(usage: pipeoffload-plan --schedule NAME --ranks D --chunks V --microbatches M [options]
 
 Builds a pipeline schedule, simulates it (as-soon-as-possible execution) and prints it.
 
@@ -83,20 +84,20 @@ struct bad_argument : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-constexpr std::string_view flags[] = {"--schedule", "--ranks",     "--chunks",       "--microbatches", "--group",
-                                      "--offload-chunks", "--k",   "--hidden",       "--seq",          "--micro-batch",
-                                      "--tflops",   "--pcie-gbps", "--cost-f",       "--cost-b",       "--cost-w",
-                                      "--cost-comm", "--format",   "--out",
-                                      // --auto
-                                      "--auto", "--recompute", "--layers", "--heads", "--query-groups", "--global-batch",
-                                      "--vocab", "--device-mem-gib", "--host-mem-gib", "--pcie-switch"};
+constexpr std::string_view flags[] = {
+    "--schedule", "--ranks", "--chunks", "--microbatches", "--group", "--offload-chunks", "--k", "--hidden", "--seq",
+    "--micro-batch", "--tflops", "--pcie-gbps", "--cost-f", "--cost-b", "--cost-w", "--cost-comm", "--format", "--out",
+    // --auto
+    "--auto", "--recompute", "--layers", "--heads", "--query-groups", "--global-batch", "--vocab", "--device-mem-gib",
+    "--host-mem-gib", "--pcie-switch"};
 /// Flags that take no value.
 constexpr std::string_view switches[] = {"--auto", "--recompute"};
 /// Flags only --auto reads, and flags --auto does not take.
-constexpr std::string_view auto_only[] = {"--recompute", "--layers", "--heads", "--query-groups", "--global-batch",
-                                          "--vocab", "--device-mem-gib", "--host-mem-gib", "--pcie-switch"};
-constexpr std::string_view not_auto[] = {"--schedule", "--chunks", "--microbatches", "--group", "--offload-chunks",
-                                         "--k", "--cost-f", "--cost-b", "--cost-w", "--cost-comm"};
+constexpr std::string_view auto_only[] = {"--recompute",      "--layers",       "--heads",
+                                          "--query-groups",   "--global-batch", "--vocab",
+                                          "--device-mem-gib", "--host-mem-gib", "--pcie-switch"};
+constexpr std::string_view not_auto[] = {"--schedule", "--chunks", "--microbatches", "--group",  "--offload-chunks",
+                                         "--k",        "--cost-f", "--cost-b",       "--cost-w", "--cost-comm"};
 constexpr std::string_view hardware_flags[] = {"--hidden", "--seq", "--micro-batch", "--tflops", "--pcie-gbps"};
 constexpr std::string_view formats[] = {"text", "csv", "json", "chrome-trace", "svg"};
 
@@ -158,12 +159,13 @@ Args scan(int argc, char** argv) {
 }
 
 /// Strict integer: the whole text a decimal number in [lo, hi].
-long long parse_int(std::string_view flag, std::string_view text, long long lo, long long hi, const std::string& note = "") {
+long long parse_int(std::string_view flag, std::string_view text, long long lo, long long hi,
+                    const std::string& note = "") {
   long long x = 0;
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), x);
   if (text.empty() || ec != std::errc{} || end != text.data() + text.size() || x < lo || x > hi)
-    throw bad_argument(std::string(flag) + " must be an integer in [" + num(lo) + ", " + num(hi) + "]" + note + ", got " +
-                       quoted(text));
+    throw bad_argument(std::string(flag) + " must be an integer in [" + num(lo) + ", " + num(hi) + "]" + note +
+                       ", got " + quoted(text));
   return x;
 }
 
@@ -186,7 +188,9 @@ const std::string* find(const Args& args, std::string_view flag) {
 /// A required integer flag.
 int required_int(const Args& args, std::string_view flag, const char* what, long long lo, long long hi) {
   const std::string* v = find(args, flag);
-  if (!v) throw bad_argument("missing " + std::string(flag) + " (" + what + ", an integer in [" + num(lo) + ", " + num(hi) + "])");
+  if (!v)
+    throw bad_argument("missing " + std::string(flag) + " (" + what + ", an integer in [" + num(lo) + ", " + num(hi) +
+                       "])");
   return static_cast<int>(parse_int(flag, *v, lo, hi));
 }
 
@@ -224,7 +228,8 @@ pipeoffload::ScheduleSpec schedule_spec(const Args& args, const std::string& nam
     const long long lo = (sh.d + 1) / 2;
     const std::string range = "[" + num(lo) + ", " + num(sh.d) + "]";
     if (!g) throw bad_argument("--schedule gis-g needs --group G, an integer in " + range + " (ceil(d/2) to d)");
-    spec.group.value = static_cast<int>(parse_int("--group", *g, lo, sh.d, " (ceil(d/2) to d for --ranks " + num(sh.d) + ")"));
+    spec.group.value =
+        static_cast<int>(parse_int("--group", *g, lo, sh.d, " (ceil(d/2) to d for --ranks " + num(sh.d) + ")"));
   } else if (g) {
     throw bad_argument("--group applies only to --schedule gis-g, not " + name);
   }
@@ -235,7 +240,8 @@ pipeoffload::ScheduleSpec schedule_spec(const Args& args, const std::string& nam
       const int implied = offload::count(spec.offload, sh.v);
       if (x != implied)
         throw bad_argument("--offload-chunks must be " + num(implied) + " with --schedule " + name + " (chunks 0.." +
-                           num(implied - 1) + "), got " + quoted(*n) + "; use po with --offload-chunks for other counts");
+                           num(implied - 1) + "), got " + quoted(*n) +
+                           "; use po with --offload-chunks for other counts");
     } else if (x > 0) {
       spec.offload = offload::first(x);  // 0 keeps offload::none, so the name stays plain
     }
@@ -249,7 +255,8 @@ double copy_ratio(const Args& args) {
   for (std::string_view f : hardware_flags) (find(args, f) ? given : missing).push_back(std::string(f));
   const std::string* k = find(args, "--k");
   if (k && !given.empty())
-    throw bad_argument("--k cannot be combined with " + given.front() + ": give either --k or all of " + join(hardware_flags, " "));
+    throw bad_argument("--k cannot be combined with " + given.front() + ": give either --k or all of " +
+                       join(hardware_flags, " "));
   if (k) return parse_real("--k", *k, false, 1e6);
   if (given.empty()) return 1;
   if (!missing.empty()) {
@@ -282,8 +289,8 @@ Request interpret(const Args& args) {
   constexpr long long max_units = 1 << 20;
   const long long units = 1LL * rq.shape.d * rq.shape.v * rq.shape.m;
   if (units > max_units)
-    throw bad_argument("--ranks * --chunks * --microbatches = " + num(units) + " is too large; at most " + num(max_units) +
-                       " stage-microbatch pairs");
+    throw bad_argument("--ranks * --chunks * --microbatches = " + num(units) + " is too large; at most " +
+                       num(max_units) + " stage-microbatch pairs");
 
   rq.costs.k = copy_ratio(args);
   const auto cost = [&](std::string_view flag, double& dst, bool zero_ok) {
@@ -320,16 +327,18 @@ void check_copy_plan(const Request& rq, bool k_from_hardware) {
   const double pass = std::min({c.f, c.b, c.w}), mean = (c.f + c.b + c.w) / 3;
   // PO plans on its grid, somewhat longer than the ASAP run; 4x covers it with room to spare.
   const double span = 4 * std::max(simulate(build(plain, rq.shape, c)).makespan,
-                                    (3.0 * rq.shape.v * rq.shape.m + 6.0 * rq.shape.stages()) * mean);
+                                   (3.0 * rq.shape.v * rq.shape.m + 6.0 * rq.shape.stages()) * mean);
   constexpr double max_slots = 2e7, max_passes = 1e8;
   if (span / c.T_O(0) > max_slots) {
     char got[32], lo[32];
     std::snprintf(got, sizeof got, "%.3g", c.k);
     std::snprintf(lo, sizeof lo, "%.3g", c.k * span / c.T_O(0) / max_slots);
-    throw bad_argument(std::string(k_from_hardware ? "k from --tflops / --pcie-gbps" : "--k") + " = " + got + " is too small to plan offload for this run (over 2e7 copy slots); k must be >= " + lo);
+    throw bad_argument(std::string(k_from_hardware ? "k from --tflops / --pcie-gbps" : "--k") + " = " + got +
+                       " is too small to plan offload for this run (over 2e7 copy slots); k must be >= " + lo);
   }
   if (span / pass > max_passes)
-    throw bad_argument("--cost-f/--cost-b/--cost-w/--cost-comm span too wide a range to plan offload: the run is over 1e8 of its shortest passes");
+    throw bad_argument(
+        "--cost-f/--cost-b/--cost-w/--cost-comm span too wide a range to plan offload: the run is over 1e8 of its shortest passes");
 }
 
 std::string render(const std::string& format, const pipeoffload::Program& p, const pipeoffload::SimResult& sim) {
@@ -344,13 +353,15 @@ std::string render(const std::string& format, const pipeoffload::Program& p, con
 int emit(const std::string& text, const std::optional<std::string>& path) {
   std::FILE* f = path ? std::fopen(path->c_str(), "wb") : stdout;
   if (!f) {
-    std::fprintf(stderr, "%s: --out %s cannot be opened for writing: %s\n", tool, quoted(*path).c_str(), std::strerror(errno));
+    std::fprintf(stderr, "%s: --out %s cannot be opened for writing: %s\n", tool, quoted(*path).c_str(),
+                 std::strerror(errno));
     return 2;
   }
   const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
   const bool closed = path ? std::fclose(f) == 0 : std::fflush(f) == 0;
   if (!ok || !closed) {
-    std::fprintf(stderr, "%s: writing %s failed: %s\n", tool, path ? quoted(*path).c_str() : "standard output", std::strerror(errno));
+    std::fprintf(stderr, "%s: writing %s failed: %s\n", tool, path ? quoted(*path).c_str() : "standard output",
+                 std::strerror(errno));
     return 1;
   }
   return 0;
@@ -366,7 +377,8 @@ struct AutoRequest {
 
 AutoRequest interpret_auto(const Args& args) {
   for (std::string_view f : not_auto)
-    if (find(args, f)) throw bad_argument(std::string(f) + " cannot be combined with --auto (the planner chooses the schedule)");
+    if (find(args, f))
+      throw bad_argument(std::string(f) + " cannot be combined with --auto (the planner chooses the schedule)");
   AutoRequest rq;
   auto& m = rq.model;
   const auto need = [&](std::string_view flag, const char* what, long long lo, long long hi) {
@@ -399,14 +411,17 @@ AutoRequest interpret_auto(const Args& args) {
   x.host_bytes = real("--host-mem-gib", "pinned host memory per rank in GiB, >= 0", true) * pipeoffload::gib;
   x.flops = real("--tflops", "achieved TFLOP/s of one device, > 0", false) * 1e12;
   if (const std::string* p = find(args, "--pcie-gbps"); p && parse_real("--pcie-gbps", *p, true, 1e6) == 0)
-    throw bad_argument("--pcie-gbps must be > 0: k (offload copy time / compute time) needs a host<->device bandwidth, got " + quoted(*p));
+    throw bad_argument(
+        "--pcie-gbps must be > 0: k (offload copy time / compute time) needs a host<->device bandwidth, got " +
+        quoted(*p));
   x.pcie_bytes_per_s = real("--pcie-gbps", "host<->device GB/s of one device in one direction, > 0", false) * 1e9;
   if (const std::string* sw = find(args, "--pcie-switch")) {
     if (*sw != "pairs" && *sw != "none") throw bad_argument("--pcie-switch must be pairs or none, got " + quoted(*sw));
     x.pairs_share_switch = *sw == "pairs";
   }
   if (const std::string* f = find(args, "--format")) {
-    if (*f != "text" && *f != "json") throw bad_argument("--format must be text or json with --auto, got " + quoted(*f));
+    if (*f != "text" && *f != "json")
+      throw bad_argument("--format must be text or json with --auto, got " + quoted(*f));
     rq.format = *f;
   }
   if (const std::string* out = find(args, "--out")) {
@@ -421,7 +436,7 @@ int run_auto(const Args& args) {
   const AutoRequest rq = interpret_auto(args);
   const pipeoffload::PlanResult r = pipeoffload::plan(rq.model, rq.machine);
   const std::string text = rq.format == "json" ? pipeoffload::render_plan_json(r, rq.model, rq.machine)
-                                                : pipeoffload::render_plan_text(r, rq.model, rq.machine);
+                                               : pipeoffload::render_plan_text(r, rq.model, rq.machine);
   if (const int rc = emit(text, rq.out); rc != 0) return rc;
   if (r.fits) return 0;
   std::fprintf(stderr, "%s: %s\n", tool, r.why.c_str());

@@ -28,9 +28,9 @@
 #include <string>
 #include <vector>
 
+#include <models/gpt/cpu.hpp>
 #include <models/gpt/cuda.hpp>
 #include <pipeoffload/cuda.hpp>
-#include <models/gpt/cpu.hpp>
 
 namespace po = pipeoffload;
 namespace pc = pipeoffload::cuda;
@@ -76,7 +76,9 @@ std::vector<T> host_copy(const T* d, std::size_t n) {
 }
 
 /// fp32 boundary views (a middle stage reads no step inputs).
-po::ConstTensor in_view(const float* p, std::size_t n) { return {reinterpret_cast<const std::byte*>(p), n, po::DType::float32}; }
+po::ConstTensor in_view(const float* p, std::size_t n) {
+  return {reinterpret_cast<const std::byte*>(p), n, po::DType::float32};
+}
 po::Tensor out_view(float* p, std::size_t n) { return {reinterpret_cast<std::byte*>(p), n, po::DType::float32}; }
 
 po::Microbatch middle_microbatch(po::MicrobatchShape shape, int mb) {
@@ -129,13 +131,17 @@ bool check_against_cpu(bool recompute) {
   const double ey = rel_error(host_copy(dyd, n), y), edx = rel_error(host_copy(ddx, n), dx);
   const std::vector<float> want_g(cpu.gradients().begin(), cpu.gradients().end());
   const double eg = rel_error(host_copy(gpu.gradients().data(), want_g.size()), want_g);
-  for (void* p : {static_cast<void*>(dxd), static_cast<void*>(ddy), static_cast<void*>(dyd), static_cast<void*>(ddx), static_cast<void*>(dsaved),
-                  static_cast<void*>(dstash)})
+  for (void* p : {static_cast<void*>(dxd), static_cast<void*>(ddy), static_cast<void*>(dyd), static_cast<void*>(ddx),
+                  static_cast<void*>(dsaved), static_cast<void*>(dstash)})
     PIPEOFFLOAD_CUDA_CHECK(cudaFree(p));
-  std::printf("check vs CPU (h=256, s=256, one block, recompute %s): relative error y %.2e, dx %.2e, weight gradients %.2e\n", recompute ? "on" : "off",
-              ey, edx, eg);
+  std::printf(
+      "check vs CPU (h=256, s=256, one block, recompute %s): relative error y %.2e, dx %.2e, weight gradients %.2e\n",
+      recompute ? "on" : "off", ey, edx, eg);
   const bool ok = ey <= 2e-2 && edx <= 5e-2 && eg <= 5e-2;
-  if (!ok) std::fprintf(stderr, "gpt_block_gpu: the GPU block disagrees with the CPU reference (bounds 2e-2, 5e-2, 5e-2); not timing\n");
+  if (!ok)
+    std::fprintf(
+        stderr,
+        "gpt_block_gpu: the GPU block disagrees with the CPU reference (bounds 2e-2, 5e-2, 5e-2); not timing\n");
   return ok;
 }
 
@@ -149,13 +155,20 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     const long long v = std::atoll(argv[i + 1]);
-    if (a == "--hidden") h = v;
-    else if (a == "--seq") s = v;
-    else if (a == "--heads") heads = v;
-    else if (a == "--batch") b = v;
-    else if (a == "--iters") iters = static_cast<int>(v);
-    else if (a == "--recompute") recompute = v != 0;
-    else if (a == "--peak-tflops") peak_tflops = std::atof(argv[i + 1]);
+    if (a == "--hidden")
+      h = v;
+    else if (a == "--seq")
+      s = v;
+    else if (a == "--heads")
+      heads = v;
+    else if (a == "--batch")
+      b = v;
+    else if (a == "--iters")
+      iters = static_cast<int>(v);
+    else if (a == "--recompute")
+      recompute = v != 0;
+    else if (a == "--peak-tflops")
+      peak_tflops = std::atof(argv[i + 1]);
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
@@ -191,7 +204,8 @@ int main(int argc, char** argv) {
     const std::size_t arena = 2 * bufs.saved_bytes + bufs.stash_bytes + 16 * Th + bare + (std::size_t{768} << 20);
     po::backend::Cuda dev({.arena_bytes = arena});
     const int cs = dev.make_stream("compute"), copy = dev.make_stream("copy");
-    std::printf("building the block's parameters on the CPU (model::GptStage init, %lld parameters)...\n", 12 * h * h + 13 * h);
+    std::printf("building the block's parameters on the CPU (model::GptStage init, %lld parameters)...\n",
+                12 * h * h + 13 * h);
     pc::GptStage stage(dev, cfg, 1, 3, shape);
     using po::backend::Memory;
     const auto dalloc = [&](std::size_t bytes, Memory kind) { return dev.device_alloc(bytes, kind).ptr; };
@@ -239,15 +253,20 @@ int main(int argc, char** argv) {
     }
 
     // ---- baseline: the same block's bare GEMMs and attention (no LayerNorm, bias, GeLU, dropout).
-    const auto bf = [&](long long n) { return reinterpret_cast<pk::bf16*>(dalloc(static_cast<std::size_t>(n) * 2, Memory::stash)); };
-    const auto f32 = [&](long long n) { return reinterpret_cast<float*>(dalloc(static_cast<std::size_t>(n) * 4, Memory::stash)); };
+    const auto bf = [&](long long n) {
+      return reinterpret_cast<pk::bf16*>(dalloc(static_cast<std::size_t>(n) * 2, Memory::stash));
+    };
+    const auto f32 = [&](long long n) {
+      return reinterpret_cast<float*>(dalloc(static_cast<std::size_t>(n) * 4, Memory::stash));
+    };
     pk::bf16 *wqkv = bf(h * 3 * h), *wo = bf(h * h), *wfc = bf(h * 4 * h), *wpr = bf(4 * h * h);
     float *gqkv = f32(h * 3 * h), *go = f32(h * h), *gfc = f32(h * 4 * h), *gpr = f32(4 * h * h);
     pk::bf16 *bx = bf(T * h), *qkv = bf(T * 3 * h), *att = bf(T * h), *f = bf(T * 4 * h), *by = bf(T * h);
     pk::bf16 *dqkv = bf(T * 3 * h), *datt = bf(T * h), *df = bf(T * 4 * h), *bdx = bf(T * h);
     float* stats = f32(b * heads * s);
     float* init = f32(T * 4 * h);
-    const pc::attention::Shape att_shape{static_cast<int>(b), static_cast<int>(heads), static_cast<int>(s), static_cast<int>(h / heads)};
+    const pc::attention::Shape att_shape{static_cast<int>(b), static_cast<int>(heads), static_cast<int>(s),
+                                         static_cast<int>(h / heads)};
     {
       std::vector<float> v(static_cast<std::size_t>(T * 4 * h));
       for (std::size_t i = 0; i < v.size(); ++i) v[i] = 0.01f * static_cast<float>((i * 2654435761u) % 200) - 1.0f;
@@ -257,9 +276,11 @@ int main(int argc, char** argv) {
     dev.launch(cs, [&] {
       const cudaStream_t st = dev.stream(cs);
       // Every element of every operand from `init` (T * 4h values), cycling when an operand is larger.
-      const std::pair<pk::bf16*, long long> operands[] = {{wqkv, 3 * h * h}, {wo, h * h}, {wfc, 4 * h * h}, {wpr, 4 * h * h}, {bx, T * h}};
+      const std::pair<pk::bf16*, long long> operands[] = {
+          {wqkv, 3 * h * h}, {wo, h * h}, {wfc, 4 * h * h}, {wpr, 4 * h * h}, {bx, T * h}};
       for (const auto& [p, count] : operands)
-        for (long long at = 0; at < count; at += T * 4 * h) pk::to_bf16(init, p + at, std::min(T * 4 * h, count - at), st);
+        for (long long at = 0; at < count; at += T * 4 * h)
+          pk::to_bf16(init, p + at, std::min(T * 4 * h, count - at), st);
     });
     using pc::Out;
     const auto bare_block = [&](po::backend::CudaContext& c) {
@@ -271,7 +292,8 @@ int main(int argc, char** argv) {
       pc::gemm(c, pc::linear_dgrad(T, 4 * h, h), by, wpr, df, Out::bf16);
       pc::gemm(c, pc::linear_dgrad(T, h, 4 * h), df, wfc, bdx, Out::bf16);
       pc::gemm(c, pc::linear_dgrad(T, h, h), bdx, wo, datt, Out::bf16);
-      pc::attention::backward(*c.attention, c.cuda_stream, att_shape, qkv, att, datt, stats, dqkv, c.workspace, c.workspace_bytes);
+      pc::attention::backward(*c.attention, c.cuda_stream, att_shape, qkv, att, datt, stats, dqkv, c.workspace,
+                              c.workspace_bytes);
       pc::gemm(c, pc::linear_dgrad(T, h, 3 * h), dqkv, wqkv, bdx, Out::bf16);
       pc::gemm(c, pc::linear_wgrad(T, 4 * h, h), f, by, gpr, Out::f32);
       pc::gemm(c, pc::linear_wgrad(T, h, 4 * h), by, df, gfc, Out::f32);
@@ -317,21 +339,29 @@ int main(int argc, char** argv) {
     const double flops = 12.0 * b * s * h * (6.0 * h + s);
     const double t = median(tfbw), t0 = median(tbare), tc = t_d2h;
     const double Bc = flops / t, Bo = static_cast<double>(A) / tc;
-    const auto mfu = [&](double seconds) { return peak_tflops > 0 ? 100.0 * flops / seconds / (peak_tflops * 1e12) : 0.0; };
-    std::printf("device %s (sm_%d%d), h=%lld s=%lld heads=%lld b=%lld, recompute %s, median of %d\n", prop.name, prop.major, prop.minor, h, s, heads, b,
-                recompute ? "on" : "off", iters);
-    std::printf("cuda::GptStage, one block: F %.3f ms, B %.3f ms, W %.3f ms; F+B+W %.3f ms, %.1f TFLOP/s, MFU %.1f%% of %.0f TFLOP/s\n",
-                median(tf) * 1e3, median(tb) * 1e3, median(tw) * 1e3, t * 1e3, Bc / 1e12, mfu(t), peak_tflops);
-    std::printf("baseline, the block's bare GEMMs + cuDNN attention: %.3f ms, MFU %.1f%%; the stage takes %.2fx the baseline\n", t0 * 1e3, mfu(t0), t / t0);
-    std::printf("saved activations of the block: %zu bytes = %.2f bsh (20 bsh = %lld bytes of tensors + fp32 statistics)\n", A,
-                static_cast<double>(A) / static_cast<double>(T * h), 20 * T * h);
-    std::printf("pinned copies of them: D2H %.3f ms, %.2f GB/s; H2D %.3f ms, %.2f GB/s; both at once %.3f ms, %.2f GB/s each way "
-                "(%.2f GB/s together)\n",
-                t_d2h * 1e3, Bo / 1e9, t_h2d * 1e3, static_cast<double>(A) / t_h2d / 1e9, t_both * 1e3, static_cast<double>(A) / t_both / 1e9,
-                2.0 * static_cast<double>(A) / t_both / 1e9);
+    const auto mfu = [&](double seconds) {
+      return peak_tflops > 0 ? 100.0 * flops / seconds / (peak_tflops * 1e12) : 0.0;
+    };
+    std::printf("device %s (sm_%d%d), h=%lld s=%lld heads=%lld b=%lld, recompute %s, median of %d\n", prop.name,
+                prop.major, prop.minor, h, s, heads, b, recompute ? "on" : "off", iters);
+    std::printf(
+        "cuda::GptStage, one block: F %.3f ms, B %.3f ms, W %.3f ms; F+B+W %.3f ms, %.1f TFLOP/s, MFU %.1f%% of %.0f TFLOP/s\n",
+        median(tf) * 1e3, median(tb) * 1e3, median(tw) * 1e3, t * 1e3, Bc / 1e12, mfu(t), peak_tflops);
+    std::printf(
+        "baseline, the block's bare GEMMs + cuDNN attention: %.3f ms, MFU %.1f%%; the stage takes %.2fx the baseline\n",
+        t0 * 1e3, mfu(t0), t / t0);
+    std::printf(
+        "saved activations of the block: %zu bytes = %.2f bsh (20 bsh = %lld bytes of tensors + fp32 statistics)\n", A,
+        static_cast<double>(A) / static_cast<double>(T * h), 20 * T * h);
+    std::printf(
+        "pinned copies of them: D2H %.3f ms, %.2f GB/s; H2D %.3f ms, %.2f GB/s; both at once %.3f ms, %.2f GB/s each way "
+        "(%.2f GB/s together)\n",
+        t_d2h * 1e3, Bo / 1e9, t_h2d * 1e3, static_cast<double>(A) / t_h2d / 1e9, t_both * 1e3,
+        static_cast<double>(A) / t_both / 1e9, 2.0 * static_cast<double>(A) / t_both / 1e9);
     const double k_measured = 2.0 * tc / t;
     const double k_formula = 10.0 / (3.0 * (6.0 * h + s)) * Bc / Bo;
-    std::printf("k measured (2 A / Bo over T_F+T_B+T_W) = %.3f; k formula 10/(3(6h+s)) * Bc/Bo = %.3f\n", k_measured, k_formula);
+    std::printf("k measured (2 A / Bo over T_F+T_B+T_W) = %.3f; k formula 10/(3(6h+s)) * Bc/Bo = %.3f\n", k_measured,
+                k_formula);
     for (cudaEvent_t e : ev) cudaEventDestroy(e);
     dev.host_free(host);
     dev.host_free(host_in);

@@ -41,8 +41,8 @@ struct PaperModel {
 // The paper's Table 2 (all with 8 query groups). The 5.8B model runs on 2-32 GPUs there; its
 // Table 1 row uses 8.
 constexpr PaperModel models[] = {
-    {"5.8B", 32, 32, 4096, 32, 8},      {"10.5B", 38, 40, 5120, 64, 8},     {"18.1B", 46, 48, 6144, 128, 16},
-    {"42.9B", 62, 64, 8192, 256, 32},   {"66.6B", 62, 80, 10240, 256, 32}, {"83.8B", 78, 80, 10240, 256, 32},
+    {"5.8B", 32, 32, 4096, 32, 8},    {"10.5B", 38, 40, 5120, 64, 8},    {"18.1B", 46, 48, 6144, 128, 16},
+    {"42.9B", 62, 64, 8192, 256, 32}, {"66.6B", 62, 80, 10240, 256, 32}, {"83.8B", 78, 80, 10240, 256, 32},
 };
 
 struct Hardware {
@@ -118,7 +118,8 @@ void write(const std::string& path, const std::string& text) {
 // ---- Table 1 -------------------------------------------------------------------------------
 
 void table1(const std::string& dir) {
-  std::string csv = "hardware,model,ranks,family,chunks,microbatches,k,activation_gib,model_activation_gib,activation_over_M,paper_over_M,bubble_percent,iteration_s\n";
+  std::string csv =
+      "hardware,model,ranks,family,chunks,microbatches,k,activation_gib,model_activation_gib,activation_over_M,paper_over_M,bubble_percent,iteration_s\n";
   for (const Hardware& hw : {a100, h100}) {
     std::vector<std::string> groups;
     std::vector<paper::Series> mem, bub;
@@ -129,7 +130,8 @@ void table1(const std::string& dir) {
       bub.push_back({fams[f].label, {}, {}, static_cast<int>(f)});
       marks.emplace_back();
     }
-    std::printf("\nTable 1, %s-class (Bc %.0f TFLOP/s, Bo %.0f GB/s): activation / M and bubble %%\n", hw.name, hw.tflops, hw.gbps);
+    std::printf("\nTable 1, %s-class (Bc %.0f TFLOP/s, Bo %.0f GB/s): activation / M and bubble %%\n", hw.name,
+                hw.tflops, hw.gbps);
     std::printf("%-6s %4s %6s", "model", "d", "k");
     for (const auto& f : fams) std::printf(" %15s", f.label);
     std::printf("\n");
@@ -152,16 +154,22 @@ void table1(const std::string& dir) {
         bub[f].y.push_back(100 * c.bubble_fraction);
         marks[f].push_back(formula[f]);
         std::printf(" %6.3f %6.1f%%  ", act / M, 100 * c.bubble_fraction);
-        csv += std::string(hw.name) + "," + pm.name + "," + num(d) + "," + fams[f].label + "," + num(v) + "," + num(mb) + "," +
-               num(copy_ratio(m, x), "%.4f") + "," + num(act / gib, "%.3f") + "," + num(M / gib, "%.3f") + "," +
-               num(act / M, "%.4f") + "," + num(formula[f], "%.4f") + "," + num(100 * c.bubble_fraction, "%.2f") + "," +
-               num(c.iteration_time_s, "%.3f") + "\n";
+        csv += std::string(hw.name) + "," + pm.name + "," + num(d) + "," + fams[f].label + "," + num(v) + "," +
+               num(mb) + "," + num(copy_ratio(m, x), "%.4f") + "," + num(act / gib, "%.3f") + "," +
+               num(M / gib, "%.3f") + "," + num(act / M, "%.4f") + "," + num(formula[f], "%.4f") + "," +
+               num(100 * c.bubble_fraction, "%.2f") + "," + num(c.iteration_time_s, "%.3f") + "\n";
       }
       std::printf("\n");
     }
-    paper::Panel pm_{90, 84, 680, 300, "Activation memory (max over ranks) / M, the whole model's activation of one microbatch",
-                     {"model (ranks d: 8, 8, 16, 32, 32, 32; v = most stages with one layer slot each)", 0, 1}, {"activation / M", 0, 1.6}};
-    paper::Panel pb{90, 484, 680, 220, "Bubble (idle / iteration, mean over ranks)", {"model", 0, 1}, {"bubble %", 0, 40}};
+    paper::Panel pm_{90,
+                     84,
+                     680,
+                     300,
+                     "Activation memory (max over ranks) / M, the whole model's activation of one microbatch",
+                     {"model (ranks d: 8, 8, 16, 32, 32, 32; v = most stages with one layer slot each)", 0, 1},
+                     {"activation / M", 0, 1.6}};
+    paper::Panel pb{
+        90, 484, 680, 220, "Bubble (idle / iteration, mean over ranks)", {"model", 0, 1}, {"bubble %", 0, 40}};
     double top = 0;
     for (const auto& s : bub) top = std::max(top, max_of(s.y));
     pb.ya.hi = std::ceil(top / 10) * 10;
@@ -172,15 +180,17 @@ void table1(const std::string& dir) {
     lm.x0 = lb.x0 = pm_.x0 + pm_.w + 4;
     lm.w = lb.w = 120;
     std::string body = paper::frame(pm_) + paper::bars(pm_, groups, mem, marks) + paper::legend(lm, mem, false, true) +
-                       "<line x1=\"" + num(lm.x0 + 14) + "\" y1=\"" + num(lm.y0 + 140) + "\" x2=\"" + num(lm.x0 + 36) + "\" y2=\"" +
-                       num(lm.y0 + 140) + "\" stroke=\"#000\" stroke-width=\"2.5\"/><text x=\"" + num(lm.x0 + 42) + "\" y=\"" +
-                       num(lm.y0 + 144) + "\" font-size=\"11\">the paper's</text><text x=\"" + num(lm.x0 + 42) + "\" y=\"" +
-                       num(lm.y0 + 158) + "\" font-size=\"11\">formula</text>\n" + paper::frame(pb) + paper::bars(pb, groups, bub) +
-                       paper::legend(lb, bub, false, true);
+                       "<line x1=\"" + num(lm.x0 + 14) + "\" y1=\"" + num(lm.y0 + 140) + "\" x2=\"" + num(lm.x0 + 36) +
+                       "\" y2=\"" + num(lm.y0 + 140) + "\" stroke=\"#000\" stroke-width=\"2.5\"/><text x=\"" +
+                       num(lm.x0 + 42) + "\" y=\"" + num(lm.y0 + 144) +
+                       "\" font-size=\"11\">the paper's</text><text x=\"" + num(lm.x0 + 42) + "\" y=\"" +
+                       num(lm.y0 + 158) + "\" font-size=\"11\">formula</text>\n" + paper::frame(pb) +
+                       paper::bars(pb, groups, bub) + paper::legend(lb, bub, false, true);
     const std::string title = std::string("Table 1 from our simulator, ") + hw.name + "-class: Bc " + num(hw.tflops) +
                               " TFLOP/s, Bo " + num(hw.gbps) + " GB/s; s 4096, b 1, GQA 8 groups, recompute";
     write(dir + "/table1_" + (hw.name == std::string("A100") ? "a100" : "h100") + ".svg",
-          paper::document(920, 770, title, "PO-F's tick: ~4 units = 4M/(vd). Source: bench/paper/paper_figures (table1.csv).", body));
+          paper::document(920, 770, title,
+                          "PO-F's tick: ~4 units = 4M/(vd). Source: bench/paper/paper_figures (table1.csv).", body));
   }
   write(dir + "/table1.csv", csv);
 }
@@ -201,10 +211,20 @@ void k_figure(const std::string& dir) {
   };
   const std::vector<int> hs = {1024, 2048, 3072, 4096, 5120, 6144, 8192, 10240, 12288, 16384};
   const std::vector<int> ss = {1024, 2048, 4096, 8192, 16384, 32768, 65536};
-  paper::Panel left{80, 60, 420, 300, "k over hidden size", {"hidden size h", 1024, 16384, true, {1024, 2048, 4096, 8192, 16384}},
+  paper::Panel left{80,
+                    60,
+                    420,
+                    300,
+                    "k over hidden size",
+                    {"hidden size h", 1024, 16384, true, {1024, 2048, 4096, 8192, 16384}},
                     {"k = round-trip copy / compute", 0.1, 20, true}};
-  paper::Panel right{600, 60, 420, 300, "k over sequence length", {"sequence length s", 1024, 65536, true,
-                     {1024, 2048, 4096, 8192, 16384, 32768, 65536}}, {"k = round-trip copy / compute", 0.1, 20, true}};
+  paper::Panel right{600,
+                     60,
+                     420,
+                     300,
+                     "k over sequence length",
+                     {"sequence length s", 1024, 65536, true, {1024, 2048, 4096, 8192, 16384, 32768, 65536}},
+                     {"k = round-trip copy / compute", 0.1, 20, true}};
   std::vector<paper::Series> ls, rs;
   int c = 0;
   for (int s : {2048, 4096, 8192, 16384, 32768}) {
@@ -219,16 +239,22 @@ void k_figure(const std::string& dir) {
     rs.push_back(se);
   }
   for (int h : hs)
-    for (int s : ss) csv += num(h) + "," + num(s) + "," + num(k_of(h, s, 0), "%.4f") + "," + num(k_of(h, s, 8), "%.4f") + "\n";
+    for (int s : ss)
+      csv += num(h) + "," + num(s) + "," + num(k_of(h, s, 0), "%.4f") + "," + num(k_of(h, s, 8), "%.4f") + "\n";
   const auto one = [](const paper::Panel& p) {
-    return "<line x1=\"" + num(p.x0) + "\" y1=\"" + num(p.py(1)) + "\" x2=\"" + num(p.x0 + p.w) + "\" y2=\"" + num(p.py(1)) +
-           "\" stroke=\"#c00\" stroke-width=\"1.5\" stroke-dasharray=\"3,3\"/><text x=\"" + num(p.x0 + 8) + "\" y=\"" +
-           num(p.py(0.12)) + "\" fill=\"#c00\">below the red line (k &lt;= 1) every activation can be offloaded</text>\n";
+    return "<line x1=\"" + num(p.x0) + "\" y1=\"" + num(p.py(1)) + "\" x2=\"" + num(p.x0 + p.w) + "\" y2=\"" +
+           num(p.py(1)) + "\" stroke=\"#c00\" stroke-width=\"1.5\" stroke-dasharray=\"3,3\"/><text x=\"" +
+           num(p.x0 + 8) + "\" y=\"" + num(p.py(0.12)) +
+           "\" fill=\"#c00\">below the red line (k &lt;= 1) every activation can be offloaded</text>\n";
   };
   const std::string body = paper::frame(left) + one(left) + paper::lines(left, ls) + paper::legend(left, ls, true) +
                            paper::frame(right) + one(right) + paper::lines(right, rs) + paper::legend(right, rs, true);
-  write(dir + "/k.svg", paper::document(1060, 440, "k from our model: A100-class Bc 220 TFLOP/s, Bo 15 GB/s, multi-head attention, 20bsh (recompute)",
-                                        "k = 2A/Bo / ((F+B+W FLOPs)/Bc), A = saved bytes of a layer: the paper's 10/(3(6h+s)) Bc/Bo. Source: bench/paper/paper_figures (k.csv).", body));
+  write(
+      dir + "/k.svg",
+      paper::document(
+          1060, 440, "k from our model: A100-class Bc 220 TFLOP/s, Bo 15 GB/s, multi-head attention, 20bsh (recompute)",
+          "k = 2A/Bo / ((F+B+W FLOPs)/Bc), A = saved bytes of a layer: the paper's 10/(3(6h+s)) Bc/Bo. Source: bench/paper/paper_figures (k.csv).",
+          body));
   write(dir + "/k.csv", csv);
 }
 
@@ -241,28 +267,40 @@ void better_than_linear(const std::string& dir) {
   Costs costs;
   costs.k = 1;
   std::string csv = "offloaded_chunks,fraction,po_peak_units,po_ratio,gis_h_peak_units,gis_h_ratio\n";
-  paper::Series po{"PO (uniform repeat)", {}, {}, 0}, gh{"GIS-H (interleave)", {}, {}, 1}, lin{"linear: 1 - n/v", {}, {}, 7, true, false};
+  paper::Series po{"PO (uniform repeat)", {}, {}, 0}, gh{"GIS-H (interleave)", {}, {}, 1},
+      lin{"linear: 1 - n/v", {}, {}, 7, true, false};
   double po0 = 0, gh0 = 0;
   for (int n = 0; n <= v; ++n) {
     const offload::selection sel = n == 0 ? offload::none : offload::first(n);
-    const double p = simulate(build({Family::grouped, {GroupSpec::Kind::uniform, 1}, sel}, {d, v, m}, costs)).max_peak();
+    const double p =
+        simulate(build({Family::grouped, {GroupSpec::Kind::uniform, 1}, sel}, {d, v, m}, costs)).max_peak();
     const double g = simulate(build({Family::grouped, {GroupSpec::Kind::half, 0}, sel}, {d, v, m}, costs)).max_peak();
     if (n == 0) po0 = p, gh0 = g;
     const double fr = static_cast<double>(n) / v;
     po.x.push_back(fr), po.y.push_back(p / po0);
     gh.x.push_back(fr), gh.y.push_back(g / gh0);
     lin.x.push_back(fr), lin.y.push_back(1 - fr);
-    csv += num(n) + "," + num(fr, "%.4f") + "," + num(p) + "," + num(p / po0, "%.4f") + "," + num(g) + "," + num(g / gh0, "%.4f") + "\n";
+    csv += num(n) + "," + num(fr, "%.4f") + "," + num(p) + "," + num(p / po0, "%.4f") + "," + num(g) + "," +
+           num(g / gh0, "%.4f") + "\n";
   }
-  paper::Panel pn{80, 60, 560, 340, "Peak activation (max over ranks) relative to no offload",
-                  {"fraction of chunks offloaded (chunks 0..n-1 of v = 16)", 0, 1}, {"peak / peak without offload", 0, 1}};
+  paper::Panel pn{80,
+                  60,
+                  560,
+                  340,
+                  "Peak activation (max over ranks) relative to no offload",
+                  {"fraction of chunks offloaded (chunks 0..n-1 of v = 16)", 0, 1},
+                  {"peak / peak without offload", 0, 1}};
   const std::vector<paper::Series> ss = {po, gh, lin};
   const std::string body = paper::frame(pn) + paper::lines(pn, ss) + paper::legend(pn, ss, true);
-  write(dir + "/better_than_linear.svg",
-        paper::document(700, 480, "Better-than-linear selective offload: d = 8, v = 16, m = 64, k = 1, unit passes",
-                        "Peaks from build() + simulate(); offload places longest-lived chunks first. Source: bench/paper/paper_figures.", body));
+  write(
+      dir + "/better_than_linear.svg",
+      paper::document(
+          700, 480, "Better-than-linear selective offload: d = 8, v = 16, m = 64, k = 1, unit passes",
+          "Peaks from build() + simulate(); offload places longest-lived chunks first. Source: bench/paper/paper_figures.",
+          body));
   write(dir + "/better_than_linear.csv", csv);
-  std::printf("\nbetter than linear: PO with half the chunks offloaded keeps %.3f of its peak, GIS-H %.3f\n", po.y[8], gh.y[8]);
+  std::printf("\nbetter than linear: PO with half the chunks offloaded keeps %.3f of its peak, GIS-H %.3f\n", po.y[8],
+              gh.y[8]);
 }
 
 // ---- scaling study -------------------------------------------------------------------------
@@ -294,8 +332,8 @@ void scaling(const std::string& dir) {
       if (std::isnan(best)) continue;
       sg.x.push_back(vd), sg.y.push_back(best / gib);
       su.x.push_back(vd), su.y.push_back(best_units);
-      csv += std::string(fams[f].label) + "," + num(vd) + "," + num(bd) + "," + num(vd / bd) + "," + num(best / gib, "%.3f") + "," +
-             num(best_units, "%.2f") + "\n";
+      csv += std::string(fams[f].label) + "," + num(vd) + "," + num(bd) + "," + num(vd / bd) + "," +
+             num(best / gib, "%.3f") + "," + num(best_units, "%.2f") + "\n";
     }
     gibs.push_back(sg);
     units.push_back(su);
@@ -303,16 +341,29 @@ void scaling(const std::string& dir) {
   double top = 0, top_u = 0;
   for (const auto& s : gibs) top = std::max(top, max_of(s.y));
   for (const auto& s : units) top_u = std::max(top_u, max_of(s.y));
-  paper::Panel left{80, 60, 420, 320, "Per-device activation memory", {"total stages v*d", 2, 32, true, {2, 4, 8, 16, 32}},
+  paper::Panel left{80,
+                    60,
+                    420,
+                    320,
+                    "Per-device activation memory",
+                    {"total stages v*d", 2, 32, true, {2, 4, 8, 16, 32}},
                     {"activation GiB (max over ranks)", 0, std::ceil(top / 5) * 5}};
-  paper::Panel right{600, 60, 420, 320, "In-flight activations (stage-microbatches)", {"total stages v*d", 2, 32, true, {2, 4, 8, 16, 32}},
+  paper::Panel right{600,
+                     60,
+                     420,
+                     320,
+                     "In-flight activations (stage-microbatches)",
+                     {"total stages v*d", 2, 32, true, {2, 4, 8, 16, 32}},
                      {"units alive at the peak", 0, std::ceil(top_u / 10) * 10}};
-  const std::string body = paper::frame(left) + paper::lines(left, gibs) + paper::legend(left, gibs, true) + paper::frame(right) +
-                           paper::lines(right, units) + paper::legend(right, units, true);
-  write(dir + "/scaling.svg",
-        paper::document(1060, 460, "Activation memory scaling, 5.8B model (32 layers, h 4096, GQA 8, s 4096, b 1, m 32, recompute), k = 1",
-                        "d in 2..32, v = v*d/d; for each v*d the setting with the least activation is shown (as in the paper). Source: bench/paper/paper_figures (scaling.csv).",
-                        body));
+  const std::string body = paper::frame(left) + paper::lines(left, gibs) + paper::legend(left, gibs, true) +
+                           paper::frame(right) + paper::lines(right, units) + paper::legend(right, units, true);
+  write(
+      dir + "/scaling.svg",
+      paper::document(
+          1060, 460,
+          "Activation memory scaling, 5.8B model (32 layers, h 4096, GQA 8, s 4096, b 1, m 32, recompute), k = 1",
+          "d in 2..32, v = v*d/d; for each v*d the setting with the least activation is shown (as in the paper). Source: bench/paper/paper_figures (scaling.csv).",
+          body));
   write(dir + "/scaling.csv", csv);
 }
 
@@ -322,7 +373,8 @@ int main(int argc, char** argv) {
   std::string dir = "paper";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--out-dir" && i + 1 < argc) dir = argv[++i];
+    if (a == "--out-dir" && i + 1 < argc)
+      dir = argv[++i];
     else {
       std::fprintf(stderr, "usage: paper_figures [--out-dir DIR]\n");
       return 2;

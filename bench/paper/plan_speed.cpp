@@ -42,11 +42,12 @@ int main(int argc, char** argv) {
     std::sort(ms.begin(), ms.end());
     long long units = 0;
     for (const PlanCandidate& c : r.candidates) units += 32LL * c.chunks * r.microbatches;
-    std::printf("83.8B, 32 ranks, m=%d, recompute %s: plan() %.1f ms (median of 5; min %.1f, max %.1f); %zu schedules simulated, "
-                "%lld stage-microbatch pairs; choice %s v=%d offload %d, %s; target < 1000 ms: %s\n",
-                r.microbatches, recompute ? "on " : "off", ms[2], ms.front(), ms.back(), r.candidates.size(), units,
-                r.choice.name.c_str(), r.choice.chunks, r.choice.offload_chunks, r.fits ? "fits" : "nothing fits",
-                ms[2] < 1000 ? "met" : "MISSED");
+    std::printf(
+        "83.8B, 32 ranks, m=%d, recompute %s: plan() %.1f ms (median of 5; min %.1f, max %.1f); %zu schedules simulated, "
+        "%lld stage-microbatch pairs; choice %s v=%d offload %d, %s; target < 1000 ms: %s\n",
+        r.microbatches, recompute ? "on " : "off", ms[2], ms.front(), ms.back(), r.candidates.size(), units,
+        r.choice.name.c_str(), r.choice.chunks, r.choice.offload_chunks, r.fits ? "fits" : "nothing fits",
+        ms[2] < 1000 ? "met" : "MISSED");
     if (ms[2] >= 1000) worst_rc = 1;
   }
   return check ? worst_rc : 0;

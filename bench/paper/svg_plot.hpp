@@ -19,10 +19,14 @@ inline std::string num(double x, const char* f = "%g") {
 inline std::string esc(const std::string& s) {
   std::string o;
   for (char c : s) {
-    if (c == '&') o += "&amp;";
-    else if (c == '<') o += "&lt;";
-    else if (c == '>') o += "&gt;";
-    else o += c;
+    if (c == '&')
+      o += "&amp;";
+    else if (c == '<')
+      o += "&lt;";
+    else if (c == '>')
+      o += "&gt;";
+    else
+      o += c;
   }
   return o;
 }
@@ -38,7 +42,7 @@ struct Axis {
   double lo = 0, hi = 1;
   bool log = false;
   std::vector<double> ticks = {};  ///< empty: about 6 nice ticks
-  bool no_ticks = false;      ///< no ticks at all (bar charts label their groups)
+  bool no_ticks = false;           ///< no ticks at all (bar charts label their groups)
 };
 
 struct Series {
@@ -56,11 +60,13 @@ struct Panel {
   Axis xa, ya;
 
   double px(double x) const {
-    const double t = xa.log ? (std::log(x) - std::log(xa.lo)) / (std::log(xa.hi) - std::log(xa.lo)) : (x - xa.lo) / (xa.hi - xa.lo);
+    const double t =
+        xa.log ? (std::log(x) - std::log(xa.lo)) / (std::log(xa.hi) - std::log(xa.lo)) : (x - xa.lo) / (xa.hi - xa.lo);
     return x0 + t * w;
   }
   double py(double y) const {
-    const double t = ya.log ? (std::log(y) - std::log(ya.lo)) / (std::log(ya.hi) - std::log(ya.lo)) : (y - ya.lo) / (ya.hi - ya.lo);
+    const double t =
+        ya.log ? (std::log(y) - std::log(ya.lo)) / (std::log(ya.hi) - std::log(ya.lo)) : (y - ya.lo) / (ya.hi - ya.lo);
     return y0 + h - t * h;
   }
 };
@@ -82,7 +88,8 @@ inline std::vector<double> nice_ticks(const Axis& a) {
       step = m * p10;
       break;
     }
-  for (double v = std::ceil(a.lo / step) * step; v <= a.hi + step * 1e-9; v += step) t.push_back(std::fabs(v) < step * 1e-9 ? 0 : v);
+  for (double v = std::ceil(a.lo / step) * step; v <= a.hi + step * 1e-9; v += step)
+    t.push_back(std::fabs(v) < step * 1e-9 ? 0 : v);
   return t;
 }
 
@@ -93,19 +100,22 @@ inline std::string frame(const Panel& p) {
        "\" fill=\"#fff\" stroke=\"#333\"/>\n";
   for (double t : nice_ticks(p.xa)) {
     const double x = p.px(t);
-    s += "<line x1=\"" + num(x) + "\" y1=\"" + num(p.y0) + "\" x2=\"" + num(x) + "\" y2=\"" + num(p.y0 + p.h) + "\" stroke=\"#e5e5e5\"/>\n";
+    s += "<line x1=\"" + num(x) + "\" y1=\"" + num(p.y0) + "\" x2=\"" + num(x) + "\" y2=\"" + num(p.y0 + p.h) +
+         "\" stroke=\"#e5e5e5\"/>\n";
     s += "<text x=\"" + num(x) + "\" y=\"" + num(p.y0 + p.h + 16) + "\" text-anchor=\"middle\">" + num(t) + "</text>\n";
   }
   for (double t : nice_ticks(p.ya)) {
     const double y = p.py(t);
-    s += "<line x1=\"" + num(p.x0) + "\" y1=\"" + num(y) + "\" x2=\"" + num(p.x0 + p.w) + "\" y2=\"" + num(y) + "\" stroke=\"#e5e5e5\"/>\n";
+    s += "<line x1=\"" + num(p.x0) + "\" y1=\"" + num(y) + "\" x2=\"" + num(p.x0 + p.w) + "\" y2=\"" + num(y) +
+         "\" stroke=\"#e5e5e5\"/>\n";
     s += "<text x=\"" + num(p.x0 - 6) + "\" y=\"" + num(y + 4) + "\" text-anchor=\"end\">" + num(t) + "</text>\n";
   }
   s += "<rect x=\"" + num(p.x0) + "\" y=\"" + num(p.y0) + "\" width=\"" + num(p.w) + "\" height=\"" + num(p.h) +
        "\" fill=\"none\" stroke=\"#333\"/>\n";
-  s += "<text x=\"" + num(p.x0 + p.w / 2) + "\" y=\"" + num(p.y0 + p.h + 36) + "\" text-anchor=\"middle\">" + esc(p.xa.label) + "</text>\n";
-  s += "<text transform=\"translate(" + num(p.x0 - 48) + "," + num(p.y0 + p.h / 2) + ") rotate(-90)\" text-anchor=\"middle\">" +
-       esc(p.ya.label) + "</text>\n";
+  s += "<text x=\"" + num(p.x0 + p.w / 2) + "\" y=\"" + num(p.y0 + p.h + 36) + "\" text-anchor=\"middle\">" +
+       esc(p.xa.label) + "</text>\n";
+  s += "<text transform=\"translate(" + num(p.x0 - 48) + "," + num(p.y0 + p.h / 2) +
+       ") rotate(-90)\" text-anchor=\"middle\">" + esc(p.ya.label) + "</text>\n";
   s += "<text x=\"" + num(p.x0) + "\" y=\"" + num(p.y0 - 10) + "\" font-weight=\"bold\">" + esc(p.title) + "</text>\n";
   return s;
 }
@@ -121,10 +131,12 @@ inline std::string legend(const Panel& p, const std::vector<Series>& ss, bool ri
   for (std::size_t i = 0; i < ss.size(); ++i) {
     const double y = ly + 14 + 18.0 * static_cast<double>(i);
     if (bars)
-      s += "<rect x=\"" + num(lx + 6) + "\" y=\"" + num(y - 6) + "\" width=\"22\" height=\"10\" fill=\"" + colour(ss[i].colour) + "\"/>\n";
+      s += "<rect x=\"" + num(lx + 6) + "\" y=\"" + num(y - 6) + "\" width=\"22\" height=\"10\" fill=\"" +
+           colour(ss[i].colour) + "\"/>\n";
     else
-      s += "<line x1=\"" + num(lx + 6) + "\" y1=\"" + num(y - 1) + "\" x2=\"" + num(lx + 28) + "\" y2=\"" + num(y - 1) + "\" stroke=\"" +
-           colour(ss[i].colour) + "\" stroke-width=\"2.2\"" + (ss[i].dashed ? " stroke-dasharray=\"6,4\"" : "") + "/>\n";
+      s += "<line x1=\"" + num(lx + 6) + "\" y1=\"" + num(y - 1) + "\" x2=\"" + num(lx + 28) + "\" y2=\"" + num(y - 1) +
+           "\" stroke=\"" + colour(ss[i].colour) + "\" stroke-width=\"2.2\"" +
+           (ss[i].dashed ? " stroke-dasharray=\"6,4\"" : "") + "/>\n";
     s += "<text x=\"" + num(lx + 34) + "\" y=\"" + num(y + 3) + "\">" + esc(ss[i].name) + "</text>\n";
   }
   return s;
@@ -135,13 +147,14 @@ inline std::string lines(const Panel& p, const std::vector<Series>& ss) {
   std::string s;
   for (const Series& se : ss) {
     std::string pts;
-    for (std::size_t i = 0; i < se.x.size(); ++i) pts += num(p.px(se.x[i]), "%.2f") + "," + num(p.py(se.y[i]), "%.2f") + " ";
+    for (std::size_t i = 0; i < se.x.size(); ++i)
+      pts += num(p.px(se.x[i]), "%.2f") + "," + num(p.py(se.y[i]), "%.2f") + " ";
     s += "<polyline points=\"" + pts + "\" fill=\"none\" stroke=\"" + colour(se.colour) + "\" stroke-width=\"2.2\"" +
          (se.dashed ? " stroke-dasharray=\"6,4\"" : "") + "/>\n";
     if (se.markers)
       for (std::size_t i = 0; i < se.x.size(); ++i)
-        s += "<circle cx=\"" + num(p.px(se.x[i]), "%.2f") + "\" cy=\"" + num(p.py(se.y[i]), "%.2f") + "\" r=\"3.2\" fill=\"" +
-             colour(se.colour) + "\"/>\n";
+        s += "<circle cx=\"" + num(p.px(se.x[i]), "%.2f") + "\" cy=\"" + num(p.py(se.y[i]), "%.2f") +
+             "\" r=\"3.2\" fill=\"" + colour(se.colour) + "\"/>\n";
   }
   return s;
 }
@@ -162,13 +175,14 @@ inline std::string bars(const Panel& p, const std::vector<std::string>& groups, 
       if (std::isfinite(v)) {
         const double top = p.py(std::max(v, p.ya.lo)), base = p.py(p.ya.lo);
         s += "<rect x=\"" + num(x, "%.2f") + "\" y=\"" + num(top, "%.2f") + "\" width=\"" + num(bw * 0.92, "%.2f") +
-             "\" height=\"" + num(std::max(0.0, base - top), "%.2f") + "\" fill=\"" + colour(ss[i].colour) + "\"><title>" +
-             esc(ss[i].name + " " + groups[g] + ": " + num(v, "%.3g")) + "</title></rect>\n";
+             "\" height=\"" + num(std::max(0.0, base - top), "%.2f") + "\" fill=\"" + colour(ss[i].colour) +
+             "\"><title>" + esc(ss[i].name + " " + groups[g] + ": " + num(v, "%.3g")) + "</title></rect>\n";
       }
       if (i < marks.size() && g < marks[i].size() && std::isfinite(marks[i][g]) && marks[i][g] <= p.ya.hi) {
         const double y = p.py(marks[i][g]);
-        s += "<line x1=\"" + num(x - 1, "%.2f") + "\" y1=\"" + num(y, "%.2f") + "\" x2=\"" + num(x + bw * 0.92 + 1, "%.2f") +
-             "\" y2=\"" + num(y, "%.2f") + "\" stroke=\"#000\" stroke-width=\"2.5\"/>\n";
+        s += "<line x1=\"" + num(x - 1, "%.2f") + "\" y1=\"" + num(y, "%.2f") + "\" x2=\"" +
+             num(x + bw * 0.92 + 1, "%.2f") + "\" y2=\"" + num(y, "%.2f") +
+             "\" stroke=\"#000\" stroke-width=\"2.5\"/>\n";
       }
     }
   }
@@ -176,10 +190,12 @@ inline std::string bars(const Panel& p, const std::vector<std::string>& groups, 
 }
 
 /// A whole SVG document of width x height around `body`, with a title line and a note line.
-inline std::string document(double width, double height, const std::string& title, const std::string& note, const std::string& body) {
-  std::string s = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" + num(width) +
-                  "\" height=\"" + num(height) + "\" viewBox=\"0 0 " + num(width) + " " + num(height) +
-                  "\" font-family=\"Helvetica, Arial, sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"#fff\"/>\n";
+inline std::string document(double width, double height, const std::string& title, const std::string& note,
+                            const std::string& body) {
+  std::string s =
+      "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" + num(width) +
+      "\" height=\"" + num(height) + "\" viewBox=\"0 0 " + num(width) + " " + num(height) +
+      "\" font-family=\"Helvetica, Arial, sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"#fff\"/>\n";
   s += "<text x=\"20\" y=\"24\" font-size=\"16\" font-weight=\"bold\">" + esc(title) + "</text>\n";
   s += "<text x=\"20\" y=\"" + num(height - 12) + "\" fill=\"#555\" font-size=\"11\">" + esc(note) + "</text>\n";
   return s + body + "</svg>\n";

@@ -5,7 +5,8 @@
 #pragma once
 
 #ifndef PIPEOFFLOAD_WITH_CUDA
-#error "pipeoffload/cuda.hpp needs a CUDA build: use Meson's pipeoffload_cuda_dep (-Dcuda=auto with nvcc, cuDNN, NCCL present), which defines PIPEOFFLOAD_WITH_CUDA."
+#error \
+    "pipeoffload/cuda.hpp needs a CUDA build: use Meson's pipeoffload_cuda_dep (-Dcuda=auto with nvcc, cuDNN, NCCL present), which defines PIPEOFFLOAD_WITH_CUDA."
 #endif
 
 #include "backend/cuda/attention.hpp"

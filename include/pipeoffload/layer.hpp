@@ -180,8 +180,8 @@ struct Microbatch {
 ///   static_assert(po::layer_for<Scale, po::backend::CpuContext>);
 /// @endcode
 template <class L, class Ctx>
-concept layer_for = requires(L& l, const L& cl, Ctx& ctx, const Microbatch& mb, MicrobatchShape shape, ConstTensor in, Tensor out,
-                             std::byte* buf) {
+concept layer_for = requires(L& l, const L& cl, Ctx& ctx, const Microbatch& mb, MicrobatchShape shape, ConstTensor in,
+                             Tensor out, std::byte* buf) {
   { cl.input_boundary(shape) } -> std::convertible_to<Boundary>;
   { cl.output_boundary(shape) } -> std::convertible_to<Boundary>;
   { cl.saved_bytes(shape) } -> std::convertible_to<std::size_t>;

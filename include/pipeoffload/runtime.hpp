@@ -10,7 +10,6 @@
 #include "comm/communicator.hpp"
 #include "comm/threads.hpp"
 #include "layer.hpp"
-#include "tensor.hpp"
 #include "offload/host_bins.hpp"
 #include "pipeoffload.hpp"
 #include "runtime/batch.hpp"
@@ -18,3 +17,4 @@
 #include "runtime/runtime.hpp"
 #include "runtime/stage.hpp"
 #include "runtime/thread_ranks.hpp"
+#include "tensor.hpp"

@@ -21,27 +21,39 @@ enum class DType : std::uint8_t { float32, float64, bfloat16, float16, int32, in
 constexpr std::size_t dtype_size(DType t) {
   switch (t) {
     case DType::float64:
-    case DType::int64: return 8;
+    case DType::int64:
+      return 8;
     case DType::float32:
-    case DType::int32: return 4;
+    case DType::int32:
+      return 4;
     case DType::bfloat16:
-    case DType::float16: return 2;
+    case DType::float16:
+      return 2;
     case DType::uint8:
-    case DType::int8: return 1;
+    case DType::int8:
+      return 1;
   }
   return 0;
 }
 
 constexpr const char* dtype_name(DType t) {
   switch (t) {
-    case DType::float32: return "float32";
-    case DType::float64: return "float64";
-    case DType::bfloat16: return "bfloat16";
-    case DType::float16: return "float16";
-    case DType::int32: return "int32";
-    case DType::int64: return "int64";
-    case DType::uint8: return "uint8";
-    case DType::int8: return "int8";
+    case DType::float32:
+      return "float32";
+    case DType::float64:
+      return "float64";
+    case DType::bfloat16:
+      return "bfloat16";
+    case DType::float16:
+      return "float16";
+    case DType::int32:
+      return "int32";
+    case DType::int64:
+      return "int64";
+    case DType::uint8:
+      return "uint8";
+    case DType::int8:
+      return "int8";
   }
   return "?";
 }
@@ -56,13 +68,21 @@ constexpr bool is_floating(DType t) {
 template <class T>
 constexpr DType dtype_of() {
   using U = std::remove_cv_t<T>;
-  if constexpr (std::is_same_v<U, float>) return DType::float32;
-  else if constexpr (std::is_same_v<U, double>) return DType::float64;
-  else if constexpr (std::is_same_v<U, std::int32_t>) return DType::int32;
-  else if constexpr (std::is_same_v<U, std::int64_t>) return DType::int64;
-  else if constexpr (std::is_same_v<U, std::uint8_t>) return DType::uint8;
-  else if constexpr (std::is_same_v<U, std::int8_t>) return DType::int8;
-  else static_assert(sizeof(U) == 0, "po::dtype_of<T>: T must be float, double, std::int32_t, std::int64_t, std::uint8_t or std::int8_t.");
+  if constexpr (std::is_same_v<U, float>)
+    return DType::float32;
+  else if constexpr (std::is_same_v<U, double>)
+    return DType::float64;
+  else if constexpr (std::is_same_v<U, std::int32_t>)
+    return DType::int32;
+  else if constexpr (std::is_same_v<U, std::int64_t>)
+    return DType::int64;
+  else if constexpr (std::is_same_v<U, std::uint8_t>)
+    return DType::uint8;
+  else if constexpr (std::is_same_v<U, std::int8_t>)
+    return DType::int8;
+  else
+    static_assert(sizeof(U) == 0,
+                  "po::dtype_of<T>: T must be float, double, std::int32_t, std::int64_t, std::uint8_t or std::int8_t.");
 }
 
 namespace detail {
@@ -89,7 +109,8 @@ struct TensorView {
     using Out = std::conditional_t<std::is_const_v<Byte>, const T*, T*>;
     if (data == nullptr) return static_cast<Out>(nullptr);
     if (dtype_of<T>() != dtype)
-      throw error(std::string("po::Tensor::as: the tensor holds ") + dtype_name(dtype) + " values, not " + dtype_name(dtype_of<T>()));
+      throw error(std::string("po::Tensor::as: the tensor holds ") + dtype_name(dtype) + " values, not " +
+                  dtype_name(dtype_of<T>()));
     return reinterpret_cast<Out>(data);
   }
 };
@@ -107,8 +128,10 @@ template <std::ranges::contiguous_range R>
 auto view(R&& r) {
   using T = std::remove_reference_t<std::ranges::range_reference_t<R>>;
   const auto n = static_cast<std::size_t>(std::ranges::size(r));
-  if constexpr (std::is_const_v<T>) return ConstTensor{reinterpret_cast<const std::byte*>(std::ranges::data(r)), n, dtype_of<T>()};
-  else return Tensor{reinterpret_cast<std::byte*>(std::ranges::data(r)), n, dtype_of<T>()};
+  if constexpr (std::is_const_v<T>)
+    return ConstTensor{reinterpret_cast<const std::byte*>(std::ranges::data(r)), n, dtype_of<T>()};
+  else
+    return Tensor{reinterpret_cast<std::byte*>(std::ranges::data(r)), n, dtype_of<T>()};
 }
 
 }  // namespace pipeoffload

@@ -45,7 +45,8 @@ class GptStage {
   GptStage(const GptConfig& cfg, int stage, int stages) : c_(cfg), stage_(stage), stages_(stages) {
     cfg.check();
     if (stages < 1 || stage < 0 || stage >= stages)
-      throw shape_error("GptStage: stage = " + std::to_string(stage) + " is outside [0, " + std::to_string(stages - 1) + "]");
+      throw shape_error("GptStage: stage = " + std::to_string(stage) + " is outside [0, " + std::to_string(stages - 1) +
+                        "]");
     dims_ = gpt_dims(cfg, stage, stages);
     layout_ = gpt_stage_params(dims_);
     first_ = dims_.first_block;
@@ -69,9 +70,12 @@ class GptStage {
   /// Stage 0 reads the token ids, the last stage the next-token targets: int32, (batch, seq)
   /// per microbatch.
   std::vector<InputSpec> inputs(MicrobatchShape sh) const { return gpt_inputs(dims_, sh); }
-  std::size_t saved_bytes(MicrobatchShape sh) const { return count_ * block_saved(sh) + (heads() ? head_saved(sh) : 0); }
+  std::size_t saved_bytes(MicrobatchShape sh) const {
+    return count_ * block_saved(sh) + (heads() ? head_saved(sh) : 0);
+  }
   std::size_t stash_bytes(MicrobatchShape sh) const {
-    return ((embeds() ? tokens(sh) * h() : 0) + count_ * block_stash_floats(sh) + (heads() ? tokens(sh) * h() : 0)) * sizeof(float);
+    return ((embeds() ? tokens(sh) * h() : 0) + count_ * block_stash_floats(sh) + (heads() ? tokens(sh) * h() : 0)) *
+           sizeof(float);
   }
   std::span<float> parameters() { return params_; }
   std::span<float> gradients() { return grads_; }
@@ -113,9 +117,11 @@ class GptStage {
       for (std::size_t t = 0; t < T; ++t) {
         const int tok = tokens[t];
         if (tok < 0 || tok >= c_.vocab)
-          throw error("GptStage: token " + std::to_string(tok) + " at position " + std::to_string(t) + " is outside [0, " + std::to_string(c_.vocab - 1) + "]");
+          throw error("GptStage: token " + std::to_string(tok) + " at position " + std::to_string(t) +
+                      " is outside [0, " + std::to_string(c_.vocab - 1) + "]");
         const std::size_t pos = t % static_cast<std::size_t>(mb.shape.seq);
-        for (std::size_t i = 0; i < h(); ++i) cur[t * h() + i] = wte[static_cast<std::size_t>(tok) * h() + i] + wpe[pos * h() + i];
+        for (std::size_t i = 0; i < h(); ++i)
+          cur[t * h() + i] = wte[static_cast<std::size_t>(tok) * h() + i] + wpe[pos * h() + i];
       }
     } else {
       cur = count_ > 0 ? block_x(p) : tmp.data();
@@ -124,9 +130,12 @@ class GptStage {
     for (int i = 0; i < count_; ++i) {
       std::byte* bp = p + static_cast<std::size_t>(i) * block_saved(mb.shape);
       float* out = nullptr;
-      if (i + 1 < count_) out = block_x(bp + block_saved(mb.shape));
-      else if (heads()) out = head_x(p + count_ * block_saved(mb.shape));
-      else out = y;
+      if (i + 1 < count_)
+        out = block_x(bp + block_saved(mb.shape));
+      else if (heads())
+        out = head_x(p + count_ * block_saved(mb.shape));
+      else
+        out = y;
       block_forward(i, mb, bp, out);
       cur = out;
     }
@@ -139,7 +148,8 @@ class GptStage {
     if (count_ == 0 && y != nullptr) std::memcpy(y, cur, T * h() * sizeof(float));
   }
 
-  void backward_input(backend::CpuContext&, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved, std::byte* stash) {
+  void backward_input(backend::CpuContext&, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved,
+                      std::byte* stash) {
     const std::size_t T = tokens(mb.shape);
     const float* dy = dyt.as<float>();
     float* dx = dxt.as<float>();
@@ -151,15 +161,19 @@ class GptStage {
     std::vector<float>& g = ws(2 * T * h());
     float* grad = g.data();  // (T, h) gradient flowing down through the blocks
     float* spare = grad + T * h();
-    if (heads()) head_backward_input(mb, saved + count_ * block_saved(mb.shape), st_head, grad);
-    else std::memcpy(grad, dy, T * h() * sizeof(float));
+    if (heads())
+      head_backward_input(mb, saved + count_ * block_saved(mb.shape), st_head, grad);
+    else
+      std::memcpy(grad, dy, T * h() * sizeof(float));
     for (int i = count_ - 1; i >= 0; --i) {
       block_backward_input(i, mb, saved + static_cast<std::size_t>(i) * block_saved(mb.shape),
                            st_blocks + static_cast<std::size_t>(i) * block_stash_floats(mb.shape), grad, spare);
       std::swap(grad, spare);
     }
-    if (embeds()) std::memcpy(st_embed, grad, T * h() * sizeof(float));
-    else std::memcpy(dx, grad, T * h() * sizeof(float));
+    if (embeds())
+      std::memcpy(st_embed, grad, T * h() * sizeof(float));
+    else
+      std::memcpy(dx, grad, T * h() * sizeof(float));
   }
 
   void backward_weight(backend::CpuContext&, const Microbatch& mb, std::byte* saved, std::byte* stash) {
@@ -181,7 +195,8 @@ class GptStage {
       }
     }
     for (int i = 0; i < count_; ++i)
-      block_backward_weight(i, mb, saved + static_cast<std::size_t>(i) * block_saved(mb.shape), st_blocks + static_cast<std::size_t>(i) * block_stash_floats(mb.shape));
+      block_backward_weight(i, mb, saved + static_cast<std::size_t>(i) * block_saved(mb.shape),
+                            st_blocks + static_cast<std::size_t>(i) * block_stash_floats(mb.shape));
     if (heads()) head_backward_weight(mb, saved + count_ * block_saved(mb.shape), st_head);
   }
 
@@ -192,7 +207,8 @@ class GptStage {
   static std::size_t tokens(MicrobatchShape sh) { return static_cast<std::size_t>(sh.tokens()); }
   void check_shape(MicrobatchShape sh) const {
     if (sh.seq > c_.seq)
-      throw shape_error("GptStage: microbatch seq = " + std::to_string(sh.seq) + " is longer than the position table (" + std::to_string(c_.seq) + ")");
+      throw shape_error("GptStage: microbatch seq = " + std::to_string(sh.seq) +
+                        " is longer than the position table (" + std::to_string(c_.seq) + ")");
   }
 
   // Block saved layout (floats unless noted), T = b*s tokens:
@@ -246,7 +262,8 @@ class GptStage {
   BlockParams block(std::vector<float>& store, int i) const {
     float* p = store.data() + layout_.block_begin(i);
     const GptBlockParams& o = layout_.block;
-    return {p + o.ln1g, p + o.ln1b, p + o.wqkv, p + o.bqkv, p + o.wo, p + o.bo, p + o.ln2g, p + o.ln2b, p + o.wfc, p + o.bfc, p + o.wpr, p + o.bpr};
+    return {p + o.ln1g, p + o.ln1b, p + o.wqkv, p + o.bqkv, p + o.wo,  p + o.bo,
+            p + o.ln2g, p + o.ln2b, p + o.wfc,  p + o.bfc,  p + o.wpr, p + o.bpr};
   }
   struct HeadParams {
     float *lnfg, *lnfb, *w, *b;
@@ -314,7 +331,8 @@ class GptStage {
     }
   }
   /// The same output recomputed from saved statistics (selective recompute).
-  void relayernorm(const float* x, const float* stats, const float* g, const float* b, float* out, std::size_t T) const {
+  void relayernorm(const float* x, const float* stats, const float* g, const float* b, float* out,
+                   std::size_t T) const {
     for (std::size_t t = 0; t < T; ++t) {
       const math::RowStats st{stats[2 * t], stats[2 * t + 1]};
       const float* xr = x + t * h();
@@ -352,20 +370,22 @@ class GptStage {
     }
   }
   // Y (rows x n) = X (rows x k) W (k x n) [+ bias]
-  static void linear(const float* X, const float* W, const float* bias, float* Y, std::size_t rows, std::size_t k, std::size_t n) {
-    blas::sgemm(T_::no, T_::no, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k), 1.0f, X, static_cast<int>(k), W,
-                static_cast<int>(n), 0.0f, Y, static_cast<int>(n));
+  static void linear(const float* X, const float* W, const float* bias, float* Y, std::size_t rows, std::size_t k,
+                     std::size_t n) {
+    blas::sgemm(T_::no, T_::no, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k), 1.0f, X,
+                static_cast<int>(k), W, static_cast<int>(n), 0.0f, Y, static_cast<int>(n));
     if (bias) add_bias(Y, bias, rows, n);
   }
   // dX (rows x k) = dY (rows x n) W^T
   static void linear_dx(const float* dY, const float* W, float* dX, std::size_t rows, std::size_t k, std::size_t n) {
-    blas::sgemm(T_::no, T_::yes, static_cast<int>(rows), static_cast<int>(k), static_cast<int>(n), 1.0f, dY, static_cast<int>(n), W,
-                static_cast<int>(n), 0.0f, dX, static_cast<int>(k));
+    blas::sgemm(T_::no, T_::yes, static_cast<int>(rows), static_cast<int>(k), static_cast<int>(n), 1.0f, dY,
+                static_cast<int>(n), W, static_cast<int>(n), 0.0f, dX, static_cast<int>(k));
   }
   // dW (k x n) += X^T dY ; db += colsum dY
-  static void linear_dw(const float* X, const float* dY, float* dW, float* db, std::size_t rows, std::size_t k, std::size_t n) {
-    blas::sgemm(T_::yes, T_::no, static_cast<int>(k), static_cast<int>(n), static_cast<int>(rows), 1.0f, X, static_cast<int>(k), dY,
-                static_cast<int>(n), 1.0f, dW, static_cast<int>(n));
+  static void linear_dw(const float* X, const float* dY, float* dW, float* db, std::size_t rows, std::size_t k,
+                        std::size_t n) {
+    blas::sgemm(T_::yes, T_::no, static_cast<int>(k), static_cast<int>(n), static_cast<int>(rows), 1.0f, X,
+                static_cast<int>(k), dY, static_cast<int>(n), 1.0f, dW, static_cast<int>(n));
     if (db) col_sum_into(db, dY, rows, n);
   }
 
@@ -382,8 +402,8 @@ class GptStage {
         const float* q = qkv + b * S * 3 * H + a * dh;
         const float* k = q + H;
         const float* v = q + 2 * H;
-        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), scale, q, static_cast<int>(3 * H), k,
-                    static_cast<int>(3 * H), 0.0f, P, static_cast<int>(S));
+        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), scale, q,
+                    static_cast<int>(3 * H), k, static_cast<int>(3 * H), 0.0f, P, static_cast<int>(S));
         float* l = lse + (b * A + a) * S;
         for (std::size_t i = 0; i < S; ++i) {
           float* row = P + i * S;
@@ -398,13 +418,15 @@ class GptStage {
           elementwise(row, i + 1, [&](std::size_t j) { return math::exp_approx(row[j] - li); });
           for (std::size_t j = i + 1; j < S; ++j) row[j] = 0.0f;
         }
-        blas::sgemm(T_::no, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), 1.0f, P, static_cast<int>(S), v,
-                    static_cast<int>(3 * H), 0.0f, att + b * S * H + a * dh, static_cast<int>(H));
+        blas::sgemm(T_::no, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), 1.0f, P,
+                    static_cast<int>(S), v, static_cast<int>(3 * H), 0.0f, att + b * S * H + a * dh,
+                    static_cast<int>(H));
       }
   }
 
   /// dqkv from datt, recomputing the probabilities from q, k and the log-sum-exps.
-  void attention_backward(const float* qkv, const float* att, const float* lse, const float* datt, float* dqkv, MicrobatchShape sh) {
+  void attention_backward(const float* qkv, const float* att, const float* lse, const float* datt, float* dqkv,
+                          MicrobatchShape sh) {
     const std::size_t S = static_cast<std::size_t>(sh.seq), A = static_cast<std::size_t>(c_.heads), H = h(), dh = H / A;
     const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
     if (scores_.size() < 2 * S * S) scores_.resize(2 * S * S);
@@ -421,8 +443,8 @@ class GptStage {
         const float* o = att + b * S * H + a * dh;
         const float* dO = datt + b * S * H + a * dh;
         const float* l = lse + (b * A + a) * S;
-        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), scale, q, static_cast<int>(3 * H), k,
-                    static_cast<int>(3 * H), 0.0f, P, static_cast<int>(S));
+        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), scale, q,
+                    static_cast<int>(3 * H), k, static_cast<int>(3 * H), 0.0f, P, static_cast<int>(S));
         for (std::size_t i = 0; i < S; ++i) {
           float* row = P + i * S;
           const float li = l[i];
@@ -430,8 +452,8 @@ class GptStage {
           for (std::size_t j = i + 1; j < S; ++j) row[j] = 0.0f;
         }
         // dP = dO v^T ; dS = P (dP - rowsum(dO o)) ; dv = P^T dO ; dq = dS k scale ; dk = dS^T q scale
-        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), 1.0f, dO, static_cast<int>(H), v,
-                    static_cast<int>(3 * H), 0.0f, dP, static_cast<int>(S));
+        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), 1.0f, dO,
+                    static_cast<int>(H), v, static_cast<int>(3 * H), 0.0f, dP, static_cast<int>(S));
         for (std::size_t i = 0; i < S; ++i) {
           float D = 0;
           for (std::size_t e = 0; e < dh; ++e) D += dO[i * H + e] * o[i * H + e];
@@ -440,12 +462,12 @@ class GptStage {
           elementwise(drow, i + 1, [&](std::size_t j) { return prow[j] * (drow[j] - D); });
           for (std::size_t j = i + 1; j < S; ++j) drow[j] = 0.0f;
         }
-        blas::sgemm(T_::yes, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), 1.0f, P, static_cast<int>(S), dO,
-                    static_cast<int>(H), 0.0f, dv, static_cast<int>(3 * H));
-        blas::sgemm(T_::no, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), scale, dP, static_cast<int>(S), k,
-                    static_cast<int>(3 * H), 0.0f, dq, static_cast<int>(3 * H));
-        blas::sgemm(T_::yes, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), scale, dP, static_cast<int>(S), q,
-                    static_cast<int>(3 * H), 0.0f, dk, static_cast<int>(3 * H));
+        blas::sgemm(T_::yes, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), 1.0f, P,
+                    static_cast<int>(S), dO, static_cast<int>(H), 0.0f, dv, static_cast<int>(3 * H));
+        blas::sgemm(T_::no, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), scale, dP,
+                    static_cast<int>(S), k, static_cast<int>(3 * H), 0.0f, dq, static_cast<int>(3 * H));
+        blas::sgemm(T_::yes, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), scale, dP,
+                    static_cast<int>(S), q, static_cast<int>(3 * H), 0.0f, dk, static_cast<int>(3 * H));
       }
   }
 
@@ -455,7 +477,7 @@ class GptStage {
     BlockParams w = block(params_, i);
     std::vector<float>& s = ws(6 * T * H);
     float* a1 = c_.recompute ? s.data() : v.a1;
-    float* tmp = s.data() + T * H;             // (T, h) projection outputs
+    float* tmp = s.data() + T * H;                // (T, h) projection outputs
     float* g = c_.recompute ? tmp + T * H : v.g;  // (T, 4h)
     layernorm(v.x, v.stats, w.ln1g, w.ln1b, a1, T);
     linear(a1, w.wqkv, w.bqkv, v.qkv, T, H, 3 * H);
@@ -475,7 +497,8 @@ class GptStage {
   float dropout(const Microbatch& mb) const { return mb.training ? c_.dropout : 0.0f; }
 
   /// out = x + y * dropout mask (seed); with recompute off the mask is saved to `mask` too.
-  void residual_dropout(float* out, const float* x, const float* y, std::uint64_t seed, std::uint8_t* mask, std::size_t n, float p) const {
+  void residual_dropout(float* out, const float* x, const float* y, std::uint64_t seed, std::uint8_t* mask,
+                        std::size_t n, float p) const {
     if (c_.recompute) {
       elementwise(out, n, [&](std::size_t e) { return math::residual_dropout(x[e], y[e], seed, e, p); });
       return;
@@ -542,8 +565,8 @@ class GptStage {
     const float* dQKV = dO1 + T * H;
     const float* dA1 = dQKV + 3 * T * H;
     std::vector<float>& s = ws(5 * T * H);
-    float* a = s.data();       // (T, h): a1, then a2 (recomputed LayerNorm outputs)
-    float* g = a + T * H;      // (T, 4h): recomputed GeLU output
+    float* a = s.data();   // (T, h): a1, then a2 (recomputed LayerNorm outputs)
+    float* g = a + T * H;  // (T, 4h): recomputed GeLU output
     // Attention-out projection and MLP output projection.
     linear_dw(v.att, dO1, gw.wo, gw.bo, T, H, H);
     const float* gsrc = v.g;
@@ -601,7 +624,8 @@ class GptStage {
     for (std::size_t t = 0; t < T; ++t) {
       const int tgt = targets[t];
       if (tgt < 0 || tgt >= c_.vocab)
-        throw error("GptStage: target " + std::to_string(tgt) + " at position " + std::to_string(t) + " is outside [0, " + std::to_string(c_.vocab - 1) + "]");
+        throw error("GptStage: target " + std::to_string(tgt) + " at position " + std::to_string(t) +
+                    " is outside [0, " + std::to_string(c_.vocab - 1) + "]");
       loss += math::softmax_xent_row(logits + t * V(), c_.vocab, tgt, scale, dlogits + t * V());
     }
     return static_cast<float>(loss / static_cast<double>(T));
@@ -640,6 +664,7 @@ class GptStage {
   std::vector<float> scratch_, bwd_, scores_;
 };
 
-static_assert(layer_for<GptStage, backend::CpuContext>, "GptStage must model po::layer_for<GptStage, backend::CpuContext>.");
+static_assert(layer_for<GptStage, backend::CpuContext>,
+              "GptStage must model po::layer_for<GptStage, backend::CpuContext>.");
 
 }  // namespace pipeoffload::model

@@ -136,17 +136,21 @@ class GptStage {
 
   /// Starts from `initial`: the parameters() of a model::GptStage(cfg, stage, stages), e.g. a
   /// CPU run's current ones (same layout, copied as they are).
-  GptStage(backend::Cuda& dev, const model::GptConfig& cfg, int stage, int stages, MicrobatchShape max_shape, std::span<const float> initial)
+  GptStage(backend::Cuda& dev, const model::GptConfig& cfg, int stage, int stages, MicrobatchShape max_shape,
+           std::span<const float> initial)
       : cfg_(cfg), max_(max_shape), device_(dev.device()) {
     dims_ = model::gpt_dims(cfg, stage, stages);
     params_ = model::gpt_stage_params(dims_);
     if (max_shape.batch < 1 || max_shape.seq < 1 || max_shape.seq > cfg.seq)
-      throw shape_error("cuda::GptStage: microbatch shape batch = " + std::to_string(max_shape.batch) + ", seq = " + std::to_string(max_shape.seq) +
+      throw shape_error("cuda::GptStage: microbatch shape batch = " + std::to_string(max_shape.batch) +
+                        ", seq = " + std::to_string(max_shape.seq) +
                         " (need batch >= 1 and 1 <= seq <= the position table's " + std::to_string(cfg.seq) + ")");
-    if (dims_.blocks > 0) (void)sdpa_layout(max_shape.batch, cfg.heads, max_shape.seq, cfg.hidden / cfg.heads);  // cuDNN's head_dim limits
+    if (dims_.blocks > 0)
+      (void)sdpa_layout(max_shape.batch, cfg.heads, max_shape.seq, cfg.hidden / cfg.heads);  // cuDNN's head_dim limits
     if (static_cast<long long>(initial.size()) != params_.total)
-      throw error("cuda::GptStage: stage " + std::to_string(stage) + " of " + std::to_string(stages) + " has " + std::to_string(params_.total) +
-                  " parameters; the initial values have " + std::to_string(initial.size()));
+      throw error("cuda::GptStage: stage " + std::to_string(stage) + " of " + std::to_string(stages) + " has " +
+                  std::to_string(params_.total) + " parameters; the initial values have " +
+                  std::to_string(initial.size()));
     const std::size_t n = static_cast<std::size_t>(params_.total);
     master_ = detail::DeviceMemory(device_, n * sizeof(float));
     grads_ = detail::DeviceMemory(device_, n * sizeof(float));
@@ -187,28 +191,38 @@ class GptStage {
     const long long T = p.T;
     // The stage's input goes where the first consumer keeps it: block 0's saved x, the head's
     // saved x, or (no blocks, no head) the scratch output that becomes y.
-    bf16* in = dims_.blocks > 0 ? saved_block(saved, p, 0).x : dims_.has_head ? head_x(saved, p) : scratch<bf16>(p.ws.io);
+    bf16* in = dims_.blocks > 0 ? saved_block(saved, p, 0).x
+               : dims_.has_head ? head_x(saved, p)
+                                : scratch<bf16>(p.ws.io);
     if (dims_.embeds)
       kernels::embedding_forward(tokens, master(), master() + params_.wpe, in, T, mb.shape.seq, h(), V(), p.s);
     else
       kernels::to_bf16(x, in, T * h(), p.s);
     for (int i = 0; i < dims_.blocks; ++i) {
-      bf16* out = i + 1 < dims_.blocks ? saved_block(saved, p, i + 1).x : dims_.has_head ? head_x(saved, p) : scratch<bf16>(p.ws.io);
+      bf16* out = i + 1 < dims_.blocks ? saved_block(saved, p, i + 1).x
+                  : dims_.has_head     ? head_x(saved, p)
+                                       : scratch<bf16>(p.ws.io);
       block_forward(ctx, mb, p, i, saved, out);
     }
-    if (dims_.has_head) head_forward(ctx, mb, p, saved, targets);
-    else kernels::to_float(scratch<bf16>(p.ws.io), y, T * h(), p.s);
+    if (dims_.has_head)
+      head_forward(ctx, mb, p, saved, targets);
+    else
+      kernels::to_float(scratch<bf16>(p.ws.io), y, T * h(), p.s);
   }
 
-  void backward_input(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved, std::byte* stash) {
+  void backward_input(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved,
+                      std::byte* stash) {
     const Pass p = begin("backward_input", ctx, mb, saved, stash, true);
-    const float* dy = boundary_data(dyt, !dims_.has_head, "backward_input", "dy", "only the last stage starts from its loss", p.T);
+    const float* dy =
+        boundary_data(dyt, !dims_.has_head, "backward_input", "dy", "only the last stage starts from its loss", p.T);
     float* dx = boundary_data(dxt, !dims_.embeds, "backward_input", "dx", "only stage 0 has no input gradient", p.T);
     // (T, h) bf16 gradient flowing down through the blocks. Stage 0 keeps the last one in the
     // stash, where W's embedding gradient reads it.
     bf16* g = dims_.embeds ? at<bf16>(stash, p.buf.stash_embed) : scratch<bf16>(p.ws.io);
-    if (dims_.has_head) head_backward_input(ctx, p, saved, stash, g);
-    else kernels::to_bf16(dy, g, p.T * h(), p.s);
+    if (dims_.has_head)
+      head_backward_input(ctx, p, saved, stash, g);
+    else
+      kernels::to_bf16(dy, g, p.T * h(), p.s);
     for (int i = dims_.blocks - 1; i >= 0; --i) block_backward_input(ctx, mb, p, i, saved, stash, g);
     if (!dims_.embeds) kernels::to_float(g, dx, p.T * h(), p.s);
   }
@@ -217,7 +231,8 @@ class GptStage {
     const Pass p = begin("backward_weight", ctx, mb, saved, stash, true);
     if (dims_.embeds) {
       const std::int32_t* tokens = step_input(mb, "tokens", "backward_weight", p.T);
-      kernels::embedding_backward(tokens, at<bf16>(stash, p.buf.stash_embed), grad(), grad() + params_.wpe, p.T, mb.shape.seq, h(), V(), p.s);
+      kernels::embedding_backward(tokens, at<bf16>(stash, p.buf.stash_embed), grad(), grad() + params_.wpe, p.T,
+                                  mb.shape.seq, h(), V(), p.s);
     }
     for (int i = 0; i < dims_.blocks; ++i) block_backward_weight(ctx, p, i, saved, stash);
     if (dims_.has_head) head_backward_weight(ctx, p, saved, stash);
@@ -241,10 +256,14 @@ class GptStage {
   /// Element `off` of block i's group in the fp32 master, the gradients, or the bf16 copy.
   float* param(int i, long long off) const { return master() + params_.block_begin(i) + off; }
   float* grad(int i, long long off) const { return grad() + params_.block_begin(i) + off; }
-  const bf16* weight(int i, long long off) const { return work_.as<bf16>() + (params_.block_begin(i) - params_.blocks_begin) + off; }
+  const bf16* weight(int i, long long off) const {
+    return work_.as<bf16>() + (params_.block_begin(i) - params_.blocks_begin) + off;
+  }
   float* head_param(long long off) const { return master() + params_.head_begin + off; }
   float* head_grad(long long off) const { return grad() + params_.head_begin + off; }
-  const bf16* head_weight(long long off) const { return work_.as<bf16>() + (params_.head_begin - params_.blocks_begin) + off; }
+  const bf16* head_weight(long long off) const {
+    return work_.as<bf16>() + (params_.head_begin - params_.blocks_begin) + off;
+  }
 
   template <class T>
   static T* at(std::byte* base, Region r) {
@@ -256,11 +275,13 @@ class GptStage {
   }
 
   std::string who(const char* pass) const {
-    return std::string("cuda::GptStage (blocks ") + std::to_string(dims_.first_block) + ".." + std::to_string(dims_.first_block + dims_.blocks) +
-           ")::" + pass;
+    return std::string("cuda::GptStage (blocks ") + std::to_string(dims_.first_block) + ".." +
+           std::to_string(dims_.first_block + dims_.blocks) + ")::" + pass;
   }
 
-  Boundary boundary(MicrobatchShape sh) const { return {static_cast<std::size_t>(sh.tokens() * dims_.hidden), DType::float32}; }
+  Boundary boundary(MicrobatchShape sh) const {
+    return {static_cast<std::size_t>(sh.tokens() * dims_.hidden), DType::float32};
+  }
 
   /// A boundary view's fp32 data, checked on the host: present exactly when the stage uses it
   /// (`used`; `why_absent` says when it is not), and of the microbatch's (T, h) size.
@@ -271,8 +292,8 @@ class GptStage {
     if (!t) throw error(who(pass) + ": " + name + " is empty; " + why_absent);
     const std::size_t want = static_cast<std::size_t>(T * dims_.hidden);
     if (t.elements != want)
-      throw shape_error(who(pass) + ": " + name + " holds " + std::to_string(t.elements) + " values; a microbatch of " + std::to_string(T) +
-                        " tokens needs tokens * hidden = " + std::to_string(want));
+      throw shape_error(who(pass) + ": " + name + " holds " + std::to_string(t.elements) + " values; a microbatch of " +
+                        std::to_string(T) + " tokens needs tokens * hidden = " + std::to_string(want));
     return t.template as<float>();  // throws unless float32
   }
 
@@ -281,8 +302,8 @@ class GptStage {
   const std::int32_t* step_input(const Microbatch& mb, const char* name, const char* pass, long long T) const {
     const ConstTensor t = mb.input(name);  // throws naming the inputs there are
     if (!t || t.elements != static_cast<std::size_t>(T))
-      throw shape_error(who(pass) + ": the step input '" + name + "' holds " + std::to_string(t ? t.elements : 0) + " values; a microbatch of " +
-                        std::to_string(T) + " tokens needs " + std::to_string(T));
+      throw shape_error(who(pass) + ": the step input '" + name + "' holds " + std::to_string(t ? t.elements : 0) +
+                        " values; a microbatch of " + std::to_string(T) + " tokens needs " + std::to_string(T));
     return t.as<std::int32_t>();  // throws unless int32
   }
 
@@ -294,24 +315,28 @@ class GptStage {
     GptWorkspace ws{};
     attention::Shape att{};
   };
-  Pass begin(const char* pass, const backend::CudaContext& ctx, const Microbatch& mb, const std::byte* saved, const std::byte* stash,
-             bool needs_stash) const {
+  Pass begin(const char* pass, const backend::CudaContext& ctx, const Microbatch& mb, const std::byte* saved,
+             const std::byte* stash, bool needs_stash) const {
     const MicrobatchShape sh = mb.shape;
     if (sh.batch < 1 || sh.seq < 1 || sh.seq > cfg_.seq || sh.tokens() > max_.tokens())
-      throw shape_error(who(pass) + ": microbatch shape batch = " + std::to_string(sh.batch) + ", seq = " + std::to_string(sh.seq) +
-                        " (need batch, seq >= 1, seq <= " + std::to_string(cfg_.seq) + ", batch * seq <= the constructor's " +
-                        std::to_string(max_.tokens()) + ")");
+      throw shape_error(who(pass) + ": microbatch shape batch = " + std::to_string(sh.batch) + ", seq = " +
+                        std::to_string(sh.seq) + " (need batch, seq >= 1, seq <= " + std::to_string(cfg_.seq) +
+                        ", batch * seq <= the constructor's " + std::to_string(max_.tokens()) + ")");
     Pass p;
     p.s = ctx.cuda_stream;
     p.T = sh.tokens();
     p.buf = gpt_stage_buffers(dims_, p.T);
     // (A stage without blocks, embedding or head keeps nothing: its buffers may be null.)
-    const auto aligned = [](const std::byte* q) { return q != nullptr && reinterpret_cast<std::uintptr_t>(q) % region_alignment == 0; };
-    const std::string align = " must be a device buffer aligned to " + std::to_string(region_alignment) + " bytes (backend::Cuda's blocks are)";
+    const auto aligned = [](const std::byte* q) {
+      return q != nullptr && reinterpret_cast<std::uintptr_t>(q) % region_alignment == 0;
+    };
+    const std::string align = " must be a device buffer aligned to " + std::to_string(region_alignment) +
+                              " bytes (backend::Cuda's blocks are)";
     if (p.buf.saved_bytes > 0 && !aligned(saved)) throw error(who(pass) + ": saved" + align);
     if (needs_stash && p.buf.stash_bytes > 0 && !aligned(stash)) throw error(who(pass) + ": stash" + align);
     p.ws = gpt_workspace(dims_, p.T);
-    p.att = attention::Shape{sh.batch, static_cast<int>(dims_.heads), sh.seq, static_cast<int>(dims_.hidden / dims_.heads)};
+    p.att =
+        attention::Shape{sh.batch, static_cast<int>(dims_.heads), sh.seq, static_cast<int>(dims_.hidden / dims_.heads)};
     return p;
   }
 
@@ -324,9 +349,9 @@ class GptStage {
   static Saved saved_block(std::byte* saved, const Pass& p, int i) {
     std::byte* b = saved + p.buf.block_saved(i);
     const GptBlockSaved& L = p.buf.block;
-    return {at<bf16>(b, L.x),     at<bf16>(b, L.qkv), at<bf16>(b, L.att), at<bf16>(b, L.x1), at<bf16>(b, L.f),
-            at<bf16>(b, L.a1),    at<bf16>(b, L.a2),  at<bf16>(b, L.g),   at<float>(b, L.stats), at<float>(b, L.lse),
-            at<std::uint8_t>(b, L.m1), at<std::uint8_t>(b, L.m2)};
+    return {at<bf16>(b, L.x),      at<bf16>(b, L.qkv),  at<bf16>(b, L.att),        at<bf16>(b, L.x1),
+            at<bf16>(b, L.f),      at<bf16>(b, L.a1),   at<bf16>(b, L.a2),         at<bf16>(b, L.g),
+            at<float>(b, L.stats), at<float>(b, L.lse), at<std::uint8_t>(b, L.m1), at<std::uint8_t>(b, L.m2)};
   }
   static bf16* head_x(std::byte* saved, const Pass& p) { return at<bf16>(saved + p.buf.head_saved, p.buf.head.x); }
 
@@ -337,7 +362,8 @@ class GptStage {
   static Stash stash_block(std::byte* stash, const Pass& p, int i) {
     std::byte* b = stash + p.buf.block_stashed(i);
     const GptBlockStash& L = p.buf.block_stash;
-    return {at<bf16>(b, L.dP2), at<bf16>(b, L.dF), at<bf16>(b, L.dA2), at<bf16>(b, L.dO1), at<bf16>(b, L.dQKV), at<bf16>(b, L.dA1)};
+    return {at<bf16>(b, L.dP2), at<bf16>(b, L.dF),   at<bf16>(b, L.dA2),
+            at<bf16>(b, L.dO1), at<bf16>(b, L.dQKV), at<bf16>(b, L.dA1)};
   }
 
   std::uint64_t drop_seed(const Microbatch& mb, int block, int site) const {
@@ -354,18 +380,20 @@ class GptStage {
   // ---- one block -----------------------------------------------------------------------------
   // Y = X W + b as models/gpt/cpu.hpp's linear: the GEMM rounds to bf16, then the fp32 bias is added.
 
-  void linear(const backend::CudaContext& ctx, const Pass& p, const bf16* X, const bf16* W, const float* b, bf16* Y, long long k, long long n) const {
+  void linear(const backend::CudaContext& ctx, const Pass& p, const bf16* X, const bf16* W, const float* b, bf16* Y,
+              long long k, long long n) const {
     gemm(ctx, linear_forward(p.T, k, n), X, W, Y, Out::bf16);
     kernels::add_bias(Y, b, p.T, static_cast<int>(n), p.s);
   }
   /// dW (k, n) += X^T dY ; db (n) += column sums of dY.
-  void linear_weight_grad(const backend::CudaContext& ctx, const Pass& p, const bf16* X, const bf16* dY, float* dW, float* db, long long k,
-                          long long n) const {
+  void linear_weight_grad(const backend::CudaContext& ctx, const Pass& p, const bf16* X, const bf16* dY, float* dW,
+                          float* db, long long k, long long n) const {
     gemm(ctx, linear_wgrad(p.T, k, n), X, dY, dW, Out::f32);
     kernels::bias_grad(dY, db, p.T, static_cast<int>(n), p.s);
   }
 
-  void block_forward(const backend::CudaContext& ctx, const Microbatch& mb, const Pass& p, int i, std::byte* saved, bf16* out) {
+  void block_forward(const backend::CudaContext& ctx, const Microbatch& mb, const Pass& p, int i, std::byte* saved,
+                     bf16* out) {
     const Saved v = saved_block(saved, p, i);
     const model::GptBlockParams& o = params_.block;
     const long long T = p.T, H = dims_.hidden;
@@ -376,41 +404,50 @@ class GptStage {
     linear(ctx, p, a1, weight(i, o.wqkv), param(i, o.bqkv), v.qkv, H, 3 * H);
     attention::forward(*ctx.attention, p.s, p.att, v.qkv, v.att, v.lse, ctx.workspace, ctx.workspace_bytes);
     linear(ctx, p, v.att, weight(i, o.wo), param(i, o.bo), proj, H, H);
-    if (cfg_.recompute) kernels::residual_dropout(v.x, proj, v.x1, T * H, drop_seed(mb, i, 0), drop, p.s);
-    else kernels::residual_dropout_mask(v.x, proj, v.x1, v.m1, T * H, drop_seed(mb, i, 0), drop, p.s);
+    if (cfg_.recompute)
+      kernels::residual_dropout(v.x, proj, v.x1, T * H, drop_seed(mb, i, 0), drop, p.s);
+    else
+      kernels::residual_dropout_mask(v.x, proj, v.x1, v.m1, T * H, drop_seed(mb, i, 0), drop, p.s);
     bf16* a2 = cfg_.recompute ? scratch<bf16>(p.ws.ln) : v.a2;
     kernels::layernorm_forward(v.x1, param(i, o.ln2g), param(i, o.ln2b), a2, v.stats + 2 * T, T, h(), p.s);
     linear(ctx, p, a2, weight(i, o.wfc), param(i, o.bfc), v.f, H, 4 * H);
     bf16* g = cfg_.recompute ? scratch<bf16>(p.ws.gelu) : v.g;
     kernels::gelu_forward(v.f, g, 4 * T * H, p.s);
     linear(ctx, p, g, weight(i, o.wpr), param(i, o.bpr), proj, 4 * H, H);
-    if (cfg_.recompute) kernels::residual_dropout(v.x1, proj, out, T * H, drop_seed(mb, i, 1), drop, p.s);
-    else kernels::residual_dropout_mask(v.x1, proj, out, v.m2, T * H, drop_seed(mb, i, 1), drop, p.s);
+    if (cfg_.recompute)
+      kernels::residual_dropout(v.x1, proj, out, T * H, drop_seed(mb, i, 1), drop, p.s);
+    else
+      kernels::residual_dropout_mask(v.x1, proj, out, v.m2, T * H, drop_seed(mb, i, 1), drop, p.s);
   }
 
   /// g (T, h): dL/d(block output) in, dL/d(block input) out, in place. models/gpt/cpu.hpp's
   /// block_backward_input, with LayerNorm backward accumulating into the residual gradient.
-  void block_backward_input(const backend::CudaContext& ctx, const Microbatch& mb, const Pass& p, int i, std::byte* saved, std::byte* stash,
-                            bf16* g) {
+  void block_backward_input(const backend::CudaContext& ctx, const Microbatch& mb, const Pass& p, int i,
+                            std::byte* saved, std::byte* stash, bf16* g) {
     const Saved v = saved_block(saved, p, i);
     const Stash st = stash_block(stash, p, i);
     const model::GptBlockParams& o = params_.block;
     const long long T = p.T, H = dims_.hidden;
     const float drop = cfg_.dropout;
     // MLP: dP2 = dropout'(g); dG = dP2 Wpr^T; dF = dG * GeLU'(f); dA2 = dF Wfc^T.
-    if (cfg_.recompute) kernels::dropout_backward(g, st.dP2, T * H, drop_seed(mb, i, 1), drop, p.s);
-    else kernels::dropout_backward_mask(g, v.m2, st.dP2, T * H, drop, p.s);
+    if (cfg_.recompute)
+      kernels::dropout_backward(g, st.dP2, T * H, drop_seed(mb, i, 1), drop, p.s);
+    else
+      kernels::dropout_backward_mask(g, v.m2, st.dP2, T * H, drop, p.s);
     gemm(ctx, linear_dgrad(T, 4 * H, H), st.dP2, weight(i, o.wpr), st.dF, Out::bf16);
     kernels::gelu_backward(v.f, st.dF, 4 * T * H, p.s);
     gemm(ctx, linear_dgrad(T, H, 4 * H), st.dF, weight(i, o.wfc), st.dA2, Out::bf16);
     // g becomes dL/dx1 = g + LN2's input gradient.
     kernels::layernorm_backward(st.dA2, v.x1, v.stats + 2 * T, param(i, o.ln2g), g, T, h(), true, p.s);
     // Attention: dO1 = dropout'(dL/dx1); datt = dO1 Wo^T; dqkv by cuDNN; dA1 = dqkv Wqkv^T.
-    if (cfg_.recompute) kernels::dropout_backward(g, st.dO1, T * H, drop_seed(mb, i, 0), drop, p.s);
-    else kernels::dropout_backward_mask(g, v.m1, st.dO1, T * H, drop, p.s);
+    if (cfg_.recompute)
+      kernels::dropout_backward(g, st.dO1, T * H, drop_seed(mb, i, 0), drop, p.s);
+    else
+      kernels::dropout_backward_mask(g, v.m1, st.dO1, T * H, drop, p.s);
     bf16* datt = scratch<bf16>(p.ws.proj);
     gemm(ctx, linear_dgrad(T, H, H), st.dO1, weight(i, o.wo), datt, Out::bf16);
-    attention::backward(*ctx.attention, p.s, p.att, v.qkv, v.att, datt, v.lse, st.dQKV, ctx.workspace, ctx.workspace_bytes);
+    attention::backward(*ctx.attention, p.s, p.att, v.qkv, v.att, datt, v.lse, st.dQKV, ctx.workspace,
+                        ctx.workspace_bytes);
     gemm(ctx, linear_dgrad(T, H, 3 * H), st.dQKV, weight(i, o.wqkv), st.dA1, Out::bf16);
     // g becomes dL/dx = dL/dx1 + LN1's input gradient.
     kernels::layernorm_backward(st.dA1, v.x, v.stats, param(i, o.ln1g), g, T, h(), true, p.s);
@@ -418,7 +455,8 @@ class GptStage {
 
   /// models/gpt/cpu.hpp's block_backward_weight: the recomputed (or saved) GEMM inputs against the
   /// stashed output gradients.
-  void block_backward_weight(const backend::CudaContext& ctx, const Pass& p, int i, std::byte* saved, std::byte* stash) {
+  void block_backward_weight(const backend::CudaContext& ctx, const Pass& p, int i, std::byte* saved,
+                             std::byte* stash) {
     const Saved v = saved_block(saved, p, i);
     const Stash st = stash_block(stash, p, i);
     const model::GptBlockParams& o = params_.block;
@@ -448,7 +486,8 @@ class GptStage {
 
   // ---- head ----------------------------------------------------------------------------------
 
-  void head_forward(const backend::CudaContext& ctx, const Microbatch& mb, const Pass& p, std::byte* saved, const std::int32_t* targets) {
+  void head_forward(const backend::CudaContext& ctx, const Microbatch& mb, const Pass& p, std::byte* saved,
+                    const std::int32_t* targets) {
     std::byte* hp = saved + p.buf.head_saved;
     const bf16* x = at<bf16>(hp, p.buf.head.x);
     float* stats = at<float>(hp, p.buf.head.stats);
@@ -465,11 +504,14 @@ class GptStage {
   }
 
   /// g (T, h) = dL/d(head input); the LayerNorm output's gradient goes to the stash for W.
-  void head_backward_input(const backend::CudaContext& ctx, const Pass& p, std::byte* saved, std::byte* stash, bf16* g) {
+  void head_backward_input(const backend::CudaContext& ctx, const Pass& p, std::byte* saved, std::byte* stash,
+                           bf16* g) {
     std::byte* hp = saved + p.buf.head_saved;
     bf16* da = at<bf16>(stash, p.buf.stash_head);
-    gemm(ctx, linear_dgrad(p.T, dims_.hidden, dims_.vocab), at<bf16>(hp, p.buf.head.dlogits), head_weight(params_.head_w), da, Out::bf16);
-    kernels::layernorm_backward(da, at<bf16>(hp, p.buf.head.x), at<float>(hp, p.buf.head.stats), head_param(params_.lnfg), g, p.T, h(), false, p.s);
+    gemm(ctx, linear_dgrad(p.T, dims_.hidden, dims_.vocab), at<bf16>(hp, p.buf.head.dlogits),
+         head_weight(params_.head_w), da, Out::bf16);
+    kernels::layernorm_backward(da, at<bf16>(hp, p.buf.head.x), at<float>(hp, p.buf.head.stats),
+                                head_param(params_.lnfg), g, p.T, h(), false, p.s);
   }
 
   void head_backward_weight(const backend::CudaContext& ctx, const Pass& p, std::byte* saved, std::byte* stash) {
@@ -478,8 +520,10 @@ class GptStage {
     const float* stats = at<float>(hp, p.buf.head.stats);
     bf16* a = scratch<bf16>(p.ws.ln);
     kernels::layernorm_recompute(x, stats, head_param(params_.lnfg), head_param(params_.lnfb), a, p.T, h(), p.s);
-    linear_weight_grad(ctx, p, a, at<bf16>(hp, p.buf.head.dlogits), head_grad(params_.head_w), head_grad(params_.head_b), dims_.hidden, dims_.vocab);
-    kernels::layernorm_weight_grad(at<bf16>(stash, p.buf.stash_head), x, stats, head_grad(params_.lnfg), head_grad(params_.lnfb), p.T, h(), p.s);
+    linear_weight_grad(ctx, p, a, at<bf16>(hp, p.buf.head.dlogits), head_grad(params_.head_w),
+                       head_grad(params_.head_b), dims_.hidden, dims_.vocab);
+    kernels::layernorm_weight_grad(at<bf16>(stash, p.buf.stash_head), x, stats, head_grad(params_.lnfg),
+                                   head_grad(params_.lnfb), p.T, h(), p.s);
   }
 
   model::GptConfig cfg_;
@@ -493,6 +537,7 @@ class GptStage {
   detail::DeviceMemory scratch_;  // gpt_workspace(dims, max tokens) bytes
 };
 
-static_assert(layer_for<GptStage, backend::CudaContext>, "cuda::GptStage must model po::layer_for<GptStage, backend::CudaContext>.");
+static_assert(layer_for<GptStage, backend::CudaContext>,
+              "cuda::GptStage must model po::layer_for<GptStage, backend::CudaContext>.");
 
 }  // namespace pipeoffload::cuda

@@ -55,26 +55,30 @@ struct GptStageBuffers {
   std::size_t head_saved = 0;  ///< offset of the head's slice in saved
   std::size_t saved_bytes = 0;
   GptBlockStash block_stash{};
-  Region stash_embed;          ///< bytes 0 unless the stage embeds
+  Region stash_embed;  ///< bytes 0 unless the stage embeds
   std::size_t stash_blocks = 0;
-  Region stash_head;           ///< bytes 0 unless the stage has the head
+  Region stash_head;  ///< bytes 0 unless the stage has the head
   std::size_t stash_bytes = 0;
   constexpr std::size_t block_saved(int i) const { return static_cast<std::size_t>(i) * block.bytes; }
-  constexpr std::size_t block_stashed(int i) const { return stash_blocks + static_cast<std::size_t>(i) * block_stash.bytes; }
+  constexpr std::size_t block_stashed(int i) const {
+    return stash_blocks + static_cast<std::size_t>(i) * block_stash.bytes;
+  }
 };
 
 namespace detail {
 constexpr void check_gpt(const model::GptDims& d, long long tokens, const char* who) {
   if (tokens < 1 || d.hidden < 1 || d.heads < 1 || d.hidden % d.heads != 0 || d.vocab < 1 || d.blocks < 0)
-    throw shape_error(std::string(who) + ": tokens = " + pipeoffload::detail::num(tokens) + ", hidden = " + pipeoffload::detail::num(d.hidden) +
-                      ", heads = " + pipeoffload::detail::num(d.heads) + ", vocab = " + pipeoffload::detail::num(d.vocab) +
+    throw shape_error(std::string(who) + ": tokens = " + pipeoffload::detail::num(tokens) + ", hidden = " +
+                      pipeoffload::detail::num(d.hidden) + ", heads = " + pipeoffload::detail::num(d.heads) +
+                      ", vocab = " + pipeoffload::detail::num(d.vocab) +
                       " (need tokens, hidden, heads, vocab >= 1 and heads dividing hidden)");
 }
 }  // namespace detail
 
 constexpr GptBlockSaved gpt_block_saved(const model::GptDims& d, long long tokens) {
   detail::check_gpt(d, tokens, "cuda::gpt_block_saved");
-  const std::size_t T = static_cast<std::size_t>(tokens), h = static_cast<std::size_t>(d.hidden), a = static_cast<std::size_t>(d.heads);
+  const std::size_t T = static_cast<std::size_t>(tokens), h = static_cast<std::size_t>(d.hidden),
+                    a = static_cast<std::size_t>(d.heads);
   const std::size_t bf = 2, f32 = 4;
   GptBlockSaved s;
   RegionCarver c;
@@ -93,14 +97,16 @@ constexpr GptBlockSaved gpt_block_saved(const model::GptDims& d, long long token
     s.m2 = c.take(T * h);
   }
   s.bytes = c.total();
-  s.tensor_bytes = s.x.bytes + s.qkv.bytes + s.att.bytes + s.x1.bytes + s.f.bytes + s.a1.bytes + s.a2.bytes + s.g.bytes + s.m1.bytes + s.m2.bytes;
+  s.tensor_bytes = s.x.bytes + s.qkv.bytes + s.att.bytes + s.x1.bytes + s.f.bytes + s.a1.bytes + s.a2.bytes +
+                   s.g.bytes + s.m1.bytes + s.m2.bytes;
   s.extra_bytes = s.stats.bytes + s.lse.bytes;
   return s;
 }
 
 constexpr GptStageBuffers gpt_stage_buffers(const model::GptDims& d, long long tokens) {
   detail::check_gpt(d, tokens, "cuda::gpt_stage_buffers");
-  const std::size_t T = static_cast<std::size_t>(tokens), h = static_cast<std::size_t>(d.hidden), V = static_cast<std::size_t>(d.vocab);
+  const std::size_t T = static_cast<std::size_t>(tokens), h = static_cast<std::size_t>(d.hidden),
+                    V = static_cast<std::size_t>(d.vocab);
   GptStageBuffers b;
   b.block = gpt_block_saved(d, tokens);
   b.head_saved = static_cast<std::size_t>(d.blocks) * b.block.bytes;
@@ -141,7 +147,8 @@ struct GptWorkspace {
 };
 constexpr GptWorkspace gpt_workspace(const model::GptDims& d, long long tokens) {
   detail::check_gpt(d, tokens, "cuda::gpt_workspace");
-  const std::size_t T = static_cast<std::size_t>(tokens), h = static_cast<std::size_t>(d.hidden), V = static_cast<std::size_t>(d.vocab);
+  const std::size_t T = static_cast<std::size_t>(tokens), h = static_cast<std::size_t>(d.hidden),
+                    V = static_cast<std::size_t>(d.vocab);
   GptWorkspace w;
   RegionCarver c;
   w.ln = c.take(T * h * 2);

@@ -24,12 +24,12 @@ namespace pipeoffload::model {
 
 /// The model: a GPT-2 style decoder (cpu.hpp's file comment has the architecture).
 struct GptConfig {
-  int vocab = 256;      ///< byte-level
-  int hidden = 128;     ///< h
-  int heads = 4;        ///< a; h % a == 0
-  int layers = 4;       ///< transformer blocks in the whole model
-  int seq = 64;         ///< s, also the position table size
-  float dropout = 0.1f; ///< residual dropout after attention and MLP
+  int vocab = 256;        ///< byte-level
+  int hidden = 128;       ///< h
+  int heads = 4;          ///< a; h % a == 0
+  int layers = 4;         ///< transformer blocks in the whole model
+  int seq = 64;           ///< s, also the position table size
+  float dropout = 0.1f;   ///< residual dropout after attention and MLP
   bool recompute = true;  ///< selective recompute of LayerNorm, GeLU and dropout
   std::uint64_t seed = 1;
 
@@ -39,7 +39,8 @@ struct GptConfig {
     };
     need(vocab >= 2 && vocab <= (1 << 20), "vocab = " + std::to_string(vocab) + " is outside [2, 1048576]");
     need(hidden >= 1 && hidden <= (1 << 16), "hidden = " + std::to_string(hidden) + " is outside [1, 65536]");
-    need(heads >= 1 && hidden % heads == 0, "heads = " + std::to_string(heads) + " must be >= 1 and divide hidden = " + std::to_string(hidden));
+    need(heads >= 1 && hidden % heads == 0,
+         "heads = " + std::to_string(heads) + " must be >= 1 and divide hidden = " + std::to_string(hidden));
     need(layers >= 1 && layers <= 4096, "layers = " + std::to_string(layers) + " is outside [1, 4096]");
     need(seq >= 1 && seq <= (1 << 16), "seq = " + std::to_string(seq) + " is outside [1, 65536]");
     need(dropout >= 0.0f && dropout < 1.0f, "dropout = " + std::to_string(dropout) + " is outside [0, 1)");
@@ -54,9 +55,9 @@ struct GptDims {
   long long positions = 0;  ///< rows of the position table (GptConfig::seq)
   int first_block = 0;      ///< this stage holds model blocks [first_block, first_block + blocks)
   int blocks = 0;
-  bool embeds = false;      ///< stage 0: token and position embedding
-  bool has_head = false;    ///< last stage: final LayerNorm, LM head, cross-entropy
-  bool recompute = true;    ///< selective recompute of LayerNorm, GeLU and dropout masks
+  bool embeds = false;    ///< stage 0: token and position embedding
+  bool has_head = false;  ///< last stage: final LayerNorm, LM head, cross-entropy
+  bool recompute = true;  ///< selective recompute of LayerNorm, GeLU and dropout masks
 };
 
 /// The blocks of stage `stage` of `stages` in a model of `layers` blocks, spread as evenly as
@@ -68,7 +69,8 @@ struct BlockRange {
 };
 constexpr BlockRange gpt_blocks_of_stage(int layers, int stage, int stages) {
   if (layers < 1 || stages < 1 || stage < 0 || stage >= stages)
-    throw shape_error("model::gpt_blocks_of_stage: layers = " + pipeoffload::detail::num(layers) + ", stage = " + pipeoffload::detail::num(stage) +
+    throw shape_error("model::gpt_blocks_of_stage: layers = " + pipeoffload::detail::num(layers) +
+                      ", stage = " + pipeoffload::detail::num(stage) +
                       ", stages = " + pipeoffload::detail::num(stages) + " (need layers >= 1 and 0 <= stage < stages)");
   const int first = static_cast<int>(static_cast<long long>(layers) * stage / stages);
   return {first, static_cast<int>(static_cast<long long>(layers) * (stage + 1) / stages) - first};
@@ -78,7 +80,8 @@ constexpr BlockRange gpt_blocks_of_stage(int layers, int stage, int stages) {
 /// ln1 gamma, beta (h) | Wqkv (h, 3h) | bqkv (3h) | Wo (h, h) | bo (h) | ln2 gamma, beta (h) |
 /// Wfc (h, 4h) | bfc (4h) | Wpr (4h, h) | bpr (h). Matrices are (in, out) row-major.
 struct GptBlockParams {
-  long long ln1g = 0, ln1b = 0, wqkv = 0, bqkv = 0, wo = 0, bo = 0, ln2g = 0, ln2b = 0, wfc = 0, bfc = 0, wpr = 0, bpr = 0;
+  long long ln1g = 0, ln1b = 0, wqkv = 0, bqkv = 0, wo = 0, bo = 0, ln2g = 0, ln2b = 0, wfc = 0, bfc = 0, wpr = 0,
+            bpr = 0;
   long long count = 0;  ///< elements of the group: 12 h^2 + 13 h
 };
 constexpr GptBlockParams gpt_block_params(long long h) {
@@ -109,12 +112,12 @@ constexpr GptBlockParams gpt_block_params(long long h) {
 /// stage 0, one group per block, head group (lnf gamma, beta (h) | W (h, V) | b (V)) on the
 /// last stage; offsets in elements.
 struct GptStageParams {
-  long long embed = 0;         ///< elements of the embedding group (0 unless dims.embeds)
-  long long wpe = 0;           ///< offset of the position table
-  long long blocks_begin = 0;  ///< offset of block 0's group (= embed)
-  GptBlockParams block{};      ///< offsets inside every block's group
-  long long head_begin = 0;    ///< offset of the head group
-  long long head = 0;          ///< elements of the head group (0 unless dims.has_head)
+  long long embed = 0;                                   ///< elements of the embedding group (0 unless dims.embeds)
+  long long wpe = 0;                                     ///< offset of the position table
+  long long blocks_begin = 0;                            ///< offset of block 0's group (= embed)
+  GptBlockParams block{};                                ///< offsets inside every block's group
+  long long head_begin = 0;                              ///< offset of the head group
+  long long head = 0;                                    ///< elements of the head group (0 unless dims.has_head)
   long long lnfg = 0, lnfb = 0, head_w = 0, head_b = 0;  ///< offsets inside the head group
   long long total = 0;
   constexpr long long block_begin(int i) const { return blocks_begin + i * block.count; }
@@ -199,7 +202,8 @@ inline std::vector<InputSpec> gpt_inputs(const GptDims& d, MicrobatchShape sh) {
 inline GptDims gpt_dims(const GptConfig& cfg, int stage, int stages) {
   cfg.check();
   const BlockRange r = gpt_blocks_of_stage(cfg.layers, stage, stages);
-  return GptDims{cfg.vocab, cfg.hidden, cfg.heads, cfg.seq, r.first, r.count, stage == 0, stage == stages - 1, cfg.recompute};
+  return GptDims{cfg.vocab, cfg.hidden, cfg.heads,           cfg.seq,      r.first,
+                 r.count,   stage == 0, stage == stages - 1, cfg.recompute};
 }
 
 }  // namespace pipeoffload::model

@@ -141,8 +141,8 @@ PIPEOFFLOAD_HOST_DEVICE inline float layernorm_apply(float x, RowStats st, float
 
 /// dx of one row of LayerNorm from dy (grad of the normalized output), the input x, its stats
 /// and gamma: dx_i = rstd * (g_i - mean(g) - xhat_i * mean(g . xhat)), g = dy * gamma.
-PIPEOFFLOAD_HOST_DEVICE inline void layernorm_backward_row(const float* dy, const float* x, RowStats st, const float* gamma,
-                                                           float* dx, int n) {
+PIPEOFFLOAD_HOST_DEVICE inline void layernorm_backward_row(const float* dy, const float* x, RowStats st,
+                                                           const float* gamma, float* dx, int n) {
   float sg = 0, sgx = 0;
   for (int i = 0; i < n; ++i) {
     const float g = dy[i] * gamma[i];
@@ -184,7 +184,8 @@ PIPEOFFLOAD_HOST_DEVICE inline std::uint64_t mix64(std::uint64_t seed, std::uint
 }
 
 /// Seed of one dropout site: a function of the run seed and (step, stage, layer, site, mb).
-PIPEOFFLOAD_HOST_DEVICE inline std::uint64_t dropout_seed(std::uint64_t run_seed, int step, int layer, int site, int mb) {
+PIPEOFFLOAD_HOST_DEVICE inline std::uint64_t dropout_seed(std::uint64_t run_seed, int step, int layer, int site,
+                                                          int mb) {
   std::uint64_t s = mix64(run_seed, static_cast<std::uint64_t>(step));
   s = mix64(s, static_cast<std::uint64_t>(layer));
   s = mix64(s, static_cast<std::uint64_t>(site));
@@ -213,7 +214,8 @@ PIPEOFFLOAD_HOST_DEVICE inline float dropout_scale(std::uint64_t seed, std::uint
 
 /// Loss of one row of n logits against `target`, and (when dlogits is not null) its gradient
 /// times `scale`: scale * (softmax(logits) - onehot(target)).
-PIPEOFFLOAD_HOST_DEVICE inline float softmax_xent_row(const float* logits, int n, int target, float scale, float* dlogits) {
+PIPEOFFLOAD_HOST_DEVICE inline float softmax_xent_row(const float* logits, int n, int target, float scale,
+                                                      float* dlogits) {
   float mx = logits[0];
   for (int i = 1; i < n; ++i) mx = logits[i] > mx ? logits[i] : mx;
   float sum = 0;

@@ -10,7 +10,8 @@ struct NoWeightGradient {
   std::size_t saved_bytes(po::MicrobatchShape) const { return 4; }
   std::size_t stash_bytes(po::MicrobatchShape) const { return 4; }
   void forward(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor, std::byte*) {}
-  void backward_input(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor, std::byte*, std::byte*) {}
+  void backward_input(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor, std::byte*,
+                      std::byte*) {}
   std::span<float> parameters() { return {&p, 1}; }
   std::span<float> gradients() { return {&g, 1}; }
 };

@@ -23,11 +23,11 @@
 #include <type_traits>
 #include <vector>
 
+#include <models/gpt/math.hpp>
 #include <pipeoffload/backend/backend.hpp>
 #include <pipeoffload/backend/update.hpp>
-#include <models/gpt/math.hpp>
-#include <pipeoffload/tensor.hpp>
 #include <pipeoffload/offload/host_bins.hpp>
+#include <pipeoffload/tensor.hpp>
 
 namespace conformance {
 
@@ -192,7 +192,8 @@ void stage_forward_backward() {
   dev->launch(compute, [&] {
     auto ctx = dev->context(compute);
     Traits::gelu_forward(ctx, reinterpret_cast<const float*>(bx.ptr), reinterpret_cast<float*>(by.ptr), n);
-    Traits::gelu_backward(ctx, reinterpret_cast<const float*>(bx.ptr), reinterpret_cast<const float*>(bdy.ptr), reinterpret_cast<float*>(bdx.ptr), n);
+    Traits::gelu_backward(ctx, reinterpret_cast<const float*>(bx.ptr), reinterpret_cast<const float*>(bdy.ptr),
+                          reinterpret_cast<float*>(bdx.ptr), n);
   });
   dev->synchronize();
   const std::vector<std::byte> y = download(*dev, compute, by), dx = download(*dev, compute, bdx);
@@ -268,7 +269,8 @@ void optimizer_operations() {
   const pipeoffload::update::AdamBias bias = pipeoffload::update::adam_bias(hyper.beta1, hyper.beta2, 3);
   dev->adamw(dp, dg, dm, dv, hyper, lr, bias, scale);
   std::vector<float> want_p = p, want_m = m, want_v = v;
-  for (std::size_t i = 0; i < n; ++i) pipeoffload::update::adamw(want_p[i], g[i] * scale, want_m[i], want_v[i], hyper, lr, bias);
+  for (std::size_t i = 0; i < n; ++i)
+    pipeoffload::update::adamw(want_p[i], g[i] * scale, want_m[i], want_v[i], hyper, lr, bias);
   check_floats("adamw p", host_floats(*dev, dp), want_p, Traits::fp32_tolerance);
   check_floats("adamw m", host_floats(*dev, dm), want_m, Traits::fp32_tolerance);
   check_floats("adamw v", host_floats(*dev, dv), want_v, Traits::fp32_tolerance);
@@ -302,7 +304,8 @@ void zero_clears_a_range() {
 /// flag_nonfinite on a tensor of `words` raw values of `dtype`, in stream order on a
 /// compute stream, starting from `initial`; returns the flag.
 template <class Dev, class Word>
-std::uint32_t nonfinite_flag(Dev& dev, int stream, const std::vector<Word>& words, pipeoffload::DType dtype, std::uint32_t initial = 0) {
+std::uint32_t nonfinite_flag(Dev& dev, int stream, const std::vector<Word>& words, pipeoffload::DType dtype,
+                             std::uint32_t initial = 0) {
   pb::Block data = dev.device_alloc(std::max<std::size_t>(1, words.size() * sizeof(Word)), pb::Memory::message);
   pb::Block flag = dev.device_alloc(sizeof(std::uint32_t), pb::Memory::state);
   if (!words.empty()) dev.upload(data.ptr, words.data(), words.size() * sizeof(Word));
@@ -310,7 +313,8 @@ std::uint32_t nonfinite_flag(Dev& dev, int stream, const std::vector<Word>& word
   if (initial != 0) dev.upload(flag.ptr, &initial, sizeof initial);
   dev.launch(stream, [&] {
     auto ctx = dev.context(stream);
-    dev.flag_nonfinite(ctx, pipeoffload::ConstTensor{data.ptr, words.size(), dtype}, reinterpret_cast<std::uint32_t*>(flag.ptr));
+    dev.flag_nonfinite(ctx, pipeoffload::ConstTensor{data.ptr, words.size(), dtype},
+                       reinterpret_cast<std::uint32_t*>(flag.ptr));
   });
   dev.synchronize();
   std::uint32_t out = 7;
@@ -347,15 +351,18 @@ void nonfinite_flags() {
     for (std::uint32_t finite : {0x7f7fffffu, 0xff7fffffu, 0x00000001u, 0x80000000u})
       CHECK(nonfinite_flag(*dev, s, with_word<std::uint32_t>(n, 0x3f800000u, at, finite), DType::float32) == 0);
     // bfloat16 (the top half of a float32): NaN, +Inf, -Inf; finite: the largest, a denormal.
-    for (std::uint16_t bad : {std::uint16_t{0x7fc0}, std::uint16_t{0x7f80}, std::uint16_t{0xff80}, std::uint16_t{0xffc1}})
+    for (std::uint16_t bad :
+         {std::uint16_t{0x7fc0}, std::uint16_t{0x7f80}, std::uint16_t{0xff80}, std::uint16_t{0xffc1}})
       CHECK(nonfinite_flag(*dev, s, with_word<std::uint16_t>(n, 0x3f80, at, bad), DType::bfloat16) == 1);
     for (std::uint16_t finite : {std::uint16_t{0x7f7f}, std::uint16_t{0xff7f}, std::uint16_t{0x0001}})
       CHECK(nonfinite_flag(*dev, s, with_word<std::uint16_t>(n, 0x3f80, at, finite), DType::bfloat16) == 0);
     // float16 and float64.
     CHECK(nonfinite_flag(*dev, s, with_word<std::uint16_t>(n, 0x3c00, at, std::uint16_t{0x7c00}), DType::float16) == 1);
     CHECK(nonfinite_flag(*dev, s, with_word<std::uint16_t>(n, 0x3c00, at, std::uint16_t{0x7bff}), DType::float16) == 0);
-    CHECK(nonfinite_flag(*dev, s, with_word<std::uint64_t>(n, 0x3ff0000000000000ull, at, 0xfff0000000000000ull), DType::float64) == 1);
-    CHECK(nonfinite_flag(*dev, s, with_word<std::uint64_t>(n, 0x3ff0000000000000ull, at, 0x7fefffffffffffffull), DType::float64) == 0);
+    CHECK(nonfinite_flag(*dev, s, with_word<std::uint64_t>(n, 0x3ff0000000000000ull, at, 0xfff0000000000000ull),
+                         DType::float64) == 1);
+    CHECK(nonfinite_flag(*dev, s, with_word<std::uint64_t>(n, 0x3ff0000000000000ull, at, 0x7fefffffffffffffull),
+                         DType::float64) == 0);
     // Integers whose bits would be a float's NaN have nothing to check.
     CHECK(nonfinite_flag(*dev, s, with_word<std::uint32_t>(n, 1u, at, 0x7fc00000u), DType::int32) == 0);
   }
@@ -395,18 +402,22 @@ void sgd_updates() {
     std::vector<pb::Block> owned;
     const std::span<float> dp = device_floats(*dev, owned, p0), dg = device_floats(*dev, owned, g);
     // Without momentum the buffer is absent (an empty span), as po::Sgd passes it.
-    const std::span<float> dbuf = momentum ? device_floats(*dev, owned, std::vector<float>(n, 123.0f)) : std::span<float>{};
+    const std::span<float> dbuf =
+        momentum ? device_floats(*dev, owned, std::vector<float>(n, 123.0f)) : std::span<float>{};
     std::vector<float> want_p = p0, want_buf(n, 123.0f);
     for (bool first : {true, false}) {
       CAPTURE(first);
       dev->sgd(dp, dg, dbuf, c.hyper, lr, scale, first);
       float unused = 0;
-      for (std::size_t i = 0; i < n; ++i) up::sgd(want_p[i], g[i] * scale, momentum ? want_buf[i] : unused, c.hyper, lr, first);
+      for (std::size_t i = 0; i < n; ++i)
+        up::sgd(want_p[i], g[i] * scale, momentum ? want_buf[i] : unused, c.hyper, lr, first);
       check_floats("sgd p", host_floats(*dev, dp), want_p, Traits::fp32_tolerance);
       if (momentum) check_floats("sgd buf", host_floats(*dev, dbuf), want_buf, Traits::fp32_tolerance);
       CHECK(host_floats(*dev, dg) == g);
     }
-    if (momentum) CHECK_THROWS_AS(dev->sgd(dp, dg, std::span<float>{}, c.hyper, lr, scale, false), pipeoffload::error);  // momentum needs its buffer
+    if (momentum)
+      CHECK_THROWS_AS(dev->sgd(dp, dg, std::span<float>{}, c.hyper, lr, scale, false),
+                      pipeoffload::error);  // momentum needs its buffer
     for (pb::Block b : owned) dev->device_free(b);
   }
 }
@@ -464,25 +475,29 @@ void pair_counters() {
 }  // namespace conformance
 
 /// Registers the cases for one backend; `name` goes into the test names.
-#define PIPEOFFLOAD_CONFORMANCE_CASES(Traits, name)                                                               \
-  TEST_CASE(name ": blocks are pooled by size and reused across streams without new allocations") {              \
-    conformance::allocation_and_reuse<Traits>();                                                                \
-  }                                                                                                             \
-  TEST_CASE(name ": a wait orders one stream after another stream's record") { conformance::event_ordering<Traits>(); } \
-  TEST_CASE(name ": an offload into power-of-two bins and its reload give back every byte") {                    \
-    conformance::copy_round_trip<Traits>();                                                                     \
-  }                                                                                                             \
-  TEST_CASE(name ": a stage's forward and backward match models/gpt/math.hpp") { conformance::stage_forward_backward<Traits>(); } \
-  TEST_CASE(name ": upload, download, sums of squares and AdamW between steps, gradients left as they are") {          \
-    conformance::optimizer_operations<Traits>();                                                                \
-  }                                                                                                             \
-  TEST_CASE(name ": zero clears exactly the bytes asked for") { conformance::zero_clears_a_range<Traits>(); }     \
+#define PIPEOFFLOAD_CONFORMANCE_CASES(Traits, name)                                                                 \
+  TEST_CASE(name ": blocks are pooled by size and reused across streams without new allocations") {                 \
+    conformance::allocation_and_reuse<Traits>();                                                                    \
+  }                                                                                                                 \
+  TEST_CASE(name ": a wait orders one stream after another stream's record") {                                      \
+    conformance::event_ordering<Traits>();                                                                          \
+  }                                                                                                                 \
+  TEST_CASE(name ": an offload into power-of-two bins and its reload give back every byte") {                       \
+    conformance::copy_round_trip<Traits>();                                                                         \
+  }                                                                                                                 \
+  TEST_CASE(name ": a stage's forward and backward match models/gpt/math.hpp") {                                    \
+    conformance::stage_forward_backward<Traits>();                                                                  \
+  }                                                                                                                 \
+  TEST_CASE(name ": upload, download, sums of squares and AdamW between steps, gradients left as they are") {       \
+    conformance::optimizer_operations<Traits>();                                                                    \
+  }                                                                                                                 \
+  TEST_CASE(name ": zero clears exactly the bytes asked for") { conformance::zero_clears_a_range<Traits>(); }       \
   TEST_CASE(name ": flag_nonfinite flags NaN and infinities of every floating type, nothing finite, no integers") { \
-    conformance::nonfinite_flags<Traits>();                                                                     \
-  }                                                                                                             \
+    conformance::nonfinite_flags<Traits>();                                                                         \
+  }                                                                                                                 \
   TEST_CASE(name ": sgd matches update::sgd with momentum, dampening, Nesterov, weight decay and the first step") { \
-    conformance::sgd_updates<Traits>();                                                                         \
-  }                                                                                                             \
-  TEST_CASE(name ": a counter orders one stream after another; an aborted counter releases its waiters") {        \
-    conformance::pair_counters<Traits>();                                                                       \
+    conformance::sgd_updates<Traits>();                                                                             \
+  }                                                                                                                 \
+  TEST_CASE(name ": a counter orders one stream after another; an aborted counter releases its waiters") {          \
+    conformance::pair_counters<Traits>();                                                                           \
   }

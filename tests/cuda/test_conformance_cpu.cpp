@@ -14,11 +14,14 @@ struct CpuTraits {
   static constexpr float fp32_tolerance = 0.0f;
   static constexpr bool abort_throws = true;  // the waiting worker throws the abort
   static std::unique_ptr<pipeoffload::backend::Cpu> make() { return std::make_unique<pipeoffload::backend::Cpu>(); }
-  static void delay(const pipeoffload::backend::CpuContext&) { std::this_thread::sleep_for(std::chrono::milliseconds(50)); }
+  static void delay(const pipeoffload::backend::CpuContext&) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
   static void gelu_forward(pipeoffload::backend::CpuContext&, const float* x, float* y, std::size_t n) {
     for (std::size_t i = 0; i < n; ++i) y[i] = pipeoffload::math::gelu(x[i]);
   }
-  static void gelu_backward(pipeoffload::backend::CpuContext&, const float* x, const float* dy, float* dx, std::size_t n) {
+  static void gelu_backward(pipeoffload::backend::CpuContext&, const float* x, const float* dy, float* dx,
+                            std::size_t n) {
     for (std::size_t i = 0; i < n; ++i) dx[i] = dy[i] * pipeoffload::math::gelu_grad(x[i]);
   }
 };

@@ -37,8 +37,8 @@
 #include <string>
 #include <vector>
 
-#include <models/gpt/cuda.hpp>
 #include <models/gpt/cpu.hpp>
+#include <models/gpt/cuda.hpp>
 #include <pipeoffload/runtime.hpp>
 
 namespace po = pipeoffload;
@@ -151,19 +151,24 @@ struct Outputs {
 };
 
 /// fp32 views of boundary tensors (host memory on the CPU, device memory on the GPU).
-po::ConstTensor view(const float* p, std::size_t n) { return {reinterpret_cast<const std::byte*>(p), n, po::DType::float32}; }
+po::ConstTensor view(const float* p, std::size_t n) {
+  return {reinterpret_cast<const std::byte*>(p), n, po::DType::float32};
+}
 po::Tensor view(float* p, std::size_t n) { return {reinterpret_cast<std::byte*>(p), n, po::DType::float32}; }
 
 /// The step inputs a stage reads for one microbatch (tokens on stage 0, targets on the last),
 /// int32 at `tokens` and `targets` (host or device memory), as the runtime hands them over.
-std::vector<po::StepInput> step_inputs(int stage, int stages, const std::int32_t* tokens, const std::int32_t* targets, std::size_t T) {
+std::vector<po::StepInput> step_inputs(int stage, int stages, const std::int32_t* tokens, const std::int32_t* targets,
+                                       std::size_t T) {
   std::vector<po::StepInput> in;
   if (stage == 0) in.push_back({"tokens", {reinterpret_cast<const std::byte*>(tokens), T, po::DType::int32}});
-  if (stage == stages - 1) in.push_back({"targets", {reinterpret_cast<const std::byte*>(targets), T, po::DType::int32}});
+  if (stage == stages - 1)
+    in.push_back({"targets", {reinterpret_cast<const std::byte*>(targets), T, po::DType::int32}});
   return in;
 }
 
-po::Microbatch microbatch(int stage, int stages, int k, const Inputs& in, std::span<const po::StepInput> inputs, float* loss) {
+po::Microbatch microbatch(int stage, int stages, int k, const Inputs& in, std::span<const po::StepInput> inputs,
+                          float* loss) {
   po::Microbatch mb;
   mb.stage = stage;
   mb.stages = stages;
@@ -194,15 +199,17 @@ Outputs run_cpu(po::model::GptStage& l, int stage, int stages, const Inputs& in)
   }
   for (int k = 0; k < 2; ++k) {
     const po::Microbatch mb = microbatch(stage, stages, k, in, inputs[k], last ? &out.loss[k] : nullptr);
-    l.forward(ctx, mb, first ? po::ConstTensor{} : view(in.x[k].data(), n), last ? po::Tensor{} : view(out.y[k].data(), n), saved[k].data());
+    l.forward(ctx, mb, first ? po::ConstTensor{} : view(in.x[k].data(), n),
+              last ? po::Tensor{} : view(out.y[k].data(), n), saved[k].data());
   }
   if (!in.training) return out;
   for (int k = 0; k < 2; ++k) {
     const po::Microbatch mb = microbatch(stage, stages, k, in, inputs[k], nullptr);
-    l.backward_input(ctx, mb, last ? po::ConstTensor{} : view(in.dy[k].data(), n), first ? po::Tensor{} : view(out.dx[k].data(), n), saved[k].data(),
-                     stash[k].data());
+    l.backward_input(ctx, mb, last ? po::ConstTensor{} : view(in.dy[k].data(), n),
+                     first ? po::Tensor{} : view(out.dx[k].data(), n), saved[k].data(), stash[k].data());
   }
-  for (int k = 0; k < 2; ++k) l.backward_weight(ctx, microbatch(stage, stages, k, in, inputs[k], nullptr), saved[k].data(), stash[k].data());
+  for (int k = 0; k < 2; ++k)
+    l.backward_weight(ctx, microbatch(stage, stages, k, in, inputs[k], nullptr), saved[k].data(), stash[k].data());
   out.grads.assign(l.gradients().begin(), l.gradients().end());
   return out;
 }
@@ -271,8 +278,8 @@ Outputs run_gpu(pc::GptStage& l, po::backend::Cuda& dev, int stream, int stage, 
   };
   for (int k = 0; k < 2; ++k)
     pass([&](po::backend::CudaContext& ctx) {
-      l.forward(ctx, microbatch(stage, stages, k, in, inputs[k], last ? loss + k : nullptr), first ? po::ConstTensor{} : view(x[k], n),
-                last ? po::Tensor{} : view(y[k], n), saved[k]);
+      l.forward(ctx, microbatch(stage, stages, k, in, inputs[k], last ? loss + k : nullptr),
+                first ? po::ConstTensor{} : view(x[k], n), last ? po::Tensor{} : view(y[k], n), saved[k]);
     });
   if (in.training) {
     // Offload and reload microbatch 0's activations into another buffer; poison the old one.
@@ -283,11 +290,14 @@ Outputs run_gpu(pc::GptStage& l, po::backend::Cuda& dev, int stream, int stage, 
     PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
     for (int k = 0; k < 2; ++k)
       pass([&](po::backend::CudaContext& ctx) {
-        l.backward_input(ctx, microbatch(stage, stages, k, in, inputs[k], nullptr), last ? po::ConstTensor{} : view(dy[k], n),
-                         first ? po::Tensor{} : view(dx[k], n), saved[k], stash[k]);
+        l.backward_input(ctx, microbatch(stage, stages, k, in, inputs[k], nullptr),
+                         last ? po::ConstTensor{} : view(dy[k], n), first ? po::Tensor{} : view(dx[k], n), saved[k],
+                         stash[k]);
       });
     for (int k = 0; k < 2; ++k)
-      pass([&](po::backend::CudaContext& ctx) { l.backward_weight(ctx, microbatch(stage, stages, k, in, inputs[k], nullptr), saved[k], stash[k]); });
+      pass([&](po::backend::CudaContext& ctx) {
+        l.backward_weight(ctx, microbatch(stage, stages, k, in, inputs[k], nullptr), saved[k], stash[k]);
+      });
   }
   Outputs out;
   if (last) {
@@ -309,7 +319,8 @@ void compare(const Outputs& gpu, const Outputs& cpu, const pm::GptDims& d, bool 
   for (int k = 0; k < 2; ++k) {
     const std::string mb = "mb " + std::to_string(k) + " ";
     if (d.has_head) {
-      const double e = std::abs(static_cast<double>(gpu.loss[k]) - cpu.loss[k]) / std::abs(static_cast<double>(cpu.loss[k]));
+      const double e =
+          std::abs(static_cast<double>(gpu.loss[k]) - cpu.loss[k]) / std::abs(static_cast<double>(cpu.loss[k]));
       MESSAGE(mb << "loss: gpu " << gpu.loss[k] << ", cpu " << cpu.loss[k] << ", relative error " << e);
       CHECK(e <= forward_tol);
     } else {
@@ -321,7 +332,8 @@ void compare(const Outputs& gpu, const Outputs& cpu, const pm::GptDims& d, bool 
   REQUIRE(gpu.grads.size() == cpu.grads.size());
   // (wpe's rows past the microbatch's seq get no gradient on either side: zeros compare equal.)
   for (const po::ParamInfo& t : pm::gpt_parameter_info(d))
-    check_rel("gradient of " + t.name, gpu.grads.data() + t.offset, cpu.grads.data() + t.offset, t.count(), backward_tol);
+    check_rel("gradient of " + t.name, gpu.grads.data() + t.offset, cpu.grads.data() + t.offset, t.count(),
+              backward_tol);
 }
 
 po::model::GptConfig test_config(int layers, bool recompute) {
@@ -330,7 +342,7 @@ po::model::GptConfig test_config(int layers, bool recompute) {
   c.hidden = 128;
   c.heads = 4;  // head_dim 32: cuDNN's SDPA needs a multiple of 8
   c.layers = layers;
-  c.seq = 64;   // the position table; microbatches use seq 32 (rows % 32 index it)
+  c.seq = 64;  // the position table; microbatches use seq 32 (rows % 32 index it)
   c.dropout = 0.1f;
   c.recompute = recompute;
   c.seed = 7;
@@ -347,14 +359,17 @@ void check_stage(const po::model::GptConfig& c, int stage, int stages, bool trai
   const po::MicrobatchShape shape{2, 32};
   po::model::GptStage cpu(c, stage, stages);
   const pm::BlockRange r = pm::gpt_blocks_of_stage(c.layers, stage, stages);
-  const pm::GptDims d{c.vocab, c.hidden, c.heads, c.seq, r.first, r.count, stage == 0, stage == stages - 1, c.recompute};
+  const pm::GptDims d{c.vocab,    c.hidden, c.heads, c.seq, r.first, r.count, stage == 0, stage == stages - 1,
+                      c.recompute};
   draw_parameters(cpu.parameters(), d, 100 + static_cast<unsigned>(stage));
-  po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});  // the cuBLASLt + cuDNN workspace (256 MiB) lives here
+  po::backend::Cuda dev(
+      {.arena_bytes = std::size_t{512} << 20});  // the cuBLASLt + cuDNN workspace (256 MiB) lives here
   const int s = dev.make_stream("compute");
   pc::GptStage gpu(dev, c, stage, stages, shape, cpu.parameters());
   CHECK(gpu.norm_groups() == cpu.norm_groups());
   CHECK(gpu.parameter_info().size() == cpu.parameter_info().size());  // names and offsets: test_host.cpp
-  CHECK(download(gpu.parameters().data(), gpu.parameters().size()) == std::vector<float>(cpu.parameters().begin(), cpu.parameters().end()));
+  CHECK(download(gpu.parameters().data(), gpu.parameters().size()) ==
+        std::vector<float>(cpu.parameters().begin(), cpu.parameters().end()));
   CHECK(gpu.input_boundary(shape) == cpu.input_boundary(shape));
   CHECK(gpu.output_boundary(shape) == cpu.output_boundary(shape));
   Inputs in = make_inputs(c, shape, 1000 + static_cast<unsigned>(stage));
@@ -366,12 +381,14 @@ void check_stage(const po::model::GptConfig& c, int stage, int stages, bool trai
 
 }  // namespace
 
-TEST_CASE("cuda::GptStage matches model::GptStage on the first, a middle and the last stage, with selective recompute") {
+TEST_CASE(
+    "cuda::GptStage matches model::GptStage on the first, a middle and the last stage, with selective recompute") {
   const po::model::GptConfig c = test_config(6, true);  // 3 stages of 2 blocks
   for (int s = 0; s < 3; ++s) check_stage(c, s, 3);
 }
 
-TEST_CASE("cuda::GptStage matches model::GptStage on the first, a middle and the last stage, recompute off (saved LayerNorm, GeLU, masks)") {
+TEST_CASE(
+    "cuda::GptStage matches model::GptStage on the first, a middle and the last stage, recompute off (saved LayerNorm, GeLU, masks)") {
   const po::model::GptConfig c = test_config(6, false);
   for (int s = 0; s < 3; ++s) check_stage(c, s, 3);
 }
@@ -396,13 +413,16 @@ TEST_CASE("cuda::GptStage's forward of microbatch 0 refreshes the bf16 weights f
   po::model::GptStage cpu(c, stage, stages);
   const pm::BlockRange r = pm::gpt_blocks_of_stage(c.layers, stage, stages);
   const pm::GptDims d{c.vocab, c.hidden, c.heads, c.seq, r.first, r.count, false, false, c.recompute};
-  po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});  // the cuBLASLt + cuDNN workspace (256 MiB) lives here
+  po::backend::Cuda dev(
+      {.arena_bytes = std::size_t{512} << 20});  // the cuBLASLt + cuDNN workspace (256 MiB) lives here
   const int s = dev.make_stream("compute");
   pc::GptStage gpu(dev, c, stage, stages, shape);  // the CPU model's init
-  CHECK(download(gpu.parameters().data(), gpu.parameters().size()) == std::vector<float>(cpu.parameters().begin(), cpu.parameters().end()));
+  CHECK(download(gpu.parameters().data(), gpu.parameters().size()) ==
+        std::vector<float>(cpu.parameters().begin(), cpu.parameters().end()));
   // What the runtime's optimizer step does: new master parameters, written on the device.
   draw_parameters(cpu.parameters(), d, 5);
-  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(gpu.parameters().data(), cpu.parameters().data(), cpu.parameters().size() * sizeof(float), cudaMemcpyHostToDevice));
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(gpu.parameters().data(), cpu.parameters().data(),
+                                    cpu.parameters().size() * sizeof(float), cudaMemcpyHostToDevice));
   const Inputs in = make_inputs(c, shape, 77);
   const Outputs want = run_cpu(cpu, stage, stages, in);
   const Outputs got = run_gpu(gpu, dev, s, stage, stages, in);
@@ -423,13 +443,18 @@ TEST_CASE("cuda::GptStage refuses microbatches larger than its scratch and misal
   Inputs in;
   in.shape = big;
   po::backend::CudaContext ctx = dev.context(s);
-  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, {}, nullptr), view(x, n), view(y, n), saved), po::shape_error);
+  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, {}, nullptr), view(x, n), view(y, n), saved),
+                  po::shape_error);
   in.shape = {1, 32};
-  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, {}, nullptr), view(x, small), view(y, small), saved + 16), po::error);
-  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, {}, nullptr), po::ConstTensor{}, view(y, small), saved), po::error);
+  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, {}, nullptr), view(x, small), view(y, small), saved + 16),
+                  po::error);
+  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, {}, nullptr), po::ConstTensor{}, view(y, small), saved),
+                  po::error);
   // A boundary of the wrong size or element type.
-  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, {}, nullptr), view(x, n), view(y, small), saved), po::shape_error);
-  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, {}, nullptr), po::ConstTensor{reinterpret_cast<const std::byte*>(x), small, po::DType::int32},
+  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, {}, nullptr), view(x, n), view(y, small), saved),
+                  po::shape_error);
+  CHECK_THROWS_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, {}, nullptr),
+                              po::ConstTensor{reinterpret_cast<const std::byte*>(x), small, po::DType::int32},
                               view(y, small), saved),
                   po::error);
   CHECK_THROWS_AS(pc::GptStage(dev, c, 1, 3, {1, 65}), po::shape_error);  // longer than the position table
@@ -447,7 +472,8 @@ template <class Stage, class Backend, class MakeStage>
 std::vector<float> train(Backend& dev, MakeStage make, int steps) {
   const po::Shape shape{1, 2, 4};
   const po::MicrobatchShape mbs{2, 16};
-  const po::Program program = po::build({po::Family::grouped, {po::GroupSpec::Kind::uniform, 1}, po::offload::all}, shape);
+  const po::Program program =
+      po::build({po::Family::grouped, {po::GroupSpec::Kind::uniform, 1}, po::offload::all}, shape);
   po::comm::ThreadsWorld world(1);
   po::comm::Threads comm(world, 0);
   std::vector<Stage> layers;
@@ -464,7 +490,8 @@ std::vector<float> train(Backend& dev, MakeStage make, int steps) {
     tgt[i] = static_cast<std::int32_t>((i * 17 + 3) % 256);
   }
   po::Batch batch;
-  batch.add("tokens", tok, {static_cast<long long>(rows), mbs.seq}).add("targets", tgt, {static_cast<long long>(rows), mbs.seq});
+  batch.add("tokens", tok, {static_cast<long long>(rows), mbs.seq})
+      .add("targets", tgt, {static_cast<long long>(rows), mbs.seq});
   std::vector<float> losses;
   for (int s = 0; s < steps; ++s) {
     rt.zero_grad();
@@ -483,10 +510,11 @@ TEST_CASE("po::Runtime trains cuda::GptStage stages (PO, every unit offloaded) a
   c.seq = 16;
   const int steps = 4;
   po::backend::Cpu cpu_dev;
-  const std::vector<float> want = train<po::model::GptStage>(cpu_dev, [&](int s, int S, po::MicrobatchShape) { return po::model::GptStage(c, s, S); }, steps);
+  const std::vector<float> want = train<po::model::GptStage>(
+      cpu_dev, [&](int s, int S, po::MicrobatchShape) { return po::model::GptStage(c, s, S); }, steps);
   po::backend::Cuda gpu_dev({.arena_bytes = std::size_t{512} << 20});
-  const std::vector<float> got =
-      train<pc::GptStage>(gpu_dev, [&](int s, int S, po::MicrobatchShape mbs) { return pc::GptStage(gpu_dev, c, s, S, mbs); }, steps);
+  const std::vector<float> got = train<pc::GptStage>(
+      gpu_dev, [&](int s, int S, po::MicrobatchShape mbs) { return pc::GptStage(gpu_dev, c, s, S, mbs); }, steps);
   // The same initial parameters and data: step 0's loss differs by the forward's bf16 error;
   // later ones also by the parameters' response to bf16 gradient errors through AdamW (whose
   // first steps move each parameter by about lr * sign(gradient)), hence backward_tol there.

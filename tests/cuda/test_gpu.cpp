@@ -132,8 +132,10 @@ TEST_CASE("bias and LayerNorm weight gradients accumulate the column sums models
   for (const auto& [rows, n] : {std::pair{333, 1000}, std::pair{4096, 64}, std::pair{5, 33}}) {
     CAPTURE(rows);
     CAPTURE(n);
-    const std::vector<float> dy = random_bf16(static_cast<std::size_t>(rows) * n, 23), x = random_bf16(dy.size(), 24, 2.0f);
-    std::vector<float> stats(2 * static_cast<std::size_t>(rows)), g0 = random_bf16(static_cast<std::size_t>(n), 25), b0 = random_bf16(static_cast<std::size_t>(n), 26);
+    const std::vector<float> dy = random_bf16(static_cast<std::size_t>(rows) * n, 23),
+                             x = random_bf16(dy.size(), 24, 2.0f);
+    std::vector<float> stats(2 * static_cast<std::size_t>(rows)), g0 = random_bf16(static_cast<std::size_t>(n), 25),
+                                                                  b0 = random_bf16(static_cast<std::size_t>(n), 26);
     for (int r = 0; r < rows; ++r) {
       const math::RowStats st = math::row_stats(x.data() + static_cast<std::size_t>(r) * n, n);
       stats[2 * static_cast<std::size_t>(r)] = st.mean;
@@ -159,7 +161,8 @@ TEST_CASE("bias and LayerNorm weight gradients accumulate the column sums models
     check_close(g.get(dgamma, want_g.size()), want_g, 1e-4f, 1e-3f);
     check_close(g.get(dbeta, want_b.size()), want_b, 1e-4f, 1e-3f);
     check_close(g.get(db, want_b.size()), want_b, 1e-4f, 1e-3f);
-    check_close(g.get(db, want_b.size()), g.get(dbeta, want_b.size()), 0.0f, 0.0f);  // one kernel shape, one order: the same bits
+    check_close(g.get(db, want_b.size()), g.get(dbeta, want_b.size()), 0.0f,
+                0.0f);  // one kernel shape, one order: the same bits
   }
 }
 
@@ -173,7 +176,9 @@ TEST_CASE("add_bias adds a row vector to bf16 and fp32 matrices") {
   pk::add_bias(yf, db, rows, n, g.s);
   std::vector<float> want(y.size());
   for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < n; ++c) want[static_cast<std::size_t>(r * n + c)] = y[static_cast<std::size_t>(r * n + c)] + b[static_cast<std::size_t>(c)];
+    for (int c = 0; c < n; ++c)
+      want[static_cast<std::size_t>(r * n + c)] =
+          y[static_cast<std::size_t>(r * n + c)] + b[static_cast<std::size_t>(c)];
   check_close(g.get(yb, y.size()), want, bf16_rel, 0.0f);
   check_close(g.get(yf, y.size()), want, 0.0f, 0.0f);  // one fp32 addition, as the CPU does
 }
@@ -193,8 +198,10 @@ TEST_CASE("LayerNorm kernels match row_stats, layernorm_apply and layernorm_back
     const math::RowStats st = math::row_stats(xr, n);
     want_stats[2 * r] = st.mean;
     want_stats[2 * r + 1] = st.rstd;
-    for (int i = 0; i < n; ++i) want_y[static_cast<std::size_t>(r) * n + i] = math::layernorm_apply(xr[i], st, gamma[i], beta[i]);
-    math::layernorm_backward_row(dy.data() + static_cast<std::size_t>(r) * n, xr, st, gamma.data(), want_dx.data() + static_cast<std::size_t>(r) * n, n);
+    for (int i = 0; i < n; ++i)
+      want_y[static_cast<std::size_t>(r) * n + i] = math::layernorm_apply(xr[i], st, gamma[i], beta[i]);
+    math::layernorm_backward_row(dy.data() + static_cast<std::size_t>(r) * n, xr, st, gamma.data(),
+                                 want_dx.data() + static_cast<std::size_t>(r) * n, n);
   }
   check_close(g.get(stats, 2 * rows), want_stats, 1e-5f, 1e-5f);  // fp32 sums in another order
   check_close(g.get(y, x.size()), want_y, bf16_rel, 1e-3f);
@@ -215,8 +222,9 @@ TEST_CASE("softmax cross-entropy and its mean match softmax_xent_row") {
   std::vector<float> want_d(logits.size()), want_l(rows);
   double total = 0;
   for (int r = 0; r < rows; ++r) {
-    want_l[static_cast<std::size_t>(r)] = math::softmax_xent_row(logits.data() + static_cast<std::size_t>(r) * V, V, targets[static_cast<std::size_t>(r)], 0.5f,
-                                                                 want_d.data() + static_cast<std::size_t>(r) * V);
+    want_l[static_cast<std::size_t>(r)] =
+        math::softmax_xent_row(logits.data() + static_cast<std::size_t>(r) * V, V, targets[static_cast<std::size_t>(r)],
+                               0.5f, want_d.data() + static_cast<std::size_t>(r) * V);
     total += want_l[static_cast<std::size_t>(r)];
   }
   check_close(g.get(losses, rows), want_l, 1e-5f, 1e-5f);
@@ -264,14 +272,17 @@ TEST_CASE("AdamW, SGD, non-finite check, embedding and column-sum kernels match 
   // Embedding: two sequences of 5 tokens, h = 8.
   const int seq = 5, h = 8, vocab = 11, rows = 10;
   std::vector<std::int32_t> tokens = {1, 3, 3, 0, 10, 2, 2, 9, 1, 1};
-  const std::vector<float> wte = random_bf16(static_cast<std::size_t>(vocab) * h, 10), wpe = random_bf16(static_cast<std::size_t>(seq) * h, 11);
+  const std::vector<float> wte = random_bf16(static_cast<std::size_t>(vocab) * h, 10),
+                           wpe = random_bf16(static_cast<std::size_t>(seq) * h, 11);
   std::int32_t* dtok = g.copy(tokens);
   float *dwte = g.copy(wte), *dwpe = g.copy(wpe);
   pk::bf16* emb = g.alloc<pk::bf16>(static_cast<std::size_t>(rows) * h);
   pk::embedding_forward(dtok, dwte, dwpe, emb, rows, seq, h, vocab, g.s);
   std::vector<float> want(static_cast<std::size_t>(rows) * h);
   for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < h; ++c) want[static_cast<std::size_t>(r * h + c)] = wte[static_cast<std::size_t>(tokens[r] * h + c)] + wpe[static_cast<std::size_t>((r % seq) * h + c)];
+    for (int c = 0; c < h; ++c)
+      want[static_cast<std::size_t>(r * h + c)] =
+          wte[static_cast<std::size_t>(tokens[r] * h + c)] + wpe[static_cast<std::size_t>((r % seq) * h + c)];
   check_close(g.get(emb, want.size()), want, bf16_rel, 1e-6f);
   std::vector<float> gte(wte.size(), 0.0f), gpe(wpe.size(), 0.0f);
   float *dgte = g.copy(gte), *dgpe = g.copy(gpe);
@@ -291,10 +302,12 @@ TEST_CASE("cuBLASLt runs the GPT's forward, dgrad and wgrad GEMMs as the CPU GEM
   const int s = dev.make_stream("compute");
   Gpu g;
   const long long rows = 96, k = 64, n = 192;
-  const std::vector<float> X = random_bf16(static_cast<std::size_t>(rows * k), 12), W = random_bf16(static_cast<std::size_t>(k * n), 13),
+  const std::vector<float> X = random_bf16(static_cast<std::size_t>(rows * k), 12),
+                           W = random_bf16(static_cast<std::size_t>(k * n), 13),
                            dY = random_bf16(static_cast<std::size_t>(rows * n), 14);
   pk::bf16 *dX = g.bf16(X), *dW = g.bf16(W), *ddY = g.bf16(dY);
-  pk::bf16 *Y = g.alloc<pk::bf16>(static_cast<std::size_t>(rows * n)), *dXo = g.alloc<pk::bf16>(static_cast<std::size_t>(rows * k));
+  pk::bf16 *Y = g.alloc<pk::bf16>(static_cast<std::size_t>(rows * n)),
+           *dXo = g.alloc<pk::bf16>(static_cast<std::size_t>(rows * k));
   std::vector<float> gw0 = random_bf16(static_cast<std::size_t>(k * n), 15);
   float* gW = g.copy(gw0);
   dev.launch(s, [&] {
@@ -308,9 +321,12 @@ TEST_CASE("cuBLASLt runs the GPT's forward, dgrad and wgrad GEMMs as the CPU GEM
   for (long long r = 0; r < rows; ++r)
     for (long long c = 0; c < n; ++c)
       for (long long p = 0; p < k; ++p) {
-        y[static_cast<std::size_t>(r * n + c)] += X[static_cast<std::size_t>(r * k + p)] * W[static_cast<std::size_t>(p * n + c)];
-        dx[static_cast<std::size_t>(r * k + p)] += dY[static_cast<std::size_t>(r * n + c)] * W[static_cast<std::size_t>(p * n + c)];
-        gw[static_cast<std::size_t>(p * n + c)] += X[static_cast<std::size_t>(r * k + p)] * dY[static_cast<std::size_t>(r * n + c)];
+        y[static_cast<std::size_t>(r * n + c)] +=
+            X[static_cast<std::size_t>(r * k + p)] * W[static_cast<std::size_t>(p * n + c)];
+        dx[static_cast<std::size_t>(r * k + p)] +=
+            dY[static_cast<std::size_t>(r * n + c)] * W[static_cast<std::size_t>(p * n + c)];
+        gw[static_cast<std::size_t>(p * n + c)] +=
+            X[static_cast<std::size_t>(r * k + p)] * dY[static_cast<std::size_t>(r * n + c)];
       }
   check_close(g.get(Y, y.size()), y, bf16_rel, 1e-2f);
   check_close(g.get(dXo, dx.size()), dx, bf16_rel, 1e-2f);
@@ -323,7 +339,9 @@ TEST_CASE("cuBLASLt runs the GPT's forward, dgrad and wgrad GEMMs as the CPU GEM
   PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(X16, dX, static_cast<std::size_t>(rows * k) * 2, cudaMemcpyDeviceToDevice));
   PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(W16, dW, static_cast<std::size_t>(k * n) * 2, cudaMemcpyDeviceToDevice));
   PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
-  dev.launch(s, [&] { po::cuda::gemm(dev.context(s), po::cuda::linear_forward(rows, k, n), X16, W16, Y16, po::cuda::Out::bf16); });
+  dev.launch(s, [&] {
+    po::cuda::gemm(dev.context(s), po::cuda::linear_forward(rows, k, n), X16, W16, Y16, po::cuda::Out::bf16);
+  });
   dev.synchronize();
   check_close(g.get(Y16, y.size()), y, bf16_rel, 1e-2f);
 }
@@ -333,21 +351,27 @@ TEST_CASE("cuDNN's causal SDPA forward and backward match the CPU model's attent
   const int s = dev.make_stream("compute");
   Gpu g;
   const int B = 2, A = 4, S = 64, D = 64, H = A * D;
-  const std::vector<float> qkv = random_bf16(static_cast<std::size_t>(B) * S * 3 * H, 16), dout = random_bf16(static_cast<std::size_t>(B) * S * H, 17);
-  pk::bf16 *dqkv_in = g.bf16(qkv), *ddout = g.bf16(dout), *out = g.alloc<pk::bf16>(dout.size()), *dqkv = g.alloc<pk::bf16>(qkv.size());
+  const std::vector<float> qkv = random_bf16(static_cast<std::size_t>(B) * S * 3 * H, 16),
+                           dout = random_bf16(static_cast<std::size_t>(B) * S * H, 17);
+  pk::bf16 *dqkv_in = g.bf16(qkv), *ddout = g.bf16(dout), *out = g.alloc<pk::bf16>(dout.size()),
+           *dqkv = g.alloc<pk::bf16>(qkv.size());
   float* stats = g.alloc<float>(static_cast<std::size_t>(B) * A * S);
   const po::cuda::attention::Shape shape{B, A, S, D};
   dev.launch(s, [&] {
     auto ctx = dev.context(s);
     REQUIRE(po::cuda::attention::workspace_bytes(*ctx.attention, shape) <= ctx.workspace_bytes);
-    po::cuda::attention::forward(*ctx.attention, ctx.cuda_stream, shape, dqkv_in, out, stats, ctx.workspace, ctx.workspace_bytes);
-    po::cuda::attention::backward(*ctx.attention, ctx.cuda_stream, shape, dqkv_in, out, ddout, stats, dqkv, ctx.workspace, ctx.workspace_bytes);
+    po::cuda::attention::forward(*ctx.attention, ctx.cuda_stream, shape, dqkv_in, out, stats, ctx.workspace,
+                                 ctx.workspace_bytes);
+    po::cuda::attention::backward(*ctx.attention, ctx.cuda_stream, shape, dqkv_in, out, ddout, stats, dqkv,
+                                  ctx.workspace, ctx.workspace_bytes);
   });
   dev.synchronize();
   // The CPU model's attention (models/gpt/cpu.hpp), in double.
   std::vector<float> want_out(dout.size()), want_lse(static_cast<std::size_t>(B) * A * S), want_d(qkv.size(), 0.0f);
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  const auto at = [&](int b, int t, int part, int a, int e) { return static_cast<std::size_t>((b * S + t) * 3 * H + part * H + a * D + e); };
+  const auto at = [&](int b, int t, int part, int a, int e) {
+    return static_cast<std::size_t>((b * S + t) * 3 * H + part * H + a * D + e);
+  };
   for (int b = 0; b < B; ++b)
     for (int a = 0; a < A; ++a) {
       std::vector<double> P(static_cast<std::size_t>(S) * S, 0.0);
@@ -363,7 +387,8 @@ TEST_CASE("cuDNN's causal SDPA forward and backward match the CPU model's attent
         for (int j = 0; j <= i; ++j) sum += std::exp(P[static_cast<std::size_t>(i * S + j)] - mx);
         const double lse = mx + std::log(sum);
         want_lse[static_cast<std::size_t>((b * A + a) * S + i)] = static_cast<float>(lse);
-        for (int j = 0; j <= i; ++j) P[static_cast<std::size_t>(i * S + j)] = std::exp(P[static_cast<std::size_t>(i * S + j)] - lse);
+        for (int j = 0; j <= i; ++j)
+          P[static_cast<std::size_t>(i * S + j)] = std::exp(P[static_cast<std::size_t>(i * S + j)] - lse);
         for (int e = 0; e < D; ++e) {
           double o = 0;
           for (int j = 0; j <= i; ++j) o += P[static_cast<std::size_t>(i * S + j)] * qkv[at(b, j, 2, a, e)];
@@ -372,13 +397,18 @@ TEST_CASE("cuDNN's causal SDPA forward and backward match the CPU model's attent
       }
       for (int i = 0; i < S; ++i) {
         double Di = 0;
-        for (int e = 0; e < D; ++e) Di += static_cast<double>(dout[static_cast<std::size_t>((b * S + i) * H + a * D + e)]) * want_out[static_cast<std::size_t>((b * S + i) * H + a * D + e)];
+        for (int e = 0; e < D; ++e)
+          Di += static_cast<double>(dout[static_cast<std::size_t>((b * S + i) * H + a * D + e)]) *
+                want_out[static_cast<std::size_t>((b * S + i) * H + a * D + e)];
         for (int j = 0; j <= i; ++j) {
           double dp = 0;
-          for (int e = 0; e < D; ++e) dp += static_cast<double>(dout[static_cast<std::size_t>((b * S + i) * H + a * D + e)]) * qkv[at(b, j, 2, a, e)];
+          for (int e = 0; e < D; ++e)
+            dp += static_cast<double>(dout[static_cast<std::size_t>((b * S + i) * H + a * D + e)]) *
+                  qkv[at(b, j, 2, a, e)];
           const double p = P[static_cast<std::size_t>(i * S + j)], ds = p * (dp - Di);
           for (int e = 0; e < D; ++e) {
-            want_d[at(b, j, 2, a, e)] += static_cast<float>(p * dout[static_cast<std::size_t>((b * S + i) * H + a * D + e)]);
+            want_d[at(b, j, 2, a, e)] +=
+                static_cast<float>(p * dout[static_cast<std::size_t>((b * S + i) * H + a * D + e)]);
             want_d[at(b, i, 0, a, e)] += static_cast<float>(ds * scale * qkv[at(b, j, 1, a, e)]);
             want_d[at(b, j, 1, a, e)] += static_cast<float>(ds * scale * qkv[at(b, i, 0, a, e)]);
           }
@@ -417,8 +447,10 @@ TEST_CASE("comm::Nccl moves tagged messages between two GPUs on the comm stream 
     const std::span<std::byte> data(b.ptr, bytes);
     // Step 1: rank 0 sends, rank 1 receives the right tag.
     dev.launch(cs, [&] {
-      if (r == 0) comm.send(dev.context(cs), 1, {1, 0, po::Dir::forward}, data);
-      else comm.recv(dev.context(cs), 0, {1, 0, po::Dir::forward}, data);
+      if (r == 0)
+        comm.send(dev.context(cs), 1, {1, 0, po::Dir::forward}, data);
+      else
+        comm.recv(dev.context(cs), 0, {1, 0, po::Dir::forward}, data);
     });
     dev.synchronize();
     const double one[1] = {1.0};
@@ -427,8 +459,10 @@ TEST_CASE("comm::Nccl moves tagged messages between two GPUs on the comm stream 
     if (r == 1) PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(got.data(), b.ptr, bytes, cudaMemcpyDeviceToHost));
     // Step 2: rank 1 expects another microbatch than rank 0 sends.
     dev.launch(cs, [&] {
-      if (r == 0) comm.send(dev.context(cs), 1, {1, 1, po::Dir::forward}, data);
-      else comm.recv(dev.context(cs), 0, {1, 2, po::Dir::forward}, data);
+      if (r == 0)
+        comm.send(dev.context(cs), 1, {1, 1, po::Dir::forward}, data);
+      else
+        comm.recv(dev.context(cs), 0, {1, 2, po::Dir::forward}, data);
     });
     dev.synchronize();
     try {
@@ -440,11 +474,16 @@ TEST_CASE("comm::Nccl moves tagged messages between two GPUs on the comm stream 
       throw;
     }
   });
-  for (int r = 0; r < 2; ++r) MESSAGE("rank " << r << ": " << (errors[static_cast<std::size_t>(r)].empty() ? "returned" : errors[static_cast<std::size_t>(r)]));
+  for (int r = 0; r < 2; ++r)
+    MESSAGE(
+        "rank " << r << ": "
+                << (errors[static_cast<std::size_t>(r)].empty() ? "returned" : errors[static_cast<std::size_t>(r)]));
   for (std::size_t i = 0; i < n; ++i) CHECK(got[i] == static_cast<float>(i));
   CHECK(errors[1] == wrong_tag_error);  // rank 1 failed with the wrong tag, nothing earlier
-  CHECK(wrong_tag_error.find("expected (forward, stage 1, mb 2) of " + std::to_string(bytes) + " bytes") != std::string::npos);
-  CHECK(wrong_tag_error.find("received (forward, stage 1, mb 1) of " + std::to_string(bytes) + " bytes") != std::string::npos);
+  CHECK(wrong_tag_error.find("expected (forward, stage 1, mb 2) of " + std::to_string(bytes) + " bytes") !=
+        std::string::npos);
+  CHECK(wrong_tag_error.find("received (forward, stage 1, mb 1) of " + std::to_string(bytes) + " bytes") !=
+        std::string::npos);
 }
 
 TEST_CASE("device_pairing covers every visible GPU exactly once") {

@@ -7,22 +7,22 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <limits>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <limits>
 #include <random>
 #include <thread>
 #include <vector>
 
-#include <pipeoffload/backend/cpu/cpu.hpp>
-#include <pipeoffload/backend/cuda/shapes.hpp>
-#include <pipeoffload/backend/cuda/topology.hpp>
-#include <pipeoffload/comm/nccl/id_file.hpp>
 #include <models/gpt/cpu.hpp>
 #include <models/gpt/cuda_layout.hpp>
 #include <models/gpt/layout.hpp>
 #include <models/gpt/math.hpp>
+#include <pipeoffload/backend/cpu/cpu.hpp>
+#include <pipeoffload/backend/cuda/shapes.hpp>
+#include <pipeoffload/backend/cuda/topology.hpp>
+#include <pipeoffload/comm/nccl/id_file.hpp>
 
 namespace po = pipeoffload;
 namespace pc = pipeoffload::cuda;
@@ -100,7 +100,8 @@ TEST_CASE("layernorm_backward_elem reproduces layernorm_backward_row element by 
     sgx += g * (x[i] - st.mean) * st.rstd;
   }
   for (int i = 0; i < n; ++i)
-    CHECK(math::layernorm_backward_elem(dy[i], x[i], st, gamma[i], sg / n, sgx / n) == ref[static_cast<std::size_t>(i)]);
+    CHECK(math::layernorm_backward_elem(dy[i], x[i], st, gamma[i], sg / n, sgx / n) ==
+          ref[static_cast<std::size_t>(i)]);
 }
 
 TEST_CASE("softmax_xent_grad reproduces softmax_xent_row's gradient from the row's log-sum-exp") {
@@ -109,7 +110,8 @@ TEST_CASE("softmax_xent_grad reproduces softmax_xent_row's gradient from the row
   std::vector<float> ref(n);
   const float loss = math::softmax_xent_row(logits.data(), n, target, 0.25f, ref.data());
   const float lse = loss + logits[target];
-  for (int i = 0; i < n; ++i) CHECK(math::softmax_xent_grad(logits[i], lse, i == target, 0.25f) == doctest::Approx(ref[i]).epsilon(1e-5));
+  for (int i = 0; i < n; ++i)
+    CHECK(math::softmax_xent_grad(logits[i], lse, i == target, 0.25f) == doctest::Approx(ref[i]).epsilon(1e-5));
 }
 
 TEST_CASE("residual_dropout keeps about 1-p of the branch, scaled by 1/(1-p), and regenerates the same mask") {
@@ -153,7 +155,8 @@ TEST_CASE("elementwise launches cover every element once with a grid within CUDA
     // A grid-stride loop visits i, i + grid*block, ...: every element iff grid*block >= 1 and
     // the grid is no larger than needed.
     CHECK(static_cast<long long>(l.grid - 1) * l.block < n);
-    if (n <= static_cast<long long>(pc::max_grid) * pc::elementwise_block) CHECK(static_cast<long long>(l.grid) * l.block >= n);
+    if (n <= static_cast<long long>(pc::max_grid) * pc::elementwise_block)
+      CHECK(static_cast<long long>(l.grid) * l.block >= n);
   }
   CHECK_THROWS_AS(pc::elementwise_launch(-1), po::shape_error);
 }
@@ -213,8 +216,14 @@ TEST_CASE("the CUDA non-finite check tests the bits backend::Cpu tests, and flag
   // float32 and float64: against std::isfinite as well, over the special values and random bits.
   std::vector<std::uint32_t> w32 = {0x00000000u, 0x80000000u, 0x00000001u, 0x3f800000u, 0x7f7fffffu, 0xff7fffffu,
                                     0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00001u, 0x7f800001u};
-  std::vector<std::uint64_t> w64 = {0x0ull, 0x1ull, 0x3ff0000000000000ull, 0x7fefffffffffffffull, 0x7ff0000000000000ull,
-                                    0xfff0000000000000ull, 0x7ff8000000000000ull, 0xfff0000000000001ull};
+  std::vector<std::uint64_t> w64 = {0x0ull,
+                                    0x1ull,
+                                    0x3ff0000000000000ull,
+                                    0x7fefffffffffffffull,
+                                    0x7ff0000000000000ull,
+                                    0xfff0000000000000ull,
+                                    0x7ff8000000000000ull,
+                                    0xfff0000000000001ull};
   for (int i = 0; i < 2000; ++i) {
     w32.push_back(static_cast<std::uint32_t>(rng()));
     w64.push_back((static_cast<std::uint64_t>(rng()) << 32) | rng());
@@ -241,7 +250,8 @@ TEST_CASE("the CUDA non-finite check tests the bits backend::Cpu tests, and flag
     CHECK(cuda_flags(h, po::DType::float16) == cpu_flags(h, po::DType::float16));
     CHECK(cuda_flags(h, po::DType::float16) == ((h & 0x7c00u) == 0x7c00u));  // IEEE half: exponent all ones
   }
-  for (po::DType t : {po::DType::int32, po::DType::int64, po::DType::uint8, po::DType::int8}) CHECK(pc::nonfinite_mask(t) == 0);
+  for (po::DType t : {po::DType::int32, po::DType::int64, po::DType::uint8, po::DType::int8})
+    CHECK(pc::nonfinite_mask(t) == 0);
   // The kernel reads one word per value: the mask fits the value's width.
   for (po::DType t : {po::DType::float32, po::DType::float64, po::DType::bfloat16, po::DType::float16})
     CHECK((pc::nonfinite_mask(t) >> (8 * po::dtype_size(t) - 1)) == 0u);
@@ -259,8 +269,9 @@ TEST_CASE("the GPT's three GEMMs are the calls models/gpt/cpu.hpp makes to the C
 }
 
 TEST_CASE("to_column_major computes the same product under cuBLAS's column-major convention") {
-  std::vector<pc::RowMajorGemm> cases = {pc::linear_forward(7, 4, 6), pc::linear_dgrad(7, 4, 6), pc::linear_wgrad(7, 4, 6),
-                                         pc::linear_forward(1, 1, 1), pc::linear_wgrad(33, 8, 24)};
+  std::vector<pc::RowMajorGemm> cases = {pc::linear_forward(7, 4, 6), pc::linear_dgrad(7, 4, 6),
+                                         pc::linear_wgrad(7, 4, 6), pc::linear_forward(1, 1, 1),
+                                         pc::linear_wgrad(33, 8, 24)};
   // Padded leading dimensions and every transpose combination.
   for (pc::Op ta : {pc::Op::n, pc::Op::t})
     for (pc::Op tb : {pc::Op::n, pc::Op::t}) {
@@ -312,7 +323,8 @@ TEST_CASE("sdpa_layout addresses q, k and v of the GPT's fused qkv rows and the 
     for (long long a = 0; a < A; ++a)
       for (long long s = 0; s < S; ++s)
         for (long long e = 0; e < D; ++e) {
-          const long long off = b * l.qkv_strides[0] + a * l.qkv_strides[1] + s * l.qkv_strides[2] + e * l.qkv_strides[3];
+          const long long off =
+              b * l.qkv_strides[0] + a * l.qkv_strides[1] + s * l.qkv_strides[2] + e * l.qkv_strides[3];
           CHECK(off + l.q_offset == (b * S + s) * 3 * H + a * D + e);
           CHECK(off + l.k_offset == (b * S + s) * 3 * H + H + a * D + e);
           CHECK(off + l.v_offset == (b * S + s) * 3 * H + 2 * H + a * D + e);
@@ -399,7 +411,8 @@ TEST_CASE("gpt_stage_params addresses every tensor of model::GptStage's paramete
     REQUIRE(L.total == static_cast<long long>(cpu.parameters().size()));
     const float* p = cpu.parameters().data();
     const long long h = c.hidden, V = c.vocab;
-    const double w = 0.02, res = 0.02 / std::sqrt(2.0 * layers), tol = 0.1;  // relative error of a sample std over >= 4096 values
+    const double w = 0.02, res = 0.02 / std::sqrt(2.0 * layers),
+                 tol = 0.1;  // relative error of a sample std over >= 4096 values
     if (d.embeds) {
       CHECK(std_dev(p, V * h) == doctest::Approx(w).epsilon(tol));
       CHECK(std_dev(p + L.wpe, c.seq * h) == doctest::Approx(0.01).epsilon(tol));
@@ -432,7 +445,8 @@ TEST_CASE("gpt_stage_params addresses every tensor of model::GptStage's paramete
   }
 }
 
-TEST_CASE("cuda::GptStage's parameter_info() and inputs() are model::GptStage's: the same names, offsets, shapes and inputs") {
+TEST_CASE(
+    "cuda::GptStage's parameter_info() and inputs() are model::GptStage's: the same names, offsets, shapes and inputs") {
   for (bool recompute : {true, false})
     for (int layers : {1, 2, 5})
       for (int stages : {1, 2, 3})
@@ -458,7 +472,8 @@ TEST_CASE("cuda::GptStage's parameter_info() and inputs() are model::GptStage's:
             end = t.offset + t.count();
           }
           CHECK(static_cast<long long>(end) == pm::gpt_stage_params(d).total);
-          for (const po::MicrobatchShape sh : {po::MicrobatchShape{1, 1}, po::MicrobatchShape{2, 16}, po::MicrobatchShape{3, 7}}) {
+          for (const po::MicrobatchShape sh :
+               {po::MicrobatchShape{1, 1}, po::MicrobatchShape{2, 16}, po::MicrobatchShape{3, 7}}) {
             const std::vector<po::InputSpec> wi = cpu.inputs(sh), gi = pm::gpt_inputs(d, sh);
             REQUIRE(gi.size() == wi.size());
             for (std::size_t i = 0; i < gi.size(); ++i) {
@@ -482,7 +497,8 @@ TEST_CASE("the CUDA GPT block saves 20bsh bytes with selective recompute and 34b
           const pc::GptBlockSaved s = pc::gpt_block_saved(d, T);
           const std::size_t Th = static_cast<std::size_t>(T * h);
           CHECK(s.tensor_bytes == (recompute ? 20 : 34) * Th);
-          CHECK(s.extra_bytes == static_cast<std::size_t>((16 + 4 * heads) * T));  // LN (mean, rstd) x 2, one lse per head
+          CHECK(s.extra_bytes ==
+                static_cast<std::size_t>((16 + 4 * heads) * T));  // LN (mean, rstd) x 2, one lse per head
           CHECK(s.bytes % pc::region_alignment == 0);
           CHECK(s.bytes >= s.tensor_bytes + s.extra_bytes);
           CHECK(s.bytes < s.tensor_bytes + s.extra_bytes + 12 * pc::region_alignment);  // only alignment padding
@@ -516,14 +532,16 @@ TEST_CASE("the CUDA GPT stage's saved, stash and scratch regions are aligned, di
             std::vector<pc::Region> saved, stash;
             for (int i = 0; i < d.blocks; ++i) {
               const std::size_t o = b.block_saved(i);
-              for (pc::Region r : {b.block.x, b.block.qkv, b.block.att, b.block.x1, b.block.f, b.block.stats, b.block.lse, b.block.a1, b.block.a2,
-                                   b.block.g, b.block.m1, b.block.m2})
+              for (pc::Region r : {b.block.x, b.block.qkv, b.block.att, b.block.x1, b.block.f, b.block.stats,
+                                   b.block.lse, b.block.a1, b.block.a2, b.block.g, b.block.m1, b.block.m2})
                 saved.push_back({o + r.offset, r.bytes});
               const std::size_t t = b.block_stashed(i);
-              for (pc::Region r : {b.block_stash.dP2, b.block_stash.dF, b.block_stash.dA2, b.block_stash.dO1, b.block_stash.dQKV, b.block_stash.dA1})
+              for (pc::Region r : {b.block_stash.dP2, b.block_stash.dF, b.block_stash.dA2, b.block_stash.dO1,
+                                   b.block_stash.dQKV, b.block_stash.dA1})
                 stash.push_back({t + r.offset, r.bytes});
             }
-            for (pc::Region r : {b.head.x, b.head.stats, b.head.dlogits}) saved.push_back({b.head_saved + r.offset, r.bytes});
+            for (pc::Region r : {b.head.x, b.head.stats, b.head.dlogits})
+              saved.push_back({b.head_saved + r.offset, r.bytes});
             stash.push_back(b.stash_embed);
             stash.push_back(b.stash_head);
             check_regions(saved, b.saved_bytes);
@@ -540,7 +558,8 @@ TEST_CASE("the CUDA GPT stage's saved, stash and scratch regions are aligned, di
             CHECK((w.gelu.bytes > 0) == recompute);
             CHECK((w.logits.bytes > 0) == d.has_head);
           }
-  CHECK_THROWS_AS(pc::gpt_stage_buffers(pm::GptDims{10, 64, 3, 8, 0, 1, false, false, true}, 4), po::shape_error);  // 3 does not divide 64
+  CHECK_THROWS_AS(pc::gpt_stage_buffers(pm::GptDims{10, 64, 3, 8, 0, 1, false, false, true}, 4),
+                  po::shape_error);  // 3 does not divide 64
   CHECK_THROWS_AS(pc::gpt_workspace(pm::GptDims{10, 64, 4, 8, 0, 1, false, false, true}, 0), po::shape_error);
 }
 
@@ -563,8 +582,8 @@ TEST_CASE("pair_devices pairs GPUs under one PCIe switch and places pairs on ran
 
 TEST_CASE("pair_devices runs a machine without shared switches unpaired") {
   // Each GPU directly under its own root port (no switch), and one lone GPU.
-  const pc::Pairing none = pc::pair_devices({"/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0",
-                                              "/sys/devices/pci0000:00/0000:00:02.0/0000:02:00.0"});
+  const pc::Pairing none = pc::pair_devices(
+      {"/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0", "/sys/devices/pci0000:00/0000:00:02.0/0000:02:00.0"});
   CHECK(none.pairs == 0);
   CHECK_FALSE(none.stagger_pairs);
   CHECK(none.device_of_rank == std::vector<int>{0, 1});
@@ -572,9 +591,10 @@ TEST_CASE("pair_devices runs a machine without shared switches unpaired") {
   // Two GPUs under one root port but no switch between: siblings on the root bus, not paired.
   CHECK(pc::switch_of("/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0") == "");
   // Three under one switch: one pair, the third unpaired, so the schedule must not stagger.
-  const pc::Pairing three = pc::pair_devices({"/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0",
-                                               "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:04.0/0000:05:00.0",
-                                               "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:08.0/0000:06:00.0"});
+  const pc::Pairing three =
+      pc::pair_devices({"/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0",
+                        "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:04.0/0000:05:00.0",
+                        "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:08.0/0000:06:00.0"});
   CHECK(three.pairs == 1);
   CHECK_FALSE(three.stagger_pairs);
   CHECK(three.device_of_rank == std::vector<int>{0, 1, 2});
@@ -589,7 +609,7 @@ TEST_CASE("the NCCL id file round-trips the 128 bytes and refuses stale or damag
   for (std::size_t i = 0; i < id.size(); ++i) id[i] = static_cast<unsigned char>(i * 37 + 5);
   const std::string text = po::comm::encode_id(id, 42);
   CHECK(po::comm::decode_id(text, 42) == id);
-  CHECK_THROWS_AS(po::comm::decode_id(text, 43), po::comm_error);           // another job's id
+  CHECK_THROWS_AS(po::comm::decode_id(text, 43), po::comm_error);  // another job's id
   CHECK_THROWS_AS(po::comm::decode_id("garbage\n", 42), po::comm_error);
   CHECK_THROWS_AS(po::comm::decode_id(text.substr(0, text.size() - 10), 42), po::comm_error);  // truncated
 }

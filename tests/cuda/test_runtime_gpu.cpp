@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
+#include <models/gpt/cpu.hpp>
 #include <models/gpt/cuda.hpp>
 #include <pipeoffload/cuda.hpp>
-#include <models/gpt/cpu.hpp>
 #include <pipeoffload/runtime.hpp>
 
 namespace po = pipeoffload;
@@ -28,8 +28,8 @@ namespace po = pipeoffload;
 namespace {
 
 struct Result {
-  std::vector<float> losses;                    // per step
-  std::vector<po::backend::MemoryStats> memory; // per rank, last step
+  std::vector<float> losses;                     // per step
+  std::vector<po::backend::MemoryStats> memory;  // per rank, last step
   std::vector<std::string> errors;
 };
 
@@ -120,7 +120,8 @@ Result run_gpu(const po::Program& prog, const std::vector<int>& devices, bool pa
   // A rank that throws has its error returned, and the world aborted so the other rank's
   // NCCL calls end too.
   res.errors = po::run_thread_ranks(*world, [&](int r) {
-    po::backend::Cuda dev({.device = devices[static_cast<std::size_t>(r)], .rank = r, .arena_bytes = std::size_t{1} << 30});
+    po::backend::Cuda dev(
+        {.device = devices[static_cast<std::size_t>(r)], .rank = r, .arena_bytes = std::size_t{1} << 30});
     po::comm::Nccl comm(world, r, dev);
     std::vector<po::cuda::GptStage> mine;
     for (int c = 0; c < sh.v; ++c) mine.emplace_back(dev, config(), sh.stage_of(r, c), sh.stages(), microbatch);

@@ -37,18 +37,22 @@ TEST_CASE("handshake: ranks with the same configuration pass") {
 TEST_CASE("handshake: one rank with another schedule fails on every rank, naming the field and both values") {
   const auto errors = shake(4, [](int r) { return base(r == 2 ? "gis-h" : "po-f"); });
   for (const auto& e : errors)
-    CHECK(e == "handshake: ranks disagree on schedule: rank 0 has 'po-f', rank 2 has 'gis-h'; start every rank with the same configuration");
+    CHECK(
+        e ==
+        "handshake: ranks disagree on schedule: rank 0 has 'po-f', rank 2 has 'gis-h'; start every rank with the same configuration");
 }
 
 TEST_CASE("handshake: the first differing field and the lowest differing rank are named") {
   const auto errors = shake(4, [](int r) {
     auto f = base();
     if (r >= 1) f[2].value = "layers=4 hidden=64";  // model differs from rank 1 on
-    if (r == 3) f[1].value = "d=4 v=2 m=16";         // and shape (an earlier field) on rank 3
+    if (r == 3) f[1].value = "d=4 v=2 m=16";        // and shape (an earlier field) on rank 3
     return f;
   });
   for (const auto& e : errors)
-    CHECK(e == "handshake: ranks disagree on shape: rank 0 has 'd=4 v=2 m=8', rank 3 has 'd=4 v=2 m=16'; start every rank with the same configuration");
+    CHECK(
+        e ==
+        "handshake: ranks disagree on shape: rank 0 has 'd=4 v=2 m=8', rank 3 has 'd=4 v=2 m=16'; start every rank with the same configuration");
 }
 
 TEST_CASE("handshake: a different list of fields (another build) fails on every rank") {
@@ -58,16 +62,20 @@ TEST_CASE("handshake: a different list of fields (another build) fails on every 
     return f;
   });
   for (const auto& e : errors)
-    CHECK(e == "handshake: ranks disagree on the list of configuration fields: rank 0 has 3 fields, rank 1 has 4; they were built from different "
-               "pipeoffload sources");
+    CHECK(
+        e ==
+        "handshake: ranks disagree on the list of configuration fields: rank 0 has 3 fields, rank 1 has 4; they were built from different "
+        "pipeoffload sources");
   const auto renamed = shake(2, [](int r) {
     auto f = base();
     if (r == 1) f[0].name = "schedule type";
     return f;
   });
   for (const auto& e : renamed)
-    CHECK(e == "handshake: ranks disagree on the list of configuration fields: rank 0 has 3 fields, rank 1 has 3 with other names; they were built "
-               "from different pipeoffload sources");
+    CHECK(
+        e ==
+        "handshake: ranks disagree on the list of configuration fields: rank 0 has 3 fields, rank 1 has 3 with other names; they were built "
+        "from different pipeoffload sources");
 }
 
 TEST_CASE("handshake: values longer than the message carries are still compared in full") {
@@ -76,8 +84,8 @@ TEST_CASE("handshake: values longer than the message carries are still compared 
   b[299] = 'b';  // differs only past what the message shows
   const auto errors = shake(2, [&](int r) { return std::vector<po::HandshakeField>{{"long", r == 0 ? a : b}}; });
   for (const auto& e : errors)
-    CHECK(e == "handshake: ranks disagree on long: rank 0 has '" + a.substr(0, 138) + "', rank 1 has '" + a.substr(0, 138) +
-                   "'; start every rank with the same configuration");
+    CHECK(e == "handshake: ranks disagree on long: rank 0 has '" + a.substr(0, 138) + "', rank 1 has '" +
+                   a.substr(0, 138) + "'; start every rank with the same configuration");
 }
 
 TEST_CASE("handshake: the standard fields name the version, the schedule and the shape") {
@@ -90,6 +98,8 @@ TEST_CASE("handshake: the standard fields name the version, the schedule and the
   CHECK(f[1].value == "po-f");
   CHECK(f[2].name == "shape");
   CHECK(f[2].value == "d=4 v=2 m=8");
-  CHECK(po::handshake_fields({po::Family::grouped, {GK::number, 3}, po::offload::none}, {4, 2, 8})[1].value == "gis-g (g=3)");
-  CHECK(po::handshake_fields({po::Family::interleaved_1f1b, {}, po::offload::first(1)}, {4, 2, 8})[1].value == "1f1b-i+offload(first 1)");
+  CHECK(po::handshake_fields({po::Family::grouped, {GK::number, 3}, po::offload::none}, {4, 2, 8})[1].value ==
+        "gis-g (g=3)");
+  CHECK(po::handshake_fields({po::Family::interleaved_1f1b, {}, po::offload::first(1)}, {4, 2, 8})[1].value ==
+        "1f1b-i+offload(first 1)");
 }

@@ -77,17 +77,19 @@ TEST_CASE("comm::Mpi: a receive that meets another tag or size throws, naming bo
     c.send(ctx, 1, {1, 2, po::Dir::backward}, in_bytes(x));
   }
   if (c.rank() == 1) {
-    CHECK(error_of([&] { c.recv(ctx, 0, {1, 1, po::Dir::forward}, out_bytes(y)); }) ==
-          "comm::Mpi: rank 1 expected (forward, stage 1, mb 1) of 12 bytes from rank 0 but received (forward, stage 1, mb 0) of 12 bytes");
-    CHECK(error_of([&] { c.recv(ctx, 0, {1, 2, po::Dir::backward}, out_bytes(z)); }) ==
-          "comm::Mpi: rank 1 expected (backward, stage 1, mb 2) of 16 bytes from rank 0 but received (backward, stage 1, mb 2) of 12 bytes");
+    CHECK(
+        error_of([&] { c.recv(ctx, 0, {1, 1, po::Dir::forward}, out_bytes(y)); }) ==
+        "comm::Mpi: rank 1 expected (forward, stage 1, mb 1) of 12 bytes from rank 0 but received (forward, stage 1, mb 0) of 12 bytes");
+    CHECK(
+        error_of([&] { c.recv(ctx, 0, {1, 2, po::Dir::backward}, out_bytes(z)); }) ==
+        "comm::Mpi: rank 1 expected (backward, stage 1, mb 2) of 16 bytes from rank 0 but received (backward, stage 1, mb 2) of 12 bytes");
   }
   CHECK(error_of([&] { c.send(ctx, c.rank(), {0, 0, po::Dir::forward}, in_bytes(x)); }) ==
-        "comm::Mpi: rank " + std::to_string(c.rank()) + " cannot send to rank " + std::to_string(c.rank()) + "; peers are the other ranks of 0.." +
-            std::to_string(c.size() - 1));
+        "comm::Mpi: rank " + std::to_string(c.rank()) + " cannot send to rank " + std::to_string(c.rank()) +
+            "; peers are the other ranks of 0.." + std::to_string(c.size() - 1));
   CHECK(error_of([&] { c.recv(ctx, c.size(), {0, 0, po::Dir::forward}, out_bytes(y)); }) ==
-        "comm::Mpi: rank " + std::to_string(c.rank()) + " cannot recv from rank " + std::to_string(c.size()) + "; peers are the other ranks of 0.." +
-            std::to_string(c.size() - 1));
+        "comm::Mpi: rank " + std::to_string(c.rank()) + " cannot recv from rank " + std::to_string(c.size()) +
+            "; peers are the other ranks of 0.." + std::to_string(c.size() - 1));
 }
 
 TEST_CASE("comm::Mpi: a receive with no sender times out, naming the op, the rank and the peer") {
@@ -100,8 +102,10 @@ TEST_CASE("comm::Mpi: a receive with no sender times out, naming the op, the ran
     CHECK(waited >= 0.5);
     CHECK(waited < 5.0);
     CHECK(e.rfind("comm::Mpi: rank 1 (" + host() + ") has waited 0.", 0) == 0);
-    CHECK(e.find(" s in recv from rank 0 of (backward, stage 1, mb 7) (timeout 0.5 s); rank 0 has not answered: it is lost, stuck, or waiting itself") !=
-          std::string::npos);
+    CHECK(
+        e.find(
+            " s in recv from rank 0 of (backward, stage 1, mb 7) (timeout 0.5 s); rank 0 has not answered: it is lost, stuck, or waiting itself") !=
+        std::string::npos);
   }
   po::comm::Mpi sync(quick());
   std::vector<double> all(static_cast<std::size_t>(sync.size()));
@@ -116,7 +120,9 @@ TEST_CASE("comm::Mpi: a send nobody receives times out, and the late receive sti
   const double one = 1;
   std::vector<float> x{1.0f, 2.0f}, y(2);
   if (c.rank() == 0)
-    CHECK(error_of([&] { c.send(ctx, 1, {1, 3, po::Dir::forward}, in_bytes(x)); }).find("s in send to rank 1 of (forward, stage 1, mb 3) (timeout 0.5 s); rank 1 has not answered") !=
+    CHECK(error_of([&] {
+            c.send(ctx, 1, {1, 3, po::Dir::forward}, in_bytes(x));
+          }).find("s in send to rank 1 of (forward, stage 1, mb 3) (timeout 0.5 s); rank 1 has not answered") !=
           std::string::npos);
   sync.all_gather(std::span<const double>(&one, 1), std::span(all));
   // The timed-out send's buffer is kept alive by the communicator, so matching it now is safe.
@@ -138,13 +144,16 @@ TEST_CASE("comm::Mpi: all_gather returns every rank's values in rank order; uneq
     CHECK(all[2 * static_cast<std::size_t>(r) + 1] == 0.5 + r);
   }
   std::vector<double> two(c.rank() == 1 ? 2 : 1, 1.0), out(two.size() * static_cast<std::size_t>(d));
-  CHECK(error_of([&] { c.all_gather(std::span<const double>(two), std::span(out)); }) == "comm::Mpi::all_gather: ranks contributed different counts (rank 0: 1, rank 1: 2)");
+  CHECK(error_of([&] { c.all_gather(std::span<const double>(two), std::span(out)); }) ==
+        "comm::Mpi::all_gather: ranks contributed different counts (rank 0: 1, rank 1: 2)");
   std::vector<double> wrong(1);
   CHECK(error_of([&] { c.all_gather(std::span(mine), std::span(wrong)); }) ==
-        "comm::Mpi::all_gather: the output holds 1 values; it must hold size() * mine.size() = " + std::to_string(2 * d));
+        "comm::Mpi::all_gather: the output holds 1 values; it must hold size() * mine.size() = " +
+            std::to_string(2 * d));
 }
 
-TEST_CASE("comm::Mpi: all_gather moves any trivially copyable type as bytes; types of different sizes fail on every rank") {
+TEST_CASE(
+    "comm::Mpi: all_gather moves any trivially copyable type as bytes; types of different sizes fail on every rank") {
   po::comm::Mpi c(quick());
   const std::size_t d = static_cast<std::size_t>(c.size());
   struct Pair {
@@ -184,11 +193,13 @@ TEST_CASE("comm::Mpi: abort on one rank wakes every other rank's wait, naming th
   if (c.rank() == 1) {
     c.abort("rank 1, compute op 4 F(stage 1, mb 2): boom");
     CHECK(c.abort_origin() == 1);
-    CHECK(error_of([&] { c.recv(ctx, 0, {1, 0, po::Dir::forward}, out_bytes(y)); }) == "aborted: rank 1, compute op 4 F(stage 1, mb 2): boom");
+    CHECK(error_of([&] { c.recv(ctx, 0, {1, 0, po::Dir::forward}, out_bytes(y)); }) ==
+          "aborted: rank 1, compute op 4 F(stage 1, mb 2): boom");
   } else {
     // Waits on rank 1, which never sends: only the abort note can end this before the timeout.
     const auto t0 = std::chrono::steady_clock::now();
-    CHECK(error_of([&] { c.recv(ctx, 1, {c.rank(), 0, po::Dir::backward}, out_bytes(y)); }) == "aborted: rank 1 failed: rank 1, compute op 4 F(stage 1, mb 2): boom");
+    CHECK(error_of([&] { c.recv(ctx, 1, {c.rank(), 0, po::Dir::backward}, out_bytes(y)); }) ==
+          "aborted: rank 1 failed: rank 1, compute op 4 F(stage 1, mb 2): boom");
     CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 10.0);
     CHECK(c.abort_origin() == 1);
     const double one = 1.0;
@@ -202,8 +213,9 @@ TEST_CASE("comm::Mpi: the handshake finds a rank started with another schedule")
   po::comm::Mpi c(quick());
   const int odd = c.size() - 1;
   std::vector<po::HandshakeField> f{{"schedule", c.rank() == odd ? "gis-h" : "po-f"}, {"shape", "d=4 v=2 m=8"}};
-  CHECK(error_of([&] { po::handshake(c, f); }) == "handshake: ranks disagree on schedule: rank 0 has 'po-f', rank " + std::to_string(odd) +
-                                                     " has 'gis-h'; start every rank with the same configuration");
+  CHECK(error_of([&] { po::handshake(c, f); }) == "handshake: ranks disagree on schedule: rank 0 has 'po-f', rank " +
+                                                      std::to_string(odd) +
+                                                      " has 'gis-h'; start every rank with the same configuration");
   f[0].value = "po-f";
   CHECK(error_of([&] { po::handshake(c, f); }) == "");
 }
@@ -211,11 +223,13 @@ TEST_CASE("comm::Mpi: the handshake finds a rank started with another schedule")
 TEST_CASE("comm::Mpi: rank 0's NCCL unique id reaches every rank (the MPI bootstrap of comm::Nccl)") {
   po::comm::Mpi c(quick());
   po::comm::NcclIdBytes id{};
-  for (std::size_t i = 0; i < id.size(); ++i) id[i] = static_cast<unsigned char>(c.rank() == 0 ? (i * 7 + 3) & 0xff : 0xee);
+  for (std::size_t i = 0; i < id.size(); ++i)
+    id[i] = static_cast<unsigned char>(c.rank() == 0 ? (i * 7 + 3) & 0xff : 0xee);
   const po::comm::NcclIdBytes got = po::comm::broadcast_nccl_id(c, id);
   for (std::size_t i = 0; i < got.size(); ++i) CHECK(got[i] == static_cast<unsigned char>((i * 7 + 3) & 0xff));
   CHECK(error_of([&] { po::comm::broadcast_nccl_id(c, id, c.size()); }) ==
-        "comm::Mpi::broadcast: root = " + std::to_string(c.size()) + " is outside [0, " + std::to_string(c.size() - 1) + "]");
+        "comm::Mpi::broadcast: root = " + std::to_string(c.size()) + " is outside [0, " + std::to_string(c.size() - 1) +
+            "]");
 }
 
 int main(int argc, char** argv) {

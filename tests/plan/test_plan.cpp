@@ -63,7 +63,8 @@ constexpr bool tiny_plan_fits() {
 
 // Multi-head attention: the paper's 34bsh, and 20bsh with LayerNorm/GeLU/dropout recomputed.
 TEST_CASE("multi-head attention saves exactly 34bsh bytes per layer, 20bsh with recompute") {
-  for (auto [h, a, s, b] : {std::tuple{4096, 32, 4096, 1}, {5120, 40, 2048, 2}, {10240, 80, 32768, 1}, {768, 12, 1024, 8}}) {
+  for (auto [h, a, s, b] :
+       {std::tuple{4096, 32, 4096, 1}, {5120, 40, 2048, 2}, {10240, 80, 32768, 1}, {768, 12, 1024, 8}}) {
     const double bsh_ = static_cast<double>(b) * s * h;
     CHECK(activation_bytes_per_layer(model(32, h, a, a, s, b, false)) == 34 * bsh_);
     CHECK(activation_bytes_per_layer(model(32, h, a, a, s, b, true)) == 20 * bsh_);
@@ -73,11 +74,13 @@ TEST_CASE("multi-head attention saves exactly 34bsh bytes per layer, 20bsh with 
 // Grouped-query attention shrinks only K and V (4bsh) by G/a: (30 + 4G/a)bsh and (16 + 4G/a)bsh.
 TEST_CASE("grouped-query attention saves (30 + 4G/a)bsh, (16 + 4G/a)bsh with recompute") {
   const double bsh_ = 4096.0 * 4096;
-  CHECK(activation_bytes_per_layer(model(32, 4096, 32, 8, 4096, 1, false)) == 31 * bsh_);  // the paper's 5.8B: G/a = 1/4
+  CHECK(activation_bytes_per_layer(model(32, 4096, 32, 8, 4096, 1, false)) ==
+        31 * bsh_);  // the paper's 5.8B: G/a = 1/4
   CHECK(activation_bytes_per_layer(model(32, 4096, 32, 8, 4096, 1, true)) == 17 * bsh_);
   CHECK(activation_bytes_per_layer(model(32, 4096, 32, 1, 4096, 1, true)) == 16.125 * bsh_);  // multi-query
   const double big = 10240.0 * 4096;
-  CHECK(activation_bytes_per_layer(model(78, 10240, 80, 8, 4096, 1, true)) == doctest::Approx(16.4 * big).epsilon(1e-15));
+  CHECK(activation_bytes_per_layer(model(78, 10240, 80, 8, 4096, 1, true)) ==
+        doctest::Approx(16.4 * big).epsilon(1e-15));
   for (int g : {1, 2, 4, 8, 16})
     CHECK(activation_bytes_per_layer(model(8, 4096, 32, g, 4096, 1, true)) <
           activation_bytes_per_layer(model(8, 4096, 32, 32, 4096, 1, true)));
@@ -147,7 +150,7 @@ TEST_CASE("per-stage costs and unit sizes follow each stage's layers, embedding 
     CHECK(L.costs.unit_bytes[static_cast<std::size_t>(s)] == a);
   }
   CHECK(L.costs.stage_f[0] == doctest::Approx(0.01 * layer_f).epsilon(1e-12));  // embedding only
-  CHECK(L.costs.unit_bytes[0] == 4.0 * 2048);                                      // its token ids
+  CHECK(L.costs.unit_bytes[0] == 4.0 * 2048);                                   // its token ids
   CHECK(L.costs.stage_f[15] == doctest::Approx(head_flops(m).f / x.flops).epsilon(1e-12));
   CHECK(L.costs.unit_bytes[15] == 2.0 * 2048 * 1024 + 4.0 * 2048 * 32000);  // LN input + fp32 softmax
   // Uneven: 3 stages per rank (24 stages for 16 slots) is refused; v = 1 puts 2 slots per stage.

@@ -39,7 +39,6 @@ struct Timing {
 
 class TanhLayer {
  public:
-
   TanhLayer(int stage, int h, std::uint64_t seed, Timing timing = {}, Failure* failure = nullptr, int rank = 0)
       : stage_(stage), h_(h), timing_(timing), failure_(failure), rank_(rank) {
     const std::size_t n = static_cast<std::size_t>(h) * static_cast<std::size_t>(h) + static_cast<std::size_t>(h) +
@@ -53,7 +52,9 @@ class TanhLayer {
     }
   }
 
-  std::size_t boundary_floats(po::MicrobatchShape sh) const { return static_cast<std::size_t>(sh.tokens()) * static_cast<std::size_t>(h_); }
+  std::size_t boundary_floats(po::MicrobatchShape sh) const {
+    return static_cast<std::size_t>(sh.tokens()) * static_cast<std::size_t>(h_);
+  }
   po::Boundary input_boundary(po::MicrobatchShape sh) const { return {boundary_floats(sh)}; }
   po::Boundary output_boundary(po::MicrobatchShape sh) const { return {boundary_floats(sh)}; }
   /// Stage 0 reads token ids (an embedding row each), the last stage targets: int32, one per
@@ -64,11 +65,16 @@ class TanhLayer {
     in.push_back({"targets", po::DType::int32, static_cast<std::size_t>(sh.tokens())});
     return in;
   }
-  std::size_t pad_floats(po::MicrobatchShape sh) const { return static_cast<std::size_t>(sh.tokens()) * static_cast<std::size_t>(stage_ % 3); }
-  std::size_t saved_bytes(po::MicrobatchShape sh) const { return (2 * boundary_floats(sh) + pad_floats(sh)) * sizeof(float); }
+  std::size_t pad_floats(po::MicrobatchShape sh) const {
+    return static_cast<std::size_t>(sh.tokens()) * static_cast<std::size_t>(stage_ % 3);
+  }
+  std::size_t saved_bytes(po::MicrobatchShape sh) const {
+    return (2 * boundary_floats(sh) + pad_floats(sh)) * sizeof(float);
+  }
   std::size_t stash_bytes(po::MicrobatchShape sh) const { return boundary_floats(sh) * sizeof(float); }
 
-  void forward(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor xt, po::Tensor yt, std::byte* saved) {
+  void forward(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor xt, po::Tensor yt,
+               std::byte* saved) {
     pass(timing_.f);
     const float* x = xt.as<float>();
     float* y = yt.as<float>();
@@ -89,7 +95,8 @@ class TanhLayer {
         ys[t * h + o] = std::tanh(z);
         if (y) y[t * h + o] = ys[t * h + o];
       }
-    for (std::size_t i = 0; i < pad_floats(mb.shape); ++i) pad[i] = static_cast<float>(stage_ * 1000 + mb.mb) + static_cast<float>(i % 7);
+    for (std::size_t i = 0; i < pad_floats(mb.shape); ++i)
+      pad[i] = static_cast<float>(stage_ * 1000 + mb.mb) + static_cast<float>(i % 7);
     if (!mb.last()) return;
     float loss = 0;
     for (std::size_t t = 0; t < T; ++t)
@@ -100,7 +107,8 @@ class TanhLayer {
     *mb.loss = loss / static_cast<float>(T * h);
   }
 
-  void backward_input(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor dyt, po::Tensor dxt, std::byte* saved, std::byte* stash) {
+  void backward_input(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor dyt, po::Tensor dxt,
+                      std::byte* saved, std::byte* stash) {
     pass(timing_.b);
     const float* dy = dyt.as<float>();
     float* dx = dxt.as<float>();
@@ -130,7 +138,8 @@ class TanhLayer {
     const float* pad = xs + 2 * T * h;
     for (std::size_t i = 0; i < pad_floats(mb.shape); ++i)
       if (pad[i] != static_cast<float>(stage_ * 1000 + mb.mb) + static_cast<float>(i % 7))
-        throw std::runtime_error("saved activations of stage " + std::to_string(stage_) + " mb " + std::to_string(mb.mb) + " were corrupted");
+        throw std::runtime_error("saved activations of stage " + std::to_string(stage_) + " mb " +
+                                 std::to_string(mb.mb) + " were corrupted");
     const float* dz = reinterpret_cast<const float*>(stash);
     float* gW = grads_.data();
     float* gb = gW + h * h;
@@ -155,7 +164,9 @@ class TanhLayer {
   std::span<float> gradients() { return grads_; }
 
  private:
-  const float* emb() const { return params_.data() + static_cast<std::size_t>(h_) * static_cast<std::size_t>(h_) + static_cast<std::size_t>(h_); }
+  const float* emb() const {
+    return params_.data() + static_cast<std::size_t>(h_) * static_cast<std::size_t>(h_) + static_cast<std::size_t>(h_);
+  }
   static float target(const po::Microbatch& mb, std::size_t t, std::size_t i) {
     return static_cast<float>((mb.input<std::int32_t>("targets")[t] + static_cast<int>(i)) % 5 - 2) * 0.2f;
   }
@@ -175,13 +186,13 @@ static_assert(po::layer_for<TanhLayer, po::backend::CpuContext>);
 
 /// The outcome of a training run on thread ranks.
 struct Run {
-  std::vector<float> losses;                    ///< per step
-  std::vector<double> grad_norms;               ///< per step
-  std::vector<std::vector<float>> params;       ///< per stage, after the last step
-  std::vector<po::backend::MemoryStats> memory; ///< per rank, of the last step
-  std::vector<double> seconds;                  ///< per rank, of the last step
-  std::vector<std::string> errors;              ///< per rank ("" = ok)
-  std::vector<po::RankSim> traces;              ///< per rank, of the last step
+  std::vector<float> losses;                     ///< per step
+  std::vector<double> grad_norms;                ///< per step
+  std::vector<std::vector<float>> params;        ///< per stage, after the last step
+  std::vector<po::backend::MemoryStats> memory;  ///< per rank, of the last step
+  std::vector<double> seconds;                   ///< per rank, of the last step
+  std::vector<std::string> errors;               ///< per rank ("" = ok)
+  std::vector<po::RankSim> traces;               ///< per rank, of the last step
   /// Per rank: the device's allocation counts (device, pinned host) once the runtime is
   /// constructed, then after each step.
   std::vector<std::vector<long long>> device_allocations, host_allocations;

@@ -62,7 +62,8 @@ double objective(GptStage& st, const std::vector<float>& x, const std::vector<fl
 
 std::vector<float> noise(std::size_t n, std::uint64_t seed, float scale) {
   std::vector<float> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = scale * (static_cast<float>(po::math::mix64(seed, i) >> 40) / 16777216.0f - 0.5f);
+  for (std::size_t i = 0; i < n; ++i)
+    v[i] = scale * (static_cast<float>(po::math::mix64(seed, i) >> 40) / 16777216.0f - 0.5f);
   return v;
 }
 
@@ -128,7 +129,8 @@ TEST_CASE("math: exp_approx and tanh_approx give the same bits in a vectorised l
   // The GPT runs them through GptStage's 16-wide loops and scalar tails: an element's value
   // must not depend on which of the two it went through.
   std::vector<float> x(4099);
-  for (std::size_t i = 0; i < x.size(); ++i) x[i] = (static_cast<float>(po::math::mix64(7, i) >> 40) / 16777216.0f - 0.5f) * 40.0f;
+  for (std::size_t i = 0; i < x.size(); ++i)
+    x[i] = (static_cast<float>(po::math::mix64(7, i) >> 40) / 16777216.0f - 0.5f) * 40.0f;
   std::vector<float> e(x.size()), t(x.size());
   for (std::size_t i = 0; i + 16 <= x.size(); i += 16) {
     for (std::size_t j = 0; j < 16; ++j) e[i + j] = po::math::exp_approx(x[i + j]);

@@ -49,7 +49,8 @@ Measured measure(po::ScheduleSpec spec, po::Shape shape) {
   sc.unit_bytes = bytes;
   const po::SimResult sim = po::simulate(m.run.program, sc);
   for (int r = 0; r < shape.d; ++r) {
-    m.measured.push_back(static_cast<double>(m.run.memory[static_cast<std::size_t>(r)].peak_of(po::backend::Memory::activation)));
+    m.measured.push_back(
+        static_cast<double>(m.run.memory[static_cast<std::size_t>(r)].peak_of(po::backend::Memory::activation)));
     m.simulated.push_back(sim.ranks[static_cast<std::size_t>(r)].peak);
     m.stash_peak.push_back(m.run.memory[static_cast<std::size_t>(r)].peak_of(po::backend::Memory::stash));
     double u = 0;
@@ -101,7 +102,8 @@ TEST_CASE("memory: PO-F's measured peak stays flat as d*v grows") {
   CAPTURE(units[1]);
   CAPTURE(units[2]);
   CAPTURE(units[3]);
-  MESSAGE("PO-F rank-0 peak in units of its largest stage, (d,v) = (2,2) (4,2) (4,4) (8,2): ", units[0], " ", units[1], " ", units[2], " ", units[3]);
+  MESSAGE("PO-F rank-0 peak in units of its largest stage, (d,v) = (2,2) (4,2) (4,4) (8,2): ", units[0], " ", units[1],
+          " ", units[2], " ", units[3]);
   for (double u : units) CHECK(u <= 5.0);  // a small constant (DESIGN.md: ~4 units), against d*v up to 16
 }
 
@@ -188,7 +190,8 @@ long long peak_by_definition(const std::vector<po::detail::BlockEffect>& A, cons
   // The other stream's ops that must be done once `started` ops of this one have started.
   const auto need = [](const std::vector<int>& waits, std::size_t started) {
     std::size_t n = 0;
-    for (std::size_t k = 0; k < started && k < waits.size(); ++k) n = std::max(n, static_cast<std::size_t>(waits[k] + 1));
+    for (std::size_t k = 0; k < started && k < waits.size(); ++k)
+      n = std::max(n, static_cast<std::size_t>(waits[k] + 1));
     return n;
   };
   long long best = 0;
@@ -201,11 +204,16 @@ long long peak_by_definition(const std::vector<po::detail::BlockEffect>& A, cons
 po::ScheduleSpec spec_of(int i) {
   using GK = po::GroupSpec::Kind;
   switch (i) {
-    case 0: return {po::Family::one_f1b, {}, po::offload::none};
-    case 1: return {po::Family::interleaved_1f1b, {}, po::offload::none};
-    case 2: return {po::Family::grouped, {GK::full, 0}, po::offload::none};
-    case 3: return {po::Family::grouped, {GK::half, 0}, po::offload::none};
-    default: return {po::Family::grouped, {GK::uniform, 1}, po::offload::none};
+    case 0:
+      return {po::Family::one_f1b, {}, po::offload::none};
+    case 1:
+      return {po::Family::interleaved_1f1b, {}, po::offload::none};
+    case 2:
+      return {po::Family::grouped, {GK::full, 0}, po::offload::none};
+    case 3:
+      return {po::Family::grouped, {GK::half, 0}, po::offload::none};
+    default:
+      return {po::Family::grouped, {GK::uniform, 1}, po::offload::none};
   }
 }
 
@@ -249,7 +257,8 @@ TEST_CASE("memory: without offload, the reservation plan holds exactly the simul
   // One stream holds the units, so the most held under any timing is the most held in its
   // order: the simulator's peak with unit costs, for every rank.
   for (int f = 0; f < 5; ++f)
-    for (po::Shape sh : {po::Shape{2, 1, 4}, po::Shape{4, 1, 8}, po::Shape{2, 2, 4}, po::Shape{4, 2, 8}, po::Shape{3, 3, 6}}) {
+    for (po::Shape sh :
+         {po::Shape{2, 1, 4}, po::Shape{4, 1, 8}, po::Shape{2, 2, 4}, po::Shape{4, 2, 8}, po::Shape{3, 3, 6}}) {
       const po::ScheduleSpec spec = spec_of(f);
       if (spec.family == po::Family::one_f1b && sh.v != 1) continue;
       if (spec.family != po::Family::one_f1b && sh.v == 1) continue;
@@ -298,7 +307,8 @@ TEST_CASE("memory: boundary blocks are planned per size when stages hand on tens
   const po::Program p = po::build(spec_of(2), sh);
   std::vector<po::StageBytes> bytes(4);
   for (int s = 0; s < 4; ++s) {
-    bytes[static_cast<std::size_t>(s)] = {1000, 100, s > 0 ? std::size_t(100 + s - 1) : 0, s < 3 ? std::size_t(100 + s) : 0};
+    bytes[static_cast<std::size_t>(s)] = {1000, 100, s > 0 ? std::size_t(100 + s - 1) : 0,
+                                          s < 3 ? std::size_t(100 + s) : 0};
   }
   const po::Reservation res = po::reservation_plan(p, 0, bytes);
   REQUIRE(res.message.size() == 3);

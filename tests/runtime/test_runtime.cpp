@@ -9,8 +9,8 @@
 #include <cstring>
 #include <mutex>
 #include <span>
-#include <tuple>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tanh_layer.hpp"
@@ -44,14 +44,22 @@ test::Run reference(test::Config c) {
 
 TEST_CASE("every family trains bit-identically to a one-rank sequential run (3 steps: losses and parameters)") {
   const std::vector<Case> cases = {
-      {"1f1b", po::parse_schedule("1f1b"), {2, 1, 4}},       {"1f1b", po::parse_schedule("1f1b"), {4, 1, 6}},
-      {"1f1b-i", po::parse_schedule("1f1b-i"), {2, 2, 4}},   {"1f1b-i", po::parse_schedule("1f1b-i"), {3, 3, 6}},
-      {"gis", po::parse_schedule("gis"), {2, 2, 4}},         {"gis", po::parse_schedule("gis"), {4, 2, 7}},
-      {"gis-g", po::parse_schedule("gis-g", 3), {4, 2, 8}},  {"gis-g", po::parse_schedule("gis-g", 3), {5, 2, 6}},
-      {"gis-h", po::parse_schedule("gis-h"), {4, 2, 8}},     {"gis-h", po::parse_schedule("gis-h"), {3, 3, 5}},
-      {"po", po::parse_schedule("po"), {4, 2, 8}},           {"po", po::parse_schedule("po"), {2, 3, 5}},
-      {"po-h", po::parse_schedule("po-h"), {4, 2, 8}},       {"po-h", po::parse_schedule("po-h"), {2, 4, 6}},
-      {"po-f", po::parse_schedule("po-f"), {4, 2, 8}},       {"po-f", po::parse_schedule("po-f"), {3, 2, 4}},
+      {"1f1b", po::parse_schedule("1f1b"), {2, 1, 4}},
+      {"1f1b", po::parse_schedule("1f1b"), {4, 1, 6}},
+      {"1f1b-i", po::parse_schedule("1f1b-i"), {2, 2, 4}},
+      {"1f1b-i", po::parse_schedule("1f1b-i"), {3, 3, 6}},
+      {"gis", po::parse_schedule("gis"), {2, 2, 4}},
+      {"gis", po::parse_schedule("gis"), {4, 2, 7}},
+      {"gis-g", po::parse_schedule("gis-g", 3), {4, 2, 8}},
+      {"gis-g", po::parse_schedule("gis-g", 3), {5, 2, 6}},
+      {"gis-h", po::parse_schedule("gis-h"), {4, 2, 8}},
+      {"gis-h", po::parse_schedule("gis-h"), {3, 3, 5}},
+      {"po", po::parse_schedule("po"), {4, 2, 8}},
+      {"po", po::parse_schedule("po"), {2, 3, 5}},
+      {"po-h", po::parse_schedule("po-h"), {4, 2, 8}},
+      {"po-h", po::parse_schedule("po-h"), {2, 4, 6}},
+      {"po-f", po::parse_schedule("po-f"), {4, 2, 8}},
+      {"po-f", po::parse_schedule("po-f"), {3, 2, 4}},
       {"gis-h + offload first 1", {Family::grouped, {GK::half, 0}, off::first(1)}, {4, 2, 8}},
       {"1f1b-i + offload all", {Family::interleaved_1f1b, {}, off::all}, {2, 2, 4}},
   };
@@ -87,7 +95,8 @@ TEST_CASE("offload with a rate-limited copy engine still trains bit-identically"
   const test::Run run = test::train_within(c, 120);
   for (const std::string& e : run.errors) REQUIRE(e == "");
   CHECK(same_bits(run.losses, ref.losses));
-  for (int s = 0; s < c.shape.stages(); ++s) CHECK(same_bits(run.params[static_cast<std::size_t>(s)], ref.params[static_cast<std::size_t>(s)]));
+  for (int s = 0; s < c.shape.stages(); ++s)
+    CHECK(same_bits(run.params[static_cast<std::size_t>(s)], ref.params[static_cast<std::size_t>(s)]));
   // Every offloaded unit went through host bins and came back.
   CHECK(run.memory[0].host_peak > 0);
   CHECK(run.memory[0].host_in_use == 0);
@@ -110,7 +119,8 @@ TEST_CASE("PCIe pairs: a pair never copies in one direction at once, and keeps i
     const test::Run run = test::train_within(c, 120);
     for (const std::string& e : run.errors) REQUIRE(e == "");
     CHECK(same_bits(run.losses, ref.losses));
-    for (int s = 0; s < c.shape.stages(); ++s) CHECK(same_bits(run.params[static_cast<std::size_t>(s)], ref.params[static_cast<std::size_t>(s)]));
+    for (int s = 0; s < c.shape.stages(); ++s)
+      CHECK(same_bits(run.params[static_cast<std::size_t>(s)], ref.params[static_cast<std::size_t>(s)]));
     for (int r = 0; r < c.shape.d; r += 2) {
       CAPTURE(r);
       const po::RankSim& a = run.traces[static_cast<std::size_t>(r)];
@@ -186,7 +196,9 @@ TEST_CASE("PCIe pairs: a rank without a partner, or unstaggered slots, is refuse
     po::PairLink<po::backend::Cpu> link;
     rt.pair_with(link);
   });
-  CHECK(errors2[0] == "po::Runtime::pair_with: the schedule was planned with Costs::stagger_pairs = false; pairs need staggered copy slots");
+  CHECK(
+      errors2[0] ==
+      "po::Runtime::pair_with: the schedule was planned with Costs::stagger_pairs = false; pairs need staggered copy slots");
 }
 
 TEST_CASE("a rank that throws in its 5th op stops every rank with that error, naming rank and op") {
@@ -210,8 +222,9 @@ TEST_CASE("a rank that throws in its 5th op stops every rank with that error, na
       if (calls >= 5) break;
     }
     const po::Op& op = ops[x];
-    const std::string expect = "rank 1, compute op " + std::to_string(x) + " " + po::op_name(op.kind) + "(stage " + std::to_string(op.stage) +
-                               ", mb " + std::to_string(op.mb) + "): injected failure in pass 5";
+    const std::string expect = "rank 1, compute op " + std::to_string(x) + " " + po::op_name(op.kind) + "(stage " +
+                               std::to_string(op.stage) + ", mb " + std::to_string(op.mb) +
+                               "): injected failure in pass 5";
     REQUIRE(run.errors.size() == 4);
     CHECK(run.errors[1] == expect);
     for (int r = 0; r < 4; ++r) {
@@ -228,20 +241,24 @@ TEST_CASE("a receive that meets another tag is an error naming both tags") {
     po::comm::Threads c(world, r);
     try {
       const po::backend::CpuContext ctx{};  // comm::Threads blocks the calling thread: any context will do
-      if (r == 0) c.send(ctx, 1, {1, 2, po::Dir::forward}, std::as_bytes(std::span(a)));
-      else c.recv(ctx, 0, {1, 3, po::Dir::forward}, std::as_writable_bytes(std::span(b)));
+      if (r == 0)
+        c.send(ctx, 1, {1, 2, po::Dir::forward}, std::as_bytes(std::span(a)));
+      else
+        c.recv(ctx, 0, {1, 3, po::Dir::forward}, std::as_writable_bytes(std::span(b)));
     } catch (...) {
       c.abort("peer failed");
       throw;
     }
   });
-  CHECK(errors[1] ==
-        "comm::Threads: rank 1 expected (forward, stage 1, mb 3) of 16 bytes from rank 0 but received (forward, stage 1, mb 2) of 16 bytes");
+  CHECK(
+      errors[1] ==
+      "comm::Threads: rank 1 expected (forward, stage 1, mb 3) of 16 bytes from rank 0 but received (forward, stage 1, mb 2) of 16 bytes");
   CHECK(errors[0] == "aborted: peer failed");
   CHECK(b[0] == 0.0f);
 }
 
-TEST_CASE("comm::Threads: all_gather moves any trivially copyable type; other counts or value sizes fail on every rank") {
+TEST_CASE(
+    "comm::Threads: all_gather moves any trivially copyable type; other counts or value sizes fail on every rank") {
   po::comm::ThreadsWorld world(3);
   struct Pair {
     std::int32_t rank;
@@ -329,7 +346,9 @@ TEST_CASE("a non-finite gradient stops the optimizer step with an error naming t
     }
   });
   for (const std::string& e : errors)
-    CHECK(e == "po::grad_norm: stage 2 (Bad on rank 0) has a non-finite gradient (norm group 0, sum of squares nan); no update should be applied");
+    CHECK(
+        e ==
+        "po::grad_norm: stage 2 (Bad on rank 0) has a non-finite gradient (norm group 0, sum of squares nan); no update should be applied");
 }
 
 TEST_CASE("bad inputs are refused with a sentence") {
@@ -351,8 +370,9 @@ TEST_CASE("bad inputs are refused with a sentence") {
   std::vector<std::int32_t> tok(3, 0);
   po::Batch wrong;
   wrong.add("tokens", tok).add("targets", tok);
-  CHECK_THROWS_WITH(rt.forward_backward(wrong),
-                    "rank 0, forward_backward: po::Runtime: the step input 'tokens' holds 3 int32 values; stage 0 reads m * 2 = 4 int32 values");
+  CHECK_THROWS_WITH(
+      rt.forward_backward(wrong),
+      "rank 0, forward_backward: po::Runtime: the step input 'tokens' holds 3 int32 values; stage 0 reads m * 2 = 4 int32 values");
   po::comm::ThreadsWorld world3(1);
   po::comm::Threads comm3(world3, 0);
   po::backend::Cpu dev3;
@@ -360,8 +380,9 @@ TEST_CASE("bad inputs are refused with a sentence") {
   po::Batch missing;
   const std::vector<std::int32_t> four(4, 0);
   missing.add("tokens", four, {2, 2});
-  CHECK_THROWS_WITH(rt3.forward_backward(missing),
-                    "rank 0, forward_backward: po::Runtime: stage 0 reads the step input 'targets', which the batch does not have (it has: tokens)");
+  CHECK_THROWS_WITH(
+      rt3.forward_backward(missing),
+      "rank 0, forward_backward: po::Runtime: stage 0 reads the step input 'targets', which the batch does not have (it has: tokens)");
   CHECK_THROWS_WITH(po::comm::Threads(world, 1), "comm::Threads: rank = 1 is outside the allowed range [0, 0]");
 }
 
@@ -392,10 +413,12 @@ TEST_CASE("a Runtime from a Program built at run time equals one from the schedu
           if (r == 0) losses.push_back(st.loss);
         }
         std::lock_guard lk(mu);
-        for (int ch = 0; ch < shape.v; ++ch) params[static_cast<std::size_t>(shape.stage_of(r, ch))] = rt.download_parameters(ch);
+        for (int ch = 0; ch < shape.v; ++ch)
+          params[static_cast<std::size_t>(shape.stage_of(r, ch))] = rt.download_parameters(ch);
       };
       if (typed) {
-        po::Runtime<po::PO_F, test::TanhLayer, po::backend::Cpu, po::comm::Threads> rt(shape, dev, comm, layers, {.microbatch = c.mb});
+        po::Runtime<po::PO_F, test::TanhLayer, po::backend::Cpu, po::comm::Threads> rt(shape, dev, comm, layers,
+                                                                                       {.microbatch = c.mb});
         train(rt);
       } else {
         po::Runtime rt(program, dev, comm, std::span<test::TanhLayer>(layers), {.microbatch = c.mb});
@@ -407,7 +430,8 @@ TEST_CASE("a Runtime from a Program built at run time equals one from the schedu
   };
   const auto typed = run(true), built = run(false);
   CHECK(same_bits(typed.first, built.first));
-  for (int s = 0; s < shape.stages(); ++s) CHECK(same_bits(typed.second[static_cast<std::size_t>(s)], built.second[static_cast<std::size_t>(s)]));
+  for (int s = 0; s < shape.stages(); ++s)
+    CHECK(same_bits(typed.second[static_cast<std::size_t>(s)], built.second[static_cast<std::size_t>(s)]));
 }
 
 TEST_CASE("host bins: at most 3 powers of two with the minimal total") {

@@ -58,10 +58,14 @@ inline bool close(double a, double b) { return std::abs(a - b) <= 1e-9 * std::ma
 /// g of a grouped spec for d ranks: GIS g = d, GIS-H g = ceil(d/2), PO g = 1, GIS(g) its own.
 inline int group_size(const ScheduleSpec& s, int d) {
   switch (s.group.kind) {
-    case po::GroupSpec::Kind::full: return d;
-    case po::GroupSpec::Kind::half: return (d + 1) / 2;
-    case po::GroupSpec::Kind::uniform: return 1;
-    case po::GroupSpec::Kind::number: return s.group.value;
+    case po::GroupSpec::Kind::full:
+      return d;
+    case po::GroupSpec::Kind::half:
+      return (d + 1) / 2;
+    case po::GroupSpec::Kind::uniform:
+      return 1;
+    case po::GroupSpec::Kind::number:
+      return s.group.value;
   }
   return d;
 }
@@ -70,18 +74,25 @@ inline int group_size(const ScheduleSpec& s, int d) {
 inline bool fused(const ScheduleSpec& s) { return s.family != po::Family::grouped; }
 
 /// PO (g = 1) plans on its shifted grid; every other family on its ASAP timeline.
-inline bool plans_on_grid(const ScheduleSpec& s, int d) { return s.family == po::Family::grouped && group_size(s, d) == 1; }
+inline bool plans_on_grid(const ScheduleSpec& s, int d) {
+  return s.family == po::Family::grouped && group_size(s, d) == 1;
+}
 
 /// Is chunk c of v offloaded (DESIGN.md section 3: half = chunks 0..ceil(v/2)-1, all, the
 /// first n, or an explicit set)?
 inline bool chunk_offloaded(const po::offload::selection& sel, int c, int v) {
   using K = po::offload::selection::Kind;
   switch (sel.kind) {
-    case K::none: return false;
-    case K::half: return c < (v + 1) / 2;
-    case K::all: return true;
-    case K::first: return c < sel.n;
-    case K::set: return c < 64 && ((sel.mask >> c) & 1u) != 0;
+    case K::none:
+      return false;
+    case K::half:
+      return c < (v + 1) / 2;
+    case K::all:
+      return true;
+    case K::first:
+      return c < sel.n;
+    case K::set:
+      return c < 64 && ((sel.mask >> c) & 1u) != 0;
   }
   return false;
 }
@@ -184,15 +195,19 @@ inline std::vector<RankOrder> order_grouped(const Shape& sh, int g) {
 /// Each rank's compute order for a spec and shape (no offload: it never changes the order).
 inline std::vector<RankOrder> orders(const ScheduleSpec& spec, const Shape& sh) {
   switch (spec.family) {
-    case po::Family::one_f1b: return order_1f1b(sh);
-    case po::Family::interleaved_1f1b: return order_1f1b_i(sh);
-    case po::Family::grouped: return order_grouped(sh, group_size(spec, sh.d));
+    case po::Family::one_f1b:
+      return order_1f1b(sh);
+    case po::Family::interleaved_1f1b:
+      return order_1f1b_i(sh);
+    case po::Family::grouped:
+      return order_grouped(sh, group_size(spec, sh.d));
   }
   return {};
 }
 
 /// A Program holding only the reference compute orders (no copies, no P2P plan).
-inline Program program_of(const ScheduleSpec& spec, const Shape& sh, const Costs& costs, const std::vector<RankOrder>& ord) {
+inline Program program_of(const ScheduleSpec& spec, const Shape& sh, const Costs& costs,
+                          const std::vector<RankOrder>& ord) {
   Program p;
   p.spec = spec;
   p.shape = sh;
@@ -208,12 +223,17 @@ inline Program program_of(const ScheduleSpec& spec, const Shape& sh, const Costs
 /// BW, T_O for a copy.
 inline double duration(const Costs& c, const Op& op) {
   switch (op.kind) {
-    case OpKind::F: return c.F(op.stage);
-    case OpKind::B: return c.B(op.stage);
-    case OpKind::W: return c.W(op.stage);
-    case OpKind::BW: return c.B(op.stage) + c.W(op.stage);
+    case OpKind::F:
+      return c.F(op.stage);
+    case OpKind::B:
+      return c.B(op.stage);
+    case OpKind::W:
+      return c.W(op.stage);
+    case OpKind::BW:
+      return c.B(op.stage) + c.W(op.stage);
     case OpKind::O:
-    case OpKind::R: return c.T_O(op.stage);
+    case OpKind::R:
+      return c.T_O(op.stage);
   }
   return 0;
 }
@@ -267,8 +287,10 @@ inline void memory_of(const po::RankProgram& rp, const Costs& costs, RankTimes& 
   for (const Event& e : ev) {
     alive += e.acquire ? e.bytes : -e.bytes;
     rt.peak = std::max(rt.peak, alive);
-    if (!rt.memory.empty() && rt.memory.back().time == e.time) rt.memory.back().alive = alive;
-    else rt.memory.push_back({e.time, alive});
+    if (!rt.memory.empty() && rt.memory.back().time == e.time)
+      rt.memory.back().alive = alive;
+    else
+      rt.memory.push_back({e.time, alive});
   }
 }
 
@@ -287,7 +309,9 @@ inline Times simulate(const Program& p, const Costs& costs, Streams streams = St
   const bool copies = streams == Streams::compute_and_copy;
   // End of each unit's F and of its B (or BW), once it ran.
   std::map<std::pair<int, int>, double> f_end, b_end;
-  const auto hop = [&](int from_stage, int to_stage) { return sh.rank_of(from_stage) != sh.rank_of(to_stage) ? costs.comm : 0.0; };
+  const auto hop = [&](int from_stage, int to_stage) {
+    return sh.rank_of(from_stage) != sh.rank_of(to_stage) ? costs.comm : 0.0;
+  };
   Times t;
   t.ranks.resize(static_cast<std::size_t>(d));
   std::vector<std::size_t> ci(static_cast<std::size_t>(d), 0), ki(static_cast<std::size_t>(d), 0);
@@ -316,8 +340,10 @@ inline Times simulate(const Program& p, const Costs& costs, Streams streams = St
           bool can = true;
           const auto need = [&](const std::map<std::pair<int, int>, double>& ends, std::pair<int, int> u, double lag) {
             const auto it = ends.find(u);
-            if (it == ends.end()) can = false;
-            else ready = std::max(ready, it->second + lag);
+            if (it == ends.end())
+              can = false;
+            else
+              ready = std::max(ready, it->second + lag);
           };
           if (op.kind == OpKind::F && op.stage > 0) need(f_end, {op.stage - 1, op.mb}, hop(op.stage - 1, op.stage));
           if (op.kind == OpKind::B || op.kind == OpKind::BW) {
@@ -326,8 +352,10 @@ inline Times simulate(const Program& p, const Costs& costs, Streams streams = St
           }
           if (op.kind == OpKind::W) need(b_end, unit, 0.0);
           if (copies && op.wait >= 0) {
-            if (y <= static_cast<std::size_t>(op.wait)) can = false;
-            else ready = std::max(ready, rt.copy_end[static_cast<std::size_t>(op.wait)]);
+            if (y <= static_cast<std::size_t>(op.wait))
+              can = false;
+            else
+              ready = std::max(ready, rt.copy_end[static_cast<std::size_t>(op.wait)]);
           }
           if (can) {
             rt.compute_start[x] = ready;
@@ -344,8 +372,10 @@ inline Times simulate(const Program& p, const Costs& costs, Streams streams = St
           double ready = y > 0 ? rt.copy_end[y - 1] : 0.0;
           bool can = true;
           if (op.wait >= 0) {
-            if (x <= static_cast<std::size_t>(op.wait)) can = false;
-            else ready = std::max(ready, rt.compute_end[static_cast<std::size_t>(op.wait)]);
+            if (x <= static_cast<std::size_t>(op.wait))
+              can = false;
+            else
+              ready = std::max(ready, rt.compute_end[static_cast<std::size_t>(op.wait)]);
           }
           if (can) {
             rt.copy_start[y] = ready;
@@ -361,7 +391,9 @@ inline Times simulate(const Program& p, const Costs& costs, Streams streams = St
   t.finished = true;
   for (int r = 0; r < d; ++r) {
     const auto& rp = p.ranks[static_cast<std::size_t>(r)];
-    if (ci[static_cast<std::size_t>(r)] < rp.compute.size() || (copies && ki[static_cast<std::size_t>(r)] < rp.copy.size())) t.finished = false;
+    if (ci[static_cast<std::size_t>(r)] < rp.compute.size() ||
+        (copies && ki[static_cast<std::size_t>(r)] < rp.copy.size()))
+      t.finished = false;
   }
   if (!t.finished) return t;
   for (int r = 0; r < d; ++r) {
@@ -442,7 +474,8 @@ inline std::vector<std::vector<CommOp>> p2p_plan(const ScheduleSpec& spec, const
       const Op& op = ord[r].ops[x];
       const double key = grid ? static_cast<double>(pl.slot[r][x]) : pl.end[r][x];
       if (op.kind == OpKind::F && op.stage < S - 1) all.push_back({key, op.stage, op.mb, Dir::forward});
-      if ((op.kind == OpKind::B || op.kind == OpKind::BW) && op.stage > 0) all.push_back({key, op.stage, op.mb, Dir::backward});
+      if ((op.kind == OpKind::B || op.kind == OpKind::BW) && op.stage > 0)
+        all.push_back({key, op.stage, op.mb, Dir::backward});
     }
   std::sort(all.begin(), all.end(), [](const Message& a, const Message& b) {
     return std::tuple(a.key, a.producer_stage, a.mb, a.dir == Dir::forward ? 0 : 1) <
@@ -473,9 +506,11 @@ inline std::string p2p_properties(const Program& p) {
     for (const CommOp& c : p.ranks[static_cast<std::size_t>(r)].comm) {
       if (d == 1) return "one rank posts a P2P op";
       const int producer = c.dir == Dir::forward ? c.stage - 1 : c.stage + 1;
-      if (c.stage < 0 || c.stage >= S || producer < 0 || producer >= S || c.mb < 0 || c.mb >= sh.m) return "rank " + str(r) + " posts a message that does not exist";
+      if (c.stage < 0 || c.stage >= S || producer < 0 || producer >= S || c.mb < 0 || c.mb >= sh.m)
+        return "rank " + str(r) + " posts a message that does not exist";
       const int from = sh.rank_of(producer), to = sh.rank_of(c.stage);
-      if (r != (c.send ? from : to) || c.peer != (c.send ? to : from)) return "rank " + str(r) + " posts a message between the wrong ranks";
+      if (r != (c.send ? from : to) || c.peer != (c.send ? to : from))
+        return "rank " + str(r) + " posts a message between the wrong ranks";
       ++(c.send ? sends : recvs)[tag(c)];
     }
   if (d > 1)
@@ -485,7 +520,8 @@ inline std::string p2p_properties(const Program& p) {
           if (dir == 0 ? s == 0 : s == S - 1) continue;
           const Tag t{s, mb, dir};
           if (sends[t] != 1 || recvs[t] != 1)
-            return "message into stage " + str(s) + " mb " + str(mb) + (dir == 0 ? " forward" : " backward") + " sent " + str(sends[t]) + "x, received " + str(recvs[t]) + "x";
+            return "message into stage " + str(s) + " mb " + str(mb) + (dir == 0 ? " forward" : " backward") +
+                   " sent " + str(sends[t]) + "x, received " + str(recvs[t]) + "x";
         }
   // (b) per ordered pair (from, to): the tags of the sends on `from` and of the receives on `to`.
   std::map<std::pair<int, int>, std::vector<Tag>> sent, received;
@@ -493,7 +529,8 @@ inline std::string p2p_properties(const Program& p) {
     for (const CommOp& c : p.ranks[static_cast<std::size_t>(r)].comm)
       (c.send ? sent[{r, c.peer}] : received[{c.peer, r}]).push_back(tag(c));
   for (const auto& [pair, tags] : sent)
-    if (received[pair] != tags) return "ranks " + str(pair.first) + " -> " + str(pair.second) + " send and receive in different orders";
+    if (received[pair] != tags)
+      return "ranks " + str(pair.first) + " -> " + str(pair.second) + " send and receive in different orders";
   // (c) Kahn's algorithm over the messages, an edge from each entry of a rank's list to the next.
   std::map<Tag, std::vector<Tag>> next;
   std::map<Tag, int> indegree;
@@ -553,18 +590,24 @@ inline std::string check(const Program& p) {
       if (op.stage < 0 || op.stage >= S || op.mb < 0 || op.mb >= m) return "rank " + str(r) + ": pass out of range";
       if (sh.rank_of(op.stage) != r) return "rank " + str(r) + " runs " + describe(op) + " of another rank";
       std::map<Unit, int>* pos = nullptr;
-      if (op.kind == OpKind::F) pos = &fpos;
-      else if (op.kind == (fu ? OpKind::BW : OpKind::B)) pos = &bpos;
-      else if (op.kind == OpKind::W && !fu) pos = &wpos;
-      else return "rank " + str(r) + ": " + describe(op) + " does not belong on this compute stream";
+      if (op.kind == OpKind::F)
+        pos = &fpos;
+      else if (op.kind == (fu ? OpKind::BW : OpKind::B))
+        pos = &bpos;
+      else if (op.kind == OpKind::W && !fu)
+        pos = &wpos;
+      else
+        return "rank " + str(r) + ": " + describe(op) + " does not belong on this compute stream";
       if (!pos->emplace(Unit{op.stage, op.mb}, static_cast<int>(x)).second) return describe(op) + " twice";
     }
   }
   for (int s = 0; s < S; ++s)
     for (int mb = 0; mb < m; ++mb) {
       const Unit u{s, mb};
-      if (!fpos.count(u) || !bpos.count(u) || (!fu && !wpos.count(u))) return "a pass of stage " + str(s) + " mb " + str(mb) + " is missing";
-      if (bpos[u] < fpos[u] || (!fu && wpos[u] < bpos[u])) return "the passes of stage " + str(s) + " mb " + str(mb) + " are out of order";
+      if (!fpos.count(u) || !bpos.count(u) || (!fu && !wpos.count(u)))
+        return "a pass of stage " + str(s) + " mb " + str(mb) + " is missing";
+      if (bpos[u] < fpos[u] || (!fu && wpos[u] < bpos[u]))
+        return "the passes of stage " + str(s) + " mb " + str(mb) + " are out of order";
     }
   // Copies.
   for (int r = 0; r < d; ++r) {
@@ -574,23 +617,29 @@ inline std::string check(const Program& p) {
     for (std::size_t y = 0; y < rp.copy.size(); ++y) {
       const Op& op = rp.copy[y];
       if (op.kind != OpKind::O && op.kind != OpKind::R) return "rank " + str(r) + ": a pass on the copy stream";
-      if (op.stage < 0 || op.stage >= S || op.mb < 0 || op.mb >= m || sh.rank_of(op.stage) != r) return "rank " + str(r) + ": a copy of another rank's unit";
-      if (op.wait >= static_cast<int>(rp.compute.size())) return "rank " + str(r) + ": a copy waits for a compute op that does not exist";
+      if (op.stage < 0 || op.stage >= S || op.mb < 0 || op.mb >= m || sh.rank_of(op.stage) != r)
+        return "rank " + str(r) + ": a copy of another rank's unit";
+      if (op.wait >= static_cast<int>(rp.compute.size()))
+        return "rank " + str(r) + ": a copy waits for a compute op that does not exist";
       if (y > 0 && rp.copy_slot[y] <= rp.copy_slot[y - 1]) return "rank " + str(r) + ": copy slots not increasing";
-      if (!(op.kind == OpKind::O ? opos : rpos).emplace(Unit{op.stage, op.mb}, static_cast<int>(y)).second) return "rank " + str(r) + ": " + describe(op) + " twice";
+      if (!(op.kind == OpKind::O ? opos : rpos).emplace(Unit{op.stage, op.mb}, static_cast<int>(y)).second)
+        return "rank " + str(r) + ": " + describe(op) + " twice";
     }
     for (const auto& [u, y] : opos) {
       if (!rpos.count(u)) return "rank " + str(r) + ": an offload without its reload";
       if (rpos[u] < y) return "rank " + str(r) + ": a reload before its offload";
-      if (rp.copy[static_cast<std::size_t>(y)].wait < fpos[u]) return "rank " + str(r) + ": an offload that does not wait for its F";
+      if (rp.copy[static_cast<std::size_t>(y)].wait < fpos[u])
+        return "rank " + str(r) + ": an offload that does not wait for its F";
     }
     for (const auto& [u, y] : rpos)
       if (!opos.count(u)) return "rank " + str(r) + ": a reload without its offload";
     for (std::size_t x = 0; x < rp.compute.size(); ++x) {
       const Op& op = rp.compute[x];
-      if (op.wait >= static_cast<int>(rp.copy.size())) return "rank " + str(r) + ": a pass waits for a copy op that does not exist";
+      if (op.wait >= static_cast<int>(rp.copy.size()))
+        return "rank " + str(r) + ": a pass waits for a copy op that does not exist";
       const Unit u{op.stage, op.mb};
-      if ((op.kind == OpKind::B || op.kind == OpKind::BW) && rpos.count(u) && op.wait < rpos[u]) return "rank " + str(r) + ": " + describe(op) + " does not wait for its reload";
+      if ((op.kind == OpKind::B || op.kind == OpKind::BW) && rpos.count(u) && op.wait < rpos[u])
+        return "rank " + str(r) + ": " + describe(op) + " does not wait for its reload";
     }
   }
   // P2P plan.
@@ -600,10 +649,13 @@ inline std::string check(const Program& p) {
     for (const CommOp& c : p.ranks[static_cast<std::size_t>(r)].comm) {
       if (d == 1) return "one rank posts a P2P op";
       const int producer = c.dir == Dir::forward ? c.stage - 1 : c.stage + 1;
-      if (c.stage < 0 || c.stage >= S || producer < 0 || producer >= S || c.mb < 0 || c.mb >= m) return "rank " + str(r) + ": a message that does not exist";
+      if (c.stage < 0 || c.stage >= S || producer < 0 || producer >= S || c.mb < 0 || c.mb >= m)
+        return "rank " + str(r) + ": a message that does not exist";
       const int from = sh.rank_of(producer), to = sh.rank_of(c.stage);
-      if (r != (c.send ? from : to) || c.peer != (c.send ? to : from)) return "rank " + str(r) + ": a message between the wrong ranks";
-      if (++(c.send ? sends : recvs)[Tag{c.stage, c.mb, c.dir == Dir::forward ? 0 : 1}] > 1) return "rank " + str(r) + ": a message posted twice";
+      if (r != (c.send ? from : to) || c.peer != (c.send ? to : from))
+        return "rank " + str(r) + ": a message between the wrong ranks";
+      if (++(c.send ? sends : recvs)[Tag{c.stage, c.mb, c.dir == Dir::forward ? 0 : 1}] > 1)
+        return "rank " + str(r) + ": a message posted twice";
     }
   if (d > 1)
     for (int s = 0; s < S; ++s)
@@ -668,7 +720,8 @@ inline std::string check(const Program& p) {
   }
   for (int r = 0; r < d; ++r) {
     const auto& rp = rp_of(r);
-    if (ci[static_cast<std::size_t>(r)] < rp.compute.size() || ki[static_cast<std::size_t>(r)] < rp.copy.size() || qi[static_cast<std::size_t>(r)] < rp.comm.size())
+    if (ci[static_cast<std::size_t>(r)] < rp.compute.size() || ki[static_cast<std::size_t>(r)] < rp.copy.size() ||
+        qi[static_cast<std::size_t>(r)] < rp.comm.size())
       return "the untimed run stops: rank " + str(r) + " cannot finish (deadlock)";
   }
   return "";
@@ -679,7 +732,8 @@ inline std::string check(const Program& p) {
 /// The peak of a rank's plan: compute ops at their planned times, copy op y in its slot
 /// [slot*T, (slot+1)*T). A release counts before an acquisition up to `eps` later (the
 /// builder's tolerance for times that differ only by rounding).
-inline double planned_peak(const po::RankProgram& rp, const Costs& costs, const std::vector<double>& ps, const std::vector<double>& pe, double eps) {
+inline double planned_peak(const po::RankProgram& rp, const Costs& costs, const std::vector<double>& ps,
+                           const std::vector<double>& pe, double eps) {
   std::vector<std::pair<double, double>> ev;  // (time, change); releases moved eps earlier
   const auto bytes = [&](int stage) { return costs.unit_bytes.empty() ? 1.0 : costs.bytes(stage); };
   for (std::size_t x = 0; x < rp.compute.size(); ++x) {
@@ -735,7 +789,8 @@ inline std::string offload_properties(const Program& p, const Plan& pl, const st
     for (std::size_t y = 0; y < rp.copy.size(); ++y) {
       const Op& op = rp.copy[y];
       const std::string who = "rank " + str(r) + " " + describe(op);
-      if (!chunk_offloaded(p.spec.offload, sh.chunk_of(op.stage), sh.v)) return who + ": its chunk is not selected for offload";
+      if (!chunk_offloaded(p.spec.offload, sh.chunk_of(op.stage), sh.v))
+        return who + ": its chunk is not selected for offload";
       if (!(T >= duration(p.costs, op))) return who + ": slot_length " + std::to_string(T) + " is shorter than its T_O";
       const long long slot = rp.copy_slot[y];
       const int parity = static_cast<int>(slot & 1);
@@ -744,19 +799,25 @@ inline std::string offload_properties(const Program& p, const Plan& pl, const st
       if (mine != parity) return who + ": its slot " + str(slot) + " has the other parity";
       const std::pair<int, int> u{op.stage, op.mb};
       const double f_end = pe[fx.at(u)], b_start = ps[bx.at(u)];
-      if (op.kind == OpKind::O && static_cast<double>(slot) * T + eps < f_end) return who + ": slot starts before its F ends in the plan";
-      if (op.kind == OpKind::R && static_cast<double>(slot + 1) * T > b_start + eps) return who + ": slot ends after its backward starts in the plan";
+      if (op.kind == OpKind::O && static_cast<double>(slot) * T + eps < f_end)
+        return who + ": slot starts before its F ends in the plan";
+      if (op.kind == OpKind::R && static_cast<double>(slot + 1) * T > b_start + eps)
+        return who + ": slot ends after its backward starts in the plan";
       if (b_start - f_end + eps < 2 * T) return who + ": its gap cannot hide the round trip";
     }
-    if (rpar >= 0 && rpar == o_parity[static_cast<std::size_t>(r)]) return "rank " + str(r) + ": offloads and reloads share a slot parity";
+    if (rpar >= 0 && rpar == o_parity[static_cast<std::size_t>(r)])
+      return "rank " + str(r) + ": offloads and reloads share a slot parity";
     const double plan_peak = planned_peak(rp, p.costs, ps, pe, eps);
     for (const Times* t : runs)
       if (t->ranks[static_cast<std::size_t>(r)].peak > plan_peak * (1 + 1e-9) + 1e-12)
-        return "rank " + str(r) + ": executes with a peak of " + std::to_string(t->ranks[static_cast<std::size_t>(r)].peak) + ", above its plan's " + std::to_string(plan_peak);
+        return "rank " + str(r) + ": executes with a peak of " +
+               std::to_string(t->ranks[static_cast<std::size_t>(r)].peak) + ", above its plan's " +
+               std::to_string(plan_peak);
   }
   if (p.costs.stagger_pairs)
     for (int r = 0; r + 1 < d; r += 2)
-      if (o_parity[static_cast<std::size_t>(r)] >= 0 && o_parity[static_cast<std::size_t>(r)] == o_parity[static_cast<std::size_t>(r + 1)])
+      if (o_parity[static_cast<std::size_t>(r)] >= 0 &&
+          o_parity[static_cast<std::size_t>(r)] == o_parity[static_cast<std::size_t>(r + 1)])
         return "ranks " + str(r) + " and " + str(r + 1) + " offload in the same slot parity";
   return "";
 }

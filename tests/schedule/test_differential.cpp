@@ -96,8 +96,9 @@ std::string text(const Case& c) {
   if (c.spec.family == po::Family::grouped) s += " (g=" + std::to_string(ref::group_size(c.spec, c.shape.d)) + ")";
   s += " d=" + std::to_string(c.shape.d) + " v=" + std::to_string(c.shape.v) + " m=" + std::to_string(c.shape.m);
   const po::Costs& k = c.costs;
-  s += " costs{f=" + num(k.f) + " b=" + num(k.b) + " w=" + num(k.w) + " comm=" + num(k.comm) + " k=" + num(k.k) + " t_o=" + num(k.t_o) +
-       " stagger=" + (k.stagger_pairs ? "1" : "0") + (k.stage_f.empty() ? "" : " per-stage") + (k.unit_bytes.empty() ? "" : " unit_bytes") + "}";
+  s += " costs{f=" + num(k.f) + " b=" + num(k.b) + " w=" + num(k.w) + " comm=" + num(k.comm) + " k=" + num(k.k) +
+       " t_o=" + num(k.t_o) + " stagger=" + (k.stagger_pairs ? "1" : "0") + (k.stage_f.empty() ? "" : " per-stage") +
+       (k.unit_bytes.empty() ? "" : " unit_bytes") + "}";
   return s;
 }
 
@@ -107,7 +108,8 @@ std::string text(const Case& c) {
 po::Costs random_costs(Rng& rng, int S) {
   po::Costs c;
   switch (rng.below(3)) {
-    case 0: break;  // unit passes
+    case 0:
+      break;  // unit passes
     case 1:
       c.f = rng.uniform(0.25, 2);
       c.b = rng.uniform(0.25, 3);
@@ -121,8 +123,10 @@ po::Costs random_costs(Rng& rng, int S) {
       }
   }
   if (rng.chance(0.5)) c.comm = rng.chance(0.25) ? rng.uniform(0, 3) : rng.uniform(0, 0.3);
-  if (rng.chance(0.2)) c.t_o = rng.uniform(0.2, 2.5);
-  else c.k = rng.chance(0.5) ? 0.25 * (1 + rng.below(6)) : rng.uniform(0.15, 2);
+  if (rng.chance(0.2))
+    c.t_o = rng.uniform(0.2, 2.5);
+  else
+    c.k = rng.chance(0.5) ? 0.25 * (1 + rng.below(6)) : rng.uniform(0.15, 2);
   c.stagger_pairs = rng.chance(0.7);
   if (rng.chance(0.4))
     for (int s = 0; s < S; ++s) c.unit_bytes.push_back(rng.below(65) / 8.0);
@@ -131,9 +135,12 @@ po::Costs random_costs(Rng& rng, int S) {
 
 po::offload::selection random_offload(Rng& rng, int v) {
   switch (rng.below(4)) {
-    case 0: return po::offload::half;
-    case 1: return po::offload::all;
-    case 2: return po::offload::first(1 + rng.below(v));
+    case 0:
+      return po::offload::half;
+    case 1:
+      return po::offload::all;
+    case 2:
+      return po::offload::first(1 + rng.below(v));
     default: {
       po::offload::selection s{po::offload::selection::Kind::set, 0, 0};
       for (int c = 0; c < v; ++c)
@@ -159,10 +166,17 @@ Case random_case(Rng& rng, int dmax, int vmax, int mmax, double p_offload) {
       c.spec = po::Interleaved1F1B::spec;
       m = d * (1 + rng.below(std::max(1, mmax / d)));
       break;
-    case 2: c.spec = po::GIS::spec; break;
-    case 3: c.spec = po::GIS_H::spec; break;
-    case 4: c.spec = {po::Family::grouped, {po::GroupSpec::Kind::number, h + rng.below(d - h + 1)}, po::offload::none}; break;
-    default: c.spec = po::PO::spec;
+    case 2:
+      c.spec = po::GIS::spec;
+      break;
+    case 3:
+      c.spec = po::GIS_H::spec;
+      break;
+    case 4:
+      c.spec = {po::Family::grouped, {po::GroupSpec::Kind::number, h + rng.below(d - h + 1)}, po::offload::none};
+      break;
+    default:
+      c.spec = po::PO::spec;
   }
   if (rng.chance(p_offload)) c.spec.offload = random_offload(rng, v);
   c.shape = {d, v, m};
@@ -175,16 +189,18 @@ Case random_case(Rng& rng, int dmax, int vmax, int mmax, double p_offload) {
 bool same_bits(double a, double b) { return std::bit_cast<std::uint64_t>(a) == std::bit_cast<std::uint64_t>(b); }
 
 std::string describe(const po::CommOp& c) {
-  return std::string(c.send ? "send to " : "recv from ") + std::to_string(c.peer) + " (stage " + std::to_string(c.stage) + ", mb " + std::to_string(c.mb) +
+  return std::string(c.send ? "send to " : "recv from ") + std::to_string(c.peer) + " (stage " +
+         std::to_string(c.stage) + ", mb " + std::to_string(c.mb) +
          (c.dir == po::Dir::forward ? ", forward)" : ", backward)");
 }
 
 /// Where two op lists first differ ("" if they do not); `with_wait` compares the edges too.
 std::string diff_ops(const std::vector<po::Op>& a, const std::vector<po::Op>& b, bool with_wait) {
   for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    if (a[i].kind != b[i].kind || a[i].stage != b[i].stage || a[i].mb != b[i].mb || (with_wait && a[i].wait != b[i].wait))
-      return "op " + std::to_string(i) + ": " + ref::describe(a[i]) + " wait " + std::to_string(a[i].wait) + " vs " + ref::describe(b[i]) + " wait " +
-             std::to_string(b[i].wait);
+    if (a[i].kind != b[i].kind || a[i].stage != b[i].stage || a[i].mb != b[i].mb ||
+        (with_wait && a[i].wait != b[i].wait))
+      return "op " + std::to_string(i) + ": " + ref::describe(a[i]) + " wait " + std::to_string(a[i].wait) + " vs " +
+             ref::describe(b[i]) + " wait " + std::to_string(b[i].wait);
   if (a.size() != b.size()) return "lengths " + std::to_string(a.size()) + " vs " + std::to_string(b.size());
   return "";
 }
@@ -207,7 +223,8 @@ std::string diff_programs(const po::Program& a, const po::Program& b) {
     if (std::string e = diff_ops(x.compute, y.compute, true); !e.empty()) return at + "compute " + e;
     if (std::string e = diff_ops(x.copy, y.copy, true); !e.empty()) return at + "copy " + e;
     if (x.copy_slot != y.copy_slot) return at + "copy slots";
-    if (!same_bits(x.slot_length, y.slot_length)) return at + "slot_length " + num(x.slot_length) + " vs " + num(y.slot_length);
+    if (!same_bits(x.slot_length, y.slot_length))
+      return at + "slot_length " + num(x.slot_length) + " vs " + num(y.slot_length);
     if (std::string e = diff_comm(x.comm, y.comm); !e.empty()) return at + e;
   }
   return "";
@@ -216,15 +233,18 @@ std::string diff_programs(const po::Program& a, const po::Program& b) {
 std::string diff_times(const char* what, const std::vector<double>& a, const std::vector<double>& b) {
   if (a.size() != b.size()) return std::string(what) + " lengths differ";
   for (std::size_t i = 0; i < a.size(); ++i)
-    if (!same_bits(a[i], b[i])) return std::string(what) + "[" + std::to_string(i) + "] " + num(a[i]) + " vs " + num(b[i]);
+    if (!same_bits(a[i], b[i]))
+      return std::string(what) + "[" + std::to_string(i) + "] " + num(a[i]) + " vs " + num(b[i]);
   return "";
 }
 
 std::string diff_memory(const std::vector<po::MemoryPoint>& a, const std::vector<po::MemoryPoint>& b) {
-  if (a.size() != b.size()) return "memory timeline lengths " + std::to_string(a.size()) + " vs " + std::to_string(b.size());
+  if (a.size() != b.size())
+    return "memory timeline lengths " + std::to_string(a.size()) + " vs " + std::to_string(b.size());
   for (std::size_t i = 0; i < a.size(); ++i)
     if (!same_bits(a[i].time, b[i].time) || !same_bits(a[i].alive, b[i].alive))
-      return "memory point " + std::to_string(i) + ": (" + num(a[i].time) + ", " + num(a[i].alive) + ") vs (" + num(b[i].time) + ", " + num(b[i].alive) + ")";
+      return "memory point " + std::to_string(i) + ": (" + num(a[i].time) + ", " + num(a[i].alive) + ") vs (" +
+             num(b[i].time) + ", " + num(b[i].alive) + ")";
   return "";
 }
 
@@ -236,8 +256,10 @@ std::string diff_sims(const po::SimResult& a, const po::SimResult& b) {
     const po::RankSim& x = a.ranks[r];
     const po::RankSim& y = b.ranks[r];
     const std::string at = "rank " + std::to_string(r) + ": ";
-    for (const auto& [what, u, w] : {std::tuple{"compute_start", &x.compute_start, &y.compute_start}, std::tuple{"compute_end", &x.compute_end, &y.compute_end},
-                                     std::tuple{"copy_start", &x.copy_start, &y.copy_start}, std::tuple{"copy_end", &x.copy_end, &y.copy_end}})
+    for (const auto& [what, u, w] :
+         {std::tuple{"compute_start", &x.compute_start, &y.compute_start},
+          std::tuple{"compute_end", &x.compute_end, &y.compute_end},
+          std::tuple{"copy_start", &x.copy_start, &y.copy_start}, std::tuple{"copy_end", &x.copy_end, &y.copy_end}})
       if (std::string e = diff_times(what, *u, *w); !e.empty()) return at + e;
     if (!same_bits(x.busy, y.busy) || !same_bits(x.bubble, y.bubble)) return at + "busy or bubble";
     if (!same_bits(x.peak, y.peak)) return at + "peak " + num(x.peak) + " vs " + num(y.peak);
@@ -263,13 +285,17 @@ std::string diff_reference(const po::SimResult& s, const ref::Times& t) {
     const po::RankSim& x = s.ranks[r];
     const ref::RankTimes& y = t.ranks[r];
     const std::string at = "rank " + std::to_string(r) + ": ";
-    for (const auto& [what, u, w] : {std::tuple{"compute_start", &x.compute_start, &y.compute_start}, std::tuple{"compute_end", &x.compute_end, &y.compute_end},
-                                     std::tuple{"copy_start", &x.copy_start, &y.copy_start}, std::tuple{"copy_end", &x.copy_end, &y.copy_end}})
+    for (const auto& [what, u, w] :
+         {std::tuple{"compute_start", &x.compute_start, &y.compute_start},
+          std::tuple{"compute_end", &x.compute_end, &y.compute_end},
+          std::tuple{"copy_start", &x.copy_start, &y.copy_start}, std::tuple{"copy_end", &x.copy_end, &y.copy_end}})
       if (std::string e = diff_times(what, *u, *w); !e.empty()) return at + e;
     if (!ref::close(x.busy, y.busy)) return at + "busy " + num(x.busy) + " vs reference " + num(y.busy);
-    if (!ref::close(x.bubble, t.makespan - y.busy)) return at + "bubble " + num(x.bubble) + " vs reference " + num(t.makespan - y.busy);
+    if (!ref::close(x.bubble, t.makespan - y.busy))
+      return at + "bubble " + num(x.bubble) + " vs reference " + num(t.makespan - y.busy);
     if (!same_bits(x.peak, y.peak)) return at + "peak " + num(x.peak) + " vs reference " + num(y.peak);
-    if (x.warmup != y.warmup) return at + "warmup " + std::to_string(x.warmup) + " vs reference " + std::to_string(y.warmup);
+    if (x.warmup != y.warmup)
+      return at + "warmup " + std::to_string(x.warmup) + " vs reference " + std::to_string(y.warmup);
     if (std::string e = diff_memory(x.memory, y.memory); !e.empty()) return at + e;
   }
   return "";
@@ -280,13 +306,15 @@ std::string diff_reference(const po::SimResult& s, const ref::Times& t) {
 std::string diff_orders(const po::Program& p, const std::vector<ref::RankOrder>& ord) {
   if (p.ranks.size() != ord.size()) return "number of ranks";
   for (std::size_t r = 0; r < ord.size(); ++r)
-    if (std::string e = diff_ops(p.ranks[r].compute, ord[r].ops, false); !e.empty()) return "rank " + std::to_string(r) + " compute " + e + " (built vs reference)";
+    if (std::string e = diff_ops(p.ranks[r].compute, ord[r].ops, false); !e.empty())
+      return "rank " + std::to_string(r) + " compute " + e + " (built vs reference)";
   return "";
 }
 
 std::string diff_plans(const po::Program& p, const std::vector<std::vector<po::CommOp>>& plan) {
   for (std::size_t r = 0; r < plan.size(); ++r)
-    if (std::string e = diff_comm(p.ranks[r].comm, plan[r]); !e.empty()) return "rank " + std::to_string(r) + " " + e + " (built vs reference)";
+    if (std::string e = diff_comm(p.ranks[r].comm, plan[r]); !e.empty())
+      return "rank " + std::to_string(r) + " " + e + " (built vs reference)";
   return "";
 }
 
@@ -298,7 +326,8 @@ std::vector<po::ScheduleSpec> every_spec(int d, int v, int m) {
   specs.push_back(po::GIS::spec);
   specs.push_back(po::GIS_H::spec);
   specs.push_back(po::PO::spec);
-  for (int g = (d + 1) / 2; g <= d; ++g) specs.push_back({po::Family::grouped, {po::GroupSpec::Kind::number, g}, po::offload::none});
+  for (int g = (d + 1) / 2; g <= d; ++g)
+    specs.push_back({po::Family::grouped, {po::GroupSpec::Kind::number, g}, po::offload::none});
   return specs;
 }
 
@@ -313,7 +342,8 @@ TEST_CASE("the reference orders reproduce DESIGN.md's worked example (d=4, v=2, 
     std::string s;
     for (std::size_t x = 0; x < n; ++x) {
       const po::Op& op = ord[0].ops[x];
-      s += (x ? " " : "") + std::string(po::op_name(op.kind)) + std::to_string(op.mb) + "." + std::to_string(op.stage / 4);
+      s += (x ? " " : "") + std::string(po::op_name(op.kind)) + std::to_string(op.mb) + "." +
+           std::to_string(op.stage / 4);
     }
     return s;
   };
@@ -333,7 +363,8 @@ TEST_CASE("the reference orders reproduce DESIGN.md's worked example (d=4, v=2, 
   CHECK(peaks(po::Interleaved1F1B::spec) == std::vector<double>{11, 9, 7, 5});
 }
 
-TEST_CASE("compute orders of every family and every legal g equal DESIGN.md's definitions over d 1..8, v 1..6, m 1..24") {
+TEST_CASE(
+    "compute orders of every family and every legal g equal DESIGN.md's definitions over d 1..8, v 1..6, m 1..24") {
   long long builds = 0;
   for (int d = 1; d <= 8; ++d)
     for (int v = 1; v <= 6; ++v)
@@ -342,8 +373,8 @@ TEST_CASE("compute orders of every family and every legal g equal DESIGN.md's de
           const po::Shape sh{d, v, m};
           const po::Program p = po::build(spec, sh);
           const std::vector<ref::RankOrder> ord = ref::orders(spec, sh);
-          const std::string where = po::schedule_name(spec, v) + " g=" + std::to_string(ref::group_size(spec, d)) + " d=" + std::to_string(d) +
-                                    " v=" + std::to_string(v) + " m=" + std::to_string(m);
+          const std::string where = po::schedule_name(spec, v) + " g=" + std::to_string(ref::group_size(spec, d)) +
+                                    " d=" + std::to_string(d) + " v=" + std::to_string(v) + " m=" + std::to_string(m);
           ++builds;
           // The reference itself against DESIGN.md's table of warmups (forwards before the first
           // backward on rank i), for the families the table gives exactly.
@@ -352,13 +383,16 @@ TEST_CASE("compute orders of every family and every legal g equal DESIGN.md's de
             int want = -1;
             if (spec.family == po::Family::one_f1b) want = std::min(d - i, m);
             if (spec.family == po::Family::interleaved_1f1b) want = std::min(d * (v - 1) + 2 * (d - i) - 1, m * v);
-            if (spec.family == po::Family::grouped && g >= (d + 1) / 2) want = std::min(std::min(g, m) * (v - 1) + std::min(d - i, m), m * v);
+            if (spec.family == po::Family::grouped && g >= (d + 1) / 2)
+              want = std::min(std::min(g, m) * (v - 1) + std::min(d - i, m), m * v);
             if (want >= 0 && po::warmup(po::RankProgram{ord[static_cast<std::size_t>(i)].ops, {}, {}, 0, {}}) != want) {
-              FAIL_CHECK(where << ": the reference order of rank " << i << " warms up with another count than DESIGN.md's table, " << want);
+              FAIL_CHECK(where << ": the reference order of rank " << i
+                               << " warms up with another count than DESIGN.md's table, " << want);
             }
           }
           if (std::string e = diff_orders(p, ord); !e.empty()) FAIL_CHECK(where << ": " << e);
-          if (std::string e = diff_plans(p, ref::p2p_plan(spec, sh, p.costs)); !e.empty()) FAIL_CHECK(where << ": " << e);
+          if (std::string e = diff_plans(p, ref::p2p_plan(spec, sh, p.costs)); !e.empty())
+            FAIL_CHECK(where << ": " << e);
         }
   MESSAGE("built and compared " << builds << " schedules");
   CHECK(builds > 5000);
@@ -366,7 +400,8 @@ TEST_CASE("compute orders of every family and every legal g equal DESIGN.md's de
 
 // ---- 2. P2P plans ------------------------------------------------------------------------
 
-TEST_CASE("P2P plans of every family, PO's own planner included, equal the messages sorted by planning time, with random costs") {
+TEST_CASE(
+    "P2P plans of every family, PO's own planner included, equal the messages sorted by planning time, with random costs") {
   const int n = case_count();
   int offloaded = 0, po_cases = 0;
   for (int i = 0; i < n; ++i) {
@@ -481,7 +516,10 @@ const char* mutate_once(po::Program& p, Rng& rng, int kind) {
     case 6: {
       if (copy.empty()) return nullptr;
       po::Op& op = copy[at(copy)];
-      const int w = rng.chance(0.3) ? -1 : (op.wait >= 0 && rng.chance(0.5) ? op.wait + (rng.chance(0.5) ? 1 : -1) * (1 + rng.below(3)) : rng.below(static_cast<int>(comp.size()) + 1));
+      const int w = rng.chance(0.3)
+                        ? -1
+                        : (op.wait >= 0 && rng.chance(0.5) ? op.wait + (rng.chance(0.5) ? 1 : -1) * (1 + rng.below(3))
+                                                           : rng.below(static_cast<int>(comp.size()) + 1));
       if (w == op.wait || w < -1) return nullptr;
       op.wait = w;
       return "break a copy op's edge";
@@ -490,10 +528,18 @@ const char* mutate_once(po::Program& p, Rng& rng, int kind) {
       if (comm.empty()) return nullptr;
       po::CommOp& c = comm[at(comm)];
       switch (rng.below(4)) {
-        case 0: c.peer = rng.below(d); return "change a P2P op's peer";
-        case 1: c.mb = std::max(0, c.mb + (rng.chance(0.5) ? 1 : -1)); return "change a P2P op's mb";
-        case 2: c.stage = std::max(0, c.stage + (rng.chance(0.5) ? 1 : d)); return "change a P2P op's stage";
-        default: c.dir = c.dir == po::Dir::forward ? po::Dir::backward : po::Dir::forward; return "change a P2P op's direction";
+        case 0:
+          c.peer = rng.below(d);
+          return "change a P2P op's peer";
+        case 1:
+          c.mb = std::max(0, c.mb + (rng.chance(0.5) ? 1 : -1));
+          return "change a P2P op's mb";
+        case 2:
+          c.stage = std::max(0, c.stage + (rng.chance(0.5) ? 1 : d));
+          return "change a P2P op's stage";
+        default:
+          c.dir = c.dir == po::Dir::forward ? po::Dir::backward : po::Dir::forward;
+          return "change a P2P op's direction";
       }
     }
     case 8: {  // a send and the nearest receive trade places
@@ -509,16 +555,21 @@ const char* mutate_once(po::Program& p, Rng& rng, int kind) {
     }
     case 9: {  // a window of the P2P list reversed or rotated
       if (comm.size() < 3) return nullptr;
-      const std::size_t i = at(comm), len = std::min<std::size_t>(comm.size() - i, 2 + static_cast<std::size_t>(rng.below(5)));
+      const std::size_t i = at(comm),
+                        len = std::min<std::size_t>(comm.size() - i, 2 + static_cast<std::size_t>(rng.below(5)));
       if (len < 2) return nullptr;
-      if (rng.chance(0.5)) std::reverse(comm.begin() + static_cast<long>(i), comm.begin() + static_cast<long>(i + len));
-      else std::rotate(comm.begin() + static_cast<long>(i), comm.begin() + static_cast<long>(i + 1), comm.begin() + static_cast<long>(i + len));
+      if (rng.chance(0.5))
+        std::reverse(comm.begin() + static_cast<long>(i), comm.begin() + static_cast<long>(i + len));
+      else
+        std::rotate(comm.begin() + static_cast<long>(i), comm.begin() + static_cast<long>(i + 1),
+                    comm.begin() + static_cast<long>(i + len));
       return "reorder a window of a P2P list";
     }
     case 10: {
       if (copy.empty()) return nullptr;
       const std::size_t y = at(copy);
-      rp.copy_slot[y] = rng.chance(0.5) ? (y > 0 ? rp.copy_slot[y - 1] : rp.copy_slot[y] + 1) : rp.copy_slot[y] + (rng.chance(0.5) ? 2 : -2);
+      rp.copy_slot[y] = rng.chance(0.5) ? (y > 0 ? rp.copy_slot[y - 1] : rp.copy_slot[y] + 1)
+                                        : rp.copy_slot[y] + (rng.chance(0.5) ? 2 : -2);
       return "change a copy slot";
     }
     case 11: {
@@ -531,9 +582,17 @@ const char* mutate_once(po::Program& p, Rng& rng, int kind) {
       if (comp.empty()) return nullptr;
       po::Op& op = comp[at(comp)];
       switch (rng.below(3)) {
-        case 0: op.mb = (op.mb + 1) % p.shape.m; return "change a compute op's mb";
-        case 1: op.stage = (op.stage + d) % p.shape.stages(); return "change a compute op's stage (chunk)";
-        default: op.kind = op.kind == po::OpKind::F ? po::OpKind::B : op.kind == po::OpKind::W ? po::OpKind::BW : po::OpKind::F; return "change a compute op's kind";
+        case 0:
+          op.mb = (op.mb + 1) % p.shape.m;
+          return "change a compute op's mb";
+        case 1:
+          op.stage = (op.stage + d) % p.shape.stages();
+          return "change a compute op's stage (chunk)";
+        default:
+          op.kind = op.kind == po::OpKind::F   ? po::OpKind::B
+                    : op.kind == po::OpKind::W ? po::OpKind::BW
+                                               : po::OpKind::F;
+          return "change a compute op's kind";
       }
     }
     default: {  // a P2P op moved far away in its list
@@ -556,7 +615,8 @@ struct Tally {
 
 }  // namespace
 
-TEST_CASE("proven_valid never accepts a mutated program that the full check rejects, and the full check agrees with the reference rules") {
+TEST_CASE(
+    "proven_valid never accepts a mutated program that the full check rejects, and the full check agrees with the reference rules") {
   const int n = case_count();
   std::map<std::string, Tally> tally;
   int programs = 0, proven_built = 0, valid_mutants_simulated = 0;
@@ -587,15 +647,18 @@ TEST_CASE("proven_valid never accepts a mutated program that the full check reje
       ++t.made;
       t.rejected += !full.ok;
       t.proven += proven;
-      const std::string said = where + ", mutant " + std::to_string(k) + " (" + name + "): full check " + (full.ok ? "accepts" : "rejects: " + full.error) +
-                               "; reference rules " + (rules.empty() ? "accept" : "reject: " + rules);
+      const std::string said = where + ", mutant " + std::to_string(k) + " (" + name + "): full check " +
+                               (full.ok ? "accepts" : "rejects: " + full.error) + "; reference rules " +
+                               (rules.empty() ? "accept" : "reject: " + rules);
       if (proven && !full.ok) FAIL(said << "; but proven_valid accepts it");
-      if (fast.ok != full.ok || fast.error != full.error) FAIL(said << "; validate() says " << (fast.ok ? "valid" : fast.error));
+      if (fast.ok != full.ok || fast.error != full.error)
+        FAIL(said << "; validate() says " << (fast.ok ? "valid" : fast.error));
       if (rules.empty() != full.ok) FAIL(said);
       if (full.ok) {  // a valid mutant still runs, and runs as the reference runs it
         ++valid_mutants_simulated;
         const po::SimResult s = po::simulate(mut);
-        if (std::string e = diff_reference(s, ref::simulate(mut, mut.costs)); !e.empty()) FAIL(said << "; simulate: " << e);
+        if (std::string e = diff_reference(s, ref::simulate(mut, mut.costs)); !e.empty())
+          FAIL(said << "; simulate: " << e);
       }
     }
   }
@@ -607,8 +670,9 @@ TEST_CASE("proven_valid never accepts a mutated program that the full check reje
     // Each kind of mutation (that occurred often enough) must break some programs.
     if (t.made >= 40) CHECK_MESSAGE(t.rejected > 0, name);
   }
-  MESSAGE(made << " mutants of " << programs << " programs: " << rejected << " rejected; " << proven_built << " built programs proven valid by the fast path; "
-               << valid_mutants_simulated << " valid mutants simulated");
+  MESSAGE(made << " mutants of " << programs << " programs: " << rejected << " rejected; " << proven_built
+               << " built programs proven valid by the fast path; " << valid_mutants_simulated
+               << " valid mutants simulated");
   // Not vacuous: most mutants are broken, and the fast path proves most built programs.
   CHECK(rejected * 10 >= made * 5);
   CHECK(proven_built * 10 >= programs * 9);
@@ -621,8 +685,8 @@ namespace {
 /// Build, validate and simulate on one thread, by default and on 3 threads, and into outputs
 /// reused from other programs: every result bit-identical. `pool` holds earlier programs
 /// and simulations (other shapes, larger and smaller) to build and simulate into.
-void require_fast_equals_plain(const Case& c, const std::string& where, std::vector<po::Program>& pool, std::vector<po::SimResult>& sims, Rng& rng,
-                               int& reused_larger, int& reused_smaller) {
+void require_fast_equals_plain(const Case& c, const std::string& where, std::vector<po::Program>& pool,
+                               std::vector<po::SimResult>& sims, Rng& rng, int& reused_larger, int& reused_smaller) {
   po::Program one;
   po::SimResult sim_one, sim_other;
   bool proven_one = false;
@@ -639,12 +703,14 @@ void require_fast_equals_plain(const Case& c, const std::string& where, std::vec
   REQUIRE_MESSAGE(valid_one.ok, where << ": " << valid_one.error);
   for (const int threads : {0, 3}) {
     const po::Workers t(threads);
-    const std::string at = where + " on " + (threads == 0 ? std::string("the default threads") : std::to_string(threads) + " threads");
+    const std::string at =
+        where + " on " + (threads == 0 ? std::string("the default threads") : std::to_string(threads) + " threads");
     const po::Program p = po::build(c.spec, c.shape, c.costs, t);
     if (std::string e = diff_programs(p, one); !e.empty()) FAIL(at << ": build: " << e);
     if (proven_valid(p, t) != proven_one) FAIL(at << ": proven_valid differs");
     if (std::string e = diff_sims(po::simulate(p, t), sim_one); !e.empty()) FAIL(at << ": simulate: " << e);
-    if (std::string e = diff_sims(po::simulate(p, other, t), sim_other); !e.empty()) FAIL(at << ": simulate under other costs: " << e);
+    if (std::string e = diff_sims(po::simulate(p, other, t), sim_other); !e.empty())
+      FAIL(at << ": simulate under other costs: " << e);
     // Into outputs that held another program.
     const std::size_t slot = static_cast<std::size_t>(rng.below(static_cast<int>(pool.size())));
     po::Program& q = pool[slot];
@@ -654,10 +720,12 @@ void require_fast_equals_plain(const Case& c, const std::string& where, std::vec
     reused_larger += before > now;
     reused_smaller += before < now;
     po::build_into(q, c.spec, c.shape, c.costs, t);
-    if (std::string e = diff_programs(q, one); !e.empty()) FAIL(at << ": build_into a Program that held another schedule: " << e);
+    if (std::string e = diff_programs(q, one); !e.empty())
+      FAIL(at << ": build_into a Program that held another schedule: " << e);
     po::SimResult& s = sims[static_cast<std::size_t>(rng.below(static_cast<int>(sims.size())))];
     po::simulate_into(s, q, t);
-    if (std::string e = diff_sims(s, sim_one); !e.empty()) FAIL(at << ": simulate_into a SimResult that held another run: " << e);
+    if (std::string e = diff_sims(s, sim_one); !e.empty())
+      FAIL(at << ": simulate_into a SimResult that held another run: " << e);
     po::simulate_into(s, q, other, t);
     if (std::string e = diff_sims(s, sim_other); !e.empty()) FAIL(at << ": simulate_into under other costs: " << e);
   }
@@ -665,7 +733,8 @@ void require_fast_equals_plain(const Case& c, const std::string& where, std::vec
 
 }  // namespace
 
-TEST_CASE("threads and reused outputs give bit-identical programs, verdicts and simulations over random configurations") {
+TEST_CASE(
+    "threads and reused outputs give bit-identical programs, verdicts and simulations over random configurations") {
   const int n = case_count();
   std::vector<po::Program> pool(3);
   std::vector<po::SimResult> sims(3);
@@ -708,7 +777,8 @@ TEST_CASE("threads and reused outputs on shapes large enough that every threaded
     if (std::string e = diff_orders(p, ref::orders(c.spec, c.shape)); !e.empty()) FAIL(where << ": " << e);
     if (std::string e = diff_plans(p, ref::p2p_plan(c.spec, c.shape, c.costs)); !e.empty()) FAIL(where << ": " << e);
     if (i < 2) {  // the reference simulator and rules on the largest (slow: maps of every unit)
-      if (std::string e = diff_reference(po::simulate(p), ref::simulate(p, p.costs)); !e.empty()) FAIL(where << ": simulate: " << e);
+      if (std::string e = diff_reference(po::simulate(p), ref::simulate(p, p.costs)); !e.empty())
+        FAIL(where << ": simulate: " << e);
       if (std::string e = ref::check(p); !e.empty()) FAIL(where << ": the reference rules reject it: " << e);
     }
   }
@@ -732,9 +802,11 @@ TEST_CASE("simulate equals the reference ASAP simulator op by op, and offload pl
     po::Costs other = random_costs(rng, c.shape.stages());
     other.unit_bytes = c.costs.unit_bytes;  // the plan's peak is in these bytes
     const ref::Times moved = ref::simulate(p, other);
-    if (std::string e = diff_reference(po::simulate(p, other), moved); !e.empty()) FAIL(where << ": under other costs: " << e);
+    if (std::string e = diff_reference(po::simulate(p, other), moved); !e.empty())
+      FAIL(where << ": under other costs: " << e);
     for (const auto& rp : p.ranks) with_copies += !rp.copy.empty();
-    if (std::string e = ref::offload_properties(p, ref::plan_of(c.spec, c.shape, c.costs), {&own, &moved}); !e.empty()) FAIL(where << ": " << e);
+    if (std::string e = ref::offload_properties(p, ref::plan_of(c.spec, c.shape, c.costs), {&own, &moved}); !e.empty())
+      FAIL(where << ": " << e);
   }
   CHECK(with_copies > n);
 }

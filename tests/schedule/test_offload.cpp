@@ -84,7 +84,8 @@ TEST_CASE("PO's peak falls better than linearly as chunks are offloaded one by o
   for (int n = 0; n <= 16; ++n) {
     const double pn = max_peak(build(with_offload(PO::spec, offload::first(n)), s));
     po_curve.push_back(pn);
-    if (n > 0 && n < 16) CHECK_MESSAGE(pn < po0 * (16 - n) / 16.0, "n=", n, " peak ", pn, " linear ", po0 * (16 - n) / 16.0);
+    if (n > 0 && n < 16)
+      CHECK_MESSAGE(pn < po0 * (16 - n) / 16.0, "n=", n, " peak ", pn, " linear ", po0 * (16 - n) / 16.0);
     if (n > 0) CHECK(pn < po_curve[static_cast<std::size_t>(n - 1)]);
   }
   // Half of the chunks offloaded: about a quarter of the peak left (the paper's Section 1),
@@ -122,7 +123,8 @@ namespace {
 long long offload_parity(const RankProgram& rp) {
   REQUIRE_FALSE(rp.copy.empty());
   const long long po = (rp.copy_slot[0] & 1) ^ (rp.copy[0].kind == OpKind::O ? 0 : 1);
-  for (std::size_t y = 0; y < rp.copy.size(); ++y) CHECK((rp.copy_slot[y] & 1) == (rp.copy[y].kind == OpKind::O ? po : 1 - po));
+  for (std::size_t y = 0; y < rp.copy.size(); ++y)
+    CHECK((rp.copy_slot[y] & 1) == (rp.copy[y].kind == OpKind::O ? po : 1 - po));
   return po;
 }
 
@@ -135,12 +137,14 @@ TEST_CASE("paired ranks r and r^1 offload in opposite slot parities; every rank'
     const Program p = PO_F::build(s);
     std::vector<long long> po;
     for (const auto& rp : p.ranks) po.push_back(offload_parity(rp));
-    for (int r = 0; r + 1 < s.d; r += 2) CHECK_MESSAGE(po[static_cast<std::size_t>(r)] != po[static_cast<std::size_t>(r + 1)], "d=", s.d, " r=", r);
+    for (int r = 0; r + 1 < s.d; r += 2)
+      CHECK_MESSAGE(po[static_cast<std::size_t>(r)] != po[static_cast<std::size_t>(r + 1)], "d=", s.d, " r=", r);
   }
   // d = 8, v = 2, m = 32: the pair (4, 5) swaps (rank 4 on even slots would queue reloads
   // behind offloads and stay two passes behind), the others keep rank r on parity r & 1.
   const Program p = PO_F::build({8, 2, 32});
-  for (int r = 0; r < 8; ++r) CHECK(offload_parity(p.ranks[static_cast<std::size_t>(r)]) == ((r & 1) ^ (r / 2 == 2 ? 1 : 0)));
+  for (int r = 0; r < 8; ++r)
+    CHECK(offload_parity(p.ranks[static_cast<std::size_t>(r)]) == ((r & 1) ^ (r / 2 == 2 ? 1 : 0)));
   Costs c;
   c.stagger_pairs = false;
   const Program q = PO_F::build({4, 2, 8}, c);
@@ -161,8 +165,10 @@ TEST_CASE("with k <= 1, PO-F runs as fast as PO in the simulator, with a peak of
           REQUIRE(validate(p));
           const SimResult sim = simulate(p);
           const double po = simulate(PO::build({d, v, m}, c)).makespan;
-          CHECK_MESSAGE(sim.makespan <= po * (1 + 1e-12), "k=", k, " d=", d, " v=", v, " m=", m, ": PO-F ", sim.makespan, " PO ", po);
-          CHECK_MESSAGE(sim.max_peak() <= (k < 1 ? 2 : 3), "k=", k, " d=", d, " v=", v, " m=", m, ": peak ", sim.max_peak());
+          CHECK_MESSAGE(sim.makespan <= po * (1 + 1e-12), "k=", k, " d=", d, " v=", v, " m=", m, ": PO-F ",
+                        sim.makespan, " PO ", po);
+          CHECK_MESSAGE(sim.max_peak() <= (k < 1 ? 2 : 3), "k=", k, " d=", d, " v=", v, " m=", m, ": peak ",
+                        sim.max_peak());
         }
 }
 
@@ -180,7 +186,8 @@ TEST_CASE("PO-F's edges keep its plan's peak of 3 units whatever the speeds of p
             c.f = f;
             c.b = b;
             c.w = w;
-            CHECK_MESSAGE(simulate(p, c).max_peak() <= 3, "d=", s.d, " v=", s.v, " k=", k, " f=", f, " b=", b, " w=", w);
+            CHECK_MESSAGE(simulate(p, c).max_peak() <= 3, "d=", s.d, " v=", s.v, " k=", k, " f=", f, " b=", b,
+                          " w=", w);
           }
   }
 }
@@ -211,8 +218,9 @@ TEST_CASE("offload composes with every family, and every copy respects its F, O 
   for (int d : {1, 2, 3, 4, 6, 8})
     for (int v : {1, 2, 3, 4})
       for (int m : {d, 2 * d, 3 * d + 1}) {
-        std::vector<ScheduleSpec> specs = {with_offload(GIS::spec, offload::first(1)), with_offload(GIS_H::spec, offload::half),
-                                           PO_H::spec, PO_F::spec, with_offload(PO::spec, offload::chunks({v - 1}))};
+        std::vector<ScheduleSpec> specs = {with_offload(GIS::spec, offload::first(1)),
+                                           with_offload(GIS_H::spec, offload::half), PO_H::spec, PO_F::spec,
+                                           with_offload(PO::spec, offload::chunks({v - 1}))};
         if (m % d == 0) specs.push_back(with_offload(Interleaved1F1B::spec, offload::all));
         if (v == 1) specs.push_back(with_offload(OneF1B::spec, offload::all));
         for (const auto& spec : specs)
@@ -247,9 +255,12 @@ TEST_CASE("per-stage unit sizes: peaks are in bytes, and offload counts each sta
         if (f.kind != OpKind::F) continue;
         double from = rs.compute_start[x], to = 0, oend = -1, rstart = -1;
         for (std::size_t y = 0; y < rp.compute.size(); ++y)
-          if (rp.compute[y].kind == OpKind::W && rp.compute[y].stage == f.stage && rp.compute[y].mb == f.mb) to = rs.compute_end[y];
+          if (rp.compute[y].kind == OpKind::W && rp.compute[y].stage == f.stage && rp.compute[y].mb == f.mb)
+            to = rs.compute_end[y];
         for (std::size_t y = 0; y < rp.copy.size(); ++y)
-          if (rp.copy[y].stage == f.stage && rp.copy[y].mb == f.mb) (rp.copy[y].kind == OpKind::O ? oend : rstart) = rp.copy[y].kind == OpKind::O ? rs.copy_end[y] : rs.copy_start[y];
+          if (rp.copy[y].stage == f.stage && rp.copy[y].mb == f.mb)
+            (rp.copy[y].kind == OpKind::O ? oend : rstart) =
+                rp.copy[y].kind == OpKind::O ? rs.copy_end[y] : rs.copy_start[y];
         if (oend >= 0) {
           alive.push_back({from, oend});
           alive.push_back({rstart, to});

@@ -22,7 +22,8 @@ std::string order_text(const Program& p, int r, std::size_t n) {
   const auto& ops = p.ranks[static_cast<std::size_t>(r)].compute;
   for (std::size_t x = 0; x < std::min(n, ops.size()); ++x) {
     if (!s.empty()) s += ' ';
-    s += std::string(op_name(ops[x].kind)) + std::to_string(ops[x].mb) + "." + std::to_string(p.shape.chunk_of(ops[x].stage));
+    s += std::string(op_name(ops[x].kind)) + std::to_string(ops[x].mb) + "." +
+         std::to_string(p.shape.chunk_of(ops[x].stage));
   }
   return s;
 }
@@ -102,7 +103,8 @@ TEST_CASE("GIS(g) for every legal g: rank i's peak = its warmup = min(g,m)(v-1)+
           const SimResult sim = simulate(p);
           for (int i = 0; i < d; ++i) {
             const int want = std::min(std::min(g, m) * (v - 1) + std::min(d - i, m), m * v);
-            CHECK_MESSAGE(sim.ranks[static_cast<std::size_t>(i)].peak == want, "d=", d, " g=", g, " v=", v, " m=", m, " rank ", i);
+            CHECK_MESSAGE(sim.ranks[static_cast<std::size_t>(i)].peak == want, "d=", d, " g=", g, " v=", v, " m=", m,
+                          " rank ", i);
             CHECK(sim.ranks[static_cast<std::size_t>(i)].warmup == want);
           }
           // The bubble row of Table 1 is exact when g | m: 2(d-1) + (d-g)(v-1) unit passes.
@@ -145,7 +147,10 @@ TEST_CASE("every family, with and without offload, validates over d 1..16, v 1..
     for (int v = 1; v <= 8; ++v)
       for (int m = 1; m <= 64; ++m) {
         if (!visit_m(d, m) || (d > 8 && m % 3 != 0 && m % d != 0)) continue;
-        std::vector<ScheduleSpec> specs = {PO::spec, PO_H::spec, PO_F::spec, GIS_H::spec,
+        std::vector<ScheduleSpec> specs = {PO::spec,
+                                           PO_H::spec,
+                                           PO_F::spec,
+                                           GIS_H::spec,
                                            ScheduleSpec{Family::grouped, {GroupSpec::Kind::half, 0}, offload::first(1)},
                                            ScheduleSpec{Family::grouped, {GroupSpec::Kind::full, 0}, offload::all}};
         if (v == 1) specs.push_back(ScheduleSpec{Family::one_f1b, {}, offload::all});
@@ -215,7 +220,9 @@ TEST_CASE("PO's P2P plan from each rank's own list equals the merge of its neigh
           for (int s = 0; s < d * v; ++s) tau += p.costs.F(s) + p.costs.B(s) + p.costs.W(s);
           tau /= 3.0 * d * v;
           const detail::Block bk(q);
-          const auto end = [&](int rank, std::size_t, const Op& op) { return static_cast<double>(bk.slot(rank, op) + 1) * tau; };
+          const auto end = [&](int rank, std::size_t, const Op& op) {
+            return static_cast<double>(bk.slot(rank, op) + 1) * tau;
+          };
           for (int r = 0; r < d; ++r) {
             q.ranks[static_cast<std::size_t>(r)].comm.clear();
             detail::plan_p2p_rank(q, r, end);
@@ -226,35 +233,41 @@ TEST_CASE("PO's P2P plan from each rank's own list equals the merge of its neigh
 
 TEST_CASE("bad shapes throw shape_error naming the value and the allowed range") {
   CHECK_THROWS_WITH_AS(GIS_G<2>::build({8, 2, 16}),
-                       "GIS(g): group size g (legal: ceil(d/2) <= g <= d) = 2 is outside the allowed range [4, 8]", shape_error);
+                       "GIS(g): group size g (legal: ceil(d/2) <= g <= d) = 2 is outside the allowed range [4, 8]",
+                       shape_error);
   CHECK_THROWS_WITH_AS(GIS_G<9>::build({8, 2, 16}),
-                       "GIS(g): group size g (legal: ceil(d/2) <= g <= d) = 9 is outside the allowed range [4, 8]", shape_error);
-  CHECK_THROWS_WITH_AS(PO::build({4, 2, 0}), "shape: microbatches m = 0 is outside the allowed range [1, 65536]", shape_error);
+                       "GIS(g): group size g (legal: ceil(d/2) <= g <= d) = 9 is outside the allowed range [4, 8]",
+                       shape_error);
+  CHECK_THROWS_WITH_AS(PO::build({4, 2, 0}), "shape: microbatches m = 0 is outside the allowed range [1, 65536]",
+                       shape_error);
   CHECK_THROWS_WITH_AS(PO::build({0, 2, 4}), "shape: ranks d = 0 is outside the allowed range [1, 4096]", shape_error);
-  CHECK_THROWS_WITH_AS(PO::build({2, 0, 4}), "shape: chunks per rank v = 0 is outside the allowed range [1, 256]", shape_error);
+  CHECK_THROWS_WITH_AS(PO::build({2, 0, 4}), "shape: chunks per rank v = 0 is outside the allowed range [1, 256]",
+                       shape_error);
   CHECK_THROWS_WITH_AS(OneF1B::build({4, 2, 8}),
-                       "1F1B: chunks per rank v (1F1B has one stage per rank) = 2 is outside the allowed range [1, 1]", shape_error);
+                       "1F1B: chunks per rank v (1F1B has one stage per rank) = 2 is outside the allowed range [1, 1]",
+                       shape_error);
   CHECK_THROWS_WITH_AS(build(ScheduleSpec{Family::grouped, {}, offload::chunks({0, 5})}, {4, 2, 8}),
                        "offload::chunks: a listed chunk index is >= v = 2; allowed chunks are 0..1", shape_error);
-  CHECK_THROWS_WITH_AS(offload::first(-1),
-                       "offload::first(n): n, the number of offloaded chunks, = -1 is outside the allowed range [0, 1073741824]",
-                       shape_error);
+  CHECK_THROWS_WITH_AS(
+      offload::first(-1),
+      "offload::first(n): n, the number of offloaded chunks, = -1 is outside the allowed range [0, 1073741824]",
+      shape_error);
   Costs c;
   c.f = 0;
   CHECK_THROWS_WITH_AS(PO::build({2, 2, 4}, c), "costs: T_F must be a finite number > 0", shape_error);
   c.f = 1;
   c.stage_b = {1, 1, 1};
-  CHECK_THROWS_WITH_AS(PO::build({2, 2, 4}, c), "costs: per-stage T_B has 3 entries; it must have S = v*d = 4 (or none)",
-                       shape_error);
-  CHECK_THROWS_WITH_AS(peak(PO::build({2, 2, 4}), 2), "peak(program, rank): rank = 2 is outside the allowed range [0, 1]",
-                       shape_error);
+  CHECK_THROWS_WITH_AS(PO::build({2, 2, 4}, c),
+                       "costs: per-stage T_B has 3 entries; it must have S = v*d = 4 (or none)", shape_error);
+  CHECK_THROWS_WITH_AS(peak(PO::build({2, 2, 4}), 2),
+                       "peak(program, rank): rank = 2 is outside the allowed range [0, 1]", shape_error);
 }
 
 TEST_CASE("m much smaller than g: trimmed groups leave the building block sparse, and it still builds fast and right") {
   const Program p = GIS::build({512, 16, 1});
   CHECK(validate(p));
   const SimResult s = simulate(p);
-  CHECK(s.ranks[0].peak == 16);          // min(g, m)(v-1) + min(d, m) = 15 + 1
+  CHECK(s.ranks[0].peak == 16);             // min(g, m)(v-1) + min(d, m) = 15 + 1
   CHECK(s.makespan == 2.0 * 16 * 512 + 1);  // F down every stage, B back up, then the last W
 }
 
@@ -267,6 +280,8 @@ TEST_CASE("parse_schedule: every paper name gives its alias's spec and round-tri
   CHECK(po::parse_schedule("po") == po::PO::spec);
   CHECK(po::parse_schedule("po-h") == po::PO_H::spec);
   CHECK(po::parse_schedule("po-f") == po::PO_F::spec);
-  for (const char* n : {"1f1b", "1f1b-i", "gis", "gis-h", "gis-g", "po", "po-h", "po-f"}) CHECK(po::schedule_name(po::parse_schedule(n, 3)) == n);
-  CHECK_THROWS_WITH(po::parse_schedule("zb-h1"), "schedule must be one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, got 'zb-h1'");
+  for (const char* n : {"1f1b", "1f1b-i", "gis", "gis-h", "gis-g", "po", "po-h", "po-f"})
+    CHECK(po::schedule_name(po::parse_schedule(n, 3)) == n);
+  CHECK_THROWS_WITH(po::parse_schedule("zb-h1"),
+                    "schedule must be one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, got 'zb-h1'");
 }

@@ -27,7 +27,8 @@ static_assert(po::peak(po::GIS::build({4, 2, 8}), 3) == 5);
 
 // GIS(g): rank 0 peaks at g(v-1)+d; GIS(g) costs (d-g)(v-1) more than GIS under unit costs.
 static_assert(po::peak(po::GIS_G<3>::build({6, 3, 6}), 0) == 3 * 2 + 6);
-static_assert(po::simulate(po::GIS_G<3>::build({6, 3, 6})).makespan - po::simulate(po::GIS::build({6, 3, 6})).makespan ==
+static_assert(po::simulate(po::GIS_G<3>::build({6, 3, 6})).makespan -
+                  po::simulate(po::GIS::build({6, 3, 6})).makespan ==
               (6 - 3) * (3 - 1));
 
 // 1F1B: rank i holds min(d-i, m) units; the bubble is (d-1)(T_F+T_B+T_W).

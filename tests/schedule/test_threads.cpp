@@ -29,7 +29,8 @@ struct Outcome {
 };
 
 /// Builds (or takes `given`), validates and simulates on `threads` threads.
-Outcome run(int threads, const ScheduleSpec& spec, const Shape& shape, const Costs& costs, const std::function<void(Program&)>& change = {}) {
+Outcome run(int threads, const ScheduleSpec& spec, const Shape& shape, const Costs& costs,
+            const std::function<void(Program&)>& change = {}) {
   const Workers t(threads);
   Outcome o;
   try {
@@ -56,7 +57,8 @@ void require_same(const Outcome& one, const Outcome& many) {
   REQUIRE(same_sim(many.sim, one.sim));
 }
 
-const ScheduleSpec specs[] = {OneF1B::spec, Interleaved1F1B::spec, GIS::spec, GIS_H::spec, PO::spec, PO_H::spec, PO_F::spec};
+const ScheduleSpec specs[] = {OneF1B::spec, Interleaved1F1B::spec, GIS::spec, GIS_H::spec, PO::spec, PO_H::spec,
+                              PO_F::spec};
 
 }  // namespace
 
@@ -102,16 +104,22 @@ TEST_CASE("broken programs: the same verdict and the same message on any number 
   // Each change breaks a different rule; the message comes from validate() and, where the
   // orders cannot run, from simulate()'s ASAP run.
   const std::function<void(Program&)> changes[] = {
-      [](Program& p) { std::rotate(p.ranks[2].compute.begin(), p.ranks[2].compute.end() - 1, p.ranks[2].compute.end()); },  // a W first
-      [](Program& p) { p.ranks[2].comm.pop_back(); },                                                     // a message never received
-      [](Program& p) { std::reverse(p.ranks[0].comm.begin(), p.ranks[0].comm.end()); },                  // a P2P order that deadlocks
-      [](Program& p) {                                                                                    // a reload before its offload
+      [](Program& p) {
+        std::rotate(p.ranks[2].compute.begin(), p.ranks[2].compute.end() - 1, p.ranks[2].compute.end());
+      },                                                                                 // a W first
+      [](Program& p) { p.ranks[2].comm.pop_back(); },                                    // a message never received
+      [](Program& p) { std::reverse(p.ranks[0].comm.begin(), p.ranks[0].comm.end()); },  // a P2P order that deadlocks
+      [](Program& p) {                                                                   // a reload before its offload
         auto& k = p.ranks[3].copy;
         const auto r = std::find_if(k.begin(), k.end(), [](const Op& op) { return op.kind == OpKind::R; });
         if (r != k.end()) std::rotate(k.begin(), r, r + 1);
       },
-      [](Program& p) { p.ranks[0].compute.back().wait = static_cast<int>(p.ranks[0].copy.size()); },      // an edge past the end
-      [](Program& p) { std::rotate(p.ranks[1].compute.begin(), p.ranks[1].compute.begin() + 3, p.ranks[1].compute.end()); },
+      [](Program& p) {
+        p.ranks[0].compute.back().wait = static_cast<int>(p.ranks[0].copy.size());
+      },  // an edge past the end
+      [](Program& p) {
+        std::rotate(p.ranks[1].compute.begin(), p.ranks[1].compute.begin() + 3, p.ranks[1].compute.end());
+      },
   };
   int broken = 0;
   for (const ScheduleSpec& spec : {GIS::spec, PO_H::spec, PO_F::spec})
@@ -158,7 +166,9 @@ TEST_CASE("simulate fills end times and memory timelines while its ASAP run goes
     for (int threads : {2, 3}) require_same(one, run(threads, PO_F::spec, {32, 4, 128}, costs));
   }
   // A rank that cannot start: the run throws while the other ranks' outputs are being filled.
-  const auto stuck = [](Program& p) { std::swap(p.ranks[5].compute[0], p.ranks[5].compute[p.ranks[5].compute.size() / 2]); };
+  const auto stuck = [](Program& p) {
+    std::swap(p.ranks[5].compute[0], p.ranks[5].compute[p.ranks[5].compute.size() / 2]);
+  };
   const Outcome one = run(1, PO_F::spec, {32, 4, 128}, {}, stuck);
   REQUIRE(one.error.rfind("simulate: schedule cannot run: rank", 0) == 0);
   for (int threads : {2, 3}) CHECK(run(threads, PO_F::spec, {32, 4, 128}, {}, stuck).error == one.error);

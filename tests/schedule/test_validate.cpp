@@ -59,7 +59,9 @@ TEST_CASE("validate finds messages consumed in another order than sent") {
   std::iter_swap(first, second);
   const Validation v = validate(p);
   CHECK_FALSE(v);
-  CHECK(contains(v.error, "rank 1 expects recv from rank 0 (forward, stage 1, mb 1) but rank 0 sends send to rank 1 (forward, stage 1, mb 0) first"));
+  CHECK(contains(
+      v.error,
+      "rank 1 expects recv from rank 0 (forward, stage 1, mb 1) but rank 0 sends send to rank 1 (forward, stage 1, mb 0) first"));
 }
 
 TEST_CASE("validate finds a P2P plan that never sends a message") {
@@ -74,7 +76,9 @@ TEST_CASE("validate finds a backward that may start before its reload, and a dou
   REQUIRE(validate(p));
   auto& rp = p.ranks[0];
   const auto b = std::find_if(rp.compute.begin(), rp.compute.end(), [&](const Op& op) {
-    return op.kind == OpKind::B && std::any_of(rp.copy.begin(), rp.copy.end(), [&](const Op& c) { return c.kind == OpKind::R && c.stage == op.stage && c.mb == op.mb; });
+    return op.kind == OpKind::B && std::any_of(rp.copy.begin(), rp.copy.end(), [&](const Op& c) {
+             return c.kind == OpKind::R && c.stage == op.stage && c.mb == op.mb;
+           });
   });
   REQUIRE(b != rp.compute.end());
   Program q = p;
@@ -89,7 +93,9 @@ TEST_CASE("validate finds a reload placed before its offload") {
   Program p = PO_F::build({2, 2, 8});
   auto& rp = p.ranks[0];
   const auto o = std::find_if(rp.copy.begin(), rp.copy.end(), [](const Op& op) { return op.kind == OpKind::O; });
-  const auto r = std::find_if(rp.copy.begin(), rp.copy.end(), [&](const Op& op) { return op.kind == OpKind::R && op.stage == o->stage && op.mb == o->mb; });
+  const auto r = std::find_if(rp.copy.begin(), rp.copy.end(), [&](const Op& op) {
+    return op.kind == OpKind::R && op.stage == o->stage && op.mb == o->mb;
+  });
   std::iter_swap(o, r);
   const Validation v = validate(p);
   CHECK_FALSE(v);
@@ -149,13 +155,16 @@ TEST_CASE("validate finds two neighbours that list the messages between them in 
   CHECK_FALSE(detail::proven_valid(p));
   const Validation v = validate(p);
   CHECK_FALSE(v);
-  CHECK(contains(v.error, "rank 2 expects recv from rank 1 (forward, stage 2, mb 0) but rank 1 sends send to rank 2 (forward, stage 2, mb 1) first"));
+  CHECK(contains(
+      v.error,
+      "rank 2 expects recv from rank 1 (forward, stage 2, mb 0) but rank 1 sends send to rank 2 (forward, stage 2, mb 1) first"));
 }
 
 TEST_CASE("validate finds a send addressed to the wrong rank") {
   Program p = PO::build({4, 2, 4});
   auto& comm = p.ranks[1].comm;
-  const auto it = std::find_if(comm.begin(), comm.end(), [](const CommOp& c) { return c.send && c.dir == Dir::forward; });
+  const auto it =
+      std::find_if(comm.begin(), comm.end(), [](const CommOp& c) { return c.send && c.dir == Dir::forward; });
   REQUIRE(it != comm.end());
   it->peer = 3;
   CHECK_FALSE(detail::proven_valid(p));
@@ -195,7 +204,8 @@ TEST_CASE("validate finds a rank whose compute and copy streams wait for each ot
 
 TEST_CASE("validate proves every built schedule valid in its linear sweep") {
   // The fast path is what makes validate() linear for real schedules: it must accept them.
-  for (const ScheduleSpec& spec : {OneF1B::spec, Interleaved1F1B::spec, GIS::spec, GIS_H::spec, PO::spec, PO_H::spec, PO_F::spec})
+  for (const ScheduleSpec& spec :
+       {OneF1B::spec, Interleaved1F1B::spec, GIS::spec, GIS_H::spec, PO::spec, PO_H::spec, PO_F::spec})
     for (int d : {1, 2, 3, 4, 7})
       for (int v : {1, 2, 3})
         for (int m : {1, 4, 7, 14}) {

@@ -58,11 +58,16 @@ inline constexpr std::size_t memory_kinds = 5;
 
 constexpr const char* memory_name(Memory m) {
   switch (m) {
-    case Memory::activation: return "activation";
-    case Memory::stash: return "stash";
-    case Memory::message: return "message";
-    case Memory::state: return "state";
-    case Memory::optimizer: return "optimizer";
+    case Memory::activation:
+      return "activation";
+    case Memory::stash:
+      return "stash";
+    case Memory::message:
+      return "message";
+    case Memory::state:
+      return "state";
+    case Memory::optimizer:
+      return "optimizer";
   }
   return "?";
 }
@@ -74,14 +79,15 @@ inline void require_groups(const char* who, std::size_t values, std::span<const 
   std::size_t total = 0;
   for (std::size_t g : groups) total += g;
   if (total != values || outs != groups.size())
-    throw error(std::string(who) + ": " + std::to_string(groups.size()) + " groups cover " + std::to_string(total) + " of " +
-                                std::to_string(values) + " values with " + std::to_string(outs) +
-                                " outputs; they must cover all values, one output each");
+    throw error(std::string(who) + ": " + std::to_string(groups.size()) + " groups cover " + std::to_string(total) +
+                " of " + std::to_string(values) + " values with " + std::to_string(outs) +
+                " outputs; they must cover all values, one output each");
 }
 inline void require_update_sizes(const char* who, std::size_t p, std::size_t g, std::size_t m, std::size_t v) {
   if (g != p || m != p || v != p)
-    throw error(std::string(who) + ": parameters, gradients and optimizer state have " + std::to_string(p) + ", " + std::to_string(g) +
-                                ", " + std::to_string(m) + " and " + std::to_string(v) + " elements; they must be equal");
+    throw error(std::string(who) + ": parameters, gradients and optimizer state have " + std::to_string(p) + ", " +
+                std::to_string(g) + ", " + std::to_string(m) + " and " + std::to_string(v) +
+                " elements; they must be equal");
 }
 
 }  // namespace detail
@@ -90,9 +96,9 @@ inline void require_update_sizes(const char* who, std::size_t p, std::size_t g, 
 struct MemoryStats {
   std::array<std::size_t, memory_kinds> in_use{};  ///< device bytes in use, per kind
   std::array<std::size_t, memory_kinds> peak{};    ///< most device bytes in use at once, per kind
-  std::size_t total_peak = 0;          ///< most device bytes in use at once, all kinds together
-  long long device_allocations = 0;    ///< times the arena had to get new memory from the system
-  std::size_t host_in_use = 0;         ///< pinned host bytes in use (offloaded units' bins)
+  std::size_t total_peak = 0;                      ///< most device bytes in use at once, all kinds together
+  long long device_allocations = 0;                ///< times the arena had to get new memory from the system
+  std::size_t host_in_use = 0;                     ///< pinned host bytes in use (offloaded units' bins)
   std::size_t host_peak = 0;
   long long host_allocations = 0;
   std::size_t in(Memory m) const { return in_use[static_cast<std::size_t>(m)]; }
@@ -132,32 +138,33 @@ struct CopyPiece {
 ///   dev.synchronize();
 /// @endcode
 template <class B>
-concept backend = requires(B& b, int stream, int event, std::function<void()> fn, std::function<void(const std::string&)> hook,
-                           std::size_t n, Memory kind, Block blk, HostBlock hb, std::span<const CopyPiece> pieces, std::string why,
-                           void* ptr, const void* cptr, typename B::Context& ctx, ConstTensor t, std::uint32_t* flag) {
-  typename B::Context;
-  { b.make_stream(why) } -> std::same_as<int>;
-  { b.make_event() } -> std::same_as<int>;
-  b.launch(stream, std::move(fn));
-  b.record(event, stream);
-  b.wait(stream, event);
-  b.synchronize();
-  b.abort(why);
-  b.set_error_hook(std::move(hook));
-  { b.device_alloc(n, kind) } -> std::same_as<Block>;
-  b.device_free(blk);
-  { b.host_alloc(n) } -> std::same_as<HostBlock>;
-  b.host_free(hb);
-  b.transfer(pieces);
-  { b.memory() } -> std::same_as<MemoryStats>;
-  b.reset_peaks();
-  { b.context(stream) } -> std::same_as<typename B::Context>;
-  { b.now() } -> std::same_as<double>;
-  b.download(ptr, cptr, n);
-  b.upload(ptr, cptr, n);
-  b.zero(ptr, n);
-  b.flag_nonfinite(ctx, t, flag);
-};
+concept backend =
+    requires(B& b, int stream, int event, std::function<void()> fn, std::function<void(const std::string&)> hook,
+             std::size_t n, Memory kind, Block blk, HostBlock hb, std::span<const CopyPiece> pieces, std::string why,
+             void* ptr, const void* cptr, typename B::Context& ctx, ConstTensor t, std::uint32_t* flag) {
+      typename B::Context;
+      { b.make_stream(why) } -> std::same_as<int>;
+      { b.make_event() } -> std::same_as<int>;
+      b.launch(stream, std::move(fn));
+      b.record(event, stream);
+      b.wait(stream, event);
+      b.synchronize();
+      b.abort(why);
+      b.set_error_hook(std::move(hook));
+      { b.device_alloc(n, kind) } -> std::same_as<Block>;
+      b.device_free(blk);
+      { b.host_alloc(n) } -> std::same_as<HostBlock>;
+      b.host_free(hb);
+      b.transfer(pieces);
+      { b.memory() } -> std::same_as<MemoryStats>;
+      b.reset_peaks();
+      { b.context(stream) } -> std::same_as<typename B::Context>;
+      { b.now() } -> std::same_as<double>;
+      b.download(ptr, cptr, n);
+      b.upload(ptr, cptr, n);
+      b.zero(ptr, n);
+      b.flag_nonfinite(ctx, t, flag);
+    };
 
 /// Optional, on top of `backend`: what po::AdamW, po::Sgd and po::grad_norm run on the device,
 /// blocking (between steps, every stream idle):
@@ -168,9 +175,9 @@ concept backend = requires(B& b, int stream, int event, std::function<void()> fn
 ///   - sgd(params, grads, buf, hyper, lr, grad_scale, first): update::sgd likewise.
 /// Gradients are left as they are (Runtime::zero_grad clears them).
 template <class B>
-concept updates_parameters = requires(B& b, std::span<float> fs, std::span<const float> cfs, std::span<const std::size_t> groups,
-                                      std::span<double> out, const update::AdamWParams& aw, const update::SgdParams& sg, float lr,
-                                      update::AdamBias bias, bool first) {
+concept updates_parameters = requires(
+    B& b, std::span<float> fs, std::span<const float> cfs, std::span<const std::size_t> groups, std::span<double> out,
+    const update::AdamWParams& aw, const update::SgdParams& sg, float lr, update::AdamBias bias, bool first) {
   b.sum_squares(cfs, groups, out);
   b.adamw(fs, cfs, fs, fs, aw, lr, bias, lr);
   b.sgd(fs, cfs, fs, sg, lr, lr, first);

@@ -29,7 +29,8 @@ PIPEOFFLOAD_HOST_DEVICE inline AdamBias adam_bias(float beta1, float beta2, int 
 }
 
 /// One AdamW update of one parameter (decoupled weight decay); `g` is already clipped.
-PIPEOFFLOAD_HOST_DEVICE inline void adamw(float& p, float g, float& m, float& v, const AdamWParams& o, float lr, AdamBias bc) {
+PIPEOFFLOAD_HOST_DEVICE inline void adamw(float& p, float g, float& m, float& v, const AdamWParams& o, float lr,
+                                          AdamBias bc) {
   m = o.beta1 * m + (1.0f - o.beta1) * g;
   v = o.beta2 * v + (1.0f - o.beta2) * g * g;
   const float mhat = m / bc.c1;
@@ -39,10 +40,10 @@ PIPEOFFLOAD_HOST_DEVICE inline void adamw(float& p, float g, float& m, float& v,
 
 /// SGD's hyperparameters for one run of parameters (PyTorch's torch.optim.SGD semantics).
 struct SgdParams {
-  float momentum = 0;       ///< 0: plain SGD, no buffer
+  float momentum = 0;  ///< 0: plain SGD, no buffer
   float dampening = 0;
-  bool nesterov = false;    ///< needs momentum > 0 and dampening = 0
-  float weight_decay = 0;   ///< L2, added to the gradient: g += weight_decay * p
+  bool nesterov = false;   ///< needs momentum > 0 and dampening = 0
+  float weight_decay = 0;  ///< L2, added to the gradient: g += weight_decay * p
 };
 
 /// One SGD update of one parameter: g += wd p; buf = first ? g : momentum buf + (1 - dampening) g;

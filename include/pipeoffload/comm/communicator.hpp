@@ -43,8 +43,8 @@ struct Tag {
 };
 
 inline std::string describe(const Tag& t) {
-  return std::string("(") + (t.dir == Dir::forward ? "forward" : "backward") + ", stage " + std::to_string(t.stage) + ", mb " +
-         std::to_string(t.mb) + ")";
+  return std::string("(") + (t.dir == Dir::forward ? "forward" : "backward") + ", stage " + std::to_string(t.stage) +
+         ", mb " + std::to_string(t.mb) + ")";
 }
 
 /// The collectives of a group of ranks: who am I, how many are we, all_gather of any trivially
@@ -56,8 +56,8 @@ inline std::string describe(const Tag& t) {
 ///   c.all_gather(std::span<const std::uint64_t>(mine), std::span(all));   // [rank * 2 + i]
 /// @endcode
 template <class C>
-concept collective = requires(C& c, const C& cc, std::span<const double> mine, std::span<double> all, std::span<const std::byte> mine_bytes,
-                              std::span<std::byte> all_bytes, std::string why) {
+concept collective = requires(C& c, const C& cc, std::span<const double> mine, std::span<double> all,
+                              std::span<const std::byte> mine_bytes, std::span<std::byte> all_bytes, std::string why) {
   { cc.rank() } -> std::same_as<int>;
   { cc.size() } -> std::same_as<int>;
   c.all_gather(mine, all);
@@ -77,7 +77,8 @@ concept collective = requires(C& c, const C& cc, std::span<const double> mine, s
 ///                                               c1.recv(ctx, 0, {1, 0, po::Dir::forward}, std::as_writable_bytes(std::span(y)));
 /// @endcode
 template <class C, class Context>
-concept communicator = collective<C> && requires(C& c, const Context& ctx, int peer, Tag tag, std::span<const std::byte> in, std::span<std::byte> out) {
+concept communicator = collective<C> && requires(C& c, const Context& ctx, int peer, Tag tag,
+                                                 std::span<const std::byte> in, std::span<std::byte> out) {
   c.send(ctx, peer, tag, in);
   c.recv(ctx, peer, tag, out);
 };

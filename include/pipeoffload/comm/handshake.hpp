@@ -54,10 +54,12 @@ struct ShortText {
 /// Callers append their own (model, data, optimizer).
 inline std::vector<HandshakeField> handshake_fields(const ScheduleSpec& spec, const Shape& shape) {
   std::string sched = schedule_name(spec, shape.v);
-  if (spec.family == Family::grouped && spec.group.kind == GroupSpec::Kind::number) sched += " (g=" + std::to_string(spec.group.value) + ")";
-  return {{"pipeoffload version", version},
-          {"schedule", sched},
-          {"shape", "d=" + std::to_string(shape.d) + " v=" + std::to_string(shape.v) + " m=" + std::to_string(shape.m)}};
+  if (spec.family == Family::grouped && spec.group.kind == GroupSpec::Kind::number)
+    sched += " (g=" + std::to_string(spec.group.value) + ")";
+  return {
+      {"pipeoffload version", version},
+      {"schedule", sched},
+      {"shape", "d=" + std::to_string(shape.d) + " v=" + std::to_string(shape.v) + " m=" + std::to_string(shape.m)}};
 }
 
 /// Collective: every rank calls it with its own fields, before its first send. Returns when
@@ -80,9 +82,10 @@ void handshake(C& comm, std::span<const HandshakeField> fields) {
   comm.all_gather(std::span<const std::uint64_t>(head), std::span(heads));
   for (std::size_t r = 1; r < d; ++r)
     if (heads[2 * r] != heads[0] || heads[2 * r + 1] != heads[1])
-      throw handshake_error("handshake: ranks disagree on the list of configuration fields: rank 0 has " + std::to_string(heads[0]) +
-                            " fields, rank " + std::to_string(r) + " has " + std::to_string(heads[2 * r]) +
-                            (heads[2 * r] == heads[0] ? " with other names" : "") + "; they were built from different pipeoffload sources");
+      throw handshake_error("handshake: ranks disagree on the list of configuration fields: rank 0 has " +
+                            std::to_string(heads[0]) + " fields, rank " + std::to_string(r) + " has " +
+                            std::to_string(heads[2 * r]) + (heads[2 * r] == heads[0] ? " with other names" : "") +
+                            "; they were built from different pipeoffload sources");
   // Round 2: one hash per field value.
   const std::size_t n = fields.size();
   std::vector<std::uint64_t> mine(n), all(n * d);
@@ -95,8 +98,9 @@ void handshake(C& comm, std::span<const HandshakeField> fields) {
       const detail::ShortText text = detail::ShortText::of(fields[i].value);
       std::vector<detail::ShortText> texts(d);
       comm.all_gather(std::span<const detail::ShortText>(&text, 1), std::span(texts));
-      throw handshake_error("handshake: ranks disagree on " + fields[i].name + ": rank 0 has '" + texts[0].str() + "', rank " + std::to_string(r) +
-                            " has '" + texts[r].str() + "'; start every rank with the same configuration");
+      throw handshake_error("handshake: ranks disagree on " + fields[i].name + ": rank 0 has '" + texts[0].str() +
+                            "', rank " + std::to_string(r) + " has '" + texts[r].str() +
+                            "'; start every rank with the same configuration");
     }
 }
 

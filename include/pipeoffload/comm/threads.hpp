@@ -24,7 +24,9 @@ namespace pipeoffload::comm {
 class ThreadsWorld {
  public:
   explicit ThreadsWorld(int size) : size_(size) {
-    if (size < 1 || size > 4096) throw comm_error("comm::ThreadsWorld: size = " + std::to_string(size) + " is outside the allowed range [1, 4096]");
+    if (size < 1 || size > 4096)
+      throw comm_error("comm::ThreadsWorld: size = " + std::to_string(size) +
+                       " is outside the allowed range [1, 4096]");
     channels_ = std::make_unique<Channel[]>(static_cast<std::size_t>(size) * static_cast<std::size_t>(size));
     gathered_.resize(static_cast<std::size_t>(size));
   }
@@ -63,13 +65,14 @@ class ThreadsWorld {
     if (aborted_) return;
     aborted_ = true;
     reason_ = why;
-    for (std::size_t i = 0; i < static_cast<std::size_t>(size_) * static_cast<std::size_t>(size_); ++i) channels_[i].cv.notify_all();
+    for (std::size_t i = 0; i < static_cast<std::size_t>(size_) * static_cast<std::size_t>(size_); ++i)
+      channels_[i].cv.notify_all();
     cv_.notify_all();
   }
 
   int size_;
   mutable std::mutex mu_;
-  std::condition_variable cv_;  // all_gather rounds
+  std::condition_variable cv_;           // all_gather rounds
   std::unique_ptr<Channel[]> channels_;  // [from * size + to]
   bool aborted_ = false;
   std::string reason_;
@@ -91,7 +94,8 @@ class Threads {
  public:
   Threads(ThreadsWorld& world, int rank) : w_(&world), rank_(rank) {
     if (rank < 0 || rank >= world.size())
-      throw comm_error("comm::Threads: rank = " + std::to_string(rank) + " is outside the allowed range [0, " + std::to_string(world.size() - 1) + "]");
+      throw comm_error("comm::Threads: rank = " + std::to_string(rank) + " is outside the allowed range [0, " +
+                       std::to_string(world.size() - 1) + "]");
   }
   int rank() const { return rank_; }
   int size() const { return w_->size(); }
@@ -130,8 +134,8 @@ class Threads {
     ThreadsWorld::Message* msg = ch.queue.front();
     if (!(msg->tag == tag) || msg->count != out.size()) {
       const std::string what = "comm::Threads: rank " + std::to_string(rank_) + " expected " + describe(tag) + " of " +
-                               std::to_string(out.size()) + " bytes from rank " + std::to_string(peer) + " but received " +
-                               describe(msg->tag) + " of " + std::to_string(msg->count) + " bytes";
+                               std::to_string(out.size()) + " bytes from rank " + std::to_string(peer) +
+                               " but received " + describe(msg->tag) + " of " + std::to_string(msg->count) + " bytes";
       lk.unlock();
       throw comm_error(what);
     }
@@ -145,11 +149,12 @@ class Threads {
   /// Every rank contributes mine.size() values of T; `all` receives them in rank order.
   template <class T>
   void all_gather(std::span<const T> mine, std::span<T> all) {
-    static_assert(std::is_trivially_copyable_v<T>, "comm::Threads::all_gather: T must be trivially copyable; values travel as bytes.");
+    static_assert(std::is_trivially_copyable_v<T>,
+                  "comm::Threads::all_gather: T must be trivially copyable; values travel as bytes.");
     const std::size_t n = mine.size(), d = static_cast<std::size_t>(size());
     if (all.size() != n * d)
-      throw comm_error("comm::Threads::all_gather: the output holds " + std::to_string(all.size()) + " values; it must hold size() * mine.size() = " +
-                       std::to_string(n * d));
+      throw comm_error("comm::Threads::all_gather: the output holds " + std::to_string(all.size()) +
+                       " values; it must hold size() * mine.size() = " + std::to_string(n * d));
     std::unique_lock lk(w_->mu_);
     if (w_->aborted_) w_->throw_aborted();
     ThreadsWorld::Contribution& own = w_->gathered_[static_cast<std::size_t>(rank_)];
@@ -162,9 +167,10 @@ class Threads {
       w_->published_.clear();
       for (const ThreadsWorld::Contribution& g : w_->gathered_) {
         if (g.count != n || g.value_bytes != sizeof(T)) {
-          const std::string what = g.count != n ? "comm::Threads::all_gather: ranks contributed different counts"
-                                                : "comm::Threads::all_gather: ranks contributed values of different sizes (" +
-                                                      std::to_string(g.value_bytes) + " and " + std::to_string(sizeof(T)) + " bytes)";
+          const std::string what =
+              g.count != n ? "comm::Threads::all_gather: ranks contributed different counts"
+                           : "comm::Threads::all_gather: ranks contributed values of different sizes (" +
+                                 std::to_string(g.value_bytes) + " and " + std::to_string(sizeof(T)) + " bytes)";
           // The round never completes: its waiters wake to the abort (set before the lock is
           // released, so none can take the partial result for a finished round).
           w_->abort_locked(what);
@@ -187,8 +193,8 @@ class Threads {
  private:
   void check_peer(int peer, const char* what) const {
     if (peer < 0 || peer >= size() || peer == rank_)
-      throw comm_error("comm::Threads: rank " + std::to_string(rank_) + " cannot " + what + " rank " + std::to_string(peer) +
-                       "; peers are the other ranks of 0.." + std::to_string(size() - 1));
+      throw comm_error("comm::Threads: rank " + std::to_string(rank_) + " cannot " + what + " rank " +
+                       std::to_string(peer) + "; peers are the other ranks of 0.." + std::to_string(size() - 1));
   }
 
   ThreadsWorld* w_;

@@ -47,6 +47,6 @@ static_assert(plan_bins(0).count == 0);
 static_assert(plan_bins(4096).count == 1 && plan_bins(4096).total() == 4096);
 static_assert(plan_bins(7).total() == 7 && plan_bins(7).count == 3);
 static_assert(plan_bins(15).total() == 16 && plan_bins(15).count == 1);  // 8+4+2+1 -> 16
-static_assert(plan_bins(0b10110100).total() == 0b11000000);               // 128+32+16+4 -> 128+64
+static_assert(plan_bins(0b10110100).total() == 0b11000000);              // 128+32+16+4 -> 128+64
 
 }  // namespace pipeoffload::offload

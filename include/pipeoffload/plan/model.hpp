@@ -81,19 +81,19 @@ struct TransformerSpec {
   int micro_batch = 1;
   int global_batch = 32;
   int vocab = 51200;
-  int dtype_bytes = 2;      ///< bf16 activations and weights
-  bool recompute = false;   ///< recompute LayerNorm, GeLU and dropout in backward (34bsh -> 20bsh)
-  bool vocab_stages = true; ///< stage 0 holds the embedding, stage S-1 the LM head (one layer slot each)
+  int dtype_bytes = 2;       ///< bf16 activations and weights
+  bool recompute = false;    ///< recompute LayerNorm, GeLU and dropout in backward (34bsh -> 20bsh)
+  bool vocab_stages = true;  ///< stage 0 holds the embedding, stage S-1 the LM head (one layer slot each)
 };
 
 /// One pipeline of `ranks` devices (one rank per device).
 struct MachineSpec {
   int ranks = 8;
-  double device_bytes = 80 * gib;   ///< memory of one device
-  double host_bytes = 256 * gib;    ///< pinned host memory available to one rank
-  double flops = 220e12;            ///< Bc: achieved FLOP/s of one device
-  double pcie_bytes_per_s = 15e9;   ///< Bo: host<->device bandwidth of one device, one direction
-  bool pairs_share_switch = true;   ///< ranks r and r^1 share a PCIe switch (stagger their copies)
+  double device_bytes = 80 * gib;  ///< memory of one device
+  double host_bytes = 256 * gib;   ///< pinned host memory available to one rank
+  double flops = 220e12;           ///< Bc: achieved FLOP/s of one device
+  double pcie_bytes_per_s = 15e9;  ///< Bo: host<->device bandwidth of one device, one direction
+  bool pairs_share_switch = true;  ///< ranks r and r^1 share a PCIe switch (stagger their copies)
 };
 
 /// What the planner may spend and assumes about the rest of device memory.
@@ -115,7 +115,8 @@ namespace detail {
 /// Throws shape_error naming `what` unless lo <= x <= hi (doubles; NaN fails).
 constexpr void require_real(const char* what, double x, double lo, double hi) {
   if (!(x >= lo && x <= hi))
-    throw shape_error(std::string(what) + " is outside its allowed range (" + (x < lo ? "too small" : "too large or not a number") + ")");
+    throw shape_error(std::string(what) + " is outside its allowed range (" +
+                      (x < lo ? "too small" : "too large or not a number") + ")");
 }
 
 constexpr double sq(double x) { return x * x; }
@@ -134,14 +135,16 @@ constexpr void check_model(const TransformerSpec& m) {
   detail::require_range("model: vocabulary", m.vocab, 1, 1 << 24);
   detail::require_range("model: dtype bytes", m.dtype_bytes, 1, 8);
   if (m.hidden % m.heads != 0)
-    throw shape_error("model: hidden size " + detail::num(m.hidden) + " must be a multiple of the heads " + detail::num(m.heads));
+    throw shape_error("model: hidden size " + detail::num(m.hidden) + " must be a multiple of the heads " +
+                      detail::num(m.heads));
   if (m.heads % m.query_groups != 0)
-    throw shape_error("model: heads " + detail::num(m.heads) + " must be a multiple of the query groups " + detail::num(m.query_groups));
+    throw shape_error("model: heads " + detail::num(m.heads) + " must be a multiple of the query groups " +
+                      detail::num(m.query_groups));
   if (m.global_batch % m.micro_batch != 0)
-    throw shape_error("model: global batch " + detail::num(m.global_batch) + " must be a multiple of the microbatch size " +
-                      detail::num(m.micro_batch));
-  detail::require_range("model: microbatches per iteration (global batch / microbatch size)", m.global_batch / m.micro_batch, 1,
-                        1 << 16);
+    throw shape_error("model: global batch " + detail::num(m.global_batch) +
+                      " must be a multiple of the microbatch size " + detail::num(m.micro_batch));
+  detail::require_range("model: microbatches per iteration (global batch / microbatch size)",
+                        m.global_batch / m.micro_batch, 1, 1 << 16);
 }
 
 /// Throws shape_error with a sentence for a machine the planner cannot use.
@@ -156,15 +159,14 @@ constexpr void check_machine(const MachineSpec& x) {
 }
 
 /// b*s*h of a model (the unit the paper counts activation bytes in).
-constexpr double bsh(const TransformerSpec& m) {
-  return static_cast<double>(m.micro_batch) * m.seq * m.hidden;
-}
+constexpr double bsh(const TransformerSpec& m) { return static_cast<double>(m.micro_batch) * m.seq * m.hidden; }
 
 /// Saved activation bytes of one transformer layer for one microbatch (header comment).
 constexpr double activation_bytes_per_layer(const TransformerSpec& m) {
   const double b = m.micro_batch, s = m.seq, h = m.hidden, e = m.dtype_bytes;
   const double kv = 2.0 * b * s * (static_cast<double>(m.hidden / m.heads) * m.query_groups);  // K and V elements
-  const double kept = e * (4 * b * s * h + 4 * b * s * h + kv);  // LN1 in, Q, attn out, LN2 in (4 x h), fc1 out (4h); K, V
+  const double kept =
+      e * (4 * b * s * h + 4 * b * s * h + kv);  // LN1 in, Q, attn out, LN2 in (4 x h), fc1 out (4h); K, V
   const double dropped = e * (2 * b * s * h + 4 * b * s * h) + 2 * b * s * h;  // LN outputs, GeLU output; masks
   return m.recompute ? kept : kept + dropped;
 }
@@ -253,7 +255,7 @@ constexpr double stage_parameters(const TransformerSpec& m, const StageContent& 
   const double h = m.hidden, V = m.vocab;
   double p = c.layers * layer_parameters(m);
   if (c.embedding) p += V * h + static_cast<double>(m.seq) * h;  // word and position embeddings
-  if (c.head) p += V * h + 2 * h;                               // tied LM head copy, final LayerNorm
+  if (c.head) p += V * h + 2 * h;                                // tied LM head copy, final LayerNorm
   return p;
 }
 

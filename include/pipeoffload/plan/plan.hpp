@@ -38,10 +38,10 @@ namespace pipeoffload {
 /// One schedule the planner built and simulated.
 struct PlanCandidate {
   ScheduleSpec spec{};
-  std::string name;         ///< the plan tool's --schedule name: 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f
-  int chunks = 1;           ///< v
-  int group = 0;            ///< g of GIS(g) (1 for PO, 0 for 1F1B and 1F1B-I)
-  int offload_chunks = 0;   ///< chunks 0..n-1 offloaded
+  std::string name;        ///< the plan tool's --schedule name: 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f
+  int chunks = 1;          ///< v
+  int group = 0;           ///< g of GIS(g) (1 for PO, 0 for 1F1B and 1F1B-I)
+  int offload_chunks = 0;  ///< chunks 0..n-1 offloaded
   double iteration_time_s = 0;
   double bubble_fraction = 0;             ///< idle time / makespan, averaged over ranks
   std::vector<double> activation_bytes;   ///< per rank: simulated peak of saved activations on the device
@@ -106,7 +106,8 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
   }
   // Two P2P buffers each way (activation in/out, gradient in/out), b*s*h elements each.
   const double p2p = 4.0 * bsh(m) * m.dtype_bytes;
-  for (int r = 0; r < d; ++r) L.workspace[static_cast<std::size_t>(r)] = bud.reserved_bytes + p2p + transient[static_cast<std::size_t>(r)];
+  for (int r = 0; r < d; ++r)
+    L.workspace[static_cast<std::size_t>(r)] = bud.reserved_bytes + p2p + transient[static_cast<std::size_t>(r)];
   return L;
 }
 
@@ -117,8 +118,10 @@ constexpr double host_peak(const Program& p, const RankSim& rs, int r) {
   double alive = 0, peak = 0;
   for (std::size_t y = 0; y < rp.copy.size(); ++y) {
     const double bytes = host_bin_bytes(p.costs.bytes(rp.copy[y].stage));
-    if (rp.copy[y].kind == OpKind::O) alive += bytes;
-    else alive -= bytes;
+    if (rp.copy[y].kind == OpKind::O)
+      alive += bytes;
+    else
+      alive -= bytes;
     peak = std::max(peak, alive);
   }
   (void)rs;
@@ -170,16 +173,23 @@ constexpr std::vector<PlanOption> plan_options(int d, int v, int m, bool allow_o
   const int lo = (d + 1) / 2;
   for (int g = d; g >= lo; --g) {
     if (g == 1 && d == 2) continue;  // GIS(1) on two ranks is PO's order: PO below covers it
-    if (g == d) out.push_back({{Family::grouped, {GK::full, 0}, offload::none}, "gis", g, 0});
-    else if (g == lo) out.push_back({{Family::grouped, {GK::half, 0}, offload::none}, "gis-h", g, 0});
-    else out.push_back({{Family::grouped, {GK::number, g}, offload::none}, "gis-g", g, 0});
+    if (g == d)
+      out.push_back({{Family::grouped, {GK::full, 0}, offload::none}, "gis", g, 0});
+    else if (g == lo)
+      out.push_back({{Family::grouped, {GK::half, 0}, offload::none}, "gis-h", g, 0});
+    else
+      out.push_back({{Family::grouped, {GK::number, g}, offload::none}, "gis-g", g, 0});
   }
   const int half = (v + 1) / 2;
   for (int n = 0; n <= (allow_offload ? v : 0); ++n) {
-    if (n == 0) out.push_back({{Family::grouped, {GK::uniform, 1}, offload::none}, "po", 1, 0});
-    else if (n == v) out.push_back({{Family::grouped, {GK::uniform, 1}, offload::all}, "po-f", 1, n});
-    else if (n == half) out.push_back({{Family::grouped, {GK::uniform, 1}, offload::half}, "po-h", 1, n});
-    else out.push_back({{Family::grouped, {GK::uniform, 1}, offload::first(n)}, "po", 1, n});
+    if (n == 0)
+      out.push_back({{Family::grouped, {GK::uniform, 1}, offload::none}, "po", 1, 0});
+    else if (n == v)
+      out.push_back({{Family::grouped, {GK::uniform, 1}, offload::all}, "po-f", 1, n});
+    else if (n == half)
+      out.push_back({{Family::grouped, {GK::uniform, 1}, offload::half}, "po-h", 1, n});
+    else
+      out.push_back({{Family::grouped, {GK::uniform, 1}, offload::first(n)}, "po", 1, n});
   }
   return out;
 }
@@ -193,8 +203,8 @@ inline constexpr long long max_plan_work = 1LL << 25;
 
 /// Builds, simulates and measures one candidate on a layout, into `p` and `sim` (a search
 /// reuses them from candidate to candidate: build_into, simulate_into).
-constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, const TransformerSpec& m, const MachineSpec& x, Program& p,
-                                 SimResult& sim) {
+constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, const TransformerSpec& m,
+                                 const MachineSpec& x, Program& p, SimResult& sim) {
   const int d = x.ranks, mb = m.global_batch / m.micro_batch;
   build_into(p, o.spec, {d, L.v, mb}, L.costs);
   simulate_into(sim, p);
@@ -228,7 +238,8 @@ constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, c
 }
 
 /// Builds, simulates and measures one candidate on a layout.
-constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, const TransformerSpec& m, const MachineSpec& x) {
+constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, const TransformerSpec& m,
+                                 const MachineSpec& x) {
   Program p;
   SimResult sim;
   return evaluate(o, L, m, x, p, sim);
@@ -253,19 +264,21 @@ constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const 
   const int d = x.ranks, mb = m.global_batch / m.micro_batch;
   const int slots = layer_slots(m);
   if (d > slots)
-    throw shape_error("plan: " + num(d) + " ranks but only " + num(slots) + " layer slots (" + num(m.layers) + " layers" +
-                      (m.vocab_stages ? " + embedding + LM head" : "") + "); every rank needs at least one");
+    throw shape_error("plan: " + num(d) + " ranks but only " + num(slots) + " layer slots (" + num(m.layers) +
+                      " layers" + (m.vocab_stages ? " + embedding + LM head" : "") +
+                      "); every rank needs at least one");
   if (static_cast<long long>(d) * mb > max_plan_units)
-    throw shape_error("plan: ranks x microbatches = " + num(static_cast<long long>(d) * mb) + " is too large to simulate; at most " +
-                      num(max_plan_units));
+    throw shape_error("plan: ranks x microbatches = " + num(static_cast<long long>(d) * mb) +
+                      " is too large to simulate; at most " + num(max_plan_units));
   int vmax = std::min(slots / d, bud.max_chunks > 0 ? bud.max_chunks : 64);
   vmax = static_cast<int>(std::min<long long>(vmax, max_plan_units / (static_cast<long long>(d) * mb)));
   long long work = 0;
   for (int v = 1; v <= vmax; ++v)
     work += static_cast<long long>(plan_options(d, v, mb, bud.allow_offload).size()) * d * v * mb;
   if (work > max_plan_work)
-    throw shape_error("plan: the search would simulate " + num(work) + " stage-microbatch pairs over all candidates, more than " +
-                      num(max_plan_work) + "; use fewer ranks or microbatches, or cap the chunks per rank (budget.max_chunks)");
+    throw shape_error("plan: the search would simulate " + num(work) +
+                      " stage-microbatch pairs over all candidates, more than " + num(max_plan_work) +
+                      "; use fewer ranks or microbatches, or cap the chunks per rank (budget.max_chunks)");
 
   PlanResult res;
   res.microbatches = mb;
@@ -285,7 +298,8 @@ constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const 
       }
     }
   }
-  if (res.candidates.empty()) throw shape_error("plan: no candidate schedule could be built for this model and machine");
+  if (res.candidates.empty())
+    throw shape_error("plan: no candidate schedule could be built for this model and machine");
 
   const PlanCandidate* best = nullptr;
   const PlanCandidate* nearest = nullptr;
@@ -327,11 +341,14 @@ constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const 
       res.why += "; no schedule is faster";
     }
   } else {
-    res.why = "nothing fits: the closest, " + detail::describe(res.choice) + ", needs " + detail::fmt_gib(res.choice.shortfall_bytes);
+    res.why = "nothing fits: the closest, " + detail::describe(res.choice) + ", needs " +
+              detail::fmt_gib(res.choice.shortfall_bytes);
     res.why += where(res.choice);
     res.why += " than the ";
-    if (res.choice.shortfall_on_host) res.why += detail::fmt_gib(x.host_bytes) + " of host memory per rank";
-    else res.why += cap + " per device";
+    if (res.choice.shortfall_on_host)
+      res.why += detail::fmt_gib(x.host_bytes) + " of host memory per rank";
+    else
+      res.why += cap + " per device";
   }
   return res;
 }

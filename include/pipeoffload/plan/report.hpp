@@ -52,7 +52,8 @@ inline std::string stage_runs(const std::vector<int>& layers, bool vocab_stages)
     const auto special = [&](std::size_t x) { return vocab_stages && (x == 0 || x == S - 1); };
     while (j + 1 < S && layers[j + 1] == layers[i] && !special(i) && !special(j + 1)) ++j;
     if (!s.empty()) s += "; ";
-    s += (i == j ? "stage " + num(static_cast<long long>(i)) : "stages " + num(static_cast<long long>(i)) + "-" + num(static_cast<long long>(j))) +
+    s += (i == j ? "stage " + num(static_cast<long long>(i))
+                 : "stages " + num(static_cast<long long>(i)) + "-" + num(static_cast<long long>(j))) +
          ": " + num(layers[i]) + (layers[i] == 1 ? " layer" : " layers");
     if (vocab_stages && i == 0) s += " + embedding";
     if (vocab_stages && j == S - 1) s += " + LM head";
@@ -68,16 +69,16 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
   using detail::printf_str;
   const PlanCandidate& c = r.choice;
   std::string s;
-  s += "model      " + detail::num(m.layers) + " layers, h " + detail::num(m.hidden) + ", " + detail::num(m.heads) + " heads, " +
-       detail::num(m.query_groups) + " query groups, s " + detail::num(m.seq) + ", b " + detail::num(m.micro_batch) + ", vocab " +
-       detail::num(m.vocab) + ", recompute " + (m.recompute ? "on" : "off") + "; " + detail::num(r.microbatches) +
-       " microbatches per iteration\n";
+  s += "model      " + detail::num(m.layers) + " layers, h " + detail::num(m.hidden) + ", " + detail::num(m.heads) +
+       " heads, " + detail::num(m.query_groups) + " query groups, s " + detail::num(m.seq) + ", b " +
+       detail::num(m.micro_batch) + ", vocab " + detail::num(m.vocab) + ", recompute " + (m.recompute ? "on" : "off") +
+       "; " + detail::num(r.microbatches) + " microbatches per iteration\n";
   s += "machine    " + detail::num(x.ranks) + " ranks, " + printf_str("%.2f", x.device_bytes / gib) + " GiB device, " +
-       printf_str("%.2f", x.host_bytes / gib) + " GiB host per rank, " + printf_str("%g", x.flops / 1e12) + " TFLOP/s, " +
-       printf_str("%g", x.pcie_bytes_per_s / 1e9) + " GB/s PCIe per direction\n";
-  s += std::string("choice     ") + (r.fits ? "" : "NOTHING FITS; closest: ") + c.name + ", v=" + detail::num(c.chunks) +
-       " (" + detail::num(c.chunks * x.ranks) + " stages), g=" + detail::num(c.group) + ", offloaded chunks " +
-       detail::num(c.offload_chunks) + " of " + detail::num(c.chunks) + "\n";
+       printf_str("%.2f", x.host_bytes / gib) + " GiB host per rank, " + printf_str("%g", x.flops / 1e12) +
+       " TFLOP/s, " + printf_str("%g", x.pcie_bytes_per_s / 1e9) + " GB/s PCIe per direction\n";
+  s += std::string("choice     ") + (r.fits ? "" : "NOTHING FITS; closest: ") + c.name +
+       ", v=" + detail::num(c.chunks) + " (" + detail::num(c.chunks * x.ranks) + " stages), g=" + detail::num(c.group) +
+       ", offloaded chunks " + detail::num(c.offload_chunks) + " of " + detail::num(c.chunks) + "\n";
   s += "run        " + plan_command(r, x.ranks) + "\n";
   s += "why        " + r.why + "\n";
   s += "k          " + printf_str("%.3f", r.k) + " (round-trip copy / compute of one layer" +
@@ -91,8 +92,9 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
   for (int i = 0; i < x.ranks; ++i) {
     const auto u = static_cast<std::size_t>(i);
     char line[160];
-    std::snprintf(line, sizeof line, "%4d  %10.2f    %7.2f   %11.2f   %9.2f   %8.2f%s\n", i, c.peak_device_bytes[u] / gib,
-                  r.model_state_bytes[u] / gib, c.activation_bytes[u] / gib, r.workspace_bytes[u] / gib, c.host_bytes[u] / gib,
+    std::snprintf(line, sizeof line, "%4d  %10.2f    %7.2f   %11.2f   %9.2f   %8.2f%s\n", i,
+                  c.peak_device_bytes[u] / gib, r.model_state_bytes[u] / gib, c.activation_bytes[u] / gib,
+                  r.workspace_bytes[u] / gib, c.host_bytes[u] / gib,
                   c.peak_device_bytes[u] > x.device_bytes || c.host_bytes[u] > x.host_bytes ? "  over" : "");
     s += line;
   }

@@ -86,8 +86,8 @@ struct OffloadPolicy {
 
 /// A policy is a type that names its slot.
 template <class P>
-concept policy = requires { typename P::policy_slot; } &&
-                 (std::same_as<typename P::policy_slot, slot::grouping> ||
-                  std::same_as<typename P::policy_slot, slot::offload>);
+concept policy = requires {
+  typename P::policy_slot;
+} && (std::same_as<typename P::policy_slot, slot::grouping> || std::same_as<typename P::policy_slot, slot::offload>);
 
 }  // namespace pipeoffload

@@ -41,8 +41,8 @@ namespace offload {
 /// A structural type, so it can be a template argument: OffloadPolicy<offload::first(2)>.
 struct selection {
   enum class Kind : std::uint8_t { none, half, all, first, set } kind = Kind::none;
-  int n = 0;                ///< kind == first: chunks 0..n-1.
-  std::uint64_t mask = 0;   ///< kind == set: bit c set = chunk c offloaded (chunks 0..63).
+  int n = 0;               ///< kind == first: chunks 0..n-1.
+  std::uint64_t mask = 0;  ///< kind == set: bit c set = chunk c offloaded (chunks 0..63).
 
   friend constexpr bool operator==(const selection&, const selection&) = default;
 };
@@ -70,11 +70,16 @@ constexpr selection chunks(std::initializer_list<int> cs) {
 /// Is chunk c of v offloaded under selection sel?
 constexpr bool offloaded(const selection& sel, int c, int v) {
   switch (sel.kind) {
-    case selection::Kind::none: return false;
-    case selection::Kind::half: return c < (v + 1) / 2;
-    case selection::Kind::all: return true;
-    case selection::Kind::first: return c < sel.n;
-    case selection::Kind::set: return c < 64 && ((sel.mask >> c) & 1u) != 0;
+    case selection::Kind::none:
+      return false;
+    case selection::Kind::half:
+      return c < (v + 1) / 2;
+    case selection::Kind::all:
+      return true;
+    case selection::Kind::first:
+      return c < sel.n;
+    case selection::Kind::set:
+      return c < 64 && ((sel.mask >> c) & 1u) != 0;
   }
   return false;
 }
@@ -90,7 +95,7 @@ constexpr int count(const selection& sel, int v) {
 /// Everything a schedule type fixes before it sees a shape.
 struct ScheduleSpec {
   Family family = Family::grouped;
-  GroupSpec group{};                 ///< meaningful for Family::grouped only.
+  GroupSpec group{};  ///< meaningful for Family::grouped only.
   offload::selection offload = offload::none;
 
   friend constexpr bool operator==(const ScheduleSpec&, const ScheduleSpec&) = default;

@@ -46,11 +46,12 @@ class Batch {
   /// (its element type gives the DType). `shape` defaults to one dimension of its size.
   template <std::ranges::contiguous_range R>
   Batch& add(std::string name, R&& data, std::vector<long long> shape = {}) {
-    static_assert(std::is_lvalue_reference_v<R> || std::ranges::borrowed_range<R>,
-                  "po::Batch::add: a batch does not own its data; pass a range that outlives the call, not a temporary.");
+    static_assert(
+        std::is_lvalue_reference_v<R> || std::ranges::borrowed_range<R>,
+        "po::Batch::add: a batch does not own its data; pass a range that outlives the call, not a temporary.");
     using T = std::ranges::range_value_t<R>;
-    return add(std::move(name), dtype_of<T>(), std::ranges::data(data), static_cast<std::size_t>(std::ranges::size(data)),
-               std::move(shape));
+    return add(std::move(name), dtype_of<T>(), std::ranges::data(data),
+               static_cast<std::size_t>(std::ranges::size(data)), std::move(shape));
   }
 
   /// Adds a tensor of `elements` values of `dtype` at `data` (for types without a C++
@@ -60,11 +61,13 @@ class Batch {
     if (shape.empty()) shape.push_back(static_cast<long long>(elements));
     long long n = 1;
     for (long long x : shape) {
-      if (x < 0) throw error("po::Batch::add: tensor '" + name + "' has a negative dimension (" + std::to_string(x) + ")");
+      if (x < 0)
+        throw error("po::Batch::add: tensor '" + name + "' has a negative dimension (" + std::to_string(x) + ")");
       n *= x;
     }
     if (static_cast<std::size_t>(n) != elements)
-      throw error("po::Batch::add: tensor '" + name + "' has " + std::to_string(elements) + " elements but its shape holds " + std::to_string(n));
+      throw error("po::Batch::add: tensor '" + name + "' has " + std::to_string(elements) +
+                  " elements but its shape holds " + std::to_string(n));
     tensors_.push_back({std::move(name), dtype, std::move(shape), static_cast<const std::byte*>(data), elements});
     return *this;
   }

@@ -42,9 +42,9 @@ namespace pipeoffload {
 
 /// What a checkpoint records beside the tensors.
 struct CheckpointInfo {
-  std::uint64_t config_hash = 0;  ///< the run's configuration; resuming under another is refused
-  std::uint64_t rng_seed = 0;     ///< counter-based RNG: with the step, the whole RNG state
-  std::int64_t data_position = 0; ///< index of the next batch the data reader draws
+  std::uint64_t config_hash = 0;   ///< the run's configuration; resuming under another is refused
+  std::uint64_t rng_seed = 0;      ///< counter-based RNG: with the step, the whole RNG state
+  std::int64_t data_position = 0;  ///< index of the next batch the data reader draws
 };
 
 namespace checkpoint {
@@ -88,7 +88,8 @@ inline void write_atomic(const std::filesystem::path& path, const std::vector<st
     ::unlink(tmp.c_str());
     throw checkpoint_error("checkpoint: cannot rename " + tmp.string() + " to " + path.string() + ": " + why);
   }
-  const int dfd = ::open(path.parent_path().empty() ? "." : path.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const int dfd =
+      ::open(path.parent_path().empty() ? "." : path.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {
     ::fsync(dfd);
     ::close(dfd);
@@ -109,7 +110,7 @@ struct StageState {
   int stage = 0;
   int step = 0;  ///< optimizer steps taken
   CheckpointInfo info{};
-  std::string optimizer;                  ///< the optimizer's name ("adamw", "sgd")
+  std::string optimizer;  ///< the optimizer's name ("adamw", "sgd")
   std::vector<float> params;
   std::vector<std::vector<float>> state;  ///< the optimizer's buffers, each the size of params
 };
@@ -159,17 +160,20 @@ inline StageState decode(const std::vector<std::byte>& b, const std::string& nam
     off += n;
   };
   if (b.size() < sizeof magic + 4 + 8) throw truncated();
-  if (std::memcmp(b.data(), magic, sizeof magic) != 0) throw checkpoint_error("checkpoint: " + name + " is not a pipeoffload checkpoint (bad magic)");
+  if (std::memcmp(b.data(), magic, sizeof magic) != 0)
+    throw checkpoint_error("checkpoint: " + name + " is not a pipeoffload checkpoint (bad magic)");
   std::uint64_t sum = 0;
   std::memcpy(&sum, b.data() + b.size() - 8, 8);
-  if (fnv1a(std::span(b).first(b.size() - 8)) != sum) throw checkpoint_error("checkpoint: " + name + " is corrupt (checksum mismatch)");
+  if (fnv1a(std::span(b).first(b.size() - 8)) != sum)
+    throw checkpoint_error("checkpoint: " + name + " is corrupt (checksum mismatch)");
   std::uint32_t fmt = 0, name_len = 0, k = 0;
   std::int32_t stage = 0, step = 0;
   std::uint64_t n = 0;
   StageState s;
   get(&fmt, 4);
   if (fmt != format)
-    throw checkpoint_error("checkpoint: " + name + " has format " + std::to_string(fmt) + "; this build reads format " + std::to_string(format));
+    throw checkpoint_error("checkpoint: " + name + " has format " + std::to_string(fmt) + "; this build reads format " +
+                           std::to_string(format));
   get(&stage, 4);
   get(&step, 4);
   get(&s.info.config_hash, 8);
@@ -177,14 +181,17 @@ inline StageState decode(const std::vector<std::byte>& b, const std::string& nam
   get(&s.info.data_position, 8);
   get(&n, 8);
   get(&name_len, 4);
-  if (name_len > 64) throw checkpoint_error("checkpoint: " + name + " names an optimizer of " + std::to_string(name_len) + " bytes (at most 64)");
+  if (name_len > 64)
+    throw checkpoint_error("checkpoint: " + name + " names an optimizer of " + std::to_string(name_len) +
+                           " bytes (at most 64)");
   s.optimizer.resize(name_len);
   get(s.optimizer.data(), name_len);
   get(&k, 4);
   const std::size_t rest = b.size() - 8 - off;
   if (k > 16 || n > rest / sizeof(float) || rest != (1 + static_cast<std::size_t>(k)) * n * sizeof(float))
-    throw checkpoint_error("checkpoint: " + name + " is truncated or has trailing bytes (" + std::to_string(b.size()) + " bytes for " + std::to_string(n) +
-                           " parameters and " + std::to_string(k) + " state buffers)");
+    throw checkpoint_error("checkpoint: " + name + " is truncated or has trailing bytes (" + std::to_string(b.size()) +
+                           " bytes for " + std::to_string(n) + " parameters and " + std::to_string(k) +
+                           " state buffers)");
   s.stage = stage;
   s.step = step;
   s.params.resize(n);
@@ -205,7 +212,9 @@ void agree(C& comm, int rank, const std::string& failure, const std::string& wha
   std::vector<double> all(static_cast<std::size_t>(comm.size()));
   comm.all_gather(std::span<const double>(&ok, 1), std::span(all));
   for (std::size_t r = 0; r < all.size(); ++r)
-    if (all[r] != 1.0) throw checkpoint_error(static_cast<int>(r) == rank ? failure : "checkpoint: rank " + std::to_string(r) + " could not " + what);
+    if (all[r] != 1.0)
+      throw checkpoint_error(
+          static_cast<int>(r) == rank ? failure : "checkpoint: rank " + std::to_string(r) + " could not " + what);
 }
 
 }  // namespace checkpoint
@@ -267,7 +276,8 @@ void save_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& o
 /// checkpoint_error on every rank when any rank's file is missing, corrupt, of another stage,
 /// size, optimizer or configuration (the message names the file on the rank that read it).
 template <class Runtime, class Optimizer>
-CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& opt, std::uint64_t config_hash) {
+CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& opt,
+                               std::uint64_t config_hash) {
   const Shape& sh = rt.program().shape;
   CheckpointInfo info{};
   std::vector<checkpoint::StageState> states;
@@ -278,23 +288,29 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, Op
     std::string name(reinterpret_cast<const char*>(raw.data()), raw.size());
     while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
     if (name.size() == 13 && name.rfind("step-", 0) == 0) step = std::atoi(name.c_str() + 5);
-    if (step < 0) throw checkpoint_error("checkpoint: " + (dir / "latest").string() + " does not name a step directory (it holds '" + name + "')");
+    if (step < 0)
+      throw checkpoint_error("checkpoint: " + (dir / "latest").string() +
+                             " does not name a step directory (it holds '" + name + "')");
     for (int c = 0; c < sh.v; ++c) {
       const int stage = sh.stage_of(rt.rank(), c);
       const std::filesystem::path file = checkpoint::stage_file(dir, step, stage);
       checkpoint::StageState s = checkpoint::decode(checkpoint::read_all(file), file.string());
       const std::size_t n = rt.stages()[static_cast<std::size_t>(c)].parameters().size();
       if (s.stage != stage || s.step != step)
-        throw checkpoint_error("checkpoint: " + file.string() + " holds stage " + std::to_string(s.stage) + " of step " + std::to_string(s.step) +
-                               ", not stage " + std::to_string(stage) + " of step " + std::to_string(step));
+        throw checkpoint_error("checkpoint: " + file.string() + " holds stage " + std::to_string(s.stage) +
+                               " of step " + std::to_string(s.step) + ", not stage " + std::to_string(stage) +
+                               " of step " + std::to_string(step));
       if (s.info.config_hash != config_hash)
-        throw checkpoint_error("checkpoint: " + file.string() + " was written by a run with another configuration (model, stages, batch, optimizer, steps, seed or data)");
+        throw checkpoint_error(
+            "checkpoint: " + file.string() +
+            " was written by a run with another configuration (model, stages, batch, optimizer, steps, seed or data)");
       if (s.params.size() != n)
-        throw checkpoint_error("checkpoint: " + file.string() + " has " + std::to_string(s.params.size()) + " parameters; stage " + std::to_string(stage) +
-                               " has " + std::to_string(n));
+        throw checkpoint_error("checkpoint: " + file.string() + " has " + std::to_string(s.params.size()) +
+                               " parameters; stage " + std::to_string(stage) + " has " + std::to_string(n));
       if (s.optimizer != opt.name() || static_cast<int>(s.state.size()) != opt.state_count())
-        throw checkpoint_error("checkpoint: " + file.string() + " holds the state of optimizer '" + s.optimizer + "' (" + std::to_string(s.state.size()) +
-                               " buffers); this run's is '" + opt.name() + "' (" + std::to_string(opt.state_count()) + ")");
+        throw checkpoint_error("checkpoint: " + file.string() + " holds the state of optimizer '" + s.optimizer +
+                               "' (" + std::to_string(s.state.size()) + " buffers); this run's is '" + opt.name() +
+                               "' (" + std::to_string(opt.state_count()) + ")");
       info = s.info;
       states.push_back(std::move(s));
     }
@@ -306,7 +322,8 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, Op
     for (int c = 0; c < sh.v; ++c) {
       const checkpoint::StageState& s = states[static_cast<std::size_t>(c)];
       rt.upload_parameters(c, s.params);
-      for (int k = 0; k < opt.state_count(); ++k) rt.upload(opt.state(c, k), s.state[static_cast<std::size_t>(k)], "optimizer state");
+      for (int k = 0; k < opt.state_count(); ++k)
+        rt.upload(opt.state(c, k), s.state[static_cast<std::size_t>(k)], "optimizer state");
     }
     opt.set_steps_taken(step);
     return 0;

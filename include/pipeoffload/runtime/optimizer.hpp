@@ -46,7 +46,9 @@ struct WarmupCosine {
 /// The factor that clips a gradient of global norm `norm` to `max_norm`: max_norm / norm when
 /// the norm is larger, 1 otherwise (and always 1 for max_norm <= 0). Optimizers multiply
 /// each gradient by it as they read it.
-inline float clip_scale(double norm, float max_norm) { return (max_norm > 0 && norm > max_norm) ? static_cast<float>(max_norm / norm) : 1.0f; }
+inline float clip_scale(double norm, float max_norm) {
+  return (max_norm > 0 && norm > max_norm) ? static_cast<float>(max_norm / norm) : 1.0f;
+}
 
 /// The global L2 norm of every stage's gradients, the same on every rank. Collective over the
 /// runtime's ranks. Each stage's squared gradients are summed per norm group in fp64 on the
@@ -70,10 +72,12 @@ double grad_norm(Runtime& rt) {
     for (int s = 0; s < sh.stages(); ++s) {
       const StageInfo& t = rt.stage_table()[static_cast<std::size_t>(s)];
       for (std::size_t k = 0; k < t.norm_groups; ++k) {
-        const double sq = all[static_cast<std::size_t>(t.rank) * width + static_cast<std::size_t>(t.chunk) * groups + k];
+        const double sq =
+            all[static_cast<std::size_t>(t.rank) * width + static_cast<std::size_t>(t.chunk) * groups + k];
         if (!std::isfinite(sq))
-          throw nonfinite_error("po::grad_norm: stage " + std::to_string(s) + " (" + t.name + " on rank " + std::to_string(t.rank) +
-                                ") has a non-finite gradient (norm group " + std::to_string(k) + ", sum of squares " + std::to_string(sq) +
+          throw nonfinite_error("po::grad_norm: stage " + std::to_string(s) + " (" + t.name + " on rank " +
+                                std::to_string(t.rank) + ") has a non-finite gradient (norm group " +
+                                std::to_string(k) + ", sum of squares " + std::to_string(sq) +
                                 "); no update should be applied");
         norm2 += sq;
       }
@@ -107,16 +111,19 @@ struct ParamRun {
 
 /// Chunk c's parameters as runs of one setting each: the stage's named tensors, checked to
 /// cover its parameters exactly once, assigned to groups, with neighbours of one setting merged.
-inline std::vector<ParamRun> param_runs(int stage, const std::string& stage_name, std::vector<ParamInfo> tensors, std::size_t parameters,
-                                        const std::vector<ParamGroup>& groups, float weight_decay) {
+inline std::vector<ParamRun> param_runs(int stage, const std::string& stage_name, std::vector<ParamInfo> tensors,
+                                        std::size_t parameters, const std::vector<ParamGroup>& groups,
+                                        float weight_decay) {
   std::sort(tensors.begin(), tensors.end(), [](const ParamInfo& a, const ParamInfo& b) { return a.offset < b.offset; });
   std::vector<ParamRun> runs;
   std::size_t at = 0;
   for (const ParamInfo& t : tensors) {
     if (t.offset != at)
       throw error("stage " + std::to_string(stage) + " (" + stage_name + ")'s parameter_info() " +
-                  (t.offset > at ? "leaves parameters [" + std::to_string(at) + ", " + std::to_string(t.offset) + ") out"
-                                 : "has tensor '" + t.name + "' at offset " + std::to_string(t.offset) + ", inside the one before it (which ends at " + std::to_string(at) + ")") +
+                  (t.offset > at
+                       ? "leaves parameters [" + std::to_string(at) + ", " + std::to_string(t.offset) + ") out"
+                       : "has tensor '" + t.name + "' at offset " + std::to_string(t.offset) +
+                             ", inside the one before it (which ends at " + std::to_string(at) + ")") +
                   "; its tensors must cover parameters() exactly once");
     ParamRun run{t.offset, t.count(), 1.0f, weight_decay};
     for (const ParamGroup& g : groups)
@@ -127,12 +134,14 @@ inline std::vector<ParamRun> param_runs(int stage, const std::string& stage_name
       }
     at += run.count;
     if (run.count == 0) continue;
-    if (!runs.empty() && runs.back().lr_scale == run.lr_scale && runs.back().weight_decay == run.weight_decay) runs.back().count += run.count;
-    else runs.push_back(run);
+    if (!runs.empty() && runs.back().lr_scale == run.lr_scale && runs.back().weight_decay == run.weight_decay)
+      runs.back().count += run.count;
+    else
+      runs.push_back(run);
   }
   if (at != parameters)
-    throw error("stage " + std::to_string(stage) + " (" + stage_name + ")'s parameter_info() covers " + std::to_string(at) +
-                " parameters; the stage has " + std::to_string(parameters));
+    throw error("stage " + std::to_string(stage) + " (" + stage_name + ")'s parameter_info() covers " +
+                std::to_string(at) + " parameters; the stage has " + std::to_string(parameters));
   return runs;
 }
 
@@ -142,8 +151,9 @@ template <class Runtime>
 class OptimizerBase {
  public:
   using Backend = typename Runtime::backend_type;
-  static_assert(backend::updates_parameters<Backend>,
-                "po::AdamW and po::Sgd need a backend that models po::backend::updates_parameters (sum_squares, adamw, sgd).");
+  static_assert(
+      backend::updates_parameters<Backend>,
+      "po::AdamW and po::Sgd need a backend that models po::backend::updates_parameters (sum_squares, adamw, sgd).");
 
   OptimizerBase(const OptimizerBase&) = delete;
   OptimizerBase& operator=(const OptimizerBase&) = delete;
@@ -172,7 +182,8 @@ class OptimizerBase {
  protected:
   /// `invalid`: why the options are wrong ("" when they are right), thrown under the guard so
   /// that the other ranks do not wait for this one.
-  OptimizerBase(Runtime& rt, const char* who, int states, const std::vector<ParamGroup>& groups, float weight_decay, const std::string& invalid = "")
+  OptimizerBase(Runtime& rt, const char* who, int states, const std::vector<ParamGroup>& groups, float weight_decay,
+                const std::string& invalid = "")
       : rt_(rt), states_(states) {
     rt.guard(who, [&] {
       if (!invalid.empty()) throw error(invalid);
@@ -180,7 +191,8 @@ class OptimizerBase {
       for (int c = 0; c < sh.v; ++c) {
         const auto& stage = rt.stages()[static_cast<std::size_t>(c)];
         const std::size_t n = stage.parameters().size();
-        runs_.push_back(param_runs(sh.stage_of(rt.rank(), c), stage.name(), stage.parameter_info(), n, groups, weight_decay));
+        runs_.push_back(
+            param_runs(sh.stage_of(rt.rank(), c), stage.name(), stage.parameter_info(), n, groups, weight_decay));
         // Zeroed state, reserved for itself so it never takes a block the runtime counted on.
         const std::vector<float> zeros(n, 0.0f);
         for (int k = 0; k < states; ++k) {
@@ -200,7 +212,9 @@ class OptimizerBase {
     rt_.guard(std::string(who) + " step " + std::to_string(steps_), [&] {
       for (std::size_t c = 0; c < runs_.size(); ++c) {
         const auto& stage = rt_.stages()[c];
-        for (const ParamRun& r : runs_[c]) update(static_cast<int>(c), r, stage.parameters().subspan(r.offset, r.count), stage.gradients().subspan(r.offset, r.count));
+        for (const ParamRun& r : runs_[c])
+          update(static_cast<int>(c), r, stage.parameters().subspan(r.offset, r.count),
+                 stage.gradients().subspan(r.offset, r.count));
       }
       return 0;
     });
@@ -220,7 +234,7 @@ struct AdamWOptions {
   float beta1 = 0.9f;
   float beta2 = 0.95f;
   float eps = 1e-8f;
-  float weight_decay = 0.1f;     ///< decoupled, for tensors no group takes
+  float weight_decay = 0.1f;  ///< decoupled, for tensors no group takes
   std::vector<ParamGroup> groups{};
 };
 
@@ -232,7 +246,8 @@ struct AdamWOptions {
 template <class Runtime>
 class AdamW : public detail::OptimizerBase<Runtime> {
  public:
-  AdamW(Runtime& rt, AdamWOptions opt = {}) : detail::OptimizerBase<Runtime>(rt, "po::AdamW", 2, opt.groups, opt.weight_decay), opt_(std::move(opt)) {}
+  AdamW(Runtime& rt, AdamWOptions opt = {})
+      : detail::OptimizerBase<Runtime>(rt, "po::AdamW", 2, opt.groups, opt.weight_decay), opt_(std::move(opt)) {}
 
   /// One update of every parameter of this rank with learning rate `lr` (times its group's
   /// scale) and gradients multiplied by `grad_scale` (the clip). Gradients are left as they
@@ -241,8 +256,8 @@ class AdamW : public detail::OptimizerBase<Runtime> {
     const update::AdamBias bias = update::adam_bias(opt_.beta1, opt_.beta2, this->steps_ + 1);
     this->each_run("po::AdamW", [&](int c, const detail::ParamRun& r, std::span<float> p, std::span<float> g) {
       const update::AdamWParams hp{opt_.beta1, opt_.beta2, opt_.eps, r.weight_decay};
-      this->rt_.device().adamw(p, g, this->state(c, 0).subspan(r.offset, r.count), this->state(c, 1).subspan(r.offset, r.count), hp, lr * r.lr_scale, bias,
-                               grad_scale);
+      this->rt_.device().adamw(p, g, this->state(c, 0).subspan(r.offset, r.count),
+                               this->state(c, 1).subspan(r.offset, r.count), hp, lr * r.lr_scale, bias, grad_scale);
     });
   }
   static constexpr const char* name() { return "adamw"; }
@@ -253,10 +268,10 @@ class AdamW : public detail::OptimizerBase<Runtime> {
 };
 
 struct SgdOptions {
-  float momentum = 0;        ///< 0: plain SGD (no state)
+  float momentum = 0;  ///< 0: plain SGD (no state)
   float dampening = 0;
-  bool nesterov = false;     ///< needs momentum > 0 and dampening = 0
-  float weight_decay = 0;    ///< L2 (added to the gradient), for tensors no group takes
+  bool nesterov = false;   ///< needs momentum > 0 and dampening = 0
+  float weight_decay = 0;  ///< L2 (added to the gradient), for tensors no group takes
   std::vector<ParamGroup> groups{};
 };
 
@@ -270,14 +285,17 @@ template <class Runtime>
 class Sgd : public detail::OptimizerBase<Runtime> {
  public:
   Sgd(Runtime& rt, SgdOptions opt = {})
-      : detail::OptimizerBase<Runtime>(rt, "po::Sgd", opt.momentum != 0.0f ? 1 : 0, opt.groups, opt.weight_decay, invalid(opt)), opt_(std::move(opt)) {}
+      : detail::OptimizerBase<Runtime>(rt, "po::Sgd", opt.momentum != 0.0f ? 1 : 0, opt.groups, opt.weight_decay,
+                                       invalid(opt)),
+        opt_(std::move(opt)) {}
 
   /// One update of every parameter of this rank (see AdamW::step).
   void step(float lr, float grad_scale = 1.0f) {
     const bool first = this->steps_ == 0;
     this->each_run("po::Sgd", [&](int c, const detail::ParamRun& r, std::span<float> p, std::span<float> g) {
       const update::SgdParams hp{opt_.momentum, opt_.dampening, opt_.nesterov, r.weight_decay};
-      const std::span<float> buf = this->states_ > 0 ? this->state(c, 0).subspan(r.offset, r.count) : std::span<float>{};
+      const std::span<float> buf =
+          this->states_ > 0 ? this->state(c, 0).subspan(r.offset, r.count) : std::span<float>{};
       this->rt_.device().sgd(p, g, buf, hp, lr * r.lr_scale, grad_scale, first);
     });
   }
@@ -288,8 +306,8 @@ class Sgd : public detail::OptimizerBase<Runtime> {
   static std::string invalid(const SgdOptions& o) {
     if (o.momentum < 0.0f) return "momentum = " + std::to_string(o.momentum) + " must be >= 0";
     if (o.nesterov && (o.momentum <= 0.0f || o.dampening != 0.0f))
-      return "Nesterov momentum needs momentum > 0 and dampening = 0 (momentum = " + std::to_string(o.momentum) + ", dampening = " +
-             std::to_string(o.dampening) + ")";
+      return "Nesterov momentum needs momentum > 0 and dampening = 0 (momentum = " + std::to_string(o.momentum) +
+             ", dampening = " + std::to_string(o.dampening) + ")";
     return "";
   }
   SgdOptions opt_;

@@ -71,8 +71,8 @@ struct BlockEffect {
 /// j ops and may be running op j" that the waits allow is a state, and the answer is the
 /// largest count over them. Both bounds on j move up with i, so a sliding window maximum
 /// does it in O(|A| + |B|). An empty B gives the peak of A alone.
-inline long long two_stream_peak(const std::vector<BlockEffect>& A, const std::vector<int>& a_waits, const std::vector<BlockEffect>& B,
-                                 const std::vector<int>& b_waits) {
+inline long long two_stream_peak(const std::vector<BlockEffect>& A, const std::vector<int>& a_waits,
+                                 const std::vector<BlockEffect>& B, const std::vector<int>& b_waits) {
   // A stream's states: 2k = k ops done, none running; 2k+1 = k done, op k running.
   struct State {
     long long in_use;
@@ -124,7 +124,8 @@ struct StreamLinks {
 };
 
 inline std::size_t tag_slot(const Shape& sh, int stage, int mb, Dir dir) {
-  return (static_cast<std::size_t>(stage) * static_cast<std::size_t>(sh.m) + static_cast<std::size_t>(mb)) * 2 + (dir == Dir::backward ? 1 : 0);
+  return (static_cast<std::size_t>(stage) * static_cast<std::size_t>(sh.m) + static_cast<std::size_t>(mb)) * 2 +
+         (dir == Dir::backward ? 1 : 0);
 }
 
 inline StreamLinks stream_links(const Shape& sh, const RankProgram& rp) {
@@ -166,21 +167,27 @@ inline std::vector<std::size_t> distinct(std::vector<std::size_t> v) {
 inline void merge_max(std::vector<BlockCount>& into, const std::vector<BlockCount>& from) {
   for (const BlockCount& b : from) {
     auto it = std::find_if(into.begin(), into.end(), [&](const BlockCount& x) { return x.bytes == b.bytes; });
-    if (it == into.end()) into.push_back(b);
-    else it->count = std::max(it->count, b.count);
+    if (it == into.end())
+      into.push_back(b);
+    else
+      it->count = std::max(it->count, b.count);
   }
   std::sort(into.begin(), into.end(), [](const BlockCount& a, const BlockCount& b) { return a.bytes < b.bytes; });
 }
 
 /// Boundary blocks of one rank's compute and comm streams, per size.
-inline std::vector<BlockCount> message_blocks(const Shape& sh, const RankProgram& rp, std::span<const StageBytes> bytes) {
+inline std::vector<BlockCount> message_blocks(const Shape& sh, const RankProgram& rp,
+                                              std::span<const StageBytes> bytes) {
   const int S = sh.stages();
   const StreamLinks links = stream_links(sh, rp);
   const std::size_t nc = rp.compute.size(), nk = rp.comm.size();
   std::vector<int> comm_waits(nk);
   for (std::size_t k = 0; k < nk; ++k) comm_waits[k] = rp.comm[k].send ? links.send_producer[k] : -1;
   // The size of a message consumed by `stage`: its input forward, its output's gradient backward.
-  const auto msg = [&](int stage, Dir dir) { return dir == Dir::forward ? bytes[static_cast<std::size_t>(stage)].input : bytes[static_cast<std::size_t>(stage)].output; };
+  const auto msg = [&](int stage, Dir dir) {
+    return dir == Dir::forward ? bytes[static_cast<std::size_t>(stage)].input
+                               : bytes[static_cast<std::size_t>(stage)].output;
+  };
   std::vector<std::size_t> sizes;
   for (const CommOp& c : rp.comm) sizes.push_back(msg(c.stage, c.dir));
   for (const Op& op : rp.compute) {
@@ -250,9 +257,12 @@ inline Program forward_only(const Program& p) {
 /// pinned host bins by O and R (copy alone). Other ranks only narrow the timings further.
 inline Reservation reservation_plan(const Program& p, int rank, std::span<const StageBytes> stages) {
   const Shape& sh = p.shape;
-  if (rank < 0 || rank >= sh.d) throw error("po::reservation_plan: rank = " + std::to_string(rank) + " is outside [0, " + std::to_string(sh.d - 1) + "]");
+  if (rank < 0 || rank >= sh.d)
+    throw error("po::reservation_plan: rank = " + std::to_string(rank) + " is outside [0, " + std::to_string(sh.d - 1) +
+                "]");
   if (static_cast<int>(stages.size()) != sh.stages())
-    throw error("po::reservation_plan: " + std::to_string(stages.size()) + " stage sizes given; the program has S = " + std::to_string(sh.stages()) + " stages");
+    throw error("po::reservation_plan: " + std::to_string(stages.size()) +
+                " stage sizes given; the program has S = " + std::to_string(sh.stages()) + " stages");
   const RankProgram& rp = p.ranks[static_cast<std::size_t>(rank)];
   const std::size_t nc = rp.compute.size(), ny = rp.copy.size();
   std::vector<int> compute_waits_copy(nc), copy_waits(ny), none;
@@ -279,7 +289,8 @@ inline Reservation reservation_plan(const Program& p, int rank, std::span<const 
       y[k].take = op.kind == OpKind::R;
       y[k].give = op.kind == OpKind::O;
     }
-    res.activation.push_back({bytes, static_cast<std::size_t>(detail::two_stream_peak(c, compute_waits_copy, y, copy_waits))});
+    res.activation.push_back(
+        {bytes, static_cast<std::size_t>(detail::two_stream_peak(c, compute_waits_copy, y, copy_waits))});
   }
   for (std::size_t bytes : detail::distinct(stash)) {
     std::vector<detail::BlockEffect> c(nc);
@@ -299,7 +310,8 @@ inline Reservation reservation_plan(const Program& p, int rank, std::span<const 
   std::vector<std::size_t> bins;
   for (const Op& op : rp.copy) {
     const offload::BinPlan plan = offload::plan_bins(of(op).saved);
-    for (int i = 0; i < plan.count; ++i) bins.push_back(static_cast<std::size_t>(plan.bins[static_cast<std::size_t>(i)]));
+    for (int i = 0; i < plan.count; ++i)
+      bins.push_back(static_cast<std::size_t>(plan.bins[static_cast<std::size_t>(i)]));
   }
   for (std::size_t bin : detail::distinct(bins)) {
     std::vector<detail::BlockEffect> y(ny);

@@ -72,9 +72,9 @@ struct StepInfo {
 
 /// What forward_backward and evaluate report (the same on every rank except seconds and memory).
 struct PassStats {
-  float loss = 0;             ///< mean over this call's microbatches of each microbatch's mean loss
-  std::vector<float> losses;  ///< each microbatch's loss, in microbatch order
-  double seconds = 0;         ///< wall time of the passes (enqueue to last stream idle)
+  float loss = 0;                 ///< mean over this call's microbatches of each microbatch's mean loss
+  std::vector<float> losses;      ///< each microbatch's loss, in microbatch order
+  double seconds = 0;             ///< wall time of the passes (enqueue to last stream idle)
   backend::MemoryStats memory{};  ///< this rank's device and host memory; peaks of this call
 };
 
@@ -84,7 +84,8 @@ struct PassStats {
 /// their first step, and keep it alive as long as they are.
 template <class Backend>
 struct PairLink {
-  static_assert(backend::pairs_copies<Backend>, "po::PairLink: the backend has no shared counters (backend::pairs_copies)");
+  static_assert(backend::pairs_copies<Backend>,
+                "po::PairLink: the backend has no shared counters (backend::pairs_copies)");
   typename Backend::Counter side[2];  ///< side[r & 1]: copies completed by rank r
   void abort(const std::string& why) {
     for (auto& c : side) c.abort(why);
@@ -94,8 +95,8 @@ struct PairLink {
 /// One stage of the pipeline as every rank knows it after construction.
 struct StageInfo {
   int rank = 0, chunk = 0;
-  std::string name;         ///< the stage type's name
-  Boundary input, output;   ///< what it takes and hands on, per microbatch
+  std::string name;        ///< the stage type's name
+  Boundary input, output;  ///< what it takes and hands on, per microbatch
   std::size_t parameters = 0;
   std::size_t norm_groups = 1;
 };
@@ -122,12 +123,14 @@ class Runtime;
 /// @endcode
 template <class Backend, class Communicator>
 class Runtime<Backend, Communicator> {
-  static_assert(backend::backend<Backend>,
-                "po::Runtime: Backend must model po::backend::backend (streams, events, device_alloc/free, host_alloc/free, "
-                "transfer, synchronize, abort, memory, context, now, download, upload, zero, flag_nonfinite); see backend/backend.hpp.");
-  static_assert(communicator<Communicator, typename Backend::Context>,
-                "po::Runtime: Communicator must model po::communicator<C, Backend::Context> (rank, size, send(ctx, ...) and "
-                "recv(ctx, ...) with the backend's stream context, all_gather of doubles and bytes, abort); see comm/communicator.hpp.");
+  static_assert(
+      backend::backend<Backend>,
+      "po::Runtime: Backend must model po::backend::backend (streams, events, device_alloc/free, host_alloc/free, "
+      "transfer, synchronize, abort, memory, context, now, download, upload, zero, flag_nonfinite); see backend/backend.hpp.");
+  static_assert(
+      communicator<Communicator, typename Backend::Context>,
+      "po::Runtime: Communicator must model po::communicator<C, Backend::Context> (rank, size, send(ctx, ...) and "
+      "recv(ctx, ...) with the backend's stream context, all_gather of doubles and bytes, abort); see comm/communicator.hpp.");
 
  public:
   using backend_type = Backend;
@@ -138,7 +141,8 @@ class Runtime<Backend, Communicator> {
   /// `stages`: this rank's v stages in chunk order (stage c*d + rank is stages[c]); the
   /// layers they refer to must outlive the runtime, as must `dev` and `comm`. Collective:
   /// every rank constructs its runtime; if one fails, every rank throws.
-  Runtime(const Program& program, Backend& dev, Communicator& comm, std::span<const Stage> stages, RuntimeOptions opt = {})
+  Runtime(const Program& program, Backend& dev, Communicator& comm, std::span<const Stage> stages,
+          RuntimeOptions opt = {})
       : opt_(opt), dev_(dev), comm_(comm), stages_(stages.begin(), stages.end()), program_(program) {
     try {
       construct();
@@ -201,13 +205,15 @@ class Runtime<Backend, Communicator> {
     const Shape& sh = program_.shape;
     const int partner = rank_ ^ 1;
     if (partner >= sh.d)
-      throw error("po::Runtime::pair_with: rank " + std::to_string(rank_) + " has no PCIe partner (rank " + std::to_string(partner) +
-                  " does not exist with d = " + std::to_string(sh.d) + ")");
+      throw error("po::Runtime::pair_with: rank " + std::to_string(rank_) + " has no PCIe partner (rank " +
+                  std::to_string(partner) + " does not exist with d = " + std::to_string(sh.d) + ")");
     if (!program_.costs.stagger_pairs)
-      throw error("po::Runtime::pair_with: the schedule was planned with Costs::stagger_pairs = false; pairs need staggered copy slots");
+      throw error(
+          "po::Runtime::pair_with: the schedule was planned with Costs::stagger_pairs = false; pairs need staggered copy slots");
     if (iterations_ > 0) throw error("po::Runtime::pair_with: call it before the first step");
     pair_ = &link;
-    pair_wait_ = pair_waits(program_.ranks[static_cast<std::size_t>(rank_)], program_.ranks[static_cast<std::size_t>(partner)]);
+    pair_wait_ =
+        pair_waits(program_.ranks[static_cast<std::size_t>(rank_)], program_.ranks[static_cast<std::size_t>(partner)]);
     partner_copies_ = program_.ranks[static_cast<std::size_t>(partner)].copy.size();
   }
 
@@ -221,7 +227,9 @@ class Runtime<Backend, Communicator> {
   /// Every stage of the pipeline (all ranks), by stage index.
   const std::vector<StageInfo>& stage_table() const { return table_; }
   /// Chunk c's norm groups (Stage::norm_groups(), checked to cover its parameters).
-  const std::vector<std::size_t>& norm_groups(int chunk) const { return norm_groups_[static_cast<std::size_t>(checked_index(chunk))]; }
+  const std::vector<std::size_t>& norm_groups(int chunk) const {
+    return norm_groups_[static_cast<std::size_t>(checked_index(chunk))];
+  }
   /// The most norm groups of any stage of the pipeline.
   std::size_t max_norm_groups() const { return max_groups_; }
 
@@ -262,7 +270,9 @@ class Runtime<Backend, Communicator> {
   /// Chunk c's parameters, copied to the host.
   std::vector<float> download_parameters(int chunk) { return download(checked(chunk).parameters()); }
   /// Overwrites chunk c's parameters (values.size() must be their count).
-  void upload_parameters(int chunk, std::span<const float> values) { upload(checked(chunk).parameters(), values, "parameters"); }
+  void upload_parameters(int chunk, std::span<const float> values) {
+    upload(checked(chunk).parameters(), values, "parameters");
+  }
   /// Chunk c's gradients, copied to the host.
   std::vector<float> download_gradients(int chunk) { return download(checked(chunk).gradients()); }
 
@@ -275,8 +285,8 @@ class Runtime<Backend, Communicator> {
   /// Overwrites device memory with `host` (sizes must match; `what` names it in the error).
   void upload(std::span<float> device, std::span<const float> host, const char* what) {
     if (host.size() != device.size())
-      throw error(std::string("po::Runtime: ") + what + ": got " + std::to_string(host.size()) + " values; the chunk has " +
-                  std::to_string(device.size()));
+      throw error(std::string("po::Runtime: ") + what + ": got " + std::to_string(host.size()) +
+                  " values; the chunk has " + std::to_string(device.size()));
     dev_.upload(device.data(), host.data(), host.size() * sizeof(float));
   }
 
@@ -286,9 +296,9 @@ class Runtime<Backend, Communicator> {
 
  private:
   struct Unit {
-    backend::Block device{};                  // (saved_bytes) the stage's saved activations
+    backend::Block device{};                   // (saved_bytes) the stage's saved activations
     std::array<backend::HostBlock, 3> host{};  // its power-of-two bins while offloaded
-    backend::Block stash{};                   // (stash_bytes) from B to W
+    backend::Block stash{};                    // (stash_bytes) from B to W
   };
   // One rank program as the executor runs it: the ops, which comm op feeds each compute op
   // and which compute op each send waits for, and an event per op.
@@ -321,13 +331,15 @@ class Runtime<Backend, Communicator> {
     const Shape& sh = program_.shape;
     rank_ = comm_.rank();
     if (comm_.size() != sh.d)
-      throw error("po::Runtime: the communicator has " + std::to_string(comm_.size()) + " ranks; the program has d = " + std::to_string(sh.d));
+      throw error("po::Runtime: the communicator has " + std::to_string(comm_.size()) +
+                  " ranks; the program has d = " + std::to_string(sh.d));
     if (static_cast<int>(stages_.size()) != sh.v)
-      throw error("po::Runtime: rank " + std::to_string(rank_) + " was given " + std::to_string(stages_.size()) + " stages; it needs v = " +
-                  std::to_string(sh.v) + " (one per chunk)");
+      throw error("po::Runtime: rank " + std::to_string(rank_) + " was given " + std::to_string(stages_.size()) +
+                  " stages; it needs v = " + std::to_string(sh.v) + " (one per chunk)");
     const MicrobatchShape mbs = opt_.microbatch;
     if (mbs.batch < 1 || mbs.seq < 1)
-      throw error("po::Runtime: microbatch shape batch = " + std::to_string(mbs.batch) + ", seq = " + std::to_string(mbs.seq) + " must both be >= 1");
+      throw error("po::Runtime: microbatch shape batch = " + std::to_string(mbs.batch) +
+                  ", seq = " + std::to_string(mbs.seq) + " must both be >= 1");
     const RankProgram& rp = program_.ranks[static_cast<std::size_t>(rank_)];
     // This rank's stages, as every rank will know them.
     struct Row {
@@ -340,15 +352,17 @@ class Runtime<Backend, Communicator> {
       const Stage& l = stages_[static_cast<std::size_t>(c)];
       const int s = sh.stage_of(rank_, c);
       if (l.parameters().size() != l.gradients().size())
-        throw error("po::Runtime: stage " + std::to_string(s) + " (" + l.name() + ") has " + std::to_string(l.parameters().size()) +
-                    " parameters but " + std::to_string(l.gradients().size()) + " gradients");
+        throw error("po::Runtime: stage " + std::to_string(s) + " (" + l.name() + ") has " +
+                    std::to_string(l.parameters().size()) + " parameters but " + std::to_string(l.gradients().size()) +
+                    " gradients");
       const std::vector<std::size_t> groups = l.norm_groups();
       std::size_t total = 0;
       for (std::size_t g : groups) total += g;
       if (total != l.parameters().size())
-        throw error("po::Runtime: stage " + std::to_string(s) + " (" + l.name() + ")'s norm_groups() cover " + std::to_string(total) +
-                    " parameters, not its " + std::to_string(l.parameters().size()));
-      mine.push_back({l.input_boundary(mbs), l.output_boundary(mbs), l.parameters().size(), groups.size(), detail::ShortText::of(l.name())});
+        throw error("po::Runtime: stage " + std::to_string(s) + " (" + l.name() + ")'s norm_groups() cover " +
+                    std::to_string(total) + " parameters, not its " + std::to_string(l.parameters().size()));
+      mine.push_back({l.input_boundary(mbs), l.output_boundary(mbs), l.parameters().size(), groups.size(),
+                      detail::ShortText::of(l.name())});
       saved_.push_back(l.saved_bytes(mbs));
       stash_.push_back(l.stash_bytes(mbs));
       norm_groups_.push_back(groups);
@@ -360,8 +374,9 @@ class Runtime<Backend, Communicator> {
       if (op.kind == OpKind::W || op.kind == OpKind::BW) {
         int& prev = last_w[static_cast<std::size_t>(sh.chunk_of(op.stage))];
         if (op.mb < prev)
-          throw error("po::Runtime: stage " + std::to_string(op.stage) + " computes weight gradients of microbatch " + std::to_string(op.mb) +
-                      " after microbatch " + std::to_string(prev) + "; gradients must accumulate in microbatch order");
+          throw error("po::Runtime: stage " + std::to_string(op.stage) + " computes weight gradients of microbatch " +
+                      std::to_string(op.mb) + " after microbatch " + std::to_string(prev) +
+                      "; gradients must accumulate in microbatch order");
         prev = op.mb;
       }
     collect_inputs();
@@ -372,7 +387,8 @@ class Runtime<Backend, Communicator> {
     for (int r = 0; r < sh.d; ++r)
       for (int c = 0; c < sh.v; ++c) {
         const Row& x = all[static_cast<std::size_t>(r) * static_cast<std::size_t>(sh.v) + static_cast<std::size_t>(c)];
-        table_[static_cast<std::size_t>(sh.stage_of(r, c))] = {r, c, x.name.str(), x.input, x.output, x.parameters, x.norm_groups};
+        table_[static_cast<std::size_t>(sh.stage_of(r, c))] = {
+            r, c, x.name.str(), x.input, x.output, x.parameters, x.norm_groups};
       }
     // Every producer and its consumer must agree (every rank sees the same table and throws
     // the same sentence).
@@ -380,8 +396,9 @@ class Runtime<Backend, Communicator> {
       const Boundary& out = table_[static_cast<std::size_t>(s)].output;
       const Boundary& in = table_[static_cast<std::size_t>(s + 1)].input;
       if (!(out == in))
-        throw error("po::Runtime: " + stage_label(s) + " outputs " + std::to_string(out.elements) + " " + dtype_name(out.dtype) +
-                    " values per microbatch, but " + stage_label(s + 1) + " takes " + std::to_string(in.elements) + " " + dtype_name(in.dtype) +
+        throw error("po::Runtime: " + stage_label(s) + " outputs " + std::to_string(out.elements) + " " +
+                    dtype_name(out.dtype) + " values per microbatch, but " + stage_label(s + 1) + " takes " +
+                    std::to_string(in.elements) + " " + dtype_name(in.dtype) +
                     "; a stage's output and the next stage's input must agree");
     }
     for (const StageInfo& t : table_) max_groups_ = std::max(max_groups_, t.norm_groups);
@@ -409,14 +426,16 @@ class Runtime<Backend, Communicator> {
     for (int c = 0; c < sh.v; ++c) {
       const Stage& l = stages_[static_cast<std::size_t>(c)];
       for (const InputSpec& in : l.inputs(opt_.microbatch)) {
-        auto it = std::find_if(inputs_.begin(), inputs_.end(), [&](const Declared& d) { return d.spec.name == in.name; });
+        auto it =
+            std::find_if(inputs_.begin(), inputs_.end(), [&](const Declared& d) { return d.spec.name == in.name; });
         if (it == inputs_.end()) {
           inputs_.push_back({in, c});
           continue;
         }
         if (it->spec.dtype != in.dtype || it->spec.elements != in.elements)
-          throw error("po::Runtime: stages " + std::to_string(sh.stage_of(rank_, it->chunk)) + " and " + std::to_string(sh.stage_of(rank_, c)) +
-                      " declare the step input '" + in.name + "' differently: " + std::to_string(it->spec.elements) + " " + dtype_name(it->spec.dtype) +
+          throw error("po::Runtime: stages " + std::to_string(sh.stage_of(rank_, it->chunk)) + " and " +
+                      std::to_string(sh.stage_of(rank_, c)) + " declare the step input '" + in.name +
+                      "' differently: " + std::to_string(it->spec.elements) + " " + dtype_name(it->spec.dtype) +
                       " and " + std::to_string(in.elements) + " " + dtype_name(in.dtype) + " values per microbatch");
       }
     }
@@ -492,11 +511,12 @@ class Runtime<Backend, Communicator> {
   PassStats run(const Plan& plan, const Batch& batch, StepInfo info) {
     const Shape& sh = program_.shape;
     if (info.parts < 1 || info.part < 0 || info.part >= info.parts || info.step < 0)
-      throw error("po::Runtime: StepInfo{step = " + std::to_string(info.step) + ", part = " + std::to_string(info.part) + ", parts = " +
-                  std::to_string(info.parts) + "} needs step >= 0, parts >= 1 and 0 <= part < parts");
+      throw error("po::Runtime: StepInfo{step = " + std::to_string(info.step) +
+                  ", part = " + std::to_string(info.part) + ", parts = " + std::to_string(info.parts) +
+                  "} needs step >= 0, parts >= 1 and 0 <= part < parts");
     if (static_cast<long long>(info.parts) * sh.m > max_microbatches)
-      throw error("po::Runtime: parts * m = " + std::to_string(static_cast<long long>(info.parts) * sh.m) + " microbatches in one step exceed " +
-                  std::to_string(max_microbatches));
+      throw error("po::Runtime: parts * m = " + std::to_string(static_cast<long long>(info.parts) * sh.m) +
+                  " microbatches in one step exceed " + std::to_string(max_microbatches));
     upload_inputs(batch);
     const RankProgram& rp = *plan.rp;
     dev_.zero(flags_dev_.ptr, rp.compute.size() * sizeof(std::uint32_t));
@@ -532,13 +552,16 @@ class Runtime<Backend, Communicator> {
       const HostTensor* t = batch.find(in.name);
       const std::string who = "stage " + std::to_string(program_.shape.stage_of(rank_, inputs_[k].chunk));
       if (t == nullptr)
-        throw error("po::Runtime: " + who + " reads the step input '" + in.name + "', which the batch does not have (it has: " + batch.names() + ")");
+        throw error("po::Runtime: " + who + " reads the step input '" + in.name +
+                    "', which the batch does not have (it has: " + batch.names() + ")");
       if (t->dtype != in.dtype || t->elements != m * in.elements)
-        throw error("po::Runtime: the step input '" + in.name + "' holds " + std::to_string(t->elements) + " " + dtype_name(t->dtype) + " values; " + who +
-                    " reads m * " + std::to_string(in.elements) + " = " + std::to_string(m * in.elements) + " " + dtype_name(in.dtype) + " values");
+        throw error("po::Runtime: the step input '" + in.name + "' holds " + std::to_string(t->elements) + " " +
+                    dtype_name(t->dtype) + " values; " + who + " reads m * " + std::to_string(in.elements) + " = " +
+                    std::to_string(m * in.elements) + " " + dtype_name(in.dtype) + " values");
       if (t->shape.empty() || t->shape[0] % static_cast<long long>(m) != 0)
-        throw error("po::Runtime: the step input '" + in.name + "' has " + std::to_string(t->shape.empty() ? 0 : t->shape[0]) +
-                    " rows (its first dimension); they must split into m = " + std::to_string(m) + " equal microbatches");
+        throw error(
+            "po::Runtime: the step input '" + in.name + "' has " + std::to_string(t->shape.empty() ? 0 : t->shape[0]) +
+            " rows (its first dimension); they must split into m = " + std::to_string(m) + " equal microbatches");
       dev_.upload(inputs_dev_[k].ptr, t->data, t->bytes());
     }
   }
@@ -589,22 +612,29 @@ class Runtime<Backend, Communicator> {
     }
     if (worst < 0) return;
     const int mb = static_cast<int>(worst / span), pos = static_cast<int>(worst - mb * span);
-    const std::string when = plan.training ? "po::Runtime::forward_backward (step " + std::to_string(call_.info.step) + ")" : "po::Runtime::evaluate";
+    const std::string when = plan.training
+                                 ? "po::Runtime::forward_backward (step " + std::to_string(call_.info.step) + ")"
+                                 : "po::Runtime::evaluate";
     const Program& prog = plan.training ? program_ : eval_program_;
     const auto op_at = [&](int stage, bool forward) {
       const int r = sh.rank_of(stage);
       const auto& ops = prog.ranks[static_cast<std::size_t>(r)].compute;
       for (std::size_t x = 0; x < ops.size(); ++x)
-        if (ops[x].stage == stage && ops[x].mb == mb && (forward ? ops[x].kind == OpKind::F : (ops[x].kind == OpKind::B || ops[x].kind == OpKind::BW)))
+        if (ops[x].stage == stage && ops[x].mb == mb &&
+            (forward ? ops[x].kind == OpKind::F : (ops[x].kind == OpKind::B || ops[x].kind == OpKind::BW)))
           return where("compute", x, ops[x], r);
       return "rank " + std::to_string(r) + ", stage " + std::to_string(stage);
     };
     std::string what;
-    if (pos < S) what = op_at(pos, true) + ": its output activation has a NaN or infinity";
-    else if (pos == S) what = op_at(S - 1, true) + ": the loss is " + std::to_string(st.losses[static_cast<std::size_t>(mb)]);
-    else what = op_at(S - 1 - (pos - S - 1), false) + ": its input gradient has a NaN or infinity";
-    throw nonfinite_error(when + ": " + what + " (the first non-finite value in data-flow order" +
-                          (plan.training ? "; the gradients of this call are unusable: zero_grad() before going on)" : ")"));
+    if (pos < S)
+      what = op_at(pos, true) + ": its output activation has a NaN or infinity";
+    else if (pos == S)
+      what = op_at(S - 1, true) + ": the loss is " + std::to_string(st.losses[static_cast<std::size_t>(mb)]);
+    else
+      what = op_at(S - 1 - (pos - S - 1), false) + ": its input gradient has a NaN or infinity";
+    throw nonfinite_error(
+        when + ": " + what + " (the first non-finite value in data-flow order" +
+        (plan.training ? "; the gradients of this call are unusable: zero_grad() before going on)" : ")"));
   }
 
   // ---- the streams ----------------------------------------------------------------------
@@ -628,8 +658,8 @@ class Runtime<Backend, Communicator> {
   }
 
   std::string where(const char* stream, std::size_t index, const Op& op, int rank) const {
-    return "rank " + std::to_string(rank) + ", " + stream + " op " + std::to_string(index) + " " + op_name(op.kind) + "(stage " +
-           std::to_string(op.stage) + ", mb " + std::to_string(op.mb) + ")";
+    return "rank " + std::to_string(rank) + ", " + stream + " op " + std::to_string(index) + " " + op_name(op.kind) +
+           "(stage " + std::to_string(op.stage) + ", mb " + std::to_string(op.mb) + ")";
   }
 
   /// Runs `body` as op `index` of a stream; an exception gets the rank and op in front.
@@ -722,16 +752,19 @@ class Runtime<Backend, Communicator> {
       const auto lay_out = [&](bool to_host) {
         std::size_t off = 0;
         for (int i = 0; i < plan.count && off < bytes; ++i) {
-          const std::size_t n = std::min<std::size_t>(static_cast<std::size_t>(plan.bins[static_cast<std::size_t>(i)]), bytes - off);
+          const std::size_t n =
+              std::min<std::size_t>(static_cast<std::size_t>(plan.bins[static_cast<std::size_t>(i)]), bytes - off);
           std::byte* dev = u.device.ptr + off;
           std::byte* host = u.host[static_cast<std::size_t>(i)].ptr;
-          pieces[static_cast<std::size_t>(i)] = to_host ? backend::CopyPiece{host, dev, n} : backend::CopyPiece{dev, host, n};
+          pieces[static_cast<std::size_t>(i)] =
+              to_host ? backend::CopyPiece{host, dev, n} : backend::CopyPiece{dev, host, n};
           off += n;
         }
       };
       if (op.kind == OpKind::O) {
         if (u.device.ptr == nullptr) throw error("nothing to offload (the unit is not on the device)");
-        for (int i = 0; i < plan.count; ++i) u.host[static_cast<std::size_t>(i)] = dev_.host_alloc(plan.bins[static_cast<std::size_t>(i)]);
+        for (int i = 0; i < plan.count; ++i)
+          u.host[static_cast<std::size_t>(i)] = dev_.host_alloc(plan.bins[static_cast<std::size_t>(i)]);
         lay_out(true);
         dev_.transfer(std::span<const backend::CopyPiece>(pieces.data(), static_cast<std::size_t>(plan.count)));
         dev_.device_free(u.device);
@@ -768,8 +801,9 @@ class Runtime<Backend, Communicator> {
     } catch (const aborted_error&) {
       throw;
     } catch (const std::exception& e) {
-      throw error("rank " + std::to_string(rank_) + ", comm op " + std::to_string(k) + " " + (c.send ? "send to" : "recv from") + " rank " +
-                  std::to_string(c.peer) + " " + describe(tag) + ": " + e.what());
+      throw error("rank " + std::to_string(rank_) + ", comm op " + std::to_string(k) + " " +
+                  (c.send ? "send to" : "recv from") + " rank " + std::to_string(c.peer) + " " + describe(tag) + ": " +
+                  e.what());
     }
   }
 
@@ -788,7 +822,8 @@ class Runtime<Backend, Communicator> {
       while (ic < nc) {
         const Op& op = rp.compute[ic];
         const int r = input_recv[ic];
-        if ((r >= 0 && static_cast<std::size_t>(r) >= ik) || (op.wait >= 0 && static_cast<std::size_t>(op.wait) >= iy)) break;
+        if ((r >= 0 && static_cast<std::size_t>(r) >= ik) || (op.wait >= 0 && static_cast<std::size_t>(op.wait) >= iy))
+          break;
         if (r >= 0) dev_.wait(compute_, plan.recv_done[static_cast<std::size_t>(r)]);
         if (op.wait >= 0) dev_.wait(compute_, plan.copy_done[static_cast<std::size_t>(op.wait)]);
         dev_.launch(compute_, [this, ic] { run_compute(ic); });
@@ -802,11 +837,13 @@ class Runtime<Backend, Communicator> {
         if (op.wait >= 0) dev_.wait(copy_, plan.compute_done[static_cast<std::size_t>(op.wait)]);
         if constexpr (backend::pairs_copies<Backend>)
           if (pair_ != nullptr && pair_wait_[iy] > 0)
-            dev_.wait_counter(copy_, pair_->side[(rank_ ^ 1) & 1], static_cast<std::uint64_t>(iterations_ * partner_copies_ + pair_wait_[iy]));
+            dev_.wait_counter(copy_, pair_->side[(rank_ ^ 1) & 1],
+                              static_cast<std::uint64_t>(iterations_ * partner_copies_ + pair_wait_[iy]));
         dev_.launch(copy_, [this, iy] { run_copy(iy); });
         dev_.record(plan.copy_done[iy], copy_);
         if constexpr (backend::pairs_copies<Backend>)
-          if (pair_ != nullptr) dev_.signal(copy_, pair_->side[rank_ & 1], static_cast<std::uint64_t>(iterations_ * ny + iy + 1));
+          if (pair_ != nullptr)
+            dev_.signal(copy_, pair_->side[rank_ & 1], static_cast<std::uint64_t>(iterations_ * ny + iy + 1));
         ++iy;
         moved = true;
       }
@@ -819,7 +856,9 @@ class Runtime<Backend, Communicator> {
         ++ik;
         moved = true;
       }
-      if (!moved) throw error("po::Runtime: rank " + std::to_string(rank_) + "'s program has a dependency cycle between its streams");
+      if (!moved)
+        throw error("po::Runtime: rank " + std::to_string(rank_) +
+                    "'s program has a dependency cycle between its streams");
     }
   }
 
@@ -844,11 +883,13 @@ class Runtime<Backend, Communicator> {
   }
 
   std::size_t unit_index(int stage, int mb) const {
-    return static_cast<std::size_t>(program_.shape.chunk_of(stage)) * static_cast<std::size_t>(program_.shape.m) + static_cast<std::size_t>(mb);
+    return static_cast<std::size_t>(program_.shape.chunk_of(stage)) * static_cast<std::size_t>(program_.shape.m) +
+           static_cast<std::size_t>(mb);
   }
   int checked_index(int chunk) const {
     if (chunk < 0 || chunk >= program_.shape.v)
-      throw error("po::Runtime: chunk " + std::to_string(chunk) + " is outside [0, " + std::to_string(program_.shape.v - 1) + "]");
+      throw error("po::Runtime: chunk " + std::to_string(chunk) + " is outside [0, " +
+                  std::to_string(program_.shape.v - 1) + "]");
     return chunk;
   }
   const Stage& checked(int chunk) const { return stages_[static_cast<std::size_t>(checked_index(chunk))]; }
@@ -864,26 +905,25 @@ class Runtime<Backend, Communicator> {
   std::vector<Stage> stages_;
   Program program_, eval_program_;
   int rank_ = 0;
-  std::vector<StageInfo> table_;           // every stage of the pipeline
-  std::vector<std::size_t> saved_, stash_;  // per chunk
+  std::vector<StageInfo> table_;                       // every stage of the pipeline
+  std::vector<std::size_t> saved_, stash_;             // per chunk
   std::vector<std::vector<std::size_t>> norm_groups_;  // per chunk
   std::size_t max_groups_ = 1;
-  std::vector<Declared> inputs_;            // step inputs this rank uploads
-  std::vector<backend::Block> inputs_dev_;  // (m, elements) of each, device
+  std::vector<Declared> inputs_;               // step inputs this rank uploads
+  std::vector<backend::Block> inputs_dev_;     // (m, elements) of each, device
   std::vector<std::vector<StepInput>> views_;  // [chunk * m + mb]: what a pass sees of the inputs
-  backend::Block losses_dev_{};             // (m) float losses of the last stage, device
-  backend::Block flags_dev_{};              // (compute ops) uint32 non-finite flags, device
+  backend::Block losses_dev_{};                // (m) float losses of the last stage, device
+  backend::Block flags_dev_{};                 // (compute ops) uint32 non-finite flags, device
   int compute_ = -1, copy_ = -1, comm_stream_ = -1;
   Plan train_, eval_;
   Call call_{};
   std::vector<Unit> units_;
-  std::vector<backend::Block> boxes_;  // boundary tensors by tag: received inputs, outputs to send
-  long long iterations_ = 0;           // training calls enqueued (pair counters count from 0)
+  std::vector<backend::Block> boxes_;   // boundary tensors by tag: received inputs, outputs to send
+  long long iterations_ = 0;            // training calls enqueued (pair counters count from 0)
   std::vector<std::size_t> pair_wait_;  // per copy op: partner copies to wait for
   std::size_t partner_copies_ = 0;      // the partner's copies per step
-  PairLink<Backend>* pair_ = nullptr;  // PCIe partner's link, or none
+  PairLink<Backend>* pair_ = nullptr;   // PCIe partner's link, or none
   RankSim trace_;
-
 };
 
 template <class B, class C, class Stages>
@@ -896,13 +936,15 @@ Runtime(const Program&, B&, C&, Stages&&, RuntimeOptions) -> Runtime<B, C>;
 /// Runtime<Backend, Comm> built from that Program, bit for bit.
 template <class Schedule, class Layer, class Backend, class Communicator>
 class Runtime<Schedule, Layer, Backend, Communicator> : public Runtime<Backend, Communicator> {
-  static_assert(layer_for<Layer, typename Backend::Context>,
-                "po::Runtime: Layer must model po::layer_for<Layer, Backend::Context>: it needs input_boundary(shape), output_boundary(shape), saved_bytes(shape), "
-                "stash_bytes(shape), forward(ctx, mb, x, y, saved) -> void, backward_input(ctx, mb, dy, dx, saved, stash), "
-                "backward_weight(ctx, mb, saved, stash), parameters() and gradients(); see pipeoffload/layer.hpp.");
+  static_assert(
+      layer_for<Layer, typename Backend::Context>,
+      "po::Runtime: Layer must model po::layer_for<Layer, Backend::Context>: it needs input_boundary(shape), output_boundary(shape), saved_bytes(shape), "
+      "stash_bytes(shape), forward(ctx, mb, x, y, saved) -> void, backward_input(ctx, mb, dy, dx, saved, stash), "
+      "backward_weight(ctx, mb, saved, stash), parameters() and gradients(); see pipeoffload/layer.hpp.");
 
  public:
-  Runtime(Shape shape, Backend& dev, Communicator& comm, std::span<Layer> stages, RuntimeOptions opt = {}, const Costs& costs = {})
+  Runtime(Shape shape, Backend& dev, Communicator& comm, std::span<Layer> stages, RuntimeOptions opt = {},
+          const Costs& costs = {})
       : Runtime<Backend, Communicator>(Schedule::build(shape, costs), dev, comm, stages, opt) {}
 };
 

@@ -51,19 +51,23 @@ class StageRef {
   template <class L>
     requires(!std::is_same_v<std::remove_cvref_t<L>, StageRef>)
   StageRef(L& layer) : obj_(&layer), vt_(table_of<L>()) {  // NOLINT: implicit on purpose, like std::function_ref
-    static_assert(layer_for<L, Ctx>,
-                  "po::StageRef: a stage must model po::layer_for<Stage, Context>: it needs input_boundary(shape), "
-                  "output_boundary(shape), saved_bytes(shape), stash_bytes(shape), forward(ctx, mb, x, y, saved) -> void, "
-                  "backward_input(ctx, mb, dy, dx, saved, stash), backward_weight(ctx, mb, saved, stash), parameters() and "
-                  "gradients(); see pipeoffload/layer.hpp.");
+    static_assert(
+        layer_for<L, Ctx>,
+        "po::StageRef: a stage must model po::layer_for<Stage, Context>: it needs input_boundary(shape), "
+        "output_boundary(shape), saved_bytes(shape), stash_bytes(shape), forward(ctx, mb, x, y, saved) -> void, "
+        "backward_input(ctx, mb, dy, dx, saved, stash), backward_weight(ctx, mb, saved, stash), parameters() and "
+        "gradients(); see pipeoffload/layer.hpp.");
   }
 
   Boundary input_boundary(MicrobatchShape s) const { return vt_->input_boundary(obj_, s); }
   Boundary output_boundary(MicrobatchShape s) const { return vt_->output_boundary(obj_, s); }
   std::size_t saved_bytes(MicrobatchShape s) const { return vt_->saved_bytes(obj_, s); }
   std::size_t stash_bytes(MicrobatchShape s) const { return vt_->stash_bytes(obj_, s); }
-  void forward(Ctx& c, const Microbatch& mb, ConstTensor x, Tensor y, std::byte* saved) const { vt_->forward(obj_, c, mb, x, y, saved); }
-  void backward_input(Ctx& c, const Microbatch& mb, ConstTensor dy, Tensor dx, std::byte* saved, std::byte* stash) const {
+  void forward(Ctx& c, const Microbatch& mb, ConstTensor x, Tensor y, std::byte* saved) const {
+    vt_->forward(obj_, c, mb, x, y, saved);
+  }
+  void backward_input(Ctx& c, const Microbatch& mb, ConstTensor dy, Tensor dx, std::byte* saved,
+                      std::byte* stash) const {
     vt_->backward_input(obj_, c, mb, dy, dx, saved, stash);
   }
   void backward_weight(Ctx& c, const Microbatch& mb, std::byte* saved, std::byte* stash) const {
@@ -107,8 +111,10 @@ class StageRef {
   // Only for layers: a type that is not one gets the static_assert's sentence and nothing else.
   template <class L>
   static constexpr const VTable* table_of() {
-    if constexpr (layer_for<L, Ctx>) return &table<L>;
-    else return nullptr;
+    if constexpr (layer_for<L, Ctx>)
+      return &table<L>;
+    else
+      return nullptr;
   }
 
   template <class L>
@@ -122,20 +128,28 @@ class StageRef {
       [](void* p, MicrobatchShape s) { return Boundary(self<L>(p).output_boundary(s)); },
       [](void* p, MicrobatchShape s) { return static_cast<std::size_t>(self<L>(p).saved_bytes(s)); },
       [](void* p, MicrobatchShape s) { return static_cast<std::size_t>(self<L>(p).stash_bytes(s)); },
-      [](void* p, Ctx& c, const Microbatch& mb, ConstTensor x, Tensor y, std::byte* saved) { self<L>(p).forward(c, mb, x, y, saved); },
+      [](void* p, Ctx& c, const Microbatch& mb, ConstTensor x, Tensor y, std::byte* saved) {
+        self<L>(p).forward(c, mb, x, y, saved);
+      },
       [](void* p, Ctx& c, const Microbatch& mb, ConstTensor dy, Tensor dx, std::byte* saved, std::byte* stash) {
         self<L>(p).backward_input(c, mb, dy, dx, saved, stash);
       },
-      [](void* p, Ctx& c, const Microbatch& mb, std::byte* saved, std::byte* stash) { self<L>(p).backward_weight(c, mb, saved, stash); },
+      [](void* p, Ctx& c, const Microbatch& mb, std::byte* saved, std::byte* stash) {
+        self<L>(p).backward_weight(c, mb, saved, stash);
+      },
       [](void* p) { return std::span<float>(self<L>(p).parameters()); },
       [](void* p) { return std::span<float>(self<L>(p).gradients()); },
       [](void* p, MicrobatchShape s) {
-        if constexpr (detail::declares_inputs<L>) return std::vector<InputSpec>(self<L>(p).inputs(s));
-        else return std::vector<InputSpec>{};
+        if constexpr (detail::declares_inputs<L>)
+          return std::vector<InputSpec>(self<L>(p).inputs(s));
+        else
+          return std::vector<InputSpec>{};
       },
       [](void* p) {
-        if constexpr (detail::has_norm_groups<L>) return std::vector<std::size_t>(self<L>(p).norm_groups());
-        else return std::vector<std::size_t>{std::span<float>(self<L>(p).parameters()).size()};
+        if constexpr (detail::has_norm_groups<L>)
+          return std::vector<std::size_t>(self<L>(p).norm_groups());
+        else
+          return std::vector<std::size_t>{std::span<float>(self<L>(p).parameters()).size()};
       },
       [](void* p) {
         if constexpr (detail::has_parameter_info<L>) {
@@ -146,8 +160,10 @@ class StageRef {
         }
       },
       [](void* p) {
-        if constexpr (detail::has_name<L>) return std::string(self<L>(p).name());
-        else return detail::type_name<L>();
+        if constexpr (detail::has_name<L>)
+          return std::string(self<L>(p).name());
+        else
+          return detail::type_name<L>();
       },
   };
 

@@ -29,7 +29,8 @@ std::vector<std::string> run_thread_ranks(World& world, F fn) {
       } catch (...) {
         err = "unknown exception";
       }
-      if (!err.empty()) world.abort(err.rfind("aborted: ", 0) == 0 ? err.substr(9) : "rank " + std::to_string(r) + " failed: " + err);
+      if (!err.empty())
+        world.abort(err.rfind("aborted: ", 0) == 0 ? err.substr(9) : "rank " + std::to_string(r) + " failed: " + err);
     });
   for (auto& t : threads) t.join();
   return errors;

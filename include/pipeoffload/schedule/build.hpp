@@ -51,7 +51,8 @@ namespace pipeoffload {
 /// result is the one build() returns, whatever `p` held before. A bad shape or cost throws
 /// before `p` is touched; any later exception leaves `p` a valid Program with unspecified
 /// contents. `threads`: see po::Workers.
-constexpr void build_into(Program& p, const ScheduleSpec& spec, const Shape& shape, const Costs& costs = {}, Workers threads = {}) {
+constexpr void build_into(Program& p, const ScheduleSpec& spec, const Shape& shape, const Costs& costs = {},
+                          Workers threads = {}) {
   detail::check_shape(spec, shape);
   detail::check_costs(costs, shape);
   p.spec = spec;
@@ -89,11 +90,15 @@ constexpr void build_into(Program& p, const ScheduleSpec& spec, const Shape& sha
     long long top = 0;
     for (long long i = 0; i < bk.d; ++i) top = std::max(top, bk.last(i) + bk.shift(i));
     const bool slot_keys = tau >= 1e-300 && static_cast<double>(top + 2) * tau < 1e300;
-    const auto end = [&](int rank, std::size_t, const Op& op) { return static_cast<double>(bk.slot(rank, op) + 1) * tau; };
-    const int workers = detail::worker_count(3 * static_cast<std::size_t>(shape.stages()) * static_cast<std::size_t>(shape.m), d, threads);
+    const auto end = [&](int rank, std::size_t, const Op& op) {
+      return static_cast<double>(bk.slot(rank, op) + 1) * tau;
+    };
+    const int workers = detail::worker_count(
+        3 * static_cast<std::size_t>(shape.stages()) * static_cast<std::size_t>(shape.m), d, threads);
     // Each compute op's start without offload (the compute-only ASAP run).
-    std::vector<std::vector<double, detail::default_init<double>>> rs(static_cast<std::size_t>(offloads ? d : 0));  // written by the run
-    std::vector<double> dur;  // the ASAP run's op durations
+    std::vector<std::vector<double, detail::default_init<double>>> rs(
+        static_cast<std::size_t>(offloads ? d : 0));  // written by the run
+    std::vector<double> dur;                          // the ASAP run's op durations
     if (offloads) dur = detail::duration_table(costs, shape.stages());
     std::vector<detail::TimesOut> out(rs.size());
     std::vector<detail::UnitEnds> ends;  // the ASAP run's scratch
@@ -121,7 +126,8 @@ constexpr void build_into(Program& p, const ScheduleSpec& spec, const Shape& sha
     };
     std::vector<Scratch> scratch;
     scratch.reserve(static_cast<std::size_t>(workers));
-    for (int w = 0; w < workers; ++w) scratch.push_back(Scratch{{}, {}, {}, {}, {}, detail::SettleScratch(costs, offloads ? shape.stages() : 0)});
+    for (int w = 0; w < workers; ++w)
+      scratch.push_back(Scratch{{}, {}, {}, {}, {}, detail::SettleScratch(costs, offloads ? shape.stages() : 0)});
     std::vector<char> fallback(static_cast<std::size_t>(d));  // ranks whose plan needs their neighbours' lists
     // Slots of rank r's ops into ws.slots[i]; with `times`, its planned start and end too.
     const auto plan = [&](Scratch& ws, int r, int i, bool times) {
@@ -139,7 +145,8 @@ constexpr void build_into(Program& p, const ScheduleSpec& spec, const Shape& sha
       }
     };
     const auto plan_p2p = [&](Scratch& ws, int r, int i) {
-      fallback[static_cast<std::size_t>(r)] = !slot_keys || !detail::plan_p2p_po_rank(p, bk, ws.slots[i].data(), r, ws.p2p);
+      fallback[static_cast<std::size_t>(r)] =
+          !slot_keys || !detail::plan_p2p_po_rank(p, bk, ws.slots[i].data(), r, ws.p2p);
     };
     if (!offloads) {
       detail::for_each_item(workers, d, [&](int r, int w) {
@@ -192,9 +199,15 @@ constexpr void build_into(Program& p, const ScheduleSpec& spec, const Shape& sha
     return;
   }
   switch (spec.family) {
-    case Family::one_f1b: detail::order_1f1b(p); break;
-    case Family::interleaved_1f1b: detail::order_interleaved(p); break;
-    case Family::grouped: detail::order_grouped(p); break;
+    case Family::one_f1b:
+      detail::order_1f1b(p);
+      break;
+    case Family::interleaved_1f1b:
+      detail::order_interleaved(p);
+      break;
+    case Family::grouped:
+      detail::order_grouped(p);
+      break;
   }
   // Every other family plans on its compute-only ASAP timeline. Both timelines meet every
   // dependency with time to spare, which is all offload placement and the P2P plan need.
@@ -210,12 +223,12 @@ constexpr void build_into(Program& p, const ScheduleSpec& spec, const Shape& sha
   for (std::size_t r = 0; r < ps.size(); ++r) {
     const auto& comp = p.ranks[r].compute;
     pe[r].resize(comp.size());
-    for (std::size_t x = 0; x < comp.size(); ++x)
-      pe[r][x] = ps[r][x] + detail::table_duration(dur.data(), comp[x]);
+    for (std::size_t x = 0; x < comp.size(); ++x) pe[r][x] = ps[r][x] + detail::table_duration(dur.data(), comp[x]);
   }
   if (offloads) {
     detail::OffloadScratch scratch;
-    for (int r = 0; r < d; ++r) detail::place_offloads(p, r, ps[static_cast<std::size_t>(r)], pe[static_cast<std::size_t>(r)], scratch);
+    for (int r = 0; r < d; ++r)
+      detail::place_offloads(p, r, ps[static_cast<std::size_t>(r)], pe[static_cast<std::size_t>(r)], scratch);
   }
   const auto end = [&](int rank, std::size_t x, const Op&) { return pe[static_cast<std::size_t>(rank)][x]; };
   for (int r = 0; r < d; ++r) detail::plan_p2p_rank(p, r, end);

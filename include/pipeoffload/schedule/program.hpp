@@ -35,12 +35,12 @@ struct Shape {
 /// Cost model. Times are in any one unit (the tools use seconds or "unit passes").
 /// Per-stage vectors, when non-empty, have S entries and override the scalars.
 struct Costs {
-  double f = 1;     ///< T_F: forward of one stage for one microbatch.
-  double b = 1;     ///< T_B: activation-gradient backward.
-  double w = 1;     ///< T_W: weight-gradient backward (fused BW takes T_B + T_W).
-  double comm = 0;  ///< T_comm: one P2P hop between ranks.
-  double k = 1;     ///< round-trip copy time / (T_F + T_B + T_W); gives T_O = k(T_F+T_B+T_W)/2.
-  double t_o = 0;   ///< one-way copy of one unit; when > 0 it overrides k.
+  double f = 1;               ///< T_F: forward of one stage for one microbatch.
+  double b = 1;               ///< T_B: activation-gradient backward.
+  double w = 1;               ///< T_W: weight-gradient backward (fused BW takes T_B + T_W).
+  double comm = 0;            ///< T_comm: one P2P hop between ranks.
+  double k = 1;               ///< round-trip copy time / (T_F + T_B + T_W); gives T_O = k(T_F+T_B+T_W)/2.
+  double t_o = 0;             ///< one-way copy of one unit; when > 0 it overrides k.
   bool stagger_pairs = true;  ///< ranks r and r^1 share a PCIe switch: stagger their copy slots.
   std::vector<double> stage_f, stage_b, stage_w;  ///< per-stage T_F, T_B, T_W (size S or empty).
   std::vector<double> unit_bytes;                 ///< per-stage unit size (size S or empty = 1).
@@ -59,12 +59,18 @@ enum class OpKind : std::uint8_t { F, B, W, BW, O, R };
 
 constexpr const char* op_name(OpKind k) {
   switch (k) {
-    case OpKind::F: return "F";
-    case OpKind::B: return "B";
-    case OpKind::W: return "W";
-    case OpKind::BW: return "BW";
-    case OpKind::O: return "O";
-    case OpKind::R: return "R";
+    case OpKind::F:
+      return "F";
+    case OpKind::B:
+      return "B";
+    case OpKind::W:
+      return "W";
+    case OpKind::BW:
+      return "BW";
+    case OpKind::O:
+      return "O";
+    case OpKind::R:
+      return "R";
   }
   return "?";
 }
@@ -142,24 +148,35 @@ constexpr int warmup(const RankProgram& rp) {
 constexpr std::string schedule_name(const ScheduleSpec& s, int v = 0) {
   std::string base;
   switch (s.family) {
-    case Family::one_f1b: base = "1f1b"; break;
-    case Family::interleaved_1f1b: base = "1f1b-i"; break;
+    case Family::one_f1b:
+      base = "1f1b";
+      break;
+    case Family::interleaved_1f1b:
+      base = "1f1b-i";
+      break;
     case Family::grouped:
-      if (s.group.kind == GroupSpec::Kind::full) base = "gis";
-      else if (s.group.kind == GroupSpec::Kind::half) base = "gis-h";
+      if (s.group.kind == GroupSpec::Kind::full)
+        base = "gis";
+      else if (s.group.kind == GroupSpec::Kind::half)
+        base = "gis-h";
       else if (s.group.kind == GroupSpec::Kind::uniform) {
         if (s.offload.kind == offload::selection::Kind::half) return "po-h";
         if (s.offload.kind == offload::selection::Kind::all) return "po-f";
         base = "po";
-      } else base = "gis-g";
+      } else
+        base = "gis-g";
       break;
   }
   const int n = v > 0 ? offload::count(s.offload, v) : -1;
   switch (s.offload.kind) {
-    case offload::selection::Kind::none: return base;
-    case offload::selection::Kind::half: return base + "+offload(half)";
-    case offload::selection::Kind::all: return base + "+offload(all)";
-    case offload::selection::Kind::first: return base + "+offload(first " + detail::num(s.offload.n) + ")";
+    case offload::selection::Kind::none:
+      return base;
+    case offload::selection::Kind::half:
+      return base + "+offload(half)";
+    case offload::selection::Kind::all:
+      return base + "+offload(all)";
+    case offload::selection::Kind::first:
+      return base + "+offload(first " + detail::num(s.offload.n) + ")";
     case offload::selection::Kind::set:
       return base + "+offload(" + (n >= 0 ? detail::num(n) + " chunks" : std::string("set")) + ")";
   }

@@ -74,13 +74,13 @@ struct Schedule {
 };
 
 // The paper's schedules.
-using OneF1B = Schedule<OneF1BOrder>;                          ///< 1F1B
-using Interleaved1F1B = Schedule<MegatronInterleave>;          ///< 1F1B-I (Megatron)
-using GIS = Schedule<InterleavePolicy<group::full>>;           ///< g = d
-using GIS_H = Schedule<InterleavePolicy<group::half>>;         ///< g = ceil(d/2)
+using OneF1B = Schedule<OneF1BOrder>;                   ///< 1F1B
+using Interleaved1F1B = Schedule<MegatronInterleave>;   ///< 1F1B-I (Megatron)
+using GIS = Schedule<InterleavePolicy<group::full>>;    ///< g = d
+using GIS_H = Schedule<InterleavePolicy<group::half>>;  ///< g = ceil(d/2)
 template <int G>
-using GIS_G = Schedule<InterleavePolicy<G>>;                   ///< GIS(g)
-using PO = Schedule<UniformRepeat>;                            ///< PipeOffload, no offload
+using GIS_G = Schedule<InterleavePolicy<G>>;                         ///< GIS(g)
+using PO = Schedule<UniformRepeat>;                                  ///< PipeOffload, no offload
 using PO_H = Schedule<UniformRepeat, OffloadPolicy<offload::half>>;  ///< chunks 0..ceil(v/2)-1 offloaded
 using PO_F = Schedule<UniformRepeat, OffloadPolicy<offload::all>>;   ///< every chunk offloaded
 

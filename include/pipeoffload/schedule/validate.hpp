@@ -53,7 +53,9 @@ constexpr Validation check_passes(const Program& p) {
   const Shape& sh = p.shape;
   const int S = sh.stages(), m = sh.m;
   const bool fused = fused_backward(p.spec.family);
-  if (static_cast<int>(p.ranks.size()) != sh.d) return fail_v("the program has " + num(static_cast<long long>(p.ranks.size())) + " ranks; the shape says d = " + num(sh.d));
+  if (static_cast<int>(p.ranks.size()) != sh.d)
+    return fail_v("the program has " + num(static_cast<long long>(p.ranks.size())) +
+                  " ranks; the shape says d = " + num(sh.d));
   // Per unit: position of F, B (or BW), W in its rank's order; -1 = missing.
   std::vector<int> fpos(static_cast<std::size_t>(S * m), -1), bpos(fpos.size(), -1), wpos(fpos.size(), -1);
   for (int r = 0; r < sh.d; ++r) {
@@ -61,16 +63,31 @@ constexpr Validation check_passes(const Program& p) {
     for (int x = 0; x < static_cast<int>(ops.size()); ++x) {
       const Op& op = ops[static_cast<std::size_t>(x)];
       if (op.stage < 0 || op.stage >= S || op.mb < 0 || op.mb >= m)
-        return fail_v("rank " + num(r) + " op " + num(x) + " " + describe(op) + " is outside stages 0.." + num(S - 1) + ", microbatches 0.." + num(m - 1));
-      if (sh.rank_of(op.stage) != r) return fail_v("rank " + num(r) + " runs " + describe(op) + ", which lives on rank " + num(sh.rank_of(op.stage)));
+        return fail_v("rank " + num(r) + " op " + num(x) + " " + describe(op) + " is outside stages 0.." + num(S - 1) +
+                      ", microbatches 0.." + num(m - 1));
+      if (sh.rank_of(op.stage) != r)
+        return fail_v("rank " + num(r) + " runs " + describe(op) + ", which lives on rank " +
+                      num(sh.rank_of(op.stage)));
       const auto u = static_cast<std::size_t>(op.stage * m + op.mb);
       std::vector<int>* slot = nullptr;
       switch (op.kind) {
-        case OpKind::F: slot = &fpos; break;
-        case OpKind::B: if (fused) return fail_v("rank " + num(r) + ": a fused-backward schedule runs a split " + describe(op)); slot = &bpos; break;
-        case OpKind::BW: if (!fused) return fail_v("rank " + num(r) + ": a split-backward schedule runs a fused " + describe(op)); slot = &bpos; break;
-        case OpKind::W: if (fused) return fail_v("rank " + num(r) + ": a fused-backward schedule runs a split " + describe(op)); slot = &wpos; break;
-        default: return fail_v("rank " + num(r) + ": copy op " + describe(op) + " on the compute stream");
+        case OpKind::F:
+          slot = &fpos;
+          break;
+        case OpKind::B:
+          if (fused) return fail_v("rank " + num(r) + ": a fused-backward schedule runs a split " + describe(op));
+          slot = &bpos;
+          break;
+        case OpKind::BW:
+          if (!fused) return fail_v("rank " + num(r) + ": a split-backward schedule runs a fused " + describe(op));
+          slot = &bpos;
+          break;
+        case OpKind::W:
+          if (fused) return fail_v("rank " + num(r) + ": a fused-backward schedule runs a split " + describe(op));
+          slot = &wpos;
+          break;
+        default:
+          return fail_v("rank " + num(r) + ": copy op " + describe(op) + " on the compute stream");
       }
       if ((*slot)[u] >= 0) return fail_v("rank " + num(r) + " runs " + describe(op) + " twice");
       (*slot)[u] = x;
@@ -84,7 +101,8 @@ constexpr Validation check_passes(const Program& p) {
       if (fpos[u] < 0) return fail_v("F(" + who + ") is missing");
       if (bpos[u] < 0) return fail_v(std::string(fused ? "BW(" : "B(") + who + ") is missing");
       if (!fused && wpos[u] < 0) return fail_v("W(" + who + ") is missing");
-      if (bpos[u] < fpos[u]) return fail_v("on rank " + num(sh.rank_of(s)) + " the backward of " + who + " comes before its F");
+      if (bpos[u] < fpos[u])
+        return fail_v("on rank " + num(sh.rank_of(s)) + " the backward of " + who + " comes before its F");
       return fail_v("on rank " + num(sh.rank_of(s)) + " W(" + who + ") comes before its B");
     }
   return {};
@@ -96,16 +114,21 @@ constexpr Validation check_copies(const Program& p) {
   for (int r = 0; r < sh.d; ++r) {
     const auto& rp = p.ranks[static_cast<std::size_t>(r)];
     const int nk = static_cast<int>(rp.copy.size()), nc = static_cast<int>(rp.compute.size());
-    if (rp.copy_slot.size() != rp.copy.size()) return fail_v("rank " + num(r) + ": copy ops and copy slots differ in number");
+    if (rp.copy_slot.size() != rp.copy.size())
+      return fail_v("rank " + num(r) + ": copy ops and copy slots differ in number");
     std::vector<int> opos(static_cast<std::size_t>(sh.v * m), -1), rpos(opos.size(), -1);
     for (int y = 0; y < nk; ++y) {
       const Op& op = rp.copy[static_cast<std::size_t>(y)];
-      if (op.kind != OpKind::O && op.kind != OpKind::R) return fail_v("rank " + num(r) + ": compute op " + describe(op) + " on the copy stream");
+      if (op.kind != OpKind::O && op.kind != OpKind::R)
+        return fail_v("rank " + num(r) + ": compute op " + describe(op) + " on the copy stream");
       if (op.stage < 0 || op.stage >= sh.stages() || sh.rank_of(op.stage) != r || op.mb < 0 || op.mb >= m)
         return fail_v("rank " + num(r) + ": copy op " + describe(op) + " does not belong to this rank");
-      if (op.wait >= nc) return fail_v("rank " + num(r) + ": copy op " + describe(op) + " waits for compute op " + num(op.wait) + ", past the end");
+      if (op.wait >= nc)
+        return fail_v("rank " + num(r) + ": copy op " + describe(op) + " waits for compute op " + num(op.wait) +
+                      ", past the end");
       if (y > 0 && rp.copy_slot[static_cast<std::size_t>(y)] <= rp.copy_slot[static_cast<std::size_t>(y - 1)])
-        return fail_v("rank " + num(r) + ": the copy stream is double-booked at slot " + num(rp.copy_slot[static_cast<std::size_t>(y)]));
+        return fail_v("rank " + num(r) + ": the copy stream is double-booked at slot " +
+                      num(rp.copy_slot[static_cast<std::size_t>(y)]));
       auto& pos = op.kind == OpKind::O ? opos : rpos;
       const auto u = static_cast<std::size_t>(sh.chunk_of(op.stage) * m + op.mb);
       if (pos[u] >= 0) return fail_v("rank " + num(r) + " runs " + describe(op) + " twice");
@@ -113,7 +136,8 @@ constexpr Validation check_copies(const Program& p) {
     }
     for (int x = 0; x < nc; ++x) {
       const Op& op = rp.compute[static_cast<std::size_t>(x)];
-      if (op.wait >= nk) return fail_v("rank " + num(r) + ": " + describe(op) + " waits for copy op " + num(op.wait) + ", past the end");
+      if (op.wait >= nk)
+        return fail_v("rank " + num(r) + ": " + describe(op) + " waits for copy op " + num(op.wait) + ", past the end");
       const auto u = static_cast<std::size_t>(sh.chunk_of(op.stage) * m + op.mb);
       if (op.kind == OpKind::F && opos[u] >= 0 && rp.copy[static_cast<std::size_t>(opos[u])].wait < x)
         return fail_v("rank " + num(r) + ": the offload of " + describe(op) + " may start before its F ends");
@@ -122,9 +146,12 @@ constexpr Validation check_copies(const Program& p) {
     }
     for (std::size_t u = 0; u < opos.size(); ++u) {
       if ((opos[u] < 0) == (rpos[u] < 0) && rpos[u] >= opos[u]) continue;
-      const std::string who = "stage " + num(sh.stage_of(r, static_cast<int>(u) / m)) + ", mb " + num(static_cast<int>(u) % m);
-      if ((opos[u] < 0) != (rpos[u] < 0)) return fail_v("rank " + num(r) + ": unit (" + who + ") has an offload without a reload or the reverse");
-      if (opos[u] >= 0 && rpos[u] < opos[u]) return fail_v("rank " + num(r) + ": the reload of (" + who + ") comes before its offload");
+      const std::string who =
+          "stage " + num(sh.stage_of(r, static_cast<int>(u) / m)) + ", mb " + num(static_cast<int>(u) % m);
+      if ((opos[u] < 0) != (rpos[u] < 0))
+        return fail_v("rank " + num(r) + ": unit (" + who + ") has an offload without a reload or the reverse");
+      if (opos[u] >= 0 && rpos[u] < opos[u])
+        return fail_v("rank " + num(r) + ": the reload of (" + who + ") comes before its offload");
     }
   }
   return {};
@@ -136,14 +163,17 @@ constexpr Validation check_copies(const Program& p) {
 constexpr Validation check_p2p_plan(const Program& p) {
   const Shape& sh = p.shape;
   const int d = sh.d, m = sh.m, S = sh.stages();
-  const auto unit = [S](int s, int mb) { return static_cast<std::size_t>(mb) * static_cast<std::size_t>(S) + static_cast<std::size_t>(s); };
+  const auto unit = [S](int s, int mb) {
+    return static_cast<std::size_t>(mb) * static_cast<std::size_t>(S) + static_cast<std::size_t>(s);
+  };
   std::vector<char> sends(2 * static_cast<std::size_t>(S) * static_cast<std::size_t>(m), 0), recvs(sends.size(), 0);
   for (int r = 0; r < d; ++r)
     for (const CommOp& c : p.ranks[static_cast<std::size_t>(r)].comm) {
       if (c.stage < 0 || c.stage >= S || c.mb < 0 || c.mb >= m || c.peer < 0 || c.peer >= d)
         return fail_v("rank " + num(r) + ": P2P op " + describe(c) + " is out of range");
       const int producer = c.dir == Dir::forward ? c.stage - 1 : c.stage + 1;
-      if (producer < 0 || producer >= S) return fail_v("rank " + num(r) + ": P2P op " + describe(c) + " has no producing stage");
+      if (producer < 0 || producer >= S)
+        return fail_v("rank " + num(r) + ": P2P op " + describe(c) + " has no producing stage");
       const int consumer_rank = sh.rank_of(c.stage), producer_rank = sh.rank_of(producer);
       if ((c.send ? producer_rank : consumer_rank) != r || (c.send ? consumer_rank : producer_rank) != c.peer || d == 1)
         return fail_v("rank " + num(r) + ": P2P op " + describe(c) + " connects the wrong ranks");
@@ -170,20 +200,27 @@ constexpr Validation check_execution(const Program& p) {
   const bool one_rank = d == 1;  // otherwise stages s and s+1 always live on different ranks
   // Per unit, microbatch-major so neighbouring ranks touch nearby memory: F and B done, and
   // the forward message into the unit's stage and the backward one delivered.
-  struct State { char f = 0, b = 0, fmsg = 0, bmsg = 0; };
+  struct State {
+    char f = 0, b = 0, fmsg = 0, bmsg = 0;
+  };
   std::vector<State> st(static_cast<std::size_t>(S) * static_cast<std::size_t>(m));
-  const auto unit = [S](int s, int mb) { return static_cast<std::size_t>(mb) * static_cast<std::size_t>(S) + static_cast<std::size_t>(s); };
+  const auto unit = [S](int s, int mb) {
+    return static_cast<std::size_t>(mb) * static_cast<std::size_t>(S) + static_cast<std::size_t>(s);
+  };
   // Each rank's three streams as raw cursors.
   struct Streams {
-    const Op* comp; std::size_t nc, ci;
-    const Op* copy; std::size_t nk, ki;
-    const CommOp* comm; std::size_t nq, qi;
+    const Op* comp;
+    std::size_t nc, ci;
+    const Op* copy;
+    std::size_t nk, ki;
+    const CommOp* comm;
+    std::size_t nq, qi;
   };
   std::vector<Streams> rs(static_cast<std::size_t>(d));
   for (int r = 0; r < d; ++r) {
     const auto& rp = p.ranks[static_cast<std::size_t>(r)];
     rs[static_cast<std::size_t>(r)] = {rp.compute.data(), rp.compute.size(), 0, rp.copy.data(), rp.copy.size(), 0,
-                                       rp.comm.data(), rp.comm.size(), 0};
+                                       rp.comm.data(),    rp.comm.size(),    0};
   }
   const auto input_ready = [&](const Op& op) {
     switch (op.kind) {
@@ -197,8 +234,10 @@ constexpr Validation check_execution(const Program& p) {
         if (op.stage == S - 1) return true;
         return one_rank ? st[unit(op.stage + 1, op.mb)].b != 0 : u.bmsg != 0;
       }
-      case OpKind::W: return st[unit(op.stage, op.mb)].b != 0;
-      default: return false;
+      case OpKind::W:
+        return st[unit(op.stage, op.mb)].b != 0;
+      default:
+        return false;
     }
   };
   std::string error;
@@ -217,8 +256,9 @@ constexpr Validation check_execution(const Program& p) {
     const CommOp& rcv = c.send ? o : c;
     if (snd.stage != rcv.stage || snd.mb != rcv.mb || snd.dir != rcv.dir) {
       const int sender = c.send ? r : c.peer;
-      error = "rank " + num(c.send ? c.peer : r) + " expects " + describe(rcv) + " but rank " + num(sender) + " sends " +
-              describe(snd) + " first: messages between the two arrive in another order than they are consumed";
+      error = "rank " + num(c.send ? c.peer : r) + " expects " + describe(rcv) + " but rank " + num(sender) +
+              " sends " + describe(snd) +
+              " first: messages between the two arrive in another order than they are consumed";
       return -1;
     }
     const int producer = snd.dir == Dir::forward ? snd.stage - 1 : snd.stage + 1;
@@ -391,7 +431,9 @@ constexpr bool proven_valid(const Program& p, Workers threads = {}) {
       for (; ci < nc; ++ci) {
         const Op& op = comp[ci];
         const int s = op.stage, mb = op.mb, w = op.wait;
-        if (static_cast<unsigned>(s) >= static_cast<unsigned>(S) || static_cast<unsigned>(mb) >= static_cast<unsigned>(m)) return false;
+        if (static_cast<unsigned>(s) >= static_cast<unsigned>(S) ||
+            static_cast<unsigned>(mb) >= static_cast<unsigned>(m))
+          return false;
         const int c = chunk(s);
         if (s - c * d != r || w >= static_cast<long long>(nk)) return false;
         Unit& u = st[static_cast<std::size_t>(c) * static_cast<std::size_t>(m) + static_cast<std::size_t>(mb)];
@@ -402,7 +444,10 @@ constexpr bool proven_valid(const Program& p, Workers threads = {}) {
           if (has & kF) return false;
           if (s > 0) {
             if (d == 1) {
-              if (!(st[static_cast<std::size_t>(c - 1) * static_cast<std::size_t>(m) + static_cast<std::size_t>(mb)].has & kF)) return false;
+              if (!(st[static_cast<std::size_t>(c - 1) * static_cast<std::size_t>(m) + static_cast<std::size_t>(mb)]
+                        .has &
+                    kF))
+                return false;
             } else if (!(has & kFmsg)) {
               break;  // its input is not received yet
             }
@@ -418,7 +463,10 @@ constexpr bool proven_valid(const Program& p, Workers threads = {}) {
           if ((kind == OpKind::BW) != fused || (has & kB) || !(has & kF)) return false;
           if (s < S - 1) {
             if (d == 1) {
-              if (!(st[static_cast<std::size_t>(c + 1) * static_cast<std::size_t>(m) + static_cast<std::size_t>(mb)].has & kB)) return false;
+              if (!(st[static_cast<std::size_t>(c + 1) * static_cast<std::size_t>(m) + static_cast<std::size_t>(mb)]
+                        .has &
+                    kB))
+                return false;
             } else if (!(has & kBmsg)) {
               break;
             }
@@ -433,7 +481,9 @@ constexpr bool proven_valid(const Program& p, Workers threads = {}) {
       for (; ki < nk; ++ki) {
         const Op& op = copy[ki];
         const int s = op.stage, mb = op.mb, w = op.wait;
-        if (static_cast<unsigned>(s) >= static_cast<unsigned>(S) || static_cast<unsigned>(mb) >= static_cast<unsigned>(m)) return false;
+        if (static_cast<unsigned>(s) >= static_cast<unsigned>(S) ||
+            static_cast<unsigned>(mb) >= static_cast<unsigned>(m))
+          return false;
         const int c = chunk(s);
         if (s - c * d != r || w >= static_cast<long long>(nc)) return false;
         if (ki > 0 && slot[ki] <= slot[ki - 1]) return false;
@@ -457,7 +507,9 @@ constexpr bool proven_valid(const Program& p, Workers threads = {}) {
       for (; qi < nq; ++qi) {
         const CommOp& q = comm[qi];
         const int s = q.stage, mb = q.mb;
-        if (static_cast<unsigned>(s) >= static_cast<unsigned>(S) || static_cast<unsigned>(mb) >= static_cast<unsigned>(m)) return false;
+        if (static_cast<unsigned>(s) >= static_cast<unsigned>(S) ||
+            static_cast<unsigned>(mb) >= static_cast<unsigned>(m))
+          return false;
         const bool fwd = q.dir == Dir::forward;
         if (fwd ? s == 0 : (q.dir != Dir::backward || s == S - 1)) return false;  // no producing stage
         // The consumer (stage s) and the producer (s - 1 forward, s + 1 backward) live on
@@ -485,7 +537,8 @@ constexpr bool proven_valid(const Program& p, Workers threads = {}) {
           // one that a later message overwrites. (d = 2: rank 0 lists E_0 as E_r, rank 1 as
           // E_{r-1}.)
           const bool with_prev = d == 2 ? r == 1 : q.peer == prev;
-          const auto k = (static_cast<std::uint32_t>(c) << 19) | (static_cast<std::uint32_t>(crank == (with_prev ? r : next)) << 18) |
+          const auto k = (static_cast<std::uint32_t>(c) << 19) |
+                         (static_cast<std::uint32_t>(crank == (with_prev ? r : next)) << 18) |
                          (static_cast<std::uint32_t>(mb) << 2) | (fwd ? 0u : 2u) | (q.send ? 1u : 0u);
           keys[na] = k;
           keys[nq - nb] = k;
@@ -509,7 +562,9 @@ constexpr bool proven_valid(const Program& p, Workers threads = {}) {
   const int workers = worker_count(ops, d, threads);
   std::vector<std::vector<Unit>> scratch(static_cast<std::size_t>(workers));
   std::vector<char> ok(static_cast<std::size_t>(d), 0);
-  for_each_item(workers, d, [&](int r, int w) { ok[static_cast<std::size_t>(r)] = sweep(r, scratch[static_cast<std::size_t>(w)]); });
+  for_each_item(workers, d, [&](int r, int w) {
+    ok[static_cast<std::size_t>(r)] = sweep(r, scratch[static_cast<std::size_t>(w)]);
+  });
   for (const char x : ok)
     if (!x) return false;
   if (d == 1) return true;
@@ -542,7 +597,9 @@ constexpr bool proven_valid(const Program& p, Workers threads = {}) {
       for (std::size_t x = 0; x < n0; ++x) cw[x] = r1.next_before(x);
       for (int r = 2; r < d; ++r) {
         const Ring& rg = ring[static_cast<std::size_t>(r)];
-        for (int& k : cw) k = (k != none && static_cast<std::size_t>(k) < rg.n_prev) ? rg.next_before(static_cast<std::size_t>(k)) : none;
+        for (int& k : cw)
+          k = (k != none && static_cast<std::size_t>(k) < rg.n_prev) ? rg.next_before(static_cast<std::size_t>(k))
+                                                                     : none;
       }
       return;
     }
@@ -567,7 +624,9 @@ constexpr bool proven_valid(const Program& p, Workers threads = {}) {
   const std::size_t n_last = r0.n_prev;
   for (std::size_t x = 0; x < n0; ++x) {
     const int k = cw[x];
-    if (k != none && static_cast<std::size_t>(k) < n_last && static_cast<std::size_t>(r0.next_before(static_cast<std::size_t>(k))) <= x) return false;
+    if (k != none && static_cast<std::size_t>(k) < n_last &&
+        static_cast<std::size_t>(r0.next_before(static_cast<std::size_t>(k))) <= x)
+      return false;
   }
   for (std::size_t x = 0; x < n0; ++x) {
     const std::size_t k = static_cast<std::size_t>(r0.prev_before(x));

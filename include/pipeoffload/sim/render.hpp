@@ -41,7 +41,8 @@ inline std::vector<TimedOp> timed_ops(const Program& p, const SimResult& sim) {
     const std::size_t nk = std::min({rp.copy.size(), rs.copy_start.size(), rs.copy_end.size()});
     const std::size_t first = out.size();
     for (std::size_t x = 0; x < nc; ++x)
-      out.push_back({static_cast<int>(r), false, static_cast<int>(x), rp.compute[x], rs.compute_start[x], rs.compute_end[x]});
+      out.push_back(
+          {static_cast<int>(r), false, static_cast<int>(x), rp.compute[x], rs.compute_start[x], rs.compute_end[x]});
     for (std::size_t y = 0; y < nk; ++y)
       out.push_back({static_cast<int>(r), true, static_cast<int>(y), rp.copy[y], rs.copy_start[y], rs.copy_end[y]});
     std::sort(out.begin() + static_cast<std::ptrdiff_t>(first), out.end(), [](const TimedOp& a, const TimedOp& b) {
@@ -83,15 +84,20 @@ inline std::string json_str(std::string_view s) {
   std::string out = "\"";
   for (char ch : s) {
     const auto c = static_cast<unsigned char>(ch);
-    if (c == '"') out += "\\\"";
-    else if (c == '\\') out += "\\\\";
-    else if (c == '\n') out += "\\n";
-    else if (c == '\t') out += "\\t";
+    if (c == '"')
+      out += "\\\"";
+    else if (c == '\\')
+      out += "\\\\";
+    else if (c == '\n')
+      out += "\\n";
+    else if (c == '\t')
+      out += "\\t";
     else if (c < 0x20) {
       char buf[8];
       std::snprintf(buf, sizeof buf, "\\u%04x", c);
       out += buf;
-    } else out += ch;
+    } else
+      out += ch;
   }
   return out + "\"";
 }
@@ -101,10 +107,18 @@ inline std::string xml_str(std::string_view s) {
   std::string out;
   for (char ch : s) {
     switch (ch) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
       default:
         // Control characters other than tab and newline are not allowed in XML 1.0.
         if (static_cast<unsigned char>(ch) >= 0x20 || ch == '\t' || ch == '\n') out += ch;
@@ -165,7 +179,8 @@ inline std::string render_json(const Program& p, const SimResult& sim) {
   s += "  \"makespan\": " + fmt(sim.makespan) + ",\n";
   s += "  \"bubble_fraction\": " + fmt(sim.bubble_fraction()) + ",\n";
   s += "  \"max_peak\": " + fmt(sim.max_peak()) + ",\n";
-  s += "  \"warmup\": " + detail::json_rank_array(sim, [](const RankSim& r) { return static_cast<double>(r.warmup); }) + ",\n";
+  s += "  \"warmup\": " + detail::json_rank_array(sim, [](const RankSim& r) { return static_cast<double>(r.warmup); }) +
+       ",\n";
   s += "  \"peak\": " + detail::json_rank_array(sim, [](const RankSim& r) { return r.peak; }) + ",\n";
   s += "  \"bubble\": " + detail::json_rank_array(sim, [](const RankSim& r) { return r.bubble; }) + ",\n";
   s += "  \"busy\": " + detail::json_rank_array(sim, [](const RankSim& r) { return r.busy; }) + ",\n";
@@ -175,9 +190,9 @@ inline std::string render_json(const Program& p, const SimResult& sim) {
     s += first ? "\n    " : ",\n    ";
     first = false;
     s += "{\"rank\": " + detail::num(t.rank) + ", \"stream\": \"" + (t.copy ? "copy" : "compute") + "\", \"op\": \"" +
-         op_name(t.op.kind) + "\", \"stage\": " + detail::num(t.op.stage) + ", \"chunk\": " +
-         detail::num(p.shape.chunk_of(t.op.stage)) + ", \"microbatch\": " + detail::num(t.op.mb) + ", \"start\": " +
-         fmt(t.start) + ", \"end\": " + fmt(t.end) + "}";
+         op_name(t.op.kind) + "\", \"stage\": " + detail::num(t.op.stage) +
+         ", \"chunk\": " + detail::num(p.shape.chunk_of(t.op.stage)) + ", \"microbatch\": " + detail::num(t.op.mb) +
+         ", \"start\": " + fmt(t.start) + ", \"end\": " + fmt(t.end) + "}";
   }
   s += first ? "]\n}\n" : "\n  ]\n}\n";
   return s;
@@ -198,21 +213,25 @@ inline std::string render_chrome_trace(const Program& p, const SimResult& sim) {
   };
   for (int r = 0; r < p.d(); ++r) {
     const std::string pid = detail::num(r);
-    add("{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": " + pid + ", \"tid\": 0, \"args\": {\"name\": \"rank " + pid + "\"}}");
-    add("{\"ph\": \"M\", \"name\": \"process_sort_index\", \"pid\": " + pid + ", \"tid\": 0, \"args\": {\"sort_index\": " + pid + "}}");
-    add("{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": " + pid + ", \"tid\": 0, \"args\": {\"name\": \"compute\"}}");
+    add("{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": " + pid + ", \"tid\": 0, \"args\": {\"name\": \"rank " +
+        pid + "\"}}");
+    add("{\"ph\": \"M\", \"name\": \"process_sort_index\", \"pid\": " + pid +
+        ", \"tid\": 0, \"args\": {\"sort_index\": " + pid + "}}");
+    add("{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": " + pid +
+        ", \"tid\": 0, \"args\": {\"name\": \"compute\"}}");
     add("{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": " + pid + ", \"tid\": 1, \"args\": {\"name\": \"copy\"}}");
   }
   for (const TimedOp& t : timed_ops(p, sim)) {
     add("{\"ph\": \"X\", \"name\": \"" + detail::op_label(p, t.op) + "\", \"cat\": \"" + (t.copy ? "copy" : "compute") +
-        "\", \"pid\": " + detail::num(t.rank) + ", \"tid\": " + (t.copy ? "1" : "0") + ", \"ts\": " + fmt(t.start * us) +
-        ", \"dur\": " + fmt((t.end - t.start) * us) + ", \"args\": {\"stage\": " + detail::num(t.op.stage) +
-        ", \"chunk\": " + detail::num(p.shape.chunk_of(t.op.stage)) + ", \"microbatch\": " + detail::num(t.op.mb) + "}}");
+        "\", \"pid\": " + detail::num(t.rank) + ", \"tid\": " + (t.copy ? "1" : "0") +
+        ", \"ts\": " + fmt(t.start * us) + ", \"dur\": " + fmt((t.end - t.start) * us) + ", \"args\": {\"stage\": " +
+        detail::num(t.op.stage) + ", \"chunk\": " + detail::num(p.shape.chunk_of(t.op.stage)) +
+        ", \"microbatch\": " + detail::num(t.op.mb) + "}}");
   }
   for (std::size_t r = 0; r < sim.ranks.size(); ++r)
     for (const MemoryPoint& mp : sim.ranks[r].memory)
-      add("{\"ph\": \"C\", \"name\": \"activation\", \"pid\": " + detail::num(static_cast<long long>(r)) + ", \"ts\": " +
-          fmt(mp.time * us) + ", \"args\": {\"alive\": " + fmt(mp.alive) + "}}");
+      add("{\"ph\": \"C\", \"name\": \"activation\", \"pid\": " + detail::num(static_cast<long long>(r)) +
+          ", \"ts\": " + fmt(mp.time * us) + ", \"args\": {\"alive\": " + fmt(mp.alive) + "}}");
   s += "\n]}\n";
   return s;
 }
@@ -241,10 +260,11 @@ inline std::string fit(std::string s, std::size_t n) {
 /// `rank R: warmup=W peak=P bubble=B` line per rank. The grid is cut at `max_width` characters.
 inline std::string render_text(const Program& p, const SimResult& sim, int max_width = 240) {
   using detail::fmt;
-  std::string s = "schedule=" + schedule_name(p.spec, p.v()) + " ranks=" + detail::num(p.d()) + " chunks=" +
-                  detail::num(p.v()) + " microbatches=" + detail::num(p.m()) + " group=" + detail::num(p.group) +
-                  " offload_chunks=" + detail::num(detail::offloaded_chunks(p)) + " k=" + fmt(p.costs.k) +
-                  " makespan=" + fmt(sim.makespan) + " bubble_fraction=" + fmt(sim.bubble_fraction()) + "\n";
+  std::string s = "schedule=" + schedule_name(p.spec, p.v()) + " ranks=" + detail::num(p.d()) +
+                  " chunks=" + detail::num(p.v()) + " microbatches=" + detail::num(p.m()) +
+                  " group=" + detail::num(p.group) + " offload_chunks=" + detail::num(detail::offloaded_chunks(p)) +
+                  " k=" + fmt(p.costs.k) + " makespan=" + fmt(sim.makespan) +
+                  " bubble_fraction=" + fmt(sim.bubble_fraction()) + "\n";
 
   const double step = detail::text_step(p);
   // Columns in double first: a makespan of very many steps must not overflow a long long.
@@ -259,7 +279,9 @@ inline std::string render_text(const Program& p, const SimResult& sim, int max_w
   const long long fit_cols = std::max(1, (max_width - lw) / cw);
   const long long cols = std::min(total_cols, fit_cols);
 
-  const char* cells = p.v() == 1 ? "op + microbatch" : by_case ? "op + microbatch, upper case chunk 0, lower case chunk 1" : "op + microbatch.chunk";
+  const char* cells = p.v() == 1 ? "op + microbatch"
+                      : by_case  ? "op + microbatch, upper case chunk 0, lower case chunk 1"
+                                 : "op + microbatch.chunk";
   s += "grid: time step " + fmt(step) + " per column; cell = " + cells + "; . = idle\n";
   // Time ruler: a tick every 5 columns, labelled where the label fits.
   std::string ruler(static_cast<std::size_t>(lw + cols * cw), ' ');
@@ -285,7 +307,8 @@ inline std::string render_text(const Program& p, const SimResult& sim, int max_w
     const double c0d = std::round(t.start / step);
     if (!(c0d >= 0 && c0d < static_cast<double>(cols))) continue;
     const auto c0 = static_cast<long long>(c0d);
-    const long long c1 = std::max(c0 + 1, static_cast<long long>(std::min(std::round(t.end / step), static_cast<double>(cols))));
+    const long long c1 =
+        std::max(c0 + 1, static_cast<long long>(std::min(std::round(t.end / step), static_cast<double>(cols))));
     std::string label = op_name(t.op.kind);
     if (by_case && p.shape.chunk_of(t.op.stage) == 1)
       for (char& ch : label) ch = static_cast<char>(ch - 'A' + 'a');
@@ -294,10 +317,12 @@ inline std::string render_text(const Program& p, const SimResult& sim, int max_w
     // The op covers columns [c0, c1): its label, then '-' to its last column.
     const auto span = static_cast<std::size_t>((c1 - c0) * cw - 1);
     std::string cell = label.size() >= span ? label.substr(0, span) : label + std::string(span - label.size(), '-');
-    rows[static_cast<std::size_t>(t.rank) * 2 + (t.copy ? 1 : 0)].replace(static_cast<std::size_t>(c0 * cw), span, cell);
+    rows[static_cast<std::size_t>(t.rank) * 2 + (t.copy ? 1 : 0)].replace(static_cast<std::size_t>(c0 * cw), span,
+                                                                          cell);
   }
   for (std::size_t r = 0; r < p.ranks.size(); ++r) {
-    std::string line = detail::fit("rank " + detail::num(static_cast<long long>(r)), static_cast<std::size_t>(lw)) + rows[r * 2];
+    std::string line =
+        detail::fit("rank " + detail::num(static_cast<long long>(r)), static_cast<std::size_t>(lw)) + rows[r * 2];
     while (!line.empty() && line.back() == ' ') line.pop_back();
     s += line + "\n";
     if (!p.ranks[r].copy.empty()) {
@@ -311,8 +336,8 @@ inline std::string render_text(const Program& p, const SimResult& sim, int max_w
          "; csv, json and svg list every op)\n";
   for (std::size_t r = 0; r < sim.ranks.size(); ++r) {
     const RankSim& rs = sim.ranks[r];
-    s += "rank " + detail::num(static_cast<long long>(r)) + ": warmup=" + detail::num(rs.warmup) + " peak=" + fmt(rs.peak) +
-         " bubble=" + fmt(rs.bubble) + "\n";
+    s += "rank " + detail::num(static_cast<long long>(r)) + ": warmup=" + detail::num(rs.warmup) +
+         " peak=" + fmt(rs.peak) + " bubble=" + fmt(rs.bubble) + "\n";
   }
   return s;
 }
@@ -344,22 +369,31 @@ inline Rgb chunk_colour(int c) {
   const double h = std::fmod(c * 137.508, 360.0) / 60.0, l = 0.55, sat = 0.55;
   const double ch = (1 - std::fabs(2 * l - 1)) * sat, x = ch * (1 - std::fabs(std::fmod(h, 2.0) - 1)), m0 = l - ch / 2;
   Rgb o;
-  if (h < 1) o = {ch, x, 0};
-  else if (h < 2) o = {x, ch, 0};
-  else if (h < 3) o = {0, ch, x};
-  else if (h < 4) o = {0, x, ch};
-  else if (h < 5) o = {x, 0, ch};
-  else o = {ch, 0, x};
+  if (h < 1)
+    o = {ch, x, 0};
+  else if (h < 2)
+    o = {x, ch, 0};
+  else if (h < 3)
+    o = {0, ch, x};
+  else if (h < 4)
+    o = {0, x, ch};
+  else if (h < 5)
+    o = {x, 0, ch};
+  else
+    o = {ch, 0, x};
   return {o.r + m0, o.g + m0, o.b + m0};
 }
 
 /// F solid, B darker, W lighter, O like F, R like W: one shade per kind of pass.
 inline Rgb shade(Rgb base, OpKind k) {
   switch (k) {
-    case OpKind::B: return mix(base, {0, 0, 0}, 0.38);
+    case OpKind::B:
+      return mix(base, {0, 0, 0}, 0.38);
     case OpKind::W:
-    case OpKind::R: return mix(base, {1, 1, 1}, 0.5);
-    default: return base;
+    case OpKind::R:
+      return mix(base, {1, 1, 1}, 0.5);
+    default:
+      return base;
   }
 }
 
@@ -385,7 +419,8 @@ inline std::string px(double x) {
 }
 
 /// An arrow-ended box: pointing right (offload, device to host) or left (reload).
-inline std::string arrow_box(double x, double y, double w, double h, bool right, const std::string& fill, const std::string& extra) {
+inline std::string arrow_box(double x, double y, double w, double h, bool right, const std::string& fill,
+                             const std::string& extra) {
   const double tip = std::min(h / 2, w / 3);
   std::string pts;
   if (right)
@@ -426,7 +461,7 @@ inline std::string render_svg(const Program& p, const SimResult& sim) {
   struct Entry {
     std::string svg;  // drawn at (0, 0), 12 px tall
     std::string label;
-    double w;         // swatch width
+    double w;  // swatch width
   };
   std::vector<Entry> legend;
   const int shown_chunks = std::min(p.v(), 16);
@@ -439,18 +474,22 @@ inline std::string render_svg(const Program& p, const SimResult& sim) {
   legend.push_back({"<rect width=\"14\" height=\"12\" fill=\"" + detail::hex(c0) + "\"/>", "F forward", 14});
   if (fused) {
     legend.push_back({"<rect width=\"8\" height=\"12\" fill=\"" + detail::hex(detail::shade(c0, OpKind::B)) +
-                          "\"/><rect x=\"8\" width=\"6\" height=\"12\" fill=\"" + detail::hex(detail::shade(c0, OpKind::W)) + "\"/>",
+                          "\"/><rect x=\"8\" width=\"6\" height=\"12\" fill=\"" +
+                          detail::hex(detail::shade(c0, OpKind::W)) + "\"/>",
                       "BW fused backward (B part, W part)", 14});
   } else {
-    legend.push_back({"<rect width=\"14\" height=\"12\" fill=\"" + detail::hex(detail::shade(c0, OpKind::B)) + "\"/>", "B activation grad", 14});
-    legend.push_back({"<rect width=\"14\" height=\"12\" fill=\"" + detail::hex(detail::shade(c0, OpKind::W)) + "\"/>", "W weight grad", 14});
+    legend.push_back({"<rect width=\"14\" height=\"12\" fill=\"" + detail::hex(detail::shade(c0, OpKind::B)) + "\"/>",
+                      "B activation grad", 14});
+    legend.push_back({"<rect width=\"14\" height=\"12\" fill=\"" + detail::hex(detail::shade(c0, OpKind::W)) + "\"/>",
+                      "W weight grad", 14});
   }
   bool any_copy = false;
   for (const auto& rp : p.ranks) any_copy = any_copy || !rp.copy.empty();
   if (any_copy) {
     const char* outline = " stroke=\"#333\" stroke-width=\"0.6\"/";
     legend.push_back({detail::arrow_box(0, 0, 22, 12, true, detail::hex(c0), outline), "O offload", 22});
-    legend.push_back({detail::arrow_box(0, 0, 22, 12, false, detail::hex(detail::shade(c0, OpKind::R)), outline), "R reload", 22});
+    legend.push_back(
+        {detail::arrow_box(0, 0, 22, 12, false, detail::hex(detail::shade(c0, OpKind::R)), outline), "R reload", 22});
   }
   std::vector<std::pair<double, double>> legend_at;  // (x, y) of each entry
   double lx = left, ly = axis_y + 34;
@@ -467,8 +506,9 @@ inline std::string render_svg(const Program& p, const SimResult& sim) {
 
   std::string s;
   s += "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
-  s += "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" + px(width) + "\" height=\"" + px(height) + "\" viewBox=\"0 0 " +
-       px(width) + " " + px(height) + "\" font-family=\"Helvetica, Arial, sans-serif\" font-size=\"11\">\n";
+  s += "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" + px(width) + "\" height=\"" + px(height) +
+       "\" viewBox=\"0 0 " + px(width) + " " + px(height) +
+       "\" font-family=\"Helvetica, Arial, sans-serif\" font-size=\"11\">\n";
   s += "<rect width=\"100%\" height=\"100%\" fill=\"#ffffff\"/>\n";
   const std::string name = schedule_name(p.spec, p.v());
   std::string title = name + ": d=" + detail::num(p.d()) + ", v=" + detail::num(p.v()) + ", m=" + detail::num(p.m());
@@ -476,28 +516,32 @@ inline std::string render_svg(const Program& p, const SimResult& sim) {
   title += ", offloaded chunks " + detail::num(detail::offloaded_chunks(p)) + ", k=" + detail::fmt(p.costs.k);
   char bf[32];
   std::snprintf(bf, sizeof bf, "%.1f%%", 100 * sim.bubble_fraction());
-  std::string sub = "makespan " + detail::fmt(sim.makespan) + ", bubble " + bf + ", max peak " + detail::fmt(sim.max_peak()) +
-                    " activation units";
+  std::string sub = "makespan " + detail::fmt(sim.makespan) + ", bubble " + bf + ", max peak " +
+                    detail::fmt(sim.max_peak()) + " activation units";
   s += "<title>" + detail::xml_str(title) + "</title>\n";
-  s += "<text x=\"" + px(left) + "\" y=\"20\" font-size=\"15\" font-weight=\"bold\">" + detail::xml_str(title) + "</text>\n";
+  s += "<text x=\"" + px(left) + "\" y=\"20\" font-size=\"15\" font-weight=\"bold\">" + detail::xml_str(title) +
+       "</text>\n";
   s += "<text x=\"" + px(left) + "\" y=\"37\" fill=\"#444\">" + detail::xml_str(sub) + "</text>\n";
 
   // Time axis: light grid lines and labels at nice steps.
   const double tick = detail::nice_step(span / std::max(1.0, plot_w / 70));
   s += "<g stroke=\"#e3e3e3\" stroke-width=\"1\">\n";
   for (double t = 0; t <= span + tick * 1e-9; t += tick)
-    s += "<line x1=\"" + px(left + t * sx) + "\" y1=\"" + px(top - 4) + "\" x2=\"" + px(left + t * sx) + "\" y2=\"" + px(axis_y) + "\"/>\n";
+    s += "<line x1=\"" + px(left + t * sx) + "\" y1=\"" + px(top - 4) + "\" x2=\"" + px(left + t * sx) + "\" y2=\"" +
+         px(axis_y) + "\"/>\n";
   s += "</g>\n<g fill=\"#333\" text-anchor=\"middle\">\n";
   for (double t = 0; t <= span + tick * 1e-9; t += tick)
     s += "<text x=\"" + px(left + t * sx) + "\" y=\"" + px(axis_y + 13) + "\">" + detail::fmt(t) + "</text>\n";
-  s += "</g>\n<line x1=\"" + px(left) + "\" y1=\"" + px(axis_y) + "\" x2=\"" + px(left + plot_w) + "\" y2=\"" + px(axis_y) +
-       "\" stroke=\"#333\"/>\n";
-  s += "<text x=\"" + px(left + plot_w) + "\" y=\"" + px(axis_y + 26) + "\" text-anchor=\"end\" fill=\"#444\">time</text>\n";
+  s += "</g>\n<line x1=\"" + px(left) + "\" y1=\"" + px(axis_y) + "\" x2=\"" + px(left + plot_w) + "\" y2=\"" +
+       px(axis_y) + "\" stroke=\"#333\"/>\n";
+  s += "<text x=\"" + px(left + plot_w) + "\" y=\"" + px(axis_y + 26) +
+       "\" text-anchor=\"end\" fill=\"#444\">time</text>\n";
 
   // Row labels and per-rank numbers.
   for (int r = 0; r < d; ++r) {
     const double ry = row_y[static_cast<std::size_t>(r)];
-    s += "<text x=\"" + px(left - 6) + "\" y=\"" + px(ry + row_h / 2 + 4) + "\" text-anchor=\"end\">rank " + detail::num(r) + "</text>\n";
+    s += "<text x=\"" + px(left - 6) + "\" y=\"" + px(ry + row_h / 2 + 4) + "\" text-anchor=\"end\">rank " +
+         detail::num(r) + "</text>\n";
     if (!p.ranks[static_cast<std::size_t>(r)].copy.empty())
       s += "<text x=\"" + px(left - 6) + "\" y=\"" + px(ry + row_h + 2 + copy_h - 3) +
            "\" text-anchor=\"end\" font-size=\"9\" fill=\"#555\">copy</text>\n";
@@ -525,18 +569,20 @@ inline std::string render_svg(const Program& p, const SimResult& sim) {
     const double ry = row_y[static_cast<std::size_t>(t.rank)];
     const double oy = t.copy ? ry + row_h + 2 : ry, oh = t.copy ? copy_h : row_h;
     // A fused BW is drawn as its B part then its W part, and carries its label in the B part.
-    const double bpart = t.op.kind == OpKind::BW ? p.costs.B(t.op.stage) / (p.costs.B(t.op.stage) + p.costs.W(t.op.stage)) : 1;
+    const double bpart =
+        t.op.kind == OpKind::BW ? p.costs.B(t.op.stage) / (p.costs.B(t.op.stage) + p.costs.W(t.op.stage)) : 1;
     if (t.copy) {
       copies += detail::arrow_box(x, oy, w, oh, t.op.kind == OpKind::O, detail::hex(fill), "") + tip + "</polygon>\n";
     } else if (t.op.kind == OpKind::BW) {
-      compute += "<g>" + tip + "<rect x=\"" + px(x) + "\" y=\"" + px(oy) + "\" width=\"" + px(w * bpart) + "\" height=\"" +
-                 px(oh) + "\" fill=\"" + detail::hex(detail::shade(base, OpKind::B)) + "\" stroke=\"none\"/><rect x=\"" +
-                 px(x + w * bpart) + "\" y=\"" + px(oy) + "\" width=\"" + px(w * (1 - bpart)) + "\" height=\"" + px(oh) +
-                 "\" fill=\"" + detail::hex(detail::shade(base, OpKind::W)) + "\" stroke=\"none\"/><rect x=\"" + px(x) + "\" y=\"" +
+      compute += "<g>" + tip + "<rect x=\"" + px(x) + "\" y=\"" + px(oy) + "\" width=\"" + px(w * bpart) +
+                 "\" height=\"" + px(oh) + "\" fill=\"" + detail::hex(detail::shade(base, OpKind::B)) +
+                 "\" stroke=\"none\"/><rect x=\"" + px(x + w * bpart) + "\" y=\"" + px(oy) + "\" width=\"" +
+                 px(w * (1 - bpart)) + "\" height=\"" + px(oh) + "\" fill=\"" +
+                 detail::hex(detail::shade(base, OpKind::W)) + "\" stroke=\"none\"/><rect x=\"" + px(x) + "\" y=\"" +
                  px(oy) + "\" width=\"" + px(w) + "\" height=\"" + px(oh) + "\" fill=\"none\"/></g>\n";
     } else {
-      compute += "<rect x=\"" + px(x) + "\" y=\"" + px(oy) + "\" width=\"" + px(w) + "\" height=\"" + px(oh) + "\" fill=\"" +
-                 detail::hex(fill) + "\">" + tip + "</rect>\n";
+      compute += "<rect x=\"" + px(x) + "\" y=\"" + px(oy) + "\" width=\"" + px(w) + "\" height=\"" + px(oh) +
+                 "\" fill=\"" + detail::hex(fill) + "\">" + tip + "</rect>\n";
     }
     const std::string label = detail::num(t.op.mb);
     const double font = t.copy ? 8.5 : 10.5, lw = w * bpart;
@@ -551,7 +597,8 @@ inline std::string render_svg(const Program& p, const SimResult& sim) {
   for (std::size_t i = 0; i < legend.size(); ++i) {
     const auto [ex, ey] = legend_at[i];
     s += "<g transform=\"translate(" + px(ex) + "," + px(ey) + ")\">" + legend[i].svg + "<text x=\"" +
-         px(legend[i].w + (legend[i].w > 0 ? 5 : 0)) + "\" y=\"10\">" + detail::xml_str(legend[i].label) + "</text></g>\n";
+         px(legend[i].w + (legend[i].w > 0 ? 5 : 0)) + "\" y=\"10\">" + detail::xml_str(legend[i].label) +
+         "</text></g>\n";
   }
   s += "</svg>\n";
   return s;

@@ -25,11 +25,11 @@ struct MemoryPoint {
 struct RankSim {
   std::vector<double> compute_start, compute_end;  ///< parallel to RankProgram::compute
   std::vector<double> copy_start, copy_end;        ///< parallel to RankProgram::copy
-  double busy = 0;    ///< total compute time on the rank
-  double bubble = 0;  ///< makespan - busy: the rank's idle compute time
-  double peak = 0;    ///< most activation bytes (units with unit costs) alive at once
-  int warmup = 0;     ///< forwards before the first B (or BW)
-  std::vector<MemoryPoint> memory;  ///< alive activation after each change, time-ordered
+  double busy = 0;                                 ///< total compute time on the rank
+  double bubble = 0;                               ///< makespan - busy: the rank's idle compute time
+  double peak = 0;                                 ///< most activation bytes (units with unit costs) alive at once
+  int warmup = 0;                                  ///< forwards before the first B (or BW)
+  std::vector<MemoryPoint> memory;                 ///< alive activation after each change, time-ordered
 };
 
 struct SimResult {
@@ -76,7 +76,8 @@ class RankFollower {
   /// Fills what follows from the first `nc` compute and `nk` copy ops' start times (and, if
   /// `dur` is null, their end times, as in a measured trace). Counts only grow from call to
   /// call; the rank is done once they reach its op counts.
-  constexpr void advance(const Costs& costs, const RankProgram& rp, RankSim& rs, const double* dur, std::size_t nc, std::size_t nk) {
+  constexpr void advance(const Costs& costs, const RankProgram& rp, RankSim& rs, const double* dur, std::size_t nc,
+                         std::size_t nk) {
     if (!begun_) {
       rs.memory.clear();
       if (rs.memory.capacity() == 0) rs.memory.reserve(memory_events(rp));
@@ -108,9 +109,16 @@ class RankFollower {
     const auto next_compute = [&] {
       for (; s.x < nc; ++s.x) {
         const Op& op = comp[s.x];
-        if (op.kind == OpKind::F) { s.ct = cs[s.x]; s.cd = unit ? 1.0 : costs.bytes(op.stage); }  // acquires at its start
-        else if (op.kind == OpKind::W || op.kind == OpKind::BW) { s.ct = ce[s.x]; s.cd = -(unit ? 1.0 : costs.bytes(op.stage)); }  // releases at its end
-        else continue;
+        if (op.kind == OpKind::F) {
+          s.ct = cs[s.x];
+          s.cd = unit ? 1.0 : costs.bytes(op.stage);
+        }  // acquires at its start
+        else if (op.kind == OpKind::W || op.kind == OpKind::BW) {
+          s.ct = ce[s.x];
+          s.cd = -(unit ? 1.0 : costs.bytes(op.stage));
+        }  // releases at its end
+        else
+          continue;
         ++s.x;
         s.cstate = Cursor::event;
         return;
@@ -120,9 +128,14 @@ class RankFollower {
     const auto next_copy = [&] {
       for (; s.y < nk; ++s.y) {
         const Op& op = copy[s.y];
-        if (op.kind == OpKind::R) { s.kt = ks[s.y]; s.kd = unit ? 1.0 : costs.bytes(op.stage); }
-        else if (op.kind == OpKind::O) { s.kt = ke[s.y]; s.kd = -(unit ? 1.0 : costs.bytes(op.stage)); }
-        else continue;
+        if (op.kind == OpKind::R) {
+          s.kt = ks[s.y];
+          s.kd = unit ? 1.0 : costs.bytes(op.stage);
+        } else if (op.kind == OpKind::O) {
+          s.kt = ke[s.y];
+          s.kd = -(unit ? 1.0 : costs.bytes(op.stage));
+        } else
+          continue;
         ++s.y;
         s.kstate = Cursor::event;
         return;
@@ -132,16 +145,22 @@ class RankFollower {
     if (s.cstate == Cursor::unknown) next_compute();
     if (s.kstate == Cursor::unknown) next_copy();
     auto& mem = rs.memory;
-    while (s.cstate != Cursor::unknown && s.kstate != Cursor::unknown && (s.cstate == Cursor::event || s.kstate == Cursor::event)) {
+    while (s.cstate != Cursor::unknown && s.kstate != Cursor::unknown &&
+           (s.cstate == Cursor::event || s.kstate == Cursor::event)) {
       // Earlier first; at equal times a release before an acquisition (half-open intervals).
-      const bool take_comp = s.kstate == Cursor::done || (s.cstate == Cursor::event && (s.ct < s.kt || (s.ct == s.kt && s.cd <= s.kd)));
+      const bool take_comp =
+          s.kstate == Cursor::done || (s.cstate == Cursor::event && (s.ct < s.kt || (s.ct == s.kt && s.cd <= s.kd)));
       const double t = take_comp ? s.ct : s.kt;
       s.alive += take_comp ? s.cd : s.kd;
       s.peak = std::max(s.peak, s.alive);
-      if (!mem.empty() && mem.back().time == t) mem.back().alive = s.alive;
-      else mem.push_back({t, s.alive});
-      if (take_comp) next_compute();
-      else next_copy();
+      if (!mem.empty() && mem.back().time == t)
+        mem.back().alive = s.alive;
+      else
+        mem.push_back({t, s.alive});
+      if (take_comp)
+        next_compute();
+      else
+        next_copy();
     }
     rs.peak = s.peak;
     if (dur != nullptr) rs.busy = s.busy;
@@ -280,7 +299,9 @@ constexpr SimResult simulate(const Program& p, const Costs& costs, Workers threa
 constexpr SimResult simulate(const Program& p, Workers threads = {}) { return simulate(p, p.costs, threads); }
 
 /// simulate_into() under the costs `p` was built with.
-constexpr void simulate_into(SimResult& res, const Program& p, Workers threads = {}) { simulate_into(res, p, p.costs, threads); }
+constexpr void simulate_into(SimResult& res, const Program& p, Workers threads = {}) {
+  simulate_into(res, p, p.costs, threads);
+}
 
 /// Rank `rank`'s simulated peak of alive activation (units under unit sizes, else bytes).
 constexpr double peak(const Program& p, int rank) {

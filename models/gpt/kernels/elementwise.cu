@@ -19,9 +19,11 @@ __global__ void residual_dropout_k(const bf16* x, const bf16* y, bf16* out, long
     out[i] = st(math::residual_dropout(ld(x, i), ld(y, i), seed, static_cast<std::uint64_t>(i), p));
 }
 __global__ void dropout_backward_k(const bf16* g, bf16* out, long long n, std::uint64_t seed, float p) {
-  for (long long i = first_index(); i < n; i += grid_stride()) out[i] = st(ld(g, i) * math::dropout_scale(seed, static_cast<std::uint64_t>(i), p));
+  for (long long i = first_index(); i < n; i += grid_stride())
+    out[i] = st(ld(g, i) * math::dropout_scale(seed, static_cast<std::uint64_t>(i), p));
 }
-__global__ void residual_dropout_mask_k(const bf16* x, const bf16* y, bf16* out, std::uint8_t* mask, long long n, std::uint64_t seed, float p) {
+__global__ void residual_dropout_mask_k(const bf16* x, const bf16* y, bf16* out, std::uint8_t* mask, long long n,
+                                        std::uint64_t seed, float p) {
   for (long long i = first_index(); i < n; i += grid_stride()) {
     // math::residual_dropout's x + y * dropout_scale, with the factor kept for the mask.
     const float k = math::dropout_scale(seed, static_cast<std::uint64_t>(i), p);
@@ -30,7 +32,8 @@ __global__ void residual_dropout_mask_k(const bf16* x, const bf16* y, bf16* out,
   }
 }
 __global__ void dropout_backward_mask_k(const bf16* g, const std::uint8_t* mask, bf16* out, long long n, float p) {
-  for (long long i = first_index(); i < n; i += grid_stride()) out[i] = st(ld(g, i) * math::dropout_mask_scale(mask[i] != 0, p));
+  for (long long i = first_index(); i < n; i += grid_stride())
+    out[i] = st(ld(g, i) * math::dropout_mask_scale(mask[i] != 0, p));
 }
 __global__ void add_k(const bf16* a, const bf16* b, bf16* out, long long n) {
   for (long long i = first_index(); i < n; i += grid_stride()) out[i] = st(ld(a, i) + ld(b, i));
@@ -41,22 +44,25 @@ __global__ void add_bias_k(bf16* y, const float* bias, long long total, int n) {
 __global__ void add_bias_f32_k(float* y, const float* bias, long long total, int n) {
   for (long long i = first_index(); i < total; i += grid_stride()) y[i] += bias[i % n];
 }
-__global__ void layernorm_recompute_k(const bf16* x, const float* stats, const float* gamma, const float* beta, bf16* y, long long total, int n) {
+__global__ void layernorm_recompute_k(const bf16* x, const float* stats, const float* gamma, const float* beta, bf16* y,
+                                      long long total, int n) {
   for (long long i = first_index(); i < total; i += grid_stride()) {
     const long long r = i / n;
     const math::RowStats s{stats[2 * r], stats[2 * r + 1]};
     y[i] = st(math::layernorm_apply(ld(x, i), s, gamma[i % n], beta[i % n]));
   }
 }
-__global__ void embedding_forward_k(const std::int32_t* tokens, const float* wte, const float* wpe, bf16* out, long long total, int seq, int h,
-                                    int vocab) {
+__global__ void embedding_forward_k(const std::int32_t* tokens, const float* wte, const float* wpe, bf16* out,
+                                    long long total, int seq, int h, int vocab) {
   for (long long i = first_index(); i < total; i += grid_stride()) {
     const long long r = i / h, c = i % h;
     const int tok = tokens[r];
-    out[i] = (tok < 0 || tok >= vocab) ? st(__int_as_float(0x7fc00000)) : st(wte[static_cast<long long>(tok) * h + c] + wpe[(r % seq) * h + c]);
+    out[i] = (tok < 0 || tok >= vocab) ? st(__int_as_float(0x7fc00000))
+                                       : st(wte[static_cast<long long>(tok) * h + c] + wpe[(r % seq) * h + c]);
   }
 }
-__global__ void embedding_backward_k(const std::int32_t* tokens, const bf16* d, float* dwte, float* dwpe, long long rows, int seq, int h, int vocab) {
+__global__ void embedding_backward_k(const std::int32_t* tokens, const bf16* d, float* dwte, float* dwpe,
+                                     long long rows, int seq, int h, int vocab) {
   for (long long c = first_index(); c < h; c += grid_stride())
     for (long long r = 0; r < rows; ++r) {
       const int tok = tokens[r];
@@ -68,37 +74,47 @@ __global__ void embedding_backward_k(const std::int32_t* tokens, const bf16* d, 
 
 }  // namespace
 
-void gelu_forward(const bf16* x, bf16* y, long long count, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(gelu_forward_k, elementwise_launch(count), s, x, y, count); }
-void gelu_backward(const bf16* x, bf16* g, long long count, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(gelu_backward_k, elementwise_launch(count), s, x, g, count); }
-void residual_dropout(const bf16* x, const bf16* y, bf16* out, long long count, std::uint64_t seed, float p, cudaStream_t s) {
+void gelu_forward(const bf16* x, bf16* y, long long count, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(gelu_forward_k, elementwise_launch(count), s, x, y, count);
+}
+void gelu_backward(const bf16* x, bf16* g, long long count, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(gelu_backward_k, elementwise_launch(count), s, x, g, count);
+}
+void residual_dropout(const bf16* x, const bf16* y, bf16* out, long long count, std::uint64_t seed, float p,
+                      cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(residual_dropout_k, elementwise_launch(count), s, x, y, out, count, seed, p);
 }
 void dropout_backward(const bf16* g, bf16* out, long long count, std::uint64_t seed, float p, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(dropout_backward_k, elementwise_launch(count), s, g, out, count, seed, p);
 }
-void residual_dropout_mask(const bf16* x, const bf16* y, bf16* out, std::uint8_t* mask, long long count, std::uint64_t seed, float p,
-                           cudaStream_t s) {
+void residual_dropout_mask(const bf16* x, const bf16* y, bf16* out, std::uint8_t* mask, long long count,
+                           std::uint64_t seed, float p, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(residual_dropout_mask_k, elementwise_launch(count), s, x, y, out, mask, count, seed, p);
 }
-void dropout_backward_mask(const bf16* g, const std::uint8_t* mask, bf16* out, long long count, float p, cudaStream_t s) {
+void dropout_backward_mask(const bf16* g, const std::uint8_t* mask, bf16* out, long long count, float p,
+                           cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(dropout_backward_mask_k, elementwise_launch(count), s, g, mask, out, count, p);
 }
-void add(const bf16* a, const bf16* b, bf16* out, long long count, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(add_k, elementwise_launch(count), s, a, b, out, count); }
+void add(const bf16* a, const bf16* b, bf16* out, long long count, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(add_k, elementwise_launch(count), s, a, b, out, count);
+}
 void add_bias(bf16* y, const float* bias, long long rows, int n, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(add_bias_k, elementwise_launch(rows * n), s, y, bias, rows * n, n);
 }
 void add_bias(float* y, const float* bias, long long rows, int n, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(add_bias_f32_k, elementwise_launch(rows * n), s, y, bias, rows * n, n);
 }
-void layernorm_recompute(const bf16* x, const float* stats, const float* gamma, const float* beta, bf16* y, long long rows, int n, cudaStream_t s) {
+void layernorm_recompute(const bf16* x, const float* stats, const float* gamma, const float* beta, bf16* y,
+                         long long rows, int n, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(layernorm_recompute_k, elementwise_launch(rows * n), s, x, stats, gamma, beta, y, rows * n, n);
 }
-void embedding_forward(const std::int32_t* tokens, const float* wte, const float* wpe, bf16* out, long long rows, int seq, int h, int vocab,
-                       cudaStream_t s) {
-  PIPEOFFLOAD_LAUNCH(embedding_forward_k, elementwise_launch(rows * h), s, tokens, wte, wpe, out, rows * h, seq, h, vocab);
+void embedding_forward(const std::int32_t* tokens, const float* wte, const float* wpe, bf16* out, long long rows,
+                       int seq, int h, int vocab, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(embedding_forward_k, elementwise_launch(rows * h), s, tokens, wte, wpe, out, rows * h, seq, h,
+                     vocab);
 }
-void embedding_backward(const std::int32_t* tokens, const bf16* d, float* dwte, float* dwpe, long long rows, int seq, int h, int vocab,
-                        cudaStream_t s) {
+void embedding_backward(const std::int32_t* tokens, const bf16* d, float* dwte, float* dwpe, long long rows, int seq,
+                        int h, int vocab, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(embedding_backward_k, per_column_launch(h), s, tokens, d, dwte, dwpe, rows, seq, h, vocab);
 }
 

@@ -37,7 +37,8 @@ __device__ float block_max(float v, Reduce::TempStorage& tmp, float& shared) {
   return out;
 }
 
-__global__ void __launch_bounds__(row_block) layernorm_forward_k(const bf16* x, const float* gamma, const float* beta, bf16* y, float* stats, int n) {
+__global__ void __launch_bounds__(row_block)
+    layernorm_forward_k(const bf16* x, const float* gamma, const float* beta, bf16* y, float* stats, int n) {
   __shared__ Reduce::TempStorage tmp;
   __shared__ float shared;
   const bf16* xr = x + static_cast<long long>(blockIdx.x) * n;
@@ -58,12 +59,14 @@ __global__ void __launch_bounds__(row_block) layernorm_forward_k(const bf16* x, 
   }
 }
 
-__global__ void __launch_bounds__(row_block) layernorm_backward_k(const bf16* dy, const bf16* x, const float* stats, const float* gamma, bf16* dx,
-                                                                   int n, bool accumulate) {
+__global__ void __launch_bounds__(row_block)
+    layernorm_backward_k(const bf16* dy, const bf16* x, const float* stats, const float* gamma, bf16* dx, int n,
+                         bool accumulate) {
   __shared__ Reduce::TempStorage tmp;
   __shared__ float shared;
   const long long off = static_cast<long long>(blockIdx.x) * n;
-  const math::RowStats rs{stats[2 * static_cast<long long>(blockIdx.x)], stats[2 * static_cast<long long>(blockIdx.x) + 1]};
+  const math::RowStats rs{stats[2 * static_cast<long long>(blockIdx.x)],
+                          stats[2 * static_cast<long long>(blockIdx.x) + 1]};
   float sg = 0, sgx = 0;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const float g = ld(dy, off + i) * gamma[i];
@@ -78,8 +81,8 @@ __global__ void __launch_bounds__(row_block) layernorm_backward_k(const bf16* dy
   }
 }
 
-__global__ void __launch_bounds__(row_block) softmax_xent_k(const float* logits, const std::int32_t* targets, float* losses, float* dlogits, int V,
-                                                             float scale) {
+__global__ void __launch_bounds__(row_block) softmax_xent_k(const float* logits, const std::int32_t* targets,
+                                                            float* losses, float* dlogits, int V, float scale) {
   __shared__ Reduce::TempStorage tmp;
   __shared__ float shared;
   const long long off = static_cast<long long>(blockIdx.x) * V;
@@ -95,7 +98,8 @@ __global__ void __launch_bounds__(row_block) softmax_xent_k(const float* logits,
   const float target_logit = valid ? logits[off + target] : __int_as_float(0x7fc00000);
   __syncthreads();
   if (threadIdx.x == 0) losses[blockIdx.x] = lse - target_logit;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) dlogits[off + i] = math::softmax_xent_grad(logits[off + i], lse, i == target, scale);
+  for (int i = threadIdx.x; i < V; i += blockDim.x)
+    dlogits[off + i] = math::softmax_xent_grad(logits[off + i], lse, i == target, scale);
 }
 
 __global__ void __launch_bounds__(row_block) mean_k(const float* x, float* out, long long n) {
@@ -131,39 +135,48 @@ __device__ void column_sums(long long rows, int n, Term term, float* const (&out
     }
 }
 
-__global__ void __launch_bounds__(column_tile * column_lanes) bias_grad_k(const bf16* dy, float* db, long long rows, int n) {
+__global__ void __launch_bounds__(column_tile* column_lanes)
+    bias_grad_k(const bf16* dy, float* db, long long rows, int n) {
   float* const out[1] = {db};
-  column_sums<1>(rows, n, [=](long long r, long long c, float (&t)[1]) { t[0] = ld(dy, r * n + c); }, out);
+  column_sums<1>(rows, n, [=](long long r, long long c, float(&t)[1]) { t[0] = ld(dy, r * n + c); }, out);
 }
 
-__global__ void __launch_bounds__(column_tile * column_lanes) layernorm_weight_grad_k(const bf16* dy, const bf16* x, const float* stats, float* dgamma,
-                                                                                      float* dbeta, long long rows, int n) {
+__global__ void __launch_bounds__(column_tile* column_lanes)
+    layernorm_weight_grad_k(const bf16* dy, const bf16* x, const float* stats, float* dgamma, float* dbeta,
+                            long long rows, int n) {
   float* const out[2] = {dgamma, dbeta};
-  column_sums<2>(rows, n,
-                 [=](long long r, long long c, float (&t)[2]) {
-                   const float d = ld(dy, r * n + c);
-                   t[0] = d * (ld(x, r * n + c) - stats[2 * r]) * stats[2 * r + 1];  // dy * xhat, as cpu.hpp's ln_weight_grads
-                   t[1] = d;
-                 },
-                 out);
+  column_sums<2>(
+      rows, n,
+      [=](long long r, long long c, float(&t)[2]) {
+        const float d = ld(dy, r * n + c);
+        t[0] = d * (ld(x, r * n + c) - stats[2 * r]) * stats[2 * r + 1];  // dy * xhat, as cpu.hpp's ln_weight_grads
+        t[1] = d;
+      },
+      out);
 }
 
 }  // namespace
 
-void bias_grad(const bf16* dy, float* db, long long rows, int n, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(bias_grad_k, column_sum_launch(n), s, dy, db, rows, n); }
-void layernorm_weight_grad(const bf16* dy, const bf16* x, const float* stats, float* dgamma, float* dbeta, long long rows, int n, cudaStream_t s) {
+void bias_grad(const bf16* dy, float* db, long long rows, int n, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(bias_grad_k, column_sum_launch(n), s, dy, db, rows, n);
+}
+void layernorm_weight_grad(const bf16* dy, const bf16* x, const float* stats, float* dgamma, float* dbeta,
+                           long long rows, int n, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(layernorm_weight_grad_k, column_sum_launch(n), s, dy, x, stats, dgamma, dbeta, rows, n);
 }
-void layernorm_forward(const bf16* x, const float* gamma, const float* beta, bf16* y, float* stats, long long rows, int n, cudaStream_t s) {
+void layernorm_forward(const bf16* x, const float* gamma, const float* beta, bf16* y, float* stats, long long rows,
+                       int n, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(layernorm_forward_k, per_row_launch(rows, n), s, x, gamma, beta, y, stats, n);
 }
-void layernorm_backward(const bf16* dy, const bf16* x, const float* stats, const float* gamma, bf16* dx, long long rows, int n, bool accumulate,
-                        cudaStream_t s) {
+void layernorm_backward(const bf16* dy, const bf16* x, const float* stats, const float* gamma, bf16* dx, long long rows,
+                        int n, bool accumulate, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(layernorm_backward_k, per_row_launch(rows, n), s, dy, x, stats, gamma, dx, n, accumulate);
 }
-void softmax_xent(const float* logits, const std::int32_t* targets, float* losses, float* dlogits, long long rows, int vocab, float scale,
-                  cudaStream_t s) {
+void softmax_xent(const float* logits, const std::int32_t* targets, float* losses, float* dlogits, long long rows,
+                  int vocab, float scale, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(softmax_xent_k, per_row_launch(rows, vocab), s, logits, targets, losses, dlogits, vocab, scale);
 }
-void mean(const float* losses, float* out, long long rows, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(mean_k, per_row_launch(rows > 0 ? 1 : 0, 1), s, losses, out, rows); }
+void mean(const float* losses, float* out, long long rows, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(mean_k, per_row_launch(rows > 0 ? 1 : 0, 1), s, losses, out, rows);
+}
 }  // namespace pipeoffload::cuda::kernels

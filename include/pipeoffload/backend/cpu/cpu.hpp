@@ -41,8 +41,8 @@ class Cpu {
   using Context = CpuContext;
 
   struct Options {
-    int rank = 0;                        ///< for contexts and messages
-    double copy_bytes_per_second = 0;    ///< transfer() pace; 0 = as fast as memcpy
+    int rank = 0;                      ///< for contexts and messages
+    double copy_bytes_per_second = 0;  ///< transfer() pace; 0 = as fast as memcpy
   };
 
   Cpu() : Cpu(Options{}) {}
@@ -131,7 +131,9 @@ class Cpu {
   Context context(int stream) { return Context{this, opt_.rank, stream}; }
 
   /// Seconds on a clock shared by every Cpu in the process (for traces).
-  double now() const { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+  double now() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
 
   // ---- memory ------------------------------------------------------------------------
 
@@ -211,8 +213,9 @@ class Cpu {
       total += c.bytes;
     }
     if (opt_.copy_bytes_per_second > 0) {
-      const auto due = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                   std::chrono::duration<double>(static_cast<double>(total) / opt_.copy_bytes_per_second));
+      const auto due =
+          start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                      std::chrono::duration<double>(static_cast<double>(total) / opt_.copy_bytes_per_second));
       std::unique_lock lk(mu_);
       pace_cv_.wait_until(lk, due, [&] { return failed_; });
       if (failed_) throw aborted_error("aborted: " + error_);
@@ -252,11 +255,20 @@ class Cpu {
     };
     bool bad = false;
     switch (t.dtype) {
-      case DType::float32: bad = any(std::uint32_t{}, std::uint32_t{0x7f800000u}); break;
-      case DType::float64: bad = any(std::uint64_t{}, std::uint64_t{0x7ff0000000000000ull}); break;
-      case DType::bfloat16: bad = any(std::uint16_t{}, std::uint16_t{0x7f80u}); break;
-      case DType::float16: bad = any(std::uint16_t{}, std::uint16_t{0x7c00u}); break;
-      default: break;
+      case DType::float32:
+        bad = any(std::uint32_t{}, std::uint32_t{0x7f800000u});
+        break;
+      case DType::float64:
+        bad = any(std::uint64_t{}, std::uint64_t{0x7ff0000000000000ull});
+        break;
+      case DType::bfloat16:
+        bad = any(std::uint16_t{}, std::uint16_t{0x7f80u});
+        break;
+      case DType::float16:
+        bad = any(std::uint16_t{}, std::uint16_t{0x7c00u});
+        break;
+      default:
+        break;
     }
     if (bad) *flag = 1;
   }
@@ -269,27 +281,29 @@ class Cpu {
     std::size_t off = 0;
     for (std::size_t k = 0; k < groups.size(); ++k) {
       double s = 0;
-      for (std::size_t i = off; i < off + groups[k]; ++i) s += static_cast<double>(values[i]) * static_cast<double>(values[i]);
+      for (std::size_t i = off; i < off + groups[k]; ++i)
+        s += static_cast<double>(values[i]) * static_cast<double>(values[i]);
       out[k] = s;
       off += groups[k];
     }
   }
 
   /// update::adamw per element with grads * grad_scale.
-  void adamw(std::span<float> p, std::span<const float> g, std::span<float> m, std::span<float> v, const update::AdamWParams& o, float lr,
-             update::AdamBias bias, float grad_scale) {
+  void adamw(std::span<float> p, std::span<const float> g, std::span<float> m, std::span<float> v,
+             const update::AdamWParams& o, float lr, update::AdamBias bias, float grad_scale) {
     detail::require_update_sizes("backend::Cpu::adamw", p.size(), g.size(), m.size(), v.size());
     for (std::size_t i = 0; i < p.size(); ++i) update::adamw(p[i], g[i] * grad_scale, m[i], v[i], o, lr, bias);
   }
 
   /// update::sgd per element with grads * grad_scale; `buf` is the momentum buffer (unused,
   /// and may be empty, without momentum).
-  void sgd(std::span<float> p, std::span<const float> g, std::span<float> buf, const update::SgdParams& o, float lr, float grad_scale,
-           bool first) {
+  void sgd(std::span<float> p, std::span<const float> g, std::span<float> buf, const update::SgdParams& o, float lr,
+           float grad_scale, bool first) {
     const bool momentum = o.momentum != 0.0f;
     detail::require_update_sizes("backend::Cpu::sgd", p.size(), g.size(), momentum ? buf.size() : p.size(), p.size());
     float unused = 0;
-    for (std::size_t i = 0; i < p.size(); ++i) update::sgd(p[i], g[i] * grad_scale, momentum ? buf[i] : unused, o, lr, first);
+    for (std::size_t i = 0; i < p.size(); ++i)
+      update::sgd(p[i], g[i] * grad_scale, momentum ? buf[i] : unused, o, lr, first);
   }
 
   // ---- PCIe pairs (backend::pairs_copies) -----------------------------------------------
@@ -340,7 +354,6 @@ class Cpu {
   const Options& options() const { return opt_; }
 
  private:
-
   // Waits and records are queue items the worker handles under the lock, without running
   // user code: they cost no allocation and no extra wake-up.
   struct Item {
@@ -357,9 +370,9 @@ class Cpu {
     std::thread worker;
   };
   struct Event {
-    std::uint64_t recorded = 0;     // records enqueued so far
-    std::uint64_t completed = 0;    // highest record a stream has reached
-    std::vector<Stream*> waiters;   // streams asleep on this event; woken and cleared by a record
+    std::uint64_t recorded = 0;    // records enqueued so far
+    std::uint64_t completed = 0;   // highest record a stream has reached
+    std::vector<Stream*> waiters;  // streams asleep on this event; woken and cleared by a record
   };
 
   static std::size_t round_up(std::size_t n) { return (std::max<std::size_t>(n, 1) + 63) / 64 * 64; }
@@ -398,12 +411,14 @@ class Cpu {
 
   Stream& at(int s) {
     if (s < 0 || s >= static_cast<int>(streams_.size()))
-      throw error("backend::Cpu: stream " + std::to_string(s) + " does not exist; streams are 0.." + std::to_string(streams_.size()) + " (exclusive)");
+      throw error("backend::Cpu: stream " + std::to_string(s) + " does not exist; streams are 0.." +
+                  std::to_string(streams_.size()) + " (exclusive)");
     return *streams_[static_cast<std::size_t>(s)];
   }
   Event& ev(int e) {
     if (e < 0 || e >= static_cast<int>(events_.size()))
-      throw error("backend::Cpu: event " + std::to_string(e) + " does not exist; events are 0.." + std::to_string(events_.size()) + " (exclusive)");
+      throw error("backend::Cpu: event " + std::to_string(e) + " does not exist; events are 0.." +
+                  std::to_string(events_.size()) + " (exclusive)");
     return events_[static_cast<std::size_t>(e)];
   }
 
@@ -517,7 +532,7 @@ class Cpu {
 
   mutable std::mutex mem_mu_;
   std::map<std::size_t, Pool> device_, host_;  // by block size (bytes rounded up to 64)
-  std::vector<std::byte*> owned_;  // every block ever allocated (device and host), freed at destruction
+  std::vector<std::byte*> owned_;              // every block ever allocated (device and host), freed at destruction
   MemoryStats stats_;
   std::size_t device_total_ = 0;
 };

@@ -54,11 +54,12 @@ class Graphs {
 std::size_t workspace_bytes(Graphs& graphs, Shape shape);
 
 /// out = softmax(q k^T / sqrt(head_dim), causal) v; stats = the rows' log-sum-exps.
-void forward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloat16* qkv, __nv_bfloat16* out, float* stats, void* workspace,
-             std::size_t workspace_bytes);
+void forward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloat16* qkv, __nv_bfloat16* out,
+             float* stats, void* workspace, std::size_t workspace_bytes);
 
 /// dqkv from dout, recomputing the probabilities from qkv and stats (no s x s matrix kept).
-void backward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloat16* qkv, const __nv_bfloat16* out, const __nv_bfloat16* dout,
-              const float* stats, __nv_bfloat16* dqkv, void* workspace, std::size_t workspace_bytes);
+void backward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloat16* qkv, const __nv_bfloat16* out,
+              const __nv_bfloat16* dout, const float* stats, __nv_bfloat16* dqkv, void* workspace,
+              std::size_t workspace_bytes);
 
 }  // namespace pipeoffload::cuda::attention

@@ -8,7 +8,8 @@
 #pragma once
 
 #ifndef PIPEOFFLOAD_WITH_CUDA
-#error "pipeoffload/backend/cuda needs a CUDA build: the build defines PIPEOFFLOAD_WITH_CUDA (Meson: -Dcuda=enabled or auto with nvcc present)."
+#error \
+    "pipeoffload/backend/cuda needs a CUDA build: the build defines PIPEOFFLOAD_WITH_CUDA (Meson: -Dcuda=enabled or auto with nvcc present)."
 #endif
 
 #include <cublasLt.h>
@@ -36,10 +37,10 @@ namespace cuda {
 /// Throws cuda_error unless `status` is cudaSuccess. The sticky error state is cleared first.
 inline void check(cudaError_t status, const char* call, std::source_location loc = std::source_location::current()) {
   const cudaError_t last = cudaGetLastError();  // clears the sticky state as a side effect
-  if (status == cudaSuccess) status = last;      // an earlier asynchronous launch failure
+  if (status == cudaSuccess) status = last;     // an earlier asynchronous launch failure
   if (status == cudaSuccess) return;
-  throw cuda_error(std::string("CUDA error ") + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ") in " + call + " at " +
-                   detail::where(loc));
+  throw cuda_error(std::string("CUDA error ") + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ") in " +
+                   call + " at " + detail::where(loc));
 }
 
 /// Throws cuda_error unless `status` is CUDA_SUCCESS (driver API calls reached through
@@ -47,14 +48,16 @@ inline void check(cudaError_t status, const char* call, std::source_location loc
 inline void check(CUresult status, const char* call, std::source_location loc = std::source_location::current()) {
   if (status == CUDA_SUCCESS) return;
   cudaGetLastError();
-  throw cuda_error(std::string("CUDA driver error ") + std::to_string(static_cast<int>(status)) + " in " + call + " at " + detail::where(loc));
+  throw cuda_error(std::string("CUDA driver error ") + std::to_string(static_cast<int>(status)) + " in " + call +
+                   " at " + detail::where(loc));
 }
 
 /// Throws cuda_error unless `status` is CUBLAS_STATUS_SUCCESS.
 inline void check(cublasStatus_t status, const char* call, std::source_location loc = std::source_location::current()) {
   if (status == CUBLAS_STATUS_SUCCESS) return;
   cudaGetLastError();  // do not let a cuBLAS failure's CUDA side linger for the next check
-  throw cuda_error(std::string("cuBLAS error ") + std::to_string(static_cast<int>(status)) + " in " + call + " at " + detail::where(loc));
+  throw cuda_error(std::string("cuBLAS error ") + std::to_string(static_cast<int>(status)) + " in " + call + " at " +
+                   detail::where(loc));
 }
 
 /// Throws cuda_error unless `status` is CUDNN_STATUS_SUCCESS; adds cuDNN's last error message.
@@ -63,8 +66,8 @@ inline void check(cudnnStatus_t status, const char* call, std::source_location l
   cudaGetLastError();
   char message[512] = {};
   cudnnGetLastErrorString(message, sizeof message);
-  throw cuda_error(std::string("cuDNN error ") + cudnnGetErrorString(status) + " in " + call + " at " + detail::where(loc) +
-                   (message[0] ? std::string(": ") + message : std::string()));
+  throw cuda_error(std::string("cuDNN error ") + cudnnGetErrorString(status) + " in " + call + " at " +
+                   detail::where(loc) + (message[0] ? std::string(": ") + message : std::string()));
 }
 
 }  // namespace cuda
@@ -72,7 +75,7 @@ inline void check(cudnnStatus_t status, const char* call, std::source_location l
 
 /// Checks a CUDA runtime, cuBLAS(Lt) or cuDNN call: PIPEOFFLOAD_CUDA_CHECK(cudaMemsetAsync(p, 0, n, s)).
 /// A macro only to capture the call's text; the work is cuda::check's.
-#define PIPEOFFLOAD_CUDA_CHECK(call)                  \
-  do {                                                \
-    ::pipeoffload::cuda::check((call), #call);        \
+#define PIPEOFFLOAD_CUDA_CHECK(call)           \
+  do {                                         \
+    ::pipeoffload::cuda::check((call), #call); \
   } while (0)

@@ -26,8 +26,8 @@
 
 #include <cublasLt.h>
 #include <cuda.h>
-#include <cuda_runtime_api.h>
 #include <cudaTypedefs.h>
+#include <cuda_runtime_api.h>
 #include <cudnn.h>
 #include <limits.h>
 #include <stdlib.h>
@@ -68,12 +68,16 @@ inline const StreamMemOps& stream_mem_ops() {
     StreamMemOps o;
     cudaDriverEntryPointQueryResult found{};
     void* fn = nullptr;
-    PIPEOFFLOAD_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &fn, 11070, cudaEnableDefault, &found));
-    if (found != cudaDriverEntryPointSuccess || fn == nullptr) throw cuda_error("backend::Cuda: the driver has no cuStreamWaitValue64 (PCIe-pair copies need it)");
+    PIPEOFFLOAD_CUDA_CHECK(
+        cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &fn, 11070, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || fn == nullptr)
+      throw cuda_error("backend::Cuda: the driver has no cuStreamWaitValue64 (PCIe-pair copies need it)");
     o.wait = reinterpret_cast<PFN_cuStreamWaitValue64_v11070>(fn);
     fn = nullptr;
-    PIPEOFFLOAD_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 11070, cudaEnableDefault, &found));
-    if (found != cudaDriverEntryPointSuccess || fn == nullptr) throw cuda_error("backend::Cuda: the driver has no cuStreamWriteValue64 (PCIe-pair copies need it)");
+    PIPEOFFLOAD_CUDA_CHECK(
+        cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 11070, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || fn == nullptr)
+      throw cuda_error("backend::Cuda: the driver has no cuStreamWriteValue64 (PCIe-pair copies need it)");
     o.write = reinterpret_cast<PFN_cuStreamWriteValue64_v11070>(fn);
     return o;
   }();
@@ -93,7 +97,7 @@ struct CudaContext {
   cublasLtHandle_t lt = nullptr;
   cudnnHandle_t dnn = nullptr;
   cuda::attention::Graphs* attention = nullptr;  ///< the SDPA graphs of `dnn`, owned by the backend
-  std::byte* workspace = nullptr;      ///< (workspace_bytes) device scratch for cuBLASLt and cuDNN
+  std::byte* workspace = nullptr;                ///< (workspace_bytes) device scratch for cuBLASLt and cuDNN
   std::size_t workspace_bytes = 0;
 };
 
@@ -102,9 +106,9 @@ class Cuda {
   using Context = CudaContext;
 
   struct Options {
-    int device = 0;                 ///< CUDA device ordinal
-    int rank = 0;                   ///< for contexts and messages
-    std::size_t arena_bytes = 0;    ///< device slab; 0 = 3/4 of the device's free memory
+    int device = 0;                                        ///< CUDA device ordinal
+    int rank = 0;                                          ///< for contexts and messages
+    std::size_t arena_bytes = 0;                           ///< device slab; 0 = 3/4 of the device's free memory
     std::size_t workspace_bytes = std::size_t{256} << 20;  ///< cuBLASLt + cuDNN scratch, inside the slab
     bool deterministic_attention = true;  ///< cuDNN's deterministic SDPA backward (runs repeat bit for bit)
   };
@@ -122,7 +126,8 @@ class Cuda {
     // anything is allocated (a constructor that throws later would leak the slab).
     if (round_up(opt_.workspace_bytes) > opt_.arena_bytes)
       throw error("backend::Cuda: Options::arena_bytes = " + std::to_string(opt_.arena_bytes) + " cannot hold the " +
-                  std::to_string(round_up(opt_.workspace_bytes)) + "-byte cuBLASLt/cuDNN workspace (Options::workspace_bytes) carved from it; "
+                  std::to_string(round_up(opt_.workspace_bytes)) +
+                  "-byte cuBLASLt/cuDNN workspace (Options::workspace_bytes) carved from it; "
                   "give at least the workspace plus what the run allocates");
     void* slab = nullptr;
     PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&slab, opt_.arena_bytes));
@@ -235,13 +240,16 @@ class Cuda {
   }
 
   Context context(int stream) {
-    return Context{this, opt_.rank, stream, at(stream), lt_, dnn_, attention_.get(), workspace_, round_up(opt_.workspace_bytes)};
+    return Context{
+        this, opt_.rank, stream, at(stream), lt_, dnn_, attention_.get(), workspace_, round_up(opt_.workspace_bytes)};
   }
 
   /// Host seconds on a clock shared by every device of the process. The runtime's trace
   /// records enqueue times with it on this backend (the GPU runs later); use Nsight Systems for
   /// execution times.
-  double now() const { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+  double now() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
 
   // ---- memory ------------------------------------------------------------------------
 
@@ -294,7 +302,8 @@ class Cuda {
     if (b.ptr == nullptr) return;
     select();
     const auto it = std::find(host_in_use_.begin(), host_in_use_.end(), b.ptr);
-    if (it == host_in_use_.end()) throw error("backend::Cuda::host_free: the block was not handed out by this device's host_alloc");
+    if (it == host_in_use_.end())
+      throw error("backend::Cuda::host_free: the block was not handed out by this device's host_alloc");
     host_in_use_.erase(it);
     free_host_[round_up(b.bytes)].push_back(guarded(b.ptr));
     stats_.host_in_use -= b.bytes;
@@ -368,25 +377,27 @@ class Cuda {
 
   /// kernels::adamw: update::adamw per element with grads * grad_scale. Gradients are only
   /// read (Runtime::zero_grad clears them), so several updates may follow one backward.
-  void adamw(std::span<float> p, std::span<const float> g, std::span<float> m, std::span<float> v, const update::AdamWParams& o, float lr,
-             update::AdamBias bias, float grad_scale) {
+  void adamw(std::span<float> p, std::span<const float> g, std::span<float> m, std::span<float> v,
+             const update::AdamWParams& o, float lr, update::AdamBias bias, float grad_scale) {
     detail::require_update_sizes("backend::Cuda::adamw", p.size(), g.size(), m.size(), v.size());
     if (p.empty()) return;
     select();
-    cuda::kernels::adamw(p.data(), g.data(), m.data(), v.data(), static_cast<long long>(p.size()), o, lr, bias, grad_scale, aux_);
+    cuda::kernels::adamw(p.data(), g.data(), m.data(), v.data(), static_cast<long long>(p.size()), o, lr, bias,
+                         grad_scale, aux_);
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
   }
 
   /// kernels::sgd: update::sgd per element with grads * grad_scale; `buf` is the momentum
   /// buffer, unused (and may be empty) without momentum, as on backend::Cpu. `first`: the
   /// buffer's first step.
-  void sgd(std::span<float> p, std::span<const float> g, std::span<float> buf, const update::SgdParams& o, float lr, float grad_scale,
-           bool first) {
+  void sgd(std::span<float> p, std::span<const float> g, std::span<float> buf, const update::SgdParams& o, float lr,
+           float grad_scale, bool first) {
     const bool momentum = o.momentum != 0.0f;
     detail::require_update_sizes("backend::Cuda::sgd", p.size(), g.size(), momentum ? buf.size() : p.size(), p.size());
     if (p.empty()) return;
     select();
-    cuda::kernels::sgd(p.data(), g.data(), momentum ? buf.data() : nullptr, static_cast<long long>(p.size()), o, lr, grad_scale, first, aux_);
+    cuda::kernels::sgd(p.data(), g.data(), momentum ? buf.data() : nullptr, static_cast<long long>(p.size()), o, lr,
+                       grad_scale, first, aux_);
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
   }
 
@@ -423,12 +434,14 @@ class Cuda {
   void signal(int stream, Counter& c, std::uint64_t v) {
     if (failed()) return;
     select();
-    PIPEOFFLOAD_CUDA_CHECK(cuda_detail::stream_mem_ops().write(reinterpret_cast<CUstream>(at(stream)), c.device_address(), v, CU_STREAM_WRITE_VALUE_DEFAULT));
+    PIPEOFFLOAD_CUDA_CHECK(cuda_detail::stream_mem_ops().write(reinterpret_cast<CUstream>(at(stream)),
+                                                               c.device_address(), v, CU_STREAM_WRITE_VALUE_DEFAULT));
   }
   void wait_counter(int stream, const Counter& c, std::uint64_t v) {
     if (failed()) return;
     select();
-    PIPEOFFLOAD_CUDA_CHECK(cuda_detail::stream_mem_ops().wait(reinterpret_cast<CUstream>(at(stream)), c.device_address(), v, CU_STREAM_WAIT_VALUE_GEQ));
+    PIPEOFFLOAD_CUDA_CHECK(cuda_detail::stream_mem_ops().wait(reinterpret_cast<CUstream>(at(stream)),
+                                                              c.device_address(), v, CU_STREAM_WAIT_VALUE_GEQ));
   }
 
   // ---- CUDA specifics ------------------------------------------------------------------
@@ -441,7 +454,9 @@ class Cuda {
 
  private:
   static constexpr std::size_t alignment = 256;  // cudaMalloc's alignment; enough for every vector load and cuBLASLt
-  static std::size_t round_up(std::size_t n) { return (std::max<std::size_t>(n, 1) + alignment - 1) / alignment * alignment; }
+  static std::size_t round_up(std::size_t n) {
+    return (std::max<std::size_t>(n, 1) + alignment - 1) / alignment * alignment;
+  }
 
   struct StreamInfo {
     std::string name;
@@ -466,8 +481,9 @@ class Cuda {
 
   std::byte* carve(std::size_t size) {
     if (size > opt_.arena_bytes - top_)
-      throw error("backend::Cuda: the device arena of " + std::to_string(opt_.arena_bytes) + " bytes is exhausted (" + std::to_string(top_) +
-                  " carved, " + std::to_string(size) + " more asked); raise Options::arena_bytes");
+      throw error("backend::Cuda: the device arena of " + std::to_string(opt_.arena_bytes) + " bytes is exhausted (" +
+                  std::to_string(top_) + " carved, " + std::to_string(size) +
+                  " more asked); raise Options::arena_bytes");
     std::byte* p = slab_ + top_;
     top_ += size;
     return p;
@@ -508,18 +524,21 @@ class Cuda {
   }
 
   int current_or_throw(const char* what) const {
-    if (current_ < 0) throw error(std::string("backend::Cuda: ") + what + " must be called from work passed to launch(stream, fn)");
+    if (current_ < 0)
+      throw error(std::string("backend::Cuda: ") + what + " must be called from work passed to launch(stream, fn)");
     return current_;
   }
 
   cudaStream_t at(int s) const {
     if (s < 0 || s >= static_cast<int>(streams_.size()))
-      throw error("backend::Cuda: stream " + std::to_string(s) + " does not exist; streams are 0.." + std::to_string(streams_.size()) + " (exclusive)");
+      throw error("backend::Cuda: stream " + std::to_string(s) + " does not exist; streams are 0.." +
+                  std::to_string(streams_.size()) + " (exclusive)");
     return streams_[static_cast<std::size_t>(s)].stream;
   }
   cudaEvent_t ev(int e) const {
     if (e < 0 || e >= static_cast<int>(events_.size()))
-      throw error("backend::Cuda: event " + std::to_string(e) + " does not exist; events are 0.." + std::to_string(events_.size()) + " (exclusive)");
+      throw error("backend::Cuda: event " + std::to_string(e) + " does not exist; events are 0.." +
+                  std::to_string(events_.size()) + " (exclusive)");
     return events_[static_cast<std::size_t>(e)];
   }
 
@@ -550,8 +569,8 @@ class Cuda {
   cublasLtHandle_t lt_ = nullptr;
   cudnnHandle_t dnn_ = nullptr;
   std::unique_ptr<cuda::attention::Graphs> attention_;  // SDPA graphs of dnn_ (destroyed before it)
-  cudaStream_t aux_ = nullptr;  // between-steps operations
-  Block norms_{};               // sum_squares' fp64 accumulators
+  cudaStream_t aux_ = nullptr;                          // between-steps operations
+  Block norms_{};                                       // sum_squares' fp64 accumulators
   std::map<std::size_t, std::vector<Free>> free_device_, free_host_;
   std::vector<std::byte*> host_in_use_;  // pinned bins handed out, freed at destruction if never returned
   std::vector<cudaEvent_t> guard_pool_;

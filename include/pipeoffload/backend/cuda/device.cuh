@@ -22,11 +22,11 @@ __device__ inline long long grid_stride() { return static_cast<long long>(gridDi
 
 /// Launches kernel<<<shape>>> on `stream` if the shape has work, then checks the launch
 /// (configuration errors surface here; execution errors at the next synchronizing check).
-#define PIPEOFFLOAD_LAUNCH(kernel, shape, stream, ...)                                                          \
-  do {                                                                                                          \
-    const ::pipeoffload::cuda::Launch launch_shape_ = (shape);                                                  \
-    if (launch_shape_.grid > 0) {                                                                               \
-      kernel<<<launch_shape_.grid, launch_shape_.block, launch_shape_.shared, (stream)>>>(__VA_ARGS__);        \
-      ::pipeoffload::cuda::check(cudaGetLastError(), #kernel "<<<...>>>");                                      \
-    }                                                                                                           \
+#define PIPEOFFLOAD_LAUNCH(kernel, shape, stream, ...)                                                  \
+  do {                                                                                                  \
+    const ::pipeoffload::cuda::Launch launch_shape_ = (shape);                                          \
+    if (launch_shape_.grid > 0) {                                                                       \
+      kernel<<<launch_shape_.grid, launch_shape_.block, launch_shape_.shared, (stream)>>>(__VA_ARGS__); \
+      ::pipeoffload::cuda::check(cudaGetLastError(), #kernel "<<<...>>>");                              \
+    }                                                                                                   \
   } while (0)

@@ -33,13 +33,13 @@ void to_float(const bf16* in, float* out, long long count, cudaStream_t stream);
 // ---- optimizer -----------------------------------------------------------------------------
 /// update::adamw on count parameters with gradients scaled by grad_scale (the clip); the
 /// gradients are only read.
-void adamw(float* params, const float* grads, float* m, float* v, long long count, update::AdamWParams hyper, float lr, update::AdamBias bias,
-           float grad_scale, cudaStream_t stream);
+void adamw(float* params, const float* grads, float* m, float* v, long long count, update::AdamWParams hyper, float lr,
+           update::AdamBias bias, float grad_scale, cudaStream_t stream);
 /// update::sgd on count parameters with gradients scaled by grad_scale; `buf` is the momentum
 /// buffer (count floats), or null without momentum (update::sgd then never touches it).
 /// `first`: the buffer's first step (it is set to the gradient rather than decayed).
-void sgd(float* params, const float* grads, float* buf, long long count, update::SgdParams hyper, float lr, float grad_scale, bool first,
-         cudaStream_t stream);
+void sgd(float* params, const float* grads, float* buf, long long count, update::SgdParams hyper, float lr,
+         float grad_scale, bool first, cudaStream_t stream);
 /// out[0] += sum of squares of x (fp64 accumulation in one block; for gradient norms).
 void sum_squares(const float* x, double* out, long long count, cudaStream_t stream);
 

@@ -38,9 +38,9 @@ inline constexpr long long grid_x_limit = 2147483647LL;
 inline constexpr unsigned block_limit = 1024;
 
 struct Launch {
-  unsigned grid = 0;         ///< blocks (gridDim.x); 0 means "nothing to do, do not launch"
-  unsigned block = 0;        ///< threads per block (blockDim.x)
-  std::size_t shared = 0;    ///< dynamic shared memory bytes
+  unsigned grid = 0;       ///< blocks (gridDim.x); 0 means "nothing to do, do not launch"
+  unsigned block = 0;      ///< threads per block (blockDim.x)
+  std::size_t shared = 0;  ///< dynamic shared memory bytes
   friend constexpr bool operator==(const Launch&, const Launch&) = default;
 };
 
@@ -56,8 +56,12 @@ constexpr Launch elementwise_launch(long long n) {
 /// row_block threads, each thread strides over the row; reductions use cub::BlockReduce's own
 /// static shared memory, so no dynamic shared memory.
 constexpr Launch per_row_launch(long long rows, long long cols) {
-  if (rows < 0 || cols < 1) throw shape_error("cuda::per_row_launch: rows = " + pipeoffload::detail::num(rows) + ", cols = " + pipeoffload::detail::num(cols) + " (need rows >= 0, cols >= 1)");
-  if (rows > grid_x_limit) throw shape_error("cuda::per_row_launch: rows = " + pipeoffload::detail::num(rows) + " is outside the allowed range [0, 2147483647] (gridDim.x)");
+  if (rows < 0 || cols < 1)
+    throw shape_error("cuda::per_row_launch: rows = " + pipeoffload::detail::num(rows) +
+                      ", cols = " + pipeoffload::detail::num(cols) + " (need rows >= 0, cols >= 1)");
+  if (rows > grid_x_limit)
+    throw shape_error("cuda::per_row_launch: rows = " + pipeoffload::detail::num(rows) +
+                      " is outside the allowed range [0, 2147483647] (gridDim.x)");
   if (rows == 0) return {};
   return {static_cast<unsigned>(rows), row_block, 0};
 }
@@ -78,12 +82,14 @@ constexpr Launch column_sum_launch(long long cols) {
   if (cols < 0) throw shape_error("cuda::column_sum_launch: cols = " + pipeoffload::detail::num(cols) + " is negative");
   if (cols == 0) return {};
   const long long blocks = (cols + column_tile - 1) / column_tile;
-  if (blocks > grid_x_limit) throw shape_error("cuda::column_sum_launch: cols = " + pipeoffload::detail::num(cols) + " needs more blocks than gridDim.x allows");
+  if (blocks > grid_x_limit)
+    throw shape_error("cuda::column_sum_launch: cols = " + pipeoffload::detail::num(cols) +
+                      " needs more blocks than gridDim.x allows");
   return {static_cast<unsigned>(blocks), column_tile * column_lanes, 0};
 }
 
-static_assert(elementwise_block <= block_limit && row_block <= block_limit && row_block % 32 == 0 && column_tile == 32 &&
-                  column_tile * column_lanes <= block_limit,
+static_assert(elementwise_block <= block_limit && row_block <= block_limit && row_block % 32 == 0 &&
+                  column_tile == 32 && column_tile * column_lanes <= block_limit,
               "Block sizes must be whole warps within CUDA's 1024-thread limit (a column tile is one warp wide).");
 static_assert(elementwise_launch(1) == Launch{1, 256, 0});
 static_assert(elementwise_launch(257).grid == 2);
@@ -96,11 +102,16 @@ static_assert(elementwise_launch(1LL << 40).grid == max_grid);
 /// tests the same bits of the same words. 0 for types without such values (integers).
 constexpr std::uint64_t nonfinite_mask(DType t) {
   switch (t) {
-    case DType::float32: return 0x7f800000u;
-    case DType::float64: return 0x7ff0000000000000ull;
-    case DType::bfloat16: return 0x7f80u;
-    case DType::float16: return 0x7c00u;
-    default: return 0;
+    case DType::float32:
+      return 0x7f800000u;
+    case DType::float64:
+      return 0x7ff0000000000000ull;
+    case DType::bfloat16:
+      return 0x7f80u;
+    case DType::float16:
+      return 0x7c00u;
+    default:
+      return 0;
   }
 }
 
@@ -110,7 +121,7 @@ PIPEOFFLOAD_HOST_DEVICE constexpr bool nonfinite_word(Word word, Word mask) {
   return (word & mask) == mask;
 }
 
-static_assert(nonfinite_word(std::uint32_t{0x7fc00000u}, std::uint32_t{0x7f800000u}) &&  // float32 NaN
+static_assert(nonfinite_word(std::uint32_t{0x7fc00000u}, std::uint32_t{0x7f800000u}) &&      // float32 NaN
                   nonfinite_word(std::uint32_t{0xff800000u}, std::uint32_t{0x7f800000u}) &&  // -Inf
                   !nonfinite_word(std::uint32_t{0x7f7fffffu}, std::uint32_t{0x7f800000u}),   // the largest finite float
               "nonfinite_word must flag NaN and infinities and nothing finite.");
@@ -139,7 +150,7 @@ struct ColMajorGemm {
   long long a_rows = 0, a_cols = 0, lda = 0;  ///< cuBLASLt's A = the row-major B
   long long b_rows = 0, b_cols = 0, ldb = 0;  ///< cuBLASLt's B = the row-major A
   long long c_rows = 0, c_cols = 0, ldc = 0;
-  bool swapped = true;                        ///< A pointer is the row-major B (always, see above)
+  bool swapped = true;  ///< A pointer is the row-major B (always, see above)
   float alpha = 1, beta = 0;
   friend constexpr bool operator==(const ColMajorGemm&, const ColMajorGemm&) = default;
 };
@@ -151,9 +162,15 @@ constexpr ColMajorGemm to_column_major(const RowMajorGemm& g) {
   // Row-major op(A) is M x K: stored M x K (no) or K x M (t); its row stride must cover a row.
   const long long a_row_len = g.ta == Op::n ? g.K : g.M;
   const long long b_row_len = g.tb == Op::n ? g.N : g.K;
-  if (g.lda < std::max(1LL, a_row_len)) throw shape_error("cuda::to_column_major: lda = " + pipeoffload::detail::num(g.lda) + " is below the row length " + pipeoffload::detail::num(a_row_len));
-  if (g.ldb < std::max(1LL, b_row_len)) throw shape_error("cuda::to_column_major: ldb = " + pipeoffload::detail::num(g.ldb) + " is below the row length " + pipeoffload::detail::num(b_row_len));
-  if (g.ldc < std::max(1LL, g.N)) throw shape_error("cuda::to_column_major: ldc = " + pipeoffload::detail::num(g.ldc) + " is below N = " + pipeoffload::detail::num(g.N));
+  if (g.lda < std::max(1LL, a_row_len))
+    throw shape_error("cuda::to_column_major: lda = " + pipeoffload::detail::num(g.lda) + " is below the row length " +
+                      pipeoffload::detail::num(a_row_len));
+  if (g.ldb < std::max(1LL, b_row_len))
+    throw shape_error("cuda::to_column_major: ldb = " + pipeoffload::detail::num(g.ldb) + " is below the row length " +
+                      pipeoffload::detail::num(b_row_len));
+  if (g.ldc < std::max(1LL, g.N))
+    throw shape_error("cuda::to_column_major: ldc = " + pipeoffload::detail::num(g.ldc) +
+                      " is below N = " + pipeoffload::detail::num(g.N));
   ColMajorGemm c;
   c.transa = g.tb;
   c.transb = g.ta;
@@ -179,11 +196,17 @@ constexpr ColMajorGemm to_column_major(const RowMajorGemm& g) {
 /// The three GEMMs of a linear layer Y = X W (X rows x k, W k x n, row-major), exactly as the
 /// CPU GPT (models/gpt/cpu.hpp: linear, linear_dx, linear_dw) calls the CPU GEMM.
 /// Forward: Y (rows x n) = X W.
-constexpr RowMajorGemm linear_forward(long long rows, long long k, long long n) { return {Op::n, Op::n, rows, n, k, k, n, n, 1.0f, 0.0f}; }
+constexpr RowMajorGemm linear_forward(long long rows, long long k, long long n) {
+  return {Op::n, Op::n, rows, n, k, k, n, n, 1.0f, 0.0f};
+}
 /// B (dgrad): dX (rows x k) = dY W^T.
-constexpr RowMajorGemm linear_dgrad(long long rows, long long k, long long n) { return {Op::n, Op::t, rows, k, n, n, n, k, 1.0f, 0.0f}; }
+constexpr RowMajorGemm linear_dgrad(long long rows, long long k, long long n) {
+  return {Op::n, Op::t, rows, k, n, n, n, k, 1.0f, 0.0f};
+}
 /// W (wgrad): dW (k x n) += X^T dY (accumulates over microbatches: beta = 1).
-constexpr RowMajorGemm linear_wgrad(long long rows, long long k, long long n) { return {Op::t, Op::n, k, n, rows, k, n, n, 1.0f, 1.0f}; }
+constexpr RowMajorGemm linear_wgrad(long long rows, long long k, long long n) {
+  return {Op::t, Op::n, k, n, rows, k, n, n, 1.0f, 1.0f};
+}
 
 /// What cuBLASLt's heuristic may assume about an operand at `address`: the largest power of two
 /// dividing it, up to 256 (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES, whose default is 256).
@@ -192,10 +215,13 @@ constexpr std::uint32_t pointer_alignment(std::uintptr_t address) {
   while (a > 1 && address % a != 0) a /= 2;
   return a;
 }
-static_assert(pointer_alignment(0) == 256 && pointer_alignment(4096 + 16) == 16 && pointer_alignment(2) == 2 && pointer_alignment(7) == 1);
+static_assert(pointer_alignment(0) == 256 && pointer_alignment(4096 + 16) == 16 && pointer_alignment(2) == 2 &&
+              pointer_alignment(7) == 1);
 
 /// Elements of a rows x cols matrix stored with leading dimension ld (last row/column short).
-constexpr long long stored_elements(long long rows, long long cols, long long ld) { return cols == 0 ? 0 : ld * (cols - 1) + rows; }
+constexpr long long stored_elements(long long rows, long long cols, long long ld) {
+  return cols == 0 ? 0 : ld * (cols - 1) + rows;
+}
 
 // ---- attention (cuDNN SDPA) ------------------------------------------------------------------
 
@@ -213,9 +239,11 @@ struct SdpaLayout {
 };
 
 constexpr SdpaLayout sdpa_layout(long long batch, long long heads, long long seq, long long head_dim) {
-  if (batch < 1 || heads < 1 || seq < 1 || head_dim < 1) throw shape_error("cuda::sdpa_layout: batch, heads, seq and head_dim must be >= 1");
+  if (batch < 1 || heads < 1 || seq < 1 || head_dim < 1)
+    throw shape_error("cuda::sdpa_layout: batch, heads, seq and head_dim must be >= 1");
   if (head_dim % 8 != 0 || head_dim > 256)
-    throw shape_error("cuda::sdpa_layout: head_dim = " + pipeoffload::detail::num(head_dim) + " must be a multiple of 8 in [8, 256] (cuDNN's fused attention)");
+    throw shape_error("cuda::sdpa_layout: head_dim = " + pipeoffload::detail::num(head_dim) +
+                      " must be a multiple of 8 in [8, 256] (cuDNN's fused attention)");
   const long long h = heads * head_dim;
   SdpaLayout l;
   const long long dims[4] = {batch, heads, seq, head_dim};

@@ -66,8 +66,8 @@ inline void mpi_check(int rc, const char* call, int rank, std::source_location a
   int len = 0;
   if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
   throw comm_error(std::string(call) + " failed on rank " + std::to_string(rank) + " (" + mpi_host() + "): " +
-                   (len > 0 ? std::string(text, static_cast<std::size_t>(len)) : "error " + std::to_string(rc)) + " [" + at.file_name() + ":" +
-                   std::to_string(at.line()) + "]");
+                   (len > 0 ? std::string(text, static_cast<std::size_t>(len)) : "error " + std::to_string(rc)) + " [" +
+                   at.file_name() + ":" + std::to_string(at.line()) + "]");
 }
 
 /// Polling pause: yield first (a reply is often microseconds away), then sleep with a growing
@@ -93,8 +93,8 @@ class Backoff {
 
 /// Checks an MPI call's return code (the communicator sets MPI_ERRORS_RETURN on its own
 /// communicator, so errors arrive here instead of ending the process).
-#define PIPEOFFLOAD_MPI_CHECK(rank, call)                       \
-  do {                                                          \
+#define PIPEOFFLOAD_MPI_CHECK(rank, call)                          \
+  do {                                                             \
     ::pipeoffload::comm::detail::mpi_check((call), #call, (rank)); \
   } while (0)
 
@@ -121,8 +121,9 @@ class MpiSession {
     PIPEOFFLOAD_MPI_CHECK(-1, MPI_Comm_rank(MPI_COMM_WORLD, &rank_));
     PIPEOFFLOAD_MPI_CHECK(rank_, MPI_Comm_size(MPI_COMM_WORLD, &size_));
     if (provided < MPI_THREAD_MULTIPLE)
-      throw comm_error("comm::MpiSession: this MPI provides thread level " + std::to_string(provided) + ", comm::Mpi needs MPI_THREAD_MULTIPLE (" +
-                       std::to_string(MPI_THREAD_MULTIPLE) + "): the comm stream and the host thread call MPI at once");
+      throw comm_error("comm::MpiSession: this MPI provides thread level " + std::to_string(provided) +
+                       ", comm::Mpi needs MPI_THREAD_MULTIPLE (" + std::to_string(MPI_THREAD_MULTIPLE) +
+                       "): the comm stream and the host thread call MPI at once");
   }
   MpiSession(const MpiSession&) = delete;
   MpiSession& operator=(const MpiSession&) = delete;
@@ -204,8 +205,11 @@ class Mpi {
       throw comm_error("comm::Mpi: rank " + std::to_string(rank_) + " cannot send " + std::to_string(data.size()) +
                        " bytes in one message; the limit is " + std::to_string(INT_MAX - sizeof(Header)));
     MPI_Request req = MPI_REQUEST_NULL;
-    PIPEOFFLOAD_MPI_CHECK(rank_, MPI_Issend(buf->data(), static_cast<int>(buf->size()), MPI_BYTE, peer, data_tag, comm_, &req));
-    wait(req, std::move(buf), nullptr, [&] { return "send to rank " + std::to_string(peer) + " of " + describe(tag); }, peer);
+    PIPEOFFLOAD_MPI_CHECK(
+        rank_, MPI_Issend(buf->data(), static_cast<int>(buf->size()), MPI_BYTE, peer, data_tag, comm_, &req));
+    wait(
+        req, std::move(buf), nullptr, [&] { return "send to rank " + std::to_string(peer) + " of " + describe(tag); },
+        peer);
   }
 
   /// Blocks until the next message from `peer` arrives; it must carry `tag` and fit `out`.
@@ -234,14 +238,16 @@ class Mpi {
     PIPEOFFLOAD_MPI_CHECK(rank_, MPI_Mrecv(buf.data(), bytes, MPI_BYTE, &msg, MPI_STATUS_IGNORE));
     Header h{};
     if (buf.size() < sizeof h)
-      throw comm_error("comm::Mpi: rank " + std::to_string(rank_) + " expected " + describe(tag) + " from rank " + std::to_string(peer) +
-                       " but received a " + std::to_string(buf.size()) + "-byte message without a header");
+      throw comm_error("comm::Mpi: rank " + std::to_string(rank_) + " expected " + describe(tag) + " from rank " +
+                       std::to_string(peer) + " but received a " + std::to_string(buf.size()) +
+                       "-byte message without a header");
     std::memcpy(&h, buf.data(), sizeof h);
     const Tag got{h.stage, h.mb, h.dir == 0 ? Dir::forward : Dir::backward};
     const std::size_t count = buf.size() - sizeof h;
     if (!(got == tag) || h.count != out.size() || count != out.size())
-      throw comm_error("comm::Mpi: rank " + std::to_string(rank_) + " expected " + describe(tag) + " of " + std::to_string(out.size()) +
-                       " bytes from rank " + std::to_string(peer) + " but received " + describe(got) + " of " + std::to_string(h.count) + " bytes");
+      throw comm_error("comm::Mpi: rank " + std::to_string(rank_) + " expected " + describe(tag) + " of " +
+                       std::to_string(out.size()) + " bytes from rank " + std::to_string(peer) + " but received " +
+                       describe(got) + " of " + std::to_string(h.count) + " bytes");
     if (!out.empty()) std::memcpy(out.data(), buf.data() + sizeof h, out.size());
   }
 
@@ -250,11 +256,12 @@ class Mpi {
   /// naming two of them.
   template <class T>
   void all_gather(std::span<const T> mine, std::span<T> all) {
-    static_assert(std::is_trivially_copyable_v<T>, "comm::Mpi::all_gather: T must be trivially copyable; values travel as MPI_BYTE.");
+    static_assert(std::is_trivially_copyable_v<T>,
+                  "comm::Mpi::all_gather: T must be trivially copyable; values travel as MPI_BYTE.");
     const std::size_t n = mine.size(), d = static_cast<std::size_t>(size_);
     if (all.size() != n * d)
-      throw comm_error("comm::Mpi::all_gather: the output holds " + std::to_string(all.size()) + " values; it must hold size() * mine.size() = " +
-                       std::to_string(n * d));
+      throw comm_error("comm::Mpi::all_gather: the output holds " + std::to_string(all.size()) +
+                       " values; it must hold size() * mine.size() = " + std::to_string(n * d));
     throw_if_aborted();
     // First the counts and value sizes, so that a mismatch is an error on every rank instead
     // of an MPI truncation on some. Buffers are owned here: a request cut short must not point
@@ -263,17 +270,20 @@ class Mpi {
     const long long my_count[2] = {static_cast<long long>(n), static_cast<long long>(sizeof(T))};
     std::memcpy(counts->data(), my_count, sizeof my_count);
     gather_owned(std::move(counts), sizeof my_count, MPI_LONG_LONG, 2);
-    const long long* c = reinterpret_cast<const long long*>(last_gather_.data() + sizeof my_count);  // [rank * 2 + {count, size}]
+    const long long* c =
+        reinterpret_cast<const long long*>(last_gather_.data() + sizeof my_count);  // [rank * 2 + {count, size}]
     for (std::size_t r = 0; r < d; ++r)
       if (c[2 * r] != c[0])
-        throw comm_error("comm::Mpi::all_gather: ranks contributed different counts (rank 0: " + std::to_string(c[0]) + ", rank " + std::to_string(r) +
-                         ": " + std::to_string(c[2 * r]) + ")");
+        throw comm_error("comm::Mpi::all_gather: ranks contributed different counts (rank 0: " + std::to_string(c[0]) +
+                         ", rank " + std::to_string(r) + ": " + std::to_string(c[2 * r]) + ")");
     for (std::size_t r = 0; r < d; ++r)
       if (c[2 * r + 1] != c[1])
-        throw comm_error("comm::Mpi::all_gather: ranks contributed values of different sizes (rank 0: " + std::to_string(c[1]) + " bytes, rank " +
-                         std::to_string(r) + ": " + std::to_string(c[2 * r + 1]) + " bytes)");
+        throw comm_error(
+            "comm::Mpi::all_gather: ranks contributed values of different sizes (rank 0: " + std::to_string(c[1]) +
+            " bytes, rank " + std::to_string(r) + ": " + std::to_string(c[2 * r + 1]) + " bytes)");
     const std::size_t block = n * sizeof(T);
-    if (block > static_cast<std::size_t>(INT_MAX)) throw comm_error("comm::Mpi::all_gather: " + std::to_string(n) + " values are too many for one call");
+    if (block > static_cast<std::size_t>(INT_MAX))
+      throw comm_error("comm::Mpi::all_gather: " + std::to_string(n) + " values are too many for one call");
     auto values = std::make_unique<std::vector<std::byte>>((d + 1) * block);
     if (n > 0) std::memcpy(values->data(), mine.data(), block);
     gather_owned(std::move(values), block, MPI_BYTE, static_cast<int>(block));
@@ -285,8 +295,10 @@ class Mpi {
   /// NCCL unique id: comm/mpi/nccl_id.hpp).
   void broadcast(int root, std::span<std::byte> data) {
     if (root < 0 || root >= size_)
-      throw comm_error("comm::Mpi::broadcast: root = " + std::to_string(root) + " is outside [0, " + std::to_string(size_ - 1) + "]");
-    if (data.size() > static_cast<std::size_t>(INT_MAX)) throw comm_error("comm::Mpi::broadcast: " + std::to_string(data.size()) + " bytes are too many for one call");
+      throw comm_error("comm::Mpi::broadcast: root = " + std::to_string(root) + " is outside [0, " +
+                       std::to_string(size_ - 1) + "]");
+    if (data.size() > static_cast<std::size_t>(INT_MAX))
+      throw comm_error("comm::Mpi::broadcast: " + std::to_string(data.size()) + " bytes are too many for one call");
     throw_if_aborted();
     auto buf = std::make_unique<std::vector<std::byte>>(data.begin(), data.end());
     MPI_Request req = MPI_REQUEST_NULL;
@@ -311,7 +323,8 @@ class Mpi {
       for (int p = 0; p < size_; ++p) {
         if (p == rank_) continue;
         MPI_Request req = MPI_REQUEST_NULL;
-        if (MPI_Isend(note_.data(), static_cast<int>(note_.size()), MPI_CHAR, p, abort_tag, comm_, &req) == MPI_SUCCESS) MPI_Request_free(&req);
+        if (MPI_Isend(note_.data(), static_cast<int>(note_.size()), MPI_CHAR, p, abort_tag, comm_, &req) == MPI_SUCCESS)
+          MPI_Request_free(&req);
       }
     } catch (...) {
       // Out of memory while aborting: the local state is set, which is what matters most.
@@ -362,7 +375,8 @@ class Mpi {
     std::snprintf(secs, sizeof secs, "%.1f", elapsed(since));
     std::snprintf(limit, sizeof limit, "%g", opt_.timeout_seconds);
     // The peer named is the one this op waits for; it may itself be waiting on a lost rank.
-    return "comm::Mpi: rank " + std::to_string(rank_) + " (" + detail::mpi_host() + ") has waited " + secs + " s in " + op + " (timeout " + limit + " s); " +
+    return "comm::Mpi: rank " + std::to_string(rank_) + " (" + detail::mpi_host() + ") has waited " + secs + " s in " +
+           op + " (timeout " + limit + " s); " +
            (peer >= 0 ? "rank " + std::to_string(peer) + " has not answered: it is lost, stuck, or waiting itself"
                       : std::string("some rank has not joined: it is lost, stuck, or waiting itself"));
   }
@@ -375,7 +389,8 @@ class Mpi {
   /// Waits for `req`, watching for abort notes and the timeout. `buf` is what the request
   /// reads or writes: on failure it is kept (orphans_) because the request still uses it.
   template <class What>
-  void wait(MPI_Request& req, std::unique_ptr<std::vector<std::byte>> buf, std::vector<std::byte>* into, What what, int peer) {
+  void wait(MPI_Request& req, std::unique_ptr<std::vector<std::byte>> buf, std::vector<std::byte>* into, What what,
+            int peer) {
     const auto start = std::chrono::steady_clock::now();
     detail::Backoff backoff;
     for (;;) {
@@ -422,8 +437,8 @@ class Mpi {
 
   void check_peer(int peer, const char* what) const {
     if (peer < 0 || peer >= size_ || peer == rank_)
-      throw comm_error("comm::Mpi: rank " + std::to_string(rank_) + " cannot " + what + " rank " + std::to_string(peer) +
-                       "; peers are the other ranks of 0.." + std::to_string(size_ - 1));
+      throw comm_error("comm::Mpi: rank " + std::to_string(rank_) + " cannot " + what + " rank " +
+                       std::to_string(peer) + "; peers are the other ranks of 0.." + std::to_string(size_ - 1));
   }
 
   Options opt_;

@@ -49,19 +49,23 @@ inline NcclIdBytes decode_id(const std::string& text, std::uint64_t generation) 
   std::string magic, word, hexid;
   std::uint64_t gen = 0;
   std::getline(in, magic);
-  if (magic != id_file_magic) throw comm_error("comm::Nccl id file: first line is \"" + magic + "\", expected \"" + id_file_magic + "\"");
+  if (magic != id_file_magic)
+    throw comm_error("comm::Nccl id file: first line is \"" + magic + "\", expected \"" + id_file_magic + "\"");
   if (!(in >> word >> gen) || word != "generation") throw comm_error("comm::Nccl id file: no generation line");
   if (gen != generation)
-    throw comm_error("comm::Nccl id file: generation " + std::to_string(gen) + " is not this job's " + std::to_string(generation) + " (a stale file?)");
+    throw comm_error("comm::Nccl id file: generation " + std::to_string(gen) + " is not this job's " +
+                     std::to_string(generation) + " (a stale file?)");
   if (!(in >> hexid) || hexid.size() != 2 * nccl_id_bytes)
-    throw comm_error("comm::Nccl id file: the id has " + std::to_string(hexid.size()) + " hex digits, expected " + std::to_string(2 * nccl_id_bytes));
+    throw comm_error("comm::Nccl id file: the id has " + std::to_string(hexid.size()) + " hex digits, expected " +
+                     std::to_string(2 * nccl_id_bytes));
   NcclIdBytes id{};
   const auto nib = [&](char c) -> int {
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
     throw comm_error(std::string("comm::Nccl id file: '") + c + "' is not a lowercase hex digit");
   };
-  for (std::size_t i = 0; i < nccl_id_bytes; ++i) id[i] = static_cast<unsigned char>(nib(hexid[2 * i]) * 16 + nib(hexid[2 * i + 1]));
+  for (std::size_t i = 0; i < nccl_id_bytes; ++i)
+    id[i] = static_cast<unsigned char>(nib(hexid[2 * i]) * 16 + nib(hexid[2 * i + 1]));
   return id;
 }
 
@@ -93,7 +97,8 @@ inline NcclIdBytes await_id(const std::string& path, std::uint64_t generation, s
       return decode_id(text.str(), generation);
     }
     if (std::chrono::steady_clock::now() >= deadline)
-      throw comm_error("comm::Nccl: no id file at " + path + " after " + std::to_string(timeout.count()) + " ms (is rank 0 running, and is the path shared?)");
+      throw comm_error("comm::Nccl: no id file at " + path + " after " + std::to_string(timeout.count()) +
+                       " ms (is rank 0 running, and is the path shared?)");
     std::this_thread::sleep_for(poll);
   }
 }

@@ -48,7 +48,8 @@
 
 namespace pipeoffload::comm {
 
-static_assert(sizeof(ncclUniqueId) == nccl_id_bytes, "comm::Nccl: NCCL's unique id is not the 128 bytes id_file.hpp transports.");
+static_assert(sizeof(ncclUniqueId) == nccl_id_bytes,
+              "comm::Nccl: NCCL's unique id is not the 128 bytes id_file.hpp transports.");
 
 namespace detail {
 
@@ -67,14 +68,15 @@ inline void nccl_check(ncclResult_t status, const char* call, int rank, ncclComm
   if (status == ncclSuccess) return;
   cudaGetLastError();  // NCCL's CUDA failures must not resurface in the next CUDA check
   const char* last = ncclGetLastError(comm);
-  throw cuda_error(std::string("NCCL error ") + ncclGetErrorString(status) + " in " + call + " on rank " + std::to_string(rank) + " (host " +
-                   detail::host_name() + ") at " + cuda::detail::where(loc) + (last && *last ? std::string(": ") + last : std::string()));
+  throw cuda_error(std::string("NCCL error ") + ncclGetErrorString(status) + " in " + call + " on rank " +
+                   std::to_string(rank) + " (host " + detail::host_name() + ") at " + cuda::detail::where(loc) +
+                   (last && *last ? std::string(": ") + last : std::string()));
 }
 
 /// Checks an NCCL call made on behalf of rank `rank_of_call` with communicator `handle`.
-#define PIPEOFFLOAD_NCCL_CHECK(call, rank_of_call, handle)                              \
-  do {                                                                                  \
-    ::pipeoffload::comm::nccl_check((call), #call, (rank_of_call), (handle));           \
+#define PIPEOFFLOAD_NCCL_CHECK(call, rank_of_call, handle)                    \
+  do {                                                                        \
+    ::pipeoffload::comm::nccl_check((call), #call, (rank_of_call), (handle)); \
   } while (0)
 
 /// The communicators of the ranks this process drives, and their shared abort state.
@@ -118,8 +120,8 @@ class NcclWorld {
   /// One process per GPU: rank 0 creates the unique id and publishes it at `path` (a shared
   /// file system), the others wait up to `timeout` for it. `generation` tells this job's file
   /// from a stale one (use the job id).
-  static std::shared_ptr<NcclWorld> from_file(const std::string& path, std::uint64_t generation, int rank, int size, int device,
-                                              std::chrono::milliseconds timeout = std::chrono::minutes(5)) {
+  static std::shared_ptr<NcclWorld> from_file(const std::string& path, std::uint64_t generation, int rank, int size,
+                                              int device, std::chrono::milliseconds timeout = std::chrono::minutes(5)) {
     NcclIdBytes bytes{};
     if (rank == 0) {
       bytes = new_id(rank);
@@ -244,16 +246,17 @@ class Nccl {
   /// of any trivially copyable T) from every rank into `all` (host memory).
   template <class T>
   void all_gather(std::span<const T> mine, std::span<T> all) {
-    static_assert(std::is_trivially_copyable_v<T>, "comm::Nccl::all_gather: T must be trivially copyable; values travel as bytes.");
+    static_assert(std::is_trivially_copyable_v<T>,
+                  "comm::Nccl::all_gather: T must be trivially copyable; values travel as bytes.");
     if (w_->aborted()) w_->throw_aborted();
     const std::size_t n = mine.size(), d = static_cast<std::size_t>(size());
     if (all.size() != n * d)
-      throw comm_error("comm::Nccl::all_gather: the output holds " + std::to_string(all.size()) + " values; it must hold size() * mine.size() = " +
-                       std::to_string(n * d));
+      throw comm_error("comm::Nccl::all_gather: the output holds " + std::to_string(all.size()) +
+                       " values; it must hold size() * mine.size() = " + std::to_string(n * d));
     PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(dev_->device()));
     verify_tags();
     const std::size_t block = n * sizeof(T);  // bytes per rank
-    if (block * d > gather_capacity_) {  // between steps: the only allocation after construction
+    if (block * d > gather_capacity_) {       // between steps: the only allocation after construction
       PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(gather_stream_));
       PIPEOFFLOAD_CUDA_CHECK(cudaFree(gather_dev_));
       gather_dev_ = nullptr;
@@ -292,23 +295,26 @@ class Nccl {
     return {t.stage, t.mb, t.dir == Dir::forward ? 0 : 1, 0, static_cast<std::int64_t>(bytes)};
   }
   static std::string describe_header(const Header& h) {
-    return describe(Tag{h.stage, h.mb, h.dir == 0 ? Dir::forward : Dir::backward}) + " of " + std::to_string(h.bytes) + " bytes";
+    return describe(Tag{h.stage, h.mb, h.dir == 0 ? Dir::forward : Dir::backward}) + " of " + std::to_string(h.bytes) +
+           " bytes";
   }
 
   /// ctx's stream, once ctx is known to be of this communicator's device.
   cudaStream_t stream(const backend::CudaContext& ctx) const {
     if (w_->aborted()) w_->throw_aborted();
     if (ctx.device != dev_ || ctx.cuda_stream == nullptr)
-      throw comm_error("comm::Nccl: rank " + std::to_string(rank_) + " was given the context of " +
-                       (ctx.device == nullptr ? std::string("no device") : "device " + std::to_string(ctx.device->device())) +
-                       "; send and recv take a stream context of its own device " + std::to_string(dev_->device()) +
-                       " (backend::Cuda::context(stream))");
+      throw comm_error(
+          "comm::Nccl: rank " + std::to_string(rank_) + " was given the context of " +
+          (ctx.device == nullptr ? std::string("no device") : "device " + std::to_string(ctx.device->device())) +
+          "; send and recv take a stream context of its own device " + std::to_string(dev_->device()) +
+          " (backend::Cuda::context(stream))");
     return ctx.cuda_stream;
   }
 
   std::size_t next_slot(std::size_t& counter, const char* what) {
     if (counter >= opt_.max_messages_per_step)
-      throw comm_error(std::string("comm::Nccl: more than max_messages_per_step = ") + std::to_string(opt_.max_messages_per_step) + " " + what +
+      throw comm_error(std::string("comm::Nccl: more than max_messages_per_step = ") +
+                       std::to_string(opt_.max_messages_per_step) + " " + what +
                        "s between two all_gathers; raise Nccl::Options::max_messages_per_step");
     return counter++;
   }
@@ -317,13 +323,15 @@ class Nccl {
   void verify_tags() {
     std::vector<Header> got(received_);
     if (!got.empty()) {
-      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(got.data(), recv_dev_, got.size() * sizeof(Header), cudaMemcpyDeviceToHost, gather_stream_));
+      PIPEOFFLOAD_CUDA_CHECK(
+          cudaMemcpyAsync(got.data(), recv_dev_, got.size() * sizeof(Header), cudaMemcpyDeviceToHost, gather_stream_));
       PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(gather_stream_));
     }
     for (std::size_t i = 0; i < got.size(); ++i)
       if (!(got[i] == expected_[i].h))
-        throw comm_error("comm::Nccl: rank " + std::to_string(rank_) + " expected " + describe_header(expected_[i].h) + " from rank " +
-                         std::to_string(expected_[i].peer) + " but received " + describe_header(got[i]));
+        throw comm_error("comm::Nccl: rank " + std::to_string(rank_) + " expected " + describe_header(expected_[i].h) +
+                         " from rank " + std::to_string(expected_[i].peer) + " but received " +
+                         describe_header(got[i]));
     // Every message of the step has completed (the caller synchronised), so slots are free.
     sent_ = received_ = 0;
     expected_.clear();
@@ -331,8 +339,8 @@ class Nccl {
 
   void check_peer(int peer, const char* what) const {
     if (peer < 0 || peer >= size() || peer == rank_)
-      throw comm_error("comm::Nccl: rank " + std::to_string(rank_) + " cannot " + what + " rank " + std::to_string(peer) +
-                       "; peers are the other ranks of 0.." + std::to_string(size() - 1));
+      throw comm_error("comm::Nccl: rank " + std::to_string(rank_) + " cannot " + what + " rank " +
+                       std::to_string(peer) + "; peers are the other ranks of 0.." + std::to_string(size() - 1));
   }
 
   std::shared_ptr<NcclWorld> w_;

@@ -27,12 +27,17 @@ namespace pipeoffload::detail {
 
 constexpr double duration(const Costs& c, const Op& op) {
   switch (op.kind) {
-    case OpKind::F: return c.F(op.stage);
-    case OpKind::B: return c.B(op.stage);
-    case OpKind::W: return c.W(op.stage);
-    case OpKind::BW: return c.B(op.stage) + c.W(op.stage);
+    case OpKind::F:
+      return c.F(op.stage);
+    case OpKind::B:
+      return c.B(op.stage);
+    case OpKind::W:
+      return c.W(op.stage);
+    case OpKind::BW:
+      return c.B(op.stage) + c.W(op.stage);
     case OpKind::O:
-    case OpKind::R: return c.T_O(op.stage);
+    case OpKind::R:
+      return c.T_O(op.stage);
   }
   return 0;
 }
@@ -47,7 +52,8 @@ constexpr std::string describe(const Op& op) {
 constexpr std::vector<double> duration_table(const Costs& c, int stages) {
   std::vector<double> t(static_cast<std::size_t>(stages) * 6);
   for (int s = 0; s < stages; ++s)
-    for (int k = 0; k < 6; ++k) t[static_cast<std::size_t>(s) * 6 + static_cast<std::size_t>(k)] = duration(c, Op{static_cast<OpKind>(k), s, 0});
+    for (int k = 0; k < 6; ++k)
+      t[static_cast<std::size_t>(s) * 6 + static_cast<std::size_t>(k)] = duration(c, Op{static_cast<OpKind>(k), s, 0});
   return t;
 }
 
@@ -89,9 +95,12 @@ constexpr std::vector<UnitEnds> asap_scratch(const Program& p) {
 /// compute-only timeline the offload planner starts from). Throws schedule_error if the orders
 /// cannot all run (a dependency cycle).
 template <bool WithCopy>
-constexpr void asap_into(const Program& p, const Costs& costs, const std::vector<double>& dur, TimesOut* out, std::vector<UnitEnds>& ends) {
+constexpr void asap_into(const Program& p, const Costs& costs, const std::vector<double>& dur, TimesOut* out,
+                         std::vector<UnitEnds>& ends) {
   const int d = p.shape.d, S = p.shape.stages();
-  const auto unit = [S](int s, int mb) { return static_cast<std::size_t>(mb) * static_cast<std::size_t>(S) + static_cast<std::size_t>(s); };
+  const auto unit = [S](int s, int mb) {
+    return static_cast<std::size_t>(mb) * static_cast<std::size_t>(S) + static_cast<std::size_t>(s);
+  };
   // Stages s and s+1 live on different ranks unless d = 1: every hop pays T_comm then.
   const double hop = d > 1 ? costs.comm : 0.0;
 
@@ -139,7 +148,9 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
     const Op* const copy = L.copy;
     const double* const table = dur.data();
     // End of op x of a stream: its start plus its duration, as it was computed.
-    const auto end_of = [table](const double* start, const Op* ops, std::size_t x) { return start[x] + table_duration(table, ops[x]); };
+    const auto end_of = [table](const double* start, const Op* ops, std::size_t x) {
+      return start[x] + table_duration(table, ops[x]);
+    };
     std::size_t ci = L.ci, ki = L.ki;
     const std::size_t nc = L.nc, nk = L.nk;
     double cfree = L.cfree, kfree = L.kfree;
@@ -199,8 +210,10 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
         }
         const double end = ready + table_duration(table, op);
         cs[ci] = ready;
-        if (kind == OpKind::F) ends[self].f = end;
-        else if (kind == OpKind::B || kind == OpKind::BW) ends[self].b = end;
+        if (kind == OpKind::F)
+          ends[self].f = end;
+        else if (kind == OpKind::B || kind == OpKind::BW)
+          ends[self].b = end;
         cfree = end;
         ++ci;
       }
@@ -266,9 +279,11 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
     const Lane& L = lanes[ru];
     const auto& rp = p.ranks[ru];
     if (L.ci < L.nc || (WithCopy && L.ki < L.nk)) {
-      std::string msg = "schedule cannot run: rank " + num(r) + " is stuck at compute op " + num(static_cast<long long>(L.ci));
+      std::string msg =
+          "schedule cannot run: rank " + num(r) + " is stuck at compute op " + num(static_cast<long long>(L.ci));
       if (L.ci < L.nc) msg += " " + describe(rp.compute[L.ci]);
-      if (WithCopy && L.ki < L.nk) msg += " and copy op " + num(static_cast<long long>(L.ki)) + " " + describe(rp.copy[L.ki]);
+      if (WithCopy && L.ki < L.nk)
+        msg += " and copy op " + num(static_cast<long long>(L.ki)) + " " + describe(rp.copy[L.ki]);
       throw schedule_error(msg + " (a dependency cycle between the ranks' orders)");
     }
   }

@@ -16,9 +16,12 @@ constexpr long long ceil_div(long long a, long long b) { return (a + b - 1) / b;
 constexpr int resolve_group(const GroupSpec& g, int d) {
   const int lo = static_cast<int>(ceil_div(d, 2));
   switch (g.kind) {
-    case GroupSpec::Kind::full: return d;
-    case GroupSpec::Kind::half: return lo;
-    case GroupSpec::Kind::uniform: return 1;
+    case GroupSpec::Kind::full:
+      return d;
+    case GroupSpec::Kind::half:
+      return lo;
+    case GroupSpec::Kind::uniform:
+      return 1;
     case GroupSpec::Kind::number:
       require_range("GIS(g): group size g (legal: ceil(d/2) <= g <= d)", g.value, lo, d);
       return g.value;
@@ -35,7 +38,8 @@ constexpr void check_shape(const ScheduleSpec& spec, const Shape& s) {
     throw shape_error("1F1B-I (Megatron's interleaved order): microbatches m = " + num(s.m) +
                       " must be a multiple of ranks d = " + num(s.d));
   if (spec.offload.kind == offload::selection::Kind::set && s.v < 64 && (spec.offload.mask >> s.v) != 0)
-    throw shape_error("offload::chunks: a listed chunk index is >= v = " + num(s.v) + "; allowed chunks are 0.." + num(s.v - 1));
+    throw shape_error("offload::chunks: a listed chunk index is >= v = " + num(s.v) + "; allowed chunks are 0.." +
+                      num(s.v - 1));
 }
 
 constexpr bool finite_positive(double x) { return x > 0 && x < 1e300; }
@@ -45,7 +49,8 @@ constexpr void check_costs(const Costs& c, const Shape& s) {
   if (!finite_positive(c.b)) throw shape_error("costs: T_B must be a finite number > 0");
   if (!finite_positive(c.w)) throw shape_error("costs: T_W must be a finite number > 0");
   if (!(c.comm >= 0 && c.comm < 1e300)) throw shape_error("costs: T_comm must be a finite number >= 0");
-  if (!finite_positive(c.k) && !finite_positive(c.t_o)) throw shape_error("costs: k (or T_O) must be a finite number > 0");
+  if (!finite_positive(c.k) && !finite_positive(c.t_o))
+    throw shape_error("costs: k (or T_O) must be a finite number > 0");
   if (!(c.t_o >= 0 && c.t_o < 1e300)) throw shape_error("costs: T_O must be a finite number >= 0 (0 means: from k)");
   const auto check_vec = [&](const std::vector<double>& vec, const char* what, bool positive) {
     if (vec.empty()) return;
@@ -54,7 +59,8 @@ constexpr void check_costs(const Costs& c, const Shape& s) {
                         " entries; it must have S = v*d = " + num(s.stages()) + " (or none)");
     for (double x : vec)
       if (positive ? !finite_positive(x) : !(x >= 0 && x < 1e300))
-        throw shape_error(std::string("costs: every per-stage ") + what + " must be a finite number " + (positive ? "> 0" : ">= 0"));
+        throw shape_error(std::string("costs: every per-stage ") + what + " must be a finite number " +
+                          (positive ? "> 0" : ">= 0"));
   };
   check_vec(c.stage_f, "T_F", true);
   check_vec(c.stage_b, "T_B", true);

@@ -21,8 +21,10 @@ struct default_init : std::allocator<T> {
   constexpr default_init(const default_init<U>&) noexcept {}
   template <class U>
   constexpr void construct(U* p) noexcept {
-    if (std::is_constant_evaluated()) std::construct_at(p);
-    else ::new (static_cast<void*>(p)) U;
+    if (std::is_constant_evaluated())
+      std::construct_at(p);
+    else
+      ::new (static_cast<void*>(p)) U;
   }
   template <class U, class... A>
   constexpr void construct(U* p, A&&... a) {

@@ -53,8 +53,9 @@ struct SettleScratch {
 /// its own stream come first anyway), an R for the last W or BW, a backward for its own
 /// reload, and no other op waits: only F and R acquire. Linear (the skipped tail of releases
 /// is found by a galloping search, a few steps).
-constexpr void cross_stream_edges(Program& p, int r, const std::vector<double>& ps, const std::vector<double>& pe, const std::vector<double>& ks,
-                                  const std::vector<double>& ke, double eps, SettleScratch& ws) {
+constexpr void cross_stream_edges(Program& p, int r, const std::vector<double>& ps, const std::vector<double>& pe,
+                                  const std::vector<double>& ks, const std::vector<double>& ke, double eps,
+                                  SettleScratch& ws) {
   const Shape& sh = p.shape;
   auto& rp = p.ranks[static_cast<std::size_t>(r)];
   Op* const comp = rp.compute.data();
@@ -128,7 +129,8 @@ constexpr void cross_stream_edges(Program& p, int r, const std::vector<double>& 
   // Each unit's reload (chunk * m + mb); s / d without a division.
   const FastDiv by_d(static_cast<std::uint64_t>(sh.d), static_cast<std::uint64_t>(sh.stages()));
   const auto unit_of = [&](const Op& op) {
-    return static_cast<std::size_t>(by_d(static_cast<std::uint64_t>(op.stage))) * static_cast<std::size_t>(sh.m) + static_cast<std::size_t>(op.mb);
+    return static_cast<std::size_t>(by_d(static_cast<std::uint64_t>(op.stage))) * static_cast<std::size_t>(sh.m) +
+           static_cast<std::size_t>(op.mb);
   };
   auto& ridx = ws.ridx;
   ridx.assign(static_cast<std::size_t>(sh.v) * static_cast<std::size_t>(sh.m), -1);
@@ -181,7 +183,8 @@ constexpr double copy_lag(const Program& p, int r, const double* release, double
   const double* const dur = ws.dur.data();
   const auto duration_of = [dur](const Op& op) { return table_duration(dur, op); };
   std::size_t x = 0, y = 0;
-  double cfree = 0, kfree = 0, lag = 0, sum = busy;  // sum: kept in a register, not in `busy`, which the stores could alias
+  double cfree = 0, kfree = 0, lag = 0,
+         sum = busy;  // sum: kept in a register, not in `busy`, which the stores could alias
   while (x < nc || y < nk) {
     const std::size_t x0 = x, y0 = y;
     for (; x < nc; ++x) {
@@ -230,8 +233,8 @@ constexpr double copy_lag(const Program& p, int r, const double* release, double
 /// with the slot parities `parities`, and derives their final edges; settle_pair then keeps
 /// that placement or the swapped one. `ps[i]`/`pe[i]` are rank r0+i's planned compute start
 /// and end times, `release[i]` each of its compute ops' start without offload.
-constexpr void place_pair(Program& p, int r0, int n, const std::vector<double>* ps, const std::vector<double>* pe, Parities parities, OffloadScratch& os,
-                          SettleScratch& ws) {
+constexpr void place_pair(Program& p, int r0, int n, const std::vector<double>* ps, const std::vector<double>* pe,
+                          Parities parities, OffloadScratch& os, SettleScratch& ws) {
   for (int i = 0; i < n; ++i) place_offloads(p, r0 + i, ps[i], pe[i], os, parities, Edges::offloads_only);
   for (int i = 0; i < n; ++i) {
     const RankProgram& rp = p.ranks[static_cast<std::size_t>(r0 + i)];
@@ -249,14 +252,16 @@ constexpr void place_pair(Program& p, int r0, int n, const std::vector<double>* 
     }
     const auto& pend = pe[i];
     const double horizon = std::max(pend.empty() ? 0.0 : pend.back(), ke[nk - 1]);
-    cross_stream_edges(p, r0 + i, ps[i], pend, ws.ks, ws.ke, tolerance(std::max(T, horizon)), ws);  // place_offloads' eps
+    cross_stream_edges(p, r0 + i, ps[i], pend, ws.ks, ws.ke, tolerance(std::max(T, horizon)),
+                       ws);  // place_offloads' eps
   }
 }
 
 /// See place_pair. `plan()` returns the pair's ps and pe (arrays of n vectors), which only a
 /// pair that falls behind needs.
 template <class Plan>
-constexpr void settle_pair(Program& p, int r0, int n, const double* const* release, const Plan& plan, OffloadScratch& os, SettleScratch& ws) {
+constexpr void settle_pair(Program& p, int r0, int n, const double* const* release, const Plan& plan,
+                           OffloadScratch& os, SettleScratch& ws) {
   // The pair's copy_lag, and the durations of the compute ops of its ranks with offloads.
   const auto lag_of = [&](double& busy) {
     double lag = 0;

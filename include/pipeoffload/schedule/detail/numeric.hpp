@@ -20,7 +20,8 @@ class FastDiv {
   constexpr FastDiv() = default;  // d = 1
   constexpr FastDiv(std::uint64_t d, std::uint64_t max_n) : magic_(d == 0 ? 0 : (std::uint64_t{1} << 40) / d + 1) {
     if (d == 0 || max_n >= (std::uint64_t{1} << 40) / d || max_n > std::numeric_limits<std::uint64_t>::max() / magic_)
-      throw error("FastDiv: numerators up to " + num(static_cast<long long>(max_n)) + " by " + num(static_cast<long long>(d)) +
+      throw error("FastDiv: numerators up to " + num(static_cast<long long>(max_n)) + " by " +
+                  num(static_cast<long long>(d)) +
                   " are outside its exact range (max_n * d < 2^40, max_n * magic < 2^64)");
   }
   constexpr std::uint64_t operator()(std::uint64_t n) const { return (n * magic_) >> 40; }

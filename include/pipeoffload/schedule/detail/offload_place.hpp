@@ -40,8 +40,9 @@ enum class Edges : bool { replay_plan, offloads_only };
 /// Places one rank's offloads and reloads on its copy-slot grid and derives the cross-stream
 /// edges that `edges` names. `ps`/`pe` are the planned start/end of each compute op; `ws`
 /// keeps its memory from one rank to the next.
-constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, const std::vector<double>& pe, OffloadScratch& ws,
-                              Parities parities = Parities::planned, Edges edges = Edges::replay_plan) {
+constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, const std::vector<double>& pe,
+                              OffloadScratch& ws, Parities parities = Parities::planned,
+                              Edges edges = Edges::replay_plan) {
   const Shape& sh = p.shape;
   auto& rp = p.ranks[static_cast<std::size_t>(r)];
   const int m = sh.m, v = sh.v, d = sh.d;
@@ -51,8 +52,12 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
   // Each op's chunk (its stage is chunk * d + r), s / d without a division, and its unit
   // (chunk * m + mb).
   const FastDiv by_d(static_cast<std::uint64_t>(d), static_cast<std::uint64_t>(sh.stages()));
-  const auto chunk_of = [by_d](const Op& op) { return static_cast<std::size_t>(by_d(static_cast<std::uint64_t>(op.stage))); };
-  const auto unit_of = [&](const Op& op) { return chunk_of(op) * static_cast<std::size_t>(m) + static_cast<std::size_t>(op.mb); };
+  const auto chunk_of = [by_d](const Op& op) {
+    return static_cast<std::size_t>(by_d(static_cast<std::uint64_t>(op.stage)));
+  };
+  const auto unit_of = [&](const Op& op) {
+    return chunk_of(op) * static_cast<std::size_t>(m) + static_cast<std::size_t>(op.mb);
+  };
   // Index of each unit's forward and backward (B or BW) in the compute order, and each
   // chunk's microbatches in the order of their forwards and of their backwards.
   auto& fidx = ws.fidx;
@@ -82,7 +87,8 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
   // Each unit's gap between the end of its F and the start of its backward.
   auto& gaps = ws.gaps;
   gaps.resize(units);
-  for (std::size_t u = 0; u < units; ++u) gaps[u] = ps[static_cast<std::size_t>(bidx[u])] - pe[static_cast<std::size_t>(fidx[u])];
+  for (std::size_t u = 0; u < units; ++u)
+    gaps[u] = ps[static_cast<std::size_t>(bidx[u])] - pe[static_cast<std::size_t>(fidx[u])];
   const auto gap = [&](int c, int mb) { return gaps[static_cast<std::size_t>(c * m + mb)]; };
   // The selected chunks that have at least one unit whose gap can hide its own round trip;
   // the others stay on the device and must not stretch the slots (an LM-head chunk's long
@@ -106,7 +112,8 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
   if (horizon / T > static_cast<double>(max_copy_slots))
     throw shape_error("costs: T_O = k(T_F+T_B+T_W)/2 is too small for this schedule: its copy-slot grid would need " +
                       num(static_cast<long long>(horizon / T + 0.5)) + " slots, at most " + num(max_copy_slots) +
-                      " are allowed; raise k (or T_O) at least " + num(static_cast<long long>(horizon / T / max_copy_slots) + 1) + "-fold");
+                      " are allowed; raise k (or T_O) at least " +
+                      num(static_cast<long long>(horizon / T / max_copy_slots) + 1) + "-fold");
   const double eps = tolerance(std::max(T, horizon));
   // Slot n = [nT, (n+1)T). Offload slots have parity `po`; the odd rank of a PCIe pair
   // (r, r^1) takes the other parity, so the pair never copies in one direction at once.
@@ -125,7 +132,9 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
   // The unit in each copy slot (2u: its offload, 2u+1: its reload), -1 if the slot is free.
   auto& owner = ws.owner;
   owner.clear();
-  const auto is_used = [&](long long n) { return n >= 0 && n < static_cast<long long>(owner.size()) && owner[static_cast<std::size_t>(n)] >= 0; };
+  const auto is_used = [&](long long n) {
+    return n >= 0 && n < static_cast<long long>(owner.size()) && owner[static_cast<std::size_t>(n)] >= 0;
+  };
   const auto mark = [&](long long n, int val) {
     if (n >= static_cast<long long>(owner.size())) owner.resize(static_cast<std::size_t>(n + 1) * 2, -1);
     owner[static_cast<std::size_t>(n)] = val;

@@ -73,7 +73,9 @@ struct Block {
     for (long long c = 1; c < v; ++c) e = std::min(e, f(c, 0, 0) - f(c - 1, 0, d - 1) - 1);
   }
   /// Block slot of F(chunk c, member j) on rank i.
-  constexpr long long f(long long c, long long j, long long i) const { return a[static_cast<std::size_t>(c)] + 3 * j + i; }
+  constexpr long long f(long long c, long long j, long long i) const {
+    return a[static_cast<std::size_t>(c)] + 3 * j + i;
+  }
   /// Block slot of rank i's first backward.
   constexpr long long b0(long long i) const { return f(v - 1, 0, i) + 3 * (d - 1 - i) + 1; }
   /// Rank i's latest W slot (unshifted).
@@ -89,7 +91,8 @@ struct Block {
     FastDiv by_d;
     constexpr long long slot(const Op& op) const {
       const auto c = static_cast<std::size_t>(by_d(static_cast<std::uint64_t>(op.stage)));
-      return op.kind == OpKind::F ? base[2 * c] + op.mb * L : base[2 * c + 1] + op.mb * L + (op.kind == OpKind::W ? 1 : 0);
+      return op.kind == OpKind::F ? base[2 * c] + op.mb * L
+                                  : base[2 * c + 1] + op.mb * L + (op.kind == OpKind::W ? 1 : 0);
     }
   };
   constexpr RankGrid grid(long long i) const {
@@ -111,7 +114,8 @@ struct Block {
       j = op.mb % g;
       n = op.mb / g;
     }
-    const long long base = op.kind == OpKind::F ? f(cc, j, i) : b0(i) + f(v - 1 - cc, j, 0) + (op.kind == OpKind::W ? 1 : 0);
+    const long long base =
+        op.kind == OpKind::F ? f(cc, j, i) : b0(i) + f(v - 1 - cc, j, 0) + (op.kind == OpKind::W ? 1 : 0);
     return base + n * L + shift(i);
   }
 };
@@ -129,7 +133,7 @@ constexpr void order_grouped_rank(Program& p, const Block& bk, long long i) {
   // whole timeline). Sparse: sort.
   if (last + 1 <= 4 * 3 * v * m) {
     struct Entry {
-      Op op{};          // kind, stage and member j (in mb) of the block pass at this residue
+      Op op{};            // kind, stage and member j (in mb) of the block pass at this residue
       long long hi = -1;  // its block slot / L; -1: no pass
     };
     std::vector<Entry> table(static_cast<std::size_t>(L));

@@ -26,9 +26,9 @@ constexpr void plan_p2p_rank(Program& p, int r, const End& end) {
   struct Cursor {
     const Op* ops = nullptr;  // the compute ops of the rank this cursor walks
     std::size_t n = 0, x = 0;
-    int rank = -1;    // that rank
-    int to_rank = -1; // -1: every message it sends; else only those to to_rank
-    double t = 0;     // planned end of ops[x]
+    int rank = -1;     // that rank
+    int to_rank = -1;  // -1: every message it sends; else only those to to_rank
+    double t = 0;      // planned end of ops[x]
   };
   // Rank the message produced by `op` on rank `from` goes to, or -1 if it sends none.
   const auto sends_to = [S, d](const Op& op, int from) {
@@ -75,8 +75,10 @@ constexpr void plan_p2p_rank(Program& p, int r, const End& end) {
     const bool fwd = op.kind == OpKind::F;
     const int consumer = fwd ? op.stage + 1 : op.stage - 1;
     const Dir dir = fwd ? Dir::forward : Dir::backward;
-    if (best == 0) comm.push_back(CommOp{true, sends_to(op, r), consumer, op.mb, dir});
-    else comm.push_back(CommOp{false, c.rank, consumer, op.mb, dir});
+    if (best == 0)
+      comm.push_back(CommOp{true, sends_to(op, r), consumer, op.mb, dir});
+    else
+      comm.push_back(CommOp{false, c.rank, consumer, op.mb, dir});
     ++c.x;
     settle(c);
   }
@@ -158,7 +160,8 @@ constexpr bool plan_p2p_po_rank(Program& p, const Block& bk, const long long* sl
     if (ki < kj && ki < kk) {
       const Op& op = o[own[i++].x];
       const bool fwd = op.kind == OpKind::F;
-      *q = CommOp{true, fwd ? next : prev, fwd ? op.stage + 1 : op.stage - 1, op.mb, fwd ? Dir::forward : Dir::backward};
+      *q =
+          CommOp{true, fwd ? next : prev, fwd ? op.stage + 1 : op.stage - 1, op.mb, fwd ? Dir::forward : Dir::backward};
     } else if (kj < kk) {
       const Op& op = o[fp[j++].x];
       *q = CommOp{false, prev, op.stage, op.mb, Dir::forward};

@@ -55,8 +55,10 @@ constexpr int worker_count(std::size_t work, int items, Workers threads) {
 /// A flag that one item sets once and others read while it runs: release/acquire between
 /// threads, plain in a constant expression (one thread).
 constexpr void publish(bool& flag) {
-  if (std::is_constant_evaluated()) flag = true;
-  else std::atomic_ref<bool>(flag).store(true, std::memory_order_release);
+  if (std::is_constant_evaluated())
+    flag = true;
+  else
+    std::atomic_ref<bool>(flag).store(true, std::memory_order_release);
 }
 constexpr bool published(bool& flag) {
   if (std::is_constant_evaluated()) return flag;
