@@ -49,13 +49,17 @@
 #include <vector>
 
 #include "train_gpt_options.hpp"
+#include "train_gpt_report.hpp"
 
 namespace {
 
 using sample::bad_argument;
 using sample::hex64;
 using sample::mib;
+using train_gpt::exit_status;
 using train_gpt::Options;
+using train_gpt::print_banner;
+using train_gpt::Setup;
 
 /// The GPT stage with an optional injected fault: the runtime sees it as the layer type, so a
 /// fault fires inside a real forward pass, mid-iteration, with other passes in flight.
@@ -79,139 +83,6 @@ struct Stage : po::model::GptStage {
  private:
   const Options::Fault* fault_;
 };
-
-/// What every rank shares: the data, the schedule and its costs, the optimizer's settings,
-/// the configuration it agrees on.
-struct Setup {
-  std::string text;
-  std::size_t train_bytes = 0;  // text[0, train_bytes) trains; the rest is held out (--eval-every)
-  po::Costs costs{};            // planning costs (the CUDA launcher sets stagger_pairs)
-  po::RuntimeOptions runtime{};
-  po::WarmupCosine lr{};
-  float clip = 1.0f;
-  po::AdamWOptions adamw{};
-  std::vector<po::HandshakeField> fields;  // the handshake's
-  std::uint64_t config_hash = 0;           // of what the training state depends on (checkpoints)
-  std::size_t tokens_per_step = 0;
-};
-
-Setup make_setup(const Options& o, std::string text) {
-  Setup s;
-  s.text = std::move(text);
-  const po::Shape sh = o.shape;
-  s.train_bytes = o.eval_every > 0 ? s.text.size() - s.text.size() / 10 : s.text.size();
-  s.costs.k = o.k;
-  s.runtime = {.microbatch = {o.batch, o.model.seq}, .check_finite = o.check_finite};
-  s.lr = {.lr = o.lr,
-          .warmup_steps = std::max(1, std::min(20, o.steps / 10)),
-          .total_steps = o.steps,
-          .min_lr_ratio = 0.1f};
-  s.adamw.weight_decay = 0.01f;
-  // GPT-2's rule: no weight decay on biases and LayerNorm gains (the 1-d tensors).
-  if (!o.decay_all)
-    s.adamw.groups.push_back({"no decay", [](const po::ParamInfo& t) { return t.shape.size() < 2; }, 1.0f, 0.0f});
-  s.tokens_per_step = static_cast<std::size_t>(s.runtime.microbatch.tokens()) * static_cast<std::size_t>(sh.m);
-  char lr[32], drop[32], k[32];
-  std::snprintf(lr, sizeof lr, "%.9g", static_cast<double>(o.lr));
-  std::snprintf(drop, sizeof drop, "%.9g", static_cast<double>(o.model.dropout));
-  std::snprintf(k, sizeof k, "%.17g", o.k);
-  const std::string model = "layers=" + std::to_string(o.model.layers) + " hidden=" + std::to_string(o.model.hidden) +
-                            " heads=" + std::to_string(o.model.heads) + " seq=" + std::to_string(o.model.seq) +
-                            " dropout=" + drop;
-  const std::string batch = "batch=" + std::to_string(o.batch) + " microbatches=" + std::to_string(sh.m) +
-                            " stages=" + std::to_string(sh.stages());
-  const std::string train = "steps=" + std::to_string(o.steps) + " lr=" + lr + " seed=" + std::to_string(o.seed) +
-                            " decay=" + (o.decay_all ? "all" : "2d-only");
-  char data[96];
-  std::snprintf(data, sizeof data, "%zu bytes, fnv1a %016llx, %zu train", s.text.size(),
-                static_cast<unsigned long long>(po::fnv1a(s.text)), s.train_bytes);
-  s.fields = po::handshake_fields(o.spec, sh);
-  s.fields.push_back({"model", model});
-  s.fields.push_back({"batch", batch});
-  s.fields.push_back({"training", train});
-  s.fields.push_back({"data", data});
-  s.fields.push_back(
-      {"planning", "k=" + std::string(k) + " offload=" + std::to_string(po::offload::count(o.spec.offload, sh.v))});
-  s.fields.push_back({"run", "checkpoint-every=" + std::to_string(o.checkpoint_every) +
-                                 " resume=" + (o.resume.empty() ? "no" : "yes") + " trace=" + (o.trace ? "yes" : "no") +
-                                 " eval-every=" + std::to_string(o.eval_every) +
-                                 " check-finite=" + (o.check_finite ? "yes" : "no")});
-  // The training state depends on these, not on the schedule or rank count (every schedule
-  // trains bit-identically), so a checkpoint resumes under any of them.
-  s.config_hash = po::fnv1a(model + "|" + batch + "|" + train + "|" + data);
-  return s;
-}
-
-/// Rank 0's closing report: peaks, 1F1B-I's simulated peaks, wall time, the trace, and the
-/// two lines scripts compare.
-/// `params`: every stage's parameters, in stage order.
-void report(const Options& o, const Setup& su, const std::vector<std::vector<float>>& params,
-            const po::Program& program, int first, const std::vector<std::size_t>& peaks,
-            const std::vector<std::size_t>& units, std::vector<po::RankSim>& traces, float final_loss,
-            std::chrono::steady_clock::time_point t_start) {
-  const po::Shape sh = o.shape;
-
-  po::Costs sizes;
-  sizes.unit_bytes.resize(static_cast<std::size_t>(sh.stages()));
-  for (int q = 0; q < sh.d; ++q)
-    for (int c = 0; c < sh.v; ++c)
-      sizes.unit_bytes[static_cast<std::size_t>(sh.stage_of(q, c))] =
-          static_cast<double>(units[static_cast<std::size_t>(q * sh.v + c)]);
-  std::printf("peak activation per rank, measured (MiB):   ");
-  for (int q = 0; q < sh.d; ++q) std::printf(" %s", mib(peaks[3 * static_cast<std::size_t>(q)]).c_str());
-  std::printf("   (device total incl. stash and messages:");
-  for (int q = 0; q < sh.d; ++q) std::printf(" %s", mib(peaks[3 * static_cast<std::size_t>(q) + 1]).c_str());
-  std::printf("; pinned host:");
-  for (int q = 0; q < sh.d; ++q) std::printf(" %s", mib(peaks[3 * static_cast<std::size_t>(q) + 2]).c_str());
-  std::printf(")\n");
-  if (sh.m % sh.d == 0) {
-    const po::Program ref = po::build({po::Family::interleaved_1f1b, {}, po::offload::none}, sh);
-    const po::SimResult sim = po::simulate(ref, sizes);
-    std::printf("1F1B-I would need, simulated (MiB):          ");
-    for (const auto& rs : sim.ranks) std::printf(" %s", mib(rs.peak).c_str());
-    std::printf("\n");
-  } else {
-    std::printf("1F1B-I would need: n/a (1F1B-I needs m to be a multiple of d)\n");
-  }
-  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-  std::printf("wall %.2f s, %.0f tokens/s\n", wall, static_cast<double>(su.tokens_per_step) * (o.steps - first) / wall);
-
-  if (o.trace) {
-    // The last step's measured times, from the earliest op, in milliseconds (the renderer's
-    // time unit is 1000 us).
-    po::SimResult real;
-    real.ranks = traces;
-    double t0 = 1e300, t1 = 0;
-    for (const auto& rs : real.ranks) {
-      for (double t : rs.compute_start) t0 = std::min(t0, t);
-      for (double t : rs.copy_start) t0 = std::min(t0, t);
-    }
-    for (std::size_t q = 0; q < real.ranks.size(); ++q) {
-      auto& rs = real.ranks[q];
-      for (auto* vec : {&rs.compute_start, &rs.compute_end, &rs.copy_start, &rs.copy_end})
-        for (double& t : *vec) {
-          t = (t - t0) * 1e3;
-          t1 = std::max(t1, t);
-        }
-      for (std::size_t x = 0; x < rs.compute_start.size(); ++x) rs.busy += rs.compute_end[x] - rs.compute_start[x];
-      po::detail::memory_timeline(sizes, program.ranks[q], rs);
-    }
-    real.makespan = t1;
-    for (auto& rs : real.ranks) rs.bubble = real.makespan - rs.busy;
-    std::ofstream out(*o.trace);
-    out << po::render_chrome_trace(program, real);
-    if (!out) throw po::error("cannot write the trace '" + *o.trace + "'");
-    std::printf("trace of the last step (%.1f ms) written to %s\n", t1, o.trace->c_str());
-  }
-
-  // FNV-1a over every parameter's fp32 bytes, stage by stage in model order: the same bytes
-  // in the same order however the model is cut into stages and ranks.
-  std::uint64_t hash = po::fnv1a_start;
-  for (const auto& p : params) hash = po::fnv1a(std::as_bytes(std::span(p)), hash);
-  std::printf("final_loss=%.9g\n", static_cast<double>(final_loss));
-  std::printf("params_hash=%s\n", hex64(hash).c_str());
-  std::fflush(stdout);
-}
 
 /// Every rank's `mine`, whatever their lengths (a collective: every rank calls it): the
 /// lengths first, then the values padded to the longest.
@@ -356,26 +227,6 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
   const double done = 1;
   std::vector<double> all_done(static_cast<std::size_t>(sh.d));
   comm.all_gather(std::span<const double>(&done, 1), std::span(all_done));
-}
-
-void print_banner(const Options& o, const Setup& su) {
-  const po::Shape sh = o.shape;
-  std::printf("train_gpt: %s, d=%d v=%d m=%d, GPT %d blocks h=%d heads=%d seq=%d batch=%d, %zu-byte corpus, %s%s\n",
-              o.schedule.c_str(), sh.d, sh.v, sh.m, o.model.layers, o.model.hidden, o.model.heads, o.model.seq, o.batch,
-              su.text.size(), o.cuda ? "CUDA (bf16, NCCL)" : ("BLAS " + po::blas::core_name()).c_str(),
-              o.mpi ? ", MPI processes" : "");
-  std::fflush(stdout);
-}
-
-/// Each rank's error ("" = none) to stderr; 1 if any rank failed.
-int exit_status(const std::vector<std::string>& errors) {
-  int status = 0;
-  for (std::size_t r = 0; r < errors.size(); ++r)
-    if (!errors[r].empty()) {
-      std::fprintf(stderr, "train_gpt: rank %zu: %s\n", r, errors[r].c_str());
-      status = 1;
-    }
-  return status;
 }
 
 /// Rank r's link with its PCIe partner r^1 (links[p] joins ranks 2p and 2p+1), or null.

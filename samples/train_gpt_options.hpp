@@ -1,6 +1,6 @@
 // samples/train_gpt_options.hpp: train_gpt's command line: its usage text, its options and the
 // parser that checks them (a bad one is a sample::bad_argument naming the flag, the value and
-// the allowed range; main exits with status 2).
+// the allowed range; main exits with status 2), and the Setup every rank derives from them.
 #pragma once
 
 #include <algorithm>
@@ -11,7 +11,11 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
+#include <pipeoffload/comm/handshake.hpp>
+#include <pipeoffload/fnv1a.hpp>
+#include <pipeoffload/runtime.hpp>
 #include <pipeoffload/schedule/schedule.hpp>
 
 #include <models/gpt/layout.hpp>
@@ -255,6 +259,68 @@ inline Options parse(int argc, char** argv) {
     o.spec.offload = po::offload::first(x);
   }
   return o;
+}
+
+/// What every rank shares: the data, the schedule and its costs, the optimizer's settings,
+/// the configuration it agrees on.
+struct Setup {
+  std::string text;
+  std::size_t train_bytes = 0;  // text[0, train_bytes) trains; the rest is held out (--eval-every)
+  po::Costs costs{};            // planning costs (the CUDA launcher sets stagger_pairs)
+  po::RuntimeOptions runtime{};
+  po::WarmupCosine lr{};
+  float clip = 1.0f;
+  po::AdamWOptions adamw{};
+  std::vector<po::HandshakeField> fields;  // the handshake's
+  std::uint64_t config_hash = 0;           // of what the training state depends on (checkpoints)
+  std::size_t tokens_per_step = 0;
+};
+
+inline Setup make_setup(const Options& o, std::string text) {
+  Setup s;
+  s.text = std::move(text);
+  const po::Shape sh = o.shape;
+  s.train_bytes = o.eval_every > 0 ? s.text.size() - s.text.size() / 10 : s.text.size();
+  s.costs.k = o.k;
+  s.runtime = {.microbatch = {o.batch, o.model.seq}, .check_finite = o.check_finite};
+  s.lr = {.lr = o.lr,
+          .warmup_steps = std::max(1, std::min(20, o.steps / 10)),
+          .total_steps = o.steps,
+          .min_lr_ratio = 0.1f};
+  s.adamw.weight_decay = 0.01f;
+  // GPT-2's rule: no weight decay on biases and LayerNorm gains (the 1-d tensors).
+  if (!o.decay_all)
+    s.adamw.groups.push_back({"no decay", [](const po::ParamInfo& t) { return t.shape.size() < 2; }, 1.0f, 0.0f});
+  s.tokens_per_step = static_cast<std::size_t>(s.runtime.microbatch.tokens()) * static_cast<std::size_t>(sh.m);
+  char lr[32], drop[32], k[32];
+  std::snprintf(lr, sizeof lr, "%.9g", static_cast<double>(o.lr));
+  std::snprintf(drop, sizeof drop, "%.9g", static_cast<double>(o.model.dropout));
+  std::snprintf(k, sizeof k, "%.17g", o.k);
+  const std::string model = "layers=" + std::to_string(o.model.layers) + " hidden=" + std::to_string(o.model.hidden) +
+                            " heads=" + std::to_string(o.model.heads) + " seq=" + std::to_string(o.model.seq) +
+                            " dropout=" + drop;
+  const std::string batch = "batch=" + std::to_string(o.batch) + " microbatches=" + std::to_string(sh.m) +
+                            " stages=" + std::to_string(sh.stages());
+  const std::string train = "steps=" + std::to_string(o.steps) + " lr=" + lr + " seed=" + std::to_string(o.seed) +
+                            " decay=" + (o.decay_all ? "all" : "2d-only");
+  char data[96];
+  std::snprintf(data, sizeof data, "%zu bytes, fnv1a %016llx, %zu train", s.text.size(),
+                static_cast<unsigned long long>(po::fnv1a(s.text)), s.train_bytes);
+  s.fields = po::handshake_fields(o.spec, sh);
+  s.fields.push_back({"model", model});
+  s.fields.push_back({"batch", batch});
+  s.fields.push_back({"training", train});
+  s.fields.push_back({"data", data});
+  s.fields.push_back(
+      {"planning", "k=" + std::string(k) + " offload=" + std::to_string(po::offload::count(o.spec.offload, sh.v))});
+  s.fields.push_back({"run", "checkpoint-every=" + std::to_string(o.checkpoint_every) +
+                                 " resume=" + (o.resume.empty() ? "no" : "yes") + " trace=" + (o.trace ? "yes" : "no") +
+                                 " eval-every=" + std::to_string(o.eval_every) +
+                                 " check-finite=" + (o.check_finite ? "yes" : "no")});
+  // The training state depends on these, not on the schedule or rank count (every schedule
+  // trains bit-identically), so a checkpoint resumes under any of them.
+  s.config_hash = po::fnv1a(model + "|" + batch + "|" + train + "|" + data);
+  return s;
 }
 
 }  // namespace train_gpt

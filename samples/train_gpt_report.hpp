@@ -1,0 +1,119 @@
+// samples/train_gpt_report.hpp: what train_gpt prints: its banner, rank 0's closing report
+// (measured peaks beside 1F1B-I's simulated ones, wall time, the trace, and the two lines scripts
+// compare: final_loss and params_hash) and each failed rank's error.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <pipeoffload/backend/cpu/blas.hpp>
+#include <pipeoffload/fnv1a.hpp>
+#include <pipeoffload/pipeoffload.hpp>
+#include <pipeoffload/sim/render.hpp>
+
+#include "cli.hpp"
+#include "train_gpt_options.hpp"
+
+namespace train_gpt {
+
+using sample::hex64;
+using sample::mib;
+
+inline  /// Rank 0's closing report: peaks, 1F1B-I's simulated peaks, wall time, the trace, and the
+    /// two lines scripts compare.
+    /// `params`: every stage's parameters, in stage order.
+    void
+    report(const Options& o, const Setup& su, const std::vector<std::vector<float>>& params, const po::Program& program,
+           int first, const std::vector<std::size_t>& peaks, const std::vector<std::size_t>& units,
+           std::vector<po::RankSim>& traces, float final_loss, std::chrono::steady_clock::time_point t_start) {
+  const po::Shape sh = o.shape;
+
+  po::Costs sizes;
+  sizes.unit_bytes.resize(static_cast<std::size_t>(sh.stages()));
+  for (int q = 0; q < sh.d; ++q)
+    for (int c = 0; c < sh.v; ++c)
+      sizes.unit_bytes[static_cast<std::size_t>(sh.stage_of(q, c))] =
+          static_cast<double>(units[static_cast<std::size_t>(q * sh.v + c)]);
+  std::printf("peak activation per rank, measured (MiB):   ");
+  for (int q = 0; q < sh.d; ++q) std::printf(" %s", mib(peaks[3 * static_cast<std::size_t>(q)]).c_str());
+  std::printf("   (device total incl. stash and messages:");
+  for (int q = 0; q < sh.d; ++q) std::printf(" %s", mib(peaks[3 * static_cast<std::size_t>(q) + 1]).c_str());
+  std::printf("; pinned host:");
+  for (int q = 0; q < sh.d; ++q) std::printf(" %s", mib(peaks[3 * static_cast<std::size_t>(q) + 2]).c_str());
+  std::printf(")\n");
+  if (sh.m % sh.d == 0) {
+    const po::Program ref = po::build({po::Family::interleaved_1f1b, {}, po::offload::none}, sh);
+    const po::SimResult sim = po::simulate(ref, sizes);
+    std::printf("1F1B-I would need, simulated (MiB):          ");
+    for (const auto& rs : sim.ranks) std::printf(" %s", mib(rs.peak).c_str());
+    std::printf("\n");
+  } else {
+    std::printf("1F1B-I would need: n/a (1F1B-I needs m to be a multiple of d)\n");
+  }
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  std::printf("wall %.2f s, %.0f tokens/s\n", wall, static_cast<double>(su.tokens_per_step) * (o.steps - first) / wall);
+
+  if (o.trace) {
+    // The last step's measured times, from the earliest op, in milliseconds (the renderer's
+    // time unit is 1000 us).
+    po::SimResult real;
+    real.ranks = traces;
+    double t0 = 1e300, t1 = 0;
+    for (const auto& rs : real.ranks) {
+      for (double t : rs.compute_start) t0 = std::min(t0, t);
+      for (double t : rs.copy_start) t0 = std::min(t0, t);
+    }
+    for (std::size_t q = 0; q < real.ranks.size(); ++q) {
+      auto& rs = real.ranks[q];
+      for (auto* vec : {&rs.compute_start, &rs.compute_end, &rs.copy_start, &rs.copy_end})
+        for (double& t : *vec) {
+          t = (t - t0) * 1e3;
+          t1 = std::max(t1, t);
+        }
+      for (std::size_t x = 0; x < rs.compute_start.size(); ++x) rs.busy += rs.compute_end[x] - rs.compute_start[x];
+      po::detail::memory_timeline(sizes, program.ranks[q], rs);
+    }
+    real.makespan = t1;
+    for (auto& rs : real.ranks) rs.bubble = real.makespan - rs.busy;
+    std::ofstream out(*o.trace);
+    out << po::render_chrome_trace(program, real);
+    if (!out) throw po::error("cannot write the trace '" + *o.trace + "'");
+    std::printf("trace of the last step (%.1f ms) written to %s\n", t1, o.trace->c_str());
+  }
+
+  // FNV-1a over every parameter's fp32 bytes, stage by stage in model order: the same bytes
+  // in the same order however the model is cut into stages and ranks.
+  std::uint64_t hash = po::fnv1a_start;
+  for (const auto& p : params) hash = po::fnv1a(std::as_bytes(std::span(p)), hash);
+  std::printf("final_loss=%.9g\n", static_cast<double>(final_loss));
+  std::printf("params_hash=%s\n", hex64(hash).c_str());
+  std::fflush(stdout);
+}
+
+inline void print_banner(const Options& o, const Setup& su) {
+  const po::Shape sh = o.shape;
+  std::printf("train_gpt: %s, d=%d v=%d m=%d, GPT %d blocks h=%d heads=%d seq=%d batch=%d, %zu-byte corpus, %s%s\n",
+              o.schedule.c_str(), sh.d, sh.v, sh.m, o.model.layers, o.model.hidden, o.model.heads, o.model.seq, o.batch,
+              su.text.size(), o.cuda ? "CUDA (bf16, NCCL)" : ("BLAS " + po::blas::core_name()).c_str(),
+              o.mpi ? ", MPI processes" : "");
+  std::fflush(stdout);
+}
+
+/// Each rank's error ("" = none) to stderr; 1 if any rank failed.
+inline int exit_status(const std::vector<std::string>& errors) {
+  int status = 0;
+  for (std::size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty()) {
+      std::fprintf(stderr, "train_gpt: rank %zu: %s\n", r, errors[r].c_str());
+      status = 1;
+    }
+  return status;
+}
+
+}  // namespace train_gpt
