@@ -326,120 +326,11 @@ class Runtime<Backend, Communicator> {
     return "stage " + std::to_string(s) + " (" + t.name + " on rank " + std::to_string(t.rank) + ")";
   }
 
-  void construct() {
-    require_valid(program_);
-    const Shape& sh = program_.shape;
-    rank_ = comm_.rank();
-    if (comm_.size() != sh.d)
-      throw error("po::Runtime: the communicator has " + std::to_string(comm_.size()) +
-                  " ranks; the program has d = " + std::to_string(sh.d));
-    if (static_cast<int>(stages_.size()) != sh.v)
-      throw error("po::Runtime: rank " + std::to_string(rank_) + " was given " + std::to_string(stages_.size()) +
-                  " stages; it needs v = " + std::to_string(sh.v) + " (one per chunk)");
-    const MicrobatchShape mbs = opt_.microbatch;
-    if (mbs.batch < 1 || mbs.seq < 1)
-      throw error("po::Runtime: microbatch shape batch = " + std::to_string(mbs.batch) +
-                  ", seq = " + std::to_string(mbs.seq) + " must both be >= 1");
-    const RankProgram& rp = program_.ranks[static_cast<std::size_t>(rank_)];
-    // This rank's stages, as every rank will know them.
-    struct Row {
-      Boundary input, output;
-      std::size_t parameters = 0, norm_groups = 0;
-      detail::ShortText name;
-    };
-    std::vector<Row> mine;
-    for (int c = 0; c < sh.v; ++c) {
-      const Stage& l = stages_[static_cast<std::size_t>(c)];
-      const int s = sh.stage_of(rank_, c);
-      if (l.parameters().size() != l.gradients().size())
-        throw error("po::Runtime: stage " + std::to_string(s) + " (" + l.name() + ") has " +
-                    std::to_string(l.parameters().size()) + " parameters but " + std::to_string(l.gradients().size()) +
-                    " gradients");
-      const std::vector<std::size_t> groups = l.norm_groups();
-      std::size_t total = 0;
-      for (std::size_t g : groups) total += g;
-      if (total != l.parameters().size())
-        throw error("po::Runtime: stage " + std::to_string(s) + " (" + l.name() + ")'s norm_groups() cover " +
-                    std::to_string(total) + " parameters, not its " + std::to_string(l.parameters().size()));
-      mine.push_back({l.input_boundary(mbs), l.output_boundary(mbs), l.parameters().size(), groups.size(),
-                      detail::ShortText::of(l.name())});
-      saved_.push_back(l.saved_bytes(mbs));
-      stash_.push_back(l.stash_bytes(mbs));
-      norm_groups_.push_back(groups);
-    }
-    // Bit-exactness: each stage must accumulate its weight gradients in microbatch order, as
-    // a one-rank run does. Every family orders them so; a program that does not is refused.
-    std::vector<int> last_w(static_cast<std::size_t>(sh.v), -1);
-    for (const Op& op : rp.compute)
-      if (op.kind == OpKind::W || op.kind == OpKind::BW) {
-        int& prev = last_w[static_cast<std::size_t>(sh.chunk_of(op.stage))];
-        if (op.mb < prev)
-          throw error("po::Runtime: stage " + std::to_string(op.stage) + " computes weight gradients of microbatch " +
-                      std::to_string(op.mb) + " after microbatch " + std::to_string(prev) +
-                      "; gradients must accumulate in microbatch order");
-        prev = op.mb;
-      }
-    collect_inputs();
-    // Every rank's stages (a collective: a rank that failed above has aborted it instead).
-    std::vector<Row> all(mine.size() * static_cast<std::size_t>(sh.d));
-    comm_.all_gather(std::span<const Row>(mine), std::span(all));  // [rank * v + chunk]
-    table_.resize(static_cast<std::size_t>(sh.stages()));
-    for (int r = 0; r < sh.d; ++r)
-      for (int c = 0; c < sh.v; ++c) {
-        const Row& x = all[static_cast<std::size_t>(r) * static_cast<std::size_t>(sh.v) + static_cast<std::size_t>(c)];
-        table_[static_cast<std::size_t>(sh.stage_of(r, c))] = {
-            r, c, x.name.str(), x.input, x.output, x.parameters, x.norm_groups};
-      }
-    // Every producer and its consumer must agree (every rank sees the same table and throws
-    // the same sentence).
-    for (int s = 0; s + 1 < sh.stages(); ++s) {
-      const Boundary& out = table_[static_cast<std::size_t>(s)].output;
-      const Boundary& in = table_[static_cast<std::size_t>(s + 1)].input;
-      if (!(out == in))
-        throw error("po::Runtime: " + stage_label(s) + " outputs " + std::to_string(out.elements) + " " +
-                    dtype_name(out.dtype) + " values per microbatch, but " + stage_label(s + 1) + " takes " +
-                    std::to_string(in.elements) + " " + dtype_name(in.dtype) +
-                    "; a stage's output and the next stage's input must agree");
-    }
-    for (const StageInfo& t : table_) max_groups_ = std::max(max_groups_, t.norm_groups);
-    // The plans the executor runs: training and forward-only evaluation.
-    eval_program_ = forward_only(program_);
-    make_plan(train_, program_.ranks[static_cast<std::size_t>(rank_)], true);
-    make_plan(eval_, eval_program_.ranks[static_cast<std::size_t>(rank_)], false);
-    units_.assign(static_cast<std::size_t>(sh.v) * static_cast<std::size_t>(sh.m), Unit{});
-    boxes_.assign(static_cast<std::size_t>(sh.stages()) * static_cast<std::size_t>(sh.m) * 2, backend::Block{});
-    if constexpr (backend::reserves_memory<Backend>) reserve_memory();
-    allocate_state();
-    // A failure on this device wakes every peer blocked on this rank (and the pair partner's
-    // copy stream, which may be waiting for this one's).
-    dev_.set_error_hook([this](const std::string& why) {
-      comm_.abort(why);
-      if constexpr (backend::pairs_copies<Backend>)
-        if (pair_ != nullptr) pair_->abort(why);
-    });
-  }
+  void construct();
 
   /// The step inputs this rank's stages declare: each name once (two stages that declare one
   /// name must agree on its type and size), and each stage's view of each microbatch's slice.
-  void collect_inputs() {
-    const Shape& sh = program_.shape;
-    for (int c = 0; c < sh.v; ++c) {
-      const Stage& l = stages_[static_cast<std::size_t>(c)];
-      for (const InputSpec& in : l.inputs(opt_.microbatch)) {
-        auto it =
-            std::find_if(inputs_.begin(), inputs_.end(), [&](const Declared& d) { return d.spec.name == in.name; });
-        if (it == inputs_.end()) {
-          inputs_.push_back({in, c});
-          continue;
-        }
-        if (it->spec.dtype != in.dtype || it->spec.elements != in.elements)
-          throw error("po::Runtime: stages " + std::to_string(sh.stage_of(rank_, it->chunk)) + " and " +
-                      std::to_string(sh.stage_of(rank_, c)) + " declare the step input '" + in.name +
-                      "' differently: " + std::to_string(it->spec.elements) + " " + dtype_name(it->spec.dtype) +
-                      " and " + std::to_string(in.elements) + " " + dtype_name(in.dtype) + " values per microbatch");
-      }
-    }
-  }
+  void collect_inputs();
 
   void make_plan(Plan& plan, const RankProgram& rp, bool training) {
     plan.rp = &rp;
@@ -482,160 +373,17 @@ class Runtime<Backend, Communicator> {
 
   /// Device memory of the runtime's own state, taken once here: the step's inputs, the last
   /// stage's per-microbatch losses, the non-finite flags (one per compute op).
-  void allocate_state() {
-    const Shape& sh = program_.shape;
-    // Reserved for themselves, so they never take a block reserve_memory() counted on.
-    const auto take = [&](std::size_t bytes) {
-      if constexpr (backend::reserves_memory<Backend>) dev_.reserve_device(bytes, 1);
-      return dev_.device_alloc(bytes, backend::Memory::state);
-    };
-    const std::size_t m = static_cast<std::size_t>(sh.m);
-    for (const Declared& d : inputs_) inputs_dev_.push_back(take(m * d.spec.elements * dtype_size(d.spec.dtype)));
-    losses_dev_ = take(m * sizeof(float));
-    flags_dev_ = take(std::max<std::size_t>(1, train_.rp->compute.size()) * sizeof(std::uint32_t));
-    // Each stage's view of each microbatch's inputs: fixed device addresses, built once.
-    views_.resize(static_cast<std::size_t>(sh.v) * m);
-    for (int c = 0; c < sh.v; ++c)
-      for (const InputSpec& in : stages_[static_cast<std::size_t>(c)].inputs(opt_.microbatch)) {
-        std::size_t k = 0;
-        while (inputs_[k].spec.name != in.name) ++k;
-        const std::size_t bytes = in.elements * dtype_size(in.dtype);
-        for (std::size_t b = 0; b < m; ++b)
-          views_[static_cast<std::size_t>(c) * m + b].push_back(
-              {inputs_[k].spec.name, ConstTensor{inputs_dev_[k].ptr + b * bytes, in.elements, in.dtype}});
-      }
-  }
+  void allocate_state();
 
   // ---- one call -------------------------------------------------------------------------
 
-  PassStats run(const Plan& plan, const Batch& batch, StepInfo info) {
-    const Shape& sh = program_.shape;
-    if (info.parts < 1 || info.part < 0 || info.part >= info.parts || info.step < 0)
-      throw error("po::Runtime: StepInfo{step = " + std::to_string(info.step) +
-                  ", part = " + std::to_string(info.part) + ", parts = " + std::to_string(info.parts) +
-                  "} needs step >= 0, parts >= 1 and 0 <= part < parts");
-    if (static_cast<long long>(info.parts) * sh.m > max_microbatches)
-      throw error("po::Runtime: parts * m = " + std::to_string(static_cast<long long>(info.parts) * sh.m) +
-                  " microbatches in one step exceed " + std::to_string(max_microbatches));
-    upload_inputs(batch);
-    const RankProgram& rp = *plan.rp;
-    dev_.zero(flags_dev_.ptr, rp.compute.size() * sizeof(std::uint32_t));
-    call_ = {info, &plan};
-    if (plan.training) {
-      trace_.compute_start.assign(rp.compute.size(), 0.0);
-      trace_.compute_end.assign(rp.compute.size(), 0.0);
-      trace_.copy_start.assign(rp.copy.size(), 0.0);
-      trace_.copy_end.assign(rp.copy.size(), 0.0);
-    }
-    dev_.reset_peaks();
-    const double t0 = dev_.now();
-    enqueue(plan);
-    if (plan.training) ++iterations_;
-    try {
-      dev_.synchronize();
-    } catch (const std::exception& e) {
-      comm_.abort(e.what());
-      throw;
-    }
-    PassStats st;
-    st.seconds = dev_.now() - t0;
-    st.memory = dev_.memory();
-    verdict(plan, st);
-    return st;
-  }
+  PassStats run(const Plan& plan, const Batch& batch, StepInfo info);
 
   /// Checks the batch against the declared inputs and copies them to the device.
-  void upload_inputs(const Batch& batch) {
-    const std::size_t m = static_cast<std::size_t>(program_.shape.m);
-    for (std::size_t k = 0; k < inputs_.size(); ++k) {
-      const InputSpec& in = inputs_[k].spec;
-      const HostTensor* t = batch.find(in.name);
-      const std::string who = "stage " + std::to_string(program_.shape.stage_of(rank_, inputs_[k].chunk));
-      if (t == nullptr)
-        throw error("po::Runtime: " + who + " reads the step input '" + in.name +
-                    "', which the batch does not have (it has: " + batch.names() + ")");
-      if (t->dtype != in.dtype || t->elements != m * in.elements)
-        throw error("po::Runtime: the step input '" + in.name + "' holds " + std::to_string(t->elements) + " " +
-                    dtype_name(t->dtype) + " values; " + who + " reads m * " + std::to_string(in.elements) + " = " +
-                    std::to_string(m * in.elements) + " " + dtype_name(in.dtype) + " values");
-      if (t->shape.empty() || t->shape[0] % static_cast<long long>(m) != 0)
-        throw error(
-            "po::Runtime: the step input '" + in.name + "' has " + std::to_string(t->shape.empty() ? 0 : t->shape[0]) +
-            " rows (its first dimension); they must split into m = " + std::to_string(m) + " equal microbatches");
-      dev_.upload(inputs_dev_[k].ptr, t->data, t->bytes());
-    }
-  }
+  void upload_inputs(const Batch& batch);
 
   /// After the passes: the losses and the first non-finite value, the same on every rank.
-  void verdict(const Plan& plan, PassStats& st) {
-    const Shape& sh = program_.shape;
-    const int S = sh.stages();
-    const std::size_t m = static_cast<std::size_t>(sh.m);
-    const RankProgram& rp = *plan.rp;
-    const bool last = rank_ == sh.rank_of(S - 1);
-    std::vector<float> losses(m, 0.0f);
-    if (last) dev_.download(losses.data(), losses_dev_.ptr, m * sizeof(float));
-    std::vector<std::uint32_t> flags(rp.compute.size(), 0);
-    dev_.download(flags.data(), flags_dev_.ptr, flags.size() * sizeof(std::uint32_t));
-    // Position of a value in one microbatch's data flow: F of stages 0..S-1, the loss, then
-    // B of stages S-1..0. The first (lowest key) non-finite value is the culprit.
-    const double span = 2.0 * S + 1;
-    double first = -1;
-    const auto note = [&](int mb, int pos) {
-      const double key = mb * span + pos;
-      if (first < 0 || key < first) first = key;
-    };
-    for (std::size_t x = 0; x < flags.size(); ++x) {
-      if (flags[x] == 0) continue;
-      const Op& op = rp.compute[x];
-      note(op.mb, op.kind == OpKind::F ? op.stage : S + 1 + (S - 1 - op.stage));
-    }
-    if (last)
-      for (std::size_t b = 0; b < m; ++b)
-        if (!std::isfinite(losses[b])) note(static_cast<int>(b), S);
-    std::vector<double> mine(m + 1), all((m + 1) * static_cast<std::size_t>(sh.d));
-    for (std::size_t b = 0; b < m; ++b) mine[b] = static_cast<double>(losses[b]);
-    mine[m] = first;
-    comm_.all_gather(std::span<const double>(mine), std::span(all));
-    const std::size_t lr = static_cast<std::size_t>(sh.rank_of(S - 1));
-    st.losses.resize(m);
-    double sum = 0;
-    for (std::size_t b = 0; b < m; ++b) {
-      st.losses[b] = static_cast<float>(all[lr * (m + 1) + b]);
-      sum += all[lr * (m + 1) + b];
-    }
-    st.loss = static_cast<float>(sum / static_cast<double>(m));
-    double worst = -1;
-    for (int r = 0; r < sh.d; ++r) {
-      const double k = all[static_cast<std::size_t>(r) * (m + 1) + m];
-      if (k >= 0 && (worst < 0 || k < worst)) worst = k;
-    }
-    if (worst < 0) return;
-    const int mb = static_cast<int>(worst / span), pos = static_cast<int>(worst - mb * span);
-    const std::string when = plan.training
-                                 ? "po::Runtime::forward_backward (step " + std::to_string(call_.info.step) + ")"
-                                 : "po::Runtime::evaluate";
-    const Program& prog = plan.training ? program_ : eval_program_;
-    const auto op_at = [&](int stage, bool forward) {
-      const int r = sh.rank_of(stage);
-      const auto& ops = prog.ranks[static_cast<std::size_t>(r)].compute;
-      for (std::size_t x = 0; x < ops.size(); ++x)
-        if (ops[x].stage == stage && ops[x].mb == mb &&
-            (forward ? ops[x].kind == OpKind::F : (ops[x].kind == OpKind::B || ops[x].kind == OpKind::BW)))
-          return where("compute", x, ops[x], r);
-      return "rank " + std::to_string(r) + ", stage " + std::to_string(stage);
-    };
-    std::string what;
-    if (pos < S)
-      what = op_at(pos, true) + ": its output activation has a NaN or infinity";
-    else if (pos == S)
-      what = op_at(S - 1, true) + ": the loss is " + std::to_string(st.losses[static_cast<std::size_t>(mb)]);
-    else
-      what = op_at(S - 1 - (pos - S - 1), false) + ": its input gradient has a NaN or infinity";
-    throw nonfinite_error(
-        when + ": " + what + " (the first non-finite value in data-flow order" +
-        (plan.training ? "; the gradients of this call are unusable: zero_grad() before going on)" : ")"));
-  }
+  void verdict(const Plan& plan, PassStats& st);
 
   // ---- the streams ----------------------------------------------------------------------
 
@@ -697,190 +445,24 @@ class Runtime<Backend, Communicator> {
     b = {};
   }
 
-  void run_compute(std::size_t x) {
-    const Plan& plan = *call_.plan;
-    const Op op = plan.rp->compute[x];
-    if (plan.training) trace_.compute_start[x] = dev_.now();
-    guarded("compute", x, op, [&] {
-      const int S = program_.shape.stages();
-      const std::size_t c = static_cast<std::size_t>(program_.shape.chunk_of(op.stage));
-      const Stage& l = stages_[c];
-      auto ctx = dev_.context(compute_);
-      const Microbatch mb = info(op);
-      std::uint32_t* flag = reinterpret_cast<std::uint32_t*>(flags_dev_.ptr) + x;
-      if (op.kind == OpKind::F) {
-        // Evaluation keeps nothing: the unit is a scratch block given back after the pass.
-        backend::Block saved = dev_.device_alloc(saved_[c], backend::Memory::activation);
-        if (plan.training) units_[unit_index(op.stage, op.mb)].device = saved;
-        const ConstTensor in = op.stage > 0 ? box_in(op.stage, op.mb, Dir::forward) : ConstTensor{};
-        const Tensor out = op.stage < S - 1 ? box_out(op.stage + 1, op.mb, Dir::forward) : Tensor{};
-        l.forward(ctx, mb, in, out, saved.ptr);
-        if (opt_.check_finite && out) dev_.flag_nonfinite(ctx, ConstTensor{out.data, out.elements, out.dtype}, flag);
-        if (op.stage > 0) release_box(op.stage, op.mb, Dir::forward);
-        if (!plan.training) dev_.device_free(saved);
-      }
-      Unit& u = units_[unit_index(op.stage, op.mb)];
-      if (op.kind == OpKind::B || op.kind == OpKind::BW) {
-        if (u.device.ptr == nullptr) throw error("its activations are not on the device (missing reload)");
-        const ConstTensor dy = op.stage < S - 1 ? box_in(op.stage, op.mb, Dir::backward) : ConstTensor{};
-        const Tensor dx = op.stage > 0 ? box_out(op.stage - 1, op.mb, Dir::backward) : Tensor{};
-        u.stash = dev_.device_alloc(stash_[c], backend::Memory::stash);
-        l.backward_input(ctx, mb, dy, dx, u.device.ptr, u.stash.ptr);
-        if (opt_.check_finite && dx) dev_.flag_nonfinite(ctx, ConstTensor{dx.data, dx.elements, dx.dtype}, flag);
-        if (op.stage < S - 1) release_box(op.stage, op.mb, Dir::backward);
-      }
-      if (op.kind == OpKind::W || op.kind == OpKind::BW) {
-        if (u.device.ptr == nullptr) throw error("its activations are not on the device (missing reload)");
-        l.backward_weight(ctx, mb, u.device.ptr, u.stash.ptr);
-        dev_.device_free(u.stash);
-        dev_.device_free(u.device);
-        u.stash = {};
-        u.device = {};
-      }
-    });
-    if (plan.training) trace_.compute_end[x] = dev_.now();
-  }
+  void run_compute(std::size_t x);
 
-  void run_copy(std::size_t y) {
-    const Op op = call_.plan->rp->copy[y];
-    trace_.copy_start[y] = dev_.now();
-    guarded("copy", y, op, [&] {
-      Unit& u = units_[unit_index(op.stage, op.mb)];
-      const std::size_t bytes = saved_[static_cast<std::size_t>(program_.shape.chunk_of(op.stage))];
-      const offload::BinPlan plan = offload::plan_bins(bytes);
-      std::array<backend::CopyPiece, 3> pieces{};
-      const auto lay_out = [&](bool to_host) {
-        std::size_t off = 0;
-        for (int i = 0; i < plan.count && off < bytes; ++i) {
-          const std::size_t n =
-              std::min<std::size_t>(static_cast<std::size_t>(plan.bins[static_cast<std::size_t>(i)]), bytes - off);
-          std::byte* dev = u.device.ptr + off;
-          std::byte* host = u.host[static_cast<std::size_t>(i)].ptr;
-          pieces[static_cast<std::size_t>(i)] =
-              to_host ? backend::CopyPiece{host, dev, n} : backend::CopyPiece{dev, host, n};
-          off += n;
-        }
-      };
-      if (op.kind == OpKind::O) {
-        if (u.device.ptr == nullptr) throw error("nothing to offload (the unit is not on the device)");
-        for (int i = 0; i < plan.count; ++i)
-          u.host[static_cast<std::size_t>(i)] = dev_.host_alloc(plan.bins[static_cast<std::size_t>(i)]);
-        lay_out(true);
-        dev_.transfer(std::span<const backend::CopyPiece>(pieces.data(), static_cast<std::size_t>(plan.count)));
-        dev_.device_free(u.device);
-        u.device = {};
-      } else {
-        if (u.host[0].ptr == nullptr && bytes > 0) throw error("nothing to reload (the unit was not offloaded)");
-        u.device = dev_.device_alloc(bytes, backend::Memory::activation);
-        lay_out(false);
-        dev_.transfer(std::span<const backend::CopyPiece>(pieces.data(), static_cast<std::size_t>(plan.count)));
-        for (auto& h : u.host) {
-          dev_.host_free(h);
-          h = {};
-        }
-      }
-    });
-    trace_.copy_end[y] = dev_.now();
-  }
+  void run_copy(std::size_t y);
 
-  void run_comm(std::size_t k) {
-    const CommOp c = call_.plan->rp->comm[k];
-    const Tag tag{c.stage, c.mb, c.dir};
-    try {
-      // Launched on the comm stream: the communicator posts there (a GPU one enqueues on it).
-      const Context ctx = dev_.context(comm_stream_);
-      if (c.send) {
-        backend::Block& b = box(c.stage, c.mb, c.dir);
-        comm_.send(ctx, c.peer, tag, std::span<const std::byte>(b.ptr, b.bytes));
-        dev_.device_free(b);
-        b = {};
-      } else {
-        const Tensor t = box_out(c.stage, c.mb, c.dir);
-        comm_.recv(ctx, c.peer, tag, std::span<std::byte>(t.data, t.bytes()));
-      }
-    } catch (const aborted_error&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw error("rank " + std::to_string(rank_) + ", comm op " + std::to_string(k) + " " +
-                  (c.send ? "send to" : "recv from") + " rank " + std::to_string(c.peer) + " " + describe(tag) + ": " +
-                  e.what());
-    }
-  }
+  void run_comm(std::size_t k);
 
   /// Enqueues the rank's three streams. A wait captures the latest record of its event, so
   /// ops go in in an order where every awaited event's record is already enqueued: advance
   /// each stream while its next op's dependencies are in (the schedule is valid, so this
   /// reaches the end).
-  void enqueue(const Plan& plan) {
-    const RankProgram& rp = *plan.rp;
-    const std::vector<int>& input_recv = plan.links.input_recv;
-    const std::vector<int>& send_producer = plan.links.send_producer;
-    const std::size_t nc = rp.compute.size(), ny = rp.copy.size(), nk = rp.comm.size();
-    std::size_t ic = 0, iy = 0, ik = 0;
-    while (ic < nc || iy < ny || ik < nk) {
-      bool moved = false;
-      while (ic < nc) {
-        const Op& op = rp.compute[ic];
-        const int r = input_recv[ic];
-        if ((r >= 0 && static_cast<std::size_t>(r) >= ik) || (op.wait >= 0 && static_cast<std::size_t>(op.wait) >= iy))
-          break;
-        if (r >= 0) dev_.wait(compute_, plan.recv_done[static_cast<std::size_t>(r)]);
-        if (op.wait >= 0) dev_.wait(compute_, plan.copy_done[static_cast<std::size_t>(op.wait)]);
-        dev_.launch(compute_, [this, ic] { run_compute(ic); });
-        dev_.record(plan.compute_done[ic], compute_);
-        ++ic;
-        moved = true;
-      }
-      while (iy < ny) {
-        const Op& op = rp.copy[iy];
-        if (op.wait >= 0 && static_cast<std::size_t>(op.wait) >= ic) break;
-        if (op.wait >= 0) dev_.wait(copy_, plan.compute_done[static_cast<std::size_t>(op.wait)]);
-        if constexpr (backend::pairs_copies<Backend>)
-          if (pair_ != nullptr && pair_wait_[iy] > 0)
-            dev_.wait_counter(copy_, pair_->side[(rank_ ^ 1) & 1],
-                              static_cast<std::uint64_t>(iterations_ * partner_copies_ + pair_wait_[iy]));
-        dev_.launch(copy_, [this, iy] { run_copy(iy); });
-        dev_.record(plan.copy_done[iy], copy_);
-        if constexpr (backend::pairs_copies<Backend>)
-          if (pair_ != nullptr)
-            dev_.signal(copy_, pair_->side[rank_ & 1], static_cast<std::uint64_t>(iterations_ * ny + iy + 1));
-        ++iy;
-        moved = true;
-      }
-      while (ik < nk) {
-        const int p = send_producer[ik];
-        if (rp.comm[ik].send && (p < 0 || static_cast<std::size_t>(p) >= ic)) break;
-        if (rp.comm[ik].send) dev_.wait(comm_stream_, plan.compute_done[static_cast<std::size_t>(p)]);
-        dev_.launch(comm_stream_, [this, ik] { run_comm(ik); });
-        if (!rp.comm[ik].send) dev_.record(plan.recv_done[ik], comm_stream_);
-        ++ik;
-        moved = true;
-      }
-      if (!moved)
-        throw error("po::Runtime: rank " + std::to_string(rank_) +
-                    "'s program has a dependency cycle between its streams");
-    }
-  }
+  void enqueue(const Plan& plan);
 
   /// For each of `mine`'s copies, how many of `theirs` (the partner's, in stream order) must
   /// have completed before it starts: up to and including the partner's last copy in the SAME
   /// direction planned to end no later than it starts. Only a copy in the same direction
   /// shares the switch's uplink with it (PCIe is full duplex), so the pair never copies in
   /// one direction at once, while a reload need not wait for the partner's offloads.
-  static std::vector<std::size_t> pair_waits(const RankProgram& mine, const RankProgram& theirs) {
-    std::vector<std::size_t> w(mine.copy.size(), 0);
-    const double T = mine.slot_length, U = theirs.slot_length;
-    const double eps = detail::tolerance(std::max(T, U));
-    std::size_t k = 0;
-    std::size_t last[2] = {0, 0};  // per direction (O, R): 1 + index of the partner's latest copy so far
-    for (std::size_t y = 0; y < mine.copy.size(); ++y) {
-      const double start = static_cast<double>(mine.copy_slot[y]) * T;
-      for (; k < theirs.copy.size() && static_cast<double>(theirs.copy_slot[k] + 1) * U <= start + eps; ++k)
-        last[theirs.copy[k].kind == OpKind::O ? 0 : 1] = k + 1;
-      w[y] = last[mine.copy[y].kind == OpKind::O ? 0 : 1];
-    }
-    return w;
-  }
+  static std::vector<std::size_t> pair_waits(const RankProgram& mine, const RankProgram& theirs);
 
   std::size_t unit_index(int stage, int mb) const {
     return static_cast<std::size_t>(program_.shape.chunk_of(stage)) * static_cast<std::size_t>(program_.shape.m) +
@@ -949,3 +531,8 @@ class Runtime<Schedule, Layer, Backend, Communicator> : public Runtime<Backend, 
 };
 
 }  // namespace pipeoffload
+
+// The member functions defined outside the class.
+#include "detail/setup.hpp"
+#include "detail/step.hpp"
+#include "detail/streams.hpp"

@@ -1,0 +1,153 @@
+// pipeoffload/runtime/detail/setup.hpp: what po::Runtime's constructor does once: checks the
+// program and the stages, agrees on every stage's boundaries with the other ranks, lays out the
+// step inputs, and allocates the rank's state.
+//
+// Member functions of Runtime<Backend, Communicator> (runtime/runtime.hpp declares them and
+// includes this file after the class), kept apart so that the class reads as its interface and
+// state.
+#pragma once
+
+#include "../runtime.hpp"
+
+namespace pipeoffload {
+
+template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::construct() {
+  require_valid(program_);
+  const Shape& sh = program_.shape;
+  rank_ = comm_.rank();
+  if (comm_.size() != sh.d)
+    throw error("po::Runtime: the communicator has " + std::to_string(comm_.size()) +
+                " ranks; the program has d = " + std::to_string(sh.d));
+  if (static_cast<int>(stages_.size()) != sh.v)
+    throw error("po::Runtime: rank " + std::to_string(rank_) + " was given " + std::to_string(stages_.size()) +
+                " stages; it needs v = " + std::to_string(sh.v) + " (one per chunk)");
+  const MicrobatchShape mbs = opt_.microbatch;
+  if (mbs.batch < 1 || mbs.seq < 1)
+    throw error("po::Runtime: microbatch shape batch = " + std::to_string(mbs.batch) +
+                ", seq = " + std::to_string(mbs.seq) + " must both be >= 1");
+  const RankProgram& rp = program_.ranks[static_cast<std::size_t>(rank_)];
+  // This rank's stages, as every rank will know them.
+  struct Row {
+    Boundary input, output;
+    std::size_t parameters = 0, norm_groups = 0;
+    detail::ShortText name;
+  };
+  std::vector<Row> mine;
+  for (int c = 0; c < sh.v; ++c) {
+    const Stage& l = stages_[static_cast<std::size_t>(c)];
+    const int s = sh.stage_of(rank_, c);
+    if (l.parameters().size() != l.gradients().size())
+      throw error("po::Runtime: stage " + std::to_string(s) + " (" + l.name() + ") has " +
+                  std::to_string(l.parameters().size()) + " parameters but " + std::to_string(l.gradients().size()) +
+                  " gradients");
+    const std::vector<std::size_t> groups = l.norm_groups();
+    std::size_t total = 0;
+    for (std::size_t g : groups) total += g;
+    if (total != l.parameters().size())
+      throw error("po::Runtime: stage " + std::to_string(s) + " (" + l.name() + ")'s norm_groups() cover " +
+                  std::to_string(total) + " parameters, not its " + std::to_string(l.parameters().size()));
+    mine.push_back({l.input_boundary(mbs), l.output_boundary(mbs), l.parameters().size(), groups.size(),
+                    detail::ShortText::of(l.name())});
+    saved_.push_back(l.saved_bytes(mbs));
+    stash_.push_back(l.stash_bytes(mbs));
+    norm_groups_.push_back(groups);
+  }
+  // Bit-exactness: each stage must accumulate its weight gradients in microbatch order, as
+  // a one-rank run does. Every family orders them so; a program that does not is refused.
+  std::vector<int> last_w(static_cast<std::size_t>(sh.v), -1);
+  for (const Op& op : rp.compute)
+    if (op.kind == OpKind::W || op.kind == OpKind::BW) {
+      int& prev = last_w[static_cast<std::size_t>(sh.chunk_of(op.stage))];
+      if (op.mb < prev)
+        throw error("po::Runtime: stage " + std::to_string(op.stage) + " computes weight gradients of microbatch " +
+                    std::to_string(op.mb) + " after microbatch " + std::to_string(prev) +
+                    "; gradients must accumulate in microbatch order");
+      prev = op.mb;
+    }
+  collect_inputs();
+  // Every rank's stages (a collective: a rank that failed above has aborted it instead).
+  std::vector<Row> all(mine.size() * static_cast<std::size_t>(sh.d));
+  comm_.all_gather(std::span<const Row>(mine), std::span(all));  // [rank * v + chunk]
+  table_.resize(static_cast<std::size_t>(sh.stages()));
+  for (int r = 0; r < sh.d; ++r)
+    for (int c = 0; c < sh.v; ++c) {
+      const Row& x = all[static_cast<std::size_t>(r) * static_cast<std::size_t>(sh.v) + static_cast<std::size_t>(c)];
+      table_[static_cast<std::size_t>(sh.stage_of(r, c))] = {
+          r, c, x.name.str(), x.input, x.output, x.parameters, x.norm_groups};
+    }
+  // Every producer and its consumer must agree (every rank sees the same table and throws
+  // the same sentence).
+  for (int s = 0; s + 1 < sh.stages(); ++s) {
+    const Boundary& out = table_[static_cast<std::size_t>(s)].output;
+    const Boundary& in = table_[static_cast<std::size_t>(s + 1)].input;
+    if (!(out == in))
+      throw error("po::Runtime: " + stage_label(s) + " outputs " + std::to_string(out.elements) + " " +
+                  dtype_name(out.dtype) + " values per microbatch, but " + stage_label(s + 1) + " takes " +
+                  std::to_string(in.elements) + " " + dtype_name(in.dtype) +
+                  "; a stage's output and the next stage's input must agree");
+  }
+  for (const StageInfo& t : table_) max_groups_ = std::max(max_groups_, t.norm_groups);
+  // The plans the executor runs: training and forward-only evaluation.
+  eval_program_ = forward_only(program_);
+  make_plan(train_, program_.ranks[static_cast<std::size_t>(rank_)], true);
+  make_plan(eval_, eval_program_.ranks[static_cast<std::size_t>(rank_)], false);
+  units_.assign(static_cast<std::size_t>(sh.v) * static_cast<std::size_t>(sh.m), Unit{});
+  boxes_.assign(static_cast<std::size_t>(sh.stages()) * static_cast<std::size_t>(sh.m) * 2, backend::Block{});
+  if constexpr (backend::reserves_memory<Backend>) reserve_memory();
+  allocate_state();
+  // A failure on this device wakes every peer blocked on this rank (and the pair partner's
+  // copy stream, which may be waiting for this one's).
+  dev_.set_error_hook([this](const std::string& why) {
+    comm_.abort(why);
+    if constexpr (backend::pairs_copies<Backend>)
+      if (pair_ != nullptr) pair_->abort(why);
+  });
+}
+
+template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::collect_inputs() {
+  const Shape& sh = program_.shape;
+  for (int c = 0; c < sh.v; ++c) {
+    const Stage& l = stages_[static_cast<std::size_t>(c)];
+    for (const InputSpec& in : l.inputs(opt_.microbatch)) {
+      auto it = std::find_if(inputs_.begin(), inputs_.end(), [&](const Declared& d) { return d.spec.name == in.name; });
+      if (it == inputs_.end()) {
+        inputs_.push_back({in, c});
+        continue;
+      }
+      if (it->spec.dtype != in.dtype || it->spec.elements != in.elements)
+        throw error("po::Runtime: stages " + std::to_string(sh.stage_of(rank_, it->chunk)) + " and " +
+                    std::to_string(sh.stage_of(rank_, c)) + " declare the step input '" + in.name +
+                    "' differently: " + std::to_string(it->spec.elements) + " " + dtype_name(it->spec.dtype) + " and " +
+                    std::to_string(in.elements) + " " + dtype_name(in.dtype) + " values per microbatch");
+    }
+  }
+}
+
+template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::allocate_state() {
+  const Shape& sh = program_.shape;
+  // Reserved for themselves, so they never take a block reserve_memory() counted on.
+  const auto take = [&](std::size_t bytes) {
+    if constexpr (backend::reserves_memory<Backend>) dev_.reserve_device(bytes, 1);
+    return dev_.device_alloc(bytes, backend::Memory::state);
+  };
+  const std::size_t m = static_cast<std::size_t>(sh.m);
+  for (const Declared& d : inputs_) inputs_dev_.push_back(take(m * d.spec.elements * dtype_size(d.spec.dtype)));
+  losses_dev_ = take(m * sizeof(float));
+  flags_dev_ = take(std::max<std::size_t>(1, train_.rp->compute.size()) * sizeof(std::uint32_t));
+  // Each stage's view of each microbatch's inputs: fixed device addresses, built once.
+  views_.resize(static_cast<std::size_t>(sh.v) * m);
+  for (int c = 0; c < sh.v; ++c)
+    for (const InputSpec& in : stages_[static_cast<std::size_t>(c)].inputs(opt_.microbatch)) {
+      std::size_t k = 0;
+      while (inputs_[k].spec.name != in.name) ++k;
+      const std::size_t bytes = in.elements * dtype_size(in.dtype);
+      for (std::size_t b = 0; b < m; ++b)
+        views_[static_cast<std::size_t>(c) * m + b].push_back(
+            {inputs_[k].spec.name, ConstTensor{inputs_dev_[k].ptr + b * bytes, in.elements, in.dtype}});
+    }
+}
+
+}  // namespace pipeoffload

@@ -1,0 +1,143 @@
+// pipeoffload/runtime/detail/step.hpp: one po::Runtime call (forward_backward or evaluate): the
+// step inputs uploaded, the rank's program run, and the verdict (losses, memory, the first
+// non-finite value in data-flow order, the same on every rank).
+//
+// Member functions of Runtime<Backend, Communicator> (runtime/runtime.hpp declares them and
+// includes this file after the class), kept apart so that the class reads as its interface and
+// state.
+#pragma once
+
+#include "../runtime.hpp"
+
+namespace pipeoffload {
+
+template <class Backend, class Communicator>
+PassStats Runtime<Backend, Communicator>::run(const Plan& plan, const Batch& batch, StepInfo info) {
+  const Shape& sh = program_.shape;
+  if (info.parts < 1 || info.part < 0 || info.part >= info.parts || info.step < 0)
+    throw error("po::Runtime: StepInfo{step = " + std::to_string(info.step) + ", part = " + std::to_string(info.part) +
+                ", parts = " + std::to_string(info.parts) + "} needs step >= 0, parts >= 1 and 0 <= part < parts");
+  if (static_cast<long long>(info.parts) * sh.m > max_microbatches)
+    throw error("po::Runtime: parts * m = " + std::to_string(static_cast<long long>(info.parts) * sh.m) +
+                " microbatches in one step exceed " + std::to_string(max_microbatches));
+  upload_inputs(batch);
+  const RankProgram& rp = *plan.rp;
+  dev_.zero(flags_dev_.ptr, rp.compute.size() * sizeof(std::uint32_t));
+  call_ = {info, &plan};
+  if (plan.training) {
+    trace_.compute_start.assign(rp.compute.size(), 0.0);
+    trace_.compute_end.assign(rp.compute.size(), 0.0);
+    trace_.copy_start.assign(rp.copy.size(), 0.0);
+    trace_.copy_end.assign(rp.copy.size(), 0.0);
+  }
+  dev_.reset_peaks();
+  const double t0 = dev_.now();
+  enqueue(plan);
+  if (plan.training) ++iterations_;
+  try {
+    dev_.synchronize();
+  } catch (const std::exception& e) {
+    comm_.abort(e.what());
+    throw;
+  }
+  PassStats st;
+  st.seconds = dev_.now() - t0;
+  st.memory = dev_.memory();
+  verdict(plan, st);
+  return st;
+}
+
+template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::upload_inputs(const Batch& batch) {
+  const std::size_t m = static_cast<std::size_t>(program_.shape.m);
+  for (std::size_t k = 0; k < inputs_.size(); ++k) {
+    const InputSpec& in = inputs_[k].spec;
+    const HostTensor* t = batch.find(in.name);
+    const std::string who = "stage " + std::to_string(program_.shape.stage_of(rank_, inputs_[k].chunk));
+    if (t == nullptr)
+      throw error("po::Runtime: " + who + " reads the step input '" + in.name +
+                  "', which the batch does not have (it has: " + batch.names() + ")");
+    if (t->dtype != in.dtype || t->elements != m * in.elements)
+      throw error("po::Runtime: the step input '" + in.name + "' holds " + std::to_string(t->elements) + " " +
+                  dtype_name(t->dtype) + " values; " + who + " reads m * " + std::to_string(in.elements) + " = " +
+                  std::to_string(m * in.elements) + " " + dtype_name(in.dtype) + " values");
+    if (t->shape.empty() || t->shape[0] % static_cast<long long>(m) != 0)
+      throw error("po::Runtime: the step input '" + in.name + "' has " +
+                  std::to_string(t->shape.empty() ? 0 : t->shape[0]) +
+                  " rows (its first dimension); they must split into m = " + std::to_string(m) + " equal microbatches");
+    dev_.upload(inputs_dev_[k].ptr, t->data, t->bytes());
+  }
+}
+
+template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::verdict(const Plan& plan, PassStats& st) {
+  const Shape& sh = program_.shape;
+  const int S = sh.stages();
+  const std::size_t m = static_cast<std::size_t>(sh.m);
+  const RankProgram& rp = *plan.rp;
+  const bool last = rank_ == sh.rank_of(S - 1);
+  std::vector<float> losses(m, 0.0f);
+  if (last) dev_.download(losses.data(), losses_dev_.ptr, m * sizeof(float));
+  std::vector<std::uint32_t> flags(rp.compute.size(), 0);
+  dev_.download(flags.data(), flags_dev_.ptr, flags.size() * sizeof(std::uint32_t));
+  // Position of a value in one microbatch's data flow: F of stages 0..S-1, the loss, then
+  // B of stages S-1..0. The first (lowest key) non-finite value is the culprit.
+  const double span = 2.0 * S + 1;
+  double first = -1;
+  const auto note = [&](int mb, int pos) {
+    const double key = mb * span + pos;
+    if (first < 0 || key < first) first = key;
+  };
+  for (std::size_t x = 0; x < flags.size(); ++x) {
+    if (flags[x] == 0) continue;
+    const Op& op = rp.compute[x];
+    note(op.mb, op.kind == OpKind::F ? op.stage : S + 1 + (S - 1 - op.stage));
+  }
+  if (last)
+    for (std::size_t b = 0; b < m; ++b)
+      if (!std::isfinite(losses[b])) note(static_cast<int>(b), S);
+  std::vector<double> mine(m + 1), all((m + 1) * static_cast<std::size_t>(sh.d));
+  for (std::size_t b = 0; b < m; ++b) mine[b] = static_cast<double>(losses[b]);
+  mine[m] = first;
+  comm_.all_gather(std::span<const double>(mine), std::span(all));
+  const std::size_t lr = static_cast<std::size_t>(sh.rank_of(S - 1));
+  st.losses.resize(m);
+  double sum = 0;
+  for (std::size_t b = 0; b < m; ++b) {
+    st.losses[b] = static_cast<float>(all[lr * (m + 1) + b]);
+    sum += all[lr * (m + 1) + b];
+  }
+  st.loss = static_cast<float>(sum / static_cast<double>(m));
+  double worst = -1;
+  for (int r = 0; r < sh.d; ++r) {
+    const double k = all[static_cast<std::size_t>(r) * (m + 1) + m];
+    if (k >= 0 && (worst < 0 || k < worst)) worst = k;
+  }
+  if (worst < 0) return;
+  const int mb = static_cast<int>(worst / span), pos = static_cast<int>(worst - mb * span);
+  const std::string when = plan.training
+                               ? "po::Runtime::forward_backward (step " + std::to_string(call_.info.step) + ")"
+                               : "po::Runtime::evaluate";
+  const Program& prog = plan.training ? program_ : eval_program_;
+  const auto op_at = [&](int stage, bool forward) {
+    const int r = sh.rank_of(stage);
+    const auto& ops = prog.ranks[static_cast<std::size_t>(r)].compute;
+    for (std::size_t x = 0; x < ops.size(); ++x)
+      if (ops[x].stage == stage && ops[x].mb == mb &&
+          (forward ? ops[x].kind == OpKind::F : (ops[x].kind == OpKind::B || ops[x].kind == OpKind::BW)))
+        return where("compute", x, ops[x], r);
+    return "rank " + std::to_string(r) + ", stage " + std::to_string(stage);
+  };
+  std::string what;
+  if (pos < S)
+    what = op_at(pos, true) + ": its output activation has a NaN or infinity";
+  else if (pos == S)
+    what = op_at(S - 1, true) + ": the loss is " + std::to_string(st.losses[static_cast<std::size_t>(mb)]);
+  else
+    what = op_at(S - 1 - (pos - S - 1), false) + ": its input gradient has a NaN or infinity";
+  throw nonfinite_error(
+      when + ": " + what + " (the first non-finite value in data-flow order" +
+      (plan.training ? "; the gradients of this call are unusable: zero_grad() before going on)" : ")"));
+}
+
+}  // namespace pipeoffload

@@ -1,0 +1,196 @@
+// pipeoffload/runtime/detail/streams.hpp: po::Runtime's three streams: the compute ops (F, B, W,
+// BW), the copies (O, R; paced and paired), the P2P messages, and the enqueue order that has
+// every awaited event recorded before its wait.
+//
+// Member functions of Runtime<Backend, Communicator> (runtime/runtime.hpp declares them and
+// includes this file after the class), kept apart so that the class reads as its interface and
+// state.
+#pragma once
+
+#include "../runtime.hpp"
+
+namespace pipeoffload {
+
+template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
+  const Plan& plan = *call_.plan;
+  const Op op = plan.rp->compute[x];
+  if (plan.training) trace_.compute_start[x] = dev_.now();
+  guarded("compute", x, op, [&] {
+    const int S = program_.shape.stages();
+    const std::size_t c = static_cast<std::size_t>(program_.shape.chunk_of(op.stage));
+    const Stage& l = stages_[c];
+    auto ctx = dev_.context(compute_);
+    const Microbatch mb = info(op);
+    std::uint32_t* flag = reinterpret_cast<std::uint32_t*>(flags_dev_.ptr) + x;
+    if (op.kind == OpKind::F) {
+      // Evaluation keeps nothing: the unit is a scratch block given back after the pass.
+      backend::Block saved = dev_.device_alloc(saved_[c], backend::Memory::activation);
+      if (plan.training) units_[unit_index(op.stage, op.mb)].device = saved;
+      const ConstTensor in = op.stage > 0 ? box_in(op.stage, op.mb, Dir::forward) : ConstTensor{};
+      const Tensor out = op.stage < S - 1 ? box_out(op.stage + 1, op.mb, Dir::forward) : Tensor{};
+      l.forward(ctx, mb, in, out, saved.ptr);
+      if (opt_.check_finite && out) dev_.flag_nonfinite(ctx, ConstTensor{out.data, out.elements, out.dtype}, flag);
+      if (op.stage > 0) release_box(op.stage, op.mb, Dir::forward);
+      if (!plan.training) dev_.device_free(saved);
+    }
+    Unit& u = units_[unit_index(op.stage, op.mb)];
+    if (op.kind == OpKind::B || op.kind == OpKind::BW) {
+      if (u.device.ptr == nullptr) throw error("its activations are not on the device (missing reload)");
+      const ConstTensor dy = op.stage < S - 1 ? box_in(op.stage, op.mb, Dir::backward) : ConstTensor{};
+      const Tensor dx = op.stage > 0 ? box_out(op.stage - 1, op.mb, Dir::backward) : Tensor{};
+      u.stash = dev_.device_alloc(stash_[c], backend::Memory::stash);
+      l.backward_input(ctx, mb, dy, dx, u.device.ptr, u.stash.ptr);
+      if (opt_.check_finite && dx) dev_.flag_nonfinite(ctx, ConstTensor{dx.data, dx.elements, dx.dtype}, flag);
+      if (op.stage < S - 1) release_box(op.stage, op.mb, Dir::backward);
+    }
+    if (op.kind == OpKind::W || op.kind == OpKind::BW) {
+      if (u.device.ptr == nullptr) throw error("its activations are not on the device (missing reload)");
+      l.backward_weight(ctx, mb, u.device.ptr, u.stash.ptr);
+      dev_.device_free(u.stash);
+      dev_.device_free(u.device);
+      u.stash = {};
+      u.device = {};
+    }
+  });
+  if (plan.training) trace_.compute_end[x] = dev_.now();
+}
+
+template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::run_copy(std::size_t y) {
+  const Op op = call_.plan->rp->copy[y];
+  trace_.copy_start[y] = dev_.now();
+  guarded("copy", y, op, [&] {
+    Unit& u = units_[unit_index(op.stage, op.mb)];
+    const std::size_t bytes = saved_[static_cast<std::size_t>(program_.shape.chunk_of(op.stage))];
+    const offload::BinPlan plan = offload::plan_bins(bytes);
+    std::array<backend::CopyPiece, 3> pieces{};
+    const auto lay_out = [&](bool to_host) {
+      std::size_t off = 0;
+      for (int i = 0; i < plan.count && off < bytes; ++i) {
+        const std::size_t n =
+            std::min<std::size_t>(static_cast<std::size_t>(plan.bins[static_cast<std::size_t>(i)]), bytes - off);
+        std::byte* dev = u.device.ptr + off;
+        std::byte* host = u.host[static_cast<std::size_t>(i)].ptr;
+        pieces[static_cast<std::size_t>(i)] =
+            to_host ? backend::CopyPiece{host, dev, n} : backend::CopyPiece{dev, host, n};
+        off += n;
+      }
+    };
+    if (op.kind == OpKind::O) {
+      if (u.device.ptr == nullptr) throw error("nothing to offload (the unit is not on the device)");
+      for (int i = 0; i < plan.count; ++i)
+        u.host[static_cast<std::size_t>(i)] = dev_.host_alloc(plan.bins[static_cast<std::size_t>(i)]);
+      lay_out(true);
+      dev_.transfer(std::span<const backend::CopyPiece>(pieces.data(), static_cast<std::size_t>(plan.count)));
+      dev_.device_free(u.device);
+      u.device = {};
+    } else {
+      if (u.host[0].ptr == nullptr && bytes > 0) throw error("nothing to reload (the unit was not offloaded)");
+      u.device = dev_.device_alloc(bytes, backend::Memory::activation);
+      lay_out(false);
+      dev_.transfer(std::span<const backend::CopyPiece>(pieces.data(), static_cast<std::size_t>(plan.count)));
+      for (auto& h : u.host) {
+        dev_.host_free(h);
+        h = {};
+      }
+    }
+  });
+  trace_.copy_end[y] = dev_.now();
+}
+
+template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::run_comm(std::size_t k) {
+  const CommOp c = call_.plan->rp->comm[k];
+  const Tag tag{c.stage, c.mb, c.dir};
+  try {
+    // Launched on the comm stream: the communicator posts there (a GPU one enqueues on it).
+    const Context ctx = dev_.context(comm_stream_);
+    if (c.send) {
+      backend::Block& b = box(c.stage, c.mb, c.dir);
+      comm_.send(ctx, c.peer, tag, std::span<const std::byte>(b.ptr, b.bytes));
+      dev_.device_free(b);
+      b = {};
+    } else {
+      const Tensor t = box_out(c.stage, c.mb, c.dir);
+      comm_.recv(ctx, c.peer, tag, std::span<std::byte>(t.data, t.bytes()));
+    }
+  } catch (const aborted_error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw error("rank " + std::to_string(rank_) + ", comm op " + std::to_string(k) + " " +
+                (c.send ? "send to" : "recv from") + " rank " + std::to_string(c.peer) + " " + describe(tag) + ": " +
+                e.what());
+  }
+}
+
+template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::enqueue(const Plan& plan) {
+  const RankProgram& rp = *plan.rp;
+  const std::vector<int>& input_recv = plan.links.input_recv;
+  const std::vector<int>& send_producer = plan.links.send_producer;
+  const std::size_t nc = rp.compute.size(), ny = rp.copy.size(), nk = rp.comm.size();
+  std::size_t ic = 0, iy = 0, ik = 0;
+  while (ic < nc || iy < ny || ik < nk) {
+    bool moved = false;
+    while (ic < nc) {
+      const Op& op = rp.compute[ic];
+      const int r = input_recv[ic];
+      if ((r >= 0 && static_cast<std::size_t>(r) >= ik) || (op.wait >= 0 && static_cast<std::size_t>(op.wait) >= iy))
+        break;
+      if (r >= 0) dev_.wait(compute_, plan.recv_done[static_cast<std::size_t>(r)]);
+      if (op.wait >= 0) dev_.wait(compute_, plan.copy_done[static_cast<std::size_t>(op.wait)]);
+      dev_.launch(compute_, [this, ic] { run_compute(ic); });
+      dev_.record(plan.compute_done[ic], compute_);
+      ++ic;
+      moved = true;
+    }
+    while (iy < ny) {
+      const Op& op = rp.copy[iy];
+      if (op.wait >= 0 && static_cast<std::size_t>(op.wait) >= ic) break;
+      if (op.wait >= 0) dev_.wait(copy_, plan.compute_done[static_cast<std::size_t>(op.wait)]);
+      if constexpr (backend::pairs_copies<Backend>)
+        if (pair_ != nullptr && pair_wait_[iy] > 0)
+          dev_.wait_counter(copy_, pair_->side[(rank_ ^ 1) & 1],
+                            static_cast<std::uint64_t>(iterations_ * partner_copies_ + pair_wait_[iy]));
+      dev_.launch(copy_, [this, iy] { run_copy(iy); });
+      dev_.record(plan.copy_done[iy], copy_);
+      if constexpr (backend::pairs_copies<Backend>)
+        if (pair_ != nullptr)
+          dev_.signal(copy_, pair_->side[rank_ & 1], static_cast<std::uint64_t>(iterations_ * ny + iy + 1));
+      ++iy;
+      moved = true;
+    }
+    while (ik < nk) {
+      const int p = send_producer[ik];
+      if (rp.comm[ik].send && (p < 0 || static_cast<std::size_t>(p) >= ic)) break;
+      if (rp.comm[ik].send) dev_.wait(comm_stream_, plan.compute_done[static_cast<std::size_t>(p)]);
+      dev_.launch(comm_stream_, [this, ik] { run_comm(ik); });
+      if (!rp.comm[ik].send) dev_.record(plan.recv_done[ik], comm_stream_);
+      ++ik;
+      moved = true;
+    }
+    if (!moved)
+      throw error("po::Runtime: rank " + std::to_string(rank_) +
+                  "'s program has a dependency cycle between its streams");
+  }
+}
+
+template <class Backend, class Communicator>
+std::vector<std::size_t> Runtime<Backend, Communicator>::pair_waits(const RankProgram& mine,
+                                                                    const RankProgram& theirs) {
+  std::vector<std::size_t> w(mine.copy.size(), 0);
+  const double T = mine.slot_length, U = theirs.slot_length;
+  const double eps = detail::tolerance(std::max(T, U));
+  std::size_t k = 0;
+  std::size_t last[2] = {0, 0};  // per direction (O, R): 1 + index of the partner's latest copy so far
+  for (std::size_t y = 0; y < mine.copy.size(); ++y) {
+    const double start = static_cast<double>(mine.copy_slot[y]) * T;
+    for (; k < theirs.copy.size() && static_cast<double>(theirs.copy_slot[k] + 1) * U <= start + eps; ++k)
+      last[theirs.copy[k].kind == OpKind::O ? 0 : 1] = k + 1;
+    w[y] = last[mine.copy[y].kind == OpKind::O ? 0 : 1];
+  }
+  return w;
+}
+
+}  // namespace pipeoffload
