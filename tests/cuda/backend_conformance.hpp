@@ -26,7 +26,7 @@
 #include <models/gpt/math.hpp>
 #include <pipeoffload/backend/backend.hpp>
 #include <pipeoffload/backend/update.hpp>
-#include <pipeoffload/offload/host_bins.hpp>
+#include <pipeoffload/policy/host_bins.hpp>
 #include <pipeoffload/tensor.hpp>
 
 namespace conformance {

@@ -3,8 +3,8 @@
 
 usage: check_includes.py [REPO_ROOT]        (default: the checkout this script is in)
 
-Reads every header under include/pipeoffload/ and models/, resolves its #include "..." and #include <pipeoffload/...> lines, gives each header the
-layer of its folder (LAYERS below) and fails, listing every offending include, when
+Reads every header under include/pipeoffload/ and models/, resolves its #include "..." and
+#include <pipeoffload/...> lines, gives each header the layer of its folder (LAYERS below) and fails, listing every offending include, when
 - a header includes one from a higher layer (a back-edge), or one of a peer layer without a
   rule in PEER_EDGES saying which way that pair goes;
 - the library core includes model code (models sit above everything; nothing includes them);
@@ -37,8 +37,7 @@ LAYERS = [
     ("plan/",                  "plan",     3),
     ("backend/",               "backend",  3),
     ("comm/",                  "comm",     3),
-    ("offload/",               "offload",  3),
-    ("layer.hpp",              "layer",    3),  # the layer concept (STYLE.md: beside offload/, comm/, backend/)
+    ("layer.hpp",              "layer",    3),  # the layer concept (STYLE.md: beside comm/, backend/)
     ("runtime/",               "runtime",  4),
     ("pipeoffload.hpp",        "umbrella", 5),  # front doors: include the library, never a model
     ("runtime.hpp",            "umbrella", 5),
@@ -48,7 +47,6 @@ LAYERS = [
 # Peers that may include each other, one way only, and why.
 PEER_EDGES = {
     ("plan", "sim"): "the planner simulates each candidate schedule with the one timing engine",
-    ("plan", "offload"): "the planner sizes pinned host memory with the runtime's host-bin algorithm",
     ("comm", "backend"): "a communicator runs on a backend's streams (comm/nccl on backend/cuda)",
 }
 # Headers that may include CUDA (directly or through another header) and MPI.

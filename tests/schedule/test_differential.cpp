@@ -248,6 +248,18 @@ std::string diff_memory(const std::vector<po::MemoryPoint>& a, const std::vector
   return "";
 }
 
+/// Where a rank's four op-time lists (compute and copy starts and ends; the library's RankSim or
+/// the reference's RankTimes) first differ, bit for bit ("" if they do not).
+template <class X, class Y>
+std::string diff_op_times(const X& x, const Y& y) {
+  for (const auto& [what, u, w] :
+       {std::tuple{"compute_start", &x.compute_start, &y.compute_start},
+        std::tuple{"compute_end", &x.compute_end, &y.compute_end},
+        std::tuple{"copy_start", &x.copy_start, &y.copy_start}, std::tuple{"copy_end", &x.copy_end, &y.copy_end}})
+    if (std::string e = diff_times(what, *u, *w); !e.empty()) return e;
+  return "";
+}
+
 /// Where two simulations first differ, bit for bit ("" if they do not).
 std::string diff_sims(const po::SimResult& a, const po::SimResult& b) {
   if (!same_bits(a.makespan, b.makespan)) return "makespan " + num(a.makespan) + " vs " + num(b.makespan);
@@ -256,11 +268,7 @@ std::string diff_sims(const po::SimResult& a, const po::SimResult& b) {
     const po::RankSim& x = a.ranks[r];
     const po::RankSim& y = b.ranks[r];
     const std::string at = "rank " + std::to_string(r) + ": ";
-    for (const auto& [what, u, w] :
-         {std::tuple{"compute_start", &x.compute_start, &y.compute_start},
-          std::tuple{"compute_end", &x.compute_end, &y.compute_end},
-          std::tuple{"copy_start", &x.copy_start, &y.copy_start}, std::tuple{"copy_end", &x.copy_end, &y.copy_end}})
-      if (std::string e = diff_times(what, *u, *w); !e.empty()) return at + e;
+    if (std::string e = diff_op_times(x, y); !e.empty()) return at + e;
     if (!same_bits(x.busy, y.busy) || !same_bits(x.bubble, y.bubble)) return at + "busy or bubble";
     if (!same_bits(x.peak, y.peak)) return at + "peak " + num(x.peak) + " vs " + num(y.peak);
     if (x.warmup != y.warmup) return at + "warmup";
@@ -285,11 +293,7 @@ std::string diff_reference(const po::SimResult& s, const ref::Times& t) {
     const po::RankSim& x = s.ranks[r];
     const ref::RankTimes& y = t.ranks[r];
     const std::string at = "rank " + std::to_string(r) + ": ";
-    for (const auto& [what, u, w] :
-         {std::tuple{"compute_start", &x.compute_start, &y.compute_start},
-          std::tuple{"compute_end", &x.compute_end, &y.compute_end},
-          std::tuple{"copy_start", &x.copy_start, &y.copy_start}, std::tuple{"copy_end", &x.copy_end, &y.copy_end}})
-      if (std::string e = diff_times(what, *u, *w); !e.empty()) return at + e;
+    if (std::string e = diff_op_times(x, y); !e.empty()) return at + e;
     if (!ref::close(x.busy, y.busy)) return at + "busy " + num(x.busy) + " vs reference " + num(y.busy);
     if (!ref::close(x.bubble, t.makespan - y.busy))
       return at + "bubble " + num(x.bubble) + " vs reference " + num(t.makespan - y.busy);

@@ -60,7 +60,7 @@
 #include <vector>
 
 #include "../error.hpp"
-#include "../offload/host_bins.hpp"
+#include "../policy/host_bins.hpp"
 
 namespace pipeoffload {
 

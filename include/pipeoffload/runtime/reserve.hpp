@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "../error.hpp"
-#include "../offload/host_bins.hpp"
+#include "../policy/host_bins.hpp"
 #include "../schedule/program.hpp"
 
 namespace pipeoffload {

@@ -41,7 +41,7 @@
 #include "../comm/handshake.hpp"
 #include "../error.hpp"
 #include "../layer.hpp"
-#include "../offload/host_bins.hpp"
+#include "../policy/host_bins.hpp"
 #include "../schedule/schedule.hpp"
 #include "../schedule/validate.hpp"
 #include "../sim/simulate.hpp"

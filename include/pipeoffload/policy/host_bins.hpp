@@ -1,4 +1,6 @@
-// pipeoffload/offload/host_bins.hpp: how one offloaded unit is laid out in pinned host memory.
+// pipeoffload/policy/host_bins.hpp: how one offloaded unit is laid out in pinned host memory, an
+// offload rule beside spec.hpp's (which chunks): the planner sizes host memory with it and the
+// runtime allocates by it.
 //
 // DESIGN.md section 3: one offload writes into at most 3 power-of-two bins whose total is the
 // minimum that fits. Power-of-two bins let a host pool serve every unit size from a few size
