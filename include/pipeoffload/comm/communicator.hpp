@@ -1,4 +1,5 @@
-// pipeoffload/comm/communicator.hpp: the `collective` and `communicator` concepts.
+// pipeoffload/comm/communicator.hpp: the `collective`, `communicator` and
+// `replica_communicator` concepts.
 //
 // Semantics (README "Communicator semantics"; validate() checks schedules against them):
 //   - a rank calls send and recv from its comm stream, in the order of RankProgram::comm, and
@@ -17,9 +18,20 @@
 //     `all` (size() * mine.size() of them) receives them in rank order. It is a collective
 //     on host memory, called outside the passes (start-up, between steps): every rank calls it
 //     the same number of times, with the same T;
+//   - the device collectives of a data-parallel group (replica_communicator), on bytes in the
+//     backend's device memory, posted from a stream whose context is given, as send and recv
+//     are (comm::Nccl enqueues on ctx's stream and returns; comm::Threads and comm::Mpi block
+//     and ignore ctx): all_to_all(ctx, in, out), where in and out hold size() blocks of
+//     in.size() / size() bytes, block i of `in` goes to rank i and block j of `out` comes from
+//     rank j; all_gather(ctx, mine, all), the bytes of every rank in rank order. Every rank
+//     passes the same sizes (another size is comm_error on every rank on comm::Threads and
+//     comm::Mpi; NCCL cannot compare them) and calls them in the same order;
 //   - abort(why): every blocking call in progress or to come, on every rank, throws
 //     aborted_error naming `why` (the first abort wins); it is how one failing rank stops
-//     the others (NCCL: ncclCommAbort).
+//     the others (NCCL: ncclCommAbort). The communicators of one job's groups (a rank's
+//     pipeline and data-parallel groups: comm::ThreadsGrid, comm::Mpi::split,
+//     comm::NcclWorld::split) share one abort: an abort on any of them ends every rank of
+//     every group.
 #pragma once
 
 #include <concepts>
@@ -82,5 +94,23 @@ concept communicator = collective<C> && requires(C& c, const Context& ctx, int p
   c.send(ctx, peer, tag, in);
   c.recv(ctx, peer, tag, out);
 };
+
+/// A communicator of a data-parallel group ("replicas": the ranks of one pipeline rank across
+/// the dp replicas), with the device collectives the gradient reduction and ZeRO-1 use:
+/// all_to_all and a byte all_gather on the backend's memory, posted from a stream whose
+/// context is given (see the file comment).
+/// @code
+///   // dp ranks, each with dp blocks of `block` bytes in `in` (device memory):
+///   reps.all_to_all(ctx, std::span<const std::byte>(in, dp * block), std::span(out, dp * block));
+///   // block j of out is rank j's block reps.rank(): reduce them in rank order, then
+///   reps.all_gather(ctx, std::span<const std::byte>(mine, block), std::span(all, dp * block));
+/// @endcode
+template <class C, class Context>
+concept replica_communicator =
+    communicator<C, Context> &&
+    requires(C& c, const Context& ctx, std::span<const std::byte> in, std::span<std::byte> out) {
+      c.all_to_all(ctx, in, out);
+      c.all_gather(ctx, in, out);
+    };
 
 }  // namespace pipeoffload

@@ -1,11 +1,19 @@
-// pipeoffload/comm/threads.hpp: comm::Threads, ranks that are threads of one process.
+// pipeoffload/comm/threads.hpp: comm::Threads, ranks that are threads of one process, and
+// comm::ThreadsGrid, dp replicas of a d-rank pipeline as threads.
 //
 // Sends are rendezvous: a send waits until its receiver has copied the data out, the
 // strictest of the semantics in comm/communicator.hpp (NCCL's may do the same), so a schedule
 // that runs here cannot deadlock on a GPU for want of buffering. Every call blocks the calling
-// thread, so send and recv take any backend context and ignore it; all_gather copies bytes.
+// thread, so send, recv and the device collectives take any backend context and ignore it;
+// all_gather and all_to_all copy bytes.
+//
+// Abort: the worlds of one job share one abort (a plain ThreadsWorld has its own; the worlds
+// of a ThreadsGrid share the grid's). The first reason is stored under the shared mutex, then
+// each world is woken in turn under its own lock: no two locks are ever held at once, and a
+// waiter cannot miss the flag between its check and its sleep.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -20,30 +28,55 @@
 
 namespace pipeoffload::comm {
 
+class ThreadsWorld;
+class ThreadsGrid;
+
+namespace detail {
+
+/// The abort shared by the worlds of one job: the first reason wins (written once under `mu`,
+/// before `aborted` is set, and never again, so a reader that saw `aborted` may read it).
+struct ThreadsAbort {
+  std::mutex mu;
+  std::atomic<bool> aborted{false};
+  std::string reason;
+  std::vector<ThreadsWorld*> worlds;  // the worlds to wake; fixed before any rank runs
+};
+
+}  // namespace detail
+
 /// The shared state of `size` thread ranks: one FIFO channel per ordered pair of ranks.
 class ThreadsWorld {
  public:
-  explicit ThreadsWorld(int size) : size_(size) {
+  explicit ThreadsWorld(int size) : ThreadsWorld(size, std::make_shared<detail::ThreadsAbort>()) {}
+  ThreadsWorld(const ThreadsWorld&) = delete;
+  ThreadsWorld& operator=(const ThreadsWorld&) = delete;
+  int size() const { return size_; }
+
+  /// Aborts every rank of every world that shares this world's abort (first reason wins).
+  void abort(const std::string& why) {
+    {
+      std::lock_guard lk(abort_->mu);
+      if (abort_->aborted.load()) return;
+      abort_->reason = why;
+      abort_->aborted.store(true);
+    }
+    for (ThreadsWorld* w : abort_->worlds) w->wake_all();
+  }
+  bool aborted() const { return abort_->aborted.load(); }
+
+ private:
+  friend class Threads;
+  friend class ThreadsGrid;
+
+  ThreadsWorld(int size, std::shared_ptr<detail::ThreadsAbort> shared) : size_(size), abort_(std::move(shared)) {
     if (size < 1 || size > 4096)
       throw comm_error("comm::ThreadsWorld: size = " + std::to_string(size) +
                        " is outside the allowed range [1, 4096]");
     channels_ = std::make_unique<Channel[]>(static_cast<std::size_t>(size) * static_cast<std::size_t>(size));
     gathered_.resize(static_cast<std::size_t>(size));
-  }
-  int size() const { return size_; }
-
-  /// Aborts every rank (first reason wins).
-  void abort(const std::string& why) {
-    std::lock_guard lk(mu_);
-    abort_locked(why);
-  }
-  bool aborted() const {
-    std::lock_guard lk(mu_);
-    return aborted_;
+    abort_->worlds.push_back(this);
   }
 
- private:
-  friend class Threads;
   struct Message {
     Tag tag;
     const std::byte* data = nullptr;
@@ -59,32 +92,32 @@ class ThreadsWorld {
   Channel& channel(int from, int to) {
     return channels_[static_cast<std::size_t>(from) * static_cast<std::size_t>(size_) + static_cast<std::size_t>(to)];
   }
-  [[noreturn]] void throw_aborted() const { throw aborted_error("aborted: " + reason_); }
-  // Under the lock, so no waiter can miss it between its check and its sleep.
-  void abort_locked(const std::string& why) {
-    if (aborted_) return;
-    aborted_ = true;
-    reason_ = why;
+  [[noreturn]] void throw_aborted() const { throw aborted_error("aborted: " + abort_->reason); }
+  // Taking the lock orders this wake after any waiter's check of the flag: a waiter either
+  // sleeps already (and is woken) or checks after the flag was set.
+  void wake_all() {
+    std::lock_guard lk(mu_);
     for (std::size_t i = 0; i < static_cast<std::size_t>(size_) * static_cast<std::size_t>(size_); ++i)
       channels_[i].cv.notify_all();
     cv_.notify_all();
   }
 
   int size_;
+  std::shared_ptr<detail::ThreadsAbort> abort_;
   mutable std::mutex mu_;
-  std::condition_variable cv_;           // all_gather rounds
+  std::condition_variable cv_;           // collective rounds
   std::unique_ptr<Channel[]> channels_;  // [from * size + to]
-  bool aborted_ = false;
-  std::string reason_;
-  // all_gather: contributions of the round in progress, and the published result of the last
-  // round (a rank can only enter round k+1 after every rank has left round k's wait, because
-  // round k+1 completes only when all have arrived).
+  // Collectives (all_gather, all_to_all): contributions of the round in progress, and the
+  // published result of the last round (a rank can only enter round k+1 after every rank has
+  // left round k's wait, because round k+1 completes only when all have arrived).
+  enum class Op { all_gather, all_to_all };
   struct Contribution {
     std::vector<std::byte> bytes;
     std::size_t count = 0, value_bytes = 0;  // elements of T, and sizeof(T)
+    Op op = Op::all_gather;
   };
   std::vector<Contribution> gathered_;
-  std::vector<std::byte> published_;
+  std::vector<std::byte> published_;  // every rank's bytes, in rank order
   int arrived_ = 0;
   unsigned long long round_ = 0;
 };
@@ -108,10 +141,10 @@ class Threads {
     ThreadsWorld::Message msg{tag, data.data(), data.size(), false};
     ThreadsWorld::Channel& ch = w_->channel(rank_, peer);
     std::unique_lock lk(w_->mu_);
-    if (w_->aborted_) w_->throw_aborted();
+    if (w_->aborted()) w_->throw_aborted();
     ch.queue.push_back(&msg);
     ch.cv.notify_all();
-    ch.cv.wait(lk, [&] { return msg.taken || w_->aborted_; });
+    ch.cv.wait(lk, [&] { return msg.taken || w_->aborted(); });
     if (!msg.taken) {
       // Aborted: withdraw the message, its storage is about to go away.
       for (auto it = ch.queue.begin(); it != ch.queue.end(); ++it)
@@ -129,8 +162,8 @@ class Threads {
     check_peer(peer, "recv from");
     std::unique_lock lk(w_->mu_);
     ThreadsWorld::Channel& ch = w_->channel(peer, rank_);
-    ch.cv.wait(lk, [&] { return !ch.queue.empty() || w_->aborted_; });
-    if (w_->aborted_) w_->throw_aborted();
+    ch.cv.wait(lk, [&] { return !ch.queue.empty() || w_->aborted(); });
+    if (w_->aborted()) w_->throw_aborted();
     ThreadsWorld::Message* msg = ch.queue.front();
     if (!(msg->tag == tag) || msg->count != out.size()) {
       const std::string what = "comm::Threads: rank " + std::to_string(rank_) + " expected " + describe(tag) + " of " +
@@ -156,41 +189,104 @@ class Threads {
       throw comm_error("comm::Threads::all_gather: the output holds " + std::to_string(all.size()) +
                        " values; it must hold size() * mine.size() = " + std::to_string(n * d));
     std::unique_lock lk(w_->mu_);
-    if (w_->aborted_) w_->throw_aborted();
-    ThreadsWorld::Contribution& own = w_->gathered_[static_cast<std::size_t>(rank_)];
-    const std::span<const std::byte> bytes = std::as_bytes(mine);
-    own.bytes.assign(bytes.begin(), bytes.end());
-    own.count = n;
-    own.value_bytes = sizeof(T);
-    const unsigned long long round = w_->round_;
-    if (++w_->arrived_ == size()) {
-      w_->published_.clear();
-      for (const ThreadsWorld::Contribution& g : w_->gathered_) {
-        if (g.count != n || g.value_bytes != sizeof(T)) {
-          const std::string what =
-              g.count != n ? "comm::Threads::all_gather: ranks contributed different counts"
-                           : "comm::Threads::all_gather: ranks contributed values of different sizes (" +
-                                 std::to_string(g.value_bytes) + " and " + std::to_string(sizeof(T)) + " bytes)";
-          // The round never completes: its waiters wake to the abort (set before the lock is
-          // released, so none can take the partial result for a finished round).
-          w_->abort_locked(what);
-          throw comm_error(what);
-        }
-        w_->published_.insert(w_->published_.end(), g.bytes.begin(), g.bytes.end());
-      }
-      w_->arrived_ = 0;
-      ++w_->round_;
-      w_->cv_.notify_all();
-    } else {
-      w_->cv_.wait(lk, [&] { return w_->round_ != round || w_->aborted_; });
-      if (w_->round_ == round) w_->throw_aborted();
-    }
+    join_round(lk, ThreadsWorld::Op::all_gather, std::as_bytes(mine), n, sizeof(T));
     if (!all.empty()) std::memcpy(all.data(), w_->published_.data(), all.size_bytes());
+  }
+
+  /// all_gather of bytes in the backend's memory, from a stream whose context is given: the
+  /// calling thread copies, so the context is ignored (comm/communicator.hpp).
+  template <class Context>
+  void all_gather(const Context&, std::span<const std::byte> mine, std::span<std::byte> all) {
+    all_gather<std::byte>(mine, all);
+  }
+
+  /// Block i of `in` goes to rank i, block j of `out` comes from rank j (block = in.size() /
+  /// size()). Every rank passes the same size; another size on any rank fails on every rank.
+  template <class Context>
+  void all_to_all(const Context&, std::span<const std::byte> in, std::span<std::byte> out) {
+    const std::size_t n = in.size(), d = static_cast<std::size_t>(size());
+    check_all_to_all("comm::Threads::all_to_all", n, out.size(), d);
+    const std::size_t block = n / d;
+    std::unique_lock lk(w_->mu_);
+    join_round(lk, ThreadsWorld::Op::all_to_all, in, n, 1);
+    // published_ holds every rank's `in`: block j of out is block rank() of rank j's.
+    for (std::size_t j = 0; j < d && block > 0; ++j)
+      std::memcpy(out.data() + j * block, w_->published_.data() + j * n + static_cast<std::size_t>(rank_) * block,
+                  block);
   }
 
   void abort(const std::string& why) { w_->abort(why); }
 
  private:
+  static const char* op_name(ThreadsWorld::Op op) {
+    return op == ThreadsWorld::Op::all_gather ? "all_gather" : "all_to_all";
+  }
+
+  /// Joins the world's collective round with `bytes` (`count` values of `value_bytes` each) and
+  /// returns, with the lock held, once every rank has joined and published_ holds every rank's
+  /// bytes in rank order. Ranks that joined with another op, count or value size all fail: the
+  /// last to arrive throws comm_error naming rank 0 and one that differs, and aborts the others
+  /// with that text (after releasing the lock: the abort takes each world's lock in turn).
+  void join_round(std::unique_lock<std::mutex>& lk, ThreadsWorld::Op op, std::span<const std::byte> bytes,
+                  std::size_t count, std::size_t value_bytes) {
+    if (w_->aborted()) w_->throw_aborted();
+    ThreadsWorld::Contribution& own = w_->gathered_[static_cast<std::size_t>(rank_)];
+    own.bytes.assign(bytes.begin(), bytes.end());
+    own.count = count;
+    own.value_bytes = value_bytes;
+    own.op = op;
+    const unsigned long long round = w_->round_;
+    if (++w_->arrived_ == size()) {
+      const std::string what = mismatch();
+      if (!what.empty()) {
+        // The round never completes: its waiters wake to the abort instead of a result.
+        lk.unlock();
+        w_->abort(what);
+        throw comm_error(what);
+      }
+      w_->published_.clear();
+      for (const ThreadsWorld::Contribution& g : w_->gathered_)
+        w_->published_.insert(w_->published_.end(), g.bytes.begin(), g.bytes.end());
+      w_->arrived_ = 0;
+      ++w_->round_;
+      w_->cv_.notify_all();
+    } else {
+      w_->cv_.wait(lk, [&] { return w_->round_ != round || w_->aborted(); });
+      if (w_->round_ == round) w_->throw_aborted();
+    }
+  }
+
+  /// "" when every contribution of the round agrees with rank 0's, else the error's text.
+  std::string mismatch() const {
+    const std::vector<ThreadsWorld::Contribution>& g = w_->gathered_;
+    for (std::size_t r = 1; r < g.size(); ++r) {
+      const std::string ranks0 = "(rank 0: ", rank_r = ", rank " + std::to_string(r) + ": ";
+      if (g[r].op != g[0].op)
+        return std::string("comm::Threads: ranks called different collectives at once ") + ranks0 + op_name(g[0].op) +
+               rank_r + op_name(g[r].op) + ")";
+      const std::string who = std::string("comm::Threads::") + op_name(g[0].op) + ": ";
+      if (g[0].op == ThreadsWorld::Op::all_to_all && g[r].count != g[0].count)
+        return who + "ranks passed buffers of different sizes " + ranks0 + std::to_string(g[0].count) + " bytes" +
+               rank_r + std::to_string(g[r].count) + " bytes)";
+      if (g[r].count != g[0].count)
+        return who + "ranks contributed different counts " + ranks0 + std::to_string(g[0].count) + rank_r +
+               std::to_string(g[r].count) + ")";
+      if (g[r].value_bytes != g[0].value_bytes)
+        return who + "ranks contributed values of different sizes " + ranks0 + std::to_string(g[0].value_bytes) +
+               " bytes" + rank_r + std::to_string(g[r].value_bytes) + " bytes)";
+    }
+    return "";
+  }
+
+  static void check_all_to_all(const char* who, std::size_t in, std::size_t out, std::size_t d) {
+    if (out != in)
+      throw comm_error(std::string(who) + ": out holds " + std::to_string(out) +
+                       " bytes; it must hold as many as in (" + std::to_string(in) + ")");
+    if (in % d != 0)
+      throw comm_error(std::string(who) + ": in holds " + std::to_string(in) +
+                       " bytes; it must hold size() * block bytes, a multiple of size() = " + std::to_string(d));
+  }
+
   void check_peer(int peer, const char* what) const {
     if (peer < 0 || peer >= size() || peer == rank_)
       throw comm_error("comm::Threads: rank " + std::to_string(rank_) + " cannot " + what + " rank " +
@@ -201,6 +297,71 @@ class Threads {
   int rank_;
 };
 
+/// dp replicas of a d-rank pipeline as thread ranks, dp * d in all: global rank
+/// g = replica * d + rank (replica-major). Rank g is pipeline rank g % d of replica g / d; its
+/// pipeline group is the d ranks of its replica, its data-parallel ("replicas") group the dp
+/// ranks with the same pipeline rank, in which it is rank g / d. One ThreadsWorld per replica
+/// and one per pipeline rank, sharing one abort: an abort on any communicator of any rank
+/// ends every blocking call of both groups on every rank (first reason wins).
+/// @code
+///   po::comm::ThreadsGrid grid(2, 3);                       // 2 replicas of a 3-rank pipeline
+///   po::run_thread_ranks(grid, [&](int g) {                 // g in [0, 6)
+///     po::comm::Threads pipe = grid.pipeline(g);            // rank g % 3 of 3
+///     po::comm::Threads reps = grid.replicas(g);            // rank g / 3 of 2
+///     ...
+///   });
+/// @endcode
+class ThreadsGrid {
+ public:
+  ThreadsGrid(int dp, int d) : dp_(dp), d_(d), abort_(std::make_shared<detail::ThreadsAbort>()) {
+    if (dp < 1 || dp > 4096)
+      throw comm_error("comm::ThreadsGrid: dp = " + std::to_string(dp) + " is outside the allowed range [1, 4096]");
+    if (d < 1 || d > 4096)
+      throw comm_error("comm::ThreadsGrid: d = " + std::to_string(d) + " is outside the allowed range [1, 4096]");
+    if (static_cast<long long>(dp) * d > 4096)
+      throw comm_error("comm::ThreadsGrid: dp * d = " + std::to_string(static_cast<long long>(dp) * d) +
+                       " ranks is outside the allowed range [1, 4096]");
+    for (int j = 0; j < dp; ++j) pipelines_.push_back(std::unique_ptr<ThreadsWorld>(new ThreadsWorld(d, abort_)));
+    for (int r = 0; r < d; ++r) replicas_.push_back(std::unique_ptr<ThreadsWorld>(new ThreadsWorld(dp, abort_)));
+  }
+  ThreadsGrid(const ThreadsGrid&) = delete;
+  ThreadsGrid& operator=(const ThreadsGrid&) = delete;
+
+  int dp() const { return dp_; }
+  int d() const { return d_; }
+  int size() const { return dp_ * d_; }
+
+  /// Global rank g's handle on its replica's pipeline: rank g % d of d.
+  Threads pipeline(int global_rank) {
+    check(global_rank, "pipeline");
+    return Threads(*pipelines_[static_cast<std::size_t>(global_rank / d_)], global_rank % d_);
+  }
+  /// Global rank g's handle on its data-parallel group: rank g / d (its replica) of dp.
+  Threads replicas(int global_rank) {
+    check(global_rank, "replicas");
+    return Threads(*replicas_[static_cast<std::size_t>(global_rank % d_)], global_rank / d_);
+  }
+
+  /// Aborts every rank of both groups (first reason wins); what a rank's abort on either of
+  /// its communicators does too.
+  void abort(const std::string& why) { pipelines_.front()->abort(why); }  // every world shares abort_
+  bool aborted() const { return abort_->aborted.load(); }
+
+ private:
+  void check(int g, const char* group) const {
+    if (g < 0 || g >= size())
+      throw comm_error(std::string("comm::ThreadsGrid::") + group + ": global rank = " + std::to_string(g) +
+                       " is outside the allowed range [0, " + std::to_string(size() - 1) + "]");
+  }
+
+  int dp_, d_;
+  std::shared_ptr<detail::ThreadsAbort> abort_;
+  std::vector<std::unique_ptr<ThreadsWorld>> pipelines_;  // [replica], size d each
+  std::vector<std::unique_ptr<ThreadsWorld>> replicas_;   // [pipeline rank], size dp each
+};
+
 static_assert(communicator<Threads, backend::CpuContext>, "comm::Threads must model the communicator concept.");
+static_assert(replica_communicator<Threads, backend::CpuContext>,
+              "comm::Threads must model the replica_communicator concept.");
 
 }  // namespace pipeoffload::comm
