@@ -232,6 +232,153 @@ TEST_CASE("comm::Mpi: rank 0's NCCL unique id reaches every rank (the MPI bootst
             "]");
 }
 
+/// The grid of the split tests: dp = 2 replicas of a size/2-rank pipeline, g = replica * d + rank.
+struct Grid {
+  int g, dp, d;
+  explicit Grid(const po::comm::Mpi& job) : g(job.rank()), dp(2), d(job.size() / 2) {}
+};
+
+/// The byte that job rank g puts in block `to` of its all_to_all input, at offset i.
+std::byte payload(int g, int to, int i) { return static_cast<std::byte>((g * 37 + to * 11 + i) & 0xff); }
+
+TEST_CASE("comm::Mpi::split: a grid's pipeline and replicas groups, their ranks, messages and collectives") {
+  po::comm::Mpi job(quick());
+  REQUIRE(job.size() % 2 == 0);
+  const Grid grid(job);
+  const int g = grid.g, dp = grid.dp, d = grid.d, j = g / d, r = g % d;
+  po::comm::Mpi pipe = job.split(j, r), reps = job.split(r, j);
+  CHECK(pipe.rank() == r);
+  CHECK(pipe.size() == d);
+  CHECK(reps.rank() == j);
+  CHECK(reps.size() == dp);
+  CHECK(pipe.job_rank() == g);
+  CHECK(reps.job_rank() == g);
+  CHECK(pipe.options().timeout_seconds == job.options().timeout_seconds);
+  // Typed all_gather of the job ranks over each group.
+  const std::int32_t me = g;
+  std::vector<std::int32_t> pipe_all(static_cast<std::size_t>(d)), reps_all(static_cast<std::size_t>(dp));
+  pipe.all_gather(std::span<const std::int32_t>(&me, 1), std::span(pipe_all));
+  reps.all_gather(std::span<const std::int32_t>(&me, 1), std::span(reps_all));
+  for (int q = 0; q < d; ++q) CHECK(pipe_all[static_cast<std::size_t>(q)] == j * d + q);
+  for (int q = 0; q < dp; ++q) CHECK(reps_all[static_cast<std::size_t>(q)] == q * d + r);
+  // A message along the pipeline of each replica stays in it.
+  if (d > 1) {
+    std::vector<float> x{static_cast<float>(g)}, y(1, -1.0f);
+    if (r == 0) pipe.send(ctx, 1, {1, 0, po::Dir::forward}, in_bytes(x));
+    if (r == 1) {
+      pipe.recv(ctx, 0, {1, 0, po::Dir::forward}, out_bytes(y));
+      CHECK(y[0] == static_cast<float>(j * d));
+    }
+  }
+  // all_to_all and the byte all_gather (device memory on a GPU; the context is ignored here).
+  for (po::comm::Mpi* c : {&reps, &pipe}) {
+    const int n = c->size();
+    constexpr int block = 3;
+    std::vector<std::byte> in(static_cast<std::size_t>(n * block)), out(in.size(), std::byte{0xee});
+    for (int to = 0; to < n; ++to)
+      for (int i = 0; i < block; ++i) in[static_cast<std::size_t>(to * block + i)] = payload(g, to, i);
+    c->all_to_all(ctx, std::span<const std::byte>(in), std::span(out));
+    for (int q = 0; q < n; ++q) {
+      const int from = c == &reps ? q * d + r : j * d + q;  // rank q's job rank
+      for (int i = 0; i < block; ++i)
+        CHECK(out[static_cast<std::size_t>(q * block + i)] == payload(from, c->rank(), i));
+    }
+    const std::vector<std::byte> mine{static_cast<std::byte>(g), std::byte{0x5a}};
+    std::vector<std::byte> all(static_cast<std::size_t>(2 * n));
+    c->all_gather(ctx, std::span<const std::byte>(mine), std::span(all));
+    for (int q = 0; q < n; ++q) {
+      const int from = c == &reps ? q * d + r : j * d + q;
+      CHECK(all[static_cast<std::size_t>(2 * q)] == static_cast<std::byte>(from));
+      CHECK(all[static_cast<std::size_t>(2 * q + 1)] == std::byte{0x5a});
+    }
+  }
+}
+
+TEST_CASE("comm::Mpi::split: mismatched all_to_all sizes and bad colors fail on every rank") {
+  po::comm::Mpi job(quick());
+  const Grid grid(job);
+  const int g = grid.g, d = grid.d, j = g / d, r = g % d;
+  po::comm::Mpi reps = job.split(r, j);
+  // In every replicas group, the last replica passes two bytes per block, the others one.
+  const int per_block = j == grid.dp - 1 ? 2 : 1;
+  std::vector<std::byte> in(static_cast<std::size_t>(grid.dp * per_block)), out(in.size());
+  CHECK(error_of([&] { reps.all_to_all(ctx, std::span<const std::byte>(in), std::span(out)); }) ==
+        "comm::Mpi::all_to_all: ranks passed buffers of different sizes (rank 0: 2 bytes, rank 1: 4 bytes)");
+  // An all_gather on one rank where the others call all_to_all.
+  std::vector<std::byte> two(2), all(4);
+  CHECK(error_of([&] {
+          if (j == 1)
+            reps.all_gather(ctx, std::span<const std::byte>(two), std::span(all));
+          else
+            reps.all_to_all(ctx, std::span<const std::byte>(two), std::span(all).first(2));
+        }) == "comm::Mpi: ranks called different collectives at once (rank 0: all_to_all, rank 1: all_gather)");
+  // The groups still work after a refused call.
+  in.assign(2, std::byte{1});
+  out.assign(2, std::byte{0});
+  reps.all_to_all(ctx, std::span<const std::byte>(in), std::span(out));
+  CHECK(out == in);
+  CHECK(error_of([&] { reps.all_to_all(ctx, std::span<const std::byte>(in), std::span(out).first(1)); }) ==
+        "comm::Mpi::all_to_all: out holds 1 bytes; it must hold as many as in (2)");
+  CHECK(error_of([&] { reps.all_to_all(ctx, std::span<const std::byte>(in).first(1), std::span(out).first(1)); }) ==
+        "comm::Mpi::all_to_all: in holds 1 bytes; it must hold size() * block bytes, a multiple of size() = 2");
+  CHECK(error_of([&] { (void)job.split(g == 1 ? -1 : 0, g); }) ==
+        "comm::Mpi::split: rank 1 passed color = -1, outside the allowed range [0, 2147483647]");
+}
+
+TEST_CASE("comm::Mpi::split: a timeout in a split group names both ranks of each rank it mentions") {
+  po::comm::Mpi job(quick(2));
+  const Grid grid(job);
+  const int g = grid.g, d = grid.d, j = g / d, r = g % d;
+  po::comm::Mpi reps = job.split(r, j);
+  // Replica 1's first rank waits for replica 0's, which never sends (a group that is not the
+  // whole job: with d = 1 the replicas group is the job and its ranks are the job's).
+  if (g == d && d > 1) {
+    std::vector<float> y(1);
+    const std::string e = error_of([&] { reps.recv(ctx, 0, {0, 1, po::Dir::forward}, out_bytes(y)); });
+    CHECK(e.rfind("comm::Mpi: rank 1 (job rank " + std::to_string(d) + ", " + host() + ") has waited 2.", 0) == 0);
+    CHECK(e.find(" s in recv from rank 0 (job rank 0) of (forward, stage 0, mb 1) (timeout 2 s); rank 0 (job rank 0) "
+                 "has not answered") != std::string::npos);
+  }
+  po::comm::Mpi sync(quick());
+  std::vector<double> all(static_cast<std::size_t>(sync.size()));
+  const double one = 1;
+  sync.all_gather(std::span<const double>(&one, 1), std::span(all));
+}
+
+TEST_CASE("comm::Mpi::split: an abort on one replicas group ends a pipeline recv of the other replica") {
+  po::comm::Mpi job(quick(60));
+  const Grid grid(job);
+  const int g = grid.g, d = grid.d, j = g / d, r = g % d;
+  po::comm::Mpi pipe = job.split(j, r), reps = job.split(r, j);
+  const int failing = job.size() - 1;  // the last rank of replica 1
+  const std::string why = "rank " + std::to_string(failing) + ", compute op 3 W(stage 1, mb 0): boom";
+  std::vector<float> y(1);
+  if (g == failing) {
+    reps.abort(why);
+    CHECK(pipe.aborted());
+    CHECK(job.abort_origin() == failing);
+    CHECK(error_of([&] { job.recv(ctx, 0, {r, 0, po::Dir::backward}, out_bytes(y)); }) == "aborted: " + why);
+  } else {
+    // Replica 0 waits in its pipeline, on a rank that never sends; replica 1's other ranks in
+    // the replicas group, which the failing rank never joins. Only the note can end these.
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string e = error_of([&] {
+      if (j == 0 && d > 1)
+        pipe.recv(ctx, (r + 1) % d, {r, 0, po::Dir::backward}, out_bytes(y));
+      else
+        reps.all_to_all(ctx, std::span<const std::byte>(), std::span<std::byte>());
+    });
+    CHECK(e == "aborted: rank " + std::to_string(failing) + " failed: " + why);
+    CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 10.0);
+    CHECK(pipe.abort_origin() == failing);
+    CHECK(reps.abort_origin() == failing);
+    CHECK(job.abort_origin() == failing);
+    // Calls to come throw too, on every communicator of the job.
+    CHECK(error_of([&] { pipe.all_gather(ctx, std::span<const std::byte>(), std::span<std::byte>()); }) == e);
+    CHECK(error_of([&] { (void)job.split(0, 0); }) == e);
+  }
+}
+
 int main(int argc, char** argv) {
   po::comm::MpiSession mpi(argc, argv);
   doctest::Context ctx(argc, argv);

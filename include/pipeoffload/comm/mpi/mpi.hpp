@@ -1,21 +1,25 @@
-// pipeoffload/comm/mpi/mpi.hpp: comm::Mpi, pipeline ranks that are MPI processes.
+// pipeoffload/comm/mpi/mpi.hpp: comm::Mpi, ranks that are MPI processes: one pipeline, or
+// (Mpi::split) the pipeline and data-parallel groups of a grid of pipeline replicas.
 //
-// The `communicator` concept (comm/communicator.hpp) over MPI point-to-point, with the same
-// semantics as comm::Threads (every call blocks the calling thread, so send and recv take any
-// backend context and ignore it):
+// The `replica_communicator` concept (comm/communicator.hpp) over MPI, with the same
+// semantics as comm::Threads (every call blocks the calling thread, so send, recv and the
+// device collectives take any backend context and ignore it):
 //   - send is synchronous (MPI_Issend): it completes only once the receiver has matched it,
 //     the rendezvous that validate() plans for, so a schedule that runs here cannot rely on
 //     buffering a GPU link would not give;
 //   - every message carries a header (stage, microbatch, direction, byte count) in front of
 //     its data; MPI keeps messages of one (source, tag, communicator) in order, and a recv
 //     that meets another tag or size throws comm_error naming both;
-//   - all_gather of any trivially copyable T moves MPI_BYTEs, after a round that compares every
-//     rank's count (elements of T) and sizeof(T);
-//   - no wait is unbounded: every send, recv and all_gather polls its request and gives up
+//   - all_gather of any trivially copyable T moves MPI_BYTEs, and all_to_all moves blocks of
+//     bytes (MPI_Ialltoall), each after a round that compares every rank's op, count
+//     (elements of T, or bytes) and sizeof(T), so that a mismatch fails on every rank;
+//   - no wait is unbounded: every send, recv and collective polls its request and gives up
 //     after Options::timeout_seconds with a message naming the op, this rank and the peer;
-//   - abort(why) sends a short note to every other rank. Each rank polls for notes while it
-//     waits, so a failure on one rank wakes the others with aborted_error naming the rank that
-//     failed. MPI 4.1 cannot recover a job after a failure, so the program then ends the job
+//   - abort(why) sends a short note to every other rank of the job (Options::parent of the
+//     first communicator; every communicator split from it shares its abort and its notes).
+//     Each rank polls for notes while it waits, so a failure on one rank wakes the others,
+//     in every group, with aborted_error naming the job rank that failed. MPI 4.1 cannot
+//     recover a job after a failure, so the program then ends the job
 //     (MpiSession::abort_job); a rank killed outright is reported by mpirun, which ends the rest.
 // Needs MPI_THREAD_MULTIPLE: the runtime's comm stream, its host thread and a failing stream's
 // error hook may all call into the communicator at once.
@@ -34,6 +38,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -43,6 +48,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../../backend/cpu/context.hpp"
@@ -149,7 +155,41 @@ class MpiSession {
   int rank_ = 0, size_ = 1;
 };
 
-/// One rank's handle on a group of MPI processes that form a pipeline.
+namespace detail {
+
+/// The abort state shared by a communicator and every one split from it (Mpi::split): the
+/// job's communicator the notes travel on, and the first failure. Whoever holds it keeps the
+/// note communicator alive.
+struct MpiAbort {
+  MPI_Comm notes = MPI_COMM_NULL;  // a private duplicate of the first communicator's parent (the job)
+  int rank = 0, size = 1;          // this process's rank in `notes` (its job rank), and the job's size
+  std::mutex mu;
+  bool aborted = false;
+  int origin = -1;  // the job rank that failed
+  std::string reason;
+  std::unique_ptr<std::string> note;                             // sent from here (Isend)
+  std::vector<std::unique_ptr<std::vector<std::byte>>> orphans;  // buffers of requests cut short
+
+  MpiAbort() = default;
+  MpiAbort(const MpiAbort&) = delete;
+  MpiAbort& operator=(const MpiAbort&) = delete;
+  ~MpiAbort() {
+    // After an abort or a timeout, requests may still read the note or point into orphans:
+    // they are left allocated, and the communicator is not freed (the job is ending anyway).
+    if (aborted || !orphans.empty()) {
+      (void)note.release();
+      for (auto& o : orphans) (void)o.release();
+      return;
+    }
+    int finalized = 1;
+    if (notes != MPI_COMM_NULL && MPI_Finalized(&finalized) == MPI_SUCCESS && !finalized) MPI_Comm_free(&notes);
+  }
+};
+
+}  // namespace detail
+
+/// One rank's handle on a group of MPI processes: a pipeline, or (split) one of the groups of
+/// a grid of pipeline replicas.
 /// @code
 ///   po::comm::MpiSession mpi(argc, argv);
 ///   po::comm::Mpi comm({.timeout_seconds = 60});   // collective over MPI_COMM_WORLD
@@ -158,10 +198,11 @@ class MpiSession {
 class Mpi {
  public:
   struct Options {
-    /// How long a send, recv or all_gather may wait for its peer before it fails with a
+    /// How long a send, recv or collective may wait for its peer before it fails with a
     /// message naming the op and the peer (a peer that died or hangs).
     double timeout_seconds = 300;
-    /// The group to duplicate (collective over it); MPI_COMM_WORLD by default.
+    /// The group to duplicate (collective over it); MPI_COMM_WORLD by default. Abort notes
+    /// reach every rank of it (the job).
     MPI_Comm parent = MPI_COMM_WORLD;
   };
 
@@ -171,25 +212,72 @@ class Mpi {
       throw comm_error("comm::Mpi: timeout_seconds = " + std::to_string(opt.timeout_seconds) + " must be > 0");
     int r = 0;
     PIPEOFFLOAD_MPI_CHECK(-1, MPI_Comm_rank(opt.parent, &r));
-    // A private communicator: our tags cannot meet the program's own MPI traffic.
-    PIPEOFFLOAD_MPI_CHECK(r, MPI_Comm_dup(opt.parent, &comm_));
-    PIPEOFFLOAD_MPI_CHECK(r, MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
-    PIPEOFFLOAD_MPI_CHECK(r, MPI_Comm_rank(comm_, &rank_));
-    PIPEOFFLOAD_MPI_CHECK(r, MPI_Comm_size(comm_, &size_));
+    // Private communicators: our tags cannot meet the program's own MPI traffic, and abort
+    // notes travel apart from the data.
+    auto state = std::make_shared<detail::MpiAbort>();
+    PIPEOFFLOAD_MPI_CHECK(r, MPI_Comm_dup(opt.parent, &state->notes));
+    PIPEOFFLOAD_MPI_CHECK(r, MPI_Comm_set_errhandler(state->notes, MPI_ERRORS_RETURN));
+    PIPEOFFLOAD_MPI_CHECK(r, MPI_Comm_rank(state->notes, &state->rank));
+    PIPEOFFLOAD_MPI_CHECK(r, MPI_Comm_size(state->notes, &state->size));
+    MPI_Comm comm = MPI_COMM_NULL;
+    PIPEOFFLOAD_MPI_CHECK(r, MPI_Comm_dup(opt.parent, &comm));
+    adopt(comm, std::move(state));
   }
   Mpi(const Mpi&) = delete;
   Mpi& operator=(const Mpi&) = delete;
+  /// Moves the handle (a moved-from Mpi may only be destroyed). Not while a call is in progress.
+  Mpi(Mpi&& o) noexcept
+      : opt_(o.opt_),
+        comm_(std::exchange(o.comm_, MPI_COMM_NULL)),
+        rank_(o.rank_),
+        size_(o.size_),
+        job_rank_(std::move(o.job_rank_)),
+        state_(std::move(o.state_)),
+        last_gather_(std::move(o.last_gather_)) {}
+  Mpi& operator=(Mpi&&) = delete;
   ~Mpi() {
-    // After an abort or a timeout, requests may still point into buffers we keep (orphans_):
-    // freeing the communicator then is not allowed, and the job is ending anyway.
+    // After an abort or a timeout, requests may still point into buffers the state keeps
+    // (orphans): freeing the communicator then is not allowed, and the job is ending anyway.
     int finalized = 1;
-    if (!aborted() && orphans_.empty() && MPI_Finalized(&finalized) == MPI_SUCCESS && !finalized) MPI_Comm_free(&comm_);
+    if (comm_ != MPI_COMM_NULL && !aborted() && no_orphans() && MPI_Finalized(&finalized) == MPI_SUCCESS && !finalized)
+      MPI_Comm_free(&comm_);
   }
 
   int rank() const { return rank_; }
   int size() const { return size_; }
   MPI_Comm native() const { return comm_; }
   const Options& options() const { return opt_; }
+  /// This process's rank in the job (the first communicator's Options::parent), the rank that
+  /// abort notes and aborted_error name.
+  int job_rank() const { return state_->rank; }
+
+  /// Collective over this communicator (MPI_Comm_split): the ranks that pass the same `color`
+  /// (>= 0) form one group, ordered by `key` (ties by rank). The new communicator shares this
+  /// one's abort: an abort on either sends its note to every rank of the job, and every wait
+  /// of either watches for notes from the whole job, so one failing rank ends every group.
+  /// Colors are compared on every rank first (a negative one fails everywhere, and a rank that
+  /// never joins fails the others after the timeout); MPI_Comm_split itself then cannot wait
+  /// on a missing rank. Its options are this one's, with `parent` this communicator.
+  /// @code
+  ///   po::comm::Mpi job;                             // dp * d processes, g = job.rank()
+  ///   po::comm::Mpi pipe = job.split(g / d, g % d);  // the d ranks of replica g / d
+  ///   po::comm::Mpi reps = job.split(g % d, g / d);  // the dp ranks of pipeline rank g % d
+  /// @endcode
+  Mpi split(int color, int key) {
+    const long long mine[2] = {color, key};
+    std::vector<long long> all(2 * static_cast<std::size_t>(size_));
+    all_gather(std::span<const long long>(mine), std::span(all));
+    for (int r = 0; r < size_; ++r)
+      if (all[2 * static_cast<std::size_t>(r)] < 0)
+        throw comm_error("comm::Mpi::split: rank " + std::to_string(r) +
+                         " passed color = " + std::to_string(all[2 * static_cast<std::size_t>(r)]) +
+                         ", outside the allowed range [0, " + std::to_string(INT_MAX) + "]");
+    MPI_Comm comm = MPI_COMM_NULL;
+    PIPEOFFLOAD_MPI_CHECK(rank_, MPI_Comm_split(comm_, color, key, &comm));
+    Options opt = opt_;
+    opt.parent = comm_;
+    return Mpi(opt, comm, state_);
+  }
 
   /// Blocks until `peer` has matched the message (synchronous send), or fails. The context is
   /// not needed: the calling thread does the work.
@@ -207,9 +295,7 @@ class Mpi {
     MPI_Request req = MPI_REQUEST_NULL;
     PIPEOFFLOAD_MPI_CHECK(
         rank_, MPI_Issend(buf->data(), static_cast<int>(buf->size()), MPI_BYTE, peer, data_tag, comm_, &req));
-    wait(
-        req, std::move(buf), nullptr, [&] { return "send to rank " + std::to_string(peer) + " of " + describe(tag); },
-        peer);
+    wait(req, std::move(buf), nullptr, [&] { return "send to " + name(peer) + " of " + describe(tag); }, peer);
   }
 
   /// Blocks until the next message from `peer` arrives; it must carry `tag` and fit `out`.
@@ -228,7 +314,7 @@ class Mpi {
       poll_notes();
       throw_if_aborted();
       if (elapsed(start) > opt_.timeout_seconds)
-        throw comm_error(timed_out("recv from rank " + std::to_string(peer) + " of " + describe(tag), peer, start));
+        throw comm_error(timed_out("recv from " + name(peer) + " of " + describe(tag), peer, start));
       backoff.pause();
     }
     int bytes = 0;
@@ -263,24 +349,7 @@ class Mpi {
       throw comm_error("comm::Mpi::all_gather: the output holds " + std::to_string(all.size()) +
                        " values; it must hold size() * mine.size() = " + std::to_string(n * d));
     throw_if_aborted();
-    // First the counts and value sizes, so that a mismatch is an error on every rank instead
-    // of an MPI truncation on some. Buffers are owned here: a request cut short must not point
-    // into the caller's memory.
-    auto counts = std::make_unique<std::vector<std::byte>>((d + 1) * 2 * sizeof(long long));
-    const long long my_count[2] = {static_cast<long long>(n), static_cast<long long>(sizeof(T))};
-    std::memcpy(counts->data(), my_count, sizeof my_count);
-    gather_owned(std::move(counts), sizeof my_count, MPI_LONG_LONG, 2);
-    const long long* c =
-        reinterpret_cast<const long long*>(last_gather_.data() + sizeof my_count);  // [rank * 2 + {count, size}]
-    for (std::size_t r = 0; r < d; ++r)
-      if (c[2 * r] != c[0])
-        throw comm_error("comm::Mpi::all_gather: ranks contributed different counts (rank 0: " + std::to_string(c[0]) +
-                         ", rank " + std::to_string(r) + ": " + std::to_string(c[2 * r]) + ")");
-    for (std::size_t r = 0; r < d; ++r)
-      if (c[2 * r + 1] != c[1])
-        throw comm_error(
-            "comm::Mpi::all_gather: ranks contributed values of different sizes (rank 0: " + std::to_string(c[1]) +
-            " bytes, rank " + std::to_string(r) + ": " + std::to_string(c[2 * r + 1]) + " bytes)");
+    agree(Op::all_gather, n, sizeof(T));
     const std::size_t block = n * sizeof(T);
     if (block > static_cast<std::size_t>(INT_MAX))
       throw comm_error("comm::Mpi::all_gather: " + std::to_string(n) + " values are too many for one call");
@@ -288,6 +357,44 @@ class Mpi {
     if (n > 0) std::memcpy(values->data(), mine.data(), block);
     gather_owned(std::move(values), block, MPI_BYTE, static_cast<int>(block));
     if (n > 0) std::memcpy(all.data(), last_gather_.data() + block, d * block);
+  }
+
+  /// all_gather of bytes in the backend's memory, from a stream whose context is given: the
+  /// calling thread waits, so the context is ignored (comm/communicator.hpp).
+  template <class Context>
+  void all_gather(const Context&, std::span<const std::byte> mine, std::span<std::byte> all) {
+    all_gather<std::byte>(mine, all);
+  }
+
+  /// Block i of `in` goes to rank i, block j of `out` comes from rank j (block = in.size() /
+  /// size()): MPI_Ialltoall of bytes, waited for as every other call. Every rank passes the
+  /// same size; another size on any rank fails on every rank.
+  template <class Context>
+  void all_to_all(const Context&, std::span<const std::byte> in, std::span<std::byte> out) {
+    const std::size_t n = in.size(), d = static_cast<std::size_t>(size_);
+    if (out.size() != n)
+      throw comm_error("comm::Mpi::all_to_all: out holds " + std::to_string(out.size()) +
+                       " bytes; it must hold as many as in (" + std::to_string(n) + ")");
+    if (n % d != 0)
+      throw comm_error("comm::Mpi::all_to_all: in holds " + std::to_string(n) +
+                       " bytes; it must hold size() * block bytes, a multiple of size() = " + std::to_string(d));
+    throw_if_aborted();
+    agree(Op::all_to_all, n, 1);
+    const std::size_t block = n / d;
+    if (block > static_cast<std::size_t>(INT_MAX))
+      throw comm_error("comm::Mpi::all_to_all: blocks of " + std::to_string(block) +
+                       " bytes are too large for one call; the limit is " + std::to_string(INT_MAX));
+    if (n == 0) return;
+    // Owned here, as every buffer of a request: `in` first, the result after it.
+    auto buf = std::make_unique<std::vector<std::byte>>(2 * n);
+    std::memcpy(buf->data(), in.data(), n);
+    std::byte* base = buf->data();
+    MPI_Request req = MPI_REQUEST_NULL;
+    PIPEOFFLOAD_MPI_CHECK(rank_, MPI_Ialltoall(base, static_cast<int>(block), MPI_BYTE, base + n,
+                                               static_cast<int>(block), MPI_BYTE, comm_, &req));
+    std::vector<std::byte> got;
+    wait(req, std::move(buf), &got, [] { return std::string("all_to_all"); }, -1);
+    std::memcpy(out.data(), got.data() + n, n);
   }
 
   /// Collective: `data` of rank `root` lands in `data` on every rank (same size everywhere),
@@ -304,26 +411,30 @@ class Mpi {
     MPI_Request req = MPI_REQUEST_NULL;
     PIPEOFFLOAD_MPI_CHECK(rank_, MPI_Ibcast(buf->data(), static_cast<int>(buf->size()), MPI_BYTE, root, comm_, &req));
     std::vector<std::byte> got;
-    wait(req, std::move(buf), &got, [&] { return "broadcast from rank " + std::to_string(root); }, root);
+    wait(req, std::move(buf), &got, [&] { return "broadcast from " + name(root); }, root);
     std::copy(got.begin(), got.end(), data.begin());
   }
 
-  /// Stops every rank: local waits throw aborted_error now, and every other rank gets a note
-  /// that makes its waits throw aborted_error naming this rank. The first abort wins; never throws.
+  /// Stops every rank of the job: local waits (of this communicator and of every one that
+  /// shares its abort) throw aborted_error now, and every other rank of the job gets a note
+  /// that makes its waits throw aborted_error naming this rank's job rank. The first abort
+  /// wins; never throws.
   void abort(const std::string& why) noexcept {
     try {
+      detail::MpiAbort& s = *state_;
       {
-        std::lock_guard lk(mu_);
-        if (aborted_) return;
-        aborted_ = true;
-        origin_ = rank_;
-        reason_ = why;
-        note_ = why.substr(0, 4000);  // sent from here; must live as long as the requests
+        std::lock_guard lk(s.mu);
+        if (s.aborted) return;
+        s.aborted = true;
+        s.origin = s.rank;
+        s.reason = why;
+        s.note = std::make_unique<std::string>(why.substr(0, 4000));  // must outlive the requests
       }
-      for (int p = 0; p < size_; ++p) {
-        if (p == rank_) continue;
+      for (int p = 0; p < s.size; ++p) {
+        if (p == s.rank) continue;
         MPI_Request req = MPI_REQUEST_NULL;
-        if (MPI_Isend(note_.data(), static_cast<int>(note_.size()), MPI_CHAR, p, abort_tag, comm_, &req) == MPI_SUCCESS)
+        if (MPI_Isend(s.note->data(), static_cast<int>(s.note->size()), MPI_CHAR, p, abort_tag, s.notes, &req) ==
+            MPI_SUCCESS)
           MPI_Request_free(&req);
       }
     } catch (...) {
@@ -331,32 +442,35 @@ class Mpi {
     }
   }
 
-  /// The rank whose failure aborted this communicator: this rank for a local abort(), the
-  /// sender of the note otherwise, -1 while nothing failed.
+  /// The job rank whose failure aborted this communicator: this process's for a local abort()
+  /// (on this communicator or one sharing its abort), the sender of the note otherwise, -1
+  /// while nothing failed.
   int abort_origin() const {
-    std::lock_guard lk(mu_);
-    return aborted_ ? origin_ : -1;
+    std::lock_guard lk(state_->mu);
+    return state_->aborted ? state_->origin : -1;
   }
   bool aborted() const {
-    std::lock_guard lk(mu_);
-    return aborted_;
+    std::lock_guard lk(state_->mu);
+    return state_->aborted;
   }
 
-  /// Looks for an abort note without blocking (waits do this themselves).
+  /// Looks for an abort note from any rank of the job without blocking (waits do this
+  /// themselves).
   void poll_notes() {
+    detail::MpiAbort& s = *state_;
     int found = 0;
     MPI_Message msg = MPI_MESSAGE_NULL;
     MPI_Status st{};
-    if (MPI_Improbe(MPI_ANY_SOURCE, abort_tag, comm_, &found, &msg, &st) != MPI_SUCCESS || !found) return;
+    if (MPI_Improbe(MPI_ANY_SOURCE, abort_tag, s.notes, &found, &msg, &st) != MPI_SUCCESS || !found) return;
     int len = 0;
     MPI_Get_count(&st, MPI_CHAR, &len);
     std::string text(static_cast<std::size_t>(std::max(len, 0)), '\0');
     MPI_Mrecv(text.data(), len, MPI_CHAR, &msg, MPI_STATUS_IGNORE);
-    std::lock_guard lk(mu_);
-    if (aborted_) return;
-    aborted_ = true;
-    origin_ = st.MPI_SOURCE;
-    reason_ = "rank " + std::to_string(st.MPI_SOURCE) + " failed: " + text;
+    std::lock_guard lk(s.mu);
+    if (s.aborted) return;
+    s.aborted = true;
+    s.origin = st.MPI_SOURCE;
+    s.reason = "rank " + std::to_string(st.MPI_SOURCE) + " failed: " + text;
   }
 
  private:
@@ -365,6 +479,41 @@ class Mpi {
     std::int32_t stage, mb, dir, pad;
     std::uint64_t count;
   };
+  enum class Op : long long { all_gather = 1, all_to_all = 2 };
+
+  /// A communicator split from another (see split), sharing its abort state.
+  Mpi(Options opt, MPI_Comm comm, std::shared_ptr<detail::MpiAbort> state) : opt_(opt) {
+    adopt(comm, std::move(state));
+  }
+
+  /// Takes ownership of `comm` (freed by the destructor), with `state`'s abort.
+  void adopt(MPI_Comm comm, std::shared_ptr<detail::MpiAbort> state) {
+    comm_ = comm;
+    state_ = std::move(state);
+    PIPEOFFLOAD_MPI_CHECK(state_->rank, MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+    PIPEOFFLOAD_MPI_CHECK(state_->rank, MPI_Comm_rank(comm_, &rank_));
+    PIPEOFFLOAD_MPI_CHECK(state_->rank, MPI_Comm_size(comm_, &size_));
+    // The job rank of every rank of this group, for messages; none where they are the same.
+    MPI_Group mine = MPI_GROUP_NULL, job = MPI_GROUP_NULL;
+    PIPEOFFLOAD_MPI_CHECK(rank_, MPI_Comm_group(comm_, &mine));
+    PIPEOFFLOAD_MPI_CHECK(rank_, MPI_Comm_group(state_->notes, &job));
+    std::vector<int> ranks(static_cast<std::size_t>(size_));
+    for (int r = 0; r < size_; ++r) ranks[static_cast<std::size_t>(r)] = r;
+    job_rank_.assign(ranks.size(), MPI_UNDEFINED);
+    const int rc = MPI_Group_translate_ranks(mine, size_, ranks.data(), job, job_rank_.data());
+    MPI_Group_free(&mine);
+    MPI_Group_free(&job);
+    PIPEOFFLOAD_MPI_CHECK(rank_, rc);
+    if (size_ == state_->size && job_rank_ == ranks) job_rank_.clear();
+  }
+
+  /// "rank r", with its job rank where this group is not the job.
+  std::string name(int r) const {
+    std::string s = "rank " + std::to_string(r);
+    if (!job_rank_.empty() && r >= 0 && r < size_)
+      s += " (job rank " + std::to_string(job_rank_[static_cast<std::size_t>(r)]) + ")";
+    return s;
+  }
 
   static double elapsed(std::chrono::steady_clock::time_point since) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
@@ -375,19 +524,28 @@ class Mpi {
     std::snprintf(secs, sizeof secs, "%.1f", elapsed(since));
     std::snprintf(limit, sizeof limit, "%g", opt_.timeout_seconds);
     // The peer named is the one this op waits for; it may itself be waiting on a lost rank.
-    return "comm::Mpi: rank " + std::to_string(rank_) + " (" + detail::mpi_host() + ") has waited " + secs + " s in " +
-           op + " (timeout " + limit + " s); " +
-           (peer >= 0 ? "rank " + std::to_string(peer) + " has not answered: it is lost, stuck, or waiting itself"
+    const std::string me = job_rank_.empty() ? "rank " + std::to_string(rank_) + " (" + detail::mpi_host() + ")"
+                                             : "rank " + std::to_string(rank_) + " (job rank " +
+                                                   std::to_string(state_->rank) + ", " + detail::mpi_host() + ")";
+    return "comm::Mpi: " + me + " has waited " + secs + " s in " + op + " (timeout " + limit + " s); " +
+           (peer >= 0 ? name(peer) + " has not answered: it is lost, stuck, or waiting itself"
                       : std::string("some rank has not joined: it is lost, stuck, or waiting itself"));
   }
 
   void throw_if_aborted() {
-    std::lock_guard lk(mu_);
-    if (aborted_) throw aborted_error("aborted: " + reason_);
+    std::lock_guard lk(state_->mu);
+    if (state_->aborted) throw aborted_error("aborted: " + state_->reason);
+  }
+
+  bool no_orphans() const {
+    if (!state_) return true;
+    std::lock_guard lk(state_->mu);
+    return state_->orphans.empty();
   }
 
   /// Waits for `req`, watching for abort notes and the timeout. `buf` is what the request
-  /// reads or writes: on failure it is kept (orphans_) because the request still uses it.
+  /// reads or writes: on failure it is kept (the state's orphans) because the request still
+  /// uses it.
   template <class What>
   void wait(MPI_Request& req, std::unique_ptr<std::vector<std::byte>> buf, std::vector<std::byte>* into, What what,
             int peer) {
@@ -418,8 +576,45 @@ class Mpi {
   }
 
   void keep(std::unique_ptr<std::vector<std::byte>> buf) {
-    std::lock_guard lk(mu_);
-    orphans_.push_back(std::move(buf));
+    std::lock_guard lk(state_->mu);
+    state_->orphans.push_back(std::move(buf));
+  }
+
+  static const char* op_name(long long op) {
+    return op == static_cast<long long>(Op::all_gather)   ? "all_gather"
+           : op == static_cast<long long>(Op::all_to_all) ? "all_to_all"
+                                                          : "an unknown collective";
+  }
+
+  /// The first round of a collective: every rank's {op, count, value bytes}, so that ranks that
+  /// disagree all throw comm_error naming rank 0 and one that differs, instead of an MPI
+  /// truncation on some or a hang.
+  void agree(Op op, std::size_t count, std::size_t value_bytes) {
+    const std::size_t d = static_cast<std::size_t>(size_);
+    const long long mine[3] = {static_cast<long long>(op), static_cast<long long>(count),
+                               static_cast<long long>(value_bytes)};
+    // Owned here: a request cut short must not point into the caller's memory.
+    auto buf = std::make_unique<std::vector<std::byte>>((d + 1) * sizeof mine);
+    std::memcpy(buf->data(), mine, sizeof mine);
+    gather_owned(std::move(buf), sizeof mine, MPI_LONG_LONG, 3);
+    const long long* c = reinterpret_cast<const long long*>(last_gather_.data() + sizeof mine);  // [rank * 3 + i]
+    for (std::size_t r = 1; r < d; ++r) {
+      const long long* o = c + 3 * r;
+      const std::string ranks = " (rank 0: ", rank_r = ", rank " + std::to_string(r) + ": ";
+      if (o[0] != c[0])
+        throw comm_error(std::string("comm::Mpi: ranks called different collectives at once") + ranks + op_name(c[0]) +
+                         rank_r + op_name(o[0]) + ")");
+      const std::string who = std::string("comm::Mpi::") + op_name(c[0]) + ": ";
+      if (o[1] != c[1] && op == Op::all_to_all)
+        throw comm_error(who + "ranks passed buffers of different sizes" + ranks + std::to_string(c[1]) + " bytes" +
+                         rank_r + std::to_string(o[1]) + " bytes)");
+      if (o[1] != c[1])
+        throw comm_error(who + "ranks contributed different counts" + ranks + std::to_string(c[1]) + rank_r +
+                         std::to_string(o[1]) + ")");
+      if (o[2] != c[2])
+        throw comm_error(who + "ranks contributed values of different sizes" + ranks + std::to_string(c[2]) + " bytes" +
+                         rank_r + std::to_string(o[2]) + " bytes)");
+    }
   }
 
   /// MPI_Iallgather of `block` bytes per rank: the first block of *buf is this rank's, the
@@ -442,16 +637,14 @@ class Mpi {
   }
 
   Options opt_;
-  MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm comm_ = MPI_COMM_NULL;  // owned: a duplicate of the parent, or a split
   int rank_ = 0, size_ = 1;
-  mutable std::mutex mu_;
-  bool aborted_ = false;
-  int origin_ = -1;
-  std::string reason_, note_;
-  std::vector<std::unique_ptr<std::vector<std::byte>>> orphans_;
-  std::vector<std::byte> last_gather_;  // result of the last all_gather round (host thread only)
+  std::vector<int> job_rank_;                // [rank]: its job rank; empty where the same
+  std::shared_ptr<detail::MpiAbort> state_;  // shared with every split of the same job
+  std::vector<std::byte> last_gather_;       // result of the last all_gather round (host thread only)
 };
 
 static_assert(communicator<Mpi, backend::CpuContext>, "comm::Mpi must model the communicator concept.");
+static_assert(replica_communicator<Mpi, backend::CpuContext>, "comm::Mpi must model the replica_communicator concept.");
 
 }  // namespace pipeoffload::comm
