@@ -4,6 +4,8 @@
 // of one bf16 rounding of the output (2^-8 relative) unless a case says otherwise.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <barrier>
 #include <cmath>
 #include <random>
 #include <string>
@@ -484,6 +486,89 @@ TEST_CASE("comm::Nccl moves tagged messages between two GPUs on the comm stream 
         std::string::npos);
   CHECK(wrong_tag_error.find("received (forward, stage 1, mb 1) of " + std::to_string(bytes) + " bytes") !=
         std::string::npos);
+}
+
+TEST_CASE("comm::NcclWorld::split: a grid's two groups on GPUs, all_to_all and all_gather on the stream, one abort") {
+  const int gpus = po::backend::device_count();
+  if (gpus < 2) {
+    MESSAGE("needs 2 GPUs (NCCL refuses two ranks on one GPU); skipped");
+    return;
+  }
+  const int dp = 2, d = gpus >= 4 ? 2 : 1, size = dp * d;  // g = replica * d + rank, one GPU each
+  std::vector<int> devices(static_cast<std::size_t>(size));
+  for (int g = 0; g < size; ++g) devices[static_cast<std::size_t>(g)] = g;
+  auto world = po::comm::NcclWorld::all_local(devices);
+  constexpr std::size_t block = 1000;
+  const std::size_t arena = po::backend::Cuda::Options{}.workspace_bytes + 4 * block * 16 + 4096;
+  // [g]: what each rank received from the replicas group's and the pipeline's collectives.
+  std::vector<std::vector<std::byte>> reps_a2a(devices.size()), pipe_a2a(devices.size()), reps_ag(devices.size());
+  std::vector<std::string> after_abort(devices.size());
+  std::barrier sync(size);
+  const std::vector<std::string> errors = po::run_thread_ranks(*world, [&](int g) {
+    po::backend::Cuda dev({.device = g, .rank = g, .arena_bytes = arena});
+    auto pipe_world = world->split(g, g / d, g % d);  // every rank's thread at once
+    auto reps_world = world->split(g, g % d, g / d);
+    po::comm::Nccl pipe(pipe_world, pipe_world->rank(), dev), reps(reps_world, reps_world->rank(), dev);
+    CHECK(pipe.rank() == g % d);
+    CHECK(pipe.size() == d);
+    CHECK(reps.rank() == g / d);
+    CHECK(reps.size() == dp);
+    const int cs = dev.make_stream("comm");
+    const std::size_t most = static_cast<std::size_t>(std::max(dp, d)) * block;
+    po::backend::Block in = dev.device_alloc(most, po::backend::Memory::message);
+    po::backend::Block out = dev.device_alloc(most, po::backend::Memory::message);
+    std::vector<std::byte> host(most);
+    for (std::size_t i = 0; i < most; ++i)
+      host[i] = static_cast<std::byte>((static_cast<std::size_t>(g) * 37 + i) & 0xff);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(in.ptr, host.data(), most, cudaMemcpyHostToDevice));
+    const po::backend::CudaContext ctx = dev.context(cs);
+    auto run = [&](po::comm::Nccl& c, std::vector<std::byte>& got, bool gather) {
+      const std::size_t n = static_cast<std::size_t>(c.size()) * block;
+      if (gather)
+        c.all_gather(ctx, std::span<const std::byte>(in.ptr, block), std::span(out.ptr, n));
+      else
+        c.all_to_all(ctx, std::span<const std::byte>(in.ptr, n), std::span(out.ptr, n));
+      got.resize(n);
+      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(got.data(), out.ptr, n, cudaMemcpyDeviceToHost, ctx.cuda_stream));
+      PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(ctx.cuda_stream));
+    };
+    run(reps, reps_a2a[static_cast<std::size_t>(g)], false);
+    run(pipe, pipe_a2a[static_cast<std::size_t>(g)], false);
+    run(reps, reps_ag[static_cast<std::size_t>(g)], true);
+    // The last rank aborts its replicas group once every rank is idle: both groups of every
+    // rank (one process here) are aborted, and their calls to come throw.
+    sync.arrive_and_wait();
+    if (g == size - 1) reps.abort("replica 1 failed");
+    sync.arrive_and_wait();
+    try {
+      pipe.all_gather(ctx, std::span<const std::byte>(in.ptr, block),
+                      std::span(out.ptr, static_cast<std::size_t>(d) * block));
+    } catch (const po::aborted_error& e) {
+      after_abort[static_cast<std::size_t>(g)] = e.what();
+    }
+  });
+  // Rank q of the replicas group is global q * d + r; of the pipeline, j * d + q.
+  auto sent = [](int from, std::size_t i) {
+    return static_cast<std::byte>((static_cast<std::size_t>(from) * 37 + i) & 0xff);
+  };
+  for (int g = 0; g < size; ++g) {
+    CAPTURE(g);
+    const std::size_t G = static_cast<std::size_t>(g);
+    CHECK(errors[G] == "");
+    const int j = g / d, r = g % d;
+    for (int q = 0; q < dp; ++q)
+      for (std::size_t i = 0; i < block; ++i) {
+        CHECK(reps_a2a[G][static_cast<std::size_t>(q) * block + i] ==
+              sent(q * d + r, static_cast<std::size_t>(j) * block + i));
+        CHECK(reps_ag[G][static_cast<std::size_t>(q) * block + i] == sent(q * d + r, i));
+      }
+    for (int q = 0; q < d; ++q)
+      for (std::size_t i = 0; i < block; ++i)
+        CHECK(pipe_a2a[G][static_cast<std::size_t>(q) * block + i] ==
+              sent(j * d + q, static_cast<std::size_t>(r) * block + i));
+    CHECK(after_abort[G] == "aborted: replica 1 failed");
+  }
+  CHECK(world->aborted());
 }
 
 TEST_CASE("device_pairing covers every visible GPU exactly once") {

@@ -23,15 +23,17 @@
 //     are (comm::Nccl enqueues on ctx's stream and returns; comm::Threads and comm::Mpi block
 //     and ignore ctx): all_to_all(ctx, in, out), where in and out hold size() blocks of
 //     in.size() / size() bytes, block i of `in` goes to rank i and block j of `out` comes from
-//     rank j; all_gather(ctx, mine, all), the bytes of every rank in rank order. Every rank
-//     passes the same sizes (another size is comm_error on every rank on comm::Threads and
-//     comm::Mpi; NCCL cannot compare them) and calls them in the same order;
+//     rank j (in and out do not overlap); all_gather(ctx, mine, all), the bytes of every rank
+//     in rank order. Every rank passes the same sizes (another size is comm_error on every
+//     rank on comm::Threads and comm::Mpi; NCCL cannot compare them) and calls them in the
+//     same order;
 //   - abort(why): every blocking call in progress or to come, on every rank, throws
 //     aborted_error naming `why` (the first abort wins); it is how one failing rank stops
 //     the others (NCCL: ncclCommAbort). The communicators of one job's groups (a rank's
 //     pipeline and data-parallel groups: comm::ThreadsGrid, comm::Mpi::split,
 //     comm::NcclWorld::split) share one abort: an abort on any of them ends every rank of
-//     every group.
+//     every group (comm::Nccl: every communicator of both groups in this process; other
+//     processes learn of the failure through MPI, as for one pipeline).
 #pragma once
 
 #include <concepts>

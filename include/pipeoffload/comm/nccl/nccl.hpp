@@ -18,20 +18,28 @@
 //   - all_gather of any trivially copyable T is ncclAllGather of its bytes (ncclUint8) on a
 //     private stream, staged through a device buffer and synchronised on the host (it is called
 //     between steps). Ranks must contribute equal counts of one type: NCCL does not check;
-//   - abort(why): ncclCommAbort on every communicator of the world in this process; calls to
-//     come throw aborted_error.
+//   - the device collectives of a data-parallel group, all_to_all(ctx, in, out) (an NCCL group
+//     of one ncclSend and one ncclRecv per peer) and all_gather(ctx, mine, all)
+//     (ncclAllGather), enqueue on ctx.cuda_stream and return at once, like send and recv: no
+//     host sync and no staging. Ranks must pass equal sizes: NCCL does not check;
+//   - abort(why): ncclCommAbort on every communicator in this process of the world and of
+//     every world split from it or from which it was split (a rank's pipeline and replicas
+//     groups); calls to come throw aborted_error.
 // Bootstrap: NcclWorld::all_local (ncclCommInitAll, one process driving every listed GPU, one
-// thread per rank as po::run_thread_ranks runs them) or NcclWorld::from_file (one process per
-// GPU, ncclGetUniqueId published through comm/nccl/id_file.hpp). Every NCCL call is checked;
-// errors carry rank, host and ncclGetLastError.
+// thread per rank as po::run_thread_ranks runs them) or NcclWorld::from_file / from_id (one
+// process per GPU, ncclGetUniqueId published through comm/nccl/id_file.hpp or broadcast over
+// MPI). The groups of a grid of pipeline replicas: NcclWorld::split (ncclCommSplit, NCCL >=
+// 2.18). Every NCCL call is checked; errors carry rank, host and ncclGetLastError.
 #pragma once
 
 #include <nccl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -79,17 +87,32 @@ inline void nccl_check(ncclResult_t status, const char* call, int rank, ncclComm
     ::pipeoffload::comm::nccl_check((call), #call, (rank_of_call), (handle)); \
   } while (0)
 
-/// The communicators of the ranks this process drives, and their shared abort state.
+namespace detail {
+
+/// The abort shared by an NcclWorld and every world split from it: every live communicator
+/// of them in this process, aborted together; the first reason wins.
+struct NcclAbort {
+  std::mutex mu;
+  std::atomic<bool> aborted{false};
+  std::string reason;             // written once, under mu, before `aborted` is set
+  std::vector<ncclComm_t> comms;  // every sharing world's communicators (this process)
+};
+
+}  // namespace detail
+
+/// The communicators of the ranks this process drives, and their abort state (shared with the
+/// worlds split from it).
 class NcclWorld {
  public:
   /// One process, one rank per listed device (rank r on devices[r]): ncclCommInitAll.
   static std::shared_ptr<NcclWorld> all_local(std::span<const int> devices) {
-    auto w = std::shared_ptr<NcclWorld>(new NcclWorld());
+    auto w = std::shared_ptr<NcclWorld>(new NcclWorld(std::make_shared<detail::NcclAbort>()));
     w->size_ = static_cast<int>(devices.size());
     w->comms_.assign(devices.size(), nullptr);
     w->ranks_.resize(devices.size());
     for (std::size_t i = 0; i < devices.size(); ++i) w->ranks_[i] = static_cast<int>(i);
     PIPEOFFLOAD_NCCL_CHECK(ncclCommInitAll(w->comms_.data(), w->size_, devices.data()), 0, nullptr);
+    w->share_comms();
     return w;
   }
 
@@ -106,7 +129,7 @@ class NcclWorld {
   /// One process per GPU, the unique id already shared by every rank (e.g. broadcast over MPI:
   /// `from_id(broadcast_nccl_id(mpi, rank == 0 ? NcclWorld::new_id() : NcclIdBytes{}), ...)`).
   static std::shared_ptr<NcclWorld> from_id(const NcclIdBytes& bytes, int rank, int size, int device) {
-    auto w = std::shared_ptr<NcclWorld>(new NcclWorld());
+    auto w = std::shared_ptr<NcclWorld>(new NcclWorld(std::make_shared<detail::NcclAbort>()));
     w->size_ = size;
     w->ranks_ = {rank};
     w->comms_.assign(1, nullptr);
@@ -114,6 +137,7 @@ class NcclWorld {
     std::memcpy(&id, bytes.data(), sizeof id);
     PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(device));
     PIPEOFFLOAD_NCCL_CHECK(ncclCommInitRank(&w->comms_[0], size, id, rank), rank, nullptr);
+    w->share_comms();
     return w;
   }
 
@@ -135,7 +159,13 @@ class NcclWorld {
   NcclWorld(const NcclWorld&) = delete;
   NcclWorld& operator=(const NcclWorld&) = delete;
   ~NcclWorld() {
-    if (aborted_) return;  // ncclCommAbort already freed them
+    {
+      std::lock_guard lk(abort_->mu);
+      if (abort_->aborted.load()) return;  // ncclCommAbort already freed them
+      // Withdrawn first, so that an abort from now on leaves them to this destructor.
+      std::erase_if(abort_->comms,
+                    [&](ncclComm_t c) { return std::find(comms_.begin(), comms_.end(), c) != comms_.end(); });
+    }
     for (ncclComm_t c : comms_)
       if (c) ncclCommDestroy(c);
   }
@@ -148,28 +178,98 @@ class NcclWorld {
     throw comm_error("comm::NcclWorld: rank " + std::to_string(rank) + " is not driven by this process");
   }
 
+  /// Collective over this world (ncclCommSplit, NCCL >= 2.18): every rank of the world calls
+  /// it once; the ranks that pass the same `color` (>= 0) form one group, ordered by `key`
+  /// (ties by rank). Returns the world of this process's rank `rank` in its group: it drives
+  /// that one rank (Nccl(world, world->rank(), dev)). In a world that drives several ranks
+  /// (all_local), each rank's thread calls it at the same time. The new world shares this
+  /// one's abort: an abort on either (or on any Nccl of either) calls ncclCommAbort on every
+  /// communicator of both in this process.
+  /// @code
+  ///   auto job = po::comm::NcclWorld::from_id(id, g, dp * d, device);   // g = replica * d + rank
+  ///   auto pipe = job->split(g / d, g % d);   // the d ranks of replica g / d
+  ///   auto reps = job->split(g % d, g / d);   // the dp ranks of pipeline rank g % d
+  ///   po::comm::Nccl pipeline(pipe, pipe->rank(), dev), replicas(reps, reps->rank(), dev);
+  /// @endcode
+  std::shared_ptr<NcclWorld> split(int rank, int color, int key) const {
+    if (color < 0)
+      throw comm_error("comm::NcclWorld::split: color = " + std::to_string(color) +
+                       " is outside the allowed range [0, " + std::to_string(INT_MAX) + "]");
+    const ncclComm_t parent = comm(rank);
+    if (aborted()) throw_aborted();
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+    int device = 0;
+    PIPEOFFLOAD_NCCL_CHECK(ncclCommCuDevice(parent, &device), rank, parent);
+    PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(device));
+    ncclComm_t child = nullptr;
+    PIPEOFFLOAD_NCCL_CHECK(ncclCommSplit(parent, color, key, &child, nullptr), rank, parent);
+    auto w = std::shared_ptr<NcclWorld>(new NcclWorld(abort_));
+    w->comms_ = {child};
+    w->ranks_ = {0};
+    PIPEOFFLOAD_NCCL_CHECK(ncclCommCount(child, &w->size_), rank, child);
+    PIPEOFFLOAD_NCCL_CHECK(ncclCommUserRank(child, &w->ranks_[0]), rank, child);
+    w->share_comms();
+    return w;
+#else
+    (void)parent;
+    (void)key;
+    throw comm_error("comm::NcclWorld::split needs NCCL >= 2.18 (ncclCommSplit); this build has NCCL " +
+                     std::to_string(NCCL_VERSION_CODE));
+#endif
+  }
+  /// split(rank, color, key) for a world that drives one rank (from_id, from_file).
+  std::shared_ptr<NcclWorld> split(int color, int key) const {
+    if (ranks_.size() != 1)
+      throw comm_error("comm::NcclWorld::split: this process drives " + std::to_string(ranks_.size()) +
+                       " ranks of the world; name the one that splits (split(rank, color, key))");
+    return split(ranks_[0], color, key);
+  }
+  /// The rank this process drives, in a world that drives one (a split's, from_id's).
+  int rank() const {
+    if (ranks_.size() != 1)
+      throw comm_error("comm::NcclWorld::rank: this process drives " + std::to_string(ranks_.size()) +
+                       " ranks of the world, not one");
+    return ranks_[0];
+  }
+
+  /// Aborts every communicator of this world and of every world that shares its abort, in
+  /// this process (first reason wins).
   void abort(const std::string& why) {
-    std::lock_guard lk(mu_);
-    if (aborted_) return;
-    aborted_ = true;
-    reason_ = why;
-    for (ncclComm_t c : comms_)
+    std::lock_guard lk(abort_->mu);
+    if (abort_->aborted.load()) return;
+    abort_->reason = why;
+    abort_->aborted.store(true);
+    for (ncclComm_t c : abort_->comms)
       if (c) ncclCommAbort(c);  // best effort: nothing to report to while failing
   }
-  bool aborted() const { return aborted_; }
+  bool aborted() const { return abort_->aborted.load(); }
   [[noreturn]] void throw_aborted() const {
-    std::lock_guard lk(mu_);
-    throw aborted_error("aborted: " + reason_);
+    std::lock_guard lk(abort_->mu);
+    throw aborted_error("aborted: " + abort_->reason);
   }
 
  private:
-  NcclWorld() = default;
+  explicit NcclWorld(std::shared_ptr<detail::NcclAbort> shared) : abort_(std::move(shared)) {}
+
+  /// Hands this world's communicators to the shared abort; if it came first (a split racing
+  /// an abort), aborts them now and throws.
+  void share_comms() {
+    {
+      std::lock_guard lk(abort_->mu);
+      if (!abort_->aborted.load()) {
+        abort_->comms.insert(abort_->comms.end(), comms_.begin(), comms_.end());
+        return;
+      }
+      for (ncclComm_t c : comms_)
+        if (c) ncclCommAbort(c);
+    }
+    throw_aborted();
+  }
+
   int size_ = 0;
   std::vector<ncclComm_t> comms_;
   std::vector<int> ranks_;
-  mutable std::mutex mu_;
-  std::atomic<bool> aborted_{false};
-  std::string reason_;
+  std::shared_ptr<detail::NcclAbort> abort_;
 };
 
 /// One rank's communicator on one backend::Cuda device.
@@ -274,6 +374,49 @@ class Nccl {
     if (w_->aborted()) w_->throw_aborted();
   }
 
+  /// Enqueues an all_to_all of bytes in device memory on ctx's stream and returns at once:
+  /// block i of `in` goes to rank i, block j of `out` comes from rank j (block = in.size() /
+  /// size(); block rank() is copied on the stream). One NCCL group of a send and a receive per
+  /// peer. `in` and `out` must not overlap; every rank must pass the same size (NCCL cannot
+  /// compare them).
+  void all_to_all(const backend::CudaContext& ctx, std::span<const std::byte> in, std::span<std::byte> out) {
+    const cudaStream_t s = stream(ctx);
+    const std::size_t n = in.size(), d = static_cast<std::size_t>(size());
+    if (out.size() != n)
+      throw comm_error("comm::Nccl::all_to_all: out holds " + std::to_string(out.size()) +
+                       " bytes; it must hold as many as in (" + std::to_string(n) + ")");
+    if (n % d != 0)
+      throw comm_error("comm::Nccl::all_to_all: in holds " + std::to_string(n) +
+                       " bytes; it must hold size() * block bytes, a multiple of size() = " + std::to_string(d));
+    const std::size_t block = n / d, me = static_cast<std::size_t>(rank_);
+    if (block == 0) return;
+    PIPEOFFLOAD_NCCL_CHECK(ncclGroupStart(), rank_, comm_);
+    for (int p = 0; p < size(); ++p) {
+      if (p == rank_) continue;
+      const std::size_t at = static_cast<std::size_t>(p) * block;
+      PIPEOFFLOAD_NCCL_CHECK(ncclSend(in.data() + at, block, ncclUint8, p, comm_, s), rank_, comm_);
+      PIPEOFFLOAD_NCCL_CHECK(ncclRecv(out.data() + at, block, ncclUint8, p, comm_, s), rank_, comm_);
+    }
+    PIPEOFFLOAD_NCCL_CHECK(ncclGroupEnd(), rank_, comm_);
+    PIPEOFFLOAD_CUDA_CHECK(
+        cudaMemcpyAsync(out.data() + me * block, in.data() + me * block, block, cudaMemcpyDeviceToDevice, s));
+  }
+
+  /// Enqueues ncclAllGather of `mine` (bytes in device memory) into `all` (size() blocks, in
+  /// rank order) on ctx's stream and returns at once: no host sync, no staging. Every rank
+  /// must pass the same size (NCCL cannot compare them).
+  void all_gather(const backend::CudaContext& ctx, std::span<const std::byte> mine, std::span<std::byte> all) {
+    const cudaStream_t s = stream(ctx);
+    const std::size_t n = mine.size(), d = static_cast<std::size_t>(size());
+    if (all.size() != n * d)
+      throw comm_error("comm::Nccl::all_gather: the output holds " + std::to_string(all.size()) +
+                       " bytes; it must hold size() * mine.size() = " + std::to_string(n * d));
+    if (n == 0) return;
+    PIPEOFFLOAD_NCCL_CHECK(ncclAllGather(mine.data(), all.data(), n, ncclUint8, comm_, s), rank_, comm_);
+  }
+
+  /// Aborts this rank's communicators: this world's and those of every world that shares its
+  /// abort (the rank's other group, split from the same world).
   void abort(const std::string& why) { w_->abort(why); }
 
  private:
@@ -306,8 +449,8 @@ class Nccl {
       throw comm_error(
           "comm::Nccl: rank " + std::to_string(rank_) + " was given the context of " +
           (ctx.device == nullptr ? std::string("no device") : "device " + std::to_string(ctx.device->device())) +
-          "; send and recv take a stream context of its own device " + std::to_string(dev_->device()) +
-          " (backend::Cuda::context(stream))");
+          "; send, recv and the device collectives take a stream context of its own device " +
+          std::to_string(dev_->device()) + " (backend::Cuda::context(stream))");
     return ctx.cuda_stream;
   }
 
@@ -359,5 +502,7 @@ class Nccl {
 };
 
 static_assert(communicator<Nccl, backend::CudaContext>, "comm::Nccl must model the communicator concept.");
+static_assert(replica_communicator<Nccl, backend::CudaContext>,
+              "comm::Nccl must model the replica_communicator concept.");
 
 }  // namespace pipeoffload::comm
