@@ -402,7 +402,7 @@ constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, c
 
 /// Largest sum of d*v*m over the candidates of every grid one dp search (GridSpec::dp = 0)
 /// plans: a search beyond it is refused with a sentence.
-inline constexpr long long max_search_work = 4 * max_plan_work;
+inline constexpr long long max_search_work = 2 * max_plan_work;
 /// Most GPUs of a grid (dp x ranks, or GridSpec::gpus).
 inline constexpr int max_grid_gpus = 1 << 16;
 
