@@ -131,10 +131,11 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
          printf_str("%.3f", c.allreduce_exposed_s) + " s)";
   s += "\n";
   if (grid) {
-    double most = 0, worst = 1;
+    double most = 0, worst = 1, mean = 0;
     for (int i = 0; i < d; ++i) {
       most = std::max(most, c.allreduce_s[static_cast<std::size_t>(i)]);
       worst = std::min(worst, c.allreduce_hidden(i));
+      mean += c.allreduce_hidden(i) / d;
     }
     s += "grid       dp " + detail::num(r.dp) + " x d " + detail::num(d) + " = " + detail::num(r.dp * d) +
          " GPUs, ZeRO-" + detail::num(r.zero) + "; pipeline rank r of replica j is global rank j*" + detail::num(d) +
@@ -142,7 +143,8 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
          detail::num(r.gpus_per_node) + " GPUs per node, " + detail::layout_name(r.node_layout) + " layout\n";
     s += "all-reduce " + printf_str("%.3f", most) + " s on the busiest rank at " +
          printf_str("%g", r.allreduce_bytes_per_s / 1e9) + " GB/s, " + printf_str("%.3f", c.allreduce_exposed_s) +
-         " s exposed after the cooldown; hidden " + printf_str("%.1f", 100 * worst) + " % on the worst rank\n";
+         " s exposed after the cooldown; hidden " + printf_str("%.1f", 100 * worst) + " % on the worst rank, " +
+         printf_str("%.1f", 100 * mean) + " % on average over ranks\n";
     s += "host/node  contiguous: " + detail::node_list_text(r.host_bytes_per_node_contiguous) + "\n";
     s += "           balanced:   " +
          (r.host_bytes_per_node_balanced.empty()
