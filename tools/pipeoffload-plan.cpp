@@ -6,6 +6,8 @@
 //   ./build/pipeoffload-plan --auto --layers 78 --hidden 10240 --heads 80 --query-groups 8 --seq 4096
 //       --micro-batch 1 --global-batch 256 --vocab 51200 --ranks 32 --device-mem-gib 80 --host-mem-gib 512
 //       --tflops 220 --pcie-gbps 15 --recompute
+//   ./build/pipeoffload-plan --auto ... --ranks 8 --dp 4 --zero 1 --dp-gbps 50     (4 replicas of 8 ranks)
+//   ./build/pipeoffload-plan --auto ... --gpus 32 --search-dp                        (dp and d chosen)
 //
 // Exit status: 0 done; 2 a bad argument (one line on stderr naming it and what is allowed);
 // 3 (--auto) nothing fits: the closest plan is printed with fits false, the shortfall on stderr;
@@ -58,6 +60,8 @@ Builds a pipeline schedule, simulates it (as-soon-as-possible execution) and pri
 usage: pipeoffload-plan --auto --layers L --hidden H --heads A --query-groups G --seq S
          --micro-batch B --global-batch N --vocab V --ranks D --device-mem-gib X
          --host-mem-gib Y --tflops T --pcie-gbps P [--recompute] [--format text|json]
+         [--dp R | --search-dp --gpus GPUS] [--zero 0|1] [--dp-gbps X] [--gpus-per-node G]
+         [--node-layout contiguous|balanced]
 
 Plans: builds and simulates 1f1b, 1f1b-i, gis, gis(g) for every legal g, and po with 0..v
 chunks offloaded for every v up to (L+2)/D, and prints the fastest whose every rank fits in
@@ -72,6 +76,24 @@ peak saved activations, workspace), with a command line that draws it.
   --pcie-gbps P                host<->device GB/s of one device in one direction (Bo), > 0
   --recompute                  recompute LayerNorm, GeLU and dropout (34bsh -> 20bsh per layer)
   --pcie-switch pairs|none     ranks r and r^1 share a PCIe switch (default pairs)
+
+Data parallelism: dp replicas of the D-rank pipeline, D*dp GPUs; pipeline rank r of replica
+j is global rank j*D + r. Each replica runs m = N / (dp * B) microbatches; each stage's
+gradients are all-reduced across its replicas after its last W, overlapping the cooldown.
+  --dp R                       replicas, 1..65536 (default 1); R must divide N / B;
+                               0 searches dp (needs --gpus, not --ranks)
+  --search-dp                  the same as --dp 0
+  --gpus GPUS                  GPUs in all: with --dp 0 the planner tries every dp dividing
+                               GPUS (D = GPUS / dp); otherwise it must be R * D
+  --zero 0|1                   ZeRO stage (default 0); 1 shards the optimizer state (AdamW's
+                               two fp32 moments, 8 of the 18 bytes per parameter) over dp
+  --dp-gbps X                  all-reduce bandwidth in GB/s (default 100): a stage of P
+                               parameters reduces in 2(R-1)/R * 4P bytes / X (fp32 gradients)
+  --gpus-per-node G            GPUs per node (default 8): nodes hold G consecutive global ranks
+  --node-layout contiguous|balanced
+                               balanced (D a multiple of an even G): node k of a pipeline holds
+                               its rank blocks k and 2K-1-k of G/2 ranks (K = D/G), to even out
+                               host memory; the report gives host memory per node for both
 
 Options take their value as the next argument or after '=' (--ranks=4).
 Exit status: 0 done, 2 bad argument, 3 nothing fits (--auto), 1 internal error.
@@ -89,13 +111,19 @@ constexpr std::string_view flags[] = {
     "--micro-batch", "--tflops", "--pcie-gbps", "--cost-f", "--cost-b", "--cost-w", "--cost-comm", "--format", "--out",
     // --auto
     "--auto", "--recompute", "--layers", "--heads", "--query-groups", "--global-batch", "--vocab", "--device-mem-gib",
-    "--host-mem-gib", "--pcie-switch"};
+    "--host-mem-gib", "--pcie-switch",
+    // --auto, data parallelism
+    "--dp", "--search-dp", "--gpus", "--zero", "--dp-gbps", "--gpus-per-node", "--node-layout"};
 /// Flags that take no value.
-constexpr std::string_view switches[] = {"--auto", "--recompute"};
+constexpr std::string_view switches[] = {"--auto", "--recompute", "--search-dp"};
+/// The data-parallel flags (any of them shows the grid in the report).
+constexpr std::string_view grid_flags[] = {"--dp",      "--search-dp",     "--gpus",       "--zero",
+                                           "--dp-gbps", "--gpus-per-node", "--node-layout"};
 /// Flags only --auto reads, and flags --auto does not take.
-constexpr std::string_view auto_only[] = {"--recompute",      "--layers",       "--heads",
-                                          "--query-groups",   "--global-batch", "--vocab",
-                                          "--device-mem-gib", "--host-mem-gib", "--pcie-switch"};
+constexpr std::string_view auto_only[] = {"--recompute",    "--layers",  "--heads",          "--query-groups",
+                                          "--global-batch", "--vocab",   "--device-mem-gib", "--host-mem-gib",
+                                          "--pcie-switch",  "--dp",      "--search-dp",      "--gpus",
+                                          "--zero",         "--dp-gbps", "--gpus-per-node",  "--node-layout"};
 constexpr std::string_view not_auto[] = {"--schedule", "--chunks", "--microbatches", "--group",  "--offload-chunks",
                                          "--k",        "--cost-f", "--cost-b",       "--cost-w", "--cost-comm"};
 constexpr std::string_view hardware_flags[] = {"--hidden", "--seq", "--micro-batch", "--tflops", "--pcie-gbps"};
@@ -371,9 +399,66 @@ int emit(const std::string& text, const std::optional<std::string>& path) {
 struct AutoRequest {
   pipeoffload::TransformerSpec model;
   pipeoffload::MachineSpec machine;
+  pipeoffload::GridSpec grid;
+  bool grid_given = false;  ///< a data-parallel flag was given: the report shows the grid
   std::string format = "text";
   std::optional<std::string> out;
 };
+
+/// --ranks and the data-parallel flags of --auto, into rq.machine.ranks and rq.grid (the model
+/// is read already).
+void interpret_grid(const Args& args, AutoRequest& rq) {
+  namespace po = pipeoffload;
+  po::GridSpec& g = rq.grid;
+  for (std::string_view f : grid_flags) rq.grid_given = rq.grid_given || find(args, f);
+  const std::string* dp = find(args, "--dp");
+  if (dp) g.dp = static_cast<int>(parse_int("--dp", *dp, 0, po::max_grid_gpus, " (replicas; 0 searches with --gpus)"));
+  if (find(args, "--search-dp")) {
+    if (dp && g.dp != 0)
+      throw bad_argument("--search-dp cannot be combined with --dp " + quoted(*dp) + " (--search-dp is --dp 0)");
+    g.dp = 0;
+  }
+  const std::string* gpus = find(args, "--gpus");
+  if (g.dp == 0) {
+    const char* how = dp ? "--dp 0" : "--search-dp";
+    if (find(args, "--ranks"))
+      throw bad_argument(std::string("--ranks cannot be combined with ") + how +
+                         ": the planner chooses the ranks d = --gpus / dp");
+    if (!gpus)
+      throw bad_argument(std::string("missing --gpus (") + how +
+                         " searches the dp that divide the GPUs, an integer in [1, " + num(po::max_grid_gpus) + "])");
+    g.gpus = static_cast<int>(parse_int("--gpus", *gpus, 1, po::max_grid_gpus));
+  } else {
+    rq.machine.ranks = required_int(args, "--ranks", "pipeline ranks", 1, po::max_ranks);
+    const long long all = 1LL * g.dp * rq.machine.ranks;
+    if (all > po::max_grid_gpus)
+      throw bad_argument("--dp " + num(g.dp) + " x --ranks " + num(rq.machine.ranks) + " = " + num(all) +
+                         " GPUs; at most " + num(po::max_grid_gpus));
+    if (gpus && parse_int("--gpus", *gpus, 1, po::max_grid_gpus) != all)
+      throw bad_argument("--gpus must be --dp x --ranks = " + num(all) + " (or left out), got " + quoted(*gpus));
+    const int mb = rq.model.global_batch / rq.model.micro_batch;
+    if (mb % g.dp != 0)
+      throw bad_argument("--dp " + num(g.dp) + " does not split the global batch: --global-batch " +
+                         num(rq.model.global_batch) + " / --micro-batch " + num(rq.model.micro_batch) + " = " +
+                         num(mb) + " microbatches are not a multiple of it; --dp must divide " + num(mb) + " (" +
+                         po::detail::divisors(mb, 12) + ")");
+  }
+  if (const std::string* z = find(args, "--zero"))
+    g.zero = static_cast<int>(parse_int("--zero", *z, 0, 1, " (the ZeRO stage: 1 shards the optimizer state)"));
+  if (const std::string* b = find(args, "--dp-gbps"))
+    g.allreduce_bytes_per_s = parse_real("--dp-gbps", *b, false, 1e9) * 1e9;
+  if (const std::string* n = find(args, "--gpus-per-node"))
+    g.gpus_per_node = static_cast<int>(parse_int("--gpus-per-node", *n, 1, po::max_grid_gpus));
+  if (const std::string* l = find(args, "--node-layout")) {
+    if (*l != "contiguous" && *l != "balanced")
+      throw bad_argument("--node-layout must be contiguous or balanced, got " + quoted(*l));
+    g.node_layout = *l == "balanced" ? po::NodeLayout::balanced : po::NodeLayout::contiguous;
+  }
+  const int d = rq.machine.ranks, G = g.gpus_per_node;
+  if (g.dp != 0 && !po::node_layout_fits(g.node_layout, d, G))
+    throw bad_argument("--node-layout balanced needs --ranks <= --gpus-per-node (" + num(G) +
+                       "), or --ranks a multiple of an even --gpus-per-node; got --ranks " + num(d));
+}
 
 AutoRequest interpret_auto(const Args& args) {
   for (std::string_view f : not_auto)
@@ -401,7 +486,7 @@ AutoRequest interpret_auto(const Args& args) {
     throw bad_argument("--global-batch must be a multiple of --micro-batch (" + num(m.micro_batch) + "), got " +
                        quoted(num(m.global_batch)));
   auto& x = rq.machine;
-  x.ranks = need("--ranks", "pipeline ranks", 1, pipeoffload::max_ranks);
+  interpret_grid(args, rq);
   const auto real = [&](std::string_view flag, const char* what, bool zero_ok) {
     const std::string* v = find(args, flag);
     if (!v) throw bad_argument("missing " + std::string(flag) + " (" + what + ")");
@@ -434,9 +519,10 @@ AutoRequest interpret_auto(const Args& args) {
 /// --auto: plan, print, and exit 0, or 3 when nothing fits.
 int run_auto(const Args& args) {
   const AutoRequest rq = interpret_auto(args);
-  const pipeoffload::PlanResult r = pipeoffload::plan(rq.model, rq.machine);
-  const std::string text = rq.format == "json" ? pipeoffload::render_plan_json(r, rq.model, rq.machine)
-                                               : pipeoffload::render_plan_text(r, rq.model, rq.machine);
+  const pipeoffload::PlanResult r = pipeoffload::plan(rq.model, rq.machine, {}, rq.grid);
+  const bool grid = rq.grid_given || pipeoffload::grid_shown(r);
+  const std::string text = rq.format == "json" ? pipeoffload::render_plan_json(r, rq.model, rq.machine, grid)
+                                               : pipeoffload::render_plan_text(r, rq.model, rq.machine, grid);
   if (const int rc = emit(text, rq.out); rc != 0) return rc;
   if (r.fits) return 0;
   std::fprintf(stderr, "%s: %s\n", tool, r.why.c_str());

@@ -317,3 +317,417 @@ TEST_CASE("plan is constexpr: a small model plans in a constant expression") {
   static_assert(tiny_plan_fits());
   CHECK(tiny_plan_fits());
 }
+
+// ---- data parallelism: dp replicas of the pipeline ----------------------------------------------
+
+namespace {
+
+GridSpec grid(int dp, int zero = 0, double bytes_per_s = 100e9) {
+  GridSpec g;
+  g.dp = dp;
+  g.zero = zero;
+  g.allreduce_bytes_per_s = bytes_per_s;
+  return g;
+}
+
+/// 14 layers on 4 ranks, 48 sequences: dp 1, 2, 3, 4, 6, 8, ... all split the batch.
+TransformerSpec small48() {
+  TransformerSpec m = small();
+  m.global_batch = 48;
+  return m;
+}
+
+MachineSpec four_ranks(double device_gib) {
+  MachineSpec x = small_machine(device_gib);
+  x.ranks = 4;
+  return x;
+}
+
+/// Each rank's all-reduces, the long way: repeatedly the unreduced stage whose last W ended
+/// first (lower stage on ties), started when that W and the previous reduction are done.
+void reference_reductions(const Program& p, const SimResult& sim, const std::vector<double>& stage_s, int r,
+                          double& total, double& end) {
+  std::vector<double> last(static_cast<std::size_t>(p.shape.stages()), -1.0);
+  const RankProgram& rp = p.ranks[static_cast<std::size_t>(r)];
+  for (std::size_t i = 0; i < rp.compute.size(); ++i)
+    if (rp.compute[i].kind == OpKind::W || rp.compute[i].kind == OpKind::BW) {
+      double& l = last[static_cast<std::size_t>(rp.compute[i].stage)];
+      l = std::max(l, sim.ranks[static_cast<std::size_t>(r)].compute_end[i]);
+    }
+  total = 0;
+  end = 0;
+  std::vector<bool> done(last.size(), false);
+  for (;;) {
+    int next = -1;
+    for (int s = 0; s < p.shape.stages(); ++s) {
+      const auto u = static_cast<std::size_t>(s);
+      if (last[u] < 0 || done[u]) continue;
+      if (next < 0 || last[u] < last[static_cast<std::size_t>(next)]) next = s;
+    }
+    if (next < 0) break;
+    const auto u = static_cast<std::size_t>(next);
+    done[u] = true;
+    end = std::max(end, last[u]) + stage_s[u];
+    total += stage_s[u];
+  }
+}
+
+}  // namespace
+
+TEST_CASE("data parallelism: each replica runs global batch / (dp x microbatch size) microbatches") {
+  const TransformerSpec m = small48();
+  for (int dp : {1, 2, 3, 4, 6, 12}) {
+    CAPTURE(dp);
+    const PlanResult r = plan(m, four_ranks(80), {}, grid(dp));
+    CHECK(r.microbatches == 48 / dp);
+    CHECK(r.dp == dp);
+    CHECK(r.ranks == 4);
+    // The choice is the simulation of that many microbatches on one pipeline.
+    const detail::Layout L = detail::make_layout(m, four_ranks(80), {}, r.choice.chunks, grid(dp));
+    const SimResult sim = simulate(build(r.choice.spec, {4, r.choice.chunks, 48 / dp}, L.costs));
+    CHECK(sim.makespan == r.choice.compute_time_s);
+  }
+  TransformerSpec b2 = small48();
+  b2.micro_batch = 2;  // 24 microbatches of 2
+  CHECK(plan(b2, four_ranks(80), {}, grid(3)).microbatches == 8);
+}
+
+TEST_CASE("dp = 1 changes nothing: the same plan as without a grid, and no all-reduce") {
+  const TransformerSpec m = small();
+  for (double g : {1.0, 3.0, 8.0, 80.0}) {
+    const PlanResult a = plan(m, small_machine(g));
+    const PlanResult b = plan(m, small_machine(g), {}, grid(1, 0, 1e3));  // any bandwidth: nothing to reduce
+    CHECK(a.fits == b.fits);
+    CHECK(a.why == b.why);
+    CHECK(a.microbatches == b.microbatches);
+    CHECK(a.model_state_bytes == b.model_state_bytes);
+    REQUIRE(a.candidates.size() == b.candidates.size());
+    for (std::size_t i = 0; i < a.candidates.size(); ++i) {
+      const PlanCandidate &x = a.candidates[i], &y = b.candidates[i];
+      CHECK(x.iteration_time_s == y.iteration_time_s);
+      CHECK(x.iteration_time_s == x.compute_time_s);
+      CHECK(x.allreduce_exposed_s == 0);
+      CHECK(x.peak_device_bytes == y.peak_device_bytes);
+      CHECK(x.host_bytes == y.host_bytes);
+      for (std::size_t r = 0; r < 8; ++r) CHECK((y.allreduce_s[r] == 0 && y.allreduce_end_s[r] == 0));
+    }
+  }
+}
+
+TEST_CASE("ZeRO-1: the optimizer state per rank is 1/dp of ZeRO-0's, rounded up to whole shards") {
+  const TransformerSpec m = small48();
+  const MachineSpec x = four_ranks(80);
+  const PlanBudget bud;
+  REQUIRE(bud.bytes_per_parameter == 18);
+  REQUIRE(bud.optimizer_bytes_per_parameter == 8);
+  for (int v : {1, 2, 4}) {
+    const detail::Layout z0 = detail::make_layout(m, x, bud, v, grid(1));
+    for (int dp : {2, 3, 4, 6}) {
+      CAPTURE(v);
+      CAPTURE(dp);
+      const detail::Layout z0dp = detail::make_layout(m, x, bud, v, grid(dp, 0));
+      const detail::Layout z1 = detail::make_layout(m, x, bud, v, grid(dp, 1));
+      CHECK(z0dp.model_state == z0.model_state);  // ZeRO-0: every replica holds everything
+      CHECK(z0dp.optimizer == z0.optimizer);
+      for (int r = 0; r < 4; ++r) {
+        const auto u = static_cast<std::size_t>(r);
+        double params = 0, shards = 0;
+        for (int s = r; s < 4 * v; s += 4) {
+          const double P = stage_parameters(m, z0.stages[static_cast<std::size_t>(s)]);
+          params += P;
+          shards += std::ceil(P / dp);
+        }
+        CHECK(z0.optimizer[u] == 8 * params);
+        CHECK(z1.optimizer[u] == 8 * shards);
+        // 1/dp, plus less than one parameter per stage for the rounding.
+        CHECK(z1.optimizer[u] >= z0.optimizer[u] / dp);
+        CHECK(z1.optimizer[u] < z0.optimizer[u] / dp + 8.0 * v);
+        // The rest of the model state is untouched.
+        CHECK(z1.model_state[u] == doctest::Approx(z0.model_state[u] - z0.optimizer[u] + z1.optimizer[u]));
+      }
+    }
+  }
+  // A stage of P parameters not a multiple of dp: its shard is ceil(P / dp).
+  CHECK(detail::shard_parameters(10, 3) == 4);
+  CHECK(detail::shard_parameters(9, 3) == 3);
+  CHECK(detail::shard_parameters(1, 4) == 1);
+  // The plan reports it, and ZeRO-1 needs less device memory than ZeRO-0.
+  const PlanResult p0 = plan(m, x, bud, grid(4, 0)), p1 = plan(m, x, bud, grid(4, 1));
+  CHECK(p1.zero == 1);
+  for (std::size_t r = 0; r < 4; ++r) {
+    CHECK(p1.optimizer_bytes[r] < p0.optimizer_bytes[r] / 3);
+    CHECK(p1.model_state_bytes[r] < p0.model_state_bytes[r]);
+  }
+}
+
+TEST_CASE("ZeRO-1 lets a model fit where ZeRO-0 does not, with enough replicas") {
+  const TransformerSpec m = small48();
+  double lo = 0.5;
+  while (!plan(m, four_ranks(lo), {}, grid(6, 1)).fits) lo *= 1.1;
+  CHECK_FALSE(plan(m, four_ranks(lo), {}, grid(6, 0)).fits);
+}
+
+TEST_CASE(
+    "all-reduce: 2(dp-1)/dp x 4 bytes per parameter / bandwidth per stage, serialized after each stage's last W") {
+  const TransformerSpec m = small48();
+  const MachineSpec x = four_ranks(80);
+  for (int dp : {2, 3, 6}) {
+    const detail::Layout L = detail::make_layout(m, x, {}, 2, grid(dp, 0, 50e9));
+    for (int s = 0; s < 8; ++s) {
+      const double P = stage_parameters(m, L.stages[static_cast<std::size_t>(s)]);
+      CHECK(L.allreduce[static_cast<std::size_t>(s)] == doctest::Approx(2.0 * (dp - 1) / dp * 4 * P / 50e9));
+    }
+    for (const PlanOption& o : plan_options(4, 2, 48 / dp, true)) {
+      CAPTURE(o.name);
+      const PlanCandidate c = evaluate(o, L, m, x);
+      const Program p = build(o.spec, {4, 2, 48 / dp}, L.costs);
+      const SimResult sim = simulate(p);
+      double latest = 0;
+      for (int r = 0; r < 4; ++r) {
+        double total = 0, end = 0;
+        reference_reductions(p, sim, L.allreduce, r, total, end);
+        CHECK(c.allreduce_s[static_cast<std::size_t>(r)] == doctest::Approx(total).epsilon(1e-12));
+        CHECK(c.allreduce_end_s[static_cast<std::size_t>(r)] == doctest::Approx(end).epsilon(1e-12));
+        latest = std::max(latest, end);
+        CHECK(c.allreduce_hidden(r) >= 0);
+        CHECK(c.allreduce_hidden(r) <= 1);
+      }
+      CHECK(c.compute_time_s == sim.makespan);
+      CHECK(c.iteration_time_s == doctest::Approx(std::max(sim.makespan, latest)).epsilon(1e-12));
+      CHECK(c.allreduce_exposed_s == doctest::Approx(c.iteration_time_s - sim.makespan).epsilon(1e-12));
+    }
+  }
+}
+
+TEST_CASE("all-reduce exposed is ~0 with a huge bandwidth and grows as the bandwidth shrinks") {
+  const TransformerSpec m = small48();
+  const MachineSpec x = four_ranks(80);
+  for (const PlanOption& o : plan_options(4, 2, 24, true)) {
+    CAPTURE(o.name);
+    double prev = -1, prev_total = -1;
+    for (double bw : {1e21, 1e13, 1e12, 1e11, 1e10, 1e9}) {
+      const PlanCandidate c = evaluate(o, detail::make_layout(m, x, {}, 2, grid(2, 0, bw)), m, x);
+      if (bw == 1e21) CHECK(c.allreduce_exposed_s < 1e-9 * c.compute_time_s);
+      CHECK(c.allreduce_exposed_s >= prev);
+      CHECK(c.allreduce_s[0] > prev_total);
+      prev = c.allreduce_exposed_s;
+      prev_total = c.allreduce_s[0];
+    }
+    CHECK(prev > 0);  // at 1 GB/s the gradients of a stage take longer than the cooldown hides
+  }
+  // The plan: a slower all-reduce never gives a faster plan; the last stage to finish (stage 0,
+  // on rank 0) is never hidden, so its rank hides the least.
+  double prev = 0;
+  for (double bw : {1e21, 1e11, 1e10, 1e9, 1e8}) {
+    const PlanResult r = plan(m, x, {}, grid(2, 0, bw));
+    CHECK(r.choice.iteration_time_s >= prev);
+    CHECK(r.choice.iteration_time_s == r.choice.compute_time_s + r.choice.allreduce_exposed_s);
+    prev = r.choice.iteration_time_s;
+  }
+}
+
+TEST_CASE("rank layout: global rank j*d + r, the balanced node layout, and back") {
+  using NL = NodeLayout;
+  // Contiguous: replica-major, PCIe pairs (r, r^1) are global pairs (g, g^1) when d is even.
+  static_assert(global_rank(NL::contiguous, 4, 8, 0, 3) == 3);
+  static_assert(global_rank(NL::contiguous, 4, 8, 2, 1) == 9);
+  static_assert(node_of(NL::contiguous, 4, 8, 2, 1) == 1);
+  static_assert(grid_rank(NL::contiguous, 4, 8, 9) == GridRank{2, 1});
+  // The paper's example: d = 16, G = 8: node 0 holds pipeline ranks 0-3 and 12-15, node 1 holds 4-11.
+  static_assert(node_layout_fits(NL::balanced, 16, 8));
+  for (int r = 0; r < 16; ++r) {
+    CAPTURE(r);
+    CHECK(node_of(NL::balanced, 16, 8, 0, r) == (r < 4 || r >= 12 ? 0 : 1));
+    CHECK(node_of(NL::balanced, 16, 8, 1, r) == (r < 4 || r >= 12 ? 2 : 3));
+    CHECK(node_of(NL::contiguous, 16, 8, 1, r) == 2 + r / 8);
+  }
+  static_assert(global_rank(NL::balanced, 16, 8, 0, 12) == 4);  // block 3 in node 0's second half
+  static_assert(global_rank(NL::balanced, 16, 8, 0, 4) == 8);
+  static_assert(global_rank(NL::balanced, 16, 8, 0, 8) == 12);
+  static_assert(grid_rank(NL::balanced, 16, 8, 20) == GridRank{1, 12});
+  // Three nodes a pipeline (K = 3): node k holds blocks k and 5-k of 4 ranks.
+  for (int r = 0; r < 24; ++r) {
+    const int block = r / 4;
+    CHECK(node_of(NL::balanced, 24, 8, 0, r) == std::min(block, 5 - block));
+  }
+  // Where balanced is not defined; d <= G is contiguous.
+  static_assert(!node_layout_fits(NL::balanced, 12, 8));
+  static_assert(!node_layout_fits(NL::balanced, 6, 3) && node_layout_fits(NL::balanced, 3, 3));
+  static_assert(node_layout_fits(NL::contiguous, 12, 8));
+  // Both ways, both layouts, many shapes: a permutation of the global ranks, inverted exactly,
+  // each node holding G consecutive global ranks, and pairs kept when G/2 is even.
+  for (NL l : {NL::contiguous, NL::balanced})
+    for (int G : {1, 2, 4, 6, 8, 16})
+      for (int d : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48}) {
+        if (!node_layout_fits(l, d, G)) continue;
+        CAPTURE(G);
+        CAPTURE(d);
+        const int dp = 3;
+        std::set<int> seen;
+        for (int j = 0; j < dp; ++j)
+          for (int r = 0; r < d; ++r) {
+            const int g = global_rank(l, d, G, j, r);
+            CHECK(g / d == j);  // a replica's d consecutive global ranks
+            CHECK(grid_rank(l, d, G, g) == GridRank{j, r});
+            CHECK(node_of(l, d, G, j, r) == g / G);
+            if (l == NL::contiguous || d <= G) CHECK(g == j * d + r);
+            if (d % 2 == 0 && (l == NL::contiguous || d <= G || (G / 2) % 2 == 0))
+              CHECK(global_rank(l, d, G, j, r ^ 1) == (g ^ 1));
+            seen.insert(g);
+          }
+        CHECK(seen.size() == static_cast<std::size_t>(dp * d));
+        CHECK(*seen.rbegin() == dp * d - 1);
+      }
+}
+
+TEST_CASE("host memory per node: every replica's ranks on their nodes, in both layouts") {
+  std::vector<double> host(16);
+  for (int r = 0; r < 16; ++r) host[static_cast<std::size_t>(r)] = 100.0 - 5 * r;  // early ranks offload most
+  const auto c = host_bytes_per_node(host, 2, 8, NodeLayout::contiguous);
+  const auto b = host_bytes_per_node(host, 2, 8, NodeLayout::balanced);
+  REQUIRE(c.size() == 4);
+  REQUIRE(b.size() == 4);
+  double first = 0, last = 0, outer = 0, inner = 0;
+  for (int r = 0; r < 16; ++r) {
+    const double h = host[static_cast<std::size_t>(r)];
+    (r < 8 ? first : last) += h;
+    (r < 4 || r >= 12 ? outer : inner) += h;
+  }
+  CHECK(c == std::vector<double>{first, last, first, last});
+  CHECK(b == std::vector<double>{outer, inner, outer, inner});
+  CHECK(std::max(b[0], b[1]) < std::max(c[0], c[1]));  // balanced evens it out
+  // Two replicas of 4 ranks on one node of 8; a partly used last node.
+  CHECK(host_bytes_per_node({1, 2, 3, 4}, 2, 8, NodeLayout::contiguous) == std::vector<double>{20});
+  CHECK(host_bytes_per_node({1, 2, 3}, 3, 4, NodeLayout::contiguous) == std::vector<double>{7, 8, 3});
+  // The plan reports both lists for its choice.
+  const PlanResult r = plan(small48(), four_ranks(80), {}, grid(2));
+  CHECK(r.host_bytes_per_node_contiguous.size() == 1);
+  CHECK(r.host_bytes_per_node_balanced == r.host_bytes_per_node_contiguous);
+}
+
+TEST_CASE("search over dp: a valid grid of the given GPUs, the fastest that fits") {
+  const TransformerSpec m = small48();  // 48 microbatches, 16 layer slots
+  GridSpec g;
+  g.dp = 0;
+  g.gpus = 16;
+  const PlanResult r = plan(m, small_machine(6), {}, g);
+  REQUIRE(r.fits);
+  CHECK(r.searched);
+  CHECK(r.dp * r.ranks == 16);
+  CHECK(48 % r.dp == 0);
+  CHECK(r.microbatches == 48 / r.dp);
+  std::set<int> dps;
+  for (const GridOption& o : r.grids) {
+    dps.insert(o.dp);
+    CHECK(o.dp * o.ranks == 16);
+    CHECK(o.planned == (48 % o.dp == 0));  // 16 GPUs: dp 16 does not split 48
+    if (o.planned && o.fits) CHECK(o.iteration_time_s >= r.choice.iteration_time_s);
+    if (o.dp == r.dp) CHECK(o.iteration_time_s == r.choice.iteration_time_s);
+  }
+  CHECK(dps == std::set<int>{1, 2, 4, 8, 16});
+  // The same plan as asking for that dp directly.
+  const PlanResult direct = plan(
+      m,
+      [&] {
+        MachineSpec x = small_machine(6);
+        x.ranks = r.ranks;
+        return x;
+      }(),
+      {}, grid(r.dp));
+  CHECK(direct.choice.iteration_time_s == r.choice.iteration_time_s);
+  CHECK(direct.choice.name == r.choice.name);
+  CHECK(r.why.find("dp " + std::to_string(r.dp) + " x d " + std::to_string(r.ranks)) == 0);
+}
+
+TEST_CASE("more device memory never gives a slower plan, with a fixed dp and with a dp search") {
+  const TransformerSpec m = small48();
+  for (int mode : {0, 1, 2}) {  // dp 2 ZeRO-0, dp 4 ZeRO-1, search over 16 GPUs
+    CAPTURE(mode);
+    GridSpec g = mode == 0 ? grid(2) : grid(4, 1);
+    MachineSpec x = four_ranks(1);
+    if (mode == 2) {
+      g.dp = 0;
+      g.gpus = 16;
+    }
+    double prev = 1e300;
+    bool prev_fits = false;
+    int fitting = 0;
+    for (double gib = 0.5; gib <= 40; gib *= 1.2) {
+      x.device_bytes = gib * pipeoffload::gib;
+      const PlanResult r = plan(m, x, {}, g);
+      CHECK((r.fits || !prev_fits));
+      if (r.fits) {
+        ++fitting;
+        CHECK(r.choice.iteration_time_s <= prev);
+        prev = r.choice.iteration_time_s;
+      }
+      prev_fits = r.fits;
+    }
+    CHECK(fitting > 3);
+  }
+}
+
+TEST_CASE("bad grids throw shape_error naming the value and what is allowed") {
+  const TransformerSpec m = small();  // 16 microbatches
+  const MachineSpec x = small_machine(80);
+  CHECK_THROWS_WITH_AS(plan(m, x, {}, grid(-1)),
+                       doctest::Contains("dp (0 = search) = -1 is outside the allowed range [0, 65536]"), shape_error);
+  CHECK_THROWS_WITH_AS(plan(m, x, {}, grid(3)),
+                       doctest::Contains("dp = 3 does not split the global batch: its 16 microbatches"), shape_error);
+  CHECK_THROWS_WITH_AS(plan(m, x, {}, grid(3)), doctest::Contains("dp must divide 16 (1, 2, 4, 8, 16)"), shape_error);
+  CHECK_THROWS_WITH_AS(plan(m, x, {}, grid(2, 2)),
+                       doctest::Contains("ZeRO stage = 2 is outside the allowed range [0, 1]"), shape_error);
+  CHECK_THROWS_WITH_AS(plan(m, x, {}, grid(2, 0, 0)),
+                       doctest::Contains("all-reduce bandwidth must be in [1, 1e21] bytes/s, got 0"), shape_error);
+  CHECK_THROWS_WITH_AS(plan(m, x, {}, grid(2, 0, std::nan(""))), doctest::Contains("got nan"), shape_error);
+  GridSpec g = grid(2);
+  g.gpus = 12;
+  CHECK_THROWS_WITH_AS(plan(m, x, {}, g), doctest::Contains("gpus = 12 must be 0 or dp x ranks = 16"), shape_error);
+  g = grid(0);
+  CHECK_THROWS_WITH_AS(plan(m, x, {}, g), doctest::Contains("GPUs to search over (dp = 0) = 0"), shape_error);
+  g = grid(1);
+  g.node_layout = NodeLayout::balanced;
+  g.gpus_per_node = 6;
+  CHECK_THROWS_WITH_AS(plan(m, x, {}, g), doctest::Contains("got d = 8, G = 6"), shape_error);
+  g.gpus_per_node = 0;
+  CHECK_THROWS_WITH_AS(plan(m, x, {}, g), doctest::Contains("GPUs per node = 0"), shape_error);
+  PlanBudget b;
+  b.optimizer_bytes_per_parameter = 20;  // more than the 18 bytes of model state
+  CHECK_THROWS_WITH_AS(plan(m, x, b, grid(2, 1)), doctest::Contains("optimizer bytes per parameter"), shape_error);
+  // A search with no grid that can be planned says why for every dp.
+  g = grid(0);
+  g.gpus = 64;  // 16 layer slots: d <= 16 needs dp >= 4, but 16 microbatches split into at most 16
+  TransformerSpec one = small();
+  one.global_batch = 2;
+  CHECK_THROWS_WITH_AS(plan(one, x, {}, g), doctest::Contains("no dp that divides 64 GPUs"), shape_error);
+}
+
+namespace {
+
+constexpr bool tiny_grid_plan() {
+  TransformerSpec m;
+  m.layers = 6;
+  m.hidden = 256;
+  m.heads = 4;
+  m.query_groups = 4;
+  m.seq = 256;
+  m.global_batch = 8;
+  m.vocab = 1000;
+  MachineSpec x;
+  x.ranks = 2;
+  x.device_bytes = 2 * gib;
+  GridSpec g;
+  g.dp = 2;
+  g.zero = 1;
+  g.allreduce_bytes_per_s = 1e9;
+  const PlanResult r = plan(m, x, {}, g);
+  return r.fits && r.microbatches == 4 && r.choice.allreduce_exposed_s > 0 &&
+         node_of(NodeLayout::balanced, 16, 8, 0, 12) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("a data-parallel plan is constexpr too") {
+  static_assert(tiny_grid_plan());
+  CHECK(tiny_grid_plan());
+}

@@ -162,6 +162,8 @@ def main():
     rc, out, err = run(*args_of({**SMALL, "--layers": "4000", "--ranks": "512", "--global-batch": "2048"}))
     check(rc == 2 and len(err.splitlines()) == 1 and "more than" in err, f"huge search: {rc} {err!r}")
 
+    data_parallel()
+
     if failures:
         print(f"{len(failures)} check(s) failed:")
         for f in failures:
@@ -169,6 +171,147 @@ def main():
         return 1
     print("all --auto checks passed")
     return 0
+
+
+# ---- data parallelism: --dp, --zero, --dp-gbps, --search-dp, node layouts ------------------------
+GRID_KEYS = {"dp": int, "zero": int, "gpus": int, "allreduce_exposed_s": (int, float), "allreduce_s": list,
+             "allreduce_end_s": list, "allreduce_hidden_fraction": list, "compute_time_s": (int, float),
+             "optimizer_bytes": list, "host_bytes_per_node": dict, "host_bytes_per_node_max": dict,
+             "node_layout": str, "gpus_per_node": int, "searched": bool}
+# 14 layers, 4 ranks, 48 sequences: dp 1, 2, 3, 4, 6, ... split the batch.
+DP = {**SMALL, "--ranks": "4", "--global-batch": "48"}
+
+
+def data_parallel():
+    # dp = 1 is today's plan: no grid keys without a data-parallel flag, the same plan with --dp 1.
+    base, _ = plan(DP)
+    check(not any(k in base for k in GRID_KEYS), "no data-parallel flag: the JSON has grid keys")
+    one, _ = plan(DP, "--dp", "1")
+    for key, typ in GRID_KEYS.items():
+        check(key in one and isinstance(one[key], typ), f"--dp 1: json key {key!r} missing or not {typ}")
+    check({k: v for k, v in one.items() if k in base} == base, "--dp 1: a key of the one-pipeline plan differs")
+    check(one.get("dp") == 1 and one.get("zero") == 0 and one.get("allreduce_exposed_s") == 0, "--dp 1: dp, zero, exposed")
+    rc, text1, _ = run(*args_of(DP, "--dp", "1"))
+    rc0, text0, _ = run(*args_of(DP))
+    check(rc == rc0 == 0 and "all-reduce" in text1 and "all-reduce" not in text0, "text: the grid lines only with --dp")
+
+    # m per replica = global batch / (dp * micro-batch); the grid's size; the command draws one pipeline.
+    for dp in (2, 3, 4, 6):
+        doc, _ = plan(DP, "--dp", str(dp))
+        check(doc.get("microbatches") == 48 // dp, f"--dp {dp}: microbatches {doc.get('microbatches')}, want {48 // dp}")
+        check(doc.get("dp") == dp and doc.get("gpus") == 4 * dp and doc.get("global_batch") == 48, f"--dp {dp}: dp/gpus")
+        check(f"--microbatches {48 // dp} " in doc.get("command", ""), f"--dp {dp}: command {doc.get('command')!r}")
+        check(len(doc.get("allreduce_s", [])) == 4 and len(doc.get("allreduce_hidden_fraction", [])) == 4, "per-rank arrays")
+        check(abs(doc["iteration_time_s"] - doc["compute_time_s"] - doc["allreduce_exposed_s"]) <= 1e-8 * doc["iteration_time_s"],
+              f"--dp {dp}: iteration != compute + exposed")
+        for r in range(4):
+            total, end, hidden = doc["allreduce_s"][r], doc["allreduce_end_s"][r], doc["allreduce_hidden_fraction"][r]
+            exposed = max(0.0, end - doc["compute_time_s"])
+            check(total > 0 and abs(hidden - (1 - exposed / total)) < 1e-6, f"--dp {dp} rank {r}: hidden fraction")
+    doc, _ = plan({**DP, "--micro-batch": "2"}, "--dp", "3")
+    check(doc.get("microbatches") == 8, f"--micro-batch 2 --dp 3: {doc.get('microbatches')} microbatches, want 8")
+
+    # ZeRO-1: the optimizer state per rank is 1/dp of ZeRO-0's (rounded up to whole shards).
+    for dp in (2, 3, 6):
+        z0, _ = plan(DP, "--dp", str(dp))
+        z1, _ = plan(DP, "--dp", str(dp), "--zero", "1")
+        for r in range(4):
+            a, b = z0["optimizer_bytes"][r], z1["optimizer_bytes"][r]
+            check(a / dp <= b < a / dp + 8 * 16, f"--dp {dp} --zero 1 rank {r}: optimizer {b} is not {a}/{dp}")
+            check(abs((z0["model_state_bytes"][r] - a) - (z1["model_state_bytes"][r] - b)) < 1,
+                  f"--dp {dp} --zero 1 rank {r}: the rest of the model state changed")
+        check(z1.get("zero") == 1, "--zero 1 not reported")
+
+    # All-reduce: hidden with a huge bandwidth, exposed and growing as it shrinks.
+    prev = -1.0
+    for gbps in ("1e9", "100", "10", "1", "0.1"):
+        doc, _ = plan(DP, "--dp", "2", "--dp-gbps", gbps)
+        if gbps == "1e9":
+            check(doc["allreduce_exposed_s"] < 1e-9, f"--dp-gbps 1e9: exposed {doc['allreduce_exposed_s']}")
+        check(doc["iteration_time_s"] >= prev, f"--dp-gbps {gbps}: faster than with more bandwidth")
+        prev = doc["iteration_time_s"]
+    check(doc["allreduce_exposed_s"] > 0, "--dp-gbps 0.1: nothing exposed")
+    check(doc["allreduce_bytes_per_s"] == 1e8, f"--dp-gbps 0.1: {doc['allreduce_bytes_per_s']} B/s")
+
+    # Host memory per node, both layouts: d = 16 on nodes of 8 (the paper's example).
+    big = {**SMALL, "--layers": "30", "--hidden": "4096", "--heads": "32", "--query-groups": "8", "--seq": "4096",
+           "--global-batch": "64", "--vocab": "51200", "--ranks": "16", "--device-mem-gib": "9"}
+    doc, _ = plan(big, "--dp", "2", "--zero", "1", "--node-layout", "balanced", "--recompute")
+    host = doc.get("host_bytes", [0] * 16)
+    nodes = doc.get("host_bytes_per_node", {})
+    check(sum(host) > 0, "d = 16 at 9 GiB: nothing offloaded (the case needs offload)")
+    first, last = sum(host[:8]), sum(host[8:])
+    outer, inner = sum(host[:4]) + sum(host[12:]), sum(host[4:12])
+    check(nodes.get("contiguous") == [first, last, first, last], f"contiguous per node {nodes.get('contiguous')}")
+    check(nodes.get("balanced") == [outer, inner, outer, inner], f"balanced per node {nodes.get('balanced')}")
+    check(doc.get("host_bytes_per_node_max") == {"contiguous": max(first, last), "balanced": max(outer, inner)},
+          f"host_bytes_per_node_max {doc.get('host_bytes_per_node_max')}")
+    check(doc.get("node_layout") == "balanced", "node_layout")
+    rc, out, _ = run(*args_of(big, "--dp", "2", "--zero", "1", "--recompute"))
+    check(rc == 0 and "host/node  contiguous: max" in out and "balanced:   max" in out, "text: host per node, both layouts")
+    doc, _ = plan({**DP, "--ranks": "6", "--global-batch": "48"}, "--dp", "2", "--gpus-per-node", "4")
+    check(doc.get("host_bytes_per_node", {}).get("balanced", 0) is None, "d = 6, G = 4: balanced is not defined (null)")
+
+    # --search-dp / --dp 0: a valid grid of --gpus, the fastest that fits, monotone in memory.
+    search = {k: v for k, v in DP.items() if k != "--ranks"}
+    search6 = {**search, "--device-mem-gib": "6"}
+    doc, err = plan(search6, "--gpus", "16", "--search-dp")
+    check(doc.get("searched") is True and doc.get("dp", 0) * doc.get("ranks", 0) == 16, f"search: dp x d != 16")
+    check(48 % doc.get("dp", 1) == 0 and doc.get("microbatches") == 48 // doc.get("dp", 1), "search: dp does not split 48")
+    grids = doc.get("grids", [])
+    check([g["dp"] for g in grids] == [1, 2, 4, 8, 16], f"search: grids {[g['dp'] for g in grids]}")
+    fit = [g["iteration_time_s"] for g in grids if g["fits"]]
+    check(fit and doc["iteration_time_s"] == min(fit), "search: not the fastest grid that fits")
+    check(doc.get("why", "").startswith(f"dp {doc.get('dp')} x d {doc.get('ranks')}"), f"search why {doc.get('why')!r}")
+    same, _ = plan(search6, "--gpus", "16", "--dp", "0")
+    check(same == doc, "--dp 0 and --search-dp differ")
+    prev, fitted = None, False
+    for gib in ("1", "1.5", "2", "2.5", "3", "4", "6", "10", "20"):
+        rc, out, err = run(*args_of({**search, "--device-mem-gib": gib}, "--gpus", "16", "--search-dp", "--format", "json"))
+        d = json.loads(out) if out else {}
+        if rc == 3:
+            check(not fitted, f"search {gib} GiB: nothing fits, but less memory fitted")
+            continue
+        check(rc == 0, f"search {gib} GiB: exit {rc} {err!r}")
+        fitted = True
+        if prev is not None:
+            check(d["iteration_time_s"] <= prev, f"search {gib} GiB: slower ({d['iteration_time_s']}) than with less ({prev})")
+        prev = d["iteration_time_s"]
+    check(fitted, "search: no device memory in the sweep fits")
+    rc, out, err = run(*args_of(search, "--gpus", "16", "--search-dp"))
+    check(rc == 0 and "every dp that divides 16 GPUs" in out and "<- chosen" in out, "search: text lists the grids")
+
+    # Bad input: exit 2, one line naming the flag and the value or the allowed range.
+    bad = [
+        (DP, ["--dp", "-1"], ["--dp", "'-1'", "[0, 65536]"]),
+        (DP, ["--dp", "x"], ["--dp", "'x'"]),
+        (DP, ["--dp", "5"], ["--dp 5", "48", "1, 2, 3, 4, 6, 8, 12, 16, 24, 48"]),
+        (DP, ["--dp", "2", "--zero", "2"], ["--zero", "'2'", "[0, 1]"]),
+        (DP, ["--zero", "-1"], ["--zero", "[0, 1]"]),
+        (DP, ["--dp", "2", "--dp-gbps", "0"], ["--dp-gbps", "'0'"]),
+        (DP, ["--dp", "2", "--dp-gbps", "nan"], ["--dp-gbps", "'nan'"]),
+        (DP, ["--dp", "2", "--gpus", "9"], ["--gpus", "'9'", "8"]),
+        (DP, ["--gpus-per-node", "0"], ["--gpus-per-node", "'0'"]),
+        (DP, ["--node-layout", "striped"], ["--node-layout", "'striped'"]),
+        ({**DP, "--ranks": "12", "--global-batch": "48"}, ["--node-layout", "balanced"], ["--node-layout", "--ranks 12"]),
+        (search, ["--search-dp"], ["--gpus"]),
+        (search, ["--dp", "0"], ["--gpus"]),
+        (DP, ["--search-dp", "--gpus", "16"], ["--ranks", "--search-dp"]),
+        (search, ["--search-dp", "--dp", "2", "--gpus", "16"], ["--search-dp", "--dp"]),
+        (search, ["--search-dp", "--gpus", "0"], ["--gpus", "'0'"]),
+        (search, ["--search-dp=1", "--gpus", "16"], ["--search-dp"]),
+        (DP, ["--dp", "65536"], ["--dp 65536 x --ranks 4", "at most 65536"]),
+        ({**search, "--layers": "4000", "--global-batch": "4096"}, ["--search-dp", "--gpus", "2"], ["no dp", "more than"]),
+    ]
+    for opts, extra, words in bad:
+        rc, out, err = run(*args_of(opts, *extra))
+        check(rc == 2 and len(err.splitlines()) == 1 and all(w in err for w in words) and out == "",
+              f"bad input {extra}: exit {rc}, stderr {err!r} (want exit 2, one line with {words})")
+    for flag, value in (("--dp", "2"), ("--zero", "1"), ("--search-dp", None), ("--gpus", "8"), ("--dp-gbps", "10"),
+                        ("--gpus-per-node", "4"), ("--node-layout", "balanced")):
+        rc, out, err = run("--schedule", "gis", "--ranks", "4", "--chunks", "2", "--microbatches", "8", flag,
+                           *([value] if value else []))
+        check(rc == 2 and flag in err and "--auto" in err, f"{flag} without --auto: {rc} {err!r}")
 
 
 if __name__ == "__main__":

@@ -259,6 +259,8 @@ def main():
         (with_("--out", ""), "--out"),
         (BASE + ["--out"], "--out"),
         (BASE + ["--frobnicate", "1"], "--frobnicate"),
+        (BASE + ["--dp", "2"], "--dp"),  # the data-parallel flags are the planner's (--auto)
+        (BASE + ["--search-dp"], "--search-dp"),
         (BASE + ["stray"], "stray"),
         (with_("--k", "1\n2"), "--k"),
         (["--schedule", "po-f", "--ranks", "4", "--chunks", "2", "--microbatches", "8", "--k", "1e-300"], "--k"),

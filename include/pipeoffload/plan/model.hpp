@@ -99,8 +99,14 @@ struct MachineSpec {
 /// What the planner may spend and assumes about the rest of device memory.
 struct PlanBudget {
   /// Bytes of model state per parameter: bf16 weight (2) + fp32 gradient (4) + fp32 master
-  /// weight and Adam's two moments (12); no optimizer sharding.
+  /// weight and Adam's two moments (12), with no optimizer sharding (ZeRO-0).
   double bytes_per_parameter = 18;
+  /// The part of bytes_per_parameter that is optimizer state: AdamW's two fp32 moments (8).
+  /// ZeRO-1 (GridSpec::zero) divides it across the data-parallel replicas; with ZeRO-0 the
+  /// total stays bytes_per_parameter.
+  double optimizer_bytes_per_parameter = 8;
+  /// Bytes per parameter the data-parallel gradient all-reduce moves: the fp32 gradient (4).
+  double grad_bytes_per_parameter = 4;
   /// Device memory never available to tensors: CUDA context, cuBLAS/cuDNN workspaces,
   /// allocator fragmentation.
   double reserved_bytes = 1 * gib;
@@ -109,6 +115,84 @@ struct PlanBudget {
   /// Consider schedules that offload activations to host memory.
   bool allow_offload = true;
 };
+
+/// Which global ranks share a node (see the rank layout below).
+enum class NodeLayout : std::uint8_t {
+  contiguous,  ///< pipeline rank r of replica j is global rank j*d + r
+  balanced,    ///< a pipeline over K > 1 nodes puts its early and its late ranks on each node
+};
+
+/// The data-parallel dimension: dp replicas of one pipeline of MachineSpec::ranks (d) devices,
+/// d*dp GPUs in all, on nodes of gpus_per_node GPUs. Each stage's gradients are all-reduced
+/// across its dp replicas once per iteration; with ZeRO-1 its optimizer state is sharded
+/// across them.
+struct GridSpec {
+  int dp = 1;    ///< replicas; 0: search every dp that divides `gpus` (d = gpus / dp) and the global batch
+  int zero = 0;  ///< ZeRO stage: 0 (every replica holds the whole optimizer state) or 1 (sharded)
+  int gpus = 0;  ///< GPUs in all: required with dp = 0; otherwise 0 or dp * ranks
+  /// Bandwidth of the gradient all-reduce in bytes/s (a ring's bus bandwidth per GPU): a stage
+  /// with P parameters reduces in 2(dp-1)/dp * P * PlanBudget::grad_bytes_per_parameter / this.
+  double allreduce_bytes_per_s = 100e9;
+  int gpus_per_node = 8;
+  NodeLayout node_layout = NodeLayout::contiguous;
+};
+
+// The grid's rank layout. Replica j of a d-rank pipeline holds the d consecutive global ranks
+// j*d .. j*d+d-1 (replica-major), and a node holds gpus_per_node = G consecutive global ranks.
+//
+// Contiguous (the default): pipeline rank r of replica j is global rank g = j*d + r. With d
+// even, the offload schedule's PCIe pairs (r, r^1) are the global pairs (g, g^1), the two GPUs
+// behind one PCIe switch on a node of G (even) GPUs; a pipeline's neighbours r, r+1 are
+// adjacent global ranks, on one node when d <= G (a node then holds G/d whole replicas when d
+// divides G), so the P2P of the passes stays inside a node and only the all-reduce crosses
+// nodes.
+//
+// Balanced (the paper's appendix): the early pipeline ranks hold the most offloaded
+// activations, so a pipeline that spans K = d/G > 1 nodes (d a multiple of G, G even) is cut
+// into 2K blocks of G/2 consecutive pipeline ranks, and node k of the pipeline holds block k
+// (in its first G/2 slots) and block 2K-1-k (in the others): with d = 16, G = 8, node 0 holds
+// pipeline ranks 0-3 and 12-15, node 1 holds 4-11. The host memory per node evens out; the
+// pairs (r, r^1) stay behind one switch when G/2 is even; the P2P of one pipeline crosses
+// nodes 2(K-1) times instead of K-1. With d <= G it is the contiguous layout.
+
+/// Whether `layout` is defined for d-rank pipelines on nodes of G GPUs: contiguous always;
+/// balanced when d <= G (where it is contiguous) or d is a multiple of an even G.
+constexpr bool node_layout_fits(NodeLayout layout, int d, int G) {
+  return layout == NodeLayout::contiguous || d <= G || (G % 2 == 0 && d % G == 0);
+}
+
+/// Pipeline rank r's place among its replica's d consecutive global ranks (rank layout above;
+/// node_layout_fits(layout, d, G) must hold).
+constexpr int pipeline_slot(NodeLayout layout, int d, int G, int r) {
+  if (layout == NodeLayout::contiguous || d <= G) return r;
+  const int K = d / G, half = G / 2, block = r / half;
+  return block < K ? block * G + r % half : (2 * K - 1 - block) * G + half + r % half;
+}
+
+/// Global rank of pipeline rank `rank` of replica `replica` (rank layout above).
+constexpr int global_rank(NodeLayout layout, int d, int G, int replica, int rank) {
+  return replica * d + pipeline_slot(layout, d, G, rank);
+}
+
+/// Node of pipeline rank `rank` of replica `replica`: nodes hold G consecutive global ranks.
+constexpr int node_of(NodeLayout layout, int d, int G, int replica, int rank) {
+  return global_rank(layout, d, G, replica, rank) / G;
+}
+
+/// A place in the grid: pipeline rank `rank` of replica `replica`.
+struct GridRank {
+  int replica = 0;
+  int rank = 0;
+  friend constexpr bool operator==(const GridRank&, const GridRank&) = default;
+};
+
+/// The inverse of global_rank: which replica and pipeline rank global rank g is.
+constexpr GridRank grid_rank(NodeLayout layout, int d, int G, int g) {
+  const int replica = g / d, slot = g % d;
+  if (layout == NodeLayout::contiguous || d <= G) return {replica, slot};
+  const int K = d / G, half = G / 2, k = slot / G, at = slot % G;
+  return {replica, (at < half ? k : 2 * K - 1 - k) * half + at % half};
+}
 
 namespace detail {
 

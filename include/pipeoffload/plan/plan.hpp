@@ -21,11 +21,33 @@
 // (T_F+T_B+T_W) / 2, exact (its bytes / Bo) for stages of whole layers; P2P time is left out
 // (the same few hops in every schedule).
 //
+// Data parallelism (GridSpec): dp replicas of the d-rank pipeline, d*dp GPUs; global rank
+// g = j*d + r is pipeline rank r of replica j (replica-major; the balanced node layout permutes
+// r within the replica's d global ranks: plan/model.hpp says how and why). The global batch is
+// split over the replicas, so each pipeline runs m = global batch / (dp * microbatch size)
+// microbatches. Per rank, model state is bytes_per_parameter x its parameters with ZeRO-0; with
+// ZeRO-1 its optimizer-state part (optimizer_bytes_per_parameter, AdamW's moments) counts
+// ceil(P / dp) parameters of each stage of P (a whole shard). Each stage's gradients are
+// all-reduced across its replicas in 2(dp-1)/dp * P * grad_bytes_per_parameter / bandwidth
+// seconds, as the runtime does it: on the rank's comm stream, starting when the stage's last
+// W (or BW) of the iteration has ended, one stage after another in the order their last W's
+// end (ties: lower stage first); the optimizer waits for all of them. So from the simulation:
+// a rank's reductions end at E_r, and the iteration takes max(makespan, max over ranks of E_r);
+// allreduce_exposed_s = that minus the makespan, the part the cooldown does not hide. With
+// ZeRO-1 the planner counts the same ring all-reduce at the same place (its reduce-scatter and
+// all-gather halves), although the runtime's all-gather of the updated shards follows the
+// optimizer step. The all-reduce and the P2P of the passes do not slow each other down here.
+// With dp = 1 nothing of this changes a plan. dp = 0 searches: every dp that divides the GPUs
+// (d = gpus / dp) and the global batch, planned as above, and the fastest grid that fits wins;
+// the grids planned do not depend on the memory sizes, so the choice still never gets slower
+// with more memory.
+//
 // constexpr: a small model plans in a constant expression (tests/plan/test_plan.cpp).
 #pragma once
 
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../policy/spec.hpp"
@@ -38,11 +60,15 @@ namespace pipeoffload {
 /// One schedule the planner built and simulated.
 struct PlanCandidate {
   ScheduleSpec spec{};
-  std::string name;        ///< the plan tool's --schedule name: 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f
-  int chunks = 1;          ///< v
-  int group = 0;           ///< g of GIS(g) (1 for PO, 0 for 1F1B and 1F1B-I)
-  int offload_chunks = 0;  ///< chunks 0..n-1 offloaded
-  double iteration_time_s = 0;
+  std::string name;                ///< the plan tool's --schedule name: 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f
+  int chunks = 1;                  ///< v
+  int group = 0;                   ///< g of GIS(g) (1 for PO, 0 for 1F1B and 1F1B-I)
+  int offload_chunks = 0;          ///< chunks 0..n-1 offloaded
+  double iteration_time_s = 0;     ///< max(compute_time_s, every rank's last all-reduce end)
+  double compute_time_s = 0;       ///< simulated makespan of the passes alone
+  double allreduce_exposed_s = 0;  ///< iteration_time_s - compute_time_s: all-reduce the cooldown does not hide
+  std::vector<double> allreduce_s;        ///< per rank: seconds of gradient all-reduce (its stages' sum; 0 with dp = 1)
+  std::vector<double> allreduce_end_s;    ///< per rank: when its last all-reduce ends (0 with dp = 1)
   double bubble_fraction = 0;             ///< idle time / makespan, averaged over ranks
   std::vector<double> activation_bytes;   ///< per rank: simulated peak of saved activations on the device
   std::vector<double> peak_device_bytes;  ///< per rank: model state + activations + workspace
@@ -57,19 +83,54 @@ struct PlanCandidate {
     for (double b : peak_device_bytes) x = std::max(x, b);
     return x;
   }
+  /// Rank r's all-reduce that ends within the compute makespan, as a fraction of its total:
+  /// 1 - exposed_r / allreduce_s[r], exposed_r = max(0, allreduce_end_s[r] - compute_time_s);
+  /// 1 with nothing to reduce.
+  constexpr double allreduce_hidden(int r) const {
+    const auto u = static_cast<std::size_t>(r);
+    if (u >= allreduce_s.size() || !(allreduce_s[u] > 0)) return 1;
+    return 1 - std::max(0.0, allreduce_end_s[u] - compute_time_s) / allreduce_s[u];
+  }
+};
+
+/// One data-parallel degree a search (GridSpec::dp = 0) tried.
+struct GridOption {
+  int dp = 1;
+  int ranks = 1;         ///< d = gpus / dp
+  int microbatches = 0;  ///< per replica (0 when the global batch does not split into dp)
+  bool planned = false;  ///< false: not plannable, `note` says why
+  bool fits = false;
+  double iteration_time_s = 0;
+  double shortfall_bytes = 0;
+  std::string schedule;  ///< the grid's choice (its closest plan when nothing fits)
+  int chunks = 0;
+  std::string note;  ///< why it was not planned, or its plan's why
 };
 
 /// What plan() returns: the choice (the closest candidate when nothing fits) and how it came.
 struct PlanResult {
   bool fits = false;
   PlanCandidate choice;
-  int microbatches = 0;
+  int microbatches = 0;   ///< per replica: global batch / (dp * microbatch size)
+  int ranks = 0;          ///< d: MachineSpec::ranks, or the searched grid's
+  int dp = 1;             ///< replicas (the search's choice with GridSpec::dp = 0)
+  int zero = 0;           ///< ZeRO stage
+  bool searched = false;  ///< dp was searched (GridSpec::dp = 0): `grids` lists every dp tried
+  std::vector<GridOption> grids;
+  double allreduce_bytes_per_s = 0;  ///< GridSpec's
+  int gpus_per_node = 8;
+  NodeLayout node_layout = NodeLayout::contiguous;
   double k = 0;                           ///< round-trip copy / compute of one layer
   double activation_bytes_per_layer = 0;  ///< saved bytes of one layer per microbatch
   std::vector<int> layers_per_stage;      ///< of the choice's v*d stages (embedding and LM head not counted)
   std::vector<double> model_state_bytes;  ///< per rank, of the choice's layout
   std::vector<double> workspace_bytes;    ///< per rank, of the choice's layout
-  std::vector<PlanCandidate> candidates;  ///< every candidate simulated, in search order
+  std::vector<double> optimizer_bytes;    ///< per rank: the optimizer-state part of model_state_bytes
+  std::vector<double> allreduce_stage_s;  ///< per stage of the choice's layout: one all-reduce of its gradients
+  /// Pinned host bytes of the choice per node (the sum over the GPUs of all replicas on it),
+  /// in the contiguous and in the balanced layout (empty where balanced is not defined).
+  std::vector<double> host_bytes_per_node_contiguous, host_bytes_per_node_balanced;
+  std::vector<PlanCandidate> candidates;  ///< every candidate simulated, in search order (of the chosen grid)
   std::string why;                        ///< one sentence: why this choice
 };
 
@@ -78,15 +139,34 @@ namespace detail {
 /// Per-stage costs, unit sizes and per-rank fixed memory of one v.
 struct Layout {
   int v = 1;
+  int dp = 1;
   std::vector<StageContent> stages;
   Costs costs;
   std::vector<double> model_state, workspace;  ///< per rank
+  std::vector<double> optimizer;               ///< per rank: the optimizer-state part of model_state
+  std::vector<double> allreduce;               ///< per stage: seconds of one all-reduce of its gradients
 };
 
-constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, const PlanBudget& bud, int v) {
+/// Parameters of one ZeRO-1 shard of a stage of P parameters over dp replicas: ceil(P / dp).
+constexpr double shard_parameters(double P, int dp) {
+  const auto n = static_cast<long long>(P);
+  return static_cast<double>((n + dp - 1) / dp);
+}
+
+/// Seconds of one ring all-reduce of a stage of P parameters over dp replicas.
+constexpr double allreduce_seconds(double P, const PlanBudget& bud, const GridSpec& grid) {
+  if (grid.dp <= 1) return 0;
+  return 2.0 * (grid.dp - 1) / grid.dp * P * bud.grad_bytes_per_parameter / grid.allreduce_bytes_per_s;
+}
+
+/// Per-stage costs and per-rank fixed memory of one v (grid.dp >= 1).
+constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, const PlanBudget& bud, int v,
+                             const GridSpec& grid = {}) {
   const int d = x.ranks, S = v * d;
   Layout L;
   L.v = v;
+  L.dp = grid.dp;
+  L.optimizer.assign(static_cast<std::size_t>(d), 0.0);
   L.stages = stage_layout(m, S);
   L.costs.k = copy_ratio(m, x);
   L.costs.stagger_pairs = x.pairs_share_switch;
@@ -101,7 +181,16 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
     L.costs.stage_w.push_back(fl.w / x.flops);
     L.costs.unit_bytes.push_back(stage_activation_bytes(m, c));
     const auto r = static_cast<std::size_t>(s % d);
-    L.model_state[r] += bud.bytes_per_parameter * stage_parameters(m, c);
+    const double P = stage_parameters(m, c);
+    if (grid.zero == 1) {
+      const double opt = bud.optimizer_bytes_per_parameter * shard_parameters(P, grid.dp);
+      L.model_state[r] += (bud.bytes_per_parameter - bud.optimizer_bytes_per_parameter) * P + opt;
+      L.optimizer[r] += opt;
+    } else {
+      L.model_state[r] += bud.bytes_per_parameter * P;
+      L.optimizer[r] += bud.optimizer_bytes_per_parameter * P;
+    }
+    L.allreduce.push_back(allreduce_seconds(P, bud, grid));
     transient[r] = std::max(transient[r], stage_transient_bytes(m, c));
   }
   // Two P2P buffers each way (activation in/out, gradient in/out), b*s*h elements each.
@@ -128,12 +217,74 @@ constexpr double host_peak(const Program& p, const RankSim& rs, int r) {
   return peak;
 }
 
+/// Each rank's gradient all-reduces after its passes (header comment): stage s's starts when
+/// its last W (or BW) has ended and the rank's previous all-reduce is done, in the order the
+/// stages' last W's end (ties: lower stage first). Fills, per rank, the total seconds and the
+/// end of the last one (all 0 when `stage_s` is all 0: dp = 1).
+constexpr void reduce_gradients(const Program& p, const SimResult& sim, const std::vector<double>& stage_s,
+                                std::vector<double>& total, std::vector<double>& end) {
+  const int d = p.shape.d, v = p.shape.v;
+  total.assign(static_cast<std::size_t>(d), 0.0);
+  end.assign(static_cast<std::size_t>(d), 0.0);
+  bool any = false;
+  for (double t : stage_s) any = any || t > 0;
+  if (!any) return;
+  std::vector<std::pair<double, int>> last(static_cast<std::size_t>(v));  // (last W end, stage) per chunk
+  for (int r = 0; r < d; ++r) {
+    const auto ur = static_cast<std::size_t>(r);
+    for (int c = 0; c < v; ++c) last[static_cast<std::size_t>(c)] = {0.0, p.shape.stage_of(r, c)};
+    const RankProgram& rp = p.ranks[ur];
+    for (std::size_t i = 0; i < rp.compute.size(); ++i) {
+      const Op& op = rp.compute[i];
+      if (op.kind != OpKind::W && op.kind != OpKind::BW) continue;
+      auto& l = last[static_cast<std::size_t>(p.shape.chunk_of(op.stage))];
+      l.first = std::max(l.first, sim.ranks[ur].compute_end[i]);
+    }
+    std::sort(last.begin(), last.end());
+    double t = 0, sum = 0;
+    for (const auto& [w, stage] : last) {
+      const double x = stage_s[static_cast<std::size_t>(stage)];
+      t = std::max(t, w) + x;
+      sum += x;
+    }
+    total[ur] = sum;
+    end[ur] = t;
+  }
+}
+
 constexpr std::string fmt_gib(double bytes) {
   // Two decimals without <cstdio> (constexpr).
   const long long centi = static_cast<long long>(bytes / gib * 100 + 0.5);
   std::string frac = num(centi % 100);
   if (frac.size() < 2) frac = "0" + frac;
   return num(centi / 100) + "." + frac + " GiB";
+}
+
+/// A real number for a message: "12.5", "-3", "nan", "inf" (three decimals at most, constexpr).
+constexpr std::string fmt_real(double x) {
+  if (x != x) return "nan";
+  if (x < 0) return "-" + fmt_real(-x);
+  if (x > 9e18) return "inf";
+  const auto whole = static_cast<long long>(x);
+  const auto milli = static_cast<long long>((x - static_cast<double>(whole)) * 1000 + 0.5);
+  if (milli == 0) return num(whole);
+  if (milli == 1000) return num(whole + 1);
+  std::string frac = num(milli);
+  while (frac.size() < 3) frac = "0" + frac;
+  while (frac.back() == '0') frac.pop_back();
+  return num(whole) + "." + frac;
+}
+
+/// The divisors of n > 0 in increasing order, the first `most` of them: "1, 2, 4, 8, ...".
+constexpr std::string divisors(long long n, int most) {
+  std::string s;
+  int shown = 0;
+  for (long long k = 1; k <= n; ++k) {
+    if (n % k != 0) continue;
+    if (shown == most) return s + ", ...";
+    s += (shown++ ? ", " : "") + num(k);
+  }
+  return s;
 }
 
 constexpr std::string describe(const PlanCandidate& c) {
@@ -205,7 +356,7 @@ inline constexpr long long max_plan_work = 1LL << 25;
 /// reuses them from candidate to candidate: build_into, simulate_into).
 constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, const TransformerSpec& m,
                                  const MachineSpec& x, Program& p, SimResult& sim) {
-  const int d = x.ranks, mb = m.global_batch / m.micro_batch;
+  const int d = x.ranks, mb = m.global_batch / (m.micro_batch * L.dp);
   build_into(p, o.spec, {d, L.v, mb}, L.costs);
   simulate_into(sim, p);
   PlanCandidate c;
@@ -214,7 +365,11 @@ constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, c
   c.chunks = L.v;
   c.group = p.group;
   c.offload_chunks = o.offload_chunks;
+  c.compute_time_s = sim.makespan;
+  detail::reduce_gradients(p, sim, L.allreduce, c.allreduce_s, c.allreduce_end_s);
   c.iteration_time_s = sim.makespan;
+  for (double e : c.allreduce_end_s) c.iteration_time_s = std::max(c.iteration_time_s, e);
+  c.allreduce_exposed_s = c.iteration_time_s - sim.makespan;
   c.bubble_fraction = sim.bubble_fraction();
   c.fits = true;
   for (int r = 0; r < d; ++r) {
@@ -245,23 +400,80 @@ constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, c
   return evaluate(o, L, m, x, p, sim);
 }
 
-/// The fastest schedule whose every rank fits in device and host memory (header comment).
-/// Throws shape_error, with a sentence, for a model, machine or budget it cannot plan.
-/// @code
-///   pipeoffload::TransformerSpec model{.layers = 78, .hidden = 10240, .heads = 80, .query_groups = 8,
-///                                      .seq = 4096, .micro_batch = 1, .global_batch = 256};
-///   pipeoffload::MachineSpec gpus{.ranks = 32, .device_bytes = 80 * pipeoffload::gib};
-///   const pipeoffload::PlanResult r = pipeoffload::plan(model, gpus, {});
-///   // r.choice.name, r.choice.chunks, r.choice.offload_chunks: run it with the plan tool or train_gpt
-/// @endcode
-constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const PlanBudget& bud = {}) {
+/// Largest sum of d*v*m over the candidates of every grid one dp search (GridSpec::dp = 0)
+/// plans: a search beyond it is refused with a sentence.
+inline constexpr long long max_search_work = 2 * max_plan_work;
+/// Most GPUs of a grid (dp x ranks, or GridSpec::gpus).
+inline constexpr int max_grid_gpus = 1 << 16;
+
+/// Pinned host bytes per node when pipeline rank r of each of dp replicas needs host[r] and
+/// nodes hold G consecutive global ranks (rank layout: plan/model.hpp; node_layout_fits(layout,
+/// d, G) must hold, d = host.size()). The last node may be partly used.
+constexpr std::vector<double> host_bytes_per_node(const std::vector<double>& host, int dp, int G, NodeLayout layout) {
+  const int d = static_cast<int>(host.size());
+  const long long gpus = static_cast<long long>(d) * dp;
+  std::vector<double> out(static_cast<std::size_t>((gpus + G - 1) / G), 0.0);
+  for (int j = 0; j < dp; ++j)
+    for (int r = 0; r < d; ++r)
+      out[static_cast<std::size_t>(node_of(layout, d, G, j, r))] += host[static_cast<std::size_t>(r)];
+  return out;
+}
+
+/// Throws shape_error with a sentence (naming the value and what is allowed) for a grid or
+/// per-parameter bytes the planner cannot use with this model and machine.
+constexpr void check_grid(const TransformerSpec& m, const MachineSpec& x, const PlanBudget& bud, const GridSpec& g) {
   using detail::num;
-  check_model(m);
-  check_machine(x);
-  detail::require_real("budget: bytes per parameter (>= 0)", bud.bytes_per_parameter, 0, 1e6);
-  detail::require_real("budget: reserved bytes (>= 0)", bud.reserved_bytes, 0, 1e18);
-  detail::require_range("budget: max chunks (0 = no limit)", bud.max_chunks, 0, max_chunks);
-  const int d = x.ranks, mb = m.global_batch / m.micro_batch;
+  detail::require_range("grid: data-parallel degree dp (0 = search)", g.dp, 0, max_grid_gpus);
+  detail::require_range("grid: ZeRO stage", g.zero, 0, 1);
+  if (!(g.allreduce_bytes_per_s >= 1 && g.allreduce_bytes_per_s <= 1e21))
+    throw shape_error("grid: all-reduce bandwidth must be in [1, 1e21] bytes/s, got " +
+                      detail::fmt_real(g.allreduce_bytes_per_s));
+  detail::require_range("grid: GPUs per node", g.gpus_per_node, 1, max_grid_gpus);
+  detail::require_real("budget: optimizer bytes per parameter (0 to the bytes per parameter)",
+                       bud.optimizer_bytes_per_parameter, 0, bud.bytes_per_parameter);
+  detail::require_real("budget: gradient bytes per parameter (>= 0)", bud.grad_bytes_per_parameter, 0, 1e6);
+  if (g.dp == 0) {
+    detail::require_range("grid: GPUs to search over (dp = 0)", g.gpus, 1, max_grid_gpus);
+    return;
+  }
+  const long long gpus = static_cast<long long>(g.dp) * x.ranks;
+  if (gpus > max_grid_gpus)
+    throw shape_error("grid: dp " + num(g.dp) + " x ranks " + num(x.ranks) + " = " + num(gpus) + " GPUs; at most " +
+                      num(max_grid_gpus));
+  if (g.gpus != 0 && g.gpus != gpus)
+    throw shape_error("grid: gpus = " + num(g.gpus) + " must be 0 or dp x ranks = " + num(gpus));
+  const int mb = m.global_batch / m.micro_batch;
+  if (mb % g.dp != 0)
+    throw shape_error("grid: dp = " + num(g.dp) + " does not split the global batch: its " + num(mb) +
+                      " microbatches (global batch " + num(m.global_batch) + " / microbatch size " +
+                      num(m.micro_batch) + ") are not a multiple of dp; dp must divide " + num(mb) + " (" +
+                      detail::divisors(mb, 12) + ")");
+  if (!node_layout_fits(g.node_layout, x.ranks, g.gpus_per_node))
+    throw shape_error(
+        "grid: the balanced node layout needs ranks d <= GPUs per node G, or d a multiple of G with G even; got d = " +
+        num(x.ranks) + ", G = " + num(g.gpus_per_node));
+}
+
+namespace detail {
+
+/// The largest v a plan of d ranks and mb microbatches per replica searches.
+constexpr int plan_vmax(const TransformerSpec& m, int d, int mb, const PlanBudget& bud) {
+  const int vmax = std::min(layer_slots(m) / d, bud.max_chunks > 0 ? bud.max_chunks : 64);
+  return static_cast<int>(std::min<long long>(vmax, max_plan_units / (static_cast<long long>(d) * mb)));
+}
+
+/// Stage-microbatch pairs (d*v*m) such a plan builds and simulates over all its candidates.
+constexpr long long plan_work(const TransformerSpec& m, int d, int mb, const PlanBudget& bud) {
+  long long work = 0;
+  for (int v = 1; v <= plan_vmax(m, d, mb, bud); ++v)
+    work += static_cast<long long>(plan_options(d, v, mb, bud.allow_offload).size()) * d * v * mb;
+  return work;
+}
+
+/// plan() for one grid (grid.dp >= 1, model, machine, budget and grid checked).
+constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, const PlanBudget& bud,
+                               const GridSpec& grid) {
+  const int d = x.ranks, mb = m.global_batch / (m.micro_batch * grid.dp);
   const int slots = layer_slots(m);
   if (d > slots)
     throw shape_error("plan: " + num(d) + " ranks but only " + num(slots) + " layer slots (" + num(m.layers) +
@@ -270,11 +482,8 @@ constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const 
   if (static_cast<long long>(d) * mb > max_plan_units)
     throw shape_error("plan: ranks x microbatches = " + num(static_cast<long long>(d) * mb) +
                       " is too large to simulate; at most " + num(max_plan_units));
-  int vmax = std::min(slots / d, bud.max_chunks > 0 ? bud.max_chunks : 64);
-  vmax = static_cast<int>(std::min<long long>(vmax, max_plan_units / (static_cast<long long>(d) * mb)));
-  long long work = 0;
-  for (int v = 1; v <= vmax; ++v)
-    work += static_cast<long long>(plan_options(d, v, mb, bud.allow_offload).size()) * d * v * mb;
+  const int vmax = plan_vmax(m, d, mb, bud);
+  const long long work = plan_work(m, d, mb, bud);
   if (work > max_plan_work)
     throw shape_error("plan: the search would simulate " + num(work) +
                       " stage-microbatch pairs over all candidates, more than " + num(max_plan_work) +
@@ -288,7 +497,7 @@ constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const 
   Program program;  // reused by every candidate
   SimResult sim;
   for (int v = 1; v <= vmax; ++v) {
-    layouts.push_back(detail::make_layout(m, x, bud, v));
+    layouts.push_back(detail::make_layout(m, x, bud, v, grid));
     for (const PlanOption& o : plan_options(d, v, mb, bud.allow_offload)) {
       try {
         res.candidates.push_back(evaluate(o, layouts.back(), m, x, program, sim));
@@ -350,7 +559,161 @@ constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const 
     else
       res.why += cap + " per device";
   }
+  res.ranks = d;
+  res.dp = grid.dp;
+  res.zero = grid.zero;
+  res.allreduce_bytes_per_s = grid.allreduce_bytes_per_s;
+  res.gpus_per_node = grid.gpus_per_node;
+  res.node_layout = grid.node_layout;
+  res.optimizer_bytes = L.optimizer;
+  res.allreduce_stage_s = L.allreduce;
+  res.host_bytes_per_node_contiguous =
+      host_bytes_per_node(res.choice.host_bytes, grid.dp, grid.gpus_per_node, NodeLayout::contiguous);
+  if (node_layout_fits(NodeLayout::balanced, d, grid.gpus_per_node))
+    res.host_bytes_per_node_balanced =
+        host_bytes_per_node(res.choice.host_bytes, grid.dp, grid.gpus_per_node, NodeLayout::balanced);
   return res;
+}
+
+/// Why a dp search cannot plan grid `o` (its dp, ranks and microbatches per replica set), or
+/// "" when it can; then `work` is what planning it simulates (plan_work).
+constexpr std::string unplannable(const TransformerSpec& m, const PlanBudget& bud, const GridSpec& grid,
+                                  const GridOption& o, long long& work) {
+  const int d = o.ranks, G = grid.gpus_per_node, slots = layer_slots(m);
+  const int mb_all = m.global_batch / m.micro_batch;
+  if (o.microbatches == 0)
+    return "the global batch's " + num(mb_all) + " microbatches do not split into " + num(o.dp) + " replicas";
+  if (d > slots) return num(d) + " ranks but only " + num(slots) + " layer slots";
+  if (d > max_ranks) return num(d) + " ranks, more than a pipeline may have (" + num(max_ranks) + ")";
+  if (!node_layout_fits(grid.node_layout, d, G)) {
+    std::string s = "the balanced node layout needs d <= " + num(G) + " or d a multiple of " + num(G);
+    if (G % 2 != 0) s += " (an even G)";
+    return s;
+  }
+  const long long units = static_cast<long long>(d) * o.microbatches;
+  if (units > max_plan_units) return "ranks x microbatches = " + num(units) + " is too large to simulate";
+  const long long w = plan_work(m, d, o.microbatches, bud);
+  if (w > max_plan_work)
+    return "its search would simulate " + num(w) + " stage-microbatch pairs, more than " + num(max_plan_work);
+  work = w;
+  return "";
+}
+
+/// plan() with GridSpec::dp = 0: every dp that divides grid.gpus, each on d = gpus / dp ranks.
+constexpr PlanResult plan_search(const TransformerSpec& m, const MachineSpec& x, const PlanBudget& bud,
+                                 const GridSpec& grid) {
+  const int N = grid.gpus, mb_all = m.global_batch / m.micro_batch;
+  // Which grids can be planned does not depend on the memory sizes (so neither does the set
+  // of candidates: more memory never gives a slower choice).
+  std::vector<GridOption> grids;
+  long long total = 0;
+  for (int dp = 1; dp <= N; ++dp) {
+    if (N % dp != 0) continue;
+    GridOption o;
+    o.dp = dp;
+    o.ranks = N / dp;
+    if (mb_all % dp == 0) o.microbatches = mb_all / dp;
+    long long work = 0;
+    o.note = unplannable(m, bud, grid, o, work);
+    o.planned = o.note.empty();
+    total += work;
+    grids.push_back(o);
+  }
+  if (total > max_search_work)
+    throw shape_error("plan: searching dp over " + num(N) + " GPUs would simulate " + num(total) +
+                      " stage-microbatch pairs over all grids, more than " + num(max_search_work) +
+                      "; use fewer GPUs or microbatches, cap the chunks per rank (budget.max_chunks), or give dp");
+
+  PlanResult best, nearest;
+  bool have_best = false, have_nearest = false;
+  int planned = 0, fitting = 0;
+  for (GridOption& o : grids) {
+    if (!o.planned) continue;
+    MachineSpec xd = x;
+    xd.ranks = o.ranks;
+    GridSpec gd = grid;
+    gd.dp = o.dp;
+    gd.gpus = N;
+    try {
+      PlanResult r = plan_grid(m, xd, bud, gd);
+      ++planned;
+      fitting += r.fits ? 1 : 0;
+      o.fits = r.fits;
+      o.iteration_time_s = r.choice.iteration_time_s;
+      o.shortfall_bytes = r.choice.shortfall_bytes;
+      o.schedule = r.choice.name;
+      o.chunks = r.choice.chunks;
+      o.note = r.why;
+      if (r.fits && (!have_best || faster(r.choice, best.choice))) {
+        best = r;
+        have_best = true;
+      }
+      if (!have_nearest || closer(r.choice, nearest.choice)) {
+        nearest = std::move(r);
+        have_nearest = true;
+      }
+    } catch (const shape_error&) {
+      o.planned = false;
+      o.note = "no candidate schedule could be built";
+    }
+  }
+  if (planned == 0) {
+    std::string why = "plan: no dp that divides " + num(N) + " GPUs gives a grid that can be planned:";
+    for (const GridOption& o : grids) why += " dp " + num(o.dp) + ": " + o.note + ";";
+    why.back() = '.';
+    throw shape_error(why);
+  }
+  PlanResult res = have_best ? std::move(best) : std::move(nearest);
+  const std::string grid_name =
+      "dp " + num(res.dp) + " x d " + num(res.ranks) + " (" + num(res.microbatches) + " microbatches per replica)";
+  std::string why;
+  if (res.fits) {
+    why = grid_name + ": the fastest of the " + num(fitting) + " of " + num(planned) + " grids of " + num(N) +
+          " GPUs that fit";
+    std::string none;
+    for (const GridOption& o : grids)
+      if (o.planned && !o.fits) none += (none.empty() ? "" : ", ") + num(o.dp);
+    if (!none.empty()) why += " (nothing fits with dp " + none + ")";
+  } else {
+    why = "nothing fits on any of the " + num(planned) + " grids of " + num(N) + " GPUs; the closest is " + grid_name;
+  }
+  why += "; in it, ";
+  why += res.why;
+  res.why = why;
+  res.searched = true;
+  res.grids = std::move(grids);
+  return res;
+}
+
+}  // namespace detail
+
+/// The fastest schedule whose every rank fits in device and host memory (header comment), for
+/// dp replicas of the pipeline (GridSpec; by default one), or for the best dp when grid.dp = 0.
+/// Throws shape_error, with a sentence, for a model, machine, budget or grid it cannot plan.
+/// @code
+///   pipeoffload::TransformerSpec model{.layers = 78, .hidden = 10240, .heads = 80, .query_groups = 8,
+///                                      .seq = 4096, .micro_batch = 1, .global_batch = 256};
+///   pipeoffload::MachineSpec gpus{.ranks = 32, .device_bytes = 80 * pipeoffload::gib};
+///   const pipeoffload::PlanResult r = pipeoffload::plan(model, gpus, {});
+///   // r.choice.name, r.choice.chunks, r.choice.offload_chunks: run it with the plan tool or train_gpt
+///   // 4 replicas of 8 ranks, ZeRO-1, 50 GB/s for the all-reduce:
+///   const pipeoffload::PlanResult g = pipeoffload::plan(model, {.ranks = 8}, {}, {.dp = 4, .zero = 1,
+///                                                       .allreduce_bytes_per_s = 50e9});
+/// @endcode
+constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const PlanBudget& bud = {},
+                          const GridSpec& grid = {}) {
+  check_model(m);
+  MachineSpec checked = x;
+  if (grid.dp == 0) checked.ranks = 1;  // a search chooses the ranks
+  check_machine(checked);
+  detail::require_real("budget: bytes per parameter (>= 0)", bud.bytes_per_parameter, 0, 1e6);
+  detail::require_real("budget: reserved bytes (>= 0)", bud.reserved_bytes, 0, 1e18);
+  detail::require_range("budget: max chunks (0 = no limit)", bud.max_chunks, 0, max_chunks);
+  check_grid(m, x, bud, grid);
+  // (No ?: between the two calls: GCC 12 destroys a class temporary of a ?: twice in constant
+  // evaluation.)
+  if (grid.dp == 0) return detail::plan_search(m, x, bud, grid);
+  return detail::plan_grid(m, x, bud, grid);
 }
 
 }  // namespace pipeoffload

@@ -3,9 +3,13 @@
 // Pure functions to std::string (no I/O); `pipeoffload-plan --auto` prints them. The JSON keys
 // are a contract scripts rely on: schedule, group, chunks, offload_chunks, k,
 // activation_bytes_per_layer, peak_device_bytes, host_bytes, bubble_fraction,
-// iteration_time_s, fits, and more besides.
+// iteration_time_s, fits, and more besides. A plan of a data-parallel grid (dp > 1, ZeRO-1 or
+// a dp search; or asked for) adds its lines and keys: dp, zero, gpus, allreduce_exposed_s,
+// allreduce_s, host_bytes_per_node and more (render_plan_json); without them the report is
+// the one-pipeline report, byte for byte, and means dp = 1, ZeRO-0.
 #pragma once
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -42,6 +46,32 @@ inline std::string json_array(const std::vector<double>& xs) {
   return s + "]";
 }
 
+inline std::string json_node_lists(const std::vector<double>& contiguous, const std::vector<double>& balanced,
+                                   bool max_only) {
+  const auto max_of = [](const std::vector<double>& xs) {
+    double m = 0;
+    for (double x : xs) m = std::max(m, x);
+    return m;
+  };
+  const auto one = [&](const std::vector<double>& xs) {
+    if (xs.empty()) return std::string("null");
+    return max_only ? fmt(max_of(xs)) : json_array(xs);
+  };
+  return "{\"contiguous\": " + one(contiguous) + ", \"balanced\": " + one(balanced) + "}";
+}
+
+/// "max 12.00 GiB; per node 12.00 3.00 ..." (at most 16 nodes listed).
+inline std::string node_list_text(const std::vector<double>& xs) {
+  double most = 0;
+  for (double x : xs) most = std::max(most, x);
+  std::string s = "max " + printf_str("%.2f", most / gib) + " GiB over " + num(static_cast<long long>(xs.size())) +
+                  (xs.size() == 1 ? " node" : " nodes") + " (";
+  for (std::size_t i = 0; i < xs.size() && i < 16; ++i) s += (i ? " " : "") + printf_str("%.2f", xs[i] / gib);
+  return s + (xs.size() > 16 ? " ...)" : ")");
+}
+
+inline const char* layout_name(NodeLayout l) { return l == NodeLayout::balanced ? "balanced" : "contiguous"; }
+
 /// Runs of equal layer counts: "stage 0: 0 layers + embedding; stages 1-47: 1 layer; ...".
 inline std::string stage_runs(const std::vector<int>& layers, bool vocab_stages) {
   std::string s;
@@ -64,22 +94,30 @@ inline std::string stage_runs(const std::vector<int>& layers, bool vocab_stages)
 
 }  // namespace detail
 
-/// The short table: choice, why, k, per-rank device and host memory (GiB), bubble, iteration.
-inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& m, const MachineSpec& x) {
+/// Whether a report shows the data-parallel grid by default: dp > 1, ZeRO-1 or a dp search.
+inline bool grid_shown(const PlanResult& r) { return r.dp > 1 || r.zero > 0 || r.searched; }
+
+/// The short table: choice, why, k, per-rank device and host memory (GiB), bubble, iteration;
+/// with `grid`, the data-parallel grid, its all-reduce and host memory per node.
+inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& m, const MachineSpec& x, bool grid) {
   using detail::printf_str;
   const PlanCandidate& c = r.choice;
+  const int d = r.ranks;
   std::string s;
   s += "model      " + detail::num(m.layers) + " layers, h " + detail::num(m.hidden) + ", " + detail::num(m.heads) +
        " heads, " + detail::num(m.query_groups) + " query groups, s " + detail::num(m.seq) + ", b " +
        detail::num(m.micro_batch) + ", vocab " + detail::num(m.vocab) + ", recompute " + (m.recompute ? "on" : "off") +
-       "; " + detail::num(r.microbatches) + " microbatches per iteration\n";
-  s += "machine    " + detail::num(x.ranks) + " ranks, " + printf_str("%.2f", x.device_bytes / gib) + " GiB device, " +
+       "; " + detail::num(r.microbatches) +
+       (grid ? " microbatches per replica (global batch " + detail::num(m.global_batch) + " = dp " + detail::num(r.dp) +
+                   " x " + detail::num(r.microbatches) + " x b " + detail::num(m.micro_batch) + ")\n"
+             : std::string(" microbatches per iteration\n"));
+  s += "machine    " + detail::num(d) + " ranks, " + printf_str("%.2f", x.device_bytes / gib) + " GiB device, " +
        printf_str("%.2f", x.host_bytes / gib) + " GiB host per rank, " + printf_str("%g", x.flops / 1e12) +
        " TFLOP/s, " + printf_str("%g", x.pcie_bytes_per_s / 1e9) + " GB/s PCIe per direction\n";
   s += std::string("choice     ") + (r.fits ? "" : "NOTHING FITS; closest: ") + c.name +
-       ", v=" + detail::num(c.chunks) + " (" + detail::num(c.chunks * x.ranks) + " stages), g=" + detail::num(c.group) +
+       ", v=" + detail::num(c.chunks) + " (" + detail::num(c.chunks * d) + " stages), g=" + detail::num(c.group) +
        ", offloaded chunks " + detail::num(c.offload_chunks) + " of " + detail::num(c.chunks) + "\n";
-  s += "run        " + plan_command(r, x.ranks) + "\n";
+  s += "run        " + plan_command(r, d) + "\n";
   s += "why        " + r.why + "\n";
   s += "k          " + printf_str("%.3f", r.k) + " (round-trip copy / compute of one layer" +
        (r.k > 1 ? "; > 1: not every copy hides behind compute)\n" : ")\n");
@@ -87,9 +125,51 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
        printf_str("%.2f", r.activation_bytes_per_layer / bsh(m)) + " bsh bytes)\n";
   s += "stages     " + detail::stage_runs(r.layers_per_stage, m.vocab_stages) + "\n";
   s += "bubble     " + printf_str("%.1f", 100 * c.bubble_fraction) + " % (idle / iteration, mean over ranks)\n";
-  s += "iteration  " + printf_str("%.3f", c.iteration_time_s) + " s predicted\n";
+  s += "iteration  " + printf_str("%.3f", c.iteration_time_s) + " s predicted";
+  if (grid)
+    s += " (compute " + printf_str("%.3f", c.compute_time_s) + " s + exposed all-reduce " +
+         printf_str("%.3f", c.allreduce_exposed_s) + " s)";
+  s += "\n";
+  if (grid) {
+    double most = 0, worst = 1, mean = 0;
+    for (int i = 0; i < d; ++i) {
+      most = std::max(most, c.allreduce_s[static_cast<std::size_t>(i)]);
+      worst = std::min(worst, c.allreduce_hidden(i));
+      mean += c.allreduce_hidden(i) / d;
+    }
+    s += "grid       dp " + detail::num(r.dp) + " x d " + detail::num(d) + " = " + detail::num(r.dp * d) +
+         " GPUs, ZeRO-" + detail::num(r.zero) + "; pipeline rank r of replica j is global rank j*" + detail::num(d) +
+         (r.node_layout == NodeLayout::balanced && d > r.gpus_per_node ? " + its balanced slot" : " + r") + "; " +
+         detail::num(r.gpus_per_node) + " GPUs per node, " + detail::layout_name(r.node_layout) + " layout\n";
+    s += "all-reduce " + printf_str("%.3f", most) + " s on the busiest rank at " +
+         printf_str("%g", r.allreduce_bytes_per_s / 1e9) + " GB/s, " + printf_str("%.3f", c.allreduce_exposed_s) +
+         " s exposed after the cooldown; hidden " + printf_str("%.1f", 100 * worst) + " % on the worst rank, " +
+         printf_str("%.1f", 100 * mean) + " % on average over ranks\n";
+    s += "host/node  contiguous: " + detail::node_list_text(r.host_bytes_per_node_contiguous) + "\n";
+    s += "           balanced:   " +
+         (r.host_bytes_per_node_balanced.empty()
+              ? std::string("not defined (needs d <= ") + detail::num(r.gpus_per_node) +
+                    " or d a multiple of an even " + detail::num(r.gpus_per_node) + ")"
+              : detail::node_list_text(r.host_bytes_per_node_balanced)) +
+         "\n";
+  }
+  if (grid && r.searched) {
+    s += "\ngrids      every dp that divides " + detail::num(r.dp * d) + " GPUs\n";
+    s += "              dp      d      m  fits  iteration s  choice\n";
+    for (const GridOption& g : r.grids) {
+      char line[96];
+      std::snprintf(line, sizeof line, "%11s%5d  %5d  %5d  %-4s  ", "", g.dp, g.ranks, g.microbatches,
+                    g.planned ? (g.fits ? "yes" : "no") : "-");
+      s += line;
+      if (g.planned)
+        s += printf_str("%11.3f", g.iteration_time_s) + "  " + g.schedule + " v=" + detail::num(g.chunks) +
+             (g.dp == r.dp ? "  <- chosen" : "") + "\n";
+      else
+        s += "          -  not planned: " + g.note + "\n";
+    }
+  }
   s += "\nrank  device GiB  = state + activations + workspace   host GiB\n";
-  for (int i = 0; i < x.ranks; ++i) {
+  for (int i = 0; i < d; ++i) {
     const auto u = static_cast<std::size_t>(i);
     char line[160];
     std::snprintf(line, sizeof line, "%4d  %10.2f    %7.2f   %11.2f   %9.2f   %8.2f%s\n", i,
@@ -98,11 +178,34 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
                   c.peak_device_bytes[u] > x.device_bytes || c.host_bytes[u] > x.host_bytes ? "  over" : "");
     s += line;
   }
+  if (grid) {
+    s += "\nrank  optimizer GiB  all-reduce s  ends at s  hidden %\n";
+    for (int i = 0; i < d; ++i) {
+      const auto u = static_cast<std::size_t>(i);
+      char line[128];
+      std::snprintf(line, sizeof line, "%4d  %13.2f  %12.4f  %9.4f  %8.1f\n", i, r.optimizer_bytes[u] / gib,
+                    c.allreduce_s[u], c.allreduce_end_s[u], 100 * c.allreduce_hidden(i));
+      s += line;
+    }
+  }
   return s;
 }
 
-/// JSON for programs (keys in render order; arrays are per rank).
-inline std::string render_plan_json(const PlanResult& r, const TransformerSpec& m, const MachineSpec& x) {
+/// The short table, with the grid when grid_shown(r).
+inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& m, const MachineSpec& x) {
+  return render_plan_text(r, m, x, grid_shown(r));
+}
+
+/// JSON for programs (keys in render order; arrays are per rank). With `grid`, the grid's keys:
+/// dp, zero, gpus (dp x ranks), global_batch, gpus_per_node, node_layout,
+/// allreduce_bytes_per_s, compute_time_s (the passes alone), allreduce_exposed_s
+/// (iteration_time_s - compute_time_s), per rank allreduce_s, allreduce_end_s,
+/// allreduce_hidden_fraction (1 - exposed / allreduce_s) and optimizer_bytes, per stage
+/// allreduce_stage_s, host_bytes_per_node and host_bytes_per_node_max ({"contiguous": ...,
+/// "balanced": ... or null where that layout is not defined}), searched, and with a dp search
+/// grids (every dp tried: dp, ranks, microbatches, planned, fits, iteration_time_s, schedule,
+/// chunks, note).
+inline std::string render_plan_json(const PlanResult& r, const TransformerSpec& m, const MachineSpec& x, bool grid) {
   using detail::fmt;
   const PlanCandidate& c = r.choice;
   std::string s = "{\n";
@@ -110,7 +213,7 @@ inline std::string render_plan_json(const PlanResult& r, const TransformerSpec& 
   s += "  \"group\": " + detail::num(c.group) + ",\n";
   s += "  \"chunks\": " + detail::num(c.chunks) + ",\n";
   s += "  \"offload_chunks\": " + detail::num(c.offload_chunks) + ",\n";
-  s += "  \"ranks\": " + detail::num(x.ranks) + ",\n";
+  s += "  \"ranks\": " + detail::num(r.ranks) + ",\n";
   s += "  \"microbatches\": " + detail::num(r.microbatches) + ",\n";
   s += "  \"k\": " + fmt(r.k) + ",\n";
   s += "  \"activation_bytes_per_layer\": " + fmt(r.activation_bytes_per_layer) + ",\n";
@@ -129,10 +232,50 @@ inline std::string render_plan_json(const PlanResult& r, const TransformerSpec& 
   for (std::size_t i = 0; i < r.layers_per_stage.size(); ++i) s += (i ? ", " : "") + detail::num(r.layers_per_stage[i]);
   s += "],\n";
   s += "  \"candidates\": " + detail::num(static_cast<long long>(r.candidates.size())) + ",\n";
+  if (grid) {
+    std::vector<double> hidden;
+    for (int i = 0; i < r.ranks; ++i) hidden.push_back(c.allreduce_hidden(i));
+    s += "  \"dp\": " + detail::num(r.dp) + ",\n";
+    s += "  \"zero\": " + detail::num(r.zero) + ",\n";
+    s += "  \"gpus\": " + detail::num(static_cast<long long>(r.dp) * r.ranks) + ",\n";
+    s += "  \"global_batch\": " + detail::num(m.global_batch) + ",\n";
+    s += "  \"gpus_per_node\": " + detail::num(r.gpus_per_node) + ",\n";
+    s += "  \"node_layout\": " + detail::json_str(detail::layout_name(r.node_layout)) + ",\n";
+    s += "  \"allreduce_bytes_per_s\": " + fmt(r.allreduce_bytes_per_s) + ",\n";
+    s += "  \"compute_time_s\": " + fmt(c.compute_time_s) + ",\n";
+    s += "  \"allreduce_exposed_s\": " + fmt(c.allreduce_exposed_s) + ",\n";
+    s += "  \"allreduce_s\": " + detail::json_array(c.allreduce_s) + ",\n";
+    s += "  \"allreduce_end_s\": " + detail::json_array(c.allreduce_end_s) + ",\n";
+    s += "  \"allreduce_hidden_fraction\": " + detail::json_array(hidden) + ",\n";
+    s += "  \"optimizer_bytes\": " + detail::json_array(r.optimizer_bytes) + ",\n";
+    s += "  \"allreduce_stage_s\": " + detail::json_array(r.allreduce_stage_s) + ",\n";
+    s += "  \"host_bytes_per_node\": " +
+         detail::json_node_lists(r.host_bytes_per_node_contiguous, r.host_bytes_per_node_balanced, false) + ",\n";
+    s += "  \"host_bytes_per_node_max\": " +
+         detail::json_node_lists(r.host_bytes_per_node_contiguous, r.host_bytes_per_node_balanced, true) + ",\n";
+    s += std::string("  \"searched\": ") + (r.searched ? "true" : "false") + ",\n";
+    if (r.searched) {
+      s += "  \"grids\": [";
+      for (std::size_t i = 0; i < r.grids.size(); ++i) {
+        const GridOption& g = r.grids[i];
+        s += std::string(i ? ",\n" : "\n") + "    {\"dp\": " + detail::num(g.dp) +
+             ", \"ranks\": " + detail::num(g.ranks) + ", \"microbatches\": " + detail::num(g.microbatches) +
+             ", \"planned\": " + (g.planned ? "true" : "false") + ", \"fits\": " + (g.fits ? "true" : "false") +
+             ", \"iteration_time_s\": " + fmt(g.iteration_time_s) + ", \"shortfall_bytes\": " + fmt(g.shortfall_bytes) +
+             ", \"schedule\": " + detail::json_str(g.schedule) + ", \"chunks\": " + detail::num(g.chunks) +
+             ", \"note\": " + detail::json_str(g.note) + "}";
+      }
+      s += "\n  ],\n";
+    }
+  }
   s += "  \"why\": " + detail::json_str(r.why) + ",\n";
-  s += "  \"command\": " + detail::json_str(plan_command(r, x.ranks)) + "\n";
-  (void)m;
+  s += "  \"command\": " + detail::json_str(plan_command(r, r.ranks)) + "\n";
   return s + "}\n";
+}
+
+/// JSON, with the grid's keys when grid_shown(r).
+inline std::string render_plan_json(const PlanResult& r, const TransformerSpec& m, const MachineSpec& x) {
+  return render_plan_json(r, m, x, grid_shown(r));
 }
 
 }  // namespace pipeoffload
