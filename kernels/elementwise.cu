@@ -1,5 +1,6 @@
 // kernels/elementwise.cu: grid-stride loops for the backend: precision conversions,
-// backend/update.hpp's optimizer updates, the non-finite check, and a spin for tests.
+// backend/update.hpp's optimizer updates, backend/exact.hpp's gradient sums, the non-finite
+// check, and a spin for tests.
 #include <pipeoffload/backend/cuda/device.cuh>
 
 namespace pipeoffload::cuda::kernels {
@@ -30,6 +31,19 @@ __global__ void flag_nonfinite_k(const Word* x, long long n, Word mask, std::uin
   bool bad = false;
   for (long long i = first_index(); i < n; i += grid_stride()) bad |= nonfinite_word(x[i], mask);
   if (bad) *flag = 1;
+}
+__global__ void exact_add_k(exact::Fixed* acc, const float* g, long long n) {
+  for (long long i = first_index(); i < n; i += grid_stride()) exact::add(acc[i], g[i]);
+}
+__global__ void exact_sum_k(exact::Fixed* out, const exact::Fixed* parts, long long n, int runs) {
+  for (long long i = first_index(); i < n; i += grid_stride()) {
+    exact::Fixed s = parts[i];
+    for (int k = 1; k < runs; ++k) s = exact::sum(s, parts[k * n + i]);
+    out[i] = s;
+  }
+}
+__global__ void exact_round_k(float* out, const exact::Fixed* acc, long long n) {
+  for (long long i = first_index(); i < n; i += grid_stride()) out[i] = exact::to_float(acc[i]);
 }
 __global__ void spin_k(long long cycles) {
   const long long start = clock64();
@@ -80,6 +94,15 @@ void flag_nonfinite(const void* data, long long count, DType dtype, std::uint32_
       throw shape_error(std::string("cuda::kernels::flag_nonfinite: ") + dtype_name(dtype) + " values are " +
                         std::to_string(dtype_size(dtype)) + " bytes wide; floating types are 2, 4 or 8");
   }
+}
+void exact_add(exact::Fixed* acc, const float* g, long long count, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(exact_add_k, elementwise_launch(count), s, acc, g, count);
+}
+void exact_sum(exact::Fixed* out, const exact::Fixed* parts, long long count, int runs, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(exact_sum_k, elementwise_launch(count), s, out, parts, count, runs);
+}
+void exact_round(float* out, const exact::Fixed* acc, long long count, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(exact_round_k, elementwise_launch(count), s, out, acc, count);
 }
 void spin(long long cycles, cudaStream_t s) { PIPEOFFLOAD_LAUNCH(spin_k, (Launch{1, 1, 0}), s, cycles); }
 

@@ -64,11 +64,14 @@ using train_gpt::Setup;
 /// The GPT stage with an optional injected fault: the runtime sees it as the layer type, so a
 /// fault fires inside a real forward pass, mid-iteration, with other passes in flight.
 struct Stage : po::model::GptStage {
-  Stage(const po::model::GptConfig& cfg, int stage, int stages, const Options::Fault* fault)
-      : GptStage(cfg, stage, stages), fault_(fault) {}
+  Stage(const po::model::GptConfig& cfg, int stage, int stages, const Options::Fault* fault, int replicas)
+      : GptStage(cfg, stage, stages), fault_(fault), replicas_(replicas) {}
   void forward(po::backend::CpuContext& ctx, const po::Microbatch& mb, po::ConstTensor x, po::Tensor y,
                std::byte* saved) {
-    if (fault_ != nullptr && mb.training && mb.step == fault_->step && mb.mb == std::min(1, mb.microbatches - 1)) {
+    // The second forward pass of the step on this stage (the first with one microbatch per
+    // replica): mid-iteration, with other passes in flight.
+    if (fault_ != nullptr && mb.training && mb.step == fault_->step &&
+        ++forwards_ == std::min(2, mb.microbatches / replicas_)) {
       std::fprintf(stderr, "train_gpt: rank %d: injecting '%s' in F(stage %d, mb %d) of step %d\n", fault_->rank,
                    fault_->kind.c_str(), mb.stage, mb.mb, mb.step);
       std::fflush(stderr);
@@ -82,6 +85,8 @@ struct Stage : po::model::GptStage {
 
  private:
   const Options::Fault* fault_;
+  int replicas_ = 1;
+  int forwards_ = 0;
 };
 
 /// Every rank's `mine`, whatever their lengths (a collective: every rank calls it): the
@@ -100,22 +105,25 @@ std::vector<std::vector<T>> gather_ragged(Comm& comm, std::span<const T> mine) {
   return out;
 }
 
-/// One rank's whole run, the same code under threads and MPI: handshake, train, checkpoint,
-/// then gather what rank 0 prints (peaks, unit sizes, traces, parameters for the hash).
 /// One rank's whole run on `dev` with its v stages `mine`, the same code under threads and
-/// MPI and on every backend. `pair`: the PCIe-pair link of this rank and rank^1 (thread ranks
-/// share one; MPI ranks, separate processes, run unpaired), or null.
+/// MPI and on every backend: handshake, train, checkpoint, then gather what global rank 0
+/// prints (peaks, unit sizes, traces, parameters for the hash). `comm` connects the rank's
+/// pipeline, `replicas` its data-parallel peers (dp of them, replica order). `pair`: the
+/// PCIe-pair link of this rank and rank^1 (thread ranks share one; MPI ranks, separate
+/// processes, run unpaired), or null.
 template <class Comm, class Device, class Layer>
-void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std::vector<Layer>& mine,
+void train_rank(const Options& o, const Setup& su, Comm& comm, Comm& replicas, Device& dev, std::vector<Layer>& mine,
                 std::chrono::steady_clock::time_point t_start, po::PairLink<Device>* pair = nullptr) {
-  const int r = comm.rank();
+  const int r = comm.rank(), replica = replicas.rank();
+  const bool lead = r == 0 && replica == 0;  // global rank 0 prints
   const po::Shape sh = o.shape;
   const po::MicrobatchShape mbs = su.runtime.microbatch;
   const std::size_t seq = static_cast<std::size_t>(o.model.seq);
   const std::string& text = su.text;
   // Before the first pipeline message: every rank must run the same configuration.
   po::handshake(comm, su.fields);
-  po::Runtime rt(po::build(o.spec, sh, su.costs), dev, comm, std::span<Layer>(mine), su.runtime);
+  po::handshake(replicas, su.fields);
+  po::Runtime rt(po::build(o.spec, sh, su.costs), dev, comm, replicas, std::span<Layer>(mine), su.runtime);
   if (pair != nullptr) rt.pair_with(*pair);
   po::AdamW opt(rt, su.adamw);
   int first = 0;
@@ -129,16 +137,19 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
     if (first >= o.steps)
       throw po::checkpoint_error("checkpoint: " + o.resume + " is at step " + std::to_string(first) +
                                  ", already at --steps " + std::to_string(o.steps) + "; nothing to resume");
-    if (r == 0 && !o.quiet) std::printf("resumed from %s at step %d\n", o.resume.c_str(), first);
+    if (lead && !o.quiet) std::printf("resumed from %s at step %d\n", o.resume.c_str(), first);
   }
   // Peaks of every rank so far (rank 0 prints them): activation, device total, pinned host.
   std::vector<std::size_t> peaks(3 * static_cast<std::size_t>(sh.d), 0);
   std::vector<std::int32_t> tok(su.tokens_per_step), tgt(su.tokens_per_step);
   const std::vector<long long> shape = {static_cast<long long>(sh.m) * mbs.batch, mbs.seq};
-  // Sequences starting at text[from + at] for each sequence q's draw `at`, as a batch.
+  // Sequences starting at text[from + at] for each sequence q's draw `at`, as a batch: this
+  // replica's share of the global batch (its sequences are the global ones after the
+  // earlier replicas').
+  const std::size_t sequences = su.tokens_per_step / seq, offset = static_cast<std::size_t>(replica) * sequences;
   const auto batch_at = [&](std::size_t from, auto&& draw) {
-    for (std::size_t q = 0; q < su.tokens_per_step / seq; ++q) {
-      const std::size_t at = from + draw(q);
+    for (std::size_t q = 0; q < sequences; ++q) {
+      const std::size_t at = from + draw(offset + q);
       for (std::size_t t = 0; t < seq; ++t) {
         tok[q * seq + t] = static_cast<unsigned char>(text[at + t]);
         tgt[q * seq + t] = static_cast<unsigned char>(text[at + t + 1]);
@@ -177,13 +188,13 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
       const po::PassStats val = rt.evaluate(batch_at(su.train_bytes, [&](std::size_t q) {
         return po::math::mix64(o.seed ^ 0x5eedULL, q) % (held_out - seq - 1);
       }));
-      if (r == 0) {
+      if (lead) {
         std::printf("eval step %d/%d: val_loss %.4f (train loss %.4f)\n", step + 1, o.steps,
                     static_cast<double>(val.loss), static_cast<double>(st.loss));
         std::fflush(stdout);
       }
     }
-    if (r == 0) {
+    if (lead) {
       const bool report =
           !o.quiet && (step == first || (step + 1) % std::max(1, o.steps / 20) == 0 || step + 1 == o.steps);
       if (report) {
@@ -194,7 +205,7 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
         for (int q = 0; q < sh.d; ++q) line += (q ? " " : "") + mib(peaks[3 * static_cast<std::size_t>(q)]);
         std::printf("[%s] step %d/%d loss %.4f lr %.2e | %.0f tokens/s | peak activation MiB per rank: %s\n",
                     bar.c_str(), step + 1, o.steps, static_cast<double>(st.loss), static_cast<double>(lr),
-                    static_cast<double>(su.tokens_per_step) * (step + 1 - first) / tokens_seconds, line.c_str());
+                    static_cast<double>(su.tokens_per_step) * o.dp * (step + 1 - first) / tokens_seconds, line.c_str());
         std::fflush(stdout);
       }
     }
@@ -221,11 +232,12 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Device& dev, std:
     for (int q = 0; q < sh.d; ++q)
       params[static_cast<std::size_t>(sh.stage_of(q, c))] = std::move(all[static_cast<std::size_t>(q)]);
   }
-  if (r == 0) report(o, su, params, rt.program(), first, peaks, units, traces, final_loss, t_start);
-  // Nobody leaves (and exits 0) before rank 0 has printed everything: if rank 0 fails there,
-  // this wait fails on every rank instead.
+  if (lead) report(o, su, params, rt.program(), first, peaks, units, traces, final_loss, t_start, opt.state_bytes());
+  // Nobody leaves (and exits 0) before global rank 0 has printed everything: if it fails
+  // there, this wait fails on every rank instead.
   const double done = 1;
-  std::vector<double> all_done(static_cast<std::size_t>(sh.d));
+  std::vector<double> all_done(static_cast<std::size_t>(sh.d)), replicas_done(static_cast<std::size_t>(o.dp));
+  replicas.all_gather(std::span<const double>(&done, 1), std::span(replicas_done));
   comm.all_gather(std::span<const double>(&done, 1), std::span(all_done));
 }
 
@@ -236,12 +248,13 @@ po::PairLink<Device>* link_of(const std::vector<std::unique_ptr<po::PairLink<Dev
   return p < links.size() ? links[p].get() : nullptr;
 }
 
-/// This rank's v stages on the CPU (with the injected fault, if it is this rank's).
-std::vector<Stage> cpu_stages(const Options& o, int r) {
+/// Global rank g's v stages on the CPU (with the injected fault, if it is this rank's).
+std::vector<Stage> cpu_stages(const Options& o, int g) {
+  const int r = g % o.shape.d;
   std::vector<Stage> mine;
   mine.reserve(static_cast<std::size_t>(o.shape.v));
   for (int c = 0; c < o.shape.v; ++c)
-    mine.emplace_back(o.model, o.shape.stage_of(r, c), o.shape.stages(), o.fault.rank == r ? &o.fault : nullptr);
+    mine.emplace_back(o.model, o.shape.stage_of(r, c), o.shape.stages(), o.fault.rank == g ? &o.fault : nullptr, o.dp);
   return mine;
 }
 
@@ -259,36 +272,59 @@ std::vector<po::cuda::GptStage> cuda_stages(const Options& o, const Setup& su, p
 /// stages' own memory (parameters, gradients, scratch) comes from outside it.
 constexpr std::size_t cuda_arena_bytes = std::size_t{2} << 30;
 
-/// --backend cuda --comm threads: one process drives D GPUs (ncclCommInitAll); ranks sit on
-/// GPUs so that PCIe pairs are ranks (r, r^1), whose copies then synchronise.
+/// The NCCL worlds of a (replica x rank) grid driven by one process: one per pipeline and one
+/// per pipeline position, each over its GPUs (ncclCommInitAll). A failing rank aborts them all
+/// (run_thread_ranks), so no rank of any replica waits for it.
+struct NcclGrid {
+  int dp = 1, d = 1;
+  std::vector<std::shared_ptr<po::comm::NcclWorld>> pipelines, replicas;  // [replica], [rank]
+  NcclGrid(int dp_, int d_, const std::vector<int>& devices) : dp(dp_), d(d_) {
+    for (int j = 0; j < dp; ++j)
+      pipelines.push_back(po::comm::NcclWorld::all_local(
+          std::span(devices).subspan(static_cast<std::size_t>(j * d), static_cast<std::size_t>(d))));
+    for (int r = 0; r < d; ++r) {
+      std::vector<int> column;
+      for (int j = 0; j < dp; ++j) column.push_back(devices[static_cast<std::size_t>(j * d + r)]);
+      replicas.push_back(po::comm::NcclWorld::all_local(column));
+    }
+  }
+  int size() const { return dp * d; }
+  void abort(const std::string& why) {
+    for (auto& w : pipelines) w->abort(why);
+    for (auto& w : replicas) w->abort(why);
+  }
+};
+
+/// --backend cuda --comm threads: one process drives R*D GPUs (global rank g on the g-th GPU of
+/// the pairing order, so that PCIe pairs are ranks (r, r^1) of a replica, whose copies then
+/// synchronise).
 int run_cuda_threads(const Options& o, Setup su) {
-  const int gpus = po::backend::device_count();
-  if (gpus < o.shape.d) {
-    std::fprintf(stderr, "train_gpt: --backend cuda --ranks %d needs %d GPUs; this machine has %d\n", o.shape.d,
-                 o.shape.d, gpus);
+  const int gpus = po::backend::device_count(), need = o.dp * o.shape.d;
+  if (gpus < need) {
+    std::fprintf(stderr, "train_gpt: --backend cuda --ranks %d --dp %d needs %d GPUs; this machine has %d\n", o.shape.d,
+                 o.dp, need, gpus);
     return 2;
   }
   const po::cuda::Pairing pairing = po::backend::device_pairing();
-  std::vector<int> devices(pairing.device_of_rank.begin(), pairing.device_of_rank.begin() + o.shape.d);
+  std::vector<int> devices(pairing.device_of_rank.begin(), pairing.device_of_rank.begin() + need);
   bool paired = o.shape.d >= 2 && o.shape.d % 2 == 0;
-  for (int r = 0; r < o.shape.d && paired; ++r)
-    paired = pairing.partner_of_rank[static_cast<std::size_t>(r)] == (r ^ 1);
+  for (int g = 0; g < need && paired; ++g) paired = pairing.partner_of_rank[static_cast<std::size_t>(g)] == (g ^ 1);
   su.costs.stagger_pairs = paired;
   print_banner(o, su);
-  std::printf("GPUs by rank:");
+  std::printf("GPUs by global rank:");
   for (int dv : devices) std::printf(" %d", dv);
   std::printf("%s\n", paired ? " (PCIe pairs (r, r^1): synchronised copies)" : " (no PCIe pairs: copies unpaired)");
-  auto world = po::comm::NcclWorld::all_local(devices);
+  NcclGrid grid(o.dp, o.shape.d, devices);
   std::vector<std::unique_ptr<po::PairLink<po::backend::Cuda>>> links;
-  for (int p = 0; paired && 2 * p + 1 < o.shape.d; ++p)
-    links.push_back(std::make_unique<po::PairLink<po::backend::Cuda>>());
+  for (int p = 0; paired && 2 * p + 1 < need; ++p) links.push_back(std::make_unique<po::PairLink<po::backend::Cuda>>());
   const auto t_start = std::chrono::steady_clock::now();
-  // A rank that throws aborts the world (run_thread_ranks), so no other rank waits for it.
-  const auto errors = po::run_thread_ranks(*world, [&](int r) {
-    po::backend::Cuda dev({.device = devices[static_cast<std::size_t>(r)], .rank = r, .arena_bytes = cuda_arena_bytes});
-    po::comm::Nccl comm(world, r, dev);
+  const auto errors = po::run_thread_ranks(grid, [&](int g) {
+    const int r = g % o.shape.d, j = g / o.shape.d;
+    po::backend::Cuda dev({.device = devices[static_cast<std::size_t>(g)], .rank = g, .arena_bytes = cuda_arena_bytes});
+    po::comm::Nccl comm(grid.pipelines[static_cast<std::size_t>(j)], r, dev);
+    po::comm::Nccl replicas(grid.replicas[static_cast<std::size_t>(r)], j, dev);
     std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, r);
-    train_rank(o, su, comm, dev, mine, t_start, link_of(links, r));
+    train_rank(o, su, comm, replicas, dev, mine, t_start, link_of(links, g));
   });
   return exit_status(errors);
 }
@@ -297,7 +333,8 @@ int run_cuda_threads(const Options& o, Setup su) {
 /// --backend cuda --comm mpi: one process per GPU (the node-local rank picks it); MPI only
 /// carries NCCL's unique id, NCCL carries the pipeline. Processes are separate, so their
 /// copies run unpaired.
-int run_cuda_rank(const Options& o, Setup su, po::comm::Mpi& mpi, std::chrono::steady_clock::time_point t_start) {
+int run_cuda_rank(const Options& o, Setup su, po::comm::Mpi& mpi, po::comm::Mpi& pipeline, po::comm::Mpi& replicas,
+                  std::chrono::steady_clock::time_point t_start) {
   const int r = mpi.rank();
   const int gpus = po::backend::device_count();
   const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
@@ -306,16 +343,23 @@ int run_cuda_rank(const Options& o, Setup su, po::comm::Mpi& mpi, std::chrono::s
     throw po::error("--backend cuda: this process (rank " + std::to_string(r) + ") needs GPU " +
                     std::to_string(device) + " but its node has " + std::to_string(gpus));
   su.costs.stagger_pairs = false;
-  const po::comm::NcclIdBytes id =
-      po::comm::broadcast_nccl_id(mpi, r == 0 ? po::comm::NcclWorld::new_id() : po::comm::NcclIdBytes{});
-  auto world = po::comm::NcclWorld::from_id(id, r, mpi.size(), device);
+  // One NCCL world per group, its id made by the group's first rank and broadcast over the
+  // group's MPI communicator.
+  const auto world_of = [&](po::comm::Mpi& group) {
+    const po::comm::NcclIdBytes id =
+        po::comm::broadcast_nccl_id(group, group.rank() == 0 ? po::comm::NcclWorld::new_id() : po::comm::NcclIdBytes{});
+    return po::comm::NcclWorld::from_id(id, group.rank(), group.size(), device);
+  };
+  auto pipeline_world = world_of(pipeline), replicas_world = world_of(replicas);
   po::backend::Cuda dev({.device = device, .rank = r, .arena_bytes = cuda_arena_bytes});
-  po::comm::Nccl comm(world, r, dev);
+  po::comm::Nccl comm(pipeline_world, pipeline.rank(), dev);
+  po::comm::Nccl reps(replicas_world, replicas.rank(), dev);
   try {
-    std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, r);
-    train_rank(o, su, comm, dev, mine, t_start);
+    std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, pipeline.rank());
+    train_rank(o, su, comm, reps, dev, mine, t_start);
   } catch (const std::exception& e) {
     comm.abort(e.what());
+    reps.abort(e.what());
     throw;
   }
   return 0;
@@ -328,19 +372,23 @@ int run_threads(const Options& o, const Setup& su) {
   if (o.cuda) return run_cuda_threads(o, su);
 #endif
   print_banner(o, su);
-  po::comm::ThreadsWorld world(o.shape.d);
+  // dp replicas of a d-rank pipeline: global rank g = replica * d + rank.
+  po::comm::ThreadsGrid grid(o.dp, o.shape.d);
   // --pcie-pairs: ranks (r, r^1) are a PCIe pair, as the schedule's staggered slots assume,
   // and their copies synchronise (DESIGN.md section 3). A last rank of an odd d has none.
-  std::vector<std::unique_ptr<po::PairLink<po::backend::Cpu>>> links;
-  for (int p = 0; o.pcie_pairs && 2 * p + 1 < o.shape.d; ++p)
+  std::vector<std::unique_ptr<po::PairLink<po::backend::Cpu>>> links;  // per replica, per pair
+  for (int p = 0; o.pcie_pairs && p < o.dp * (o.shape.d / 2); ++p)
     links.push_back(std::make_unique<po::PairLink<po::backend::Cpu>>());
   const auto t_start = std::chrono::steady_clock::now();
-  // A rank that throws aborts the world (run_thread_ranks), so no other rank waits for it.
-  const auto errors = po::run_thread_ranks(world, [&](int r) {
-    po::comm::Threads comm(world, r);
-    po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = o.copy_gbps * 1e9});
-    std::vector<Stage> mine = cpu_stages(o, r);
-    train_rank(o, su, comm, dev, mine, t_start, link_of(links, r));
+  // A rank that throws aborts the grid (run_thread_ranks), so no rank of any replica waits for it.
+  const auto errors = po::run_thread_ranks(grid, [&](int g) {
+    po::comm::Threads comm = grid.pipeline(g), replicas = grid.replicas(g);
+    const int r = g % o.shape.d, j = g / o.shape.d;
+    po::backend::Cpu dev({.rank = g, .copy_bytes_per_second = o.copy_gbps * 1e9});
+    std::vector<Stage> mine = cpu_stages(o, g);
+    po::PairLink<po::backend::Cpu>* link =
+        r / 2 < o.shape.d / 2 ? link_of(links, 2 * (j * (o.shape.d / 2) + r / 2) + (r & 1)) : nullptr;
+    train_rank(o, su, comm, replicas, dev, mine, t_start, link);
   });
   return exit_status(errors);
 }
@@ -350,14 +398,15 @@ int run_mpi(Options& o, const std::string& text, int& argc, char**& argv) {
   po::comm::MpiSession session(argc, argv);
   const int r = session.rank();
   // Every rank decides these from the same arguments and world size, so they all agree.
-  if (!o.ranks_given) o.shape.d = session.size();
+  if (!o.ranks_given && session.size() % o.dp == 0) o.shape.d = session.size() / o.dp;
   std::string bad;
-  if (o.shape.d != session.size())
-    bad = "--ranks " + std::to_string(o.shape.d) + " but mpirun started " + std::to_string(session.size()) +
+  if (o.shape.d * o.dp != session.size())
+    bad = "--ranks " + std::to_string(o.shape.d) + " x --dp " + std::to_string(o.dp) + " = " +
+          std::to_string(o.shape.d * o.dp) + " ranks but mpirun started " + std::to_string(session.size()) +
           " processes; they must be equal";
-  else if (o.fault.rank >= o.shape.d)
-    bad = "--inject-fault's rank " + std::to_string(o.fault.rank) + " is outside [0, " + std::to_string(o.shape.d - 1) +
-          "]";
+  else if (o.fault.rank >= session.size())
+    bad = "--inject-fault's rank " + std::to_string(o.fault.rank) + " is outside [0, " +
+          std::to_string(session.size() - 1) + "]";
   else {
     try {
       po::build(o.spec, o.shape);
@@ -370,23 +419,27 @@ int run_mpi(Options& o, const std::string& text, int& argc, char**& argv) {
     return 2;
   }
   const Setup su = make_setup(o, text);
-  po::comm::Mpi comm({.timeout_seconds = o.comm_timeout});
+  // dp replicas of a d-rank pipeline: global rank g = replica * d + rank; each process joins
+  // its pipeline and its replicas (an abort on either ends the whole job).
+  po::comm::Mpi world({.timeout_seconds = o.comm_timeout});
+  po::comm::Mpi comm = world.split(r / o.shape.d, r % o.shape.d);
+  po::comm::Mpi replicas = world.split(r % o.shape.d, r / o.shape.d);
   if (r == 0) print_banner(o, su);
   const auto t_start = std::chrono::steady_clock::now();
   try {
 #ifdef PIPEOFFLOAD_WITH_CUDA
-    if (o.cuda) return run_cuda_rank(o, su, comm, t_start);
+    if (o.cuda) return run_cuda_rank(o, su, world, comm, replicas, t_start);
 #endif
     po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = o.copy_gbps * 1e9});
     std::vector<Stage> mine = cpu_stages(o, r);
-    train_rank(o, su, comm, dev, mine, t_start);
+    train_rank(o, su, comm, replicas, dev, mine, t_start);
   } catch (const po::handshake_error& e) {
     // Every rank saw the same hashes and throws the same sentence, before any pipeline
     // message: nothing is in flight, so each rank can leave normally (MPI_Finalize).
     std::fprintf(stderr, "train_gpt: rank %d: %s\n", r, e.what());
     return 1;
   } catch (const std::exception& e) {
-    comm.abort(e.what());  // tell the others (a no-op when the runtime already did)
+    world.abort(e.what());  // tell the others (a no-op when the runtime already did)
     std::fprintf(stderr, "train_gpt: rank %d (%s): %s\n", r, session.host().c_str(), e.what());
     std::fflush(stderr);
     // No MPI 4.1 job survives a lost rank, and peers may hold requests that never complete,
@@ -394,7 +447,7 @@ int run_mpi(Options& o, const std::string& text, int& argc, char**& argv) {
     // note went out, so that mpirun's message names it and the others can print theirs; a
     // rank that was told of another's failure waits for that, and ends the job itself only
     // if it does not come.
-    const int origin = comm.abort_origin();
+    const int origin = world.abort_origin();
     if (origin == r || origin < 0) {
       std::this_thread::sleep_for(std::chrono::seconds(1));
     } else {
@@ -414,9 +467,9 @@ int main(int argc, char** argv) {
     o = train_gpt::parse(argc, argv);
     if (!o.mpi) {
       po::build(o.spec, o.shape);  // shape errors (1f1b with v > 1, 1f1b-i with m % d != 0) as bad arguments
-      if (o.fault.rank >= o.shape.d)
+      if (o.fault.rank >= o.shape.d * o.dp)
         throw bad_argument("--inject-fault's rank " + std::to_string(o.fault.rank) + " is outside [0, " +
-                           std::to_string(o.shape.d - 1) + "]");
+                           std::to_string(o.shape.d * o.dp - 1) + "]");
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_gpt: %s\n", e.what());

@@ -41,9 +41,13 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
   --comm NAME           threads (ranks are threads of this process, default) or mpi (one process per
                         rank: mpirun -np D train_gpt --comm mpi ...)
   --ranks D             pipeline ranks, 1..64; 1 is the one-rank sequential reference (default 4;
-                        with --comm mpi the number of processes, which it must equal if given)
+                        with --comm mpi the number of processes / R, which it must equal if given)
+  --dp R                data-parallel replicas of the pipeline, 1..64: R*D ranks in all (threads, or
+                        mpirun -np R*D ... --ranks D --dp R); global rank g = replica * D + rank
+  --zero Z              0 (default) or 1: with --dp > 1, shard AdamW's moments across the replicas (ZeRO-1)
   --chunks V            chunks (stages) per rank, 1..64; 1 for 1f1b (default 2)
-  --microbatches M      microbatches per step, 1..4096; a multiple of D for 1f1b-i (default 8)
+  --microbatches M      microbatches per step of each replica, 1..4096 (the global batch is R*M); a
+                        multiple of D for 1f1b-i (default 8)
   --group G             group size of gis-g (required there), ceil(D/2)..D
   --offload-chunks N    offload chunks 0..N-1 (0..V) for any schedule (po-h, po-f imply ceil(V/2), V)
   --k K                 planning: round-trip copy time / (T_F+T_B+T_W), (0, 100]; default 1
@@ -64,7 +68,7 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
   --checkpoint-every N  save parameters, AdamW state, step, RNG seed and data position every N steps
   --checkpoint-dir DIR  where (DIR/step-N/stage-S.bin, DIR/latest); defaults to --resume's DIR
   --resume DIR          continue from DIR/latest (same model, stages, batch, optimizer, steps, seed, data)
-  --inject-fault R:S:K  testing: rank R fails in step S (0-based), mid-iteration, by K = kill (SIGKILL),
+  --inject-fault R:S:K  testing: global rank R fails in step S (0-based), mid-iteration, by K = kill (SIGKILL),
                         throw, or hang (--comm mpi only: its peers' timeout ends the run)
   --pcie-pairs          CPU thread ranks: treat ranks (r, r^1) as a PCIe pair and synchronise their copies
                         (po::PairLink); --backend cuda pairs the GPUs that share a switch by itself
@@ -88,6 +92,7 @@ struct Options {
   double comm_timeout = 300;
   bool cuda = false;
   bool pcie_pairs = false;  // CPU thread ranks: synchronise the copies of ranks (r, r^1)
+  int dp = 1, zero = 0;     // data-parallel replicas, ZeRO stage
   int eval_every = 0;       // steps between validation losses; 0: no held-out split
   bool decay_all = false;   // weight decay on every parameter (before parameter groups)
   bool check_finite = true;
@@ -150,7 +155,9 @@ inline Options parse(int argc, char** argv) {
                                   "--resume",
                                   "--inject-fault",
                                   "--backend",
-                                  "--eval-every"};
+                                  "--eval-every",
+                                  "--dp",
+                                  "--zero"};
     if (std::find(std::begin(known), std::end(known), f) == std::end(known))
       throw bad_argument("unknown option '" + f + "' (--help lists them)");
     if (i + 1 >= argc) throw bad_argument(f + " needs a value");
@@ -211,7 +218,7 @@ inline Options parse(int argc, char** argv) {
     const auto c1 = f.find(':'), c2 = c1 == std::string::npos ? c1 : f.find(':', c1 + 1);
     if (c2 == std::string::npos)
       throw bad_argument("--inject-fault must be RANK:STEP:KIND (KIND kill, throw or hang), got '" + f + "'");
-    o.fault.rank = static_cast<int>(to_int("--inject-fault's rank", f.substr(0, c1), 0, 63));
+    o.fault.rank = static_cast<int>(to_int("--inject-fault's rank", f.substr(0, c1), 0, 4095));
     o.fault.step = static_cast<int>(to_int("--inject-fault's step", f.substr(c1 + 1, c2 - c1 - 1), 0, 1000000));
     o.fault.kind = f.substr(c2 + 1);
     if (o.fault.kind != "kill" && o.fault.kind != "throw" && o.fault.kind != "hang")
@@ -219,6 +226,8 @@ inline Options parse(int argc, char** argv) {
     if (o.fault.kind == "hang" && !o.mpi)
       throw bad_argument("--inject-fault R:S:hang needs --comm mpi (thread ranks have no receive timeout)");
   }
+  if (auto v = get("--dp")) o.dp = static_cast<int>(to_int("--dp", *v, 1, 64));
+  if (auto v = get("--zero")) o.zero = static_cast<int>(to_int("--zero", *v, 0, 1));
   if (auto v = get("--chunks")) o.shape.v = static_cast<int>(to_int("--chunks", *v, 1, 64));
   if (auto v = get("--microbatches")) o.shape.m = static_cast<int>(to_int("--microbatches", *v, 1, 4096));
   if (auto v = get("--steps")) o.steps = static_cast<int>(to_int("--steps", *v, 1, 1000000));
@@ -273,7 +282,7 @@ struct Setup {
   po::AdamWOptions adamw{};
   std::vector<po::HandshakeField> fields;  // the handshake's
   std::uint64_t config_hash = 0;           // of what the training state depends on (checkpoints)
-  std::size_t tokens_per_step = 0;
+  std::size_t tokens_per_step = 0;         // of one replica
 };
 
 inline Setup make_setup(const Options& o, std::string text) {
@@ -288,6 +297,7 @@ inline Setup make_setup(const Options& o, std::string text) {
           .total_steps = o.steps,
           .min_lr_ratio = 0.1f};
   s.adamw.weight_decay = 0.01f;
+  s.adamw.zero = o.zero;
   // GPT-2's rule: no weight decay on biases and LayerNorm gains (the 1-d tensors).
   if (!o.decay_all)
     s.adamw.groups.push_back({"no decay", [](const po::ParamInfo& t) { return t.shape.size() < 2; }, 1.0f, 0.0f});
@@ -299,7 +309,8 @@ inline Setup make_setup(const Options& o, std::string text) {
   const std::string model = "layers=" + std::to_string(o.model.layers) + " hidden=" + std::to_string(o.model.hidden) +
                             " heads=" + std::to_string(o.model.heads) + " seq=" + std::to_string(o.model.seq) +
                             " dropout=" + drop;
-  const std::string batch = "batch=" + std::to_string(o.batch) + " microbatches=" + std::to_string(sh.m) +
+  // The global batch: R replicas of m microbatches train as one replica of R*m.
+  const std::string batch = "batch=" + std::to_string(o.batch) + " microbatches=" + std::to_string(o.dp * sh.m) +
                             " stages=" + std::to_string(sh.stages());
   const std::string train = "steps=" + std::to_string(o.steps) + " lr=" + lr + " seed=" + std::to_string(o.seed) +
                             " decay=" + (o.decay_all ? "all" : "2d-only");
@@ -310,6 +321,7 @@ inline Setup make_setup(const Options& o, std::string text) {
   s.fields.push_back({"model", model});
   s.fields.push_back({"batch", batch});
   s.fields.push_back({"training", train});
+  s.fields.push_back({"data parallel", "dp=" + std::to_string(o.dp) + " zero=" + std::to_string(o.zero)});
   s.fields.push_back({"data", data});
   s.fields.push_back(
       {"planning", "k=" + std::string(k) + " offload=" + std::to_string(po::offload::count(o.spec.offload, sh.v))});
@@ -317,8 +329,9 @@ inline Setup make_setup(const Options& o, std::string text) {
                                  " resume=" + (o.resume.empty() ? "no" : "yes") + " trace=" + (o.trace ? "yes" : "no") +
                                  " eval-every=" + std::to_string(o.eval_every) +
                                  " check-finite=" + (o.check_finite ? "yes" : "no")});
-  // The training state depends on these, not on the schedule or rank count (every schedule
-  // trains bit-identically), so a checkpoint resumes under any of them.
+  // The training state depends on these, not on the schedule, rank count or replica count
+  // (every schedule and split of the global batch trains bit-identically), so a checkpoint
+  // resumes under any of them.
   s.config_hash = po::fnv1a(model + "|" + batch + "|" + train + "|" + data);
   return s;
 }

@@ -31,8 +31,11 @@ inline  /// Rank 0's closing report: peaks, 1F1B-I's simulated peaks, wall time,
     void
     report(const Options& o, const Setup& su, const std::vector<std::vector<float>>& params, const po::Program& program,
            int first, const std::vector<std::size_t>& peaks, const std::vector<std::size_t>& units,
-           std::vector<po::RankSim>& traces, float final_loss, std::chrono::steady_clock::time_point t_start) {
+           std::vector<po::RankSim>& traces, float final_loss, std::chrono::steady_clock::time_point t_start,
+           std::size_t optimizer_bytes) {
   const po::Shape sh = o.shape;
+  if (o.dp > 1)
+    std::printf("optimizer state of global rank 0 (AdamW moments, zero %d): %zu bytes\n", o.zero, optimizer_bytes);
 
   po::Costs sizes;
   sizes.unit_bytes.resize(static_cast<std::size_t>(sh.stages()));
@@ -57,7 +60,8 @@ inline  /// Rank 0's closing report: peaks, 1F1B-I's simulated peaks, wall time,
     std::printf("1F1B-I would need: n/a (1F1B-I needs m to be a multiple of d)\n");
   }
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-  std::printf("wall %.2f s, %.0f tokens/s\n", wall, static_cast<double>(su.tokens_per_step) * (o.steps - first) / wall);
+  std::printf("wall %.2f s, %.0f tokens/s\n", wall,
+              static_cast<double>(su.tokens_per_step) * o.dp * (o.steps - first) / wall);
 
   if (o.trace) {
     // The last step's measured times, from the earliest op, in milliseconds (the renderer's
@@ -102,6 +106,9 @@ inline void print_banner(const Options& o, const Setup& su) {
               o.schedule.c_str(), sh.d, sh.v, sh.m, o.model.layers, o.model.hidden, o.model.heads, o.model.seq, o.batch,
               su.text.size(), o.cuda ? "CUDA (bf16, NCCL)" : ("BLAS " + po::blas::core_name()).c_str(),
               o.mpi ? ", MPI processes" : "");
+  if (o.dp > 1)
+    std::printf("data parallel: %d replicas of the pipeline (%d ranks, global rank = replica * %d + rank), zero %d\n",
+                o.dp, o.dp * sh.d, sh.d, o.zero);
   std::fflush(stdout);
 }
 

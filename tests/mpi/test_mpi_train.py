@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """train_gpt --comm mpi as real processes under mpirun.
 
-usage: test_mpi_train.py path/to/train_gpt path/to/mpirun exactness|faults|checkpoint
+usage: test_mpi_train.py path/to/train_gpt path/to/mpirun exactness|faults|checkpoint|data-parallel
 
 exactness   4 processes give the final_loss/params_hash of the thread run, for 1F1B-I, GIS-H,
             PO-H and PO-F; bad launches exit 2 with a sentence
@@ -10,6 +10,9 @@ faults      kill -9 (injected and external), a throwing rank, a stuck rank (rece
             non-zero, with messages that name the lost rank (asserted)
 checkpoint  a run killed after step k and resumed gives bit-identical results, under threads
             and under MPI (and across them); a crash mid-write leaves the previous checkpoint
+data-parallel  R replicas of a D-rank pipeline as R*D processes give the bits of the thread run
+            and of one replica of the global batch (with and without ZeRO-1); a rank of replica 1
+            killed with -9, or throwing, ends every process of both replicas within 30 s
 """
 import os
 import re
@@ -99,7 +102,7 @@ def exactness():
             fail(f"{sched}: rank 0 alone prints, and says it runs MPI processes:\n{out}")
     # --ranks, when given, must match the processes mpirun started: every rank exits 2.
     code, out, err, _ = run(mpi(2, "--ranks", "4", *SMALL))
-    want = "train_gpt: --ranks 4 but mpirun started 2 processes; they must be equal"
+    want = "train_gpt: --ranks 4 x --dp 1 = 4 ranks but mpirun started 2 processes; they must be equal"
     if code != 2 or want not in err:
         fail(f"--ranks 4 under -np 2: expected status 2 and {want!r}, got {code}\n{err}")
     code, out, err, _ = run([exe, "--comm", "mpi", "--comm-timeout", "0", *SMALL])
@@ -251,5 +254,32 @@ def checkpoint():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-{"exactness": exactness, "faults": faults, "checkpoint": checkpoint}[part]()
+def data_parallel():
+    at = SMALL.index("--microbatches")
+    base = SMALL[:at] + SMALL[at + 2:]
+    ref = finals(run_ok([exe, "--ranks", "1", "--chunks", "1", "--microbatches", "12", *base]))
+    for n, d, dp, sched, zero in ((4, 2, 2, "po-f", "0"), (6, 2, 3, "1f1b-i", "1"), (8, 4, 2, "gis-h", "1")):
+        args = ["--schedule", sched, "--chunks", "2", "--dp", str(dp), "--microbatches", str(12 // dp), "--zero", zero, *base]
+        threads = finals(run_ok([exe, "--ranks", str(d), *args]))
+        got = finals(run_ok(mpi(n, "--ranks", str(d), *args)))
+        if got != threads or got != ref:
+            fail(f"{sched} d={d} dp={dp} zero={zero}: MPI gave {got}, threads {threads}, one replica of 12 microbatches {ref}")
+    # The processes must make whole pipelines.
+    code, out, err, _ = run(mpi(3, "--dp", "2", *SMALL))
+    if code != 2 or "but mpirun started 3 processes" not in err:
+        fail(f"--dp 2 under -np 3: expected status 2, got {code}\n{err}")
+    args = ["--schedule", "po-f", "--chunks", "2", "--ranks", "2", "--dp", "2", *SMALL]
+    # kill -9 of rank 3 (replica 1's second rank) inside a forward pass: mpirun ends the job.
+    _, err = expect_failure(mpi(4, *args, "--inject-fault", "3:1:kill"), "replica 1: injected kill -9")
+    if not re.search(r"mpirun noticed that process rank 3 with PID \d+ on node \S+ exited on signal 9", err):
+        fail("replica 1: injected kill -9: mpirun's message naming rank 3 is missing:\n" + err)
+    # A throwing rank of replica 1: its own message, and every peer that reports (in either
+    # replica) names it.
+    _, err = expect_failure(mpi(4, *args, "--inject-fault", "2:1:throw"), "replica 1: throwing rank")
+    if not re.search(r"^train_gpt: rank 2 \(\S+\): .*injected fault \(--inject-fault 2:1:throw\)$", err, re.M):
+        fail("replica 1: throwing rank: rank 2's own message is missing:\n" + err)
+    check_survivors(err, 2, "replica 1: throwing rank")
+
+
+{"exactness": exactness, "faults": faults, "checkpoint": checkpoint, "data-parallel": data_parallel}[part]()
 print("ok")

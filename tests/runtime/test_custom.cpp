@@ -17,10 +17,12 @@
 #include <future>
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <unistd.h>
@@ -63,12 +65,18 @@ struct Ranks {
 
 /// Runs fn(rank, world) on d thread ranks (po::run_thread_ranks) with a deadline: a run that
 /// has not returned by then ends the test process (a hang must fail, not stall the suite).
-template <class F>
-Ranks run_ranks(int d, F fn, double deadline = 120) {
-  auto fut = std::async(std::launch::async, [d, fn]() mutable {
-    World world(d);
+/// With W = comm::ThreadsGrid, dp replicas of d ranks: fn(global rank, grid).
+template <class W = World, class F>
+Ranks run_ranks(int d, F fn, double deadline = 120, int dp = 1) {
+  auto fut = std::async(std::launch::async, [d, dp, fn]() mutable {
+    std::unique_ptr<W> owned;
+    if constexpr (std::is_same_v<W, World>)
+      owned = std::make_unique<W>(d);
+    else
+      owned = std::make_unique<W>(dp, d);
+    W& world = *owned;
     Ranks out;
-    out.seconds.assign(static_cast<std::size_t>(d), 0.0);
+    out.seconds.assign(static_cast<std::size_t>(world.size()), 0.0);
     out.errors = po::run_thread_ranks(world, [&](int r) {
       // Timed on the way out, normal or not.
       struct Clock {
@@ -100,6 +108,8 @@ struct Case {
   int save_after = -1;
   std::filesystem::path load_dir{};  ///< load_checkpoint, then train steps first_step..steps-1
   int first_step = 0;
+  int dp = 1;    ///< data-parallel replicas (each runs program.shape.m microbatches per call)
+  int zero = 0;  ///< ZeRO stage of the optimizer
 };
 
 struct Run {
@@ -113,35 +123,47 @@ struct Run {
 const po::ParamGroup no_decay{"no decay", [](const po::ParamInfo& p) { return p.shape.size() < 2; }, 1.0f, 0.0f};
 const po::WarmupCosine lr{.lr = 1e-2f, .warmup_steps = 2, .total_steps = 10, .min_lr_ratio = 0.1f};
 
-/// Trains the sample model with c.program on d thread ranks (the visible training step).
+/// Trains the sample model with c.program on d thread ranks (the visible training step), or
+/// on dp replicas of them: replica j's call `part` of a step takes the global batch's
+/// microbatches (j * parts + part) * m .. + m-1, and a step's losses are listed in that order.
 Run train(const Case& c) {
   const po::Shape sh = c.program.shape;
-  const std::size_t part_rows = static_cast<std::size_t>(sh.m) * rows;
+  const std::size_t part_rows = static_cast<std::size_t>(sh.m) * rows, m = static_cast<std::size_t>(sh.m);
+  const std::size_t step_rows = part_rows * static_cast<std::size_t>(c.parts * c.dp);
   Run run;
   run.losses.resize(static_cast<std::size_t>(c.steps));
   run.norms.resize(static_cast<std::size_t>(c.steps));
   run.params.resize(static_cast<std::size_t>(sh.stages()));
   run.traces.resize(static_cast<std::size_t>(sh.d));
   std::mutex mu;
-  const Ranks rk = run_ranks(sh.d, [&](int r, World& world) {
-    po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = c.copy_bytes_per_second});
-    po::comm::Threads comm(world, r);
+  const auto rank = [&](int g, po::comm::Threads& comm, po::comm::Threads* replicas) {
+    const int r = g % sh.d, j = g / sh.d;
+    po::backend::Cpu dev({.rank = g, .copy_bytes_per_second = c.copy_bytes_per_second});
     std::vector<custom::Stage> mine = custom::make_rank_stages(model, sh, r);
     const std::vector<custom::StageRef> stages = custom::refs(mine);
-    Runtime rt(c.program, dev, comm, stages, options);
+    std::optional<Runtime> made;
+    if (replicas != nullptr)
+      made.emplace(c.program, dev, comm, *replicas, std::span<const custom::StageRef>(stages), options);
+    else
+      made.emplace(c.program, dev, comm, std::span<const custom::StageRef>(stages), options);
+    Runtime& rt = *made;
     const auto loop = [&](auto& opt) {
       if (!c.load_dir.empty()) po::load_checkpoint(c.load_dir, rt, opt, config_hash);
       for (int step = c.first_step; step < c.steps; ++step) {
-        std::vector<float> losses;
+        std::vector<float> losses(m * static_cast<std::size_t>(c.parts * c.dp));
         rt.zero_grad();
         for (int part = 0; part < c.parts; ++part) {
-          const auto slice = data().train(static_cast<std::size_t>(step * c.parts + part) * part_rows, part_rows);
+          const std::size_t first =
+              static_cast<std::size_t>(step) * step_rows + static_cast<std::size_t>(j * c.parts + part) * part_rows;
+          const auto slice = data().train(first, part_rows);
           const po::PassStats fb = rt.forward_backward(slice.batch(), {.step = step, .part = part, .parts = c.parts});
-          losses.insert(losses.end(), fb.losses.begin(), fb.losses.end());
+          for (std::size_t k = 0; k < fb.losses.size(); ++k)  // replica-major within the call
+            losses[((k / m) * static_cast<std::size_t>(c.parts) + static_cast<std::size_t>(part)) * m + k % m] =
+                fb.losses[k];
         }
         const double norm = po::grad_norm(rt);
         opt.step(lr(step), po::clip_scale(norm, 0.5f));
-        if (r == 0) {
+        if (g == 0) {
           std::lock_guard lk(mu);
           run.losses[static_cast<std::size_t>(step)] = losses;
           run.norms[static_cast<std::size_t>(step)] = norm;
@@ -150,17 +172,30 @@ Run train(const Case& c) {
       }
     };
     if (c.optim == Optim::adamw) {
-      po::AdamW opt(rt, {.weight_decay = 0.1f, .groups = {no_decay}});
+      po::AdamW opt(rt, {.weight_decay = 0.1f, .groups = {no_decay}, .zero = c.zero});
       loop(opt);
     } else {
-      po::Sgd opt(rt, {.momentum = 0.9f, .nesterov = true});
+      po::Sgd opt(rt, {.momentum = 0.9f, .nesterov = true, .zero = c.zero});
       loop(opt);
     }
+    if (j != 0) return;
     std::lock_guard lk(mu);
     for (int ch = 0; ch < sh.v; ++ch)
       run.params[static_cast<std::size_t>(sh.stage_of(r, ch))] = rt.download_parameters(ch);
     run.traces[static_cast<std::size_t>(r)] = rt.trace();
-  });
+  };
+  const Ranks rk = c.dp == 1 ? run_ranks(sh.d,
+                                         [&](int r, World& world) {
+                                           po::comm::Threads comm(world, r);
+                                           rank(r, comm, nullptr);
+                                         })
+                             : run_ranks<po::comm::ThreadsGrid>(
+                                   sh.d,
+                                   [&](int g, po::comm::ThreadsGrid& grid) {
+                                     po::comm::Threads comm = grid.pipeline(g), replicas = grid.replicas(g);
+                                     rank(g, comm, &replicas);
+                                   },
+                                   120, c.dp);
   run.errors = rk.errors;
   return run;
 }
@@ -693,4 +728,35 @@ TEST_CASE(
     check_same(resumed, straight, 2);
     std::filesystem::remove_all(dir);
   }
+}
+
+TEST_CASE(
+    "data parallel: dp replicas of the heterogeneous model train bit-identically to one replica of the global batch "
+    "(AdamW and SGD, ZeRO-1, accumulation)") {
+  const po::Program one = one_rank({1, 4, 12});  // 12 microbatches in one call
+  for (Optim optim : {Optim::adamw, Optim::sgd}) {
+    CAPTURE(static_cast<int>(optim));
+    const Run ref = train({.program = one, .optim = optim});
+    for (int zero : {0, 1}) {
+      CAPTURE(zero);
+      check_same(train({.program = po::PO_F::build({2, 2, 6}), .optim = optim, .dp = 2, .zero = zero}), ref);
+      check_same(train({.program = po::GIS_H::build({4, 1, 4}), .optim = optim, .dp = 3, .zero = zero}), ref);
+      // 2 replicas x 2 calls of 3 microbatches.
+      check_same(train({.program = po::PO_H::build({2, 2, 3}), .parts = 2, .optim = optim, .dp = 2, .zero = zero}),
+                 ref);
+    }
+  }
+}
+
+TEST_CASE("data parallel: a checkpoint of 2 replicas with ZeRO-1 resumes on 3 replicas, bitwise") {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("po_test_custom_dp_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const Run straight =
+      train({.program = po::PO_F::build({2, 2, 6}), .steps = 4, .save_dir = dir, .save_after = 2, .dp = 2, .zero = 1});
+  require_ok(straight);
+  const Run resumed =
+      train({.program = po::GIS::build({2, 2, 4}), .steps = 4, .load_dir = dir, .first_step = 2, .dp = 3, .zero = 1});
+  check_same(resumed, straight, 2);
+  std::filesystem::remove_all(dir);
 }

@@ -42,6 +42,7 @@
 
 #include "../error.hpp"
 #include "../tensor.hpp"
+#include "exact.hpp"
 #include "update.hpp"
 
 namespace pipeoffload::backend {
@@ -88,6 +89,17 @@ inline void require_update_sizes(const char* who, std::size_t p, std::size_t g, 
     throw error(std::string(who) + ": parameters, gradients and optimizer state have " + std::to_string(p) + ", " +
                 std::to_string(g) + ", " + std::to_string(m) + " and " + std::to_string(v) +
                 " elements; they must be equal");
+}
+
+inline void require_same_size(const char* who, std::size_t a, std::size_t b) {
+  if (a != b)
+    throw error(std::string(who) + ": the buffers hold " + std::to_string(a) + " and " + std::to_string(b) +
+                " elements; they must be equal");
+}
+inline void require_parts(const char* who, std::size_t out, std::size_t parts) {
+  if (out == 0 ? parts != 0 : parts % out != 0 || parts == 0)
+    throw error(std::string(who) + ": " + std::to_string(parts) + " partial sums do not make whole parts of " +
+                std::to_string(out) + " values");
 }
 
 }  // namespace detail
@@ -182,6 +194,25 @@ concept updates_parameters = requires(
   b.adamw(fs, cfs, fs, fs, aw, lr, bias, lr);
   b.sgd(fs, cfs, fs, sg, lr, lr, first);
 };
+
+/// What po::Runtime needs of a backend to sum gradients exactly (backend/exact.hpp), each in
+/// a stream's order (`ctx`: a GPU backend enqueues on its stream, the CPU backend runs it on
+/// the calling stream's thread):
+///   - exact_add(ctx, acc, g): acc[i] += g[i], on exact's grid;
+///   - exact_sum(ctx, out, parts): out[i] = parts[i] + parts[n + i] + ... (n = out.size(),
+///     parts.size() a multiple of it; exact, so the order does not matter);
+///   - exact_round(ctx, out, acc): out[i] = exact::to_float(acc[i]);
+///   - copy(ctx, dst, src, bytes), zero(ctx, dst, bytes): device memory.
+template <class B>
+concept sums_exactly =
+    requires(B& b, typename B::Context& ctx, std::span<exact::Fixed> acc, std::span<const exact::Fixed> cacc,
+             std::span<float> fs, std::span<const float> cfs, void* p, const void* cp, std::size_t n) {
+      b.exact_add(ctx, acc, cfs);
+      b.exact_sum(ctx, acc, cacc);
+      b.exact_round(ctx, fs, cacc);
+      b.copy(ctx, p, cp, n);
+      b.zero(ctx, p, n);
+    };
 
 /// Optional, on top of `backend`: the "synchronized interleaved" copies of two devices under
 /// one PCIe switch (DESIGN.md section 3). `B::Counter` is a monotone 64-bit counter that two

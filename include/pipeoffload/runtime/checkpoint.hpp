@@ -12,9 +12,11 @@
 // previous one until the new one is whole. The two newest step directories are kept.
 //
 // The RNG state is the run seed: dropout masks and data positions are counter-based on
-// (seed, step), so the step is the rest of it. A checkpoint is per stage, not per rank: it
-// can be resumed with another schedule or rank count of the same stage count (every schedule
-// trains bit-identically), under threads or MPI.
+// (seed, step), so the step is the rest of it. A checkpoint is per stage, not per rank nor
+// per replica: with data parallelism replica 0 writes it (with ZeRO-1 after gathering the
+// optimizer state's slices), and every replica reads it. It can be resumed with another
+// schedule, rank count of the same stage count, or number of replicas for the same global
+// batch (every schedule and every split of the batch trains bit-identically), under threads or MPI.
 #pragma once
 
 #include <fcntl.h>
@@ -204,17 +206,30 @@ inline StageState decode(const std::vector<std::byte>& b, const std::string& nam
   return s;
 }
 
-/// Every rank's verdict on a collective checkpoint operation: throws on every rank if any
-/// rank failed (its own message on that rank, the failed rank's number on the others).
-template <collective C>
-void agree(C& comm, int rank, const std::string& failure, const std::string& what) {
-  const double ok = failure.empty() ? 1.0 : 0.0;
-  std::vector<double> all(static_cast<std::size_t>(comm.size()));
-  comm.all_gather(std::span<const double>(&ok, 1), std::span(all));
-  for (std::size_t r = 0; r < all.size(); ++r)
-    if (all[r] != 1.0)
-      throw checkpoint_error(
-          static_cast<int>(r) == rank ? failure : "checkpoint: rank " + std::to_string(r) + " could not " + what);
+/// Every rank's verdict on a collective checkpoint operation: throws on every rank of every
+/// replica if any rank failed (its own message on that rank, the failed rank's number, and
+/// replica, on the others). Both gathers run before anyone throws, so no rank is left waiting.
+template <class Runtime>
+void agree(Runtime& rt, const std::string& failure, const std::string& what) {
+  const double ok = failure.empty() ? -1.0 : static_cast<double>(rt.rank());
+  std::vector<double> all(static_cast<std::size_t>(rt.communicator().size()));
+  rt.communicator().all_gather(std::span<const double>(&ok, 1), std::span(all));
+  double first = -1;  // this replica's first failed rank
+  for (double r : all)
+    if (r >= 0 && first < 0) first = r;
+  std::vector<double> replicas(1, first);
+  if (rt.replica_comm() != nullptr) {
+    replicas.resize(static_cast<std::size_t>(rt.replicas()));
+    rt.replica_comm()->all_gather(std::span<const double>(&first, 1), std::span(replicas));
+  }
+  for (std::size_t j = 0; j < replicas.size(); ++j) {
+    if (replicas[j] < 0) continue;
+    const int r = static_cast<int>(replicas[j]);
+    if (r == rt.rank() && static_cast<int>(j) == rt.replica() && !failure.empty()) throw checkpoint_error(failure);
+    throw checkpoint_error("checkpoint: rank " + std::to_string(r) +
+                           (replicas.size() > 1 ? " of replica " + std::to_string(j) : std::string()) + " could not " +
+                           what);
+  }
 }
 
 }  // namespace checkpoint
@@ -231,25 +246,34 @@ template <class Runtime, class Optimizer>
 void save_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& opt, const CheckpointInfo& info) {
   const int step = opt.steps_taken();
   const Shape& sh = rt.program().shape;
-  std::string failure;
-  try {
-    std::filesystem::create_directories(dir / checkpoint::step_name(step));
+  // Every replica takes part in gathering sharded state (collectives, before any file work
+  // that could fail on one of them); replica 0 writes.
+  std::vector<checkpoint::StageState> states;
+  rt.guard("save_checkpoint", [&] {
     for (int c = 0; c < sh.v; ++c) {
-      checkpoint::StageState s;
+      checkpoint::StageState& s = states.emplace_back();
       s.stage = sh.stage_of(rt.rank(), c);
       s.step = step;
       s.info = info;
       s.optimizer = opt.name();
       s.params = rt.download_parameters(c);
-      for (int k = 0; k < opt.state_count(); ++k) s.state.push_back(rt.download(opt.state(c, k)));
-      checkpoint::write_atomic(checkpoint::stage_file(dir, step, s.stage), checkpoint::encode(s));
+      for (int k = 0; k < opt.state_count(); ++k) s.state.push_back(opt.full_state(c, k));
+    }
+    return 0;
+  });
+  std::string failure;
+  try {
+    if (rt.replica() == 0) {
+      std::filesystem::create_directories(dir / checkpoint::step_name(step));
+      for (const checkpoint::StageState& s : states)
+        checkpoint::write_atomic(checkpoint::stage_file(dir, step, s.stage), checkpoint::encode(s));
     }
   } catch (const std::exception& e) {
     failure = e.what();
   }
   // Barrier and verdict in one: `latest` may move only when every stage is on disk.
-  checkpoint::agree(rt.communicator(), rt.rank(), failure, "write its stages of step " + std::to_string(step));
-  if (rt.rank() != 0) return;
+  checkpoint::agree(rt, failure, "write its stages of step " + std::to_string(step));
+  if (rt.rank() != 0 || rt.replica() != 0) return;
   rt.guard("save_checkpoint", [&] {
     const std::string name = checkpoint::step_name(step);
     std::vector<std::byte> text(name.size() + 1);
@@ -317,13 +341,12 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, Op
   } catch (const std::exception& e) {
     failure = e.what();
   }
-  checkpoint::agree(rt.communicator(), rt.rank(), failure, "read its stages of " + dir.string());
+  checkpoint::agree(rt, failure, "read its stages of " + dir.string());
   rt.guard("load_checkpoint", [&] {
     for (int c = 0; c < sh.v; ++c) {
       const checkpoint::StageState& s = states[static_cast<std::size_t>(c)];
       rt.upload_parameters(c, s.params);
-      for (int k = 0; k < opt.state_count(); ++k)
-        rt.upload(opt.state(c, k), s.state[static_cast<std::size_t>(k)], "optimizer state");
+      for (int k = 0; k < opt.state_count(); ++k) opt.set_full_state(c, k, s.state[static_cast<std::size_t>(k)]);
     }
     opt.set_steps_taken(step);
     return 0;

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../backend/backend.hpp"
@@ -170,10 +171,43 @@ class OptimizerBase {
   }
   /// State buffers per chunk (2 for AdamW's moments, 1 for SGD's momentum, 0 for plain SGD).
   int state_count() const { return states_; }
-  /// Chunk c's k-th state buffer, in device memory (Runtime::download/upload copy it).
+  /// Whether the state is sharded across the runtime's replicas (ZeRO-1).
+  bool sharded() const { return sharded_; }
+  /// The parameters of chunk c whose state this replica holds and which it updates: all of
+  /// them, or with ZeRO-1 slice [j*q, min(n, (j+1)*q)) of replica j (q = ceil(n / dp)).
+  std::pair<std::size_t, std::size_t> slice(int chunk) const { return slices_[static_cast<std::size_t>(chunk)]; }
+  /// Chunk c's k-th state buffer (of the parameters in slice(c)), in device memory.
   std::span<float> state(int chunk, int k) {
+    const auto [lo, hi] = slice(chunk);
+    return {reinterpret_cast<float*>(state_[static_cast<std::size_t>(chunk * states_ + k)].ptr), hi - lo};
+  }
+  /// Device bytes of this rank's optimizer state.
+  std::size_t state_bytes() const {
+    std::size_t b = 0;
+    for (const backend::Block& s : state_) b += s.bytes;
+    return b;
+  }
+  /// Chunk c's whole k-th state buffer on the host (with ZeRO-1 gathered from the replicas:
+  /// collective over them), for checkpoints.
+  std::vector<float> full_state(int chunk, int k) {
+    std::vector<float> mine = rt_.download(state(chunk, k));
+    if (!sharded_) return mine;
     const std::size_t n = rt_.stages()[static_cast<std::size_t>(chunk)].parameters().size();
-    return {reinterpret_cast<float*>(state_[static_cast<std::size_t>(chunk * states_ + k)].ptr), n};
+    const std::size_t dp = static_cast<std::size_t>(rt_.replicas()), q = (n + dp - 1) / dp;
+    mine.resize(q, 0.0f);
+    std::vector<float> all(q * dp);
+    rt_.replica_comm()->all_gather(std::span<const float>(mine), std::span(all));
+    all.resize(n);
+    return all;
+  }
+  /// Overwrites this replica's part of chunk c's k-th state buffer from the whole buffer.
+  void set_full_state(int chunk, int k, std::span<const float> full) {
+    const auto [lo, hi] = slice(chunk);
+    if (full.size() != rt_.stages()[static_cast<std::size_t>(chunk)].parameters().size())
+      throw error("po::Optimizer::set_full_state: got " + std::to_string(full.size()) + " values; chunk " +
+                  std::to_string(chunk) + " has " +
+                  std::to_string(rt_.stages()[static_cast<std::size_t>(chunk)].parameters().size()) + " parameters");
+    rt_.upload(state(chunk, k), full.subspan(lo, hi - lo), "optimizer state");
   }
   /// Chunk c's runs of parameters, each with its setting (for tests and reports).
   const std::vector<ParamRun>& runs(int chunk) const { return runs_[static_cast<std::size_t>(chunk)]; }
@@ -183,22 +217,30 @@ class OptimizerBase {
   /// `invalid`: why the options are wrong ("" when they are right), thrown under the guard so
   /// that the other ranks do not wait for this one.
   OptimizerBase(Runtime& rt, const char* who, int states, const std::vector<ParamGroup>& groups, float weight_decay,
-                const std::string& invalid = "")
+                int zero, const std::string& invalid = "")
       : rt_(rt), states_(states) {
     rt.guard(who, [&] {
       if (!invalid.empty()) throw error(invalid);
+      if (zero != 0 && zero != 1)
+        throw error("zero = " + std::to_string(zero) + " is outside the allowed range [0, 1] (ZeRO stage)");
+      sharded_ = zero == 1 && rt.replicas() > 1;
       const Shape& sh = rt.program().shape;
+      const std::size_t dp = static_cast<std::size_t>(rt.replicas()), j = static_cast<std::size_t>(rt.replica());
       for (int c = 0; c < sh.v; ++c) {
         const auto& stage = rt.stages()[static_cast<std::size_t>(c)];
         const std::size_t n = stage.parameters().size();
         runs_.push_back(
             param_runs(sh.stage_of(rt.rank(), c), stage.name(), stage.parameter_info(), n, groups, weight_decay));
+        const std::size_t q = (n + dp - 1) / dp;
+        slices_.push_back(sharded_ ? std::pair{std::min(n, j * q), std::min(n, (j + 1) * q)}
+                                   : std::pair{std::size_t{0}, n});
+        const std::size_t mine = slices_.back().second - slices_.back().first;
         // Zeroed state, reserved for itself so it never takes a block the runtime counted on.
-        const std::vector<float> zeros(n, 0.0f);
+        const std::vector<float> zeros(mine, 0.0f);
         for (int k = 0; k < states; ++k) {
-          if constexpr (backend::reserves_memory<Backend>) rt.device().reserve_device(n * sizeof(float), 1);
-          state_.push_back(rt.device().device_alloc(n * sizeof(float), backend::Memory::optimizer));
-          rt.device().upload(state_.back().ptr, zeros.data(), n * sizeof(float));
+          if constexpr (backend::reserves_memory<Backend>) rt.device().reserve_device(mine * sizeof(float), 1);
+          state_.push_back(rt.device().device_alloc(mine * sizeof(float), backend::Memory::optimizer));
+          rt.device().upload(state_.back().ptr, zeros.data(), mine * sizeof(float));
         }
       }
       return 0;
@@ -207,17 +249,26 @@ class OptimizerBase {
 
   /// Runs `update(chunk, run, params, grads)` over every run of every chunk of this rank, then
   /// counts the step; a failure aborts every rank, naming this one and the step.
+  /// With ZeRO-1 each replica updates the runs' parts inside its slice (`run.offset` is then
+  /// relative to the slice, as state(c, k) is), and the replicas then all-gather the
+  /// parameters (Runtime::share_slices): the same values as one replica updating them all.
   template <class F>
   void each_run(const char* who, F&& update) {
     rt_.guard(std::string(who) + " step " + std::to_string(steps_), [&] {
       for (std::size_t c = 0; c < runs_.size(); ++c) {
         const auto& stage = rt_.stages()[c];
-        for (const ParamRun& r : runs_[c])
-          update(static_cast<int>(c), r, stage.parameters().subspan(r.offset, r.count),
-                 stage.gradients().subspan(r.offset, r.count));
+        const auto [lo, hi] = slices_[c];
+        for (const ParamRun& r : runs_[c]) {
+          const std::size_t a = std::max(lo, r.offset), b = std::min(hi, r.offset + r.count);
+          if (a >= b) continue;
+          update(static_cast<int>(c), ParamRun{a - lo, b - a, r.lr_scale, r.weight_decay},
+                 stage.parameters().subspan(a, b - a), stage.gradients().subspan(a, b - a));
+        }
       }
       return 0;
     });
+    if (sharded_)
+      for (std::size_t c = 0; c < runs_.size(); ++c) rt_.share_slices(rt_.stages()[c].parameters());
     ++steps_;
   }
 
@@ -225,7 +276,10 @@ class OptimizerBase {
   int states_ = 0;
   int steps_ = 0;
   std::vector<std::vector<ParamRun>> runs_;  // per chunk
-  std::vector<backend::Block> state_;        // [chunk * states + k], device
+  std::vector<backend::Block> state_;        // [chunk * states + k], device (of the chunk's slice)
+  bool sharded_ = false;
+  std::vector<std::pair<std::size_t, std::size_t>>
+      slices_;  // per chunk: [lo, hi) of the parameters this replica updates
 };
 
 }  // namespace detail
@@ -236,6 +290,7 @@ struct AdamWOptions {
   float eps = 1e-8f;
   float weight_decay = 0.1f;  ///< decoupled, for tensors no group takes
   std::vector<ParamGroup> groups{};
+  int zero = 0;  ///< 1: shard the moments across the runtime's replicas (ZeRO-1); 0: every replica holds all
 };
 
 /// AdamW (decoupled weight decay) over every stage of a runtime's rank.
@@ -247,7 +302,8 @@ template <class Runtime>
 class AdamW : public detail::OptimizerBase<Runtime> {
  public:
   AdamW(Runtime& rt, AdamWOptions opt = {})
-      : detail::OptimizerBase<Runtime>(rt, "po::AdamW", 2, opt.groups, opt.weight_decay), opt_(std::move(opt)) {}
+      : detail::OptimizerBase<Runtime>(rt, "po::AdamW", 2, opt.groups, opt.weight_decay, opt.zero),
+        opt_(std::move(opt)) {}
 
   /// One update of every parameter of this rank with learning rate `lr` (times its group's
   /// scale) and gradients multiplied by `grad_scale` (the clip). Gradients are left as they
@@ -273,6 +329,7 @@ struct SgdOptions {
   bool nesterov = false;   ///< needs momentum > 0 and dampening = 0
   float weight_decay = 0;  ///< L2 (added to the gradient), for tensors no group takes
   std::vector<ParamGroup> groups{};
+  int zero = 0;  ///< 1: shard the momentum buffers across the runtime's replicas (ZeRO-1)
 };
 
 /// SGD with optional momentum and Nesterov momentum (torch.optim.SGD's update), over every
@@ -286,7 +343,7 @@ class Sgd : public detail::OptimizerBase<Runtime> {
  public:
   Sgd(Runtime& rt, SgdOptions opt = {})
       : detail::OptimizerBase<Runtime>(rt, "po::Sgd", opt.momentum != 0.0f ? 1 : 0, opt.groups, opt.weight_decay,
-                                       invalid(opt)),
+                                       opt.zero, invalid(opt)),
         opt_(std::move(opt)) {}
 
   /// One update of every parameter of this rank (see AdamW::step).

@@ -6,9 +6,19 @@
 // compute stream, O/R on the copy stream, sends and receives on the comm stream in
 // RankProgram::comm order, with every dependency an event (a received input, a produced
 // output, the schedule's cross-stream edges). The streams then run as soon as possible under
-// those events, which is exactly what simulate() models. Gradients accumulate (+=) into the
-// stages' gradients() in microbatch order, across calls, until zero_grad(). The optimizer is
-// not the runtime's: a training step is a few visible calls (runtime/optimizer.hpp):
+// those events, which is exactly what simulate() models. Gradients are summed exactly (in
+// fixed point, backend/exact.hpp: each W adds its microbatch's gradients to a 128-bit sum per
+// parameter), across calls, until zero_grad(); after a call the stages' gradients() hold the
+// sum rounded once to fp32, so they do not depend on the order of the W passes.
+//
+// Data parallelism: dp replicas of the pipeline, each rank with a second communicator over
+// the dp ranks of its pipeline position (comm::ThreadsGrid, Mpi::split). After the last W of
+// a stage in the last call of a step, the comm stream reduces that stage's sums across the
+// replicas, in buckets: a reduce-scatter (all_to_all of each bucket's 128-bit sums; the owner
+// of a slice adds the replicas' parts in replica order, exactly), the owner rounds its slice
+// to fp32, and an all-gather hands every replica the whole bucket. It starts while the other
+// stages of the rank are still in their cooldown; forward_backward returns when it is done.
+// The optimizer is not the runtime's: a training step is a few visible calls (runtime/optimizer.hpp):
 //
 //   rt.zero_grad();
 //   const po::PassStats fb = rt.forward_backward(batch, {.step = step});
@@ -57,13 +67,19 @@ struct RuntimeOptions {
   /// produced (one pass over the boundary tensor, on the stream that made it; its cost is in
   /// bench/RESULTS.md). Losses are always checked.
   bool check_finite = true;
+  /// With data parallelism: the gradients of a stage are reduced across its replicas in
+  /// buckets of at most this many values (each bucket a reduce-scatter and an all-gather on
+  /// the comm stream; the staging memory is about 24 bytes per value of one bucket).
+  std::size_t reduce_bucket = std::size_t{1} << 20;
 };
 
 /// Where a forward_backward call sits in training: the optimizer step its gradients go to
-/// (Microbatch::step) and, with gradient accumulation, which of `parts` calls it is. The
-/// `parts` calls of one step see microbatches part*m .. part*m + m-1 of parts*m and scale
-/// their loss gradients by 1/(parts*m): k calls on m microbatches each, then one optimizer
-/// step, equal one call on k*m microbatches in the same order, bit for bit.
+/// (Microbatch::step) and, with gradient accumulation, which of `parts` calls it is. With dp
+/// replicas, a step's global batch is dp * parts * m microbatches, replica-major: the `parts`
+/// calls of replica j see microbatches (j * parts + part) * m .. + m-1 and scale their loss
+/// gradients by 1/(dp * parts * m). Gradients are sums in fixed point (backend/exact.hpp), so
+/// the order and the split do not matter: dp replicas of k calls on m microbatches each, then
+/// one optimizer step, equal one replica's one call on dp*k*m microbatches, bit for bit.
 struct StepInfo {
   int step = 0;
   int part = 0;
@@ -72,9 +88,9 @@ struct StepInfo {
 
 /// What forward_backward and evaluate report (the same on every rank except seconds and memory).
 struct PassStats {
-  float loss = 0;                 ///< mean over this call's microbatches of each microbatch's mean loss
-  std::vector<float> losses;      ///< each microbatch's loss, in microbatch order
-  double seconds = 0;             ///< wall time of the passes (enqueue to last stream idle)
+  float loss = 0;             ///< mean over this call's microbatches (of every replica) of each microbatch's mean loss
+  std::vector<float> losses;  ///< each microbatch's loss, in microbatch order (dp * m of them, replica-major)
+  double seconds = 0;         ///< wall time of the passes (enqueue to last stream idle)
   backend::MemoryStats memory{};  ///< this rank's device and host memory; peaks of this call
 };
 
@@ -128,6 +144,10 @@ class Runtime<Backend, Communicator> {
       "po::Runtime: Backend must model po::backend::backend (streams, events, device_alloc/free, host_alloc/free, "
       "transfer, synchronize, abort, memory, context, now, download, upload, zero, flag_nonfinite); see backend/backend.hpp.");
   static_assert(
+      backend::sums_exactly<Backend>,
+      "po::Runtime: Backend must model po::backend::sums_exactly (exact_add, exact_sum, exact_round, copy and "
+      "zero in a stream's context): gradients are summed exactly; see backend/backend.hpp.");
+  static_assert(
       communicator<Communicator, typename Backend::Context>,
       "po::Runtime: Communicator must model po::communicator<C, Backend::Context> (rank, size, send(ctx, ...) and "
       "recv(ctx, ...) with the backend's stream context, all_gather of doubles and bytes, abort); see comm/communicator.hpp.");
@@ -158,6 +178,33 @@ class Runtime<Backend, Communicator> {
     requires(!std::is_same_v<std::remove_cv_t<L>, Stage>)
   Runtime(const Program& program, Backend& dev, Communicator& comm, std::span<L> stages, RuntimeOptions opt = {})
       : Runtime(program, dev, comm, std::span<const Stage>(refs(stages)), opt) {}
+  /// One rank of replica replicas.rank() of replicas.size() data-parallel copies of the
+  /// pipeline: `comm` connects the pipeline's d ranks, `replicas` this rank's dp peers (the
+  /// ranks at the same position of the other pipelines, in replica order). Collective over both.
+  Runtime(const Program& program, Backend& dev, Communicator& comm, Communicator& replicas,
+          std::span<const Stage> stages, RuntimeOptions opt = {})
+    requires replica_communicator<Communicator, typename Backend::Context> && backend::sums_exactly<Backend>
+      : opt_(opt),
+        dev_(dev),
+        comm_(comm),
+        replicas_(&replicas),
+        stages_(stages.begin(), stages.end()),
+        program_(program) {
+    try {
+      construct();
+    } catch (const aborted_error&) {
+      throw;
+    } catch (const std::exception& e) {
+      comm_.abort(e.what());
+      replicas.abort(e.what());
+      throw;
+    }
+  }
+  template <class L>
+    requires(!std::is_same_v<std::remove_cv_t<L>, Stage>)
+  Runtime(const Program& program, Backend& dev, Communicator& comm, Communicator& replicas, std::span<L> stages,
+          RuntimeOptions opt = {})
+      : Runtime(program, dev, comm, replicas, std::span<const Stage>(refs(stages)), opt) {}
 
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
@@ -166,6 +213,9 @@ class Runtime<Backend, Communicator> {
   ~Runtime() {
     dev_.set_error_hook(nullptr);
     for (backend::Block& b : inputs_dev_) dev_.device_free(b);
+    for (backend::Block& b : sums_) dev_.device_free(b);
+    for (backend::Block& b : staging_) dev_.device_free(b);
+    dev_.device_free(share_);
     dev_.device_free(losses_dev_);
     dev_.device_free(flags_dev_);
   }
@@ -185,10 +235,11 @@ class Runtime<Backend, Communicator> {
     return guard("evaluate", [&] { return run(eval_, batch, StepInfo{}); });
   }
 
-  /// Sets every stage's gradients to zero (on the device).
+  /// Sets every stage's gradients (and their exact sums) to zero (on the device).
   void zero_grad() {
     guard("zero_grad", [&] {
       for (const Stage& s : stages_) dev_.zero(s.gradients().data(), s.gradients().size_bytes());
+      for (const backend::Block& b : sums_) dev_.zero(b.ptr, b.bytes);
       return 0;
     });
   }
@@ -219,7 +270,13 @@ class Runtime<Backend, Communicator> {
 
   const Program& program() const { return program_; }
   const RuntimeOptions& options() const { return opt_; }
+  /// This rank's position in its pipeline (0..d-1).
   int rank() const { return rank_; }
+  /// Data-parallel replicas of the pipeline (1 without a replicas communicator) and this rank's.
+  int replicas() const { return dp_; }
+  int replica() const { return replica_; }
+  /// The communicator of this rank's replicas (null without data parallelism).
+  Communicator* replica_comm() { return replicas_; }
   Backend& device() { return dev_; }
   Communicator& communicator() { return comm_; }
   /// This rank's stages, in chunk order.
@@ -261,6 +318,7 @@ class Runtime<Backend, Communicator> {
   /// Stops every rank: their waits, present and future, throw aborted_error naming `why`.
   void abort(const std::string& why) {
     comm_.abort(why);
+    if (replicas_ != nullptr) replicas_->abort(why);
     dev_.abort(why);
     if constexpr (backend::pairs_copies<Backend>)
       if (pair_ != nullptr) pair_->abort(why);
@@ -275,6 +333,34 @@ class Runtime<Backend, Communicator> {
   }
   /// Chunk c's gradients, copied to the host.
   std::vector<float> download_gradients(int chunk) { return download(checked(chunk).gradients()); }
+
+  /// Between steps, with replicas: replica j holds the current values[j*q, min(n, (j+1)*q))
+  /// of `values` (device memory, n of them; q = ceil(n / dp)); afterwards every replica holds
+  /// all of them (an all-gather from the comm stream; collective over the replicas). ZeRO-1's
+  /// parameter gather. Nothing to do without replicas.
+  void share_slices(std::span<float> values) {
+    guard("share_slices", [&] {
+      if constexpr (replica_communicator<Communicator, Context>) {
+        if (replicas_ == nullptr || dp_ == 1 || values.empty()) return 0;
+        const std::size_t n = values.size(), dp = static_cast<std::size_t>(dp_), q = (n + dp - 1) / dp;
+        const std::size_t lo = std::min(n, static_cast<std::size_t>(replica_) * q), hi = std::min(n, lo + q);
+        if (share_.bytes < (dp + 1) * q * sizeof(float)) {  // grows on the first step only
+          dev_.device_free(share_);
+          if constexpr (backend::reserves_memory<Backend>) dev_.reserve_device((dp + 1) * q * sizeof(float), 1);
+          share_ = dev_.device_alloc((dp + 1) * q * sizeof(float), backend::Memory::state);
+        }
+        auto* mine = reinterpret_cast<float*>(share_.ptr);
+        float* all = mine + q;
+        Context ctx = dev_.context(comm_stream_);
+        dev_.copy(ctx, mine, values.data() + lo, (hi - lo) * sizeof(float));
+        replicas_->all_gather(ctx, std::as_bytes(std::span<const float>(mine, q)),
+                              std::as_writable_bytes(std::span<float>(all, dp * q)));
+        dev_.copy(ctx, values.data(), all, n * sizeof(float));
+        dev_.synchronize();
+      }
+      return 0;
+    });
+  }
 
   /// Copies `n` floats of device memory to the host (optimizers' state, for checkpoints).
   std::vector<float> download(std::span<const float> device) {
@@ -293,6 +379,13 @@ class Runtime<Backend, Communicator> {
   /// Measured start and end (backend clock, seconds) of every op of the last forward_backward,
   /// parallel to this rank's RankProgram: fill a SimResult's RankSim with it to render a real run.
   const RankSim& trace() const { return trace_; }
+  /// Measured start and end (backend clock, seconds) of each gradient reduction of the last
+  /// forward_backward (with replicas; in the comm stream's order).
+  struct Reduction {
+    int chunk = 0;
+    double start = 0, end = 0;
+  };
+  const std::vector<Reduction>& reductions() const { return reduce_trace_; }
 
  private:
   struct Unit {
@@ -307,6 +400,9 @@ class Runtime<Backend, Communicator> {
     bool training = true;
     detail::StreamLinks links;
     std::vector<int> compute_done, copy_done, recv_done;
+    std::vector<int> last_w;     // per chunk: the compute op of its last W or BW (-1: none, evaluation)
+    std::vector<int> reduces;    // chunks in the order of their last W (their reductions' comm order)
+    std::vector<int> reduce_at;  // per chunk: the comm op its reduction goes before (comm.size(): after all)
   };
   // The step in progress, as the passes see it.
   struct Call {
@@ -332,6 +428,9 @@ class Runtime<Backend, Communicator> {
   /// name must agree on its type and size), and each stage's view of each microbatch's slice.
   void collect_inputs();
 
+  /// What the replicas of this rank compare at construction (po::handshake).
+  std::vector<HandshakeField> replica_fields() const;
+
   void make_plan(Plan& plan, const RankProgram& rp, bool training) {
     plan.rp = &rp;
     plan.training = training;
@@ -339,6 +438,30 @@ class Runtime<Backend, Communicator> {
     for (std::size_t x = 0; x < rp.compute.size(); ++x) plan.compute_done.push_back(dev_.make_event());
     for (std::size_t y = 0; y < rp.copy.size(); ++y) plan.copy_done.push_back(dev_.make_event());
     for (std::size_t k = 0; k < rp.comm.size(); ++k) plan.recv_done.push_back(dev_.make_event());
+    plan.last_w.assign(static_cast<std::size_t>(program_.shape.v), -1);
+    if (training)
+      for (std::size_t x = 0; x < rp.compute.size(); ++x)
+        if (rp.compute[x].kind == OpKind::W || rp.compute[x].kind == OpKind::BW)
+          plan.last_w[static_cast<std::size_t>(program_.shape.chunk_of(rp.compute[x].stage))] = static_cast<int>(x);
+    for (int c = 0; c < program_.shape.v; ++c)
+      if (plan.last_w[static_cast<std::size_t>(c)] >= 0) plan.reduces.push_back(c);
+    // A reduction goes right after the last P2P message that comes from, or feeds, a compute
+    // op up to its chunk's last W: nothing it waits for then waits for a later message, and
+    // later messages wait for it only in the comm stream's order.
+    std::vector<int> anchor(rp.comm.size(), static_cast<int>(rp.compute.size()));
+    for (std::size_t k = 0; k < rp.comm.size(); ++k)
+      if (rp.comm[k].send) anchor[k] = plan.links.send_producer[k];
+    for (std::size_t x = 0; x < rp.compute.size(); ++x)
+      if (plan.links.input_recv[x] >= 0)
+        anchor[static_cast<std::size_t>(plan.links.input_recv[x])] = static_cast<int>(x);
+    plan.reduce_at.assign(static_cast<std::size_t>(program_.shape.v), 0);
+    for (int c : plan.reduces)
+      for (std::size_t k = 0; k < rp.comm.size(); ++k)
+        if (anchor[k] <= plan.last_w[static_cast<std::size_t>(c)])
+          plan.reduce_at[static_cast<std::size_t>(c)] = static_cast<int>(k) + 1;
+    std::sort(plan.reduces.begin(), plan.reduces.end(), [&](int a, int b) {
+      return plan.last_w[static_cast<std::size_t>(a)] < plan.last_w[static_cast<std::size_t>(b)];
+    });
     if (compute_ < 0) {
       compute_ = dev_.make_stream("compute");
       copy_ = dev_.make_stream("copy");
@@ -394,8 +517,8 @@ class Runtime<Backend, Communicator> {
     Microbatch mb;
     mb.stage = op.stage;
     mb.stages = sh.stages();
-    mb.mb = in.part * sh.m + op.mb;
-    mb.microbatches = in.parts * sh.m;
+    mb.mb = (replica_ * in.parts + in.part) * sh.m + op.mb;
+    mb.microbatches = dp_ * in.parts * sh.m;
     mb.step = in.step;
     mb.training = call_.plan->training;
     mb.shape = opt_.microbatch;
@@ -451,6 +574,21 @@ class Runtime<Backend, Communicator> {
 
   void run_comm(std::size_t k);
 
+  /// After chunk c's last W of a step: its exact sums reduced across the replicas, rounded,
+  /// into its gradients() (on the comm stream; see the file comment).
+  void run_reduce(int chunk);
+
+  /// Whether this call reduces across replicas (the last part of a step, with dp > 1).
+  bool reducing() const { return replicas_ != nullptr && dp_ > 1 && call_.info.part == call_.info.parts - 1; }
+
+  /// Chunk c's exact sums, and the bucket layout of the reduction (values per bucket, a
+  /// multiple of dp; the sums are padded to whole buckets).
+  std::span<exact::Fixed> sums(int chunk) {
+    const backend::Block& b = sums_[static_cast<std::size_t>(chunk)];
+    return {reinterpret_cast<exact::Fixed*>(b.ptr), b.bytes / sizeof(exact::Fixed)};
+  }
+  std::size_t bucket_values(int chunk) const { return bucket_[static_cast<std::size_t>(chunk)]; }
+
   /// Enqueues the rank's three streams. A wait captures the latest record of its event, so
   /// ops go in in an order where every awaited event's record is already enqueued: advance
   /// each stream while its next op's dependencies are in (the schedule is valid, so this
@@ -484,6 +622,8 @@ class Runtime<Backend, Communicator> {
   RuntimeOptions opt_;
   Backend& dev_;
   Communicator& comm_;
+  Communicator* replicas_ = nullptr;  // the data-parallel peers, or none
+  int dp_ = 1, replica_ = 0;
   std::vector<Stage> stages_;
   Program program_, eval_program_;
   int rank_ = 0;
@@ -496,6 +636,10 @@ class Runtime<Backend, Communicator> {
   std::vector<std::vector<StepInput>> views_;  // [chunk * m + mb]: what a pass sees of the inputs
   backend::Block losses_dev_{};                // (m) float losses of the last stage, device
   backend::Block flags_dev_{};                 // (compute ops) uint32 non-finite flags, device
+  std::vector<backend::Block> sums_;           // per chunk: exact::Fixed gradient sums, padded to whole buckets
+  std::vector<std::size_t> bucket_;            // per chunk: values per reduction bucket
+  std::vector<backend::Block> staging_;        // reduction: received parts, the owned slice (sum, fp32), gathered fp32
+  backend::Block share_{};                     // share_slices: this replica's slice and the gathered values
   int compute_ = -1, copy_ = -1, comm_stream_ = -1;
   Plan train_, eval_;
   Call call_{};
@@ -506,12 +650,17 @@ class Runtime<Backend, Communicator> {
   std::size_t partner_copies_ = 0;      // the partner's copies per step
   PairLink<Backend>* pair_ = nullptr;   // PCIe partner's link, or none
   RankSim trace_;
+  std::vector<Reduction> reduce_trace_;
 };
 
 template <class B, class C, class Stages>
 Runtime(const Program&, B&, C&, Stages&&) -> Runtime<B, C>;
 template <class B, class C, class Stages>
 Runtime(const Program&, B&, C&, Stages&&, RuntimeOptions) -> Runtime<B, C>;
+template <class B, class C, class Stages>
+Runtime(const Program&, B&, C&, C&, Stages&&) -> Runtime<B, C>;
+template <class B, class C, class Stages>
+Runtime(const Program&, B&, C&, C&, Stages&&, RuntimeOptions) -> Runtime<B, C>;
 
 /// A runtime whose program a schedule type builds: Runtime<po::PO_F, Layer, Backend, Comm>
 /// runs `Schedule::build(shape, costs)` with stages of one layer type. The same as

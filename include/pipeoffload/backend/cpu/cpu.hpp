@@ -306,6 +306,30 @@ class Cpu {
       update::sgd(p[i], g[i] * grad_scale, momentum ? buf[i] : unused, o, lr, first);
   }
 
+  // ---- exact gradient sums (backend::sums_exactly): on the calling stream's thread -------
+
+  void exact_add(Context&, std::span<exact::Fixed> acc, std::span<const float> g) {
+    detail::require_same_size("backend::Cpu::exact_add", acc.size(), g.size());
+    for (std::size_t i = 0; i < acc.size(); ++i) exact::add(acc[i], g[i]);
+  }
+  void exact_sum(Context&, std::span<exact::Fixed> out, std::span<const exact::Fixed> parts) {
+    detail::require_parts("backend::Cpu::exact_sum", out.size(), parts.size());
+    const std::size_t n = out.size();
+    for (std::size_t i = 0; i < n; ++i) {
+      exact::Fixed s = parts[i];
+      for (std::size_t k = n; k < parts.size(); k += n) s = exact::sum(s, parts[k + i]);
+      out[i] = s;
+    }
+  }
+  void exact_round(Context&, std::span<float> out, std::span<const exact::Fixed> acc) {
+    detail::require_same_size("backend::Cpu::exact_round", out.size(), acc.size());
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = exact::to_float(acc[i]);
+  }
+  void copy(Context&, void* dst, const void* src, std::size_t bytes) {
+    if (bytes > 0) std::memmove(dst, src, bytes);
+  }
+  void zero(Context&, void* dst, std::size_t bytes) { zero(dst, bytes); }
+
   // ---- PCIe pairs (backend::pairs_copies) -----------------------------------------------
 
   /// A monotone counter two devices' streams share; a waiting stream's worker blocks on it.

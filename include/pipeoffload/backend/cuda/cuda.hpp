@@ -401,6 +401,38 @@ class Cuda {
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
   }
 
+  // ---- exact gradient sums (backend::sums_exactly): enqueued on the pass's stream ------------
+
+  void exact_add(Context& ctx, std::span<exact::Fixed> acc, std::span<const float> g) {
+    detail::require_same_size("backend::Cuda::exact_add", acc.size(), g.size());
+    if (acc.empty()) return;
+    select();
+    cuda::kernels::exact_add(acc.data(), g.data(), static_cast<long long>(acc.size()), ctx.cuda_stream);
+  }
+  void exact_sum(Context& ctx, std::span<exact::Fixed> out, std::span<const exact::Fixed> parts) {
+    detail::require_parts("backend::Cuda::exact_sum", out.size(), parts.size());
+    if (out.empty()) return;
+    select();
+    cuda::kernels::exact_sum(out.data(), parts.data(), static_cast<long long>(out.size()),
+                             static_cast<int>(parts.size() / out.size()), ctx.cuda_stream);
+  }
+  void exact_round(Context& ctx, std::span<float> out, std::span<const exact::Fixed> acc) {
+    detail::require_same_size("backend::Cuda::exact_round", out.size(), acc.size());
+    if (out.empty()) return;
+    select();
+    cuda::kernels::exact_round(out.data(), acc.data(), static_cast<long long>(out.size()), ctx.cuda_stream);
+  }
+  void copy(Context& ctx, void* dst, const void* src, std::size_t bytes) {
+    if (bytes == 0) return;
+    select();
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ctx.cuda_stream));
+  }
+  void zero(Context& ctx, void* dst, std::size_t bytes) {
+    if (bytes == 0) return;
+    select();
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, ctx.cuda_stream));
+  }
+
   // ---- PCIe pairs (backend::pairs_copies) -----------------------------------------------
 
   /// A monotone counter in pinned, mapped host memory (portable: every device of the process

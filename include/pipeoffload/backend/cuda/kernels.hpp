@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "../../tensor.hpp"
+#include "../exact.hpp"
 #include "../update.hpp"
 
 namespace pipeoffload::cuda::kernels {
@@ -42,6 +43,14 @@ void sgd(float* params, const float* grads, float* buf, long long count, update:
          float grad_scale, bool first, cudaStream_t stream);
 /// out[0] += sum of squares of x (fp64 accumulation in one block; for gradient norms).
 void sum_squares(const float* x, double* out, long long count, cudaStream_t stream);
+
+// ---- exact gradient sums (backend/exact.hpp) ----------------------------------------------
+/// acc[i] += g[i] on exact's grid (exact::add).
+void exact_add(exact::Fixed* acc, const float* g, long long count, cudaStream_t stream);
+/// out[i] = parts[i] + parts[count + i] + ... over `parts` runs of count (exact::sum).
+void exact_sum(exact::Fixed* out, const exact::Fixed* parts, long long count, int runs, cudaStream_t stream);
+/// out[i] = exact::to_float(acc[i]).
+void exact_round(float* out, const exact::Fixed* acc, long long count, cudaStream_t stream);
 
 // ---- checks ------------------------------------------------------------------------------
 /// *flag = 1 if any of the `count` values at `data` is NaN or infinite (nonfinite_word with

@@ -16,6 +16,13 @@ void Runtime<Backend, Communicator>::construct() {
   require_valid(program_);
   const Shape& sh = program_.shape;
   rank_ = comm_.rank();
+  if (replicas_ != nullptr) {
+    dp_ = replicas_->size();
+    replica_ = replicas_->rank();
+    if (static_cast<long long>(dp_) * sh.m > exact::max_terms)
+      throw error("po::Runtime: dp * m = " + std::to_string(dp_) + " * " + std::to_string(sh.m) +
+                  " microbatches in one step exceed " + std::to_string(exact::max_terms));
+  }
   if (comm_.size() != sh.d)
     throw error("po::Runtime: the communicator has " + std::to_string(comm_.size()) +
                 " ranks; the program has d = " + std::to_string(sh.d));
@@ -53,18 +60,6 @@ void Runtime<Backend, Communicator>::construct() {
     stash_.push_back(l.stash_bytes(mbs));
     norm_groups_.push_back(groups);
   }
-  // Bit-exactness: each stage must accumulate its weight gradients in microbatch order, as
-  // a one-rank run does. Every family orders them so; a program that does not is refused.
-  std::vector<int> last_w(static_cast<std::size_t>(sh.v), -1);
-  for (const Op& op : rp.compute)
-    if (op.kind == OpKind::W || op.kind == OpKind::BW) {
-      int& prev = last_w[static_cast<std::size_t>(sh.chunk_of(op.stage))];
-      if (op.mb < prev)
-        throw error("po::Runtime: stage " + std::to_string(op.stage) + " computes weight gradients of microbatch " +
-                    std::to_string(op.mb) + " after microbatch " + std::to_string(prev) +
-                    "; gradients must accumulate in microbatch order");
-      prev = op.mb;
-    }
   collect_inputs();
   // Every rank's stages (a collective: a rank that failed above has aborted it instead).
   std::vector<Row> all(mine.size() * static_cast<std::size_t>(sh.d));
@@ -88,6 +83,8 @@ void Runtime<Backend, Communicator>::construct() {
                   "; a stage's output and the next stage's input must agree");
   }
   for (const StageInfo& t : table_) max_groups_ = std::max(max_groups_, t.norm_groups);
+  // The replicas must run the same pipeline: same program, stages and microbatch shape.
+  if (replicas_ != nullptr) handshake(*replicas_, replica_fields());
   // The plans the executor runs: training and forward-only evaluation.
   eval_program_ = forward_only(program_);
   make_plan(train_, program_.ranks[static_cast<std::size_t>(rank_)], true);
@@ -100,9 +97,27 @@ void Runtime<Backend, Communicator>::construct() {
   // copy stream, which may be waiting for this one's).
   dev_.set_error_hook([this](const std::string& why) {
     comm_.abort(why);
+    if (replicas_ != nullptr) replicas_->abort(why);
     if constexpr (backend::pairs_copies<Backend>)
       if (pair_ != nullptr) pair_->abort(why);
   });
+}
+
+template <class Backend, class Communicator>
+std::vector<HandshakeField> Runtime<Backend, Communicator>::replica_fields() const {
+  const Shape& sh = program_.shape;
+  std::string ops, stages;
+  for (const RankProgram& rp : program_.ranks)
+    for (const Op& op : rp.compute)
+      ops += std::string(op_name(op.kind)) + std::to_string(op.stage) + "." + std::to_string(op.mb) + " ";
+  for (const StageInfo& t : table_)
+    stages += t.name + "(" + std::to_string(t.parameters) + ", " + std::to_string(t.input.elements) + " -> " +
+              std::to_string(t.output.elements) + ") ";
+  return {{"pipeline rank", std::to_string(rank_)},
+          {"shape", "d=" + std::to_string(sh.d) + " v=" + std::to_string(sh.v) + " m=" + std::to_string(sh.m)},
+          {"microbatch shape", std::to_string(opt_.microbatch.batch) + "x" + std::to_string(opt_.microbatch.seq)},
+          {"stages", stages},
+          {"program", ops}};
 }
 
 template <class Backend, class Communicator>
@@ -136,6 +151,27 @@ void Runtime<Backend, Communicator>::allocate_state() {
   const std::size_t m = static_cast<std::size_t>(sh.m);
   for (const Declared& d : inputs_) inputs_dev_.push_back(take(m * d.spec.elements * dtype_size(d.spec.dtype)));
   losses_dev_ = take(m * sizeof(float));
+  // Exact gradient sums, padded to whole reduction buckets of a multiple of dp values, and
+  // the reduction's staging (sized for the largest bucket).
+  const std::size_t dp = static_cast<std::size_t>(dp_);
+  std::size_t most = 0;
+  for (int c = 0; c < sh.v; ++c) {
+    const std::size_t n = stages_[static_cast<std::size_t>(c)].parameters().size();
+    const std::size_t cap = std::max<std::size_t>(opt_.reduce_bucket, dp);
+    const std::size_t buckets = std::max<std::size_t>(1, (n + cap - 1) / cap);
+    const std::size_t per = (n + buckets - 1) / buckets;
+    const std::size_t len = std::max<std::size_t>(dp, (per + dp - 1) / dp * dp);
+    bucket_.push_back(len);
+    sums_.push_back(take(buckets * len * sizeof(exact::Fixed)));
+    dev_.zero(sums_.back().ptr, sums_.back().bytes);
+    most = std::max(most, len);
+  }
+  if (dp > 1) {
+    staging_.push_back(take(most * sizeof(exact::Fixed)));       // the replicas' parts of my slice
+    staging_.push_back(take(most / dp * sizeof(exact::Fixed)));  // my slice, summed
+    staging_.push_back(take(most / dp * sizeof(float)));         // my slice, rounded
+    staging_.push_back(take(most * sizeof(float)));              // the bucket, gathered
+  }
   flags_dev_ = take(std::max<std::size_t>(1, train_.rp->compute.size()) * sizeof(std::uint32_t));
   // Each stage's view of each microbatch's inputs: fixed device addresses, built once.
   views_.resize(static_cast<std::size_t>(sh.v) * m);

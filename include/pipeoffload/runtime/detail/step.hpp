@@ -17,9 +17,9 @@ PassStats Runtime<Backend, Communicator>::run(const Plan& plan, const Batch& bat
   if (info.parts < 1 || info.part < 0 || info.part >= info.parts || info.step < 0)
     throw error("po::Runtime: StepInfo{step = " + std::to_string(info.step) + ", part = " + std::to_string(info.part) +
                 ", parts = " + std::to_string(info.parts) + "} needs step >= 0, parts >= 1 and 0 <= part < parts");
-  if (static_cast<long long>(info.parts) * sh.m > max_microbatches)
-    throw error("po::Runtime: parts * m = " + std::to_string(static_cast<long long>(info.parts) * sh.m) +
-                " microbatches in one step exceed " + std::to_string(max_microbatches));
+  if (static_cast<long long>(info.parts) * sh.m * dp_ > exact::max_terms)
+    throw error("po::Runtime: dp * parts * m = " + std::to_string(static_cast<long long>(info.parts) * sh.m * dp_) +
+                " microbatches in one step exceed " + std::to_string(exact::max_terms));
   upload_inputs(batch);
   const RankProgram& rp = *plan.rp;
   dev_.zero(flags_dev_.ptr, rp.compute.size() * sizeof(std::uint32_t));
@@ -101,18 +101,37 @@ void Runtime<Backend, Communicator>::verdict(const Plan& plan, PassStats& st) {
   mine[m] = first;
   comm_.all_gather(std::span<const double>(mine), std::span(all));
   const std::size_t lr = static_cast<std::size_t>(sh.rank_of(S - 1));
-  st.losses.resize(m);
-  double sum = 0;
-  for (std::size_t b = 0; b < m; ++b) {
-    st.losses[b] = static_cast<float>(all[lr * (m + 1) + b]);
-    sum += all[lr * (m + 1) + b];
-  }
-  st.loss = static_cast<float>(sum / static_cast<double>(m));
+  // This replica's losses and its first non-finite value, then every replica's (in replica
+  // order, so the losses are the global batch's, replica-major).
+  std::vector<double> replica(m + 1);
+  for (std::size_t b = 0; b < m; ++b) replica[b] = all[lr * (m + 1) + b];
   double worst = -1;
   for (int r = 0; r < sh.d; ++r) {
     const double k = all[static_cast<std::size_t>(r) * (m + 1) + m];
     if (k >= 0 && (worst < 0 || k < worst)) worst = k;
   }
+  replica[m] = worst;
+  const std::size_t dp = static_cast<std::size_t>(dp_);
+  std::vector<double> global = replica;
+  if (replicas_ != nullptr) {
+    global.resize((m + 1) * dp);
+    replicas_->all_gather(std::span<const double>(replica), std::span(global));
+  }
+  st.losses.resize(m * dp);
+  double sum = 0;
+  int culprit = -1;  // the first replica with a non-finite value
+  worst = -1;
+  for (std::size_t j = 0; j < dp; ++j) {
+    for (std::size_t b = 0; b < m; ++b) {
+      st.losses[j * m + b] = static_cast<float>(global[j * (m + 1) + b]);
+      sum += global[j * (m + 1) + b];
+    }
+    if (culprit < 0 && global[j * (m + 1) + m] >= 0) {
+      culprit = static_cast<int>(j);
+      worst = global[j * (m + 1) + m];
+    }
+  }
+  st.loss = static_cast<float>(sum / static_cast<double>(m * dp));
   if (worst < 0) return;
   const int mb = static_cast<int>(worst / span), pos = static_cast<int>(worst - mb * span);
   const std::string when = plan.training
@@ -128,13 +147,14 @@ void Runtime<Backend, Communicator>::verdict(const Plan& plan, PassStats& st) {
         return where("compute", x, ops[x], r);
     return "rank " + std::to_string(r) + ", stage " + std::to_string(stage);
   };
-  std::string what;
+  std::string what = dp > 1 ? "replica " + std::to_string(culprit) + ", " : "";
   if (pos < S)
-    what = op_at(pos, true) + ": its output activation has a NaN or infinity";
+    what += op_at(pos, true) + ": its output activation has a NaN or infinity";
   else if (pos == S)
-    what = op_at(S - 1, true) + ": the loss is " + std::to_string(st.losses[static_cast<std::size_t>(mb)]);
+    what += op_at(S - 1, true) + ": the loss is " +
+            std::to_string(st.losses[static_cast<std::size_t>(culprit) * m + static_cast<std::size_t>(mb)]);
   else
-    what = op_at(S - 1 - (pos - S - 1), false) + ": its input gradient has a NaN or infinity";
+    what += op_at(S - 1 - (pos - S - 1), false) + ": its input gradient has a NaN or infinity";
   throw nonfinite_error(
       when + ": " + what + " (the first non-finite value in data-flow order" +
       (plan.training ? "; the gradients of this call are unusable: zero_grad() before going on)" : ")"));

@@ -46,7 +46,16 @@ void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
     }
     if (op.kind == OpKind::W || op.kind == OpKind::BW) {
       if (u.device.ptr == nullptr) throw error("its activations are not on the device (missing reload)");
+      // The pass adds this microbatch's gradients to zeroed gradients(); they go into the
+      // exact sums, and after the chunk's last W of the call the sums, rounded, come back
+      // (or, in the last call of a step with replicas, the comm stream's reduction does that).
+      const std::span<float> grads = l.gradients();
+      const std::span<exact::Fixed> acc = sums(static_cast<int>(c)).first(grads.size());
+      dev_.zero(ctx, grads.data(), grads.size_bytes());
       l.backward_weight(ctx, mb, u.device.ptr, u.stash.ptr);
+      dev_.exact_add(ctx, acc, std::span<const float>(grads));
+      if (static_cast<int>(x) == plan.last_w[c] && !reducing())
+        dev_.exact_round(ctx, grads, std::span<const exact::Fixed>(acc));
       dev_.device_free(u.stash);
       dev_.device_free(u.device);
       u.stash = {};
@@ -125,13 +134,53 @@ void Runtime<Backend, Communicator>::run_comm(std::size_t k) {
 }
 
 template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::run_reduce(int chunk) {
+  const std::size_t c = static_cast<std::size_t>(chunk);
+  const double t0 = dev_.now();
+  try {
+    if constexpr (replica_communicator<Communicator, Context>) {
+      Context ctx = dev_.context(comm_stream_);
+      const std::span<float> g = stages_[c].gradients();
+      const std::span<exact::Fixed> acc = sums(chunk);
+      const std::size_t len = bucket_values(chunk), n = g.size(), slice = len / static_cast<std::size_t>(dp_);
+      auto* parts = reinterpret_cast<exact::Fixed*>(staging_[0].ptr);
+      auto* mine = reinterpret_cast<exact::Fixed*>(staging_[1].ptr);
+      auto* rounded = reinterpret_cast<float*>(staging_[2].ptr);
+      auto* gathered = reinterpret_cast<float*>(staging_[3].ptr);
+      for (std::size_t b0 = 0; b0 < n; b0 += len) {
+        // Reduce-scatter: slice j of the bucket goes to replica j, which adds the replicas'
+        // parts in replica order (exactly) and rounds its slice once.
+        replicas_->all_to_all(ctx, std::as_bytes(acc.subspan(b0, len)),
+                              std::as_writable_bytes(std::span<exact::Fixed>(parts, len)));
+        dev_.exact_sum(ctx, std::span<exact::Fixed>(mine, slice), std::span<const exact::Fixed>(parts, len));
+        dev_.exact_round(ctx, std::span<float>(rounded, slice), std::span<const exact::Fixed>(mine, slice));
+        // All-gather: every replica gets every slice, in replica order: the whole bucket.
+        replicas_->all_gather(ctx, std::as_bytes(std::span<const float>(rounded, slice)),
+                              std::as_writable_bytes(std::span<float>(gathered, len)));
+        dev_.copy(ctx, g.data() + b0, gathered, std::min(len, n - b0) * sizeof(float));
+      }
+    }
+  } catch (const aborted_error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw error("rank " + std::to_string(rank_) + " of replica " + std::to_string(replica_) +
+                ", gradient reduction of stage " + std::to_string(program_.shape.stage_of(rank_, chunk)) + ": " +
+                e.what());
+  }
+  reduce_trace_.push_back({chunk, t0, dev_.now()});
+}
+
+template <class Backend, class Communicator>
 void Runtime<Backend, Communicator>::enqueue(const Plan& plan) {
   const RankProgram& rp = *plan.rp;
   const std::vector<int>& input_recv = plan.links.input_recv;
   const std::vector<int>& send_producer = plan.links.send_producer;
   const std::size_t nc = rp.compute.size(), ny = rp.copy.size(), nk = rp.comm.size();
-  std::size_t ic = 0, iy = 0, ik = 0;
-  while (ic < nc || iy < ny || ik < nk) {
+  // Reductions go into the comm stream's order at Plan::reduce_at.
+  const std::size_t nq = reducing() ? plan.reduces.size() : 0;
+  reduce_trace_.clear();
+  std::size_t ic = 0, iy = 0, ik = 0, iq = 0;
+  while (ic < nc || iy < ny || ik < nk || iq < nq) {
     bool moved = false;
     while (ic < nc) {
       const Op& op = rp.compute[ic];
@@ -161,7 +210,19 @@ void Runtime<Backend, Communicator>::enqueue(const Plan& plan) {
       ++iy;
       moved = true;
     }
-    while (ik < nk) {
+    for (;;) {
+      if (iq < nq) {
+        const int c = plan.reduces[iq], x = plan.last_w[static_cast<std::size_t>(c)];
+        if (static_cast<std::size_t>(plan.reduce_at[static_cast<std::size_t>(c)]) <= ik) {
+          if (static_cast<std::size_t>(x) >= ic) break;
+          dev_.wait(comm_stream_, plan.compute_done[static_cast<std::size_t>(x)]);
+          dev_.launch(comm_stream_, [this, c] { run_reduce(c); });
+          ++iq;
+          moved = true;
+          continue;
+        }
+      }
+      if (ik >= nk) break;
       const int p = send_producer[ik];
       if (rp.comm[ik].send && (p < 0 || static_cast<std::size_t>(p) >= ic)) break;
       if (rp.comm[ik].send) dev_.wait(comm_stream_, plan.compute_done[static_cast<std::size_t>(p)]);

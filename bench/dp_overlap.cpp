@@ -1,0 +1,247 @@
+// bench/dp_overlap: data parallelism under MPI: is a dp = 2 iteration as long as predicted, and
+// how much of the gradient reduction does the cooldown hide?
+//
+//   mpirun -np 8 ./build/bench/dp_overlap [--trace FILE]     # dp = 2 replicas of PO-F, d = 4
+//
+// Layers sleep a fixed T per pass (T_F = T_B = T_W = 2 ms, as bench/runtime_fidelity) and hold
+// P = 2^12 parameters whose gradients the runtime really sums and reduces; the replicas'
+// collectives are paced (a wrapper sleeps, after each real all_to_all and all_gather, the rest
+// of bytes / rate, as a link of that rate would take) so that a rank's reductions take R = 4 T
+// in all (R / v per stage). PO-F, d = 4, m = 16, v in {2, 4, 8}, copies paced to k = 1.
+// Predicted: simulate() of the program, then each stage's reduction after its last W and the
+// rank's previous reduction (po::detail::reduce_gradients, the planner's model); the iteration
+// is the later of the compute makespan and the last reduction.
+// Measured: the slowest rank's forward_backward (enqueue to last stream idle, reductions
+// included), median of 5 steps after one warm-up; "alone": the same two pipelines without
+// replicas in the same job, so "matched" = (dp=2 / alone) / (predicted / compute makespan)
+// compares under the same load (8 processes on this machine's cores). Hidden fraction of rank
+// r, from the run's own trace (Runtime::trace, Runtime::reductions): 1 - max(0, end of its
+// last reduction - end of its last compute op) / (sum of its reductions' durations); the
+// model's own bound for the worst rank is printed beside it (its last stage's reduction
+// always follows the step's last W: at most (v-1)/v of equal stages can hide).
+#include <pipeoffload/comm/mpi/mpi.hpp>
+#include <pipeoffload/plan/plan.hpp>
+#include <pipeoffload/runtime.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr double pass_s = 0.002;
+constexpr std::size_t unit_floats = 1 << 14;  // 64 KiB per unit
+constexpr std::size_t params = 1 << 12;       // per stage
+
+/// Sleeps a fixed time per pass (as bench/runtime_fidelity's layer) and has `params`
+/// parameters; W adds a constant gradient so the sums and the reduction move real values.
+struct SleepLayer {
+  std::vector<float> p = std::vector<float>(params, 0.0f), g = std::vector<float>(params, 0.0f);
+  po::Boundary input_boundary(po::MicrobatchShape) const { return {16}; }
+  po::Boundary output_boundary(po::MicrobatchShape) const { return {16}; }
+  std::size_t saved_bytes(po::MicrobatchShape) const { return unit_floats * sizeof(float); }
+  std::size_t stash_bytes(po::MicrobatchShape) const { return 64; }
+  static void nap() {
+    const auto due = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                            std::chrono::duration<double>(pass_s));
+    std::this_thread::sleep_until(due - std::chrono::microseconds(300));
+    while (std::chrono::steady_clock::now() < due) std::this_thread::yield();
+  }
+  void forward(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor, po::Tensor y, std::byte*) {
+    nap();
+    if (y) std::fill(y.as<float>(), y.as<float>() + 16, 0.0f);
+    if (mb.last()) *mb.loss = 0.0f;
+  }
+  void backward_input(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor dx, std::byte*,
+                      std::byte*) {
+    nap();
+    if (dx) std::fill(dx.as<float>(), dx.as<float>() + 16, 0.0f);
+  }
+  void backward_weight(po::backend::CpuContext&, const po::Microbatch&, std::byte*, std::byte*) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (float& x : g) x += 1e-3f;
+    // The pass takes T in all, its gradient work included.
+    const auto due =
+        t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(pass_s));
+    std::this_thread::sleep_until(due - std::chrono::microseconds(300));
+    while (std::chrono::steady_clock::now() < due) std::this_thread::yield();
+  }
+  std::span<float> parameters() { return p; }
+  std::span<float> gradients() { return g; }
+};
+
+/// comm::Mpi whose replica collectives take as long as a link of `rate` bytes/s would: after
+/// the real exchange, it sleeps the rest of bytes sent / rate.
+class Paced {
+ public:
+  Paced(po::comm::Mpi& c, double rate) : c_(c), rate_(rate) {}
+  int rank() const { return c_.rank(); }
+  int size() const { return c_.size(); }
+  template <class T>
+  void all_gather(std::span<const T> mine, std::span<T> all) {
+    c_.all_gather(mine, all);
+  }
+  void abort(const std::string& why) { c_.abort(why); }
+  template <class Context>
+  void send(const Context& ctx, int peer, po::Tag tag, std::span<const std::byte> data) {
+    c_.send(ctx, peer, tag, data);
+  }
+  template <class Context>
+  void recv(const Context& ctx, int peer, po::Tag tag, std::span<std::byte> out) {
+    c_.recv(ctx, peer, tag, out);
+  }
+  template <class Context>
+  void all_to_all(const Context& ctx, std::span<const std::byte> in, std::span<std::byte> out) {
+    paced([&] { c_.all_to_all(ctx, in, out); }, in.size() / static_cast<std::size_t>(size()) * (size() - 1));
+  }
+  template <class Context>
+  void all_gather(const Context& ctx, std::span<const std::byte> mine, std::span<std::byte> all) {
+    paced([&] { c_.all_gather(ctx, mine, all); }, mine.size() * static_cast<std::size_t>(size() - 1));
+  }
+
+ private:
+  template <class F>
+  void paced(F&& op, std::size_t bytes) {
+    const auto t0 = std::chrono::steady_clock::now();
+    op();
+    std::this_thread::sleep_until(t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                           std::chrono::duration<double>(static_cast<double>(bytes) / rate_)));
+  }
+  po::comm::Mpi& c_;
+  double rate_;
+};
+
+/// One grid run of PO-F with v chunks per rank: the slowest rank's median step with the
+/// replicas' reductions (dp = 2) and without them (the two pipelines alone, under the same
+/// load), the prediction, and each rank's hidden fraction (global rank 0 prints).
+bool run(po::comm::Mpi& world, po::comm::Mpi& pipe_mpi, po::comm::Mpi& reps_mpi, int v, const std::string& trace) {
+  const int dp = 2, d = 4, g = world.rank(), r = g % d;
+  po::Costs costs;
+  costs.f = costs.b = costs.w = pass_s;
+  costs.k = 1;
+  const po::Shape sh{d, v, 16};
+  const po::Program program = po::PO_F::build(sh, costs);
+  // A rank's reductions take R = 4 T in all: R / v per stage, as one model cut into v chunks
+  // per rank. One stage's reduction moves (16 + 4) * P * (dp-1)/dp bytes (128-bit sums
+  // scattered, fp32 slices gathered).
+  const double reduce_s = 4 * pass_s / v;
+  const double rate = 20.0 * params * (dp - 1) / dp / reduce_s;
+  Paced pipe(pipe_mpi, 1e30), reps(reps_mpi, rate);
+  const double copy_rate = static_cast<double>(unit_floats * sizeof(float)) / costs.T_O(0);
+  const auto median_step = [&](auto& rt) {
+    std::vector<double> secs;
+    for (int s = 0; s < 6; ++s) {
+      rt.zero_grad();
+      secs.push_back(rt.forward_backward(po::Batch{}).seconds);
+    }
+    std::vector<double> all(static_cast<std::size_t>(dp * d) * secs.size());
+    world.all_gather(std::span<const double>(secs), std::span(all));
+    std::vector<double> per_step;
+    for (std::size_t s = 1; s < secs.size(); ++s) {
+      double mx = 0;
+      for (int q = 0; q < dp * d; ++q) mx = std::max(mx, all[static_cast<std::size_t>(q) * secs.size() + s]);
+      per_step.push_back(mx);
+    }
+    std::sort(per_step.begin(), per_step.end());
+    return per_step[per_step.size() / 2];
+  };
+  double alone = 0;
+  {
+    po::backend::Cpu dev({.rank = g, .copy_bytes_per_second = copy_rate});
+    std::vector<SleepLayer> layers(static_cast<std::size_t>(sh.v));
+    po::Runtime rt(program, dev, pipe, std::span<SleepLayer>(layers), {.microbatch = {1, 1}});
+    alone = median_step(rt);
+  }
+  po::backend::Cpu dev({.rank = g, .copy_bytes_per_second = copy_rate});
+  std::vector<SleepLayer> layers(static_cast<std::size_t>(sh.v));
+  po::Runtime rt(program, dev, pipe, reps, std::span<SleepLayer>(layers), {.microbatch = {1, 1}});
+  const double measured = median_step(rt);
+  // This rank's last step, from its own trace.
+  const po::RankSim& tr = rt.trace();
+  const double t0 = *std::min_element(tr.compute_start.begin(), tr.compute_start.end());
+  const double compute_end = *std::max_element(tr.compute_end.begin(), tr.compute_end.end());
+  double reduce_sum = 0, reduce_end = 0, reduce_first = 1e300;
+  for (const auto& x : rt.reductions()) {
+    reduce_sum += x.end - x.start;
+    reduce_end = std::max(reduce_end, x.end);
+    reduce_first = std::min(reduce_first, x.start);
+  }
+  const double mine[4] = {1 - std::max(0.0, reduce_end - compute_end) / reduce_sum, reduce_sum, reduce_first - t0,
+                          compute_end - t0};
+  std::vector<double> hidden(4 * static_cast<std::size_t>(dp * d));
+  world.all_gather(std::span<const double>(mine), std::span(hidden));
+  if (!trace.empty()) {
+    // One Chrome trace per rank of the last step: compute, copy and reduction spans.
+    std::ofstream f(trace + "." + std::to_string(g) + ".json");
+    f << "{\"traceEvents\":[";
+    bool first = true;
+    const auto span = [&](const char* tid, const std::string& name, double a, double b) {
+      f << (first ? "" : ",") << "{\"name\":\"" << name << "\",\"ph\":\"X\",\"pid\":" << g << ",\"tid\":\"" << tid
+        << "\",\"ts\":" << (a - t0) * 1e6 << ",\"dur\":" << (b - a) * 1e6 << "}";
+      first = false;
+    };
+    const po::RankProgram& rp = program.ranks[static_cast<std::size_t>(r)];
+    for (std::size_t x = 0; x < rp.compute.size(); ++x)
+      span("compute",
+           std::string(po::op_name(rp.compute[x].kind)) + std::to_string(rp.compute[x].stage) + "." +
+               std::to_string(rp.compute[x].mb),
+           tr.compute_start[x], tr.compute_end[x]);
+    for (std::size_t y = 0; y < rp.copy.size(); ++y)
+      span("copy", std::string(po::op_name(rp.copy[y].kind)) + std::to_string(rp.copy[y].stage), tr.copy_start[y],
+           tr.copy_end[y]);
+    for (const auto& x : rt.reductions())
+      span("comm", "reduce stage " + std::to_string(sh.stage_of(r, x.chunk)), x.start, x.end);
+    f << "]}\n";
+  }
+  if (g != 0) return true;
+  const po::SimResult sim = po::simulate(program);
+  std::vector<double> stage_s(static_cast<std::size_t>(sh.stages()), reduce_s), total, end;
+  po::detail::reduce_gradients(program, sim, stage_s, total, end);
+  double predicted = sim.makespan;
+  for (double e : end) predicted = std::max(predicted, e);
+  double avg = 0, worst = 1;
+  for (int q = 0; q < dp * d; ++q) {
+    avg += hidden[4 * static_cast<std::size_t>(q)] / (dp * d);
+    worst = std::min(worst, hidden[4 * static_cast<std::size_t>(q)]);
+  }
+  double bound = 1;  // the prediction's hidden fraction of the worst rank
+  for (int q = 0; q < d; ++q)
+    bound = std::min(
+        bound, 1 - std::max(0.0, end[static_cast<std::size_t>(q)] - sim.makespan) / total[static_cast<std::size_t>(q)]);
+  std::printf("%2d %10.1f %10.1f %10.1f %12.1f %8.3f %8.3f %9.3f %9.3f %9.3f\n", v, reduce_s * 1e3, alone * 1e3,
+              measured * 1e3, predicted * 1e3, measured / predicted, (measured / alone) / (predicted / sim.makespan),
+              avg, worst, bound);
+  std::fflush(stdout);
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  po::comm::MpiSession session(argc, argv);
+  std::string trace;
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "--trace" && i + 1 < argc) trace = argv[++i];
+  const int dp = 2, d = 4, g = session.rank();
+  if (session.size() != dp * d) {
+    if (g == 0)
+      std::fprintf(stderr, "dp_overlap: run it as mpirun -np %d (dp = %d replicas of d = %d)\n", dp * d, dp, d);
+    return 2;
+  }
+  const int r = g % d, j = g / d;
+  po::comm::Mpi world;
+  po::comm::Mpi pipe_mpi = world.split(j, r), reps_mpi = world.split(r, j);
+  if (g == 0) {
+    std::printf("PO-F d=%d m=16, dp=%d replicas as MPI processes, T = %.1f ms per pass, a rank's reductions R = 4T\n",
+                d, dp, pass_s * 1e3);
+    std::printf("%2s %10s %10s %10s %12s %8s %8s %9s %9s %9s\n", "v", "R/stage ms", "alone ms", "dp=2 ms",
+                "predicted ms", "ratio", "matched", "hid.mean", "hid.worst", "hid.model");
+  }
+  for (int v : {2, 4, 8}) run(world, pipe_mpi, reps_mpi, v, v == 4 ? trace : std::string());
+  if (g == 0 && !trace.empty()) std::printf("traces (v = 4): %s.<global rank>.json\n", trace.c_str());
+  return 0;
+}

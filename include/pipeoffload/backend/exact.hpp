@@ -1,0 +1,65 @@
+// pipeoffload/backend/exact.hpp: exact gradient sums, the same on every backend.
+//
+// A step's gradient is a sum over microbatches (and, with data parallelism, over replicas).
+// Floating-point addition is not associative, so a sum in fp32 depends on its order: two
+// replicas that each sum half the microbatches, then add their halves, do not get the bits of
+// one replica that sums them all. The runtime therefore sums in fixed point:
+//   - each microbatch's fp32 gradient value g is rounded once, to the nearest multiple of
+//     2^-fraction_bits (ties to even), and added to a 128-bit integer; integer addition is
+//     exact and associative, so the sum does not depend on the order of the microbatches, on
+//     how they are split over calls (StepInfo::parts) or replicas, nor on the order in which
+//     replicas' partial sums are added;
+//   - the sum is rounded once to fp32 (round to nearest even) when the step's gradients are read.
+// Range: a value must satisfy |g| < 2^32 (term_limit); with at most 2^16 terms (program.hpp's
+// max_microbatches) the sum stays below 2^124 units, inside the 128 bits. Resolution:
+// 2^-76 (about 1.3e-23); fp32 values of magnitude below 2^-52 lose low bits, those below 2^-77
+// count as zero; above that the sum is at least as accurate as a sequential fp32 sum. A NaN, an
+// infinity or a value beyond the limit poisons its sum (poison(), which reads back as NaN), so
+// the gradient norm still names the stage.
+//
+// Plain functions over one value, compiled for the CPU backend's loops and for the CUDA
+// kernels' grid-stride loops (kernels/elementwise.cu).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "../detail/host_device.hpp"
+
+namespace pipeoffload::exact {
+
+__extension__ typedef __int128 Fixed;  ///< a sum, in units of 2^-fraction_bits
+__extension__ typedef unsigned __int128 FixedBits;
+
+inline constexpr int fraction_bits = 76;
+inline constexpr double term_limit = 4294967296.0;  ///< 2^32: |g| must be below it
+inline constexpr int max_terms = 1 << 16;           ///< terms of one sum (microbatches of a step, all replicas)
+
+/// The marker of a sum that met a NaN, an infinity or an out-of-range value.
+PIPEOFFLOAD_HOST_DEVICE constexpr Fixed poison() { return static_cast<Fixed>(static_cast<FixedBits>(1) << 127); }
+
+/// acc += g rounded to the grid (poisons acc for a value it cannot hold).
+PIPEOFFLOAD_HOST_DEVICE inline void add(Fixed& acc, float g) {
+  if (acc == poison()) return;
+  const double x = static_cast<double>(g);
+  if (!(x > -term_limit && x < term_limit)) {  // NaN fails both
+    acc = poison();
+    return;
+  }
+  // x * 2^76 is exact (a power-of-two scale of a float, far from double's limits); rint rounds
+  // it to an integer (ties to even) below 2^108, which converts to 128 bits exactly.
+  acc += static_cast<Fixed>(rint(x * 0x1p76));
+}
+
+/// a + b (poison if either is).
+PIPEOFFLOAD_HOST_DEVICE inline Fixed sum(Fixed a, Fixed b) { return a == poison() || b == poison() ? poison() : a + b; }
+
+/// The sum as fp32: one rounding (128-bit integer to fp32, to nearest even, then an exact
+/// power-of-two scale: a nonzero sum is at least 2^-76, far above fp32's subnormals). NaN
+/// for a poisoned sum.
+PIPEOFFLOAD_HOST_DEVICE inline float to_float(Fixed a) {
+  if (a == poison()) return NAN;
+  return static_cast<float>(a) * 0x1p-76f;
+}
+
+}  // namespace pipeoffload::exact

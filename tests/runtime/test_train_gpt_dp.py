@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Data parallelism in samples/train_gpt on thread ranks: R replicas of a d-rank pipeline with M
+microbatches each train exactly as one replica of R*M (final_loss and params_hash identical),
+for every replica count, rank count and schedule; ZeRO-1 changes nothing but the optimizer
+state, which it divides by R; a checkpoint written under one replica count resumes under
+another; a throwing rank of one replica ends every rank of every replica with its message.
+
+usage: test_train_gpt_dp.py path/to/train_gpt
+"""
+import re
+import subprocess
+import sys
+import tempfile
+
+exe = sys.argv[1]
+
+
+def run(*args, code=0):
+    p = subprocess.run([exe, *args], capture_output=True, text=True, timeout=600)
+    if p.returncode != code:
+        sys.exit(f"FAIL: {' '.join(args)} exited {p.returncode}, expected {code}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")
+    return p
+
+
+def finals(out):
+    lines = [l for l in out.splitlines() if l.startswith(("final_loss=", "params_hash="))]
+    assert len(lines) == 2, lines
+    return lines
+
+
+GLOBAL = 24  # microbatches per step, split over the replicas (a multiple of d for 1f1b-i)
+small = ["--layers", "4", "--hidden", "32", "--seq", "16", "--batch", "2", "--steps", "3", "--quiet"]
+
+
+def per_replica(dp):
+    return ["--dp", str(dp), "--microbatches", str(GLOBAL // dp)]
+
+
+ref = finals(run("--ranks", "1", "--chunks", "1", *per_replica(1), *small).stdout)
+runs = 0
+for dp in (1, 2, 3):
+    for d, schedules in ((1, ["gis"]), (2, ["1f1b-i", "gis-h", "po-h", "po-f"]), (4, ["1f1b-i", "gis-h", "po-h", "po-f"])):
+        for sched in schedules:
+            args = ["--schedule", sched, "--ranks", str(d), "--chunks", "1" if d == 1 else "2", *per_replica(dp), *small]
+            got = finals(run(*args).stdout)
+            runs += 1
+            if got != ref:
+                sys.exit(f"FAIL: {' '.join(args)} gave {got}; one replica of {GLOBAL} microbatches gave {ref}")
+
+# ZeRO-1: the same bits, and the optimizer state of a rank is 1/dp of the unsharded one
+# (rounded up to whole slices: ceil(n / dp) per stage).
+state = {}
+for dp, zero in ((2, 0), (2, 1), (3, 1)):
+    out = run("--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--zero", str(zero), *per_replica(dp), *small).stdout
+    if finals(out) != ref:
+        sys.exit(f"FAIL: --dp {dp} --zero {zero} gave {finals(out)}, expected {ref}")
+    state[(dp, zero)] = int(re.search(r"optimizer state of global rank 0 \(AdamW moments, zero \d\): (\d+) bytes", out).group(1))
+full = state[(2, 0)]
+for dp in (2, 3):
+    # AdamW holds 2 fp32 moments per parameter; rank 0's stages hold n = full / 8 parameters in
+    # two chunks, each sharded into ceil(n_c / dp): at most 2 values of rounding per chunk.
+    got = state[(dp, 1)]
+    if not (full / dp <= got <= full / dp + 2 * 2 * 4 * dp):
+        sys.exit(f"FAIL: --zero 1 --dp {dp}: optimizer state {got} bytes, unsharded {full} (expected about {full / dp:.0f})")
+
+# A checkpoint is per stage: written under dp = 2, resumed under dp = 1 and dp = 3 (same global
+# batch), bit-identical to the uninterrupted run.
+with tempfile.TemporaryDirectory() as tmp:
+    long = [a if a != "3" else "4" for a in small]  # --steps 4
+    whole = finals(run("--schedule", "po-f", "--ranks", "2", "--chunks", "2", *per_replica(1), *long).stdout)
+    run("--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--zero", "1", *per_replica(2), *long,
+        "--checkpoint-every", "3", "--checkpoint-dir", tmp)  # step 3 of 4: the one to resume
+    for dp, zero in ((1, 0), (3, 1)):
+        got = finals(run("--schedule", "gis-h", "--ranks", "4", "--chunks", "1", "--zero", str(zero), *per_replica(dp), *long,
+                         "--resume", tmp).stdout)
+        if got != whole:
+            sys.exit(f"FAIL: resumed under --dp {dp} from a --dp 2 checkpoint: {got}, uninterrupted {whole}")
+
+# A rank of replica 1 that throws ends every rank of both replicas, each naming it.
+p = run("--schedule", "po-f", "--ranks", "2", "--chunks", "2", *per_replica(2), *small, "--inject-fault", "3:1:throw", code=1)
+for g in range(4):
+    if f"rank {g}:" not in p.stderr:
+        sys.exit(f"FAIL: rank {g} did not report the failure:\n{p.stderr}")
+if p.stderr.count("injected fault") < 4:
+    sys.exit(f"FAIL: every rank should name the injected fault:\n{p.stderr}")
+
+for args, text in ((["--dp", "0"], "--dp must be an integer in [1, 64], got '0'"),
+                   (["--zero", "2"], "--zero must be an integer in [0, 1], got '2'")):
+    err = run(*args, code=2).stderr
+    if text not in err:
+        sys.exit(f"FAIL: {args}: expected {text!r} in {err!r}")
+print(f"ok: {runs} grids equal to one replica; ZeRO-1 state {state}; resume across dp; faults")
