@@ -45,6 +45,8 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
   --dp R                data-parallel replicas of the pipeline, 1..64: R*D ranks in all (threads, or
                         mpirun -np R*D ... --ranks D --dp R); global rank g = replica * D + rank
   --zero Z              0 (default) or 1: with --dp > 1, shard AdamW's moments across the replicas (ZeRO-1)
+  --exact-block K       microbatches summed in fp32 (in order) between two exact folds, 1..4096 dividing M
+                        (default 1: every gradient goes into the exact sums; see RuntimeOptions::exact_block)
   --chunks V            chunks (stages) per rank, 1..64; 1 for 1f1b (default 2)
   --microbatches M      microbatches per step of each replica, 1..4096 (the global batch is R*M); a
                         multiple of D for 1f1b-i (default 8)
@@ -93,6 +95,7 @@ struct Options {
   bool cuda = false;
   bool pcie_pairs = false;  // CPU thread ranks: synchronise the copies of ranks (r, r^1)
   int dp = 1, zero = 0;     // data-parallel replicas, ZeRO stage
+  int exact_block = 1;      // RuntimeOptions::exact_block
   int eval_every = 0;       // steps between validation losses; 0: no held-out split
   bool decay_all = false;   // weight decay on every parameter (before parameter groups)
   bool check_finite = true;
@@ -157,7 +160,8 @@ inline Options parse(int argc, char** argv) {
                                   "--backend",
                                   "--eval-every",
                                   "--dp",
-                                  "--zero"};
+                                  "--zero",
+                                  "--exact-block"};
     if (std::find(std::begin(known), std::end(known), f) == std::end(known))
       throw bad_argument("unknown option '" + f + "' (--help lists them)");
     if (i + 1 >= argc) throw bad_argument(f + " needs a value");
@@ -228,8 +232,12 @@ inline Options parse(int argc, char** argv) {
   }
   if (auto v = get("--dp")) o.dp = static_cast<int>(to_int("--dp", *v, 1, 64));
   if (auto v = get("--zero")) o.zero = static_cast<int>(to_int("--zero", *v, 0, 1));
+  if (auto v = get("--exact-block")) o.exact_block = static_cast<int>(to_int("--exact-block", *v, 1, 4096));
   if (auto v = get("--chunks")) o.shape.v = static_cast<int>(to_int("--chunks", *v, 1, 64));
   if (auto v = get("--microbatches")) o.shape.m = static_cast<int>(to_int("--microbatches", *v, 1, 4096));
+  if (o.shape.m % o.exact_block != 0)
+    throw bad_argument("--exact-block " + std::to_string(o.exact_block) + " must divide --microbatches " +
+                       std::to_string(o.shape.m));
   if (auto v = get("--steps")) o.steps = static_cast<int>(to_int("--steps", *v, 1, 1000000));
   if (auto v = get("--eval-every")) o.eval_every = static_cast<int>(to_int("--eval-every", *v, 0, 1000000));
   if (auto v = get("--seed")) o.seed = static_cast<std::uint64_t>(to_int("--seed", *v, 0, (1LL << 62)));
@@ -291,7 +299,7 @@ inline Setup make_setup(const Options& o, std::string text) {
   const po::Shape sh = o.shape;
   s.train_bytes = o.eval_every > 0 ? s.text.size() - s.text.size() / 10 : s.text.size();
   s.costs.k = o.k;
-  s.runtime = {.microbatch = {o.batch, o.model.seq}, .check_finite = o.check_finite};
+  s.runtime = {.microbatch = {o.batch, o.model.seq}, .check_finite = o.check_finite, .exact_block = o.exact_block};
   s.lr = {.lr = o.lr,
           .warmup_steps = std::max(1, std::min(20, o.steps / 10)),
           .total_steps = o.steps,
@@ -311,7 +319,8 @@ inline Setup make_setup(const Options& o, std::string text) {
                             " dropout=" + drop;
   // The global batch: R replicas of m microbatches train as one replica of R*m.
   const std::string batch = "batch=" + std::to_string(o.batch) + " microbatches=" + std::to_string(o.dp * sh.m) +
-                            " stages=" + std::to_string(sh.stages());
+                            " stages=" + std::to_string(sh.stages()) +
+                            (o.exact_block > 1 ? " exact-block=" + std::to_string(o.exact_block) : "");
   const std::string train = "steps=" + std::to_string(o.steps) + " lr=" + lr + " seed=" + std::to_string(o.seed) +
                             " decay=" + (o.decay_all ? "all" : "2d-only");
   char data[96];

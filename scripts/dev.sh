@@ -28,7 +28,7 @@ case "${1:-}" in
     status=0
     meson test -C "$build" --print-errorlogs --num-processes "$(nproc)" || status=$?
     logs=("$build/meson-logs/testlog.json")
-    # The runtime tests and the schedule's threaded passes again under ThreadSanitizer and
+    # The runtime tests, the thread communicators and the schedule's threaded passes again under ThreadSanitizer and
     # under AddressSanitizer+UBSan (only their test binaries, the samples and train_gpt are
     # built there, without the CUDA backend, to keep this short).
     for san in thread address,undefined; do
@@ -36,9 +36,10 @@ case "${1:-}" in
       if [ ! -f "$dir/build.ninja" ]; then
         meson setup "$dir" --buildtype=debugoptimized -Dbench=false -Dcuda=disabled -Db_sanitize="$san" -Db_lundef=false >/dev/null
       fi
-      ninja -C "$dir" tests/runtime/test_runtime tests/runtime/test_custom tests/test_schedule_threads samples/train_gpt samples/custom_model
+      ninja -C "$dir" tests/runtime/test_runtime tests/runtime/test_custom tests/test_schedule_threads tests/comm/test_comm_threads tests/mpi/test_handshake \
+        samples/train_gpt samples/custom_model
       UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 TSAN_OPTIONS=halt_on_error=1 \
-        meson test -C "$dir" --suite runtime --suite threads --no-rebuild --print-errorlogs --num-processes "$(nproc)" || status=$?
+        meson test -C "$dir" --suite runtime --suite threads --suite comm --no-rebuild --print-errorlogs --num-processes "$(nproc)" || status=$?
       logs+=("$dir/meson-logs/testlog.json")
     done
     # One closing line any CI reads: "N passed, N failed, N skipped".

@@ -87,8 +87,9 @@ gradients are all-reduced across its replicas after its last W, overlapping the 
                                GPUS (D = GPUS / dp); otherwise it must be R * D
   --zero 0|1                   ZeRO stage (default 0); 1 shards the optimizer state (AdamW's
                                two fp32 moments, 8 of the 18 bytes per parameter) over dp
-  --dp-gbps X                  all-reduce bandwidth in GB/s (default 100): a stage of P
-                               parameters reduces in 2(R-1)/R * 4P bytes / X (fp32 gradients)
+  --dp-gbps X                  reduction bandwidth in GB/s (default 100): a stage of P
+                               parameters reduces in (R-1)/R * 20P bytes / X (128-bit exact
+                               sums scattered, fp32 sums gathered, as the runtime does)
   --gpus-per-node G            GPUs per node (default 8): nodes hold G consecutive global ranks
   --node-layout contiguous|balanced
                                balanced (D a multiple of an even G): node k of a pipeline holds

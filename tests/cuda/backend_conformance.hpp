@@ -472,6 +472,55 @@ void pair_counters() {
   CHECK(threw == Traits::abort_throws);
 }
 
+/// backend::sums_exactly: exact_add, exact_sum and exact_round in a stream's order give the
+/// bits of backend/exact.hpp's functions on the host (the CPU backend's loops).
+template <class Traits>
+void exact_sums() {
+  namespace ex = pipeoffload::exact;
+  auto dev = Traits::make();
+  const int s = dev->make_stream("s");
+  const std::size_t n = 4099, terms = 6, parts = 2;
+  std::vector<std::vector<float>> g(terms, std::vector<float>(n));
+  for (std::size_t k = 0; k < terms; ++k)
+    for (std::size_t i = 0; i < n; ++i)
+      g[k][i] = std::ldexp(std::sin(0.37f * static_cast<float>(i * (k + 1)) + 0.1f), static_cast<int>(i % 61) - 40);
+  pb::Block acc = dev->device_alloc(n * parts * sizeof(ex::Fixed), pb::Memory::state);
+  pb::Block total = dev->device_alloc(n * sizeof(ex::Fixed), pb::Memory::state);
+  std::vector<pb::Block> owned;
+  const std::span<float> dg = device_floats(*dev, owned, std::vector<float>(n, 0.0f));
+  const std::span<float> out = device_floats(*dev, owned, std::vector<float>(n, 0.0f));
+  dev->zero(acc.ptr, acc.bytes);
+  auto* a = reinterpret_cast<ex::Fixed*>(acc.ptr);
+  auto* t = reinterpret_cast<ex::Fixed*>(total.ptr);
+  std::vector<ex::Fixed> want_part(n * parts, 0);
+  for (std::size_t k = 0; k < terms; ++k) {
+    dev->upload(dg.data(), g[k].data(), n * sizeof(float));
+    const std::size_t p = k % parts;
+    dev->launch(s, [&, p] {
+      auto ctx = dev->context(s);
+      dev->exact_add(ctx, std::span<ex::Fixed>(a + p * n, n), std::span<const float>(dg));
+    });
+    dev->synchronize();
+    for (std::size_t i = 0; i < n; ++i) ex::add(want_part[p * n + i], g[k][i]);
+  }
+  dev->launch(s, [&] {
+    auto ctx = dev->context(s);
+    dev->exact_sum(ctx, std::span<ex::Fixed>(t, n), std::span<const ex::Fixed>(a, n * parts));
+    dev->exact_round(ctx, out, std::span<const ex::Fixed>(t, n));
+  });
+  dev->synchronize();
+  const std::vector<float> got = host_floats(*dev, out);
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const float want = ex::to_float(ex::sum(want_part[i], want_part[n + i]));
+    differ += std::memcmp(&want, &got[i], sizeof want) != 0;
+  }
+  CHECK(differ == 0);
+  dev->device_free(acc);
+  dev->device_free(total);
+  for (pb::Block b : owned) dev->device_free(b);
+}
+
 }  // namespace conformance
 
 /// Registers the cases for one backend; `name` goes into the test names.
@@ -500,4 +549,7 @@ void pair_counters() {
   }                                                                                                                 \
   TEST_CASE(name ": a counter orders one stream after another; an aborted counter releases its waiters") {          \
     conformance::pair_counters<Traits>();                                                                           \
+  }                                                                                                                 \
+  TEST_CASE(name ": exact gradient sums in a stream's order give backend/exact.hpp's bits") {                       \
+    conformance::exact_sums<Traits>();                                                                              \
   }

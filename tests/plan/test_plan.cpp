@@ -468,14 +468,15 @@ TEST_CASE("ZeRO-1 lets a model fit where ZeRO-0 does not, with enough replicas")
 }
 
 TEST_CASE(
-    "all-reduce: 2(dp-1)/dp x 4 bytes per parameter / bandwidth per stage, serialized after each stage's last W") {
+    "all-reduce: (dp-1)/dp x 20 bytes per parameter / bandwidth per stage, serialized after each stage's last W") {
   const TransformerSpec m = small48();
   const MachineSpec x = four_ranks(80);
   for (int dp : {2, 3, 6}) {
     const detail::Layout L = detail::make_layout(m, x, {}, 2, grid(dp, 0, 50e9));
     for (int s = 0; s < 8; ++s) {
       const double P = stage_parameters(m, L.stages[static_cast<std::size_t>(s)]);
-      CHECK(L.allreduce[static_cast<std::size_t>(s)] == doctest::Approx(2.0 * (dp - 1) / dp * 4 * P / 50e9));
+      CHECK(L.allreduce[static_cast<std::size_t>(s)] ==
+            doctest::Approx(static_cast<double>(dp - 1) / dp * 20 * P / 50e9));
     }
     for (const PlanOption& o : plan_options(4, 2, 48 / dp, true)) {
       CAPTURE(o.name);

@@ -47,6 +47,16 @@ for dp in (1, 2, 3):
             if got != ref:
                 sys.exit(f"FAIL: {' '.join(args)} gave {got}; one replica of {GLOBAL} microbatches gave {ref}")
 
+# Folding every 4 microbatches (--exact-block 4, fp32 in order inside a block): another sum, but
+# the same for every split of the global batch whose per-replica m is a multiple of 4.
+block = finals(run("--ranks", "1", "--chunks", "1", *per_replica(1), *small, "--exact-block", "4").stdout)
+for dp, d, sched in ((2, 2, "po-f"), (3, 4, "gis-h"), (2, 4, "1f1b-i")):
+    args = ["--schedule", sched, "--ranks", str(d), "--chunks", "2", *per_replica(dp), *small, "--exact-block", "4"]
+    got = finals(run(*args).stdout)
+    runs += 1
+    if got != block:
+        sys.exit(f"FAIL: {' '.join(args)} gave {got}; one replica with --exact-block 4 gave {block}")
+
 # ZeRO-1: the same bits, and the optimizer state of a rank is 1/dp of the unsharded one
 # (rounded up to whole slices: ceil(n / dp) per stage).
 state = {}
@@ -85,7 +95,8 @@ if p.stderr.count("injected fault") < 4:
     sys.exit(f"FAIL: every rank should name the injected fault:\n{p.stderr}")
 
 for args, text in ((["--dp", "0"], "--dp must be an integer in [1, 64], got '0'"),
-                   (["--zero", "2"], "--zero must be an integer in [0, 1], got '2'")):
+                   (["--zero", "2"], "--zero must be an integer in [0, 1], got '2'"),
+                   (["--microbatches", "6", "--exact-block", "4"], "--exact-block 4 must divide --microbatches 6")):
     err = run(*args, code=2).stderr
     if text not in err:
         sys.exit(f"FAIL: {args}: expected {text!r} in {err!r}")

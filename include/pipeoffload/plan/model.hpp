@@ -105,8 +105,10 @@ struct PlanBudget {
   /// ZeRO-1 (GridSpec::zero) divides it across the data-parallel replicas; with ZeRO-0 the
   /// total stays bytes_per_parameter.
   double optimizer_bytes_per_parameter = 8;
-  /// Bytes per parameter the data-parallel gradient all-reduce moves: the fp32 gradient (4).
-  double grad_bytes_per_parameter = 4;
+  /// Bytes per parameter the runtime's data-parallel gradient reduction moves, (dp-1)/dp of them
+  /// per replica: the reduce-scatter of the 128-bit exact sums (16, backend/exact.hpp) and the
+  /// all-gather of the fp32 sums (4).
+  double reduce_bytes_per_parameter = 20;
   /// Device memory never available to tensors: CUDA context, cuBLAS/cuDNN workspaces,
   /// allocator fragmentation.
   double reserved_bytes = 1 * gib;
@@ -130,8 +132,8 @@ struct GridSpec {
   int dp = 1;    ///< replicas; 0: search every dp that divides `gpus` (d = gpus / dp) and the global batch
   int zero = 0;  ///< ZeRO stage: 0 (every replica holds the whole optimizer state) or 1 (sharded)
   int gpus = 0;  ///< GPUs in all: required with dp = 0; otherwise 0 or dp * ranks
-  /// Bandwidth of the gradient all-reduce in bytes/s (a ring's bus bandwidth per GPU): a stage
-  /// with P parameters reduces in 2(dp-1)/dp * P * PlanBudget::grad_bytes_per_parameter / this.
+  /// Bandwidth of the gradient reduction in bytes/s (per GPU): a stage with P parameters
+  /// reduces in (dp-1)/dp * P * PlanBudget::reduce_bytes_per_parameter / this.
   double allreduce_bytes_per_s = 100e9;
   int gpus_per_node = 8;
   NodeLayout node_layout = NodeLayout::contiguous;

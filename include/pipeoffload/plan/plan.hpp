@@ -28,7 +28,7 @@
 // microbatches. Per rank, model state is bytes_per_parameter x its parameters with ZeRO-0; with
 // ZeRO-1 its optimizer-state part (optimizer_bytes_per_parameter, AdamW's moments) counts
 // ceil(P / dp) parameters of each stage of P (a whole shard). Each stage's gradients are
-// all-reduced across its replicas in 2(dp-1)/dp * P * grad_bytes_per_parameter / bandwidth
+// reduced across its replicas in (dp-1)/dp * P * reduce_bytes_per_parameter (20: 128-bit exact sums scattered, fp32 gathered) / bandwidth
 // seconds, as the runtime does it: on the rank's comm stream, starting when the stage's last
 // W (or BW) of the iteration has ended, one stage after another in the order their last W's
 // end (ties: lower stage first); the optimizer waits for all of them. So from the simulation:
@@ -153,10 +153,12 @@ constexpr double shard_parameters(double P, int dp) {
   return static_cast<double>((n + dp - 1) / dp);
 }
 
-/// Seconds of one ring all-reduce of a stage of P parameters over dp replicas.
+/// Seconds of one gradient reduction of a stage of P parameters over dp replicas, as the
+/// runtime runs it: each replica sends (dp-1)/dp of the stage's exact sums (reduce-scatter) and
+/// receives (dp-1)/dp of its fp32 sums (all-gather).
 constexpr double allreduce_seconds(double P, const PlanBudget& bud, const GridSpec& grid) {
   if (grid.dp <= 1) return 0;
-  return 2.0 * (grid.dp - 1) / grid.dp * P * bud.grad_bytes_per_parameter / grid.allreduce_bytes_per_s;
+  return static_cast<double>(grid.dp - 1) / grid.dp * P * bud.reduce_bytes_per_parameter / grid.allreduce_bytes_per_s;
 }
 
 /// Per-stage costs and per-rank fixed memory of one v (grid.dp >= 1).
@@ -431,7 +433,7 @@ constexpr void check_grid(const TransformerSpec& m, const MachineSpec& x, const 
   detail::require_range("grid: GPUs per node", g.gpus_per_node, 1, max_grid_gpus);
   detail::require_real("budget: optimizer bytes per parameter (0 to the bytes per parameter)",
                        bud.optimizer_bytes_per_parameter, 0, bud.bytes_per_parameter);
-  detail::require_real("budget: gradient bytes per parameter (>= 0)", bud.grad_bytes_per_parameter, 0, 1e6);
+  detail::require_real("budget: reduction bytes per parameter (>= 0)", bud.reduce_bytes_per_parameter, 0, 1e6);
   if (g.dp == 0) {
     detail::require_range("grid: GPUs to search over (dp = 0)", g.gpus, 1, max_grid_gpus);
     return;

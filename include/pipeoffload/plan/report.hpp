@@ -143,8 +143,8 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
          detail::num(r.gpus_per_node) + " GPUs per node, " + detail::layout_name(r.node_layout) + " layout\n";
     s += "all-reduce " + printf_str("%.3f", most) + " s on the busiest rank at " +
          printf_str("%g", r.allreduce_bytes_per_s / 1e9) + " GB/s, " + printf_str("%.3f", c.allreduce_exposed_s) +
-         " s exposed after the cooldown; hidden " + printf_str("%.1f", 100 * worst) + " % on the worst rank, " +
-         printf_str("%.1f", 100 * mean) + " % on average over ranks\n";
+         " s exposed after the cooldown; hidden " + printf_str("%.1f", std::max(0.0, 100 * worst)) +
+         " % on the worst rank, " + printf_str("%.1f", 100 * mean) + " % on average over ranks\n";
     s += "host/node  contiguous: " + detail::node_list_text(r.host_bytes_per_node_contiguous) + "\n";
     s += "           balanced:   " +
          (r.host_bytes_per_node_balanced.empty()

@@ -71,6 +71,15 @@ struct RuntimeOptions {
   /// buckets of at most this many values (each bucket a reduce-scatter and an all-gather on
   /// the comm stream; the staging memory is about 24 bytes per value of one bucket).
   std::size_t reduce_bucket = std::size_t{1} << 20;
+  /// Microbatches per exact fold: each W adds its gradients to the stage's fp32 gradients(),
+  /// and every `exact_block` microbatches (global index b with b % exact_block ==
+  /// exact_block - 1) they go into the exact sums. 1 (the default): every microbatch, so the
+  /// sum depends on nothing but the microbatches. Larger blocks fold less often (a fold reads
+  /// and writes 36 bytes per parameter; on a GPU that is comparable to the W's own GEMM for
+  /// short microbatches) and sum in fp32, in microbatch order, inside a block: runs stay
+  /// bit-identical across schedules, rank counts and replica counts whose m (per call) is a
+  /// multiple of the block. m must be a multiple of it.
+  int exact_block = 1;
 };
 
 /// Where a forward_backward call sits in training: the optimizer step its gradients go to

@@ -23,6 +23,9 @@ void Runtime<Backend, Communicator>::construct() {
       throw error("po::Runtime: dp * m = " + std::to_string(dp_) + " * " + std::to_string(sh.m) +
                   " microbatches in one step exceed " + std::to_string(exact::max_terms));
   }
+  if (opt_.exact_block < 1 || sh.m % opt_.exact_block != 0)
+    throw error("po::Runtime: RuntimeOptions::exact_block = " + std::to_string(opt_.exact_block) +
+                " must be >= 1 and divide m = " + std::to_string(sh.m));
   if (comm_.size() != sh.d)
     throw error("po::Runtime: the communicator has " + std::to_string(comm_.size()) +
                 " ranks; the program has d = " + std::to_string(sh.d));
@@ -59,6 +62,21 @@ void Runtime<Backend, Communicator>::construct() {
     saved_.push_back(l.saved_bytes(mbs));
     stash_.push_back(l.stash_bytes(mbs));
     norm_groups_.push_back(groups);
+  }
+  // With blocks of more than one microbatch, a stage sums a block in fp32 in microbatch
+  // order, as a one-rank run does: every family orders its W so; a program that does not is
+  // refused.
+  if (opt_.exact_block > 1) {
+    std::vector<int> last_w(static_cast<std::size_t>(sh.v), -1);
+    for (const Op& op : rp.compute)
+      if (op.kind == OpKind::W || op.kind == OpKind::BW) {
+        int& prev = last_w[static_cast<std::size_t>(sh.chunk_of(op.stage))];
+        if (op.mb < prev)
+          throw error("po::Runtime: stage " + std::to_string(op.stage) + " computes weight gradients of microbatch " +
+                      std::to_string(op.mb) + " after microbatch " + std::to_string(prev) +
+                      "; with exact_block > 1 they must come in microbatch order (exact_block = 1 takes any order)");
+        prev = op.mb;
+      }
   }
   collect_inputs();
   // Every rank's stages (a collective: a rank that failed above has aborted it instead).

@@ -46,14 +46,15 @@ void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
     }
     if (op.kind == OpKind::W || op.kind == OpKind::BW) {
       if (u.device.ptr == nullptr) throw error("its activations are not on the device (missing reload)");
-      // The pass adds this microbatch's gradients to zeroed gradients(); they go into the
-      // exact sums, and after the chunk's last W of the call the sums, rounded, come back
-      // (or, in the last call of a step with replicas, the comm stream's reduction does that).
+      // The pass adds this microbatch's gradients to gradients(), zeroed at a block's first
+      // microbatch; at its last they go into the exact sums. After the chunk's last W of the
+      // call the sums, rounded, come back (or, in the last call of a step with replicas, the
+      // comm stream's reduction does that).
       const std::span<float> grads = l.gradients();
       const std::span<exact::Fixed> acc = sums(static_cast<int>(c)).first(grads.size());
-      dev_.zero(ctx, grads.data(), grads.size_bytes());
+      if (mb.mb % opt_.exact_block == 0) dev_.zero(ctx, grads.data(), grads.size_bytes());
       l.backward_weight(ctx, mb, u.device.ptr, u.stash.ptr);
-      dev_.exact_add(ctx, acc, std::span<const float>(grads));
+      if (mb.mb % opt_.exact_block == opt_.exact_block - 1) dev_.exact_add(ctx, acc, std::span<const float>(grads));
       if (static_cast<int>(x) == plan.last_w[c] && !reducing())
         dev_.exact_round(ctx, grads, std::span<const exact::Fixed>(acc));
       dev_.device_free(u.stash);
