@@ -31,48 +31,14 @@
 #include <thread>
 #include <vector>
 
+#include "sleep_layer.hpp"
+
 namespace {
 
-constexpr double pass_s = 0.002;
-constexpr std::size_t unit_floats = 1 << 14;  // 64 KiB per unit
-constexpr std::size_t params = 1 << 12;       // per stage
-
-/// Sleeps a fixed time per pass (as bench/runtime_fidelity's layer) and has `params`
-/// parameters; W adds a constant gradient so the sums and the reduction move real values.
-struct SleepLayer {
-  std::vector<float> p = std::vector<float>(params, 0.0f), g = std::vector<float>(params, 0.0f);
-  po::Boundary input_boundary(po::MicrobatchShape) const { return {16}; }
-  po::Boundary output_boundary(po::MicrobatchShape) const { return {16}; }
-  std::size_t saved_bytes(po::MicrobatchShape) const { return unit_floats * sizeof(float); }
-  std::size_t stash_bytes(po::MicrobatchShape) const { return 64; }
-  static void nap() {
-    const auto due = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                            std::chrono::duration<double>(pass_s));
-    std::this_thread::sleep_until(due - std::chrono::microseconds(300));
-    while (std::chrono::steady_clock::now() < due) std::this_thread::yield();
-  }
-  void forward(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor, po::Tensor y, std::byte*) {
-    nap();
-    if (y) std::fill(y.as<float>(), y.as<float>() + 16, 0.0f);
-    if (mb.last()) *mb.loss = 0.0f;
-  }
-  void backward_input(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor dx, std::byte*,
-                      std::byte*) {
-    nap();
-    if (dx) std::fill(dx.as<float>(), dx.as<float>() + 16, 0.0f);
-  }
-  void backward_weight(po::backend::CpuContext&, const po::Microbatch&, std::byte*, std::byte*) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (float& x : g) x += 1e-3f;
-    // The pass takes T in all, its gradient work included.
-    const auto due =
-        t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(pass_s));
-    std::this_thread::sleep_until(due - std::chrono::microseconds(300));
-    while (std::chrono::steady_clock::now() < due) std::this_thread::yield();
-  }
-  std::span<float> parameters() { return p; }
-  std::span<float> gradients() { return g; }
-};
+using bench::pass_s;
+using bench::SleepLayer;
+using bench::unit_floats;
+constexpr std::size_t params = 1 << 12;  // per stage
 
 /// comm::Mpi whose replica collectives take as long as a link of `rate` bytes/s would: after
 /// the real exchange, it sleeps the rest of bytes sent / rate.
@@ -152,12 +118,12 @@ bool run(po::comm::Mpi& world, po::comm::Mpi& pipe_mpi, po::comm::Mpi& reps_mpi,
   double alone = 0;
   {
     po::backend::Cpu dev({.rank = g, .copy_bytes_per_second = copy_rate});
-    std::vector<SleepLayer> layers(static_cast<std::size_t>(sh.v));
+    std::vector<SleepLayer> layers(static_cast<std::size_t>(sh.v), SleepLayer(params));
     po::Runtime rt(program, dev, pipe, std::span<SleepLayer>(layers), {.microbatch = {1, 1}});
     alone = median_step(rt);
   }
   po::backend::Cpu dev({.rank = g, .copy_bytes_per_second = copy_rate});
-  std::vector<SleepLayer> layers(static_cast<std::size_t>(sh.v));
+  std::vector<SleepLayer> layers(static_cast<std::size_t>(sh.v), SleepLayer(params));
   po::Runtime rt(program, dev, pipe, reps, std::span<SleepLayer>(layers), {.microbatch = {1, 1}});
   const double measured = median_step(rt);
   // This rank's last step, from its own trace.

@@ -18,40 +18,13 @@
 #include <thread>
 #include <vector>
 
+#include "sleep_layer.hpp"
+
 namespace {
 
-constexpr double pass_s = 0.002;
-constexpr std::size_t unit_floats = 1 << 14;  // 64 KiB per unit
-
-/// Sleeps a fixed time per pass; saves a 64 KiB unit so offload moves real bytes.
-struct SleepLayer {
-  float p = 0, g = 0;
-  po::Boundary input_boundary(po::MicrobatchShape) const { return {16}; }
-  po::Boundary output_boundary(po::MicrobatchShape) const { return {16}; }
-  std::size_t saved_bytes(po::MicrobatchShape) const { return unit_floats * sizeof(float); }
-  std::size_t stash_bytes(po::MicrobatchShape) const { return 64; }
-  // Sleeping overshoots by 0.1-0.2 ms on these VMs (10% of a pass): sleep to 0.3 ms before
-  // the deadline, then yield until it, so a pass takes T and not T + the timer's slack.
-  static void nap() {
-    const auto due = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                            std::chrono::duration<double>(pass_s));
-    std::this_thread::sleep_until(due - std::chrono::microseconds(300));
-    while (std::chrono::steady_clock::now() < due) std::this_thread::yield();
-  }
-  void forward(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor, po::Tensor y, std::byte*) {
-    nap();
-    if (y) std::fill(y.as<float>(), y.as<float>() + 16, 0.0f);
-    if (mb.last()) *mb.loss = 0.0f;
-  }
-  void backward_input(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor dx, std::byte*,
-                      std::byte*) {
-    nap();
-    if (dx) std::fill(dx.as<float>(), dx.as<float>() + 16, 0.0f);
-  }
-  void backward_weight(po::backend::CpuContext&, const po::Microbatch&, std::byte*, std::byte*) { nap(); }
-  std::span<float> parameters() { return {&p, 1}; }
-  std::span<float> gradients() { return {&g, 1}; }
-};
+using bench::pass_s;
+using bench::SleepLayer;
+using bench::unit_floats;
 
 /// Median over steps 2..4 of the slowest rank's step time. `paired`: ranks (r, r^1) are PCIe
 /// pairs with synchronised copies (po::PairLink).
