@@ -301,8 +301,9 @@ struct NcclGrid {
 int run_cuda_threads(const Options& o, Setup su) {
   const int gpus = po::backend::device_count(), need = o.dp * o.shape.d;
   if (gpus < need) {
-    std::fprintf(stderr, "train_gpt: --backend cuda --ranks %d --dp %d needs %d GPUs; this machine has %d\n", o.shape.d,
-                 o.dp, need, gpus);
+    const std::string dp = o.dp > 1 ? " --dp " + std::to_string(o.dp) : "";
+    std::fprintf(stderr, "train_gpt: --backend cuda --ranks %d%s needs %d GPUs; this machine has %d\n", o.shape.d,
+                 dp.c_str(), need, gpus);
     return 2;
   }
   const po::cuda::Pairing pairing = po::backend::device_pairing();

@@ -208,7 +208,9 @@ inline StageState decode(const std::vector<std::byte>& b, const std::string& nam
 
 /// Every rank's verdict on a collective checkpoint operation: throws on every rank of every
 /// replica if any rank failed (its own message on that rank, the failed rank's number, and
-/// replica, on the others). Both gathers run before anyone throws, so no rank is left waiting.
+/// replica, on the others). Both gathers run before anyone throws, so no rank is left waiting
+/// (a rank still in the second gather when a faster one has thrown may see that one's abort,
+/// which names it; with one replica there is no second gather).
 template <class Runtime>
 void agree(Runtime& rt, const std::string& failure, const std::string& what) {
   const double ok = failure.empty() ? -1.0 : static_cast<double>(rt.rank());
@@ -218,7 +220,7 @@ void agree(Runtime& rt, const std::string& failure, const std::string& what) {
   for (double r : all)
     if (r >= 0 && first < 0) first = r;
   std::vector<double> replicas(1, first);
-  if (rt.replica_comm() != nullptr) {
+  if (rt.replica_comm() != nullptr && rt.replicas() > 1) {
     replicas.resize(static_cast<std::size_t>(rt.replicas()));
     rt.replica_comm()->all_gather(std::span<const double>(&first, 1), std::span(replicas));
   }
