@@ -119,7 +119,6 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Comm& replicas, D
   const po::Shape sh = o.shape;
   const po::MicrobatchShape mbs = su.runtime.microbatch;
   const std::size_t seq = static_cast<std::size_t>(o.model.seq);
-  const std::string& text = su.text;
   // Before the first pipeline message: every rank must run the same configuration.
   po::handshake(comm, su.fields);
   po::handshake(replicas, su.fields);
@@ -143,16 +142,16 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Comm& replicas, D
   std::vector<std::size_t> peaks(3 * static_cast<std::size_t>(sh.d), 0);
   std::vector<std::int32_t> tok(su.tokens_per_step), tgt(su.tokens_per_step);
   const std::vector<long long> shape = {static_cast<long long>(sh.m) * mbs.batch, mbs.seq};
-  // Sequences starting at text[from + at] for each sequence q's draw `at`, as a batch: this
+  // Sequences starting at src[from + at] for each sequence q's draw `at`, as a batch: this
   // replica's share of the global batch (its sequences are the global ones after the
   // earlier replicas').
   const std::size_t sequences = su.tokens_per_step / seq, offset = static_cast<std::size_t>(replica) * sequences;
-  const auto batch_at = [&](std::size_t from, auto&& draw) {
+  const auto batch_at = [&](const sample::Tokens& src, std::size_t from, auto&& draw) {
     for (std::size_t q = 0; q < sequences; ++q) {
       const std::size_t at = from + draw(offset + q);
       for (std::size_t t = 0; t < seq; ++t) {
-        tok[q * seq + t] = static_cast<unsigned char>(text[at + t]);
-        tgt[q * seq + t] = static_cast<unsigned char>(text[at + t + 1]);
+        tok[q * seq + t] = static_cast<std::int32_t>(src[at + t]);
+        tgt[q * seq + t] = static_cast<std::int32_t>(src[at + t + 1]);
       }
     }
     po::Batch b;
@@ -164,8 +163,8 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Comm& replicas, D
   for (int step = first; step < o.steps; ++step) {
     // Each sequence starts at a position drawn from (seed, step, sequence): the data position
     // is the step, so a resumed run reads the batches an uninterrupted one would.
-    const po::Batch batch = batch_at(0, [&](std::size_t q) {
-      return po::math::mix64(o.seed, static_cast<std::uint64_t>(step) * 1000003u + q) % (su.train_bytes - seq - 1);
+    const po::Batch batch = batch_at(su.tokens, 0, [&](std::size_t q) {
+      return po::math::mix64(o.seed, static_cast<std::uint64_t>(step) * 1000003u + q) % (su.train_tokens - seq - 1);
     });
     // The training step, call by call: gradients of one batch, their norm, one AdamW update.
     rt.zero_grad();
@@ -183,9 +182,9 @@ void train_rank(const Options& o, const Setup& su, Comm& comm, Comm& replicas, D
     if (o.checkpoint_every > 0 && (step + 1) % o.checkpoint_every == 0)
       po::save_checkpoint(o.checkpoint_dir, rt, opt, {su.config_hash, o.seed, static_cast<std::int64_t>(step + 1)});
     if (o.eval_every > 0 && ((step + 1) % o.eval_every == 0 || step + 1 == o.steps)) {
-      // The same held-out sequences every time: m microbatches from the corpus's last 10%.
-      const std::size_t held_out = text.size() - su.train_bytes;
-      const po::PassStats val = rt.evaluate(batch_at(su.train_bytes, [&](std::size_t q) {
+      // The same held-out sequences every time: m microbatches from the held-out tokens.
+      const std::size_t held_out = su.held_end - su.held_begin;
+      const po::PassStats val = rt.evaluate(batch_at(su.held, su.held_begin, [&](std::size_t q) {
         return po::math::mix64(o.seed ^ 0x5eedULL, q) % (held_out - seq - 1);
       }));
       if (lead) {
@@ -395,7 +394,8 @@ int run_threads(const Options& o, const Setup& su) {
 }
 
 #ifdef PIPEOFFLOAD_WITH_MPI
-int run_mpi(Options& o, const std::string& text, int& argc, char**& argv) {
+int run_mpi(Options& o, const sample::Tokens& tokens, const std::optional<sample::Tokens>& val, int& argc,
+            char**& argv) {
   po::comm::MpiSession session(argc, argv);
   const int r = session.rank();
   // Every rank decides these from the same arguments and world size, so they all agree.
@@ -419,7 +419,7 @@ int run_mpi(Options& o, const std::string& text, int& argc, char**& argv) {
     if (r == 0) std::fprintf(stderr, "train_gpt: %s\n", bad.c_str());
     return 2;
   }
-  const Setup su = make_setup(o, text);
+  const Setup su = make_setup(o, tokens, val);
   // dp replicas of a d-rank pipeline: global rank g = replica * d + rank; each process joins
   // its pipeline and its replicas (an abort on either ends the whole job).
   po::comm::Mpi world({.timeout_seconds = o.comm_timeout});
@@ -476,31 +476,45 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "train_gpt: %s\n", e.what());
     return 2;
   }
-  std::ifstream in(o.corpus, std::ios::binary);
-  if (!in) {
-    std::fprintf(stderr, "train_gpt: cannot read the corpus '%s'\n", o.corpus.c_str());
-    return 2;
-  }
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const std::size_t seq = static_cast<std::size_t>(o.model.seq);
-  if (text.size() < seq + 2) {
-    std::fprintf(stderr, "train_gpt: the corpus has %zu bytes; it needs at least --seq + 2 = %zu\n", text.size(),
-                 seq + 2);
-    return 2;
-  }
-  if (o.eval_every > 0 && text.size() / 10 < seq + 2) {
-    std::fprintf(
-        stderr,
-        "train_gpt: --eval-every holds out the corpus's last 10%% (%zu bytes); it needs at least --seq + 2 = %zu\n",
-        text.size() / 10, seq + 2);
+  // The tokens: the corpus's bytes, or a --data shard (whose vocabulary the model takes).
+  sample::Tokens tokens;
+  std::optional<sample::Tokens> val;
+  try {
+    if (!o.data.empty()) {
+      tokens = sample::Tokens::from_shard(o.data, o.vocab);
+      if (!o.val_data.empty()) {
+        val = sample::Tokens::from_shard(o.val_data, tokens.vocab());
+        if (val->vocab() != tokens.vocab())
+          throw bad_argument("--val-data's vocabulary " + std::to_string(val->vocab()) + " differs from --data's " +
+                             std::to_string(tokens.vocab()));
+      }
+      o.model.vocab = static_cast<int>(tokens.vocab());
+    } else {
+      std::ifstream in(o.corpus, std::ios::binary);
+      if (!in) throw bad_argument("cannot read the corpus '" + o.corpus + "'");
+      tokens = sample::Tokens::from_text(std::string(std::istreambuf_iterator<char>(in), {}));
+    }
+    const std::size_t seq = static_cast<std::size_t>(o.model.seq), n = tokens.size();
+    const char* what = o.data.empty() ? "the corpus" : "the --data shard";
+    if (n < seq + 2)
+      throw bad_argument(std::string(what) + " has " + std::to_string(n) +
+                         " tokens; it needs at least --seq + 2 = " + std::to_string(seq + 2));
+    if (o.eval_every > 0 && !val && n / 10 < seq + 2)
+      throw bad_argument("--eval-every holds out " + std::string(what) + "'s last 10% (" + std::to_string(n / 10) +
+                         " tokens); it needs at least --seq + 2 = " + std::to_string(seq + 2));
+    if (val && val->size() < seq + 2)
+      throw bad_argument("the --val-data shard has " + std::to_string(val->size()) +
+                         " tokens; it needs at least --seq + 2 = " + std::to_string(seq + 2));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_gpt: %s\n", e.what());
     return 2;
   }
   po::blas::core_name();  // load the BLAS before the ranks start
   try {
 #ifdef PIPEOFFLOAD_WITH_MPI
-    if (o.mpi) return run_mpi(o, text, argc, argv);
+    if (o.mpi) return run_mpi(o, tokens, val, argc, argv);
 #endif
-    return run_threads(o, make_setup(o, std::move(text)));
+    return run_threads(o, make_setup(o, std::move(tokens), std::move(val)));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_gpt: %s\n", e.what());
     return 1;

@@ -21,6 +21,7 @@
 #include <models/gpt/layout.hpp>
 
 #include "cli.hpp"
+#include "tokens.hpp"
 
 #ifndef PIPEOFFLOAD_CORPUS
 #define PIPEOFFLOAD_CORPUS "data/corpus.txt"
@@ -64,7 +65,11 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
   --trace FILE          write a Chrome trace of the last step's real run (compute and copy streams per rank)
   --layers L --hidden H --heads A --seq S --batch B --lr LR --dropout P
                         model: 8 blocks, h=64, 4 heads, seq 64, batch 4 per microbatch, lr 3e-3, dropout 0.1
-  --corpus FILE         text to train on (default data/corpus.txt)
+  --corpus FILE         text to train on, byte-level (default data/corpus.txt)
+  --data FILE           train on a token shard instead (llm.c's .bin layout: samples/tokens.hpp;
+                        scripts/make_shard.py makes one from a text); the model's vocabulary is the shard's
+  --val-data FILE       with --eval-every: held-out tokens from this shard (default: the last 10%)
+  --vocab V             the vocabulary of a --data shard whose header leaves it 0, 2..1048576
   --comm-timeout S      with --comm mpi: a send or receive that waits S seconds fails, naming the op
                         and the peer (0, 86400]; default 300
   --checkpoint-every N  save parameters, AdamW state, step, RNG seed and data position every N steps
@@ -89,6 +94,8 @@ struct Options {
   int batch = 4;
   float lr = 3e-3f;
   std::string corpus = PIPEOFFLOAD_CORPUS;
+  std::string data, val_data;  // token shards (--data, --val-data)
+  long long vocab = 0;         // --vocab
   bool quiet = false;
   bool mpi = false, ranks_given = false;
   double comm_timeout = 300;
@@ -161,7 +168,10 @@ inline Options parse(int argc, char** argv) {
                                   "--eval-every",
                                   "--dp",
                                   "--zero",
-                                  "--exact-block"};
+                                  "--exact-block",
+                                  "--data",
+                                  "--val-data",
+                                  "--vocab"};
     if (std::find(std::begin(known), std::end(known), f) == std::end(known))
       throw bad_argument("unknown option '" + f + "' (--help lists them)");
     if (i + 1 >= argc) throw bad_argument(f + " needs a value");
@@ -245,6 +255,13 @@ inline Options parse(int argc, char** argv) {
   if (auto v = get("--copy-gbps")) o.copy_gbps = to_real("--copy-gbps", *v, 0, 1e4, false);
   if (auto v = get("--trace")) o.trace = *v;
   if (auto v = get("--corpus")) o.corpus = *v;
+  if (auto v = get("--data")) o.data = *v;
+  if (auto v = get("--val-data")) o.val_data = *v;
+  if (auto v = get("--vocab")) o.vocab = to_int("--vocab", *v, 2, 1 << 20);
+  if (!o.data.empty() && get("--corpus")) throw bad_argument("--data and --corpus exclude each other");
+  if (o.data.empty() && (get("--val-data") || get("--vocab")))
+    throw bad_argument(std::string(get("--val-data") ? "--val-data" : "--vocab") + " needs --data FILE");
+  if (!o.val_data.empty() && o.eval_every == 0) throw bad_argument("--val-data needs --eval-every N");
   o.model.layers = 8;
   o.model.hidden = 64;
   o.model.heads = 4;
@@ -281,9 +298,11 @@ inline Options parse(int argc, char** argv) {
 /// What every rank shares: the data, the schedule and its costs, the optimizer's settings,
 /// the configuration it agrees on.
 struct Setup {
-  std::string text;
-  std::size_t train_bytes = 0;  // text[0, train_bytes) trains; the rest is held out (--eval-every)
-  po::Costs costs{};            // planning costs (the CUDA launcher sets stagger_pairs)
+  sample::Tokens tokens;  // tokens[0, train_tokens) train
+  std::size_t train_tokens = 0;
+  sample::Tokens held;  // held[held_begin, held_end): held out (--eval-every)
+  std::size_t held_begin = 0, held_end = 0;
+  po::Costs costs{};  // planning costs (the CUDA launcher sets stagger_pairs)
   po::RuntimeOptions runtime{};
   po::WarmupCosine lr{};
   float clip = 1.0f;
@@ -293,11 +312,22 @@ struct Setup {
   std::size_t tokens_per_step = 0;         // of one replica
 };
 
-inline Setup make_setup(const Options& o, std::string text) {
+/// `tokens`: the corpus's bytes or the --data shard; `val`: the --val-data shard, if any.
+inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<sample::Tokens> val = std::nullopt) {
   Setup s;
-  s.text = std::move(text);
+  s.tokens = std::move(tokens);
   const po::Shape sh = o.shape;
-  s.train_bytes = o.eval_every > 0 ? s.text.size() - s.text.size() / 10 : s.text.size();
+  const std::size_t n = s.tokens.size();
+  if (val) {
+    s.train_tokens = n;
+    s.held = std::move(*val);
+    s.held_end = s.held.size();
+  } else {
+    s.train_tokens = o.eval_every > 0 ? n - n / 10 : n;
+    s.held = s.tokens;
+    s.held_begin = s.train_tokens;
+    s.held_end = n;
+  }
   s.costs.k = o.k;
   s.runtime = {.microbatch = {o.batch, o.model.seq}, .check_finite = o.check_finite, .exact_block = o.exact_block};
   s.lr = {.lr = o.lr,
@@ -316,16 +346,18 @@ inline Setup make_setup(const Options& o, std::string text) {
   std::snprintf(k, sizeof k, "%.17g", o.k);
   const std::string model = "layers=" + std::to_string(o.model.layers) + " hidden=" + std::to_string(o.model.hidden) +
                             " heads=" + std::to_string(o.model.heads) + " seq=" + std::to_string(o.model.seq) +
-                            " dropout=" + drop;
+                            " dropout=" + drop +
+                            (o.model.vocab != 256 ? " vocab=" + std::to_string(o.model.vocab) : "");
   // The global batch: R replicas of m microbatches train as one replica of R*m.
   const std::string batch = "batch=" + std::to_string(o.batch) + " microbatches=" + std::to_string(o.dp * sh.m) +
                             " stages=" + std::to_string(sh.stages()) +
                             (o.exact_block > 1 ? " exact-block=" + std::to_string(o.exact_block) : "");
   const std::string train = "steps=" + std::to_string(o.steps) + " lr=" + lr + " seed=" + std::to_string(o.seed) +
                             " decay=" + (o.decay_all ? "all" : "2d-only");
-  char data[96];
-  std::snprintf(data, sizeof data, "%zu bytes, fnv1a %016llx, %zu train", s.text.size(),
-                static_cast<unsigned long long>(po::fnv1a(s.text)), s.train_bytes);
+  char data[160];
+  std::snprintf(data, sizeof data, "%zu tokens, vocab %lld, fnv1a %016llx, %zu train, held out %016llx [%zu, %zu)", n,
+                s.tokens.vocab(), static_cast<unsigned long long>(s.tokens.hash()), s.train_tokens,
+                static_cast<unsigned long long>(s.held.hash()), s.held_begin, s.held_end);
   s.fields = po::handshake_fields(o.spec, sh);
   s.fields.push_back({"model", model});
   s.fields.push_back({"batch", batch});

@@ -102,9 +102,13 @@ inline  /// Rank 0's closing report: peaks, 1F1B-I's simulated peaks, wall time,
 
 inline void print_banner(const Options& o, const Setup& su) {
   const po::Shape sh = o.shape;
-  std::printf("train_gpt: %s, d=%d v=%d m=%d, GPT %d blocks h=%d heads=%d seq=%d batch=%d, %zu-byte corpus, %s%s\n",
+  const std::string data = o.data.empty() ? std::to_string(su.tokens.size()) + "-byte corpus"
+                                          : std::to_string(su.tokens.size()) + "-token shard (vocab " +
+                                                std::to_string(su.tokens.vocab()) + ", " +
+                                                std::to_string(8 * su.tokens.width()) + "-bit ids)";
+  std::printf("train_gpt: %s, d=%d v=%d m=%d, GPT %d blocks h=%d heads=%d seq=%d batch=%d, %s, %s%s\n",
               o.schedule.c_str(), sh.d, sh.v, sh.m, o.model.layers, o.model.hidden, o.model.heads, o.model.seq, o.batch,
-              su.text.size(), o.cuda ? "CUDA (bf16, NCCL)" : ("BLAS " + po::blas::core_name()).c_str(),
+              data.c_str(), o.cuda ? "CUDA (bf16, NCCL)" : ("BLAS " + po::blas::core_name()).c_str(),
               o.mpi ? ", MPI processes" : "");
   if (o.dp > 1)
     std::printf("data parallel: %d replicas of the pipeline (%d ranks, global rank = replica * %d + rank), zero %d\n",
