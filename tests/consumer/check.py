@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""A project that uses pipeoffload, built outside this build one of three ways, must compile,
+run, and build nothing of pipeoffload's own.
+
+  check.py SOURCE_ROOT find_package     meson-install a lean configure of the checkout (tests,
+                                        bench, samples, tools off, no CUDA) into a temporary
+                                        prefix with --tags devel; check what it installed and
+                                        its pkg-config file; a CMake project finds it with
+                                        find_package(pipeoffload 0.1 REQUIRED)
+  check.py SOURCE_ROOT add_subdirectory a CMake project adds the checkout with add_subdirectory
+  check.py SOURCE_ROOT meson_subproject a Meson project with the checkout as subprojects/pipeoffload
+
+Each builds tests/consumer/project/consumer.cpp (a schedule built, validated and simulated; two thread
+ranks trained) and runs it; each asserts the build has one target, the consumer: CMake's
+compile_commands.json has one entry and `ninja -t commands` two commands (compile, link); Meson's
+introspection lists one target. Exit 77 (skip) when cmake, ninja or meson is missing.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+SKIP = 77
+
+
+def fail(msg):
+    print("FAIL: " + msg)
+    sys.exit(1)
+
+
+def run(cmd, cwd=None, env=None):
+    """Runs cmd; fails the test with its output if it fails. Returns its stdout and stderr."""
+    print("$ " + " ".join(cmd), flush=True)
+    p = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if p.returncode != 0:
+        print(p.stdout)
+        fail(f"{cmd[0]} exited with {p.returncode}")
+    return p.stdout
+
+
+def tool(name):
+    path = shutil.which(name)
+    if path is None:
+        print(f"SKIP: {name} is not installed (Debian: apt-get install {'ninja-build' if name == 'ninja' else name})")
+        sys.exit(SKIP)
+    return path
+
+
+def no_warnings(output, what):
+    bad = [line for line in output.splitlines() if "WARNING" in line or "DEPRECATION" in line]
+    if bad:
+        fail(f"{what} printed warnings:\n" + "\n".join(bad))
+
+
+def cmake_consumer(cmake, ninja, consumer_src, build, defines):
+    """Configures, builds and runs the CMake consumer; asserts it is the build's only target."""
+    run([cmake, "-S", consumer_src, "-B", build, "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
+         "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"] + [f"-D{k}={v}" for k, v in defines.items()])
+    with open(os.path.join(build, "compile_commands.json"), encoding="utf-8") as f:
+        entries = json.load(f)
+    if [os.path.basename(e["file"]) for e in entries] != ["consumer.cpp"]:
+        fail("the CMake build compiles more than consumer.cpp: " + ", ".join(e["file"] for e in entries))
+    command = entries[0]["command"]
+    stds = re.findall(r"-std=\S+", command)
+    if len(stds) != 1 or not stds[0].endswith("++20"):
+        fail(f"consumer.cpp should be compiled with exactly one C++20 -std flag, got {stds}: {command}")
+    commands = run([ninja, "-C", build, "-t", "commands", "all"]).strip().splitlines()
+    if len(commands) != 2:
+        fail(f"building 'all' should take 2 commands (compile, link), it takes {len(commands)}:\n" + "\n".join(commands))
+    run([ninja, "-C", build])
+    print(run([os.path.join(build, "consumer")]))
+
+
+def find_package(root, work, consumer_src):
+    cmake, ninja, meson = tool("cmake"), tool("ninja"), tool("meson")
+    lean, prefix = os.path.join(work, "lean"), os.path.join(work, "prefix")
+    out = run([meson, "setup", lean, root, f"--prefix={prefix}", "-Dtests=false", "-Dbench=false",
+               "-Dsamples=false", "-Dtools=false", "-Dcuda=disabled"])
+    no_warnings(out, "configuring pipeoffload without tests, bench, samples, tools and CUDA")
+    targets = json.loads(run([meson, "introspect", "--targets", lean]))
+    if targets:
+        fail("the lean configure still defines targets: " + ", ".join(t["name"] for t in targets))
+    run([meson, "install", "-C", lean, "--tags", "devel"])
+    for rel in ["include/pipeoffload/pipeoffload.hpp", "include/pipeoffload/runtime.hpp", "lib/pkgconfig/pipeoffload.pc",
+                "lib/cmake/pipeoffload/pipeoffloadConfig.cmake", "lib/cmake/pipeoffload/pipeoffloadConfigVersion.cmake"]:
+        if not os.path.isfile(os.path.join(prefix, rel)):
+            fail(f"meson install --tags devel did not install {rel}")
+    if os.path.exists(os.path.join(prefix, "bin")):
+        fail("meson install --tags devel of the lean configure installed programs: " + str(os.listdir(os.path.join(prefix, "bin"))))
+    pkg_config = shutil.which("pkg-config")
+    if pkg_config:
+        env = dict(os.environ, PKG_CONFIG_PATH=os.path.join(prefix, "lib", "pkgconfig"))
+        cflags = run([pkg_config, "--cflags", "pipeoffload"], env=env).split()
+        if f"-I{prefix}/include" not in cflags or any(f.startswith("-std=") for f in cflags):
+            fail(f"pkg-config --cflags pipeoffload: expected -I{prefix}/include and no -std flag, got {cflags}")
+    else:
+        print("pkg-config is not installed: its file is not checked")
+    cmake_consumer(cmake, ninja, consumer_src, os.path.join(work, "consumer"), {"CMAKE_PREFIX_PATH": prefix})
+
+
+def add_subdirectory(root, work, consumer_src):
+    cmake, ninja = tool("cmake"), tool("ninja")
+    with open(os.path.join(root, "meson.build"), encoding="utf-8") as f:
+        meson_version = re.search(r"version:\s*'([^']+)'", f.read()).group(1)
+    with open(os.path.join(root, "CMakeLists.txt"), encoding="utf-8") as f:
+        cmake_version = re.search(r"project\(pipeoffload VERSION (\S+)", f.read()).group(1)
+    if meson_version != cmake_version:
+        fail(f"CMakeLists.txt says version {cmake_version}, meson.build {meson_version}")
+    cmake_consumer(cmake, ninja, consumer_src, os.path.join(work, "consumer"), {"PIPEOFFLOAD_CHECKOUT": root})
+
+
+def meson_subproject(root, work, consumer_src):
+    meson, ninja = tool("meson"), tool("ninja")
+    project = os.path.join(work, "project")
+    os.makedirs(os.path.join(project, "subprojects"))
+    for f in ["meson.build", "consumer.cpp"]:
+        shutil.copy(os.path.join(consumer_src, f), project)
+    os.symlink(root, os.path.join(project, "subprojects", "pipeoffload"))
+    build = os.path.join(project, "build")
+    out = run([meson, "setup", build, project, "--force-fallback-for=pipeoffload"])
+    no_warnings(out, "configuring a project with pipeoffload as a subproject")
+    names = [t["name"] for t in json.loads(run([meson, "introspect", "--targets", build]))]
+    if names != ["consumer"]:
+        fail(f"the Meson project should define one target, consumer; it defines {names}")
+    run([ninja, "-C", build])
+    print(run([os.path.join(build, "consumer")]))
+
+
+def main():
+    routes = {"find_package": find_package, "add_subdirectory": add_subdirectory, "meson_subproject": meson_subproject}
+    if len(sys.argv) != 3 or sys.argv[2] not in routes:
+        print("usage: check.py SOURCE_ROOT " + "|".join(routes), file=sys.stderr)
+        return 2
+    root = os.path.abspath(sys.argv[1])
+    consumer_src = os.path.join(root, "tests", "consumer", "project")
+    work = tempfile.mkdtemp(prefix=f"pipeoffload-consumer-{sys.argv[2]}-")
+    routes[sys.argv[2]](root, work, consumer_src)
+    shutil.rmtree(work)  # kept when a check fails (fail() exits before this)
+    print(f"consumer via {sys.argv[2]}: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
