@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's two commands.
-#   bash scripts/dev.sh main   install what is missing, build, train a small GPT with PO-F, draw the paper's schedules
-#   bash scripts/dev.sh test   install what is missing, build, run every test
+#   bash scripts/dev.sh main   install what is missing, build the main job only (build-main/), train a small GPT with
+#                              PO-F, draw the paper's schedules
+#   bash scripts/dev.sh test   install what is missing, build everything (build/), run every test
 # Both work on a fresh Debian 12 machine (as root, or with sudo) and on a warm one, where
 # they install nothing and only rebuild what changed. Installing is scripts/install-deps.sh;
 # this script builds and runs.
@@ -10,21 +11,26 @@ cd "$(dirname "$0")/.."
 
 bash scripts/install-deps.sh
 
-build=build
-if [ ! -f "$build/build.ninja" ]; then
-  meson setup "$build" --buildtype=debugoptimized
-fi
-ninja -C "$build"
-
 case "${1:-}" in
   main)
-    # Train a small GPT with PO-F on 4 thread ranks (CPU backend), then plan and draw the
-    # paper's schedules for a 5.8B model.
-    "$build/samples/train_gpt" --schedule po-f --ranks 4 --chunks 2 --microbatches 8 --steps 200
+    # Only what the main job needs, in a build of its own without the CUDA backend, tests or
+    # benchmarks (the test command builds those in build/): train a small GPT with PO-F on 4
+    # thread ranks (CPU backend), then plan and draw the paper's schedules for a 5.8B model.
+    main=build-main
+    if [ ! -f "$main/build.ninja" ]; then
+      meson setup "$main" --buildtype=debugoptimized -Dcuda=disabled -Dtests=false -Dbench=false -Dtools=false >/dev/null
+    fi
+    ninja -C "$main" samples/train_gpt samples/plan_schedules
+    "$main/samples/train_gpt" --schedule po-f --ranks 4 --chunks 2 --microbatches 8 --steps 200
     echo
-    "$build/samples/plan_schedules" --out-dir "$build/schedules"
+    "$main/samples/plan_schedules" --out-dir "$main/schedules"
     ;;
   test)
+    build=build
+    if [ ! -f "$build/build.ninja" ]; then
+      meson setup "$build" --buildtype=debugoptimized
+    fi
+    ninja -C "$build"
     status=0
     meson test -C "$build" --print-errorlogs --num-processes "$(nproc)" || status=$?
     logs=("$build/meson-logs/testlog.json")
