@@ -271,29 +271,6 @@ std::vector<po::cuda::GptStage> cuda_stages(const Options& o, const Setup& su, p
 /// stages' own memory (parameters, gradients, scratch) comes from outside it.
 constexpr std::size_t cuda_arena_bytes = std::size_t{2} << 30;
 
-/// The NCCL worlds of a (replica x rank) grid driven by one process: one per pipeline and one
-/// per pipeline position, each over its GPUs (ncclCommInitAll). A failing rank aborts them all
-/// (run_thread_ranks), so no rank of any replica waits for it.
-struct NcclGrid {
-  int dp = 1, d = 1;
-  std::vector<std::shared_ptr<po::comm::NcclWorld>> pipelines, replicas;  // [replica], [rank]
-  NcclGrid(int dp_, int d_, const std::vector<int>& devices) : dp(dp_), d(d_) {
-    for (int j = 0; j < dp; ++j)
-      pipelines.push_back(po::comm::NcclWorld::all_local(
-          std::span(devices).subspan(static_cast<std::size_t>(j * d), static_cast<std::size_t>(d))));
-    for (int r = 0; r < d; ++r) {
-      std::vector<int> column;
-      for (int j = 0; j < dp; ++j) column.push_back(devices[static_cast<std::size_t>(j * d + r)]);
-      replicas.push_back(po::comm::NcclWorld::all_local(column));
-    }
-  }
-  int size() const { return dp * d; }
-  void abort(const std::string& why) {
-    for (auto& w : pipelines) w->abort(why);
-    for (auto& w : replicas) w->abort(why);
-  }
-};
-
 /// --backend cuda --comm threads: one process drives R*D GPUs (global rank g on the g-th GPU of
 /// the pairing order, so that PCIe pairs are ranks (r, r^1) of a replica, whose copies then
 /// synchronise).
@@ -314,15 +291,19 @@ int run_cuda_threads(const Options& o, Setup su) {
   std::printf("GPUs by global rank:");
   for (int dv : devices) std::printf(" %d", dv);
   std::printf("%s\n", paired ? " (PCIe pairs (r, r^1): synchronised copies)" : " (no PCIe pairs: copies unpaired)");
-  NcclGrid grid(o.dp, o.shape.d, devices);
+  // One world of all R*D GPUs, split by every rank's thread into its pipeline and its
+  // replicas; the splits share the world's abort, so a failing rank (run_thread_ranks aborts
+  // the world) ends every rank of every replica.
+  auto world = po::comm::NcclWorld::all_local(devices);
   std::vector<std::unique_ptr<po::PairLink<po::backend::Cuda>>> links;
   for (int p = 0; paired && 2 * p + 1 < need; ++p) links.push_back(std::make_unique<po::PairLink<po::backend::Cuda>>());
   const auto t_start = std::chrono::steady_clock::now();
-  const auto errors = po::run_thread_ranks(grid, [&](int g) {
+  const auto errors = po::run_thread_ranks(*world, [&](int g) {
     const int r = g % o.shape.d, j = g / o.shape.d;
     po::backend::Cuda dev({.device = devices[static_cast<std::size_t>(g)], .rank = g, .arena_bytes = cuda_arena_bytes});
-    po::comm::Nccl comm(grid.pipelines[static_cast<std::size_t>(j)], r, dev);
-    po::comm::Nccl replicas(grid.replicas[static_cast<std::size_t>(r)], j, dev);
+    auto pipe_world = world->split(g, j, r), reps_world = world->split(g, r, j);
+    po::comm::Nccl comm(pipe_world, pipe_world->rank(), dev);
+    po::comm::Nccl replicas(reps_world, reps_world->rank(), dev);
     std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, r);
     train_rank(o, su, comm, replicas, dev, mine, t_start, link_of(links, g));
   });
@@ -333,8 +314,7 @@ int run_cuda_threads(const Options& o, Setup su) {
 /// --backend cuda --comm mpi: one process per GPU (the node-local rank picks it); MPI only
 /// carries NCCL's unique id, NCCL carries the pipeline. Processes are separate, so their
 /// copies run unpaired.
-int run_cuda_rank(const Options& o, Setup su, po::comm::Mpi& mpi, po::comm::Mpi& pipeline, po::comm::Mpi& replicas,
-                  std::chrono::steady_clock::time_point t_start) {
+int run_cuda_rank(const Options& o, Setup su, po::comm::Mpi& mpi, std::chrono::steady_clock::time_point t_start) {
   const int r = mpi.rank();
   const int gpus = po::backend::device_count();
   const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
@@ -343,23 +323,21 @@ int run_cuda_rank(const Options& o, Setup su, po::comm::Mpi& mpi, po::comm::Mpi&
     throw po::error("--backend cuda: this process (rank " + std::to_string(r) + ") needs GPU " +
                     std::to_string(device) + " but its node has " + std::to_string(gpus));
   su.costs.stagger_pairs = false;
-  // One NCCL world per group, its id made by the group's first rank and broadcast over the
-  // group's MPI communicator.
-  const auto world_of = [&](po::comm::Mpi& group) {
-    const po::comm::NcclIdBytes id =
-        po::comm::broadcast_nccl_id(group, group.rank() == 0 ? po::comm::NcclWorld::new_id() : po::comm::NcclIdBytes{});
-    return po::comm::NcclWorld::from_id(id, group.rank(), group.size(), device);
-  };
-  auto pipeline_world = world_of(pipeline), replicas_world = world_of(replicas);
+  // One NCCL world of the job (its id broadcast over MPI), split into this process's pipeline
+  // and replicas groups, which share its abort.
+  const po::comm::NcclIdBytes id =
+      po::comm::broadcast_nccl_id(mpi, r == 0 ? po::comm::NcclWorld::new_id() : po::comm::NcclIdBytes{});
+  auto job = po::comm::NcclWorld::from_id(id, r, mpi.size(), device);
+  auto pipeline_world = job->split(r / o.shape.d, r % o.shape.d);
+  auto replicas_world = job->split(r % o.shape.d, r / o.shape.d);
   po::backend::Cuda dev({.device = device, .rank = r, .arena_bytes = cuda_arena_bytes});
-  po::comm::Nccl comm(pipeline_world, pipeline.rank(), dev);
-  po::comm::Nccl reps(replicas_world, replicas.rank(), dev);
+  po::comm::Nccl comm(pipeline_world, pipeline_world->rank(), dev);
+  po::comm::Nccl reps(replicas_world, replicas_world->rank(), dev);
   try {
-    std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, pipeline.rank());
+    std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, pipeline_world->rank());
     train_rank(o, su, comm, reps, dev, mine, t_start);
   } catch (const std::exception& e) {
-    comm.abort(e.what());
-    reps.abort(e.what());
+    comm.abort(e.what());  // the groups share the job's abort
     throw;
   }
   return 0;
@@ -429,7 +407,7 @@ int run_mpi(Options& o, const sample::Tokens& tokens, const std::optional<sample
   const auto t_start = std::chrono::steady_clock::now();
   try {
 #ifdef PIPEOFFLOAD_WITH_CUDA
-    if (o.cuda) return run_cuda_rank(o, su, world, comm, replicas, t_start);
+    if (o.cuda) return run_cuda_rank(o, su, world, t_start);
 #endif
     po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = o.copy_gbps * 1e9});
     std::vector<Stage> mine = cpu_stages(o, r);

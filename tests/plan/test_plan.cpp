@@ -43,19 +43,27 @@ MachineSpec small_machine(double device_gib) {
   return x;
 }
 
-constexpr bool tiny_plan_fits() {
+/// A model and machine small enough to plan in a constant expression.
+constexpr TransformerSpec tiny_model(int global_batch) {
   TransformerSpec m;
   m.layers = 6;
   m.hidden = 256;
   m.heads = 4;
   m.query_groups = 4;
   m.seq = 256;
-  m.global_batch = 4;
+  m.global_batch = global_batch;
   m.vocab = 1000;
+  return m;
+}
+constexpr MachineSpec tiny_machine() {
   MachineSpec x;
   x.ranks = 2;
   x.device_bytes = 2 * gib;  // 1 GiB of it is the default reserve
-  const PlanResult r = plan(m, x);
+  return x;
+}
+
+constexpr bool tiny_plan_fits() {
+  const PlanResult r = plan(tiny_model(4), tiny_machine());
   return r.fits && r.choice.chunks >= 1 && r.microbatches == 4;
 }
 
@@ -706,22 +714,11 @@ TEST_CASE("bad grids throw shape_error naming the value and what is allowed") {
 namespace {
 
 constexpr bool tiny_grid_plan() {
-  TransformerSpec m;
-  m.layers = 6;
-  m.hidden = 256;
-  m.heads = 4;
-  m.query_groups = 4;
-  m.seq = 256;
-  m.global_batch = 8;
-  m.vocab = 1000;
-  MachineSpec x;
-  x.ranks = 2;
-  x.device_bytes = 2 * gib;
   GridSpec g;
   g.dp = 2;
   g.zero = 1;
   g.allreduce_bytes_per_s = 1e9;
-  const PlanResult r = plan(m, x, {}, g);
+  const PlanResult r = plan(tiny_model(8), tiny_machine(), {}, g);
   return r.fits && r.microbatches == 4 && r.choice.allreduce_exposed_s > 0 &&
          node_of(NodeLayout::balanced, 16, 8, 0, 12) == 0;
 }
