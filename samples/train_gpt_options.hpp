@@ -36,7 +36,8 @@ using sample::to_real;
 
 inline constexpr const char* usage_text = R"(usage: train_gpt [options]
 
-  --schedule NAME       1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f (default po-f; gis with --ranks 1)
+  --schedule NAME       1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, zb-h2 (--chunks 1),
+                        zb-v, v-half, v-min (--chunks 2) (default po-f; gis with --ranks 1)
   --backend NAME        cpu (default) or cuda: rank r on GPU r (with --comm mpi: the process's local
                         rank), bf16 activations, NCCL messages; needs a CUDA build and D GPUs
   --comm NAME           threads (ranks are threads of this process, default) or mpi (one process per
@@ -282,6 +283,7 @@ inline Options parse(int argc, char** argv) {
   const std::string& n = o.schedule;
   o.spec = sample::schedule_option(n, get("--group") ? std::optional<std::string>(*get("--group")) : std::nullopt,
                                    o.shape.d);
+  o.shape.placement = o.spec.placement;  // which rank holds which stage (the V families: a V)
   if (o.pcie_pairs && (o.mpi || o.cuda))
     throw bad_argument(
         "--pcie-pairs applies only to --backend cpu with thread ranks (MPI processes run unpaired; --backend cuda pairs GPUs by their PCIe switches)");

@@ -51,7 +51,9 @@ inline  /// Rank 0's closing report: peaks, 1F1B-I's simulated peaks, wall time,
   for (int q = 0; q < sh.d; ++q) std::printf(" %s", mib(peaks[3 * static_cast<std::size_t>(q) + 2]).c_str());
   std::printf(")\n");
   if (sh.m % sh.d == 0) {
-    const po::Program ref = po::build({po::Family::interleaved_1f1b, {}, po::offload::none}, sh);
+    po::Shape ish = sh;  // 1F1B-I places its stages interleaved; a stage's unit is the same either way
+    ish.placement = po::Placement::interleaved;
+    const po::Program ref = po::build({po::Family::interleaved_1f1b, {}, po::offload::none}, ish);
     const po::SimResult sim = po::simulate(ref, sizes);
     std::printf("1F1B-I would need, simulated (MiB):          ");
     for (const auto& rs : sim.ranks) std::printf(" %s", mib(rs.peak).c_str());

@@ -182,7 +182,8 @@ TEST_CASE("host bins: the smallest sum of at most three powers of two that holds
   }
 }
 
-TEST_CASE("plan searches 1F1B, 1F1B-I, every legal GIS(g) and PO with 0..v offloaded chunks") {
+TEST_CASE(
+    "plan searches 1F1B, 1F1B-I, every legal GIS(g), PO with 0..v offloaded chunks and the zero-bubble families") {
   const TransformerSpec m = small();
   const PlanResult r = plan(m, small_machine(80));
   std::set<std::tuple<std::string, int, int, int>> seen;
@@ -198,14 +199,23 @@ TEST_CASE("plan searches 1F1B, 1F1B-I, every legal GIS(g) and PO with 0..v offlo
     CHECK(seen.count({"po-f", v, 1, v}) == 1);
   }
   CHECK(seen.count({"po-h", 2, 1, 1}) == 1);
-  CHECK(r.candidates.size() == 1 + 1 + 2 * 5 + 2 + 3);  // no v = 3: 16 slots over 24 stages
+  // The zero-bubble families, plain and with every chunk offloaded.
+  for (const char* n : {"zb-h1", "zb-h2"}) {
+    CHECK(seen.count({n, 1, 0, 0}) == 1);
+    CHECK(seen.count({n, 1, 0, 1}) == 1);
+  }
+  for (const char* n : {"zb-v", "v-half", "v-min"}) {
+    CHECK(seen.count({n, 2, 0, 0}) == 1);
+    CHECK(seen.count({n, 2, 0, 2}) == 1);
+  }
+  CHECK(r.candidates.size() == 1 + 1 + 2 * 5 + 2 + 3 + 2 * 2 + 3 * 2);  // no v = 3: 16 slots over 24 stages
 }
 
 TEST_CASE("every candidate's device bytes are model state + simulated activations + workspace") {
   const PlanResult r = plan(small(), small_machine(80));
   const TransformerSpec m = small();
   for (const PlanCandidate& c : r.candidates) {
-    const detail::Layout L = detail::make_layout(m, small_machine(80), {}, c.chunks);
+    const detail::Layout L = detail::make_layout(m, small_machine(80), {}, c.chunks, {}, c.spec.placement);
     const SimResult sim = simulate(build(c.spec, {8, c.chunks, 16}, L.costs));
     CHECK(sim.makespan == c.iteration_time_s);
     CHECK(sim.bubble_fraction() == c.bubble_fraction);

@@ -282,6 +282,7 @@ TEST_CASE("parse_schedule: every paper name gives its alias's spec and round-tri
   CHECK(po::parse_schedule("po-f") == po::PO_F::spec);
   for (const char* n : {"1f1b", "1f1b-i", "gis", "gis-h", "gis-g", "po", "po-h", "po-f"})
     CHECK(po::schedule_name(po::parse_schedule(n, 3)) == n);
-  CHECK_THROWS_WITH(po::parse_schedule("zb-h1"),
-                    "schedule must be one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, got 'zb-h1'");
+  CHECK_THROWS_WITH(po::parse_schedule("zb-h3"),
+                    "schedule must be one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, "
+                    "po-f, zb-h1, zb-h2, zb-v, v-half, v-min, got 'zb-h3'");
 }

@@ -60,13 +60,13 @@ namespace pipeoffload {
 /// One schedule the planner built and simulated.
 struct PlanCandidate {
   ScheduleSpec spec{};
-  std::string name;                ///< the plan tool's --schedule name: 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f
-  int chunks = 1;                  ///< v
-  int group = 0;                   ///< g of GIS(g) (1 for PO, 0 for 1F1B and 1F1B-I)
-  int offload_chunks = 0;          ///< chunks 0..n-1 offloaded
-  double iteration_time_s = 0;     ///< max(compute_time_s, every rank's last all-reduce end)
-  double compute_time_s = 0;       ///< simulated makespan of the passes alone
-  double allreduce_exposed_s = 0;  ///< iteration_time_s - compute_time_s: all-reduce the cooldown does not hide
+  std::string name;  ///< the plan tool's --schedule name: 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, ...
+  int chunks = 1;    ///< v
+  int group = 0;     ///< g of GIS(g) (1 for PO, 0 for 1F1B and 1F1B-I)
+  int offload_chunks = 0;                 ///< chunks 0..n-1 offloaded
+  double iteration_time_s = 0;            ///< max(compute_time_s, every rank's last all-reduce end)
+  double compute_time_s = 0;              ///< simulated makespan of the passes alone
+  double allreduce_exposed_s = 0;         ///< iteration_time_s - compute_time_s: all-reduce the cooldown does not hide
   std::vector<double> allreduce_s;        ///< per rank: seconds of gradient all-reduce (its stages' sum; 0 with dp = 1)
   std::vector<double> allreduce_end_s;    ///< per rank: when its last all-reduce ends (0 with dp = 1)
   double bubble_fraction = 0;             ///< idle time / makespan, averaged over ranks
@@ -140,6 +140,7 @@ namespace detail {
 struct Layout {
   int v = 1;
   int dp = 1;
+  Placement placement = Placement::interleaved;
   std::vector<StageContent> stages;
   Costs costs;
   std::vector<double> model_state, workspace;  ///< per rank
@@ -163,10 +164,12 @@ constexpr double allreduce_seconds(double P, const PlanBudget& bud, const GridSp
 
 /// Per-stage costs and per-rank fixed memory of one v (grid.dp >= 1).
 constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, const PlanBudget& bud, int v,
-                             const GridSpec& grid = {}) {
+                             const GridSpec& grid = {}, Placement placement = Placement::interleaved) {
   const int d = x.ranks, S = v * d;
+  const Shape where{d, v, 1, placement};
   Layout L;
   L.v = v;
+  L.placement = placement;
   L.dp = grid.dp;
   L.optimizer.assign(static_cast<std::size_t>(d), 0.0);
   L.stages = stage_layout(m, S);
@@ -182,7 +185,7 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
     L.costs.stage_b.push_back(fl.b / x.flops);
     L.costs.stage_w.push_back(fl.w / x.flops);
     L.costs.unit_bytes.push_back(stage_activation_bytes(m, c));
-    const auto r = static_cast<std::size_t>(s % d);
+    const auto r = static_cast<std::size_t>(where.rank_of(s));
     const double P = stage_parameters(m, c);
     if (grid.zero == 1) {
       const double opt = bud.optimizer_bytes_per_parameter * shard_parameters(P, grid.dp);
@@ -292,7 +295,7 @@ constexpr std::string divisors(long long n, int most) {
 constexpr std::string describe(const PlanCandidate& c) {
   std::string s = c.name + " (v=" + num(c.chunks);
   if (c.name == "gis-g") s += ", g=" + num(c.group);
-  if (c.offload_chunks > 0 && c.name == "po") s += ", offload " + num(c.offload_chunks);
+  if (c.offload_chunks > 0 && c.name != "po-h" && c.name != "po-f") s += ", offload " + num(c.offload_chunks);
   return s + ")";
 }
 
@@ -323,6 +326,22 @@ constexpr std::vector<PlanOption> plan_options(int d, int v, int m, bool allow_o
   std::vector<PlanOption> out;
   if (v == 1) out.push_back({{Family::one_f1b, {}, offload::none}, "1f1b", 0, 0});
   if (v >= 2 && m % d == 0) out.push_back({{Family::interleaved_1f1b, {}, offload::none}, "1f1b-i", 0, 0});
+  // The zero-bubble families, plain and with every chunk offloaded (ZB-V, V-Half and V-Min
+  // run on the V placement: plan() evaluates them on a layout of their own).
+  const auto zero_bubble = [&](Family f, const char* name) {
+    const Placement pl = v == 2 ? Placement::vshape : Placement::interleaved;
+    out.push_back({{f, {}, offload::none, pl}, name, 0, 0});
+    if (allow_offload) out.push_back({{f, {}, offload::all, pl}, name, 0, v});
+  };
+  if (v == 1) {
+    zero_bubble(Family::zb_h1, "zb-h1");
+    zero_bubble(Family::zb_h2, "zb-h2");
+  }
+  if (v == 2) {
+    zero_bubble(Family::zb_v, "zb-v");
+    zero_bubble(Family::v_half, "v-half");
+    zero_bubble(Family::v_min, "v-min");
+  }
   const int lo = (d + 1) / 2;
   for (int g = d; g >= lo; --g) {
     if (g == 1 && d == 2) continue;  // GIS(1) on two ranks is PO's order: PO below covers it
@@ -498,11 +517,18 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
   std::vector<detail::Layout> layouts;
   Program program;  // reused by every candidate
   SimResult sim;
+  // One layout per v, and for v = 2 one on the V placement too.
+  const auto layout_of = [&](int v, Placement pl) -> const detail::Layout& {
+    for (const detail::Layout& L : layouts)
+      if (L.v == v && L.placement == pl) return L;
+    return layouts.front();  // not reached: every option's layout is made before it is evaluated
+  };
   for (int v = 1; v <= vmax; ++v) {
     layouts.push_back(detail::make_layout(m, x, bud, v, grid));
+    if (v == 2) layouts.push_back(detail::make_layout(m, x, bud, v, grid, Placement::vshape));
     for (const PlanOption& o : plan_options(d, v, mb, bud.allow_offload)) {
       try {
-        res.candidates.push_back(evaluate(o, layouts.back(), m, x, program, sim));
+        res.candidates.push_back(evaluate(o, layout_of(v, o.spec.placement), m, x, program, sim));
       } catch (const shape_error&) {
         // A copy-slot grid too fine for build() (k tiny against the run): that offload
         // candidate is not planned; its no-offload siblings are.
@@ -520,7 +546,7 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
   }
   res.fits = best != nullptr;
   res.choice = best ? *best : *nearest;
-  const detail::Layout& L = layouts[static_cast<std::size_t>(res.choice.chunks - 1)];
+  const detail::Layout& L = layout_of(res.choice.chunks, res.choice.spec.placement);
   for (const StageContent& c : L.stages) res.layers_per_stage.push_back(c.layers);
   res.model_state_bytes = L.model_state;
   res.workspace_bytes = L.workspace;

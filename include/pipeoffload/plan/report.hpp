@@ -26,7 +26,8 @@ inline std::string plan_command(const PlanResult& r, int ranks) {
   std::string s = "pipeoffload-plan --schedule " + c.name + " --ranks " + detail::num(ranks) + " --chunks " +
                   detail::num(c.chunks) + " --microbatches " + detail::num(r.microbatches);
   if (c.name == "gis-g") s += " --group " + detail::num(c.group);
-  if (c.name == "po" && c.offload_chunks > 0) s += " --offload-chunks " + detail::num(c.offload_chunks);
+  if (c.name != "po-h" && c.name != "po-f" && c.offload_chunks > 0)
+    s += " --offload-chunks " + detail::num(c.offload_chunks);
   char k[32];
   std::snprintf(k, sizeof k, "%.4g", r.k);
   return s + " --k " + k;

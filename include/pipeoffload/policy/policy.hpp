@@ -1,6 +1,6 @@
 // pipeoffload/policy/policy.hpp: the policies a schedule type is composed of.
 //
-// Each policy names its slot (grouping or offload) with a `policy_slot` tag and re-exports its
+// Each policy names its slot (grouping, offload or placement) with a `policy_slot` tag and re-exports its
 // parameters; Schedule<Policies...> (schedule/schedule.hpp) takes them in any order, at most
 // one per slot.
 #pragma once
@@ -13,8 +13,9 @@
 namespace pipeoffload {
 
 namespace slot {
-struct grouping {};  ///< how microbatches are grouped and chunks interleaved (the order family).
-struct offload {};   ///< which chunks' activations go to host memory.
+struct grouping {};   ///< how microbatches are grouped and chunks interleaved (the order family).
+struct offload {};    ///< which chunks' activations go to host memory.
+struct placement {};  ///< which rank holds which stage (Shape::rank_of).
 }  // namespace slot
 
 namespace detail {
@@ -72,6 +73,35 @@ struct MegatronInterleave {
   static constexpr Family family = Family::interleaved_1f1b;
 };
 
+/// The zero-bubble families (split backward; README, "Zero-bubble families"): a memory-capped list
+/// schedule, each family its cap. ZB-H1 and ZB-H2 take v = 1; ZB-V, V-Half and V-Min take
+/// v = 2 on the V placement (compose them with VShape, as their aliases do).
+/// @code
+///   using ZbV = pipeoffload::Schedule<pipeoffload::ZeroBubble<pipeoffload::Family::zb_v>,
+///                                     pipeoffload::VShape>;   // == pipeoffload::ZB_V
+/// @endcode
+template <Family F>
+struct ZeroBubble {
+  static_assert(F == Family::zb_h1 || F == Family::zb_h2 || F == Family::zb_v || F == Family::v_half ||
+                    F == Family::v_min,
+                "ZeroBubble<F>: F must be Family::zb_h1, zb_h2, zb_v, v_half or v_min.");
+  using policy_slot = slot::grouping;
+  static constexpr GroupSpec group_spec{};
+  static constexpr Family family = F;
+};
+
+/// Interleaved placement (the default): stage c*d + r on rank r.
+struct Interleaved {
+  using policy_slot = slot::placement;
+  static constexpr Placement placement = Placement::interleaved;
+};
+
+/// V placement: chunks alternate direction, so with v = 2 rank r holds stages r and 2d-1-r.
+struct VShape {
+  using policy_slot = slot::placement;
+  static constexpr Placement placement = Placement::vshape;
+};
+
 /// Which chunks are offloaded: offload::none, offload::half (chunks 0..ceil(v/2)-1),
 /// offload::all, offload::first(n), or offload::chunks({c0, c1, ...}).
 /// @code
@@ -86,8 +116,8 @@ struct OffloadPolicy {
 
 /// A policy is a type that names its slot.
 template <class P>
-concept policy = requires {
-  typename P::policy_slot;
-} && (std::same_as<typename P::policy_slot, slot::grouping> || std::same_as<typename P::policy_slot, slot::offload>);
+concept policy = requires { typename P::policy_slot; } && (std::same_as<typename P::policy_slot, slot::grouping> ||
+                                                           std::same_as<typename P::policy_slot, slot::offload> ||
+                                                           std::same_as<typename P::policy_slot, slot::placement>);
 
 }  // namespace pipeoffload

@@ -18,7 +18,20 @@ enum class Family : std::uint8_t {
   one_f1b,           ///< 1F1B: v = 1, fused backward (BW).
   interleaved_1f1b,  ///< Megatron's interleaved 1F1B: fused backward, warmup d(v-1)+2(d-i)-1.
   grouped,           ///< GIS(g) building block (split B/W); g = 1 is PipeOffload's uniform repeat.
+  // The zero-bubble families (split B/W; README, "Zero-bubble families"). ZB-H1 is 1F1B with
+  // deferred W passes; the others are a memory-capped list schedule: every rank runs, whenever
+  // it is free, a ready B, else a ready F that keeps its units (and those its microbatches in
+  // flight still need) within the cap, else its oldest pending W.
+  zb_h1,   ///< ZB-H1: v = 1, peak d units (1F1B's rank-0 peak), bubble (d-1)(T_F+T_B-T_W).
+  zb_h2,   ///< ZB-H2: v = 1, cap 2d units, rank 0's warmup bubble filled with forwards.
+  zb_v,    ///< ZB-V: v = 2 on the V placement, cap 2d units (1F1B's peak in bytes).
+  v_half,  ///< V-Half: v = 2 on the V placement, cap d + 2 units.
+  v_min,   ///< V-Min: v = 2 on the V placement, cap d units.
 };
+
+/// Where a schedule puts its stages (Shape::rank_of): interleaved (stage c*d + r on rank r)
+/// or vshape (chunks alternate direction: rank r holds stages r and 2d-1-r when v = 2).
+enum class Placement : std::uint8_t { interleaved, vshape };
 
 namespace group {
 /// Group sizes that depend on d and are resolved when a shape is known.
@@ -97,6 +110,7 @@ struct ScheduleSpec {
   Family family = Family::grouped;
   GroupSpec group{};  ///< meaningful for Family::grouped only.
   offload::selection offload = offload::none;
+  Placement placement = Placement::interleaved;  ///< vshape for zb_v, v_half and v_min.
 
   friend constexpr bool operator==(const ScheduleSpec&, const ScheduleSpec&) = default;
 };

@@ -19,6 +19,7 @@
 // This file only orchestrates; each step is a file of detail/:
 //   checks.hpp         the specs, shapes and costs accepted (step 0)
 //   orders.hpp         step 1, and PO's slot grid (Block)
+//   greedy.hpp         step 1 of the zero-bubble families (a memory-capped list schedule)
 //   asap.hpp           step 2 (the one timing engine, shared with simulate)
 //   offload_place.hpp  step 3: offloads and reloads on the copy-slot grid
 //   edges.hpp          step 3 on PO's grid: peak-keeping edges, PCIe pair parities
@@ -37,6 +38,7 @@
 #include "detail/checks.hpp"
 #include "detail/default_init.hpp"
 #include "detail/edges.hpp"
+#include "detail/greedy.hpp"
 #include "detail/offload_place.hpp"
 #include "detail/orders.hpp"
 #include "detail/p2p.hpp"
@@ -57,6 +59,7 @@ constexpr void build_into(Program& p, const ScheduleSpec& spec, const Shape& sha
   detail::check_costs(costs, shape);
   p.spec = spec;
   p.shape = shape;
+  p.shape.placement = spec.placement;
   p.costs = costs;
   p.group = 0;
   p.ranks.resize(static_cast<std::size_t>(shape.d));
@@ -207,6 +210,15 @@ constexpr void build_into(Program& p, const ScheduleSpec& spec, const Shape& sha
       break;
     case Family::grouped:
       detail::order_grouped(p);
+      break;
+    case Family::zb_h1:
+      detail::order_zb_h1(p);
+      break;
+    case Family::zb_h2:
+    case Family::zb_v:
+    case Family::v_half:
+    case Family::v_min:
+      detail::order_greedy(p, costs, detail::greedy_cap(spec.family, d));
       break;
   }
   // Every other family plans on its compute-only ASAP timeline. Both timelines meet every

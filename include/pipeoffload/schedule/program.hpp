@@ -1,8 +1,8 @@
 // pipeoffload/schedule/program.hpp: what a schedule builds for one shape and cost model.
 //
 // Units (DESIGN.md section 1): d ranks, v chunks per rank, S = v*d stages, m microbatches.
-// Stage s lives on rank s % d as chunk s / d. One activation unit = the saved activations of
-// one stage for one microbatch.
+// Stage s is chunk s / d of its rank; which rank is the placement's choice (Shape::rank_of).
+// One activation unit = the saved activations of one stage for one microbatch.
 #pragma once
 
 #include <cstdint>
@@ -19,16 +19,31 @@ inline constexpr int max_ranks = 4096;
 inline constexpr int max_chunks = 256;
 inline constexpr int max_microbatches = 1 << 16;
 
-/// Pipeline shape: d ranks, v chunks (stages) per rank, m microbatches per iteration.
+/// Pipeline shape: d ranks, v chunks (stages) per rank, m microbatches per iteration, and
+/// where the stages live. Chunk c of every rank holds stages c*d .. c*d + d-1, one per rank:
+///   - interleaved (Megatron's, the paper's): stage c*d + r on rank r, so each chunk's
+///     stages run from rank 0 to rank d-1 and the next chunk starts again on rank 0;
+///   - vshape (zero-bubble V schedules, DualPipeV): chunks alternate direction, stage
+///     c*d + r on rank r for even c and on rank d-1-r for odd c; with v = 2 rank r holds
+///     stages r and 2d-1-r, and stages d-1 and d meet on rank d-1 without a P2P hop.
+/// A schedule's placement is its spec's (ScheduleSpec::placement); build() writes it here.
 struct Shape {
   int d = 1;
   int v = 1;
   int m = 1;
+  Placement placement = Placement::interleaved;
 
   constexpr int stages() const { return d * v; }
-  constexpr int rank_of(int stage) const { return stage % d; }
+  constexpr int rank_of(int stage) const {
+    const int r = stage % d;
+    return placement == Placement::vshape && (stage / d) % 2 == 1 ? d - 1 - r : r;
+  }
   constexpr int chunk_of(int stage) const { return stage / d; }
-  constexpr int stage_of(int rank, int chunk) const { return chunk * d + rank; }
+  constexpr int stage_of(int rank, int chunk) const {
+    return chunk * d + (placement == Placement::vshape && chunk % 2 == 1 ? d - 1 - rank : rank);
+  }
+  /// Do stages s and s + 1 live on different ranks (is there a P2P hop between them)?
+  constexpr bool crosses(int s) const { return rank_of(s) != rank_of(s + 1); }
   friend constexpr bool operator==(const Shape&, const Shape&) = default;
 };
 
@@ -130,8 +145,8 @@ struct Program {
   constexpr int stages() const { return shape.stages(); }
 };
 
-/// Fused backward? (1F1B and 1F1B-I fuse B and W into BW.)
-constexpr bool fused_backward(Family f) { return f != Family::grouped; }
+/// Fused backward? (1F1B and 1F1B-I fuse B and W into BW; every other family splits them.)
+constexpr bool fused_backward(Family f) { return f == Family::one_f1b || f == Family::interleaved_1f1b; }
 
 /// Number of forwards a rank runs before its first B (or BW).
 constexpr int warmup(const RankProgram& rp) {
@@ -143,7 +158,8 @@ constexpr int warmup(const RankProgram& rp) {
   return n;
 }
 
-/// The plan tool's name of a spec: 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f; offload
+/// The plan tool's name of a spec: 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1,
+/// zb-h2, zb-v, v-half, v-min; offload
 /// other than PO's own is appended as "+offload(...)".
 constexpr std::string schedule_name(const ScheduleSpec& s, int v = 0) {
   std::string base;
@@ -165,6 +181,21 @@ constexpr std::string schedule_name(const ScheduleSpec& s, int v = 0) {
         base = "po";
       } else
         base = "gis-g";
+      break;
+    case Family::zb_h1:
+      base = "zb-h1";
+      break;
+    case Family::zb_h2:
+      base = "zb-h2";
+      break;
+    case Family::zb_v:
+      base = "zb-v";
+      break;
+    case Family::v_half:
+      base = "v-half";
+      break;
+    case Family::v_min:
+      base = "v-min";
       break;
   }
   const int n = v > 0 ? offload::count(s.offload, v) : -1;

@@ -38,8 +38,9 @@ struct pick_slot<Slot, Default, P, Ps...> {
 }  // namespace detail
 
 /// A pipeline schedule type composed of policies, in any order, at most one per slot:
-/// a grouping (InterleavePolicy<g>, UniformRepeat, OneF1BOrder, MegatronInterleave; default
-/// GIS) and an offload (OffloadPolicy<...>; default none).
+/// a grouping (InterleavePolicy<g>, UniformRepeat, OneF1BOrder, MegatronInterleave,
+/// ZeroBubble<F>; default GIS), an offload (OffloadPolicy<...>; default none) and a placement
+/// (Interleaved, VShape; default Interleaved).
 /// @code
 ///   using Mine = pipeoffload::Schedule<pipeoffload::OffloadPolicy<pipeoffload::offload::first(1)>,
 ///                                      pipeoffload::InterleavePolicy<pipeoffload::group::half>>;
@@ -50,18 +51,27 @@ template <class... Ps>
 struct Schedule {
   static_assert((policy<Ps> && ...),
                 "pipeoffload::Schedule: every template argument must be a policy, a type with "
-                "`using policy_slot = slot::grouping;` or `using policy_slot = slot::offload;`.");
+                "`using policy_slot = slot::grouping;`, `slot::offload` or `slot::placement`.");
   static_assert(detail::count_slot<slot::grouping, Ps...> <= 1,
                 "pipeoffload::Schedule: two grouping policies were given; choose one of "
                 "InterleavePolicy<g>, UniformRepeat, OneF1BOrder or MegatronInterleave.");
   static_assert(detail::count_slot<slot::offload, Ps...> <= 1,
                 "pipeoffload::Schedule: two offload policies were given; merge them into one "
                 "OffloadPolicy<...>.");
+  static_assert(detail::count_slot<slot::placement, Ps...> <= 1,
+                "pipeoffload::Schedule: two placement policies were given; choose Interleaved or VShape.");
 
   using grouping = typename detail::pick_slot<slot::grouping, InterleavePolicy<group::full>, Ps...>::type;
   using offloading = typename detail::pick_slot<slot::offload, OffloadPolicy<offload::none>, Ps...>::type;
+  using placing = typename detail::pick_slot<slot::placement, Interleaved, Ps...>::type;
 
-  static constexpr ScheduleSpec spec{grouping::family, grouping::group_spec, offloading::selection};
+  static constexpr bool v_family =
+      grouping::family == Family::zb_v || grouping::family == Family::v_half || grouping::family == Family::v_min;
+  static_assert(v_family == (placing::placement == Placement::vshape),
+                "pipeoffload::Schedule: ZB-V, V-Half and V-Min run on the V placement (add VShape), and only "
+                "they do.");
+
+  static constexpr ScheduleSpec spec{grouping::family, grouping::group_spec, offloading::selection, placing::placement};
 
   /// Op lists for `shape` under `costs` (unit costs, k = 1 by default). See pipeoffload::build.
   static constexpr Program build(const Shape& shape, const Costs& costs = {}, Workers threads = {}) {
@@ -84,11 +94,19 @@ using PO = Schedule<UniformRepeat>;                                  ///< PipeOf
 using PO_H = Schedule<UniformRepeat, OffloadPolicy<offload::half>>;  ///< chunks 0..ceil(v/2)-1 offloaded
 using PO_F = Schedule<UniformRepeat, OffloadPolicy<offload::all>>;   ///< every chunk offloaded
 
-/// The names of the paper's schedules, as schedule_name() writes them.
-inline constexpr const char* schedule_names = "1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f";
+// The zero-bubble families (README, "Zero-bubble families").
+using ZB_H1 = Schedule<ZeroBubble<Family::zb_h1>>;            ///< ZB-H1: 1F1B's peak, bubble (d-1)(T_F+T_B-T_W)
+using ZB_H2 = Schedule<ZeroBubble<Family::zb_h2>>;            ///< ZB-H2: up to 2d units, no steady-state bubble
+using ZB_V = Schedule<ZeroBubble<Family::zb_v>, VShape>;      ///< ZB-V: v = 2 as a V, 1F1B's peak in bytes
+using V_Half = Schedule<ZeroBubble<Family::v_half>, VShape>;  ///< V-Half: about half of 1F1B's bytes
+using V_Min = Schedule<ZeroBubble<Family::v_min>, VShape>;    ///< V-Min: about a third of 1F1B's bytes
+
+/// The names of the schedules, as schedule_name() writes them.
+inline constexpr const char* schedule_names =
+    "1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min";
 
 /// The spec of a schedule named as schedule_name() names it (1f1b, 1f1b-i, gis, gis-h, gis-g,
-/// po, po-h, po-f): the alias's own spec (parse_schedule("po-f") == PO_F::spec), and for
+/// po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min): the alias's own spec (parse_schedule("po-f") == PO_F::spec), and for
 /// gis-g the group size `group` (checked against a shape by build). Throws shape_error with
 /// the allowed names for any other name. schedule_name(parse_schedule(n, g)) == n.
 inline ScheduleSpec parse_schedule(std::string_view name, int group = 0) {
@@ -100,6 +118,11 @@ inline ScheduleSpec parse_schedule(std::string_view name, int group = 0) {
   if (name == "po") return PO::spec;
   if (name == "po-h") return PO_H::spec;
   if (name == "po-f") return PO_F::spec;
+  if (name == "zb-h1") return ZB_H1::spec;
+  if (name == "zb-h2") return ZB_H2::spec;
+  if (name == "zb-v") return ZB_V::spec;
+  if (name == "v-half") return V_Half::spec;
+  if (name == "v-min") return V_Min::spec;
   throw shape_error("schedule must be one of " + std::string(schedule_names) + ", got '" + std::string(name) + "'");
 }
 

@@ -175,7 +175,8 @@ constexpr Validation check_p2p_plan(const Program& p) {
       if (producer < 0 || producer >= S)
         return fail_v("rank " + num(r) + ": P2P op " + describe(c) + " has no producing stage");
       const int consumer_rank = sh.rank_of(c.stage), producer_rank = sh.rank_of(producer);
-      if ((c.send ? producer_rank : consumer_rank) != r || (c.send ? consumer_rank : producer_rank) != c.peer || d == 1)
+      if ((c.send ? producer_rank : consumer_rank) != r || (c.send ? consumer_rank : producer_rank) != c.peer ||
+          consumer_rank == producer_rank)
         return fail_v("rank " + num(r) + ": P2P op " + describe(c) + " connects the wrong ranks");
       char& cnt = (c.send ? sends : recvs)[2 * unit(c.stage, c.mb) + (c.dir == Dir::forward ? 0 : 1)];
       if (++cnt > 1) return fail_v("rank " + num(r) + " posts " + describe(c) + " twice");
@@ -185,6 +186,7 @@ constexpr Validation check_p2p_plan(const Program& p) {
       for (int s = 0; s < S; ++s)
         for (int dir = 0; dir < 2; ++dir) {
           if (dir == 0 ? s == 0 : s == S - 1) continue;
+          if (!sh.crosses(dir == 0 ? s - 1 : s)) continue;  // both stages on one rank: no message
           const std::size_t i = 2 * unit(s, mb) + static_cast<std::size_t>(dir);
           if (sends[i] == 1 && recvs[i] == 1) continue;
           return fail_v(std::string("the P2P plan never ") + (sends[i] != 1 ? "sends" : "receives") + " the " +
@@ -197,7 +199,9 @@ constexpr Validation check_p2p_plan(const Program& p) {
 constexpr Validation check_execution(const Program& p) {
   const Shape& sh = p.shape;
   const int d = sh.d, m = sh.m, S = sh.stages();
-  const bool one_rank = d == 1;  // otherwise stages s and s+1 always live on different ranks
+  // Stages s and s + 1 on one rank (d = 1, or where a V turns): the pass reads the other
+  // pass's output, no message.
+  const auto local = [&sh](int s) { return !sh.crosses(s); };
   // Per unit, microbatch-major so neighbouring ranks touch nearby memory: F and B done, and
   // the forward message into the unit's stage and the backward one delivered.
   struct State {
@@ -226,13 +230,13 @@ constexpr Validation check_execution(const Program& p) {
     switch (op.kind) {
       case OpKind::F:
         if (op.stage == 0) return true;
-        return one_rank ? st[unit(op.stage - 1, op.mb)].f != 0 : st[unit(op.stage, op.mb)].fmsg != 0;
+        return local(op.stage - 1) ? st[unit(op.stage - 1, op.mb)].f != 0 : st[unit(op.stage, op.mb)].fmsg != 0;
       case OpKind::B:
       case OpKind::BW: {
         const State& u = st[unit(op.stage, op.mb)];
         if (!u.f) return false;
         if (op.stage == S - 1) return true;
-        return one_rank ? st[unit(op.stage + 1, op.mb)].b != 0 : u.bmsg != 0;
+        return local(op.stage) ? st[unit(op.stage + 1, op.mb)].b != 0 : u.bmsg != 0;
       }
       case OpKind::W:
         return st[unit(op.stage, op.mb)].b != 0;
@@ -360,6 +364,9 @@ constexpr bool proven_valid(const Program& p, Workers threads = {}) {
   const Shape& sh = p.shape;
   const int d = sh.d, v = sh.v, m = sh.m;
   if (d < 1 || d > max_ranks || v < 1 || v > max_chunks || m < 1 || m > max_microbatches) return false;
+  // The proof follows the interleaved ring (stage s + 1 on the next rank); a V placement is
+  // left to the rules and the execution.
+  if (sh.placement != Placement::interleaved) return false;
   if (static_cast<int>(p.ranks.size()) != d) return false;
   const int S = d * v;
   const bool fused = fused_backward(p.spec.family);

@@ -101,8 +101,11 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
   const auto unit = [S](int s, int mb) {
     return static_cast<std::size_t>(mb) * static_cast<std::size_t>(S) + static_cast<std::size_t>(s);
   };
-  // Stages s and s+1 live on different ranks unless d = 1: every hop pays T_comm then.
-  const double hop = d > 1 ? costs.comm : 0.0;
+  // A hop between ranks pays T_comm. Interleaved: stage s - 1 lives on the previous rank of
+  // the ring and s + 1 on the next (the same rank when d = 1); V: wherever rank_of says.
+  const Shape sh = p.shape;
+  const bool vshape = sh.placement == Placement::vshape;
+  const double comm = costs.comm;
 
   // Each rank's state, all a visit touches, side by side.
   struct Lane {
@@ -174,12 +177,13 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
         if (kind == OpKind::F) {
           if (stage > 0) {
             const double* e = &ends[self - 1].f;
+            const int from = vshape ? sh.rank_of(stage - 1) : (r == 0 ? d - 1 : r - 1);
             if (*e < 0) {
               need = e;
-              on = d > 1 ? (r == 0 ? d - 1 : r - 1) : -1;
+              on = from != r ? from : -1;
               break;
             }
-            ready = std::max(ready, *e + hop);
+            ready = std::max(ready, *e + (from != r ? comm : 0.0));
           }
         } else if (kind == OpKind::W) {
           const double e = ends[self].b;
@@ -191,12 +195,13 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
           ready = std::max(ready, e);
           if (stage < S - 1) {
             const double* n = &ends[self + 1].b;
+            const int from = vshape ? sh.rank_of(stage + 1) : (r + 1 == d ? 0 : r + 1);
             if (*n < 0) {
               need = n;
-              on = d > 1 ? (r + 1 == d ? 0 : r + 1) : -1;
+              on = from != r ? from : -1;
               break;
             }
-            ready = std::max(ready, *n + hop);
+            ready = std::max(ready, *n + (from != r ? comm : 0.0));
           }
         }
         if constexpr (WithCopy) {
@@ -263,7 +268,8 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
     L.need = need;
     L.on = on;
     if (moved && d > 1) {
-      // Wake the neighbours that wait for a value this visit produced.
+      // Wake the neighbours that wait for a value this visit produced (on either placement
+      // a rank's messages come from ranks r - 1 and r + 1 of the ring).
       for (int nb : {r + 1 == d ? 0 : r + 1, r == 0 ? d - 1 : r - 1}) {
         const auto nu = static_cast<std::size_t>(nb);
         Lane& N = lanes[nu];

@@ -37,6 +37,17 @@ constexpr void check_shape(const ScheduleSpec& spec, const Shape& s) {
   if (spec.family == Family::interleaved_1f1b && s.m % s.d != 0)
     throw shape_error("1F1B-I (Megatron's interleaved order): microbatches m = " + num(s.m) +
                       " must be a multiple of ranks d = " + num(s.d));
+  const bool zb_line = spec.family == Family::zb_h1 || spec.family == Family::zb_h2;
+  const bool v_family = spec.family == Family::zb_v || spec.family == Family::v_half || spec.family == Family::v_min;
+  if (zb_line) require_range("ZB-H1/ZB-H2: chunks per rank v (one stage per rank)", s.v, 1, 1);
+  if (v_family) require_range("ZB-V/V-Half/V-Min: chunks per rank v (two stages per rank, as a V)", s.v, 2, 2);
+  if (v_family != (spec.placement == Placement::vshape))
+    throw shape_error(std::string("placement: ") +
+                      (v_family ? "ZB-V, V-Half and V-Min need the V placement (VShape)"
+                                : "the V placement (VShape) is only for ZB-V, V-Half and V-Min") +
+                      "; use the schedule's own alias or parse_schedule()");
+  if (s.placement != Placement::interleaved && s.placement != spec.placement)
+    throw shape_error("shape: its placement is not the schedule's (build() takes the placement from the schedule)");
   if (spec.offload.kind == offload::selection::Kind::set && s.v < 64 && (spec.offload.mask >> s.v) != 0)
     throw shape_error("offload::chunks: a listed chunk index is >= v = " + num(s.v) + "; allowed chunks are 0.." +
                       num(s.v - 1));

@@ -30,11 +30,13 @@ constexpr void plan_p2p_rank(Program& p, int r, const End& end) {
     int to_rank = -1;  // -1: every message it sends; else only those to to_rank
     double t = 0;      // planned end of ops[x]
   };
-  // Rank the message produced by `op` on rank `from` goes to, or -1 if it sends none.
-  const auto sends_to = [S, d](const Op& op, int from) {
-    if (op.kind == OpKind::F) return op.stage < S - 1 ? (from + 1 == d ? 0 : from + 1) : -1;
-    if (op.kind == OpKind::B || op.kind == OpKind::BW) return op.stage > 0 ? (from == 0 ? d - 1 : from - 1) : -1;
-    return -1;
+  // Rank the message produced by `op` on rank `from` goes to, or -1 if it sends none (the
+  // first or last stage, or a consumer on the same rank).
+  const auto sends_to = [S, &sh](const Op& op, int from) {
+    int to = -1;
+    if (op.kind == OpKind::F && op.stage < S - 1) to = sh.rank_of(op.stage + 1);
+    if ((op.kind == OpKind::B || op.kind == OpKind::BW) && op.stage > 0) to = sh.rank_of(op.stage - 1);
+    return to != from ? to : -1;
   };
   const auto settle = [&](Cursor& c) {
     for (; c.x < c.n; ++c.x) {

@@ -1,0 +1,190 @@
+// pipeoffload/schedule/detail/greedy.hpp: step 1 of build() for the zero-bubble families: ZB-H1's
+// orders (1F1B with deferred W passes), and for ZB-H2, ZB-V, V-Half and V-Min each rank's order
+// from a memory-capped list schedule.
+//
+// The list schedule is run forward in time under the cost model (T_F, T_B, T_W per stage, T_comm
+// per hop between ranks) and each rank, whenever it is free, starts (README, "Zero-bubble families"):
+//   1. a ready B (its F has run and the gradient from the next stage has arrived): the
+//      lowest microbatch, then the highest stage; B passes are on the critical path of every
+//      rank before this one;
+//   2. else a ready F (its input has arrived; each stage runs its forwards in microbatch
+//      order) that the cap allows: the highest stage first (it brings a microbatch closer to
+//      its backward);
+//   3. else its oldest pending W (a B ran, its W not yet).
+// A unit is held from the start of its F to the end of its W (DESIGN.md section 1). A rank
+// admits the first-chunk F of a microbatch only if its held units plus one unit for each of
+// its later chunks of the microbatches it has admitted (reserved: they will come) plus this
+// microbatch's own units fit the cap; so every admitted microbatch can finish its forward on
+// every rank, and memory never deadlocks (a full rank runs its pending W passes, which free
+// units). Forwards of later chunks use their reservation. The rank's peak is at most the cap.
+// Events are taken in time order; a rank's choice at time t depends only on passes that ended
+// by t, all of which started earlier, so the result does not depend on the order in which
+// ranks with the same time are visited. The run is the ASAP execution of the orders it
+// returns (a rank idles only when nothing it could run is ready).
+#pragma once
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "../program.hpp"
+#include "asap.hpp"
+
+namespace pipeoffload::detail {
+
+/// The per-rank cap, in units, of a zero-bubble family for d ranks (ZB-H1's peak for zb_h1).
+constexpr int greedy_cap(Family f, int d) {
+  switch (f) {
+    case Family::zb_h1:
+      return d;
+    case Family::zb_h2:
+      return 2 * d;
+    case Family::zb_v:
+      return 2 * d;
+    case Family::v_half:
+      return d + 2;
+    case Family::v_min:
+      return std::max(d, 2);
+    default:
+      return 0;
+  }
+}
+
+/// ZB-H1's orders: 1F1B with a split backward whose W passes rank i defers by up to `i`
+/// (README, "Zero-bubble families"). Rank i runs min(d-i, m) forwards, then for each microbatch k its
+/// B(k), the oldest pending W passes while more than i are pending, and its next forward;
+/// then the W passes left. Units held: 1F1B's d-i plus the i deferred, so d on every rank.
+constexpr void order_zb_h1(Program& p) {
+  const int d = p.shape.d, m = p.shape.m;
+  for (int i = 0; i < d; ++i) {
+    auto& ops = p.ranks[static_cast<std::size_t>(i)].compute;
+    ops.reserve(3 * static_cast<std::size_t>(m));
+    int f = 0, w = 0;
+    for (; f < std::min(d - i, m); ++f) ops.push_back({OpKind::F, i, f});
+    for (int k = 0; k < m; ++k) {
+      ops.push_back({OpKind::B, i, k});
+      for (; k + 1 - w > i; ++w) ops.push_back({OpKind::W, i, w});
+      if (f < m) ops.push_back({OpKind::F, i, f++});
+    }
+    for (; w < m; ++w) ops.push_back({OpKind::W, i, w});
+  }
+}
+
+/// Every rank's compute order of a zero-bubble family (see the file comment), for
+/// p.shape (its placement set) under `costs`. Throws schedule_error if the run cannot finish
+/// (it cannot, by the argument above; the check guards the implementation).
+constexpr void order_greedy(Program& p, const Costs& costs, int cap) {
+  const Shape sh = p.shape;
+  const int d = sh.d, v = sh.v, m = sh.m, S = sh.stages();
+  const auto unit = [m](int s, int mb) { return static_cast<std::size_t>(s) * static_cast<std::size_t>(m) + mb; };
+  std::vector<double> fend(static_cast<std::size_t>(S) * static_cast<std::size_t>(m), -1.0), bend(fend);
+  struct Rank {
+    std::vector<int> next_f, next_b;  // per chunk: the next microbatch of its F and of its B
+    std::vector<std::pair<int, int>> pending_w;
+    std::size_t w_head = 0;
+    double free = 0;
+    int held = 0, reserved = 0;
+  };
+  std::vector<Rank> rk(static_cast<std::size_t>(d));
+  for (auto& r : rk) {
+    r.next_f.assign(static_cast<std::size_t>(v), 0);
+    r.next_b.assign(static_cast<std::size_t>(v), 0);
+    r.pending_w.reserve(static_cast<std::size_t>(v) * static_cast<std::size_t>(m));
+  }
+  for (auto& rp : p.ranks) rp.compute.reserve(3 * static_cast<std::size_t>(v) * static_cast<std::size_t>(m));
+  // Decision events (time, rank), earliest first, then lowest rank.
+  struct Event {
+    double t;
+    int r;
+  };
+  const auto later = [](const Event& a, const Event& b) { return a.t != b.t ? a.t > b.t : a.r > b.r; };
+  std::vector<Event> events;
+  const auto push = [&](double t, int r) {
+    events.push_back({t, r});
+    std::push_heap(events.begin(), events.end(), later);
+  };
+  for (int r = 0; r < d; ++r) push(0.0, r);
+  const auto hop = [&](int s) { return sh.crosses(s) ? costs.comm : 0.0; };  // between stages s and s+1
+  std::size_t left = 3 * static_cast<std::size_t>(S) * static_cast<std::size_t>(m);
+  while (!events.empty()) {
+    std::pop_heap(events.begin(), events.end(), later);
+    const Event ev = events.back();
+    events.pop_back();
+    Rank& R = rk[static_cast<std::size_t>(ev.r)];
+    if (R.free > ev.t) continue;  // busy: its own event at R.free decides
+    const double t = ev.t;
+    Op pick{};
+    bool found = false;
+    // 1. A ready B: lowest microbatch, then highest stage.
+    for (int c = 0; c < v; ++c) {
+      const int mb = R.next_b[static_cast<std::size_t>(c)];
+      if (mb >= m) continue;
+      const int s = sh.stage_of(ev.r, c);
+      const double f = fend[unit(s, mb)];
+      if (f < 0 || f > t) continue;
+      if (s < S - 1) {
+        const double g = bend[unit(s + 1, mb)];
+        if (g < 0 || g + hop(s) > t) continue;
+      }
+      if (!found || mb < pick.mb || (mb == pick.mb && s > pick.stage)) {
+        pick = Op{OpKind::B, s, mb};
+        found = true;
+      }
+    }
+    // 2. A ready F the cap allows: highest stage first.
+    if (!found)
+      for (int c = v - 1; c >= 0 && !found; --c) {
+        const int mb = R.next_f[static_cast<std::size_t>(c)];
+        if (mb >= m) continue;
+        const int s = sh.stage_of(ev.r, c);
+        if (s > 0) {
+          const double f = fend[unit(s - 1, mb)];
+          if (f < 0 || f + hop(s - 1) > t) continue;
+        }
+        // The first chunk admits the microbatch (its v units, the later ones reserved).
+        if (c == 0 && R.held + R.reserved + v > cap) continue;
+        pick = Op{OpKind::F, s, mb};
+        found = true;
+      }
+    // 3. The oldest pending W.
+    if (!found && R.w_head < R.pending_w.size()) {
+      const auto [s, mb] = R.pending_w[R.w_head];
+      pick = Op{OpKind::W, s, mb};
+      found = true;
+    }
+    if (!found) continue;  // idle until a message arrives (its producer pushed the event)
+    const double end = t + duration(costs, pick);
+    R.free = end;
+    const int c = sh.chunk_of(pick.stage);
+    switch (pick.kind) {
+      case OpKind::F:
+        fend[unit(pick.stage, pick.mb)] = end;
+        ++R.next_f[static_cast<std::size_t>(c)];
+        ++R.held;
+        R.reserved += c == 0 ? v - 1 : -1;
+        if (pick.stage < S - 1) push(end + hop(pick.stage), sh.rank_of(pick.stage + 1));
+        if (pick.stage == S - 1) push(end, ev.r);
+        break;
+      case OpKind::B:
+        bend[unit(pick.stage, pick.mb)] = end;
+        ++R.next_b[static_cast<std::size_t>(c)];
+        R.pending_w.push_back({static_cast<int>(pick.stage), pick.mb});
+        if (pick.stage > 0) push(end + hop(pick.stage - 1), sh.rank_of(pick.stage - 1));
+        break;
+      case OpKind::W:
+        ++R.w_head;
+        --R.held;
+        break;
+      default:
+        break;
+    }
+    p.ranks[static_cast<std::size_t>(ev.r)].compute.push_back(pick);
+    push(end, ev.r);
+    --left;
+  }
+  if (left != 0)
+    throw schedule_error("zero-bubble list schedule: " + num(static_cast<long long>(left)) +
+                         " passes could not be placed (cap " + num(cap) + " units); this is a bug in pipeoffload");
+}
+
+}  // namespace pipeoffload::detail

@@ -1,0 +1,168 @@
+// tests/schedule/test_zero_bubble.cpp: the V placement and the zero-bubble families (ZB-H1,
+// ZB-H2, ZB-V, V-Half, V-Min): names, placement, validity on every small shape, peaks and
+// unit-cost makespans against the formulas of README, "Zero-bubble families", offload on each.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include <pipeoffload/pipeoffload.hpp>
+
+using namespace pipeoffload;
+
+namespace {
+
+const std::vector<ScheduleSpec>& zero_bubble_specs() {
+  static const std::vector<ScheduleSpec> specs = {ZB_H1::spec, ZB_H2::spec, ZB_V::spec, V_Half::spec, V_Min::spec};
+  return specs;
+}
+
+int chunks_of(const ScheduleSpec& s) { return s.placement == Placement::vshape ? 2 : 1; }
+
+}  // namespace
+
+static_assert(ZB_V::spec.placement == Placement::vshape && V_Half::spec.placement == Placement::vshape &&
+              V_Min::spec.placement == Placement::vshape);
+static_assert(ZB_H1::spec.placement == Placement::interleaved && ZB_H2::spec.placement == Placement::interleaved);
+static_assert(validate(ZB_H1::build({4, 1, 8})));
+static_assert(validate(ZB_V::build({3, 2, 6})));
+
+TEST_CASE("the V placement: rank r holds stages r and 2d-1-r, and stage_of inverts rank_of") {
+  for (int d : {1, 2, 3, 8})
+    for (int v : {1, 2, 3, 4}) {
+      const Shape s{d, v, 1, Placement::vshape};
+      for (int st = 0; st < s.stages(); ++st) {
+        CHECK(s.stage_of(s.rank_of(st), s.chunk_of(st)) == st);
+        const int r = s.rank_of(st), c = s.chunk_of(st);
+        CHECK(r == (c % 2 == 0 ? st - c * d : (c + 1) * d - 1 - st));
+      }
+      if (v == 2)
+        for (int r = 0; r < d; ++r) {
+          CHECK(s.stage_of(r, 0) == r);
+          CHECK(s.stage_of(r, 1) == 2 * d - 1 - r);
+        }
+      // Stages d-1 and d meet on rank d-1 (no hop); every other neighbour pair crosses ranks.
+      for (int st = 0; st + 1 < s.stages(); ++st) CHECK(s.crosses(st) == (d > 1 && (st + 1) % d != 0));
+    }
+}
+
+TEST_CASE("zero-bubble names round-trip through the parser, and bad placements are refused with a sentence") {
+  for (const char* n : {"zb-h1", "zb-h2", "zb-v", "v-half", "v-min"}) {
+    const ScheduleSpec s = parse_schedule(n);
+    CHECK(schedule_name(s, chunks_of(s)) == n);
+  }
+  CHECK(parse_schedule("zb-v") == ZB_V::spec);
+  CHECK(schedule_name(Schedule<ZeroBubble<Family::zb_h1>, OffloadPolicy<offload::all>>::spec, 1) ==
+        "zb-h1+offload(all)");
+  const auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const shape_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK(message([] { (void)ZB_V::build({4, 3, 8}); }).find("chunks per rank v") != std::string::npos);
+  CHECK(message([] { (void)ZB_H1::build({4, 2, 8}); }).find("chunks per rank v") != std::string::npos);
+  ScheduleSpec wrong = GIS::spec;
+  wrong.placement = Placement::vshape;
+  CHECK(message([&] { (void)build(wrong, {4, 2, 8}); }) ==
+        "placement: the V placement (VShape) is only for ZB-V, V-Half and V-Min; use the schedule's own alias or "
+        "parse_schedule()");
+  CHECK(message([] { (void)GIS::build({4, 2, 8, Placement::vshape}); }) ==
+        "shape: its placement is not the schedule's (build() takes the placement from the schedule)");
+}
+
+TEST_CASE("zero-bubble families: every shape d 1..12, m 1..48 validates, with peaks within the family's cap") {
+  for (const ScheduleSpec& spec : zero_bubble_specs())
+    for (int d = 1; d <= 12; ++d)
+      for (int m = 1; m <= 48; ++m) {
+        const int v = chunks_of(spec);
+        const Program p = build(spec, {d, v, m});
+        const Validation ok = validate(p);
+        REQUIRE_MESSAGE(ok, schedule_name(spec, v), " d=", d, " m=", m, ": ", ok.error);
+        CHECK(p.shape.placement == spec.placement);
+        const SimResult sim = simulate(p);
+        const int cap = detail::greedy_cap(spec.family, d);
+        for (int r = 0; r < d; ++r) {
+          CHECK_MESSAGE(sim.ranks[static_cast<std::size_t>(r)].peak <= std::min(cap, v * m), schedule_name(spec, v),
+                        " d=", d, " m=", m, " rank ", r);
+          CHECK(sim.ranks[static_cast<std::size_t>(r)].busy == 3.0 * v * m);
+        }
+        // No schedule beats the lower bound: the last rank starts at d-1 and has 3vm passes.
+        CHECK(sim.makespan >= 3.0 * v * m + d - 1);
+      }
+}
+
+TEST_CASE("zero-bubble ZB-H1 and ZB-H2: peaks and unit-cost makespans equal DESIGN.md's formulas") {
+  for (int d = 1; d <= 12; ++d)
+    for (int m = 1; m <= 48; ++m) {
+      // ZB-H1: every rank min(d, m) units (1F1B's rank-0 peak); makespan 3m + d - 1 for m >= d
+      // (the lower bound), 2m + 2d - 1 below (the first microbatch's chain, then the rest).
+      const double span = m >= d ? 3.0 * m + d - 1 : 2.0 * m + 2 * d - 1;
+      const SimResult h1 = simulate(ZB_H1::build({d, 1, m}));
+      CHECK_MESSAGE(h1.makespan == span, "ZB-H1 d=", d, " m=", m, ": ", h1.makespan);
+      for (int r = 0; r < d; ++r)
+        CHECK_MESSAGE(h1.ranks[static_cast<std::size_t>(r)].peak == std::min(d, m), "ZB-H1 d=", d, " m=", m, " rank ",
+                      r);
+      // ZB-H2: the same makespan under unit costs (both at the bound), rank 0's warmup bubble
+      // filled with forwards: a peak of at most 2d units.
+      const SimResult h2 = simulate(ZB_H2::build({d, 1, m}));
+      CHECK_MESSAGE(h2.makespan == span, "ZB-H2 d=", d, " m=", m, ": ", h2.makespan);
+      CHECK(h2.max_peak() <= 2 * d);
+      // 1F1B's bubble is 3(d-1); ZB-H1's d-1 (m >= d).
+      if (m >= d) CHECK(simulate(OneF1B::build({d, 1, m})).makespan - h1.makespan == 2.0 * (d - 1));
+    }
+}
+
+TEST_CASE("zero-bubble ZB-V, V-Half, V-Min: peaks and makespans at d = 4, 8 (the figures in bench/RESULTS.md)") {
+  // The list schedule's results, kept so that a change shows; ZB-V reaches the bound
+  // 6m + d - 1 at d = 4 (and d <= 4 generally).
+  struct Row {
+    ScheduleSpec spec;
+    int d, m;
+    double makespan, peak;
+  };
+  const Row rows[] = {
+      {ZB_V::spec, 4, 8, 51, 8},      {ZB_V::spec, 4, 16, 99, 8},     {ZB_V::spec, 8, 16, 107, 16},
+      {ZB_V::spec, 8, 32, 203, 16},   {V_Half::spec, 4, 8, 57, 6},    {V_Half::spec, 4, 16, 105, 6},
+      {V_Half::spec, 8, 16, 119, 10}, {V_Half::spec, 8, 32, 215, 10}, {V_Min::spec, 4, 8, 73, 4},
+      {V_Min::spec, 4, 16, 145, 4},   {V_Min::spec, 8, 16, 135, 8},   {V_Min::spec, 8, 32, 243, 8},
+  };
+  for (const Row& row : rows) {
+    const SimResult sim = simulate(build(row.spec, {row.d, 2, row.m}));
+    CHECK_MESSAGE(sim.makespan == row.makespan, schedule_name(row.spec, 2), " d=", row.d, " m=", row.m);
+    CHECK_MESSAGE(sim.max_peak() == row.peak, schedule_name(row.spec, 2), " d=", row.d, " m=", row.m);
+  }
+}
+
+TEST_CASE("zero-bubble families with offload: valid, never above the plain peak, and no execution above the plan") {
+  for (const ScheduleSpec& base : zero_bubble_specs())
+    for (int d : {1, 2, 3, 4, 6})
+      for (int m : {d, 2 * d, 3 * d + 1})
+        for (offload::selection sel : {offload::all, offload::first(1)}) {
+          ScheduleSpec spec = base;
+          spec.offload = sel;
+          const int v = chunks_of(spec);
+          Costs c;
+          c.k = 0.5;
+          c.comm = 0.25;
+          const Program p = build(spec, {d, v, m}, c);
+          const Validation ok = validate(p);
+          REQUIRE_MESSAGE(ok, schedule_name(spec, v), " d=", d, " m=", m, ": ", ok.error);
+          const double planned = simulate(p).max_peak();
+          CHECK(planned <= simulate(build(base, {d, v, m}, c)).max_peak());
+          // The same randomized speed setting as PO-F's: any speeds of passes and copies.
+          for (double k : {0.1, 2.0, 10.0})
+            for (double f : {0.3, 2.5})
+              for (double w : {0.1, 4.0}) {
+                Costs x = p.costs;
+                x.k = k;
+                x.f = f;
+                x.w = w;
+                CHECK_MESSAGE(simulate(p, x).max_peak() <= planned, schedule_name(spec, v), " d=", d, " m=", m,
+                              " k=", k, " f=", f, " w=", w);
+              }
+        }
+}
