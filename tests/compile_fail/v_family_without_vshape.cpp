@@ -1,0 +1,5 @@
+// expect: ZB-V, V-Half and V-Min run on the V placement (add VShape), and only they do.
+#include <pipeoffload/pipeoffload.hpp>
+using Bad = po::Schedule<po::ZeroBubble<po::Family::zb_v>>;
+constexpr auto spec = Bad::spec;
+int main() {}
