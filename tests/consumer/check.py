@@ -6,7 +6,8 @@ run, and build nothing of pipeoffload's own.
                                         bench, samples, tools off, no CUDA) into a temporary
                                         prefix with --tags devel; check what it installed and
                                         its pkg-config file; a CMake project finds it with
-                                        find_package(pipeoffload 0.1 REQUIRED)
+                                        find_package(pipeoffload 0.1 REQUIRED); and
+                                        COMPONENTS cuda fails, saying it is not packaged
   check.py SOURCE_ROOT add_subdirectory a CMake project adds the checkout with add_subdirectory
   check.py SOURCE_ROOT fetch_content    a CMake project gets pipeoffload with FetchContent from a
                                         file:// URL: a .tar.gz of the checkout's files (those git
@@ -109,6 +110,18 @@ def find_package(root, work, consumer_src):
     else:
         print("pkg-config is not installed: its file is not checked")
     cmake_consumer(cmake, ninja, consumer_src, os.path.join(work, "consumer"), {"CMAKE_PREFIX_PATH": prefix})
+    # The CUDA backend is not in the package: asking for it must fail with a reason.
+    cuda_src = os.path.join(work, "wants_cuda")
+    os.makedirs(cuda_src)
+    with open(os.path.join(cuda_src, "CMakeLists.txt"), "w", encoding="utf-8") as f:
+        f.write("cmake_minimum_required(VERSION 3.20)\nproject(wants_cuda LANGUAGES CXX)\n"
+                "find_package(pipeoffload 0.1 REQUIRED COMPONENTS cuda)\n")
+    p = subprocess.run([cmake, "-S", cuda_src, "-B", os.path.join(cuda_src, "build"), "-G", "Ninja",
+                        f"-DCMAKE_MAKE_PROGRAM={ninja}", f"-DCMAKE_PREFIX_PATH={prefix}"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if p.returncode == 0 or "component 'cuda' is not packaged" not in p.stdout:
+        print(p.stdout)
+        fail("find_package(pipeoffload 0.1 REQUIRED COMPONENTS cuda) should fail saying the component is not packaged")
 
 
 def add_subdirectory(root, work, consumer_src):
