@@ -9,7 +9,7 @@ set -euo pipefail
 # is there, so a warm machine skips apt entirely.
 need=()
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-for pkg in meson ninja-build g++ pkg-config cmake doctest-dev python3 chromium libopenblas0-pthread openmpi-bin libopenmpi-dev; do
+for pkg in meson ninja-build g++ pkg-config cmake doctest-dev doxygen python3 chromium libopenblas0-pthread openmpi-bin libopenmpi-dev; do
   have_pkg "$pkg" || need+=("$pkg")
 done
 if [ "${#need[@]}" -gt 0 ]; then

@@ -1,26 +1,34 @@
 #!/usr/bin/env python3
-"""A project that uses pipeoffload, built outside this build one of three ways, must compile,
+"""A project that uses pipeoffload, built outside this build one of four ways, must compile,
 run, and build nothing of pipeoffload's own.
 
   check.py SOURCE_ROOT find_package     meson-install a lean configure of the checkout (tests,
                                         bench, samples, tools off, no CUDA) into a temporary
                                         prefix with --tags devel; check what it installed and
                                         its pkg-config file; a CMake project finds it with
-                                        find_package(pipeoffload 0.1 REQUIRED)
+                                        find_package(pipeoffload 0.1 REQUIRED); and
+                                        COMPONENTS cuda fails, saying it is not packaged
   check.py SOURCE_ROOT add_subdirectory a CMake project adds the checkout with add_subdirectory
+  check.py SOURCE_ROOT fetch_content    a CMake project gets pipeoffload with FetchContent from a
+                                        file:// URL: a .tar.gz of the checkout's files (those git
+                                        tracks or would track), as a release archive, with its
+                                        SHA-256; no network
   check.py SOURCE_ROOT meson_subproject a Meson project with the checkout as subprojects/pipeoffload
 
 Each builds tests/consumer/project/consumer.cpp (a schedule built, validated and simulated; two thread
 ranks trained) and runs it; each asserts the build has one target, the consumer: CMake's
 compile_commands.json has one entry and `ninja -t commands` two commands (compile, link); Meson's
-introspection lists one target. Exit 77 (skip) when cmake, ninja or meson is missing.
+introspection lists one target. CMake's configure must print no warning. Exit 77 (skip) when
+cmake, ninja or meson is missing.
 """
+import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 
 SKIP = 77
@@ -57,8 +65,11 @@ def no_warnings(output, what):
 
 def cmake_consumer(cmake, ninja, consumer_src, build, defines):
     """Configures, builds and runs the CMake consumer; asserts it is the build's only target."""
-    run([cmake, "-S", consumer_src, "-B", build, "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
-         "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"] + [f"-D{k}={v}" for k, v in defines.items()])
+    out = run([cmake, "-S", consumer_src, "-B", build, "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
+               "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"] + [f"-D{k}={v}" for k, v in defines.items()])
+    if "CMake Warning" in out or "CMake Deprecation Warning" in out:
+        print(out)
+        fail("configuring the CMake consumer printed a warning (above)")
     with open(os.path.join(build, "compile_commands.json"), encoding="utf-8") as f:
         entries = json.load(f)
     if [os.path.basename(e["file"]) for e in entries] != ["consumer.cpp"]:
@@ -99,6 +110,18 @@ def find_package(root, work, consumer_src):
     else:
         print("pkg-config is not installed: its file is not checked")
     cmake_consumer(cmake, ninja, consumer_src, os.path.join(work, "consumer"), {"CMAKE_PREFIX_PATH": prefix})
+    # The CUDA backend is not in the package: asking for it must fail with a reason.
+    cuda_src = os.path.join(work, "wants_cuda")
+    os.makedirs(cuda_src)
+    with open(os.path.join(cuda_src, "CMakeLists.txt"), "w", encoding="utf-8") as f:
+        f.write("cmake_minimum_required(VERSION 3.20)\nproject(wants_cuda LANGUAGES CXX)\n"
+                "find_package(pipeoffload 0.1 REQUIRED COMPONENTS cuda)\n")
+    p = subprocess.run([cmake, "-S", cuda_src, "-B", os.path.join(cuda_src, "build"), "-G", "Ninja",
+                        f"-DCMAKE_MAKE_PROGRAM={ninja}", f"-DCMAKE_PREFIX_PATH={prefix}"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if p.returncode == 0 or "component 'cuda' is not packaged" not in p.stdout:
+        print(p.stdout)
+        fail("find_package(pipeoffload 0.1 REQUIRED COMPONENTS cuda) should fail saying the component is not packaged")
 
 
 def add_subdirectory(root, work, consumer_src):
@@ -110,6 +133,36 @@ def add_subdirectory(root, work, consumer_src):
     if meson_version != cmake_version:
         fail(f"CMakeLists.txt says version {cmake_version}, meson.build {meson_version}")
     cmake_consumer(cmake, ninja, consumer_src, os.path.join(work, "consumer"), {"PIPEOFFLOAD_CHECKOUT": root})
+
+
+def source_files(root):
+    """The checkout's files as a release archive would hold them: what git tracks or would track
+    (untracked files not ignored included, so the working tree is tested); without git, every
+    file but .git and the build directories (.gitignore's /build*/)."""
+    if os.path.exists(os.path.join(root, ".git")) and shutil.which("git"):
+        listed = run(["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"])
+        return sorted(f for f in set(listed.split("\0")) if f and os.path.isfile(os.path.join(root, f)))
+    files = []
+    for d, dirs, names in os.walk(root):
+        if d == root:
+            dirs[:] = [x for x in dirs if x != ".git" and not x.startswith("build")]
+        files += [os.path.relpath(os.path.join(d, n), root) for n in names]
+    return sorted(files)
+
+
+def fetch_content(root, work, consumer_src):
+    cmake, ninja = tool("cmake"), tool("ninja")
+    archive = os.path.join(work, "pipeoffload.tar.gz")
+    with tarfile.open(archive, "w:gz") as tar:
+        for f in source_files(root):
+            tar.add(os.path.join(root, f), arcname=os.path.join("pipeoffload", f))
+    with open(archive, "rb") as f:
+        sha256 = hashlib.sha256(f.read()).hexdigest()
+    build = os.path.join(work, "consumer")
+    cmake_consumer(cmake, ninja, consumer_src, build,
+                   {"PIPEOFFLOAD_URL": "file://" + archive, "PIPEOFFLOAD_URL_SHA256": sha256})
+    if not os.path.isfile(os.path.join(build, "_deps", "pipeoffload-src", "include", "pipeoffload", "pipeoffload.hpp")):
+        fail("FetchContent did not unpack the archive into _deps/pipeoffload-src")
 
 
 def meson_subproject(root, work, consumer_src):
@@ -130,7 +183,8 @@ def meson_subproject(root, work, consumer_src):
 
 
 def main():
-    routes = {"find_package": find_package, "add_subdirectory": add_subdirectory, "meson_subproject": meson_subproject}
+    routes = {"find_package": find_package, "add_subdirectory": add_subdirectory, "fetch_content": fetch_content,
+              "meson_subproject": meson_subproject}
     if len(sys.argv) != 3 or sys.argv[2] not in routes:
         print("usage: check.py SOURCE_ROOT " + "|".join(routes), file=sys.stderr)
         return 2

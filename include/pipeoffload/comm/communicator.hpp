@@ -65,7 +65,7 @@ inline std::string describe(const Tag& t) {
 /// copyable type, abort (see the file comment). What the handshake, the gradient norm and
 /// checkpoints need; the concept checks all_gather for double and std::byte.
 /// @code
-///   const std::uint64_t mine[2] = {steps, tokens};
+///   const std::uint64_t mine[2] = {samples, tokens};
 ///   std::vector<std::uint64_t> all(2 * static_cast<std::size_t>(c.size()));
 ///   c.all_gather(std::span<const std::uint64_t>(mine), std::span(all));   // [rank * 2 + i]
 /// @endcode

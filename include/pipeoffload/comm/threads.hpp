@@ -308,7 +308,7 @@ class Threads {
 ///   po::run_thread_ranks(grid, [&](int g) {                 // g in [0, 6)
 ///     po::comm::Threads pipe = grid.pipeline(g);            // rank g % 3 of 3
 ///     po::comm::Threads reps = grid.replicas(g);            // rank g / 3 of 2
-///     ...
+///     // ... a po::Runtime on pipe and reps
 ///   });
 /// @endcode
 class ThreadsGrid {

@@ -41,7 +41,7 @@ std::string type_name() {
 
 /// A non-owning, type-erased reference to one stage whose passes run with context `Ctx`.
 /// @code
-///   Embedding embed(...); Block block(...); Head head(...);   // three types, one rank
+///   Embedding embed; Block block; Head head;   // three layer types, one rank
 ///   std::vector<po::StageRef<po::backend::CpuContext>> mine = {embed, block, head};  // chunk order
 ///   po::Runtime rt(program, dev, comm, mine, {.microbatch = {4, 64}});
 /// @endcode

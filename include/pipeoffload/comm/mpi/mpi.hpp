@@ -110,7 +110,7 @@ class Backoff {
 ///   int main(int argc, char** argv) {
 ///     po::comm::MpiSession mpi(argc, argv);  // throws if MPI lacks MPI_THREAD_MULTIPLE
 ///     po::comm::Mpi comm;                    // a private duplicate of MPI_COMM_WORLD
-///     ...
+///     // ... train with comm
 ///   }
 /// @endcode
 class MpiSession {
@@ -193,7 +193,7 @@ struct MpiAbort {
 /// @code
 ///   po::comm::MpiSession mpi(argc, argv);
 ///   po::comm::Mpi comm({.timeout_seconds = 60});   // collective over MPI_COMM_WORLD
-///   po::Runtime<po::PO_F, MyLayer, po::backend::Cpu, po::comm::Mpi> rt(opts, dev, comm, mine);
+///   po::Runtime<po::PO_F, MyLayer, po::backend::Cpu, po::comm::Mpi> rt({d, v, m}, dev, comm, mine);
 /// @endcode
 class Mpi {
  public:
