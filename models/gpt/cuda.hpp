@@ -161,6 +161,20 @@ class GptStage {
     refresh_working_copy(nullptr);
     // The passes run on non-blocking streams, which do not wait for the legacy stream above.
     PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
+    // cuDNN builds (and compiles, and loads) the SDPA graphs of the microbatch shape now, not
+    // in the first step while another rank's NCCL kernel may run (issue 15's hang class), and
+    // their workspace is checked against the device's. seq = 1 has no backward graph
+    // (attention.hpp); such a stage builds its graphs on first use.
+    if (dims_.blocks > 0 && max_shape.seq >= 2) {
+      const std::size_t need = attention::workspace_bytes(
+          dev.attention_graphs(), attention::Shape{max_shape.batch, static_cast<int>(dims_.heads), max_shape.seq,
+                                                   static_cast<int>(dims_.hidden / dims_.heads)});
+      if (need > dev.options().workspace_bytes)
+        throw error("cuda::GptStage: cuDNN's attention needs a workspace of " + std::to_string(need) +
+                    " bytes for microbatches of " + std::to_string(max_shape.batch) + " x " +
+                    std::to_string(max_shape.seq) + " tokens; backend::Cuda::Options::workspace_bytes = " +
+                    std::to_string(dev.options().workspace_bytes) + " is below it");
+    }
   }
 
   // ---- po::layer_for<GptStage, backend::CudaContext> -------------------------------------------
