@@ -14,6 +14,8 @@
 #include "backend/cuda/cuda.hpp"
 #include "backend/cuda/environment.hpp"
 #include "backend/cuda/gemm.hpp"
+#include "backend/cuda/gemm_key.hpp"
+#include "backend/cuda/gemm_plans.hpp"
 #include "backend/cuda/kernels.hpp"
 #include "backend/cuda/pools.hpp"
 #include "backend/cuda/shapes.hpp"

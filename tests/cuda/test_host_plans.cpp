@@ -20,6 +20,7 @@
 #include <models/gpt/layout.hpp>
 #include <models/gpt/math.hpp>
 #include <pipeoffload/backend/cuda/environment.hpp>
+#include <pipeoffload/backend/cuda/gemm_key.hpp>
 #include <pipeoffload/backend/cuda/pools.hpp>
 #include <pipeoffload/backend/cuda/shapes.hpp>
 #include <pipeoffload/comm/nccl/gather_pieces.hpp>
@@ -346,4 +347,59 @@ TEST_CASE("the embedding gradient's threads, run in any order, give the CPU mode
     }
     CHECK(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0);
   }
+}
+
+// ---- cuBLASLt plans ---------------------------------------------------------------------------
+
+TEST_CASE("a GEMM plan's key holds shape, output type, epilogue and operand alignments, not data or scalars") {
+  const pc::RowMajorGemm f = pc::linear_forward(128, 64, 192);
+  const std::uintptr_t base = 1 << 20;  // 256-byte aligned, as the arena's blocks
+  const pc::GemmKey k = pc::gemm_key(f, pc::Out::bf16, base, base + 4096, base + 8192, 0);
+  CHECK(k == pc::gemm_key(f, pc::Out::bf16, base + 256, base + 512, base + 768, 0));  // other aligned addresses
+  pc::RowMajorGemm scaled = f;
+  scaled.alpha = 2;
+  scaled.beta = 1;
+  CHECK(k == pc::gemm_key(scaled, pc::Out::bf16, base, base + 4096, base + 8192, 0));  // alpha, beta: per call
+  CHECK(k != pc::gemm_key(f, pc::Out::bf16, base + 16, base + 4096, base + 8192, 0));  // A 16-byte aligned
+  CHECK(k != pc::gemm_key(f, pc::Out::f32, base, base + 4096, base + 8192, 0));
+  CHECK(k != pc::gemm_key(pc::linear_dgrad(128, 64, 192), pc::Out::bf16, base, base + 4096, base + 8192, 0));
+  const pc::GemmKey with_bias = pc::gemm_key(f, pc::Out::bf16, base, base + 4096, base + 8192, base + 2);
+  CHECK(with_bias.bias);
+  CHECK(with_bias.align_bias == 2);
+  CHECK(k.align_bias == 1);
+  CHECK(with_bias != k);
+}
+
+TEST_CASE("a GPT stage's GEMMs need a few plans, not one per block: the cache's keys repeat from block to block") {
+  pm::GptConfig cfg;
+  cfg.layers = 24;
+  cfg.hidden = 256;
+  cfg.heads = 4;
+  cfg.seq = 64;
+  const pm::GptDims d = pm::gpt_dims(cfg, 0, 1);
+  const pm::GptStageParams P = pm::gpt_stage_params(d);
+  const long long T = 128, H = d.hidden;
+  // The bf16 working copy, the fp32 gradients and an activation buffer, as cudaMalloc and the
+  // arena align them; w and g address element `off` of block i's group in the first two.
+  const std::uintptr_t work = 1 << 24, grads = 1 << 26, act = 1 << 28;
+  const auto w = [&](int i, long long off) {
+    return work + static_cast<std::uintptr_t>(2 * (P.block_begin(i) - P.blocks_begin + off));
+  };
+  const auto g = [&](int i, long long off) {
+    return grads + static_cast<std::uintptr_t>(4 * (P.block_begin(i) + off));
+  };
+  std::map<pc::GemmKey, int> keys;
+  const pm::GptBlockParams& o = P.block;
+  const long long shapes[4][2] = {{H, 3 * H}, {H, H}, {H, 4 * H}, {4 * H, H}};
+  const long long wts[4] = {o.wqkv, o.wo, o.wfc, o.wpr}, biases[4] = {o.bqkv, o.bo, o.bfc, o.bpr};
+  for (int i = 0; i < d.blocks; ++i)
+    for (int j = 0; j < 4; ++j) {
+      const long long k = shapes[j][0], n = shapes[j][1];
+      ++keys[pc::gemm_key(pc::linear_forward(T, k, n), pc::Out::bf16, act, w(i, wts[j]), act, w(i, biases[j]))];
+      ++keys[pc::gemm_key(pc::linear_dgrad(T, k, n), pc::Out::bf16, act, w(i, wts[j]), act, 0)];
+      ++keys[pc::gemm_key(pc::linear_wgrad(T, k, n), pc::Out::f32, act, act, g(i, wts[j]), 0)];
+    }
+  MESSAGE(keys.size() << " plans for " << 12 * d.blocks << " GEMMs of a step's F, B and W");
+  CHECK(keys.size() <= 12 * 4);  // a block's 12 GEMMs, in the few alignments the groups' offsets take
+  CHECK(keys.size() < static_cast<std::size_t>(12 * d.blocks) / 4);
 }

@@ -24,6 +24,9 @@
 //   - the between-steps operations (download, upload, zero, and the optimizers' sum_squares,
 //     adamw and sgd: backend::updates_parameters) run on a private stream and return once it
 //     is idle; flag_nonfinite enqueues its check on the pass's own stream;
+//   - the PCIe-pair counters' waits (Counter below) are invisible to CUDA's scheduler, so every
+//     stream needs a hardware queue of its own: CUDA_DEVICE_MAX_CONNECTIONS=32, set with eager
+//     module loading before the first CUDA call (backend/cuda/environment.hpp says why);
 //   - synchronize() waits by polling the streams when a communicator has registered a wait
 //     poll (add_wait_poll): comm::Nccl checks there, on the rank's own thread, whether another
 //     rank failed or NCCL reported an error, and aborts its own communicator, which ends the
@@ -57,6 +60,7 @@
 #include "../backend.hpp"
 #include "attention.hpp"
 #include "check.hpp"
+#include "gemm_plans.hpp"
 #include "kernels.hpp"
 #include "pools.hpp"
 #include "shapes.hpp"
@@ -110,6 +114,7 @@ struct CudaContext {
   cuda::attention::Graphs* attention = nullptr;  ///< the SDPA graphs of `dnn`, owned by the backend
   std::byte* workspace = nullptr;                ///< (workspace_bytes) device scratch for cuBLASLt and cuDNN
   std::size_t workspace_bytes = 0;
+  cuda::GemmPlans* gemms = nullptr;  ///< cuBLASLt plans of `lt`, owned by the backend (cuda::gemm)
 };
 
 class Cuda {
@@ -147,6 +152,7 @@ class Cuda {
     PIPEOFFLOAD_CUDA_CHECK(cublasLtCreate(&lt_));
     PIPEOFFLOAD_CUDA_CHECK(cudnnCreate(&dnn_));
     attention_ = std::make_unique<cuda::attention::Graphs>(dnn_, opt_.deterministic_attention);
+    gemms_ = std::make_unique<cuda::GemmPlans>(lt_, round_up(opt_.workspace_bytes));
     // The workspace is carved first and never freed: it is not one of the runtime's kinds.
     workspace_ = carve(round_up(opt_.workspace_bytes));
     // The stream of the blocking between-steps operations (download, upload, zero, sum_squares, adamw, sgd).
@@ -179,6 +185,7 @@ class Cuda {
     }
     if (norm_staging_) cudaFreeHost(norm_staging_);
     attention_.reset();  // its graphs were finalized against dnn_
+    gemms_.reset();      // its descriptors belong to lt_'s device
     if (dnn_) cudnnDestroy(dnn_);
     if (lt_) cublasLtDestroy(lt_);
     cudaFree(slab_);
@@ -273,8 +280,16 @@ class Cuda {
   }
 
   Context context(int stream) {
-    return Context{
-        this, opt_.rank, stream, at(stream), lt_, dnn_, attention_.get(), workspace_, round_up(opt_.workspace_bytes)};
+    return Context{this,
+                   opt_.rank,
+                   stream,
+                   at(stream),
+                   lt_,
+                   dnn_,
+                   attention_.get(),
+                   workspace_,
+                   round_up(opt_.workspace_bytes),
+                   gemms_.get()};
   }
 
   /// Host seconds on a clock shared by every device of the process. The runtime's trace
@@ -520,6 +535,11 @@ class Cuda {
   /// sees it). A stream raises it with cuStreamWriteValue64 after its earlier work and waits
   /// for it with cuStreamWaitValue64 (GEQ); the host never blocks. abort() writes a value far
   /// above any wait's, so a stream parked on it drains (the device is failed by then).
+  /// CUDA's scheduler does not see these waits: a parked stream stalls the hardware queue it
+  /// is mapped to, and with more streams than queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by
+  /// default) a compute or comm stream may share it and wait for the copy, a dependency no
+  /// schedule validated. Processes set 32 queues before their first CUDA call
+  /// (cuda::apply_cuda_environment, backend/cuda/environment.hpp), one per stream.
   class Counter {
    public:
     Counter() {
@@ -563,10 +583,6 @@ class Cuda {
   /// The SDPA graphs of this device's cuDNN handle (a layer builds its shapes' graphs at
   /// construction through it, so that no step builds one: attention::workspace_bytes).
   cuda::attention::Graphs& attention_graphs() { return *attention_; }
-  /// This device's cuBLASLt handle and workspace, for warm-ups outside a stream's work.
-  Context context_on_aux() {
-    return Context{this, opt_.rank, -1, aux_, lt_, dnn_, attention_.get(), workspace_, round_up(opt_.workspace_bytes)};
-  }
   cudaEvent_t event(int e) { return ev(e); }
   int device() const { return opt_.device; }
   const Options& options() const { return opt_; }
@@ -720,6 +736,7 @@ class Cuda {
   cublasLtHandle_t lt_ = nullptr;
   cudnnHandle_t dnn_ = nullptr;
   std::unique_ptr<cuda::attention::Graphs> attention_;  // SDPA graphs of dnn_ (destroyed before it)
+  std::unique_ptr<cuda::GemmPlans> gemms_;              // cuBLASLt plans of lt_ (destroyed before it)
   cudaStream_t aux_ = nullptr;                          // between-steps operations
   Block norms_{};                                       // sum_squares' table, partials and sums (see there)
   std::vector<long long> norm_table_;                   // the table norms_ holds now
