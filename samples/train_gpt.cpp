@@ -271,7 +271,9 @@ std::vector<po::cuda::GptStage> cuda_stages(const Options& o, const Setup& su, p
   std::vector<po::cuda::GptStage> mine;
   mine.reserve(static_cast<std::size_t>(o.shape.v));
   for (int c = 0; c < o.shape.v; ++c)
-    mine.emplace_back(dev, o.model, o.shape.stage_of(r, c), o.shape.stages(), su.runtime.microbatch);
+    // bf16 boundaries: every stage is a GPU stage computing in bf16 (cuda::Boundaries).
+    mine.emplace_back(dev, o.model, o.shape.stage_of(r, c), o.shape.stages(), su.runtime.microbatch,
+                      po::cuda::Boundaries::bf16);
   return mine;
 }
 

@@ -141,7 +141,9 @@ Result run_gpu(const po::Program& prog, const std::vector<int>& devices, bool pa
         {.device = devices[static_cast<std::size_t>(r)], .rank = r, .arena_bytes = std::size_t{1} << 30});
     po::comm::Nccl comm(world, r, dev);
     std::vector<po::cuda::GptStage> mine;
-    for (int c = 0; c < sh.v; ++c) mine.emplace_back(dev, config(), sh.stage_of(r, c), sh.stages(), microbatch);
+    // bf16 boundaries over NCCL (cuda::Boundaries), as train_gpt sends them.
+    for (int c = 0; c < sh.v; ++c)
+      mine.emplace_back(dev, config(), sh.stage_of(r, c), sh.stages(), microbatch, po::cuda::Boundaries::bf16);
     // Every rank's allocations are made before any rank's first NCCL kernel (the runtime's
     // constructor gathers the stage table, then reserves memory): a host barrier before it
     // and after it (NcclWorld::host_barrier says why).
