@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <memory>
@@ -110,21 +111,28 @@ std::vector<std::vector<T>> gather_ragged(Comm& comm, std::span<const T> mine) {
 /// prints (peaks, unit sizes, traces, parameters for the hash). `comm` connects the rank's
 /// pipeline, `replicas` its data-parallel peers (dp of them, replica order). `pair`: the
 /// PCIe-pair link of this rank and rank^1 (thread ranks share one; MPI ranks, separate
-/// processes, run unpaired), or null.
+/// processes, run unpaired), or null. `barrier` lines up the ranks that share this process
+/// and its GPUs' driver (--backend cuda --comm threads: NcclWorld::host_barrier) after each
+/// rank has made its allocations and before its first NCCL kernel: once before the handshake
+/// (the stages are built) and once before the first step (the runtime and optimizer are).
 template <class Comm, class Device, class Layer>
-void train_rank(const Options& o, const Setup& su, Comm& comm, Comm& replicas, Device& dev, std::vector<Layer>& mine,
-                std::chrono::steady_clock::time_point t_start, po::PairLink<Device>* pair = nullptr) {
+void train_rank(
+    const Options& o, const Setup& su, Comm& comm, Comm& replicas, Device& dev, std::vector<Layer>& mine,
+    std::chrono::steady_clock::time_point t_start, po::PairLink<Device>* pair = nullptr,
+    const std::function<void()>& barrier = [] {}) {
   const int r = comm.rank(), replica = replicas.rank();
   const bool lead = r == 0 && replica == 0;  // global rank 0 prints
   const po::Shape sh = o.shape;
   const po::MicrobatchShape mbs = su.runtime.microbatch;
   const std::size_t seq = static_cast<std::size_t>(o.model.seq);
+  barrier();
   // Before the first pipeline message: every rank must run the same configuration.
   po::handshake(comm, su.fields);
   po::handshake(replicas, su.fields);
   po::Runtime rt(po::build(o.spec, sh, su.costs), dev, comm, replicas, std::span<Layer>(mine), su.runtime);
   if (pair != nullptr) rt.pair_with(*pair);
   po::AdamW opt(rt, su.adamw);
+  barrier();
   int first = 0;
   if (!o.resume.empty()) {
     const po::CheckpointInfo info = po::load_checkpoint(o.resume, rt, opt, su.config_hash);
@@ -263,7 +271,9 @@ std::vector<po::cuda::GptStage> cuda_stages(const Options& o, const Setup& su, p
   std::vector<po::cuda::GptStage> mine;
   mine.reserve(static_cast<std::size_t>(o.shape.v));
   for (int c = 0; c < o.shape.v; ++c)
-    mine.emplace_back(dev, o.model, o.shape.stage_of(r, c), o.shape.stages(), su.runtime.microbatch);
+    // bf16 boundaries: every stage is a GPU stage computing in bf16 (cuda::Boundaries).
+    mine.emplace_back(dev, o.model, o.shape.stage_of(r, c), o.shape.stages(), su.runtime.microbatch,
+                      po::cuda::Boundaries::bf16);
   return mine;
 }
 
@@ -305,7 +315,7 @@ int run_cuda_threads(const Options& o, Setup su) {
     po::comm::Nccl comm(pipe_world, pipe_world->rank(), dev);
     po::comm::Nccl replicas(reps_world, reps_world->rank(), dev);
     std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, r);
-    train_rank(o, su, comm, replicas, dev, mine, t_start, link_of(links, g));
+    train_rank(o, su, comm, replicas, dev, mine, t_start, link_of(links, g), [&] { world->host_barrier(); });
   });
   return exit_status(errors);
 }
@@ -441,6 +451,9 @@ int run_mpi(Options& o, const sample::Tokens& tokens, const std::optional<sample
 }  // namespace
 
 int main(int argc, char** argv) {
+#ifdef PIPEOFFLOAD_WITH_CUDA
+  po::cuda::apply_cuda_environment();  // before any CUDA call: backend/cuda/environment.hpp says why
+#endif
   Options o;
   try {
     o = train_gpt::parse(argc, argv);

@@ -10,7 +10,8 @@
 //     LayerNorm statistics, attention log-sum-exps, logits and losses are fp32;
 //   - GEMMs run on cuBLASLt (cuda::gemm: bf16 operands, fp32 accumulation) with a bf16 working
 //     copy of the parameters, refreshed from the fp32 master by the forward of microbatch 0
-//     (every iteration's first pass of a stage, after the previous step's update);
+//     (every iteration's first pass of a stage, after the previous step's update); the linear
+//     layers' biases are the GEMM's epilogue (cuda::gemm_bias);
 //   - attention is cuDNN's fused causal SDPA: F keeps qkv, the attention output and the
 //     log-sum-exps; B recomputes the probabilities inside cuDNN's backward (no s x s matrix);
 //   - the rest are thin kernels (kernels.hpp) over math.hpp's functions.
@@ -30,7 +31,8 @@
 // Every pass checks its arguments on the host, enqueues work on ctx.cuda_stream and returns
 // (po::layer_for's asynchronous contract): the last stage's forward writes the microbatch's
 // mean loss to mb.loss on the device. The interface is model::GptStage's: fp32 boundaries
-// (input_boundary/output_boundary, converted to and from bf16 inside the stage), the step
+// (input_boundary/output_boundary, converted to and from bf16 inside the stage; or bf16 ones,
+// Boundaries::bf16, which halve what crosses NCCL and give the same results), the step
 // inputs "tokens" (stage 0) and "targets" (the last stage) as int32 (inputs()), the same
 // parameter_info() names and offsets, and no dropout when !mb.training (Runtime::evaluate).
 // Tokens and targets are read on the device, where nothing can throw: a token outside the
@@ -122,6 +124,18 @@ class DeviceMemory {
 
 }  // namespace detail
 
+/// How a cuda::GptStage's boundary tensors (input_boundary, output_boundary) travel.
+enum class Boundaries : std::uint8_t {
+  /// fp32, model::GptStage's: a pipeline may mix CPU and GPU stages, and tests compare a GPU
+  /// stage's y and dx with the CPU stage's directly.
+  f32,
+  /// bf16, the stage's own activations and gradients as they are: half the bytes over NCCL and
+  /// the same results, since an fp32 boundary only widens bf16 values, which the next stage
+  /// rounds back to the same bf16 exactly. Every stage of the pipeline must use it (the runtime
+  /// checks that producer and consumer agree). train_gpt's CUDA launchers use it.
+  bf16,
+};
+
 /// Stage `stage` of `stages` of the reference GPT (model::GptConfig) on a GPU; see the file
 /// comment. Models po::layer_for<cuda::GptStage, backend::CudaContext>.
 class GptStage {
@@ -131,14 +145,15 @@ class GptStage {
   /// Starts from model::GptStage(cfg, stage, stages)'s initial parameters (built on the CPU,
   /// so a GPU run starts from exactly a CPU run's parameters); microbatches of at most
   /// max_shape.tokens() tokens and max_shape.seq <= cfg.seq.
-  GptStage(backend::Cuda& dev, const model::GptConfig& cfg, int stage, int stages, MicrobatchShape max_shape)
-      : GptStage(dev, cfg, stage, stages, max_shape, model::GptStage(cfg, stage, stages).parameters()) {}
+  GptStage(backend::Cuda& dev, const model::GptConfig& cfg, int stage, int stages, MicrobatchShape max_shape,
+           Boundaries boundaries = Boundaries::f32)
+      : GptStage(dev, cfg, stage, stages, max_shape, model::GptStage(cfg, stage, stages).parameters(), boundaries) {}
 
   /// Starts from `initial`: the parameters() of a model::GptStage(cfg, stage, stages), e.g. a
   /// CPU run's current ones (same layout, copied as they are).
   GptStage(backend::Cuda& dev, const model::GptConfig& cfg, int stage, int stages, MicrobatchShape max_shape,
-           std::span<const float> initial)
-      : cfg_(cfg), max_(max_shape), device_(dev.device()) {
+           std::span<const float> initial, Boundaries boundaries = Boundaries::f32)
+      : cfg_(cfg), max_(max_shape), device_(dev.device()), boundaries_(boundaries) {
     dims_ = model::gpt_dims(cfg, stage, stages);
     params_ = model::gpt_stage_params(dims_);
     if (max_shape.batch < 1 || max_shape.seq < 1 || max_shape.seq > cfg.seq)
@@ -161,12 +176,25 @@ class GptStage {
     refresh_working_copy(nullptr);
     // The passes run on non-blocking streams, which do not wait for the legacy stream above.
     PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
+    // cuDNN builds (and compiles, and loads) the SDPA graphs of the microbatch shape now, not
+    // in the first step while another rank's NCCL kernel may run (issue 15's hang class), and
+    // their workspace is checked against the device's. seq = 1 has no backward graph
+    // (attention.hpp); such a stage builds its graphs on first use.
+    if (dims_.blocks > 0 && max_shape.seq >= 2) {
+      const std::size_t need = attention::workspace_bytes(
+          dev.attention_graphs(), attention::Shape{max_shape.batch, static_cast<int>(dims_.heads), max_shape.seq,
+                                                   static_cast<int>(dims_.hidden / dims_.heads)});
+      if (need > dev.options().workspace_bytes)
+        throw error("cuda::GptStage: cuDNN's attention needs a workspace of " + std::to_string(need) +
+                    " bytes for microbatches of " + std::to_string(max_shape.batch) + " x " +
+                    std::to_string(max_shape.seq) + " tokens; backend::Cuda::Options::workspace_bytes = " +
+                    std::to_string(dev.options().workspace_bytes) + " is below it");
+    }
   }
 
   // ---- po::layer_for<GptStage, backend::CudaContext> -------------------------------------------
 
-  /// model::GptStage's boundaries: (tokens, hidden) fp32 both ways (bf16 boundaries are a
-  /// later change, which must change the CPU stage's too: producer and consumer must agree).
+  /// (tokens, hidden) both ways, fp32 (model::GptStage's) or bf16 (see Boundaries).
   Boundary input_boundary(MicrobatchShape sh) const { return boundary(sh); }
   Boundary output_boundary(MicrobatchShape sh) const { return boundary(sh); }
   /// model::GptStage's step inputs: int32 "tokens" on stage 0, "targets" on the last stage.
@@ -182,8 +210,8 @@ class GptStage {
 
   void forward(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
     const Pass p = begin("forward", ctx, mb, saved, nullptr, false);
-    const float* x = boundary_data(xt, !dims_.embeds, "forward", "x", "only stage 0 reads tokens instead", p.T);
-    float* y = boundary_data(yt, !dims_.has_head, "forward", "y", "only the last stage has no output", p.T);
+    const std::byte* x = boundary_data(xt, !dims_.embeds, "forward", "x", "only stage 0 reads tokens instead", p.T);
+    std::byte* y = boundary_data(yt, !dims_.has_head, "forward", "y", "only the last stage has no output", p.T);
     const std::int32_t* tokens = dims_.embeds ? step_input(mb, "tokens", "forward", p.T) : nullptr;
     const std::int32_t* targets = dims_.has_head ? step_input(mb, "targets", "forward", p.T) : nullptr;
     if (dims_.has_head && mb.loss == nullptr) throw error(who("forward") + ": mb.loss is null on the last stage");
@@ -197,7 +225,7 @@ class GptStage {
     if (dims_.embeds)
       kernels::embedding_forward(tokens, master(), master() + params_.wpe, in, T, mb.shape.seq, h(), V(), p.s);
     else
-      kernels::to_bf16(x, in, T * h(), p.s);
+      from_boundary(x, in, p);
     for (int i = 0; i < dims_.blocks; ++i) {
       bf16* out = i + 1 < dims_.blocks ? saved_block(saved, p, i + 1).x
                   : dims_.has_head     ? head_x(saved, p)
@@ -207,24 +235,25 @@ class GptStage {
     if (dims_.has_head)
       head_forward(ctx, mb, p, saved, targets);
     else
-      kernels::to_float(scratch<bf16>(p.ws.io), y, T * h(), p.s);
+      to_boundary(scratch<bf16>(p.ws.io), y, p);
   }
 
   void backward_input(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved,
                       std::byte* stash) {
     const Pass p = begin("backward_input", ctx, mb, saved, stash, true);
-    const float* dy =
+    const std::byte* dy =
         boundary_data(dyt, !dims_.has_head, "backward_input", "dy", "only the last stage starts from its loss", p.T);
-    float* dx = boundary_data(dxt, !dims_.embeds, "backward_input", "dx", "only stage 0 has no input gradient", p.T);
+    std::byte* dx =
+        boundary_data(dxt, !dims_.embeds, "backward_input", "dx", "only stage 0 has no input gradient", p.T);
     // (T, h) bf16 gradient flowing down through the blocks. Stage 0 keeps the last one in the
     // stash, where W's embedding gradient reads it.
     bf16* g = dims_.embeds ? at<bf16>(stash, p.buf.stash_embed) : scratch<bf16>(p.ws.io);
     if (dims_.has_head)
       head_backward_input(ctx, p, saved, stash, g);
     else
-      kernels::to_bf16(dy, g, p.T * h(), p.s);
+      from_boundary(dy, g, p);
     for (int i = dims_.blocks - 1; i >= 0; --i) block_backward_input(ctx, mb, p, i, saved, stash, g);
-    if (!dims_.embeds) kernels::to_float(g, dx, p.T * h(), p.s);
+    if (!dims_.embeds) to_boundary(g, dx, p);
   }
 
   void backward_weight(backend::CudaContext& ctx, const Microbatch& mb, std::byte* saved, std::byte* stash) {
@@ -279,24 +308,28 @@ class GptStage {
            std::to_string(dims_.first_block + dims_.blocks) + ")::" + pass;
   }
 
+  DType boundary_dtype() const { return boundaries_ == Boundaries::bf16 ? DType::bfloat16 : DType::float32; }
   Boundary boundary(MicrobatchShape sh) const {
-    return {static_cast<std::size_t>(sh.tokens() * dims_.hidden), DType::float32};
+    return {static_cast<std::size_t>(sh.tokens() * dims_.hidden), boundary_dtype()};
   }
 
-  /// A boundary view's fp32 data, checked on the host: present exactly when the stage uses it
-  /// (`used`; `why_absent` says when it is not), and of the microbatch's (T, h) size.
+  /// A boundary view's data, checked on the host: present exactly when the stage uses it
+  /// (`used`; `why_absent` says when it is not), of the stage's boundary type and of the
+  /// microbatch's (T, h) size.
   template <class View>
   auto boundary_data(View t, bool used, const char* pass, const char* name, const char* why_absent, long long T) const
-      -> decltype(t.template as<float>()) {
-    if (!used) return t.template as<float>();  // the runtime passes an empty view; nothing reads it
+      -> decltype(t.data) {
+    if (!used) return t.data;  // the runtime passes an empty view; nothing reads it
     if (!t) throw error(who(pass) + ": " + name + " is empty; " + why_absent);
     const std::size_t want = static_cast<std::size_t>(T * dims_.hidden);
     if (t.elements != want)
       throw shape_error(who(pass) + ": " + name + " holds " + std::to_string(t.elements) + " values; a microbatch of " +
                         std::to_string(T) + " tokens needs tokens * hidden = " + std::to_string(want));
-    return t.template as<float>();  // throws unless float32
+    if (t.dtype != boundary_dtype())
+      throw error(who(pass) + ": " + name + " holds " + dtype_name(t.dtype) + " values; this stage's boundaries are " +
+                  dtype_name(boundary_dtype()) + " (its Boundaries option)");
+    return t.data;
   }
-
   /// The step input `name` of this microbatch (device memory, the runtime's copy), checked on
   /// the host: declared in inputs(), int32, one value per token; the kernels read it.
   const std::int32_t* step_input(const Microbatch& mb, const char* name, const char* pass, long long T) const {
@@ -340,6 +373,22 @@ class GptStage {
     return p;
   }
 
+  /// A (T, h) boundary into the stage's bf16, and back: a conversion (fp32) or a copy (bf16).
+  void from_boundary(const std::byte* b, bf16* out, const Pass& p) const {
+    if (boundaries_ == Boundaries::bf16)
+      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(out, b, static_cast<std::size_t>(p.T * dims_.hidden) * sizeof(bf16),
+                                             cudaMemcpyDeviceToDevice, p.s));
+    else
+      kernels::to_bf16(reinterpret_cast<const float*>(b), out, p.T * h(), p.s);
+  }
+  void to_boundary(const bf16* in, std::byte* b, const Pass& p) const {
+    if (boundaries_ == Boundaries::bf16)
+      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(b, in, static_cast<std::size_t>(p.T * dims_.hidden) * sizeof(bf16),
+                                             cudaMemcpyDeviceToDevice, p.s));
+    else
+      kernels::to_float(in, reinterpret_cast<float*>(b), p.T * h(), p.s);
+  }
+
   /// One block's saved tensors (null where recompute leaves a region out).
   struct Saved {
     bf16 *x, *qkv, *att, *x1, *f, *a1, *a2, *g;
@@ -378,12 +427,16 @@ class GptStage {
   }
 
   // ---- one block -----------------------------------------------------------------------------
-  // Y = X W + b as models/gpt/cpu.hpp's linear: the GEMM rounds to bf16, then the fp32 bias is added.
+  // Y = X W + b as models/gpt/cpu.hpp's linear. The bias is cuBLASLt's epilogue: the working
+  // copy's bf16 bias added in fp32 to the accumulator before Y's one rounding to bf16 (the CPU
+  // adds its fp32 bias in fp32; the GPU stage is held to the CPU within bf16 tolerance, never
+  // bit for bit). Where cuBLASLt offers no such algorithm, the fp32 bias is added after the
+  // GEMM's rounding instead (kernels::add_bias).
 
-  void linear(const backend::CudaContext& ctx, const Pass& p, const bf16* X, const bf16* W, const float* b, bf16* Y,
-              long long k, long long n) const {
-    gemm(ctx, linear_forward(p.T, k, n), X, W, Y, Out::bf16);
-    kernels::add_bias(Y, b, p.T, static_cast<int>(n), p.s);
+  void linear(const backend::CudaContext& ctx, const Pass& p, const bf16* X, const bf16* W, const bf16* b16,
+              const float* b, bf16* Y, long long k, long long n) const {
+    if (!gemm_bias(ctx, linear_forward(p.T, k, n), X, W, Y, Out::bf16, b16))
+      kernels::add_bias(Y, b, p.T, static_cast<int>(n), p.s);
   }
   /// dW (k, n) += X^T dY ; db (n) += column sums of dY.
   void linear_weight_grad(const backend::CudaContext& ctx, const Pass& p, const bf16* X, const bf16* dY, float* dW,
@@ -401,19 +454,19 @@ class GptStage {
     bf16* proj = scratch<bf16>(p.ws.proj);  // (T, h) projection output before its residual
     bf16* a1 = cfg_.recompute ? scratch<bf16>(p.ws.ln) : v.a1;
     kernels::layernorm_forward(v.x, param(i, o.ln1g), param(i, o.ln1b), a1, v.stats, T, h(), p.s);
-    linear(ctx, p, a1, weight(i, o.wqkv), param(i, o.bqkv), v.qkv, H, 3 * H);
+    linear(ctx, p, a1, weight(i, o.wqkv), weight(i, o.bqkv), param(i, o.bqkv), v.qkv, H, 3 * H);
     attention::forward(*ctx.attention, p.s, p.att, v.qkv, v.att, v.lse, ctx.workspace, ctx.workspace_bytes);
-    linear(ctx, p, v.att, weight(i, o.wo), param(i, o.bo), proj, H, H);
+    linear(ctx, p, v.att, weight(i, o.wo), weight(i, o.bo), param(i, o.bo), proj, H, H);
     if (cfg_.recompute)
       kernels::residual_dropout(v.x, proj, v.x1, T * H, drop_seed(mb, i, 0), drop, p.s);
     else
       kernels::residual_dropout_mask(v.x, proj, v.x1, v.m1, T * H, drop_seed(mb, i, 0), drop, p.s);
     bf16* a2 = cfg_.recompute ? scratch<bf16>(p.ws.ln) : v.a2;
     kernels::layernorm_forward(v.x1, param(i, o.ln2g), param(i, o.ln2b), a2, v.stats + 2 * T, T, h(), p.s);
-    linear(ctx, p, a2, weight(i, o.wfc), param(i, o.bfc), v.f, H, 4 * H);
+    linear(ctx, p, a2, weight(i, o.wfc), weight(i, o.bfc), param(i, o.bfc), v.f, H, 4 * H);
     bf16* g = cfg_.recompute ? scratch<bf16>(p.ws.gelu) : v.g;
     kernels::gelu_forward(v.f, g, 4 * T * H, p.s);
-    linear(ctx, p, g, weight(i, o.wpr), param(i, o.bpr), proj, 4 * H, H);
+    linear(ctx, p, g, weight(i, o.wpr), weight(i, o.bpr), param(i, o.bpr), proj, 4 * H, H);
     if (cfg_.recompute)
       kernels::residual_dropout(v.x1, proj, out, T * H, drop_seed(mb, i, 1), drop, p.s);
     else
@@ -495,8 +548,10 @@ class GptStage {
     float* logits = scratch<float>(p.ws.logits);  // (T, V) fp32, then the loss gradient in place
     float* losses = scratch<float>(p.ws.losses);
     kernels::layernorm_forward(x, head_param(params_.lnfg), head_param(params_.lnfb), a, stats, p.T, h(), p.s);
-    gemm(ctx, linear_forward(p.T, dims_.hidden, dims_.vocab), a, head_weight(params_.head_w), logits, Out::f32);
-    kernels::add_bias(logits, head_param(params_.head_b), p.T, V(), p.s);
+    // fp32 logits with the fp32 bias in cuBLASLt's epilogue (or after the GEMM where it has none).
+    if (!gemm_bias(ctx, linear_forward(p.T, dims_.hidden, dims_.vocab), a, head_weight(params_.head_w), logits,
+                   Out::f32, head_param(params_.head_b)))
+      kernels::add_bias(logits, head_param(params_.head_b), p.T, V(), p.s);
     // As models/gpt/cpu.hpp: the loss gradient is computed with the loss, scaled by loss_scale / T.
     kernels::softmax_xent(logits, targets, losses, logits, p.T, V(), mb.loss_scale / static_cast<float>(p.T), p.s);
     kernels::to_bf16(logits, at<bf16>(hp, p.buf.head.dlogits), p.T * dims_.vocab, p.s);
@@ -529,6 +584,7 @@ class GptStage {
   model::GptConfig cfg_;
   MicrobatchShape max_;
   int device_ = 0;
+  Boundaries boundaries_ = Boundaries::f32;
   model::GptDims dims_{};
   model::GptStageParams params_{};
   detail::DeviceMemory master_;   // (total) fp32 parameters, the optimizer's

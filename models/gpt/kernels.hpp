@@ -68,7 +68,9 @@ void bias_grad(const bf16* dy, float* db, long long rows, int n, cudaStream_t st
 /// host cannot throw for a device-side value; the step's finite-gradient check catches it).
 void embedding_forward(const std::int32_t* tokens, const float* wte, const float* wpe, bf16* out, long long rows,
                        int seq, int h, int vocab, cudaStream_t stream);
-/// dwte[token] += d, dwpe[row % seq] += d, one thread per column in row order (deterministic).
+/// dwte[token] += d, dwpe[row % seq] += d: each cell of either table is one thread's, adding
+/// its rows in row order (the CPU model's order, so the same bits; cuda::embedding_cell_owner).
+/// rows must be a whole number of sequences of seq.
 void embedding_backward(const std::int32_t* tokens, const bf16* d, float* dwte, float* dwpe, long long rows, int seq,
                         int h, int vocab, cudaStream_t stream);
 

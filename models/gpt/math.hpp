@@ -242,4 +242,22 @@ PIPEOFFLOAD_HOST_DEVICE inline float softmax_xent_grad(float logit, float lse, b
   return scale * (std::exp(logit - lse) - (is_target ? 1.0f : 0.0f));
 }
 
+// ---- The embedding's gradient ---------------------------------------------------------------
+
+/// What the thread that owns the token-table cells (t, c) for the tokens t of `bucket` (t %
+/// buckets == bucket) does (cuda::embedding_cell_owner): for r = 0, 1, ..., rows - 1 in order,
+/// when tokens[r] is in [0, vocab) and in the bucket, dwte[tokens[r] * h + c] += grad(r * h + c).
+/// Each cell thus adds its token's rows in row order, as the CPU model's loop does. `grad`
+/// reads one value of the (rows, h) gradient (bf16 on the GPU, float in tests).
+template <class Grad>
+PIPEOFFLOAD_HOST_DEVICE inline void embedding_grad_cells(const std::int32_t* tokens, long long rows, const Grad& grad,
+                                                         float* dwte, long long h, int vocab, unsigned bucket,
+                                                         unsigned buckets, long long c) {
+  for (long long r = 0; r < rows; ++r) {
+    const std::int32_t t = tokens[r];
+    if (t >= 0 && t < vocab && static_cast<unsigned>(t) % buckets == bucket)
+      dwte[static_cast<long long>(t) * h + c] += grad(r * h + c);
+  }
+}
+
 }  // namespace pipeoffload::math

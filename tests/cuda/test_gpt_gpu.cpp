@@ -399,6 +399,62 @@ TEST_CASE("cuda::GptStage matches model::GptStage as one stage holding the whole
   for (int s = 0; s < 3; ++s) check_stage(test_config(2, true), s, 3);
 }
 
+TEST_CASE("cuda::GptStage with bf16 boundaries gives the bits it gives with fp32 boundaries (a middle stage's y, dx)") {
+  const po::model::GptConfig c = test_config(6, true);
+  const int stage = 1, stages = 3;
+  const po::MicrobatchShape shape{2, 32};
+  po::model::GptStage cpu(c, stage, stages);
+  po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
+  const int s = dev.make_stream("compute");
+  pc::GptStage wide(dev, c, stage, stages, shape, cpu.parameters());
+  pc::GptStage narrow(dev, c, stage, stages, shape, cpu.parameters(), pc::Boundaries::bf16);
+  const std::size_t n = wide.input_boundary(shape).elements;
+  CHECK(narrow.input_boundary(shape) == po::Boundary{n, po::DType::bfloat16});
+  CHECK(narrow.output_boundary(shape) == po::Boundary{n, po::DType::bfloat16});
+  Inputs in = make_inputs(c, shape, 4242);  // x and dy are bf16 values already
+  in.training = true;
+  const auto narrowed = [](const std::vector<float>& v) {
+    std::vector<__nv_bfloat16> out(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16(v[i]);
+    return out;
+  };
+  DeviceBuffers b;
+  float *x = b.copy(in.x[0]), *dy = b.copy(in.dy[0]), *y = b.alloc<float>(n), *dx = b.alloc<float>(n);
+  __nv_bfloat16 *x16 = b.copy(narrowed(in.x[0])), *dy16 = b.copy(narrowed(in.dy[0]));
+  __nv_bfloat16 *y16 = b.alloc<__nv_bfloat16>(n), *dx16 = b.alloc<__nv_bfloat16>(n);
+  const std::size_t sb = wide.saved_bytes(shape), tb = wide.stash_bytes(shape);
+  std::byte *saved[2] = {b.poisoned(sb), b.poisoned(sb)}, *stash[2] = {b.poisoned(tb), b.poisoned(tb)};
+  PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto bytes = [](auto* p) { return reinterpret_cast<std::byte*>(p); };
+  const auto run = [&](pc::GptStage& l, po::ConstTensor xv, po::Tensor yv, po::ConstTensor dyv, po::Tensor dxv, int k) {
+    dev.launch(s, [&] {
+      po::backend::CudaContext ctx = dev.context(s);
+      l.forward(ctx, microbatch(stage, stages, 0, in, {}, nullptr), xv, yv, saved[k]);
+      l.backward_input(ctx, microbatch(stage, stages, 0, in, {}, nullptr), dyv, dxv, saved[k], stash[k]);
+    });
+    dev.synchronize();
+  };
+  run(wide, view(x, n), view(y, n), view(dy, n), view(dx, n), 0);
+  run(narrow, {bytes(x16), n, po::DType::bfloat16}, {bytes(y16), n, po::DType::bfloat16},
+      {bytes(dy16), n, po::DType::bfloat16}, {bytes(dx16), n, po::DType::bfloat16}, 1);
+  // An fp32 boundary holds widened bf16 values: narrowing it loses nothing.
+  CHECK(std::memcmp(narrowed(download(y, n)).data(), download(y16, n).data(), n * sizeof(__nv_bfloat16)) == 0);
+  CHECK(std::memcmp(narrowed(download(dx, n)).data(), download(dx16, n).data(), n * sizeof(__nv_bfloat16)) == 0);
+  // And the wrong type is refused with a sentence.
+  dev.launch(s, [&] {
+    po::backend::CudaContext ctx = dev.context(s);
+    narrow.forward(ctx, microbatch(stage, stages, 0, in, {}, nullptr), view(x, n), {bytes(y16), n, po::DType::bfloat16},
+                   saved[1]);
+  });
+  try {
+    dev.synchronize();
+    FAIL("no throw");
+  } catch (const po::error& e) {
+    CHECK(std::string(e.what()).find("x holds float32 values; this stage's boundaries are bfloat16") !=
+          std::string::npos);
+  }
+}
+
 TEST_CASE("cuda::GptStage evaluates (mb.training false) as model::GptStage does: no dropout, on every stage kind") {
   for (bool recompute : {true, false}) {
     const po::model::GptConfig c = test_config(6, recompute);  // dropout 0.1: a training forward would differ

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <barrier>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -297,6 +298,34 @@ TEST_CASE("AdamW, SGD, non-finite check, embedding and column-sum kernels match 
     }
   check_close(g.get(dgte, gte.size()), gte, 0.0f, 0.0f);  // same sums in the same order
   check_close(g.get(dgpe, gpe.size()), gpe, 0.0f, 0.0f);
+}
+
+TEST_CASE("backend::Cuda::sum_squares gives cuda::sum_squares_reference's bits, all groups in one launch") {
+  // Sizes around the chunk (4096) and block (256) edges, an empty group, a large one, and the
+  // same call twice (the cached group table) and with other groups (a new table).
+  const std::vector<std::size_t> groups{4097, 0, 1, 255, 4096, 300001, 8191};
+  std::size_t n = 0;
+  for (std::size_t g : groups) n += g;
+  std::vector<float> host = random_bf16(n, 77, 3.0f);
+  po::backend::Cuda dev({.arena_bytes = po::backend::Cuda::Options{}.workspace_bytes + (std::size_t{8} << 20)});
+  po::backend::Block b = dev.device_alloc(n * sizeof(float), po::backend::Memory::state);
+  dev.upload(b.ptr, host.data(), n * sizeof(float));
+  const std::span<const float> values(reinterpret_cast<const float*>(b.ptr), n);
+  std::vector<double> want(groups.size()), got(groups.size(), -1.0);
+  po::cuda::sum_squares_reference(host, groups, want);
+  for (int round = 0; round < 2; ++round) {
+    dev.sum_squares(values, groups, got);
+    for (std::size_t k = 0; k < groups.size(); ++k) {
+      CAPTURE(k);
+      CHECK(std::memcmp(&got[k], &want[k], sizeof(double)) == 0);
+    }
+  }
+  const std::vector<std::size_t> two{n - 5, 5};
+  std::vector<double> want2(2), got2(2);
+  po::cuda::sum_squares_reference(host, two, want2);
+  dev.sum_squares(values, two, got2);
+  CHECK(std::memcmp(got2.data(), want2.data(), 2 * sizeof(double)) == 0);
+  dev.device_free(b);
 }
 
 TEST_CASE("cuBLASLt runs the GPT's forward, dgrad and wgrad GEMMs as the CPU GEMM computes them") {

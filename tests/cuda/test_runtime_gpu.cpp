@@ -12,6 +12,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -30,6 +31,9 @@ namespace {
 struct Result {
   std::vector<float> losses;                     // per step
   std::vector<po::backend::MemoryStats> memory;  // per rank, last step
+  std::vector<po::backend::MemoryStats> setup;   // per rank, once constructed (before the first step)
+  std::vector<po::backend::MemoryStats> first;   // per rank, after the first step
+  std::vector<po::backend::MemoryStats> last;    // per rank, after the last step (the device's counts)
   std::vector<std::string> errors;
 };
 
@@ -77,9 +81,12 @@ struct StepBatch {
 
 /// One rank's training, the visible step: zero_grad, forward_backward, grad_norm, clip, AdamW.
 /// Rank 0 writes the losses, every rank its memory after the last step.
+/// `barrier` runs once everything is allocated, before the first step's NCCL traffic.
 template <class Runtime>
-void train(Runtime& rt, int r, Result& res, std::mutex& mu) {
+void train(Runtime& rt, int r, Result& res, std::mutex& mu, const std::function<void()>& barrier = [] {}) {
   po::AdamW opt(rt);  // the defaults: weight decay 0.1 on every tensor
+  barrier();
+  const po::backend::MemoryStats setup = rt.device().memory();
   for (int s = 0; s < steps; ++s) {
     const StepBatch b(s, rt.program().shape.m);
     rt.zero_grad();
@@ -88,7 +95,11 @@ void train(Runtime& rt, int r, Result& res, std::mutex& mu) {
     std::lock_guard lk(mu);
     if (r == 0) res.losses[static_cast<std::size_t>(s)] = st.loss;
     res.memory[static_cast<std::size_t>(r)] = st.memory;
+    if (s == 0) res.first[static_cast<std::size_t>(r)] = rt.device().memory();
   }
+  std::lock_guard lk(mu);
+  res.setup[static_cast<std::size_t>(r)] = setup;
+  res.last[static_cast<std::size_t>(r)] = rt.device().memory();
 }
 
 Result run_cpu(const po::Program& prog) {
@@ -96,6 +107,9 @@ Result run_cpu(const po::Program& prog) {
   Result res;
   res.losses.resize(steps);
   res.memory.resize(static_cast<std::size_t>(sh.d));
+  res.setup.resize(static_cast<std::size_t>(sh.d));
+  res.first.resize(static_cast<std::size_t>(sh.d));
+  res.last.resize(static_cast<std::size_t>(sh.d));
   po::comm::ThreadsWorld world(sh.d);
   std::mutex mu;
   res.errors = po::run_thread_ranks(world, [&](int r) {
@@ -114,6 +128,9 @@ Result run_gpu(const po::Program& prog, const std::vector<int>& devices, bool pa
   Result res;
   res.losses.resize(steps);
   res.memory.resize(static_cast<std::size_t>(sh.d));
+  res.setup.resize(static_cast<std::size_t>(sh.d));
+  res.first.resize(static_cast<std::size_t>(sh.d));
+  res.last.resize(static_cast<std::size_t>(sh.d));
   auto world = po::comm::NcclWorld::all_local(devices);
   po::PairLink<po::backend::Cuda> link;
   std::mutex mu;
@@ -124,10 +141,16 @@ Result run_gpu(const po::Program& prog, const std::vector<int>& devices, bool pa
         {.device = devices[static_cast<std::size_t>(r)], .rank = r, .arena_bytes = std::size_t{1} << 30});
     po::comm::Nccl comm(world, r, dev);
     std::vector<po::cuda::GptStage> mine;
-    for (int c = 0; c < sh.v; ++c) mine.emplace_back(dev, config(), sh.stage_of(r, c), sh.stages(), microbatch);
+    // bf16 boundaries over NCCL (cuda::Boundaries), as train_gpt sends them.
+    for (int c = 0; c < sh.v; ++c)
+      mine.emplace_back(dev, config(), sh.stage_of(r, c), sh.stages(), microbatch, po::cuda::Boundaries::bf16);
+    // Every rank's allocations are made before any rank's first NCCL kernel (the runtime's
+    // constructor gathers the stage table, then reserves memory): a host barrier before it
+    // and after it (NcclWorld::host_barrier says why).
+    world->host_barrier();
     po::Runtime rt(prog, dev, comm, std::span<po::cuda::GptStage>(mine), {.microbatch = microbatch});
     if (paired) rt.pair_with(link);
-    train(rt, r, res, mu);
+    train(rt, r, res, mu, [&] { world->host_barrier(); });
   });
   return res;
 }
@@ -154,12 +177,17 @@ TEST_CASE("PO-F on backend::Cuda trains like backend::Cpu within bf16 tolerance,
     CHECK(std::abs(a - b) <= 0.02f * std::abs(b));
   }
   CHECK(gpu.losses.back() < gpu.losses.front());
-  // Every unit went through pinned host bins and came back; no step took new device memory
-  // after the first (the arena reuses its blocks under event guards).
+  // Every unit went through pinned host bins and came back. The runtime reserved every pinned
+  // bin when it was constructed (backend::reserves_memory), so no step called cudaHostAlloc,
+  // and no step after the first took a new device block (the first carves sum_squares' buffer;
+  // the arena reuses its blocks under event guards).
   for (int r = 0; r < sh.d; ++r) {
     CAPTURE(r);
-    CHECK(gpu.memory[static_cast<std::size_t>(r)].host_peak > 0);
-    CHECK(gpu.memory[static_cast<std::size_t>(r)].host_in_use == 0);
-    CHECK(gpu.memory[static_cast<std::size_t>(r)].in(po::backend::Memory::activation) == 0);
+    const std::size_t R = static_cast<std::size_t>(r);
+    CHECK(gpu.memory[R].host_peak > 0);
+    CHECK(gpu.memory[R].host_in_use == 0);
+    CHECK(gpu.memory[R].in(po::backend::Memory::activation) == 0);
+    CHECK(gpu.last[R].host_allocations == gpu.setup[R].host_allocations);
+    CHECK(gpu.last[R].device_allocations == gpu.first[R].device_allocations);
   }
 }

@@ -1,6 +1,7 @@
 // models/gpt/kernels/elementwise.cu: grid-stride loops over math.hpp's per-element functions
 // (GeLU, dropout, residual adds, biases, LayerNorm's recompute) and the embedding, whose
-// gradient is one thread per column walking the rows in order (deterministic).
+// gradient gives each table cell to one thread that adds its rows in order (deterministic, the
+// CPU model's order: backend/cuda/shapes.hpp embedding_table_grad_launch).
 #include <pipeoffload/backend/cuda/device.cuh>
 
 #include "../kernels.hpp"
@@ -61,15 +62,27 @@ __global__ void embedding_forward_k(const std::int32_t* tokens, const float* wte
                                        : st(wte[static_cast<long long>(tok) * h + c] + wpe[(r % seq) * h + c]);
   }
 }
-__global__ void embedding_backward_k(const std::int32_t* tokens, const bf16* d, float* dwte, float* dwpe,
-                                     long long rows, int seq, int h, int vocab) {
-  for (long long c = first_index(); c < h; c += grid_stride())
-    for (long long r = 0; r < rows; ++r) {
-      const int tok = tokens[r];
-      const float g = ld(d, r * h + c);
-      if (tok >= 0 && tok < vocab) dwte[static_cast<long long>(tok) * h + c] += g;
-      dwpe[(r % seq) * h + c] += g;
-    }
+/// One value of a bf16 (rows, h) gradient, for math::embedding_grad_cells.
+struct Bf16Grad {
+  const bf16* d;
+  __device__ float operator()(long long i) const { return ld(d, i); }
+};
+/// The token table's gradient: this thread's bucket and column (cuda::embedding_owned), its
+/// rows in order. No barrier, so threads past the last column simply leave.
+__global__ void __launch_bounds__(column_tile* embedding_warps)
+    embedding_table_grad_k(const std::int32_t* tokens, const bf16* d, float* dwte, long long rows, int h, int vocab) {
+  const OwnedCells own = embedding_owned(blockIdx.x, threadIdx.x, h);
+  if (own.column >= h) return;
+  math::embedding_grad_cells(tokens, rows, Bf16Grad{d}, dwte, h, vocab, own.bucket, embedding_buckets, own.column);
+}
+/// The position table's gradient: cell (p, c) adds rows b * seq + p in order of b.
+__global__ void embedding_position_grad_k(const bf16* d, float* dwpe, long long batch, int seq, int h) {
+  const long long n = static_cast<long long>(seq) * h;
+  for (long long i = first_index(); i < n; i += grid_stride()) {
+    float acc = dwpe[i];
+    for (long long b = 0; b < batch; ++b) acc += ld(d, b * n + i);
+    dwpe[i] = acc;
+  }
 }
 
 }  // namespace
@@ -115,7 +128,12 @@ void embedding_forward(const std::int32_t* tokens, const float* wte, const float
 }
 void embedding_backward(const std::int32_t* tokens, const bf16* d, float* dwte, float* dwpe, long long rows, int seq,
                         int h, int vocab, cudaStream_t s) {
-  PIPEOFFLOAD_LAUNCH(embedding_backward_k, per_column_launch(h), s, tokens, d, dwte, dwpe, rows, seq, h, vocab);
+  if (seq < 1 || rows % seq != 0)
+    throw shape_error("cuda::kernels::embedding_backward: rows = " + std::to_string(rows) +
+                      " is not a whole number of sequences of seq = " + std::to_string(seq) + " (need seq >= 1)");
+  PIPEOFFLOAD_LAUNCH(embedding_table_grad_k, embedding_table_grad_launch(h), s, tokens, d, dwte, rows, h, vocab);
+  PIPEOFFLOAD_LAUNCH(embedding_position_grad_k, elementwise_launch(static_cast<long long>(seq) * h), s, d, dwpe,
+                     rows / seq, seq, h);
 }
 
 }  // namespace pipeoffload::cuda::kernels

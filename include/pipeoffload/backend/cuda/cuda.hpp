@@ -13,14 +13,24 @@
 //   - device memory is one cudaMalloc slab taken at construction and cut into blocks; a freed
 //     block keeps an event recorded on the stream that freed it, and a later allocation from
 //     another stream waits on that event on the GPU (never on the host). Blocks are pooled by
-//     size, so once a run has seen its largest working set there is no new carving, and there
-//     is never a cudaMalloc after construction;
+//     size (backend/cuda/pools.hpp), and there is never a cudaMalloc after construction;
 //   - pinned host memory (offload bins) comes from cudaHostAlloc, pooled by size with the same
-//     event guards: pinned allocation is slow, so the first iteration allocates the bins and
-//     the next ones reuse them;
+//     event guards;
+//   - backend::reserves_memory: po::Runtime reserves, when it is constructed, every block its
+//     rank's program can hold at once (po::reservation_plan), and reserve_device/reserve_host
+//     carve and pin them then. No step takes memory from the system: with one thread per GPU
+//     in one process, a cudaHostAlloc during a step takes driver-wide locks while the other
+//     rank's NCCL kernel may be spinning, waiting for this rank (issue 15's hang class);
 //   - the between-steps operations (download, upload, zero, and the optimizers' sum_squares,
 //     adamw and sgd: backend::updates_parameters) run on a private stream and return once it
-//     is idle; flag_nonfinite enqueues its check on the pass's own stream.
+//     is idle; flag_nonfinite enqueues its check on the pass's own stream;
+//   - the PCIe-pair counters' waits (Counter below) are invisible to CUDA's scheduler, so every
+//     stream needs a hardware queue of its own: CUDA_DEVICE_MAX_CONNECTIONS=32, set with eager
+//     module loading before the first CUDA call (backend/cuda/environment.hpp says why);
+//   - synchronize() waits by polling the streams when a communicator has registered a wait
+//     poll (add_wait_poll): comm::Nccl checks there, on the rank's own thread, whether another
+//     rank failed or NCCL reported an error, and aborts its own communicator, which ends the
+//     NCCL kernel this rank's streams are waiting for.
 // Every CUDA call is checked (backend/cuda/check.hpp).
 #pragma once
 
@@ -36,11 +46,13 @@
 #include <atomic>
 #include <cctype>
 #include <chrono>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -48,7 +60,10 @@
 #include "../backend.hpp"
 #include "attention.hpp"
 #include "check.hpp"
+#include "gemm_plans.hpp"
 #include "kernels.hpp"
+#include "pools.hpp"
+#include "shapes.hpp"
 #include "topology.hpp"
 
 namespace pipeoffload::backend {
@@ -99,6 +114,7 @@ struct CudaContext {
   cuda::attention::Graphs* attention = nullptr;  ///< the SDPA graphs of `dnn`, owned by the backend
   std::byte* workspace = nullptr;                ///< (workspace_bytes) device scratch for cuBLASLt and cuDNN
   std::size_t workspace_bytes = 0;
+  cuda::GemmPlans* gemms = nullptr;  ///< cuBLASLt plans of `lt`, owned by the backend (cuda::gemm)
 };
 
 class Cuda {
@@ -111,6 +127,7 @@ class Cuda {
     std::size_t arena_bytes = 0;                           ///< device slab; 0 = 3/4 of the device's free memory
     std::size_t workspace_bytes = std::size_t{256} << 20;  ///< cuBLASLt + cuDNN scratch, inside the slab
     bool deterministic_attention = true;  ///< cuDNN's deterministic SDPA backward (runs repeat bit for bit)
+    std::size_t max_norm_groups = 4096;   ///< most groups one sum_squares call takes (its pinned staging)
   };
 
   Cuda() : Cuda(Options{}) {}
@@ -135,10 +152,16 @@ class Cuda {
     PIPEOFFLOAD_CUDA_CHECK(cublasLtCreate(&lt_));
     PIPEOFFLOAD_CUDA_CHECK(cudnnCreate(&dnn_));
     attention_ = std::make_unique<cuda::attention::Graphs>(dnn_, opt_.deterministic_attention);
+    gemms_ = std::make_unique<cuda::GemmPlans>(lt_, round_up(opt_.workspace_bytes));
     // The workspace is carved first and never freed: it is not one of the runtime's kinds.
     workspace_ = carve(round_up(opt_.workspace_bytes));
     // The stream of the blocking between-steps operations (download, upload, zero, sum_squares, adamw, sgd).
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamCreateWithFlags(&aux_, cudaStreamNonBlocking));
+    // (3 * max_norm_groups + 1) int64 table or max_norm_groups fp64 sums, pinned host, owned
+    // here: sum_squares' uploads and results, so that no step copies through pageable memory.
+    void* staging = nullptr;
+    PIPEOFFLOAD_CUDA_CHECK(cudaHostAlloc(&staging, norm_staging_bytes(), cudaHostAllocPortable));
+    norm_staging_ = static_cast<std::byte*>(staging);
   }
   Cuda(const Cuda&) = delete;
   Cuda& operator=(const Cuda&) = delete;
@@ -160,7 +183,9 @@ class Cuda {
       cudaStreamSynchronize(aux_);
       cudaStreamDestroy(aux_);
     }
+    if (norm_staging_) cudaFreeHost(norm_staging_);
     attention_.reset();  // its graphs were finalized against dnn_
+    gemms_.reset();      // its descriptors belong to lt_'s device
     if (dnn_) cudnnDestroy(dnn_);
     if (lt_) cublasLtDestroy(lt_);
     cudaFree(slab_);
@@ -218,13 +243,28 @@ class Cuda {
     select();
     for (const auto& s : streams_) {
       try {
-        PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+        if (polls_.empty())
+          PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+        else
+          poll_until_idle(s.stream);
       } catch (const std::exception& e) {
         fail("stream " + s.name + ": " + e.what());
       }
     }
     std::lock_guard lk(mu_);
     if (failed_) throw error(error_);
+  }
+
+  /// Registers `poll`, which synchronize() calls on the waiting (the rank's own) thread while
+  /// a stream is busy; a poll that throws fails the device with its message, and the wait goes
+  /// on until the streams drain (the poll is expected to have ended what they wait for: an
+  /// NCCL communicator aborts itself there). Returns an id for remove_wait_poll.
+  int add_wait_poll(std::function<void()> poll) {
+    polls_.push_back({next_poll_, std::move(poll)});
+    return next_poll_++;
+  }
+  void remove_wait_poll(int id) {
+    std::erase_if(polls_, [id](const Poll& p) { return p.id == id; });
   }
 
   void abort(std::string why) { fail(std::move(why)); }
@@ -240,8 +280,16 @@ class Cuda {
   }
 
   Context context(int stream) {
-    return Context{
-        this, opt_.rank, stream, at(stream), lt_, dnn_, attention_.get(), workspace_, round_up(opt_.workspace_bytes)};
+    return Context{this,
+                   opt_.rank,
+                   stream,
+                   at(stream),
+                   lt_,
+                   dnn_,
+                   attention_.get(),
+                   workspace_,
+                   round_up(opt_.workspace_bytes),
+                   gemms_.get()};
   }
 
   /// Host seconds on a clock shared by every device of the process. The runtime's trace
@@ -253,13 +301,15 @@ class Cuda {
 
   // ---- memory ------------------------------------------------------------------------
 
-  /// A block of the device slab (256-byte aligned), in the current stream's order.
+  /// A block of the device slab (256-byte aligned), in the current stream's order: a free
+  /// block of its size class (reserved ones included), else a new one carved from the slab.
   Block device_alloc(std::size_t bytes, Memory kind) {
     select();
     const std::size_t size = round_up(bytes);
     std::byte* p = take_free(free_device_[size]);
     if (p == nullptr) {
       p = carve(size);
+      device_book_.add_block(size);
       ++stats_.device_allocations;
     }
     auto& in = stats_.in_use[static_cast<std::size_t>(kind)];
@@ -285,11 +335,9 @@ class Cuda {
     select();
     const std::size_t size = round_up(bytes);
     std::byte* p = take_free(free_host_[size]);
-    if (p == nullptr) {
-      void* raw = nullptr;
-      // Portable: a pair of GPUs driven from one process may read each other's bins.
-      PIPEOFFLOAD_CUDA_CHECK(cudaHostAlloc(&raw, size, cudaHostAllocPortable));
-      p = static_cast<std::byte*>(raw);
+    if (p == nullptr) {  // nothing reserved of this size: a run without po::Runtime's reservation
+      p = pin(size);
+      host_book_.add_block(size);
       ++stats_.host_allocations;
     }
     host_in_use_.push_back(p);
@@ -307,6 +355,35 @@ class Cuda {
     host_in_use_.erase(it);
     free_host_[round_up(b.bytes)].push_back(guarded(b.ptr));
     stats_.host_in_use -= b.bytes;
+  }
+
+  /// backend::reserves_memory: adds `count` blocks of `bytes` to what the pools hold for their
+  /// callers (reservations add up), carving the missing ones from the slab now; throws, naming
+  /// the sizes, when the slab cannot hold them.
+  void reserve_device(std::size_t bytes, std::size_t count) {
+    select();
+    const std::size_t size = round_up(bytes), make = device_book_.missing(bytes, count);
+    cuda::require_room("backend::Cuda::reserve_device", opt_.arena_bytes, top_, make * size);
+    std::vector<Free>& list = free_device_[size];
+    list.reserve(list.size() + make);
+    for (std::size_t i = 0; i < make; ++i) list.push_back(Free{carve(size)});
+    device_book_.reserve(bytes, count);
+    stats_.device_allocations += static_cast<long long>(make);
+  }
+  /// Likewise for pinned host blocks (cudaHostAlloc, portable), made now.
+  void reserve_host(std::size_t bytes, std::size_t count) {
+    select();
+    const std::size_t size = round_up(bytes), make = host_book_.missing(bytes, count);
+    std::vector<Free>& list = free_host_[size];
+    list.reserve(list.size() + make);
+    // Each pinned block joins its pool as soon as it exists (the destructor frees the pools),
+    // so a failing cudaHostAlloc leaks nothing; the book counts what exists.
+    for (std::size_t i = 0; i < make; ++i) {
+      list.push_back(Free{pin(size)});
+      host_book_.add_block(size);
+      ++stats_.host_allocations;
+    }
+    host_book_.reserve(bytes, count);
   }
 
   MemoryStats memory() const { return stats_; }
@@ -353,26 +430,45 @@ class Cuda {
 
   // ---- optimizer updates (backend::updates_parameters): blocking, on the private stream ------
 
-  /// out[k] = sum of squares of the k-th run of groups[k] values (kernels::sum_squares: fp64,
-  /// one block per group, a fixed order, so the same gradients give the same bits).
+  /// out[k] = sum of squares of the k-th run of groups[k] values, in fp64 and in the fixed
+  /// order of cuda::sum_squares_reference (shapes.hpp): every group is cut into blocks of
+  /// norm_chunk values reduced by one thread block each, all groups in one launch, then one
+  /// block per group adds its blocks' partial sums. The same gradients give the same bits,
+  /// whatever the GPU. Its buffers (the group table, the partials and the sums) are carved
+  /// from the arena on the first call; the table is uploaded again only when the groups change.
   void sum_squares(std::span<const float> values, std::span<const std::size_t> groups, std::span<double> out) {
     detail::require_groups("backend::Cuda::sum_squares", values.size(), groups, out.size());
     if (groups.empty()) return;
+    if (groups.size() > opt_.max_norm_groups)
+      throw error("backend::Cuda::sum_squares: " + std::to_string(groups.size()) +
+                  " groups is outside the allowed range [0, " + std::to_string(opt_.max_norm_groups) +
+                  "] (Options::max_norm_groups, the size of its pinned staging)");
     select();
-    const std::size_t bytes = groups.size() * sizeof(double);
-    if (norms_.bytes < bytes) {  // grows on the first step only: the group count is fixed
+    const cuda::NormPlan plan = cuda::sum_squares_plan(groups);
+    const std::vector<long long> table = cuda::norm_table(plan, groups);
+    const std::size_t g = groups.size(), table_bytes = table.size() * sizeof(long long);
+    const std::size_t need =
+        table_bytes + static_cast<std::size_t>(plan.blocks()) * sizeof(double) + g * sizeof(double);
+    if (norms_.bytes < need) {  // the first call (the groups of a run do not change)
       device_free(norms_);
-      norms_ = device_alloc(bytes, Memory::state);
+      norms_ = device_alloc(need, Memory::state);
+      norm_table_.clear();
     }
-    auto* acc = reinterpret_cast<double*>(norms_.ptr);
-    PIPEOFFLOAD_CUDA_CHECK(cudaMemsetAsync(acc, 0, bytes, aux_));
-    std::size_t off = 0;
-    for (std::size_t k = 0; k < groups.size(); ++k) {
-      cuda::kernels::sum_squares(values.data() + off, acc + k, static_cast<long long>(groups[k]), aux_);
-      off += groups[k];
+    // norms_: (3g + 1) int64 table, then plan.blocks() fp64 partials, then g fp64 sums.
+    auto* dev_table = reinterpret_cast<long long*>(norms_.ptr);
+    auto* partials = reinterpret_cast<double*>(norms_.ptr + table_bytes);
+    double* sums = partials + plan.blocks();
+    if (table != norm_table_) {
+      std::memcpy(norm_staging_, table.data(), table_bytes);
+      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(dev_table, norm_staging_, table_bytes, cudaMemcpyHostToDevice, aux_));
+      norm_table_ = table;
     }
-    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(out.data(), acc, bytes, cudaMemcpyDeviceToHost, aux_));
+    cuda::kernels::sum_squares(values.data(), dev_table, static_cast<long long>(g), plan.blocks(), partials, sums,
+                               aux_);
+    // Stream order: the table's upload has read the staging before this copy overwrites it.
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(norm_staging_, sums, g * sizeof(double), cudaMemcpyDeviceToHost, aux_));
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
+    std::memcpy(out.data(), norm_staging_, g * sizeof(double));
   }
 
   /// kernels::adamw: update::adamw per element with grads * grad_scale. Gradients are only
@@ -439,6 +535,11 @@ class Cuda {
   /// sees it). A stream raises it with cuStreamWriteValue64 after its earlier work and waits
   /// for it with cuStreamWaitValue64 (GEQ); the host never blocks. abort() writes a value far
   /// above any wait's, so a stream parked on it drains (the device is failed by then).
+  /// CUDA's scheduler does not see these waits: a parked stream stalls the hardware queue it
+  /// is mapped to, and with more streams than queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by
+  /// default) a compute or comm stream may share it and wait for the copy, a dependency no
+  /// schedule validated. Processes set 32 queues before their first CUDA call
+  /// (cuda::apply_cuda_environment, backend/cuda/environment.hpp), one per stream.
   class Counter {
    public:
     Counter() {
@@ -479,16 +580,23 @@ class Cuda {
   // ---- CUDA specifics ------------------------------------------------------------------
 
   cudaStream_t stream(int s) { return at(s); }
+  /// The SDPA graphs of this device's cuDNN handle (a layer builds its shapes' graphs at
+  /// construction through it, so that no step builds one: attention::workspace_bytes).
+  cuda::attention::Graphs& attention_graphs() { return *attention_; }
   cudaEvent_t event(int e) { return ev(e); }
   int device() const { return opt_.device; }
   const Options& options() const { return opt_; }
   std::size_t arena_used() const { return static_cast<std::size_t>(top_); }
 
  private:
-  static constexpr std::size_t alignment = 256;  // cudaMalloc's alignment; enough for every vector load and cuBLASLt
-  static std::size_t round_up(std::size_t n) {
-    return (std::max<std::size_t>(n, 1) + alignment - 1) / alignment * alignment;
-  }
+  static constexpr std::size_t alignment = cuda::pool_alignment;
+  static std::size_t round_up(std::size_t n) { return cuda::pool_size_class(n); }
+  std::size_t norm_staging_bytes() const { return (3 * opt_.max_norm_groups + 1) * sizeof(long long); }
+
+  struct Poll {
+    int id = 0;
+    std::function<void()> fn;
+  };
 
   struct StreamInfo {
     std::string name;
@@ -512,13 +620,40 @@ class Cuda {
   }
 
   std::byte* carve(std::size_t size) {
-    if (size > opt_.arena_bytes - top_)
-      throw error("backend::Cuda: the device arena of " + std::to_string(opt_.arena_bytes) + " bytes is exhausted (" +
-                  std::to_string(top_) + " carved, " + std::to_string(size) +
-                  " more asked); raise Options::arena_bytes");
+    cuda::require_room("backend::Cuda", opt_.arena_bytes, top_, size);
     std::byte* p = slab_ + top_;
     top_ += size;
     return p;
+  }
+
+  /// A new pinned host block. Portable: a pair of GPUs driven from one process may read each
+  /// other's bins.
+  static std::byte* pin(std::size_t size) {
+    void* raw = nullptr;
+    PIPEOFFLOAD_CUDA_CHECK(cudaHostAlloc(&raw, size, cudaHostAllocPortable));
+    return static_cast<std::byte*>(raw);
+  }
+
+  /// Waits for `s` by querying it, running the wait polls between queries: spinning first (a
+  /// step's tail is short), then sleeping 100 us at a time. A poll that throws fails the
+  /// device (its hook aborts the communicators) and the wait goes on until `s` drains.
+  void poll_until_idle(cudaStream_t s) {
+    for (long spins = 0;; ++spins) {
+      const cudaError_t q = cudaStreamQuery(s);
+      if (q == cudaSuccess) return;
+      if (q != cudaErrorNotReady) PIPEOFFLOAD_CUDA_CHECK(q);
+      for (const Poll& p : polls_) {
+        try {
+          p.fn();
+        } catch (const std::exception& e) {
+          fail(e.what());
+        }
+      }
+      if (spins < 1000)
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
   }
 
   Free guarded(std::byte* p) {
@@ -601,8 +736,14 @@ class Cuda {
   cublasLtHandle_t lt_ = nullptr;
   cudnnHandle_t dnn_ = nullptr;
   std::unique_ptr<cuda::attention::Graphs> attention_;  // SDPA graphs of dnn_ (destroyed before it)
+  std::unique_ptr<cuda::GemmPlans> gemms_;              // cuBLASLt plans of lt_ (destroyed before it)
   cudaStream_t aux_ = nullptr;                          // between-steps operations
-  Block norms_{};                                       // sum_squares' fp64 accumulators
+  Block norms_{};                                       // sum_squares' table, partials and sums (see there)
+  std::vector<long long> norm_table_;                   // the table norms_ holds now
+  std::byte* norm_staging_ = nullptr;                   // pinned, see the constructor
+  std::vector<Poll> polls_;                             // wait polls (add_wait_poll), this thread's
+  int next_poll_ = 0;
+  cuda::PoolBook device_book_, host_book_;  // blocks and reservations per size class
   std::map<std::size_t, std::vector<Free>> free_device_, free_host_;
   std::vector<std::byte*> host_in_use_;  // pinned bins handed out, freed at destruction if never returned
   std::vector<cudaEvent_t> guard_pool_;
@@ -612,6 +753,7 @@ class Cuda {
 
 static_assert(backend<Cuda>, "backend::Cuda must model the backend concept.");
 static_assert(updates_parameters<Cuda>, "backend::Cuda must run the optimizers' updates on the device.");
+static_assert(reserves_memory<Cuda>, "backend::Cuda must reserve the runtime's blocks when it is constructed.");
 
 /// The sysfs PCI path of CUDA device `device` (for cuda::pair_devices).
 inline std::string pci_path(int device) {

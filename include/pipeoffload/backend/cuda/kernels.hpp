@@ -41,8 +41,12 @@ void adamw(float* params, const float* grads, float* m, float* v, long long coun
 /// `first`: the buffer's first step (it is set to the gradient rather than decayed).
 void sgd(float* params, const float* grads, float* buf, long long count, update::SgdParams hyper, float lr,
          float grad_scale, bool first, cudaStream_t stream);
-/// out[0] += sum of squares of x (fp64 accumulation in one block; for gradient norms).
-void sum_squares(const float* x, double* out, long long count, cudaStream_t stream);
+/// out[k] = sum of squares of group k of `values` for k < groups, in fp64 and in the fixed
+/// order of cuda::sum_squares_reference (shapes.hpp): `table` (device) is cuda::norm_table of
+/// the groups' plan, `blocks` its plan's blocks(), `partials` (device) holds `blocks` fp64.
+/// Two launches: one block per chunk of every group, then one block per group.
+void sum_squares(const float* values, const long long* table, long long groups, long long blocks, double* partials,
+                 double* out, cudaStream_t stream);
 
 // ---- exact gradient sums (backend/exact.hpp) ----------------------------------------------
 /// acc[i] += g[i] on exact's grid (exact::add).

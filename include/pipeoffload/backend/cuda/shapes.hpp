@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -66,10 +67,6 @@ constexpr Launch per_row_launch(long long rows, long long cols) {
   return {static_cast<unsigned>(rows), row_block, 0};
 }
 
-/// The embedding's gradient: one thread per column, each walking the rows in order (a row
-/// adds into the table row of its token, so rows cannot be split; deterministic, no atomics).
-constexpr Launch per_column_launch(long long cols) { return elementwise_launch(cols); }
-
 /// Column sums (bias and LayerNorm weight gradients, rows x cols -> cols): a block of
 /// column_tile x column_lanes threads owns column_tile adjacent columns; lane l sums rows l,
 /// l + column_lanes, ... in order, then the lanes' partial sums are added in lane order. A
@@ -88,12 +85,168 @@ constexpr Launch column_sum_launch(long long cols) {
   return {static_cast<unsigned>(blocks), column_tile * column_lanes, 0};
 }
 
+// ---- the embedding's gradient (models/gpt/kernels: embedding_backward) ---------------------
+//
+// Each cell of the token table's gradient, (token t, column c), is owned by one thread, which
+// adds the gradient rows of token t in row order, into the value already there: the order of
+// the CPU model's loop (models/gpt/cpu.hpp), so both give the same bits, whatever the GPU's
+// scheduling, with no atomics. Thread (bucket k, column c) owns the cells of the tokens with
+// t % embedding_buckets == k. A block is embedding_warps warps over column_tile adjacent
+// columns, warp w taking bucket (block's bucket group) * embedding_warps + w: the 32 lanes of
+// a warp test the same token (no divergence) and read 32 adjacent values of its row
+// (coalesced). The grid is ceil(h / 32) column tiles times embedding_buckets / embedding_warps
+// bucket groups: 4096 columns give 512 blocks of 256 threads, where one thread per column gave
+// 16 blocks, each thread walking every row. The position table's gradient is a plain
+// elementwise loop: cell (p, c) adds rows b * seq + p, b = 0, 1, ... in order.
+inline constexpr unsigned embedding_buckets = 32;
+inline constexpr unsigned embedding_warps = 8;
+
+/// Blocks: tile + tiles * group for column tile `tile` and bucket group `group`.
+constexpr Launch embedding_table_grad_launch(long long h) {
+  if (h < 0)
+    throw shape_error("cuda::embedding_table_grad_launch: h = " + pipeoffload::detail::num(h) + " is negative");
+  if (h == 0) return {};
+  const long long tiles = (h + column_tile - 1) / column_tile, blocks = tiles * (embedding_buckets / embedding_warps);
+  if (blocks > grid_x_limit)
+    throw shape_error("cuda::embedding_table_grad_launch: h = " + pipeoffload::detail::num(h) +
+                      " needs more blocks than gridDim.x allows");
+  return {static_cast<unsigned>(blocks), column_tile * embedding_warps, 0};
+}
+
+/// The thread that owns cell (token, column c) of the table's gradient, h columns wide.
+struct CellOwner {
+  unsigned block = 0, thread = 0;
+  friend constexpr bool operator==(const CellOwner&, const CellOwner&) = default;
+};
+constexpr CellOwner embedding_cell_owner(int token, long long c, long long h) {
+  const long long tiles = (h + column_tile - 1) / column_tile;
+  const unsigned k = static_cast<unsigned>(token) % embedding_buckets;
+  return {static_cast<unsigned>(c / column_tile + tiles * (k / embedding_warps)),
+          static_cast<unsigned>((k % embedding_warps) * column_tile + c % column_tile)};
+}
+/// The bucket and column thread `thread` of block `block` owns (embedding_cell_owner's inverse).
+struct OwnedCells {
+  unsigned bucket = 0;
+  long long column = 0;
+};
+PIPEOFFLOAD_HOST_DEVICE constexpr OwnedCells embedding_owned(unsigned block, unsigned thread, long long h) {
+  const long long tiles = (h + column_tile - 1) / column_tile;
+  return {static_cast<unsigned>(block / tiles) * embedding_warps + thread / column_tile,
+          static_cast<long long>(block % tiles) * column_tile + thread % column_tile};
+}
+static_assert(embedding_buckets % embedding_warps == 0 && column_tile * embedding_warps <= block_limit,
+              "The embedding's buckets must split into whole warps of one block.");
+
 static_assert(elementwise_block <= block_limit && row_block <= block_limit && row_block % 32 == 0 &&
                   column_tile == 32 && column_tile * column_lanes <= block_limit,
               "Block sizes must be whole warps within CUDA's 1024-thread limit (a column tile is one warp wide).");
 static_assert(elementwise_launch(1) == Launch{1, 256, 0});
 static_assert(elementwise_launch(257).grid == 2);
 static_assert(elementwise_launch(1LL << 40).grid == max_grid);
+
+// ---- the gradient norm's sums of squares (backend::Cuda::sum_squares) ---------------------
+//
+// A fixed reduction tree, so that the same values give the same bits on any GPU and on the CPU
+// (sum_squares_reference below, which tests/cuda/test_host.cpp checks against the formula and
+// the GPU test against the kernel). Each group of n values is cut into ceil(n / norm_chunk)
+// blocks; block j of a group is one thread block of norm_block threads, thread t summing, in
+// fp64 from 0, the squares of values j*norm_chunk + t + i*norm_block for i = 0, 1, ... (inside
+// the group) in order; the block's norm_block sums are then added pairwise, s[t] += s[t + w]
+// for w = norm_block/2, ..., 2, 1, and s[0] is the block's partial. One thread block per group
+// then does the same with the group's partials (thread t adds partials t, t + norm_block, ...
+// in order, then the same pairwise tree). Each block covers whole chunks of one group, so all
+// groups reduce in one launch and a 100M-value group uses 24k blocks, not one. A float's
+// square is exact in fp64, so a fused multiply-add gives the same bits as a multiply and add.
+
+inline constexpr unsigned norm_block = 256;
+inline constexpr unsigned norm_per_thread = 16;
+inline constexpr long long norm_chunk = static_cast<long long>(norm_block) * norm_per_thread;
+static_assert((norm_block & (norm_block - 1)) == 0 && norm_block <= block_limit,
+              "The norm's pairwise tree needs a power-of-two block of at most 1024 threads.");
+
+/// Which blocks reduce which group: group k's are [first_block[k], first_block[k + 1]).
+struct NormPlan {
+  std::vector<long long> first_block;  ///< groups + 1 entries, nondecreasing
+  long long blocks() const { return first_block.empty() ? 0 : first_block.back(); }
+};
+
+inline NormPlan sum_squares_plan(std::span<const std::size_t> groups) {
+  NormPlan p;
+  p.first_block.reserve(groups.size() + 1);
+  long long b = 0;
+  p.first_block.push_back(0);
+  for (std::size_t n : groups) {
+    b += (static_cast<long long>(n) + norm_chunk - 1) / norm_chunk;
+    if (b > grid_x_limit)
+      throw shape_error("cuda::sum_squares_plan: " + pipeoffload::detail::num(b) +
+                        " blocks is outside the allowed range [0, 2147483647] (gridDim.x)");
+    p.first_block.push_back(b);
+  }
+  return p;
+}
+
+/// The table the kernels read (device memory, int64): first_block (groups + 1 entries), then
+/// each group's first value (groups), then each group's count (groups).
+inline std::vector<long long> norm_table(const NormPlan& p, std::span<const std::size_t> groups) {
+  std::vector<long long> t(p.first_block);
+  long long at = 0;
+  for (std::size_t n : groups) {
+    t.push_back(at);
+    at += static_cast<long long>(n);
+  }
+  for (std::size_t n : groups) t.push_back(static_cast<long long>(n));
+  return t;
+}
+
+constexpr Launch norm_partials_launch(long long blocks) {
+  if (blocks < 0 || blocks > grid_x_limit)
+    throw shape_error("cuda::norm_partials_launch: blocks = " + pipeoffload::detail::num(blocks) +
+                      " is outside the allowed range [0, 2147483647]");
+  return {static_cast<unsigned>(blocks), norm_block, 0};
+}
+constexpr Launch norm_groups_launch(long long groups) { return norm_partials_launch(groups); }
+
+/// Thread `lane`'s sum over block `j` of a group of n values at x (see above).
+PIPEOFFLOAD_HOST_DEVICE inline double norm_lane(const float* x, long long n, long long j, unsigned lane) {
+  double s = 0;
+  const long long end = (j + 1) * norm_chunk < n ? (j + 1) * norm_chunk : n;
+  for (long long i = j * norm_chunk + lane; i < end; i += norm_block) s += static_cast<double>(x[i]) * x[i];
+  return s;
+}
+/// Thread `lane`'s sum over a group's `count` partials at p.
+PIPEOFFLOAD_HOST_DEVICE inline double norm_partials_lane(const double* p, long long count, unsigned lane) {
+  double s = 0;
+  for (long long i = lane; i < count; i += norm_block) s += p[i];
+  return s;
+}
+/// The block's pairwise tree on its norm_block lane sums, as the kernels run it level by level
+/// (the additions of one level are independent, so any order within a level gives these bits).
+inline double norm_tree(double (&s)[norm_block]) {
+  for (unsigned w = norm_block / 2; w > 0; w /= 2)
+    for (unsigned t = 0; t < w; ++t) s[t] += s[t + w];
+  return s[0];
+}
+
+/// The CPU reference of backend::Cuda::sum_squares: the same blocks, lanes and trees.
+inline void sum_squares_reference(std::span<const float> values, std::span<const std::size_t> groups,
+                                  std::span<double> out) {
+  const NormPlan p = sum_squares_plan(groups);
+  std::size_t at = 0;
+  std::vector<double> partials;
+  double s[norm_block];
+  for (std::size_t k = 0; k < groups.size(); ++k) {
+    const long long n = static_cast<long long>(groups[k]);
+    partials.assign(static_cast<std::size_t>(p.first_block[k + 1] - p.first_block[k]), 0.0);
+    for (std::size_t j = 0; j < partials.size(); ++j) {
+      for (unsigned t = 0; t < norm_block; ++t) s[t] = norm_lane(values.data() + at, n, static_cast<long long>(j), t);
+      partials[j] = norm_tree(s);
+    }
+    for (unsigned t = 0; t < norm_block; ++t)
+      s[t] = norm_partials_lane(partials.data(), static_cast<long long>(partials.size()), t);
+    out[k] = norm_tree(s);
+    at += groups[k];
+  }
+}
 
 // ---- the non-finite check (backend::Cuda::flag_nonfinite) ---------------------------------
 

@@ -22,14 +22,26 @@
 //     of one ncclSend and one ncclRecv per peer) and all_gather(ctx, mine, all)
 //     (ncclAllGather), enqueue on ctx.cuda_stream and return at once, like send and recv: no
 //     host sync and no staging. Ranks must pass equal sizes: NCCL does not check;
-//   - abort(why): ncclCommAbort on every communicator in this process of the world and of
-//     every world split from it or from which it was split (a rank's pipeline and replicas
-//     groups); calls to come throw aborted_error.
-// Bootstrap: NcclWorld::all_local (ncclCommInitAll, one process driving every listed GPU, one
-// thread per rank as po::run_thread_ranks runs them) or NcclWorld::from_file / from_id (one
-// process per GPU, ncclGetUniqueId published through comm/nccl/id_file.hpp or broadcast over
-// MPI). The groups of a grid of pipeline replicas: NcclWorld::split (ncclCommSplit, NCCL >=
-// 2.18). Every NCCL call is checked; errors carry rank, host and ncclGetLastError.
+//   - abort(why) sets a host flag shared by this world and every world split from it or from
+//     which it was split (a rank's pipeline and replicas groups), and does nothing else: NCCL
+//     forbids using one communicator from two threads at once, so each rank's own thread
+//     aborts its own communicator (ncclCommAbort) when it sees the flag, at its next NCCL call
+//     or while it waits (the host all_gather's wait, and backend::Cuda::synchronize, which
+//     calls this communicator's wait poll). Calls to come throw aborted_error;
+//   - communicators are non-blocking (ncclConfig_t::blocking = 0): no NCCL call blocks the
+//     host; after each one the rank's thread polls ncclCommGetAsyncError until the call has
+//     completed, watching the abort flag, so a rank whose peer died leaves instead of hanging.
+//     An error NCCL reports there aborts the world with a message naming rank and host;
+//   - no memory is allocated after construction: the host all_gather's staging (device and
+//     pinned host, Options::gather_bytes) is fixed, and a larger gather runs in pieces of it.
+//     With one thread per GPU in one process, a cudaMalloc or cudaFree while another rank's
+//     NCCL kernel spins can wait on that kernel for ever (issue 15's hang class).
+// Bootstrap: NcclWorld::all_local (one process driving every listed GPU, one thread per rank
+// as po::run_thread_ranks runs them; host_barrier() lines those threads up after construction,
+// before the first NCCL kernel) or NcclWorld::from_file / from_id (one process per GPU,
+// ncclGetUniqueId published through comm/nccl/id_file.hpp or broadcast over MPI). The groups
+// of a grid of pipeline replicas: NcclWorld::split (ncclCommSplit, NCCL >= 2.18). Every NCCL
+// call is checked; errors carry rank, host and ncclGetLastError.
 #pragma once
 
 #include <nccl.h>
@@ -40,6 +52,7 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -47,11 +60,13 @@
 #include <source_location>
 #include <span>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
 #include "../../backend/cuda/cuda.hpp"
 #include "../communicator.hpp"
+#include "gather_pieces.hpp"
 #include "id_file.hpp"
 
 namespace pipeoffload::comm {
@@ -87,32 +102,86 @@ inline void nccl_check(ncclResult_t status, const char* call, int rank, ncclComm
     ::pipeoffload::comm::nccl_check((call), #call, (rank_of_call), (handle)); \
   } while (0)
 
+/// NCCL calls that end in ncclInProgress on a non-blocking communicator are posted, not failed.
+inline void nccl_posted(ncclResult_t status, const char* call, int rank, ncclComm_t comm = nullptr,
+                        std::source_location loc = std::source_location::current()) {
+  nccl_check(status == ncclInProgress ? ncclSuccess : status, call, rank, comm, loc);
+}
+
+/// Posts an NCCL call on a non-blocking communicator (checked; ncclInProgress is not an error).
+#define PIPEOFFLOAD_NCCL_POST(call, rank_of_call, handle)                      \
+  do {                                                                         \
+    ::pipeoffload::comm::nccl_posted((call), #call, (rank_of_call), (handle)); \
+  } while (0)
+
 namespace detail {
 
-/// The abort shared by an NcclWorld and every world split from it: every live communicator
-/// of them in this process, aborted together; the first reason wins.
+/// The abort shared by an NcclWorld and every world split from it: a host flag and its first
+/// reason, and the host barrier of a world whose ranks are threads of this process.
 struct NcclAbort {
   std::mutex mu;
+  std::condition_variable cv;  // host_barrier's waiters: woken by the last arrival or by abort
   std::atomic<bool> aborted{false};
-  std::string reason;             // written once, under mu, before `aborted` is set
-  std::vector<ncclComm_t> comms;  // every sharing world's communicators (this process)
+  std::string reason;  // written once, under mu, before `aborted` is set
 };
+
+/// Polls `comm` (non-blocking) until its last call has completed: returns its state then
+/// (ncclSuccess or an error), or ncclInProgress as soon as `stop()` is true. Spins first (most
+/// calls complete at once), then sleeps 50 us at a time.
+template <class Stop>
+ncclResult_t settle(ncclComm_t comm, Stop stop) {
+  for (long spins = 0;; ++spins) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+    if (r != ncclSuccess) return r;
+    if (state != ncclInProgress) return state;
+    if (stop()) return ncclInProgress;
+    if (spins < 1000)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+/// The configuration of every communicator made here: non-blocking (see the file comment).
+inline ncclConfig_t nonblocking_config() {
+  ncclConfig_t c = NCCL_CONFIG_INITIALIZER;
+  c.blocking = 0;
+  return c;
+}
 
 }  // namespace detail
 
 /// The communicators of the ranks this process drives, and their abort state (shared with the
-/// worlds split from it).
+/// worlds split from it). Each communicator is used by one thread, its rank's: that thread
+/// calls split, drives the comm::Nccl made on it, and aborts it (release) when the shared flag
+/// is set. The world frees what is left when it is destroyed.
 class NcclWorld {
  public:
-  /// One process, one rank per listed device (rank r on devices[r]): ncclCommInitAll.
+  /// One process, one rank per listed device (rank r on devices[r]), each communicator
+  /// initialised non-blocking in one NCCL group (ncclCommInitAll's job, with a configuration).
   static std::shared_ptr<NcclWorld> all_local(std::span<const int> devices) {
     auto w = std::shared_ptr<NcclWorld>(new NcclWorld(std::make_shared<detail::NcclAbort>()));
-    w->size_ = static_cast<int>(devices.size());
+    const int n = static_cast<int>(devices.size());
+    w->size_ = n;
     w->comms_.assign(devices.size(), nullptr);
+    w->released_.assign(devices.size(), false);
     w->ranks_.resize(devices.size());
-    for (std::size_t i = 0; i < devices.size(); ++i) w->ranks_[i] = static_cast<int>(i);
-    PIPEOFFLOAD_NCCL_CHECK(ncclCommInitAll(w->comms_.data(), w->size_, devices.data()), 0, nullptr);
-    w->share_comms();
+    for (int i = 0; i < n; ++i) w->ranks_[static_cast<std::size_t>(i)] = i;
+    const NcclIdBytes bytes = new_id(0);
+    ncclUniqueId id{};
+    std::memcpy(&id, bytes.data(), sizeof id);
+    ncclConfig_t config = detail::nonblocking_config();
+    w->fail_on_throw([&] {
+      PIPEOFFLOAD_NCCL_POST(ncclGroupStart(), 0, nullptr);
+      for (int i = 0; i < n; ++i) {
+        PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(devices[static_cast<std::size_t>(i)]));
+        PIPEOFFLOAD_NCCL_POST(ncclCommInitRankConfig(&w->comms_[static_cast<std::size_t>(i)], n, id, i, &config), i,
+                              nullptr);
+      }
+      PIPEOFFLOAD_NCCL_POST(ncclGroupEnd(), 0, nullptr);
+      for (int i = 0; i < n; ++i) w->settle_or_throw(static_cast<std::size_t>(i), i, "ncclCommInitRankConfig");
+    });
     return w;
   }
 
@@ -133,11 +202,15 @@ class NcclWorld {
     w->size_ = size;
     w->ranks_ = {rank};
     w->comms_.assign(1, nullptr);
+    w->released_.assign(1, false);
     ncclUniqueId id{};
     std::memcpy(&id, bytes.data(), sizeof id);
-    PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(device));
-    PIPEOFFLOAD_NCCL_CHECK(ncclCommInitRank(&w->comms_[0], size, id, rank), rank, nullptr);
-    w->share_comms();
+    ncclConfig_t config = detail::nonblocking_config();
+    w->fail_on_throw([&] {
+      PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(device));
+      PIPEOFFLOAD_NCCL_POST(ncclCommInitRankConfig(&w->comms_[0], size, id, rank, &config), rank, nullptr);
+      w->settle_or_throw(0, rank, "ncclCommInitRankConfig");
+    });
     return w;
   }
 
@@ -158,57 +231,65 @@ class NcclWorld {
 
   NcclWorld(const NcclWorld&) = delete;
   NcclWorld& operator=(const NcclWorld&) = delete;
+  /// Frees the communicators their ranks have not aborted: after an abort with ncclCommAbort
+  /// (which waits for no peer); otherwise ncclCommFinalize on all of them first (non-blocking,
+  /// so one thread can finalize several ranks' communicators, each waiting for its peers),
+  /// then ncclCommDestroy. Errors are not thrown from here.
   ~NcclWorld() {
+    std::vector<ncclComm_t> live;
     {
-      std::lock_guard lk(abort_->mu);
-      if (abort_->aborted.load()) return;  // ncclCommAbort already freed them
-      // Withdrawn first, so that an abort from now on leaves them to this destructor.
-      std::erase_if(abort_->comms,
-                    [&](ncclComm_t c) { return std::find(comms_.begin(), comms_.end(), c) != comms_.end(); });
+      std::lock_guard lk(mu_);
+      for (std::size_t i = 0; i < comms_.size(); ++i)
+        if (comms_[i] != nullptr && !released_[i]) live.push_back(comms_[i]);
     }
-    for (ncclComm_t c : comms_)
-      if (c) ncclCommDestroy(c);
+    const auto stop = [&] { return aborted(); };
+    if (!aborted()) {
+      for (ncclComm_t c : live) ncclCommFinalize(c);
+      for (ncclComm_t c : live) detail::settle(c, stop);
+    }
+    for (ncclComm_t c : live) aborted() ? ncclCommAbort(c) : ncclCommDestroy(c);
+    cudaGetLastError();
   }
 
   int size() const { return size_; }
   /// The communicator of `rank`, which this process must drive.
-  ncclComm_t comm(int rank) const {
-    for (std::size_t i = 0; i < ranks_.size(); ++i)
-      if (ranks_[i] == rank) return comms_[i];
-    throw comm_error("comm::NcclWorld: rank " + std::to_string(rank) + " is not driven by this process");
-  }
+  ncclComm_t comm(int rank) const { return comms_[index(rank)]; }
 
   /// Collective over this world (ncclCommSplit, NCCL >= 2.18): every rank of the world calls
   /// it once; the ranks that pass the same `color` (>= 0) form one group, ordered by `key`
   /// (ties by rank). Returns the world of this process's rank `rank` in its group: it drives
   /// that one rank (Nccl(world, world->rank(), dev)). In a world that drives several ranks
   /// (all_local), each rank's thread calls it at the same time. The new world shares this
-  /// one's abort: an abort on either (or on any Nccl of either) calls ncclCommAbort on every
-  /// communicator of both in this process.
+  /// one's abort (and inherits its non-blocking configuration).
   /// @code
   ///   auto job = po::comm::NcclWorld::from_id(id, g, dp * d, device);   // g = replica * d + rank
   ///   auto pipe = job->split(g / d, g % d);   // the d ranks of replica g / d
   ///   auto reps = job->split(g % d, g / d);   // the dp ranks of pipeline rank g % d
   ///   po::comm::Nccl pipeline(pipe, pipe->rank(), dev), replicas(reps, reps->rank(), dev);
   /// @endcode
-  std::shared_ptr<NcclWorld> split(int rank, int color, int key) const {
+  std::shared_ptr<NcclWorld> split(int rank, int color, int key) {
     if (color < 0)
       throw comm_error("comm::NcclWorld::split: color = " + std::to_string(color) +
                        " is outside the allowed range [0, " + std::to_string(INT_MAX) + "]");
     const ncclComm_t parent = comm(rank);
-    if (aborted()) throw_aborted();
+    check_live(rank);
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
     int device = 0;
     PIPEOFFLOAD_NCCL_CHECK(ncclCommCuDevice(parent, &device), rank, parent);
     PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(device));
-    ncclComm_t child = nullptr;
-    PIPEOFFLOAD_NCCL_CHECK(ncclCommSplit(parent, color, key, &child, nullptr), rank, parent);
     auto w = std::shared_ptr<NcclWorld>(new NcclWorld(abort_));
-    w->comms_ = {child};
+    w->comms_ = {nullptr};
+    w->released_ = {false};
     w->ranks_ = {0};
-    PIPEOFFLOAD_NCCL_CHECK(ncclCommCount(child, &w->size_), rank, child);
-    PIPEOFFLOAD_NCCL_CHECK(ncclCommUserRank(child, &w->ranks_[0]), rank, child);
-    w->share_comms();
+    PIPEOFFLOAD_NCCL_POST(ncclCommSplit(parent, color, key, &w->comms_[0], nullptr), rank, parent);
+    settle_or_throw(index(rank), rank, "ncclCommSplit");
+    w->fail_on_throw([&] {
+      w->settle_or_throw(0, rank, "ncclCommSplit (the new communicator)");
+      PIPEOFFLOAD_NCCL_CHECK(ncclCommCount(w->comms_[0], &w->size_), rank, w->comms_[0]);
+      int child_rank = 0;
+      PIPEOFFLOAD_NCCL_CHECK(ncclCommUserRank(w->comms_[0], &child_rank), rank, w->comms_[0]);
+      w->ranks_[0] = child_rank;
+    });
     return w;
 #else
     (void)parent;
@@ -218,7 +299,7 @@ class NcclWorld {
 #endif
   }
   /// split(rank, color, key) for a world that drives one rank (from_id, from_file).
-  std::shared_ptr<NcclWorld> split(int color, int key) const {
+  std::shared_ptr<NcclWorld> split(int color, int key) {
     if (ranks_.size() != 1)
       throw comm_error("comm::NcclWorld::split: this process drives " + std::to_string(ranks_.size()) +
                        " ranks of the world; name the one that splits (split(rank, color, key))");
@@ -232,15 +313,18 @@ class NcclWorld {
     return ranks_[0];
   }
 
-  /// Aborts every communicator of this world and of every world that shares its abort, in
-  /// this process (first reason wins).
+  /// Sets the abort shared by this world and every world split from it or from which it was
+  /// split (first reason wins), and wakes host_barrier's waiters. Any thread may call it; no
+  /// NCCL call is made here: each rank's thread aborts its own communicator (release) when it
+  /// next calls or waits on it.
   void abort(const std::string& why) {
-    std::lock_guard lk(abort_->mu);
-    if (abort_->aborted.load()) return;
-    abort_->reason = why;
-    abort_->aborted.store(true);
-    for (ncclComm_t c : abort_->comms)
-      if (c) ncclCommAbort(c);  // best effort: nothing to report to while failing
+    {
+      std::lock_guard lk(abort_->mu);
+      if (abort_->aborted.load()) return;
+      abort_->reason = why;
+      abort_->aborted.store(true);
+    }
+    abort_->cv.notify_all();
   }
   bool aborted() const { return abort_->aborted.load(); }
   [[noreturn]] void throw_aborted() const {
@@ -248,68 +332,147 @@ class NcclWorld {
     throw aborted_error("aborted: " + abort_->reason);
   }
 
+  /// Aborts rank `rank`'s communicator (ncclCommAbort), once; called by that rank's thread
+  /// only (NCCL's one-thread rule), when it sees the abort or an NCCL error.
+  void release(int rank) { release_at(index(rank)); }
+  /// If the world was aborted: aborts rank `rank`'s communicator and throws aborted_error.
+  void check_live(int rank) {
+    if (!aborted()) return;
+    release(rank);
+    throw_aborted();
+  }
+
+  /// Waits until every rank this process drives has called it (a host barrier of the threads
+  /// of an all_local world; nothing to wait for in a world of one rank per process). Call it
+  /// after each rank has made every allocation of its run (its backend::Cuda, comm::Nccl,
+  /// layers, po::Runtime and optimizer) and before its first NCCL kernel: a cudaMalloc,
+  /// cudaHostAlloc or module load in one thread while another thread's NCCL kernel spins,
+  /// waiting for the first, can wait on that kernel for ever. Throws aborted_error if the
+  /// world is aborted meanwhile (a rank that failed never arrives).
+  void host_barrier() {
+    if (ranks_.size() <= 1) return;
+    std::unique_lock lk(abort_->mu);
+    if (abort_->aborted.load()) throw aborted_error("aborted: " + abort_->reason);
+    const std::uint64_t generation = barrier_generation_;
+    if (++barrier_arrived_ == ranks_.size()) {
+      barrier_arrived_ = 0;
+      ++barrier_generation_;
+      abort_->cv.notify_all();
+      return;
+    }
+    abort_->cv.wait(lk, [&] { return barrier_generation_ != generation || abort_->aborted.load(); });
+    if (barrier_generation_ == generation) throw aborted_error("aborted: " + abort_->reason);
+  }
+
  private:
   explicit NcclWorld(std::shared_ptr<detail::NcclAbort> shared) : abort_(std::move(shared)) {}
 
-  /// Hands this world's communicators to the shared abort; if it came first (a split racing
-  /// an abort), aborts them now and throws.
-  void share_comms() {
-    {
-      std::lock_guard lk(abort_->mu);
-      if (!abort_->aborted.load()) {
-        abort_->comms.insert(abort_->comms.end(), comms_.begin(), comms_.end());
-        return;
-      }
-      for (ncclComm_t c : comms_)
-        if (c) ncclCommAbort(c);
+  std::size_t index(int rank) const {
+    for (std::size_t i = 0; i < ranks_.size(); ++i)
+      if (ranks_[i] == rank) return i;
+    throw comm_error("comm::NcclWorld: rank " + std::to_string(rank) + " is not driven by this process");
+  }
+
+  /// Waits, on the calling thread (the one of rank `rank`, whose messages name it), until
+  /// communicator i has completed its last call; an NCCL error or the shared abort aborts it
+  /// and throws.
+  void settle_or_throw(std::size_t i, int rank, const char* what) {
+    const ncclResult_t state = detail::settle(comms_[i], [&] { return aborted(); });
+    if (state == ncclSuccess) return;
+    std::string why = "aborted while waiting for " + std::string(what);
+    if (state != ncclInProgress) {
+      why = std::string("NCCL error ") + ncclGetErrorString(state) + " in " + what + " on rank " +
+            std::to_string(rank) + " (host " + detail::host_name() + ")";
+      abort(why);
     }
-    throw_aborted();
+    release_at(i);
+    if (state == ncclInProgress) throw_aborted();
+    throw cuda_error(why);
+  }
+  void release_at(std::size_t i) {
+    {
+      std::lock_guard lk(mu_);
+      if (released_[i] || comms_[i] == nullptr) return;
+      released_[i] = true;
+    }
+    ncclCommAbort(comms_[i]);  // best effort: nothing to report to while failing
+    cudaGetLastError();
+  }
+
+  /// Runs fn; if it throws, aborts this world's communicators (which may be half made) so that
+  /// the destructor frees them without waiting for peers, and throws on.
+  template <class F>
+  void fail_on_throw(F&& fn) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      abort(e.what());
+      throw;
+    }
   }
 
   int size_ = 0;
   std::vector<ncclComm_t> comms_;
   std::vector<int> ranks_;
   std::shared_ptr<detail::NcclAbort> abort_;
+  mutable std::mutex mu_;                 // released_
+  std::vector<bool> released_;            // per communicator: aborted by its rank's thread
+  std::size_t barrier_arrived_ = 0;       // host_barrier, under abort_->mu
+  std::uint64_t barrier_generation_ = 0;  // likewise
 };
 
-/// One rank's communicator on one backend::Cuda device.
+/// One rank's communicator on one backend::Cuda device, driven by one thread (the rank's: it
+/// posts the calls and runs dev.synchronize(), whose waits poll this communicator).
 class Nccl {
  public:
   struct Options {
     std::size_t max_messages_per_step = 1 << 16;  ///< tag headers kept between two all_gathers
+    /// The host all_gather's staging, device and pinned host (twice), allocated here: a gather
+    /// of more than gather_bytes runs in pieces. At least size() bytes.
+    std::size_t gather_bytes = std::size_t{4} << 20;
   };
 
   Nccl(std::shared_ptr<NcclWorld> world, int rank, backend::Cuda& dev) : Nccl(std::move(world), rank, dev, Options{}) {}
   Nccl(std::shared_ptr<NcclWorld> world, int rank, backend::Cuda& dev, Options opt)
       : w_(std::move(world)), rank_(rank), dev_(&dev), opt_(opt) {
     comm_ = w_->comm(rank);
+    const std::size_t d = static_cast<std::size_t>(size());
+    if (opt_.gather_bytes < d)
+      throw comm_error("comm::Nccl: Options::gather_bytes = " + std::to_string(opt_.gather_bytes) +
+                       " is outside the allowed range [" + std::to_string(d) + ", ...]: every rank needs a byte");
+    piece_ = opt_.gather_bytes / d;
     PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(dev.device()));
     const std::size_t n = opt_.max_messages_per_step;
-    void* p = nullptr;
-    // (max_messages_per_step) Header: headers of sends, pinned host, owned here, written by
-    // the host when a send is posted and read by the copy that stages them to the device.
-    PIPEOFFLOAD_CUDA_CHECK(cudaHostAlloc(&p, n * sizeof(Header), cudaHostAllocPortable));
-    send_host_ = static_cast<Header*>(p);
+    // (max_messages_per_step) Header, pinned host: headers of sends, written by the host when
+    // a send is posted and read by the copy that stages them to the device; and received
+    // headers, copied back for verify_tags.
+    send_host_ = static_cast<Header*>(pinned(n * sizeof(Header)));
+    recv_host_ = static_cast<Header*>(pinned(n * sizeof(Header)));
     // (max_messages_per_step) Header, device: staged send headers, and received headers.
-    PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, n * sizeof(Header)));
-    send_dev_ = static_cast<Header*>(p);
-    PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, n * sizeof(Header)));
-    recv_dev_ = static_cast<Header*>(p);
-    PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, 1 << 20));  // all_gather staging, grown on demand between steps
-    gather_dev_ = static_cast<std::byte*>(p);
-    gather_capacity_ = 1 << 20;
+    send_dev_ = static_cast<Header*>(device(n * sizeof(Header)));
+    recv_dev_ = static_cast<Header*>(device(n * sizeof(Header)));
+    // (size() * piece_ bytes) device and pinned host: the host all_gather's pieces.
+    gather_dev_ = static_cast<std::byte*>(device(d * piece_));
+    gather_in_ = static_cast<std::byte*>(pinned(piece_));
+    gather_out_ = static_cast<std::byte*>(pinned(d * piece_));
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamCreateWithFlags(&gather_stream_, cudaStreamNonBlocking));
+    poll_id_ = dev.add_wait_poll([this] { poll(); });
   }
   Nccl(const Nccl&) = delete;
   Nccl& operator=(const Nccl&) = delete;
   ~Nccl() {
+    dev_->remove_wait_poll(poll_id_);
+    if (w_->aborted()) w_->release(rank_);  // this rank's thread: its communicator's last user
     cudaSetDevice(dev_->device());
-    cudaStreamSynchronize(gather_stream_);
-    cudaStreamDestroy(gather_stream_);
-    cudaFree(gather_dev_);
-    cudaFree(recv_dev_);
-    cudaFree(send_dev_);
-    cudaFreeHost(send_host_);
+    if (gather_stream_) {
+      cudaStreamSynchronize(gather_stream_);
+      cudaStreamDestroy(gather_stream_);
+    }
+    for (void* p : {static_cast<void*>(gather_dev_), static_cast<void*>(recv_dev_), static_cast<void*>(send_dev_)})
+      if (p) cudaFree(p);
+    for (void* p : {static_cast<void*>(gather_out_), static_cast<void*>(gather_in_), static_cast<void*>(recv_host_),
+                    static_cast<void*>(send_host_)})
+      if (p) cudaFreeHost(p);
     cudaGetLastError();
   }
 
@@ -323,10 +486,11 @@ class Nccl {
     const std::size_t i = next_slot(sent_, "send");
     send_host_[i] = header(tag, data.size());
     PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(send_dev_ + i, send_host_ + i, sizeof(Header), cudaMemcpyHostToDevice, s));
-    PIPEOFFLOAD_NCCL_CHECK(ncclGroupStart(), rank_, comm_);
-    PIPEOFFLOAD_NCCL_CHECK(ncclSend(send_dev_ + i, sizeof(Header), ncclUint8, peer, comm_, s), rank_, comm_);
-    PIPEOFFLOAD_NCCL_CHECK(ncclSend(data.data(), data.size(), ncclUint8, peer, comm_, s), rank_, comm_);
-    PIPEOFFLOAD_NCCL_CHECK(ncclGroupEnd(), rank_, comm_);
+    PIPEOFFLOAD_NCCL_POST(ncclGroupStart(), rank_, comm_);
+    PIPEOFFLOAD_NCCL_POST(ncclSend(send_dev_ + i, sizeof(Header), ncclUint8, peer, comm_, s), rank_, comm_);
+    PIPEOFFLOAD_NCCL_POST(ncclSend(data.data(), data.size(), ncclUint8, peer, comm_, s), rank_, comm_);
+    PIPEOFFLOAD_NCCL_POST(ncclGroupEnd(), rank_, comm_);
+    settle("send");
   }
 
   /// Enqueues the receive of `out.size()` bytes from `peer` into `out` (device memory) on
@@ -336,19 +500,22 @@ class Nccl {
     const cudaStream_t s = stream(ctx);
     const std::size_t i = next_slot(received_, "recv");
     expected_.push_back({peer, header(tag, out.size())});
-    PIPEOFFLOAD_NCCL_CHECK(ncclGroupStart(), rank_, comm_);
-    PIPEOFFLOAD_NCCL_CHECK(ncclRecv(recv_dev_ + i, sizeof(Header), ncclUint8, peer, comm_, s), rank_, comm_);
-    PIPEOFFLOAD_NCCL_CHECK(ncclRecv(out.data(), out.size(), ncclUint8, peer, comm_, s), rank_, comm_);
-    PIPEOFFLOAD_NCCL_CHECK(ncclGroupEnd(), rank_, comm_);
+    PIPEOFFLOAD_NCCL_POST(ncclGroupStart(), rank_, comm_);
+    PIPEOFFLOAD_NCCL_POST(ncclRecv(recv_dev_ + i, sizeof(Header), ncclUint8, peer, comm_, s), rank_, comm_);
+    PIPEOFFLOAD_NCCL_POST(ncclRecv(out.data(), out.size(), ncclUint8, peer, comm_, s), rank_, comm_);
+    PIPEOFFLOAD_NCCL_POST(ncclGroupEnd(), rank_, comm_);
+    settle("recv");
   }
 
   /// Verifies the tags received since the last call, then gathers `mine` (host memory, values
-  /// of any trivially copyable T) from every rank into `all` (host memory).
+  /// of any trivially copyable T) from every rank into `all` (host memory), in pieces of at
+  /// most Options::gather_bytes / size() bytes per rank through the staging made at
+  /// construction; the wait polls the abort flag and NCCL's errors.
   template <class T>
   void all_gather(std::span<const T> mine, std::span<T> all) {
     static_assert(std::is_trivially_copyable_v<T>,
                   "comm::Nccl::all_gather: T must be trivially copyable; values travel as bytes.");
-    if (w_->aborted()) w_->throw_aborted();
+    w_->check_live(rank_);
     const std::size_t n = mine.size(), d = static_cast<std::size_t>(size());
     if (all.size() != n * d)
       throw comm_error("comm::Nccl::all_gather: the output holds " + std::to_string(all.size()) +
@@ -356,22 +523,19 @@ class Nccl {
     PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(dev_->device()));
     verify_tags();
     const std::size_t block = n * sizeof(T);  // bytes per rank
-    if (block * d > gather_capacity_) {       // between steps: the only allocation after construction
-      PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(gather_stream_));
-      PIPEOFFLOAD_CUDA_CHECK(cudaFree(gather_dev_));
-      gather_dev_ = nullptr;
-      gather_capacity_ = 0;
-      void* p = nullptr;
-      PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, block * d));
-      gather_dev_ = static_cast<std::byte*>(p);
-      gather_capacity_ = block * d;
+    const auto* in = reinterpret_cast<const std::byte*>(mine.data());
+    auto* out = reinterpret_cast<std::byte*>(all.data());
+    for (const GatherPiece& p : gather_pieces(block, piece_)) {
+      std::memcpy(gather_in_, in + p.offset, p.bytes);
+      std::byte* slot = gather_dev_ + static_cast<std::size_t>(rank_) * p.bytes;
+      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(slot, gather_in_, p.bytes, cudaMemcpyHostToDevice, gather_stream_));
+      PIPEOFFLOAD_NCCL_POST(ncclAllGather(slot, gather_dev_, p.bytes, ncclUint8, comm_, gather_stream_), rank_, comm_);
+      settle("all_gather");
+      PIPEOFFLOAD_CUDA_CHECK(
+          cudaMemcpyAsync(gather_out_, gather_dev_, d * p.bytes, cudaMemcpyDeviceToHost, gather_stream_));
+      wait_gather();
+      for (std::size_t q = 0; q < d; ++q) std::memcpy(out + q * block + p.offset, gather_out_ + q * p.bytes, p.bytes);
     }
-    std::byte* slot = gather_dev_ + static_cast<std::size_t>(rank_) * block;
-    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(slot, mine.data(), block, cudaMemcpyHostToDevice, gather_stream_));
-    PIPEOFFLOAD_NCCL_CHECK(ncclAllGather(slot, gather_dev_, block, ncclUint8, comm_, gather_stream_), rank_, comm_);
-    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(all.data(), gather_dev_, block * d, cudaMemcpyDeviceToHost, gather_stream_));
-    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(gather_stream_));
-    if (w_->aborted()) w_->throw_aborted();
   }
 
   /// Enqueues an all_to_all of bytes in device memory on ctx's stream and returns at once:
@@ -390,14 +554,15 @@ class Nccl {
                        " bytes; it must hold size() * block bytes, a multiple of size() = " + std::to_string(d));
     const std::size_t block = n / d, me = static_cast<std::size_t>(rank_);
     if (block == 0) return;
-    PIPEOFFLOAD_NCCL_CHECK(ncclGroupStart(), rank_, comm_);
+    PIPEOFFLOAD_NCCL_POST(ncclGroupStart(), rank_, comm_);
     for (int p = 0; p < size(); ++p) {
       if (p == rank_) continue;
       const std::size_t at = static_cast<std::size_t>(p) * block;
-      PIPEOFFLOAD_NCCL_CHECK(ncclSend(in.data() + at, block, ncclUint8, p, comm_, s), rank_, comm_);
-      PIPEOFFLOAD_NCCL_CHECK(ncclRecv(out.data() + at, block, ncclUint8, p, comm_, s), rank_, comm_);
+      PIPEOFFLOAD_NCCL_POST(ncclSend(in.data() + at, block, ncclUint8, p, comm_, s), rank_, comm_);
+      PIPEOFFLOAD_NCCL_POST(ncclRecv(out.data() + at, block, ncclUint8, p, comm_, s), rank_, comm_);
     }
-    PIPEOFFLOAD_NCCL_CHECK(ncclGroupEnd(), rank_, comm_);
+    PIPEOFFLOAD_NCCL_POST(ncclGroupEnd(), rank_, comm_);
+    settle("all_to_all");
     PIPEOFFLOAD_CUDA_CHECK(
         cudaMemcpyAsync(out.data() + me * block, in.data() + me * block, block, cudaMemcpyDeviceToDevice, s));
   }
@@ -412,12 +577,24 @@ class Nccl {
       throw comm_error("comm::Nccl::all_gather: the output holds " + std::to_string(all.size()) +
                        " bytes; it must hold size() * mine.size() = " + std::to_string(n * d));
     if (n == 0) return;
-    PIPEOFFLOAD_NCCL_CHECK(ncclAllGather(mine.data(), all.data(), n, ncclUint8, comm_, s), rank_, comm_);
+    PIPEOFFLOAD_NCCL_POST(ncclAllGather(mine.data(), all.data(), n, ncclUint8, comm_, s), rank_, comm_);
+    settle("all_gather");
   }
 
-  /// Aborts this rank's communicators: this world's and those of every world that shares its
-  /// abort (the rank's other group, split from the same world).
+  /// Sets the abort shared by this rank's groups (NcclWorld::abort): every rank's thread, this
+  /// one's included, aborts its own communicator at its next call or wait, which throws
+  /// aborted_error. Any thread may call it.
   void abort(const std::string& why) { w_->abort(why); }
+
+  /// The wait poll backend::Cuda::synchronize runs on this rank's thread while its streams
+  /// are busy: after an abort, or an error NCCL reports, aborts this rank's communicator
+  /// (which ends the NCCL kernels the streams wait for) and throws.
+  void poll() {
+    w_->check_live(rank_);
+    ncclResult_t state = ncclSuccess;
+    if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess || state == ncclSuccess || state == ncclInProgress) return;
+    fail(state, "a pending operation");
+  }
 
  private:
   /// A message's tag and size as it travels ahead of the data (24 bytes, no padding: every
@@ -442,9 +619,55 @@ class Nccl {
            " bytes";
   }
 
+  static void* pinned(std::size_t bytes) {
+    void* p = nullptr;
+    PIPEOFFLOAD_CUDA_CHECK(cudaHostAlloc(&p, std::max<std::size_t>(bytes, 1), cudaHostAllocPortable));
+    return p;
+  }
+  static void* device(std::size_t bytes) {
+    void* p = nullptr;
+    PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(bytes, 1)));
+    return p;
+  }
+
+  /// NCCL reported `state` for this rank: aborts the world (the other ranks' threads see it)
+  /// and this rank's communicator, then throws naming rank, host and NCCL's message.
+  [[noreturn]] void fail(ncclResult_t state, const char* what) {
+    const char* last = ncclGetLastError(comm_);
+    const std::string why = std::string("NCCL error ") + ncclGetErrorString(state) + " in " + what + " on rank " +
+                            std::to_string(rank_) + " (host " + detail::host_name() + ")" +
+                            (last && *last ? std::string(": ") + last : std::string());
+    w_->abort(why);
+    w_->release(rank_);
+    throw cuda_error(why);
+  }
+
+  /// Waits until the call just posted on the non-blocking communicator has completed (or
+  /// throws: the abort, or NCCL's error).
+  void settle(const char* what) {
+    const ncclResult_t state = detail::settle(comm_, [&] { return w_->aborted(); });
+    if (state == ncclSuccess) return;
+    if (state == ncclInProgress) w_->check_live(rank_);  // stopped by the abort: throws
+    fail(state, what);
+  }
+
+  /// Waits for the gather stream by querying it, polling between queries.
+  void wait_gather() {
+    for (long spins = 0;; ++spins) {
+      const cudaError_t q = cudaStreamQuery(gather_stream_);
+      if (q == cudaSuccess) return;
+      if (q != cudaErrorNotReady) PIPEOFFLOAD_CUDA_CHECK(q);
+      poll();
+      if (spins < 1000)
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
   /// ctx's stream, once ctx is known to be of this communicator's device.
-  cudaStream_t stream(const backend::CudaContext& ctx) const {
-    if (w_->aborted()) w_->throw_aborted();
+  cudaStream_t stream(const backend::CudaContext& ctx) {
+    w_->check_live(rank_);
     if (ctx.device != dev_ || ctx.cuda_stream == nullptr)
       throw comm_error(
           "comm::Nccl: rank " + std::to_string(rank_) + " was given the context of " +
@@ -464,17 +687,16 @@ class Nccl {
 
   /// The received headers of this step against the expected ones (one host sync, between steps).
   void verify_tags() {
-    std::vector<Header> got(received_);
-    if (!got.empty()) {
+    if (received_ > 0) {
       PIPEOFFLOAD_CUDA_CHECK(
-          cudaMemcpyAsync(got.data(), recv_dev_, got.size() * sizeof(Header), cudaMemcpyDeviceToHost, gather_stream_));
-      PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(gather_stream_));
+          cudaMemcpyAsync(recv_host_, recv_dev_, received_ * sizeof(Header), cudaMemcpyDeviceToHost, gather_stream_));
+      wait_gather();
     }
-    for (std::size_t i = 0; i < got.size(); ++i)
-      if (!(got[i] == expected_[i].h))
+    for (std::size_t i = 0; i < received_; ++i)
+      if (!(recv_host_[i] == expected_[i].h))
         throw comm_error("comm::Nccl: rank " + std::to_string(rank_) + " expected " + describe_header(expected_[i].h) +
                          " from rank " + std::to_string(expected_[i].peer) + " but received " +
-                         describe_header(got[i]));
+                         describe_header(recv_host_[i]));
     // Every message of the step has completed (the caller synchronised), so slots are free.
     sent_ = received_ = 0;
     expected_.clear();
@@ -492,11 +714,15 @@ class Nccl {
   Options opt_;
   ncclComm_t comm_ = nullptr;
   Header* send_host_ = nullptr;  // see the constructor for shapes and owners
+  Header* recv_host_ = nullptr;
   Header* send_dev_ = nullptr;
   Header* recv_dev_ = nullptr;
-  std::byte* gather_dev_ = nullptr;  // (gather_capacity_ bytes) device, owned: all_gather staging
-  std::size_t gather_capacity_ = 0;
+  std::size_t piece_ = 0;            // bytes per rank of one all_gather piece
+  std::byte* gather_dev_ = nullptr;  // (size() * piece_) device: all_gather staging
+  std::byte* gather_in_ = nullptr;   // (piece_) pinned host: this rank's piece
+  std::byte* gather_out_ = nullptr;  // (size() * piece_) pinned host: every rank's piece
   cudaStream_t gather_stream_ = nullptr;
+  int poll_id_ = -1;
   std::size_t sent_ = 0, received_ = 0;
   std::vector<Expected> expected_;
 };
