@@ -29,11 +29,13 @@
 //     same order;
 //   - abort(why): every blocking call in progress or to come, on every rank, throws
 //     aborted_error naming `why` (the first abort wins); it is how one failing rank stops
-//     the others (NCCL: ncclCommAbort). The communicators of one job's groups (a rank's
-//     pipeline and data-parallel groups: comm::ThreadsGrid, comm::Mpi::split,
-//     comm::NcclWorld::split) share one abort: an abort on any of them ends every rank of
-//     every group (comm::Nccl: every communicator of both groups in this process; other
-//     processes learn of the failure through MPI, as for one pipeline).
+//     the others. The communicators of one job's groups (a rank's pipeline and
+//     data-parallel groups: comm::ThreadsGrid, comm::Mpi::split, comm::NcclWorld::split)
+//     share one abort: an abort on any of them ends every rank of every group (comm::Nccl:
+//     the abort sets a host flag of the process; each rank's own thread, polling its
+//     non-blocking communicators while it waits, sees it and calls ncclCommAbort on its own
+//     communicators only, as NCCL requires; other processes learn of the failure through
+//     MPI, as for one pipeline).
 #pragma once
 
 #include <concepts>
