@@ -1,6 +1,6 @@
 // pipeoffload/schedule/detail/greedy.hpp: step 1 of build() for the zero-bubble families: ZB-H1's
-// orders (1F1B with deferred W passes), and for ZB-H2, ZB-V, V-Half and V-Min each rank's order
-// from a memory-capped list schedule.
+// orders (1F1B with deferred W passes), V-Min's (a periodic pattern), and for ZB-H2, ZB-V and
+// V-Half each rank's order from a memory-capped list schedule.
 //
 // The list schedule is run forward in time under the cost model (T_F, T_B, T_W per stage, T_comm
 // per hop between ranks) and each rank, whenever it is free, starts (README, "Zero-bubble families"):
@@ -24,6 +24,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <string>
 #include <vector>
 
@@ -44,7 +45,7 @@ constexpr int greedy_cap(Family f, int d) {
     case Family::v_half:
       return d + 2;
     case Family::v_min:
-      return std::max(d, 2);
+      return 2 * ((d + 1) / 3) + 2;  // not a cap: the peak its pattern reaches (about a third of 2d)
     default:
       return 0;
   }
@@ -67,6 +68,66 @@ constexpr void order_zb_h1(Program& p) {
       if (f < m) ops.push_back({OpKind::F, i, f++});
     }
     for (; w < m; ++w) ops.push_back({OpKind::W, i, w});
+  }
+}
+
+/// V-Min's orders (v = 2 on the V placement): every rank repeats, per microbatch, six passes at
+/// fixed slots of a period of 6 (F of chunk 0, F of chunk 1, B of chunk 1, B of chunk 0, and the
+/// two W passes), microbatch k at the pattern's slots + 6k. The pattern is laid out chain by
+/// chain: F0 down the ranks, F1 back up, B1 down, B0 back up, each pass at the first slot after
+/// its input (`gap[chain]` slots later, plus `turn[t]` where chain t+1 starts from chain t on
+/// one rank) whose residue mod 6 is still free on its rank; each W at the first free slot
+/// `wgap` or more after its B. The slots form a valid execution (every dependency at least a
+/// slot earlier, no two passes of a rank in one slot); a rank's order is its passes sorted by
+/// slot. A unit lives about as long as its microbatch's round trip from its rank and back, so
+/// the ranks hold about (4d + 2) / 6 microbatches' worth: a third of 1F1B's bytes, plus the
+/// pattern's gaps. V-Min uses gaps of 1, wgap 1, and turn {1, 0, 0} when 3 divides d (else the
+/// six residues of the turns collide and the pattern stretches).
+constexpr void order_v_pattern(Program& p, const int (&gap)[4], int wgap, const int (&turn)[3]) {
+  const Shape sh = p.shape;
+  const int d = sh.d, m = sh.m;
+  std::vector<std::array<long long, 6>> at(static_cast<std::size_t>(d));  // F0 F1 B1 B0 W1 W0
+  std::vector<std::array<bool, 6>> used(static_cast<std::size_t>(d), std::array<bool, 6>{});
+  const auto place = [&](int r, int kind, long long from) {
+    auto& u = used[static_cast<std::size_t>(r)];
+    long long t = from;
+    while (u[static_cast<std::size_t>(t % 6)]) ++t;
+    u[static_cast<std::size_t>(t % 6)] = true;
+    at[static_cast<std::size_t>(r)][static_cast<std::size_t>(kind)] = t;
+  };
+  for (int r = 0; r < d; ++r) place(r, 0, r == 0 ? 0 : at[static_cast<std::size_t>(r - 1)][0] + gap[0]);
+  for (int r = d - 1; r >= 0; --r)
+    place(
+        r, 1,
+        (r == d - 1 ? at[static_cast<std::size_t>(r)][0] + turn[0] : at[static_cast<std::size_t>(r + 1)][1]) + gap[1]);
+  for (int r = 0; r < d; ++r)
+    place(r, 2,
+          (r == 0 ? at[static_cast<std::size_t>(r)][1] + turn[1] : at[static_cast<std::size_t>(r - 1)][2]) + gap[2]);
+  for (int r = d - 1; r >= 0; --r)
+    place(
+        r, 3,
+        (r == d - 1 ? at[static_cast<std::size_t>(r)][2] + turn[2] : at[static_cast<std::size_t>(r + 1)][3]) + gap[3]);
+  for (int r = 0; r < d; ++r) {
+    place(r, 4, at[static_cast<std::size_t>(r)][2] + wgap);
+    place(r, 5, at[static_cast<std::size_t>(r)][3] + wgap);
+  }
+  for (int r = 0; r < d; ++r) {
+    std::vector<std::pair<long long, Op>> all;
+    all.reserve(6 * static_cast<std::size_t>(m));
+    const auto& a = at[static_cast<std::size_t>(r)];
+    const int s0 = sh.stage_of(r, 0), s1 = sh.stage_of(r, 1);
+    for (int k = 0; k < m; ++k) {
+      const long long o = 6LL * k;
+      all.push_back({a[0] + o, Op{OpKind::F, s0, k}});
+      all.push_back({a[1] + o, Op{OpKind::F, s1, k}});
+      all.push_back({a[2] + o, Op{OpKind::B, s1, k}});
+      all.push_back({a[3] + o, Op{OpKind::B, s0, k}});
+      all.push_back({a[4] + o, Op{OpKind::W, s1, k}});
+      all.push_back({a[5] + o, Op{OpKind::W, s0, k}});
+    }
+    std::sort(all.begin(), all.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+    auto& ops = p.ranks[static_cast<std::size_t>(r)].compute;
+    for (const auto& e : all) ops.push_back(e.second);
   }
 }
 
