@@ -7,6 +7,7 @@
 #include "error.hpp"
 #include "policy/policy.hpp"
 #include "schedule/schedule.hpp"
+#include "schedule/torch_csv.hpp"
 #include "schedule/validate.hpp"
 #include "sim/simulate.hpp"
 #include "version.hpp"
