@@ -3,13 +3,16 @@
 //   ./build/pipeoffload-plan --schedule po-h --ranks 4 --chunks 2 --microbatches 8
 //   ./build/pipeoffload-plan --schedule gis-g --group 3 --ranks 4 --chunks 2 --microbatches 8 --format csv
 //   ./build/pipeoffload-plan --schedule po-f --ranks 8 --chunks 4 --microbatches 32 --format svg --out po-f.svg
+//   ./build/pipeoffload-plan --schedule zb-v --ranks 4 --chunks 2 --microbatches 8 --format torch-csv --out zb-v.csv
+//   ./build/pipeoffload-plan --import zb-v.csv --offload-chunks 1     (torch.distributed.pipelining's CSV)
 //   ./build/pipeoffload-plan --auto --layers 78 --hidden 10240 --heads 80 --query-groups 8 --seq 4096
 //       --micro-batch 1 --global-batch 256 --vocab 51200 --ranks 32 --device-mem-gib 80 --host-mem-gib 512
 //       --tflops 220 --pcie-gbps 15 --recompute
 //   ./build/pipeoffload-plan --auto ... --ranks 8 --dp 4 --zero 1 --dp-gbps 50     (4 replicas of 8 ranks)
 //   ./build/pipeoffload-plan --auto ... --gpus 32 --search-dp                        (dp and d chosen)
 //
-// Exit status: 0 done; 2 a bad argument (one line on stderr naming it and what is allowed);
+// Exit status: 0 done; 2 a bad argument (one line on stderr naming it and what is allowed), or
+// an --import file that is not a valid schedule (one line naming its row and cell);
 // 3 (--auto) nothing fits: the closest plan is printed with fits false, the shortfall on stderr;
 // 1 an internal failure (a schedule that does not validate, an output that cannot be written).
 // Other tools parse the output formats; they are documented in pipeoffload/sim/render.hpp.
@@ -35,9 +38,18 @@ namespace {
 constexpr const char* usage_text =
     R"(usage: pipeoffload-plan --schedule NAME --ranks D --chunks V --microbatches M [options]
 
+usage: pipeoffload-plan --import FILE [--ranks D] [--chunks V] [--microbatches M] [options]
+
 Builds a pipeline schedule, simulates it (as-soon-as-possible execution) and prints it.
 
-  --schedule NAME       1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f
+  --schedule NAME       1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, zb-h2, zb-v,
+                        v-half, v-min
+  --import FILE         instead of --schedule: a schedule in torch.distributed.pipelining's
+                        CSV form (one row per rank; {stage}F{mb}, I, W or fused B; SEND_F,
+                        RECV_F, SEND_B, RECV_B cells are accepted and the P2P order re-planned).
+                        D, V, M and the placement (interleaved or V) are inferred; --ranks,
+                        --chunks, --microbatches, if given, must agree. --offload-chunks N adds
+                        offload of chunks 0..N-1. A bad file exits 2 naming its row and cell.
   --ranks D             pipeline ranks, 1..4096
   --chunks V            chunks (stages) per rank, 1..256; 1 for 1f1b
   --microbatches M      microbatches per iteration, 1..65536; a multiple of D for 1f1b-i
@@ -52,7 +64,9 @@ Builds a pipeline schedule, simulates it (as-soon-as-possible execution) and pri
                         time of one forward, activation-gradient and weight-gradient pass
                         of one stage for one microbatch, > 0; default 1
   --cost-comm T         time of one P2P hop between ranks, >= 0; default 0
-  --format FMT          text (default), csv, json, chrome-trace, svg
+  --format FMT          text (default), csv, json, chrome-trace, svg, torch-csv (torch's
+                        schedule CSV: compute actions only), torch-csv-lowered (with its
+                        SEND/RECV actions); offload ops have no torch action and are left out
   --out FILE            write to FILE instead of standard output
   --help                print this and exit
 
@@ -108,8 +122,9 @@ struct bad_argument : std::runtime_error {
 };
 
 constexpr std::string_view flags[] = {
-    "--schedule", "--ranks", "--chunks", "--microbatches", "--group", "--offload-chunks", "--k", "--hidden", "--seq",
-    "--micro-batch", "--tflops", "--pcie-gbps", "--cost-f", "--cost-b", "--cost-w", "--cost-comm", "--format", "--out",
+    "--schedule", "--import", "--ranks", "--chunks", "--microbatches", "--group", "--offload-chunks", "--k", "--hidden",
+    "--seq", "--micro-batch", "--tflops", "--pcie-gbps", "--cost-f", "--cost-b", "--cost-w", "--cost-comm", "--format",
+    "--out",
     // --auto
     "--auto", "--recompute", "--layers", "--heads", "--query-groups", "--global-batch", "--vocab", "--device-mem-gib",
     "--host-mem-gib", "--pcie-switch",
@@ -125,10 +140,11 @@ constexpr std::string_view auto_only[] = {"--recompute",    "--layers",  "--head
                                           "--global-batch", "--vocab",   "--device-mem-gib", "--host-mem-gib",
                                           "--pcie-switch",  "--dp",      "--search-dp",      "--gpus",
                                           "--zero",         "--dp-gbps", "--gpus-per-node",  "--node-layout"};
-constexpr std::string_view not_auto[] = {"--schedule", "--chunks", "--microbatches", "--group",  "--offload-chunks",
-                                         "--k",        "--cost-f", "--cost-b",       "--cost-w", "--cost-comm"};
+constexpr std::string_view not_auto[] = {"--schedule", "--import",         "--chunks",   "--microbatches",
+                                         "--group",    "--offload-chunks", "--k",        "--cost-f",
+                                         "--cost-b",   "--cost-w",         "--cost-comm"};
 constexpr std::string_view hardware_flags[] = {"--hidden", "--seq", "--micro-batch", "--tflops", "--pcie-gbps"};
-constexpr std::string_view formats[] = {"text", "csv", "json", "chrome-trace", "svg"};
+constexpr std::string_view formats[] = {"text", "csv", "json", "chrome-trace", "svg", "torch-csv", "torch-csv-lowered"};
 
 /// Flag name -> its raw value, as given.
 using Args = std::map<std::string, std::string, std::less<>>;
@@ -229,7 +245,10 @@ struct Request {
   pipeoffload::Shape shape;
   pipeoffload::Costs costs;
   std::string format = "text";
-  std::optional<std::string> out;  ///< --out, or standard output
+  std::optional<std::string> out;               ///< --out, or standard output
+  std::optional<std::string> import;            ///< --import: the torch CSV file instead of --schedule
+  pipeoffload::TorchCsvOptions import_options;  ///< dims given with --import (0: inferred)
+  int import_offload = 0;                       ///< --offload-chunks with --import
 };
 
 /// The spec --schedule names (po::parse_schedule: the alias's own spec), or bad_argument.
@@ -308,12 +327,27 @@ Request interpret(const Args& args) {
   for (std::string_view f : auto_only)
     if (find(args, f)) throw bad_argument(std::string(f) + " applies only with --auto (the planner)");
   const std::string* name = find(args, "--schedule");
-  const pipeoffload::ScheduleSpec named = named_schedule(name);
-
-  rq.shape.d = required_int(args, "--ranks", "pipeline ranks", 1, pipeoffload::max_ranks);
-  rq.shape.v = required_int(args, "--chunks", "chunks per rank", 1, pipeoffload::max_chunks);
-  rq.shape.m = required_int(args, "--microbatches", "microbatches", 1, pipeoffload::max_microbatches);
-  rq.spec = schedule_spec(args, *name, named, rq.shape);
+  if (const std::string* file = find(args, "--import")) {
+    if (name) throw bad_argument("--import and --schedule cannot be combined: the file is the schedule");
+    if (find(args, "--group")) throw bad_argument("--group applies only to --schedule gis-g, not --import");
+    if (file->empty()) throw bad_argument("--import needs a file name, got ''");
+    rq.import = *file;
+    const auto optional_int = [&](std::string_view flag, int hi) {
+      const std::string* v = find(args, flag);
+      return v ? static_cast<int>(parse_int(flag, *v, 1, hi)) : 0;
+    };
+    rq.import_options.d = optional_int("--ranks", pipeoffload::max_ranks);
+    rq.import_options.v = optional_int("--chunks", pipeoffload::max_chunks);
+    rq.import_options.m = optional_int("--microbatches", pipeoffload::max_microbatches);
+    if (const std::string* n = find(args, "--offload-chunks"))
+      rq.import_offload = static_cast<int>(parse_int("--offload-chunks", *n, 0, pipeoffload::max_chunks));
+  } else {
+    const pipeoffload::ScheduleSpec named = named_schedule(name);
+    rq.shape.d = required_int(args, "--ranks", "pipeline ranks", 1, pipeoffload::max_ranks);
+    rq.shape.v = required_int(args, "--chunks", "chunks per rank", 1, pipeoffload::max_chunks);
+    rq.shape.m = required_int(args, "--microbatches", "microbatches", 1, pipeoffload::max_microbatches);
+    rq.spec = schedule_spec(args, *name, named, rq.shape);
+  }
   // Bounds the tool's time and memory (about 3 ops per unit; seconds, not minutes).
   constexpr long long max_units = 1 << 20;
   const long long units = 1LL * rq.shape.d * rq.shape.v * rq.shape.m;
@@ -347,7 +381,7 @@ Request interpret(const Args& args) {
 /// the copy time, with a tolerance of 1e-9 of that length. A k so small that a run spans
 /// tens of millions of slots, or a run longer than 1e8 of its shortest passes, is outside what
 /// that planner handles (memory, slot indices), so both are refused here with a reason.
-void check_copy_plan(const Request& rq, bool k_from_hardware) {
+void check_copy_plan(const Request& rq, bool k_from_hardware, double plain_makespan = -1) {
   using namespace pipeoffload;
   if (offload::count(rq.spec.offload, rq.shape.v) == 0) return;
   ScheduleSpec plain = rq.spec;
@@ -355,7 +389,7 @@ void check_copy_plan(const Request& rq, bool k_from_hardware) {
   const Costs& c = rq.costs;
   const double pass = std::min({c.f, c.b, c.w}), mean = (c.f + c.b + c.w) / 3;
   // PO plans on its grid, somewhat longer than the ASAP run; 4x covers it with room to spare.
-  const double span = 4 * std::max(simulate(build(plain, rq.shape, c)).makespan,
+  const double span = 4 * std::max(plain_makespan >= 0 ? plain_makespan : simulate(build(plain, rq.shape, c)).makespan,
                                    (3.0 * rq.shape.v * rq.shape.m + 6.0 * rq.shape.stages()) * mean);
   constexpr double max_slots = 2e7, max_passes = 1e8;
   if (span / c.T_O(0) > max_slots) {
@@ -375,7 +409,47 @@ std::string render(const std::string& format, const pipeoffload::Program& p, con
   if (format == "json") return pipeoffload::render_json(p, sim);
   if (format == "chrome-trace") return pipeoffload::render_chrome_trace(p, sim);
   if (format == "svg") return pipeoffload::render_svg(p, sim);
+  if (format == "torch-csv") return pipeoffload::to_torch_csv(p);
+  if (format == "torch-csv-lowered") return pipeoffload::to_torch_csv(p, true);
   return pipeoffload::render_text(p, sim);
+}
+
+/// The schedule of --import: the file read and imported (torch_csv.hpp), without offload first,
+/// then with --offload-chunks once v is known. A file that cannot be read or is not a valid
+/// schedule is a bad_argument naming it.
+pipeoffload::Program import_file(Request& rq) {
+  using namespace pipeoffload;
+  std::FILE* f = std::fopen(rq.import->c_str(), "rb");
+  if (!f)
+    throw bad_argument("--import " + quoted(*rq.import) + " cannot be opened: " + std::string(std::strerror(errno)));
+  std::string text;
+  char buf[1 << 16];
+  for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) {
+    text.append(buf, n);
+    if (text.size() > (std::size_t{1} << 28)) {
+      std::fclose(f);
+      throw bad_argument("--import " + quoted(*rq.import) + " is larger than 256 MiB");
+    }
+  }
+  std::fclose(f);
+  try {
+    rq.import_options.costs = rq.costs;
+    Program p = from_torch_csv(text, rq.import_options);
+    if (rq.import_offload > 0) {
+      if (rq.import_offload > p.v())
+        throw bad_argument("--offload-chunks must be at most the file's " + num(p.v()) + " chunks per rank, got " +
+                           quoted(num(rq.import_offload)));
+      rq.spec = p.spec;
+      rq.shape = p.shape;
+      rq.spec.offload = offload::first(rq.import_offload);
+      check_copy_plan(rq, false, simulate(p).makespan);
+      rq.import_options.offload = rq.spec.offload;
+      p = from_torch_csv(text, rq.import_options);
+    }
+    return p;
+  } catch (const schedule_error& e) {
+    throw bad_argument(*rq.import + ": " + e.what());
+  }
 }
 
 /// Writes `text` to `path` (or stdout); returns the exit status.
@@ -541,9 +615,14 @@ int main(int argc, char** argv) {
   try {
     const Args args = scan(argc, argv);
     if (args.count("--auto")) return run_auto(args);
-    const Request rq = interpret(args);
-    check_copy_plan(rq, args.count("--tflops") > 0);
-    const pipeoffload::Program p = pipeoffload::build(rq.spec, rq.shape, rq.costs);
+    Request rq = interpret(args);
+    pipeoffload::Program p;
+    if (rq.import) {
+      p = import_file(rq);
+    } else {
+      check_copy_plan(rq, args.count("--tflops") > 0);
+      p = pipeoffload::build(rq.spec, rq.shape, rq.costs);
+    }
     if (const pipeoffload::Validation v = pipeoffload::validate(p); !v) {
       std::fprintf(stderr, "%s: internal error: the built schedule is invalid: %s\n", tool, v.error.c_str());
       return 1;

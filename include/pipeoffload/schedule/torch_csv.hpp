@@ -290,7 +290,25 @@ inline Program from_torch_csv(std::string_view text, const TorchCsvOptions& opt 
       misplaced(*a, "under either placement");
     }
   }
-  // Each pass once, in an order its own rank can run.
+  // Each pass once, in an order its own rank can run. Every unit needs a forward: with fewer
+  // forwards than units, the first unit without one is reported before any table of all
+  // units is made (a short file may name a huge shape).
+  {
+    std::vector<std::pair<long long, long long>> fs;  // (mb, stage) of every forward
+    for (const auto& row : acts)
+      for (const detail::TorchAction& a : row)
+        if (a.kind == Kind::F) fs.emplace_back(a.mb, a.stage);
+    if (static_cast<long long>(fs.size()) < S * m) {
+      std::sort(fs.begin(), fs.end());
+      fs.erase(std::unique(fs.begin(), fs.end()), fs.end());
+      long long k = 0;
+      while (k < static_cast<long long>(fs.size()) && fs[static_cast<std::size_t>(k)] == std::pair(k / S, k % S)) ++k;
+      const int s = static_cast<int>(k % S), mb = static_cast<int>(k / S), row = shape.rank_of(s) + 1;
+      fail("row " + std::to_string(row) + " (rank " + std::to_string(row - 1) + ") has no forward " +
+           std::to_string(s) + "F" + std::to_string(mb) + " of stage " + std::to_string(s) + ", microbatch " +
+           std::to_string(mb));
+    }
+  }
   const auto S_ = static_cast<std::size_t>(S);
   const auto unit = [&](const detail::TorchAction& a) {
     return static_cast<std::size_t>(a.stage) + S_ * static_cast<std::size_t>(a.mb);
@@ -358,17 +376,24 @@ inline Program from_torch_csv(std::string_view text, const TorchCsvOptions& opt 
       }
       return nullptr;
     };
-    for (bool progress = true; progress;) {
-      progress = false;
-      for (std::size_t r = 0; r < acts.size(); ++r) {
-        const auto& row = acts[r];
-        for (; head[r] < row.size(); ++head[r]) {
-          const detail::TorchAction& a = row[head[r]];
-          if (a.kind > Kind::B) continue;
-          if (need(a)) break;
-          done[unit(a) * 3 + static_cast<std::size_t>(slot(a.kind))] = 1;
-          progress = true;
+    // A rank runs until a pass waits for one of another rank's; that pass has one waiter (the
+    // next stage's F, the previous stage's I/B), woken when it runs.
+    std::vector<int> waiter(units * 3, -1), ready(static_cast<std::size_t>(d));
+    for (int r = 0; r < d; ++r) ready[static_cast<std::size_t>(r)] = d - 1 - r;
+    while (!ready.empty()) {
+      const auto r = static_cast<std::size_t>(ready.back());
+      ready.pop_back();
+      const auto& row = acts[r];
+      for (; head[r] < row.size(); ++head[r]) {
+        const detail::TorchAction& a = row[head[r]];
+        if (a.kind > Kind::B) continue;
+        if (const detail::TorchAction* n = need(a)) {
+          waiter[unit(*n) * 3 + static_cast<std::size_t>(slot(n->kind))] = static_cast<int>(r);
+          break;
         }
+        const std::size_t x = unit(a) * 3 + static_cast<std::size_t>(slot(a.kind));
+        done[x] = 1;
+        if (waiter[x] >= 0) ready.push_back(waiter[x]);
       }
     }
     for (std::size_t r = 0; r < acts.size(); ++r)
