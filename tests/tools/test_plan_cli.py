@@ -276,6 +276,44 @@ def main():
         check(rc == 2 and out == "" and len(lines) == 1 and err.endswith("\n") and flag in err
               and lines[0].startswith("pipeoffload-plan: "),
               f"bad arguments {args}: exit {rc}, stdout {out[:40]!r}, stderr {err!r} (want exit 2, one line naming {flag})")
+    torch_csv()
+
+
+def torch_csv():
+    """--format torch-csv and --import: a round trip through a file, and bad files."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for schedule, chunks in (("zb-v", "2"), ("1f1b", "1"), ("po-f", "2")):
+            shape = ["--ranks", "4", "--chunks", chunks, "--microbatches", "8"]
+            path = os.path.join(tmp, schedule + ".csv")
+            ok("--schedule", schedule, *shape, "--format", "torch-csv", "--out", path)
+            with open(path) as f:
+                text = f.read()
+            check(len(text.splitlines()) == 4, f"{schedule}: torch-csv has one row per rank")
+            lowered = ok("--schedule", schedule, *shape, "--format", "torch-csv-lowered")
+            check("SEND_F" in lowered and "RECV_B" in lowered, f"{schedule}: torch-csv-lowered has P2P actions")
+            again = ok("--import", path, "--format", "torch-csv")
+            check(again == text, f"{schedule}: --import then --format torch-csv gives the file back")
+            built = json.loads(ok("--schedule", schedule, *shape, "--format", "json"))
+            imported = json.loads(ok("--import", path, "--format", "json"))
+            if schedule != "po-f":  # PO plans on its grid; the import on the ASAP timeline
+                check(built["makespan"] == imported["makespan"], f"{schedule}: imported makespan equals the built one")
+            ok("--import", path, "--offload-chunks", chunks, "--format", "json")
+        bad = [
+            ("0F0,0B0\n1F0,1Q0\n", "row 2 (rank 1), cell 2"),
+            ("0F0,0B0\n1F0\n", "row 2 (rank 1)"),
+            ("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", "deadlocks"),
+            ("0F0,0B0\n1F0,1B0,1F0\n", "row 2 (rank 1), cell 3"),
+            ("", "no rows"),
+        ]
+        for i, (text, part) in enumerate(bad):
+            path = os.path.join(tmp, f"bad{i}.csv")
+            with open(path, "w") as f:
+                f.write(text)
+            rc, out, err = run("--import", path)
+            check(rc == 2 and out == "" and len(err.splitlines()) == 1 and part in err,
+                  f"--import of {text!r}: exit {rc}, stderr {err!r} (want exit 2, one line with {part!r})")
+        rc, out, err = run("--import", os.path.join(tmp, "missing.csv"))
+        check(rc == 2 and len(err.splitlines()) == 1, f"--import of a missing file: exit {rc}, stderr {err!r}")
 
 
 try:
