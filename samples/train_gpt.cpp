@@ -129,7 +129,7 @@ void train_rank(
   // Before the first pipeline message: every rank must run the same configuration.
   po::handshake(comm, su.fields);
   po::handshake(replicas, su.fields);
-  po::Runtime rt(po::build(o.spec, sh, su.costs), dev, comm, replicas, std::span<Layer>(mine), su.runtime);
+  po::Runtime rt(train_gpt::program_of(o, su.costs), dev, comm, replicas, std::span<Layer>(mine), su.runtime);
   if (pair != nullptr) rt.pair_with(*pair);
   po::AdamW opt(rt, su.adamw);
   barrier();
@@ -398,7 +398,7 @@ int run_mpi(Options& o, const sample::Tokens& tokens, const std::optional<sample
           std::to_string(session.size() - 1) + "]";
   else {
     try {
-      po::build(o.spec, o.shape);
+      train_gpt::program_of(o);
     } catch (const std::exception& e) {
       bad = e.what();
     }
@@ -458,7 +458,7 @@ int main(int argc, char** argv) {
   try {
     o = train_gpt::parse(argc, argv);
     if (!o.mpi) {
-      po::build(o.spec, o.shape);  // shape errors (1f1b with v > 1, 1f1b-i with m % d != 0) as bad arguments
+      train_gpt::program_of(o);  // shape errors (1f1b with v > 1, 1f1b-i with m % d != 0) as bad arguments
       if (o.fault.rank >= o.shape.d * o.dp)
         throw bad_argument("--inject-fault's rank " + std::to_string(o.fault.rank) + " is outside [0, " +
                            std::to_string(o.shape.d * o.dp - 1) + "]");

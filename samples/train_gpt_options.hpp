@@ -17,6 +17,7 @@
 #include <pipeoffload/fnv1a.hpp>
 #include <pipeoffload/runtime.hpp>
 #include <pipeoffload/schedule/schedule.hpp>
+#include <pipeoffload/schedule/torch_csv.hpp>
 
 #include <models/gpt/layout.hpp>
 
@@ -38,6 +39,8 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
 
   --schedule NAME       1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, zb-h2 (--chunks 1),
                         zb-v, v-half, v-min (--chunks 2) (default po-f; gis with --ranks 1)
+  --import FILE         instead of --schedule: a schedule in torch.distributed.pipelining's CSV
+                        form (one row per rank; D, V, M from the file, given ones must agree)
   --backend NAME        cpu (default) or cuda: rank r on GPU r (with --comm mpi: the process's local
                         rank), bf16 activations, NCCL messages; needs a CUDA build and D GPUs
   --comm NAME           threads (ranks are threads of this process, default) or mpi (one process per
@@ -85,6 +88,7 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
 
 struct Options {
   std::string schedule;
+  std::string import_text;  ///< --import: the torch CSV schedule (empty: --schedule)
   po::ScheduleSpec spec{};
   po::Shape shape{4, 2, 8};
   double k = 1, copy_gbps = 0;
@@ -141,6 +145,7 @@ inline Options parse(int argc, char** argv) {
       continue;
     }
     static const char* known[] = {"--schedule",
+                                  "--import",
                                   "--ranks",
                                   "--chunks",
                                   "--microbatches",
@@ -284,6 +289,33 @@ inline Options parse(int argc, char** argv) {
   o.spec = sample::schedule_option(n, get("--group") ? std::optional<std::string>(*get("--group")) : std::nullopt,
                                    o.shape.d);
   o.shape.placement = o.spec.placement;  // which rank holds which stage (the V families: a V)
+  if (auto f = get("--import")) {
+    if (get("--schedule") || get("--group"))
+      throw bad_argument("--import cannot be combined with --schedule or --group: the file is the schedule");
+    std::FILE* in = std::fopen(f->c_str(), "rb");
+    if (!in) throw bad_argument("--import '" + *f + "' cannot be opened");
+    std::string text;
+    char buf[4096];
+    for (std::size_t got; (got = std::fread(buf, 1, sizeof buf, in)) > 0;) text.append(buf, got);
+    std::fclose(in);
+    po::TorchCsvOptions io;
+    io.d = o.ranks_given ? o.shape.d : 0;
+    io.v = get("--chunks") ? o.shape.v : 0;
+    io.m = get("--microbatches") ? o.shape.m : 0;
+    try {
+      const po::Program p = po::from_torch_csv(text, io);
+      o.shape = p.shape;
+      o.spec = p.spec;
+    } catch (const po::schedule_error& e) {
+      throw bad_argument(*f + ": " + e.what());
+    }
+    o.ranks_given = true;  // the file's rows, also under MPI
+    o.schedule = "imported";
+    o.import_text = std::move(text);
+    if (o.shape.m % o.exact_block != 0)
+      throw bad_argument("--exact-block " + std::to_string(o.exact_block) + " must divide the file's " +
+                         std::to_string(o.shape.m) + " microbatches");
+  }
   if (o.pcie_pairs && (o.mpi || o.cuda))
     throw bad_argument(
         "--pcie-pairs applies only to --backend cpu with thread ranks (MPI processes run unpaired; --backend cuda pairs GPUs by their PCIe switches)");
@@ -295,6 +327,20 @@ inline Options parse(int argc, char** argv) {
     o.spec.offload = po::offload::first(x);
   }
   return o;
+}
+
+/// The program of the options: --import's file (with --offload-chunks as its offload) or
+/// --schedule's build, under `costs`.
+inline po::Program program_of(const Options& o, const po::Costs& costs = {}) {
+  if (o.import_text.empty()) return po::build(o.spec, o.shape, costs);
+  po::TorchCsvOptions io;
+  io.d = o.shape.d;
+  io.v = o.shape.v;
+  io.m = o.shape.m;
+  io.placement = o.shape.placement;
+  io.offload = o.spec.offload;
+  io.costs = costs;
+  return po::from_torch_csv(o.import_text, io);
 }
 
 /// What every rank shares: the data, the schedule and its costs, the optimizer's settings,

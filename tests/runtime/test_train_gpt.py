@@ -4,8 +4,10 @@ one-rank reference and for pipelined runs of any schedule; bad arguments exit 2 
 
 usage: test_train_gpt.py path/to/train_gpt
 """
+import os
 import subprocess
 import sys
+import tempfile
 
 exe = sys.argv[1]
 
@@ -41,6 +43,30 @@ for extra in (["--schedule", "po-f", "--ranks", "2", "--chunks", "2"],
     got = finals(run(*extra, *small).stdout)
     if got != ref:
         sys.exit(f"FAIL: {' '.join(extra)} gave {got}, the one-rank reference {ref}")
+
+# Schedules imported from torch.distributed.pipelining's CSV form (--import), written by hand:
+# GPipe orders (all forwards, then all backwards), fused and split, with offload, and a V.
+with tempfile.TemporaryDirectory() as tmp:
+    files = {
+        "gpipe2.csv": "0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1F1,1F2,1F3,1B0,1B1,1B2,1B3\n",
+        "gpipe4.csv": "".join(f"{r}F0,{r}F1,{r}F2,{r}F3,{r}I3,{r}I2,{r}I1,{r}I0,{r}W0,{r}W1,{r}W2,{r}W3\n" for r in range(4)),
+        "v2.csv": "0F0,0F1,0F2,0F3,3F0,3I0,3F1,3I1,3F2,3I2,3F3,3I3,0I0,0I1,0I2,0I3,3W0,3W1,3W2,3W3,0W0,0W1,0W2,0W3\n"
+                  "1F0,1F1,2F0,1F2,2F1,1F3,2F2,2F3,2I0,1I0,2I1,1I1,2I2,1I2,2I3,1I3,1W0,1W1,1W2,1W3,2W0,2W1,2W2,2W3\n",
+    }
+    for name, text in files.items():
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    for extra in (["--import", os.path.join(tmp, "gpipe2.csv")],
+                  ["--import", os.path.join(tmp, "gpipe4.csv"), "--offload-chunks", "1", "--copy-gbps", "1"],
+                  ["--import", os.path.join(tmp, "v2.csv")]):
+        got = finals(run(*extra, *small).stdout)
+        if got != ref:
+            sys.exit(f"FAIL: {' '.join(extra)} gave {got}, the one-rank reference {ref}")
+    with open(os.path.join(tmp, "bad.csv"), "w") as f:
+        f.write("0F0,0B0\n1F0,1Q0\n")
+    err = run("--import", os.path.join(tmp, "bad.csv"), *small, code=2).stderr
+    if "row 2 (rank 1), cell 2: '1Q0' is not a torch action" not in err or len(err.splitlines()) != 1:
+        sys.exit(f"FAIL: --import of a bad file: {err!r}")
 
 # Loss falls over a short run.
 out = run("--ranks", "2", "--chunks", "1", "--schedule", "1f1b", "--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "4",
