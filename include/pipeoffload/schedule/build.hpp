@@ -214,11 +214,9 @@ constexpr void build_into(Program& p, const ScheduleSpec& spec, const Shape& sha
     case Family::zb_h1:
       detail::order_zb_h1(p);
       break;
-    case Family::v_min: {
-      const int t = d % 3 == 0 ? 1 : 0;
-      detail::order_v_pattern(p, {1, 1, 1, 1}, 1, {t, 0, 0});
+    case Family::v_min:
+      detail::order_v_min(p);
       break;
-    }
     case Family::zb_h2:
     case Family::zb_v:
     case Family::v_half:

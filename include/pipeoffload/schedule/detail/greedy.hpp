@@ -75,19 +75,19 @@ constexpr void order_zb_h1(Program& p) {
 /// fixed slots of a period of 6 (F of chunk 0, F of chunk 1, B of chunk 1, B of chunk 0, and the
 /// two W passes), microbatch k at the pattern's slots + 6k. The pattern is laid out chain by
 /// chain: F0 down the ranks, F1 back up, B1 down, B0 back up, each pass at the first slot after
-/// its input (`gap[chain]` slots later, plus `turn[t]` where chain t+1 starts from chain t on
-/// one rank) whose residue mod 6 is still free on its rank; each W at the first free slot
-/// `wgap` or more after its B. The slots form a valid execution (every dependency at least a
-/// slot earlier, no two passes of a rank in one slot); a rank's order is its passes sorted by
+/// its input whose residue mod 6 is still free on its rank (when 3 divides d, F1's chain starts
+/// one slot later: otherwise the turns' residues collide and the pattern stretches); each W at
+/// the first free slot after its B. The slots form a valid execution (every dependency at least
+/// a slot earlier, no two passes of a rank in one slot); a rank's order is its passes sorted by
 /// slot. A unit lives about as long as its microbatch's round trip from its rank and back, so
 /// the ranks hold about (4d + 2) / 6 microbatches' worth: a third of 1F1B's bytes, plus the
-/// pattern's gaps. V-Min uses gaps of 1, wgap 1, and turn {1, 0, 0} when 3 divides d (else the
-/// six residues of the turns collide and the pattern stretches).
-constexpr void order_v_pattern(Program& p, const int (&gap)[4], int wgap, const int (&turn)[3]) {
+/// pattern's gaps (peak 2*floor((d+1)/3) + 2 units).
+constexpr void order_v_min(Program& p) {
   const Shape sh = p.shape;
   const int d = sh.d, m = sh.m;
   std::vector<std::array<long long, 6>> at(static_cast<std::size_t>(d));  // F0 F1 B1 B0 W1 W0
   std::vector<std::array<bool, 6>> used(static_cast<std::size_t>(d), std::array<bool, 6>{});
+  // Puts pass `kind` of rank r at the first slot from `from` whose residue is free there.
   const auto place = [&](int r, int kind, long long from) {
     auto& u = used[static_cast<std::size_t>(r)];
     long long t = from;
@@ -95,21 +95,15 @@ constexpr void order_v_pattern(Program& p, const int (&gap)[4], int wgap, const 
     u[static_cast<std::size_t>(t % 6)] = true;
     at[static_cast<std::size_t>(r)][static_cast<std::size_t>(kind)] = t;
   };
-  for (int r = 0; r < d; ++r) place(r, 0, r == 0 ? 0 : at[static_cast<std::size_t>(r - 1)][0] + gap[0]);
-  for (int r = d - 1; r >= 0; --r)
-    place(
-        r, 1,
-        (r == d - 1 ? at[static_cast<std::size_t>(r)][0] + turn[0] : at[static_cast<std::size_t>(r + 1)][1]) + gap[1]);
-  for (int r = 0; r < d; ++r)
-    place(r, 2,
-          (r == 0 ? at[static_cast<std::size_t>(r)][1] + turn[1] : at[static_cast<std::size_t>(r - 1)][2]) + gap[2]);
-  for (int r = d - 1; r >= 0; --r)
-    place(
-        r, 3,
-        (r == d - 1 ? at[static_cast<std::size_t>(r)][2] + turn[2] : at[static_cast<std::size_t>(r + 1)][3]) + gap[3]);
+  const auto slot = [&](int r, int kind) { return at[static_cast<std::size_t>(r)][static_cast<std::size_t>(kind)]; };
+  const int turn = d % 3 == 0 ? 1 : 0;
+  for (int r = 0; r < d; ++r) place(r, 0, r == 0 ? 0 : slot(r - 1, 0) + 1);
+  for (int r = d - 1; r >= 0; --r) place(r, 1, (r == d - 1 ? slot(r, 0) + turn : slot(r + 1, 1)) + 1);
+  for (int r = 0; r < d; ++r) place(r, 2, (r == 0 ? slot(r, 1) : slot(r - 1, 2)) + 1);
+  for (int r = d - 1; r >= 0; --r) place(r, 3, (r == d - 1 ? slot(r, 2) : slot(r + 1, 3)) + 1);
   for (int r = 0; r < d; ++r) {
-    place(r, 4, at[static_cast<std::size_t>(r)][2] + wgap);
-    place(r, 5, at[static_cast<std::size_t>(r)][3] + wgap);
+    place(r, 4, slot(r, 2) + 1);
+    place(r, 5, slot(r, 3) + 1);
   }
   for (int r = 0; r < d; ++r) {
     std::vector<std::pair<long long, Op>> all;
