@@ -38,7 +38,8 @@ using sample::to_real;
 inline constexpr const char* usage_text = R"(usage: train_gpt [options]
 
   --schedule NAME       1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, zb-h2 (--chunks 1),
-                        zb-v, v-half, v-min (--chunks 2) (default po-f; gis with --ranks 1)
+                        zb-v, v-half, v-min, dualpipe-v (--chunks 2; dualpipe-v: M >= 2D)
+                        (default po-f; gis with --ranks 1)
   --import FILE         instead of --schedule: a schedule in torch.distributed.pipelining's CSV
                         form (one row per rank; D, V, M from the file, given ones must agree)
   --backend NAME        cpu (default) or cuda: rank r on GPU r (with --comm mpi: the process's local

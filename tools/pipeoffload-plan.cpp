@@ -43,7 +43,7 @@ usage: pipeoffload-plan --import FILE [--ranks D] [--chunks V] [--microbatches M
 Builds a pipeline schedule, simulates it (as-soon-as-possible execution) and prints it.
 
   --schedule NAME       1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, zb-h2, zb-v,
-                        v-half, v-min
+                        v-half, v-min, dualpipe-v (--microbatches >= 2D)
   --import FILE         instead of --schedule: a schedule in torch.distributed.pipelining's
                         CSV form (one row per rank; {stage}F{mb}, I, W or fused B; SEND_F,
                         RECV_F, SEND_B, RECV_B cells are accepted and the P2P order re-planned).

@@ -204,11 +204,11 @@ TEST_CASE(
     CHECK(seen.count({n, 1, 0, 0}) == 1);
     CHECK(seen.count({n, 1, 0, 1}) == 1);
   }
-  for (const char* n : {"zb-v", "v-half", "v-min"}) {
+  for (const char* n : {"zb-v", "v-half", "v-min", "dualpipe-v"}) {  // dualpipe-v: m = 16 >= 2d
     CHECK(seen.count({n, 2, 0, 0}) == 1);
     CHECK(seen.count({n, 2, 0, 2}) == 1);
   }
-  CHECK(r.candidates.size() == 1 + 1 + 2 * 5 + 2 + 3 + 2 * 2 + 3 * 2);  // no v = 3: 16 slots over 24 stages
+  CHECK(r.candidates.size() == 1 + 1 + 2 * 5 + 2 + 3 + 2 * 2 + 4 * 2);  // no v = 3: 16 slots over 24 stages
 }
 
 TEST_CASE("every candidate's device bytes are model state + simulated activations + workspace") {

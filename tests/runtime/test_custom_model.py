@@ -63,7 +63,7 @@ for opt in ("adamw", "sgd"):
 # 1F1B (one chunk per rank, so a 4-stage model) runs too.
 assert len(runs(run("--schedule", "1f1b", "--steps", "3").stdout)) == 6
 
-for args, text in ((["--schedule", "nope"], "--schedule must be one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min, got 'nope'"),
+for args, text in ((["--schedule", "nope"], "--schedule must be one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v, got 'nope'"),
                    (["--schedule", "gis-g"], "--schedule gis-g needs --group G, an integer in [2, 4]"),
                    (["--group", "3"], "--group applies only to --schedule gis-g, not 1f1b-i"),
                    (["--steps", "0"], "--steps must be an integer in [1, 10000], got '0'"),

@@ -33,13 +33,15 @@ for extra in (["--schedule", "po-f", "--ranks", "2", "--chunks", "2"],
               ["--schedule", "gis-h", "--ranks", "4", "--chunks", "1", "--offload-chunks", "1", "--copy-gbps", "1"],
               ["--schedule", "1f1b", "--ranks", "4", "--chunks", "1"],
               ["--schedule", "po-f", "--ranks", "4", "--chunks", "2", "--copy-gbps", "0.5", "--pcie-pairs"],
-              # The zero-bubble families, ZB-V, V-Half and V-Min on the V placement, with offload too.
+              # The zero-bubble families, ZB-V, V-Half, V-Min and DualPipeV on the V placement, with offload too.
               ["--schedule", "zb-h1", "--ranks", "4", "--chunks", "1"],
               ["--schedule", "zb-h2", "--ranks", "2", "--chunks", "1", "--offload-chunks", "1", "--copy-gbps", "1"],
               ["--schedule", "zb-v", "--ranks", "4", "--chunks", "2"],
               ["--schedule", "zb-v", "--ranks", "2", "--chunks", "2", "--offload-chunks", "2", "--copy-gbps", "1"],
               ["--schedule", "v-half", "--ranks", "3", "--chunks", "2"],
-              ["--schedule", "v-min", "--ranks", "4", "--chunks", "2", "--offload-chunks", "1", "--copy-gbps", "0.5"]):
+              ["--schedule", "v-min", "--ranks", "4", "--chunks", "2", "--offload-chunks", "1", "--copy-gbps", "0.5"],
+              ["--schedule", "dualpipe-v", "--ranks", "2", "--chunks", "2"],
+              ["--schedule", "dualpipe-v", "--ranks", "2", "--chunks", "2", "--offload-chunks", "2", "--copy-gbps", "1"]):
     got = finals(run(*extra, *small).stdout)
     if got != ref:
         sys.exit(f"FAIL: {' '.join(extra)} gave {got}, the one-rank reference {ref}")
@@ -74,12 +76,14 @@ out = run("--ranks", "2", "--chunks", "1", "--schedule", "1f1b", "--layers", "2"
 losses = [float(l.split(" loss ")[1].split()[0]) for l in out.splitlines() if l.startswith("[")]
 assert losses[-1] < losses[0] - 0.5, losses
 
-for args, text in ((["--schedule", "nope"], "--schedule must be one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min, got 'nope'"),
+for args, text in ((["--schedule", "nope"], "--schedule must be one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v, got 'nope'"),
                    (["--ranks", "0"], "--ranks must be an integer in [1, 64], got '0'"),
                    (["--schedule", "gis-g", "--ranks", "4"], "--schedule gis-g needs --group G, an integer in [2, 4]"),
                    (["--schedule", "1f1b-i", "--ranks", "4", "--microbatches", "6"], "multiple of ranks d = 4"),
                    (["--schedule", "zb-v", "--ranks", "2", "--chunks", "3"],
-                    "ZB-V/V-Half/V-Min: chunks per rank v (two stages per rank, as a V) = 3 is outside the allowed range [2, 2]"),
+                    "ZB-V/V-Half/V-Min/DualPipeV: chunks per rank v (two stages per rank, as a V) = 3 is outside the allowed range [2, 2]"),
+                   (["--schedule", "dualpipe-v", "--ranks", "4", "--chunks", "2", "--microbatches", "6"],
+                    "DualPipeV: microbatches m = 6 must be at least 2d = 8"),
                    (["--bogus"], "unknown option '--bogus'"),
                    (["--backend", "gpu"], "--backend must be cpu or cuda, got 'gpu'")):
     err = run(*args, code=2).stderr

@@ -284,5 +284,5 @@ TEST_CASE("parse_schedule: every paper name gives its alias's spec and round-tri
     CHECK(po::schedule_name(po::parse_schedule(n, 3)) == n);
   CHECK_THROWS_WITH(po::parse_schedule("zb-h3"),
                     "schedule must be one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, "
-                    "po-f, zb-h1, zb-h2, zb-v, v-half, v-min, got 'zb-h3'");
+                    "po-f, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v, got 'zb-h3'");
 }

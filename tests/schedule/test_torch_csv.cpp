@@ -25,6 +25,7 @@ std::vector<Case> cases() {
     for (int m : {d, 2 * d + 1}) {
       for (const char* n : {"1f1b", "zb-h1", "zb-h2"}) out.push_back({n, {d, 1, m}});
       for (const char* n : {"zb-v", "v-half", "v-min"}) out.push_back({n, {d, 2, m}});
+      if (m >= 2 * d) out.push_back({"dualpipe-v", {d, 2, m}});
       for (const char* n : {"gis", "gis-h", "po", "po-h", "po-f"}) out.push_back({n, {d, 2, m}});
       out.push_back({"po-f", {d, 3, m}});
     }

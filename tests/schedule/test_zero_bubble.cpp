@@ -1,5 +1,5 @@
 // tests/schedule/test_zero_bubble.cpp: the V placement and the zero-bubble families (ZB-H1,
-// ZB-H2, ZB-V, V-Half, V-Min): names, placement, validity on every small shape, peaks and
+// ZB-H2, ZB-V, V-Half, V-Min, DualPipeV): names, placement, validity on every small shape, peaks and
 // unit-cost makespans against the formulas of README, "Zero-bubble families", offload on each.
 #include <doctest/doctest.h>
 
@@ -14,19 +14,24 @@ using namespace pipeoffload;
 namespace {
 
 const std::vector<ScheduleSpec>& zero_bubble_specs() {
-  static const std::vector<ScheduleSpec> specs = {ZB_H1::spec, ZB_H2::spec, ZB_V::spec, V_Half::spec, V_Min::spec};
+  static const std::vector<ScheduleSpec> specs = {ZB_H1::spec,  ZB_H2::spec, ZB_V::spec,
+                                                  V_Half::spec, V_Min::spec, DualPipeV::spec};
   return specs;
 }
 
 int chunks_of(const ScheduleSpec& s) { return s.placement == Placement::vshape ? 2 : 1; }
 
+// DualPipeV is defined for m >= 2d only (check_shape refuses the rest with a sentence).
+bool legal(const ScheduleSpec& s, int d, int m) { return s.family != Family::dualpipe_v || m >= 2 * d; }
+
 }  // namespace
 
 static_assert(ZB_V::spec.placement == Placement::vshape && V_Half::spec.placement == Placement::vshape &&
-              V_Min::spec.placement == Placement::vshape);
+              V_Min::spec.placement == Placement::vshape && DualPipeV::spec.placement == Placement::vshape);
 static_assert(ZB_H1::spec.placement == Placement::interleaved && ZB_H2::spec.placement == Placement::interleaved);
 static_assert(validate(ZB_H1::build({4, 1, 8})));
 static_assert(validate(ZB_V::build({3, 2, 6})));
+static_assert(validate(DualPipeV::build({3, 2, 6})));
 
 TEST_CASE("the V placement: rank r holds stages r and 2d-1-r, and stage_of inverts rank_of") {
   for (int d : {1, 2, 3, 8})
@@ -48,7 +53,7 @@ TEST_CASE("the V placement: rank r holds stages r and 2d-1-r, and stage_of inver
 }
 
 TEST_CASE("zero-bubble names round-trip through the parser, and bad placements are refused with a sentence") {
-  for (const char* n : {"zb-h1", "zb-h2", "zb-v", "v-half", "v-min"}) {
+  for (const char* n : {"zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe-v"}) {
     const ScheduleSpec s = parse_schedule(n);
     CHECK(schedule_name(s, chunks_of(s)) == n);
   }
@@ -68,8 +73,8 @@ TEST_CASE("zero-bubble names round-trip through the parser, and bad placements a
   ScheduleSpec wrong = GIS::spec;
   wrong.placement = Placement::vshape;
   CHECK(message([&] { (void)build(wrong, {4, 2, 8}); }) ==
-        "placement: the V placement (VShape) is only for ZB-V, V-Half and V-Min; use the schedule's own alias or "
-        "parse_schedule()");
+        "placement: the V placement (VShape) is only for ZB-V, V-Half, V-Min and DualPipeV; use the schedule's own "
+        "alias or parse_schedule()");
   CHECK(message([] { (void)GIS::build({4, 2, 8, Placement::vshape}); }) ==
         "shape: its placement is not the schedule's (build() takes the placement from the schedule)");
 }
@@ -78,13 +83,14 @@ TEST_CASE("zero-bubble families: every shape d 1..12, m 1..48 validates, with pe
   for (const ScheduleSpec& spec : zero_bubble_specs())
     for (int d = 1; d <= 12; ++d)
       for (int m = 1; m <= 48; ++m) {
+        if (!legal(spec, d, m)) continue;
         const int v = chunks_of(spec);
         const Program p = build(spec, {d, v, m});
         const Validation ok = validate(p);
         REQUIRE_MESSAGE(ok, schedule_name(spec, v), " d=", d, " m=", m, ": ", ok.error);
         CHECK(p.shape.placement == spec.placement);
         const SimResult sim = simulate(p);
-        const int cap = detail::greedy_cap(spec.family, d);  // V-Min: its pattern's peak
+        const int cap = detail::greedy_cap(spec.family, d);  // V-Min, DualPipeV: their orders' peaks
         for (int r = 0; r < d; ++r) {
           CHECK_MESSAGE(sim.ranks[static_cast<std::size_t>(r)].peak <= std::min(cap, v * m), schedule_name(spec, v),
                         " d=", d, " m=", m, " rank ", r);
@@ -137,11 +143,44 @@ TEST_CASE("zero-bubble ZB-V, V-Half, V-Min: peaks and makespans at d = 4, 8 (the
   }
 }
 
+TEST_CASE("DualPipeV: every rank 2d + 1 units and the makespan bound 6m + d - 1 (d 1..12, m 2d..48); m < 2d refused") {
+  for (int d = 1; d <= 12; ++d) {
+    for (int m = 2 * d; m <= 48; ++m) {
+      const SimResult sim = simulate(DualPipeV::build({d, 2, m}));
+      // Unit costs: no rank idles after its first input arrives (bubble d - 1, ZB-V's ideal).
+      CHECK_MESSAGE(sim.makespan == 6.0 * m + d - 1, "d=", d, " m=", m, ": ", sim.makespan);
+      for (int r = 0; r < d; ++r)
+        CHECK_MESSAGE(sim.ranks[static_cast<std::size_t>(r)].peak == 2 * d + 1, "d=", d, " m=", m, " rank ", r);
+    }
+    if (d == 1) continue;
+    try {
+      (void)DualPipeV::build({d, 2, 2 * d - 1});
+      FAIL("m = 2d - 1 was accepted");
+    } catch (const shape_error& e) {
+      CHECK(std::string(e.what()) == "DualPipeV: microbatches m = " + std::to_string(2 * d - 1) +
+                                         " must be at least 2d = " + std::to_string(2 * d) +
+                                         " (DeepSeek's order: a warmup of 2d - 1 forwards on rank 0, then at least "
+                                         "one steady-state step)");
+    }
+  }
+  // The steady state pairs the forward of one microbatch with the full backward of another:
+  // rank 0 of d = 2, m = 4 (stages 0 and 3), DeepSeek's eight steps written out.
+  const Program p = DualPipeV::build({2, 2, 4});
+  // Steps: 1. F0 F0  2. F0 F1  3. Bz1 W F1  4. F0 B1 F1 B0  5. B1 F1 B0  6. B1 Bz0  7. W Bz0  8. W
+  const std::vector<Op> rank0 = {
+      {OpKind::F, 0, 0}, {OpKind::F, 0, 1}, {OpKind::F, 0, 2}, {OpKind::F, 3, 0}, {OpKind::B, 3, 0}, {OpKind::W, 3, 0},
+      {OpKind::F, 3, 1}, {OpKind::F, 0, 3}, {OpKind::B, 3, 1}, {OpKind::W, 3, 1}, {OpKind::F, 3, 2}, {OpKind::B, 0, 0},
+      {OpKind::W, 0, 0}, {OpKind::B, 3, 2}, {OpKind::W, 3, 2}, {OpKind::F, 3, 3}, {OpKind::B, 0, 1}, {OpKind::W, 0, 1},
+      {OpKind::B, 3, 3}, {OpKind::W, 3, 3}, {OpKind::B, 0, 2}, {OpKind::W, 0, 2}, {OpKind::B, 0, 3}, {OpKind::W, 0, 3}};
+  CHECK(p.ranks[0].compute == rank0);
+}
+
 TEST_CASE("zero-bubble families with offload: valid, never above the plain peak, and no execution above the plan") {
   for (const ScheduleSpec& base : zero_bubble_specs())
     for (int d : {1, 2, 3, 4, 6})
       for (int m : {d, 2 * d, 3 * d + 1})
         for (offload::selection sel : {offload::all, offload::first(1)}) {
+          if (!legal(base, d, m)) continue;
           ScheduleSpec spec = base;
           spec.offload = sel;
           const int v = chunks_of(spec);

@@ -18,7 +18,7 @@ SMALL = {"--layers": "14", "--hidden": "1024", "--heads": "16", "--query-groups"
 KEYS = {"schedule": str, "group": int, "chunks": int, "offload_chunks": int, "k": (int, float),
         "activation_bytes_per_layer": (int, float), "peak_device_bytes": list, "host_bytes": list,
         "bubble_fraction": (int, float), "iteration_time_s": (int, float), "fits": bool}
-NAMES = {"1f1b", "1f1b-i", "gis", "gis-h", "gis-g", "po", "po-h", "po-f", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min"}
+NAMES = {"1f1b", "1f1b-i", "gis", "gis-h", "gis-g", "po", "po-h", "po-f", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe-v"}
 
 
 def check(cond, what):

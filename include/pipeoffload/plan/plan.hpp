@@ -326,7 +326,7 @@ constexpr std::vector<PlanOption> plan_options(int d, int v, int m, bool allow_o
   std::vector<PlanOption> out;
   if (v == 1) out.push_back({{Family::one_f1b, {}, offload::none}, "1f1b", 0, 0});
   if (v >= 2 && m % d == 0) out.push_back({{Family::interleaved_1f1b, {}, offload::none}, "1f1b-i", 0, 0});
-  // The zero-bubble families, plain and with every chunk offloaded (ZB-V, V-Half and V-Min
+  // The zero-bubble families, plain and with every chunk offloaded (ZB-V, V-Half, V-Min, DualPipeV
   // run on the V placement: plan() evaluates them on a layout of their own).
   const auto zero_bubble = [&](Family f, const char* name) {
     const Placement pl = v == 2 ? Placement::vshape : Placement::interleaved;
@@ -341,6 +341,7 @@ constexpr std::vector<PlanOption> plan_options(int d, int v, int m, bool allow_o
     zero_bubble(Family::zb_v, "zb-v");
     zero_bubble(Family::v_half, "v-half");
     zero_bubble(Family::v_min, "v-min");
+    if (m >= 2 * d) zero_bubble(Family::dualpipe_v, "dualpipe-v");  // DeepSeek's order needs m >= 2d
   }
   const int lo = (d + 1) / 2;
   for (int g = d; g >= lo; --g) {

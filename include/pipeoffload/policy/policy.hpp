@@ -82,9 +82,8 @@ struct MegatronInterleave {
 /// @endcode
 template <Family F>
 struct ZeroBubble {
-  static_assert(F == Family::zb_h1 || F == Family::zb_h2 || F == Family::zb_v || F == Family::v_half ||
-                    F == Family::v_min,
-                "ZeroBubble<F>: F must be Family::zb_h1, zb_h2, zb_v, v_half or v_min.");
+  static_assert(F == Family::zb_h1 || F == Family::zb_h2 || v_family(F),
+                "ZeroBubble<F>: F must be Family::zb_h1, zb_h2, zb_v, v_half, v_min or dualpipe_v.");
   using policy_slot = slot::grouping;
   static constexpr GroupSpec group_spec{};
   static constexpr Family family = F;

@@ -27,7 +27,16 @@ enum class Family : std::uint8_t {
   zb_v,    ///< ZB-V: v = 2 on the V placement, cap 2d units (1F1B's peak in bytes).
   v_half,  ///< V-Half: v = 2 on the V placement, cap d + 2 units.
   v_min,   ///< V-Min: v = 2 on the V placement, peak 2*floor((d+1)/3) + 2 units (a third of 1F1B).
+  /// DualPipeV (DeepSeek's order, "cut in half" onto the V placement): v = 2, m >= 2d, a fixed
+  /// eight-step order per rank whose steady state pairs a forward of one microbatch with the full
+  /// backward of another; peak 2d + 1 units on rank 0 (README, "Zero-bubble families").
+  dualpipe_v,
 };
+
+/// Whether family f runs on the V placement (v = 2): ZB-V, V-Half, V-Min and DualPipeV.
+constexpr bool v_family(Family f) {
+  return f == Family::zb_v || f == Family::v_half || f == Family::v_min || f == Family::dualpipe_v;
+}
 
 /// Where a schedule puts its stages (Shape::rank_of): interleaved (stage c*d + r on rank r)
 /// or vshape (chunks alternate direction: rank r holds stages r and 2d-1-r when v = 2).
@@ -110,7 +119,7 @@ struct ScheduleSpec {
   Family family = Family::grouped;
   GroupSpec group{};  ///< meaningful for Family::grouped only.
   offload::selection offload = offload::none;
-  Placement placement = Placement::interleaved;  ///< vshape for zb_v, v_half and v_min.
+  Placement placement = Placement::interleaved;  ///< vshape for the V families (v_family()).
 
   friend constexpr bool operator==(const ScheduleSpec&, const ScheduleSpec&) = default;
 };

@@ -217,6 +217,9 @@ constexpr void build_into(Program& p, const ScheduleSpec& spec, const Shape& sha
     case Family::v_min:
       detail::order_v_min(p);
       break;
+    case Family::dualpipe_v:
+      detail::order_dualpipe_v(p);
+      break;
     case Family::zb_h2:
     case Family::zb_v:
     case Family::v_half:
@@ -246,6 +249,7 @@ constexpr void build_into(Program& p, const ScheduleSpec& spec, const Shape& sha
   }
   const auto end = [&](int rank, std::size_t x, const Op&) { return pe[static_cast<std::size_t>(rank)][x]; };
   for (int r = 0; r < d; ++r) detail::plan_p2p_rank(p, r, end);
+  if (offloads) detail::pin_run_order(p, costs, dur);
 }
 
 /// Builds the op lists of `spec` for `shape` under `costs` (unit costs and k = 1 by default).

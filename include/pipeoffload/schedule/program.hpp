@@ -159,7 +159,7 @@ constexpr int warmup(const RankProgram& rp) {
 }
 
 /// The plan tool's name of a spec: 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1,
-/// zb-h2, zb-v, v-half, v-min; offload
+/// zb-h2, zb-v, v-half, v-min, dualpipe-v; offload
 /// other than PO's own is appended as "+offload(...)".
 constexpr std::string schedule_name(const ScheduleSpec& s, int v = 0) {
   std::string base;
@@ -196,6 +196,9 @@ constexpr std::string schedule_name(const ScheduleSpec& s, int v = 0) {
       break;
     case Family::v_min:
       base = "v-min";
+      break;
+    case Family::dualpipe_v:
+      base = "dualpipe-v";
       break;
   }
   const int n = v > 0 ? offload::count(s.offload, v) : -1;

@@ -65,11 +65,9 @@ struct Schedule {
   using offloading = typename detail::pick_slot<slot::offload, OffloadPolicy<offload::none>, Ps...>::type;
   using placing = typename detail::pick_slot<slot::placement, Interleaved, Ps...>::type;
 
-  static constexpr bool v_family =
-      grouping::family == Family::zb_v || grouping::family == Family::v_half || grouping::family == Family::v_min;
-  static_assert(v_family == (placing::placement == Placement::vshape),
-                "pipeoffload::Schedule: ZB-V, V-Half and V-Min run on the V placement (add VShape), and only "
-                "they do.");
+  static_assert(v_family(grouping::family) == (placing::placement == Placement::vshape),
+                "pipeoffload::Schedule: ZB-V, V-Half, V-Min and DualPipeV run on the V placement (add VShape), and "
+                "only they do.");
 
   static constexpr ScheduleSpec spec{grouping::family, grouping::group_spec, offloading::selection, placing::placement};
 
@@ -95,18 +93,19 @@ using PO_H = Schedule<UniformRepeat, OffloadPolicy<offload::half>>;  ///< chunks
 using PO_F = Schedule<UniformRepeat, OffloadPolicy<offload::all>>;   ///< every chunk offloaded
 
 // The zero-bubble families (README, "Zero-bubble families").
-using ZB_H1 = Schedule<ZeroBubble<Family::zb_h1>>;            ///< ZB-H1: 1F1B's peak, bubble (d-1)(T_F+T_B-T_W)
-using ZB_H2 = Schedule<ZeroBubble<Family::zb_h2>>;            ///< ZB-H2: up to 2d units, no steady-state bubble
-using ZB_V = Schedule<ZeroBubble<Family::zb_v>, VShape>;      ///< ZB-V: v = 2 as a V, 1F1B's peak in bytes
-using V_Half = Schedule<ZeroBubble<Family::v_half>, VShape>;  ///< V-Half: about half of 1F1B's bytes
-using V_Min = Schedule<ZeroBubble<Family::v_min>, VShape>;    ///< V-Min: about a third of 1F1B's bytes
+using ZB_H1 = Schedule<ZeroBubble<Family::zb_h1>>;                   ///< ZB-H1: 1F1B's peak, bubble (d-1)(T_F+T_B-T_W)
+using ZB_H2 = Schedule<ZeroBubble<Family::zb_h2>>;                   ///< ZB-H2: up to 2d units, no steady-state bubble
+using ZB_V = Schedule<ZeroBubble<Family::zb_v>, VShape>;             ///< ZB-V: v = 2 as a V, 1F1B's peak in bytes
+using V_Half = Schedule<ZeroBubble<Family::v_half>, VShape>;         ///< V-Half: about half of 1F1B's bytes
+using V_Min = Schedule<ZeroBubble<Family::v_min>, VShape>;           ///< V-Min: about a third of 1F1B's bytes
+using DualPipeV = Schedule<ZeroBubble<Family::dualpipe_v>, VShape>;  ///< DeepSeek's DualPipeV: m >= 2d, 2d + 1 units
 
 /// The names of the schedules, as schedule_name() writes them.
 inline constexpr const char* schedule_names =
-    "1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min";
+    "1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v";
 
 /// The spec of a schedule named as schedule_name() names it (1f1b, 1f1b-i, gis, gis-h, gis-g,
-/// po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min): the alias's own spec (parse_schedule("po-f") == PO_F::spec), and for
+/// po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v): the alias's own spec (parse_schedule("po-f") == PO_F::spec), and for
 /// gis-g the group size `group` (checked against a shape by build). Throws shape_error with
 /// the allowed names for any other name. schedule_name(parse_schedule(n, g)) == n.
 inline ScheduleSpec parse_schedule(std::string_view name, int group = 0) {
@@ -123,6 +122,7 @@ inline ScheduleSpec parse_schedule(std::string_view name, int group = 0) {
   if (name == "zb-v") return ZB_V::spec;
   if (name == "v-half") return V_Half::spec;
   if (name == "v-min") return V_Min::spec;
+  if (name == "dualpipe-v") return DualPipeV::spec;
   throw shape_error("schedule must be one of " + std::string(schedule_names) + ", got '" + std::string(name) + "'");
 }
 

@@ -38,13 +38,18 @@ constexpr void check_shape(const ScheduleSpec& spec, const Shape& s) {
     throw shape_error("1F1B-I (Megatron's interleaved order): microbatches m = " + num(s.m) +
                       " must be a multiple of ranks d = " + num(s.d));
   const bool zb_line = spec.family == Family::zb_h1 || spec.family == Family::zb_h2;
-  const bool v_family = spec.family == Family::zb_v || spec.family == Family::v_half || spec.family == Family::v_min;
+  const bool v_placed = v_family(spec.family);
   if (zb_line) require_range("ZB-H1/ZB-H2: chunks per rank v (one stage per rank)", s.v, 1, 1);
-  if (v_family) require_range("ZB-V/V-Half/V-Min: chunks per rank v (two stages per rank, as a V)", s.v, 2, 2);
-  if (v_family != (spec.placement == Placement::vshape))
+  if (v_placed)
+    require_range("ZB-V/V-Half/V-Min/DualPipeV: chunks per rank v (two stages per rank, as a V)", s.v, 2, 2);
+  if (spec.family == Family::dualpipe_v && s.m < 2 * s.d)
+    throw shape_error(
+        "DualPipeV: microbatches m = " + num(s.m) + " must be at least 2d = " + num(2 * s.d) +
+        " (DeepSeek's order: a warmup of 2d - 1 forwards on rank 0, then at least one steady-state step)");
+  if (v_placed != (spec.placement == Placement::vshape))
     throw shape_error(std::string("placement: ") +
-                      (v_family ? "ZB-V, V-Half and V-Min need the V placement (VShape)"
-                                : "the V placement (VShape) is only for ZB-V, V-Half and V-Min") +
+                      (v_placed ? "ZB-V, V-Half, V-Min and DualPipeV need the V placement (VShape)"
+                                : "the V placement (VShape) is only for ZB-V, V-Half, V-Min and DualPipeV") +
                       "; use the schedule's own alias or parse_schedule()");
   if (s.placement != Placement::interleaved && s.placement != spec.placement)
     throw shape_error("shape: its placement is not the schedule's (build() takes the placement from the schedule)");

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../program.hpp"
+#include "asap.hpp"
 #include "numeric.hpp"
 
 namespace pipeoffload {
@@ -227,6 +228,62 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
     Op& op = cmp[y];
     op.wait = last_o;
     if (op.kind == OpKind::B || op.kind == OpKind::BW) op.wait = std::max(op.wait, ridx[unit_of(op)]);
+  }
+}
+
+/// Tightens the cross-stream edges that place_offloads derived from the copy-slot grid so that
+/// every execution keeps the order of releases and acquisitions of the program's own ASAP run
+/// under `costs` (what simulate(p) reports as the plan): an F waits for every offload that ends
+/// at or before its start there, a reload for every compute op that ends at or before its
+/// start there. The slot grid alone does not give this: a copy runs as soon as its edge lets
+/// it, often before its slot, so the run may free a unit earlier than the grid planned and
+/// admit a forward that the grid's order would not (DualPipeV with offload on one rank: the
+/// grid's peak 3 units, the run's 2, and slower copies then reached 3). Each edge added is met
+/// in the run already (the op it waits for ends by then), so the run, and so the plan's
+/// timeline and peak, stay as they were; and now no execution frees later, relative to an
+/// acquisition, than the run did, so none holds more at once (DESIGN.md section 3).
+/// `dur` is duration_table(costs, stages).
+constexpr void pin_run_order(Program& p, const Costs& costs, const std::vector<double>& dur) {
+  const std::size_t du = p.ranks.size();
+  std::vector<std::vector<double>> cs(du), ks(du);
+  std::vector<TimesOut> out(du);
+  for (std::size_t r = 0; r < du; ++r) {
+    cs[r].resize(p.ranks[r].compute.size());
+    ks[r].resize(p.ranks[r].copy.size());
+    out[r] = {cs[r].data(), ks[r].data(), nullptr};
+  }
+  std::vector<UnitEnds> ends = asap_scratch(p);
+  asap_into<true>(p, costs, dur, out.data(), ends);
+  for (std::size_t r = 0; r < du; ++r) {
+    auto& comp = p.ranks[r].compute;
+    auto& copy = p.ranks[r].copy;
+    const int nc = static_cast<int>(comp.size()), nk = static_cast<int>(copy.size());
+    if (nk == 0) continue;
+    // Ends as the run makes them (start + duration, the same sum), in stream order.
+    const auto end_c = [&](int x) {
+      return cs[r][static_cast<std::size_t>(x)] + table_duration(dur.data(), comp[static_cast<std::size_t>(x)]);
+    };
+    const auto end_k = [&](int x) {
+      return ks[r][static_cast<std::size_t>(x)] + table_duration(dur.data(), copy[static_cast<std::size_t>(x)]);
+    };
+    int k = 0, last_o = -1;
+    for (int y = 0; y < nc; ++y) {
+      const double start = cs[r][static_cast<std::size_t>(y)];
+      while (k < nk && end_k(k) <= start) {
+        if (copy[static_cast<std::size_t>(k)].kind == OpKind::O) last_o = k;
+        ++k;
+      }
+      Op& op = comp[static_cast<std::size_t>(y)];
+      if (op.kind == OpKind::F) op.wait = std::max(op.wait, last_o);
+    }
+    int x = 0;
+    for (int y = 0; y < nk; ++y) {
+      Op& op = copy[static_cast<std::size_t>(y)];
+      if (op.kind != OpKind::R) continue;
+      const double start = ks[r][static_cast<std::size_t>(y)];
+      while (x < nc && end_c(x) <= start) ++x;
+      op.wait = std::max(op.wait, x - 1);
+    }
   }
 }
 
