@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A project that uses pipeoffload, built outside this build one of five ways, must compile,
+"""A project that uses pipeoffload, built outside this build one of six ways, must compile,
 run, and build nothing of pipeoffload's own.
 
   check.py SOURCE_ROOT find_package     meson-install a lean configure of the checkout (tests,
@@ -23,16 +23,25 @@ run, and build nothing of pipeoffload's own.
                                         find_package(pipeoffload 0.1 REQUIRED COMPONENTS cuda)
                                         and links pipeoffload::cuda: the attention library, then
                                         the kernels library, then cudart, cuDNN, NCCL
+  check.py SOURCE_ROOT add_subdirectory_cuda BUILD_ROOT [--build]
+                                        the CUDA backend from the checkout: a CMake project adds
+                                        it with add_subdirectory and -DPIPEOFFLOAD_CUDA=ON; check
+                                        it would compile the backend's kernels/*.cu with nvcc
+                                        for sm_80, sm_90, sm_100 and -std=c++20, and
+                                        attention.cpp with the cuDNN frontend's headers; with
+                                        --build, build it (minutes: the libraries too) and run it.
+                                        SKIP where the Meson build at BUILD_ROOT has no CUDA
+                                        backend (nvcc, cuDNN, NCCL or the frontend missing)
 
 The first four build tests/consumer/project/consumer.cpp (a schedule built, validated and
-simulated; two thread ranks trained) and run it. find_package_cuda builds
+simulated; two thread ranks trained) and run it. The CUDA routes build
 tests/consumer/project_cuda/consumer.cpp, which calls the kernels' launchers, makes a
 backend::Cuda (the attention library, cuBLASLt, cuDNN) and asks NCCL its version, so its link
-proves the package's libraries; it runs it, and accepts its exit 77 without a GPU (the link is
-what is tested). Each asserts the build has one target, the consumer: CMake's
-compile_commands.json has one entry and `ninja -t commands` two commands (compile, link); Meson's
-introspection lists one target. CMake's configure must print no warning. Exit 77 (skip) when
-cmake, ninja or meson is missing, or (the CUDA route) when BUILD_ROOT has no CUDA backend.
+proves pipeoffload::cuda; they accept its exit 77 without a GPU (the link is what is tested).
+All but add_subdirectory_cuda assert the build has one target, the consumer: CMake's
+compile_commands.json has one entry and `ninja -t commands` two commands (compile, link);
+Meson's introspection lists one target. CMake's configure must print no warning. Exit 77 (skip)
+when cmake, ninja or meson is missing, or (the CUDA routes) when BUILD_ROOT has no CUDA backend.
 """
 import hashlib
 import json
@@ -246,14 +255,41 @@ def find_package_cuda(root, work, consumer_src, build_root):
              "NCCL: " + link)
 
 
+def add_subdirectory_cuda(root, work, consumer_src, build_root):
+    cmake, ninja, meson = tool("cmake"), tool("ninja"), tool("meson")
+    cuda_libraries(meson, build_root)  # skips where Meson found no CUDA backend to build
+    build = os.path.join(work, "consumer")
+    out = run([cmake, "-S", consumer_src, "-B", build, "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
+               "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON", f"-DPIPEOFFLOAD_CHECKOUT={root}"])
+    if "CMake Warning" in out or "CMake Deprecation Warning" in out:
+        print(out)
+        fail("configuring the CMake consumer with -DPIPEOFFLOAD_CUDA=ON printed a warning (above)")
+    with open(os.path.join(build, "compile_commands.json"), encoding="utf-8") as f:
+        commands = {os.path.basename(e["file"]): e["command"] for e in json.load(f)}
+    if sorted(commands) != ["attention.cpp", "consumer.cpp", "elementwise.cu", "reduce.cu"]:
+        fail("the CMake build should compile consumer.cpp and the backend's kernels/attention.cpp, elementwise.cu and "
+             "reduce.cu, it compiles " + ", ".join(sorted(commands)))
+    for name in ["elementwise.cu", "reduce.cu"]:
+        flags = commands[name].split()
+        wanted = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in (80, 90, 100)] + ["-std=c++20"]
+        if sorted(f for f in flags if f.startswith(("-gencode", "-arch", "--generate-code", "-std"))) != sorted(wanted):
+            fail(f"{name} should be compiled with exactly {' '.join(wanted)}: {commands[name]}")
+    frontend = run([sys.executable, os.path.join(root, "kernels", "find_cudnn_frontend.py")]).strip()
+    if frontend not in commands["attention.cpp"]:
+        fail(f"attention.cpp should be compiled with the cuDNN frontend's headers ({frontend}): {commands['attention.cpp']}")
+    if "--build" in sys.argv:
+        run([ninja, "-C", build, "-j2"])  # attention.cpp alone takes about 4 GB
+        run_consumer(os.path.join(build, "consumer"), (0, SKIP))
+
+
 def main():
     routes = {"find_package": find_package, "add_subdirectory": add_subdirectory, "fetch_content": fetch_content,
               "meson_subproject": meson_subproject}
-    cuda_routes = {"find_package_cuda": find_package_cuda}
-    args = sys.argv[1:]
+    cuda_routes = {"find_package_cuda": find_package_cuda, "add_subdirectory_cuda": add_subdirectory_cuda}
+    args = [a for a in sys.argv[1:] if a != "--build"]
     if not ((len(args) == 2 and args[1] in routes) or (len(args) == 3 and args[1] in cuda_routes)):
         print("usage: check.py SOURCE_ROOT " + "|".join(routes) + "\n       check.py SOURCE_ROOT " +
-              "|".join(cuda_routes) + " BUILD_ROOT", file=sys.stderr)
+              "|".join(cuda_routes) + " BUILD_ROOT [--build]", file=sys.stderr)
         return 2
     root = os.path.abspath(args[0])
     work = tempfile.mkdtemp(prefix=f"pipeoffload-consumer-{args[1]}-")
