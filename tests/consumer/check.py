@@ -293,10 +293,16 @@ def main():
         return 2
     root = os.path.abspath(args[0])
     work = tempfile.mkdtemp(prefix=f"pipeoffload-consumer-{args[1]}-")
-    if args[1] in routes:
-        routes[args[1]](root, work, os.path.join(root, "tests", "consumer", "project"))
-    else:
-        cuda_routes[args[1]](root, work, os.path.join(root, "tests", "consumer", "project_cuda"), os.path.abspath(args[2]))
+    try:
+        if args[1] in routes:
+            routes[args[1]](root, work, os.path.join(root, "tests", "consumer", "project"))
+        else:
+            cuda_routes[args[1]](root, work, os.path.join(root, "tests", "consumer", "project_cuda"),
+                                 os.path.abspath(args[2]))
+    except SystemExit as e:
+        if e.code == SKIP:  # a skip leaves nothing worth keeping
+            shutil.rmtree(work)
+        raise
     shutil.rmtree(work)  # kept when a check fails (fail() exits before this)
     print(f"consumer via {args[1]}: ok")
     return 0
