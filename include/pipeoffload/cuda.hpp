@@ -1,12 +1,13 @@
 // pipeoffload/cuda.hpp: the CUDA umbrella: backend::Cuda, comm::Nccl, the kernels'
 // declarations, cuBLASLt GEMMs, cuDNN attention and the GPT stage (cuda::GptStage). Build
-// with the pipeoffload_cuda Meson dependency (it defines PIPEOFFLOAD_WITH_CUDA and links the
-// kernels and NVIDIA libraries); the CPU-safe umbrella is pipeoffload/pipeoffload.hpp.
+// with the pipeoffload_cuda Meson dependency or CMake's pipeoffload::cuda (they define
+// PIPEOFFLOAD_WITH_CUDA and link the kernels and NVIDIA libraries); the CPU-safe umbrella is
+// pipeoffload/pipeoffload.hpp.
 #pragma once
 
 #ifndef PIPEOFFLOAD_WITH_CUDA
 #error \
-    "pipeoffload/cuda.hpp needs a CUDA build: use Meson's pipeoffload_cuda_dep (-Dcuda=auto with nvcc, cuDNN, NCCL present), which defines PIPEOFFLOAD_WITH_CUDA."
+    "pipeoffload/cuda.hpp needs a CUDA build: use Meson's pipeoffload_cuda_dep (-Dcuda=auto with nvcc, cuDNN, NCCL present) or CMake's pipeoffload::cuda, which define PIPEOFFLOAD_WITH_CUDA."
 #endif
 
 #include "backend/cuda/attention.hpp"

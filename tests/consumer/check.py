@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A project that uses pipeoffload, built outside this build one of four ways, must compile,
+"""A project that uses pipeoffload, built outside this build one of six ways, must compile,
 run, and build nothing of pipeoffload's own.
 
   check.py SOURCE_ROOT find_package     meson-install a lean configure of the checkout (tests,
@@ -7,19 +7,41 @@ run, and build nothing of pipeoffload's own.
                                         prefix with --tags devel; check what it installed and
                                         its pkg-config file; a CMake project finds it with
                                         find_package(pipeoffload 0.1 REQUIRED); and
-                                        COMPONENTS cuda fails, saying it is not packaged
+                                        COMPONENTS cuda fails, saying the prefix has no CUDA
+                                        backend and naming -Dcuda=enabled
   check.py SOURCE_ROOT add_subdirectory a CMake project adds the checkout with add_subdirectory
   check.py SOURCE_ROOT fetch_content    a CMake project gets pipeoffload with FetchContent from a
                                         file:// URL: a .tar.gz of the checkout's files (those git
                                         tracks or would track), as a release archive, with its
                                         SHA-256; no network
   check.py SOURCE_ROOT meson_subproject a Meson project with the checkout as subprojects/pipeoffload
+  check.py SOURCE_ROOT find_package_cuda BUILD_ROOT
+                                        the CUDA backend from an installed prefix: meson install
+                                        --no-rebuild --tags devel of the Meson build at BUILD_ROOT
+                                        (its CUDA libraries already built; nothing is rebuilt)
+                                        under a temporary DESTDIR; a CMake project finds it with
+                                        find_package(pipeoffload 0.1 REQUIRED COMPONENTS cuda)
+                                        and links pipeoffload::cuda: the attention library, then
+                                        the kernels library, then cudart, cuDNN, NCCL
+  check.py SOURCE_ROOT add_subdirectory_cuda BUILD_ROOT [--build]
+                                        the CUDA backend from the checkout: a CMake project adds
+                                        it with add_subdirectory and -DPIPEOFFLOAD_CUDA=ON; check
+                                        it would compile the backend's kernels/*.cu with nvcc
+                                        for sm_80, sm_90, sm_100 and -std=c++20, and
+                                        attention.cpp with the cuDNN frontend's headers; with
+                                        --build, build it (minutes: the libraries too) and run it.
+                                        SKIP where the Meson build at BUILD_ROOT has no CUDA
+                                        backend (nvcc, cuDNN, NCCL or the frontend missing)
 
-Each builds tests/consumer/project/consumer.cpp (a schedule built, validated and simulated; two thread
-ranks trained) and runs it; each asserts the build has one target, the consumer: CMake's
-compile_commands.json has one entry and `ninja -t commands` two commands (compile, link); Meson's
-introspection lists one target. CMake's configure must print no warning. Exit 77 (skip) when
-cmake, ninja or meson is missing.
+The first four build tests/consumer/project/consumer.cpp (a schedule built, validated and
+simulated; two thread ranks trained) and run it. The CUDA routes build
+tests/consumer/project_cuda/consumer.cpp, which calls the kernels' launchers, makes a
+backend::Cuda (the attention library, cuBLASLt, cuDNN) and asks NCCL its version, so its link
+proves pipeoffload::cuda; they accept its exit 77 without a GPU (the link is what is tested).
+All but add_subdirectory_cuda assert the build has one target, the consumer: CMake's
+compile_commands.json has one entry and `ninja -t commands` two commands (compile, link);
+Meson's introspection lists one target. CMake's configure must print no warning. Exit 77 (skip)
+when cmake, ninja or meson is missing, or (the CUDA routes) when BUILD_ROOT has no CUDA backend.
 """
 import hashlib
 import json
@@ -32,6 +54,8 @@ import tarfile
 import tempfile
 
 SKIP = 77
+# The CUDA backend's static libraries (kernels/meson.build).
+CUDA_LIBRARIES = ["pipeoffload_cuda_attention", "pipeoffload_cuda_kernels"]
 
 
 def fail(msg):
@@ -63,8 +87,9 @@ def no_warnings(output, what):
         fail(f"{what} printed warnings:\n" + "\n".join(bad))
 
 
-def cmake_consumer(cmake, ninja, consumer_src, build, defines):
-    """Configures, builds and runs the CMake consumer; asserts it is the build's only target."""
+def cmake_consumer(cmake, ninja, consumer_src, build, defines, exit_codes=(0,)):
+    """Configures, builds and runs the CMake consumer; asserts it is the build's only target.
+    The consumer may exit with any of exit_codes. Returns the link command."""
     out = run([cmake, "-S", consumer_src, "-B", build, "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
                "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"] + [f"-D{k}={v}" for k, v in defines.items()])
     if "CMake Warning" in out or "CMake Deprecation Warning" in out:
@@ -82,7 +107,15 @@ def cmake_consumer(cmake, ninja, consumer_src, build, defines):
     if len(commands) != 2:
         fail(f"building 'all' should take 2 commands (compile, link), it takes {len(commands)}:\n" + "\n".join(commands))
     run([ninja, "-C", build])
-    print(run([os.path.join(build, "consumer")]))
+    run_consumer(os.path.join(build, "consumer"), exit_codes)
+    return commands[-1]
+
+
+def run_consumer(path, exit_codes):
+    p = subprocess.run([path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print(p.stdout)
+    if p.returncode not in exit_codes:
+        fail(f"the consumer exited with {p.returncode}")
 
 
 def find_package(root, work, consumer_src):
@@ -110,7 +143,7 @@ def find_package(root, work, consumer_src):
     else:
         print("pkg-config is not installed: its file is not checked")
     cmake_consumer(cmake, ninja, consumer_src, os.path.join(work, "consumer"), {"CMAKE_PREFIX_PATH": prefix})
-    # The CUDA backend is not in the package: asking for it must fail with a reason.
+    # The lean configure has no CUDA backend: asking for it must fail with a reason.
     cuda_src = os.path.join(work, "wants_cuda")
     os.makedirs(cuda_src)
     with open(os.path.join(cuda_src, "CMakeLists.txt"), "w", encoding="utf-8") as f:
@@ -119,9 +152,10 @@ def find_package(root, work, consumer_src):
     p = subprocess.run([cmake, "-S", cuda_src, "-B", os.path.join(cuda_src, "build"), "-G", "Ninja",
                         f"-DCMAKE_MAKE_PROGRAM={ninja}", f"-DCMAKE_PREFIX_PATH={prefix}"],
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if p.returncode == 0 or "component 'cuda' is not packaged" not in p.stdout:
+    if p.returncode == 0 or "without the CUDA backend" not in p.stdout or "-Dcuda=enabled" not in p.stdout:
         print(p.stdout)
-        fail("find_package(pipeoffload 0.1 REQUIRED COMPONENTS cuda) should fail saying the component is not packaged")
+        fail("find_package(pipeoffload 0.1 REQUIRED COMPONENTS cuda) should fail saying the prefix was installed "
+             "without the CUDA backend, and how to build it (-Dcuda=enabled)")
 
 
 def add_subdirectory(root, work, consumer_src):
@@ -179,21 +213,98 @@ def meson_subproject(root, work, consumer_src):
     if names != ["consumer"]:
         fail(f"the Meson project should define one target, consumer; it defines {names}")
     run([ninja, "-C", build])
-    print(run([os.path.join(build, "consumer")]))
+    run_consumer(os.path.join(build, "consumer"), (0,))
+
+
+def cuda_libraries(meson, build_root):
+    """The CUDA backend's static libraries in the Meson build at build_root, {name: file}; exits
+    77 (skip) when that build has no CUDA backend."""
+    targets = json.loads(run([meson, "introspect", "--targets", build_root]))
+    libs = {t["name"]: t["filename"][0] for t in targets if t["name"] in CUDA_LIBRARIES}
+    if len(libs) != len(CUDA_LIBRARIES):
+        print(f"SKIP: the build in {build_root} has no CUDA backend (it needs nvcc, cuDNN, NCCL and the cuDNN frontend)")
+        sys.exit(SKIP)
+    return libs
+
+
+def find_package_cuda(root, work, consumer_src, build_root):
+    cmake, ninja, meson = tool("cmake"), tool("ninja"), tool("meson")
+    libs = cuda_libraries(meson, build_root)
+    for path in libs.values():
+        if not os.path.isfile(path):
+            fail(f"{path} is not built (meson test builds it first: the test depends on it)")
+    # The build's devel files, without building anything else, under DESTDIR + its prefix.
+    options = {o["name"]: o["value"] for o in json.loads(run([meson, "introspect", "--buildoptions", build_root]))}
+    destdir = os.path.join(work, "destdir")
+    run([meson, "install", "-C", build_root, "--no-rebuild", "--tags", "devel", "--destdir", destdir])
+    prefix = os.path.join(destdir, os.path.relpath(options["prefix"], "/"))
+    libdir = os.path.join(prefix, options["libdir"])  # an absolute libdir replaces the prefix
+    installed = [os.path.join(libdir, os.path.basename(path)) for path in
+                 (libs["pipeoffload_cuda_attention"], libs["pipeoffload_cuda_kernels"])]
+    for path in installed + [os.path.join(prefix, "lib", "cmake", "pipeoffload", "pipeoffloadCudaLibraries.cmake")]:
+        if not os.path.isfile(path):
+            fail(f"meson install --tags devel did not install {os.path.relpath(path, destdir)}")
+    if os.path.exists(os.path.join(prefix, options["bindir"])):
+        fail("meson install --tags devel installed programs: " + str(os.listdir(os.path.join(prefix, options["bindir"]))))
+    link = cmake_consumer(cmake, ninja, consumer_src, os.path.join(work, "consumer"), {"CMAKE_PREFIX_PATH": prefix},
+                          exit_codes=(0, SKIP))
+    # Attention's library before the kernels', both before the NVIDIA libraries they call.
+    at = [link.find(path) for path in installed] + [link.find(f"lib{name}.") for name in ["cudart", "cudnn", "nccl"]]
+    if -1 in at or at[0] > at[1] or max(at[:2]) > min(at[2:]):
+        fail("the consumer's link should name the attention library, the kernels library, then cudart, cuDNN and "
+             "NCCL: " + link)
+
+
+def add_subdirectory_cuda(root, work, consumer_src, build_root):
+    cmake, ninja, meson = tool("cmake"), tool("ninja"), tool("meson")
+    cuda_libraries(meson, build_root)  # skips where Meson found no CUDA backend to build
+    build = os.path.join(work, "consumer")
+    out = run([cmake, "-S", consumer_src, "-B", build, "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
+               "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON", f"-DPIPEOFFLOAD_CHECKOUT={root}"])
+    if "CMake Warning" in out or "CMake Deprecation Warning" in out:
+        print(out)
+        fail("configuring the CMake consumer with -DPIPEOFFLOAD_CUDA=ON printed a warning (above)")
+    with open(os.path.join(build, "compile_commands.json"), encoding="utf-8") as f:
+        commands = {os.path.basename(e["file"]): e["command"] for e in json.load(f)}
+    if sorted(commands) != ["attention.cpp", "consumer.cpp", "elementwise.cu", "reduce.cu"]:
+        fail("the CMake build should compile consumer.cpp and the backend's kernels/attention.cpp, elementwise.cu and "
+             "reduce.cu, it compiles " + ", ".join(sorted(commands)))
+    for name in ["elementwise.cu", "reduce.cu"]:
+        flags = commands[name].split()
+        wanted = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in (80, 90, 100)] + ["-std=c++20"]
+        if sorted(f for f in flags if f.startswith(("-gencode", "-arch", "--generate-code", "-std"))) != sorted(wanted):
+            fail(f"{name} should be compiled with exactly {' '.join(wanted)}: {commands[name]}")
+    frontend = run([sys.executable, os.path.join(root, "kernels", "find_cudnn_frontend.py")]).strip()
+    if frontend not in commands["attention.cpp"]:
+        fail(f"attention.cpp should be compiled with the cuDNN frontend's headers ({frontend}): {commands['attention.cpp']}")
+    if "--build" in sys.argv:
+        run([ninja, "-C", build, "-j2"])  # attention.cpp alone takes about 4 GB
+        run_consumer(os.path.join(build, "consumer"), (0, SKIP))
 
 
 def main():
     routes = {"find_package": find_package, "add_subdirectory": add_subdirectory, "fetch_content": fetch_content,
               "meson_subproject": meson_subproject}
-    if len(sys.argv) != 3 or sys.argv[2] not in routes:
-        print("usage: check.py SOURCE_ROOT " + "|".join(routes), file=sys.stderr)
+    cuda_routes = {"find_package_cuda": find_package_cuda, "add_subdirectory_cuda": add_subdirectory_cuda}
+    args = [a for a in sys.argv[1:] if a != "--build"]
+    if not ((len(args) == 2 and args[1] in routes) or (len(args) == 3 and args[1] in cuda_routes)):
+        print("usage: check.py SOURCE_ROOT " + "|".join(routes) + "\n       check.py SOURCE_ROOT " +
+              "|".join(cuda_routes) + " BUILD_ROOT [--build]", file=sys.stderr)
         return 2
-    root = os.path.abspath(sys.argv[1])
-    consumer_src = os.path.join(root, "tests", "consumer", "project")
-    work = tempfile.mkdtemp(prefix=f"pipeoffload-consumer-{sys.argv[2]}-")
-    routes[sys.argv[2]](root, work, consumer_src)
+    root = os.path.abspath(args[0])
+    work = tempfile.mkdtemp(prefix=f"pipeoffload-consumer-{args[1]}-")
+    try:
+        if args[1] in routes:
+            routes[args[1]](root, work, os.path.join(root, "tests", "consumer", "project"))
+        else:
+            cuda_routes[args[1]](root, work, os.path.join(root, "tests", "consumer", "project_cuda"),
+                                 os.path.abspath(args[2]))
+    except SystemExit as e:
+        if e.code == SKIP:  # a skip leaves nothing worth keeping
+            shutil.rmtree(work)
+        raise
     shutil.rmtree(work)  # kept when a check fails (fail() exits before this)
-    print(f"consumer via {sys.argv[2]}: ok")
+    print(f"consumer via {args[1]}: ok")
     return 0
 
 
