@@ -239,6 +239,9 @@ TEST_CASE("the norm's plan gives each group whole chunks of 4096 values and its 
   CHECK(std::vector<long long>(t.begin() + 8, t.begin() + 15) ==
         std::vector<long long>{0, 0, 1, 4096, 8192, 12289, 12289});
   CHECK(std::vector<long long>(t.begin() + 15, t.end()) == std::vector<long long>{0, 1, 4095, 4096, 4097, 0, 100000});
+  // backend::Cuda::sum_squares' one device block: the table, 30 fp64 partials, 7 fp64 sums.
+  CHECK(pc::norm_buffer_bytes(groups) == t.size() * 8 + 30 * 8 + 7 * 8);
+  CHECK(pc::norm_buffer_bytes(std::vector<std::size_t>{}) == 8);
   CHECK(pc::norm_partials_launch(30) == pc::Launch{30, 256, 0});
   CHECK(pc::norm_groups_launch(7) == pc::Launch{7, 256, 0});
   CHECK_THROWS_AS(pc::norm_partials_launch(-1), po::shape_error);

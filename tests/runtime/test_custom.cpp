@@ -625,6 +625,35 @@ TEST_CASE("failure: an optimizer step that throws on rank 1 ends every rank with
   }
 }
 
+/// backend::Cpu with sum_squares buffers to reserve (as backend::Cuda has): records the calls.
+class NormReservingCpu : public po::backend::Cpu {
+ public:
+  using Cpu::Cpu;
+  void reserve_sum_squares(std::span<const std::size_t> groups) { reserved.emplace_back(groups.begin(), groups.end()); }
+  std::vector<std::vector<std::size_t>> reserved;
+};
+static_assert(po::backend::reserves_norm_buffers<NormReservingCpu>);
+static_assert(!po::backend::reserves_norm_buffers<po::backend::Cpu>);
+
+TEST_CASE("memory: the runtime reserves the gradient norm's buffers at construction, one call per chunk's groups") {
+  const po::Program program = po::PO_F::build({2, 2, 4});
+  const Ranks rk = run_ranks(2, [&](int r, World& world) {
+    NormReservingCpu dev({.rank = r});
+    po::comm::Threads comm(world, r);
+    std::vector<custom::Stage> mine = custom::make_rank_stages(model, program.shape, r);
+    const std::vector<custom::StageRef> stages = custom::refs(mine);
+    po::Runtime rt(program, dev, comm, stages, options);
+    // Before any step: each chunk's norm groups, in chunk order (backend::Cuda sizes its
+    // table, partials and sums from them, so grad_norm never carves in a step).
+    if (dev.reserved.size() != 2)
+      throw std::runtime_error("reserve_sum_squares calls: " + std::to_string(dev.reserved.size()));
+    for (int c = 0; c < 2; ++c)
+      if (dev.reserved[static_cast<std::size_t>(c)] != rt.norm_groups(c))
+        throw std::runtime_error("chunk " + std::to_string(c) + ": reserved other groups than norm_groups");
+  });
+  for (const std::string& e : rk.errors) CHECK(e == "");
+}
+
 TEST_CASE(
     "parameter groups: AdamW leaves a weight-decay-0 tensor with zero gradient unchanged and shrinks the others by exactly lr*wd*p") {
   const po::Program program = po::GIS::build({1, 4, 2});

@@ -239,4 +239,11 @@ concept reserves_memory = requires(B& b, std::size_t bytes, std::size_t count) {
   b.reserve_host(bytes, count);
 };
 
+/// Optional, on top of reserves_memory: sum_squares keeps device buffers of its own (the CUDA
+/// backend's table, partials and sums); reserve_sum_squares(groups) makes them large enough for
+/// `groups` ahead of use. po::Runtime calls it at construction for each chunk's norm groups.
+template <class B>
+concept reserves_norm_buffers =
+    reserves_memory<B> && requires(B& b, std::span<const std::size_t> groups) { b.reserve_sum_squares(groups); };
+
 }  // namespace pipeoffload::backend

@@ -479,12 +479,15 @@ class Runtime<Backend, Communicator> {
   }
 
   /// Takes from the device, up front, every buffer this rank's program can hold at once
-  /// (po::reservation_plan), so no step allocates.
+  /// (po::reservation_plan), and the gradient norm's buffers where the backend has them
+  /// (backend::reserves_norm_buffers), so no step allocates.
   void reserve_memory() {
     const Reservation res = reservation_plan(program_, rank_, stage_bytes());
     for (const auto* list : {&res.activation, &res.stash, &res.message})
       for (const BlockCount& b : *list) dev_.reserve_device(b.bytes, b.count);
     for (const BlockCount& b : res.host) dev_.reserve_host(b.bytes, b.count);
+    if constexpr (backend::reserves_norm_buffers<Backend>)
+      for (const std::vector<std::size_t>& g : norm_groups_) dev_.reserve_sum_squares(g);
   }
 
   /// Every stage's buffer sizes (this rank's own, and the boundaries of all).

@@ -434,8 +434,11 @@ class Cuda {
   /// order of cuda::sum_squares_reference (shapes.hpp): every group is cut into blocks of
   /// norm_chunk values reduced by one thread block each, all groups in one launch, then one
   /// block per group adds its blocks' partial sums. The same gradients give the same bits,
-  /// whatever the GPU. Its buffers (the group table, the partials and the sums) are carved
-  /// from the arena on the first call; the table is uploaded again only when the groups change.
+  /// whatever the GPU. Its buffers (the group table, the partials and the sums, one device block
+  /// of cuda::norm_buffer_bytes) are made by reserve_sum_squares, which po::Runtime calls at
+  /// construction for every chunk's groups, so no step carves; a call with larger groups than
+  /// reserved (a caller outside the runtime) carves a larger block then. The table is uploaded
+  /// again only when the groups change.
   void sum_squares(std::span<const float> values, std::span<const std::size_t> groups, std::span<double> out) {
     detail::require_groups("backend::Cuda::sum_squares", values.size(), groups, out.size());
     if (groups.empty()) return;
@@ -447,13 +450,7 @@ class Cuda {
     const cuda::NormPlan plan = cuda::sum_squares_plan(groups);
     const std::vector<long long> table = cuda::norm_table(plan, groups);
     const std::size_t g = groups.size(), table_bytes = table.size() * sizeof(long long);
-    const std::size_t need =
-        table_bytes + static_cast<std::size_t>(plan.blocks()) * sizeof(double) + g * sizeof(double);
-    if (norms_.bytes < need) {  // the first call (the groups of a run do not change)
-      device_free(norms_);
-      norms_ = device_alloc(need, Memory::state);
-      norm_table_.clear();
-    }
+    reserve_sum_squares(groups);  // a no-op where the runtime reserved them
     // norms_: (3g + 1) int64 table, then plan.blocks() fp64 partials, then g fp64 sums.
     auto* dev_table = reinterpret_cast<long long*>(norms_.ptr);
     auto* partials = reinterpret_cast<double*>(norms_.ptr + table_bytes);
@@ -469,6 +466,17 @@ class Cuda {
     PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(norm_staging_, sums, g * sizeof(double), cudaMemcpyDeviceToHost, aux_));
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
     std::memcpy(out.data(), norm_staging_, g * sizeof(double));
+  }
+
+  /// Makes sum_squares' device block large enough for `groups` now (see sum_squares; the
+  /// runtime calls it for each chunk's norm groups at construction). It only grows.
+  void reserve_sum_squares(std::span<const std::size_t> groups) {
+    const std::size_t need = cuda::norm_buffer_bytes(groups);
+    if (norms_.bytes >= need) return;
+    select();
+    device_free(norms_);
+    norms_ = device_alloc(need, Memory::state);
+    norm_table_.clear();
   }
 
   /// kernels::adamw: update::adamw per element with grads * grad_scale. Gradients are only

@@ -198,6 +198,14 @@ inline std::vector<long long> norm_table(const NormPlan& p, std::span<const std:
   return t;
 }
 
+/// Device bytes backend::Cuda::sum_squares needs for `groups`: the table ((3g + 1) int64: see
+/// norm_table), the plan's fp64 partials and the g fp64 sums, one after the other.
+inline std::size_t norm_buffer_bytes(std::span<const std::size_t> groups) {
+  const std::size_t g = groups.size();
+  return (3 * g + 1) * sizeof(long long) +
+         static_cast<std::size_t>(sum_squares_plan(groups).blocks()) * sizeof(double) + g * sizeof(double);
+}
+
 constexpr Launch norm_partials_launch(long long blocks) {
   if (blocks < 0 || blocks > grid_x_limit)
     throw shape_error("cuda::norm_partials_launch: blocks = " + pipeoffload::detail::num(blocks) +
