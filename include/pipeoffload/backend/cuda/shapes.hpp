@@ -38,10 +38,12 @@ inline constexpr unsigned max_grid = 8192;
 inline constexpr long long grid_x_limit = 2147483647LL;
 inline constexpr unsigned block_limit = 1024;
 
+/// A kernel's launch configuration: grid, block and dynamic shared memory.
 struct Launch {
   unsigned grid = 0;       ///< blocks (gridDim.x); 0 means "nothing to do, do not launch"
   unsigned block = 0;      ///< threads per block (blockDim.x)
   std::size_t shared = 0;  ///< dynamic shared memory bytes
+  /// Field-by-field equality.
   friend constexpr bool operator==(const Launch&, const Launch&) = default;
 };
 
@@ -115,7 +117,9 @@ constexpr Launch embedding_table_grad_launch(long long h) {
 
 /// The thread that owns cell (token, column c) of the table's gradient, h columns wide.
 struct CellOwner {
-  unsigned block = 0, thread = 0;
+  unsigned block = 0,  ///< the owning thread's block (blockIdx.x)
+      thread = 0;      ///< the owning thread within that block (threadIdx.x)
+  /// Field-by-field equality.
   friend constexpr bool operator==(const CellOwner&, const CellOwner&) = default;
 };
 constexpr CellOwner embedding_cell_owner(int token, long long c, long long h) {
@@ -126,8 +130,8 @@ constexpr CellOwner embedding_cell_owner(int token, long long c, long long h) {
 }
 /// The bucket and column thread `thread` of block `block` owns (embedding_cell_owner's inverse).
 struct OwnedCells {
-  unsigned bucket = 0;
-  long long column = 0;
+  unsigned bucket = 0;   ///< k: the thread owns the cells of the tokens with token % embedding_buckets == k
+  long long column = 0;  ///< the table column (0 .. h-1) the thread adds into
 };
 PIPEOFFLOAD_HOST_DEVICE constexpr OwnedCells embedding_owned(unsigned block, unsigned thread, long long h) {
   const long long tiles = (h + column_tile - 1) / column_tile;
@@ -167,6 +171,7 @@ static_assert((norm_block & (norm_block - 1)) == 0 && norm_block <= block_limit,
 /// Which blocks reduce which group: group k's are [first_block[k], first_block[k + 1]).
 struct NormPlan {
   std::vector<long long> first_block;  ///< groups + 1 entries, nondecreasing
+  /// Thread blocks in all, over every group (the first launch's grid).
   long long blocks() const { return first_block.empty() ? 0 : first_block.back(); }
 };
 
@@ -286,10 +291,17 @@ enum class Op : std::uint8_t { n, t };  ///< as stored, or transposed
 /// A row-major GEMM as the CPU model calls OpenBLAS (backend/cpu/blas.hpp):
 /// C[M x N] = alpha * op(A)[M x K] * op(B)[K x N] + beta * C, with row strides lda, ldb, ldc.
 struct RowMajorGemm {
-  Op ta = Op::n, tb = Op::n;
-  long long M = 0, N = 0, K = 0;
-  long long lda = 0, ldb = 0, ldc = 0;
-  float alpha = 1, beta = 0;
+  Op ta = Op::n,      ///< op on A
+      tb = Op::n;     ///< op on B
+  long long M = 0,    ///< rows of C and of op(A)
+      N = 0,          ///< columns of C and of op(B)
+      K = 0;          ///< the inner dimension: columns of op(A), rows of op(B)
+  long long lda = 0,  ///< A's row stride, elements
+      ldb = 0,        ///< B's row stride, elements
+      ldc = 0;        ///< C's row stride, elements
+  float alpha = 1,    ///< scale on op(A) op(B)
+      beta = 0;       ///< scale on the C already there (0: C is overwritten)
+  /// Field-by-field equality.
   friend constexpr bool operator==(const RowMajorGemm&, const RowMajorGemm&) = default;
 };
 
@@ -298,13 +310,24 @@ struct RowMajorGemm {
 /// our B and its B our A, m = N, n = M, k = K. `a_rows x a_cols` is how cuBLASLt's A is
 /// stored (column-major, ld >= rows), likewise B and C; those are the matrix layouts to create.
 struct ColMajorGemm {
-  Op transa = Op::n, transb = Op::n;
-  long long m = 0, n = 0, k = 0;
-  long long a_rows = 0, a_cols = 0, lda = 0;  ///< cuBLASLt's A = the row-major B
-  long long b_rows = 0, b_cols = 0, ldb = 0;  ///< cuBLASLt's B = the row-major A
-  long long c_rows = 0, c_cols = 0, ldc = 0;
-  bool swapped = true;  ///< A pointer is the row-major B (always, see above)
-  float alpha = 1, beta = 0;
+  Op transa = Op::n,     ///< op on cuBLASLt's A (the row-major tb)
+      transb = Op::n;    ///< op on cuBLASLt's B (the row-major ta)
+  long long m = 0,       ///< rows of cuBLASLt's C (= N)
+      n = 0,             ///< columns of cuBLASLt's C (= M)
+      k = 0;             ///< the inner dimension (= K)
+  long long a_rows = 0,  ///< rows of cuBLASLt's A as stored (column-major)
+      a_cols = 0,        ///< columns of cuBLASLt's A as stored
+      lda = 0;           ///< cuBLASLt's A = the row-major B; its leading dimension, elements
+  long long b_rows = 0,  ///< rows of cuBLASLt's B as stored (column-major)
+      b_cols = 0,        ///< columns of cuBLASLt's B as stored
+      ldb = 0;           ///< cuBLASLt's B = the row-major A; its leading dimension, elements
+  long long c_rows = 0,  ///< rows of cuBLASLt's C as stored (column-major)
+      c_cols = 0,        ///< columns of cuBLASLt's C as stored
+      ldc = 0;           ///< C's leading dimension, elements
+  bool swapped = true;   ///< A pointer is the row-major B (always, see above)
+  float alpha = 1,       ///< scale on op(A) op(B)
+      beta = 0;          ///< scale on the C already there (0: C is overwritten)
+  /// Field-by-field equality.
   friend constexpr bool operator==(const ColMajorGemm&, const ColMajorGemm&) = default;
 };
 
@@ -383,12 +406,14 @@ constexpr long long stored_elements(long long rows, long long cols, long long ld
 /// (b*s, h) output, and of the (B, heads, S, 1) fp32 log-sum-exp statistics, which is the CPU
 /// model's lse layout (b, a, s).
 struct SdpaLayout {
-  long long dims[4] = {};
-  long long qkv_strides[4] = {};
-  long long q_offset = 0, k_offset = 0, v_offset = 0;  ///< elements from the qkv base
-  long long out_strides[4] = {};
-  long long stats_dims[4] = {};
-  long long stats_strides[4] = {};
+  long long dims[4] = {};           ///< (B, heads, S, head_dim) of Q, K, V and the output
+  long long qkv_strides[4] = {};    ///< strides, elements, of Q, K and V inside the qkv tensor
+  long long q_offset = 0,           ///< Q's first element from the qkv base (0)
+      k_offset = 0,                 ///< K's first element from the qkv base (h)
+      v_offset = 0;                 ///< V's first element from the qkv base (2h)
+  long long out_strides[4] = {};    ///< strides, elements, of the (b*s, h) output
+  long long stats_dims[4] = {};     ///< (B, heads, S, 1) of the log-sum-exp statistics
+  long long stats_strides[4] = {};  ///< strides, elements, of the statistics
 };
 
 constexpr SdpaLayout sdpa_layout(long long batch, long long heads, long long seq, long long head_dim) {
@@ -421,9 +446,11 @@ constexpr SdpaLayout sdpa_layout(long long batch, long long heads, long long seq
 
 /// A byte range of a buffer.
 struct Region {
-  std::size_t offset = 0;
-  std::size_t bytes = 0;
+  std::size_t offset = 0;  ///< first byte, from the buffer's start
+  std::size_t bytes = 0;   ///< length, bytes
+  /// One past the last byte, from the buffer's start.
   constexpr std::size_t end() const { return offset + bytes; }
+  /// Field-by-field equality.
   friend constexpr bool operator==(const Region&, const Region&) = default;
 };
 
@@ -436,13 +463,15 @@ constexpr std::size_t align_up(std::size_t n, std::size_t a = region_alignment) 
 
 /// Lays regions out one after another, each starting aligned.
 struct RegionCarver {
-  std::size_t top = 0;
+  std::size_t top = 0;  ///< bytes laid out so far (the end of the last region, unaligned)
+  /// The next region of `bytes` bytes, starting at `top` rounded up to region_alignment.
   constexpr Region take(std::size_t bytes) {
     top = align_up(top);
     const Region r{top, bytes};
     top += bytes;
     return r;
   }
+  /// Bytes the buffer needs for every region taken: `top` rounded up to region_alignment.
   constexpr std::size_t total() const { return align_up(top); }
 };
 
