@@ -52,9 +52,10 @@ namespace pipeoffload {
 /// A P2P message's tag: `stage` is the stage that consumes the message (RankProgram::comm's
 /// convention), `dir` forward for activations, backward for gradients.
 struct Tag {
-  int stage = 0;
-  int mb = 0;
-  Dir dir = Dir::forward;
+  int stage = 0;           ///< the stage that consumes the message, 0 .. S-1
+  int mb = 0;              ///< the microbatch, 0 .. m-1
+  Dir dir = Dir::forward;  ///< forward (activations) or backward (gradients)
+  /// Field-by-field equality.
   friend constexpr bool operator==(const Tag&, const Tag&) = default;
 };
 

@@ -25,8 +25,8 @@ namespace pipeoffload {
 
 /// One named part of a rank's configuration, as text (e.g. {"shape", "d=4 v=2 m=8"}).
 struct HandshakeField {
-  std::string name;
-  std::string value;
+  std::string name;   ///< what the field is (e.g. "shape")
+  std::string value;  ///< its value on this rank, as text
 };
 
 namespace detail {

@@ -17,8 +17,9 @@ namespace pipeoffload::offload {
 
 /// Up to three power-of-two bin sizes, largest first; unused entries are 0.
 struct BinPlan {
-  std::array<std::uint64_t, 3> bins{};
-  int count = 0;
+  std::array<std::uint64_t, 3> bins{};  ///< bin sizes, bytes, largest first
+  int count = 0;                        ///< bins used, 0 .. 3
+  /// Bytes of all bins together.
   constexpr std::uint64_t total() const { return bins[0] + bins[1] + bins[2]; }
 };
 

@@ -109,11 +109,11 @@ inline std::vector<std::byte> read_all(const std::filesystem::path& path) {
 
 /// One stage's state as it is on disk.
 struct StageState {
-  int stage = 0;
-  int step = 0;  ///< optimizer steps taken
-  CheckpointInfo info{};
-  std::string optimizer;  ///< the optimizer's name ("adamw", "sgd")
-  std::vector<float> params;
+  int stage = 0;                          ///< the stage, 0 .. S-1
+  int step = 0;                           ///< optimizer steps taken
+  CheckpointInfo info{};                  ///< what the run recorded beside the tensors
+  std::string optimizer;                  ///< the optimizer's name ("adamw", "sgd")
+  std::vector<float> params;              ///< the stage's parameters, in parameters() order
   std::vector<std::vector<float>> state;  ///< the optimizer's buffers, each the size of params
 };
 

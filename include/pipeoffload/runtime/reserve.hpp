@@ -37,8 +37,9 @@ struct StageBytes {
 
 /// `count` blocks of `bytes`.
 struct BlockCount {
-  std::size_t bytes = 0;
-  std::size_t count = 0;
+  std::size_t bytes = 0;  ///< size of each block, bytes
+  std::size_t count = 0;  ///< number of blocks
+  /// Field-by-field equality.
   friend constexpr bool operator==(const BlockCount&, const BlockCount&) = default;
 };
 

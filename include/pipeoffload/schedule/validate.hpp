@@ -35,8 +35,9 @@ namespace pipeoffload {
 /// Result of validate(): converts to true when the schedule is valid; otherwise `error`
 /// says which rule broke, naming rank, op, stage and microbatch.
 struct Validation {
-  bool ok = true;
-  std::string error;
+  bool ok = true;     ///< is the schedule valid?
+  std::string error;  ///< when not: which rule broke (empty when valid)
+  /// `ok`.
   constexpr explicit operator bool() const { return ok; }
 };
 

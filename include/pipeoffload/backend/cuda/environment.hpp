@@ -46,7 +46,9 @@ static_assert(library_streams_per_device(2) + 1 <= max_device_connections,
 
 /// One environment variable and why it is set.
 struct EnvSetting {
-  std::string name, value, why;
+  std::string name,  ///< the variable's name
+      value,         ///< the value it is set to
+      why;           ///< why it is set
 };
 
 /// The settings apply_cuda_environment makes (see the file comment).

@@ -18,8 +18,9 @@ namespace pipeoffload::comm {
 
 /// Bytes [offset, offset + bytes) of every rank's block travel in one ncclAllGather.
 struct GatherPiece {
-  std::size_t offset = 0;
-  std::size_t bytes = 0;
+  std::size_t offset = 0;  ///< first byte of the piece within each rank's block
+  std::size_t bytes = 0;   ///< length of the piece, bytes
+  /// Field-by-field equality.
   friend constexpr bool operator==(const GatherPiece&, const GatherPiece&) = default;
 };
 
