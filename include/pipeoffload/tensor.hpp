@@ -18,6 +18,7 @@ namespace pipeoffload {
 /// Element type of a tensor the runtime moves (boundaries, inputs).
 enum class DType : std::uint8_t { float32, float64, bfloat16, float16, int32, int64, uint8, int8 };
 
+/// Bytes per element of type t.
 constexpr std::size_t dtype_size(DType t) {
   switch (t) {
     case DType::float64:
@@ -36,6 +37,7 @@ constexpr std::size_t dtype_size(DType t) {
   return 0;
 }
 
+/// The type's name for messages ("float32", "bfloat16", ...).
 constexpr const char* dtype_name(DType t) {
   switch (t) {
     case DType::float32:

@@ -55,8 +55,9 @@ enum class Memory : std::uint8_t {
   state,       ///< the runtime's long-lived buffers: the step's inputs, losses, check flags
   optimizer,   ///< optimizer state (AdamW moments, SGD momentum)
 };
-inline constexpr std::size_t memory_kinds = 5;
+inline constexpr std::size_t memory_kinds = 5;  ///< how many Memory kinds there are
 
+/// The kind's name for messages ("activation", "stash", ...).
 constexpr const char* memory_name(Memory m) {
   switch (m) {
     case Memory::activation:

@@ -24,6 +24,7 @@ struct AdamBias {
   float c1 = 1;  ///< 1 - beta1^t: m-hat = m / c1
   float c2 = 1;  ///< 1 - beta2^t: v-hat = v / c2
 };
+/// The bias corrections of 1-based step t.
 PIPEOFFLOAD_HOST_DEVICE inline AdamBias adam_bias(float beta1, float beta2, int t) {
   return {1.0f - std::pow(beta1, static_cast<float>(t)), 1.0f - std::pow(beta2, static_cast<float>(t))};
 }

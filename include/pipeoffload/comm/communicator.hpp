@@ -59,6 +59,7 @@ struct Tag {
   friend constexpr bool operator==(const Tag&, const Tag&) = default;
 };
 
+/// The tag as text for messages: "(forward, stage s, mb i)".
 inline std::string describe(const Tag& t) {
   return std::string("(") + (t.dir == Dir::forward ? "forward" : "backward") + ", stage " + std::to_string(t.stage) +
          ", mb " + std::to_string(t.mb) + ")";

@@ -104,6 +104,7 @@ void handshake(C& comm, std::span<const HandshakeField> fields) {
     }
 }
 
+/// The same, from a vector of fields.
 template <collective C>
 void handshake(C& comm, const std::vector<HandshakeField>& fields) {
   handshake(comm, std::span<const HandshakeField>(fields));

@@ -64,6 +64,7 @@
 
 namespace pipeoffload {
 
+/// Bytes in a GiB (2^30).
 inline constexpr double gib = 1024.0 * 1024.0 * 1024.0;
 
 /// A GPT-like decoder-only transformer and how it is trained (one microbatch = micro_batch
@@ -274,6 +275,7 @@ struct PassFlops {
   constexpr double total() const { return f + b + w; }
 };
 
+/// FLOPs of one transformer layer's F, B and W for one microbatch (the file comment's formulas).
 constexpr PassFlops layer_flops(const TransformerSpec& m) {
   const double P = layer_linear_flops(m), core = 4.0 * m.micro_batch * detail::sq(m.seq) * m.hidden;
   return {P + core, P + 2 * core, P};

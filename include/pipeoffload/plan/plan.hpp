@@ -323,6 +323,8 @@ struct PlanOption {
   int offload_chunks = 0;  ///< chunks 0..n-1 offloaded
 };
 
+/// The schedules plan() tries for d ranks, v chunks per rank and m microbatches (those with
+/// offload only when allow_offload), in search order.
 constexpr std::vector<PlanOption> plan_options(int d, int v, int m, bool allow_offload) {
   using GK = GroupSpec::Kind;
   std::vector<PlanOption> out;

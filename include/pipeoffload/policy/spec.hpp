@@ -72,7 +72,7 @@ struct selection {
   friend constexpr bool operator==(const selection&, const selection&) = default;
 };
 
-inline constexpr selection none{selection::Kind::none};
+inline constexpr selection none{selection::Kind::none};  ///< no chunk (no offload).
 inline constexpr selection half{selection::Kind::half};  ///< chunks 0..ceil(v/2)-1 (PO-H).
 inline constexpr selection all{selection::Kind::all};    ///< every chunk (PO-F).
 

@@ -674,12 +674,16 @@ class Runtime<Backend, Communicator> {
   std::vector<Reduction> reduce_trace_;
 };
 
+/// Deduces Runtime<Backend, Communicator> from a program, a device, a communicator and stages.
 template <class B, class C, class Stages>
 Runtime(const Program&, B&, C&, Stages&&) -> Runtime<B, C>;
+/// The same, with options.
 template <class B, class C, class Stages>
 Runtime(const Program&, B&, C&, Stages&&, RuntimeOptions) -> Runtime<B, C>;
+/// The same, with a replicas communicator (data parallelism).
 template <class B, class C, class Stages>
 Runtime(const Program&, B&, C&, C&, Stages&&) -> Runtime<B, C>;
+/// The same, with a replicas communicator and options.
 template <class B, class C, class Stages>
 Runtime(const Program&, B&, C&, C&, Stages&&, RuntimeOptions) -> Runtime<B, C>;
 

@@ -16,8 +16,8 @@ namespace pipeoffload {
 
 /// Allowed ranges of a shape (wide enough for any real pipeline; they bound memory use).
 inline constexpr int max_ranks = 4096;
-inline constexpr int max_chunks = 256;
-inline constexpr int max_microbatches = 1 << 16;
+inline constexpr int max_chunks = 256;            ///< most chunks per rank (v)
+inline constexpr int max_microbatches = 1 << 16;  ///< most microbatches (m)
 
 /// Pipeline shape: d ranks, v chunks (stages) per rank, m microbatches per iteration, and
 /// where the stages live. Chunk c of every rank holds stages c*d .. c*d + d-1, one per rank:
@@ -83,6 +83,7 @@ struct Costs {
 /// R: host->device reload).
 enum class OpKind : std::uint8_t { F, B, W, BW, O, R };
 
+/// The pass's letter(s): "F", "B", "W", "BW", "O" or "R".
 constexpr const char* op_name(OpKind k) {
   switch (k) {
     case OpKind::F:

@@ -19,6 +19,7 @@
 
 namespace pipeoffload::blas {
 
+/// Whether sgemm transposes an operand (the values are CBLAS_TRANSPOSE's).
 enum class Trans : int { no = 111, yes = 112 };  // CBLAS_TRANSPOSE values
 
 namespace detail {

@@ -24,11 +24,12 @@
 
 namespace pipeoffload::cuda::kernels {
 
-using bf16 = __nv_bfloat16;
+using bf16 = __nv_bfloat16;  ///< CUDA's bfloat16
 
 // ---- precision ----------------------------------------------------------------------------
 /// Precision conversions (weights: fp32 master -> bf16 working copy; boundaries: bf16 <-> fp32).
 void to_bf16(const float* in, bf16* out, long long count, cudaStream_t stream);
+/// count bf16 values to fp32, enqueued on `stream`.
 void to_float(const bf16* in, float* out, long long count, cudaStream_t stream);
 
 // ---- optimizer -----------------------------------------------------------------------------

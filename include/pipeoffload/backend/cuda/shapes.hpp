@@ -29,14 +29,14 @@ namespace pipeoffload::cuda {
 /// Threads per block of every kernel. One block per row kernels reduce with
 /// cub::BlockReduce<float, row_block>, whose template argument must be this constant.
 inline constexpr unsigned elementwise_block = 256;
-inline constexpr unsigned row_block = 256;
+inline constexpr unsigned row_block = 256;  ///< threads per block of the one-block-per-row kernels
 /// Grid-stride kernels use at most this many blocks: enough to fill any GPU we target
 /// (B200: 148 SMs x 8 resident blocks of 256 threads = 1184) several times over, small enough
 /// that a launch never approaches gridDim.x's limit; the loop covers the rest.
 inline constexpr unsigned max_grid = 8192;
 /// CUDA's limit on gridDim.x (2^31 - 1) and on threads per block.
 inline constexpr long long grid_x_limit = 2147483647LL;
-inline constexpr unsigned block_limit = 1024;
+inline constexpr unsigned block_limit = 1024;  ///< CUDA's limit on threads per block
 
 /// A kernel's launch configuration: grid, block and dynamic shared memory.
 struct Launch {
@@ -76,7 +76,8 @@ constexpr Launch per_row_launch(long long rows, long long cols) {
 /// thread per column (which leaves most of the GPU idle for a (4096, 4096) gradient), and each
 /// warp reads column_tile adjacent values of one row (coalesced).
 inline constexpr unsigned column_tile = 32;
-inline constexpr unsigned column_lanes = 32;
+inline constexpr unsigned column_lanes = 32;  ///< threads that share one column, each summing every column_lanes-th row
+/// The launch of the column sums of `cols` columns: ceil(cols / column_tile) blocks.
 constexpr Launch column_sum_launch(long long cols) {
   if (cols < 0) throw shape_error("cuda::column_sum_launch: cols = " + pipeoffload::detail::num(cols) + " is negative");
   if (cols == 0) return {};
@@ -100,8 +101,9 @@ constexpr Launch column_sum_launch(long long cols) {
 // bucket groups: 4096 columns give 512 blocks of 256 threads, where one thread per column gave
 // 16 blocks, each thread walking every row. The position table's gradient is a plain
 // elementwise loop: cell (p, c) adds rows b * seq + p, b = 0, 1, ... in order.
-inline constexpr unsigned embedding_buckets = 32;
-inline constexpr unsigned embedding_warps = 8;
+inline constexpr unsigned embedding_buckets =
+    32;                                         ///< token buckets: bucket k holds the tokens t % embedding_buckets == k
+inline constexpr unsigned embedding_warps = 8;  ///< warps per block, one bucket each
 
 /// Blocks: tile + tiles * group for column tile `tile` and bucket group `group`.
 constexpr Launch embedding_table_grad_launch(long long h) {
@@ -122,6 +124,7 @@ struct CellOwner {
   /// Field-by-field equality.
   friend constexpr bool operator==(const CellOwner&, const CellOwner&) = default;
 };
+/// The thread that owns cell (token, column c) of a table h columns wide.
 constexpr CellOwner embedding_cell_owner(int token, long long c, long long h) {
   const long long tiles = (h + column_tile - 1) / column_tile;
   const unsigned k = static_cast<unsigned>(token) % embedding_buckets;
@@ -133,6 +136,7 @@ struct OwnedCells {
   unsigned bucket = 0;   ///< k: the thread owns the cells of the tokens with token % embedding_buckets == k
   long long column = 0;  ///< the table column (0 .. h-1) the thread adds into
 };
+/// The bucket and column thread `thread` of block `block` owns, for a table h columns wide.
 PIPEOFFLOAD_HOST_DEVICE constexpr OwnedCells embedding_owned(unsigned block, unsigned thread, long long h) {
   const long long tiles = (h + column_tile - 1) / column_tile;
   return {static_cast<unsigned>(block / tiles) * embedding_warps + thread / column_tile,
@@ -162,8 +166,9 @@ static_assert(elementwise_launch(1LL << 40).grid == max_grid);
 // groups reduce in one launch and a 100M-value group uses 24k blocks, not one. A float's
 // square is exact in fp64, so a fused multiply-add gives the same bits as a multiply and add.
 
-inline constexpr unsigned norm_block = 256;
-inline constexpr unsigned norm_per_thread = 16;
+inline constexpr unsigned norm_block = 256;      ///< threads per block of both reductions (a power of two)
+inline constexpr unsigned norm_per_thread = 16;  ///< values each thread sums per block
+/// Values one block covers: norm_block * norm_per_thread.
 inline constexpr long long norm_chunk = static_cast<long long>(norm_block) * norm_per_thread;
 static_assert((norm_block & (norm_block - 1)) == 0 && norm_block <= block_limit,
               "The norm's pairwise tree needs a power-of-two block of at most 1024 threads.");
@@ -175,6 +180,7 @@ struct NormPlan {
   long long blocks() const { return first_block.empty() ? 0 : first_block.back(); }
 };
 
+/// The blocks of groups of these sizes: ceil(n / norm_chunk) for a group of n values.
 inline NormPlan sum_squares_plan(std::span<const std::size_t> groups) {
   NormPlan p;
   p.first_block.reserve(groups.size() + 1);
@@ -203,12 +209,14 @@ inline std::vector<long long> norm_table(const NormPlan& p, std::span<const std:
   return t;
 }
 
+/// The first launch: `blocks` blocks of norm_block threads, one per chunk of a group.
 constexpr Launch norm_partials_launch(long long blocks) {
   if (blocks < 0 || blocks > grid_x_limit)
     throw shape_error("cuda::norm_partials_launch: blocks = " + pipeoffload::detail::num(blocks) +
                       " is outside the allowed range [0, 2147483647]");
   return {static_cast<unsigned>(blocks), norm_block, 0};
 }
+/// The second launch: one block of norm_block threads per group, over its partials.
 constexpr Launch norm_groups_launch(long long groups) { return norm_partials_launch(groups); }
 
 /// Thread `lane`'s sum over block `j` of a group of n values at x (see above).
@@ -286,6 +294,7 @@ static_assert(nonfinite_word(std::uint32_t{0x7fc00000u}, std::uint32_t{0x7f80000
 
 // ---- GEMM layouts -------------------------------------------------------------------------
 
+/// A GEMM operand as stored (n) or transposed (t).
 enum class Op : std::uint8_t { n, t };  ///< as stored, or transposed
 
 /// A row-major GEMM as the CPU model calls OpenBLAS (backend/cpu/blas.hpp):
@@ -416,6 +425,8 @@ struct SdpaLayout {
   long long stats_strides[4] = {};  ///< strides, elements, of the statistics
 };
 
+/// The layout of one SDPA call; throws shape_error for a size < 1 or head_dim not a multiple
+/// of 8 in [8, 256].
 constexpr SdpaLayout sdpa_layout(long long batch, long long heads, long long seq, long long head_dim) {
   if (batch < 1 || heads < 1 || seq < 1 || head_dim < 1)
     throw shape_error("cuda::sdpa_layout: batch, heads, seq and head_dim must be >= 1");
@@ -459,6 +470,7 @@ struct Region {
 /// buffer from either is aligned.
 inline constexpr std::size_t region_alignment = 256;
 
+/// n rounded up to a multiple of a.
 constexpr std::size_t align_up(std::size_t n, std::size_t a = region_alignment) { return (n + a - 1) / a * a; }
 
 /// Lays regions out one after another, each starting aligned.

@@ -27,9 +27,11 @@
 
 // Only MPI's C API is used; its deprecated C++ bindings do not compile warning-free.
 #ifndef OMPI_SKIP_MPICXX
+/// Keeps Open MPI's C++ bindings out of mpi.h.
 #define OMPI_SKIP_MPICXX 1
 #endif
 #ifndef MPICH_SKIP_MPICXX
+/// Keeps MPICH's C++ bindings out of mpi.h.
 #define MPICH_SKIP_MPICXX 1
 #endif
 #include <mpi.h>
