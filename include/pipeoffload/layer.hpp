@@ -9,6 +9,7 @@
 // microbatch live in one contiguous device buffer of saved_bytes() (what offload moves to
 // host and back), and what B leaves for W lives in a stash buffer of stash_bytes() (alive
 // from B to W, never offloaded).
+/// @file
 #pragma once
 
 #include <algorithm>

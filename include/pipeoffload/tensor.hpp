@@ -3,6 +3,7 @@
 // The runtime moves bytes (boundary tensors between stages, a step's inputs to the device); a
 // stage reads them through a view that knows its element type and refuses the wrong one:
 //   const float* x = in.as<float>();   // throws if `in` holds int32 values
+/// @file
 #pragma once
 
 #include <cstddef>

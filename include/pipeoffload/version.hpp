@@ -1,4 +1,5 @@
 // pipeoffload/version.hpp
+/// @file
 #pragma once
 
 /// The library's major version.

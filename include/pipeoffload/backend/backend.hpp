@@ -30,6 +30,7 @@
 // the gradient norm, and the adamw and sgd updates of backend/update.hpp.
 // Between steps the layers' parameters() and gradients() are device memory: host code reads
 // and writes them through download/upload (po::Runtime::download_parameters and friends).
+/// @file
 #pragma once
 
 #include <array>

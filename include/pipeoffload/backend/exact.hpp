@@ -19,6 +19,7 @@
 //
 // Plain functions over one value, compiled for the CPU backend's loops and for the CUDA
 // kernels' grid-stride loops (kernels/elementwise.cu).
+/// @file
 #pragma once
 
 #include <cmath>

@@ -3,6 +3,7 @@
 // Plain functions over one parameter, compiled for the CPU backend's loops and for the CUDA
 // kernels' grid-stride loops (kernels/elementwise.cu), so the CPU tests cover what the GPU
 // runs. The optimizers that call them (po::AdamW, po::Sgd) are in runtime/optimizer.hpp.
+/// @file
 #pragma once
 
 #include <cmath>

@@ -36,6 +36,7 @@
 //     non-blocking communicators while it waits, sees it and calls ncclCommAbort on its own
 //     communicators only, as NCCL requires; other processes learn of the failure through
 //     MPI, as for one pipeline).
+/// @file
 #pragma once
 
 #include <concepts>

@@ -6,6 +6,7 @@
 // every rank therefore contributes a hash (64-bit FNV-1a) of each named field of its
 // configuration; every rank sees every hash (all_gather), so all of them find the same first
 // differing field and throw the same sentence, naming the field and both values.
+/// @file
 #pragma once
 
 #include <algorithm>

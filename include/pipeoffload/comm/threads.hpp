@@ -11,6 +11,7 @@
 // of a ThreadsGrid share the grid's). The first reason is stored under the shared mutex, then
 // each world is woken in turn under its own lock: no two locks are ever held at once, and a
 // waiter cannot miss the flag between its check and its sleep.
+/// @file
 #pragma once
 
 #include <atomic>

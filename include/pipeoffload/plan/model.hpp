@@ -52,6 +52,7 @@
 // LayerNorm output without recompute) and the fp32 softmax of its logits (4bsV), which the
 // cross-entropy backward needs. The embedding is a lookup: it saves the int32 token ids (4bs)
 // and its passes are memory-bound, modelled as 1% of a layer's forward each.
+/// @file
 #pragma once
 
 #include <algorithm>

@@ -43,6 +43,7 @@
 // with more memory.
 //
 // constexpr: a small model plans in a constant expression (tests/plan/test_plan.cpp).
+/// @file
 #pragma once
 
 #include <algorithm>

@@ -6,6 +6,7 @@
 // minimum that fits. Power-of-two bins let a host pool serve every unit size from a few size
 // classes (pinned allocations are slow, so they are made once and reused); three bins keep
 // the waste small (under 1/4 of the unit in the worst case, against 1/2 for one bin).
+/// @file
 #pragma once
 
 #include <array>

@@ -3,6 +3,7 @@
 // Each policy names its slot (grouping, offload or placement) with a `policy_slot` tag and re-exports its
 // parameters; Schedule<Policies...> (schedule/schedule.hpp) takes them in any order, at most
 // one per slot.
+/// @file
 #pragma once
 
 #include <concepts>

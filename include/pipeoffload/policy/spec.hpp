@@ -3,6 +3,7 @@
 // A schedule type (Schedule<Policies...>) and a schedule chosen at run time by name (the plan
 // tool, train_gpt) both reduce to one ScheduleSpec, and one builder turns a spec into op lists:
 // there is a single way from a schedule to its passes.
+/// @file
 #pragma once
 
 #include <cstdint>

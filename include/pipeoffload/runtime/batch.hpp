@@ -6,6 +6,7 @@
 // rank gets the whole batch; a stage reads the tensors it declares in inputs() (the runtime
 // uploads those to the device and checks their type and size). A Batch does not own the data:
 // it must stay valid during the call it is passed to.
+/// @file
 #pragma once
 
 #include <cstddef>

@@ -17,6 +17,7 @@
 // optimizer state's slices), and every replica reads it. It can be resumed with another
 // schedule, rank count of the same stage count, or number of replicas for the same global
 // batch (every schedule and every split of the batch trains bit-identically), under threads or MPI.
+/// @file
 #pragma once
 
 #include <fcntl.h>

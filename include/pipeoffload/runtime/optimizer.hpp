@@ -10,6 +10,7 @@
 // the rank, and updates every stage of its rank through the backend's update calls
 // (backend::updates_parameters), run by parameter group: runs of named parameter tensors
 // (Stage::parameter_info) with their own learning-rate scale and weight decay.
+/// @file
 #pragma once
 
 #include <algorithm>

@@ -10,6 +10,7 @@
 // forward_only() is the program Runtime::evaluate runs: the F passes and forward messages of
 // a training program, in their order. Its P2P plan is a subsequence of one global order (the
 // training plan's), so it cannot deadlock under the rendezvous semantics either.
+/// @file
 #pragma once
 
 #include <algorithm>

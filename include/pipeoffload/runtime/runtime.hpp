@@ -35,6 +35,7 @@
 // naming it; no rank is left waiting. A NaN or infinity is caught where it appears: the first
 // stage, in data-flow order, whose output activation, loss or input gradient is not finite
 // is named in a po::nonfinite_error that every rank throws.
+/// @file
 #pragma once
 
 #include <algorithm>

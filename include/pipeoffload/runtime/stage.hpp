@@ -5,6 +5,7 @@
 // object and a table of functions made once per type, so a pass costs one indirect call
 // (bench/RESULTS.md measures it against a pass of the sample GPT). A StageRef does not own its
 // layer: the layer must outlive every runtime that holds it.
+/// @file
 #pragma once
 
 #include <cstdlib>

@@ -3,6 +3,7 @@
 // Units (DESIGN.md section 1): d ranks, v chunks per rank, S = v*d stages, m microbatches.
 // Stage s is chunk s / d of its rank; which rank is the placement's choice (Shape::rank_of).
 // One activation unit = the saved activations of one stage for one microbatch.
+/// @file
 #pragma once
 
 #include <cstdint>

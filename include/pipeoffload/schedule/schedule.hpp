@@ -1,4 +1,5 @@
 // pipeoffload/schedule/schedule.hpp: Schedule<Policies...> and the paper's schedules.
+/// @file
 #pragma once
 
 #include <string>

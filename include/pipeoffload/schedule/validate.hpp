@@ -16,6 +16,7 @@
 // that in one linear sweep (proven_valid: a per-rank order of its three streams, and one
 // global order of the messages); only when the proof fails does it run the rules one by one
 // and the execution, which decide and name the broken rule.
+/// @file
 #pragma once
 
 #include <algorithm>

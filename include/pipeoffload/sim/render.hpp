@@ -4,6 +4,7 @@
 // filled into the same per-op start/end vectors) to a std::string; the caller writes it out.
 // The plan tool (tools/pipeoffload-plan.cpp) documents the formats; other tools parse them,
 // so field names and orders here are a contract.
+/// @file
 #pragma once
 
 #include <algorithm>

@@ -3,6 +3,7 @@
 // Execution is as-soon-as-possible under each rank's orders, the data dependencies (+T_comm
 // between ranks) and the cross-stream edges (DESIGN.md section 3): exactly how the runtime
 // executes, so the simulated makespan and peaks are the numbers the runtime must meet.
+/// @file
 #pragma once
 
 #include <algorithm>

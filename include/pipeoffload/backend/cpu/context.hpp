@@ -1,4 +1,5 @@
 // pipeoffload/backend/cpu/context.hpp: what a pass on backend::Cpu is given.
+/// @file
 #pragma once
 
 namespace pipeoffload::backend {

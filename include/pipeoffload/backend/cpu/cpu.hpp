@@ -4,6 +4,7 @@
 // the workers raise; device and pinned host memory are pooled arenas that count bytes in use
 // and their peak. The copy engine can be given a bandwidth, so that a copy takes as long as a
 // PCIe link would: that is how offload overlap is exercised without a GPU.
+/// @file
 #pragma once
 
 #include <algorithm>

@@ -9,6 +9,7 @@
 // CPU model's attention. Graphs are built once per shape and kept in an attention::Graphs, which
 // the owner of the cuDNN handle owns (backend::Cuda), so they never outlive the handle they were
 // finalized against.
+/// @file
 #pragma once
 
 #ifndef PIPEOFFLOAD_WITH_CUDA

@@ -32,6 +32,7 @@
 //     rank failed or NCCL reported an error, and aborts its own communicator, which ends the
 //     NCCL kernel this rank's streams are waiting for.
 // Every CUDA call is checked (backend/cuda/check.hpp).
+/// @file
 #pragma once
 
 #include <cublasLt.h>

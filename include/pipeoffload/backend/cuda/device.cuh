@@ -1,6 +1,7 @@
 // pipeoffload/backend/cuda/device.cuh: what every kernel file shares (the backend's in kernels/,
 // a model's beside it, a user's own): the launch check, bf16 loads and stores, grid-stride
 // indices. nvcc only.
+/// @file
 #pragma once
 
 #include <cuda_bf16.h>

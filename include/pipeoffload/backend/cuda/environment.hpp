@@ -22,6 +22,7 @@
 //     for the copy, a dependency that no schedule validated. A device carries
 //     library_streams_per_device() streams of this library and NCCL's own, more than 8; 32
 //     gives each its own queue.
+/// @file
 #pragma once
 
 #include <stdlib.h>  // setenv (POSIX)

@@ -6,6 +6,7 @@
 // dimensions, the output type, the epilogue and how aligned each operand is; not on the data.
 // backend::Cuda keeps one plan per GemmKey (cuda::GemmPlans), so a step's GEMMs (12 per GPT
 // block per pass) reuse them instead of rebuilding all of it and asking the heuristic again.
+/// @file
 #pragma once
 
 #include <compare>

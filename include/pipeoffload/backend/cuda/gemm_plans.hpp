@@ -7,6 +7,7 @@
 // GEMMs. The bias epilogue's pointer is the one attribute that changes between calls; it is set
 // on the cached descriptor just before each cublasLtMatmul. A GemmPlans belongs to one device
 // and is used by its one driving thread (backend::Cuda is not shared between threads).
+/// @file
 #pragma once
 
 #include <cublasLt.h>

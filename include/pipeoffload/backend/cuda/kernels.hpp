@@ -7,6 +7,7 @@
 // and checks the launch. Storage is bf16 for activations (`bf16`), fp32 for parameters,
 // gradients and optimizer state; the updates' arithmetic is backend/update.hpp's. A model's
 // kernels live with the model (models/gpt/kernels.hpp).
+/// @file
 #pragma once
 
 #ifndef PIPEOFFLOAD_WITH_CUDA

@@ -13,6 +13,7 @@
 // hold; arena_bytes_for and pinned_bytes_for give a reservation's totals, so a launcher can
 // size Options::arena_bytes before constructing anything. tests/cuda/test_host.cpp checks them
 // against po::reservation_plan on the CPU.
+/// @file
 #pragma once
 
 #include <cstddef>

@@ -8,6 +8,7 @@
 // these functions, and tests/cuda/test_host.cpp calls the same functions on the CPU and
 // checks grids, blocks, shared memory, limits and leading dimensions. No CUDA header here:
 // the file builds and is tested on machines without the toolkit.
+/// @file
 #pragma once
 
 #include <algorithm>

@@ -7,6 +7,7 @@
 // /sys/devices/pci0000:00/<root port>/<switch upstream>/<switch downstream>/<gpu>), so a CPU
 // test can check the decision with fabricated paths. backend/cuda/device.hpp reads the real
 // paths (cudaDeviceGetPCIBusId + realpath).
+/// @file
 #pragma once
 
 #include <algorithm>

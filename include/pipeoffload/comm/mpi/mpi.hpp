@@ -23,6 +23,7 @@
 //     (MpiSession::abort_job); a rank killed outright is reported by mpirun, which ends the rest.
 // Needs MPI_THREAD_MULTIPLE: the runtime's comm stream, its host thread and a failing stream's
 // error hook may all call into the communicator at once.
+/// @file
 #pragma once
 
 // Only MPI's C API is used; its deprecated C++ bindings do not compile warning-free.

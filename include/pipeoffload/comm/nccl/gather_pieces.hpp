@@ -6,6 +6,7 @@
 // kernel may be running. A gather of `block` bytes per rank that does not fit runs as
 // consecutive ncclAllGathers of at most `piece` bytes per rank; every rank computes the same
 // pieces from the same block size, so they issue the same collectives in the same order.
+/// @file
 #pragma once
 
 #include <cstddef>

@@ -8,6 +8,7 @@
 // generation number (the job's, chosen by the launcher) so that a stale id left by an earlier
 // job is refused instead of hanging ncclCommInitRank. No NCCL header: tests/cuda checks the
 // protocol on any machine.
+/// @file
 #pragma once
 
 #include <unistd.h>

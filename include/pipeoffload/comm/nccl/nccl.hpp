@@ -42,6 +42,7 @@
 // ncclGetUniqueId published through comm/nccl/id_file.hpp or broadcast over MPI). The groups
 // of a grid of pipeline replicas: NcclWorld::split (ncclCommSplit, NCCL >= 2.18). Every NCCL
 // call is checked; errors carry rank, host and ncclGetLastError.
+/// @file
 #pragma once
 
 #include <nccl.h>
