@@ -37,7 +37,7 @@ struct GemmKey {
                 align_b = 256,  ///< B's alignment, bytes
       align_c = 256,            ///< C's alignment, bytes
       align_bias = 1;           ///< the bias's alignment, bytes (1 without bias)
-  /// Field-by-field order (and equality).
+  /// Lexicographic order over the fields, in declaration order (and equality).
   friend constexpr auto operator<=>(const GemmKey&, const GemmKey&) = default;
 };
 

@@ -102,8 +102,8 @@ constexpr Launch column_sum_launch(long long cols) {
 // bucket groups: 4096 columns give 512 blocks of 256 threads, where one thread per column gave
 // 16 blocks, each thread walking every row. The position table's gradient is a plain
 // elementwise loop: cell (p, c) adds rows b * seq + p, b = 0, 1, ... in order.
-inline constexpr unsigned embedding_buckets =
-    32;                                         ///< token buckets: bucket k holds the tokens t % embedding_buckets == k
+/// Token buckets: bucket k holds the tokens t with t % embedding_buckets == k.
+inline constexpr unsigned embedding_buckets = 32;
 inline constexpr unsigned embedding_warps = 8;  ///< warps per block, one bucket each
 
 /// Blocks: tile + tiles * group for column tile `tile` and bucket group `group`.
