@@ -3,6 +3,7 @@
 // with the pipeoffload_cuda Meson dependency or CMake's pipeoffload::cuda (they define
 // PIPEOFFLOAD_WITH_CUDA and link the kernels and NVIDIA libraries); the CPU-safe umbrella is
 // pipeoffload/pipeoffload.hpp.
+/// @file
 #pragma once
 
 #ifndef PIPEOFFLOAD_WITH_CUDA

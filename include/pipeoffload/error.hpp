@@ -4,6 +4,7 @@
 // one of these, with a message that names the bad value and the allowed range. In a constant
 // expression the throw itself is the compile error, and the failing call's line (which carries
 // the message literal) is what the compiler shows.
+/// @file
 #pragma once
 
 #include <stdexcept>

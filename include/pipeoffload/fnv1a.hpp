@@ -5,6 +5,7 @@
 // config hash, custom_model's tensor names). Its starting value is 1469598103934665603, not
 // FNV's published offset basis 14695981039346656037 (a digit short): every hash the project
 // has written or printed was made with it, checkpoints on disk included, so it stays.
+/// @file
 #pragma once
 
 #include <cstddef>

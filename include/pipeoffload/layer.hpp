@@ -9,6 +9,7 @@
 // microbatch live in one contiguous device buffer of saved_bytes() (what offload moves to
 // host and back), and what B leaves for W lives in a stash buffer of stash_bytes() (alive
 // from B to W, never offloaded).
+/// @file
 #pragma once
 
 #include <algorithm>
@@ -30,36 +31,41 @@ namespace pipeoffload {
 /// Shape of one microbatch: `batch` sequences of `seq` tokens (a model without sequences uses
 /// seq = 1 and `batch` rows).
 struct MicrobatchShape {
-  int batch = 1;
-  int seq = 1;
+  int batch = 1;  ///< sequences (or rows) per microbatch
+  int seq = 1;    ///< tokens per sequence
+  /// Tokens per microbatch, batch * seq.
   constexpr long long tokens() const { return static_cast<long long>(batch) * seq; }
+  /// Field-by-field equality.
   friend constexpr bool operator==(const MicrobatchShape&, const MicrobatchShape&) = default;
 };
 
 /// The tensor between two stages for one microbatch: activations forward (the producer's
 /// output, the consumer's input) and their gradient backward, of the same size and type.
 struct Boundary {
-  std::size_t elements = 0;
-  DType dtype = DType::float32;
+  std::size_t elements = 0;      ///< elements of the tensor
+  DType dtype = DType::float32;  ///< its element type
+  /// Size of the tensor in bytes.
   std::size_t bytes() const { return elements * dtype_size(dtype); }
+  /// Field-by-field equality.
   friend constexpr bool operator==(const Boundary&, const Boundary&) = default;
 };
 
 /// A step input a stage reads (`inputs(shape)`): its name in the batch, its element type, and
 /// its elements per microbatch.
 struct InputSpec {
-  std::string name;
-  DType dtype = DType::float32;
-  std::size_t elements = 0;
+  std::string name;              ///< its name in the batch (Batch's tensor name)
+  DType dtype = DType::float32;  ///< its element type
+  std::size_t elements = 0;      ///< elements per microbatch
 };
 
 /// One named parameter tensor of a stage (`parameter_info()`): elements [offset, offset +
 /// count()) of parameters(), row-major with `shape`. Optimizers select parameter groups by
 /// it (e.g. no weight decay on 1-d tensors); checkpoints keep the names.
 struct ParamInfo {
-  std::string name;
-  std::size_t offset = 0;
-  std::vector<long long> shape;
+  std::string name;              ///< the tensor's name (checkpoints keep it)
+  std::size_t offset = 0;        ///< first element within parameters()
+  std::vector<long long> shape;  ///< dimensions, row-major
+  /// Elements of the tensor: the product of `shape`.
   std::size_t count() const {
     return static_cast<std::size_t>(std::accumulate(shape.begin(), shape.end(), 1LL, std::multiplies<>()));
   }
@@ -67,19 +73,19 @@ struct ParamInfo {
 
 /// One microbatch's slice of a step input, as a pass sees it.
 struct StepInput {
-  std::string_view name;
-  ConstTensor tensor;
+  std::string_view name;  ///< the step input's name (as in InputSpec::name)
+  ConstTensor tensor;     ///< this microbatch's slice of it, in the backend's device memory
 };
 
 /// What the runtime tells a pass about its microbatch.
 struct Microbatch {
-  int stage = 0;         ///< this layer's stage, 0..S-1
-  int stages = 1;        ///< S
-  int mb = 0;            ///< microbatch index within the optimizer step, 0..microbatches-1
-  int microbatches = 1;  ///< microbatches whose gradients one optimizer step sums (m x accumulation parts)
-  int step = 0;          ///< 0-based optimizer step (dropout seeds depend on it)
-  bool training = true;  ///< false in Runtime::evaluate (no dropout, nothing kept for backward)
-  MicrobatchShape shape{};
+  int stage = 0;            ///< this layer's stage, 0..S-1
+  int stages = 1;           ///< S
+  int mb = 0;               ///< microbatch index within the optimizer step, 0..microbatches-1
+  int microbatches = 1;     ///< microbatches whose gradients one optimizer step sums (m x accumulation parts)
+  int step = 0;             ///< 0-based optimizer step (dropout seeds depend on it)
+  bool training = true;     ///< false in Runtime::evaluate (no dropout, nothing kept for backward)
+  MicrobatchShape shape{};  ///< the microbatch's shape (RuntimeOptions::microbatch)
   /// This microbatch's slices of the step inputs this stage declared in inputs(), in the
   /// backend's device memory (host memory on backend::Cpu), valid in stream order.
   std::span<const StepInput> inputs;
@@ -90,7 +96,9 @@ struct Microbatch {
   /// mean over the step's microbatches of each microbatch's mean loss.
   float loss_scale = 1;
 
+  /// Is this the first stage (stage 0)?
   bool first() const { return stage == 0; }
+  /// Is this the last stage (stage S-1)?
   bool last() const { return stage == stages - 1; }
 
   /// The step input `name` (a stage reads only what it declared); throws naming the inputs there are.

@@ -2,6 +2,7 @@
 //
 // Schedule types, validation and simulation; no threads, no I/O, all constexpr.
 // `po` is the short name the documentation and tests use: po::PO_F::build({8, 4, 32}).
+/// @file
 #pragma once
 
 #include "error.hpp"

@@ -3,6 +3,7 @@
 // Everything pipeoffload.hpp has, plus the runtime, its optimizers, the CPU backend, the
 // thread-rank communicator and the host-side offload layout. `po::` as in pipeoffload.hpp.
 // Checkpoints (file I/O) are in runtime/checkpoint.hpp.
+/// @file
 #pragma once
 
 #include "backend/backend.hpp"

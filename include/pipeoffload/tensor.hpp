@@ -3,6 +3,7 @@
 // The runtime moves bytes (boundary tensors between stages, a step's inputs to the device); a
 // stage reads them through a view that knows its element type and refuses the wrong one:
 //   const float* x = in.as<float>();   // throws if `in` holds int32 values
+/// @file
 #pragma once
 
 #include <cstddef>
@@ -18,6 +19,7 @@ namespace pipeoffload {
 /// Element type of a tensor the runtime moves (boundaries, inputs).
 enum class DType : std::uint8_t { float32, float64, bfloat16, float16, int32, int64, uint8, int8 };
 
+/// Bytes per element of type t.
 constexpr std::size_t dtype_size(DType t) {
   switch (t) {
     case DType::float64:
@@ -36,6 +38,7 @@ constexpr std::size_t dtype_size(DType t) {
   return 0;
 }
 
+/// The type's name for messages ("float32", "bfloat16", ...).
 constexpr const char* dtype_name(DType t) {
   switch (t) {
     case DType::float32:

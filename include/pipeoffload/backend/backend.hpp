@@ -30,6 +30,7 @@
 // the gradient norm, and the adamw and sgd updates of backend/update.hpp.
 // Between steps the layers' parameters() and gradients() are device memory: host code reads
 // and writes them through download/upload (po::Runtime::download_parameters and friends).
+/// @file
 #pragma once
 
 #include <array>
@@ -55,8 +56,9 @@ enum class Memory : std::uint8_t {
   state,       ///< the runtime's long-lived buffers: the step's inputs, losses, check flags
   optimizer,   ///< optimizer state (AdamW moments, SGD momentum)
 };
-inline constexpr std::size_t memory_kinds = 5;
+inline constexpr std::size_t memory_kinds = 5;  ///< how many Memory kinds there are
 
+/// The kind's name for messages ("activation", "stash", ...).
 constexpr const char* memory_name(Memory m) {
   switch (m) {
     case Memory::activation:
@@ -111,30 +113,32 @@ struct MemoryStats {
   std::size_t total_peak = 0;                      ///< most device bytes in use at once, all kinds together
   long long device_allocations = 0;                ///< times the arena had to get new memory from the system
   std::size_t host_in_use = 0;                     ///< pinned host bytes in use (offloaded units' bins)
-  std::size_t host_peak = 0;
-  long long host_allocations = 0;
+  std::size_t host_peak = 0;                       ///< most pinned host bytes in use at once
+  long long host_allocations = 0;                  ///< times the pinned arena had to get new memory from the system
+  /// Device bytes of kind `m` in use.
   std::size_t in(Memory m) const { return in_use[static_cast<std::size_t>(m)]; }
+  /// Most device bytes of kind `m` in use at once.
   std::size_t peak_of(Memory m) const { return peak[static_cast<std::size_t>(m)]; }
 };
 
 /// A device buffer from the arena.
 struct Block {
-  std::byte* ptr = nullptr;
-  std::size_t bytes = 0;  ///< what was asked for (the arena may hold more)
-  Memory kind = Memory::activation;
+  std::byte* ptr = nullptr;          ///< its first byte, device memory (null: no block)
+  std::size_t bytes = 0;             ///< what was asked for (the arena may hold more)
+  Memory kind = Memory::activation;  ///< what it holds (the arena counts it under this kind)
 };
 
 /// A pinned host buffer (a power-of-two bin).
 struct HostBlock {
-  std::byte* ptr = nullptr;
-  std::size_t bytes = 0;
+  std::byte* ptr = nullptr;  ///< its first byte, pinned host memory (null: no block)
+  std::size_t bytes = 0;     ///< what was asked for
 };
 
 /// One contiguous piece of a copy.
 struct CopyPiece {
-  void* dst = nullptr;
-  const void* src = nullptr;
-  std::size_t bytes = 0;
+  void* dst = nullptr;        ///< where to copy to (device or host memory)
+  const void* src = nullptr;  ///< where to copy from (device or host memory)
+  std::size_t bytes = 0;      ///< length, bytes
 };
 
 /// A device the runtime can drive (see the file comment for the semantics).

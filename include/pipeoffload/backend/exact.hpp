@@ -19,6 +19,7 @@
 //
 // Plain functions over one value, compiled for the CPU backend's loops and for the CUDA
 // kernels' grid-stride loops (kernels/elementwise.cu).
+/// @file
 #pragma once
 
 #include <cmath>
@@ -28,10 +29,10 @@
 
 namespace pipeoffload::exact {
 
-__extension__ typedef __int128 Fixed;  ///< a sum, in units of 2^-fraction_bits
-__extension__ typedef unsigned __int128 FixedBits;
+__extension__ typedef __int128 Fixed;               ///< a sum, in units of 2^-fraction_bits
+__extension__ typedef unsigned __int128 FixedBits;  ///< Fixed's bits, unsigned (for shifts and masks)
 
-inline constexpr int fraction_bits = 76;
+inline constexpr int fraction_bits = 76;            ///< bits below the binary point: Fixed counts units of 2^-76
 inline constexpr double term_limit = 4294967296.0;  ///< 2^32: |g| must be below it
 inline constexpr int max_terms = 1 << 16;           ///< terms of one sum (microbatches of a step, all replicas)
 

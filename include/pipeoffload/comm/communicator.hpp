@@ -36,6 +36,7 @@
 //     non-blocking communicators while it waits, sees it and calls ncclCommAbort on its own
 //     communicators only, as NCCL requires; other processes learn of the failure through
 //     MPI, as for one pipeline).
+/// @file
 #pragma once
 
 #include <concepts>
@@ -52,12 +53,14 @@ namespace pipeoffload {
 /// A P2P message's tag: `stage` is the stage that consumes the message (RankProgram::comm's
 /// convention), `dir` forward for activations, backward for gradients.
 struct Tag {
-  int stage = 0;
-  int mb = 0;
-  Dir dir = Dir::forward;
+  int stage = 0;           ///< the stage that consumes the message, 0 .. S-1
+  int mb = 0;              ///< the microbatch, 0 .. m-1
+  Dir dir = Dir::forward;  ///< forward (activations) or backward (gradients)
+  /// Field-by-field equality.
   friend constexpr bool operator==(const Tag&, const Tag&) = default;
 };
 
+/// The tag as text for messages: "(forward, stage s, mb i)".
 inline std::string describe(const Tag& t) {
   return std::string("(") + (t.dir == Dir::forward ? "forward" : "backward") + ", stage " + std::to_string(t.stage) +
          ", mb " + std::to_string(t.mb) + ")";

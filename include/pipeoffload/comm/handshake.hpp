@@ -6,6 +6,7 @@
 // every rank therefore contributes a hash (64-bit FNV-1a) of each named field of its
 // configuration; every rank sees every hash (all_gather), so all of them find the same first
 // differing field and throw the same sentence, naming the field and both values.
+/// @file
 #pragma once
 
 #include <algorithm>
@@ -25,8 +26,8 @@ namespace pipeoffload {
 
 /// One named part of a rank's configuration, as text (e.g. {"shape", "d=4 v=2 m=8"}).
 struct HandshakeField {
-  std::string name;
-  std::string value;
+  std::string name;   ///< what the field is (e.g. "shape")
+  std::string value;  ///< its value on this rank, as text
 };
 
 namespace detail {
@@ -104,6 +105,7 @@ void handshake(C& comm, std::span<const HandshakeField> fields) {
     }
 }
 
+/// The same, from a vector of fields.
 template <collective C>
 void handshake(C& comm, const std::vector<HandshakeField>& fields) {
   handshake(comm, std::span<const HandshakeField>(fields));

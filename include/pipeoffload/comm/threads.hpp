@@ -11,6 +11,7 @@
 // of a ThreadsGrid share the grid's). The first reason is stored under the shared mutex, then
 // each world is woken in turn under its own lock: no two locks are ever held at once, and a
 // waiter cannot miss the flag between its check and its sleep.
+/// @file
 #pragma once
 
 #include <atomic>
@@ -47,9 +48,11 @@ struct ThreadsAbort {
 /// The shared state of `size` thread ranks: one FIFO channel per ordered pair of ranks.
 class ThreadsWorld {
  public:
+  /// A world of `size` ranks with an abort of its own.
   explicit ThreadsWorld(int size) : ThreadsWorld(size, std::make_shared<detail::ThreadsAbort>()) {}
   ThreadsWorld(const ThreadsWorld&) = delete;
   ThreadsWorld& operator=(const ThreadsWorld&) = delete;
+  /// Ranks in the world.
   int size() const { return size_; }
 
   /// Aborts every rank of every world that shares this world's abort (first reason wins).
@@ -62,6 +65,7 @@ class ThreadsWorld {
     }
     for (ThreadsWorld* w : abort_->worlds) w->wake_all();
   }
+  /// Has the world (or one sharing its abort) been aborted?
   bool aborted() const { return abort_->aborted.load(); }
 
  private:
@@ -125,12 +129,15 @@ class ThreadsWorld {
 /// One rank's handle on a ThreadsWorld.
 class Threads {
  public:
+  /// Rank `rank` (0 .. world.size()-1) of `world`, which must outlive the handle.
   Threads(ThreadsWorld& world, int rank) : w_(&world), rank_(rank) {
     if (rank < 0 || rank >= world.size())
       throw comm_error("comm::Threads: rank = " + std::to_string(rank) + " is outside the allowed range [0, " +
                        std::to_string(world.size() - 1) + "]");
   }
+  /// This handle's rank.
   int rank() const { return rank_; }
+  /// Ranks in the world.
   int size() const { return w_->size(); }
 
   /// Blocks until `peer` has received the message (rendezvous). The context is not needed:
@@ -215,6 +222,7 @@ class Threads {
                   block);
   }
 
+  /// Aborts the world (ThreadsWorld::abort): every blocking call of every rank throws.
   void abort(const std::string& why) { w_->abort(why); }
 
  private:
@@ -313,6 +321,7 @@ class Threads {
 /// @endcode
 class ThreadsGrid {
  public:
+  /// dp replicas (1 .. 4096) of a d-rank pipeline (1 .. 4096), dp * d <= 4096 ranks in all.
   ThreadsGrid(int dp, int d) : dp_(dp), d_(d), abort_(std::make_shared<detail::ThreadsAbort>()) {
     if (dp < 1 || dp > 4096)
       throw comm_error("comm::ThreadsGrid: dp = " + std::to_string(dp) + " is outside the allowed range [1, 4096]");
@@ -327,8 +336,11 @@ class ThreadsGrid {
   ThreadsGrid(const ThreadsGrid&) = delete;
   ThreadsGrid& operator=(const ThreadsGrid&) = delete;
 
+  /// Replicas.
   int dp() const { return dp_; }
+  /// Ranks of one pipeline.
   int d() const { return d_; }
+  /// Ranks in all, dp * d.
   int size() const { return dp_ * d_; }
 
   /// Global rank g's handle on its replica's pipeline: rank g % d of d.
@@ -345,6 +357,7 @@ class ThreadsGrid {
   /// Aborts every rank of both groups (first reason wins); what a rank's abort on either of
   /// its communicators does too.
   void abort(const std::string& why) { pipelines_.front()->abort(why); }  // every world shares abort_
+  /// Has the grid been aborted?
   bool aborted() const { return abort_->aborted.load(); }
 
  private:

@@ -52,6 +52,7 @@
 // LayerNorm output without recompute) and the fp32 softmax of its logits (4bsV), which the
 // cross-entropy backward needs. The embedding is a lookup: it saves the int32 token ids (4bs)
 // and its passes are memory-bound, modelled as 1% of a layer's forward each.
+/// @file
 #pragma once
 
 #include <algorithm>
@@ -64,6 +65,7 @@
 
 namespace pipeoffload {
 
+/// Bytes in a GiB (2^30).
 inline constexpr double gib = 1024.0 * 1024.0 * 1024.0;
 
 /// A GPT-like decoder-only transformer and how it is trained (one microbatch = micro_batch
@@ -73,14 +75,14 @@ inline constexpr double gib = 1024.0 * 1024.0 * 1024.0;
 ///   double a = pipeoffload::activation_bytes_per_layer(m);   // 31bsh at s = 4096, b = 1
 /// @endcode
 struct TransformerSpec {
-  int layers = 32;
-  int hidden = 4096;
-  int heads = 32;
-  int query_groups = 32;  ///< G; = heads is multi-head attention, fewer is grouped-query attention
-  int seq = 4096;
-  int micro_batch = 1;
-  int global_batch = 32;
-  int vocab = 51200;
+  int layers = 32;           ///< transformer layers
+  int hidden = 4096;         ///< h: hidden size
+  int heads = 32;            ///< a: attention heads (head size h/a)
+  int query_groups = 32;     ///< G; = heads is multi-head attention, fewer is grouped-query attention
+  int seq = 4096;            ///< s: tokens per sequence
+  int micro_batch = 1;       ///< b: sequences per microbatch
+  int global_batch = 32;     ///< sequences per iteration (all replicas)
+  int vocab = 51200;         ///< V: vocabulary size
   int dtype_bytes = 2;       ///< bf16 activations and weights
   bool recompute = false;    ///< recompute LayerNorm, GeLU and dropout in backward (34bsh -> 20bsh)
   bool vocab_stages = true;  ///< stage 0 holds the embedding, stage S-1 the LM head (one layer slot each)
@@ -88,7 +90,7 @@ struct TransformerSpec {
 
 /// One pipeline of `ranks` devices (one rank per device).
 struct MachineSpec {
-  int ranks = 8;
+  int ranks = 8;                   ///< d: devices (and ranks) of the pipeline
   double device_bytes = 80 * gib;  ///< memory of one device
   double host_bytes = 256 * gib;   ///< pinned host memory available to one rank
   double flops = 220e12;           ///< Bc: achieved FLOP/s of one device
@@ -135,8 +137,8 @@ struct GridSpec {
   /// Bandwidth of the gradient reduction in bytes/s (per GPU): a stage with P parameters
   /// reduces in (dp-1)/dp * P * PlanBudget::reduce_bytes_per_parameter / this.
   double allreduce_bytes_per_s = 100e9;
-  int gpus_per_node = 8;
-  NodeLayout node_layout = NodeLayout::contiguous;
+  int gpus_per_node = 8;                            ///< G: GPUs of one node
+  NodeLayout node_layout = NodeLayout::contiguous;  ///< how pipeline ranks map to global ranks (below)
 };
 
 // The grid's rank layout. Replica j of a d-rank pipeline holds the d consecutive global ranks
@@ -183,8 +185,9 @@ constexpr int node_of(NodeLayout layout, int d, int G, int replica, int rank) {
 
 /// A place in the grid: pipeline rank `rank` of replica `replica`.
 struct GridRank {
-  int replica = 0;
-  int rank = 0;
+  int replica = 0;  ///< the replica, 0 .. dp-1
+  int rank = 0;     ///< the pipeline rank within it, 0 .. d-1
+  /// Field-by-field equality.
   friend constexpr bool operator==(const GridRank&, const GridRank&) = default;
 };
 
@@ -266,10 +269,14 @@ constexpr double layer_linear_flops(const TransformerSpec& m) {
 
 /// FLOPs of one transformer layer's F, B and W for one microbatch.
 struct PassFlops {
-  double f = 0, b = 0, w = 0;
+  double f = 0,  ///< FLOPs of F
+      b = 0,     ///< FLOPs of B (the activation gradient)
+      w = 0;     ///< FLOPs of W (the weight gradient)
+  /// FLOPs of F, B and W together.
   constexpr double total() const { return f + b + w; }
 };
 
+/// FLOPs of one transformer layer's F, B and W for one microbatch (the file comment's formulas).
 constexpr PassFlops layer_flops(const TransformerSpec& m) {
   const double P = layer_linear_flops(m), core = 4.0 * m.micro_batch * detail::sq(m.seq) * m.hidden;
   return {P + core, P + 2 * core, P};
@@ -296,9 +303,9 @@ constexpr double layer_parameters(const TransformerSpec& m) {
 /// What stage s of S holds: its transformer layers and whether it carries the embedding or the
 /// LM head.
 struct StageContent {
-  int layers = 0;
-  bool embedding = false;
-  bool head = false;
+  int layers = 0;          ///< transformer layers it holds
+  bool embedding = false;  ///< does it hold the embedding (stage 0 with vocab_stages)?
+  bool head = false;       ///< does it hold the LM head (stage S-1 with vocab_stages)?
 };
 
 /// Layer slots of a model: its layers, plus one each for the embedding and the LM head.

@@ -43,6 +43,7 @@
 // with more memory.
 //
 // constexpr: a small model plans in a constant expression (tests/plan/test_plan.cpp).
+/// @file
 #pragma once
 
 #include <algorithm>
@@ -59,7 +60,7 @@ namespace pipeoffload {
 
 /// One schedule the planner built and simulated.
 struct PlanCandidate {
-  ScheduleSpec spec{};
+  ScheduleSpec spec{};  ///< the schedule (family, group, offload, placement)
   std::string name;  ///< the plan tool's --schedule name: 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, ...
   int chunks = 1;    ///< v
   int group = 0;     ///< g of GIS(g) (1 for PO, 0 for 1F1B and 1F1B-I)
@@ -73,11 +74,12 @@ struct PlanCandidate {
   std::vector<double> activation_bytes;   ///< per rank: simulated peak of saved activations on the device
   std::vector<double> peak_device_bytes;  ///< per rank: model state + activations + workspace
   std::vector<double> host_bytes;         ///< per rank: pinned host memory for offloaded units
-  bool fits = false;
-  double shortfall_bytes = 0;  ///< 0 if it fits; else the largest excess over device or host memory
-  int shortfall_rank = -1;     ///< the rank with that excess
-  bool shortfall_on_host = false;
+  bool fits = false;                      ///< every rank's device and host memory holds what it needs
+  double shortfall_bytes = 0;             ///< 0 if it fits; else the largest excess over device or host memory
+  int shortfall_rank = -1;                ///< the rank with that excess
+  bool shortfall_on_host = false;         ///< that excess is over host memory (false: device memory)
 
+  /// The largest of peak_device_bytes: the most device memory any rank needs.
   constexpr double max_device_bytes() const {
     double x = 0;
     for (double b : peak_device_bytes) x = std::max(x, b);
@@ -95,41 +97,42 @@ struct PlanCandidate {
 
 /// One data-parallel degree a search (GridSpec::dp = 0) tried.
 struct GridOption {
-  int dp = 1;
-  int ranks = 1;         ///< d = gpus / dp
-  int microbatches = 0;  ///< per replica (0 when the global batch does not split into dp)
-  bool planned = false;  ///< false: not plannable, `note` says why
-  bool fits = false;
-  double iteration_time_s = 0;
-  double shortfall_bytes = 0;
-  std::string schedule;  ///< the grid's choice (its closest plan when nothing fits)
-  int chunks = 0;
-  std::string note;  ///< why it was not planned, or its plan's why
+  int dp = 1;                   ///< replicas
+  int ranks = 1;                ///< d = gpus / dp
+  int microbatches = 0;         ///< per replica (0 when the global batch does not split into dp)
+  bool planned = false;         ///< false: not plannable, `note` says why
+  bool fits = false;            ///< its choice fits (PlanCandidate::fits)
+  double iteration_time_s = 0;  ///< its choice's iteration time, seconds
+  double shortfall_bytes = 0;   ///< its choice's shortfall, bytes (0 if it fits)
+  std::string schedule;         ///< the grid's choice (its closest plan when nothing fits)
+  int chunks = 0;               ///< v of that choice
+  std::string note;             ///< why it was not planned, or its plan's why
 };
 
 /// What plan() returns: the choice (the closest candidate when nothing fits) and how it came.
 struct PlanResult {
-  bool fits = false;
-  PlanCandidate choice;
-  int microbatches = 0;   ///< per replica: global batch / (dp * microbatch size)
-  int ranks = 0;          ///< d: MachineSpec::ranks, or the searched grid's
-  int dp = 1;             ///< replicas (the search's choice with GridSpec::dp = 0)
-  int zero = 0;           ///< ZeRO stage
-  bool searched = false;  ///< dp was searched (GridSpec::dp = 0): `grids` lists every dp tried
-  std::vector<GridOption> grids;
+  bool fits = false;                 ///< the choice fits (PlanCandidate::fits)
+  PlanCandidate choice;              ///< the fastest candidate that fits, or the closest to fitting
+  int microbatches = 0;              ///< per replica: global batch / (dp * microbatch size)
+  int ranks = 0;                     ///< d: MachineSpec::ranks, or the searched grid's
+  int dp = 1;                        ///< replicas (the search's choice with GridSpec::dp = 0)
+  int zero = 0;                      ///< ZeRO stage
+  bool searched = false;             ///< dp was searched (GridSpec::dp = 0): `grids` lists every dp tried
+  std::vector<GridOption> grids;     ///< with `searched`: every dp tried, in search order
   double allreduce_bytes_per_s = 0;  ///< GridSpec's
-  int gpus_per_node = 8;
-  NodeLayout node_layout = NodeLayout::contiguous;
-  double k = 0;                           ///< round-trip copy / compute of one layer
-  double activation_bytes_per_layer = 0;  ///< saved bytes of one layer per microbatch
-  std::vector<int> layers_per_stage;      ///< of the choice's v*d stages (embedding and LM head not counted)
-  std::vector<double> model_state_bytes;  ///< per rank, of the choice's layout
-  std::vector<double> workspace_bytes;    ///< per rank, of the choice's layout
-  std::vector<double> optimizer_bytes;    ///< per rank: the optimizer-state part of model_state_bytes
+  int gpus_per_node = 8;             ///< GridSpec's
+  NodeLayout node_layout = NodeLayout::contiguous;  ///< GridSpec's
+  double k = 0;                                     ///< round-trip copy / compute of one layer
+  double activation_bytes_per_layer = 0;            ///< saved bytes of one layer per microbatch
+  std::vector<int> layers_per_stage;                ///< of the choice's v*d stages (embedding and LM head not counted)
+  std::vector<double> model_state_bytes;            ///< per rank, of the choice's layout
+  std::vector<double> workspace_bytes;              ///< per rank, of the choice's layout
+  std::vector<double> optimizer_bytes;              ///< per rank: the optimizer-state part of model_state_bytes
   std::vector<double> allreduce_stage_s;  ///< per stage of the choice's layout: one all-reduce of its gradients
   /// Pinned host bytes of the choice per node (the sum over the GPUs of all replicas on it),
   /// in the contiguous and in the balanced layout (empty where balanced is not defined).
-  std::vector<double> host_bytes_per_node_contiguous, host_bytes_per_node_balanced;
+  std::vector<double> host_bytes_per_node_contiguous,  ///< per node, contiguous layout
+      host_bytes_per_node_balanced;                    ///< per node, balanced layout (or empty)
   std::vector<PlanCandidate> candidates;  ///< every candidate simulated, in search order (of the chosen grid)
   std::string why;                        ///< one sentence: why this choice
 };
@@ -315,12 +318,14 @@ constexpr bool closer(const PlanCandidate& a, const PlanCandidate& b) {
 
 /// The schedule specs plan() searches for d ranks and v chunks, with their tool names.
 struct PlanOption {
-  ScheduleSpec spec;
-  std::string name;
-  int group = 0;
-  int offload_chunks = 0;
+  ScheduleSpec spec;       ///< the schedule
+  std::string name;        ///< its plan tool --schedule name (1f1b, gis-h, po-f, ...)
+  int group = 0;           ///< g of GIS(g) (1 for PO, 0 for families without groups)
+  int offload_chunks = 0;  ///< chunks 0..n-1 offloaded
 };
 
+/// The schedules plan() tries for d ranks, v chunks per rank and m microbatches (those with
+/// offload only when allow_offload), in search order.
 constexpr std::vector<PlanOption> plan_options(int d, int v, int m, bool allow_offload) {
   using GK = GroupSpec::Kind;
   std::vector<PlanOption> out;

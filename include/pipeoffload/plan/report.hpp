@@ -7,6 +7,7 @@
 // a dp search; or asked for) adds its lines and keys: dp, zero, gpus, allreduce_exposed_s,
 // allreduce_s, host_bytes_per_node and more (render_plan_json); without them the report is
 // the one-pipeline report, byte for byte, and means dp = 1, ZeRO-0.
+/// @file
 #pragma once
 
 #include <algorithm>

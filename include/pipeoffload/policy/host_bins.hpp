@@ -6,6 +6,7 @@
 // minimum that fits. Power-of-two bins let a host pool serve every unit size from a few size
 // classes (pinned allocations are slow, so they are made once and reused); three bins keep
 // the waste small (under 1/4 of the unit in the worst case, against 1/2 for one bin).
+/// @file
 #pragma once
 
 #include <array>
@@ -17,8 +18,9 @@ namespace pipeoffload::offload {
 
 /// Up to three power-of-two bin sizes, largest first; unused entries are 0.
 struct BinPlan {
-  std::array<std::uint64_t, 3> bins{};
-  int count = 0;
+  std::array<std::uint64_t, 3> bins{};  ///< bin sizes, bytes, largest first
+  int count = 0;                        ///< bins used, 0 .. 3
+  /// Bytes of all bins together.
   constexpr std::uint64_t total() const { return bins[0] + bins[1] + bins[2]; }
 };
 

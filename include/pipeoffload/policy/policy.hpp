@@ -3,6 +3,7 @@
 // Each policy names its slot (grouping, offload or placement) with a `policy_slot` tag and re-exports its
 // parameters; Schedule<Policies...> (schedule/schedule.hpp) takes them in any order, at most
 // one per slot.
+/// @file
 #pragma once
 
 #include <concepts>
@@ -33,8 +34,9 @@ template <auto G>
 struct InterleavePolicy {
   static_assert(detail::is_group_value<decltype(G)>,
                 "InterleavePolicy<G>: G must be an integer group size or group::full / group::half.");
-  using policy_slot = slot::grouping;
-  static constexpr auto group = G;
+  using policy_slot = slot::grouping;  ///< fills the grouping slot
+  static constexpr auto group = G;     ///< G as given: a group size or group::full / group::half
+  /// G as a GroupSpec (Kind::number with g = G, or Kind::full / Kind::half).
   static constexpr GroupSpec group_spec = [] {
     if constexpr (std::is_same_v<decltype(G), group::symbolic>) {
       return G == group::full ? GroupSpec{GroupSpec::Kind::full, 0} : GroupSpec{GroupSpec::Kind::half, 0};
@@ -43,7 +45,7 @@ struct InterleavePolicy {
       return GroupSpec{GroupSpec::Kind::number, static_cast<int>(G)};
     }
   }();
-  static constexpr Family family = Family::grouped;
+  static constexpr Family family = Family::grouped;  ///< the grouped family (GIS and uniform repeating)
 };
 
 /// PipeOffload's uniform repeating: the GIS building block with g = 1, so every microbatch
@@ -54,23 +56,23 @@ struct InterleavePolicy {
 ///                                      pipeoffload::OffloadPolicy<pipeoffload::offload::half>>;
 /// @endcode
 struct UniformRepeat {
-  using policy_slot = slot::grouping;
-  static constexpr GroupSpec group_spec{GroupSpec::Kind::uniform, 1};
-  static constexpr Family family = Family::grouped;
+  using policy_slot = slot::grouping;                                  ///< fills the grouping slot
+  static constexpr GroupSpec group_spec{GroupSpec::Kind::uniform, 1};  ///< uniform repeating, g = 1
+  static constexpr Family family = Family::grouped;  ///< the grouped family (GIS and uniform repeating)
 };
 
 /// 1F1B (PipeDream-flush): one stage per rank (v = 1), fused backward.
 struct OneF1BOrder {
-  using policy_slot = slot::grouping;
-  static constexpr GroupSpec group_spec{};
-  static constexpr Family family = Family::one_f1b;
+  using policy_slot = slot::grouping;                ///< fills the grouping slot
+  static constexpr GroupSpec group_spec{};           ///< unused (only Family::grouped reads a GroupSpec)
+  static constexpr Family family = Family::one_f1b;  ///< 1F1B
 };
 
 /// Megatron-LM's interleaved 1F1B: v chunks per rank, fused backward, m a multiple of d.
 struct MegatronInterleave {
-  using policy_slot = slot::grouping;
-  static constexpr GroupSpec group_spec{};
-  static constexpr Family family = Family::interleaved_1f1b;
+  using policy_slot = slot::grouping;                         ///< fills the grouping slot
+  static constexpr GroupSpec group_spec{};                    ///< unused (only Family::grouped reads a GroupSpec)
+  static constexpr Family family = Family::interleaved_1f1b;  ///< interleaved 1F1B
 };
 
 /// The zero-bubble families (split backward; README, "Zero-bubble families"): a memory-capped list
@@ -84,21 +86,21 @@ template <Family F>
 struct ZeroBubble {
   static_assert(F == Family::zb_h1 || F == Family::zb_h2 || v_family(F),
                 "ZeroBubble<F>: F must be Family::zb_h1, zb_h2, zb_v, v_half, v_min or dualpipe_v.");
-  using policy_slot = slot::grouping;
-  static constexpr GroupSpec group_spec{};
-  static constexpr Family family = F;
+  using policy_slot = slot::grouping;       ///< fills the grouping slot
+  static constexpr GroupSpec group_spec{};  ///< unused (only Family::grouped reads a GroupSpec)
+  static constexpr Family family = F;       ///< the zero-bubble family F
 };
 
 /// Interleaved placement (the default): stage c*d + r on rank r.
 struct Interleaved {
-  using policy_slot = slot::placement;
-  static constexpr Placement placement = Placement::interleaved;
+  using policy_slot = slot::placement;                            ///< fills the placement slot
+  static constexpr Placement placement = Placement::interleaved;  ///< stage c*d + r on rank r
 };
 
 /// V placement: chunks alternate direction, so with v = 2 rank r holds stages r and 2d-1-r.
 struct VShape {
-  using policy_slot = slot::placement;
-  static constexpr Placement placement = Placement::vshape;
+  using policy_slot = slot::placement;                       ///< fills the placement slot
+  static constexpr Placement placement = Placement::vshape;  ///< chunks alternate direction
 };
 
 /// Which chunks are offloaded: offload::none, offload::half (chunks 0..ceil(v/2)-1),
@@ -109,8 +111,8 @@ struct VShape {
 /// @endcode
 template <offload::selection Sel>
 struct OffloadPolicy {
-  using policy_slot = slot::offload;
-  static constexpr offload::selection selection = Sel;
+  using policy_slot = slot::offload;                    ///< fills the offload slot
+  static constexpr offload::selection selection = Sel;  ///< the chunks whose activations are offloaded
 };
 
 /// A policy is a type that names its slot.

@@ -3,6 +3,7 @@
 // A schedule type (Schedule<Policies...>) and a schedule chosen at run time by name (the plan
 // tool, train_gpt) both reduce to one ScheduleSpec, and one builder turns a spec into op lists:
 // there is a single way from a schedule to its passes.
+/// @file
 #pragma once
 
 #include <cstdint>
@@ -52,9 +53,10 @@ inline constexpr symbolic half = symbolic::half;  ///< g = ceil(d/2) (GIS-H).
 /// Which group size a grouped schedule uses: a number, d, or ceil(d/2).
 struct GroupSpec {
   /// number: g = value; full: g = d; half: g = ceil(d/2); uniform: g = 1 for any d (PO).
-  enum class Kind : std::uint8_t { number, full, half, uniform } kind = Kind::full;
-  int value = 0;  ///< g when kind == number.
+  enum class Kind : std::uint8_t { number, full, half, uniform } kind = Kind::full;  ///< how g is chosen.
+  int value = 0;                                                                     ///< g when kind == number.
 
+  /// Field-by-field equality.
   friend constexpr bool operator==(const GroupSpec&, const GroupSpec&) = default;
 };
 
@@ -62,14 +64,16 @@ namespace offload {
 /// Which chunks (stages of a rank, 0..v-1) have their activations offloaded to host memory.
 /// A structural type, so it can be a template argument: OffloadPolicy<offload::first(2)>.
 struct selection {
-  enum class Kind : std::uint8_t { none, half, all, first, set } kind = Kind::none;
-  int n = 0;               ///< kind == first: chunks 0..n-1.
+  /// none: no chunk; half: chunks 0..ceil(v/2)-1; all: every chunk; first: chunks 0..n-1; set: the chunks in mask.
+  enum class Kind : std::uint8_t { none, half, all, first, set } kind = Kind::none;  ///< which rule picks the chunks.
+  int n = 0;                                                                         ///< kind == first: chunks 0..n-1.
   std::uint64_t mask = 0;  ///< kind == set: bit c set = chunk c offloaded (chunks 0..63).
 
+  /// Field-by-field equality.
   friend constexpr bool operator==(const selection&, const selection&) = default;
 };
 
-inline constexpr selection none{selection::Kind::none};
+inline constexpr selection none{selection::Kind::none};  ///< no chunk (no offload).
 inline constexpr selection half{selection::Kind::half};  ///< chunks 0..ceil(v/2)-1 (PO-H).
 inline constexpr selection all{selection::Kind::all};    ///< every chunk (PO-F).
 
@@ -116,11 +120,12 @@ constexpr int count(const selection& sel, int v) {
 
 /// Everything a schedule type fixes before it sees a shape.
 struct ScheduleSpec {
-  Family family = Family::grouped;
-  GroupSpec group{};  ///< meaningful for Family::grouped only.
-  offload::selection offload = offload::none;
+  Family family = Family::grouped;               ///< the order family.
+  GroupSpec group{};                             ///< meaningful for Family::grouped only.
+  offload::selection offload = offload::none;    ///< which chunks' activations are offloaded.
   Placement placement = Placement::interleaved;  ///< vshape for the V families (v_family()).
 
+  /// Field-by-field equality.
   friend constexpr bool operator==(const ScheduleSpec&, const ScheduleSpec&) = default;
 };
 

@@ -6,6 +6,7 @@
 // rank gets the whole batch; a stage reads the tensors it declares in inputs() (the runtime
 // uploads those to the device and checks their type and size). A Batch does not own the data:
 // it must stay valid during the call it is passed to.
+/// @file
 #pragma once
 
 #include <cstddef>
@@ -25,11 +26,12 @@ namespace pipeoffload {
 
 /// One named tensor of a batch, in host memory.
 struct HostTensor {
-  std::string name;
-  DType dtype = DType::float32;
-  std::vector<long long> shape;  ///< row-major; shape[0] is split into microbatches
-  const std::byte* data = nullptr;
-  std::size_t elements = 0;
+  std::string name;                 ///< the name stages ask for (InputSpec::name)
+  DType dtype = DType::float32;     ///< element type
+  std::vector<long long> shape;     ///< row-major; shape[0] is split into microbatches
+  const std::byte* data = nullptr;  ///< the elements, host memory the caller owns
+  std::size_t elements = 0;         ///< elements in all (every microbatch)
+  /// Size of the tensor in bytes.
   std::size_t bytes() const { return elements * dtype_size(dtype); }
 };
 
@@ -78,6 +80,7 @@ class Batch {
       if (t.name == name) return &t;
     return nullptr;
   }
+  /// Every tensor of the batch, in the order they were added.
   std::span<const HostTensor> tensors() const { return tensors_; }
 
   /// The names of every tensor, for messages ("none" when empty).

@@ -17,6 +17,7 @@
 // optimizer state's slices), and every replica reads it. It can be resumed with another
 // schedule, rank count of the same stage count, or number of replicas for the same global
 // batch (every schedule and every split of the batch trains bit-identically), under threads or MPI.
+/// @file
 #pragma once
 
 #include <fcntl.h>
@@ -51,14 +52,17 @@ struct CheckpointInfo {
 
 namespace checkpoint {
 
+/// The first 8 bytes of every checkpoint file.
 inline constexpr char magic[8] = {'P', 'O', 'C', 'K', 'P', 'T', '0', '1'};
 
+/// The directory name of step `step`'s checkpoint: "step-" and 8 digits.
 inline std::string step_name(int step) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "step-%08d", step);
   return buf;
 }
 
+/// The file of stage `stage` in step `step`'s checkpoint under `dir`.
 inline std::filesystem::path stage_file(const std::filesystem::path& dir, int step, int stage) {
   return dir / step_name(step) / ("stage-" + std::to_string(stage) + ".bin");
 }
@@ -98,6 +102,7 @@ inline void write_atomic(const std::filesystem::path& path, const std::vector<st
   }
 }
 
+/// The whole file at `path`; throws checkpoint_error when it cannot be read.
 inline std::vector<std::byte> read_all(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw checkpoint_error("checkpoint: cannot read " + path.string() + " (missing or unreadable)");
@@ -109,20 +114,22 @@ inline std::vector<std::byte> read_all(const std::filesystem::path& path) {
 
 /// One stage's state as it is on disk.
 struct StageState {
-  int stage = 0;
-  int step = 0;  ///< optimizer steps taken
-  CheckpointInfo info{};
-  std::string optimizer;  ///< the optimizer's name ("adamw", "sgd")
-  std::vector<float> params;
+  int stage = 0;                          ///< the stage, 0 .. S-1
+  int step = 0;                           ///< optimizer steps taken
+  CheckpointInfo info{};                  ///< what the run recorded beside the tensors
+  std::string optimizer;                  ///< the optimizer's name ("adamw", "sgd")
+  std::vector<float> params;              ///< the stage's parameters, in parameters() order
   std::vector<std::vector<float>> state;  ///< the optimizer's buffers, each the size of params
 };
 
+/// The file format's version (written after the magic).
 inline constexpr std::uint32_t format = 2;
 
 // File: magic, then u32 format (2), i32 stage, i32 step, u64 config_hash, u64 rng_seed,
 // i64 data_position, u64 n, u32 optimizer name length, the name, u32 state buffers k, then
 // n floats of parameters and n floats of each state buffer, then u64 FNV-1a of every byte
 // before it. Native byte order (the machines that resume are the machines that wrote).
+/// The file's bytes for `s`, in the layout above.
 inline std::vector<std::byte> encode(const StageState& s) {
   std::vector<std::byte> b;
   const auto put = [&](const void* p, std::size_t n) {
@@ -151,6 +158,8 @@ inline std::vector<std::byte> encode(const StageState& s) {
   return b;
 }
 
+/// The state encode() wrote; throws checkpoint_error, naming the file `name`, when the bytes
+/// are truncated, not a checkpoint, of another format or corrupt.
 inline StageState decode(const std::vector<std::byte>& b, const std::string& name) {
   std::size_t off = sizeof magic;
   const auto truncated = [&] {

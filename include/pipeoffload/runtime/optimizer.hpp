@@ -10,6 +10,7 @@
 // the rank, and updates every stage of its rank through the backend's update calls
 // (backend::updates_parameters), run by parameter group: runs of named parameter tensors
 // (Stage::parameter_info) with their own learning-rate scale and weight decay.
+/// @file
 #pragma once
 
 #include <algorithm>
@@ -30,10 +31,11 @@ namespace pipeoffload {
 /// lr, then cosine to min_lr_ratio * lr at total_steps, flat after. Any callable of the step
 /// serves as well; this is the usual one.
 struct WarmupCosine {
-  float lr = 3e-4f;  ///< peak learning rate
-  int warmup_steps = 10;
-  int total_steps = 1000;
-  float min_lr_ratio = 0.1f;
+  float lr = 3e-4f;           ///< peak learning rate
+  int warmup_steps = 10;      ///< steps of linear warmup
+  int total_steps = 1000;     ///< the step the cosine reaches its floor at
+  float min_lr_ratio = 0.1f;  ///< the floor, as a fraction of lr
+  /// The learning rate at step t (0-based).
   float operator()(int t) const {
     if (t < warmup_steps) return lr * static_cast<float>(t + 1) / static_cast<float>(warmup_steps);
     const int span = total_steps - warmup_steps;
@@ -95,10 +97,10 @@ double grad_norm(Runtime& rt) {
 ///   po::ParamGroup no_decay{"no decay", [](const po::ParamInfo& p) { return p.shape.size() < 2; }, 1.0f, 0.0f};
 /// @endcode
 struct ParamGroup {
-  std::string name;
-  std::function<bool(const ParamInfo&)> select;
-  float lr_scale = 1.0f;
-  float weight_decay = 0.0f;
+  std::string name;                              ///< names the group in messages
+  std::function<bool(const ParamInfo&)> select;  ///< does this group take the tensor?
+  float lr_scale = 1.0f;                         ///< its learning rate = the step's lr * lr_scale
+  float weight_decay = 0.0f;                     ///< its weight decay (replaces the optimizer's)
 };
 
 namespace detail {
@@ -284,12 +286,13 @@ class OptimizerBase {
 
 }  // namespace detail
 
+/// AdamW's hyperparameters (lr is given to each step instead).
 struct AdamWOptions {
-  float beta1 = 0.9f;
-  float beta2 = 0.95f;
-  float eps = 1e-8f;
-  float weight_decay = 0.1f;  ///< decoupled, for tensors no group takes
-  std::vector<ParamGroup> groups{};
+  float beta1 = 0.9f;                ///< decay of the first moment (the gradient's running mean)
+  float beta2 = 0.95f;               ///< decay of the second moment (the squared gradient's running mean)
+  float eps = 1e-8f;                 ///< added to the second moment's square root in the denominator
+  float weight_decay = 0.1f;         ///< decoupled, for tensors no group takes
+  std::vector<ParamGroup> groups{};  ///< parameter groups, tried in order
   int zero = 0;  ///< 1: shard the moments across the runtime's replicas (ZeRO-1); 0: every replica holds all
 };
 
@@ -301,6 +304,8 @@ struct AdamWOptions {
 template <class Runtime>
 class AdamW : public detail::OptimizerBase<Runtime> {
  public:
+  /// Allocates the two moments (zeros, fp32, optimizer memory) of the parameters this rank
+  /// updates on rt's device; throws for options out of range.
   AdamW(Runtime& rt, AdamWOptions opt = {})
       : detail::OptimizerBase<Runtime>(rt, "po::AdamW", 2, opt.groups, opt.weight_decay, opt.zero),
         opt_(std::move(opt)) {}
@@ -316,20 +321,23 @@ class AdamW : public detail::OptimizerBase<Runtime> {
                                this->state(c, 1).subspan(r.offset, r.count), hp, lr * r.lr_scale, bias, grad_scale);
     });
   }
+  /// The optimizer's name in checkpoints ("adamw").
   static constexpr const char* name() { return "adamw"; }
+  /// The options it was constructed with.
   const AdamWOptions& options() const { return opt_; }
 
  private:
   AdamWOptions opt_;
 };
 
+/// SGD's hyperparameters (lr is given to each step instead).
 struct SgdOptions {
-  float momentum = 0;  ///< 0: plain SGD (no state)
-  float dampening = 0;
-  bool nesterov = false;   ///< needs momentum > 0 and dampening = 0
-  float weight_decay = 0;  ///< L2 (added to the gradient), for tensors no group takes
-  std::vector<ParamGroup> groups{};
-  int zero = 0;  ///< 1: shard the momentum buffers across the runtime's replicas (ZeRO-1)
+  float momentum = 0;                ///< 0: plain SGD (no state)
+  float dampening = 0;               ///< the gradient enters the momentum buffer scaled by 1 - dampening
+  bool nesterov = false;             ///< needs momentum > 0 and dampening = 0
+  float weight_decay = 0;            ///< L2 (added to the gradient), for tensors no group takes
+  std::vector<ParamGroup> groups{};  ///< parameter groups, tried in order
+  int zero = 0;                      ///< 1: shard the momentum buffers across the runtime's replicas (ZeRO-1)
 };
 
 /// SGD with optional momentum and Nesterov momentum (torch.optim.SGD's update), over every
@@ -341,6 +349,8 @@ struct SgdOptions {
 template <class Runtime>
 class Sgd : public detail::OptimizerBase<Runtime> {
  public:
+  /// Allocates the momentum buffer (zeros, fp32, optimizer memory; none without momentum) of
+  /// the parameters this rank updates on rt's device; throws for options out of range.
   Sgd(Runtime& rt, SgdOptions opt = {})
       : detail::OptimizerBase<Runtime>(rt, "po::Sgd", opt.momentum != 0.0f ? 1 : 0, opt.groups, opt.weight_decay,
                                        opt.zero, invalid(opt)),
@@ -356,7 +366,9 @@ class Sgd : public detail::OptimizerBase<Runtime> {
       this->rt_.device().sgd(p, g, buf, hp, lr * r.lr_scale, grad_scale, first);
     });
   }
+  /// The optimizer's name in checkpoints ("sgd").
   static constexpr const char* name() { return "sgd"; }
+  /// The options it was constructed with.
   const SgdOptions& options() const { return opt_; }
 
  private:

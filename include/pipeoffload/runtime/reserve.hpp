@@ -10,6 +10,7 @@
 // forward_only() is the program Runtime::evaluate runs: the F passes and forward messages of
 // a training program, in their order. Its P2P plan is a subsequence of one global order (the
 // training plan's), so it cannot deadlock under the rendezvous semantics either.
+/// @file
 #pragma once
 
 #include <algorithm>
@@ -37,8 +38,9 @@ struct StageBytes {
 
 /// `count` blocks of `bytes`.
 struct BlockCount {
-  std::size_t bytes = 0;
-  std::size_t count = 0;
+  std::size_t bytes = 0;  ///< size of each block, bytes
+  std::size_t count = 0;  ///< number of blocks
+  /// Field-by-field equality.
   friend constexpr bool operator==(const BlockCount&, const BlockCount&) = default;
 };
 

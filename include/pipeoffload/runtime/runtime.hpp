@@ -35,6 +35,7 @@
 // naming it; no rank is left waiting. A NaN or infinity is caught where it appears: the first
 // stage, in data-flow order, whose output activation, loss or input gradient is not finite
 // is named in a po::nonfinite_error that every rank throws.
+/// @file
 #pragma once
 
 #include <algorithm>
@@ -61,6 +62,7 @@
 
 namespace pipeoffload {
 
+/// How a Runtime runs: the microbatch shape, finiteness checks, gradient buckets and folds.
 struct RuntimeOptions {
   MicrobatchShape microbatch{};  ///< the shape of one microbatch, given to the stages' size functions and passes
   /// Check every output activation and input gradient for NaN and infinity where it is
@@ -90,9 +92,9 @@ struct RuntimeOptions {
 /// the order and the split do not matter: dp replicas of k calls on m microbatches each, then
 /// one optimizer step, equal one replica's one call on dp*k*m microbatches, bit for bit.
 struct StepInfo {
-  int step = 0;
-  int part = 0;
-  int parts = 1;
+  int step = 0;   ///< the optimizer step the gradients go to (Microbatch::step)
+  int part = 0;   ///< which of the step's `parts` calls this is, 0 .. parts-1
+  int parts = 1;  ///< forward_backward calls (per replica) whose gradients accumulate into the step
 };
 
 /// What forward_backward and evaluate report (the same on every rank except seconds and memory).
@@ -112,6 +114,7 @@ struct PairLink {
   static_assert(backend::pairs_copies<Backend>,
                 "po::PairLink: the backend has no shared counters (backend::pairs_copies)");
   typename Backend::Counter side[2];  ///< side[r & 1]: copies completed by rank r
+  /// Aborts both counters, releasing every copy stream waiting on either side.
   void abort(const std::string& why) {
     for (auto& c : side) c.abort(why);
   }
@@ -119,11 +122,13 @@ struct PairLink {
 
 /// One stage of the pipeline as every rank knows it after construction.
 struct StageInfo {
-  int rank = 0, chunk = 0;
-  std::string name;        ///< the stage type's name
-  Boundary input, output;  ///< what it takes and hands on, per microbatch
-  std::size_t parameters = 0;
-  std::size_t norm_groups = 1;
+  int rank = 0,                 ///< the rank that holds it, 0 .. d-1
+      chunk = 0;                ///< which chunk of that rank it is, 0 .. v-1
+  std::string name;             ///< the stage type's name
+  Boundary input,               ///< what it takes, per microbatch
+      output;                   ///< what it hands on, per microbatch
+  std::size_t parameters = 0;   ///< parameter values (floats) it holds
+  std::size_t norm_groups = 1;  ///< groups its parameters split into for the gradient norm
 };
 
 template <class... Ts>
@@ -162,10 +167,10 @@ class Runtime<Backend, Communicator> {
       "recv(ctx, ...) with the backend's stream context, all_gather of doubles and bytes, abort); see comm/communicator.hpp.");
 
  public:
-  using backend_type = Backend;
-  using communicator_type = Communicator;
-  using Context = typename Backend::Context;
-  using Stage = StageRef<Context>;
+  using backend_type = Backend;               ///< the device type
+  using communicator_type = Communicator;     ///< the communicator type
+  using Context = typename Backend::Context;  ///< what a pass is given on this backend
+  using Stage = StageRef<Context>;            ///< a type-erased reference to one stage's layer
 
   /// `stages`: this rank's v stages in chunk order (stage c*d + rank is stages[c]); the
   /// layers they refer to must outlive the runtime, as must `dev` and `comm`. Collective:
@@ -209,6 +214,7 @@ class Runtime<Backend, Communicator> {
       throw;
     }
   }
+  /// The same, from stages of one layer type.
   template <class L>
     requires(!std::is_same_v<std::remove_cv_t<L>, Stage>)
   Runtime(const Program& program, Backend& dev, Communicator& comm, Communicator& replicas, std::span<L> stages,
@@ -277,16 +283,21 @@ class Runtime<Backend, Communicator> {
     partner_copies_ = program_.ranks[static_cast<std::size_t>(partner)].copy.size();
   }
 
+  /// The program this runtime runs (every rank's, not only this one's).
   const Program& program() const { return program_; }
+  /// The options it was constructed with.
   const RuntimeOptions& options() const { return opt_; }
   /// This rank's position in its pipeline (0..d-1).
   int rank() const { return rank_; }
   /// Data-parallel replicas of the pipeline (1 without a replicas communicator) and this rank's.
   int replicas() const { return dp_; }
+  /// This rank's replica, 0 .. replicas()-1.
   int replica() const { return replica_; }
   /// The communicator of this rank's replicas (null without data parallelism).
   Communicator* replica_comm() { return replicas_; }
+  /// The device this rank runs on.
   Backend& device() { return dev_; }
+  /// The communicator of this rank's pipeline (its d ranks).
   Communicator& communicator() { return comm_; }
   /// This rank's stages, in chunk order.
   std::span<const Stage> stages() const { return stages_; }
@@ -391,9 +402,11 @@ class Runtime<Backend, Communicator> {
   /// Measured start and end (backend clock, seconds) of each gradient reduction of the last
   /// forward_backward (with replicas; in the comm stream's order).
   struct Reduction {
-    int chunk = 0;
-    double start = 0, end = 0;
+    int chunk = 0;     ///< the chunk (of this rank) whose gradients were reduced
+    double start = 0,  ///< when the reduction started, backend clock seconds
+        end = 0;       ///< when it ended, backend clock seconds
   };
+  /// The last forward_backward's gradient reductions (see Reduction); empty without replicas.
   const std::vector<Reduction>& reductions() const { return reduce_trace_; }
 
  private:
@@ -665,12 +678,16 @@ class Runtime<Backend, Communicator> {
   std::vector<Reduction> reduce_trace_;
 };
 
+/// Deduces Runtime<Backend, Communicator> from a program, a device, a communicator and stages.
 template <class B, class C, class Stages>
 Runtime(const Program&, B&, C&, Stages&&) -> Runtime<B, C>;
+/// The same, with options.
 template <class B, class C, class Stages>
 Runtime(const Program&, B&, C&, Stages&&, RuntimeOptions) -> Runtime<B, C>;
+/// The same, with a replicas communicator (data parallelism).
 template <class B, class C, class Stages>
 Runtime(const Program&, B&, C&, C&, Stages&&) -> Runtime<B, C>;
+/// The same, with a replicas communicator and options.
 template <class B, class C, class Stages>
 Runtime(const Program&, B&, C&, C&, Stages&&, RuntimeOptions) -> Runtime<B, C>;
 
@@ -686,6 +703,8 @@ class Runtime<Schedule, Layer, Backend, Communicator> : public Runtime<Backend, 
       "backward_weight(ctx, mb, saved, stash), parameters() and gradients(); see pipeoffload/layer.hpp.");
 
  public:
+  /// Builds Schedule's program for `shape` and `costs`, then constructs the runtime from it
+  /// (collective, like the constructors that take a Program).
   Runtime(Shape shape, Backend& dev, Communicator& comm, std::span<Layer> stages, RuntimeOptions opt = {},
           const Costs& costs = {})
       : Runtime<Backend, Communicator>(Schedule::build(shape, costs), dev, comm, stages, opt) {}

@@ -5,6 +5,7 @@
 // object and a table of functions made once per type, so a pass costs one indirect call
 // (bench/RESULTS.md measures it against a pass of the sample GPT). A StageRef does not own its
 // layer: the layer must outlive every runtime that holds it.
+/// @file
 #pragma once
 
 #include <cstdlib>
@@ -48,6 +49,7 @@ std::string type_name() {
 template <class Ctx>
 class StageRef {
  public:
+  /// Refers to `layer` (which must outlive the reference); L must model layer_for<L, Ctx>.
   template <class L>
     requires(!std::is_same_v<std::remove_cvref_t<L>, StageRef>)
   StageRef(L& layer) : obj_(&layer), vt_(table_of<L>()) {  // NOLINT: implicit on purpose, like std::function_ref
@@ -59,21 +61,30 @@ class StageRef {
         "gradients(); see pipeoffload/layer.hpp.");
   }
 
+  /// The layer's input tensor for one microbatch of shape `s`.
   Boundary input_boundary(MicrobatchShape s) const { return vt_->input_boundary(obj_, s); }
+  /// The layer's output tensor for one microbatch of shape `s`.
   Boundary output_boundary(MicrobatchShape s) const { return vt_->output_boundary(obj_, s); }
+  /// Bytes the layer keeps from F until W (one activation unit).
   std::size_t saved_bytes(MicrobatchShape s) const { return vt_->saved_bytes(obj_, s); }
+  /// Bytes the layer's B leaves for its W.
   std::size_t stash_bytes(MicrobatchShape s) const { return vt_->stash_bytes(obj_, s); }
+  /// The layer's F: y from x, keeping what backward needs in `saved`.
   void forward(Ctx& c, const Microbatch& mb, ConstTensor x, Tensor y, std::byte* saved) const {
     vt_->forward(obj_, c, mb, x, y, saved);
   }
+  /// The layer's B: dx from dy (activation gradients only), leaving what W needs in `stash`.
   void backward_input(Ctx& c, const Microbatch& mb, ConstTensor dy, Tensor dx, std::byte* saved,
                       std::byte* stash) const {
     vt_->backward_input(obj_, c, mb, dy, dx, saved, stash);
   }
+  /// The layer's W: accumulates (+=) its weight gradients into gradients().
   void backward_weight(Ctx& c, const Microbatch& mb, std::byte* saved, std::byte* stash) const {
     vt_->backward_weight(obj_, c, mb, saved, stash);
   }
+  /// The layer's parameters (device memory).
   std::span<float> parameters() const { return vt_->parameters(obj_); }
+  /// The layer's gradients (device memory), parallel to parameters().
   std::span<float> gradients() const { return vt_->gradients(obj_); }
 
   /// The step inputs the stage reads (none when it declares none).

@@ -1,4 +1,5 @@
 // pipeoffload/runtime/thread_ranks.hpp: running d pipeline ranks as threads of one process.
+/// @file
 #pragma once
 
 #include <exception>

@@ -25,6 +25,7 @@
 //   edges.hpp          step 3 on PO's grid: peak-keeping edges, PCIe pair parities
 //   p2p.hpp            step 4: the general planner and PO's (tested equal to it)
 //   numeric.hpp        FastDiv, tolerance
+/// @file
 #pragma once
 
 #include <algorithm>

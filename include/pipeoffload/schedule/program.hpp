@@ -3,6 +3,7 @@
 // Units (DESIGN.md section 1): d ranks, v chunks per rank, S = v*d stages, m microbatches.
 // Stage s is chunk s / d of its rank; which rank is the placement's choice (Shape::rank_of).
 // One activation unit = the saved activations of one stage for one microbatch.
+/// @file
 #pragma once
 
 #include <cstdint>
@@ -16,8 +17,8 @@ namespace pipeoffload {
 
 /// Allowed ranges of a shape (wide enough for any real pipeline; they bound memory use).
 inline constexpr int max_ranks = 4096;
-inline constexpr int max_chunks = 256;
-inline constexpr int max_microbatches = 1 << 16;
+inline constexpr int max_chunks = 256;            ///< most chunks per rank (v)
+inline constexpr int max_microbatches = 1 << 16;  ///< most microbatches (m)
 
 /// Pipeline shape: d ranks, v chunks (stages) per rank, m microbatches per iteration, and
 /// where the stages live. Chunk c of every rank holds stages c*d .. c*d + d-1, one per rank:
@@ -28,41 +29,52 @@ inline constexpr int max_microbatches = 1 << 16;
 ///     stages r and 2d-1-r, and stages d-1 and d meet on rank d-1 without a P2P hop.
 /// A schedule's placement is its spec's (ScheduleSpec::placement); build() writes it here.
 struct Shape {
-  int d = 1;
-  int v = 1;
-  int m = 1;
-  Placement placement = Placement::interleaved;
+  int d = 1;                                     ///< ranks, 1 .. max_ranks
+  int v = 1;                                     ///< chunks (stages) per rank, 1 .. max_chunks
+  int m = 1;                                     ///< microbatches per iteration, 1 .. max_microbatches
+  Placement placement = Placement::interleaved;  ///< which rank holds which stage (see above)
 
+  /// S = d*v, the number of stages.
   constexpr int stages() const { return d * v; }
+  /// The rank that holds `stage`, by the placement.
   constexpr int rank_of(int stage) const {
     const int r = stage % d;
     return placement == Placement::vshape && (stage / d) % 2 == 1 ? d - 1 - r : r;
   }
+  /// The chunk of its rank that `stage` is: stage / d.
   constexpr int chunk_of(int stage) const { return stage / d; }
+  /// The stage that chunk `chunk` of rank `rank` holds (rank_of and chunk_of's inverse).
   constexpr int stage_of(int rank, int chunk) const {
     return chunk * d + (placement == Placement::vshape && chunk % 2 == 1 ? d - 1 - rank : rank);
   }
   /// Do stages s and s + 1 live on different ranks (is there a P2P hop between them)?
   constexpr bool crosses(int s) const { return rank_of(s) != rank_of(s + 1); }
+  /// Field-by-field equality.
   friend constexpr bool operator==(const Shape&, const Shape&) = default;
 };
 
 /// Cost model. Times are in any one unit (the tools use seconds or "unit passes").
 /// Per-stage vectors, when non-empty, have S entries and override the scalars.
 struct Costs {
-  double f = 1;               ///< T_F: forward of one stage for one microbatch.
-  double b = 1;               ///< T_B: activation-gradient backward.
-  double w = 1;               ///< T_W: weight-gradient backward (fused BW takes T_B + T_W).
-  double comm = 0;            ///< T_comm: one P2P hop between ranks.
-  double k = 1;               ///< round-trip copy time / (T_F + T_B + T_W); gives T_O = k(T_F+T_B+T_W)/2.
-  double t_o = 0;             ///< one-way copy of one unit; when > 0 it overrides k.
-  bool stagger_pairs = true;  ///< ranks r and r^1 share a PCIe switch: stagger their copy slots.
-  std::vector<double> stage_f, stage_b, stage_w;  ///< per-stage T_F, T_B, T_W (size S or empty).
-  std::vector<double> unit_bytes;                 ///< per-stage unit size (size S or empty = 1).
+  double f = 1;                    ///< T_F: forward of one stage for one microbatch.
+  double b = 1;                    ///< T_B: activation-gradient backward.
+  double w = 1;                    ///< T_W: weight-gradient backward (fused BW takes T_B + T_W).
+  double comm = 0;                 ///< T_comm: one P2P hop between ranks.
+  double k = 1;                    ///< round-trip copy time / (T_F + T_B + T_W); gives T_O = k(T_F+T_B+T_W)/2.
+  double t_o = 0;                  ///< one-way copy of one unit; when > 0 it overrides k.
+  bool stagger_pairs = true;       ///< ranks r and r^1 share a PCIe switch: stagger their copy slots.
+  std::vector<double> stage_f,     ///< per-stage T_F (size S or empty).
+      stage_b,                     ///< per-stage T_B (size S or empty).
+      stage_w;                     ///< per-stage T_W (size S or empty).
+  std::vector<double> unit_bytes;  ///< per-stage unit size (size S or empty = 1).
 
+  /// T_F of stage s (stage_f[s], or f when stage_f is empty).
   constexpr double F(int s) const { return stage_f.empty() ? f : stage_f[static_cast<std::size_t>(s)]; }
+  /// T_B of stage s (stage_b[s], or b when stage_b is empty).
   constexpr double B(int s) const { return stage_b.empty() ? b : stage_b[static_cast<std::size_t>(s)]; }
+  /// T_W of stage s (stage_w[s], or w when stage_w is empty).
   constexpr double W(int s) const { return stage_w.empty() ? w : stage_w[static_cast<std::size_t>(s)]; }
+  /// Size of stage s's unit (unit_bytes[s], or 1 when unit_bytes is empty).
   constexpr double bytes(int s) const { return unit_bytes.empty() ? 1.0 : unit_bytes[static_cast<std::size_t>(s)]; }
   /// One-way copy time of stage s's unit.
   constexpr double T_O(int s) const { return t_o > 0 ? t_o : k * (F(s) + B(s) + W(s)) / 2; }
@@ -72,6 +84,7 @@ struct Costs {
 /// R: host->device reload).
 enum class OpKind : std::uint8_t { F, B, W, BW, O, R };
 
+/// The pass's letter(s): "F", "B", "W", "BW", "O" or "R".
 constexpr const char* op_name(OpKind k) {
   switch (k) {
     case OpKind::F:
@@ -96,11 +109,12 @@ constexpr const char* op_name(OpKind k) {
 /// Packed in 12 bytes (a schedule holds millions of ops): stage is a 24-bit field, enough for
 /// any stage of an allowed shape (S <= max_ranks * max_chunks = 2^20).
 struct Op {
-  OpKind kind : 8 = OpKind::F;
-  int stage : 24 = 0;
-  int mb = 0;
-  int wait = -1;
+  OpKind kind : 8 = OpKind::F;  ///< which pass (F, B, W, BW on compute; O, R on copy)
+  int stage : 24 = 0;           ///< the stage it runs, 0 .. S-1
+  int mb = 0;                   ///< the microbatch, 0 .. m-1
+  int wait = -1;                ///< last op of the rank's other stream that must finish first (-1: none)
 
+  /// Field-by-field equality.
   friend constexpr bool operator==(const Op&, const Op&) = default;
 };
 
@@ -113,35 +127,40 @@ enum class Dir : std::uint8_t { forward, backward };
 /// Packed in 12 bytes: peer is a 31-bit field and mb a 24-bit one, enough for any allowed
 /// shape (max_ranks, max_microbatches).
 struct CommOp {
-  bool send : 1 = false;
-  int peer : 31 = 0;
-  int stage = 0;
-  int mb : 24 = 0;
-  Dir dir : 8 = Dir::forward;
+  bool send : 1 = false;       ///< send (true) or receive (false)
+  int peer : 31 = 0;           ///< the other rank of the message
+  int stage = 0;               ///< the stage that consumes the message
+  int mb : 24 = 0;             ///< the microbatch, 0 .. m-1
+  Dir dir : 8 = Dir::forward;  ///< activations (forward) or gradients (backward)
 
+  /// Field-by-field equality.
   friend constexpr bool operator==(const CommOp&, const CommOp&) = default;
 };
 
 /// One rank's program: compute stream, copy stream, and P2P plan, each in execution order.
 struct RankProgram {
-  std::vector<Op> compute;
-  std::vector<Op> copy;
+  std::vector<Op> compute;           ///< the compute stream's ops: F, B, W, BW
+  std::vector<Op> copy;              ///< the copy stream's ops: O, R
   std::vector<long long> copy_slot;  ///< planned slot of each copy op (slot n = [n*T, (n+1)*T)).
   double slot_length = 0;            ///< T of this rank's copy-slot grid (its largest T_O).
-  std::vector<CommOp> comm;
+  std::vector<CommOp> comm;          ///< the P2P plan: sends and receives
 };
 
 /// A built schedule: what a schedule type produces for a shape and cost model.
 struct Program {
-  ScheduleSpec spec{};
-  Shape shape{};
-  int group = 0;  ///< resolved g for grouped families (1 for PO), 0 otherwise.
-  Costs costs{};
-  std::vector<RankProgram> ranks;
+  ScheduleSpec spec{};             ///< the schedule that was built (family, group, offload, placement).
+  Shape shape{};                   ///< d, v, m and the placement it was built for.
+  int group = 0;                   ///< resolved g for grouped families (1 for PO), 0 otherwise.
+  Costs costs{};                   ///< the cost model it was built with.
+  std::vector<RankProgram> ranks;  ///< one program per rank, d of them.
 
+  /// Ranks (shape.d).
   constexpr int d() const { return shape.d; }
+  /// Chunks per rank (shape.v).
   constexpr int v() const { return shape.v; }
+  /// Microbatches per iteration (shape.m).
   constexpr int m() const { return shape.m; }
+  /// Stages, S = d*v.
   constexpr int stages() const { return shape.stages(); }
 };
 

@@ -1,4 +1,5 @@
 // pipeoffload/schedule/schedule.hpp: Schedule<Policies...> and the paper's schedules.
+/// @file
 #pragma once
 
 #include <string>
@@ -61,14 +62,18 @@ struct Schedule {
   static_assert(detail::count_slot<slot::placement, Ps...> <= 1,
                 "pipeoffload::Schedule: two placement policies were given; choose Interleaved or VShape.");
 
+  /// The grouping policy given (InterleavePolicy<group::full> when none is).
   using grouping = typename detail::pick_slot<slot::grouping, InterleavePolicy<group::full>, Ps...>::type;
+  /// The offload policy given (OffloadPolicy<offload::none> when none is).
   using offloading = typename detail::pick_slot<slot::offload, OffloadPolicy<offload::none>, Ps...>::type;
+  /// The placement policy given (Interleaved when none is).
   using placing = typename detail::pick_slot<slot::placement, Interleaved, Ps...>::type;
 
   static_assert(v_family(grouping::family) == (placing::placement == Placement::vshape),
                 "pipeoffload::Schedule: ZB-V, V-Half, V-Min and DualPipeV run on the V placement (add VShape), and "
                 "only they do.");
 
+  /// What the three policies fix: family, group, offload selection and placement.
   static constexpr ScheduleSpec spec{grouping::family, grouping::group_spec, offloading::selection, placing::placement};
 
   /// Op lists for `shape` under `costs` (unit costs, k = 1 by default). See pipeoffload::build.

@@ -12,6 +12,7 @@
 // backward send to stage c is `{c+1}SEND_B`; receives carry the consumer's own stage.)
 // Offload and reload (O/R) have no torch action: only compute and P2P actions are exported,
 // and import adds offload again through the offload placement when asked.
+/// @file
 #pragma once
 
 #include <algorithm>

@@ -16,6 +16,7 @@
 // that in one linear sweep (proven_valid: a per-rank order of its three streams, and one
 // global order of the messages); only when the proof fails does it run the rules one by one
 // and the execution, which decide and name the broken rule.
+/// @file
 #pragma once
 
 #include <algorithm>
@@ -35,8 +36,9 @@ namespace pipeoffload {
 /// Result of validate(): converts to true when the schedule is valid; otherwise `error`
 /// says which rule broke, naming rank, op, stage and microbatch.
 struct Validation {
-  bool ok = true;
-  std::string error;
+  bool ok = true;     ///< is the schedule valid?
+  std::string error;  ///< when not: which rule broke (empty when valid)
+  /// `ok`.
   constexpr explicit operator bool() const { return ok; }
 };
 

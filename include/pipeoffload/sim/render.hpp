@@ -4,6 +4,7 @@
 // filled into the same per-op start/end vectors) to a std::string; the caller writes it out.
 // The plan tool (tools/pipeoffload-plan.cpp) documents the formats; other tools parse them,
 // so field names and orders here are a contract.
+/// @file
 #pragma once
 
 #include <algorithm>
@@ -21,11 +22,12 @@ namespace pipeoffload {
 
 /// One op with its simulated (or measured) time, as every renderer lists them.
 struct TimedOp {
-  int rank = 0;
+  int rank = 0;       ///< the rank that runs it, 0 .. d-1
   bool copy = false;  ///< on the copy stream (O, R) rather than the compute stream
   int index = 0;      ///< position in its stream
-  Op op{};
-  double start = 0, end = 0;
+  Op op{};            ///< the op (kind, stage, microbatch)
+  double start = 0,   ///< when it starts (the simulation's time unit, or seconds when measured)
+      end = 0;        ///< when it ends, likewise
 };
 
 /// Every op of every rank, sorted by rank, then start time; at equal starts the compute stream

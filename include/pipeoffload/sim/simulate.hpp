@@ -3,6 +3,7 @@
 // Execution is as-soon-as-possible under each rank's orders, the data dependencies (+T_comm
 // between ranks) and the cross-stream edges (DESIGN.md section 3): exactly how the runtime
 // executes, so the simulated makespan and peaks are the numbers the runtime must meet.
+/// @file
 #pragma once
 
 #include <algorithm>
@@ -17,24 +18,27 @@ namespace pipeoffload {
 
 /// One point of a memory timeline: from `time` on, `alive` bytes (or units) are alive.
 struct MemoryPoint {
-  double time = 0;
-  double alive = 0;
+  double time = 0;   ///< when the change happens (Costs' time unit)
+  double alive = 0;  ///< bytes (or units) alive from then on
 };
 
 /// One rank's simulated execution.
 struct RankSim {
-  std::vector<double> compute_start, compute_end;  ///< parallel to RankProgram::compute
-  std::vector<double> copy_start, copy_end;        ///< parallel to RankProgram::copy
-  double busy = 0;                                 ///< total compute time on the rank
-  double bubble = 0;                               ///< makespan - busy: the rank's idle compute time
-  double peak = 0;                                 ///< most activation bytes (units with unit costs) alive at once
-  int warmup = 0;                                  ///< forwards before the first B (or BW)
-  std::vector<MemoryPoint> memory;                 ///< alive activation after each change, time-ordered
+  std::vector<double> compute_start,  ///< start of each compute op, parallel to RankProgram::compute
+      compute_end;                    ///< end of each compute op, parallel to RankProgram::compute
+  std::vector<double> copy_start,     ///< start of each copy op, parallel to RankProgram::copy
+      copy_end;                       ///< end of each copy op, parallel to RankProgram::copy
+  double busy = 0;                    ///< total compute time on the rank
+  double bubble = 0;                  ///< makespan - busy: the rank's idle compute time
+  double peak = 0;                    ///< most activation bytes (units with unit costs) alive at once
+  int warmup = 0;                     ///< forwards before the first B (or BW)
+  std::vector<MemoryPoint> memory;    ///< alive activation after each change, time-ordered
 };
 
+/// A program's simulated execution under its cost model (simulate()).
 struct SimResult {
-  double makespan = 0;
-  std::vector<RankSim> ranks;
+  double makespan = 0;         ///< when the last op of any rank ends (Costs' time unit)
+  std::vector<RankSim> ranks;  ///< one per rank, d of them
 
   /// Idle time / makespan, averaged over ranks.
   constexpr double bubble_fraction() const {
@@ -43,6 +47,7 @@ struct SimResult {
     for (const auto& r : ranks) s += r.bubble;
     return s / (makespan * static_cast<double>(ranks.size()));
   }
+  /// The largest RankSim::peak over ranks.
   constexpr double max_peak() const {
     double x = 0;
     for (const auto& r : ranks) x = std::max(x, r.peak);

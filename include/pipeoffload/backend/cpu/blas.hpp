@@ -7,6 +7,7 @@
 // dlopen on first use, after choosing the core type from the CPU's features (unless the user
 // set one), and with one thread per call (pipeline ranks are the threads). BLIS 0.9.0 (Debian)
 // reached about 112 GFLOP/s here against OpenBLAS's 170 (bench/gpt_block), hence OpenBLAS.
+/// @file
 #pragma once
 
 #include <dlfcn.h>
@@ -19,6 +20,7 @@
 
 namespace pipeoffload::blas {
 
+/// Whether sgemm transposes an operand (the values are CBLAS_TRANSPOSE's).
 enum class Trans : int { no = 111, yes = 112 };  // CBLAS_TRANSPOSE values
 
 namespace detail {

@@ -1,4 +1,5 @@
 // pipeoffload/backend/cpu/context.hpp: what a pass on backend::Cpu is given.
+/// @file
 #pragma once
 
 namespace pipeoffload::backend {
@@ -9,9 +10,9 @@ class Cpu;
 /// simply computes; `rank` and `stream` are there for logging and for layers that keep
 /// per-stream scratch.
 struct CpuContext {
-  Cpu* device = nullptr;
-  int rank = 0;
-  int stream = 0;
+  Cpu* device = nullptr;  ///< the backend the pass runs on
+  int rank = 0;           ///< the backend's rank (Cpu::Options::rank)
+  int stream = 0;         ///< the backend's id of the stream the pass runs on
 };
 
 }  // namespace pipeoffload::backend

@@ -4,6 +4,7 @@
 // the workers raise; device and pinned host memory are pooled arenas that count bytes in use
 // and their peak. The copy engine can be given a bandwidth, so that a copy takes as long as a
 // PCIe link would: that is how offload overlap is exercised without a GPU.
+/// @file
 #pragma once
 
 #include <algorithm>
@@ -36,16 +37,21 @@ namespace pipeoffload {
 
 namespace backend {
 
+/// The CPU backend: streams are worker threads, device and pinned host memory are pooled host
+/// memory, and copies can be paced to a PCIe-like bandwidth (the `backend` concept and its
+/// optional parts).
 class Cpu {
  public:
-  using Context = CpuContext;
+  using Context = CpuContext;  ///< what a pass is given (this backend, the rank, the stream)
 
+  /// How the device is set up: its rank and copy bandwidth.
   struct Options {
     int rank = 0;                      ///< for contexts and messages
     double copy_bytes_per_second = 0;  ///< transfer() pace; 0 = as fast as memcpy
   };
 
   Cpu() : Cpu(Options{}) {}
+  /// A device with no streams yet; worker threads start with make_stream.
   explicit Cpu(Options opt) : opt_(opt) {}
   Cpu(const Cpu&) = delete;
   Cpu& operator=(const Cpu&) = delete;
@@ -77,14 +83,17 @@ class Cpu {
     return id;
   }
 
+  /// A new event (never recorded yet); returns its id.
   int make_event() {
     std::lock_guard lk(mu_);
     events_.emplace_back();
     return static_cast<int>(events_.size()) - 1;
   }
 
+  /// Queues fn on `stream`: its worker thread runs it after the stream's earlier work.
   void launch(int stream, std::function<void()> fn) { push(stream, Item{Item::run, 0, 0, std::move(fn)}); }
 
+  /// Records `event` on `stream`: it completes when the stream reaches this point.
   void record(int event, int stream) {
     std::uint64_t target;
     {
@@ -94,6 +103,7 @@ class Cpu {
     push(stream, Item{Item::record, event, target, {}});
   }
 
+  /// Makes `stream` wait for the latest record of `event` (none yet: no wait).
   void wait(int stream, int event) {
     std::uint64_t target;
     {
@@ -118,16 +128,19 @@ class Cpu {
   /// Fails the device: waits in progress and to come throw aborted_error naming `why`.
   void abort(std::string why) { fail(std::move(why)); }
 
+  /// Has a pass or abort() failed the device?
   bool failed() const {
     std::lock_guard lk(mu_);
     return failed_;
   }
 
+  /// `hook(message)` runs once, on the first failure, from the failing thread.
   void set_error_hook(std::function<void(const std::string&)> hook) {
     std::lock_guard lk(mu_);
     hook_ = std::move(hook);
   }
 
+  /// What a pass on `stream` is given.
   Context context(int stream) { return Context{this, opt_.rank, stream}; }
 
   /// Seconds on a clock shared by every Cpu in the process (for traces).
@@ -154,6 +167,7 @@ class Cpu {
     return Block{p, bytes, kind};
   }
 
+  /// Returns a device_alloc block to its pool (a null block is ignored).
   void device_free(Block b) {
     if (b.ptr == nullptr) return;
     std::lock_guard lk(mem_mu_);
@@ -171,6 +185,7 @@ class Cpu {
     return HostBlock{p, bytes};
   }
 
+  /// Returns a host_alloc block to its pool (a null block is ignored).
   void host_free(HostBlock b) {
     if (b.ptr == nullptr) return;
     std::lock_guard lk(mem_mu_);
@@ -184,11 +199,13 @@ class Cpu {
     std::lock_guard lk(mem_mu_);
     grow(device_[round_up(bytes)], round_up(bytes), count, stats_.device_allocations);
   }
+  /// The same for pinned host blocks (host_alloc's pools).
   void reserve_host(std::size_t bytes, std::size_t count) {
     std::lock_guard lk(mem_mu_);
     grow(host_[round_up(bytes)], round_up(bytes), count, stats_.host_allocations);
   }
 
+  /// Bytes in use, peaks and allocation counts, device and pinned host.
   MemoryStats memory() const {
     std::lock_guard lk(mem_mu_);
     return stats_;
@@ -224,13 +241,16 @@ class Cpu {
 
   // ---- between steps (every stream idle): device memory is host memory here -------------
 
+  /// Copies `bytes` of device memory to host memory (a memcpy here).
   void download(void* host, const void* device, std::size_t bytes) {
     if (bytes > 0) std::memcpy(host, device, bytes);
   }
+  /// Copies `bytes` of host memory to device memory (a memcpy here).
   void upload(void* device, const void* host, std::size_t bytes) {
     if (bytes > 0) std::memcpy(device, host, bytes);
   }
 
+  /// Sets `bytes` of device memory to zero.
   void zero(void* device, std::size_t bytes) {
     if (bytes > 0) std::memset(device, 0, bytes);
   }
@@ -308,10 +328,12 @@ class Cpu {
 
   // ---- exact gradient sums (backend::sums_exactly): on the calling stream's thread -------
 
+  /// acc[i] += g[i] on exact's grid.
   void exact_add(Context&, std::span<exact::Fixed> acc, std::span<const float> g) {
     detail::require_same_size("backend::Cpu::exact_add", acc.size(), g.size());
     for (std::size_t i = 0; i < acc.size(); ++i) exact::add(acc[i], g[i]);
   }
+  /// out[i] = parts[i] + parts[n + i] + ... (n = out.size()).
   void exact_sum(Context&, std::span<exact::Fixed> out, std::span<const exact::Fixed> parts) {
     detail::require_parts("backend::Cpu::exact_sum", out.size(), parts.size());
     const std::size_t n = out.size();
@@ -321,13 +343,16 @@ class Cpu {
       out[i] = s;
     }
   }
+  /// out[i] = exact::to_float(acc[i]).
   void exact_round(Context&, std::span<float> out, std::span<const exact::Fixed> acc) {
     detail::require_same_size("backend::Cpu::exact_round", out.size(), acc.size());
     for (std::size_t i = 0; i < out.size(); ++i) out[i] = exact::to_float(acc[i]);
   }
+  /// Copies `bytes` of device memory from src to dst (the ranges may overlap).
   void copy(Context&, void* dst, const void* src, std::size_t bytes) {
     if (bytes > 0) std::memmove(dst, src, bytes);
   }
+  /// Sets `bytes` of device memory at dst to zero.
   void zero(Context&, void* dst, std::size_t bytes) { zero(dst, bytes); }
 
   // ---- PCIe pairs (backend::pairs_copies) -----------------------------------------------
@@ -335,10 +360,12 @@ class Cpu {
   /// A monotone counter two devices' streams share; a waiting stream's worker blocks on it.
   class Counter {
    public:
+    /// Sets the counter to `v` and wakes its waiters.
     void raise(std::uint64_t v) {
       value_.store(v, std::memory_order_release);
       value_.notify_all();
     }
+    /// Blocks until the counter is at least `v`; throws aborted_error once abort() was called.
     void wait_at_least(std::uint64_t v) const {
       for (;;) {
         const std::uint64_t now = value_.load(std::memory_order_acquire);
@@ -350,6 +377,7 @@ class Cpu {
         value_.wait(now, std::memory_order_acquire);
       }
     }
+    /// Releases every wait, present and future, with aborted_error naming `why` (the first call's).
     void abort(std::string why) {
       {
         std::lock_guard lk(why_mu_);
@@ -360,6 +388,7 @@ class Cpu {
       value_.fetch_add(1, std::memory_order_acq_rel);  // a changed value wakes every wait
       value_.notify_all();
     }
+    /// The counter's current value.
     std::uint64_t value() const { return value_.load(std::memory_order_acquire); }
 
    private:
@@ -368,13 +397,16 @@ class Cpu {
     mutable std::mutex why_mu_;
     std::string why_;
   };
+  /// Sets `c` to `v` on `stream`, after the stream's earlier work.
   void signal(int stream, Counter& c, std::uint64_t v) {
     launch(stream, [&c, v] { c.raise(v); });
   }
+  /// Makes `stream` wait until `c` is at least `v`.
   void wait_counter(int stream, const Counter& c, std::uint64_t v) {
     launch(stream, [&c, v] { c.wait_at_least(v); });
   }
 
+  /// The options it was constructed with.
   const Options& options() const { return opt_; }
 
  private:

@@ -9,6 +9,7 @@
 // CPU model's attention. Graphs are built once per shape and kept in an attention::Graphs, which
 // the owner of the cuDNN handle owns (backend::Cuda), so they never outlive the handle they were
 // finalized against.
+/// @file
 #pragma once
 
 #ifndef PIPEOFFLOAD_WITH_CUDA
@@ -24,8 +25,12 @@
 
 namespace pipeoffload::cuda::attention {
 
+/// The shape of one SDPA call (what its graphs are built for).
 struct Shape {
-  int batch = 1, heads = 1, seq = 1, head_dim = 8;
+  int batch = 1,     ///< B: sequences
+      heads = 1,     ///< attention heads
+      seq = 1,       ///< S: tokens per sequence
+      head_dim = 8;  ///< elements per head (a multiple of 8, at most 256)
 };
 
 /// The SDPA graphs of one cuDNN handle, built on first use per (direction, shape) under a lock
@@ -34,14 +39,18 @@ struct Shape {
 /// repeats bit for bit (the default; off trades that for speed).
 class Graphs {
  public:
+  /// No graph yet: each is built on first use, on `handle`.
   explicit Graphs(cudnnHandle_t handle, bool deterministic = true);
   ~Graphs();
   Graphs(const Graphs&) = delete;
   Graphs& operator=(const Graphs&) = delete;
+  /// The cuDNN handle the graphs are built on.
   cudnnHandle_t handle() const;
+  /// Does the backward graph use cuDNN's deterministic algorithm?
   bool deterministic() const;
 
   struct Impl;
+  /// The graphs and their lock (defined in kernels/attention.cpp, which builds and runs them).
   Impl& impl() { return *impl_; }
 
  private:

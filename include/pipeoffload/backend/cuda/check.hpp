@@ -5,6 +5,7 @@
 // is read and cleared first (cudaGetLastError), so the error reported is the call's own and a
 // later, unrelated check does not report it again. NCCL's check (rank, host,
 // ncclGetLastError) is in comm/nccl/nccl.hpp.
+/// @file
 #pragma once
 
 #ifndef PIPEOFFLOAD_WITH_CUDA

@@ -32,6 +32,7 @@
 //     rank failed or NCCL reported an error, and aborts its own communicator, which ends the
 //     NCCL kernel this rank's streams are waiting for.
 // Every CUDA call is checked (backend/cuda/check.hpp).
+/// @file
 #pragma once
 
 #include <cublasLt.h>
@@ -105,22 +106,25 @@ inline const StreamMemOps& stream_mem_ops() {
 /// handles and workspace, all bound to that device. The workspace is shared by the passes of
 /// one stream (stream order serialises them).
 struct CudaContext {
-  Cuda* device = nullptr;
-  int rank = 0;
-  int stream = 0;
-  cudaStream_t cuda_stream = nullptr;
-  cublasLtHandle_t lt = nullptr;
-  cudnnHandle_t dnn = nullptr;
+  Cuda* device = nullptr;                        ///< the backend the pass runs on
+  int rank = 0;                                  ///< the backend's rank (Options::rank), for messages
+  int stream = 0;                                ///< the backend's id of the stream the pass runs on
+  cudaStream_t cuda_stream = nullptr;            ///< that stream: enqueue the pass's kernels here
+  cublasLtHandle_t lt = nullptr;                 ///< the device's cuBLASLt handle
+  cudnnHandle_t dnn = nullptr;                   ///< the device's cuDNN handle
   cuda::attention::Graphs* attention = nullptr;  ///< the SDPA graphs of `dnn`, owned by the backend
   std::byte* workspace = nullptr;                ///< (workspace_bytes) device scratch for cuBLASLt and cuDNN
-  std::size_t workspace_bytes = 0;
+  std::size_t workspace_bytes = 0;  ///< size of `workspace`, bytes (Options::workspace_bytes rounded up to a pool size)
   cuda::GemmPlans* gemms = nullptr;  ///< cuBLASLt plans of `lt`, owned by the backend (cuda::gemm)
 };
 
+/// The CUDA backend: one GPU, its streams and events, a device arena carved from one slab and
+/// a pinned host arena (the `backend` concept, backend/backend.hpp, and its optional parts).
 class Cuda {
  public:
-  using Context = CudaContext;
+  using Context = CudaContext;  ///< what a pass is given (stream, library handles, workspace)
 
+  /// How the backend is set up: which device, how much memory it takes.
   struct Options {
     int device = 0;                                        ///< CUDA device ordinal
     int rank = 0;                                          ///< for contexts and messages
@@ -131,6 +135,8 @@ class Cuda {
   };
 
   Cuda() : Cuda(Options{}) {}
+  /// Selects the device and takes its slab, library handles and pinned staging; throws if the
+  /// slab cannot hold the workspace or a CUDA call fails.
   explicit Cuda(Options opt) : opt_(opt) {
     select();
     if (opt_.arena_bytes == 0) {
@@ -192,6 +198,7 @@ class Cuda {
     cudaGetLastError();
   }
 
+  /// A new non-blocking stream, named `name` in messages; returns its id.
   int make_stream(std::string name) {
     select();
     cudaStream_t s = nullptr;
@@ -200,6 +207,7 @@ class Cuda {
     return static_cast<int>(streams_.size()) - 1;
   }
 
+  /// A new event (timing disabled); returns its id.
   int make_event() {
     select();
     cudaEvent_t e = nullptr;
@@ -225,12 +233,14 @@ class Cuda {
     current_ = saved;
   }
 
+  /// Records `event` on `stream` (cudaEventRecord); nothing once the device has failed.
   void record(int event, int stream) {
     if (failed()) return;
     select();
     PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev(event), at(stream)));
   }
 
+  /// Makes `stream` wait for the latest record of `event` (cudaStreamWaitEvent).
   void wait(int stream, int event) {
     if (failed()) return;
     select();
@@ -263,22 +273,27 @@ class Cuda {
     polls_.push_back({next_poll_, std::move(poll)});
     return next_poll_++;
   }
+  /// Unregisters the poll add_wait_poll returned `id` for.
   void remove_wait_poll(int id) {
     std::erase_if(polls_, [id](const Poll& p) { return p.id == id; });
   }
 
+  /// Fails the device with `why`: new work is dropped and synchronize() throws.
   void abort(std::string why) { fail(std::move(why)); }
 
+  /// Has a pass, a CUDA call or abort() failed the device?
   bool failed() const {
     std::lock_guard lk(mu_);
     return failed_;
   }
 
+  /// `hook(message)` runs once, on the first failure, from the failing thread.
   void set_error_hook(std::function<void(const std::string&)> hook) {
     std::lock_guard lk(mu_);
     hook_ = std::move(hook);
   }
 
+  /// What a pass on `stream` is given: the stream, the device's library handles and workspace.
   Context context(int stream) {
     return Context{this,
                    opt_.rank,
@@ -346,6 +361,7 @@ class Cuda {
     return HostBlock{p, bytes};
   }
 
+  /// Returns a host_alloc block to the pinned arena (a null block is ignored).
   void host_free(HostBlock b) {
     if (b.ptr == nullptr) return;
     select();
@@ -386,8 +402,10 @@ class Cuda {
     host_book_.reserve(bytes, count);
   }
 
+  /// Bytes in use and peaks, device and pinned host.
   MemoryStats memory() const { return stats_; }
 
+  /// Starts new peaks: every peak becomes what is in use now.
   void reset_peaks() {
     stats_.peak = stats_.in_use;
     stats_.total_peak = device_total_;
@@ -406,7 +424,9 @@ class Cuda {
 
   // ---- between steps (every stream idle): blocking, on a private stream -----------------
 
+  /// Copies `bytes` from device memory to host memory and waits for the copy.
   void download(void* host, const void* device, std::size_t bytes) { blocking_copy(host, device, bytes); }
+  /// Copies `bytes` from host memory to device memory and waits for the copy.
   void upload(void* device, const void* host, std::size_t bytes) { blocking_copy(device, host, bytes); }
 
   /// Sets `bytes` of device memory to zero (Runtime::zero_grad, the runtime's check flags).
@@ -507,12 +527,14 @@ class Cuda {
 
   // ---- exact gradient sums (backend::sums_exactly): enqueued on the pass's stream ------------
 
+  /// acc[i] += g[i] on exact's grid, enqueued on ctx's stream.
   void exact_add(Context& ctx, std::span<exact::Fixed> acc, std::span<const float> g) {
     detail::require_same_size("backend::Cuda::exact_add", acc.size(), g.size());
     if (acc.empty()) return;
     select();
     cuda::kernels::exact_add(acc.data(), g.data(), static_cast<long long>(acc.size()), ctx.cuda_stream);
   }
+  /// out[i] = parts[i] + parts[n + i] + ... (n = out.size()), enqueued on ctx's stream.
   void exact_sum(Context& ctx, std::span<exact::Fixed> out, std::span<const exact::Fixed> parts) {
     detail::require_parts("backend::Cuda::exact_sum", out.size(), parts.size());
     if (out.empty()) return;
@@ -520,17 +542,20 @@ class Cuda {
     cuda::kernels::exact_sum(out.data(), parts.data(), static_cast<long long>(out.size()),
                              static_cast<int>(parts.size() / out.size()), ctx.cuda_stream);
   }
+  /// out[i] = exact::to_float(acc[i]), enqueued on ctx's stream.
   void exact_round(Context& ctx, std::span<float> out, std::span<const exact::Fixed> acc) {
     detail::require_same_size("backend::Cuda::exact_round", out.size(), acc.size());
     if (out.empty()) return;
     select();
     cuda::kernels::exact_round(out.data(), acc.data(), static_cast<long long>(out.size()), ctx.cuda_stream);
   }
+  /// Copies `bytes` of device memory from src to dst, enqueued on ctx's stream.
   void copy(Context& ctx, void* dst, const void* src, std::size_t bytes) {
     if (bytes == 0) return;
     select();
     PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ctx.cuda_stream));
   }
+  /// Sets `bytes` of device memory at dst to zero, enqueued on ctx's stream.
   void zero(Context& ctx, void* dst, std::size_t bytes) {
     if (bytes == 0) return;
     select();
@@ -562,22 +587,27 @@ class Cuda {
     Counter(const Counter&) = delete;
     Counter& operator=(const Counter&) = delete;
     ~Counter() { cudaFreeHost(host_); }
+    /// Raises the counter far above any wait's value, releasing every stream waiting on it.
     void abort(std::string) {
       std::atomic_ref<std::uint64_t>(*host_).store(std::uint64_t{1} << 62, std::memory_order_release);
     }
+    /// The counter's current value, read on the host.
     std::uint64_t value() const { return std::atomic_ref<std::uint64_t>(*host_).load(std::memory_order_acquire); }
+    /// The counter's address as devices see it (for cuStreamWriteValue64 / cuStreamWaitValue64).
     CUdeviceptr device_address() const { return device_; }
 
    private:
     std::uint64_t* host_ = nullptr;
     CUdeviceptr device_ = 0;
   };
+  /// Sets `c` to `v` on `stream`, after the stream's earlier work (cuStreamWriteValue64).
   void signal(int stream, Counter& c, std::uint64_t v) {
     if (failed()) return;
     select();
     PIPEOFFLOAD_CUDA_CHECK(cuda_detail::stream_mem_ops().write(reinterpret_cast<CUstream>(at(stream)),
                                                                c.device_address(), v, CU_STREAM_WRITE_VALUE_DEFAULT));
   }
+  /// Makes `stream` wait until `c` is at least `v` (cuStreamWaitValue64, GEQ).
   void wait_counter(int stream, const Counter& c, std::uint64_t v) {
     if (failed()) return;
     select();
@@ -587,13 +617,18 @@ class Cuda {
 
   // ---- CUDA specifics ------------------------------------------------------------------
 
+  /// The CUDA stream with id `s` (make_stream's id).
   cudaStream_t stream(int s) { return at(s); }
   /// The SDPA graphs of this device's cuDNN handle (a layer builds its shapes' graphs at
   /// construction through it, so that no step builds one: attention::workspace_bytes).
   cuda::attention::Graphs& attention_graphs() { return *attention_; }
+  /// The CUDA event with id `e` (make_event's id).
   cudaEvent_t event(int e) { return ev(e); }
+  /// The CUDA device ordinal this backend runs on.
   int device() const { return opt_.device; }
+  /// The options in force (arena_bytes filled in when it was 0).
   const Options& options() const { return opt_; }
+  /// Bytes of the slab handed out so far (the arena's high-water mark, which never goes down).
   std::size_t arena_used() const { return static_cast<std::size_t>(top_); }
 
  private:

@@ -1,6 +1,7 @@
 // pipeoffload/backend/cuda/device.cuh: what every kernel file shares (the backend's in kernels/,
 // a model's beside it, a user's own): the launch check, bf16 loads and stores, grid-stride
 // indices. nvcc only.
+/// @file
 #pragma once
 
 #include <cuda_bf16.h>
@@ -11,11 +12,14 @@
 
 namespace pipeoffload::cuda::kernels {
 
+/// p[i] as fp32.
 __device__ inline float ld(const bf16* p, long long i) { return __bfloat162float(p[i]); }
+/// x rounded to bf16 (to nearest even).
 __device__ inline bf16 st(float x) { return __float2bfloat16(x); }
 
 /// Grid-stride index range: for (long long i = first(); i < n; i += stride()).
 __device__ inline long long first_index() { return static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; }
+/// The stride of a grid-stride loop: threads in the grid.
 __device__ inline long long grid_stride() { return static_cast<long long>(gridDim.x) * blockDim.x; }
 
 }  // namespace pipeoffload::cuda::kernels

@@ -22,6 +22,7 @@
 //     for the copy, a dependency that no schedule validated. A device carries
 //     library_streams_per_device() streams of this library and NCCL's own, more than 8; 32
 //     gives each its own queue.
+/// @file
 #pragma once
 
 #include <stdlib.h>  // setenv (POSIX)
@@ -46,7 +47,9 @@ static_assert(library_streams_per_device(2) + 1 <= max_device_connections,
 
 /// One environment variable and why it is set.
 struct EnvSetting {
-  std::string name, value, why;
+  std::string name,  ///< the variable's name
+      value,         ///< the value it is set to
+      why;           ///< why it is set
 };
 
 /// The settings apply_cuda_environment makes (see the file comment).

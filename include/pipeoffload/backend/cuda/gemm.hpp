@@ -7,6 +7,7 @@
 // wgrad accumulates (beta = 1) into the fp32 gradient. The cuBLASLt objects and the
 // heuristic's choice come from the device's plan cache (gemm_plans.hpp: one per shape, output
 // type, epilogue and operand alignment), so a step builds none of them.
+/// @file
 #pragma once
 
 #include <cublasLt.h>

@@ -6,6 +6,7 @@
 // dimensions, the output type, the epilogue and how aligned each operand is; not on the data.
 // backend::Cuda keeps one plan per GemmKey (cuda::GemmPlans), so a step's GEMMs (12 per GPT
 // block per pass) reuse them instead of rebuilding all of it and asking the heuristic again.
+/// @file
 #pragma once
 
 #include <compare>
@@ -18,13 +19,25 @@ namespace pipeoffload::cuda {
 /// Element type of the output C (= D): bf16 activations or fp32 gradients.
 enum class Out : std::uint8_t { bf16, f32 };
 
+/// What one cuBLASLt plan is for: a row-major GEMM's shape, output type, epilogue and operand
+/// alignments (cuda::RowMajorGemm's names). Ordered, so it can key a map.
 struct GemmKey {
-  Op ta = Op::n, tb = Op::n;
-  long long M = 0, N = 0, K = 0, lda = 0, ldb = 0, ldc = 0;
-  Out out = Out::bf16;
-  bool bias = false;  ///< CUBLASLT_EPILOGUE_BIAS: D += bias broadcast over rows (of the row-major product)
+  Op ta = Op::n,        ///< op on the row-major A
+      tb = Op::n;       ///< op on the row-major B
+  long long M = 0,      ///< rows of C
+      N = 0,            ///< columns of C
+      K = 0,            ///< the inner dimension
+      lda = 0,          ///< A's row stride, elements
+      ldb = 0,          ///< B's row stride, elements
+      ldc = 0;          ///< C's row stride, elements
+  Out out = Out::bf16;  ///< element type of C
+  bool bias = false;    ///< CUBLASLT_EPILOGUE_BIAS: D += bias broadcast over rows (of the row-major product)
   /// pointer_alignment of the row-major A, B, C and of the bias (1 when there is none).
-  std::uint32_t align_a = 256, align_b = 256, align_c = 256, align_bias = 1;
+  std::uint32_t align_a = 256,
+                align_b = 256,  ///< B's alignment, bytes
+      align_c = 256,            ///< C's alignment, bytes
+      align_bias = 1;           ///< the bias's alignment, bytes (1 without bias)
+  /// Lexicographic order over the fields, in declaration order (and equality).
   friend constexpr auto operator<=>(const GemmKey&, const GemmKey&) = default;
 };
 

@@ -7,6 +7,7 @@
 // GEMMs. The bias epilogue's pointer is the one attribute that changes between calls; it is set
 // on the cached descriptor just before each cublasLtMatmul. A GemmPlans belongs to one device
 // and is used by its one driving thread (backend::Cuda is not shared between threads).
+/// @file
 #pragma once
 
 #include <cublasLt.h>
@@ -46,11 +47,13 @@ inline cublasOperation_t lt_op(Op o) { return o == Op::n ? CUBLAS_OP_N : CUBLAS_
 /// One GEMM's cuBLASLt objects and the heuristic's algorithm. `found` is false when cuBLASLt has
 /// no algorithm for the key (with the bias epilogue, the caller then adds the bias itself).
 struct GemmPlan {
-  ColMajorGemm c;
-  std::unique_ptr<cublasLtMatmulDescOpaque_t, detail::LtDeleter> desc;
-  std::unique_ptr<cublasLtMatrixLayoutOpaque_t, detail::LtDeleter> a, b, d;
-  cublasLtMatmulAlgo_t algo{};
-  bool found = false;
+  ColMajorGemm c;  ///< the product as cuBLASLt sees it (to_column_major of the key's)
+  std::unique_ptr<cublasLtMatmulDescOpaque_t, detail::LtDeleter> desc;  ///< the matmul descriptor
+  std::unique_ptr<cublasLtMatrixLayoutOpaque_t, detail::LtDeleter> a,   ///< cuBLASLt's A layout (bf16)
+      b,                                                                ///< cuBLASLt's B layout (bf16)
+      d;                                                                ///< the layout of C and D (the output type)
+  cublasLtMatmulAlgo_t algo{};  ///< the heuristic's algorithm (valid when `found`)
+  bool found = false;           ///< did cuBLASLt have an algorithm for the key?
 };
 
 /// Builds the plan of `key` (see the file comment): bf16 operands, fp32 compute and scale,
@@ -109,6 +112,7 @@ inline std::unique_ptr<GemmPlan> make_gemm_plan(cublasLtHandle_t lt, const GemmK
 /// The plans of one device, by key.
 class GemmPlans {
  public:
+  /// Plans for handle `lt`, each allowed a workspace of `workspace_bytes`.
   GemmPlans(cublasLtHandle_t lt, std::size_t workspace_bytes) : lt_(lt), workspace_(workspace_bytes) {}
   /// The plan of `key`, built on its first use.
   GemmPlan& get(const GemmKey& key) {
@@ -116,6 +120,7 @@ class GemmPlans {
     if (!p) p = make_gemm_plan(lt_, key, workspace_);
     return *p;
   }
+  /// Plans built so far.
   std::size_t size() const { return plans_.size(); }
 
  private:

@@ -7,6 +7,7 @@
 // and checks the launch. Storage is bf16 for activations (`bf16`), fp32 for parameters,
 // gradients and optimizer state; the updates' arithmetic is backend/update.hpp's. A model's
 // kernels live with the model (models/gpt/kernels.hpp).
+/// @file
 #pragma once
 
 #ifndef PIPEOFFLOAD_WITH_CUDA
@@ -24,11 +25,12 @@
 
 namespace pipeoffload::cuda::kernels {
 
-using bf16 = __nv_bfloat16;
+using bf16 = __nv_bfloat16;  ///< CUDA's bfloat16
 
 // ---- precision ----------------------------------------------------------------------------
 /// Precision conversions (weights: fp32 master -> bf16 working copy; boundaries: bf16 <-> fp32).
 void to_bf16(const float* in, bf16* out, long long count, cudaStream_t stream);
+/// count bf16 values to fp32, enqueued on `stream`.
 void to_float(const bf16* in, float* out, long long count, cudaStream_t stream);
 
 // ---- optimizer -----------------------------------------------------------------------------

@@ -13,6 +13,7 @@
 // hold; arena_bytes_for and pinned_bytes_for give a reservation's totals, so a launcher can
 // size Options::arena_bytes before constructing anything. tests/cuda/test_host.cpp checks them
 // against po::reservation_plan on the CPU.
+/// @file
 #pragma once
 
 #include <cstddef>
@@ -54,8 +55,9 @@ class PoolBook {
   }
   /// Records one block of `bytes` made on demand (a request no free block could serve).
   void add_block(std::size_t bytes) { ++classes_[pool_size_class(bytes)].blocks; }
-  /// Blocks of `bytes`' size class that exist / that were reserved.
+  /// Blocks of `bytes`' size class that exist.
   std::size_t blocks(std::size_t bytes) const { return field(bytes, &Class::blocks); }
+  /// Blocks of `bytes`' size class that were reserved.
   std::size_t reserved(std::size_t bytes) const { return field(bytes, &Class::reserved); }
   /// Bytes of every block that exists.
   std::size_t bytes_held() const {

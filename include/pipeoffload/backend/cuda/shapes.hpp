@@ -8,6 +8,7 @@
 // these functions, and tests/cuda/test_host.cpp calls the same functions on the CPU and
 // checks grids, blocks, shared memory, limits and leading dimensions. No CUDA header here:
 // the file builds and is tested on machines without the toolkit.
+/// @file
 #pragma once
 
 #include <algorithm>
@@ -29,19 +30,21 @@ namespace pipeoffload::cuda {
 /// Threads per block of every kernel. One block per row kernels reduce with
 /// cub::BlockReduce<float, row_block>, whose template argument must be this constant.
 inline constexpr unsigned elementwise_block = 256;
-inline constexpr unsigned row_block = 256;
+inline constexpr unsigned row_block = 256;  ///< threads per block of the one-block-per-row kernels
 /// Grid-stride kernels use at most this many blocks: enough to fill any GPU we target
 /// (B200: 148 SMs x 8 resident blocks of 256 threads = 1184) several times over, small enough
 /// that a launch never approaches gridDim.x's limit; the loop covers the rest.
 inline constexpr unsigned max_grid = 8192;
 /// CUDA's limit on gridDim.x (2^31 - 1) and on threads per block.
 inline constexpr long long grid_x_limit = 2147483647LL;
-inline constexpr unsigned block_limit = 1024;
+inline constexpr unsigned block_limit = 1024;  ///< CUDA's limit on threads per block
 
+/// A kernel's launch configuration: grid, block and dynamic shared memory.
 struct Launch {
   unsigned grid = 0;       ///< blocks (gridDim.x); 0 means "nothing to do, do not launch"
   unsigned block = 0;      ///< threads per block (blockDim.x)
   std::size_t shared = 0;  ///< dynamic shared memory bytes
+  /// Field-by-field equality.
   friend constexpr bool operator==(const Launch&, const Launch&) = default;
 };
 
@@ -74,7 +77,8 @@ constexpr Launch per_row_launch(long long rows, long long cols) {
 /// thread per column (which leaves most of the GPU idle for a (4096, 4096) gradient), and each
 /// warp reads column_tile adjacent values of one row (coalesced).
 inline constexpr unsigned column_tile = 32;
-inline constexpr unsigned column_lanes = 32;
+inline constexpr unsigned column_lanes = 32;  ///< threads that share one column, each summing every column_lanes-th row
+/// The launch of the column sums of `cols` columns: ceil(cols / column_tile) blocks.
 constexpr Launch column_sum_launch(long long cols) {
   if (cols < 0) throw shape_error("cuda::column_sum_launch: cols = " + pipeoffload::detail::num(cols) + " is negative");
   if (cols == 0) return {};
@@ -98,8 +102,9 @@ constexpr Launch column_sum_launch(long long cols) {
 // bucket groups: 4096 columns give 512 blocks of 256 threads, where one thread per column gave
 // 16 blocks, each thread walking every row. The position table's gradient is a plain
 // elementwise loop: cell (p, c) adds rows b * seq + p, b = 0, 1, ... in order.
+/// Token buckets: bucket k holds the tokens t with t % embedding_buckets == k.
 inline constexpr unsigned embedding_buckets = 32;
-inline constexpr unsigned embedding_warps = 8;
+inline constexpr unsigned embedding_warps = 8;  ///< warps per block, one bucket each
 
 /// Blocks: tile + tiles * group for column tile `tile` and bucket group `group`.
 constexpr Launch embedding_table_grad_launch(long long h) {
@@ -115,9 +120,12 @@ constexpr Launch embedding_table_grad_launch(long long h) {
 
 /// The thread that owns cell (token, column c) of the table's gradient, h columns wide.
 struct CellOwner {
-  unsigned block = 0, thread = 0;
+  unsigned block = 0,  ///< the owning thread's block (blockIdx.x)
+      thread = 0;      ///< the owning thread within that block (threadIdx.x)
+  /// Field-by-field equality.
   friend constexpr bool operator==(const CellOwner&, const CellOwner&) = default;
 };
+/// The thread that owns cell (token, column c) of a table h columns wide.
 constexpr CellOwner embedding_cell_owner(int token, long long c, long long h) {
   const long long tiles = (h + column_tile - 1) / column_tile;
   const unsigned k = static_cast<unsigned>(token) % embedding_buckets;
@@ -126,9 +134,10 @@ constexpr CellOwner embedding_cell_owner(int token, long long c, long long h) {
 }
 /// The bucket and column thread `thread` of block `block` owns (embedding_cell_owner's inverse).
 struct OwnedCells {
-  unsigned bucket = 0;
-  long long column = 0;
+  unsigned bucket = 0;   ///< k: the thread owns the cells of the tokens with token % embedding_buckets == k
+  long long column = 0;  ///< the table column (0 .. h-1) the thread adds into
 };
+/// The bucket and column thread `thread` of block `block` owns, for a table h columns wide.
 PIPEOFFLOAD_HOST_DEVICE constexpr OwnedCells embedding_owned(unsigned block, unsigned thread, long long h) {
   const long long tiles = (h + column_tile - 1) / column_tile;
   return {static_cast<unsigned>(block / tiles) * embedding_warps + thread / column_tile,
@@ -158,8 +167,9 @@ static_assert(elementwise_launch(1LL << 40).grid == max_grid);
 // groups reduce in one launch and a 100M-value group uses 24k blocks, not one. A float's
 // square is exact in fp64, so a fused multiply-add gives the same bits as a multiply and add.
 
-inline constexpr unsigned norm_block = 256;
-inline constexpr unsigned norm_per_thread = 16;
+inline constexpr unsigned norm_block = 256;      ///< threads per block of both reductions (a power of two)
+inline constexpr unsigned norm_per_thread = 16;  ///< values each thread sums per block
+/// Values one block covers: norm_block * norm_per_thread.
 inline constexpr long long norm_chunk = static_cast<long long>(norm_block) * norm_per_thread;
 static_assert((norm_block & (norm_block - 1)) == 0 && norm_block <= block_limit,
               "The norm's pairwise tree needs a power-of-two block of at most 1024 threads.");
@@ -167,9 +177,11 @@ static_assert((norm_block & (norm_block - 1)) == 0 && norm_block <= block_limit,
 /// Which blocks reduce which group: group k's are [first_block[k], first_block[k + 1]).
 struct NormPlan {
   std::vector<long long> first_block;  ///< groups + 1 entries, nondecreasing
+  /// Thread blocks in all, over every group (the first launch's grid).
   long long blocks() const { return first_block.empty() ? 0 : first_block.back(); }
 };
 
+/// The blocks of groups of these sizes: ceil(n / norm_chunk) for a group of n values.
 inline NormPlan sum_squares_plan(std::span<const std::size_t> groups) {
   NormPlan p;
   p.first_block.reserve(groups.size() + 1);
@@ -206,12 +218,14 @@ inline std::size_t norm_buffer_bytes(std::span<const std::size_t> groups) {
          static_cast<std::size_t>(sum_squares_plan(groups).blocks()) * sizeof(double) + g * sizeof(double);
 }
 
+/// The first launch: `blocks` blocks of norm_block threads, one per chunk of a group.
 constexpr Launch norm_partials_launch(long long blocks) {
   if (blocks < 0 || blocks > grid_x_limit)
     throw shape_error("cuda::norm_partials_launch: blocks = " + pipeoffload::detail::num(blocks) +
                       " is outside the allowed range [0, 2147483647]");
   return {static_cast<unsigned>(blocks), norm_block, 0};
 }
+/// The second launch: one block of norm_block threads per group, over its partials.
 constexpr Launch norm_groups_launch(long long groups) { return norm_partials_launch(groups); }
 
 /// Thread `lane`'s sum over block `j` of a group of n values at x (see above).
@@ -289,15 +303,23 @@ static_assert(nonfinite_word(std::uint32_t{0x7fc00000u}, std::uint32_t{0x7f80000
 
 // ---- GEMM layouts -------------------------------------------------------------------------
 
+/// A GEMM operand as stored (n) or transposed (t).
 enum class Op : std::uint8_t { n, t };  ///< as stored, or transposed
 
 /// A row-major GEMM as the CPU model calls OpenBLAS (backend/cpu/blas.hpp):
 /// C[M x N] = alpha * op(A)[M x K] * op(B)[K x N] + beta * C, with row strides lda, ldb, ldc.
 struct RowMajorGemm {
-  Op ta = Op::n, tb = Op::n;
-  long long M = 0, N = 0, K = 0;
-  long long lda = 0, ldb = 0, ldc = 0;
-  float alpha = 1, beta = 0;
+  Op ta = Op::n,      ///< op on A
+      tb = Op::n;     ///< op on B
+  long long M = 0,    ///< rows of C and of op(A)
+      N = 0,          ///< columns of C and of op(B)
+      K = 0;          ///< the inner dimension: columns of op(A), rows of op(B)
+  long long lda = 0,  ///< A's row stride, elements
+      ldb = 0,        ///< B's row stride, elements
+      ldc = 0;        ///< C's row stride, elements
+  float alpha = 1,    ///< scale on op(A) op(B)
+      beta = 0;       ///< scale on the C already there (0: C is overwritten)
+  /// Field-by-field equality.
   friend constexpr bool operator==(const RowMajorGemm&, const RowMajorGemm&) = default;
 };
 
@@ -306,13 +328,24 @@ struct RowMajorGemm {
 /// our B and its B our A, m = N, n = M, k = K. `a_rows x a_cols` is how cuBLASLt's A is
 /// stored (column-major, ld >= rows), likewise B and C; those are the matrix layouts to create.
 struct ColMajorGemm {
-  Op transa = Op::n, transb = Op::n;
-  long long m = 0, n = 0, k = 0;
-  long long a_rows = 0, a_cols = 0, lda = 0;  ///< cuBLASLt's A = the row-major B
-  long long b_rows = 0, b_cols = 0, ldb = 0;  ///< cuBLASLt's B = the row-major A
-  long long c_rows = 0, c_cols = 0, ldc = 0;
-  bool swapped = true;  ///< A pointer is the row-major B (always, see above)
-  float alpha = 1, beta = 0;
+  Op transa = Op::n,     ///< op on cuBLASLt's A (the row-major tb)
+      transb = Op::n;    ///< op on cuBLASLt's B (the row-major ta)
+  long long m = 0,       ///< rows of cuBLASLt's C (= N)
+      n = 0,             ///< columns of cuBLASLt's C (= M)
+      k = 0;             ///< the inner dimension (= K)
+  long long a_rows = 0,  ///< rows of cuBLASLt's A as stored (column-major)
+      a_cols = 0,        ///< columns of cuBLASLt's A as stored
+      lda = 0;           ///< cuBLASLt's A = the row-major B; its leading dimension, elements
+  long long b_rows = 0,  ///< rows of cuBLASLt's B as stored (column-major)
+      b_cols = 0,        ///< columns of cuBLASLt's B as stored
+      ldb = 0;           ///< cuBLASLt's B = the row-major A; its leading dimension, elements
+  long long c_rows = 0,  ///< rows of cuBLASLt's C as stored (column-major)
+      c_cols = 0,        ///< columns of cuBLASLt's C as stored
+      ldc = 0;           ///< C's leading dimension, elements
+  bool swapped = true;   ///< A pointer is the row-major B (always, see above)
+  float alpha = 1,       ///< scale on op(A) op(B)
+      beta = 0;          ///< scale on the C already there (0: C is overwritten)
+  /// Field-by-field equality.
   friend constexpr bool operator==(const ColMajorGemm&, const ColMajorGemm&) = default;
 };
 
@@ -391,14 +424,18 @@ constexpr long long stored_elements(long long rows, long long cols, long long ld
 /// (b*s, h) output, and of the (B, heads, S, 1) fp32 log-sum-exp statistics, which is the CPU
 /// model's lse layout (b, a, s).
 struct SdpaLayout {
-  long long dims[4] = {};
-  long long qkv_strides[4] = {};
-  long long q_offset = 0, k_offset = 0, v_offset = 0;  ///< elements from the qkv base
-  long long out_strides[4] = {};
-  long long stats_dims[4] = {};
-  long long stats_strides[4] = {};
+  long long dims[4] = {};           ///< (B, heads, S, head_dim) of Q, K, V and the output
+  long long qkv_strides[4] = {};    ///< strides, elements, of Q, K and V inside the qkv tensor
+  long long q_offset = 0,           ///< Q's first element from the qkv base (0)
+      k_offset = 0,                 ///< K's first element from the qkv base (h)
+      v_offset = 0;                 ///< V's first element from the qkv base (2h)
+  long long out_strides[4] = {};    ///< strides, elements, of the (b*s, h) output
+  long long stats_dims[4] = {};     ///< (B, heads, S, 1) of the log-sum-exp statistics
+  long long stats_strides[4] = {};  ///< strides, elements, of the statistics
 };
 
+/// The layout of one SDPA call; throws shape_error for a size < 1 or head_dim not a multiple
+/// of 8 in [8, 256].
 constexpr SdpaLayout sdpa_layout(long long batch, long long heads, long long seq, long long head_dim) {
   if (batch < 1 || heads < 1 || seq < 1 || head_dim < 1)
     throw shape_error("cuda::sdpa_layout: batch, heads, seq and head_dim must be >= 1");
@@ -429,9 +466,11 @@ constexpr SdpaLayout sdpa_layout(long long batch, long long heads, long long seq
 
 /// A byte range of a buffer.
 struct Region {
-  std::size_t offset = 0;
-  std::size_t bytes = 0;
+  std::size_t offset = 0;  ///< first byte, from the buffer's start
+  std::size_t bytes = 0;   ///< length, bytes
+  /// One past the last byte, from the buffer's start.
   constexpr std::size_t end() const { return offset + bytes; }
+  /// Field-by-field equality.
   friend constexpr bool operator==(const Region&, const Region&) = default;
 };
 
@@ -440,17 +479,20 @@ struct Region {
 /// buffer from either is aligned.
 inline constexpr std::size_t region_alignment = 256;
 
+/// n rounded up to a multiple of a.
 constexpr std::size_t align_up(std::size_t n, std::size_t a = region_alignment) { return (n + a - 1) / a * a; }
 
 /// Lays regions out one after another, each starting aligned.
 struct RegionCarver {
-  std::size_t top = 0;
+  std::size_t top = 0;  ///< bytes laid out so far (the end of the last region, unaligned)
+  /// The next region of `bytes` bytes, starting at `top` rounded up to region_alignment.
   constexpr Region take(std::size_t bytes) {
     top = align_up(top);
     const Region r{top, bytes};
     top += bytes;
     return r;
   }
+  /// Bytes the buffer needs for every region taken: `top` rounded up to region_alignment.
   constexpr std::size_t total() const { return align_up(top); }
 };
 

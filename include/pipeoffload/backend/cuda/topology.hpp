@@ -7,6 +7,7 @@
 // /sys/devices/pci0000:00/<root port>/<switch upstream>/<switch downstream>/<gpu>), so a CPU
 // test can check the decision with fabricated paths. backend/cuda/device.hpp reads the real
 // paths (cudaDeviceGetPCIBusId + realpath).
+/// @file
 #pragma once
 
 #include <algorithm>
@@ -49,7 +50,7 @@ struct Pairing {
   std::vector<int> device_of_rank;   ///< rank r runs on this CUDA device
   std::vector<int> partner_of_rank;  ///< r^1 when both share a switch, else -1
   bool stagger_pairs = false;        ///< every rank has a partner (Costs::stagger_pairs)
-  int pairs = 0;
+  int pairs = 0;                     ///< PCIe pairs formed
 };
 
 /// Pairs GPUs that share a switch, in device order within each switch; places each pair on

@@ -23,13 +23,16 @@
 //     (MpiSession::abort_job); a rank killed outright is reported by mpirun, which ends the rest.
 // Needs MPI_THREAD_MULTIPLE: the runtime's comm stream, its host thread and a failing stream's
 // error hook may all call into the communicator at once.
+/// @file
 #pragma once
 
 // Only MPI's C API is used; its deprecated C++ bindings do not compile warning-free.
 #ifndef OMPI_SKIP_MPICXX
+/// Keeps Open MPI's C++ bindings out of mpi.h.
 #define OMPI_SKIP_MPICXX 1
 #endif
 #ifndef MPICH_SKIP_MPICXX
+/// Keeps MPICH's C++ bindings out of mpi.h.
 #define MPICH_SKIP_MPICXX 1
 #endif
 #include <mpi.h>
@@ -115,6 +118,7 @@ class Backoff {
 /// @endcode
 class MpiSession {
  public:
+  /// Initializes MPI (unless it already is); throws comm_error if MPI lacks MPI_THREAD_MULTIPLE.
   MpiSession(int& argc, char**& argv) {
     int inited = 0, provided = 0;
     PIPEOFFLOAD_MPI_CHECK(-1, MPI_Initialized(&inited));
@@ -138,8 +142,11 @@ class MpiSession {
     if (owner_ && MPI_Finalized(&finalized) == MPI_SUCCESS && !finalized) MPI_Finalize();
   }
 
+  /// This process's rank in MPI_COMM_WORLD.
   int rank() const { return rank_; }
+  /// Processes in MPI_COMM_WORLD.
   int size() const { return size_; }
+  /// This process's host name (MPI_Get_processor_name).
   std::string host() const { return detail::mpi_host(); }
 
   /// Ends every process of the job with `code` (MPI_Abort on MPI_COMM_WORLD): the only way
@@ -197,6 +204,7 @@ struct MpiAbort {
 /// @endcode
 class Mpi {
  public:
+  /// How the communicator waits and which group it spans.
   struct Options {
     /// How long a send, recv or collective may wait for its peer before it fails with a
     /// message naming the op and the peer (a peer that died or hangs).
@@ -207,6 +215,7 @@ class Mpi {
   };
 
   Mpi() : Mpi(Options{}) {}
+  /// Duplicates Options::parent (collective over it); throws comm_error for a timeout <= 0.
   explicit Mpi(Options opt) : opt_(opt) {
     if (!(opt.timeout_seconds > 0))
       throw comm_error("comm::Mpi: timeout_seconds = " + std::to_string(opt.timeout_seconds) + " must be > 0");
@@ -243,9 +252,13 @@ class Mpi {
       MPI_Comm_free(&comm_);
   }
 
+  /// This process's rank in the communicator.
   int rank() const { return rank_; }
+  /// Ranks in the communicator.
   int size() const { return size_; }
+  /// The private MPI communicator underneath.
   MPI_Comm native() const { return comm_; }
+  /// The options it was constructed with.
   const Options& options() const { return opt_; }
   /// This process's rank in the job (the first communicator's Options::parent), the rank that
   /// abort notes and aborted_error name.
@@ -449,6 +462,7 @@ class Mpi {
     std::lock_guard lk(state_->mu);
     return state_->aborted ? state_->origin : -1;
   }
+  /// Has this communicator (or one sharing its abort) been aborted, here or by a note?
   bool aborted() const {
     std::lock_guard lk(state_->mu);
     return state_->aborted;

@@ -6,6 +6,7 @@
 // travels as comm/nccl/id_file.hpp's NcclIdBytes, so this header needs no NCCL and is tested
 // on the CPU (tests/mpi/test_mpi.cpp). A rank that never joins fails the broadcast after the
 // communicator's timeout instead of hanging ncclCommInitRank.
+/// @file
 #pragma once
 
 #include <span>

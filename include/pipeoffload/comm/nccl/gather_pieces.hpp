@@ -6,6 +6,7 @@
 // kernel may be running. A gather of `block` bytes per rank that does not fit runs as
 // consecutive ncclAllGathers of at most `piece` bytes per rank; every rank computes the same
 // pieces from the same block size, so they issue the same collectives in the same order.
+/// @file
 #pragma once
 
 #include <cstddef>
@@ -18,8 +19,9 @@ namespace pipeoffload::comm {
 
 /// Bytes [offset, offset + bytes) of every rank's block travel in one ncclAllGather.
 struct GatherPiece {
-  std::size_t offset = 0;
-  std::size_t bytes = 0;
+  std::size_t offset = 0;  ///< first byte of the piece within each rank's block
+  std::size_t bytes = 0;   ///< length of the piece, bytes
+  /// Field-by-field equality.
   friend constexpr bool operator==(const GatherPiece&, const GatherPiece&) = default;
 };
 

@@ -8,6 +8,7 @@
 // generation number (the job's, chosen by the launcher) so that a stale id left by an earlier
 // job is refused instead of hanging ncclCommInitRank. No NCCL header: tests/cuda checks the
 // protocol on any machine.
+/// @file
 #pragma once
 
 #include <unistd.h>
@@ -27,8 +28,9 @@ namespace pipeoffload::comm {
 
 /// NCCL_UNIQUE_ID_BYTES (nccl.h); checked against ncclUniqueId in comm/nccl/nccl.hpp.
 inline constexpr std::size_t nccl_id_bytes = 128;
-using NcclIdBytes = std::array<unsigned char, nccl_id_bytes>;
+using NcclIdBytes = std::array<unsigned char, nccl_id_bytes>;  ///< an ncclUniqueId's bytes
 
+/// The first line of an id file.
 inline constexpr const char* id_file_magic = "pipeoffload-nccl-id v1";
 
 /// File text: magic line, "generation <g>", one line of 256 hex digits.

@@ -42,6 +42,7 @@
 // ncclGetUniqueId published through comm/nccl/id_file.hpp or broadcast over MPI). The groups
 // of a grid of pipeline replicas: NcclWorld::split (ncclCommSplit, NCCL >= 2.18). Every NCCL
 // call is checked; errors carry rank, host and ncclGetLastError.
+/// @file
 #pragma once
 
 #include <nccl.h>
@@ -251,6 +252,7 @@ class NcclWorld {
     cudaGetLastError();
   }
 
+  /// Ranks in the world.
   int size() const { return size_; }
   /// The communicator of `rank`, which this process must drive.
   ncclComm_t comm(int rank) const { return comms_[index(rank)]; }
@@ -326,7 +328,9 @@ class NcclWorld {
     }
     abort_->cv.notify_all();
   }
+  /// Has the world been aborted?
   bool aborted() const { return abort_->aborted.load(); }
+  /// Throws aborted_error naming the abort's reason.
   [[noreturn]] void throw_aborted() const {
     std::lock_guard lk(abort_->mu);
     throw aborted_error("aborted: " + abort_->reason);
@@ -425,6 +429,7 @@ class NcclWorld {
 /// posts the calls and runs dev.synchronize(), whose waits poll this communicator).
 class Nccl {
  public:
+  /// Sizes of the communicator's staging buffers.
   struct Options {
     std::size_t max_messages_per_step = 1 << 16;  ///< tag headers kept between two all_gathers
     /// The host all_gather's staging, device and pinned host (twice), allocated here: a gather
@@ -432,7 +437,10 @@ class Nccl {
     std::size_t gather_bytes = std::size_t{4} << 20;
   };
 
+  /// Rank `rank` of `world` on `dev`, with default Options.
   Nccl(std::shared_ptr<NcclWorld> world, int rank, backend::Cuda& dev) : Nccl(std::move(world), rank, dev, Options{}) {}
+  /// Rank `rank` of `world` on `dev`: allocates the staging buffers (device and pinned host) and
+  /// registers a wait poll on `dev`; throws comm_error when gather_bytes < size().
   Nccl(std::shared_ptr<NcclWorld> world, int rank, backend::Cuda& dev, Options opt)
       : w_(std::move(world)), rank_(rank), dev_(&dev), opt_(opt) {
     comm_ = w_->comm(rank);
@@ -476,7 +484,9 @@ class Nccl {
     cudaGetLastError();
   }
 
+  /// This communicator's rank.
   int rank() const { return rank_; }
+  /// Ranks in the world.
   int size() const { return w_->size(); }
 
   /// Enqueues `data` (device memory, any element type) to `peer` on ctx's stream.
