@@ -1,6 +1,6 @@
 // pipeoffload/schedule/detail/greedy.hpp: step 1 of build() for the zero-bubble families: ZB-H1's
 // orders (1F1B with deferred W passes), V-Min's (a periodic pattern), ZB-V's (a unit-slot list
-// schedule with a per-rank warmup limit, order_zb_v), V-Half's (a periodic pattern, squeezed,
+// schedule, forwards first within a per-rank warmup limit, order_zb_v), V-Half's (a periodic pattern, squeezed,
 // order_v_half), and for ZB-H2 each rank's order from a memory-capped list schedule; ZB-V and
 // V-Half fall back to that list schedule should their construction not finish.
 //
@@ -252,20 +252,20 @@ constexpr void clear_orders(Program& p) {
 
 /// ZB-V's orders (v = 2 on the V placement, cap 2d units), built on a grid of unit slots
 /// (T_F = T_B = T_W = 1, no hop time), whatever the costs: the orders are a valid execution
-/// there, so their ASAP run under any costs finishes. At each slot every idle rank starts the
-/// first of:
-///   1. a ready B: the lowest microbatch, then the higher stage (chunk 1);
-///   2. a ready chunk-1 F (it brings a microbatch closer to its backward), if a unit is free;
-///   3. its oldest pending W;
-///   4. a ready chunk-0 F, if two units are free (its own and its chunk-1 F's) and the rank
-///      is fewer than 2(d - r) - 1 microbatches ahead in chunk 0 of chunk 1.
-/// The last rule is the warmup: rank r runs up to 2(d-r)-1 first-chunk forwards before its
-/// first second-chunk forward arrives (d - 1 - r slots down the ranks and d - r back up),
-/// which fills the slots until then on every rank; from then on a rank starts a new
-/// microbatch only when it has no W left, so the held units stay at the cap. Under unit costs
-/// this reaches the lower bound 6m + d - 1 (the last rank starts at d - 1 and has 6m passes) on
-/// every shape of the grid in bench/RESULTS.md. Returns false, leaving the orders empty, if a
-/// slot passes with every rank idle and passes left (never for d 1..12, m 1..48).
+/// there, so their ASAP run under any costs finishes. At each slot every rank starts the first
+/// of:
+///   1. a ready chunk-0 F, if two units are free (its own and its chunk-1 F's) and the rank is
+///      fewer than 2(d - r) - 1 microbatches ahead in chunk 0 of chunk 1;
+///   2. a ready chunk-1 F, if a unit is free;
+///   3. a ready B: the lowest microbatch, then the higher stage (chunk 1);
+///   4. its oldest pending W.
+/// Forwards first, within the memory: rank r's first chunk-1 forward arrives 2(d - r) - 1
+/// slots after its first chunk-0 forward (d - 1 - r ranks down, d - r back up), so the limit
+/// fills the warmup with forwards and no more; once the rank holds its cap, a new microbatch
+/// waits for W passes, which run in the slots no F or B can use. Under unit costs this reaches
+/// the lower bound 6m + d - 1 (the last rank starts at d - 1 and has 6m passes) whenever d
+/// divides m (so on the whole grid of bench/RESULTS.md). Returns false, leaving the orders
+/// empty, if a slot passes with every rank idle and passes left (never for d 1..12, m 1..48).
 constexpr bool order_zb_v(Program& p) {
   const Shape sh = p.shape;
   const int d = sh.d, m = sh.m, S = sh.stages();
@@ -292,32 +292,31 @@ constexpr bool order_zb_v(Program& p) {
       auto& ops = p.ranks[static_cast<std::size_t>(r)].compute;
       Op pick{};
       bool found = false;
-      for (int c = 1; c >= 0; --c) {  // 1. a ready B, chunk 1 (the higher stage) first on a tie
-        const int mb = R.next_b[c];
-        if (mb >= m) continue;
-        const int s = sh.stage_of(r, c);
-        if (!done(fend[unit(s, mb)], t) || (s < S - 1 && !done(bend[unit(s + 1, mb)], t))) continue;
-        if (!found || mb < pick.mb) {
-          pick = Op{OpKind::B, s, mb};
-          found = true;
-        }
-      }
       const auto ready_f = [&](int c) {
         const int mb = R.next_f[c];
         if (mb >= m) return false;
         const int s = sh.stage_of(r, c);
         return s == 0 || done(fend[unit(s - 1, mb)], t);
       };
+      if (ready_f(0) && R.held + 2 <= cap && R.next_f[0] - R.next_f[1] < 2 * (d - r) - 1) {
+        pick = Op{OpKind::F, sh.stage_of(r, 0), R.next_f[0]};  // 1. a chunk-0 F
+        found = true;
+      }
       if (!found && ready_f(1) && R.held + 1 <= cap) {  // 2. a chunk-1 F
         pick = Op{OpKind::F, sh.stage_of(r, 1), R.next_f[1]};
         found = true;
       }
-      if (!found && R.w_head < R.pending_w.size()) {  // 3. the oldest W
+      if (!found)
+        for (int c = 1; c >= 0; --c) {  // 3. a ready B: the lowest microbatch, chunk 1 on a tie
+          const int mb = R.next_b[c];
+          if (mb >= m || (found && mb >= pick.mb)) continue;
+          const int s = sh.stage_of(r, c);
+          if (!done(fend[unit(s, mb)], t) || (s < S - 1 && !done(bend[unit(s + 1, mb)], t))) continue;
+          pick = Op{OpKind::B, s, mb};
+          found = true;
+        }
+      if (!found && R.w_head < R.pending_w.size()) {  // 4. the oldest W
         pick = R.pending_w[R.w_head++];
-        found = true;
-      }
-      if (!found && ready_f(0) && R.held + 2 <= cap && R.next_f[0] - R.next_f[1] < 2 * (d - r) - 1) {
-        pick = Op{OpKind::F, sh.stage_of(r, 0), R.next_f[0]};  // 4. a chunk-0 F
         found = true;
       }
       if (!found) continue;
