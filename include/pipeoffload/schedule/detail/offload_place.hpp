@@ -22,7 +22,7 @@ namespace detail {
 struct OffloadScratch {
   std::vector<int> fidx, bidx, forder, border, nf, nb, ridx, owner;
   std::vector<long long> oslot, rslot;
-  std::vector<double> gaps;
+  std::vector<double> gaps, cend;
   std::vector<char> want;
   std::vector<std::pair<double, int>> life;
   std::vector<int> chunks;
@@ -185,7 +185,10 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
   // The copy stream in slot order, and the cross-stream edges. A compute op waits for every
   // offload that ends before it starts in the plan (so a release planned earlier also
   // happens earlier); a reload waits for every compute op that ends before it starts there;
-  // a backward waits for its own reload.
+  // a backward waits for its own reload. "In the plan": the copy stream's ASAP run against
+  // the planned compute times, as simulate() runs it (each copy after the one before and the
+  // compute op it waits for), which ends each copy no later than its slot: the plan's peak is
+  // that run's, so an offload that ends early there must end before the op there too.
   std::size_t ncopy = 0;
   for (std::size_t u = 0; u < units; ++u) ncopy += oslot[u] >= 0 ? 2 : 0;
   rp.copy.reserve(ncopy);
@@ -217,10 +220,17 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
   const int nk = static_cast<int>(rp.copy.size());
   Op* const cmp = rp.compute.data();
   const Op* const cpy = rp.copy.data();
-  const long long* const cslot = rp.copy_slot.data();
+  auto& cend = ws.cend;
+  cend.resize(static_cast<std::size_t>(nk));
+  double kfree = 0;
+  for (int q = 0; q < nk; ++q) {
+    const Op& op = cpy[q];
+    const double ready = op.wait >= 0 ? std::max(kfree, pe[static_cast<std::size_t>(op.wait)]) : kfree;
+    kfree = cend[static_cast<std::size_t>(q)] = ready + p.costs.T_O(op.stage);
+  }
   int last_o = -1, k = 0;
   for (int y = 0; y < nc; ++y) {
-    while (k < nk && static_cast<double>(cslot[k] + 1) * T <= ps[static_cast<std::size_t>(y)] + eps) {
+    while (k < nk && cend[static_cast<std::size_t>(k)] <= ps[static_cast<std::size_t>(y)] + eps) {
       if (cpy[k].kind == OpKind::O) last_o = k;
       ++k;
     }
