@@ -221,10 +221,8 @@ constexpr void build_into(Program& p, const ScheduleSpec& spec, const Shape& sha
       detail::order_greedy(p, costs, detail::greedy_cap(spec.family, d));
       break;
     case Family::zb_v:
-      if (!detail::order_zb_v(p)) detail::order_greedy(p, costs, detail::greedy_cap(spec.family, d));
-      break;
     case Family::v_half:
-      if (!detail::order_v_half(p)) detail::order_greedy(p, costs, detail::greedy_cap(spec.family, d));
+      detail::order_v_family(p, costs, spec.family);
       break;
   }
   // Every other family plans on its compute-only ASAP timeline. Both timelines meet every

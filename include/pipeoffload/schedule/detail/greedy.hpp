@@ -1,8 +1,9 @@
 // pipeoffload/schedule/detail/greedy.hpp: step 1 of build() for the zero-bubble families: ZB-H1's
 // orders (1F1B with deferred W passes), V-Min's (a periodic pattern), ZB-V's (a unit-slot list
-// schedule, forwards first within a per-rank warmup limit, order_zb_v), V-Half's (a periodic pattern, squeezed,
-// order_v_half), and for ZB-H2 each rank's order from a memory-capped list schedule; ZB-V and
-// V-Half fall back to that list schedule should their construction not finish.
+// schedule, forwards first within a per-rank warmup limit, order_zb_v), V-Half's (a periodic
+// pattern, squeezed, order_v_half), and for ZB-H2 each rank's order from a memory-capped list
+// schedule. ZB-V and V-Half take their construction or that list schedule, whichever runs
+// faster under the costs (order_v_family).
 //
 // The list schedule is run forward in time under the cost model (T_F, T_B, T_W per stage, T_comm
 // per hop between ranks) and each rank, whenever it is free, starts (README, "Zero-bubble families"):
@@ -32,6 +33,7 @@
 
 #include "../program.hpp"
 #include "asap.hpp"
+#include "numeric.hpp"
 
 namespace pipeoffload::detail {
 
@@ -514,6 +516,45 @@ constexpr bool order_v_half(Program& p) {
     left -= placed;
   }
   return true;
+}
+
+/// Makespan of the ASAP run of p's compute orders under `costs` (copy streams ignored).
+constexpr double compute_makespan(const Program& p, const Costs& costs) {
+  const std::vector<double> dur = duration_table(costs, p.shape.stages());
+  std::vector<std::vector<double>> starts(p.ranks.size());
+  std::vector<TimesOut> out(p.ranks.size());
+  for (std::size_t r = 0; r < p.ranks.size(); ++r) {
+    starts[r].resize(p.ranks[r].compute.size());
+    out[r].compute_start = starts[r].data();
+  }
+  std::vector<UnitEnds> ends = asap_scratch(p);
+  asap_into<false>(p, costs, dur, out.data(), ends);
+  double span = 0;
+  for (std::size_t r = 0; r < p.ranks.size(); ++r)
+    if (!starts[r].empty())
+      span = std::max(span, starts[r].back() + table_duration(dur.data(), p.ranks[r].compute.back()));
+  return span;
+}
+
+/// ZB-V's or V-Half's orders (`f`): the family's construction (order_zb_v, order_v_half, on
+/// unit slots) or the list schedule of order_greedy under `costs` with the family's cap,
+/// whichever's ASAP run under `costs` ends first, the construction on a tie (within 1e-9);
+/// the list schedule alone if the construction does not finish. Both keep the cap. Under
+/// unit costs the construction wins on the grid of bench/RESULTS.md; under other costs (an
+/// LM head's stage slower than the rest, hops that take time) the list schedule, which
+/// follows the costs, may.
+constexpr void order_v_family(Program& p, const Costs& costs, Family f) {
+  const int cap = greedy_cap(f, p.shape.d);
+  if (!(f == Family::zb_v ? order_zb_v(p) : order_v_half(p))) {
+    order_greedy(p, costs, cap);
+    return;
+  }
+  const double span = compute_makespan(p, costs);
+  std::vector<std::vector<Op>> kept(p.ranks.size());
+  for (std::size_t r = 0; r < p.ranks.size(); ++r) kept[r].swap(p.ranks[r].compute);
+  order_greedy(p, costs, cap);
+  if (compute_makespan(p, costs) < span - tolerance(span)) return;
+  for (std::size_t r = 0; r < p.ranks.size(); ++r) p.ranks[r].compute.swap(kept[r]);
 }
 
 }  // namespace pipeoffload::detail
