@@ -222,9 +222,11 @@ constexpr void build_into(Program& p, const ScheduleSpec& spec, const Shape& sha
       detail::order_dualpipe_v(p);
       break;
     case Family::zb_h2:
+      detail::order_greedy(p, costs, detail::greedy_cap(spec.family, d));
+      break;
     case Family::zb_v:
     case Family::v_half:
-      detail::order_greedy(p, costs, detail::greedy_cap(spec.family, d));
+      detail::order_v_family(p, costs, spec.family);
       break;
   }
   // Every other family plans on its compute-only ASAP timeline. Both timelines meet every
