@@ -20,13 +20,15 @@ enum class Family : std::uint8_t {
   interleaved_1f1b,  ///< Megatron's interleaved 1F1B: fused backward, warmup d(v-1)+2(d-i)-1.
   grouped,           ///< GIS(g) building block (split B/W); g = 1 is PipeOffload's uniform repeat.
   // The zero-bubble families (split B/W; README, "Zero-bubble families"). ZB-H1 is 1F1B with
-  // deferred W passes, V-Min a periodic pattern; the others are a memory-capped list schedule:
-  // every rank runs, whenever it is free, a ready B, else a ready F that keeps its units (and
-  // those its microbatches in flight still need) within the cap, else its oldest pending W.
+  // deferred W passes, V-Min a periodic pattern, DualPipeV DeepSeek's fixed steps; ZB-H2 is a
+  // memory-capped list schedule (every rank runs, whenever it is free, a ready B, else a ready F
+  // that keeps its units, and those its microbatches in flight still need, within the cap, else
+  // its oldest pending W); ZB-V and V-Half are constructions on unit slots, or that list
+  // schedule with their cap where it runs faster under the costs.
   zb_h1,   ///< ZB-H1: v = 1, peak d units (1F1B's rank-0 peak), bubble (d-1)(T_F+T_B-T_W).
   zb_h2,   ///< ZB-H2: v = 1, cap 2d units, rank 0's warmup bubble filled with forwards.
   zb_v,    ///< ZB-V: v = 2 on the V placement, cap 2d units (1F1B's peak in bytes).
-  v_half,  ///< V-Half: v = 2 on the V placement, cap d + 2 units.
+  v_half,  ///< V-Half: v = 2 on the V placement, cap d + 2 units (d + 1 for odd d).
   v_min,   ///< V-Min: v = 2 on the V placement, peak 2*floor((d+1)/3) + 2 units (a third of 1F1B).
   /// DualPipeV (DeepSeek's order, "cut in half" onto the V placement): v = 2, m >= 2d, a fixed
   /// eight-step order per rank whose steady state pairs a forward of one microbatch with the full
