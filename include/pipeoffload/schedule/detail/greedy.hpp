@@ -1,5 +1,5 @@
 // pipeoffload/schedule/detail/greedy.hpp: step 1 of build() for the zero-bubble families: ZB-H1's
-// orders (1F1B with deferred W passes), V-Min's (a periodic pattern), DualPipeV's (DeepSeek's
+// orders (1F1B with deferred W passes), V-Min's (a periodic pattern, squeezed), DualPipeV's (DeepSeek's
 // eight steps, order_dualpipe_v), ZB-V's (a unit-slot list schedule, forwards first within a
 // per-rank warmup limit, order_zb_v), V-Half's (a periodic pattern, squeezed, order_v_half), and
 // for ZB-H2 each rank's order from a memory-capped list schedule. ZB-V and V-Half take their
@@ -77,7 +77,8 @@ constexpr void order_zb_h1(Program& p) {
   }
 }
 
-/// V-Min's orders (v = 2 on the V placement): every rank repeats, per microbatch, six passes at
+/// V-Min's periodic pattern (v = 2 on the V placement), its slots into `at` and its orders
+/// into p (order_v_min squeezes it where that is faster): every rank repeats, per microbatch, six passes at
 /// fixed slots of a period of 6 (F of chunk 0, F of chunk 1, B of chunk 1, B of chunk 0, and the
 /// two W passes), microbatch k at the pattern's slots + 6k. The pattern is laid out chain by
 /// chain: F0 down the ranks, F1 back up, B1 down, B0 back up, each pass at the first slot after
@@ -88,10 +89,10 @@ constexpr void order_zb_h1(Program& p) {
 /// slot. A unit lives about as long as its microbatch's round trip from its rank and back, so
 /// the ranks hold about (4d + 2) / 6 microbatches' worth: a third of 1F1B's bytes, plus the
 /// pattern's gaps (peak 2*floor((d+1)/3) + 2 units).
-constexpr void order_v_min(Program& p) {
+constexpr void v_min_pattern(Program& p, std::vector<std::array<long long, 6>>& at) {
   const Shape sh = p.shape;
   const int d = sh.d, m = sh.m;
-  std::vector<std::array<long long, 6>> at(static_cast<std::size_t>(d));  // F0 F1 B1 B0 W1 W0
+  at.assign(static_cast<std::size_t>(d), std::array<long long, 6>{});  // F0 F1 B1 B0 W1 W0
   std::vector<std::array<bool, 6>> used(static_cast<std::size_t>(d), std::array<bool, 6>{});
   // Puts pass `kind` of rank r at the first slot from `from` whose residue is free there.
   const auto place = [&](int r, int kind, long long from) {
@@ -416,50 +417,16 @@ constexpr bool order_zb_v(Program& p) {
   return true;
 }
 
-/// V-Half's orders (v = 2 on the V placement, cap d + 2 units, d + 1 for odd d), whatever the
-/// costs (built on unit slots, as ZB-V's), in three steps:
-///   1. A periodic pattern: microbatch k's passes on rank r at fixed slots + 6k. The chunk-0
-///      forwards go down the ranks two slots apart (slot 2r), the chunk-1 forwards come back
-///      up one slot apart (3d - 2 - r), the chunk-1 backwards go down two apart from the turn
-///      at rank 0 (3d - 1 + e + 2r) and the chunk-0 backwards come back up one apart
-///      (6d - 2 + e - r); e = 3 for even d, else 0. Those four slots differ mod 6 on every
-///      rank (their differences are 3r + a small odd or even constant, and 3r is 0 or 3 mod
-///      6: e moves the backwards off the forwards' residues where the parity of d would put
-///      them on them); each W takes the first residue still free after its B. Each pass has a
-///      dependency-free slot: this is the steady state of the V-Half building block of Qi et
-///      al., "Pipeline Parallelism with Controllable Memory" (the units a rank holds are
-///      about half of 1F1B's bytes, d + 2 - d % 2 at most).
-///   2. Squeeze: in slot order, each pass moves to the earliest slot of its rank that is free,
-///      after its dependencies (as moved), and, for a forward, where the rank's units held up
-///      to its slot stay within the cap. This fills the warmup and the drain, where the
-///      pattern leaves slots empty.
-///   3. Each rank keeps the F and B passes in the squeezed order and runs its W passes in
-///      the gaps, on unit slots: at each slot its next F or B if its inputs are there (an F
-///      only if a unit is free), else its oldest pending W.
-/// Returns false, leaving the orders empty, if step 3 finds every rank idle with passes left
-/// (never for d 1..12, m 1..48).
-constexpr bool order_v_half(Program& p) {
+/// Steps 2 and 3 of order_v_half for a periodic pattern on the V placement: `at[r]` holds the
+/// slots of rank r's F0, F1, B1, B0, W1, W0 of microbatch 0 (microbatch k at + 6k), a valid
+/// execution on unit slots. Squeezes it (each pass to the earliest free slot of its rank after
+/// its moved dependencies, a forward only where the units held stay within `cap`), then keeps
+/// each rank's F and B passes in that order and runs its W passes in the gaps (an F only while
+/// a unit is free). Fills p's compute orders; returns false, leaving them empty, if a slot
+/// passes with every rank idle and passes left.
+constexpr bool squeeze_v_pattern(Program& p, const std::vector<std::array<long long, 6>>& at, int cap) {
   const Shape sh = p.shape;
   const int d = sh.d, m = sh.m, S = sh.stages();
-  const int cap = greedy_cap(Family::v_half, d);
-  // 1. The pattern: slot of F0 F1 B1 B0 W1 W0 of microbatch 0 per rank.
-  const long long e = d % 2 == 0 ? 3 : 0;
-  std::vector<std::array<long long, 6>> at(static_cast<std::size_t>(d));
-  for (int r = 0; r < d; ++r) {
-    auto& a = at[static_cast<std::size_t>(r)];
-    a[0] = 2LL * r;
-    a[1] = 3LL * d - 2 - r;
-    a[2] = 3LL * d - 1 + e + 2LL * r;
-    a[3] = 6LL * d - 2 + e - r;
-    std::array<bool, 6> used{};
-    for (int k = 0; k < 4; ++k) used[static_cast<std::size_t>(a[static_cast<std::size_t>(k)] % 6)] = true;
-    for (int k = 4; k < 6; ++k) {
-      long long t = a[static_cast<std::size_t>(k - 2)] + 1;  // W1 after B1, W0 after B0
-      while (used[static_cast<std::size_t>(t % 6)]) ++t;
-      used[static_cast<std::size_t>(t % 6)] = true;
-      a[static_cast<std::size_t>(k)] = t;
-    }
-  }
   // 2. Squeeze. Passes in slot order (slot, rank, kind, microbatch).
   struct Pass {
     long long slot;
@@ -588,6 +555,52 @@ constexpr bool order_v_half(Program& p) {
   return true;
 }
 
+/// V-Half's orders (v = 2 on the V placement, cap d + 2 units, d + 1 for odd d), whatever the
+/// costs (built on unit slots, as ZB-V's), in three steps:
+///   1. A periodic pattern: microbatch k's passes on rank r at fixed slots + 6k. The chunk-0
+///      forwards go down the ranks two slots apart (slot 2r), the chunk-1 forwards come back
+///      up one slot apart (3d - 2 - r), the chunk-1 backwards go down two apart from the turn
+///      at rank 0 (3d - 1 + e + 2r) and the chunk-0 backwards come back up one apart
+///      (6d - 2 + e - r); e = 3 for even d, else 0. Those four slots differ mod 6 on every
+///      rank (their differences are 3r + a small odd or even constant, and 3r is 0 or 3 mod
+///      6: e moves the backwards off the forwards' residues where the parity of d would put
+///      them on them); each W takes the first residue still free after its B. Each pass has a
+///      dependency-free slot: this is the steady state of the V-Half building block of Qi et
+///      al., "Pipeline Parallelism with Controllable Memory" (the units a rank holds are
+///      about half of 1F1B's bytes, d + 2 - d % 2 at most).
+///   2. Squeeze: in slot order, each pass moves to the earliest slot of its rank that is free,
+///      after its dependencies (as moved), and, for a forward, where the rank's units held up
+///      to its slot stay within the cap. This fills the warmup and the drain, where the
+///      pattern leaves slots empty.
+///   3. Each rank keeps the F and B passes in the squeezed order and runs its W passes in
+///      the gaps, on unit slots: at each slot its next F or B if its inputs are there (an F
+///      only if a unit is free), else its oldest pending W.
+/// Returns false, leaving the orders empty, if step 3 finds every rank idle with passes left
+/// (never for d 1..12, m 1..48).
+constexpr bool order_v_half(Program& p) {
+  const int d = p.shape.d;
+  const int cap = greedy_cap(Family::v_half, d);
+  // 1. The pattern: slot of F0 F1 B1 B0 W1 W0 of microbatch 0 per rank.
+  const long long e = d % 2 == 0 ? 3 : 0;
+  std::vector<std::array<long long, 6>> at(static_cast<std::size_t>(d));
+  for (int r = 0; r < d; ++r) {
+    auto& a = at[static_cast<std::size_t>(r)];
+    a[0] = 2LL * r;
+    a[1] = 3LL * d - 2 - r;
+    a[2] = 3LL * d - 1 + e + 2LL * r;
+    a[3] = 6LL * d - 2 + e - r;
+    std::array<bool, 6> used{};
+    for (int k = 0; k < 4; ++k) used[static_cast<std::size_t>(a[static_cast<std::size_t>(k)] % 6)] = true;
+    for (int k = 4; k < 6; ++k) {
+      long long t = a[static_cast<std::size_t>(k - 2)] + 1;  // W1 after B1, W0 after B0
+      while (used[static_cast<std::size_t>(t % 6)]) ++t;
+      used[static_cast<std::size_t>(t % 6)] = true;
+      a[static_cast<std::size_t>(k)] = t;
+    }
+  }
+  return squeeze_v_pattern(p, at, cap);
+}
+
 /// Makespan of the ASAP run of p's compute orders under `costs` (copy streams ignored).
 constexpr double compute_makespan(const Program& p, const Costs& costs) {
   const std::vector<double> dur = duration_table(costs, p.shape.stages());
@@ -624,6 +637,23 @@ constexpr void order_v_family(Program& p, const Costs& costs, Family f) {
   for (std::size_t r = 0; r < p.ranks.size(); ++r) kept[r].swap(p.ranks[r].compute);
   order_greedy(p, costs, cap);
   if (compute_makespan(p, costs) < span - tolerance(span)) return;
+  for (std::size_t r = 0; r < p.ranks.size(); ++r) p.ranks[r].compute.swap(kept[r]);
+}
+
+/// V-Min's orders: its periodic pattern (v_min_pattern), squeezed as V-Half's is
+/// (squeeze_v_pattern, within the pattern's own peak 2*floor((d+1)/3) + 2 units) where that
+/// runs faster under unit costs: the squeeze fills the warmup and drain the pattern leaves
+/// empty (d = 6: 2 units shorter, the authors' figure). The orders do not depend on the costs.
+constexpr void order_v_min(Program& p) {
+  std::vector<std::array<long long, 6>> at;
+  v_min_pattern(p, at);
+  const Costs unit_costs{};
+  const double plain = compute_makespan(p, unit_costs);
+  std::vector<std::vector<Op>> kept(p.ranks.size());
+  for (std::size_t r = 0; r < p.ranks.size(); ++r) kept[r].swap(p.ranks[r].compute);
+  if (squeeze_v_pattern(p, at, greedy_cap(Family::v_min, p.shape.d)) &&
+      compute_makespan(p, unit_costs) < plain - tolerance(plain))
+    return;
   for (std::size_t r = 0; r < p.ranks.size(); ++r) p.ranks[r].compute.swap(kept[r]);
 }
 
