@@ -25,6 +25,7 @@
 #include <pipeoffload/pipeoffload.hpp>
 #include <pipeoffload/plan/plan.hpp>
 
+#include "models.hpp"
 #include "svg_plot.hpp"
 
 namespace {
@@ -33,37 +34,15 @@ using namespace pipeoffload;
 using paper::num;
 constexpr double nan_ = std::numeric_limits<double>::quiet_NaN();
 
-struct PaperModel {
-  const char* name;
-  int layers, heads, hidden, batch, gpus;
-};
-
-// The paper's Table 2 (all with 8 query groups). The 5.8B model runs on 2-32 GPUs there; its
-// Table 1 row uses 8.
-constexpr PaperModel models[] = {
-    {"5.8B", 32, 32, 4096, 32, 8},    {"10.5B", 38, 40, 5120, 64, 8},    {"18.1B", 46, 48, 6144, 128, 16},
-    {"42.9B", 62, 64, 8192, 256, 32}, {"66.6B", 62, 80, 10240, 256, 32}, {"83.8B", 78, 80, 10240, 256, 32},
-};
+using paper::models;
+using paper::PaperModel;
+using paper::transformer;
 
 struct Hardware {
   const char* name;
   double tflops, gbps;
 };
 constexpr Hardware a100{"A100", 220, 15}, h100{"H100", 400, 30};
-
-TransformerSpec transformer(const PaperModel& pm) {
-  TransformerSpec m;
-  m.layers = pm.layers;
-  m.hidden = pm.hidden;
-  m.heads = pm.heads;
-  m.query_groups = 8;
-  m.seq = 4096;
-  m.micro_batch = 1;
-  m.global_batch = pm.batch;
-  m.vocab = 51200;
-  m.recompute = true;  // the paper recomputes GeLU and friends (its Section 4.1)
-  return m;
-}
 
 MachineSpec machine(int d, const Hardware& hw) {
   MachineSpec x;

@@ -14,20 +14,11 @@
 
 #include <pipeoffload/plan/plan.hpp>
 
+#include "models.hpp"
+
 namespace {
 
 using namespace pipeoffload;
-
-struct PaperModel {
-  const char* name;
-  int layers, heads, hidden, batch, gpus;
-};
-
-// The paper's Table 2 (8 query groups, sequence 4096, micro-batch 1); d = its GPU count.
-constexpr PaperModel models[] = {
-    {"5.8B", 32, 32, 4096, 32, 8},    {"10.5B", 38, 40, 5120, 64, 8},    {"18.1B", 46, 48, 6144, 128, 16},
-    {"42.9B", 62, 64, 8192, 256, 32}, {"66.6B", 62, 80, 10240, 256, 32}, {"83.8B", 78, 80, 10240, 256, 32},
-};
 
 bool paper_family(Family f) { return f == Family::one_f1b || f == Family::interleaved_1f1b || f == Family::grouped; }
 
@@ -58,18 +49,9 @@ int main(int argc, char** argv) {
   }
   std::printf("| model | d | m | recompute | choice (all families) | best of the paper's families | speed-up |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
-  for (const PaperModel& pm : models)
+  for (const paper::PaperModel& pm : paper::models)
     for (bool recompute : {true, false}) {
-      TransformerSpec m;
-      m.layers = pm.layers;
-      m.hidden = pm.hidden;
-      m.heads = pm.heads;
-      m.query_groups = 8;
-      m.seq = 4096;
-      m.micro_batch = 1;
-      m.global_batch = pm.batch;
-      m.vocab = 51200;
-      m.recompute = recompute;
+      const TransformerSpec m = paper::transformer(pm, recompute);
       MachineSpec x;
       x.ranks = pm.gpus;
       x.device_bytes = device_gib * gib;
