@@ -15,9 +15,11 @@
 // included), median of 5 steps after one warm-up; "alone": the same two pipelines without
 // replicas in the same job, so "matched" = (dp=2 / alone) / (predicted / compute makespan)
 // compares under the same load (8 processes on this machine's cores). "Calibrated": the same
-// model fed the pass, copy and reduction durations measured in the last step (means over all
-// ranks), so measured / calibrated judges the model's composition rather than how long this
-// machine takes to wake a sleeping pass. Hidden fraction of rank
+// model fed what the last step measured (means over all ranks): pass, copy and reduction
+// durations, the dispatch gap between passes (added to each pass) and the message latency
+// (T_comm: a pass that waited for another rank starts this long after that rank's pass ends),
+// so measured / calibrated judges the model's composition rather than this machine's speeds.
+// Hidden fraction of rank
 // r, from the run's own trace (Runtime::trace, Runtime::reductions): 1 - max(0, end of its
 // last reduction - end of its last compute op) / (sum of its reductions' durations); the
 // model's own bound for the worst rank is printed beside it (its last stage's reduction
@@ -154,6 +156,14 @@ bool run(po::comm::Mpi& world, po::comm::Mpi& pipe_mpi, po::comm::Mpi& reps_mpi,
   ran[5] = static_cast<double>(rt.reductions().size());
   std::vector<double> ran_all(6 * static_cast<std::size_t>(dp * d));
   world.all_gather(std::span<const double>(ran), std::span(ran_all));
+  // Every rank's compute starts and ends of that step (PO-F gives every rank 3vm passes), for
+  // the gaps between passes: a message's latency (a pass that waited for another rank's pass)
+  // and the stream's dispatch gap (a pass that waited for nothing but the one before it).
+  const std::size_t nc = tr.compute_start.size();
+  std::vector<double> se(2 * nc), se_all(2 * nc * static_cast<std::size_t>(dp * d));
+  std::copy(tr.compute_start.begin(), tr.compute_start.end(), se.begin());
+  std::copy(tr.compute_end.begin(), tr.compute_end.end(), se.begin() + static_cast<std::ptrdiff_t>(nc));
+  world.all_gather(std::span<const double>(se), std::span(se_all));
   if (!trace.empty()) {
     // One Chrome trace per rank of the last step: compute, copy and reduction spans.
     std::ofstream f(trace + "." + std::to_string(g) + ".json");
@@ -188,15 +198,60 @@ bool run(po::comm::Mpi& world, po::comm::Mpi& pipe_mpi, po::comm::Mpi& reps_mpi,
     avg += hidden[4 * static_cast<std::size_t>(q)] / (dp * d);
     worst = std::min(worst, hidden[4 * static_cast<std::size_t>(q)]);
   }
-  // Calibrated: the same model with T_F = T_B = T_W, T_O and each stage's reduction set to the
-  // means measured in the step above (every rank's passes; 8 processes on this machine's cores
-  // stretch a 2 ms sleep): what is left of measured / calibrated is the model's composition
-  // (dependencies, messages, copies, reductions after each stage's last W), not the pass speed.
+  // Calibrated: the same model with T_F = T_B = T_W (pass plus dispatch gap), T_O, T_comm and
+  // each stage's reduction set to the means measured in the step above: what is left of
+  // measured / calibrated is the model's composition (dependencies, copies, reductions after
+  // each stage's last W), not this machine's speeds.
   double sums[6] = {0, 0, 0, 0, 0, 0};
   for (int q = 0; q < dp * d; ++q)
     for (int k = 0; k < 6; ++k) sums[k] += ran_all[6 * static_cast<std::size_t>(q) + static_cast<std::size_t>(k)];
+  // Message latency and dispatch gap, from every replica's pipeline (steady_clock is one clock
+  // for the processes of this machine).
+  double lat_sum = 0, lat_n = 0, gap_sum = 0, gap_n = 0;
+  {
+    const auto start_of = [&](int q, std::size_t x) { return se_all[2 * nc * static_cast<std::size_t>(q) + x]; };
+    const auto end_of = [&](int q, std::size_t x) { return se_all[2 * nc * static_cast<std::size_t>(q) + nc + x]; };
+    // Index of each (kind, stage, mb) compute pass in its rank's order.
+    std::vector<std::size_t> at(3 * static_cast<std::size_t>(sh.stages()) * 16);
+    const auto key = [&](po::OpKind k, int st, int mb) {
+      return (static_cast<std::size_t>(k == po::OpKind::F   ? 0
+                                       : k == po::OpKind::B ? 1
+                                                            : 2) *
+                  static_cast<std::size_t>(sh.stages()) +
+              static_cast<std::size_t>(st)) *
+                 16 +
+             static_cast<std::size_t>(mb);
+    };
+    for (int q = 0; q < d; ++q)
+      for (std::size_t x = 0; x < nc; ++x) {
+        const po::Op& op = program.ranks[static_cast<std::size_t>(q)].compute[x];
+        at[key(op.kind, op.stage, op.mb)] = x;
+      }
+    for (int j = 0; j < dp; ++j)
+      for (int q = 0; q < d; ++q) {
+        const auto& ops = program.ranks[static_cast<std::size_t>(q)].compute;
+        for (std::size_t x = 1; x < nc; ++x) {
+          const po::Op& op = ops[x];
+          int from = -1;  // the stage whose pass sends this one its input, on another rank
+          if (op.kind == po::OpKind::F && op.stage > 0 && sh.crosses(op.stage - 1)) from = op.stage - 1;
+          if (op.kind == po::OpKind::B && op.stage + 1 < sh.stages() && sh.crosses(op.stage)) from = op.stage + 1;
+          const double before = end_of(j * d + q, x - 1);
+          double sent = -1e300;
+          if (from >= 0) sent = end_of(j * d + sh.rank_of(from), at[key(op.kind, from, op.mb)]);
+          if (from >= 0 && sent >= before) {
+            lat_sum += start_of(j * d + q, x) - sent;
+            lat_n += 1;
+          } else if (op.wait < 0) {
+            gap_sum += start_of(j * d + q, x) - before;
+            gap_n += 1;
+          }
+        }
+      }
+  }
+  const double latency = lat_n > 0 ? lat_sum / lat_n : 0, gap = gap_n > 0 ? gap_sum / gap_n : 0;
   po::Costs cal = costs;
-  cal.f = cal.b = cal.w = sums[0] / sums[1];
+  cal.f = cal.b = cal.w = sums[0] / sums[1] + gap;
+  cal.comm = latency;
   if (sums[3] > 0) cal.t_o = sums[2] / sums[3];
   const po::SimResult sim_cal = po::simulate(program, cal);
   std::vector<double> stage_cal(static_cast<std::size_t>(sh.stages()), sums[4] / sums[5]), total_cal, end_cal;
@@ -207,10 +262,10 @@ bool run(po::comm::Mpi& world, po::comm::Mpi& pipe_mpi, po::comm::Mpi& reps_mpi,
   for (int q = 0; q < d; ++q)
     bound = std::min(
         bound, 1 - std::max(0.0, end[static_cast<std::size_t>(q)] - sim.makespan) / total[static_cast<std::size_t>(q)]);
-  std::printf("%2d %10.1f %10.1f %10.1f %12.1f %8.3f %8.3f %9.3f %9.3f %9.3f %8.2f %9.1f %8.3f\n", v, reduce_s * 1e3,
-              alone * 1e3, measured * 1e3, predicted * 1e3, measured / predicted,
-              (measured / alone) / (predicted / sim.makespan), avg, worst, bound, cal.f * 1e3, calibrated * 1e3,
-              measured / calibrated);
+  std::printf("%2d %10.1f %10.1f %10.1f %12.1f %8.3f %8.3f %9.3f %9.3f %9.3f %8.2f %7.3f %7.3f %9.1f %8.3f\n", v,
+              reduce_s * 1e3, alone * 1e3, measured * 1e3, predicted * 1e3, measured / predicted,
+              (measured / alone) / (predicted / sim.makespan), avg, worst, bound, sums[0] / sums[1] * 1e3, gap * 1e3,
+              latency * 1e3, calibrated * 1e3, measured / calibrated);
   std::fflush(stdout);
   return true;
 }
@@ -234,9 +289,9 @@ int main(int argc, char** argv) {
   if (g == 0) {
     std::printf("PO-F d=%d m=16, dp=%d replicas as MPI processes, T = %.1f ms per pass, a rank's reductions R = 4T\n",
                 d, dp, pass_s * 1e3);
-    std::printf("%2s %10s %10s %10s %12s %8s %8s %9s %9s %9s %8s %9s %8s\n", "v", "R/stage ms", "alone ms", "dp=2 ms",
-                "predicted ms", "ratio", "matched", "hid.mean", "hid.worst", "hid.model", "pass ms", "calib. ms",
-                "ratio");
+    std::printf("%2s %10s %10s %10s %12s %8s %8s %9s %9s %9s %8s %7s %7s %9s %8s\n", "v", "R/stage ms", "alone ms",
+                "dp=2 ms", "predicted ms", "ratio", "matched", "hid.mean", "hid.worst", "hid.model", "pass ms",
+                "gap ms", "msg ms", "calib. ms", "ratio");
   }
   for (int v : {2, 4, 8, 16}) run(world, pipe_mpi, reps_mpi, v, v == 4 ? trace : std::string());
   if (g == 0 && !trace.empty()) std::printf("traces (v = 4): %s.<global rank>.json\n", trace.c_str());
