@@ -13,7 +13,11 @@
 #                     node has none)
 #   --build-dir DIR   where to build (default build-gpu)
 #   --report FILE     the Markdown report (default <build-dir>/gpu-check/report.md)
+#   --step-limit S    no check runs longer than S seconds (default: each its own, 300 to 900 s)
 #   --build-only      configure and build, run nothing (no GPU needed; the bundle round trip uses it)
+#   --no-build        run the checks on the binaries already in --build-dir, built elsewhere with
+#                     --build-only (a login node, a workstation with the same CUDA major): nothing
+#                     is configured or compiled on the GPU node
 #   --targets "T..."  with --build-only: these Ninja targets instead of every CUDA one
 #   --bundle DIR      gather the bundle (needs PyPI and Debian's archive): Python wheels of
 #                     nvidia-cudnn-frontend, meson and ninja, and Debian packages of doctest and
@@ -36,13 +40,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 
-usage() { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0" | sed 's/^# \{0,1\}//'; }  # the header above
 die() {
   echo "gpu-check: $*" >&2
   exit 2
 }
 
-bundle_out="" from="" build="build-gpu" report="" build_only=0 with_libs=0 bundled_tools=0 targets=""
+bundle_out="" from="" build="build-gpu" report="" build_only=0 no_build=0 step_limit=0 with_libs=0 bundled_tools=0 targets=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) [ $# -ge 2 ] || die "--bundle needs a directory"; bundle_out=$2; shift 2 ;;
@@ -51,6 +55,11 @@ while [ $# -gt 0 ]; do
     --report) [ $# -ge 2 ] || die "--report needs a file"; report=$2; shift 2 ;;
     --targets) [ $# -ge 2 ] || die "--targets needs a list of Ninja targets"; targets=$2; shift 2 ;;
     --build-only) build_only=1; shift ;;
+    --no-build) no_build=1; shift ;;
+    --step-limit)
+      [ $# -ge 2 ] || die "--step-limit needs a number of seconds"
+      [[ $2 =~ ^[1-9][0-9]*$ ]] || die "--step-limit takes whole seconds >= 1, got '$2'"
+      step_limit=$2; shift 2 ;;
     --with-cuda-libs) with_libs=1; shift ;;
     --bundled-tools) bundled_tools=1; shift ;;
     -h | --help) usage; exit 0 ;;
@@ -61,6 +70,8 @@ done
 [ "$with_libs" = 1 ] && [ -z "$bundle_out" ] && die "--with-cuda-libs applies only to --bundle"
 [ "$bundled_tools" = 1 ] && [ -z "$from" ] && die "--bundled-tools applies only to --from"
 [ -n "$targets" ] && [ "$build_only" = 0 ] && die "--targets applies only to --build-only"
+[ "$no_build" = 1 ] && [ "$build_only" = 1 ] && die "--no-build and --build-only exclude each other: build with --build-only, check with --no-build"
+[ "$no_build" = 1 ] && [ -n "$bundle_out" ] && die "--no-build applies to the check, not to --bundle"
 
 # Pinned versions: what the project builds and tests with (scripts/dev.sh, Debian 12).
 frontend_version=1.32.0
@@ -98,7 +109,7 @@ if [ "$build_only" = 0 ] && [ "$gpus" -eq 0 ]; then
   echo "gpu-check: no NVIDIA GPU on this machine (nvidia-smi lists none): nothing to check"
   exit 77
 fi
-command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ] || die "nvcc not found: install the CUDA toolkit (or put its bin/ on PATH)"
+[ "$no_build" = 1 ] || command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ] || die "nvcc not found: install the CUDA toolkit (or put its bin/ on PATH)"
 export PATH="$PATH:/usr/local/cuda/bin"
 
 mkdir -p "$build" || die "cannot create $build"
@@ -181,15 +192,18 @@ log_dir="$build/gpu-check"
 mkdir -p "$log_dir"
 [ -n "$report" ] || report="$log_dir/report.md"
 jobs=$(nproc)
-if [ ! -f "$build/build.ninja" ]; then
+check_targets="tests/cuda/test_cuda_host tests/cuda/test_cuda_gpu bench/cuda/gpt_block_gpu samples/train_gpt"
+if [ "$no_build" = 1 ]; then
+  for t in $check_targets; do
+    [ -x "$build/$t" ] || die "--no-build: $build/$t is missing (build it first: bash scripts/gpu-check.sh --build-only --build-dir DIR)"
+  done
+elif [ ! -f "$build/build.ninja" ]; then
   meson setup "$build" --buildtype=release -Dcuda=enabled -Dtests=true -Dbench=true >"$log_dir/setup.log" 2>&1 ||
     { tail -n 30 "$log_dir/setup.log" >&2; die "meson setup failed (log: $log_dir/setup.log)"; }
 fi
-if [ -z "$targets" ]; then
-  targets="tests/cuda/test_cuda_host tests/cuda/test_cuda_gpu bench/cuda/gpt_block_gpu samples/train_gpt"
-fi
+[ -n "$targets" ] || targets=$check_targets
 # shellcheck disable=SC2086
-if ! ninja -C "$build" -j "$jobs" $targets >"$log_dir/build.log" 2>&1; then
+if [ "$no_build" = 0 ] && ! ninja -C "$build" -j "$jobs" $targets >"$log_dir/build.log" 2>&1; then
   tail -n 40 "$log_dir/build.log" >&2
   die "the build failed (log: $log_dir/build.log)"
 fi
@@ -204,6 +218,7 @@ failed=0
 step() {  # step NAME TIMEOUT CMD...: runs CMD, logs to $log_dir/NAME.log, records pass/fail/skip and time
   local name=$1 limit=$2
   shift 2
+  [ "$step_limit" -gt 0 ] && [ "$step_limit" -lt "$limit" ] && limit=$step_limit
   local t0 rc
   t0=$(date +%s%N)
   timeout "$limit" "$@" >"$log_dir/$name.log" 2>&1
@@ -219,7 +234,7 @@ step() {  # step NAME TIMEOUT CMD...: runs CMD, logs to $log_dir/NAME.log, recor
 }
 t_start=$(date +%s)
 step cuda-host 300 "$build/tests/cuda/test_cuda_host"
-step gpu-tests 900 "$build/tests/cuda/test_cuda_gpu"
+step gpu-tests 900 "$build/tests/cuda/test_cuda_gpu" --duration=true
 step train-gpt-cuda-vs-cpu 900 python3 tests/cuda/test_train_gpt_cuda.py "$build/samples/train_gpt"
 step gpt-block-bench 600 "$build/bench/cuda/gpt_block_gpu"
 ranks=$gpus chunks=2
@@ -228,8 +243,23 @@ ranks=$gpus chunks=2
 step train-gpt-po-f 600 "$build/samples/train_gpt" --backend cuda --schedule po-f --ranks "$ranks" --chunks "$chunks" --microbatches 8 --steps 100
 short=(--backend cuda --schedule po-f --ranks 1 --chunks 2 --microbatches 2 --layers 2 --hidden 64 --heads 4 --seq 64 --batch 2 --steps 2 --quiet)
 if command -v compute-sanitizer >/dev/null 2>&1; then
-  step sanitizer-memcheck 600 compute-sanitizer --tool memcheck --error-exitcode 1 "$build/samples/train_gpt" "${short[@]}"
-  step sanitizer-racecheck 600 compute-sanitizer --tool racecheck --error-exitcode 1 "$build/samples/train_gpt" "${short[@]}"
+  # memcheck counts memory errors only: every CUDA call of ours is checked (check.hpp throws),
+  # while NCCL probes its kernels with cudaFuncGetAttributes and handles the
+  # cudaErrorNoKernelImageForDevice it gets for images it does not ship (12 such reports on an
+  # H100 with NCCL 2.28, 2026-11-26), which memcheck would count as errors.
+  step sanitizer-memcheck 600 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \
+    "$build/samples/train_gpt" "${short[@]}"
+  # racecheck checks every kernel but cuDNN's generated SDPA kernels: closed Hopper (wgmma)
+  # code that synchronises through asynchronous barriers, in which racecheck reports 56
+  # hazards on an H100 (cudnn_generated_fort_native_sdpa_*, 2026-11-26) that we cannot act on;
+  # our own kernels showed none.
+  # (The help is read whole first: `| grep -q` under pipefail fails when grep closes the pipe
+  # before compute-sanitizer has written all of it, which dropped the filter on one run.)
+  exclude=()
+  sanitizer_help=$(compute-sanitizer --help 2>/dev/null)
+  [[ $sanitizer_help == *--kernel-name-exclude* ]] && exclude=(--kernel-name-exclude kns=cudnn_generated_fort_native_sdpa)
+  step sanitizer-racecheck 600 compute-sanitizer --tool racecheck "${exclude[@]}" --error-exitcode 1 \
+    "$build/samples/train_gpt" "${short[@]}"
 fi
 total=$(($(date +%s) - t_start))
 
@@ -240,7 +270,7 @@ total=$(($(date +%s) - t_start))
   echo "- date: $(date -u +%Y-%m-%dT%H:%MZ); commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
   echo "- GPUs ($gpus):"
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/  - /'
-  echo "- CUDA: $(nvcc --version | tail -n 1); bundle: ${from:-none}"
+  echo "- CUDA: $(command -v nvcc >/dev/null 2>&1 && nvcc --version | tail -n 1 || echo "no nvcc on the node"); bundle: ${from:-none}; binaries: $([ "$no_build" = 1 ] && echo "built elsewhere (--no-build)" || echo "built here")"
   echo "- checks: $total s in all"
   echo
   echo "| step | result | seconds |"

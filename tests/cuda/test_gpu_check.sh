@@ -26,6 +26,10 @@ fi
 # 2. Bad arguments: exit 2 with a sentence.
 out=$(bash "$kit" --bundle "$work/a" --from "$work/b" 2>&1)
 [ $? -eq 2 ] && [[ $out == *"--bundle and --from exclude each other"* ]] || fail "--bundle with --from: $out"
+out=$(bash "$kit" --no-build --build-only 2>&1)
+[ $? -eq 2 ] && [[ $out == *"--no-build and --build-only exclude each other"* ]] || fail "--no-build with --build-only: $out"
+out=$(bash "$kit" --step-limit 0 2>&1)
+[ $? -eq 2 ] && [[ $out == *"--step-limit takes whole seconds >= 1, got '0'"* ]] || fail "--step-limit 0: $out"
 out=$(bash "$kit" --frobnicate 2>&1)
 [ $? -eq 2 ] && [[ $out == *"unknown option '--frobnicate'"* ]] || fail "unknown option: $out"
 
