@@ -167,6 +167,30 @@ std::size_t workspace_bytes(Graphs& graphs, Shape shape) {
   return static_cast<std::size_t>(std::max(f, bw));
 }
 
+std::size_t workspace_bytes(Shape shape, bool deterministic, int device) {
+  int previous = 0;
+  PIPEOFFLOAD_CUDA_CHECK(cudaGetDevice(&previous));
+  PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(device));
+  cudnnHandle_t handle = nullptr;
+  const auto release = [&] {
+    if (handle != nullptr) cudnnDestroy(handle);
+    cudaSetDevice(previous);
+  };
+  try {
+    PIPEOFFLOAD_CUDA_CHECK(cudnnCreate(&handle));
+    std::size_t need = 0;
+    {
+      Graphs graphs(handle, deterministic);  // destroyed before the handle
+      need = workspace_bytes(graphs, shape);
+    }
+    release();
+    return need;
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
 void forward(Graphs& graphs, cudaStream_t stream, Shape s, const __nv_bfloat16* qkv, __nv_bfloat16* out, float* stats,
              void* ws, std::size_t ws_bytes) {
   const SdpaLayout l = sdpa_layout(s.batch, s.heads, s.seq, s.head_dim);

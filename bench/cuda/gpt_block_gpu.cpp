@@ -196,13 +196,20 @@ int main(int argc, char** argv) {
     const long long T = b * s;
     const pm::GptDims dims{cfg.vocab, h, heads, s, 1, 1, false, false, recompute};
     const pc::GptStageBuffers bufs = pc::gpt_stage_buffers(dims, T);
-    // Arena: saved, stash, four boundaries, the bare block's buffers below, the 256 MiB
-    // workspace, and slack for the allocator's rounding.
+    // Workspace: the default 256 MiB or what cuDNN's deterministic attention backward asks for
+    // this shape, whichever is larger (1 GiB at s = 4096, 32 heads).
+    po::backend::Cuda::Options opt;
+    opt.workspace_bytes = std::max(opt.workspace_bytes,
+                                   pc::attention::workspace_bytes({static_cast<int>(b), static_cast<int>(heads),
+                                                                   static_cast<int>(s), static_cast<int>(h / heads)}));
+    // Arena: saved, stash, four boundaries, the bare block's buffers below, the workspace, and
+    // 512 MiB of slack for the allocator's rounding.
     const std::size_t Th = static_cast<std::size_t>(T * h), hh = static_cast<std::size_t>(h * h);
     const std::size_t bare = 24 * hh + 48 * hh + 38 * Th + 16 * Th + static_cast<std::size_t>(b * heads * s) * 4;
     // (Two saved buffers: the copy benchmark moves one each way at once.)
-    const std::size_t arena = 2 * bufs.saved_bytes + bufs.stash_bytes + 16 * Th + bare + (std::size_t{768} << 20);
-    po::backend::Cuda dev({.arena_bytes = arena});
+    opt.arena_bytes =
+        2 * bufs.saved_bytes + bufs.stash_bytes + 16 * Th + bare + opt.workspace_bytes + (std::size_t{512} << 20);
+    po::backend::Cuda dev(opt);
     const int cs = dev.make_stream("compute"), copy = dev.make_stream("copy");
     std::printf("building the block's parameters on the CPU (model::GptStage init, %lld parameters)...\n",
                 12 * h * h + 13 * h);

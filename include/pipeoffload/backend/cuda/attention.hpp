@@ -62,6 +62,13 @@ class Graphs {
 /// seq >= 2: seq = 1 throws cuda_error with a sentence.
 std::size_t workspace_bytes(Graphs& graphs, Shape shape);
 
+/// The same need before any backend exists, to size backend::Cuda::Options::workspace_bytes:
+/// builds the graphs on a cuDNN handle of its own on `device` (the current device is restored)
+/// and destroys them. The deterministic backward needs far more than the other at long
+/// sequences (1 GiB for 32 heads of 128 at 4096 tokens on an H100, where the 256 MiB default
+/// covers a few hundred tokens).
+std::size_t workspace_bytes(Shape shape, bool deterministic = true, int device = 0);
+
 /// out = softmax(q k^T / sqrt(head_dim), causal) v; stats = the rows' log-sum-exps.
 void forward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloat16* qkv, __nv_bfloat16* out,
              float* stats, void* workspace, std::size_t workspace_bytes);
