@@ -277,9 +277,46 @@ std::vector<po::cuda::GptStage> cuda_stages(const Options& o, const Setup& su, p
   return mine;
 }
 
-/// A device arena for train_gpt's small model: the runtime's buffers need little, and the
-/// stages' own memory (parameters, gradients, scratch) comes from outside it.
-constexpr std::size_t cuda_arena_bytes = std::size_t{2} << 30;
+/// A rank's backend options, sized before anything is constructed: the cuBLASLt/cuDNN
+/// workspace is the default 256 MiB or what cuDNN's attention asks for this microbatch shape,
+/// whichever is larger (1 GiB at 4096 tokens of 32 heads); the arena holds it, every block the
+/// runtime reserves for rank `r`'s program (po::reservation_plan of the stages' saved and stash
+/// bytes and the bf16 boundaries the CUDA launchers send), the exact gradient sums and their
+/// reduction's staging (po::gradient_state_bytes: 16 bytes a parameter), the AdamW moments of
+/// the rank's stages (ZeRO-1: its slices) and 64 MiB for the step's inputs and losses. The
+/// stages' parameters, gradients and scratch are cudaMalloc'd outside it.
+po::backend::Cuda::Options cuda_options(const Options& o, const Setup& su, int device, int global_rank, int r) {
+  po::backend::Cuda::Options opt{.device = device, .rank = global_rank};
+  const po::MicrobatchShape mb = su.runtime.microbatch;
+  if (o.model.layers > 0 && mb.seq >= 2)
+    opt.workspace_bytes = std::max(
+        opt.workspace_bytes, po::cuda::attention::workspace_bytes(
+                                 {mb.batch, o.model.heads, mb.seq, o.model.hidden / o.model.heads}, true, device));
+  const po::Program program = train_gpt::program_of(o, su.costs);
+  const po::Shape& sh = program.shape;
+  const std::size_t boundary = static_cast<std::size_t>(mb.tokens()) * static_cast<std::size_t>(o.model.hidden) * 2;
+  std::vector<po::StageBytes> stages(static_cast<std::size_t>(sh.stages()));
+  std::size_t moments = 0;
+  std::vector<std::size_t> params_of_chunk;
+  for (int st = 0; st < sh.stages(); ++st) {
+    po::StageBytes& b = stages[static_cast<std::size_t>(st)];
+    b.input = st > 0 ? boundary : 0;
+    b.output = st + 1 < sh.stages() ? boundary : 0;
+    if (sh.rank_of(st) != r) continue;
+    const po::model::GptDims dims = po::model::gpt_dims(o.model, st, sh.stages());
+    const po::cuda::GptStageBuffers buf = po::cuda::gpt_stage_buffers(dims, mb.tokens());
+    b.saved = buf.saved_bytes;
+    b.stash = buf.stash_bytes;
+    const auto params = static_cast<std::size_t>(po::model::gpt_stage_params(dims).total);
+    const std::size_t mine = o.zero == 1 ? (params + o.dp - 1) / o.dp : params;
+    moments += 2 * po::cuda::pool_size_class(mine * sizeof(float));
+    params_of_chunk.push_back(params);
+  }
+  const std::size_t state =
+      po::gradient_state_bytes(params_of_chunk, o.dp, su.runtime.reduce_bucket) + moments + (std::size_t{64} << 20);
+  opt.arena_bytes = po::cuda::arena_bytes_for(po::reservation_plan(program, r, stages), opt.workspace_bytes, state);
+  return opt;
+}
 
 /// --backend cuda --comm threads: one process drives R*D GPUs (global rank g on the g-th GPU of
 /// the pairing order, so that PCIe pairs are ranks (r, r^1) of a replica, whose copies then
@@ -310,7 +347,7 @@ int run_cuda_threads(const Options& o, Setup su) {
   const auto t_start = std::chrono::steady_clock::now();
   const auto errors = po::run_thread_ranks(*world, [&](int g) {
     const int r = g % o.shape.d, j = g / o.shape.d;
-    po::backend::Cuda dev({.device = devices[static_cast<std::size_t>(g)], .rank = g, .arena_bytes = cuda_arena_bytes});
+    po::backend::Cuda dev(cuda_options(o, su, devices[static_cast<std::size_t>(g)], g, r));
     auto pipe_world = world->split(g, j, r), reps_world = world->split(g, r, j);
     po::comm::Nccl comm(pipe_world, pipe_world->rank(), dev);
     po::comm::Nccl replicas(reps_world, reps_world->rank(), dev);
@@ -340,7 +377,7 @@ int run_cuda_rank(const Options& o, Setup su, po::comm::Mpi& mpi, std::chrono::s
   auto job = po::comm::NcclWorld::from_id(id, r, mpi.size(), device);
   auto pipeline_world = job->split(r / o.shape.d, r % o.shape.d);
   auto replicas_world = job->split(r % o.shape.d, r / o.shape.d);
-  po::backend::Cuda dev({.device = device, .rank = r, .arena_bytes = cuda_arena_bytes});
+  po::backend::Cuda dev(cuda_options(o, su, device, r, r % o.shape.d));
   po::comm::Nccl comm(pipeline_world, pipeline_world->rank(), dev);
   po::comm::Nccl reps(replicas_world, replicas_world->rank(), dev);
   try {

@@ -330,3 +330,40 @@ TEST_CASE("memory: boundary blocks are planned per size when stages hand on tens
   CHECK_THROWS_WITH(po::reservation_plan(p2, 0, std::vector<po::StageBytes>(3)),
                     "po::reservation_plan: 3 stage sizes given; the program has S = 4 stages");
 }
+
+TEST_CASE("memory: po::gradient_state_bytes is the runtime's state memory beyond its inputs, losses and flags") {
+  // A launcher sizes backend::Cuda's arena with it before anything exists (train_gpt does):
+  // it must count the exact sums the runtime takes, to the byte.
+  test::Config c;
+  c.spec = po_f();
+  c.shape = {2, 2, 4};
+  c.h = 32;
+  c.steps = 1;
+  const test::Run run = test::train_within(c, 120);
+  for (const std::string& e : run.errors) REQUIRE(e == "");
+  const std::size_t m = static_cast<std::size_t>(c.shape.m), tokens = static_cast<std::size_t>(c.mb.tokens());
+  for (int r = 0; r < c.shape.d; ++r) {
+    CAPTURE(r);
+    std::vector<std::size_t> params;
+    bool embeds = false;
+    for (int ch = 0; ch < c.shape.v; ++ch) {
+      const int s = c.shape.stage_of(r, ch);
+      params.push_back(test::TanhLayer(s, c.h, 1).parameters().size());
+      embeds = embeds || s == 0;
+    }
+    const std::size_t sums = po::gradient_state_bytes(params, 1, po::RuntimeOptions{}.reduce_bucket);
+    // tokens (where stage 0 lives) and targets, int32 per token; a loss per microbatch; a flag
+    // per compute op.
+    const std::size_t inputs = (embeds ? 2 : 1) * m * tokens * 4, losses = m * 4,
+                      flags = run.program.ranks[static_cast<std::size_t>(r)].compute.size() * 4;
+    CHECK(run.memory[static_cast<std::size_t>(r)].in(po::backend::Memory::state) == sums + inputs + losses + flags);
+  }
+  // The layout: buckets of at most reduce_bucket values, a multiple of dp each, covering them.
+  const po::ExactSumLayout l = po::exact_sum_layout(10, 3, 4);
+  CHECK(l.buckets == 3);
+  CHECK(l.len == 6);
+  CHECK(l.bytes() == 3 * 6 * 16);
+  const std::size_t one[] = {10};
+  // dp = 3 adds the staging of the largest bucket: 16 * 6 + 16 * 2 + 4 * 2 + 4 * 6 bytes.
+  CHECK(po::gradient_state_bytes(one, 3, 4) == 288 + 96 + 32 + 8 + 24);
+}

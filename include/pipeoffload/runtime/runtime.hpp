@@ -84,6 +84,48 @@ struct RuntimeOptions {
   int exact_block = 1;
 };
 
+/// How po::Runtime lays out one chunk's exact gradient sums (backend/exact.hpp, 16 bytes a
+/// value): `buckets` reduction buckets of `len` values each (a multiple of dp), covering the
+/// chunk's parameters with padding.
+struct ExactSumLayout {
+  std::size_t buckets = 1;  ///< reduction buckets
+  std::size_t len = 1;      ///< values per bucket, a multiple of dp
+  /// Device bytes of the padded sums.
+  constexpr std::size_t bytes() const { return buckets * len * sizeof(exact::Fixed); }
+};
+
+/// The layout of the exact sums of a chunk of `parameters` values, for `dp` replicas and
+/// buckets of at most `reduce_bucket` values (RuntimeOptions::reduce_bucket).
+constexpr ExactSumLayout exact_sum_layout(std::size_t parameters, int dp, std::size_t reduce_bucket) {
+  const std::size_t r = static_cast<std::size_t>(dp < 1 ? 1 : dp);
+  const std::size_t cap = std::max<std::size_t>(reduce_bucket, r);
+  ExactSumLayout l;
+  l.buckets = std::max<std::size_t>(1, (parameters + cap - 1) / cap);
+  const std::size_t per = (parameters + l.buckets - 1) / l.buckets;
+  l.len = std::max<std::size_t>(r, (per + r - 1) / r * r);
+  return l;
+}
+
+/// Device bytes a rank's po::Runtime takes for its gradients beyond the stages' own buffers:
+/// the exact sums of each of its chunks (`parameters`: values per chunk) and, with dp > 1, the
+/// reduction's staging. A launcher adds them to backend::Cuda's arena (cuda::arena_bytes_for's
+/// state_bytes) before anything is constructed; the step's inputs, losses and flags are small
+/// beside them and not counted.
+inline std::size_t gradient_state_bytes(std::span<const std::size_t> parameters, int dp, std::size_t reduce_bucket) {
+  std::size_t total = 0, most = 0;
+  for (const std::size_t n : parameters) {
+    const ExactSumLayout l = exact_sum_layout(n, dp, reduce_bucket);
+    total += l.bytes();
+    most = std::max(most, l.len);
+  }
+  if (dp > 1) {
+    const std::size_t r = static_cast<std::size_t>(dp);
+    total +=
+        most * sizeof(exact::Fixed) + most / r * sizeof(exact::Fixed) + most / r * sizeof(float) + most * sizeof(float);
+  }
+  return total;
+}
+
 /// Where a forward_backward call sits in training: the optimizer step its gradients go to
 /// (Microbatch::step) and, with gradient accumulation, which of `parts` calls it is. With dp
 /// replicas, a step's global batch is dp * parts * m microbatches, replica-major: the `parts`

@@ -173,16 +173,14 @@ void Runtime<Backend, Communicator>::allocate_state() {
   // the reduction's staging (sized for the largest bucket).
   const std::size_t dp = static_cast<std::size_t>(dp_);
   std::size_t most = 0;
+  // (gradient_state_bytes counts the same for a launcher that sizes memory ahead.)
   for (int c = 0; c < sh.v; ++c) {
-    const std::size_t n = stages_[static_cast<std::size_t>(c)].parameters().size();
-    const std::size_t cap = std::max<std::size_t>(opt_.reduce_bucket, dp);
-    const std::size_t buckets = std::max<std::size_t>(1, (n + cap - 1) / cap);
-    const std::size_t per = (n + buckets - 1) / buckets;
-    const std::size_t len = std::max<std::size_t>(dp, (per + dp - 1) / dp * dp);
-    bucket_.push_back(len);
-    sums_.push_back(take(buckets * len * sizeof(exact::Fixed)));
+    const ExactSumLayout l =
+        exact_sum_layout(stages_[static_cast<std::size_t>(c)].parameters().size(), dp_, opt_.reduce_bucket);
+    bucket_.push_back(l.len);
+    sums_.push_back(take(l.bytes()));
     dev_.zero(sums_.back().ptr, sums_.back().bytes);
-    most = std::max(most, len);
+    most = std::max(most, l.len);
   }
   if (dp > 1) {
     staging_.push_back(take(most * sizeof(exact::Fixed)));       // the replicas' parts of my slice
