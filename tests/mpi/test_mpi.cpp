@@ -92,6 +92,39 @@ TEST_CASE("comm::Mpi: a receive that meets another tag or size throws, naming bo
             "; peers are the other ranks of 0.." + std::to_string(c.size() - 1));
 }
 
+TEST_CASE("comm::Mpi: options outside their ranges are refused, naming the value and the range") {
+  // Checked before the communicator is duplicated, so every rank throws and none waits.
+  po::comm::Mpi::Options o = quick();
+  o.poll_sleep_max_us = 0;
+  CHECK(error_of([&] { po::comm::Mpi c(o); }) ==
+        "comm::Mpi: poll_sleep_max_us = 0 is outside the allowed range [1, 100000]");
+  o.poll_sleep_max_us = 100001;
+  CHECK(error_of([&] { po::comm::Mpi c(o); }) ==
+        "comm::Mpi: poll_sleep_max_us = 100001 is outside the allowed range [1, 100000]");
+  o = quick(0);
+  CHECK(error_of([&] { po::comm::Mpi c(o); }).find("timeout_seconds = 0") != std::string::npos);
+  // The longest sleep does not change what arrives: a ring with a 1 us cap and one with the
+  // largest.
+  for (const int cap : {1, 100000}) {
+    o = quick();
+    o.poll_sleep_max_us = cap;
+    po::comm::Mpi c(o);
+    const int n = c.size(), r = c.rank();
+    std::vector<float> x = {static_cast<float>(r), 0.5f}, y(2);
+    if (n > 1) {
+      if (r % 2 == 0) {
+        c.send(ctx, (r + 1) % n, {0, 1, po::Dir::forward}, in_bytes(x));
+        c.recv(ctx, (r + n - 1) % n, {0, 1, po::Dir::forward}, out_bytes(y));
+      } else {
+        c.recv(ctx, (r + n - 1) % n, {0, 1, po::Dir::forward}, out_bytes(y));
+        c.send(ctx, (r + 1) % n, {0, 1, po::Dir::forward}, in_bytes(x));
+      }
+      CHECK(y[0] == static_cast<float>((r + n - 1) % n));
+      CHECK(y[1] == 0.5f);
+    }
+  }
+}
+
 TEST_CASE("comm::Mpi: a receive with no sender times out, naming the op, the rank and the peer") {
   po::comm::Mpi c(quick(0.5));
   if (c.rank() == 1) {
