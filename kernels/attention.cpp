@@ -168,27 +168,20 @@ std::size_t workspace_bytes(Graphs& graphs, Shape shape) {
 }
 
 std::size_t workspace_bytes(Shape shape, bool deterministic, int device) {
-  int previous = 0;
-  PIPEOFFLOAD_CUDA_CHECK(cudaGetDevice(&previous));
-  PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(device));
-  cudnnHandle_t handle = nullptr;
-  const auto release = [&] {
-    if (handle != nullptr) cudnnDestroy(handle);
-    cudaSetDevice(previous);
-  };
-  try {
-    PIPEOFFLOAD_CUDA_CHECK(cudnnCreate(&handle));
-    std::size_t need = 0;
-    {
-      Graphs graphs(handle, deterministic);  // destroyed before the handle
-      need = workspace_bytes(graphs, shape);
+  // Restores the caller's device and destroys the handle, however this returns.
+  struct Scope {
+    int previous = 0;
+    cudnnHandle_t handle = nullptr;
+    ~Scope() {
+      if (handle != nullptr) cudnnDestroy(handle);
+      cudaSetDevice(previous);
     }
-    release();
-    return need;
-  } catch (...) {
-    release();
-    throw;
-  }
+  } scope;
+  PIPEOFFLOAD_CUDA_CHECK(cudaGetDevice(&scope.previous));
+  PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(device));
+  PIPEOFFLOAD_CUDA_CHECK(cudnnCreate(&scope.handle));
+  Graphs graphs(scope.handle, deterministic);  // destroyed before the scope's handle
+  return workspace_bytes(graphs, shape);
 }
 
 void forward(Graphs& graphs, cudaStream_t stream, Shape s, const __nv_bfloat16* qkv, __nv_bfloat16* out, float* stats,

@@ -308,8 +308,9 @@ po::backend::Cuda::Options cuda_options(const Options& o, const Setup& su, int d
     b.saved = buf.saved_bytes;
     b.stash = buf.stash_bytes;
     const auto params = static_cast<std::size_t>(po::model::gpt_stage_params(dims).total);
-    const std::size_t mine = o.zero == 1 ? (params + o.dp - 1) / o.dp : params;
-    moments += 2 * po::cuda::pool_size_class(mine * sizeof(float));
+    const auto [lo, hi] = o.zero == 1 ? po::zero1_slice(params, o.dp, global_rank / o.shape.d)
+                                      : std::pair<std::size_t, std::size_t>{0, params};
+    moments += 2 * po::cuda::pool_size_class((hi - lo) * sizeof(float));
     params_of_chunk.push_back(params);
   }
   const std::size_t state =

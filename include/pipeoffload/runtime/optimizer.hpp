@@ -103,6 +103,17 @@ struct ParamGroup {
   float weight_decay = 0.0f;                     ///< its weight decay (replaces the optimizer's)
 };
 
+/// ZeRO-1's slice of replica j among dp of a chunk of n parameters: [j*q, min(n, (j+1)*q)) with
+/// q = ceil(n / dp), the parameters whose optimizer state that replica holds and updates.
+constexpr std::pair<std::size_t, std::size_t> zero1_slice(std::size_t n, int dp, int j) {
+  const std::size_t r = static_cast<std::size_t>(dp < 1 ? 1 : dp), q = (n + r - 1) / r,
+                    jj = static_cast<std::size_t>(j < 0 ? 0 : j);
+  return {std::min(n, jj * q), std::min(n, (jj + 1) * q)};
+}
+static_assert(zero1_slice(10, 3, 0) == std::pair<std::size_t, std::size_t>{0, 4} &&
+              zero1_slice(10, 3, 2) == std::pair<std::size_t, std::size_t>{8, 10} &&
+              zero1_slice(2, 3, 2) == std::pair<std::size_t, std::size_t>{2, 2});
+
 namespace detail {
 
 /// A run of parameters of one chunk updated with one setting.
@@ -176,7 +187,7 @@ class OptimizerBase {
   /// Whether the state is sharded across the runtime's replicas (ZeRO-1).
   bool sharded() const { return sharded_; }
   /// The parameters of chunk c whose state this replica holds and which it updates: all of
-  /// them, or with ZeRO-1 slice [j*q, min(n, (j+1)*q)) of replica j (q = ceil(n / dp)).
+  /// them, or with ZeRO-1 replica j's zero1_slice(n, dp, j).
   std::pair<std::size_t, std::size_t> slice(int chunk) const { return slices_[static_cast<std::size_t>(chunk)]; }
   /// Chunk c's k-th state buffer (of the parameters in slice(c)), in device memory.
   std::span<float> state(int chunk, int k) {
@@ -227,15 +238,12 @@ class OptimizerBase {
         throw error("zero = " + std::to_string(zero) + " is outside the allowed range [0, 1] (ZeRO stage)");
       sharded_ = zero == 1 && rt.replicas() > 1;
       const Shape& sh = rt.program().shape;
-      const std::size_t dp = static_cast<std::size_t>(rt.replicas()), j = static_cast<std::size_t>(rt.replica());
       for (int c = 0; c < sh.v; ++c) {
         const auto& stage = rt.stages()[static_cast<std::size_t>(c)];
         const std::size_t n = stage.parameters().size();
         runs_.push_back(
             param_runs(sh.stage_of(rt.rank(), c), stage.name(), stage.parameter_info(), n, groups, weight_decay));
-        const std::size_t q = (n + dp - 1) / dp;
-        slices_.push_back(sharded_ ? std::pair{std::min(n, j * q), std::min(n, (j + 1) * q)}
-                                   : std::pair{std::size_t{0}, n});
+        slices_.push_back(sharded_ ? zero1_slice(n, rt.replicas(), rt.replica()) : std::pair{std::size_t{0}, n});
         const std::size_t mine = slices_.back().second - slices_.back().first;
         // Zeroed state, reserved for itself so it never takes a block the runtime counted on.
         const std::vector<float> zeros(mine, 0.0f);

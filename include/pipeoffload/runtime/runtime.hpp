@@ -106,6 +106,14 @@ constexpr ExactSumLayout exact_sum_layout(std::size_t parameters, int dp, std::s
   return l;
 }
 
+/// Bytes of the replicas' reduction staging for buckets of at most `len` values and dp > 1
+/// replicas, in the order the runtime allocates them: the replicas' parts of this replica's
+/// slice, the slice summed, the slice rounded, the bucket gathered.
+constexpr std::array<std::size_t, 4> reduction_staging_bytes(std::size_t len, int dp) {
+  const std::size_t r = static_cast<std::size_t>(dp < 1 ? 1 : dp);
+  return {len * sizeof(exact::Fixed), len / r * sizeof(exact::Fixed), len / r * sizeof(float), len * sizeof(float)};
+}
+
 /// Device bytes a rank's po::Runtime takes for its gradients beyond the stages' own buffers:
 /// the exact sums of each of its chunks (`parameters`: values per chunk) and, with dp > 1, the
 /// reduction's staging. A launcher adds them to backend::Cuda's arena (cuda::arena_bytes_for's
@@ -118,11 +126,8 @@ inline std::size_t gradient_state_bytes(std::span<const std::size_t> parameters,
     total += l.bytes();
     most = std::max(most, l.len);
   }
-  if (dp > 1) {
-    const std::size_t r = static_cast<std::size_t>(dp);
-    total +=
-        most * sizeof(exact::Fixed) + most / r * sizeof(exact::Fixed) + most / r * sizeof(float) + most * sizeof(float);
-  }
+  if (dp > 1)
+    for (const std::size_t b : reduction_staging_bytes(most, dp)) total += b;
   return total;
 }
 

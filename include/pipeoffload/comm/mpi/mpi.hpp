@@ -218,7 +218,7 @@ class Mpi {
     MPI_Comm parent = MPI_COMM_WORLD;
     /// Longest sleep, in microseconds, of a rank polling for a message (1..100000). It is the
     /// latency a waiting rank adds to each hop: at the former 1000, 8 processes on 2 cores ran
-    /// bench/dp_overlap 27 to 38 % above the model's prediction, at 40 within 5 % (no
+    /// bench/dp_overlap 24 to 38 % above the model's prediction, at 40 within 5 % (no
     /// measurable cost to CPU-bound train_gpt runs; bench/RESULTS.md).
     int poll_sleep_max_us = 40;
   };

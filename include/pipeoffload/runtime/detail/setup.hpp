@@ -170,10 +170,9 @@ void Runtime<Backend, Communicator>::allocate_state() {
   for (const Declared& d : inputs_) inputs_dev_.push_back(take(m * d.spec.elements * dtype_size(d.spec.dtype)));
   losses_dev_ = take(m * sizeof(float));
   // Exact gradient sums, padded to whole reduction buckets of a multiple of dp values, and
-  // the reduction's staging (sized for the largest bucket).
-  const std::size_t dp = static_cast<std::size_t>(dp_);
+  // the reduction's staging (sized for the largest bucket); gradient_state_bytes counts the
+  // same for a launcher that sizes memory ahead.
   std::size_t most = 0;
-  // (gradient_state_bytes counts the same for a launcher that sizes memory ahead.)
   for (int c = 0; c < sh.v; ++c) {
     const ExactSumLayout l =
         exact_sum_layout(stages_[static_cast<std::size_t>(c)].parameters().size(), dp_, opt_.reduce_bucket);
@@ -182,12 +181,8 @@ void Runtime<Backend, Communicator>::allocate_state() {
     dev_.zero(sums_.back().ptr, sums_.back().bytes);
     most = std::max(most, l.len);
   }
-  if (dp > 1) {
-    staging_.push_back(take(most * sizeof(exact::Fixed)));       // the replicas' parts of my slice
-    staging_.push_back(take(most / dp * sizeof(exact::Fixed)));  // my slice, summed
-    staging_.push_back(take(most / dp * sizeof(float)));         // my slice, rounded
-    staging_.push_back(take(most * sizeof(float)));              // the bucket, gathered
-  }
+  if (dp_ > 1)
+    for (const std::size_t bytes : reduction_staging_bytes(most, dp_)) staging_.push_back(take(bytes));
   flags_dev_ = take(std::max<std::size_t>(1, train_.rp->compute.size()) * sizeof(std::uint32_t));
   // Each stage's view of each microbatch's inputs: fixed device addresses, built once.
   views_.resize(static_cast<std::size_t>(sh.v) * m);
