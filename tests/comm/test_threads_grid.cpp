@@ -243,6 +243,42 @@ TEST_CASE("comm::Threads: all_to_all on a plain world; collectives of different 
   CHECK(!one.aborted());  // argument errors are local: nothing was aborted
 }
 
+TEST_CASE("comm::Threads: traffic() counts the bytes each rank sends in the device collectives, not the host ones") {
+  // Three replicas of a one-rank pipeline: the replicas group has 3 ranks, the pipeline group 1.
+  po::comm::ThreadsGrid grid(3, 1);
+  std::vector<po::Traffic> after(3), reset(3), host(3), single(3), refused(3);
+  const auto errors = po::run_thread_ranks(grid, [&](int g) {
+    po::comm::Threads reps = grid.replicas(g), pipe = grid.pipeline(g);
+    std::vector<std::byte> in(3 * 40), out(in.size()), mine(24), all(3 * 24);
+    reps.all_to_all(ctx, std::span<const std::byte>(in), std::span(out));    // 2 blocks of 40 leave
+    reps.all_gather(ctx, std::span<const std::byte>(mine), std::span(all));  // 24 bytes to each of 2
+    after[z(g)] = reps.traffic();
+    reps.reset_traffic();
+    reset[z(g)] = reps.traffic();
+    const double loss[1] = {1.0 * g};
+    std::vector<double> losses(3);
+    reps.all_gather(std::span<const double>(loss), std::span(losses));  // host control data: not counted
+    host[z(g)] = reps.traffic();
+    // A group of one sends nothing; a refused call counts nothing.
+    pipe.all_to_all(ctx, std::span<const std::byte>(in), std::span(out));
+    pipe.all_gather(ctx, std::span<const std::byte>(mine), std::span(all).first(24));
+    single[z(g)] = pipe.traffic();
+    CHECK(!error_of([&] { reps.all_gather(ctx, std::span<const std::byte>(mine), std::span(mine)); }).empty());
+    refused[z(g)] = reps.traffic();
+  });
+  for (int g = 0; g < 3; ++g) {
+    CAPTURE(g);
+    CHECK(errors[z(g)] == "");
+    CHECK(after[z(g)].all_to_all == 80);
+    CHECK(after[z(g)].all_gather == 48);
+    CHECK(after[z(g)].total() == 128);
+    CHECK(reset[z(g)].total() == 0);
+    CHECK(host[z(g)].total() == 0);
+    CHECK(single[z(g)].total() == 0);
+    CHECK(refused[z(g)].total() == 0);
+  }
+}
+
 TEST_CASE("comm::ThreadsGrid: bad shapes and global ranks are refused, naming the value and the range") {
   CHECK(error_of([] { po::comm::ThreadsGrid(0, 2); }) ==
         "comm::ThreadsGrid: dp = 0 is outside the allowed range [1, 4096]");

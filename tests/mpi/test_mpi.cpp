@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -410,6 +411,34 @@ TEST_CASE("comm::Mpi::split: an abort on one replicas group ends a pipeline recv
     CHECK(error_of([&] { pipe.all_gather(ctx, std::span<const std::byte>(), std::span<std::byte>()); }) == e);
     CHECK(error_of([&] { (void)job.split(0, 0); }) == e);
   }
+}
+
+TEST_CASE("comm::Mpi: traffic() counts the bytes each rank sends in the device collectives, not the host ones") {
+  po::comm::Mpi job(quick());
+  REQUIRE(job.size() == 4);
+  // Job ranks 0..2 make a group of 3; rank 3 is a group of one, which sends nothing.
+  po::comm::Mpi c = job.split(job.rank() < 3 ? 0 : 1, job.rank());
+  const std::size_t n = static_cast<std::size_t>(c.size());
+  std::vector<std::byte> in(n * 40), out(in.size()), mine(24), all(n * 24);
+  c.all_to_all(ctx, std::span<const std::byte>(in), std::span(out));    // every block but its own leaves
+  c.all_gather(ctx, std::span<const std::byte>(mine), std::span(all));  // its 24 bytes to each other rank
+  const po::Traffic t = c.traffic();
+  CHECK(t.all_to_all == (n == 3 ? 80 : 0));
+  CHECK(t.all_gather == (n == 3 ? 48 : 0));
+  CHECK(t.total() == (n == 3 ? 128 : 0));
+  po::comm::Mpi m(std::move(c));  // the count moves with the handle
+  CHECK(m.traffic().total() == t.total());
+  m.reset_traffic();
+  CHECK(m.traffic().all_to_all == 0);
+  CHECK(m.traffic().all_gather == 0);
+  // The typed host all_gather (losses, norms, handshakes) is control data: not counted.
+  const double loss = job.rank();
+  std::vector<double> losses(n);
+  m.all_gather(std::span<const double>(&loss, 1), std::span(losses));
+  CHECK(m.traffic().total() == 0);
+  // A refused call counts nothing.
+  CHECK(!error_of([&] { m.all_gather(ctx, std::span<const std::byte>(mine), std::span(mine).first(1)); }).empty());
+  CHECK(m.traffic().total() == 0);
 }
 
 int main(int argc, char** argv) {

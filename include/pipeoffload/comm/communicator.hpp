@@ -39,6 +39,7 @@
 /// @file
 #pragma once
 
+#include <atomic>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -65,6 +66,55 @@ inline std::string describe(const Tag& t) {
   return std::string("(") + (t.dir == Dir::forward ? "forward" : "backward") + ", stage " + std::to_string(t.stage) +
          ", mb " + std::to_string(t.mb) + ")";
 }
+
+/// Bytes one rank sent to other ranks in its device collectives (all_to_all(ctx, ...) and
+/// all_gather(ctx, ...)), counted as the algorithm's least per-rank sends over n = size()
+/// ranks: all_to_all sends every block but its own (in.size() - in.size() / n), all_gather
+/// sends its part to each other rank (mine.size() * (n - 1)); a group of one sends nothing.
+/// Host all_gather (handshakes, losses, norms) and P2P messages are not counted.
+/// comm::Threads, comm::Mpi and comm::Nccl keep one (traffic(), reset_traffic()); in training
+/// they count po::Runtime's gradient reduction and the optimizers' parameter gather.
+/// @code
+///   reps.reset_traffic();
+///   reps.all_to_all(ctx, std::span<const std::byte>(in, dp * block), std::span(out, dp * block));
+///   const po::Traffic t = reps.traffic();  // t.all_to_all == (dp - 1) * block, t.all_gather == 0
+/// @endcode
+struct Traffic {
+  std::uint64_t all_to_all = 0;  ///< bytes sent in all_to_all(ctx, in, out)
+  std::uint64_t all_gather = 0;  ///< bytes sent in all_gather(ctx, mine, all)
+  /// Both together.
+  constexpr std::uint64_t total() const { return all_to_all + all_gather; }
+};
+
+namespace detail {
+
+// A communicator's Traffic, added to by the thread that runs its collectives (the CPU
+// backend's comm stream) while the host may read it between steps: relaxed atomics, since
+// only the counts matter. Copies and moves take the counts along.
+class TrafficCounter {
+ public:
+  TrafficCounter() = default;
+  TrafficCounter(const TrafficCounter& o) { *this = o; }
+  TrafficCounter& operator=(const TrafficCounter& o) {
+    const Traffic t = o.load();
+    a2a_.store(t.all_to_all, std::memory_order_relaxed);
+    gather_.store(t.all_gather, std::memory_order_relaxed);
+    return *this;
+  }
+  void all_to_all(std::size_t in, int n) {
+    if (n > 1) a2a_.fetch_add(in - in / static_cast<std::size_t>(n), std::memory_order_relaxed);
+  }
+  void all_gather(std::size_t mine, int n) {
+    if (n > 1) gather_.fetch_add(mine * static_cast<std::size_t>(n - 1), std::memory_order_relaxed);
+  }
+  Traffic load() const { return {a2a_.load(std::memory_order_relaxed), gather_.load(std::memory_order_relaxed)}; }
+  void reset() { *this = TrafficCounter(); }
+
+ private:
+  std::atomic<std::uint64_t> a2a_{0}, gather_{0};
+};
+
+}  // namespace detail
 
 /// The collectives of a group of ranks: who am I, how many are we, all_gather of any trivially
 /// copyable type, abort (see the file comment). What the handshake, the gradient norm and

@@ -205,6 +205,7 @@ class Threads {
   template <class Context>
   void all_gather(const Context&, std::span<const std::byte> mine, std::span<std::byte> all) {
     all_gather<std::byte>(mine, all);
+    traffic_.all_gather(mine.size(), size());
   }
 
   /// Block i of `in` goes to rank i, block j of `out` comes from rank j (block = in.size() /
@@ -220,7 +221,14 @@ class Threads {
     for (std::size_t j = 0; j < d && block > 0; ++j)
       std::memcpy(out.data() + j * block, w_->published_.data() + j * n + static_cast<std::size_t>(rank_) * block,
                   block);
+    traffic_.all_to_all(n, size());
   }
+
+  /// Bytes this handle sent in its device collectives since construction or reset_traffic()
+  /// (comm/communicator.hpp's Traffic): a snapshot any thread may take.
+  Traffic traffic() const { return traffic_.load(); }
+  /// Starts the count again from zero (between steps, with no collective in progress).
+  void reset_traffic() { traffic_.reset(); }
 
   /// Aborts the world (ThreadsWorld::abort): every blocking call of every rank throws.
   void abort(const std::string& why) { w_->abort(why); }
@@ -303,6 +311,7 @@ class Threads {
 
   ThreadsWorld* w_;
   int rank_;
+  pipeoffload::detail::TrafficCounter traffic_;
 };
 
 /// dp replicas of a d-rank pipeline as thread ranks, dp * d in all: global rank

@@ -254,7 +254,8 @@ class Mpi {
         size_(o.size_),
         job_rank_(std::move(o.job_rank_)),
         state_(std::move(o.state_)),
-        last_gather_(std::move(o.last_gather_)) {}
+        last_gather_(std::move(o.last_gather_)),
+        traffic_(o.traffic_) {}
   Mpi& operator=(Mpi&&) = delete;
   ~Mpi() {
     // After an abort or a timeout, requests may still point into buffers the state keeps
@@ -389,6 +390,7 @@ class Mpi {
   template <class Context>
   void all_gather(const Context&, std::span<const std::byte> mine, std::span<std::byte> all) {
     all_gather<std::byte>(mine, all);
+    traffic_.all_gather(mine.size(), size_);
   }
 
   /// Block i of `in` goes to rank i, block j of `out` comes from rank j (block = in.size() /
@@ -420,7 +422,14 @@ class Mpi {
     std::vector<std::byte> got;
     wait(req, std::move(buf), &got, [] { return std::string("all_to_all"); }, -1);
     std::memcpy(out.data(), got.data() + n, n);
+    traffic_.all_to_all(n, size_);
   }
+
+  /// Bytes this rank sent in its device collectives since construction or reset_traffic()
+  /// (comm/communicator.hpp's Traffic): a snapshot any thread may take.
+  Traffic traffic() const { return traffic_.load(); }
+  /// Starts the count again from zero (between steps, with no collective in progress).
+  void reset_traffic() { traffic_.reset(); }
 
   /// Collective: `data` of rank `root` lands in `data` on every rank (same size everywhere),
   /// with the same timeout and abort handling as every other wait. Bootstraps use it (the
@@ -668,6 +677,7 @@ class Mpi {
   std::vector<int> job_rank_;                // [rank]: its job rank; empty where the same
   std::shared_ptr<detail::MpiAbort> state_;  // shared with every split of the same job
   std::vector<std::byte> last_gather_;       // result of the last all_gather round (host thread only)
+  pipeoffload::detail::TrafficCounter traffic_;
 };
 
 static_assert(communicator<Mpi, backend::CpuContext>, "comm::Mpi must model the communicator concept.");

@@ -575,6 +575,7 @@ class Nccl {
     settle("all_to_all");
     PIPEOFFLOAD_CUDA_CHECK(
         cudaMemcpyAsync(out.data() + me * block, in.data() + me * block, block, cudaMemcpyDeviceToDevice, s));
+    traffic_.all_to_all(n, size());
   }
 
   /// Enqueues ncclAllGather of `mine` (bytes in device memory) into `all` (size() blocks, in
@@ -589,7 +590,14 @@ class Nccl {
     if (n == 0) return;
     PIPEOFFLOAD_NCCL_POST(ncclAllGather(mine.data(), all.data(), n, ncclUint8, comm_, s), rank_, comm_);
     settle("all_gather");
+    traffic_.all_gather(n, size());
   }
+
+  /// Bytes this rank enqueued to send in its device collectives since construction or
+  /// reset_traffic() (comm/communicator.hpp's Traffic), counted on the host as they are posted.
+  Traffic traffic() const { return traffic_.load(); }
+  /// Starts the count again from zero (between steps, with no collective being posted).
+  void reset_traffic() { traffic_.reset(); }
 
   /// Sets the abort shared by this rank's groups (NcclWorld::abort): every rank's thread, this
   /// one's included, aborts its own communicator at its next call or wait, which throws
@@ -735,6 +743,7 @@ class Nccl {
   int poll_id_ = -1;
   std::size_t sent_ = 0, received_ = 0;
   std::vector<Expected> expected_;
+  pipeoffload::detail::TrafficCounter traffic_;  // counted on the host as collectives are posted
 };
 
 static_assert(communicator<Nccl, backend::CudaContext>, "comm::Nccl must model the communicator concept.");
