@@ -130,7 +130,9 @@ bool run(po::comm::Mpi& world, po::comm::Mpi& pipe_mpi, po::comm::Mpi& reps_mpi,
   }
   po::backend::Cpu dev({.rank = g, .copy_bytes_per_second = copy_rate});
   std::vector<SleepLayer> layers(static_cast<std::size_t>(sh.v), SleepLayer(params));
-  po::Runtime rt(program, dev, pipe, reps, std::span<SleepLayer>(layers), {.microbatch = {1, 1}});
+  // The exact path, whose reduction the planner models (128-bit sums scattered, fp32 gathered).
+  po::Runtime rt(program, dev, pipe, reps, std::span<SleepLayer>(layers),
+                 {.microbatch = {1, 1}, .gradients = po::Gradients::exact});
   const double measured = median_step(rt);
   // This rank's last step, from its own trace.
   const po::RankSim& tr = rt.trace();

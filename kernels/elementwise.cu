@@ -42,6 +42,13 @@ __global__ void exact_sum_k(exact::Fixed* out, const exact::Fixed* parts, long l
     out[i] = s;
   }
 }
+__global__ void sum_parts_k(float* out, const float* parts, long long n, int runs) {
+  for (long long i = first_index(); i < n; i += grid_stride()) {
+    float s = parts[i];
+    for (int k = 1; k < runs; ++k) s = __fadd_rn(s, parts[k * n + i]);  // in replica order, never fused
+    out[i] = s;
+  }
+}
 __global__ void exact_round_k(float* out, const exact::Fixed* acc, long long n) {
   for (long long i = first_index(); i < n; i += grid_stride()) out[i] = exact::to_float(acc[i]);
 }
@@ -100,6 +107,9 @@ void exact_add(exact::Fixed* acc, const float* g, long long count, cudaStream_t 
 }
 void exact_sum(exact::Fixed* out, const exact::Fixed* parts, long long count, int runs, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(exact_sum_k, elementwise_launch(count), s, out, parts, count, runs);
+}
+void sum_parts(float* out, const float* parts, long long count, int runs, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(sum_parts_k, elementwise_launch(count), s, out, parts, count, runs);
 }
 void exact_round(float* out, const exact::Fixed* acc, long long count, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(exact_round_k, elementwise_launch(count), s, out, acc, count);

@@ -16,7 +16,9 @@
 //   ./samples/custom_model --schedule po-h --steps 80 --eval-every 20
 // Arguments: --schedule one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f (default
 // 1f1b-i); --group G in [2, 4] (gis-g only); --steps N in [1, 10000] (default 40);
-// --eval-every N in [1, 10000] (default 10). A bad argument exits with status 2.
+// --eval-every N in [1, 10000] (default 10); --gradients standard (default) or exact
+// (RuntimeOptions::gradients; every family runs its W in microbatch order, so the schedules
+// agree bit for bit on either path). A bad argument exits with status 2.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -43,6 +45,7 @@ struct Options {
   po::ScheduleSpec spec = po::Interleaved1F1B::spec;
   int steps = 40;
   int eval_every = 10;
+  po::Gradients gradients = po::Gradients::standard;  // RuntimeOptions::gradients
 };
 
 using sample::bad_argument;
@@ -52,15 +55,19 @@ Options parse(int argc, char** argv) {
   std::optional<std::string> group;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a != "--schedule" && a != "--group" && a != "--steps" && a != "--eval-every")
-      throw bad_argument("unknown option '" + a + "'; the options are --schedule, --group, --steps and --eval-every");
+    if (a != "--schedule" && a != "--group" && a != "--steps" && a != "--eval-every" && a != "--gradients")
+      throw bad_argument("unknown option '" + a +
+                         "'; the options are --schedule, --group, --steps, --eval-every and --gradients");
     if (i + 1 >= argc) throw bad_argument(a + " needs a value");
     const std::string v = argv[++i];
     if (a == "--schedule")
       o.schedule = v;
     else if (a == "--group")
       group = v;
-    else if (a == "--steps")
+    else if (a == "--gradients") {
+      if (v != "standard" && v != "exact") throw bad_argument("--gradients must be standard or exact, got '" + v + "'");
+      o.gradients = v == "exact" ? po::Gradients::exact : po::Gradients::standard;
+    } else if (a == "--steps")
       o.steps = static_cast<int>(sample::to_int(a, v, 1, 10000));
     else
       o.eval_every = static_cast<int>(sample::to_int(a, v, 1, 10000));
@@ -91,7 +98,7 @@ Curve train(const po::Program& program, const custom::Config& cfg, const custom:
     po::comm::Threads comm(world, r);
     std::vector<custom::Stage> mine = custom::make_rank_stages(cfg, sh, r);  // this rank's stages, chunk order
     const std::vector<custom::StageRef> stages = custom::refs(mine);
-    Runtime rt(program, dev, comm, stages, {.microbatch = {rows, 1}});
+    Runtime rt(program, dev, comm, stages, {.microbatch = {rows, 1}, .gradients = o.gradients});
     auto opt = make_optimizer(rt);
     const custom::Dataset::Slice val = data.validation(0, step_rows);
     for (int step = 0; step < o.steps; ++step) {

@@ -168,6 +168,7 @@ void train_rank(
   };
   double tokens_seconds = 0;
   float final_loss = 0;
+  std::uint64_t step_traffic = 0;  // bytes this rank sent in the last step's replica collectives
   for (int step = first; step < o.steps; ++step) {
     // Each sequence starts at a position drawn from (seed, step, sequence): the data position
     // is the step, so a resumed run reads the batches an uninterrupted one would.
@@ -175,11 +176,13 @@ void train_rank(
       return po::math::mix64(o.seed, static_cast<std::uint64_t>(step) * 1000003u + q) % (su.train_tokens - seq - 1);
     });
     // The training step, call by call: gradients of one batch, their norm, one AdamW update.
+    replicas.reset_traffic();
     rt.zero_grad();
     const po::PassStats st = rt.forward_backward(batch, {.step = step});
     const double norm = po::grad_norm(rt);
     const float lr = su.lr(step);
     opt.step(lr, po::clip_scale(norm, su.clip));
+    step_traffic = replicas.traffic().total();
     tokens_seconds += st.seconds;
     final_loss = st.loss;
     const std::size_t my[3] = {st.memory.peak_of(po::backend::Memory::activation), st.memory.total_peak,
@@ -239,7 +242,25 @@ void train_rank(
     for (int q = 0; q < sh.d; ++q)
       params[static_cast<std::size_t>(sh.stage_of(q, c))] = std::move(all[static_cast<std::size_t>(q)]);
   }
-  if (lead) report(o, su, params, rt.program(), first, peaks, units, traces, final_loss, t_start, opt.state_bytes());
+  // Model state per parameter, the largest over ranks: the stages' own parameters and
+  // gradients, the runtime's gradient buffers and the optimizer's state; and the bytes sent
+  // in the last step's gradient and parameter collectives.
+  std::size_t rank_params = 0, held = rt.gradient_buffer_bytes() + opt.state_bytes();
+  for (Layer& l : mine) {
+    rank_params += l.parameters().size();
+    held += train_gpt::layer_state_bytes(l);
+  }
+  const double n = static_cast<double>(std::max<std::size_t>(1, rank_params));
+  const double my_figures[2] = {static_cast<double>(held) / n, static_cast<double>(step_traffic) / n};
+  std::vector<double> pipe(2 * static_cast<std::size_t>(sh.d)), reps(2 * static_cast<std::size_t>(o.dp));
+  comm.all_gather(std::span<const double>(my_figures), std::span(pipe));
+  double worst[2] = {0, 0};
+  for (std::size_t q = 0; q < pipe.size(); ++q) worst[q % 2] = std::max(worst[q % 2], pipe[q]);
+  replicas.all_gather(std::span<const double>(worst), std::span(reps));
+  for (std::size_t q = 0; q < reps.size(); ++q) worst[q % 2] = std::max(worst[q % 2], reps[q]);
+  if (lead)
+    report(o, su, params, rt.program(), first, peaks, units, traces, final_loss, t_start,
+           {opt.state_bytes(), worst[0], worst[1]});
   // Nobody leaves (and exits 0) before global rank 0 has printed everything: if it fails
   // there, this wait fails on every rank instead.
   const double done = 1;
@@ -282,8 +303,8 @@ std::vector<po::cuda::GptStage> cuda_stages(const Options& o, const Setup& su, p
 /// whichever is larger (1 GiB at 4096 tokens of 32 heads); the arena holds it, every block the
 /// runtime reserves for rank `r`'s program (po::reservation_plan of the stages' saved and stash
 /// bytes and the bf16 boundaries the CUDA launchers send), the exact gradient sums and their
-/// reduction's staging (po::gradient_state_bytes: 16 bytes a parameter), the AdamW moments of
-/// the rank's stages (ZeRO-1: its slices) and 64 MiB for the step's inputs and losses. The
+/// reduction's staging and the AdamW moments of the rank's stages (ZeRO-1: its shards), each
+/// buffer as po::state_bytes lists it, and 64 MiB for the step's inputs and losses. The
 /// stages' parameters, gradients and scratch are cudaMalloc'd outside it.
 po::backend::Cuda::Options cuda_options(const Options& o, const Setup& su, int device, int global_rank, int r) {
   po::backend::Cuda::Options opt{.device = device, .rank = global_rank};
@@ -296,7 +317,6 @@ po::backend::Cuda::Options cuda_options(const Options& o, const Setup& su, int d
   const po::Shape& sh = program.shape;
   const std::size_t boundary = static_cast<std::size_t>(mb.tokens()) * static_cast<std::size_t>(o.model.hidden) * 2;
   std::vector<po::StageBytes> stages(static_cast<std::size_t>(sh.stages()));
-  std::size_t moments = 0;
   std::vector<std::size_t> params_of_chunk;
   for (int st = 0; st < sh.stages(); ++st) {
     po::StageBytes& b = stages[static_cast<std::size_t>(st)];
@@ -307,14 +327,16 @@ po::backend::Cuda::Options cuda_options(const Options& o, const Setup& su, int d
     const po::cuda::GptStageBuffers buf = po::cuda::gpt_stage_buffers(dims, mb.tokens());
     b.saved = buf.saved_bytes;
     b.stash = buf.stash_bytes;
-    const auto params = static_cast<std::size_t>(po::model::gpt_stage_params(dims).total);
-    const auto [lo, hi] = o.zero == 1 ? po::zero1_slice(params, o.dp, global_rank / o.shape.d)
-                                      : std::pair<std::size_t, std::size_t>{0, params};
-    moments += 2 * po::cuda::pool_size_class((hi - lo) * sizeof(float));
-    params_of_chunk.push_back(params);
+    params_of_chunk.push_back(static_cast<std::size_t>(po::model::gpt_stage_params(dims).total));
   }
-  const std::size_t state =
-      po::gradient_state_bytes(params_of_chunk, o.dp, su.runtime.reduce_bucket) + moments + (std::size_t{64} << 20);
+  const po::StateBytes model_state = po::state_bytes(params_of_chunk, {.gradients = o.gradients,
+                                                                       .dp = o.dp,
+                                                                       .replica = global_rank / o.shape.d,
+                                                                       .zero = o.zero,
+                                                                       .optimizer_states = 2,
+                                                                       .reduce_bucket = su.runtime.reduce_bucket});
+  std::size_t state = std::size_t{64} << 20;
+  for (const std::size_t bytes : model_state.blocks) state += po::cuda::pool_size_class(bytes);
   opt.arena_bytes = po::cuda::arena_bytes_for(po::reservation_plan(program, r, stages), opt.workspace_bytes, state);
   return opt;
 }

@@ -51,8 +51,13 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
   --dp R                data-parallel replicas of the pipeline, 1..64: R*D ranks in all (threads, or
                         mpirun -np R*D ... --ranks D --dp R); global rank g = replica * D + rank
   --zero Z              0 (default) or 1: with --dp > 1, shard AdamW's moments across the replicas (ZeRO-1)
-  --exact-block K       microbatches summed in fp32 (in order) between two exact folds, 1..4096 dividing M
-                        (default 1: every gradient goes into the exact sums; see RuntimeOptions::exact_block)
+  --gradients NAME      standard (default: fp32 gradients accumulated in place, reduce-scattered over
+                        the replicas) or exact (fixed-point sums: bit-identical under every schedule,
+                        rank count and --dp; 16 more bytes a parameter; docs/gradients.md)
+  --reduce-bucket N     with --dp > 1: gradients reduced in buckets of at most N values, 64..1073741824
+                        (default 1048576; the staging holds about 8.5 bytes a value of one bucket)
+  --exact-block K       with --gradients exact: microbatches summed in fp32 (in order) between two
+                        exact folds, 1..4096 dividing M (default 1; see RuntimeOptions::exact_block)
   --chunks V            chunks (stages) per rank, 1..64; 1 for 1f1b (default 2)
   --microbatches M      microbatches per step of each replica, 1..4096 (the global batch is R*M); a
                         multiple of D for 1f1b-i (default 8)
@@ -106,11 +111,13 @@ struct Options {
   bool mpi = false, ranks_given = false;
   double comm_timeout = 300;
   bool cuda = false;
-  bool pcie_pairs = false;  // CPU thread ranks: synchronise the copies of ranks (r, r^1)
-  int dp = 1, zero = 0;     // data-parallel replicas, ZeRO stage
-  int exact_block = 1;      // RuntimeOptions::exact_block
-  int eval_every = 0;       // steps between validation losses; 0: no held-out split
-  bool decay_all = false;   // weight decay on every parameter (before parameter groups)
+  bool pcie_pairs = false;                            // CPU thread ranks: synchronise the copies of ranks (r, r^1)
+  int dp = 1, zero = 0;                               // data-parallel replicas, ZeRO stage
+  po::Gradients gradients = po::Gradients::standard;  // RuntimeOptions::gradients
+  int exact_block = 1;                                // RuntimeOptions::exact_block
+  std::size_t reduce_bucket = std::size_t{1} << 20;   // RuntimeOptions::reduce_bucket
+  int eval_every = 0;                                 // steps between validation losses; 0: no held-out split
+  bool decay_all = false;                             // weight decay on every parameter (before parameter groups)
   bool check_finite = true;
   int checkpoint_every = 0;
   std::string checkpoint_dir, resume;
@@ -176,6 +183,8 @@ inline Options parse(int argc, char** argv) {
                                   "--dp",
                                   "--zero",
                                   "--exact-block",
+                                  "--gradients",
+                                  "--reduce-bucket",
                                   "--data",
                                   "--val-data",
                                   "--vocab"};
@@ -249,7 +258,18 @@ inline Options parse(int argc, char** argv) {
   }
   if (auto v = get("--dp")) o.dp = static_cast<int>(to_int("--dp", *v, 1, 64));
   if (auto v = get("--zero")) o.zero = static_cast<int>(to_int("--zero", *v, 0, 1));
-  if (auto v = get("--exact-block")) o.exact_block = static_cast<int>(to_int("--exact-block", *v, 1, 4096));
+  if (auto v = get("--gradients")) {
+    if (*v != "standard" && *v != "exact")
+      throw bad_argument("--gradients must be standard or exact, got '" + *v + "'");
+    o.gradients = *v == "exact" ? po::Gradients::exact : po::Gradients::standard;
+  }
+  if (auto v = get("--reduce-bucket"))
+    o.reduce_bucket = static_cast<std::size_t>(to_int("--reduce-bucket", *v, 64, 1LL << 30));
+  if (auto v = get("--exact-block")) {
+    o.exact_block = static_cast<int>(to_int("--exact-block", *v, 1, 4096));
+    if (o.gradients != po::Gradients::exact)
+      throw bad_argument("--exact-block needs --gradients exact (the standard path has no exact folds)");
+  }
   if (auto v = get("--chunks")) o.shape.v = static_cast<int>(to_int("--chunks", *v, 1, 64));
   if (auto v = get("--microbatches")) o.shape.m = static_cast<int>(to_int("--microbatches", *v, 1, 4096));
   if (o.shape.m % o.exact_block != 0)
@@ -378,7 +398,11 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
     s.held_end = n;
   }
   s.costs.k = o.k;
-  s.runtime = {.microbatch = {o.batch, o.model.seq}, .check_finite = o.check_finite, .exact_block = o.exact_block};
+  s.runtime = {.microbatch = {o.batch, o.model.seq},
+               .check_finite = o.check_finite,
+               .gradients = o.gradients,
+               .reduce_bucket = o.reduce_bucket,
+               .exact_block = o.exact_block};
   s.lr = {.lr = o.lr,
           .warmup_steps = std::max(1, std::min(20, o.steps / 10)),
           .total_steps = o.steps,
@@ -411,7 +435,8 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
   s.fields.push_back({"model", model});
   s.fields.push_back({"batch", batch});
   s.fields.push_back({"training", train});
-  s.fields.push_back({"data parallel", "dp=" + std::to_string(o.dp) + " zero=" + std::to_string(o.zero)});
+  s.fields.push_back({"data parallel", "dp=" + std::to_string(o.dp) + " zero=" + std::to_string(o.zero) +
+                                           " gradients=" + po::gradients_name(o.gradients)});
   s.fields.push_back({"data", data});
   s.fields.push_back(
       {"planning", "k=" + std::string(k) + " offload=" + std::to_string(po::offload::count(o.spec.offload, sh.v))});

@@ -25,6 +25,24 @@ namespace train_gpt {
 using sample::hex64;
 using sample::mib;
 
+/// Device bytes a stage holds for its parameters and gradients: its own state_bytes() where
+/// it has one (cuda::GptStage: the fp32 master, the bf16 working copy, the fp32 gradients),
+/// else its parameters() and gradients().
+template <class Layer>
+std::size_t layer_state_bytes(Layer& l) {
+  if constexpr (requires { l.state_bytes(); })
+    return l.state_bytes();
+  else
+    return l.parameters().size_bytes() + l.gradients().size_bytes();
+}
+
+/// What a run measured of its model state, the largest over ranks (report prints it).
+struct StateFigures {
+  std::size_t optimizer_bytes = 0;  ///< global rank 0's optimizer state
+  double state_per_parameter = 0;   ///< device bytes for parameters, gradients, their buffers and optimizer state
+  double reduce_per_parameter = 0;  ///< bytes sent in the last step's gradient and parameter collectives
+};
+
 inline  /// Rank 0's closing report: peaks, 1F1B-I's simulated peaks, wall time, the trace, and the
     /// two lines scripts compare.
     /// `params`: every stage's parameters, in stage order.
@@ -32,10 +50,11 @@ inline  /// Rank 0's closing report: peaks, 1F1B-I's simulated peaks, wall time,
     report(const Options& o, const Setup& su, const std::vector<std::vector<float>>& params, const po::Program& program,
            int first, const std::vector<std::size_t>& peaks, const std::vector<std::size_t>& units,
            std::vector<po::RankSim>& traces, float final_loss, std::chrono::steady_clock::time_point t_start,
-           std::size_t optimizer_bytes) {
+           const StateFigures& state) {
   const po::Shape sh = o.shape;
   if (o.dp > 1)
-    std::printf("optimizer state of global rank 0 (AdamW moments, zero %d): %zu bytes\n", o.zero, optimizer_bytes);
+    std::printf("optimizer state of global rank 0 (AdamW moments, zero %d): %zu bytes\n", o.zero,
+                state.optimizer_bytes);
 
   po::Costs sizes;
   sizes.unit_bytes.resize(static_cast<std::size_t>(sh.stages()));
@@ -97,6 +116,8 @@ inline  /// Rank 0's closing report: peaks, 1F1B-I's simulated peaks, wall time,
   // in the same order however the model is cut into stages and ranks.
   std::uint64_t hash = po::fnv1a_start;
   for (const auto& p : params) hash = po::fnv1a(std::as_bytes(std::span(p)), hash);
+  std::printf("state_bytes_per_parameter=%.4f\n", state.state_per_parameter);
+  std::printf("reduce_bytes_per_parameter=%.4f\n", state.reduce_per_parameter);
   std::printf("final_loss=%.9g\n", static_cast<double>(final_loss));
   std::printf("params_hash=%s\n", hex64(hash).c_str());
   std::fflush(stdout);

@@ -205,6 +205,9 @@ class GptStage {
   std::span<float> parameters() { return {master(), static_cast<std::size_t>(params_.total)}; }
   std::span<float> gradients() { return {grad(), static_cast<std::size_t>(params_.total)}; }
   std::vector<std::size_t> norm_groups() const { return model::gpt_norm_groups(dims_); }
+  /// Device bytes of the stage's parameters and gradients: the fp32 master and gradients and
+  /// the bf16 working copy (gpt_state_bytes).
+  std::size_t state_bytes() const { return gpt_state_bytes(dims_); }
   /// model::GptStage::parameter_info(): the same names, offsets and shapes.
   std::vector<ParamInfo> parameter_info() const { return model::gpt_parameter_info(dims_); }
 

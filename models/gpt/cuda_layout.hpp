@@ -145,6 +145,14 @@ struct GptWorkspace {
   Region ln, proj, gelu, io, logits, losses;
   std::size_t bytes = 0;
 };
+/// Device bytes cuda::GptStage holds for its parameters and gradients: fp32 master and
+/// gradients (4 + 4 bytes a parameter) and the bf16 working copy of the blocks and the head
+/// (2 bytes a parameter outside the embedding, which reads the fp32 master).
+constexpr std::size_t gpt_state_bytes(const model::GptDims& d) {
+  const model::GptStageParams p = model::gpt_stage_params(d);
+  return static_cast<std::size_t>(p.total) * 8 + static_cast<std::size_t>(p.total - p.blocks_begin) * 2;
+}
+
 constexpr GptWorkspace gpt_workspace(const model::GptDims& d, long long tokens) {
   detail::check_gpt(d, tokens, "cuda::gpt_workspace");
   const std::size_t T = static_cast<std::size_t>(tokens), h = static_cast<std::size_t>(d.hidden),

@@ -472,7 +472,7 @@ void pair_counters() {
   CHECK(threw == Traits::abort_throws);
 }
 
-/// backend::sums_exactly: exact_add, exact_sum and exact_round in a stream's order give the
+/// backend::reduces_gradients: exact_add, exact_sum and exact_round in a stream's order give the
 /// bits of backend/exact.hpp's functions on the host (the CPU backend's loops).
 template <class Traits>
 void exact_sums() {
@@ -521,6 +521,36 @@ void exact_sums() {
   for (pb::Block b : owned) dev->device_free(b);
 }
 
+/// backend::reduces_gradients: sum_parts in a stream's order adds the parts in their order in
+/// fp32, as a plain host loop does, bit for bit (the standard path's reduce-scatter).
+template <class Traits>
+void sum_parts() {
+  auto dev = Traits::make();
+  const int s = dev->make_stream("s");
+  const std::size_t n = 4099, parts = 5;
+  std::vector<float> host(n * parts);
+  for (std::size_t i = 0; i < host.size(); ++i)
+    host[i] = std::ldexp(std::sin(0.61f * static_cast<float>(i) + 0.3f), static_cast<int>(i % 29) - 10);
+  std::vector<pb::Block> owned;
+  const std::span<float> in = device_floats(*dev, owned, host);
+  const std::span<float> out = device_floats(*dev, owned, std::vector<float>(n, 0.0f));
+  dev->launch(s, [&] {
+    auto ctx = dev->context(s);
+    dev->sum_parts(ctx, out, std::span<const float>(in));
+  });
+  dev->synchronize();
+  const std::vector<float> got = host_floats(*dev, out);
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    volatile float want = host[i];  // one rounding per addition, in part order
+    for (std::size_t k = 1; k < parts; ++k) want = want + host[k * n + i];
+    const float w = want;
+    differ += std::memcmp(&w, &got[i], sizeof w) != 0;
+  }
+  CHECK(differ == 0);
+  for (pb::Block b : owned) dev->device_free(b);
+}
+
 }  // namespace conformance
 
 /// Registers the cases for one backend; `name` goes into the test names.
@@ -552,4 +582,7 @@ void exact_sums() {
   }                                                                                                                 \
   TEST_CASE(name ": exact gradient sums in a stream's order give backend/exact.hpp's bits") {                       \
     conformance::exact_sums<Traits>();                                                                              \
+  }                                                                                                                 \
+  TEST_CASE(name ": sum_parts adds the replicas' parts in their order in fp32, bit for bit") {                      \
+    conformance::sum_parts<Traits>();                                                                               \
   }

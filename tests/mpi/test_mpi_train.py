@@ -27,7 +27,9 @@ exe, mpirun, part = sys.argv[1], sys.argv[2], sys.argv[3]
 # The test's environment (tests/mpi/meson.build) sets the container-friendly MCA parameters;
 # the flags repeat the essential ones so the script also runs on its own.
 MPI = [mpirun, "--oversubscribe", "--bind-to", "none", "--mca", "btl", "self,vader"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
-SMALL = ["--layers", "4", "--hidden", "32", "--seq", "16", "--batch", "2", "--microbatches", "4", "--steps", "4", "--quiet"]
+# The exact gradient path: every comparison with another rank or replica count is bit for bit.
+SMALL = ["--gradients", "exact", "--layers", "4", "--hidden", "32", "--seq", "16", "--batch", "2", "--microbatches", "4",
+         "--steps", "4", "--quiet"]
 BOUND = 30.0  # seconds from a failure to the end of every process
 failures = []
 
@@ -265,6 +267,12 @@ def data_parallel():
         if got != threads or got != ref:
             fail(f"{sched} d={d} dp={dp} zero={zero}: MPI gave {got}, threads {threads}, one replica of 12 microbatches {ref}")
     # The processes must make whole pipelines.
+    # The standard path (the default): MPI sums the replicas' fp32 parts in the threads' order.
+    std = [a for a in base if a not in ("--gradients", "exact")]
+    args = ["--schedule", "po-f", "--chunks", "2", "--ranks", "2", "--dp", "2", "--microbatches", "6", "--zero", "1", *std]
+    threads, got = finals(run_ok([exe, *args])), finals(run_ok(mpi(4, *args)))
+    if got != threads:
+        fail(f"standard gradients, dp=2 zero=1: MPI gave {got}, threads {threads}")
     code, out, err, _ = run(mpi(3, "--dp", "2", *SMALL))
     if code != 2 or "but mpirun started 3 processes" not in err:
         fail(f"--dp 2 under -np 3: expected status 2, got {code}\n{err}")

@@ -211,6 +211,8 @@ struct Config {
   po::Costs costs{};
   Failure* failure = nullptr;
   bool pairs = false;  ///< link ranks (r, r^1) with po::PairLink (synchronised copies)
+  /// The exact path: every family's run is compared with one rank's, bit for bit.
+  po::Gradients gradients = po::Gradients::exact;
 };
 
 /// Deterministic tokens and targets of one step.
@@ -268,7 +270,7 @@ inline Run train(const Config& c) {
     po::comm::Threads comm(world, r);
     std::vector<TanhLayer> layers;
     for (int ch = 0; ch < sh.v; ++ch) layers.emplace_back(sh.stage_of(r, ch), c.h, c.seed, c.timing, c.failure, r);
-    po::Runtime rt(program, dev, comm, std::span<TanhLayer>(layers), {.microbatch = c.mb});
+    po::Runtime rt(program, dev, comm, std::span<TanhLayer>(layers), {.microbatch = c.mb, .gradients = c.gradients});
     if (static_cast<std::size_t>(r / 2) < links.size()) rt.pair_with(*links[static_cast<std::size_t>(r / 2)]);
     po::AdamW opt(rt, {.weight_decay = 0.1f});
     auto& dev_allocs = run.device_allocations[static_cast<std::size_t>(r)];

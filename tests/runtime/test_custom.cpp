@@ -42,7 +42,9 @@ namespace off = po::offload;
 // Small enough that the whole file runs in seconds; hidden 8 makes the even middle stages 6 wide.
 const custom::Config model{.features = 5, .hidden = 8, .blocks = 2, .seed = 3};
 constexpr int rows = 3;  // rows per microbatch
-const po::RuntimeOptions options{.microbatch = {rows, 1}};
+// The exact path: every bit-identity below (schedules, rank counts, replicas, accumulation,
+// checkpoints) holds on it; the standard path's own properties are tested at the end.
+const po::RuntimeOptions options{.microbatch = {rows, 1}, .gradients = po::Gradients::exact};
 constexpr std::uint64_t config_hash = 0xC0FFEE;
 
 const custom::Dataset& data() {
@@ -110,14 +112,21 @@ struct Case {
   int first_step = 0;
   int dp = 1;    ///< data-parallel replicas (each runs program.shape.m microbatches per call)
   int zero = 0;  ///< ZeRO stage of the optimizer
+  po::Gradients gradients = po::Gradients::exact;    ///< RuntimeOptions::gradients
+  std::size_t reduce_bucket = std::size_t{1} << 20;  ///< RuntimeOptions::reduce_bucket
 };
 
 struct Run {
-  std::vector<std::vector<float>> losses;  ///< per step: every microbatch's loss, all parts in order
-  std::vector<double> norms;               ///< per step
-  std::vector<std::vector<float>> params;  ///< per stage, after the last step
-  std::vector<po::RankSim> traces;         ///< per rank, of the last forward_backward
-  std::vector<std::string> errors;         ///< per rank
+  std::vector<std::vector<float>> losses;     ///< per step: every microbatch's loss, all parts in order
+  std::vector<double> norms;                  ///< per step
+  std::vector<std::vector<float>> params;     ///< per stage, after the last step
+  std::vector<po::RankSim> traces;            ///< per rank, of the last forward_backward
+  std::vector<std::string> errors;            ///< per rank
+  std::vector<std::uint64_t> traffic;         ///< per global rank: replica-collective bytes sent in the last step
+  std::vector<std::size_t> state_memory;      ///< per global rank: device state bytes after construction
+  std::vector<std::size_t> optimizer_memory;  ///< per global rank: optimizer bytes after construction
+  std::vector<std::size_t> fixed_state;       ///< per global rank: the step inputs', losses' and flags' bytes
+  std::vector<std::vector<std::size_t>> chunk_params;  ///< per global rank: parameters of each chunk
 };
 
 const po::ParamGroup no_decay{"no decay", [](const po::ParamInfo& p) { return p.shape.size() < 2; }, 1.0f, 0.0f};
@@ -135,6 +144,15 @@ Run train(const Case& c) {
   run.norms.resize(static_cast<std::size_t>(c.steps));
   run.params.resize(static_cast<std::size_t>(sh.stages()));
   run.traces.resize(static_cast<std::size_t>(sh.d));
+  const std::size_t ranks = static_cast<std::size_t>(sh.d * c.dp);
+  run.traffic.resize(ranks);
+  run.state_memory.resize(ranks);
+  run.optimizer_memory.resize(ranks);
+  run.chunk_params.resize(ranks);
+  run.fixed_state.resize(ranks);
+  po::RuntimeOptions rt_options = options;
+  rt_options.gradients = c.gradients;
+  rt_options.reduce_bucket = c.reduce_bucket;
   std::mutex mu;
   const auto rank = [&](int g, po::comm::Threads& comm, po::comm::Threads* replicas) {
     const int r = g % sh.d, j = g / sh.d;
@@ -143,14 +161,32 @@ Run train(const Case& c) {
     const std::vector<custom::StageRef> stages = custom::refs(mine);
     std::optional<Runtime> made;
     if (replicas != nullptr)
-      made.emplace(c.program, dev, comm, *replicas, std::span<const custom::StageRef>(stages), options);
+      made.emplace(c.program, dev, comm, *replicas, std::span<const custom::StageRef>(stages), rt_options);
     else
-      made.emplace(c.program, dev, comm, std::span<const custom::StageRef>(stages), options);
+      made.emplace(c.program, dev, comm, std::span<const custom::StageRef>(stages), rt_options);
     Runtime& rt = *made;
     const auto loop = [&](auto& opt) {
+      {
+        std::lock_guard lk(mu);
+        run.state_memory[static_cast<std::size_t>(g)] = dev.memory().in(po::backend::Memory::state);
+        run.optimizer_memory[static_cast<std::size_t>(g)] = dev.memory().in(po::backend::Memory::optimizer);
+        for (const custom::StageRef& st : stages)
+          run.chunk_params[static_cast<std::size_t>(g)].push_back(st.parameters().size());
+        // The step inputs (each name once), a loss per microbatch, a flag per compute op.
+        std::vector<std::string> names;
+        std::size_t fixed = m * sizeof(float) + c.program.ranks[static_cast<std::size_t>(r)].compute.size() * 4;
+        for (const custom::StageRef& st : stages)
+          for (const po::InputSpec& in : st.inputs(rt_options.microbatch))
+            if (std::find(names.begin(), names.end(), in.name) == names.end()) {
+              names.push_back(in.name);
+              fixed += m * in.elements * po::dtype_size(in.dtype);
+            }
+        run.fixed_state[static_cast<std::size_t>(g)] = fixed;
+      }
       if (!c.load_dir.empty()) po::load_checkpoint(c.load_dir, rt, opt, config_hash);
       for (int step = c.first_step; step < c.steps; ++step) {
         std::vector<float> losses(m * static_cast<std::size_t>(c.parts * c.dp));
+        if (replicas != nullptr) replicas->reset_traffic();
         rt.zero_grad();
         for (int part = 0; part < c.parts; ++part) {
           const std::size_t first =
@@ -163,6 +199,10 @@ Run train(const Case& c) {
         }
         const double norm = po::grad_norm(rt);
         opt.step(lr(step), po::clip_scale(norm, 0.5f));
+        if (replicas != nullptr) {
+          std::lock_guard lk(mu);
+          run.traffic[static_cast<std::size_t>(g)] = replicas->traffic().total();
+        }
         if (g == 0) {
           std::lock_guard lk(mu);
           run.losses[static_cast<std::size_t>(step)] = losses;
@@ -787,5 +827,191 @@ TEST_CASE("data parallel: a checkpoint of 2 replicas with ZeRO-1 resumes on 3 re
   const Run resumed =
       train({.program = po::GIS::build({2, 2, 4}), .steps = 4, .load_dir = dir, .first_step = 2, .dp = 3, .zero = 1});
   check_same(resumed, straight, 2);
+  std::filesystem::remove_all(dir);
+}
+
+// ---- the standard path (the default): fp32 gradients in place, reduce-scattered ----------
+
+namespace {
+
+Case standard(Case c) {
+  c.gradients = po::Gradients::standard;
+  return c;
+}
+
+/// Does every stage of `p` compute its weight gradients in microbatch order?
+bool w_in_order(const po::Program& p) {
+  for (const po::RankProgram& rp : p.ranks) {
+    std::map<int, int> last;
+    for (const po::Op& op : rp.compute)
+      if (op.kind == po::OpKind::W || op.kind == po::OpKind::BW) {
+        auto [it, fresh] = last.try_emplace(op.stage, op.mb);
+        if (!fresh && op.mb < it->second) return false;
+        it->second = op.mb;
+      }
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("standard gradients: dp = 2 and 3 are deterministic: a run again and with ZeRO-1 gives the same bits") {
+  for (Optim optim : {Optim::adamw, Optim::sgd}) {
+    CAPTURE(static_cast<int>(optim));
+    // Buckets of 16 values (several per stage, the last one padded) and of 2^20 (one): ZeRO-0
+    // twice and ZeRO-1 give the same bits.
+    for (std::size_t bucket : {std::size_t{16}, std::size_t{1} << 20}) {
+      CAPTURE(bucket);
+      const Case two{.program = po::PO_F::build({2, 2, 6}), .optim = optim, .dp = 2, .reduce_bucket = bucket};
+      const Case three{.program = po::GIS_H::build({4, 1, 4}), .optim = optim, .dp = 3, .reduce_bucket = bucket};
+      for (const Case& c : {two, three}) {
+        const Run a = train(standard(c));
+        check_same(train(standard(c)), a);
+        Case sharded = standard(c);
+        sharded.zero = 1;
+        check_same(train(sharded), a);
+      }
+    }
+  }
+}
+
+TEST_CASE("standard gradients: every family (each stage's W in microbatch order) trains bit-identically to one rank") {
+  const po::Shape one{1, 4, 8};
+  const Run ref = train(standard({.program = one_rank(one)}));
+  for (const char* name : {"1f1b", "1f1b-i", "gis", "gis-h", "gis-g", "po", "po-h", "po-f", "zb-h1", "zb-h2", "zb-v",
+                           "v-half", "v-min", "dualpipe-v"}) {
+    CAPTURE(name);
+    const std::string n = name;
+    const int v = n == "1f1b" || n.rfind("zb-h", 0) == 0 ? 1 : 2;
+    const po::Program p = po::build(po::parse_schedule(n, n == "gis-g" ? 2 : 0), {4 / v, v, 8});
+    REQUIRE(w_in_order(p));
+    check_same(train(standard({.program = p})), ref);
+  }
+  // Accumulation in two calls of 4 sums the same microbatches in the same order.
+  check_same(train(standard({.program = po::PO_F::build({4, 1, 4}), .parts = 2})), ref);
+}
+
+TEST_CASE("standard gradients: the custom model's final loss is within 1 % of the exact path's") {
+  for (const Case& c : {Case{.program = po::PO_F::build({4, 2, 8}), .steps = 10},
+                        Case{.program = po::GIS_H::build({2, 2, 6}), .steps = 10, .dp = 2, .zero = 1}}) {
+    const Run exact = train(c), fast = train(standard(c));
+    require_ok(exact);
+    require_ok(fast);
+    const auto mean = [](const std::vector<float>& v) {
+      double s = 0;
+      for (float x : v) s += x;
+      return s / static_cast<double>(v.size());
+    };
+    const double e = mean(exact.losses.back()), f = mean(fast.losses.back());
+    CAPTURE(e);
+    CAPTURE(f);
+    CHECK(std::abs(f - e) <= 0.01 * std::abs(e));
+  }
+}
+
+TEST_CASE(
+    "memory: po::state_bytes is what the runtime and optimizer allocate, to the byte (both paths, dp 1, 2, 8, ZeRO 0 and 1)") {
+  for (po::Gradients path : {po::Gradients::standard, po::Gradients::exact})
+    for (int dp : {1, 2, 8})
+      for (int zero : {0, 1})
+        for (Optim optim : {Optim::adamw, Optim::sgd}) {
+          CAPTURE(po::gradients_name(path));
+          CAPTURE(dp);
+          CAPTURE(zero);
+          CAPTURE(static_cast<int>(optim));
+          Case c{.program = po::GIS::build({2, 2, 4}),
+                 .steps = 1,
+                 .optim = optim,
+                 .dp = dp,
+                 .zero = zero,
+                 .gradients = path,
+                 .reduce_bucket = 16};
+          const Run run = train(c);
+          require_ok(run);
+          for (std::size_t g = 0; g < run.state_memory.size(); ++g) {
+            CAPTURE(g);
+            const po::StateBytes want =
+                po::state_bytes(run.chunk_params[g], {.gradients = path,
+                                                      .dp = dp,
+                                                      .replica = static_cast<int>(g) / 2,
+                                                      .zero = zero,
+                                                      .optimizer_states = optim == Optim::adamw ? 2 : 1,
+                                                      .reduce_bucket = 16});
+            CHECK(run.state_memory[g] - run.fixed_state[g] == want.sums + want.staging);
+            CHECK(run.optimizer_memory[g] == want.optimizer);
+            std::size_t blocks = 0;
+            for (std::size_t b : want.blocks) blocks += b;
+            CHECK(blocks == want.arena());
+          }
+        }
+}
+
+TEST_CASE(
+    "traffic: one step's replica collectives send what the layout says, per parameter within the formulas (dp 2, 3, 8)") {
+  for (int dp : {2, 3, 8})
+    for (po::Gradients path : {po::Gradients::standard, po::Gradients::exact})
+      for (int zero : {0, 1}) {
+        CAPTURE(dp);
+        CAPTURE(po::gradients_name(path));
+        CAPTURE(zero);
+        const std::size_t bucket = 64;
+        const Run run = train({.program = po::GIS::build({2, 2, 4}),
+                               .steps = 2,
+                               .dp = dp,
+                               .zero = zero,
+                               .gradients = path,
+                               .reduce_bucket = bucket});
+        require_ok(run);
+        for (std::size_t g = 0; g < run.traffic.size(); ++g) {
+          CAPTURE(g);
+          // Per bucket, each replica sends all but its own slice in the reduce-scatter and its
+          // slice to each other replica in each all-gather (gradients unless sharded;
+          // parameters with ZeRO-1).
+          const std::size_t f = 4, x = 16, d1 = static_cast<std::size_t>(dp - 1);
+          const bool exact = path == po::Gradients::exact;
+          std::size_t want = 0, params = 0;
+          for (std::size_t n : run.chunk_params[g]) {
+            const po::GradientLayout l = po::gradient_layout(n, dp, bucket);
+            const std::size_t used = (n + l.len - 1) / l.len, slice = l.slice();
+            want += used * d1 * slice * (exact ? x : f);            // reduce-scatter
+            if (exact || zero == 0) want += used * d1 * slice * f;  // gradient all-gather
+            if (zero == 1) want += used * d1 * slice * f;           // parameter all-gather
+            params += n;
+          }
+          CHECK(run.traffic[g] == want);
+          // Per parameter: standard 8 (dp - 1) / dp either way; the padding of the last
+          // bucket (less than one bucket per chunk) is all that may exceed it.
+          const double per = static_cast<double>(run.traffic[g]) / static_cast<double>(params);
+          const double formula = (exact ? (zero == 1 ? 24.0 : 20.0) : 8.0) * (dp - 1) / dp;
+          double padding = 0;
+          for (std::size_t n : run.chunk_params[g]) {
+            const po::GradientLayout l = po::gradient_layout(n, dp, bucket);
+            padding += static_cast<double>(l.padded() - n);
+          }
+          CHECK(per <= formula * (1.0 + padding / static_cast<double>(params)) + 1e-9);
+        }
+      }
+}
+
+TEST_CASE("checkpoints load across the gradient paths: standard -> exact under other replica counts, and back") {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("po_test_custom_paths_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  // Written by the standard path with 2 replicas and ZeRO-1; the exact path resumes it on one
+  // replica and on three with the same bits (the exact path does not depend on dp).
+  require_ok(train(standard(
+      {.program = po::PO_F::build({2, 2, 6}), .steps = 4, .save_dir = dir, .save_after = 2, .dp = 2, .zero = 1})));
+  const Run one = train({.program = one_rank({1, 4, 12}), .steps = 4, .load_dir = dir, .first_step = 2});
+  const Run three =
+      train({.program = po::GIS_H::build({4, 1, 4}), .steps = 4, .load_dir = dir, .first_step = 2, .dp = 3, .zero = 1});
+  check_same(three, one, 2);
+  std::filesystem::remove_all(dir);
+  // Written by the exact path; the standard path resumes it with ZeRO-0 and ZeRO-1 alike.
+  require_ok(train({.program = po::GIS::build({2, 2, 6}), .steps = 4, .save_dir = dir, .save_after = 2, .dp = 2}));
+  const Run z0 =
+      train(standard({.program = po::PO_H::build({2, 2, 6}), .steps = 4, .load_dir = dir, .first_step = 2, .dp = 2}));
+  const Run z1 = train(standard(
+      {.program = po::PO_H::build({2, 2, 6}), .steps = 4, .load_dir = dir, .first_step = 2, .dp = 2, .zero = 1}));
+  check_same(z1, z0, 2);
   std::filesystem::remove_all(dir);
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """samples/custom_model's contract: every run prints its loss curves and one final_loss line;
 training lowers the loss; the two compile-time schedules and the run-time Program end with the
-same final_loss for one optimizer (every schedule trains bit-identically); a bad argument exits 2
+same final_loss for one optimizer (every schedule trains bit-identically, on either gradient path,
+and the standard path ends within 1 % of the exact one); a bad argument exits 2
 with one sentence on stderr.
 
 usage: test_custom_model.py path/to/custom_model
@@ -63,7 +64,18 @@ for opt in ("adamw", "sgd"):
 # 1F1B (one chunk per rank, so a 4-stage model) runs too.
 assert len(runs(run("--schedule", "1f1b", "--steps", "3").stdout)) == 6
 
-for args, text in ((["--schedule", "nope"], "--schedule must be one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v, got 'nope'"),
+# The exact path (--gradients exact): the same schedules agree again, and the default standard
+# path's final loss is within 1 % of it.
+exact = runs(run("--gradients", "exact").stdout)
+for opt in ("adamw", "sgd"):
+    finals = {r["final"] for r in exact if r["optimizer"] == opt}
+    assert len(finals) == 1, f"{opt}, --gradients exact: schedules disagree on final_loss: {finals}"
+    e = float(finals.pop())
+    s = float(next(r["final"] for r in got if r["optimizer"] == opt))
+    assert abs(s - e) <= 0.01 * abs(e), f"{opt}: standard final_loss {s} is not within 1 % of exact {e}"
+
+for args, text in ((["--gradients", "fast"], "--gradients must be standard or exact, got 'fast'"),
+                   (["--schedule", "nope"], "--schedule must be one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v, got 'nope'"),
                    (["--schedule", "gis-g"], "--schedule gis-g needs --group G, an integer in [2, 4]"),
                    (["--group", "3"], "--group applies only to --schedule gis-g, not 1f1b-i"),
                    (["--steps", "0"], "--steps must be an integer in [1, 10000], got '0'"),

@@ -246,7 +246,8 @@ GptRun train_gpt(po::ScheduleSpec spec, po::Shape shape, int steps) {
     po::comm::Threads comm(world, r);
     std::vector<GptStage> layers;
     for (int c = 0; c < shape.v; ++c) layers.emplace_back(cfg, shape.stage_of(r, c), shape.stages());
-    po::Runtime rt(program, dev, comm, std::span<GptStage>(layers), {.microbatch = mbs});
+    po::Runtime rt(program, dev, comm, std::span<GptStage>(layers),
+                   {.microbatch = mbs, .gradients = po::Gradients::exact});
     po::AdamW opt(rt, {.weight_decay = 0.1f});
     const std::size_t n = static_cast<std::size_t>(mbs.tokens()) * static_cast<std::size_t>(shape.m);
     std::vector<std::int32_t> tok(n), tgt(n);

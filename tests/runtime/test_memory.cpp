@@ -331,39 +331,56 @@ TEST_CASE("memory: boundary blocks are planned per size when stages hand on tens
                     "po::reservation_plan: 3 stage sizes given; the program has S = 4 stages");
 }
 
-TEST_CASE("memory: po::gradient_state_bytes is the runtime's state memory beyond its inputs, losses and flags") {
+TEST_CASE("memory: po::state_bytes is the runtime's state memory beyond its inputs, losses and flags (both paths)") {
   // A launcher sizes backend::Cuda's arena with it before anything exists (train_gpt does):
-  // it must count the exact sums the runtime takes, to the byte.
-  test::Config c;
-  c.spec = po_f();
-  c.shape = {2, 2, 4};
-  c.h = 32;
-  c.steps = 1;
-  const test::Run run = test::train_within(c, 120);
-  for (const std::string& e : run.errors) REQUIRE(e == "");
-  const std::size_t m = static_cast<std::size_t>(c.shape.m), tokens = static_cast<std::size_t>(c.mb.tokens());
-  for (int r = 0; r < c.shape.d; ++r) {
-    CAPTURE(r);
-    std::vector<std::size_t> params;
-    bool embeds = false;
-    for (int ch = 0; ch < c.shape.v; ++ch) {
-      const int s = c.shape.stage_of(r, ch);
-      params.push_back(test::TanhLayer(s, c.h, 1).parameters().size());
-      embeds = embeds || s == 0;
+  // it must count the exact sums the runtime takes, to the byte (and nothing on the standard
+  // path with one replica).
+  for (po::Gradients path : {po::Gradients::standard, po::Gradients::exact}) {
+    CAPTURE(po::gradients_name(path));
+    test::Config c;
+    c.spec = po_f();
+    c.shape = {2, 2, 4};
+    c.h = 32;
+    c.steps = 1;
+    c.gradients = path;
+    const test::Run run = test::train_within(c, 120);
+    for (const std::string& e : run.errors) REQUIRE(e == "");
+    const std::size_t m = static_cast<std::size_t>(c.shape.m), tokens = static_cast<std::size_t>(c.mb.tokens());
+    for (int r = 0; r < c.shape.d; ++r) {
+      CAPTURE(r);
+      std::vector<std::size_t> params;
+      bool embeds = false;
+      for (int ch = 0; ch < c.shape.v; ++ch) {
+        const int s = c.shape.stage_of(r, ch);
+        params.push_back(test::TanhLayer(s, c.h, 1).parameters().size());
+        embeds = embeds || s == 0;
+      }
+      const po::StateBytes want = po::state_bytes(params, {.gradients = path});
+      CHECK(want.optimizer == 2 * 4 * (params[0] + params[1]));
+      CHECK(want.sums == (path == po::Gradients::exact ? 16 * (params[0] + params[1]) : 0));
+      // tokens (where stage 0 lives) and targets, int32 per token; a loss per microbatch; a flag
+      // per compute op.
+      const std::size_t inputs = (embeds ? 2 : 1) * m * tokens * 4, losses = m * 4,
+                        flags = run.program.ranks[static_cast<std::size_t>(r)].compute.size() * 4;
+      CHECK(run.memory[static_cast<std::size_t>(r)].in(po::backend::Memory::state) ==
+            want.sums + want.staging + inputs + losses + flags);
     }
-    const std::size_t sums = po::gradient_state_bytes(params, 1, po::RuntimeOptions{}.reduce_bucket);
-    // tokens (where stage 0 lives) and targets, int32 per token; a loss per microbatch; a flag
-    // per compute op.
-    const std::size_t inputs = (embeds ? 2 : 1) * m * tokens * 4, losses = m * 4,
-                      flags = run.program.ranks[static_cast<std::size_t>(r)].compute.size() * 4;
-    CHECK(run.memory[static_cast<std::size_t>(r)].in(po::backend::Memory::state) == sums + inputs + losses + flags);
   }
-  // The layout: buckets of at most reduce_bucket values, a multiple of dp each, covering them.
-  const po::ExactSumLayout l = po::exact_sum_layout(10, 3, 4);
+  // The layout: buckets of at most reduce_bucket values, a multiple of dp each, covering them;
+  // replica j owns slice j of every bucket.
+  const po::GradientLayout l = po::gradient_layout(10, 3, 4);
   CHECK(l.buckets == 3);
   CHECK(l.len == 6);
-  CHECK(l.bytes() == 3 * 6 * 16);
+  CHECK(l.padded() == 18);
+  CHECK(l.shards(0) == std::vector<po::ParamRange>{{0, 2}, {6, 8}});
+  CHECK(l.shards(2) == std::vector<po::ParamRange>{{4, 6}});
   const std::size_t one[] = {10};
-  // dp = 3 adds the staging of the largest bucket: 16 * 6 + 16 * 2 + 4 * 2 + 4 * 6 bytes.
-  CHECK(po::gradient_state_bytes(one, 3, 4) == 288 + 96 + 32 + 8 + 24);
+  // dp = 3 adds the staging of the largest bucket: exact 16 * 6 + 16 * 2 + 4 * 2 + 4 * 6 bytes,
+  // standard 4 * 6 + 4 * 6 + 4 * 2.
+  CHECK(po::state_bytes(one, {.gradients = po::Gradients::exact, .dp = 3, .reduce_bucket = 4}).arena() ==
+        288 + 96 + 32 + 8 + 24 + 2 * 4 * 10);
+  CHECK(po::state_bytes(one, {.gradients = po::Gradients::standard, .dp = 3, .reduce_bucket = 4}).arena() ==
+        24 + 24 + 8 + 2 * 4 * 10);
+  // ZeRO-1: replica 0 keeps the moments of its 4 parameters.
+  CHECK(po::state_bytes(one, {.dp = 3, .zero = 1, .reduce_bucket = 4}).optimizer == 2 * 4 * 4);
 }

@@ -417,11 +417,12 @@ TEST_CASE("a Runtime from a Program built at run time equals one from the schedu
           params[static_cast<std::size_t>(shape.stage_of(r, ch))] = rt.download_parameters(ch);
       };
       if (typed) {
-        po::Runtime<po::PO_F, test::TanhLayer, po::backend::Cpu, po::comm::Threads> rt(shape, dev, comm, layers,
-                                                                                       {.microbatch = c.mb});
+        po::Runtime<po::PO_F, test::TanhLayer, po::backend::Cpu, po::comm::Threads> rt(
+            shape, dev, comm, layers, {.microbatch = c.mb, .gradients = c.gradients});
         train(rt);
       } else {
-        po::Runtime rt(program, dev, comm, std::span<test::TanhLayer>(layers), {.microbatch = c.mb});
+        po::Runtime rt(program, dev, comm, std::span<test::TanhLayer>(layers),
+                       {.microbatch = c.mb, .gradients = c.gradients});
         train(rt);
       }
     });

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """samples/train_gpt's contract: the final lines are printed once and are the same for the
-one-rank reference and for pipelined runs of any schedule; bad arguments exit 2 with a sentence.
+one-rank reference and for pipelined runs of any schedule, on the standard gradient path (the
+default: every schedule runs W in microbatch order) and on the exact one; bad arguments exit 2
+with a sentence.
 
 usage: test_train_gpt.py path/to/train_gpt
 """
@@ -45,6 +47,15 @@ for extra in (["--schedule", "po-f", "--ranks", "2", "--chunks", "2"],
     got = finals(run(*extra, *small).stdout)
     if got != ref:
         sys.exit(f"FAIL: {' '.join(extra)} gave {got}, the one-rank reference {ref}")
+
+# The exact gradient path (--gradients exact) has its own bits, the same for every schedule too.
+exact_ref = finals(run("--ranks", "1", "--chunks", "1", *small, "--gradients", "exact").stdout)
+if exact_ref == ref:
+    sys.exit("FAIL: --gradients exact gave the standard path's bits")
+for extra in (["--schedule", "po-f", "--ranks", "2", "--chunks", "2"], ["--schedule", "zb-v", "--ranks", "2", "--chunks", "2"]):
+    got = finals(run(*extra, *small, "--gradients", "exact").stdout)
+    if got != exact_ref:
+        sys.exit(f"FAIL: {' '.join(extra)} --gradients exact gave {got}, the one-rank reference {exact_ref}")
 
 # Schedules imported from torch.distributed.pipelining's CSV form (--import), written by hand:
 # GPipe orders (all forwards, then all backwards), fused and split, with offload, and a V.

@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""Data parallelism in samples/train_gpt on thread ranks: R replicas of a d-rank pipeline with M
-microbatches each train exactly as one replica of R*M (final_loss and params_hash identical),
-for every replica count, rank count and schedule; ZeRO-1 changes nothing but the optimizer
-state, which it divides by R; a checkpoint written under one replica count resumes under
-another; a throwing rank of one replica ends every rank of every replica with its message.
+"""Data parallelism in samples/train_gpt on thread ranks. With --gradients exact, R replicas of a
+d-rank pipeline with M microbatches each train exactly as one replica of R*M (final_loss and
+params_hash identical), for every replica count, rank count and schedule; ZeRO-1 changes nothing
+but the optimizer state, which it divides by R; a checkpoint written under one replica count
+resumes under another (and under the other gradient path). With the default standard path a run
+is deterministic, ZeRO-1 gives the ZeRO-0 bits, the final loss is within 1 % of the exact path's,
+and the printed state and traffic per parameter are within the formulas (docs/gradients.md). A
+throwing rank of one replica ends every rank of every replica with its message.
 
 usage: test_train_gpt_dp.py path/to/train_gpt
 """
@@ -29,7 +32,9 @@ def finals(out):
 
 
 GLOBAL = 24  # microbatches per step, split over the replicas (a multiple of d for 1f1b-i)
-small = ["--layers", "4", "--hidden", "32", "--seq", "16", "--batch", "2", "--steps", "3", "--quiet"]
+small = ["--layers", "4", "--hidden", "32", "--seq", "16", "--batch", "2", "--steps", "3", "--quiet",
+         "--gradients", "exact"]
+standard = small[:-2]  # the default gradient path
 
 
 def per_replica(dp):
@@ -85,6 +90,47 @@ with tempfile.TemporaryDirectory() as tmp:
                          "--resume", tmp).stdout)
         if got != whole:
             sys.exit(f"FAIL: resumed under --dp {dp} from a --dp 2 checkpoint: {got}, uninterrupted {whole}")
+    # The same checkpoint resumes on the standard path (fp32 master values, the same AdamW state).
+    run("--schedule", "gis-h", "--ranks", "4", "--chunks", "1", *per_replica(2), *long[:-2], "--resume", tmp)
+
+# The standard path: deterministic, ZeRO-1 = ZeRO-0, close to the exact path; a checkpoint
+# of it resumes on the exact path and back.
+for dp, d, sched in ((2, 2, "po-f"), (3, 4, "gis-h")):
+    args = ["--schedule", sched, "--ranks", str(d), "--chunks", "2", *per_replica(dp), *standard]
+    a, b, z = (finals(run(*args, *extra).stdout) for extra in ([], [], ["--zero", "1"]))
+    if not (a == b == z):
+        sys.exit(f"FAIL: standard gradients {' '.join(args)}: runs differ: {a}, {b}, --zero 1 {z}")
+    exact_loss, loss = float(ref[0].split("=")[1]), float(a[0].split("=")[1])
+    if abs(loss - exact_loss) > 0.01 * abs(exact_loss):
+        sys.exit(f"FAIL: standard final loss {loss} is not within 1 % of the exact path's {exact_loss}")
+
+
+def figures(out):
+    x = float(re.search(r"^state_bytes_per_parameter=(\S+)$", out, re.M).group(1))
+    y = float(re.search(r"^reduce_bytes_per_parameter=(\S+)$", out, re.M).group(1))
+    return x, y
+
+
+def widen(args):  # --hidden 64, buckets of 4096
+    return [*(("64" if a == "32" else a) for a in args), "--reduce-bucket", "4096"]
+
+
+# Bytes per parameter, --dp 8 --zero 1 on 2 ranks: fp32 working parameters and gradients (4 + 4),
+# AdamW's moments sharded (8 / 8), one bucket's staging; traffic: fp32 reduce-scatter and
+# parameter all-gather, 8 * 7/8. "Plus padding": each bucket is a multiple of 8 values (at most
+# 7 of padding) and the staging is 8.5 bytes a value of one bucket of 4096 (0.3 B/param here).
+out = run("--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--dp", "8", "--microbatches", "3", "--zero", "1",
+          *widen(standard)).stdout
+x, y = figures(out)
+if not (4 + 4 + 8 / 8 <= x <= 4 + 4 + 12 / 8 + 0.5):
+    sys.exit(f"FAIL: --dp 8 --zero 1: state_bytes_per_parameter={x}, expected within [9, 4 + 4 + 12/8 + 0.5]")
+if not (0.99 * 8 * 7 / 8 <= y <= 8 * 7 / 8 * 1.01):
+    sys.exit(f"FAIL: --dp 8 --zero 1: reduce_bytes_per_parameter={y}, expected 8 * 7/8 = 7 plus padding")
+# The exact path holds its 16-byte sums and sends 128-bit sums: 20 * 7/8 + the parameters' 4 * 7/8.
+xe, ye = figures(run("--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--dp", "8", "--microbatches", "3",
+                     "--zero", "1", *widen(small)).stdout)
+if not (x + 16 <= xe <= x + 16 + 1.5 and 0.99 * 24 * 7 / 8 <= ye <= 24 * 7 / 8 * 1.01):
+    sys.exit(f"FAIL: --gradients exact --dp 8 --zero 1: {xe}, {ye}; standard {x}, {y}")
 
 # A rank of replica 1 that throws ends every rank of both replicas, each naming it.
 p = run("--schedule", "po-f", "--ranks", "2", "--chunks", "2", *per_replica(2), *small, "--inject-fault", "3:1:throw", code=1)
@@ -96,7 +142,10 @@ if p.stderr.count("injected fault") < 4:
 
 for args, text in ((["--dp", "0"], "--dp must be an integer in [1, 64], got '0'"),
                    (["--zero", "2"], "--zero must be an integer in [0, 1], got '2'"),
-                   (["--microbatches", "6", "--exact-block", "4"], "--exact-block 4 must divide --microbatches 6")):
+                   (["--gradients", "exact", "--microbatches", "6", "--exact-block", "4"],
+                    "--exact-block 4 must divide --microbatches 6"),
+                   (["--exact-block", "2"], "--exact-block needs --gradients exact"),
+                   (["--gradients", "fp8"], "--gradients must be standard or exact, got 'fp8'")):
     err = run(*args, code=2).stderr
     if text not in err:
         sys.exit(f"FAIL: {args}: expected {text!r} in {err!r}")

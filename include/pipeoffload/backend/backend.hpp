@@ -199,18 +199,22 @@ concept updates_parameters = requires(
   b.sgd(fs, cfs, fs, sg, lr, lr, first);
 };
 
-/// What po::Runtime needs of a backend to sum gradients exactly (backend/exact.hpp), each in
-/// a stream's order (`ctx`: a GPU backend enqueues on its stream, the CPU backend runs it on
-/// the calling stream's thread):
-///   - exact_add(ctx, acc, g): acc[i] += g[i], on exact's grid;
+/// What po::Runtime needs of a backend to sum and reduce gradients, on either path
+/// (RuntimeOptions::gradients), each in a stream's order (`ctx`: a GPU backend enqueues on its
+/// stream, the CPU backend runs it on the calling stream's thread):
+///   - sum_parts(ctx, out, parts): out[i] = ((parts[i] + parts[n + i]) + parts[2n + i]) + ...
+///     in fp32, in that order (n = out.size(), parts.size() a multiple of it): the standard
+///     path's reduce-scatter adds the replicas' parts in replica order;
+///   - exact_add(ctx, acc, g): acc[i] += g[i], on exact's grid (backend/exact.hpp);
 ///   - exact_sum(ctx, out, parts): out[i] = parts[i] + parts[n + i] + ... (n = out.size(),
 ///     parts.size() a multiple of it; exact, so the order does not matter);
 ///   - exact_round(ctx, out, acc): out[i] = exact::to_float(acc[i]);
 ///   - copy(ctx, dst, src, bytes), zero(ctx, dst, bytes): device memory.
 template <class B>
-concept sums_exactly =
+concept reduces_gradients =
     requires(B& b, typename B::Context& ctx, std::span<exact::Fixed> acc, std::span<const exact::Fixed> cacc,
              std::span<float> fs, std::span<const float> cfs, void* p, const void* cp, std::size_t n) {
+      b.sum_parts(ctx, fs, cfs);
       b.exact_add(ctx, acc, cfs);
       b.exact_sum(ctx, acc, cacc);
       b.exact_round(ctx, fs, cacc);

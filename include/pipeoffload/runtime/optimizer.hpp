@@ -57,6 +57,8 @@ inline float clip_scale(double norm, float max_norm) {
 /// runtime's ranks. Each stage's squared gradients are summed per norm group in fp64 on the
 /// device; the groups are added in stage order, then group order, so the norm does not
 /// depend on how the model is cut into stages (at group boundaries) nor on the rank count.
+/// On the standard path with replicas each replica sums the squares of the gradients it owns
+/// and the replicas' sums are added in replica order (Runtime::norm_pieces).
 /// Throws po::nonfinite_error on every rank, naming the stage and group, for a NaN or infinity.
 template <class Runtime>
 double grad_norm(Runtime& rt) {
@@ -65,10 +67,22 @@ double grad_norm(Runtime& rt) {
   return rt.guard("grad_norm", [&] {
     const Shape& sh = rt.program().shape;
     const std::size_t v = static_cast<std::size_t>(sh.v), groups = rt.max_norm_groups(), width = v * groups;
-    std::vector<double> mine(width, 0.0), all(width * static_cast<std::size_t>(sh.d));
-    for (std::size_t c = 0; c < v; ++c) {
-      const std::vector<std::size_t>& g = rt.norm_groups(static_cast<int>(c));
-      rt.device().sum_squares(rt.stages()[c].gradients(), g, std::span<double>(mine).subspan(c * groups, g.size()));
+    std::vector<double> mine(width, 0.0), all(width * static_cast<std::size_t>(sh.d)), part;
+    for (std::size_t c = 0; c < v; ++c)
+      for (const auto& p : rt.norm_pieces(static_cast<int>(c))) {
+        part.assign(p.sizes.size(), 0.0);
+        rt.device().sum_squares(rt.stages()[c].gradients().subspan(p.range.begin, p.range.size()), p.sizes,
+                                std::span(part));
+        for (std::size_t k = 0; k < part.size(); ++k) mine[c * groups + p.first_group + k] += part[k];
+      }
+    if (rt.norm_by_shards()) {  // each replica summed its own shards: add them in replica order
+      const std::size_t dp = static_cast<std::size_t>(rt.replicas());
+      std::vector<double> each(width * dp);
+      rt.replica_comm()->all_gather(std::span<const double>(mine), std::span(each));
+      for (std::size_t k = 0; k < width; ++k) {
+        mine[k] = each[k];
+        for (std::size_t j = 1; j < dp; ++j) mine[k] += each[j * width + k];
+      }
     }
     rt.communicator().all_gather(std::span<const double>(mine), std::span(all));
     double norm2 = 0;
@@ -102,17 +116,6 @@ struct ParamGroup {
   float lr_scale = 1.0f;                         ///< its learning rate = the step's lr * lr_scale
   float weight_decay = 0.0f;                     ///< its weight decay (replaces the optimizer's)
 };
-
-/// ZeRO-1's slice of replica j among dp of a chunk of n parameters: [j*q, min(n, (j+1)*q)) with
-/// q = ceil(n / dp), the parameters whose optimizer state that replica holds and updates.
-constexpr std::pair<std::size_t, std::size_t> zero1_slice(std::size_t n, int dp, int j) {
-  const std::size_t r = static_cast<std::size_t>(dp < 1 ? 1 : dp), q = (n + r - 1) / r,
-                    jj = static_cast<std::size_t>(j < 0 ? 0 : j);
-  return {std::min(n, jj * q), std::min(n, (jj + 1) * q)};
-}
-static_assert(zero1_slice(10, 3, 0) == std::pair<std::size_t, std::size_t>{0, 4} &&
-              zero1_slice(10, 3, 2) == std::pair<std::size_t, std::size_t>{8, 10} &&
-              zero1_slice(2, 3, 2) == std::pair<std::size_t, std::size_t>{2, 2});
 
 namespace detail {
 
@@ -160,7 +163,7 @@ inline std::vector<ParamRun> param_runs(int stage, const std::string& stage_name
 }
 
 /// What AdamW and Sgd share: their runs, their device state (`states` buffers per chunk, each
-/// the size of the chunk's parameters), the step count, and the failure handling.
+/// of the parameters this replica updates), the step count, and the failure handling.
 template <class Runtime>
 class OptimizerBase {
  public:
@@ -187,12 +190,19 @@ class OptimizerBase {
   /// Whether the state is sharded across the runtime's replicas (ZeRO-1).
   bool sharded() const { return sharded_; }
   /// The parameters of chunk c whose state this replica holds and which it updates: all of
-  /// them, or with ZeRO-1 replica j's zero1_slice(n, dp, j).
-  std::pair<std::size_t, std::size_t> slice(int chunk) const { return slices_[static_cast<std::size_t>(chunk)]; }
-  /// Chunk c's k-th state buffer (of the parameters in slice(c)), in device memory.
+  /// them, or with ZeRO-1 the ones whose reduced gradients it owns (Runtime::owned: its slice
+  /// of every reduction bucket), in order.
+  const std::vector<ParamRange>& shards(int chunk) const { return shards_[static_cast<std::size_t>(chunk)]; }
+  /// How many parameters of chunk c this replica updates (the size of its state buffers).
+  std::size_t updated(int chunk) const {
+    std::size_t n = 0;
+    for (const ParamRange& r : shards(chunk)) n += r.size();
+    return n;
+  }
+  /// Chunk c's k-th state buffer (of the parameters in shards(c), one after another), in
+  /// device memory.
   std::span<float> state(int chunk, int k) {
-    const auto [lo, hi] = slice(chunk);
-    return {reinterpret_cast<float*>(state_[static_cast<std::size_t>(chunk * states_ + k)].ptr), hi - lo};
+    return {reinterpret_cast<float*>(state_[static_cast<std::size_t>(chunk * states_ + k)].ptr), updated(chunk)};
   }
   /// Device bytes of this rank's optimizer state.
   std::size_t state_bytes() const {
@@ -205,22 +215,37 @@ class OptimizerBase {
   std::vector<float> full_state(int chunk, int k) {
     std::vector<float> mine = rt_.download(state(chunk, k));
     if (!sharded_) return mine;
-    const std::size_t n = rt_.stages()[static_cast<std::size_t>(chunk)].parameters().size();
-    const std::size_t dp = static_cast<std::size_t>(rt_.replicas()), q = (n + dp - 1) / dp;
-    mine.resize(q, 0.0f);
-    std::vector<float> all(q * dp);
-    rt_.replica_comm()->all_gather(std::span<const float>(mine), std::span(all));
-    all.resize(n);
-    return all;
+    // Every replica's slice of every bucket, padded to whole slices, gathered in replica order.
+    const GradientLayout& l = rt_.layout(chunk);
+    const std::size_t per = l.buckets * l.slice(), dp = static_cast<std::size_t>(l.dp);
+    std::vector<float> padded(per, 0.0f), all(per * dp), full(l.values);
+    std::size_t at = 0;
+    for (std::size_t b = 0; b < l.buckets; ++b) {
+      const ParamRange r = l.shard(b, rt_.replica());
+      std::copy_n(mine.begin() + static_cast<std::ptrdiff_t>(at), r.size(),
+                  padded.begin() + static_cast<std::ptrdiff_t>(b * l.slice()));
+      at += r.size();
+    }
+    rt_.replica_comm()->all_gather(std::span<const float>(padded), std::span(all));
+    for (std::size_t j = 0; j < dp; ++j)
+      for (std::size_t b = 0; b < l.buckets; ++b) {
+        const ParamRange r = l.shard(b, static_cast<int>(j));
+        std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(j * per + b * l.slice()), r.size(),
+                    full.begin() + static_cast<std::ptrdiff_t>(r.begin));
+      }
+    return full;
   }
   /// Overwrites this replica's part of chunk c's k-th state buffer from the whole buffer.
   void set_full_state(int chunk, int k, std::span<const float> full) {
-    const auto [lo, hi] = slice(chunk);
     if (full.size() != rt_.stages()[static_cast<std::size_t>(chunk)].parameters().size())
       throw error("po::Optimizer::set_full_state: got " + std::to_string(full.size()) + " values; chunk " +
                   std::to_string(chunk) + " has " +
                   std::to_string(rt_.stages()[static_cast<std::size_t>(chunk)].parameters().size()) + " parameters");
-    rt_.upload(state(chunk, k), full.subspan(lo, hi - lo), "optimizer state");
+    std::vector<float> mine;
+    for (const ParamRange& r : shards(chunk))
+      mine.insert(mine.end(), full.begin() + static_cast<std::ptrdiff_t>(r.begin),
+                  full.begin() + static_cast<std::ptrdiff_t>(r.end));
+    rt_.upload(state(chunk, k), mine, "optimizer state");
   }
   /// Chunk c's runs of parameters, each with its setting (for tests and reports).
   const std::vector<ParamRun>& runs(int chunk) const { return runs_[static_cast<std::size_t>(chunk)]; }
@@ -237,14 +262,15 @@ class OptimizerBase {
       if (zero != 0 && zero != 1)
         throw error("zero = " + std::to_string(zero) + " is outside the allowed range [0, 1] (ZeRO stage)");
       sharded_ = zero == 1 && rt.replicas() > 1;
+      rt.shard_gradients(sharded_);
       const Shape& sh = rt.program().shape;
       for (int c = 0; c < sh.v; ++c) {
         const auto& stage = rt.stages()[static_cast<std::size_t>(c)];
         const std::size_t n = stage.parameters().size();
         runs_.push_back(
             param_runs(sh.stage_of(rt.rank(), c), stage.name(), stage.parameter_info(), n, groups, weight_decay));
-        slices_.push_back(sharded_ ? zero1_slice(n, rt.replicas(), rt.replica()) : std::pair{std::size_t{0}, n});
-        const std::size_t mine = slices_.back().second - slices_.back().first;
+        shards_.push_back(sharded_ ? rt.owned(c) : std::vector<ParamRange>{{0, n}});
+        const std::size_t mine = updated(c);
         // Zeroed state, reserved for itself so it never takes a block the runtime counted on.
         const std::vector<float> zeros(mine, 0.0f);
         for (int k = 0; k < states; ++k) {
@@ -259,26 +285,30 @@ class OptimizerBase {
 
   /// Runs `update(chunk, run, params, grads)` over every run of every chunk of this rank, then
   /// counts the step; a failure aborts every rank, naming this one and the step.
-  /// With ZeRO-1 each replica updates the runs' parts inside its slice (`run.offset` is then
-  /// relative to the slice, as state(c, k) is), and the replicas then all-gather the
-  /// parameters (Runtime::share_slices): the same values as one replica updating them all.
+  /// With ZeRO-1 each replica updates the runs' parts inside its shards (`run.offset` is then
+  /// the position in the state buffers, as state(c, k) is), and the replicas then all-gather
+  /// the parameters (Runtime::share_shards): the same values as one replica updating them all.
   template <class F>
   void each_run(const char* who, F&& update) {
     rt_.guard(std::string(who) + " step " + std::to_string(steps_), [&] {
       for (std::size_t c = 0; c < runs_.size(); ++c) {
         const auto& stage = rt_.stages()[c];
-        const auto [lo, hi] = slices_[c];
-        for (const ParamRun& r : runs_[c]) {
-          const std::size_t a = std::max(lo, r.offset), b = std::min(hi, r.offset + r.count);
-          if (a >= b) continue;
-          update(static_cast<int>(c), ParamRun{a - lo, b - a, r.lr_scale, r.weight_decay},
-                 stage.parameters().subspan(a, b - a), stage.gradients().subspan(a, b - a));
+        std::size_t at = 0;  // where the shard starts in the state buffers
+        for (const ParamRange& s : shards_[c]) {
+          for (const ParamRun& r : runs_[c]) {
+            const std::size_t a = std::max(s.begin, r.offset), b = std::min(s.end, r.offset + r.count);
+            if (a >= b) continue;
+            update(static_cast<int>(c), ParamRun{at + (a - s.begin), b - a, r.lr_scale, r.weight_decay},
+                   stage.parameters().subspan(a, b - a), stage.gradients().subspan(a, b - a));
+          }
+          at += s.size();
         }
       }
       return 0;
     });
     if (sharded_)
-      for (std::size_t c = 0; c < runs_.size(); ++c) rt_.share_slices(rt_.stages()[c].parameters());
+      for (std::size_t c = 0; c < runs_.size(); ++c)
+        rt_.share_shards(static_cast<int>(c), rt_.stages()[c].parameters());
     ++steps_;
   }
 
@@ -288,8 +318,7 @@ class OptimizerBase {
   std::vector<std::vector<ParamRun>> runs_;  // per chunk
   std::vector<backend::Block> state_;        // [chunk * states + k], device (of the chunk's slice)
   bool sharded_ = false;
-  std::vector<std::pair<std::size_t, std::size_t>>
-      slices_;  // per chunk: [lo, hi) of the parameters this replica updates
+  std::vector<std::vector<ParamRange>> shards_;  // per chunk: the parameters this replica updates
 };
 
 }  // namespace detail

@@ -6,18 +6,19 @@
 // compute stream, O/R on the copy stream, sends and receives on the comm stream in
 // RankProgram::comm order, with every dependency an event (a received input, a produced
 // output, the schedule's cross-stream edges). The streams then run as soon as possible under
-// those events, which is exactly what simulate() models. Gradients are summed exactly (in
-// fixed point, backend/exact.hpp: each W adds its microbatch's gradients to a 128-bit sum per
-// parameter), across calls, until zero_grad(); after a call the stages' gradients() hold the
-// sum rounded once to fp32, so they do not depend on the order of the W passes.
+// those events, which is exactly what simulate() models. Gradients accumulate across calls
+// until zero_grad(), in one of two ways (RuntimeOptions::gradients, docs/gradients.md): in
+// place in the stages' fp32 gradients() (standard, the default), or in 128-bit fixed-point
+// sums rounded once to fp32 after the call (exact: independent of the order of the W passes).
 //
 // Data parallelism: dp replicas of the pipeline, each rank with a second communicator over
 // the dp ranks of its pipeline position (comm::ThreadsGrid, Mpi::split). After the last W of
-// a stage in the last call of a step, the comm stream reduces that stage's sums across the
-// replicas, in buckets: a reduce-scatter (all_to_all of each bucket's 128-bit sums; the owner
-// of a slice adds the replicas' parts in replica order, exactly), the owner rounds its slice
-// to fp32, and an all-gather hands every replica the whole bucket. It starts while the other
-// stages of the rank are still in their cooldown; forward_backward returns when it is done.
+// a stage in the last call of a step, the comm stream reduces that stage's gradients across
+// the replicas, in buckets (GradientLayout): a reduce-scatter (an all_to_all; the owner of a
+// slice adds the replicas' parts in replica order), then, unless a ZeRO-1 optimizer keeps
+// only its shard (standard path), an all-gather hands every replica the whole bucket. It
+// starts while the other stages of the rank are still in their cooldown; forward_backward
+// returns when it is done.
 // The optimizer is not the runtime's: a training step is a few visible calls (runtime/optimizer.hpp):
 //
 //   rt.zero_grad();
@@ -59,6 +60,7 @@
 #include "batch.hpp"
 #include "reserve.hpp"
 #include "stage.hpp"
+#include "state.hpp"
 
 namespace pipeoffload {
 
@@ -69,75 +71,33 @@ struct RuntimeOptions {
   /// produced (one pass over the boundary tensor, on the stream that made it; its cost is in
   /// bench/RESULTS.md). Losses are always checked.
   bool check_finite = true;
+  /// How gradients are summed: Gradients::standard (fp32 in place, the default) or
+  /// Gradients::exact (fixed-point sums: the same bits for every schedule, rank count, replica
+  /// count and accumulation split; docs/gradients.md).
+  Gradients gradients = Gradients::standard;
   /// With data parallelism: the gradients of a stage are reduced across its replicas in
-  /// buckets of at most this many values (each bucket a reduce-scatter and an all-gather on
-  /// the comm stream; the staging memory is about 24 bytes per value of one bucket).
+  /// buckets of at most this many values (each bucket a reduce-scatter, and an all-gather where
+  /// every replica needs every gradient, on the comm stream); the staging is
+  /// reduction_staging_bytes of one bucket.
   std::size_t reduce_bucket = std::size_t{1} << 20;
-  /// Microbatches per exact fold: each W adds its gradients to the stage's fp32 gradients(),
-  /// and every `exact_block` microbatches (global index b with b % exact_block ==
-  /// exact_block - 1) they go into the exact sums. 1 (the default): every microbatch, so the
-  /// sum depends on nothing but the microbatches. Larger blocks fold less often (a fold reads
-  /// and writes 36 bytes per parameter; on a GPU that is comparable to the W's own GEMM for
-  /// short microbatches) and sum in fp32, in microbatch order, inside a block: runs stay
-  /// bit-identical across schedules, rank counts and replica counts whose m (per call) is a
-  /// multiple of the block. m must be a multiple of it.
+  /// Exact path only: microbatches per exact fold. Each W adds its gradients to the stage's
+  /// fp32 gradients(), and every `exact_block` microbatches (global index b with b %
+  /// exact_block == exact_block - 1) they go into the exact sums. 1 (the default): every
+  /// microbatch, so the sum depends on nothing but the microbatches. Larger blocks fold less
+  /// often (a fold reads and writes 36 bytes per parameter) and sum in fp32, in microbatch
+  /// order, inside a block: runs stay bit-identical across schedules, rank counts and replica
+  /// counts whose m (per call) is a multiple of the block. m must be a multiple of it.
   int exact_block = 1;
 };
-
-/// How po::Runtime lays out one chunk's exact gradient sums (backend/exact.hpp, 16 bytes a
-/// value): `buckets` reduction buckets of `len` values each (a multiple of dp), covering the
-/// chunk's parameters with padding.
-struct ExactSumLayout {
-  std::size_t buckets = 1;  ///< reduction buckets
-  std::size_t len = 1;      ///< values per bucket, a multiple of dp
-  /// Device bytes of the padded sums.
-  constexpr std::size_t bytes() const { return buckets * len * sizeof(exact::Fixed); }
-};
-
-/// The layout of the exact sums of a chunk of `parameters` values, for `dp` replicas and
-/// buckets of at most `reduce_bucket` values (RuntimeOptions::reduce_bucket).
-constexpr ExactSumLayout exact_sum_layout(std::size_t parameters, int dp, std::size_t reduce_bucket) {
-  const std::size_t r = static_cast<std::size_t>(dp < 1 ? 1 : dp);
-  const std::size_t cap = std::max<std::size_t>(reduce_bucket, r);
-  ExactSumLayout l;
-  l.buckets = std::max<std::size_t>(1, (parameters + cap - 1) / cap);
-  const std::size_t per = (parameters + l.buckets - 1) / l.buckets;
-  l.len = std::max<std::size_t>(r, (per + r - 1) / r * r);
-  return l;
-}
-
-/// Bytes of the replicas' reduction staging for buckets of at most `len` values and dp > 1
-/// replicas, in the order the runtime allocates them: the replicas' parts of this replica's
-/// slice, the slice summed, the slice rounded, the bucket gathered.
-constexpr std::array<std::size_t, 4> reduction_staging_bytes(std::size_t len, int dp) {
-  const std::size_t r = static_cast<std::size_t>(dp < 1 ? 1 : dp);
-  return {len * sizeof(exact::Fixed), len / r * sizeof(exact::Fixed), len / r * sizeof(float), len * sizeof(float)};
-}
-
-/// Device bytes a rank's po::Runtime takes for its gradients beyond the stages' own buffers:
-/// the exact sums of each of its chunks (`parameters`: values per chunk) and, with dp > 1, the
-/// reduction's staging. A launcher adds them to backend::Cuda's arena (cuda::arena_bytes_for's
-/// state_bytes) before anything is constructed; the step's inputs, losses and flags are small
-/// beside them and not counted.
-inline std::size_t gradient_state_bytes(std::span<const std::size_t> parameters, int dp, std::size_t reduce_bucket) {
-  std::size_t total = 0, most = 0;
-  for (const std::size_t n : parameters) {
-    const ExactSumLayout l = exact_sum_layout(n, dp, reduce_bucket);
-    total += l.bytes();
-    most = std::max(most, l.len);
-  }
-  if (dp > 1)
-    for (const std::size_t b : reduction_staging_bytes(most, dp)) total += b;
-  return total;
-}
 
 /// Where a forward_backward call sits in training: the optimizer step its gradients go to
 /// (Microbatch::step) and, with gradient accumulation, which of `parts` calls it is. With dp
 /// replicas, a step's global batch is dp * parts * m microbatches, replica-major: the `parts`
 /// calls of replica j see microbatches (j * parts + part) * m .. + m-1 and scale their loss
-/// gradients by 1/(dp * parts * m). Gradients are sums in fixed point (backend/exact.hpp), so
-/// the order and the split do not matter: dp replicas of k calls on m microbatches each, then
-/// one optimizer step, equal one replica's one call on dp*k*m microbatches, bit for bit.
+/// gradients by 1/(dp * parts * m). On the exact path the order and the split do not matter:
+/// dp replicas of k calls on m microbatches each, then one optimizer step, equal one replica's
+/// one call on dp*k*m microbatches, bit for bit (docs/gradients.md says what the standard path
+/// keeps).
 struct StepInfo {
   int step = 0;   ///< the optimizer step the gradients go to (Microbatch::step)
   int part = 0;   ///< which of the step's `parts` calls this is, 0 .. parts-1
@@ -205,9 +165,9 @@ class Runtime<Backend, Communicator> {
       "po::Runtime: Backend must model po::backend::backend (streams, events, device_alloc/free, host_alloc/free, "
       "transfer, synchronize, abort, memory, context, now, download, upload, zero, flag_nonfinite); see backend/backend.hpp.");
   static_assert(
-      backend::sums_exactly<Backend>,
-      "po::Runtime: Backend must model po::backend::sums_exactly (exact_add, exact_sum, exact_round, copy and "
-      "zero in a stream's context): gradients are summed exactly; see backend/backend.hpp.");
+      backend::reduces_gradients<Backend>,
+      "po::Runtime: Backend must model po::backend::reduces_gradients (sum_parts, exact_add, exact_sum, exact_round, "
+      "copy and zero in a stream's context); see backend/backend.hpp.");
   static_assert(
       communicator<Communicator, typename Backend::Context>,
       "po::Runtime: Communicator must model po::communicator<C, Backend::Context> (rank, size, send(ctx, ...) and "
@@ -244,7 +204,7 @@ class Runtime<Backend, Communicator> {
   /// ranks at the same position of the other pipelines, in replica order). Collective over both.
   Runtime(const Program& program, Backend& dev, Communicator& comm, Communicator& replicas,
           std::span<const Stage> stages, RuntimeOptions opt = {})
-    requires replica_communicator<Communicator, typename Backend::Context> && backend::sums_exactly<Backend>
+    requires replica_communicator<Communicator, typename Backend::Context> && backend::reduces_gradients<Backend>
       : opt_(opt),
         dev_(dev),
         comm_(comm),
@@ -277,7 +237,6 @@ class Runtime<Backend, Communicator> {
     for (backend::Block& b : inputs_dev_) dev_.device_free(b);
     for (backend::Block& b : sums_) dev_.device_free(b);
     for (backend::Block& b : staging_) dev_.device_free(b);
-    dev_.device_free(share_);
     dev_.device_free(losses_dev_);
     dev_.device_free(flags_dev_);
   }
@@ -297,7 +256,7 @@ class Runtime<Backend, Communicator> {
     return guard("evaluate", [&] { return run(eval_, batch, StepInfo{}); });
   }
 
-  /// Sets every stage's gradients (and their exact sums) to zero (on the device).
+  /// Sets every stage's gradients (and, on the exact path, their sums) to zero (on the device).
   void zero_grad() {
     guard("zero_grad", [&] {
       for (const Stage& s : stages_) dev_.zero(s.gradients().data(), s.gradients().size_bytes());
@@ -401,28 +360,72 @@ class Runtime<Backend, Communicator> {
   /// Chunk c's gradients, copied to the host.
   std::vector<float> download_gradients(int chunk) { return download(checked(chunk).gradients()); }
 
-  /// Between steps, with replicas: replica j holds the current values[j*q, min(n, (j+1)*q))
-  /// of `values` (device memory, n of them; q = ceil(n / dp)); afterwards every replica holds
-  /// all of them (an all-gather from the comm stream; collective over the replicas). ZeRO-1's
-  /// parameter gather. Nothing to do without replicas.
-  void share_slices(std::span<float> values) {
-    guard("share_slices", [&] {
+  /// Device bytes this rank's runtime holds for gradients beyond the stages' own: the exact
+  /// sums (exact path) and the reduction's staging (replicas); po::state_bytes' sums + staging.
+  std::size_t gradient_buffer_bytes() const {
+    std::size_t n = 0;
+    for (const backend::Block& b : sums_) n += b.bytes;
+    for (const backend::Block& b : staging_) n += b.bytes;
+    return n;
+  }
+  /// Chunk c's GradientLayout: its reduction buckets and which parameters each replica owns.
+  const GradientLayout& layout(int chunk) const { return layouts_[static_cast<std::size_t>(checked_index(chunk))]; }
+  /// The parameters of chunk c whose reduced gradients this replica owns (all of them without
+  /// replicas).
+  std::vector<ParamRange> owned(int chunk) const {
+    return dp_ > 1 ? layout(chunk).shards(replica_) : std::vector<ParamRange>{{0, layout(chunk).values}};
+  }
+
+  /// A run of chunk c's gradients that po::grad_norm reads (norm_pieces).
+  struct NormPiece {
+    ParamRange range;                ///< the parameters
+    std::size_t first_group = 0;     ///< the chunk's norm group the run starts in
+    std::vector<std::size_t> sizes;  ///< values of groups first_group, first_group + 1, ... inside the run
+  };
+  /// What this rank's gradient norm reads of chunk c, in order: the parameters this replica
+  /// owns on the standard path with replicas (each replica then adds its shards' squares and
+  /// the replicas' sums are added in replica order, so ZeRO-1 on and off give the same norm),
+  /// all of them otherwise.
+  const std::vector<NormPiece>& norm_pieces(int chunk) const {
+    return norm_pieces_[static_cast<std::size_t>(checked_index(chunk))];
+  }
+  /// Whether the gradient norm is summed over replicas' shards (see norm_pieces).
+  bool norm_by_shards() const { return dp_ > 1 && opt_.gradients == Gradients::standard; }
+
+  /// Standard path, with replicas: whether the reduction keeps only each replica's own shard
+  /// of the reduced gradients (a reduce-scatter, no all-gather; the rest of gradients() then
+  /// holds this replica's own partial sums). A ZeRO-1 optimizer sets it at construction, since
+  /// it reads only what its replica owns. The exact path always gathers (the gradient norm
+  /// is then computed as with one replica, bit for bit).
+  void shard_gradients(bool on) { shard_gradients_ = on; }
+  /// Whether the reduction leaves each replica only its own shard (see shard_gradients).
+  bool gradients_sharded() const { return shard_gradients_ && dp_ > 1 && opt_.gradients == Gradients::standard; }
+
+  /// Between steps, with replicas: each replica holds the current values of the parameters it
+  /// owns (owned(chunk)) in `values`, chunk c's working parameters (device memory); afterwards
+  /// every replica holds all of them: an all-gather per bucket from the comm stream, through
+  /// the reduction's staging (collective over the replicas). The ZeRO-1 optimizers' parameter
+  /// gather. Nothing to do without replicas.
+  void share_shards(int chunk, std::span<float> values) {
+    guard("share_shards", [&] {
       if constexpr (replica_communicator<Communicator, Context>) {
-        if (replicas_ == nullptr || dp_ == 1 || values.empty()) return 0;
-        const std::size_t n = values.size(), dp = static_cast<std::size_t>(dp_), q = (n + dp - 1) / dp;
-        const std::size_t lo = std::min(n, static_cast<std::size_t>(replica_) * q), hi = std::min(n, lo + q);
-        if (share_.bytes < (dp + 1) * q * sizeof(float)) {  // grows on the first step only
-          dev_.device_free(share_);
-          if constexpr (backend::reserves_memory<Backend>) dev_.reserve_device((dp + 1) * q * sizeof(float), 1);
-          share_ = dev_.device_alloc((dp + 1) * q * sizeof(float), backend::Memory::state);
-        }
-        auto* mine = reinterpret_cast<float*>(share_.ptr);
-        float* all = mine + q;
+        if (replicas_ == nullptr || dp_ == 1) return 0;
+        const GradientLayout& l = layout(chunk);
+        if (values.size() != l.values)
+          throw error("po::Runtime::share_shards: got " + std::to_string(values.size()) + " values; chunk " +
+                      std::to_string(chunk) + " has " + std::to_string(l.values));
+        const std::size_t slice = l.slice(), len = l.len;
+        auto* mine = reinterpret_cast<float*>(slice_staging().ptr);
+        auto* all = reinterpret_cast<float*>(bucket_staging().ptr);
         Context ctx = dev_.context(comm_stream_);
-        dev_.copy(ctx, mine, values.data() + lo, (hi - lo) * sizeof(float));
-        replicas_->all_gather(ctx, std::as_bytes(std::span<const float>(mine, q)),
-                              std::as_writable_bytes(std::span<float>(all, dp * q)));
-        dev_.copy(ctx, values.data(), all, n * sizeof(float));
+        for (std::size_t b = 0; b < l.buckets && b * len < l.values; ++b) {
+          const ParamRange r = l.shard(b, replica_);
+          if (r.size() < slice) dev_.zero(ctx, mine, slice * sizeof(float));
+          dev_.copy(ctx, mine, values.data() + r.begin, r.size() * sizeof(float));
+          replicas_->all_gather(ctx, std::as_bytes(std::span<const float>(mine, slice)),
+                                std::as_writable_bytes(std::span<float>(all, len)));
+          dev_.copy(ctx, values.data() + b * len, all, (std::min(len, l.values - b * len)) * sizeof(float));
+        }
         dev_.synchronize();
       }
       return 0;
@@ -547,7 +550,8 @@ class Runtime<Backend, Communicator> {
       for (const BlockCount& b : *list) dev_.reserve_device(b.bytes, b.count);
     for (const BlockCount& b : res.host) dev_.reserve_host(b.bytes, b.count);
     if constexpr (backend::reserves_norm_buffers<Backend>)
-      for (const std::vector<std::size_t>& g : norm_groups_) dev_.reserve_sum_squares(g);
+      for (const std::vector<NormPiece>& pieces : norm_pieces_)
+        for (const NormPiece& p : pieces) dev_.reserve_sum_squares(p.sizes);
   }
 
   /// Every stage's buffer sizes (this rank's own, and the boundaries of all).
@@ -569,6 +573,9 @@ class Runtime<Backend, Communicator> {
   /// Device memory of the runtime's own state, taken once here: the step's inputs, the last
   /// stage's per-microbatch losses, the non-finite flags (one per compute op).
   void allocate_state();
+
+  /// Each chunk's norm_pieces, from its layout and norm groups.
+  void make_norm_pieces();
 
   // ---- one call -------------------------------------------------------------------------
 
@@ -646,20 +653,28 @@ class Runtime<Backend, Communicator> {
 
   void run_comm(std::size_t k);
 
-  /// After chunk c's last W of a step: its exact sums reduced across the replicas, rounded,
-  /// into its gradients() (on the comm stream; see the file comment).
+  /// After chunk c's last W of a step: its gradients (standard) or exact sums, rounded
+  /// (exact), reduced across the replicas into its gradients() (on the comm stream; see the
+  /// file comment).
   void run_reduce(int chunk);
+  void reduce_standard(int chunk, Context& ctx);
+  void reduce_exact(int chunk, Context& ctx);
 
   /// Whether this call reduces across replicas (the last part of a step, with dp > 1).
   bool reducing() const { return replicas_ != nullptr && dp_ > 1 && call_.info.part == call_.info.parts - 1; }
 
-  /// Chunk c's exact sums, and the bucket layout of the reduction (values per bucket, a
-  /// multiple of dp; the sums are padded to whole buckets).
+  /// Chunk c's exact sums (exact path), and the bucket layout of the reduction (values per
+  /// bucket, a multiple of dp; the sums are padded to whole buckets).
   std::span<exact::Fixed> sums(int chunk) {
     const backend::Block& b = sums_[static_cast<std::size_t>(chunk)];
     return {reinterpret_cast<exact::Fixed*>(b.ptr), b.bytes / sizeof(exact::Fixed)};
   }
-  std::size_t bucket_values(int chunk) const { return bucket_[static_cast<std::size_t>(chunk)]; }
+  std::size_t bucket_values(int chunk) const { return layouts_[static_cast<std::size_t>(chunk)].len; }
+  // The staging's fp32 buffers of one slice and of one bucket (reduction_staging_bytes' order).
+  const backend::Block& slice_staging() const { return staging_[2]; }
+  const backend::Block& bucket_staging() const {
+    return opt_.gradients == Gradients::standard ? staging_[0] : staging_[3];
+  }
 
   /// Enqueues the rank's three streams. A wait captures the latest record of its event, so
   /// ops go in in an order where every awaited event's record is already enqueued: advance
@@ -703,15 +718,16 @@ class Runtime<Backend, Communicator> {
   std::vector<std::size_t> saved_, stash_;             // per chunk
   std::vector<std::vector<std::size_t>> norm_groups_;  // per chunk
   std::size_t max_groups_ = 1;
-  std::vector<Declared> inputs_;               // step inputs this rank uploads
-  std::vector<backend::Block> inputs_dev_;     // (m, elements) of each, device
-  std::vector<std::vector<StepInput>> views_;  // [chunk * m + mb]: what a pass sees of the inputs
-  backend::Block losses_dev_{};                // (m) float losses of the last stage, device
-  backend::Block flags_dev_{};                 // (compute ops) uint32 non-finite flags, device
-  std::vector<backend::Block> sums_;           // per chunk: exact::Fixed gradient sums, padded to whole buckets
-  std::vector<std::size_t> bucket_;            // per chunk: values per reduction bucket
-  std::vector<backend::Block> staging_;        // reduction: received parts, the owned slice (sum, fp32), gathered fp32
-  backend::Block share_{};                     // share_slices: this replica's slice and the gathered values
+  std::vector<Declared> inputs_;                     // step inputs this rank uploads
+  std::vector<backend::Block> inputs_dev_;           // (m, elements) of each, device
+  std::vector<std::vector<StepInput>> views_;        // [chunk * m + mb]: what a pass sees of the inputs
+  backend::Block losses_dev_{};                      // (m) float losses of the last stage, device
+  backend::Block flags_dev_{};                       // (compute ops) uint32 non-finite flags, device
+  std::vector<backend::Block> sums_;                 // per chunk: exact::Fixed gradient sums, padded to whole buckets
+  std::vector<backend::Block> staging_;              // reduction: reduction_staging_bytes' buffers, in its order
+  std::vector<GradientLayout> layouts_;              // per chunk: reduction buckets and shards
+  std::vector<std::vector<NormPiece>> norm_pieces_;  // per chunk: what grad_norm reads
+  bool shard_gradients_ = false;                     // standard path: the reduction skips the all-gather
   int compute_ = -1, copy_ = -1, comm_stream_ = -1;
   Plan train_, eval_;
   Call call_{};

@@ -326,7 +326,16 @@ class Cpu {
       update::sgd(p[i], g[i] * grad_scale, momentum ? buf[i] : unused, o, lr, first);
   }
 
-  // ---- exact gradient sums (backend::sums_exactly): on the calling stream's thread -------
+  // ---- gradient sums (backend::reduces_gradients): on the calling stream's thread --------
+
+  /// out[i] = ((parts[i] + parts[n + i]) + parts[2n + i]) + ... in fp32 (n = out.size()).
+  void sum_parts(Context&, std::span<float> out, std::span<const float> parts) {
+    detail::require_parts("backend::Cpu::sum_parts", out.size(), parts.size());
+    const std::size_t n = out.size();
+    for (std::size_t i = 0; i < n; ++i) out[i] = parts[i];
+    for (std::size_t k = n; k < parts.size(); k += n)
+      for (std::size_t i = 0; i < n; ++i) out[i] += parts[k + i];
+  }
 
   /// acc[i] += g[i] on exact's grid.
   void exact_add(Context&, std::span<exact::Fixed> acc, std::span<const float> g) {

@@ -525,7 +525,16 @@ class Cuda {
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
   }
 
-  // ---- exact gradient sums (backend::sums_exactly): enqueued on the pass's stream ------------
+  // ---- gradient sums (backend::reduces_gradients): enqueued on the pass's stream ---------
+
+  /// out[i] = ((parts[i] + parts[n + i]) + ...) in fp32 (n = out.size()), enqueued on ctx's stream.
+  void sum_parts(Context& ctx, std::span<float> out, std::span<const float> parts) {
+    detail::require_parts("backend::Cuda::sum_parts", out.size(), parts.size());
+    if (out.empty()) return;
+    select();
+    cuda::kernels::sum_parts(out.data(), parts.data(), static_cast<long long>(out.size()),
+                             static_cast<int>(parts.size() / out.size()), ctx.cuda_stream);
+  }
 
   /// acc[i] += g[i] on exact's grid, enqueued on ctx's stream.
   void exact_add(Context& ctx, std::span<exact::Fixed> acc, std::span<const float> g) {

@@ -55,6 +55,8 @@ void sum_squares(const float* values, const long long* table, long long groups, 
 void exact_add(exact::Fixed* acc, const float* g, long long count, cudaStream_t stream);
 /// out[i] = parts[i] + parts[count + i] + ... over `parts` runs of count (exact::sum).
 void exact_sum(exact::Fixed* out, const exact::Fixed* parts, long long count, int runs, cudaStream_t stream);
+/// out[i] = ((parts[i] + parts[count + i]) + ...) over `runs` parts, in fp32 and that order.
+void sum_parts(float* out, const float* parts, long long count, int runs, cudaStream_t stream);
 /// out[i] = exact::to_float(acc[i]).
 void exact_round(float* out, const exact::Fixed* acc, long long count, cudaStream_t stream);
 

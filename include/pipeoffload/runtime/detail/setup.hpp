@@ -23,6 +23,11 @@ void Runtime<Backend, Communicator>::construct() {
       throw error("po::Runtime: dp * m = " + std::to_string(dp_) + " * " + std::to_string(sh.m) +
                   " microbatches in one step exceed " + std::to_string(exact::max_terms));
   }
+  if (opt_.gradients != Gradients::standard && opt_.gradients != Gradients::exact)
+    throw error("po::Runtime: RuntimeOptions::gradients = " + std::to_string(static_cast<int>(opt_.gradients)) +
+                " is neither Gradients::standard (0) nor Gradients::exact (1)");
+  if (opt_.reduce_bucket < 1)
+    throw error("po::Runtime: RuntimeOptions::reduce_bucket = 0 must be >= 1 (values per reduction bucket)");
   if (opt_.exact_block < 1 || sh.m % opt_.exact_block != 0)
     throw error("po::Runtime: RuntimeOptions::exact_block = " + std::to_string(opt_.exact_block) +
                 " must be >= 1 and divide m = " + std::to_string(sh.m));
@@ -66,7 +71,7 @@ void Runtime<Backend, Communicator>::construct() {
   // With blocks of more than one microbatch, a stage sums a block in fp32 in microbatch
   // order, as a one-rank run does: every family orders its W so; a program that does not is
   // refused.
-  if (opt_.exact_block > 1) {
+  if (opt_.gradients == Gradients::exact && opt_.exact_block > 1) {
     std::vector<int> last_w(static_cast<std::size_t>(sh.v), -1);
     for (const Op& op : rp.compute)
       if (op.kind == OpKind::W || op.kind == OpKind::BW) {
@@ -109,6 +114,10 @@ void Runtime<Backend, Communicator>::construct() {
   make_plan(eval_, eval_program_.ranks[static_cast<std::size_t>(rank_)], false);
   units_.assign(static_cast<std::size_t>(sh.v) * static_cast<std::size_t>(sh.m), Unit{});
   boxes_.assign(static_cast<std::size_t>(sh.stages()) * static_cast<std::size_t>(sh.m) * 2, backend::Block{});
+  for (int c = 0; c < sh.v; ++c)
+    layouts_.push_back(
+        gradient_layout(stages_[static_cast<std::size_t>(c)].parameters().size(), dp_, opt_.reduce_bucket));
+  make_norm_pieces();
   if constexpr (backend::reserves_memory<Backend>) reserve_memory();
   allocate_state();
   // A failure on this device wakes every peer blocked on this rank (and the pair partner's
@@ -159,6 +168,34 @@ void Runtime<Backend, Communicator>::collect_inputs() {
 }
 
 template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::make_norm_pieces() {
+  for (std::size_t c = 0; c < layouts_.size(); ++c) {
+    const std::vector<std::size_t>& groups = norm_groups_[c];
+    std::vector<NormPiece> pieces;
+    const std::vector<ParamRange> ranges =
+        norm_by_shards() ? layouts_[c].shards(replica_) : std::vector<ParamRange>{{0, layouts_[c].values}};
+    for (const ParamRange& r : ranges) {
+      // Every group clipped to the range, then the empty ones at either end dropped.
+      std::vector<std::size_t> sizes;
+      std::size_t at = 0;
+      for (const std::size_t g : groups) {
+        const std::size_t lo = std::max(at, r.begin), hi = std::min(at + g, r.end);
+        sizes.push_back(hi > lo ? hi - lo : 0);
+        at += g;
+      }
+      std::size_t first = 0, last = sizes.size();
+      while (first < last && sizes[first] == 0) ++first;
+      while (last > first && sizes[last - 1] == 0) --last;
+      if (first == last) continue;
+      pieces.push_back({r, first,
+                        std::vector<std::size_t>(sizes.begin() + static_cast<std::ptrdiff_t>(first),
+                                                 sizes.begin() + static_cast<std::ptrdiff_t>(last))});
+    }
+    norm_pieces_.push_back(std::move(pieces));
+  }
+}
+
+template <class Backend, class Communicator>
 void Runtime<Backend, Communicator>::allocate_state() {
   const Shape& sh = program_.shape;
   // Reserved for themselves, so they never take a block reserve_memory() counted on.
@@ -169,20 +206,20 @@ void Runtime<Backend, Communicator>::allocate_state() {
   const std::size_t m = static_cast<std::size_t>(sh.m);
   for (const Declared& d : inputs_) inputs_dev_.push_back(take(m * d.spec.elements * dtype_size(d.spec.dtype)));
   losses_dev_ = take(m * sizeof(float));
-  // Exact gradient sums, padded to whole reduction buckets of a multiple of dp values, and
-  // the reduction's staging (sized for the largest bucket); gradient_state_bytes counts the
-  // same for a launcher that sizes memory ahead.
+  // Exact gradient sums (exact path), padded to whole reduction buckets of a multiple of dp
+  // values, and the reduction's staging (sized for the largest bucket); po::state_bytes counts
+  // the same for a launcher that sizes memory ahead.
   std::size_t most = 0;
   for (int c = 0; c < sh.v; ++c) {
-    const ExactSumLayout l =
-        exact_sum_layout(stages_[static_cast<std::size_t>(c)].parameters().size(), dp_, opt_.reduce_bucket);
-    bucket_.push_back(l.len);
-    sums_.push_back(take(l.bytes()));
-    dev_.zero(sums_.back().ptr, sums_.back().bytes);
+    const GradientLayout& l = layouts_[static_cast<std::size_t>(c)];
+    if (opt_.gradients == Gradients::exact) {
+      sums_.push_back(take(l.padded() * sizeof(exact::Fixed)));
+      dev_.zero(sums_.back().ptr, sums_.back().bytes);
+    }
     most = std::max(most, l.len);
   }
   if (dp_ > 1)
-    for (const std::size_t bytes : reduction_staging_bytes(most, dp_)) staging_.push_back(take(bytes));
+    for (const std::size_t bytes : reduction_staging_bytes(most, dp_, opt_.gradients)) staging_.push_back(take(bytes));
   flags_dev_ = take(std::max<std::size_t>(1, train_.rp->compute.size()) * sizeof(std::uint32_t));
   // Each stage's view of each microbatch's inputs: fixed device addresses, built once.
   views_.resize(static_cast<std::size_t>(sh.v) * m);

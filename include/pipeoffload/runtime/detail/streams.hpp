@@ -46,17 +46,22 @@ void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
     }
     if (op.kind == OpKind::W || op.kind == OpKind::BW) {
       if (u.device.ptr == nullptr) throw error("its activations are not on the device (missing reload)");
-      // The pass adds this microbatch's gradients to gradients(), zeroed at a block's first
-      // microbatch; at its last they go into the exact sums. After the chunk's last W of the
-      // call the sums, rounded, come back (or, in the last call of a step with replicas, the
-      // comm stream's reduction does that).
-      const std::span<float> grads = l.gradients();
-      const std::span<exact::Fixed> acc = sums(static_cast<int>(c)).first(grads.size());
-      if (mb.mb % opt_.exact_block == 0) dev_.zero(ctx, grads.data(), grads.size_bytes());
-      l.backward_weight(ctx, mb, u.device.ptr, u.stash.ptr);
-      if (mb.mb % opt_.exact_block == opt_.exact_block - 1) dev_.exact_add(ctx, acc, std::span<const float>(grads));
-      if (static_cast<int>(x) == plan.last_w[c] && !reducing())
-        dev_.exact_round(ctx, grads, std::span<const exact::Fixed>(acc));
+      if (opt_.gradients == Gradients::standard) {
+        // The pass adds this microbatch's gradients to gradients() in place.
+        l.backward_weight(ctx, mb, u.device.ptr, u.stash.ptr);
+      } else {
+        // The pass adds this microbatch's gradients to gradients(), zeroed at a block's first
+        // microbatch; at its last they go into the exact sums. After the chunk's last W of the
+        // call the sums, rounded, come back (or, in the last call of a step with replicas, the
+        // comm stream's reduction does that).
+        const std::span<float> grads = l.gradients();
+        const std::span<exact::Fixed> acc = sums(static_cast<int>(c)).first(grads.size());
+        if (mb.mb % opt_.exact_block == 0) dev_.zero(ctx, grads.data(), grads.size_bytes());
+        l.backward_weight(ctx, mb, u.device.ptr, u.stash.ptr);
+        if (mb.mb % opt_.exact_block == opt_.exact_block - 1) dev_.exact_add(ctx, acc, std::span<const float>(grads));
+        if (static_cast<int>(x) == plan.last_w[c] && !reducing())
+          dev_.exact_round(ctx, grads, std::span<const exact::Fixed>(acc));
+      }
       dev_.device_free(u.stash);
       dev_.device_free(u.device);
       u.stash = {};
@@ -136,31 +141,13 @@ void Runtime<Backend, Communicator>::run_comm(std::size_t k) {
 
 template <class Backend, class Communicator>
 void Runtime<Backend, Communicator>::run_reduce(int chunk) {
-  const std::size_t c = static_cast<std::size_t>(chunk);
   const double t0 = dev_.now();
   try {
-    if constexpr (replica_communicator<Communicator, Context>) {
-      Context ctx = dev_.context(comm_stream_);
-      const std::span<float> g = stages_[c].gradients();
-      const std::span<exact::Fixed> acc = sums(chunk);
-      const std::size_t len = bucket_values(chunk), n = g.size(), slice = len / static_cast<std::size_t>(dp_);
-      auto* parts = reinterpret_cast<exact::Fixed*>(staging_[0].ptr);
-      auto* mine = reinterpret_cast<exact::Fixed*>(staging_[1].ptr);
-      auto* rounded = reinterpret_cast<float*>(staging_[2].ptr);
-      auto* gathered = reinterpret_cast<float*>(staging_[3].ptr);
-      for (std::size_t b0 = 0; b0 < n; b0 += len) {
-        // Reduce-scatter: slice j of the bucket goes to replica j, which adds the replicas'
-        // parts in replica order (exactly) and rounds its slice once.
-        replicas_->all_to_all(ctx, std::as_bytes(acc.subspan(b0, len)),
-                              std::as_writable_bytes(std::span<exact::Fixed>(parts, len)));
-        dev_.exact_sum(ctx, std::span<exact::Fixed>(mine, slice), std::span<const exact::Fixed>(parts, len));
-        dev_.exact_round(ctx, std::span<float>(rounded, slice), std::span<const exact::Fixed>(mine, slice));
-        // All-gather: every replica gets every slice, in replica order: the whole bucket.
-        replicas_->all_gather(ctx, std::as_bytes(std::span<const float>(rounded, slice)),
-                              std::as_writable_bytes(std::span<float>(gathered, len)));
-        dev_.copy(ctx, g.data() + b0, gathered, std::min(len, n - b0) * sizeof(float));
-      }
-    }
+    Context ctx = dev_.context(comm_stream_);
+    if (opt_.gradients == Gradients::standard)
+      reduce_standard(chunk, ctx);
+    else
+      reduce_exact(chunk, ctx);
   } catch (const aborted_error&) {
     throw;
   } catch (const std::exception& e) {
@@ -169,6 +156,66 @@ void Runtime<Backend, Communicator>::run_reduce(int chunk) {
                 e.what());
   }
   reduce_trace_.push_back({chunk, t0, dev_.now()});
+}
+
+// Each bucket's fp32 gradients reduce-scattered: slice j goes to replica j (an all_to_all),
+// which adds the replicas' parts in replica order into its own slice of gradients(); unless
+// the gradients stay sharded, an all-gather then hands every replica the whole bucket. The
+// last bucket, which runs past the parameters, goes through the staging with zeros after them.
+template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::reduce_standard(int chunk, Context& ctx) {
+  if constexpr (replica_communicator<Communicator, Context>) {
+    const GradientLayout& l = layouts_[static_cast<std::size_t>(chunk)];
+    float* g = stages_[static_cast<std::size_t>(chunk)].gradients().data();
+    const std::size_t len = l.len, slice = l.slice(), n = l.values;
+    auto* bucket = reinterpret_cast<float*>(staging_[0].ptr);
+    auto* parts = reinterpret_cast<float*>(staging_[1].ptr);
+    auto* mine = reinterpret_cast<float*>(staging_[2].ptr);
+    const bool gather = !gradients_sharded();
+    for (std::size_t b0 = 0; b0 < n; b0 += len) {
+      const std::size_t valid = std::min(len, n - b0);
+      const float* src = g + b0;
+      if (valid < len) {
+        dev_.copy(ctx, bucket, g + b0, valid * sizeof(float));
+        dev_.zero(ctx, bucket + valid, (len - valid) * sizeof(float));
+        src = bucket;
+      }
+      replicas_->all_to_all(ctx, std::as_bytes(std::span<const float>(src, len)),
+                            std::as_writable_bytes(std::span<float>(parts, len)));
+      dev_.sum_parts(ctx, std::span<float>(mine, slice), std::span<const float>(parts, len));
+      const ParamRange r = l.shard(b0 / len, replica_);
+      dev_.copy(ctx, g + r.begin, mine, r.size() * sizeof(float));
+      if (gather) {
+        replicas_->all_gather(ctx, std::as_bytes(std::span<const float>(mine, slice)),
+                              std::as_writable_bytes(std::span<float>(bucket, len)));
+        dev_.copy(ctx, g + b0, bucket, valid * sizeof(float));
+      }
+    }
+  }
+}
+
+// Each bucket's 128-bit sums reduce-scattered (an all_to_all; the owner of a slice adds the
+// replicas' parts exactly and rounds its slice once), then all-gathered in fp32.
+template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::reduce_exact(int chunk, Context& ctx) {
+  if constexpr (replica_communicator<Communicator, Context>) {
+    const std::span<float> g = stages_[static_cast<std::size_t>(chunk)].gradients();
+    const std::span<exact::Fixed> acc = sums(chunk);
+    const std::size_t len = bucket_values(chunk), n = g.size(), slice = len / static_cast<std::size_t>(dp_);
+    auto* parts = reinterpret_cast<exact::Fixed*>(staging_[0].ptr);
+    auto* mine = reinterpret_cast<exact::Fixed*>(staging_[1].ptr);
+    auto* rounded = reinterpret_cast<float*>(staging_[2].ptr);
+    auto* gathered = reinterpret_cast<float*>(staging_[3].ptr);
+    for (std::size_t b0 = 0; b0 < n; b0 += len) {
+      replicas_->all_to_all(ctx, std::as_bytes(acc.subspan(b0, len)),
+                            std::as_writable_bytes(std::span<exact::Fixed>(parts, len)));
+      dev_.exact_sum(ctx, std::span<exact::Fixed>(mine, slice), std::span<const exact::Fixed>(parts, len));
+      dev_.exact_round(ctx, std::span<float>(rounded, slice), std::span<const exact::Fixed>(mine, slice));
+      replicas_->all_gather(ctx, std::as_bytes(std::span<const float>(rounded, slice)),
+                            std::as_writable_bytes(std::span<float>(gathered, len)));
+      dev_.copy(ctx, g.data() + b0, gathered, std::min(len, n - b0) * sizeof(float));
+    }
+  }
 }
 
 template <class Backend, class Communicator>

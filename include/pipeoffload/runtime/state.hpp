@@ -1,0 +1,171 @@
+// pipeoffload/runtime/state.hpp: the model state a rank holds beside its activations, computed
+// without a device: which gradient path runs, how a chunk's gradients are cut into reduction
+// buckets and data-parallel shards, and the bytes the runtime and the optimizers take for them.
+//
+// po::Runtime and po::AdamW / po::Sgd allocate through these functions, and a launcher that
+// sizes device memory ahead (train_gpt's CUDA arena) calls the same ones, so what is planned is
+// what is taken; tests/runtime/test_memory.cpp holds them to the CPU backend's counters to the
+// byte. The layers' own buffers (working parameters, fp32 main gradients) are the layer's, not
+// the arena's; model_state_bytes counts them too, for the bytes-per-parameter figure.
+/// @file
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "../backend/exact.hpp"
+#include "../error.hpp"
+
+namespace pipeoffload {
+
+/// How a Runtime sums gradients (docs/gradients.md).
+enum class Gradients {
+  /// The default: each W adds its microbatch's gradients to the stage's fp32 gradients() in
+  /// place; with replicas they are reduce-scattered in fp32 (replica order, deterministic).
+  standard,
+  /// Opt-in check: 128-bit fixed-point sums (backend/exact.hpp), so that every schedule, rank
+  /// count, replica count and accumulation split gives the same bits. 16 more bytes a parameter.
+  exact,
+};
+
+/// The option's name ("standard", "exact").
+constexpr const char* gradients_name(Gradients g) { return g == Gradients::exact ? "exact" : "standard"; }
+
+/// A half-open run [begin, end) of a chunk's parameters.
+struct ParamRange {
+  std::size_t begin = 0;  ///< first parameter
+  std::size_t end = 0;    ///< one past the last
+  /// Parameters in the run.
+  constexpr std::size_t size() const { return end - begin; }
+  /// Field-by-field equality.
+  friend constexpr bool operator==(const ParamRange&, const ParamRange&) = default;
+};
+
+/// How a chunk's gradients are reduced across dp replicas and who owns what: `buckets`
+/// reduction buckets of `len` values each (a multiple of dp, padding after the last parameter),
+/// each cut into dp slices of len / dp; replica j owns slice j of every bucket. The owner of a
+/// parameter receives its reduced gradient and, with a sharded optimizer, holds its state.
+struct GradientLayout {
+  std::size_t values = 0;   ///< the chunk's parameters
+  int dp = 1;               ///< replicas
+  std::size_t buckets = 1;  ///< reduction buckets
+  std::size_t len = 1;      ///< values per bucket, a multiple of dp
+  /// Values per replica in one bucket, len / dp.
+  constexpr std::size_t slice() const { return len / static_cast<std::size_t>(dp); }
+  /// Buckets times len: the parameters with the padding.
+  constexpr std::size_t padded() const { return buckets * len; }
+  /// Replica j's part of bucket b, clipped to the parameters (empty past the last one).
+  constexpr ParamRange shard(std::size_t b, int j) const {
+    const std::size_t lo = std::min(values, b * len + static_cast<std::size_t>(j) * slice());
+    return {lo, std::min(values, lo + slice())};
+  }
+  /// The parameters replica j owns, bucket by bucket (empty runs left out).
+  std::vector<ParamRange> shards(int j) const {
+    std::vector<ParamRange> out;
+    for (std::size_t b = 0; b < buckets; ++b)
+      if (const ParamRange r = shard(b, j); r.size() > 0) out.push_back(r);
+    return out;
+  }
+  /// How many parameters replica j owns.
+  constexpr std::size_t owned(int j) const {
+    std::size_t n = 0;
+    for (std::size_t b = 0; b < buckets; ++b) n += shard(b, j).size();
+    return n;
+  }
+};
+
+/// The layout of a chunk of `parameters` values, for `dp` replicas and buckets of at most
+/// `reduce_bucket` values (RuntimeOptions::reduce_bucket).
+constexpr GradientLayout gradient_layout(std::size_t parameters, int dp, std::size_t reduce_bucket) {
+  const std::size_t r = static_cast<std::size_t>(dp < 1 ? 1 : dp);
+  const std::size_t cap = std::max<std::size_t>(reduce_bucket, r);
+  GradientLayout l;
+  l.values = parameters;
+  l.dp = static_cast<int>(r);
+  l.buckets = std::max<std::size_t>(1, (parameters + cap - 1) / cap);
+  const std::size_t per = (parameters + l.buckets - 1) / l.buckets;
+  l.len = std::max<std::size_t>(r, (per + r - 1) / r * r);
+  return l;
+}
+static_assert(gradient_layout(10, 3, 4).buckets == 3 && gradient_layout(10, 3, 4).len == 6 &&
+              gradient_layout(10, 3, 4).shard(1, 2) == ParamRange{10, 10} && gradient_layout(10, 3, 4).owned(0) == 4 &&
+              gradient_layout(10, 3, 4).owned(1) == 4 && gradient_layout(10, 3, 4).owned(2) == 2);
+
+/// Device bytes of the replicas' staging (dp > 1) for buckets of at most `len` values, in the
+/// order the runtime allocates them. Standard: a bucket sent or gathered (len fp32), the
+/// replicas' parts of this replica's slice (len fp32), the slice summed (len / dp fp32).
+/// Exact: the parts (len 128-bit sums), the slice summed (len / dp sums), the slice rounded
+/// (len / dp fp32), the bucket gathered (len fp32). The optimizers' parameter gather reuses the
+/// fp32 slice and bucket buffers.
+inline std::vector<std::size_t> reduction_staging_bytes(std::size_t len, int dp, Gradients g) {
+  const std::size_t r = static_cast<std::size_t>(dp < 1 ? 1 : dp), f = sizeof(float), x = sizeof(exact::Fixed);
+  if (g == Gradients::standard) return {len * f, len * f, len / r * f};
+  return {len * x, len / r * x, len / r * f, len * f};
+}
+
+/// What sizes a rank's model state: the gradient path, replicas, optimizer sharding (ZeRO
+/// stage), optimizer state buffers per parameter (AdamW 2, SGD with momentum 1, plain SGD 0)
+/// and the reduction's bucket size.
+struct StateOptions {
+  Gradients gradients = Gradients::standard;         ///< RuntimeOptions::gradients
+  int dp = 1;                                        ///< data-parallel replicas
+  int replica = 0;                                   ///< this rank's replica, 0 .. dp-1
+  int zero = 0;                                      ///< 1: the optimizer state is sharded over the replicas
+  int optimizer_states = 2;                          ///< fp32 state buffers per parameter
+  std::size_t reduce_bucket = std::size_t{1} << 20;  ///< RuntimeOptions::reduce_bucket
+  std::size_t parameter_bytes = sizeof(float);       ///< bytes of one working parameter (the layer's)
+  std::size_t gradient_bytes = sizeof(float);        ///< bytes of one main gradient (the layer's)
+};
+
+/// A rank's model state in bytes, by owner: the layers' own buffers, and what the runtime and
+/// the optimizer take from the backend (arena()).
+struct StateBytes {
+  std::size_t parameters = 0;  ///< the layers' working parameters
+  std::size_t gradients = 0;   ///< the layers' main gradients
+  std::size_t sums = 0;        ///< the runtime's exact sums (exact path only)
+  std::size_t staging = 0;     ///< the runtime's reduction staging (dp > 1)
+  std::size_t optimizer = 0;   ///< the optimizer's state (its shard with ZeRO-1)
+  /// Every buffer the runtime and the optimizer allocate on the backend, in bytes, in their
+  /// order (a launcher rounds each to its arena's size classes).
+  std::vector<std::size_t> blocks;
+  /// What the runtime and optimizer allocate on the backend: sums + staging + optimizer.
+  constexpr std::size_t arena() const { return sums + staging + optimizer; }
+  /// Everything.
+  constexpr std::size_t total() const { return parameters + gradients + arena(); }
+};
+
+/// The model state of a rank whose chunks have `parameters` values each, as po::Runtime and
+/// the optimizers allocate it (tests/runtime/test_memory.cpp holds the two together).
+inline StateBytes state_bytes(std::span<const std::size_t> parameters, const StateOptions& o) {
+  StateBytes b;
+  std::size_t most = 0;
+  const bool sharded = o.zero == 1 && o.dp > 1;
+  for (const std::size_t n : parameters) {
+    const GradientLayout l = gradient_layout(n, o.dp, o.reduce_bucket);
+    b.parameters += n * o.parameter_bytes;
+    b.gradients += n * o.gradient_bytes;
+    if (o.gradients == Gradients::exact) {
+      b.sums += l.padded() * sizeof(exact::Fixed);
+      b.blocks.push_back(l.padded() * sizeof(exact::Fixed));
+    }
+    most = std::max(most, l.len);
+  }
+  if (o.dp > 1)
+    for (const std::size_t s : reduction_staging_bytes(most, o.dp, o.gradients)) {
+      b.staging += s;
+      b.blocks.push_back(s);
+    }
+  for (const std::size_t n : parameters) {
+    const GradientLayout l = gradient_layout(n, o.dp, o.reduce_bucket);
+    const std::size_t state = (sharded ? l.owned(o.replica) : n) * sizeof(float);
+    for (int k = 0; k < o.optimizer_states; ++k) b.blocks.push_back(state);
+    b.optimizer += static_cast<std::size_t>(o.optimizer_states) * state;
+  }
+  return b;
+}
+
+}  // namespace pipeoffload
