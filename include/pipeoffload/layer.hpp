@@ -134,8 +134,14 @@ struct Microbatch {
 /// - backward_input(ctx, mb, dy, dx, saved, stash): activation gradients only (B). dy is empty
 ///   on the last stage (the loss is the output), dx is empty on stage 0.
 /// - backward_weight(ctx, mb, saved, stash): accumulates (+=) into gradients() (W).
-/// - parameters(), gradients(): contiguous fp32 spans of equal length. Gradients accumulate
-///   across forward_backward calls until Runtime::zero_grad(); optimizers update parameters.
+/// - parameters(), gradients(): contiguous fp32 spans of equal length. What a stage holds:
+///   its working parameters (what its passes read) and its fp32 main gradients, which each W
+///   adds into in place (RuntimeOptions::gradients: the standard path; the exact path folds
+///   them into fixed-point sums). What the optimizer holds, on the device, for the parameters
+///   its replica owns (all of them, or with ZeRO-1 its shard, Runtime::owned): its state
+///   (AdamW's moments, SGD's momentum); it updates the working parameters in place, which are
+///   therefore also the fp32 master copy (docs/gradients.md). Gradients accumulate across
+///   forward_backward calls until Runtime::zero_grad().
 /// Optional members the runtime uses when present:
 /// - inputs(shape) -> std::vector<po::InputSpec>: the step inputs the stage reads (the
 ///   runtime uploads them and checks each step's batch against them);
