@@ -117,6 +117,12 @@ struct Microbatch {
   }
 };
 
+namespace detail {
+/// What parameters() may return: fp32 values, or a tensor (of bfloat16 values).
+template <class P>
+concept working_parameters = std::convertible_to<P, std::span<float>> || std::convertible_to<P, Tensor>;
+}  // namespace detail
+
 /// A pipeline stage's model code, for a backend whose pass context is `Ctx` (backend::Cpu's
 /// is backend::CpuContext; a CUDA context carries the stream the pass enqueues on).
 ///
@@ -134,14 +140,17 @@ struct Microbatch {
 /// - backward_input(ctx, mb, dy, dx, saved, stash): activation gradients only (B). dy is empty
 ///   on the last stage (the loss is the output), dx is empty on stage 0.
 /// - backward_weight(ctx, mb, saved, stash): accumulates (+=) into gradients() (W).
-/// - parameters(), gradients(): contiguous fp32 spans of equal length. What a stage holds:
-///   its working parameters (what its passes read) and its fp32 main gradients, which each W
-///   adds into in place (RuntimeOptions::gradients: the standard path; the exact path folds
-///   them into fixed-point sums). What the optimizer holds, on the device, for the parameters
-///   its replica owns (all of them, or with ZeRO-1 its shard, Runtime::owned): its state
-///   (AdamW's moments, SGD's momentum); it updates the working parameters in place, which are
-///   therefore also the fp32 master copy (docs/gradients.md). Gradients accumulate across
-///   forward_backward calls until Runtime::zero_grad().
+/// - parameters(), gradients(): the stage's working parameters (what its passes read) and its
+///   fp32 main gradients, of equal length; each W adds into the gradients in place
+///   (RuntimeOptions::gradients: the standard path; the exact path folds them into
+///   fixed-point sums). Gradients accumulate across forward_backward calls until
+///   Runtime::zero_grad(). The working parameters are a std::span<float> (fp32), or a
+///   po::Tensor of bfloat16 values (a mixed-precision stage holds 2 + 4 bytes a parameter).
+///   What the optimizer holds, on the device, for the parameters its replica owns (all of
+///   them, or with ZeRO-1 its shard, Runtime::owned): its state (AdamW's moments, SGD's
+///   momentum) and, for bfloat16 working parameters, their fp32 master copy, which it updates
+///   and rounds back into the working parameters; fp32 working parameters are their own master
+///   copy and are updated in place (docs/gradients.md).
 /// Optional members the runtime uses when present:
 /// - inputs(shape) -> std::vector<po::InputSpec>: the step inputs the stage reads (the
 ///   runtime uploads them and checks each step's batch against them);
@@ -203,7 +212,7 @@ concept layer_for = requires(L& l, const L& cl, Ctx& ctx, const Microbatch& mb, 
   { l.forward(ctx, mb, in, out, buf) } -> std::same_as<void>;
   l.backward_input(ctx, mb, in, out, buf, buf);
   l.backward_weight(ctx, mb, buf, buf);
-  { l.parameters() } -> std::convertible_to<std::span<float>>;
+  requires detail::working_parameters<decltype(l.parameters())>;
   { l.gradients() } -> std::convertible_to<std::span<float>>;
 };
 

@@ -6,6 +6,7 @@
 /// @file
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <ranges>
@@ -87,6 +88,19 @@ constexpr DType dtype_of() {
     static_assert(sizeof(U) == 0,
                   "po::dtype_of<T>: T must be float, double, std::int32_t, std::int64_t, std::uint8_t or std::int8_t.");
 }
+
+/// `x` rounded to bfloat16 (to nearest, ties to even; a NaN stays a quiet NaN): its 16 bits,
+/// as cuda_bf16.h's __float2bfloat16 rounds. Host code: the CPU backend's conversions.
+constexpr std::uint16_t bf16_bits(float x) {
+  const auto u = std::bit_cast<std::uint32_t>(x);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu) != 0)
+    return static_cast<std::uint16_t>((u >> 16) | 0x0040u);
+  return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+/// The float a bfloat16's 16 bits hold (exact).
+constexpr float bf16_value(std::uint16_t bits) { return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16); }
+static_assert(bf16_bits(1.0f) == 0x3f80 && bf16_value(0x3f80) == 1.0f && bf16_bits(1.00390625f) == 0x3f80 &&
+              bf16_bits(1.01171875f) == 0x3f82);
 
 namespace detail {
 

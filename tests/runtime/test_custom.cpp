@@ -52,6 +52,52 @@ const custom::Dataset& data() {
   return d;
 }
 
+/// A custom-model stage whose working parameters are bfloat16 (layer.hpp's mixed-precision
+/// stage): the optimizer keeps their fp32 master; the passes compute with the wrapped stage's
+/// fp32 buffer, set from the bfloat16 values before each pass.
+template <class L>
+struct Bf16 {
+  L inner;
+  std::vector<std::uint16_t> bits;
+  explicit Bf16(L l) : inner(std::move(l)), bits(inner.parameters().size()) {
+    for (std::size_t i = 0; i < bits.size(); ++i) bits[i] = po::bf16_bits(inner.parameters()[i]);
+  }
+  void widen() {
+    const std::span<float> p = inner.parameters();
+    for (std::size_t i = 0; i < bits.size(); ++i) p[i] = po::bf16_value(bits[i]);
+  }
+  po::Boundary input_boundary(po::MicrobatchShape s) const { return inner.input_boundary(s); }
+  po::Boundary output_boundary(po::MicrobatchShape s) const { return inner.output_boundary(s); }
+  std::size_t saved_bytes(po::MicrobatchShape s) const { return inner.saved_bytes(s); }
+  std::size_t stash_bytes(po::MicrobatchShape s) const { return inner.stash_bytes(s); }
+  std::vector<po::InputSpec> inputs(po::MicrobatchShape s) const
+    requires po::detail::declares_inputs<L>
+  {
+    return inner.inputs(s);
+  }
+  std::vector<std::size_t> norm_groups() const { return inner.norm_groups(); }
+  std::vector<po::ParamInfo> parameter_info() const { return inner.parameter_info(); }
+  std::string name() const { return "bf16 " + inner.name(); }
+  void forward(po::backend::CpuContext& c, const po::Microbatch& mb, po::ConstTensor x, po::Tensor y,
+               std::byte* saved) {
+    widen();
+    inner.forward(c, mb, x, y, saved);
+  }
+  void backward_input(po::backend::CpuContext& c, const po::Microbatch& mb, po::ConstTensor dy, po::Tensor dx,
+                      std::byte* saved, std::byte* stash) {
+    widen();
+    inner.backward_input(c, mb, dy, dx, saved, stash);
+  }
+  void backward_weight(po::backend::CpuContext& c, const po::Microbatch& mb, std::byte* saved, std::byte* stash) {
+    widen();
+    inner.backward_weight(c, mb, saved, stash);
+  }
+  po::Tensor parameters() { return {reinterpret_cast<std::byte*>(bits.data()), bits.size(), po::DType::bfloat16}; }
+  std::span<float> gradients() { return inner.gradients(); }
+};
+using Bf16Stage =
+    std::variant<Bf16<custom::InputProjection>, Bf16<custom::ResidualStage>, Bf16<custom::RegressionHead>>;
+
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
@@ -114,6 +160,7 @@ struct Case {
   int zero = 0;  ///< ZeRO stage of the optimizer
   po::Gradients gradients = po::Gradients::exact;    ///< RuntimeOptions::gradients
   std::size_t reduce_bucket = std::size_t{1} << 20;  ///< RuntimeOptions::reduce_bucket
+  bool bf16 = false;  ///< bfloat16 working parameters (Bf16): the optimizer keeps the fp32 master
 };
 
 struct Run {
@@ -158,7 +205,15 @@ Run train(const Case& c) {
     const int r = g % sh.d, j = g / sh.d;
     po::backend::Cpu dev({.rank = g, .copy_bytes_per_second = c.copy_bytes_per_second});
     std::vector<custom::Stage> mine = custom::make_rank_stages(model, sh, r);
-    const std::vector<custom::StageRef> stages = custom::refs(mine);
+    std::vector<Bf16Stage> narrow;
+    if (c.bf16)
+      for (custom::Stage& st : mine)
+        std::visit([&](auto& l) { narrow.emplace_back(Bf16<std::remove_cvref_t<decltype(l)>>(std::move(l))); }, st);
+    std::vector<custom::StageRef> stages = custom::refs(mine);
+    if (c.bf16) {
+      stages.clear();
+      for (Bf16Stage& st : narrow) stages.push_back(std::visit([](auto& l) { return custom::StageRef(l); }, st));
+    }
     std::optional<Runtime> made;
     if (replicas != nullptr)
       made.emplace(c.program, dev, comm, *replicas, std::span<const custom::StageRef>(stages), rt_options);
@@ -171,7 +226,7 @@ Run train(const Case& c) {
         run.state_memory[static_cast<std::size_t>(g)] = dev.memory().in(po::backend::Memory::state);
         run.optimizer_memory[static_cast<std::size_t>(g)] = dev.memory().in(po::backend::Memory::optimizer);
         for (const custom::StageRef& st : stages)
-          run.chunk_params[static_cast<std::size_t>(g)].push_back(st.parameters().size());
+          run.chunk_params[static_cast<std::size_t>(g)].push_back(st.parameter_count());
         // The step inputs (each name once), a loss per microbatch, a flag per compute op.
         std::vector<std::string> names;
         std::size_t fixed = m * sizeof(float) + c.program.ranks[static_cast<std::size_t>(r)].compute.size() * 4;
@@ -1013,5 +1068,83 @@ TEST_CASE("checkpoints load across the gradient paths: standard -> exact under o
   const Run z1 = train(standard(
       {.program = po::PO_H::build({2, 2, 6}), .steps = 4, .load_dir = dir, .first_step = 2, .dp = 2, .zero = 1}));
   check_same(z1, z0, 2);
+  std::filesystem::remove_all(dir);
+}
+
+// ---- bfloat16 working parameters: the optimizer's fp32 master -------------------------------
+
+TEST_CASE(
+    "bfloat16 working parameters: ZeRO-1 equals ZeRO-0, the exact path keeps its bit-identity, the loss follows fp32") {
+  for (Optim optim : {Optim::adamw, Optim::sgd}) {
+    CAPTURE(static_cast<int>(optim));
+    // Standard path, 2 replicas: run again and with ZeRO-1 (the master sharded), the same bits.
+    const Case two{.program = po::PO_F::build({2, 2, 6}), .optim = optim, .dp = 2, .reduce_bucket = 16, .bf16 = true};
+    const Run a = train(standard(two));
+    check_same(train(standard(two)), a);
+    Case sharded = standard(two);
+    sharded.zero = 1;
+    check_same(train(sharded), a);
+    // The working parameters are bfloat16 values.
+    for (const std::vector<float>& p : a.params)
+      for (float x : p) REQUIRE(po::bf16_value(po::bf16_bits(x)) == x);
+    // Exact path: replicas, ranks and schedules give one replica's bits.
+    const Run ref = train({.program = one_rank({1, 4, 12}), .optim = optim, .bf16 = true});
+    check_same(train({.program = po::GIS_H::build({4, 1, 4}), .optim = optim, .dp = 3, .zero = 1, .bf16 = true}), ref);
+    // Within 5 % of the fp32 model's loss after 10 steps (the weights themselves are rounded to bfloat16).
+    const Run wide = train(standard({.program = po::PO_F::build({4, 2, 8}), .steps = 10, .optim = optim}));
+    const Run narrow =
+        train(standard({.program = po::PO_F::build({4, 2, 8}), .steps = 10, .optim = optim, .bf16 = true}));
+    require_ok(wide);
+    require_ok(narrow);
+    double w = 0, n = 0;
+    for (float x : wide.losses.back()) w += x;
+    for (float x : narrow.losses.back()) n += x;
+    CAPTURE(w);
+    CAPTURE(n);
+    CHECK(std::abs(n - w) <= 0.05 * std::abs(w));
+  }
+}
+
+TEST_CASE("bfloat16 working parameters: po::state_bytes counts the master to the byte; a checkpoint keeps it in fp32") {
+  for (int dp : {1, 2, 8})
+    for (int zero : {0, 1}) {
+      CAPTURE(dp);
+      CAPTURE(zero);
+      const Run run = train(standard({.program = po::GIS::build({2, 2, 4}),
+                                      .steps = 1,
+                                      .dp = dp,
+                                      .zero = zero,
+                                      .reduce_bucket = 16,
+                                      .bf16 = true}));
+      require_ok(run);
+      for (std::size_t g = 0; g < run.state_memory.size(); ++g) {
+        const po::StateBytes want = po::state_bytes(
+            run.chunk_params[g],
+            {.dp = dp, .replica = static_cast<int>(g) / 2, .zero = zero, .reduce_bucket = 16, .parameter_bytes = 2});
+        CHECK(run.optimizer_memory[g] == want.optimizer + want.master);
+        CHECK(run.state_memory[g] - run.fixed_state[g] == want.sums + want.staging);
+      }
+    }
+  // Exact path: saved under 2 replicas with the master sharded, resumed under 3, the same bits
+  // as the run that went straight on (the file holds the fp32 master, not its bfloat16 rounding).
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("po_test_custom_bf16_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const Run straight = train({.program = po::PO_F::build({2, 2, 6}),
+                              .steps = 4,
+                              .save_dir = dir,
+                              .save_after = 2,
+                              .dp = 2,
+                              .zero = 1,
+                              .bf16 = true});
+  require_ok(straight);
+  const Run resumed = train({.program = po::GIS::build({2, 2, 4}),
+                             .steps = 4,
+                             .load_dir = dir,
+                             .first_step = 2,
+                             .dp = 3,
+                             .zero = 1,
+                             .bf16 = true});
+  check_same(resumed, straight, 2);
   std::filesystem::remove_all(dir);
 }

@@ -188,7 +188,9 @@ concept backend =
 ///     of the k-th run of groups[k] values (the gradient norm's pieces);
 ///   - adamw(params, grads, m, v, hyper, lr, bias, grad_scale): update::adamw on every element
 ///     with grads * grad_scale (the clip);
-///   - sgd(params, grads, buf, hyper, lr, grad_scale, first): update::sgd likewise.
+///   - sgd(params, grads, buf, hyper, lr, grad_scale, first): update::sgd likewise;
+///   - round_to_bf16(dst, src): dst (bfloat16, device memory) = src rounded to nearest even
+///     (po::bf16_bits): a mixed-precision stage's working parameters from the master copy.
 /// Gradients are left as they are (Runtime::zero_grad clears them).
 template <class B>
 concept updates_parameters = requires(
@@ -197,6 +199,7 @@ concept updates_parameters = requires(
   b.sum_squares(cfs, groups, out);
   b.adamw(fs, cfs, fs, fs, aw, lr, bias, lr);
   b.sgd(fs, cfs, fs, sg, lr, lr, first);
+  b.round_to_bf16(static_cast<std::byte*>(nullptr), cfs);
 };
 
 /// What po::Runtime needs of a backend to sum and reduce gradients, on either path

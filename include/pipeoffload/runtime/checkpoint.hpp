@@ -267,7 +267,7 @@ void save_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& o
       s.step = step;
       s.info = info;
       s.optimizer = opt.name();
-      s.params = rt.download_parameters(c);
+      s.params = opt.full_master(c);  // fp32: the working parameters, or a mixed-precision stage's master
       for (int k = 0; k < opt.state_count(); ++k) s.state.push_back(opt.full_state(c, k));
     }
     return 0;
@@ -330,7 +330,7 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, Op
       const int stage = sh.stage_of(rt.rank(), c);
       const std::filesystem::path file = checkpoint::stage_file(dir, step, stage);
       checkpoint::StageState s = checkpoint::decode(checkpoint::read_all(file), file.string());
-      const std::size_t n = rt.stages()[static_cast<std::size_t>(c)].parameters().size();
+      const std::size_t n = rt.stages()[static_cast<std::size_t>(c)].parameter_count();
       if (s.stage != stage || s.step != step)
         throw checkpoint_error("checkpoint: " + file.string() + " holds stage " + std::to_string(s.stage) +
                                " of step " + std::to_string(s.step) + ", not stage " + std::to_string(stage) +
@@ -356,7 +356,7 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, Op
   rt.guard("load_checkpoint", [&] {
     for (int c = 0; c < sh.v; ++c) {
       const checkpoint::StageState& s = states[static_cast<std::size_t>(c)];
-      rt.upload_parameters(c, s.params);
+      opt.set_full_master(c, s.params);
       for (int k = 0; k < opt.state_count(); ++k) opt.set_full_state(c, k, s.state[static_cast<std::size_t>(k)]);
     }
     opt.set_steps_taken(step);

@@ -176,6 +176,7 @@ class OptimizerBase {
   OptimizerBase& operator=(const OptimizerBase&) = delete;
   ~OptimizerBase() {
     for (backend::Block& b : state_) rt_.device().device_free(b);
+    for (backend::Block& b : masters_) rt_.device().device_free(b);
   }
 
   /// Optimizer steps taken (the next step is number steps_taken(), 0-based).
@@ -204,16 +205,61 @@ class OptimizerBase {
   std::span<float> state(int chunk, int k) {
     return {reinterpret_cast<float*>(state_[static_cast<std::size_t>(chunk * states_ + k)].ptr), updated(chunk)};
   }
-  /// Device bytes of this rank's optimizer state.
+  /// Device bytes of this rank's optimizer state (with the fp32 master copies of
+  /// mixed-precision stages).
   std::size_t state_bytes() const {
     std::size_t b = 0;
     for (const backend::Block& s : state_) b += s.bytes;
+    for (const backend::Block& s : masters_) b += s.bytes;
     return b;
+  }
+  /// Whether this optimizer keeps an fp32 master copy of chunk c's parameters (its stage's
+  /// working parameters are bfloat16), of the parameters in shards(c).
+  bool has_master(int chunk) const { return masters_[static_cast<std::size_t>(chunk)].ptr != nullptr; }
+  /// Chunk c's parameters in fp32 on the host, whole: the master copy where there is one (with
+  /// ZeRO-1 gathered from the replicas: collective over them), else the working parameters.
+  /// What checkpoints save.
+  std::vector<float> full_master(int chunk) {
+    if (!has_master(chunk)) return rt_.download_parameters(chunk);
+    return gathered(chunk, rt_.download(master(chunk)));
+  }
+  /// Sets chunk c's parameters from fp32 values (all of them): the master copy's part this
+  /// replica owns and the working parameters (rounded where they are bfloat16).
+  void set_full_master(int chunk, std::span<const float> full) {
+    if (has_master(chunk)) rt_.upload(master(chunk), owned_part(chunk, full, "set_full_master"), "master parameters");
+    rt_.upload_parameters(chunk, full);
   }
   /// Chunk c's whole k-th state buffer on the host (with ZeRO-1 gathered from the replicas:
   /// collective over them), for checkpoints.
-  std::vector<float> full_state(int chunk, int k) {
-    std::vector<float> mine = rt_.download(state(chunk, k));
+  std::vector<float> full_state(int chunk, int k) { return gathered(chunk, rt_.download(state(chunk, k))); }
+  /// Overwrites this replica's part of chunk c's k-th state buffer from the whole buffer.
+  void set_full_state(int chunk, int k, std::span<const float> full) {
+    rt_.upload(state(chunk, k), owned_part(chunk, full, "set_full_state"), "optimizer state");
+  }
+  /// Chunk c's runs of parameters, each with its setting (for tests and reports).
+  const std::vector<ParamRun>& runs(int chunk) const { return runs_[static_cast<std::size_t>(chunk)]; }
+  Runtime& runtime() { return rt_; }
+
+ private:
+  // Chunk c's master copy (of the parameters in shards(c)), device memory.
+  std::span<float> master(int chunk) {
+    return {reinterpret_cast<float*>(masters_[static_cast<std::size_t>(chunk)].ptr), updated(chunk)};
+  }
+  // The parameters this replica owns of a whole buffer `full` of chunk c, one shard after another.
+  std::vector<float> owned_part(int chunk, std::span<const float> full, const char* who) const {
+    const std::size_t n = rt_.stages()[static_cast<std::size_t>(chunk)].parameter_count();
+    if (full.size() != n)
+      throw error(std::string("po::Optimizer::") + who + ": got " + std::to_string(full.size()) + " values; chunk " +
+                  std::to_string(chunk) + " has " + std::to_string(n) + " parameters");
+    std::vector<float> mine;
+    for (const ParamRange& r : shards(chunk))
+      mine.insert(mine.end(), full.begin() + static_cast<std::ptrdiff_t>(r.begin),
+                  full.begin() + static_cast<std::ptrdiff_t>(r.end));
+    return mine;
+  }
+  // A buffer of chunk c's owned parameters, whole: with ZeRO-1 every replica's shards gathered
+  // (collective over the replicas); otherwise `mine` itself.
+  std::vector<float> gathered(int chunk, std::vector<float> mine) {
     if (!sharded_) return mine;
     // Every replica's slice of every bucket, padded to whole slices, gathered in replica order.
     const GradientLayout& l = rt_.layout(chunk);
@@ -235,21 +281,6 @@ class OptimizerBase {
       }
     return full;
   }
-  /// Overwrites this replica's part of chunk c's k-th state buffer from the whole buffer.
-  void set_full_state(int chunk, int k, std::span<const float> full) {
-    if (full.size() != rt_.stages()[static_cast<std::size_t>(chunk)].parameters().size())
-      throw error("po::Optimizer::set_full_state: got " + std::to_string(full.size()) + " values; chunk " +
-                  std::to_string(chunk) + " has " +
-                  std::to_string(rt_.stages()[static_cast<std::size_t>(chunk)].parameters().size()) + " parameters");
-    std::vector<float> mine;
-    for (const ParamRange& r : shards(chunk))
-      mine.insert(mine.end(), full.begin() + static_cast<std::ptrdiff_t>(r.begin),
-                  full.begin() + static_cast<std::ptrdiff_t>(r.end));
-    rt_.upload(state(chunk, k), mine, "optimizer state");
-  }
-  /// Chunk c's runs of parameters, each with its setting (for tests and reports).
-  const std::vector<ParamRun>& runs(int chunk) const { return runs_[static_cast<std::size_t>(chunk)]; }
-  Runtime& runtime() { return rt_; }
 
  protected:
   /// `invalid`: why the options are wrong ("" when they are right), thrown under the guard so
@@ -266,7 +297,7 @@ class OptimizerBase {
       const Shape& sh = rt.program().shape;
       for (int c = 0; c < sh.v; ++c) {
         const auto& stage = rt.stages()[static_cast<std::size_t>(c)];
-        const std::size_t n = stage.parameters().size();
+        const std::size_t n = stage.parameter_count();
         runs_.push_back(
             param_runs(sh.stage_of(rt.rank(), c), stage.name(), stage.parameter_info(), n, groups, weight_decay));
         shards_.push_back(sharded_ ? rt.owned(c) : std::vector<ParamRange>{{0, n}});
@@ -277,6 +308,13 @@ class OptimizerBase {
           if constexpr (backend::reserves_memory<Backend>) rt.device().reserve_device(mine * sizeof(float), 1);
           state_.push_back(rt.device().device_alloc(mine * sizeof(float), backend::Memory::optimizer));
           rt.device().upload(state_.back().ptr, zeros.data(), mine * sizeof(float));
+        }
+        // bfloat16 working parameters: an fp32 master copy of the owned ones, from their values.
+        masters_.push_back({});
+        if (stage.working().dtype != DType::float32) {
+          if constexpr (backend::reserves_memory<Backend>) rt.device().reserve_device(mine * sizeof(float), 1);
+          masters_.back() = rt.device().device_alloc(mine * sizeof(float), backend::Memory::optimizer);
+          rt.upload(master(c), owned_part(c, rt.download_parameters(c), "master"), "master parameters");
         }
       }
       return 0;
@@ -298,17 +336,23 @@ class OptimizerBase {
           for (const ParamRun& r : runs_[c]) {
             const std::size_t a = std::max(s.begin, r.offset), b = std::min(s.end, r.offset + r.count);
             if (a >= b) continue;
-            update(static_cast<int>(c), ParamRun{at + (a - s.begin), b - a, r.lr_scale, r.weight_decay},
-                   stage.parameters().subspan(a, b - a), stage.gradients().subspan(a, b - a));
+            const ParamRun run{at + (a - s.begin), b - a, r.lr_scale, r.weight_decay};
+            update(static_cast<int>(c), run,
+                   has_master(static_cast<int>(c)) ? master(static_cast<int>(c)).subspan(run.offset, run.count)
+                                                   : stage.parameters().subspan(a, b - a),
+                   stage.gradients().subspan(a, b - a));
           }
+          // A mixed-precision stage's working parameters: the updated master, rounded.
+          if (has_master(static_cast<int>(c)))
+            rt_.device().round_to_bf16(stage.working().data + s.begin * sizeof(std::uint16_t),
+                                       master(static_cast<int>(c)).subspan(at, s.size()));
           at += s.size();
         }
       }
       return 0;
     });
     if (sharded_)
-      for (std::size_t c = 0; c < runs_.size(); ++c)
-        rt_.share_shards(static_cast<int>(c), rt_.stages()[c].parameters());
+      for (std::size_t c = 0; c < runs_.size(); ++c) rt_.share_shards(static_cast<int>(c));
     ++steps_;
   }
 
@@ -316,7 +360,8 @@ class OptimizerBase {
   int states_ = 0;
   int steps_ = 0;
   std::vector<std::vector<ParamRun>> runs_;  // per chunk
-  std::vector<backend::Block> state_;        // [chunk * states + k], device (of the chunk's slice)
+  std::vector<backend::Block> state_;        // [chunk * states + k], device (of the chunk's shards)
+  std::vector<backend::Block> masters_;      // per chunk: fp32 master of the shards (bfloat16 stages), or none
   bool sharded_ = false;
   std::vector<std::vector<ParamRange>> shards_;  // per chunk: the parameters this replica updates
 };

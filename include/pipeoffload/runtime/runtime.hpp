@@ -351,11 +351,32 @@ class Runtime<Backend, Communicator> {
   }
 
   // ---- training state: parameters live in device memory; these copy them between steps.
-  /// Chunk c's parameters, copied to the host.
-  std::vector<float> download_parameters(int chunk) { return download(checked(chunk).parameters()); }
-  /// Overwrites chunk c's parameters (values.size() must be their count).
+  /// Chunk c's working parameters, copied to the host as fp32 (bfloat16 ones widened exactly;
+  /// a mixed-precision stage's fp32 master copy is the optimizer's: Optimizer::full_master).
+  std::vector<float> download_parameters(int chunk) {
+    const Tensor w = checked(chunk).working();
+    if (w.dtype == DType::float32)
+      return download(std::span<const float>(reinterpret_cast<float*>(w.data), w.elements));
+    std::vector<std::uint16_t> bits(w.elements);
+    dev_.download(bits.data(), w.data, w.bytes());
+    std::vector<float> out(w.elements);
+    for (std::size_t i = 0; i < bits.size(); ++i) out[i] = bf16_value(bits[i]);
+    return out;
+  }
+  /// Overwrites chunk c's working parameters (values.size() must be their count; bfloat16
+  /// ones are rounded to nearest even).
   void upload_parameters(int chunk, std::span<const float> values) {
-    upload(checked(chunk).parameters(), values, "parameters");
+    const Tensor w = checked(chunk).working();
+    if (w.dtype == DType::float32) {
+      upload(std::span<float>(reinterpret_cast<float*>(w.data), w.elements), values, "parameters");
+      return;
+    }
+    if (values.size() != w.elements)
+      throw error("po::Runtime: parameters: got " + std::to_string(values.size()) + " values; the chunk has " +
+                  std::to_string(w.elements));
+    std::vector<std::uint16_t> bits(values.size());
+    for (std::size_t i = 0; i < bits.size(); ++i) bits[i] = bf16_bits(values[i]);
+    dev_.upload(w.data, bits.data(), w.bytes());
   }
   /// Chunk c's gradients, copied to the host.
   std::vector<float> download_gradients(int chunk) { return download(checked(chunk).gradients()); }
@@ -402,29 +423,26 @@ class Runtime<Backend, Communicator> {
   bool gradients_sharded() const { return shard_gradients_ && dp_ > 1 && opt_.gradients == Gradients::standard; }
 
   /// Between steps, with replicas: each replica holds the current values of the parameters it
-  /// owns (owned(chunk)) in `values`, chunk c's working parameters (device memory); afterwards
-  /// every replica holds all of them: an all-gather per bucket from the comm stream, through
-  /// the reduction's staging (collective over the replicas). The ZeRO-1 optimizers' parameter
-  /// gather. Nothing to do without replicas.
-  void share_shards(int chunk, std::span<float> values) {
+  /// owns (owned(chunk)) in chunk c's working parameters (device memory, fp32 or bfloat16);
+  /// afterwards every replica holds all of them: an all-gather per bucket from the comm
+  /// stream, through the reduction's staging (collective over the replicas). The ZeRO-1
+  /// optimizers' parameter gather. Nothing to do without replicas.
+  void share_shards(int chunk) {
     guard("share_shards", [&] {
       if constexpr (replica_communicator<Communicator, Context>) {
         if (replicas_ == nullptr || dp_ == 1) return 0;
         const GradientLayout& l = layout(chunk);
-        if (values.size() != l.values)
-          throw error("po::Runtime::share_shards: got " + std::to_string(values.size()) + " values; chunk " +
-                      std::to_string(chunk) + " has " + std::to_string(l.values));
-        const std::size_t slice = l.slice(), len = l.len;
-        auto* mine = reinterpret_cast<float*>(slice_staging().ptr);
-        auto* all = reinterpret_cast<float*>(bucket_staging().ptr);
+        const Tensor values = stages_[static_cast<std::size_t>(chunk)].working();
+        const std::size_t e = dtype_size(values.dtype), slice = l.slice() * e, len = l.len * e;
+        std::byte* mine = slice_staging().ptr;  // fp32-sized: room for either type
+        std::byte* all = bucket_staging().ptr;
         Context ctx = dev_.context(comm_stream_);
-        for (std::size_t b = 0; b < l.buckets && b * len < l.values; ++b) {
+        for (std::size_t b = 0; b < l.buckets && b * l.len < l.values; ++b) {
           const ParamRange r = l.shard(b, replica_);
-          if (r.size() < slice) dev_.zero(ctx, mine, slice * sizeof(float));
-          dev_.copy(ctx, mine, values.data() + r.begin, r.size() * sizeof(float));
-          replicas_->all_gather(ctx, std::as_bytes(std::span<const float>(mine, slice)),
-                                std::as_writable_bytes(std::span<float>(all, len)));
-          dev_.copy(ctx, values.data() + b * len, all, (std::min(len, l.values - b * len)) * sizeof(float));
+          if (r.size() * e < slice) dev_.zero(ctx, mine, slice);
+          dev_.copy(ctx, mine, values.data + r.begin * e, r.size() * e);
+          replicas_->all_gather(ctx, std::span<const std::byte>(mine, slice), std::span<std::byte>(all, len));
+          dev_.copy(ctx, values.data + b * len, all, std::min(l.len, l.values - b * l.len) * e);
         }
         dev_.synchronize();
       }

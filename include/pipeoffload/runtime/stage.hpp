@@ -82,9 +82,21 @@ class StageRef {
   void backward_weight(Ctx& c, const Microbatch& mb, std::byte* saved, std::byte* stash) const {
     vt_->backward_weight(obj_, c, mb, saved, stash);
   }
-  /// The layer's parameters (device memory).
-  std::span<float> parameters() const { return vt_->parameters(obj_); }
-  /// The layer's gradients (device memory), parallel to parameters().
+  /// The layer's working parameters (device memory): fp32, or bfloat16 for a mixed-precision
+  /// stage (layer.hpp).
+  Tensor working() const { return vt_->parameters(obj_); }
+  /// How many parameters the layer has.
+  std::size_t parameter_count() const { return working().elements; }
+  /// The layer's fp32 working parameters (device memory); throws for a stage whose working
+  /// parameters are bfloat16 (read those through Runtime::download_parameters).
+  std::span<float> parameters() const {
+    const Tensor t = working();
+    if (t.dtype != DType::float32)
+      throw error("po::StageRef::parameters: stage " + name() + " keeps its working parameters in " +
+                  dtype_name(t.dtype) + ", not float32 (Runtime::download_parameters converts them)");
+    return {reinterpret_cast<float*>(t.data), t.elements};
+  }
+  /// The layer's gradients (device memory), parallel to its parameters.
   std::span<float> gradients() const { return vt_->gradients(obj_); }
 
   /// The step inputs the stage reads (none when it declares none).
@@ -111,7 +123,7 @@ class StageRef {
     void (*forward)(void*, Ctx&, const Microbatch&, ConstTensor, Tensor, std::byte*);
     void (*backward_input)(void*, Ctx&, const Microbatch&, ConstTensor, Tensor, std::byte*, std::byte*);
     void (*backward_weight)(void*, Ctx&, const Microbatch&, std::byte*, std::byte*);
-    std::span<float> (*parameters)(void*);
+    Tensor (*parameters)(void*);
     std::span<float> (*gradients)(void*);
     std::vector<InputSpec> (*inputs)(void*, MicrobatchShape);
     std::vector<std::size_t> (*norm_groups)(void*);
@@ -126,6 +138,16 @@ class StageRef {
       return &table<L>;
     else
       return nullptr;
+  }
+
+  template <class P>
+  static Tensor working_of(P&& p) {
+    if constexpr (std::is_convertible_v<P, std::span<float>>) {
+      const std::span<float> s = p;
+      return Tensor{reinterpret_cast<std::byte*>(s.data()), s.size(), DType::float32};
+    } else {
+      return Tensor(p);
+    }
   }
 
   template <class L>
@@ -148,7 +170,7 @@ class StageRef {
       [](void* p, Ctx& c, const Microbatch& mb, std::byte* saved, std::byte* stash) {
         self<L>(p).backward_weight(c, mb, saved, stash);
       },
-      [](void* p) { return std::span<float>(self<L>(p).parameters()); },
+      [](void* p) { return working_of(self<L>(p).parameters()); },
       [](void* p) { return std::span<float>(self<L>(p).gradients()); },
       [](void* p, MicrobatchShape s) {
         if constexpr (detail::declares_inputs<L>)
@@ -160,13 +182,13 @@ class StageRef {
         if constexpr (detail::has_norm_groups<L>)
           return std::vector<std::size_t>(self<L>(p).norm_groups());
         else
-          return std::vector<std::size_t>{std::span<float>(self<L>(p).parameters()).size()};
+          return std::vector<std::size_t>{working_of(self<L>(p).parameters()).elements};
       },
       [](void* p) {
         if constexpr (detail::has_parameter_info<L>) {
           return std::vector<ParamInfo>(self<L>(p).parameter_info());
         } else {
-          const auto n = static_cast<long long>(std::span<float>(self<L>(p).parameters()).size());
+          const auto n = static_cast<long long>(working_of(self<L>(p).parameters()).elements);
           return std::vector<ParamInfo>{ParamInfo{"parameters", 0, {n}}};
         }
       },

@@ -117,8 +117,10 @@ struct StateOptions {
   int zero = 0;                                      ///< 1: the optimizer state is sharded over the replicas
   int optimizer_states = 2;                          ///< fp32 state buffers per parameter
   std::size_t reduce_bucket = std::size_t{1} << 20;  ///< RuntimeOptions::reduce_bucket
-  std::size_t parameter_bytes = sizeof(float);       ///< bytes of one working parameter (the layer's)
-  std::size_t gradient_bytes = sizeof(float);        ///< bytes of one main gradient (the layer's)
+  /// Bytes of a working parameter (the layer's): 4 (fp32), or 2 (bfloat16: the optimizer keeps
+  /// an fp32 master copy of what it owns).
+  std::size_t parameter_bytes = sizeof(float);
+  std::size_t gradient_bytes = sizeof(float);  ///< bytes of one main gradient (the layer's)
 };
 
 /// A rank's model state in bytes, by owner: the layers' own buffers, and what the runtime and
@@ -129,11 +131,12 @@ struct StateBytes {
   std::size_t sums = 0;        ///< the runtime's exact sums (exact path only)
   std::size_t staging = 0;     ///< the runtime's reduction staging (dp > 1)
   std::size_t optimizer = 0;   ///< the optimizer's state (its shard with ZeRO-1)
+  std::size_t master = 0;      ///< the optimizer's fp32 master copy of bfloat16 working parameters (its shard)
   /// Every buffer the runtime and the optimizer allocate on the backend, in bytes, in their
   /// order (a launcher rounds each to its arena's size classes).
   std::vector<std::size_t> blocks;
-  /// What the runtime and optimizer allocate on the backend: sums + staging + optimizer.
-  constexpr std::size_t arena() const { return sums + staging + optimizer; }
+  /// What the runtime and optimizer allocate on the backend: sums + staging + optimizer + master.
+  constexpr std::size_t arena() const { return sums + staging + optimizer + master; }
   /// Everything.
   constexpr std::size_t total() const { return parameters + gradients + arena(); }
 };
@@ -164,6 +167,10 @@ inline StateBytes state_bytes(std::span<const std::size_t> parameters, const Sta
     const std::size_t state = (sharded ? l.owned(o.replica) : n) * sizeof(float);
     for (int k = 0; k < o.optimizer_states; ++k) b.blocks.push_back(state);
     b.optimizer += static_cast<std::size_t>(o.optimizer_states) * state;
+    if (o.parameter_bytes != sizeof(float)) {
+      b.blocks.push_back(state);
+      b.master += state;
+    }
   }
   return b;
 }

@@ -326,6 +326,14 @@ class Cpu {
       update::sgd(p[i], g[i] * grad_scale, momentum ? buf[i] : unused, o, lr, first);
   }
 
+  /// dst[i] = src[i] rounded to bfloat16 (po::bf16_bits), dst being bfloat16 device memory.
+  void round_to_bf16(std::byte* dst, std::span<const float> src) {
+    for (std::size_t i = 0; i < src.size(); ++i) {
+      const std::uint16_t bits = bf16_bits(src[i]);
+      std::memcpy(dst + i * sizeof bits, &bits, sizeof bits);
+    }
+  }
+
   // ---- gradient sums (backend::reduces_gradients): on the calling stream's thread --------
 
   /// out[i] = ((parts[i] + parts[n + i]) + parts[2n + i]) + ... in fp32 (n = out.size()).

@@ -525,6 +525,15 @@ class Cuda {
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
   }
 
+  /// dst[i] = src[i] rounded to bfloat16 (to nearest even, as po::bf16_bits), dst being
+  /// bfloat16 device memory; blocking.
+  void round_to_bf16(std::byte* dst, std::span<const float> src) {
+    if (src.empty()) return;
+    select();
+    cuda::kernels::to_bf16(src.data(), reinterpret_cast<__nv_bfloat16*>(dst), static_cast<long long>(src.size()), aux_);
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
+  }
+
   // ---- gradient sums (backend::reduces_gradients): enqueued on the pass's stream ---------
 
   /// out[i] = ((parts[i] + parts[n + i]) + ...) in fp32 (n = out.size()), enqueued on ctx's stream.

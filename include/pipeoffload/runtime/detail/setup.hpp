@@ -52,17 +52,20 @@ void Runtime<Backend, Communicator>::construct() {
   for (int c = 0; c < sh.v; ++c) {
     const Stage& l = stages_[static_cast<std::size_t>(c)];
     const int s = sh.stage_of(rank_, c);
-    if (l.parameters().size() != l.gradients().size())
+    if (const DType t = l.working().dtype; t != DType::float32 && t != DType::bfloat16)
+      throw error("po::Runtime: stage " + std::to_string(s) + " (" + l.name() + ") keeps its working parameters in " +
+                  dtype_name(t) + "; they must be float32 or bfloat16");
+    if (l.parameter_count() != l.gradients().size())
       throw error("po::Runtime: stage " + std::to_string(s) + " (" + l.name() + ") has " +
-                  std::to_string(l.parameters().size()) + " parameters but " + std::to_string(l.gradients().size()) +
+                  std::to_string(l.parameter_count()) + " parameters but " + std::to_string(l.gradients().size()) +
                   " gradients");
     const std::vector<std::size_t> groups = l.norm_groups();
     std::size_t total = 0;
     for (std::size_t g : groups) total += g;
-    if (total != l.parameters().size())
+    if (total != l.parameter_count())
       throw error("po::Runtime: stage " + std::to_string(s) + " (" + l.name() + ")'s norm_groups() cover " +
-                  std::to_string(total) + " parameters, not its " + std::to_string(l.parameters().size()));
-    mine.push_back({l.input_boundary(mbs), l.output_boundary(mbs), l.parameters().size(), groups.size(),
+                  std::to_string(total) + " parameters, not its " + std::to_string(l.parameter_count()));
+    mine.push_back({l.input_boundary(mbs), l.output_boundary(mbs), l.parameter_count(), groups.size(),
                     detail::ShortText::of(l.name())});
     saved_.push_back(l.saved_bytes(mbs));
     stash_.push_back(l.stash_bytes(mbs));
@@ -116,7 +119,7 @@ void Runtime<Backend, Communicator>::construct() {
   boxes_.assign(static_cast<std::size_t>(sh.stages()) * static_cast<std::size_t>(sh.m) * 2, backend::Block{});
   for (int c = 0; c < sh.v; ++c)
     layouts_.push_back(
-        gradient_layout(stages_[static_cast<std::size_t>(c)].parameters().size(), dp_, opt_.reduce_bucket));
+        gradient_layout(stages_[static_cast<std::size_t>(c)].parameter_count(), dp_, opt_.reduce_bucket));
   make_norm_pieces();
   if constexpr (backend::reserves_memory<Backend>) reserve_memory();
   allocate_state();
