@@ -20,6 +20,7 @@
 #include <new>
 #include <span>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -66,20 +67,30 @@ class Cpu {
       }
     }
     wake_everyone();
-    for (auto& s : streams_) s->worker.join();
+    for (auto& s : streams_)
+      if (s->worker.joinable()) s->worker.join();
     // The arena owns every block it handed out, including those a failed run never freed.
     for (std::byte* p : owned_) ::operator delete(p, std::align_val_t{64});
   }
 
-  /// A new in-order stream with its own worker thread.
+  /// A new in-order stream with its own worker thread. Throws po::error with a sentence when
+  /// the thread cannot be started (the process at its thread or memory limit); the device is
+  /// then as it was.
   int make_stream(std::string name) {
     std::lock_guard lk(mu_);
     auto s = std::make_unique<Stream>();
     s->name = std::move(name);
     const int id = static_cast<int>(streams_.size());
     Stream* raw = s.get();
+    streams_.reserve(streams_.size() + 1);  // so that the push below cannot throw once the thread runs
+    try {
+      raw->worker = std::thread([this, raw] { run(*raw); });
+    } catch (const std::system_error& e) {
+      throw error("backend::Cpu (rank " + std::to_string(opt_.rank) + "): cannot start the worker thread of stream '" +
+                  raw->name + "': " + e.what() +
+                  " (the process is at its thread or memory limit: ulimit -u, ulimit -v)");
+    }
     streams_.push_back(std::move(s));
-    raw->worker = std::thread([this, raw] { run(*raw); });
     return id;
   }
 
