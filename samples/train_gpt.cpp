@@ -442,6 +442,19 @@ int run_threads(const Options& o, const Setup& su) {
 }
 
 #ifdef PIPEOFFLOAD_WITH_MPI
+/// A fresh run (no --resume) whose --checkpoint-dir holds another run's checkpoints (another
+/// configuration or seed) would replace them: refused unless --overwrite.
+void refuse_other_run(const Options& o, const Setup& su) {
+  if (o.checkpoint_every == 0 || !o.resume.empty() || o.overwrite) return;
+  const std::optional<po::CheckpointInfo> owner = po::checkpoint_owner(o.checkpoint_dir);
+  if (owner && (owner->config_hash != su.config_hash || owner->rng_seed != o.seed))
+    throw bad_argument(
+        "--checkpoint-dir " + o.checkpoint_dir + " holds another run's checkpoints (at step " +
+        std::to_string(owner->data_position) + ", " +
+        (owner->rng_seed != o.seed ? "seed " + std::to_string(owner->rng_seed) : std::string("another configuration")) +
+        "); continue it with --resume, replace it with --overwrite, or choose another directory");
+}
+
 int run_mpi(Options& o, const sample::Tokens& tokens, const std::optional<sample::Tokens>& val, int& argc,
             char**& argv) {
   po::comm::MpiSession session(argc, argv);
@@ -468,6 +481,12 @@ int run_mpi(Options& o, const sample::Tokens& tokens, const std::optional<sample
     return 2;
   }
   const Setup su = make_setup(o, tokens, val);
+  try {
+    refuse_other_run(o, su);  // every rank reads the same directory: all refuse alike
+  } catch (const std::exception& e) {
+    if (r == 0) std::fprintf(stderr, "train_gpt: %s\n", e.what());
+    return 2;
+  }
   // dp replicas of a d-rank pipeline: global rank g = replica * d + rank; each process joins
   // its pipeline and its replicas (an abort on either ends the whole job).
   po::comm::Mpi world({.timeout_seconds = o.comm_timeout});
@@ -565,7 +584,12 @@ int main(int argc, char** argv) {
 #ifdef PIPEOFFLOAD_WITH_MPI
     if (o.mpi) return run_mpi(o, tokens, val, argc, argv);
 #endif
-    return run_threads(o, make_setup(o, std::move(tokens), std::move(val)));
+    const Setup su = make_setup(o, std::move(tokens), std::move(val));
+    refuse_other_run(o, su);
+    return run_threads(o, su);
+  } catch (const bad_argument& e) {
+    std::fprintf(stderr, "train_gpt: %s\n", e.what());
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_gpt: %s\n", e.what());
     return 1;

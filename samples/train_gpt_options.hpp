@@ -85,6 +85,8 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
   --checkpoint-every N  save parameters, AdamW state, step, RNG seed and data position every N steps
   --checkpoint-dir DIR  where (DIR/step-N/stage-S.bin, DIR/latest); defaults to --resume's DIR
   --resume DIR          continue from DIR/latest (same model, stages, batch, optimizer, steps, seed, data)
+  --overwrite           let a fresh run's --checkpoint-dir replace another run's checkpoints (refused
+                        without it)
   --inject-fault R:S:K  testing: global rank R fails in step S (0-based), mid-iteration, by K = kill (SIGKILL),
                         throw, or hang (--comm mpi only: its peers' timeout ends the run)
   --pcie-pairs          CPU thread ranks: treat ranks (r, r^1) as a PCIe pair and synchronise their copies
@@ -121,6 +123,7 @@ struct Options {
   bool check_finite = true;
   int checkpoint_every = 0;
   std::string checkpoint_dir, resume;
+  bool overwrite = false;  // --overwrite: a fresh run may replace another run's checkpoints
   struct Fault {
     int rank = -1, step = -1;
     std::string kind;  // kill, throw, hang
@@ -129,7 +132,7 @@ struct Options {
 
 inline Options parse(int argc, char** argv) {
   std::map<std::string, std::string> a;
-  bool quiet = false, pairs = false, decay_all = false, no_check = false;
+  bool quiet = false, pairs = false, decay_all = false, no_check = false, overwrite = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     if (f == "--help" || f == "-h") {
@@ -142,6 +145,10 @@ inline Options parse(int argc, char** argv) {
     }
     if (f == "--pcie-pairs") {
       pairs = true;
+      continue;
+    }
+    if (f == "--overwrite") {
+      overwrite = true;
       continue;
     }
     if (f == "--decay-all") {
@@ -198,6 +205,7 @@ inline Options parse(int argc, char** argv) {
   o.quiet = quiet;
   o.pcie_pairs = pairs;
   o.decay_all = decay_all;
+  o.overwrite = overwrite;
   o.check_finite = !no_check;
   const auto get = [&](const char* f) -> const std::string* {
     auto it = a.find(f);

@@ -81,6 +81,33 @@ with tempfile.TemporaryDirectory() as tmp:
     if "row 2 (rank 1), cell 2: '1Q0' is not a torch action" not in err or len(err.splitlines()) != 1:
         sys.exit(f"FAIL: --import of a bad file: {err!r}")
 
+# A fresh run never replaces another run's checkpoints: refused (exit 2, one sentence, the files
+# untouched) unless --overwrite; --resume continues it.
+with tempfile.TemporaryDirectory() as ck:
+    base = ["--ranks", "2", "--chunks", "2", *small, "--checkpoint-every", "2", "--checkpoint-dir", ck]
+    run(*base, "--seed", "1")
+    def snapshot():
+        out = {}
+        for root, _, names in os.walk(ck):
+            for n in names:
+                with open(os.path.join(root, n), "rb") as f:
+                    out[os.path.join(root, n)] = f.read()
+        return out
+    before = snapshot()
+    err = run(*base, "--seed", "2", code=2).stderr
+    if ("holds another run's checkpoints" not in err or "seed 1" not in err or "--overwrite" not in err
+            or len(err.splitlines()) != 1):
+        sys.exit(f"FAIL: a fresh run into another run's --checkpoint-dir: {err!r}")
+    if snapshot() != before:
+        sys.exit("FAIL: the refused run changed the other run's checkpoints")
+    err = run(*base, "--seed", "1", "--lr", "1e-2", code=2).stderr
+    if "another configuration" not in err:
+        sys.exit(f"FAIL: another configuration into the same --checkpoint-dir: {err!r}")
+    run(*base, "--seed", "1")  # the same run again: its own checkpoints, the same bytes
+    run(*base, "--seed", "2", "--overwrite")
+    if snapshot() == before:
+        sys.exit("FAIL: --overwrite did not replace the checkpoints")
+
 # Loss falls over a short run.
 out = run("--ranks", "2", "--chunks", "1", "--schedule", "1f1b", "--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "4",
           "--microbatches", "2", "--steps", "40", "--lr", "1e-2").stdout

@@ -16,7 +16,9 @@
 // per replica: with data parallelism replica 0 writes it (with ZeRO-1 after gathering the
 // optimizer state's slices), and every replica reads it. It can be resumed with another
 // schedule, rank count of the same stage count, or number of replicas for the same global
-// batch (every schedule and every split of the batch trains bit-identically), under threads or MPI.
+// batch, on either gradient path (on the exact one bit-identically to the uninterrupted run),
+// under threads or MPI. checkpoint_owner says whose checkpoints a directory holds, so a
+// launcher can refuse to overwrite another run's.
 /// @file
 #pragma once
 
@@ -32,6 +34,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -304,6 +307,21 @@ void save_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& o
     }
     return 0;
   });
+}
+
+/// The run whose checkpoints `dir` holds (the CheckpointInfo of stage 0 of the step
+/// dir/latest names), or nothing when there is no dir/latest. Throws checkpoint_error naming
+/// the file when `latest` or that stage file cannot be read or is not a checkpoint.
+inline std::optional<CheckpointInfo> checkpoint_owner(const std::filesystem::path& dir) {
+  std::error_code ec;
+  if (!std::filesystem::exists(dir / "latest", ec)) return std::nullopt;
+  const std::vector<std::byte> raw = checkpoint::read_all(dir / "latest");
+  std::string name(reinterpret_cast<const char*>(raw.data()), std::min<std::size_t>(raw.size(), 64));
+  while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
+  const int step = name.size() == 13 && name.rfind("step-", 0) == 0 ? std::atoi(name.c_str() + 5) : -1;
+  if (step < 0) throw checkpoint_error("checkpoint: " + (dir / "latest").string() + " does not name a step directory");
+  const std::filesystem::path file = checkpoint::stage_file(dir, step, 0);
+  return checkpoint::decode(checkpoint::read_all(file), file.string()).info;
 }
 
 /// Collective: loads this rank's stages from the checkpoint dir/latest names into `rt` (their
