@@ -84,6 +84,8 @@ class GptStage {
   std::vector<std::size_t> norm_groups() const { return gpt_norm_groups(dims_); }
   /// The named tensors, in parameters() order (GPT-2's names; weights stored (in, out)).
   std::vector<ParamInfo> parameter_info() const { return gpt_parameter_info(dims_); }
+  /// The stage type's name in the runtime's messages.
+  std::string name() const { return "model::GptStage"; }
 
   /// Saved bytes of one block for a microbatch, split into what the 20bsh / 34bsh accounting
   /// counts (per-token tensors) and the small per-row extras (statistics, log-sum-exps).

@@ -210,6 +210,8 @@ class GptStage {
   std::size_t state_bytes() const { return gpt_state_bytes(dims_); }
   /// model::GptStage::parameter_info(): the same names, offsets and shapes.
   std::vector<ParamInfo> parameter_info() const { return model::gpt_parameter_info(dims_); }
+  /// The stage type's name in the runtime's messages.
+  std::string name() const { return "cuda::GptStage"; }
 
   void forward(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
     const Pass p = begin("forward", ctx, mb, saved, nullptr, false);

@@ -296,3 +296,12 @@ TEST_CASE("GPT: pipelined training is bit-identical to one rank holding the whol
     CHECK(std::memcmp(run.params.data(), ref.params.data(), ref.params.size() * sizeof(float)) == 0);
   }
 }
+
+TEST_CASE("GPT: the stage names itself in the runtime's messages (not a wrapper's C++ type name)") {
+  const po::model::GptConfig cfg{.hidden = 16, .heads = 2, .layers = 2, .seq = 8};
+  struct Wrapped : po::model::GptStage {  // as train_gpt's fault-injecting stage
+    using GptStage::GptStage;
+  };
+  Wrapped w(cfg, 0, 2);
+  CHECK(po::StageRef<po::backend::CpuContext>(w).name() == "model::GptStage");
+}
