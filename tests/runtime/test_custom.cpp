@@ -889,6 +889,15 @@ TEST_CASE("data parallel: a checkpoint of 2 replicas with ZeRO-1 resumes on 3 re
 
 namespace {
 
+/// The mean of a run's last step's microbatch losses (require_ok first).
+double final_loss(const Run& run) {
+  require_ok(run);
+  const std::vector<float>& v = run.losses.back();
+  double s = 0;
+  for (float x : v) s += x;
+  return s / static_cast<double>(v.size());
+}
+
 Case standard(Case c) {
   c.gradients = po::Gradients::standard;
   return c;
@@ -949,15 +958,7 @@ TEST_CASE("standard gradients: every family (each stage's W in microbatch order)
 TEST_CASE("standard gradients: the custom model's final loss is within 1 % of the exact path's") {
   for (const Case& c : {Case{.program = po::PO_F::build({4, 2, 8}), .steps = 10},
                         Case{.program = po::GIS_H::build({2, 2, 6}), .steps = 10, .dp = 2, .zero = 1}}) {
-    const Run exact = train(c), fast = train(standard(c));
-    require_ok(exact);
-    require_ok(fast);
-    const auto mean = [](const std::vector<float>& v) {
-      double s = 0;
-      for (float x : v) s += x;
-      return s / static_cast<double>(v.size());
-    };
-    const double e = mean(exact.losses.back()), f = mean(fast.losses.back());
+    const double e = final_loss(train(c)), f = final_loss(train(standard(c)));
     CAPTURE(e);
     CAPTURE(f);
     CHECK(std::abs(f - e) <= 0.01 * std::abs(e));
@@ -1094,11 +1095,7 @@ TEST_CASE(
     const Run wide = train(standard({.program = po::PO_F::build({4, 2, 8}), .steps = 10, .optim = optim}));
     const Run narrow =
         train(standard({.program = po::PO_F::build({4, 2, 8}), .steps = 10, .optim = optim, .bf16 = true}));
-    require_ok(wide);
-    require_ok(narrow);
-    double w = 0, n = 0;
-    for (float x : wide.losses.back()) w += x;
-    for (float x : narrow.losses.back()) n += x;
+    const double w = final_loss(wide), n = final_loss(narrow);
     CAPTURE(w);
     CAPTURE(n);
     CHECK(std::abs(n - w) <= 0.05 * std::abs(w));

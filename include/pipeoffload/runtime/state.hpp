@@ -4,21 +4,19 @@
 //
 // po::Runtime and po::AdamW / po::Sgd allocate through these functions, and a launcher that
 // sizes device memory ahead (train_gpt's CUDA arena) calls the same ones, so what is planned is
-// what is taken; tests/runtime/test_memory.cpp holds them to the CPU backend's counters to the
-// byte. The layers' own buffers (working parameters, fp32 main gradients) are the layer's, not
-// the arena's; model_state_bytes counts them too, for the bytes-per-parameter figure.
+// what is taken; tests/runtime/test_custom.cpp and test_memory.cpp hold them to the CPU
+// backend's counters to the byte. The layers' own buffers (working parameters, fp32 main
+// gradients) are the layer's, not the arena's; state_bytes counts them too, for the
+// bytes-per-parameter figure.
 /// @file
 #pragma once
 
 #include <algorithm>
-#include <array>
 #include <cstddef>
 #include <span>
-#include <string>
 #include <vector>
 
 #include "../backend/exact.hpp"
-#include "../error.hpp"
 
 namespace pipeoffload {
 
