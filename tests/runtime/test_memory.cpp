@@ -4,9 +4,9 @@
 // takes T_O = k (T_F + T_B + T_W) / 2 with k = 1, so the run follows the simulated timeline.
 // What is compared: the device arena's peak of Memory::activation (the saved units, alive
 // from F to W except between an offload's end and its reload's start) against simulate()'s
-// peak with each stage's own unit bytes. The documented temporaries are counted apart and
-// bounded separately: Memory::stash (at most one B-to-W stash per fused BW or per B whose W
-// has not run) and Memory::message (boundary tensors received or waiting to be sent).
+// peak with each stage's own unit bytes; the arena's peak of Memory::stash (B to W, or a
+// BW while it runs) against simulate()'s stash_peak, exactly, for every family. Messages
+// (Memory::message: boundary tensors received or waiting to be sent) are bounded apart.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -85,6 +85,45 @@ TEST_CASE("memory: each rank's measured activation peak is within [90%, 100%] of
       CHECK(m.measured[r] >= 0.9 * m.simulated[r]);
       // Stash: B-to-W buffers; with split backward a W follows its B closely.
       CHECK(m.stash_peak[r] > 0);
+    }
+  }
+}
+
+TEST_CASE(
+    "memory: each rank's measured stash peak equals the simulated one, every family (B to W, a BW while it runs)") {
+  // On the compute stream a stash lives from its B's start to its W's end in program order, so
+  // its peak does not depend on timing: the simulator's stash_peak must be the runtime's.
+  for (const char* name : {"1f1b", "1f1b-i", "gis", "gis-h", "gis-g", "po", "po-h", "po-f", "zb-h1", "zb-h2", "zb-v",
+                           "v-half", "v-min", "dualpipe-v"}) {
+    CAPTURE(name);
+    const std::string n = name;
+    const int v = n == "1f1b" || n.rfind("zb-h", 0) == 0 ? 1 : 2;
+    test::Config c;
+    c.spec = po::parse_schedule(n, n == "gis-g" ? 2 : 0);
+    c.shape = {4, v, 8};
+    c.steps = 1;
+    const test::Run run = test::train_within(c, 120);
+    for (const std::string& e : run.errors) REQUIRE(e == "");
+    po::Costs sc = c.costs;
+    for (int s = 0; s < c.shape.stages(); ++s) {
+      const test::TanhLayer l(s, c.h, 1);
+      sc.unit_bytes.push_back(static_cast<double>(l.saved_bytes(c.mb)));
+      sc.stash_bytes.push_back(static_cast<double>(l.stash_bytes(c.mb)) * (1 + s % 3));  // uneven: who holds what
+    }
+    po::Costs even = sc, none = sc;  // the runtime's stashes (the layer's: equal for every stage); no stashes
+    for (int s = 0; s < c.shape.stages(); ++s)
+      even.stash_bytes[static_cast<std::size_t>(s)] = static_cast<double>(test::TanhLayer(s, c.h, 1).stash_bytes(c.mb));
+    none.stash_bytes.clear();
+    const po::SimResult uneven = po::simulate(run.program, sc), sim = po::simulate(run.program, even),
+                        without = po::simulate(run.program, none);
+    for (int r = 0; r < c.shape.d; ++r) {
+      CAPTURE(r);
+      const auto ru = static_cast<std::size_t>(r);
+      CHECK(static_cast<double>(run.memory[ru].peak_of(po::backend::Memory::stash)) == sim.ranks[ru].stash_peak);
+      CHECK(sim.ranks[ru].stash_peak > 0);
+      // The memory timeline holds the stashes beside the units.
+      CHECK(uneven.ranks[ru].peak > without.ranks[ru].peak);
+      CHECK(uneven.ranks[ru].peak <= without.ranks[ru].peak + uneven.ranks[ru].stash_peak);
     }
   }
 }

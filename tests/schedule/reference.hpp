@@ -242,6 +242,7 @@ struct RankTimes {
   std::vector<double> compute_start, compute_end, copy_start, copy_end;
   double busy = 0;  // sum of the compute ops' durations
   double peak = 0;
+  double stash_peak = 0;  // most stash bytes alive at once
   int warmup = 0;
   std::vector<po::MemoryPoint> memory;
 };
@@ -255,7 +256,8 @@ struct Times {
 enum class Streams { compute_only, compute_and_copy };
 
 /// A rank's memory timeline (DESIGN.md section 1): a unit is alive from its F's start to its
-/// W's (or BW's) end, except from its offload's end to its reload's start. Intervals are
+/// W's (or BW's) end, except from its offload's end to its reload's start; a stash from its
+/// B's start to its W's end, or a BW's start to its end (when Costs::stash_bytes is given). Intervals are
 /// half-open: at equal times releases count before acquisitions. One point per distinct event
 /// time, holding what is alive after every event at that time; the peak is the most alive
 /// after any event (with releases first at a time, that is after some time's last event).
@@ -269,8 +271,20 @@ inline void memory_of(const po::RankProgram& rp, const Costs& costs, RankTimes& 
   const auto bytes = [&](int stage) { return costs.unit_bytes.empty() ? 1.0 : costs.bytes(stage); };
   for (std::size_t x = 0; x < rp.compute.size(); ++x) {
     const Op& op = rp.compute[x];
+    const double stash = costs.stash_bytes.empty() ? 0.0 : costs.stash_bytes[static_cast<std::size_t>(op.stage)];
     if (op.kind == OpKind::F) ev.push_back({rt.compute_start[x], true, bytes(op.stage)});
     if (op.kind == OpKind::W || op.kind == OpKind::BW) ev.push_back({rt.compute_end[x], false, bytes(op.stage)});
+    if ((op.kind == OpKind::B || op.kind == OpKind::BW) && stash > 0) ev.push_back({rt.compute_start[x], true, stash});
+    if ((op.kind == OpKind::W || op.kind == OpKind::BW) && stash > 0) ev.push_back({rt.compute_end[x], false, stash});
+  }
+  // Stashes alone: the compute stream runs B and W in order, so program order is time order.
+  double stashed = 0;
+  rt.stash_peak = 0;
+  for (const Op& op : rp.compute) {
+    const double stash = costs.stash_bytes.empty() ? 0.0 : costs.stash_bytes[static_cast<std::size_t>(op.stage)];
+    if (op.kind == OpKind::B || op.kind == OpKind::BW) stashed += stash;
+    rt.stash_peak = std::max(rt.stash_peak, stashed);
+    if (op.kind == OpKind::W || op.kind == OpKind::BW) stashed -= stash;
   }
   for (std::size_t y = 0; y < rp.copy.size(); ++y) {
     const Op& op = rp.copy[y];

@@ -298,6 +298,8 @@ std::string diff_reference(const po::SimResult& s, const ref::Times& t) {
     if (!ref::close(x.bubble, t.makespan - y.busy))
       return at + "bubble " + num(x.bubble) + " vs reference " + num(t.makespan - y.busy);
     if (!same_bits(x.peak, y.peak)) return at + "peak " + num(x.peak) + " vs reference " + num(y.peak);
+    if (!same_bits(x.stash_peak, y.stash_peak))
+      return at + "stash peak " + num(x.stash_peak) + " vs reference " + num(y.stash_peak);
     if (x.warmup != y.warmup)
       return at + "warmup " + std::to_string(x.warmup) + " vs reference " + std::to_string(y.warmup);
     if (std::string e = diff_memory(x.memory, y.memory); !e.empty()) return at + e;
@@ -808,6 +810,11 @@ TEST_CASE("simulate equals the reference ASAP simulator op by op, and offload pl
     const ref::Times moved = ref::simulate(p, other);
     if (std::string e = diff_reference(po::simulate(p, other), moved); !e.empty())
       FAIL(where << ": under other costs: " << e);
+    // With stashes (B to W), which every split backward leaves and no copy moves.
+    po::Costs stashed = other;
+    for (int s = 0; s < c.shape.stages(); ++s) stashed.stash_bytes.push_back(rng.below(33) / 8.0);
+    if (std::string e = diff_reference(po::simulate(p, stashed), ref::simulate(p, stashed)); !e.empty())
+      FAIL(where << ": with stashes: " << e);
     for (const auto& rp : p.ranks) with_copies += !rp.copy.empty();
     if (std::string e = ref::offload_properties(p, ref::plan_of(c.spec, c.shape, c.costs), {&own, &moved}); !e.empty())
       FAIL(where << ": " << e);

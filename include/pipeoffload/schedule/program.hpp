@@ -67,6 +67,9 @@ struct Costs {
       stage_b,                     ///< per-stage T_B (size S or empty).
       stage_w;                     ///< per-stage T_W (size S or empty).
   std::vector<double> unit_bytes;  ///< per-stage unit size (size S or empty = 1).
+  /// Per-stage stash size (size S or empty = none): what a split B leaves for its W, alive
+  /// from the B's start to the W's end (a fused BW holds one while it runs), in unit_bytes' unit.
+  std::vector<double> stash_bytes;
 
   /// T_F of stage s (stage_f[s], or f when stage_f is empty).
   constexpr double F(int s) const { return stage_f.empty() ? f : stage_f[static_cast<std::size_t>(s)]; }
@@ -76,6 +79,8 @@ struct Costs {
   constexpr double W(int s) const { return stage_w.empty() ? w : stage_w[static_cast<std::size_t>(s)]; }
   /// Size of stage s's unit (unit_bytes[s], or 1 when unit_bytes is empty).
   constexpr double bytes(int s) const { return unit_bytes.empty() ? 1.0 : unit_bytes[static_cast<std::size_t>(s)]; }
+  /// Size of stage s's stash (stash_bytes[s], or 0 when stash_bytes is empty).
+  constexpr double stash(int s) const { return stash_bytes.empty() ? 0.0 : stash_bytes[static_cast<std::size_t>(s)]; }
   /// One-way copy time of stage s's unit.
   constexpr double T_O(int s) const { return t_o > 0 ? t_o : k * (F(s) + B(s) + W(s)) / 2; }
 };

@@ -30,7 +30,8 @@ struct RankSim {
       copy_end;                       ///< end of each copy op, parallel to RankProgram::copy
   double busy = 0;                    ///< total compute time on the rank
   double bubble = 0;                  ///< makespan - busy: the rank's idle compute time
-  double peak = 0;                    ///< most activation bytes (units with unit costs) alive at once
+  double peak = 0;                    ///< most activation bytes (units with unit costs) alive at once, stashes included
+  double stash_peak = 0;              ///< most stash bytes (Costs::stash_bytes) alive at once
   int warmup = 0;                     ///< forwards before the first B (or BW)
   std::vector<MemoryPoint> memory;    ///< alive activation after each change, time-ordered
 };
@@ -58,10 +59,12 @@ struct SimResult {
 namespace detail {
 
 /// Number of points rank `rp`'s memory timeline may hold: one per event (an F's start, a W's
-/// or BW's end, an offload's end, a reload's start), before events at equal times merge.
-constexpr std::size_t memory_events(const RankProgram& rp) {
+/// or BW's end, an offload's end, a reload's start, and with stashes a B's start), before
+/// events at equal times merge.
+constexpr std::size_t memory_events(const RankProgram& rp, const Costs& costs) {
+  const bool stashes = !costs.stash_bytes.empty();
   std::size_t n = rp.copy.size();
-  for (const Op& op : rp.compute) n += (op.kind == OpKind::F || op.kind == OpKind::W || op.kind == OpKind::BW) ? 1 : 0;
+  for (const Op& op : rp.compute) n += op.kind != OpKind::B || stashes ? 1 : 0;
   return n;
 }
 
@@ -72,8 +75,9 @@ constexpr std::size_t memory_events(const RankProgram& rp) {
 /// Ends: an op's end is its start plus its duration (`dur`, see duration_table), the sum the
 /// run made. Busy: the sum of the compute ops' end - start, in stream order. Memory (DESIGN.md
 /// section 1): a unit is alive from its F's start to its W's (or BW's) end, except between the
-/// end of its offload and the start of its reload; half-open intervals, so at equal times
-/// releases count before acquisitions. Each stream's events are in time order (an op's end is
+/// end of its offload and the start of its reload; a stash (Costs::stash) from its B's start
+/// to its W's end, or for a fused BW during the op (the runtime's B half leaves it for the W
+/// half); half-open intervals, so at equal times releases count before acquisitions. Each stream's events are in time order (an op's end is
 /// at or before the next op's start), so one cursor per stream merges them without a sort; the
 /// merge stops where a stream's next event is not known yet.
 class RankFollower {
@@ -85,7 +89,7 @@ class RankFollower {
                          std::size_t nk) {
     if (!begun_) {
       rs.memory.clear();
-      if (rs.memory.capacity() == 0) rs.memory.reserve(memory_events(rp));
+      if (rs.memory.capacity() == 0) rs.memory.reserve(memory_events(rp, costs));
       begun_ = true;
     }
     State s = state_;  // worked on in registers: the stores below could otherwise alias it
@@ -114,13 +118,26 @@ class RankFollower {
     const auto next_compute = [&] {
       for (; s.x < nc; ++s.x) {
         const Op& op = comp[s.x];
+        const double stash = op.kind == OpKind::F ? 0.0 : costs.stash(op.stage);
         if (op.kind == OpKind::F) {
           s.ct = cs[s.x];
           s.cd = unit ? 1.0 : costs.bytes(op.stage);
+          s.cs = 0;
         }  // acquires at its start
+        else if ((op.kind == OpKind::B || (op.kind == OpKind::BW && !s.opened)) && stash > 0) {
+          s.ct = cs[s.x];
+          s.cd = s.cs = stash;
+          if (op.kind == OpKind::BW) {  // its end is the op's second event
+            s.opened = true;
+            s.cstate = Cursor::event;
+            return;
+          }
+        }  // its stash, from its start
         else if (op.kind == OpKind::W || op.kind == OpKind::BW) {
           s.ct = ce[s.x];
-          s.cd = -(unit ? 1.0 : costs.bytes(op.stage));
+          s.cd = -(unit ? 1.0 : costs.bytes(op.stage)) - stash;
+          s.cs = -stash;
+          s.opened = false;
         }  // releases at its end
         else
           continue;
@@ -158,6 +175,10 @@ class RankFollower {
       const double t = take_comp ? s.ct : s.kt;
       s.alive += take_comp ? s.cd : s.kd;
       s.peak = std::max(s.peak, s.alive);
+      if (take_comp) {
+        s.stash += s.cs;
+        s.stash_peak = std::max(s.stash_peak, s.stash);
+      }
       if (!mem.empty() && mem.back().time == t)
         mem.back().alive = s.alive;
       else
@@ -168,6 +189,7 @@ class RankFollower {
         next_copy();
     }
     rs.peak = s.peak;
+    rs.stash_peak = s.stash_peak;
     if (dur != nullptr) rs.busy = s.busy;
     state_ = s;
   }
@@ -182,6 +204,8 @@ class RankFollower {
     double busy = 0, last = 0;
     std::size_t x = 0, y = 0;  // the merge's cursors: past the op of the current event
     double ct = 0, cd = 0, kt = 0, kd = 0, alive = 0, peak = 0;
+    double cs = 0, stash = 0, stash_peak = 0;  // the compute event's change of stash bytes; alive; peak
+    bool opened = false;                       // the BW at x has had its start event
     Cursor cstate = Cursor::unknown, kstate = Cursor::unknown;
   };
   State state_;
@@ -255,7 +279,7 @@ constexpr void simulate_into(SimResult& res, const Program& p, const Costs& cost
     if (item <= d) {
       const auto ru = static_cast<std::size_t>(item - 1);
       RankSim& rs = res.ranks[ru];
-      rs.memory.reserve(detail::memory_events(p.ranks[ru]));
+      rs.memory.reserve(detail::memory_events(p.ranks[ru], costs));
       if (follow) detail::publish(made[ru].set);
       return;
     }

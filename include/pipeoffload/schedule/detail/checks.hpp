@@ -82,6 +82,7 @@ constexpr void check_costs(const Costs& c, const Shape& s) {
   check_vec(c.stage_b, "T_B", true);
   check_vec(c.stage_w, "T_W", true);
   check_vec(c.unit_bytes, "unit size", false);
+  check_vec(c.stash_bytes, "stash size", false);
 }
 
 }  // namespace detail
