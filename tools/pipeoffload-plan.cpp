@@ -79,8 +79,9 @@ usage: pipeoffload-plan --auto --layers L --hidden H --heads A --query-groups G 
 
 Plans: builds and simulates 1f1b, 1f1b-i, gis, gis(g) for every legal g, and po with 0..v
 chunks offloaded for every v up to (L+2)/D, and prints the fastest whose every rank fits in
-device and host memory (parameters + gradients + optimizer state at 18 bytes per parameter,
-peak saved activations, workspace), with a command line that draws it.
+device and host memory (model state as the runtime holds it: bf16 parameters, fp32
+gradients, AdamW and its fp32 master, 18 bytes per parameter; peak saved activations and
+B-to-W stashes; workspace), with a command line that draws it.
 
   --heads A --query-groups G   attention heads and key/value groups (G = A: multi-head)
   --global-batch N             sequences per iteration; microbatches m = N / B
@@ -90,6 +91,8 @@ peak saved activations, workspace), with a command line that draws it.
   --pcie-gbps P                host<->device GB/s of one device in one direction (Bo), > 0
   --recompute                  recompute LayerNorm, GeLU and dropout (34bsh -> 20bsh per layer)
   --pcie-switch pairs|none     ranks r and r^1 share a PCIe switch (default pairs)
+  --gradients standard|exact   the runtime's gradient path (default standard); exact adds its
+                               128-bit sums, 16 bytes per parameter, and sends them
 
 Data parallelism: dp replicas of the D-rank pipeline, D*dp GPUs; pipeline rank r of replica
 j is global rank j*D + r. Each replica runs m = N / (dp * B) microbatches; each stage's
@@ -99,11 +102,11 @@ gradients are all-reduced across its replicas after its last W, overlapping the 
   --search-dp                  the same as --dp 0
   --gpus GPUS                  GPUs in all: with --dp 0 the planner tries every dp dividing
                                GPUS (D = GPUS / dp); otherwise it must be R * D
-  --zero 0|1                   ZeRO stage (default 0); 1 shards the optimizer state (AdamW's
-                               two fp32 moments, 8 of the 18 bytes per parameter) over dp
+  --zero 0|1                   ZeRO stage (default 0); 1 shards the optimizer's state and fp32
+                               master (12 of the 18 bytes per parameter) over dp
   --dp-gbps X                  reduction bandwidth in GB/s (default 100): a stage of P
-                               parameters reduces in (R-1)/R * 20P bytes / X (128-bit exact
-                               sums scattered, fp32 sums gathered, as the runtime does)
+                               parameters reduces in (R-1)/R * 8P bytes / X (6P with --zero 1;
+                               24P or 20P with --gradients exact), as the runtime sends them
   --gpus-per-node G            GPUs per node (default 8): nodes hold G consecutive global ranks
   --node-layout contiguous|balanced
                                balanced (D a multiple of an even G): node k of a pipeline holds
@@ -127,7 +130,7 @@ constexpr std::string_view flags[] = {
     "--out",
     // --auto
     "--auto", "--recompute", "--layers", "--heads", "--query-groups", "--global-batch", "--vocab", "--device-mem-gib",
-    "--host-mem-gib", "--pcie-switch",
+    "--host-mem-gib", "--pcie-switch", "--gradients",
     // --auto, data parallelism
     "--dp", "--search-dp", "--gpus", "--zero", "--dp-gbps", "--gpus-per-node", "--node-layout"};
 /// Flags that take no value.
@@ -136,10 +139,10 @@ constexpr std::string_view switches[] = {"--auto", "--recompute", "--search-dp"}
 constexpr std::string_view grid_flags[] = {"--dp",      "--search-dp",     "--gpus",       "--zero",
                                            "--dp-gbps", "--gpus-per-node", "--node-layout"};
 /// Flags only --auto reads, and flags --auto does not take.
-constexpr std::string_view auto_only[] = {"--recompute",    "--layers",  "--heads",          "--query-groups",
-                                          "--global-batch", "--vocab",   "--device-mem-gib", "--host-mem-gib",
-                                          "--pcie-switch",  "--dp",      "--search-dp",      "--gpus",
-                                          "--zero",         "--dp-gbps", "--gpus-per-node",  "--node-layout"};
+constexpr std::string_view auto_only[] = {
+    "--recompute",      "--layers",       "--heads",         "--query-groups", "--global-batch", "--vocab",
+    "--device-mem-gib", "--host-mem-gib", "--pcie-switch",   "--dp",           "--search-dp",    "--gpus",
+    "--zero",           "--dp-gbps",      "--gpus-per-node", "--node-layout",  "--gradients"};
 constexpr std::string_view not_auto[] = {"--schedule", "--import",         "--chunks",   "--microbatches",
                                          "--group",    "--offload-chunks", "--k",        "--cost-f",
                                          "--cost-b",   "--cost-w",         "--cost-comm"};
@@ -475,6 +478,7 @@ struct AutoRequest {
   pipeoffload::TransformerSpec model;
   pipeoffload::MachineSpec machine;
   pipeoffload::GridSpec grid;
+  pipeoffload::PlanBudget budget;
   bool grid_given = false;  ///< a data-parallel flag was given: the report shows the grid
   std::string format = "text";
   std::optional<std::string> out;
@@ -579,6 +583,11 @@ AutoRequest interpret_auto(const Args& args) {
     if (*sw != "pairs" && *sw != "none") throw bad_argument("--pcie-switch must be pairs or none, got " + quoted(*sw));
     x.pairs_share_switch = *sw == "pairs";
   }
+  if (const std::string* g = find(args, "--gradients")) {
+    if (*g != "standard" && *g != "exact")
+      throw bad_argument("--gradients must be standard or exact, got " + quoted(*g));
+    rq.budget.gradients = *g == "exact" ? pipeoffload::Gradients::exact : pipeoffload::Gradients::standard;
+  }
   if (const std::string* f = find(args, "--format")) {
     if (*f != "text" && *f != "json")
       throw bad_argument("--format must be text or json with --auto, got " + quoted(*f));
@@ -594,7 +603,7 @@ AutoRequest interpret_auto(const Args& args) {
 /// --auto: plan, print, and exit 0, or 3 when nothing fits.
 int run_auto(const Args& args) {
   const AutoRequest rq = interpret_auto(args);
-  const pipeoffload::PlanResult r = pipeoffload::plan(rq.model, rq.machine, {}, rq.grid);
+  const pipeoffload::PlanResult r = pipeoffload::plan(rq.model, rq.machine, rq.budget, rq.grid);
   const bool grid = rq.grid_given || pipeoffload::grid_shown(r);
   const std::string text = rq.format == "json" ? pipeoffload::render_plan_json(r, rq.model, rq.machine, grid)
                                                : pipeoffload::render_plan_text(r, rq.model, rq.machine, grid);

@@ -25,9 +25,10 @@
 #include <pipeoffload/backend/cuda/pools.hpp>
 #include <pipeoffload/backend/cuda/shapes.hpp>
 #include <pipeoffload/comm/nccl/gather_pieces.hpp>
+#include <pipeoffload/memory/state.hpp>
 #include <pipeoffload/pipeoffload.hpp>
+#include <pipeoffload/plan/model.hpp>
 #include <pipeoffload/runtime/reserve.hpp>
-#include <pipeoffload/runtime/state.hpp>
 
 namespace po = pipeoffload;
 namespace pc = pipeoffload::cuda;
@@ -447,4 +448,37 @@ TEST_CASE("model state: the CUDA GPT's device bytes per parameter, both gradient
   const double now = static_cast<double>(2 * pc::gpt_state_bytes(dims) + eight.arena()) / static_cast<double>(2 * P);
   CHECK(now > 2 + 4 + 12.0 / 8);
   CHECK(now < 10 + 8.0 / 8 + 0.5);
+}
+
+TEST_CASE("the planner's per-layer formulas are the GPT code's: a block's parameters and every stage's stash") {
+  // plan/model.hpp counts what po::plan puts on each rank; cuda::GptStage allocates it. A change
+  // to either that the other does not follow fails here.
+  for (const long long h : {64LL, 128LL, 256LL})
+    for (const long long heads : {1LL, 4LL, 8LL}) {
+      CAPTURE(h);
+      CAPTURE(heads);
+      po::TransformerSpec m{.layers = 6,
+                            .hidden = static_cast<int>(h),
+                            .heads = static_cast<int>(heads),
+                            .query_groups = static_cast<int>(heads),
+                            .seq = 64,
+                            .micro_batch = 2,
+                            .vocab = 512};
+      CHECK(po::layer_parameters(m) == static_cast<double>(po::model::gpt_block_params(h).count));
+      for (const po::StageContent c : {po::StageContent{3, false, false}, po::StageContent{1, true, false},
+                                       po::StageContent{2, false, true}, po::StageContent{0, true, true}}) {
+        const po::model::GptDims d{.vocab = m.vocab,
+                                   .hidden = h,
+                                   .heads = heads,
+                                   .positions = m.seq,
+                                   .blocks = c.layers,
+                                   .embeds = c.embedding,
+                                   .has_head = c.head};
+        const long long tokens = static_cast<long long>(m.micro_batch) * m.seq;
+        CHECK(po::stage_stash_bytes(m, c) == static_cast<double>(po::cuda::gpt_stage_buffers(d, tokens).stash_bytes));
+        // The head's bias (V values) is the model's own; the planner's Megatron head has none.
+        const double model = static_cast<double>(po::model::gpt_stage_params(d).total);
+        CHECK(po::stage_parameters(m, c) == model - (c.head ? static_cast<double>(m.vocab) : 0.0));
+      }
+    }
 }

@@ -32,6 +32,7 @@ LAYERS = [
     ("detail/",                "core",     0),  # helpers of no layer (host_device.hpp)
     ("core/",                  "core",     0),  # STYLE.md's core/: Shape, Costs, Op, Program
     ("policy/",                "policy",   1),
+    ("memory/",                "memory",   1),  # sizes of what a rank holds: the runtime's and the planner's
     ("schedule/",              "schedule", 2),
     ("sim/",                   "sim",      3),
     ("plan/",                  "plan",     3),

@@ -222,6 +222,8 @@ TEST_CASE("every candidate's device bytes are model state + simulated activation
     for (int i = 0; i < 8; ++i) {
       const auto u = static_cast<std::size_t>(i);
       CHECK(c.activation_bytes[u] == sim.ranks[u].peak);
+      CHECK(c.stash_bytes[u] == sim.ranks[u].stash_peak);
+      CHECK(c.stash_bytes[u] >= stage_stash_bytes(m, L.stages[u]));  // at least one B's (or BW's)
       CHECK(c.peak_device_bytes[u] == L.model_state[u] + sim.ranks[u].peak + L.workspace[u]);
       if (c.offload_chunks == 0) CHECK(c.host_bytes[u] == 0);
     }
@@ -327,8 +329,15 @@ TEST_CASE("bad models, machines and budgets throw shape_error with a sentence") 
   y.ranks = 17;  // 16 layer slots
   CHECK_THROWS_WITH_AS(plan(small(), y), doctest::Contains("layer slots"), shape_error);
   PlanBudget b;
-  b.bytes_per_parameter = -1;
-  CHECK_THROWS_AS(plan(small(), x, b), shape_error);
+  b.parameter_bytes = 3;
+  CHECK_THROWS_WITH_AS(plan(small(), x, b), doctest::Contains("must be 2 (bfloat16) or 4 (fp32), got 3"), shape_error);
+  b = {};
+  b.optimizer_states = 3;
+  CHECK_THROWS_WITH_AS(plan(small(), x, b), doctest::Contains("optimizer state buffers"), shape_error);
+  b = {};
+  b.reduce_bucket = 0;
+  CHECK_THROWS_WITH_AS(plan(small(), x, b), doctest::Contains("reduction bucket must be in [1, 2^40] values, got 0"),
+                       shape_error);
 }
 
 TEST_CASE("plan is constexpr: a small model plans in a constant expression") {
@@ -432,43 +441,67 @@ TEST_CASE("dp = 1 changes nothing: the same plan as without a grid, and no all-r
   }
 }
 
-TEST_CASE("ZeRO-1: the optimizer state per rank is 1/dp of ZeRO-0's, rounded up to whole shards") {
+TEST_CASE(
+    "model state per rank is po::state_bytes of its chunks: 2 + 4 + 12 bytes a parameter, the 12 sharded by ZeRO-1, 16 more on the exact path") {
   const TransformerSpec m = small48();
   const MachineSpec x = four_ranks(80);
   const PlanBudget bud;
-  REQUIRE(bud.bytes_per_parameter == 18);
-  REQUIRE(bud.optimizer_bytes_per_parameter == 8);
+  PlanBudget exact = bud, fp32 = bud;
+  exact.gradients = Gradients::exact;
+  fp32.parameter_bytes = 4;
   for (int v : {1, 2, 4}) {
-    const detail::Layout z0 = detail::make_layout(m, x, bud, v, grid(1));
+    CAPTURE(v);
+    const detail::Layout z0 = detail::make_layout(m, x, bud, v, grid(1)),
+                         ze = detail::make_layout(m, x, exact, v, grid(1)),
+                         z4 = detail::make_layout(m, x, fp32, v, grid(1));
+    const auto params_of = [&](int r) {
+      std::vector<std::size_t> out;
+      for (int s = r; s < 4 * v; s += 4)
+        out.push_back(static_cast<std::size_t>(stage_parameters(m, z0.stages[static_cast<std::size_t>(s)])));
+      return out;
+    };
+    for (int r = 0; r < 4; ++r) {
+      const auto u = static_cast<std::size_t>(r);
+      double params = 0, padded = 0;
+      for (std::size_t n : params_of(r)) {
+        params += static_cast<double>(n);
+        padded += static_cast<double>(gradient_layout(n, 1, bud.reduce_bucket).padded());
+      }
+      CHECK(z0.model_state[u] == 18 * params);  // bf16 working 2, fp32 gradients 4, master 4, AdamW 8
+      CHECK(z0.optimizer[u] == 12 * params);
+      CHECK(ze.model_state[u] == 18 * params + 16 * padded);  // and the 128-bit sums, per bucket
+      CHECK(padded < params + static_cast<double>(v) * static_cast<double>(bud.reduce_bucket) / 100);
+      CHECK(z4.model_state[u] == 16 * params);  // fp32 working parameters are the master
+    }
     for (int dp : {2, 3, 4, 6}) {
-      CAPTURE(v);
       CAPTURE(dp);
       const detail::Layout z0dp = detail::make_layout(m, x, bud, v, grid(dp, 0));
       const detail::Layout z1 = detail::make_layout(m, x, bud, v, grid(dp, 1));
-      CHECK(z0dp.model_state == z0.model_state);  // ZeRO-0: every replica holds everything
-      CHECK(z0dp.optimizer == z0.optimizer);
       for (int r = 0; r < 4; ++r) {
         const auto u = static_cast<std::size_t>(r);
-        double params = 0, shards = 0;
-        for (int s = r; s < 4 * v; s += 4) {
-          const double P = stage_parameters(m, z0.stages[static_cast<std::size_t>(s)]);
-          params += P;
-          shards += std::ceil(P / dp);
+        const std::vector<std::size_t> chunks = params_of(r);
+        double params = 0, owned = 0, buckets = 0;
+        std::size_t most = 0;
+        for (std::size_t n : chunks) {
+          const GradientLayout l = gradient_layout(n, dp, bud.reduce_bucket);
+          params += static_cast<double>(n);
+          owned += static_cast<double>(l.owned(0));  // replica 0 owns the most
+          buckets += static_cast<double>(l.buckets);
+          most = std::max(most, l.len);
         }
-        CHECK(z0.optimizer[u] == 8 * params);
-        CHECK(z1.optimizer[u] == 8 * shards);
-        // 1/dp, plus less than one parameter per stage for the rounding.
-        CHECK(z1.optimizer[u] >= z0.optimizer[u] / dp);
-        CHECK(z1.optimizer[u] < z0.optimizer[u] / dp + 8.0 * v);
-        // The rest of the model state is untouched.
-        CHECK(z1.model_state[u] == doctest::Approx(z0.model_state[u] - z0.optimizer[u] + z1.optimizer[u]));
+        double staging = 0;
+        for (std::size_t b : reduction_staging_bytes(most, dp, Gradients::standard)) staging += static_cast<double>(b);
+        const StateBytes want = state_bytes(chunks, detail::state_options(bud, grid(dp, 1)));
+        CHECK(z1.model_state[u] == static_cast<double>(want.total()));
+        CHECK(z0dp.model_state[u] == 18 * params + staging);  // ZeRO-0: every replica holds everything
+        CHECK(z1.optimizer[u] == 12 * owned);
+        CHECK(z1.model_state[u] == 6 * params + 12 * owned + staging);
+        // 1/dp, plus less than one value per bucket for the slices' rounding.
+        CHECK(owned >= params / dp);
+        CHECK(owned <= params / dp + buckets);
       }
     }
   }
-  // A stage of P parameters not a multiple of dp: its shard is ceil(P / dp).
-  CHECK(detail::shard_parameters(10, 3) == 4);
-  CHECK(detail::shard_parameters(9, 3) == 3);
-  CHECK(detail::shard_parameters(1, 4) == 1);
   // The plan reports it, and ZeRO-1 needs less device memory than ZeRO-0.
   const PlanResult p0 = plan(m, x, bud, grid(4, 0)), p1 = plan(m, x, bud, grid(4, 1));
   CHECK(p1.zero == 1);
@@ -486,15 +519,25 @@ TEST_CASE("ZeRO-1 lets a model fit where ZeRO-0 does not, with enough replicas")
 }
 
 TEST_CASE(
-    "all-reduce: (dp-1)/dp x 20 bytes per parameter / bandwidth per stage, serialized after each stage's last W") {
+    "all-reduce: the bytes a replica sends (8 (dp-1)/dp a parameter, 6 with ZeRO-1) / bandwidth per stage, serialized after each stage's last W") {
   const TransformerSpec m = small48();
   const MachineSpec x = four_ranks(80);
   for (int dp : {2, 3, 6}) {
-    const detail::Layout L = detail::make_layout(m, x, {}, 2, grid(dp, 0, 50e9));
+    const detail::Layout L = detail::make_layout(m, x, {}, 2, grid(dp, 0, 50e9)),
+                         Z = detail::make_layout(m, x, {}, 2, grid(dp, 1, 50e9));
     for (int s = 0; s < 8; ++s) {
       const double P = stage_parameters(m, L.stages[static_cast<std::size_t>(s)]);
+      const std::size_t n[1] = {static_cast<std::size_t>(P)};
       CHECK(L.allreduce[static_cast<std::size_t>(s)] ==
-            doctest::Approx(static_cast<double>(dp - 1) / dp * 20 * P / 50e9));
+            static_cast<double>(traffic_bytes(n, detail::state_options({}, grid(dp, 0)))) / 50e9);
+      // Within the last bucket's padding of the formulas: fp32 reduce-scatter and all-gather of
+      // the gradients; with ZeRO-1 the all-gather of the bf16 working parameters instead.
+      const double pad =
+          static_cast<double>(gradient_layout(n[0], dp, PlanBudget{}.reduce_bucket).padded()) / P * (1 + 1e-12);
+      CHECK(L.allreduce[static_cast<std::size_t>(s)] >= static_cast<double>(dp - 1) / dp * 8 * P / 50e9);
+      CHECK(L.allreduce[static_cast<std::size_t>(s)] <= static_cast<double>(dp - 1) / dp * 8 * P * pad / 50e9);
+      CHECK(Z.allreduce[static_cast<std::size_t>(s)] >= static_cast<double>(dp - 1) / dp * 6 * P / 50e9);
+      CHECK(Z.allreduce[static_cast<std::size_t>(s)] <= static_cast<double>(dp - 1) / dp * 6 * P * pad / 50e9);
     }
     for (const PlanOption& o : plan_options(4, 2, 48 / dp, true)) {
       CAPTURE(o.name);
@@ -710,9 +753,6 @@ TEST_CASE("bad grids throw shape_error naming the value and what is allowed") {
   CHECK_THROWS_WITH_AS(plan(m, x, {}, g), doctest::Contains("got d = 8, G = 6"), shape_error);
   g.gpus_per_node = 0;
   CHECK_THROWS_WITH_AS(plan(m, x, {}, g), doctest::Contains("GPUs per node = 0"), shape_error);
-  PlanBudget b;
-  b.optimizer_bytes_per_parameter = 20;  // more than the 18 bytes of model state
-  CHECK_THROWS_WITH_AS(plan(m, x, b, grid(2, 1)), doctest::Contains("optimizer bytes per parameter"), shape_error);
   // A search with no grid that can be planned says why for every dp.
   g = grid(0);
   g.gpus = 64;  // 16 layer slots: d <= 16 needs dp >= 4, but 16 microbatches split into at most 16

@@ -1035,6 +1035,8 @@ TEST_CASE(
             params += n;
           }
           CHECK(run.traffic[g] == want);
+          CHECK(po::traffic_bytes(run.chunk_params[g],
+                                  {.gradients = path, .dp = dp, .zero = zero, .reduce_bucket = bucket}) == want);
           // Per parameter: standard 8 (dp - 1) / dp either way; the padding of the last
           // bucket (less than one bucket per chunk) is all that may exceed it.
           const double per = static_cast<double>(run.traffic[g]) / static_cast<double>(params);

@@ -57,7 +57,8 @@ def main():
         check(key in doc and isinstance(doc[key], typ), f"json key {key!r} missing or not {typ}: {doc.get(key)!r}")
     check(doc.get("fits") is True, "the small model does not fit in 8 GiB")
     check(doc.get("schedule") in NAMES, f"schedule {doc.get('schedule')!r} is not a plan tool name")
-    for key in ("peak_device_bytes", "host_bytes", "activation_peak_bytes", "model_state_bytes", "workspace_bytes"):
+    for key in ("peak_device_bytes", "host_bytes", "activation_peak_bytes", "stash_peak_bytes", "model_state_bytes",
+                "workspace_bytes"):
         check(len(doc.get(key, [])) == 8, f"{key} has {len(doc.get(key, []))} entries, want 8 ranks")
     for r in range(8):
         total = doc["model_state_bytes"][r] + doc["activation_peak_bytes"][r] + doc["workspace_bytes"][r]
@@ -123,6 +124,16 @@ def main():
     doc4, _ = plan({**SMALL, "--host-mem-gib": "0", "--device-mem-gib": "64"})
     check(doc4.get("offload_chunks") == 0 and max(doc4.get("host_bytes", [1])) == 0, "host 0 GiB: chose an offload")
 
+    # ---- --gradients exact: 16 more bytes of model state per parameter (the 128-bit sums) --------
+    std, _ = plan(SMALL)
+    ex, _ = plan(SMALL, "--gradients", "exact")
+    for r, (a, b) in enumerate(zip(std.get("model_state_bytes", []), ex.get("model_state_bytes", []))):
+        check(abs(b - a * 34 / 18) < 1e-6 * a + 16 * 2**20 * 4,
+              f"--gradients exact rank {r}: model state {b}, want 34/18 of {a} (plus bucket padding)")
+    stash = std.get("stash_peak_bytes", [])
+    check(len(stash) == len(std.get("peak_device_bytes", [])) and all(x > 0 for x in stash),
+          f"stash_peak_bytes {stash}: one positive entry per rank")
+
     # ---- bad input: exit 2, one line on stderr naming the flag ------------------------------------
     bad = []
     for flag in ("--layers", "--hidden", "--heads", "--query-groups", "--seq", "--micro-batch", "--global-batch",
@@ -141,6 +152,7 @@ def main():
         ({**SMALL, "--global-batch": "15", "--micro-batch": "2"}, [], "--global-batch"),
         ({**SMALL, "--ranks": "17"}, [], "ranks"),
         ({**SMALL, "--pcie-switch": "maybe"}, [], "--pcie-switch"),
+        ({**SMALL, "--gradients": "fast"}, [], "--gradients"),
         (SMALL, ["--recompute=1"], "--recompute"),
         (SMALL, ["--schedule", "gis"], "--schedule"),
         (SMALL, ["--chunks", "2"], "--chunks"),
@@ -211,13 +223,15 @@ def data_parallel():
     doc, _ = plan({**DP, "--micro-batch": "2"}, "--dp", "3")
     check(doc.get("microbatches") == 8, f"--micro-batch 2 --dp 3: {doc.get('microbatches')} microbatches, want 8")
 
-    # ZeRO-1: the optimizer state per rank is 1/dp of ZeRO-0's (rounded up to whole shards).
+    # ZeRO-1: the optimizer's state and fp32 master (12 bytes a value) per rank are 1/dp of
+    # ZeRO-0's, plus less than one value per reduction bucket (2^20 values) of slice rounding.
     for dp in (2, 3, 6):
         z0, _ = plan(DP, "--dp", str(dp))
         z1, _ = plan(DP, "--dp", str(dp), "--zero", "1")
         for r in range(4):
             a, b = z0["optimizer_bytes"][r], z1["optimizer_bytes"][r]
-            check(a / dp <= b < a / dp + 8 * 16, f"--dp {dp} --zero 1 rank {r}: optimizer {b} is not {a}/{dp}")
+            buckets = a / 12 / 2**20 + 16
+            check(a / dp <= b < a / dp + 12 * buckets, f"--dp {dp} --zero 1 rank {r}: optimizer {b} is not {a}/{dp}")
             check(abs((z0["model_state_bytes"][r] - a) - (z1["model_state_bytes"][r] - b)) < 1,
                   f"--dp {dp} --zero 1 rank {r}: the rest of the model state changed")
         check(z1.get("zero") == 1, "--zero 1 not reported")

@@ -61,6 +61,7 @@
 #include <vector>
 
 #include "../error.hpp"
+#include "../memory/state.hpp"
 #include "../policy/host_bins.hpp"
 
 namespace pipeoffload {
@@ -98,19 +99,21 @@ struct MachineSpec {
   bool pairs_share_switch = true;  ///< ranks r and r^1 share a PCIe switch (stagger their copies)
 };
 
-/// What the planner may spend and assumes about the rest of device memory.
+/// What the planner may spend and assumes about the rest of device memory. A rank's model
+/// state is what po::state_bytes (memory/state.hpp) says the layers, the runtime and the
+/// optimizer hold for its chunks' parameters: with the defaults (bf16 working parameters,
+/// fp32 main gradients, AdamW with an fp32 master, the standard gradient path) 2 + 4 + 12
+/// bytes a parameter, the 12 divided across the replicas with ZeRO-1, plus the reduction's
+/// staging with replicas; the exact path adds 16 (its 128-bit sums).
 struct PlanBudget {
-  /// Bytes of model state per parameter: bf16 weight (2) + fp32 gradient (4) + fp32 master
-  /// weight and Adam's two moments (12), with no optimizer sharding (ZeRO-0).
-  double bytes_per_parameter = 18;
-  /// The part of bytes_per_parameter that is optimizer state: AdamW's two fp32 moments (8).
-  /// ZeRO-1 (GridSpec::zero) divides it across the data-parallel replicas; with ZeRO-0 the
-  /// total stays bytes_per_parameter.
-  double optimizer_bytes_per_parameter = 8;
-  /// Bytes per parameter the runtime's data-parallel gradient reduction moves, (dp-1)/dp of them
-  /// per replica: the reduce-scatter of the 128-bit exact sums (16, backend/exact.hpp) and the
-  /// all-gather of the fp32 sums (4).
-  double reduce_bytes_per_parameter = 20;
+  Gradients gradients = Gradients::standard;  ///< how gradients are summed (RuntimeOptions::gradients)
+  /// Bytes of a working parameter: 2 (bfloat16; the optimizer keeps an fp32 master copy of
+  /// what it owns) or 4 (fp32, the master itself).
+  int parameter_bytes = 2;
+  /// fp32 optimizer state buffers per parameter: AdamW 2, SGD with momentum 1, plain SGD 0.
+  int optimizer_states = 2;
+  /// Values per gradient reduction bucket (RuntimeOptions::reduce_bucket).
+  std::size_t reduce_bucket = std::size_t{1} << 20;
   /// Device memory never available to tensors: CUDA context, cuBLAS/cuDNN workspaces,
   /// allocator fragmentation.
   double reserved_bytes = 1 * gib;
@@ -134,8 +137,8 @@ struct GridSpec {
   int dp = 1;    ///< replicas; 0: search every dp that divides `gpus` (d = gpus / dp) and the global batch
   int zero = 0;  ///< ZeRO stage: 0 (every replica holds the whole optimizer state) or 1 (sharded)
   int gpus = 0;  ///< GPUs in all: required with dp = 0; otherwise 0 or dp * ranks
-  /// Bandwidth of the gradient reduction in bytes/s (per GPU): a stage with P parameters
-  /// reduces in (dp-1)/dp * P * PlanBudget::reduce_bytes_per_parameter / this.
+  /// Bandwidth of the gradient reduction in bytes/s (per GPU): a stage reduces in the bytes
+  /// po::traffic_bytes says a replica sends for it / this.
   double allreduce_bytes_per_s = 100e9;
   int gpus_per_node = 8;                            ///< G: GPUs of one node
   NodeLayout node_layout = NodeLayout::contiguous;  ///< how pipeline ranks map to global ranks (below)
@@ -341,6 +344,19 @@ constexpr double stage_activation_bytes(const TransformerSpec& m, const StageCon
   if (c.embedding) x += 4.0 * m.micro_batch * m.seq;  // int32 token ids
   if (c.head) x += bsh(m) * m.dtype_bytes * (m.recompute ? 1 : 2) + 4.0 * m.micro_batch * m.seq * m.vocab;
   return x;
+}
+
+/// Bytes one B of a stage leaves for its W (alive from the B's start to the W's end; a fused
+/// BW holds them while it runs), per microbatch: for each layer, the gradient of every linear
+/// layer's output and of each LayerNorm's output (projection h, fc1 4h, LayerNorm 2 h, fc2 h,
+/// QKV h + 2G*hd, LayerNorm 1 h: 22bsh for MHA in bf16); the embedding's output gradient (bsh)
+/// and the head LayerNorm's output gradient (bsh). cuda::GptStage's stash (models/gpt/
+/// cuda_layout.hpp) is this layout; tests/plan/test_plan.cpp holds the two together.
+constexpr double stage_stash_bytes(const TransformerSpec& m, const StageContent& c) {
+  const double T = static_cast<double>(m.micro_batch) * m.seq, h = m.hidden,
+               qkv = h + 2.0 * static_cast<double>(m.hidden / m.heads) * m.query_groups;
+  const double per_layer = 8 * h + qkv;
+  return m.dtype_bytes * T * (c.layers * per_layer + (c.embedding ? h : 0.0) + (c.head ? h : 0.0));
 }
 
 /// Parameters of one stage.

@@ -12,11 +12,12 @@
 //   1F1B (v = 1); 1F1B-I (v >= 2, m a multiple of d); GIS(g) for every g in [ceil(d/2), d]
 //   and every v (g = d is GIS, g = ceil(d/2) GIS-H); PO with 0..v chunks offloaded for every v
 //   (ceil(v/2) is PO-H, v is PO-F).
-// Per rank: device bytes = model state (bytes_per_parameter x its parameters) + simulated peak
-// of saved activations + workspace (reserved bytes, two P2P activation buffers each way, and
-// the largest transient of one pass on the rank: plan/model.hpp); host bytes = the most
-// offloaded units resident at once (from the start of an offload to the end of its reload),
-// each rounded up to its pinned bins.
+// Per rank: device bytes = model state (po::state_bytes of its chunks' parameters: what the
+// layers, po::Runtime and the optimizer hold; memory/state.hpp) + simulated peak of saved
+// activations and stashes (B to W) + workspace (reserved bytes, two P2P activation buffers each
+// way, and the largest transient of one pass on the rank: plan/model.hpp); host bytes = the
+// most offloaded units resident at once (from the start of an offload to the end of its
+// reload), each rounded up to its pinned bins.
 // Costs: T_F, T_B, T_W of a stage = its FLOPs / Bc; a copy of a unit takes k x its stage's
 // (T_F+T_B+T_W) / 2, exact (its bytes / Bo) for stages of whole layers; P2P time is left out
 // (the same few hops in every schedule).
@@ -25,10 +26,10 @@
 // g = j*d + r is pipeline rank r of replica j (replica-major; the balanced node layout permutes
 // r within the replica's d global ranks: plan/model.hpp says how and why). The global batch is
 // split over the replicas, so each pipeline runs m = global batch / (dp * microbatch size)
-// microbatches. Per rank, model state is bytes_per_parameter x its parameters with ZeRO-0; with
-// ZeRO-1 its optimizer-state part (optimizer_bytes_per_parameter, AdamW's moments) counts
-// ceil(P / dp) parameters of each stage of P (a whole shard). Each stage's gradients are
-// reduced across its replicas in (dp-1)/dp * P * reduce_bytes_per_parameter (20: 128-bit exact sums scattered, fp32 gathered) / bandwidth
+// microbatches. Per rank, model state is po::state_bytes under the grid (ZeRO-1 shards the
+// optimizer's state and master copy by the runtime's bucket slices; replicas add the
+// reduction's staging), counted for replica 0, which owns the most. Each stage's gradients are
+// reduced across its replicas in po::traffic_bytes (the bytes a replica sends) / bandwidth
 // seconds, as the runtime does it: on the rank's comm stream, starting when the stage's last
 // W (or BW) of the iteration has ended, one stage after another in the order their last W's
 // end (ties: lower stage first); the optimizer waits for all of them. So from the simulation:
@@ -71,7 +72,8 @@ struct PlanCandidate {
   std::vector<double> allreduce_s;        ///< per rank: seconds of gradient all-reduce (its stages' sum; 0 with dp = 1)
   std::vector<double> allreduce_end_s;    ///< per rank: when its last all-reduce ends (0 with dp = 1)
   double bubble_fraction = 0;             ///< idle time / makespan, averaged over ranks
-  std::vector<double> activation_bytes;   ///< per rank: simulated peak of saved activations on the device
+  std::vector<double> activation_bytes;   ///< per rank: simulated peak of saved activations and stashes on the device
+  std::vector<double> stash_bytes;        ///< per rank: simulated peak of the stashes alone (B to W)
   std::vector<double> peak_device_bytes;  ///< per rank: model state + activations + workspace
   std::vector<double> host_bytes;         ///< per rank: pinned host memory for offloaded units
   bool fits = false;                      ///< every rank's device and host memory holds what it needs
@@ -147,22 +149,28 @@ struct Layout {
   std::vector<StageContent> stages;
   Costs costs;
   std::vector<double> model_state, workspace;  ///< per rank
-  std::vector<double> optimizer;               ///< per rank: the optimizer-state part of model_state
+  std::vector<double> optimizer;               ///< per rank: the optimizer's part of model_state (state and master)
   std::vector<double> allreduce;               ///< per stage: seconds of one all-reduce of its gradients
 };
 
-/// Parameters of one ZeRO-1 shard of a stage of P parameters over dp replicas: ceil(P / dp).
-constexpr double shard_parameters(double P, int dp) {
-  const auto n = static_cast<long long>(P);
-  return static_cast<double>((n + dp - 1) / dp);
+/// What sizes a rank's model state under `bud` and `grid`: replica 0's (it owns the most of
+/// every bucket when the parameters do not split evenly).
+constexpr StateOptions state_options(const PlanBudget& bud, const GridSpec& grid) {
+  return {.gradients = bud.gradients,
+          .dp = grid.dp,
+          .replica = 0,
+          .zero = grid.zero,
+          .optimizer_states = bud.optimizer_states,
+          .reduce_bucket = bud.reduce_bucket,
+          .parameter_bytes = static_cast<std::size_t>(bud.parameter_bytes)};
 }
 
 /// Seconds of one gradient reduction of a stage of P parameters over dp replicas, as the
-/// runtime runs it: each replica sends (dp-1)/dp of the stage's exact sums (reduce-scatter) and
-/// receives (dp-1)/dp of its fp32 sums (all-gather).
+/// runtime runs it: the bytes a replica sends for it (po::traffic_bytes) / the bandwidth.
 constexpr double allreduce_seconds(double P, const PlanBudget& bud, const GridSpec& grid) {
   if (grid.dp <= 1) return 0;
-  return static_cast<double>(grid.dp - 1) / grid.dp * P * bud.reduce_bytes_per_parameter / grid.allreduce_bytes_per_s;
+  const std::size_t n[1] = {static_cast<std::size_t>(P)};
+  return static_cast<double>(traffic_bytes(n, state_options(bud, grid))) / grid.allreduce_bytes_per_s;
 }
 
 /// Per-stage costs and per-rank fixed memory of one v (grid.dp >= 1).
@@ -181,6 +189,7 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
   L.model_state.assign(static_cast<std::size_t>(d), 0.0);
   L.workspace.assign(static_cast<std::size_t>(d), 0.0);
   std::vector<double> transient(static_cast<std::size_t>(d), 0.0);
+  std::vector<std::vector<std::size_t>> chunks(static_cast<std::size_t>(d));  // per rank: its chunks' parameters
   for (int s = 0; s < S; ++s) {
     const StageContent& c = L.stages[static_cast<std::size_t>(s)];
     const PassFlops fl = stage_flops(m, c);
@@ -188,18 +197,17 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
     L.costs.stage_b.push_back(fl.b / x.flops);
     L.costs.stage_w.push_back(fl.w / x.flops);
     L.costs.unit_bytes.push_back(stage_activation_bytes(m, c));
+    L.costs.stash_bytes.push_back(stage_stash_bytes(m, c));
     const auto r = static_cast<std::size_t>(where.rank_of(s));
     const double P = stage_parameters(m, c);
-    if (grid.zero == 1) {
-      const double opt = bud.optimizer_bytes_per_parameter * shard_parameters(P, grid.dp);
-      L.model_state[r] += (bud.bytes_per_parameter - bud.optimizer_bytes_per_parameter) * P + opt;
-      L.optimizer[r] += opt;
-    } else {
-      L.model_state[r] += bud.bytes_per_parameter * P;
-      L.optimizer[r] += bud.optimizer_bytes_per_parameter * P;
-    }
+    chunks[r].push_back(static_cast<std::size_t>(P));
     L.allreduce.push_back(allreduce_seconds(P, bud, grid));
     transient[r] = std::max(transient[r], stage_transient_bytes(m, c));
+  }
+  for (std::size_t r = 0; r < chunks.size(); ++r) {
+    const StateBytes b = state_bytes(chunks[r], state_options(bud, grid));
+    L.model_state[r] = static_cast<double>(b.total());
+    L.optimizer[r] = static_cast<double>(b.optimizer + b.master);
   }
   // Two P2P buffers each way (activation in/out, gradient in/out), b*s*h elements each.
   const double p2p = 4.0 * bsh(m) * m.dtype_bytes;
@@ -405,6 +413,7 @@ constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, c
     const double dev = L.model_state[ur] + act + L.workspace[ur];
     const double host = detail::host_peak(p, sim.ranks[ur], r);
     c.activation_bytes.push_back(act);
+    c.stash_bytes.push_back(sim.ranks[ur].stash_peak);
     c.peak_device_bytes.push_back(dev);
     c.host_bytes.push_back(host);
     const double over_dev = dev - x.device_bytes, over_host = host - x.host_bytes;
@@ -456,9 +465,6 @@ constexpr void check_grid(const TransformerSpec& m, const MachineSpec& x, const 
     throw shape_error("grid: all-reduce bandwidth must be in [1, 1e21] bytes/s, got " +
                       detail::fmt_real(g.allreduce_bytes_per_s));
   detail::require_range("grid: GPUs per node", g.gpus_per_node, 1, max_grid_gpus);
-  detail::require_real("budget: optimizer bytes per parameter (0 to the bytes per parameter)",
-                       bud.optimizer_bytes_per_parameter, 0, bud.bytes_per_parameter);
-  detail::require_real("budget: reduction bytes per parameter (>= 0)", bud.reduce_bytes_per_parameter, 0, 1e6);
   if (g.dp == 0) {
     detail::require_range("grid: GPUs to search over (dp = 0)", g.gpus, 1, max_grid_gpus);
     return;
@@ -740,7 +746,13 @@ constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const 
   MachineSpec checked = x;
   if (grid.dp == 0) checked.ranks = 1;  // a search chooses the ranks
   check_machine(checked);
-  detail::require_real("budget: bytes per parameter (>= 0)", bud.bytes_per_parameter, 0, 1e6);
+  if (bud.parameter_bytes != 2 && bud.parameter_bytes != 4)
+    throw shape_error("budget: working parameter bytes must be 2 (bfloat16) or 4 (fp32), got " +
+                      detail::num(bud.parameter_bytes));
+  detail::require_range("budget: optimizer state buffers per parameter", bud.optimizer_states, 0, 2);
+  if (bud.reduce_bucket < 1 || bud.reduce_bucket > (std::size_t{1} << 40))
+    throw shape_error("budget: reduction bucket must be in [1, 2^40] values, got " +
+                      detail::num(static_cast<long long>(bud.reduce_bucket)));
   detail::require_real("budget: reserved bytes (>= 0)", bud.reserved_bytes, 0, 1e18);
   detail::require_range("budget: max chunks (0 = no limit)", bud.max_chunks, 0, max_chunks);
   check_grid(m, x, bud, grid);

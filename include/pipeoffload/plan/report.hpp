@@ -170,13 +170,13 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
         s += "          -  not planned: " + g.note + "\n";
     }
   }
-  s += "\nrank  device GiB  = state + activations + workspace   host GiB\n";
+  s += "\nrank  device GiB  = state + activations (stash) + workspace   host GiB\n";
   for (int i = 0; i < d; ++i) {
     const auto u = static_cast<std::size_t>(i);
     char line[160];
-    std::snprintf(line, sizeof line, "%4d  %10.2f    %7.2f   %11.2f   %9.2f   %8.2f%s\n", i,
+    std::snprintf(line, sizeof line, "%4d  %10.2f    %7.2f   %11.2f  %7.2f   %9.2f   %8.2f%s\n", i,
                   c.peak_device_bytes[u] / gib, r.model_state_bytes[u] / gib, c.activation_bytes[u] / gib,
-                  r.workspace_bytes[u] / gib, c.host_bytes[u] / gib,
+                  c.stash_bytes[u] / gib, r.workspace_bytes[u] / gib, c.host_bytes[u] / gib,
                   c.peak_device_bytes[u] > x.device_bytes || c.host_bytes[u] > x.host_bytes ? "  over" : "");
     s += line;
   }
@@ -222,6 +222,7 @@ inline std::string render_plan_json(const PlanResult& r, const TransformerSpec& 
   s += "  \"peak_device_bytes\": " + detail::json_array(c.peak_device_bytes) + ",\n";
   s += "  \"host_bytes\": " + detail::json_array(c.host_bytes) + ",\n";
   s += "  \"activation_peak_bytes\": " + detail::json_array(c.activation_bytes) + ",\n";
+  s += "  \"stash_peak_bytes\": " + detail::json_array(c.stash_bytes) + ",\n";
   s += "  \"model_state_bytes\": " + detail::json_array(r.model_state_bytes) + ",\n";
   s += "  \"workspace_bytes\": " + detail::json_array(r.workspace_bytes) + ",\n";
   s += "  \"bubble_fraction\": " + fmt(c.bubble_fraction) + ",\n";

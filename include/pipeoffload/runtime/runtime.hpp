@@ -53,6 +53,7 @@
 #include "../comm/handshake.hpp"
 #include "../error.hpp"
 #include "../layer.hpp"
+#include "../memory/state.hpp"
 #include "../policy/host_bins.hpp"
 #include "../schedule/schedule.hpp"
 #include "../schedule/validate.hpp"
@@ -60,9 +61,10 @@
 #include "batch.hpp"
 #include "reserve.hpp"
 #include "stage.hpp"
-#include "state.hpp"
 
 namespace pipeoffload {
+
+static_assert(sizeof(exact::Fixed) == exact_sum_bytes, "memory/state.hpp counts an exact sum as exact_sum_bytes");
 
 /// How a Runtime runs: the microbatch shape, finiteness checks, gradient buckets and folds.
 struct RuntimeOptions {

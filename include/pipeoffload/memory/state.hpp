@@ -1,10 +1,11 @@
-// pipeoffload/runtime/state.hpp: the model state a rank holds beside its activations, computed
+// pipeoffload/memory/state.hpp: the model state a rank holds beside its activations, computed
 // without a device: which gradient path runs, how a chunk's gradients are cut into reduction
 // buckets and data-parallel shards, and the bytes the runtime and the optimizers take for them.
 //
 // po::Runtime and po::AdamW / po::Sgd allocate through these functions, and a launcher that
-// sizes device memory ahead (train_gpt's CUDA arena) calls the same ones, so what is planned is
-// what is taken; tests/runtime/test_custom.cpp and test_memory.cpp hold them to the CPU
+// sizes device memory ahead (train_gpt's CUDA arena) and the planner (plan/plan.hpp) call the
+// same ones, so what is planned is what is taken; plain arithmetic on sizes, below every layer
+// that allocates; tests/runtime/test_custom.cpp and test_memory.cpp hold them to the CPU
 // backend's counters to the byte. The layers' own buffers (working parameters, fp32 main
 // gradients) are the layer's, not the arena's; state_bytes counts them too, for the
 // bytes-per-parameter figure.
@@ -16,9 +17,10 @@
 #include <span>
 #include <vector>
 
-#include "../backend/exact.hpp"
-
 namespace pipeoffload {
+
+/// Bytes of one exact gradient sum (backend/exact.hpp's 128-bit exact::Fixed; runtime.hpp asserts they agree).
+inline constexpr std::size_t exact_sum_bytes = 16;
 
 /// How a Runtime sums gradients (docs/gradients.md).
 enum class Gradients {
@@ -99,8 +101,8 @@ static_assert(gradient_layout(10, 3, 4).buckets == 3 && gradient_layout(10, 3, 4
 /// Exact: the parts (len 128-bit sums), the slice summed (len / dp sums), the slice rounded
 /// (len / dp fp32), the bucket gathered (len fp32). The optimizers' parameter gather reuses the
 /// fp32 slice and bucket buffers.
-inline std::vector<std::size_t> reduction_staging_bytes(std::size_t len, int dp, Gradients g) {
-  const std::size_t r = static_cast<std::size_t>(dp < 1 ? 1 : dp), f = sizeof(float), x = sizeof(exact::Fixed);
+constexpr std::vector<std::size_t> reduction_staging_bytes(std::size_t len, int dp, Gradients g) {
+  const std::size_t r = static_cast<std::size_t>(dp < 1 ? 1 : dp), f = sizeof(float), x = exact_sum_bytes;
   if (g == Gradients::standard) return {len * f, len * f, len / r * f};
   return {len * x, len / r * x, len / r * f, len * f};
 }
@@ -140,8 +142,9 @@ struct StateBytes {
 };
 
 /// The model state of a rank whose chunks have `parameters` values each, as po::Runtime and
-/// the optimizers allocate it (tests/runtime/test_memory.cpp holds the two together).
-inline StateBytes state_bytes(std::span<const std::size_t> parameters, const StateOptions& o) {
+/// the optimizers allocate it (tests/runtime/test_custom.cpp holds the two together; the
+/// planner counts a rank's model state with it).
+constexpr StateBytes state_bytes(std::span<const std::size_t> parameters, const StateOptions& o) {
   StateBytes b;
   std::size_t most = 0;
   const bool sharded = o.zero == 1 && o.dp > 1;
@@ -150,8 +153,8 @@ inline StateBytes state_bytes(std::span<const std::size_t> parameters, const Sta
     b.parameters += n * o.parameter_bytes;
     b.gradients += n * o.gradient_bytes;
     if (o.gradients == Gradients::exact) {
-      b.sums += l.padded() * sizeof(exact::Fixed);
-      b.blocks.push_back(l.padded() * sizeof(exact::Fixed));
+      b.sums += l.padded() * exact_sum_bytes;
+      b.blocks.push_back(l.padded() * exact_sum_bytes);
     }
     most = std::max(most, l.len);
   }
@@ -171,6 +174,30 @@ inline StateBytes state_bytes(std::span<const std::size_t> parameters, const Sta
     }
   }
   return b;
+}
+
+/// Bytes replica `o.replica` sends in one step's data-parallel collectives for chunks of
+/// `parameters` values each (0 with one replica), as po::Runtime and the optimizers run them:
+/// per reduction bucket, the reduce-scatter sends all but its own slice (fp32 on the standard
+/// path, 128-bit sums on the exact one); the gradients' all-gather sends its slice to each other
+/// replica (the exact path always; the standard one unless a ZeRO-1 optimizer keeps shards);
+/// with ZeRO-1 the updated parameters' all-gather does too, in the working parameters' bytes.
+/// Per parameter that is 8 (dp-1)/dp on the standard path (6 with bfloat16 working parameters
+/// and ZeRO-1) plus the last bucket's padding; tests/runtime/test_custom.cpp counts it on the
+/// communicators.
+constexpr std::size_t traffic_bytes(std::span<const std::size_t> parameters, const StateOptions& o) {
+  if (o.dp <= 1) return 0;
+  const bool exact = o.gradients == Gradients::exact, sharded = o.zero == 1;
+  const std::size_t others = static_cast<std::size_t>(o.dp - 1);
+  std::size_t bytes = 0;
+  for (const std::size_t n : parameters) {
+    const GradientLayout l = gradient_layout(n, o.dp, o.reduce_bucket);
+    const std::size_t sent = (n + l.len - 1) / l.len * others * l.slice();  // values, per collective
+    bytes += sent * (exact ? exact_sum_bytes : sizeof(float));
+    if (exact || !sharded) bytes += sent * sizeof(float);
+    if (sharded) bytes += sent * o.parameter_bytes;
+  }
+  return bytes;
 }
 
 }  // namespace pipeoffload
