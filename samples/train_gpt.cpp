@@ -258,9 +258,14 @@ void train_rank(
   for (std::size_t q = 0; q < pipe.size(); ++q) worst[q % 2] = std::max(worst[q % 2], pipe[q]);
   replicas.all_gather(std::span<const double>(worst), std::span(reps));
   for (std::size_t q = 0; q < reps.size(); ++q) worst[q % 2] = std::max(worst[q % 2], reps[q]);
+  // What each pipeline rank reserved: its arena's blocks and its stages' own buffers.
+  std::size_t my_reserved = dev.memory().device_held;
+  for (Layer& l : mine) my_reserved += train_gpt::layer_state_bytes(l);
+  std::vector<std::size_t> reserved(static_cast<std::size_t>(sh.d));
+  comm.all_gather(std::span<const std::size_t>(&my_reserved, 1), std::span(reserved));
   if (lead)
     report(o, su, params, rt.program(), first, peaks, units, traces, final_loss, t_start,
-           {opt.state_bytes(), worst[0], worst[1]});
+           {opt.state_bytes(), worst[0], worst[1], reserved});
   // Nobody leaves (and exits 0) before global rank 0 has printed everything: if it fails
   // there, this wait fails on every rank instead.
   const double done = 1;

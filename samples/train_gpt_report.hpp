@@ -41,6 +41,9 @@ struct StateFigures {
   std::size_t optimizer_bytes = 0;  ///< global rank 0's optimizer state
   double state_per_parameter = 0;   ///< device bytes for parameters, gradients, their buffers and optimizer state
   double reduce_per_parameter = 0;  ///< bytes sent in the last step's gradient and parameter collectives
+  /// Per pipeline rank of replica 0: the device bytes its arena holds (backend MemoryStats::
+  /// device_held: what the runtime and optimizer reserved and took) plus its stages' own.
+  std::vector<std::size_t> reserved;
 };
 
 inline  /// Rank 0's closing report: peaks, 1F1B-I's simulated peaks, wall time, the trace, and the
@@ -118,6 +121,9 @@ inline  /// Rank 0's closing report: peaks, 1F1B-I's simulated peaks, wall time,
   for (const auto& p : params) hash = po::fnv1a(std::as_bytes(std::span(p)), hash);
   std::printf("state_bytes_per_parameter=%.4f\n", state.state_per_parameter);
   std::printf("reduce_bytes_per_parameter=%.4f\n", state.reduce_per_parameter);
+  std::printf("reserved_bytes_per_rank=");
+  for (std::size_t q = 0; q < state.reserved.size(); ++q) std::printf("%s%zu", q ? "," : "", state.reserved[q]);
+  std::printf("\n");
   std::printf("final_loss=%.9g\n", static_cast<double>(final_loss));
   std::printf("params_hash=%s\n", hex64(hash).c_str());
   std::fflush(stdout);

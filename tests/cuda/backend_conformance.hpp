@@ -65,6 +65,7 @@ void allocation_and_reuse() {
   auto dev = Traits::make();
   const int s = dev->make_stream("compute"), t = dev->make_stream("copy");
   const long long before = dev->memory().device_allocations;
+  const std::size_t held_before = dev->memory().device_held;
   pb::Block a, b, c;
   dev->launch(s, [&] { a = dev->device_alloc(1000, pb::Memory::activation); });
   dev->launch(s, [&] { dev->device_free(a); });
@@ -75,6 +76,9 @@ void allocation_and_reuse() {
   CHECK(c.ptr != b.ptr);
   pb::MemoryStats m = dev->memory();
   CHECK(m.device_allocations - before == 2);
+  // The arena holds the two blocks it made, each rounded up to its alignment (64 or 256).
+  CHECK(m.device_held - held_before >= 6000);
+  CHECK(m.device_held - held_before < 6000 + 2 * 256);
   CHECK(m.in(pb::Memory::activation) == 0);
   CHECK(m.in(pb::Memory::stash) == 1000);
   CHECK(m.in(pb::Memory::message) == 5000);
@@ -95,6 +99,7 @@ void allocation_and_reuse() {
   dev->synchronize();
   CHECK(d.ptr == a.ptr);
   CHECK(dev->memory().device_allocations - before == 2);
+  CHECK(dev->memory().device_held == m.device_held);  // reuse holds nothing more
   // Pinned host bins pool by size too.
   const long long host_before = dev->memory().host_allocations;
   pb::HostBlock h1 = dev->host_alloc(4096);

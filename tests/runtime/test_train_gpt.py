@@ -57,6 +57,19 @@ for extra in (["--schedule", "po-f", "--ranks", "2", "--chunks", "2"], ["--sched
     if got != exact_ref:
         sys.exit(f"FAIL: {' '.join(extra)} --gradients exact gave {got}, the one-rank reference {exact_ref}")
 
+# reserved_bytes_per_rank=: one entry per pipeline rank, the exact path's 128-bit sums above the
+# standard path's on every rank.
+def reserved(out):
+    lines = [l for l in out.splitlines() if l.startswith("reserved_bytes_per_rank=")]
+    assert len(lines) == 1, lines
+    return [int(x) for x in lines[0].split("=", 1)[1].split(",")]
+
+
+po_f = ["--schedule", "po-f", "--ranks", "4", "--chunks", "2", *small]
+std_res, exact_res = reserved(run(*po_f).stdout), reserved(run(*po_f, "--gradients", "exact").stdout)
+if len(std_res) != 4 or min(std_res) <= 0 or any(e <= s for s, e in zip(std_res, exact_res)):
+    sys.exit(f"FAIL: reserved_bytes_per_rank standard {std_res}, exact {exact_res}: want 4 positive entries, exact above")
+
 # Schedules imported from torch.distributed.pipelining's CSV form (--import), written by hand:
 # GPipe orders (all forwards, then all backwards), fused and split, with offload, and a V.
 with tempfile.TemporaryDirectory() as tmp:

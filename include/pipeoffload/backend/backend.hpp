@@ -112,9 +112,11 @@ struct MemoryStats {
   std::array<std::size_t, memory_kinds> peak{};    ///< most device bytes in use at once, per kind
   std::size_t total_peak = 0;                      ///< most device bytes in use at once, all kinds together
   long long device_allocations = 0;                ///< times the arena had to get new memory from the system
-  std::size_t host_in_use = 0;                     ///< pinned host bytes in use (offloaded units' bins)
-  std::size_t host_peak = 0;                       ///< most pinned host bytes in use at once
-  long long host_allocations = 0;                  ///< times the pinned arena had to get new memory from the system
+  std::size_t device_held = 0;  ///< device bytes the arena holds for blocks (what the runtime reserved and took since)
+  std::size_t host_in_use = 0;  ///< pinned host bytes in use (offloaded units' bins)
+  std::size_t host_peak = 0;    ///< most pinned host bytes in use at once
+  long long host_allocations = 0;  ///< times the pinned arena had to get new memory from the system
+  std::size_t host_held = 0;       ///< pinned host bytes the arena holds for blocks
   /// Device bytes of kind `m` in use.
   std::size_t in(Memory m) const { return in_use[static_cast<std::size_t>(m)]; }
   /// Most device bytes of kind `m` in use at once.

@@ -168,7 +168,7 @@ class Cpu {
   Block device_alloc(std::size_t bytes, Memory kind) {
     std::lock_guard lk(mem_mu_);
     const std::size_t size = round_up(bytes);
-    std::byte* p = take(device_, size, stats_.device_allocations);
+    std::byte* p = take(device_, size, stats_.device_allocations, stats_.device_held);
     auto& in = stats_.in_use[static_cast<std::size_t>(kind)];
     in += bytes;
     auto& pk = stats_.peak[static_cast<std::size_t>(kind)];
@@ -190,7 +190,7 @@ class Cpu {
   /// A pinned host buffer of exactly `bytes` (the offload layer asks for power-of-two bins).
   HostBlock host_alloc(std::size_t bytes) {
     std::lock_guard lk(mem_mu_);
-    std::byte* p = take(host_, round_up(bytes), stats_.host_allocations);
+    std::byte* p = take(host_, round_up(bytes), stats_.host_allocations, stats_.host_held);
     stats_.host_in_use += bytes;
     stats_.host_peak = std::max(stats_.host_peak, stats_.host_in_use);
     return HostBlock{p, bytes};
@@ -208,12 +208,12 @@ class Cpu {
   /// the pool of that size grows to the sum of its reservations now, counted as allocations.
   void reserve_device(std::size_t bytes, std::size_t count) {
     std::lock_guard lk(mem_mu_);
-    grow(device_[round_up(bytes)], round_up(bytes), count, stats_.device_allocations);
+    grow(device_[round_up(bytes)], round_up(bytes), count, stats_.device_allocations, stats_.device_held);
   }
   /// The same for pinned host blocks (host_alloc's pools).
   void reserve_host(std::size_t bytes, std::size_t count) {
     std::lock_guard lk(mem_mu_);
-    grow(host_[round_up(bytes)], round_up(bytes), count, stats_.host_allocations);
+    grow(host_[round_up(bytes)], round_up(bytes), count, stats_.host_allocations, stats_.host_held);
   }
 
   /// Bytes in use, peaks and allocation counts, device and pinned host.
@@ -468,29 +468,30 @@ class Cpu {
     std::size_t reserved = 0;
   };
 
-  std::byte* fresh(Pool& pool, std::size_t size, long long& allocations) {
+  std::byte* fresh(Pool& pool, std::size_t size, long long& allocations, std::size_t& held) {
     owned_.reserve(owned_.size() + 1);  // so the push below cannot throw after the allocation
     auto* p = static_cast<std::byte*>(::operator new(size, std::align_val_t{64}));
     owned_.push_back(p);
     ++pool.blocks;
     ++allocations;
+    held += size;
     return p;
   }
 
-  std::byte* take(std::map<std::size_t, Pool>& pools, std::size_t size, long long& allocations) {
+  std::byte* take(std::map<std::size_t, Pool>& pools, std::size_t size, long long& allocations, std::size_t& held) {
     Pool& pool = pools[size];
     if (!pool.free.empty()) {
       std::byte* p = pool.free.back();
       pool.free.pop_back();
       return p;
     }
-    return fresh(pool, size, allocations);
+    return fresh(pool, size, allocations, held);
   }
 
-  void grow(Pool& pool, std::size_t size, std::size_t count, long long& allocations) {
+  void grow(Pool& pool, std::size_t size, std::size_t count, long long& allocations, std::size_t& held) {
     pool.reserved += count;
     pool.free.reserve(pool.reserved);
-    while (pool.blocks < pool.reserved) pool.free.push_back(fresh(pool, size, allocations));
+    while (pool.blocks < pool.reserved) pool.free.push_back(fresh(pool, size, allocations, held));
   }
 
   Stream& at(int s) {

@@ -684,14 +684,16 @@ class Cuda {
     cuda::require_room("backend::Cuda", opt_.arena_bytes, top_, size);
     std::byte* p = slab_ + top_;
     top_ += size;
+    stats_.device_held = top_;
     return p;
   }
 
   /// A new pinned host block. Portable: a pair of GPUs driven from one process may read each
   /// other's bins.
-  static std::byte* pin(std::size_t size) {
+  std::byte* pin(std::size_t size) {
     void* raw = nullptr;
     PIPEOFFLOAD_CUDA_CHECK(cudaHostAlloc(&raw, size, cudaHostAllocPortable));
+    stats_.host_held += size;
     return static_cast<std::byte*>(raw);
   }
 
