@@ -36,6 +36,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -460,13 +461,64 @@ void refuse_other_run(const Options& o, const Setup& su) {
         "); continue it with --resume, replace it with --overwrite, or choose another directory");
 }
 
+/// Whether this process was started by mpirun for --comm mpi (its own arguments ask for it and
+/// the launcher's environment is there): then a bad argument is told to every rank before any
+/// rank leaves, instead of leaving the others waiting in a collective.
+bool mpi_launch(int argc, char** argv) {
+  bool asked = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    asked = asked || a == "--comm=mpi" || (a == "--comm" && i + 1 < argc && std::string_view(argv[i + 1]) == "mpi");
+  }
+  return asked && (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
+                   std::getenv("PMIX_RANK") != nullptr);
+}
+
+/// FNV-1a of a process's arguments: every rank of an MPI job must be given the same ones.
+std::uint64_t arguments_hash(int argc, char** argv) {
+  std::uint64_t h = po::fnv1a_start;
+  for (int i = 1; i < argc; ++i) h = po::fnv1a(std::string_view(argv[i], std::strlen(argv[i]) + 1), h);
+  return h;
+}
+
+/// The agreement every MPI rank reaches before anything collective can wait forever: each
+/// rank's own checks (`bad`, empty when they passed) and its arguments, which must be rank
+/// 0's. Returns 0 to go on, or the exit status every rank leaves with (2: a bad argument on
+/// some rank, named; the first rank prints it).
+int agree_or_leave(const po::comm::MpiSession& session, const std::string& bad, std::uint64_t args, double timeout) {
+  const po::comm::MpiSession::Agreement a = session.agree(bad, args, timeout);
+  if (a.ok) return 0;
+  if (a.timed_out) {
+    std::fprintf(stderr, "train_gpt: rank %d: %s\n", session.rank(), a.error.c_str());
+    std::fflush(stderr);
+    po::comm::MpiSession::abort_job(2);
+  }
+  if (session.rank() == 0) {
+    if (a.failed == session.size())
+      std::fprintf(stderr, "train_gpt: %s\n", a.error.c_str());
+    else
+      std::fprintf(stderr, "train_gpt: rank %d: %s\n", a.rank, a.error.c_str());
+  }
+  return 2;
+}
+
+/// A process of an MPI job whose arguments or data failed its checks before it could train:
+/// it joins the job only to tell every rank why.
+int refuse_mpi(int& argc, char**& argv, const std::string& why) {
+  const std::uint64_t args = arguments_hash(argc, argv);
+  po::comm::MpiSession session(argc, argv);
+  return agree_or_leave(session, why, args, 60);
+}
+
 int run_mpi(Options& o, const sample::Tokens& tokens, const std::optional<sample::Tokens>& val, int& argc,
             char**& argv) {
+  const std::uint64_t args = arguments_hash(argc, argv);
   po::comm::MpiSession session(argc, argv);
   const int r = session.rank();
   // Every rank decides these from the same arguments and world size, so they all agree.
   if (!o.ranks_given && session.size() % o.dp == 0) o.shape.d = session.size() / o.dp;
   std::string bad;
+  std::optional<Setup> setup;
   if (o.shape.d * o.dp != session.size())
     bad = "--ranks " + std::to_string(o.shape.d) + " x --dp " + std::to_string(o.dp) + " = " +
           std::to_string(o.shape.d * o.dp) + " ranks but mpirun started " + std::to_string(session.size()) +
@@ -477,24 +529,26 @@ int run_mpi(Options& o, const sample::Tokens& tokens, const std::optional<sample
   else {
     try {
       train_gpt::program_of(o);
+      setup.emplace(make_setup(o, tokens, val));
+      refuse_other_run(o, *setup);  // every rank reads the same directory: all refuse alike
     } catch (const std::exception& e) {
       bad = e.what();
     }
   }
-  if (!bad.empty()) {
-    if (r == 0) std::fprintf(stderr, "train_gpt: %s\n", bad.c_str());
-    return 2;
-  }
-  const Setup su = make_setup(o, tokens, val);
-  try {
-    refuse_other_run(o, su);  // every rank reads the same directory: all refuse alike
-  } catch (const std::exception& e) {
-    if (r == 0) std::fprintf(stderr, "train_gpt: %s\n", e.what());
-    return 2;
-  }
+  // Nothing collective before every rank has passed its checks with rank 0's arguments.
+  if (const int status = agree_or_leave(session, bad, args, o.comm_timeout); status != 0) return status;
+  const Setup& su = *setup;
   // dp replicas of a d-rank pipeline: global rank g = replica * d + rank; each process joins
   // its pipeline and its replicas (an abort on either ends the whole job).
-  po::comm::Mpi world({.timeout_seconds = o.comm_timeout});
+  std::optional<po::comm::Mpi> joined;
+  try {
+    joined.emplace(po::comm::Mpi::Options{.timeout_seconds = o.comm_timeout});
+  } catch (const std::exception& e) {  // a request may still be pending: only MPI_Abort ends it
+    std::fprintf(stderr, "train_gpt: rank %d (%s): %s\n", r, session.host().c_str(), e.what());
+    std::fflush(stderr);
+    po::comm::MpiSession::abort_job(1);
+  }
+  po::comm::Mpi& world = *joined;
   po::comm::Mpi comm = world.split(r / o.shape.d, r % o.shape.d);
   po::comm::Mpi replicas = world.split(r % o.shape.d, r / o.shape.d);
   if (r == 0) print_banner(o, su);
@@ -548,6 +602,9 @@ int main(int argc, char** argv) {
                            std::to_string(o.shape.d * o.dp - 1) + "]");
     }
   } catch (const std::exception& e) {
+#ifdef PIPEOFFLOAD_WITH_MPI
+    if (mpi_launch(argc, argv)) return refuse_mpi(argc, argv, e.what());
+#endif
     std::fprintf(stderr, "train_gpt: %s\n", e.what());
     return 2;
   }
@@ -581,6 +638,9 @@ int main(int argc, char** argv) {
       throw bad_argument("the --val-data shard has " + std::to_string(val->size()) +
                          " tokens; it needs at least --seq + 2 = " + std::to_string(seq + 2));
   } catch (const std::exception& e) {
+#ifdef PIPEOFFLOAD_WITH_MPI
+    if (o.mpi) return refuse_mpi(argc, argv, e.what());
+#endif
     std::fprintf(stderr, "train_gpt: %s\n", e.what());
     return 2;
   }

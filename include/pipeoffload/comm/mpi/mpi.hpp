@@ -49,6 +49,7 @@
 #include <source_location>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -111,6 +112,35 @@ class Backoff {
     ::pipeoffload::comm::detail::mpi_check((call), #call, (rank)); \
   } while (0)
 
+namespace detail {
+
+/// MPI_Comm_dup of `parent` (collective over it), waited for at most `timeout` seconds: a
+/// process of `parent` that never constructs its communicator fails the others with a
+/// sentence instead of leaving them in MPI_Comm_dup forever. After a timeout the request is
+/// let go (its handle's memory too) and the job must end.
+inline MPI_Comm dup_within(MPI_Comm parent, int rank, double timeout, const char* who) {
+  auto out = std::make_unique<MPI_Comm>(MPI_COMM_NULL);
+  MPI_Request req = MPI_REQUEST_NULL;
+  PIPEOFFLOAD_MPI_CHECK(rank, MPI_Comm_idup(parent, out.get(), &req));
+  const auto start = std::chrono::steady_clock::now();
+  for (int done = 0, sleep_us = 1;;) {
+    PIPEOFFLOAD_MPI_CHECK(rank, MPI_Test(&req, &done, MPI_STATUS_IGNORE));
+    if (done) return *out;
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout) {
+      (void)out.release();
+      char secs[32];
+      std::snprintf(secs, sizeof secs, "%g", timeout);
+      throw comm_error(std::string(who) + ": rank " + std::to_string(rank) + " waited " + secs +
+                       " s (the timeout) for every process of its parent communicator to construct theirs "
+                       "(MPI_Comm_idup): a process has failed or is elsewhere");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    sleep_us = std::min(sleep_us * 2, 1000);
+  }
+}
+
+}  // namespace detail
+
 /// MPI for the life of a program: MPI_Init_thread with MPI_THREAD_MULTIPLE (unless someone
 /// already initialized MPI) and MPI_Finalize at the end.
 /// @code
@@ -152,6 +182,71 @@ class MpiSession {
   int size() const { return size_; }
   /// This process's host name (MPI_Get_processor_name).
   std::string host() const { return detail::mpi_host(); }
+
+  /// What agree() found: every rank ready (`ok`), or the first rank (lowest) that was not and why.
+  struct Agreement {
+    bool ok = true;          ///< every rank passed its checks and was given rank 0's arguments
+    int rank = -1;           ///< the first rank that failed (or differed); -1 with `ok` or after a timeout
+    std::string error;       ///< that rank's sentence, or what differed, or what timed out
+    int failed = 0;          ///< how many ranks failed their own checks
+    bool timed_out = false;  ///< not every rank reached agree() in time: MPI_Abort is the only way out
+  };
+
+  /// Before anything collective that could wait forever: every process tells every other
+  /// whether its own checks passed (`local_error` empty) and a hash of its arguments, which
+  /// must equal rank 0's. One MPI_Iallgather on MPI_COMM_WORLD, polled for at most
+  /// `timeout_seconds` (> 0). Every rank returns the same Agreement, so all can leave
+  /// normally (MPI_Finalize) when it is not ok, except after a timeout, when a request is
+  /// still pending and the caller must end the job (abort_job). A sentence longer than 1000
+  /// bytes is cut.
+  Agreement agree(std::string_view local_error, std::uint64_t arguments_hash, double timeout_seconds) const {
+    if (!(timeout_seconds > 0))
+      throw comm_error("comm::MpiSession::agree: timeout_seconds = " + std::to_string(timeout_seconds) +
+                       " must be > 0");
+    struct Entry {
+      std::int32_t failed;
+      std::uint64_t hash;
+      char text[1004];
+    };
+    // On the heap: after a timeout the request still writes into them, so they are let go.
+    auto mine = std::make_unique<Entry>();
+    mine->failed = local_error.empty() ? 0 : 1;
+    mine->hash = arguments_hash;
+    local_error.copy(mine->text, std::min(local_error.size(), sizeof mine->text - 1));
+    auto all = std::make_unique<std::vector<Entry>>(static_cast<std::size_t>(size_));
+    MPI_Request req = MPI_REQUEST_NULL;
+    PIPEOFFLOAD_MPI_CHECK(rank_, MPI_Iallgather(mine.get(), sizeof(Entry), MPI_BYTE, all->data(), sizeof(Entry),
+                                                MPI_BYTE, MPI_COMM_WORLD, &req));
+    const auto start = std::chrono::steady_clock::now();
+    for (int done = 0; !done;) {
+      PIPEOFFLOAD_MPI_CHECK(rank_, MPI_Test(&req, &done, MPI_STATUS_IGNORE));
+      if (done) break;
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout_seconds) {
+        (void)mine.release();
+        (void)all.release();
+        char secs[32];
+        std::snprintf(secs, sizeof secs, "%g", timeout_seconds);
+        return {false, -1,
+                "not every process reached the start within " + std::string(secs) +
+                    " s (is every rank the same program, started with the same arguments?)",
+                0, true};
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    const std::vector<Entry>& got = *all;
+    Agreement a;
+    for (int r = 0; r < size_; ++r)
+      if (got[static_cast<std::size_t>(r)].failed && a.failed++ == 0) {
+        a.ok = false;
+        a.rank = r;
+        a.error = got[static_cast<std::size_t>(r)].text;
+      }
+    if (!a.ok) return a;
+    for (int r = 1; r < size_; ++r)
+      if (got[static_cast<std::size_t>(r)].hash != got[0].hash)
+        return {false, r, "it was given other arguments than rank 0; every rank must be given the same ones"};
+    return {};
+  }
 
   /// Ends every process of the job with `code` (MPI_Abort on MPI_COMM_WORLD): the only way
   /// out of a failed job under MPI without fault tolerance, since peers may hold requests that
@@ -224,7 +319,8 @@ class Mpi {
   };
 
   Mpi() : Mpi(Options{}) {}
-  /// Duplicates Options::parent (collective over it); throws comm_error for a timeout <= 0.
+  /// Duplicates Options::parent (collective over it, within the timeout); throws comm_error
+  /// for a timeout <= 0 or when some process of the parent does not construct its own in time.
   explicit Mpi(Options opt) : opt_(opt) {
     if (!(opt.timeout_seconds > 0))
       throw comm_error("comm::Mpi: timeout_seconds = " + std::to_string(opt.timeout_seconds) + " must be > 0");
@@ -236,13 +332,11 @@ class Mpi {
     // Private communicators: our tags cannot meet the program's own MPI traffic, and abort
     // notes travel apart from the data.
     auto state = std::make_shared<detail::MpiAbort>();
-    PIPEOFFLOAD_MPI_CHECK(r, MPI_Comm_dup(opt.parent, &state->notes));
+    state->notes = detail::dup_within(opt.parent, r, opt.timeout_seconds, "comm::Mpi");
     PIPEOFFLOAD_MPI_CHECK(r, MPI_Comm_set_errhandler(state->notes, MPI_ERRORS_RETURN));
     PIPEOFFLOAD_MPI_CHECK(r, MPI_Comm_rank(state->notes, &state->rank));
     PIPEOFFLOAD_MPI_CHECK(r, MPI_Comm_size(state->notes, &state->size));
-    MPI_Comm comm = MPI_COMM_NULL;
-    PIPEOFFLOAD_MPI_CHECK(r, MPI_Comm_dup(opt.parent, &comm));
-    adopt(comm, std::move(state));
+    adopt(detail::dup_within(opt.parent, r, opt.timeout_seconds, "comm::Mpi"), std::move(state));
   }
   Mpi(const Mpi&) = delete;
   Mpi& operator=(const Mpi&) = delete;
