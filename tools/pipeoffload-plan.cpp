@@ -91,6 +91,9 @@ B-to-W stashes; workspace), with a command line that draws it.
   --pcie-gbps P                host<->device GB/s of one device in one direction (Bo), > 0
   --recompute                  recompute LayerNorm, GeLU and dropout (34bsh -> 20bsh per layer)
   --pcie-switch pairs|none     ranks r and r^1 share a PCIe switch (default pairs)
+  --ffn-hidden F               the MLP's inner width (default 4 x --hidden)
+  --swiglu                     Llama-class layers: a SwiGLU MLP (three h x F matrices), RMSNorm,
+                               no biases, no dropout, no position table
   --gradients standard|exact   the runtime's gradient path (default standard); exact adds its
                                128-bit sums, 16 bytes per parameter, and sends them
 
@@ -130,19 +133,20 @@ constexpr std::string_view flags[] = {
     "--out",
     // --auto
     "--auto", "--recompute", "--layers", "--heads", "--query-groups", "--global-batch", "--vocab", "--device-mem-gib",
-    "--host-mem-gib", "--pcie-switch", "--gradients",
+    "--host-mem-gib", "--pcie-switch", "--gradients", "--ffn-hidden", "--swiglu",
     // --auto, data parallelism
     "--dp", "--search-dp", "--gpus", "--zero", "--dp-gbps", "--gpus-per-node", "--node-layout"};
 /// Flags that take no value.
-constexpr std::string_view switches[] = {"--auto", "--recompute", "--search-dp"};
+constexpr std::string_view switches[] = {"--auto", "--recompute", "--search-dp", "--swiglu"};
 /// The data-parallel flags (any of them shows the grid in the report).
 constexpr std::string_view grid_flags[] = {"--dp",      "--search-dp",     "--gpus",       "--zero",
                                            "--dp-gbps", "--gpus-per-node", "--node-layout"};
 /// Flags only --auto reads, and flags --auto does not take.
-constexpr std::string_view auto_only[] = {
-    "--recompute",      "--layers",       "--heads",         "--query-groups", "--global-batch", "--vocab",
-    "--device-mem-gib", "--host-mem-gib", "--pcie-switch",   "--dp",           "--search-dp",    "--gpus",
-    "--zero",           "--dp-gbps",      "--gpus-per-node", "--node-layout",  "--gradients"};
+constexpr std::string_view auto_only[] = {"--recompute",    "--layers",     "--heads",          "--query-groups",
+                                          "--global-batch", "--vocab",      "--device-mem-gib", "--host-mem-gib",
+                                          "--pcie-switch",  "--dp",         "--search-dp",      "--gpus",
+                                          "--zero",         "--dp-gbps",    "--gpus-per-node",  "--node-layout",
+                                          "--gradients",    "--ffn-hidden", "--swiglu"};
 constexpr std::string_view not_auto[] = {"--schedule", "--import",         "--chunks",   "--microbatches",
                                          "--group",    "--offload-chunks", "--k",        "--cost-f",
                                          "--cost-b",   "--cost-w",         "--cost-comm"};
@@ -557,6 +561,8 @@ AutoRequest interpret_auto(const Args& args) {
   m.global_batch = need("--global-batch", "sequences per iteration", 1, 1 << 24);
   m.vocab = need("--vocab", "vocabulary size", 1, 1 << 24);
   m.recompute = find(args, "--recompute") != nullptr;
+  m.swiglu = find(args, "--swiglu") != nullptr;
+  if (find(args, "--ffn-hidden")) m.ffn_hidden = need("--ffn-hidden", "the MLP's inner width", 1, 1 << 22);
   if (m.query_groups > m.heads || m.heads % m.query_groups != 0)
     throw bad_argument("--query-groups must divide --heads (" + num(m.heads) + "), got " + quoted(num(m.query_groups)));
   if (m.hidden % m.heads != 0)

@@ -779,3 +779,55 @@ TEST_CASE("a data-parallel plan is constexpr too") {
   static_assert(tiny_grid_plan());
   CHECK(tiny_grid_plan());
 }
+
+TEST_CASE("Llama-class layers: Llama-3-8B and 70B parameter counts, and a SwiGLU layer's bytes and FLOPs") {
+  // Meta's published sizes: 8,030,261,248 and 70,553,706,496 parameters (untied 128256 x h
+  // embedding and head, RMSNorms, no biases).
+  const auto total = [](const TransformerSpec& m) {
+    double p = 0;
+    for (const StageContent& c : stage_layout(m, 1)) p += stage_parameters(m, c);
+    return p;
+  };
+  TransformerSpec l8{.layers = 32,
+                     .hidden = 4096,
+                     .heads = 32,
+                     .query_groups = 8,
+                     .vocab = 128256,
+                     .ffn_hidden = 14336,
+                     .swiglu = true};
+  TransformerSpec l70{.layers = 80,
+                      .hidden = 8192,
+                      .heads = 64,
+                      .query_groups = 8,
+                      .vocab = 128256,
+                      .ffn_hidden = 28672,
+                      .swiglu = true};
+  CHECK(layer_parameters(l8) == 218112000.0);
+  CHECK(total(l8) == 8030261248.0);
+  CHECK(total(l70) == 70553706496.0);
+  // Per token of one layer, with recompute (e = 2): norm 1 in, Q, attention out, norm 2 in (4h),
+  // K and V (2 x 1024), gate and up (2f); without: norm outputs (2h) and the product (f) too.
+  const double T = 4096, h = 4096, f = 14336;
+  l8.recompute = true;
+  CHECK(activation_bytes_per_layer(l8) == 2 * T * (4 * h + 2048 + 2 * f));
+  l8.recompute = false;
+  CHECK(activation_bytes_per_layer(l8) == 2 * T * (4 * h + 2048 + 2 * f + 2 * h + f));
+  // Linear FLOPs: QKV (h x 6144), projection, gate, up and down.
+  CHECK(layer_linear_flops(l8) == 2 * T * h * (6144 + h + 3 * f));
+  // The stash holds fc1's (gate and up) output gradient: 2f where GPT's holds f.
+  CHECK(stage_stash_bytes(l8, {1, false, false}) == 2 * T * (4 * h + 6144 + 2 * f));
+  // --ffn-hidden 4h on a GPT layer is the default.
+  TransformerSpec g{.hidden = 1024, .heads = 16};
+  TransformerSpec g4 = g;
+  g4.ffn_hidden = 4096;
+  CHECK(layer_parameters(g4) == layer_parameters(g));
+  CHECK(activation_bytes_per_layer(g4) == activation_bytes_per_layer(g));
+  CHECK(layer_linear_flops(g4) == layer_linear_flops(g));
+  // A Llama-class model's plan counts its larger layers (the 24 % more than a GPT layer).
+  const MachineSpec x{.ranks = 8};
+  TransformerSpec gpt8 = l8;
+  gpt8.swiglu = false;
+  gpt8.ffn_hidden = 0;
+  gpt8.vocab = 128256;
+  CHECK(detail::make_layout(l8, x, {}, 1).model_state[1] > 1.2 * detail::make_layout(gpt8, x, {}, 1).model_state[1]);
+}

@@ -134,6 +134,12 @@ def main():
     check(len(stash) == len(std.get("peak_device_bytes", [])) and all(x > 0 for x in stash),
           f"stash_peak_bytes {stash}: one positive entry per rank")
 
+    # ---- Llama-class layers: --swiglu with its own --ffn-hidden holds more per rank ----------------
+    h = int(SMALL["--hidden"])
+    llama, _ = plan(SMALL, "--swiglu", "--ffn-hidden", str(h * 7 // 2))
+    a, b = sum(std.get("model_state_bytes", [])), sum(llama.get("model_state_bytes", []))
+    check(b > 1.1 * a, f"--swiglu --ffn-hidden {h * 7 // 2}: model state {b} over all ranks, not above GPT's {a}")
+
     # ---- bad input: exit 2, one line on stderr naming the flag ------------------------------------
     bad = []
     for flag in ("--layers", "--hidden", "--heads", "--query-groups", "--seq", "--micro-batch", "--global-batch",
@@ -153,6 +159,9 @@ def main():
         ({**SMALL, "--ranks": "17"}, [], "ranks"),
         ({**SMALL, "--pcie-switch": "maybe"}, [], "--pcie-switch"),
         ({**SMALL, "--gradients": "fast"}, [], "--gradients"),
+        ({**SMALL, "--ffn-hidden": "0"}, [], "--ffn-hidden"),
+        ({**SMALL, "--ffn-hidden": "x"}, [], "--ffn-hidden"),
+        (SMALL, ["--swiglu=1"], "--swiglu"),
         (SMALL, ["--recompute=1"], "--recompute"),
         (SMALL, ["--schedule", "gis"], "--schedule"),
         (SMALL, ["--chunks", "2"], "--chunks"),

@@ -43,6 +43,10 @@
 // F + B + W = 3P + 12bs^2h, which for MHA is the paper's 72bsh^2 + 12bs^2h = 12bsh(6h + s).
 // k = round-trip copy time / compute time = (2A / Bo) / ((F+B+W) / Bc); for MHA with A = 20bsh
 // it is the paper's k = 10/(3(6h+s)) * Bc/Bo.
+// The MLP's width f (ffn_hidden) replaces 4h above. A Llama-class layer (swiglu) keeps its gate
+// and up outputs (2f) where GPT keeps fc1's, recomputes their product (f, fc2's input), has no
+// dropout masks, RMSNorms of one weight, no linear biases and no position table; its MLP costs
+// 6bshf (three h x f multiplies) where GPT's costs 4bshf.
 //
 // The embedding and the LM head (vocab_stages): stage 0 also holds the word and position
 // embeddings and stage S-1 the final LayerNorm and the LM head (weights tied to the word
@@ -76,14 +80,20 @@ inline constexpr double gib = 1024.0 * 1024.0 * 1024.0;
 ///   double a = pipeoffload::activation_bytes_per_layer(m);   // 31bsh at s = 4096, b = 1
 /// @endcode
 struct TransformerSpec {
-  int layers = 32;           ///< transformer layers
-  int hidden = 4096;         ///< h: hidden size
-  int heads = 32;            ///< a: attention heads (head size h/a)
-  int query_groups = 32;     ///< G; = heads is multi-head attention, fewer is grouped-query attention
-  int seq = 4096;            ///< s: tokens per sequence
-  int micro_batch = 1;       ///< b: sequences per microbatch
-  int global_batch = 32;     ///< sequences per iteration (all replicas)
-  int vocab = 51200;         ///< V: vocabulary size
+  int layers = 32;        ///< transformer layers
+  int hidden = 4096;      ///< h: hidden size
+  int heads = 32;         ///< a: attention heads (head size h/a)
+  int query_groups = 32;  ///< G; = heads is multi-head attention, fewer is grouped-query attention
+  int seq = 4096;         ///< s: tokens per sequence
+  int micro_batch = 1;    ///< b: sequences per microbatch
+  int global_batch = 32;  ///< sequences per iteration (all replicas)
+  int vocab = 51200;      ///< V: vocabulary size
+  /// f: the MLP's inner width; 0 means 4h (GPT's). Llama-3-8B's is 14336.
+  int ffn_hidden = 0;
+  /// A Llama-class layer: a gated SwiGLU MLP (gate and up h x f, down f x h), RMSNorm (one
+  /// weight vector per norm), no linear biases and no dropout. false: GPT's layer (GeLU MLP
+  /// h x f and f x h with biases, LayerNorm, dropout).
+  bool swiglu = false;
   int dtype_bytes = 2;       ///< bf16 activations and weights
   bool recompute = false;    ///< recompute LayerNorm, GeLU and dropout in backward (34bsh -> 20bsh)
   bool vocab_stages = true;  ///< stage 0 holds the embedding, stage S-1 the LM head (one layer slot each)
@@ -225,6 +235,7 @@ constexpr void check_model(const TransformerSpec& m) {
   detail::require_range("model: microbatch size", m.micro_batch, 1, 1 << 16);
   detail::require_range("model: global batch", m.global_batch, 1, 1 << 24);
   detail::require_range("model: vocabulary", m.vocab, 1, 1 << 24);
+  detail::require_range("model: MLP width (0 = 4h)", m.ffn_hidden, 0, 1 << 22);
   detail::require_range("model: dtype bytes", m.dtype_bytes, 1, 8);
   if (m.hidden % m.heads != 0)
     throw shape_error("model: hidden size " + detail::num(m.hidden) + " must be a multiple of the heads " +
@@ -253,21 +264,34 @@ constexpr void check_machine(const MachineSpec& x) {
 /// b*s*h of a model (the unit the paper counts activation bytes in).
 constexpr double bsh(const TransformerSpec& m) { return static_cast<double>(m.micro_batch) * m.seq * m.hidden; }
 
-/// Saved activation bytes of one transformer layer for one microbatch (header comment).
+/// f, the MLP's inner width: TransformerSpec::ffn_hidden, or 4h when it is 0.
+constexpr double ffn_width(const TransformerSpec& m) {
+  return m.ffn_hidden > 0 ? static_cast<double>(m.ffn_hidden) : 4.0 * m.hidden;
+}
+
+/// Width of the MLP's first projection's output: f (GPT), or 2f (SwiGLU's gate and up).
+constexpr double fc1_width(const TransformerSpec& m) { return (m.swiglu ? 2.0 : 1.0) * ffn_width(m); }
+
+/// Width of the QKV projection's output: h + 2 G h/a.
+constexpr double qkv_width(const TransformerSpec& m) {
+  return m.hidden + 2.0 * static_cast<double>(m.hidden / m.heads) * m.query_groups;
+}
+
+/// Saved activation bytes of one transformer layer for one microbatch (header comment; a
+/// SwiGLU layer keeps its gate and up outputs, 2f, instead of fc1's f, and has no dropout).
 constexpr double activation_bytes_per_layer(const TransformerSpec& m) {
-  const double b = m.micro_batch, s = m.seq, h = m.hidden, e = m.dtype_bytes;
-  const double kv = 2.0 * b * s * (static_cast<double>(m.hidden / m.heads) * m.query_groups);  // K and V elements
-  const double kept =
-      e * (4 * b * s * h + 4 * b * s * h + kv);  // LN1 in, Q, attn out, LN2 in (4 x h), fc1 out (4h); K, V
-  const double dropped = e * (2 * b * s * h + 4 * b * s * h) + 2 * b * s * h;  // LN outputs, GeLU output; masks
+  const double T = static_cast<double>(m.micro_batch) * m.seq, h = m.hidden, e = m.dtype_bytes;
+  const double kv = qkv_width(m) - h;                       // K and V elements per token
+  const double kept = e * T * (4 * h + kv + fc1_width(m));  // norm 1 in, Q, attention out, norm 2 in; K, V; fc1 out
+  const double dropped = e * T * (2 * h + ffn_width(m)) + (m.swiglu ? 0.0 : 2 * T * h);  // norm outs, fc2 in; masks
   return m.recompute ? kept : kept + dropped;
 }
 
 /// FLOPs of the linear layers of one transformer layer's forward for one microbatch (P above).
 constexpr double layer_linear_flops(const TransformerSpec& m) {
-  const double b = m.micro_batch, s = m.seq, h = m.hidden;
-  const double kv = 2.0 * static_cast<double>(m.hidden / m.heads) * m.query_groups;  // K and V output width
-  return 2 * b * s * h * (h + kv) + 2 * b * s * h * h + 16 * b * s * h * h;
+  const double T = static_cast<double>(m.micro_batch) * m.seq, h = m.hidden;
+  const double mlp = 2 * T * h * (fc1_width(m) + ffn_width(m));  // fc1 (or gate and up) and fc2 (down)
+  return 2 * T * h * qkv_width(m) + 2 * T * h * h + mlp;
 }
 
 /// FLOPs of one transformer layer's F, B and W for one microbatch.
@@ -296,11 +320,13 @@ constexpr double copy_ratio(const TransformerSpec& m, const MachineSpec& x) {
   return (2 * activation_bytes_per_layer(m) / x.pcie_bytes_per_s) / (layer_flops(m).total() / x.flops);
 }
 
-/// Parameters of one transformer layer: QKV, projection, two MLP linears (weights and
-/// biases) and two LayerNorms.
+/// Parameters of one transformer layer: QKV, projection and the MLP's linears (with biases
+/// and two LayerNorms of two vectors each for GPT; without biases and with two RMSNorms of one
+/// vector for SwiGLU).
 constexpr double layer_parameters(const TransformerSpec& m) {
-  const double h = m.hidden, qkv = h + 2.0 * static_cast<double>(m.hidden / m.heads) * m.query_groups;
-  return h * qkv + qkv + h * h + h + h * 4 * h + 4 * h + 4 * h * h + h + 4 * h;
+  const double h = m.hidden, qkv = qkv_width(m), f = ffn_width(m);
+  if (m.swiglu) return h * qkv + h * h + 3 * h * f + 2 * h;
+  return h * qkv + qkv + h * h + h + h * f + f + f * h + h + 4 * h;
 }
 
 /// What stage s of S holds: its transformer layers and whether it carries the embedding or the
@@ -348,23 +374,24 @@ constexpr double stage_activation_bytes(const TransformerSpec& m, const StageCon
 
 /// Bytes one B of a stage leaves for its W (alive from the B's start to the W's end; a fused
 /// BW holds them while it runs), per microbatch: for each layer, the gradient of every linear
-/// layer's output and of each LayerNorm's output (projection h, fc1 4h, LayerNorm 2 h, fc2 h,
-/// QKV h + 2G*hd, LayerNorm 1 h: 22bsh for MHA in bf16); the embedding's output gradient (bsh)
+/// layer's output and of each norm's output (projection h, fc1 f or 2f, norm 2 h, fc2 h,
+/// QKV h + 2G*hd, norm 1 h: 22bsh for GPT's MHA layer in bf16); the embedding's output gradient (bsh)
 /// and the head LayerNorm's output gradient (bsh). cuda::GptStage's stash (models/gpt/
 /// cuda_layout.hpp) is this layout; tests/plan/test_plan.cpp holds the two together.
 constexpr double stage_stash_bytes(const TransformerSpec& m, const StageContent& c) {
-  const double T = static_cast<double>(m.micro_batch) * m.seq, h = m.hidden,
-               qkv = h + 2.0 * static_cast<double>(m.hidden / m.heads) * m.query_groups;
-  const double per_layer = 8 * h + qkv;
+  const double T = static_cast<double>(m.micro_batch) * m.seq, h = m.hidden;
+  const double per_layer = 4 * h + qkv_width(m) + fc1_width(m);
   return m.dtype_bytes * T * (c.layers * per_layer + (c.embedding ? h : 0.0) + (c.head ? h : 0.0));
 }
 
-/// Parameters of one stage.
+/// Parameters of one stage: its layers; the word embedding (and GPT's position table) on the
+/// first; the LM head (V x h, untied or Megatron's tied copy: the same bytes on that stage) and
+/// the final norm on the last.
 constexpr double stage_parameters(const TransformerSpec& m, const StageContent& c) {
   const double h = m.hidden, V = m.vocab;
   double p = c.layers * layer_parameters(m);
-  if (c.embedding) p += V * h + static_cast<double>(m.seq) * h;  // word and position embeddings
-  if (c.head) p += V * h + 2 * h;                                // tied LM head copy, final LayerNorm
+  if (c.embedding) p += V * h + (m.swiglu ? 0.0 : static_cast<double>(m.seq) * h);  // RoPE has no table
+  if (c.head) p += V * h + (m.swiglu ? h : 2 * h);
   return p;
 }
 
@@ -382,11 +409,11 @@ constexpr PassFlops stage_flops(const TransformerSpec& m, const StageContent& c)
   return x;
 }
 
-/// Transient device bytes of one pass of a stage, beyond the saved activations: the MLP's 4h
-/// intermediate and its gradient for a layer; the bf16 logits and their fp32 gradient for the
+/// Transient device bytes of one pass of a stage, beyond the saved activations: the MLP's fc1
+/// output and its gradient for a layer; the bf16 logits and their fp32 gradient for the
 /// LM head.
 constexpr double stage_transient_bytes(const TransformerSpec& m, const StageContent& c) {
-  double x = c.layers > 0 ? 2.0 * 4 * bsh(m) * m.dtype_bytes : 0.0;
+  double x = c.layers > 0 ? 2.0 * fc1_width(m) / m.hidden * bsh(m) * m.dtype_bytes : 0.0;
   if (c.head) x = std::max(x, (m.dtype_bytes + 4.0) * m.micro_batch * m.seq * m.vocab);
   return x;
 }
