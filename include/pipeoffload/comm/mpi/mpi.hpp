@@ -114,6 +114,27 @@ class Backoff {
 
 namespace detail {
 
+/// Polls `req` until it completes (true) or `timeout` seconds have passed (false: the request
+/// is still pending, so whatever it reads or writes must stay alive and the job must end).
+/// The waits before any comm::Mpi exists: they have no abort notes to watch.
+inline bool test_within(MPI_Request& req, int rank, double timeout) {
+  const auto start = std::chrono::steady_clock::now();
+  for (int done = 0, sleep_us = 1;;) {
+    PIPEOFFLOAD_MPI_CHECK(rank, MPI_Test(&req, &done, MPI_STATUS_IGNORE));
+    if (done) return true;
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    sleep_us = std::min(sleep_us * 2, 1000);
+  }
+}
+
+/// `seconds` as the messages print it ("%g").
+inline std::string seconds_text(double seconds) {
+  char out[32];
+  std::snprintf(out, sizeof out, "%g", seconds);
+  return out;
+}
+
 /// MPI_Comm_dup of `parent` (collective over it), waited for at most `timeout` seconds: a
 /// process of `parent` that never constructs its communicator fails the others with a
 /// sentence instead of leaving them in MPI_Comm_dup forever. After a timeout the request is
@@ -122,21 +143,11 @@ inline MPI_Comm dup_within(MPI_Comm parent, int rank, double timeout, const char
   auto out = std::make_unique<MPI_Comm>(MPI_COMM_NULL);
   MPI_Request req = MPI_REQUEST_NULL;
   PIPEOFFLOAD_MPI_CHECK(rank, MPI_Comm_idup(parent, out.get(), &req));
-  const auto start = std::chrono::steady_clock::now();
-  for (int done = 0, sleep_us = 1;;) {
-    PIPEOFFLOAD_MPI_CHECK(rank, MPI_Test(&req, &done, MPI_STATUS_IGNORE));
-    if (done) return *out;
-    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout) {
-      (void)out.release();
-      char secs[32];
-      std::snprintf(secs, sizeof secs, "%g", timeout);
-      throw comm_error(std::string(who) + ": rank " + std::to_string(rank) + " waited " + secs +
-                       " s (the timeout) for every process of its parent communicator to construct theirs "
-                       "(MPI_Comm_idup): a process has failed or is elsewhere");
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
-    sleep_us = std::min(sleep_us * 2, 1000);
-  }
+  if (test_within(req, rank, timeout)) return *out;
+  (void)out.release();
+  throw comm_error(std::string(who) + ": rank " + std::to_string(rank) + " waited " + seconds_text(timeout) +
+                   " s (the timeout) for every process of its parent communicator to construct theirs "
+                   "(MPI_Comm_idup): a process has failed or is elsewhere");
 }
 
 }  // namespace detail
@@ -217,21 +228,13 @@ class MpiSession {
     MPI_Request req = MPI_REQUEST_NULL;
     PIPEOFFLOAD_MPI_CHECK(rank_, MPI_Iallgather(mine.get(), sizeof(Entry), MPI_BYTE, all->data(), sizeof(Entry),
                                                 MPI_BYTE, MPI_COMM_WORLD, &req));
-    const auto start = std::chrono::steady_clock::now();
-    for (int done = 0; !done;) {
-      PIPEOFFLOAD_MPI_CHECK(rank_, MPI_Test(&req, &done, MPI_STATUS_IGNORE));
-      if (done) break;
-      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout_seconds) {
-        (void)mine.release();
-        (void)all.release();
-        char secs[32];
-        std::snprintf(secs, sizeof secs, "%g", timeout_seconds);
-        return {false, -1,
-                "not every process reached the start within " + std::string(secs) +
-                    " s (is every rank the same program, started with the same arguments?)",
-                0, true};
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (!detail::test_within(req, rank_, timeout_seconds)) {
+      (void)mine.release();
+      (void)all.release();
+      return {false, -1,
+              "not every process reached the start within " + detail::seconds_text(timeout_seconds) +
+                  " s (is every rank the same program, started with the same arguments?)",
+              0, true};
     }
     const std::vector<Entry>& got = *all;
     Agreement a;
