@@ -1,5 +1,6 @@
 // samples/tokens.hpp: the token ids train_gpt trains on: the bytes of a text corpus (a
-// byte-level tokenizer, vocab 256), or a token shard file, memory-mapped.
+// byte-level tokenizer, vocab 256), or a token shard file, read whole into memory (so a file
+// truncated while training cannot take the process down, as a mapping would with SIGBUS).
 //
 // A token shard is the layout of llm.c's .bin files (nanoGPT's prepared data plus a header):
 //   header: 256 little-endian int32
@@ -13,7 +14,6 @@
 #pragma once
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -22,6 +22,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "cli.hpp"
 
@@ -30,6 +31,40 @@ namespace sample {
 inline constexpr std::int32_t shard_magic_u16 = 20240520, shard_magic_u32 = 20240801;
 inline constexpr std::int32_t shard_version_u16 = 1, shard_version_u32 = 7;
 inline constexpr std::size_t shard_header_bytes = 256 * sizeof(std::int32_t);
+inline constexpr long long max_vocab = 1LL << 20;  ///< the largest vocabulary (--vocab's range)
+
+/// The whole of the regular file `path`, whose role `what` names it in messages ("the token
+/// shard", "--import"). Opened without blocking, so a FIFO or a device is refused instead of
+/// waiting forever; throws bad_argument with one sentence naming the file.
+inline std::string read_regular_file(const std::string& path, const std::string& what) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) throw bad_argument("cannot read " + what + " '" + path + "': " + std::strerror(errno));
+  struct stat st{};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    const bool dir = S_ISDIR(st.st_mode);
+    ::close(fd);
+    throw bad_argument(what + " '" + path + "' is " +
+                       (dir ? "a directory" : "not a regular file (a FIFO, socket or device)") + "; give a file");
+  }
+  std::string out;
+  out.resize(static_cast<std::size_t>(st.st_size));
+  std::size_t off = 0;
+  for (;;) {  // to the end, whatever the size said (the file may change under us)
+    if (off == out.size()) out.resize(out.size() + 65536);
+    const ::ssize_t n = ::read(fd, out.data() + off, out.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const std::string why = std::strerror(errno);
+      ::close(fd);
+      throw bad_argument("cannot read " + what + " '" + path + "': " + why);
+    }
+    if (n == 0) break;
+    off += static_cast<std::size_t>(n);
+  }
+  ::close(fd);
+  out.resize(off);
+  return out;
+}
 
 /// Token ids by index, from a text's bytes or a mapped shard (cheap to copy: the storage is shared).
 class Tokens {
@@ -46,23 +81,17 @@ class Tokens {
     return t;
   }
 
-  /// A token shard (see the file comment), memory-mapped and checked: magic and version, a
-  /// size that matches the header's count, and every id below the vocabulary (`vocab`, when
-  /// the header leaves it 0). Throws bad_argument with one sentence naming the file.
+  /// A token shard (see the file comment), read and checked: magic and version, a size that
+  /// matches the header's count, a header vocabulary in [2, 1048576] (or `vocab`, when the
+  /// header leaves it 0), and every id below the vocabulary. Throws bad_argument with one
+  /// sentence naming the file.
   static Tokens from_shard(const std::string& path, long long vocab = 0) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw bad_argument("cannot read the token shard '" + path + "': " + std::strerror(errno));
-    struct stat st{};
-    if (::fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(shard_header_bytes)) {
-      ::close(fd);
+    auto owned = std::make_shared<std::string>(read_regular_file(path, "the token shard"));
+    const std::size_t bytes = owned->size();
+    if (bytes < shard_header_bytes)
       throw bad_argument("the token shard '" + path + "' is shorter than its " + std::to_string(shard_header_bytes) +
-                         "-byte header");
-    }
-    const auto bytes = static_cast<std::size_t>(st.st_size);
-    void* p = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
-    ::close(fd);
-    if (p == MAP_FAILED) throw bad_argument("cannot map the token shard '" + path + "': " + std::strerror(errno));
-    auto map = std::shared_ptr<void>(p, [bytes](void* q) { ::munmap(q, bytes); });
+                         "-byte header (" + std::to_string(bytes) + " bytes)");
+    const char* p = owned->data();
     std::int32_t h[4];
     std::memcpy(h, p, sizeof h);
     Tokens t;
@@ -87,12 +116,15 @@ class Tokens {
     if (h[3] > 0 && vocab > 0 && vocab != h[3])
       throw bad_argument("--vocab " + std::to_string(vocab) + " but the token shard '" + path + "' says " +
                          std::to_string(h[3]));
+    if (h[3] == 1 || h[3] > max_vocab)
+      throw bad_argument("the token shard '" + path + "' has vocabulary " + std::to_string(h[3]) +
+                         " in its header, outside [2, " + std::to_string(max_vocab) + "] (0: not given)");
     t.vocab_ = h[3] > 0 ? h[3] : vocab;
     if (t.vocab_ <= 0)
       throw bad_argument("the token shard '" + path +
                          "' does not give its vocabulary size (header word 3 is 0); pass --vocab V");
-    t.base_ = static_cast<const unsigned char*>(p) + shard_header_bytes;
-    t.keep_ = std::move(map);
+    t.base_ = reinterpret_cast<const unsigned char*>(p) + shard_header_bytes;
+    t.keep_ = std::move(owned);
     for (std::size_t i = 0; i < t.size_; ++i)
       if (t[i] >= static_cast<std::uint64_t>(t.vocab_))
         throw bad_argument("the token shard '" + path + "' has token id " + std::to_string(t[i]) + " at position " +
@@ -129,7 +161,7 @@ class Tokens {
   std::size_t size_ = 0;
   int width_ = 1;
   long long vocab_ = 256;
-  std::shared_ptr<const void> keep_;  // the text or the mapping
+  std::shared_ptr<const void> keep_;  // the text or the shard's bytes
 };
 
 }  // namespace sample

@@ -29,17 +29,20 @@
 #endif
 #endif
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <csignal>
 #include <thread>
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
+#include <filesystem>
 #include <functional>
-#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -50,6 +53,7 @@
 #include <string_view>
 #include <vector>
 
+#include "train_gpt_memory.hpp"
 #include "train_gpt_options.hpp"
 #include "train_gpt_report.hpp"
 
@@ -91,6 +95,31 @@ struct Stage : po::model::GptStage {
   int forwards_ = 0;
 };
 
+/// The first SIGINT or SIGTERM (0: none): every rank stops at the end of the step in which its
+/// process saw it (after saving a checkpoint when checkpointing is on) and the run exits
+/// 128 + the signal. A second signal ends the process at once, as if there were no handler.
+std::atomic<int> stop_signal{0};
+
+extern "C" void on_stop_signal(int sig) {
+  int none = 0;
+  if (!stop_signal.compare_exchange_strong(none, sig)) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+    return;
+  }
+  static constexpr char note[] =
+      "train_gpt: signal received: stopping at the end of this step (a second one ends the run at once)\n";
+  [[maybe_unused]] const ::ssize_t n = ::write(STDERR_FILENO, note, sizeof note - 1);
+}
+
+void catch_stop_signals() {
+  struct sigaction sa{};
+  sa.sa_handler = on_stop_signal;
+  sa.sa_flags = SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGINT, SIGTERM}) ::sigaction(sig, &sa, nullptr);
+}
+
 /// Every rank's `mine`, whatever their lengths (a collective: every rank calls it): the
 /// lengths first, then the values padded to the longest.
 template <class T, class Comm>
@@ -116,8 +145,9 @@ std::vector<std::vector<T>> gather_ragged(Comm& comm, std::span<const T> mine) {
 /// and its GPUs' driver (--backend cuda --comm threads: NcclWorld::host_barrier) after each
 /// rank has made its allocations and before its first NCCL kernel: once before the handshake
 /// (the stages are built) and once before the first step (the runtime and optimizer are).
+/// Returns 0, or 128 + the signal when a stop signal ended the run early (stop_signal).
 template <class Comm, class Device, class Layer>
-void train_rank(
+int train_rank(
     const Options& o, const Setup& su, Comm& comm, Comm& replicas, Device& dev, std::vector<Layer>& mine,
     std::chrono::steady_clock::time_point t_start, po::PairLink<Device>* pair = nullptr,
     const std::function<void()>& barrier = [] {}) {
@@ -136,7 +166,7 @@ void train_rank(
   barrier();
   int first = 0;
   if (!o.resume.empty()) {
-    const po::CheckpointInfo info = po::load_checkpoint(o.resume, rt, opt, su.config_hash);
+    const po::CheckpointInfo info = po::load_checkpoint(o.resume, rt, opt, su.config_hash, su.config);
     first = opt.steps_taken();
     if (info.data_position != first || info.rng_seed != o.seed)
       throw po::checkpoint_error("checkpoint: " + o.resume + " has data position " +
@@ -186,13 +216,41 @@ void train_rank(
     step_traffic = replicas.traffic().total();
     tokens_seconds += st.seconds;
     final_loss = st.loss;
-    const std::size_t my[3] = {st.memory.peak_of(po::backend::Memory::activation), st.memory.total_peak,
-                               st.memory.host_peak};
-    std::vector<std::size_t> now(peaks.size());
+    // The peaks, and whether a stop signal came (the largest signal number any rank saw):
+    // every rank of every replica decides from the same value.
+    const std::size_t my[4] = {st.memory.peak_of(po::backend::Memory::activation), st.memory.total_peak,
+                               st.memory.host_peak, static_cast<std::size_t>(stop_signal.load())};
+    std::vector<std::size_t> now(4 * static_cast<std::size_t>(sh.d));
     comm.all_gather(std::span<const std::size_t>(my), std::span(now));
-    for (std::size_t i = 0; i < peaks.size(); ++i) peaks[i] = std::max(peaks[i], now[i]);
-    if (o.checkpoint_every > 0 && (step + 1) % o.checkpoint_every == 0)
-      po::save_checkpoint(o.checkpoint_dir, rt, opt, {su.config_hash, o.seed, static_cast<std::int64_t>(step + 1)});
+    std::size_t stop = 0;
+    for (std::size_t q = 0; q < now.size(); ++q) {
+      if (q % 4 == 3)
+        stop = std::max(stop, now[q]);
+      else
+        peaks[q / 4 * 3 + q % 4] = std::max(peaks[q / 4 * 3 + q % 4], now[q]);
+    }
+    if (o.dp > 1) {
+      std::vector<std::size_t> stops(static_cast<std::size_t>(o.dp));
+      replicas.all_gather(std::span<const std::size_t>(&stop, 1), std::span(stops));
+      stop = *std::max_element(stops.begin(), stops.end());
+    }
+    const bool save = o.checkpoint_every > 0 && ((step + 1) % o.checkpoint_every == 0 || stop != 0);
+    if (save)
+      po::save_checkpoint(o.checkpoint_dir, rt, opt,
+                          {su.config_hash, o.seed, static_cast<std::int64_t>(step + 1), su.config});
+    if (stop != 0) {
+      if (lead) {
+        std::fprintf(stderr, "train_gpt: stopped by %s after step %d of %d; %s\n",
+                     stop == SIGINT ? "SIGINT" : "SIGTERM", step + 1, o.steps,
+                     save ? ("checkpoint saved in " +
+                             (std::filesystem::path(o.checkpoint_dir) / po::checkpoint::step_name(step + 1)).string() +
+                             " (continue with --resume " + o.checkpoint_dir + ")")
+                                .c_str()
+                          : "no checkpoint saved (--checkpoint-every was not given)");
+        std::fflush(stderr);
+      }
+      return static_cast<int>(128 + stop);
+    }
     if (o.eval_every > 0 && ((step + 1) % o.eval_every == 0 || step + 1 == o.steps)) {
       // The same held-out sequences every time: m microbatches from the held-out tokens.
       const std::size_t held_out = su.held_end - su.held_begin;
@@ -273,6 +331,7 @@ void train_rank(
   std::vector<double> all_done(static_cast<std::size_t>(sh.d)), replicas_done(static_cast<std::size_t>(o.dp));
   replicas.all_gather(std::span<const double>(&done, 1), std::span(replicas_done));
   comm.all_gather(std::span<const double>(&done, 1), std::span(all_done));
+  return 0;
 }
 
 /// Rank r's link with its PCIe partner r^1 (links[p] joins ranks 2p and 2p+1), or null.
@@ -374,6 +433,7 @@ int run_cuda_threads(const Options& o, Setup su) {
   std::vector<std::unique_ptr<po::PairLink<po::backend::Cuda>>> links;
   for (int p = 0; paired && 2 * p + 1 < need; ++p) links.push_back(std::make_unique<po::PairLink<po::backend::Cuda>>());
   const auto t_start = std::chrono::steady_clock::now();
+  std::atomic<int> stopped{0};
   const auto errors = po::run_thread_ranks(*world, [&](int g) {
     const int r = g % o.shape.d, j = g / o.shape.d;
     po::backend::Cuda dev(cuda_options(o, su, devices[static_cast<std::size_t>(g)], g, r));
@@ -381,9 +441,9 @@ int run_cuda_threads(const Options& o, Setup su) {
     po::comm::Nccl comm(pipe_world, pipe_world->rank(), dev);
     po::comm::Nccl replicas(reps_world, reps_world->rank(), dev);
     std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, r);
-    train_rank(o, su, comm, replicas, dev, mine, t_start, link_of(links, g), [&] { world->host_barrier(); });
+    stopped = train_rank(o, su, comm, replicas, dev, mine, t_start, link_of(links, g), [&] { world->host_barrier(); });
   });
-  return exit_status(errors);
+  return exit_status(errors, stopped);
 }
 
 #ifdef PIPEOFFLOAD_WITH_MPI
@@ -411,7 +471,7 @@ int run_cuda_rank(const Options& o, Setup su, po::comm::Mpi& mpi, std::chrono::s
   po::comm::Nccl reps(replicas_world, replicas_world->rank(), dev);
   try {
     std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, pipeline_world->rank());
-    train_rank(o, su, comm, reps, dev, mine, t_start);
+    return train_rank(o, su, comm, reps, dev, mine, t_start);
   } catch (const std::exception& e) {
     comm.abort(e.what());  // the groups share the job's abort
     throw;
@@ -434,6 +494,7 @@ int run_threads(const Options& o, const Setup& su) {
   for (int p = 0; o.pcie_pairs && p < o.dp * (o.shape.d / 2); ++p)
     links.push_back(std::make_unique<po::PairLink<po::backend::Cpu>>());
   const auto t_start = std::chrono::steady_clock::now();
+  std::atomic<int> stopped{0};
   // A rank that throws aborts the grid (run_thread_ranks), so no rank of any replica waits for it.
   const auto errors = po::run_thread_ranks(grid, [&](int g) {
     po::comm::Threads comm = grid.pipeline(g), replicas = grid.replicas(g);
@@ -442,25 +503,61 @@ int run_threads(const Options& o, const Setup& su) {
     std::vector<Stage> mine = cpu_stages(o, g);
     po::PairLink<po::backend::Cpu>* link =
         r / 2 < o.shape.d / 2 ? link_of(links, 2 * (j * (o.shape.d / 2) + r / 2) + (r & 1)) : nullptr;
-    train_rank(o, su, comm, replicas, dev, mine, t_start, link);
+    stopped = train_rank(o, su, comm, replicas, dev, mine, t_start, link);
   });
-  return exit_status(errors);
+  return exit_status(errors, stopped);
 }
 
-#ifdef PIPEOFFLOAD_WITH_MPI
 /// A fresh run (no --resume) whose --checkpoint-dir holds another run's checkpoints (another
 /// configuration or seed) would replace them: refused unless --overwrite.
 void refuse_other_run(const Options& o, const Setup& su) {
   if (o.checkpoint_every == 0 || !o.resume.empty() || o.overwrite) return;
   const std::optional<po::CheckpointInfo> owner = po::checkpoint_owner(o.checkpoint_dir);
   if (owner && (owner->config_hash != su.config_hash || owner->rng_seed != o.seed))
-    throw bad_argument(
-        "--checkpoint-dir " + o.checkpoint_dir + " holds another run's checkpoints (at step " +
-        std::to_string(owner->data_position) + ", " +
-        (owner->rng_seed != o.seed ? "seed " + std::to_string(owner->rng_seed) : std::string("another configuration")) +
-        "); continue it with --resume, replace it with --overwrite, or choose another directory");
+    throw bad_argument("--checkpoint-dir " + o.checkpoint_dir + " holds another run's checkpoints (at step " +
+                       std::to_string(owner->data_position) + ", " +
+                       (owner->rng_seed != o.seed ? "seed " + std::to_string(owner->rng_seed)
+                        : owner->config.empty()
+                            ? std::string("another configuration")
+                            : "another configuration: " + po::checkpoint::config_difference(owner->config, su.config)) +
+                       "); continue it with --resume, replace it with --overwrite, or choose another directory");
 }
 
+/// `dir` exists (created if missing, with `create`) and takes a new file: a probe is written
+/// and removed. Throws bad_argument naming `what` and the path.
+void probe_writable(const std::filesystem::path& dir, const std::string& what, bool create, int rank) {
+  std::error_code ec;
+  if (create) std::filesystem::create_directories(dir, ec);
+  if (ec) throw bad_argument(what + " '" + dir.string() + "' cannot be created: " + ec.message());
+  if (!std::filesystem::is_directory(dir, ec))
+    throw bad_argument(what + " '" + dir.string() + "' " +
+                       (std::filesystem::exists(dir, ec) ? "is not a directory" : "does not exist"));
+  const std::filesystem::path probe =
+      dir / (".train_gpt-write-test." + std::to_string(rank) + "." + std::to_string(::getpid()));
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) throw bad_argument(what + " '" + dir.string() + "' is not writable: " + std::strerror(errno));
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+/// Every output checked before any work, so that no run trains and then fails to write: the
+/// checkpoint directory (created, written to), another run's checkpoints in it (refused), and
+/// the trace's directory (global rank 0 writes the trace).
+void check_outputs(const Options& o, const Setup& su, int global_rank) {
+  if (o.checkpoint_every > 0) {
+    probe_writable(o.checkpoint_dir, "--checkpoint-dir", true, global_rank);
+    refuse_other_run(o, su);
+  }
+  if (o.trace && global_rank == 0) {
+    const std::filesystem::path trace(*o.trace);
+    std::error_code ec;
+    if (std::filesystem::is_directory(trace, ec))
+      throw bad_argument("--trace '" + *o.trace + "' is a directory; give a file name");
+    probe_writable(trace.parent_path().empty() ? "." : trace.parent_path(), "--trace's directory", false, 0);
+  }
+}
+
+#ifdef PIPEOFFLOAD_WITH_MPI
 /// Whether this process was started by mpirun for --comm mpi (its own arguments ask for it and
 /// the launcher's environment is there): then a bad argument is told to every rank before any
 /// rank leaves, instead of leaving the others waiting in a collective.
@@ -530,7 +627,8 @@ int run_mpi(Options& o, const sample::Tokens& tokens, const std::optional<sample
     try {
       train_gpt::program_of(o);
       setup.emplace(make_setup(o, tokens, val));
-      refuse_other_run(o, *setup);  // every rank reads the same directory: all refuse alike
+      if (!o.cuda) train_gpt::check_memory(o, *setup, train_gpt::program_of(o, setup->costs), r, 1);
+      check_outputs(o, *setup, r);  // every rank reads the same directory: all refuse alike
     } catch (const std::exception& e) {
       bad = e.what();
     }
@@ -559,7 +657,7 @@ int run_mpi(Options& o, const sample::Tokens& tokens, const std::optional<sample
 #endif
     po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = o.copy_gbps * 1e9});
     std::vector<Stage> mine = cpu_stages(o, r);
-    train_rank(o, su, comm, replicas, dev, mine, t_start);
+    return train_rank(o, su, comm, replicas, dev, mine, t_start);
   } catch (const po::handshake_error& e) {
     // Every rank saw the same hashes and throws the same sentence, before any pipeline
     // message: nothing is in flight, so each rank can leave normally (MPI_Finalize).
@@ -622,9 +720,7 @@ int main(int argc, char** argv) {
       }
       o.model.vocab = static_cast<int>(tokens.vocab());
     } else {
-      std::ifstream in(o.corpus, std::ios::binary);
-      if (!in) throw bad_argument("cannot read the corpus '" + o.corpus + "'");
-      tokens = sample::Tokens::from_text(std::string(std::istreambuf_iterator<char>(in), {}));
+      tokens = sample::Tokens::from_text(sample::read_regular_file(o.corpus, "the corpus"));
     }
     const std::size_t seq = static_cast<std::size_t>(o.model.seq), n = tokens.size();
     const char* what = o.data.empty() ? "the corpus" : "the --data shard";
@@ -645,12 +741,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   po::blas::core_name();  // load the BLAS before the ranks start
+  catch_stop_signals();
   try {
 #ifdef PIPEOFFLOAD_WITH_MPI
     if (o.mpi) return run_mpi(o, tokens, val, argc, argv);
 #endif
     const Setup su = make_setup(o, std::move(tokens), std::move(val));
-    refuse_other_run(o, su);
+    if (!o.cuda) train_gpt::check_memory(o, su, train_gpt::program_of(o, su.costs), 0, o.dp * o.shape.d);
+    check_outputs(o, su, 0);
     return run_threads(o, su);
   } catch (const bad_argument& e) {
     std::fprintf(stderr, "train_gpt: %s\n", e.what());

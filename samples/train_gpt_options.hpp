@@ -292,7 +292,7 @@ inline Options parse(int argc, char** argv) {
   if (auto v = get("--corpus")) o.corpus = *v;
   if (auto v = get("--data")) o.data = *v;
   if (auto v = get("--val-data")) o.val_data = *v;
-  if (auto v = get("--vocab")) o.vocab = to_int("--vocab", *v, 2, 1 << 20);
+  if (auto v = get("--vocab")) o.vocab = to_int("--vocab", *v, 2, sample::max_vocab);
   if (!o.data.empty() && get("--corpus")) throw bad_argument("--data and --corpus exclude each other");
   if (o.data.empty() && (get("--val-data") || get("--vocab")))
     throw bad_argument(std::string(get("--val-data") ? "--val-data" : "--vocab") + " needs --data FILE");
@@ -321,12 +321,7 @@ inline Options parse(int argc, char** argv) {
   if (auto f = get("--import")) {
     if (get("--schedule") || get("--group"))
       throw bad_argument("--import cannot be combined with --schedule or --group: the file is the schedule");
-    std::FILE* in = std::fopen(f->c_str(), "rb");
-    if (!in) throw bad_argument("--import '" + *f + "' cannot be opened");
-    std::string text;
-    char buf[4096];
-    for (std::size_t got; (got = std::fread(buf, 1, sizeof buf, in)) > 0;) text.append(buf, got);
-    std::fclose(in);
+    std::string text = sample::read_regular_file(*f, "--import");
     po::TorchCsvOptions io;
     io.d = o.ranks_given ? o.shape.d : 0;
     io.v = get("--chunks") ? o.shape.v : 0;
@@ -386,6 +381,7 @@ struct Setup {
   po::AdamWOptions adamw{};
   std::vector<po::HandshakeField> fields;  // the handshake's
   std::uint64_t config_hash = 0;           // of what the training state depends on (checkpoints)
+  std::string config;                      // the same as key=value words (CheckpointInfo::config)
   std::size_t tokens_per_step = 0;         // of one replica
 };
 
@@ -456,6 +452,10 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
   // (every schedule and split of the global batch trains bit-identically), so a checkpoint
   // resumes under any of them.
   s.config_hash = po::fnv1a(model + "|" + batch + "|" + train + "|" + data);
+  char data_words[160];
+  std::snprintf(data_words, sizeof data_words, "tokens=%zu vocab=%lld data-fnv1a=%016llx train-tokens=%zu", n,
+                s.tokens.vocab(), static_cast<unsigned long long>(s.tokens.hash()), s.train_tokens);
+  s.config = model + " " + batch + " " + train + " " + data_words;
   return s;
 }
 

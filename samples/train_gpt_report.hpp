@@ -145,9 +145,9 @@ inline void print_banner(const Options& o, const Setup& su) {
   std::fflush(stdout);
 }
 
-/// Each rank's error ("" = none) to stderr; 1 if any rank failed.
-inline int exit_status(const std::vector<std::string>& errors) {
-  int status = 0;
+/// Each rank's error ("" = none) to stderr; 1 if any rank failed, else `stopped`.
+inline int exit_status(const std::vector<std::string>& errors, int stopped = 0) {
+  int status = stopped;  // 128 + a stop signal (train_gpt.cpp's stop_signal), or 0
   for (std::size_t r = 0; r < errors.size(); ++r)
     if (!errors[r].empty()) {
       std::fprintf(stderr, "train_gpt: rank %zu: %s\n", r, errors[r].c_str());

@@ -38,6 +38,42 @@
 
 namespace pipeoffload::model {
 
+/// The CPU stage's per-microbatch buffers, from its dims alone: GptStage lays its buffers out
+/// with these, and a launcher sizes a rank's memory with them before building any stage.
+namespace gpt_cpu_bytes {
+
+inline std::size_t tokens(MicrobatchShape sh) { return static_cast<std::size_t>(sh.tokens()); }
+/// One block's saved region: its b*s*h tensors (10 of them with recompute, else 16), the
+/// per-row LayerNorm statistics and attention log-sum-exps, the dropout masks without
+/// recompute; 64-byte aligned.
+inline std::size_t block_saved(const GptDims& d, MicrobatchShape sh) {
+  const std::size_t T = tokens(sh), h = static_cast<std::size_t>(d.hidden);
+  const std::size_t floats = T * h * (d.recompute ? 10 : 16) + 4 * T + T * static_cast<std::size_t>(d.heads);
+  const std::size_t bytes = floats * sizeof(float) + (d.recompute ? 0 : 2 * T * h);
+  return (bytes + 63) / 64 * 64;
+}
+/// One block's stash: dP2 (T,h) | dF (T,4h) | dA2 (T,h) | dO1 (T,h) | dQKV (T,3h) | dA1 (T,h).
+inline std::size_t block_stash_floats(const GptDims& d, MicrobatchShape sh) {
+  return tokens(sh) * static_cast<std::size_t>(d.hidden) * 11;
+}
+/// The head's saved region: x (T,h) | lnf stats (T,2) | dlogits (T,V).
+inline std::size_t head_saved(const GptDims& d, MicrobatchShape sh) {
+  return tokens(sh) * static_cast<std::size_t>(d.hidden + 2 + d.vocab) * sizeof(float);
+}
+/// The stage's activation unit (layer::saved_bytes).
+inline std::size_t saved(const GptDims& d, MicrobatchShape sh) {
+  return static_cast<std::size_t>(d.blocks) * block_saved(d, sh) + (d.has_head ? head_saved(d, sh) : 0);
+}
+/// The stage's B-to-W stash (layer::stash_bytes): the embedding's and the head's (T,h) and each block's.
+inline std::size_t stash(const GptDims& d, MicrobatchShape sh) {
+  const std::size_t Th = tokens(sh) * static_cast<std::size_t>(d.hidden);
+  return ((d.embeds ? Th : 0) + static_cast<std::size_t>(d.blocks) * block_stash_floats(d, sh) +
+          (d.has_head ? Th : 0)) *
+         sizeof(float);
+}
+
+}  // namespace gpt_cpu_bytes
+
 /// Stage `stage` of S: blocks [first, first + count) of the model, with the embedding when
 /// stage == 0 and the head when stage == S-1. Blocks are spread as evenly as possible.
 class GptStage {
@@ -70,13 +106,8 @@ class GptStage {
   /// Stage 0 reads the token ids, the last stage the next-token targets: int32, (batch, seq)
   /// per microbatch.
   std::vector<InputSpec> inputs(MicrobatchShape sh) const { return gpt_inputs(dims_, sh); }
-  std::size_t saved_bytes(MicrobatchShape sh) const {
-    return count_ * block_saved(sh) + (heads() ? head_saved(sh) : 0);
-  }
-  std::size_t stash_bytes(MicrobatchShape sh) const {
-    return ((embeds() ? tokens(sh) * h() : 0) + count_ * block_stash_floats(sh) + (heads() ? tokens(sh) * h() : 0)) *
-           sizeof(float);
-  }
+  std::size_t saved_bytes(MicrobatchShape sh) const { return gpt_cpu_bytes::saved(dims_, sh); }
+  std::size_t stash_bytes(MicrobatchShape sh) const { return gpt_cpu_bytes::stash(dims_, sh); }
   std::span<float> parameters() { return params_; }
   std::span<float> gradients() { return grads_; }
   /// One group per embedding, block and head: the runtime sums squared gradients per group
@@ -216,18 +247,8 @@ class GptStage {
   // Block saved layout (floats unless noted), T = b*s tokens:
   //   x (T,h) | qkv (T,3h) | att (T,h) | x1 (T,h) | f (T,4h) | ln stats (T,4) | lse (b,a,s)
   //   recompute off, also: a1 (T,h) | a2 (T,h) | g (T,4h) | masks (2,T,h) bytes
-  std::size_t block_saved_floats(MicrobatchShape sh) const {
-    const std::size_t T = tokens(sh);
-    return T * h() * (c_.recompute ? 10 : 16) + 4 * T + T * static_cast<std::size_t>(c_.heads);
-  }
-  std::size_t block_saved(MicrobatchShape sh) const {
-    const std::size_t bytes = block_saved_floats(sh) * sizeof(float) + (c_.recompute ? 0 : 2 * tokens(sh) * h());
-    return (bytes + 63) / 64 * 64;  // keep every block's region 64-byte aligned
-  }
-  // Block stash: dP2 (T,h) | dF (T,4h) | dA2 (T,h) | dO1 (T,h) | dQKV (T,3h) | dA1 (T,h)
-  std::size_t block_stash_floats(MicrobatchShape sh) const { return tokens(sh) * h() * 11; }
-  // Head saved: x (T,h) | lnf stats (T,2) | dlogits (T,V)
-  std::size_t head_saved(MicrobatchShape sh) const { return (tokens(sh) * (h() + 2 + V())) * sizeof(float); }
+  std::size_t block_saved(MicrobatchShape sh) const { return gpt_cpu_bytes::block_saved(dims_, sh); }
+  std::size_t block_stash_floats(MicrobatchShape sh) const { return gpt_cpu_bytes::block_stash_floats(dims_, sh); }
 
   static float* block_x(std::byte* bp) { return reinterpret_cast<float*>(bp); }
   static float* head_x(std::byte* hp) { return reinterpret_cast<float*>(hp); }

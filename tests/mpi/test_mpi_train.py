@@ -16,6 +16,7 @@ data-parallel  R replicas of a D-rank pipeline as R*D processes give the bits of
             killed with -9, or throwing, ends every process of both replicas within 30 s
 """
 import os
+import random
 import re
 import shutil
 import signal
@@ -320,5 +321,77 @@ def data_parallel():
     check_survivors(err, 2, "replica 1: throwing rank")
 
 
-{"exactness": exactness, "faults": faults, "checkpoint": checkpoint, "data-parallel": data_parallel}[part]()
+def fuzz():
+    """300 seeded argument sets under mpirun -np 3 (MPMD form), one rank's arguments changed:
+    a valid other value, an invalid value, an unknown option, a dropped argument or the
+    communicator itself. Every job ends within the bound and never succeeds; where every rank
+    is an MPI rank, with exit 2, no results and a sentence naming a rank: the changed one, or
+    rank 1 when rank 0 was changed to another valid value."""
+    rng = random.Random(26)
+    base = ["--schedule", "po-f", "--chunks", "2", "--layers", "4", "--hidden", "32", "--seq", "16", "--batch", "2",
+            "--microbatches", "6", "--steps", "2", "--quiet"]
+    valid = {"--seed": ["2", "99"], "--steps": ["1", "3"], "--lr": ["1e-2", "0.5"], "--microbatches": ["3", "9"],
+             "--schedule": ["gis-h", "po-h", "1f1b-i", "zb-v"], "--layers": ["3", "6"], "--hidden": ["16", "64"],
+             "--seq": ["8", "32"], "--batch": ["1", "3"], "--dropout": ["0", "0.2"], "--gradients": ["exact"],
+             "--eval-every": ["1"], "--k": ["2"], "--copy-gbps": ["1"], "--comm-timeout": ["20"],
+             "--checkpoint-every": ["1"], "--ranks": ["3"]}
+    invalid = {"--seed": ["-1", "x"], "--steps": ["0", "1e9"], "--lr": ["-1", "nan"], "--microbatches": ["0", "5000"],
+               "--schedule": ["nope", "gis-g"], "--layers": ["0"], "--hidden": ["30", "0"], "--heads": ["0", "7"],
+               "--chunks": ["0", "65"], "--ranks": ["2", "0", "70"], "--dp": ["2", "0"], "--zero": ["2"],
+               "--offload-chunks": ["9"], "--inject-fault": ["9:0:throw", "x"], "--corpus": ["/nonexistent"],
+               "--trace": ["/nonexistent/t.json"], "--checkpoint-dir": ["/tmp/x"], "--resume": ["/nonexistent"],
+               "--comm-timeout": ["0"], "--vocab": ["5"], "--exact-block": ["2"], "--reduce-bucket": ["1"]}
+    kinds = ["valid", "invalid", "unknown", "drop", "comm"]
+    counts = {k: 0 for k in kinds}
+    slowest = {k: 0.0 for k in kinds}
+    for case in range(300):
+        kind = kinds[case % 5] if case < 10 else rng.choice(kinds)
+        counts[kind] += 1
+        k = rng.randrange(3)
+        changed = list(base)
+        if kind in ("valid", "invalid"):
+            table = valid if kind == "valid" else invalid
+            flag = rng.choice(sorted(table))
+            value = rng.choice(table[flag])
+            if flag in changed:
+                changed[changed.index(flag) + 1] = value
+            else:
+                changed += [flag, value]
+        elif kind == "unknown":
+            changed.insert(rng.randrange(len(changed) + 1), rng.choice(["--bogus", "-x", "--steps=2", "extra"]))
+        elif kind == "drop":
+            at = rng.randrange(len(changed))
+            del changed[at:at + (1 if changed[at] == "--quiet" or not changed[at].startswith("--") else 2)]
+        ranks = [list(base) for _ in range(3)]
+        ranks[k] = changed
+        comm = [["--comm", "mpi"] for _ in range(3)]
+        if kind == "comm":
+            comm[k] = rng.choice([[], ["--comm", "threads"], ["--comm", "nope"]])
+        cmd = list(MPI)
+        for q in range(3):
+            cmd += (["-np", "1", exe] + comm[q] + ranks[q]) + ([":"] if q < 2 else [])
+        what = f"fuzz case {case} ({kind}, rank {k}: {' '.join(comm[k] + changed)})"
+        code, out, err, secs = run(cmd, timeout=BOUND + 5)
+        slowest[kind] = max(slowest[kind], secs)
+        if secs > BOUND:
+            fail(f"{what}: took {secs:.1f} s to end, the bound is {BOUND} s")
+        if kind == "comm" and comm[k] != ["--comm", "nope"]:
+            # That rank runs alone as thread ranks and never joins MPI (it may train, by
+            # itself): mpirun ends the job, not with success.
+            if code == 0:
+                fail(f"{what}: the job exited 0\n{err}")
+            continue
+        if code == 0 or "final_loss=" in out:
+            fail(f"{what}: trained (status {code}) although one rank's arguments differ\n{out}\n{err}")
+        m = re.search(r"^train_gpt: (?:rank (\d+): )?(.+)$", err, re.M)
+        if code != 2 or not m:
+            fail(f"{what}: expected status 2 and a sentence, got {code}\n{err}")
+        named = int(m.group(1)) if m.group(1) else None
+        if named is not None and named != k and not (k == 0 and named == 1):
+            fail(f"{what}: the message names rank {named}, not the changed rank {k}:\n{err}")
+    print(f"fuzz: 300 cases ({counts}) ended within {BOUND} s (the slowest of each kind: "
+          + ", ".join(f"{k} {v:.1f} s" for k, v in slowest.items()) + "), none succeeded")
+
+
+{"exactness": exactness, "faults": faults, "checkpoint": checkpoint, "data-parallel": data_parallel, "fuzz": fuzz}[part]()
 print("ok")

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -37,6 +38,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "../comm/communicator.hpp"
@@ -51,6 +53,10 @@ struct CheckpointInfo {
   std::uint64_t config_hash = 0;   ///< the run's configuration; resuming under another is refused
   std::uint64_t rng_seed = 0;      ///< counter-based RNG: with the step, the whole RNG state
   std::int64_t data_position = 0;  ///< index of the next batch the data reader draws
+  /// The configuration as words `key=value` separated by spaces or '|' (optional, at most
+  /// 4096 bytes): when the checkpoint and the resuming run both give it, a refusal names the
+  /// first word that differs.
+  std::string config;
 };
 
 namespace checkpoint {
@@ -105,14 +111,81 @@ inline void write_atomic(const std::filesystem::path& path, const std::vector<st
   }
 }
 
-/// The whole file at `path`; throws checkpoint_error when it cannot be read.
+/// The whole regular file at `path`; throws checkpoint_error naming the path when it is
+/// missing, unreadable or not a regular file (a directory, a FIFO: opened without blocking).
 inline std::vector<std::byte> read_all(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw checkpoint_error("checkpoint: cannot read " + path.string() + " (missing or unreadable)");
-  std::vector<char> raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::vector<std::byte> out(raw.size());
-  if (!raw.empty()) std::memcpy(out.data(), raw.data(), raw.size());
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) throw checkpoint_error("checkpoint: cannot read " + path.string() + ": " + std::strerror(errno));
+  struct stat st{};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw checkpoint_error("checkpoint: " + path.string() + " is " +
+                           (S_ISDIR(st.st_mode) ? "a directory" : "not a regular file") +
+                           "; a checkpoint file was expected");
+  }
+  std::vector<std::byte> out(static_cast<std::size_t>(st.st_size));
+  std::size_t off = 0;
+  while (off < out.size()) {
+    const ::ssize_t n = ::read(fd, out.data() + off, out.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = n == 0 ? "it shrank while being read" : std::strerror(errno);
+      ::close(fd);
+      throw checkpoint_error("checkpoint: cannot read " + path.string() + ": " + why);
+    }
+    off += static_cast<std::size_t>(n);
+  }
+  ::close(fd);
   return out;
+}
+
+/// `text` as a message shows it: at most 32 bytes, anything but printable ASCII as '?', and the
+/// size when it is longer.
+inline std::string shown(std::string_view text) {
+  std::string out;
+  for (std::size_t i = 0; i < text.size() && i < 32; ++i) out += text[i] >= 0x20 && text[i] < 0x7f ? text[i] : '?';
+  return "'" + out + (text.size() > 32 ? "...' (" + std::to_string(text.size()) + " bytes)" : "'");
+}
+
+/// The step dir/latest names ("step-" and 8 digits, then a newline); throws checkpoint_error
+/// naming the file and showing what it holds otherwise.
+inline int latest_step(const std::filesystem::path& dir) {
+  const std::filesystem::path file = dir / "latest";
+  const std::vector<std::byte> raw = read_all(file);
+  std::string name(reinterpret_cast<const char*>(raw.data()), raw.size());
+  while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
+  bool ok = name.size() == 13 && name.rfind("step-", 0) == 0;
+  for (std::size_t i = 5; ok && i < name.size(); ++i) ok = name[i] >= '0' && name[i] <= '9';
+  if (!ok)
+    throw checkpoint_error("checkpoint: " + file.string() +
+                           " does not name a step directory ('step-' and 8 digits); it holds " + shown(name));
+  return std::atoi(name.c_str() + 5);
+}
+
+/// The first word (`key=value`, split at spaces and '|') in which configuration `ours` differs
+/// from `theirs`, as "key=THEIRS where this run has key=OURS"; empty when none differs.
+inline std::string config_difference(std::string_view theirs, std::string_view ours) {
+  const auto words = [](std::string_view t) {
+    std::vector<std::string_view> out;
+    std::size_t at = 0;
+    while (at < t.size()) {
+      const std::size_t end = std::min(t.find_first_of(" |", at), t.size());
+      if (end > at) out.push_back(t.substr(at, end - at));
+      at = end + 1;
+    }
+    return out;
+  };
+  const auto key = [](std::string_view w) { return w.substr(0, w.find('=')); };
+  const std::vector<std::string_view> a = words(theirs), b = words(ours);
+  for (std::string_view w : b) {
+    const auto same_key = std::find_if(a.begin(), a.end(), [&](std::string_view x) { return key(x) == key(w); });
+    if (same_key == a.end()) return "no " + std::string(key(w)) + " where this run has " + std::string(w);
+    if (*same_key != w) return std::string(*same_key) + " where this run has " + std::string(w);
+  }
+  for (std::string_view w : a)
+    if (std::none_of(b.begin(), b.end(), [&](std::string_view x) { return key(x) == key(w); }))
+      return std::string(w) + " where this run has no " + std::string(key(w));
+  return theirs == ours ? std::string() : "another configuration text";
 }
 
 /// One stage's state as it is on disk.
@@ -125,11 +198,13 @@ struct StageState {
   std::vector<std::vector<float>> state;  ///< the optimizer's buffers, each the size of params
 };
 
-/// The file format's version (written after the magic).
-inline constexpr std::uint32_t format = 2;
+/// The file format's version (written after the magic); format 2 (no configuration text) is
+/// still read.
+inline constexpr std::uint32_t format = 3;
 
-// File: magic, then u32 format (2), i32 stage, i32 step, u64 config_hash, u64 rng_seed,
-// i64 data_position, u64 n, u32 optimizer name length, the name, u32 state buffers k, then
+// File: magic, then u32 format (3), i32 stage, i32 step, u64 config_hash, u64 rng_seed,
+// i64 data_position, u64 n, u32 optimizer name length, the name, u32 configuration text
+// length, the text (format 3 only), u32 state buffers k, then
 // n floats of parameters and n floats of each state buffer, then u64 FNV-1a of every byte
 // before it. Native byte order (the machines that resume are the machines that wrote).
 /// The file's bytes for `s`, in the layout above.
@@ -153,6 +228,9 @@ inline std::vector<std::byte> encode(const StageState& s) {
   put(&n, 8);
   put(&name_len, 4);
   put(s.optimizer.data(), name_len);
+  const auto config_len = static_cast<std::uint32_t>(s.info.config.size());
+  put(&config_len, 4);
+  put(s.info.config.data(), config_len);
   put(&k, 4);
   put(s.params.data(), n * sizeof(float));
   for (const auto& buf : s.state) put(buf.data(), n * sizeof(float));
@@ -185,9 +263,9 @@ inline StageState decode(const std::vector<std::byte>& b, const std::string& nam
   std::uint64_t n = 0;
   StageState s;
   get(&fmt, 4);
-  if (fmt != format)
-    throw checkpoint_error("checkpoint: " + name + " has format " + std::to_string(fmt) + "; this build reads format " +
-                           std::to_string(format));
+  if (fmt != format && fmt != 2)
+    throw checkpoint_error("checkpoint: " + name + " has format " + std::to_string(fmt) +
+                           "; this build reads formats 2 and " + std::to_string(format));
   get(&stage, 4);
   get(&step, 4);
   get(&s.info.config_hash, 8);
@@ -200,6 +278,15 @@ inline StageState decode(const std::vector<std::byte>& b, const std::string& nam
                            " bytes (at most 64)");
   s.optimizer.resize(name_len);
   get(s.optimizer.data(), name_len);
+  if (fmt >= 3) {
+    std::uint32_t config_len = 0;
+    get(&config_len, 4);
+    if (config_len > 4096)
+      throw checkpoint_error("checkpoint: " + name + " has a configuration text of " + std::to_string(config_len) +
+                             " bytes (at most 4096)");
+    s.info.config.resize(config_len);
+    get(s.info.config.data(), config_len);
+  }
   get(&k, 4);
   const std::size_t rest = b.size() - 8 - off;
   if (k > 16 || n > rest / sizeof(float) || rest != (1 + static_cast<std::size_t>(k)) * n * sizeof(float))
@@ -246,6 +333,17 @@ void agree(Runtime& rt, const std::string& failure, const std::string& what) {
   }
 }
 
+/// Removes dir/step-N after a failed save of step N, unless dir/latest names it (best effort:
+/// what cannot be removed stays, and the next save of N overwrites it file by file).
+inline void remove_partial(const std::filesystem::path& dir, int step) {
+  try {
+    if (latest_step(dir) == step) return;
+  } catch (const checkpoint_error&) {  // no (readable) latest: nothing names the partial directory
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir / step_name(step), ec);
+}
+
 }  // namespace checkpoint
 
 /// Collective: every rank writes its stages' parameters and `opt`'s state after
@@ -277,6 +375,9 @@ void save_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& o
   });
   std::string failure;
   try {
+    if (info.config.size() > 4096)
+      throw checkpoint_error("checkpoint: CheckpointInfo::config has " + std::to_string(info.config.size()) +
+                             " bytes; at most 4096 are stored");
     if (rt.replica() == 0) {
       std::filesystem::create_directories(dir / checkpoint::step_name(step));
       for (const checkpoint::StageState& s : states)
@@ -285,8 +386,15 @@ void save_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& o
   } catch (const std::exception& e) {
     failure = e.what();
   }
-  // Barrier and verdict in one: `latest` may move only when every stage is on disk.
-  checkpoint::agree(rt, failure, "write its stages of step " + std::to_string(step));
+  // Barrier and verdict in one: `latest` may move only when every stage is on disk. When a
+  // rank failed (a full disk), every write has ended: rank 0 removes the partial step
+  // directory, so the next save starts clean and `latest` still names the last whole one.
+  try {
+    checkpoint::agree(rt, failure, "write its stages of step " + std::to_string(step));
+  } catch (const checkpoint_error&) {
+    if (rt.rank() == 0 && rt.replica() == 0) checkpoint::remove_partial(dir, step);
+    throw;
+  }
   if (rt.rank() != 0 || rt.replica() != 0) return;
   rt.guard("save_checkpoint", [&] {
     const std::string name = checkpoint::step_name(step);
@@ -315,35 +423,25 @@ void save_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& o
 inline std::optional<CheckpointInfo> checkpoint_owner(const std::filesystem::path& dir) {
   std::error_code ec;
   if (!std::filesystem::exists(dir / "latest", ec)) return std::nullopt;
-  const std::vector<std::byte> raw = checkpoint::read_all(dir / "latest");
-  std::string name(reinterpret_cast<const char*>(raw.data()), std::min<std::size_t>(raw.size(), 64));
-  while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
-  const int step = name.size() == 13 && name.rfind("step-", 0) == 0 ? std::atoi(name.c_str() + 5) : -1;
-  if (step < 0) throw checkpoint_error("checkpoint: " + (dir / "latest").string() + " does not name a step directory");
-  const std::filesystem::path file = checkpoint::stage_file(dir, step, 0);
+  const std::filesystem::path file = checkpoint::stage_file(dir, checkpoint::latest_step(dir), 0);
   return checkpoint::decode(checkpoint::read_all(file), file.string()).info;
 }
 
 /// Collective: loads this rank's stages from the checkpoint dir/latest names into `rt` (their
 /// parameters) and `opt` (its state and step count) and returns the checkpoint's info. Throws
 /// checkpoint_error on every rank when any rank's file is missing, corrupt, of another stage,
-/// size, optimizer or configuration (the message names the file on the rank that read it).
+/// size, optimizer or configuration (the message names the file on the rank that read it;
+/// with `config`, the configuration text of CheckpointInfo, the first word that differs).
 template <class Runtime, class Optimizer>
-CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& opt,
-                               std::uint64_t config_hash) {
+CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& opt, std::uint64_t config_hash,
+                               std::string_view config = {}) {
   const Shape& sh = rt.program().shape;
   CheckpointInfo info{};
   std::vector<checkpoint::StageState> states;
   int step = -1;
   std::string failure;
   try {
-    const std::vector<std::byte> raw = checkpoint::read_all(dir / "latest");
-    std::string name(reinterpret_cast<const char*>(raw.data()), raw.size());
-    while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
-    if (name.size() == 13 && name.rfind("step-", 0) == 0) step = std::atoi(name.c_str() + 5);
-    if (step < 0)
-      throw checkpoint_error("checkpoint: " + (dir / "latest").string() +
-                             " does not name a step directory (it holds '" + name + "')");
+    step = checkpoint::latest_step(dir);
     for (int c = 0; c < sh.v; ++c) {
       const int stage = sh.stage_of(rt.rank(), c);
       const std::filesystem::path file = checkpoint::stage_file(dir, step, stage);
@@ -353,10 +451,14 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, Op
         throw checkpoint_error("checkpoint: " + file.string() + " holds stage " + std::to_string(s.stage) +
                                " of step " + std::to_string(s.step) + ", not stage " + std::to_string(stage) +
                                " of step " + std::to_string(step));
-      if (s.info.config_hash != config_hash)
-        throw checkpoint_error(
-            "checkpoint: " + file.string() +
-            " was written by a run with another configuration (model, stages, batch, optimizer, steps, seed or data)");
+      if (s.info.config_hash != config_hash) {
+        const std::string differs = s.info.config.empty() || config.empty()
+                                        ? std::string()
+                                        : checkpoint::config_difference(s.info.config, config);
+        throw checkpoint_error("checkpoint: " + file.string() + " was written by a run with another configuration (" +
+                               (differs.empty() ? "model, stages, batch, optimizer, steps, seed or data" : differs) +
+                               ")");
+      }
       if (s.params.size() != n)
         throw checkpoint_error("checkpoint: " + file.string() + " has " + std::to_string(s.params.size()) +
                                " parameters; stage " + std::to_string(stage) + " has " + std::to_string(n));

@@ -216,6 +216,10 @@ class Cpu {
     grow(host_[round_up(bytes)], round_up(bytes), count, stats_.host_allocations, stats_.host_held);
   }
 
+  /// The bytes a block of `n` holds in the arena: its pool's size class, `n` rounded up to a
+  /// multiple of 64 (at least 64). A launcher sizing memory ahead counts blocks with it.
+  static std::size_t round_up(std::size_t n) { return (std::max<std::size_t>(n, 1) + 63) / 64 * 64; }
+
   /// Bytes in use, peaks and allocation counts, device and pinned host.
   MemoryStats memory() const {
     std::lock_guard lk(mem_mu_);
@@ -458,8 +462,6 @@ class Cpu {
     std::uint64_t completed = 0;   // highest record a stream has reached
     std::vector<Stream*> waiters;  // streams asleep on this event; woken and cleared by a record
   };
-
-  static std::size_t round_up(std::size_t n) { return (std::max<std::size_t>(n, 1) + 63) / 64 * 64; }
 
   // Blocks of one size: those free, how many exist, and how many callers reserved.
   struct Pool {

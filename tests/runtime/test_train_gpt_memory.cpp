@@ -1,0 +1,106 @@
+// tests/runtime/test_train_gpt_memory.cpp: train_gpt's memory check counts what its ranks
+// hold: train_gpt::cpu_rank_bytes, computed before anything is allocated, equals every rank's
+// arena (MemoryStats::device_held, host_held) plus its stages' own buffers after a training
+// step and an evaluation, to the byte, over schedules, offload, replicas, ZeRO-1 and both
+// gradient paths; and a run that cannot fit is refused with a sentence.
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include <pipeoffload/runtime.hpp>
+
+#include "train_gpt_memory.hpp"
+
+namespace {
+
+/// Options as train_gpt parses them from `args`.
+train_gpt::Options options(std::vector<std::string> args) {
+  std::vector<char*> argv = {const_cast<char*>("train_gpt")};
+  for (std::string& a : args) argv.push_back(a.data());
+  return train_gpt::parse(static_cast<int>(argv.size()), argv.data());
+}
+
+/// Every global rank's bytes after one step and one evaluation of the run `o`.
+std::vector<train_gpt::RankBytes> measured(const train_gpt::Options& o, const train_gpt::Setup& su) {
+  const po::Program program = train_gpt::program_of(o, su.costs);
+  po::comm::ThreadsGrid grid(o.dp, o.shape.d);
+  std::vector<train_gpt::RankBytes> out(static_cast<std::size_t>(o.dp * o.shape.d));
+  const auto errors = po::run_thread_ranks(grid, [&](int g) {
+    po::comm::Threads comm = grid.pipeline(g), replicas = grid.replicas(g);
+    const int r = g % o.shape.d;
+    po::backend::Cpu dev({.rank = g});
+    std::vector<po::model::GptStage> mine;
+    for (int c = 0; c < o.shape.v; ++c) mine.emplace_back(o.model, o.shape.stage_of(r, c), o.shape.stages());
+    po::Runtime rt(program, dev, comm, replicas, std::span<po::model::GptStage>(mine), su.runtime);
+    po::AdamW opt(rt, su.adamw);
+    const std::size_t n = su.tokens_per_step;
+    std::vector<std::int32_t> tok(n), tgt(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      tok[i] = static_cast<std::int32_t>(su.tokens[i]);
+      tgt[i] = static_cast<std::int32_t>(su.tokens[i + 1]);
+    }
+    po::Batch b;
+    const std::vector<long long> shape = {static_cast<long long>(n) / o.model.seq, o.model.seq};
+    b.add("tokens", tok, shape).add("targets", tgt, shape);
+    rt.zero_grad();
+    rt.forward_backward(b, {.step = 0});
+    opt.step(1e-3f, po::clip_scale(po::grad_norm(rt), 1.0f));
+    rt.evaluate(b);
+    train_gpt::RankBytes& m = out[static_cast<std::size_t>(g)];
+    m.device = dev.memory().device_held;
+    m.host = dev.memory().host_held;
+    for (po::model::GptStage& l : mine) m.device += l.parameters().size_bytes() + l.gradients().size_bytes();
+  });
+  for (const std::string& e : errors) REQUIRE_MESSAGE(e.empty(), e);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("train_gpt's memory check: cpu_rank_bytes is what every rank's arena and stages hold, to the byte") {
+  const std::vector<std::string> small = {"--layers", "4", "--hidden", "32", "--seq", "16", "--batch", "2"};
+  const std::vector<std::vector<std::string>> runs = {
+      {"--ranks", "1", "--chunks", "1"},
+      {"--schedule", "1f1b", "--ranks", "4", "--chunks", "1"},
+      {"--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--gradients", "exact"},
+      {"--schedule", "po-h", "--ranks", "3", "--chunks", "2", "--microbatches", "6", "--dp", "2", "--zero", "1"},
+      {"--schedule", "gis-h", "--ranks", "4", "--chunks", "1", "--offload-chunks", "1", "--dp", "2", "--reduce-bucket",
+       "1000"},
+      {"--schedule", "zb-v", "--ranks", "2", "--chunks", "2", "--offload-chunks", "1"},
+      {"--schedule", "dualpipe-v", "--ranks", "2", "--chunks", "2", "--gradients", "exact", "--dp", "2"},
+      {"--schedule", "zb-h2", "--ranks", "3", "--chunks", "1", "--microbatches", "5", "--eval-every", "1"},
+  };
+  std::string text;
+  for (int i = 0; text.size() < 20000; ++i) text += "the quick brown fox " + std::to_string(i * 7919 % 1000) + ". ";
+  for (const std::vector<std::string>& run : runs) {
+    std::vector<std::string> args = small;
+    args.insert(args.end(), run.begin(), run.end());
+    std::string label;
+    for (const std::string& a : args) label += a + " ";
+    CAPTURE(label);
+    const train_gpt::Options o = options(args);
+    const train_gpt::Setup su = train_gpt::make_setup(o, sample::Tokens::from_text(text));
+    const po::Program program = train_gpt::program_of(o, su.costs);
+    const std::vector<train_gpt::RankBytes> got = measured(o, su);
+    for (int g = 0; g < o.dp * o.shape.d; ++g) {
+      CAPTURE(g);
+      const train_gpt::RankBytes want = train_gpt::cpu_rank_bytes(o, su, program, g % o.shape.d, g / o.shape.d);
+      CHECK(want.device == got[static_cast<std::size_t>(g)].device);
+      CHECK(want.host == got[static_cast<std::size_t>(g)].host);
+    }
+  }
+}
+
+TEST_CASE("train_gpt's memory check: a run larger than the memory available is refused, naming the need") {
+  const train_gpt::Options o = options({"--ranks", "64", "--dp", "16", "--chunks", "1", "--schedule", "1f1b",
+                                        "--microbatches", "64", "--layers", "64", "--hidden", "4096"});
+  std::string text(5000, 'a');
+  const train_gpt::Setup su = train_gpt::make_setup(o, sample::Tokens::from_text(text));
+  const po::Program program = train_gpt::program_of(o, su.costs);
+  REQUIRE(train_gpt::available_bytes() > 0);
+  CHECK_THROWS_WITH_AS(
+      train_gpt::check_memory(o, su, program, 0, 1024),
+      doctest::Contains("ranks (activations, stashes, messages, offload bins and model state; rank 0 the most"),
+      sample::bad_argument);
+}
