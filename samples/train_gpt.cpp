@@ -558,18 +558,18 @@ void check_outputs(const Options& o, const Setup& su, int global_rank) {
 }
 
 #ifdef PIPEOFFLOAD_WITH_MPI
-/// Whether this process was started by mpirun for --comm mpi (its own arguments ask for it and
-/// the launcher's environment is there): then a bad argument is told to every rank before any
-/// rank leaves, instead of leaving the others waiting in a collective.
-bool mpi_launch(int argc, char** argv) {
-  bool asked = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view a = argv[i];
-    asked = asked || a == "--comm=mpi" || (a == "--comm" && i + 1 < argc && std::string_view(argv[i + 1]) == "mpi");
-  }
-  return asked && (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
-                   std::getenv("PMIX_RANK") != nullptr);
+/// The number of processes an MPI launcher started with this one (its environment says so),
+/// or 0 when none did.
+int launched_processes() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"})
+    if (const char* v = std::getenv(name)) return std::max(1, std::atoi(v));
+  return std::getenv("PMIX_RANK") != nullptr ? 2 : 0;
 }
+
+/// Whether this process is one of several an MPI launcher started: then a bad argument (or a
+/// missing --comm mpi) is told to every process before any leaves, instead of leaving the
+/// others waiting in MPI_Init or a collective.
+bool mpi_launch() { return launched_processes() > 1; }
 
 /// FNV-1a of a process's arguments: every rank of an MPI job must be given the same ones.
 std::uint64_t arguments_hash(int argc, char** argv) {
@@ -693,6 +693,12 @@ int main(int argc, char** argv) {
   Options o;
   try {
     o = train_gpt::parse(argc, argv);
+#ifdef PIPEOFFLOAD_WITH_MPI
+    if (!o.mpi && mpi_launch())
+      throw bad_argument("this process is one of " + std::to_string(launched_processes()) +
+                         " an MPI launcher started, without --comm mpi (each would run the whole job alone); "
+                         "give every process --comm mpi");
+#endif
     if (!o.mpi) {
       train_gpt::program_of(o);  // shape errors (1f1b with v > 1, 1f1b-i with m % d != 0) as bad arguments
       if (o.fault.rank >= o.shape.d * o.dp)
@@ -701,7 +707,7 @@ int main(int argc, char** argv) {
     }
   } catch (const std::exception& e) {
 #ifdef PIPEOFFLOAD_WITH_MPI
-    if (mpi_launch(argc, argv)) return refuse_mpi(argc, argv, e.what());
+    if (mpi_launch()) return refuse_mpi(argc, argv, e.what());
 #endif
     std::fprintf(stderr, "train_gpt: %s\n", e.what());
     return 2;

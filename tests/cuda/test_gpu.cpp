@@ -95,6 +95,12 @@ constexpr float bf16_rel = 1.0f / 128;  // one rounding to bf16, with margin
 
 }  // namespace
 
+TEST_CASE("backend::Cuda refuses an arena larger than the device's free memory, naming both, before taking any") {
+  CHECK_THROWS_WITH_AS(po::backend::Cuda({.arena_bytes = std::size_t{1} << 50}),
+                       doctest::Contains("the arena needs 1048576.00 GiB (Options::arena_bytes) but GPU 0 has"),
+                       po::error);
+}
+
 TEST_CASE("GeLU, dropout and residual kernels match models/gpt/math.hpp") {
   Gpu g;
   const std::size_t n = 100003;

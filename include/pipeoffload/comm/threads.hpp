@@ -39,8 +39,9 @@ namespace detail {
 struct ThreadsAbort {
   std::mutex mu;
   std::atomic<bool> aborted{false};
-  std::string reason;
-  std::vector<ThreadsWorld*> worlds;  // the worlds to wake; fixed before any rank runs
+  std::string reason = std::string(256, '\0');  // capacity for an abort when memory is out (cleared below)
+  std::vector<ThreadsWorld*> worlds;            // the worlds to wake; fixed before any rank runs
+  ThreadsAbort() { reason.clear(); }
 };
 
 }  // namespace detail
@@ -60,7 +61,11 @@ class ThreadsWorld {
     {
       std::lock_guard lk(abort_->mu);
       if (abort_->aborted.load()) return;
-      abort_->reason = why;
+      try {
+        abort_->reason = why;
+      } catch (...) {  // out of memory: as much of it as the reserved capacity holds, no allocation
+        abort_->reason.assign(why, 0, std::min(why.size(), abort_->reason.capacity()));
+      }
       abort_->aborted.store(true);
     }
     for (ThreadsWorld* w : abort_->worlds) w->wake_all();

@@ -22,6 +22,7 @@
 /// @file
 #pragma once
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -56,7 +57,7 @@ struct CheckpointInfo {
   /// The configuration as words `key=value` separated by spaces or '|' (optional, at most
   /// 4096 bytes): when the checkpoint and the resuming run both give it, a refusal names the
   /// first word that differs.
-  std::string config;
+  std::string config{};
 };
 
 namespace checkpoint {
@@ -305,51 +306,97 @@ inline StageState decode(const std::vector<std::byte>& b, const std::string& nam
   return s;
 }
 
+/// One rank's verdict as agree() gathers it: -1, or the failed rank and the start of its message.
+struct Verdict {
+  std::int32_t rank = -1;  ///< the failed rank, or -1
+  char text[252] = {};     ///< the start of its message, NUL-terminated
+};
+
 /// Every rank's verdict on a collective checkpoint operation: throws on every rank of every
-/// replica if any rank failed (its own message on that rank, the failed rank's number, and
-/// replica, on the others). Both gathers run before anyone throws, so no rank is left waiting
-/// (a rank still in the second gather when a faster one has thrown may see that one's abort,
-/// which names it; with one replica there is no second gather).
+/// replica if any rank failed (its own message on that rank; on the others the failed rank's
+/// number, replica and message, cut to 251 bytes). Both gathers run before anyone throws, so
+/// no rank is left waiting, and a rank aborted meanwhile by a faster one's throw still names
+/// the cause.
 template <class Runtime>
 void agree(Runtime& rt, const std::string& failure, const std::string& what) {
-  const double ok = failure.empty() ? -1.0 : static_cast<double>(rt.rank());
-  std::vector<double> all(static_cast<std::size_t>(rt.communicator().size()));
-  rt.communicator().all_gather(std::span<const double>(&ok, 1), std::span(all));
-  double first = -1;  // this replica's first failed rank
-  for (double r : all)
-    if (r >= 0 && first < 0) first = r;
-  std::vector<double> replicas(1, first);
+  Verdict mine;
+  if (!failure.empty()) {
+    mine.rank = rt.rank();
+    const std::string_view t = std::string_view(failure).substr(failure.rfind("checkpoint: ", 0) == 0 ? 12 : 0);
+    std::memcpy(mine.text, t.data(), std::min(t.size(), sizeof mine.text - 1));
+  }
+  std::vector<Verdict> all(static_cast<std::size_t>(rt.communicator().size()));
+  rt.communicator().all_gather(std::span<const Verdict>(&mine, 1), std::span(all));
+  Verdict first;  // this replica's first failed rank
+  for (const Verdict& v : all)
+    if (v.rank >= 0 && first.rank < 0) first = v;
+  std::vector<Verdict> replicas(1, first);
   if (rt.replica_comm() != nullptr && rt.replicas() > 1) {
     replicas.resize(static_cast<std::size_t>(rt.replicas()));
-    rt.replica_comm()->all_gather(std::span<const double>(&first, 1), std::span(replicas));
+    rt.replica_comm()->all_gather(std::span<const Verdict>(&first, 1), std::span(replicas));
   }
   for (std::size_t j = 0; j < replicas.size(); ++j) {
-    if (replicas[j] < 0) continue;
-    const int r = static_cast<int>(replicas[j]);
-    if (r == rt.rank() && static_cast<int>(j) == rt.replica() && !failure.empty()) throw checkpoint_error(failure);
-    throw checkpoint_error("checkpoint: rank " + std::to_string(r) +
+    const Verdict& v = replicas[j];
+    if (v.rank < 0) continue;
+    if (v.rank == rt.rank() && static_cast<int>(j) == rt.replica() && !failure.empty()) throw checkpoint_error(failure);
+    throw checkpoint_error("checkpoint: rank " + std::to_string(v.rank) +
                            (replicas.size() > 1 ? " of replica " + std::to_string(j) : std::string()) + " could not " +
-                           what);
+                           what + " (" + v.text + ")");
   }
+}
+
+/// The names of dir's step directories ("step-" and 8 characters), unsorted; empty when dir
+/// cannot be read. POSIX calls, not std::filesystem's iterators, whose libstdc++ versions end
+/// the process when an allocation fails inside them.
+inline std::vector<std::string> step_dirs(const std::filesystem::path& dir) {
+  std::vector<std::string> out;
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return out;
+  try {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string_view n = e->d_name;
+      if (n.size() == 13 && n.substr(0, 5) == "step-") out.emplace_back(n);
+    }
+  } catch (...) {
+    ::closedir(d);
+    throw;
+  }
+  ::closedir(d);
+  return out;
+}
+
+/// Removes the step directory `path` and the files in it (best effort: what cannot be
+/// removed stays). A step directory holds only files.
+inline void remove_step_dir(const std::filesystem::path& path) {
+  DIR* d = ::opendir(path.c_str());
+  if (d == nullptr) return;
+  const int fd = ::dirfd(d);
+  while (const dirent* e = ::readdir(d))
+    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) ::unlinkat(fd, e->d_name, 0);
+  ::closedir(d);
+  ::rmdir(path.c_str());
 }
 
 /// Removes dir/step-N after a failed save of step N, unless dir/latest names it (best effort:
 /// what cannot be removed stays, and the next save of N overwrites it file by file).
-inline void remove_partial(const std::filesystem::path& dir, int step) {
+inline void remove_partial(const std::filesystem::path& dir, int step) noexcept {
   try {
-    if (latest_step(dir) == step) return;
-  } catch (const checkpoint_error&) {  // no (readable) latest: nothing names the partial directory
+    bool named = false;
+    try {
+      named = latest_step(dir) == step;
+    } catch (const checkpoint_error&) {  // no (readable) latest: nothing names the partial directory
+    }
+    if (!named) remove_step_dir(dir / step_name(step));
+  } catch (...) {  // out of memory: the partial directory stays
   }
-  std::error_code ec;
-  std::filesystem::remove_all(dir / step_name(step), ec);
 }
 
 }  // namespace checkpoint
 
 /// Collective: every rank writes its stages' parameters and `opt`'s state after
 /// opt.steps_taken() steps into dir/step-N/, then rank 0 points dir/latest at it and removes
-/// all but the two newest step directories. Throws on every rank if any rank failed to write
-/// (naming that rank). `rt` is a po::Runtime, `opt` its optimizer (po::AdamW, po::Sgd);
+/// all but the two newest step directories; it returns on every rank once `latest` names the
+/// new checkpoint. Throws on every rank if any rank failed to write (naming that rank). `rt` is a po::Runtime, `opt` its optimizer (po::AdamW, po::Sgd);
 /// `info` is the caller's (config hash, seed, data position).
 /// @code
 ///   if ((step + 1) % every == 0) po::save_checkpoint(dir, rt, opt, {config_hash, seed, step + 1});
@@ -395,26 +442,30 @@ void save_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& o
     if (rt.rank() == 0 && rt.replica() == 0) checkpoint::remove_partial(dir, step);
     throw;
   }
-  if (rt.rank() != 0 || rt.replica() != 0) return;
-  rt.guard("save_checkpoint", [&] {
-    const std::string name = checkpoint::step_name(step);
-    std::vector<std::byte> text(name.size() + 1);
-    std::memcpy(text.data(), name.data(), name.size());
-    text.back() = std::byte{'\n'};
-    checkpoint::write_atomic(dir / "latest", text);
-    // Keep this checkpoint and the one before: older ones are no longer needed.
-    std::vector<std::string> steps;
-    for (const auto& e : std::filesystem::directory_iterator(dir)) {
-      const std::string n = e.path().filename().string();
-      if (e.is_directory() && n.rfind("step-", 0) == 0 && n.size() == name.size() && n < name) steps.push_back(n);
+  // Rank 0 points `latest` at the new step; every rank returns only once it has (or throws
+  // rank 0's reason), so a load that follows on any rank finds it.
+  const bool lead = rt.rank() == 0 && rt.replica() == 0;
+  const std::string name = checkpoint::step_name(step);
+  std::string moved;
+  if (lead) try {
+      std::vector<std::byte> text(name.size() + 1);
+      std::memcpy(text.data(), name.data(), name.size());
+      text.back() = std::byte{'\n'};
+      checkpoint::write_atomic(dir / "latest", text);
+    } catch (const std::exception& e) {
+      moved = e.what();
     }
-    std::sort(steps.begin(), steps.end());
-    for (std::size_t i = 0; i + 1 < steps.size(); ++i) {
-      std::error_code ec;  // best effort: a stale directory wastes space, nothing more
-      std::filesystem::remove_all(dir / steps[i], ec);
-    }
-    return 0;
-  });
+  checkpoint::agree(rt, moved, "point " + (dir / "latest").string() + " at " + name);
+  if (!lead) return;
+  // Keep this checkpoint and the one before: older ones are no longer needed (best effort: a
+  // stale directory wastes space, nothing more).
+  try {
+    std::vector<std::string> older = checkpoint::step_dirs(dir);
+    std::erase_if(older, [&](const std::string& n) { return !(n < name); });
+    std::sort(older.begin(), older.end());
+    for (std::size_t i = 0; i + 1 < older.size(); ++i) checkpoint::remove_step_dir(dir / older[i]);
+  } catch (const std::exception&) {
+  }
 }
 
 /// The run whose checkpoints `dir` holds (the CheckpointInfo of stage 0 of the step

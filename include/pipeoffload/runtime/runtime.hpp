@@ -232,9 +232,14 @@ class Runtime<Backend, Communicator> {
 
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
-  // Every call ends with its streams idle (synchronize waits for that even on failure), so
-  // only the hook can still point here.
+  // A call that returns leaves its streams idle; one that threw part-way (out of memory while
+  // enqueueing, say) aborted them, and its work may still be ending: wait for that before
+  // this object and its buffers go. Then only the hook can still point here.
   ~Runtime() {
+    try {
+      dev_.synchronize();
+    } catch (...) {  // the failure was reported by the call that threw
+    }
     dev_.set_error_hook(nullptr);
     for (backend::Block& b : inputs_dev_) dev_.device_free(b);
     for (backend::Block& b : sums_) dev_.device_free(b);

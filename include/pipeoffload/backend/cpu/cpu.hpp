@@ -53,7 +53,7 @@ class Cpu {
 
   Cpu() : Cpu(Options{}) {}
   /// A device with no streams yet; worker threads start with make_stream.
-  explicit Cpu(Options opt) : opt_(opt) {}
+  explicit Cpu(Options opt) : opt_(opt) { error_.reserve(sizeof out_of_memory); }
   Cpu(const Cpu&) = delete;
   Cpu& operator=(const Cpu&) = delete;
 
@@ -546,6 +546,29 @@ class Cpu {
   // record: ~25 context switches per pass at d = 8 on two cores, and each is latency on the
   // pipeline's critical path.)
   void run(Stream& s) {
+    // An allocation of the worker's own bookkeeping that fails (a wake list, an event's
+    // waiters, an error's text: the process out of memory) fails the device instead of
+    // ending the process with std::terminate; the worker then drains its queue as a failed
+    // device's does, and the rank's host thread throws the device's error.
+    for (;;) try {
+        serve(s);
+        return;
+      } catch (...) {
+        {
+          std::lock_guard lk(mu_);
+          s.running = false;
+          if (!failed_) {
+            failed_ = true;
+            error_.assign(out_of_memory);  // within the capacity reserved at construction: no allocation
+          }
+        }
+        wake_everyone();
+      }
+  }
+
+  static constexpr char out_of_memory[] = "backend::Cpu: out of memory in a stream's worker thread";
+
+  void serve(Stream& s) {
 #ifdef __linux__
     // Timed waits on this thread (a paced copy, a layer that sleeps to model a device pass)
     // should end when asked: the default 50 us timer slack adds to every one of them.

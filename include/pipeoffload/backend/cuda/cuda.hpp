@@ -47,6 +47,7 @@
 #include <atomic>
 #include <cctype>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -139,10 +140,17 @@ class Cuda {
   /// slab cannot hold the workspace or a CUDA call fails.
   explicit Cuda(Options opt) : opt_(opt) {
     select();
-    if (opt_.arena_bytes == 0) {
-      std::size_t free = 0, total = 0;
-      PIPEOFFLOAD_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-      opt_.arena_bytes = free / 4 * 3;
+    std::size_t free = 0, total = 0;
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    if (opt_.arena_bytes == 0) opt_.arena_bytes = free / 4 * 3;
+    // What the run asked for, against what the device has, before anything is taken.
+    if (opt_.arena_bytes > free) {
+      char need[160];
+      std::snprintf(need, sizeof need, "needs %.2f GiB (Options::arena_bytes) but GPU %d has %.2f GiB free of %.2f",
+                    static_cast<double>(opt_.arena_bytes) / (1ull << 30), opt_.device,
+                    static_cast<double>(free) / (1ull << 30), static_cast<double>(total) / (1ull << 30));
+      throw error("backend::Cuda (rank " + std::to_string(opt_.rank) + "): the arena " + need +
+                  "; use fewer layers or microbatches per rank, a smaller batch or sequence, or more ranks");
     }
     opt_.arena_bytes = opt_.arena_bytes / alignment * alignment;
     // The workspace is carved from the arena: an arena that cannot hold it is refused before
