@@ -380,29 +380,21 @@ po::backend::Cuda::Options cuda_options(const Options& o, const Setup& su, int d
                                  {mb.batch, o.model.heads, mb.seq, o.model.hidden / o.model.heads}, true, device));
   const po::Program program = train_gpt::program_of(o, su.costs);
   const po::Shape& sh = program.shape;
-  const std::size_t boundary = static_cast<std::size_t>(mb.tokens()) * static_cast<std::size_t>(o.model.hidden) * 2;
-  std::vector<po::StageBytes> stages(static_cast<std::size_t>(sh.stages()));
-  std::vector<std::size_t> params_of_chunk;
-  for (int st = 0; st < sh.stages(); ++st) {
-    po::StageBytes& b = stages[static_cast<std::size_t>(st)];
-    b.input = st > 0 ? boundary : 0;
-    b.output = st + 1 < sh.stages() ? boundary : 0;
-    if (sh.rank_of(st) != r) continue;
-    const po::model::GptDims dims = po::model::gpt_dims(o.model, st, sh.stages());
-    const po::cuda::GptStageBuffers buf = po::cuda::gpt_stage_buffers(dims, mb.tokens());
-    b.saved = buf.saved_bytes;
-    b.stash = buf.stash_bytes;
-    params_of_chunk.push_back(static_cast<std::size_t>(po::model::gpt_stage_params(dims).total));
-  }
-  const po::StateBytes model_state = po::state_bytes(params_of_chunk, {.gradients = o.gradients,
-                                                                       .dp = o.dp,
-                                                                       .replica = global_rank / o.shape.d,
-                                                                       .zero = o.zero,
-                                                                       .optimizer_states = 2,
-                                                                       .reduce_bucket = su.runtime.reduce_bucket});
+  const train_gpt::RankStages rs = train_gpt::rank_stages(
+      o, sh, r, static_cast<std::size_t>(mb.tokens()) * static_cast<std::size_t>(o.model.hidden) * 2,
+      [&](const po::model::GptDims& d) {
+        const po::cuda::GptStageBuffers buf = po::cuda::gpt_stage_buffers(d, mb.tokens());
+        return po::StageBytes{.saved = buf.saved_bytes, .stash = buf.stash_bytes};
+      });
+  const po::StateBytes model_state = po::state_bytes(rs.params, {.gradients = o.gradients,
+                                                                 .dp = o.dp,
+                                                                 .replica = global_rank / o.shape.d,
+                                                                 .zero = o.zero,
+                                                                 .optimizer_states = 2,
+                                                                 .reduce_bucket = su.runtime.reduce_bucket});
   std::size_t state = std::size_t{64} << 20;
   for (const std::size_t bytes : model_state.blocks) state += po::cuda::pool_size_class(bytes);
-  opt.arena_bytes = po::cuda::arena_bytes_for(po::reservation_plan(program, r, stages), opt.workspace_bytes, state);
+  opt.arena_bytes = po::cuda::arena_bytes_for(po::reservation_plan(program, r, rs.stages), opt.workspace_bytes, state);
   return opt;
 }
 
@@ -422,6 +414,22 @@ int run_cuda_threads(const Options& o, Setup su) {
   bool paired = o.shape.d >= 2 && o.shape.d % 2 == 0;
   for (int g = 0; g < need && paired; ++g) paired = pairing.partner_of_rank[static_cast<std::size_t>(g)] == (g ^ 1);
   su.costs.stagger_pairs = paired;
+  // Each rank's arena (cuda_options: the runtime's reservation, model state, workspace)
+  // against its GPU's free memory, before any rank takes any.
+  for (int g = 0; g < need; ++g) {
+    const int dv = devices[static_cast<std::size_t>(g)];
+    const std::size_t arena = cuda_options(o, su, dv, g, g % o.shape.d).arena_bytes;
+    const po::backend::DeviceMemory m = po::backend::device_memory(dv);
+    if (arena > m.free) {
+      std::fprintf(stderr,
+                   "train_gpt: rank %d needs %.2f GiB of GPU %d's memory (its arena: activations, stashes, messages, "
+                   "model state and the workspace) but it has %.2f GiB free of %.2f; use fewer layers or "
+                   "microbatches per rank, a smaller --batch, --seq or --hidden, or more ranks\n",
+                   g, static_cast<double>(arena) / (1ull << 30), dv, static_cast<double>(m.free) / (1ull << 30),
+                   static_cast<double>(m.total) / (1ull << 30));
+      return 2;
+    }
+  }
   print_banner(o, su);
   std::printf("GPUs by global rank:");
   for (int dv : devices) std::printf(" %d", dv);

@@ -30,6 +30,36 @@ struct RankBytes {
   std::size_t host = 0;    ///< the arena's pinned host blocks (offload bins)
 };
 
+/// Every stage's buffer sizes as pipeline rank `r` sees them (every boundary `boundary`
+/// bytes; its own stages' saved and stash bytes from `own(dims)`, a po::StageBytes), and the
+/// parameter count of each of its chunks: what po::reservation_plan and po::state_bytes take.
+struct RankStages {
+  std::vector<po::StageBytes> stages;    ///< by stage
+  std::vector<std::size_t> params;       ///< by chunk
+  bool tokens = false, targets = false;  ///< whether it reads the token ids, the targets
+};
+template <class Own>
+RankStages rank_stages(const Options& o, const po::Shape& sh, int r, std::size_t boundary, Own own) {
+  RankStages out;
+  out.stages.resize(static_cast<std::size_t>(sh.stages()));
+  out.params.resize(static_cast<std::size_t>(sh.v));
+  for (int s = 0; s < sh.stages(); ++s) {
+    po::StageBytes& b = out.stages[static_cast<std::size_t>(s)];
+    b.input = s > 0 ? boundary : 0;
+    b.output = s + 1 < sh.stages() ? boundary : 0;
+    if (sh.rank_of(s) != r) continue;
+    const po::model::GptDims dims = po::model::gpt_dims(o.model, s, sh.stages());
+    const po::StageBytes mine = own(dims);
+    b.saved = mine.saved;
+    b.stash = mine.stash;
+    out.params[static_cast<std::size_t>(sh.chunk_of(s))] =
+        static_cast<std::size_t>(po::model::gpt_stage_params(dims).total);
+    out.tokens = out.tokens || dims.embeds;
+    out.targets = out.targets || dims.has_head;
+  }
+  return out;
+}
+
 /// Pipeline rank `r` of replica `replica` under `program` on backend::Cpu: every block the
 /// runtime reserves (po::reservation_plan of the CPU GPT's saved, stash and fp32 boundary
 /// sizes), the blocks it and AdamW take for themselves (the step's inputs and losses, the
@@ -40,39 +70,27 @@ inline RankBytes cpu_rank_bytes(const Options& o, const Setup& su, const po::Pro
   const po::Shape& sh = program.shape;
   const po::MicrobatchShape mb = su.runtime.microbatch;
   const std::size_t T = static_cast<std::size_t>(mb.tokens()), m = static_cast<std::size_t>(sh.m);
-  const std::size_t boundary = T * static_cast<std::size_t>(o.model.hidden) * sizeof(float);
-  std::vector<po::StageBytes> stages(static_cast<std::size_t>(sh.stages()));
-  std::vector<std::size_t> params(static_cast<std::size_t>(sh.v));
-  bool tokens = false, targets = false;
-  for (int s = 0; s < sh.stages(); ++s) {
-    po::StageBytes& b = stages[static_cast<std::size_t>(s)];
-    b.input = s > 0 ? boundary : 0;
-    b.output = s + 1 < sh.stages() ? boundary : 0;
-    if (sh.rank_of(s) != r) continue;
-    const po::model::GptDims dims = po::model::gpt_dims(o.model, s, sh.stages());
-    b.saved = po::model::gpt_cpu_bytes::saved(dims, mb);
-    b.stash = po::model::gpt_cpu_bytes::stash(dims, mb);
-    params[static_cast<std::size_t>(sh.chunk_of(s))] =
-        static_cast<std::size_t>(po::model::gpt_stage_params(dims).total);
-    tokens = tokens || dims.embeds;
-    targets = targets || dims.has_head;
-  }
+  const RankStages rs = rank_stages(o, sh, r, T * static_cast<std::size_t>(o.model.hidden) * sizeof(float),
+                                    [&](const po::model::GptDims& d) {
+                                      return po::StageBytes{.saved = po::model::gpt_cpu_bytes::saved(d, mb),
+                                                            .stash = po::model::gpt_cpu_bytes::stash(d, mb)};
+                                    });
   RankBytes out;
-  const po::Reservation res = po::reservation_plan(program, r, stages);
+  const po::Reservation res = po::reservation_plan(program, r, rs.stages);
   for (const auto* list : {&res.activation, &res.stash, &res.message})
     for (const po::BlockCount& b : *list) out.device += Cpu::round_up(b.bytes) * b.count;
   for (const po::BlockCount& b : res.host) out.host += Cpu::round_up(b.bytes) * b.count;
-  const std::size_t inputs = (tokens ? 1 : 0) + (targets ? 1 : 0);
+  const std::size_t inputs = (rs.tokens ? 1 : 0) + (rs.targets ? 1 : 0);
   out.device += inputs * Cpu::round_up(m * T * sizeof(std::int32_t));  // the step's token ids and targets
   out.device += Cpu::round_up(m * sizeof(float));                      // the last stage's losses
   out.device += Cpu::round_up(std::max<std::size_t>(1, program.ranks[static_cast<std::size_t>(r)].compute.size()) *
                               sizeof(std::uint32_t));  // a non-finite flag per compute op
-  const po::StateBytes state = po::state_bytes(params, {.gradients = o.gradients,
-                                                        .dp = o.dp,
-                                                        .replica = replica,
-                                                        .zero = o.zero,
-                                                        .optimizer_states = 2,
-                                                        .reduce_bucket = su.runtime.reduce_bucket});
+  const po::StateBytes state = po::state_bytes(rs.params, {.gradients = o.gradients,
+                                                           .dp = o.dp,
+                                                           .replica = replica,
+                                                           .zero = o.zero,
+                                                           .optimizer_states = 2,
+                                                           .reduce_bucket = su.runtime.reduce_bucket});
   for (const std::size_t bytes : state.blocks) out.device += Cpu::round_up(bytes);
   out.device += state.parameters + state.gradients;
   return out;

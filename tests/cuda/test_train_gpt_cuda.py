@@ -37,6 +37,12 @@ if "built without CUDA" in probe.stderr or "this machine has 0" in probe.stderr:
 if "this machine has 1" in probe.stderr:
     shape = ["--ranks", "1", "--chunks", "4"]
 
+# A run whose arena the GPU cannot hold is refused before any rank takes memory: exit 2, the need named.
+big = run("--backend", "cuda", "--ranks", "1", "--chunks", "1", "--schedule", "gis", "--layers", "512", "--hidden", "8192",
+          "--heads", "64", "--seq", "4096", "--batch", "8", "--microbatches", "64", "--steps", "1", "--quiet")
+if big.returncode != 2 or "needs" not in big.stderr or "GiB free of" not in big.stderr:
+    sys.exit(f"FAIL: a run larger than the GPU: exit {big.returncode}\n{big.stderr}")
+
 gpu = run("--backend", "cuda", *shape, *common)
 cpu = run("--backend", "cpu", *shape, *common)
 g, c = final_loss(gpu, "--backend cuda"), final_loss(cpu, "--backend cpu")

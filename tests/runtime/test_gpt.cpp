@@ -226,7 +226,10 @@ struct GptRun {
   std::vector<std::string> errors;
 };
 
-GptRun train_gpt(po::ScheduleSpec spec, po::Shape shape, int steps) {
+/// `steps` steps of the small GPT under `spec` on thread ranks, its stages of type Layer (a
+/// GptStage or a wrapper), with the buffer guard when `guard`.
+template <class Layer = GptStage>
+GptRun train_gpt(po::ScheduleSpec spec, po::Shape shape, int steps, bool guard = false) {
   GptConfig cfg;
   cfg.hidden = 16;
   cfg.heads = 2;
@@ -244,10 +247,10 @@ GptRun train_gpt(po::ScheduleSpec spec, po::Shape shape, int steps) {
   run.errors = po::run_thread_ranks(world, [&](int r) {
     po::backend::Cpu dev({.rank = r});
     po::comm::Threads comm(world, r);
-    std::vector<GptStage> layers;
+    std::vector<Layer> layers;
     for (int c = 0; c < shape.v; ++c) layers.emplace_back(cfg, shape.stage_of(r, c), shape.stages());
-    po::Runtime rt(program, dev, comm, std::span<GptStage>(layers),
-                   {.microbatch = mbs, .gradients = po::Gradients::exact});
+    po::Runtime rt(program, dev, comm, std::span<Layer>(layers),
+                   {.microbatch = mbs, .gradients = po::Gradients::exact, .guard_buffers = guard});
     po::AdamW opt(rt, {.weight_decay = 0.1f});
     const std::size_t n = static_cast<std::size_t>(mbs.tokens()) * static_cast<std::size_t>(shape.m);
     std::vector<std::int32_t> tok(n), tgt(n);
@@ -273,7 +276,54 @@ GptRun train_gpt(po::ScheduleSpec spec, po::Shape shape, int steps) {
   return run;
 }
 
+/// A GPT stage that writes one byte past one of its buffers on stage 1: in forward past its
+/// saved_bytes (Where 0), in backward_input past its stash_bytes (1), in backward_weight 10
+/// bytes past its saved_bytes (2).
+template <int Where>
+struct Overrun : GptStage {
+  using GptStage::GptStage;
+  void forward(po::backend::CpuContext& ctx, const po::Microbatch& mb, po::ConstTensor x, po::Tensor y,
+               std::byte* saved) {
+    GptStage::forward(ctx, mb, x, y, saved);
+    if (Where == 0 && mb.stage == 1) saved[saved_bytes(mb.shape)] = std::byte{1};
+  }
+  void backward_input(po::backend::CpuContext& ctx, const po::Microbatch& mb, po::ConstTensor dy, po::Tensor dx,
+                      std::byte* saved, std::byte* stash) {
+    GptStage::backward_input(ctx, mb, dy, dx, saved, stash);
+    if (Where == 1 && mb.stage == 1) stash[stash_bytes(mb.shape)] = std::byte{1};
+  }
+  void backward_weight(po::backend::CpuContext& ctx, const po::Microbatch& mb, std::byte* saved, std::byte* stash) {
+    GptStage::backward_weight(ctx, mb, saved, stash);
+    if (Where == 2 && mb.stage == 1) saved[saved_bytes(mb.shape) + 10] = std::byte{1};
+  }
+};
+
 }  // namespace
+
+TEST_CASE("GPT: the buffer guard changes nothing for a correct layer and names one byte written past a buffer") {
+  const po::ScheduleSpec spec{po::Family::grouped, {po::GroupSpec::Kind::uniform, 1}, po::offload::all};
+  const po::Shape shape{2, 2, 4};
+  const GptRun plain = train_gpt(spec, shape, 2), guarded = train_gpt(spec, shape, 2, true);
+  for (const auto& e : guarded.errors) REQUIRE(e == "");
+  CHECK(std::memcmp(plain.losses.data(), guarded.losses.data(), 2 * sizeof(float)) == 0);
+  REQUIRE(plain.params.size() == guarded.params.size());
+  CHECK(std::memcmp(plain.params.data(), guarded.params.data(), plain.params.size() * sizeof(float)) == 0);
+  const po::MicrobatchShape mbs{2, 8};
+  const GptStage probe(GptConfig{.hidden = 16, .heads = 2, .layers = 4, .seq = 8}, 1, 4);
+  const std::string saved = std::to_string(probe.saved_bytes(mbs)), stash = std::to_string(probe.stash_bytes(mbs));
+  const std::string e0 = train_gpt<Overrun<0>>(spec, shape, 1, true).errors[1];
+  CHECK_MESSAGE(e0.find("F(stage 1, mb 0): the stage's forward wrote past its saved_bytes() = " + saved +
+                        " bytes (byte " + saved + " of the buffer changed") != std::string::npos,
+                e0);
+  const std::string e1 = train_gpt<Overrun<1>>(spec, shape, 1, true).errors[1];
+  CHECK_MESSAGE(e1.find("(stage 1, mb 0): the stage's backward_input wrote past its stash_bytes() = " + stash +
+                        " bytes (byte " + stash + " of") != std::string::npos,
+                e1);
+  const std::string e2 = train_gpt<Overrun<2>>(spec, shape, 1, true).errors[1];
+  CHECK_MESSAGE(e2.find("(stage 1, mb 0): the stage's backward_weight wrote past its saved_bytes() = " + saved +
+                        " bytes (byte " + std::to_string(probe.saved_bytes(mbs) + 10) + " of") != std::string::npos,
+                e2);
+}
 
 TEST_CASE("GPT: pipelined training is bit-identical to one rank holding the whole model") {
   using GK = po::GroupSpec::Kind;

@@ -259,4 +259,10 @@ template <class B>
 concept reserves_norm_buffers =
     reserves_memory<B> && requires(B& b, std::span<const std::size_t> groups) { b.reserve_sum_squares(groups); };
 
+/// A backend whose device memory the host reads and writes directly (backend::Cpu says so
+/// with `static constexpr bool device_memory_is_host = true`): the runtime's buffer guard
+/// (RuntimeOptions::guard_buffers) checks its canaries there.
+template <class B>
+concept host_addressable_memory = requires { requires B::device_memory_is_host; };
+
 }  // namespace pipeoffload::backend

@@ -455,9 +455,9 @@ constexpr std::vector<double> host_bytes_per_node(const std::vector<double>& hos
   return out;
 }
 
-/// Throws shape_error with a sentence (naming the value and what is allowed) for a grid or
-/// per-parameter bytes the planner cannot use with this model and machine.
-constexpr void check_grid(const TransformerSpec& m, const MachineSpec& x, const PlanBudget& bud, const GridSpec& g) {
+/// Throws shape_error with a sentence (naming the value and what is allowed) for a grid the
+/// planner cannot use with this model and machine.
+constexpr void check_grid(const TransformerSpec& m, const MachineSpec& x, const GridSpec& g) {
   using detail::num;
   detail::require_range("grid: data-parallel degree dp (0 = search)", g.dp, 0, max_grid_gpus);
   detail::require_range("grid: ZeRO stage", g.zero, 0, 1);
@@ -755,7 +755,7 @@ constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const 
                       detail::num(static_cast<long long>(bud.reduce_bucket)));
   detail::require_real("budget: reserved bytes (>= 0)", bud.reserved_bytes, 0, 1e18);
   detail::require_range("budget: max chunks (0 = no limit)", bud.max_chunks, 0, max_chunks);
-  check_grid(m, x, bud, grid);
+  check_grid(m, x, grid);
   // (No ?: between the two calls: GCC 12 destroys a class temporary of a ?: twice in constant
   // evaluation.)
   if (grid.dp == 0) return detail::plan_search(m, x, bud, grid);

@@ -43,6 +43,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -90,7 +91,16 @@ struct RuntimeOptions {
   /// order, inside a block: runs stay bit-identical across schedules, rank counts and replica
   /// counts whose m (per call) is a multiple of the block. m must be a multiple of it.
   int exact_block = 1;
+  /// Debug, for layer authors: every saved and stash buffer gets `guard_bytes` canary bytes
+  /// after what saved_bytes() and stash_bytes() declare, checked after every pass that gets
+  /// the buffer; a pass that wrote past its size is named (rank, op, stage, microbatch, the
+  /// first byte changed). Needs a backend whose device memory the host reads (backend::Cpu);
+  /// the reservation grows by guard_bytes a buffer. Off by default.
+  bool guard_buffers = false;
 };
+
+/// Canary bytes after each saved and stash buffer under RuntimeOptions::guard_buffers.
+inline constexpr std::size_t guard_bytes = 64;
 
 /// Where a forward_backward call sits in training: the optimizer step its gradients go to
 /// (Microbatch::step) and, with gradient accumulation, which of `parts` calls it is. With dp

@@ -51,6 +51,9 @@ class Cpu {
     double copy_bytes_per_second = 0;  ///< transfer() pace; 0 = as fast as memcpy
   };
 
+  /// Device memory is host memory here (backend::host_addressable_memory).
+  static constexpr bool device_memory_is_host = true;
+
   Cpu() : Cpu(Options{}) {}
   /// A device with no streams yet; worker threads start with make_stream.
   explicit Cpu(Options opt) : opt_(opt) { error_.reserve(sizeof out_of_memory); }

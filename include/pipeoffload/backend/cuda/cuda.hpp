@@ -849,6 +849,24 @@ inline cuda::Pairing device_pairing() {
   return cuda::pair_devices(paths);
 }
 
+/// Free and total bytes of a device.
+struct DeviceMemory {
+  std::size_t free = 0;   ///< bytes free now
+  std::size_t total = 0;  ///< the device's bytes
+};
+/// Device `device`'s free and total bytes now (cudaMemGetInfo; the calling thread's current
+/// device is kept), for a launcher that checks a run's needs before constructing anything.
+inline DeviceMemory device_memory(int device) {
+  int was = 0;
+  PIPEOFFLOAD_CUDA_CHECK(cudaGetDevice(&was));
+  PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(device));
+  DeviceMemory m;
+  const cudaError_t e = cudaMemGetInfo(&m.free, &m.total);
+  cudaSetDevice(was);
+  PIPEOFFLOAD_CUDA_CHECK(e);
+  return m;
+}
+
 /// Number of CUDA devices, 0 when there is no GPU or no driver (never throws: tests use it to
 /// decide to SKIP).
 inline int device_count() {

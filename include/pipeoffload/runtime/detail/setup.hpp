@@ -28,6 +28,11 @@ void Runtime<Backend, Communicator>::construct() {
                 " is neither Gradients::standard (0) nor Gradients::exact (1)");
   if (opt_.reduce_bucket < 1)
     throw error("po::Runtime: RuntimeOptions::reduce_bucket = 0 must be >= 1 (values per reduction bucket)");
+  if constexpr (!backend::host_addressable_memory<Backend>)
+    if (opt_.guard_buffers)
+      throw error(
+          "po::Runtime: RuntimeOptions::guard_buffers needs a backend whose device memory the host reads "
+          "(backend::Cpu); run the layer's tests with it on the CPU backend");
   if (opt_.exact_block < 1 || sh.m % opt_.exact_block != 0)
     throw error("po::Runtime: RuntimeOptions::exact_block = " + std::to_string(opt_.exact_block) +
                 " must be >= 1 and divide m = " + std::to_string(sh.m));
@@ -67,8 +72,10 @@ void Runtime<Backend, Communicator>::construct() {
                   std::to_string(total) + " parameters, not its " + std::to_string(l.parameter_count()));
     mine.push_back({l.input_boundary(mbs), l.output_boundary(mbs), l.parameter_count(), groups.size(),
                     detail::ShortText::of(l.name())});
-    saved_.push_back(l.saved_bytes(mbs));
-    stash_.push_back(l.stash_bytes(mbs));
+    // Under the guard, each buffer is followed by its canary (runtime/detail/streams.hpp).
+    const std::size_t guard = opt_.guard_buffers ? guard_bytes : 0;
+    saved_.push_back(l.saved_bytes(mbs) + guard);
+    stash_.push_back(l.stash_bytes(mbs) + guard);
     norm_groups_.push_back(groups);
   }
   // With blocks of more than one microbatch, a stage sums a block in fp32 in microbatch

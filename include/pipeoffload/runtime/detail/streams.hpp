@@ -11,6 +11,27 @@
 
 namespace pipeoffload {
 
+namespace detail {
+
+inline constexpr std::byte guard_fill{0xa5};
+
+/// Writes the canary after the first `bytes - guard_bytes` bytes of the buffer at `p`.
+inline void arm_guard(std::byte* p, std::size_t bytes) {
+  std::memset(p + bytes - guard_bytes, static_cast<int>(guard_fill), guard_bytes);
+}
+
+/// Throws naming `pass` and `what` when the canary of the `bytes`-byte buffer at `p` changed.
+inline void check_guard(const std::byte* p, std::size_t bytes, const char* pass, const char* what) {
+  const std::size_t declared = bytes - guard_bytes;
+  for (std::size_t k = 0; k < guard_bytes; ++k)
+    if (p[declared + k] != guard_fill)
+      throw error(std::string("the stage's ") + pass + " wrote past its " + what + "() = " + std::to_string(declared) +
+                  " bytes (byte " + std::to_string(declared + k) + " of the buffer changed; " + what +
+                  "() must cover everything the passes write there)");
+}
+
+}  // namespace detail
+
 template <class Backend, class Communicator>
 void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
   const Plan& plan = *call_.plan;
@@ -29,7 +50,11 @@ void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
       if (plan.training) units_[unit_index(op.stage, op.mb)].device = saved;
       const ConstTensor in = op.stage > 0 ? box_in(op.stage, op.mb, Dir::forward) : ConstTensor{};
       const Tensor out = op.stage < S - 1 ? box_out(op.stage + 1, op.mb, Dir::forward) : Tensor{};
+      if constexpr (backend::host_addressable_memory<Backend>)
+        if (opt_.guard_buffers) detail::arm_guard(saved.ptr, saved_[c]);
       l.forward(ctx, mb, in, out, saved.ptr);
+      if constexpr (backend::host_addressable_memory<Backend>)
+        if (opt_.guard_buffers) detail::check_guard(saved.ptr, saved_[c], "forward", "saved_bytes");
       if (opt_.check_finite && out) dev_.flag_nonfinite(ctx, ConstTensor{out.data, out.elements, out.dtype}, flag);
       if (op.stage > 0) release_box(op.stage, op.mb, Dir::forward);
       if (!plan.training) dev_.device_free(saved);
@@ -40,7 +65,14 @@ void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
       const ConstTensor dy = op.stage < S - 1 ? box_in(op.stage, op.mb, Dir::backward) : ConstTensor{};
       const Tensor dx = op.stage > 0 ? box_out(op.stage - 1, op.mb, Dir::backward) : Tensor{};
       u.stash = dev_.device_alloc(stash_[c], backend::Memory::stash);
+      if constexpr (backend::host_addressable_memory<Backend>)
+        if (opt_.guard_buffers) detail::arm_guard(u.stash.ptr, stash_[c]);
       l.backward_input(ctx, mb, dy, dx, u.device.ptr, u.stash.ptr);
+      if constexpr (backend::host_addressable_memory<Backend>)
+        if (opt_.guard_buffers) {
+          detail::check_guard(u.device.ptr, saved_[c], "backward_input", "saved_bytes");
+          detail::check_guard(u.stash.ptr, stash_[c], "backward_input", "stash_bytes");
+        }
       if (opt_.check_finite && dx) dev_.flag_nonfinite(ctx, ConstTensor{dx.data, dx.elements, dx.dtype}, flag);
       if (op.stage < S - 1) release_box(op.stage, op.mb, Dir::backward);
     }
@@ -62,6 +94,11 @@ void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
         if (static_cast<int>(x) == plan.last_w[c] && !reducing())
           dev_.exact_round(ctx, grads, std::span<const exact::Fixed>(acc));
       }
+      if constexpr (backend::host_addressable_memory<Backend>)
+        if (opt_.guard_buffers) {
+          detail::check_guard(u.device.ptr, saved_[c], "backward_weight", "saved_bytes");
+          detail::check_guard(u.stash.ptr, stash_[c], "backward_weight", "stash_bytes");
+        }
       dev_.device_free(u.stash);
       dev_.device_free(u.device);
       u.stash = {};
