@@ -46,8 +46,6 @@
 #include <pipeoffload/fnv1a.hpp>
 #include <pipeoffload/runtime.hpp>
 
-#include <models/gpt/math.hpp>  // gelu, mix64
-
 namespace custom {
 
 struct Config {
@@ -115,9 +113,28 @@ inline void linear_dw(const float* x, const float* dy, float* gW, float* gb, std
 /// 64-bit FNV-1a of a name: the "global position" of a tensor, the same in every cut.
 inline std::uint64_t name_hash(const std::string& s) { return po::fnv1a(s); }
 
+/// 64 well-mixed bits from (a, b): SplitMix64's finaliser of a + b's golden-ratio multiple.
+inline std::uint64_t mix(std::uint64_t a, std::uint64_t b) {
+  std::uint64_t z = a + 0x9e3779b97f4a7c15ULL * (b + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
 /// A uniform value in [-1, 1) from (seed, key, i).
 inline float uniform(std::uint64_t seed, std::uint64_t key, std::uint64_t i) {
-  return static_cast<float>(po::math::mix64(po::math::mix64(seed, key), i) >> 40) * (2.0f / 16777216.0f) - 1.0f;
+  return static_cast<float>(mix(mix(seed, key), i) >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+/// GeLU, tanh form (GPT-2's): x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+inline float gelu(float x) {
+  const float u = 0.7978845608f * (x + 0.044715f * x * x * x);
+  return 0.5f * x * (1.0f + std::tanh(u));
+}
+/// d GeLU / dx at x.
+inline float gelu_grad(float x) {
+  const float u = 0.7978845608f * (x + 0.044715f * x * x * x), t = std::tanh(u);
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * 0.7978845608f * (1.0f + 3.0f * 0.044715f * x * x);
 }
 
 /// Parameters and gradients of a stage, and its named tensors in parameters() order.
@@ -186,7 +203,7 @@ class InputProjection {
     std::memcpy(x, mb.input<float>("features"), R * f_ * sizeof(float));
     detail::linear(x, p_.at(0), p_.at(1), z, R, f_, w_);
     float* y = yt.as<float>();
-    for (std::size_t e = 0; e < R * w_; ++e) y[e] = po::math::gelu(z[e]);
+    for (std::size_t e = 0; e < R * w_; ++e) y[e] = detail::gelu(z[e]);
   }
   void backward_input(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor dyt, po::Tensor,
                       std::byte* saved, std::byte* stash) {
@@ -194,7 +211,7 @@ class InputProjection {
     const float* z = reinterpret_cast<const float*>(saved) + R * f_;
     const float* dy = dyt.as<float>();
     float* dz = reinterpret_cast<float*>(stash);
-    for (std::size_t e = 0; e < R * w_; ++e) dz[e] = dy[e] * po::math::gelu_grad(z[e]);
+    for (std::size_t e = 0; e < R * w_; ++e) dz[e] = dy[e] * detail::gelu_grad(z[e]);
   }
   void backward_weight(po::backend::CpuContext&, const po::Microbatch& mb, std::byte* saved, std::byte* stash) {
     const float* x = reinterpret_cast<const float*>(saved);
@@ -272,7 +289,7 @@ class ResidualStage {
       float* u = block_u(s, R, j);
       const std::size_t k = first_tensor(j);
       detail::linear(h, p_.at(k), p_.at(k + 1), u, R, w_, 4 * w_);
-      for (std::size_t e = 0; e < R * 4 * w_; ++e) a[e] = po::math::gelu(u[e]);
+      for (std::size_t e = 0; e < R * 4 * w_; ++e) a[e] = detail::gelu(u[e]);
       detail::linear(a.data(), p_.at(k + 2), p_.at(k + 3), t.data(), R, 4 * w_, w_);
       float* out = j + 1 < n_ ? block_h(s, R, j + 1) : yt.as<float>();
       for (std::size_t e = 0; e < R * w_; ++e) out[e] = h[e] + t[e];
@@ -292,7 +309,7 @@ class ResidualStage {
       float* du = block_du(st, R, j);
       const std::size_t k = first_tensor(j);
       detail::linear_dx(g, p_.at(k + 2), da.data(), R, 4 * w_, w_, false);
-      for (std::size_t e = 0; e < R * 4 * w_; ++e) du[e] = da[e] * po::math::gelu_grad(u[e]);
+      for (std::size_t e = 0; e < R * 4 * w_; ++e) du[e] = da[e] * detail::gelu_grad(u[e]);
       // d (block j's input) = g + du W1^T: the next block down's output gradient, or dh0.
       float* dh = j > 0 ? block_dout(st, R, j - 1) : (adapts() ? st : dxt.as<float>());
       std::memcpy(dh, g, R * w_ * sizeof(float));
@@ -309,7 +326,7 @@ class ResidualStage {
     std::vector<float> a(R * 4 * w_);
     for (std::size_t j = 0; j < n_; ++j) {
       const float* u = block_u(s, R, j);
-      for (std::size_t e = 0; e < R * 4 * w_; ++e) a[e] = po::math::gelu(u[e]);  // recomputed, not saved
+      for (std::size_t e = 0; e < R * 4 * w_; ++e) a[e] = detail::gelu(u[e]);  // recomputed, not saved
       const std::size_t k = first_tensor(j);
       detail::linear_dw(block_h(s, R, j), block_du(st, R, j), p_.grad(k), p_.grad(k + 1), R, w_, 4 * w_);
       detail::linear_dw(a.data(), block_dout(st, R, j), p_.grad(k + 2), p_.grad(k + 3), R, 4 * w_, w_);

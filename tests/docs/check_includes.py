@@ -13,7 +13,8 @@ Reads every header under include/pipeoffload/ and models/, resolves its #include
 - a header's folder has no layer (a new folder must be placed in LAYERS) or an include does
   not resolve to a file.
 There is no allow-list: every edge obeys the rules. samples/ and tools/ are programs, not
-layers: exempt.
+layers: exempt, except that the worked example (EXAMPLE) includes only the installed library,
+the standard library and its own headers.
 """
 import re
 import sys
@@ -53,6 +54,8 @@ PEER_EDGES = {
 # Headers that may include CUDA (directly or through another header) and MPI.
 CUDA_PLACES = ("backend/cuda/", "comm/nccl/", "cuda.hpp", "models/")
 MPI_PLACES = ("comm/mpi/",)
+# The worked example of README's "Your own model", which must build from an installed prefix.
+EXAMPLE = ("samples/custom_model.hpp", "samples/custom_model.cpp", "samples/cli.hpp")
 CUDA_SYSTEM = re.compile(r"^(cuda|cublas|cudnn|cufft|curand|cusparse|nccl|nvrtc|nvtx|cub/|thrust/|cuda/)")
 MPI_SYSTEM = re.compile(r"^mpi\.h$")
 
@@ -149,6 +152,20 @@ def main():
                 if chain:
                     problems.append(f"{h}:{line}: includes {t}, which brings in {what} ({' -> '.join(chain)}); "
                                     f"{what} belongs in {', '.join(places)} only")
+
+    # The worked example of "Your own model" builds from an installed prefix: it includes the
+    # installed library (<pipeoffload/...>) and the standard library, nothing of models/.
+    for name in EXAMPLE:
+        text = (root / name).read_text()
+        for m in INCLUDE.finditer(text):
+            kind, target = m.group(1), m.group(2)
+            local = kind == '"' and (root / name).parent.joinpath(target).exists()
+            if not (target.startswith("pipeoffload/") or local or "/" not in target and "." not in target):
+                line = text.count("\n", 0, m.start()) + 1
+                shown = f"<{target}>" if kind == "<" else f'"{target}"'
+                problems.append(f"{name}:{line}: includes {shown}: the worked example may include only "
+                                f"<pipeoffload/...>, the standard library and its own headers (it must build "
+                                f"from an installed prefix)")
 
     n_edges = sum(len(e) for e in edges.values())
     if problems:
