@@ -223,11 +223,9 @@ int train_rank(
     std::vector<std::size_t> now(4 * static_cast<std::size_t>(sh.d));
     comm.all_gather(std::span<const std::size_t>(my), std::span(now));
     std::size_t stop = 0;
-    for (std::size_t q = 0; q < now.size(); ++q) {
-      if (q % 4 == 3)
-        stop = std::max(stop, now[q]);
-      else
-        peaks[q / 4 * 3 + q % 4] = std::max(peaks[q / 4 * 3 + q % 4], now[q]);
+    for (std::size_t q = 0; q < static_cast<std::size_t>(sh.d); ++q) {
+      for (std::size_t k = 0; k < 3; ++k) peaks[3 * q + k] = std::max(peaks[3 * q + k], now[4 * q + k]);
+      stop = std::max(stop, now[4 * q + 3]);
     }
     if (o.dp > 1) {
       std::vector<std::size_t> stops(static_cast<std::size_t>(o.dp));
@@ -419,14 +417,9 @@ int run_cuda_threads(const Options& o, Setup su) {
   for (int g = 0; g < need; ++g) {
     const int dv = devices[static_cast<std::size_t>(g)];
     const std::size_t arena = cuda_options(o, su, dv, g, g % o.shape.d).arena_bytes;
-    const po::backend::DeviceMemory m = po::backend::device_memory(dv);
-    if (arena > m.free) {
-      std::fprintf(stderr,
-                   "train_gpt: rank %d needs %.2f GiB of GPU %d's memory (its arena: activations, stashes, messages, "
-                   "model state and the workspace) but it has %.2f GiB free of %.2f; use fewer layers or "
-                   "microbatches per rank, a smaller --batch, --seq or --hidden, or more ranks\n",
-                   g, static_cast<double>(arena) / (1ull << 30), dv, static_cast<double>(m.free) / (1ull << 30),
-                   static_cast<double>(m.total) / (1ull << 30));
+    const std::string no = po::backend::arena_refusal(arena, dv, g, po::backend::device_memory(dv));
+    if (!no.empty()) {
+      std::fprintf(stderr, "train_gpt: %s\n", no.c_str());
       return 2;
     }
   }

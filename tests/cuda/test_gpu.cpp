@@ -97,7 +97,7 @@ constexpr float bf16_rel = 1.0f / 128;  // one rounding to bf16, with margin
 
 TEST_CASE("backend::Cuda refuses an arena larger than the device's free memory, naming both, before taking any") {
   CHECK_THROWS_WITH_AS(po::backend::Cuda({.arena_bytes = std::size_t{1} << 50}),
-                       doctest::Contains("the arena needs 1048576.00 GiB (Options::arena_bytes) but GPU 0 has"),
+                       doctest::Contains("rank 0 needs 1048576.00 GiB of GPU 0's memory for its arena but the GPU has"),
                        po::error);
 }
 

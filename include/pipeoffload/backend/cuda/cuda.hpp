@@ -121,6 +121,26 @@ struct CudaContext {
 
 /// The CUDA backend: one GPU, its streams and events, a device arena carved from one slab and
 /// a pinned host arena (the `backend` concept, backend/backend.hpp, and its optional parts).
+/// Free and total bytes of a device.
+struct DeviceMemory {
+  std::size_t free = 0;   ///< bytes free now
+  std::size_t total = 0;  ///< the device's bytes
+};
+
+/// The sentence refusing an arena of `arena_bytes` for rank `rank` on GPU `device`, which has
+/// `m`, or "" when it fits: backend::Cuda's constructor throws it, and a launcher that checks
+/// every rank before constructing any prints it.
+inline std::string arena_refusal(std::size_t arena_bytes, int device, int rank, DeviceMemory m) {
+  if (arena_bytes <= m.free) return {};
+  char t[200];
+  std::snprintf(t, sizeof t, "needs %.2f GiB of GPU %d's memory for its arena but the GPU has %.2f GiB free of %.2f",
+                static_cast<double>(arena_bytes) / (1ull << 30), device, static_cast<double>(m.free) / (1ull << 30),
+                static_cast<double>(m.total) / (1ull << 30));
+  return "rank " + std::to_string(rank) + " " + t +
+         " (Options::arena_bytes: activations, stashes, messages, model state, workspace); use fewer layers or "
+         "microbatches per rank, a smaller batch or sequence, or more ranks";
+}
+
 class Cuda {
  public:
   using Context = CudaContext;  ///< what a pass is given (stream, library handles, workspace)
@@ -140,18 +160,12 @@ class Cuda {
   /// slab cannot hold the workspace or a CUDA call fails.
   explicit Cuda(Options opt) : opt_(opt) {
     select();
-    std::size_t free = 0, total = 0;
-    PIPEOFFLOAD_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-    if (opt_.arena_bytes == 0) opt_.arena_bytes = free / 4 * 3;
+    DeviceMemory m;
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemGetInfo(&m.free, &m.total));
+    if (opt_.arena_bytes == 0) opt_.arena_bytes = m.free / 4 * 3;
     // What the run asked for, against what the device has, before anything is taken.
-    if (opt_.arena_bytes > free) {
-      char need[160];
-      std::snprintf(need, sizeof need, "needs %.2f GiB (Options::arena_bytes) but GPU %d has %.2f GiB free of %.2f",
-                    static_cast<double>(opt_.arena_bytes) / (1ull << 30), opt_.device,
-                    static_cast<double>(free) / (1ull << 30), static_cast<double>(total) / (1ull << 30));
-      throw error("backend::Cuda (rank " + std::to_string(opt_.rank) + "): the arena " + need +
-                  "; use fewer layers or microbatches per rank, a smaller batch or sequence, or more ranks");
-    }
+    if (const std::string no = arena_refusal(opt_.arena_bytes, opt_.device, opt_.rank, m); !no.empty())
+      throw error("backend::Cuda: " + no);
     opt_.arena_bytes = opt_.arena_bytes / alignment * alignment;
     // The workspace is carved from the arena: an arena that cannot hold it is refused before
     // anything is allocated (a constructor that throws later would leak the slab).
@@ -849,11 +863,6 @@ inline cuda::Pairing device_pairing() {
   return cuda::pair_devices(paths);
 }
 
-/// Free and total bytes of a device.
-struct DeviceMemory {
-  std::size_t free = 0;   ///< bytes free now
-  std::size_t total = 0;  ///< the device's bytes
-};
 /// Device `device`'s free and total bytes now (cudaMemGetInfo; the calling thread's current
 /// device is kept), for a launcher that checks a run's needs before constructing anything.
 inline DeviceMemory device_memory(int device) {
