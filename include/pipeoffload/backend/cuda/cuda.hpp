@@ -119,8 +119,6 @@ struct CudaContext {
   cuda::GemmPlans* gemms = nullptr;  ///< cuBLASLt plans of `lt`, owned by the backend (cuda::gemm)
 };
 
-/// The CUDA backend: one GPU, its streams and events, a device arena carved from one slab and
-/// a pinned host arena (the `backend` concept, backend/backend.hpp, and its optional parts).
 /// Free and total bytes of a device.
 struct DeviceMemory {
   std::size_t free = 0;   ///< bytes free now
@@ -141,6 +139,8 @@ inline std::string arena_refusal(std::size_t arena_bytes, int device, int rank, 
          "microbatches per rank, a smaller batch or sequence, or more ranks";
 }
 
+/// The CUDA backend: one GPU, its streams and events, a device arena carved from one slab and
+/// a pinned host arena (the `backend` concept, backend/backend.hpp, and its optional parts).
 class Cuda {
  public:
   using Context = CudaContext;  ///< what a pass is given (stream, library handles, workspace)
