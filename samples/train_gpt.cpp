@@ -150,7 +150,7 @@ template <class Comm, class Device, class Layer>
 int train_rank(
     const Options& o, const Setup& su, Comm& comm, Comm& replicas, Device& dev, std::vector<Layer>& mine,
     std::chrono::steady_clock::time_point t_start, po::PairLink<Device>* pair = nullptr,
-    const std::function<void()>& barrier = [] {}) {
+    const std::function<void()>& barrier = [] {}, std::vector<std::vector<float>> initial = {}) {
   const int r = comm.rank(), replica = replicas.rank();
   const bool lead = r == 0 && replica == 0;  // global rank 0 prints
   const po::Shape sh = o.shape;
@@ -163,6 +163,11 @@ int train_rank(
   po::Runtime rt(train_gpt::program_of(o, su.costs), dev, comm, replicas, std::span<Layer>(mine), su.runtime);
   if (pair != nullptr) rt.pair_with(*pair);
   po::AdamW opt(rt, su.adamw);
+  // bf16 stages: the optimizer's fp32 master starts from the model's fp32 initial values, not
+  // from their bf16 rounding (a resume overwrites it from the checkpoint).
+  for (std::size_t c = 0; c < initial.size(); ++c)
+    if (opt.has_master(static_cast<int>(c))) opt.set_full_master(static_cast<int>(c), initial[c]);
+  initial = {};
   barrier();
   int first = 0;
   if (!o.resume.empty()) {
@@ -304,7 +309,7 @@ int train_rank(
   // in the last step's gradient and parameter collectives.
   std::size_t rank_params = 0, held = rt.gradient_buffer_bytes() + opt.state_bytes();
   for (Layer& l : mine) {
-    rank_params += l.parameters().size();
+    rank_params += l.gradients().size();  // one fp32 gradient a parameter
     held += train_gpt::layer_state_bytes(l);
   }
   const double n = static_cast<double>(std::max<std::size_t>(1, rank_params));
@@ -350,14 +355,21 @@ std::vector<Stage> cpu_stages(const Options& o, int g) {
 }
 
 #ifdef PIPEOFFLOAD_WITH_CUDA
-/// This rank's v stages on the GPU, from the CPU model's initial parameters.
-std::vector<po::cuda::GptStage> cuda_stages(const Options& o, const Setup& su, po::backend::Cuda& dev, int r) {
+/// This rank's v stages on the GPU, from the CPU model's initial parameters (kept in `initial`,
+/// fp32, for the optimizer's master copy: the stages hold them rounded to bf16).
+std::vector<po::cuda::GptStage> cuda_stages(const Options& o, const Setup& su, po::backend::Cuda& dev, int r,
+                                            std::vector<std::vector<float>>& initial) {
   std::vector<po::cuda::GptStage> mine;
   mine.reserve(static_cast<std::size_t>(o.shape.v));
-  for (int c = 0; c < o.shape.v; ++c)
+  initial.clear();
+  for (int c = 0; c < o.shape.v; ++c) {
+    const int stage = o.shape.stage_of(r, c);
+    po::model::GptStage cpu(o.model, stage, o.shape.stages());
+    initial.emplace_back(cpu.parameters().begin(), cpu.parameters().end());
     // bf16 boundaries: every stage is a GPU stage computing in bf16 (cuda::Boundaries).
-    mine.emplace_back(dev, o.model, o.shape.stage_of(r, c), o.shape.stages(), su.runtime.microbatch,
+    mine.emplace_back(dev, o.model, stage, o.shape.stages(), su.runtime.microbatch, initial.back(),
                       po::cuda::Boundaries::bf16);
+  }
   return mine;
 }
 
@@ -389,7 +401,8 @@ po::backend::Cuda::Options cuda_options(const Options& o, const Setup& su, int d
                                                                  .replica = global_rank / o.shape.d,
                                                                  .zero = o.zero,
                                                                  .optimizer_states = 2,
-                                                                 .reduce_bucket = su.runtime.reduce_bucket});
+                                                                 .reduce_bucket = su.runtime.reduce_bucket,
+                                                                 .parameter_bytes = 2});
   std::size_t state = std::size_t{64} << 20;
   for (const std::size_t bytes : model_state.blocks) state += po::cuda::pool_size_class(bytes);
   opt.arena_bytes = po::cuda::arena_bytes_for(po::reservation_plan(program, r, rs.stages), opt.workspace_bytes, state);
@@ -441,8 +454,11 @@ int run_cuda_threads(const Options& o, Setup su) {
     auto pipe_world = world->split(g, j, r), reps_world = world->split(g, r, j);
     po::comm::Nccl comm(pipe_world, pipe_world->rank(), dev);
     po::comm::Nccl replicas(reps_world, reps_world->rank(), dev);
-    std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, r);
-    stopped = train_rank(o, su, comm, replicas, dev, mine, t_start, link_of(links, g), [&] { world->host_barrier(); });
+    std::vector<std::vector<float>> initial;
+    std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, r, initial);
+    stopped = train_rank(
+        o, su, comm, replicas, dev, mine, t_start, link_of(links, g), [&] { world->host_barrier(); },
+        std::move(initial));
   });
   return exit_status(errors, stopped);
 }
@@ -471,8 +487,11 @@ int run_cuda_rank(const Options& o, Setup su, po::comm::Mpi& mpi, std::chrono::s
   po::comm::Nccl comm(pipeline_world, pipeline_world->rank(), dev);
   po::comm::Nccl reps(replicas_world, replicas_world->rank(), dev);
   try {
-    std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, pipeline_world->rank());
-    return train_rank(o, su, comm, reps, dev, mine, t_start);
+    std::vector<std::vector<float>> initial;
+    std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, pipeline_world->rank(), initial);
+    return train_rank(
+        o, su, comm, reps, dev, mine, t_start, static_cast<po::PairLink<po::backend::Cuda>*>(nullptr), [] {},
+        std::move(initial));
   } catch (const std::exception& e) {
     comm.abort(e.what());  // the groups share the job's abort
     throw;

@@ -26,7 +26,7 @@ using sample::hex64;
 using sample::mib;
 
 /// Device bytes a stage holds for its parameters and gradients: its own state_bytes() where
-/// it has one (cuda::GptStage: the fp32 master, the bf16 working copy, the fp32 gradients),
+/// it has one (cuda::GptStage: the bf16 parameters, the fp32 gradients, the head's fp32 bias),
 /// else its parameters() and gradients().
 template <class Layer>
 std::size_t layer_state_bytes(Layer& l) {

@@ -13,8 +13,8 @@
 //   causal counted in full as the paper does); F is a third of it, B and W the rest.
 //   MFU = FLOPs / time / peak, peak = dense bf16 of the device (A100 312, H100/H200 989,
 //   B200 2250 TFLOP/s; other devices: pass --peak-tflops).
-//   Timed forwards use microbatch 1, so they do not refresh the bf16 weights (a step does that
-//   once, in its first forward).
+//   Timed forwards use microbatch 1, as a step's later forwards do (microbatch 0's also
+//   refreshes the last stage's fp32 head bias; this middle stage has none).
 //   Bo = bytes / time of one D2H copy of the block's saved activations (saved_bytes: 20bsh plus
 //   fp32 statistics with recompute) on one stream into pinned host memory; H2D the same the
 //   other way; "both at once" a D2H and an H2D of that size on two streams, timed together.
@@ -249,7 +249,7 @@ int main(int argc, char** argv) {
       });
       dev.synchronize();
     };
-    fbw(0, false);  // warm-up: refreshes the weights, builds the cuDNN graphs, picks cuBLASLt algorithms
+    fbw(0, false);  // warm-up: builds the cuDNN graphs, picks cuBLASLt algorithms
     std::vector<double> tf, tb, tw, tfbw;
     for (int it = 0; it < iters; ++it) {
       fbw(1, true);

@@ -1,17 +1,19 @@
 // models/gpt/cuda.hpp: cuda::GptStage, the reference GPT's pipeline stage on one
-// GPU: bf16 activations, fp32 parameters, gradients and accumulation.
+// GPU: bf16 working parameters and activations, fp32 gradients and accumulation.
 //
 // The same model as model::GptStage (cpu.hpp), stage for stage: the same blocks per stage and
-// the same fp32 parameter vector (order, offsets and norm_groups(): layout.hpp), the same dropout
+// the same parameter vector (order, offsets and norm_groups(): layout.hpp), the same dropout
 // seeds (math::dropout_seed of run seed, step, block, site and microbatch) and the same
 // per-element math (math.hpp, through kernels/). What differs is precision and where the
 // work runs:
-//   - activations, saved tensors and stashed gradients are bf16; parameters, gradients,
-//     LayerNorm statistics, attention log-sum-exps, logits and losses are fp32;
-//   - GEMMs run on cuBLASLt (cuda::gemm: bf16 operands, fp32 accumulation) with a bf16 working
-//     copy of the parameters, refreshed from the fp32 master by the forward of microbatch 0
-//     (every iteration's first pass of a stage, after the previous step's update); the linear
-//     layers' biases are the GEMM's epilogue (cuda::gemm_bias);
+//   - the parameters are bf16 (the working parameters, a po::Tensor: the optimizer keeps their
+//     fp32 master copy, of its shard with ZeRO-1, and rounds its update back into them), as
+//     are activations, saved tensors and stashed gradients; gradients, LayerNorm statistics,
+//     attention log-sum-exps, logits and losses are fp32;
+//   - GEMMs run on cuBLASLt (cuda::gemm: bf16 operands, fp32 accumulation); the linear layers'
+//     biases are the GEMM's epilogue (cuda::gemm_bias), the LM head's from an fp32 copy of its
+//     bf16 bias (the epilogue's bias has the fp32 logits' type), refreshed by the forward of
+//     microbatch 0 (every iteration's first pass of a stage, after the previous step's update);
 //   - attention is cuDNN's fused causal SDPA: F keeps qkv, the attention output and the
 //     log-sum-exps; B recomputes the probabilities inside cuDNN's backward (no s x s matrix);
 //   - the rest are thin kernels (kernels.hpp) over math.hpp's functions.
@@ -21,8 +23,8 @@
 //
 // Memory. What F keeps for B and W is all in `saved` (per block 20 b s h bytes with selective
 // recompute, 34 b s h without, plus fp32 statistics; cuda_layout.hpp gpt_block_saved),
-// what B keeps for W all in `stash`. The parameters, gradients, working copy and the stage's
-// scratch (gpt_workspace, sized for the largest microbatch) are cudaMalloc'd once, at
+// what B keeps for W all in `stash`. The parameters (2 bytes each), gradients (4) and the
+// stage's scratch (gpt_workspace, sized for the largest microbatch) are cudaMalloc'd once, at
 // construction; no pass allocates. No scratch region lives from one pass to the next, but the
 // passes of one stage share it, so they must run in order on one stream (po::Runtime runs F, B
 // and W on its compute stream). backend::Cuda takes 3/4 of the free memory for its arena by
@@ -167,13 +169,18 @@ class GptStage {
                   std::to_string(params_.total) + " parameters; the initial values have " +
                   std::to_string(initial.size()));
     const std::size_t n = static_cast<std::size_t>(params_.total);
-    master_ = detail::DeviceMemory(device_, n * sizeof(float));
+    work_ = detail::DeviceMemory(device_, n * sizeof(bf16));
     grads_ = detail::DeviceMemory(device_, n * sizeof(float));
-    work_ = detail::DeviceMemory(device_, working_count() * sizeof(bf16));
+    if (dims_.has_head)
+      head_bias_ = detail::DeviceMemory(device_, static_cast<std::size_t>(dims_.vocab) * sizeof(float));
     scratch_ = detail::DeviceMemory(device_, gpt_workspace(dims_, max_.tokens()).bytes);
-    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(master(), initial.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    {
+      std::vector<std::uint16_t> bits(n);  // rounded to nearest even, as the optimizer rounds
+      for (std::size_t i = 0; i < n; ++i) bits[i] = bf16_bits(initial[i]);
+      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(work(), bits.data(), n * sizeof(bf16), cudaMemcpyHostToDevice));
+    }
     PIPEOFFLOAD_CUDA_CHECK(cudaMemset(grad(), 0, n * sizeof(float)));
-    refresh_working_copy(nullptr);
+    refresh_head_bias(nullptr);
     // The passes run on non-blocking streams, which do not wait for the legacy stream above.
     PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
     // cuDNN builds (and compiles, and loads) the SDPA graphs of the microbatch shape now, not
@@ -201,12 +208,15 @@ class GptStage {
   std::vector<InputSpec> inputs(MicrobatchShape sh) const { return model::gpt_inputs(dims_, sh); }
   std::size_t saved_bytes(MicrobatchShape sh) const { return gpt_stage_buffers(dims_, sh.tokens()).saved_bytes; }
   std::size_t stash_bytes(MicrobatchShape sh) const { return gpt_stage_buffers(dims_, sh.tokens()).stash_bytes; }
-  /// fp32 master parameters and gradients, device memory, model::GptStage's layout.
-  std::span<float> parameters() { return {master(), static_cast<std::size_t>(params_.total)}; }
+  /// The bf16 working parameters (a po::Tensor of bfloat16 values) and the fp32 gradients,
+  /// device memory, model::GptStage's layout. The optimizer holds the fp32 master copy.
+  Tensor parameters() {
+    return {reinterpret_cast<std::byte*>(work()), static_cast<std::size_t>(params_.total), DType::bfloat16};
+  }
   std::span<float> gradients() { return {grad(), static_cast<std::size_t>(params_.total)}; }
   std::vector<std::size_t> norm_groups() const { return model::gpt_norm_groups(dims_); }
-  /// Device bytes of the stage's parameters and gradients: the fp32 master and gradients and
-  /// the bf16 working copy (gpt_state_bytes).
+  /// Device bytes of the stage's parameters and gradients: the bf16 parameters, the fp32
+  /// gradients and the head's fp32 bias copy (gpt_state_bytes).
   std::size_t state_bytes() const { return gpt_state_bytes(dims_); }
   /// model::GptStage::parameter_info(): the same names, offsets and shapes.
   std::vector<ParamInfo> parameter_info() const { return model::gpt_parameter_info(dims_); }
@@ -220,7 +230,7 @@ class GptStage {
     const std::int32_t* tokens = dims_.embeds ? step_input(mb, "tokens", "forward", p.T) : nullptr;
     const std::int32_t* targets = dims_.has_head ? step_input(mb, "targets", "forward", p.T) : nullptr;
     if (dims_.has_head && mb.loss == nullptr) throw error(who("forward") + ": mb.loss is null on the last stage");
-    if (mb.mb == 0) refresh_working_copy(p.s);
+    if (mb.mb == 0) refresh_head_bias(p.s);
     const long long T = p.T;
     // The stage's input goes where the first consumer keeps it: block 0's saved x, the head's
     // saved x, or (no blocks, no head) the scratch output that becomes y.
@@ -228,7 +238,7 @@ class GptStage {
                : dims_.has_head ? head_x(saved, p)
                                 : scratch<bf16>(p.ws.io);
     if (dims_.embeds)
-      kernels::embedding_forward(tokens, master(), master() + params_.wpe, in, T, mb.shape.seq, h(), V(), p.s);
+      kernels::embedding_forward(tokens, work(), work() + params_.wpe, in, T, mb.shape.seq, h(), V(), p.s);
     else
       from_boundary(x, in, p);
     for (int i = 0; i < dims_.blocks; ++i) {
@@ -283,21 +293,13 @@ class GptStage {
 
   int h() const { return static_cast<int>(dims_.hidden); }
   int V() const { return static_cast<int>(dims_.vocab); }
-  float* master() const { return master_.as<float>(); }
+  bf16* work() const { return work_.as<bf16>(); }
   float* grad() const { return grads_.as<float>(); }
-  /// The working copy covers the blocks and the head (what GEMMs read), not the embedding.
-  std::size_t working_count() const { return static_cast<std::size_t>(params_.total - params_.blocks_begin); }
-  /// Element `off` of block i's group in the fp32 master, the gradients, or the bf16 copy.
-  float* param(int i, long long off) const { return master() + params_.block_begin(i) + off; }
+  /// Element `off` of block i's group in the bf16 parameters or the fp32 gradients.
+  const bf16* weight(int i, long long off) const { return work() + params_.block_begin(i) + off; }
   float* grad(int i, long long off) const { return grad() + params_.block_begin(i) + off; }
-  const bf16* weight(int i, long long off) const {
-    return work_.as<bf16>() + (params_.block_begin(i) - params_.blocks_begin) + off;
-  }
-  float* head_param(long long off) const { return master() + params_.head_begin + off; }
+  const bf16* head_weight(long long off) const { return work() + params_.head_begin + off; }
   float* head_grad(long long off) const { return grad() + params_.head_begin + off; }
-  const bf16* head_weight(long long off) const {
-    return work_.as<bf16>() + (params_.head_begin - params_.blocks_begin) + off;
-  }
 
   template <class T>
   static T* at(std::byte* base, Region r) {
@@ -427,20 +429,20 @@ class GptStage {
   /// runs only in training, so it uses cfg_.dropout, as the CPU stage does.
   float dropout(const Microbatch& mb) const { return mb.training ? cfg_.dropout : 0.0f; }
 
-  void refresh_working_copy(cudaStream_t s) {
-    kernels::to_bf16(master() + params_.blocks_begin, work_.as<bf16>(), static_cast<long long>(working_count()), s);
+  /// The LM head's bias widened to fp32 for the logits GEMM's epilogue (the last stage only).
+  void refresh_head_bias(cudaStream_t s) {
+    if (dims_.has_head) kernels::to_float(head_weight(params_.head_b), head_bias_.as<float>(), V(), s);
   }
 
   // ---- one block -----------------------------------------------------------------------------
-  // Y = X W + b as models/gpt/cpu.hpp's linear. The bias is cuBLASLt's epilogue: the working
-  // copy's bf16 bias added in fp32 to the accumulator before Y's one rounding to bf16 (the CPU
-  // adds its fp32 bias in fp32; the GPU stage is held to the CPU within bf16 tolerance, never
-  // bit for bit). Where cuBLASLt offers no such algorithm, the fp32 bias is added after the
-  // GEMM's rounding instead (kernels::add_bias).
+  // Y = X W + b as models/gpt/cpu.hpp's linear. The bias is cuBLASLt's epilogue: the bf16
+  // bias added in fp32 to the accumulator before Y's one rounding to bf16 (the GPU stage is
+  // held to the CPU within bf16 tolerance, never bit for bit). Where cuBLASLt offers no such
+  // algorithm, the bias is added after the GEMM's rounding instead (kernels::add_bias).
 
-  void linear(const backend::CudaContext& ctx, const Pass& p, const bf16* X, const bf16* W, const bf16* b16,
-              const float* b, bf16* Y, long long k, long long n) const {
-    if (!gemm_bias(ctx, linear_forward(p.T, k, n), X, W, Y, Out::bf16, b16))
+  void linear(const backend::CudaContext& ctx, const Pass& p, const bf16* X, const bf16* W, const bf16* b, bf16* Y,
+              long long k, long long n) const {
+    if (!gemm_bias(ctx, linear_forward(p.T, k, n), X, W, Y, Out::bf16, b))
       kernels::add_bias(Y, b, p.T, static_cast<int>(n), p.s);
   }
   /// dW (k, n) += X^T dY ; db (n) += column sums of dY.
@@ -458,20 +460,20 @@ class GptStage {
     const float drop = dropout(mb);
     bf16* proj = scratch<bf16>(p.ws.proj);  // (T, h) projection output before its residual
     bf16* a1 = cfg_.recompute ? scratch<bf16>(p.ws.ln) : v.a1;
-    kernels::layernorm_forward(v.x, param(i, o.ln1g), param(i, o.ln1b), a1, v.stats, T, h(), p.s);
-    linear(ctx, p, a1, weight(i, o.wqkv), weight(i, o.bqkv), param(i, o.bqkv), v.qkv, H, 3 * H);
+    kernels::layernorm_forward(v.x, weight(i, o.ln1g), weight(i, o.ln1b), a1, v.stats, T, h(), p.s);
+    linear(ctx, p, a1, weight(i, o.wqkv), weight(i, o.bqkv), v.qkv, H, 3 * H);
     attention::forward(*ctx.attention, p.s, p.att, v.qkv, v.att, v.lse, ctx.workspace, ctx.workspace_bytes);
-    linear(ctx, p, v.att, weight(i, o.wo), weight(i, o.bo), param(i, o.bo), proj, H, H);
+    linear(ctx, p, v.att, weight(i, o.wo), weight(i, o.bo), proj, H, H);
     if (cfg_.recompute)
       kernels::residual_dropout(v.x, proj, v.x1, T * H, drop_seed(mb, i, 0), drop, p.s);
     else
       kernels::residual_dropout_mask(v.x, proj, v.x1, v.m1, T * H, drop_seed(mb, i, 0), drop, p.s);
     bf16* a2 = cfg_.recompute ? scratch<bf16>(p.ws.ln) : v.a2;
-    kernels::layernorm_forward(v.x1, param(i, o.ln2g), param(i, o.ln2b), a2, v.stats + 2 * T, T, h(), p.s);
-    linear(ctx, p, a2, weight(i, o.wfc), weight(i, o.bfc), param(i, o.bfc), v.f, H, 4 * H);
+    kernels::layernorm_forward(v.x1, weight(i, o.ln2g), weight(i, o.ln2b), a2, v.stats + 2 * T, T, h(), p.s);
+    linear(ctx, p, a2, weight(i, o.wfc), weight(i, o.bfc), v.f, H, 4 * H);
     bf16* g = cfg_.recompute ? scratch<bf16>(p.ws.gelu) : v.g;
     kernels::gelu_forward(v.f, g, 4 * T * H, p.s);
-    linear(ctx, p, g, weight(i, o.wpr), weight(i, o.bpr), param(i, o.bpr), proj, 4 * H, H);
+    linear(ctx, p, g, weight(i, o.wpr), weight(i, o.bpr), proj, 4 * H, H);
     if (cfg_.recompute)
       kernels::residual_dropout(v.x1, proj, out, T * H, drop_seed(mb, i, 1), drop, p.s);
     else
@@ -496,7 +498,7 @@ class GptStage {
     kernels::gelu_backward(v.f, st.dF, 4 * T * H, p.s);
     gemm(ctx, linear_dgrad(T, H, 4 * H), st.dF, weight(i, o.wfc), st.dA2, Out::bf16);
     // g becomes dL/dx1 = g + LN2's input gradient.
-    kernels::layernorm_backward(st.dA2, v.x1, v.stats + 2 * T, param(i, o.ln2g), g, T, h(), true, p.s);
+    kernels::layernorm_backward(st.dA2, v.x1, v.stats + 2 * T, weight(i, o.ln2g), g, T, h(), true, p.s);
     // Attention: dO1 = dropout'(dL/dx1); datt = dO1 Wo^T; dqkv by cuDNN; dA1 = dqkv Wqkv^T.
     if (cfg_.recompute)
       kernels::dropout_backward(g, st.dO1, T * H, drop_seed(mb, i, 0), drop, p.s);
@@ -508,7 +510,7 @@ class GptStage {
                         ctx.workspace_bytes);
     gemm(ctx, linear_dgrad(T, H, 3 * H), st.dQKV, weight(i, o.wqkv), st.dA1, Out::bf16);
     // g becomes dL/dx = dL/dx1 + LN1's input gradient.
-    kernels::layernorm_backward(st.dA1, v.x, v.stats, param(i, o.ln1g), g, T, h(), true, p.s);
+    kernels::layernorm_backward(st.dA1, v.x, v.stats, weight(i, o.ln1g), g, T, h(), true, p.s);
   }
 
   /// models/gpt/cpu.hpp's block_backward_weight: the recomputed (or saved) GEMM inputs against the
@@ -529,14 +531,14 @@ class GptStage {
     bf16* a2 = v.a2;
     if (cfg_.recompute) {
       a2 = scratch<bf16>(p.ws.ln);
-      kernels::layernorm_recompute(v.x1, v.stats + 2 * T, param(i, o.ln2g), param(i, o.ln2b), a2, T, h(), p.s);
+      kernels::layernorm_recompute(v.x1, v.stats + 2 * T, weight(i, o.ln2g), weight(i, o.ln2b), a2, T, h(), p.s);
     }
     linear_weight_grad(ctx, p, a2, st.dF, grad(i, o.wfc), grad(i, o.bfc), H, 4 * H);
     kernels::layernorm_weight_grad(st.dA2, v.x1, v.stats + 2 * T, grad(i, o.ln2g), grad(i, o.ln2b), T, h(), p.s);
     bf16* a1 = v.a1;
     if (cfg_.recompute) {
       a1 = scratch<bf16>(p.ws.ln);
-      kernels::layernorm_recompute(v.x, v.stats, param(i, o.ln1g), param(i, o.ln1b), a1, T, h(), p.s);
+      kernels::layernorm_recompute(v.x, v.stats, weight(i, o.ln1g), weight(i, o.ln1b), a1, T, h(), p.s);
     }
     linear_weight_grad(ctx, p, a1, st.dQKV, grad(i, o.wqkv), grad(i, o.bqkv), H, 3 * H);
     kernels::layernorm_weight_grad(st.dA1, v.x, v.stats, grad(i, o.ln1g), grad(i, o.ln1b), T, h(), p.s);
@@ -552,11 +554,12 @@ class GptStage {
     bf16* a = scratch<bf16>(p.ws.ln);
     float* logits = scratch<float>(p.ws.logits);  // (T, V) fp32, then the loss gradient in place
     float* losses = scratch<float>(p.ws.losses);
-    kernels::layernorm_forward(x, head_param(params_.lnfg), head_param(params_.lnfb), a, stats, p.T, h(), p.s);
-    // fp32 logits with the fp32 bias in cuBLASLt's epilogue (or after the GEMM where it has none).
+    kernels::layernorm_forward(x, head_weight(params_.lnfg), head_weight(params_.lnfb), a, stats, p.T, h(), p.s);
+    // fp32 logits with the bias (its fp32 copy) in cuBLASLt's epilogue (or after the GEMM where
+    // it has none).
     if (!gemm_bias(ctx, linear_forward(p.T, dims_.hidden, dims_.vocab), a, head_weight(params_.head_w), logits,
-                   Out::f32, head_param(params_.head_b)))
-      kernels::add_bias(logits, head_param(params_.head_b), p.T, V(), p.s);
+                   Out::f32, head_bias_.as<float>()))
+      kernels::add_bias(logits, head_bias_.as<float>(), p.T, V(), p.s);
     // As models/gpt/cpu.hpp: the loss gradient is computed with the loss, scaled by loss_scale / T.
     kernels::softmax_xent(logits, targets, losses, logits, p.T, V(), mb.loss_scale / static_cast<float>(p.T), p.s);
     kernels::to_bf16(logits, at<bf16>(hp, p.buf.head.dlogits), p.T * dims_.vocab, p.s);
@@ -571,7 +574,7 @@ class GptStage {
     gemm(ctx, linear_dgrad(p.T, dims_.hidden, dims_.vocab), at<bf16>(hp, p.buf.head.dlogits),
          head_weight(params_.head_w), da, Out::bf16);
     kernels::layernorm_backward(da, at<bf16>(hp, p.buf.head.x), at<float>(hp, p.buf.head.stats),
-                                head_param(params_.lnfg), g, p.T, h(), false, p.s);
+                                head_weight(params_.lnfg), g, p.T, h(), false, p.s);
   }
 
   void head_backward_weight(const backend::CudaContext& ctx, const Pass& p, std::byte* saved, std::byte* stash) {
@@ -579,7 +582,7 @@ class GptStage {
     const bf16* x = at<bf16>(hp, p.buf.head.x);
     const float* stats = at<float>(hp, p.buf.head.stats);
     bf16* a = scratch<bf16>(p.ws.ln);
-    kernels::layernorm_recompute(x, stats, head_param(params_.lnfg), head_param(params_.lnfb), a, p.T, h(), p.s);
+    kernels::layernorm_recompute(x, stats, head_weight(params_.lnfg), head_weight(params_.lnfb), a, p.T, h(), p.s);
     linear_weight_grad(ctx, p, a, at<bf16>(hp, p.buf.head.dlogits), head_grad(params_.head_w),
                        head_grad(params_.head_b), dims_.hidden, dims_.vocab);
     kernels::layernorm_weight_grad(at<bf16>(stash, p.buf.stash_head), x, stats, head_grad(params_.lnfg),
@@ -592,10 +595,10 @@ class GptStage {
   Boundaries boundaries_ = Boundaries::f32;
   model::GptDims dims_{};
   model::GptStageParams params_{};
-  detail::DeviceMemory master_;   // (total) fp32 parameters, the optimizer's
-  detail::DeviceMemory grads_;    // (total) fp32 gradients, accumulated by W, zeroed by Runtime::zero_grad
-  detail::DeviceMemory work_;     // (total - embedding) bf16 copy of the blocks' and head's parameters
-  detail::DeviceMemory scratch_;  // gpt_workspace(dims, max tokens) bytes
+  detail::DeviceMemory work_;       // (total) bf16 working parameters; the optimizer updates them
+  detail::DeviceMemory grads_;      // (total) fp32 gradients, accumulated by W, zeroed by Runtime::zero_grad
+  detail::DeviceMemory head_bias_;  // (vocab) fp32 copy of the head's bias (the last stage only)
+  detail::DeviceMemory scratch_;    // gpt_workspace(dims, max tokens) bytes
 };
 
 static_assert(layer_for<GptStage, backend::CudaContext>,

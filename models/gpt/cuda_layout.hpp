@@ -145,12 +145,13 @@ struct GptWorkspace {
   Region ln, proj, gelu, io, logits, losses;
   std::size_t bytes = 0;
 };
-/// Device bytes cuda::GptStage holds for its parameters and gradients: fp32 master and
-/// gradients (4 + 4 bytes a parameter) and the bf16 working copy of the blocks and the head
-/// (2 bytes a parameter outside the embedding, which reads the fp32 master).
+/// Device bytes cuda::GptStage holds for its parameters and gradients: bf16 working
+/// parameters and fp32 gradients (2 + 4 bytes a parameter), and on the last stage an fp32 copy
+/// of the head's bias (vocab values). The fp32 master copy is the optimizer's (po::state_bytes
+/// with parameter_bytes = 2).
 constexpr std::size_t gpt_state_bytes(const model::GptDims& d) {
   const model::GptStageParams p = model::gpt_stage_params(d);
-  return static_cast<std::size_t>(p.total) * 8 + static_cast<std::size_t>(p.total - p.blocks_begin) * 2;
+  return static_cast<std::size_t>(p.total) * (2 + 4) + (d.has_head ? static_cast<std::size_t>(d.vocab) * 4 : 0);
 }
 
 constexpr GptWorkspace gpt_workspace(const model::GptDims& d, long long tokens) {

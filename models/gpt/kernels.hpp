@@ -3,7 +3,7 @@
 // Compiled by nvcc into the build's pipeoffload_gpt_kernels library; this header is all host
 // code sees. Every launcher enqueues on `stream`, computes its launch shape with
 // pipeoffload/backend/cuda/shapes.hpp and checks the launch. Storage is bf16 for activations
-// (`bf16`), fp32 for parameters, gradients and statistics; all arithmetic is fp32 through
+// (`bf16`) and parameters (the stage's working parameters), fp32 for gradients and statistics; all arithmetic is fp32 through
 // math.hpp, the same functions the CPU model (cpu.hpp) calls.
 // Shapes: `rows` tokens (b*s) by `n` features, row-major.
 #pragma once
@@ -25,14 +25,14 @@ namespace pipeoffload::cuda::kernels {
 
 // ---- LayerNorm: one block per row --------------------------------------------------------
 /// y (rows, n) = LayerNorm(x) * gamma + beta; stats (rows, 2) = (mean, rstd) per row.
-void layernorm_forward(const bf16* x, const float* gamma, const float* beta, bf16* y, float* stats, long long rows,
-                       int n, cudaStream_t stream);
+void layernorm_forward(const bf16* x, const bf16* gamma, const bf16* beta, bf16* y, float* stats, long long rows, int n,
+                       cudaStream_t stream);
 /// y recomputed from saved stats (selective recompute): math::layernorm_apply per element.
-void layernorm_recompute(const bf16* x, const float* stats, const float* gamma, const float* beta, bf16* y,
+void layernorm_recompute(const bf16* x, const float* stats, const bf16* gamma, const bf16* beta, bf16* y,
                          long long rows, int n, cudaStream_t stream);
 /// dx (rows, n) = LayerNorm's input gradient from dy (grad of the normalized output); when
 /// `accumulate`, dx += instead of = (the residual branch adds into the skip gradient).
-void layernorm_backward(const bf16* dy, const bf16* x, const float* stats, const float* gamma, bf16* dx, long long rows,
+void layernorm_backward(const bf16* dy, const bf16* x, const float* stats, const bf16* gamma, bf16* dx, long long rows,
                         int n, bool accumulate, cudaStream_t stream);
 /// dgamma (n) += sum_rows dy * xhat; dbeta (n) += sum_rows dy (fp32, column_sum_launch's fixed order).
 void layernorm_weight_grad(const bf16* dy, const bf16* x, const float* stats, float* dgamma, float* dbeta,
@@ -57,8 +57,9 @@ void dropout_backward_mask(const bf16* g, const std::uint8_t* mask, bf16* out, l
                            cudaStream_t stream);
 /// out = a + b.
 void add(const bf16* a, const bf16* b, bf16* out, long long count, cudaStream_t stream);
-/// y (rows, n) += bias (n), bf16 activations or fp32 (the LM head's logits).
-void add_bias(bf16* y, const float* bias, long long rows, int n, cudaStream_t stream);
+/// y (rows, n) += bias (n): bf16 activations and bias, or fp32 (the LM head's logits and the
+/// stage's fp32 copy of its bias).
+void add_bias(bf16* y, const bf16* bias, long long rows, int n, cudaStream_t stream);
 void add_bias(float* y, const float* bias, long long rows, int n, cudaStream_t stream);
 /// db (n) += sum_rows dy (fp32, column_sum_launch's fixed order).
 void bias_grad(const bf16* dy, float* db, long long rows, int n, cudaStream_t stream);
@@ -66,8 +67,8 @@ void bias_grad(const bf16* dy, float* db, long long rows, int n, cudaStream_t st
 // ---- embedding ---------------------------------------------------------------------------
 /// out (rows, h) = wte[token] + wpe[row % seq]; tokens out of [0, vocab) write NaN rows (the
 /// host cannot throw for a device-side value; the step's finite-gradient check catches it).
-void embedding_forward(const std::int32_t* tokens, const float* wte, const float* wpe, bf16* out, long long rows,
-                       int seq, int h, int vocab, cudaStream_t stream);
+void embedding_forward(const std::int32_t* tokens, const bf16* wte, const bf16* wpe, bf16* out, long long rows, int seq,
+                       int h, int vocab, cudaStream_t stream);
 /// dwte[token] += d, dwpe[row % seq] += d: each cell of either table is one thread's, adding
 /// its rows in row order (the CPU model's order, so the same bits; cuda::embedding_cell_owner).
 /// rows must be a whole number of sequences of seq.

@@ -248,6 +248,24 @@ std::vector<T> download(const T* d, std::size_t n) {
   return v;
 }
 
+/// The stage's bf16 parameters, widened to fp32 on the host.
+std::vector<float> download_parameters(pc::GptStage& l) {
+  const po::Tensor w = l.parameters();
+  const std::vector<std::uint16_t> bits = download(reinterpret_cast<const std::uint16_t*>(w.data), w.elements);
+  std::vector<float> out(bits.size());
+  for (std::size_t i = 0; i < bits.size(); ++i) out[i] = po::bf16_value(bits[i]);
+  return out;
+}
+
+/// Writes fp32 values, rounded to bf16, into the stage's parameters (what the optimizer does).
+void upload_parameters(pc::GptStage& l, std::span<const float> values) {
+  const po::Tensor w = l.parameters();
+  REQUIRE(values.size() == w.elements);
+  std::vector<std::uint16_t> bits(values.size());
+  for (std::size_t i = 0; i < bits.size(); ++i) bits[i] = po::bf16_bits(values[i]);
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(w.data, bits.data(), bits.size() * sizeof(std::uint16_t), cudaMemcpyHostToDevice));
+}
+
 Outputs run_gpu(pc::GptStage& l, po::backend::Cuda& dev, int stream, int stage, int stages, const Inputs& in) {
   const std::size_t n = l.input_boundary(in.shape).elements, sb = l.saved_bytes(in.shape), tb = l.stash_bytes(in.shape);
   const std::size_t T = static_cast<std::size_t>(in.shape.tokens());
@@ -368,8 +386,8 @@ void check_stage(const po::model::GptConfig& c, int stage, int stages, bool trai
   pc::GptStage gpu(dev, c, stage, stages, shape, cpu.parameters());
   CHECK(gpu.norm_groups() == cpu.norm_groups());
   CHECK(gpu.parameter_info().size() == cpu.parameter_info().size());  // names and offsets: test_host.cpp
-  CHECK(download(gpu.parameters().data(), gpu.parameters().size()) ==
-        std::vector<float>(cpu.parameters().begin(), cpu.parameters().end()));
+  // draw_parameters' values are bf16 already: the stage holds them exactly.
+  CHECK(download_parameters(gpu) == std::vector<float>(cpu.parameters().begin(), cpu.parameters().end()));
   CHECK(gpu.input_boundary(shape) == cpu.input_boundary(shape));
   CHECK(gpu.output_boundary(shape) == cpu.output_boundary(shape));
   Inputs in = make_inputs(c, shape, 1000 + static_cast<unsigned>(stage));
@@ -462,23 +480,27 @@ TEST_CASE("cuda::GptStage evaluates (mb.training false) as model::GptStage does:
   }
 }
 
-TEST_CASE("cuda::GptStage's forward of microbatch 0 refreshes the bf16 weights from the fp32 master parameters") {
+TEST_CASE(
+    "cuda::GptStage holds bf16 parameters: the initial values rounded, and what the optimizer writes reaches the next forward (the head's bias included)") {
   const po::model::GptConfig c = test_config(3, true);
-  const int stage = 1, stages = 3;
+  const int stage = 2, stages = 3;  // the last stage: a block and the head
   const po::MicrobatchShape shape{2, 32};
   po::model::GptStage cpu(c, stage, stages);
   const pm::BlockRange r = pm::gpt_blocks_of_stage(c.layers, stage, stages);
-  const pm::GptDims d{c.vocab, c.hidden, c.heads, c.seq, r.first, r.count, false, false, c.recompute};
+  const pm::GptDims d{c.vocab, c.hidden, c.heads, c.seq, r.first, r.count, false, true, c.recompute};
   po::backend::Cuda dev(
       {.arena_bytes = std::size_t{512} << 20});  // the cuBLASLt + cuDNN workspace (256 MiB) lives here
   const int s = dev.make_stream("compute");
-  pc::GptStage gpu(dev, c, stage, stages, shape);  // the CPU model's init
-  CHECK(download(gpu.parameters().data(), gpu.parameters().size()) ==
-        std::vector<float>(cpu.parameters().begin(), cpu.parameters().end()));
-  // What the runtime's optimizer step does: new master parameters, written on the device.
+  pc::GptStage gpu(dev, c, stage, stages, shape);  // the CPU model's init, rounded to bf16
+  const po::Tensor w = gpu.parameters();
+  CHECK(w.dtype == po::DType::bfloat16);
+  REQUIRE(w.elements == cpu.parameters().size());
+  std::vector<float> rounded(cpu.parameters().begin(), cpu.parameters().end());
+  for (float& x : rounded) x = po::bf16_value(po::bf16_bits(x));
+  CHECK(download_parameters(gpu) == rounded);
+  // What the runtime's optimizer step does: new parameters, rounded into the bf16 ones.
   draw_parameters(cpu.parameters(), d, 5);
-  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(gpu.parameters().data(), cpu.parameters().data(),
-                                    cpu.parameters().size() * sizeof(float), cudaMemcpyHostToDevice));
+  upload_parameters(gpu, cpu.parameters());
   const Inputs in = make_inputs(c, shape, 77);
   const Outputs want = run_cpu(cpu, stage, stages, in);
   const Outputs got = run_gpu(gpu, dev, s, stage, stages, in);

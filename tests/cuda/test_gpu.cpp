@@ -179,9 +179,9 @@ TEST_CASE("add_bias adds a row vector to bf16 and fp32 matrices") {
   Gpu g;
   const int rows = 33, n = 50;
   const std::vector<float> y = random_bf16(static_cast<std::size_t>(rows) * n, 21), b = random_bf16(n, 22);
-  pk::bf16* yb = g.bf16(y);
+  pk::bf16 *yb = g.bf16(y), *db16 = g.bf16(b);  // b's values are bf16: both copies hold them exactly
   float *yf = g.copy(y), *db = g.copy(b);
-  pk::add_bias(yb, db, rows, n, g.s);
+  pk::add_bias(yb, db16, rows, n, g.s);
   pk::add_bias(yf, db, rows, n, g.s);
   std::vector<float> want(y.size());
   for (int r = 0; r < rows; ++r)
@@ -198,7 +198,8 @@ TEST_CASE("LayerNorm kernels match row_stats, layernorm_apply and layernorm_back
   const std::vector<float> x = random_bf16(static_cast<std::size_t>(rows) * n, 3, 3.0f), dy = random_bf16(x.size(), 4);
   std::vector<float> gamma = random_bf16(n, 5), beta = random_bf16(n, 6);
   pk::bf16 *dx_in = g.bf16(x), *ddy = g.bf16(dy), *y = g.alloc<pk::bf16>(x.size()), *dx = g.alloc<pk::bf16>(x.size());
-  float *dg = g.copy(gamma), *db = g.copy(beta), *stats = g.alloc<float>(2 * rows);
+  pk::bf16 *dg = g.bf16(gamma), *db = g.bf16(beta);  // the stage's bf16 parameters (exact: bf16 values)
+  float* stats = g.alloc<float>(2 * rows);
   pk::layernorm_forward(dx_in, dg, db, y, stats, rows, n, g.s);
   pk::layernorm_backward(ddy, dx_in, stats, dg, dx, rows, n, false, g.s);
   std::vector<float> want_y(x.size()), want_dx(x.size()), want_stats(2 * rows);
@@ -284,7 +285,7 @@ TEST_CASE("AdamW, SGD, non-finite check, embedding and column-sum kernels match 
   const std::vector<float> wte = random_bf16(static_cast<std::size_t>(vocab) * h, 10),
                            wpe = random_bf16(static_cast<std::size_t>(seq) * h, 11);
   std::int32_t* dtok = g.copy(tokens);
-  float *dwte = g.copy(wte), *dwpe = g.copy(wpe);
+  pk::bf16 *dwte = g.bf16(wte), *dwpe = g.bf16(wpe);  // bf16 values: exact
   pk::bf16* emb = g.alloc<pk::bf16>(static_cast<std::size_t>(rows) * h);
   pk::embedding_forward(dtok, dwte, dwpe, emb, rows, seq, h, vocab, g.s);
   std::vector<float> want(static_cast<std::size_t>(rows) * h);

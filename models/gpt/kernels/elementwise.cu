@@ -39,27 +39,27 @@ __global__ void dropout_backward_mask_k(const bf16* g, const std::uint8_t* mask,
 __global__ void add_k(const bf16* a, const bf16* b, bf16* out, long long n) {
   for (long long i = first_index(); i < n; i += grid_stride()) out[i] = st(ld(a, i) + ld(b, i));
 }
-__global__ void add_bias_k(bf16* y, const float* bias, long long total, int n) {
-  for (long long i = first_index(); i < total; i += grid_stride()) y[i] = st(ld(y, i) + bias[i % n]);
+__global__ void add_bias_k(bf16* y, const bf16* bias, long long total, int n) {
+  for (long long i = first_index(); i < total; i += grid_stride()) y[i] = st(ld(y, i) + ld(bias, i % n));
 }
 __global__ void add_bias_f32_k(float* y, const float* bias, long long total, int n) {
   for (long long i = first_index(); i < total; i += grid_stride()) y[i] += bias[i % n];
 }
-__global__ void layernorm_recompute_k(const bf16* x, const float* stats, const float* gamma, const float* beta, bf16* y,
+__global__ void layernorm_recompute_k(const bf16* x, const float* stats, const bf16* gamma, const bf16* beta, bf16* y,
                                       long long total, int n) {
   for (long long i = first_index(); i < total; i += grid_stride()) {
     const long long r = i / n;
     const math::RowStats s{stats[2 * r], stats[2 * r + 1]};
-    y[i] = st(math::layernorm_apply(ld(x, i), s, gamma[i % n], beta[i % n]));
+    y[i] = st(math::layernorm_apply(ld(x, i), s, ld(gamma, i % n), ld(beta, i % n)));
   }
 }
-__global__ void embedding_forward_k(const std::int32_t* tokens, const float* wte, const float* wpe, bf16* out,
+__global__ void embedding_forward_k(const std::int32_t* tokens, const bf16* wte, const bf16* wpe, bf16* out,
                                     long long total, int seq, int h, int vocab) {
   for (long long i = first_index(); i < total; i += grid_stride()) {
     const long long r = i / h, c = i % h;
     const int tok = tokens[r];
     out[i] = (tok < 0 || tok >= vocab) ? st(__int_as_float(0x7fc00000))
-                                       : st(wte[static_cast<long long>(tok) * h + c] + wpe[(r % seq) * h + c]);
+                                       : st(ld(wte, static_cast<long long>(tok) * h + c) + ld(wpe, (r % seq) * h + c));
   }
 }
 /// One value of a bf16 (rows, h) gradient, for math::embedding_grad_cells.
@@ -111,18 +111,18 @@ void dropout_backward_mask(const bf16* g, const std::uint8_t* mask, bf16* out, l
 void add(const bf16* a, const bf16* b, bf16* out, long long count, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(add_k, elementwise_launch(count), s, a, b, out, count);
 }
-void add_bias(bf16* y, const float* bias, long long rows, int n, cudaStream_t s) {
+void add_bias(bf16* y, const bf16* bias, long long rows, int n, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(add_bias_k, elementwise_launch(rows * n), s, y, bias, rows * n, n);
 }
 void add_bias(float* y, const float* bias, long long rows, int n, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(add_bias_f32_k, elementwise_launch(rows * n), s, y, bias, rows * n, n);
 }
-void layernorm_recompute(const bf16* x, const float* stats, const float* gamma, const float* beta, bf16* y,
+void layernorm_recompute(const bf16* x, const float* stats, const bf16* gamma, const bf16* beta, bf16* y,
                          long long rows, int n, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(layernorm_recompute_k, elementwise_launch(rows * n), s, x, stats, gamma, beta, y, rows * n, n);
 }
-void embedding_forward(const std::int32_t* tokens, const float* wte, const float* wpe, bf16* out, long long rows,
-                       int seq, int h, int vocab, cudaStream_t s) {
+void embedding_forward(const std::int32_t* tokens, const bf16* wte, const bf16* wpe, bf16* out, long long rows, int seq,
+                       int h, int vocab, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(embedding_forward_k, elementwise_launch(rows * h), s, tokens, wte, wpe, out, rows * h, seq, h,
                      vocab);
 }

@@ -38,7 +38,7 @@ __device__ float block_max(float v, Reduce::TempStorage& tmp, float& shared) {
 }
 
 __global__ void __launch_bounds__(row_block)
-    layernorm_forward_k(const bf16* x, const float* gamma, const float* beta, bf16* y, float* stats, int n) {
+    layernorm_forward_k(const bf16* x, const bf16* gamma, const bf16* beta, bf16* y, float* stats, int n) {
   __shared__ Reduce::TempStorage tmp;
   __shared__ float shared;
   const bf16* xr = x + static_cast<long long>(blockIdx.x) * n;
@@ -52,16 +52,16 @@ __global__ void __launch_bounds__(row_block)
     v += d * d;
   }
   const math::RowStats rs = math::row_stats_finish(mean, block_sum(v, tmp, shared), n);
-  for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = st(math::layernorm_apply(ld(xr, i), rs, gamma[i], beta[i]));
+  for (int i = threadIdx.x; i < n; i += blockDim.x)
+    yr[i] = st(math::layernorm_apply(ld(xr, i), rs, ld(gamma, i), ld(beta, i)));
   if (threadIdx.x == 0) {
     stats[2 * static_cast<long long>(blockIdx.x)] = rs.mean;
     stats[2 * static_cast<long long>(blockIdx.x) + 1] = rs.rstd;
   }
 }
 
-__global__ void __launch_bounds__(row_block)
-    layernorm_backward_k(const bf16* dy, const bf16* x, const float* stats, const float* gamma, bf16* dx, int n,
-                         bool accumulate) {
+__global__ void __launch_bounds__(row_block) layernorm_backward_k(const bf16* dy, const bf16* x, const float* stats,
+                                                                  const bf16* gamma, bf16* dx, int n, bool accumulate) {
   __shared__ Reduce::TempStorage tmp;
   __shared__ float shared;
   const long long off = static_cast<long long>(blockIdx.x) * n;
@@ -69,14 +69,14 @@ __global__ void __launch_bounds__(row_block)
                           stats[2 * static_cast<long long>(blockIdx.x) + 1]};
   float sg = 0, sgx = 0;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const float g = ld(dy, off + i) * gamma[i];
+    const float g = ld(dy, off + i) * ld(gamma, i);
     sg += g;
     sgx += g * (ld(x, off + i) - rs.mean) * rs.rstd;
   }
   const float mean_g = block_sum(sg, tmp, shared) / static_cast<float>(n);
   const float mean_gx = block_sum(sgx, tmp, shared) / static_cast<float>(n);
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const float d = math::layernorm_backward_elem(ld(dy, off + i), ld(x, off + i), rs, gamma[i], mean_g, mean_gx);
+    const float d = math::layernorm_backward_elem(ld(dy, off + i), ld(x, off + i), rs, ld(gamma, i), mean_g, mean_gx);
     dx[off + i] = st(accumulate ? ld(dx, off + i) + d : d);
   }
 }
@@ -164,11 +164,11 @@ void layernorm_weight_grad(const bf16* dy, const bf16* x, const float* stats, fl
                            long long rows, int n, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(layernorm_weight_grad_k, column_sum_launch(n), s, dy, x, stats, dgamma, dbeta, rows, n);
 }
-void layernorm_forward(const bf16* x, const float* gamma, const float* beta, bf16* y, float* stats, long long rows,
-                       int n, cudaStream_t s) {
+void layernorm_forward(const bf16* x, const bf16* gamma, const bf16* beta, bf16* y, float* stats, long long rows, int n,
+                       cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(layernorm_forward_k, per_row_launch(rows, n), s, x, gamma, beta, y, stats, n);
 }
-void layernorm_backward(const bf16* dy, const bf16* x, const float* stats, const float* gamma, bf16* dx, long long rows,
+void layernorm_backward(const bf16* dy, const bf16* x, const float* stats, const bf16* gamma, bf16* dx, long long rows,
                         int n, bool accumulate, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(layernorm_backward_k, per_row_launch(rows, n), s, dy, x, stats, gamma, dx, n, accumulate);
 }
