@@ -1,14 +1,17 @@
-// bench/gradient_paths: the standard and the exact gradient path side by side, under MPI.
+// bench/gradient_paths: the gradient paths side by side, under MPI.
 //
 //   mpirun -np 4 ./build/bench/gradient_paths [--rounds N]   # dp = 2 replicas of PO-F, d = 2, v = 2
 //
-// The CPU GPT (4 blocks, h = 128, seq 64, batch 2, m = 8 per replica) trains with AdamW under
-// each path in turn, `rounds` times (default 5), each round a fresh runtime from the same
-// initial parameters: one warm-up step, then 3 measured ones. Per step and path, the slowest
-// rank's forward_backward (enqueue to idle, reductions included), its gradient reductions
-// (the sum of Runtime::reductions' durations) and its optimizer step; medians over every
-// measured step of every round, and exact / standard ratios. Rank 0 prints; each rank's state
-// and traffic per parameter come from po::state_bytes and the communicator's counters.
+// The CPU GPT (4 blocks, h = 128, seq 64, batch 2, m = 8 per replica) trains with AdamW ZeRO-1
+// under each variant in turn (the standard path; it with a bfloat16 reduce-scatter; it with
+// the parameter gather left running into the next step, AdamWOptions::overlap_gather; the
+// exact path), `rounds` times (default 5), each round a fresh runtime from the same initial
+// parameters: one warm-up step, then 3 measured ones. Per step and variant, the slowest rank's
+// forward_backward (enqueue to idle, reductions included), its gradient reductions (the sum of
+// Runtime::reductions' durations), its optimizer step and the two together; medians over
+// every measured step of every round, and ratios to the standard path. Rank 0 prints; state
+// and traffic per parameter come from po::state_bytes and the communicator's counters (not
+// counted with the overlapped gather, which is still running when the step returns).
 #include <pipeoffload/comm/mpi/mpi.hpp>
 #include <pipeoffload/runtime.hpp>
 
@@ -24,9 +27,16 @@ namespace {
 
 namespace po = pipeoffload;
 
+struct Variant {
+  const char* name;
+  po::Gradients path;
+  po::DType reduce_dtype;
+  bool overlap;
+};
+
 struct Figures {
-  std::vector<double> pass, reduce, update;  // seconds, the slowest rank's, per measured step
-  double state = 0, traffic = 0;             // bytes per parameter, the largest over ranks
+  std::vector<double> pass, reduce, update, step;  // seconds, the slowest rank's, per measured step
+  double state = 0, traffic = 0;                   // bytes per parameter, the largest over ranks
 };
 
 double median(std::vector<double> v) {
@@ -34,7 +44,7 @@ double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
-void one_round(po::comm::Mpi& world, po::comm::Mpi& pipe, po::comm::Mpi& reps, po::Gradients path, Figures& f) {
+void one_round(po::comm::Mpi& world, po::comm::Mpi& pipe, po::comm::Mpi& reps, const Variant& var, Figures& f) {
   const int d = 2, g = world.rank(), r = g % d;
   const po::Shape sh{d, 2, 8};
   const po::model::GptConfig cfg{.hidden = 128, .heads = 4, .layers = 4, .seq = 64, .dropout = 0.0f};
@@ -44,8 +54,8 @@ void one_round(po::comm::Mpi& world, po::comm::Mpi& pipe, po::comm::Mpi& reps, p
   std::vector<po::model::GptStage> layers;
   for (int c = 0; c < sh.v; ++c) layers.emplace_back(cfg, sh.stage_of(r, c), sh.stages());
   po::Runtime rt(program, dev, pipe, reps, std::span<po::model::GptStage>(layers),
-                 {.microbatch = mbs, .gradients = path});
-  po::AdamW opt(rt, {.zero = 1});
+                 {.microbatch = mbs, .gradients = var.path, .reduce_dtype = var.reduce_dtype});
+  po::AdamW opt(rt, {.zero = 1, .overlap_gather = var.overlap});
   const std::size_t n = static_cast<std::size_t>(mbs.tokens()) * static_cast<std::size_t>(sh.m);
   std::vector<std::int32_t> tok(n), tgt(n);
   std::size_t params = 0;
@@ -58,7 +68,7 @@ void one_round(po::comm::Mpi& world, po::comm::Mpi& pipe, po::comm::Mpi& reps, p
     const std::vector<long long> shape = {static_cast<long long>(sh.m) * mbs.batch, mbs.seq};
     po::Batch batch;
     batch.add("tokens", tok, shape).add("targets", tgt, shape);
-    reps.reset_traffic();
+    if (!var.overlap) reps.reset_traffic();
     rt.zero_grad();
     const po::PassStats st = rt.forward_backward(batch, {.step = step});
     double reduce = 0;
@@ -69,15 +79,17 @@ void one_round(po::comm::Mpi& world, po::comm::Mpi& pipe, po::comm::Mpi& reps, p
     const double mine[5] = {
         st.seconds, reduce, update,
         static_cast<double>(rt.gradient_buffer_bytes() + opt.state_bytes() + 8 * params) / static_cast<double>(params),
-        static_cast<double>(reps.traffic().total()) / static_cast<double>(params)};
+        var.overlap ? 0.0 : static_cast<double>(reps.traffic().total()) / static_cast<double>(params)};
     std::vector<double> all(5 * static_cast<std::size_t>(world.size()));
     world.all_gather(std::span<const double>(mine), std::span(all));
-    double worst[5] = {0, 0, 0, 0, 0};
+    double worst[5] = {0, 0, 0, 0, 0}, step_s = 0;
     for (std::size_t k = 0; k < all.size(); ++k) worst[k % 5] = std::max(worst[k % 5], all[k]);
+    for (std::size_t q = 0; q < all.size(); q += 5) step_s = std::max(step_s, all[q] + all[q + 2]);
     if (step == 0) continue;  // warm-up
     f.pass.push_back(worst[0]);
     f.reduce.push_back(worst[1]);
     f.update.push_back(worst[2]);
+    f.step.push_back(step_s);
     f.state = worst[3];
     f.traffic = worst[4];
   }
@@ -97,21 +109,26 @@ int main(int argc, char** argv) {
   }
   const int d = 2, g = world.rank(), r = g % d, j = g / d;
   po::comm::Mpi pipe = world.split(j, r), reps = world.split(r, j);
-  Figures standard, exact;
-  for (int round = 0; round < rounds; ++round) {  // interleaved
-    one_round(world, pipe, reps, po::Gradients::standard, standard);
-    one_round(world, pipe, reps, po::Gradients::exact, exact);
-  }
+  const Variant variants[] = {{"standard", po::Gradients::standard, po::DType::float32, false},
+                              {"bf16-reduce", po::Gradients::standard, po::DType::bfloat16, false},
+                              {"overlap", po::Gradients::standard, po::DType::float32, true},
+                              {"exact", po::Gradients::exact, po::DType::float32, false}};
+  std::vector<Figures> figures(std::size(variants));
+  for (int round = 0; round < rounds; ++round)  // interleaved
+    for (std::size_t k = 0; k < figures.size(); ++k) one_round(world, pipe, reps, variants[k], figures[k]);
   if (g == 0) {
     std::printf("gradient paths, dp = 2 x PO-F d = 2 v = 2 m = 8, CPU GPT h = 128, 4 blocks, AdamW ZeRO-1, %d rounds\n",
                 rounds);
-    std::printf("%-9s %12s %12s %12s %14s %14s\n", "path", "pass ms", "reduce ms", "update ms", "state B/param",
-                "traffic B/param");
-    for (const auto& [name, f] : {std::pair<const char*, const Figures&>{"standard", standard}, {"exact", exact}})
-      std::printf("%-9s %12.2f %12.2f %12.2f %14.2f %14.2f\n", name, 1e3 * median(f.pass), 1e3 * median(f.reduce),
-                  1e3 * median(f.update), f.state, f.traffic);
-    std::printf("exact / standard: pass %.3f, reduce %.3f, update %.3f\n", median(exact.pass) / median(standard.pass),
-                median(exact.reduce) / median(standard.reduce), median(exact.update) / median(standard.update));
+    std::printf("%-12s %9s %10s %10s %18s %14s %16s\n", "variant", "pass ms", "reduce ms", "update ms",
+                "pass+update ms", "state B/param", "traffic B/param");
+    const Figures& base = figures[0];
+    for (std::size_t k = 0; k < figures.size(); ++k) {
+      const Figures& f = figures[k];
+      std::printf("%-12s %9.2f %10.2f %10.2f %9.2f (%.3fx) %14.2f %16s\n", variants[k].name, 1e3 * median(f.pass),
+                  1e3 * median(f.reduce), 1e3 * median(f.update), 1e3 * median(f.step),
+                  median(f.step) / median(base.step), f.state,
+                  variants[k].overlap ? "-" : std::to_string(f.traffic).substr(0, 5).c_str());
+    }
   }
   return 0;
 }

@@ -49,6 +49,13 @@ __global__ void sum_parts_k(float* out, const float* parts, long long n, int run
     out[i] = s;
   }
 }
+__global__ void sum_parts_bf16_k(float* out, const bf16* parts, long long n, int runs) {
+  for (long long i = first_index(); i < n; i += grid_stride()) {
+    float s = ld(parts, i);
+    for (int k = 1; k < runs; ++k) s = __fadd_rn(s, ld(parts, k * n + i));  // in replica order, never fused
+    out[i] = s;
+  }
+}
 __global__ void exact_round_k(float* out, const exact::Fixed* acc, long long n) {
   for (long long i = first_index(); i < n; i += grid_stride()) out[i] = exact::to_float(acc[i]);
 }
@@ -110,6 +117,9 @@ void exact_sum(exact::Fixed* out, const exact::Fixed* parts, long long count, in
 }
 void sum_parts(float* out, const float* parts, long long count, int runs, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(sum_parts_k, elementwise_launch(count), s, out, parts, count, runs);
+}
+void sum_parts(float* out, const bf16* parts, long long count, int runs, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(sum_parts_bf16_k, elementwise_launch(count), s, out, parts, count, runs);
 }
 void exact_round(float* out, const exact::Fixed* acc, long long count, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(exact_round_k, elementwise_launch(count), s, out, acc, count);

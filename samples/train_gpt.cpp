@@ -211,18 +211,22 @@ int train_rank(
     const po::Batch batch = batch_at(su.tokens, 0, [&](std::size_t q) {
       return po::math::mix64(o.seed, static_cast<std::uint64_t>(step) * 1000003u + q) % (su.train_tokens - seq - 1);
     });
+    // The last step's replica traffic is counted whole: the step before it has finished its
+    // (overlapped) parameter gather first.
+    const bool last = step + 1 == o.steps;
+    if (last) {
+      rt.settle();
+      replicas.reset_traffic();
+    }
     // The training step, call by call: gradients of one batch, their norm, one AdamW update.
-    replicas.reset_traffic();
     rt.zero_grad();
     const po::PassStats st = rt.forward_backward(batch, {.step = step});
     const double norm = po::grad_norm(rt);
-    const float lr = su.lr(step);
-    opt.step(lr, po::clip_scale(norm, su.clip));
-    step_traffic = replicas.traffic().total();
     tokens_seconds += st.seconds;
     final_loss = st.loss;
     // The peaks, and whether a stop signal came (the largest signal number any rank saw):
-    // every rank of every replica decides from the same value.
+    // every rank of every replica decides from the same value. Before the update, whose
+    // parameter gather may still run on the replicas' communicator when it returns.
     const std::size_t my[4] = {st.memory.peak_of(po::backend::Memory::activation), st.memory.total_peak,
                                st.memory.host_peak, static_cast<std::size_t>(stop_signal.load())};
     std::vector<std::size_t> now(4 * static_cast<std::size_t>(sh.d));
@@ -236,6 +240,12 @@ int train_rank(
       std::vector<std::size_t> stops(static_cast<std::size_t>(o.dp));
       replicas.all_gather(std::span<const std::size_t>(&stop, 1), std::span(stops));
       stop = *std::max_element(stops.begin(), stops.end());
+    }
+    const float lr = su.lr(step);
+    opt.step(lr, po::clip_scale(norm, su.clip));
+    if (last) {
+      rt.settle();
+      step_traffic = replicas.traffic().total();
     }
     const bool save = o.checkpoint_every > 0 && ((step + 1) % o.checkpoint_every == 0 || stop != 0);
     if (save)

@@ -56,6 +56,8 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
                         rank count and --dp; 16 more bytes a parameter; docs/gradients.md)
   --reduce-bucket N     with --dp > 1: gradients reduced in buckets of at most N values, 64..1073741824
                         (default 1048576; the staging holds about 8.5 bytes a value of one bucket)
+  --reduce-dtype T      with --gradients standard: fp32 (default) or bf16, the type the reduce-scatter
+                        sends gradients in (bf16: half its bytes; RuntimeOptions::reduce_dtype)
   --exact-block K       with --gradients exact: microbatches summed in fp32 (in order) between two
                         exact folds, 1..4096 dividing M (default 1; see RuntimeOptions::exact_block)
   --chunks V            chunks (stages) per rank, 1..64; 1 for 1f1b (default 2)
@@ -118,6 +120,7 @@ struct Options {
   po::Gradients gradients = po::Gradients::standard;  // RuntimeOptions::gradients
   int exact_block = 1;                                // RuntimeOptions::exact_block
   std::size_t reduce_bucket = std::size_t{1} << 20;   // RuntimeOptions::reduce_bucket
+  po::DType reduce_dtype = po::DType::float32;        // RuntimeOptions::reduce_dtype
   int eval_every = 0;                                 // steps between validation losses; 0: no held-out split
   bool decay_all = false;                             // weight decay on every parameter (before parameter groups)
   bool check_finite = true;
@@ -192,6 +195,7 @@ inline Options parse(int argc, char** argv) {
                                   "--exact-block",
                                   "--gradients",
                                   "--reduce-bucket",
+                                  "--reduce-dtype",
                                   "--data",
                                   "--val-data",
                                   "--vocab"};
@@ -273,6 +277,12 @@ inline Options parse(int argc, char** argv) {
   }
   if (auto v = get("--reduce-bucket"))
     o.reduce_bucket = static_cast<std::size_t>(to_int("--reduce-bucket", *v, 64, 1LL << 30));
+  if (auto v = get("--reduce-dtype")) {
+    if (*v != "fp32" && *v != "bf16") throw bad_argument("--reduce-dtype must be fp32 or bf16, got '" + *v + "'");
+    o.reduce_dtype = *v == "bf16" ? po::DType::bfloat16 : po::DType::float32;
+    if (o.reduce_dtype == po::DType::bfloat16 && o.gradients != po::Gradients::standard)
+      throw bad_argument("--reduce-dtype bf16 needs --gradients standard (the exact path reduces 128-bit sums)");
+  }
   if (auto v = get("--exact-block")) {
     o.exact_block = static_cast<int>(to_int("--exact-block", *v, 1, 4096));
     if (o.gradients != po::Gradients::exact)
@@ -406,6 +416,7 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
                .check_finite = o.check_finite,
                .gradients = o.gradients,
                .reduce_bucket = o.reduce_bucket,
+               .reduce_dtype = o.reduce_dtype,
                .exact_block = o.exact_block};
   s.lr = {.lr = o.lr,
           .warmup_steps = std::max(1, std::min(20, o.steps / 10)),
@@ -413,6 +424,7 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
           .min_lr_ratio = 0.1f};
   s.adamw.weight_decay = 0.01f;
   s.adamw.zero = o.zero;
+  s.adamw.overlap_gather = true;  // ZeRO-1: the parameter gather runs behind the next step's first passes
   // GPT-2's rule: no weight decay on biases and LayerNorm gains (the 1-d tensors).
   if (!o.decay_all)
     s.adamw.groups.push_back({"no decay", [](const po::ParamInfo& t) { return t.shape.size() < 2; }, 1.0f, 0.0f});
@@ -440,7 +452,8 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
   s.fields.push_back({"batch", batch});
   s.fields.push_back({"training", train});
   s.fields.push_back({"data parallel", "dp=" + std::to_string(o.dp) + " zero=" + std::to_string(o.zero) +
-                                           " gradients=" + po::gradients_name(o.gradients)});
+                                           " gradients=" + po::gradients_name(o.gradients) +
+                                           (o.reduce_dtype == po::DType::bfloat16 ? " reduce=bf16" : "")});
   s.fields.push_back({"data", data});
   s.fields.push_back(
       {"planning", "k=" + std::string(k) + " offload=" + std::to_string(po::offload::count(o.spec.offload, sh.v))});

@@ -110,6 +110,8 @@ gradients are all-reduced across its replicas after its last W, overlapping the 
   --dp-gbps X                  reduction bandwidth in GB/s (default 100): a stage of P
                                parameters reduces in (R-1)/R * 8P bytes / X (6P with --zero 1;
                                24P or 20P with --gradients exact), as the runtime sends them
+  --reduce-dtype fp32|bf16     the standard path's reduce-scatter type (default fp32); bf16
+                               sends 2P of those bytes instead of 4P
   --gpus-per-node G            GPUs per node (default 8): nodes hold G consecutive global ranks
   --node-layout contiguous|balanced
                                balanced (D a multiple of an even G): node k of a pipeline holds
@@ -135,18 +137,18 @@ constexpr std::string_view flags[] = {
     "--auto", "--recompute", "--layers", "--heads", "--query-groups", "--global-batch", "--vocab", "--device-mem-gib",
     "--host-mem-gib", "--pcie-switch", "--gradients", "--ffn-hidden", "--swiglu",
     // --auto, data parallelism
-    "--dp", "--search-dp", "--gpus", "--zero", "--dp-gbps", "--gpus-per-node", "--node-layout"};
+    "--dp", "--search-dp", "--gpus", "--zero", "--dp-gbps", "--gpus-per-node", "--node-layout", "--reduce-dtype"};
 /// Flags that take no value.
 constexpr std::string_view switches[] = {"--auto", "--recompute", "--search-dp", "--swiglu"};
 /// The data-parallel flags (any of them shows the grid in the report).
-constexpr std::string_view grid_flags[] = {"--dp",      "--search-dp",     "--gpus",       "--zero",
-                                           "--dp-gbps", "--gpus-per-node", "--node-layout"};
+constexpr std::string_view grid_flags[] = {"--dp",      "--search-dp",     "--gpus",        "--zero",
+                                           "--dp-gbps", "--gpus-per-node", "--node-layout", "--reduce-dtype"};
 /// Flags only --auto reads, and flags --auto does not take.
 constexpr std::string_view auto_only[] = {"--recompute",    "--layers",     "--heads",          "--query-groups",
                                           "--global-batch", "--vocab",      "--device-mem-gib", "--host-mem-gib",
                                           "--pcie-switch",  "--dp",         "--search-dp",      "--gpus",
                                           "--zero",         "--dp-gbps",    "--gpus-per-node",  "--node-layout",
-                                          "--gradients",    "--ffn-hidden", "--swiglu"};
+                                          "--gradients",    "--ffn-hidden", "--swiglu",         "--reduce-dtype"};
 constexpr std::string_view not_auto[] = {"--schedule", "--import",         "--chunks",   "--microbatches",
                                          "--group",    "--offload-chunks", "--k",        "--cost-f",
                                          "--cost-b",   "--cost-w",         "--cost-comm"};
@@ -593,6 +595,12 @@ AutoRequest interpret_auto(const Args& args) {
     if (*g != "standard" && *g != "exact")
       throw bad_argument("--gradients must be standard or exact, got " + quoted(*g));
     rq.budget.gradients = *g == "exact" ? pipeoffload::Gradients::exact : pipeoffload::Gradients::standard;
+  }
+  if (const std::string* r = find(args, "--reduce-dtype")) {
+    if (*r != "fp32" && *r != "bf16") throw bad_argument("--reduce-dtype must be fp32 or bf16, got " + quoted(*r));
+    if (*r == "bf16" && rq.budget.gradients != pipeoffload::Gradients::standard)
+      throw bad_argument("--reduce-dtype bf16 needs --gradients standard (the exact path reduces 128-bit sums)");
+    rq.budget.reduce_bytes = *r == "bf16" ? 2 : 4;
   }
   if (const std::string* f = find(args, "--format")) {
     if (*f != "text" && *f != "json")

@@ -131,6 +131,22 @@ xe, ye = figures(run("--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--d
                      "--zero", "1", *widen(small)).stdout)
 if not (x + 16 <= xe <= x + 16 + 1.5 and 0.99 * 24 * 7 / 8 <= ye <= 24 * 7 / 8 * 1.01):
     sys.exit(f"FAIL: --gradients exact --dp 8 --zero 1: {xe}, {ye}; standard {x}, {y}")
+# A bfloat16 reduce-scatter: the same state, 2 bytes a gradient sent instead of 4 (6 * 7/8), the
+# same bits run to run, and within 1 % of the fp32 reduction's loss.
+bf16_args = ["--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--dp", "8", "--microbatches", "3", "--zero", "1",
+             *widen(standard), "--reduce-dtype", "bf16"]
+out_b = run(*bf16_args).stdout
+xb, yb = figures(out_b)
+if not (xb == x and 0.99 * 6 * 7 / 8 <= yb <= 6 * 7 / 8 * 1.01):
+    sys.exit(f"FAIL: --reduce-dtype bf16 --dp 8 --zero 1: {xb}, {yb}; expected {x} and 6 * 7/8 = 5.25 plus padding")
+if finals(out_b) != finals(run(*bf16_args).stdout):
+    sys.exit("FAIL: --reduce-dtype bf16: two runs differ")
+loss_b, loss_f = float(finals(out_b)[0].split("=")[1]), float(finals(out)[0].split("=")[1])
+if abs(loss_b - loss_f) > 0.01 * abs(loss_f):
+    sys.exit(f"FAIL: --reduce-dtype bf16 final loss {loss_b} is not within 1 % of fp32's {loss_f}")
+p = run(*bf16_args[:-2], "--gradients", "exact", "--reduce-dtype", "bf16", code=2)
+if "--reduce-dtype bf16 needs --gradients standard" not in p.stderr:
+    sys.exit(f"FAIL: --reduce-dtype bf16 --gradients exact was not refused with its sentence:\n{p.stderr}")
 
 # A rank of replica 1 that throws ends every rank of both replicas, each naming it.
 p = run("--schedule", "po-f", "--ranks", "2", "--chunks", "2", *per_replica(2), *small, "--inject-fault", "3:1:throw", code=1)

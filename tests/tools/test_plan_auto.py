@@ -255,6 +255,14 @@ def data_parallel():
         prev = doc["iteration_time_s"]
     check(doc["allreduce_exposed_s"] > 0, "--dp-gbps 0.1: nothing exposed")
     check(doc["allreduce_bytes_per_s"] == 1e8, f"--dp-gbps 0.1: {doc['allreduce_bytes_per_s']} B/s")
+    # A bfloat16 reduce-scatter sends 2 of the 8 (dp-1)/dp bytes a parameter less: 6/8 of the time.
+    for zero, share in (("0", 6 / 8), ("1", 4 / 6)):
+        wide, _ = plan(DP, "--dp", "2", "--zero", zero)
+        narrow, _ = plan(DP, "--dp", "2", "--zero", zero, "--reduce-dtype", "bf16")
+        check(wide["schedule"] == narrow["schedule"] and wide["chunks"] == narrow["chunks"], "--reduce-dtype bf16: another plan")
+        for r in range(4):
+            a, b = wide["allreduce_s"][r], narrow["allreduce_s"][r]
+            check(abs(b - share * a) <= 1e-6 * a, f"--reduce-dtype bf16 --zero {zero} rank {r}: {b} s, not {share} * {a}")
 
     # Host memory per node, both layouts: d = 16 on nodes of 8 (the paper's example).
     big = {**SMALL, "--layers": "30", "--hidden": "4096", "--heads": "32", "--query-groups": "8", "--seq": "4096",
@@ -312,6 +320,8 @@ def data_parallel():
         (DP, ["--dp", "2", "--zero", "2"], ["--zero", "'2'", "[0, 1]"]),
         (DP, ["--zero", "-1"], ["--zero", "[0, 1]"]),
         (DP, ["--dp", "2", "--dp-gbps", "0"], ["--dp-gbps", "'0'"]),
+        (DP, ["--dp", "2", "--reduce-dtype", "fp16"], ["--reduce-dtype", "'fp16'", "fp32 or bf16"]),
+        (DP, ["--dp", "2", "--gradients", "exact", "--reduce-dtype", "bf16"], ["--reduce-dtype bf16", "--gradients standard"]),
         (DP, ["--dp", "2", "--dp-gbps", "nan"], ["--dp-gbps", "'nan'"]),
         (DP, ["--dp", "2", "--gpus", "9"], ["--gpus", "'9'", "8"]),
         (DP, ["--gpus-per-node", "0"], ["--gpus-per-node", "'0'"]),

@@ -209,7 +209,10 @@ concept updates_parameters = requires(
 /// stream, the CPU backend runs it on the calling stream's thread):
 ///   - sum_parts(ctx, out, parts): out[i] = ((parts[i] + parts[n + i]) + parts[2n + i]) + ...
 ///     in fp32, in that order (n = out.size(), parts.size() a multiple of it): the standard
-///     path's reduce-scatter adds the replicas' parts in replica order;
+///     path's reduce-scatter adds the replicas' parts in replica order; parts may be fp32 or
+///     bfloat16 (std::uint16_t bits, po::bf16_bits), widened exactly before each addition;
+///   - to_bf16(ctx, out, in): out[i] = po::bf16_bits(in[i]) (to nearest even): a bucket of
+///     gradients narrowed for a bfloat16 reduce-scatter (RuntimeOptions::reduce_dtype);
 ///   - exact_add(ctx, acc, g): acc[i] += g[i], on exact's grid (backend/exact.hpp);
 ///   - exact_sum(ctx, out, parts): out[i] = parts[i] + parts[n + i] + ... (n = out.size(),
 ///     parts.size() a multiple of it; exact, so the order does not matter);
@@ -218,8 +221,11 @@ concept updates_parameters = requires(
 template <class B>
 concept reduces_gradients =
     requires(B& b, typename B::Context& ctx, std::span<exact::Fixed> acc, std::span<const exact::Fixed> cacc,
-             std::span<float> fs, std::span<const float> cfs, void* p, const void* cp, std::size_t n) {
+             std::span<float> fs, std::span<const float> cfs, std::span<std::uint16_t> hs,
+             std::span<const std::uint16_t> chs, void* p, const void* cp, std::size_t n) {
       b.sum_parts(ctx, fs, cfs);
+      b.sum_parts(ctx, fs, chs);
+      b.to_bf16(ctx, hs, cfs);
       b.exact_add(ctx, acc, cfs);
       b.exact_sum(ctx, acc, cacc);
       b.exact_round(ctx, fs, cacc);

@@ -121,6 +121,9 @@ struct StateOptions {
   /// an fp32 master copy of what it owns).
   std::size_t parameter_bytes = sizeof(float);
   std::size_t gradient_bytes = sizeof(float);  ///< bytes of one main gradient (the layer's)
+  /// Bytes of a gradient in the standard path's reduce-scatter: 4, or 2 with
+  /// RuntimeOptions::reduce_dtype = bfloat16.
+  std::size_t reduce_bytes = sizeof(float);
 };
 
 /// A rank's model state in bytes, by owner: the layers' own buffers, and what the runtime and
@@ -183,8 +186,8 @@ constexpr StateBytes state_bytes(std::span<const std::size_t> parameters, const 
 /// replica (the exact path always; the standard one unless a ZeRO-1 optimizer keeps shards);
 /// with ZeRO-1 the updated parameters' all-gather does too, in the working parameters' bytes.
 /// Per parameter that is 8 (dp-1)/dp on the standard path (6 with bfloat16 working parameters
-/// and ZeRO-1) plus the last bucket's padding; tests/runtime/test_custom.cpp counts it on the
-/// communicators.
+/// and ZeRO-1; 2 less with a bfloat16 reduce-scatter) plus the last bucket's padding;
+/// tests/runtime/test_custom.cpp counts it on the communicators.
 constexpr std::size_t traffic_bytes(std::span<const std::size_t> parameters, const StateOptions& o) {
   if (o.dp <= 1) return 0;
   const bool exact = o.gradients == Gradients::exact, sharded = o.zero == 1;
@@ -193,7 +196,7 @@ constexpr std::size_t traffic_bytes(std::span<const std::size_t> parameters, con
   for (const std::size_t n : parameters) {
     const GradientLayout l = gradient_layout(n, o.dp, o.reduce_bucket);
     const std::size_t sent = (n + l.len - 1) / l.len * others * l.slice();  // values, per collective
-    bytes += sent * (exact ? exact_sum_bytes : sizeof(float));
+    bytes += sent * (exact ? exact_sum_bytes : o.reduce_bytes);
     if (exact || !sharded) bytes += sent * sizeof(float);
     if (sharded) bytes += sent * o.parameter_bytes;
   }

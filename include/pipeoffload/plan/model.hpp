@@ -124,6 +124,9 @@ struct PlanBudget {
   int optimizer_states = 2;
   /// Values per gradient reduction bucket (RuntimeOptions::reduce_bucket).
   std::size_t reduce_bucket = std::size_t{1} << 20;
+  /// Bytes of a gradient in the standard path's reduce-scatter: 4, or 2 for a bfloat16 one
+  /// (RuntimeOptions::reduce_dtype).
+  int reduce_bytes = 4;
   /// Device memory never available to tensors: CUDA context, cuBLAS/cuDNN workspaces,
   /// allocator fragmentation.
   double reserved_bytes = 1 * gib;

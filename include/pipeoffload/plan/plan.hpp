@@ -162,7 +162,8 @@ constexpr StateOptions state_options(const PlanBudget& bud, const GridSpec& grid
           .zero = grid.zero,
           .optimizer_states = bud.optimizer_states,
           .reduce_bucket = bud.reduce_bucket,
-          .parameter_bytes = static_cast<std::size_t>(bud.parameter_bytes)};
+          .parameter_bytes = static_cast<std::size_t>(bud.parameter_bytes),
+          .reduce_bytes = static_cast<std::size_t>(bud.reduce_bytes)};
 }
 
 /// Seconds of one gradient reduction of a stage of P parameters over dp replicas, as the

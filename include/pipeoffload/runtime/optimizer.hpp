@@ -286,8 +286,8 @@ class OptimizerBase {
   /// `invalid`: why the options are wrong ("" when they are right), thrown under the guard so
   /// that the other ranks do not wait for this one.
   OptimizerBase(Runtime& rt, const char* who, int states, const std::vector<ParamGroup>& groups, float weight_decay,
-                int zero, const std::string& invalid = "")
-      : rt_(rt), states_(states) {
+                int zero, bool overlap_gather, const std::string& invalid = "")
+      : rt_(rt), states_(states), overlap_(overlap_gather) {
     rt.guard(who, [&] {
       if (!invalid.empty()) throw error(invalid);
       if (zero != 0 && zero != 1)
@@ -328,6 +328,7 @@ class OptimizerBase {
   /// the parameters (Runtime::share_shards): the same values as one replica updating them all.
   template <class F>
   void each_run(const char* who, F&& update) {
+    rt_.settle();  // a step without a pass since the last one: its gather first
     rt_.guard(std::string(who) + " step " + std::to_string(steps_), [&] {
       for (std::size_t c = 0; c < runs_.size(); ++c) {
         const auto& stage = rt_.stages()[c];
@@ -352,12 +353,13 @@ class OptimizerBase {
       return 0;
     });
     if (sharded_)
-      for (std::size_t c = 0; c < runs_.size(); ++c) rt_.share_shards(static_cast<int>(c));
+      for (std::size_t c = 0; c < runs_.size(); ++c) rt_.share_shards(static_cast<int>(c), overlap_);
     ++steps_;
   }
 
   Runtime& rt_;
   int states_ = 0;
+  bool overlap_ = false;  // ZeRO-1's parameter gather left running (AdamWOptions::overlap_gather)
   int steps_ = 0;
   std::vector<std::vector<ParamRun>> runs_;  // per chunk
   std::vector<backend::Block> state_;        // [chunk * states + k], device (of the chunk's shards)
@@ -376,6 +378,11 @@ struct AdamWOptions {
   float weight_decay = 0.1f;         ///< decoupled, for tensors no group takes
   std::vector<ParamGroup> groups{};  ///< parameter groups, tried in order
   int zero = 0;  ///< 1: shard the moments across the runtime's replicas (ZeRO-1); 0: every replica holds all
+  /// ZeRO-1: leave the updated parameters' all-gather running on the comm stream when step()
+  /// returns; the next forward_backward or evaluate waits for each chunk's gather before its
+  /// first pass of that chunk (Runtime::share_shards). Off: step() returns with every replica
+  /// holding every parameter.
+  bool overlap_gather = false;
 };
 
 /// AdamW (decoupled weight decay) over every stage of a runtime's rank.
@@ -389,7 +396,7 @@ class AdamW : public detail::OptimizerBase<Runtime> {
   /// Allocates the two moments (zeros, fp32, optimizer memory) of the parameters this rank
   /// updates on rt's device; throws for options out of range.
   AdamW(Runtime& rt, AdamWOptions opt = {})
-      : detail::OptimizerBase<Runtime>(rt, "po::AdamW", 2, opt.groups, opt.weight_decay, opt.zero),
+      : detail::OptimizerBase<Runtime>(rt, "po::AdamW", 2, opt.groups, opt.weight_decay, opt.zero, opt.overlap_gather),
         opt_(std::move(opt)) {}
 
   /// One update of every parameter of this rank with learning rate `lr` (times its group's
@@ -420,6 +427,7 @@ struct SgdOptions {
   float weight_decay = 0;            ///< L2 (added to the gradient), for tensors no group takes
   std::vector<ParamGroup> groups{};  ///< parameter groups, tried in order
   int zero = 0;                      ///< 1: shard the momentum buffers across the runtime's replicas (ZeRO-1)
+  bool overlap_gather = false;       ///< ZeRO-1: as AdamWOptions::overlap_gather
 };
 
 /// SGD with optional momentum and Nesterov momentum (torch.optim.SGD's update), over every
@@ -435,7 +443,7 @@ class Sgd : public detail::OptimizerBase<Runtime> {
   /// the parameters this rank updates on rt's device; throws for options out of range.
   Sgd(Runtime& rt, SgdOptions opt = {})
       : detail::OptimizerBase<Runtime>(rt, "po::Sgd", opt.momentum != 0.0f ? 1 : 0, opt.groups, opt.weight_decay,
-                                       opt.zero, invalid(opt)),
+                                       opt.zero, opt.overlap_gather, invalid(opt)),
         opt_(std::move(opt)) {}
 
   /// One update of every parameter of this rank (see AdamW::step).

@@ -47,6 +47,7 @@
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../backend/backend.hpp"
@@ -83,6 +84,12 @@ struct RuntimeOptions {
   /// every replica needs every gradient, on the comm stream); the staging is
   /// reduction_staging_bytes of one bucket.
   std::size_t reduce_bucket = std::size_t{1} << 20;
+  /// Standard path with replicas: the type the reduce-scatter sends gradients in.
+  /// DType::float32 (the default), or DType::bfloat16: half the bytes (Megatron-Core's
+  /// bf16 gradient reduction); each replica's part is rounded to bfloat16 (to nearest even)
+  /// and the owner adds the parts in fp32, in replica order, so runs stay deterministic. The
+  /// exact path refuses it (its sums are 128-bit).
+  DType reduce_dtype = DType::float32;
   /// Exact path only: microbatches per exact fold. Each W adds its gradients to the stage's
   /// fp32 gradients(), and every `exact_block` microbatches (global index b with b %
   /// exact_block == exact_block - 1) they go into the exact sums. 1 (the default): every
@@ -317,7 +324,10 @@ class Runtime<Backend, Communicator> {
   /// This rank's replica, 0 .. replicas()-1.
   int replica() const { return replica_; }
   /// The communicator of this rank's replicas (null without data parallelism).
-  Communicator* replica_comm() { return replicas_; }
+  Communicator* replica_comm() {
+    settle();  // a host-side collective must not run beside a gather on the comm stream
+    return replicas_;
+  }
   /// The device this rank runs on.
   Backend& device() { return dev_; }
   /// The communicator of this rank's pipeline (its d ranks).
@@ -371,6 +381,7 @@ class Runtime<Backend, Communicator> {
   /// Chunk c's working parameters, copied to the host as fp32 (bfloat16 ones widened exactly;
   /// a mixed-precision stage's fp32 master copy is the optimizer's: Optimizer::full_master).
   std::vector<float> download_parameters(int chunk) {
+    settle();
     const Tensor w = checked(chunk).working();
     if (w.dtype == DType::float32)
       return download(std::span<const float>(reinterpret_cast<float*>(w.data), w.elements));
@@ -383,6 +394,7 @@ class Runtime<Backend, Communicator> {
   /// Overwrites chunk c's working parameters (values.size() must be their count; bfloat16
   /// ones are rounded to nearest even).
   void upload_parameters(int chunk, std::span<const float> values) {
+    settle();
     const Tensor w = checked(chunk).working();
     if (w.dtype == DType::float32) {
       upload(std::span<float>(reinterpret_cast<float*>(w.data), w.elements), values, "parameters");
@@ -444,7 +456,11 @@ class Runtime<Backend, Communicator> {
   /// afterwards every replica holds all of them: an all-gather per bucket from the comm
   /// stream, through the reduction's staging (collective over the replicas). The ZeRO-1
   /// optimizers' parameter gather. Nothing to do without replicas.
-  void share_shards(int chunk) {
+  /// `overlap`: returns with the gather enqueued; the next forward_backward or evaluate makes
+  /// its compute stream wait for it before the rank's first pass of chunk c, so it runs behind
+  /// the passes of the chunks before it and the pipeline's warm-up, and settle() (which every
+  /// call reading the parameters or the replicas' communicator makes) waits for it.
+  void share_shards(int chunk, bool overlap = false) {
     guard("share_shards", [&] {
       if constexpr (replica_communicator<Communicator, Context>) {
         if (replicas_ == nullptr || dp_ == 1) return 0;
@@ -461,8 +477,22 @@ class Runtime<Backend, Communicator> {
           replicas_->all_gather(ctx, std::span<const std::byte>(mine, slice), std::span<std::byte>(all, len));
           dev_.copy(ctx, values.data + b * len, all, std::min(l.len, l.values - b * l.len) * e);
         }
-        dev_.synchronize();
+        if (overlap) {
+          dev_.record(gathered_[static_cast<std::size_t>(chunk)], comm_stream_);
+          gather_pending_[static_cast<std::size_t>(chunk)] = 1;
+        } else {
+          dev_.synchronize();
+        }
       }
+      return 0;
+    });
+  }
+  /// Waits for the parameter gathers share_shards(c, true) left running (nothing when none is).
+  void settle() {
+    if (std::find(gather_pending_.begin(), gather_pending_.end(), 1) == gather_pending_.end()) return;
+    std::fill(gather_pending_.begin(), gather_pending_.end(), 0);
+    guard("share_shards", [&] {
+      dev_.synchronize();
       return 0;
     });
   }
@@ -573,6 +603,8 @@ class Runtime<Backend, Communicator> {
       compute_ = dev_.make_stream("compute");
       copy_ = dev_.make_stream("copy");
       comm_stream_ = dev_.make_stream("comm");
+      for (int c = 0; c < program_.shape.v; ++c) gathered_.push_back(dev_.make_event());
+      gather_pending_.assign(static_cast<std::size_t>(program_.shape.v), 0);
     }
   }
 
@@ -764,6 +796,8 @@ class Runtime<Backend, Communicator> {
   std::vector<std::vector<NormPiece>> norm_pieces_;  // per chunk: what grad_norm reads
   bool shard_gradients_ = false;                     // standard path: the reduction skips the all-gather
   int compute_ = -1, copy_ = -1, comm_stream_ = -1;
+  std::vector<int> gathered_;         // per chunk: recorded after share_shards(c, true)'s gather
+  std::vector<char> gather_pending_;  // per chunk: that gather not yet waited for
   Plan train_, eval_;
   Call call_{};
   std::vector<Unit> units_;

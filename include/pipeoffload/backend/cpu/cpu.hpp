@@ -362,6 +362,19 @@ class Cpu {
     for (std::size_t k = n; k < parts.size(); k += n)
       for (std::size_t i = 0; i < n; ++i) out[i] += parts[k + i];
   }
+  /// The same over bfloat16 parts (po::bf16_bits), each widened exactly.
+  void sum_parts(Context&, std::span<float> out, std::span<const std::uint16_t> parts) {
+    detail::require_parts("backend::Cpu::sum_parts", out.size(), parts.size());
+    const std::size_t n = out.size();
+    for (std::size_t i = 0; i < n; ++i) out[i] = bf16_value(parts[i]);
+    for (std::size_t k = n; k < parts.size(); k += n)
+      for (std::size_t i = 0; i < n; ++i) out[i] += bf16_value(parts[k + i]);
+  }
+  /// out[i] = po::bf16_bits(in[i]).
+  void to_bf16(Context&, std::span<std::uint16_t> out, std::span<const float> in) {
+    detail::require_same_size("backend::Cpu::to_bf16", out.size(), in.size());
+    for (std::size_t i = 0; i < in.size(); ++i) out[i] = bf16_bits(in[i]);
+  }
 
   /// acc[i] += g[i] on exact's grid.
   void exact_add(Context&, std::span<exact::Fixed> acc, std::span<const float> g) {

@@ -566,6 +566,23 @@ class Cuda {
     cuda::kernels::sum_parts(out.data(), parts.data(), static_cast<long long>(out.size()),
                              static_cast<int>(parts.size() / out.size()), ctx.cuda_stream);
   }
+  /// The same over bfloat16 parts (po::bf16_bits), each widened exactly, enqueued on ctx's stream.
+  void sum_parts(Context& ctx, std::span<float> out, std::span<const std::uint16_t> parts) {
+    detail::require_parts("backend::Cuda::sum_parts", out.size(), parts.size());
+    if (out.empty()) return;
+    select();
+    cuda::kernels::sum_parts(out.data(), reinterpret_cast<const __nv_bfloat16*>(parts.data()),
+                             static_cast<long long>(out.size()), static_cast<int>(parts.size() / out.size()),
+                             ctx.cuda_stream);
+  }
+  /// out[i] = po::bf16_bits(in[i]), enqueued on ctx's stream.
+  void to_bf16(Context& ctx, std::span<std::uint16_t> out, std::span<const float> in) {
+    detail::require_same_size("backend::Cuda::to_bf16", out.size(), in.size());
+    if (in.empty()) return;
+    select();
+    cuda::kernels::to_bf16(in.data(), reinterpret_cast<__nv_bfloat16*>(out.data()), static_cast<long long>(in.size()),
+                           ctx.cuda_stream);
+  }
 
   /// acc[i] += g[i] on exact's grid, enqueued on ctx's stream.
   void exact_add(Context& ctx, std::span<exact::Fixed> acc, std::span<const float> g) {

@@ -57,6 +57,8 @@ void exact_add(exact::Fixed* acc, const float* g, long long count, cudaStream_t 
 void exact_sum(exact::Fixed* out, const exact::Fixed* parts, long long count, int runs, cudaStream_t stream);
 /// out[i] = ((parts[i] + parts[count + i]) + ...) over `runs` parts, in fp32 and that order.
 void sum_parts(float* out, const float* parts, long long count, int runs, cudaStream_t stream);
+/// The same over bf16 parts, each widened exactly.
+void sum_parts(float* out, const bf16* parts, long long count, int runs, cudaStream_t stream);
 /// out[i] = exact::to_float(acc[i]).
 void exact_round(float* out, const exact::Fixed* acc, long long count, cudaStream_t stream);
 

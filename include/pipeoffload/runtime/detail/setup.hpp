@@ -28,6 +28,13 @@ void Runtime<Backend, Communicator>::construct() {
                 " is neither Gradients::standard (0) nor Gradients::exact (1)");
   if (opt_.reduce_bucket < 1)
     throw error("po::Runtime: RuntimeOptions::reduce_bucket = 0 must be >= 1 (values per reduction bucket)");
+  if (opt_.reduce_dtype != DType::float32 && opt_.reduce_dtype != DType::bfloat16)
+    throw error(std::string("po::Runtime: RuntimeOptions::reduce_dtype = ") + dtype_name(opt_.reduce_dtype) +
+                " must be float32 or bfloat16");
+  if (opt_.reduce_dtype == DType::bfloat16 && opt_.gradients != Gradients::standard)
+    throw error(
+        "po::Runtime: RuntimeOptions::reduce_dtype = bfloat16 needs Gradients::standard (the exact path reduces "
+        "128-bit sums)");
   if constexpr (!backend::host_addressable_memory<Backend>)
     if (opt_.guard_buffers)
       throw error(

@@ -199,6 +199,8 @@ void Runtime<Backend, Communicator>::run_reduce(int chunk) {
 // which adds the replicas' parts in replica order into its own slice of gradients(); unless
 // the gradients stay sharded, an all-gather then hands every replica the whole bucket. The
 // last bucket, which runs past the parameters, goes through the staging with zeros after them.
+// With reduce_dtype bfloat16 the bucket is first rounded into the staging's bucket buffer as
+// bfloat16 and the parts arrive as bfloat16 (each staging buffer has room for fp32).
 template <class Backend, class Communicator>
 void Runtime<Backend, Communicator>::reduce_standard(int chunk, Context& ctx) {
   if constexpr (replica_communicator<Communicator, Context>) {
@@ -208,18 +210,28 @@ void Runtime<Backend, Communicator>::reduce_standard(int chunk, Context& ctx) {
     auto* bucket = reinterpret_cast<float*>(staging_[0].ptr);
     auto* parts = reinterpret_cast<float*>(staging_[1].ptr);
     auto* mine = reinterpret_cast<float*>(staging_[2].ptr);
-    const bool gather = !gradients_sharded();
+    const bool gather = !gradients_sharded(), narrow = opt_.reduce_dtype == DType::bfloat16;
     for (std::size_t b0 = 0; b0 < n; b0 += len) {
       const std::size_t valid = std::min(len, n - b0);
-      const float* src = g + b0;
-      if (valid < len) {
-        dev_.copy(ctx, bucket, g + b0, valid * sizeof(float));
-        dev_.zero(ctx, bucket + valid, (len - valid) * sizeof(float));
-        src = bucket;
+      if (narrow) {
+        auto* send = reinterpret_cast<std::uint16_t*>(bucket);
+        auto* got = reinterpret_cast<std::uint16_t*>(parts);
+        dev_.to_bf16(ctx, std::span<std::uint16_t>(send, valid), std::span<const float>(g + b0, valid));
+        if (valid < len) dev_.zero(ctx, send + valid, (len - valid) * sizeof(std::uint16_t));
+        replicas_->all_to_all(ctx, std::as_bytes(std::span<const std::uint16_t>(send, len)),
+                              std::as_writable_bytes(std::span<std::uint16_t>(got, len)));
+        dev_.sum_parts(ctx, std::span<float>(mine, slice), std::span<const std::uint16_t>(got, len));
+      } else {
+        const float* src = g + b0;
+        if (valid < len) {
+          dev_.copy(ctx, bucket, g + b0, valid * sizeof(float));
+          dev_.zero(ctx, bucket + valid, (len - valid) * sizeof(float));
+          src = bucket;
+        }
+        replicas_->all_to_all(ctx, std::as_bytes(std::span<const float>(src, len)),
+                              std::as_writable_bytes(std::span<float>(parts, len)));
+        dev_.sum_parts(ctx, std::span<float>(mine, slice), std::span<const float>(parts, len));
       }
-      replicas_->all_to_all(ctx, std::as_bytes(std::span<const float>(src, len)),
-                            std::as_writable_bytes(std::span<float>(parts, len)));
-      dev_.sum_parts(ctx, std::span<float>(mine, slice), std::span<const float>(parts, len));
       const ParamRange r = l.shard(b0 / len, replica_);
       dev_.copy(ctx, g + r.begin, mine, r.size() * sizeof(float));
       if (gather) {
@@ -264,6 +276,9 @@ void Runtime<Backend, Communicator>::enqueue(const Plan& plan) {
   // Reductions go into the comm stream's order at Plan::reduce_at.
   const std::size_t nq = reducing() ? plan.reduces.size() : 0;
   reduce_trace_.clear();
+  // A parameter gather the optimizer left running (share_shards(c, true)): the rank's first
+  // pass of chunk c waits for it; the passes before it do not.
+  std::vector<char> gather = std::exchange(gather_pending_, std::vector<char>(gather_pending_.size(), 0));
   std::size_t ic = 0, iy = 0, ik = 0, iq = 0;
   while (ic < nc || iy < ny || ik < nk || iq < nq) {
     bool moved = false;
@@ -274,6 +289,11 @@ void Runtime<Backend, Communicator>::enqueue(const Plan& plan) {
         break;
       if (r >= 0) dev_.wait(compute_, plan.recv_done[static_cast<std::size_t>(r)]);
       if (op.wait >= 0) dev_.wait(compute_, plan.copy_done[static_cast<std::size_t>(op.wait)]);
+      const std::size_t chunk = static_cast<std::size_t>(program_.shape.chunk_of(op.stage));
+      if (gather[chunk] != 0) {
+        dev_.wait(compute_, gathered_[chunk]);
+        gather[chunk] = 0;
+      }
       dev_.launch(compute_, [this, ic] { run_compute(ic); });
       dev_.record(plan.compute_done[ic], compute_);
       ++ic;
