@@ -527,7 +527,9 @@ void exact_sums() {
 }
 
 /// backend::reduces_gradients: sum_parts in a stream's order adds the parts in their order in
-/// fp32, as a plain host loop does, bit for bit (the standard path's reduce-scatter).
+/// fp32, as a plain host loop does, bit for bit (the standard path's reduce-scatter); over
+/// bfloat16 parts (the bfloat16 reduce-scatter) it widens each first, and to_bf16 rounds as
+/// po::bf16_bits does.
 template <class Traits>
 void sum_parts() {
   auto dev = Traits::make();
@@ -539,43 +541,14 @@ void sum_parts() {
   std::vector<pb::Block> owned;
   const std::span<float> in = device_floats(*dev, owned, host);
   const std::span<float> out = device_floats(*dev, owned, std::vector<float>(n, 0.0f));
-  dev->launch(s, [&] {
-    auto ctx = dev->context(s);
-    dev->sum_parts(ctx, out, std::span<const float>(in));
-  });
-  dev->synchronize();
-  const std::vector<float> got = host_floats(*dev, out);
-  std::size_t differ = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    volatile float want = host[i];  // one rounding per addition, in part order
-    for (std::size_t k = 1; k < parts; ++k) want = want + host[k * n + i];
-    const float w = want;
-    differ += std::memcmp(&w, &got[i], sizeof w) != 0;
-  }
-  CHECK(differ == 0);
-  for (pb::Block b : owned) dev->device_free(b);
-}
-
-/// backend::reduces_gradients, the bfloat16 reduce-scatter: to_bf16 in a stream's order rounds
-/// as po::bf16_bits does, and sum_parts over bfloat16 parts widens each and adds them in their
-/// order in fp32, bit for bit as a host loop.
-template <class Traits>
-void sum_parts_bf16() {
-  auto dev = Traits::make();
-  const int s = dev->make_stream("s");
-  const std::size_t n = 4099, parts = 5;
-  std::vector<float> host(n * parts);
-  for (std::size_t i = 0; i < host.size(); ++i)
-    host[i] = std::ldexp(std::sin(0.61f * static_cast<float>(i) + 0.3f), static_cast<int>(i % 29) - 10);
-  std::vector<pb::Block> owned;
-  const std::span<float> in = device_floats(*dev, owned, host);
-  const std::span<float> out = device_floats(*dev, owned, std::vector<float>(n, 0.0f));
+  const std::span<float> out16 = device_floats(*dev, owned, std::vector<float>(n, 0.0f));
   owned.push_back(dev->device_alloc(host.size() * sizeof(std::uint16_t), pb::Memory::optimizer));
   const std::span<std::uint16_t> narrow(reinterpret_cast<std::uint16_t*>(owned.back().ptr), host.size());
   dev->launch(s, [&] {
     auto ctx = dev->context(s);
+    dev->sum_parts(ctx, out, std::span<const float>(in));
     dev->to_bf16(ctx, narrow, std::span<const float>(in));
-    dev->sum_parts(ctx, out, std::span<const std::uint16_t>(narrow));
+    dev->sum_parts(ctx, out16, std::span<const std::uint16_t>(narrow));
   });
   dev->synchronize();
   std::vector<std::uint16_t> bits(host.size());
@@ -583,54 +556,54 @@ void sum_parts_bf16() {
   std::size_t wrong_bits = 0;
   for (std::size_t i = 0; i < host.size(); ++i) wrong_bits += bits[i] != pipeoffload::bf16_bits(host[i]);
   CHECK(wrong_bits == 0);
-  const std::vector<float> got = host_floats(*dev, out);
-  std::size_t differ = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    volatile float want = pipeoffload::bf16_value(pipeoffload::bf16_bits(host[i]));
-    for (std::size_t k = 1; k < parts; ++k)
-      want = want + pipeoffload::bf16_value(pipeoffload::bf16_bits(host[k * n + i]));
-    const float w = want;
-    differ += std::memcmp(&w, &got[i], sizeof w) != 0;
-  }
-  CHECK(differ == 0);
+  const auto differ = [&](std::span<const float> device, auto&& value) {
+    const std::vector<float> got = host_floats(*dev, device);
+    std::size_t count = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      volatile float want = value(i);  // one rounding per addition, in part order
+      for (std::size_t k = 1; k < parts; ++k) want = want + value(k * n + i);
+      const float w = want;
+      count += std::memcmp(&w, &got[i], sizeof w) != 0;
+    }
+    return count;
+  };
+  CHECK(differ(out, [&](std::size_t i) { return host[i]; }) == 0);
+  CHECK(differ(out16, [&](std::size_t i) { return pipeoffload::bf16_value(pipeoffload::bf16_bits(host[i])); }) == 0);
   for (pb::Block b : owned) dev->device_free(b);
 }
 
 }  // namespace conformance
 
 /// Registers the cases for one backend; `name` goes into the test names.
-#define PIPEOFFLOAD_CONFORMANCE_CASES(Traits, name)                                                                  \
-  TEST_CASE(name ": blocks are pooled by size and reused across streams without new allocations") {                  \
-    conformance::allocation_and_reuse<Traits>();                                                                     \
-  }                                                                                                                  \
-  TEST_CASE(name ": a wait orders one stream after another stream's record") {                                       \
-    conformance::event_ordering<Traits>();                                                                           \
-  }                                                                                                                  \
-  TEST_CASE(name ": an offload into power-of-two bins and its reload give back every byte") {                        \
-    conformance::copy_round_trip<Traits>();                                                                          \
-  }                                                                                                                  \
-  TEST_CASE(name ": a stage's forward and backward match models/gpt/math.hpp") {                                     \
-    conformance::stage_forward_backward<Traits>();                                                                   \
-  }                                                                                                                  \
-  TEST_CASE(name ": upload, download, sums of squares and AdamW between steps, gradients left as they are") {        \
-    conformance::optimizer_operations<Traits>();                                                                     \
-  }                                                                                                                  \
-  TEST_CASE(name ": zero clears exactly the bytes asked for") { conformance::zero_clears_a_range<Traits>(); }        \
-  TEST_CASE(name ": flag_nonfinite flags NaN and infinities of every floating type, nothing finite, no integers") {  \
-    conformance::nonfinite_flags<Traits>();                                                                          \
-  }                                                                                                                  \
-  TEST_CASE(name ": sgd matches update::sgd with momentum, dampening, Nesterov, weight decay and the first step") {  \
-    conformance::sgd_updates<Traits>();                                                                              \
-  }                                                                                                                  \
-  TEST_CASE(name ": a counter orders one stream after another; an aborted counter releases its waiters") {           \
-    conformance::pair_counters<Traits>();                                                                            \
-  }                                                                                                                  \
-  TEST_CASE(name ": exact gradient sums in a stream's order give backend/exact.hpp's bits") {                        \
-    conformance::exact_sums<Traits>();                                                                               \
-  }                                                                                                                  \
-  TEST_CASE(name ": sum_parts adds the replicas' parts in their order in fp32, bit for bit") {                       \
-    conformance::sum_parts<Traits>();                                                                                \
-  }                                                                                                                  \
-  TEST_CASE(name ": to_bf16 rounds as po::bf16_bits, sum_parts adds bfloat16 parts in order in fp32, bit for bit") { \
-    conformance::sum_parts_bf16<Traits>();                                                                           \
+#define PIPEOFFLOAD_CONFORMANCE_CASES(Traits, name)                                                                 \
+  TEST_CASE(name ": blocks are pooled by size and reused across streams without new allocations") {                 \
+    conformance::allocation_and_reuse<Traits>();                                                                    \
+  }                                                                                                                 \
+  TEST_CASE(name ": a wait orders one stream after another stream's record") {                                      \
+    conformance::event_ordering<Traits>();                                                                          \
+  }                                                                                                                 \
+  TEST_CASE(name ": an offload into power-of-two bins and its reload give back every byte") {                       \
+    conformance::copy_round_trip<Traits>();                                                                         \
+  }                                                                                                                 \
+  TEST_CASE(name ": a stage's forward and backward match models/gpt/math.hpp") {                                    \
+    conformance::stage_forward_backward<Traits>();                                                                  \
+  }                                                                                                                 \
+  TEST_CASE(name ": upload, download, sums of squares and AdamW between steps, gradients left as they are") {       \
+    conformance::optimizer_operations<Traits>();                                                                    \
+  }                                                                                                                 \
+  TEST_CASE(name ": zero clears exactly the bytes asked for") { conformance::zero_clears_a_range<Traits>(); }       \
+  TEST_CASE(name ": flag_nonfinite flags NaN and infinities of every floating type, nothing finite, no integers") { \
+    conformance::nonfinite_flags<Traits>();                                                                         \
+  }                                                                                                                 \
+  TEST_CASE(name ": sgd matches update::sgd with momentum, dampening, Nesterov, weight decay and the first step") { \
+    conformance::sgd_updates<Traits>();                                                                             \
+  }                                                                                                                 \
+  TEST_CASE(name ": a counter orders one stream after another; an aborted counter releases its waiters") {          \
+    conformance::pair_counters<Traits>();                                                                           \
+  }                                                                                                                 \
+  TEST_CASE(name ": exact gradient sums in a stream's order give backend/exact.hpp's bits") {                       \
+    conformance::exact_sums<Traits>();                                                                              \
+  }                                                                                                                 \
+  TEST_CASE(name ": sum_parts adds the replicas' fp32 or bfloat16 parts in their order in fp32, bit for bit") {     \
+    conformance::sum_parts<Traits>();                                                                               \
   }
