@@ -17,6 +17,7 @@
 // 1 an internal failure (a schedule that does not validate, an output that cannot be written).
 // Other tools parse the output formats; they are documented in pipeoffload/sim/render.hpp.
 #include <pipeoffload/pipeoffload.hpp>
+#include <pipeoffload/plan/presets.hpp>
 #include <pipeoffload/plan/report.hpp>
 #include <pipeoffload/sim/render.hpp>
 
@@ -71,8 +72,8 @@ Builds a pipeline schedule, simulates it (as-soon-as-possible execution) and pri
   --help                print this and exit
 
 
-usage: pipeoffload-plan --auto --layers L --hidden H --heads A --query-groups G --seq S
-         --micro-batch B --global-batch N --vocab V --ranks D --device-mem-gib X
+usage: pipeoffload-plan --auto (--model NAME | --layers L --hidden H --heads A --query-groups G
+         --seq S --micro-batch B --global-batch N --vocab V) --ranks D --device-mem-gib X
          --host-mem-gib Y --tflops T --pcie-gbps P [--recompute] [--format text|json]
          [--dp R | --search-dp --gpus GPUS] [--zero 0|1] [--dp-gbps X] [--gpus-per-node G]
          [--node-layout contiguous|balanced]
@@ -83,6 +84,10 @@ device and host memory (model state as the runtime holds it: bf16 parameters, fp
 gradients, AdamW and its fp32 master, 18 bytes per parameter; peak saved activations and
 B-to-W stashes; workspace), with a command line that draws it.
 
+  --model NAME                 a preset shape, its values overridden by any model flag given:
+                               paper-5.8b, paper-10.5b, paper-18.1b, paper-42.9b,
+                               paper-66.6b, paper-83.8b (the paper's Table 2), llama3-8b,
+                               llama3-70b (plan/presets.hpp)
   --heads A --query-groups G   attention heads and key/value groups (G = A: multi-head)
   --global-batch N             sequences per iteration; microbatches m = N / B
   --device-mem-gib X           memory of one device, GiB
@@ -135,7 +140,7 @@ constexpr std::string_view flags[] = {
     "--out",
     // --auto
     "--auto", "--recompute", "--layers", "--heads", "--query-groups", "--global-batch", "--vocab", "--device-mem-gib",
-    "--host-mem-gib", "--pcie-switch", "--gradients", "--ffn-hidden", "--swiglu",
+    "--host-mem-gib", "--pcie-switch", "--gradients", "--ffn-hidden", "--swiglu", "--model",
     // --auto, data parallelism
     "--dp", "--search-dp", "--gpus", "--zero", "--dp-gbps", "--gpus-per-node", "--node-layout", "--reduce-dtype"};
 /// Flags that take no value.
@@ -144,11 +149,11 @@ constexpr std::string_view switches[] = {"--auto", "--recompute", "--search-dp",
 constexpr std::string_view grid_flags[] = {"--dp",      "--search-dp",     "--gpus",        "--zero",
                                            "--dp-gbps", "--gpus-per-node", "--node-layout", "--reduce-dtype"};
 /// Flags only --auto reads, and flags --auto does not take.
-constexpr std::string_view auto_only[] = {"--recompute",    "--layers",     "--heads",          "--query-groups",
-                                          "--global-batch", "--vocab",      "--device-mem-gib", "--host-mem-gib",
-                                          "--pcie-switch",  "--dp",         "--search-dp",      "--gpus",
-                                          "--zero",         "--dp-gbps",    "--gpus-per-node",  "--node-layout",
-                                          "--gradients",    "--ffn-hidden", "--swiglu",         "--reduce-dtype"};
+constexpr std::string_view auto_only[] = {
+    "--recompute",      "--layers",       "--heads",         "--query-groups", "--global-batch", "--vocab",
+    "--device-mem-gib", "--host-mem-gib", "--pcie-switch",   "--dp",           "--search-dp",    "--gpus",
+    "--zero",           "--dp-gbps",      "--gpus-per-node", "--node-layout",  "--gradients",    "--ffn-hidden",
+    "--swiglu",         "--reduce-dtype", "--model"};
 constexpr std::string_view not_auto[] = {"--schedule", "--import",         "--chunks",   "--microbatches",
                                          "--group",    "--offload-chunks", "--k",        "--cost-f",
                                          "--cost-b",   "--cost-w",         "--cost-comm"};
@@ -554,16 +559,27 @@ AutoRequest interpret_auto(const Args& args) {
   const auto need = [&](std::string_view flag, const char* what, long long lo, long long hi) {
     return required_int(args, flag, what, lo, hi);
   };
-  m.layers = need("--layers", "transformer layers", 1, 4096);
-  m.hidden = need("--hidden", "hidden size", 1, 1 << 20);
-  m.heads = need("--heads", "attention heads", 1, 1 << 16);
-  m.query_groups = need("--query-groups", "key/value groups, the heads for multi-head attention", 1, 1 << 16);
-  m.seq = need("--seq", "sequence length", 1, 1 << 24);
-  m.micro_batch = need("--micro-batch", "sequences per microbatch", 1, 1 << 16);
-  m.global_batch = need("--global-batch", "sequences per iteration", 1, 1 << 24);
-  m.vocab = need("--vocab", "vocabulary size", 1, 1 << 24);
+  // --model NAME starts from a preset; the model flags given beside it override its values.
+  const po::ModelPreset* preset = nullptr;
+  if (const std::string* name = find(args, "--model")) {
+    preset = po::find_model_preset(*name);
+    if (preset == nullptr)
+      throw bad_argument("--model must be one of " + po::model_preset_names() + ", got " + quoted(*name));
+    m = preset->model;
+  }
+  const auto set = [&](int& field, std::string_view flag, const char* what, long long lo, long long hi) {
+    if (preset == nullptr || find(args, flag)) field = static_cast<int>(need(flag, what, lo, hi));
+  };
+  set(m.layers, "--layers", "transformer layers", 1, 4096);
+  set(m.hidden, "--hidden", "hidden size", 1, 1 << 20);
+  set(m.heads, "--heads", "attention heads", 1, 1 << 16);
+  set(m.query_groups, "--query-groups", "key/value groups, the heads for multi-head attention", 1, 1 << 16);
+  set(m.seq, "--seq", "sequence length", 1, 1 << 24);
+  set(m.micro_batch, "--micro-batch", "sequences per microbatch", 1, 1 << 16);
+  set(m.global_batch, "--global-batch", "sequences per iteration", 1, 1 << 24);
+  set(m.vocab, "--vocab", "vocabulary size", 1, 1 << 24);
   m.recompute = find(args, "--recompute") != nullptr;
-  m.swiglu = find(args, "--swiglu") != nullptr;
+  m.swiglu = m.swiglu || find(args, "--swiglu") != nullptr;
   if (find(args, "--ffn-hidden")) m.ffn_hidden = need("--ffn-hidden", "the MLP's inner width", 1, 1 << 22);
   if (m.query_groups > m.heads || m.heads % m.query_groups != 0)
     throw bad_argument("--query-groups must divide --heads (" + num(m.heads) + "), got " + quoted(num(m.query_groups)));

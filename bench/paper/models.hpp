@@ -1,35 +1,34 @@
-// bench/paper/models.hpp: the paper's Table 2 models, as the planner's TransformerSpec, for the
-// programs in bench/paper/.
+// bench/paper/models.hpp: the paper's Table 2 models for the programs in bench/paper/, taken
+// from the planner's presets (pipeoffload/plan/presets.hpp, "paper-*").
 #pragma once
 
-#include <pipeoffload/plan/model.hpp>
+#include <pipeoffload/plan/presets.hpp>
+
+#include <array>
 
 namespace paper {
 
 struct PaperModel {
-  const char* name;
-  int layers, heads, hidden, batch, gpus;
+  const char* name;                   // "5.8B" ... "83.8B", as the paper names them
+  const pipeoffload::ModelPreset* p;  // its preset: shape, global batch, GPUs
+  int gpus;                           // the pipeline's GPUs (the 5.8B model's Table 1 row uses 8)
 };
 
-// The paper's Table 2 (all with 8 query groups). The 5.8B model runs on 2-32 GPUs there; its
-// Table 1 row uses 8.
-inline constexpr PaperModel models[] = {
-    {"5.8B", 32, 32, 4096, 32, 8},    {"10.5B", 38, 40, 5120, 64, 8},    {"18.1B", 46, 48, 6144, 128, 16},
-    {"42.9B", 62, 64, 8192, 256, 32}, {"66.6B", 62, 80, 10240, 256, 32}, {"83.8B", 78, 80, 10240, 256, 32},
-};
+inline const std::array<PaperModel, 6> models = [] {
+  constexpr const char* names[] = {"5.8B", "10.5B", "18.1B", "42.9B", "66.6B", "83.8B"};
+  std::array<PaperModel, 6> out{};
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const pipeoffload::ModelPreset& p = pipeoffload::model_presets[i];
+    out[i] = {names[i], &p, p.gpus};
+  }
+  return out;
+}();
 
-/// The model with the paper's setting: sequence 4096, micro-batch 1, vocabulary 51200, its
-/// global batch; `recompute` as the paper does (GeLU and friends, its Section 4.1) by default.
+/// The model with the paper's setting: its preset (sequence 4096, micro-batch 1, vocabulary
+/// 51200, its global batch), with `recompute` as the paper does (GeLU and friends, its
+/// Section 4.1) by default.
 inline pipeoffload::TransformerSpec transformer(const PaperModel& pm, bool recompute = true) {
-  pipeoffload::TransformerSpec m;
-  m.layers = pm.layers;
-  m.hidden = pm.hidden;
-  m.heads = pm.heads;
-  m.query_groups = 8;
-  m.seq = 4096;
-  m.micro_batch = 1;
-  m.global_batch = pm.batch;
-  m.vocab = 51200;
+  pipeoffload::TransformerSpec m = pm.p->model;
   m.recompute = recompute;
   return m;
 }

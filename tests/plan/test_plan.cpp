@@ -3,6 +3,7 @@
 
 #include <pipeoffload/pipeoffload.hpp>
 #include <pipeoffload/plan/plan.hpp>
+#include <pipeoffload/plan/presets.hpp>
 
 #include <cmath>
 #include <set>
@@ -778,6 +779,35 @@ constexpr bool tiny_grid_plan() {
 TEST_CASE("a data-parallel plan is constexpr too") {
   static_assert(tiny_grid_plan());
   CHECK(tiny_grid_plan());
+}
+
+TEST_CASE("model presets: the paper's Table 2 and Llama 3, counted to their published sizes") {
+  const auto total = [](const TransformerSpec& m) {
+    double p = 0;
+    for (const StageContent& c : stage_layout(m, 1)) p += stage_parameters(m, c);
+    return p;
+  };
+  REQUIRE(find_model_preset("llama3-8b") != nullptr);
+  REQUIRE(find_model_preset("llama3-70b") != nullptr);
+  CHECK(total(find_model_preset("llama3-8b")->model) == 8030261248.0);
+  CHECK(total(find_model_preset("llama3-70b")->model) == 70553706496.0);
+  CHECK(find_model_preset("llama3-8b")->model.swiglu);
+  CHECK(find_model_preset("gpt-9") == nullptr);
+  // The paper names its models by their size. The planner counts an untied LM head and a
+  // position table beside the embedding (2 V h + s h more than a tied, rotary model), so its
+  // counts run 0.8 % (83.8B) to 5 % (5.8B) above the names; a shape typed wrong would not.
+  for (const ModelPreset& p : model_presets) {
+    CAPTURE(p.name);
+    if (!p.name.starts_with("paper-")) continue;
+    const double named = std::stod(std::string(p.name.substr(6, p.name.size() - 7))) * 1e9;  // "paper-42.9b"
+    const double counted = total(p.model), h = p.model.hidden, V = p.model.vocab;
+    CAPTURE(counted);
+    CHECK(counted >= named);
+    CHECK(counted - 2 * V * h - p.model.seq * h <= named * 1.01);
+    CHECK(p.gpus > 0);
+    CHECK(p.model.global_batch % p.model.micro_batch == 0);
+  }
+  CHECK(model_preset_names().find("paper-83.8b") != std::string::npos);
 }
 
 TEST_CASE("Llama-class layers: Llama-3-8B and 70B parameter counts, and a SwiGLU layer's bytes and FLOPs") {

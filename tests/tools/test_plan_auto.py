@@ -184,6 +184,7 @@ def main():
     check(rc == 2 and len(err.splitlines()) == 1 and "more than" in err, f"huge search: {rc} {err!r}")
 
     data_parallel()
+    presets()
 
     if failures:
         print(f"{len(failures)} check(s) failed:")
@@ -192,6 +193,32 @@ def main():
         return 1
     print("all --auto checks passed")
     return 0
+
+
+# ---- --model: the presets ---------------------------------------------------------------------------
+MACHINE = {"--ranks": "8", "--device-mem-gib": "80", "--host-mem-gib": "256", "--tflops": "220", "--pcie-gbps": "15"}
+
+
+def presets():
+    # A preset plans as its shape given flag by flag (llama3-8b: plan/presets.hpp).
+    llama = {"--layers": "32", "--hidden": "4096", "--heads": "32", "--query-groups": "8", "--seq": "8192",
+             "--micro-batch": "1", "--global-batch": "512", "--vocab": "128256", "--ffn-hidden": "14336"}
+    by_name, _ = plan({**MACHINE, "--model": "llama3-8b"})
+    by_flags, _ = plan({**MACHINE, **llama}, "--swiglu")
+    check(by_name == by_flags and by_name.get("schedule") in NAMES, "--model llama3-8b plans otherwise than its flags")
+    # A flag beside --model overrides the preset's value.
+    shorter, _ = plan({**MACHINE, "--model": "llama3-8b", "--seq": "4096"})
+    same, _ = plan({**MACHINE, **llama, "--seq": "4096"}, "--swiglu")
+    check(shorter == same, "--model llama3-8b --seq 4096 is not the flags with --seq 4096")
+    # An unknown name lists the presets; --help lists every one of them.
+    rc, out, err = run(*args_of({**MACHINE, "--model": "gpt-9"}))
+    check(rc == 2 and out == "" and "--model must be one of" in err and "'gpt-9'" in err, f"--model gpt-9: {rc} {err!r}")
+    names = err.split("one of ", 1)[-1].split(", got")[0].split(", ")
+    rc, help_text, _ = run("--help")
+    check(len(names) == 8 and all(n in help_text for n in names), f"--help does not list every preset: {names}")
+    for name in names:
+        doc, _ = plan({**MACHINE, "--ranks": "32", "--model": name}, "--recompute")
+        check(doc.get("schedule") in NAMES, f"--model {name}: no plan")
 
 
 # ---- data parallelism: --dp, --zero, --dp-gbps, --search-dp, node layouts ------------------------
