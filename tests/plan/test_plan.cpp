@@ -512,6 +512,33 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("per_rank: the choice's device bytes by kind add up to its peak, and each kind is the layout's") {
+  const TransformerSpec m = small();
+  for (const GridSpec g : {GridSpec{}, grid(2, 0, 1e11), grid(2, 1, 1e11)})
+    for (double gib_ : {3.0, 80.0}) {
+      CAPTURE(g.dp);
+      CAPTURE(g.zero);
+      CAPTURE(gib_);
+      const PlanResult r = plan(m, small_machine(gib_), {}, g);
+      const PlanCandidate& c = r.choice;
+      const detail::Layout L = detail::make_layout(m, small_machine(gib_), {}, c.chunks, g, c.spec.placement);
+      REQUIRE(r.per_rank.size() == 8);
+      for (std::size_t u = 0; u < 8; ++u) {
+        const RankMemory& k = r.per_rank[u];
+        CHECK(k.device == c.peak_device_bytes[u]);
+        CHECK(k.device == k.state + k.optimizer + k.activations + k.messages + k.scratch + k.reserve);
+        CHECK(k.host == c.host_bytes[u]);
+        CHECK(k.state + k.optimizer == L.model_state[u]);
+        CHECK(k.optimizer == L.optimizer[u]);
+        CHECK(k.messages + k.scratch + k.reserve == L.workspace[u]);
+        CHECK(k.activations == c.activation_bytes[u]);
+        CHECK(k.stash == c.stash_bytes[u]);
+        CHECK(k.reserve == PlanBudget{}.reserved_bytes);
+        CHECK(k.scratch > 0);
+      }
+    }
+}
+
 TEST_CASE("ZeRO-1 lets a model fit where ZeRO-0 does not, with enough replicas") {
   const TransformerSpec m = small48();
   double lo = 0.5;

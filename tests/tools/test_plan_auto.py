@@ -56,6 +56,17 @@ def main():
     for key, typ in KEYS.items():
         check(key in doc and isinstance(doc[key], typ), f"json key {key!r} missing or not {typ}: {doc.get(key)!r}")
     check(doc.get("fits") is True, "the small model does not fit in 8 GiB")
+    # Memory by kind, per rank: the kinds add up to the rank's peak.
+    kinds = ("state_bytes", "optimizer_bytes", "activation_bytes", "message_bytes", "scratch_bytes", "reserve_bytes")
+    per = doc.get("per_rank", [])
+    check(len(per) == 8, f"per_rank has {len(per)} entries, want 8")
+    for i, k in enumerate(per):
+        check(all(isinstance(k.get(x), (int, float)) for x in (*kinds, "device_bytes", "host_bytes", "stash_bytes")),
+              f"per_rank[{i}] lacks a kind: {k}")
+        check(abs(k["device_bytes"] - sum(k[x] for x in kinds)) <= 1e-6 * k["device_bytes"],
+              f"per_rank[{i}]: device_bytes is not the sum of its kinds: {k}")
+        check(k["device_bytes"] == doc["peak_device_bytes"][i] and k["host_bytes"] == doc["host_bytes"][i],
+              f"per_rank[{i}] disagrees with peak_device_bytes / host_bytes")
     check(doc.get("schedule") in NAMES, f"schedule {doc.get('schedule')!r} is not a plan tool name")
     for key in ("peak_device_bytes", "host_bytes", "activation_peak_bytes", "stash_peak_bytes", "model_state_bytes",
                 "workspace_bytes"):

@@ -97,6 +97,20 @@ struct PlanCandidate {
   }
 };
 
+/// One rank's device bytes at its peak, by kind, and its pinned host bytes (PlanResult::per_rank).
+/// device = state + optimizer + activations + messages + scratch + reserve.
+struct RankMemory {
+  double device = 0;       ///< the rank's peak device bytes (PlanCandidate::peak_device_bytes)
+  double host = 0;         ///< pinned host bytes for offloaded units (PlanCandidate::host_bytes)
+  double state = 0;        ///< working parameters, main gradients, the runtime's sums and staging
+  double optimizer = 0;    ///< the optimizer's state and fp32 master (its shard with ZeRO-1)
+  double activations = 0;  ///< simulated peak of saved units and stashes together
+  double stash = 0;        ///< of which the stashes alone at their own peak (B to W)
+  double messages = 0;     ///< P2P boundary buffers: two each way
+  double scratch = 0;      ///< the largest transient of one pass on the rank (logits, workspaces)
+  double reserve = 0;      ///< PlanBudget::reserved_bytes (CUDA context, libraries, fragmentation)
+};
+
 /// One data-parallel degree a search (GridSpec::dp = 0) tried.
 struct GridOption {
   int dp = 1;                   ///< replicas
@@ -130,6 +144,7 @@ struct PlanResult {
   std::vector<double> model_state_bytes;            ///< per rank, of the choice's layout
   std::vector<double> workspace_bytes;              ///< per rank, of the choice's layout
   std::vector<double> optimizer_bytes;              ///< per rank: the optimizer-state part of model_state_bytes
+  std::vector<RankMemory> per_rank;                 ///< per rank: the choice's memory by kind
   std::vector<double> allreduce_stage_s;  ///< per stage of the choice's layout: one all-reduce of its gradients
   /// Pinned host bytes of the choice per node (the sum over the GPUs of all replicas on it),
   /// in the contiguous and in the balanced layout (empty where balanced is not defined).
@@ -150,6 +165,8 @@ struct Layout {
   Costs costs;
   std::vector<double> model_state, workspace;  ///< per rank
   std::vector<double> optimizer;               ///< per rank: the optimizer's part of model_state (state and master)
+  std::vector<double> scratch;                 ///< per rank: the largest transient (part of workspace)
+  double messages = 0;                         ///< P2P buffers of a rank (part of workspace)
   std::vector<double> allreduce;               ///< per stage: seconds of one all-reduce of its gradients
 };
 
@@ -212,6 +229,8 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
   }
   // Two P2P buffers each way (activation in/out, gradient in/out), b*s*h elements each.
   const double p2p = 4.0 * bsh(m) * m.dtype_bytes;
+  L.messages = p2p;
+  L.scratch = transient;
   for (int r = 0; r < d; ++r)
     L.workspace[static_cast<std::size_t>(r)] = bud.reserved_bytes + p2p + transient[static_cast<std::size_t>(r)];
   return L;
@@ -607,6 +626,18 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
   res.gpus_per_node = grid.gpus_per_node;
   res.node_layout = grid.node_layout;
   res.optimizer_bytes = L.optimizer;
+  for (int r = 0; r < d && static_cast<std::size_t>(r) < res.choice.peak_device_bytes.size(); ++r) {
+    const auto u = static_cast<std::size_t>(r);
+    res.per_rank.push_back({.device = res.choice.peak_device_bytes[u],
+                            .host = res.choice.host_bytes[u],
+                            .state = L.model_state[u] - L.optimizer[u],
+                            .optimizer = L.optimizer[u],
+                            .activations = res.choice.activation_bytes[u],
+                            .stash = res.choice.stash_bytes[u],
+                            .messages = L.messages,
+                            .scratch = L.scratch[u],
+                            .reserve = bud.reserved_bytes});
+  }
   res.allreduce_stage_s = L.allreduce;
   res.host_bytes_per_node_contiguous =
       host_bytes_per_node(res.choice.host_bytes, grid.dp, grid.gpus_per_node, NodeLayout::contiguous);

@@ -170,14 +170,14 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
         s += "          -  not planned: " + g.note + "\n";
     }
   }
-  s += "\nrank  device GiB  = state + activations (stash) + workspace   host GiB\n";
-  for (int i = 0; i < d; ++i) {
-    const auto u = static_cast<std::size_t>(i);
-    char line[160];
-    std::snprintf(line, sizeof line, "%4d  %10.2f    %7.2f   %11.2f  %7.2f   %9.2f   %8.2f%s\n", i,
-                  c.peak_device_bytes[u] / gib, r.model_state_bytes[u] / gib, c.activation_bytes[u] / gib,
-                  c.stash_bytes[u] / gib, r.workspace_bytes[u] / gib, c.host_bytes[u] / gib,
-                  c.peak_device_bytes[u] > x.device_bytes || c.host_bytes[u] > x.host_bytes ? "  over" : "");
+  s += "\nrank  device GiB  = state + optimizer + activations (stash) + messages + scratch + reserve   host GiB\n";
+  for (std::size_t u = 0; u < r.per_rank.size(); ++u) {
+    const RankMemory& k = r.per_rank[u];
+    char line[200];
+    std::snprintf(line, sizeof line, "%4zu%12.2f%9.2f%12.2f%14.2f%8.2f%11.2f%10.2f%10.2f%11.2f%s\n", u, k.device / gib,
+                  k.state / gib, k.optimizer / gib, k.activations / gib, k.stash / gib, k.messages / gib,
+                  k.scratch / gib, k.reserve / gib, k.host / gib,
+                  k.device > x.device_bytes || k.host > x.host_bytes ? "  over" : "");
     s += line;
   }
   if (grid) {
@@ -198,7 +198,10 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
   return render_plan_text(r, m, x, grid_shown(r));
 }
 
-/// JSON for programs (keys in render order; arrays are per rank). With `grid`, the grid's keys:
+/// JSON for programs (keys in render order; arrays are per rank). per_rank: each rank's memory by
+/// kind (RankMemory: device_bytes = state_bytes + optimizer_bytes + activation_bytes +
+/// message_bytes + scratch_bytes + reserve_bytes; stash_bytes is the stashes' own peak, a part
+/// of activation_bytes' timeline; host_bytes). With `grid`, the grid's keys:
 /// dp, zero, gpus (dp x ranks), global_batch, gpus_per_node, node_layout,
 /// allreduce_bytes_per_s, compute_time_s (the passes alone), allreduce_exposed_s
 /// (iteration_time_s - compute_time_s), per rank allreduce_s, allreduce_end_s,
@@ -235,6 +238,16 @@ inline std::string render_plan_json(const PlanResult& r, const TransformerSpec& 
   for (std::size_t i = 0; i < r.layers_per_stage.size(); ++i) s += (i ? ", " : "") + detail::num(r.layers_per_stage[i]);
   s += "],\n";
   s += "  \"candidates\": " + detail::num(static_cast<long long>(r.candidates.size())) + ",\n";
+  s += "  \"per_rank\": [";
+  for (std::size_t i = 0; i < r.per_rank.size(); ++i) {
+    const RankMemory& k = r.per_rank[i];
+    s += std::string(i ? ",\n    " : "\n    ") + "{\"device_bytes\": " + fmt(k.device) +
+         ", \"host_bytes\": " + fmt(k.host) + ", \"state_bytes\": " + fmt(k.state) +
+         ", \"optimizer_bytes\": " + fmt(k.optimizer) + ", \"activation_bytes\": " + fmt(k.activations) +
+         ", \"stash_bytes\": " + fmt(k.stash) + ", \"message_bytes\": " + fmt(k.messages) +
+         ", \"scratch_bytes\": " + fmt(k.scratch) + ", \"reserve_bytes\": " + fmt(k.reserve) + "}";
+  }
+  s += r.per_rank.empty() ? "],\n" : "\n  ],\n";
   if (grid) {
     std::vector<double> hidden;
     for (int i = 0; i < r.ranks; ++i) hidden.push_back(c.allreduce_hidden(i));
