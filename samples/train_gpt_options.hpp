@@ -77,6 +77,9 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
   --trace FILE          write a Chrome trace of the last step's real run (compute and copy streams per rank)
   --layers L --hidden H --heads A --seq S --batch B --lr LR --dropout P
                         model: 8 blocks, h=64, 4 heads, seq 64, batch 4 per microbatch, lr 3e-3, dropout 0.1
+  --stage-blocks B0,B1,...
+                        blocks of each stage (D*V counts, each >= 0, adding up to L; the first and
+                        last stage also hold the embedding and the head); default as even as can be
   --corpus FILE         text to train on, byte-level (default data/corpus.txt)
   --data FILE           train on a token shard instead (llm.c's .bin layout: samples/tokens.hpp;
                         scripts/make_shard.py makes one from a text); the model's vocabulary is the shard's
@@ -175,6 +178,7 @@ inline Options parse(int argc, char** argv) {
                                   "--seed",
                                   "--trace",
                                   "--layers",
+                                  "--stage-blocks",
                                   "--hidden",
                                   "--heads",
                                   "--seq",
@@ -322,6 +326,21 @@ inline Options parse(int argc, char** argv) {
     throw bad_argument("--heads " + std::to_string(o.model.heads) + " must divide --hidden " +
                        std::to_string(o.model.hidden));
   o.model.seed = o.seed;
+  if (auto v = get("--stage-blocks")) {
+    std::vector<int> blocks;
+    long long sum = 0;
+    for (std::size_t at = 0; at <= v->size();) {
+      const std::size_t comma = std::min(v->find(',', at), v->size());
+      const long long b = to_int("--stage-blocks", v->substr(at, comma - at), 0, 4096);
+      blocks.push_back(static_cast<int>(b));
+      sum += b;
+      at = comma + 1;
+    }
+    if (sum != o.model.layers)
+      throw bad_argument("--stage-blocks " + *v + " adds up to " + std::to_string(sum) + " blocks; --layers is " +
+                         std::to_string(o.model.layers));
+    o.model.stage_blocks = std::move(blocks);
+  }
 
   o.schedule = get("--schedule") ? *get("--schedule") : (o.shape.d == 1 ? "gis" : "po-f");
   const std::string& n = o.schedule;
@@ -353,6 +372,10 @@ inline Options parse(int argc, char** argv) {
   if (o.pcie_pairs && (o.mpi || o.cuda))
     throw bad_argument(
         "--pcie-pairs applies only to --backend cpu with thread ranks (MPI processes run unpaired; --backend cuda pairs GPUs by their PCIe switches)");
+  if (!o.model.stage_blocks.empty() && static_cast<int>(o.model.stage_blocks.size()) != o.shape.stages())
+    throw bad_argument("--stage-blocks gives " + std::to_string(o.model.stage_blocks.size()) +
+                       " stages; the pipeline has " + std::to_string(o.shape.stages()) + " (--ranks " +
+                       std::to_string(o.shape.d) + " x --chunks " + std::to_string(o.shape.v) + ")");
   if (auto v = get("--offload-chunks")) {
     const int x = static_cast<int>(to_int("--offload-chunks", *v, 0, o.shape.v));
     if (n == "po-h" || n == "po-f")
@@ -361,6 +384,13 @@ inline Options parse(int argc, char** argv) {
     o.spec.offload = po::offload::first(x);
   }
   return o;
+}
+
+/// " stage-blocks=B0,B1,..." for an uneven layout, "" for the default one.
+inline std::string stage_blocks_text(const po::model::GptConfig& m) {
+  std::string s;
+  for (const int b : m.stage_blocks) s += (s.empty() ? " stage-blocks=" : ",") + std::to_string(b);
+  return s;
 }
 
 /// The program of the options: --import's file (with --offload-chunks as its offload) or
@@ -435,7 +465,7 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
   std::snprintf(k, sizeof k, "%.17g", o.k);
   const std::string model = "layers=" + std::to_string(o.model.layers) + " hidden=" + std::to_string(o.model.hidden) +
                             " heads=" + std::to_string(o.model.heads) + " seq=" + std::to_string(o.model.seq) +
-                            " dropout=" + drop +
+                            " dropout=" + drop + stage_blocks_text(o.model) +
                             (o.model.vocab != 256 ? " vocab=" + std::to_string(o.model.vocab) : "");
   // The global batch: R replicas of m microbatches train as one replica of R*m.
   const std::string batch = "batch=" + std::to_string(o.batch) + " microbatches=" + std::to_string(o.dp * sh.m) +

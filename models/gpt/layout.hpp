@@ -32,6 +32,10 @@ struct GptConfig {
   float dropout = 0.1f;   ///< residual dropout after attention and MLP
   bool recompute = true;  ///< selective recompute of LayerNorm, GeLU and dropout
   std::uint64_t seed = 1;
+  /// Blocks of each stage, in stage order, summing to `layers` (stage 0 also holds the
+  /// embedding, the last stage the head, so they may take fewer); empty: as even as the stage
+  /// count allows (gpt_blocks_of_stage).
+  std::vector<int> stage_blocks{};
 
   void check() const {
     const auto need = [](bool ok, const std::string& what) {
@@ -44,6 +48,13 @@ struct GptConfig {
     need(layers >= 1 && layers <= 4096, "layers = " + std::to_string(layers) + " is outside [1, 4096]");
     need(seq >= 1 && seq <= (1 << 16), "seq = " + std::to_string(seq) + " is outside [1, 65536]");
     need(dropout >= 0.0f && dropout < 1.0f, "dropout = " + std::to_string(dropout) + " is outside [0, 1)");
+    long long sum = 0;
+    for (const int b : stage_blocks) {
+      need(b >= 0, "stage_blocks has " + std::to_string(b) + " blocks for a stage; each must be >= 0");
+      sum += b;
+    }
+    need(stage_blocks.empty() || sum == layers,
+         "stage_blocks add up to " + std::to_string(sum) + " blocks; the model has layers = " + std::to_string(layers));
   }
 };
 
@@ -201,7 +212,17 @@ inline std::vector<InputSpec> gpt_inputs(const GptDims& d, MicrobatchShape sh) {
 /// The dims of stage `stage` of `stages` of the model `cfg` (checked).
 inline GptDims gpt_dims(const GptConfig& cfg, int stage, int stages) {
   cfg.check();
-  const BlockRange r = gpt_blocks_of_stage(cfg.layers, stage, stages);
+  BlockRange r;
+  if (cfg.stage_blocks.empty()) {
+    r = gpt_blocks_of_stage(cfg.layers, stage, stages);
+  } else {
+    if (static_cast<int>(cfg.stage_blocks.size()) != stages || stage < 0 || stage >= stages)
+      throw shape_error("model::gpt_dims: GptConfig::stage_blocks gives " + std::to_string(cfg.stage_blocks.size()) +
+                        " stages; the pipeline has " + std::to_string(stages) + " (stage " + std::to_string(stage) +
+                        ")");
+    for (int s = 0; s < stage; ++s) r.first += cfg.stage_blocks[static_cast<std::size_t>(s)];
+    r.count = cfg.stage_blocks[static_cast<std::size_t>(stage)];
+  }
   return GptDims{cfg.vocab, cfg.hidden, cfg.heads,           cfg.seq,      r.first,
                  r.count,   stage == 0, stage == stages - 1, cfg.recompute};
 }

@@ -43,7 +43,11 @@ for extra in (["--schedule", "po-f", "--ranks", "2", "--chunks", "2"],
               ["--schedule", "v-half", "--ranks", "3", "--chunks", "2"],
               ["--schedule", "v-min", "--ranks", "4", "--chunks", "2", "--offload-chunks", "1", "--copy-gbps", "0.5"],
               ["--schedule", "dualpipe-v", "--ranks", "2", "--chunks", "2"],
-              ["--schedule", "dualpipe-v", "--ranks", "2", "--chunks", "2", "--offload-chunks", "2", "--copy-gbps", "1"]):
+              ["--schedule", "dualpipe-v", "--ranks", "2", "--chunks", "2", "--offload-chunks", "2", "--copy-gbps", "1"],
+              # Uneven stages (--stage-blocks): the first and last stage without blocks, or with more.
+              ["--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--stage-blocks", "0,2,2,0"],
+              ["--schedule", "1f1b", "--ranks", "3", "--chunks", "1", "--stage-blocks", "1,3,0"],
+              ["--schedule", "zb-v", "--ranks", "2", "--chunks", "2", "--stage-blocks", "2,0,1,1"]):
     got = finals(run(*extra, *small).stdout)
     if got != ref:
         sys.exit(f"FAIL: {' '.join(extra)} gave {got}, the one-rank reference {ref}")
@@ -52,10 +56,18 @@ for extra in (["--schedule", "po-f", "--ranks", "2", "--chunks", "2"],
 exact_ref = finals(run("--ranks", "1", "--chunks", "1", *small, "--gradients", "exact").stdout)
 if exact_ref == ref:
     sys.exit("FAIL: --gradients exact gave the standard path's bits")
-for extra in (["--schedule", "po-f", "--ranks", "2", "--chunks", "2"], ["--schedule", "zb-v", "--ranks", "2", "--chunks", "2"]):
+for extra in (["--schedule", "po-f", "--ranks", "2", "--chunks", "2"], ["--schedule", "zb-v", "--ranks", "2", "--chunks", "2"],
+              ["--schedule", "gis-h", "--ranks", "2", "--chunks", "2", "--stage-blocks", "1,1,2,0"]):
     got = finals(run(*extra, *small, "--gradients", "exact").stdout)
     if got != exact_ref:
         sys.exit(f"FAIL: {' '.join(extra)} --gradients exact gave {got}, the one-rank reference {exact_ref}")
+
+# --stage-blocks that do not fit the model or the pipeline are refused with a sentence.
+for blocks, words in (("1,1,1", "adds up to 3 blocks; --layers is 4"), ("2,2", "gives 2 stages; the pipeline has 4"),
+                      ("1,x,2,1", "--stage-blocks must be an integer")):
+    p = run("--schedule", "po-f", "--ranks", "2", "--chunks", "2", *small, "--stage-blocks", blocks, code=2)
+    if words not in p.stderr:
+        sys.exit(f"FAIL: --stage-blocks {blocks}: {p.stderr!r} does not say {words!r}")
 
 # reserved_bytes_per_rank=: one entry per pipeline rank, the exact path's 128-bit sums above the
 # standard path's on every rank.
