@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Contract test of `pipeoffload-plan --auto`: JSON keys, exit codes 0/2/3, bad input, monotone choice.
 
-Usage: test_plan_auto.py PATH/TO/pipeoffload-plan    (Python 3 standard library only)
+Usage: test_plan_auto.py PATH/TO/pipeoffload-plan [PATH/TO/train_gpt]    (Python 3 standard library only)
 Every check runs; the failures are listed at the end and the exit status is 1 if any failed.
 """
 import json
@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 TOOL = sys.argv[1] if len(sys.argv) > 1 else "build/pipeoffload-plan"
+TRAIN_GPT = sys.argv[2] if len(sys.argv) > 2 else None
 failures = []
 
 # A small GPT (14 layers, h = 1024) on 8 ranks: plans in milliseconds.
@@ -196,6 +197,7 @@ def main():
 
     data_parallel()
     presets()
+    runs_in_train_gpt()
 
     if failures:
         print(f"{len(failures)} check(s) failed:")
@@ -230,6 +232,38 @@ def presets():
     for name in names:
         doc, _ = plan({**MACHINE, "--ranks": "32", "--model": name}, "--recompute")
         check(doc.get("schedule") in NAMES, f"--model {name}: no plan")
+
+
+# ---- train_gpt_args: the plan as train_gpt's command line -----------------------------------------
+# A byte-level GPT train_gpt builds (vocabulary 256, multi-head attention, 4h GeLU MLP).
+TINY = {"--layers": "6", "--hidden": "64", "--heads": "4", "--query-groups": "4", "--seq": "32", "--micro-batch": "2",
+        "--global-batch": "16", "--vocab": "256", "--ranks": "2", "--device-mem-gib": "2", "--host-mem-gib": "1",
+        "--tflops": "1", "--pcie-gbps": "1"}
+
+
+def runs_in_train_gpt():
+    plans = [(TINY, []), ({**TINY, "--ranks": "3", "--layers": "7"}, []), (TINY, ["--dp", "2", "--zero", "1"]),
+             ({**TINY, "--ranks": "4", "--pcie-gbps": "100"}, ["--gradients", "exact"])]
+    for opts, extra in plans:
+        doc, _ = plan(opts, *extra)
+        args = doc.get("train_gpt_args")
+        if not check(isinstance(args, list) and args[:2] == ["--schedule", doc.get("schedule")],
+                     f"{extra}: train_gpt_args {args!r}"):
+            continue
+        blocks = args[args.index("--stage-blocks") + 1].split(",")
+        check([int(b) for b in blocks] == doc["layers_per_stage"], f"--stage-blocks {blocks} is not layers_per_stage")
+        if TRAIN_GPT:
+            p = subprocess.run([TRAIN_GPT, *args, "--steps", "1", "--quiet"], capture_output=True, text=True,
+                               timeout=300)
+            check(p.returncode == 0 and "final_loss=" in p.stdout,
+                  f"train_gpt {' '.join(args)}: exit {p.returncode}, stderr {p.stderr[-300:]!r}")
+    # Models train_gpt does not build: null, and why.
+    for opts, extra, words in (({**TINY, "--query-groups": "2"}, [], "multi-head attention"),
+                               (TINY, ["--swiglu"], "multi-head attention"),
+                               ({**TINY, "--vocab": "512"}, [], "vocabulary 256")):
+        doc, _ = plan(opts, *extra)
+        check(doc.get("train_gpt_args", 0) is None and words in doc.get("train_gpt_args_why_not", ""),
+              f"{extra}: train_gpt_args {doc.get('train_gpt_args')!r}, why not {doc.get('train_gpt_args_why_not')!r}")
 
 
 # ---- data parallelism: --dp, --zero, --dp-gbps, --search-dp, node layouts ------------------------

@@ -127,16 +127,17 @@ struct GridOption {
 
 /// What plan() returns: the choice (the closest candidate when nothing fits) and how it came.
 struct PlanResult {
-  bool fits = false;                 ///< the choice fits (PlanCandidate::fits)
-  PlanCandidate choice;              ///< the fastest candidate that fits, or the closest to fitting
-  int microbatches = 0;              ///< per replica: global batch / (dp * microbatch size)
-  int ranks = 0;                     ///< d: MachineSpec::ranks, or the searched grid's
-  int dp = 1;                        ///< replicas (the search's choice with GridSpec::dp = 0)
-  int zero = 0;                      ///< ZeRO stage
-  bool searched = false;             ///< dp was searched (GridSpec::dp = 0): `grids` lists every dp tried
-  std::vector<GridOption> grids;     ///< with `searched`: every dp tried, in search order
-  double allreduce_bytes_per_s = 0;  ///< GridSpec's
-  int gpus_per_node = 8;             ///< GridSpec's
+  bool fits = false;                          ///< the choice fits (PlanCandidate::fits)
+  PlanCandidate choice;                       ///< the fastest candidate that fits, or the closest to fitting
+  int microbatches = 0;                       ///< per replica: global batch / (dp * microbatch size)
+  int ranks = 0;                              ///< d: MachineSpec::ranks, or the searched grid's
+  int dp = 1;                                 ///< replicas (the search's choice with GridSpec::dp = 0)
+  int zero = 0;                               ///< ZeRO stage
+  Gradients gradients = Gradients::standard;  ///< PlanBudget's gradient path
+  bool searched = false;                      ///< dp was searched (GridSpec::dp = 0): `grids` lists every dp tried
+  std::vector<GridOption> grids;              ///< with `searched`: every dp tried, in search order
+  double allreduce_bytes_per_s = 0;           ///< GridSpec's
+  int gpus_per_node = 8;                      ///< GridSpec's
   NodeLayout node_layout = NodeLayout::contiguous;  ///< GridSpec's
   double k = 0;                                     ///< round-trip copy / compute of one layer
   double activation_bytes_per_layer = 0;            ///< saved bytes of one layer per microbatch
@@ -622,6 +623,7 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
   res.ranks = d;
   res.dp = grid.dp;
   res.zero = grid.zero;
+  res.gradients = bud.gradients;
   res.allreduce_bytes_per_s = grid.allreduce_bytes_per_s;
   res.gpus_per_node = grid.gpus_per_node;
   res.node_layout = grid.node_layout;

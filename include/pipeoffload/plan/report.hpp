@@ -34,6 +34,41 @@ inline std::string plan_command(const PlanResult& r, int ranks) {
   return s + " --k " + k;
 }
 
+/// samples/train_gpt's arguments that run the chosen plan on its GPT (the schedule, the grid,
+/// the shape and the cut: --stage-blocks from layers_per_stage, the embedding and the head on
+/// the first and last stage), or empty with `why` set when train_gpt cannot build the model:
+/// its GPT has multi-head attention, a 4h GeLU MLP, the embedding and head stages, and learns
+/// from a byte-level corpus (vocabulary 256), within its options' ranges.
+inline std::vector<std::string> train_gpt_args(const PlanResult& r, const TransformerSpec& m, std::string& why) {
+  const PlanCandidate& c = r.choice;
+  why.clear();
+  if (m.swiglu || (m.ffn_hidden != 0 && m.ffn_hidden != 4 * m.hidden) || m.query_groups != m.heads)
+    why = "train_gpt's GPT has multi-head attention and a 4h GeLU MLP";
+  else if (!m.vocab_stages)
+    why = "train_gpt's GPT holds the embedding and head on the first and last stage";
+  else if (m.vocab != 256)
+    why = "train_gpt learns the byte-level corpus (vocabulary 256); --vocab is " + detail::num(m.vocab);
+  else if (m.layers > 4096 || m.hidden > 8192 || m.heads > 1024 || m.seq > 8192 || m.micro_batch > 4096 ||
+           r.ranks > 64 || c.chunks > 64 || r.microbatches > 4096 || r.dp > 64)
+    why = "the plan is outside train_gpt's ranges (--help lists them)";
+  if (!why.empty() || c.name.empty()) return {};
+  std::vector<std::string> a = {"--schedule",     c.name,
+                                "--ranks",        detail::num(r.ranks),
+                                "--chunks",       detail::num(c.chunks),
+                                "--microbatches", detail::num(r.microbatches)};
+  if (c.name == "gis-g") a.insert(a.end(), {"--group", detail::num(c.group)});
+  if (c.name != "po-h" && c.name != "po-f" && c.offload_chunks > 0)
+    a.insert(a.end(), {"--offload-chunks", detail::num(c.offload_chunks)});
+  std::string blocks;
+  for (const int l : r.layers_per_stage) blocks += (blocks.empty() ? "" : ",") + detail::num(l);
+  a.insert(a.end(),
+           {"--layers", detail::num(m.layers), "--hidden", detail::num(m.hidden), "--heads", detail::num(m.heads),
+            "--seq", detail::num(m.seq), "--batch", detail::num(m.micro_batch), "--stage-blocks", blocks});
+  if (r.dp > 1) a.insert(a.end(), {"--dp", detail::num(r.dp), "--zero", detail::num(r.zero)});
+  if (r.gradients == Gradients::exact) a.insert(a.end(), {"--gradients", "exact"});
+  return a;
+}
+
 namespace detail {
 
 inline std::string printf_str(const char* f, double x) {
@@ -120,6 +155,13 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
        ", v=" + detail::num(c.chunks) + " (" + detail::num(c.chunks * d) + " stages), g=" + detail::num(c.group) +
        ", offloaded chunks " + detail::num(c.offload_chunks) + " of " + detail::num(c.chunks) + "\n";
   s += "run        " + plan_command(r, d) + "\n";
+  {
+    std::string no;
+    const std::vector<std::string> args = train_gpt_args(r, m, no);
+    std::string line = args.empty() ? "(none: " + no + ")" : std::string("train_gpt");
+    for (const std::string& a : args) line += " " + a;
+    s += "train_gpt  " + line + "\n";
+  }
   s += "why        " + r.why + "\n";
   s += "k          " + printf_str("%.3f", r.k) + " (round-trip copy / compute of one layer" +
        (r.k > 1 ? "; > 1: not every copy hides behind compute)\n" : ")\n");
@@ -201,7 +243,8 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
 /// JSON for programs (keys in render order; arrays are per rank). per_rank: each rank's memory by
 /// kind (RankMemory: device_bytes = state_bytes + optimizer_bytes + activation_bytes +
 /// message_bytes + scratch_bytes + reserve_bytes; stash_bytes is the stashes' own peak, a part
-/// of activation_bytes' timeline; host_bytes). With `grid`, the grid's keys:
+/// of activation_bytes' timeline; host_bytes). train_gpt_args: train_gpt_args() as strings, or
+/// null and train_gpt_args_why_not. With `grid`, the grid's keys:
 /// dp, zero, gpus (dp x ranks), global_batch, gpus_per_node, node_layout,
 /// allreduce_bytes_per_s, compute_time_s (the passes alone), allreduce_exposed_s
 /// (iteration_time_s - compute_time_s), per rank allreduce_s, allreduce_end_s,
@@ -285,6 +328,16 @@ inline std::string render_plan_json(const PlanResult& r, const TransformerSpec& 
     }
   }
   s += "  \"why\": " + detail::json_str(r.why) + ",\n";
+  std::string no_args;
+  const std::vector<std::string> args = train_gpt_args(r, m, no_args);
+  if (args.empty()) {
+    s += "  \"train_gpt_args\": null,\n";
+    s += "  \"train_gpt_args_why_not\": " + detail::json_str(no_args) + ",\n";
+  } else {
+    s += "  \"train_gpt_args\": [";
+    for (std::size_t i = 0; i < args.size(); ++i) s += (i ? ", " : "") + detail::json_str(args[i]);
+    s += "],\n";
+  }
   s += "  \"command\": " + detail::json_str(plan_command(r, r.ranks)) + "\n";
   return s + "}\n";
 }
