@@ -20,15 +20,25 @@
 
 namespace pipeoffload {
 
+namespace detail {
+/// The chosen schedule as the plan tool and train_gpt both take it: --schedule, --ranks,
+/// --chunks, --microbatches, and --group / --offload-chunks where they apply.
+inline std::vector<std::string> schedule_args(const PlanResult& r, int ranks) {
+  const PlanCandidate& c = r.choice;
+  std::vector<std::string> a = {"--schedule", c.name,        "--ranks",        num(ranks),
+                                "--chunks",   num(c.chunks), "--microbatches", num(r.microbatches)};
+  if (c.name == "gis-g") a.insert(a.end(), {"--group", num(c.group)});
+  if (c.name != "po-h" && c.name != "po-f" && c.offload_chunks > 0)
+    a.insert(a.end(), {"--offload-chunks", num(c.offload_chunks)});
+  return a;
+}
+}  // namespace detail
+
 /// The plan tool's command line that draws the chosen schedule (orders and offload; the
 /// costs there are unit passes with this plan's k).
 inline std::string plan_command(const PlanResult& r, int ranks) {
-  const PlanCandidate& c = r.choice;
-  std::string s = "pipeoffload-plan --schedule " + c.name + " --ranks " + detail::num(ranks) + " --chunks " +
-                  detail::num(c.chunks) + " --microbatches " + detail::num(r.microbatches);
-  if (c.name == "gis-g") s += " --group " + detail::num(c.group);
-  if (c.name != "po-h" && c.name != "po-f" && c.offload_chunks > 0)
-    s += " --offload-chunks " + detail::num(c.offload_chunks);
+  std::string s = "pipeoffload-plan";
+  for (const std::string& a : detail::schedule_args(r, ranks)) s += " " + a;
   char k[32];
   std::snprintf(k, sizeof k, "%.4g", r.k);
   return s + " --k " + k;
@@ -52,13 +62,7 @@ inline std::vector<std::string> train_gpt_args(const PlanResult& r, const Transf
            r.ranks > 64 || c.chunks > 64 || r.microbatches > 4096 || r.dp > 64)
     why = "the plan is outside train_gpt's ranges (--help lists them)";
   if (!why.empty() || c.name.empty()) return {};
-  std::vector<std::string> a = {"--schedule",     c.name,
-                                "--ranks",        detail::num(r.ranks),
-                                "--chunks",       detail::num(c.chunks),
-                                "--microbatches", detail::num(r.microbatches)};
-  if (c.name == "gis-g") a.insert(a.end(), {"--group", detail::num(c.group)});
-  if (c.name != "po-h" && c.name != "po-f" && c.offload_chunks > 0)
-    a.insert(a.end(), {"--offload-chunks", detail::num(c.offload_chunks)});
+  std::vector<std::string> a = detail::schedule_args(r, r.ranks);
   std::string blocks;
   for (const int l : r.layers_per_stage) blocks += (blocks.empty() ? "" : ",") + detail::num(l);
   a.insert(a.end(),

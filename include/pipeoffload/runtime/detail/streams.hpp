@@ -211,26 +211,25 @@ void Runtime<Backend, Communicator>::reduce_standard(int chunk, Context& ctx) {
     auto* parts = reinterpret_cast<float*>(staging_[1].ptr);
     auto* mine = reinterpret_cast<float*>(staging_[2].ptr);
     const bool gather = !gradients_sharded(), narrow = opt_.reduce_dtype == DType::bfloat16;
+    // The bucket from `src` (len values of T) to its owners, and this replica's slice summed.
+    const auto scatter = [&]<class T>(const T* src, T* got) {
+      replicas_->all_to_all(ctx, std::as_bytes(std::span<const T>(src, len)),
+                            std::as_writable_bytes(std::span<T>(got, len)));
+      dev_.sum_parts(ctx, std::span<float>(mine, slice), std::span<const T>(got, len));
+    };
     for (std::size_t b0 = 0; b0 < n; b0 += len) {
       const std::size_t valid = std::min(len, n - b0);
       if (narrow) {
         auto* send = reinterpret_cast<std::uint16_t*>(bucket);
-        auto* got = reinterpret_cast<std::uint16_t*>(parts);
         dev_.to_bf16(ctx, std::span<std::uint16_t>(send, valid), std::span<const float>(g + b0, valid));
         if (valid < len) dev_.zero(ctx, send + valid, (len - valid) * sizeof(std::uint16_t));
-        replicas_->all_to_all(ctx, std::as_bytes(std::span<const std::uint16_t>(send, len)),
-                              std::as_writable_bytes(std::span<std::uint16_t>(got, len)));
-        dev_.sum_parts(ctx, std::span<float>(mine, slice), std::span<const std::uint16_t>(got, len));
+        scatter(static_cast<const std::uint16_t*>(send), reinterpret_cast<std::uint16_t*>(parts));
+      } else if (valid < len) {
+        dev_.copy(ctx, bucket, g + b0, valid * sizeof(float));
+        dev_.zero(ctx, bucket + valid, (len - valid) * sizeof(float));
+        scatter(static_cast<const float*>(bucket), parts);
       } else {
-        const float* src = g + b0;
-        if (valid < len) {
-          dev_.copy(ctx, bucket, g + b0, valid * sizeof(float));
-          dev_.zero(ctx, bucket + valid, (len - valid) * sizeof(float));
-          src = bucket;
-        }
-        replicas_->all_to_all(ctx, std::as_bytes(std::span<const float>(src, len)),
-                              std::as_writable_bytes(std::span<float>(parts, len)));
-        dev_.sum_parts(ctx, std::span<float>(mine, slice), std::span<const float>(parts, len));
+        scatter(static_cast<const float*>(g + b0), parts);
       }
       const ParamRange r = l.shard(b0 / len, replica_);
       dev_.copy(ctx, g + r.begin, mine, r.size() * sizeof(float));
