@@ -61,8 +61,8 @@ RankStages rank_stages(const Options& o, const po::Shape& sh, int r, std::size_t
 }
 
 /// Pipeline rank `r` of replica `replica` under `program` on backend::Cpu: every block the
-/// runtime reserves (po::reservation_plan of the CPU GPT's saved, stash and fp32 boundary
-/// sizes), the blocks it and AdamW take for themselves (the step's inputs and losses, the
+/// runtime reserves (po::reservation_plan's region for the CPU GPT's saved, stash and fp32
+/// boundary sizes, and its offload bins), the blocks it and AdamW take for themselves (the step's inputs and losses, the
 /// non-finite flags, po::state_bytes's sums, staging and moments), each in its 64-byte size
 /// class, and the stages' fp32 parameters and gradients.
 inline RankBytes cpu_rank_bytes(const Options& o, const Setup& su, const po::Program& program, int r, int replica) {
@@ -77,8 +77,7 @@ inline RankBytes cpu_rank_bytes(const Options& o, const Setup& su, const po::Pro
                                     });
   RankBytes out;
   const po::Reservation res = po::reservation_plan(program, r, rs.stages);
-  for (const auto* list : {&res.activation, &res.stash, &res.message})
-    for (const po::BlockCount& b : *list) out.device += Cpu::round_up(b.bytes) * b.count;
+  out.device += Cpu::round_up(res.device);
   for (const po::BlockCount& b : res.host) out.host += Cpu::round_up(b.bytes) * b.count;
   const std::size_t inputs = (rs.tokens ? 1 : 0) + (rs.targets ? 1 : 0);
   out.device += inputs * Cpu::round_up(m * T * sizeof(std::int32_t));  // the step's token ids and targets

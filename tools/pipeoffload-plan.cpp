@@ -101,6 +101,9 @@ B-to-W stashes; workspace), with a command line that draws it.
                                no biases, no dropout, no position table
   --gradients standard|exact   the runtime's gradient path (default standard); exact adds its
                                128-bit sums, 16 bytes per parameter, and sends them
+  --backend cuda|cpu           whose memory is counted (default cuda): the CUDA GPT's (bf16, a
+                               reserve for the CUDA context); cpu: train_gpt's CPU GPT (fp32,
+                               what train_gpt --backend cpu prints as reserved_bytes_per_rank)
 
 Data parallelism: dp replicas of the D-rank pipeline, D*dp GPUs; pipeline rank r of replica
 j is global rank j*D + r. Each replica runs m = N / (dp * B) microbatches; each stage's
@@ -140,7 +143,7 @@ constexpr std::string_view flags[] = {
     "--out",
     // --auto
     "--auto", "--recompute", "--layers", "--heads", "--query-groups", "--global-batch", "--vocab", "--device-mem-gib",
-    "--host-mem-gib", "--pcie-switch", "--gradients", "--ffn-hidden", "--swiglu", "--model",
+    "--host-mem-gib", "--pcie-switch", "--gradients", "--ffn-hidden", "--swiglu", "--model", "--backend",
     // --auto, data parallelism
     "--dp", "--search-dp", "--gpus", "--zero", "--dp-gbps", "--gpus-per-node", "--node-layout", "--reduce-dtype"};
 /// Flags that take no value.
@@ -153,7 +156,7 @@ constexpr std::string_view auto_only[] = {
     "--recompute",      "--layers",       "--heads",         "--query-groups", "--global-batch", "--vocab",
     "--device-mem-gib", "--host-mem-gib", "--pcie-switch",   "--dp",           "--search-dp",    "--gpus",
     "--zero",           "--dp-gbps",      "--gpus-per-node", "--node-layout",  "--gradients",    "--ffn-hidden",
-    "--swiglu",         "--reduce-dtype", "--model"};
+    "--swiglu",         "--reduce-dtype", "--model",         "--backend"};
 constexpr std::string_view not_auto[] = {"--schedule", "--import",         "--chunks",   "--microbatches",
                                          "--group",    "--offload-chunks", "--k",        "--cost-f",
                                          "--cost-b",   "--cost-w",         "--cost-comm"};
@@ -611,6 +614,10 @@ AutoRequest interpret_auto(const Args& args) {
     if (*g != "standard" && *g != "exact")
       throw bad_argument("--gradients must be standard or exact, got " + quoted(*g));
     rq.budget.gradients = *g == "exact" ? pipeoffload::Gradients::exact : pipeoffload::Gradients::standard;
+  }
+  if (const std::string* b = find(args, "--backend")) {
+    if (*b != "cuda" && *b != "cpu") throw bad_argument("--backend must be cuda or cpu, got " + quoted(*b));
+    rq.budget.backend = *b == "cpu" ? pipeoffload::PlanBackend::cpu : pipeoffload::PlanBackend::cuda;
   }
   if (const std::string* r = find(args, "--reduce-dtype")) {
     if (*r != "fp32" && *r != "bf16") throw bad_argument("--reduce-dtype must be fp32 or bf16, got " + quoted(*r));

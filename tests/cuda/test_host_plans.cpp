@@ -103,31 +103,28 @@ TEST_CASE("the CUDA backend's reservation of a GPT PO-F pipeline: every planned 
     for (int r = 0; r < sh.d; ++r) {
       CAPTURE(r);
       const po::Reservation res = po::reservation_plan(prog, r, bytes);
-      // What reserve_device / reserve_host are called with (po::Runtime::reserve_memory), into
-      // books that start empty as a new backend::Cuda's do.
+      // What po::Runtime takes: the region as one reserved block (allocate_state) and the bins
+      // (reserve_memory), into books that start empty as a new backend::Cuda's do.
       pc::PoolBook device, host;
-      std::size_t made_device = 0, made_host = 0;
-      for (const auto* list : {&res.activation, &res.stash, &res.message})
-        for (const po::BlockCount& b : *list)
-          made_device += device.reserve(b.bytes, b.count) * pc::pool_size_class(b.bytes);
+      const std::size_t made_device = device.reserve(res.device, 1) * pc::pool_size_class(res.device);
+      std::size_t made_host = 0;
       for (const po::BlockCount& b : res.host)
         made_host += host.reserve(b.bytes, b.count) * pc::pool_size_class(b.bytes);
       const std::size_t workspace = std::size_t{256} << 20, state = 12345;
       CHECK(made_device == device.bytes_held());
+      CHECK(made_host == host.bytes_held());
       CHECK(pc::arena_bytes_for(res, workspace, state) == workspace + device.bytes_held() + state);
       CHECK(pc::pinned_bytes_for(res) == host.bytes_held());
       pinned += pc::pinned_bytes_for(res);
-      std::size_t units = 0;
-      for (const po::BlockCount& b : res.activation) units += b.count;
-      CHECK(units >= 1);
-      // Each activation block size is a stage's saved bytes, rounded to its class.
-      for (const po::BlockCount& b : res.activation)
-        CHECK(std::any_of(bytes.begin(), bytes.end(), [&](const po::StageBytes& s) { return s.saved == b.bytes; }));
+      // The region holds the witnessed peak of units, stashes and boundary tensors, and at
+      // least one unit of this rank's stages.
+      const po::LoweredRank lr = po::lower(prog, r, bytes);
+      CHECK(res.device >= lr.peak_total);
+      CHECK(res.device % po::buffer_alignment == 0);
+      CHECK(lr.peak[0] >= po::buffer_bytes(bytes[static_cast<std::size_t>(prog.shape.stage_of(r, 0))].saved));
       // A second user of the device (a second runtime) reserves its own: the books double.
       pc::PoolBook twice;
-      for (int k = 0; k < 2; ++k)
-        for (const auto* list : {&res.activation, &res.stash, &res.message})
-          for (const po::BlockCount& b : *list) twice.reserve(b.bytes, b.count);
+      for (int k = 0; k < 2; ++k) twice.reserve(res.device, 1);
       CHECK(twice.bytes_held() == 2 * device.bytes_held());
     }
     CHECK(pinned > 0);  // PO-F offloads (units whose gap cannot hide the round trip stay)
@@ -480,9 +477,8 @@ TEST_CASE("the planner's per-layer formulas are the GPT code's: a block's parame
                                    .has_head = c.head};
         const long long tokens = static_cast<long long>(m.micro_batch) * m.seq;
         CHECK(po::stage_stash_bytes(m, c) == static_cast<double>(po::cuda::gpt_stage_buffers(d, tokens).stash_bytes));
-        // The head's bias (V values) is the model's own; the planner's Megatron head has none.
-        const double model = static_cast<double>(po::model::gpt_stage_params(d).total);
-        CHECK(po::stage_parameters(m, c) == model - (c.head ? static_cast<double>(m.vocab) : 0.0));
+        // Every parameter, the head's bias (V values) included.
+        CHECK(po::stage_parameters(m, c) == static_cast<double>(po::model::gpt_stage_params(d).total));
       }
     }
 }

@@ -230,9 +230,11 @@ Run train(const Case& c) {
         run.optimizer_memory[static_cast<std::size_t>(g)] = dev.memory().in(po::backend::Memory::optimizer);
         for (const custom::StageRef& st : stages)
           run.chunk_params[static_cast<std::size_t>(g)].push_back(st.parameter_count());
-        // The step inputs (each name once), a loss per microbatch, a flag per compute op.
+        // The step inputs (each name once), a loss per microbatch, a flag per compute op, and
+        // the memory plan's region (units, stashes and boundary tensors at their offsets).
         std::vector<std::string> names;
-        std::size_t fixed = m * sizeof(float) + c.program.ranks[static_cast<std::size_t>(r)].compute.size() * 4;
+        std::size_t fixed = m * sizeof(float) + c.program.ranks[static_cast<std::size_t>(r)].compute.size() * 4 +
+                            rt.buffer_region_bytes();
         for (const custom::StageRef& st : stages)
           for (const po::InputSpec& in : st.inputs(rt_options.microbatch))
             if (std::find(names.begin(), names.end(), in.name) == names.end()) {

@@ -249,9 +249,9 @@ concept pairs_copies = requires(B& b, int stream, typename B::Counter& c, std::u
 /// Optional, on top of `backend`: an arena that can take memory from the system ahead of use.
 /// reserve_device(bytes, count) adds `count` blocks of `bytes` (as device_alloc would size
 /// them) to what the arena holds for its callers; reservations add up, so two users of one
-/// device each reserve their own. po::Runtime reserves, at construction, the most blocks of
-/// each size its rank's program can have in use at once under any timing, so no step (the
-/// first included) takes device or pinned host memory from the system.
+/// device each reserve their own. po::Runtime reserves, at construction, its lowered memory
+/// plan's region (one block) and the pinned bins its program holds (po::reservation_plan), so
+/// no step (the first included) takes device or pinned host memory from the system.
 template <class B>
 concept reserves_memory = requires(B& b, std::size_t bytes, std::size_t count) {
   b.reserve_device(bytes, count);

@@ -109,6 +109,12 @@ struct MachineSpec {
   bool pairs_share_switch = true;  ///< ranks r and r^1 share a PCIe switch (stagger their copies)
 };
 
+/// Whose memory a plan counts: the CUDA GPT's on backend::Cuda (bf16 activations, boundaries
+/// and working parameters, the arena's 256-byte blocks, a reserve for the CUDA context), or
+/// train_gpt's CPU GPT's on backend::Cpu (fp32 everything, its own saved layout, 64-byte
+/// blocks, no reserve, no master copy).
+enum class PlanBackend : std::uint8_t { cuda, cpu };
+
 /// What the planner may spend and assumes about the rest of device memory. A rank's model
 /// state is what po::state_bytes (memory/state.hpp) says the layers, the runtime and the
 /// optimizer hold for its chunks' parameters: with the defaults (bf16 working parameters,
@@ -134,6 +140,11 @@ struct PlanBudget {
   int max_chunks = 0;
   /// Consider schedules that offload activations to host memory.
   bool allow_offload = true;
+  /// Whose memory is counted. cpu: the CPU GPT's units and stashes (cpu_stage_unit_bytes),
+  /// fp32 boundaries, 4-byte working parameters, no reserve or transient (what train_gpt
+  /// --backend cpu reports as reserved_bytes_per_rank); it needs a GPT layer (no --swiglu,
+  /// multi-head attention, 4h MLP).
+  PlanBackend backend = PlanBackend::cuda;
 };
 
 /// Which global ranks share a node (see the rank layout below).
@@ -387,14 +398,34 @@ constexpr double stage_stash_bytes(const TransformerSpec& m, const StageContent&
   return m.dtype_bytes * T * (c.layers * per_layer + (c.embedding ? h : 0.0) + (c.head ? h : 0.0));
 }
 
+/// train_gpt's CPU GPT (model::GptStage, models/gpt/cpu.hpp's gpt_cpu_bytes) in fp32, per
+/// microbatch of T = b*s tokens. train_gpt always recomputes LayerNorm, GeLU and dropout, so a
+/// block saves 10 T*h values, its LayerNorm statistics and attention log-sum-exps (4T + T*a),
+/// 64-byte aligned, whatever `m.recompute` says; the head saves its input, the final
+/// LayerNorm's statistics and the logits' gradient (T*(h + 2 + V)).
+/// tests/runtime/test_train_gpt_memory.cpp holds these to the model.
+constexpr double cpu_stage_unit_bytes(const TransformerSpec& m, const StageContent& c) {
+  const double T = static_cast<double>(m.micro_batch) * m.seq, h = m.hidden;
+  const double block = (T * h * 10 + 4 * T + T * m.heads) * 4;
+  const double aligned = static_cast<double>((static_cast<std::uint64_t>(block) + 63) / 64 * 64);
+  return c.layers * aligned + (c.head ? T * (h + 2 + m.vocab) * 4 : 0.0);
+}
+
+/// The CPU GPT's stash (gpt_cpu_bytes::stash): 11 T*h fp32 values a block (the gradients of its
+/// linear and norm outputs), T*h for the embedding and T*h for the head.
+constexpr double cpu_stage_stash_bytes(const TransformerSpec& m, const StageContent& c) {
+  const double Th = static_cast<double>(m.micro_batch) * m.seq * m.hidden;
+  return 4 * Th * (11.0 * c.layers + (c.embedding ? 1 : 0) + (c.head ? 1 : 0));
+}
+
 /// Parameters of one stage: its layers; the word embedding (and GPT's position table) on the
-/// first; the LM head (V x h, untied or Megatron's tied copy: the same bytes on that stage) and
-/// the final norm on the last.
+/// first; the LM head (V x h, untied or Megatron's tied copy: the same bytes on that stage; and
+/// GPT's bias, V) and the final norm on the last.
 constexpr double stage_parameters(const TransformerSpec& m, const StageContent& c) {
   const double h = m.hidden, V = m.vocab;
   double p = c.layers * layer_parameters(m);
   if (c.embedding) p += V * h + (m.swiglu ? 0.0 : static_cast<double>(m.seq) * h);  // RoPE has no table
-  if (c.head) p += V * h + (m.swiglu ? h : 2 * h);
+  if (c.head) p += V * h + (m.swiglu ? h : 2 * h + V);                              // GPT's head has a bias
   return p;
 }
 

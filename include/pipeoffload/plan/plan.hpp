@@ -54,6 +54,7 @@
 
 #include "../policy/spec.hpp"
 #include "../schedule/build.hpp"
+#include "../schedule/lower.hpp"
 #include "../sim/simulate.hpp"
 #include "model.hpp"
 
@@ -74,7 +75,11 @@ struct PlanCandidate {
   double bubble_fraction = 0;             ///< idle time / makespan, averaged over ranks
   std::vector<double> activation_bytes;   ///< per rank: simulated peak of saved activations and stashes on the device
   std::vector<double> stash_bytes;        ///< per rank: simulated peak of the stashes alone (B to W)
-  std::vector<double> peak_device_bytes;  ///< per rank: model state + activations + workspace
+  std::vector<double> peak_device_bytes;  ///< per rank: model state + activations + workspace (lowered: + buffers)
+  bool lowered = false;                   ///< the bytes below are its lowered memory plan's, not estimates
+  std::vector<double> buffer_bytes;       ///< per rank (lowered): the memory plan's region, what the runtime reserves
+  std::vector<double> message_bytes;      ///< per rank (lowered): the most boundary tensors alive at once
+  std::vector<double> runtime_bytes;      ///< per rank (lowered): the runtime's step inputs, losses and flags
   std::vector<double> host_bytes;         ///< per rank: pinned host memory for offloaded units
   bool fits = false;                      ///< every rank's device and host memory holds what it needs
   double shortfall_bytes = 0;             ///< 0 if it fits; else the largest excess over device or host memory
@@ -98,15 +103,17 @@ struct PlanCandidate {
 };
 
 /// One rank's device bytes at its peak, by kind, and its pinned host bytes (PlanResult::per_rank).
-/// device = state + optimizer + activations + messages + scratch + reserve.
+/// device = state + optimizer + buffers + scratch + reserve; activations, stash and messages are
+/// what the buffers' region holds at its fullest (docs/lowering.md).
 struct RankMemory {
   double device = 0;       ///< the rank's peak device bytes (PlanCandidate::peak_device_bytes)
   double host = 0;         ///< pinned host bytes for offloaded units (PlanCandidate::host_bytes)
   double state = 0;        ///< working parameters, main gradients, the runtime's sums and staging
   double optimizer = 0;    ///< the optimizer's state and fp32 master (its shard with ZeRO-1)
-  double activations = 0;  ///< simulated peak of saved units and stashes together
+  double buffers = 0;      ///< the lowered memory plan's region: units, stashes, boundary tensors at their offsets
+  double activations = 0;  ///< simulated peak of saved units and stashes together (within buffers)
   double stash = 0;        ///< of which the stashes alone at their own peak (B to W)
-  double messages = 0;     ///< P2P boundary buffers: two each way
+  double messages = 0;     ///< the most boundary tensors alive at once (within buffers)
   double scratch = 0;      ///< the largest transient of one pass on the rank (logits, workspaces)
   double reserve = 0;      ///< PlanBudget::reserved_bytes (CUDA context, libraries, fragmentation)
 };
@@ -134,6 +141,7 @@ struct PlanResult {
   int dp = 1;                                 ///< replicas (the search's choice with GridSpec::dp = 0)
   int zero = 0;                               ///< ZeRO stage
   Gradients gradients = Gradients::standard;  ///< PlanBudget's gradient path
+  PlanBackend backend = PlanBackend::cuda;    ///< PlanBudget's: whose memory was counted
   bool searched = false;                      ///< dp was searched (GridSpec::dp = 0): `grids` lists every dp tried
   std::vector<GridOption> grids;              ///< with `searched`: every dp tried, in search order
   double allreduce_bytes_per_s = 0;           ///< GridSpec's
@@ -167,9 +175,22 @@ struct Layout {
   std::vector<double> model_state, workspace;  ///< per rank
   std::vector<double> optimizer;               ///< per rank: the optimizer's part of model_state (state and master)
   std::vector<double> scratch;                 ///< per rank: the largest transient (part of workspace)
-  double messages = 0;                         ///< P2P buffers of a rank (part of workspace)
+  double messages = 0;                         ///< P2P buffers of a rank (part of workspace): the estimate's
+  double reserve = 0;                          ///< PlanBudget::reserved_bytes (part of workspace)
+  double boundary = 0;                         ///< bytes of one boundary tensor (b s h values)
+  double block = 256;                          ///< the backend's block rounding (arena size classes)
+  bool cpu = false;                            ///< PlanBackend::cpu: train_gpt's CPU GPT is counted
   std::vector<double> allreduce;               ///< per stage: seconds of one all-reduce of its gradients
 };
+
+/// `bytes` (at least 1, rounded up to whole bytes) rounded up to a multiple of `block`: a block's
+/// bytes in an arena of that size class.
+constexpr double round_to(double bytes, double block) {
+  auto n = static_cast<std::uint64_t>(bytes);
+  if (static_cast<double>(n) < bytes) ++n;
+  const auto k = static_cast<std::uint64_t>(block);
+  return static_cast<double>((std::max<std::uint64_t>(n, 1) + k - 1) / k * k);
+}
 
 /// What sizes a rank's model state under `bud` and `grid`: replica 0's (it owns the most of
 /// every bucket when the parameters do not split evenly).
@@ -180,7 +201,7 @@ constexpr StateOptions state_options(const PlanBudget& bud, const GridSpec& grid
           .zero = grid.zero,
           .optimizer_states = bud.optimizer_states,
           .reduce_bucket = bud.reduce_bucket,
-          .parameter_bytes = static_cast<std::size_t>(bud.parameter_bytes),
+          .parameter_bytes = static_cast<std::size_t>(bud.backend == PlanBackend::cpu ? 4 : bud.parameter_bytes),
           .reduce_bytes = static_cast<std::size_t>(bud.reduce_bytes)};
 }
 
@@ -197,6 +218,7 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
                              const GridSpec& grid = {}, Placement placement = Placement::interleaved) {
   const int d = x.ranks, S = v * d;
   const Shape where{d, v, 1, placement};
+  const bool cpu = bud.backend == PlanBackend::cpu;
   Layout L;
   L.v = v;
   L.placement = placement;
@@ -215,25 +237,40 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
     L.costs.stage_f.push_back(fl.f / x.flops);
     L.costs.stage_b.push_back(fl.b / x.flops);
     L.costs.stage_w.push_back(fl.w / x.flops);
-    L.costs.unit_bytes.push_back(stage_activation_bytes(m, c));
-    L.costs.stash_bytes.push_back(stage_stash_bytes(m, c));
+    L.costs.unit_bytes.push_back(cpu ? cpu_stage_unit_bytes(m, c) : stage_activation_bytes(m, c));
+    L.costs.stash_bytes.push_back(cpu ? cpu_stage_stash_bytes(m, c) : stage_stash_bytes(m, c));
     const auto r = static_cast<std::size_t>(where.rank_of(s));
     const double P = stage_parameters(m, c);
     chunks[r].push_back(static_cast<std::size_t>(P));
     L.allreduce.push_back(allreduce_seconds(P, bud, grid));
-    transient[r] = std::max(transient[r], stage_transient_bytes(m, c));
+    if (!cpu) transient[r] = std::max(transient[r], stage_transient_bytes(m, c));
   }
+  L.block = cpu ? 64 : 256;
+  L.cpu = cpu;
+  const auto rounded = [&](std::size_t bytes) { return detail::round_to(static_cast<double>(bytes), L.block); };
   for (std::size_t r = 0; r < chunks.size(); ++r) {
-    const StateBytes b = state_bytes(chunks[r], state_options(bud, grid));
-    L.model_state[r] = static_cast<double>(b.total());
-    L.optimizer[r] = static_cast<double>(b.optimizer + b.master);
+    const StateOptions so = state_options(bud, grid);
+    const StateBytes b = state_bytes(chunks[r], so);
+    // The layers' own parameters and gradients, and each arena block in its size class; the
+    // optimizer's blocks (its states and master, per chunk) among them.
+    double arena = 0, optimizer = 0;
+    for (std::size_t blk : b.blocks) arena += rounded(blk);
+    for (std::size_t n : chunks[r]) {
+      const GradientLayout gl = gradient_layout(n, so.dp, so.reduce_bucket);
+      const double one = rounded((so.zero == 1 && so.dp > 1 ? gl.owned(0) : n) * sizeof(float));
+      optimizer += one * (so.optimizer_states + (so.parameter_bytes != sizeof(float) ? 1 : 0));
+    }
+    L.model_state[r] = static_cast<double>(b.parameters + b.gradients) + arena;
+    L.optimizer[r] = optimizer;
   }
   // Two P2P buffers each way (activation in/out, gradient in/out), b*s*h elements each.
-  const double p2p = 4.0 * bsh(m) * m.dtype_bytes;
+  L.boundary = bsh(m) * (cpu ? 4 : m.dtype_bytes);
+  const double p2p = 4.0 * L.boundary;
   L.messages = p2p;
   L.scratch = transient;
+  L.reserve = cpu ? 0.0 : bud.reserved_bytes;
   for (int r = 0; r < d; ++r)
-    L.workspace[static_cast<std::size_t>(r)] = bud.reserved_bytes + p2p + transient[static_cast<std::size_t>(r)];
+    L.workspace[static_cast<std::size_t>(r)] = L.reserve + p2p + transient[static_cast<std::size_t>(r)];
   return L;
 }
 
@@ -401,6 +438,85 @@ constexpr std::vector<PlanOption> plan_options(int d, int v, int m, bool allow_o
   return out;
 }
 
+namespace detail {
+
+/// Whether every rank of `c` holds its device and host bytes on machine `x`, and if not the
+/// largest excess and where.
+constexpr void judge(PlanCandidate& c, const MachineSpec& x) {
+  c.fits = true;
+  c.shortfall_bytes = 0;
+  c.shortfall_rank = -1;
+  c.shortfall_on_host = false;
+  for (std::size_t u = 0; u < c.peak_device_bytes.size(); ++u) {
+    const double over_dev = c.peak_device_bytes[u] - x.device_bytes, over_host = c.host_bytes[u] - x.host_bytes;
+    const double over = std::max(over_dev, over_host);
+    if (over > 0) c.fits = false;
+    if (over > c.shortfall_bytes) {
+      c.shortfall_bytes = over;
+      c.shortfall_rank = static_cast<int>(u);
+      c.shortfall_on_host = over_host > over_dev;
+    }
+  }
+}
+
+/// Every stage's buffers as the runtime sizes them (po::StageBytes): its unit and stash, and
+/// the boundary tensor between stages (b s h values of the model's dtype).
+constexpr std::vector<StageBytes> stage_buffers(const Layout& L) {
+  const int S = static_cast<int>(L.stages.size());
+  const auto boundary = static_cast<std::size_t>(L.boundary);
+  std::vector<StageBytes> out;
+  for (int s = 0; s < S; ++s)
+    out.push_back({.saved = static_cast<std::size_t>(L.costs.bytes(s)),
+                   .stash = static_cast<std::size_t>(L.costs.stash(s)),
+                   .input = s > 0 ? boundary : 0,
+                   .output = s + 1 < S ? boundary : 0});
+  return out;
+}
+
+}  // namespace detail
+
+/// Replaces candidate `c`'s estimated activation and message bytes by its lowered memory plan
+/// (po::lower_all of its training and evaluation programs, docs/lowering.md): each rank's
+/// device bytes become model state + the region the runtime reserves + scratch + reserve, and
+/// `c` is judged again on machine `x`. `p`: scratch for the rebuilt program.
+constexpr void lower_candidate(PlanCandidate& c, const detail::Layout& L, const TransformerSpec& m,
+                               const MachineSpec& x, Program& p) {
+  const int d = x.ranks, mb = m.global_batch / (m.micro_batch * L.dp);
+  // train_gpt builds its program with unit passes and the plan's k (train_gpt_args' --k): with
+  // backend cpu, that is the program whose memory plan is counted.
+  Costs costs = L.costs;
+  if (L.cpu) {
+    costs = Costs{};
+    costs.k = L.costs.k;
+  }
+  build_into(p, c.spec, {d, L.v, mb}, costs);
+  const std::vector<StageBytes> bytes = detail::stage_buffers(L);
+  const std::vector<LoweredRank> train = lower_all(p, bytes), eval = lower_all(forward_only(p), bytes);
+  c.lowered = true;
+  c.buffer_bytes.clear();
+  c.message_bytes.clear();
+  c.runtime_bytes.clear();
+  const auto rounded = [&](double b) { return detail::round_to(b, L.block); };
+  const double T = static_cast<double>(m.micro_batch) * m.seq;
+  for (int r = 0; r < d; ++r) {
+    const auto u = static_cast<std::size_t>(r);
+    const double region = static_cast<double>(std::max(train[u].region, eval[u].region));
+    // The runtime's own blocks: the step's token ids (the embedding's rank) and targets (the
+    // head's), each microbatch's loss, a non-finite flag per compute op.
+    const bool first = p.shape.rank_of(0) == r, last = p.shape.rank_of(p.shape.stages() - 1) == r;
+    const double inputs = (first ? rounded(4 * mb * T) : 0.0) + (last ? rounded(4 * mb * T) : 0.0);
+    const double fixed = inputs + rounded(4.0 * mb) + rounded(4.0 * static_cast<double>(p.ranks[u].compute.size()));
+    c.buffer_bytes.push_back(region);
+    c.message_bytes.push_back(static_cast<double>(std::max(train[u].peak[2], eval[u].peak[2])));
+    c.runtime_bytes.push_back(fixed);
+    double host = 0;  // the pinned bins the runtime reserves (training's; evaluation has none)
+    for (const BlockCount& b : train[u].host) host += static_cast<double>(b.bytes * b.count);
+    c.host_bytes[u] = host;
+    c.peak_device_bytes[u] = L.model_state[u] + fixed + region + L.scratch[u] + L.reserve;
+  }
+  detail::judge(c, x);
+}
+
 /// Largest stage-microbatch count (d*v*m) one candidate may have: bounds the planner's time
 /// (about 3 compute ops per unit, ~100 ns per op to build and simulate).
 inline constexpr long long max_plan_units = 1LL << 20;
@@ -427,25 +543,15 @@ constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, c
   for (double e : c.allreduce_end_s) c.iteration_time_s = std::max(c.iteration_time_s, e);
   c.allreduce_exposed_s = c.iteration_time_s - sim.makespan;
   c.bubble_fraction = sim.bubble_fraction();
-  c.fits = true;
   for (int r = 0; r < d; ++r) {
     const auto ur = static_cast<std::size_t>(r);
     const double act = sim.ranks[ur].peak;
-    const double dev = L.model_state[ur] + act + L.workspace[ur];
-    const double host = detail::host_peak(p, sim.ranks[ur], r);
     c.activation_bytes.push_back(act);
     c.stash_bytes.push_back(sim.ranks[ur].stash_peak);
-    c.peak_device_bytes.push_back(dev);
-    c.host_bytes.push_back(host);
-    const double over_dev = dev - x.device_bytes, over_host = host - x.host_bytes;
-    const double over = std::max(over_dev, over_host);
-    if (over > 0) c.fits = false;
-    if (over > c.shortfall_bytes) {
-      c.shortfall_bytes = over;
-      c.shortfall_rank = r;
-      c.shortfall_on_host = over_host > over_dev;
-    }
+    c.peak_device_bytes.push_back(L.model_state[ur] + act + L.workspace[ur]);
+    c.host_bytes.push_back(detail::host_peak(p, sim.ranks[ur], r));
   }
+  detail::judge(c, x);
   return c;
 }
 
@@ -571,11 +677,23 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
   if (res.candidates.empty())
     throw shape_error("plan: no candidate schedule could be built for this model and machine");
 
-  const PlanCandidate* best = nullptr;
-  const PlanCandidate* nearest = nullptr;
-  for (const PlanCandidate& c : res.candidates) {
-    if (c.fits && (!best || detail::faster(c, *best))) best = &c;
-    if (!nearest || detail::closer(c, *nearest)) nearest = &c;
+  // The fastest candidate that fits by its estimate is lowered (its memory plan, what the
+  // runtime reserves); if it no longer fits, the next is, until one does or none is left.
+  PlanCandidate* best = nullptr;
+  for (;;) {
+    best = nullptr;
+    for (PlanCandidate& c : res.candidates)
+      if (c.fits && (!best || detail::faster(c, *best))) best = &c;
+    if (best == nullptr || best->lowered) break;
+    lower_candidate(*best, layout_of(best->chunks, best->spec.placement), m, x, program);
+    if (best->fits) break;
+  }
+  PlanCandidate* nearest = nullptr;
+  if (best == nullptr) {
+    for (PlanCandidate& c : res.candidates)
+      if (!nearest || detail::closer(c, *nearest)) nearest = &c;
+    if (!nearest->lowered)
+      lower_candidate(*nearest, layout_of(nearest->chunks, nearest->spec.placement), m, x, program);
   }
   res.fits = best != nullptr;
   res.choice = best ? *best : *nearest;
@@ -624,6 +742,7 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
   res.dp = grid.dp;
   res.zero = grid.zero;
   res.gradients = bud.gradients;
+  res.backend = bud.backend;
   res.allreduce_bytes_per_s = grid.allreduce_bytes_per_s;
   res.gpus_per_node = grid.gpus_per_node;
   res.node_layout = grid.node_layout;
@@ -632,13 +751,14 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
     const auto u = static_cast<std::size_t>(r);
     res.per_rank.push_back({.device = res.choice.peak_device_bytes[u],
                             .host = res.choice.host_bytes[u],
-                            .state = L.model_state[u] - L.optimizer[u],
+                            .state = L.model_state[u] - L.optimizer[u] + res.choice.runtime_bytes[u],
                             .optimizer = L.optimizer[u],
+                            .buffers = res.choice.buffer_bytes[u],
                             .activations = res.choice.activation_bytes[u],
                             .stash = res.choice.stash_bytes[u],
-                            .messages = L.messages,
+                            .messages = res.choice.message_bytes[u],
                             .scratch = L.scratch[u],
-                            .reserve = bud.reserved_bytes});
+                            .reserve = L.reserve});
   }
   res.allreduce_stage_s = L.allreduce;
   res.host_bytes_per_node_contiguous =
@@ -789,6 +909,11 @@ constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const 
                       detail::num(static_cast<long long>(bud.reduce_bucket)));
   detail::require_real("budget: reserved bytes (>= 0)", bud.reserved_bytes, 0, 1e18);
   detail::require_range("budget: max chunks (0 = no limit)", bud.max_chunks, 0, max_chunks);
+  if (bud.backend == PlanBackend::cpu &&
+      (m.swiglu || m.query_groups != m.heads || (m.ffn_hidden != 0 && m.ffn_hidden != 4 * m.hidden) || !m.vocab_stages))
+    throw shape_error(
+        "budget: backend cpu counts train_gpt's CPU GPT, whose layers have multi-head attention and a 4h GeLU MLP "
+        "and whose first and last stages hold the embedding and the head; this model has other layers");
   check_grid(m, x, grid);
   // (No ?: between the two calls: GCC 12 destroys a class temporary of a ?: twice in constant
   // evaluation.)

@@ -45,8 +45,8 @@ inline std::string plan_command(const PlanResult& r, int ranks) {
 }
 
 /// samples/train_gpt's arguments that run the chosen plan on its GPT (the schedule, the grid,
-/// the shape and the cut: --stage-blocks from layers_per_stage, the embedding and the head on
-/// the first and last stage), or empty with `why` set when train_gpt cannot build the model:
+/// the shape, the cut: --stage-blocks from layers_per_stage, the embedding and the head on the
+/// first and last stage, and the backend whose memory was counted), or empty with `why` set when train_gpt cannot build the model:
 /// its GPT has multi-head attention, a 4h GeLU MLP, the embedding and head stages, and learns
 /// from a byte-level corpus (vocabulary 256), within its options' ranges.
 inline std::vector<std::string> train_gpt_args(const PlanResult& r, const TransformerSpec& m, std::string& why) {
@@ -59,7 +59,7 @@ inline std::vector<std::string> train_gpt_args(const PlanResult& r, const Transf
   else if (m.vocab != 256)
     why = "train_gpt learns the byte-level corpus (vocabulary 256); --vocab is " + detail::num(m.vocab);
   else if (m.layers > 4096 || m.hidden > 8192 || m.heads > 1024 || m.seq > 8192 || m.micro_batch > 4096 ||
-           r.ranks > 64 || c.chunks > 64 || r.microbatches > 4096 || r.dp > 64)
+           r.ranks > 64 || c.chunks > 64 || r.microbatches > 4096 || r.dp > 64 || !(r.k > 0 && r.k <= 100))
     why = "the plan is outside train_gpt's ranges (--help lists them)";
   if (!why.empty() || c.name.empty()) return {};
   std::vector<std::string> a = detail::schedule_args(r, r.ranks);
@@ -70,6 +70,9 @@ inline std::vector<std::string> train_gpt_args(const PlanResult& r, const Transf
             "--seq", detail::num(m.seq), "--batch", detail::num(m.micro_batch), "--stage-blocks", blocks});
   if (r.dp > 1) a.insert(a.end(), {"--dp", detail::num(r.dp), "--zero", detail::num(r.zero)});
   if (r.gradients == Gradients::exact) a.insert(a.end(), {"--gradients", "exact"});
+  char k[32];
+  std::snprintf(k, sizeof k, "%.17g", r.k);  // the plan's k, to the bit: the program is built with it
+  a.insert(a.end(), {"--k", k, "--backend", r.backend == PlanBackend::cpu ? "cpu" : "cuda"});
   return a;
 }
 
@@ -216,13 +219,14 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
         s += "          -  not planned: " + g.note + "\n";
     }
   }
-  s += "\nrank  device GiB  = state + optimizer + activations (stash) + messages + scratch + reserve   host GiB\n";
+  s += "\nrank  device GiB  = state + optimizer + buffers [activations (stash) + messages] + scratch + reserve   host "
+       "GiB\n";
   for (std::size_t u = 0; u < r.per_rank.size(); ++u) {
     const RankMemory& k = r.per_rank[u];
-    char line[200];
-    std::snprintf(line, sizeof line, "%4zu%12.2f%9.2f%12.2f%14.2f%8.2f%11.2f%10.2f%10.2f%11.2f%s\n", u, k.device / gib,
-                  k.state / gib, k.optimizer / gib, k.activations / gib, k.stash / gib, k.messages / gib,
-                  k.scratch / gib, k.reserve / gib, k.host / gib,
+    char line[220];
+    std::snprintf(line, sizeof line, "%4zu%12.2f%9.2f%12.2f%10.2f%14.2f%8.2f%11.2f%10.2f%10.2f%11.2f%s\n", u,
+                  k.device / gib, k.state / gib, k.optimizer / gib, k.buffers / gib, k.activations / gib, k.stash / gib,
+                  k.messages / gib, k.scratch / gib, k.reserve / gib, k.host / gib,
                   k.device > x.device_bytes || k.host > x.host_bytes ? "  over" : "");
     s += line;
   }
@@ -245,9 +249,10 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
 }
 
 /// JSON for programs (keys in render order; arrays are per rank). per_rank: each rank's memory by
-/// kind (RankMemory: device_bytes = state_bytes + optimizer_bytes + activation_bytes +
-/// message_bytes + scratch_bytes + reserve_bytes; stash_bytes is the stashes' own peak, a part
-/// of activation_bytes' timeline; host_bytes). train_gpt_args: train_gpt_args() as strings, or
+/// kind (RankMemory: device_bytes = state_bytes + optimizer_bytes + buffer_bytes +
+/// scratch_bytes + reserve_bytes; buffer_bytes is the lowered memory plan's region, which holds
+/// activation_bytes (units and stashes at their simulated peak; stash_bytes the stashes' own)
+/// and message_bytes; host_bytes). train_gpt_args: train_gpt_args() as strings, or
 /// null and train_gpt_args_why_not. With `grid`, the grid's keys:
 /// dp, zero, gpus (dp x ranks), global_batch, gpus_per_node, node_layout,
 /// allreduce_bytes_per_s, compute_time_s (the passes alone), allreduce_exposed_s
@@ -290,9 +295,10 @@ inline std::string render_plan_json(const PlanResult& r, const TransformerSpec& 
     const RankMemory& k = r.per_rank[i];
     s += std::string(i ? ",\n    " : "\n    ") + "{\"device_bytes\": " + fmt(k.device) +
          ", \"host_bytes\": " + fmt(k.host) + ", \"state_bytes\": " + fmt(k.state) +
-         ", \"optimizer_bytes\": " + fmt(k.optimizer) + ", \"activation_bytes\": " + fmt(k.activations) +
-         ", \"stash_bytes\": " + fmt(k.stash) + ", \"message_bytes\": " + fmt(k.messages) +
-         ", \"scratch_bytes\": " + fmt(k.scratch) + ", \"reserve_bytes\": " + fmt(k.reserve) + "}";
+         ", \"optimizer_bytes\": " + fmt(k.optimizer) + ", \"buffer_bytes\": " + fmt(k.buffers) +
+         ", \"activation_bytes\": " + fmt(k.activations) + ", \"stash_bytes\": " + fmt(k.stash) +
+         ", \"message_bytes\": " + fmt(k.messages) + ", \"scratch_bytes\": " + fmt(k.scratch) +
+         ", \"reserve_bytes\": " + fmt(k.reserve) + "}";
   }
   s += r.per_rank.empty() ? "],\n" : "\n  ],\n";
   if (grid) {

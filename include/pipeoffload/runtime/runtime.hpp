@@ -2,11 +2,12 @@
 //
 // A Runtime executes its rank's part of any validated po::Program (built from a schedule type,
 // by po::build at run time, by po::plan, or imported) with the rank's stages, which may be of
-// different types. forward_backward() enqueues the rank's whole program: F/B/W/BW on the
-// compute stream, O/R on the copy stream, sends and receives on the comm stream in
-// RankProgram::comm order, with every dependency an event (a received input, a produced
-// output, the schedule's cross-stream edges). The streams then run as soon as possible under
-// those events, which is exactly what simulate() models. Gradients accumulate across calls
+// different types. forward_backward() enqueues the rank's whole program as po::lower made it
+// (schedule/lower.hpp, docs/lowering.md): F/B/W/BW on the compute stream, O/R on the copy
+// stream, sends and receives on the comm stream in RankProgram::comm order, with every wait an
+// event (a received input, a produced output, the schedule's cross-stream edges, the memory
+// plan's reuse of bytes), and every buffer at its offset in the memory plan's region. The
+// streams then run as soon as possible under those waits. Gradients accumulate across calls
 // until zero_grad(), in one of two ways (RuntimeOptions::gradients, docs/gradients.md): in
 // place in the stages' fp32 gradients() (standard, the default), or in 128-bit fixed-point
 // sums rounded once to fp32 after the call (exact: independent of the order of the W passes).
@@ -44,6 +45,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -262,6 +264,7 @@ class Runtime<Backend, Communicator> {
     for (backend::Block& b : sums_) dev_.device_free(b);
     for (backend::Block& b : staging_) dev_.device_free(b);
     dev_.device_free(losses_dev_);
+    dev_.device_free(region_);
     dev_.device_free(flags_dev_);
   }
 
@@ -307,12 +310,20 @@ class Runtime<Backend, Communicator> {
       throw error(
           "po::Runtime::pair_with: the schedule was planned with Costs::stagger_pairs = false; pairs need staggered copy slots");
     if (iterations_ > 0) throw error("po::Runtime::pair_with: call it before the first step");
+    if (!train_.lowered.paired)
+      throw error(
+          "po::Runtime::pair_with: this program's copies cannot keep the pairs' staggered grid: with the pair waits, "
+          "its streams would wait for each other in a cycle (docs/lowering.md)");
     pair_ = &link;
     pair_wait_ =
         pair_waits(program_.ranks[static_cast<std::size_t>(rank_)], program_.ranks[static_cast<std::size_t>(partner)]);
     partner_copies_ = program_.ranks[static_cast<std::size_t>(partner)].copy.size();
   }
 
+  /// Device bytes of the memory plan's region (po::reservation_plan's `device`): the saved
+  /// units, stashes and boundary tensors at their offsets, taken once at construction. The
+  /// backend's own figures count it as Memory::state; PassStats::memory counts what is in it.
+  std::size_t buffer_region_bytes() const { return region_.bytes; }
   /// The program this runtime runs (every rank's, not only this one's).
   const Program& program() const { return program_; }
   /// The options it was constructed with.
@@ -530,16 +541,13 @@ class Runtime<Backend, Communicator> {
     std::array<backend::HostBlock, 3> host{};  // its power-of-two bins while offloaded
     backend::Block stash{};                    // (stash_bytes) from B to W
   };
-  // One rank program as the executor runs it: the ops, which comm op feeds each compute op
-  // and which compute op each send waits for, and an event per op.
+  // One rank program as the executor runs it: the ops, their lowered waits, reductions and
+  // memory plan (schedule/lower.hpp), and an event per op.
   struct Plan {
     const RankProgram* rp = nullptr;
     bool training = true;
-    detail::StreamLinks links;
-    std::vector<int> compute_done, copy_done, recv_done;
-    std::vector<int> last_w;     // per chunk: the compute op of its last W or BW (-1: none, evaluation)
-    std::vector<int> reduces;    // chunks in the order of their last W (their reductions' comm order)
-    std::vector<int> reduce_at;  // per chunk: the comm op its reduction goes before (comm.size(): after all)
+    LoweredRank lowered;
+    std::vector<int> compute_done, copy_done, comm_done;
   };
   // The step in progress, as the passes see it.
   struct Call {
@@ -568,37 +576,14 @@ class Runtime<Backend, Communicator> {
   /// What the replicas of this rank compare at construction (po::handshake).
   std::vector<HandshakeField> replica_fields() const;
 
-  void make_plan(Plan& plan, const RankProgram& rp, bool training) {
+  void make_plan(Plan& plan, const Program& program, bool training) {
+    const RankProgram& rp = program.ranks[static_cast<std::size_t>(rank_)];
     plan.rp = &rp;
     plan.training = training;
-    plan.links = detail::stream_links(program_.shape, rp);
+    plan.lowered = lower(program, rank_, stage_bytes());
     for (std::size_t x = 0; x < rp.compute.size(); ++x) plan.compute_done.push_back(dev_.make_event());
     for (std::size_t y = 0; y < rp.copy.size(); ++y) plan.copy_done.push_back(dev_.make_event());
-    for (std::size_t k = 0; k < rp.comm.size(); ++k) plan.recv_done.push_back(dev_.make_event());
-    plan.last_w.assign(static_cast<std::size_t>(program_.shape.v), -1);
-    if (training)
-      for (std::size_t x = 0; x < rp.compute.size(); ++x)
-        if (rp.compute[x].kind == OpKind::W || rp.compute[x].kind == OpKind::BW)
-          plan.last_w[static_cast<std::size_t>(program_.shape.chunk_of(rp.compute[x].stage))] = static_cast<int>(x);
-    for (int c = 0; c < program_.shape.v; ++c)
-      if (plan.last_w[static_cast<std::size_t>(c)] >= 0) plan.reduces.push_back(c);
-    // A reduction goes right after the last P2P message that comes from, or feeds, a compute
-    // op up to its chunk's last W: nothing it waits for then waits for a later message, and
-    // later messages wait for it only in the comm stream's order.
-    std::vector<int> anchor(rp.comm.size(), static_cast<int>(rp.compute.size()));
-    for (std::size_t k = 0; k < rp.comm.size(); ++k)
-      if (rp.comm[k].send) anchor[k] = plan.links.send_producer[k];
-    for (std::size_t x = 0; x < rp.compute.size(); ++x)
-      if (plan.links.input_recv[x] >= 0)
-        anchor[static_cast<std::size_t>(plan.links.input_recv[x])] = static_cast<int>(x);
-    plan.reduce_at.assign(static_cast<std::size_t>(program_.shape.v), 0);
-    for (int c : plan.reduces)
-      for (std::size_t k = 0; k < rp.comm.size(); ++k)
-        if (anchor[k] <= plan.last_w[static_cast<std::size_t>(c)])
-          plan.reduce_at[static_cast<std::size_t>(c)] = static_cast<int>(k) + 1;
-    std::sort(plan.reduces.begin(), plan.reduces.end(), [&](int a, int b) {
-      return plan.last_w[static_cast<std::size_t>(a)] < plan.last_w[static_cast<std::size_t>(b)];
-    });
+    for (std::size_t k = 0; k < rp.comm.size(); ++k) plan.comm_done.push_back(dev_.make_event());
     if (compute_ < 0) {
       compute_ = dev_.make_stream("compute");
       copy_ = dev_.make_stream("copy");
@@ -608,17 +593,54 @@ class Runtime<Backend, Communicator> {
     }
   }
 
-  /// Takes from the device, up front, every buffer this rank's program can hold at once
-  /// (po::reservation_plan), and the gradient norm's buffers where the backend has them
+  /// Takes from the backend, up front, the pinned bins of the memory plans of the programs it
+  /// runs (po::reservation_of, what po::reservation_plan computes for a launcher; the device
+  /// region is allocate_state's), and the gradient norm's buffers where the backend has them
   /// (backend::reserves_norm_buffers), so no step allocates.
   void reserve_memory() {
-    const Reservation res = reservation_plan(program_, rank_, stage_bytes());
-    for (const auto* list : {&res.activation, &res.stash, &res.message})
-      for (const BlockCount& b : *list) dev_.reserve_device(b.bytes, b.count);
-    for (const BlockCount& b : res.host) dev_.reserve_host(b.bytes, b.count);
+    for (const BlockCount& b : reservation_of(train_.lowered, eval_.lowered).host) dev_.reserve_host(b.bytes, b.count);
     if constexpr (backend::reserves_norm_buffers<Backend>)
       for (const std::vector<NormPiece>& pieces : norm_pieces_)
         for (const NormPiece& p : pieces) dev_.reserve_sum_squares(p.sizes);
+  }
+
+  /// The backend's memory figures with the region's buffers counted as what they hold (units,
+  /// stashes, boundary tensors) instead of one state block: the backend's peaks and the
+  /// region's, taken since the call began.
+  backend::MemoryStats memory() {
+    backend::MemoryStats m = dev_.memory();
+    std::lock_guard lk(buffers_mu_);
+    const auto state = static_cast<std::size_t>(backend::Memory::state);
+    m.in_use[state] -= region_.bytes;
+    m.peak[state] -= std::min(m.peak[state], region_.bytes);
+    for (backend::Memory k : {backend::Memory::activation, backend::Memory::stash, backend::Memory::message}) {
+      m.in_use[static_cast<std::size_t>(k)] += buffers_.in(k);
+      m.peak[static_cast<std::size_t>(k)] += buffers_.peak_of(k);
+    }
+    m.total_peak = m.total_peak - std::min(m.total_peak, region_.bytes) + buffers_.total_peak;
+    return m;
+  }
+
+  /// A buffer of the memory plan: `bytes` at `offset` in the region, counted under `kind`.
+  backend::Block take_buffer(std::size_t offset, std::size_t bytes, backend::Memory kind) {
+    if (offset == no_buffer || offset + bytes > region_.bytes)
+      throw error("the memory plan has no place for a buffer of " + std::to_string(bytes) + " bytes (offset " +
+                  std::to_string(offset) + ", region " + std::to_string(region_.bytes) + ")");
+    std::lock_guard lk(buffers_mu_);
+    std::size_t& in = buffers_.in_use[static_cast<std::size_t>(kind)];
+    in += bytes;
+    buffers_.peak[static_cast<std::size_t>(kind)] = std::max(buffers_.peak[static_cast<std::size_t>(kind)], in);
+    buffers_total_ += bytes;
+    buffers_.total_peak = std::max(buffers_.total_peak, buffers_total_);
+    return backend::Block{region_.ptr + offset, bytes, kind};
+  }
+  /// Gives a take_buffer block back (a null block is ignored): its bytes are the plan's again.
+  void give_buffer(backend::Block& b) {
+    if (b.ptr == nullptr) return;
+    std::lock_guard lk(buffers_mu_);
+    buffers_.in_use[static_cast<std::size_t>(b.kind)] -= b.bytes;
+    buffers_total_ -= b.bytes;
+    b = {};
   }
 
   /// Every stage's buffer sizes (this rank's own, and the boundaries of all).
@@ -698,21 +720,17 @@ class Runtime<Backend, Communicator> {
     return dir == Dir::forward ? t.input : t.output;
   }
   backend::Block& box(int stage, int mb, Dir dir) { return boxes_[detail::tag_slot(program_.shape, stage, mb, dir)]; }
-  Tensor box_out(int consumer, int mb, Dir dir) {
+  Tensor box_out(int consumer, int mb, Dir dir, std::size_t offset) {
     const Boundary& b = message(consumer, dir);
     backend::Block& blk = box(consumer, mb, dir);
-    blk = dev_.device_alloc(b.bytes(), backend::Memory::message);
+    blk = take_buffer(offset, b.bytes(), backend::Memory::message);
     return Tensor{blk.ptr, b.elements, b.dtype};
   }
   ConstTensor box_in(int stage, int mb, Dir dir) {
     const Boundary& b = message(stage, dir);
     return ConstTensor{box(stage, mb, dir).ptr, b.elements, b.dtype};
   }
-  void release_box(int stage, int mb, Dir dir) {
-    backend::Block& b = box(stage, mb, dir);
-    dev_.device_free(b);
-    b = {};
-  }
+  void release_box(int stage, int mb, Dir dir) { give_buffer(box(stage, mb, dir)); }
 
   void run_compute(std::size_t x);
 
@@ -748,13 +766,6 @@ class Runtime<Backend, Communicator> {
   /// each stream while its next op's dependencies are in (the schedule is valid, so this
   /// reaches the end).
   void enqueue(const Plan& plan);
-
-  /// For each of `mine`'s copies, how many of `theirs` (the partner's, in stream order) must
-  /// have completed before it starts: up to and including the partner's last copy in the SAME
-  /// direction planned to end no later than it starts. Only a copy in the same direction
-  /// shares the switch's uplink with it (PCIe is full duplex), so the pair never copies in
-  /// one direction at once, while a reload need not wait for the partner's offloads.
-  static std::vector<std::size_t> pair_waits(const RankProgram& mine, const RankProgram& theirs);
 
   std::size_t unit_index(int stage, int mb) const {
     return static_cast<std::size_t>(program_.shape.chunk_of(stage)) * static_cast<std::size_t>(program_.shape.m) +
@@ -799,6 +810,10 @@ class Runtime<Backend, Communicator> {
   std::vector<int> gathered_;         // per chunk: recorded after share_shards(c, true)'s gather
   std::vector<char> gather_pending_;  // per chunk: that gather not yet waited for
   Plan train_, eval_;
+  backend::Block region_;          // the memory plans' device region (training's and evaluation's)
+  std::mutex buffers_mu_;          // the streams take and give buffers from their threads
+  backend::MemoryStats buffers_;   // in use and peaks of the region's buffers, per kind
+  std::size_t buffers_total_ = 0;  // bytes of the region's buffers in use
   Call call_{};
   std::vector<Unit> units_;
   std::vector<backend::Block> boxes_;   // boundary tensors by tag: received inputs, outputs to send

@@ -16,9 +16,9 @@
 //     size (backend/cuda/pools.hpp), and there is never a cudaMalloc after construction;
 //   - pinned host memory (offload bins) comes from cudaHostAlloc, pooled by size with the same
 //     event guards;
-//   - backend::reserves_memory: po::Runtime reserves, when it is constructed, every block its
-//     rank's program can hold at once (po::reservation_plan), and reserve_device/reserve_host
-//     carve and pin them then. No step takes memory from the system: with one thread per GPU
+//   - backend::reserves_memory: po::Runtime reserves, when it is constructed, its memory plan's
+//     region and pinned bins (po::reservation_plan), and reserve_device/reserve_host carve and
+//     pin them then. No step takes memory from the system: with one thread per GPU
 //     in one process, a cudaHostAlloc during a step takes driver-wide locks while the other
 //     rank's NCCL kernel may be spinning, waiting for this rank (issue 15's hang class);
 //   - the between-steps operations (download, upload, zero, and the optimizers' sum_squares,

@@ -3,9 +3,8 @@
 //
 // backend::Cuda keeps device blocks (cut from one slab taken at construction) and pinned host
 // blocks (cudaHostAlloc) in pools by size class, as backend::Cpu does. It models
-// backend::reserves_memory: po::Runtime reserves, when it is constructed, the most blocks of
-// each size its rank's program can hold at once (po::reservation_plan), and the backend
-// creates them then. A step then takes no memory from the system: no cudaHostAlloc (which
+// backend::reserves_memory: po::Runtime reserves, when it is constructed, its memory plan's
+// region and pinned bins (po::reservation_plan), and the backend creates them then. A step then takes no memory from the system: no cudaHostAlloc (which
 // takes driver-wide locks while another rank's NCCL kernel may be spinning in the same
 // process) and no carving that could exhaust the slab half way through a step.
 //
@@ -90,13 +89,12 @@ std::size_t pooled_bytes(const List& list) {
 }  // namespace detail
 
 /// Device arena bytes (backend::Cuda::Options::arena_bytes) that hold the cuBLASLt/cuDNN
-/// workspace, every device block of `res` (a po::Reservation: activation, stash and message
-/// blocks) and `state_bytes` of other long-lived buffers (the runtime's state and optimizer
+/// workspace, the device region of `res` (a po::Reservation: units, stashes and boundary
+/// tensors at their offsets) and `state_bytes` of other long-lived buffers (the runtime's state and optimizer
 /// moments, which they reserve one block at a time), each in its pool's size classes.
 template <class Reservation>
 std::size_t arena_bytes_for(const Reservation& res, std::size_t workspace_bytes, std::size_t state_bytes) {
-  return pool_size_class(workspace_bytes) + detail::pooled_bytes(res.activation) + detail::pooled_bytes(res.stash) +
-         detail::pooled_bytes(res.message) + state_bytes;
+  return pool_size_class(workspace_bytes) + pool_size_class(res.device) + state_bytes;
 }
 
 /// Pinned host bytes a po::Reservation's offload bins take (backend::Cuda allocates them with

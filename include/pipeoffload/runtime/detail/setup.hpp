@@ -127,8 +127,8 @@ void Runtime<Backend, Communicator>::construct() {
   if (replicas_ != nullptr) handshake(*replicas_, replica_fields());
   // The plans the executor runs: training and forward-only evaluation.
   eval_program_ = forward_only(program_);
-  make_plan(train_, program_.ranks[static_cast<std::size_t>(rank_)], true);
-  make_plan(eval_, eval_program_.ranks[static_cast<std::size_t>(rank_)], false);
+  make_plan(train_, program_, true);
+  make_plan(eval_, eval_program_, false);
   units_.assign(static_cast<std::size_t>(sh.v) * static_cast<std::size_t>(sh.m), Unit{});
   boxes_.assign(static_cast<std::size_t>(sh.stages()) * static_cast<std::size_t>(sh.m) * 2, backend::Block{});
   for (int c = 0; c < sh.v; ++c)
@@ -223,6 +223,8 @@ void Runtime<Backend, Communicator>::allocate_state() {
   const std::size_t m = static_cast<std::size_t>(sh.m);
   for (const Declared& d : inputs_) inputs_dev_.push_back(take(m * d.spec.elements * dtype_size(d.spec.dtype)));
   losses_dev_ = take(m * sizeof(float));
+  // The memory plans' region: saved units, stashes and boundary tensors at their offsets.
+  region_ = take(std::max(train_.lowered.region, eval_.lowered.region));
   // Exact gradient sums (exact path), padded to whole reduction buckets of a multiple of dp
   // values, and the reduction's staging (sized for the largest bucket); po::state_bytes counts
   // the same for a launcher that sizes memory ahead.

@@ -31,6 +31,11 @@ PassStats Runtime<Backend, Communicator>::run(const Plan& plan, const Batch& bat
     trace_.copy_end.assign(rp.copy.size(), 0.0);
   }
   dev_.reset_peaks();
+  {
+    std::lock_guard lk(buffers_mu_);
+    buffers_.peak = buffers_.in_use;
+    buffers_.total_peak = buffers_total_;
+  }
   const double t0 = dev_.now();
   enqueue(plan);
   if (plan.training) ++iterations_;
@@ -42,7 +47,7 @@ PassStats Runtime<Backend, Communicator>::run(const Plan& plan, const Batch& bat
   }
   PassStats st;
   st.seconds = dev_.now() - t0;
-  st.memory = dev_.memory();
+  st.memory = memory();
   verdict(plan, st);
   return st;
 }

@@ -46,10 +46,11 @@ void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
     std::uint32_t* flag = reinterpret_cast<std::uint32_t*>(flags_dev_.ptr) + x;
     if (op.kind == OpKind::F) {
       // Evaluation keeps nothing: the unit is a scratch block given back after the pass.
-      backend::Block saved = dev_.device_alloc(saved_[c], backend::Memory::activation);
+      backend::Block saved = take_buffer(plan.lowered.compute_at[x][0], saved_[c], backend::Memory::activation);
       if (plan.training) units_[unit_index(op.stage, op.mb)].device = saved;
       const ConstTensor in = op.stage > 0 ? box_in(op.stage, op.mb, Dir::forward) : ConstTensor{};
-      const Tensor out = op.stage < S - 1 ? box_out(op.stage + 1, op.mb, Dir::forward) : Tensor{};
+      const Tensor out =
+          op.stage < S - 1 ? box_out(op.stage + 1, op.mb, Dir::forward, plan.lowered.compute_at[x][1]) : Tensor{};
       if constexpr (backend::host_addressable_memory<Backend>)
         if (opt_.guard_buffers) detail::arm_guard(saved.ptr, saved_[c]);
       l.forward(ctx, mb, in, out, saved.ptr);
@@ -57,14 +58,15 @@ void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
         if (opt_.guard_buffers) detail::check_guard(saved.ptr, saved_[c], "forward", "saved_bytes");
       if (opt_.check_finite && out) dev_.flag_nonfinite(ctx, ConstTensor{out.data, out.elements, out.dtype}, flag);
       if (op.stage > 0) release_box(op.stage, op.mb, Dir::forward);
-      if (!plan.training) dev_.device_free(saved);
+      if (!plan.training) give_buffer(saved);
     }
     Unit& u = units_[unit_index(op.stage, op.mb)];
     if (op.kind == OpKind::B || op.kind == OpKind::BW) {
       if (u.device.ptr == nullptr) throw error("its activations are not on the device (missing reload)");
       const ConstTensor dy = op.stage < S - 1 ? box_in(op.stage, op.mb, Dir::backward) : ConstTensor{};
-      const Tensor dx = op.stage > 0 ? box_out(op.stage - 1, op.mb, Dir::backward) : Tensor{};
-      u.stash = dev_.device_alloc(stash_[c], backend::Memory::stash);
+      const Tensor dx =
+          op.stage > 0 ? box_out(op.stage - 1, op.mb, Dir::backward, plan.lowered.compute_at[x][1]) : Tensor{};
+      u.stash = take_buffer(plan.lowered.compute_at[x][0], stash_[c], backend::Memory::stash);
       if constexpr (backend::host_addressable_memory<Backend>)
         if (opt_.guard_buffers) detail::arm_guard(u.stash.ptr, stash_[c]);
       l.backward_input(ctx, mb, dy, dx, u.device.ptr, u.stash.ptr);
@@ -91,7 +93,7 @@ void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
         if (mb.mb % opt_.exact_block == 0) dev_.zero(ctx, grads.data(), grads.size_bytes());
         l.backward_weight(ctx, mb, u.device.ptr, u.stash.ptr);
         if (mb.mb % opt_.exact_block == opt_.exact_block - 1) dev_.exact_add(ctx, acc, std::span<const float>(grads));
-        if (static_cast<int>(x) == plan.last_w[c] && !reducing())
+        if (static_cast<int>(x) == plan.lowered.last_w[c] && !reducing())
           dev_.exact_round(ctx, grads, std::span<const exact::Fixed>(acc));
       }
       if constexpr (backend::host_addressable_memory<Backend>)
@@ -99,10 +101,8 @@ void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
           detail::check_guard(u.device.ptr, saved_[c], "backward_weight", "saved_bytes");
           detail::check_guard(u.stash.ptr, stash_[c], "backward_weight", "stash_bytes");
         }
-      dev_.device_free(u.stash);
-      dev_.device_free(u.device);
-      u.stash = {};
-      u.device = {};
+      give_buffer(u.stash);
+      give_buffer(u.device);
     }
   });
   if (plan.training) trace_.compute_end[x] = dev_.now();
@@ -135,11 +135,10 @@ void Runtime<Backend, Communicator>::run_copy(std::size_t y) {
         u.host[static_cast<std::size_t>(i)] = dev_.host_alloc(plan.bins[static_cast<std::size_t>(i)]);
       lay_out(true);
       dev_.transfer(std::span<const backend::CopyPiece>(pieces.data(), static_cast<std::size_t>(plan.count)));
-      dev_.device_free(u.device);
-      u.device = {};
+      give_buffer(u.device);
     } else {
       if (u.host[0].ptr == nullptr && bytes > 0) throw error("nothing to reload (the unit was not offloaded)");
-      u.device = dev_.device_alloc(bytes, backend::Memory::activation);
+      u.device = take_buffer(call_.plan->lowered.copy_at[y], bytes, backend::Memory::activation);
       lay_out(false);
       dev_.transfer(std::span<const backend::CopyPiece>(pieces.data(), static_cast<std::size_t>(plan.count)));
       for (auto& h : u.host) {
@@ -161,10 +160,9 @@ void Runtime<Backend, Communicator>::run_comm(std::size_t k) {
     if (c.send) {
       backend::Block& b = box(c.stage, c.mb, c.dir);
       comm_.send(ctx, c.peer, tag, std::span<const std::byte>(b.ptr, b.bytes));
-      dev_.device_free(b);
-      b = {};
+      give_buffer(b);
     } else {
-      const Tensor t = box_out(c.stage, c.mb, c.dir);
+      const Tensor t = box_out(c.stage, c.mb, c.dir, call_.plan->lowered.comm_at[k]);
       comm_.recv(ctx, c.peer, tag, std::span<std::byte>(t.data, t.bytes()));
     }
   } catch (const aborted_error&) {
@@ -266,47 +264,58 @@ void Runtime<Backend, Communicator>::reduce_exact(int chunk, Context& ctx) {
   }
 }
 
+// Enqueues the lowered program's ops on their streams, each after the events of the ops it
+// waits for (schedule/lower.hpp), in an order that has every awaited event recorded first.
 template <class Backend, class Communicator>
 void Runtime<Backend, Communicator>::enqueue(const Plan& plan) {
   const RankProgram& rp = *plan.rp;
-  const std::vector<int>& input_recv = plan.links.input_recv;
-  const std::vector<int>& send_producer = plan.links.send_producer;
+  const LoweredRank& lr = plan.lowered;
   const std::size_t nc = rp.compute.size(), ny = rp.copy.size(), nk = rp.comm.size();
-  // Reductions go into the comm stream's order at Plan::reduce_at.
-  const std::size_t nq = reducing() ? plan.reduces.size() : 0;
+  // Reductions go into the comm stream's order at LoweredRank::reduce_at.
+  const std::size_t nq = reducing() ? lr.reduces.size() : 0;
   reduce_trace_.clear();
   // A parameter gather the optimizer left running (share_shards(c, true)): the rank's first
   // pass of chunk c waits for it; the passes before it do not.
   std::vector<char> gather = std::exchange(gather_pending_, std::vector<char>(gather_pending_.size(), 0));
-  std::size_t ic = 0, iy = 0, ik = 0, iq = 0;
+  std::array<std::size_t, 3> issued{0, 0, 0};  // ops enqueued per Stream
+  const std::array<const std::vector<int>*, 3> done{&plan.compute_done, &plan.copy_done, &plan.comm_done};
+  const std::array<int, 3> stream_of{compute_, copy_, comm_stream_};
+  // Has every op `w` waits for been enqueued? Then make `stream` wait for their events.
+  const auto ready = [&](const Waits& w) {
+    for (std::size_t s = 0; s < 3; ++s)
+      if (w.last[s] >= 0 && static_cast<std::size_t>(w.last[s]) >= issued[s]) return false;
+    return true;
+  };
+  const auto wait_for = [&](int stream, const Waits& w) {
+    for (std::size_t s = 0; s < 3; ++s)
+      if (w.last[s] >= 0 && stream_of[s] != stream) dev_.wait(stream, (*done[s])[static_cast<std::size_t>(w.last[s])]);
+  };
+  std::size_t& ic = issued[0];
+  std::size_t& iy = issued[1];
+  std::size_t& ik = issued[2];
+  std::size_t iq = 0;
   while (ic < nc || iy < ny || ik < nk || iq < nq) {
     bool moved = false;
-    while (ic < nc) {
+    while (ic < nc && ready(lr.compute[ic])) {
       const Op& op = rp.compute[ic];
-      const int r = input_recv[ic];
-      if ((r >= 0 && static_cast<std::size_t>(r) >= ik) || (op.wait >= 0 && static_cast<std::size_t>(op.wait) >= iy))
-        break;
-      if (r >= 0) dev_.wait(compute_, plan.recv_done[static_cast<std::size_t>(r)]);
-      if (op.wait >= 0) dev_.wait(compute_, plan.copy_done[static_cast<std::size_t>(op.wait)]);
+      wait_for(compute_, lr.compute[ic]);
       const std::size_t chunk = static_cast<std::size_t>(program_.shape.chunk_of(op.stage));
       if (gather[chunk] != 0) {
         dev_.wait(compute_, gathered_[chunk]);
         gather[chunk] = 0;
       }
-      dev_.launch(compute_, [this, ic] { run_compute(ic); });
+      dev_.launch(compute_, [this, x = ic] { run_compute(x); });
       dev_.record(plan.compute_done[ic], compute_);
       ++ic;
       moved = true;
     }
-    while (iy < ny) {
-      const Op& op = rp.copy[iy];
-      if (op.wait >= 0 && static_cast<std::size_t>(op.wait) >= ic) break;
-      if (op.wait >= 0) dev_.wait(copy_, plan.compute_done[static_cast<std::size_t>(op.wait)]);
+    while (iy < ny && ready(lr.copy[iy])) {
+      wait_for(copy_, lr.copy[iy]);
       if constexpr (backend::pairs_copies<Backend>)
         if (pair_ != nullptr && pair_wait_[iy] > 0)
           dev_.wait_counter(copy_, pair_->side[(rank_ ^ 1) & 1],
                             static_cast<std::uint64_t>(iterations_ * partner_copies_ + pair_wait_[iy]));
-      dev_.launch(copy_, [this, iy] { run_copy(iy); });
+      dev_.launch(copy_, [this, y = iy] { run_copy(y); });
       dev_.record(plan.copy_done[iy], copy_);
       if constexpr (backend::pairs_copies<Backend>)
         if (pair_ != nullptr)
@@ -316,8 +325,8 @@ void Runtime<Backend, Communicator>::enqueue(const Plan& plan) {
     }
     for (;;) {
       if (iq < nq) {
-        const int c = plan.reduces[iq], x = plan.last_w[static_cast<std::size_t>(c)];
-        if (static_cast<std::size_t>(plan.reduce_at[static_cast<std::size_t>(c)]) <= ik) {
+        const int c = lr.reduces[iq], x = lr.last_w[static_cast<std::size_t>(c)];
+        if (static_cast<std::size_t>(lr.reduce_at[static_cast<std::size_t>(c)]) <= ik) {
           if (static_cast<std::size_t>(x) >= ic) break;
           dev_.wait(comm_stream_, plan.compute_done[static_cast<std::size_t>(x)]);
           dev_.launch(comm_stream_, [this, c] { run_reduce(c); });
@@ -326,12 +335,10 @@ void Runtime<Backend, Communicator>::enqueue(const Plan& plan) {
           continue;
         }
       }
-      if (ik >= nk) break;
-      const int p = send_producer[ik];
-      if (rp.comm[ik].send && (p < 0 || static_cast<std::size_t>(p) >= ic)) break;
-      if (rp.comm[ik].send) dev_.wait(comm_stream_, plan.compute_done[static_cast<std::size_t>(p)]);
-      dev_.launch(comm_stream_, [this, ik] { run_comm(ik); });
-      if (!rp.comm[ik].send) dev_.record(plan.recv_done[ik], comm_stream_);
+      if (ik >= nk || !ready(lr.comm[ik])) break;
+      wait_for(comm_stream_, lr.comm[ik]);
+      dev_.launch(comm_stream_, [this, k = ik] { run_comm(k); });
+      dev_.record(plan.comm_done[ik], comm_stream_);
       ++ik;
       moved = true;
     }
@@ -339,23 +346,6 @@ void Runtime<Backend, Communicator>::enqueue(const Plan& plan) {
       throw error("po::Runtime: rank " + std::to_string(rank_) +
                   "'s program has a dependency cycle between its streams");
   }
-}
-
-template <class Backend, class Communicator>
-std::vector<std::size_t> Runtime<Backend, Communicator>::pair_waits(const RankProgram& mine,
-                                                                    const RankProgram& theirs) {
-  std::vector<std::size_t> w(mine.copy.size(), 0);
-  const double T = mine.slot_length, U = theirs.slot_length;
-  const double eps = detail::tolerance(std::max(T, U));
-  std::size_t k = 0;
-  std::size_t last[2] = {0, 0};  // per direction (O, R): 1 + index of the partner's latest copy so far
-  for (std::size_t y = 0; y < mine.copy.size(); ++y) {
-    const double start = static_cast<double>(mine.copy_slot[y]) * T;
-    for (; k < theirs.copy.size() && static_cast<double>(theirs.copy_slot[k] + 1) * U <= start + eps; ++k)
-      last[theirs.copy[k].kind == OpKind::O ? 0 : 1] = k + 1;
-    w[y] = last[mine.copy[y].kind == OpKind::O ? 0 : 1];
-  }
-  return w;
 }
 
 }  // namespace pipeoffload
