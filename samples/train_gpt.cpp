@@ -332,7 +332,7 @@ int train_rank(
   for (std::size_t q = 0; q < reps.size(); ++q) worst[q % 2] = std::max(worst[q % 2], reps[q]);
   // What each pipeline rank reserved: its arena's blocks and its stages' own buffers.
   std::size_t my_reserved = dev.memory().device_held;
-  for (Layer& l : mine) my_reserved += train_gpt::layer_state_bytes(l);
+  for (Layer& l : mine) my_reserved += train_gpt::layer_reserved_bytes(l);
   std::vector<std::size_t> reserved(static_cast<std::size_t>(sh.d));
   comm.all_gather(std::span<const std::size_t>(&my_reserved, 1), std::span(reserved));
   if (lead)
@@ -385,12 +385,9 @@ std::vector<po::cuda::GptStage> cuda_stages(const Options& o, const Setup& su, p
 
 /// A rank's backend options, sized before anything is constructed: the cuBLASLt/cuDNN
 /// workspace is the default 256 MiB or what cuDNN's attention asks for this microbatch shape,
-/// whichever is larger (1 GiB at 4096 tokens of 32 heads); the arena holds it, every block the
-/// runtime reserves for rank `r`'s program (po::reservation_plan of the stages' saved and stash
-/// bytes and the bf16 boundaries the CUDA launchers send), the exact gradient sums and their
-/// reduction's staging and the AdamW moments of the rank's stages (ZeRO-1: its shards), each
-/// buffer as po::state_bytes lists it, and 64 MiB for the step's inputs and losses. The
-/// stages' parameters, gradients and scratch are cudaMalloc'd outside it.
+/// whichever is larger (1 GiB at 4096 tokens of 32 heads); the arena holds it and everything
+/// else the runtime, AdamW and the backend reserve for rank `r` (train_gpt::cuda_arena_bytes).
+/// The stages' parameters, gradients and scratch are cudaMalloc'd outside it.
 po::backend::Cuda::Options cuda_options(const Options& o, const Setup& su, int device, int global_rank, int r) {
   po::backend::Cuda::Options opt{.device = device, .rank = global_rank};
   const po::MicrobatchShape mb = su.runtime.microbatch;
@@ -398,24 +395,8 @@ po::backend::Cuda::Options cuda_options(const Options& o, const Setup& su, int d
     opt.workspace_bytes = std::max(
         opt.workspace_bytes, po::cuda::attention::workspace_bytes(
                                  {mb.batch, o.model.heads, mb.seq, o.model.hidden / o.model.heads}, true, device));
-  const po::Program program = train_gpt::program_of(o, su.costs);
-  const po::Shape& sh = program.shape;
-  const train_gpt::RankStages rs = train_gpt::rank_stages(
-      o, sh, r, static_cast<std::size_t>(mb.tokens()) * static_cast<std::size_t>(o.model.hidden) * 2,
-      [&](const po::model::GptDims& d) {
-        const po::cuda::GptStageBuffers buf = po::cuda::gpt_stage_buffers(d, mb.tokens());
-        return po::StageBytes{.saved = buf.saved_bytes, .stash = buf.stash_bytes};
-      });
-  const po::StateBytes model_state = po::state_bytes(rs.params, {.gradients = o.gradients,
-                                                                 .dp = o.dp,
-                                                                 .replica = global_rank / o.shape.d,
-                                                                 .zero = o.zero,
-                                                                 .optimizer_states = 2,
-                                                                 .reduce_bucket = su.runtime.reduce_bucket,
-                                                                 .parameter_bytes = 2});
-  std::size_t state = std::size_t{64} << 20;
-  for (const std::size_t bytes : model_state.blocks) state += po::cuda::pool_size_class(bytes);
-  opt.arena_bytes = po::cuda::arena_bytes_for(po::reservation_plan(program, r, rs.stages), opt.workspace_bytes, state);
+  opt.arena_bytes = train_gpt::cuda_arena_bytes(o, su, train_gpt::program_of(o, su.costs), r, global_rank / o.shape.d,
+                                                opt.workspace_bytes);
   return opt;
 }
 

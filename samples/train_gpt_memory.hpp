@@ -1,4 +1,5 @@
-// samples/train_gpt_memory.hpp: what each rank of a train_gpt run holds on the CPU backend,
+// samples/train_gpt_memory.hpp: what each rank of a train_gpt run holds, on the CPU backend
+// (cpu_rank_bytes) and on backend::Cuda (cuda_rank_bytes, which sizes each GPU's arena),
 // computed before anything is allocated from the functions the runtime reserves with
 // (po::reservation_plan, po::state_bytes, the stages' layouts), and the check that refuses a
 // run the machine cannot hold (exit 2) instead of meeting the kernel's OOM killer mid-run.
@@ -14,7 +15,10 @@
 #include <vector>
 
 #include <models/gpt/cpu.hpp>
+#include <models/gpt/cuda_layout.hpp>
 #include <pipeoffload/backend/cpu/cpu.hpp>
+#include <pipeoffload/backend/cuda/pools.hpp>
+#include <pipeoffload/backend/cuda/shapes.hpp>
 #include <pipeoffload/memory/state.hpp>
 #include <pipeoffload/runtime/reserve.hpp>
 
@@ -60,38 +64,132 @@ RankStages rank_stages(const Options& o, const po::Shape& sh, int r, std::size_t
   return out;
 }
 
+/// What a backend's stages keep per microbatch, and the bytes of one boundary tensor: the CPU
+/// GPT's fp32 layout (gpt_cpu_bytes) or cuda::GptStage's (gpt_stage_buffers, bf16 boundaries).
+inline po::StageBytes own_bytes(bool cuda, const po::model::GptDims& d, po::MicrobatchShape mb) {
+  if (cuda) {
+    const po::cuda::GptStageBuffers b = po::cuda::gpt_stage_buffers(d, mb.tokens());
+    return {.saved = b.saved_bytes, .stash = b.stash_bytes};
+  }
+  return {.saved = po::model::gpt_cpu_bytes::saved(d, mb), .stash = po::model::gpt_cpu_bytes::stash(d, mb)};
+}
+inline std::size_t boundary_bytes(bool cuda, const Options& o, po::MicrobatchShape mb) {
+  return static_cast<std::size_t>(mb.tokens()) * static_cast<std::size_t>(o.model.hidden) * (cuda ? 2 : 4);
+}
+
+/// rank_stages of rank `r` on the CPU (`cuda` false) or the CUDA GPT.
+inline RankStages rank_stages(const Options& o, const Setup& su, const po::Shape& sh, int r, bool cuda) {
+  const po::MicrobatchShape mb = su.runtime.microbatch;
+  return rank_stages(o, sh, r, boundary_bytes(cuda, o, mb),
+                     [&](const po::model::GptDims& d) { return own_bytes(cuda, d, mb); });
+}
+
+/// Every pipeline rank's po::Reservation under `program`, lowering it once (what
+/// po::reservation_plan gives rank by rank): for a launcher or a test sizing every rank.
+inline std::vector<po::Reservation> reservations(const Options& o, const Setup& su, const po::Program& program,
+                                                 bool cuda) {
+  const po::Shape& sh = program.shape;
+  std::vector<po::StageBytes> all(static_cast<std::size_t>(sh.stages()));
+  for (int r = 0; r < sh.d; ++r) {
+    const RankStages rs = rank_stages(o, su, sh, r, cuda);
+    for (int c = 0; c < sh.v; ++c) {
+      const auto s = static_cast<std::size_t>(sh.stage_of(r, c));
+      all[s] = rs.stages[s];
+    }
+  }
+  return po::reservation_plans(program, all);
+}
+
+namespace detail {
+
+/// The blocks rank `r`'s runtime and optimizer take for themselves, each in the backend's size
+/// class (`round`): the step's token ids and targets, the last stage's losses, a non-finite
+/// flag per compute op, and po::state_bytes's blocks (exact sums, staging, the optimizer's
+/// moments and, with bf16 working parameters, its fp32 master). `state` also gets the stages'
+/// parameters and gradients as po::state_bytes counts them.
+template <class Round>
+std::size_t own_blocks(const Options& o, const Setup& su, const po::Program& program, int r, int replica,
+                       const RankStages& rs, std::size_t parameter_bytes, Round round, po::StateBytes& state) {
+  const std::size_t T = static_cast<std::size_t>(su.runtime.microbatch.tokens()),
+                    m = static_cast<std::size_t>(program.shape.m);
+  const std::size_t inputs = (rs.tokens ? 1 : 0) + (rs.targets ? 1 : 0);
+  std::size_t out = inputs * round(m * T * sizeof(std::int32_t));  // the step's token ids and targets
+  out += round(m * sizeof(float));                                 // the last stage's losses
+  out += round(std::max<std::size_t>(1, program.ranks[static_cast<std::size_t>(r)].compute.size()) *
+               sizeof(std::uint32_t));  // a non-finite flag per compute op
+  state = po::state_bytes(rs.params, {.gradients = o.gradients,
+                                      .dp = o.dp,
+                                      .replica = replica,
+                                      .zero = o.zero,
+                                      .optimizer_states = 2,
+                                      .reduce_bucket = su.runtime.reduce_bucket,
+                                      .parameter_bytes = parameter_bytes});
+  for (const std::size_t bytes : state.blocks) out += round(bytes);
+  return out;
+}
+
+}  // namespace detail
+
 /// Pipeline rank `r` of replica `replica` under `program` on backend::Cpu: every block the
 /// runtime reserves (po::reservation_plan's region for the CPU GPT's saved, stash and fp32
-/// boundary sizes, and its offload bins), the blocks it and AdamW take for themselves (the step's inputs and losses, the
-/// non-finite flags, po::state_bytes's sums, staging and moments), each in its 64-byte size
-/// class, and the stages' fp32 parameters and gradients.
-inline RankBytes cpu_rank_bytes(const Options& o, const Setup& su, const po::Program& program, int r, int replica) {
+/// boundary sizes, and its offload bins), the blocks it and AdamW take for themselves
+/// (detail::own_blocks), each in its 64-byte size class, and the stages' fp32 parameters and
+/// gradients. `res`: rank r's reservation where the caller has it (reservations()).
+inline RankBytes cpu_rank_bytes(const Options& o, const Setup& su, const po::Program& program, int r, int replica,
+                                const po::Reservation* res = nullptr) {
   using po::backend::Cpu;
-  const po::Shape& sh = program.shape;
-  const po::MicrobatchShape mb = su.runtime.microbatch;
-  const std::size_t T = static_cast<std::size_t>(mb.tokens()), m = static_cast<std::size_t>(sh.m);
-  const RankStages rs = rank_stages(o, sh, r, T * static_cast<std::size_t>(o.model.hidden) * sizeof(float),
-                                    [&](const po::model::GptDims& d) {
-                                      return po::StageBytes{.saved = po::model::gpt_cpu_bytes::saved(d, mb),
-                                                            .stash = po::model::gpt_cpu_bytes::stash(d, mb)};
-                                    });
+  const RankStages rs = rank_stages(o, su, program.shape, r, false);
+  const po::Reservation mine = res ? *res : po::reservation_plan(program, r, rs.stages);
   RankBytes out;
-  const po::Reservation res = po::reservation_plan(program, r, rs.stages);
-  out.device += Cpu::round_up(res.device);
-  for (const po::BlockCount& b : res.host) out.host += Cpu::round_up(b.bytes) * b.count;
-  const std::size_t inputs = (rs.tokens ? 1 : 0) + (rs.targets ? 1 : 0);
-  out.device += inputs * Cpu::round_up(m * T * sizeof(std::int32_t));  // the step's token ids and targets
-  out.device += Cpu::round_up(m * sizeof(float));                      // the last stage's losses
-  out.device += Cpu::round_up(std::max<std::size_t>(1, program.ranks[static_cast<std::size_t>(r)].compute.size()) *
-                              sizeof(std::uint32_t));  // a non-finite flag per compute op
-  const po::StateBytes state = po::state_bytes(rs.params, {.gradients = o.gradients,
-                                                           .dp = o.dp,
-                                                           .replica = replica,
-                                                           .zero = o.zero,
-                                                           .optimizer_states = 2,
-                                                           .reduce_bucket = su.runtime.reduce_bucket});
-  for (const std::size_t bytes : state.blocks) out.device += Cpu::round_up(bytes);
+  out.device += Cpu::round_up(mine.device);
+  for (const po::BlockCount& b : mine.host) out.host += Cpu::round_up(b.bytes) * b.count;
+  po::StateBytes state;
+  out.device += detail::own_blocks(
+      o, su, program, r, replica, rs, sizeof(float), [](std::size_t b) { return Cpu::round_up(b); }, state);
   out.device += state.parameters + state.gradients;
+  return out;
+}
+
+/// backend::Cuda::Options::arena_bytes for pipeline rank `r` of replica `replica` with the CUDA
+/// GPT (cuda::arena_bytes_for): the libraries' `workspace`, the memory plan's region for
+/// cuda::GptStage's saved and stash bytes and bf16 boundaries, the blocks the runtime and
+/// AdamW take for themselves (detail::own_blocks, with an fp32 master of the bf16 working
+/// parameters), and the gradient norm's buffers (one per chunk at most), each in its 256-byte
+/// size class. `res`: rank r's reservation where the caller has it (reservations()).
+inline std::size_t cuda_arena_bytes(const Options& o, const Setup& su, const po::Program& program, int r, int replica,
+                                    std::size_t workspace, const po::Reservation* res = nullptr) {
+  const RankStages rs = rank_stages(o, su, program.shape, r, true);
+  const po::Reservation mine = res ? *res : po::reservation_plan(program, r, rs.stages);
+  po::StateBytes state;
+  std::size_t own = detail::own_blocks(o, su, program, r, replica, rs, 2, po::cuda::pool_size_class, state);
+  // The gradient norm's buffer: reserved for each chunk's groups in chunk order, one of a
+  // larger size class a new block (backend::Cuda::reserve_sum_squares).
+  for (std::size_t c = 0, most = 0; c < static_cast<std::size_t>(program.shape.v); ++c) {
+    const po::model::GptDims d =
+        po::model::gpt_dims(o.model, program.shape.stage_of(r, static_cast<int>(c)), program.shape.stages());
+    const std::size_t need = po::cuda::pool_size_class(po::cuda::norm_buffer_bytes(po::model::gpt_norm_groups(d)));
+    if (need > most) own += need;
+    most = std::max(most, need);
+  }
+  return po::cuda::arena_bytes_for(mine, workspace, own);
+}
+
+/// Everything pipeline rank `r` of replica `replica` holds on its GPU with the CUDA GPT: its
+/// arena (cuda_arena_bytes) and its stages' own cudaMalloc'd bf16 parameters, fp32 gradients
+/// and scratch (cuda::gpt_state_bytes, cuda::gpt_workspace); `host`: the pinned offload bins.
+/// What train_gpt --backend cuda reports as reserved_bytes_per_rank; the CUDA context and
+/// NCCL's buffers are not counted (the planner's PlanBudget::reserved_bytes).
+inline RankBytes cuda_rank_bytes(const Options& o, const Setup& su, const po::Program& program, int r, int replica,
+                                 std::size_t workspace, const po::Reservation* res = nullptr) {
+  const po::Shape& sh = program.shape;
+  const RankStages rs = rank_stages(o, su, sh, r, true);
+  const po::Reservation mine = res ? *res : po::reservation_plan(program, r, rs.stages);
+  RankBytes out{.device = cuda_arena_bytes(o, su, program, r, replica, workspace, &mine),
+                .host = po::cuda::pinned_bytes_for(mine)};
+  for (int c = 0; c < sh.v; ++c) {
+    const po::model::GptDims d = po::model::gpt_dims(o.model, sh.stage_of(r, c), sh.stages());
+    out.device += po::cuda::gpt_state_bytes(d) + po::cuda::gpt_workspace(d, su.runtime.microbatch.tokens()).bytes;
+  }
   return out;
 }
 

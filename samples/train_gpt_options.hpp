@@ -15,6 +15,7 @@
 
 #include <pipeoffload/comm/handshake.hpp>
 #include <pipeoffload/fnv1a.hpp>
+#include <pipeoffload/plan/model.hpp>
 #include <pipeoffload/runtime.hpp>
 #include <pipeoffload/schedule/schedule.hpp>
 #include <pipeoffload/schedule/torch_csv.hpp>
@@ -66,6 +67,9 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
   --group G             group size of gis-g (required there), ceil(D/2)..D
   --offload-chunks N    offload chunks 0..N-1 (0..V) for any schedule (po-h, po-f imply ceil(V/2), V)
   --k K                 planning: round-trip copy time / (T_F+T_B+T_W), (0, 100]; default 1
+  --flops F             planning: each stage's F, B and W cost its FLOPs at F FLOP/s, (0, 1e18], as
+                        pipeoffload-plan times them (its train_gpt line passes its own); default:
+                        every pass of every stage costs 1
   --copy-gbps X         pace the copy engine at X GB/s (a PCIe link); 0 = memcpy speed (default 0)
   --steps N             optimizer steps, 1..1000000 (default 200)
   --eval-every N        hold out the corpus's last 10% and print the loss on it every N steps (forward
@@ -105,6 +109,7 @@ struct Options {
   po::ScheduleSpec spec{};
   po::Shape shape{4, 2, 8};
   double k = 1, copy_gbps = 0;
+  double flops = 0;  // --flops; 0: unit pass costs
   int steps = 200;
   std::uint64_t seed = 1;
   std::optional<std::string> trace;
@@ -173,6 +178,7 @@ inline Options parse(int argc, char** argv) {
                                   "--group",
                                   "--offload-chunks",
                                   "--k",
+                                  "--flops",
                                   "--copy-gbps",
                                   "--steps",
                                   "--seed",
@@ -301,6 +307,7 @@ inline Options parse(int argc, char** argv) {
   if (auto v = get("--eval-every")) o.eval_every = static_cast<int>(to_int("--eval-every", *v, 0, 1000000));
   if (auto v = get("--seed")) o.seed = static_cast<std::uint64_t>(to_int("--seed", *v, 0, (1LL << 62)));
   if (auto v = get("--k")) o.k = to_real("--k", *v, 0, 100, true);
+  if (auto v = get("--flops")) o.flops = to_real("--flops", *v, 0, 1e18, true);
   if (auto v = get("--copy-gbps")) o.copy_gbps = to_real("--copy-gbps", *v, 0, 1e4, false);
   if (auto v = get("--trace")) o.trace = *v;
   if (auto v = get("--corpus")) o.corpus = *v;
@@ -407,6 +414,31 @@ inline po::Program program_of(const Options& o, const po::Costs& costs = {}) {
   return po::from_torch_csv(o.import_text, io);
 }
 
+/// The costs the program is built with: with --flops, po::stage_costs of this GPT and its cut
+/// (what pipeoffload-plan builds the same schedule with, so a plan's command runs the program
+/// the plan timed and lowered); otherwise every pass of every stage costs 1. Either way the
+/// copy ratio is --k.
+inline po::Costs program_costs(const Options& o) {
+  po::Costs c;
+  c.k = o.k;
+  if (!(o.flops > 0)) return c;
+  const po::TransformerSpec m{.layers = o.model.layers,
+                              .hidden = o.model.hidden,
+                              .heads = o.model.heads,
+                              .query_groups = o.model.heads,
+                              .seq = o.model.seq,
+                              .micro_batch = o.batch,
+                              .vocab = o.model.vocab,
+                              .recompute = o.model.recompute};
+  std::vector<po::StageContent> cut;
+  const int S = o.shape.stages();
+  for (int s = 0; s < S; ++s) {
+    const po::model::GptDims d = po::model::gpt_dims(o.model, s, S);
+    cut.push_back({d.blocks, d.embeds, d.has_head});
+  }
+  return po::stage_costs(m, cut, o.flops, o.k, o.cuda ? po::PlanBackend::cuda : po::PlanBackend::cpu);
+}
+
 /// What every rank shares: the data, the schedule and its costs, the optimizer's settings,
 /// the configuration it agrees on.
 struct Setup {
@@ -441,7 +473,7 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
     s.held_begin = s.train_tokens;
     s.held_end = n;
   }
-  s.costs.k = o.k;
+  s.costs = program_costs(o);
   s.runtime = {.microbatch = {o.batch, o.model.seq},
                .check_finite = o.check_finite,
                .gradients = o.gradients,
@@ -463,6 +495,8 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
   std::snprintf(lr, sizeof lr, "%.9g", static_cast<double>(o.lr));
   std::snprintf(drop, sizeof drop, "%.9g", static_cast<double>(o.model.dropout));
   std::snprintf(k, sizeof k, "%.17g", o.k);
+  char flops[32];
+  std::snprintf(flops, sizeof flops, "%.17g", o.flops);
   const std::string model = "layers=" + std::to_string(o.model.layers) + " hidden=" + std::to_string(o.model.hidden) +
                             " heads=" + std::to_string(o.model.heads) + " seq=" + std::to_string(o.model.seq) +
                             " dropout=" + drop + stage_blocks_text(o.model) +
@@ -485,8 +519,8 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
                                            " gradients=" + po::gradients_name(o.gradients) +
                                            (o.reduce_dtype == po::DType::bfloat16 ? " reduce=bf16" : "")});
   s.fields.push_back({"data", data});
-  s.fields.push_back(
-      {"planning", "k=" + std::string(k) + " offload=" + std::to_string(po::offload::count(o.spec.offload, sh.v))});
+  s.fields.push_back({"planning", "k=" + std::string(k) + " flops=" + flops +
+                                      " offload=" + std::to_string(po::offload::count(o.spec.offload, sh.v))});
   s.fields.push_back({"run", "checkpoint-every=" + std::to_string(o.checkpoint_every) +
                                  " resume=" + (o.resume.empty() ? "no" : "yes") + " trace=" + (o.trace ? "yes" : "no") +
                                  " eval-every=" + std::to_string(o.eval_every) +

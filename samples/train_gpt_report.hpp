@@ -36,6 +36,16 @@ std::size_t layer_state_bytes(Layer& l) {
     return l.parameters().size_bytes() + l.gradients().size_bytes();
 }
 
+/// Device bytes a stage holds for itself: layer_state_bytes and, where it keeps one for the
+/// whole run, its scratch (cuda::GptStage::scratch_bytes).
+template <class Layer>
+std::size_t layer_reserved_bytes(Layer& l) {
+  if constexpr (requires { l.scratch_bytes(); })
+    return layer_state_bytes(l) + l.scratch_bytes();
+  else
+    return layer_state_bytes(l);
+}
+
 /// What a run measured of its model state, the largest over ranks (report prints it).
 struct StateFigures {
   std::size_t optimizer_bytes = 0;  ///< global rank 0's optimizer state

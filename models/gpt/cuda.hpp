@@ -218,6 +218,8 @@ class GptStage {
   /// Device bytes of the stage's parameters and gradients: the bf16 parameters, the fp32
   /// gradients and the head's fp32 bias copy (gpt_state_bytes).
   std::size_t state_bytes() const { return gpt_state_bytes(dims_); }
+  /// Device bytes of the stage's scratch (gpt_workspace for its largest microbatch).
+  std::size_t scratch_bytes() const { return gpt_workspace(dims_, max_.tokens()).bytes; }
   /// model::GptStage::parameter_info(): the same names, offsets and shapes.
   std::vector<ParamInfo> parameter_info() const { return model::gpt_parameter_info(dims_); }
   /// The stage type's name in the runtime's messages.

@@ -451,34 +451,44 @@ TEST_CASE("model state: the CUDA GPT's device bytes per parameter, both gradient
   CHECK(now <= 2 + 4 + 12.0 / 8 + static_cast<double>(eight.staging) / static_cast<double>(2 * P) + 1e-3);
 }
 
-TEST_CASE("the planner's per-layer formulas are the GPT code's: a block's parameters and every stage's stash") {
+TEST_CASE(
+    "the planner's per-layer formulas are the GPT code's: a block's parameters, every stage's unit, stash and scratch") {
   // plan/model.hpp counts what po::plan puts on each rank; cuda::GptStage allocates it. A change
   // to either that the other does not follow fails here.
-  for (const long long h : {64LL, 128LL, 256LL})
-    for (const long long heads : {1LL, 4LL, 8LL}) {
-      CAPTURE(h);
-      CAPTURE(heads);
-      po::TransformerSpec m{.layers = 6,
-                            .hidden = static_cast<int>(h),
-                            .heads = static_cast<int>(heads),
-                            .query_groups = static_cast<int>(heads),
-                            .seq = 64,
-                            .micro_batch = 2,
-                            .vocab = 512};
-      CHECK(po::layer_parameters(m) == static_cast<double>(po::model::gpt_block_params(h).count));
-      for (const po::StageContent c : {po::StageContent{3, false, false}, po::StageContent{1, true, false},
-                                       po::StageContent{2, false, true}, po::StageContent{0, true, true}}) {
-        const po::model::GptDims d{.vocab = m.vocab,
-                                   .hidden = h,
-                                   .heads = heads,
-                                   .positions = m.seq,
-                                   .blocks = c.layers,
-                                   .embeds = c.embedding,
-                                   .has_head = c.head};
-        const long long tokens = static_cast<long long>(m.micro_batch) * m.seq;
-        CHECK(po::stage_stash_bytes(m, c) == static_cast<double>(po::cuda::gpt_stage_buffers(d, tokens).stash_bytes));
-        // Every parameter, the head's bias (V values) included.
-        CHECK(po::stage_parameters(m, c) == static_cast<double>(po::model::gpt_stage_params(d).total));
+  for (const bool recompute : {true, false})
+    for (const long long h : {64LL, 128LL, 256LL})
+      for (const long long heads : {1LL, 4LL, 8LL}) {
+        CAPTURE(recompute);
+        CAPTURE(h);
+        CAPTURE(heads);
+        po::TransformerSpec m{.layers = 6,
+                              .hidden = static_cast<int>(h),
+                              .heads = static_cast<int>(heads),
+                              .query_groups = static_cast<int>(heads),
+                              .seq = 64,
+                              .micro_batch = 2,
+                              .vocab = 512,
+                              .recompute = recompute};
+        CHECK(po::layer_parameters(m) == static_cast<double>(po::model::gpt_block_params(h).count));
+        for (const po::StageContent c : {po::StageContent{3, false, false}, po::StageContent{1, true, false},
+                                         po::StageContent{2, false, true}, po::StageContent{0, true, true}}) {
+          const po::model::GptDims d{.vocab = m.vocab,
+                                     .hidden = h,
+                                     .heads = heads,
+                                     .positions = m.seq,
+                                     .blocks = c.layers,
+                                     .embeds = c.embedding,
+                                     .has_head = c.head,
+                                     .recompute = recompute};
+          const long long tokens = static_cast<long long>(m.micro_batch) * m.seq;
+          const pc::GptStageBuffers b = pc::gpt_stage_buffers(d, tokens);
+          CHECK(po::stage_activation_bytes(m, c) == static_cast<double>(b.saved_bytes));
+          CHECK(po::stage_stash_bytes(m, c) == static_cast<double>(b.stash_bytes));
+          CHECK(po::stage_scratch_bytes(m, c) == static_cast<double>(pc::gpt_workspace(d, tokens).bytes));
+          CHECK(po::stage_norm_buffer_bytes(m, c) ==
+                static_cast<double>(pc::norm_buffer_bytes(po::model::gpt_norm_groups(d))));
+          // Every parameter, the head's bias (V values) included.
+          CHECK(po::stage_parameters(m, c) == static_cast<double>(po::model::gpt_stage_params(d).total));
+        }
       }
-    }
 }

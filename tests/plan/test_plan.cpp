@@ -154,15 +154,17 @@ TEST_CASE("per-stage costs and unit sizes follow each stage's layers, embedding 
   const TransformerSpec m = small();  // 16 slots on 8 ranks: v = 2 gives 1 slot per stage
   const MachineSpec x = small_machine(80);
   const detail::Layout L = detail::make_layout(m, x, {}, 2);
-  const double layer_f = layer_flops(m).f / x.flops, a = activation_bytes_per_layer(m);
+  // A layer's tensors and its fp32 statistics (two LayerNorms' mean and rstd, a log-sum-exp a head).
+  const double T = 2048, layer_f = layer_flops(m).f / x.flops,
+               a = activation_bytes_per_layer(m) + 4 * T * (4 + m.heads);
   for (int s = 1; s < 15; ++s) {
     CHECK(L.costs.stage_f[static_cast<std::size_t>(s)] == doctest::Approx(layer_f).epsilon(1e-12));
     CHECK(L.costs.unit_bytes[static_cast<std::size_t>(s)] == a);
   }
   CHECK(L.costs.stage_f[0] == doctest::Approx(0.01 * layer_f).epsilon(1e-12));  // embedding only
-  CHECK(L.costs.unit_bytes[0] == 4.0 * 2048);                                   // its token ids
+  CHECK(L.costs.unit_bytes[0] == 0);  // the token ids are the step's input, not the unit's
   CHECK(L.costs.stage_f[15] == doctest::Approx(head_flops(m).f / x.flops).epsilon(1e-12));
-  CHECK(L.costs.unit_bytes[15] == 2.0 * 2048 * 1024 + 4.0 * 2048 * 32000);  // LN input + fp32 softmax
+  CHECK(L.costs.unit_bytes[15] == 2 * T * 1024 + 8 * T + 2 * T * 32000);  // input, norm statistics, bf16 dlogits
   // Uneven: 3 stages per rank (24 stages for 16 slots) is refused; v = 1 puts 2 slots per stage.
   const detail::Layout L1 = detail::make_layout(m, x, {}, 1);
   CHECK(L1.costs.unit_bytes[3] == 2 * a);
@@ -234,7 +236,8 @@ TEST_CASE(
         const double region = static_cast<double>(reservation_plan(p, i, bytes).device);
         CHECK(c.buffer_bytes[u] == region);
         CHECK(c.buffer_bytes[u] >= sim.ranks[u].peak);
-        CHECK(c.peak_device_bytes[u] == L.model_state[u] + c.runtime_bytes[u] + region + L.scratch[u] + L.reserve);
+        CHECK(c.peak_device_bytes[u] ==
+              L.model_state[u] + c.runtime_bytes[u] + region + L.scratch[u] + L.libraries + L.reserve);
       } else {
         CHECK(c.peak_device_bytes[u] == L.model_state[u] + sim.ranks[u].peak + L.workspace[u]);
       }
@@ -474,6 +477,8 @@ TEST_CASE(
         out.push_back(static_cast<std::size_t>(stage_parameters(m, z0.stages[static_cast<std::size_t>(s)])));
       return out;
     };
+    // The CUDA GPT's fp32 copy of the LM head's bias (V values), on the head's rank.
+    const auto bias = [&](int r) { return r == 3 ? 4.0 * m.vocab : 0.0; };
     for (int r = 0; r < 4; ++r) {
       const auto u = static_cast<std::size_t>(r);
       double params = 0, padded = 0;
@@ -484,11 +489,12 @@ TEST_CASE(
       // Each arena block sits in a 256-byte size class: up to 255 bytes more per block (at most
       // four a chunk: the sums, two moments, the master; and four staging buffers).
       const double slack = 256.0 * (4 * v + 4);
-      CHECK(std::abs(z0.model_state[u] - 18 * params) < slack);  // bf16 working 2, fp32 gradients 4, master 4, AdamW 8
+      CHECK(std::abs(z0.model_state[u] - bias(r) - 18 * params) <
+            slack);  // bf16 working 2, fp32 gradients 4, master 4, AdamW 8
       CHECK(std::abs(z0.optimizer[u] - 12 * params) < slack);
-      CHECK(std::abs(ze.model_state[u] - (18 * params + 16 * padded)) < slack);  // and the 128-bit sums, per bucket
+      CHECK(std::abs(ze.model_state[u] - bias(r) - (18 * params + 16 * padded)) < slack);  // and the 128-bit sums
       CHECK(padded < params + static_cast<double>(v) * static_cast<double>(bud.reduce_bucket) / 100);
-      CHECK(std::abs(z4.model_state[u] - 16 * params) < slack);  // fp32 working parameters are the master
+      CHECK(std::abs(z4.model_state[u] - bias(r) - 16 * params) < slack);  // fp32 working parameters are the master
     }
     for (int dp : {2, 3, 4, 6}) {
       CAPTURE(dp);
@@ -512,11 +518,11 @@ TEST_CASE(
         double arena = 0;  // what the CUDA arena holds for the blocks: each in its 256-byte class
         for (std::size_t b : want.blocks) arena += static_cast<double>((b + 255) / 256 * 256);
         const double slack = 256.0 * (4 * v + 4);
-        CHECK(z1.model_state[u] == static_cast<double>(want.parameters + want.gradients) + arena);
-        CHECK(std::abs(z0dp.model_state[u] - (18 * params + staging)) <
+        CHECK(z1.model_state[u] == static_cast<double>(want.parameters + want.gradients) + arena + bias(r));
+        CHECK(std::abs(z0dp.model_state[u] - bias(r) - (18 * params + staging)) <
               slack);  // ZeRO-0: every replica holds everything
         CHECK(std::abs(z1.optimizer[u] - 12 * owned) < slack);
-        CHECK(std::abs(z1.model_state[u] - (6 * params + 12 * owned + staging)) < slack);
+        CHECK(std::abs(z1.model_state[u] - bias(r) - (6 * params + 12 * owned + staging)) < slack);
         // 1/dp, plus less than one value per bucket for the slices' rounding.
         CHECK(owned >= params / dp);
         CHECK(owned <= params / dp + buckets);
@@ -546,7 +552,7 @@ TEST_CASE("per_rank: the choice's device bytes by kind add up to its peak, and e
       for (std::size_t u = 0; u < 8; ++u) {
         const RankMemory& k = r.per_rank[u];
         CHECK(k.device == c.peak_device_bytes[u]);
-        CHECK(k.device == k.state + k.optimizer + k.buffers + k.scratch + k.reserve);
+        CHECK(k.device == k.state + k.optimizer + k.buffers + k.scratch + k.workspace + k.reserve);
         CHECK(k.host == c.host_bytes[u]);
         CHECK(k.state + k.optimizer == L.model_state[u] + c.runtime_bytes[u]);  // and the runtime's own blocks
         CHECK(k.optimizer == L.optimizer[u]);
@@ -558,6 +564,7 @@ TEST_CASE("per_rank: the choice's device bytes by kind add up to its peak, and e
         CHECK(k.activations == c.activation_bytes[u]);
         CHECK(k.stash == c.stash_bytes[u]);
         CHECK(k.reserve == PlanBudget{}.reserved_bytes);
+        CHECK(k.workspace == PlanBudget{}.workspace_bytes);  // 256 MiB, a whole size class
         CHECK(k.scratch > 0);
       }
     }

@@ -59,7 +59,7 @@ def main():
     check(doc.get("fits") is True, "the small model does not fit in 8 GiB")
     # Memory by kind, per rank: the kinds add up to the rank's peak; the buffers' region holds
     # the simulated activations (and the boundary tensors beside them).
-    kinds = ("state_bytes", "optimizer_bytes", "buffer_bytes", "scratch_bytes", "reserve_bytes")
+    kinds = ("state_bytes", "optimizer_bytes", "buffer_bytes", "scratch_bytes", "workspace_bytes", "reserve_bytes")
     per = doc.get("per_rank", [])
     check(len(per) == 8, f"per_rank has {len(per)} entries, want 8")
     for i, k in enumerate(per):
@@ -248,8 +248,12 @@ def runs_in_train_gpt():
     plans = [(TINY, []), ({**TINY, "--ranks": "3", "--layers": "7"}, []), (TINY, ["--dp", "2", "--zero", "1"]),
              ({**TINY, "--ranks": "4", "--pcie-gbps": "100"}, ["--gradients", "exact"])]
     # The default counts the CUDA GPT: its command runs train_gpt --backend cuda.
+    doc, _ = plan(TINY, "--recompute")
+    check((doc.get("train_gpt_args") or [])[-2:] == ["--backend", "cuda"], f"train_gpt_args {doc.get('train_gpt_args')!r}")
+    # train_gpt's CUDA GPT always recomputes: a plan without --recompute counts another model.
     doc, _ = plan(TINY)
-    check(doc.get("train_gpt_args", [])[-2:] == ["--backend", "cuda"], f"train_gpt_args {doc.get('train_gpt_args')!r}")
+    check(doc.get("train_gpt_args") is None and "plan with --recompute" in doc.get("train_gpt_args_why_not", ""),
+          f"no --recompute: {doc.get('train_gpt_args_why_not')!r}")
     rc, _, err = run(*args_of(TINY, "--backend", "gpu"))
     check(rc == 2 and "--backend must be cuda or cpu" in err, f"--backend gpu: exit {rc}, {err!r}")
     rc, _, err = run(*args_of(TINY, "--backend", "cpu", "--swiglu"))

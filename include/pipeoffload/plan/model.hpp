@@ -30,8 +30,9 @@
 // 34bsh and 20bsh (Korthikanti et al. 2022, with flash attention removing the 5as^2b term).
 // With grouped-query attention only K and V shrink, by G/a: 4bsh -> 4bsh * G/a. The paper's
 // models (G = 8 query groups, a = 32..80 heads) save 31bsh..30.4bsh, and 17bsh..16.4bsh with
-// recompute. Flash attention's softmax statistics (b*a*s fp32) are left out: they are
-// 2a/h of one bsh term (under 0.1% of a layer for h >= 4096).
+// recompute. Beside these a stage's unit holds each layer's fp32 statistics: the two norms'
+// (mean and reciprocal deviation: 4 values a token; RMSNorm's 2) and flash attention's
+// log-sum-exp (a values a token), 4bs*(4 + a) bytes, as cuda::GptStage keeps them.
 //
 // FLOPs of one layer, per microbatch (matrix multiplies only; 2 FLOPs per multiply-add):
 //   linear part P = 2bsh * (h + 2G*hd)  (QKV)  + 2bsh*h (projection) + 16bsh*h (MLP)
@@ -52,21 +53,25 @@
 // embeddings and stage S-1 the final LayerNorm and the LM head (weights tied to the word
 // embedding, a second copy on the last stage as in Megatron). For load balance each counts as
 // one layer slot, the paper's "one transformer layer removed from the first and last stages".
-// The LM head costs 2bshV FLOPs in each of F, B and W and saves its input (bsh*e; plus the
-// LayerNorm output without recompute) and the fp32 softmax of its logits (4bsV), which the
-// cross-entropy backward needs. The embedding is a lookup: it saves the int32 token ids (4bs)
-// and its passes are memory-bound, modelled as 1% of a layer's forward each.
+// The LM head costs 2bshV FLOPs in each of F, B and W. Its F computes the loss and the
+// logits' gradient at once and saves that gradient (bsV*e) for B and W, with its input (bsh*e)
+// and the final norm's statistics (2 values a token; the norm is recomputed); the fp32 logits
+// live only in the stage's scratch. The embedding saves nothing (the token ids are the step's
+// input, which the runtime holds) and its passes are memory-bound, modelled as 1% of a layer's
+// forward each.
 /// @file
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "../error.hpp"
 #include "../memory/state.hpp"
 #include "../policy/host_bins.hpp"
+#include "../schedule/program.hpp"
 
 namespace pipeoffload {
 
@@ -133,9 +138,13 @@ struct PlanBudget {
   /// Bytes of a gradient in the standard path's reduce-scatter: 4, or 2 for a bfloat16 one
   /// (RuntimeOptions::reduce_dtype).
   int reduce_bytes = 4;
-  /// Device memory never available to tensors: CUDA context, cuBLAS/cuDNN workspaces,
-  /// allocator fragmentation.
+  /// Device memory outside what the runtime, the stages and the optimizer reserve: the CUDA
+  /// context, NCCL's buffers, the libraries' own allocations.
   double reserved_bytes = 1 * gib;
+  /// The cuBLASLt and cuDNN workspace in the backend's arena (backend::Cuda::Options::
+  /// workspace_bytes' default; train_gpt takes cuDNN attention's need where a shape asks for
+  /// more, which only a device can say). Not counted on the CPU.
+  double workspace_bytes = 256.0 * 1024 * 1024;
   /// Largest v searched (0: as many as the layout allows, at most 64).
   int max_chunks = 0;
   /// Consider schedules that offload activations to host memory.
@@ -378,11 +387,16 @@ constexpr std::vector<StageContent> stage_layout(const TransformerSpec& m, int S
   return out;
 }
 
-/// Saved activation bytes of one stage for one microbatch: the unit the schedules count.
+/// Saved activation bytes of one stage for one microbatch: the unit the schedules count. Each
+/// layer's tensors (activation_bytes_per_layer) and fp32 statistics, the head's input, norm
+/// statistics and logits' gradient (header comment): cuda::GptStage's saved buffer
+/// (models/gpt/cuda_layout.hpp gpt_stage_buffers) for a GPT layer, to the byte
+/// (tests/cuda/test_host_plans.cpp).
 constexpr double stage_activation_bytes(const TransformerSpec& m, const StageContent& c) {
-  double x = c.layers * activation_bytes_per_layer(m);
-  if (c.embedding) x += 4.0 * m.micro_batch * m.seq;  // int32 token ids
-  if (c.head) x += bsh(m) * m.dtype_bytes * (m.recompute ? 1 : 2) + 4.0 * m.micro_batch * m.seq * m.vocab;
+  const double T = static_cast<double>(m.micro_batch) * m.seq, e = m.dtype_bytes;
+  const double stats = 4 * T * ((m.swiglu ? 2 : 4) + m.heads);  // the norms' and attention's, fp32
+  double x = c.layers * (activation_bytes_per_layer(m) + stats);
+  if (c.head) x += bsh(m) * e + 4 * T * 2 + e * T * m.vocab;
   return x;
 }
 
@@ -443,13 +457,56 @@ constexpr PassFlops stage_flops(const TransformerSpec& m, const StageContent& c)
   return x;
 }
 
-/// Transient device bytes of one pass of a stage, beyond the saved activations: the MLP's fc1
-/// output and its gradient for a layer; the bf16 logits and their fp32 gradient for the
-/// LM head.
-constexpr double stage_transient_bytes(const TransformerSpec& m, const StageContent& c) {
-  double x = c.layers > 0 ? 2.0 * fc1_width(m) / m.hidden * bsh(m) * m.dtype_bytes : 0.0;
-  if (c.head) x = std::max(x, (m.dtype_bytes + 4.0) * m.micro_batch * m.seq * m.vocab);
-  return x;
+/// The costs a schedule of `m` cut into `stages` is built and simulated with: each stage's T_F,
+/// T_B and T_W (stage_flops / `flops`: seconds on a device of `flops` FLOP/s), its unit and
+/// stash bytes as `backend` holds them (cpu: the CPU GPT's fp32 layout), and the copy ratio `k`.
+/// The planner builds every candidate with these; a launcher that builds the plan's schedule
+/// with the same arguments (train_gpt: --flops and --k) runs the program the planner timed and
+/// lowered.
+constexpr Costs stage_costs(const TransformerSpec& m, std::span<const StageContent> stages, double flops, double k,
+                            PlanBackend backend) {
+  const bool cpu = backend == PlanBackend::cpu;
+  Costs out;
+  out.k = k;
+  for (const StageContent& c : stages) {
+    const PassFlops fl = stage_flops(m, c);
+    out.stage_f.push_back(fl.f / flops);
+    out.stage_b.push_back(fl.b / flops);
+    out.stage_w.push_back(fl.w / flops);
+    out.unit_bytes.push_back(cpu ? cpu_stage_unit_bytes(m, c) : stage_activation_bytes(m, c));
+    out.stash_bytes.push_back(cpu ? cpu_stage_stash_bytes(m, c) : stage_stash_bytes(m, c));
+  }
+  return out;
+}
+
+/// Device bytes of backend::Cuda's gradient-norm buffer for one stage (cuda::norm_buffer_bytes
+/// of its norm groups: a table of 3g + 1 int64, an fp64 partial per 4096 values of each group
+/// and g fp64 sums), with the sample models' groups: the embedding, each layer, the head.
+/// tests/cuda/test_host_plans.cpp holds it to cuda::norm_buffer_bytes.
+constexpr double stage_norm_buffer_bytes(const TransformerSpec& m, const StageContent& c) {
+  constexpr std::uint64_t chunk = 4096;  // cuda::norm_chunk
+  const double h = m.hidden, V = m.vocab;
+  const auto blocks = [](double n) { return static_cast<double>((static_cast<std::uint64_t>(n) + chunk - 1) / chunk); };
+  double g = c.layers, partials = c.layers * blocks(layer_parameters(m));
+  if (c.embedding) {
+    g += 1;
+    partials += blocks(V * h + (m.swiglu ? 0.0 : static_cast<double>(m.seq) * h));
+  }
+  if (c.head) {
+    g += 1;
+    partials += blocks(V * h + (m.swiglu ? h : 2 * h + V));
+  }
+  return 8 * ((3 * g + 1) + partials + g);
+}
+
+/// Device bytes of a stage's own scratch, allocated once for the run (cuda::GptStage's
+/// gpt_workspace; no region of it lives from one pass to the next): three T x h tensors (a norm
+/// output, a projection output, the stage's output or the gradient flowing down), the MLP's
+/// recomputed activation (T x f) with recompute, and on the head's stage the fp32 logits (T x
+/// V) and per-token losses (T). A rank holds one per stage.
+constexpr double stage_scratch_bytes(const TransformerSpec& m, const StageContent& c) {
+  const double T = static_cast<double>(m.micro_batch) * m.seq, e = m.dtype_bytes;
+  return 3 * bsh(m) * e + (m.recompute ? T * ffn_width(m) * e : 0.0) + (c.head ? 4 * T * m.vocab + 4 * T : 0.0);
 }
 
 /// Bytes of pinned host memory one offloaded unit of `bytes` takes: the bins the runtime

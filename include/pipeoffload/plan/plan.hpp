@@ -14,8 +14,8 @@
 //   (ceil(v/2) is PO-H, v is PO-F).
 // Per rank: device bytes = model state (po::state_bytes of its chunks' parameters: what the
 // layers, po::Runtime and the optimizer hold; memory/state.hpp) + simulated peak of saved
-// activations and stashes (B to W) + workspace (reserved bytes, two P2P activation buffers each
-// way, and the largest transient of one pass on the rank: plan/model.hpp); host bytes = the
+// activations and stashes (B to W) + workspace (reserved bytes, the libraries' workspace, two
+// P2P activation buffers each way, and the stages' own scratch: plan/model.hpp); host bytes = the
 // most offloaded units resident at once (from the start of an offload to the end of its
 // reload), each rounded up to its pinned bins.
 // Costs: T_F, T_B, T_W of a stage = its FLOPs / Bc; a copy of a unit takes k x its stage's
@@ -103,7 +103,7 @@ struct PlanCandidate {
 };
 
 /// One rank's device bytes at its peak, by kind, and its pinned host bytes (PlanResult::per_rank).
-/// device = state + optimizer + buffers + scratch + reserve; activations, stash and messages are
+/// device = state + optimizer + buffers + scratch + workspace + reserve; activations, stash and messages are
 /// what the buffers' region holds at its fullest (docs/lowering.md).
 struct RankMemory {
   double device = 0;       ///< the rank's peak device bytes (PlanCandidate::peak_device_bytes)
@@ -114,8 +114,9 @@ struct RankMemory {
   double activations = 0;  ///< simulated peak of saved units and stashes together (within buffers)
   double stash = 0;        ///< of which the stashes alone at their own peak (B to W)
   double messages = 0;     ///< the most boundary tensors alive at once (within buffers)
-  double scratch = 0;      ///< the largest transient of one pass on the rank (logits, workspaces)
-  double reserve = 0;      ///< PlanBudget::reserved_bytes (CUDA context, libraries, fragmentation)
+  double scratch = 0;      ///< the stages' own scratch (stage_scratch_bytes of each: logits, workspaces)
+  double workspace = 0;    ///< the libraries' workspace in the backend's arena (PlanBudget::workspace_bytes)
+  double reserve = 0;      ///< PlanBudget::reserved_bytes (CUDA context, NCCL, libraries' allocations)
 };
 
 /// One data-parallel degree a search (GridSpec::dp = 0) tried.
@@ -148,12 +149,13 @@ struct PlanResult {
   int gpus_per_node = 8;                      ///< GridSpec's
   NodeLayout node_layout = NodeLayout::contiguous;  ///< GridSpec's
   double k = 0;                                     ///< round-trip copy / compute of one layer
-  double activation_bytes_per_layer = 0;            ///< saved bytes of one layer per microbatch
-  std::vector<int> layers_per_stage;                ///< of the choice's v*d stages (embedding and LM head not counted)
-  std::vector<double> model_state_bytes;            ///< per rank, of the choice's layout
-  std::vector<double> workspace_bytes;              ///< per rank, of the choice's layout
-  std::vector<double> optimizer_bytes;              ///< per rank: the optimizer-state part of model_state_bytes
-  std::vector<RankMemory> per_rank;                 ///< per rank: the choice's memory by kind
+  double flops = 0;  ///< MachineSpec::flops: the FLOP/s the choice's stage costs assume (stage_costs)
+  double activation_bytes_per_layer = 0;  ///< saved bytes of one layer per microbatch
+  std::vector<int> layers_per_stage;      ///< of the choice's v*d stages (embedding and LM head not counted)
+  std::vector<double> model_state_bytes;  ///< per rank, of the choice's layout
+  std::vector<double> workspace_bytes;    ///< per rank, of the choice's layout
+  std::vector<double> optimizer_bytes;    ///< per rank: the optimizer-state part of model_state_bytes
+  std::vector<RankMemory> per_rank;       ///< per rank: the choice's memory by kind
   std::vector<double> allreduce_stage_s;  ///< per stage of the choice's layout: one all-reduce of its gradients
   /// Pinned host bytes of the choice per node (the sum over the GPUs of all replicas on it),
   /// in the contiguous and in the balanced layout (empty where balanced is not defined).
@@ -174,8 +176,9 @@ struct Layout {
   Costs costs;
   std::vector<double> model_state, workspace;  ///< per rank
   std::vector<double> optimizer;               ///< per rank: the optimizer's part of model_state (state and master)
-  std::vector<double> scratch;                 ///< per rank: the largest transient (part of workspace)
+  std::vector<double> scratch;                 ///< per rank: its stages' own scratch (part of workspace)
   double messages = 0;                         ///< P2P buffers of a rank (part of workspace): the estimate's
+  double libraries = 0;                        ///< PlanBudget::workspace_bytes in its size class (part of workspace)
   double reserve = 0;                          ///< PlanBudget::reserved_bytes (part of workspace)
   double boundary = 0;                         ///< bytes of one boundary tensor (b s h values)
   double block = 256;                          ///< the backend's block rounding (arena size classes)
@@ -225,25 +228,22 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
   L.dp = grid.dp;
   L.optimizer.assign(static_cast<std::size_t>(d), 0.0);
   L.stages = stage_layout(m, S);
-  L.costs.k = copy_ratio(m, x);
+  L.costs = stage_costs(m, L.stages, x.flops, copy_ratio(m, x), bud.backend);
   L.costs.stagger_pairs = x.pairs_share_switch;
   L.model_state.assign(static_cast<std::size_t>(d), 0.0);
   L.workspace.assign(static_cast<std::size_t>(d), 0.0);
   std::vector<double> transient(static_cast<std::size_t>(d), 0.0);
+  // cuda::GptStage's fp32 copy of its head's bias (a GPT head has one; V values).
+  std::vector<double> head_bias(static_cast<std::size_t>(d), 0.0);
   std::vector<std::vector<std::size_t>> chunks(static_cast<std::size_t>(d));  // per rank: its chunks' parameters
   for (int s = 0; s < S; ++s) {
     const StageContent& c = L.stages[static_cast<std::size_t>(s)];
-    const PassFlops fl = stage_flops(m, c);
-    L.costs.stage_f.push_back(fl.f / x.flops);
-    L.costs.stage_b.push_back(fl.b / x.flops);
-    L.costs.stage_w.push_back(fl.w / x.flops);
-    L.costs.unit_bytes.push_back(cpu ? cpu_stage_unit_bytes(m, c) : stage_activation_bytes(m, c));
-    L.costs.stash_bytes.push_back(cpu ? cpu_stage_stash_bytes(m, c) : stage_stash_bytes(m, c));
     const auto r = static_cast<std::size_t>(where.rank_of(s));
     const double P = stage_parameters(m, c);
     chunks[r].push_back(static_cast<std::size_t>(P));
     L.allreduce.push_back(allreduce_seconds(P, bud, grid));
-    if (!cpu) transient[r] = std::max(transient[r], stage_transient_bytes(m, c));
+    if (!cpu) transient[r] += stage_scratch_bytes(m, c);
+    if (!cpu && c.head && !m.swiglu) head_bias[r] += 4.0 * m.vocab;
   }
   L.block = cpu ? 64 : 256;
   L.cpu = cpu;
@@ -260,7 +260,7 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
       const double one = rounded((so.zero == 1 && so.dp > 1 ? gl.owned(0) : n) * sizeof(float));
       optimizer += one * (so.optimizer_states + (so.parameter_bytes != sizeof(float) ? 1 : 0));
     }
-    L.model_state[r] = static_cast<double>(b.parameters + b.gradients) + arena;
+    L.model_state[r] = static_cast<double>(b.parameters + b.gradients) + arena + head_bias[r];
     L.optimizer[r] = optimizer;
   }
   // Two P2P buffers each way (activation in/out, gradient in/out), b*s*h elements each.
@@ -269,8 +269,9 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
   L.messages = p2p;
   L.scratch = transient;
   L.reserve = cpu ? 0.0 : bud.reserved_bytes;
+  L.libraries = cpu ? 0.0 : detail::round_to(bud.workspace_bytes, L.block);
   for (int r = 0; r < d; ++r)
-    L.workspace[static_cast<std::size_t>(r)] = L.reserve + p2p + transient[static_cast<std::size_t>(r)];
+    L.workspace[static_cast<std::size_t>(r)] = L.reserve + L.libraries + p2p + transient[static_cast<std::size_t>(r)];
   return L;
 }
 
@@ -477,19 +478,15 @@ constexpr std::vector<StageBytes> stage_buffers(const Layout& L) {
 
 /// Replaces candidate `c`'s estimated activation and message bytes by its lowered memory plan
 /// (po::lower_all of its training and evaluation programs, docs/lowering.md): each rank's
-/// device bytes become model state + the region the runtime reserves + scratch + reserve, and
+/// device bytes become model state + the region the runtime reserves + scratch + workspace +
+/// reserve, and
 /// `c` is judged again on machine `x`. `p`: scratch for the rebuilt program.
 constexpr void lower_candidate(PlanCandidate& c, const detail::Layout& L, const TransformerSpec& m,
                                const MachineSpec& x, Program& p) {
   const int d = x.ranks, mb = m.global_batch / (m.micro_batch * L.dp);
-  // train_gpt builds its program with unit passes and the plan's k (train_gpt_args' --k): with
-  // backend cpu, that is the program whose memory plan is counted.
-  Costs costs = L.costs;
-  if (L.cpu) {
-    costs = Costs{};
-    costs.k = L.costs.k;
-  }
-  build_into(p, c.spec, {d, L.v, mb}, costs);
+  // The program timed is the one lowered, and the one a launcher runs: train_gpt builds the
+  // plan's schedule with the same stage_costs (train_gpt_args' --flops and --k).
+  build_into(p, c.spec, {d, L.v, mb}, L.costs);
   const std::vector<StageBytes> bytes = detail::stage_buffers(L);
   const std::vector<LoweredRank> train = lower_all(p, bytes), eval = lower_all(forward_only(p), bytes);
   c.lowered = true;
@@ -505,14 +502,23 @@ constexpr void lower_candidate(PlanCandidate& c, const detail::Layout& L, const 
     // head's), each microbatch's loss, a non-finite flag per compute op.
     const bool first = p.shape.rank_of(0) == r, last = p.shape.rank_of(p.shape.stages() - 1) == r;
     const double inputs = (first ? rounded(4 * mb * T) : 0.0) + (last ? rounded(4 * mb * T) : 0.0);
-    const double fixed = inputs + rounded(4.0 * mb) + rounded(4.0 * static_cast<double>(p.ranks[u].compute.size()));
+    double fixed = inputs + rounded(4.0 * mb) + rounded(4.0 * static_cast<double>(p.ranks[u].compute.size()));
+    // backend::Cuda's gradient-norm buffer: the runtime reserves each chunk's in chunk order,
+    // and one of a larger size class is a new block (the smaller stays in its pool).
+    double most = 0;
+    for (int k = 0; k < L.v && !L.cpu; ++k) {
+      const double need =
+          rounded(stage_norm_buffer_bytes(m, L.stages[static_cast<std::size_t>(p.shape.stage_of(r, k))]));
+      if (need > most) fixed += need;
+      most = std::max(most, need);
+    }
     c.buffer_bytes.push_back(region);
     c.message_bytes.push_back(static_cast<double>(std::max(train[u].peak[2], eval[u].peak[2])));
     c.runtime_bytes.push_back(fixed);
     double host = 0;  // the pinned bins the runtime reserves (training's; evaluation has none)
     for (const BlockCount& b : train[u].host) host += static_cast<double>(b.bytes * b.count);
     c.host_bytes[u] = host;
-    c.peak_device_bytes[u] = L.model_state[u] + fixed + region + L.scratch[u] + L.reserve;
+    c.peak_device_bytes[u] = L.model_state[u] + fixed + region + L.scratch[u] + L.libraries + L.reserve;
   }
   detail::judge(c, x);
 }
@@ -652,6 +658,7 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
   PlanResult res;
   res.microbatches = mb;
   res.k = copy_ratio(m, x);
+  res.flops = x.flops;
   res.activation_bytes_per_layer = activation_bytes_per_layer(m);
   std::vector<detail::Layout> layouts;
   Program program;  // reused by every candidate
@@ -758,6 +765,7 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
                             .stash = res.choice.stash_bytes[u],
                             .messages = res.choice.message_bytes[u],
                             .scratch = L.scratch[u],
+                            .workspace = L.libraries,
                             .reserve = L.reserve});
   }
   res.allreduce_stage_s = L.allreduce;
@@ -908,6 +916,7 @@ constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const 
     throw shape_error("budget: reduction bucket must be in [1, 2^40] values, got " +
                       detail::num(static_cast<long long>(bud.reduce_bucket)));
   detail::require_real("budget: reserved bytes (>= 0)", bud.reserved_bytes, 0, 1e18);
+  detail::require_real("budget: workspace bytes (>= 0)", bud.workspace_bytes, 0, 1e18);
   detail::require_range("budget: max chunks (0 = no limit)", bud.max_chunks, 0, max_chunks);
   if (bud.backend == PlanBackend::cpu &&
       (m.swiglu || m.query_groups != m.heads || (m.ffn_hidden != 0 && m.ffn_hidden != 4 * m.hidden) || !m.vocab_stages))

@@ -58,8 +58,11 @@ inline std::vector<std::string> train_gpt_args(const PlanResult& r, const Transf
     why = "train_gpt's GPT holds the embedding and head on the first and last stage";
   else if (m.vocab != 256)
     why = "train_gpt learns the byte-level corpus (vocabulary 256); --vocab is " + detail::num(m.vocab);
+  else if (r.backend == PlanBackend::cuda && !m.recompute)
+    why = "train_gpt's CUDA GPT recomputes LayerNorm, GeLU and dropout in backward: plan with --recompute";
   else if (m.layers > 4096 || m.hidden > 8192 || m.heads > 1024 || m.seq > 8192 || m.micro_batch > 4096 ||
-           r.ranks > 64 || c.chunks > 64 || r.microbatches > 4096 || r.dp > 64 || !(r.k > 0 && r.k <= 100))
+           r.ranks > 64 || c.chunks > 64 || r.microbatches > 4096 || r.dp > 64 || !(r.k > 0 && r.k <= 100) ||
+           !(r.flops > 0 && r.flops <= 1e18))
     why = "the plan is outside train_gpt's ranges (--help lists them)";
   if (!why.empty() || c.name.empty()) return {};
   std::vector<std::string> a = detail::schedule_args(r, r.ranks);
@@ -70,9 +73,11 @@ inline std::vector<std::string> train_gpt_args(const PlanResult& r, const Transf
             "--seq", detail::num(m.seq), "--batch", detail::num(m.micro_batch), "--stage-blocks", blocks});
   if (r.dp > 1) a.insert(a.end(), {"--dp", detail::num(r.dp), "--zero", detail::num(r.zero)});
   if (r.gradients == Gradients::exact) a.insert(a.end(), {"--gradients", "exact"});
-  char k[32];
-  std::snprintf(k, sizeof k, "%.17g", r.k);  // the plan's k, to the bit: the program is built with it
-  a.insert(a.end(), {"--k", k, "--backend", r.backend == PlanBackend::cpu ? "cpu" : "cuda"});
+  // The plan's k and FLOP/s, to the bit: the program is built with them (stage_costs).
+  char k[32], flops[32];
+  std::snprintf(k, sizeof k, "%.17g", r.k);
+  std::snprintf(flops, sizeof flops, "%.17g", r.flops);
+  a.insert(a.end(), {"--k", k, "--flops", flops, "--backend", r.backend == PlanBackend::cpu ? "cpu" : "cuda"});
   return a;
 }
 
@@ -219,14 +224,14 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
         s += "          -  not planned: " + g.note + "\n";
     }
   }
-  s += "\nrank  device GiB  = state + optimizer + buffers [activations (stash) + messages] + scratch + reserve   host "
-       "GiB\n";
+  s += "\nrank  device GiB  = state + optimizer + buffers [activations (stash) + messages] + scratch + workspace + "
+       "reserve   host GiB\n";
   for (std::size_t u = 0; u < r.per_rank.size(); ++u) {
     const RankMemory& k = r.per_rank[u];
-    char line[220];
-    std::snprintf(line, sizeof line, "%4zu%12.2f%9.2f%12.2f%10.2f%14.2f%8.2f%11.2f%10.2f%10.2f%11.2f%s\n", u,
+    char line[240];
+    std::snprintf(line, sizeof line, "%4zu%12.2f%9.2f%12.2f%10.2f%14.2f%8.2f%11.2f%10.2f%12.2f%10.2f%11.2f%s\n", u,
                   k.device / gib, k.state / gib, k.optimizer / gib, k.buffers / gib, k.activations / gib, k.stash / gib,
-                  k.messages / gib, k.scratch / gib, k.reserve / gib, k.host / gib,
+                  k.messages / gib, k.scratch / gib, k.workspace / gib, k.reserve / gib, k.host / gib,
                   k.device > x.device_bytes || k.host > x.host_bytes ? "  over" : "");
     s += line;
   }
@@ -250,7 +255,7 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
 
 /// JSON for programs (keys in render order; arrays are per rank). per_rank: each rank's memory by
 /// kind (RankMemory: device_bytes = state_bytes + optimizer_bytes + buffer_bytes +
-/// scratch_bytes + reserve_bytes; buffer_bytes is the lowered memory plan's region, which holds
+/// scratch_bytes + workspace_bytes + reserve_bytes; buffer_bytes is the lowered memory plan's region, which holds
 /// activation_bytes (units and stashes at their simulated peak; stash_bytes the stashes' own)
 /// and message_bytes; host_bytes). train_gpt_args: train_gpt_args() as strings, or
 /// null and train_gpt_args_why_not. With `grid`, the grid's keys:
@@ -298,7 +303,7 @@ inline std::string render_plan_json(const PlanResult& r, const TransformerSpec& 
          ", \"optimizer_bytes\": " + fmt(k.optimizer) + ", \"buffer_bytes\": " + fmt(k.buffers) +
          ", \"activation_bytes\": " + fmt(k.activations) + ", \"stash_bytes\": " + fmt(k.stash) +
          ", \"message_bytes\": " + fmt(k.messages) + ", \"scratch_bytes\": " + fmt(k.scratch) +
-         ", \"reserve_bytes\": " + fmt(k.reserve) + "}";
+         ", \"workspace_bytes\": " + fmt(k.workspace) + ", \"reserve_bytes\": " + fmt(k.reserve) + "}";
   }
   s += r.per_rank.empty() ? "],\n" : "\n  ],\n";
   if (grid) {

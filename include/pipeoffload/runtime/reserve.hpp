@@ -10,7 +10,6 @@
 #pragma once
 
 #include <algorithm>
-#include <array>
 #include <cstddef>
 #include <span>
 #include <string>
@@ -23,27 +22,25 @@
 namespace pipeoffload {
 
 /// What one rank reserves for its buffers: the device region of its lowered programs' memory
-/// plans (training's and evaluation's never run at once: the larger) and the pinned host bins.
+/// plans (training's and evaluation's never run at once: the larger) and the pinned host bins
+/// (training's: evaluation offloads nothing).
 struct Reservation {
-  std::size_t device = 0;             ///< device bytes: saved units, stashes and boundary tensors at their offsets
-  std::vector<BlockCount> host;       ///< pinned host: offload bins (powers of two), blocks per size
-  std::array<std::size_t, 3> peak{};  ///< training's witnessed peaks: units, stashes, boundary tensors (bytes)
+  std::size_t device = 0;        ///< device bytes: saved units, stashes and boundary tensors at their offsets
+  std::vector<BlockCount> host;  ///< pinned host: offload bins (powers of two), blocks per size
 };
 
 /// The reservation of a rank's lowered training and evaluation programs.
-inline Reservation reservation_of(const LoweredRank& train, const LoweredRank& eval) {
-  Reservation res{std::max(train.region, eval.region), train.host, train.peak};
-  for (const BlockCount& b : eval.host) {
-    auto it = std::find_if(res.host.begin(), res.host.end(), [&](const BlockCount& x) { return x.bytes == b.bytes; });
-    if (it == res.host.end())
-      res.host.push_back(b);
-    else
-      it->count = std::max(it->count, b.count);
-  }
-  std::sort(res.host.begin(), res.host.end(),
-            [](const BlockCount& a, const BlockCount& b) { return a.bytes < b.bytes; });
-  return res;
+constexpr Reservation reservation_of(const LoweredRank& train, const LoweredRank& eval) {
+  return {std::max(train.region, eval.region), train.host};
 }
+
+namespace detail {
+inline void check_reservation_args(const char* who, const Program& p, std::span<const StageBytes> stages) {
+  if (static_cast<int>(stages.size()) != p.shape.stages())
+    throw error(std::string(who) + ": " + std::to_string(stages.size()) +
+                " stage sizes given; the program has S = " + std::to_string(p.shape.stages()) + " stages");
+}
+}  // namespace detail
 
 /// What rank `rank` of `p` reserves: the memory plans of its training program and of its
 /// evaluation (forward_only(p)), lowered with `stages[s]`, stage s's bytes. Units are taken by
@@ -51,14 +48,21 @@ inline Reservation reservation_of(const LoweredRank& train, const LoweredRank& e
 /// boundary tensors by F/B (outputs) and recvs (inputs), given back by sends and by the F/B
 /// that consumed them; pinned host bins by O and R.
 inline Reservation reservation_plan(const Program& p, int rank, std::span<const StageBytes> stages) {
-  const Shape& sh = p.shape;
-  if (rank < 0 || rank >= sh.d)
-    throw error("po::reservation_plan: rank = " + std::to_string(rank) + " is outside [0, " + std::to_string(sh.d - 1) +
-                "]");
-  if (static_cast<int>(stages.size()) != sh.stages())
-    throw error("po::reservation_plan: " + std::to_string(stages.size()) +
-                " stage sizes given; the program has S = " + std::to_string(sh.stages()) + " stages");
+  if (rank < 0 || rank >= p.shape.d)
+    throw error("po::reservation_plan: rank = " + std::to_string(rank) + " is outside [0, " +
+                std::to_string(p.shape.d - 1) + "]");
+  detail::check_reservation_args("po::reservation_plan", p, stages);
   return reservation_of(lower(p, rank, stages), lower(forward_only(p), rank, stages));
+}
+
+/// reservation_plan for every rank of `p`, lowering the program once (a launcher sizing all
+/// its ranks, or a sweep, without lowering the whole program again per rank).
+inline std::vector<Reservation> reservation_plans(const Program& p, std::span<const StageBytes> stages) {
+  detail::check_reservation_args("po::reservation_plans", p, stages);
+  const std::vector<LoweredRank> train = lower_all(p, stages), eval = lower_all(forward_only(p), stages);
+  std::vector<Reservation> out;
+  for (std::size_t r = 0; r < train.size(); ++r) out.push_back(reservation_of(train[r], eval[r]));
+  return out;
 }
 
 }  // namespace pipeoffload

@@ -599,9 +599,9 @@ class Runtime<Backend, Communicator> {
   /// (backend::reserves_norm_buffers), so no step allocates.
   void reserve_memory() {
     for (const BlockCount& b : reservation_of(train_.lowered, eval_.lowered).host) dev_.reserve_host(b.bytes, b.count);
+    // Each chunk's whole groups: every piece of them (a shard's) needs no more.
     if constexpr (backend::reserves_norm_buffers<Backend>)
-      for (const std::vector<NormPiece>& pieces : norm_pieces_)
-        for (const NormPiece& p : pieces) dev_.reserve_sum_squares(p.sizes);
+      for (const std::vector<std::size_t>& groups : norm_groups_) dev_.reserve_sum_squares(groups);
   }
 
   /// The backend's memory figures with the region's buffers counted as what they hold (units,

@@ -513,7 +513,8 @@ class Cuda {
   /// Makes sum_squares' device block large enough for `groups` now (see sum_squares; the
   /// runtime calls it for each chunk's norm groups at construction). It only grows.
   void reserve_sum_squares(std::span<const std::size_t> groups) {
-    const std::size_t need = cuda::norm_buffer_bytes(groups);
+    // Whole size classes: a need that its block's class holds takes no new block.
+    const std::size_t need = round_up(cuda::norm_buffer_bytes(groups));
     if (norms_.bytes >= need) return;
     select();
     device_free(norms_);
