@@ -499,11 +499,10 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
   std::snprintf(flops, sizeof flops, "%.17g", o.flops);
   const std::string model = "layers=" + std::to_string(o.model.layers) + " hidden=" + std::to_string(o.model.hidden) +
                             " heads=" + std::to_string(o.model.heads) + " seq=" + std::to_string(o.model.seq) +
-                            " dropout=" + drop + stage_blocks_text(o.model) +
+                            " dropout=" + drop +
                             (o.model.vocab != 256 ? " vocab=" + std::to_string(o.model.vocab) : "");
   // The global batch: R replicas of m microbatches train as one replica of R*m.
   const std::string batch = "batch=" + std::to_string(o.batch) + " microbatches=" + std::to_string(o.dp * sh.m) +
-                            " stages=" + std::to_string(sh.stages()) +
                             (o.exact_block > 1 ? " exact-block=" + std::to_string(o.exact_block) : "");
   const std::string train = "steps=" + std::to_string(o.steps) + " lr=" + lr + " seed=" + std::to_string(o.seed) +
                             " decay=" + (o.decay_all ? "all" : "2d-only");
@@ -512,7 +511,7 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
                 s.tokens.vocab(), static_cast<unsigned long long>(s.tokens.hash()), s.train_tokens,
                 static_cast<unsigned long long>(s.held.hash()), s.held_begin, s.held_end);
   s.fields = po::handshake_fields(o.spec, sh);
-  s.fields.push_back({"model", model});
+  s.fields.push_back({"model", model + " stages=" + std::to_string(sh.stages()) + stage_blocks_text(o.model)});
   s.fields.push_back({"batch", batch});
   s.fields.push_back({"training", train});
   s.fields.push_back({"data parallel", "dp=" + std::to_string(o.dp) + " zero=" + std::to_string(o.zero) +
@@ -525,9 +524,9 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
                                  " resume=" + (o.resume.empty() ? "no" : "yes") + " trace=" + (o.trace ? "yes" : "no") +
                                  " eval-every=" + std::to_string(o.eval_every) +
                                  " check-finite=" + (o.check_finite ? "yes" : "no")});
-  // The training state depends on these, not on the schedule, rank count or replica count
-  // (every schedule and split of the global batch trains bit-identically), so a checkpoint
-  // resumes under any of them.
+  // The training state depends on these, not on the schedule, the cut into stages, the rank
+  // count or the replica count (every schedule, cut and split of the global batch trains
+  // bit-identically), so a checkpoint resumes under any of them (another cut by tensor names).
   s.config_hash = po::fnv1a(model + "|" + batch + "|" + train + "|" + data);
   char data_words[160];
   std::snprintf(data_words, sizeof data_words, "tokens=%zu vocab=%lld data-fnv1a=%016llx train-tokens=%zu", n,

@@ -1,16 +1,20 @@
 // tests/runtime: the reference GPT model: gradients against finite differences, selective
-// recompute (same gradients, fewer saved bytes), and pipelined training bit-identical to one rank.
+// recompute (same gradients, fewer saved bytes), pipelined training bit-identical to one rank,
+// and checkpoints that load into another cut of the model by tensor names.
 #include <doctest/doctest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include <models/gpt/cpu.hpp>
 #include <pipeoffload/runtime.hpp>
+#include <pipeoffload/runtime/checkpoint.hpp>
 
 namespace {
 
@@ -226,16 +230,23 @@ struct GptRun {
   std::vector<std::string> errors;
 };
 
-/// `steps` steps of the small GPT under `spec` on thread ranks, its stages of type Layer (a
-/// GptStage or a wrapper), with the buffer guard when `guard`.
+/// The small GPT these tests train.
+GptConfig small_gpt() { return {.hidden = 16, .heads = 2, .layers = 4, .seq = 8, .dropout = 0.1f}; }
+
+/// Where a run saves a checkpoint (after `save_after` steps) and what it resumes from (then it
+/// trains steps first_step..steps-1).
+struct Checkpoints {
+  std::filesystem::path save_dir{};
+  int save_after = -1;
+  std::filesystem::path load_dir{};
+  int first_step = 0;
+};
+
+/// `steps` steps of `cfg` (the small GPT) under `spec` on thread ranks, its stages of type
+/// Layer (a GptStage or a wrapper), with the buffer guard when `guard`.
 template <class Layer = GptStage>
-GptRun train_gpt(po::ScheduleSpec spec, po::Shape shape, int steps, bool guard = false) {
-  GptConfig cfg;
-  cfg.hidden = 16;
-  cfg.heads = 2;
-  cfg.layers = 4;
-  cfg.seq = 8;
-  cfg.dropout = 0.1f;
+GptRun train_gpt(po::ScheduleSpec spec, po::Shape shape, int steps, bool guard = false, GptConfig cfg = small_gpt(),
+                 const Checkpoints& ck = {}) {
   const po::MicrobatchShape mbs{2, 8};
   const po::Program program = po::build(spec, shape);
   const po::WarmupCosine lr{.lr = 1e-2f, .warmup_steps = 1, .total_steps = 1000, .min_lr_ratio = 0.1f};
@@ -254,7 +265,8 @@ GptRun train_gpt(po::ScheduleSpec spec, po::Shape shape, int steps, bool guard =
     po::AdamW opt(rt, {.weight_decay = 0.1f});
     const std::size_t n = static_cast<std::size_t>(mbs.tokens()) * static_cast<std::size_t>(shape.m);
     std::vector<std::int32_t> tok(n), tgt(n);
-    for (int s = 0; s < steps; ++s) {
+    if (!ck.load_dir.empty()) po::load_checkpoint(ck.load_dir, rt, opt, 42);
+    for (int s = ck.first_step; s < steps; ++s) {
       for (std::size_t i = 0; i < n; ++i) {
         tok[i] = static_cast<std::int32_t>((i * 31 + static_cast<std::size_t>(s) * 7) % 256);
         tgt[i] = static_cast<std::int32_t>((i * 17 + 3) % 256);
@@ -265,6 +277,7 @@ GptRun train_gpt(po::ScheduleSpec spec, po::Shape shape, int steps, bool guard =
       const po::PassStats st = rt.forward_backward(batch, {.step = s});
       opt.step(lr(s), po::clip_scale(po::grad_norm(rt), 0.5f));
       if (r == 0) run.losses[static_cast<std::size_t>(s)] = st.loss;
+      if (s + 1 == ck.save_after) po::save_checkpoint(ck.save_dir, rt, opt, {42, 1, s + 1});
     }
     std::lock_guard lk(mu);
     for (int c = 0; c < shape.v; ++c) {
@@ -309,7 +322,7 @@ TEST_CASE("GPT: the buffer guard changes nothing for a correct layer and names o
   REQUIRE(plain.params.size() == guarded.params.size());
   CHECK(std::memcmp(plain.params.data(), guarded.params.data(), plain.params.size() * sizeof(float)) == 0);
   const po::MicrobatchShape mbs{2, 8};
-  const GptStage probe(GptConfig{.hidden = 16, .heads = 2, .layers = 4, .seq = 8}, 1, 4);
+  const GptStage probe(small_gpt(), 1, 4);
   const std::string saved = std::to_string(probe.saved_bytes(mbs)), stash = std::to_string(probe.stash_bytes(mbs));
   const std::string e0 = train_gpt<Overrun<0>>(spec, shape, 1, true).errors[1];
   CHECK_MESSAGE(e0.find("F(stage 1, mb 0): the stage's forward wrote past its saved_bytes() = " + saved +
@@ -345,6 +358,48 @@ TEST_CASE("GPT: pipelined training is bit-identical to one rank holding the whol
     REQUIRE(run.params.size() == ref.params.size());
     CHECK(std::memcmp(run.params.data(), ref.params.data(), ref.params.size() * sizeof(float)) == 0);
   }
+}
+
+TEST_CASE(
+    "GPT: a checkpoint loads into another cut of the model by tensor names, bitwise; a mismatch names the tensor") {
+  using GK = po::GroupSpec::Kind;
+  const po::ScheduleSpec gis{po::Family::grouped, {GK::full, 0}, po::offload::none},
+      po_f{po::Family::grouped, {GK::uniform, 1}, po::offload::all};
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("po_test_gpt_cut_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  // Uninterrupted, 4 stages: the exact path trains any cut to the same bits.
+  const GptRun whole = train_gpt(gis, {2, 2, 4}, 4);
+  for (const auto& e : whole.errors) REQUIRE(e == "");
+  // Saved after 2 steps by 8 stages (4 blocks: some stages hold none), resumed by 4 stages, by an
+  // uneven cut of 4 and by one rank of 3 stages.
+  REQUIRE(train_gpt(po_f, {4, 2, 4}, 2, false, small_gpt(), {.save_dir = dir, .save_after = 2}).errors ==
+          std::vector<std::string>(4));
+  GptConfig uneven = small_gpt();
+  uneven.stage_blocks = {0, 3, 1, 0};
+  for (const auto& [cfg, shape] : {std::pair{small_gpt(), po::Shape{2, 2, 4}}, std::pair{uneven, po::Shape{2, 2, 4}},
+                                   std::pair{small_gpt(), po::Shape{1, 3, 4}}}) {
+    CAPTURE(shape.stages());
+    CAPTURE(cfg.stage_blocks.size());
+    const GptRun resumed = train_gpt(gis, shape, 4, false, cfg, {.load_dir = dir, .first_step = 2});
+    for (const auto& e : resumed.errors) REQUIRE(e == "");
+    CHECK(std::memcmp(resumed.losses.data() + 2, whole.losses.data() + 2, 2 * sizeof(float)) == 0);
+    REQUIRE(resumed.params.size() == whole.params.size());
+    CHECK(std::memcmp(resumed.params.data(), whole.params.data(), whole.params.size() * sizeof(float)) == 0);
+  }
+  // A model with a block more: the tensor the checkpoint lacks is named, on every rank.
+  GptConfig deeper = small_gpt();
+  deeper.layers = 5;
+  const GptRun missing = train_gpt(gis, {2, 2, 4}, 4, false, deeper, {.load_dir = dir, .first_step = 2});
+  for (const std::string& e : missing.errors)
+    CHECK_MESSAGE(e.find("(8 stages) has no tensor 'blocks.4.") != std::string::npos, e);
+  // A wider one: the first tensor of another shape is named with both shapes.
+  GptConfig wider = small_gpt();
+  wider.hidden = 24;
+  const GptRun shapes = train_gpt(gis, {2, 2, 4}, 4, false, wider, {.load_dir = dir, .first_step = 2});
+  CHECK_MESSAGE(shapes.errors[0].find("tensor 'wte' has shape [256, 16] in ") != std::string::npos, shapes.errors[0]);
+  CHECK_MESSAGE(shapes.errors[0].find("; stage 0 of this run has [256, 24]") != std::string::npos, shapes.errors[0]);
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("GPT: the stage names itself in the runtime's messages (not a wrapper's C++ type name)") {

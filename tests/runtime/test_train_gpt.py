@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """samples/train_gpt's contract: the final lines are printed once and are the same for the
 one-rank reference and for pipelined runs of any schedule, on the standard gradient path (the
-default: every schedule runs W in microbatch order) and on the exact one; bad arguments exit 2
-with a sentence.
+default: every schedule runs W in microbatch order) and on the exact one; a checkpoint resumes
+under another cut of the model; bad arguments exit 2 with a sentence.
 
 usage: test_train_gpt.py path/to/train_gpt
 """
@@ -132,6 +132,17 @@ with tempfile.TemporaryDirectory() as ck:
     run(*base, "--seed", "2", "--overwrite")
     if snapshot() == before:
         sys.exit("FAIL: --overwrite did not replace the checkpoints")
+
+# A checkpoint follows the model, not the cut: written by 8 stages after step 3, it resumes on 4
+# stages, on an uneven cut of 4 and on one rank, each ending as the uninterrupted run.
+with tempfile.TemporaryDirectory() as ck:
+    run("--schedule", "po-f", "--ranks", "4", "--chunks", "2", *small, "--checkpoint-every", "3", "--checkpoint-dir", ck)
+    for extra in (["--schedule", "gis-h", "--ranks", "2", "--chunks", "2"],
+                  ["--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--stage-blocks", "0,3,1,0"],
+                  ["--ranks", "1", "--chunks", "1"]):
+        out = run(*extra, *small[:-1], "--resume", ck).stdout  # not --quiet: it says it resumed
+        if f"resumed from {ck} at step 3" not in out or finals(out) != ref:
+            sys.exit(f"FAIL: {' '.join(extra)} resumed from an 8-stage checkpoint: {finals(out)}, uninterrupted {ref}")
 
 # Loss falls over a short run.
 out = run("--ranks", "2", "--chunks", "1", "--schedule", "1f1b", "--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "4",

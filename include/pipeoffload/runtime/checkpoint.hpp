@@ -4,7 +4,8 @@
 // shared file system):
 //   D/step-00000012/stage-3.bin   one file per stage: parameters, the optimizer's state (its
 //                                 name, step and buffers: AdamW's two moments, SGD's momentum),
-//                                 RNG seed and data position, with a checksum
+//                                 the stage's named tensors (parameter_info()), RNG seed and
+//                                 data position, with a checksum
 //   D/latest                      "step-00000012": the newest complete checkpoint
 // Every file is written to a temporary name, flushed to disk and renamed, so a file is
 // either absent or whole. `latest` moves only after every rank has written all its stages
@@ -15,10 +16,12 @@
 // (seed, step), so the step is the rest of it. A checkpoint is per stage, not per rank nor
 // per replica: with data parallelism replica 0 writes it (with ZeRO-1 after gathering the
 // optimizer state's slices), and every replica reads it. It can be resumed with another
-// schedule, rank count of the same stage count, or number of replicas for the same global
-// batch, on either gradient path (on the exact one bit-identically to the uninterrupted run),
-// under threads or MPI. checkpoint_owner says whose checkpoints a directory holds, so a
-// launcher can refuse to overwrite another run's.
+// schedule, rank count or number of replicas for the same global batch, on either gradient path
+// (on the exact one bit-identically to the uninterrupted run), under threads or MPI, and with
+// another cut of the same model (another stage count, other blocks per stage): a stage whose
+// tensors are not those of the file of its number takes each of its tensors, and the
+// optimizer's state for it, by name from whichever file holds it. checkpoint_owner says whose
+// checkpoints a directory holds, so a launcher can refuse to overwrite another run's.
 /// @file
 #pragma once
 
@@ -45,6 +48,7 @@
 #include "../comm/communicator.hpp"
 #include "../error.hpp"
 #include "../fnv1a.hpp"
+#include "../layer.hpp"
 #include "../schedule/program.hpp"
 
 namespace pipeoffload {
@@ -192,22 +196,29 @@ inline std::string config_difference(std::string_view theirs, std::string_view o
 /// One stage's state as it is on disk.
 struct StageState {
   int stage = 0;                          ///< the stage, 0 .. S-1
+  int stages = 0;                         ///< S of the run that wrote it (0: format 2 or 3, which do not say)
   int step = 0;                           ///< optimizer steps taken
   CheckpointInfo info{};                  ///< what the run recorded beside the tensors
   std::string optimizer;                  ///< the optimizer's name ("adamw", "sgd")
+  std::vector<ParamInfo> tensors;         ///< the stage's parameter_info() (format 4; empty before)
   std::vector<float> params;              ///< the stage's parameters, in parameters() order
   std::vector<std::vector<float>> state;  ///< the optimizer's buffers, each the size of params
 };
 
-/// The file format's version (written after the magic); format 2 (no configuration text) is
-/// still read.
-inline constexpr std::uint32_t format = 3;
+/// The file format's version (written after the magic); formats 2 (no configuration text) and
+/// 3 (no tensor names) are still read.
+inline constexpr std::uint32_t format = 4;
 
-// File: magic, then u32 format (3), i32 stage, i32 step, u64 config_hash, u64 rng_seed,
+/// Limits decode() holds a file to: tensors a stage, bytes of a tensor's name, dimensions.
+inline constexpr std::uint32_t max_tensors = 1u << 20, max_name = 1024, max_dims = 8;
+
+// File: magic, then u32 format (4), i32 stage, i32 step, u64 config_hash, u64 rng_seed,
 // i64 data_position, u64 n, u32 optimizer name length, the name, u32 configuration text
-// length, the text (format 3 only), u32 state buffers k, then
-// n floats of parameters and n floats of each state buffer, then u64 FNV-1a of every byte
-// before it. Native byte order (the machines that resume are the machines that wrote).
+// length, the text (formats 3 and 4), then (format 4) i32 stages S and u32 tensor count t,
+// and t times: u32 name length, the name, u64 offset, u32 dimensions r, r i64 extents; then u32
+// state buffers k, n floats of parameters and n floats of each state buffer, then u64 FNV-1a of
+// every byte before it. Native byte order (the machines that resume are the machines that
+// wrote).
 /// The file's bytes for `s`, in the layout above.
 inline std::vector<std::byte> encode(const StageState& s) {
   std::vector<std::byte> b;
@@ -232,6 +243,19 @@ inline std::vector<std::byte> encode(const StageState& s) {
   const auto config_len = static_cast<std::uint32_t>(s.info.config.size());
   put(&config_len, 4);
   put(s.info.config.data(), config_len);
+  const std::int32_t stages = s.stages;
+  const auto t = static_cast<std::uint32_t>(s.tensors.size());
+  put(&stages, 4);
+  put(&t, 4);
+  for (const ParamInfo& x : s.tensors) {
+    const auto len = static_cast<std::uint32_t>(x.name.size()), dims = static_cast<std::uint32_t>(x.shape.size());
+    const std::uint64_t offset = x.offset;
+    put(&len, 4);
+    put(x.name.data(), len);
+    put(&offset, 8);
+    put(&dims, 4);
+    put(x.shape.data(), dims * sizeof(long long));
+  }
   put(&k, 4);
   put(s.params.data(), n * sizeof(float));
   for (const auto& buf : s.state) put(buf.data(), n * sizeof(float));
@@ -264,9 +288,9 @@ inline StageState decode(const std::vector<std::byte>& b, const std::string& nam
   std::uint64_t n = 0;
   StageState s;
   get(&fmt, 4);
-  if (fmt != format && fmt != 2)
+  if (fmt < 2 || fmt > format)
     throw checkpoint_error("checkpoint: " + name + " has format " + std::to_string(fmt) +
-                           "; this build reads formats 2 and " + std::to_string(format));
+                           "; this build reads formats 2 to " + std::to_string(format));
   get(&stage, 4);
   get(&step, 4);
   get(&s.info.config_hash, 8);
@@ -287,6 +311,43 @@ inline StageState decode(const std::vector<std::byte>& b, const std::string& nam
                              " bytes (at most 4096)");
     s.info.config.resize(config_len);
     get(s.info.config.data(), config_len);
+  }
+  if (fmt >= 4) {
+    std::int32_t stages = 0;
+    std::uint32_t t = 0;
+    get(&stages, 4);
+    get(&t, 4);
+    const auto bad = [&](const std::string& what) {
+      return checkpoint_error("checkpoint: " + name + " is corrupt (" + what + ")");
+    };
+    if (stages < 1 || stage < 0 || stage >= stages)
+      throw bad("stage " + std::to_string(stage) + " of " + std::to_string(stages) + " stages");
+    if (t > max_tensors) throw bad(std::to_string(t) + " tensors, at most " + std::to_string(max_tensors));
+    s.stages = stages;
+    for (std::uint32_t i = 0; i < t; ++i) {
+      ParamInfo x;
+      std::uint32_t len = 0, dims = 0;
+      std::uint64_t offset = 0;
+      get(&len, 4);
+      if (len > max_name) throw bad("a tensor name of " + std::to_string(len) + " bytes");
+      x.name.resize(len);
+      get(x.name.data(), len);
+      get(&offset, 8);
+      get(&dims, 4);
+      if (dims > max_dims) throw bad("tensor '" + shown(x.name) + "' of " + std::to_string(dims) + " dimensions");
+      x.shape.resize(dims);
+      get(x.shape.data(), dims * sizeof(long long));
+      std::uint64_t count = 1;  // the extents' product, capped at n + 1
+      for (long long e : x.shape) {
+        if (e < 0) throw bad("tensor '" + shown(x.name) + "' has an extent " + std::to_string(e));
+        const auto u = static_cast<std::uint64_t>(e);
+        count = u == 0 ? 0 : count > (n + 1) / u ? n + 1 : count * u;
+      }
+      x.offset = static_cast<std::size_t>(offset);
+      if (offset > n || count > n - offset)
+        throw bad("tensor '" + shown(x.name) + "' lies outside the stage's " + std::to_string(n) + " parameters");
+      s.tensors.push_back(std::move(x));
+    }
   }
   get(&k, 4);
   const std::size_t rest = b.size() - 8 - off;
@@ -412,6 +473,8 @@ void save_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& o
     for (int c = 0; c < sh.v; ++c) {
       checkpoint::StageState& s = states.emplace_back();
       s.stage = sh.stage_of(rt.rank(), c);
+      s.stages = sh.stages();
+      s.tensors = rt.stages()[static_cast<std::size_t>(c)].parameter_info();
       s.step = step;
       s.info = info;
       s.optimizer = opt.name();
@@ -478,26 +541,47 @@ inline std::optional<CheckpointInfo> checkpoint_owner(const std::filesystem::pat
   return checkpoint::decode(checkpoint::read_all(file), file.string()).info;
 }
 
+namespace checkpoint {
+
+/// "[256, 32]": a tensor's shape as messages show it.
+inline std::string shape_text(const std::vector<long long>& shape) {
+  std::string t = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) t += (i ? ", " : "") + std::to_string(shape[i]);
+  return t + "]";
+}
+
+/// Whether `a` and `b` name the same tensors at the same offsets with the same shapes.
+inline bool same_tensors(const std::vector<ParamInfo>& a, const std::vector<ParamInfo>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const ParamInfo& x, const ParamInfo& y) {
+    return x.name == y.name && x.offset == y.offset && x.shape == y.shape;
+  });
+}
+
+}  // namespace checkpoint
+
 /// Collective: loads this rank's stages from the checkpoint dir/latest names into `rt` (their
-/// parameters) and `opt` (its state and step count) and returns the checkpoint's info. Throws
-/// checkpoint_error on every rank when any rank's file is missing, corrupt, of another stage,
-/// size, optimizer or configuration (the message names the file on the rank that read it;
-/// with `config`, the configuration text of CheckpointInfo, the first word that differs).
+/// parameters) and `opt` (its state and step count) and returns the checkpoint's info. A stage
+/// whose file (same stage number) holds the same tensors (names, offsets, shapes) loads from it;
+/// otherwise (the checkpoint has another cut of the model) each of its tensors comes by name
+/// from the file that holds it, with the optimizer's state for it. Throws checkpoint_error on
+/// every rank when any rank's file is missing, corrupt, of another step, optimizer or
+/// configuration (the message names the file on the rank that read it; with `config`, the
+/// configuration text of CheckpointInfo, the first word that differs), or when a tensor is
+/// missing, held twice or of another shape (the message names the tensor).
 template <class Runtime, class Optimizer>
 CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& opt, std::uint64_t config_hash,
                                std::string_view config = {}) {
   const Shape& sh = rt.program().shape;
   CheckpointInfo info{};
-  std::vector<checkpoint::StageState> states;
+  std::vector<checkpoint::StageState> states(static_cast<std::size_t>(sh.v));  // per chunk, this run's layout
   int step = -1;
   std::string failure;
   try {
     step = checkpoint::latest_step(dir);
-    for (int c = 0; c < sh.v; ++c) {
-      const int stage = sh.stage_of(rt.rank(), c);
+    // Every file read is held to the step, the configuration and the optimizer.
+    const auto read = [&](int stage) {
       const std::filesystem::path file = checkpoint::stage_file(dir, step, stage);
       checkpoint::StageState s = checkpoint::decode(checkpoint::read_all(file), file.string());
-      const std::size_t n = rt.stages()[static_cast<std::size_t>(c)].parameter_count();
       if (s.stage != stage || s.step != step)
         throw checkpoint_error("checkpoint: " + file.string() + " holds stage " + std::to_string(s.stage) +
                                " of step " + std::to_string(s.step) + ", not stage " + std::to_string(stage) +
@@ -510,15 +594,95 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, Op
                                (differs.empty() ? "model, stages, batch, optimizer, steps, seed or data" : differs) +
                                ")");
       }
-      if (s.params.size() != n)
-        throw checkpoint_error("checkpoint: " + file.string() + " has " + std::to_string(s.params.size()) +
-                               " parameters; stage " + std::to_string(stage) + " has " + std::to_string(n));
       if (s.optimizer != opt.name() || static_cast<int>(s.state.size()) != opt.state_count())
         throw checkpoint_error("checkpoint: " + file.string() + " holds the state of optimizer '" + s.optimizer +
                                "' (" + std::to_string(s.state.size()) + " buffers); this run's is '" + opt.name() +
                                "' (" + std::to_string(opt.state_count()) + ")");
       info = s.info;
-      states.push_back(std::move(s));
+      return s;
+    };
+    // The file of each stage's own number, where it holds that stage as this run cuts it.
+    std::vector<std::vector<ParamInfo>> wanted(states.size());
+    std::vector<int> by_name;  // the chunks whose tensors come by name
+    int files = 0;             // the checkpoint's stage count, from its files (format 4)
+    for (int c = 0; c < sh.v; ++c) {
+      const int stage = sh.stage_of(rt.rank(), c);
+      const auto u = static_cast<std::size_t>(c);
+      wanted[u] = rt.stages()[u].parameter_info();
+      const std::size_t n = rt.stages()[u].parameter_count();
+      std::error_code ec;
+      if (std::filesystem::exists(checkpoint::stage_file(dir, step, stage), ec)) {
+        checkpoint::StageState s = read(stage);
+        files = s.stages;
+        const bool legacy = s.stages == 0;  // formats 2 and 3: no tensors named, the same cut assumed
+        if (legacy || (s.stages == sh.stages() && checkpoint::same_tensors(s.tensors, wanted[u]))) {
+          if (s.params.size() != n)
+            throw checkpoint_error("checkpoint: " + checkpoint::stage_file(dir, step, stage).string() + " has " +
+                                   std::to_string(s.params.size()) + " parameters; stage " + std::to_string(stage) +
+                                   " has " + std::to_string(n));
+          states[u] = std::move(s);
+          continue;
+        }
+      }
+      by_name.push_back(c);
+      states[u].params.assign(n, 0.0f);
+      states[u].state.assign(static_cast<std::size_t>(opt.state_count()), std::vector<float>(n, 0.0f));
+    }
+    if (!by_name.empty()) {
+      if (files == 0) files = read(0).stages;
+      if (files == 0)
+        throw checkpoint_error("checkpoint: " + (dir / checkpoint::step_name(step)).string() +
+                               " was written before checkpoints named their tensors (format 3 or older): it "
+                               "resumes only with the cut it was written with");
+      // Every tensor of those chunks, by name from the file that holds it, each file read once.
+      std::vector<std::vector<int>> from(states.size());  // per chunk and tensor: the stage file it came from
+      for (const int c : by_name)
+        from[static_cast<std::size_t>(c)].assign(wanted[static_cast<std::size_t>(c)].size(), -1);
+      for (int f = 0; f < files; ++f) {
+        const checkpoint::StageState s = read(f);
+        const std::string file = checkpoint::stage_file(dir, step, f).string();
+        for (const int c : by_name) {
+          const auto u = static_cast<std::size_t>(c);
+          for (std::size_t i = 0; i < wanted[u].size(); ++i) {
+            const ParamInfo& t = wanted[u][i];
+            const auto it =
+                std::find_if(s.tensors.begin(), s.tensors.end(), [&](const ParamInfo& x) { return x.name == t.name; });
+            if (it == s.tensors.end()) continue;
+            if (from[u][i] >= 0)
+              throw checkpoint_error("checkpoint: tensor '" + t.name + "' is in both " +
+                                     checkpoint::stage_file(dir, step, from[u][i]).string() + " and " + file +
+                                     " (names must be unique in the model: parameter_info())");
+            if (it->shape != t.shape)
+              throw checkpoint_error("checkpoint: tensor '" + t.name + "' has shape " +
+                                     checkpoint::shape_text(it->shape) + " in " + file + "; stage " +
+                                     std::to_string(sh.stage_of(rt.rank(), c)) + " of this run has " +
+                                     checkpoint::shape_text(t.shape));
+            from[u][i] = f;
+            const auto at = static_cast<std::ptrdiff_t>(it->offset), to = static_cast<std::ptrdiff_t>(t.offset),
+                       count = static_cast<std::ptrdiff_t>(t.count());
+            std::copy(s.params.begin() + at, s.params.begin() + at + count, states[u].params.begin() + to);
+            for (std::size_t k = 0; k < s.state.size(); ++k)
+              std::copy(s.state[k].begin() + at, s.state[k].begin() + at + count, states[u].state[k].begin() + to);
+          }
+        }
+      }
+      for (const int c : by_name) {
+        const auto u = static_cast<std::size_t>(c);
+        for (std::size_t i = 0; i < wanted[u].size(); ++i)
+          if (from[u][i] < 0)
+            throw checkpoint_error("checkpoint: " + (dir / checkpoint::step_name(step)).string() + " (" +
+                                   std::to_string(files) + " stages) has no tensor '" + wanted[u][i].name +
+                                   "' (stage " + std::to_string(sh.stage_of(rt.rank(), c)) + " of this run)");
+        // The named tensors must be the whole stage, or some of its parameters would keep their
+        // initial values.
+        std::size_t covered = 0;
+        for (const ParamInfo& t : wanted[u]) covered += t.count();
+        if (covered != states[u].params.size())
+          throw checkpoint_error("checkpoint: stage " + std::to_string(sh.stage_of(rt.rank(), c)) + "'s " +
+                                 std::to_string(wanted[u].size()) + " named tensors hold " + std::to_string(covered) +
+                                 " of its " + std::to_string(states[u].params.size()) +
+                                 " parameters; another cut loads by tensor names, which must cover the stage");
+      }
     }
   } catch (const std::exception& e) {
     failure = e.what();
