@@ -6,9 +6,10 @@
 //   ./build/bench/paper/plan_choices [--device-gib G]   # A100-class (220 TFLOP/s, 15 GB/s), 80 GiB
 //
 // One plan() per model and recompute setting; every candidate is built and simulated, and the
-// choices are lowered (their memory plans: what the runtime reserves). Then a Llama-3-70B-class
-// model on 64 and 128 GPUs with the data-parallel degree searched. The output is Markdown
-// tables (bench/RESULTS.md keeps them).
+// choices are lowered (their memory plans: what the runtime reserves). Then the fastest plan on
+// each of the planner's two cuts of the model into stages (the paper's slot cut, the even one),
+// and a Llama-3-70B-class model on 64 and 128 GPUs with the data-parallel degree searched. The
+// output is Markdown tables (bench/RESULTS.md keeps them).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -30,9 +31,27 @@ bool paper_family(Family f) { return f == Family::one_f1b || f == Family::interl
 std::string describe(const PlanCandidate& c) {
   if (c.name.empty()) return "nothing fits";
   char buf[160];
-  std::snprintf(buf, sizeof buf, "%s v=%d off=%d: %.3f s, %.1f GiB", c.name.c_str(), c.chunks, c.offload_chunks,
-                c.iteration_time_s, c.max_device_bytes() / gib);
+  std::snprintf(buf, sizeof buf, "%s v=%d off=%d%s: %.3f s, %.1f GiB", c.name.c_str(), c.chunks, c.offload_chunks,
+                c.cut == StageCut::even ? " even" : "", c.iteration_time_s, c.max_device_bytes() / gib);
   return buf;
+}
+
+/// The fastest of r's candidates that `keep` selects whose lowered memory plan fits (lowered
+/// as they come, fastest first), or an empty candidate.
+template <class Keep>
+PlanCandidate fastest_fitting(const PlanResult& r, const TransformerSpec& m, const MachineSpec& x, Keep keep) {
+  std::vector<PlanCandidate> all;
+  for (const PlanCandidate& c : r.candidates)
+    if (c.fits && keep(c)) all.push_back(c);
+  std::sort(all.begin(), all.end(),
+            [](const PlanCandidate& a, const PlanCandidate& b) { return a.iteration_time_s < b.iteration_time_s; });
+  Program scratch;
+  for (PlanCandidate& c : all) {
+    if (!c.lowered)
+      lower_candidate(c, detail::make_layout(m, x, {}, c.chunks, {}, c.spec.placement, c.cut), m, x, scratch);
+    if (c.fits) return c;
+  }
+  return {};
 }
 
 }  // namespace
@@ -61,29 +80,32 @@ int main(int argc, char** argv) {
       x.ranks = pm.gpus;
       x.device_bytes = device_gib * gib;
       const PlanResult r = plan(m, x);
-      // The fastest of the paper's families whose lowered memory plan fits (plan() lowers its
-      // own choice; the others here are lowered as they come, fastest first).
-      PlanCandidate paper_best;
-      std::vector<PlanCandidate> paper;
-      for (const PlanCandidate& c : r.candidates)
-        if (c.fits && paper_family(c.spec.family)) paper.push_back(c);
-      std::sort(paper.begin(), paper.end(),
-                [](const PlanCandidate& a, const PlanCandidate& b) { return a.iteration_time_s < b.iteration_time_s; });
-      Program scratch;
-      for (PlanCandidate& c : paper) {
-        if (!c.lowered)
-          lower_candidate(c, detail::make_layout(m, x, {}, c.chunks, {}, c.spec.placement), m, x, scratch);
-        if (c.fits) {
-          paper_best = c;
-          break;
-        }
-      }
+      // The fastest of the paper's families whose lowered memory plan fits.
+      const PlanCandidate paper_best =
+          fastest_fitting(r, m, x, [](const PlanCandidate& c) { return paper_family(c.spec.family); });
       const PlanCandidate chosen = r.fits ? r.choice : PlanCandidate{};
       const double speedup =
           !chosen.name.empty() && !paper_best.name.empty() ? paper_best.iteration_time_s / chosen.iteration_time_s : 0;
       std::printf("| %s | %d | %d | %s | %s | %s | %s |\n", pm.name, pm.gpus, r.microbatches, recompute ? "on" : "off",
                   describe(chosen).c_str(), describe(paper_best).c_str(),
                   speedup > 0 ? (std::to_string(speedup).substr(0, 5) + "x").c_str() : "-");
+    }
+  // The two cuts: the fastest plan (all families) on each, where the even cut exists (a layer
+  // for every stage of some v).
+  std::printf("\n| model | d | recompute | fastest on the slot cut | fastest on the even cut | slot vs even |\n");
+  std::printf("|---|---|---|---|---|---|\n");
+  for (const paper::PaperModel& pm : paper::models)
+    for (bool recompute : {true, false}) {
+      const TransformerSpec m = paper::transformer(pm, recompute);
+      MachineSpec x;
+      x.ranks = pm.gpus;
+      x.device_bytes = device_gib * gib;
+      const PlanResult r = plan(m, x);
+      const PlanCandidate a = fastest_fitting(r, m, x, [](const PlanCandidate& c) { return c.cut == StageCut::slots; }),
+                          b = fastest_fitting(r, m, x, [](const PlanCandidate& c) { return c.cut == StageCut::even; });
+      const double ratio = !a.name.empty() && !b.name.empty() ? b.iteration_time_s / a.iteration_time_s : 0;
+      std::printf("| %s | %d | %s | %s | %s | %s |\n", pm.name, pm.gpus, recompute ? "on" : "off", describe(a).c_str(),
+                  describe(b).c_str(), ratio > 0 ? (std::to_string(ratio).substr(0, 5) + "x").c_str() : "-");
     }
   // A Llama-3-70B-class model on 64 and 128 GPUs of 80 GiB: the planner searches dp (ZeRO-1).
   std::printf("\n| model | GPUs | dp x d | m | choice | worst rank |\n|---|---|---|---|---|---|\n");

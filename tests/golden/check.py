@@ -73,9 +73,8 @@ AUTO = ["--auto", "--layers", "16", "--hidden", "1024", "--heads", "16", "--quer
         "--micro-batch", "1", "--global-batch", "16", "--vocab", "32000", "--ranks", "4", "--host-mem-gib", "64",
         "--tflops", "100", "--pcie-gbps", "60"]
 PLAN_AUTO = {
-    "auto-po-h": [*AUTO, "--device-mem-gib", "3.9"],
+    "auto-po-h": [*AUTO, "--device-mem-gib", "4.0"],
     "auto-po-offload": [*AUTO, "--device-mem-gib", "3.8", "--format", "json"],
-    "auto-po-f": [*AUTO, "--device-mem-gib", "4.2", "--format", "json"],
     "auto-dualpipe-v": [*AUTO, "--device-mem-gib", "4.7", "--format", "json"],
     "auto-recompute": ["--auto", "--layers", "8", "--hidden", "1024", "--heads", "16", "--query-groups", "16", "--seq", "1024",
                        "--micro-batch", "1", "--global-batch", "16", "--vocab", "32000", "--ranks", "4", "--device-mem-gib", "16",

@@ -191,8 +191,12 @@ TEST_CASE(
   const TransformerSpec m = small();
   const PlanResult r = plan(m, small_machine(80));
   std::set<std::tuple<std::string, int, int, int>> seen;
-  for (const PlanCandidate& c : r.candidates) seen.insert({c.name, c.chunks, c.group, c.offload_chunks});
-  CHECK(seen.size() == r.candidates.size());
+  std::set<std::tuple<std::string, int, int, int, StageCut>> cuts;
+  for (const PlanCandidate& c : r.candidates) {
+    seen.insert({c.name, c.chunks, c.group, c.offload_chunks});
+    cuts.insert({c.name, c.chunks, c.group, c.offload_chunks, c.cut});
+  }
+  CHECK(cuts.size() == r.candidates.size());
   CHECK(seen.count({"1f1b", 1, 0, 0}) == 1);
   CHECK(seen.count({"1f1b-i", 2, 0, 0}) == 1);
   for (int v = 1; v <= 2; ++v) {
@@ -212,7 +216,34 @@ TEST_CASE(
     CHECK(seen.count({n, 2, 0, 0}) == 1);
     CHECK(seen.count({n, 2, 0, 2}) == 1);
   }
-  CHECK(r.candidates.size() == 1 + 1 + 2 * 5 + 2 + 3 + 2 * 2 + 4 * 2);  // no v = 3: 16 slots over 24 stages
+  CHECK(seen.size() == 1 + 1 + 2 * 5 + 2 + 3 + 2 * 2 + 4 * 2);  // no v = 3: 16 slots over 24 stages
+  // v = 1 (8 stages of 14 layers) is searched on the slot cut and the even one; v = 2 (16
+  // stages) has no even cut (a stage would hold no layer).
+  const long long v1 =
+      std::count_if(r.candidates.begin(), r.candidates.end(), [](const PlanCandidate& c) { return c.chunks == 1; });
+  CHECK(static_cast<std::size_t>(v1) == 2 * (1 + 5 + 2 + 2 * 2));
+  CHECK(r.candidates.size() == seen.size() + static_cast<std::size_t>(v1) / 2);
+  for (const PlanCandidate& c : r.candidates) CHECK((c.cut == StageCut::slots || c.chunks == 1));
+}
+
+TEST_CASE("stage cuts: the slot cut gives the embedding and the head a layer's place, the even cut adds them") {
+  const TransformerSpec m = small();  // 14 layers
+  const std::vector<StageContent> slots = stage_layout(m, 8), even = even_layout(m, 8);
+  std::vector<int> a, b;
+  for (const StageContent& c : slots) a.push_back(c.layers);
+  for (const StageContent& c : even) b.push_back(c.layers);
+  CHECK(a == std::vector<int>{1, 2, 2, 2, 2, 2, 2, 1});  // 16 slots
+  CHECK(b == std::vector<int>{1, 2, 2, 2, 1, 2, 2, 2});  // floor(14 (s+1) / 8) - floor(14 s / 8)
+  CHECK((even.front().embedding && even.back().head && !even[3].embedding && !even[3].head));
+  CHECK(distinct_cut(m, 8, StageCut::even));
+  CHECK(!distinct_cut(m, 16, StageCut::even));  // 16 stages of 14 layers: not searched
+  CHECK_THROWS_WITH_AS(even_layout(m, 15), "even stage layout: 15 stages for 14 layers; at most one stage a layer",
+                       shape_error);
+  // The planner reports the cut of its choice, which train_gpt's --stage-blocks follows.
+  const PlanResult r = plan(m, small_machine(80));
+  std::vector<int> want;
+  for (const StageContent& c : cut_layout(m, r.choice.chunks * 8, r.choice.cut)) want.push_back(c.layers);
+  CHECK(r.layers_per_stage == want);
 }
 
 TEST_CASE(
@@ -220,7 +251,7 @@ TEST_CASE(
   const PlanResult r = plan(small(), small_machine(80));
   const TransformerSpec m = small();
   for (const PlanCandidate& c : r.candidates) {
-    const detail::Layout L = detail::make_layout(m, small_machine(80), {}, c.chunks, {}, c.spec.placement);
+    const detail::Layout L = detail::make_layout(m, small_machine(80), {}, c.chunks, {}, c.spec.placement, c.cut);
     const SimResult sim = simulate(build(c.spec, {8, c.chunks, 16}, L.costs));
     CHECK(sim.makespan == c.iteration_time_s);
     CHECK(sim.bubble_fraction() == c.bubble_fraction);
@@ -427,7 +458,8 @@ TEST_CASE("data parallelism: each replica runs global batch / (dp x microbatch s
     CHECK(r.dp == dp);
     CHECK(r.ranks == 4);
     // The choice is the simulation of that many microbatches on one pipeline.
-    const detail::Layout L = detail::make_layout(m, four_ranks(80), {}, r.choice.chunks, grid(dp));
+    const detail::Layout L =
+        detail::make_layout(m, four_ranks(80), {}, r.choice.chunks, grid(dp), r.choice.spec.placement, r.choice.cut);
     const SimResult sim = simulate(build(r.choice.spec, {4, r.choice.chunks, 48 / dp}, L.costs));
     CHECK(sim.makespan == r.choice.compute_time_s);
   }
@@ -547,7 +579,7 @@ TEST_CASE("per_rank: the choice's device bytes by kind add up to its peak, and e
       CAPTURE(gib_);
       const PlanResult r = plan(m, small_machine(gib_), {}, g);
       const PlanCandidate& c = r.choice;
-      const detail::Layout L = detail::make_layout(m, small_machine(gib_), {}, c.chunks, g, c.spec.placement);
+      const detail::Layout L = detail::make_layout(m, small_machine(gib_), {}, c.chunks, g, c.spec.placement, c.cut);
       REQUIRE(r.per_rank.size() == 8);
       for (std::size_t u = 0; u < 8; ++u) {
         const RankMemory& k = r.per_rank[u];

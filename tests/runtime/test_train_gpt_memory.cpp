@@ -163,11 +163,11 @@ void sweep(const po::TransformerSpec& m, const po::MachineSpec& x, const po::Pla
   const po::PlanResult r = po::plan(m, x, bud, grid);
   std::vector<std::string> seen;
   for (po::PlanCandidate c : r.candidates) {
-    const std::string key = c.name + " v=" + std::to_string(c.chunks);
+    const std::string key = c.name + " v=" + std::to_string(c.chunks) + " " + po::stage_cut_name(c.cut);
     if (std::find(seen.begin(), seen.end(), key) != seen.end()) continue;
     seen.push_back(key);
     CAPTURE(key);
-    const po::detail::Layout L = po::detail::make_layout(m, x, bud, c.chunks, grid, c.spec.placement);
+    const po::detail::Layout L = po::detail::make_layout(m, x, bud, c.chunks, grid, c.spec.placement, c.cut);
     po::Program scratch;
     po::lower_candidate(c, L, m, x, scratch);
     po::PlanResult q = r;

@@ -16,7 +16,7 @@ failures = []
 SMALL = {"--layers": "14", "--hidden": "1024", "--heads": "16", "--query-groups": "16", "--seq": "2048",
          "--micro-batch": "1", "--global-batch": "16", "--vocab": "32000", "--ranks": "8",
          "--device-mem-gib": "8", "--host-mem-gib": "64", "--tflops": "220", "--pcie-gbps": "15"}
-KEYS = {"schedule": str, "group": int, "chunks": int, "offload_chunks": int, "k": (int, float),
+KEYS = {"schedule": str, "group": int, "chunks": int, "cut": str, "offload_chunks": int, "k": (int, float),
         "activation_bytes_per_layer": (int, float), "peak_device_bytes": list, "host_bytes": list,
         "bubble_fraction": (int, float), "iteration_time_s": (int, float), "fits": bool}
 NAMES = {"1f1b", "1f1b-i", "gis", "gis-h", "gis-g", "po", "po-h", "po-f", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe-v"}
@@ -57,6 +57,7 @@ def main():
     for key, typ in KEYS.items():
         check(key in doc and isinstance(doc[key], typ), f"json key {key!r} missing or not {typ}: {doc.get(key)!r}")
     check(doc.get("fits") is True, "the small model does not fit in 8 GiB")
+    check(doc.get("cut") in ("slots", "even"), f"cut {doc.get('cut')!r} is not slots or even")
     # Memory by kind, per rank: the kinds add up to the rank's peak; the buffers' region holds
     # the simulated activations (and the boundary tensors beside them).
     kinds = ("state_bytes", "optimizer_bytes", "buffer_bytes", "scratch_bytes", "workspace_bytes", "reserve_bytes")

@@ -387,6 +387,50 @@ constexpr std::vector<StageContent> stage_layout(const TransformerSpec& m, int S
   return out;
 }
 
+/// How the planner cuts the model into stages: `slots` (stage_layout: the embedding and the LM
+/// head take a layer's place on the first and last stage, the paper's) or `even` (even_layout:
+/// the layers as even as the stage count allows, the embedding and the head on top, the sample
+/// models' default cut).
+enum class StageCut : std::uint8_t { slots, even };
+
+/// "slots" or "even".
+constexpr const char* stage_cut_name(StageCut c) { return c == StageCut::slots ? "slots" : "even"; }
+
+/// The layers as even as S stages allow (stage s holds layers floor(L s / S) .. floor(L (s+1) /
+/// S) - 1: models/gpt's gpt_blocks_of_stage), the embedding on the first stage and the LM head on
+/// the last besides. Throws shape_error when a stage would hold no layer (S > layers).
+constexpr std::vector<StageContent> even_layout(const TransformerSpec& m, int S) {
+  if (S < 1 || S > m.layers)
+    throw shape_error("even stage layout: " + detail::num(S) + " stages for " + detail::num(m.layers) +
+                      " layers; at most one stage a layer");
+  std::vector<StageContent> out(static_cast<std::size_t>(S));
+  const long long L = m.layers;
+  for (int s = 0; s < S; ++s) {
+    StageContent& c = out[static_cast<std::size_t>(s)];
+    c.layers = static_cast<int>(L * (s + 1) / S - L * s / S);
+    c.embedding = m.vocab_stages && s == 0;
+    c.head = m.vocab_stages && s == S - 1;
+  }
+  return out;
+}
+
+/// The cut `c` of the model into S stages (stage_layout or even_layout).
+constexpr std::vector<StageContent> cut_layout(const TransformerSpec& m, int S, StageCut c) {
+  if (c == StageCut::even) return even_layout(m, S);  // not a ?: (GCC 12 frees its temporary twice in constexpr)
+  return stage_layout(m, S);
+}
+
+/// Whether cut `c` gives S stages something else than the slot cut does (so the planner
+/// searches it too): the even cut, with the vocabulary stages and a layer for every stage.
+constexpr bool distinct_cut(const TransformerSpec& m, int S, StageCut c) {
+  if (c == StageCut::slots) return true;
+  if (!m.vocab_stages || S > m.layers) return false;
+  const std::vector<StageContent> a = stage_layout(m, S), b = even_layout(m, S);
+  for (std::size_t s = 0; s < a.size(); ++s)
+    if (a[s].layers != b[s].layers) return true;
+  return false;
+}
+
 /// Saved activation bytes of one stage for one microbatch: the unit the schedules count. Each
 /// layer's tensors (activation_bytes_per_layer) and fp32 statistics, the head's input, norm
 /// statistics and logits' gradient (header comment): cuda::GptStage's saved buffer

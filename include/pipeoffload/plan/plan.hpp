@@ -65,7 +65,8 @@ struct PlanCandidate {
   ScheduleSpec spec{};  ///< the schedule (family, group, offload, placement)
   std::string name;  ///< the plan tool's --schedule name: 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, ...
   int chunks = 1;    ///< v
-  int group = 0;     ///< g of GIS(g) (1 for PO, 0 for 1F1B and 1F1B-I)
+  StageCut cut = StageCut::slots;         ///< how the model is cut into its v*d stages
+  int group = 0;                          ///< g of GIS(g) (1 for PO, 0 for 1F1B and 1F1B-I)
   int offload_chunks = 0;                 ///< chunks 0..n-1 offloaded
   double iteration_time_s = 0;            ///< max(compute_time_s, every rank's last all-reduce end)
   double compute_time_s = 0;              ///< simulated makespan of the passes alone
@@ -172,6 +173,7 @@ struct Layout {
   int v = 1;
   int dp = 1;
   Placement placement = Placement::interleaved;
+  StageCut cut = StageCut::slots;
   std::vector<StageContent> stages;
   Costs costs;
   std::vector<double> model_state, workspace;  ///< per rank
@@ -218,7 +220,8 @@ constexpr double allreduce_seconds(double P, const PlanBudget& bud, const GridSp
 
 /// Per-stage costs and per-rank fixed memory of one v (grid.dp >= 1).
 constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, const PlanBudget& bud, int v,
-                             const GridSpec& grid = {}, Placement placement = Placement::interleaved) {
+                             const GridSpec& grid = {}, Placement placement = Placement::interleaved,
+                             StageCut cut = StageCut::slots) {
   const int d = x.ranks, S = v * d;
   const Shape where{d, v, 1, placement};
   const bool cpu = bud.backend == PlanBackend::cpu;
@@ -227,7 +230,8 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
   L.placement = placement;
   L.dp = grid.dp;
   L.optimizer.assign(static_cast<std::size_t>(d), 0.0);
-  L.stages = stage_layout(m, S);
+  L.cut = cut;
+  L.stages = cut_layout(m, S, cut);
   L.costs = stage_costs(m, L.stages, x.flops, copy_ratio(m, x), bud.backend);
   L.costs.stagger_pairs = x.pairs_share_switch;
   L.model_state.assign(static_cast<std::size_t>(d), 0.0);
@@ -366,6 +370,11 @@ constexpr std::string describe(const PlanCandidate& c) {
   std::string s = c.name + " (v=" + num(c.chunks);
   if (c.name == "gis-g") s += ", g=" + num(c.group);
   if (c.offload_chunks > 0 && c.name != "po-h" && c.name != "po-f") s += ", offload " + num(c.offload_chunks);
+  if (c.cut != StageCut::slots) {
+    s += ", ";
+    s += stage_cut_name(c.cut);
+    s += " cut";
+  }
   return s + ")";
 }
 
@@ -541,6 +550,7 @@ constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, c
   c.spec = o.spec;
   c.name = o.name;
   c.chunks = L.v;
+  c.cut = L.cut;
   c.group = p.group;
   c.offload_chunks = o.offload_chunks;
   c.compute_time_s = sim.makespan;
@@ -632,7 +642,9 @@ constexpr int plan_vmax(const TransformerSpec& m, int d, int mb, const PlanBudge
 constexpr long long plan_work(const TransformerSpec& m, int d, int mb, const PlanBudget& bud) {
   long long work = 0;
   for (int v = 1; v <= plan_vmax(m, d, mb, bud); ++v)
-    work += static_cast<long long>(plan_options(d, v, mb, bud.allow_offload).size()) * d * v * mb;
+    for (const StageCut cut : {StageCut::slots, StageCut::even})
+      if (distinct_cut(m, v * d, cut))
+        work += static_cast<long long>(plan_options(d, v, mb, bud.allow_offload).size()) * d * v * mb;
   return work;
 }
 
@@ -663,24 +675,27 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
   std::vector<detail::Layout> layouts;
   Program program;  // reused by every candidate
   SimResult sim;
-  // One layout per v, and for v = 2 one on the V placement too.
-  const auto layout_of = [&](int v, Placement pl) -> const detail::Layout& {
+  // One layout per v and cut (the slot cut, and the even one where it differs), and for v = 2
+  // one on the V placement too.
+  const auto layout_of = [&](int v, Placement pl, StageCut cut) -> const detail::Layout& {
     for (const detail::Layout& L : layouts)
-      if (L.v == v && L.placement == pl) return L;
+      if (L.v == v && L.placement == pl && L.cut == cut) return L;
     return layouts.front();  // not reached: every option's layout is made before it is evaluated
   };
-  for (int v = 1; v <= vmax; ++v) {
-    layouts.push_back(detail::make_layout(m, x, bud, v, grid));
-    if (v == 2) layouts.push_back(detail::make_layout(m, x, bud, v, grid, Placement::vshape));
-    for (const PlanOption& o : plan_options(d, v, mb, bud.allow_offload)) {
-      try {
-        res.candidates.push_back(evaluate(o, layout_of(v, o.spec.placement), m, x, program, sim));
-      } catch (const shape_error&) {
-        // A copy-slot grid too fine for build() (k tiny against the run): that offload
-        // candidate is not planned; its no-offload siblings are.
+  for (int v = 1; v <= vmax; ++v)
+    for (const StageCut cut : {StageCut::slots, StageCut::even}) {
+      if (!distinct_cut(m, v * d, cut)) continue;
+      layouts.push_back(detail::make_layout(m, x, bud, v, grid, Placement::interleaved, cut));
+      if (v == 2) layouts.push_back(detail::make_layout(m, x, bud, v, grid, Placement::vshape, cut));
+      for (const PlanOption& o : plan_options(d, v, mb, bud.allow_offload)) {
+        try {
+          res.candidates.push_back(evaluate(o, layout_of(v, o.spec.placement, cut), m, x, program, sim));
+        } catch (const shape_error&) {
+          // A copy-slot grid too fine for build() (k tiny against the run): that offload
+          // candidate is not planned; its no-offload siblings are.
+        }
       }
     }
-  }
   if (res.candidates.empty())
     throw shape_error("plan: no candidate schedule could be built for this model and machine");
 
@@ -692,7 +707,7 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
     for (PlanCandidate& c : res.candidates)
       if (c.fits && (!best || detail::faster(c, *best))) best = &c;
     if (best == nullptr || best->lowered) break;
-    lower_candidate(*best, layout_of(best->chunks, best->spec.placement), m, x, program);
+    lower_candidate(*best, layout_of(best->chunks, best->spec.placement, best->cut), m, x, program);
     if (best->fits) break;
   }
   PlanCandidate* nearest = nullptr;
@@ -700,11 +715,11 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
     for (PlanCandidate& c : res.candidates)
       if (!nearest || detail::closer(c, *nearest)) nearest = &c;
     if (!nearest->lowered)
-      lower_candidate(*nearest, layout_of(nearest->chunks, nearest->spec.placement), m, x, program);
+      lower_candidate(*nearest, layout_of(nearest->chunks, nearest->spec.placement, nearest->cut), m, x, program);
   }
   res.fits = best != nullptr;
   res.choice = best ? *best : *nearest;
-  const detail::Layout& L = layout_of(res.choice.chunks, res.choice.spec.placement);
+  const detail::Layout& L = layout_of(res.choice.chunks, res.choice.spec.placement, res.choice.cut);
   for (const StageContent& c : L.stages) res.layers_per_stage.push_back(c.layers);
   res.model_state_bytes = L.model_state;
   res.workspace_bytes = L.workspace;

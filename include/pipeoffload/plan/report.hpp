@@ -1,7 +1,7 @@
 // pipeoffload/plan/report.hpp: a plan as a short table a person reads, or as JSON.
 //
 // Pure functions to std::string (no I/O); `pipeoffload-plan --auto` prints them. The JSON keys
-// are a contract scripts rely on: schedule, group, chunks, offload_chunks, k,
+// are a contract scripts rely on: schedule, group, chunks, cut, offload_chunks, k,
 // activation_bytes_per_layer, peak_device_bytes, host_bytes, bubble_fraction,
 // iteration_time_s, fits, and more besides. A plan of a data-parallel grid (dp > 1, ZeRO-1 or
 // a dp search; or asked for) adds its lines and keys: dp, zero, gpus, allreduce_exposed_s,
@@ -179,7 +179,8 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
        (r.k > 1 ? "; > 1: not every copy hides behind compute)\n" : ")\n");
   s += "activation " + printf_str("%.3f", r.activation_bytes_per_layer / gib) + " GiB per layer per microbatch (" +
        printf_str("%.2f", r.activation_bytes_per_layer / bsh(m)) + " bsh bytes)\n";
-  s += "stages     " + detail::stage_runs(r.layers_per_stage, m.vocab_stages) + "\n";
+  s +=
+      "stages     " + detail::stage_runs(r.layers_per_stage, m.vocab_stages) + " (" + stage_cut_name(c.cut) + " cut)\n";
   s += "bubble     " + printf_str("%.1f", 100 * c.bubble_fraction) + " % (idle / iteration, mean over ranks)\n";
   s += "iteration  " + printf_str("%.3f", c.iteration_time_s) + " s predicted";
   if (grid)
@@ -274,6 +275,7 @@ inline std::string render_plan_json(const PlanResult& r, const TransformerSpec& 
   s += "  \"schedule\": " + detail::json_str(c.name) + ",\n";
   s += "  \"group\": " + detail::num(c.group) + ",\n";
   s += "  \"chunks\": " + detail::num(c.chunks) + ",\n";
+  s += "  \"cut\": " + detail::json_str(stage_cut_name(c.cut)) + ",\n";
   s += "  \"offload_chunks\": " + detail::num(c.offload_chunks) + ",\n";
   s += "  \"ranks\": " + detail::num(r.ranks) + ",\n";
   s += "  \"microbatches\": " + detail::num(r.microbatches) + ",\n";

@@ -209,8 +209,12 @@ struct StageState {
 /// 3 (no tensor names) are still read.
 inline constexpr std::uint32_t format = 4;
 
-/// Limits decode() holds a file to: tensors a stage, bytes of a tensor's name, dimensions.
-inline constexpr std::uint32_t max_tensors = 1u << 20, max_name = 1024, max_dims = 8;
+/// Most tensors a stage file may name (decode() holds a file to it).
+inline constexpr std::uint32_t max_tensors = 1u << 20;
+/// Most bytes of a tensor's name in a stage file.
+inline constexpr std::uint32_t max_name = 1024;
+/// Most dimensions of a tensor in a stage file.
+inline constexpr std::uint32_t max_dims = 8;
 
 // File: magic, then u32 format (4), i32 stage, i32 step, u64 config_hash, u64 rng_seed,
 // i64 data_position, u64 n, u32 optimizer name length, the name, u32 configuration text
