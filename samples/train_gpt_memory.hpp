@@ -103,8 +103,8 @@ inline std::vector<po::Reservation> reservations(const Options& o, const Setup& 
 namespace detail {
 
 /// The blocks rank `r`'s runtime and optimizer take for themselves, each in the backend's size
-/// class (`round`): the step's token ids and targets, the last stage's losses, a non-finite
-/// flag per compute op, and po::state_bytes's blocks (exact sums, staging, the optimizer's
+/// class (`round`): the step's token ids and targets, its results (a non-finite flag per compute
+/// op and the last stage's losses, one block), and po::state_bytes's blocks (exact sums, staging, the optimizer's
 /// moments and, with bf16 working parameters, its fp32 master). `state` also gets the stages'
 /// parameters and gradients as po::state_bytes counts them.
 template <class Round>
@@ -114,9 +114,10 @@ std::size_t own_blocks(const Options& o, const Setup& su, const po::Program& pro
                     m = static_cast<std::size_t>(program.shape.m);
   const std::size_t inputs = (rs.tokens ? 1 : 0) + (rs.targets ? 1 : 0);
   std::size_t out = inputs * round(m * T * sizeof(std::int32_t));  // the step's token ids and targets
-  out += round(m * sizeof(float));                                 // the last stage's losses
+  // The step's results: a non-finite flag per compute op, then the last stage's losses.
   out += round(std::max<std::size_t>(1, program.ranks[static_cast<std::size_t>(r)].compute.size()) *
-               sizeof(std::uint32_t));  // a non-finite flag per compute op
+                   sizeof(std::uint32_t) +
+               m * sizeof(float));
   state = po::state_bytes(rs.params, {.gradients = o.gradients,
                                       .dp = o.dp,
                                       .replica = replica,

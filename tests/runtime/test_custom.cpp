@@ -755,6 +755,50 @@ TEST_CASE("memory: the runtime reserves the gradient norm's buffers at construct
   for (const std::string& e : rk.errors) CHECK(e == "");
 }
 
+/// backend::Cpu that counts the host-side calls a step makes which wait for the device on a
+/// GPU (downloads and synchronizations).
+class CountingCpu : public po::backend::Cpu {
+ public:
+  using Cpu::Cpu;
+  void download(void* host, const void* device, std::size_t bytes) {
+    ++downloads;
+    Cpu::download(host, device, bytes);
+  }
+  void synchronize() {
+    ++synchronizations;
+    Cpu::synchronize();
+  }
+  int downloads = 0, synchronizations = 0;
+};
+
+TEST_CASE("a training step and an evaluation each read their results back in one download and wait once") {
+  for (const po::Program& program : {po::PO_F::build({2, 2, 4}), po::GIS_H::build({4, 1, 4})}) {
+    CAPTURE(program.shape.d);
+    const Ranks rk = run_ranks(program.shape.d, [&](int r, World& world) {
+      CountingCpu dev({.rank = r});
+      po::comm::Threads comm(world, r);
+      std::vector<custom::Stage> mine = custom::make_rank_stages(model, program.shape, r);
+      const std::vector<custom::StageRef> stages = custom::refs(mine);
+      po::Runtime rt(program, dev, comm, stages, options);
+      const auto slice = data().train(0, static_cast<std::size_t>(program.shape.m) * rows);
+      for (int step = 0; step < 2; ++step) {
+        dev.downloads = dev.synchronizations = 0;
+        rt.zero_grad();
+        rt.forward_backward(slice.batch(), {.step = step});
+        if (dev.downloads != 1 || dev.synchronizations != 1)
+          throw std::runtime_error("forward_backward: " + std::to_string(dev.downloads) + " downloads, " +
+                                   std::to_string(dev.synchronizations) + " synchronizations");
+      }
+      dev.downloads = dev.synchronizations = 0;
+      rt.evaluate(slice.batch());
+      if (dev.downloads != 1 || dev.synchronizations != 1)
+        throw std::runtime_error("evaluate: " + std::to_string(dev.downloads) + " downloads, " +
+                                 std::to_string(dev.synchronizations) + " synchronizations");
+    });
+    for (const std::string& e : rk.errors) CHECK(e == "");
+  }
+}
+
 TEST_CASE(
     "parameter groups: AdamW leaves a weight-decay-0 tensor with zero gradient unchanged and shrinks the others by exactly lr*wd*p") {
   const po::Program program = po::GIS::build({1, 4, 2});

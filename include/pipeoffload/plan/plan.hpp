@@ -508,10 +508,11 @@ constexpr void lower_candidate(PlanCandidate& c, const detail::Layout& L, const 
     const auto u = static_cast<std::size_t>(r);
     const double region = static_cast<double>(std::max(train[u].region, eval[u].region));
     // The runtime's own blocks: the step's token ids (the embedding's rank) and targets (the
-    // head's), each microbatch's loss, a non-finite flag per compute op.
+    // head's), and its results: a non-finite flag per compute op and each microbatch's loss.
     const bool first = p.shape.rank_of(0) == r, last = p.shape.rank_of(p.shape.stages() - 1) == r;
     const double inputs = (first ? rounded(4 * mb * T) : 0.0) + (last ? rounded(4 * mb * T) : 0.0);
-    double fixed = inputs + rounded(4.0 * mb) + rounded(4.0 * static_cast<double>(p.ranks[u].compute.size()));
+    double fixed =
+        inputs + rounded(4.0 * (mb + static_cast<double>(std::max<std::size_t>(1, p.ranks[u].compute.size()))));
     // backend::Cuda's gradient-norm buffer: the runtime reserves each chunk's in chunk order,
     // and one of a larger size class is a new block (the smaller stays in its pool).
     double most = 0;

@@ -263,9 +263,8 @@ class Runtime<Backend, Communicator> {
     for (backend::Block& b : inputs_dev_) dev_.device_free(b);
     for (backend::Block& b : sums_) dev_.device_free(b);
     for (backend::Block& b : staging_) dev_.device_free(b);
-    dev_.device_free(losses_dev_);
     dev_.device_free(region_);
-    dev_.device_free(flags_dev_);
+    dev_.device_free(results_dev_);
   }
 
   /// Runs every F, B and W (or BW) of this rank for one batch of m microbatches; gradients
@@ -691,7 +690,7 @@ class Runtime<Backend, Communicator> {
     mb.training = call_.plan->training;
     mb.shape = opt_.microbatch;
     mb.inputs = views_[c * static_cast<std::size_t>(sh.m) + static_cast<std::size_t>(op.mb)];
-    if (op.stage == sh.stages() - 1) mb.loss = reinterpret_cast<float*>(losses_dev_.ptr) + op.mb;
+    if (op.stage == sh.stages() - 1) mb.loss = losses_dev() + op.mb;
     mb.loss_scale = 1.0f / static_cast<float>(mb.microbatches);
     return mb;
   }
@@ -796,11 +795,17 @@ class Runtime<Backend, Communicator> {
   std::vector<std::size_t> saved_, stash_;             // per chunk
   std::vector<std::vector<std::size_t>> norm_groups_;  // per chunk
   std::size_t max_groups_ = 1;
-  std::vector<Declared> inputs_;                     // step inputs this rank uploads
-  std::vector<backend::Block> inputs_dev_;           // (m, elements) of each, device
-  std::vector<std::vector<StepInput>> views_;        // [chunk * m + mb]: what a pass sees of the inputs
-  backend::Block losses_dev_{};                      // (m) float losses of the last stage, device
-  backend::Block flags_dev_{};                       // (compute ops) uint32 non-finite flags, device
+  std::vector<Declared> inputs_;               // step inputs this rank uploads
+  std::vector<backend::Block> inputs_dev_;     // (m, elements) of each, device
+  std::vector<std::vector<StepInput>> views_;  // [chunk * m + mb]: what a pass sees of the inputs
+  // The step's results, read back in one download: a uint32 non-finite flag per compute op
+  // (flag_count() of them), then the last stage's m float losses; device.
+  backend::Block results_dev_{};
+  std::size_t flag_count() const { return std::max<std::size_t>(1, train_.rp->compute.size()); }
+  std::uint32_t* flags_dev() const { return reinterpret_cast<std::uint32_t*>(results_dev_.ptr); }
+  float* losses_dev() const {
+    return reinterpret_cast<float*>(results_dev_.ptr + flag_count() * sizeof(std::uint32_t));
+  }
   std::vector<backend::Block> sums_;                 // per chunk: exact::Fixed gradient sums, padded to whole buckets
   std::vector<backend::Block> staging_;              // reduction: reduction_staging_bytes' buffers, in its order
   std::vector<GradientLayout> layouts_;              // per chunk: reduction buckets and shards

@@ -222,7 +222,6 @@ void Runtime<Backend, Communicator>::allocate_state() {
   };
   const std::size_t m = static_cast<std::size_t>(sh.m);
   for (const Declared& d : inputs_) inputs_dev_.push_back(take(m * d.spec.elements * dtype_size(d.spec.dtype)));
-  losses_dev_ = take(m * sizeof(float));
   // The memory plans' region: saved units, stashes and boundary tensors at their offsets.
   region_ = take(std::max(train_.lowered.region, eval_.lowered.region));
   // Exact gradient sums (exact path), padded to whole reduction buckets of a multiple of dp
@@ -239,7 +238,7 @@ void Runtime<Backend, Communicator>::allocate_state() {
   }
   if (dp_ > 1)
     for (const std::size_t bytes : reduction_staging_bytes(most, dp_, opt_.gradients)) staging_.push_back(take(bytes));
-  flags_dev_ = take(std::max<std::size_t>(1, train_.rp->compute.size()) * sizeof(std::uint32_t));
+  results_dev_ = take(flag_count() * sizeof(std::uint32_t) + m * sizeof(float));
   // Each stage's view of each microbatch's inputs: fixed device addresses, built once.
   views_.resize(static_cast<std::size_t>(sh.v) * m);
   for (int c = 0; c < sh.v; ++c)

@@ -22,7 +22,7 @@ PassStats Runtime<Backend, Communicator>::run(const Plan& plan, const Batch& bat
                 " microbatches in one step exceed " + std::to_string(exact::max_terms));
   upload_inputs(batch);
   const RankProgram& rp = *plan.rp;
-  dev_.zero(flags_dev_.ptr, rp.compute.size() * sizeof(std::uint32_t));
+  dev_.zero(flags_dev(), rp.compute.size() * sizeof(std::uint32_t));
   call_ = {info, &plan};
   if (plan.training) {
     trace_.compute_start.assign(rp.compute.size(), 0.0);
@@ -81,10 +81,13 @@ void Runtime<Backend, Communicator>::verdict(const Plan& plan, PassStats& st) {
   const std::size_t m = static_cast<std::size_t>(sh.m);
   const RankProgram& rp = *plan.rp;
   const bool last = rank_ == sh.rank_of(S - 1);
+  // One readback: the flags and the losses together (the losses are zero off the last rank).
+  std::vector<std::byte> results(results_dev_.bytes);
+  dev_.download(results.data(), results_dev_.ptr, results.size());
   std::vector<float> losses(m, 0.0f);
-  if (last) dev_.download(losses.data(), losses_dev_.ptr, m * sizeof(float));
+  if (last) std::memcpy(losses.data(), results.data() + flag_count() * sizeof(std::uint32_t), m * sizeof(float));
   std::vector<std::uint32_t> flags(rp.compute.size(), 0);
-  dev_.download(flags.data(), flags_dev_.ptr, flags.size() * sizeof(std::uint32_t));
+  std::memcpy(flags.data(), results.data(), flags.size() * sizeof(std::uint32_t));
   // Position of a value in one microbatch's data flow: F of stages 0..S-1, the loss, then
   // B of stages S-1..0. The first (lowest key) non-finite value is the culprit.
   const double span = 2.0 * S + 1;

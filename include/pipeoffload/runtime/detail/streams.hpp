@@ -43,7 +43,7 @@ void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
     const Stage& l = stages_[c];
     auto ctx = dev_.context(compute_);
     const Microbatch mb = info(op);
-    std::uint32_t* flag = reinterpret_cast<std::uint32_t*>(flags_dev_.ptr) + x;
+    std::uint32_t* flag = flags_dev() + x;
     if (op.kind == OpKind::F) {
       // Evaluation keeps nothing: the unit is a scratch block given back after the pass.
       backend::Block saved = take_buffer(plan.lowered.compute_at[x][0], saved_[c], backend::Memory::activation);
