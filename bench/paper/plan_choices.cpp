@@ -71,42 +71,51 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  std::printf("| model | d | m | recompute | choice (all families) | best of the paper's families | speed-up |\n");
-  std::printf("|---|---|---|---|---|---|---|\n");
+  // Every paper model, recompute on and off, planned once for both tables.
+  struct Planned {
+    const paper::PaperModel* pm;
+    bool recompute;
+    TransformerSpec m;
+    MachineSpec x;
+    PlanResult r;
+  };
+  std::vector<Planned> planned;
   for (const paper::PaperModel& pm : paper::models)
     for (bool recompute : {true, false}) {
-      const TransformerSpec m = paper::transformer(pm, recompute);
-      MachineSpec x;
-      x.ranks = pm.gpus;
-      x.device_bytes = device_gib * gib;
-      const PlanResult r = plan(m, x);
-      // The fastest of the paper's families whose lowered memory plan fits.
-      const PlanCandidate paper_best =
-          fastest_fitting(r, m, x, [](const PlanCandidate& c) { return paper_family(c.spec.family); });
-      const PlanCandidate chosen = r.fits ? r.choice : PlanCandidate{};
-      const double speedup =
-          !chosen.name.empty() && !paper_best.name.empty() ? paper_best.iteration_time_s / chosen.iteration_time_s : 0;
-      std::printf("| %s | %d | %d | %s | %s | %s | %s |\n", pm.name, pm.gpus, r.microbatches, recompute ? "on" : "off",
-                  describe(chosen).c_str(), describe(paper_best).c_str(),
-                  speedup > 0 ? (std::to_string(speedup).substr(0, 5) + "x").c_str() : "-");
+      Planned p{&pm, recompute, paper::transformer(pm, recompute), {}, {}};
+      p.x.ranks = pm.gpus;
+      p.x.device_bytes = device_gib * gib;
+      p.r = plan(p.m, p.x);
+      planned.push_back(std::move(p));
     }
+  const auto ratio = [](const PlanCandidate& num, const PlanCandidate& den) {
+    return !num.name.empty() && !den.name.empty()
+               ? std::to_string(num.iteration_time_s / den.iteration_time_s).substr(0, 5) + "x"
+               : std::string("-");
+  };
+  std::printf("| model | d | m | recompute | choice (all families) | best of the paper's families | speed-up |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  for (const Planned& p : planned) {
+    // The fastest of the paper's families whose lowered memory plan fits.
+    const PlanCandidate paper_best =
+        fastest_fitting(p.r, p.m, p.x, [](const PlanCandidate& c) { return paper_family(c.spec.family); });
+    const PlanCandidate chosen = p.r.fits ? p.r.choice : PlanCandidate{};
+    std::printf("| %s | %d | %d | %s | %s | %s | %s |\n", p.pm->name, p.pm->gpus, p.r.microbatches,
+                p.recompute ? "on" : "off", describe(chosen).c_str(), describe(paper_best).c_str(),
+                ratio(paper_best, chosen).c_str());
+  }
   // The two cuts: the fastest plan (all families) on each, where the even cut exists (a layer
   // for every stage of some v).
   std::printf("\n| model | d | recompute | fastest on the slot cut | fastest on the even cut | slot vs even |\n");
   std::printf("|---|---|---|---|---|---|\n");
-  for (const paper::PaperModel& pm : paper::models)
-    for (bool recompute : {true, false}) {
-      const TransformerSpec m = paper::transformer(pm, recompute);
-      MachineSpec x;
-      x.ranks = pm.gpus;
-      x.device_bytes = device_gib * gib;
-      const PlanResult r = plan(m, x);
-      const PlanCandidate a = fastest_fitting(r, m, x, [](const PlanCandidate& c) { return c.cut == StageCut::slots; }),
-                          b = fastest_fitting(r, m, x, [](const PlanCandidate& c) { return c.cut == StageCut::even; });
-      const double ratio = !a.name.empty() && !b.name.empty() ? b.iteration_time_s / a.iteration_time_s : 0;
-      std::printf("| %s | %d | %s | %s | %s | %s |\n", pm.name, pm.gpus, recompute ? "on" : "off", describe(a).c_str(),
-                  describe(b).c_str(), ratio > 0 ? (std::to_string(ratio).substr(0, 5) + "x").c_str() : "-");
-    }
+  for (const Planned& p : planned) {
+    const PlanCandidate a = fastest_fitting(p.r, p.m, p.x,
+                                            [](const PlanCandidate& c) { return c.cut == StageCut::slots; }),
+                        b = fastest_fitting(p.r, p.m, p.x,
+                                            [](const PlanCandidate& c) { return c.cut == StageCut::even; });
+    std::printf("| %s | %d | %s | %s | %s | %s |\n", p.pm->name, p.pm->gpus, p.recompute ? "on" : "off",
+                describe(a).c_str(), describe(b).c_str(), ratio(b, a).c_str());
+  }
   // A Llama-3-70B-class model on 64 and 128 GPUs of 80 GiB: the planner searches dp (ZeRO-1).
   std::printf("\n| model | GPUs | dp x d | m | choice | worst rank |\n|---|---|---|---|---|---|\n");
   for (const int gpus : {64, 128}) {
