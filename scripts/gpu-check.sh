@@ -192,7 +192,7 @@ log_dir="$build/gpu-check"
 mkdir -p "$log_dir"
 [ -n "$report" ] || report="$log_dir/report.md"
 jobs=$(nproc)
-check_targets="tests/cuda/test_cuda_host tests/cuda/test_cuda_gpu bench/cuda/gpt_block_gpu samples/train_gpt"
+check_targets="tests/cuda/test_cuda_host tests/cuda/test_cuda_gpu bench/cuda/gpt_block_gpu samples/train_gpt pipeoffload-plan"
 if [ "$no_build" = 1 ]; then
   for t in $check_targets; do
     [ -x "$build/$t" ] || die "--no-build: $build/$t is missing (build it first: bash scripts/gpu-check.sh --build-only --build-dir DIR)"

@@ -11,7 +11,8 @@ reserved_bytes_per_rank equal to the plan's per_rank device_bytes less its reser
 context and NCCL), to the byte (tests/runtime/test_train_gpt_memory.cpp holds the same on the
 CPU through train_gpt's cuda_rank_bytes).
 
-usage: test_train_gpt_cuda.py path/to/train_gpt
+usage: test_train_gpt_cuda.py path/to/train_gpt [path/to/pipeoffload-plan]
+(the plan tool defaults to the one in train_gpt's build directory)
 """
 import json
 import os
@@ -59,21 +60,22 @@ verbose = run("--backend", "cuda", *shape, *[a for a in common if a != "--quiet"
 losses = [float(l.split(" loss ")[1].split()[0]) for l in verbose.stdout.splitlines() if l.startswith("[")]
 assert len(losses) >= 2 and losses[-1] < losses[0] - 0.5, losses
 # The plan's memory is the run's: the planner's choice for this GPT on these GPUs, run by train_gpt.
-plan_tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(exe))), "pipeoffload-plan")
-planned_run = "no pipeoffload-plan beside train_gpt's build"
-if os.path.exists(plan_tool):
-    q = subprocess.run([plan_tool, "--auto", "--layers", "4", "--hidden", "64", "--heads", "4", "--query-groups", "4",
-                        "--seq", "64", "--micro-batch", "2", "--global-batch", "16", "--vocab", "256", "--ranks",
-                        shape[1], "--recompute", "--device-mem-gib", "40", "--host-mem-gib", "16", "--tflops", "10",
-                        "--pcie-gbps", "25", "--format", "json"], capture_output=True, text=True, timeout=300)
-    doc = json.loads(q.stdout)
-    args = doc["train_gpt_args"]
-    assert args, doc.get("train_gpt_args_why_not")
-    p = run(*args, "--steps", "2", "--quiet")
-    final_loss(p, "the plan's train_gpt command " + " ".join(args))
-    line = [l for l in p.stdout.splitlines() if l.startswith("reserved_bytes_per_rank=")]
-    reserved = [int(b) for b in line[0].split("=", 1)[1].split(",")]
-    planned = [int(r["device_bytes"] - r["reserve_bytes"]) for r in doc["per_rank"]]
-    assert reserved == planned, f"train_gpt {' '.join(args)} reserved {reserved}; the plan says {planned}"
-    planned_run = f"{doc['schedule']} v={doc['chunks']} reserved {reserved} bytes, as planned"
+plan_tool = sys.argv[2] if len(sys.argv) > 2 else os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(exe))),
+                                                               "pipeoffload-plan")
+if not os.path.exists(plan_tool):
+    sys.exit(f"FAIL: no plan tool at {plan_tool} (build pipeoffload-plan, or give its path)")
+q = subprocess.run([plan_tool, "--auto", "--layers", "4", "--hidden", "64", "--heads", "4", "--query-groups", "4",
+                    "--seq", "64", "--micro-batch", "2", "--global-batch", "16", "--vocab", "256", "--ranks",
+                    shape[1], "--recompute", "--device-mem-gib", "40", "--host-mem-gib", "16", "--tflops", "10",
+                    "--pcie-gbps", "25", "--format", "json"], capture_output=True, text=True, timeout=300)
+doc = json.loads(q.stdout)
+args = doc["train_gpt_args"]
+assert args, doc.get("train_gpt_args_why_not")
+p = run(*args, "--steps", "2", "--quiet")
+final_loss(p, "the plan's train_gpt command " + " ".join(args))
+line = [l for l in p.stdout.splitlines() if l.startswith("reserved_bytes_per_rank=")]
+reserved = [int(b) for b in line[0].split("=", 1)[1].split(",")]
+planned = [int(r["device_bytes"] - r["reserve_bytes"]) for r in doc["per_rank"]]
+assert reserved == planned, f"train_gpt {' '.join(args)} reserved {reserved}; the plan says {planned}"
+planned_run = f"{doc['schedule']} v={doc['chunks']} reserved {reserved} bytes, as planned"
 print("ok: GPU final loss", g, "CPU", c, ";", planned_run)
