@@ -136,6 +136,56 @@ std::vector<std::vector<T>> gather_ragged(Comm& comm, std::span<const T> mine) {
   return out;
 }
 
+/// --k auto: one forward and backward of `batch` (step 0's) under the schedule with every
+/// chunk offloaded (so that every stage's copies are timed), on a runtime of its own that is
+/// gone before training starts; its gradients are dropped (step 0 then trains from zero
+/// gradients, as always). Every rank gathers the pipeline's traces and derives the same
+/// po::measured_costs; replica 0's are every replica's (one program for all). The lead prints
+/// the measured k and, under the measured times, the simulated step of the schedule rebuilt
+/// with them against the one built with k = 1.
+template <class Comm, class Device, class Layer>
+po::Costs measure_costs(const Options& o, const Setup& su, Comm& comm, Comm& replicas, Device& dev,
+                        std::vector<Layer>& mine, const po::Batch& batch, bool lead) {
+  Options all = o;
+  if (all.import_text.empty()) all.spec.offload = po::offload::all;
+  const po::Program probe = train_gpt::program_of(all, su.costs);
+  const po::Shape& sh = probe.shape;
+  std::vector<po::RankSim> traces(static_cast<std::size_t>(sh.d));
+  {
+    po::Runtime prt(probe, dev, comm, replicas, std::span<Layer>(mine), su.runtime);
+    prt.zero_grad();
+    prt.forward_backward(batch, {.step = 0});
+    for (auto times :
+         {&po::RankSim::compute_start, &po::RankSim::compute_end, &po::RankSim::copy_start, &po::RankSim::copy_end}) {
+      std::vector<std::vector<double>> got = gather_ragged<double>(comm, prt.trace().*times);
+      for (std::size_t q = 0; q < traces.size(); ++q) traces[q].*times = std::move(got[q]);
+    }
+    prt.zero_grad();
+  }
+  po::Costs measured = po::measured_costs(probe, traces, su.costs);
+  // Replica 0's, on every replica: F, B, W of each stage, then k.
+  const std::size_t S = static_cast<std::size_t>(sh.stages()), width = 3 * S + 1;
+  std::vector<double> packed, every(width * static_cast<std::size_t>(o.dp));
+  for (const auto* v : {&measured.stage_f, &measured.stage_b, &measured.stage_w})
+    packed.insert(packed.end(), v->begin(), v->end());
+  packed.push_back(measured.k);
+  replicas.all_gather(std::span<const double>(packed), std::span(every));
+  for (std::size_t i = 0; i < S; ++i) {
+    measured.stage_f[i] = every[i];
+    measured.stage_b[i] = every[S + i];
+    measured.stage_w[i] = every[2 * S + i];
+  }
+  measured.k = every[3 * S];
+  if (lead && !o.quiet) {
+    const po::Program rebuilt = train_gpt::program_of(o, measured), fixed = train_gpt::program_of(o, su.costs);
+    std::printf(
+        "k auto: measured k = %.4g; simulated step under the measured times: %.4g s as rebuilt, %.4g s "
+        "with --k %.4g\n",
+        measured.k, po::simulate(rebuilt, measured).makespan, po::simulate(fixed, measured).makespan, o.k);
+  }
+  return measured;
+}
+
 /// One rank's whole run on `dev` with its v stages `mine`, the same code under threads and
 /// MPI and on every backend: handshake, train, checkpoint, then gather what global rank 0
 /// prints (peaks, unit sizes, traces, parameters for the hash). `comm` connects the rank's
@@ -160,7 +210,36 @@ int train_rank(
   // Before the first pipeline message: every rank must run the same configuration.
   po::handshake(comm, su.fields);
   po::handshake(replicas, su.fields);
-  po::Runtime rt(train_gpt::program_of(o, su.costs), dev, comm, replicas, std::span<Layer>(mine), su.runtime);
+  // Peaks of every rank so far (rank 0 prints them): activation, device total, pinned host.
+  std::vector<std::size_t> peaks(3 * static_cast<std::size_t>(sh.d), 0);
+  std::vector<std::int32_t> tok(su.tokens_per_step), tgt(su.tokens_per_step);
+  const std::vector<long long> shape = {static_cast<long long>(sh.m) * mbs.batch, mbs.seq};
+  // Sequences starting at src[from + at] for each sequence q's draw `at`, as a batch: this
+  // replica's share of the global batch (its sequences are the global ones after the
+  // earlier replicas').
+  const std::size_t sequences = su.tokens_per_step / seq, offset = static_cast<std::size_t>(replica) * sequences;
+  const auto batch_at = [&](const sample::Tokens& src, std::size_t from, auto&& draw) {
+    for (std::size_t q = 0; q < sequences; ++q) {
+      const std::size_t at = from + draw(offset + q);
+      for (std::size_t t = 0; t < seq; ++t) {
+        tok[q * seq + t] = static_cast<std::int32_t>(src[at + t]);
+        tgt[q * seq + t] = static_cast<std::int32_t>(src[at + t + 1]);
+      }
+    }
+    po::Batch b;
+    b.add("tokens", tok, shape).add("targets", tgt, shape);
+    return b;
+  };
+  // The step's batch: sequences drawn from (seed, step), so a resumed run reads the batches an
+  // uninterrupted one would.
+  const auto step_batch = [&](int step) {
+    return batch_at(su.tokens, 0, [&](std::size_t q) {
+      return po::math::mix64(o.seed, static_cast<std::uint64_t>(step) * 1000003u + q) % (su.train_tokens - seq - 1);
+    });
+  };
+  // --k auto: the schedule built from a profiling pass's measured times (measure_costs).
+  const po::Costs costs = o.k_auto ? measure_costs(o, su, comm, replicas, dev, mine, step_batch(0), lead) : su.costs;
+  po::Runtime rt(train_gpt::program_of(o, costs), dev, comm, replicas, std::span<Layer>(mine), su.runtime);
   if (pair != nullptr) rt.pair_with(*pair);
   po::AdamW opt(rt, su.adamw);
   // bf16 stages: the optimizer's fp32 master starts from the model's fp32 initial values, not
@@ -182,35 +261,11 @@ int train_rank(
                                  ", already at --steps " + std::to_string(o.steps) + "; nothing to resume");
     if (lead && !o.quiet) std::printf("resumed from %s at step %d\n", o.resume.c_str(), first);
   }
-  // Peaks of every rank so far (rank 0 prints them): activation, device total, pinned host.
-  std::vector<std::size_t> peaks(3 * static_cast<std::size_t>(sh.d), 0);
-  std::vector<std::int32_t> tok(su.tokens_per_step), tgt(su.tokens_per_step);
-  const std::vector<long long> shape = {static_cast<long long>(sh.m) * mbs.batch, mbs.seq};
-  // Sequences starting at src[from + at] for each sequence q's draw `at`, as a batch: this
-  // replica's share of the global batch (its sequences are the global ones after the
-  // earlier replicas').
-  const std::size_t sequences = su.tokens_per_step / seq, offset = static_cast<std::size_t>(replica) * sequences;
-  const auto batch_at = [&](const sample::Tokens& src, std::size_t from, auto&& draw) {
-    for (std::size_t q = 0; q < sequences; ++q) {
-      const std::size_t at = from + draw(offset + q);
-      for (std::size_t t = 0; t < seq; ++t) {
-        tok[q * seq + t] = static_cast<std::int32_t>(src[at + t]);
-        tgt[q * seq + t] = static_cast<std::int32_t>(src[at + t + 1]);
-      }
-    }
-    po::Batch b;
-    b.add("tokens", tok, shape).add("targets", tgt, shape);
-    return b;
-  };
   double tokens_seconds = 0;
   float final_loss = 0;
   std::uint64_t step_traffic = 0;  // bytes this rank sent in the last step's replica collectives
   for (int step = first; step < o.steps; ++step) {
-    // Each sequence starts at a position drawn from (seed, step, sequence): the data position
-    // is the step, so a resumed run reads the batches an uninterrupted one would.
-    const po::Batch batch = batch_at(su.tokens, 0, [&](std::size_t q) {
-      return po::math::mix64(o.seed, static_cast<std::uint64_t>(step) * 1000003u + q) % (su.train_tokens - seq - 1);
-    });
+    const po::Batch batch = step_batch(step);
     // The last step's replica traffic is counted whole: the step before it has finished its
     // (overlapped) parameter gather first.
     const bool last = step + 1 == o.steps;

@@ -66,7 +66,10 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
                         multiple of D for 1f1b-i (default 8)
   --group G             group size of gis-g (required there), ceil(D/2)..D
   --offload-chunks N    offload chunks 0..N-1 (0..V) for any schedule (po-h, po-f imply ceil(V/2), V)
-  --k K                 planning: round-trip copy time / (T_F+T_B+T_W), (0, 100]; default 1
+  --k K                 planning: round-trip copy time / (T_F+T_B+T_W), (0, 100]; default 1; auto:
+                        measured (--backend cpu): a first forward and backward with every chunk
+                        offloaded times each stage's passes and copies (po::measured_costs), and
+                        the schedule is rebuilt with those times (not counted as a step)
   --flops F             planning: each stage's F, B and W cost its FLOPs at F FLOP/s, (0, 1e18], as
                         pipeoffload-plan times them (its train_gpt line passes its own); default:
                         every pass of every stage costs 1
@@ -109,7 +112,8 @@ struct Options {
   po::ScheduleSpec spec{};
   po::Shape shape{4, 2, 8};
   double k = 1, copy_gbps = 0;
-  double flops = 0;  // --flops; 0: unit pass costs
+  double flops = 0;     // --flops; 0: unit pass costs
+  bool k_auto = false;  // --k auto: measured in a profiling pass
   int steps = 200;
   std::uint64_t seed = 1;
   std::optional<std::string> trace;
@@ -306,7 +310,12 @@ inline Options parse(int argc, char** argv) {
   if (auto v = get("--steps")) o.steps = static_cast<int>(to_int("--steps", *v, 1, 1000000));
   if (auto v = get("--eval-every")) o.eval_every = static_cast<int>(to_int("--eval-every", *v, 0, 1000000));
   if (auto v = get("--seed")) o.seed = static_cast<std::uint64_t>(to_int("--seed", *v, 0, (1LL << 62)));
-  if (auto v = get("--k")) o.k = to_real("--k", *v, 0, 100, true);
+  if (auto v = get("--k")) {
+    if (*v == "auto")
+      o.k_auto = true;
+    else
+      o.k = to_real("--k", *v, 0, 100, true);
+  }
   if (auto v = get("--flops")) o.flops = to_real("--flops", *v, 0, 1e18, true);
   if (auto v = get("--copy-gbps")) o.copy_gbps = to_real("--copy-gbps", *v, 0, 1e4, false);
   if (auto v = get("--trace")) o.trace = *v;
@@ -376,6 +385,10 @@ inline Options parse(int argc, char** argv) {
       throw bad_argument("--exact-block " + std::to_string(o.exact_block) + " must divide the file's " +
                          std::to_string(o.shape.m) + " microbatches");
   }
+  if (o.k_auto && o.cuda)
+    throw bad_argument(
+        "--k auto measures on --backend cpu only (a GPU's arena is sized for its program before the run); give "
+        "--k K");
   if (o.pcie_pairs && (o.mpi || o.cuda))
     throw bad_argument(
         "--pcie-pairs applies only to --backend cpu with thread ranks (MPI processes run unpaired; --backend cuda pairs GPUs by their PCIe switches)");
@@ -518,7 +531,7 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
                                            " gradients=" + po::gradients_name(o.gradients) +
                                            (o.reduce_dtype == po::DType::bfloat16 ? " reduce=bf16" : "")});
   s.fields.push_back({"data", data});
-  s.fields.push_back({"planning", "k=" + std::string(k) + " flops=" + flops +
+  s.fields.push_back({"planning", "k=" + (o.k_auto ? std::string("auto") : std::string(k)) + " flops=" + flops +
                                       " offload=" + std::to_string(po::offload::count(o.spec.offload, sh.v))});
   s.fields.push_back({"run", "checkpoint-every=" + std::to_string(o.checkpoint_every) +
                                  " resume=" + (o.resume.empty() ? "no" : "yes") + " trace=" + (o.trace ? "yes" : "no") +

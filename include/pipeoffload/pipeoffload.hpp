@@ -10,6 +10,7 @@
 #include "schedule/schedule.hpp"
 #include "schedule/torch_csv.hpp"
 #include "schedule/validate.hpp"
+#include "sim/measure.hpp"
 #include "sim/simulate.hpp"
 #include "version.hpp"
 

@@ -7,6 +7,7 @@ under another cut of the model; bad arguments exit 2 with a sentence.
 usage: test_train_gpt.py path/to/train_gpt
 """
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -144,6 +145,21 @@ with tempfile.TemporaryDirectory() as ck:
         if f"resumed from {ck} at step 3" not in out or finals(out) != ref:
             sys.exit(f"FAIL: {' '.join(extra)} resumed from an 8-stage checkpoint: {finals(out)}, uninterrupted {ref}")
 
+# --k auto: a profiling pass times every stage's passes and copies and the schedule is rebuilt
+# with them. The run ends as the reference (the pass is not a step); under a copy engine paced
+# at 0.02 GB/s the measured k is far above 1, and the rebuilt schedule is no slower than the
+# one built with --k 1 under the measured times (faster: it keeps the units whose round trip
+# cannot hide), while with unpaced copies k stays below 1.
+for gbps, big in (("0", False), ("0.02", True)):
+    out = run("--schedule", "po-f", "--ranks", "2", "--chunks", "2", *small[:-1], "--k", "auto", "--copy-gbps", gbps).stdout
+    line = [l for l in out.splitlines() if l.startswith("k auto: measured k = ")]
+    if len(line) != 1 or finals(out) != ref:
+        sys.exit(f"FAIL: --k auto --copy-gbps {gbps}: {line}, {finals(out)}, the reference {ref}")
+    k = float(line[0].split("= ")[1].split(";")[0])
+    rebuilt, fixed = (float(x) for x in re.findall(r"([0-9.e+-]+) s", line[0]))
+    if (k > 1) != big or rebuilt > fixed or (big and not rebuilt < fixed):
+        sys.exit(f"FAIL: --k auto --copy-gbps {gbps}: {line[0]}")
+
 # Loss falls over a short run.
 out = run("--ranks", "2", "--chunks", "1", "--schedule", "1f1b", "--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "4",
           "--microbatches", "2", "--steps", "40", "--lr", "1e-2").stdout
@@ -175,6 +191,8 @@ else:
     assert "--trace applies only to --backend cpu" in err, err
     err = run("--backend", "cuda", "--copy-gbps", "1", code=2).stderr
     assert "--copy-gbps applies only to --backend cpu" in err, err
+    err = run("--backend", "cuda", "--k", "auto", code=2).stderr
+    assert "--k auto measures on --backend cpu only" in err, err
     if "this machine has 0" in probe.stderr:
         assert probe.returncode == 2, probe
         assert "--backend cuda --ranks 1 needs 1 GPUs; this machine has 0" in probe.stderr, probe.stderr

@@ -52,3 +52,39 @@ TEST_CASE("PO-F costs little more than PO at k = 1 under unit costs (d=8, v=4, m
   CHECK(pof >= po);
   CHECK(pof <= po * 1.05);
 }
+
+TEST_CASE(
+    "measured_costs: a simulated run's trace gives back the costs it ran by; BW splits evenly; bad traces named") {
+  // Per-stage F, B, W and a copy ratio: the simulation is a perfect measurement of them.
+  Costs c;
+  c.k = 1.75;
+  for (int s = 0; s < 8; ++s) {
+    c.stage_f.push_back(1.0 + 0.25 * s);
+    c.stage_b.push_back(2.0 + 0.5 * s);
+    c.stage_w.push_back(1.5 + 0.125 * s);
+  }
+  const Program po_f = build({Family::grouped, {GroupSpec::Kind::uniform, 1}, offload::all}, {4, 2, 8}, c);
+  const SimResult sim = simulate(po_f);
+  const Costs got = measured_costs(po_f, sim.ranks, Costs{});
+  CHECK(got.stage_f == c.stage_f);
+  CHECK(got.stage_b == c.stage_b);
+  CHECK(got.stage_w == c.stage_w);
+  CHECK(got.k == doctest::Approx(c.k).epsilon(1e-12));
+  // Fused BW (1F1B): its time split evenly between B and W; nothing offloaded keeps base's k.
+  Costs base;
+  base.k = 3;
+  const Program one = OneF1B::build({4, 1, 8});
+  const Costs fused = measured_costs(one, simulate(one).ranks, base);
+  for (int s = 0; s < 4; ++s) {
+    CHECK(fused.stage_f[static_cast<std::size_t>(s)] == 1);
+    CHECK(fused.stage_b[static_cast<std::size_t>(s)] == 1);  // BW takes T_B + T_W = 2
+    CHECK(fused.stage_w[static_cast<std::size_t>(s)] == 1);
+  }
+  CHECK(fused.k == 3);
+  // A trace that is not the program's.
+  std::vector<RankSim> short_one = sim.ranks;
+  short_one[2].copy_end.pop_back();
+  CHECK_THROWS_WITH(measured_costs(po_f, short_one, Costs{}), doctest::Contains("rank 2's trace has"));
+  CHECK_THROWS_WITH(measured_costs(po_f, std::span(sim.ranks).first(3), Costs{}),
+                    "po::measured_costs: 3 traces for 4 ranks");
+}
