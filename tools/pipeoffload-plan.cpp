@@ -76,7 +76,7 @@ usage: pipeoffload-plan --auto (--model NAME | --layers L --hidden H --heads A -
          --seq S --micro-batch B --global-batch N --vocab V) --ranks D --device-mem-gib X
          --host-mem-gib Y --tflops T --pcie-gbps P [--recompute] [--format text|json]
          [--dp R | --search-dp --gpus GPUS] [--zero 0|1] [--dp-gbps X] [--gpus-per-node G]
-         [--node-layout contiguous|balanced]
+         [--node-layout contiguous|balanced] [--schedule NAME]
 
 Plans: builds and simulates 1f1b, 1f1b-i, gis, gis(g) for every legal g, and po with 0..v
 chunks offloaded for every v up to (L+2)/D, and prints the fastest whose every rank fits in
@@ -101,6 +101,8 @@ B-to-W stashes; workspace), with a command line that draws it.
                                no biases, no dropout, no position table
   --gradients standard|exact   the runtime's gradient path (default standard); exact adds its
                                128-bit sums, 16 bytes per parameter, and sends them
+  --schedule NAME              only that family's candidates (1f1b, ..., dualpipe-v), for
+                               every v, offload and cut it has
   --backend cuda|cpu           whose memory is counted (default cuda): the CUDA GPT's (bf16, a
                                reserve for the CUDA context); cpu: train_gpt's CPU GPT (fp32,
                                what train_gpt --backend cpu prints as reserved_bytes_per_rank)
@@ -157,9 +159,8 @@ constexpr std::string_view auto_only[] = {
     "--device-mem-gib", "--host-mem-gib", "--pcie-switch",   "--dp",           "--search-dp",    "--gpus",
     "--zero",           "--dp-gbps",      "--gpus-per-node", "--node-layout",  "--gradients",    "--ffn-hidden",
     "--swiglu",         "--reduce-dtype", "--model",         "--backend"};
-constexpr std::string_view not_auto[] = {"--schedule", "--import",         "--chunks",   "--microbatches",
-                                         "--group",    "--offload-chunks", "--k",        "--cost-f",
-                                         "--cost-b",   "--cost-w",         "--cost-comm"};
+constexpr std::string_view not_auto[] = {"--import", "--chunks", "--microbatches", "--group",  "--offload-chunks",
+                                         "--k",      "--cost-f", "--cost-b",       "--cost-w", "--cost-comm"};
 constexpr std::string_view hardware_flags[] = {"--hidden", "--seq", "--micro-batch", "--tflops", "--pcie-gbps"};
 constexpr std::string_view formats[] = {"text", "csv", "json", "chrome-trace", "svg", "torch-csv", "torch-csv-lowered"};
 
@@ -582,6 +583,7 @@ AutoRequest interpret_auto(const Args& args) {
   set(m.global_batch, "--global-batch", "sequences per iteration", 1, 1 << 24);
   set(m.vocab, "--vocab", "vocabulary size", 1, 1 << 24);
   m.recompute = find(args, "--recompute") != nullptr;
+  if (const std::string* s = find(args, "--schedule")) rq.budget.schedule = *s;  // checked by plan()
   m.swiglu = m.swiglu || find(args, "--swiglu") != nullptr;
   if (find(args, "--ffn-hidden")) m.ffn_hidden = need("--ffn-hidden", "the MLP's inner width", 1, 1 << 22);
   if (m.query_groups > m.heads || m.heads % m.query_groups != 0)

@@ -8,7 +8,7 @@ loss must be within 3% of the CPU run's (bf16 activations against fp32: close, n
 tests/cuda/test_runtime_gpu.cpp argues the bound per step). And the planner's CUDA memory is
 what the GPU run reserves: pipeoffload-plan --auto's train_gpt command, run on the GPUs, prints
 reserved_bytes_per_rank equal to the plan's per_rank device_bytes less its reserve (the CUDA
-context and NCCL), to the byte (tests/runtime/test_train_gpt_memory.cpp holds the same on the
+context and NCCL), to the byte (tests/runtime/test_plan_memory.cpp holds the same on the
 CPU through train_gpt's cuda_rank_bytes).
 
 usage: test_train_gpt_cuda.py path/to/train_gpt [path/to/pipeoffload-plan]

@@ -75,6 +75,7 @@ AUTO = ["--auto", "--layers", "16", "--hidden", "1024", "--heads", "16", "--quer
 PLAN_AUTO = {
     "auto-po-h": [*AUTO, "--device-mem-gib", "4.0"],
     "auto-po-offload": [*AUTO, "--device-mem-gib", "3.8", "--format", "json"],
+    "auto-pinned-zb-v": [*AUTO, "--device-mem-gib", "5.5", "--schedule", "zb-v"],
     "auto-dualpipe-v": [*AUTO, "--device-mem-gib", "4.7", "--format", "json"],
     "auto-recompute": ["--auto", "--layers", "8", "--hidden", "1024", "--heads", "16", "--query-groups", "16", "--seq", "1024",
                        "--micro-batch", "1", "--global-batch", "16", "--vocab", "32000", "--ranks", "4", "--device-mem-gib", "16",
@@ -102,7 +103,7 @@ PLAN_ERRORS = {
     "k-too-small": ["--schedule", "po-f", *SHAPE, "--k", "1e-6"],
     "k-and-hardware": ["--schedule", "po", *SHAPE, "--k", "2", "--hidden", "4096"],
     "hardware-missing": ["--schedule", "po", *SHAPE, "--hidden", "4096", "--seq", "4096"],
-    "auto-with-schedule": [*AUTO, "--device-mem-gib", "4", "--schedule", "po"],
+    "auto-with-chunks": [*AUTO, "--device-mem-gib", "4", "--chunks", "2"],
     "schedule-with-auto-flag": ["--schedule", "po", *SHAPE, "--recompute"],
     "unknown-option": ["--schedule", "po", *SHAPE, "--bogus", "1"],
     "bad-format": ["--schedule", "po", *SHAPE, "--format", "xml"],

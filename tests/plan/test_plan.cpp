@@ -951,3 +951,24 @@ TEST_CASE("Llama-class layers: Llama-3-8B and 70B parameter counts, and a SwiGLU
   gpt8.vocab = 128256;
   CHECK(detail::make_layout(l8, x, {}, 1).model_state[1] > 1.2 * detail::make_layout(gpt8, x, {}, 1).model_state[1]);
 }
+
+TEST_CASE("PlanBudget::schedule pins one family: every candidate is of it, the choice too; a bad name is refused") {
+  const TransformerSpec m = small();
+  PlanBudget bud;
+  bud.schedule = "zb-v";
+  const PlanResult r = plan(m, small_machine(80), bud);
+  REQUIRE(!r.candidates.empty());
+  for (const PlanCandidate& c : r.candidates) CHECK(c.name == "zb-v");
+  CHECK(r.choice.name == "zb-v");
+  // The pinned choice is the fastest zb-v candidate of the unpinned search.
+  const PlanResult all = plan(m, small_machine(80));
+  double fastest = 0;
+  for (const PlanCandidate& c : all.candidates)
+    if (c.name == "zb-v" && c.fits && (fastest == 0 || c.iteration_time_s < fastest)) fastest = c.iteration_time_s;
+  CHECK(r.choice.iteration_time_s == fastest);
+  bud.schedule = "zb-w";
+  CHECK_THROWS_WITH_AS(plan(m, small_machine(80), bud),
+                       doctest::Contains("budget: schedule must be empty or one of 1f1b, 1f1b-i, gis, gis-h, gis-g, "
+                                         "po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v, got 'zb-w'"),
+                       shape_error);
+}

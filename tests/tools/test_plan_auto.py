@@ -179,7 +179,7 @@ def main():
         ({**SMALL, "--ffn-hidden": "x"}, [], "--ffn-hidden"),
         (SMALL, ["--swiglu=1"], "--swiglu"),
         (SMALL, ["--recompute=1"], "--recompute"),
-        (SMALL, ["--schedule", "gis"], "--schedule"),
+        (SMALL, ["--schedule", "gis-x"], "schedule"),
         (SMALL, ["--chunks", "2"], "--chunks"),
         (SMALL, ["--k", "0.5"], "--k"),
         (SMALL, ["--format", "svg"], "--format"),
@@ -281,6 +281,27 @@ def runs_in_train_gpt():
             check(len(reserved) == len(planned) and
                   all(abs(p_ - r_) <= 0.02 * r_ for p_, r_ in zip(planned, reserved)),
                   f"{extra}: train_gpt reserved {reserved}, the plan says {planned}")
+    # Every family pinned (--schedule NAME beside --auto), dp 1 and 2 with ZeRO-1: its command
+    # runs in train_gpt and every rank reserves, to the byte, what the plan says it holds.
+    four = {**TINY, "--ranks": "4", "--global-batch": "32"}  # every family has a candidate (GIS(g): g = 3)
+    for name in sorted(NAMES):
+        for dp in (["--dp", "1"], ["--dp", "2", "--zero", "1"]):
+            extra = [*dp, "--schedule", name, "--backend", "cpu"]
+            doc, _ = plan(four, *extra)
+            check(doc.get("schedule") == name, f"{extra}: schedule {doc.get('schedule')!r}")
+            args = doc.get("train_gpt_args")
+            if not TRAIN_GPT or not check(isinstance(args, list), f"{extra}: train_gpt_args {args!r}"):
+                continue
+            p = subprocess.run([TRAIN_GPT, *args, "--steps", "1", "--quiet"], capture_output=True, text=True, timeout=300)
+            if not check(p.returncode == 0, f"train_gpt {' '.join(args)}: exit {p.returncode}, {p.stderr[-300:]!r}"):
+                continue
+            line = [l for l in p.stdout.splitlines() if l.startswith("reserved_bytes_per_rank=")]
+            reserved = [int(b) for b in line[0].split("=", 1)[1].split(",")] if line else []
+            planned = [int(r["device_bytes"]) for r in doc["per_rank"]]
+            check(reserved == planned, f"{extra}: train_gpt reserved {reserved}, the plan says {planned}")
+    rc, _, err = run(*args_of(TINY, "--schedule", "nope"))
+    check(rc == 2 and "budget: schedule must be empty or one of 1f1b," in err and "got 'nope'" in err,
+          f"--schedule nope: exit {rc}, {err!r}")
     # Models train_gpt does not build: null, and why.
     for opts, extra, words in (({**TINY, "--query-groups": "2"}, [], "multi-head attention"),
                                (TINY, ["--swiglu"], "multi-head attention"),

@@ -154,6 +154,9 @@ struct PlanBudget {
   /// --backend cpu reports as reserved_bytes_per_rank); it needs a GPT layer (no --swiglu,
   /// multi-head attention, 4h MLP).
   PlanBackend backend = PlanBackend::cuda;
+  /// Only this family's candidates (a name as schedule_name() writes it: 1f1b, 1f1b-i, gis,
+  /// ..., dualpipe-v; the plan tool's --schedule beside --auto); empty: every family.
+  std::string schedule{};
 };
 
 /// Which global ranks share a node (see the rank layout below).
@@ -461,7 +464,7 @@ constexpr double stage_stash_bytes(const TransformerSpec& m, const StageContent&
 /// block saves 10 T*h values, its LayerNorm statistics and attention log-sum-exps (4T + T*a),
 /// 64-byte aligned, whatever `m.recompute` says; the head saves its input, the final
 /// LayerNorm's statistics and the logits' gradient (T*(h + 2 + V)).
-/// tests/runtime/test_train_gpt_memory.cpp holds these to the model.
+/// tests/runtime/test_plan_memory.cpp holds these to the model.
 constexpr double cpu_stage_unit_bytes(const TransformerSpec& m, const StageContent& c) {
   const double T = static_cast<double>(m.micro_batch) * m.seq, h = m.hidden;
   const double block = (T * h * 10 + 4 * T + T * m.heads) * 4;

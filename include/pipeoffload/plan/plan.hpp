@@ -55,6 +55,7 @@
 #include "../policy/spec.hpp"
 #include "../schedule/build.hpp"
 #include "../schedule/lower.hpp"
+#include "../schedule/schedule.hpp"
 #include "../sim/simulate.hpp"
 #include "model.hpp"
 
@@ -645,7 +646,8 @@ constexpr long long plan_work(const TransformerSpec& m, int d, int mb, const Pla
   for (int v = 1; v <= plan_vmax(m, d, mb, bud); ++v)
     for (const StageCut cut : {StageCut::slots, StageCut::even})
       if (distinct_cut(m, v * d, cut))
-        work += static_cast<long long>(plan_options(d, v, mb, bud.allow_offload).size()) * d * v * mb;
+        for (const PlanOption& o : plan_options(d, v, mb, bud.allow_offload))
+          if (bud.schedule.empty() || o.name == bud.schedule) work += static_cast<long long>(d) * v * mb;
   return work;
 }
 
@@ -689,6 +691,7 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
       layouts.push_back(detail::make_layout(m, x, bud, v, grid, Placement::interleaved, cut));
       if (v == 2) layouts.push_back(detail::make_layout(m, x, bud, v, grid, Placement::vshape, cut));
       for (const PlanOption& o : plan_options(d, v, mb, bud.allow_offload)) {
+        if (!bud.schedule.empty() && o.name != bud.schedule) continue;
         try {
           res.candidates.push_back(evaluate(o, layout_of(v, o.spec.placement, cut), m, x, program, sim));
         } catch (const shape_error&) {
@@ -697,8 +700,11 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
         }
       }
     }
-  if (res.candidates.empty())
+  if (res.candidates.empty() && bud.schedule.empty())
     throw shape_error("plan: no candidate schedule could be built for this model and machine");
+  if (res.candidates.empty())
+    throw shape_error("plan: no " + bud.schedule + " candidate could be built for this model and machine (" + num(d) +
+                      " ranks, " + num(mb) + " microbatches per replica)");
 
   // The fastest candidate that fits by its estimate is lowered (its memory plan, what the
   // runtime reserves); if it no longer fits, the next is, until one does or none is left.
@@ -933,6 +939,18 @@ constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const 
                       detail::num(static_cast<long long>(bud.reduce_bucket)));
   detail::require_real("budget: reserved bytes (>= 0)", bud.reserved_bytes, 0, 1e18);
   detail::require_real("budget: workspace bytes (>= 0)", bud.workspace_bytes, 0, 1e18);
+  if (!bud.schedule.empty()) {
+    bool known = false;  // one of schedule_names' comma-separated names
+    const std::string_view names = schedule_names;
+    for (std::size_t at = 0; at <= names.size();) {
+      const std::size_t end = std::min(names.find(", ", at), names.size());
+      known = known || names.substr(at, end - at) == bud.schedule;
+      at = end + 2;
+    }
+    if (!known)
+      throw shape_error("budget: schedule must be empty or one of " + std::string(schedule_names) + ", got '" +
+                        bud.schedule + "'");
+  }
   detail::require_range("budget: max chunks (0 = no limit)", bud.max_chunks, 0, max_chunks);
   if (bud.backend == PlanBackend::cpu &&
       (m.swiglu || m.query_groups != m.heads || (m.ffn_hidden != 0 && m.ffn_hidden != 4 * m.hidden) || !m.vocab_stages))

@@ -227,6 +227,7 @@ inline constexpr std::uint32_t max_dims = 8;
 inline std::vector<std::byte> encode(const StageState& s) {
   std::vector<std::byte> b;
   const auto put = [&](const void* p, std::size_t n) {
+    if (n == 0) return;  // p may be an empty vector's null data()
     const auto* c = static_cast<const std::byte*>(p);
     b.insert(b.end(), c, c + n);
   };
@@ -277,6 +278,7 @@ inline StageState decode(const std::vector<std::byte>& b, const std::string& nam
   };
   const auto get = [&](void* p, std::size_t n) {
     if (n > b.size() || off > b.size() - n) throw truncated();
+    if (n == 0) return;  // p may be an empty vector's null data()
     std::memcpy(p, b.data() + off, n);
     off += n;
   };
