@@ -41,6 +41,7 @@ struct RankStages {
   std::vector<po::StageBytes> stages;    ///< by stage
   std::vector<std::size_t> params;       ///< by chunk
   bool tokens = false, targets = false;  ///< whether it reads the token ids, the targets
+  po::TiedState ties;                    ///< --tie-embeddings: stage 0's wte is the primary, the head's a copy
 };
 template <class Own>
 RankStages rank_stages(const Options& o, const po::Shape& sh, int r, std::size_t boundary, Own own) {
@@ -60,6 +61,16 @@ RankStages rank_stages(const Options& o, const po::Shape& sh, int r, std::size_t
         static_cast<std::size_t>(po::model::gpt_stage_params(dims).total);
     out.tokens = out.tokens || dims.embeds;
     out.targets = out.targets || dims.has_head;
+    if (dims.tied) {
+      const std::size_t vh = static_cast<std::size_t>(dims.vocab * dims.hidden);
+      const po::model::GptStageParams p = po::model::gpt_stage_params(dims);
+      out.ties.copies.resize(static_cast<std::size_t>(sh.v));
+      if (dims.embeds) out.ties.primary_values = vh;
+      if (dims.has_head) {
+        const std::size_t at = static_cast<std::size_t>(p.head_begin + p.head_w);
+        out.ties.copies[static_cast<std::size_t>(sh.chunk_of(s))].push_back({at, at + vh});
+      }
+    }
   }
   return out;
 }
@@ -118,13 +129,15 @@ std::size_t own_blocks(const Options& o, const Setup& su, const po::Program& pro
   out += round(std::max<std::size_t>(1, program.ranks[static_cast<std::size_t>(r)].compute.size()) *
                    sizeof(std::uint32_t) +
                m * sizeof(float));
-  state = po::state_bytes(rs.params, {.gradients = o.gradients,
-                                      .dp = o.dp,
-                                      .replica = replica,
-                                      .zero = o.zero,
-                                      .optimizer_states = 2,
-                                      .reduce_bucket = su.runtime.reduce_bucket,
-                                      .parameter_bytes = parameter_bytes});
+  state = po::state_bytes(rs.params,
+                          {.gradients = o.gradients,
+                           .dp = o.dp,
+                           .replica = replica,
+                           .zero = o.zero,
+                           .optimizer_states = 2,
+                           .reduce_bucket = su.runtime.reduce_bucket,
+                           .parameter_bytes = parameter_bytes},
+                          rs.ties);
   for (const std::size_t bytes : state.blocks) out += round(bytes);
   return out;
 }

@@ -84,6 +84,8 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
   --trace FILE          write a Chrome trace of the last step's real run (compute and copy streams per rank)
   --layers L --hidden H --heads A --seq S --batch B --lr LR --dropout P
                         model: 8 blocks, h=64, 4 heads, seq 64, batch 4 per microbatch, lr 3e-3, dropout 0.1
+  --tie-embeddings      the LM head's weight is the token embedding (one parameter held by the first and
+                        the last stage, po::SharedParam; --backend cpu)
   --stage-blocks B0,B1,...
                         blocks of each stage (D*V counts, each >= 0, adding up to L; the first and
                         last stage also hold the embedding and the head); default as even as can be
@@ -147,7 +149,7 @@ struct Options {
 
 inline Options parse(int argc, char** argv) {
   std::map<std::string, std::string> a;
-  bool quiet = false, pairs = false, decay_all = false, no_check = false, overwrite = false;
+  bool quiet = false, pairs = false, decay_all = false, no_check = false, overwrite = false, tie = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     if (f == "--help" || f == "-h") {
@@ -168,6 +170,10 @@ inline Options parse(int argc, char** argv) {
     }
     if (f == "--decay-all") {
       decay_all = true;
+      continue;
+    }
+    if (f == "--tie-embeddings") {
+      tie = true;
       continue;
     }
     if (f == "--no-check-finite") {
@@ -225,6 +231,7 @@ inline Options parse(int argc, char** argv) {
   o.decay_all = decay_all;
   o.overwrite = overwrite;
   o.check_finite = !no_check;
+  o.model.tie_embeddings = tie;
   const auto get = [&](const char* f) -> const std::string* {
     auto it = a.find(f);
     return it == a.end() ? nullptr : &it->second;
@@ -242,6 +249,8 @@ inline Options parse(int argc, char** argv) {
   }
   if (auto v = get("--backend")) {
     if (*v != "cpu" && *v != "cuda") throw bad_argument("--backend must be cpu or cuda, got '" + *v + "'");
+    if (*v == "cuda" && tie)
+      throw bad_argument("--tie-embeddings: the CUDA GPT does not tie its embeddings yet; use --backend cpu");
     o.cuda = *v == "cuda";
 #ifndef PIPEOFFLOAD_WITH_CUDA
     if (o.cuda)
@@ -510,10 +519,10 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
   std::snprintf(k, sizeof k, "%.17g", o.k);
   char flops[32];
   std::snprintf(flops, sizeof flops, "%.17g", o.flops);
-  const std::string model = "layers=" + std::to_string(o.model.layers) + " hidden=" + std::to_string(o.model.hidden) +
-                            " heads=" + std::to_string(o.model.heads) + " seq=" + std::to_string(o.model.seq) +
-                            " dropout=" + drop +
-                            (o.model.vocab != 256 ? " vocab=" + std::to_string(o.model.vocab) : "");
+  const std::string model =
+      "layers=" + std::to_string(o.model.layers) + " hidden=" + std::to_string(o.model.hidden) +
+      " heads=" + std::to_string(o.model.heads) + " seq=" + std::to_string(o.model.seq) + " dropout=" + drop +
+      (o.model.vocab != 256 ? " vocab=" + std::to_string(o.model.vocab) : "") + (o.model.tie_embeddings ? " tied" : "");
   // The global batch: R replicas of m microbatches train as one replica of R*m.
   const std::string batch = "batch=" + std::to_string(o.batch) + " microbatches=" + std::to_string(o.dp * sh.m) +
                             (o.exact_block > 1 ? " exact-block=" + std::to_string(o.exact_block) : "");

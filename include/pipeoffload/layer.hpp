@@ -71,6 +71,19 @@ struct ParamInfo {
   }
 };
 
+/// A parameter tensor of a stage that is one parameter with tensors of other stages
+/// (shared_parameters()): every tensor declared under the same `key`, on any stage of the
+/// pipeline, holds the same values (tied embeddings: the token embedding on stage 0 and the
+/// output projection on the last stage). The holder with the lowest stage (then the lowest
+/// offset) is the primary: the runtime adds every holder's gradient into the primary's, in
+/// holder order, after the step's last W; the optimizer keeps one state, the primary's, and
+/// copies the updated values to the other holders; checkpoints store the primary's tensor;
+/// the gradient norm counts it once (docs/shared_parameters.md).
+struct SharedParam {
+  std::string tensor;  ///< the tensor's name in the stage's parameter_info()
+  std::string key;     ///< the tensors declared under one key, on any stages, are one parameter
+};
+
 /// One microbatch's slice of a step input, as a pass sees it.
 struct StepInput {
   std::string_view name;  ///< the step input's name (as in InputSpec::name)
@@ -158,6 +171,9 @@ concept working_parameters = std::convertible_to<P, std::span<float>> || std::co
 ///   gradients are summed separately (in fp64) before they are added in model order; cut a
 ///   model into stages only at group boundaries and the gradient norm is bit-identical for
 ///   every cut (default: one group per stage);
+/// - shared_parameters() -> std::vector<po::SharedParam>: tensors of this stage that are one
+///   parameter with tensors of other stages (tied embeddings; SharedParam says what the
+///   runtime, the optimizers and checkpoints do with them);
 /// - parameter_info() -> std::vector<po::ParamInfo>: named tensors covering parameters()
 ///   (default: one 1-d tensor "parameters"), for optimizer parameter groups;
 /// - name() -> std::string: the stage type's name in messages (default: the C++ type name).
@@ -228,6 +244,10 @@ concept has_norm_groups = requires(const L& l) {
 template <class L>
 concept has_parameter_info = requires(const L& l) {
   { l.parameter_info() } -> std::convertible_to<std::vector<ParamInfo>>;
+};
+template <class L>
+concept has_shared_parameters = requires(const L& l) {
+  { l.shared_parameters() } -> std::convertible_to<std::vector<SharedParam>>;
 };
 template <class L>
 concept has_name = requires(const L& l) {

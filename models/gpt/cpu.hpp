@@ -115,6 +115,8 @@ class GptStage {
   std::vector<std::size_t> norm_groups() const { return gpt_norm_groups(dims_); }
   /// The named tensors, in parameters() order (GPT-2's names; weights stored (in, out)).
   std::vector<ParamInfo> parameter_info() const { return gpt_parameter_info(dims_); }
+  /// With tied embeddings: `wte` (stage 0) and `lm_head.weight` (last stage) are one parameter.
+  std::vector<SharedParam> shared_parameters() const { return gpt_shared_parameters(dims_); }
   /// The stage type's name in the runtime's messages.
   std::string name() const { return "model::GptStage"; }
 
@@ -336,7 +338,11 @@ class GptStage {
     if (heads()) {
       const HeadParams hp = head(params_);
       std::fill(hp.lnfg, hp.lnfg + H, 1.0f);
-      fill(hp.w, H * V(), math::mix64(c_.seed, 1000003), std_w);
+      // Tied: the embedding's values, (V, h) (the runtime starts every holder from stage 0's).
+      if (dims_.tied)
+        fill(hp.w, V() * H, math::mix64(c_.seed, 1000001), std_w);
+      else
+        fill(hp.w, H * V(), math::mix64(c_.seed, 1000003), std_w);
     }
   }
 
@@ -640,7 +646,13 @@ class GptStage {
     float* a = s.data();
     float* logits = a + T * H;
     layernorm(x, stats, p.lnfg, p.lnfb, a, T);
-    linear(a, p.w, p.b, logits, T, H, V());
+    if (dims_.tied) {  // logits = a W^T + b, W (V, h)
+      blas::sgemm(T_::no, T_::yes, static_cast<int>(T), static_cast<int>(V()), static_cast<int>(H), 1.0f, a,
+                  static_cast<int>(H), p.w, static_cast<int>(H), 0.0f, logits, static_cast<int>(V()));
+      add_bias(logits, p.b, T, V());
+    } else {
+      linear(a, p.w, p.b, logits, T, H, V());
+    }
     double loss = 0;
     const float scale = mb.loss_scale / static_cast<float>(T);
     const std::int32_t* targets = mb.input<std::int32_t>("targets");
@@ -661,7 +673,10 @@ class GptStage {
     const float* dlogits = stats + 2 * T;
     const HeadParams p = head(params_);
     float* da = st;  // (T, h) stashed for the LayerNorm weight gradients
-    linear_dx(dlogits, p.w, da, T, H, V());
+    if (dims_.tied)
+      linear(dlogits, p.w, nullptr, da, T, V(), H);  // da = dlogits W, W (V, h)
+    else
+      linear_dx(dlogits, p.w, da, T, H, V());
     for (std::size_t t = 0; t < T; ++t)
       math::layernorm_backward_row(da + t * H, x + t * H, {stats[2 * t], stats[2 * t + 1]}, p.lnfg, dx + t * H, h_);
   }
@@ -674,7 +689,12 @@ class GptStage {
     const HeadParams p = head(params_), g = head(grads_);
     std::vector<float>& s = ws(T * H);
     relayernorm(x, stats, p.lnfg, p.lnfb, s.data(), T);
-    linear_dw(s.data(), dlogits, g.w, g.b, T, H, V());
+    if (dims_.tied) {  // dW (V, h) += dlogits^T a
+      linear_dw(dlogits, s.data(), g.w, nullptr, T, V(), H);
+      col_sum_into(g.b, dlogits, T, V());
+    } else {
+      linear_dw(s.data(), dlogits, g.w, g.b, T, H, V());
+    }
     ln_weight_grads(x, stats, st, g.lnfg, g.lnfb, T);
   }
 

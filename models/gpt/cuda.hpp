@@ -162,6 +162,10 @@ class GptStage {
       throw shape_error("cuda::GptStage: microbatch shape batch = " + std::to_string(max_shape.batch) +
                         ", seq = " + std::to_string(max_shape.seq) +
                         " (need batch >= 1 and 1 <= seq <= the position table's " + std::to_string(cfg.seq) + ")");
+    if (cfg.tie_embeddings)
+      throw error(
+          "cuda::GptStage: GptConfig::tie_embeddings is not implemented on the CUDA GPT yet (its head GEMMs take the "
+          "weight (h, V)); tie the embeddings on the CPU GPT (model::GptStage)");
     if (dims_.blocks > 0)
       (void)sdpa_layout(max_shape.batch, cfg.heads, max_shape.seq, cfg.hidden / cfg.heads);  // cuDNN's head_dim limits
     if (static_cast<long long>(initial.size()) != params_.total)

@@ -32,6 +32,10 @@ struct GptConfig {
   float dropout = 0.1f;   ///< residual dropout after attention and MLP
   bool recompute = true;  ///< selective recompute of LayerNorm, GeLU and dropout
   std::uint64_t seed = 1;
+  /// The LM head's weight is the token embedding (GPT-2's tie): the head keeps its copy (V, h)
+  /// and shares it with stage 0's `wte` (po::SharedParam), so the runtime sums the two
+  /// gradients and the optimizer updates one tensor.
+  bool tie_embeddings = false;
   /// Blocks of each stage, in stage order, summing to `layers` (stage 0 also holds the
   /// embedding, the last stage the head, so they may take fewer); empty: as even as the stage
   /// count allows (gpt_blocks_of_stage).
@@ -69,6 +73,7 @@ struct GptDims {
   bool embeds = false;    ///< stage 0: token and position embedding
   bool has_head = false;  ///< last stage: final LayerNorm, LM head, cross-entropy
   bool recompute = true;  ///< selective recompute of LayerNorm, GeLU and dropout masks
+  bool tied = false;      ///< GptConfig::tie_embeddings: the head's weight is (V, h), shared with wte
 };
 
 /// The blocks of stage `stage` of `stages` in a model of `layers` blocks, spread as evenly as
@@ -120,8 +125,8 @@ constexpr GptBlockParams gpt_block_params(long long h) {
 }
 
 /// A stage's parameter vector (fp32): embedding group (wte (V, h) | wpe (positions, h)) on
-/// stage 0, one group per block, head group (lnf gamma, beta (h) | W (h, V) | b (V)) on the
-/// last stage; offsets in elements.
+/// stage 0, one group per block, head group (lnf gamma, beta (h) | W (h, V), or (V, h) when
+/// tied | b (V)) on the last stage; offsets in elements.
 struct GptStageParams {
   long long embed = 0;                                   ///< elements of the embedding group (0 unless dims.embeds)
   long long wpe = 0;                                     ///< offset of the position table
@@ -193,10 +198,21 @@ inline std::vector<ParamInfo> gpt_parameter_info(const GptDims& d) {
   if (d.has_head) {
     add("lnf.weight", p.head_begin + p.lnfg, {h});
     add("lnf.bias", p.head_begin + p.lnfb, {h});
-    add("lm_head.weight", p.head_begin + p.head_w, {h, V});
+    add("lm_head.weight", p.head_begin + p.head_w,
+        d.tied ? std::vector<long long>{V, h} : std::vector<long long>{h, V});
     add("lm_head.bias", p.head_begin + p.head_b, {V});
   }
   return t;
+}
+
+/// shared_parameters() of both implementations: with tied embeddings, stage 0's `wte` and the
+/// last stage's `lm_head.weight` under one key.
+inline std::vector<SharedParam> gpt_shared_parameters(const GptDims& d) {
+  std::vector<SharedParam> s;
+  if (!d.tied) return s;
+  if (d.embeds) s.push_back({"wte", "wte"});
+  if (d.has_head) s.push_back({"lm_head.weight", "wte"});
+  return s;
 }
 
 /// inputs() of both implementations: stage 0 reads the token ids, the last stage the next-token
@@ -223,8 +239,8 @@ inline GptDims gpt_dims(const GptConfig& cfg, int stage, int stages) {
     for (int s = 0; s < stage; ++s) r.first += cfg.stage_blocks[static_cast<std::size_t>(s)];
     r.count = cfg.stage_blocks[static_cast<std::size_t>(stage)];
   }
-  return GptDims{cfg.vocab, cfg.hidden, cfg.heads,           cfg.seq,      r.first,
-                 r.count,   stage == 0, stage == stages - 1, cfg.recompute};
+  return GptDims{cfg.vocab, cfg.hidden, cfg.heads,           cfg.seq,       r.first,
+                 r.count,   stage == 0, stage == stages - 1, cfg.recompute, cfg.tie_embeddings};
 }
 
 }  // namespace pipeoffload::model

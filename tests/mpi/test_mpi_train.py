@@ -104,6 +104,13 @@ def exactness():
             fail(f"{sched}: MPI gave {got}, threads {threads}, the one-rank reference {ref}")
         if out.count("train_gpt: ") != 1 or "MPI processes" not in out:
             fail(f"{sched}: rank 0 alone prints, and says it runs MPI processes:\n{out}")
+    # Tied embeddings across processes: the head's gradients and the embedding's values cross
+    # between ranks 0 and 3 (1F1B-I) as MPI messages, and the run ends as one rank's.
+    tied = ["--schedule", "1f1b-i", "--chunks", "2", *SMALL, "--tie-embeddings"]
+    tied_ref = finals(run_ok([exe, "--ranks", "1", "--chunks", "1", *SMALL, "--tie-embeddings"]))
+    got = finals(run_ok(mpi(4, *tied)))
+    if got != tied_ref or tied_ref == ref:
+        fail(f"--tie-embeddings: MPI gave {got}, the one-rank reference {tied_ref} (untied {ref})")
     # --ranks, when given, must match the processes mpirun started: every rank exits 2.
     code, out, err, _ = run(mpi(2, "--ranks", "4", *SMALL))
     want = "train_gpt: --ranks 4 x --dp 1 = 4 ranks but mpirun started 2 processes; they must be equal"

@@ -63,6 +63,36 @@ for extra in (["--schedule", "po-f", "--ranks", "2", "--chunks", "2"], ["--sched
     if got != exact_ref:
         sys.exit(f"FAIL: {' '.join(extra)} --gradients exact gave {got}, the one-rank reference {exact_ref}")
 
+# --tie-embeddings: the head's weight is the embedding, one parameter on two stages. Its own bits
+# (not the untied model's), the same under every placement of the two holders (on one rank: the
+# V and one rank; on two: the others), with replicas and ZeRO-1, on both gradient paths; a
+# checkpoint resumes it on another cut; the CUDA GPT refuses it with a sentence.
+for path in ("standard", "exact"):
+    tied_ref = finals(run("--ranks", "1", "--chunks", "1", *small, "--gradients", path, "--tie-embeddings").stdout)
+    if tied_ref == (ref if path == "standard" else exact_ref):
+        sys.exit(f"FAIL: --tie-embeddings --gradients {path} gave the untied model's bits")
+    for extra in (["--schedule", "zb-v", "--ranks", "2", "--chunks", "2"], ["--schedule", "1f1b-i", "--ranks", "2", "--chunks", "2"],
+                  ["--schedule", "po-f", "--ranks", "4", "--chunks", "2", "--stage-blocks", "0,1,1,0,0,1,1,0"],
+                  *([["--schedule", "1f1b-i", "--ranks", "2", "--chunks", "2", "--dp", "2", "--zero", "1"],
+                     ["--schedule", "v-half", "--ranks", "2", "--chunks", "2", "--dp", "2"]]
+                    if path == "exact" else [])):
+        base = small
+        if "--dp" in extra:  # two replicas of 2 microbatches: the same global batch
+            base = [a if i != small.index("--microbatches") + 1 else "2" for i, a in enumerate(small)]
+        got = finals(run(*extra, *base, "--gradients", path, "--tie-embeddings").stdout)
+        if got != tied_ref:
+            sys.exit(f"FAIL: --tie-embeddings --gradients {path} {' '.join(extra)} gave {got}, one rank {tied_ref}")
+with tempfile.TemporaryDirectory() as ck:
+    tied = ["--gradients", "exact", "--tie-embeddings"]
+    run("--schedule", "1f1b-i", "--ranks", "2", "--chunks", "2", *small, *tied, "--checkpoint-every", "3", "--checkpoint-dir", ck)
+    for extra in (["--schedule", "zb-v", "--ranks", "2", "--chunks", "2"], ["--ranks", "1", "--chunks", "1"]):
+        out = run(*extra, *small, *tied, "--resume", ck).stdout
+        if finals(out) != tied_ref:
+            sys.exit(f"FAIL: --tie-embeddings {' '.join(extra)} resumed: {finals(out)}, uninterrupted {tied_ref}")
+err = run("--backend", "cuda", "--tie-embeddings", code=2).stderr
+if "the CUDA GPT does not tie its embeddings yet" not in err:
+    sys.exit(f"FAIL: --backend cuda --tie-embeddings: {err!r}")
+
 # --stage-blocks that do not fit the model or the pipeline are refused with a sentence.
 for blocks, words in (("1,1,1", "adds up to 3 blocks; --layers is 4"), ("2,2", "gives 2 stages; the pipeline has 4"),
                       ("1,x,2,1", "--stage-blocks must be an integer")):

@@ -72,6 +72,10 @@ TEST_CASE("train_gpt's memory check: cpu_rank_bytes is what every rank's arena a
       {"--schedule", "dualpipe-v", "--ranks", "2", "--chunks", "2", "--gradients", "exact", "--dp", "2"},
       {"--schedule", "zb-h2", "--ranks", "3", "--chunks", "1", "--microbatches", "5", "--eval-every", "1"},
       {"--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--stage-blocks", "0,3,1,0"},
+      // Tied embeddings: the head's copy has no moments, the primary's rank a staging (fp32, 128-bit).
+      {"--schedule", "1f1b-i", "--ranks", "2", "--chunks", "2", "--tie-embeddings", "--dp", "2", "--zero", "1"},
+      {"--schedule", "zb-v", "--ranks", "2", "--chunks", "2", "--tie-embeddings", "--gradients", "exact", "--dp", "2"},
+      {"--ranks", "1", "--chunks", "1", "--tie-embeddings", "--reduce-bucket", "1000"},
   };
   std::string text;
   for (int i = 0; text.size() < 20000; ++i) text += "the quick brown fox " + std::to_string(i * 7919 % 1000) + ". ";

@@ -2,7 +2,8 @@
 // `replica_communicator` concepts.
 //
 // Semantics (README "Communicator semantics"; validate() checks schedules against them):
-//   - a rank calls send and recv from its comm stream, in the order of RankProgram::comm, and
+//   - a rank calls send and recv from its comm stream, in the order of RankProgram::comm (then
+//     a step's shared-parameter messages, po::SharedParam, tagged with a negative mb), and
 //     hands each call that stream's context (the backend's Context, as a layer's passes get
 //     theirs): send(ctx, peer, tag, data), recv(ctx, peer, tag, out). A communicator that
 //     enqueues on a stream (comm::Nccl: CudaContext::cuda_stream) uses it; one that blocks the
@@ -61,8 +62,12 @@ struct Tag {
   friend constexpr bool operator==(const Tag&, const Tag&) = default;
 };
 
-/// The tag as text for messages: "(forward, stage s, mb i)".
+/// The tag as text for messages: "(forward, stage s, mb i)". A negative mb -1-k tags bucket k
+/// of a shared parameter's values (forward) or gradients (backward) for stage s (po::SharedParam).
 inline std::string describe(const Tag& t) {
+  if (t.mb < 0)
+    return std::string("(shared parameter ") + (t.dir == Dir::forward ? "values" : "gradients") + ", stage " +
+           std::to_string(t.stage) + ", bucket " + std::to_string(-1 - t.mb) + ")";
   return std::string("(") + (t.dir == Dir::forward ? "forward" : "backward") + ", stage " + std::to_string(t.stage) +
          ", mb " + std::to_string(t.mb) + ")";
 }

@@ -95,6 +95,43 @@ static_assert(gradient_layout(10, 3, 4).buckets == 3 && gradient_layout(10, 3, 4
               gradient_layout(10, 3, 4).shard(1, 2) == ParamRange{10, 10} && gradient_layout(10, 3, 4).owned(0) == 4 &&
               gradient_layout(10, 3, 4).owned(1) == 4 && gradient_layout(10, 3, 4).owned(2) == 2);
 
+/// `ranges` (in order, disjoint) without the parameters in `holes` (any order): the runs left.
+constexpr std::vector<ParamRange> without(const std::vector<ParamRange>& ranges, const std::vector<ParamRange>& holes) {
+  std::vector<ParamRange> out;
+  for (const ParamRange& r : ranges) {
+    std::vector<ParamRange> left{r};
+    for (const ParamRange& h : holes) {
+      std::vector<ParamRange> next;
+      for (const ParamRange& x : left) {
+        if (h.end <= x.begin || h.begin >= x.end) {
+          next.push_back(x);
+          continue;
+        }
+        if (x.begin < h.begin) next.push_back({x.begin, h.begin});
+        if (h.end < x.end) next.push_back({h.end, x.end});
+      }
+      left = next;
+    }
+    for (const ParamRange& x : left)
+      if (x.size() > 0) out.push_back(x);
+  }
+  return out;
+}
+static_assert(without({{0, 10}, {12, 20}}, {{5, 14}}) == std::vector<ParamRange>{{0, 5}, {14, 20}});
+
+/// Values per message and per add of a shared parameter of `count` values (SharedParam): a
+/// whole tensor up to RuntimeOptions::reduce_bucket values, else buckets of that many.
+constexpr std::size_t tie_bucket(std::size_t count, std::size_t reduce_bucket) {
+  return std::max<std::size_t>(1, std::min(count, reduce_bucket));
+}
+/// Device bytes of the staging a rank holding the primary of shared parameters (SharedParam)
+/// takes, for its largest such tensor of `count` values: its own bucket and the other
+/// holder's, side by side (fp32 gradients, or 128-bit sums on the exact path).
+constexpr std::size_t tie_staging_bytes(std::size_t count, std::size_t reduce_bucket, Gradients g) {
+  if (count == 0) return 0;
+  return 2 * tie_bucket(count, reduce_bucket) * (g == Gradients::exact ? exact_sum_bytes : sizeof(float));
+}
+
 /// Device bytes of the replicas' staging (dp > 1) for buckets of at most `len` values, in the
 /// order the runtime allocates them. Standard: a bucket sent or gathered (len fp32), the
 /// replicas' parts of this replica's slice (len fp32), the slice summed (len / dp fp32).
@@ -135,19 +172,29 @@ struct StateBytes {
   std::size_t staging = 0;     ///< the runtime's reduction staging (dp > 1)
   std::size_t optimizer = 0;   ///< the optimizer's state (its shard with ZeRO-1)
   std::size_t master = 0;      ///< the optimizer's fp32 master copy of bfloat16 working parameters (its shard)
+  std::size_t ties = 0;        ///< the runtime's staging for shared parameters' gradients (tie_staging_bytes)
   /// Every buffer the runtime and the optimizer allocate on the backend, in bytes, in their
   /// order (a launcher rounds each to its arena's size classes).
   std::vector<std::size_t> blocks;
-  /// What the runtime and optimizer allocate on the backend: sums + staging + optimizer + master.
-  constexpr std::size_t arena() const { return sums + staging + optimizer + master; }
+  /// What the runtime and optimizer allocate on the backend: sums + staging + ties + optimizer + master.
+  constexpr std::size_t arena() const { return sums + staging + ties + optimizer + master; }
   /// Everything.
   constexpr std::size_t total() const { return parameters + gradients + arena(); }
 };
 
+/// What shared parameters (SharedParam) change in a rank's model state: per chunk, the runs
+/// that are copies of another holder's tensor (Runtime::tied_copies: no optimizer state, no
+/// master copy), and the values of the largest tensor whose primary the rank holds (0: none).
+struct TiedState {
+  std::vector<std::vector<ParamRange>> copies;  ///< per chunk (empty: none)
+  std::size_t primary_values = 0;               ///< tie_staging_bytes' count
+};
+
 /// The model state of a rank whose chunks have `parameters` values each, as po::Runtime and
 /// the optimizers allocate it (tests/runtime/test_custom.cpp holds the two together; the
-/// planner counts a rank's model state with it).
-constexpr StateBytes state_bytes(std::span<const std::size_t> parameters, const StateOptions& o) {
+/// planner counts a rank's model state with it). `ties`: what shared parameters change.
+constexpr StateBytes state_bytes(std::span<const std::size_t> parameters, const StateOptions& o,
+                                 const TiedState& ties = {}) {
   StateBytes b;
   std::size_t most = 0;
   const bool sharded = o.zero == 1 && o.dp > 1;
@@ -166,9 +213,23 @@ constexpr StateBytes state_bytes(std::span<const std::size_t> parameters, const 
       b.staging += s;
       b.blocks.push_back(s);
     }
-  for (const std::size_t n : parameters) {
+  if (const std::size_t t = tie_staging_bytes(ties.primary_values, o.reduce_bucket, o.gradients); t > 0) {
+    b.ties = t;
+    b.blocks.push_back(t);
+  }
+  for (std::size_t c = 0; c < parameters.size(); ++c) {
+    const std::size_t n = parameters[c];
     const GradientLayout l = gradient_layout(n, o.dp, o.reduce_bucket);
-    const std::size_t state = (sharded ? l.owned(o.replica) : n) * sizeof(float);
+    // What this replica updates: its shards (or every parameter) less the copies.
+    std::size_t updated = sharded ? l.owned(o.replica) : n;
+    if (c < ties.copies.size())
+      for (const ParamRange& h : ties.copies[c])
+        for (std::size_t k = 0; k < (sharded ? l.buckets : 1); ++k) {
+          const ParamRange r = sharded ? l.shard(k, o.replica) : ParamRange{0, n};
+          const std::size_t lo = std::max(r.begin, h.begin), hi = std::min(r.end, h.end);
+          if (hi > lo) updated -= hi - lo;
+        }
+    const std::size_t state = updated * sizeof(float);
     for (int k = 0; k < o.optimizer_states; ++k) b.blocks.push_back(state);
     b.optimizer += static_cast<std::size_t>(o.optimizer_states) * state;
     if (o.parameter_bytes != sizeof(float)) {

@@ -4,7 +4,8 @@
 // shared file system):
 //   D/step-00000012/stage-3.bin   one file per stage: parameters, the optimizer's state (its
 //                                 name, step and buffers: AdamW's two moments, SGD's momentum),
-//                                 the stage's named tensors (parameter_info()), RNG seed and
+//                                 the stage's named tensors (parameter_info(); a shared parameter
+//                                 only in its primary's file), RNG seed and
 //                                 data position, with a checksum
 //   D/latest                      "step-00000012": the newest complete checkpoint
 // Every file is written to a temporary name, flushed to disk and renamed, so a file is
@@ -49,6 +50,7 @@
 #include "../error.hpp"
 #include "../fnv1a.hpp"
 #include "../layer.hpp"
+#include "../memory/state.hpp"
 #include "../schedule/program.hpp"
 
 namespace pipeoffload {
@@ -204,6 +206,30 @@ struct StageState {
   std::vector<float> params;              ///< the stage's parameters, in parameters() order
   std::vector<std::vector<float>> state;  ///< the optimizer's buffers, each the size of params
 };
+
+/// What a stage file stores of `tensors` (parameter_info()): every tensor but the copies of
+/// shared parameters (Runtime::tied_copies, which load from their primary), at its offset in
+/// parameters() (`packed` false) or at its place in the file, one stored tensor after another
+/// in offset order (`packed` true). Without copies the two are the same when the tensors cover
+/// the parameters once, in order.
+inline std::vector<ParamInfo> stored_tensors(std::vector<ParamInfo> tensors, const std::vector<ParamRange>& copies,
+                                             bool packed) {
+  std::erase_if(tensors, [&](const ParamInfo& t) {
+    return std::any_of(copies.begin(), copies.end(),
+                       [&](const ParamRange& r) { return t.offset < r.end && r.begin < t.offset + t.count(); });
+  });
+  if (!packed) return tensors;
+  std::vector<std::size_t> order(tensors.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return tensors[a].offset < tensors[b].offset; });
+  std::size_t at = 0;
+  for (const std::size_t i : order) {
+    tensors[i].offset = at;
+    at += tensors[i].count();
+  }
+  return tensors;
+}
 
 /// The file format's version (written after the magic); formats 2 (no configuration text) and
 /// 3 (no tensor names) are still read.
@@ -480,12 +506,29 @@ void save_checkpoint(const std::filesystem::path& dir, Runtime& rt, Optimizer& o
       checkpoint::StageState& s = states.emplace_back();
       s.stage = sh.stage_of(rt.rank(), c);
       s.stages = sh.stages();
-      s.tensors = rt.stages()[static_cast<std::size_t>(c)].parameter_info();
+      const std::vector<ParamInfo> all = rt.stages()[static_cast<std::size_t>(c)].parameter_info();
+      const std::vector<ParamRange> copies = rt.tied_copies(c);
       s.step = step;
       s.info = info;
       s.optimizer = opt.name();
       s.params = opt.full_master(c);  // fp32: the working parameters, or a mixed-precision stage's master
       for (int k = 0; k < opt.state_count(); ++k) s.state.push_back(opt.full_state(c, k));
+      s.tensors = all;
+      if (!copies.empty()) {  // a shared parameter is stored once, by its primary's stage
+        const std::vector<ParamInfo> keep = checkpoint::stored_tensors(all, copies, false);
+        s.tensors = checkpoint::stored_tensors(all, copies, true);
+        const auto pack = [&](const std::vector<float>& full) {
+          std::vector<float> out;
+          for (std::size_t i = 0; i < keep.size(); ++i) {
+            out.resize(std::max(out.size(), s.tensors[i].offset + keep[i].count()));
+            std::copy_n(full.begin() + static_cast<std::ptrdiff_t>(keep[i].offset), keep[i].count(),
+                        out.begin() + static_cast<std::ptrdiff_t>(s.tensors[i].offset));
+          }
+          return out;
+        };
+        s.params = pack(s.params);
+        for (std::vector<float>& b : s.state) b = pack(b);
+      }
     }
     return 0;
   });
@@ -609,23 +652,40 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, Op
     };
     // The file of each stage's own number, where it holds that stage as this run cuts it.
     std::vector<std::vector<ParamInfo>> wanted(states.size());
-    std::vector<int> by_name;  // the chunks whose tensors come by name
-    int files = 0;             // the checkpoint's stage count, from its files (format 4)
+    std::vector<int> by_name;                         // the chunks whose tensors come by name
+    int files = 0;                                    // the checkpoint's stage count, from its files (format 4)
+    std::vector<std::size_t> tied(states.size(), 0);  // per chunk: values that are copies of shared parameters
     for (int c = 0; c < sh.v; ++c) {
       const int stage = sh.stage_of(rt.rank(), c);
       const auto u = static_cast<std::size_t>(c);
-      wanted[u] = rt.stages()[u].parameter_info();
+      // A copy of a shared parameter is not stored: it comes from its primary (share_tied below).
+      const std::vector<ParamRange> copies = rt.tied_copies(c);
+      for (const ParamRange& r : copies) tied[u] += r.size();
+      wanted[u] = checkpoint::stored_tensors(rt.stages()[u].parameter_info(), copies, false);
       const std::size_t n = rt.stages()[u].parameter_count();
       std::error_code ec;
       if (std::filesystem::exists(checkpoint::stage_file(dir, step, stage), ec)) {
         checkpoint::StageState s = read(stage);
         files = s.stages;
         const bool legacy = s.stages == 0;  // formats 2 and 3: no tensors named, the same cut assumed
-        if (legacy || (s.stages == sh.stages() && checkpoint::same_tensors(s.tensors, wanted[u]))) {
-          if (s.params.size() != n)
+        const std::vector<ParamInfo> packed = checkpoint::stored_tensors(rt.stages()[u].parameter_info(), copies, true);
+        if (legacy || (s.stages == sh.stages() && checkpoint::same_tensors(s.tensors, packed))) {
+          const std::size_t stored = legacy ? n : n - tied[u];
+          if (s.params.size() != stored)
             throw checkpoint_error("checkpoint: " + checkpoint::stage_file(dir, step, stage).string() + " has " +
                                    std::to_string(s.params.size()) + " parameters; stage " + std::to_string(stage) +
-                                   " has " + std::to_string(n));
+                                   " stores " + std::to_string(stored));
+          if (!legacy && !copies.empty()) {  // each stored tensor back at its place in parameters()
+            const auto unpack = [&](const std::vector<float>& file) {
+              std::vector<float> full(n, 0.0f);
+              for (std::size_t i = 0; i < packed.size(); ++i)
+                std::copy_n(file.begin() + static_cast<std::ptrdiff_t>(packed[i].offset), packed[i].count(),
+                            full.begin() + static_cast<std::ptrdiff_t>(wanted[u][i].offset));
+              return full;
+            };
+            s.params = unpack(s.params);
+            for (std::vector<float>& b : s.state) b = unpack(b);
+          }
           states[u] = std::move(s);
           continue;
         }
@@ -681,7 +741,7 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, Op
                                    "' (stage " + std::to_string(sh.stage_of(rt.rank(), c)) + " of this run)");
         // The named tensors must be the whole stage, or some of its parameters would keep their
         // initial values.
-        std::size_t covered = 0;
+        std::size_t covered = tied[u];
         for (const ParamInfo& t : wanted[u]) covered += t.count();
         if (covered != states[u].params.size())
           throw checkpoint_error("checkpoint: stage " + std::to_string(sh.stage_of(rt.rank(), c)) + "'s " +
@@ -703,6 +763,7 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Runtime& rt, Op
     opt.set_steps_taken(step);
     return 0;
   });
+  rt.share_tied();  // every copy of a shared parameter from its primary
   return info;
 }
 

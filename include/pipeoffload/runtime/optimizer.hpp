@@ -192,7 +192,8 @@ class OptimizerBase {
   bool sharded() const { return sharded_; }
   /// The parameters of chunk c whose state this replica holds and which it updates: all of
   /// them, or with ZeRO-1 the ones whose reduced gradients it owns (Runtime::owned: its slice
-  /// of every reduction bucket), in order.
+  /// of every reduction bucket), in order; never a copy of a shared parameter
+  /// (Runtime::tied_copies), which the primary's holder updates.
   const std::vector<ParamRange>& shards(int chunk) const { return shards_[static_cast<std::size_t>(chunk)]; }
   /// How many parameters of chunk c this replica updates (the size of its state buffers).
   std::size_t updated(int chunk) const {
@@ -257,28 +258,37 @@ class OptimizerBase {
                   full.begin() + static_cast<std::ptrdiff_t>(r.end));
     return mine;
   }
-  // A buffer of chunk c's owned parameters, whole: with ZeRO-1 every replica's shards gathered
-  // (collective over the replicas); otherwise `mine` itself.
+  // A buffer of chunk c's owned parameters, whole (zeros at the parameters no replica updates:
+  // Runtime::tied_copies): with ZeRO-1 every replica's shards gathered (collective over the
+  // replicas); otherwise `mine` in place.
   std::vector<float> gathered(int chunk, std::vector<float> mine) {
-    if (!sharded_) return mine;
-    // Every replica's slice of every bucket, padded to whole slices, gathered in replica order.
-    const GradientLayout& l = rt_.layout(chunk);
-    const std::size_t per = l.buckets * l.slice(), dp = static_cast<std::size_t>(l.dp);
-    std::vector<float> padded(per, 0.0f), all(per * dp), full(l.values);
-    std::size_t at = 0;
-    for (std::size_t b = 0; b < l.buckets; ++b) {
-      const ParamRange r = l.shard(b, rt_.replica());
-      std::copy_n(mine.begin() + static_cast<std::ptrdiff_t>(at), r.size(),
-                  padded.begin() + static_cast<std::ptrdiff_t>(b * l.slice()));
-      at += r.size();
-    }
-    rt_.replica_comm()->all_gather(std::span<const float>(padded), std::span(all));
-    for (std::size_t j = 0; j < dp; ++j)
-      for (std::size_t b = 0; b < l.buckets; ++b) {
-        const ParamRange r = l.shard(b, static_cast<int>(j));
-        std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(j * per + b * l.slice()), r.size(),
-                    full.begin() + static_cast<std::ptrdiff_t>(r.begin));
+    const std::size_t n = rt_.stages()[static_cast<std::size_t>(chunk)].parameter_count();
+    std::vector<float> full(n, 0.0f);
+    const auto place = [&](const std::vector<ParamRange>& ranges, const float* from) {
+      for (const ParamRange& r : ranges) {
+        std::copy_n(from, r.size(), full.begin() + static_cast<std::ptrdiff_t>(r.begin));
+        from += r.size();
       }
+    };
+    if (!sharded_) {
+      place(shards(chunk), mine.data());
+      return full;
+    }
+    // Every replica's runs (the same function of the layout on every replica), padded to the
+    // longest, gathered in replica order.
+    const std::size_t dp = static_cast<std::size_t>(rt_.replicas());
+    std::vector<std::vector<ParamRange>> each(dp);
+    std::size_t per = 0;
+    for (std::size_t j = 0; j < dp; ++j) {
+      each[j] = without(rt_.layout(chunk).shards(static_cast<int>(j)), rt_.tied_copies(chunk));
+      std::size_t k = 0;
+      for (const ParamRange& r : each[j]) k += r.size();
+      per = std::max(per, k);
+    }
+    mine.resize(per, 0.0f);
+    std::vector<float> all(per * dp);
+    rt_.replica_comm()->all_gather(std::span<const float>(mine), std::span(all));
+    for (std::size_t j = 0; j < dp; ++j) place(each[j], all.data() + j * per);
     return full;
   }
 
@@ -300,7 +310,8 @@ class OptimizerBase {
         const std::size_t n = stage.parameter_count();
         runs_.push_back(
             param_runs(sh.stage_of(rt.rank(), c), stage.name(), stage.parameter_info(), n, groups, weight_decay));
-        shards_.push_back(sharded_ ? rt.owned(c) : std::vector<ParamRange>{{0, n}});
+        // A copy of a shared parameter is the primary's to update (Runtime::share_tied).
+        shards_.push_back(without(sharded_ ? rt.owned(c) : std::vector<ParamRange>{{0, n}}, rt.tied_copies(c)));
         const std::size_t mine = updated(c);
         // Zeroed state, reserved for itself so it never takes a block the runtime counted on.
         const std::vector<float> zeros(mine, 0.0f);
@@ -354,6 +365,7 @@ class OptimizerBase {
     });
     if (sharded_)
       for (std::size_t c = 0; c < runs_.size(); ++c) rt_.share_shards(static_cast<int>(c), overlap_);
+    rt_.share_tied(overlap_);
     ++steps_;
   }
 

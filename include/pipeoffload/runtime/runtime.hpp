@@ -48,6 +48,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -159,6 +160,24 @@ struct StageInfo {
   std::size_t norm_groups = 1;  ///< groups its parameters split into for the gradient norm
 };
 
+/// One holder of a shared parameter (SharedParam): the stage, where it lives, and the
+/// tensor's run of its parameters.
+struct TieHolder {
+  int stage = 0,           ///< the holding stage
+      rank = 0,            ///< its rank, 0 .. d-1
+      chunk = 0;           ///< its chunk on that rank
+  std::size_t offset = 0,  ///< the tensor's first parameter in the stage's parameters()
+      count = 0;           ///< the tensor's values
+  std::string tensor;      ///< the tensor's name (parameter_info())
+};
+
+/// A shared parameter as every rank knows it after construction: its key and its holders in
+/// stage order (then offset); holders[0] is the primary (SharedParam).
+struct TiedParameter {
+  std::string key;                 ///< SharedParam::key
+  std::vector<TieHolder> holders;  ///< two or more; the first is the primary
+};
+
 template <class... Ts>
 class Runtime;
 
@@ -263,6 +282,7 @@ class Runtime<Backend, Communicator> {
     for (backend::Block& b : inputs_dev_) dev_.device_free(b);
     for (backend::Block& b : sums_) dev_.device_free(b);
     for (backend::Block& b : staging_) dev_.device_free(b);
+    dev_.device_free(tie_staging_);
     dev_.device_free(region_);
     dev_.device_free(results_dev_);
   }
@@ -421,13 +441,51 @@ class Runtime<Backend, Communicator> {
   std::vector<float> download_gradients(int chunk) { return download(checked(chunk).gradients()); }
 
   /// Device bytes this rank's runtime holds for gradients beyond the stages' own: the exact
-  /// sums (exact path) and the reduction's staging (replicas); po::state_bytes' sums + staging.
+  /// sums (exact path), the reduction's staging (replicas) and the shared parameters' staging;
+  /// po::state_bytes' sums + staging + ties.
   std::size_t gradient_buffer_bytes() const {
-    std::size_t n = 0;
+    std::size_t n = tie_staging_.bytes;
     for (const backend::Block& b : sums_) n += b.bytes;
     for (const backend::Block& b : staging_) n += b.bytes;
     return n;
   }
+  /// The pipeline's shared parameters (SharedParam), in key order; empty without any.
+  const std::vector<TiedParameter>& ties() const { return ties_; }
+  /// The runs of chunk c's parameters that are a copy of a shared parameter whose primary is
+  /// another tensor (SharedParam), in order: the optimizers keep no state for them and leave
+  /// them to share_tied, checkpoints do not store them, the gradient norm does not read them,
+  /// and their gradients() hold this holder's own part only (the primary's hold the sum).
+  std::vector<ParamRange> tied_copies(int chunk) const {
+    std::vector<ParamRange> out;
+    checked_index(chunk);
+    for (const TiedParameter& t : ties_)
+      for (std::size_t i = 1; i < t.holders.size(); ++i)
+        if (const TieHolder& h = t.holders[i]; h.rank == rank_ && h.chunk == chunk)
+          out.push_back({h.offset, h.offset + h.count});
+    std::sort(out.begin(), out.end(), [](const ParamRange& a, const ParamRange& b) { return a.begin < b.begin; });
+    return out;
+  }
+  /// After the parameters were updated: every holder of a shared parameter gets the primary's
+  /// working values (a device copy on one rank, one message per tie_bucket values between
+  /// two), from the comm stream. Collective over the holders' ranks; the optimizers call it
+  /// at the end of every step and load_checkpoint after loading. `overlap`: as share_shards'.
+  void share_tied(bool overlap = false) {
+    guard("share_tied", [&] {
+      if (ties_.empty()) return 0;
+      push_tied();
+      if (overlap) {
+        for (std::size_t c = 0; c < tie_copy_chunk_.size(); ++c)
+          if (tie_copy_chunk_[c] != 0) {
+            dev_.record(gathered_[c], comm_stream_);
+            gather_pending_[c] = 1;
+          }
+      } else {
+        dev_.synchronize();
+      }
+      return 0;
+    });
+  }
+
   /// Chunk c's GradientLayout: its reduction buckets and which parameters each replica owns.
   const GradientLayout& layout(int chunk) const { return layouts_[static_cast<std::size_t>(checked_index(chunk))]; }
   /// The parameters of chunk c whose reduced gradients this replica owns (all of them without
@@ -571,6 +629,19 @@ class Runtime<Backend, Communicator> {
   /// The step inputs this rank's stages declare: each name once (two stages that declare one
   /// name must agree on its type and size), and each stage's view of each microbatch's slice.
   void collect_inputs();
+
+  /// Every rank's shared parameters (SharedParam), gathered, checked and grouped into ties_.
+  void resolve_ties();
+  /// The primary's working values of every shared parameter to its other holders (share_tied).
+  void push_tied();
+  /// After the step's last W of the chunks holding shared parameters: every holder's gradients
+  /// (exact: sums) added into the primary's, in holder order (the comm stream).
+  void run_ties();
+  /// Whether this call adds the shared parameters' gradients (the last part of a step, on a
+  /// rank that holds one).
+  bool tying() const {
+    return call_.plan != nullptr && call_.plan->training && call_.info.part == call_.info.parts - 1 && tie_here_;
+  }
 
   /// What the replicas of this rank compare at construction (po::handshake).
   std::vector<HandshakeField> replica_fields() const;
@@ -810,6 +881,12 @@ class Runtime<Backend, Communicator> {
   std::vector<backend::Block> staging_;              // reduction: reduction_staging_bytes' buffers, in its order
   std::vector<GradientLayout> layouts_;              // per chunk: reduction buckets and shards
   std::vector<std::vector<NormPiece>> norm_pieces_;  // per chunk: what grad_norm reads
+  std::vector<TiedParameter> ties_;                  // every shared parameter of the pipeline, by key
+  std::vector<char> tie_chunk_;                      // per chunk: holds a shared parameter
+  std::vector<char> tie_primary_;                    // per chunk: holds a primary
+  std::vector<char> tie_copy_chunk_;                 // per chunk: holds a copy (tied_copies)
+  bool tie_here_ = false;                            // this rank holds a shared parameter
+  backend::Block tie_staging_{};                     // the primary's staging (tie_staging_bytes)
   bool shard_gradients_ = false;                     // standard path: the reduction skips the all-gather
   int compute_ = -1, copy_ = -1, comm_stream_ = -1;
   std::vector<int> gathered_;         // per chunk: recorded after share_shards(c, true)'s gather

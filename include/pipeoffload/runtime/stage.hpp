@@ -105,6 +105,8 @@ class StageRef {
   std::vector<std::size_t> norm_groups() const { return vt_->norm_groups(obj_); }
   /// Named parameter tensors (one 1-d tensor "parameters" when the stage declares none).
   std::vector<ParamInfo> parameter_info() const { return vt_->parameter_info(obj_); }
+  /// The tensors the stage shares with other stages (none when it declares none).
+  std::vector<SharedParam> shared_parameters() const { return vt_->shared_parameters(obj_); }
   /// The stage type's name() or, without one, its C++ type name.
   std::string name() const { return vt_->name(obj_); }
 
@@ -128,6 +130,7 @@ class StageRef {
     std::vector<InputSpec> (*inputs)(void*, MicrobatchShape);
     std::vector<std::size_t> (*norm_groups)(void*);
     std::vector<ParamInfo> (*parameter_info)(void*);
+    std::vector<SharedParam> (*shared_parameters)(void*);
     std::string (*name)(void*);
   };
 
@@ -191,6 +194,12 @@ class StageRef {
           const auto n = static_cast<long long>(working_of(self<L>(p).parameters()).elements);
           return std::vector<ParamInfo>{ParamInfo{"parameters", 0, {n}}};
         }
+      },
+      [](void* p) {
+        if constexpr (detail::has_shared_parameters<L>)
+          return std::vector<SharedParam>(self<L>(p).shared_parameters());
+        else
+          return std::vector<SharedParam>{};
       },
       [](void* p) {
         if constexpr (detail::has_name<L>)

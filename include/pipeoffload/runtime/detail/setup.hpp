@@ -123,6 +123,7 @@ void Runtime<Backend, Communicator>::construct() {
                   "; a stage's output and the next stage's input must agree");
   }
   for (const StageInfo& t : table_) max_groups_ = std::max(max_groups_, t.norm_groups);
+  resolve_ties();
   // The replicas must run the same pipeline: same program, stages and microbatch shape.
   if (replicas_ != nullptr) handshake(*replicas_, replica_fields());
   // The plans the executor runs: training and forward-only evaluation.
@@ -145,6 +146,118 @@ void Runtime<Backend, Communicator>::construct() {
     if constexpr (backend::pairs_copies<Backend>)
       if (pair_ != nullptr) pair_->abort(why);
   });
+  // Every holder of a shared parameter starts from the primary's values.
+  if (!ties_.empty()) {
+    push_tied();
+    dev_.synchronize();
+  }
+}
+
+template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::resolve_ties() {
+  const Shape& sh = program_.shape;
+  const auto v = static_cast<std::size_t>(sh.v);
+  tie_chunk_.assign(v, 0);
+  tie_primary_.assign(v, 0);
+  tie_copy_chunk_.assign(v, 0);
+  // This rank's declarations as text lines: key, stage, chunk, offset, count, tensor, shape, type.
+  constexpr char sep = '\x1f';
+  std::string mine;
+  for (int c = 0; c < sh.v; ++c) {
+    const Stage& l = stages_[static_cast<std::size_t>(c)];
+    const std::vector<SharedParam> shared = l.shared_parameters();
+    if (shared.empty()) continue;
+    const int s = sh.stage_of(rank_, c);
+    const std::vector<ParamInfo> tensors = l.parameter_info();
+    for (const SharedParam& p : shared) {
+      const auto it =
+          std::find_if(tensors.begin(), tensors.end(), [&](const ParamInfo& t) { return t.name == p.tensor; });
+      const std::string who = "po::Runtime: stage " + std::to_string(s) + " (" + l.name() + ") shares tensor '" +
+                              p.tensor + "' under key '" + p.key + "'";
+      if (it == tensors.end()) throw error(who + ", which its parameter_info() does not name");
+      if (p.key.empty() || p.key.find_first_of(std::string{sep, '\n'}) != std::string::npos ||
+          p.tensor.find_first_of(std::string{sep, '\n'}) != std::string::npos)
+        throw error(who + ": a key must be non-empty, and neither key nor name may hold a line break or \\x1f");
+      if (it->offset + it->count() > l.parameter_count())
+        throw error(who + ", which runs past its " + std::to_string(l.parameter_count()) + " parameters");
+      std::string shape;
+      for (const long long x : it->shape) shape += (shape.empty() ? "" : ", ") + std::to_string(x);
+      mine += p.key + sep + std::to_string(s) + sep + std::to_string(c) + sep + std::to_string(it->offset) + sep +
+              std::to_string(it->count()) + sep + p.tensor + sep + shape + sep + dtype_name(l.working().dtype) + '\n';
+    }
+  }
+  // Every rank's lines: their lengths, then the text padded to the longest (two collectives on
+  // every rank, the second only where some rank declared one).
+  const std::uint64_t len = mine.size();
+  std::vector<std::uint64_t> lens(static_cast<std::size_t>(sh.d));
+  comm_.all_gather(std::span<const std::uint64_t>(&len, 1), std::span(lens));
+  const std::uint64_t most = *std::max_element(lens.begin(), lens.end());
+  if (most == 0) return;
+  mine.resize(most, '\0');
+  std::vector<char> all(most * static_cast<std::size_t>(sh.d));
+  comm_.all_gather(std::span<const char>(mine.data(), most), std::span(all));
+  struct Decl {
+    TieHolder h;
+    std::string key, shape, dtype;
+  };
+  std::vector<Decl> decls;
+  for (int r = 0; r < sh.d; ++r) {
+    const std::string text(all.data() + static_cast<std::size_t>(r) * most, lens[static_cast<std::size_t>(r)]);
+    std::size_t at = 0;
+    while (at < text.size()) {
+      const std::size_t end = text.find('\n', at);
+      std::vector<std::string> f;
+      std::size_t a = at;
+      for (std::size_t b = text.find(sep, a); b < end; b = text.find(sep, a)) {
+        f.push_back(text.substr(a, b - a));
+        a = b + 1;
+      }
+      f.push_back(text.substr(a, end - a));
+      at = end + 1;
+      Decl d;
+      d.key = f[0];
+      d.h = {std::stoi(f[1]), r, std::stoi(f[2]), std::stoull(f[3]), std::stoull(f[4]), f[5]};
+      d.shape = f[6];
+      d.dtype = f[7];
+      decls.push_back(std::move(d));
+    }
+  }
+  std::sort(decls.begin(), decls.end(), [](const Decl& a, const Decl& b) {
+    return std::tie(a.key, a.h.stage, a.h.offset) < std::tie(b.key, b.h.stage, b.h.offset);
+  });
+  const auto label = [](const TieHolder& h) { return "tensor '" + h.tensor + "' of stage " + std::to_string(h.stage); };
+  // A tensor shared twice, or two shared tensors of one stage that overlap, are refused.
+  for (std::size_t i = 0; i < decls.size(); ++i)
+    for (std::size_t j = i + 1; j < decls.size(); ++j) {
+      const TieHolder &a = decls[i].h, &b = decls[j].h;
+      if (a.stage == b.stage && a.offset < b.offset + b.count && b.offset < a.offset + a.count)
+        throw error("po::Runtime: " + label(a) + " (key '" + decls[i].key + "') and " + label(b) + " (key '" +
+                    decls[j].key + "') overlap; a parameter is shared under one key only");
+    }
+  for (std::size_t i = 0; i < decls.size();) {
+    std::size_t j = i;
+    TiedParameter t{decls[i].key, {}};
+    for (; j < decls.size() && decls[j].key == t.key; ++j) {
+      const Decl &first = decls[i], &d = decls[j];
+      if (d.h.count != first.h.count || d.shape != first.shape || d.dtype != first.dtype)
+        throw error("po::Runtime: the tensors shared under key '" + t.key + "' differ: " + label(first.h) + " is " +
+                    first.dtype + " [" + first.shape + "] and " + label(d.h) + " is " + d.dtype + " [" + d.shape +
+                    "] (shape and working type must be the same)");
+      t.holders.push_back(d.h);
+    }
+    if (t.holders.size() < 2)
+      throw error("po::Runtime: only " + label(t.holders[0]) + " shares a parameter under key '" + t.key +
+                  "'; a shared parameter needs two holders or more");
+    for (std::size_t k = 0; k < t.holders.size(); ++k) {
+      const TieHolder& h = t.holders[k];
+      if (h.rank != rank_) continue;
+      tie_here_ = true;
+      tie_chunk_[static_cast<std::size_t>(h.chunk)] = 1;
+      (k == 0 ? tie_primary_ : tie_copy_chunk_)[static_cast<std::size_t>(h.chunk)] = 1;
+    }
+    ties_.push_back(std::move(t));
+    i = j;
+  }
 }
 
 template <class Backend, class Communicator>
@@ -154,6 +267,12 @@ std::vector<HandshakeField> Runtime<Backend, Communicator>::replica_fields() con
   for (const RankProgram& rp : program_.ranks)
     for (const Op& op : rp.compute)
       ops += std::string(op_name(op.kind)) + std::to_string(op.stage) + "." + std::to_string(op.mb) + " ";
+  std::string shared;
+  for (const TiedParameter& t : ties_) {
+    shared += t.key + ":";
+    for (const TieHolder& h : t.holders) shared += " " + std::to_string(h.stage) + "." + h.tensor;
+    shared += "; ";
+  }
   for (const StageInfo& t : table_)
     stages += t.name + "(" + std::to_string(t.parameters) + ", " + std::to_string(t.input.elements) + " -> " +
               std::to_string(t.output.elements) + ") ";
@@ -161,7 +280,8 @@ std::vector<HandshakeField> Runtime<Backend, Communicator>::replica_fields() con
           {"shape", "d=" + std::to_string(sh.d) + " v=" + std::to_string(sh.v) + " m=" + std::to_string(sh.m)},
           {"microbatch shape", std::to_string(opt_.microbatch.batch) + "x" + std::to_string(opt_.microbatch.seq)},
           {"stages", stages},
-          {"program", ops}};
+          {"program", ops},
+          {"shared parameters", shared}};
 }
 
 template <class Backend, class Communicator>
@@ -189,8 +309,10 @@ void Runtime<Backend, Communicator>::make_norm_pieces() {
   for (std::size_t c = 0; c < layouts_.size(); ++c) {
     const std::vector<std::size_t>& groups = norm_groups_[c];
     std::vector<NormPiece> pieces;
+    // A copy of a shared parameter is counted once, in its primary.
     const std::vector<ParamRange> ranges =
-        norm_by_shards() ? layouts_[c].shards(replica_) : std::vector<ParamRange>{{0, layouts_[c].values}};
+        without(norm_by_shards() ? layouts_[c].shards(replica_) : std::vector<ParamRange>{{0, layouts_[c].values}},
+                tied_copies(static_cast<int>(c)));
     for (const ParamRange& r : ranges) {
       // Every group clipped to the range, then the empty ones at either end dropped.
       std::vector<std::size_t> sizes;
@@ -238,6 +360,11 @@ void Runtime<Backend, Communicator>::allocate_state() {
   }
   if (dp_ > 1)
     for (const std::size_t bytes : reduction_staging_bytes(most, dp_, opt_.gradients)) staging_.push_back(take(bytes));
+  std::size_t primary = 0;  // the largest shared tensor whose primary this rank holds
+  for (const TiedParameter& t : ties_)
+    if (t.holders[0].rank == rank_) primary = std::max(primary, t.holders[0].count);
+  if (const std::size_t bytes = tie_staging_bytes(primary, opt_.reduce_bucket, opt_.gradients); bytes > 0)
+    tie_staging_ = take(bytes);
   results_dev_ = take(flag_count() * sizeof(std::uint32_t) + m * sizeof(float));
   // Each stage's view of each microbatch's inputs: fixed device addresses, built once.
   views_.resize(static_cast<std::size_t>(sh.v) * m);

@@ -93,7 +93,9 @@ void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
         if (mb.mb % opt_.exact_block == 0) dev_.zero(ctx, grads.data(), grads.size_bytes());
         l.backward_weight(ctx, mb, u.device.ptr, u.stash.ptr);
         if (mb.mb % opt_.exact_block == opt_.exact_block - 1) dev_.exact_add(ctx, acc, std::span<const float>(grads));
-        if (static_cast<int>(x) == plan.lowered.last_w[c] && !reducing())
+        // (A chunk holding a shared parameter's primary rounds after the other holders'
+        // sums are in: run_ties.)
+        if (static_cast<int>(x) == plan.lowered.last_w[c] && !reducing() && !(tying() && tie_primary_[c] != 0))
           dev_.exact_round(ctx, grads, std::span<const exact::Fixed>(acc));
       }
       if constexpr (backend::host_addressable_memory<Backend>)
@@ -271,8 +273,16 @@ void Runtime<Backend, Communicator>::enqueue(const Plan& plan) {
   const RankProgram& rp = *plan.rp;
   const LoweredRank& lr = plan.lowered;
   const std::size_t nc = rp.compute.size(), ny = rp.copy.size(), nk = rp.comm.size();
-  // Reductions go into the comm stream's order at LoweredRank::reduce_at.
-  const std::size_t nq = reducing() ? lr.reduces.size() : 0;
+  // Reductions go into the comm stream's order at LoweredRank::reduce_at, except those of
+  // chunks holding shared parameters when the call adds their gradients: those go after
+  // run_ties, at the end of the comm stream (where it waits for no other rank's P2P, so the
+  // holders' messages cannot wait for each other in a cycle).
+  const bool ties = tying();
+  std::vector<int> reduces, deferred;
+  if (reducing())
+    for (const int c : lr.reduces)
+      (ties && tie_chunk_[static_cast<std::size_t>(c)] != 0 ? deferred : reduces).push_back(c);
+  const std::size_t nq = reduces.size();
   reduce_trace_.clear();
   // A parameter gather the optimizer left running (share_shards(c, true)): the rank's first
   // pass of chunk c waits for it; the passes before it do not.
@@ -325,7 +335,7 @@ void Runtime<Backend, Communicator>::enqueue(const Plan& plan) {
     }
     for (;;) {
       if (iq < nq) {
-        const int c = lr.reduces[iq], x = lr.last_w[static_cast<std::size_t>(c)];
+        const int c = reduces[iq], x = lr.last_w[static_cast<std::size_t>(c)];
         if (static_cast<std::size_t>(lr.reduce_at[static_cast<std::size_t>(c)]) <= ik) {
           if (static_cast<std::size_t>(x) >= ic) break;
           dev_.wait(comm_stream_, plan.compute_done[static_cast<std::size_t>(x)]);
@@ -345,6 +355,102 @@ void Runtime<Backend, Communicator>::enqueue(const Plan& plan) {
     if (!moved)
       throw error("po::Runtime: rank " + std::to_string(rank_) +
                   "'s program has a dependency cycle between its streams");
+  }
+  if (ties) {
+    for (std::size_t c = 0; c < tie_chunk_.size(); ++c)
+      if (const int x = lr.last_w[c]; tie_chunk_[c] != 0 && x >= 0)
+        dev_.wait(comm_stream_, plan.compute_done[static_cast<std::size_t>(x)]);
+    dev_.launch(comm_stream_, [this] { run_ties(); });
+    for (const int c : deferred) dev_.launch(comm_stream_, [this, c] { run_reduce(c); });
+  }
+}
+
+// Shared parameters, holder by holder in ties_' order (the same on every rank, so two ranks'
+// blocking sends and receives meet in one order): the other holder's gradients (standard) or
+// exact sums (exact) sent to the primary's rank a bucket at a time (or read in place on one
+// rank), and added after the primary's own in the staging, the primary's first
+// (sum_parts, exact_sum); then, without a reduction to follow, a primary's exact sums rounded.
+template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::run_ties() {
+  try {
+    Context ctx = dev_.context(comm_stream_);
+    const bool exact = opt_.gradients == Gradients::exact;
+    const std::size_t e = exact ? sizeof(exact::Fixed) : sizeof(float);
+    const auto values = [&](const TieHolder& h) {
+      return exact ? reinterpret_cast<std::byte*>(sums(h.chunk).data() + h.offset)
+                   : reinterpret_cast<std::byte*>(stages_[static_cast<std::size_t>(h.chunk)].gradients().data() +
+                                                  h.offset);
+    };
+    for (const TiedParameter& t : ties_) {
+      const TieHolder& p = t.holders[0];
+      const std::size_t len = tie_bucket(p.count, opt_.reduce_bucket);
+      for (std::size_t i = 1; i < t.holders.size(); ++i) {
+        const TieHolder& h = t.holders[i];
+        if (h.rank != rank_ && p.rank != rank_) continue;
+        for (std::size_t b0 = 0, k = 0; b0 < p.count; b0 += len, ++k) {
+          const std::size_t n = std::min(len, p.count - b0);
+          const Tag tag{p.stage, -1 - static_cast<int>(k), Dir::backward};
+          if (p.rank != rank_) {
+            comm_.send(ctx, p.rank, tag, std::span<const std::byte>(values(h) + b0 * e, n * e));
+            continue;
+          }
+          std::byte* own = values(p) + b0 * e;
+          std::byte* st = tie_staging_.ptr;
+          dev_.copy(ctx, st, own, n * e);
+          if (h.rank == rank_)
+            dev_.copy(ctx, st + n * e, values(h) + b0 * e, n * e);
+          else
+            comm_.recv(ctx, h.rank, tag, std::span<std::byte>(st + n * e, n * e));
+          if (exact)
+            dev_.exact_sum(ctx, std::span<exact::Fixed>(reinterpret_cast<exact::Fixed*>(own), n),
+                           std::span<const exact::Fixed>(reinterpret_cast<const exact::Fixed*>(st), 2 * n));
+          else
+            dev_.sum_parts(ctx, std::span<float>(reinterpret_cast<float*>(own), n),
+                           std::span<const float>(reinterpret_cast<const float*>(st), 2 * n));
+        }
+      }
+    }
+    if (exact && !reducing())
+      for (std::size_t c = 0; c < tie_primary_.size(); ++c)
+        if (tie_primary_[c] != 0) {
+          const std::span<float> g = stages_[c].gradients();
+          dev_.exact_round(ctx, g, std::span<const exact::Fixed>(sums(static_cast<int>(c)).first(g.size())));
+        }
+  } catch (const aborted_error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw error("rank " + std::to_string(rank_) + ", shared parameters' gradients: " + e.what());
+  }
+}
+
+// The primary's working values to every other holder, a bucket at a time, from the comm
+// stream's context (in ties_' order on every rank, as run_ties).
+template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::push_tied() {
+  Context ctx = dev_.context(comm_stream_);
+  for (const TiedParameter& t : ties_) {
+    const TieHolder& p = t.holders[0];
+    const std::size_t len = tie_bucket(p.count, opt_.reduce_bucket);
+    const auto at = [&](const TieHolder& h, std::size_t b0) {
+      const Tensor w = stages_[static_cast<std::size_t>(h.chunk)].working();
+      return w.data + (h.offset + b0) * dtype_size(w.dtype);
+    };
+    for (std::size_t i = 1; i < t.holders.size(); ++i) {
+      const TieHolder& h = t.holders[i];
+      if (h.rank != rank_ && p.rank != rank_) continue;
+      const std::size_t e =
+          dtype_size(stages_[static_cast<std::size_t>(h.rank == rank_ ? h.chunk : p.chunk)].working().dtype);
+      for (std::size_t b0 = 0, k = 0; b0 < p.count; b0 += len, ++k) {
+        const std::size_t n = std::min(len, p.count - b0);
+        const Tag tag{h.stage, -1 - static_cast<int>(k), Dir::forward};
+        if (p.rank == rank_ && h.rank == rank_)
+          dev_.copy(ctx, at(h, b0), at(p, b0), n * e);
+        else if (p.rank == rank_)
+          comm_.send(ctx, h.rank, tag, std::span<const std::byte>(at(p, b0), n * e));
+        else
+          comm_.recv(ctx, p.rank, tag, std::span<std::byte>(at(h, b0), n * e));
+      }
+    }
   }
 }
 
