@@ -13,6 +13,7 @@
 // rank count and communicator with the same model, data and seed (bit-exact pipelining), and
 // for a run resumed from a checkpoint; scripts compare them.
 #include <models/gpt/cpu.hpp>
+#include <models/llama/cpu.hpp>
 #include <pipeoffload/comm/handshake.hpp>
 #include <pipeoffload/fnv1a.hpp>
 #include <pipeoffload/runtime.hpp>
@@ -67,11 +68,14 @@ using train_gpt::Options;
 using train_gpt::print_banner;
 using train_gpt::Setup;
 
-/// The GPT stage with an optional injected fault: the runtime sees it as the layer type, so a
-/// fault fires inside a real forward pass, mid-iteration, with other passes in flight.
-struct Stage : po::model::GptStage {
-  Stage(const po::model::GptConfig& cfg, int stage, int stages, const Options::Fault* fault, int replicas)
-      : GptStage(cfg, stage, stages), fault_(fault), replicas_(replicas) {}
+/// A model's stage (the GPT's or the Llama's) with an optional injected fault: the runtime sees
+/// it as the layer type, so a fault fires inside a real forward pass, mid-iteration, with other
+/// passes in flight.
+template <class Base>
+struct Faulty : Base {
+  template <class Config>
+  Faulty(const Config& cfg, int stage, int stages, const Options::Fault* fault, int replicas)
+      : Base(cfg, stage, stages), fault_(fault), replicas_(replicas) {}
   void forward(po::backend::CpuContext& ctx, const po::Microbatch& mb, po::ConstTensor x, po::Tensor y,
                std::byte* saved) {
     // The second forward pass of the step on this stage (the first with one microbatch per
@@ -86,7 +90,7 @@ struct Stage : po::model::GptStage {
       throw po::error("injected fault (--inject-fault " + std::to_string(fault_->rank) + ":" +
                       std::to_string(fault_->step) + ":throw)");
     }
-    GptStage::forward(ctx, mb, x, y, saved);
+    Base::forward(ctx, mb, x, y, saved);
   }
 
  private:
@@ -410,13 +414,20 @@ po::PairLink<Device>* link_of(const std::vector<std::unique_ptr<po::PairLink<Dev
 }
 
 /// Global rank g's v stages on the CPU (with the injected fault, if it is this rank's).
-std::vector<Stage> cpu_stages(const Options& o, int g) {
+/// Global rank g's v stages of the run's model on the CPU, handed to `fn` (which returns what
+/// the rank returns).
+template <class F>
+auto with_cpu_stages(const Options& o, int g, F&& fn) {
   const int r = g % o.shape.d;
-  std::vector<Stage> mine;
-  mine.reserve(static_cast<std::size_t>(o.shape.v));
-  for (int c = 0; c < o.shape.v; ++c)
-    mine.emplace_back(o.model, o.shape.stage_of(r, c), o.shape.stages(), o.fault.rank == g ? &o.fault : nullptr, o.dp);
-  return mine;
+  const auto make = [&]<class Layer>(const auto& cfg) {
+    std::vector<Faulty<Layer>> mine;
+    mine.reserve(static_cast<std::size_t>(o.shape.v));
+    for (int c = 0; c < o.shape.v; ++c)
+      mine.emplace_back(cfg, o.shape.stage_of(r, c), o.shape.stages(), o.fault.rank == g ? &o.fault : nullptr, o.dp);
+    return fn(mine);
+  };
+  if (o.llama) return make.template operator()<po::llama::LlamaStage>(train_gpt::llama_config(o));
+  return make.template operator()<po::model::GptStage>(o.model);
 }
 
 #ifdef PIPEOFFLOAD_WITH_CUDA
@@ -566,10 +577,10 @@ int run_threads(const Options& o, const Setup& su) {
     po::comm::Threads comm = grid.pipeline(g), replicas = grid.replicas(g);
     const int r = g % o.shape.d, j = g / o.shape.d;
     po::backend::Cpu dev({.rank = g, .copy_bytes_per_second = o.copy_gbps * 1e9});
-    std::vector<Stage> mine = cpu_stages(o, g);
     po::PairLink<po::backend::Cpu>* link =
         r / 2 < o.shape.d / 2 ? link_of(links, 2 * (j * (o.shape.d / 2) + r / 2) + (r & 1)) : nullptr;
-    stopped = train_rank(o, su, comm, replicas, dev, mine, t_start, link);
+    stopped =
+        with_cpu_stages(o, g, [&](auto& mine) { return train_rank(o, su, comm, replicas, dev, mine, t_start, link); });
   });
   return exit_status(errors, stopped);
 }
@@ -722,8 +733,7 @@ int run_mpi(Options& o, const sample::Tokens& tokens, const std::optional<sample
     if (o.cuda) return run_cuda_rank(o, su, world, t_start);
 #endif
     po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = o.copy_gbps * 1e9});
-    std::vector<Stage> mine = cpu_stages(o, r);
-    return train_rank(o, su, comm, replicas, dev, mine, t_start);
+    return with_cpu_stages(o, r, [&](auto& mine) { return train_rank(o, su, comm, replicas, dev, mine, t_start); });
   } catch (const po::handshake_error& e) {
     // Every rank saw the same hashes and throws the same sentence, before any pipeline
     // message: nothing is in flight, so each rank can leave normally (MPI_Finalize).

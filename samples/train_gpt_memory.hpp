@@ -16,6 +16,7 @@
 
 #include <models/gpt/cpu.hpp>
 #include <models/gpt/cuda_layout.hpp>
+#include <models/llama/cpu.hpp>
 #include <pipeoffload/backend/cpu/cpu.hpp>
 #include <pipeoffload/backend/cuda/pools.hpp>
 #include <pipeoffload/backend/cuda/shapes.hpp>
@@ -34,17 +35,71 @@ struct RankBytes {
   std::size_t host = 0;    ///< the arena's pinned host blocks (offload bins)
 };
 
-/// Every stage's buffer sizes as pipeline rank `r` sees them (every boundary `boundary`
-/// bytes; its own stages' saved and stash bytes from `own(dims)`, a po::StageBytes), and the
-/// parameter count of each of its chunks: what po::reservation_plan and po::state_bytes take.
+/// What one stage of the run's model holds: its saved and stash bytes per microbatch on the
+/// CPU (`cuda` false) or the CUDA GPT, its parameters, whether it reads the token ids or the
+/// targets, and with tied embeddings the run of its parameters that is the head's copy (or,
+/// on stage 0, the primary's values).
+struct StageFacts {
+  po::StageBytes own{};
+  std::size_t params = 0;
+  bool embeds = false, head = false;
+  std::size_t tied_values = 0;  ///< V * h where the stage holds a tied tensor, else 0
+  po::ParamRange copy{};        ///< the head's tied copy (empty elsewhere)
+};
+inline StageFacts stage_facts(const Options& o, int s, int S, bool cuda, po::MicrobatchShape mb) {
+  StageFacts f;
+  if (o.llama) {
+    const po::llama::LlamaDims d = po::llama::llama_dims(llama_config(o), s, S);
+    const po::llama::LlamaStageParams p = po::llama::llama_stage_params(d);
+    f.own = {.saved = po::llama::cpu_bytes::saved(d, mb), .stash = po::llama::cpu_bytes::stash(d, mb)};
+    f.params = static_cast<std::size_t>(p.total);
+    f.embeds = d.embeds;
+    f.head = d.has_head;
+    if (d.tied) {
+      f.tied_values = static_cast<std::size_t>(d.vocab * d.hidden);
+      const auto at = static_cast<std::size_t>(p.head_begin + p.head_w);
+      if (d.has_head) f.copy = {at, at + f.tied_values};
+    }
+    return f;
+  }
+  const po::model::GptDims d = po::model::gpt_dims(o.model, s, S);
+  const po::model::GptStageParams p = po::model::gpt_stage_params(d);
+  if (cuda) {
+    const po::cuda::GptStageBuffers b = po::cuda::gpt_stage_buffers(d, mb.tokens());
+    f.own = {.saved = b.saved_bytes, .stash = b.stash_bytes};
+  } else {
+    f.own = {.saved = po::model::gpt_cpu_bytes::saved(d, mb), .stash = po::model::gpt_cpu_bytes::stash(d, mb)};
+  }
+  f.params = static_cast<std::size_t>(p.total);
+  f.embeds = d.embeds;
+  f.head = d.has_head;
+  if (d.tied) {
+    f.tied_values = static_cast<std::size_t>(d.vocab * d.hidden);
+    const auto at = static_cast<std::size_t>(p.head_begin + p.head_w);
+    if (d.has_head) f.copy = {at, at + f.tied_values};
+  }
+  return f;
+}
+
+/// Every stage's buffer sizes as pipeline rank `r` sees them (every boundary tensor's bytes;
+/// its own stages' saved and stash bytes), and the parameter count of each of its chunks: what
+/// po::reservation_plan and po::state_bytes take.
 struct RankStages {
   std::vector<po::StageBytes> stages;    ///< by stage
   std::vector<std::size_t> params;       ///< by chunk
   bool tokens = false, targets = false;  ///< whether it reads the token ids, the targets
-  po::TiedState ties;                    ///< --tie-embeddings: stage 0's wte is the primary, the head's a copy
+  po::TiedState ties;                    ///< --tie-embeddings: stage 0's embedding is the primary, the head's a copy
 };
-template <class Own>
-RankStages rank_stages(const Options& o, const po::Shape& sh, int r, std::size_t boundary, Own own) {
+
+/// The bytes of one boundary tensor: fp32 on the CPU, bf16 between the CUDA GPT's stages.
+inline std::size_t boundary_bytes(bool cuda, const Options& o, po::MicrobatchShape mb) {
+  return static_cast<std::size_t>(mb.tokens()) * static_cast<std::size_t>(o.model.hidden) * (cuda ? 2 : 4);
+}
+
+/// rank_stages of rank `r` on the CPU (`cuda` false) or the CUDA GPT.
+inline RankStages rank_stages(const Options& o, const Setup& su, const po::Shape& sh, int r, bool cuda) {
+  const po::MicrobatchShape mb = su.runtime.microbatch;
+  const std::size_t boundary = boundary_bytes(cuda, o, mb);
   RankStages out;
   out.stages.resize(static_cast<std::size_t>(sh.stages()));
   out.params.resize(static_cast<std::size_t>(sh.v));
@@ -53,46 +108,19 @@ RankStages rank_stages(const Options& o, const po::Shape& sh, int r, std::size_t
     b.input = s > 0 ? boundary : 0;
     b.output = s + 1 < sh.stages() ? boundary : 0;
     if (sh.rank_of(s) != r) continue;
-    const po::model::GptDims dims = po::model::gpt_dims(o.model, s, sh.stages());
-    const po::StageBytes mine = own(dims);
-    b.saved = mine.saved;
-    b.stash = mine.stash;
-    out.params[static_cast<std::size_t>(sh.chunk_of(s))] =
-        static_cast<std::size_t>(po::model::gpt_stage_params(dims).total);
-    out.tokens = out.tokens || dims.embeds;
-    out.targets = out.targets || dims.has_head;
-    if (dims.tied) {
-      const std::size_t vh = static_cast<std::size_t>(dims.vocab * dims.hidden);
-      const po::model::GptStageParams p = po::model::gpt_stage_params(dims);
+    const StageFacts f = stage_facts(o, s, sh.stages(), cuda, mb);
+    b.saved = f.own.saved;
+    b.stash = f.own.stash;
+    out.params[static_cast<std::size_t>(sh.chunk_of(s))] = f.params;
+    out.tokens = out.tokens || f.embeds;
+    out.targets = out.targets || f.head;
+    if (f.tied_values > 0) {
       out.ties.copies.resize(static_cast<std::size_t>(sh.v));
-      if (dims.embeds) out.ties.primary_values = vh;
-      if (dims.has_head) {
-        const std::size_t at = static_cast<std::size_t>(p.head_begin + p.head_w);
-        out.ties.copies[static_cast<std::size_t>(sh.chunk_of(s))].push_back({at, at + vh});
-      }
+      if (f.embeds) out.ties.primary_values = f.tied_values;
+      if (f.copy.size() > 0) out.ties.copies[static_cast<std::size_t>(sh.chunk_of(s))].push_back(f.copy);
     }
   }
   return out;
-}
-
-/// What a backend's stages keep per microbatch, and the bytes of one boundary tensor: the CPU
-/// GPT's fp32 layout (gpt_cpu_bytes) or cuda::GptStage's (gpt_stage_buffers, bf16 boundaries).
-inline po::StageBytes own_bytes(bool cuda, const po::model::GptDims& d, po::MicrobatchShape mb) {
-  if (cuda) {
-    const po::cuda::GptStageBuffers b = po::cuda::gpt_stage_buffers(d, mb.tokens());
-    return {.saved = b.saved_bytes, .stash = b.stash_bytes};
-  }
-  return {.saved = po::model::gpt_cpu_bytes::saved(d, mb), .stash = po::model::gpt_cpu_bytes::stash(d, mb)};
-}
-inline std::size_t boundary_bytes(bool cuda, const Options& o, po::MicrobatchShape mb) {
-  return static_cast<std::size_t>(mb.tokens()) * static_cast<std::size_t>(o.model.hidden) * (cuda ? 2 : 4);
-}
-
-/// rank_stages of rank `r` on the CPU (`cuda` false) or the CUDA GPT.
-inline RankStages rank_stages(const Options& o, const Setup& su, const po::Shape& sh, int r, bool cuda) {
-  const po::MicrobatchShape mb = su.runtime.microbatch;
-  return rank_stages(o, sh, r, boundary_bytes(cuda, o, mb),
-                     [&](const po::model::GptDims& d) { return own_bytes(cuda, d, mb); });
 }
 
 /// Every pipeline rank's po::Reservation under `program`, lowering it once (what

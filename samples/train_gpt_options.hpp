@@ -21,6 +21,7 @@
 #include <pipeoffload/schedule/torch_csv.hpp>
 
 #include <models/gpt/layout.hpp>
+#include <models/llama/layout.hpp>
 
 #include "cli.hpp"
 #include "tokens.hpp"
@@ -84,6 +85,10 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
   --trace FILE          write a Chrome trace of the last step's real run (compute and copy streams per rank)
   --layers L --hidden H --heads A --seq S --batch B --lr LR --dropout P
                         model: 8 blocks, h=64, 4 heads, seq 64, batch 4 per microbatch, lr 3e-3, dropout 0.1
+  --model NAME          gpt (default: LayerNorm, learned positions, GeLU MLP, dropout) or llama (--backend
+                        cpu: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, no biases or dropout)
+  --kv-heads G          llama: key/value heads, dividing --heads (default --heads)
+  --ffn F               llama: the SwiGLU MLP's inner width, 1..1048576 (default 8h/3 rounded up to 32)
   --tie-embeddings      the LM head's weight is the token embedding (one parameter held by the first and
                         the last stage, po::SharedParam; --backend cpu)
   --stage-blocks B0,B1,...
@@ -119,7 +124,9 @@ struct Options {
   int steps = 200;
   std::uint64_t seed = 1;
   std::optional<std::string> trace;
-  po::model::GptConfig model{};
+  po::model::GptConfig model{};  // the model's sizes (both architectures) and the GPT's own settings
+  bool llama = false;            // --model llama
+  int kv_heads = 0, ffn = 0;     // llama: key/value heads (0: --heads), SwiGLU width (0: 8h/3)
   int batch = 4;
   float lr = 3e-3f;
   std::string corpus = PIPEOFFLOAD_CORPUS;
@@ -218,7 +225,10 @@ inline Options parse(int argc, char** argv) {
                                   "--reduce-dtype",
                                   "--data",
                                   "--val-data",
-                                  "--vocab"};
+                                  "--vocab",
+                                  "--model",
+                                  "--kv-heads",
+                                  "--ffn"};
     if (std::find(std::begin(known), std::end(known), f) == std::end(known))
       throw bad_argument("unknown option '" + f + "' (--help lists them)");
     if (i + 1 >= argc) throw bad_argument(f + " needs a value");
@@ -247,8 +257,17 @@ inline Options parse(int argc, char** argv) {
           "--comm mpi: this train_gpt was built without MPI (install openmpi-bin and libopenmpi-dev, then reconfigure)");
 #endif
   }
+  if (auto v = get("--model")) {
+    if (*v != "gpt" && *v != "llama") throw bad_argument("--model must be gpt or llama, got '" + *v + "'");
+    o.llama = *v == "llama";
+  }
+  for (const char* f : {"--kv-heads", "--ffn"})
+    if (!o.llama && get(f)) throw bad_argument(std::string(f) + " applies only to --model llama");
+  if (o.llama && get("--dropout")) throw bad_argument("--dropout does not apply to --model llama (it has no dropout)");
   if (auto v = get("--backend")) {
     if (*v != "cpu" && *v != "cuda") throw bad_argument("--backend must be cpu or cuda, got '" + *v + "'");
+    if (*v == "cuda" && o.llama)
+      throw bad_argument("--model llama: the CUDA Llama is not built yet; use --backend cpu");
     if (*v == "cuda" && tie)
       throw bad_argument("--tie-embeddings: the CUDA GPT does not tie its embeddings yet; use --backend cpu");
     o.cuda = *v == "cuda";
@@ -351,6 +370,18 @@ inline Options parse(int argc, char** argv) {
     throw bad_argument("--heads " + std::to_string(o.model.heads) + " must divide --hidden " +
                        std::to_string(o.model.hidden));
   o.model.seed = o.seed;
+  if (o.llama) {
+    o.kv_heads = o.model.heads;
+    if (auto v = get("--kv-heads")) o.kv_heads = static_cast<int>(to_int("--kv-heads", *v, 1, 1024));
+    if (o.model.heads % o.kv_heads != 0)
+      throw bad_argument("--kv-heads " + std::to_string(o.kv_heads) + " must divide --heads " +
+                         std::to_string(o.model.heads));
+    if ((o.model.hidden / o.model.heads) % 2 != 0)
+      throw bad_argument("--model llama: --hidden / --heads = " + std::to_string(o.model.hidden / o.model.heads) +
+                         " must be even (RoPE rotates pairs)");
+    if (auto v = get("--ffn")) o.ffn = static_cast<int>(to_int("--ffn", *v, 1, 1 << 20));
+    o.model.dropout = 0.0f;  // the Llama has none (the configuration text says so)
+  }
   if (auto v = get("--stage-blocks")) {
     std::vector<int> blocks;
     long long sum = 0;
@@ -415,6 +446,31 @@ inline Options parse(int argc, char** argv) {
   return o;
 }
 
+/// The Llama configuration of the options (--model llama): the sizes, seed, tie and cut of
+/// `model`, with --kv-heads and --ffn.
+inline po::llama::LlamaConfig llama_config(const Options& o) {
+  return {.vocab = o.model.vocab,
+          .hidden = o.model.hidden,
+          .heads = o.model.heads,
+          .kv_heads = o.kv_heads > 0 ? o.kv_heads : o.model.heads,
+          .ffn = o.ffn,
+          .layers = o.model.layers,
+          .seq = o.model.seq,
+          .tie_embeddings = o.model.tie_embeddings,
+          .seed = o.model.seed,
+          .stage_blocks = o.model.stage_blocks};
+}
+
+/// What stage s of S holds, for either architecture: blocks, the embedding, the head.
+inline po::StageContent stage_content(const Options& o, int s, int S) {
+  if (o.llama) {
+    const po::llama::LlamaDims d = po::llama::llama_dims(llama_config(o), s, S);
+    return {d.blocks, d.embeds, d.has_head};
+  }
+  const po::model::GptDims d = po::model::gpt_dims(o.model, s, S);
+  return {d.blocks, d.embeds, d.has_head};
+}
+
 /// " stage-blocks=B0,B1,..." for an uneven layout, "" for the default one.
 inline std::string stage_blocks_text(const po::model::GptConfig& m) {
   std::string s;
@@ -447,17 +503,17 @@ inline po::Costs program_costs(const Options& o) {
   const po::TransformerSpec m{.layers = o.model.layers,
                               .hidden = o.model.hidden,
                               .heads = o.model.heads,
-                              .query_groups = o.model.heads,
+                              .query_groups = o.llama ? llama_config(o).kv_heads : o.model.heads,
                               .seq = o.model.seq,
                               .micro_batch = o.batch,
                               .vocab = o.model.vocab,
-                              .recompute = o.model.recompute};
+                              .ffn_hidden = o.llama ? llama_config(o).ffn_width() : 0,
+                              .swiglu = o.llama,
+                              .recompute = o.model.recompute,
+                              .tied_embeddings = o.model.tie_embeddings};
   std::vector<po::StageContent> cut;
   const int S = o.shape.stages();
-  for (int s = 0; s < S; ++s) {
-    const po::model::GptDims d = po::model::gpt_dims(o.model, s, S);
-    cut.push_back({d.blocks, d.embeds, d.has_head});
-  }
+  for (int s = 0; s < S; ++s) cut.push_back(stage_content(o, s, S));
   return po::stage_costs(m, cut, o.flops, o.k, o.cuda ? po::PlanBackend::cuda : po::PlanBackend::cpu);
 }
 
@@ -519,10 +575,14 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
   std::snprintf(k, sizeof k, "%.17g", o.k);
   char flops[32];
   std::snprintf(flops, sizeof flops, "%.17g", o.flops);
-  const std::string model =
-      "layers=" + std::to_string(o.model.layers) + " hidden=" + std::to_string(o.model.hidden) +
-      " heads=" + std::to_string(o.model.heads) + " seq=" + std::to_string(o.model.seq) + " dropout=" + drop +
-      (o.model.vocab != 256 ? " vocab=" + std::to_string(o.model.vocab) : "") + (o.model.tie_embeddings ? " tied" : "");
+  const std::string model = "layers=" + std::to_string(o.model.layers) + " hidden=" + std::to_string(o.model.hidden) +
+                            " heads=" + std::to_string(o.model.heads) + " seq=" + std::to_string(o.model.seq) +
+                            " dropout=" + drop +
+                            (o.model.vocab != 256 ? " vocab=" + std::to_string(o.model.vocab) : "") +
+                            (o.model.tie_embeddings ? " tied" : "") +
+                            (o.llama ? " arch=llama kv-heads=" + std::to_string(llama_config(o).kv_heads) +
+                                           " ffn=" + std::to_string(llama_config(o).ffn_width())
+                                     : "");
   // The global batch: R replicas of m microbatches train as one replica of R*m.
   const std::string batch = "batch=" + std::to_string(o.batch) + " microbatches=" + std::to_string(o.dp * sh.m) +
                             (o.exact_block > 1 ? " exact-block=" + std::to_string(o.exact_block) : "");

@@ -145,10 +145,16 @@ inline void print_banner(const Options& o, const Setup& su) {
                                           : std::to_string(su.tokens.size()) + "-token shard (vocab " +
                                                 std::to_string(su.tokens.vocab()) + ", " +
                                                 std::to_string(8 * su.tokens.width()) + "-bit ids)";
-  std::printf("train_gpt: %s, d=%d v=%d m=%d, GPT %d blocks h=%d heads=%d seq=%d batch=%d, %s, %s%s\n",
-              o.schedule.c_str(), sh.d, sh.v, sh.m, o.model.layers, o.model.hidden, o.model.heads, o.model.seq, o.batch,
-              data.c_str(), o.cuda ? "CUDA (bf16, NCCL)" : ("BLAS " + po::blas::core_name()).c_str(),
-              o.mpi ? ", MPI processes" : "");
+  const std::string model =
+      o.llama
+          ? "Llama " + std::to_string(o.model.layers) + " blocks h=" + std::to_string(o.model.hidden) +
+                " heads=" + std::to_string(o.model.heads) + " kv-heads=" + std::to_string(llama_config(o).kv_heads) +
+                " ffn=" + std::to_string(llama_config(o).ffn_width())
+          : "GPT " + std::to_string(o.model.layers) + " blocks h=" + std::to_string(o.model.hidden) +
+                " heads=" + std::to_string(o.model.heads);
+  std::printf("train_gpt: %s, d=%d v=%d m=%d, %s%s seq=%d batch=%d, %s, %s%s\n", o.schedule.c_str(), sh.d, sh.v, sh.m,
+              model.c_str(), o.model.tie_embeddings ? " tied" : "", o.model.seq, o.batch, data.c_str(),
+              o.cuda ? "CUDA (bf16, NCCL)" : ("BLAS " + po::blas::core_name()).c_str(), o.mpi ? ", MPI processes" : "");
   if (o.dp > 1)
     std::printf("data parallel: %d replicas of the pipeline (%d ranks, global rank = replica * %d + rank), zero %d\n",
                 o.dp, o.dp * sh.d, sh.d, o.zero);

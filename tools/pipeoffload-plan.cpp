@@ -99,6 +99,8 @@ B-to-W stashes; workspace), with a command line that draws it.
   --ffn-hidden F               the MLP's inner width (default 4 x --hidden)
   --swiglu                     Llama-class layers: a SwiGLU MLP (three h x F matrices), RMSNorm,
                                no biases, no dropout, no position table
+  --tied-embeddings            the LM head's weight is the token embedding: one parameter on the
+                               first and last stage, its optimizer state held once
   --gradients standard|exact   the runtime's gradient path (default standard); exact adds its
                                128-bit sums, 16 bytes per parameter, and sends them
   --schedule NAME              only that family's candidates (1f1b, ..., dualpipe-v), for
@@ -146,19 +148,20 @@ constexpr std::string_view flags[] = {
     // --auto
     "--auto", "--recompute", "--layers", "--heads", "--query-groups", "--global-batch", "--vocab", "--device-mem-gib",
     "--host-mem-gib", "--pcie-switch", "--gradients", "--ffn-hidden", "--swiglu", "--model", "--backend",
+    "--tied-embeddings",
     // --auto, data parallelism
     "--dp", "--search-dp", "--gpus", "--zero", "--dp-gbps", "--gpus-per-node", "--node-layout", "--reduce-dtype"};
 /// Flags that take no value.
-constexpr std::string_view switches[] = {"--auto", "--recompute", "--search-dp", "--swiglu"};
+constexpr std::string_view switches[] = {"--auto", "--recompute", "--search-dp", "--swiglu", "--tied-embeddings"};
 /// The data-parallel flags (any of them shows the grid in the report).
 constexpr std::string_view grid_flags[] = {"--dp",      "--search-dp",     "--gpus",        "--zero",
                                            "--dp-gbps", "--gpus-per-node", "--node-layout", "--reduce-dtype"};
 /// Flags only --auto reads, and flags --auto does not take.
 constexpr std::string_view auto_only[] = {
-    "--recompute",      "--layers",       "--heads",         "--query-groups", "--global-batch", "--vocab",
-    "--device-mem-gib", "--host-mem-gib", "--pcie-switch",   "--dp",           "--search-dp",    "--gpus",
-    "--zero",           "--dp-gbps",      "--gpus-per-node", "--node-layout",  "--gradients",    "--ffn-hidden",
-    "--swiglu",         "--reduce-dtype", "--model",         "--backend"};
+    "--recompute",      "--layers",       "--heads",         "--query-groups", "--global-batch",   "--vocab",
+    "--device-mem-gib", "--host-mem-gib", "--pcie-switch",   "--dp",           "--search-dp",      "--gpus",
+    "--zero",           "--dp-gbps",      "--gpus-per-node", "--node-layout",  "--gradients",      "--ffn-hidden",
+    "--swiglu",         "--reduce-dtype", "--model",         "--backend",      "--tied-embeddings"};
 constexpr std::string_view not_auto[] = {"--import", "--chunks", "--microbatches", "--group",  "--offload-chunks",
                                          "--k",      "--cost-f", "--cost-b",       "--cost-w", "--cost-comm"};
 constexpr std::string_view hardware_flags[] = {"--hidden", "--seq", "--micro-batch", "--tflops", "--pcie-gbps"};
@@ -585,6 +588,7 @@ AutoRequest interpret_auto(const Args& args) {
   m.recompute = find(args, "--recompute") != nullptr;
   if (const std::string* s = find(args, "--schedule")) rq.budget.schedule = *s;  // checked by plan()
   m.swiglu = m.swiglu || find(args, "--swiglu") != nullptr;
+  m.tied_embeddings = m.tied_embeddings || find(args, "--tied-embeddings") != nullptr;
   if (find(args, "--ffn-hidden")) m.ffn_hidden = need("--ffn-hidden", "the MLP's inner width", 1, 1 << 22);
   if (m.query_groups > m.heads || m.heads % m.query_groups != 0)
     throw bad_argument("--query-groups must divide --heads (" + num(m.heads) + "), got " + quoted(num(m.query_groups)));

@@ -161,6 +161,52 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "the planner's CPU memory with tied embeddings is what train_gpt --tie-embeddings reserves, to the byte; the "
+    "tie saves the head's optimizer state and costs the primary's staging") {
+  const std::string text = corpus();
+  Sweep s;
+  for (const int d : {2, 4})
+    for (const auto& [dp, zero, gradients] :
+         {std::tuple{1, 0, po::Gradients::exact}, std::tuple{2, 1, po::Gradients::standard}}) {
+      CAPTURE(d);
+      CAPTURE(dp);
+      po::TransformerSpec m{.layers = 6,
+                            .hidden = 32,
+                            .heads = 4,
+                            .query_groups = 4,
+                            .seq = 16,
+                            .micro_batch = 2,
+                            .global_batch = 2 * 2 * d * dp,
+                            .vocab = 256,
+                            .tied_embeddings = true};
+      const po::MachineSpec x{.ranks = d, .device_bytes = 64 * po::gib, .host_bytes = 64 * po::gib, .flops = 5e11};
+      const po::PlanBudget bud{.gradients = gradients, .backend = po::PlanBackend::cpu};
+      const po::GridSpec grid{.dp = dp, .zero = zero};
+      sweep(m, x, bud, grid, text, s);
+      // Against the untied model (one replica): the head's rank holds AdamW's two moments less
+      // of V x h, stage 0's rank two buckets of staging more.
+      if (dp > 1) continue;
+      po::TransformerSpec untied = m;
+      untied.tied_embeddings = false;
+      for (const po::Placement p : {po::Placement::interleaved, po::Placement::vshape}) {
+        const po::detail::Layout a = po::detail::make_layout(m, x, bud, 2, grid, p),
+                                 b = po::detail::make_layout(untied, x, bud, 2, grid, p);
+        const po::Shape where{d, 2, 1, p};
+        const int first = where.rank_of(0), last = where.rank_of(2 * d - 1);
+        const double vh = 256.0 * 32, staging = 2 * vh * (gradients == po::Gradients::exact ? 16 : 4);
+        const double saved = 2 * 4 * vh;
+        CHECK(a.model_state[static_cast<std::size_t>(first)] - b.model_state[static_cast<std::size_t>(first)] ==
+              (first == last ? staging - saved : staging));
+        if (first != last)
+          CHECK(b.model_state[static_cast<std::size_t>(last)] - a.model_state[static_cast<std::size_t>(last)] == saved);
+      }
+    }
+  MESSAGE("CPU, tied: " << s.configs << " configurations, largest difference " << s.worst);
+  CHECK(s.configs >= 40);
+  CHECK(s.worst == 0);
+}
+
+TEST_CASE(
     "the planner's CUDA memory is what train_gpt --backend cuda reserves for its command (computed on the "
     "CPU through the runtime's own code), to the byte: every family, offload on and off, v, d up to 32, dp, "
     "ZeRO-1, both gradient paths") {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include <models/llama/cpu.hpp>
 #include <pipeoffload/runtime.hpp>
 
 #include "train_gpt_memory.hpp"
@@ -22,8 +23,10 @@ train_gpt::Options options(std::vector<std::string> args) {
   return train_gpt::parse(static_cast<int>(argv.size()), argv.data());
 }
 
-/// Every global rank's bytes after one step and one evaluation of the run `o`.
-std::vector<train_gpt::RankBytes> measured(const train_gpt::Options& o, const train_gpt::Setup& su) {
+/// Every global rank's bytes after one step and one evaluation of the run `o` (its stages of type Layer).
+template <class Layer>
+std::vector<train_gpt::RankBytes> measured_with(const train_gpt::Options& o, const train_gpt::Setup& su,
+                                                const auto& cfg) {
   const po::Program program = train_gpt::program_of(o, su.costs);
   po::comm::ThreadsGrid grid(o.dp, o.shape.d);
   std::vector<train_gpt::RankBytes> out(static_cast<std::size_t>(o.dp * o.shape.d));
@@ -31,9 +34,9 @@ std::vector<train_gpt::RankBytes> measured(const train_gpt::Options& o, const tr
     po::comm::Threads comm = grid.pipeline(g), replicas = grid.replicas(g);
     const int r = g % o.shape.d;
     po::backend::Cpu dev({.rank = g});
-    std::vector<po::model::GptStage> mine;
-    for (int c = 0; c < o.shape.v; ++c) mine.emplace_back(o.model, o.shape.stage_of(r, c), o.shape.stages());
-    po::Runtime rt(program, dev, comm, replicas, std::span<po::model::GptStage>(mine), su.runtime);
+    std::vector<Layer> mine;
+    for (int c = 0; c < o.shape.v; ++c) mine.emplace_back(cfg, o.shape.stage_of(r, c), o.shape.stages());
+    po::Runtime rt(program, dev, comm, replicas, std::span<Layer>(mine), su.runtime);
     po::AdamW opt(rt, su.adamw);
     const std::size_t n = su.tokens_per_step;
     std::vector<std::int32_t> tok(n), tgt(n);
@@ -51,10 +54,14 @@ std::vector<train_gpt::RankBytes> measured(const train_gpt::Options& o, const tr
     train_gpt::RankBytes& m = out[static_cast<std::size_t>(g)];
     m.device = dev.memory().device_held;
     m.host = dev.memory().host_held;
-    for (po::model::GptStage& l : mine) m.device += l.parameters().size_bytes() + l.gradients().size_bytes();
+    for (Layer& l : mine) m.device += l.parameters().size_bytes() + l.gradients().size_bytes();
   });
   for (const std::string& e : errors) REQUIRE_MESSAGE(e.empty(), e);
   return out;
+}
+std::vector<train_gpt::RankBytes> measured(const train_gpt::Options& o, const train_gpt::Setup& su) {
+  if (o.llama) return measured_with<po::llama::LlamaStage>(o, su, train_gpt::llama_config(o));
+  return measured_with<po::model::GptStage>(o, su, o.model);
 }
 
 }  // namespace
@@ -76,6 +83,10 @@ TEST_CASE("train_gpt's memory check: cpu_rank_bytes is what every rank's arena a
       {"--schedule", "1f1b-i", "--ranks", "2", "--chunks", "2", "--tie-embeddings", "--dp", "2", "--zero", "1"},
       {"--schedule", "zb-v", "--ranks", "2", "--chunks", "2", "--tie-embeddings", "--gradients", "exact", "--dp", "2"},
       {"--ranks", "1", "--chunks", "1", "--tie-embeddings", "--reduce-bucket", "1000"},
+      // The Llama: grouped-query attention, SwiGLU, tied or not.
+      {"--model", "llama", "--kv-heads", "2", "--schedule", "po-f", "--ranks", "2", "--chunks", "2"},
+      {"--model", "llama", "--tie-embeddings", "--ffn", "40", "--schedule", "1f1b-i", "--ranks", "2", "--chunks", "2",
+       "--dp", "2", "--zero", "1", "--gradients", "exact"},
   };
   std::string text;
   for (int i = 0; text.size() < 20000; ++i) text += "the quick brown fox " + std::to_string(i * 7919 % 1000) + ". ";

@@ -190,6 +190,22 @@ struct TiedState {
   std::size_t primary_values = 0;               ///< tie_staging_bytes' count
 };
 
+/// How many of a chunk's `n` parameters replica `o.replica` updates and holds optimizer state
+/// for: its shards with ZeRO-1 (GradientLayout::owned), otherwise all of them, less the copies
+/// of shared parameters among them (`copies`, TiedState).
+constexpr std::size_t updated_parameters(std::size_t n, const StateOptions& o, const std::vector<ParamRange>& copies) {
+  const GradientLayout l = gradient_layout(n, o.dp, o.reduce_bucket);
+  const bool sharded = o.zero == 1 && o.dp > 1;
+  std::size_t updated = sharded ? l.owned(o.replica) : n;
+  for (const ParamRange& h : copies)
+    for (std::size_t k = 0; k < (sharded ? l.buckets : 1); ++k) {
+      const ParamRange r = sharded ? l.shard(k, o.replica) : ParamRange{0, n};
+      const std::size_t lo = std::max(r.begin, h.begin), hi = std::min(r.end, h.end);
+      if (hi > lo) updated -= hi - lo;
+    }
+  return updated;
+}
+
 /// The model state of a rank whose chunks have `parameters` values each, as po::Runtime and
 /// the optimizers allocate it (tests/runtime/test_custom.cpp holds the two together; the
 /// planner counts a rank's model state with it). `ties`: what shared parameters change.
@@ -197,7 +213,6 @@ constexpr StateBytes state_bytes(std::span<const std::size_t> parameters, const 
                                  const TiedState& ties = {}) {
   StateBytes b;
   std::size_t most = 0;
-  const bool sharded = o.zero == 1 && o.dp > 1;
   for (const std::size_t n : parameters) {
     const GradientLayout l = gradient_layout(n, o.dp, o.reduce_bucket);
     b.parameters += n * o.parameter_bytes;
@@ -218,18 +233,9 @@ constexpr StateBytes state_bytes(std::span<const std::size_t> parameters, const 
     b.blocks.push_back(t);
   }
   for (std::size_t c = 0; c < parameters.size(); ++c) {
-    const std::size_t n = parameters[c];
-    const GradientLayout l = gradient_layout(n, o.dp, o.reduce_bucket);
-    // What this replica updates: its shards (or every parameter) less the copies.
-    std::size_t updated = sharded ? l.owned(o.replica) : n;
-    if (c < ties.copies.size())
-      for (const ParamRange& h : ties.copies[c])
-        for (std::size_t k = 0; k < (sharded ? l.buckets : 1); ++k) {
-          const ParamRange r = sharded ? l.shard(k, o.replica) : ParamRange{0, n};
-          const std::size_t lo = std::max(r.begin, h.begin), hi = std::min(r.end, h.end);
-          if (hi > lo) updated -= hi - lo;
-        }
-    const std::size_t state = updated * sizeof(float);
+    const std::vector<ParamRange> none;
+    const std::size_t state =
+        updated_parameters(parameters[c], o, c < ties.copies.size() ? ties.copies[c] : none) * sizeof(float);
     for (int k = 0; k < o.optimizer_states; ++k) b.blocks.push_back(state);
     b.optimizer += static_cast<std::size_t>(o.optimizer_states) * state;
     if (o.parameter_bytes != sizeof(float)) {

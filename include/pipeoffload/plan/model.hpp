@@ -102,6 +102,10 @@ struct TransformerSpec {
   int dtype_bytes = 2;       ///< bf16 activations and weights
   bool recompute = false;    ///< recompute LayerNorm, GeLU and dropout in backward (34bsh -> 20bsh)
   bool vocab_stages = true;  ///< stage 0 holds the embedding, stage S-1 the LM head (one layer slot each)
+  /// The LM head's weight is the token embedding (po::SharedParam): both stages hold it, the
+  /// head's copy without optimizer state (head_weight_range), stage 0's rank with the runtime's
+  /// staging for the copy's gradients (po::tie_staging_bytes).
+  bool tied_embeddings = false;
 };
 
 /// One pipeline of `ranks` devices (one rank per device).
@@ -488,6 +492,16 @@ constexpr double stage_parameters(const TransformerSpec& m, const StageContent& 
   if (c.embedding) p += V * h + (m.swiglu ? 0.0 : static_cast<double>(m.seq) * h);  // RoPE has no table
   if (c.head) p += V * h + (m.swiglu ? h : 2 * h + V);                              // GPT's head has a bias
   return p;
+}
+
+/// Where the LM head's weight (V x h values) lies in the parameters of a stage that holds the
+/// head (`c.head`): last in the stage but for GPT's bias (V values), the layout of the sample
+/// GPT (models/gpt/layout.hpp), whose tied head keeps it there as (V, h).
+constexpr ParamRange head_weight_range(const TransformerSpec& m, const StageContent& c) {
+  const auto P = static_cast<std::size_t>(stage_parameters(m, c));
+  const std::size_t w = static_cast<std::size_t>(m.vocab) * static_cast<std::size_t>(m.hidden),
+                    bias = m.swiglu ? 0 : static_cast<std::size_t>(m.vocab);
+  return {P - w - bias, P - bias};
 }
 
 /// FLOPs of one stage's F, B and W for one microbatch. The embedding adds 1% of a layer's

@@ -241,11 +241,17 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
   // cuda::GptStage's fp32 copy of its head's bias (a GPT head has one; V values).
   std::vector<double> head_bias(static_cast<std::size_t>(d), 0.0);
   std::vector<std::vector<std::size_t>> chunks(static_cast<std::size_t>(d));  // per rank: its chunks' parameters
+  std::vector<TiedState> ties(static_cast<std::size_t>(d));                   // per rank: tied embeddings
   for (int s = 0; s < S; ++s) {
     const StageContent& c = L.stages[static_cast<std::size_t>(s)];
     const auto r = static_cast<std::size_t>(where.rank_of(s));
     const double P = stage_parameters(m, c);
     chunks[r].push_back(static_cast<std::size_t>(P));
+    if (m.tied_embeddings) {  // stage 0's embedding is the primary, the head's weight its copy
+      ties[r].copies.resize(chunks[r].size());
+      if (c.embedding) ties[r].primary_values = static_cast<std::size_t>(m.vocab) * static_cast<std::size_t>(m.hidden);
+      if (c.head) ties[r].copies.back().push_back(head_weight_range(m, c));
+    }
     L.allreduce.push_back(allreduce_seconds(P, bud, grid));
     if (!cpu) transient[r] += stage_scratch_bytes(m, c);
     if (!cpu && c.head && !m.swiglu) head_bias[r] += 4.0 * m.vocab;
@@ -255,14 +261,15 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
   const auto rounded = [&](std::size_t bytes) { return detail::round_to(static_cast<double>(bytes), L.block); };
   for (std::size_t r = 0; r < chunks.size(); ++r) {
     const StateOptions so = state_options(bud, grid);
-    const StateBytes b = state_bytes(chunks[r], so);
+    const StateBytes b = state_bytes(chunks[r], so, ties[r]);
     // The layers' own parameters and gradients, and each arena block in its size class; the
     // optimizer's blocks (its states and master, per chunk) among them.
     double arena = 0, optimizer = 0;
     for (std::size_t blk : b.blocks) arena += rounded(blk);
-    for (std::size_t n : chunks[r]) {
-      const GradientLayout gl = gradient_layout(n, so.dp, so.reduce_bucket);
-      const double one = rounded((so.zero == 1 && so.dp > 1 ? gl.owned(0) : n) * sizeof(float));
+    const std::vector<ParamRange> none;
+    for (std::size_t c = 0; c < chunks[r].size(); ++c) {
+      const std::vector<ParamRange>& copies = c < ties[r].copies.size() ? ties[r].copies[c] : none;
+      const double one = rounded(updated_parameters(chunks[r][c], so, copies) * sizeof(float));
       optimizer += one * (so.optimizer_states + (so.parameter_bytes != sizeof(float) ? 1 : 0));
     }
     L.model_state[r] = static_cast<double>(b.parameters + b.gradients) + arena + head_bias[r];

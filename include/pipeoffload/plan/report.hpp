@@ -60,6 +60,8 @@ inline std::vector<std::string> train_gpt_args(const PlanResult& r, const Transf
     why = "train_gpt learns the byte-level corpus (vocabulary 256); --vocab is " + detail::num(m.vocab);
   else if (r.backend == PlanBackend::cuda && !m.recompute)
     why = "train_gpt's CUDA GPT recomputes LayerNorm, GeLU and dropout in backward: plan with --recompute";
+  else if (r.backend == PlanBackend::cuda && m.tied_embeddings)
+    why = "train_gpt's CUDA GPT does not tie its embeddings yet (--backend cpu does)";
   else if (m.layers > 4096 || m.hidden > 8192 || m.heads > 1024 || m.seq > 8192 || m.micro_batch > 4096 ||
            r.ranks > 64 || c.chunks > 64 || r.microbatches > 4096 || r.dp > 64 || !(r.k > 0 && r.k <= 100) ||
            !(r.flops > 0 && r.flops <= 1e18))
@@ -73,6 +75,7 @@ inline std::vector<std::string> train_gpt_args(const PlanResult& r, const Transf
             "--seq", detail::num(m.seq), "--batch", detail::num(m.micro_batch), "--stage-blocks", blocks});
   if (r.dp > 1) a.insert(a.end(), {"--dp", detail::num(r.dp), "--zero", detail::num(r.zero)});
   if (r.gradients == Gradients::exact) a.insert(a.end(), {"--gradients", "exact"});
+  if (m.tied_embeddings) a.push_back("--tie-embeddings");
   // The plan's k and FLOP/s, to the bit: the program is built with them (stage_costs).
   char k[32], flops[32];
   std::snprintf(k, sizeof k, "%.17g", r.k);
@@ -155,8 +158,8 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
   std::string s;
   s += "model      " + detail::num(m.layers) + " layers, h " + detail::num(m.hidden) + ", " + detail::num(m.heads) +
        " heads, " + detail::num(m.query_groups) + " query groups, s " + detail::num(m.seq) + ", b " +
-       detail::num(m.micro_batch) + ", vocab " + detail::num(m.vocab) + ", recompute " + (m.recompute ? "on" : "off") +
-       "; " + detail::num(r.microbatches) +
+       detail::num(m.micro_batch) + ", vocab " + detail::num(m.vocab) + (m.tied_embeddings ? " (tied)" : "") +
+       ", recompute " + (m.recompute ? "on" : "off") + "; " + detail::num(r.microbatches) +
        (grid ? " microbatches per replica (global batch " + detail::num(m.global_batch) + " = dp " + detail::num(r.dp) +
                    " x " + detail::num(r.microbatches) + " x b " + detail::num(m.micro_batch) + ")\n"
              : std::string(" microbatches per iteration\n"));

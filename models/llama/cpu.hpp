@@ -1,0 +1,597 @@
+// models/llama/cpu.hpp: the Llama-class reference model on the CPU, as pipeline stages (a
+// po::layer_for<LlamaStage, backend::CpuContext>).
+//
+// Token embedding, N pre-norm blocks (RMSNorm; causal grouped-query self-attention with
+// rotary position embeddings, RoPE; RMSNorm; SwiGLU MLP, w2(silu(w1 x) * w3 x)), final
+// RMSNorm, output projection (its own, or the embedding: LlamaConfig::tie_embeddings),
+// softmax cross-entropy; no biases, no dropout. fp32 with GEMMs on OpenBLAS; the layout
+// (which blocks, where every parameter lives, the names) is layout.hpp's.
+//
+// Split backward as the GPT's: B computes activation gradients and stashes each GEMM's output
+// gradient (and each norm's input gradient), W turns the stash into weight gradients. A block
+// saves x, the rotated q and k, v, the attention output, x1, the gate and up projections, the
+// two norms' reciprocal RMS and the attention's log-sum-exps; the normalized inputs and
+// silu(gate) * up are recomputed. Attention keeps no s x s matrix (backward recomputes the
+// scores from q, k and the log-sum-exps). Positions restart at every sequence of the
+// microbatch: token t sits at position t % seq.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <models/gpt/math.hpp>  // exp_approx, mix64, softmax_xent_row
+#include <pipeoffload/backend/cpu/blas.hpp>
+#include <pipeoffload/backend/cpu/context.hpp>
+#include <pipeoffload/error.hpp>
+#include <pipeoffload/layer.hpp>
+
+#include "layout.hpp"
+
+namespace pipeoffload::llama {
+
+/// The CPU stage's per-microbatch buffers, from its dims alone (what LlamaStage lays out and a
+/// launcher sizes memory with).
+namespace cpu_bytes {
+
+inline std::size_t tokens(MicrobatchShape sh) { return static_cast<std::size_t>(sh.tokens()); }
+/// One block's saved floats per token: x, q (h each) | k, v (kv each) | att, x1 (h each) |
+/// gate, up (f each) | two reciprocal RMS | a log-sum-exp per head.
+inline std::size_t block_saved(const LlamaDims& d, MicrobatchShape sh) {
+  const std::size_t per = static_cast<std::size_t>(4 * d.hidden + 2 * d.kv_width() + 2 * d.ffn + 2 + d.heads);
+  return (tokens(sh) * per * sizeof(float) + 63) / 64 * 64;
+}
+/// One block's stash floats: dy, (dgate, dup: f each), da2, dx1, dq (h each), dk, dv (kv
+/// each), da1 (h).
+inline std::size_t block_stash_floats(const LlamaDims& d, MicrobatchShape sh) {
+  return tokens(sh) * static_cast<std::size_t>(5 * d.hidden + 2 * d.ffn + 2 * d.kv_width());
+}
+/// The head's saved region: x (T, h) | reciprocal RMS (T) | dlogits (T, V).
+inline std::size_t head_saved(const LlamaDims& d, MicrobatchShape sh) {
+  return tokens(sh) * static_cast<std::size_t>(d.hidden + 1 + d.vocab) * sizeof(float);
+}
+/// The stage's activation unit (layer::saved_bytes).
+inline std::size_t saved(const LlamaDims& d, MicrobatchShape sh) {
+  return static_cast<std::size_t>(d.blocks) * block_saved(d, sh) + (d.has_head ? head_saved(d, sh) : 0);
+}
+/// The stage's B-to-W stash (layer::stash_bytes): the embedding's and the head's (T, h) and each block's.
+inline std::size_t stash(const LlamaDims& d, MicrobatchShape sh) {
+  const std::size_t Th = tokens(sh) * static_cast<std::size_t>(d.hidden);
+  return ((d.embeds ? Th : 0) + static_cast<std::size_t>(d.blocks) * block_stash_floats(d, sh) +
+          (d.has_head ? Th : 0)) *
+         sizeof(float);
+}
+
+}  // namespace cpu_bytes
+
+/// Stage `stage` of S: blocks [first, first + count) of the model, with the embedding when
+/// stage == 0 and the head when stage == S-1.
+class LlamaStage {
+ public:
+  LlamaStage(const LlamaConfig& cfg, int stage, int stages) : c_(cfg) {
+    d_ = llama_dims(cfg, stage, stages);
+    p_ = llama_stage_params(d_);
+    const std::size_t n = static_cast<std::size_t>(p_.total);
+    params_.resize(n);
+    grads_.assign(n, 0.0f);
+    // RoPE's angles, position by position: theta^(-2j/dh) for pair j of a head.
+    const std::size_t dh = hd(), half = dh / 2, S = static_cast<std::size_t>(cfg.seq);
+    cos_.resize(S * half);
+    sin_.resize(S * half);
+    for (std::size_t p = 0; p < S; ++p)
+      for (std::size_t j = 0; j < half; ++j) {
+        const double angle = static_cast<double>(p) * std::pow(static_cast<double>(cfg.rope_theta),
+                                                               -2.0 * static_cast<double>(j) / static_cast<double>(dh));
+        cos_[p * half + j] = static_cast<float>(std::cos(angle));
+        sin_[p * half + j] = static_cast<float>(std::sin(angle));
+      }
+    init();
+  }
+
+  // ---- po::layer -----------------------------------------------------------------------
+
+  Boundary input_boundary(MicrobatchShape sh) const { return {tokens(sh) * h(), DType::float32}; }
+  Boundary output_boundary(MicrobatchShape sh) const { return {tokens(sh) * h(), DType::float32}; }
+  std::vector<InputSpec> inputs(MicrobatchShape sh) const { return llama_inputs(d_, sh); }
+  std::size_t saved_bytes(MicrobatchShape sh) const { return cpu_bytes::saved(d_, sh); }
+  std::size_t stash_bytes(MicrobatchShape sh) const { return cpu_bytes::stash(d_, sh); }
+  std::span<float> parameters() { return params_; }
+  std::span<float> gradients() { return grads_; }
+  std::vector<std::size_t> norm_groups() const { return llama_norm_groups(d_); }
+  std::vector<ParamInfo> parameter_info() const { return llama_parameter_info(d_); }
+  std::vector<SharedParam> shared_parameters() const { return llama_shared_parameters(d_); }
+  std::string name() const { return "llama::LlamaStage"; }
+  /// This stage's dims (sizes and place in the model).
+  const LlamaDims& dims() const { return d_; }
+
+  void forward(backend::CpuContext&, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
+    const std::size_t T = tokens(mb.shape);
+    check_shape(mb.shape);
+    std::vector<float>& tmp = ws(T * h());
+    float* cur = d_.blocks > 0 ? view(saved, 0, mb.shape).x : tmp.data();
+    if (d_.embeds) {
+      const std::int32_t* tok = mb.input<std::int32_t>("tokens");
+      for (std::size_t t = 0; t < T; ++t) {
+        if (tok[t] < 0 || tok[t] >= c_.vocab)
+          throw error("LlamaStage: token " + std::to_string(tok[t]) + " at position " + std::to_string(t) +
+                      " is outside [0, " + std::to_string(c_.vocab - 1) + "]");
+        std::memcpy(cur + t * h(), params_.data() + static_cast<std::size_t>(tok[t]) * h(), h() * sizeof(float));
+      }
+    } else {
+      std::memcpy(cur, xt.as<float>(), T * h() * sizeof(float));
+    }
+    for (int i = 0; i < d_.blocks; ++i) {
+      float* out = nullptr;
+      if (i + 1 < d_.blocks)
+        out = view(saved, i + 1, mb.shape).x;
+      else if (d_.has_head)
+        out = head_x(saved, mb.shape);
+      else
+        out = yt.as<float>();
+      block_forward(i, mb, saved, out);
+      cur = out;
+    }
+    if (d_.has_head) {
+      if (d_.blocks == 0) std::memcpy(head_x(saved, mb.shape), cur, T * h() * sizeof(float));
+      *mb.loss = head_forward(mb, saved);
+      return;
+    }
+    if (d_.blocks == 0) std::memcpy(yt.as<float>(), cur, T * h() * sizeof(float));
+  }
+
+  void backward_input(backend::CpuContext&, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved,
+                      std::byte* stash) {
+    const std::size_t T = tokens(mb.shape);
+    check_shape(mb.shape);
+    float* st = reinterpret_cast<float*>(stash);
+    std::vector<float>& g = ws(2 * T * h());
+    float* grad = g.data();
+    float* spare = grad + T * h();
+    if (d_.has_head)
+      head_backward_input(mb, saved, head_stash(st, mb.shape), grad);
+    else
+      std::memcpy(grad, dyt.as<float>(), T * h() * sizeof(float));
+    for (int i = d_.blocks - 1; i >= 0; --i) {
+      block_backward_input(i, mb, saved, block_stash(st, i, mb.shape), grad, spare);
+      std::swap(grad, spare);
+    }
+    if (d_.embeds)
+      std::memcpy(st, grad, T * h() * sizeof(float));
+    else
+      std::memcpy(dxt.as<float>(), grad, T * h() * sizeof(float));
+  }
+
+  void backward_weight(backend::CpuContext&, const Microbatch& mb, std::byte* saved, std::byte* stash) {
+    const std::size_t T = tokens(mb.shape);
+    check_shape(mb.shape);
+    float* st = reinterpret_cast<float*>(stash);
+    if (d_.embeds) {
+      const std::int32_t* tok = mb.input<std::int32_t>("tokens");
+      float* gte = grads_.data();
+      for (std::size_t t = 0; t < T; ++t)
+        for (std::size_t i = 0; i < h(); ++i) gte[static_cast<std::size_t>(tok[t]) * h() + i] += st[t * h() + i];
+    }
+    for (int i = 0; i < d_.blocks; ++i) block_backward_weight(i, mb, saved, block_stash(st, i, mb.shape));
+    if (d_.has_head) head_backward_weight(mb, saved, head_stash(st, mb.shape));
+  }
+
+ private:
+  using T_ = blas::Trans;
+
+  // ---- sizes and views ---------------------------------------------------------------------
+  std::size_t h() const { return static_cast<std::size_t>(d_.hidden); }
+  std::size_t V() const { return static_cast<std::size_t>(d_.vocab); }
+  std::size_t hd() const { return static_cast<std::size_t>(d_.head_dim()); }
+  std::size_t kv() const { return static_cast<std::size_t>(d_.kv_width()); }
+  std::size_t f() const { return static_cast<std::size_t>(d_.ffn); }
+  std::size_t A() const { return static_cast<std::size_t>(d_.heads); }
+  static std::size_t tokens(MicrobatchShape sh) { return static_cast<std::size_t>(sh.tokens()); }
+  void check_shape(MicrobatchShape sh) const {
+    if (sh.seq > c_.seq)
+      throw shape_error("LlamaStage: microbatch seq = " + std::to_string(sh.seq) +
+                        " is longer than the model's seq = " + std::to_string(c_.seq));
+  }
+
+  struct BlockView {
+    float *x, *q, *k, *v, *att, *x1, *gate, *up, *rstd, *lse;
+  };
+  BlockView view(std::byte* saved, int i, MicrobatchShape sh) const {
+    const std::size_t T = tokens(sh);
+    BlockView b{};
+    b.x = reinterpret_cast<float*>(saved + static_cast<std::size_t>(i) * cpu_bytes::block_saved(d_, sh));
+    b.q = b.x + T * h();
+    b.k = b.q + T * h();
+    b.v = b.k + T * kv();
+    b.att = b.v + T * kv();
+    b.x1 = b.att + T * h();
+    b.gate = b.x1 + T * h();
+    b.up = b.gate + T * f();
+    b.rstd = b.up + T * f();  // (T) before attention, (T) before the MLP
+    b.lse = b.rstd + 2 * T;   // (batch, heads, seq)
+    return b;
+  }
+  float* head_x(std::byte* saved, MicrobatchShape sh) const {
+    return reinterpret_cast<float*>(saved + static_cast<std::size_t>(d_.blocks) * cpu_bytes::block_saved(d_, sh));
+  }
+  float* block_stash(float* st, int i, MicrobatchShape sh) const {
+    return st + (d_.embeds ? tokens(sh) * h() : 0) +
+           static_cast<std::size_t>(i) * cpu_bytes::block_stash_floats(d_, sh);
+  }
+  float* head_stash(float* st, MicrobatchShape sh) const { return block_stash(st, d_.blocks, sh); }
+
+  struct BlockParams {
+    float *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *w1, *w3, *w2;
+  };
+  BlockParams block(std::vector<float>& store, int i) const {
+    float* p = store.data() + p_.block_begin(i);
+    const LlamaBlockParams& o = p_.block;
+    return {p + o.attn_norm, p + o.wq, p + o.wk, p + o.wv, p + o.wo, p + o.ffn_norm, p + o.w1, p + o.w3, p + o.w2};
+  }
+
+  std::vector<float>& ws(std::size_t n) {
+    if (scratch_.size() < n) scratch_.resize(n);
+    return scratch_;
+  }
+  float* bwd_scratch(std::size_t n) {
+    if (bwd_.size() < n) bwd_.resize(n);
+    return bwd_.data();
+  }
+
+  // Every tensor is seeded by its global position (embedding, block, head), so the model is the
+  // same however it is cut into stages; norm weights start at 1.
+  void init() {
+    const auto fill = [](float* p, std::size_t n, std::uint64_t seed, float scale) {
+      for (std::size_t i = 0; i < n; ++i) {
+        const double u1 = (static_cast<double>(math::mix64(seed, 2 * i) >> 11) + 1.0) / 9007199254740993.0;
+        const double u2 = static_cast<double>(math::mix64(seed, 2 * i + 1) >> 11) / 9007199254740992.0;
+        p[i] = static_cast<float>(scale * std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+      }
+    };
+    const float std_w = 0.02f, std_res = 0.02f / std::sqrt(2.0f * static_cast<float>(c_.layers));
+    if (d_.embeds) fill(params_.data(), V() * h(), math::mix64(c_.seed, 2000001), std_w);
+    for (int i = 0; i < d_.blocks; ++i) {
+      const BlockParams b = block(params_, i);
+      const std::uint64_t s = math::mix64(c_.seed, 3000000 + static_cast<std::uint64_t>(d_.first_block + i));
+      std::fill(b.attn_norm, b.attn_norm + h(), 1.0f);
+      std::fill(b.ffn_norm, b.ffn_norm + h(), 1.0f);
+      fill(b.wq, h() * h(), math::mix64(s, 1), std_w);
+      fill(b.wk, h() * kv(), math::mix64(s, 2), std_w);
+      fill(b.wv, h() * kv(), math::mix64(s, 3), std_w);
+      fill(b.wo, h() * h(), math::mix64(s, 4), std_res);
+      fill(b.w1, h() * f(), math::mix64(s, 5), std_w);
+      fill(b.w3, h() * f(), math::mix64(s, 6), std_w);
+      fill(b.w2, f() * h(), math::mix64(s, 7), std_res);
+    }
+    if (d_.has_head) {
+      float* p = params_.data() + p_.head_begin;
+      std::fill(p, p + h(), 1.0f);
+      // Tied: the embedding's values, (V, h) (the runtime starts every holder from stage 0's).
+      fill(p + p_.head_w, V() * h(), math::mix64(c_.seed, d_.tied ? 2000001 : 2000002), std_w);
+    }
+  }
+
+  // ---- pieces ------------------------------------------------------------------------------
+
+  // Y (rows x n) = X (rows x k) W (k x n)
+  static void linear(const float* X, const float* W, float* Y, std::size_t rows, std::size_t k, std::size_t n) {
+    blas::sgemm(T_::no, T_::no, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k), 1.0f, X,
+                static_cast<int>(k), W, static_cast<int>(n), 0.0f, Y, static_cast<int>(n));
+  }
+  // dX (rows x k) (+)= dY (rows x n) W^T
+  static void linear_dx(const float* dY, const float* W, float* dX, std::size_t rows, std::size_t k, std::size_t n,
+                        float beta = 0.0f) {
+    blas::sgemm(T_::no, T_::yes, static_cast<int>(rows), static_cast<int>(k), static_cast<int>(n), 1.0f, dY,
+                static_cast<int>(n), W, static_cast<int>(n), beta, dX, static_cast<int>(k));
+  }
+  // dW (k x n) += X^T dY
+  static void linear_dw(const float* X, const float* dY, float* dW, std::size_t rows, std::size_t k, std::size_t n) {
+    blas::sgemm(T_::yes, T_::no, static_cast<int>(k), static_cast<int>(n), static_cast<int>(rows), 1.0f, X,
+                static_cast<int>(k), dY, static_cast<int>(n), 1.0f, dW, static_cast<int>(n));
+  }
+
+  /// out = x * rstd * g row by row, writing each row's reciprocal RMS to rstd.
+  void rmsnorm(const float* x, const float* g, float* out, float* rstd, std::size_t T) const {
+    for (std::size_t t = 0; t < T; ++t) {
+      const float* xr = x + t * h();
+      float ss = 0;
+      for (std::size_t i = 0; i < h(); ++i) ss += xr[i] * xr[i];
+      rstd[t] = 1.0f / std::sqrt(ss / static_cast<float>(h()) + c_.norm_eps);
+    }
+    renorm(x, rstd, g, out, T);
+  }
+  /// The same output from the saved reciprocal RMS (recomputed in backward).
+  void renorm(const float* x, const float* rstd, const float* g, float* out, std::size_t T) const {
+    for (std::size_t t = 0; t < T; ++t)
+      for (std::size_t i = 0; i < h(); ++i) out[t * h() + i] = x[t * h() + i] * rstd[t] * g[i];
+  }
+  /// dx (+)= d(x * rstd * g)/dx applied to dy, row by row.
+  void rmsnorm_dx(const float* dy, const float* x, const float* rstd, const float* g, float* dx, std::size_t T,
+                  bool add) const {
+    const float inv_h = 1.0f / static_cast<float>(h());
+    for (std::size_t t = 0; t < T; ++t) {
+      const float* dyr = dy + t * h();
+      const float* xr = x + t * h();
+      float dot = 0;
+      for (std::size_t i = 0; i < h(); ++i) dot += dyr[i] * g[i] * xr[i];
+      const float r = rstd[t], c = r * r * r * dot * inv_h;
+      float* out = dx + t * h();
+      for (std::size_t i = 0; i < h(); ++i) out[i] = (add ? out[i] : 0.0f) + r * g[i] * dyr[i] - xr[i] * c;
+    }
+  }
+  /// dg += sum over rows of dy * x * rstd.
+  void rmsnorm_dg(const float* dy, const float* x, const float* rstd, float* dg, std::size_t T) const {
+    for (std::size_t t = 0; t < T; ++t)
+      for (std::size_t i = 0; i < h(); ++i) dg[i] += dy[t * h() + i] * x[t * h() + i] * rstd[t];
+  }
+
+  /// Rotates each head's pairs (2j, 2j+1) of the (T, width) rows by position's angles; `sign`
+  /// -1 rotates back (the backward of a rotation is its inverse).
+  void rope(float* x, std::size_t width, MicrobatchShape sh, float sign) const {
+    const std::size_t T = tokens(sh), S = static_cast<std::size_t>(sh.seq), dh = hd(), half = dh / 2;
+    for (std::size_t t = 0; t < T; ++t) {
+      const float* c = cos_.data() + (t % S) * half;
+      const float* s = sin_.data() + (t % S) * half;
+      for (std::size_t e = 0; e < width; e += dh)
+        for (std::size_t j = 0; j < half; ++j) {
+          float* p = x + t * width + e + 2 * j;
+          const float a = p[0], b = p[1], sn = sign * s[j];
+          p[0] = a * c[j] - b * sn;
+          p[1] = a * sn + b * c[j];
+        }
+    }
+  }
+
+  static float silu(float x) { return x / (1.0f + math::exp_approx(-x)); }
+  static float silu_grad(float x) {
+    const float sg = 1.0f / (1.0f + math::exp_approx(-x));
+    return sg * (1.0f + x * (1.0f - sg));
+  }
+
+  /// Causal grouped-query attention of one microbatch: query head a reads key/value head
+  /// a / (heads / kv_heads); writes the log-sum-exp of each score row.
+  void attention_forward(const BlockView& b, MicrobatchShape sh) {
+    const std::size_t S = static_cast<std::size_t>(sh.seq), H = h(), K = kv(), dh = hd(), group = A() / (K / dh);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+    if (scores_.size() < S * S) scores_.resize(S * S);
+    float* P = scores_.data();
+    for (std::size_t s = 0; s < static_cast<std::size_t>(sh.batch); ++s)
+      for (std::size_t a = 0; a < A(); ++a) {
+        const float* q = b.q + s * S * H + a * dh;
+        const float* k = b.k + s * S * K + (a / group) * dh;
+        const float* v = b.v + s * S * K + (a / group) * dh;
+        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), scale, q,
+                    static_cast<int>(H), k, static_cast<int>(K), 0.0f, P, static_cast<int>(S));
+        float* l = b.lse + (s * A() + a) * S;
+        for (std::size_t i = 0; i < S; ++i) {
+          float* row = P + i * S;
+          float mx = row[0];
+          for (std::size_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
+          float sum = 0;
+          for (std::size_t j = 0; j <= i; ++j) sum += math::exp_approx(row[j] - mx);
+          const float li = mx + std::log(sum);
+          l[i] = li;
+          for (std::size_t j = 0; j <= i; ++j) row[j] = math::exp_approx(row[j] - li);
+          for (std::size_t j = i + 1; j < S; ++j) row[j] = 0.0f;
+        }
+        blas::sgemm(T_::no, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), 1.0f, P,
+                    static_cast<int>(S), v, static_cast<int>(K), 0.0f, b.att + s * S * H + a * dh, static_cast<int>(H));
+      }
+  }
+
+  /// dq, dk, dv from datt, recomputing the probabilities; dk and dv sum the heads of a group in
+  /// head order.
+  void attention_backward(const BlockView& b, const float* datt, float* dq, float* dk, float* dv, MicrobatchShape sh) {
+    const std::size_t S = static_cast<std::size_t>(sh.seq), H = h(), K = kv(), dh = hd(), group = A() / (K / dh);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+    if (scores_.size() < 2 * S * S) scores_.resize(2 * S * S);
+    float* P = scores_.data();
+    float* dP = P + S * S;
+    for (std::size_t s = 0; s < static_cast<std::size_t>(sh.batch); ++s)
+      for (std::size_t a = 0; a < A(); ++a) {
+        const std::size_t g = a / group;
+        const float beta = a % group == 0 ? 0.0f : 1.0f;
+        const float* q = b.q + s * S * H + a * dh;
+        const float* k = b.k + s * S * K + g * dh;
+        const float* v = b.v + s * S * K + g * dh;
+        const float* o = b.att + s * S * H + a * dh;
+        const float* dO = datt + s * S * H + a * dh;
+        const float* l = b.lse + (s * A() + a) * S;
+        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), scale, q,
+                    static_cast<int>(H), k, static_cast<int>(K), 0.0f, P, static_cast<int>(S));
+        for (std::size_t i = 0; i < S; ++i) {
+          float* row = P + i * S;
+          for (std::size_t j = 0; j <= i; ++j) row[j] = math::exp_approx(row[j] - l[i]);
+          for (std::size_t j = i + 1; j < S; ++j) row[j] = 0.0f;
+        }
+        // dP = dO v^T; dS = P (dP - rowsum(dO o)); dv = P^T dO; dq = dS k scale; dk = dS^T q scale
+        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), 1.0f, dO,
+                    static_cast<int>(H), v, static_cast<int>(K), 0.0f, dP, static_cast<int>(S));
+        for (std::size_t i = 0; i < S; ++i) {
+          float D = 0;
+          for (std::size_t e = 0; e < dh; ++e) D += dO[i * H + e] * o[i * H + e];
+          for (std::size_t j = 0; j <= i; ++j) dP[i * S + j] = P[i * S + j] * (dP[i * S + j] - D);
+          for (std::size_t j = i + 1; j < S; ++j) dP[i * S + j] = 0.0f;
+        }
+        blas::sgemm(T_::yes, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), 1.0f, P,
+                    static_cast<int>(S), dO, static_cast<int>(H), beta, dv + s * S * K + g * dh, static_cast<int>(K));
+        blas::sgemm(T_::no, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), scale, dP,
+                    static_cast<int>(S), k, static_cast<int>(K), 0.0f, dq + s * S * H + a * dh, static_cast<int>(H));
+        blas::sgemm(T_::yes, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), scale, dP,
+                    static_cast<int>(S), q, static_cast<int>(H), beta, dk + s * S * K + g * dh, static_cast<int>(K));
+      }
+  }
+
+  // ---- a block -------------------------------------------------------------------------------
+
+  void block_forward(int i, const Microbatch& mb, std::byte* saved, float* out) {
+    const std::size_t T = tokens(mb.shape), H = h();
+    const BlockView b = view(saved, i, mb.shape);
+    const BlockParams w = block(params_, i);
+    std::vector<float>& s = ws(T * (H + std::max(H, f())));
+    float* a = s.data();     // (T, h) a normalized input
+    float* tmp = a + T * H;  // (T, max(h, f)): a projection's output, silu(gate) * up
+    rmsnorm(b.x, w.attn_norm, a, b.rstd, T);
+    linear(a, w.wq, b.q, T, H, H);
+    linear(a, w.wk, b.k, T, H, kv());
+    linear(a, w.wv, b.v, T, H, kv());
+    rope(b.q, H, mb.shape, 1.0f);
+    rope(b.k, kv(), mb.shape, 1.0f);
+    attention_forward(b, mb.shape);
+    linear(b.att, w.wo, tmp, T, H, H);
+    for (std::size_t e = 0; e < T * H; ++e) b.x1[e] = b.x[e] + tmp[e];
+    rmsnorm(b.x1, w.ffn_norm, a, b.rstd + T, T);
+    linear(a, w.w1, b.gate, T, H, f());
+    linear(a, w.w3, b.up, T, H, f());
+    for (std::size_t e = 0; e < T * f(); ++e) tmp[e] = silu(b.gate[e]) * b.up[e];
+    linear(tmp, w.w2, out, T, f(), H);
+    for (std::size_t e = 0; e < T * H; ++e) out[e] += b.x1[e];
+  }
+
+  // The stash of one block: dy | dgate | dup | da2 | dx1 | dq | dk | dv | da1.
+  struct StashView {
+    float *dy, *dgate, *dup, *da2, *dx1, *dq, *dk, *dv, *da1;
+  };
+  StashView stash_view(float* st, MicrobatchShape sh) const {
+    const std::size_t T = tokens(sh);
+    StashView v{};
+    v.dy = st;
+    v.dgate = v.dy + T * h();
+    v.dup = v.dgate + T * f();
+    v.da2 = v.dup + T * f();
+    v.dx1 = v.da2 + T * h();
+    v.dq = v.dx1 + T * h();
+    v.dk = v.dq + T * h();
+    v.dv = v.dk + T * kv();
+    v.da1 = v.dv + T * kv();
+    return v;
+  }
+
+  /// grad (T, h) = dL/d(block output) in; out (T, h) = dL/d(block input).
+  void block_backward_input(int i, const Microbatch& mb, std::byte* saved, float* st, const float* grad, float* out) {
+    const std::size_t T = tokens(mb.shape), H = h();
+    const BlockView b = view(saved, i, mb.shape);
+    const BlockParams w = block(params_, i);
+    const StashView z = stash_view(st, mb.shape);
+    float* dh = bwd_scratch(T * std::max(H, f()) + T * H);  // d(silu(gate) * up), then datt
+    float* datt = dh + T * std::max(H, f());
+    std::memcpy(z.dy, grad, T * H * sizeof(float));
+    linear_dx(grad, w.w2, dh, T, f(), H);
+    for (std::size_t e = 0; e < T * f(); ++e) {
+      z.dgate[e] = dh[e] * b.up[e] * silu_grad(b.gate[e]);
+      z.dup[e] = dh[e] * silu(b.gate[e]);
+    }
+    linear_dx(z.dgate, w.w1, z.da2, T, H, f());
+    linear_dx(z.dup, w.w3, z.da2, T, H, f(), 1.0f);
+    rmsnorm_dx(z.da2, b.x1, b.rstd + T, w.ffn_norm, z.dx1, T, false);
+    for (std::size_t e = 0; e < T * H; ++e) z.dx1[e] += grad[e];
+    linear_dx(z.dx1, w.wo, datt, T, H, H);
+    attention_backward(b, datt, z.dq, z.dk, z.dv, mb.shape);
+    rope(z.dq, H, mb.shape, -1.0f);  // gradients of the projections before their rotation
+    rope(z.dk, kv(), mb.shape, -1.0f);
+    linear_dx(z.dq, w.wq, z.da1, T, H, H);
+    linear_dx(z.dk, w.wk, z.da1, T, H, kv(), 1.0f);
+    linear_dx(z.dv, w.wv, z.da1, T, H, kv(), 1.0f);
+    rmsnorm_dx(z.da1, b.x, b.rstd, w.attn_norm, out, T, false);
+    for (std::size_t e = 0; e < T * H; ++e) out[e] += z.dx1[e];
+  }
+
+  void block_backward_weight(int i, const Microbatch& mb, std::byte* saved, float* st) {
+    const std::size_t T = tokens(mb.shape), H = h();
+    const BlockView b = view(saved, i, mb.shape);
+    const BlockParams w = block(params_, i), g = block(grads_, i);
+    const StashView z = stash_view(st, mb.shape);
+    std::vector<float>& s = ws(T * (H + std::max(H, f())));
+    float* a = s.data();
+    float* hid = a + T * H;
+    for (std::size_t e = 0; e < T * f(); ++e) hid[e] = silu(b.gate[e]) * b.up[e];
+    linear_dw(hid, z.dy, g.w2, T, f(), H);
+    renorm(b.x1, b.rstd + T, w.ffn_norm, a, T);
+    linear_dw(a, z.dgate, g.w1, T, H, f());
+    linear_dw(a, z.dup, g.w3, T, H, f());
+    rmsnorm_dg(z.da2, b.x1, b.rstd + T, g.ffn_norm, T);
+    linear_dw(b.att, z.dx1, g.wo, T, H, H);
+    renorm(b.x, b.rstd, w.attn_norm, a, T);
+    linear_dw(a, z.dq, g.wq, T, H, H);
+    linear_dw(a, z.dk, g.wk, T, H, kv());
+    linear_dw(a, z.dv, g.wv, T, H, kv());
+    rmsnorm_dg(z.da1, b.x, b.rstd, g.attn_norm, T);
+  }
+
+  // ---- the head ------------------------------------------------------------------------------
+
+  float head_forward(const Microbatch& mb, std::byte* saved) {
+    const std::size_t T = tokens(mb.shape), H = h();
+    float* x = head_x(saved, mb.shape);
+    float* rstd = x + T * H;
+    float* dlogits = rstd + T;
+    const float* g = params_.data() + p_.head_begin;
+    const float* W = g + p_.head_w;
+    std::vector<float>& s = ws(T * H + T * V());
+    float* a = s.data();
+    float* logits = a + T * H;
+    rmsnorm(x, g, a, rstd, T);
+    if (d_.tied)  // logits = a W^T, W (V, h)
+      blas::sgemm(T_::no, T_::yes, static_cast<int>(T), static_cast<int>(V()), static_cast<int>(H), 1.0f, a,
+                  static_cast<int>(H), W, static_cast<int>(H), 0.0f, logits, static_cast<int>(V()));
+    else
+      linear(a, W, logits, T, H, V());
+    const std::int32_t* targets = mb.input<std::int32_t>("targets");
+    const float scale = mb.loss_scale / static_cast<float>(T);
+    double loss = 0;
+    for (std::size_t t = 0; t < T; ++t) {
+      if (targets[t] < 0 || targets[t] >= c_.vocab)
+        throw error("LlamaStage: target " + std::to_string(targets[t]) + " at position " + std::to_string(t) +
+                    " is outside [0, " + std::to_string(c_.vocab - 1) + "]");
+      loss += math::softmax_xent_row(logits + t * V(), c_.vocab, targets[t], scale, dlogits + t * V());
+    }
+    return static_cast<float>(loss / static_cast<double>(T));
+  }
+
+  void head_backward_input(const Microbatch& mb, std::byte* saved, float* st, float* dx) {
+    const std::size_t T = tokens(mb.shape), H = h();
+    const float* x = head_x(saved, mb.shape);
+    const float* rstd = x + T * H;
+    const float* dlogits = rstd + T;
+    const float* g = params_.data() + p_.head_begin;
+    const float* W = g + p_.head_w;
+    float* da = st;  // (T, h), stashed for the norm's weight gradient
+    if (d_.tied)
+      linear(dlogits, W, da, T, V(), H);  // da = dlogits W, W (V, h)
+    else
+      linear_dx(dlogits, W, da, T, H, V());
+    rmsnorm_dx(da, x, rstd, g, dx, T, false);
+  }
+
+  void head_backward_weight(const Microbatch& mb, std::byte* saved, const float* st) {
+    const std::size_t T = tokens(mb.shape), H = h();
+    const float* x = head_x(saved, mb.shape);
+    const float* rstd = x + T * H;
+    const float* dlogits = rstd + T;
+    const float* g = params_.data() + p_.head_begin;
+    float* gg = grads_.data() + p_.head_begin;
+    std::vector<float>& s = ws(T * H);
+    renorm(x, rstd, g, s.data(), T);
+    if (d_.tied)  // dW (V, h) += dlogits^T a
+      linear_dw(dlogits, s.data(), gg + p_.head_w, T, V(), H);
+    else
+      linear_dw(s.data(), dlogits, gg + p_.head_w, T, H, V());
+    rmsnorm_dg(st, x, rstd, gg, T);
+  }
+
+  LlamaConfig c_;
+  LlamaDims d_{};
+  LlamaStageParams p_{};
+  std::vector<float> params_, grads_;
+  std::vector<float> cos_, sin_;  // (seq, head_dim / 2) RoPE's rotation
+  std::vector<float> scratch_, bwd_, scores_;
+};
+
+static_assert(layer_for<LlamaStage, backend::CpuContext>,
+              "LlamaStage must model po::layer_for<LlamaStage, backend::CpuContext>.");
+
+}  // namespace pipeoffload::llama
