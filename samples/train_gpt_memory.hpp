@@ -46,30 +46,9 @@ struct StageFacts {
   std::size_t tied_values = 0;  ///< V * h where the stage holds a tied tensor, else 0
   po::ParamRange copy{};        ///< the head's tied copy (empty elsewhere)
 };
-inline StageFacts stage_facts(const Options& o, int s, int S, bool cuda, po::MicrobatchShape mb) {
-  StageFacts f;
-  if (o.llama) {
-    const po::llama::LlamaDims d = po::llama::llama_dims(llama_config(o), s, S);
-    const po::llama::LlamaStageParams p = po::llama::llama_stage_params(d);
-    f.own = {.saved = po::llama::cpu_bytes::saved(d, mb), .stash = po::llama::cpu_bytes::stash(d, mb)};
-    f.params = static_cast<std::size_t>(p.total);
-    f.embeds = d.embeds;
-    f.head = d.has_head;
-    if (d.tied) {
-      f.tied_values = static_cast<std::size_t>(d.vocab * d.hidden);
-      const auto at = static_cast<std::size_t>(p.head_begin + p.head_w);
-      if (d.has_head) f.copy = {at, at + f.tied_values};
-    }
-    return f;
-  }
-  const po::model::GptDims d = po::model::gpt_dims(o.model, s, S);
-  const po::model::GptStageParams p = po::model::gpt_stage_params(d);
-  if (cuda) {
-    const po::cuda::GptStageBuffers b = po::cuda::gpt_stage_buffers(d, mb.tokens());
-    f.own = {.saved = b.saved_bytes, .stash = b.stash_bytes};
-  } else {
-    f.own = {.saved = po::model::gpt_cpu_bytes::saved(d, mb), .stash = po::model::gpt_cpu_bytes::stash(d, mb)};
-  }
+/// `f` with what either model's dims `d` and parameter layout `p` say: the parameters, the
+/// embedding and the head, and the tied tensor.
+inline StageFacts with_layout(StageFacts f, const auto& d, const auto& p) {
   f.params = static_cast<std::size_t>(p.total);
   f.embeds = d.embeds;
   f.head = d.has_head;
@@ -79,6 +58,24 @@ inline StageFacts stage_facts(const Options& o, int s, int S, bool cuda, po::Mic
     if (d.has_head) f.copy = {at, at + f.tied_values};
   }
   return f;
+}
+inline StageFacts stage_facts(const Options& o, int s, int S, bool cuda, po::MicrobatchShape mb) {
+  StageFacts f;
+  if (o.llama) {
+    const po::llama::LlamaDims d = po::llama::llama_dims(llama_config(o), s, S);
+    const po::llama::LlamaStageParams p = po::llama::llama_stage_params(d);
+    f.own = {.saved = po::llama::cpu_bytes::saved(d, mb), .stash = po::llama::cpu_bytes::stash(d, mb)};
+    return with_layout(f, d, p);
+  }
+  const po::model::GptDims d = po::model::gpt_dims(o.model, s, S);
+  const po::model::GptStageParams p = po::model::gpt_stage_params(d);
+  if (cuda) {
+    const po::cuda::GptStageBuffers b = po::cuda::gpt_stage_buffers(d, mb.tokens());
+    f.own = {.saved = b.saved_bytes, .stash = b.stash_bytes};
+  } else {
+    f.own = {.saved = po::model::gpt_cpu_bytes::saved(d, mb), .stash = po::model::gpt_cpu_bytes::stash(d, mb)};
+  }
+  return with_layout(f, d, p);
 }
 
 /// Every stage's buffer sizes as pipeline rank `r` sees them (every boundary tensor's bytes;
