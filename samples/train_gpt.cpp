@@ -216,7 +216,7 @@ int train_rank(
   po::handshake(replicas, su.fields);
   // Peaks of every rank so far (rank 0 prints them): activation, device total, pinned host.
   std::vector<std::size_t> peaks(3 * static_cast<std::size_t>(sh.d), 0);
-  std::vector<std::int32_t> tok(su.tokens_per_step), tgt(su.tokens_per_step);
+  std::vector<std::int32_t> tok(su.tokens_per_step), tgt(su.tokens_per_step), offsets;
   const std::vector<long long> shape = {static_cast<long long>(sh.m) * mbs.batch, mbs.seq};
   // Sequences starting at src[from + at] for each sequence q's draw `at`, as a batch: this
   // replica's share of the global batch (its sequences are the global ones after the
@@ -232,6 +232,10 @@ int train_rank(
     }
     po::Batch b;
     b.add("tokens", tok, shape).add("targets", tgt, shape);
+    if (o.pack >= 0) {  // --pack: each sequence's documents, one starting at every boundary token
+      offsets = po::document_offsets(tok, mbs.seq, o.pack);
+      b.add(po::document_offsets_input, offsets, {shape[0], shape[1] + 1});
+    }
     return b;
   };
   // The step's batch: sequences drawn from (seed, step), so a resumed run reads the batches an
@@ -804,6 +808,9 @@ int main(int argc, char** argv) {
     } else {
       tokens = sample::Tokens::from_text(sample::read_regular_file(o.corpus, "the corpus"));
     }
+    if (o.pack >= tokens.vocab())
+      throw bad_argument("--pack " + std::to_string(o.pack) + " is outside the vocabulary [0, " +
+                         std::to_string(tokens.vocab() - 1) + "]");
     const std::size_t seq = static_cast<std::size_t>(o.model.seq), n = tokens.size();
     const char* what = o.data.empty() ? "the corpus" : "the --data shard";
     if (n < seq + 2)

@@ -36,13 +36,13 @@ struct RankBytes {
 };
 
 /// What one stage of the run's model holds: its saved and stash bytes per microbatch on the
-/// CPU (`cuda` false) or the CUDA GPT, its parameters, whether it reads the token ids or the
-/// targets, and with tied embeddings the run of its parameters that is the head's copy (or,
+/// CPU (`cuda` false) or the CUDA GPT, its parameters, whether it reads the token ids, the
+/// targets or (--pack) the document offsets, and with tied embeddings the run of its parameters that is the head's copy (or,
 /// on stage 0, the primary's values).
 struct StageFacts {
   po::StageBytes own{};
   std::size_t params = 0;
-  bool embeds = false, head = false;
+  bool embeds = false, head = false, documents = false;
   std::size_t tied_values = 0;  ///< V * h where the stage holds a tied tensor, else 0
   po::ParamRange copy{};        ///< the head's tied copy (empty elsewhere)
 };
@@ -65,6 +65,7 @@ inline StageFacts stage_facts(const Options& o, int s, int S, bool cuda, po::Mic
     const po::llama::LlamaDims d = po::llama::llama_dims(llama_config(o), s, S);
     const po::llama::LlamaStageParams p = po::llama::llama_stage_params(d);
     f.own = {.saved = po::llama::cpu_bytes::saved(d, mb), .stash = po::llama::cpu_bytes::stash(d, mb)};
+    f.documents = d.packed && d.blocks > 0;
     return with_layout(f, d, p);
   }
   const po::model::GptDims d = po::model::gpt_dims(o.model, s, S);
@@ -85,6 +86,7 @@ struct RankStages {
   std::vector<po::StageBytes> stages;    ///< by stage
   std::vector<std::size_t> params;       ///< by chunk
   bool tokens = false, targets = false;  ///< whether it reads the token ids, the targets
+  bool documents = false;                ///< whether it reads the document offsets (--pack)
   po::TiedState ties;                    ///< --tie-embeddings: stage 0's embedding is the primary, the head's a copy
 };
 
@@ -111,6 +113,7 @@ inline RankStages rank_stages(const Options& o, const Setup& su, const po::Shape
     out.params[static_cast<std::size_t>(sh.chunk_of(s))] = f.params;
     out.tokens = out.tokens || f.embeds;
     out.targets = out.targets || f.head;
+    out.documents = out.documents || f.documents;
     if (f.tied_values > 0) {
       out.ties.copies.resize(static_cast<std::size_t>(sh.v));
       if (f.embeds) out.ties.primary_values = f.tied_values;
@@ -139,7 +142,7 @@ inline std::vector<po::Reservation> reservations(const Options& o, const Setup& 
 namespace detail {
 
 /// The blocks rank `r`'s runtime and optimizer take for themselves, each in the backend's size
-/// class (`round`): the step's token ids and targets, its results (a non-finite flag per compute
+/// class (`round`): the step's token ids, targets and document offsets, its results (a non-finite flag per compute
 /// op and the last stage's losses, one block), and po::state_bytes's blocks (exact sums, staging, the optimizer's
 /// moments and, with bf16 working parameters, its fp32 master). `state` also gets the stages'
 /// parameters and gradients as po::state_bytes counts them.
@@ -150,6 +153,9 @@ std::size_t own_blocks(const Options& o, const Setup& su, const po::Program& pro
                     m = static_cast<std::size_t>(program.shape.m);
   const std::size_t inputs = (rs.tokens ? 1 : 0) + (rs.targets ? 1 : 0);
   std::size_t out = inputs * round(m * T * sizeof(std::int32_t));  // the step's token ids and targets
+  if (rs.documents)  // and (--pack) its rows' document offsets, seq + 1 a row
+    out += round(m * static_cast<std::size_t>(su.runtime.microbatch.batch) *
+                 (static_cast<std::size_t>(su.runtime.microbatch.seq) + 1) * sizeof(std::int32_t));
   // The step's results: a non-finite flag per compute op, then the last stage's losses.
   out += round(std::max<std::size_t>(1, program.ranks[static_cast<std::size_t>(r)].compute.size()) *
                    sizeof(std::uint32_t) +

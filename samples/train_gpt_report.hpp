@@ -149,7 +149,8 @@ inline void print_banner(const Options& o, const Setup& su) {
       o.llama
           ? "Llama " + std::to_string(o.model.layers) + " blocks h=" + std::to_string(o.model.hidden) +
                 " heads=" + std::to_string(o.model.heads) + " kv-heads=" + std::to_string(llama_config(o).kv_heads) +
-                " ffn=" + std::to_string(llama_config(o).ffn_width())
+                " ffn=" + std::to_string(llama_config(o).ffn_width()) +
+                (o.pack >= 0 ? " packed (a document at every token " + std::to_string(o.pack) + ")" : "")
           : "GPT " + std::to_string(o.model.layers) + " blocks h=" + std::to_string(o.model.hidden) +
                 " heads=" + std::to_string(o.model.heads);
   std::printf("train_gpt: %s, d=%d v=%d m=%d, %s%s seq=%d batch=%d, %s, %s%s\n", o.schedule.c_str(), sh.d, sh.v, sh.m,

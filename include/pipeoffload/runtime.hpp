@@ -11,6 +11,7 @@
 #include "comm/communicator.hpp"
 #include "comm/threads.hpp"
 #include "layer.hpp"
+#include "packing.hpp"
 #include "pipeoffload.hpp"
 #include "policy/host_bins.hpp"
 #include "runtime/batch.hpp"

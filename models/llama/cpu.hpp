@@ -13,7 +13,10 @@
 // two norms' reciprocal RMS and the attention's log-sum-exps; the normalized inputs and
 // silu(gate) * up are recomputed. Attention keeps no s x s matrix (backward recomputes the
 // scores from q, k and the log-sum-exps). Positions restart at every sequence of the
-// microbatch: token t sits at position t % seq.
+// microbatch (token t sits at position t % seq) and, with packed rows (LlamaConfig::packed), at
+// every document of a row, whose tokens attend only to earlier tokens of the same document:
+// each document's attention is the same computation as the document's alone in a row of its
+// own (its scores, softmax and GEMMs of its length), so its outputs are the same bits.
 #pragma once
 
 #include <algorithm>
@@ -30,6 +33,7 @@
 #include <pipeoffload/backend/cpu/context.hpp>
 #include <pipeoffload/error.hpp>
 #include <pipeoffload/layer.hpp>
+#include <pipeoffload/packing.hpp>
 
 #include "layout.hpp"
 
@@ -114,6 +118,7 @@ class LlamaStage {
     check_shape(mb.shape);
     std::vector<float>& tmp = ws(T * h());
     float* cur = d_.blocks > 0 ? view(saved, 0, mb.shape).x : tmp.data();
+    if (d_.blocks > 0) documents(mb);
     if (d_.embeds) {
       const std::int32_t* tok = mb.input<std::int32_t>("tokens");
       for (std::size_t t = 0; t < T; ++t) {
@@ -152,6 +157,7 @@ class LlamaStage {
     std::vector<float>& g = ws(2 * T * h());
     float* grad = g.data();
     float* spare = grad + T * h();
+    if (d_.blocks > 0) documents(mb);
     if (d_.has_head)
       head_backward_input(mb, saved, head_stash(st, mb.shape), grad);
     else
@@ -329,13 +335,27 @@ class LlamaStage {
       for (std::size_t i = 0; i < h(); ++i) dg[i] += dy[t * h() + i] * x[t * h() + i] * rstd[t];
   }
 
-  /// Rotates each head's pairs (2j, 2j+1) of the (T, width) rows by position's angles; `sign`
-  /// -1 rotates back (the backward of a rotation is its inverse).
+  /// The microbatch's documents and every token's position in its document (docs_, pos_):
+  /// one document a row, or the rows' offsets when packed.
+  void documents(const Microbatch& mb) {
+    const std::size_t rows = static_cast<std::size_t>(mb.shape.batch), S = static_cast<std::size_t>(mb.shape.seq);
+    docs_.clear();
+    if (d_.packed)
+      append_documents(mb.input<std::int32_t>(document_offsets_input), rows, mb.shape.seq, docs_);
+    else
+      for (std::size_t r = 0; r < rows; ++r) docs_.push_back({r, 0, S});
+    pos_.resize(rows * S);
+    for (const Document& doc : docs_)
+      for (std::size_t i = 0; i < doc.length; ++i) pos_[doc.row * S + doc.begin + i] = i;
+  }
+
+  /// Rotates each head's pairs (2j, 2j+1) of the (T, width) rows by their positions' angles
+  /// (pos_); `sign` -1 rotates back (the backward of a rotation is its inverse).
   void rope(float* x, std::size_t width, MicrobatchShape sh, float sign) const {
-    const std::size_t T = tokens(sh), S = static_cast<std::size_t>(sh.seq), dh = hd(), half = dh / 2;
+    const std::size_t T = tokens(sh), dh = hd(), half = dh / 2;
     for (std::size_t t = 0; t < T; ++t) {
-      const float* c = cos_.data() + (t % S) * half;
-      const float* s = sin_.data() + (t % S) * half;
+      const float* c = cos_.data() + pos_[t] * half;
+      const float* s = sin_.data() + pos_[t] * half;
       for (std::size_t e = 0; e < width; e += dh)
         for (std::size_t j = 0; j < half; ++j) {
           float* p = x + t * width + e + 2 * j;
@@ -352,23 +372,24 @@ class LlamaStage {
     return sg * (1.0f + x * (1.0f - sg));
   }
 
-  /// Causal grouped-query attention of one microbatch: query head a reads key/value head
-  /// a / (heads / kv_heads); writes the log-sum-exp of each score row.
+  /// Causal grouped-query attention of one microbatch, document by document (docs_): query
+  /// head a reads key/value head a / (heads / kv_heads); writes the log-sum-exp of each score row.
   void attention_forward(const BlockView& b, MicrobatchShape sh) {
     const std::size_t S = static_cast<std::size_t>(sh.seq), H = h(), K = kv(), dh = hd(), group = A() / (K / dh);
     const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
     if (scores_.size() < S * S) scores_.resize(S * S);
     float* P = scores_.data();
-    for (std::size_t s = 0; s < static_cast<std::size_t>(sh.batch); ++s)
+    for (const Document& doc : docs_)
       for (std::size_t a = 0; a < A(); ++a) {
-        const float* q = b.q + s * S * H + a * dh;
-        const float* k = b.k + s * S * K + (a / group) * dh;
-        const float* v = b.v + s * S * K + (a / group) * dh;
-        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), scale, q,
-                    static_cast<int>(H), k, static_cast<int>(K), 0.0f, P, static_cast<int>(S));
-        float* l = b.lse + (s * A() + a) * S;
-        for (std::size_t i = 0; i < S; ++i) {
-          float* row = P + i * S;
+        const std::size_t L = doc.length, first = doc.row * S + doc.begin;
+        const float* q = b.q + first * H + a * dh;
+        const float* k = b.k + first * K + (a / group) * dh;
+        const float* v = b.v + first * K + (a / group) * dh;
+        blas::sgemm(T_::no, T_::yes, static_cast<int>(L), static_cast<int>(L), static_cast<int>(dh), scale, q,
+                    static_cast<int>(H), k, static_cast<int>(K), 0.0f, P, static_cast<int>(L));
+        float* l = b.lse + (doc.row * A() + a) * S + doc.begin;
+        for (std::size_t i = 0; i < L; ++i) {
+          float* row = P + i * L;
           float mx = row[0];
           for (std::size_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
           float sum = 0;
@@ -376,53 +397,54 @@ class LlamaStage {
           const float li = mx + std::log(sum);
           l[i] = li;
           for (std::size_t j = 0; j <= i; ++j) row[j] = math::exp_approx(row[j] - li);
-          for (std::size_t j = i + 1; j < S; ++j) row[j] = 0.0f;
+          for (std::size_t j = i + 1; j < L; ++j) row[j] = 0.0f;
         }
-        blas::sgemm(T_::no, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), 1.0f, P,
-                    static_cast<int>(S), v, static_cast<int>(K), 0.0f, b.att + s * S * H + a * dh, static_cast<int>(H));
+        blas::sgemm(T_::no, T_::no, static_cast<int>(L), static_cast<int>(dh), static_cast<int>(L), 1.0f, P,
+                    static_cast<int>(L), v, static_cast<int>(K), 0.0f, b.att + first * H + a * dh, static_cast<int>(H));
       }
   }
 
-  /// dq, dk, dv from datt, recomputing the probabilities; dk and dv sum the heads of a group in
-  /// head order.
+  /// dq, dk, dv from datt, document by document, recomputing the probabilities; dk and dv sum
+  /// the heads of a group in head order.
   void attention_backward(const BlockView& b, const float* datt, float* dq, float* dk, float* dv, MicrobatchShape sh) {
     const std::size_t S = static_cast<std::size_t>(sh.seq), H = h(), K = kv(), dh = hd(), group = A() / (K / dh);
     const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
     if (scores_.size() < 2 * S * S) scores_.resize(2 * S * S);
-    float* P = scores_.data();
-    float* dP = P + S * S;
-    for (std::size_t s = 0; s < static_cast<std::size_t>(sh.batch); ++s)
+    for (const Document& doc : docs_)
       for (std::size_t a = 0; a < A(); ++a) {
-        const std::size_t g = a / group;
+        const std::size_t L = doc.length, first = doc.row * S + doc.begin, g = a / group;
+        const int n = static_cast<int>(L);
+        float* P = scores_.data();
+        float* dP = P + L * L;
         const float beta = a % group == 0 ? 0.0f : 1.0f;
-        const float* q = b.q + s * S * H + a * dh;
-        const float* k = b.k + s * S * K + g * dh;
-        const float* v = b.v + s * S * K + g * dh;
-        const float* o = b.att + s * S * H + a * dh;
-        const float* dO = datt + s * S * H + a * dh;
-        const float* l = b.lse + (s * A() + a) * S;
-        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), scale, q,
-                    static_cast<int>(H), k, static_cast<int>(K), 0.0f, P, static_cast<int>(S));
-        for (std::size_t i = 0; i < S; ++i) {
-          float* row = P + i * S;
+        const float* q = b.q + first * H + a * dh;
+        const float* k = b.k + first * K + g * dh;
+        const float* v = b.v + first * K + g * dh;
+        const float* o = b.att + first * H + a * dh;
+        const float* dO = datt + first * H + a * dh;
+        const float* l = b.lse + (doc.row * A() + a) * S + doc.begin;
+        blas::sgemm(T_::no, T_::yes, n, n, static_cast<int>(dh), scale, q, static_cast<int>(H), k, static_cast<int>(K),
+                    0.0f, P, n);
+        for (std::size_t i = 0; i < L; ++i) {
+          float* row = P + i * L;
           for (std::size_t j = 0; j <= i; ++j) row[j] = math::exp_approx(row[j] - l[i]);
-          for (std::size_t j = i + 1; j < S; ++j) row[j] = 0.0f;
+          for (std::size_t j = i + 1; j < L; ++j) row[j] = 0.0f;
         }
         // dP = dO v^T; dS = P (dP - rowsum(dO o)); dv = P^T dO; dq = dS k scale; dk = dS^T q scale
-        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), 1.0f, dO,
-                    static_cast<int>(H), v, static_cast<int>(K), 0.0f, dP, static_cast<int>(S));
-        for (std::size_t i = 0; i < S; ++i) {
+        blas::sgemm(T_::no, T_::yes, n, n, static_cast<int>(dh), 1.0f, dO, static_cast<int>(H), v, static_cast<int>(K),
+                    0.0f, dP, n);
+        for (std::size_t i = 0; i < L; ++i) {
           float D = 0;
           for (std::size_t e = 0; e < dh; ++e) D += dO[i * H + e] * o[i * H + e];
-          for (std::size_t j = 0; j <= i; ++j) dP[i * S + j] = P[i * S + j] * (dP[i * S + j] - D);
-          for (std::size_t j = i + 1; j < S; ++j) dP[i * S + j] = 0.0f;
+          for (std::size_t j = 0; j <= i; ++j) dP[i * L + j] = P[i * L + j] * (dP[i * L + j] - D);
+          for (std::size_t j = i + 1; j < L; ++j) dP[i * L + j] = 0.0f;
         }
-        blas::sgemm(T_::yes, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), 1.0f, P,
-                    static_cast<int>(S), dO, static_cast<int>(H), beta, dv + s * S * K + g * dh, static_cast<int>(K));
-        blas::sgemm(T_::no, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), scale, dP,
-                    static_cast<int>(S), k, static_cast<int>(K), 0.0f, dq + s * S * H + a * dh, static_cast<int>(H));
-        blas::sgemm(T_::yes, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), scale, dP,
-                    static_cast<int>(S), q, static_cast<int>(H), beta, dk + s * S * K + g * dh, static_cast<int>(K));
+        blas::sgemm(T_::yes, T_::no, n, static_cast<int>(dh), n, 1.0f, P, n, dO, static_cast<int>(H), beta,
+                    dv + first * K + g * dh, static_cast<int>(K));
+        blas::sgemm(T_::no, T_::no, n, static_cast<int>(dh), n, scale, dP, n, k, static_cast<int>(K), 0.0f,
+                    dq + first * H + a * dh, static_cast<int>(H));
+        blas::sgemm(T_::yes, T_::no, n, static_cast<int>(dh), n, scale, dP, n, q, static_cast<int>(H), beta,
+                    dk + first * K + g * dh, static_cast<int>(K));
       }
   }
 
@@ -589,6 +611,8 @@ class LlamaStage {
   std::vector<float> params_, grads_;
   std::vector<float> cos_, sin_;  // (seq, head_dim / 2) RoPE's rotation
   std::vector<float> scratch_, bwd_, scores_;
+  std::vector<Document> docs_;    // the microbatch's documents (documents())
+  std::vector<std::size_t> pos_;  // each token's position in its document
 };
 
 static_assert(layer_for<LlamaStage, backend::CpuContext>,

@@ -1,6 +1,7 @@
 // models/llama/layout.hpp: the Llama-class model's layout, written once: its configuration,
 // which blocks a stage holds, where each parameter tensor lives in a stage's parameter vector,
-// the norm groups, the tensors' names, the shared embedding and the step inputs. Plain host
+// the norm groups, the tensors' names, the shared embedding and the step inputs (with packed
+// rows, their document offsets). Plain host
 // code: the CPU model (cpu.hpp) and the sizes a launcher computes take it from here.
 #pragma once
 
@@ -11,22 +12,27 @@
 #include <vector>
 
 #include <pipeoffload/error.hpp>
-#include <pipeoffload/layer.hpp>  // ParamInfo, InputSpec, SharedParam, MicrobatchShape
+#include <pipeoffload/layer.hpp>    // ParamInfo, InputSpec, SharedParam, MicrobatchShape
+#include <pipeoffload/packing.hpp>  // document_offsets_input
 
 namespace pipeoffload::llama {
 
 /// The model: a Llama-class decoder (cpu.hpp's file comment has the architecture).
 struct LlamaConfig {
-  int vocab = 256;                  ///< V
-  int hidden = 64;                  ///< h
-  int heads = 4;                    ///< query heads a; h % a == 0
-  int kv_heads = 2;                 ///< key/value heads (grouped-query attention); a % kv_heads == 0
-  int ffn = 0;                      ///< SwiGLU's inner width f; 0: 8h/3 rounded up to a multiple of 32
-  int layers = 4;                   ///< transformer blocks in the whole model
-  int seq = 64;                     ///< longest sequence (RoPE needs no table)
-  float rope_theta = 10000.0f;      ///< RoPE's base
-  float norm_eps = 1e-5f;           ///< RMSNorm's epsilon
-  bool tie_embeddings = false;      ///< the output projection is the token embedding (po::SharedParam)
+  int vocab = 256;              ///< V
+  int hidden = 64;              ///< h
+  int heads = 4;                ///< query heads a; h % a == 0
+  int kv_heads = 2;             ///< key/value heads (grouped-query attention); a % kv_heads == 0
+  int ffn = 0;                  ///< SwiGLU's inner width f; 0: 8h/3 rounded up to a multiple of 32
+  int layers = 4;               ///< transformer blocks in the whole model
+  int seq = 64;                 ///< longest sequence (RoPE needs no table)
+  float rope_theta = 10000.0f;  ///< RoPE's base
+  float norm_eps = 1e-5f;       ///< RMSNorm's epsilon
+  bool tie_embeddings = false;  ///< the output projection is the token embedding (po::SharedParam)
+  /// Packed rows: several documents a row, their offsets the step input "cu_seqlens"
+  /// (po::document_offsets_input, read by every stage with blocks); attention stays within a
+  /// document and RoPE positions restart at each.
+  bool packed = false;
   std::uint64_t seed = 1;           ///< initialisation seed
   std::vector<int> stage_blocks{};  ///< blocks of each stage (empty: as even as can be)
 
@@ -69,6 +75,7 @@ struct LlamaDims {
   bool embeds = false;    ///< stage 0: the token embedding
   bool has_head = false;  ///< the last stage: final RMSNorm, output projection, cross-entropy
   bool tied = false;      ///< LlamaConfig::tie_embeddings
+  bool packed = false;    ///< LlamaConfig::packed
   long long head_dim() const { return hidden / heads; }
   long long kv_width() const { return kv_heads * head_dim(); }
 };
@@ -178,11 +185,15 @@ inline std::vector<SharedParam> llama_shared_parameters(const LlamaDims& d) {
   return s;
 }
 
-/// Stage 0 reads the token ids, the last stage the next-token targets: int32, one per token.
+/// Stage 0 reads the token ids, the last stage the next-token targets: int32, one per token;
+/// packed, every stage with blocks reads the rows' document offsets (int32, seq + 1 a row).
 inline std::vector<InputSpec> llama_inputs(const LlamaDims& d, MicrobatchShape sh) {
   const std::size_t tokens = static_cast<std::size_t>(sh.tokens());
   std::vector<InputSpec> in;
   if (d.embeds) in.push_back({"tokens", DType::int32, tokens});
+  if (d.packed && d.blocks > 0)
+    in.push_back({document_offsets_input, DType::int32,
+                  static_cast<std::size_t>(sh.batch) * (static_cast<std::size_t>(sh.seq) + 1)});
   if (d.has_head) in.push_back({"targets", DType::int32, tokens});
   return in;
 }
@@ -216,6 +227,7 @@ inline LlamaDims llama_dims(const LlamaConfig& cfg, int stage, int stages) {
   d.embeds = stage == 0;
   d.has_head = stage == stages - 1;
   d.tied = cfg.tie_embeddings;
+  d.packed = cfg.packed;
   return d;
 }
 

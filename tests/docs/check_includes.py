@@ -40,6 +40,7 @@ LAYERS = [
     ("backend/",               "backend",  3),
     ("comm/",                  "comm",     3),
     ("layer.hpp",              "layer",    3),  # the layer concept (STYLE.md: beside comm/, backend/)
+    ("packing.hpp",            "layer",    3),  # packed rows' document offsets, a step input layers read
     ("runtime/",               "runtime",  4),
     ("pipeoffload.hpp",        "umbrella", 5),  # front doors: include the library, never a model
     ("runtime.hpp",            "umbrella", 5),

@@ -4,6 +4,7 @@
 // shared-parameter and the Llama tests.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <filesystem>
@@ -49,7 +50,18 @@ struct RunOptions {
   po::Gradients gradients = po::Gradients::exact;
   std::filesystem::path save_dir{}, load_dir{};
   int save_after = -1, first_step = 0;
+  bool packed = false;  // each row holds one to three documents (packed_offsets), given as cu_seqlens
 };
+
+/// Document offsets of a microbatch row (8 tokens) at position `k` of the global batch: one
+/// document (every fifth row), or three of lengths 1-3, 1-4 and the rest.
+inline void packed_offsets(std::size_t k, std::int32_t* o) {
+  std::fill(o, o + 9, 8);
+  o[0] = 0;
+  if (k % 5 == 0) return;
+  o[1] = static_cast<std::int32_t>(1 + k % 3);
+  o[2] = static_cast<std::int32_t>(4 + k % 4);
+}
 
 /// `steps` steps of the model `o.cfg` (stages Layer(cfg, stage, stages)) under `spec`, dp
 /// replicas of `asked` (a global batch of dp * m microbatches of 2 x 8 tokens, replica-major).
@@ -78,6 +90,9 @@ Run train(po::ScheduleSpec spec, po::Shape asked, int steps, const RunOptions<Co
     po::AdamW opt(rt, {.weight_decay = 0.1f, .zero = o.zero});
     const std::size_t per = static_cast<std::size_t>(mbs.tokens()) * static_cast<std::size_t>(shape.m);
     std::vector<std::int32_t> tok(per), tgt(per);
+    const std::size_t rows = per / static_cast<std::size_t>(mbs.seq);
+    std::vector<std::int32_t> offsets(rows * 9);
+    for (std::size_t q = 0; q < rows; ++q) packed_offsets(static_cast<std::size_t>(j) * rows + q, &offsets[q * 9]);
     if (!o.load_dir.empty()) po::load_checkpoint(o.load_dir, rt, opt, 42);
     for (int s = o.first_step; s < steps; ++s) {
       for (std::size_t i = 0; i < per; ++i) {
@@ -87,6 +102,7 @@ Run train(po::ScheduleSpec spec, po::Shape asked, int steps, const RunOptions<Co
       }
       po::Batch batch;
       batch.add("tokens", tok, {shape.m * mbs.batch, mbs.seq}).add("targets", tgt, {shape.m * mbs.batch, mbs.seq});
+      if (o.packed) batch.add(po::document_offsets_input, offsets, {shape.m * mbs.batch, mbs.seq + 1});
       rt.zero_grad();
       const po::PassStats st = rt.forward_backward(batch, {.step = s});
       if (s + 1 == steps && j == 0) {

@@ -47,6 +47,9 @@ std::vector<train_gpt::RankBytes> measured_with(const train_gpt::Options& o, con
     po::Batch b;
     const std::vector<long long> shape = {static_cast<long long>(n) / o.model.seq, o.model.seq};
     b.add("tokens", tok, shape).add("targets", tgt, shape);
+    const std::vector<std::int32_t> offsets =
+        o.pack >= 0 ? po::document_offsets(tok, o.model.seq, o.pack) : std::vector<std::int32_t>{};
+    if (o.pack >= 0) b.add(po::document_offsets_input, offsets, {shape[0], shape[1] + 1});
     rt.zero_grad();
     rt.forward_backward(b, {.step = 0});
     opt.step(1e-3f, po::clip_scale(po::grad_norm(rt), 1.0f));
@@ -87,6 +90,10 @@ TEST_CASE("train_gpt's memory check: cpu_rank_bytes is what every rank's arena a
       {"--model", "llama", "--kv-heads", "2", "--schedule", "po-f", "--ranks", "2", "--chunks", "2"},
       {"--model", "llama", "--tie-embeddings", "--ffn", "40", "--schedule", "1f1b-i", "--ranks", "2", "--chunks", "2",
        "--dp", "2", "--zero", "1", "--gradients", "exact"},
+      // Packed rows: the ranks with blocks hold the step's document offsets too.
+      {"--model", "llama", "--pack", "32", "--schedule", "zb-v", "--ranks", "2", "--chunks", "2", "--dp", "2"},
+      {"--model", "llama", "--pack", "32", "--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--stage-blocks",
+       "0,2,2,0"},
   };
   std::string text;
   for (int i = 0; text.size() < 20000; ++i) text += "the quick brown fox " + std::to_string(i * 7919 % 1000) + ". ";

@@ -1,0 +1,80 @@
+// pipeoffload/packing.hpp: packed sequences. A row of a microbatch (seq tokens) may hold
+// several documents; a step input of per-row offsets (cu_seqlens-style) says where each
+// starts, so a layer keeps attention within a document and restarts its positions there.
+//
+// Layout of the step input po::document_offsets_input ("cu_seqlens"): int32, seq + 1 values a
+// row: 0 = o[0] <= o[1] <= ... <= o[seq] = seq, document i being tokens [o[i], o[i+1]) of the
+// row; a row of k documents repeats seq after its k + 1 real offsets (empty documents are
+// skipped). A fixed size per row keeps the input splittable into microbatches as po::Batch
+// splits every tensor.
+/// @file
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "error.hpp"
+
+namespace pipeoffload {
+
+/// The step input's name in a po::Batch and in a layer's inputs().
+inline constexpr const char* document_offsets_input = "cu_seqlens";
+
+/// One document of a row: tokens [begin, begin + length) of row `row`.
+struct Document {
+  std::size_t row = 0;     ///< the row (sequence) of the microbatch
+  std::size_t begin = 0;   ///< its first token within the row
+  std::size_t length = 0;  ///< its tokens (never 0)
+};
+
+/// The offsets of rows of `seq` tokens each (tokens.size() / seq rows), a document starting at
+/// the row's first token and at every token equal to `boundary` (an end-of-text id that opens
+/// each document, as GPT-2-style shards put it between documents): int32 (rows, seq + 1).
+inline std::vector<std::int32_t> document_offsets(std::span<const std::int32_t> tokens, int seq,
+                                                  std::int32_t boundary) {
+  if (seq < 1) throw shape_error("po::document_offsets: seq = " + std::to_string(seq) + " must be >= 1");
+  const std::size_t S = static_cast<std::size_t>(seq);
+  if (tokens.size() % S != 0)
+    throw shape_error("po::document_offsets: " + std::to_string(tokens.size()) +
+                      " tokens are not a whole number of rows of seq = " + std::to_string(seq));
+  const std::size_t rows = tokens.size() / S;
+  std::vector<std::int32_t> out(rows * (S + 1), seq);
+  for (std::size_t r = 0; r < rows; ++r) {
+    std::int32_t* o = out.data() + r * (S + 1);
+    std::size_t k = 0;
+    o[k++] = 0;
+    for (std::size_t t = 1; t < S; ++t)
+      if (tokens[r * S + t] == boundary) o[k++] = static_cast<std::int32_t>(t);
+  }
+  return out;
+}
+
+/// Appends the documents of rows [0, rows) of `offsets` (seq + 1 values a row) to `out`, in
+/// row order, after checking every row: throws shape_error naming the row, the position and
+/// the value when an offset is outside [0, seq], decreases, or the row does not start at 0 and
+/// end at seq.
+inline void append_documents(const std::int32_t* offsets, std::size_t rows, int seq, std::vector<Document>& out) {
+  const std::size_t S = static_cast<std::size_t>(seq);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const std::int32_t* o = offsets + r * (S + 1);
+    const auto bad = [&](std::size_t i, const std::string& why) {
+      return shape_error(
+          std::string(document_offsets_input) + " row " + std::to_string(r) + ": offset " + std::to_string(i) + " is " +
+          std::to_string(o[i]) + "; " + why +
+          " (a row's seq + 1 offsets start at 0, never decrease and end at seq = " + std::to_string(seq) + ")");
+    };
+    if (o[0] != 0) throw bad(0, "expected 0");
+    if (o[S] != seq) throw bad(S, "expected " + std::to_string(seq));
+    for (std::size_t i = 1; i <= S; ++i) {
+      if (o[i] < o[i - 1] || o[i] > seq)
+        throw bad(i, "outside [" + std::to_string(o[i - 1]) + ", " + std::to_string(seq) + "]");
+      if (o[i] > o[i - 1])
+        out.push_back({r, static_cast<std::size_t>(o[i - 1]), static_cast<std::size_t>(o[i] - o[i - 1])});
+    }
+  }
+}
+
+}  // namespace pipeoffload

@@ -1,0 +1,273 @@
+// tests/runtime: packed sequences (pipeoffload/packing.hpp, LlamaConfig::packed). The offsets'
+// construction and checks; a packed microbatch's blocks computing every document's outputs and
+// input gradients bit for bit independently of the rest of the microbatch, and as the document
+// alone in a row of its own to float rounding (weight gradients the documents' sum, the loss
+// their token-weighted mean); packed training bit-identical to one rank under every family.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <models/gpt/math.hpp>
+#include <models/llama/cpu.hpp>
+#include <pipeoffload/runtime.hpp>
+
+#include "pipeline_run.hpp"
+
+namespace {
+
+using po::llama::LlamaConfig;
+using po::llama::LlamaStage;
+
+std::string error_of(auto&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+/// One pass of a stage on a microbatch of `shape` (its inputs given by name), on the CPU.
+struct Pass {
+  LlamaStage& stage;
+  po::MicrobatchShape shape;
+  std::vector<po::StepInput> inputs;
+  float loss = 0;
+  float loss_scale = 1;
+  std::vector<std::byte> saved = std::vector<std::byte>(stage.saved_bytes(shape));
+  std::vector<std::byte> stash = std::vector<std::byte>(stage.stash_bytes(shape));
+
+  po::Microbatch mb() {
+    return {.stage = 0, .stages = 1, .shape = shape, .inputs = inputs, .loss = &loss, .loss_scale = loss_scale};
+  }
+  std::vector<float> forward(po::backend::CpuContext& ctx, std::vector<float> x) {
+    std::vector<float> y(x.size());
+    stage.forward(ctx, mb(), po::view(std::as_const(x)), po::view(y), saved.data());
+    return y;
+  }
+  std::vector<float> backward(po::backend::CpuContext& ctx, std::vector<float> dy) {
+    std::vector<float> dx(dy.size());
+    stage.backward_input(ctx, mb(), po::view(std::as_const(dy)), po::view(dx), saved.data(), stash.data());
+    stage.backward_weight(ctx, mb(), saved.data(), stash.data());
+    return dx;
+  }
+};
+
+po::StepInput input(const char* name, const std::vector<std::int32_t>& v) { return {name, po::view(v)}; }
+
+std::vector<float> noise(std::size_t n, std::uint64_t seed) {
+  std::vector<float> v(n);
+  for (std::size_t i = 0; i < n; ++i)
+    v[i] = static_cast<float>(static_cast<double>(po::math::mix64(seed, i) >> 11) / 9007199254740992.0 - 0.5);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("packing: offsets from a boundary token, and every malformed row refused with its row and value") {
+  const std::vector<std::int32_t> tokens = {7, 1, 2, 7, 3, 7, 7, 4,  //
+                                            5, 5, 5, 5, 5, 5, 5, 7};
+  const std::vector<std::int32_t> o = po::document_offsets(tokens, 8, 7);
+  CHECK(o == std::vector<std::int32_t>{0, 3, 5, 6, 8, 8, 8, 8, 8,  //
+                                       0, 7, 8, 8, 8, 8, 8, 8, 8});
+  std::vector<po::Document> docs;
+  po::append_documents(o.data(), 2, 8, docs);
+  REQUIRE(docs.size() == 6);
+  const std::size_t want[6][3] = {{0, 0, 3}, {0, 3, 2}, {0, 5, 1}, {0, 6, 2}, {1, 0, 7}, {1, 7, 1}};
+  for (std::size_t i = 0; i < docs.size(); ++i) {
+    CHECK(docs[i].row == want[i][0]);
+    CHECK(docs[i].begin == want[i][1]);
+    CHECK(docs[i].length == want[i][2]);
+  }
+  CHECK(error_of([] { po::document_offsets(std::vector<std::int32_t>(7), 4, 0); }) ==
+        "po::document_offsets: 7 tokens are not a whole number of rows of seq = 4");
+  const auto refused = [](std::vector<std::int32_t> row) {
+    std::vector<po::Document> d;
+    return error_of([&] { po::append_documents(row.data(), 1, 4, d); });
+  };
+  const std::string rule = " (a row's seq + 1 offsets start at 0, never decrease and end at seq = 4)";
+  CHECK(refused({1, 2, 4, 4, 4}) == "cu_seqlens row 0: offset 0 is 1; expected 0" + rule);
+  CHECK(refused({0, 2, 4, 4, 3}) == "cu_seqlens row 0: offset 4 is 3; expected 4" + rule);
+  CHECK(refused({0, 3, 2, 4, 4}) == "cu_seqlens row 0: offset 2 is 2; outside [3, 4]" + rule);
+  CHECK(refused({0, 5, 4, 4, 4}) == "cu_seqlens row 0: offset 1 is 5; outside [0, 4]" + rule);
+}
+
+TEST_CASE("Llama: a packed microbatch computes each document independently of the others, as the document alone") {
+  // Three stages: the embedding, every block, the head; the middle one (attention, RoPE) is
+  // where packing acts, checked on random inputs and output gradients. Bit for bit, a
+  // document's outputs and input gradients do not depend on anything else in its microbatch:
+  // the same document at the same place among other tokens and other documents gives the same
+  // bits. Against the document alone in a row of its own (shape 1 x length, positions from 0)
+  // the values agree to float rounding only: OpenBLAS's GEMMs round a row's results
+  // differently for different row counts (its transposed-operand kernels at any width, the
+  // plain ones from k = 768 on, measured), so equal bits there would be an accident of sizes.
+  for (const int kv_heads : {1, 2, 4}) {
+    CAPTURE(kv_heads);
+    LlamaConfig cfg{.vocab = 64, .hidden = 32, .heads = 4, .kv_heads = kv_heads, .layers = 2, .seq = 16};
+    cfg.stage_blocks = {0, 2, 0};
+    LlamaConfig packed_cfg = cfg;
+    packed_cfg.packed = true;
+    LlamaStage packed(packed_cfg, 1, 3), alone(cfg, 1, 3);
+    REQUIRE(pipeline_test::same(std::vector<float>(packed.parameters().begin(), packed.parameters().end()),
+                                std::vector<float>(alone.parameters().begin(), alone.parameters().end())));
+    // Rows of 16 tokens: documents of 5, 1 and 10; one of 16; 2, 13 and 1.
+    const auto row = [](std::vector<std::int32_t> starts) {
+      starts.resize(17, 16);
+      return starts;
+    };
+    const auto rows = [](std::vector<std::vector<std::int32_t>> r) {
+      std::vector<std::int32_t> all;
+      for (const auto& x : r) all.insert(all.end(), x.begin(), x.end());
+      return all;
+    };
+    const std::vector<std::int32_t> offsets = rows({row({0, 5, 6}), row({0}), row({0, 2, 15})});
+    const po::MicrobatchShape sh{3, 16};
+    const std::size_t h = 32, T = 48;
+    CHECK(packed.inputs(sh).size() == 1);
+    CHECK(packed.inputs(sh)[0].elements == 3 * 17);
+    CHECK(alone.inputs(sh).empty());
+    po::backend::CpuContext ctx;
+    const std::vector<float> x = noise(T * h, 11), dy = noise(T * h, 12);
+    Pass p{packed, sh, {input(po::document_offsets_input, offsets)}};
+    const std::vector<float> y = p.forward(ctx, x), dx = p.backward(ctx, dy);
+    const std::vector<float> packed_grads(packed.gradients().begin(), packed.gradients().end());
+
+    std::vector<po::Document> docs;
+    po::append_documents(offsets.data(), 3, 16, docs);
+    REQUIRE(docs.size() == 7);
+    std::vector<double> summed(alone.gradients().size(), 0.0);
+    double worst_y = 0, worst_dx = 0, largest_y = 0, largest_dx = 0;
+    for (const po::Document& d : docs) {
+      CAPTURE(d.row);
+      CAPTURE(d.begin);
+      const std::size_t first = (d.row * 16 + d.begin) * h, n = d.length * h;
+      // Everything else replaced: other tokens' values and gradients, and the other documents
+      // (one before it in its row, one after, one per other row).
+      std::vector<float> x2 = noise(T * h, 100 + first), dy2 = noise(T * h, 200 + first);
+      std::copy(x.begin() + first, x.begin() + first + n, x2.begin() + first);
+      std::copy(dy.begin() + first, dy.begin() + first + n, dy2.begin() + first);
+      std::vector<std::vector<std::int32_t>> other = {row({0}), row({0}), row({0})};
+      other[d.row] = row(d.begin > 0 ? std::vector<std::int32_t>{0, static_cast<std::int32_t>(d.begin),
+                                                                 static_cast<std::int32_t>(d.begin + d.length)}
+                                     : std::vector<std::int32_t>{0, static_cast<std::int32_t>(d.length)});
+      const std::vector<std::int32_t> offsets2 = rows(other);
+      Pass p2{packed, sh, {input(po::document_offsets_input, offsets2)}};
+      const std::vector<float> y2 = p2.forward(ctx, x2), dx2 = p2.backward(ctx, dy2);
+      CHECK(std::memcmp(y2.data() + first, y.data() + first, n * sizeof(float)) == 0);
+      CHECK(std::memcmp(dx2.data() + first, dx.data() + first, n * sizeof(float)) == 0);
+      // Alone, positions from 0.
+      std::fill(alone.gradients().begin(), alone.gradients().end(), 0.0f);
+      Pass a{alone, {1, static_cast<int>(d.length)}, {}};
+      const std::vector<float> ya = a.forward(ctx, {x.begin() + first, x.begin() + first + n});
+      const std::vector<float> dxa = a.backward(ctx, {dy.begin() + first, dy.begin() + first + n});
+      for (std::size_t i = 0; i < n; ++i) {
+        worst_y = std::max(worst_y, static_cast<double>(std::abs(ya[i] - y[first + i])));
+        worst_dx = std::max(worst_dx, static_cast<double>(std::abs(dxa[i] - dx[first + i])));
+        largest_y = std::max(largest_y, static_cast<double>(std::abs(y[first + i])));
+        largest_dx = std::max(largest_dx, static_cast<double>(std::abs(dx[first + i])));
+      }
+      for (std::size_t i = 0; i < summed.size(); ++i) summed[i] += alone.gradients()[i];
+    }
+    // Float rounding of a few dozen terms per value (relative to the largest value).
+    CHECK(worst_y <= 1e-6 * largest_y);
+    CHECK(worst_dx <= 1e-5 * largest_dx);
+    // Weight gradients sum over tokens in another order: float rounding of sums of 48 terms.
+    double worst = 0, largest = 0;
+    for (std::size_t i = 0; i < summed.size(); ++i) {
+      worst = std::max(worst, std::abs(summed[i] - packed_grads[i]));
+      largest = std::max(largest, std::abs(summed[i]));
+    }
+    CHECK(largest > 0);
+    CHECK(worst <= 1e-5 * largest);
+    MESSAGE("kv_heads " << kv_heads << ": alone vs packed, outputs within " << worst_y / largest_y
+                        << ", input gradients " << worst_dx / largest_dx << ", weight gradients " << worst / largest
+                        << " of the largest");
+    // Unpacked, the same rows (positions running on, attention across documents) are far off.
+    std::fill(alone.gradients().begin(), alone.gradients().end(), 0.0f);
+    Pass u{alone, sh, {}};
+    const std::vector<float> yu = u.forward(ctx, x);
+    double off = 0;
+    for (std::size_t i = 5 * h; i < T * h; ++i) off = std::max(off, static_cast<double>(std::abs(yu[i] - y[i])));
+    CHECK(off > 1e-3 * largest_y);
+    // Without the offsets, the stage says which input it lacks.
+    Pass missing{packed, sh, {}};
+    CHECK(error_of([&] { missing.forward(ctx, x); }).find("reads the step input 'cu_seqlens'") != std::string::npos);
+  }
+}
+
+TEST_CASE("Llama: a packed microbatch's loss is its documents' losses run separately, weighted by their tokens") {
+  // One stage holding the whole model, tied and untied: the per-token losses are the same bits
+  // (previous case), so the packed mean differs from the documents' weighted mean only by the
+  // float rounding of each document's own mean (half an ulp each).
+  for (const bool tied : {false, true}) {
+    CAPTURE(tied);
+    const LlamaConfig cfg{
+        .vocab = 64, .hidden = 32, .heads = 4, .kv_heads = 2, .layers = 2, .seq = 16, .tie_embeddings = tied};
+    LlamaConfig packed_cfg = cfg;
+    packed_cfg.packed = true;
+    LlamaStage packed(packed_cfg, 0, 1), alone(cfg, 0, 1);
+    std::vector<std::int32_t> tok(32), tgt(32);
+    for (std::size_t i = 0; i < 32; ++i) {
+      tok[i] = static_cast<std::int32_t>((i * 37 + 5) % 64);
+      tgt[i] = static_cast<std::int32_t>((i * 13 + 1) % 64);
+    }
+    tok[4] = tok[11] = tok[17] = 63;  // the boundary: documents 4, 7, 5 | 1, 15
+    const std::vector<std::int32_t> offsets = po::document_offsets(tok, 16, 63);
+    po::backend::CpuContext ctx;
+    Pass p{packed, {2, 16}, {input("tokens", tok), input(po::document_offsets_input, offsets), input("targets", tgt)}};
+    p.forward(ctx, {});
+    std::vector<po::Document> docs;
+    po::append_documents(offsets.data(), 2, 16, docs);
+    REQUIRE(docs.size() == 5);
+    double weighted = 0;
+    for (const po::Document& d : docs) {
+      const std::size_t first = d.row * 16 + d.begin;
+      const std::vector<std::int32_t> dt(tok.begin() + first, tok.begin() + first + d.length),
+          dg(tgt.begin() + first, tgt.begin() + first + d.length);
+      Pass a{alone, {1, static_cast<int>(d.length)}, {input("tokens", dt), input("targets", dg)}};
+      a.forward(ctx, {});
+      weighted += static_cast<double>(a.loss) * static_cast<double>(d.length) / 32.0;
+    }
+    MESSAGE("packed loss " << p.loss << ", documents' weighted mean " << weighted);
+    CHECK(p.loss > 3.0f);
+    CHECK(std::abs(static_cast<double>(p.loss) - weighted) <= 1.5 * std::ldexp(static_cast<double>(p.loss), -23));
+  }
+}
+
+TEST_CASE("Llama: packed training is bit-identical to one rank under every family, and with dp 2") {
+  const int steps = 2;
+  pipeline_test::RunOptions<LlamaConfig> o{
+      .cfg = {.vocab = 64, .hidden = 16, .heads = 4, .kv_heads = 2, .layers = 4, .seq = 8, .packed = true}};
+  o.packed = true;
+  const pipeline_test::Run ref = pipeline_test::train<LlamaStage>(pipeline_test::one_rank, {1, 1, 4}, steps, o);
+  for (const auto& e : ref.errors) REQUIRE(e == "");
+  // Packing changes what is computed (not a run of unpacked rows).
+  pipeline_test::RunOptions<LlamaConfig> plain = o;
+  plain.packed = false;
+  plain.cfg.packed = false;
+  CHECK_FALSE(pipeline_test::same(
+      pipeline_test::train<LlamaStage>(pipeline_test::one_rank, {1, 1, 4}, steps, plain).losses, ref.losses));
+  for (const std::string& name : pipeline_test::schedule_names()) {
+    CAPTURE(name);
+    const auto [spec, shape] = pipeline_test::family(name);
+    const pipeline_test::Run run = pipeline_test::train<LlamaStage>(spec, shape, steps, o);
+    for (const auto& e : run.errors) REQUIRE(e == "");
+    CHECK(pipeline_test::same(run.losses, ref.losses));
+    CHECK(pipeline_test::same(run.params, ref.params));
+  }
+  const pipeline_test::Run wide = pipeline_test::train<LlamaStage>(pipeline_test::one_rank, {1, 1, 8}, steps, o);
+  pipeline_test::RunOptions<LlamaConfig> two = o;
+  two.dp = 2;
+  two.zero = 1;
+  const auto [spec, shape] = pipeline_test::family("1f1b-i");
+  const pipeline_test::Run run = pipeline_test::train<LlamaStage>(spec, shape, steps, two);
+  for (const auto& e : run.errors) REQUIRE(e == "");
+  CHECK(pipeline_test::same(run.losses, wide.losses));
+  CHECK(pipeline_test::same(run.params, wide.params));
+}
