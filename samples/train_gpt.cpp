@@ -470,17 +470,68 @@ po::backend::Cuda::Options cuda_options(const Options& o, const Setup& su, int d
   return opt;
 }
 
+/// --backend cuda --ranks-per-gpu N: global rank g on GPU g / N, every group a comm::SharedGpu
+/// (device copies ordered by events; no NCCL, which refuses two ranks on one device). The
+/// arenas of the ranks that share a GPU are checked together against its free memory.
+int run_shared_gpus(const Options& o, Setup su) {
+  const int n = o.ranks_per_gpu, need = o.dp * o.shape.d, gpus = (need + n - 1) / n;
+  su.costs.stagger_pairs = false;
+  std::vector<std::size_t> arenas(static_cast<std::size_t>(gpus), 0);
+  for (int g = 0; g < need; ++g)
+    arenas[static_cast<std::size_t>(g / n)] += cuda_options(o, su, g / n, g, g % o.shape.d).arena_bytes;
+  for (int dv = 0; dv < gpus; ++dv) {
+    const po::backend::DeviceMemory m = po::backend::device_memory(dv);
+    if (arenas[static_cast<std::size_t>(dv)] > m.free) {
+      std::fprintf(stderr,
+                   "train_gpt: GPU %d holds ranks %d..%d (--ranks-per-gpu %d), whose arenas need %.3f GiB together; "
+                   "it has %.3f GiB free (use fewer ranks per GPU, a smaller --batch or more GPUs)\n",
+                   dv, dv * n, std::min(need, (dv + 1) * n) - 1, n,
+                   static_cast<double>(arenas[static_cast<std::size_t>(dv)]) / (1 << 30),
+                   static_cast<double>(m.free) / (1 << 30));
+      return 2;
+    }
+  }
+  print_banner(o, su);
+  std::printf("GPUs by global rank:");
+  for (int g = 0; g < need; ++g) std::printf(" %d", g / n);
+  std::printf(" (%d ranks a GPU, comm::SharedGpu)\n", n);
+  po::comm::ThreadsGrid grid(o.dp, o.shape.d);
+  const auto t_start = std::chrono::steady_clock::now();
+  std::atomic<int> stopped{0};
+  const auto errors = po::run_thread_ranks(grid, [&](int g) {
+    const int r = g % o.shape.d;
+    po::backend::Cuda dev(cuda_options(o, su, g / n, g, r));
+    po::comm::SharedGpu comm(grid.pipeline(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
+    po::comm::SharedGpu replicas(grid.replicas(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
+    std::vector<std::vector<float>> initial;
+    std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, r, initial);
+    stopped = train_rank(
+        o, su, comm, replicas, dev, mine, t_start, static_cast<po::PairLink<po::backend::Cuda>*>(nullptr), [] {},
+        std::move(initial));
+  });
+  return exit_status(errors, stopped);
+}
+
 /// --backend cuda --comm threads: one process drives R*D GPUs (global rank g on the g-th GPU of
 /// the pairing order, so that PCIe pairs are ranks (r, r^1) of a replica, whose copies then
-/// synchronise).
+/// synchronise), or --ranks-per-gpu N of them on each GPU (run_shared_gpus).
 int run_cuda_threads(const Options& o, Setup su) {
   const int gpus = po::backend::device_count(), need = o.dp * o.shape.d;
-  if (gpus < need) {
+  const int needed = (need + o.ranks_per_gpu - 1) / o.ranks_per_gpu;
+  if (gpus < needed) {
     const std::string dp = o.dp > 1 ? " --dp " + std::to_string(o.dp) : "";
-    std::fprintf(stderr, "train_gpt: --backend cuda --ranks %d%s needs %d GPUs; this machine has %d\n", o.shape.d,
-                 dp.c_str(), need, gpus);
+    const std::string per = o.ranks_per_gpu > 1 ? " --ranks-per-gpu " + std::to_string(o.ranks_per_gpu) : "";
+    const int fit = (need + std::max(gpus, 1) - 1) / std::max(gpus, 1);
+    std::fprintf(stderr, "train_gpt: --backend cuda --ranks %d%s%s needs %d GPUs; this machine has %d%s\n", o.shape.d,
+                 dp.c_str(), per.c_str(), needed, gpus,
+                 gpus > 0 && fit <= 64
+                     ? (" (--ranks-per-gpu " + std::to_string(fit) + " puts the " + std::to_string(need) +
+                        " ranks on them, sharing each GPU: a debugging mode, not a speed-up)")
+                           .c_str()
+                     : "");
     return 2;
   }
+  if (o.ranks_per_gpu > 1) return run_shared_gpus(o, std::move(su));
   const po::cuda::Pairing pairing = po::backend::device_pairing();
   std::vector<int> devices(pairing.device_of_rank.begin(), pairing.device_of_rank.begin() + need);
   bool paired = o.shape.d >= 2 && o.shape.d % 2 == 0;

@@ -111,6 +111,9 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
                         without it)
   --inject-fault R:S:K  testing: global rank R fails in step S (0-based), mid-iteration, by K = kill (SIGKILL),
                         throw, or hang (--comm mpi only: its peers' timeout ends the run)
+  --ranks-per-gpu N     --backend cuda, thread ranks: N ranks share each GPU (1..64; default 1), their
+                        messages and replica collectives device copies ordered by events (comm::SharedGpu,
+                        no NCCL); a mode to debug and check a pipeline on fewer GPUs, not a speed-up
   --pcie-pairs          CPU thread ranks: treat ranks (r, r^1) as a PCIe pair and synchronise their copies
                         (po::PairLink); --backend cuda pairs the GPUs that share a switch by itself
   --quiet               no progress lines
@@ -140,8 +143,9 @@ struct Options {
   bool mpi = false, ranks_given = false;
   double comm_timeout = 300;
   bool cuda = false;
-  bool pcie_pairs = false;                            // CPU thread ranks: synchronise the copies of ranks (r, r^1)
-  int dp = 1, zero = 0;                               // data-parallel replicas, ZeRO stage
+  int ranks_per_gpu = 1;    // --ranks-per-gpu: thread ranks sharing each GPU (comm::SharedGpu)
+  bool pcie_pairs = false;  // CPU thread ranks: synchronise the copies of ranks (r, r^1)
+  int dp = 1, zero = 0;     // data-parallel replicas, ZeRO stage
   po::Gradients gradients = po::Gradients::standard;  // RuntimeOptions::gradients
   int exact_block = 1;                                // RuntimeOptions::exact_block
   std::size_t reduce_bucket = std::size_t{1} << 20;   // RuntimeOptions::reduce_bucket
@@ -233,7 +237,8 @@ inline Options parse(int argc, char** argv) {
                                   "--model",
                                   "--kv-heads",
                                   "--ffn",
-                                  "--pack"};
+                                  "--pack",
+                                  "--ranks-per-gpu"};
     if (std::find(std::begin(known), std::end(known), f) == std::end(known))
       throw bad_argument("unknown option '" + f + "' (--help lists them)");
     if (i + 1 >= argc) throw bad_argument(f + " needs a value");
@@ -286,6 +291,14 @@ inline Options parse(int argc, char** argv) {
         throw bad_argument(
             std::string(f) + " applies only to --backend cpu" +
             (std::string(f) == "--trace" ? " (on GPUs, use Nsight Systems: nsys profile train_gpt ...)" : ""));
+  }
+  if (auto v = get("--ranks-per-gpu")) {
+    o.ranks_per_gpu = static_cast<int>(to_int("--ranks-per-gpu", *v, 1, 64));
+    if (!o.cuda)
+      throw bad_argument("--ranks-per-gpu applies only to --backend cuda (CPU ranks share the host already)");
+    if (o.mpi)
+      throw bad_argument(
+          "--ranks-per-gpu: MPI processes cannot share a GPU here (that would need CUDA IPC); use --comm threads");
   }
   if (auto v = get("--comm-timeout")) {
     if (!o.mpi) throw bad_argument("--comm-timeout applies only to --comm mpi");

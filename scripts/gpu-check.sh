@@ -34,8 +34,11 @@
 #   3. train_gpt --backend cuda against --backend cpu (meson test --suite cuda);
 #   4. bench/cuda/gpt_block_gpu: MFU of a GPT block's F+B+W at h = s = 4096 in bf16, pinned
 #      D2H and H2D bandwidth per direction and both at once, the measured k;
-#   5. train_gpt --backend cuda with PO-F on the GPUs present (one GPU: one rank, 4 chunks);
-#   6. compute-sanitizer memcheck and racecheck on a short train_gpt run, where installed.
+#   5. several ranks on one GPU (--ranks-per-gpu, comm::SharedGpu): PO-F and ZB-V at d = 4 and
+#      dp 2 x d 2 with ZeRO-1, each the one-rank bits on the exact path (tests/cuda/test_shared_gpu.py);
+#   6. train_gpt --backend cuda with PO-F on the GPUs present (one GPU: one rank, 4 chunks);
+#   7. compute-sanitizer memcheck and racecheck on a short train_gpt run, and on two ranks
+#      sharing the GPU, where installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -237,6 +240,7 @@ step cuda-host 300 "$build/tests/cuda/test_cuda_host"
 step gpu-tests 900 "$build/tests/cuda/test_cuda_gpu" --duration=true
 step train-gpt-cuda-vs-cpu 900 python3 tests/cuda/test_train_gpt_cuda.py "$build/samples/train_gpt"
 step gpt-block-bench 600 "$build/bench/cuda/gpt_block_gpu"
+step shared-gpu 900 python3 tests/cuda/test_shared_gpu.py "$build/samples/train_gpt"
 ranks=$gpus chunks=2
 [ "$gpus" -gt 8 ] && ranks=8
 [ "$gpus" -eq 1 ] && chunks=4
@@ -260,6 +264,13 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
   [[ $sanitizer_help == *--kernel-name-exclude* ]] && exclude=(--kernel-name-exclude kns=cudnn_generated_fort_native_sdpa)
   step sanitizer-racecheck 600 compute-sanitizer --tool racecheck "${exclude[@]}" --error-exitcode 1 \
     "$build/samples/train_gpt" "${short[@]}"
+  # The same on two ranks sharing the GPU (comm::SharedGpu's copies and events).
+  shared=(--backend cuda --schedule 1f1b --ranks 2 --chunks 1 --ranks-per-gpu 2 --microbatches 2 --layers 2 --hidden 64
+          --heads 4 --seq 64 --batch 2 --steps 2 --quiet)
+  step sanitizer-memcheck-shared 600 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \
+    "$build/samples/train_gpt" "${shared[@]}"
+  step sanitizer-racecheck-shared 600 compute-sanitizer --tool racecheck "${exclude[@]}" --error-exitcode 1 \
+    "$build/samples/train_gpt" "${shared[@]}"
 fi
 total=$(($(date +%s) - t_start))
 

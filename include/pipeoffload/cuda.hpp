@@ -1,4 +1,4 @@
-// pipeoffload/cuda.hpp: the CUDA umbrella: backend::Cuda, comm::Nccl, the kernels'
+// pipeoffload/cuda.hpp: the CUDA umbrella: backend::Cuda, comm::Nccl, comm::SharedGpu, the kernels'
 // declarations, cuBLASLt GEMMs, cuDNN attention and the GPT stage (cuda::GptStage). Build
 // with the pipeoffload_cuda Meson dependency or CMake's pipeoffload::cuda (they define
 // PIPEOFFLOAD_WITH_CUDA and link the kernels and NVIDIA libraries); the CPU-safe umbrella is
@@ -22,6 +22,7 @@
 #include "backend/cuda/pools.hpp"
 #include "backend/cuda/shapes.hpp"
 #include "backend/cuda/topology.hpp"
+#include "comm/cuda/shared_gpu.hpp"
 #include "comm/nccl/gather_pieces.hpp"
 #include "comm/nccl/id_file.hpp"
 #include "comm/nccl/nccl.hpp"

@@ -8,7 +8,7 @@ Reads every header under include/pipeoffload/ and models/, resolves its #include
 - a header includes one from a higher layer (a back-edge), or one of a peer layer without a
   rule in PEER_EDGES saying which way that pair goes;
 - the library core includes model code (models sit above everything; nothing includes them);
-- a header outside the CUDA places (backend/cuda/, comm/nccl/, the CUDA umbrella cuda.hpp,
+- a header outside the CUDA places (backend/cuda/, comm/nccl/, comm/cuda/, the CUDA umbrella cuda.hpp,
   models) includes CUDA, directly or through another header; MPI likewise outside comm/mpi/;
 - a header's folder has no layer (a new folder must be placed in LAYERS) or an include does
   not resolve to a file.
@@ -53,7 +53,7 @@ PEER_EDGES = {
     ("comm", "backend"): "a communicator runs on a backend's streams (comm/nccl on backend/cuda)",
 }
 # Headers that may include CUDA (directly or through another header) and MPI.
-CUDA_PLACES = ("backend/cuda/", "comm/nccl/", "cuda.hpp", "models/")
+CUDA_PLACES = ("backend/cuda/", "comm/nccl/", "comm/cuda/", "cuda.hpp", "models/")
 MPI_PLACES = ("comm/mpi/",)
 # The worked example of README's "Your own model", which must build from an installed prefix.
 EXAMPLE = ("samples/custom_model.hpp", "samples/custom_model.cpp", "samples/cli.hpp")

@@ -143,6 +143,7 @@ if not losses[-1] < losses[0] - 0.5 or "packed (a document at every token 10)" n
     sys.exit(f"FAIL: --pack does not learn or say so: {losses}\n{out[:300]}")
 for args, text in ((["--kv-heads", "2"], "--kv-heads applies only to --model llama"),
                    (["--pack", "10"], "--pack applies only to --model llama"),
+                   (["--ranks-per-gpu", "2"], "--ranks-per-gpu applies only to --backend cuda"),
                    ([*llama, "--pack", "256"], "--pack 256 is outside the vocabulary [0, 255]"),
                    ([*llama, "--pack", "-1"], "--pack must be an integer in [0, 1048575], got '-1'"),
                    (["--model", "llama", "--kv-heads", "3"], "--kv-heads 3 must divide --heads 4"),

@@ -6,8 +6,9 @@
 //     a step's shared-parameter messages, po::SharedParam, tagged with a negative mb), and
 //     hands each call that stream's context (the backend's Context, as a layer's passes get
 //     theirs): send(ctx, peer, tag, data), recv(ctx, peer, tag, out). A communicator that
-//     enqueues on a stream (comm::Nccl: CudaContext::cuda_stream) uses it; one that blocks the
-//     calling thread (comm::Threads, comm::Mpi) accepts any context and ignores it;
+//     enqueues on a stream (comm::Nccl: CudaContext::cuda_stream; comm::SharedGpu, whose
+//     copies and events go on it) uses it; one that moves host bytes with the calling thread
+//     (comm::Threads, comm::Mpi) accepts any context and ignores it;
 //   - send(ctx, peer, tag, data) may block until the peer has posted the matching recv and
 //     taken the data (rendezvous, as NCCL's may); recv blocks until the matching send is posted;
 //   - between an ordered pair of ranks, messages are received in the order they were sent;

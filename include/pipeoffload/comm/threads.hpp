@@ -1,11 +1,15 @@
 // pipeoffload/comm/threads.hpp: comm::Threads, ranks that are threads of one process, and
 // comm::ThreadsGrid, dp replicas of a d-rank pipeline as threads.
 //
-// Sends are rendezvous: a send waits until its receiver has copied the data out, the
-// strictest of the semantics in comm/communicator.hpp (NCCL's may do the same), so a schedule
-// that runs here cannot deadlock on a GPU for want of buffering. Every call blocks the calling
-// thread, so send, recv and the device collectives take any backend context and ignore it;
-// all_gather and all_to_all copy bytes.
+// Sends are rendezvous: a send waits until its receiver has taken the data, the strictest of
+// the semantics in comm/communicator.hpp (NCCL's may do the same), so a schedule that runs here
+// cannot deadlock on a GPU for want of buffering. Every call blocks the calling thread.
+//
+// How the bytes move is the transport's (BasicThreads<Transport>): comm::Threads copies host
+// memory with the calling thread (detail::HostCopy: send, recv and the device collectives take
+// any backend context and ignore it); comm/shared_device.hpp's DeviceCopy enqueues copies on
+// the callers' streams, ordered by events, for ranks that share one device. The matching,
+// tags, size checks, rendezvous and abort are this file's, the same for both.
 //
 // Abort: the worlds of one job share one abort (a plain ThreadsWorld has its own; the worlds
 // of a ThreadsGrid share the grid's). The first reason is stored under the shared mutex, then
@@ -16,12 +20,15 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../backend/cpu/context.hpp"
@@ -31,8 +38,33 @@ namespace pipeoffload::comm {
 
 class ThreadsWorld;
 class ThreadsGrid;
+template <class Transport>
+class BasicThreads;
 
 namespace detail {
+
+/// A posted send: the tag, the sender's bytes, and two opaque words its transport uses (a
+/// device transport's events); `taken` once the receiver has taken it.
+struct ThreadsMessage {
+  Tag tag;
+  const std::byte* data = nullptr;
+  std::size_t count = 0;
+  bool taken = false;
+  std::uintptr_t transport[2] = {0, 0};
+};
+
+/// comm::Threads' transport: the receiving thread copies host bytes; nothing to order.
+struct HostCopy {
+  static constexpr bool device_memory = false;  ///< the collectives copy through the world's host buffer
+  template <class Context>
+  void offer(const Context&, ThreadsMessage&) {}
+  template <class Context>
+  void take(const Context&, std::span<std::byte> out, ThreadsMessage& m) {
+    if (!out.empty()) std::memcpy(out.data(), m.data, out.size());
+  }
+  template <class Context>
+  void taken(const Context&, ThreadsMessage&) {}
+};
 
 /// The abort shared by the worlds of one job: the first reason wins (written once under `mu`,
 /// before `aborted` is set, and never again, so a reader that saw `aborted` may read it).
@@ -74,7 +106,8 @@ class ThreadsWorld {
   bool aborted() const { return abort_->aborted.load(); }
 
  private:
-  friend class Threads;
+  template <class>
+  friend class BasicThreads;
   friend class ThreadsGrid;
 
   ThreadsWorld(int size, std::shared_ptr<detail::ThreadsAbort> shared) : size_(size), abort_(std::move(shared)) {
@@ -86,12 +119,7 @@ class ThreadsWorld {
     abort_->worlds.push_back(this);
   }
 
-  struct Message {
-    Tag tag;
-    const std::byte* data = nullptr;
-    std::size_t count = 0;
-    bool taken = false;
-  };
+  using Message = detail::ThreadsMessage;
   // One per ordered pair of ranks, with its own condition variable: a message wakes its
   // receiver (and a receipt its sender) and no other rank's comm thread.
   struct Channel {
@@ -131,26 +159,32 @@ class ThreadsWorld {
   unsigned long long round_ = 0;
 };
 
-/// One rank's handle on a ThreadsWorld.
-class Threads {
+/// One rank's handle on a ThreadsWorld, moving bytes with `Transport` (the file comment):
+/// comm::Threads is BasicThreads<detail::HostCopy>.
+template <class Transport>
+class BasicThreads {
  public:
   /// Rank `rank` (0 .. world.size()-1) of `world`, which must outlive the handle.
-  Threads(ThreadsWorld& world, int rank) : w_(&world), rank_(rank) {
+  BasicThreads(ThreadsWorld& world, int rank, Transport t = {}) : w_(&world), rank_(rank), t_(std::move(t)) {
     if (rank < 0 || rank >= world.size())
       throw comm_error("comm::Threads: rank = " + std::to_string(rank) + " is outside the allowed range [0, " +
                        std::to_string(world.size() - 1) + "]");
   }
+  /// The rank of `host` (a ThreadsGrid's handle, say) in its world, with transport `t`.
+  template <class Other>
+  BasicThreads(const BasicThreads<Other>& host, Transport t) : BasicThreads(*host.w_, host.rank_, std::move(t)) {}
   /// This handle's rank.
   int rank() const { return rank_; }
   /// Ranks in the world.
   int size() const { return w_->size(); }
 
-  /// Blocks until `peer` has received the message (rendezvous). The context is not needed:
-  /// the calling thread does the work.
+  /// Blocks until `peer` has taken the message (rendezvous). The transport gets the context
+  /// (HostCopy ignores it: the receiving thread copies).
   template <class Context>
-  void send(const Context&, int peer, Tag tag, std::span<const std::byte> data) {
+  void send(const Context& ctx, int peer, Tag tag, std::span<const std::byte> data) {
     check_peer(peer, "send to");
     ThreadsWorld::Message msg{tag, data.data(), data.size(), false};
+    t_.offer(ctx, msg);
     ThreadsWorld::Channel& ch = w_->channel(rank_, peer);
     std::unique_lock lk(w_->mu_);
     if (w_->aborted()) w_->throw_aborted();
@@ -166,11 +200,13 @@ class Threads {
         }
       w_->throw_aborted();
     }
+    lk.unlock();
+    t_.taken(ctx, msg);
   }
 
   /// Blocks until the next message from `peer` arrives; it must carry `tag` and fit `out`.
   template <class Context>
-  void recv(const Context&, int peer, Tag tag, std::span<std::byte> out) {
+  void recv(const Context& ctx, int peer, Tag tag, std::span<std::byte> out) {
     check_peer(peer, "recv from");
     std::unique_lock lk(w_->mu_);
     ThreadsWorld::Channel& ch = w_->channel(peer, rank_);
@@ -184,7 +220,7 @@ class Threads {
       lk.unlock();
       throw comm_error(what);
     }
-    if (!out.empty()) std::memcpy(out.data(), msg->data, out.size());
+    t_.take(ctx, out, *msg);
     msg->taken = true;
     ch.queue.pop_front();
     lk.unlock();  // the sender re-takes the lock as it wakes
@@ -205,21 +241,39 @@ class Threads {
     if (!all.empty()) std::memcpy(all.data(), w_->published_.data(), all.size_bytes());
   }
 
-  /// all_gather of bytes in the backend's memory, from a stream whose context is given: the
-  /// calling thread copies, so the context is ignored (comm/communicator.hpp).
+  /// all_gather of bytes in the backend's memory, from a stream whose context is given
+  /// (HostCopy: the calling thread copies, so the context is ignored; comm/communicator.hpp).
   template <class Context>
-  void all_gather(const Context&, std::span<const std::byte> mine, std::span<std::byte> all) {
-    all_gather<std::byte>(mine, all);
+  void all_gather(const Context& ctx, std::span<const std::byte> mine, std::span<std::byte> all) {
+    if constexpr (Transport::device_memory) {
+      const std::size_t n = mine.size();
+      if (all.size() != n * static_cast<std::size_t>(size()))
+        throw comm_error("comm::Threads::all_gather: the output holds " + std::to_string(all.size()) +
+                         " bytes; it must hold size() * mine.size() = " + std::to_string(n * size()));
+      t_.collective(ctx, *this, mine, [&](int j, const std::byte* theirs) {
+        return std::pair{all.data() + static_cast<std::size_t>(j) * n, std::span<const std::byte>(theirs, n)};
+      });
+    } else {
+      all_gather<std::byte>(mine, all);
+    }
     traffic_.all_gather(mine.size(), size());
   }
 
   /// Block i of `in` goes to rank i, block j of `out` comes from rank j (block = in.size() /
   /// size()). Every rank passes the same size; another size on any rank fails on every rank.
   template <class Context>
-  void all_to_all(const Context&, std::span<const std::byte> in, std::span<std::byte> out) {
+  void all_to_all(const Context& ctx, std::span<const std::byte> in, std::span<std::byte> out) {
     const std::size_t n = in.size(), d = static_cast<std::size_t>(size());
     check_all_to_all("comm::Threads::all_to_all", n, out.size(), d);
     const std::size_t block = n / d;
+    if constexpr (Transport::device_memory) {
+      t_.collective(ctx, *this, in, [&](int j, const std::byte* theirs) {
+        return std::pair{out.data() + static_cast<std::size_t>(j) * block,
+                         std::span<const std::byte>(theirs + static_cast<std::size_t>(rank_) * block, block)};
+      });
+      traffic_.all_to_all(n, size());
+      return;
+    }
     std::unique_lock lk(w_->mu_);
     join_round(lk, ThreadsWorld::Op::all_to_all, in, n, 1);
     // published_ holds every rank's `in`: block j of out is block rank() of rank j's.
@@ -238,7 +292,13 @@ class Threads {
   /// Aborts the world (ThreadsWorld::abort): every blocking call of every rank throws.
   void abort(const std::string& why) { w_->abort(why); }
 
+  /// The transport (a device transport's streams and events).
+  Transport& transport() { return t_; }
+
  private:
+  template <class>
+  friend class BasicThreads;
+
   static const char* op_name(ThreadsWorld::Op op) {
     return op == ThreadsWorld::Op::all_gather ? "all_gather" : "all_to_all";
   }
@@ -316,8 +376,12 @@ class Threads {
 
   ThreadsWorld* w_;
   int rank_;
+  Transport t_;
   pipeoffload::detail::TrafficCounter traffic_;
 };
+
+/// Ranks that are threads of one process, copying host memory (the file comment).
+using Threads = BasicThreads<detail::HostCopy>;
 
 /// dp replicas of a d-rank pipeline as thread ranks, dp * d in all: global rank
 /// g = replica * d + rank (replica-major). Rank g is pipeline rank g % d of replica g / d; its
