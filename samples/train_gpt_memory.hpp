@@ -75,6 +75,7 @@ inline StageFacts stage_facts(const Options& o, int s, int S, bool cuda, po::Mic
     f.own = {.saved = b.saved_bytes, .stash = b.stash_bytes};
   } else {
     f.own = {.saved = po::model::gpt_cpu_bytes::saved(d, mb), .stash = po::model::gpt_cpu_bytes::stash(d, mb)};
+    f.documents = d.packed && (d.embeds || d.blocks > 0);
   }
   return with_layout(f, d, p);
 }

@@ -89,9 +89,9 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
                         cpu: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, no biases or dropout)
   --kv-heads G          llama: key/value heads, dividing --heads (default --heads)
   --ffn F               llama: the SwiGLU MLP's inner width, 1..1048576 (default 8h/3 rounded up to 32)
-  --pack ID             llama: pack documents into each sequence, a new one starting at every token ID
-                        (an end-of-text id: 50256 in GPT-2 shards, 10 for the corpus's lines); attention
-                        stays within a document and positions restart (the step input cu_seqlens)
+  --pack ID             pack documents into each sequence, a new one starting at every token ID (an
+                        end-of-text id: 50256 in GPT-2 shards, 10 for the corpus's lines); attention stays
+                        within a document and positions restart (the step input cu_seqlens; --backend cpu)
   --tie-embeddings      the LM head's weight is the token embedding (one parameter held by the first and
                         the last stage, po::SharedParam; --backend cpu)
   --stage-blocks B0,B1,...
@@ -271,7 +271,7 @@ inline Options parse(int argc, char** argv) {
     if (*v != "gpt" && *v != "llama") throw bad_argument("--model must be gpt or llama, got '" + *v + "'");
     o.llama = *v == "llama";
   }
-  for (const char* f : {"--kv-heads", "--ffn", "--pack"})
+  for (const char* f : {"--kv-heads", "--ffn"})
     if (!o.llama && get(f)) throw bad_argument(std::string(f) + " applies only to --model llama");
   if (o.llama && get("--dropout")) throw bad_argument("--dropout does not apply to --model llama (it has no dropout)");
   if (auto v = get("--backend")) {
@@ -398,9 +398,16 @@ inline Options parse(int argc, char** argv) {
       throw bad_argument("--model llama: --hidden / --heads = " + std::to_string(o.model.hidden / o.model.heads) +
                          " must be even (RoPE rotates pairs)");
     if (auto v = get("--ffn")) o.ffn = static_cast<int>(to_int("--ffn", *v, 1, 1 << 20));
-    if (auto v = get("--pack")) o.pack = static_cast<int>(to_int("--pack", *v, 0, sample::max_vocab - 1));
     o.model.dropout = 0.0f;  // the Llama has none (the configuration text says so)
   }
+  if (auto v = get("--pack")) {
+    o.pack = static_cast<int>(to_int("--pack", *v, 0, sample::max_vocab - 1));
+    if (o.cuda)
+      throw bad_argument(
+          "--pack: the CUDA GPT does not pack sequences yet (its cuDNN attention is causal over whole rows); use "
+          "--backend cpu");
+  }
+  o.model.packed = o.pack >= 0;
   if (auto v = get("--stage-blocks")) {
     std::vector<int> blocks;
     long long sum = 0;
@@ -601,9 +608,9 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
                             (o.model.vocab != 256 ? " vocab=" + std::to_string(o.model.vocab) : "") +
                             (o.model.tie_embeddings ? " tied" : "") +
                             (o.llama ? " arch=llama kv-heads=" + std::to_string(llama_config(o).kv_heads) +
-                                           " ffn=" + std::to_string(llama_config(o).ffn_width()) +
-                                           (o.pack >= 0 ? " pack=" + std::to_string(o.pack) : "")
-                                     : "");
+                                           " ffn=" + std::to_string(llama_config(o).ffn_width())
+                                     : "") +
+                            (o.pack >= 0 ? " pack=" + std::to_string(o.pack) : "");
   // The global batch: R replicas of m microbatches train as one replica of R*m.
   const std::string batch = "batch=" + std::to_string(o.batch) + " microbatches=" + std::to_string(o.dp * sh.m) +
                             (o.exact_block > 1 ? " exact-block=" + std::to_string(o.exact_block) : "");

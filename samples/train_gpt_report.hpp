@@ -149,12 +149,12 @@ inline void print_banner(const Options& o, const Setup& su) {
       o.llama
           ? "Llama " + std::to_string(o.model.layers) + " blocks h=" + std::to_string(o.model.hidden) +
                 " heads=" + std::to_string(o.model.heads) + " kv-heads=" + std::to_string(llama_config(o).kv_heads) +
-                " ffn=" + std::to_string(llama_config(o).ffn_width()) +
-                (o.pack >= 0 ? " packed (a document at every token " + std::to_string(o.pack) + ")" : "")
+                " ffn=" + std::to_string(llama_config(o).ffn_width())
           : "GPT " + std::to_string(o.model.layers) + " blocks h=" + std::to_string(o.model.hidden) +
                 " heads=" + std::to_string(o.model.heads);
+  const std::string packed = o.pack >= 0 ? ", packed (a document at every token " + std::to_string(o.pack) + ")" : "";
   std::printf("train_gpt: %s, d=%d v=%d m=%d, %s%s seq=%d batch=%d, %s, %s%s\n", o.schedule.c_str(), sh.d, sh.v, sh.m,
-              model.c_str(), o.model.tie_embeddings ? " tied" : "", o.model.seq, o.batch, data.c_str(),
+              (model + packed).c_str(), o.model.tie_embeddings ? " tied" : "", o.model.seq, o.batch, data.c_str(),
               o.cuda ? "CUDA (bf16, NCCL)" : ("BLAS " + po::blas::core_name()).c_str(), o.mpi ? ", MPI processes" : "");
   if (o.dp > 1)
     std::printf("data parallel: %d replicas of the pipeline (%d ranks, global rank = replica * %d + rank), zero %d\n",

@@ -16,7 +16,9 @@
 // log-sum-exps). With recompute off it also saves both LayerNorm outputs, the GeLU output
 // and both masks (bytes): 16 floats + 2 bytes, the counterpart of 34bsh.
 // Attention keeps no s x s matrix: backward recomputes the scores from q, k and the saved
-// log-sum-exps (flash-attention style), so there is no 5as^2b term.
+// log-sum-exps (flash-attention style), so there is no 5as^2b term. With packed rows
+// (GptConfig::packed, docs/packing.md) positions restart at every document and attention runs
+// document by document.
 #pragma once
 
 #include <algorithm>
@@ -32,6 +34,7 @@
 #include <pipeoffload/backend/cpu/context.hpp>
 #include <pipeoffload/error.hpp>
 #include <pipeoffload/layer.hpp>
+#include <pipeoffload/packing.hpp>
 
 #include "layout.hpp"
 #include "math.hpp"
@@ -144,6 +147,7 @@ class GptStage {
     float* cur = nullptr;  // (T, h) input of the next block, in that block's saved region
     std::byte* p = saved;
     std::vector<float>& tmp = ws(T * h());
+    if (embeds() || count_ > 0) documents(mb);
     if (embeds()) {
       cur = count_ > 0 ? block_x(p) : tmp.data();
       const float* wte = params_.data();
@@ -154,7 +158,7 @@ class GptStage {
         if (tok < 0 || tok >= c_.vocab)
           throw error("GptStage: token " + std::to_string(tok) + " at position " + std::to_string(t) +
                       " is outside [0, " + std::to_string(c_.vocab - 1) + "]");
-        const std::size_t pos = t % static_cast<std::size_t>(mb.shape.seq);
+        const std::size_t pos = pos_[t];
         for (std::size_t i = 0; i < h(); ++i)
           cur[t * h() + i] = wte[static_cast<std::size_t>(tok) * h() + i] + wpe[pos * h() + i];
       }
@@ -194,6 +198,7 @@ class GptStage {
     float* st_blocks = st + (embeds() ? T * h() : 0);
     float* st_head = st_blocks + count_ * block_stash_floats(mb.shape);
     std::vector<float>& g = ws(2 * T * h());
+    if (count_ > 0) documents(mb);
     float* grad = g.data();  // (T, h) gradient flowing down through the blocks
     float* spare = grad + T * h();
     if (heads())
@@ -218,11 +223,12 @@ class GptStage {
     const float* st_blocks = st + (embeds() ? T * h() : 0);
     const float* st_head = st_blocks + count_ * block_stash_floats(mb.shape);
     if (embeds()) {
+      documents(mb);
       float* gte = grads_.data();
       float* gpe = gte + static_cast<std::size_t>(layout_.wpe);
       const std::int32_t* tokens = mb.input<std::int32_t>("tokens");
       for (std::size_t t = 0; t < T; ++t) {
-        const std::size_t tok = static_cast<std::size_t>(tokens[t]), pos = t % static_cast<std::size_t>(mb.shape.seq);
+        const std::size_t tok = static_cast<std::size_t>(tokens[t]), pos = pos_[t];
         for (std::size_t i = 0; i < h(); ++i) {
           gte[tok * h() + i] += st[t * h() + i];
           gpe[pos * h() + i] += st[t * h() + i];
@@ -418,24 +424,39 @@ class GptStage {
     if (db) col_sum_into(db, dY, rows, n);
   }
 
-  /// Causal attention of one microbatch: att = softmax(q k^T / sqrt(dh)) v per (sequence,
-  /// head); writes the log-sum-exp of each score row for backward.
+  /// The microbatch's documents and every token's position in its document (docs_, pos_):
+  /// one document a row, or the rows' offsets when packed.
+  void documents(const Microbatch& mb) {
+    const std::size_t rows = static_cast<std::size_t>(mb.shape.batch), S = static_cast<std::size_t>(mb.shape.seq);
+    docs_.clear();
+    if (c_.packed)
+      append_documents(mb.input<std::int32_t>(document_offsets_input), rows, mb.shape.seq, docs_);
+    else
+      for (std::size_t r = 0; r < rows; ++r) docs_.push_back({r, 0, S});
+    pos_.resize(rows * S);
+    for (const Document& doc : docs_)
+      for (std::size_t i = 0; i < doc.length; ++i) pos_[doc.row * S + doc.begin + i] = i;
+  }
+
+  /// Causal attention of one microbatch, document by document (docs_): att = softmax(q k^T /
+  /// sqrt(dh)) v per (document, head); writes the log-sum-exp of each score row for backward.
   void attention_forward(const float* qkv, float* att, float* lse, MicrobatchShape sh) {
     const std::size_t S = static_cast<std::size_t>(sh.seq), A = static_cast<std::size_t>(c_.heads), H = h(), dh = H / A;
     const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
     if (scores_.size() < S * S + S) scores_.resize(S * S + S);
-    float* P = scores_.data();
-    float* ex = P + S * S;  // (S) exp(s - max) of one score row
-    for (std::size_t b = 0; b < static_cast<std::size_t>(sh.batch); ++b)
+    for (const Document& doc : docs_)
       for (std::size_t a = 0; a < A; ++a) {
-        const float* q = qkv + b * S * 3 * H + a * dh;
+        const std::size_t L = doc.length, first = doc.row * S + doc.begin;
+        float* P = scores_.data();
+        float* ex = P + L * L;  // (L) exp(s - max) of one score row
+        const float* q = qkv + first * 3 * H + a * dh;
         const float* k = q + H;
         const float* v = q + 2 * H;
-        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), scale, q,
-                    static_cast<int>(3 * H), k, static_cast<int>(3 * H), 0.0f, P, static_cast<int>(S));
-        float* l = lse + (b * A + a) * S;
-        for (std::size_t i = 0; i < S; ++i) {
-          float* row = P + i * S;
+        blas::sgemm(T_::no, T_::yes, static_cast<int>(L), static_cast<int>(L), static_cast<int>(dh), scale, q,
+                    static_cast<int>(3 * H), k, static_cast<int>(3 * H), 0.0f, P, static_cast<int>(L));
+        float* l = lse + (doc.row * A + a) * S + doc.begin;
+        for (std::size_t i = 0; i < L; ++i) {
+          float* row = P + i * L;
           float mx = row[0];
           for (std::size_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
           elementwise(ex, i + 1, [&](std::size_t j) { return math::exp_approx(row[j] - mx); });
@@ -445,58 +466,56 @@ class GptStage {
           l[i] = li;
           // exp(s - lse), as backward recomputes it, rather than ex / sum: the same P both ways.
           elementwise(row, i + 1, [&](std::size_t j) { return math::exp_approx(row[j] - li); });
-          for (std::size_t j = i + 1; j < S; ++j) row[j] = 0.0f;
+          for (std::size_t j = i + 1; j < L; ++j) row[j] = 0.0f;
         }
-        blas::sgemm(T_::no, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), 1.0f, P,
-                    static_cast<int>(S), v, static_cast<int>(3 * H), 0.0f, att + b * S * H + a * dh,
+        blas::sgemm(T_::no, T_::no, static_cast<int>(L), static_cast<int>(dh), static_cast<int>(L), 1.0f, P,
+                    static_cast<int>(L), v, static_cast<int>(3 * H), 0.0f, att + first * H + a * dh,
                     static_cast<int>(H));
       }
   }
 
-  /// dqkv from datt, recomputing the probabilities from q, k and the log-sum-exps.
+  /// dqkv from datt, document by document, recomputing the probabilities from q, k and the
+  /// log-sum-exps.
   void attention_backward(const float* qkv, const float* att, const float* lse, const float* datt, float* dqkv,
                           MicrobatchShape sh) {
     const std::size_t S = static_cast<std::size_t>(sh.seq), A = static_cast<std::size_t>(c_.heads), H = h(), dh = H / A;
     const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
     if (scores_.size() < 2 * S * S) scores_.resize(2 * S * S);
-    float* P = scores_.data();
-    float* dP = P + S * S;
-    for (std::size_t b = 0; b < static_cast<std::size_t>(sh.batch); ++b)
+    for (const Document& doc : docs_)
       for (std::size_t a = 0; a < A; ++a) {
-        const float* q = qkv + b * S * 3 * H + a * dh;
+        const std::size_t L = doc.length, first = doc.row * S + doc.begin;
+        const int n = static_cast<int>(L), ld = static_cast<int>(3 * H);
+        float* P = scores_.data();
+        float* dP = P + L * L;
+        const float* q = qkv + first * 3 * H + a * dh;
         const float* k = q + H;
         const float* v = q + 2 * H;
-        float* dq = dqkv + b * S * 3 * H + a * dh;
+        float* dq = dqkv + first * 3 * H + a * dh;
         float* dk = dq + H;
         float* dv = dq + 2 * H;
-        const float* o = att + b * S * H + a * dh;
-        const float* dO = datt + b * S * H + a * dh;
-        const float* l = lse + (b * A + a) * S;
-        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), scale, q,
-                    static_cast<int>(3 * H), k, static_cast<int>(3 * H), 0.0f, P, static_cast<int>(S));
-        for (std::size_t i = 0; i < S; ++i) {
-          float* row = P + i * S;
+        const float* o = att + first * H + a * dh;
+        const float* dO = datt + first * H + a * dh;
+        const float* l = lse + (doc.row * A + a) * S + doc.begin;
+        blas::sgemm(T_::no, T_::yes, n, n, static_cast<int>(dh), scale, q, ld, k, ld, 0.0f, P, n);
+        for (std::size_t i = 0; i < L; ++i) {
+          float* row = P + i * L;
           const float li = l[i];
           elementwise(row, i + 1, [&](std::size_t j) { return math::exp_approx(row[j] - li); });
-          for (std::size_t j = i + 1; j < S; ++j) row[j] = 0.0f;
+          for (std::size_t j = i + 1; j < L; ++j) row[j] = 0.0f;
         }
         // dP = dO v^T ; dS = P (dP - rowsum(dO o)) ; dv = P^T dO ; dq = dS k scale ; dk = dS^T q scale
-        blas::sgemm(T_::no, T_::yes, static_cast<int>(S), static_cast<int>(S), static_cast<int>(dh), 1.0f, dO,
-                    static_cast<int>(H), v, static_cast<int>(3 * H), 0.0f, dP, static_cast<int>(S));
-        for (std::size_t i = 0; i < S; ++i) {
+        blas::sgemm(T_::no, T_::yes, n, n, static_cast<int>(dh), 1.0f, dO, static_cast<int>(H), v, ld, 0.0f, dP, n);
+        for (std::size_t i = 0; i < L; ++i) {
           float D = 0;
           for (std::size_t e = 0; e < dh; ++e) D += dO[i * H + e] * o[i * H + e];
-          const float* prow = P + i * S;
-          float* drow = dP + i * S;
+          const float* prow = P + i * L;
+          float* drow = dP + i * L;
           elementwise(drow, i + 1, [&](std::size_t j) { return prow[j] * (drow[j] - D); });
-          for (std::size_t j = i + 1; j < S; ++j) drow[j] = 0.0f;
+          for (std::size_t j = i + 1; j < L; ++j) drow[j] = 0.0f;
         }
-        blas::sgemm(T_::yes, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), 1.0f, P,
-                    static_cast<int>(S), dO, static_cast<int>(H), 0.0f, dv, static_cast<int>(3 * H));
-        blas::sgemm(T_::no, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), scale, dP,
-                    static_cast<int>(S), k, static_cast<int>(3 * H), 0.0f, dq, static_cast<int>(3 * H));
-        blas::sgemm(T_::yes, T_::no, static_cast<int>(S), static_cast<int>(dh), static_cast<int>(S), scale, dP,
-                    static_cast<int>(S), q, static_cast<int>(3 * H), 0.0f, dk, static_cast<int>(3 * H));
+        blas::sgemm(T_::yes, T_::no, n, static_cast<int>(dh), n, 1.0f, P, n, dO, static_cast<int>(H), 0.0f, dv, ld);
+        blas::sgemm(T_::no, T_::no, n, static_cast<int>(dh), n, scale, dP, n, k, ld, 0.0f, dq, ld);
+        blas::sgemm(T_::yes, T_::no, n, static_cast<int>(dh), n, scale, dP, n, q, ld, 0.0f, dk, ld);
       }
   }
 
@@ -705,6 +724,8 @@ class GptStage {
   int first_ = 0, count_ = 0, h_ = 0;
   std::vector<float> params_, grads_;
   std::vector<float> scratch_, bwd_, scores_;
+  std::vector<Document> docs_;    // the microbatch's documents (documents())
+  std::vector<std::size_t> pos_;  // each token's position in its document
 };
 
 static_assert(layer_for<GptStage, backend::CpuContext>,

@@ -166,6 +166,10 @@ class GptStage {
       throw error(
           "cuda::GptStage: GptConfig::tie_embeddings is not implemented on the CUDA GPT yet (its head GEMMs take the "
           "weight (h, V)); tie the embeddings on the CPU GPT (model::GptStage)");
+    if (cfg.packed)
+      throw error(
+          "cuda::GptStage: GptConfig::packed is not implemented on the CUDA GPT yet (its cuDNN attention is causal over "
+          "whole rows); pack sequences on the CPU GPT (model::GptStage)");
     if (dims_.blocks > 0)
       (void)sdpa_layout(max_shape.batch, cfg.heads, max_shape.seq, cfg.hidden / cfg.heads);  // cuDNN's head_dim limits
     if (static_cast<long long>(initial.size()) != params_.total)

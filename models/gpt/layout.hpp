@@ -17,7 +17,8 @@
 #include <vector>
 
 #include <pipeoffload/error.hpp>
-#include <pipeoffload/layer.hpp>  // ParamInfo, InputSpec, MicrobatchShape
+#include <pipeoffload/layer.hpp>    // ParamInfo, InputSpec, MicrobatchShape
+#include <pipeoffload/packing.hpp>  // document_offsets_input
 #include <pipeoffload/tensor.hpp>
 
 namespace pipeoffload::model {
@@ -36,6 +37,10 @@ struct GptConfig {
   /// and shares it with stage 0's `wte` (po::SharedParam), so the runtime sums the two
   /// gradients and the optimizer updates one tensor.
   bool tie_embeddings = false;
+  /// Packed rows: several documents a row, their offsets the step input "cu_seqlens"
+  /// (po::document_offsets_input, read by the embedding and every stage with blocks); positions
+  /// restart at each document and attention stays within it (the CPU GPT; the CUDA GPT refuses).
+  bool packed = false;
   /// Blocks of each stage, in stage order, summing to `layers` (stage 0 also holds the
   /// embedding, the last stage the head, so they may take fewer); empty: as even as the stage
   /// count allows (gpt_blocks_of_stage).
@@ -74,6 +79,7 @@ struct GptDims {
   bool has_head = false;  ///< last stage: final LayerNorm, LM head, cross-entropy
   bool recompute = true;  ///< selective recompute of LayerNorm, GeLU and dropout masks
   bool tied = false;      ///< GptConfig::tie_embeddings: the head's weight is (V, h), shared with wte
+  bool packed = false;    ///< GptConfig::packed
 };
 
 /// The blocks of stage `stage` of `stages` in a model of `layers` blocks, spread as evenly as
@@ -216,11 +222,15 @@ inline std::vector<SharedParam> gpt_shared_parameters(const GptDims& d) {
 }
 
 /// inputs() of both implementations: stage 0 reads the token ids, the last stage the next-token
-/// targets, int32, one per token of the microbatch.
+/// targets, int32, one per token of the microbatch; packed, the embedding and every stage with
+/// blocks read the rows' document offsets (int32, seq + 1 a row).
 inline std::vector<InputSpec> gpt_inputs(const GptDims& d, MicrobatchShape sh) {
   const std::size_t tokens = static_cast<std::size_t>(sh.tokens());
   std::vector<InputSpec> in;
   if (d.embeds) in.push_back({"tokens", DType::int32, tokens});
+  if (d.packed && (d.embeds || d.blocks > 0))
+    in.push_back({document_offsets_input, DType::int32,
+                  static_cast<std::size_t>(sh.batch) * (static_cast<std::size_t>(sh.seq) + 1)});
   if (d.has_head) in.push_back({"targets", DType::int32, tokens});
   return in;
 }
@@ -239,8 +249,8 @@ inline GptDims gpt_dims(const GptConfig& cfg, int stage, int stages) {
     for (int s = 0; s < stage; ++s) r.first += cfg.stage_blocks[static_cast<std::size_t>(s)];
     r.count = cfg.stage_blocks[static_cast<std::size_t>(stage)];
   }
-  return GptDims{cfg.vocab, cfg.hidden, cfg.heads,           cfg.seq,       r.first,
-                 r.count,   stage == 0, stage == stages - 1, cfg.recompute, cfg.tie_embeddings};
+  return GptDims{cfg.vocab,           cfg.hidden,    cfg.heads,          cfg.seq,   r.first, r.count, stage == 0,
+                 stage == stages - 1, cfg.recompute, cfg.tie_embeddings, cfg.packed};
 }
 
 }  // namespace pipeoffload::model

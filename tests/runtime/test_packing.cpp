@@ -1,8 +1,9 @@
-// tests/runtime: packed sequences (pipeoffload/packing.hpp, LlamaConfig::packed). The offsets'
-// construction and checks; a packed microbatch's blocks computing every document's outputs and
+// tests/runtime: packed sequences (pipeoffload/packing.hpp, LlamaConfig::packed,
+// GptConfig::packed). The offsets' construction and checks; for both models, a packed microbatch's blocks computing every document's outputs and
 // input gradients bit for bit independently of the rest of the microbatch, and as the document
 // alone in a row of its own to float rounding (weight gradients the documents' sum, the loss
 // their token-weighted mean); packed training bit-identical to one rank under every family.
+// The GPT's embedding restarts its positions at every document.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include <models/gpt/cpu.hpp>
 #include <models/gpt/math.hpp>
 #include <models/llama/cpu.hpp>
 #include <pipeoffload/runtime.hpp>
@@ -34,8 +36,9 @@ std::string error_of(auto&& f) {
 }
 
 /// One pass of a stage on a microbatch of `shape` (its inputs given by name), on the CPU.
+template <class Stage>
 struct Pass {
-  LlamaStage& stage;
+  Stage& stage;
   po::MicrobatchShape shape;
   std::vector<po::StepInput> inputs;
   float loss = 0;
@@ -98,7 +101,10 @@ TEST_CASE("packing: offsets from a boundary token, and every malformed row refus
   CHECK(refused({0, 5, 4, 4, 4}) == "cu_seqlens row 0: offset 1 is 5; outside [0, 4]" + rule);
 }
 
-TEST_CASE("Llama: a packed microbatch computes each document independently of the others, as the document alone") {
+/// The checks of the case below on a model whose stage 1 of 3 holds every block (stage 0 the
+/// embedding, stage 2 the head): `cfg` unpacked.
+template <class Stage, class Config>
+void check_documents(Config cfg, const std::string& model) {
   // Three stages: the embedding, every block, the head; the middle one (attention, RoPE) is
   // where packing acts, checked on random inputs and output gradients. Bit for bit, a
   // document's outputs and input gradients do not depend on anything else in its microbatch:
@@ -107,13 +113,11 @@ TEST_CASE("Llama: a packed microbatch computes each document independently of th
   // the values agree to float rounding only: OpenBLAS's GEMMs round a row's results
   // differently for different row counts (its transposed-operand kernels at any width, the
   // plain ones from k = 768 on, measured), so equal bits there would be an accident of sizes.
-  for (const int kv_heads : {1, 2, 4}) {
-    CAPTURE(kv_heads);
-    LlamaConfig cfg{.vocab = 64, .hidden = 32, .heads = 4, .kv_heads = kv_heads, .layers = 2, .seq = 16};
+  {
     cfg.stage_blocks = {0, 2, 0};
-    LlamaConfig packed_cfg = cfg;
+    Config packed_cfg = cfg;
     packed_cfg.packed = true;
-    LlamaStage packed(packed_cfg, 1, 3), alone(cfg, 1, 3);
+    Stage packed(packed_cfg, 1, 3), alone(cfg, 1, 3);
     REQUIRE(pipeline_test::same(std::vector<float>(packed.parameters().begin(), packed.parameters().end()),
                                 std::vector<float>(alone.parameters().begin(), alone.parameters().end())));
     // Rows of 16 tokens: documents of 5, 1 and 10; one of 16; 2, 13 and 1.
@@ -134,7 +138,7 @@ TEST_CASE("Llama: a packed microbatch computes each document independently of th
     CHECK(alone.inputs(sh).empty());
     po::backend::CpuContext ctx;
     const std::vector<float> x = noise(T * h, 11), dy = noise(T * h, 12);
-    Pass p{packed, sh, {input(po::document_offsets_input, offsets)}};
+    Pass<Stage> p{packed, sh, {input(po::document_offsets_input, offsets)}};
     const std::vector<float> y = p.forward(ctx, x), dx = p.backward(ctx, dy);
     const std::vector<float> packed_grads(packed.gradients().begin(), packed.gradients().end());
 
@@ -157,13 +161,13 @@ TEST_CASE("Llama: a packed microbatch computes each document independently of th
                                                                  static_cast<std::int32_t>(d.begin + d.length)}
                                      : std::vector<std::int32_t>{0, static_cast<std::int32_t>(d.length)});
       const std::vector<std::int32_t> offsets2 = rows(other);
-      Pass p2{packed, sh, {input(po::document_offsets_input, offsets2)}};
+      Pass<Stage> p2{packed, sh, {input(po::document_offsets_input, offsets2)}};
       const std::vector<float> y2 = p2.forward(ctx, x2), dx2 = p2.backward(ctx, dy2);
       CHECK(std::memcmp(y2.data() + first, y.data() + first, n * sizeof(float)) == 0);
       CHECK(std::memcmp(dx2.data() + first, dx.data() + first, n * sizeof(float)) == 0);
       // Alone, positions from 0.
       std::fill(alone.gradients().begin(), alone.gradients().end(), 0.0f);
-      Pass a{alone, {1, static_cast<int>(d.length)}, {}};
+      Pass<Stage> a{alone, {1, static_cast<int>(d.length)}, {}};
       const std::vector<float> ya = a.forward(ctx, {x.begin() + first, x.begin() + first + n});
       const std::vector<float> dxa = a.backward(ctx, {dy.begin() + first, dy.begin() + first + n});
       for (std::size_t i = 0; i < n; ++i) {
@@ -185,59 +189,100 @@ TEST_CASE("Llama: a packed microbatch computes each document independently of th
     }
     CHECK(largest > 0);
     CHECK(worst <= 1e-5 * largest);
-    MESSAGE("kv_heads " << kv_heads << ": alone vs packed, outputs within " << worst_y / largest_y
-                        << ", input gradients " << worst_dx / largest_dx << ", weight gradients " << worst / largest
-                        << " of the largest");
+    MESSAGE(model << ": alone vs packed, outputs within " << worst_y / largest_y << ", input gradients "
+                  << worst_dx / largest_dx << ", weight gradients " << worst / largest << " of the largest");
     // Unpacked, the same rows (positions running on, attention across documents) are far off.
     std::fill(alone.gradients().begin(), alone.gradients().end(), 0.0f);
-    Pass u{alone, sh, {}};
+    Pass<Stage> u{alone, sh, {}};
     const std::vector<float> yu = u.forward(ctx, x);
     double off = 0;
     for (std::size_t i = 5 * h; i < T * h; ++i) off = std::max(off, static_cast<double>(std::abs(yu[i] - y[i])));
     CHECK(off > 1e-3 * largest_y);
     // Without the offsets, the stage says which input it lacks.
-    Pass missing{packed, sh, {}};
+    Pass<Stage> missing{packed, sh, {}};
     CHECK(error_of([&] { missing.forward(ctx, x); }).find("reads the step input 'cu_seqlens'") != std::string::npos);
   }
 }
 
+TEST_CASE("Llama: a packed microbatch computes each document independently of the others, as the document alone") {
+  for (const int kv_heads : {1, 2, 4}) {
+    CAPTURE(kv_heads);
+    check_documents<LlamaStage>(
+        LlamaConfig{.vocab = 64, .hidden = 32, .heads = 4, .kv_heads = kv_heads, .layers = 2, .seq = 16},
+        "Llama, kv_heads " + std::to_string(kv_heads));
+  }
+}
+
+TEST_CASE("GPT: a packed microbatch computes each document independently of the others, as the document alone") {
+  check_documents<po::model::GptStage>(
+      po::model::GptConfig{.vocab = 64, .hidden = 32, .heads = 4, .layers = 2, .seq = 16, .dropout = 0.0f}, "GPT");
+  // The embedding: positions restart at every document (the position table's rows 0, 1, ...).
+  po::model::GptConfig cfg{.vocab = 64, .hidden = 32, .heads = 4, .layers = 2, .seq = 16, .dropout = 0.0f};
+  cfg.stage_blocks = {0, 2};
+  po::model::GptConfig packed_cfg = cfg;
+  packed_cfg.packed = true;
+  po::model::GptStage packed(packed_cfg, 0, 2), alone(cfg, 0, 2);
+  std::vector<std::int32_t> tok(16);
+  for (std::size_t i = 0; i < 16; ++i) tok[i] = static_cast<std::int32_t>((i * 11 + 3) % 64);
+  const std::vector<std::int32_t> offsets = {0, 6, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16};
+  po::backend::CpuContext ctx;
+  Pass<po::model::GptStage> p{packed, {1, 16}, {input("tokens", tok), input(po::document_offsets_input, offsets)}};
+  const std::vector<float> y = p.forward(ctx, std::vector<float>(16 * 32));
+  const std::vector<std::int32_t> second(tok.begin() + 6, tok.end());
+  Pass<po::model::GptStage> a{alone, {1, 10}, {input("tokens", second)}};
+  const std::vector<float> ya = a.forward(ctx, std::vector<float>(10 * 32));
+  CHECK(std::memcmp(ya.data(), y.data() + 6 * 32, 10 * 32 * sizeof(float)) == 0);
+}
+
+/// One stage holding the whole model `cfg` (unpacked): the packed loss of two rows against
+/// its documents' losses run separately.
+template <class Stage, class Config>
+void check_loss(const Config& cfg) {
+  Config packed_cfg = cfg;
+  packed_cfg.packed = true;
+  Stage packed(packed_cfg, 0, 1), alone(cfg, 0, 1);
+  std::vector<std::int32_t> tok(32), tgt(32);
+  for (std::size_t i = 0; i < 32; ++i) {
+    tok[i] = static_cast<std::int32_t>((i * 37 + 5) % 64);
+    tgt[i] = static_cast<std::int32_t>((i * 13 + 1) % 64);
+  }
+  tok[4] = tok[11] = tok[17] = 63;  // the boundary: documents 4, 7, 5 | 1, 15
+  const std::vector<std::int32_t> offsets = po::document_offsets(tok, 16, 63);
+  po::backend::CpuContext ctx;
+  Pass<Stage> p{
+      packed, {2, 16}, {input("tokens", tok), input(po::document_offsets_input, offsets), input("targets", tgt)}};
+  p.forward(ctx, {});
+  std::vector<po::Document> docs;
+  po::append_documents(offsets.data(), 2, 16, docs);
+  REQUIRE(docs.size() == 5);
+  double weighted = 0;
+  for (const po::Document& d : docs) {
+    const std::size_t first = d.row * 16 + d.begin;
+    const std::vector<std::int32_t> dt(tok.begin() + first, tok.begin() + first + d.length),
+        dg(tgt.begin() + first, tgt.begin() + first + d.length);
+    Pass<Stage> a{alone, {1, static_cast<int>(d.length)}, {input("tokens", dt), input("targets", dg)}};
+    a.forward(ctx, {});
+    weighted += static_cast<double>(a.loss) * static_cast<double>(d.length) / 32.0;
+  }
+  MESSAGE("packed loss " << p.loss << ", documents' weighted mean " << weighted);
+  CHECK(p.loss > 3.0f);
+  CHECK(std::abs(static_cast<double>(p.loss) - weighted) <= 1.5 * std::ldexp(static_cast<double>(p.loss), -23));
+}
+
 TEST_CASE("Llama: a packed microbatch's loss is its documents' losses run separately, weighted by their tokens") {
   // One stage holding the whole model, tied and untied: the per-token losses are the same bits
-  // (previous case), so the packed mean differs from the documents' weighted mean only by the
-  // float rounding of each document's own mean (half an ulp each).
+  // (previous case) up to the GEMMs' rounding, so the packed mean differs from the documents'
+  // weighted mean by the float rounding of each document's own mean (half an ulp each).
   for (const bool tied : {false, true}) {
     CAPTURE(tied);
-    const LlamaConfig cfg{
-        .vocab = 64, .hidden = 32, .heads = 4, .kv_heads = 2, .layers = 2, .seq = 16, .tie_embeddings = tied};
-    LlamaConfig packed_cfg = cfg;
-    packed_cfg.packed = true;
-    LlamaStage packed(packed_cfg, 0, 1), alone(cfg, 0, 1);
-    std::vector<std::int32_t> tok(32), tgt(32);
-    for (std::size_t i = 0; i < 32; ++i) {
-      tok[i] = static_cast<std::int32_t>((i * 37 + 5) % 64);
-      tgt[i] = static_cast<std::int32_t>((i * 13 + 1) % 64);
-    }
-    tok[4] = tok[11] = tok[17] = 63;  // the boundary: documents 4, 7, 5 | 1, 15
-    const std::vector<std::int32_t> offsets = po::document_offsets(tok, 16, 63);
-    po::backend::CpuContext ctx;
-    Pass p{packed, {2, 16}, {input("tokens", tok), input(po::document_offsets_input, offsets), input("targets", tgt)}};
-    p.forward(ctx, {});
-    std::vector<po::Document> docs;
-    po::append_documents(offsets.data(), 2, 16, docs);
-    REQUIRE(docs.size() == 5);
-    double weighted = 0;
-    for (const po::Document& d : docs) {
-      const std::size_t first = d.row * 16 + d.begin;
-      const std::vector<std::int32_t> dt(tok.begin() + first, tok.begin() + first + d.length),
-          dg(tgt.begin() + first, tgt.begin() + first + d.length);
-      Pass a{alone, {1, static_cast<int>(d.length)}, {input("tokens", dt), input("targets", dg)}};
-      a.forward(ctx, {});
-      weighted += static_cast<double>(a.loss) * static_cast<double>(d.length) / 32.0;
-    }
-    MESSAGE("packed loss " << p.loss << ", documents' weighted mean " << weighted);
-    CHECK(p.loss > 3.0f);
-    CHECK(std::abs(static_cast<double>(p.loss) - weighted) <= 1.5 * std::ldexp(static_cast<double>(p.loss), -23));
+    check_loss<LlamaStage>(LlamaConfig{
+        .vocab = 64, .hidden = 32, .heads = 4, .kv_heads = 2, .layers = 2, .seq = 16, .tie_embeddings = tied});
   }
+}
+
+TEST_CASE("GPT: a packed microbatch's loss is its documents' losses run separately, weighted by their tokens") {
+  check_loss<po::model::GptStage>(
+      po::model::GptConfig{.vocab = 64, .hidden = 32, .heads = 4, .layers = 2, .seq = 16, .dropout = 0.0f});
 }
 
 TEST_CASE("Llama: packed training is bit-identical to one rank under every family, and with dp 2") {
@@ -270,4 +315,27 @@ TEST_CASE("Llama: packed training is bit-identical to one rank under every famil
   for (const auto& e : run.errors) REQUIRE(e == "");
   CHECK(pipeline_test::same(run.losses, wide.losses));
   CHECK(pipeline_test::same(run.params, wide.params));
+}
+
+TEST_CASE("GPT: packed training is bit-identical to one rank under every family") {
+  const int steps = 2;
+  pipeline_test::RunOptions<po::model::GptConfig> o{
+      .cfg = {.vocab = 64, .hidden = 16, .heads = 4, .layers = 4, .seq = 8, .dropout = 0.1f, .packed = true}};
+  o.packed = true;
+  const pipeline_test::Run ref =
+      pipeline_test::train<po::model::GptStage>(pipeline_test::one_rank, {1, 1, 4}, steps, o);
+  for (const auto& e : ref.errors) REQUIRE(e == "");
+  pipeline_test::RunOptions<po::model::GptConfig> plain = o;
+  plain.packed = false;
+  plain.cfg.packed = false;
+  CHECK_FALSE(pipeline_test::same(
+      pipeline_test::train<po::model::GptStage>(pipeline_test::one_rank, {1, 1, 4}, steps, plain).losses, ref.losses));
+  for (const std::string& name : pipeline_test::schedule_names()) {
+    CAPTURE(name);
+    const auto [spec, shape] = pipeline_test::family(name);
+    const pipeline_test::Run run = pipeline_test::train<po::model::GptStage>(spec, shape, steps, o);
+    for (const auto& e : run.errors) REQUIRE(e == "");
+    CHECK(pipeline_test::same(run.losses, ref.losses));
+    CHECK(pipeline_test::same(run.params, ref.params));
+  }
 }

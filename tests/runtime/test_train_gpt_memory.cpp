@@ -92,6 +92,7 @@ TEST_CASE("train_gpt's memory check: cpu_rank_bytes is what every rank's arena a
        "--dp", "2", "--zero", "1", "--gradients", "exact"},
       // Packed rows: the ranks with blocks hold the step's document offsets too.
       {"--model", "llama", "--pack", "32", "--schedule", "zb-v", "--ranks", "2", "--chunks", "2", "--dp", "2"},
+      {"--pack", "32", "--schedule", "1f1b-i", "--ranks", "2", "--chunks", "2", "--stage-blocks", "1,0,2,1"},
       {"--model", "llama", "--pack", "32", "--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--stage-blocks",
        "0,2,2,0"},
   };
