@@ -106,8 +106,9 @@ B-to-W stashes; workspace), with a command line that draws it.
   --schedule NAME              only that family's candidates (1f1b, ..., dualpipe-v), for
                                every v, offload and cut it has
   --backend cuda|cpu           whose memory is counted (default cuda): the CUDA GPT's (bf16, a
-                               reserve for the CUDA context); cpu: train_gpt's CPU GPT (fp32,
-                               what train_gpt --backend cpu prints as reserved_bytes_per_rank)
+                               reserve for the CUDA context); cpu: train_gpt's CPU GPT, or its
+                               Llama with --swiglu (fp32, what train_gpt --backend cpu prints as
+                               reserved_bytes_per_rank)
 
 Data parallelism: dp replicas of the D-rank pipeline, D*dp GPUs; pipeline rank r of replica
 j is global rank j*D + r. Each replica runs m = N / (dp * B) microbatches; each stage's

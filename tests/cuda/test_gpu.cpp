@@ -607,6 +607,118 @@ TEST_CASE("comm::NcclWorld::split: a grid's two groups on GPUs, all_to_all and a
   CHECK(world->aborted());
 }
 
+TEST_CASE("comm::SharedGpu: ranks sharing one GPU pass tagged messages on their streams and catch a wrong tag") {
+  if (po::backend::device_count() < 1) {
+    MESSAGE("needs a GPU; skipped");
+    return;
+  }
+  // Two ranks on GPU 0, each with its own arena and comm stream: rank 0's block reaches rank 1's
+  // through a device copy ordered by events; a wrong tag is refused at the receive.
+  po::comm::ThreadsWorld world(2);
+  const std::size_t n = 1 << 16, bytes = n * sizeof(float);
+  const std::size_t arena = po::backend::Cuda::Options{}.workspace_bytes + bytes + 4096;
+  std::vector<float> got(n, 0.0f);
+  const std::vector<std::string> errors = po::run_thread_ranks(world, [&](int r) {
+    po::backend::Cuda dev({.device = 0, .rank = r, .arena_bytes = arena});
+    po::comm::SharedGpu comm(po::comm::Threads(world, r), po::comm::DeviceCopy<po::comm::CudaStreams>{});
+    const int cs = dev.make_stream("comm");
+    po::backend::Block b = dev.device_alloc(bytes, po::backend::Memory::message);
+    std::vector<float> mine(n);
+    for (std::size_t i = 0; i < n; ++i) mine[i] = static_cast<float>(r * 1000000 + static_cast<int>(i));
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(b.ptr, mine.data(), bytes, cudaMemcpyHostToDevice));
+    const std::span<std::byte> data(b.ptr, bytes);
+    const po::backend::CudaContext ctx = dev.context(cs);
+    for (int k = 0; k < 3; ++k) {  // the same buffers again: the events order each reuse
+      if (r == 0)
+        comm.send(ctx, 1, {1, k, po::Dir::forward}, data);
+      else
+        comm.recv(ctx, 0, {1, k, po::Dir::forward}, data);
+    }
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(ctx.cuda_stream));
+    if (r == 1) PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(got.data(), b.ptr, bytes, cudaMemcpyDeviceToHost));
+    if (r == 0)
+      comm.send(ctx, 1, {1, 3, po::Dir::forward}, data);
+    else
+      comm.recv(ctx, 0, {1, 4, po::Dir::forward}, data);
+  });
+  for (std::size_t i = 0; i < n; ++i) CHECK(got[i] == static_cast<float>(i));
+  CHECK(errors[1] == "comm::Threads: rank 1 expected (forward, stage 1, mb 4) of " + std::to_string(bytes) +
+                         " bytes from rank 0 but received (forward, stage 1, mb 3) of " + std::to_string(bytes) +
+                         " bytes");
+  CHECK(errors[0].rfind("aborted: ", 0) == 0);  // rank 1's failure ended rank 0's send
+}
+
+TEST_CASE("comm::SharedGpu: a grid's two groups on one GPU, all_to_all and all_gather on the streams, one abort") {
+  if (po::backend::device_count() < 1) {
+    MESSAGE("needs a GPU; skipped");
+    return;
+  }
+  const int dp = 2, d = 2, size = dp * d;  // g = replica * d + rank, all on GPU 0
+  po::comm::ThreadsGrid grid(dp, d);
+  constexpr std::size_t block = 1000;
+  const std::size_t arena = po::backend::Cuda::Options{}.workspace_bytes + 4 * block * 16 + 4096;
+  std::vector<std::vector<std::byte>> reps_a2a(size), pipe_a2a(size), reps_ag(size);
+  std::vector<std::string> after_abort(size);
+  std::barrier sync(size);
+  const std::vector<std::string> errors = po::run_thread_ranks(grid, [&](int g) {
+    po::backend::Cuda dev({.device = 0, .rank = g, .arena_bytes = arena});
+    po::comm::SharedGpu pipe(grid.pipeline(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
+    po::comm::SharedGpu reps(grid.replicas(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
+    const int cs = dev.make_stream("comm");
+    const std::size_t most = static_cast<std::size_t>(std::max(dp, d)) * block;
+    po::backend::Block in = dev.device_alloc(most, po::backend::Memory::message);
+    po::backend::Block out = dev.device_alloc(most, po::backend::Memory::message);
+    std::vector<std::byte> host(most);
+    for (std::size_t i = 0; i < most; ++i)
+      host[i] = static_cast<std::byte>((static_cast<std::size_t>(g) * 37 + i) & 0xff);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(in.ptr, host.data(), most, cudaMemcpyHostToDevice));
+    const po::backend::CudaContext ctx = dev.context(cs);
+    auto run = [&](po::comm::SharedGpu& c, std::vector<std::byte>& got, bool gather) {
+      const std::size_t n = static_cast<std::size_t>(c.size()) * block;
+      if (gather)
+        c.all_gather(ctx, std::span<const std::byte>(in.ptr, block), std::span(out.ptr, n));
+      else
+        c.all_to_all(ctx, std::span<const std::byte>(in.ptr, n), std::span(out.ptr, n));
+      got.resize(n);
+      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(got.data(), out.ptr, n, cudaMemcpyDeviceToHost, ctx.cuda_stream));
+      PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(ctx.cuda_stream));
+    };
+    run(reps, reps_a2a[static_cast<std::size_t>(g)], false);
+    run(pipe, pipe_a2a[static_cast<std::size_t>(g)], false);
+    run(reps, reps_ag[static_cast<std::size_t>(g)], true);
+    sync.arrive_and_wait();
+    if (g == size - 1) reps.abort("replica 1 failed");
+    sync.arrive_and_wait();
+    try {
+      pipe.all_gather(ctx, std::span<const std::byte>(in.ptr, block),
+                      std::span(out.ptr, static_cast<std::size_t>(d) * block));
+    } catch (const po::aborted_error& e) {
+      after_abort[static_cast<std::size_t>(g)] = e.what();
+    }
+  });
+  auto sent = [](int from, std::size_t i) {
+    return static_cast<std::byte>((static_cast<std::size_t>(from) * 37 + i) & 0xff);
+  };
+  for (int g = 0; g < size; ++g) {
+    CAPTURE(g);
+    const std::size_t G = static_cast<std::size_t>(g);
+    CHECK(errors[G] == "");
+    const int j = g / d, r = g % d;
+    for (int q = 0; q < dp; ++q)
+      for (std::size_t i = 0; i < block; ++i) {
+        CHECK(reps_a2a[G][static_cast<std::size_t>(q) * block + i] ==
+              sent(q * d + r, static_cast<std::size_t>(j) * block + i));
+        CHECK(reps_ag[G][static_cast<std::size_t>(q) * block + i] == sent(q * d + r, i));
+      }
+    for (int q = 0; q < d; ++q)
+      for (std::size_t i = 0; i < block; ++i)
+        CHECK(pipe_a2a[G][static_cast<std::size_t>(q) * block + i] ==
+              sent(j * d + q, static_cast<std::size_t>(r) * block + i));
+    CHECK(after_abort[G] == "aborted: replica 1 failed");
+  }
+  CHECK(grid.aborted());
+}
+
 TEST_CASE("device_pairing covers every visible GPU exactly once") {
   const po::cuda::Pairing p = po::backend::device_pairing();
   std::vector<int> devs = p.device_of_rank;

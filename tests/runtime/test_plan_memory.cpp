@@ -58,6 +58,39 @@ TEST_CASE("the planner's CPU GPT is the model's: each stage's unit, stash and pa
     }
 }
 
+TEST_CASE("the planner's CPU Llama (swiglu) is the model's: each stage's unit, stash and parameters, to the byte") {
+  for (const int kv_heads : {1, 2, 4})
+    for (const int ffn : {40, 96})
+      for (const int stages : {2, 3, 5}) {
+        CAPTURE(kv_heads);
+        CAPTURE(ffn);
+        CAPTURE(stages);
+        po::TransformerSpec m{.layers = 5,
+                              .hidden = 48,
+                              .heads = 4,
+                              .query_groups = kv_heads,
+                              .seq = 16,
+                              .micro_batch = 3,
+                              .global_batch = 12,
+                              .vocab = 256,
+                              .ffn_hidden = ffn,
+                              .swiglu = true};
+        const std::vector<po::StageContent> cut = po::stage_layout(m, stages);
+        po::llama::LlamaConfig cfg{
+            .vocab = 256, .hidden = 48, .heads = 4, .kv_heads = kv_heads, .ffn = ffn, .layers = 5, .seq = 16};
+        for (const po::StageContent& c : cut) cfg.stage_blocks.push_back(c.layers);
+        const po::MicrobatchShape mb{3, 16};
+        for (int s = 0; s < stages; ++s) {
+          CAPTURE(s);
+          const po::StageContent& c = cut[static_cast<std::size_t>(s)];
+          const po::llama::LlamaDims dims = po::llama::llama_dims(cfg, s, stages);
+          CHECK(po::cpu_stage_unit_bytes(m, c) == static_cast<double>(po::llama::cpu_bytes::saved(dims, mb)));
+          CHECK(po::cpu_stage_stash_bytes(m, c) == static_cast<double>(po::llama::cpu_bytes::stash(dims, mb)));
+          CHECK(po::stage_parameters(m, c) == static_cast<double>(po::llama::llama_stage_params(dims).total));
+        }
+      }
+}
+
 namespace {
 
 /// Configurations compared and the largest relative difference seen.
@@ -203,6 +236,38 @@ TEST_CASE(
     }
   MESSAGE("CPU, tied: " << s.configs << " configurations, largest difference " << s.worst);
   CHECK(s.configs >= 40);
+  CHECK(s.worst == 0);
+}
+
+TEST_CASE(
+    "the planner's CPU memory for a Llama-class model (swiglu, grouped-query attention, its own ffn width) is what "
+    "train_gpt --model llama reserves for its command, to the byte, tied and untied") {
+  const std::string text = corpus();
+  Sweep s;
+  for (const int d : {2, 4})
+    for (const bool tied : {false, true})
+      for (const auto& [dp, zero, gradients] :
+           {std::tuple{1, 0, po::Gradients::standard}, std::tuple{2, 1, po::Gradients::exact}}) {
+        CAPTURE(d);
+        CAPTURE(tied);
+        CAPTURE(dp);
+        const po::TransformerSpec m{.layers = 6,
+                                    .hidden = 32,
+                                    .heads = 4,
+                                    .query_groups = 2,
+                                    .seq = 16,
+                                    .micro_batch = 2,
+                                    .global_batch = 2 * 2 * d * dp,
+                                    .vocab = 256,
+                                    .ffn_hidden = 48,
+                                    .swiglu = true,
+                                    .tied_embeddings = tied};
+        const po::MachineSpec x{.ranks = d, .device_bytes = 64 * po::gib, .host_bytes = 64 * po::gib, .flops = 5e11};
+        const po::PlanBudget bud{.gradients = gradients, .backend = po::PlanBackend::cpu};
+        sweep(m, x, bud, {.dp = dp, .zero = zero}, text, s);
+      }
+  MESSAGE("CPU, Llama: " << s.configs << " configurations, largest difference " << s.worst);
+  CHECK(s.configs >= 250);
   CHECK(s.worst == 0);
 }
 

@@ -257,8 +257,16 @@ def runs_in_train_gpt():
           f"no --recompute: {doc.get('train_gpt_args_why_not')!r}")
     rc, _, err = run(*args_of(TINY, "--backend", "gpu"))
     check(rc == 2 and "--backend must be cuda or cpu" in err, f"--backend gpu: exit {rc}, {err!r}")
-    rc, _, err = run(*args_of(TINY, "--backend", "cpu", "--swiglu"))
-    check(rc == 2 and "backend cpu counts train_gpt's CPU GPT" in err, f"--backend cpu --swiglu: exit {rc}, {err!r}")
+    rc, _, err = run(*args_of({**TINY, "--query-groups": "2"}, "--backend", "cpu"))
+    check(rc == 2 and "backend cpu counts train_gpt's CPU models" in err,
+          f"--backend cpu, a GPT with grouped-query attention: exit {rc}, {err!r}")
+    # A Llama-class model (--swiglu): train_gpt --model llama on the CPU; the CUDA Llama is not built.
+    llama = {**TINY, "--query-groups": "2", "--ffn-hidden": "96"}
+    doc, _ = plan(llama, "--swiglu", "--recompute")
+    check(doc.get("train_gpt_args") is None and "runs on --backend cpu only" in doc.get("train_gpt_args_why_not", ""),
+          f"--swiglu on cuda: {doc.get('train_gpt_args_why_not')!r}")
+    plans.append((llama, ["--swiglu"]))
+    plans.append((llama, ["--swiglu", "--tied-embeddings", "--dp", "2", "--zero", "1"]))
     # --backend cpu: each command runs, and each rank reserves what the plan says it holds.
     for opts, extra in plans:
         doc, _ = plan(opts, *extra, "--backend", "cpu")
@@ -269,6 +277,10 @@ def runs_in_train_gpt():
         blocks = args[args.index("--stage-blocks") + 1].split(",")
         check([int(b) for b in blocks] == doc["layers_per_stage"], f"--stage-blocks {blocks} is not layers_per_stage")
         check(args[-2:] == ["--backend", "cpu"], f"{extra}: train_gpt_args end {args[-2:]!r}")
+        if "--swiglu" in extra:
+            at = args.index("--model") if "--model" in args else 0
+            check(args[at:at + 6] == ["--model", "llama", "--kv-heads", "2", "--ffn", "96"],
+                  f"{extra}: train_gpt_args {args!r}")
         if TRAIN_GPT:
             p = subprocess.run([TRAIN_GPT, *args, "--steps", "1", "--quiet"], capture_output=True, text=True,
                                timeout=300)
@@ -304,7 +316,9 @@ def runs_in_train_gpt():
           f"--schedule nope: exit {rc}, {err!r}")
     # Models train_gpt does not build: null, and why.
     for opts, extra, words in (({**TINY, "--query-groups": "2"}, [], "multi-head attention"),
-                               (TINY, ["--swiglu"], "multi-head attention"),
+                               (TINY, ["--swiglu"], "runs on --backend cpu only"),
+                               ({**TINY, "--heads": "64", "--query-groups": "64"}, ["--swiglu", "--backend", "cpu"],
+                                "h / heads must be even"),
                                ({**TINY, "--vocab": "512"}, [], "vocabulary 256")):
         doc, _ = plan(opts, *extra)
         check(doc.get("train_gpt_args", 0) is None and words in doc.get("train_gpt_args_why_not", ""),

@@ -153,10 +153,10 @@ struct PlanBudget {
   int max_chunks = 0;
   /// Consider schedules that offload activations to host memory.
   bool allow_offload = true;
-  /// Whose memory is counted. cpu: the CPU GPT's units and stashes (cpu_stage_unit_bytes),
-  /// fp32 boundaries, 4-byte working parameters, no reserve or transient (what train_gpt
-  /// --backend cpu reports as reserved_bytes_per_rank); it needs a GPT layer (no --swiglu,
-  /// multi-head attention, 4h MLP).
+  /// Whose memory is counted. cpu: train_gpt's CPU models' units and stashes
+  /// (cpu_stage_unit_bytes), fp32 boundaries, 4-byte working parameters, no reserve or
+  /// transient (what train_gpt --backend cpu reports as reserved_bytes_per_rank); it needs a
+  /// GPT layer (multi-head attention, 4h MLP) or a Llama-class one (swiglu).
   PlanBackend backend = PlanBackend::cuda;
   /// Only this family's candidates (a name as schedule_name() writes it: 1f1b, 1f1b-i, gis,
   /// ..., dualpipe-v; the plan tool's --schedule beside --auto); empty: every family.
@@ -463,24 +463,33 @@ constexpr double stage_stash_bytes(const TransformerSpec& m, const StageContent&
   return m.dtype_bytes * T * (c.layers * per_layer + (c.embedding ? h : 0.0) + (c.head ? h : 0.0));
 }
 
-/// train_gpt's CPU GPT (model::GptStage, models/gpt/cpu.hpp's gpt_cpu_bytes) in fp32, per
-/// microbatch of T = b*s tokens. train_gpt always recomputes LayerNorm, GeLU and dropout, so a
-/// block saves 10 T*h values, its LayerNorm statistics and attention log-sum-exps (4T + T*a),
-/// 64-byte aligned, whatever `m.recompute` says; the head saves its input, the final
-/// LayerNorm's statistics and the logits' gradient (T*(h + 2 + V)).
-/// tests/runtime/test_plan_memory.cpp holds these to the model.
+/// Elements of one key (or value) row: G h/a.
+constexpr double kv_width(const TransformerSpec& m) { return static_cast<double>(m.hidden / m.heads) * m.query_groups; }
+
+/// train_gpt's CPU models in fp32, per microbatch of T = b*s tokens, 64-byte aligned blocks.
+/// The GPT (model::GptStage, models/gpt/cpu.hpp's gpt_cpu_bytes) always recomputes LayerNorm,
+/// GeLU and dropout, so a block saves 10 T*h values, its LayerNorm statistics and attention
+/// log-sum-exps (4T + T*a), whatever `m.recompute` says; its head saves its input, the final
+/// LayerNorm's statistics and the logits' gradient (T*(h + 2 + V)). The Llama (swiglu:
+/// llama::LlamaStage, models/llama/cpu.hpp's cpu_bytes) saves x, q, the attention output and
+/// x1 (h each), k and v (G h/a each), the gate and up projections (f each), two reciprocal RMS
+/// and a log-sum-exp per head, a token; its head T*(h + 1 + V).
+/// tests/runtime/test_plan_memory.cpp holds these to the models.
 constexpr double cpu_stage_unit_bytes(const TransformerSpec& m, const StageContent& c) {
   const double T = static_cast<double>(m.micro_batch) * m.seq, h = m.hidden;
-  const double block = (T * h * 10 + 4 * T + T * m.heads) * 4;
+  const double block = m.swiglu ? T * (4 * h + 2 * kv_width(m) + 2 * ffn_width(m) + 2 + m.heads) * 4
+                                : (T * h * 10 + 4 * T + T * m.heads) * 4;
   const double aligned = static_cast<double>((static_cast<std::uint64_t>(block) + 63) / 64 * 64);
-  return c.layers * aligned + (c.head ? T * (h + 2 + m.vocab) * 4 : 0.0);
+  return c.layers * aligned + (c.head ? T * (h + (m.swiglu ? 1 : 2) + m.vocab) * 4 : 0.0);
 }
 
-/// The CPU GPT's stash (gpt_cpu_bytes::stash): 11 T*h fp32 values a block (the gradients of its
-/// linear and norm outputs), T*h for the embedding and T*h for the head.
+/// The CPU models' stash (gpt_cpu_bytes::stash, llama::cpu_bytes::stash): the gradients of a
+/// block's linear and norm outputs, 11 T*h fp32 values (the GPT) or T*(5h + 2f + 2 G h/a) (the
+/// Llama), and T*h for the embedding and T*h for the head.
 constexpr double cpu_stage_stash_bytes(const TransformerSpec& m, const StageContent& c) {
-  const double Th = static_cast<double>(m.micro_batch) * m.seq * m.hidden;
-  return 4 * Th * (11.0 * c.layers + (c.embedding ? 1 : 0) + (c.head ? 1 : 0));
+  const double T = static_cast<double>(m.micro_batch) * m.seq, h = m.hidden;
+  const double block = m.swiglu ? 5 * h + 2 * ffn_width(m) + 2 * kv_width(m) : 11 * h;
+  return 4 * T * (c.layers * block + (c.embedding ? h : 0) + (c.head ? h : 0));
 }
 
 /// Parameters of one stage: its layers; the word embedding (and GPT's position table) on the

@@ -960,10 +960,11 @@ constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const 
   }
   detail::require_range("budget: max chunks (0 = no limit)", bud.max_chunks, 0, max_chunks);
   if (bud.backend == PlanBackend::cpu &&
-      (m.swiglu || m.query_groups != m.heads || (m.ffn_hidden != 0 && m.ffn_hidden != 4 * m.hidden) || !m.vocab_stages))
+      (!m.vocab_stages ||
+       (!m.swiglu && (m.query_groups != m.heads || (m.ffn_hidden != 0 && m.ffn_hidden != 4 * m.hidden)))))
     throw shape_error(
-        "budget: backend cpu counts train_gpt's CPU GPT, whose layers have multi-head attention and a 4h GeLU MLP "
-        "and whose first and last stages hold the embedding and the head; this model has other layers");
+        "budget: backend cpu counts train_gpt's CPU models, a GPT (multi-head attention, a 4h GeLU MLP) or a "
+        "Llama (swiglu), whose first and last stages hold the embedding and the head; this model has other layers");
   check_grid(m, x, grid);
   // (No ?: between the two calls: GCC 12 destroys a class temporary of a ?: twice in constant
   // evaluation.)

@@ -44,15 +44,21 @@ inline std::string plan_command(const PlanResult& r, int ranks) {
   return s + " --k " + k;
 }
 
-/// samples/train_gpt's arguments that run the chosen plan on its GPT (the schedule, the grid,
-/// the shape, the cut: --stage-blocks from layers_per_stage, the embedding and the head on the
-/// first and last stage, and the backend whose memory was counted), or empty with `why` set when train_gpt cannot build the model:
-/// its GPT has multi-head attention, a 4h GeLU MLP, the embedding and head stages, and learns
-/// from a byte-level corpus (vocabulary 256), within its options' ranges.
+/// samples/train_gpt's arguments that run the chosen plan (the schedule, the grid, the shape,
+/// the cut: --stage-blocks from layers_per_stage, the embedding and the head on the first and
+/// last stage, the model: its GPT, or with swiglu its Llama with --kv-heads and --ffn, and the
+/// backend whose memory was counted), or empty with `why` set when train_gpt cannot build the
+/// model: its GPT has multi-head attention and a 4h GeLU MLP, its Llama runs on the CPU with an
+/// even head size, both hold the embedding and head stages and learn from a byte-level corpus
+/// (vocabulary 256), within its options' ranges.
 inline std::vector<std::string> train_gpt_args(const PlanResult& r, const TransformerSpec& m, std::string& why) {
   const PlanCandidate& c = r.choice;
   why.clear();
-  if (m.swiglu || (m.ffn_hidden != 0 && m.ffn_hidden != 4 * m.hidden) || m.query_groups != m.heads)
+  if (m.swiglu && r.backend == PlanBackend::cuda)
+    why = "train_gpt's Llama (--swiglu) runs on --backend cpu only: the CUDA Llama is not built yet";
+  else if (m.swiglu && (m.hidden / m.heads) % 2 != 0)
+    why = "train_gpt's Llama rotates pairs of each head's values (RoPE): h / heads must be even";
+  else if (!m.swiglu && ((m.ffn_hidden != 0 && m.ffn_hidden != 4 * m.hidden) || m.query_groups != m.heads))
     why = "train_gpt's GPT has multi-head attention and a 4h GeLU MLP";
   else if (!m.vocab_stages)
     why = "train_gpt's GPT holds the embedding and head on the first and last stage";
@@ -73,6 +79,9 @@ inline std::vector<std::string> train_gpt_args(const PlanResult& r, const Transf
   a.insert(a.end(),
            {"--layers", detail::num(m.layers), "--hidden", detail::num(m.hidden), "--heads", detail::num(m.heads),
             "--seq", detail::num(m.seq), "--batch", detail::num(m.micro_batch), "--stage-blocks", blocks});
+  if (m.swiglu)
+    a.insert(a.end(), {"--model", "llama", "--kv-heads", detail::num(m.query_groups), "--ffn",
+                       detail::num(static_cast<long long>(ffn_width(m)))});
   if (r.dp > 1) a.insert(a.end(), {"--dp", detail::num(r.dp), "--zero", detail::num(r.zero)});
   if (r.gradients == Gradients::exact) a.insert(a.end(), {"--gradients", "exact"});
   if (m.tied_embeddings) a.push_back("--tie-embeddings");
