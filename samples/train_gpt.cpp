@@ -68,16 +68,16 @@ using train_gpt::Options;
 using train_gpt::print_banner;
 using train_gpt::Setup;
 
-/// A model's stage (the GPT's or the Llama's) with an optional injected fault: the runtime sees
-/// it as the layer type, so a fault fires inside a real forward pass, mid-iteration, with other
-/// passes in flight.
+/// A model's stage (the GPT's or the Llama's, on the CPU or the GPU) with an optional injected
+/// fault: the runtime sees it as the layer type, so a fault fires inside a real forward pass,
+/// mid-iteration, with other passes in flight. `args` construct the stage.
 template <class Base>
 struct Faulty : Base {
-  template <class Config>
-  Faulty(const Config& cfg, int stage, int stages, const Options::Fault* fault, int replicas)
-      : Base(cfg, stage, stages), fault_(fault), replicas_(replicas) {}
-  void forward(po::backend::CpuContext& ctx, const po::Microbatch& mb, po::ConstTensor x, po::Tensor y,
-               std::byte* saved) {
+  template <class... Args>
+  Faulty(const Options::Fault* fault, int replicas, Args&&... args)
+      : Base(std::forward<Args>(args)...), fault_(fault), replicas_(replicas) {}
+  template <class Context>
+  void forward(Context& ctx, const po::Microbatch& mb, po::ConstTensor x, po::Tensor y, std::byte* saved) {
     // The second forward pass of the step on this stage (the first with one microbatch per
     // replica): mid-iteration, with other passes in flight.
     if (fault_ != nullptr && mb.training && mb.step == fault_->step &&
@@ -427,7 +427,7 @@ auto with_cpu_stages(const Options& o, int g, F&& fn) {
     std::vector<Faulty<Layer>> mine;
     mine.reserve(static_cast<std::size_t>(o.shape.v));
     for (int c = 0; c < o.shape.v; ++c)
-      mine.emplace_back(cfg, o.shape.stage_of(r, c), o.shape.stages(), o.fault.rank == g ? &o.fault : nullptr, o.dp);
+      mine.emplace_back(o.fault.rank == g ? &o.fault : nullptr, o.dp, cfg, o.shape.stage_of(r, c), o.shape.stages());
     return fn(mine);
   };
   if (o.llama) return make.template operator()<po::llama::LlamaStage>(train_gpt::llama_config(o));
@@ -435,11 +435,13 @@ auto with_cpu_stages(const Options& o, int g, F&& fn) {
 }
 
 #ifdef PIPEOFFLOAD_WITH_CUDA
-/// This rank's v stages on the GPU, from the CPU model's initial parameters (kept in `initial`,
-/// fp32, for the optimizer's master copy: the stages hold them rounded to bf16).
-std::vector<po::cuda::GptStage> cuda_stages(const Options& o, const Setup& su, po::backend::Cuda& dev, int r,
-                                            std::vector<std::vector<float>>& initial) {
-  std::vector<po::cuda::GptStage> mine;
+/// Global rank g's v stages on the GPU (with the injected fault, if it is this rank's), from
+/// the CPU model's initial parameters (kept in `initial`, fp32, for the optimizer's master
+/// copy: the stages hold them rounded to bf16).
+std::vector<Faulty<po::cuda::GptStage>> cuda_stages(const Options& o, const Setup& su, po::backend::Cuda& dev, int g,
+                                                    std::vector<std::vector<float>>& initial) {
+  const int r = g % o.shape.d;
+  std::vector<Faulty<po::cuda::GptStage>> mine;
   mine.reserve(static_cast<std::size_t>(o.shape.v));
   initial.clear();
   for (int c = 0; c < o.shape.v; ++c) {
@@ -447,8 +449,8 @@ std::vector<po::cuda::GptStage> cuda_stages(const Options& o, const Setup& su, p
     po::model::GptStage cpu(o.model, stage, o.shape.stages());
     initial.emplace_back(cpu.parameters().begin(), cpu.parameters().end());
     // bf16 boundaries: every stage is a GPU stage computing in bf16 (cuda::Boundaries).
-    mine.emplace_back(dev, o.model, stage, o.shape.stages(), su.runtime.microbatch, initial.back(),
-                      po::cuda::Boundaries::bf16);
+    mine.emplace_back(o.fault.rank == g ? &o.fault : nullptr, o.dp, dev, o.model, stage, o.shape.stages(),
+                      su.runtime.microbatch, initial.back(), po::cuda::Boundaries::bf16);
   }
   return mine;
 }
@@ -504,7 +506,7 @@ int run_shared_gpus(const Options& o, Setup su) {
     po::comm::SharedGpu comm(grid.pipeline(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
     po::comm::SharedGpu replicas(grid.replicas(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
     std::vector<std::vector<float>> initial;
-    std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, r, initial);
+    std::vector<Faulty<po::cuda::GptStage>> mine = cuda_stages(o, su, dev, g, initial);
     stopped = train_rank(
         o, su, comm, replicas, dev, mine, t_start, static_cast<po::PairLink<po::backend::Cuda>*>(nullptr), [] {},
         std::move(initial));
@@ -567,7 +569,7 @@ int run_cuda_threads(const Options& o, Setup su) {
     po::comm::Nccl comm(pipe_world, pipe_world->rank(), dev);
     po::comm::Nccl replicas(reps_world, reps_world->rank(), dev);
     std::vector<std::vector<float>> initial;
-    std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, r, initial);
+    std::vector<Faulty<po::cuda::GptStage>> mine = cuda_stages(o, su, dev, g, initial);
     stopped = train_rank(
         o, su, comm, replicas, dev, mine, t_start, link_of(links, g), [&] { world->host_barrier(); },
         std::move(initial));
@@ -600,7 +602,7 @@ int run_cuda_rank(const Options& o, Setup su, po::comm::Mpi& mpi, std::chrono::s
   po::comm::Nccl reps(replicas_world, replicas_world->rank(), dev);
   try {
     std::vector<std::vector<float>> initial;
-    std::vector<po::cuda::GptStage> mine = cuda_stages(o, su, dev, pipeline_world->rank(), initial);
+    std::vector<Faulty<po::cuda::GptStage>> mine = cuda_stages(o, su, dev, r, initial);
     return train_rank(
         o, su, comm, reps, dev, mine, t_start, static_cast<po::PairLink<po::backend::Cuda>*>(nullptr), [] {},
         std::move(initial));

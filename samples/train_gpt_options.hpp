@@ -286,7 +286,7 @@ inline Options parse(int argc, char** argv) {
       throw bad_argument(
           "--backend cuda: this train_gpt was built without CUDA (install the CUDA toolkit, cuDNN and NCCL, then reconfigure)");
 #endif
-    for (const char* f : {"--copy-gbps", "--trace", "--inject-fault"})
+    for (const char* f : {"--copy-gbps", "--trace"})
       if (o.cuda && get(f))
         throw bad_argument(
             std::string(f) + " applies only to --backend cpu" +

@@ -5,14 +5,15 @@
 On the exact gradient path a run's bits do not depend on the placement, so every multi-rank
 run on one GPU must print the closing lines of the same model on one rank of the GPU (the same
 stages, the same global batch): PO-F and ZB-V at d = 4 (8 stages), and 2 replicas of a 2-rank
-pipeline with ZeRO-1. The 4-rank PO-F run is also within 3% of the CPU's final loss (bf16
-against fp32). And the arguments: --ranks-per-gpu without --backend cuda, and too few GPUs
+pipeline with ZeRO-1. The one-rank run is also within 3% of the CPU's final loss (bf16 against
+fp32), and a rank that throws mid-step ends every rank, each naming it, within 30 s. And the arguments: --ranks-per-gpu without --backend cuda, and too few GPUs
 for the ranks named with the flag that fits.
 
 usage: test_shared_gpu.py path/to/train_gpt
 """
 import subprocess
 import sys
+import time
 
 exe = sys.argv[1]
 model = ["--layers", "8", "--hidden", "64", "--heads", "4", "--seq", "64", "--batch", "2", "--steps", "6", "--quiet",
@@ -59,4 +60,14 @@ cpu = finals(run("--backend", "cpu", "--ranks", "4", "--chunks", "2", "--schedul
 g, c = float(one[0].split("=")[1]), float(cpu[0].split("=")[1])
 if abs(g - c) > 0.03 * abs(c):
     sys.exit(f"FAIL: final loss on one GPU {g} vs the CPU {c}: more than 3% apart")
+# A rank that throws mid-step ends every rank sharing the GPU, each naming it, within 30 s.
+t0 = time.monotonic()
+p = run("--backend", "cuda", "--ranks", "4", "--chunks", "2", "--ranks-per-gpu", "4", "--schedule", "po-f",
+        "--microbatches", "8", *model, "--inject-fault", "2:1:throw", code=1)
+took = time.monotonic() - t0
+for g in range(4):
+    if f"rank {g}:" not in p.stderr or "injected fault (--inject-fault 2:1:throw)" not in p.stderr:
+        sys.exit(f"FAIL: rank {g} did not report the injected fault:\n{p.stderr}")
+if took > 30:
+    sys.exit(f"FAIL: the failing run took {took:.1f} s to end (30 s allowed)")
 print(f"ok: PO-F and ZB-V on 4 ranks of one GPU, dp 2 x d 2 ZeRO-1: the one-rank bits {one}; CPU loss {c}")
