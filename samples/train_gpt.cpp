@@ -242,7 +242,7 @@ int train_rank(
   // uninterrupted one would.
   const auto step_batch = [&](int step) {
     return batch_at(su.tokens, 0, [&](std::size_t q) {
-      return po::math::mix64(o.seed, static_cast<std::uint64_t>(step) * 1000003u + q) % (su.train_tokens - seq - 1);
+      return po::ops::mix64(o.seed, static_cast<std::uint64_t>(step) * 1000003u + q) % (su.train_tokens - seq - 1);
     });
   };
   // --k auto: the schedule built from a profiling pass's measured times (measure_costs).
@@ -331,7 +331,7 @@ int train_rank(
       // The same held-out sequences every time: m microbatches from the held-out tokens.
       const std::size_t held_out = su.held_end - su.held_begin;
       const po::PassStats val = rt.evaluate(batch_at(su.held, su.held_begin, [&](std::size_t q) {
-        return po::math::mix64(o.seed ^ 0x5eedULL, q) % (held_out - seq - 1);
+        return po::ops::mix64(o.seed ^ 0x5eedULL, q) % (held_out - seq - 1);
       }));
       if (lead) {
         std::printf("eval step %d/%d: val_loss %.4f (train loss %.4f)\n", step + 1, o.steps,

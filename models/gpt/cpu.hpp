@@ -36,8 +36,8 @@
 #include <pipeoffload/layer.hpp>
 #include <pipeoffload/packing.hpp>
 
+#include <pipeoffload/ops/math.hpp>
 #include "layout.hpp"
-#include "math.hpp"
 
 namespace pipeoffload::model {
 
@@ -311,7 +311,7 @@ class GptStage {
   }
 
   std::uint64_t drop_seed(const Microbatch& mb, int block, int site) const {
-    return math::dropout_seed(c_.seed, mb.step, first_ + block, site, mb.mb);
+    return ops::dropout_seed(c_.seed, mb.step, first_ + block, site, mb.mb);
   }
 
   void init() {
@@ -320,35 +320,35 @@ class GptStage {
     const auto fill = [](float* p, std::size_t n, std::uint64_t seed, float scale) {
       for (std::size_t i = 0; i < n; ++i) {
         // Box-Muller on two counter-based uniforms.
-        const double u1 = (static_cast<double>(math::mix64(seed, 2 * i) >> 11) + 1.0) / 9007199254740993.0;
-        const double u2 = static_cast<double>(math::mix64(seed, 2 * i + 1) >> 11) / 9007199254740992.0;
+        const double u1 = (static_cast<double>(ops::mix64(seed, 2 * i) >> 11) + 1.0) / 9007199254740993.0;
+        const double u2 = static_cast<double>(ops::mix64(seed, 2 * i + 1) >> 11) / 9007199254740992.0;
         p[i] = static_cast<float>(scale * std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
       }
     };
     const std::size_t H = h();
     const float std_w = 0.02f, std_res = 0.02f / std::sqrt(2.0f * static_cast<float>(c_.layers));
     if (embeds()) {
-      fill(params_.data(), V() * H, math::mix64(c_.seed, 1000001), std_w);
-      fill(params_.data() + V() * H, static_cast<std::size_t>(c_.seq) * H, math::mix64(c_.seed, 1000002), std_w * 0.5f);
+      fill(params_.data(), V() * H, ops::mix64(c_.seed, 1000001), std_w);
+      fill(params_.data() + V() * H, static_cast<std::size_t>(c_.seq) * H, ops::mix64(c_.seed, 1000002), std_w * 0.5f);
     }
     for (int i = 0; i < count_; ++i) {
       BlockParams b = block(params_, i);
-      const std::uint64_t s = math::mix64(c_.seed, static_cast<std::uint64_t>(first_ + i));
+      const std::uint64_t s = ops::mix64(c_.seed, static_cast<std::uint64_t>(first_ + i));
       std::fill(b.ln1g, b.ln1g + H, 1.0f);
       std::fill(b.ln2g, b.ln2g + H, 1.0f);
-      fill(b.wqkv, 3 * H * H, math::mix64(s, 1), std_w);
-      fill(b.wo, H * H, math::mix64(s, 2), std_res);
-      fill(b.wfc, 4 * H * H, math::mix64(s, 3), std_w);
-      fill(b.wpr, 4 * H * H, math::mix64(s, 4), std_res);
+      fill(b.wqkv, 3 * H * H, ops::mix64(s, 1), std_w);
+      fill(b.wo, H * H, ops::mix64(s, 2), std_res);
+      fill(b.wfc, 4 * H * H, ops::mix64(s, 3), std_w);
+      fill(b.wpr, 4 * H * H, ops::mix64(s, 4), std_res);
     }
     if (heads()) {
       const HeadParams hp = head(params_);
       std::fill(hp.lnfg, hp.lnfg + H, 1.0f);
       // Tied: the embedding's values, (V, h) (the runtime starts every holder from stage 0's).
       if (dims_.tied)
-        fill(hp.w, V() * H, math::mix64(c_.seed, 1000001), std_w);
+        fill(hp.w, V() * H, ops::mix64(c_.seed, 1000001), std_w);
       else
-        fill(hp.w, H * V(), math::mix64(c_.seed, 1000003), std_w);
+        fill(hp.w, H * V(), ops::mix64(c_.seed, 1000003), std_w);
     }
   }
 
@@ -358,25 +358,25 @@ class GptStage {
   /// out = LayerNorm(x) row by row; writes each row's (mean, rstd) to stats.
   void layernorm(const float* x, float* stats, const float* g, const float* b, float* out, std::size_t T) const {
     for (std::size_t t = 0; t < T; ++t) {
-      const math::RowStats st = math::row_stats(x + t * h(), h_);
+      const ops::RowStats st = ops::row_stats(x + t * h(), h_);
       stats[2 * t] = st.mean;
       stats[2 * t + 1] = st.rstd;
       const float* xr = x + t * h();
-      elementwise(out + t * h(), h(), [&](std::size_t i) { return math::layernorm_apply(xr[i], st, g[i], b[i]); });
+      elementwise(out + t * h(), h(), [&](std::size_t i) { return ops::layernorm_apply(xr[i], st, g[i], b[i]); });
     }
   }
   /// The same output recomputed from saved statistics (selective recompute).
   void relayernorm(const float* x, const float* stats, const float* g, const float* b, float* out,
                    std::size_t T) const {
     for (std::size_t t = 0; t < T; ++t) {
-      const math::RowStats st{stats[2 * t], stats[2 * t + 1]};
+      const ops::RowStats st{stats[2 * t], stats[2 * t + 1]};
       const float* xr = x + t * h();
-      elementwise(out + t * h(), h(), [&](std::size_t i) { return math::layernorm_apply(xr[i], st, g[i], b[i]); });
+      elementwise(out + t * h(), h(), [&](std::size_t i) { return ops::layernorm_apply(xr[i], st, g[i], b[i]); });
     }
   }
   /// out[e] = f(e) for e in [0, n). g++ -O2 vectorises only loops that need neither a scalar
   /// tail nor an alias check; these fixed 16-wide loops through a local buffer need neither,
-  /// so a branch-free f (math.hpp's exp_approx, tanh_approx, gelu) runs on SIMD lanes. The
+  /// so a branch-free f (ops/math.hpp's exp_approx, tanh_approx, gelu) runs on SIMD lanes. The
   /// tail calls the same f, which gives the same bits. f may read out[e]: a group is written
   /// back only after all of it is computed.
   template <class F>
@@ -459,13 +459,13 @@ class GptStage {
           float* row = P + i * L;
           float mx = row[0];
           for (std::size_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
-          elementwise(ex, i + 1, [&](std::size_t j) { return math::exp_approx(row[j] - mx); });
+          elementwise(ex, i + 1, [&](std::size_t j) { return ops::exp_approx(row[j] - mx); });
           float sum = 0;
           for (std::size_t j = 0; j <= i; ++j) sum += ex[j];  // in index order: the same sum on every run
           const float li = mx + std::log(sum);
           l[i] = li;
           // exp(s - lse), as backward recomputes it, rather than ex / sum: the same P both ways.
-          elementwise(row, i + 1, [&](std::size_t j) { return math::exp_approx(row[j] - li); });
+          elementwise(row, i + 1, [&](std::size_t j) { return ops::exp_approx(row[j] - li); });
           for (std::size_t j = i + 1; j < L; ++j) row[j] = 0.0f;
         }
         blas::sgemm(T_::no, T_::no, static_cast<int>(L), static_cast<int>(dh), static_cast<int>(L), 1.0f, P,
@@ -500,7 +500,7 @@ class GptStage {
         for (std::size_t i = 0; i < L; ++i) {
           float* row = P + i * L;
           const float li = l[i];
-          elementwise(row, i + 1, [&](std::size_t j) { return math::exp_approx(row[j] - li); });
+          elementwise(row, i + 1, [&](std::size_t j) { return ops::exp_approx(row[j] - li); });
           for (std::size_t j = i + 1; j < L; ++j) row[j] = 0.0f;
         }
         // dP = dO v^T ; dS = P (dP - rowsum(dO o)) ; dv = P^T dO ; dq = dS k scale ; dk = dS^T q scale
@@ -536,7 +536,7 @@ class GptStage {
     float* a2 = c_.recompute ? s.data() : v.a2;
     layernorm(v.x1, v.stats + 2 * T, w.ln2g, w.ln2b, a2, T);
     linear(a2, w.wfc, w.bfc, v.f, T, H, 4 * H);
-    elementwise(g, 4 * T * H, [&](std::size_t e) { return math::gelu(v.f[e]); });
+    elementwise(g, 4 * T * H, [&](std::size_t e) { return ops::gelu(v.f[e]); });
     linear(g, w.wpr, w.bpr, tmp, T, 4 * H, H);
     residual_dropout(out, v.x1, tmp, s2, v.m2, T * H, dropout(mb));
   }
@@ -548,11 +548,11 @@ class GptStage {
   void residual_dropout(float* out, const float* x, const float* y, std::uint64_t seed, std::uint8_t* mask,
                         std::size_t n, float p) const {
     if (c_.recompute) {
-      elementwise(out, n, [&](std::size_t e) { return math::residual_dropout(x[e], y[e], seed, e, p); });
+      elementwise(out, n, [&](std::size_t e) { return ops::residual_dropout(x[e], y[e], seed, e, p); });
       return;
     }
     for (std::size_t e = 0; e < n; ++e) {
-      const float k = math::dropout_scale(seed, e, p);
+      const float k = ops::dropout_scale(seed, e, p);
       mask[e] = k != 0.0f;
       out[e] = x[e] + y[e] * k;
     }
@@ -560,8 +560,8 @@ class GptStage {
 
   float mask_scale(const std::uint8_t* saved_mask, std::uint64_t seed, std::size_t e) const {
     if (c_.dropout <= 0.0f) return 1.0f;
-    if (!c_.recompute) return math::dropout_mask_scale(saved_mask[e] != 0, c_.dropout);  // as the CUDA stage
-    return math::dropout_scale(seed, e, c_.dropout);
+    if (!c_.recompute) return ops::dropout_mask_scale(saved_mask[e] != 0, c_.dropout);  // as the CUDA stage
+    return ops::dropout_scale(seed, e, c_.dropout);
   }
 
   /// grad (T,h) = dL/d(block output) in; out (T,h) = dL/d(block input).
@@ -581,11 +581,11 @@ class GptStage {
     const std::uint64_t s1 = drop_seed(mb, i, 0), s2 = drop_seed(mb, i, 1);
     for (std::size_t e = 0; e < T * H; ++e) dP2[e] = grad[e] * mask_scale(v.m2, s2, e);
     linear_dx(dP2, w.wpr, dF, T, 4 * H, H);  // dG
-    elementwise(dF, 4 * T * H, [&](std::size_t e) { return dF[e] * math::gelu_grad(v.f[e]); });
+    elementwise(dF, 4 * T * H, [&](std::size_t e) { return dF[e] * ops::gelu_grad(v.f[e]); });
     linear_dx(dF, w.wfc, dA2, T, H, 4 * H);
     for (std::size_t t = 0; t < T; ++t) {
-      const math::RowStats st2{v.stats[2 * T + 2 * t], v.stats[2 * T + 2 * t + 1]};
-      math::layernorm_backward_row(dA2 + t * H, v.x1 + t * H, st2, w.ln2g, dx1 + t * H, h_);
+      const ops::RowStats st2{v.stats[2 * T + 2 * t], v.stats[2 * T + 2 * t + 1]};
+      ops::layernorm_backward_row(dA2 + t * H, v.x1 + t * H, st2, w.ln2g, dx1 + t * H, h_);
     }
     for (std::size_t e = 0; e < T * H; ++e) {
       dx1[e] += grad[e];
@@ -595,8 +595,8 @@ class GptStage {
     attention_backward(v.qkv, v.att, v.lse, datt, dQKV, mb.shape);
     linear_dx(dQKV, w.wqkv, dA1, T, H, 3 * H);
     for (std::size_t t = 0; t < T; ++t) {
-      const math::RowStats st1{v.stats[2 * t], v.stats[2 * t + 1]};
-      math::layernorm_backward_row(dA1 + t * H, v.x + t * H, st1, w.ln1g, out + t * H, h_);
+      const ops::RowStats st1{v.stats[2 * t], v.stats[2 * t + 1]};
+      ops::layernorm_backward_row(dA1 + t * H, v.x + t * H, st1, w.ln1g, out + t * H, h_);
     }
     for (std::size_t e = 0; e < T * H; ++e) out[e] += dx1[e];
   }
@@ -619,7 +619,7 @@ class GptStage {
     linear_dw(v.att, dO1, gw.wo, gw.bo, T, H, H);
     const float* gsrc = v.g;
     if (c_.recompute) {
-      elementwise(g, 4 * T * H, [&](std::size_t e) { return math::gelu(v.f[e]); });
+      elementwise(g, 4 * T * H, [&](std::size_t e) { return ops::gelu(v.f[e]); });
       gsrc = g;
     }
     linear_dw(gsrc, dP2, gw.wpr, gw.bpr, T, 4 * H, H);
@@ -680,7 +680,7 @@ class GptStage {
       if (tgt < 0 || tgt >= c_.vocab)
         throw error("GptStage: target " + std::to_string(tgt) + " at position " + std::to_string(t) +
                     " is outside [0, " + std::to_string(c_.vocab - 1) + "]");
-      loss += math::softmax_xent_row(logits + t * V(), c_.vocab, tgt, scale, dlogits + t * V());
+      loss += ops::softmax_xent_row(logits + t * V(), c_.vocab, tgt, scale, dlogits + t * V());
     }
     return static_cast<float>(loss / static_cast<double>(T));
   }
@@ -697,7 +697,7 @@ class GptStage {
     else
       linear_dx(dlogits, p.w, da, T, H, V());
     for (std::size_t t = 0; t < T; ++t)
-      math::layernorm_backward_row(da + t * H, x + t * H, {stats[2 * t], stats[2 * t + 1]}, p.lnfg, dx + t * H, h_);
+      ops::layernorm_backward_row(da + t * H, x + t * H, {stats[2 * t], stats[2 * t + 1]}, p.lnfg, dx + t * H, h_);
   }
 
   void head_backward_weight(const Microbatch& mb, std::byte* hp, const float* st) {

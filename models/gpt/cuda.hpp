@@ -3,8 +3,8 @@
 //
 // The same model as model::GptStage (cpu.hpp), stage for stage: the same blocks per stage and
 // the same parameter vector (order, offsets and norm_groups(): layout.hpp), the same dropout
-// seeds (math::dropout_seed of run seed, step, block, site and microbatch) and the same
-// per-element math (math.hpp, through kernels/). What differs is precision and where the
+// seeds (ops::dropout_seed of run seed, step, block, site and microbatch) and the same
+// per-element math (pipeoffload/ops/math.hpp, through kernels/). What differs is precision and where the
 // work runs:
 //   - the parameters are bf16 (the working parameters, a po::Tensor: the optimizer keeps their
 //     fp32 master copy, of its shard with ZeRO-1, and rounds its update back into them), as
@@ -16,7 +16,7 @@
 //     microbatch 0 (every iteration's first pass of a stage, after the previous step's update);
 //   - attention is cuDNN's fused causal SDPA: F keeps qkv, the attention output and the
 //     log-sum-exps; B recomputes the probabilities inside cuDNN's backward (no s x s matrix);
-//   - the rest are thin kernels (kernels.hpp) over math.hpp's functions.
+//   - the rest are thin kernels (kernels.hpp) over ops/math.hpp's functions.
 // Split backward as on the CPU: B runs the dgrad GEMMs (bf16 outputs) and stashes every GEMM's
 // output gradient; W runs the wgrad GEMMs, accumulating (beta = 1) into the fp32 gradients,
 // and the bias and LayerNorm weight gradients.
@@ -70,11 +70,11 @@
 #include <pipeoffload/error.hpp>
 #include <pipeoffload/layer.hpp>
 
+#include <pipeoffload/ops/math.hpp>
 #include "cpu.hpp"  // the initial parameters
 #include "cuda_layout.hpp"
 #include "kernels.hpp"
 #include "layout.hpp"
-#include "math.hpp"
 
 namespace pipeoffload::cuda {
 
@@ -433,7 +433,7 @@ class GptStage {
   }
 
   std::uint64_t drop_seed(const Microbatch& mb, int block, int site) const {
-    return math::dropout_seed(cfg_.seed, mb.step, dims_.first_block + block, site, mb.mb);
+    return ops::dropout_seed(cfg_.seed, mb.step, dims_.first_block + block, site, mb.mb);
   }
   /// Dropout's probability in a forward: none when evaluating (model::GptStage::dropout). B
   /// runs only in training, so it uses cfg_.dropout, as the CPU stage does.

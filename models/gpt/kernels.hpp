@@ -4,7 +4,7 @@
 // code sees. Every launcher enqueues on `stream`, computes its launch shape with
 // pipeoffload/backend/cuda/shapes.hpp and checks the launch. Storage is bf16 for activations
 // (`bf16`) and parameters (the stage's working parameters), fp32 for gradients and statistics; all arithmetic is fp32 through
-// math.hpp, the same functions the CPU model (cpu.hpp) calls.
+// pipeoffload/ops/math.hpp, the same functions the CPU model (cpu.hpp) calls.
 // Shapes: `rows` tokens (b*s) by `n` features, row-major.
 #pragma once
 
@@ -19,7 +19,7 @@
 
 #include <pipeoffload/backend/cuda/kernels.hpp>  // bf16
 
-#include "math.hpp"
+#include <pipeoffload/ops/math.hpp>
 
 namespace pipeoffload::cuda::kernels {
 
@@ -27,7 +27,7 @@ namespace pipeoffload::cuda::kernels {
 /// y (rows, n) = LayerNorm(x) * gamma + beta; stats (rows, 2) = (mean, rstd) per row.
 void layernorm_forward(const bf16* x, const bf16* gamma, const bf16* beta, bf16* y, float* stats, long long rows, int n,
                        cudaStream_t stream);
-/// y recomputed from saved stats (selective recompute): math::layernorm_apply per element.
+/// y recomputed from saved stats (selective recompute): ops::layernorm_apply per element.
 void layernorm_recompute(const bf16* x, const float* stats, const bf16* gamma, const bf16* beta, bf16* y,
                          long long rows, int n, cudaStream_t stream);
 /// dx (rows, n) = LayerNorm's input gradient from dy (grad of the normalized output); when

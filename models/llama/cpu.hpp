@@ -4,8 +4,9 @@
 // Token embedding, N pre-norm blocks (RMSNorm; causal grouped-query self-attention with
 // rotary position embeddings, RoPE; RMSNorm; SwiGLU MLP, w2(silu(w1 x) * w3 x)), final
 // RMSNorm, output projection (its own, or the embedding: LlamaConfig::tie_embeddings),
-// softmax cross-entropy; no biases, no dropout. fp32 with GEMMs on OpenBLAS; the layout
-// (which blocks, where every parameter lives, the names) is layout.hpp's.
+// softmax cross-entropy; no biases, no dropout. fp32: GEMMs on OpenBLAS, the norms, RoPE,
+// SwiGLU, embedding, cross-entropy and residual adds are po::ops (pipeoffload/ops/cpu.hpp);
+// the layout (which blocks, where every parameter lives, the names) is layout.hpp's.
 //
 // Split backward as the GPT's: B computes activation gradients and stashes each GEMM's output
 // gradient (and each norm's input gradient), W turns the stash into weight gradients. A block
@@ -28,11 +29,11 @@
 #include <string>
 #include <vector>
 
-#include <models/gpt/math.hpp>  // exp_approx, mix64, softmax_xent_row
 #include <pipeoffload/backend/cpu/blas.hpp>
 #include <pipeoffload/backend/cpu/context.hpp>
 #include <pipeoffload/error.hpp>
 #include <pipeoffload/layer.hpp>
+#include <pipeoffload/ops/cpu.hpp>  // the ops, and ops/math.hpp (exp_approx, mix64)
 #include <pipeoffload/packing.hpp>
 
 #include "layout.hpp"
@@ -77,23 +78,13 @@ inline std::size_t stash(const LlamaDims& d, MicrobatchShape sh) {
 /// stage == 0 and the head when stage == S-1.
 class LlamaStage {
  public:
-  LlamaStage(const LlamaConfig& cfg, int stage, int stages) : c_(cfg) {
+  LlamaStage(const LlamaConfig& cfg, int stage, int stages)
+      : c_(cfg), rope_(cfg.seq, cfg.hidden / cfg.heads, cfg.rope_theta) {
     d_ = llama_dims(cfg, stage, stages);
     p_ = llama_stage_params(d_);
     const std::size_t n = static_cast<std::size_t>(p_.total);
     params_.resize(n);
     grads_.assign(n, 0.0f);
-    // RoPE's angles, position by position: theta^(-2j/dh) for pair j of a head.
-    const std::size_t dh = hd(), half = dh / 2, S = static_cast<std::size_t>(cfg.seq);
-    cos_.resize(S * half);
-    sin_.resize(S * half);
-    for (std::size_t p = 0; p < S; ++p)
-      for (std::size_t j = 0; j < half; ++j) {
-        const double angle = static_cast<double>(p) * std::pow(static_cast<double>(cfg.rope_theta),
-                                                               -2.0 * static_cast<double>(j) / static_cast<double>(dh));
-        cos_[p * half + j] = static_cast<float>(std::cos(angle));
-        sin_[p * half + j] = static_cast<float>(std::sin(angle));
-      }
     init();
   }
 
@@ -113,20 +104,14 @@ class LlamaStage {
   /// This stage's dims (sizes and place in the model).
   const LlamaDims& dims() const { return d_; }
 
-  void forward(backend::CpuContext&, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
+  void forward(backend::CpuContext& ctx, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
     const std::size_t T = tokens(mb.shape);
     check_shape(mb.shape);
     std::vector<float>& tmp = ws(T * h());
     float* cur = d_.blocks > 0 ? view(saved, 0, mb.shape).x : tmp.data();
     if (d_.blocks > 0) documents(mb);
     if (d_.embeds) {
-      const std::int32_t* tok = mb.input<std::int32_t>("tokens");
-      for (std::size_t t = 0; t < T; ++t) {
-        if (tok[t] < 0 || tok[t] >= c_.vocab)
-          throw error("LlamaStage: token " + std::to_string(tok[t]) + " at position " + std::to_string(t) +
-                      " is outside [0, " + std::to_string(c_.vocab - 1) + "]");
-        std::memcpy(cur + t * h(), params_.data() + static_cast<std::size_t>(tok[t]) * h(), h() * sizeof(float));
-      }
+      ops::embedding_forward(ctx, mb.input<std::int32_t>("tokens"), params_.data(), cur, n(T), n(h()), c_.vocab);
     } else {
       std::memcpy(cur, xt.as<float>(), T * h() * sizeof(float));
     }
@@ -138,18 +123,18 @@ class LlamaStage {
         out = head_x(saved, mb.shape);
       else
         out = yt.as<float>();
-      block_forward(i, mb, saved, out);
+      block_forward(ctx, i, mb, saved, out);
       cur = out;
     }
     if (d_.has_head) {
       if (d_.blocks == 0) std::memcpy(head_x(saved, mb.shape), cur, T * h() * sizeof(float));
-      *mb.loss = head_forward(mb, saved);
+      *mb.loss = head_forward(ctx, mb, saved);
       return;
     }
     if (d_.blocks == 0) std::memcpy(yt.as<float>(), cur, T * h() * sizeof(float));
   }
 
-  void backward_input(backend::CpuContext&, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved,
+  void backward_input(backend::CpuContext& ctx, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved,
                       std::byte* stash) {
     const std::size_t T = tokens(mb.shape);
     check_shape(mb.shape);
@@ -159,11 +144,11 @@ class LlamaStage {
     float* spare = grad + T * h();
     if (d_.blocks > 0) documents(mb);
     if (d_.has_head)
-      head_backward_input(mb, saved, head_stash(st, mb.shape), grad);
+      head_backward_input(ctx, mb, saved, head_stash(st, mb.shape), grad);
     else
       std::memcpy(grad, dyt.as<float>(), T * h() * sizeof(float));
     for (int i = d_.blocks - 1; i >= 0; --i) {
-      block_backward_input(i, mb, saved, block_stash(st, i, mb.shape), grad, spare);
+      block_backward_input(ctx, i, mb, saved, block_stash(st, i, mb.shape), grad, spare);
       std::swap(grad, spare);
     }
     if (d_.embeds)
@@ -172,18 +157,13 @@ class LlamaStage {
       std::memcpy(dxt.as<float>(), grad, T * h() * sizeof(float));
   }
 
-  void backward_weight(backend::CpuContext&, const Microbatch& mb, std::byte* saved, std::byte* stash) {
+  void backward_weight(backend::CpuContext& ctx, const Microbatch& mb, std::byte* saved, std::byte* stash) {
     const std::size_t T = tokens(mb.shape);
     check_shape(mb.shape);
     float* st = reinterpret_cast<float*>(stash);
-    if (d_.embeds) {
-      const std::int32_t* tok = mb.input<std::int32_t>("tokens");
-      float* gte = grads_.data();
-      for (std::size_t t = 0; t < T; ++t)
-        for (std::size_t i = 0; i < h(); ++i) gte[static_cast<std::size_t>(tok[t]) * h() + i] += st[t * h() + i];
-    }
-    for (int i = 0; i < d_.blocks; ++i) block_backward_weight(i, mb, saved, block_stash(st, i, mb.shape));
-    if (d_.has_head) head_backward_weight(mb, saved, head_stash(st, mb.shape));
+    if (d_.embeds) ops::embedding_backward(ctx, mb.input<std::int32_t>("tokens"), st, grads_.data(), n(T), n(h()));
+    for (int i = 0; i < d_.blocks; ++i) block_backward_weight(ctx, i, mb, saved, block_stash(st, i, mb.shape));
+    if (d_.has_head) head_backward_weight(ctx, mb, saved, head_stash(st, mb.shape));
   }
 
  private:
@@ -197,6 +177,8 @@ class LlamaStage {
   std::size_t f() const { return static_cast<std::size_t>(d_.ffn); }
   std::size_t A() const { return static_cast<std::size_t>(d_.heads); }
   static std::size_t tokens(MicrobatchShape sh) { return static_cast<std::size_t>(sh.tokens()); }
+  /// A count as the ops take it.
+  static int n(std::size_t x) { return static_cast<int>(x); }
   void check_shape(MicrobatchShape sh) const {
     if (sh.seq > c_.seq)
       throw shape_error("LlamaStage: microbatch seq = " + std::to_string(sh.seq) +
@@ -253,31 +235,31 @@ class LlamaStage {
   void init() {
     const auto fill = [](float* p, std::size_t n, std::uint64_t seed, float scale) {
       for (std::size_t i = 0; i < n; ++i) {
-        const double u1 = (static_cast<double>(math::mix64(seed, 2 * i) >> 11) + 1.0) / 9007199254740993.0;
-        const double u2 = static_cast<double>(math::mix64(seed, 2 * i + 1) >> 11) / 9007199254740992.0;
+        const double u1 = (static_cast<double>(ops::mix64(seed, 2 * i) >> 11) + 1.0) / 9007199254740993.0;
+        const double u2 = static_cast<double>(ops::mix64(seed, 2 * i + 1) >> 11) / 9007199254740992.0;
         p[i] = static_cast<float>(scale * std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
       }
     };
     const float std_w = 0.02f, std_res = 0.02f / std::sqrt(2.0f * static_cast<float>(c_.layers));
-    if (d_.embeds) fill(params_.data(), V() * h(), math::mix64(c_.seed, 2000001), std_w);
+    if (d_.embeds) fill(params_.data(), V() * h(), ops::mix64(c_.seed, 2000001), std_w);
     for (int i = 0; i < d_.blocks; ++i) {
       const BlockParams b = block(params_, i);
-      const std::uint64_t s = math::mix64(c_.seed, 3000000 + static_cast<std::uint64_t>(d_.first_block + i));
+      const std::uint64_t s = ops::mix64(c_.seed, 3000000 + static_cast<std::uint64_t>(d_.first_block + i));
       std::fill(b.attn_norm, b.attn_norm + h(), 1.0f);
       std::fill(b.ffn_norm, b.ffn_norm + h(), 1.0f);
-      fill(b.wq, h() * h(), math::mix64(s, 1), std_w);
-      fill(b.wk, h() * kv(), math::mix64(s, 2), std_w);
-      fill(b.wv, h() * kv(), math::mix64(s, 3), std_w);
-      fill(b.wo, h() * h(), math::mix64(s, 4), std_res);
-      fill(b.w1, h() * f(), math::mix64(s, 5), std_w);
-      fill(b.w3, h() * f(), math::mix64(s, 6), std_w);
-      fill(b.w2, f() * h(), math::mix64(s, 7), std_res);
+      fill(b.wq, h() * h(), ops::mix64(s, 1), std_w);
+      fill(b.wk, h() * kv(), ops::mix64(s, 2), std_w);
+      fill(b.wv, h() * kv(), ops::mix64(s, 3), std_w);
+      fill(b.wo, h() * h(), ops::mix64(s, 4), std_res);
+      fill(b.w1, h() * f(), ops::mix64(s, 5), std_w);
+      fill(b.w3, h() * f(), ops::mix64(s, 6), std_w);
+      fill(b.w2, f() * h(), ops::mix64(s, 7), std_res);
     }
     if (d_.has_head) {
       float* p = params_.data() + p_.head_begin;
       std::fill(p, p + h(), 1.0f);
       // Tied: the embedding's values, (V, h) (the runtime starts every holder from stage 0's).
-      fill(p + p_.head_w, V() * h(), math::mix64(c_.seed, d_.tied ? 2000001 : 2000002), std_w);
+      fill(p + p_.head_w, V() * h(), ops::mix64(c_.seed, d_.tied ? 2000001 : 2000002), std_w);
     }
   }
 
@@ -300,41 +282,6 @@ class LlamaStage {
                 static_cast<int>(k), dY, static_cast<int>(n), 1.0f, dW, static_cast<int>(n));
   }
 
-  /// out = x * rstd * g row by row, writing each row's reciprocal RMS to rstd.
-  void rmsnorm(const float* x, const float* g, float* out, float* rstd, std::size_t T) const {
-    for (std::size_t t = 0; t < T; ++t) {
-      const float* xr = x + t * h();
-      float ss = 0;
-      for (std::size_t i = 0; i < h(); ++i) ss += xr[i] * xr[i];
-      rstd[t] = 1.0f / std::sqrt(ss / static_cast<float>(h()) + c_.norm_eps);
-    }
-    renorm(x, rstd, g, out, T);
-  }
-  /// The same output from the saved reciprocal RMS (recomputed in backward).
-  void renorm(const float* x, const float* rstd, const float* g, float* out, std::size_t T) const {
-    for (std::size_t t = 0; t < T; ++t)
-      for (std::size_t i = 0; i < h(); ++i) out[t * h() + i] = x[t * h() + i] * rstd[t] * g[i];
-  }
-  /// dx (+)= d(x * rstd * g)/dx applied to dy, row by row.
-  void rmsnorm_dx(const float* dy, const float* x, const float* rstd, const float* g, float* dx, std::size_t T,
-                  bool add) const {
-    const float inv_h = 1.0f / static_cast<float>(h());
-    for (std::size_t t = 0; t < T; ++t) {
-      const float* dyr = dy + t * h();
-      const float* xr = x + t * h();
-      float dot = 0;
-      for (std::size_t i = 0; i < h(); ++i) dot += dyr[i] * g[i] * xr[i];
-      const float r = rstd[t], c = r * r * r * dot * inv_h;
-      float* out = dx + t * h();
-      for (std::size_t i = 0; i < h(); ++i) out[i] = (add ? out[i] : 0.0f) + r * g[i] * dyr[i] - xr[i] * c;
-    }
-  }
-  /// dg += sum over rows of dy * x * rstd.
-  void rmsnorm_dg(const float* dy, const float* x, const float* rstd, float* dg, std::size_t T) const {
-    for (std::size_t t = 0; t < T; ++t)
-      for (std::size_t i = 0; i < h(); ++i) dg[i] += dy[t * h() + i] * x[t * h() + i] * rstd[t];
-  }
-
   /// The microbatch's documents and every token's position in its document (docs_, pos_):
   /// one document a row, or the rows' offsets when packed.
   void documents(const Microbatch& mb) {
@@ -346,30 +293,13 @@ class LlamaStage {
       for (std::size_t r = 0; r < rows; ++r) docs_.push_back({r, 0, S});
     pos_.resize(rows * S);
     for (const Document& doc : docs_)
-      for (std::size_t i = 0; i < doc.length; ++i) pos_[doc.row * S + doc.begin + i] = i;
+      for (std::size_t i = 0; i < doc.length; ++i) pos_[doc.row * S + doc.begin + i] = static_cast<std::int32_t>(i);
   }
 
-  /// Rotates each head's pairs (2j, 2j+1) of the (T, width) rows by their positions' angles
-  /// (pos_); `sign` -1 rotates back (the backward of a rotation is its inverse).
-  void rope(float* x, std::size_t width, MicrobatchShape sh, float sign) const {
-    const std::size_t T = tokens(sh), dh = hd(), half = dh / 2;
-    for (std::size_t t = 0; t < T; ++t) {
-      const float* c = cos_.data() + pos_[t] * half;
-      const float* s = sin_.data() + pos_[t] * half;
-      for (std::size_t e = 0; e < width; e += dh)
-        for (std::size_t j = 0; j < half; ++j) {
-          float* p = x + t * width + e + 2 * j;
-          const float a = p[0], b = p[1], sn = sign * s[j];
-          p[0] = a * c[j] - b * sn;
-          p[1] = a * sn + b * c[j];
-        }
-    }
-  }
-
-  static float silu(float x) { return x / (1.0f + math::exp_approx(-x)); }
-  static float silu_grad(float x) {
-    const float sg = 1.0f / (1.0f + math::exp_approx(-x));
-    return sg * (1.0f + x * (1.0f - sg));
+  /// Rotates each head's pairs of the (T, width) rows by their positions' angles (pos_);
+  /// `inverse` rotates back (the backward of a rotation is its inverse).
+  void rope(const backend::CpuContext& ctx, float* x, std::size_t width, MicrobatchShape sh, bool inverse) const {
+    ops::rope(ctx, x, pos_.data(), n(tokens(sh)), n(width), rope_, inverse);
   }
 
   /// Causal grouped-query attention of one microbatch, document by document (docs_): query
@@ -393,10 +323,10 @@ class LlamaStage {
           float mx = row[0];
           for (std::size_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
           float sum = 0;
-          for (std::size_t j = 0; j <= i; ++j) sum += math::exp_approx(row[j] - mx);
+          for (std::size_t j = 0; j <= i; ++j) sum += ops::exp_approx(row[j] - mx);
           const float li = mx + std::log(sum);
           l[i] = li;
-          for (std::size_t j = 0; j <= i; ++j) row[j] = math::exp_approx(row[j] - li);
+          for (std::size_t j = 0; j <= i; ++j) row[j] = ops::exp_approx(row[j] - li);
           for (std::size_t j = i + 1; j < L; ++j) row[j] = 0.0f;
         }
         blas::sgemm(T_::no, T_::no, static_cast<int>(L), static_cast<int>(dh), static_cast<int>(L), 1.0f, P,
@@ -427,7 +357,7 @@ class LlamaStage {
                     0.0f, P, n);
         for (std::size_t i = 0; i < L; ++i) {
           float* row = P + i * L;
-          for (std::size_t j = 0; j <= i; ++j) row[j] = math::exp_approx(row[j] - l[i]);
+          for (std::size_t j = 0; j <= i; ++j) row[j] = ops::exp_approx(row[j] - l[i]);
           for (std::size_t j = i + 1; j < L; ++j) row[j] = 0.0f;
         }
         // dP = dO v^T; dS = P (dP - rowsum(dO o)); dv = P^T dO; dq = dS k scale; dk = dS^T q scale
@@ -450,28 +380,28 @@ class LlamaStage {
 
   // ---- a block -------------------------------------------------------------------------------
 
-  void block_forward(int i, const Microbatch& mb, std::byte* saved, float* out) {
+  void block_forward(const backend::CpuContext& ctx, int i, const Microbatch& mb, std::byte* saved, float* out) {
     const std::size_t T = tokens(mb.shape), H = h();
     const BlockView b = view(saved, i, mb.shape);
     const BlockParams w = block(params_, i);
     std::vector<float>& s = ws(T * (H + std::max(H, f())));
     float* a = s.data();     // (T, h) a normalized input
     float* tmp = a + T * H;  // (T, max(h, f)): a projection's output, silu(gate) * up
-    rmsnorm(b.x, w.attn_norm, a, b.rstd, T);
+    ops::rmsnorm_forward(ctx, b.x, w.attn_norm, a, b.rstd, n(T), n(H), c_.norm_eps);
     linear(a, w.wq, b.q, T, H, H);
     linear(a, w.wk, b.k, T, H, kv());
     linear(a, w.wv, b.v, T, H, kv());
-    rope(b.q, H, mb.shape, 1.0f);
-    rope(b.k, kv(), mb.shape, 1.0f);
+    rope(ctx, b.q, H, mb.shape, false);
+    rope(ctx, b.k, kv(), mb.shape, false);
     attention_forward(b, mb.shape);
     linear(b.att, w.wo, tmp, T, H, H);
-    for (std::size_t e = 0; e < T * H; ++e) b.x1[e] = b.x[e] + tmp[e];
-    rmsnorm(b.x1, w.ffn_norm, a, b.rstd + T, T);
+    ops::add(ctx, b.x, tmp, b.x1, n(T * H));
+    ops::rmsnorm_forward(ctx, b.x1, w.ffn_norm, a, b.rstd + T, n(T), n(H), c_.norm_eps);
     linear(a, w.w1, b.gate, T, H, f());
     linear(a, w.w3, b.up, T, H, f());
-    for (std::size_t e = 0; e < T * f(); ++e) tmp[e] = silu(b.gate[e]) * b.up[e];
+    ops::swiglu_forward(ctx, b.gate, b.up, tmp, n(T * f()));
     linear(tmp, w.w2, out, T, f(), H);
-    for (std::size_t e = 0; e < T * H; ++e) out[e] += b.x1[e];
+    ops::add(ctx, out, b.x1, out, n(T * H));
   }
 
   // The stash of one block: dy | dgate | dup | da2 | dx1 | dq | dk | dv | da1.
@@ -494,7 +424,8 @@ class LlamaStage {
   }
 
   /// grad (T, h) = dL/d(block output) in; out (T, h) = dL/d(block input).
-  void block_backward_input(int i, const Microbatch& mb, std::byte* saved, float* st, const float* grad, float* out) {
+  void block_backward_input(const backend::CpuContext& ctx, int i, const Microbatch& mb, std::byte* saved, float* st,
+                            const float* grad, float* out) {
     const std::size_t T = tokens(mb.shape), H = h();
     const BlockView b = view(saved, i, mb.shape);
     const BlockParams w = block(params_, i);
@@ -503,26 +434,23 @@ class LlamaStage {
     float* datt = dh + T * std::max(H, f());
     std::memcpy(z.dy, grad, T * H * sizeof(float));
     linear_dx(grad, w.w2, dh, T, f(), H);
-    for (std::size_t e = 0; e < T * f(); ++e) {
-      z.dgate[e] = dh[e] * b.up[e] * silu_grad(b.gate[e]);
-      z.dup[e] = dh[e] * silu(b.gate[e]);
-    }
+    ops::swiglu_backward(ctx, dh, b.gate, b.up, z.dgate, z.dup, n(T * f()));
     linear_dx(z.dgate, w.w1, z.da2, T, H, f());
     linear_dx(z.dup, w.w3, z.da2, T, H, f(), 1.0f);
-    rmsnorm_dx(z.da2, b.x1, b.rstd + T, w.ffn_norm, z.dx1, T, false);
-    for (std::size_t e = 0; e < T * H; ++e) z.dx1[e] += grad[e];
+    ops::rmsnorm_backward(ctx, z.da2, b.x1, b.rstd + T, w.ffn_norm, z.dx1, n(T), n(H), false);
+    ops::add(ctx, z.dx1, grad, z.dx1, n(T * H));
     linear_dx(z.dx1, w.wo, datt, T, H, H);
     attention_backward(b, datt, z.dq, z.dk, z.dv, mb.shape);
-    rope(z.dq, H, mb.shape, -1.0f);  // gradients of the projections before their rotation
-    rope(z.dk, kv(), mb.shape, -1.0f);
+    rope(ctx, z.dq, H, mb.shape, true);  // gradients of the projections before their rotation
+    rope(ctx, z.dk, kv(), mb.shape, true);
     linear_dx(z.dq, w.wq, z.da1, T, H, H);
     linear_dx(z.dk, w.wk, z.da1, T, H, kv(), 1.0f);
     linear_dx(z.dv, w.wv, z.da1, T, H, kv(), 1.0f);
-    rmsnorm_dx(z.da1, b.x, b.rstd, w.attn_norm, out, T, false);
-    for (std::size_t e = 0; e < T * H; ++e) out[e] += z.dx1[e];
+    ops::rmsnorm_backward(ctx, z.da1, b.x, b.rstd, w.attn_norm, out, n(T), n(H), false);
+    ops::add(ctx, out, z.dx1, out, n(T * H));
   }
 
-  void block_backward_weight(int i, const Microbatch& mb, std::byte* saved, float* st) {
+  void block_backward_weight(const backend::CpuContext& ctx, int i, const Microbatch& mb, std::byte* saved, float* st) {
     const std::size_t T = tokens(mb.shape), H = h();
     const BlockView b = view(saved, i, mb.shape);
     const BlockParams w = block(params_, i), g = block(grads_, i);
@@ -530,51 +458,48 @@ class LlamaStage {
     std::vector<float>& s = ws(T * (H + std::max(H, f())));
     float* a = s.data();
     float* hid = a + T * H;
-    for (std::size_t e = 0; e < T * f(); ++e) hid[e] = silu(b.gate[e]) * b.up[e];
+    ops::swiglu_forward(ctx, b.gate, b.up, hid, n(T * f()));
     linear_dw(hid, z.dy, g.w2, T, f(), H);
-    renorm(b.x1, b.rstd + T, w.ffn_norm, a, T);
+    ops::rmsnorm_recompute(ctx, b.x1, b.rstd + T, w.ffn_norm, a, n(T), n(H));
     linear_dw(a, z.dgate, g.w1, T, H, f());
     linear_dw(a, z.dup, g.w3, T, H, f());
-    rmsnorm_dg(z.da2, b.x1, b.rstd + T, g.ffn_norm, T);
+    ops::rmsnorm_weight_grad(ctx, z.da2, b.x1, b.rstd + T, g.ffn_norm, n(T), n(H));
     linear_dw(b.att, z.dx1, g.wo, T, H, H);
-    renorm(b.x, b.rstd, w.attn_norm, a, T);
+    ops::rmsnorm_recompute(ctx, b.x, b.rstd, w.attn_norm, a, n(T), n(H));
     linear_dw(a, z.dq, g.wq, T, H, H);
     linear_dw(a, z.dk, g.wk, T, H, kv());
     linear_dw(a, z.dv, g.wv, T, H, kv());
-    rmsnorm_dg(z.da1, b.x, b.rstd, g.attn_norm, T);
+    ops::rmsnorm_weight_grad(ctx, z.da1, b.x, b.rstd, g.attn_norm, n(T), n(H));
   }
 
   // ---- the head ------------------------------------------------------------------------------
 
-  float head_forward(const Microbatch& mb, std::byte* saved) {
+  float head_forward(const backend::CpuContext& ctx, const Microbatch& mb, std::byte* saved) {
     const std::size_t T = tokens(mb.shape), H = h();
     float* x = head_x(saved, mb.shape);
     float* rstd = x + T * H;
     float* dlogits = rstd + T;
     const float* g = params_.data() + p_.head_begin;
     const float* W = g + p_.head_w;
-    std::vector<float>& s = ws(T * H + T * V());
+    std::vector<float>& s = ws(T * H + T * V() + T);
     float* a = s.data();
     float* logits = a + T * H;
-    rmsnorm(x, g, a, rstd, T);
+    float* losses = logits + T * V();
+    ops::rmsnorm_forward(ctx, x, g, a, rstd, n(T), n(H), c_.norm_eps);
     if (d_.tied)  // logits = a W^T, W (V, h)
       blas::sgemm(T_::no, T_::yes, static_cast<int>(T), static_cast<int>(V()), static_cast<int>(H), 1.0f, a,
                   static_cast<int>(H), W, static_cast<int>(H), 0.0f, logits, static_cast<int>(V()));
     else
       linear(a, W, logits, T, H, V());
-    const std::int32_t* targets = mb.input<std::int32_t>("targets");
-    const float scale = mb.loss_scale / static_cast<float>(T);
-    double loss = 0;
-    for (std::size_t t = 0; t < T; ++t) {
-      if (targets[t] < 0 || targets[t] >= c_.vocab)
-        throw error("LlamaStage: target " + std::to_string(targets[t]) + " at position " + std::to_string(t) +
-                    " is outside [0, " + std::to_string(c_.vocab - 1) + "]");
-      loss += math::softmax_xent_row(logits + t * V(), c_.vocab, targets[t], scale, dlogits + t * V());
-    }
+    ops::cross_entropy(ctx, logits, mb.input<std::int32_t>("targets"), losses, dlogits, n(T), c_.vocab,
+                       mb.loss_scale / static_cast<float>(T));
+    double loss = 0;  // in row order
+    for (std::size_t t = 0; t < T; ++t) loss += losses[t];
     return static_cast<float>(loss / static_cast<double>(T));
   }
 
-  void head_backward_input(const Microbatch& mb, std::byte* saved, float* st, float* dx) {
+  void head_backward_input(const backend::CpuContext& ctx, const Microbatch& mb, std::byte* saved, float* st,
+                           float* dx) {
     const std::size_t T = tokens(mb.shape), H = h();
     const float* x = head_x(saved, mb.shape);
     const float* rstd = x + T * H;
@@ -586,10 +511,10 @@ class LlamaStage {
       linear(dlogits, W, da, T, V(), H);  // da = dlogits W, W (V, h)
     else
       linear_dx(dlogits, W, da, T, H, V());
-    rmsnorm_dx(da, x, rstd, g, dx, T, false);
+    ops::rmsnorm_backward(ctx, da, x, rstd, g, dx, n(T), n(H), false);
   }
 
-  void head_backward_weight(const Microbatch& mb, std::byte* saved, const float* st) {
+  void head_backward_weight(const backend::CpuContext& ctx, const Microbatch& mb, std::byte* saved, const float* st) {
     const std::size_t T = tokens(mb.shape), H = h();
     const float* x = head_x(saved, mb.shape);
     const float* rstd = x + T * H;
@@ -597,22 +522,22 @@ class LlamaStage {
     const float* g = params_.data() + p_.head_begin;
     float* gg = grads_.data() + p_.head_begin;
     std::vector<float>& s = ws(T * H);
-    renorm(x, rstd, g, s.data(), T);
+    ops::rmsnorm_recompute(ctx, x, rstd, g, s.data(), n(T), n(H));
     if (d_.tied)  // dW (V, h) += dlogits^T a
       linear_dw(dlogits, s.data(), gg + p_.head_w, T, V(), H);
     else
       linear_dw(s.data(), dlogits, gg + p_.head_w, T, H, V());
-    rmsnorm_dg(st, x, rstd, gg, T);
+    ops::rmsnorm_weight_grad(ctx, st, x, rstd, gg, n(T), n(H));
   }
 
   LlamaConfig c_;
   LlamaDims d_{};
   LlamaStageParams p_{};
   std::vector<float> params_, grads_;
-  std::vector<float> cos_, sin_;  // (seq, head_dim / 2) RoPE's rotation
+  ops::RopeTable rope_;  // RoPE's angles for positions [0, seq)
   std::vector<float> scratch_, bwd_, scores_;
-  std::vector<Document> docs_;    // the microbatch's documents (documents())
-  std::vector<std::size_t> pos_;  // each token's position in its document
+  std::vector<Document> docs_;     // the microbatch's documents (documents())
+  std::vector<std::int32_t> pos_;  // each token's position in its document
 };
 
 static_assert(layer_for<LlamaStage, backend::CpuContext>,

@@ -23,9 +23,9 @@
 #include <type_traits>
 #include <vector>
 
-#include <models/gpt/math.hpp>
 #include <pipeoffload/backend/backend.hpp>
 #include <pipeoffload/backend/update.hpp>
+#include <pipeoffload/ops/math.hpp>
 #include <pipeoffload/policy/host_bins.hpp>
 #include <pipeoffload/tensor.hpp>
 
@@ -204,8 +204,8 @@ void stage_forward_backward() {
   const std::vector<std::byte> y = download(*dev, compute, by), dx = download(*dev, compute, bdx);
   for (std::size_t i = 0; i < n; ++i) {
     const float yi = reinterpret_cast<const float*>(y.data())[i], dxi = reinterpret_cast<const float*>(dx.data())[i];
-    CHECK(std::abs(yi - pipeoffload::math::gelu(x[i])) <= Traits::tolerance * (1 + std::abs(yi)));
-    CHECK(std::abs(dxi - dy[i] * pipeoffload::math::gelu_grad(x[i])) <= Traits::tolerance * (1 + std::abs(dxi)));
+    CHECK(std::abs(yi - pipeoffload::ops::gelu(x[i])) <= Traits::tolerance * (1 + std::abs(yi)));
+    CHECK(std::abs(dxi - dy[i] * pipeoffload::ops::gelu_grad(x[i])) <= Traits::tolerance * (1 + std::abs(dxi)));
   }
   for (pb::Block b : {bx, by, bdy, bdx}) dev->device_free(b);
 }

@@ -18,11 +18,11 @@ struct CpuTraits {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   static void gelu_forward(pipeoffload::backend::CpuContext&, const float* x, float* y, std::size_t n) {
-    for (std::size_t i = 0; i < n; ++i) y[i] = pipeoffload::math::gelu(x[i]);
+    for (std::size_t i = 0; i < n; ++i) y[i] = pipeoffload::ops::gelu(x[i]);
   }
   static void gelu_backward(pipeoffload::backend::CpuContext&, const float* x, const float* dy, float* dx,
                             std::size_t n) {
-    for (std::size_t i = 0; i < n; ++i) dx[i] = dy[i] * pipeoffload::math::gelu_grad(x[i]);
+    for (std::size_t i = 0; i < n; ++i) dx[i] = dy[i] * pipeoffload::ops::gelu_grad(x[i]);
   }
 };
 

@@ -19,7 +19,7 @@
 
 namespace po = pipeoffload;
 namespace pk = pipeoffload::cuda::kernels;
-namespace math = pipeoffload::math;
+namespace ops = pipeoffload::ops;
 namespace up = pipeoffload::update;
 
 namespace {
@@ -108,18 +108,18 @@ TEST_CASE("GeLU, dropout and residual kernels match models/gpt/math.hpp") {
   pk::bf16 *dx = g.bf16(x), *dy = g.bf16(y), *out = g.alloc<pk::bf16>(n);
   std::vector<float> want(n);
   pk::gelu_forward(dx, out, n, g.s);
-  for (std::size_t i = 0; i < n; ++i) want[i] = math::gelu(x[i]);
+  for (std::size_t i = 0; i < n; ++i) want[i] = ops::gelu(x[i]);
   check_close(g.get(out, n), want, bf16_rel, 1e-6f);
   pk::bf16* gr = g.bf16(y);
   pk::gelu_backward(dx, gr, n, g.s);
-  for (std::size_t i = 0; i < n; ++i) want[i] = y[i] * math::gelu_grad(x[i]);
+  for (std::size_t i = 0; i < n; ++i) want[i] = y[i] * ops::gelu_grad(x[i]);
   check_close(g.get(gr, n), want, bf16_rel, 1e-6f);
-  const std::uint64_t seed = math::dropout_seed(3, 1, 2, 0, 4);
+  const std::uint64_t seed = ops::dropout_seed(3, 1, 2, 0, 4);
   pk::residual_dropout(dx, dy, out, n, seed, 0.1f, g.s);
-  for (std::size_t i = 0; i < n; ++i) want[i] = math::residual_dropout(x[i], y[i], seed, i, 0.1f);
+  for (std::size_t i = 0; i < n; ++i) want[i] = ops::residual_dropout(x[i], y[i], seed, i, 0.1f);
   check_close(g.get(out, n), want, bf16_rel, 1e-6f);
   pk::dropout_backward(dy, out, n, seed, 0.1f, g.s);
-  for (std::size_t i = 0; i < n; ++i) want[i] = y[i] * math::dropout_scale(seed, i, 0.1f);
+  for (std::size_t i = 0; i < n; ++i) want[i] = y[i] * ops::dropout_scale(seed, i, 0.1f);
   const std::vector<float> got = g.get(out, n);
   check_close(got, want, bf16_rel, 0.0f);
   for (std::size_t i = 0; i < n; ++i) CHECK((got[i] == 0.0f) == (want[i] == 0.0f));  // the very same mask
@@ -130,7 +130,7 @@ TEST_CASE("GeLU, dropout and residual kernels match models/gpt/math.hpp") {
   pk::residual_dropout_mask(dx, dy, out2, mask, n, seed, 0.1f, g.s);
   check_close(g.get(out2, n), g.get(out, n), bf16_rel, 0.0f);  // the same formula (FMA contraction may differ)
   const std::vector<std::uint8_t> m = g.get(mask, n);
-  for (std::size_t i = 0; i < n; ++i) CHECK(m[i] == (math::dropout_scale(seed, i, 0.1f) != 0.0f ? 1 : 0));
+  for (std::size_t i = 0; i < n; ++i) CHECK(m[i] == (ops::dropout_scale(seed, i, 0.1f) != 0.0f ? 1 : 0));
   pk::dropout_backward(dy, out, n, seed, 0.1f, g.s);
   pk::dropout_backward_mask(dy, mask, out2, n, 0.1f, g.s);
   check_close(g.get(out2, n), g.get(out, n), 0.0f, 0.0f);  // one product with the same factor: exact
@@ -146,7 +146,7 @@ TEST_CASE("bias and LayerNorm weight gradients accumulate the column sums models
     std::vector<float> stats(2 * static_cast<std::size_t>(rows)), g0 = random_bf16(static_cast<std::size_t>(n), 25),
                                                                   b0 = random_bf16(static_cast<std::size_t>(n), 26);
     for (int r = 0; r < rows; ++r) {
-      const math::RowStats st = math::row_stats(x.data() + static_cast<std::size_t>(r) * n, n);
+      const ops::RowStats st = ops::row_stats(x.data() + static_cast<std::size_t>(r) * n, n);
       stats[2 * static_cast<std::size_t>(r)] = st.mean;
       stats[2 * static_cast<std::size_t>(r) + 1] = st.rstd;
     }
@@ -205,13 +205,13 @@ TEST_CASE("LayerNorm kernels match row_stats, layernorm_apply and layernorm_back
   std::vector<float> want_y(x.size()), want_dx(x.size()), want_stats(2 * rows);
   for (int r = 0; r < rows; ++r) {
     const float* xr = x.data() + static_cast<std::size_t>(r) * n;
-    const math::RowStats st = math::row_stats(xr, n);
+    const ops::RowStats st = ops::row_stats(xr, n);
     want_stats[2 * r] = st.mean;
     want_stats[2 * r + 1] = st.rstd;
     for (int i = 0; i < n; ++i)
-      want_y[static_cast<std::size_t>(r) * n + i] = math::layernorm_apply(xr[i], st, gamma[i], beta[i]);
-    math::layernorm_backward_row(dy.data() + static_cast<std::size_t>(r) * n, xr, st, gamma.data(),
-                                 want_dx.data() + static_cast<std::size_t>(r) * n, n);
+      want_y[static_cast<std::size_t>(r) * n + i] = ops::layernorm_apply(xr[i], st, gamma[i], beta[i]);
+    ops::layernorm_backward_row(dy.data() + static_cast<std::size_t>(r) * n, xr, st, gamma.data(),
+                                want_dx.data() + static_cast<std::size_t>(r) * n, n);
   }
   check_close(g.get(stats, 2 * rows), want_stats, 1e-5f, 1e-5f);  // fp32 sums in another order
   check_close(g.get(y, x.size()), want_y, bf16_rel, 1e-3f);
@@ -233,8 +233,8 @@ TEST_CASE("softmax cross-entropy and its mean match softmax_xent_row") {
   double total = 0;
   for (int r = 0; r < rows; ++r) {
     want_l[static_cast<std::size_t>(r)] =
-        math::softmax_xent_row(logits.data() + static_cast<std::size_t>(r) * V, V, targets[static_cast<std::size_t>(r)],
-                               0.5f, want_d.data() + static_cast<std::size_t>(r) * V);
+        ops::softmax_xent_row(logits.data() + static_cast<std::size_t>(r) * V, V, targets[static_cast<std::size_t>(r)],
+                              0.5f, want_d.data() + static_cast<std::size_t>(r) * V);
     total += want_l[static_cast<std::size_t>(r)];
   }
   check_close(g.get(losses, rows), want_l, 1e-5f, 1e-5f);

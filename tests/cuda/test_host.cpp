@@ -18,16 +18,16 @@
 #include <models/gpt/cpu.hpp>
 #include <models/gpt/cuda_layout.hpp>
 #include <models/gpt/layout.hpp>
-#include <models/gpt/math.hpp>
 #include <pipeoffload/backend/cpu/cpu.hpp>
 #include <pipeoffload/backend/cuda/shapes.hpp>
 #include <pipeoffload/backend/cuda/topology.hpp>
 #include <pipeoffload/comm/nccl/id_file.hpp>
+#include <pipeoffload/ops/math.hpp>
 
 namespace po = pipeoffload;
 namespace pc = pipeoffload::cuda;
 namespace pm = pipeoffload::model;
-namespace math = pipeoffload::math;
+namespace ops = pipeoffload::ops;
 
 namespace {
 
@@ -75,13 +75,13 @@ void gemm_col_major(const pc::ColMajorGemm& g, const float* A, const float* B, f
 TEST_CASE("row_stats_finish gives row_stats's statistics from the two sums a block reduction computes") {
   for (int n : {1, 7, 64, 1000}) {
     const std::vector<float> x = random_vector(static_cast<std::size_t>(n), static_cast<unsigned>(n), 3.0f);
-    const math::RowStats ref = math::row_stats(x.data(), n);
+    const ops::RowStats ref = ops::row_stats(x.data(), n);
     float s = 0;
     for (float v : x) s += v;
     const float mean = s / static_cast<float>(n);
     float ssd = 0;
     for (float v : x) ssd += (v - mean) * (v - mean);
-    const math::RowStats got = math::row_stats_finish(mean, ssd, n);
+    const ops::RowStats got = ops::row_stats_finish(mean, ssd, n);
     CHECK(got.mean == ref.mean);  // same sums in the same order: the same bits
     CHECK(got.rstd == ref.rstd);
   }
@@ -90,9 +90,9 @@ TEST_CASE("row_stats_finish gives row_stats's statistics from the two sums a blo
 TEST_CASE("layernorm_backward_elem reproduces layernorm_backward_row element by element") {
   const int n = 96;
   const std::vector<float> x = random_vector(n, 1), dy = random_vector(n, 2), gamma = random_vector(n, 3);
-  const math::RowStats st = math::row_stats(x.data(), n);
+  const ops::RowStats st = ops::row_stats(x.data(), n);
   std::vector<float> ref(n);
-  math::layernorm_backward_row(dy.data(), x.data(), st, gamma.data(), ref.data(), n);
+  ops::layernorm_backward_row(dy.data(), x.data(), st, gamma.data(), ref.data(), n);
   float sg = 0, sgx = 0;
   for (int i = 0; i < n; ++i) {
     const float g = dy[i] * gamma[i];
@@ -100,41 +100,40 @@ TEST_CASE("layernorm_backward_elem reproduces layernorm_backward_row element by 
     sgx += g * (x[i] - st.mean) * st.rstd;
   }
   for (int i = 0; i < n; ++i)
-    CHECK(math::layernorm_backward_elem(dy[i], x[i], st, gamma[i], sg / n, sgx / n) ==
-          ref[static_cast<std::size_t>(i)]);
+    CHECK(ops::layernorm_backward_elem(dy[i], x[i], st, gamma[i], sg / n, sgx / n) == ref[static_cast<std::size_t>(i)]);
 }
 
 TEST_CASE("softmax_xent_grad reproduces softmax_xent_row's gradient from the row's log-sum-exp") {
   const int n = 50, target = 17;
   const std::vector<float> logits = random_vector(n, 4, 2.0f);
   std::vector<float> ref(n);
-  const float loss = math::softmax_xent_row(logits.data(), n, target, 0.25f, ref.data());
+  const float loss = ops::softmax_xent_row(logits.data(), n, target, 0.25f, ref.data());
   const float lse = loss + logits[target];
   for (int i = 0; i < n; ++i)
-    CHECK(math::softmax_xent_grad(logits[i], lse, i == target, 0.25f) == doctest::Approx(ref[i]).epsilon(1e-5));
+    CHECK(ops::softmax_xent_grad(logits[i], lse, i == target, 0.25f) == doctest::Approx(ref[i]).epsilon(1e-5));
 }
 
 TEST_CASE("residual_dropout keeps about 1-p of the branch, scaled by 1/(1-p), and regenerates the same mask") {
-  const std::uint64_t seed = math::dropout_seed(7, 3, 2, 1, 5);
+  const std::uint64_t seed = ops::dropout_seed(7, 3, 2, 1, 5);
   int kept = 0;
   const int n = 100000;
   for (int i = 0; i < n; ++i) {
-    const float y = math::residual_dropout(1.0f, 2.0f, seed, static_cast<std::uint64_t>(i), 0.25f);
+    const float y = ops::residual_dropout(1.0f, 2.0f, seed, static_cast<std::uint64_t>(i), 0.25f);
     CHECK((y == 1.0f || y == doctest::Approx(1.0f + 2.0f / 0.75f)));
     kept += y != 1.0f;
-    CHECK(y == math::residual_dropout(1.0f, 2.0f, seed, static_cast<std::uint64_t>(i), 0.25f));
+    CHECK(y == ops::residual_dropout(1.0f, 2.0f, seed, static_cast<std::uint64_t>(i), 0.25f));
   }
   CHECK(std::abs(kept / static_cast<double>(n) - 0.75) < 0.01);
-  CHECK(math::residual_dropout(1.0f, 2.0f, seed, 0, 0.0f) == 3.0f);
+  CHECK(ops::residual_dropout(1.0f, 2.0f, seed, 0, 0.0f) == 3.0f);
 }
 
 TEST_CASE("dropout_mask_scale of the saved keep decision gives dropout_scale's factor (recompute off)") {
   for (float p : {0.0f, 0.1f, 0.5f}) {
-    const std::uint64_t seed = math::dropout_seed(11, 2, 3, 1, 0);
+    const std::uint64_t seed = ops::dropout_seed(11, 2, 3, 1, 0);
     for (std::uint64_t i = 0; i < 10000; ++i) {
-      const float k = math::dropout_scale(seed, i, p);
+      const float k = ops::dropout_scale(seed, i, p);
       const std::uint8_t saved = k != 0.0f;  // what kernels::residual_dropout_mask and the CPU model store
-      CHECK(math::dropout_mask_scale(saved != 0, p) == k);
+      CHECK(ops::dropout_mask_scale(saved != 0, p) == k);
     }
   }
 }

@@ -19,13 +19,13 @@
 
 #include <models/gpt/cuda_layout.hpp>
 #include <models/gpt/layout.hpp>
-#include <models/gpt/math.hpp>
 #include <pipeoffload/backend/cuda/environment.hpp>
 #include <pipeoffload/backend/cuda/gemm_key.hpp>
 #include <pipeoffload/backend/cuda/pools.hpp>
 #include <pipeoffload/backend/cuda/shapes.hpp>
 #include <pipeoffload/comm/nccl/gather_pieces.hpp>
 #include <pipeoffload/memory/state.hpp>
+#include <pipeoffload/ops/math.hpp>
 #include <pipeoffload/pipeoffload.hpp>
 #include <pipeoffload/plan/model.hpp>
 #include <pipeoffload/runtime/reserve.hpp>
@@ -345,8 +345,8 @@ TEST_CASE("the embedding gradient's threads, run in any order, give the CPU mode
     for (const auto& [b, t] : threads) {
       const pc::OwnedCells own = pc::embedding_owned(b, t, h);
       if (own.column >= h) continue;
-      po::math::embedding_grad_cells(tokens.data(), rows, read, got.data(), h, vocab, own.bucket, pc::embedding_buckets,
-                                     own.column);
+      po::ops::embedding_grad_cells(tokens.data(), rows, read, got.data(), h, vocab, own.bucket, pc::embedding_buckets,
+                                    own.column);
     }
     CHECK(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0);
   }

@@ -42,6 +42,7 @@ LAYERS = [
     ("layer.hpp",              "layer",    3),  # the layer concept (STYLE.md: beside comm/, backend/)
     ("packing.hpp",            "layer",    3),  # packed rows' document offsets, a step input layers read
     ("runtime/",               "runtime",  4),
+    ("ops/",                   "ops",      4),  # ops for layers: element math, CPU (and CUDA) row ops
     ("pipeoffload.hpp",        "umbrella", 5),  # front doors: include the library, never a model
     ("runtime.hpp",            "umbrella", 5),
     ("cuda.hpp",               "umbrella", 5),

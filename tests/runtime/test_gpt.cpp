@@ -67,7 +67,7 @@ double objective(GptStage& st, const std::vector<float>& x, const std::vector<fl
 std::vector<float> noise(std::size_t n, std::uint64_t seed, float scale) {
   std::vector<float> v(n);
   for (std::size_t i = 0; i < n; ++i)
-    v[i] = scale * (static_cast<float>(po::math::mix64(seed, i) >> 40) / 16777216.0f - 0.5f);
+    v[i] = scale * (static_cast<float>(po::ops::mix64(seed, i) >> 40) / 16777216.0f - 0.5f);
   return v;
 }
 
@@ -84,36 +84,36 @@ TEST_CASE("math: exp_approx is within 1.5e-7 relative of exp, and exact at its e
   double worst = 0;
   sweep(-87.0f, 88.0f, [&](float x) {
     const double ref = std::exp(static_cast<double>(x));
-    worst = std::max(worst, std::fabs(static_cast<double>(po::math::exp_approx(x)) - ref) / ref);
+    worst = std::max(worst, std::fabs(static_cast<double>(po::ops::exp_approx(x)) - ref) / ref);
   });
   MESSAGE("exp_approx: largest relative error ", worst);
   CHECK(worst < 1.5e-7);
-  CHECK(po::math::exp_approx(0.0f) == 1.0f);
-  CHECK(po::math::exp_approx(-100.0f) == 0.0f);
-  CHECK(po::math::exp_approx(-INFINITY) == 0.0f);
-  CHECK(po::math::exp_approx(100.0f) == INFINITY);
-  CHECK(std::isnan(po::math::exp_approx(NAN)));
+  CHECK(po::ops::exp_approx(0.0f) == 1.0f);
+  CHECK(po::ops::exp_approx(-100.0f) == 0.0f);
+  CHECK(po::ops::exp_approx(-INFINITY) == 0.0f);
+  CHECK(po::ops::exp_approx(100.0f) == INFINITY);
+  CHECK(std::isnan(po::ops::exp_approx(NAN)));
 }
 
 TEST_CASE("math: tanh_approx is within 1.5e-7 absolute and 5e-7 relative of tanh; GeLU follows") {
   double worst_abs = 0, worst_rel = 0;
   sweep(-20.0f, 20.0f, [&](float x) {
     const double ref = std::tanh(static_cast<double>(x));
-    const double err = std::fabs(static_cast<double>(po::math::tanh_approx(x)) - ref);
+    const double err = std::fabs(static_cast<double>(po::ops::tanh_approx(x)) - ref);
     worst_abs = std::max(worst_abs, err);
     if (ref != 0) worst_rel = std::max(worst_rel, err / std::fabs(ref));
   });
   MESSAGE("tanh_approx: largest absolute error ", worst_abs, ", relative ", worst_rel);
   CHECK(worst_abs < 1.5e-7);
   CHECK(worst_rel < 5e-7);
-  CHECK(po::math::tanh_approx(0.0f) == 0.0f);
-  CHECK(std::signbit(po::math::tanh_approx(-0.0f)));
-  CHECK(po::math::tanh_approx(INFINITY) == 1.0f);
-  CHECK(po::math::tanh_approx(-INFINITY) == -1.0f);
-  CHECK(po::math::tanh_approx(1e30f) == 1.0f);
-  CHECK(std::isnan(po::math::tanh_approx(NAN)));
+  CHECK(po::ops::tanh_approx(0.0f) == 0.0f);
+  CHECK(std::signbit(po::ops::tanh_approx(-0.0f)));
+  CHECK(po::ops::tanh_approx(INFINITY) == 1.0f);
+  CHECK(po::ops::tanh_approx(-INFINITY) == -1.0f);
+  CHECK(po::ops::tanh_approx(1e30f) == 1.0f);
+  CHECK(std::isnan(po::ops::tanh_approx(NAN)));
   // tanh is odd, bit for bit.
-  sweep(0.0f, 20.0f, [&](float x) { REQUIRE(po::math::tanh_approx(-x) == -po::math::tanh_approx(x)); });
+  sweep(0.0f, 20.0f, [&](float x) { REQUIRE(po::ops::tanh_approx(-x) == -po::ops::tanh_approx(x)); });
   // GeLU and its derivative against the same formulas in double with exact tanh.
   double worst_gelu = 0, worst_grad = 0;
   sweep(-12.0f, 12.0f, [&](float xf) {
@@ -121,8 +121,8 @@ TEST_CASE("math: tanh_approx is within 1.5e-7 absolute and 5e-7 relative of tanh
     const double t = std::tanh(c * (x + a * x * x * x));
     const double gelu = 0.5 * x * (1 + t);
     const double grad = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * a * x * x);
-    worst_gelu = std::max(worst_gelu, std::fabs(po::math::gelu(xf) - gelu) / (1 + std::fabs(gelu)));
-    worst_grad = std::max(worst_grad, std::fabs(po::math::gelu_grad(xf) - grad) / (1 + std::fabs(grad)));
+    worst_gelu = std::max(worst_gelu, std::fabs(po::ops::gelu(xf) - gelu) / (1 + std::fabs(gelu)));
+    worst_grad = std::max(worst_grad, std::fabs(po::ops::gelu_grad(xf) - grad) / (1 + std::fabs(grad)));
   });
   MESSAGE("gelu: largest error ", worst_gelu, ", gelu_grad: ", worst_grad, " (relative to 1 + |value|)");
   CHECK(worst_gelu < 1e-6);
@@ -134,16 +134,16 @@ TEST_CASE("math: exp_approx and tanh_approx give the same bits in a vectorised l
   // must not depend on which of the two it went through.
   std::vector<float> x(4099);
   for (std::size_t i = 0; i < x.size(); ++i)
-    x[i] = (static_cast<float>(po::math::mix64(7, i) >> 40) / 16777216.0f - 0.5f) * 40.0f;
+    x[i] = (static_cast<float>(po::ops::mix64(7, i) >> 40) / 16777216.0f - 0.5f) * 40.0f;
   std::vector<float> e(x.size()), t(x.size());
   for (std::size_t i = 0; i + 16 <= x.size(); i += 16) {
-    for (std::size_t j = 0; j < 16; ++j) e[i + j] = po::math::exp_approx(x[i + j]);
-    for (std::size_t j = 0; j < 16; ++j) t[i + j] = po::math::tanh_approx(x[i + j]);
+    for (std::size_t j = 0; j < 16; ++j) e[i + j] = po::ops::exp_approx(x[i + j]);
+    for (std::size_t j = 0; j < 16; ++j) t[i + j] = po::ops::tanh_approx(x[i + j]);
   }
   for (std::size_t i = 0; i < x.size() / 16 * 16; ++i) {
     volatile float xi = x[i];  // one scalar call at a time
-    REQUIRE(e[i] == po::math::exp_approx(xi));
-    REQUIRE(t[i] == po::math::tanh_approx(xi));
+    REQUIRE(e[i] == po::ops::exp_approx(xi));
+    REQUIRE(t[i] == po::ops::tanh_approx(xi));
   }
 }
 

@@ -178,7 +178,7 @@ TEST_CASE("Llama: the loss and every gradient match an independent float64 model
     // Larger weights than the init's and norm gains away from 1, so every path matters.
     auto p = st.parameters();
     for (std::size_t i = 0; i < p.size(); ++i)
-      p[i] += 0.3f * (static_cast<float>(po::math::mix64(9, i) >> 40) / 16777216.0f - 0.5f);
+      p[i] += 0.3f * (static_cast<float>(po::ops::mix64(9, i) >> 40) / 16777216.0f - 0.5f);
     std::vector<std::int32_t> tok(12), tgt(12);
     for (std::size_t i = 0; i < 12; ++i) {
       tok[i] = static_cast<std::int32_t>((i * 7 + 3) % 32);

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include <models/gpt/cpu.hpp>
-#include <models/gpt/math.hpp>
 #include <models/llama/cpu.hpp>
+#include <pipeoffload/ops/math.hpp>
 #include <pipeoffload/runtime.hpp>
 
 #include "pipeline_run.hpp"
@@ -67,7 +67,7 @@ po::StepInput input(const char* name, const std::vector<std::int32_t>& v) { retu
 std::vector<float> noise(std::size_t n, std::uint64_t seed) {
   std::vector<float> v(n);
   for (std::size_t i = 0; i < n; ++i)
-    v[i] = static_cast<float>(static_cast<double>(po::math::mix64(seed, i) >> 11) / 9007199254740992.0 - 0.5);
+    v[i] = static_cast<float>(static_cast<double>(po::ops::mix64(seed, i) >> 11) / 9007199254740992.0 - 0.5);
   return v;
 }
 

@@ -1,4 +1,4 @@
-// models/gpt/kernels/elementwise.cu: grid-stride loops over math.hpp's per-element functions
+// models/gpt/kernels/elementwise.cu: grid-stride loops over pipeoffload/ops/math.hpp's per-element functions
 // (GeLU, dropout, residual adds, biases, LayerNorm's recompute) and the embedding, whose
 // gradient gives each table cell to one thread that adds its rows in order (deterministic, the
 // CPU model's order: backend/cuda/shapes.hpp embedding_table_grad_launch).
@@ -10,31 +10,31 @@ namespace pipeoffload::cuda::kernels {
 namespace {
 
 __global__ void gelu_forward_k(const bf16* x, bf16* y, long long n) {
-  for (long long i = first_index(); i < n; i += grid_stride()) y[i] = st(math::gelu(ld(x, i)));
+  for (long long i = first_index(); i < n; i += grid_stride()) y[i] = st(ops::gelu(ld(x, i)));
 }
 __global__ void gelu_backward_k(const bf16* x, bf16* g, long long n) {
-  for (long long i = first_index(); i < n; i += grid_stride()) g[i] = st(ld(g, i) * math::gelu_grad(ld(x, i)));
+  for (long long i = first_index(); i < n; i += grid_stride()) g[i] = st(ld(g, i) * ops::gelu_grad(ld(x, i)));
 }
 __global__ void residual_dropout_k(const bf16* x, const bf16* y, bf16* out, long long n, std::uint64_t seed, float p) {
   for (long long i = first_index(); i < n; i += grid_stride())
-    out[i] = st(math::residual_dropout(ld(x, i), ld(y, i), seed, static_cast<std::uint64_t>(i), p));
+    out[i] = st(ops::residual_dropout(ld(x, i), ld(y, i), seed, static_cast<std::uint64_t>(i), p));
 }
 __global__ void dropout_backward_k(const bf16* g, bf16* out, long long n, std::uint64_t seed, float p) {
   for (long long i = first_index(); i < n; i += grid_stride())
-    out[i] = st(ld(g, i) * math::dropout_scale(seed, static_cast<std::uint64_t>(i), p));
+    out[i] = st(ld(g, i) * ops::dropout_scale(seed, static_cast<std::uint64_t>(i), p));
 }
 __global__ void residual_dropout_mask_k(const bf16* x, const bf16* y, bf16* out, std::uint8_t* mask, long long n,
                                         std::uint64_t seed, float p) {
   for (long long i = first_index(); i < n; i += grid_stride()) {
-    // math::residual_dropout's x + y * dropout_scale, with the factor kept for the mask.
-    const float k = math::dropout_scale(seed, static_cast<std::uint64_t>(i), p);
+    // ops::residual_dropout's x + y * dropout_scale, with the factor kept for the mask.
+    const float k = ops::dropout_scale(seed, static_cast<std::uint64_t>(i), p);
     mask[i] = k != 0.0f;
     out[i] = st(ld(x, i) + ld(y, i) * k);
   }
 }
 __global__ void dropout_backward_mask_k(const bf16* g, const std::uint8_t* mask, bf16* out, long long n, float p) {
   for (long long i = first_index(); i < n; i += grid_stride())
-    out[i] = st(ld(g, i) * math::dropout_mask_scale(mask[i] != 0, p));
+    out[i] = st(ld(g, i) * ops::dropout_mask_scale(mask[i] != 0, p));
 }
 __global__ void add_k(const bf16* a, const bf16* b, bf16* out, long long n) {
   for (long long i = first_index(); i < n; i += grid_stride()) out[i] = st(ld(a, i) + ld(b, i));
@@ -49,8 +49,8 @@ __global__ void layernorm_recompute_k(const bf16* x, const float* stats, const b
                                       long long total, int n) {
   for (long long i = first_index(); i < total; i += grid_stride()) {
     const long long r = i / n;
-    const math::RowStats s{stats[2 * r], stats[2 * r + 1]};
-    y[i] = st(math::layernorm_apply(ld(x, i), s, ld(gamma, i % n), ld(beta, i % n)));
+    const ops::RowStats s{stats[2 * r], stats[2 * r + 1]};
+    y[i] = st(ops::layernorm_apply(ld(x, i), s, ld(gamma, i % n), ld(beta, i % n)));
   }
 }
 __global__ void embedding_forward_k(const std::int32_t* tokens, const bf16* wte, const bf16* wpe, bf16* out,
@@ -62,7 +62,7 @@ __global__ void embedding_forward_k(const std::int32_t* tokens, const bf16* wte,
                                        : st(ld(wte, static_cast<long long>(tok) * h + c) + ld(wpe, (r % seq) * h + c));
   }
 }
-/// One value of a bf16 (rows, h) gradient, for math::embedding_grad_cells.
+/// One value of a bf16 (rows, h) gradient, for ops::embedding_grad_cells.
 struct Bf16Grad {
   const bf16* d;
   __device__ float operator()(long long i) const { return ld(d, i); }
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(column_tile* embedding_warps)
     embedding_table_grad_k(const std::int32_t* tokens, const bf16* d, float* dwte, long long rows, int h, int vocab) {
   const OwnedCells own = embedding_owned(blockIdx.x, threadIdx.x, h);
   if (own.column >= h) return;
-  math::embedding_grad_cells(tokens, rows, Bf16Grad{d}, dwte, h, vocab, own.bucket, embedding_buckets, own.column);
+  ops::embedding_grad_cells(tokens, rows, Bf16Grad{d}, dwte, h, vocab, own.bucket, embedding_buckets, own.column);
 }
 /// The position table's gradient: cell (p, c) adds rows b * seq + p in order of b.
 __global__ void embedding_position_grad_k(const bf16* d, float* dwpe, long long batch, int seq, int h) {

@@ -51,9 +51,9 @@ __global__ void __launch_bounds__(row_block)
     const float d = ld(xr, i) - mean;
     v += d * d;
   }
-  const math::RowStats rs = math::row_stats_finish(mean, block_sum(v, tmp, shared), n);
+  const ops::RowStats rs = ops::row_stats_finish(mean, block_sum(v, tmp, shared), n);
   for (int i = threadIdx.x; i < n; i += blockDim.x)
-    yr[i] = st(math::layernorm_apply(ld(xr, i), rs, ld(gamma, i), ld(beta, i)));
+    yr[i] = st(ops::layernorm_apply(ld(xr, i), rs, ld(gamma, i), ld(beta, i)));
   if (threadIdx.x == 0) {
     stats[2 * static_cast<long long>(blockIdx.x)] = rs.mean;
     stats[2 * static_cast<long long>(blockIdx.x) + 1] = rs.rstd;
@@ -65,8 +65,8 @@ __global__ void __launch_bounds__(row_block) layernorm_backward_k(const bf16* dy
   __shared__ Reduce::TempStorage tmp;
   __shared__ float shared;
   const long long off = static_cast<long long>(blockIdx.x) * n;
-  const math::RowStats rs{stats[2 * static_cast<long long>(blockIdx.x)],
-                          stats[2 * static_cast<long long>(blockIdx.x) + 1]};
+  const ops::RowStats rs{stats[2 * static_cast<long long>(blockIdx.x)],
+                         stats[2 * static_cast<long long>(blockIdx.x) + 1]};
   float sg = 0, sgx = 0;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const float g = ld(dy, off + i) * ld(gamma, i);
@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(row_block) layernorm_backward_k(const bf16* dy
   const float mean_g = block_sum(sg, tmp, shared) / static_cast<float>(n);
   const float mean_gx = block_sum(sgx, tmp, shared) / static_cast<float>(n);
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const float d = math::layernorm_backward_elem(ld(dy, off + i), ld(x, off + i), rs, ld(gamma, i), mean_g, mean_gx);
+    const float d = ops::layernorm_backward_elem(ld(dy, off + i), ld(x, off + i), rs, ld(gamma, i), mean_g, mean_gx);
     dx[off + i] = st(accumulate ? ld(dx, off + i) + d : d);
   }
 }
@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(row_block) softmax_xent_k(const float* logits,
   __syncthreads();
   if (threadIdx.x == 0) losses[blockIdx.x] = lse - target_logit;
   for (int i = threadIdx.x; i < V; i += blockDim.x)
-    dlogits[off + i] = math::softmax_xent_grad(logits[off + i], lse, i == target, scale);
+    dlogits[off + i] = ops::softmax_xent_grad(logits[off + i], lse, i == target, scale);
 }
 
 __global__ void __launch_bounds__(row_block) mean_k(const float* x, float* out, long long n) {

@@ -1,9 +1,10 @@
-// models/gpt/math.hpp: the GPT's per-element and per-row math, shared by its CPU implementation
-// (cpu.hpp) and its CUDA kernels (kernels/*.cu).
+// pipeoffload/ops/math.hpp: per-element and per-row math for layers (po::ops), shared by CPU
+// code and CUDA kernels: exp and tanh without libm, GeLU, LayerNorm and RMSNorm rows, SiLU,
+// rotary embeddings, dropout masks from a counter, softmax cross-entropy.
 //
-// Plain functions, no state, no allocation: the CPU model calls them in loops and the CUDA
-// kernels call the same functions from grid-stride loops, so the CPU tests cover the
-// math the GPU runs (DESIGN.md section 6). Everything is float in, float out, with the
+// Plain functions, no state, no allocation: CPU code (ops/cpu.hpp, the sample models) calls
+// them in loops and CUDA kernels call the same functions from grid-stride loops, so the CPU
+// tests cover the math the GPU runs (DESIGN.md section 6). Everything is float in, float out, with the
 // accumulations the callers need spelled out (double where a sum must not depend on length).
 #pragma once
 
@@ -13,7 +14,7 @@
 
 #include <pipeoffload/detail/host_device.hpp>
 
-namespace pipeoffload::math {
+namespace pipeoffload::ops {
 
 // ---- Branch-free exp and tanh ------------------------------------------------------------------
 //
@@ -113,15 +114,17 @@ PIPEOFFLOAD_HOST_DEVICE inline float gelu_grad(float x) {
 
 // ---- LayerNorm ------------------------------------------------------------------------------
 
+/// The GPT's LayerNorm epsilon.
 inline constexpr float layernorm_eps = 1e-5f;
+
+/// A row's LayerNorm statistics.
+struct RowStats {
+  float mean = 0;  ///< the row's mean
+  float rstd = 0;  ///< 1 / sqrt(variance + layernorm_eps)
+};
 
 /// Mean and reciprocal standard deviation of one row of n values (two passes, float sums in
 /// index order: the same bits on every backend that sums in the same order).
-struct RowStats {
-  float mean = 0;
-  float rstd = 0;
-};
-
 PIPEOFFLOAD_HOST_DEVICE inline RowStats row_stats(const float* x, int n) {
   float s = 0;
   for (int i = 0; i < n; ++i) s += x[i];
@@ -260,4 +263,40 @@ PIPEOFFLOAD_HOST_DEVICE inline void embedding_grad_cells(const std::int32_t* tok
   }
 }
 
-}  // namespace pipeoffload::math
+// ---- RMSNorm, SiLU, rotary embeddings (the Llama-class layer) -------------------------------
+
+/// 1 / sqrt(mean(x^2) + eps) of one row of n values (a float sum in index order).
+PIPEOFFLOAD_HOST_DEVICE inline float rmsnorm_rstd(const float* x, int n, float eps) {
+  float ss = 0;
+  for (int i = 0; i < n; ++i) ss += x[i] * x[i];
+  return 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+}
+
+/// dx of one row of y = x * rstd * g from dy: dx_i = rstd g_i dy_i - x_i rstd^3 mean(dy g x);
+/// added to dx when `accumulate`.
+PIPEOFFLOAD_HOST_DEVICE inline void rmsnorm_backward_row(const float* dy, const float* x, float rstd, const float* g,
+                                                         float* dx, int n, bool accumulate) {
+  float dot = 0;
+  for (int i = 0; i < n; ++i) dot += dy[i] * g[i] * x[i];
+  const float c = rstd * rstd * rstd * dot * (1.0f / static_cast<float>(n));
+  for (int i = 0; i < n; ++i) dx[i] = (accumulate ? dx[i] : 0.0f) + rstd * g[i] * dy[i] - x[i] * c;
+}
+
+/// SiLU(x) = x sigmoid(x), with exp_approx.
+PIPEOFFLOAD_HOST_DEVICE inline float silu(float x) { return x / (1.0f + exp_approx(-x)); }
+
+/// d SiLU / dx at x: sigmoid(x) (1 + x (1 - sigmoid(x))).
+PIPEOFFLOAD_HOST_DEVICE inline float silu_grad(float x) {
+  const float sg = 1.0f / (1.0f + exp_approx(-x));
+  return sg * (1.0f + x * (1.0f - sg));
+}
+
+/// Rotates the pair (a, b) = (p[0], p[1]) by the angle whose cosine and sine are c and s:
+/// (a c - b s, a s + b c). The inverse rotation is the same with -s.
+PIPEOFFLOAD_HOST_DEVICE inline void rope_pair(float* p, float c, float s) {
+  const float a = p[0], b = p[1];
+  p[0] = a * c - b * s;
+  p[1] = a * s + b * c;
+}
+
+}  // namespace pipeoffload::ops
