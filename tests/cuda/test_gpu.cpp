@@ -524,6 +524,87 @@ TEST_CASE("comm::Nccl moves tagged messages between two GPUs on the comm stream 
         std::string::npos);
 }
 
+namespace {
+
+/// What each global rank of a dp x d grid received from its groups' collectives, and what its
+/// call after the abort threw.
+struct GridResults {
+  static constexpr std::size_t block = 1000;
+  std::vector<std::vector<std::byte>> reps_a2a, pipe_a2a, reps_ag;
+  std::vector<std::string> after_abort;
+  explicit GridResults(int size) : reps_a2a(size), pipe_a2a(size), reps_ag(size), after_abort(size) {}
+};
+
+/// Global rank g's part: all_to_all in its replicas group, then in its pipeline, an all_gather
+/// in its replicas group, each on the comm stream of `dev`; once every rank is idle the last
+/// rank aborts its replicas group, and every rank's next call (in its pipeline) must throw.
+template <class Comm>
+void grid_rank(po::backend::Cuda& dev, Comm& pipe, Comm& reps, int g, int size, std::barrier<>& sync,
+               GridResults& out) {
+  constexpr std::size_t block = GridResults::block;
+  const int cs = dev.make_stream("comm");
+  const std::size_t most = static_cast<std::size_t>(std::max(pipe.size(), reps.size())) * block;
+  po::backend::Block in = dev.device_alloc(most, po::backend::Memory::message);
+  po::backend::Block out_block = dev.device_alloc(most, po::backend::Memory::message);
+  std::vector<std::byte> host(most);
+  for (std::size_t i = 0; i < most; ++i)
+    host[i] = static_cast<std::byte>((static_cast<std::size_t>(g) * 37 + i) & 0xff);
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(in.ptr, host.data(), most, cudaMemcpyHostToDevice));
+  const po::backend::CudaContext ctx = dev.context(cs);
+  auto run = [&](Comm& c, std::vector<std::byte>& got, bool gather) {
+    const std::size_t n = static_cast<std::size_t>(c.size()) * block;
+    if (gather)
+      c.all_gather(ctx, std::span<const std::byte>(in.ptr, block), std::span(out_block.ptr, n));
+    else
+      c.all_to_all(ctx, std::span<const std::byte>(in.ptr, n), std::span(out_block.ptr, n));
+    got.resize(n);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(got.data(), out_block.ptr, n, cudaMemcpyDeviceToHost, ctx.cuda_stream));
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(ctx.cuda_stream));
+  };
+  const auto G = static_cast<std::size_t>(g);
+  run(reps, out.reps_a2a[G], false);
+  run(pipe, out.pipe_a2a[G], false);
+  run(reps, out.reps_ag[G], true);
+  // The last rank aborts its replicas group once every rank is idle: both groups of every
+  // rank (one process here) are aborted, and their calls to come throw.
+  sync.arrive_and_wait();
+  if (g == size - 1) reps.abort("replica 1 failed");
+  sync.arrive_and_wait();
+  try {
+    pipe.all_gather(ctx, std::span<const std::byte>(in.ptr, block),
+                    std::span(out_block.ptr, static_cast<std::size_t>(pipe.size()) * block));
+  } catch (const po::aborted_error& e) {
+    out.after_abort[G] = e.what();
+  }
+}
+
+/// Rank q of the replicas group is global q * d + r; of the pipeline, j * d + q.
+void check_grid(const GridResults& got, const std::vector<std::string>& errors, int dp, int d) {
+  constexpr std::size_t block = GridResults::block;
+  auto sent = [](int from, std::size_t i) {
+    return static_cast<std::byte>((static_cast<std::size_t>(from) * 37 + i) & 0xff);
+  };
+  for (int g = 0; g < dp * d; ++g) {
+    CAPTURE(g);
+    const std::size_t G = static_cast<std::size_t>(g);
+    CHECK(errors[G] == "");
+    const int j = g / d, r = g % d;
+    for (int q = 0; q < dp; ++q)
+      for (std::size_t i = 0; i < block; ++i) {
+        CHECK(got.reps_a2a[G][static_cast<std::size_t>(q) * block + i] ==
+              sent(q * d + r, static_cast<std::size_t>(j) * block + i));
+        CHECK(got.reps_ag[G][static_cast<std::size_t>(q) * block + i] == sent(q * d + r, i));
+      }
+    for (int q = 0; q < d; ++q)
+      for (std::size_t i = 0; i < block; ++i)
+        CHECK(got.pipe_a2a[G][static_cast<std::size_t>(q) * block + i] ==
+              sent(j * d + q, static_cast<std::size_t>(r) * block + i));
+    CHECK(got.after_abort[G] == "aborted: replica 1 failed");
+  }
+}
+
+}  // namespace
+
 TEST_CASE("comm::NcclWorld::split: a grid's two groups on GPUs, all_to_all and all_gather on the stream, one abort") {
   const int gpus = po::backend::device_count();
   if (gpus < 2) {
@@ -534,11 +615,8 @@ TEST_CASE("comm::NcclWorld::split: a grid's two groups on GPUs, all_to_all and a
   std::vector<int> devices(static_cast<std::size_t>(size));
   for (int g = 0; g < size; ++g) devices[static_cast<std::size_t>(g)] = g;
   auto world = po::comm::NcclWorld::all_local(devices);
-  constexpr std::size_t block = 1000;
-  const std::size_t arena = po::backend::Cuda::Options{}.workspace_bytes + 4 * block * 16 + 4096;
-  // [g]: what each rank received from the replicas group's and the pipeline's collectives.
-  std::vector<std::vector<std::byte>> reps_a2a(devices.size()), pipe_a2a(devices.size()), reps_ag(devices.size());
-  std::vector<std::string> after_abort(devices.size());
+  const std::size_t arena = po::backend::Cuda::Options{}.workspace_bytes + 4 * GridResults::block * 16 + 4096;
+  GridResults got(size);
   std::barrier sync(size);
   const std::vector<std::string> errors = po::run_thread_ranks(*world, [&](int g) {
     po::backend::Cuda dev({.device = g, .rank = g, .arena_bytes = arena});
@@ -549,61 +627,9 @@ TEST_CASE("comm::NcclWorld::split: a grid's two groups on GPUs, all_to_all and a
     CHECK(pipe.size() == d);
     CHECK(reps.rank() == g / d);
     CHECK(reps.size() == dp);
-    const int cs = dev.make_stream("comm");
-    const std::size_t most = static_cast<std::size_t>(std::max(dp, d)) * block;
-    po::backend::Block in = dev.device_alloc(most, po::backend::Memory::message);
-    po::backend::Block out = dev.device_alloc(most, po::backend::Memory::message);
-    std::vector<std::byte> host(most);
-    for (std::size_t i = 0; i < most; ++i)
-      host[i] = static_cast<std::byte>((static_cast<std::size_t>(g) * 37 + i) & 0xff);
-    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(in.ptr, host.data(), most, cudaMemcpyHostToDevice));
-    const po::backend::CudaContext ctx = dev.context(cs);
-    auto run = [&](po::comm::Nccl& c, std::vector<std::byte>& got, bool gather) {
-      const std::size_t n = static_cast<std::size_t>(c.size()) * block;
-      if (gather)
-        c.all_gather(ctx, std::span<const std::byte>(in.ptr, block), std::span(out.ptr, n));
-      else
-        c.all_to_all(ctx, std::span<const std::byte>(in.ptr, n), std::span(out.ptr, n));
-      got.resize(n);
-      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(got.data(), out.ptr, n, cudaMemcpyDeviceToHost, ctx.cuda_stream));
-      PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(ctx.cuda_stream));
-    };
-    run(reps, reps_a2a[static_cast<std::size_t>(g)], false);
-    run(pipe, pipe_a2a[static_cast<std::size_t>(g)], false);
-    run(reps, reps_ag[static_cast<std::size_t>(g)], true);
-    // The last rank aborts its replicas group once every rank is idle: both groups of every
-    // rank (one process here) are aborted, and their calls to come throw.
-    sync.arrive_and_wait();
-    if (g == size - 1) reps.abort("replica 1 failed");
-    sync.arrive_and_wait();
-    try {
-      pipe.all_gather(ctx, std::span<const std::byte>(in.ptr, block),
-                      std::span(out.ptr, static_cast<std::size_t>(d) * block));
-    } catch (const po::aborted_error& e) {
-      after_abort[static_cast<std::size_t>(g)] = e.what();
-    }
+    grid_rank(dev, pipe, reps, g, size, sync, got);
   });
-  // Rank q of the replicas group is global q * d + r; of the pipeline, j * d + q.
-  auto sent = [](int from, std::size_t i) {
-    return static_cast<std::byte>((static_cast<std::size_t>(from) * 37 + i) & 0xff);
-  };
-  for (int g = 0; g < size; ++g) {
-    CAPTURE(g);
-    const std::size_t G = static_cast<std::size_t>(g);
-    CHECK(errors[G] == "");
-    const int j = g / d, r = g % d;
-    for (int q = 0; q < dp; ++q)
-      for (std::size_t i = 0; i < block; ++i) {
-        CHECK(reps_a2a[G][static_cast<std::size_t>(q) * block + i] ==
-              sent(q * d + r, static_cast<std::size_t>(j) * block + i));
-        CHECK(reps_ag[G][static_cast<std::size_t>(q) * block + i] == sent(q * d + r, i));
-      }
-    for (int q = 0; q < d; ++q)
-      for (std::size_t i = 0; i < block; ++i)
-        CHECK(pipe_a2a[G][static_cast<std::size_t>(q) * block + i] ==
-              sent(j * d + q, static_cast<std::size_t>(r) * block + i));
-    CHECK(after_abort[G] == "aborted: replica 1 failed");
-  }
+  check_grid(got, errors, dp, d);
   CHECK(world->aborted());
 }
 
@@ -655,67 +681,16 @@ TEST_CASE("comm::SharedGpu: a grid's two groups on one GPU, all_to_all and all_g
   }
   const int dp = 2, d = 2, size = dp * d;  // g = replica * d + rank, all on GPU 0
   po::comm::ThreadsGrid grid(dp, d);
-  constexpr std::size_t block = 1000;
-  const std::size_t arena = po::backend::Cuda::Options{}.workspace_bytes + 4 * block * 16 + 4096;
-  std::vector<std::vector<std::byte>> reps_a2a(size), pipe_a2a(size), reps_ag(size);
-  std::vector<std::string> after_abort(size);
+  const std::size_t arena = po::backend::Cuda::Options{}.workspace_bytes + 4 * GridResults::block * 16 + 4096;
+  GridResults got(size);
   std::barrier sync(size);
   const std::vector<std::string> errors = po::run_thread_ranks(grid, [&](int g) {
     po::backend::Cuda dev({.device = 0, .rank = g, .arena_bytes = arena});
     po::comm::SharedGpu pipe(grid.pipeline(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
     po::comm::SharedGpu reps(grid.replicas(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
-    const int cs = dev.make_stream("comm");
-    const std::size_t most = static_cast<std::size_t>(std::max(dp, d)) * block;
-    po::backend::Block in = dev.device_alloc(most, po::backend::Memory::message);
-    po::backend::Block out = dev.device_alloc(most, po::backend::Memory::message);
-    std::vector<std::byte> host(most);
-    for (std::size_t i = 0; i < most; ++i)
-      host[i] = static_cast<std::byte>((static_cast<std::size_t>(g) * 37 + i) & 0xff);
-    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(in.ptr, host.data(), most, cudaMemcpyHostToDevice));
-    const po::backend::CudaContext ctx = dev.context(cs);
-    auto run = [&](po::comm::SharedGpu& c, std::vector<std::byte>& got, bool gather) {
-      const std::size_t n = static_cast<std::size_t>(c.size()) * block;
-      if (gather)
-        c.all_gather(ctx, std::span<const std::byte>(in.ptr, block), std::span(out.ptr, n));
-      else
-        c.all_to_all(ctx, std::span<const std::byte>(in.ptr, n), std::span(out.ptr, n));
-      got.resize(n);
-      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(got.data(), out.ptr, n, cudaMemcpyDeviceToHost, ctx.cuda_stream));
-      PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(ctx.cuda_stream));
-    };
-    run(reps, reps_a2a[static_cast<std::size_t>(g)], false);
-    run(pipe, pipe_a2a[static_cast<std::size_t>(g)], false);
-    run(reps, reps_ag[static_cast<std::size_t>(g)], true);
-    sync.arrive_and_wait();
-    if (g == size - 1) reps.abort("replica 1 failed");
-    sync.arrive_and_wait();
-    try {
-      pipe.all_gather(ctx, std::span<const std::byte>(in.ptr, block),
-                      std::span(out.ptr, static_cast<std::size_t>(d) * block));
-    } catch (const po::aborted_error& e) {
-      after_abort[static_cast<std::size_t>(g)] = e.what();
-    }
+    grid_rank(dev, pipe, reps, g, size, sync, got);
   });
-  auto sent = [](int from, std::size_t i) {
-    return static_cast<std::byte>((static_cast<std::size_t>(from) * 37 + i) & 0xff);
-  };
-  for (int g = 0; g < size; ++g) {
-    CAPTURE(g);
-    const std::size_t G = static_cast<std::size_t>(g);
-    CHECK(errors[G] == "");
-    const int j = g / d, r = g % d;
-    for (int q = 0; q < dp; ++q)
-      for (std::size_t i = 0; i < block; ++i) {
-        CHECK(reps_a2a[G][static_cast<std::size_t>(q) * block + i] ==
-              sent(q * d + r, static_cast<std::size_t>(j) * block + i));
-        CHECK(reps_ag[G][static_cast<std::size_t>(q) * block + i] == sent(q * d + r, i));
-      }
-    for (int q = 0; q < d; ++q)
-      for (std::size_t i = 0; i < block; ++i)
-        CHECK(pipe_a2a[G][static_cast<std::size_t>(q) * block + i] ==
-              sent(j * d + q, static_cast<std::size_t>(r) * block + i));
-    CHECK(after_abort[G] == "aborted: replica 1 failed");
-  }
+  check_grid(got, errors, dp, d);
   CHECK(grid.aborted());
 }
 

@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include <doctest/doctest.h>
+
 #include <pipeoffload/runtime.hpp>
 #include <pipeoffload/runtime/checkpoint.hpp>
 
@@ -155,5 +157,37 @@ inline std::vector<std::string> schedule_names() {
 
 /// One rank holding the whole model: the reference every pipelined run is held to.
 inline const po::ScheduleSpec one_rank{po::Family::grouped, {po::GroupSpec::Kind::full, 0}, po::offload::none};
+
+/// `steps` steps of `o` on one rank (4 microbatches), then under every schedule family
+/// (family()), each checked bit for bit against one rank (losses and parameters); returns one
+/// rank's run.
+template <class Layer, class Config>
+Run check_every_family(const RunOptions<Config>& o, int steps) {
+  const Run ref = train<Layer>(one_rank, {1, 1, 4}, steps, o);
+  for (const auto& e : ref.errors) REQUIRE(e == "");
+  for (const std::string& name : schedule_names()) {
+    CAPTURE(name);
+    const auto [spec, shape] = family(name);
+    const Run run = train<Layer>(spec, shape, steps, o);
+    for (const auto& e : run.errors) REQUIRE(e == "");
+    CHECK(same(run.losses, ref.losses));
+    CHECK(same(run.params, ref.params));
+  }
+  return ref;
+}
+
+/// Two replicas with ZeRO-1 under `name`, 4 microbatches each, against one rank of the same
+/// global batch (8 microbatches), bit for bit.
+template <class Layer, class Config>
+void check_two_replicas(RunOptions<Config> o, int steps, const std::string& name) {
+  const Run wide = train<Layer>(one_rank, {1, 1, 8}, steps, o);
+  o.dp = 2;
+  o.zero = 1;
+  const auto [spec, shape] = family(name);
+  const Run run = train<Layer>(spec, shape, steps, o);
+  for (const auto& e : run.errors) REQUIRE(e == "");
+  CHECK(same(run.losses, wide.losses));
+  CHECK(same(run.params, wide.params));
+}
 
 }  // namespace pipeline_test

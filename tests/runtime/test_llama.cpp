@@ -225,26 +225,9 @@ TEST_CASE("Llama: pipelined training is bit-identical to one rank under every fa
     CAPTURE(tied);
     const pipeline_test::RunOptions<LlamaConfig> o{
         .cfg = {.vocab = 64, .hidden = 16, .heads = 4, .kv_heads = 2, .layers = 4, .seq = 8, .tie_embeddings = tied}};
-    const pipeline_test::Run ref = pipeline_test::train<LlamaStage>(pipeline_test::one_rank, {1, 1, 4}, steps, o);
-    for (const auto& e : ref.errors) REQUIRE(e == "");
-    for (const std::string& name : pipeline_test::schedule_names()) {
-      CAPTURE(name);
-      const auto [spec, shape] = pipeline_test::family(name);
-      const pipeline_test::Run run = pipeline_test::train<LlamaStage>(spec, shape, steps, o);
-      for (const auto& e : run.errors) REQUIRE(e == "");
-      CHECK(pipeline_test::same(run.losses, ref.losses));
-      CHECK(pipeline_test::same(run.params, ref.params));
-    }
+    pipeline_test::check_every_family<LlamaStage>(o, steps);
     // Two replicas with ZeRO-1 of half the microbatches each: the same global batch.
-    const pipeline_test::Run wide = pipeline_test::train<LlamaStage>(pipeline_test::one_rank, {1, 1, 8}, steps, o);
-    pipeline_test::RunOptions<LlamaConfig> two = o;
-    two.dp = 2;
-    two.zero = 1;
-    const auto [spec, shape] = pipeline_test::family("zb-v");
-    const pipeline_test::Run run = pipeline_test::train<LlamaStage>(spec, shape, steps, two);
-    for (const auto& e : run.errors) REQUIRE(e == "");
-    CHECK(pipeline_test::same(run.losses, wide.losses));
-    CHECK(pipeline_test::same(run.params, wide.params));
+    pipeline_test::check_two_replicas<LlamaStage>(o, steps, "zb-v");
   }
 }
 

@@ -290,31 +290,14 @@ TEST_CASE("Llama: packed training is bit-identical to one rank under every famil
   pipeline_test::RunOptions<LlamaConfig> o{
       .cfg = {.vocab = 64, .hidden = 16, .heads = 4, .kv_heads = 2, .layers = 4, .seq = 8, .packed = true}};
   o.packed = true;
-  const pipeline_test::Run ref = pipeline_test::train<LlamaStage>(pipeline_test::one_rank, {1, 1, 4}, steps, o);
-  for (const auto& e : ref.errors) REQUIRE(e == "");
+  const pipeline_test::Run ref = pipeline_test::check_every_family<LlamaStage>(o, steps);
   // Packing changes what is computed (not a run of unpacked rows).
   pipeline_test::RunOptions<LlamaConfig> plain = o;
   plain.packed = false;
   plain.cfg.packed = false;
   CHECK_FALSE(pipeline_test::same(
       pipeline_test::train<LlamaStage>(pipeline_test::one_rank, {1, 1, 4}, steps, plain).losses, ref.losses));
-  for (const std::string& name : pipeline_test::schedule_names()) {
-    CAPTURE(name);
-    const auto [spec, shape] = pipeline_test::family(name);
-    const pipeline_test::Run run = pipeline_test::train<LlamaStage>(spec, shape, steps, o);
-    for (const auto& e : run.errors) REQUIRE(e == "");
-    CHECK(pipeline_test::same(run.losses, ref.losses));
-    CHECK(pipeline_test::same(run.params, ref.params));
-  }
-  const pipeline_test::Run wide = pipeline_test::train<LlamaStage>(pipeline_test::one_rank, {1, 1, 8}, steps, o);
-  pipeline_test::RunOptions<LlamaConfig> two = o;
-  two.dp = 2;
-  two.zero = 1;
-  const auto [spec, shape] = pipeline_test::family("1f1b-i");
-  const pipeline_test::Run run = pipeline_test::train<LlamaStage>(spec, shape, steps, two);
-  for (const auto& e : run.errors) REQUIRE(e == "");
-  CHECK(pipeline_test::same(run.losses, wide.losses));
-  CHECK(pipeline_test::same(run.params, wide.params));
+  pipeline_test::check_two_replicas<LlamaStage>(o, steps, "1f1b-i");
 }
 
 TEST_CASE("GPT: packed training is bit-identical to one rank under every family") {
@@ -322,20 +305,10 @@ TEST_CASE("GPT: packed training is bit-identical to one rank under every family"
   pipeline_test::RunOptions<po::model::GptConfig> o{
       .cfg = {.vocab = 64, .hidden = 16, .heads = 4, .layers = 4, .seq = 8, .dropout = 0.1f, .packed = true}};
   o.packed = true;
-  const pipeline_test::Run ref =
-      pipeline_test::train<po::model::GptStage>(pipeline_test::one_rank, {1, 1, 4}, steps, o);
-  for (const auto& e : ref.errors) REQUIRE(e == "");
+  const pipeline_test::Run ref = pipeline_test::check_every_family<po::model::GptStage>(o, steps);
   pipeline_test::RunOptions<po::model::GptConfig> plain = o;
   plain.packed = false;
   plain.cfg.packed = false;
   CHECK_FALSE(pipeline_test::same(
       pipeline_test::train<po::model::GptStage>(pipeline_test::one_rank, {1, 1, 4}, steps, plain).losses, ref.losses));
-  for (const std::string& name : pipeline_test::schedule_names()) {
-    CAPTURE(name);
-    const auto [spec, shape] = pipeline_test::family(name);
-    const pipeline_test::Run run = pipeline_test::train<po::model::GptStage>(spec, shape, steps, o);
-    for (const auto& e : run.errors) REQUIRE(e == "");
-    CHECK(pipeline_test::same(run.losses, ref.losses));
-    CHECK(pipeline_test::same(run.params, ref.params));
-  }
 }
