@@ -42,8 +42,8 @@ case "${1:-}" in
       if [ ! -f "$dir/build.ninja" ]; then
         meson setup "$dir" --buildtype=debugoptimized -Dbench=false -Dcuda=disabled -Db_sanitize="$san" -Db_lundef=false >/dev/null
       fi
-      ninja -C "$dir" tests/runtime/test_runtime tests/runtime/test_custom tests/test_schedule_threads tests/comm/test_comm_threads tests/mpi/test_handshake \
-        samples/train_gpt samples/custom_model
+      ninja -C "$dir" tests/runtime/test_runtime tests/runtime/test_custom tests/test_schedule_threads tests/comm/test_comm_threads \
+        tests/comm/test_comm_shared_device tests/mpi/test_handshake samples/train_gpt samples/custom_model
       UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 TSAN_OPTIONS=halt_on_error=1 \
         meson test -C "$dir" --suite runtime --suite threads --suite comm --no-rebuild --print-errorlogs --num-processes "$(nproc)" || status=$?
       logs+=("$dir/meson-logs/testlog.json")
