@@ -5,7 +5,9 @@
 // both sides reuse their buffers at once; a sender's stream waits for the receiver's copy and a
 // receiver's for the sender's data (deterministically, behind closed gates); the collectives;
 // tags, sizes and abort as comm::Threads'; the event pool stays small; and po::Runtime trains
-// under every family on the CPU with it, bit-identical to comm::Threads.
+// under every family on the CPU with it, bit-identical to comm::Threads. A communicator is
+// declared before the streams it posts to, so the streams finish their tasks (which touch its
+// events) before it destroys them.
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -190,9 +192,9 @@ TEST_CASE("shared device: messages arrive intact while sender and receiver reuse
     std::vector<int> bad(d, 0);
     std::vector<std::size_t> pool(d, 0);
     const auto errors = po::run_thread_ranks(world, [&](int r) {
+      Shared comm(world, r, po::comm::DeviceCopy<HostStreams>(HostStreams{&live, static_cast<unsigned>(r + 1)}));
       HostStream stream;
       const StreamContext ctx{&stream};
-      Shared comm(world, r, po::comm::DeviceCopy<HostStreams>(HostStreams{&live, static_cast<unsigned>(r + 1)}));
       std::vector<std::byte> src(bytes), dst(bytes);
       const int next = (r + 1) % d, prev = (r + d - 1) % d;
       for (int k = 0; k < messages; ++k) {
@@ -231,8 +233,8 @@ TEST_CASE("shared device: messages arrive intact while sender and receiver reuse
 
 TEST_CASE("shared device: the sender's stream waits for the copy, the receiver's for the sender's data") {
   po::comm::ThreadsWorld world(2);
+  Shared c0(world, 0), c1(world, 1);  // before the streams: they finish their tasks before its events go
   HostStream s0, s1;
-  Shared c0(world, 0), c1(world, 1);
   std::vector<std::byte> src(256, std::byte{7}), dst(256, std::byte{0});
   const po::Tag tag{1, 0, po::Dir::forward};
   SUBCASE("the receiver's stream is held: the sender's reuse of its buffer waits") {
@@ -281,9 +283,9 @@ TEST_CASE("shared device: all_to_all and all_gather on the streams, inputs rewri
   std::vector<std::size_t> pool(dp, 0);
   std::vector<po::Traffic> traffic(dp);
   const auto errors = po::run_thread_ranks(world, [&](int r) {
+    Shared comm(world, r, po::comm::DeviceCopy<HostStreams>(HostStreams{nullptr, static_cast<unsigned>(r + 7)}));
     HostStream stream;
     const StreamContext ctx{&stream};
-    Shared comm(world, r, po::comm::DeviceCopy<HostStreams>(HostStreams{nullptr, static_cast<unsigned>(r + 7)}));
     std::vector<std::byte> in(dp * block), out(dp * block), mine(block), all(dp * block);
     for (int k = 0; k < rounds; ++k) {
       stream.enqueue([&, k] {
@@ -333,9 +335,9 @@ TEST_CASE("shared device: tags, sizes and abort as comm::Threads") {
   po::comm::ThreadsWorld world(2);
   std::vector<std::byte> a(16), b(8);
   const auto errors = po::run_thread_ranks(world, [&](int r) {
+    Shared comm(world, r);
     HostStream stream;
     const StreamContext ctx{&stream};
-    Shared comm(world, r);
     if (r == 0) {
       comm.send(ctx, 1, {1, 3, po::Dir::forward}, a);
       stream.drain();
