@@ -280,6 +280,10 @@ inline Options parse(int argc, char** argv) {
       throw bad_argument("--model llama: the CUDA Llama is not built yet; use --backend cpu");
     if (*v == "cuda" && tie)
       throw bad_argument("--tie-embeddings: the CUDA GPT does not tie its embeddings yet; use --backend cpu");
+    if (*v == "cuda" && get("--pack"))
+      throw bad_argument(
+          "--pack: the CUDA GPT does not pack sequences yet (its cuDNN attention is causal over whole rows); use "
+          "--backend cpu");
     o.cuda = *v == "cuda";
 #ifndef PIPEOFFLOAD_WITH_CUDA
     if (o.cuda)
@@ -400,13 +404,7 @@ inline Options parse(int argc, char** argv) {
     if (auto v = get("--ffn")) o.ffn = static_cast<int>(to_int("--ffn", *v, 1, 1 << 20));
     o.model.dropout = 0.0f;  // the Llama has none (the configuration text says so)
   }
-  if (auto v = get("--pack")) {
-    o.pack = static_cast<int>(to_int("--pack", *v, 0, sample::max_vocab - 1));
-    if (o.cuda)
-      throw bad_argument(
-          "--pack: the CUDA GPT does not pack sequences yet (its cuDNN attention is causal over whole rows); use "
-          "--backend cpu");
-  }
+  if (auto v = get("--pack")) o.pack = static_cast<int>(to_int("--pack", *v, 0, sample::max_vocab - 1));
   o.model.packed = o.pack >= 0;
   if (auto v = get("--stage-blocks")) {
     std::vector<int> blocks;
