@@ -40,7 +40,7 @@ double sgemm_rate(int M, int N, int K) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  po::model::GptConfig cfg;
+  po::gpt::GptConfig cfg;
   cfg.hidden = argc > 1 ? std::atoi(argv[1]) : 512;
   cfg.seq = argc > 2 ? std::atoi(argv[2]) : 256;
   const int batch = argc > 3 ? std::atoi(argv[3]) : 2;
@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
   cfg.layers = 3;
   cfg.dropout = 0.1f;
   const po::MicrobatchShape sh{batch, cfg.seq};
-  po::model::GptStage st(cfg, 1, 3);  // a middle stage: exactly one block
+  po::gpt::GptStage st(cfg, 1, 3);  // a middle stage: exactly one block
   const double T = static_cast<double>(sh.tokens()), h = cfg.hidden, s = cfg.seq;
   const double flops = 3 * (24 * T * h * h + 4 * T * s * h);
   std::vector<float> x(static_cast<std::size_t>(T * h), 0.1f), y(x.size()), dy(x.size(), 0.01f), dx(x.size());

@@ -47,19 +47,19 @@ double median(std::vector<double> v) {
 void one_round(po::comm::Mpi& world, po::comm::Mpi& pipe, po::comm::Mpi& reps, const Variant& var, Figures& f) {
   const int d = 2, g = world.rank(), r = g % d;
   const po::Shape sh{d, 2, 8};
-  const po::model::GptConfig cfg{.hidden = 128, .heads = 4, .layers = 4, .seq = 64, .dropout = 0.0f};
+  const po::gpt::GptConfig cfg{.hidden = 128, .heads = 4, .layers = 4, .seq = 64, .dropout = 0.0f};
   const po::MicrobatchShape mbs{2, cfg.seq};
   const po::Program program = po::PO_F::build(sh);
   po::backend::Cpu dev({.rank = g});
-  std::vector<po::model::GptStage> layers;
+  std::vector<po::gpt::GptStage> layers;
   for (int c = 0; c < sh.v; ++c) layers.emplace_back(cfg, sh.stage_of(r, c), sh.stages());
-  po::Runtime rt(program, dev, pipe, reps, std::span<po::model::GptStage>(layers),
+  po::Runtime rt(program, dev, pipe, reps, std::span<po::gpt::GptStage>(layers),
                  {.microbatch = mbs, .gradients = var.path, .reduce_dtype = var.reduce_dtype});
   po::AdamW opt(rt, {.zero = 1, .overlap_gather = var.overlap});
   const std::size_t n = static_cast<std::size_t>(mbs.tokens()) * static_cast<std::size_t>(sh.m);
   std::vector<std::int32_t> tok(n), tgt(n);
   std::size_t params = 0;
-  for (po::model::GptStage& l : layers) params += l.parameters().size();
+  for (po::gpt::GptStage& l : layers) params += l.parameters().size();
   for (int step = 0; step < 4; ++step) {
     for (std::size_t i = 0; i < n; ++i) {
       tok[i] = static_cast<std::int32_t>((i * 31 + static_cast<std::size_t>(step * 7 + reps.rank() * 13)) % 256);

@@ -73,13 +73,13 @@ int main() {
                         calls;
 
   // 3. A GPT stage pass at train_gpt's defaults.
-  po::model::GptConfig cfg;
+  po::gpt::GptConfig cfg;
   cfg.hidden = 64;
   cfg.heads = 4;
   cfg.seq = 64;
   cfg.layers = 3;
   const po::MicrobatchShape sh{4, 64};
-  po::model::GptStage st(cfg, 1, 3);  // a middle stage: one block
+  po::gpt::GptStage st(cfg, 1, 3);  // a middle stage: one block
   const std::size_t n = st.output_boundary(sh).elements;
   std::vector<float> x(n), yv(n), dy(n, 0.01f), dx(n);
   for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(static_cast<int>(i % 97) - 48) * 0.02f;

@@ -64,15 +64,27 @@ void common(fe::graph::Graph& g) {
 
 float scale_of(Shape s) { return 1.0f / std::sqrt(static_cast<float>(s.head_dim)); }
 
-Built build_forward(cudnnHandle_t h, Shape s) {
-  const SdpaLayout l = sdpa_layout(s.batch, s.heads, s.seq, s.head_dim);
+int kv_heads_of(Shape s) { return s.kv_heads == 0 ? s.heads : s.kv_heads; }
+
+/// The layout of a call: Q, K and V in one fused qkv tensor, or in three.
+SdpaLayout layout_of(Shape s, bool fused) {
+  if (fused && kv_heads_of(s) != s.heads)
+    throw shape_error("cuda::attention: a fused qkv tensor has as many key/value heads as query heads (" +
+                      std::to_string(s.heads) + "), not kv_heads = " + std::to_string(s.kv_heads) +
+                      "; pass q, k and v separately for grouped-query attention");
+  return fused ? sdpa_layout(s.batch, s.heads, s.seq, s.head_dim)
+               : sdpa_layout_separate(s.batch, s.heads, kv_heads_of(s), s.seq, s.head_dim);
+}
+
+Built build_forward(cudnnHandle_t h, Shape s, bool fused) {
+  const SdpaLayout l = layout_of(s, fused);
   Built b;
   b.graph = std::make_shared<fe::graph::Graph>();
   fe::graph::Graph& g = *b.graph;
   common(g);
-  auto q = input(g, "Q", Q, vec(l.dims), vec(l.qkv_strides));
-  auto k = input(g, "K", K, vec(l.dims), vec(l.qkv_strides));
-  auto v = input(g, "V", V, vec(l.dims), vec(l.qkv_strides));
+  auto q = input(g, "Q", Q, vec(l.dims), vec(l.q_strides));
+  auto k = input(g, "K", K, vec(l.kv_dims), vec(l.kv_strides));
+  auto v = input(g, "V", V, vec(l.kv_dims), vec(l.kv_strides));
   auto opts = fe::graph::SDPA_attributes()
                   .set_name("sdpa_forward")
                   .set_generate_stats(true)  // training: keep the log-sum-exps for backward
@@ -90,15 +102,15 @@ Built build_forward(cudnnHandle_t h, Shape s) {
   return b;
 }
 
-Built build_backward(cudnnHandle_t h, Shape s, bool deterministic) {
-  const SdpaLayout l = sdpa_layout(s.batch, s.heads, s.seq, s.head_dim);
+Built build_backward(cudnnHandle_t h, Shape s, bool fused, bool deterministic) {
+  const SdpaLayout l = layout_of(s, fused);
   Built b;
   b.graph = std::make_shared<fe::graph::Graph>();
   fe::graph::Graph& g = *b.graph;
   common(g);
-  auto q = input(g, "Q", Q, vec(l.dims), vec(l.qkv_strides));
-  auto k = input(g, "K", K, vec(l.dims), vec(l.qkv_strides));
-  auto v = input(g, "V", V, vec(l.dims), vec(l.qkv_strides));
+  auto q = input(g, "Q", Q, vec(l.dims), vec(l.q_strides));
+  auto k = input(g, "K", K, vec(l.kv_dims), vec(l.kv_strides));
+  auto v = input(g, "V", V, vec(l.kv_dims), vec(l.kv_strides));
   auto o = input(g, "O", O, vec(l.dims), vec(l.out_strides));
   auto dout = input(g, "dO", DO, vec(l.dims), vec(l.out_strides));
   auto stats = g.tensor(fe::graph::Tensor_attributes()
@@ -114,9 +126,9 @@ Built build_backward(cudnnHandle_t h, Shape s, bool deterministic) {
                   .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
                   .set_diagonal_band_right_bound(0);
   auto [dq, dk, dv] = g.sdpa_backward(q, k, v, o, dout, stats, opts);
-  dq->set_output(true).set_uid(DQ).set_dim(vec(l.dims)).set_stride(vec(l.qkv_strides));
-  dk->set_output(true).set_uid(DK).set_dim(vec(l.dims)).set_stride(vec(l.qkv_strides));
-  dv->set_output(true).set_uid(DV).set_dim(vec(l.dims)).set_stride(vec(l.qkv_strides));
+  dq->set_output(true).set_uid(DQ).set_dim(vec(l.dims)).set_stride(vec(l.q_strides));
+  dk->set_output(true).set_uid(DK).set_dim(vec(l.kv_dims)).set_stride(vec(l.kv_strides));
+  dv->set_output(true).set_uid(DV).set_dim(vec(l.kv_dims)).set_stride(vec(l.kv_strides));
   finish(g, h, b);
   return b;
 }
@@ -137,19 +149,23 @@ struct Graphs::Impl {
   cudnnHandle_t handle = nullptr;
   bool deterministic = true;
   std::mutex mu;
-  std::map<std::tuple<bool, int, int, int, int>, Built> built;  // (backward, batch, heads, seq, head_dim)
+  // (backward, fused, batch, heads, kv_heads, seq, head_dim)
+  std::map<std::tuple<bool, bool, int, int, int, int, int>, Built> built;
 
-  /// The graph of one direction and shape, built on first use.
-  const Built& get(bool backward, Shape s) {
+  /// The graph of one direction, layout and shape, built on first use.
+  const Built& get(bool backward, Shape s, bool fused = true) {
     if (backward && s.seq < 2)
       throw cuda_error(
           "cuda::attention: seq = " + std::to_string(s.seq) +
           " is outside the range the cuDNN frontend's SDPA backward supports ([2, ...)); train with seq >= 2");
     std::lock_guard lk(mu);
-    const auto key = std::make_tuple(backward, s.batch, s.heads, s.seq, s.head_dim);
+    const auto key = std::make_tuple(backward, fused, s.batch, s.heads, kv_heads_of(s), s.seq, s.head_dim);
     auto it = built.find(key);
     if (it == built.end())
-      it = built.emplace(key, backward ? build_backward(handle, s, deterministic) : build_forward(handle, s)).first;
+      it = built
+               .emplace(key,
+                        backward ? build_backward(handle, s, fused, deterministic) : build_forward(handle, s, fused))
+               .first;
     return it->second;
   }
 };
@@ -163,7 +179,8 @@ cudnnHandle_t Graphs::handle() const { return impl_->handle; }
 bool Graphs::deterministic() const { return impl_->deterministic; }
 
 std::size_t workspace_bytes(Graphs& graphs, Shape shape) {
-  const auto f = graphs.impl().get(false, shape).workspace, bw = graphs.impl().get(true, shape).workspace;
+  const bool fused = kv_heads_of(shape) == shape.heads;
+  const auto f = graphs.impl().get(false, shape, fused).workspace, bw = graphs.impl().get(true, shape, fused).workspace;
   return static_cast<std::size_t>(std::max(f, bw));
 }
 
@@ -207,6 +224,31 @@ void backward(Graphs& graphs, cudaStream_t stream, Shape s, const __nv_bfloat16*
                                                   {DK, dqkv + l.k_offset},
                                                   {DV, dqkv + l.v_offset}};
   run(graphs.handle(), stream, graphs.impl().get(true, s), pack, ws, ws_bytes);
+}
+
+void forward(Graphs& graphs, cudaStream_t stream, Shape s, const __nv_bfloat16* q, const __nv_bfloat16* k,
+             const __nv_bfloat16* v, __nv_bfloat16* out, float* stats, void* ws, std::size_t ws_bytes) {
+  std::unordered_map<std::int64_t, void*> pack = {{Q, const_cast<__nv_bfloat16*>(q)},
+                                                  {K, const_cast<__nv_bfloat16*>(k)},
+                                                  {V, const_cast<__nv_bfloat16*>(v)},
+                                                  {O, out},
+                                                  {STATS, stats}};
+  run(graphs.handle(), stream, graphs.impl().get(false, s, false), pack, ws, ws_bytes);
+}
+
+void backward(Graphs& graphs, cudaStream_t stream, Shape s, const __nv_bfloat16* q, const __nv_bfloat16* k,
+              const __nv_bfloat16* v, const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* stats,
+              __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, void* ws, std::size_t ws_bytes) {
+  std::unordered_map<std::int64_t, void*> pack = {{Q, const_cast<__nv_bfloat16*>(q)},
+                                                  {K, const_cast<__nv_bfloat16*>(k)},
+                                                  {V, const_cast<__nv_bfloat16*>(v)},
+                                                  {O, const_cast<__nv_bfloat16*>(out)},
+                                                  {DO, const_cast<__nv_bfloat16*>(dout)},
+                                                  {STATS, const_cast<float*>(stats)},
+                                                  {DQ, dq},
+                                                  {DK, dk},
+                                                  {DV, dv}};
+  run(graphs.handle(), stream, graphs.impl().get(true, s, false), pack, ws, ws_bytes);
 }
 
 }  // namespace pipeoffload::cuda::attention

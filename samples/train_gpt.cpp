@@ -431,26 +431,26 @@ auto with_cpu_stages(const Options& o, int g, F&& fn) {
     return fn(mine);
   };
   if (o.llama) return make.template operator()<po::llama::LlamaStage>(train_gpt::llama_config(o));
-  return make.template operator()<po::model::GptStage>(o.model);
+  return make.template operator()<po::gpt::GptStage>(o.model);
 }
 
 #ifdef PIPEOFFLOAD_WITH_CUDA
 /// Global rank g's v stages on the GPU (with the injected fault, if it is this rank's), from
 /// the CPU model's initial parameters (kept in `initial`, fp32, for the optimizer's master
 /// copy: the stages hold them rounded to bf16).
-std::vector<Faulty<po::cuda::GptStage>> cuda_stages(const Options& o, const Setup& su, po::backend::Cuda& dev, int g,
-                                                    std::vector<std::vector<float>>& initial) {
+std::vector<Faulty<po::gpt::CudaGptStage>> cuda_stages(const Options& o, const Setup& su, po::backend::Cuda& dev, int g,
+                                                       std::vector<std::vector<float>>& initial) {
   const int r = g % o.shape.d;
-  std::vector<Faulty<po::cuda::GptStage>> mine;
+  std::vector<Faulty<po::gpt::CudaGptStage>> mine;
   mine.reserve(static_cast<std::size_t>(o.shape.v));
   initial.clear();
   for (int c = 0; c < o.shape.v; ++c) {
     const int stage = o.shape.stage_of(r, c);
-    po::model::GptStage cpu(o.model, stage, o.shape.stages());
+    po::gpt::GptStage cpu(o.model, stage, o.shape.stages());
     initial.emplace_back(cpu.parameters().begin(), cpu.parameters().end());
-    // bf16 boundaries: every stage is a GPU stage computing in bf16 (cuda::Boundaries).
+    // bf16 boundaries: every stage is a GPU stage computing in bf16 (gpt::Boundaries).
     mine.emplace_back(o.fault.rank == g ? &o.fault : nullptr, o.dp, dev, o.model, stage, o.shape.stages(),
-                      su.runtime.microbatch, initial.back(), po::cuda::Boundaries::bf16);
+                      su.runtime.microbatch, initial.back(), po::gpt::Boundaries::bf16);
   }
   return mine;
 }
@@ -506,7 +506,7 @@ int run_shared_gpus(const Options& o, Setup su) {
     po::comm::SharedGpu comm(grid.pipeline(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
     po::comm::SharedGpu replicas(grid.replicas(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
     std::vector<std::vector<float>> initial;
-    std::vector<Faulty<po::cuda::GptStage>> mine = cuda_stages(o, su, dev, g, initial);
+    std::vector<Faulty<po::gpt::CudaGptStage>> mine = cuda_stages(o, su, dev, g, initial);
     stopped = train_rank(
         o, su, comm, replicas, dev, mine, t_start, static_cast<po::PairLink<po::backend::Cuda>*>(nullptr), [] {},
         std::move(initial));
@@ -569,7 +569,7 @@ int run_cuda_threads(const Options& o, Setup su) {
     po::comm::Nccl comm(pipe_world, pipe_world->rank(), dev);
     po::comm::Nccl replicas(reps_world, reps_world->rank(), dev);
     std::vector<std::vector<float>> initial;
-    std::vector<Faulty<po::cuda::GptStage>> mine = cuda_stages(o, su, dev, g, initial);
+    std::vector<Faulty<po::gpt::CudaGptStage>> mine = cuda_stages(o, su, dev, g, initial);
     stopped = train_rank(
         o, su, comm, replicas, dev, mine, t_start, link_of(links, g), [&] { world->host_barrier(); },
         std::move(initial));
@@ -602,7 +602,7 @@ int run_cuda_rank(const Options& o, Setup su, po::comm::Mpi& mpi, std::chrono::s
   po::comm::Nccl reps(replicas_world, replicas_world->rank(), dev);
   try {
     std::vector<std::vector<float>> initial;
-    std::vector<Faulty<po::cuda::GptStage>> mine = cuda_stages(o, su, dev, r, initial);
+    std::vector<Faulty<po::gpt::CudaGptStage>> mine = cuda_stages(o, su, dev, r, initial);
     return train_rank(
         o, su, comm, reps, dev, mine, t_start, static_cast<po::PairLink<po::backend::Cuda>*>(nullptr), [] {},
         std::move(initial));

@@ -68,13 +68,13 @@ inline StageFacts stage_facts(const Options& o, int s, int S, bool cuda, po::Mic
     f.documents = d.packed && d.blocks > 0;
     return with_layout(f, d, p);
   }
-  const po::model::GptDims d = po::model::gpt_dims(o.model, s, S);
-  const po::model::GptStageParams p = po::model::gpt_stage_params(d);
+  const po::gpt::GptDims d = po::gpt::gpt_dims(o.model, s, S);
+  const po::gpt::GptStageParams p = po::gpt::gpt_stage_params(d);
   if (cuda) {
-    const po::cuda::GptStageBuffers b = po::cuda::gpt_stage_buffers(d, mb.tokens());
+    const po::gpt::GptStageBuffers b = po::gpt::gpt_stage_buffers(d, mb.tokens());
     f.own = {.saved = b.saved_bytes, .stash = b.stash_bytes};
   } else {
-    f.own = {.saved = po::model::gpt_cpu_bytes::saved(d, mb), .stash = po::model::gpt_cpu_bytes::stash(d, mb)};
+    f.own = {.saved = po::gpt::gpt_cpu_bytes::saved(d, mb), .stash = po::gpt::gpt_cpu_bytes::stash(d, mb)};
     f.documents = d.packed && (d.embeds || d.blocks > 0);
   }
   return with_layout(f, d, p);
@@ -198,7 +198,7 @@ inline RankBytes cpu_rank_bytes(const Options& o, const Setup& su, const po::Pro
 
 /// backend::Cuda::Options::arena_bytes for pipeline rank `r` of replica `replica` with the CUDA
 /// GPT (cuda::arena_bytes_for): the libraries' `workspace`, the memory plan's region for
-/// cuda::GptStage's saved and stash bytes and bf16 boundaries, the blocks the runtime and
+/// gpt::CudaGptStage's saved and stash bytes and bf16 boundaries, the blocks the runtime and
 /// AdamW take for themselves (detail::own_blocks, with an fp32 master of the bf16 working
 /// parameters), and the gradient norm's buffers (one per chunk at most), each in its 256-byte
 /// size class. `res`: rank r's reservation where the caller has it (reservations()).
@@ -211,9 +211,9 @@ inline std::size_t cuda_arena_bytes(const Options& o, const Setup& su, const po:
   // The gradient norm's buffer: reserved for each chunk's groups in chunk order, one of a
   // larger size class a new block (backend::Cuda::reserve_sum_squares).
   for (std::size_t c = 0, most = 0; c < static_cast<std::size_t>(program.shape.v); ++c) {
-    const po::model::GptDims d =
-        po::model::gpt_dims(o.model, program.shape.stage_of(r, static_cast<int>(c)), program.shape.stages());
-    const std::size_t need = po::cuda::pool_size_class(po::cuda::norm_buffer_bytes(po::model::gpt_norm_groups(d)));
+    const po::gpt::GptDims d =
+        po::gpt::gpt_dims(o.model, program.shape.stage_of(r, static_cast<int>(c)), program.shape.stages());
+    const std::size_t need = po::cuda::pool_size_class(po::cuda::norm_buffer_bytes(po::gpt::gpt_norm_groups(d)));
     if (need > most) own += need;
     most = std::max(most, need);
   }
@@ -222,7 +222,7 @@ inline std::size_t cuda_arena_bytes(const Options& o, const Setup& su, const po:
 
 /// Everything pipeline rank `r` of replica `replica` holds on its GPU with the CUDA GPT: its
 /// arena (cuda_arena_bytes) and its stages' own cudaMalloc'd bf16 parameters, fp32 gradients
-/// and scratch (cuda::gpt_state_bytes, cuda::gpt_workspace); `host`: the pinned offload bins.
+/// and scratch (gpt::gpt_state_bytes, gpt::gpt_workspace); `host`: the pinned offload bins.
 /// What train_gpt --backend cuda reports as reserved_bytes_per_rank; the CUDA context and
 /// NCCL's buffers are not counted (the planner's PlanBudget::reserved_bytes).
 inline RankBytes cuda_rank_bytes(const Options& o, const Setup& su, const po::Program& program, int r, int replica,
@@ -233,8 +233,8 @@ inline RankBytes cuda_rank_bytes(const Options& o, const Setup& su, const po::Pr
   RankBytes out{.device = cuda_arena_bytes(o, su, program, r, replica, workspace, &mine),
                 .host = po::cuda::pinned_bytes_for(mine)};
   for (int c = 0; c < sh.v; ++c) {
-    const po::model::GptDims d = po::model::gpt_dims(o.model, sh.stage_of(r, c), sh.stages());
-    out.device += po::cuda::gpt_state_bytes(d) + po::cuda::gpt_workspace(d, su.runtime.microbatch.tokens()).bytes;
+    const po::gpt::GptDims d = po::gpt::gpt_dims(o.model, sh.stage_of(r, c), sh.stages());
+    out.device += po::gpt::gpt_state_bytes(d) + po::gpt::gpt_workspace(d, su.runtime.microbatch.tokens()).bytes;
   }
   return out;
 }

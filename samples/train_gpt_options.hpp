@@ -130,10 +130,10 @@ struct Options {
   int steps = 200;
   std::uint64_t seed = 1;
   std::optional<std::string> trace;
-  po::model::GptConfig model{};  // the model's sizes (both architectures) and the GPT's own settings
-  bool llama = false;            // --model llama
-  int kv_heads = 0, ffn = 0;     // llama: key/value heads (0: --heads), SwiGLU width (0: 8h/3)
-  int pack = -1;                 // --pack: the token id that starts a document (-1: rows unpacked)
+  po::gpt::GptConfig model{};  // the model's sizes (both architectures) and the GPT's own settings
+  bool llama = false;          // --model llama
+  int kv_heads = 0, ffn = 0;   // llama: key/value heads (0: --heads), SwiGLU width (0: 8h/3)
+  int pack = -1;               // --pack: the token id that starts a document (-1: rows unpacked)
   int batch = 4;
   float lr = 3e-3f;
   std::string corpus = PIPEOFFLOAD_CORPUS;
@@ -492,12 +492,12 @@ inline po::StageContent stage_content(const Options& o, int s, int S) {
     const po::llama::LlamaDims d = po::llama::llama_dims(llama_config(o), s, S);
     return {d.blocks, d.embeds, d.has_head};
   }
-  const po::model::GptDims d = po::model::gpt_dims(o.model, s, S);
+  const po::gpt::GptDims d = po::gpt::gpt_dims(o.model, s, S);
   return {d.blocks, d.embeds, d.has_head};
 }
 
 /// " stage-blocks=B0,B1,..." for an uneven layout, "" for the default one.
-inline std::string stage_blocks_text(const po::model::GptConfig& m) {
+inline std::string stage_blocks_text(const po::gpt::GptConfig& m) {
   std::string s;
   for (const int b : m.stage_blocks) s += (s.empty() ? " stage-blocks=" : ",") + std::to_string(b);
   return s;

@@ -26,7 +26,7 @@ using sample::hex64;
 using sample::mib;
 
 /// Device bytes a stage holds for its parameters and gradients: its own state_bytes() where
-/// it has one (cuda::GptStage: the bf16 parameters, the fp32 gradients, the head's fp32 bias),
+/// it has one (gpt::CudaGptStage: the bf16 parameters, the fp32 gradients, the head's fp32 bias),
 /// else its parameters() and gradients().
 template <class Layer>
 std::size_t layer_state_bytes(Layer& l) {
@@ -37,7 +37,7 @@ std::size_t layer_state_bytes(Layer& l) {
 }
 
 /// Device bytes a stage holds for itself: layer_state_bytes and, where it keeps one for the
-/// whole run, its scratch (cuda::GptStage::scratch_bytes).
+/// whole run, its scratch (gpt::CudaGptStage::scratch_bytes).
 template <class Layer>
 std::size_t layer_reserved_bytes(Layer& l) {
   if constexpr (requires { l.scratch_bytes(); })

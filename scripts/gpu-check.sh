@@ -30,7 +30,7 @@
 # What runs, in order (each step's log and time go into the report):
 #   1. the CPU-side CUDA tests (launch shapes, layouts, conformance on backend::Cpu);
 #   2. every GPU test (tests/cuda: kernels, cuBLASLt, cuDNN attention, NCCL, the Cuda backend's
-#      conformance, cuda::GptStage against the CPU model, a PO-F po::Runtime on GPUs);
+#      conformance, gpt::CudaGptStage against the CPU model, a PO-F po::Runtime on GPUs);
 #   3. train_gpt --backend cuda against --backend cpu (meson test --suite cuda);
 #   4. bench/cuda/gpt_block_gpu: MFU of a GPT block's F+B+W at h = s = 4096 in bf16, pinned
 #      D2H and H2D bandwidth per direction and both at once, the measured k;

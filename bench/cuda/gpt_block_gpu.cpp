@@ -1,12 +1,16 @@
-// bench/cuda/gpt_block_gpu.cpp: MFU of one real GPT block (cuda::GptStage, a middle stage of
+// bench/cuda/gpt_block_gpu.cpp: MFU of one real GPT block (gpt::CudaGptStage, a middle stage of
 // one block: LayerNorms, bias adds, GeLU, dropout, cuBLASLt GEMMs, cuDNN attention) for F, B and
 // W, beside the bare GEMMs and attention of the same block, then the pinned PCIe bandwidth per
 // direction and both at once, and k measured against k from the paper's formula (DESIGN.md
 // section 1).
 //   ./build/bench/cuda/gpt_block_gpu [--hidden 4096] [--seq 4096] [--heads 32] [--batch 1]
 //                                    [--iters 5] [--recompute 1] [--peak-tflops P]
+//                                    [--kv-heads 8] [--ffn 14336]
+// Beside it, one Llama-class block (llama::CudaLlamaStage: RMSNorm, RoPE, grouped-query
+// attention with --kv-heads, SwiGLU of width --ffn) of the same h, s and heads, F+B+W timed the
+// same way, its MFU from the same formula's terms for its shapes and its ratio to the GPT's.
 // Exits 77 without a GPU. It checks first: the same stage code at a small size (h = 256,
-// s = 256, one block) against the CPU reference model::GptStage (y, dx and all weight
+// s = 256, one block) against the CPU reference gpt::GptStage (y, dx and all weight
 // gradients, norm-wise relative error; tests/cuda/test_gpt_gpu.cpp checks every stage kind),
 // then times with CUDA events and reports medians of --iters runs.
 //   FLOPs of F+B+W = 12 b s h (6h + s): the paper's count, 72bsh^2 (GEMMs) + 12bs^2h (attention,
@@ -30,11 +34,12 @@
 
 #include <models/gpt/cpu.hpp>
 #include <models/gpt/cuda.hpp>
+#include <models/llama/cuda.hpp>
 #include <pipeoffload/cuda.hpp>
 
 namespace po = pipeoffload;
 namespace pc = pipeoffload::cuda;
-namespace pm = pipeoffload::model;
+namespace pm = pipeoffload::gpt;
 namespace pk = pipeoffload::cuda::kernels;
 
 namespace {
@@ -95,7 +100,7 @@ po::Microbatch middle_microbatch(po::MicrobatchShape shape, int mb) {
 /// One middle block at a small size on the GPU and on the CPU; false (and a message) when the
 /// GPU is off by more than bf16 accounts for (tests/cuda/test_gpt_gpu.cpp argues the bounds).
 bool check_against_cpu(bool recompute) {
-  po::model::GptConfig c;
+  po::gpt::GptConfig c;
   c.vocab = 256;
   c.hidden = 256;
   c.heads = 4;
@@ -103,10 +108,10 @@ bool check_against_cpu(bool recompute) {
   c.seq = 256;
   c.recompute = recompute;
   const po::MicrobatchShape shape{1, 256};
-  po::model::GptStage cpu(c, 1, 3);
+  po::gpt::GptStage cpu(c, 1, 3);
   po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
   const int cs = dev.make_stream("compute");
-  pc::GptStage gpu(dev, c, 1, 3, shape, cpu.parameters());
+  pm::CudaGptStage gpu(dev, c, 1, 3, shape, cpu.parameters());
   const std::size_t n = cpu.input_boundary(shape).elements;
   const std::vector<float> x = random_bf16(n, 1), dy = random_bf16(n, 2);
   std::vector<float> y(n), dx(n);
@@ -145,10 +150,81 @@ bool check_against_cpu(bool recompute) {
   return ok;
 }
 
+/// A Llama block's F+B+W: what it times and counts.
+struct LlamaBlock {
+  double seconds = 0;  ///< median F+B+W
+  double flops = 0;    ///< 3 x (2T (2h^2 + 2h kv + 3h f) + 4 b s^2 h): the GPT formula's terms for this block
+};
+
+/// One middle Llama block (llama::CudaLlamaStage, stage 1 of 3 of a 3-block model) timed as the
+/// GPT block is, on a backend of its own (destroyed before the GPT's is made).
+LlamaBlock llama_block(long long h, long long s, long long heads, long long kv_heads, long long ffn, long long b,
+                       int iters) {
+  po::llama::LlamaConfig cfg;
+  cfg.vocab = 256;
+  cfg.hidden = static_cast<int>(h);
+  cfg.heads = static_cast<int>(heads);
+  cfg.kv_heads = static_cast<int>(kv_heads);
+  cfg.ffn = static_cast<int>(ffn);
+  cfg.layers = 3;
+  cfg.seq = static_cast<int>(s);
+  const po::MicrobatchShape shape{static_cast<int>(b), static_cast<int>(s)};
+  const po::llama::LlamaDims dims = po::llama::llama_dims(cfg, 1, 3);
+  const po::llama::LlamaStageBuffers bufs = po::llama::llama_cuda_buffers(dims, b * s);
+  const std::size_t Th = static_cast<std::size_t>(b * s * h);
+  po::backend::Cuda::Options opt;
+  opt.workspace_bytes =
+      std::max(opt.workspace_bytes,
+               pc::attention::workspace_bytes({static_cast<int>(b), static_cast<int>(heads), static_cast<int>(s),
+                                               static_cast<int>(h / heads), static_cast<int>(kv_heads)}));
+  opt.arena_bytes = bufs.saved_bytes + bufs.stash_bytes + 16 * Th + opt.workspace_bytes + (std::size_t{512} << 20);
+  po::backend::Cuda dev(opt);
+  const int cs = dev.make_stream("compute");
+  std::printf("building the Llama block's parameters on the CPU (llama::LlamaStage init)...\n");
+  po::llama::CudaLlamaStage stage(dev, cfg, 1, 3, shape);
+  using po::backend::Memory;
+  const auto dalloc = [&](std::size_t bytes, Memory kind) { return dev.device_alloc(bytes, kind).ptr; };
+  auto* x = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
+  auto* y = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
+  auto* dy = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
+  auto* dx = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
+  std::byte* saved = dalloc(bufs.saved_bytes, Memory::activation);
+  std::byte* stash = dalloc(bufs.stash_bytes, Memory::stash);
+  {
+    const std::vector<float> init = random_bf16(Th, 5);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(x, init.data(), Th * 4, cudaMemcpyHostToDevice));
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(dy, init.data(), Th * 4, cudaMemcpyHostToDevice));
+    PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  cudaEvent_t ev[2];
+  for (cudaEvent_t& e : ev) PIPEOFFLOAD_CUDA_CHECK(cudaEventCreate(&e));
+  std::vector<double> t;
+  for (int it = 0; it <= iters; ++it) {  // run 0 warms up
+    dev.launch(cs, [&] {
+      po::backend::CudaContext c = dev.context(cs);
+      const po::Microbatch m = middle_microbatch(shape, 1);
+      PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[0], c.cuda_stream));
+      stage.forward(c, m, in_view(x, Th), out_view(y, Th), saved);
+      stage.backward_input(c, m, in_view(dy, Th), out_view(dx, Th), saved, stash);
+      stage.backward_weight(c, m, saved, stash);
+      PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[1], c.cuda_stream));
+    });
+    dev.synchronize();
+    float ms = 0;
+    PIPEOFFLOAD_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+    if (it > 0) t.push_back(ms / 1e3);
+  }
+  for (cudaEvent_t e : ev) cudaEventDestroy(e);
+  const double T = static_cast<double>(b * s), kv = static_cast<double>(kv_heads * (h / heads));
+  const double hd = static_cast<double>(h), f = static_cast<double>(ffn);
+  return {median(t), 3.0 * (2.0 * T * (2.0 * hd * hd + 2.0 * hd * kv + 3.0 * hd * f) +
+                            4.0 * static_cast<double>(b) * static_cast<double>(s) * static_cast<double>(s) * hd)};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  long long h = 4096, s = 4096, heads = 32, b = 1;
+  long long h = 4096, s = 4096, heads = 32, b = 1, kv_heads = 8, ffn = 14336;
   int iters = 5;
   bool recompute = true;
   double peak_tflops = 0;
@@ -163,6 +239,10 @@ int main(int argc, char** argv) {
       heads = v;
     else if (a == "--batch")
       b = v;
+    else if (a == "--kv-heads")
+      kv_heads = v;
+    else if (a == "--ffn")
+      ffn = v;
     else if (a == "--iters")
       iters = static_cast<int>(v);
     else if (a == "--recompute")
@@ -183,9 +263,11 @@ int main(int argc, char** argv) {
     PIPEOFFLOAD_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     if (peak_tflops == 0) peak_tflops = prop.major == 8 ? 312 : prop.major == 9 ? 989 : prop.major == 10 ? 2250 : 0;
     if (!check_against_cpu(recompute)) return 1;
+    // The Llama block first, on a backend of its own, so that the GPT's has the memory after it.
+    const LlamaBlock llama = llama_block(h, s, heads, kv_heads, ffn, b, iters);
 
     // ---- the block: stage 1 of 3 of a 3-block model, so exactly one block, no embedding or head.
-    po::model::GptConfig cfg;
+    po::gpt::GptConfig cfg;
     cfg.vocab = 256;
     cfg.hidden = static_cast<int>(h);
     cfg.heads = static_cast<int>(heads);
@@ -195,7 +277,7 @@ int main(int argc, char** argv) {
     const po::MicrobatchShape shape{static_cast<int>(b), static_cast<int>(s)};
     const long long T = b * s;
     const pm::GptDims dims{cfg.vocab, h, heads, s, 1, 1, false, false, recompute};
-    const pc::GptStageBuffers bufs = pc::gpt_stage_buffers(dims, T);
+    const pm::GptStageBuffers bufs = pm::gpt_stage_buffers(dims, T);
     // Workspace: the default 256 MiB or what cuDNN's deterministic attention backward asks for
     // this shape, whichever is larger (1 GiB at s = 4096, 32 heads).
     po::backend::Cuda::Options opt;
@@ -211,9 +293,9 @@ int main(int argc, char** argv) {
         2 * bufs.saved_bytes + bufs.stash_bytes + 16 * Th + bare + opt.workspace_bytes + (std::size_t{512} << 20);
     po::backend::Cuda dev(opt);
     const int cs = dev.make_stream("compute"), copy = dev.make_stream("copy");
-    std::printf("building the block's parameters on the CPU (model::GptStage init, %lld parameters)...\n",
+    std::printf("building the block's parameters on the CPU (gpt::GptStage init, %lld parameters)...\n",
                 12 * h * h + 13 * h);
-    pc::GptStage stage(dev, cfg, 1, 3, shape);
+    pm::CudaGptStage stage(dev, cfg, 1, 3, shape);
     using po::backend::Memory;
     const auto dalloc = [&](std::size_t bytes, Memory kind) { return dev.device_alloc(bytes, kind).ptr; };
     auto* x = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
@@ -352,7 +434,7 @@ int main(int argc, char** argv) {
     std::printf("device %s (sm_%d%d), h=%lld s=%lld heads=%lld b=%lld, recompute %s, median of %d\n", prop.name,
                 prop.major, prop.minor, h, s, heads, b, recompute ? "on" : "off", iters);
     std::printf(
-        "cuda::GptStage, one block: F %.3f ms, B %.3f ms, W %.3f ms; F+B+W %.3f ms, %.1f TFLOP/s, MFU %.1f%% of %.0f TFLOP/s\n",
+        "gpt::CudaGptStage, one block: F %.3f ms, B %.3f ms, W %.3f ms; F+B+W %.3f ms, %.1f TFLOP/s, MFU %.1f%% of %.0f TFLOP/s\n",
         median(tf) * 1e3, median(tb) * 1e3, median(tw) * 1e3, t * 1e3, Bc / 1e12, mfu(t), peak_tflops);
     std::printf(
         "baseline, the block's bare GEMMs + cuDNN attention: %.3f ms, MFU %.1f%%; the stage takes %.2fx the baseline\n",
@@ -365,6 +447,12 @@ int main(int argc, char** argv) {
         "(%.2f GB/s together)\n",
         t_d2h * 1e3, Bo / 1e9, t_h2d * 1e3, static_cast<double>(A) / t_h2d / 1e9, t_both * 1e3,
         static_cast<double>(A) / t_both / 1e9, 2.0 * static_cast<double>(A) / t_both / 1e9);
+    std::printf(
+        "llama::CudaLlamaStage, one block (GQA %lld/%lld heads, ffn %lld, RMSNorm, RoPE, SwiGLU): F+B+W %.3f ms, "
+        "%.1f TFLOP/s, MFU %.1f%%; %.3f of the GPT block's MFU\n",
+        heads, kv_heads, ffn, llama.seconds * 1e3, llama.flops / llama.seconds / 1e12,
+        peak_tflops > 0 ? 100.0 * llama.flops / llama.seconds / (peak_tflops * 1e12) : 0.0,
+        (llama.flops / llama.seconds) / Bc);
     const double k_measured = 2.0 * tc / t;
     const double k_formula = 10.0 / (3.0 * (6.0 * h + s)) * Bc / Bo;
     std::printf("k measured (2 A / Bo over T_F+T_B+T_W) = %.3f; k formula 10/(3(6h+s)) * Bc/Bo = %.3f\n", k_measured,

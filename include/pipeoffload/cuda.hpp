@@ -1,5 +1,6 @@
-// pipeoffload/cuda.hpp: the CUDA umbrella: backend::Cuda, comm::Nccl, comm::SharedGpu, the kernels'
-// declarations, cuBLASLt GEMMs, cuDNN attention and the GPT stage (cuda::GptStage). Build
+// pipeoffload/cuda.hpp: the CUDA umbrella: backend::Cuda, comm::Nccl, comm::SharedGpu, the
+// backend's kernels, the ops for layers (ops/cuda.hpp), cuBLASLt GEMMs and cuDNN attention (the
+// sample GPT's stage is models/gpt/cuda.hpp, outside the library). Build
 // with the pipeoffload_cuda Meson dependency or CMake's pipeoffload::cuda (they define
 // PIPEOFFLOAD_WITH_CUDA and link the kernels and NVIDIA libraries); the CPU-safe umbrella is
 // pipeoffload/pipeoffload.hpp.
@@ -13,7 +14,9 @@
 
 #include "backend/cuda/attention.hpp"
 #include "backend/cuda/check.hpp"
+#include "backend/cuda/context.hpp"
 #include "backend/cuda/cuda.hpp"
+#include "backend/cuda/device_memory.hpp"
 #include "backend/cuda/environment.hpp"
 #include "backend/cuda/gemm.hpp"
 #include "backend/cuda/gemm_key.hpp"
@@ -26,4 +29,5 @@
 #include "comm/nccl/gather_pieces.hpp"
 #include "comm/nccl/id_file.hpp"
 #include "comm/nccl/nccl.hpp"
+#include "ops/cuda.hpp"
 #include "pipeoffload.hpp"

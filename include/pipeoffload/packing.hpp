@@ -77,4 +77,21 @@ inline void append_documents(const std::int32_t* offsets, std::size_t rows, int 
   }
 }
 
+/// A microbatch's documents and every token's position in its document, what a packed layer
+/// reads: one document a row when `offsets` is null, else the documents of its rows' offsets
+/// (append_documents's checks); positions (rows * seq) restart at 0 in each document.
+template <class Position>
+void microbatch_documents(const std::int32_t* offsets, std::size_t rows, int seq, std::vector<Document>& docs,
+                          std::vector<Position>& positions) {
+  const std::size_t S = static_cast<std::size_t>(seq);
+  docs.clear();
+  if (offsets != nullptr)
+    append_documents(offsets, rows, seq, docs);
+  else
+    for (std::size_t r = 0; r < rows; ++r) docs.push_back({r, 0, S});
+  positions.resize(rows * S);
+  for (const Document& doc : docs)
+    for (std::size_t i = 0; i < doc.length; ++i) positions[doc.row * S + doc.begin + i] = static_cast<Position>(i);
+}
+
 }  // namespace pipeoffload

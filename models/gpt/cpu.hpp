@@ -39,7 +39,7 @@
 #include <pipeoffload/ops/math.hpp>
 #include "layout.hpp"
 
-namespace pipeoffload::model {
+namespace pipeoffload::gpt {
 
 /// The CPU stage's per-microbatch buffers, from its dims alone: GptStage lays its buffers out
 /// with these, and a launcher sizes a rank's memory with them before building any stage.
@@ -121,7 +121,7 @@ class GptStage {
   /// With tied embeddings: `wte` (stage 0) and `lm_head.weight` (last stage) are one parameter.
   std::vector<SharedParam> shared_parameters() const { return gpt_shared_parameters(dims_); }
   /// The stage type's name in the runtime's messages.
-  std::string name() const { return "model::GptStage"; }
+  std::string name() const { return "gpt::GptStage"; }
 
   /// Saved bytes of one block for a microbatch, split into what the 20bsh / 34bsh accounting
   /// counts (per-token tensors) and the small per-row extras (statistics, log-sum-exps).
@@ -427,15 +427,8 @@ class GptStage {
   /// The microbatch's documents and every token's position in its document (docs_, pos_):
   /// one document a row, or the rows' offsets when packed.
   void documents(const Microbatch& mb) {
-    const std::size_t rows = static_cast<std::size_t>(mb.shape.batch), S = static_cast<std::size_t>(mb.shape.seq);
-    docs_.clear();
-    if (c_.packed)
-      append_documents(mb.input<std::int32_t>(document_offsets_input), rows, mb.shape.seq, docs_);
-    else
-      for (std::size_t r = 0; r < rows; ++r) docs_.push_back({r, 0, S});
-    pos_.resize(rows * S);
-    for (const Document& doc : docs_)
-      for (std::size_t i = 0; i < doc.length; ++i) pos_[doc.row * S + doc.begin + i] = i;
+    microbatch_documents(c_.packed ? mb.input<std::int32_t>(document_offsets_input) : nullptr,
+                         static_cast<std::size_t>(mb.shape.batch), mb.shape.seq, docs_, pos_);
   }
 
   /// Causal attention of one microbatch, document by document (docs_): att = softmax(q k^T /
@@ -731,4 +724,4 @@ class GptStage {
 static_assert(layer_for<GptStage, backend::CpuContext>,
               "GptStage must model po::layer_for<GptStage, backend::CpuContext>.");
 
-}  // namespace pipeoffload::model
+}  // namespace pipeoffload::gpt

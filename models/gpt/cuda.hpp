@@ -1,7 +1,7 @@
-// models/gpt/cuda.hpp: cuda::GptStage, the reference GPT's pipeline stage on one
+// models/gpt/cuda.hpp: gpt::CudaGptStage, the reference GPT's pipeline stage on one
 // GPU: bf16 working parameters and activations, fp32 gradients and accumulation.
 //
-// The same model as model::GptStage (cpu.hpp), stage for stage: the same blocks per stage and
+// The same model as gpt::GptStage (cpu.hpp), stage for stage: the same blocks per stage and
 // the same parameter vector (order, offsets and norm_groups(): layout.hpp), the same dropout
 // seeds (ops::dropout_seed of run seed, step, block, site and microbatch) and the same
 // per-element math (pipeoffload/ops/math.hpp, through kernels/). What differs is precision and where the
@@ -32,7 +32,7 @@
 //
 // Every pass checks its arguments on the host, enqueues work on ctx.cuda_stream and returns
 // (po::layer_for's asynchronous contract): the last stage's forward writes the microbatch's
-// mean loss to mb.loss on the device. The interface is model::GptStage's: fp32 boundaries
+// mean loss to mb.loss on the device. The interface is gpt::GptStage's: fp32 boundaries
 // (input_boundary/output_boundary, converted to and from bf16 inside the stage; or bf16 ones,
 // Boundaries::bf16, which halve what crosses NCCL and give the same results), the step
 // inputs "tokens" (stage 0) and "targets" (the last stage) as int32 (inputs()), the same
@@ -42,12 +42,12 @@
 // runtime's non-finite check reports (the CPU stage throws at once instead).
 //
 // @code
-//   po::model::GptConfig cfg{.vocab = 50304, .hidden = 2048, .heads = 16, .layers = 24, .seq = 2048};
+//   po::gpt::GptConfig cfg{.vocab = 50304, .hidden = 2048, .heads = 16, .layers = 24, .seq = 2048};
 //   po::backend::Cuda dev({.arena_bytes = std::size_t{40} << 30});  // leaves room for the stage
 //   // Stage 3 of 8 (blocks 9..11), from the CPU model's initial parameters:
-//   po::cuda::GptStage stage(dev, cfg, 3, 8, {.batch = 1, .seq = 2048});
+//   po::gpt::CudaGptStage stage(dev, cfg, 3, 8, {.batch = 1, .seq = 2048});
 //   // A rank's stages go to po::Runtime(program, dev, comm, std::span(stages), {.microbatch = {1, 2048}}).
-//   static_assert(po::layer_for<po::cuda::GptStage, po::backend::CudaContext>);
+//   static_assert(po::layer_for<po::gpt::CudaGptStage, po::backend::CudaContext>);
 // @endcode
 #pragma once
 
@@ -64,71 +64,23 @@
 #include <pipeoffload/backend/cuda/attention.hpp>
 #include <pipeoffload/backend/cuda/check.hpp>
 #include <pipeoffload/backend/cuda/cuda.hpp>
+#include <pipeoffload/backend/cuda/device_memory.hpp>
 #include <pipeoffload/backend/cuda/gemm.hpp>
 #include <pipeoffload/backend/cuda/kernels.hpp>
 #include <pipeoffload/backend/cuda/shapes.hpp>
 #include <pipeoffload/error.hpp>
 #include <pipeoffload/layer.hpp>
 
-#include <pipeoffload/ops/math.hpp>
+#include <pipeoffload/ops/cuda.hpp>
 #include "cpu.hpp"  // the initial parameters
 #include "cuda_layout.hpp"
-#include "kernels.hpp"
 #include "layout.hpp"
 
-namespace pipeoffload::cuda {
+namespace pipeoffload::gpt {
 
-namespace detail {
-
-/// cudaMalloc'd memory of one device, freed there on destruction (errors are not thrown from a
-/// destructor; the owner keeps it alive until the passes that use it are done).
-class DeviceMemory {
- public:
-  DeviceMemory() = default;
-  DeviceMemory(int device, std::size_t bytes) : device_(device) {
-    PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(device));
-    void* p = nullptr;
-    PIPEOFFLOAD_CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
-    ptr_ = static_cast<std::byte*>(p);
-  }
-  DeviceMemory(DeviceMemory&& o) noexcept : device_(o.device_), ptr_(std::exchange(o.ptr_, nullptr)) {}
-  DeviceMemory& operator=(DeviceMemory&& o) noexcept {
-    if (this != &o) {
-      release();
-      device_ = o.device_;
-      ptr_ = std::exchange(o.ptr_, nullptr);
-    }
-    return *this;
-  }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  ~DeviceMemory() { release(); }
-
-  template <class T>
-  T* as() const {
-    return reinterpret_cast<T*>(ptr_);
-  }
-
- private:
-  void release() noexcept {
-    if (ptr_ == nullptr) return;
-    int previous = -1;
-    if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
-    cudaSetDevice(device_);
-    cudaFree(ptr_);
-    if (previous >= 0) cudaSetDevice(previous);
-    cudaGetLastError();  // a failure here must not surface in an unrelated later check
-    ptr_ = nullptr;
-  }
-  int device_ = 0;
-  std::byte* ptr_ = nullptr;
-};
-
-}  // namespace detail
-
-/// How a cuda::GptStage's boundary tensors (input_boundary, output_boundary) travel.
+/// How a gpt::CudaGptStage's boundary tensors (input_boundary, output_boundary) travel.
 enum class Boundaries : std::uint8_t {
-  /// fp32, model::GptStage's: a pipeline may mix CPU and GPU stages, and tests compare a GPU
+  /// fp32, gpt::GptStage's: a pipeline may mix CPU and GPU stages, and tests compare a GPU
   /// stage's y and dx with the CPU stage's directly.
   f32,
   /// bf16, the stage's own activations and gradients as they are: half the bytes over NCCL and
@@ -138,50 +90,50 @@ enum class Boundaries : std::uint8_t {
   bf16,
 };
 
-/// Stage `stage` of `stages` of the reference GPT (model::GptConfig) on a GPU; see the file
-/// comment. Models po::layer_for<cuda::GptStage, backend::CudaContext>.
-class GptStage {
+/// Stage `stage` of `stages` of the reference GPT (gpt::GptConfig) on a GPU; see the file
+/// comment. Models po::layer_for<gpt::CudaGptStage, backend::CudaContext>.
+class CudaGptStage {
  public:
   using bf16 = __nv_bfloat16;
 
-  /// Starts from model::GptStage(cfg, stage, stages)'s initial parameters (built on the CPU,
+  /// Starts from gpt::GptStage(cfg, stage, stages)'s initial parameters (built on the CPU,
   /// so a GPU run starts from exactly a CPU run's parameters); microbatches of at most
   /// max_shape.tokens() tokens and max_shape.seq <= cfg.seq.
-  GptStage(backend::Cuda& dev, const model::GptConfig& cfg, int stage, int stages, MicrobatchShape max_shape,
-           Boundaries boundaries = Boundaries::f32)
-      : GptStage(dev, cfg, stage, stages, max_shape, model::GptStage(cfg, stage, stages).parameters(), boundaries) {}
+  CudaGptStage(backend::Cuda& dev, const gpt::GptConfig& cfg, int stage, int stages, MicrobatchShape max_shape,
+               Boundaries boundaries = Boundaries::f32)
+      : CudaGptStage(dev, cfg, stage, stages, max_shape, gpt::GptStage(cfg, stage, stages).parameters(), boundaries) {}
 
-  /// Starts from `initial`: the parameters() of a model::GptStage(cfg, stage, stages), e.g. a
+  /// Starts from `initial`: the parameters() of a gpt::GptStage(cfg, stage, stages), e.g. a
   /// CPU run's current ones (same layout, copied as they are).
-  GptStage(backend::Cuda& dev, const model::GptConfig& cfg, int stage, int stages, MicrobatchShape max_shape,
-           std::span<const float> initial, Boundaries boundaries = Boundaries::f32)
+  CudaGptStage(backend::Cuda& dev, const gpt::GptConfig& cfg, int stage, int stages, MicrobatchShape max_shape,
+               std::span<const float> initial, Boundaries boundaries = Boundaries::f32)
       : cfg_(cfg), max_(max_shape), device_(dev.device()), boundaries_(boundaries) {
-    dims_ = model::gpt_dims(cfg, stage, stages);
-    params_ = model::gpt_stage_params(dims_);
+    dims_ = gpt::gpt_dims(cfg, stage, stages);
+    params_ = gpt::gpt_stage_params(dims_);
     if (max_shape.batch < 1 || max_shape.seq < 1 || max_shape.seq > cfg.seq)
-      throw shape_error("cuda::GptStage: microbatch shape batch = " + std::to_string(max_shape.batch) +
+      throw shape_error("gpt::CudaGptStage: microbatch shape batch = " + std::to_string(max_shape.batch) +
                         ", seq = " + std::to_string(max_shape.seq) +
                         " (need batch >= 1 and 1 <= seq <= the position table's " + std::to_string(cfg.seq) + ")");
     if (cfg.tie_embeddings)
       throw error(
-          "cuda::GptStage: GptConfig::tie_embeddings is not implemented on the CUDA GPT yet (its head GEMMs take the "
-          "weight (h, V)); tie the embeddings on the CPU GPT (model::GptStage)");
+          "gpt::CudaGptStage: GptConfig::tie_embeddings is not implemented on the CUDA GPT yet (its head GEMMs take the "
+          "weight (h, V)); tie the embeddings on the CPU GPT (gpt::GptStage)");
     if (cfg.packed)
       throw error(
-          "cuda::GptStage: GptConfig::packed is not implemented on the CUDA GPT yet (its cuDNN attention is causal over "
-          "whole rows); pack sequences on the CPU GPT (model::GptStage)");
+          "gpt::CudaGptStage: GptConfig::packed is not implemented on the CUDA GPT yet (its cuDNN attention is causal over "
+          "whole rows); pack sequences on the CPU GPT (gpt::GptStage)");
     if (dims_.blocks > 0)
-      (void)sdpa_layout(max_shape.batch, cfg.heads, max_shape.seq, cfg.hidden / cfg.heads);  // cuDNN's head_dim limits
+      (void)cuda::sdpa_layout(max_shape.batch, cfg.heads, max_shape.seq,
+                              cfg.hidden / cfg.heads);  // cuDNN's head_dim limits
     if (static_cast<long long>(initial.size()) != params_.total)
-      throw error("cuda::GptStage: stage " + std::to_string(stage) + " of " + std::to_string(stages) + " has " +
+      throw error("gpt::CudaGptStage: stage " + std::to_string(stage) + " of " + std::to_string(stages) + " has " +
                   std::to_string(params_.total) + " parameters; the initial values have " +
                   std::to_string(initial.size()));
     const std::size_t n = static_cast<std::size_t>(params_.total);
-    work_ = detail::DeviceMemory(device_, n * sizeof(bf16));
-    grads_ = detail::DeviceMemory(device_, n * sizeof(float));
-    if (dims_.has_head)
-      head_bias_ = detail::DeviceMemory(device_, static_cast<std::size_t>(dims_.vocab) * sizeof(float));
-    scratch_ = detail::DeviceMemory(device_, gpt_workspace(dims_, max_.tokens()).bytes);
+    work_ = cuda::DeviceMemory(device_, n * sizeof(bf16));
+    grads_ = cuda::DeviceMemory(device_, n * sizeof(float));
+    if (dims_.has_head) head_bias_ = cuda::DeviceMemory(device_, static_cast<std::size_t>(dims_.vocab) * sizeof(float));
+    scratch_ = cuda::DeviceMemory(device_, gpt_workspace(dims_, max_.tokens()).bytes);
     {
       std::vector<std::uint16_t> bits(n);  // rounded to nearest even, as the optimizer rounds
       for (std::size_t i = 0; i < n; ++i) bits[i] = bf16_bits(initial[i]);
@@ -196,42 +148,42 @@ class GptStage {
     // their workspace is checked against the device's. seq = 1 has no backward graph
     // (attention.hpp); such a stage builds its graphs on first use.
     if (dims_.blocks > 0 && max_shape.seq >= 2) {
-      const std::size_t need = attention::workspace_bytes(
-          dev.attention_graphs(), attention::Shape{max_shape.batch, static_cast<int>(dims_.heads), max_shape.seq,
-                                                   static_cast<int>(dims_.hidden / dims_.heads)});
+      const std::size_t need = cuda::attention::workspace_bytes(
+          dev.attention_graphs(), cuda::attention::Shape{max_shape.batch, static_cast<int>(dims_.heads), max_shape.seq,
+                                                         static_cast<int>(dims_.hidden / dims_.heads)});
       if (need > dev.options().workspace_bytes)
-        throw error("cuda::GptStage: cuDNN's attention needs a workspace of " + std::to_string(need) +
+        throw error("gpt::CudaGptStage: cuDNN's attention needs a workspace of " + std::to_string(need) +
                     " bytes for microbatches of " + std::to_string(max_shape.batch) + " x " +
                     std::to_string(max_shape.seq) + " tokens; backend::Cuda::Options::workspace_bytes = " +
                     std::to_string(dev.options().workspace_bytes) + " is below it");
     }
   }
 
-  // ---- po::layer_for<GptStage, backend::CudaContext> -------------------------------------------
+  // ---- po::layer_for<CudaGptStage, backend::CudaContext> -------------------------------------------
 
-  /// (tokens, hidden) both ways, fp32 (model::GptStage's) or bf16 (see Boundaries).
+  /// (tokens, hidden) both ways, fp32 (gpt::GptStage's) or bf16 (see Boundaries).
   Boundary input_boundary(MicrobatchShape sh) const { return boundary(sh); }
   Boundary output_boundary(MicrobatchShape sh) const { return boundary(sh); }
-  /// model::GptStage's step inputs: int32 "tokens" on stage 0, "targets" on the last stage.
-  std::vector<InputSpec> inputs(MicrobatchShape sh) const { return model::gpt_inputs(dims_, sh); }
+  /// gpt::GptStage's step inputs: int32 "tokens" on stage 0, "targets" on the last stage.
+  std::vector<InputSpec> inputs(MicrobatchShape sh) const { return gpt::gpt_inputs(dims_, sh); }
   std::size_t saved_bytes(MicrobatchShape sh) const { return gpt_stage_buffers(dims_, sh.tokens()).saved_bytes; }
   std::size_t stash_bytes(MicrobatchShape sh) const { return gpt_stage_buffers(dims_, sh.tokens()).stash_bytes; }
   /// The bf16 working parameters (a po::Tensor of bfloat16 values) and the fp32 gradients,
-  /// device memory, model::GptStage's layout. The optimizer holds the fp32 master copy.
+  /// device memory, gpt::GptStage's layout. The optimizer holds the fp32 master copy.
   Tensor parameters() {
     return {reinterpret_cast<std::byte*>(work()), static_cast<std::size_t>(params_.total), DType::bfloat16};
   }
   std::span<float> gradients() { return {grad(), static_cast<std::size_t>(params_.total)}; }
-  std::vector<std::size_t> norm_groups() const { return model::gpt_norm_groups(dims_); }
+  std::vector<std::size_t> norm_groups() const { return gpt::gpt_norm_groups(dims_); }
   /// Device bytes of the stage's parameters and gradients: the bf16 parameters, the fp32
   /// gradients and the head's fp32 bias copy (gpt_state_bytes).
   std::size_t state_bytes() const { return gpt_state_bytes(dims_); }
   /// Device bytes of the stage's scratch (gpt_workspace for its largest microbatch).
   std::size_t scratch_bytes() const { return gpt_workspace(dims_, max_.tokens()).bytes; }
-  /// model::GptStage::parameter_info(): the same names, offsets and shapes.
-  std::vector<ParamInfo> parameter_info() const { return model::gpt_parameter_info(dims_); }
+  /// gpt::GptStage::parameter_info(): the same names, offsets and shapes.
+  std::vector<ParamInfo> parameter_info() const { return gpt::gpt_parameter_info(dims_); }
   /// The stage type's name in the runtime's messages.
-  std::string name() const { return "cuda::GptStage"; }
+  std::string name() const { return "gpt::CudaGptStage"; }
 
   void forward(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
     const Pass p = begin("forward", ctx, mb, saved, nullptr, false);
@@ -247,9 +199,10 @@ class GptStage {
     bf16* in = dims_.blocks > 0 ? saved_block(saved, p, 0).x
                : dims_.has_head ? head_x(saved, p)
                                 : scratch<bf16>(p.ws.io);
-    if (dims_.embeds)
-      kernels::embedding_forward(tokens, work(), work() + params_.wpe, in, T, mb.shape.seq, h(), V(), p.s);
-    else
+    if (dims_.embeds) {
+      ops::embedding_forward(ctx, tokens, work(), in, T, h(), V());
+      ops::position_embedding_forward(ctx, work() + params_.wpe, in, T, h(), mb.shape.seq);
+    } else
       from_boundary(x, in, p);
     for (int i = 0; i < dims_.blocks; ++i) {
       bf16* out = i + 1 < dims_.blocks ? saved_block(saved, p, i + 1).x
@@ -285,8 +238,9 @@ class GptStage {
     const Pass p = begin("backward_weight", ctx, mb, saved, stash, true);
     if (dims_.embeds) {
       const std::int32_t* tokens = step_input(mb, "tokens", "backward_weight", p.T);
-      kernels::embedding_backward(tokens, at<bf16>(stash, p.buf.stash_embed), grad(), grad() + params_.wpe, p.T,
-                                  mb.shape.seq, h(), V(), p.s);
+      ops::embedding_backward(ctx, tokens, at<bf16>(stash, p.buf.stash_embed), grad(), p.T, h(), V());
+      ops::position_embedding_backward(ctx, at<bf16>(stash, p.buf.stash_embed), grad() + params_.wpe, p.T, h(),
+                                       mb.shape.seq);
     }
     for (int i = 0; i < dims_.blocks; ++i) block_backward_weight(ctx, p, i, saved, stash);
     if (dims_.has_head) head_backward_weight(ctx, p, saved, stash);
@@ -294,8 +248,8 @@ class GptStage {
 
   // ---- what the tests and benchmarks look at ----------------------------------------------------
 
-  const model::GptDims& dims() const { return dims_; }
-  const model::GptStageParams& parameter_layout() const { return params_; }
+  const gpt::GptDims& dims() const { return dims_; }
+  const gpt::GptStageParams& parameter_layout() const { return params_; }
   MicrobatchShape max_shape() const { return max_; }
 
  private:
@@ -321,7 +275,7 @@ class GptStage {
   }
 
   std::string who(const char* pass) const {
-    return std::string("cuda::GptStage (blocks ") + std::to_string(dims_.first_block) + ".." +
+    return std::string("gpt::CudaGptStage (blocks ") + std::to_string(dims_.first_block) + ".." +
            std::to_string(dims_.first_block + dims_.blocks) + ")::" + pass;
   }
 
@@ -363,7 +317,7 @@ class GptStage {
     long long T = 0;
     GptStageBuffers buf{};
     GptWorkspace ws{};
-    attention::Shape att{};
+    cuda::attention::Shape att{};
   };
   Pass begin(const char* pass, const backend::CudaContext& ctx, const Microbatch& mb, const std::byte* saved,
              const std::byte* stash, bool needs_stash) const {
@@ -385,8 +339,8 @@ class GptStage {
     if (p.buf.saved_bytes > 0 && !aligned(saved)) throw error(who(pass) + ": saved" + align);
     if (needs_stash && p.buf.stash_bytes > 0 && !aligned(stash)) throw error(who(pass) + ": stash" + align);
     p.ws = gpt_workspace(dims_, p.T);
-    p.att =
-        attention::Shape{sh.batch, static_cast<int>(dims_.heads), sh.seq, static_cast<int>(dims_.hidden / dims_.heads)};
+    p.att = cuda::attention::Shape{sh.batch, static_cast<int>(dims_.heads), sh.seq,
+                                   static_cast<int>(dims_.hidden / dims_.heads)};
     return p;
   }
 
@@ -396,14 +350,14 @@ class GptStage {
       PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(out, b, static_cast<std::size_t>(p.T * dims_.hidden) * sizeof(bf16),
                                              cudaMemcpyDeviceToDevice, p.s));
     else
-      kernels::to_bf16(reinterpret_cast<const float*>(b), out, p.T * h(), p.s);
+      cuda::kernels::to_bf16(reinterpret_cast<const float*>(b), out, p.T * h(), p.s);
   }
   void to_boundary(const bf16* in, std::byte* b, const Pass& p) const {
     if (boundaries_ == Boundaries::bf16)
       PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(b, in, static_cast<std::size_t>(p.T * dims_.hidden) * sizeof(bf16),
                                              cudaMemcpyDeviceToDevice, p.s));
     else
-      kernels::to_float(in, reinterpret_cast<float*>(b), p.T * h(), p.s);
+      cuda::kernels::to_float(in, reinterpret_cast<float*>(b), p.T * h(), p.s);
   }
 
   /// One block's saved tensors (null where recompute leaves a region out).
@@ -435,13 +389,13 @@ class GptStage {
   std::uint64_t drop_seed(const Microbatch& mb, int block, int site) const {
     return ops::dropout_seed(cfg_.seed, mb.step, dims_.first_block + block, site, mb.mb);
   }
-  /// Dropout's probability in a forward: none when evaluating (model::GptStage::dropout). B
+  /// Dropout's probability in a forward: none when evaluating (gpt::GptStage::dropout). B
   /// runs only in training, so it uses cfg_.dropout, as the CPU stage does.
   float dropout(const Microbatch& mb) const { return mb.training ? cfg_.dropout : 0.0f; }
 
   /// The LM head's bias widened to fp32 for the logits GEMM's epilogue (the last stage only).
   void refresh_head_bias(cudaStream_t s) {
-    if (dims_.has_head) kernels::to_float(head_weight(params_.head_b), head_bias_.as<float>(), V(), s);
+    if (dims_.has_head) cuda::kernels::to_float(head_weight(params_.head_b), head_bias_.as<float>(), V(), s);
   }
 
   // ---- one block -----------------------------------------------------------------------------
@@ -452,42 +406,42 @@ class GptStage {
 
   void linear(const backend::CudaContext& ctx, const Pass& p, const bf16* X, const bf16* W, const bf16* b, bf16* Y,
               long long k, long long n) const {
-    if (!gemm_bias(ctx, linear_forward(p.T, k, n), X, W, Y, Out::bf16, b))
-      kernels::add_bias(Y, b, p.T, static_cast<int>(n), p.s);
+    if (!cuda::gemm_bias(ctx, cuda::linear_forward(p.T, k, n), X, W, Y, cuda::Out::bf16, b))
+      ops::add_bias(ctx, Y, b, p.T, static_cast<int>(n));
   }
   /// dW (k, n) += X^T dY ; db (n) += column sums of dY.
   void linear_weight_grad(const backend::CudaContext& ctx, const Pass& p, const bf16* X, const bf16* dY, float* dW,
                           float* db, long long k, long long n) const {
-    gemm(ctx, linear_wgrad(p.T, k, n), X, dY, dW, Out::f32);
-    kernels::bias_grad(dY, db, p.T, static_cast<int>(n), p.s);
+    cuda::gemm(ctx, cuda::linear_wgrad(p.T, k, n), X, dY, dW, cuda::Out::f32);
+    ops::bias_grad(ctx, dY, db, p.T, static_cast<int>(n));
   }
 
   void block_forward(const backend::CudaContext& ctx, const Microbatch& mb, const Pass& p, int i, std::byte* saved,
                      bf16* out) {
     const Saved v = saved_block(saved, p, i);
-    const model::GptBlockParams& o = params_.block;
+    const gpt::GptBlockParams& o = params_.block;
     const long long T = p.T, H = dims_.hidden;
     const float drop = dropout(mb);
     bf16* proj = scratch<bf16>(p.ws.proj);  // (T, h) projection output before its residual
     bf16* a1 = cfg_.recompute ? scratch<bf16>(p.ws.ln) : v.a1;
-    kernels::layernorm_forward(v.x, weight(i, o.ln1g), weight(i, o.ln1b), a1, v.stats, T, h(), p.s);
+    ops::layernorm_forward(ctx, v.x, weight(i, o.ln1g), weight(i, o.ln1b), a1, v.stats, T, h());
     linear(ctx, p, a1, weight(i, o.wqkv), weight(i, o.bqkv), v.qkv, H, 3 * H);
-    attention::forward(*ctx.attention, p.s, p.att, v.qkv, v.att, v.lse, ctx.workspace, ctx.workspace_bytes);
+    cuda::attention::forward(*ctx.attention, p.s, p.att, v.qkv, v.att, v.lse, ctx.workspace, ctx.workspace_bytes);
     linear(ctx, p, v.att, weight(i, o.wo), weight(i, o.bo), proj, H, H);
     if (cfg_.recompute)
-      kernels::residual_dropout(v.x, proj, v.x1, T * H, drop_seed(mb, i, 0), drop, p.s);
+      ops::residual_dropout(ctx, v.x, proj, v.x1, T * H, drop_seed(mb, i, 0), drop);
     else
-      kernels::residual_dropout_mask(v.x, proj, v.x1, v.m1, T * H, drop_seed(mb, i, 0), drop, p.s);
+      ops::residual_dropout_mask(ctx, v.x, proj, v.x1, v.m1, T * H, drop_seed(mb, i, 0), drop);
     bf16* a2 = cfg_.recompute ? scratch<bf16>(p.ws.ln) : v.a2;
-    kernels::layernorm_forward(v.x1, weight(i, o.ln2g), weight(i, o.ln2b), a2, v.stats + 2 * T, T, h(), p.s);
+    ops::layernorm_forward(ctx, v.x1, weight(i, o.ln2g), weight(i, o.ln2b), a2, v.stats + 2 * T, T, h());
     linear(ctx, p, a2, weight(i, o.wfc), weight(i, o.bfc), v.f, H, 4 * H);
     bf16* g = cfg_.recompute ? scratch<bf16>(p.ws.gelu) : v.g;
-    kernels::gelu_forward(v.f, g, 4 * T * H, p.s);
+    ops::gelu_forward(ctx, v.f, g, 4 * T * H);
     linear(ctx, p, g, weight(i, o.wpr), weight(i, o.bpr), proj, 4 * H, H);
     if (cfg_.recompute)
-      kernels::residual_dropout(v.x1, proj, out, T * H, drop_seed(mb, i, 1), drop, p.s);
+      ops::residual_dropout(ctx, v.x1, proj, out, T * H, drop_seed(mb, i, 1), drop);
     else
-      kernels::residual_dropout_mask(v.x1, proj, out, v.m2, T * H, drop_seed(mb, i, 1), drop, p.s);
+      ops::residual_dropout_mask(ctx, v.x1, proj, out, v.m2, T * H, drop_seed(mb, i, 1), drop);
   }
 
   /// g (T, h): dL/d(block output) in, dL/d(block input) out, in place. models/gpt/cpu.hpp's
@@ -496,31 +450,31 @@ class GptStage {
                             std::byte* saved, std::byte* stash, bf16* g) {
     const Saved v = saved_block(saved, p, i);
     const Stash st = stash_block(stash, p, i);
-    const model::GptBlockParams& o = params_.block;
+    const gpt::GptBlockParams& o = params_.block;
     const long long T = p.T, H = dims_.hidden;
     const float drop = cfg_.dropout;
     // MLP: dP2 = dropout'(g); dG = dP2 Wpr^T; dF = dG * GeLU'(f); dA2 = dF Wfc^T.
     if (cfg_.recompute)
-      kernels::dropout_backward(g, st.dP2, T * H, drop_seed(mb, i, 1), drop, p.s);
+      ops::dropout_backward(ctx, g, st.dP2, T * H, drop_seed(mb, i, 1), drop);
     else
-      kernels::dropout_backward_mask(g, v.m2, st.dP2, T * H, drop, p.s);
-    gemm(ctx, linear_dgrad(T, 4 * H, H), st.dP2, weight(i, o.wpr), st.dF, Out::bf16);
-    kernels::gelu_backward(v.f, st.dF, 4 * T * H, p.s);
-    gemm(ctx, linear_dgrad(T, H, 4 * H), st.dF, weight(i, o.wfc), st.dA2, Out::bf16);
+      ops::dropout_backward_mask(ctx, g, v.m2, st.dP2, T * H, drop);
+    cuda::gemm(ctx, cuda::linear_dgrad(T, 4 * H, H), st.dP2, weight(i, o.wpr), st.dF, cuda::Out::bf16);
+    ops::gelu_backward(ctx, v.f, st.dF, 4 * T * H);
+    cuda::gemm(ctx, cuda::linear_dgrad(T, H, 4 * H), st.dF, weight(i, o.wfc), st.dA2, cuda::Out::bf16);
     // g becomes dL/dx1 = g + LN2's input gradient.
-    kernels::layernorm_backward(st.dA2, v.x1, v.stats + 2 * T, weight(i, o.ln2g), g, T, h(), true, p.s);
+    ops::layernorm_backward(ctx, st.dA2, v.x1, v.stats + 2 * T, weight(i, o.ln2g), g, T, h(), true);
     // Attention: dO1 = dropout'(dL/dx1); datt = dO1 Wo^T; dqkv by cuDNN; dA1 = dqkv Wqkv^T.
     if (cfg_.recompute)
-      kernels::dropout_backward(g, st.dO1, T * H, drop_seed(mb, i, 0), drop, p.s);
+      ops::dropout_backward(ctx, g, st.dO1, T * H, drop_seed(mb, i, 0), drop);
     else
-      kernels::dropout_backward_mask(g, v.m1, st.dO1, T * H, drop, p.s);
+      ops::dropout_backward_mask(ctx, g, v.m1, st.dO1, T * H, drop);
     bf16* datt = scratch<bf16>(p.ws.proj);
-    gemm(ctx, linear_dgrad(T, H, H), st.dO1, weight(i, o.wo), datt, Out::bf16);
-    attention::backward(*ctx.attention, p.s, p.att, v.qkv, v.att, datt, v.lse, st.dQKV, ctx.workspace,
-                        ctx.workspace_bytes);
-    gemm(ctx, linear_dgrad(T, H, 3 * H), st.dQKV, weight(i, o.wqkv), st.dA1, Out::bf16);
+    cuda::gemm(ctx, cuda::linear_dgrad(T, H, H), st.dO1, weight(i, o.wo), datt, cuda::Out::bf16);
+    cuda::attention::backward(*ctx.attention, p.s, p.att, v.qkv, v.att, datt, v.lse, st.dQKV, ctx.workspace,
+                              ctx.workspace_bytes);
+    cuda::gemm(ctx, cuda::linear_dgrad(T, H, 3 * H), st.dQKV, weight(i, o.wqkv), st.dA1, cuda::Out::bf16);
     // g becomes dL/dx = dL/dx1 + LN1's input gradient.
-    kernels::layernorm_backward(st.dA1, v.x, v.stats, weight(i, o.ln1g), g, T, h(), true, p.s);
+    ops::layernorm_backward(ctx, st.dA1, v.x, v.stats, weight(i, o.ln1g), g, T, h(), true);
   }
 
   /// models/gpt/cpu.hpp's block_backward_weight: the recomputed (or saved) GEMM inputs against the
@@ -529,29 +483,29 @@ class GptStage {
                              std::byte* stash) {
     const Saved v = saved_block(saved, p, i);
     const Stash st = stash_block(stash, p, i);
-    const model::GptBlockParams& o = params_.block;
+    const gpt::GptBlockParams& o = params_.block;
     const long long T = p.T, H = dims_.hidden;
     linear_weight_grad(ctx, p, v.att, st.dO1, grad(i, o.wo), grad(i, o.bo), H, H);
     bf16* g = v.g;
     if (cfg_.recompute) {
       g = scratch<bf16>(p.ws.gelu);
-      kernels::gelu_forward(v.f, g, 4 * T * H, p.s);
+      ops::gelu_forward(ctx, v.f, g, 4 * T * H);
     }
     linear_weight_grad(ctx, p, g, st.dP2, grad(i, o.wpr), grad(i, o.bpr), 4 * H, H);
     bf16* a2 = v.a2;
     if (cfg_.recompute) {
       a2 = scratch<bf16>(p.ws.ln);
-      kernels::layernorm_recompute(v.x1, v.stats + 2 * T, weight(i, o.ln2g), weight(i, o.ln2b), a2, T, h(), p.s);
+      ops::layernorm_recompute(ctx, v.x1, v.stats + 2 * T, weight(i, o.ln2g), weight(i, o.ln2b), a2, T, h());
     }
     linear_weight_grad(ctx, p, a2, st.dF, grad(i, o.wfc), grad(i, o.bfc), H, 4 * H);
-    kernels::layernorm_weight_grad(st.dA2, v.x1, v.stats + 2 * T, grad(i, o.ln2g), grad(i, o.ln2b), T, h(), p.s);
+    ops::layernorm_weight_grad(ctx, st.dA2, v.x1, v.stats + 2 * T, grad(i, o.ln2g), grad(i, o.ln2b), T, h());
     bf16* a1 = v.a1;
     if (cfg_.recompute) {
       a1 = scratch<bf16>(p.ws.ln);
-      kernels::layernorm_recompute(v.x, v.stats, weight(i, o.ln1g), weight(i, o.ln1b), a1, T, h(), p.s);
+      ops::layernorm_recompute(ctx, v.x, v.stats, weight(i, o.ln1g), weight(i, o.ln1b), a1, T, h());
     }
     linear_weight_grad(ctx, p, a1, st.dQKV, grad(i, o.wqkv), grad(i, o.bqkv), H, 3 * H);
-    kernels::layernorm_weight_grad(st.dA1, v.x, v.stats, grad(i, o.ln1g), grad(i, o.ln1b), T, h(), p.s);
+    ops::layernorm_weight_grad(ctx, st.dA1, v.x, v.stats, grad(i, o.ln1g), grad(i, o.ln1b), T, h());
   }
 
   // ---- head ----------------------------------------------------------------------------------
@@ -564,16 +518,16 @@ class GptStage {
     bf16* a = scratch<bf16>(p.ws.ln);
     float* logits = scratch<float>(p.ws.logits);  // (T, V) fp32, then the loss gradient in place
     float* losses = scratch<float>(p.ws.losses);
-    kernels::layernorm_forward(x, head_weight(params_.lnfg), head_weight(params_.lnfb), a, stats, p.T, h(), p.s);
+    ops::layernorm_forward(ctx, x, head_weight(params_.lnfg), head_weight(params_.lnfb), a, stats, p.T, h());
     // fp32 logits with the bias (its fp32 copy) in cuBLASLt's epilogue (or after the GEMM where
     // it has none).
-    if (!gemm_bias(ctx, linear_forward(p.T, dims_.hidden, dims_.vocab), a, head_weight(params_.head_w), logits,
-                   Out::f32, head_bias_.as<float>()))
-      kernels::add_bias(logits, head_bias_.as<float>(), p.T, V(), p.s);
+    if (!cuda::gemm_bias(ctx, cuda::linear_forward(p.T, dims_.hidden, dims_.vocab), a, head_weight(params_.head_w),
+                         logits, cuda::Out::f32, head_bias_.as<float>()))
+      ops::add_bias(ctx, logits, head_bias_.as<float>(), p.T, V());
     // As models/gpt/cpu.hpp: the loss gradient is computed with the loss, scaled by loss_scale / T.
-    kernels::softmax_xent(logits, targets, losses, logits, p.T, V(), mb.loss_scale / static_cast<float>(p.T), p.s);
-    kernels::to_bf16(logits, at<bf16>(hp, p.buf.head.dlogits), p.T * dims_.vocab, p.s);
-    kernels::mean(losses, mb.loss, p.T, p.s);
+    ops::cross_entropy(ctx, logits, targets, losses, logits, p.T, V(), mb.loss_scale / static_cast<float>(p.T));
+    cuda::kernels::to_bf16(logits, at<bf16>(hp, p.buf.head.dlogits), p.T * dims_.vocab, p.s);
+    ops::mean(ctx, losses, mb.loss, p.T);
   }
 
   /// g (T, h) = dL/d(head input); the LayerNorm output's gradient goes to the stash for W.
@@ -581,10 +535,10 @@ class GptStage {
                            bf16* g) {
     std::byte* hp = saved + p.buf.head_saved;
     bf16* da = at<bf16>(stash, p.buf.stash_head);
-    gemm(ctx, linear_dgrad(p.T, dims_.hidden, dims_.vocab), at<bf16>(hp, p.buf.head.dlogits),
-         head_weight(params_.head_w), da, Out::bf16);
-    kernels::layernorm_backward(da, at<bf16>(hp, p.buf.head.x), at<float>(hp, p.buf.head.stats),
-                                head_weight(params_.lnfg), g, p.T, h(), false, p.s);
+    cuda::gemm(ctx, cuda::linear_dgrad(p.T, dims_.hidden, dims_.vocab), at<bf16>(hp, p.buf.head.dlogits),
+               head_weight(params_.head_w), da, cuda::Out::bf16);
+    ops::layernorm_backward(ctx, da, at<bf16>(hp, p.buf.head.x), at<float>(hp, p.buf.head.stats),
+                            head_weight(params_.lnfg), g, p.T, h(), false);
   }
 
   void head_backward_weight(const backend::CudaContext& ctx, const Pass& p, std::byte* saved, std::byte* stash) {
@@ -592,26 +546,26 @@ class GptStage {
     const bf16* x = at<bf16>(hp, p.buf.head.x);
     const float* stats = at<float>(hp, p.buf.head.stats);
     bf16* a = scratch<bf16>(p.ws.ln);
-    kernels::layernorm_recompute(x, stats, head_weight(params_.lnfg), head_weight(params_.lnfb), a, p.T, h(), p.s);
+    ops::layernorm_recompute(ctx, x, stats, head_weight(params_.lnfg), head_weight(params_.lnfb), a, p.T, h());
     linear_weight_grad(ctx, p, a, at<bf16>(hp, p.buf.head.dlogits), head_grad(params_.head_w),
                        head_grad(params_.head_b), dims_.hidden, dims_.vocab);
-    kernels::layernorm_weight_grad(at<bf16>(stash, p.buf.stash_head), x, stats, head_grad(params_.lnfg),
-                                   head_grad(params_.lnfb), p.T, h(), p.s);
+    ops::layernorm_weight_grad(ctx, at<bf16>(stash, p.buf.stash_head), x, stats, head_grad(params_.lnfg),
+                               head_grad(params_.lnfb), p.T, h());
   }
 
-  model::GptConfig cfg_;
+  gpt::GptConfig cfg_;
   MicrobatchShape max_;
   int device_ = 0;
   Boundaries boundaries_ = Boundaries::f32;
-  model::GptDims dims_{};
-  model::GptStageParams params_{};
-  detail::DeviceMemory work_;       // (total) bf16 working parameters; the optimizer updates them
-  detail::DeviceMemory grads_;      // (total) fp32 gradients, accumulated by W, zeroed by Runtime::zero_grad
-  detail::DeviceMemory head_bias_;  // (vocab) fp32 copy of the head's bias (the last stage only)
-  detail::DeviceMemory scratch_;    // gpt_workspace(dims, max tokens) bytes
+  gpt::GptDims dims_{};
+  gpt::GptStageParams params_{};
+  cuda::DeviceMemory work_;       // (total) bf16 working parameters; the optimizer updates them
+  cuda::DeviceMemory grads_;      // (total) fp32 gradients, accumulated by W, zeroed by Runtime::zero_grad
+  cuda::DeviceMemory head_bias_;  // (vocab) fp32 copy of the head's bias (the last stage only)
+  cuda::DeviceMemory scratch_;    // gpt_workspace(dims, max tokens) bytes
 };
 
-static_assert(layer_for<GptStage, backend::CudaContext>,
-              "cuda::GptStage must model po::layer_for<GptStage, backend::CudaContext>.");
+static_assert(layer_for<CudaGptStage, backend::CudaContext>,
+              "gpt::CudaGptStage must model po::layer_for<CudaGptStage, backend::CudaContext>.");
 
-}  // namespace pipeoffload::cuda
+}  // namespace pipeoffload::gpt

@@ -1,7 +1,7 @@
 // models/gpt/cuda_layout.hpp: the CUDA GPT stage's buffers: its bf16 saved activations, the
 // stash B leaves for W, and its own workspace, as byte regions (plain host code, constexpr).
 //
-// cuda::GptStage (cuda.hpp) keeps its activations in bf16 and its parameters in fp32 at
+// gpt::CudaGptStage (cuda.hpp) keeps its activations in bf16 and its parameters in fp32 at
 // layout.hpp's offsets (the CPU model's, byte for byte). Every offset it uses into its saved
 // activations, its stash and its workspace comes from these functions, which
 // tests/cuda/test_host.cpp checks on the CPU: saved bytes per block of 20 b s h with selective
@@ -16,7 +16,12 @@
 
 #include "layout.hpp"
 
-namespace pipeoffload::cuda {
+namespace pipeoffload::gpt {
+
+using cuda::align_up;
+using cuda::Region;
+using cuda::region_alignment;
+using cuda::RegionCarver;
 
 /// One block's slice of the saved buffer for a microbatch of T = b*s tokens:
 ///   bf16  x (T, h) | qkv (T, 3h) | att (T, h) | x1 (T, h) | f (T, 4h)      20 T h bytes
@@ -66,7 +71,7 @@ struct GptStageBuffers {
 };
 
 namespace detail {
-constexpr void check_gpt(const model::GptDims& d, long long tokens, const char* who) {
+constexpr void check_gpt(const gpt::GptDims& d, long long tokens, const char* who) {
   if (tokens < 1 || d.hidden < 1 || d.heads < 1 || d.hidden % d.heads != 0 || d.vocab < 1 || d.blocks < 0)
     throw shape_error(std::string(who) + ": tokens = " + pipeoffload::detail::num(tokens) + ", hidden = " +
                       pipeoffload::detail::num(d.hidden) + ", heads = " + pipeoffload::detail::num(d.heads) +
@@ -75,8 +80,8 @@ constexpr void check_gpt(const model::GptDims& d, long long tokens, const char* 
 }
 }  // namespace detail
 
-constexpr GptBlockSaved gpt_block_saved(const model::GptDims& d, long long tokens) {
-  detail::check_gpt(d, tokens, "cuda::gpt_block_saved");
+constexpr GptBlockSaved gpt_block_saved(const gpt::GptDims& d, long long tokens) {
+  detail::check_gpt(d, tokens, "gpt::gpt_block_saved");
   const std::size_t T = static_cast<std::size_t>(tokens), h = static_cast<std::size_t>(d.hidden),
                     a = static_cast<std::size_t>(d.heads);
   const std::size_t bf = 2, f32 = 4;
@@ -103,8 +108,8 @@ constexpr GptBlockSaved gpt_block_saved(const model::GptDims& d, long long token
   return s;
 }
 
-constexpr GptStageBuffers gpt_stage_buffers(const model::GptDims& d, long long tokens) {
-  detail::check_gpt(d, tokens, "cuda::gpt_stage_buffers");
+constexpr GptStageBuffers gpt_stage_buffers(const gpt::GptDims& d, long long tokens) {
+  detail::check_gpt(d, tokens, "gpt::gpt_stage_buffers");
   const std::size_t T = static_cast<std::size_t>(tokens), h = static_cast<std::size_t>(d.hidden),
                     V = static_cast<std::size_t>(d.vocab);
   GptStageBuffers b;
@@ -145,17 +150,17 @@ struct GptWorkspace {
   Region ln, proj, gelu, io, logits, losses;
   std::size_t bytes = 0;
 };
-/// Device bytes cuda::GptStage holds for its parameters and gradients: bf16 working
+/// Device bytes gpt::CudaGptStage holds for its parameters and gradients: bf16 working
 /// parameters and fp32 gradients (2 + 4 bytes a parameter), and on the last stage an fp32 copy
 /// of the head's bias (vocab values). The fp32 master copy is the optimizer's (po::state_bytes
 /// with parameter_bytes = 2).
-constexpr std::size_t gpt_state_bytes(const model::GptDims& d) {
-  const model::GptStageParams p = model::gpt_stage_params(d);
+constexpr std::size_t gpt_state_bytes(const gpt::GptDims& d) {
+  const gpt::GptStageParams p = gpt::gpt_stage_params(d);
   return static_cast<std::size_t>(p.total) * (2 + 4) + (d.has_head ? static_cast<std::size_t>(d.vocab) * 4 : 0);
 }
 
-constexpr GptWorkspace gpt_workspace(const model::GptDims& d, long long tokens) {
-  detail::check_gpt(d, tokens, "cuda::gpt_workspace");
+constexpr GptWorkspace gpt_workspace(const gpt::GptDims& d, long long tokens) {
+  detail::check_gpt(d, tokens, "gpt::gpt_workspace");
   const std::size_t T = static_cast<std::size_t>(tokens), h = static_cast<std::size_t>(d.hidden),
                     V = static_cast<std::size_t>(d.vocab);
   GptWorkspace w;
@@ -170,4 +175,4 @@ constexpr GptWorkspace gpt_workspace(const model::GptDims& d, long long tokens) 
   return w;
 }
 
-}  // namespace pipeoffload::cuda
+}  // namespace pipeoffload::gpt

@@ -2,8 +2,8 @@
 // stage holds, where each parameter tensor lives in a stage's parameter vector, the norm
 // groups, the tensors' names and the step inputs.
 //
-// Both implementations take every one of these from here: model::GptStage (cpu.hpp, fp32 on
-// OpenBLAS) and cuda::GptStage (cuda.hpp, bf16 activations on cuBLASLt and cuDNN), so their
+// Both implementations take every one of these from here: gpt::GptStage (cpu.hpp, fp32 on
+// OpenBLAS) and gpt::CudaGptStage (cuda.hpp, bf16 activations on cuBLASLt and cuDNN), so their
 // parameter vectors are the same bytes and a checkpoint of one loads into the other. What
 // differs between them (the saved activations: fp32 on the CPU, bf16 on the GPU) is in each
 // implementation's own file (cuda_layout.hpp for the GPU). Plain host code, constexpr where it
@@ -21,7 +21,7 @@
 #include <pipeoffload/packing.hpp>  // document_offsets_input
 #include <pipeoffload/tensor.hpp>
 
-namespace pipeoffload::model {
+namespace pipeoffload::gpt {
 
 /// The model: a GPT-2 style decoder (cpu.hpp's file comment has the architecture).
 struct GptConfig {
@@ -91,7 +91,7 @@ struct BlockRange {
 };
 constexpr BlockRange gpt_blocks_of_stage(int layers, int stage, int stages) {
   if (layers < 1 || stages < 1 || stage < 0 || stage >= stages)
-    throw shape_error("model::gpt_blocks_of_stage: layers = " + pipeoffload::detail::num(layers) +
+    throw shape_error("gpt::gpt_blocks_of_stage: layers = " + pipeoffload::detail::num(layers) +
                       ", stage = " + pipeoffload::detail::num(stage) +
                       ", stages = " + pipeoffload::detail::num(stages) + " (need layers >= 1 and 0 <= stage < stages)");
   const int first = static_cast<int>(static_cast<long long>(layers) * stage / stages);
@@ -243,7 +243,7 @@ inline GptDims gpt_dims(const GptConfig& cfg, int stage, int stages) {
     r = gpt_blocks_of_stage(cfg.layers, stage, stages);
   } else {
     if (static_cast<int>(cfg.stage_blocks.size()) != stages || stage < 0 || stage >= stages)
-      throw shape_error("model::gpt_dims: GptConfig::stage_blocks gives " + std::to_string(cfg.stage_blocks.size()) +
+      throw shape_error("gpt::gpt_dims: GptConfig::stage_blocks gives " + std::to_string(cfg.stage_blocks.size()) +
                         " stages; the pipeline has " + std::to_string(stages) + " (stage " + std::to_string(stage) +
                         ")");
     for (int s = 0; s < stage; ++s) r.first += cfg.stage_blocks[static_cast<std::size_t>(s)];
@@ -253,4 +253,4 @@ inline GptDims gpt_dims(const GptConfig& cfg, int stage, int stages) {
                  stage == stages - 1, cfg.recompute, cfg.tie_embeddings, cfg.packed};
 }
 
-}  // namespace pipeoffload::model
+}  // namespace pipeoffload::gpt

@@ -285,15 +285,8 @@ class LlamaStage {
   /// The microbatch's documents and every token's position in its document (docs_, pos_):
   /// one document a row, or the rows' offsets when packed.
   void documents(const Microbatch& mb) {
-    const std::size_t rows = static_cast<std::size_t>(mb.shape.batch), S = static_cast<std::size_t>(mb.shape.seq);
-    docs_.clear();
-    if (d_.packed)
-      append_documents(mb.input<std::int32_t>(document_offsets_input), rows, mb.shape.seq, docs_);
-    else
-      for (std::size_t r = 0; r < rows; ++r) docs_.push_back({r, 0, S});
-    pos_.resize(rows * S);
-    for (const Document& doc : docs_)
-      for (std::size_t i = 0; i < doc.length; ++i) pos_[doc.row * S + doc.begin + i] = static_cast<std::int32_t>(i);
+    microbatch_documents(d_.packed ? mb.input<std::int32_t>(document_offsets_input) : nullptr,
+                         static_cast<std::size_t>(mb.shape.batch), mb.shape.seq, docs_, pos_);
   }
 
   /// Rotates each head's pairs of the (T, width) rows by their positions' angles (pos_);

@@ -76,8 +76,8 @@ struct LlamaDims {
   bool has_head = false;  ///< the last stage: final RMSNorm, output projection, cross-entropy
   bool tied = false;      ///< LlamaConfig::tie_embeddings
   bool packed = false;    ///< LlamaConfig::packed
-  long long head_dim() const { return hidden / heads; }
-  long long kv_width() const { return kv_heads * head_dim(); }
+  constexpr long long head_dim() const { return hidden / heads; }
+  constexpr long long kv_width() const { return kv_heads * head_dim(); }
 };
 
 /// Element offsets of one block's parameters inside its group, in order: attention_norm (h) |

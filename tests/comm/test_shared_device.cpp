@@ -387,7 +387,7 @@ Trained train(const std::string& name, int dp, Make make) {
     throw std::runtime_error("no shape for " + name);
   }();
   const po::Shape sh = program.shape;
-  const po::model::GptConfig cfg{.vocab = 32, .hidden = 16, .heads = 2, .layers = 4, .seq = 8, .dropout = 0.0f};
+  const po::gpt::GptConfig cfg{.vocab = 32, .hidden = 16, .heads = 2, .layers = 4, .seq = 8, .dropout = 0.0f};
   const po::MicrobatchShape mbs{2, 8};
   po::comm::ThreadsGrid grid(dp, sh.d);
   Trained out;
@@ -399,7 +399,7 @@ Trained train(const std::string& name, int dp, Make make) {
     po::backend::Cpu dev({.rank = r});
     auto comm = make(grid.pipeline(g));
     auto reps = make(grid.replicas(g));
-    std::vector<po::model::GptStage> layers;
+    std::vector<po::gpt::GptStage> layers;
     for (int c = 0; c < sh.v; ++c) layers.emplace_back(cfg, sh.stage_of(r, c), sh.stages());
     po::Runtime rt(program, dev, comm, reps, std::span(layers), {.microbatch = mbs});
     po::AdamW opt(rt, {.zero = dp > 1 ? 1 : 0});

@@ -266,10 +266,11 @@ def add_subdirectory_cuda(root, work, consumer_src, build_root):
         fail("configuring the CMake consumer with -DPIPEOFFLOAD_CUDA=ON printed a warning (above)")
     with open(os.path.join(build, "compile_commands.json"), encoding="utf-8") as f:
         commands = {os.path.basename(e["file"]): e["command"] for e in json.load(f)}
-    if sorted(commands) != ["attention.cpp", "consumer.cpp", "elementwise.cu", "reduce.cu"]:
-        fail("the CMake build should compile consumer.cpp and the backend's kernels/attention.cpp, elementwise.cu and "
-             "reduce.cu, it compiles " + ", ".join(sorted(commands)))
-    for name in ["elementwise.cu", "reduce.cu"]:
+    kernels = ["elementwise.cu", "ops_elementwise.cu", "ops_rows.cu", "reduce.cu"]
+    if sorted(commands) != sorted(["attention.cpp", "consumer.cpp"] + kernels):
+        fail("the CMake build should compile consumer.cpp and the library's kernels/attention.cpp, " +
+             ", ".join(kernels) + "; it compiles " + ", ".join(sorted(commands)))
+    for name in kernels:
         flags = commands[name].split()
         wanted = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in (80, 90, 100)] + ["-std=c++20"]
         if sorted(f for f in flags if f.startswith(("-gencode", "-arch", "--generate-code", "-std"))) != sorted(wanted):

@@ -3,7 +3,7 @@
 
 #include <pipeoffload/cuda.hpp>
 
-#include <models/gpt/kernels.hpp>  // GeLU, the conformance stage's element-wise pass on the GPU
+#include <pipeoffload/ops/cuda.hpp>  // GeLU, the conformance stage's element-wise pass on the GPU
 
 #include "backend_conformance.hpp"
 
@@ -20,12 +20,12 @@ struct CudaTraits {
         pipeoffload::backend::Cuda::Options{.arena_bytes = std::size_t{1} << 30});
   }
   static void delay(const pipeoffload::backend::CudaContext& ctx) { pk::spin(100'000'000, ctx.cuda_stream); }  // ~50 ms
-  // The kernels store bf16: convert in, run, convert out (scratch from the arena's workspace).
+  // The ops store bf16: convert in, run, convert out (scratch from the arena's workspace).
   static void gelu_forward(pipeoffload::backend::CudaContext& ctx, const float* x, float* y, std::size_t n) {
     auto* a = reinterpret_cast<pk::bf16*>(ctx.workspace);
     auto* b = a + n;
     pk::to_bf16(x, a, static_cast<long long>(n), ctx.cuda_stream);
-    pk::gelu_forward(a, b, static_cast<long long>(n), ctx.cuda_stream);
+    pipeoffload::ops::gelu_forward(ctx, a, b, static_cast<long long>(n));
     pk::to_float(b, y, static_cast<long long>(n), ctx.cuda_stream);
   }
   static void gelu_backward(pipeoffload::backend::CudaContext& ctx, const float* x, const float* dy, float* dx,
@@ -34,7 +34,7 @@ struct CudaTraits {
     auto* g = a + n;
     pk::to_bf16(x, a, static_cast<long long>(n), ctx.cuda_stream);
     pk::to_bf16(dy, g, static_cast<long long>(n), ctx.cuda_stream);
-    pk::gelu_backward(a, g, static_cast<long long>(n), ctx.cuda_stream);
+    pipeoffload::ops::gelu_backward(ctx, a, g, static_cast<long long>(n));
     pk::to_float(g, dx, static_cast<long long>(n), ctx.cuda_stream);
   }
 };

@@ -1,5 +1,6 @@
-// tests/cuda/test_gpt_gpu.cpp: cuda::GptStage against the CPU reference model::GptStage (needs
-// a GPU; gpu_main.cpp exits 77 without one).
+// tests/cuda/test_gpt_gpu.cpp: the CUDA sample models against their CPU references,
+// gpt::CudaGptStage against gpt::GptStage and llama::CudaLlamaStage against llama::LlamaStage
+// (needs a GPU; gpu_main.cpp exits 77 without one).
 //
 // Each case runs the same stage on both backends from the same parameters and inputs, in the
 // order a pipeline runs two microbatches, F0 F1 B0 B1 W0 W1, and compares the last stage's
@@ -39,11 +40,13 @@
 
 #include <models/gpt/cpu.hpp>
 #include <models/gpt/cuda.hpp>
+#include <models/llama/cpu.hpp>
+#include <models/llama/cuda.hpp>
 #include <pipeoffload/runtime.hpp>
 
 namespace po = pipeoffload;
 namespace pc = pipeoffload::cuda;
-namespace pm = pipeoffload::model;
+namespace pm = pipeoffload::gpt;
 
 namespace {
 
@@ -125,7 +128,8 @@ struct Inputs {
   std::vector<float> x[2], dy[2];
 };
 
-Inputs make_inputs(const po::model::GptConfig& c, po::MicrobatchShape shape, unsigned seed) {
+template <class Config>
+Inputs make_inputs(const Config& c, po::MicrobatchShape shape, unsigned seed) {
   Inputs in;
   in.shape = shape;
   const std::size_t T = static_cast<std::size_t>(shape.tokens()), n = T * static_cast<std::size_t>(c.hidden);
@@ -183,7 +187,8 @@ po::Microbatch microbatch(int stage, int stages, int k, const Inputs& in, std::s
   return mb;
 }
 
-Outputs run_cpu(po::model::GptStage& l, int stage, int stages, const Inputs& in) {
+template <class Stage>
+Outputs run_cpu(Stage& l, int stage, int stages, const Inputs& in) {
   const std::size_t n = l.input_boundary(in.shape).elements, T = static_cast<std::size_t>(in.shape.tokens());
   Outputs out;
   std::vector<std::byte> saved[2], stash[2];
@@ -249,7 +254,8 @@ std::vector<T> download(const T* d, std::size_t n) {
 }
 
 /// The stage's bf16 parameters, widened to fp32 on the host.
-std::vector<float> download_parameters(pc::GptStage& l) {
+template <class Stage>
+std::vector<float> download_parameters(Stage& l) {
   const po::Tensor w = l.parameters();
   const std::vector<std::uint16_t> bits = download(reinterpret_cast<const std::uint16_t*>(w.data), w.elements);
   std::vector<float> out(bits.size());
@@ -258,7 +264,7 @@ std::vector<float> download_parameters(pc::GptStage& l) {
 }
 
 /// Writes fp32 values, rounded to bf16, into the stage's parameters (what the optimizer does).
-void upload_parameters(pc::GptStage& l, std::span<const float> values) {
+void upload_parameters(pm::CudaGptStage& l, std::span<const float> values) {
   const po::Tensor w = l.parameters();
   REQUIRE(values.size() == w.elements);
   std::vector<std::uint16_t> bits(values.size());
@@ -266,7 +272,8 @@ void upload_parameters(pc::GptStage& l, std::span<const float> values) {
   PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(w.data, bits.data(), bits.size() * sizeof(std::uint16_t), cudaMemcpyHostToDevice));
 }
 
-Outputs run_gpu(pc::GptStage& l, po::backend::Cuda& dev, int stream, int stage, int stages, const Inputs& in) {
+template <class Stage>
+Outputs run_gpu(Stage& l, po::backend::Cuda& dev, int stream, int stage, int stages, const Inputs& in) {
   const std::size_t n = l.input_boundary(in.shape).elements, sb = l.saved_bytes(in.shape), tb = l.stash_bytes(in.shape);
   const std::size_t T = static_cast<std::size_t>(in.shape.tokens());
   const bool first = stage == 0, last = stage == stages - 1;
@@ -333,10 +340,11 @@ Outputs run_gpu(pc::GptStage& l, po::backend::Cuda& dev, int stream, int stage, 
 
 /// The GPU's outputs against the CPU's: y or the loss, and after a training run dx and the
 /// gradient of every tensor of parameter_info().
-void compare(const Outputs& gpu, const Outputs& cpu, const pm::GptDims& d, bool training = true) {
+void compare(const Outputs& gpu, const Outputs& cpu, const std::vector<po::ParamInfo>& tensors, bool embeds,
+             bool has_head, bool training = true) {
   for (int k = 0; k < 2; ++k) {
     const std::string mb = "mb " + std::to_string(k) + " ";
-    if (d.has_head) {
+    if (has_head) {
       const double e =
           std::abs(static_cast<double>(gpu.loss[k]) - cpu.loss[k]) / std::abs(static_cast<double>(cpu.loss[k]));
       MESSAGE(mb << "loss: gpu " << gpu.loss[k] << ", cpu " << cpu.loss[k] << ", relative error " << e);
@@ -344,18 +352,18 @@ void compare(const Outputs& gpu, const Outputs& cpu, const pm::GptDims& d, bool 
     } else {
       check_rel(mb + "y", gpu.y[k].data(), cpu.y[k].data(), cpu.y[k].size(), forward_tol);
     }
-    if (!d.embeds && training) check_rel(mb + "dx", gpu.dx[k].data(), cpu.dx[k].data(), cpu.dx[k].size(), backward_tol);
+    if (!embeds && training) check_rel(mb + "dx", gpu.dx[k].data(), cpu.dx[k].data(), cpu.dx[k].size(), backward_tol);
   }
   if (!training) return;
   REQUIRE(gpu.grads.size() == cpu.grads.size());
   // (wpe's rows past the microbatch's seq get no gradient on either side: zeros compare equal.)
-  for (const po::ParamInfo& t : pm::gpt_parameter_info(d))
+  for (const po::ParamInfo& t : tensors)
     check_rel("gradient of " + t.name, gpu.grads.data() + t.offset, cpu.grads.data() + t.offset, t.count(),
               backward_tol);
 }
 
-po::model::GptConfig test_config(int layers, bool recompute) {
-  po::model::GptConfig c;
+po::gpt::GptConfig test_config(int layers, bool recompute) {
+  po::gpt::GptConfig c;
   c.vocab = 256;
   c.hidden = 128;
   c.heads = 4;  // head_dim 32: cuDNN's SDPA needs a multiple of 8
@@ -369,13 +377,13 @@ po::model::GptConfig test_config(int layers, bool recompute) {
 
 /// Runs stage `stage` of `stages` on both backends and compares (`training` false: the
 /// forwards alone, without dropout).
-void check_stage(const po::model::GptConfig& c, int stage, int stages, bool training = true) {
+void check_stage(const po::gpt::GptConfig& c, int stage, int stages, bool training = true) {
   CAPTURE(stage);
   CAPTURE(stages);
   CAPTURE(c.recompute);
   CAPTURE(training);
   const po::MicrobatchShape shape{2, 32};
-  po::model::GptStage cpu(c, stage, stages);
+  po::gpt::GptStage cpu(c, stage, stages);
   const pm::BlockRange r = pm::gpt_blocks_of_stage(c.layers, stage, stages);
   const pm::GptDims d{c.vocab,    c.hidden, c.heads, c.seq, r.first, r.count, stage == 0, stage == stages - 1,
                       c.recompute};
@@ -383,7 +391,7 @@ void check_stage(const po::model::GptConfig& c, int stage, int stages, bool trai
   po::backend::Cuda dev(
       {.arena_bytes = std::size_t{512} << 20});  // the cuBLASLt + cuDNN workspace (256 MiB) lives here
   const int s = dev.make_stream("compute");
-  pc::GptStage gpu(dev, c, stage, stages, shape, cpu.parameters());
+  pm::CudaGptStage gpu(dev, c, stage, stages, shape, cpu.parameters());
   CHECK(gpu.norm_groups() == cpu.norm_groups());
   CHECK(gpu.parameter_info().size() == cpu.parameter_info().size());  // names and offsets: test_host.cpp
   // draw_parameters' values are bf16 already: the stage holds them exactly.
@@ -394,38 +402,40 @@ void check_stage(const po::model::GptConfig& c, int stage, int stages, bool trai
   in.training = training;
   const Outputs want = run_cpu(cpu, stage, stages, in);
   const Outputs got = run_gpu(gpu, dev, s, stage, stages, in);
-  compare(got, want, d, training);
+  compare(got, want, pm::gpt_parameter_info(d), d.embeds, d.has_head, training);
 }
 
 }  // namespace
 
 TEST_CASE(
-    "cuda::GptStage matches model::GptStage on the first, a middle and the last stage, with selective recompute") {
-  const po::model::GptConfig c = test_config(6, true);  // 3 stages of 2 blocks
+    "gpt::CudaGptStage matches gpt::GptStage on the first, a middle and the last stage, with selective recompute") {
+  const po::gpt::GptConfig c = test_config(6, true);  // 3 stages of 2 blocks
   for (int s = 0; s < 3; ++s) check_stage(c, s, 3);
 }
 
 TEST_CASE(
-    "cuda::GptStage matches model::GptStage on the first, a middle and the last stage, recompute off (saved LayerNorm, GeLU, masks)") {
-  const po::model::GptConfig c = test_config(6, false);
+    "gpt::CudaGptStage matches gpt::GptStage on the first, a middle and the last stage, recompute off (saved LayerNorm, GeLU, masks)") {
+  const po::gpt::GptConfig c = test_config(6, false);
   for (int s = 0; s < 3; ++s) check_stage(c, s, 3);
 }
 
-TEST_CASE("cuda::GptStage matches model::GptStage as one stage holding the whole model, and as stages without blocks") {
+TEST_CASE(
+    "gpt::CudaGptStage matches gpt::GptStage as one stage holding the whole model, and as stages without blocks") {
   check_stage(test_config(2, true), 0, 1);  // embedding, two blocks, head
   // 2 blocks on 3 stages: stage 0 holds only the embedding, stages 1 and 2 one block each.
   for (int s = 0; s < 3; ++s) check_stage(test_config(2, true), s, 3);
 }
 
-TEST_CASE("cuda::GptStage with bf16 boundaries gives the bits it gives with fp32 boundaries (a middle stage's y, dx)") {
-  const po::model::GptConfig c = test_config(6, true);
+TEST_CASE(
+    "gpt::CudaGptStage with bf16 boundaries gives the bits it gives with fp32 boundaries (a middle stage's y, dx)") {
+  const po::gpt::GptConfig c = test_config(6, true);
   const int stage = 1, stages = 3;
   const po::MicrobatchShape shape{2, 32};
-  po::model::GptStage cpu(c, stage, stages);
+  po::gpt::GptStage cpu(c, stage, stages);
   po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
   const int s = dev.make_stream("compute");
-  pc::GptStage wide(dev, c, stage, stages, shape, cpu.parameters());
-  pc::GptStage narrow(dev, c, stage, stages, shape, cpu.parameters(), pc::Boundaries::bf16);
+  pm::CudaGptStage wide(dev, c, stage, stages, shape, cpu.parameters());
+  pm::CudaGptStage narrow(dev, c, stage, stages, shape, cpu.parameters(), pm::Boundaries::bf16);
   const std::size_t n = wide.input_boundary(shape).elements;
   CHECK(narrow.input_boundary(shape) == po::Boundary{n, po::DType::bfloat16});
   CHECK(narrow.output_boundary(shape) == po::Boundary{n, po::DType::bfloat16});
@@ -444,7 +454,8 @@ TEST_CASE("cuda::GptStage with bf16 boundaries gives the bits it gives with fp32
   std::byte *saved[2] = {b.poisoned(sb), b.poisoned(sb)}, *stash[2] = {b.poisoned(tb), b.poisoned(tb)};
   PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
   const auto bytes = [](auto* p) { return reinterpret_cast<std::byte*>(p); };
-  const auto run = [&](pc::GptStage& l, po::ConstTensor xv, po::Tensor yv, po::ConstTensor dyv, po::Tensor dxv, int k) {
+  const auto run = [&](pm::CudaGptStage& l, po::ConstTensor xv, po::Tensor yv, po::ConstTensor dyv, po::Tensor dxv,
+                       int k) {
     dev.launch(s, [&] {
       po::backend::CudaContext ctx = dev.context(s);
       l.forward(ctx, microbatch(stage, stages, 0, in, {}, nullptr), xv, yv, saved[k]);
@@ -473,25 +484,25 @@ TEST_CASE("cuda::GptStage with bf16 boundaries gives the bits it gives with fp32
   }
 }
 
-TEST_CASE("cuda::GptStage evaluates (mb.training false) as model::GptStage does: no dropout, on every stage kind") {
+TEST_CASE("gpt::CudaGptStage evaluates (mb.training false) as gpt::GptStage does: no dropout, on every stage kind") {
   for (bool recompute : {true, false}) {
-    const po::model::GptConfig c = test_config(6, recompute);  // dropout 0.1: a training forward would differ
+    const po::gpt::GptConfig c = test_config(6, recompute);  // dropout 0.1: a training forward would differ
     for (int s = 0; s < 3; ++s) check_stage(c, s, 3, false);
   }
 }
 
 TEST_CASE(
-    "cuda::GptStage holds bf16 parameters: the initial values rounded, and what the optimizer writes reaches the next forward (the head's bias included)") {
-  const po::model::GptConfig c = test_config(3, true);
+    "gpt::CudaGptStage holds bf16 parameters: the initial values rounded, and what the optimizer writes reaches the next forward (the head's bias included)") {
+  const po::gpt::GptConfig c = test_config(3, true);
   const int stage = 2, stages = 3;  // the last stage: a block and the head
   const po::MicrobatchShape shape{2, 32};
-  po::model::GptStage cpu(c, stage, stages);
+  po::gpt::GptStage cpu(c, stage, stages);
   const pm::BlockRange r = pm::gpt_blocks_of_stage(c.layers, stage, stages);
   const pm::GptDims d{c.vocab, c.hidden, c.heads, c.seq, r.first, r.count, false, true, c.recompute};
   po::backend::Cuda dev(
       {.arena_bytes = std::size_t{512} << 20});  // the cuBLASLt + cuDNN workspace (256 MiB) lives here
   const int s = dev.make_stream("compute");
-  pc::GptStage gpu(dev, c, stage, stages, shape);  // the CPU model's init, rounded to bf16
+  pm::CudaGptStage gpu(dev, c, stage, stages, shape);  // the CPU model's init, rounded to bf16
   const po::Tensor w = gpu.parameters();
   CHECK(w.dtype == po::DType::bfloat16);
   REQUIRE(w.elements == cpu.parameters().size());
@@ -504,14 +515,14 @@ TEST_CASE(
   const Inputs in = make_inputs(c, shape, 77);
   const Outputs want = run_cpu(cpu, stage, stages, in);
   const Outputs got = run_gpu(gpu, dev, s, stage, stages, in);
-  compare(got, want, d);
+  compare(got, want, pm::gpt_parameter_info(d), d.embeds, d.has_head);
 }
 
-TEST_CASE("cuda::GptStage refuses microbatches larger than its scratch and misaligned buffers") {
-  const po::model::GptConfig c = test_config(3, true);
+TEST_CASE("gpt::CudaGptStage refuses microbatches larger than its scratch and misaligned buffers") {
+  const po::gpt::GptConfig c = test_config(3, true);
   po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
   const int s = dev.make_stream("compute");
-  pc::GptStage gpu(dev, c, 1, 3, {1, 32});
+  pm::CudaGptStage gpu(dev, c, 1, 3, {1, 32});
   DeviceBuffers b;
   const po::MicrobatchShape big{2, 32};
   const std::size_t n = gpu.input_boundary(big).elements, small = gpu.input_boundary({1, 32}).elements;
@@ -535,10 +546,10 @@ TEST_CASE("cuda::GptStage refuses microbatches larger than its scratch and misal
                               po::ConstTensor{reinterpret_cast<const std::byte*>(x), small, po::DType::int32},
                               view(y, small), saved),
                   po::error);
-  CHECK_THROWS_AS(pc::GptStage(dev, c, 1, 3, {1, 65}), po::shape_error);  // longer than the position table
-  po::model::GptConfig odd = c;
+  CHECK_THROWS_AS(pm::CudaGptStage(dev, c, 1, 3, {1, 65}), po::shape_error);  // longer than the position table
+  po::gpt::GptConfig odd = c;
   odd.heads = 32;  // head_dim 4: cuDNN's SDPA needs a multiple of 8
-  CHECK_THROWS_AS(pc::GptStage(dev, odd, 1, 3, {1, 32}), po::shape_error);
+  CHECK_THROWS_AS(pm::CudaGptStage(dev, odd, 1, 3, {1, 32}), po::shape_error);
 }
 
 namespace {
@@ -581,18 +592,18 @@ std::vector<float> train(Backend& dev, MakeStage make, int steps) {
 
 }  // namespace
 
-TEST_CASE("po::Runtime trains cuda::GptStage stages (PO, every unit offloaded) along the CPU model's loss curve") {
-  po::model::GptConfig c = test_config(4, true);
+TEST_CASE("po::Runtime trains gpt::CudaGptStage stages (PO, every unit offloaded) along the CPU model's loss curve") {
+  po::gpt::GptConfig c = test_config(4, true);
   c.hidden = 64;
   c.heads = 2;
   c.seq = 16;
   const int steps = 4;
   po::backend::Cpu cpu_dev;
-  const std::vector<float> want = train<po::model::GptStage>(
-      cpu_dev, [&](int s, int S, po::MicrobatchShape) { return po::model::GptStage(c, s, S); }, steps);
+  const std::vector<float> want = train<po::gpt::GptStage>(
+      cpu_dev, [&](int s, int S, po::MicrobatchShape) { return po::gpt::GptStage(c, s, S); }, steps);
   po::backend::Cuda gpu_dev({.arena_bytes = std::size_t{512} << 20});
-  const std::vector<float> got = train<pc::GptStage>(
-      gpu_dev, [&](int s, int S, po::MicrobatchShape mbs) { return pc::GptStage(gpu_dev, c, s, S, mbs); }, steps);
+  const std::vector<float> got = train<pm::CudaGptStage>(
+      gpu_dev, [&](int s, int S, po::MicrobatchShape mbs) { return pm::CudaGptStage(gpu_dev, c, s, S, mbs); }, steps);
   // The same initial parameters and data: step 0's loss differs by the forward's bf16 error;
   // later ones also by the parameters' response to bf16 gradient errors through AdamW (whose
   // first steps move each parameter by about lr * sign(gradient)), hence backward_tol there.
@@ -603,5 +614,97 @@ TEST_CASE("po::Runtime trains cuda::GptStage stages (PO, every unit offloaded) a
     CHECK(e <= (s == 0 ? forward_tol : backward_tol));
   }
   CHECK(want[steps - 1] < want[0]);  // both learn
+  CHECK(got[steps - 1] < got[0]);
+}
+
+// ---- the Llama-class model ----------------------------------------------------------------------
+
+namespace {
+
+/// Sensitive parameters for a Llama stage, by tensor (as draw_parameters for the GPT): norm
+/// weights 1 +- 0.1, matrices std 1/sqrt(fan_in) (their first dimension; the tied output's is
+/// h, its second), the embedding std 1; bf16 values.
+void draw_llama(std::span<float> p, const std::vector<po::ParamInfo>& tensors, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n01(0.0f, 1.0f);
+  for (const po::ParamInfo& t : tensors) {
+    const bool norm = t.shape.size() == 1, embedding = t.name == "tok_embeddings.weight";
+    const bool tied_output = t.name == "output.weight" && t.shape[1] != t.shape[0] && t.shape[0] > t.shape[1];
+    const float fan_in = norm ? 1.0f : static_cast<float>(tied_output ? t.shape[1] : t.shape[0]);
+    for (std::size_t i = 0; i < t.count(); ++i)
+      p[t.offset + i] =
+          round_bf16(norm ? 1.0f + 0.1f * n01(rng) : (embedding ? 1.0f : 1.0f / std::sqrt(fan_in)) * n01(rng));
+  }
+}
+
+po::llama::LlamaConfig llama_config(int layers) {
+  po::llama::LlamaConfig c;
+  c.vocab = 256;
+  c.hidden = 128;
+  c.heads = 4;  // head_dim 32: cuDNN's SDPA needs a multiple of 8
+  c.kv_heads = 2;
+  c.ffn = 320;
+  c.layers = layers;
+  c.seq = 64;
+  c.seed = 9;
+  return c;
+}
+
+void check_llama_stage(const po::llama::LlamaConfig& c, int stage, int stages) {
+  CAPTURE(stage);
+  CAPTURE(stages);
+  CAPTURE(c.tie_embeddings);
+  const po::MicrobatchShape shape{2, 32};
+  po::llama::LlamaStage cpu(c, stage, stages);
+  draw_llama(cpu.parameters(), cpu.parameter_info(), 200 + static_cast<unsigned>(stage));
+  po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
+  const int s = dev.make_stream("compute");
+  po::llama::CudaLlamaStage gpu(dev, c, stage, stages, shape, cpu.parameters());
+  CHECK(gpu.norm_groups() == cpu.norm_groups());
+  CHECK(download_parameters(gpu) == std::vector<float>(cpu.parameters().begin(), cpu.parameters().end()));
+  CHECK(gpu.input_boundary(shape) == cpu.input_boundary(shape));
+  const Inputs in = make_inputs(c, shape, 2000 + static_cast<unsigned>(stage));
+  const Outputs want = run_cpu(cpu, stage, stages, in);
+  const Outputs got = run_gpu(gpu, dev, s, stage, stages, in);
+  compare(got, want, cpu.parameter_info(), cpu.dims().embeds, cpu.dims().has_head);
+}
+
+}  // namespace
+
+TEST_CASE("llama::CudaLlamaStage matches llama::LlamaStage on the first, a middle and the last stage (GQA 4/2 heads)") {
+  const po::llama::LlamaConfig c = llama_config(6);
+  for (int s = 0; s < 3; ++s) check_llama_stage(c, s, 3);
+}
+
+TEST_CASE("llama::CudaLlamaStage matches llama::LlamaStage as one stage holding the whole model, tied and untied") {
+  po::llama::LlamaConfig c = llama_config(2);
+  check_llama_stage(c, 0, 1);
+  c.tie_embeddings = true;
+  check_llama_stage(c, 0, 1);
+}
+
+TEST_CASE(
+    "po::Runtime trains llama::CudaLlamaStage stages (PO, every unit offloaded) along the CPU model's loss curve") {
+  po::llama::LlamaConfig c = llama_config(4);
+  c.hidden = 64;
+  c.heads = 4;  // head_dim 16
+  c.kv_heads = 2;
+  c.ffn = 128;
+  c.seq = 16;
+  const int steps = 4;
+  po::backend::Cpu cpu_dev;
+  const std::vector<float> want = train<po::llama::LlamaStage>(
+      cpu_dev, [&](int s, int S, po::MicrobatchShape) { return po::llama::LlamaStage(c, s, S); }, steps);
+  po::backend::Cuda gpu_dev({.arena_bytes = std::size_t{512} << 20});
+  const std::vector<float> got = train<po::llama::CudaLlamaStage>(
+      gpu_dev, [&](int s, int S, po::MicrobatchShape mbs) { return po::llama::CudaLlamaStage(gpu_dev, c, s, S, mbs); },
+      steps);
+  for (int s = 0; s < steps; ++s) {
+    const std::size_t i = static_cast<std::size_t>(s);
+    const double e = std::abs(static_cast<double>(got[i]) - want[i]) / want[i];
+    MESSAGE("step " << s << ": loss gpu " << got[i] << ", cpu " << want[i] << ", relative error " << e);
+    CHECK(e <= (s == 0 ? forward_tol : backward_tol));
+  }
+  CHECK(want[steps - 1] < want[0]);
   CHECK(got[steps - 1] < got[0]);
 }

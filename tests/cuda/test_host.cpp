@@ -18,6 +18,7 @@
 #include <models/gpt/cpu.hpp>
 #include <models/gpt/cuda_layout.hpp>
 #include <models/gpt/layout.hpp>
+#include <models/llama/cuda_layout.hpp>
 #include <pipeoffload/backend/cpu/cpu.hpp>
 #include <pipeoffload/backend/cuda/shapes.hpp>
 #include <pipeoffload/backend/cuda/topology.hpp>
@@ -26,7 +27,7 @@
 
 namespace po = pipeoffload;
 namespace pc = pipeoffload::cuda;
-namespace pm = pipeoffload::model;
+namespace pm = pipeoffload::gpt;
 namespace ops = pipeoffload::ops;
 
 namespace {
@@ -321,8 +322,8 @@ TEST_CASE("sdpa_layout addresses q, k and v of the GPT's fused qkv rows and the 
     for (long long a = 0; a < A; ++a)
       for (long long s = 0; s < S; ++s)
         for (long long e = 0; e < D; ++e) {
-          const long long off =
-              b * l.qkv_strides[0] + a * l.qkv_strides[1] + s * l.qkv_strides[2] + e * l.qkv_strides[3];
+          const long long off = b * l.q_strides[0] + a * l.q_strides[1] + s * l.q_strides[2] + e * l.q_strides[3];
+          CHECK(off == b * l.kv_strides[0] + a * l.kv_strides[1] + s * l.kv_strides[2] + e * l.kv_strides[3]);
           CHECK(off + l.q_offset == (b * S + s) * 3 * H + a * D + e);
           CHECK(off + l.k_offset == (b * S + s) * 3 * H + H + a * D + e);
           CHECK(off + l.v_offset == (b * S + s) * 3 * H + 2 * H + a * D + e);
@@ -337,12 +338,34 @@ TEST_CASE("sdpa_layout addresses q, k and v of the GPT's fused qkv rows and the 
   CHECK_THROWS_AS(pc::sdpa_layout(1, 1, 1, 264), po::shape_error);
 }
 
+TEST_CASE("sdpa_layout_separate addresses grouped-query heads of separate q, k, v rows") {
+  const long long B = 2, A = 8, G = 2, S = 3, D = 16, H = A * D, K = G * D;
+  const pc::SdpaLayout l = pc::sdpa_layout_separate(B, A, G, S, D);
+  CHECK(l.kv_dims[1] == G);
+  CHECK(l.dims[1] == A);
+  for (long long b = 0; b < B; ++b)
+    for (long long s = 0; s < S; ++s)
+      for (long long e = 0; e < D; ++e) {
+        for (long long a = 0; a < A; ++a)
+          CHECK(b * l.q_strides[0] + a * l.q_strides[1] + s * l.q_strides[2] + e * l.q_strides[3] ==
+                (b * S + s) * H + a * D + e);
+        for (long long g = 0; g < G; ++g)
+          CHECK(b * l.kv_strides[0] + g * l.kv_strides[1] + s * l.kv_strides[2] + e * l.kv_strides[3] ==
+                (b * S + s) * K + g * D + e);
+      }
+  CHECK(l.q_offset == 0);
+  CHECK(l.k_offset == 0);
+  CHECK(l.v_offset == 0);
+  CHECK_THROWS_WITH_AS((void)pc::sdpa_layout_separate(1, 6, 4, 1, 16),
+                       "cuda::sdpa_layout: heads = 6 is not a multiple of kv_heads = 4", po::shape_error);
+}
+
 // ---- the GPT stage's layouts (models/gpt/layout.hpp, cuda_layout.hpp) -----------------------------------------
 
 namespace {
 
-po::model::GptConfig small_gpt(int layers, bool recompute = true) {
-  po::model::GptConfig c;
+po::gpt::GptConfig small_gpt(int layers, bool recompute = true) {
+  po::gpt::GptConfig c;
   c.vocab = 40;
   c.hidden = 64;
   c.heads = 4;
@@ -352,7 +375,7 @@ po::model::GptConfig small_gpt(int layers, bool recompute = true) {
   return c;
 }
 
-pm::GptDims dims_of(const po::model::GptConfig& c, int stage, int stages) {
+pm::GptDims dims_of(const po::gpt::GptConfig& c, int stage, int stages) {
   const pm::BlockRange r = pm::gpt_blocks_of_stage(c.layers, stage, stages);
   return {c.vocab, c.hidden, c.heads, c.seq, r.first, r.count, stage == 0, stage == stages - 1, c.recompute};
 }
@@ -383,11 +406,11 @@ void check_regions(std::vector<pc::Region> rs, std::size_t total) {
 
 }  // namespace
 
-TEST_CASE("gpt_blocks_of_stage splits the blocks as model::GptStage does") {
+TEST_CASE("gpt_blocks_of_stage splits the blocks as gpt::GptStage does") {
   for (int layers = 1; layers <= 9; ++layers)
     for (int stages = 1; stages <= 7; ++stages)
       for (int s = 0; s < stages; ++s) {
-        const po::model::GptStage cpu(small_gpt(layers), s, stages);
+        const po::gpt::GptStage cpu(small_gpt(layers), s, stages);
         const pm::BlockRange r = pm::gpt_blocks_of_stage(layers, s, stages);
         CHECK(r.first == cpu.first_block());
         CHECK(r.count == cpu.blocks());
@@ -395,14 +418,14 @@ TEST_CASE("gpt_blocks_of_stage splits the blocks as model::GptStage does") {
   CHECK_THROWS_AS(pm::gpt_blocks_of_stage(4, 4, 4), po::shape_error);
 }
 
-TEST_CASE("gpt_stage_params addresses every tensor of model::GptStage's parameter vector") {
+TEST_CASE("gpt_stage_params addresses every tensor of gpt::GptStage's parameter vector") {
   // The CPU model initialises LayerNorm gains to 1, biases and LayerNorm shifts to 0, the
   // embedding with std 0.02 (positions 0.01), Wqkv, Wfc and the head with 0.02 and the two
   // residual projections Wo, Wpr with 0.02 / sqrt(2 layers): each offset must land on its tensor.
   const int layers = 4, stages = 2;
   for (int s = 0; s < stages; ++s) {
-    const po::model::GptConfig c = small_gpt(layers);
-    po::model::GptStage cpu(c, s, stages);
+    const po::gpt::GptConfig c = small_gpt(layers);
+    po::gpt::GptStage cpu(c, s, stages);
     const pm::GptDims d = dims_of(c, s, stages);
     const pm::GptStageParams L = pm::gpt_stage_params(d);
     CHECK(pm::gpt_norm_groups(d) == cpu.norm_groups());
@@ -444,7 +467,7 @@ TEST_CASE("gpt_stage_params addresses every tensor of model::GptStage's paramete
 }
 
 TEST_CASE(
-    "cuda::GptStage's parameter_info() and inputs() are model::GptStage's: the same names, offsets, shapes and inputs") {
+    "gpt::CudaGptStage's parameter_info() and inputs() are gpt::GptStage's: the same names, offsets, shapes and inputs") {
   for (bool recompute : {true, false})
     for (int layers : {1, 2, 5})
       for (int stages : {1, 2, 3})
@@ -452,8 +475,8 @@ TEST_CASE(
           CAPTURE(layers);
           CAPTURE(stages);
           CAPTURE(s);
-          const po::model::GptConfig c = small_gpt(layers, recompute);
-          const po::model::GptStage cpu(c, s, stages);
+          const po::gpt::GptConfig c = small_gpt(layers, recompute);
+          const po::gpt::GptStage cpu(c, s, stages);
           const pm::GptDims d = dims_of(c, s, stages);
           const std::vector<po::ParamInfo> want = cpu.parameter_info(), got = pm::gpt_parameter_info(d);
           REQUIRE(got.size() == want.size());
@@ -492,7 +515,7 @@ TEST_CASE("the CUDA GPT block saves 20bsh bytes with selective recompute and 34b
           CAPTURE(T);
           CAPTURE(h);
           const pm::GptDims d{50257, h, heads, 4096, 0, 1, false, false, recompute};
-          const pc::GptBlockSaved s = pc::gpt_block_saved(d, T);
+          const pm::GptBlockSaved s = pm::gpt_block_saved(d, T);
           const std::size_t Th = static_cast<std::size_t>(T * h);
           CHECK(s.tensor_bytes == (recompute ? 20 : 34) * Th);
           CHECK(s.extra_bytes ==
@@ -504,11 +527,11 @@ TEST_CASE("the CUDA GPT block saves 20bsh bytes with selective recompute and 34b
         }
   // The same tensors as the CPU model's fp32 accounting, at half the bytes (masks are bytes on both).
   for (bool recompute : {true, false}) {
-    const po::model::GptConfig c = small_gpt(3, recompute);
-    const po::model::GptStage cpu(c, 1, 3);
+    const po::gpt::GptConfig c = small_gpt(3, recompute);
+    const po::gpt::GptStage cpu(c, 1, 3);
     const po::MicrobatchShape sh{2, 16};
     const auto b = cpu.block_breakdown(sh);
-    const pc::GptBlockSaved s = pc::gpt_block_saved(dims_of(c, 1, 3), sh.tokens());
+    const pm::GptBlockSaved s = pm::gpt_block_saved(dims_of(c, 1, 3), sh.tokens());
     CHECK(s.tensor_bytes == 2 * b.tensor_floats + b.mask_bytes);
     CHECK(s.extra_bytes == 4 * b.extra_floats);
   }
@@ -526,7 +549,7 @@ TEST_CASE("the CUDA GPT stage's saved, stash and scratch regions are aligned, di
             CAPTURE(s);
             CAPTURE(T);
             const pm::GptDims d = dims_of(small_gpt(layers, recompute), s, stages);
-            const pc::GptStageBuffers b = pc::gpt_stage_buffers(d, T);
+            const pm::GptStageBuffers b = pm::gpt_stage_buffers(d, T);
             std::vector<pc::Region> saved, stash;
             for (int i = 0; i < d.blocks; ++i) {
               const std::size_t o = b.block_saved(i);
@@ -551,14 +574,73 @@ TEST_CASE("the CUDA GPT stage's saved, stash and scratch regions are aligned, di
             CHECK((b.head.bytes > 0) == d.has_head);
             CHECK(b.saved_bytes == static_cast<std::size_t>(d.blocks) * b.block.bytes + b.head.bytes);
             if (d.has_head) CHECK(b.head.dlogits.bytes == static_cast<std::size_t>(T * d.vocab * 2));
-            const pc::GptWorkspace w = pc::gpt_workspace(d, T);
+            const pm::GptWorkspace w = pm::gpt_workspace(d, T);
             check_regions({w.ln, w.proj, w.gelu, w.io, w.logits, w.losses}, w.bytes);
             CHECK((w.gelu.bytes > 0) == recompute);
             CHECK((w.logits.bytes > 0) == d.has_head);
           }
-  CHECK_THROWS_AS(pc::gpt_stage_buffers(pm::GptDims{10, 64, 3, 8, 0, 1, false, false, true}, 4),
+  CHECK_THROWS_AS(pm::gpt_stage_buffers(pm::GptDims{10, 64, 3, 8, 0, 1, false, false, true}, 4),
                   po::shape_error);  // 3 does not divide 64
-  CHECK_THROWS_AS(pc::gpt_workspace(pm::GptDims{10, 64, 4, 8, 0, 1, false, false, true}, 0), po::shape_error);
+  CHECK_THROWS_AS(pm::gpt_workspace(pm::GptDims{10, 64, 4, 8, 0, 1, false, false, true}, 0), po::shape_error);
+}
+
+TEST_CASE("the CUDA Llama stage's saved, stash and scratch regions are aligned, disjoint, inside and of their sizes") {
+  for (bool tied : {false, true})
+    for (int stages : {1, 3})
+      for (int s = 0; s < stages; ++s)
+        for (long long T : {1LL, 33LL, 512LL}) {
+          CAPTURE(tied);
+          CAPTURE(stages);
+          CAPTURE(s);
+          CAPTURE(T);
+          po::llama::LlamaConfig c;
+          c.vocab = 300;
+          c.hidden = 96;
+          c.heads = 6;
+          c.kv_heads = 2;
+          c.ffn = 200;
+          c.layers = 4;
+          c.tie_embeddings = tied;
+          const po::llama::LlamaDims d = po::llama::llama_dims(c, s, stages);
+          const po::llama::LlamaStageBuffers b = po::llama::llama_cuda_buffers(d, T);
+          std::vector<pc::Region> saved, stash;
+          std::size_t saved_tensors = 0, stash_tensors = 0;
+          for (int i = 0; i < d.blocks; ++i) {
+            const std::size_t o = b.block_saved(i);
+            const po::llama::LlamaBlockSaved& k = b.block;
+            for (pc::Region r : {k.x, k.q, k.k, k.v, k.att, k.x1, k.gate, k.up, k.rstd, k.lse}) {
+              saved.push_back({o + r.offset, r.bytes});
+              saved_tensors += r.bytes;
+            }
+            const std::size_t t = b.block_stashed(i);
+            const po::llama::LlamaBlockStash& z = b.block_stash;
+            for (pc::Region r : {z.dy, z.dgate, z.dup, z.da2, z.dx1, z.dq, z.dk, z.dv, z.da1}) {
+              stash.push_back({t + r.offset, r.bytes});
+              stash_tensors += r.bytes;
+            }
+          }
+          for (pc::Region r : {b.head.x, b.head.rstd, b.head.dlogits})
+            saved.push_back({b.head_saved + r.offset, r.bytes});
+          stash.push_back(b.stash_embed);
+          stash.push_back(b.stash_head);
+          check_regions(saved, b.saved_bytes);
+          check_regions(stash, b.stash_bytes);
+          // Per block, bf16 2T(4h + 2kv + 2f) saved with fp32 4T(2 + heads), and 2T(5h + 2f + 2kv) stashed.
+          const std::size_t Tz = static_cast<std::size_t>(T), h = 96, kv = 32, f = 200, heads = 6;
+          CHECK(saved_tensors ==
+                static_cast<std::size_t>(d.blocks) * (2 * Tz * (4 * h + 2 * kv + 2 * f) + 4 * Tz * (2 + heads)));
+          CHECK(stash_tensors == static_cast<std::size_t>(d.blocks) * 2 * Tz * (5 * h + 2 * f + 2 * kv));
+          CHECK((b.stash_embed.bytes > 0) == d.embeds);
+          CHECK((b.head.bytes > 0) == d.has_head);
+          const po::llama::LlamaWorkspace w = po::llama::llama_cuda_workspace(d, T);
+          check_regions({w.a, w.tmp, w.datt, w.io, w.io2, w.positions, w.logits, w.losses}, w.bytes);
+          CHECK(w.tmp.bytes == Tz * f * 2);
+          CHECK((w.logits.bytes > 0) == d.has_head);
+          CHECK(po::llama::llama_cuda_state_bytes(d, 64) ==
+                static_cast<std::size_t>(po::llama::llama_stage_params(d).total) * 6 + 2 * 64 * 8 * 4);
+        }
+  CHECK_THROWS_WITH_AS(po::llama::llama_cuda_workspace(po::llama::LlamaDims{}, 0),
+                       "llama::llama_cuda_workspace: tokens = 0 must be >= 1", po::shape_error);
 }
 
 // ---- topology ----------------------------------------------------------------------------

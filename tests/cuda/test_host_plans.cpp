@@ -32,18 +32,18 @@
 
 namespace po = pipeoffload;
 namespace pc = pipeoffload::cuda;
-namespace pm = pipeoffload::model;
+namespace pm = pipeoffload::gpt;
 
 namespace {
 
-/// The bytes po::Runtime hands reservation_plan for a cuda::GptStage pipeline of `cfg` on
+/// The bytes po::Runtime hands reservation_plan for a gpt::CudaGptStage pipeline of `cfg` on
 /// shape `sh`, microbatches of `tokens` tokens (the stage's saved and stash buffers; fp32
 /// boundaries of tokens x hidden between stages).
 std::vector<po::StageBytes> gpt_stage_bytes(const pm::GptConfig& cfg, po::Shape sh, long long tokens) {
   std::vector<po::StageBytes> out(static_cast<std::size_t>(sh.stages()));
   const std::size_t boundary = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(cfg.hidden) * sizeof(float);
   for (int s = 0; s < sh.stages(); ++s) {
-    const pc::GptStageBuffers b = pc::gpt_stage_buffers(pm::gpt_dims(cfg, s, sh.stages()), tokens);
+    const pm::GptStageBuffers b = pm::gpt_stage_buffers(pm::gpt_dims(cfg, s, sh.stages()), tokens);
     po::StageBytes& x = out[static_cast<std::size_t>(s)];
     x.saved = b.saved_bytes;
     x.stash = b.stash_bytes;
@@ -418,10 +418,10 @@ TEST_CASE("model state: the CUDA GPT's device bytes per parameter, both gradient
   const pm::GptDims dims = pm::gpt_dims(cfg, 5, 12);  // a middle stage: 4 blocks
   REQUIRE(dims.blocks == 4);
   const std::size_t P = static_cast<std::size_t>(pm::gpt_stage_params(dims).total);
-  CHECK(pc::gpt_state_bytes(dims) == 6 * P);
+  CHECK(pm::gpt_state_bytes(dims) == 6 * P);
   // The last stage also keeps an fp32 copy of the head's bias.
   const pm::GptDims last = pm::gpt_dims(cfg, 11, 12);
-  CHECK(pc::gpt_state_bytes(last) ==
+  CHECK(pm::gpt_state_bytes(last) ==
         6 * static_cast<std::size_t>(pm::gpt_stage_params(last).total) + static_cast<std::size_t>(cfg.vocab) * 4);
   const std::size_t chunks[] = {P, P};  // two chunks of a rank (v = 2)
   for (po::Gradients path : {po::Gradients::standard, po::Gradients::exact})
@@ -432,7 +432,7 @@ TEST_CASE("model state: the CUDA GPT's device bytes per parameter, both gradient
         CAPTURE(zero);
         const po::StateBytes b =
             po::state_bytes(chunks, {.gradients = path, .dp = dp, .zero = zero, .parameter_bytes = 2});
-        const double per = static_cast<double>(2 * pc::gpt_state_bytes(dims) + b.arena()) / static_cast<double>(2 * P);
+        const double per = static_cast<double>(2 * pm::gpt_state_bytes(dims) + b.arena()) / static_cast<double>(2 * P);
         // Master and moments: 12 a parameter, or 12 / dp of the owned shard with ZeRO-1 (a slice
         // of a bucket is len / dp, len a multiple of dp: at most dp - 1 values of rounding a bucket).
         const double owned = zero == 1 && dp > 1 ? 12.0 / dp : 12.0;
@@ -446,14 +446,14 @@ TEST_CASE("model state: the CUDA GPT's device bytes per parameter, both gradient
       }
   // Issue 24's target for the CUDA GPT on the standard path: 2 + 4 + 12/dp, plus the staging.
   const po::StateBytes eight = po::state_bytes(chunks, {.dp = 8, .zero = 1, .parameter_bytes = 2});
-  const double now = static_cast<double>(2 * pc::gpt_state_bytes(dims) + eight.arena()) / static_cast<double>(2 * P);
+  const double now = static_cast<double>(2 * pm::gpt_state_bytes(dims) + eight.arena()) / static_cast<double>(2 * P);
   MESSAGE("CUDA GPT, dp = 8, ZeRO-1, standard: " << now << " bytes a parameter");
   CHECK(now <= 2 + 4 + 12.0 / 8 + static_cast<double>(eight.staging) / static_cast<double>(2 * P) + 1e-3);
 }
 
 TEST_CASE(
     "the planner's per-layer formulas are the GPT code's: a block's parameters, every stage's unit, stash and scratch") {
-  // plan/model.hpp counts what po::plan puts on each rank; cuda::GptStage allocates it. A change
+  // plan/model.hpp counts what po::plan puts on each rank; gpt::CudaGptStage allocates it. A change
   // to either that the other does not follow fails here.
   for (const bool recompute : {true, false})
     for (const long long h : {64LL, 128LL, 256LL})
@@ -469,26 +469,26 @@ TEST_CASE(
                               .micro_batch = 2,
                               .vocab = 512,
                               .recompute = recompute};
-        CHECK(po::layer_parameters(m) == static_cast<double>(po::model::gpt_block_params(h).count));
+        CHECK(po::layer_parameters(m) == static_cast<double>(po::gpt::gpt_block_params(h).count));
         for (const po::StageContent c : {po::StageContent{3, false, false}, po::StageContent{1, true, false},
                                          po::StageContent{2, false, true}, po::StageContent{0, true, true}}) {
-          const po::model::GptDims d{.vocab = m.vocab,
-                                     .hidden = h,
-                                     .heads = heads,
-                                     .positions = m.seq,
-                                     .blocks = c.layers,
-                                     .embeds = c.embedding,
-                                     .has_head = c.head,
-                                     .recompute = recompute};
+          const po::gpt::GptDims d{.vocab = m.vocab,
+                                   .hidden = h,
+                                   .heads = heads,
+                                   .positions = m.seq,
+                                   .blocks = c.layers,
+                                   .embeds = c.embedding,
+                                   .has_head = c.head,
+                                   .recompute = recompute};
           const long long tokens = static_cast<long long>(m.micro_batch) * m.seq;
-          const pc::GptStageBuffers b = pc::gpt_stage_buffers(d, tokens);
+          const pm::GptStageBuffers b = pm::gpt_stage_buffers(d, tokens);
           CHECK(po::stage_activation_bytes(m, c) == static_cast<double>(b.saved_bytes));
           CHECK(po::stage_stash_bytes(m, c) == static_cast<double>(b.stash_bytes));
-          CHECK(po::stage_scratch_bytes(m, c) == static_cast<double>(pc::gpt_workspace(d, tokens).bytes));
+          CHECK(po::stage_scratch_bytes(m, c) == static_cast<double>(pm::gpt_workspace(d, tokens).bytes));
           CHECK(po::stage_norm_buffer_bytes(m, c) ==
-                static_cast<double>(pc::norm_buffer_bytes(po::model::gpt_norm_groups(d))));
+                static_cast<double>(pc::norm_buffer_bytes(po::gpt::gpt_norm_groups(d))));
           // Every parameter, the head's bias (V values) included.
-          CHECK(po::stage_parameters(m, c) == static_cast<double>(po::model::gpt_stage_params(d).total));
+          CHECK(po::stage_parameters(m, c) == static_cast<double>(po::gpt::gpt_stage_params(d).total));
         }
       }
 }

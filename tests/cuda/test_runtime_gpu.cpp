@@ -1,5 +1,5 @@
-// tests/cuda/test_runtime_gpu.cpp: po::Runtime on backend::Cuda with cuda::GptStage and
-// comm::Nccl, against the same run on backend::Cpu with model::GptStage (needs a GPU;
+// tests/cuda/test_runtime_gpu.cpp: po::Runtime on backend::Cuda with gpt::CudaGptStage and
+// comm::Nccl, against the same run on backend::Cpu with gpt::GptStage (needs a GPU;
 // gpu_main.cpp exits 77 without one).
 //
 // Three PO-F training steps, each the visible sequence zero_grad, forward_backward, grad_norm,
@@ -37,8 +37,8 @@ struct Result {
   std::vector<std::string> errors;
 };
 
-po::model::GptConfig config() {
-  po::model::GptConfig c;
+po::gpt::GptConfig config() {
+  po::gpt::GptConfig c;
   c.layers = 4;
   c.hidden = 64;
   c.heads = 4;  // head_dim 16: inside cuDNN SDPA's limits
@@ -115,9 +115,9 @@ Result run_cpu(const po::Program& prog) {
   res.errors = po::run_thread_ranks(world, [&](int r) {
     po::backend::Cpu dev({.rank = r});
     po::comm::Threads comm(world, r);
-    std::vector<po::model::GptStage> mine;
+    std::vector<po::gpt::GptStage> mine;
     for (int c = 0; c < sh.v; ++c) mine.emplace_back(config(), sh.stage_of(r, c), sh.stages());
-    po::Runtime rt(prog, dev, comm, std::span<po::model::GptStage>(mine), {.microbatch = microbatch});
+    po::Runtime rt(prog, dev, comm, std::span<po::gpt::GptStage>(mine), {.microbatch = microbatch});
     train(rt, r, res, mu);
   });
   return res;
@@ -140,15 +140,15 @@ Result run_gpu(const po::Program& prog, const std::vector<int>& devices, bool pa
     po::backend::Cuda dev(
         {.device = devices[static_cast<std::size_t>(r)], .rank = r, .arena_bytes = std::size_t{1} << 30});
     po::comm::Nccl comm(world, r, dev);
-    std::vector<po::cuda::GptStage> mine;
-    // bf16 boundaries over NCCL (cuda::Boundaries), as train_gpt sends them.
+    std::vector<po::gpt::CudaGptStage> mine;
+    // bf16 boundaries over NCCL (gpt::Boundaries), as train_gpt sends them.
     for (int c = 0; c < sh.v; ++c)
-      mine.emplace_back(dev, config(), sh.stage_of(r, c), sh.stages(), microbatch, po::cuda::Boundaries::bf16);
+      mine.emplace_back(dev, config(), sh.stage_of(r, c), sh.stages(), microbatch, po::gpt::Boundaries::bf16);
     // Every rank's allocations are made before any rank's first NCCL kernel (the runtime's
     // constructor gathers the stage table, then reserves memory): a host barrier before it
     // and after it (NcclWorld::host_barrier says why).
     world->host_barrier();
-    po::Runtime rt(prog, dev, comm, std::span<po::cuda::GptStage>(mine), {.microbatch = microbatch});
+    po::Runtime rt(prog, dev, comm, std::span<po::gpt::CudaGptStage>(mine), {.microbatch = microbatch});
     if (paired) rt.pair_with(link);
     train(rt, r, res, mu, [&] { world->host_barrier(); });
   });

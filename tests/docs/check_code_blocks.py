@@ -18,7 +18,7 @@ The rules an example is written to:
   and tests/docs/code_context.hpp: the names examples use without declaring them (`rt`, a
   runtime; `step`; `dev`; `comm`; ...), each declared once there with its type. An example
   declares everything else it uses; prose (`...`) goes in comments.
-- Where it compiles. An example in a CUDA header (backend/cuda/, comm/nccl/, comm/cuda/, cuda.hpp) or one
+- Where it compiles. An example in a CUDA header (backend/cuda/, comm/nccl/, comm/cuda/, ops/cuda.hpp, cuda.hpp) or one
   that calls NCCL, cuDNN, cuBLAS or the CUDA runtime needs the CUDA build's flags
   (--cuda-arg, given by meson.build where the CUDA backend is built, and the CUDA umbrella
   pipeoffload/cuda.hpp is included); one in comm/mpi/ needs MPI's compiler wrapper
@@ -44,7 +44,7 @@ BEGIN = re.compile(r"^\s*///\s?@code\s*$")
 END = re.compile(r"^\s*///\s?@endcode\s*$")
 PREFIX = re.compile(r"^\s*/// ?")
 DECLARATION = re.compile(r"^(struct|class|template)\b")
-CUDA_PLACES = ("backend/cuda/", "comm/nccl/", "comm/cuda/", "cuda.hpp")
+CUDA_PLACES = ("backend/cuda/", "comm/nccl/", "comm/cuda/", "ops/cuda.hpp", "cuda.hpp")
 MPI_PLACES = ("comm/mpi/",)
 CUDA_CALL = re.compile(r"\b(nccl|cuda|cublas|cudnn)[A-Z]\w*")
 WARNINGS = ["-Wall", "-Wextra", "-Wpedantic", "-Werror", "-Wno-unused-variable", "-Wno-unused-but-set-variable",

@@ -54,7 +54,7 @@ PEER_EDGES = {
     ("comm", "backend"): "a communicator runs on a backend's streams (comm/nccl on backend/cuda)",
 }
 # Headers that may include CUDA (directly or through another header) and MPI.
-CUDA_PLACES = ("backend/cuda/", "comm/nccl/", "comm/cuda/", "cuda.hpp", "models/")
+CUDA_PLACES = ("backend/cuda/", "comm/nccl/", "comm/cuda/", "ops/cuda.hpp", "cuda.hpp", "models/")
 MPI_PLACES = ("comm/mpi/",)
 # The worked example of README's "Your own model", which must build from an installed prefix.
 EXAMPLE = ("samples/custom_model.hpp", "samples/custom_model.cpp", "samples/cli.hpp")

@@ -200,3 +200,148 @@ TEST_CASE("ops: cross-entropy's losses and logit gradients match float64; bad ta
   ops::add(ctx, a.data(), b.data(), sum.data(), 8);
   for (int e = 0; e < 8; ++e) CHECK(sum[e] == a[e] + b[e]);
 }
+
+TEST_CASE("ops: LayerNorm's input, gamma and beta gradients match float64 central differences") {
+  const int rows = 4, n = 16;
+  const std::vector<float> x = noise(rows * n, 21, 4.0), gamma = noise(n, 22, 2.0), beta = noise(n, 23),
+                           c = noise(rows * n, 24);
+  const auto loss = [&](const std::vector<double>& xv, const std::vector<double>& gv, const std::vector<double>& bv) {
+    double L = 0;
+    for (int r = 0; r < rows; ++r) {
+      double mean = 0, var = 0;
+      for (int i = 0; i < n; ++i) mean += xv[r * n + i] / n;
+      for (int i = 0; i < n; ++i) var += (xv[r * n + i] - mean) * (xv[r * n + i] - mean) / n;
+      const double rs = 1.0 / std::sqrt(var + ops::layernorm_eps);
+      for (int i = 0; i < n; ++i) L += c[r * n + i] * ((xv[r * n + i] - mean) * rs * gv[i] + bv[i]);
+    }
+    return L;
+  };
+  std::vector<float> y(rows * n), stats(2 * rows), again(rows * n), dx(rows * n), dg(n, 0.0f), db(n, 0.0f);
+  ops::layernorm_forward(ctx, x.data(), gamma.data(), beta.data(), y.data(), stats.data(), rows, n);
+  ops::layernorm_recompute(ctx, x.data(), stats.data(), gamma.data(), beta.data(), again.data(), rows, n);
+  CHECK(again == y);
+  ops::layernorm_backward(ctx, c.data(), x.data(), stats.data(), gamma.data(), dx.data(), rows, n, false);
+  ops::layernorm_weight_grad(ctx, c.data(), x.data(), stats.data(), dg.data(), db.data(), rows, n);
+  const std::vector<double> xd(x.begin(), x.end()), gd(gamma.begin(), gamma.end()), bd(beta.begin(), beta.end());
+  CHECK(rel_error(dx, numeric_grad(x, [&](const std::vector<double>& v) { return loss(v, gd, bd); })) < 1e-4);
+  CHECK(rel_error(dg, numeric_grad(gamma, [&](const std::vector<double>& v) { return loss(xd, v, bd); })) < 1e-4);
+  CHECK(rel_error(db, numeric_grad(beta, [&](const std::vector<double>& v) { return loss(xd, gd, v); })) < 1e-4);
+  std::vector<float> acc(rows * n, 1.0f);
+  ops::layernorm_backward(ctx, c.data(), x.data(), stats.data(), gamma.data(), acc.data(), rows, n, true);
+  for (std::size_t i = 0; i < acc.size(); ++i) CHECK(acc[i] == 1.0f + dx[i]);  // one addition
+}
+
+TEST_CASE("ops: GeLU's gradient matches float64 central differences of its tanh form") {
+  const int count = 64;
+  const std::vector<float> x = noise(count, 25, 8.0), c = noise(count, 26);
+  const auto gelu = [](double v) { return 0.5 * v * (1 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v))); };
+  std::vector<float> y(count), g = c;
+  ops::gelu_forward(ctx, x.data(), y.data(), count);
+  for (int e = 0; e < count; ++e) CHECK(std::abs(y[e] - gelu(x[e])) <= 1e-6 * (1 + std::abs(gelu(x[e]))));
+  ops::gelu_backward(ctx, x.data(), g.data(), count);
+  CHECK(rel_error(g, numeric_grad(x, [&](const std::vector<double>& v) {
+                    double L = 0;
+                    for (int e = 0; e < count; ++e) L += c[e] * gelu(v[e]);
+                    return L;
+                  })) < 1e-4);
+}
+
+TEST_CASE("ops: dropout keeps what its seed says, the mask variant agrees, biases add and sum in row order") {
+  const long long count = 1000;
+  const std::vector<float> x = noise(count, 27), y = noise(count, 28);
+  const std::uint64_t seed = ops::dropout_seed(1, 2, 3, 0, 4);
+  std::vector<float> out(count), out2(count), back(count), back2(count);
+  std::vector<std::uint8_t> mask(count);
+  ops::residual_dropout(ctx, x.data(), y.data(), out.data(), count, seed, 0.25f);
+  ops::residual_dropout_mask(ctx, x.data(), y.data(), out2.data(), mask.data(), count, seed, 0.25f);
+  CHECK(out == out2);
+  long long kept = 0;
+  for (long long e = 0; e < count; ++e) {
+    CHECK(mask[e] == (ops::dropout_keep(seed, static_cast<std::uint64_t>(e), 0.25f) ? 1 : 0));
+    kept += mask[e];
+    CHECK(out[e] == (mask[e] ? x[e] + y[e] * (1.0f / 0.75f) : x[e]));
+  }
+  CHECK(kept > 650);  // about 750 of 1000 kept
+  CHECK(kept < 850);
+  ops::dropout_backward(ctx, y.data(), back.data(), count, seed, 0.25f);
+  ops::dropout_backward_mask(ctx, y.data(), mask.data(), back2.data(), count, 0.25f);
+  CHECK(back == back2);
+  const int rows = 3, n = 4;
+  std::vector<float> m = noise(rows * n, 29), bias = noise(n, 30), db(n, 0.5f);
+  const std::vector<float> m0 = m;
+  ops::add_bias(ctx, m.data(), bias.data(), rows, n);
+  ops::bias_grad(ctx, m0.data(), db.data(), rows, n);
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < n; ++i) CHECK(m[r * n + i] == m0[r * n + i] + bias[i]);
+  for (int i = 0; i < n; ++i) CHECK(db[i] == ((0.5f + m0[i]) + m0[n + i]) + m0[2 * n + i]);
+  float mean = 0;
+  ops::mean(ctx, m0.data(), &mean, rows * n);
+  float sum = 0;
+  for (float v : m0) sum += v;
+  CHECK(mean == sum / static_cast<float>(rows * n));
+}
+
+TEST_CASE("ops: position embeddings restart every seq rows; the gradient adds a position's rows in order") {
+  const int seq = 3, n = 2, rows = 6;
+  const std::vector<float> table = noise(seq * n, 31), d = noise(rows * n, 32);
+  std::vector<float> out(rows * n, 1.0f), dtable(seq * n, 0.0f);
+  ops::position_embedding_forward(ctx, table.data(), out.data(), rows, n, seq);
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < n; ++i) CHECK(out[r * n + i] == 1.0f + table[(r % seq) * n + i]);
+  ops::position_embedding_backward(ctx, d.data(), dtable.data(), rows, n, seq);
+  for (int p = 0; p < seq; ++p)
+    for (int i = 0; i < n; ++i) CHECK(dtable[p * n + i] == (0.0f + d[p * n + i]) + d[(seq + p) * n + i]);
+  CHECK(error_of([&] { ops::position_embedding_backward(ctx, d.data(), dtable.data(), 5, n, seq); }) ==
+        "ops::position_embedding_backward: rows = 5 is not a whole number of sequences of seq = 3");
+}
+
+TEST_CASE("ops: grouped-query attention matches float64 softmax attention and its central differences") {
+  const ops::AttentionShape s{.batch = 2, .seq = 5, .heads = 4, .kv_heads = 2, .head_dim = 4};
+  const int T = s.batch * s.seq, H = s.heads * s.head_dim, K = s.kv_heads * s.head_dim;
+  const std::vector<float> q = noise(T * H, 33, 2.0), k = noise(T * K, 34, 2.0), v = noise(T * K, 35),
+                           c = noise(T * H, 36);
+  // L = sum c * out, out by the textbook formula in float64; query head a reads kv head a / 2.
+  const auto attend = [&](const std::vector<double>& qv, const std::vector<double>& kv, const std::vector<double>& vv) {
+    std::vector<double> out(static_cast<std::size_t>(T * H), 0.0);
+    for (int b = 0; b < s.batch; ++b)
+      for (int a = 0; a < s.heads; ++a)
+        for (int i = 0; i < s.seq; ++i) {
+          std::vector<double> w(static_cast<std::size_t>(i + 1));
+          double mx = -1e300, sum = 0;
+          for (int j = 0; j <= i; ++j) {
+            double dot = 0;
+            for (int e = 0; e < s.head_dim; ++e)
+              dot += qv[(b * s.seq + i) * H + a * s.head_dim + e] * kv[(b * s.seq + j) * K + (a / 2) * s.head_dim + e];
+            w[j] = dot / std::sqrt(static_cast<double>(s.head_dim));
+            mx = std::max(mx, w[j]);
+          }
+          for (int j = 0; j <= i; ++j) sum += std::exp(w[j] - mx);
+          for (int j = 0; j <= i; ++j)
+            for (int e = 0; e < s.head_dim; ++e)
+              out[(b * s.seq + i) * H + a * s.head_dim + e] +=
+                  std::exp(w[j] - mx) / sum * vv[(b * s.seq + j) * K + (a / 2) * s.head_dim + e];
+        }
+    return out;
+  };
+  const auto loss = [&](const std::vector<double>& qv, const std::vector<double>& kv, const std::vector<double>& vv) {
+    const std::vector<double> o = attend(qv, kv, vv);
+    double L = 0;
+    for (std::size_t i = 0; i < o.size(); ++i) L += c[i] * o[i];
+    return L;
+  };
+  std::vector<float> out(T * H), lse(s.batch * s.heads * s.seq), dq(T * H), dk(T * K), dv(T * K);
+  ops::attention_forward(ctx, q.data(), k.data(), v.data(), out.data(), lse.data(), s);
+  const std::vector<double> qd(q.begin(), q.end()), kd(k.begin(), k.end()), vd(v.begin(), v.end());
+  CHECK(rel_error(out, attend(qd, kd, vd)) < 1e-6);
+  ops::attention_backward(ctx, q.data(), k.data(), v.data(), out.data(), c.data(), lse.data(), dq.data(), dk.data(),
+                          dv.data(), s);
+  CHECK(rel_error(dq, numeric_grad(q, [&](const std::vector<double>& x) { return loss(x, kd, vd); })) < 1e-4);
+  CHECK(rel_error(dk, numeric_grad(k, [&](const std::vector<double>& x) { return loss(qd, x, vd); })) < 1e-4);
+  CHECK(rel_error(dv, numeric_grad(v, [&](const std::vector<double>& x) { return loss(qd, kd, x); })) < 1e-4);
+  CHECK(error_of([&] {
+          ops::attention_forward(ctx, q.data(), k.data(), v.data(), out.data(), lse.data(),
+                                 {.batch = 1, .seq = 5, .heads = 6, .kv_heads = 4, .head_dim = 4});
+        }) ==
+        "ops::attention_forward: batch = 1, seq = 5, heads = 6, kv_heads = 4, head_dim = 4; need every size >= 1 "
+        "and heads a multiple of kv_heads");
+}

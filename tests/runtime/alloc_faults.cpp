@@ -69,7 +69,7 @@ namespace po = pipeoffload;
 std::vector<std::string> train(const std::filesystem::path& dir) {
   const po::Shape shape{2, 2, 4};
   const po::Program program = po::PO_F::build(shape);
-  po::model::GptConfig cfg;
+  po::gpt::GptConfig cfg;
   cfg.layers = 4;
   cfg.hidden = 16;
   cfg.heads = 2;
@@ -80,9 +80,9 @@ std::vector<std::string> train(const std::filesystem::path& dir) {
     po::comm::Threads comm = grid.pipeline(g), replicas = grid.replicas(g);
     const int r = g % shape.d;
     po::backend::Cpu dev({.rank = g});
-    std::vector<po::model::GptStage> mine;
+    std::vector<po::gpt::GptStage> mine;
     for (int c = 0; c < shape.v; ++c) mine.emplace_back(cfg, shape.stage_of(r, c), shape.stages());
-    po::Runtime rt(program, dev, comm, replicas, std::span<po::model::GptStage>(mine),
+    po::Runtime rt(program, dev, comm, replicas, std::span<po::gpt::GptStage>(mine),
                    {.microbatch = mb, .check_finite = true});
     po::AdamW opt(rt, {.zero = 1});
     const std::size_t n = static_cast<std::size_t>(shape.m * mb.tokens());

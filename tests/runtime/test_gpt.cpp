@@ -18,8 +18,8 @@
 
 namespace {
 
-using po::model::GptConfig;
-using po::model::GptStage;
+using po::gpt::GptConfig;
+using po::gpt::GptStage;
 
 struct Pass {
   std::vector<float> y, dx, grads;
@@ -403,10 +403,10 @@ TEST_CASE(
 }
 
 TEST_CASE("GPT: the stage names itself in the runtime's messages (not a wrapper's C++ type name)") {
-  const po::model::GptConfig cfg{.hidden = 16, .heads = 2, .layers = 2, .seq = 8};
-  struct Wrapped : po::model::GptStage {  // as train_gpt's fault-injecting stage
+  const po::gpt::GptConfig cfg{.hidden = 16, .heads = 2, .layers = 2, .seq = 8};
+  struct Wrapped : po::gpt::GptStage {  // as train_gpt's fault-injecting stage
     using GptStage::GptStage;
   };
   Wrapped w(cfg, 0, 2);
-  CHECK(po::StageRef<po::backend::CpuContext>(w).name() == "model::GptStage");
+  CHECK(po::StageRef<po::backend::CpuContext>(w).name() == "gpt::GptStage");
 }

@@ -214,22 +214,22 @@ TEST_CASE("Llama: a packed microbatch computes each document independently of th
 }
 
 TEST_CASE("GPT: a packed microbatch computes each document independently of the others, as the document alone") {
-  check_documents<po::model::GptStage>(
-      po::model::GptConfig{.vocab = 64, .hidden = 32, .heads = 4, .layers = 2, .seq = 16, .dropout = 0.0f}, "GPT");
+  check_documents<po::gpt::GptStage>(
+      po::gpt::GptConfig{.vocab = 64, .hidden = 32, .heads = 4, .layers = 2, .seq = 16, .dropout = 0.0f}, "GPT");
   // The embedding: positions restart at every document (the position table's rows 0, 1, ...).
-  po::model::GptConfig cfg{.vocab = 64, .hidden = 32, .heads = 4, .layers = 2, .seq = 16, .dropout = 0.0f};
+  po::gpt::GptConfig cfg{.vocab = 64, .hidden = 32, .heads = 4, .layers = 2, .seq = 16, .dropout = 0.0f};
   cfg.stage_blocks = {0, 2};
-  po::model::GptConfig packed_cfg = cfg;
+  po::gpt::GptConfig packed_cfg = cfg;
   packed_cfg.packed = true;
-  po::model::GptStage packed(packed_cfg, 0, 2), alone(cfg, 0, 2);
+  po::gpt::GptStage packed(packed_cfg, 0, 2), alone(cfg, 0, 2);
   std::vector<std::int32_t> tok(16);
   for (std::size_t i = 0; i < 16; ++i) tok[i] = static_cast<std::int32_t>((i * 11 + 3) % 64);
   const std::vector<std::int32_t> offsets = {0, 6, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16};
   po::backend::CpuContext ctx;
-  Pass<po::model::GptStage> p{packed, {1, 16}, {input("tokens", tok), input(po::document_offsets_input, offsets)}};
+  Pass<po::gpt::GptStage> p{packed, {1, 16}, {input("tokens", tok), input(po::document_offsets_input, offsets)}};
   const std::vector<float> y = p.forward(ctx, std::vector<float>(16 * 32));
   const std::vector<std::int32_t> second(tok.begin() + 6, tok.end());
-  Pass<po::model::GptStage> a{alone, {1, 10}, {input("tokens", second)}};
+  Pass<po::gpt::GptStage> a{alone, {1, 10}, {input("tokens", second)}};
   const std::vector<float> ya = a.forward(ctx, std::vector<float>(10 * 32));
   CHECK(std::memcmp(ya.data(), y.data() + 6 * 32, 10 * 32 * sizeof(float)) == 0);
 }
@@ -281,8 +281,8 @@ TEST_CASE("Llama: a packed microbatch's loss is its documents' losses run separa
 }
 
 TEST_CASE("GPT: a packed microbatch's loss is its documents' losses run separately, weighted by their tokens") {
-  check_loss<po::model::GptStage>(
-      po::model::GptConfig{.vocab = 64, .hidden = 32, .heads = 4, .layers = 2, .seq = 16, .dropout = 0.0f});
+  check_loss<po::gpt::GptStage>(
+      po::gpt::GptConfig{.vocab = 64, .hidden = 32, .heads = 4, .layers = 2, .seq = 16, .dropout = 0.0f});
 }
 
 TEST_CASE("Llama: packed training is bit-identical to one rank under every family, and with dp 2") {
@@ -302,13 +302,13 @@ TEST_CASE("Llama: packed training is bit-identical to one rank under every famil
 
 TEST_CASE("GPT: packed training is bit-identical to one rank under every family") {
   const int steps = 2;
-  pipeline_test::RunOptions<po::model::GptConfig> o{
+  pipeline_test::RunOptions<po::gpt::GptConfig> o{
       .cfg = {.vocab = 64, .hidden = 16, .heads = 4, .layers = 4, .seq = 8, .dropout = 0.1f, .packed = true}};
   o.packed = true;
-  const pipeline_test::Run ref = pipeline_test::check_every_family<po::model::GptStage>(o, steps);
-  pipeline_test::RunOptions<po::model::GptConfig> plain = o;
+  const pipeline_test::Run ref = pipeline_test::check_every_family<po::gpt::GptStage>(o, steps);
+  pipeline_test::RunOptions<po::gpt::GptConfig> plain = o;
   plain.packed = false;
   plain.cfg.packed = false;
   CHECK_FALSE(pipeline_test::same(
-      pipeline_test::train<po::model::GptStage>(pipeline_test::one_rank, {1, 1, 4}, steps, plain).losses, ref.losses));
+      pipeline_test::train<po::gpt::GptStage>(pipeline_test::one_rank, {1, 1, 4}, steps, plain).losses, ref.losses));
 }

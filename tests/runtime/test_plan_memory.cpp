@@ -44,16 +44,16 @@ TEST_CASE("the planner's CPU GPT is the model's: each stage's unit, stash and pa
                             .vocab = 256};
       if (layers + 2 < stages) continue;
       const std::vector<po::StageContent> cut = po::stage_layout(m, stages);
-      po::model::GptConfig cfg{.vocab = 256, .hidden = 48, .heads = 4, .layers = layers, .seq = 16};
+      po::gpt::GptConfig cfg{.vocab = 256, .hidden = 48, .heads = 4, .layers = layers, .seq = 16};
       for (const po::StageContent& c : cut) cfg.stage_blocks.push_back(c.layers);
       const po::MicrobatchShape mb{3, 16};
       for (int s = 0; s < stages; ++s) {
         CAPTURE(s);
         const po::StageContent& c = cut[static_cast<std::size_t>(s)];
-        const po::model::GptDims dims = po::model::gpt_dims(cfg, s, stages);
-        CHECK(po::cpu_stage_unit_bytes(m, c) == static_cast<double>(po::model::gpt_cpu_bytes::saved(dims, mb)));
-        CHECK(po::cpu_stage_stash_bytes(m, c) == static_cast<double>(po::model::gpt_cpu_bytes::stash(dims, mb)));
-        CHECK(po::stage_parameters(m, c) == static_cast<double>(po::model::gpt_stage_params(dims).total));
+        const po::gpt::GptDims dims = po::gpt::gpt_dims(cfg, s, stages);
+        CHECK(po::cpu_stage_unit_bytes(m, c) == static_cast<double>(po::gpt::gpt_cpu_bytes::saved(dims, mb)));
+        CHECK(po::cpu_stage_stash_bytes(m, c) == static_cast<double>(po::gpt::gpt_cpu_bytes::stash(dims, mb)));
+        CHECK(po::stage_parameters(m, c) == static_cast<double>(po::gpt::gpt_stage_params(dims).total));
       }
     }
 }

@@ -22,8 +22,8 @@ namespace {
 
 using pipeline_test::Run;
 using pipeline_test::same;
-using po::model::GptConfig;
-using po::model::GptStage;
+using po::gpt::GptConfig;
+using po::gpt::GptStage;
 
 GptConfig tied_gpt() {
   return {.hidden = 16, .heads = 2, .layers = 4, .seq = 8, .dropout = 0.1f, .tie_embeddings = true};
@@ -56,8 +56,8 @@ TEST_CASE("shared parameters: the primary's gradient is the holders' sum, and ev
   for (const auto& e : tied.errors) REQUIRE(e == "");
   for (const auto& e : untied.errors) REQUIRE(e == "");
   const std::size_t vh = 256 * 16;
-  const po::model::GptDims last = po::model::gpt_dims(tied_gpt(), 3, 4);
-  const std::size_t head_w = static_cast<std::size_t>(po::model::gpt_stage_params(last).head_begin + 2 * 16);
+  const po::gpt::GptDims last = po::gpt::gpt_dims(tied_gpt(), 3, 4);
+  const std::size_t head_w = static_cast<std::size_t>(po::gpt::gpt_stage_params(last).head_begin + 2 * 16);
   std::vector<float> sum(vh);
   for (std::size_t i = 0; i < vh; ++i) sum[i] = untied.grads[0][i] + untied.grads[3][head_w + i];
   CHECK(same(std::vector<float>(tied.grads[0].begin(), tied.grads[0].begin() + vh), sum));
@@ -178,7 +178,7 @@ TEST_CASE("shared parameters: a key with one holder, tensors of two shapes and a
                          "tensor 'lm_head.weight' of stage 3 is float32 [256, 16]") != std::string::npos,
                   e);
   const Run unknown = train<Wrong<2>>(spec, shape, 1);
-  CHECK_MESSAGE(unknown.errors[0].find("stage 0 (model::GptStage) shares tensor 'embedding' under key 'wte', which its "
+  CHECK_MESSAGE(unknown.errors[0].find("stage 0 (gpt::GptStage) shares tensor 'embedding' under key 'wte', which its "
                                        "parameter_info() does not name") != std::string::npos,
                 unknown.errors[0]);
 }

@@ -64,7 +64,7 @@ std::vector<train_gpt::RankBytes> measured_with(const train_gpt::Options& o, con
 }
 std::vector<train_gpt::RankBytes> measured(const train_gpt::Options& o, const train_gpt::Setup& su) {
   if (o.llama) return measured_with<po::llama::LlamaStage>(o, su, train_gpt::llama_config(o));
-  return measured_with<po::model::GptStage>(o, su, o.model);
+  return measured_with<po::gpt::GptStage>(o, su, o.model);
 }
 
 }  // namespace

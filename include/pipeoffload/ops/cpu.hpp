@@ -1,13 +1,15 @@
 // pipeoffload/ops/cpu.hpp: ops for users' layers on the CPU backend (po::ops, fp32, row-major
-// (rows, n) tensors): RMSNorm, rotary embeddings, SwiGLU, token embedding, softmax
-// cross-entropy, residual add. Each takes the pass's backend::CpuContext first, as a CUDA twin
-// would take its CudaContext, so a layer templated on its context calls them by the same names;
-// the per-element math is ops/math.hpp's, which CUDA kernels share. Sums run in index order:
+// (rows, n) tensors): LayerNorm, RMSNorm, rotary embeddings, GeLU, SwiGLU, residuals, dropout,
+// biases, token and position embeddings, softmax cross-entropy, causal grouped-query attention.
+// Each takes the pass's backend::CpuContext first, as its CUDA twin (ops/cuda.hpp) takes a
+// CudaContext, so a layer templated on its context calls them by the same names; the
+// per-element math is ops/math.hpp's, which the CUDA kernels share. Sums run in index order:
 // the same inputs give the same bits on every run. Bad ids are refused with a sentence naming
 // the value and the range.
 /// @file
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -22,6 +24,53 @@
 namespace pipeoffload::ops {
 
 using backend::CpuContext;
+
+/// float on the CPU backend.
+template <>
+struct context_value<CpuContext> {
+  using type = float;  ///< fp32 activations and parameters
+};
+
+// ---- LayerNorm (eps = layernorm_eps) -----------------------------------------------------------
+
+/// y (rows, n) = (x - mean) * rstd * gamma + beta; stats (rows, 2) = (mean, rstd) per row.
+inline void layernorm_forward(const CpuContext&, const float* x, const float* gamma, const float* beta, float* y,
+                              float* stats, long long rows, int n) {
+  for (long long r = 0; r < rows; ++r) {
+    const RowStats st = row_stats(x + r * n, n);
+    stats[2 * r] = st.mean;
+    stats[2 * r + 1] = st.rstd;
+    for (int i = 0; i < n; ++i) y[r * n + i] = layernorm_apply(x[r * n + i], st, gamma[i], beta[i]);
+  }
+}
+
+/// y from the saved stats (a layer that recomputes the normalized input in backward).
+inline void layernorm_recompute(const CpuContext&, const float* x, const float* stats, const float* gamma,
+                                const float* beta, float* y, long long rows, int n) {
+  for (long long r = 0; r < rows; ++r)
+    for (int i = 0; i < n; ++i)
+      y[r * n + i] = layernorm_apply(x[r * n + i], {stats[2 * r], stats[2 * r + 1]}, gamma[i], beta[i]);
+}
+
+/// dx (rows, n) = LayerNorm's input gradient from dy; added to dx when `accumulate`.
+inline void layernorm_backward(const CpuContext&, const float* dy, const float* x, const float* stats,
+                               const float* gamma, float* dx, long long rows, int n, bool accumulate) {
+  std::vector<float> row(static_cast<std::size_t>(n));
+  for (long long r = 0; r < rows; ++r) {
+    layernorm_backward_row(dy + r * n, x + r * n, {stats[2 * r], stats[2 * r + 1]}, gamma, row.data(), n);
+    for (int i = 0; i < n; ++i) dx[r * n + i] = accumulate ? dx[r * n + i] + row[i] : row[i];
+  }
+}
+
+/// dgamma (n) += sum over rows of dy * xhat; dbeta (n) += sum over rows of dy, rows in order.
+inline void layernorm_weight_grad(const CpuContext&, const float* dy, const float* x, const float* stats, float* dgamma,
+                                  float* dbeta, long long rows, int n) {
+  for (long long r = 0; r < rows; ++r)
+    for (int i = 0; i < n; ++i) {
+      dgamma[i] += dy[r * n + i] * (x[r * n + i] - stats[2 * r]) * stats[2 * r + 1];
+      dbeta[i] += dy[r * n + i];
+    }
+}
 
 // ---- RMSNorm ---------------------------------------------------------------------------------
 
@@ -83,13 +132,16 @@ struct RopeTable {
         sin[p * half + j] = static_cast<float>(std::sin(angle));
       }
   }
+
+  /// The table as the ops read it (host memory; copy cos and sin to the GPU for the CUDA op).
+  RopeView view() const { return {positions, head_dim, cos.data(), sin.data()}; }
 };
 
 /// Rotates, in place, each head's pairs (2j, 2j + 1) of the rows of x (rows, width; width a
 /// multiple of the table's head_dim) by the angles of the row's position (positions, one per
 /// row, each in [0, table.positions)); `inverse` rotates back (the backward of a rotation).
-inline void rope(const CpuContext&, float* x, const std::int32_t* positions, long long rows, int width,
-                 const RopeTable& table, bool inverse) {
+inline void rope(const CpuContext&, float* x, const std::int32_t* positions, long long rows, int width, RopeView table,
+                 bool inverse) {
   const std::size_t dh = static_cast<std::size_t>(table.head_dim), half = dh / 2;
   const float sign = inverse ? -1.0f : 1.0f;
   for (long long t = 0; t < rows; ++t) {
@@ -97,12 +149,35 @@ inline void rope(const CpuContext&, float* x, const std::int32_t* positions, lon
     if (p < 0 || p >= table.positions)
       throw shape_error("ops::rope: row " + std::to_string(t) + " has position " + std::to_string(p) +
                         ", outside [0, " + std::to_string(table.positions - 1) + "]");
-    const float* c = table.cos.data() + static_cast<std::size_t>(p) * half;
-    const float* s = table.sin.data() + static_cast<std::size_t>(p) * half;
+    const float* c = table.cos + static_cast<std::size_t>(p) * half;
+    const float* s = table.sin + static_cast<std::size_t>(p) * half;
     for (std::size_t e = 0; e < static_cast<std::size_t>(width); e += dh)
       for (std::size_t j = 0; j < half; ++j)
         rope_pair(x + static_cast<std::size_t>(t) * static_cast<std::size_t>(width) + e + 2 * j, c[j], sign * s[j]);
   }
+}
+
+/// positions[r] = r % seq: every row's position when each sequence of seq rows is one document.
+inline void sequence_positions(const CpuContext&, std::int32_t* positions, long long rows, int seq) {
+  for (long long r = 0; r < rows; ++r) positions[r] = static_cast<std::int32_t>(r % seq);
+}
+
+/// rope from a host table.
+inline void rope(const CpuContext& ctx, float* x, const std::int32_t* positions, long long rows, int width,
+                 const RopeTable& table, bool inverse) {
+  rope(ctx, x, positions, rows, width, table.view(), inverse);
+}
+
+// ---- GeLU ----------------------------------------------------------------------------------
+
+/// y = GeLU(x) (tanh form), count elements.
+inline void gelu_forward(const CpuContext&, const float* x, float* y, long long count) {
+  for (long long e = 0; e < count; ++e) y[e] = gelu(x[e]);
+}
+
+/// g *= GeLU'(x), in place.
+inline void gelu_backward(const CpuContext&, const float* x, float* g, long long count) {
+  for (long long e = 0; e < count; ++e) g[e] *= gelu_grad(x[e]);
 }
 
 // ---- SwiGLU --------------------------------------------------------------------------------
@@ -119,6 +194,49 @@ inline void swiglu_backward(const CpuContext&, const float* dout, const float* g
     dgate[e] = dout[e] * up[e] * silu_grad(gate[e]);
     dup[e] = dout[e] * silu(gate[e]);
   }
+}
+
+// ---- Dropout and biases ----------------------------------------------------------------------
+
+/// out = x + y * dropout_scale(seed, i, p): a residual after a dropped-out branch.
+inline void residual_dropout(const CpuContext&, const float* x, const float* y, float* out, long long count,
+                             std::uint64_t seed, float p) {
+  for (long long e = 0; e < count; ++e)
+    out[e] = ops::residual_dropout(x[e], y[e], seed, static_cast<std::uint64_t>(e), p);
+}
+
+/// out = g * dropout_scale(seed, i, p): the mask regenerated from the seed.
+inline void dropout_backward(const CpuContext&, const float* g, float* out, long long count, std::uint64_t seed,
+                             float p) {
+  for (long long e = 0; e < count; ++e) out[e] = g[e] * dropout_scale(seed, static_cast<std::uint64_t>(e), p);
+}
+
+/// residual_dropout that also keeps each element's keep decision as a byte (mask[i]).
+inline void residual_dropout_mask(const CpuContext&, const float* x, const float* y, float* out, std::uint8_t* mask,
+                                  long long count, std::uint64_t seed, float p) {
+  for (long long e = 0; e < count; ++e) {
+    const float k = dropout_scale(seed, static_cast<std::uint64_t>(e), p);
+    mask[e] = k != 0.0f;
+    out[e] = x[e] + y[e] * k;
+  }
+}
+
+/// out = g * dropout_mask_scale(mask[i], p).
+inline void dropout_backward_mask(const CpuContext&, const float* g, const std::uint8_t* mask, float* out,
+                                  long long count, float p) {
+  for (long long e = 0; e < count; ++e) out[e] = g[e] * dropout_mask_scale(mask[e] != 0, p);
+}
+
+/// y (rows, n) += bias (n).
+inline void add_bias(const CpuContext&, float* y, const float* bias, long long rows, int n) {
+  for (long long r = 0; r < rows; ++r)
+    for (int i = 0; i < n; ++i) y[r * n + i] += bias[i];
+}
+
+/// db (n) += sum over rows of dy, rows in order.
+inline void bias_grad(const CpuContext&, const float* dy, float* db, long long rows, int n) {
+  for (long long r = 0; r < rows; ++r)
+    for (int i = 0; i < n; ++i) db[i] += dy[r * n + i];
 }
 
 // ---- Token embedding -------------------------------------------------------------------------
@@ -142,6 +260,23 @@ inline void embedding_backward(const CpuContext&, const std::int32_t* tokens, co
     for (int i = 0; i < n; ++i) dtable[static_cast<long long>(tokens[r]) * n + i] += d[r * n + i];
 }
 
+/// out[r] += table[r % seq]: learned absolute positions, restarting every seq rows.
+inline void position_embedding_forward(const CpuContext&, const float* table, float* out, long long rows, int n,
+                                       int seq) {
+  for (long long r = 0; r < rows; ++r)
+    for (int i = 0; i < n; ++i) out[r * n + i] += table[(r % seq) * n + i];
+}
+
+/// dtable[p] += d[b * seq + p] for b in order; rows must be a whole number of sequences.
+inline void position_embedding_backward(const CpuContext&, const float* d, float* dtable, long long rows, int n,
+                                        int seq) {
+  if (seq < 1 || rows % seq != 0)
+    throw shape_error("ops::position_embedding_backward: rows = " + std::to_string(rows) +
+                      " is not a whole number of sequences of seq = " + std::to_string(seq));
+  for (long long r = 0; r < rows; ++r)
+    for (int i = 0; i < n; ++i) dtable[(r % seq) * n + i] += d[r * n + i];
+}
+
 // ---- Softmax cross-entropy -------------------------------------------------------------------
 
 /// losses (rows) = cross-entropy of each row of logits (rows, vocab) against targets, and
@@ -157,11 +292,116 @@ inline void cross_entropy(const CpuContext&, const float* logits, const std::int
   }
 }
 
+/// *out = the mean of losses (rows), summed in order.
+inline void mean(const CpuContext&, const float* losses, float* out, long long rows) {
+  float s = 0;
+  for (long long r = 0; r < rows; ++r) s += losses[r];
+  *out = s / static_cast<float>(rows);
+}
+
 // ---- Residual ------------------------------------------------------------------------------
 
 /// out = a + b, count elements (out may be a or b).
 inline void add(const CpuContext&, const float* a, const float* b, float* out, long long count) {
   for (long long e = 0; e < count; ++e) out[e] = a[e] + b[e];
+}
+
+// ---- Attention -----------------------------------------------------------------------------
+
+namespace detail {
+/// The shape's sizes checked: positive, heads a multiple of the key/value heads.
+inline void check_attention(AttentionShape s, const char* who) {
+  if (s.batch < 1 || s.seq < 1 || s.heads < 1 || s.groups() < 1 || s.head_dim < 1 || s.heads % s.groups() != 0)
+    throw shape_error(std::string(who) + ": batch = " + std::to_string(s.batch) + ", seq = " + std::to_string(s.seq) +
+                      ", heads = " + std::to_string(s.heads) + ", kv_heads = " + std::to_string(s.groups()) +
+                      ", head_dim = " + std::to_string(s.head_dim) +
+                      "; need every size >= 1 and heads a multiple of kv_heads");
+}
+}  // namespace detail
+
+/// Causal attention (query i sees keys 0..i of its sequence, scale 1/sqrt(head_dim)) on
+/// separate q (b*s, heads*head_dim), k and v (b*s, kv_heads*head_dim) rows, grouped-query when
+/// kv_heads < heads; out is shaped as q, lse (b, heads, s) keeps the rows' log-sum-exps. A
+/// plain reference (scores, softmax, weighted sum per query, in key order), the twin of the
+/// CUDA op's cuDNN attention.
+inline void attention_forward(const CpuContext&, const float* q, const float* k, const float* v, float* out, float* lse,
+                              AttentionShape s) {
+  detail::check_attention(s, "ops::attention_forward");
+  const long long H = static_cast<long long>(s.heads) * s.head_dim, K = static_cast<long long>(s.groups()) * s.head_dim;
+  const int per = s.heads / s.groups();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  std::vector<float> p(static_cast<std::size_t>(s.seq));
+  for (int b = 0; b < s.batch; ++b)
+    for (int a = 0; a < s.heads; ++a)
+      for (int i = 0; i < s.seq; ++i) {
+        const float* qi = q + (static_cast<long long>(b) * s.seq + i) * H + static_cast<long long>(a) * s.head_dim;
+        float mx = -INFINITY;
+        for (int j = 0; j <= i; ++j) {
+          const float* kj =
+              k + (static_cast<long long>(b) * s.seq + j) * K + static_cast<long long>(a / per) * s.head_dim;
+          float d = 0;
+          for (int e = 0; e < s.head_dim; ++e) d += qi[e] * kj[e];
+          p[static_cast<std::size_t>(j)] = d * scale;
+          mx = std::fmax(mx, d * scale);
+        }
+        float sum = 0;
+        for (int j = 0; j <= i; ++j) sum += std::exp(p[static_cast<std::size_t>(j)] - mx);
+        const float l = mx + std::log(sum);
+        lse[(static_cast<long long>(b) * s.heads + a) * s.seq + i] = l;
+        float* oi = out + (static_cast<long long>(b) * s.seq + i) * H + static_cast<long long>(a) * s.head_dim;
+        for (int e = 0; e < s.head_dim; ++e) oi[e] = 0;
+        for (int j = 0; j <= i; ++j) {
+          const float w = std::exp(p[static_cast<std::size_t>(j)] - l);
+          const float* vj =
+              v + (static_cast<long long>(b) * s.seq + j) * K + static_cast<long long>(a / per) * s.head_dim;
+          for (int e = 0; e < s.head_dim; ++e) oi[e] += w * vj[e];
+        }
+      }
+}
+
+/// dq, dk, dv (shaped as q, k, v; set, not added) from dout, with the probabilities
+/// recomputed from q, k and lse: dS = P (dout v^T - rowsum(dout o)), dq = scale dS k,
+/// dk = scale dS^T q and dv = P^T dout, summed over the query heads of a group.
+inline void attention_backward(const CpuContext&, const float* q, const float* k, const float* v, const float* out,
+                               const float* dout, const float* lse, float* dq, float* dk, float* dv, AttentionShape s) {
+  detail::check_attention(s, "ops::attention_backward");
+  const long long H = static_cast<long long>(s.heads) * s.head_dim, K = static_cast<long long>(s.groups()) * s.head_dim;
+  const long long T = static_cast<long long>(s.batch) * s.seq;
+  const int per = s.heads / s.groups();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  std::fill(dq, dq + T * H, 0.0f);
+  std::fill(dk, dk + T * K, 0.0f);
+  std::fill(dv, dv + T * K, 0.0f);
+  for (int b = 0; b < s.batch; ++b)
+    for (int a = 0; a < s.heads; ++a) {
+      const long long qh = static_cast<long long>(a) * s.head_dim, kh = static_cast<long long>(a / per) * s.head_dim;
+      for (int i = 0; i < s.seq; ++i) {
+        const long long ri = static_cast<long long>(b) * s.seq + i;
+        const float* qi = q + ri * H + qh;
+        const float* doi = dout + ri * H + qh;
+        const float* oi = out + ri * H + qh;
+        const float l = lse[(static_cast<long long>(b) * s.heads + a) * s.seq + i];
+        float Di = 0;
+        for (int e = 0; e < s.head_dim; ++e) Di += doi[e] * oi[e];
+        for (int j = 0; j <= i; ++j) {
+          const long long rj = static_cast<long long>(b) * s.seq + j;
+          const float* kj = k + rj * K + kh;
+          const float* vj = v + rj * K + kh;
+          float d = 0, dp = 0;
+          for (int e = 0; e < s.head_dim; ++e) {
+            d += qi[e] * kj[e];
+            dp += doi[e] * vj[e];
+          }
+          const float pij = std::exp(d * scale - l);
+          const float ds = pij * (dp - Di) * scale;
+          for (int e = 0; e < s.head_dim; ++e) {
+            dq[ri * H + qh + e] += ds * kj[e];
+            dk[rj * K + kh + e] += ds * qi[e];
+            dv[rj * K + kh + e] += pij * doi[e];
+          }
+        }
+      }
+    }
 }
 
 }  // namespace pipeoffload::ops

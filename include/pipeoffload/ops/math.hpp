@@ -16,6 +16,16 @@
 
 namespace pipeoffload::ops {
 
+/// The element type a context's ops store activations and working parameters in: float with
+/// backend::CpuContext (ops/cpu.hpp), bf16 with backend::CudaContext (ops/cuda.hpp), so a layer
+/// templated on its context writes `using T = ops::value_t<Context>;`. Statistics, gradients
+/// and losses are float on both.
+template <class Context>
+struct context_value;
+/// context_value's type.
+template <class Context>
+using value_t = typename context_value<Context>::type;
+
 // ---- Branch-free exp and tanh ------------------------------------------------------------------
 //
 // The block's element-wise work is GeLU (a tanh per element of the (T, 4h) MLP activation,
@@ -265,11 +275,23 @@ PIPEOFFLOAD_HOST_DEVICE inline void embedding_grad_cells(const std::int32_t* tok
 
 // ---- RMSNorm, SiLU, rotary embeddings (the Llama-class layer) -------------------------------
 
+/// rmsnorm_rstd's second half, from a row's sum of squares (kernels that sum with a block
+/// reduction): rmsnorm_rstd(x, n, eps) == rmsnorm_rstd_finish(sum x_i^2, n, eps) for that sum.
+PIPEOFFLOAD_HOST_DEVICE inline float rmsnorm_rstd_finish(float sum_sq, int n, float eps) {
+  return 1.0f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+}
+
 /// 1 / sqrt(mean(x^2) + eps) of one row of n values (a float sum in index order).
 PIPEOFFLOAD_HOST_DEVICE inline float rmsnorm_rstd(const float* x, int n, float eps) {
   float ss = 0;
   for (int i = 0; i < n; ++i) ss += x[i] * x[i];
-  return 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  return rmsnorm_rstd_finish(ss, n, eps);
+}
+
+/// One element of rmsnorm_backward_row given c = rstd^3 * mean(dy g x) (the row's reduction),
+/// added to `acc` (0, or dx's value when accumulating) in the row function's order.
+PIPEOFFLOAD_HOST_DEVICE inline float rmsnorm_backward_elem(float acc, float dy, float x, float rstd, float g, float c) {
+  return acc + rstd * g * dy - x * c;
 }
 
 /// dx of one row of y = x * rstd * g from dy: dx_i = rstd g_i dy_i - x_i rstd^3 mean(dy g x);
@@ -279,7 +301,7 @@ PIPEOFFLOAD_HOST_DEVICE inline void rmsnorm_backward_row(const float* dy, const 
   float dot = 0;
   for (int i = 0; i < n; ++i) dot += dy[i] * g[i] * x[i];
   const float c = rstd * rstd * rstd * dot * (1.0f / static_cast<float>(n));
-  for (int i = 0; i < n; ++i) dx[i] = (accumulate ? dx[i] : 0.0f) + rstd * g[i] * dy[i] - x[i] * c;
+  for (int i = 0; i < n; ++i) dx[i] = rmsnorm_backward_elem(accumulate ? dx[i] : 0.0f, dy[i], x[i], rstd, g[i], c);
 }
 
 /// SiLU(x) = x sigmoid(x), with exp_approx.
@@ -290,6 +312,29 @@ PIPEOFFLOAD_HOST_DEVICE inline float silu_grad(float x) {
   const float sg = 1.0f / (1.0f + exp_approx(-x));
   return sg * (1.0f + x * (1.0f - sg));
 }
+
+/// A rotary table as the ops read it: cos and sin of position p and pair j at p * head_dim / 2
+/// + j, for positions p in [0, positions) (host memory for the CPU ops, device memory for the
+/// CUDA ones; ops::RopeTable computes it).
+struct RopeView {
+  int positions = 0;           ///< rows of the table
+  int head_dim = 0;            ///< a head's width (even)
+  const float* cos = nullptr;  ///< (positions, head_dim / 2)
+  const float* sin = nullptr;  ///< (positions, head_dim / 2)
+};
+
+/// The shape of one causal attention call on separate q (batch*seq, heads*head_dim), k and v
+/// (batch*seq, kv_heads*head_dim) rows; query head a reads key/value head a / (heads /
+/// kv_heads).
+struct AttentionShape {
+  int batch = 1,     ///< sequences
+      seq = 1,       ///< tokens per sequence
+      heads = 1,     ///< query heads
+      kv_heads = 0,  ///< key/value heads, dividing heads; 0: heads
+      head_dim = 8;  ///< a head's width
+  /// kv_heads, with 0 read as heads.
+  PIPEOFFLOAD_HOST_DEVICE constexpr int groups() const { return kv_heads == 0 ? heads : kv_heads; }
+};
 
 /// Rotates the pair (a, b) = (p[0], p[1]) by the angle whose cosine and sine are c and s:
 /// (a c - b s, a s + b c). The inverse rotation is the same with -s.

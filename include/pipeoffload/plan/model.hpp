@@ -32,7 +32,7 @@
 // models (G = 8 query groups, a = 32..80 heads) save 31bsh..30.4bsh, and 17bsh..16.4bsh with
 // recompute. Beside these a stage's unit holds each layer's fp32 statistics: the two norms'
 // (mean and reciprocal deviation: 4 values a token; RMSNorm's 2) and flash attention's
-// log-sum-exp (a values a token), 4bs*(4 + a) bytes, as cuda::GptStage keeps them.
+// log-sum-exp (a values a token), 4bs*(4 + a) bytes, as gpt::CudaGptStage keeps them.
 //
 // FLOPs of one layer, per microbatch (matrix multiplies only; 2 FLOPs per multiply-add):
 //   linear part P = 2bsh * (h + 2G*hd)  (QKV)  + 2bsh*h (projection) + 16bsh*h (MLP)
@@ -440,7 +440,7 @@ constexpr bool distinct_cut(const TransformerSpec& m, int S, StageCut c) {
 
 /// Saved activation bytes of one stage for one microbatch: the unit the schedules count. Each
 /// layer's tensors (activation_bytes_per_layer) and fp32 statistics, the head's input, norm
-/// statistics and logits' gradient (header comment): cuda::GptStage's saved buffer
+/// statistics and logits' gradient (header comment): gpt::CudaGptStage's saved buffer
 /// (models/gpt/cuda_layout.hpp gpt_stage_buffers) for a GPT layer, to the byte
 /// (tests/cuda/test_host_plans.cpp).
 constexpr double stage_activation_bytes(const TransformerSpec& m, const StageContent& c) {
@@ -455,7 +455,7 @@ constexpr double stage_activation_bytes(const TransformerSpec& m, const StageCon
 /// BW holds them while it runs), per microbatch: for each layer, the gradient of every linear
 /// layer's output and of each norm's output (projection h, fc1 f or 2f, norm 2 h, fc2 h,
 /// QKV h + 2G*hd, norm 1 h: 22bsh for GPT's MHA layer in bf16); the embedding's output gradient (bsh)
-/// and the head LayerNorm's output gradient (bsh). cuda::GptStage's stash (models/gpt/
+/// and the head LayerNorm's output gradient (bsh). gpt::CudaGptStage's stash (models/gpt/
 /// cuda_layout.hpp) is this layout; tests/plan/test_plan.cpp holds the two together.
 constexpr double stage_stash_bytes(const TransformerSpec& m, const StageContent& c) {
   const double T = static_cast<double>(m.micro_batch) * m.seq, h = m.hidden;
@@ -467,7 +467,7 @@ constexpr double stage_stash_bytes(const TransformerSpec& m, const StageContent&
 constexpr double kv_width(const TransformerSpec& m) { return static_cast<double>(m.hidden / m.heads) * m.query_groups; }
 
 /// train_gpt's CPU models in fp32, per microbatch of T = b*s tokens, 64-byte aligned blocks.
-/// The GPT (model::GptStage, models/gpt/cpu.hpp's gpt_cpu_bytes) always recomputes LayerNorm,
+/// The GPT (gpt::GptStage, models/gpt/cpu.hpp's gpt_cpu_bytes) always recomputes LayerNorm,
 /// GeLU and dropout, so a block saves 10 T*h values, its LayerNorm statistics and attention
 /// log-sum-exps (4T + T*a), whatever `m.recompute` says; its head saves its input, the final
 /// LayerNorm's statistics and the logits' gradient (T*(h + 2 + V)). The Llama (swiglu:
@@ -569,7 +569,7 @@ constexpr double stage_norm_buffer_bytes(const TransformerSpec& m, const StageCo
   return 8 * ((3 * g + 1) + partials + g);
 }
 
-/// Device bytes of a stage's own scratch, allocated once for the run (cuda::GptStage's
+/// Device bytes of a stage's own scratch, allocated once for the run (gpt::CudaGptStage's
 /// gpt_workspace; no region of it lives from one pass to the next): three T x h tensors (a norm
 /// output, a projection output, the stage's output or the gradient flowing down), the MLP's
 /// recomputed activation (T x f) with recompute, and on the head's stage the fp32 logits (T x

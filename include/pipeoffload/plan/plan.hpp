@@ -238,7 +238,7 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
   L.model_state.assign(static_cast<std::size_t>(d), 0.0);
   L.workspace.assign(static_cast<std::size_t>(d), 0.0);
   std::vector<double> transient(static_cast<std::size_t>(d), 0.0);
-  // cuda::GptStage's fp32 copy of its head's bias (a GPT head has one; V values).
+  // gpt::CudaGptStage's fp32 copy of its head's bias (a GPT head has one; V values).
   std::vector<double> head_bias(static_cast<std::size_t>(d), 0.0);
   std::vector<std::vector<std::size_t>> chunks(static_cast<std::size_t>(d));  // per rank: its chunks' parameters
   std::vector<TiedState> ties(static_cast<std::size_t>(d));                   // per rank: tied embeddings

@@ -28,9 +28,10 @@ namespace pipeoffload::cuda::attention {
 /// The shape of one SDPA call (what its graphs are built for).
 struct Shape {
   int batch = 1,     ///< B: sequences
-      heads = 1,     ///< attention heads
+      heads = 1,     ///< attention (query) heads
       seq = 1,       ///< S: tokens per sequence
-      head_dim = 8;  ///< elements per head (a multiple of 8, at most 256)
+      head_dim = 8,  ///< elements per head (a multiple of 8, at most 256)
+      kv_heads = 0;  ///< key/value heads, dividing heads (grouped-query attention); 0: heads
 };
 
 /// The SDPA graphs of one cuDNN handle, built on first use per (direction, shape) under a lock
@@ -57,7 +58,8 @@ class Graphs {
   std::unique_ptr<Impl> impl_;
 };
 
-/// Bytes of workspace the larger of the forward and backward graphs needs for `shape`
+/// Bytes of workspace the larger of the forward and backward graphs needs for `shape` (the
+/// fused qkv layout when kv_heads is 0 or heads, the separate one otherwise)
 /// (builds both graphs; call once before the steady state). The frontend's backward needs
 /// seq >= 2: seq = 1 throws cuda_error with a sentence.
 std::size_t workspace_bytes(Graphs& graphs, Shape shape);
@@ -77,5 +79,15 @@ void forward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloat
 void backward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloat16* qkv, const __nv_bfloat16* out,
               const __nv_bfloat16* dout, const float* stats, __nv_bfloat16* dqkv, void* workspace,
               std::size_t workspace_bytes);
+
+/// The same on separate tensors (shapes.hpp sdpa_layout_separate): q (b*s, heads*head_dim), k
+/// and v (b*s, kv_heads*head_dim), grouped-query when kv_heads < heads.
+void forward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloat16* q, const __nv_bfloat16* k,
+             const __nv_bfloat16* v, __nv_bfloat16* out, float* stats, void* workspace, std::size_t workspace_bytes);
+
+/// dq, dk, dv (shaped as q, k, v) from dout, on separate tensors.
+void backward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloat16* q, const __nv_bfloat16* k,
+              const __nv_bfloat16* v, const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* stats,
+              __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, void* workspace, std::size_t workspace_bytes);
 
 }  // namespace pipeoffload::cuda::attention

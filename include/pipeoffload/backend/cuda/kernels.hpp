@@ -5,8 +5,8 @@
 // header is all host code sees (llm.c's habit of keeping device code behind a small header).
 // Every launcher enqueues on `stream`, computes its launch shape with backend/cuda/shapes.hpp
 // and checks the launch. Storage is bf16 for activations (`bf16`), fp32 for parameters,
-// gradients and optimizer state; the updates' arithmetic is backend/update.hpp's. A model's
-// kernels live with the model (models/gpt/kernels.hpp).
+// gradients and optimizer state; the updates' arithmetic is backend/update.hpp's. The ops for
+// layers are ops/cuda.hpp.
 /// @file
 #pragma once
 

@@ -89,11 +89,11 @@ constexpr Launch column_sum_launch(long long cols) {
   return {static_cast<unsigned>(blocks), column_tile * column_lanes, 0};
 }
 
-// ---- the embedding's gradient (models/gpt/kernels: embedding_backward) ---------------------
+// ---- the embedding's gradient (ops/cuda.hpp: embedding_backward) ---------------------------
 //
 // Each cell of the token table's gradient, (token t, column c), is owned by one thread, which
 // adds the gradient rows of token t in row order, into the value already there: the order of
-// the CPU model's loop (models/gpt/cpu.hpp), so both give the same bits, whatever the GPU's
+// the CPU twin's loop (ops/cpu.hpp), so both give the same bits, whatever the GPU's
 // scheduling, with no atomics. Thread (bucket k, column c) owns the cells of the tokens with
 // t % embedding_buckets == k. A block is embedding_warps warps over column_tile adjacent
 // columns, warp w taking bucket (block's bucket group) * embedding_warps + w: the 32 lanes of
@@ -419,43 +419,65 @@ constexpr long long stored_elements(long long rows, long long cols, long long ld
 
 // ---- attention (cuDNN SDPA) ------------------------------------------------------------------
 
-/// Dims and strides (B, heads, S, head_dim) of Q, K, V inside a fused qkv tensor
-/// (rows b*s + t, each row [q | k | v] of h = heads * head_dim, head a at a*head_dim), of the
-/// (b*s, h) output, and of the (B, heads, S, 1) fp32 log-sum-exp statistics, which is the CPU
-/// model's lse layout (b, a, s).
+/// Dims and strides of one SDPA call's tensors: Q, the output and its gradient (B, heads, S,
+/// head_dim); K and V (B, kv_heads, S, head_dim), where grouped-query attention has fewer
+/// kv_heads than heads (query head a reads key/value head a / (heads / kv_heads)); the fp32
+/// log-sum-exp statistics (B, heads, S, 1), the CPU models' lse layout (b, a, s). Row t of
+/// sequence b is token b*s + t; head a of a row starts at a*head_dim.
 struct SdpaLayout {
-  long long dims[4] = {};           ///< (B, heads, S, head_dim) of Q, K, V and the output
-  long long qkv_strides[4] = {};    ///< strides, elements, of Q, K and V inside the qkv tensor
-  long long q_offset = 0,           ///< Q's first element from the qkv base (0)
-      k_offset = 0,                 ///< K's first element from the qkv base (h)
-      v_offset = 0;                 ///< V's first element from the qkv base (2h)
-  long long out_strides[4] = {};    ///< strides, elements, of the (b*s, h) output
+  long long dims[4] = {};           ///< (B, heads, S, head_dim) of Q and the output
+  long long kv_dims[4] = {};        ///< (B, kv_heads, S, head_dim) of K and V
+  long long q_strides[4] = {};      ///< strides, elements, of Q (and its gradient)
+  long long kv_strides[4] = {};     ///< strides, elements, of K and V (and their gradients)
+  long long q_offset = 0,           ///< Q's first element from its base
+      k_offset = 0,                 ///< K's first element from its base
+      v_offset = 0;                 ///< V's first element from its base
+  long long out_strides[4] = {};    ///< strides, elements, of the (b*s, heads*head_dim) output
   long long stats_dims[4] = {};     ///< (B, heads, S, 1) of the log-sum-exp statistics
   long long stats_strides[4] = {};  ///< strides, elements, of the statistics
 };
 
-/// The layout of one SDPA call; throws shape_error for a size < 1 or head_dim not a multiple
-/// of 8 in [8, 256].
-constexpr SdpaLayout sdpa_layout(long long batch, long long heads, long long seq, long long head_dim) {
-  if (batch < 1 || heads < 1 || seq < 1 || head_dim < 1)
-    throw shape_error("cuda::sdpa_layout: batch, heads, seq and head_dim must be >= 1");
+/// The layout of an SDPA call whose Q, K and V are rows of separate tensors: q (b*s,
+/// heads*head_dim), k and v (b*s, kv_heads*head_dim). Throws shape_error for a size < 1, heads
+/// not a multiple of kv_heads, or head_dim not a multiple of 8 in [8, 256].
+constexpr SdpaLayout sdpa_layout_separate(long long batch, long long heads, long long kv_heads, long long seq,
+                                          long long head_dim) {
+  if (batch < 1 || heads < 1 || kv_heads < 1 || seq < 1 || head_dim < 1)
+    throw shape_error("cuda::sdpa_layout: batch, heads, kv_heads, seq and head_dim must be >= 1");
+  if (heads % kv_heads != 0)
+    throw shape_error("cuda::sdpa_layout: heads = " + pipeoffload::detail::num(heads) +
+                      " is not a multiple of kv_heads = " + pipeoffload::detail::num(kv_heads));
   if (head_dim % 8 != 0 || head_dim > 256)
     throw shape_error("cuda::sdpa_layout: head_dim = " + pipeoffload::detail::num(head_dim) +
                       " must be a multiple of 8 in [8, 256] (cuDNN's fused attention)");
-  const long long h = heads * head_dim;
+  const long long h = heads * head_dim, hk = kv_heads * head_dim;
   SdpaLayout l;
   const long long dims[4] = {batch, heads, seq, head_dim};
-  const long long qkv[4] = {seq * 3 * h, head_dim, 3 * h, 1};
-  const long long out[4] = {seq * h, head_dim, h, 1};
+  const long long kv_dims[4] = {batch, kv_heads, seq, head_dim};
+  const long long q[4] = {seq * h, head_dim, h, 1};
+  const long long kv[4] = {seq * hk, head_dim, hk, 1};
   const long long sd[4] = {batch, heads, seq, 1};
   const long long ss[4] = {heads * seq, seq, 1, 1};
   for (int i = 0; i < 4; ++i) {
     l.dims[i] = dims[i];
-    l.qkv_strides[i] = qkv[i];
-    l.out_strides[i] = out[i];
+    l.kv_dims[i] = kv_dims[i];
+    l.q_strides[i] = q[i];
+    l.kv_strides[i] = kv[i];
+    l.out_strides[i] = q[i];
     l.stats_dims[i] = sd[i];
     l.stats_strides[i] = ss[i];
   }
+  return l;
+}
+
+/// The layout of an SDPA call on a fused qkv tensor (the GPT's: rows [q | k | v] of h =
+/// heads * head_dim each, one base for all three, K at offset h and V at 2h); the output is
+/// (b*s, h). Throws as sdpa_layout_separate.
+constexpr SdpaLayout sdpa_layout(long long batch, long long heads, long long seq, long long head_dim) {
+  SdpaLayout l = sdpa_layout_separate(batch, heads, heads, seq, head_dim);
+  const long long h = heads * head_dim;
+  const long long qkv[4] = {seq * 3 * h, head_dim, 3 * h, 1};
+  for (int i = 0; i < 4; ++i) l.q_strides[i] = l.kv_strides[i] = qkv[i];
   l.q_offset = 0;
   l.k_offset = h;
   l.v_offset = 2 * h;

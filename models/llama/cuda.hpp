@@ -1,0 +1,462 @@
+// models/llama/cuda.hpp: llama::CudaLlamaStage, the Llama-class model's pipeline stage on one
+// GPU (a po::layer_for<CudaLlamaStage, backend::CudaContext>), written on the library's CUDA ops
+// (pipeoffload/ops/cuda.hpp) and GEMMs (backend/cuda/gemm.hpp), with no kernels of its own.
+//
+// The same model as llama::LlamaStage (cpu.hpp), stage for stage: the same blocks, parameter
+// vector (layout.hpp), names and step inputs, the same sequence of ops in each pass. What
+// differs is precision: working parameters, activations, saved tensors and the stash are bf16
+// (the optimizer keeps the fp32 master copy), gradients, norm statistics, the attention's
+// log-sum-exps, logits and losses fp32; GEMMs are cuBLASLt's (bf16 operands, fp32
+// accumulation), attention cuDNN's fused SDPA with grouped-query heads. Boundaries are fp32
+// (the CPU stage's), converted at the stage's edges. Packed rows are refused (cuDNN's ragged
+// offsets are not wired yet: docs/packing.md).
+//
+// Memory: saved and stash per llama_cuda_buffers, the stage's parameters, gradients, RoPE table
+// (llama_cuda_state_bytes) and workspace (llama_cuda_workspace, for its largest microbatch)
+// cudaMalloc'd once at construction; no pass allocates. The passes of a stage share its
+// workspace, so they run in order on one stream (po::Runtime's compute stream).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <pipeoffload/backend/cuda/attention.hpp>
+#include <pipeoffload/backend/cuda/check.hpp>
+#include <pipeoffload/backend/cuda/cuda.hpp>
+#include <pipeoffload/backend/cuda/device_memory.hpp>
+#include <pipeoffload/backend/cuda/gemm.hpp>
+#include <pipeoffload/backend/cuda/kernels.hpp>
+#include <pipeoffload/error.hpp>
+#include <pipeoffload/layer.hpp>
+#include <pipeoffload/ops/cpu.hpp>  // RopeTable
+#include <pipeoffload/ops/cuda.hpp>
+
+#include "cpu.hpp"  // the initial parameters
+#include "cuda_layout.hpp"
+#include "layout.hpp"
+
+namespace pipeoffload::llama {
+
+/// Stage `stage` of S on one GPU (file comment). Models po::layer_for<CudaLlamaStage,
+/// backend::CudaContext>.
+class CudaLlamaStage {
+ public:
+  using bf16 = __nv_bfloat16;
+
+  /// Starts from llama::LlamaStage(cfg, stage, stages)'s parameters, rounded to bf16, on the
+  /// backend's device; sized for microbatches of up to max_shape.
+  CudaLlamaStage(backend::Cuda& dev, const LlamaConfig& cfg, int stage, int stages, MicrobatchShape max_shape)
+      : CudaLlamaStage(dev, cfg, stage, stages, max_shape, LlamaStage(cfg, stage, stages).parameters()) {}
+
+  /// Starts from `initial`: the parameters() of a llama::LlamaStage(cfg, stage, stages).
+  CudaLlamaStage(backend::Cuda& dev, const LlamaConfig& cfg, int stage, int stages, MicrobatchShape max_shape,
+                 std::span<const float> initial)
+      : c_(cfg), max_(max_shape), device_(dev.device()) {
+    d_ = llama_dims(cfg, stage, stages);
+    p_ = llama_stage_params(d_);
+    if (max_shape.batch < 1 || max_shape.seq < 1 || max_shape.seq > cfg.seq)
+      throw shape_error("llama::CudaLlamaStage: microbatch shape batch = " + std::to_string(max_shape.batch) +
+                        ", seq = " + std::to_string(max_shape.seq) + " (need batch >= 1 and seq in [1, " +
+                        std::to_string(cfg.seq) + "])");
+    if (cfg.packed)
+      throw error(
+          "llama::CudaLlamaStage: LlamaConfig::packed is not implemented on the CUDA Llama yet (its cuDNN attention is "
+          "causal over whole rows); pack sequences on the CPU Llama (llama::LlamaStage)");
+    if (d_.blocks > 0)
+      (void)cuda::sdpa_layout_separate(max_shape.batch, d_.heads, d_.kv_heads, max_shape.seq, d_.head_dim());
+    const std::size_t n = static_cast<std::size_t>(p_.total);
+    if (initial.size() != n)
+      throw shape_error("llama::CudaLlamaStage: initial holds " + std::to_string(initial.size()) +
+                        " parameters; stage " + std::to_string(stage) + " of " + std::to_string(stages) + " has " +
+                        std::to_string(n));
+    work_ = cuda::DeviceMemory(device_, n * sizeof(bf16));
+    grads_ = cuda::DeviceMemory(device_, n * sizeof(float));
+    scratch_ = cuda::DeviceMemory(device_, llama_cuda_workspace(d_, max_.tokens()).bytes);
+    const ops::RopeTable table(cfg.seq, static_cast<int>(d_.head_dim()), cfg.rope_theta);
+    rope_ = cuda::DeviceMemory(device_, 2 * table.cos.size() * sizeof(float));
+    PIPEOFFLOAD_CUDA_CHECK(
+        cudaMemcpy(rope_.as<float>(), table.cos.data(), table.cos.size() * sizeof(float), cudaMemcpyHostToDevice));
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(rope_.as<float>() + table.cos.size(), table.sin.data(),
+                                      table.sin.size() * sizeof(float), cudaMemcpyHostToDevice));
+    rope_view_ = {table.positions, table.head_dim, rope_.as<float>(), rope_.as<float>() + table.cos.size()};
+    std::vector<std::uint16_t> bits(n);  // rounded to nearest even, as the optimizer rounds
+    for (std::size_t i = 0; i < n; ++i) bits[i] = bf16_bits(initial[i]);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(work(), bits.data(), n * sizeof(bf16), cudaMemcpyHostToDevice));
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemset(grad(), 0, n * sizeof(float)));
+    PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());  // the passes' streams do not wait for the legacy one
+    // cuDNN builds the attention graphs of the largest microbatch now, not during a step, and
+    // their workspace is checked against the device's (seq = 1 has no backward graph).
+    if (d_.blocks > 0 && max_shape.seq >= 2) {
+      const std::size_t need = cuda::attention::workspace_bytes(dev.attention_graphs(), attention_shape(max_shape));
+      if (need > dev.options().workspace_bytes)
+        throw error("llama::CudaLlamaStage: cuDNN's attention needs a workspace of " + std::to_string(need) +
+                    " bytes for microbatches of " + std::to_string(max_shape.batch) + " x " +
+                    std::to_string(max_shape.seq) + " tokens; backend::Cuda::Options::workspace_bytes = " +
+                    std::to_string(dev.options().workspace_bytes) + " is below it");
+    }
+  }
+
+  // ---- po::layer_for<CudaLlamaStage, backend::CudaContext> -----------------------------------
+
+  Boundary input_boundary(MicrobatchShape sh) const { return {tokens(sh) * h(), DType::float32}; }
+  Boundary output_boundary(MicrobatchShape sh) const { return {tokens(sh) * h(), DType::float32}; }
+  std::vector<InputSpec> inputs(MicrobatchShape sh) const { return llama_inputs(d_, sh); }
+  std::size_t saved_bytes(MicrobatchShape sh) const { return llama_cuda_buffers(d_, sh.tokens()).saved_bytes; }
+  std::size_t stash_bytes(MicrobatchShape sh) const { return llama_cuda_buffers(d_, sh.tokens()).stash_bytes; }
+  /// The bf16 working parameters (device memory, LlamaStage's layout) and fp32 gradients.
+  Tensor parameters() {
+    return {reinterpret_cast<std::byte*>(work()), static_cast<std::size_t>(p_.total), DType::bfloat16};
+  }
+  std::span<float> gradients() { return {grad(), static_cast<std::size_t>(p_.total)}; }
+  std::vector<std::size_t> norm_groups() const { return llama_norm_groups(d_); }
+  std::vector<ParamInfo> parameter_info() const { return llama_parameter_info(d_); }
+  std::vector<SharedParam> shared_parameters() const { return llama_shared_parameters(d_); }
+  std::string name() const { return "llama::CudaLlamaStage"; }
+  /// Device bytes of the stage's state (llama_cuda_state_bytes) and of its scratch.
+  std::size_t state_bytes() const { return llama_cuda_state_bytes(d_, c_.seq); }
+  std::size_t scratch_bytes() const { return llama_cuda_workspace(d_, max_.tokens()).bytes; }
+  const LlamaDims& dims() const { return d_; }
+
+  void forward(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
+    const Pass p = begin("forward", mb, saved, nullptr);
+    const long long T = p.T;
+    if (d_.has_head && mb.loss == nullptr) throw error(who("forward") + ": mb.loss is null on the last stage");
+    const std::int32_t* targets = d_.has_head ? step_input(mb, "targets", "forward", T) : nullptr;
+    bf16* in = d_.blocks > 0 ? at<bf16>(saved + p.buf.block_saved(0), p.buf.block.x)
+               : d_.has_head ? at<bf16>(saved + p.buf.head_saved, p.buf.head.x)
+                             : scratch<bf16>(p.ws.io);
+    if (d_.embeds)
+      ops::embedding_forward(ctx, step_input(mb, "tokens", "forward", T), work(), in, T, h(), V());
+    else
+      cuda::kernels::to_bf16(boundary(xt, "forward", "x", T), in, T * h(), ctx.cuda_stream);
+    if (d_.blocks > 0) ops::sequence_positions(ctx, scratch<std::int32_t>(p.ws.positions), T, mb.shape.seq);
+    for (int i = 0; i < d_.blocks; ++i) {
+      bf16* out = i + 1 < d_.blocks ? at<bf16>(saved + p.buf.block_saved(i + 1), p.buf.block.x)
+                  : d_.has_head     ? at<bf16>(saved + p.buf.head_saved, p.buf.head.x)
+                                    : scratch<bf16>(p.ws.io);
+      block_forward(ctx, p, mb, i, saved, out);
+    }
+    if (d_.has_head)
+      head_forward(ctx, p, mb, saved, targets);
+    else
+      cuda::kernels::to_float(scratch<bf16>(p.ws.io), boundary(yt, "forward", "y", T), T * h(), ctx.cuda_stream);
+  }
+
+  void backward_input(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved,
+                      std::byte* stash) {
+    const Pass p = begin("backward_input", mb, saved, stash);
+    const long long T = p.T;
+    bf16* g = scratch<bf16>(p.ws.io);
+    bf16* spare = scratch<bf16>(p.ws.io2);
+    if (d_.has_head)
+      head_backward_input(ctx, p, saved, stash, g);
+    else
+      cuda::kernels::to_bf16(boundary(dyt, "backward_input", "dy", T), g, T * h(), ctx.cuda_stream);
+    if (d_.blocks > 0) ops::sequence_positions(ctx, scratch<std::int32_t>(p.ws.positions), T, mb.shape.seq);
+    for (int i = d_.blocks - 1; i >= 0; --i) {
+      block_backward_input(ctx, p, mb, i, saved, stash, g, spare);
+      std::swap(g, spare);
+    }
+    if (d_.embeds)
+      copy(ctx, at<bf16>(stash, p.buf.stash_embed), g, T * h());
+    else
+      cuda::kernels::to_float(g, boundary(dxt, "backward_input", "dx", T), T * h(), ctx.cuda_stream);
+  }
+
+  void backward_weight(backend::CudaContext& ctx, const Microbatch& mb, std::byte* saved, std::byte* stash) {
+    const Pass p = begin("backward_weight", mb, saved, stash);
+    if (d_.embeds)
+      ops::embedding_backward(ctx, step_input(mb, "tokens", "backward_weight", p.T), at<bf16>(stash, p.buf.stash_embed),
+                              grad(), p.T, h(), V());
+    for (int i = 0; i < d_.blocks; ++i) block_backward_weight(ctx, p, i, saved, stash);
+    if (d_.has_head) head_backward_weight(ctx, p, saved, stash);
+  }
+
+ private:
+  using Out = cuda::Out;
+
+  // ---- sizes, pointers, checks --------------------------------------------------------------
+  int h() const { return static_cast<int>(d_.hidden); }
+  int V() const { return static_cast<int>(d_.vocab); }
+  long long kv() const { return d_.kv_width(); }
+  long long f() const { return d_.ffn; }
+  static std::size_t tokens(MicrobatchShape sh) { return static_cast<std::size_t>(sh.tokens()); }
+  bf16* work() const { return work_.as<bf16>(); }
+  float* grad() const { return grads_.as<float>(); }
+  template <class T>
+  static T* at(std::byte* base, cuda::Region r) {
+    return r.bytes == 0 ? nullptr : reinterpret_cast<T*>(base + r.offset);
+  }
+  template <class T>
+  T* scratch(cuda::Region r) const {
+    return at<T>(scratch_.as<std::byte>(), r);
+  }
+  cuda::attention::Shape attention_shape(MicrobatchShape sh) const {
+    return {sh.batch, static_cast<int>(d_.heads), sh.seq, static_cast<int>(d_.head_dim()),
+            static_cast<int>(d_.kv_heads)};
+  }
+  std::string who(const char* pass) const {
+    return std::string("llama::CudaLlamaStage (blocks ") + std::to_string(d_.first_block) + ".." +
+           std::to_string(d_.first_block + d_.blocks) + ")::" + pass;
+  }
+
+  struct Pass {
+    long long T = 0;
+    LlamaStageBuffers buf{};
+    LlamaWorkspace ws{};
+    ops::AttentionShape att{};
+  };
+  Pass begin(const char* pass, const Microbatch& mb, const std::byte* saved, const std::byte* stash) const {
+    const MicrobatchShape sh = mb.shape;
+    if (sh.batch < 1 || sh.seq < 1 || sh.seq > c_.seq || sh.tokens() > max_.tokens())
+      throw shape_error(who(pass) + ": microbatch shape batch = " + std::to_string(sh.batch) + ", seq = " +
+                        std::to_string(sh.seq) + " (need batch, seq >= 1, seq <= " + std::to_string(c_.seq) +
+                        ", batch * seq <= the constructor's " + std::to_string(max_.tokens()) + ")");
+    Pass p;
+    p.T = sh.tokens();
+    p.buf = llama_cuda_buffers(d_, p.T);
+    p.ws = llama_cuda_workspace(d_, p.T);
+    const auto aligned = [](const std::byte* q) {
+      return q != nullptr && reinterpret_cast<std::uintptr_t>(q) % cuda::region_alignment == 0;
+    };
+    const std::string align = " must be a device buffer aligned to " + std::to_string(cuda::region_alignment) +
+                              " bytes (backend::Cuda's are)";
+    if (p.buf.saved_bytes > 0 && !aligned(saved)) throw error(who(pass) + ": saved" + align);
+    if (stash != nullptr && p.buf.stash_bytes > 0 && !aligned(stash)) throw error(who(pass) + ": stash" + align);
+    p.att = {sh.batch, sh.seq, static_cast<int>(d_.heads), static_cast<int>(d_.kv_heads),
+             static_cast<int>(d_.head_dim())};
+    return p;
+  }
+  /// A boundary's fp32 data, checked on the host: present, fp32, (T, h).
+  template <class View>
+  auto boundary(View t, const char* pass, const char* name, long long T) const -> decltype(t.template as<float>()) {
+    if (!t) throw error(who(pass) + ": " + name + " is empty");
+    if (t.elements != static_cast<std::size_t>(T) * static_cast<std::size_t>(h()))
+      throw shape_error(who(pass) + ": " + name + " holds " + std::to_string(t.elements) + " values; a microbatch of " +
+                        std::to_string(T) + " tokens needs tokens * hidden = " + std::to_string(T * h()));
+    return t.template as<float>();  // throws unless fp32
+  }
+  /// The int32 step input `name` (one value a token), checked on the host.
+  const std::int32_t* step_input(const Microbatch& mb, const char* name, const char* pass, long long T) const {
+    const ConstTensor t = mb.input(name);
+    if (!t || t.elements != static_cast<std::size_t>(T))
+      throw shape_error(who(pass) + ": the step input '" + name + "' holds " + std::to_string(t ? t.elements : 0) +
+                        " values; a microbatch of " + std::to_string(T) + " tokens needs " + std::to_string(T));
+    return t.as<std::int32_t>();
+  }
+  static void copy(const backend::CudaContext& ctx, bf16* dst, const bf16* src, long long count) {
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(count) * sizeof(bf16),
+                                           cudaMemcpyDeviceToDevice, ctx.cuda_stream));
+  }
+
+  // ---- GEMMs: Y = X W (X rows x k, W k x n), as cpu.hpp's linear, linear_dx, linear_dw ----------
+  static void linear(const backend::CudaContext& ctx, long long T, const bf16* X, const bf16* W, bf16* Y, long long k,
+                     long long n) {
+    cuda::gemm(ctx, cuda::linear_forward(T, k, n), X, W, Y, Out::bf16);
+  }
+  /// dX (T x k) (+)= dY W^T; `accumulate` adds into dX (beta = 1).
+  static void linear_dx(const backend::CudaContext& ctx, long long T, const bf16* dY, const bf16* W, bf16* dX,
+                        long long k, long long n, bool accumulate = false) {
+    cuda::RowMajorGemm g = cuda::linear_dgrad(T, k, n);
+    g.beta = accumulate ? 1.0f : 0.0f;
+    cuda::gemm(ctx, g, dY, W, dX, Out::bf16);
+  }
+  /// dW (k x n) += X^T dY, fp32.
+  static void linear_dw(const backend::CudaContext& ctx, long long T, const bf16* X, const bf16* dY, float* dW,
+                        long long k, long long n) {
+    cuda::gemm(ctx, cuda::linear_wgrad(T, k, n), X, dY, dW, Out::f32);
+  }
+
+  struct BlockParams {
+    const bf16 *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *w1, *w3, *w2;
+  };
+  BlockParams weights(int i) const {
+    const bf16* p = work() + p_.block_begin(i);
+    const LlamaBlockParams& o = p_.block;
+    return {p + o.attn_norm, p + o.wq, p + o.wk, p + o.wv, p + o.wo, p + o.ffn_norm, p + o.w1, p + o.w3, p + o.w2};
+  }
+  struct BlockGrads {
+    float *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *w1, *w3, *w2;
+  };
+  BlockGrads grads(int i) const {
+    float* p = grad() + p_.block_begin(i);
+    const LlamaBlockParams& o = p_.block;
+    return {p + o.attn_norm, p + o.wq, p + o.wk, p + o.wv, p + o.wo, p + o.ffn_norm, p + o.w1, p + o.w3, p + o.w2};
+  }
+  struct Saved {
+    bf16 *x, *q, *k, *v, *att, *x1, *gate, *up;
+    float *rstd, *lse;
+  };
+  static Saved saved_block(std::byte* saved, const Pass& p, int i) {
+    std::byte* b = saved + p.buf.block_saved(i);
+    const LlamaBlockSaved& L = p.buf.block;
+    return {at<bf16>(b, L.x),  at<bf16>(b, L.q),    at<bf16>(b, L.k),  at<bf16>(b, L.v),     at<bf16>(b, L.att),
+            at<bf16>(b, L.x1), at<bf16>(b, L.gate), at<bf16>(b, L.up), at<float>(b, L.rstd), at<float>(b, L.lse)};
+  }
+  struct Stash {
+    bf16 *dy, *dgate, *dup, *da2, *dx1, *dq, *dk, *dv, *da1;
+  };
+  static Stash stash_block(std::byte* stash, const Pass& p, int i) {
+    std::byte* b = stash + p.buf.block_stashed(i);
+    const LlamaBlockStash& L = p.buf.block_stash;
+    return {at<bf16>(b, L.dy), at<bf16>(b, L.dgate), at<bf16>(b, L.dup), at<bf16>(b, L.da2), at<bf16>(b, L.dx1),
+            at<bf16>(b, L.dq), at<bf16>(b, L.dk),    at<bf16>(b, L.dv),  at<bf16>(b, L.da1)};
+  }
+
+  // ---- a block: cpu.hpp's block_forward, block_backward_input, block_backward_weight -----------
+
+  void block_forward(const backend::CudaContext& ctx, const Pass& p, const Microbatch&, int i, std::byte* saved,
+                     bf16* out) {
+    const long long T = p.T, H = h();
+    const Saved b = saved_block(saved, p, i);
+    const BlockParams w = weights(i);
+    bf16* a = scratch<bf16>(p.ws.a);
+    bf16* tmp = scratch<bf16>(p.ws.tmp);
+    const std::int32_t* pos = scratch<std::int32_t>(p.ws.positions);
+    ops::rmsnorm_forward(ctx, b.x, w.attn_norm, a, b.rstd, T, h(), c_.norm_eps);
+    linear(ctx, T, a, w.wq, b.q, H, H);
+    linear(ctx, T, a, w.wk, b.k, H, kv());
+    linear(ctx, T, a, w.wv, b.v, H, kv());
+    ops::rope(ctx, b.q, pos, T, h(), rope_view_, false);
+    ops::rope(ctx, b.k, pos, T, static_cast<int>(kv()), rope_view_, false);
+    ops::attention_forward(ctx, b.q, b.k, b.v, b.att, b.lse, p.att);
+    linear(ctx, T, b.att, w.wo, tmp, H, H);
+    ops::add(ctx, b.x, tmp, b.x1, T * H);
+    ops::rmsnorm_forward(ctx, b.x1, w.ffn_norm, a, b.rstd + T, T, h(), c_.norm_eps);
+    linear(ctx, T, a, w.w1, b.gate, H, f());
+    linear(ctx, T, a, w.w3, b.up, H, f());
+    ops::swiglu_forward(ctx, b.gate, b.up, tmp, T * f());
+    linear(ctx, T, tmp, w.w2, out, f(), H);
+    ops::add(ctx, out, b.x1, out, T * H);
+  }
+
+  /// grad (T, h) = dL/d(block output) in; out (T, h) = dL/d(block input).
+  void block_backward_input(const backend::CudaContext& ctx, const Pass& p, const Microbatch&, int i, std::byte* saved,
+                            std::byte* stash, const bf16* grad, bf16* out) {
+    const long long T = p.T, H = h();
+    const Saved b = saved_block(saved, p, i);
+    const BlockParams w = weights(i);
+    const Stash z = stash_block(stash, p, i);
+    const std::int32_t* pos = scratch<std::int32_t>(p.ws.positions);
+    bf16* dh = scratch<bf16>(p.ws.tmp);  // d(silu(gate) * up)
+    bf16* datt = scratch<bf16>(p.ws.datt);
+    copy(ctx, z.dy, grad, T * H);
+    linear_dx(ctx, T, grad, w.w2, dh, f(), H);
+    ops::swiglu_backward(ctx, dh, b.gate, b.up, z.dgate, z.dup, T * f());
+    linear_dx(ctx, T, z.dgate, w.w1, z.da2, H, f());
+    linear_dx(ctx, T, z.dup, w.w3, z.da2, H, f(), true);
+    ops::rmsnorm_backward(ctx, z.da2, b.x1, b.rstd + T, w.ffn_norm, z.dx1, T, h(), false);
+    ops::add(ctx, z.dx1, grad, z.dx1, T * H);
+    linear_dx(ctx, T, z.dx1, w.wo, datt, H, H);
+    ops::attention_backward(ctx, b.q, b.k, b.v, b.att, datt, b.lse, z.dq, z.dk, z.dv, p.att);
+    ops::rope(ctx, z.dq, pos, T, h(), rope_view_, true);  // gradients of the projections before their rotation
+    ops::rope(ctx, z.dk, pos, T, static_cast<int>(kv()), rope_view_, true);
+    linear_dx(ctx, T, z.dq, w.wq, z.da1, H, H);
+    linear_dx(ctx, T, z.dk, w.wk, z.da1, H, kv(), true);
+    linear_dx(ctx, T, z.dv, w.wv, z.da1, H, kv(), true);
+    ops::rmsnorm_backward(ctx, z.da1, b.x, b.rstd, w.attn_norm, out, T, h(), false);
+    ops::add(ctx, out, z.dx1, out, T * H);
+  }
+
+  void block_backward_weight(const backend::CudaContext& ctx, const Pass& p, int i, std::byte* saved,
+                             std::byte* stash) {
+    const long long T = p.T, H = h();
+    const Saved b = saved_block(saved, p, i);
+    const BlockParams w = weights(i);
+    const BlockGrads g = grads(i);
+    const Stash z = stash_block(stash, p, i);
+    bf16* a = scratch<bf16>(p.ws.a);
+    bf16* hid = scratch<bf16>(p.ws.tmp);
+    ops::swiglu_forward(ctx, b.gate, b.up, hid, T * f());
+    linear_dw(ctx, T, hid, z.dy, g.w2, f(), H);
+    ops::rmsnorm_recompute(ctx, b.x1, b.rstd + T, w.ffn_norm, a, T, h());
+    linear_dw(ctx, T, a, z.dgate, g.w1, H, f());
+    linear_dw(ctx, T, a, z.dup, g.w3, H, f());
+    ops::rmsnorm_weight_grad(ctx, z.da2, b.x1, b.rstd + T, g.ffn_norm, T, h());
+    linear_dw(ctx, T, b.att, z.dx1, g.wo, H, H);
+    ops::rmsnorm_recompute(ctx, b.x, b.rstd, w.attn_norm, a, T, h());
+    linear_dw(ctx, T, a, z.dq, g.wq, H, H);
+    linear_dw(ctx, T, a, z.dk, g.wk, H, kv());
+    linear_dw(ctx, T, a, z.dv, g.wv, H, kv());
+    ops::rmsnorm_weight_grad(ctx, z.da1, b.x, b.rstd, g.attn_norm, T, h());
+  }
+
+  // ---- the head ------------------------------------------------------------------------------
+  // Untied, the output projection is (h, V) and logits = a W; tied, it is the embedding (V, h)
+  // and logits = a W^T, dx = dlogits W, dW += dlogits^T a.
+
+  void head_forward(const backend::CudaContext& ctx, const Pass& p, const Microbatch& mb, std::byte* saved,
+                    const std::int32_t* targets) {
+    const long long T = p.T, H = h();
+    std::byte* hp = saved + p.buf.head_saved;
+    const bf16* x = at<bf16>(hp, p.buf.head.x);
+    float* rstd = at<float>(hp, p.buf.head.rstd);
+    const bf16* norm = work() + p_.head_begin;
+    const bf16* W = norm + p_.head_w;
+    bf16* a = scratch<bf16>(p.ws.a);
+    float* logits = scratch<float>(p.ws.logits);
+    float* losses = scratch<float>(p.ws.losses);
+    ops::rmsnorm_forward(ctx, x, norm, a, rstd, T, h(), c_.norm_eps);
+    if (d_.tied)
+      cuda::gemm(ctx, {cuda::Op::n, cuda::Op::t, T, V(), H, H, H, V(), 1.0f, 0.0f}, a, W, logits, Out::f32);
+    else
+      cuda::gemm(ctx, cuda::linear_forward(T, H, V()), a, W, logits, Out::f32);
+    ops::cross_entropy(ctx, logits, targets, losses, logits, T, V(), mb.loss_scale / static_cast<float>(T));
+    cuda::kernels::to_bf16(logits, at<bf16>(hp, p.buf.head.dlogits), T * V(), ctx.cuda_stream);
+    ops::mean(ctx, losses, mb.loss, T);
+  }
+
+  void head_backward_input(const backend::CudaContext& ctx, const Pass& p, std::byte* saved, std::byte* stash,
+                           bf16* dx) {
+    const long long T = p.T, H = h();
+    std::byte* hp = saved + p.buf.head_saved;
+    const bf16* dlogits = at<bf16>(hp, p.buf.head.dlogits);
+    const bf16* norm = work() + p_.head_begin;
+    const bf16* W = norm + p_.head_w;
+    bf16* da = at<bf16>(stash, p.buf.stash_head);  // stashed for the norm's weight gradient
+    if (d_.tied)
+      linear(ctx, T, dlogits, W, da, V(), H);
+    else
+      linear_dx(ctx, T, dlogits, W, da, H, V());
+    ops::rmsnorm_backward(ctx, da, at<bf16>(hp, p.buf.head.x), at<float>(hp, p.buf.head.rstd), norm, dx, T, h(), false);
+  }
+
+  void head_backward_weight(const backend::CudaContext& ctx, const Pass& p, std::byte* saved, std::byte* stash) {
+    const long long T = p.T, H = h();
+    std::byte* hp = saved + p.buf.head_saved;
+    const bf16* x = at<bf16>(hp, p.buf.head.x);
+    const float* rstd = at<float>(hp, p.buf.head.rstd);
+    const bf16* dlogits = at<bf16>(hp, p.buf.head.dlogits);
+    const bf16* norm = work() + p_.head_begin;
+    float* gnorm = grad() + p_.head_begin;
+    bf16* a = scratch<bf16>(p.ws.a);
+    ops::rmsnorm_recompute(ctx, x, rstd, norm, a, T, h());
+    if (d_.tied)
+      linear_dw(ctx, T, dlogits, a, gnorm + p_.head_w, V(), H);
+    else
+      linear_dw(ctx, T, a, dlogits, gnorm + p_.head_w, H, V());
+    ops::rmsnorm_weight_grad(ctx, at<bf16>(stash, p.buf.stash_head), x, rstd, gnorm, T, h());
+  }
+
+  LlamaConfig c_;
+  MicrobatchShape max_;
+  int device_ = 0;
+  LlamaDims d_{};
+  LlamaStageParams p_{};
+  cuda::DeviceMemory work_;     // (total) bf16 working parameters; the optimizer updates them
+  cuda::DeviceMemory grads_;    // (total) fp32 gradients, accumulated by W
+  cuda::DeviceMemory scratch_;  // llama_cuda_workspace(dims, max tokens) bytes
+  cuda::DeviceMemory rope_;     // RoPE's cos then sin, fp32 (seq, head_dim / 2) each
+  ops::RopeView rope_view_{};   // rope_ as the ops read it
+};
+
+static_assert(layer_for<CudaLlamaStage, backend::CudaContext>,
+              "llama::CudaLlamaStage must model po::layer_for<CudaLlamaStage, backend::CudaContext>.");
+
+}  // namespace pipeoffload::llama
