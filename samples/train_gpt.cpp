@@ -24,6 +24,7 @@
 #endif
 #ifdef PIPEOFFLOAD_WITH_CUDA
 #include <models/gpt/cuda.hpp>
+#include <models/llama/cuda.hpp>
 #include <pipeoffload/cuda.hpp>
 #ifdef PIPEOFFLOAD_WITH_MPI
 #include <pipeoffload/comm/mpi/nccl_id.hpp>
@@ -437,22 +438,29 @@ auto with_cpu_stages(const Options& o, int g, F&& fn) {
 #ifdef PIPEOFFLOAD_WITH_CUDA
 /// Global rank g's v stages on the GPU (with the injected fault, if it is this rank's), from
 /// the CPU model's initial parameters (kept in `initial`, fp32, for the optimizer's master
-/// copy: the stages hold them rounded to bf16).
-std::vector<Faulty<po::gpt::CudaGptStage>> cuda_stages(const Options& o, const Setup& su, po::backend::Cuda& dev, int g,
-                                                       std::vector<std::vector<float>>& initial) {
+/// copy: the stages hold them rounded to bf16), handed to `fn`; returns what fn returns. Either
+/// model's CUDA stage, with bf16 boundaries: every stage is a GPU stage computing in bf16.
+template <class Fn>
+int with_cuda_stages(const Options& o, const Setup& su, po::backend::Cuda& dev, int g,
+                     std::vector<std::vector<float>>& initial, Fn&& fn) {
   const int r = g % o.shape.d;
-  std::vector<Faulty<po::gpt::CudaGptStage>> mine;
-  mine.reserve(static_cast<std::size_t>(o.shape.v));
-  initial.clear();
-  for (int c = 0; c < o.shape.v; ++c) {
-    const int stage = o.shape.stage_of(r, c);
-    po::gpt::GptStage cpu(o.model, stage, o.shape.stages());
-    initial.emplace_back(cpu.parameters().begin(), cpu.parameters().end());
-    // bf16 boundaries: every stage is a GPU stage computing in bf16 (gpt::Boundaries).
-    mine.emplace_back(o.fault.rank == g ? &o.fault : nullptr, o.dp, dev, o.model, stage, o.shape.stages(),
-                      su.runtime.microbatch, initial.back(), po::gpt::Boundaries::bf16);
-  }
-  return mine;
+  const auto make = [&]<class Cpu, class Gpu>(const auto& cfg, auto boundaries) {
+    std::vector<Faulty<Gpu>> mine;
+    mine.reserve(static_cast<std::size_t>(o.shape.v));
+    initial.clear();
+    for (int c = 0; c < o.shape.v; ++c) {
+      const int stage = o.shape.stage_of(r, c);
+      Cpu cpu(cfg, stage, o.shape.stages());
+      initial.emplace_back(cpu.parameters().begin(), cpu.parameters().end());
+      mine.emplace_back(o.fault.rank == g ? &o.fault : nullptr, o.dp, dev, cfg, stage, o.shape.stages(),
+                        su.runtime.microbatch, initial.back(), boundaries);
+    }
+    return fn(mine);
+  };
+  if (o.llama)
+    return make.template operator()<po::llama::LlamaStage, po::llama::CudaLlamaStage>(train_gpt::llama_config(o),
+                                                                                      po::DType::bfloat16);
+  return make.template operator()<po::gpt::GptStage, po::gpt::CudaGptStage>(o.model, po::gpt::Boundaries::bf16);
 }
 
 /// A rank's backend options, sized before anything is constructed: the cuBLASLt/cuDNN
@@ -464,9 +472,11 @@ po::backend::Cuda::Options cuda_options(const Options& o, const Setup& su, int d
   po::backend::Cuda::Options opt{.device = device, .rank = global_rank};
   const po::MicrobatchShape mb = su.runtime.microbatch;
   if (o.model.layers > 0 && mb.seq >= 2)
-    opt.workspace_bytes = std::max(
-        opt.workspace_bytes, po::cuda::attention::workspace_bytes(
-                                 {mb.batch, o.model.heads, mb.seq, o.model.hidden / o.model.heads}, true, device));
+    opt.workspace_bytes =
+        std::max(opt.workspace_bytes,
+                 po::cuda::attention::workspace_bytes({mb.batch, o.model.heads, mb.seq, o.model.hidden / o.model.heads,
+                                                       o.llama ? train_gpt::llama_config(o).kv_heads : 0},
+                                                      true, device));
   opt.arena_bytes = train_gpt::cuda_arena_bytes(o, su, train_gpt::program_of(o, su.costs), r, global_rank / o.shape.d,
                                                 opt.workspace_bytes);
   return opt;
@@ -506,10 +516,11 @@ int run_shared_gpus(const Options& o, Setup su) {
     po::comm::SharedGpu comm(grid.pipeline(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
     po::comm::SharedGpu replicas(grid.replicas(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
     std::vector<std::vector<float>> initial;
-    std::vector<Faulty<po::gpt::CudaGptStage>> mine = cuda_stages(o, su, dev, g, initial);
-    stopped = train_rank(
-        o, su, comm, replicas, dev, mine, t_start, static_cast<po::PairLink<po::backend::Cuda>*>(nullptr), [] {},
-        std::move(initial));
+    stopped = with_cuda_stages(o, su, dev, g, initial, [&](auto& mine) {
+      return train_rank(
+          o, su, comm, replicas, dev, mine, t_start, static_cast<po::PairLink<po::backend::Cuda>*>(nullptr), [] {},
+          std::move(initial));
+    });
   });
   return exit_status(errors, stopped);
 }
@@ -569,10 +580,11 @@ int run_cuda_threads(const Options& o, Setup su) {
     po::comm::Nccl comm(pipe_world, pipe_world->rank(), dev);
     po::comm::Nccl replicas(reps_world, reps_world->rank(), dev);
     std::vector<std::vector<float>> initial;
-    std::vector<Faulty<po::gpt::CudaGptStage>> mine = cuda_stages(o, su, dev, g, initial);
-    stopped = train_rank(
-        o, su, comm, replicas, dev, mine, t_start, link_of(links, g), [&] { world->host_barrier(); },
-        std::move(initial));
+    stopped = with_cuda_stages(o, su, dev, g, initial, [&](auto& mine) {
+      return train_rank(
+          o, su, comm, replicas, dev, mine, t_start, link_of(links, g), [&] { world->host_barrier(); },
+          std::move(initial));
+    });
   });
   return exit_status(errors, stopped);
 }
@@ -602,10 +614,11 @@ int run_cuda_rank(const Options& o, Setup su, po::comm::Mpi& mpi, std::chrono::s
   po::comm::Nccl reps(replicas_world, replicas_world->rank(), dev);
   try {
     std::vector<std::vector<float>> initial;
-    std::vector<Faulty<po::gpt::CudaGptStage>> mine = cuda_stages(o, su, dev, r, initial);
-    return train_rank(
-        o, su, comm, reps, dev, mine, t_start, static_cast<po::PairLink<po::backend::Cuda>*>(nullptr), [] {},
-        std::move(initial));
+    return with_cuda_stages(o, su, dev, r, initial, [&](auto& mine) {
+      return train_rank(
+          o, su, comm, reps, dev, mine, t_start, static_cast<po::PairLink<po::backend::Cuda>*>(nullptr), [] {},
+          std::move(initial));
+    });
   } catch (const std::exception& e) {
     comm.abort(e.what());  // the groups share the job's abort
     throw;

@@ -17,6 +17,7 @@
 #include <models/gpt/cpu.hpp>
 #include <models/gpt/cuda_layout.hpp>
 #include <models/llama/cpu.hpp>
+#include <models/llama/cuda_layout.hpp>
 #include <pipeoffload/backend/cpu/cpu.hpp>
 #include <pipeoffload/backend/cuda/pools.hpp>
 #include <pipeoffload/backend/cuda/shapes.hpp>
@@ -36,7 +37,7 @@ struct RankBytes {
 };
 
 /// What one stage of the run's model holds: its saved and stash bytes per microbatch on the
-/// CPU (`cuda` false) or the CUDA GPT, its parameters, whether it reads the token ids, the
+/// CPU (`cuda` false) or the GPU, its parameters, whether it reads the token ids, the
 /// targets or (--pack) the document offsets, and with tied embeddings the run of its parameters that is the head's copy (or,
 /// on stage 0, the primary's values).
 struct StageFacts {
@@ -64,7 +65,12 @@ inline StageFacts stage_facts(const Options& o, int s, int S, bool cuda, po::Mic
   if (o.llama) {
     const po::llama::LlamaDims d = po::llama::llama_dims(llama_config(o), s, S);
     const po::llama::LlamaStageParams p = po::llama::llama_stage_params(d);
-    f.own = {.saved = po::llama::cpu_bytes::saved(d, mb), .stash = po::llama::cpu_bytes::stash(d, mb)};
+    if (cuda) {
+      const po::llama::LlamaStageBuffers b = po::llama::llama_cuda_buffers(d, mb.tokens());
+      f.own = {.saved = b.saved_bytes, .stash = b.stash_bytes};
+    } else {
+      f.own = {.saved = po::llama::cpu_bytes::saved(d, mb), .stash = po::llama::cpu_bytes::stash(d, mb)};
+    }
     f.documents = d.packed && d.blocks > 0;
     return with_layout(f, d, p);
   }
@@ -91,12 +97,12 @@ struct RankStages {
   po::TiedState ties;                    ///< --tie-embeddings: stage 0's embedding is the primary, the head's a copy
 };
 
-/// The bytes of one boundary tensor: fp32 on the CPU, bf16 between the CUDA GPT's stages.
+/// The bytes of one boundary tensor: fp32 on the CPU, bf16 between the CUDA stages.
 inline std::size_t boundary_bytes(bool cuda, const Options& o, po::MicrobatchShape mb) {
   return static_cast<std::size_t>(mb.tokens()) * static_cast<std::size_t>(o.model.hidden) * (cuda ? 2 : 4);
 }
 
-/// rank_stages of rank `r` on the CPU (`cuda` false) or the CUDA GPT.
+/// rank_stages of rank `r` on the CPU (`cuda` false) or the GPU.
 inline RankStages rank_stages(const Options& o, const Setup& su, const po::Shape& sh, int r, bool cuda) {
   const po::MicrobatchShape mb = su.runtime.microbatch;
   const std::size_t boundary = boundary_bytes(cuda, o, mb);
@@ -196,9 +202,9 @@ inline RankBytes cpu_rank_bytes(const Options& o, const Setup& su, const po::Pro
   return out;
 }
 
-/// backend::Cuda::Options::arena_bytes for pipeline rank `r` of replica `replica` with the CUDA
-/// GPT (cuda::arena_bytes_for): the libraries' `workspace`, the memory plan's region for
-/// gpt::CudaGptStage's saved and stash bytes and bf16 boundaries, the blocks the runtime and
+/// backend::Cuda::Options::arena_bytes for pipeline rank `r` of replica `replica` with either
+/// CUDA model (cuda::arena_bytes_for): the libraries' `workspace`, the memory plan's region for
+/// the CUDA stages' saved and stash bytes and bf16 boundaries, the blocks the runtime and
 /// AdamW take for themselves (detail::own_blocks, with an fp32 master of the bf16 working
 /// parameters), and the gradient norm's buffers (one per chunk at most), each in its 256-byte
 /// size class. `res`: rank r's reservation where the caller has it (reservations()).
@@ -211,18 +217,21 @@ inline std::size_t cuda_arena_bytes(const Options& o, const Setup& su, const po:
   // The gradient norm's buffer: reserved for each chunk's groups in chunk order, one of a
   // larger size class a new block (backend::Cuda::reserve_sum_squares).
   for (std::size_t c = 0, most = 0; c < static_cast<std::size_t>(program.shape.v); ++c) {
-    const po::gpt::GptDims d =
-        po::gpt::gpt_dims(o.model, program.shape.stage_of(r, static_cast<int>(c)), program.shape.stages());
-    const std::size_t need = po::cuda::pool_size_class(po::cuda::norm_buffer_bytes(po::gpt::gpt_norm_groups(d)));
+    const int s = program.shape.stage_of(r, static_cast<int>(c)), S = program.shape.stages();
+    const std::vector<std::size_t> groups =
+        o.llama ? po::llama::llama_norm_groups(po::llama::llama_dims(llama_config(o), s, S))
+                : po::gpt::gpt_norm_groups(po::gpt::gpt_dims(o.model, s, S));
+    const std::size_t need = po::cuda::pool_size_class(po::cuda::norm_buffer_bytes(groups));
     if (need > most) own += need;
     most = std::max(most, need);
   }
   return po::cuda::arena_bytes_for(mine, workspace, own);
 }
 
-/// Everything pipeline rank `r` of replica `replica` holds on its GPU with the CUDA GPT: its
-/// arena (cuda_arena_bytes) and its stages' own cudaMalloc'd bf16 parameters, fp32 gradients
-/// and scratch (gpt::gpt_state_bytes, gpt::gpt_workspace); `host`: the pinned offload bins.
+/// Everything pipeline rank `r` of replica `replica` holds on its GPU with either CUDA model:
+/// its arena (cuda_arena_bytes) and its stages' own cudaMalloc'd bf16 parameters, fp32
+/// gradients and scratch (gpt::gpt_state_bytes and gpt_workspace, or llama::
+/// llama_cuda_state_bytes and llama_cuda_workspace); `host`: the pinned offload bins.
 /// What train_gpt --backend cuda reports as reserved_bytes_per_rank; the CUDA context and
 /// NCCL's buffers are not counted (the planner's PlanBudget::reserved_bytes).
 inline RankBytes cuda_rank_bytes(const Options& o, const Setup& su, const po::Program& program, int r, int replica,
@@ -232,9 +241,16 @@ inline RankBytes cuda_rank_bytes(const Options& o, const Setup& su, const po::Pr
   const po::Reservation mine = res ? *res : po::reservation_plan(program, r, rs.stages);
   RankBytes out{.device = cuda_arena_bytes(o, su, program, r, replica, workspace, &mine),
                 .host = po::cuda::pinned_bytes_for(mine)};
+  const long long T = su.runtime.microbatch.tokens();
   for (int c = 0; c < sh.v; ++c) {
-    const po::gpt::GptDims d = po::gpt::gpt_dims(o.model, sh.stage_of(r, c), sh.stages());
-    out.device += po::gpt::gpt_state_bytes(d) + po::gpt::gpt_workspace(d, su.runtime.microbatch.tokens()).bytes;
+    if (o.llama) {
+      const po::llama::LlamaConfig cfg = llama_config(o);
+      const po::llama::LlamaDims d = po::llama::llama_dims(cfg, sh.stage_of(r, c), sh.stages());
+      out.device += po::llama::llama_cuda_state_bytes(d, cfg.seq) + po::llama::llama_cuda_workspace(d, T).bytes;
+    } else {
+      const po::gpt::GptDims d = po::gpt::gpt_dims(o.model, sh.stage_of(r, c), sh.stages());
+      out.device += po::gpt::gpt_state_bytes(d) + po::gpt::gpt_workspace(d, T).bytes;
+    }
   }
   return out;
 }

@@ -85,8 +85,8 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
   --trace FILE          write a Chrome trace of the last step's real run (compute and copy streams per rank)
   --layers L --hidden H --heads A --seq S --batch B --lr LR --dropout P
                         model: 8 blocks, h=64, 4 heads, seq 64, batch 4 per microbatch, lr 3e-3, dropout 0.1
-  --model NAME          gpt (default: LayerNorm, learned positions, GeLU MLP, dropout) or llama (--backend
-                        cpu: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, no biases or dropout)
+  --model NAME          gpt (default: LayerNorm, learned positions, GeLU MLP, dropout) or llama (RMSNorm,
+                        RoPE, grouped-query attention, SwiGLU MLP, no biases or dropout)
   --kv-heads G          llama: key/value heads, dividing --heads (default --heads)
   --ffn F               llama: the SwiGLU MLP's inner width, 1..1048576 (default 8h/3 rounded up to 32)
   --pack ID             pack documents into each sequence, a new one starting at every token ID (an
@@ -276,13 +276,11 @@ inline Options parse(int argc, char** argv) {
   if (o.llama && get("--dropout")) throw bad_argument("--dropout does not apply to --model llama (it has no dropout)");
   if (auto v = get("--backend")) {
     if (*v != "cpu" && *v != "cuda") throw bad_argument("--backend must be cpu or cuda, got '" + *v + "'");
-    if (*v == "cuda" && o.llama)
-      throw bad_argument("--model llama: the CUDA Llama is not built yet; use --backend cpu");
-    if (*v == "cuda" && tie)
+    if (*v == "cuda" && tie && !o.llama)
       throw bad_argument("--tie-embeddings: the CUDA GPT does not tie its embeddings yet; use --backend cpu");
     if (*v == "cuda" && get("--pack"))
       throw bad_argument(
-          "--pack: the CUDA GPT does not pack sequences yet (its cuDNN attention is causal over whole rows); use "
+          "--pack: the CUDA models do not pack sequences yet (their cuDNN attention is causal over whole rows); use "
           "--backend cpu");
     o.cuda = *v == "cuda";
 #ifndef PIPEOFFLOAD_WITH_CUDA

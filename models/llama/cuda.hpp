@@ -8,8 +8,9 @@
 // (the optimizer keeps the fp32 master copy), gradients, norm statistics, the attention's
 // log-sum-exps, logits and losses fp32; GEMMs are cuBLASLt's (bf16 operands, fp32
 // accumulation), attention cuDNN's fused SDPA with grouped-query heads. Boundaries are fp32
-// (the CPU stage's), converted at the stage's edges. Packed rows are refused (cuDNN's ragged
-// offsets are not wired yet: docs/packing.md).
+// (the CPU stage's, converted at the stage's edges) or bf16 (`boundaries`: half of what crosses
+// between ranks, the same results). Packed rows are refused (cuDNN's ragged offsets are not
+// wired yet: docs/packing.md).
 //
 // Memory: saved and stash per llama_cuda_buffers, the stage's parameters, gradients, RoPE table
 // (llama_cuda_state_bytes) and workspace (llama_cuda_workspace, for its largest microbatch)
@@ -54,10 +55,14 @@ class CudaLlamaStage {
   CudaLlamaStage(backend::Cuda& dev, const LlamaConfig& cfg, int stage, int stages, MicrobatchShape max_shape)
       : CudaLlamaStage(dev, cfg, stage, stages, max_shape, LlamaStage(cfg, stage, stages).parameters()) {}
 
-  /// Starts from `initial`: the parameters() of a llama::LlamaStage(cfg, stage, stages).
+  /// Starts from `initial`: the parameters() of a llama::LlamaStage(cfg, stage, stages);
+  /// `boundaries` is the boundary tensors' type, DType::float32 or DType::bfloat16.
   CudaLlamaStage(backend::Cuda& dev, const LlamaConfig& cfg, int stage, int stages, MicrobatchShape max_shape,
-                 std::span<const float> initial)
-      : c_(cfg), max_(max_shape), device_(dev.device()) {
+                 std::span<const float> initial, DType boundaries = DType::float32)
+      : c_(cfg), max_(max_shape), device_(dev.device()), boundaries_(boundaries) {
+    if (boundaries != DType::float32 && boundaries != DType::bfloat16)
+      throw error(std::string("llama::CudaLlamaStage: boundaries = ") + dtype_name(boundaries) +
+                  "; a stage's boundaries are float32 or bfloat16");
     d_ = llama_dims(cfg, stage, stages);
     p_ = llama_stage_params(d_);
     if (max_shape.batch < 1 || max_shape.seq < 1 || max_shape.seq > cfg.seq)
@@ -104,8 +109,8 @@ class CudaLlamaStage {
 
   // ---- po::layer_for<CudaLlamaStage, backend::CudaContext> -----------------------------------
 
-  Boundary input_boundary(MicrobatchShape sh) const { return {tokens(sh) * h(), DType::float32}; }
-  Boundary output_boundary(MicrobatchShape sh) const { return {tokens(sh) * h(), DType::float32}; }
+  Boundary input_boundary(MicrobatchShape sh) const { return {tokens(sh) * h(), boundaries_}; }
+  Boundary output_boundary(MicrobatchShape sh) const { return {tokens(sh) * h(), boundaries_}; }
   std::vector<InputSpec> inputs(MicrobatchShape sh) const { return llama_inputs(d_, sh); }
   std::size_t saved_bytes(MicrobatchShape sh) const { return llama_cuda_buffers(d_, sh.tokens()).saved_bytes; }
   std::size_t stash_bytes(MicrobatchShape sh) const { return llama_cuda_buffers(d_, sh.tokens()).stash_bytes; }
@@ -134,7 +139,7 @@ class CudaLlamaStage {
     if (d_.embeds)
       ops::embedding_forward(ctx, step_input(mb, "tokens", "forward", T), work(), in, T, h(), V());
     else
-      cuda::kernels::to_bf16(boundary(xt, "forward", "x", T), in, T * h(), ctx.cuda_stream);
+      from_boundary(ctx, boundary(xt, "forward", "x", T), in, T);
     if (d_.blocks > 0) ops::sequence_positions(ctx, scratch<std::int32_t>(p.ws.positions), T, mb.shape.seq);
     for (int i = 0; i < d_.blocks; ++i) {
       bf16* out = i + 1 < d_.blocks ? at<bf16>(saved + p.buf.block_saved(i + 1), p.buf.block.x)
@@ -145,7 +150,7 @@ class CudaLlamaStage {
     if (d_.has_head)
       head_forward(ctx, p, mb, saved, targets);
     else
-      cuda::kernels::to_float(scratch<bf16>(p.ws.io), boundary(yt, "forward", "y", T), T * h(), ctx.cuda_stream);
+      to_boundary(ctx, scratch<bf16>(p.ws.io), boundary(yt, "forward", "y", T), T);
   }
 
   void backward_input(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved,
@@ -157,7 +162,7 @@ class CudaLlamaStage {
     if (d_.has_head)
       head_backward_input(ctx, p, saved, stash, g);
     else
-      cuda::kernels::to_bf16(boundary(dyt, "backward_input", "dy", T), g, T * h(), ctx.cuda_stream);
+      from_boundary(ctx, boundary(dyt, "backward_input", "dy", T), g, T);
     if (d_.blocks > 0) ops::sequence_positions(ctx, scratch<std::int32_t>(p.ws.positions), T, mb.shape.seq);
     for (int i = d_.blocks - 1; i >= 0; --i) {
       block_backward_input(ctx, p, mb, i, saved, stash, g, spare);
@@ -166,7 +171,7 @@ class CudaLlamaStage {
     if (d_.embeds)
       copy(ctx, at<bf16>(stash, p.buf.stash_embed), g, T * h());
     else
-      cuda::kernels::to_float(g, boundary(dxt, "backward_input", "dx", T), T * h(), ctx.cuda_stream);
+      to_boundary(ctx, g, boundary(dxt, "backward_input", "dx", T), T);
   }
 
   void backward_weight(backend::CudaContext& ctx, const Microbatch& mb, std::byte* saved, std::byte* stash) {
@@ -233,14 +238,30 @@ class CudaLlamaStage {
              static_cast<int>(d_.head_dim())};
     return p;
   }
-  /// A boundary's fp32 data, checked on the host: present, fp32, (T, h).
+  /// A boundary's data, checked on the host: present, of the stage's boundary type, (T, h).
   template <class View>
-  auto boundary(View t, const char* pass, const char* name, long long T) const -> decltype(t.template as<float>()) {
+  auto boundary(View t, const char* pass, const char* name, long long T) const -> decltype(t.data) {
     if (!t) throw error(who(pass) + ": " + name + " is empty");
     if (t.elements != static_cast<std::size_t>(T) * static_cast<std::size_t>(h()))
       throw shape_error(who(pass) + ": " + name + " holds " + std::to_string(t.elements) + " values; a microbatch of " +
                         std::to_string(T) + " tokens needs tokens * hidden = " + std::to_string(T * h()));
-    return t.template as<float>();  // throws unless fp32
+    if (t.dtype != boundaries_)
+      throw error(who(pass) + ": " + name + " holds " + dtype_name(t.dtype) + " values; this stage's boundaries are " +
+                  dtype_name(boundaries_));
+    return t.data;
+  }
+  /// A (T, h) boundary into the stage's bf16 and back: a conversion (fp32) or a copy (bf16).
+  void from_boundary(const backend::CudaContext& ctx, const std::byte* b, bf16* out, long long T) const {
+    if (boundaries_ == DType::bfloat16)
+      copy(ctx, out, reinterpret_cast<const bf16*>(b), T * h());
+    else
+      cuda::kernels::to_bf16(reinterpret_cast<const float*>(b), out, T * h(), ctx.cuda_stream);
+  }
+  void to_boundary(const backend::CudaContext& ctx, const bf16* in, std::byte* b, long long T) const {
+    if (boundaries_ == DType::bfloat16)
+      copy(ctx, reinterpret_cast<bf16*>(b), in, T * h());
+    else
+      cuda::kernels::to_float(in, reinterpret_cast<float*>(b), T * h(), ctx.cuda_stream);
   }
   /// The int32 step input `name` (one value a token), checked on the host.
   const std::int32_t* step_input(const Microbatch& mb, const char* name, const char* pass, long long T) const {
@@ -447,6 +468,7 @@ class CudaLlamaStage {
   LlamaConfig c_;
   MicrobatchShape max_;
   int device_ = 0;
+  DType boundaries_ = DType::float32;
   LlamaDims d_{};
   LlamaStageParams p_{};
   cuda::DeviceMemory work_;     // (total) bf16 working parameters; the optimizer updates them

@@ -426,21 +426,19 @@ TEST_CASE(
   for (int s = 0; s < 3; ++s) check_stage(test_config(2, true), s, 3);
 }
 
-TEST_CASE(
-    "gpt::CudaGptStage with bf16 boundaries gives the bits it gives with fp32 boundaries (a middle stage's y, dx)") {
-  const po::gpt::GptConfig c = test_config(6, true);
-  const int stage = 1, stages = 3;
-  const po::MicrobatchShape shape{2, 32};
-  po::gpt::GptStage cpu(c, stage, stages);
-  po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
-  const int s = dev.make_stream("compute");
-  pm::CudaGptStage wide(dev, c, stage, stages, shape, cpu.parameters());
-  pm::CudaGptStage narrow(dev, c, stage, stages, shape, cpu.parameters(), pm::Boundaries::bf16);
+namespace {
+
+/// A middle stage's F and B with bf16 boundaries (`narrow`) give the bits they give with fp32
+/// boundaries (`wide`): an fp32 boundary holds widened bf16 values, so narrowing loses nothing;
+/// the wrong type is refused with a sentence.
+template <class Stage>
+void check_narrow_boundaries(po::backend::Cuda& dev, int s, Stage& wide, Stage& narrow, Inputs in, int stage,
+                             int stages) {
+  const po::MicrobatchShape shape = in.shape;
+  in.training = true;
   const std::size_t n = wide.input_boundary(shape).elements;
   CHECK(narrow.input_boundary(shape) == po::Boundary{n, po::DType::bfloat16});
   CHECK(narrow.output_boundary(shape) == po::Boundary{n, po::DType::bfloat16});
-  Inputs in = make_inputs(c, shape, 4242);  // x and dy are bf16 values already
-  in.training = true;
   const auto narrowed = [](const std::vector<float>& v) {
     std::vector<__nv_bfloat16> out(v.size());
     for (std::size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16(v[i]);
@@ -454,8 +452,7 @@ TEST_CASE(
   std::byte *saved[2] = {b.poisoned(sb), b.poisoned(sb)}, *stash[2] = {b.poisoned(tb), b.poisoned(tb)};
   PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
   const auto bytes = [](auto* p) { return reinterpret_cast<std::byte*>(p); };
-  const auto run = [&](pm::CudaGptStage& l, po::ConstTensor xv, po::Tensor yv, po::ConstTensor dyv, po::Tensor dxv,
-                       int k) {
+  const auto run = [&](Stage& l, po::ConstTensor xv, po::Tensor yv, po::ConstTensor dyv, po::Tensor dxv, int k) {
     dev.launch(s, [&] {
       po::backend::CudaContext ctx = dev.context(s);
       l.forward(ctx, microbatch(stage, stages, 0, in, {}, nullptr), xv, yv, saved[k]);
@@ -482,6 +479,21 @@ TEST_CASE(
     CHECK(std::string(e.what()).find("x holds float32 values; this stage's boundaries are bfloat16") !=
           std::string::npos);
   }
+}
+
+}  // namespace
+
+TEST_CASE(
+    "gpt::CudaGptStage with bf16 boundaries gives the bits it gives with fp32 boundaries (a middle stage's y, dx)") {
+  const po::gpt::GptConfig c = test_config(6, true);
+  const int stage = 1, stages = 3;
+  const po::MicrobatchShape shape{2, 32};
+  po::gpt::GptStage cpu(c, stage, stages);
+  po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
+  const int s = dev.make_stream("compute");
+  pm::CudaGptStage wide(dev, c, stage, stages, shape, cpu.parameters());
+  pm::CudaGptStage narrow(dev, c, stage, stages, shape, cpu.parameters(), pm::Boundaries::bf16);
+  check_narrow_boundaries(dev, s, wide, narrow, make_inputs(c, shape, 4242), stage, stages);
 }
 
 TEST_CASE("gpt::CudaGptStage evaluates (mb.training false) as gpt::GptStage does: no dropout, on every stage kind") {
@@ -674,6 +686,18 @@ void check_llama_stage(const po::llama::LlamaConfig& c, int stage, int stages) {
 TEST_CASE("llama::CudaLlamaStage matches llama::LlamaStage on the first, a middle and the last stage (GQA 4/2 heads)") {
   const po::llama::LlamaConfig c = llama_config(6);
   for (int s = 0; s < 3; ++s) check_llama_stage(c, s, 3);
+}
+
+TEST_CASE("llama::CudaLlamaStage with bf16 boundaries gives the bits it gives with fp32 boundaries (a middle stage)") {
+  const po::llama::LlamaConfig c = llama_config(6);
+  const int stage = 1, stages = 3;
+  const po::MicrobatchShape shape{2, 32};
+  po::llama::LlamaStage cpu(c, stage, stages);
+  po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
+  const int s = dev.make_stream("compute");
+  po::llama::CudaLlamaStage wide(dev, c, stage, stages, shape, cpu.parameters());
+  po::llama::CudaLlamaStage narrow(dev, c, stage, stages, shape, cpu.parameters(), po::DType::bfloat16);
+  check_narrow_boundaries(dev, s, wide, narrow, make_inputs(c, shape, 4343), stage, stages);
 }
 
 TEST_CASE("llama::CudaLlamaStage matches llama::LlamaStage as one stage holding the whole model, tied and untied") {

@@ -3,8 +3,8 @@
 when the machine has no GPU).
 
 The same model, data, seed and PO-F schedule on 2 GPUs (1 GPU: one rank, 4 chunks) and on CPU
-thread ranks: the GPU run must print the same closing lines, its loss must fall, and its final
-loss must be within 3% of the CPU run's (bf16 activations against fp32: close, not bit-equal;
+thread ranks, for the GPT and the Llama: the GPU run must print the same closing lines, its loss
+must fall, and its final loss must be within 3% of the CPU run's (bf16 activations against fp32: close, not bit-equal;
 tests/cuda/test_runtime_gpu.cpp argues the bound per step). And the planner's CUDA memory is
 what the GPU run reserves: pipeoffload-plan --auto's train_gpt command, run on the GPUs, prints
 reserved_bytes_per_rank equal to the plan's per_rank device_bytes less its reserve (the CUDA
@@ -55,6 +55,12 @@ cpu = run("--backend", "cpu", *shape, *common)
 g, c = final_loss(gpu, "--backend cuda"), final_loss(cpu, "--backend cpu")
 assert abs(g - c) <= 0.03 * abs(c), f"final loss on the GPU {g} vs the CPU {c}: more than 3% apart"
 
+# The Llama-class model (llama::CudaLlamaStage: grouped-query attention, tied output) the same way.
+llama = ["--model", "llama", "--kv-heads", "2", "--ffn", "128", "--tie-embeddings"]
+gl = final_loss(run("--backend", "cuda", *shape, *llama, *common), "--model llama --backend cuda")
+cl = final_loss(run("--backend", "cpu", *shape, *llama, *common), "--model llama --backend cpu")
+assert abs(gl - cl) <= 0.03 * abs(cl), f"the Llama's final loss on the GPU {gl} vs the CPU {cl}: more than 3% apart"
+
 # Loss falls on the GPU (progress lines: "[...] step N/M loss X ...").
 verbose = run("--backend", "cuda", *shape, *[a for a in common if a != "--quiet"])
 losses = [float(l.split(" loss ")[1].split()[0]) for l in verbose.stdout.splitlines() if l.startswith("[")]
@@ -78,4 +84,4 @@ reserved = [int(b) for b in line[0].split("=", 1)[1].split(",")]
 planned = [int(r["device_bytes"] - r["reserve_bytes"]) for r in doc["per_rank"]]
 assert reserved == planned, f"train_gpt {' '.join(args)} reserved {reserved}; the plan says {planned}"
 planned_run = f"{doc['schedule']} v={doc['chunks']} reserved {reserved} bytes, as planned"
-print("ok: GPU final loss", g, "CPU", c, ";", planned_run)
+print("ok: GPU final loss", g, "CPU", c, "; the Llama's", gl, "and", cl, ";", planned_run)

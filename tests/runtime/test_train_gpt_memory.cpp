@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <models/llama/cpu.hpp>
+#include <models/llama/cuda_layout.hpp>
 #include <pipeoffload/runtime.hpp>
 
 #include "train_gpt_memory.hpp"
@@ -128,4 +129,33 @@ TEST_CASE("train_gpt's memory check: a run larger than the memory available is r
       train_gpt::check_memory(o, su, program, 0, 1024),
       doctest::Contains("ranks (activations, stashes, messages, offload bins and model state; rank 0 the most"),
       sample::bad_argument);
+}
+
+TEST_CASE("train_gpt's CUDA memory for the Llama: its stages' buffers are llama::CudaLlamaStage's, its own bytes too") {
+  const train_gpt::Options o = options({"--model",  "llama", "--kv-heads", "2", "--ffn",          "96", "--ranks", "2",
+                                        "--chunks", "2",     "--layers",   "4", "--hidden",       "32", "--heads", "4",
+                                        "--seq",    "16",    "--batch",    "2", "--microbatches", "4"});
+  std::string text;
+  for (int i = 0; text.size() < 5000; ++i) text += "the quick brown fox " + std::to_string(i) + ". ";
+  const train_gpt::Setup su = train_gpt::make_setup(o, sample::Tokens::from_text(text));
+  const po::Program program = train_gpt::program_of(o, su.costs);
+  const po::llama::LlamaConfig cfg = train_gpt::llama_config(o);
+  const long long T = su.runtime.microbatch.tokens();
+  const std::size_t workspace = std::size_t{1} << 20;
+  for (int r = 0; r < o.shape.d; ++r) {
+    CAPTURE(r);
+    std::size_t own = 0;
+    for (int c = 0; c < o.shape.v; ++c) {
+      const int s = o.shape.stage_of(r, c);
+      const po::llama::LlamaDims d = po::llama::llama_dims(cfg, s, o.shape.stages());
+      const po::llama::LlamaStageBuffers b = po::llama::llama_cuda_buffers(d, T);
+      const train_gpt::StageFacts f = train_gpt::stage_facts(o, s, o.shape.stages(), true, su.runtime.microbatch);
+      CHECK(f.own.saved == b.saved_bytes);
+      CHECK(f.own.stash == b.stash_bytes);
+      CHECK(f.own.saved != train_gpt::stage_facts(o, s, o.shape.stages(), false, su.runtime.microbatch).own.saved);
+      own += po::llama::llama_cuda_state_bytes(d, cfg.seq) + po::llama::llama_cuda_workspace(d, T).bytes;
+    }
+    CHECK(train_gpt::cuda_rank_bytes(o, su, program, r, 0, workspace).device ==
+          train_gpt::cuda_arena_bytes(o, su, program, r, 0, workspace) + own);
+  }
 }

@@ -260,7 +260,7 @@ def runs_in_train_gpt():
     rc, _, err = run(*args_of({**TINY, "--query-groups": "2"}, "--backend", "cpu"))
     check(rc == 2 and "backend cpu counts train_gpt's CPU models" in err,
           f"--backend cpu, a GPT with grouped-query attention: exit {rc}, {err!r}")
-    # A Llama-class model (--swiglu): train_gpt --model llama on the CPU; the CUDA Llama is not built.
+    # A Llama-class model (--swiglu): train_gpt --model llama on the CPU (the planner's CUDA memory is the GPT's).
     llama = {**TINY, "--query-groups": "2", "--ffn-hidden": "96"}
     doc, _ = plan(llama, "--swiglu", "--recompute")
     check(doc.get("train_gpt_args") is None and "runs on --backend cpu only" in doc.get("train_gpt_args_why_not", ""),

@@ -48,14 +48,16 @@ inline std::string plan_command(const PlanResult& r, int ranks) {
 /// the cut: --stage-blocks from layers_per_stage, the embedding and the head on the first and
 /// last stage, the model: its GPT, or with swiglu its Llama with --kv-heads and --ffn, and the
 /// backend whose memory was counted), or empty with `why` set when train_gpt cannot build the
-/// model: its GPT has multi-head attention and a 4h GeLU MLP, its Llama runs on the CPU with an
-/// even head size, both hold the embedding and head stages and learn from a byte-level corpus
+/// model: its GPT has multi-head attention and a 4h GeLU MLP, its Llama is planned on the CPU
+/// with an even head size, both hold the embedding and head stages and learn from a byte-level corpus
 /// (vocabulary 256), within its options' ranges.
 inline std::vector<std::string> train_gpt_args(const PlanResult& r, const TransformerSpec& m, std::string& why) {
   const PlanCandidate& c = r.choice;
   why.clear();
   if (m.swiglu && r.backend == PlanBackend::cuda)
-    why = "train_gpt's Llama (--swiglu) runs on --backend cpu only: the CUDA Llama is not built yet";
+    why =
+        "the planner's CUDA memory counts the CUDA GPT's buffers, so a Llama (--swiglu) plan runs on --backend cpu "
+        "only (train_gpt --model llama --backend cuda sizes its own ranks)";
   else if (m.swiglu && (m.hidden / m.heads) % 2 != 0)
     why = "train_gpt's Llama rotates pairs of each head's values (RoPE): h / heads must be even";
   else if (!m.swiglu && ((m.ffn_hidden != 0 && m.ffn_hidden != 4 * m.hidden) || m.query_groups != m.heads))
