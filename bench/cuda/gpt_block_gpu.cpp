@@ -150,6 +150,29 @@ bool check_against_cpu(bool recompute) {
   return ok;
 }
 
+/// A block's boundary tensors (fp32 x, y, dy, dx of Th values) and its saved and stash buffers
+/// from `dev`'s arena, x and dy filled with the same bf16 values (seed `seed`).
+struct BlockBuffers {
+  float *x = nullptr, *y = nullptr, *dy = nullptr, *dx = nullptr;
+  std::byte *saved = nullptr, *stash = nullptr;
+};
+BlockBuffers block_buffers(po::backend::Cuda& dev, std::size_t Th, std::size_t saved, std::size_t stash,
+                           unsigned seed) {
+  using po::backend::Memory;
+  const auto f32 = [&] { return reinterpret_cast<float*>(dev.device_alloc(Th * 4, Memory::message).ptr); };
+  BlockBuffers b{f32(),
+                 f32(),
+                 f32(),
+                 f32(),
+                 dev.device_alloc(saved, Memory::activation).ptr,
+                 dev.device_alloc(stash, Memory::stash).ptr};
+  const std::vector<float> init = random_bf16(Th, seed);
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(b.x, init.data(), Th * 4, cudaMemcpyHostToDevice));
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(b.dy, init.data(), Th * 4, cudaMemcpyHostToDevice));
+  PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
+  return b;
+}
+
 /// A Llama block's F+B+W: what it times and counts.
 struct LlamaBlock {
   double seconds = 0;  ///< median F+B+W
@@ -182,20 +205,9 @@ LlamaBlock llama_block(long long h, long long s, long long heads, long long kv_h
   const int cs = dev.make_stream("compute");
   std::printf("building the Llama block's parameters on the CPU (llama::LlamaStage init)...\n");
   po::llama::CudaLlamaStage stage(dev, cfg, 1, 3, shape);
-  using po::backend::Memory;
-  const auto dalloc = [&](std::size_t bytes, Memory kind) { return dev.device_alloc(bytes, kind).ptr; };
-  auto* x = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
-  auto* y = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
-  auto* dy = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
-  auto* dx = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
-  std::byte* saved = dalloc(bufs.saved_bytes, Memory::activation);
-  std::byte* stash = dalloc(bufs.stash_bytes, Memory::stash);
-  {
-    const std::vector<float> init = random_bf16(Th, 5);
-    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(x, init.data(), Th * 4, cudaMemcpyHostToDevice));
-    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(dy, init.data(), Th * 4, cudaMemcpyHostToDevice));
-    PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
-  }
+  const BlockBuffers bb = block_buffers(dev, Th, bufs.saved_bytes, bufs.stash_bytes, 5);
+  float *x = bb.x, *y = bb.y, *dy = bb.dy, *dx = bb.dx;
+  std::byte *saved = bb.saved, *stash = bb.stash;
   cudaEvent_t ev[2];
   for (cudaEvent_t& e : ev) PIPEOFFLOAD_CUDA_CHECK(cudaEventCreate(&e));
   std::vector<double> t;
@@ -298,18 +310,9 @@ int main(int argc, char** argv) {
     pm::CudaGptStage stage(dev, cfg, 1, 3, shape);
     using po::backend::Memory;
     const auto dalloc = [&](std::size_t bytes, Memory kind) { return dev.device_alloc(bytes, kind).ptr; };
-    auto* x = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
-    auto* y = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
-    auto* dy = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
-    auto* dx = reinterpret_cast<float*>(dalloc(Th * 4, Memory::message));
-    std::byte* saved = dalloc(stage.saved_bytes(shape), Memory::activation);
-    std::byte* stash = dalloc(stage.stash_bytes(shape), Memory::stash);
-    {
-      const std::vector<float> init = random_bf16(Th, 3);
-      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(x, init.data(), Th * 4, cudaMemcpyHostToDevice));
-      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(dy, init.data(), Th * 4, cudaMemcpyHostToDevice));
-      PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
-    }
+    const BlockBuffers bb = block_buffers(dev, Th, stage.saved_bytes(shape), stage.stash_bytes(shape), 3);
+    float *x = bb.x, *y = bb.y, *dy = bb.dy, *dx = bb.dx;
+    std::byte *saved = bb.saved, *stash = bb.stash;
     cudaEvent_t ev[4];
     for (cudaEvent_t& e : ev) PIPEOFFLOAD_CUDA_CHECK(cudaEventCreate(&e));
     const auto elapsed = [&](int a, int z) {

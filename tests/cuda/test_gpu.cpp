@@ -21,7 +21,6 @@
 
 namespace po = pipeoffload;
 namespace pk = pipeoffload::cuda::kernels;
-namespace ops = pipeoffload::ops;
 namespace up = pipeoffload::update;
 
 TEST_CASE("backend::Cuda refuses an arena larger than the device's free memory, naming both, before taking any") {
