@@ -634,15 +634,15 @@ TEST_CASE("po::Runtime trains gpt::CudaGptStage stages (PO, every unit offloaded
 namespace {
 
 /// Sensitive parameters for a Llama stage, by tensor (as draw_parameters for the GPT): norm
-/// weights 1 +- 0.1, matrices std 1/sqrt(fan_in) (their first dimension; the tied output's is
-/// h, its second), the embedding std 1; bf16 values.
-void draw_llama(std::span<float> p, const std::vector<po::ParamInfo>& tensors, unsigned seed) {
+/// weights 1 +- 0.1, matrices std 1/sqrt(fan_in) (their first dimension; the output's h), the
+/// embedding std 1; bf16 values.
+void draw_llama(std::span<float> p, const std::vector<po::ParamInfo>& tensors, long long hidden, unsigned seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> n01(0.0f, 1.0f);
   for (const po::ParamInfo& t : tensors) {
     const bool norm = t.shape.size() == 1, embedding = t.name == "tok_embeddings.weight";
-    const bool tied_output = t.name == "output.weight" && t.shape[1] != t.shape[0] && t.shape[0] > t.shape[1];
-    const float fan_in = norm ? 1.0f : static_cast<float>(tied_output ? t.shape[1] : t.shape[0]);
+    // The output projection's fan-in is h whether it is stored (h, V) or, tied, (V, h).
+    const float fan_in = norm ? 1.0f : static_cast<float>(t.name == "output.weight" ? hidden : t.shape[0]);
     for (std::size_t i = 0; i < t.count(); ++i)
       p[t.offset + i] =
           round_bf16(norm ? 1.0f + 0.1f * n01(rng) : (embedding ? 1.0f : 1.0f / std::sqrt(fan_in)) * n01(rng));
@@ -668,7 +668,7 @@ void check_llama_stage(const po::llama::LlamaConfig& c, int stage, int stages) {
   CAPTURE(c.tie_embeddings);
   const po::MicrobatchShape shape{2, 32};
   po::llama::LlamaStage cpu(c, stage, stages);
-  draw_llama(cpu.parameters(), cpu.parameter_info(), 200 + static_cast<unsigned>(stage));
+  draw_llama(cpu.parameters(), cpu.parameter_info(), c.hidden, 200 + static_cast<unsigned>(stage));
   po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
   const int s = dev.make_stream("compute");
   po::llama::CudaLlamaStage gpu(dev, c, stage, stages, shape, cpu.parameters());
