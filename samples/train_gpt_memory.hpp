@@ -287,8 +287,13 @@ inline void check_memory(const Options& o, const Setup& su, const po::Program& p
   if (avail == 0) return;
   std::size_t need = 0, worst = 0;
   int worst_rank = first;
+  // Several ranks: lower the program once for all of them (a rank at a time lowers it each time).
+  const std::vector<po::Reservation> all =
+      count > 1 ? reservations(o, su, program, false) : std::vector<po::Reservation>{};
   for (int g = first; g < first + count; ++g) {
-    const RankBytes b = cpu_rank_bytes(o, su, program, g % o.shape.d, g / o.shape.d);
+    const int r = g % o.shape.d;
+    const RankBytes b =
+        cpu_rank_bytes(o, su, program, r, g / o.shape.d, all.empty() ? nullptr : &all[static_cast<std::size_t>(r)]);
     need += b.device + b.host;
     if (b.device + b.host > worst) {
       worst = b.device + b.host;

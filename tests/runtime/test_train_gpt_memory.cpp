@@ -18,7 +18,7 @@
 namespace {
 
 /// Options as train_gpt parses them from `args`.
-train_gpt::Options options(std::vector<std::string> args) {
+train_gpt::Options parsed(std::vector<std::string> args) {
   std::vector<char*> argv = {const_cast<char*>("train_gpt")};
   for (std::string& a : args) argv.push_back(a.data());
   return train_gpt::parse(static_cast<int>(argv.size()), argv.data());
@@ -105,7 +105,7 @@ TEST_CASE("train_gpt's memory check: cpu_rank_bytes is what every rank's arena a
     std::string label;
     for (const std::string& a : args) label += a + " ";
     CAPTURE(label);
-    const train_gpt::Options o = options(args);
+    const train_gpt::Options o = parsed(args);
     const train_gpt::Setup su = train_gpt::make_setup(o, sample::Tokens::from_text(text));
     const po::Program program = train_gpt::program_of(o, su.costs);
     const std::vector<train_gpt::RankBytes> got = measured(o, su);
@@ -119,7 +119,7 @@ TEST_CASE("train_gpt's memory check: cpu_rank_bytes is what every rank's arena a
 }
 
 TEST_CASE("train_gpt's memory check: a run larger than the memory available is refused, naming the need") {
-  const train_gpt::Options o = options({"--ranks", "64", "--dp", "16", "--chunks", "1", "--schedule", "1f1b",
+  const train_gpt::Options o = parsed({"--ranks", "64", "--dp", "16", "--chunks", "1", "--schedule", "1f1b",
                                         "--microbatches", "64", "--layers", "64", "--hidden", "4096"});
   std::string text(5000, 'a');
   const train_gpt::Setup su = train_gpt::make_setup(o, sample::Tokens::from_text(text));
@@ -132,7 +132,7 @@ TEST_CASE("train_gpt's memory check: a run larger than the memory available is r
 }
 
 TEST_CASE("train_gpt's CUDA memory for the Llama: its stages' buffers are llama::CudaLlamaStage's, its own bytes too") {
-  const train_gpt::Options o = options({"--model",  "llama", "--kv-heads", "2", "--ffn",          "96", "--ranks", "2",
+  const train_gpt::Options o = parsed({"--model",  "llama", "--kv-heads", "2", "--ffn",          "96", "--ranks", "2",
                                         "--chunks", "2",     "--layers",   "4", "--hidden",       "32", "--heads", "4",
                                         "--seq",    "16",    "--batch",    "2", "--microbatches", "4"});
   std::string text;
