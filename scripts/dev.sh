@@ -36,11 +36,17 @@ case "${1:-}" in
     logs=("$build/meson-logs/testlog.json")
     # The runtime tests, the thread communicators and the schedule's threaded passes again under ThreadSanitizer and
     # under AddressSanitizer+UBSan (only their test binaries, the samples and train_gpt are
-    # built there, without the CUDA backend, to keep this short).
+    # built there, without the CUDA backend, to keep this short). These builds are unity builds:
+    # a test binary's sources compile four to a file, so the templates they share are instrumented
+    # once per group, not once per file (GCC's UBSan makes that the longest part of the whole command); the
+    # main build above compiles every file on its own, which is what checks each file's includes.
     for san in thread address,undefined; do
       dir="build-${san%%,*}"
       if [ ! -f "$dir/build.ninja" ]; then
-        meson setup "$dir" --buildtype=debugoptimized -Dbench=false -Dcuda=disabled -Db_sanitize="$san" -Db_lundef=false >/dev/null
+        meson setup "$dir" --buildtype=debugoptimized -Dbench=false -Dcuda=disabled -Db_sanitize="$san" -Db_lundef=false \
+          -Dunity=on >/dev/null
+      else
+        meson configure "$dir" -Dunity=on
       fi
       ninja -C "$dir" tests/runtime/test_runtime tests/runtime/test_custom tests/test_schedule_threads tests/comm/test_comm_threads \
         tests/comm/test_comm_shared_device tests/mpi/test_handshake samples/train_gpt samples/custom_model
