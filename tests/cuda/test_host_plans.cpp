@@ -19,6 +19,8 @@
 
 #include <models/gpt/cuda_layout.hpp>
 #include <models/gpt/layout.hpp>
+#include <models/llama/cuda_layout.hpp>
+#include <models/llama/layout.hpp>
 #include <pipeoffload/backend/cuda/environment.hpp>
 #include <pipeoffload/backend/cuda/gemm_key.hpp>
 #include <pipeoffload/backend/cuda/pools.hpp>
@@ -489,6 +491,56 @@ TEST_CASE(
                 static_cast<double>(pc::norm_buffer_bytes(po::gpt::gpt_norm_groups(d))));
           // Every parameter, the head's bias (V values) included.
           CHECK(po::stage_parameters(m, c) == static_cast<double>(po::gpt::gpt_stage_params(d).total));
+        }
+      }
+}
+
+TEST_CASE(
+    "the planner's per-layer formulas are the CUDA Llama's: a block's parameters, every stage's unit, stash, scratch, "
+    "norm buffer and own state") {
+  // plan/model.hpp with swiglu counts what po::plan puts on each rank; llama::CudaLlamaStage
+  // allocates it (models/llama/cuda_layout.hpp). It recomputes its norms and silu(gate) * up, so
+  // the planner's unit is its saved buffer with recompute.
+  for (const long long h : {64LL, 128LL, 256LL})
+    for (const auto& [heads, kv_heads] : {std::pair{1LL, 1LL}, std::pair{4LL, 1LL}, std::pair{8LL, 2LL}})
+      for (const long long ffn : {96LL, 352LL}) {
+        CAPTURE(h);
+        CAPTURE(heads);
+        CAPTURE(kv_heads);
+        CAPTURE(ffn);
+        const po::TransformerSpec m{.layers = 6,
+                                    .hidden = static_cast<int>(h),
+                                    .heads = static_cast<int>(heads),
+                                    .query_groups = static_cast<int>(kv_heads),
+                                    .seq = 64,
+                                    .micro_batch = 2,
+                                    .vocab = 512,
+                                    .ffn_hidden = static_cast<int>(ffn),
+                                    .swiglu = true,
+                                    .recompute = true};
+        for (const po::StageContent c : {po::StageContent{3, false, false}, po::StageContent{1, true, false},
+                                         po::StageContent{2, false, true}, po::StageContent{0, true, true}}) {
+          const po::llama::LlamaDims d{.vocab = m.vocab,
+                                       .hidden = h,
+                                       .heads = heads,
+                                       .kv_heads = kv_heads,
+                                       .ffn = ffn,
+                                       .blocks = c.layers,
+                                       .embeds = c.embedding,
+                                       .has_head = c.head};
+          const long long tokens = static_cast<long long>(m.micro_batch) * m.seq;
+          const po::llama::LlamaStageBuffers b = po::llama::llama_cuda_buffers(d, tokens);
+          CHECK(po::layer_parameters(m) == static_cast<double>(po::llama::llama_block_params(d).count));
+          CHECK(po::stage_activation_bytes(m, c) == static_cast<double>(b.saved_bytes));
+          CHECK(po::stage_stash_bytes(m, c) == static_cast<double>(b.stash_bytes));
+          CHECK(po::stage_scratch_bytes(m, c) == static_cast<double>(po::llama::llama_cuda_workspace(d, tokens).bytes));
+          CHECK(po::stage_norm_buffer_bytes(m, c) ==
+                static_cast<double>(pc::norm_buffer_bytes(po::llama::llama_norm_groups(d))));
+          const double P = static_cast<double>(po::llama::llama_stage_params(d).total);
+          CHECK(po::stage_parameters(m, c) == P);
+          // bf16 working parameters and fp32 gradients (the planner's state_bytes), and the rest.
+          CHECK(P * (2 + 4) + po::stage_own_state_bytes(m, c) ==
+                static_cast<double>(po::llama::llama_cuda_state_bytes(d, m.seq)));
         }
       }
 }

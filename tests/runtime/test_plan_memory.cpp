@@ -300,3 +300,36 @@ TEST_CASE(
   CHECK(s.configs >= 300);
   CHECK(s.worst == 0);
 }
+
+TEST_CASE(
+    "the planner's CUDA memory for a Llama-class model is what train_gpt --model llama --backend cuda reserves for "
+    "its command, to the byte: every family, offload on and off, v, d up to 8, dp, ZeRO-1, tied and untied") {
+  const std::string text = corpus();
+  Sweep s;
+  for (const int d : {2, 4, 8})
+    for (const bool tied : {false, true})
+      for (const auto& [dp, zero, gradients] :
+           {std::tuple{1, 0, po::Gradients::standard}, std::tuple{2, 1, po::Gradients::exact}}) {
+        CAPTURE(d);
+        CAPTURE(tied);
+        CAPTURE(dp);
+        const po::TransformerSpec m{.layers = 18,
+                                    .hidden = 512,
+                                    .heads = 8,
+                                    .query_groups = 2,
+                                    .seq = 256,
+                                    .micro_batch = 2,
+                                    .global_batch = 2 * 2 * d * dp,
+                                    .vocab = 256,
+                                    .ffn_hidden = 1376,
+                                    .swiglu = true,
+                                    .recompute = true,
+                                    .tied_embeddings = tied};
+        const po::MachineSpec x{.ranks = d, .device_bytes = 80 * po::gib, .flops = 2e11};
+        const po::PlanBudget bud{.gradients = gradients};
+        sweep(m, x, bud, {.dp = dp, .zero = zero}, text, s);
+      }
+  MESSAGE("CUDA, Llama: " << s.configs << " configurations, largest difference " << s.worst);
+  CHECK(s.configs >= 800);
+  CHECK(s.worst == 0);
+}

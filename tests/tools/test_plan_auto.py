@@ -260,11 +260,18 @@ def runs_in_train_gpt():
     rc, _, err = run(*args_of({**TINY, "--query-groups": "2"}, "--backend", "cpu"))
     check(rc == 2 and "backend cpu counts train_gpt's CPU models" in err,
           f"--backend cpu, a GPT with grouped-query attention: exit {rc}, {err!r}")
-    # A Llama-class model (--swiglu): train_gpt --model llama on the CPU (the planner's CUDA memory is the GPT's).
+    # A Llama-class model (--swiglu): train_gpt --model llama, on CUDA (recomputing, as its CUDA
+    # Llama does; tied embeddings too) and on the CPU.
     llama = {**TINY, "--query-groups": "2", "--ffn-hidden": "96"}
-    doc, _ = plan(llama, "--swiglu", "--recompute")
-    check(doc.get("train_gpt_args") is None and "runs on --backend cpu only" in doc.get("train_gpt_args_why_not", ""),
-          f"--swiglu on cuda: {doc.get('train_gpt_args_why_not')!r}")
+    for extra in (["--recompute"], ["--recompute", "--tied-embeddings"]):
+        doc, _ = plan(llama, "--swiglu", *extra)
+        args = doc.get("train_gpt_args") or []
+        check(args[-2:] == ["--backend", "cuda"] and "--model" in args and args[args.index("--model") + 1] == "llama" and
+              ("--tie-embeddings" in args) == ("--tied-embeddings" in extra),
+              f"--swiglu {extra} on cuda: train_gpt_args {args!r}, why not {doc.get('train_gpt_args_why_not')!r}")
+    doc, _ = plan(llama, "--swiglu")
+    check(doc.get("train_gpt_args") is None and "CUDA Llama recomputes" in doc.get("train_gpt_args_why_not", ""),
+          f"--swiglu on cuda without --recompute: {doc.get('train_gpt_args_why_not')!r}")
     plans.append((llama, ["--swiglu"]))
     plans.append((llama, ["--swiglu", "--tied-embeddings", "--dp", "2", "--zero", "1"]))
     # --backend cpu: each command runs, and each rank reserves what the plan says it holds.
@@ -316,7 +323,7 @@ def runs_in_train_gpt():
           f"--schedule nope: exit {rc}, {err!r}")
     # Models train_gpt does not build: null, and why.
     for opts, extra, words in (({**TINY, "--query-groups": "2"}, [], "multi-head attention"),
-                               (TINY, ["--swiglu"], "runs on --backend cpu only"),
+                               (TINY, ["--tied-embeddings", "--recompute"], "CUDA GPT does not tie"),
                                ({**TINY, "--heads": "64", "--query-groups": "64"}, ["--swiglu", "--backend", "cpu"],
                                 "h / heads must be even"),
                                ({**TINY, "--vocab": "512"}, [], "vocabulary 256")):

@@ -440,14 +440,15 @@ constexpr bool distinct_cut(const TransformerSpec& m, int S, StageCut c) {
 
 /// Saved activation bytes of one stage for one microbatch: the unit the schedules count. Each
 /// layer's tensors (activation_bytes_per_layer) and fp32 statistics, the head's input, norm
-/// statistics and logits' gradient (header comment): gpt::CudaGptStage's saved buffer
-/// (models/gpt/cuda_layout.hpp gpt_stage_buffers) for a GPT layer, to the byte
-/// (tests/cuda/test_host_plans.cpp).
+/// statistics (LayerNorm's two a token, RMSNorm's one) and logits' gradient (header comment):
+/// gpt::CudaGptStage's saved buffer (models/gpt/cuda_layout.hpp gpt_stage_buffers) for a GPT
+/// layer and llama::CudaLlamaStage's (models/llama/cuda_layout.hpp llama_cuda_buffers) for a
+/// recomputing SwiGLU one, to the byte (tests/cuda/test_host_plans.cpp).
 constexpr double stage_activation_bytes(const TransformerSpec& m, const StageContent& c) {
   const double T = static_cast<double>(m.micro_batch) * m.seq, e = m.dtype_bytes;
   const double stats = 4 * T * ((m.swiglu ? 2 : 4) + m.heads);  // the norms' and attention's, fp32
   double x = c.layers * (activation_bytes_per_layer(m) + stats);
-  if (c.head) x += bsh(m) * e + 4 * T * 2 + e * T * m.vocab;
+  if (c.head) x += bsh(m) * e + 4 * T * (m.swiglu ? 1 : 2) + e * T * m.vocab;
   return x;
 }
 
@@ -569,14 +570,28 @@ constexpr double stage_norm_buffer_bytes(const TransformerSpec& m, const StageCo
   return 8 * ((3 * g + 1) + partials + g);
 }
 
-/// Device bytes of a stage's own scratch, allocated once for the run (gpt::CudaGptStage's
-/// gpt_workspace; no region of it lives from one pass to the next): three T x h tensors (a norm
-/// output, a projection output, the stage's output or the gradient flowing down), the MLP's
-/// recomputed activation (T x f) with recompute, and on the head's stage the fp32 logits (T x
-/// V) and per-token losses (T). A rank holds one per stage.
+/// Device bytes of a stage's own scratch, allocated once for the run (no region of it lives
+/// from one pass to the next), and on the head's stage the fp32 logits (T x V) and per-token
+/// losses (T) besides. gpt::CudaGptStage's gpt_workspace: three T x h tensors (a norm output, a
+/// projection output, the stage's output or the gradient flowing down) and the MLP's
+/// recomputed activation (T x f) with recompute. llama::CudaLlamaStage's llama_cuda_workspace
+/// (swiglu): four T x h tensors (a normalized input, the attention's gradient, the stage's
+/// output and the gradient flowing down), one T x max(h, f) (a projection's output, silu(gate)
+/// * up and its gradient) and the tokens' int32 RoPE positions. A rank holds one per stage.
 constexpr double stage_scratch_bytes(const TransformerSpec& m, const StageContent& c) {
-  const double T = static_cast<double>(m.micro_batch) * m.seq, e = m.dtype_bytes;
-  return 3 * bsh(m) * e + (m.recompute ? T * ffn_width(m) * e : 0.0) + (c.head ? 4 * T * m.vocab + 4 * T : 0.0);
+  const double T = static_cast<double>(m.micro_batch) * m.seq, e = m.dtype_bytes, h = m.hidden;
+  const double head = c.head ? 4 * T * m.vocab + 4 * T : 0.0;
+  if (m.swiglu) return e * T * (4 * h + std::max(h, ffn_width(m))) + 4 * T + head;
+  return 3 * bsh(m) * e + (m.recompute ? T * ffn_width(m) * e : 0.0) + head;
+}
+
+/// Device bytes a stage holds for itself beyond its parameters and gradients: the GPT head's
+/// fp32 copy of its bias (V values; gpt::gpt_state_bytes), the Llama's RoPE tables (fp32 cosine
+/// and sine of every position and pair of a head's values: 2 s h/(2a); llama::
+/// llama_cuda_state_bytes), every stage's.
+constexpr double stage_own_state_bytes(const TransformerSpec& m, const StageContent& c) {
+  if (m.swiglu) return 2.0 * m.seq * static_cast<double>(m.hidden / m.heads / 2) * 4;
+  return c.head ? 4.0 * m.vocab : 0.0;
 }
 
 /// Bytes of pinned host memory one offloaded unit of `bytes` takes: the bins the runtime

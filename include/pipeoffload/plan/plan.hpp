@@ -238,8 +238,8 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
   L.model_state.assign(static_cast<std::size_t>(d), 0.0);
   L.workspace.assign(static_cast<std::size_t>(d), 0.0);
   std::vector<double> transient(static_cast<std::size_t>(d), 0.0);
-  // gpt::CudaGptStage's fp32 copy of its head's bias (a GPT head has one; V values).
-  std::vector<double> head_bias(static_cast<std::size_t>(d), 0.0);
+  // The CUDA stages' own state beyond parameters and gradients (stage_own_state_bytes).
+  std::vector<double> own_state(static_cast<std::size_t>(d), 0.0);
   std::vector<std::vector<std::size_t>> chunks(static_cast<std::size_t>(d));  // per rank: its chunks' parameters
   std::vector<TiedState> ties(static_cast<std::size_t>(d));                   // per rank: tied embeddings
   for (int s = 0; s < S; ++s) {
@@ -254,7 +254,7 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
     }
     L.allreduce.push_back(allreduce_seconds(P, bud, grid));
     if (!cpu) transient[r] += stage_scratch_bytes(m, c);
-    if (!cpu && c.head && !m.swiglu) head_bias[r] += 4.0 * m.vocab;
+    if (!cpu) own_state[r] += stage_own_state_bytes(m, c);
   }
   L.block = cpu ? 64 : 256;
   L.cpu = cpu;
@@ -272,7 +272,7 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
       const double one = rounded(updated_parameters(chunks[r][c], so, copies) * sizeof(float));
       optimizer += one * (so.optimizer_states + (so.parameter_bytes != sizeof(float) ? 1 : 0));
     }
-    L.model_state[r] = static_cast<double>(b.parameters + b.gradients) + arena + head_bias[r];
+    L.model_state[r] = static_cast<double>(b.parameters + b.gradients) + arena + own_state[r];
     L.optimizer[r] = optimizer;
   }
   // Two P2P buffers each way (activation in/out, gradient in/out), b*s*h elements each.

@@ -48,17 +48,13 @@ inline std::string plan_command(const PlanResult& r, int ranks) {
 /// the cut: --stage-blocks from layers_per_stage, the embedding and the head on the first and
 /// last stage, the model: its GPT, or with swiglu its Llama with --kv-heads and --ffn, and the
 /// backend whose memory was counted), or empty with `why` set when train_gpt cannot build the
-/// model: its GPT has multi-head attention and a 4h GeLU MLP, its Llama is planned on the CPU
-/// with an even head size, both hold the embedding and head stages and learn from a byte-level corpus
-/// (vocabulary 256), within its options' ranges.
+/// model: its GPT has multi-head attention and a 4h GeLU MLP, its Llama an even head size, both
+/// hold the embedding and head stages and learn from a byte-level corpus (vocabulary 256), on
+/// CUDA recompute, within its options' ranges.
 inline std::vector<std::string> train_gpt_args(const PlanResult& r, const TransformerSpec& m, std::string& why) {
   const PlanCandidate& c = r.choice;
   why.clear();
-  if (m.swiglu && r.backend == PlanBackend::cuda)
-    why =
-        "the planner's CUDA memory counts the CUDA GPT's buffers, so a Llama (--swiglu) plan runs on --backend cpu "
-        "only (train_gpt --model llama --backend cuda sizes its own ranks)";
-  else if (m.swiglu && (m.hidden / m.heads) % 2 != 0)
+  if (m.swiglu && (m.hidden / m.heads) % 2 != 0)
     why = "train_gpt's Llama rotates pairs of each head's values (RoPE): h / heads must be even";
   else if (!m.swiglu && ((m.ffn_hidden != 0 && m.ffn_hidden != 4 * m.hidden) || m.query_groups != m.heads))
     why = "train_gpt's GPT has multi-head attention and a 4h GeLU MLP";
@@ -67,8 +63,10 @@ inline std::vector<std::string> train_gpt_args(const PlanResult& r, const Transf
   else if (m.vocab != 256)
     why = "train_gpt learns the byte-level corpus (vocabulary 256); --vocab is " + detail::num(m.vocab);
   else if (r.backend == PlanBackend::cuda && !m.recompute)
-    why = "train_gpt's CUDA GPT recomputes LayerNorm, GeLU and dropout in backward: plan with --recompute";
-  else if (r.backend == PlanBackend::cuda && m.tied_embeddings)
+    why = m.swiglu
+              ? "train_gpt's CUDA Llama recomputes its RMSNorms and silu(gate) * up in backward: plan with --recompute"
+              : "train_gpt's CUDA GPT recomputes LayerNorm, GeLU and dropout in backward: plan with --recompute";
+  else if (r.backend == PlanBackend::cuda && m.tied_embeddings && !m.swiglu)
     why = "train_gpt's CUDA GPT does not tie its embeddings yet (--backend cpu does)";
   else if (m.layers > 4096 || m.hidden > 8192 || m.heads > 1024 || m.seq > 8192 || m.micro_batch > 4096 ||
            r.ranks > 64 || c.chunks > 64 || r.microbatches > 4096 || r.dp > 64 || !(r.k > 0 && r.k <= 100) ||
