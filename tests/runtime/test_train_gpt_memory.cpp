@@ -120,7 +120,7 @@ TEST_CASE("train_gpt's memory check: cpu_rank_bytes is what every rank's arena a
 
 TEST_CASE("train_gpt's memory check: a run larger than the memory available is refused, naming the need") {
   const train_gpt::Options o = parsed({"--ranks", "64", "--dp", "16", "--chunks", "1", "--schedule", "1f1b",
-                                        "--microbatches", "64", "--layers", "64", "--hidden", "4096"});
+                                       "--microbatches", "64", "--layers", "64", "--hidden", "4096"});
   std::string text(5000, 'a');
   const train_gpt::Setup su = train_gpt::make_setup(o, sample::Tokens::from_text(text));
   const po::Program program = train_gpt::program_of(o, su.costs);
@@ -133,8 +133,8 @@ TEST_CASE("train_gpt's memory check: a run larger than the memory available is r
 
 TEST_CASE("train_gpt's CUDA memory for the Llama: its stages' buffers are llama::CudaLlamaStage's, its own bytes too") {
   const train_gpt::Options o = parsed({"--model",  "llama", "--kv-heads", "2", "--ffn",          "96", "--ranks", "2",
-                                        "--chunks", "2",     "--layers",   "4", "--hidden",       "32", "--heads", "4",
-                                        "--seq",    "16",    "--batch",    "2", "--microbatches", "4"});
+                                       "--chunks", "2",     "--layers",   "4", "--hidden",       "32", "--heads", "4",
+                                       "--seq",    "16",    "--batch",    "2", "--microbatches", "4"});
   std::string text;
   for (int i = 0; text.size() < 5000; ++i) text += "the quick brown fox " + std::to_string(i) + ". ";
   const train_gpt::Setup su = train_gpt::make_setup(o, sample::Tokens::from_text(text));
