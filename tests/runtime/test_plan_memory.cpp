@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -155,6 +156,25 @@ void sweep(const po::TransformerSpec& m, const po::MachineSpec& x, const po::Pla
   }
 }
 
+/// The Llama's sweeps: model `m` on machine `x` for each rank count in `ds` (the global batch two
+/// microbatches a rank and replica), tied and untied, one replica on the standard gradient path
+/// and two with ZeRO-1 on the exact one.
+void sweep_llama(po::TransformerSpec m, po::MachineSpec x, po::PlanBackend backend, std::initializer_list<int> ds,
+                 const std::string& text, Sweep& s) {
+  for (const int d : ds)
+    for (const bool tied : {false, true})
+      for (const auto& [dp, zero, gradients] :
+           {std::tuple{1, 0, po::Gradients::standard}, std::tuple{2, 1, po::Gradients::exact}}) {
+        CAPTURE(d);
+        CAPTURE(tied);
+        CAPTURE(dp);
+        m.global_batch = 2 * m.micro_batch * d * dp;
+        m.tied_embeddings = tied;
+        x.ranks = d;
+        sweep(m, x, {.gradients = gradients, .backend = backend}, {.dp = dp, .zero = zero}, text, s);
+      }
+}
+
 std::string corpus() {
   std::string text;
   for (int i = 0; text.size() < 20000; ++i) text += "the quick brown fox " + std::to_string(i * 7919 % 1000) + ". ";
@@ -242,30 +262,18 @@ TEST_CASE(
 TEST_CASE(
     "the planner's CPU memory for a Llama-class model (swiglu, grouped-query attention, its own ffn width) is what "
     "train_gpt --model llama reserves for its command, to the byte, tied and untied") {
-  const std::string text = corpus();
   Sweep s;
-  for (const int d : {2, 4})
-    for (const bool tied : {false, true})
-      for (const auto& [dp, zero, gradients] :
-           {std::tuple{1, 0, po::Gradients::standard}, std::tuple{2, 1, po::Gradients::exact}}) {
-        CAPTURE(d);
-        CAPTURE(tied);
-        CAPTURE(dp);
-        const po::TransformerSpec m{.layers = 6,
-                                    .hidden = 32,
-                                    .heads = 4,
-                                    .query_groups = 2,
-                                    .seq = 16,
-                                    .micro_batch = 2,
-                                    .global_batch = 2 * 2 * d * dp,
-                                    .vocab = 256,
-                                    .ffn_hidden = 48,
-                                    .swiglu = true,
-                                    .tied_embeddings = tied};
-        const po::MachineSpec x{.ranks = d, .device_bytes = 64 * po::gib, .host_bytes = 64 * po::gib, .flops = 5e11};
-        const po::PlanBudget bud{.gradients = gradients, .backend = po::PlanBackend::cpu};
-        sweep(m, x, bud, {.dp = dp, .zero = zero}, text, s);
-      }
+  sweep_llama({.layers = 6,
+               .hidden = 32,
+               .heads = 4,
+               .query_groups = 2,
+               .seq = 16,
+               .micro_batch = 2,
+               .vocab = 256,
+               .ffn_hidden = 48,
+               .swiglu = true},
+              {.device_bytes = 64 * po::gib, .host_bytes = 64 * po::gib, .flops = 5e11}, po::PlanBackend::cpu, {2, 4},
+              corpus(), s);
   MESSAGE("CPU, Llama: " << s.configs << " configurations, largest difference " << s.worst);
   CHECK(s.configs >= 250);
   CHECK(s.worst == 0);
@@ -304,31 +312,18 @@ TEST_CASE(
 TEST_CASE(
     "the planner's CUDA memory for a Llama-class model is what train_gpt --model llama --backend cuda reserves for "
     "its command, to the byte: every family, offload on and off, v, d up to 8, dp, ZeRO-1, tied and untied") {
-  const std::string text = corpus();
   Sweep s;
-  for (const int d : {2, 4, 8})
-    for (const bool tied : {false, true})
-      for (const auto& [dp, zero, gradients] :
-           {std::tuple{1, 0, po::Gradients::standard}, std::tuple{2, 1, po::Gradients::exact}}) {
-        CAPTURE(d);
-        CAPTURE(tied);
-        CAPTURE(dp);
-        const po::TransformerSpec m{.layers = 18,
-                                    .hidden = 512,
-                                    .heads = 8,
-                                    .query_groups = 2,
-                                    .seq = 256,
-                                    .micro_batch = 2,
-                                    .global_batch = 2 * 2 * d * dp,
-                                    .vocab = 256,
-                                    .ffn_hidden = 1376,
-                                    .swiglu = true,
-                                    .recompute = true,
-                                    .tied_embeddings = tied};
-        const po::MachineSpec x{.ranks = d, .device_bytes = 80 * po::gib, .flops = 2e11};
-        const po::PlanBudget bud{.gradients = gradients};
-        sweep(m, x, bud, {.dp = dp, .zero = zero}, text, s);
-      }
+  sweep_llama({.layers = 18,
+               .hidden = 512,
+               .heads = 8,
+               .query_groups = 2,
+               .seq = 256,
+               .micro_batch = 2,
+               .vocab = 256,
+               .ffn_hidden = 1376,
+               .swiglu = true,
+               .recompute = true},
+              {.device_bytes = 80 * po::gib, .flops = 2e11}, po::PlanBackend::cuda, {2, 4, 8}, corpus(), s);
   MESSAGE("CUDA, Llama: " << s.configs << " configurations, largest difference " << s.worst);
   CHECK(s.configs >= 800);
   CHECK(s.worst == 0);
