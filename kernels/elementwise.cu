@@ -1,5 +1,5 @@
 // kernels/elementwise.cu: grid-stride loops for the backend: precision conversions,
-// backend/update.hpp's optimizer updates, backend/exact.hpp's gradient sums, the non-finite
+// backend/update.hpp's optimizer updates (multi-tensor: cuda::SegmentLaunch), backend/exact.hpp's gradient sums, the non-finite
 // check, and a spin for tests.
 #include <pipeoffload/backend/cuda/device.cuh>
 
@@ -12,16 +12,25 @@ __global__ void to_bf16_k(const float* in, bf16* out, long long n) {
 __global__ void to_float_k(const bf16* in, float* out, long long n) {
   for (long long i = first_index(); i < n; i += grid_stride()) out[i] = ld(in, i);
 }
-__global__ void adamw_k(float* p, const float* g, float* m, float* v, long long n, update::AdamWParams o, float lr,
-                        update::AdamBias bc, float scale) {
-  for (long long i = first_index(); i < n; i += grid_stride()) update::adamw(p[i], g[i] * scale, m[i], v[i], o, lr, bc);
+__device__ float update_at(const update::Segment& s, std::size_t i, const update::AdamWStep& step) {
+  return update::adamw_at(s, i, step);
 }
-__global__ void sgd_k(float* p, const float* g, float* buf, long long n, update::SgdParams o, float lr, float scale,
-                      bool first) {
-  for (long long i = first_index(); i < n; i += grid_stride()) {
-    // Without momentum there is no buffer and update::sgd does not touch it (backend::Cpu's loop likewise).
-    float unused = 0;
-    update::sgd(p[i], g[i] * scale, buf != nullptr ? buf[i] : unused, o, lr, first);
+__device__ float update_at(const update::Segment& s, std::size_t i, const update::SgdStep& step) {
+  return update::sgd_at(s, i, step);
+}
+/// A multi-tensor update (cuda::SegmentLaunch): block b updates its tile of run segment_of(b),
+/// then rounds the tile into the run's working copy where it has one.
+template <class Step>
+__global__ void segments_k(const __grid_constant__ SegmentLaunch l, Step step) {
+  const long long b = blockIdx.x;
+  const int k = segment_of(l, b);
+  const update::Segment& s = l.segments[k];
+  const long long n = static_cast<long long>(s.count), begin = (b - l.first_block[k]) * segment_tile;
+  const long long end = begin + segment_tile < n ? begin + segment_tile : n;
+  bf16* working = reinterpret_cast<bf16*>(s.working);
+  for (long long i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const float p = update_at(s, static_cast<std::size_t>(i), step);
+    if (working != nullptr) working[i] = st(p);
   }
 }
 /// Each thread ORs its words' verdicts (no early exit, no divergence) and only a thread that
@@ -73,13 +82,11 @@ void to_bf16(const float* in, bf16* out, long long count, cudaStream_t s) {
 void to_float(const bf16* in, float* out, long long count, cudaStream_t s) {
   PIPEOFFLOAD_LAUNCH(to_float_k, elementwise_launch(count), s, in, out, count);
 }
-void adamw(float* params, const float* grads, float* m, float* v, long long count, update::AdamWParams hyper, float lr,
-           update::AdamBias bias, float grad_scale, cudaStream_t s) {
-  PIPEOFFLOAD_LAUNCH(adamw_k, elementwise_launch(count), s, params, grads, m, v, count, hyper, lr, bias, grad_scale);
+void adamw(const SegmentLaunch& launch, const update::AdamWStep& step, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(segments_k<update::AdamWStep>, launch.launch(), s, launch, step);
 }
-void sgd(float* params, const float* grads, float* buf, long long count, update::SgdParams hyper, float lr,
-         float grad_scale, bool first, cudaStream_t s) {
-  PIPEOFFLOAD_LAUNCH(sgd_k, elementwise_launch(count), s, params, grads, buf, count, hyper, lr, grad_scale, first);
+void sgd(const SegmentLaunch& launch, const update::SgdStep& step, cudaStream_t s) {
+  PIPEOFFLOAD_LAUNCH(segments_k<update::SgdStep>, launch.launch(), s, launch, step);
 }
 void flag_nonfinite(const void* data, long long count, DType dtype, std::uint32_t* flag, cudaStream_t s) {
   const std::uint64_t mask = nonfinite_mask(dtype);

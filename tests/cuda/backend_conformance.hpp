@@ -237,13 +237,15 @@ inline void check_floats(const char* what, const std::vector<float>& got, const 
     }
 }
 
-/// The blocking between-steps operations: upload/download, zero, per-group sums of squares,
-/// AdamW. fp32 arithmetic is exact on the CPU and within `fp32_tolerance` (an FMA contracted
-/// or not) on a GPU; the fp64 sums within 1e-9 relative (another summation order).
+/// The between-steps operations: upload/download, per-group sums of squares (written into
+/// `out` by the next synchronize), multi-tensor AdamW. fp32 arithmetic is exact on the CPU and
+/// within `fp32_tolerance` (an FMA contracted or not) on a GPU; the fp64 sums within 1e-9
+/// relative (another summation order).
 template <class Traits>
 void optimizer_operations() {
+  namespace up = pipeoffload::update;
   auto dev = Traits::make();
-  const std::size_t n = 10007;
+  const std::size_t n = 250007;
   std::vector<float> p(n), g(n), m(n), v(n);
   for (std::size_t i = 0; i < n; ++i) {
     p[i] = std::sin(0.01f * static_cast<float>(i));
@@ -255,33 +257,82 @@ void optimizer_operations() {
   const std::span<float> dp = device_floats(*dev, owned, p), dg = device_floats(*dev, owned, g);
   const std::span<float> dm = device_floats(*dev, owned, m), dv = device_floats(*dev, owned, v);
   CHECK(host_floats(*dev, dg) == g);
-  // Sums of squares over three groups, one of them empty.
-  const std::vector<std::size_t> groups{5000, 0, n - 5000};
-  std::vector<double> sums(3, -1.0);
+  // Sums of squares over three groups, one of them empty, twice (two calls before one wait).
+  const std::vector<std::size_t> groups{5000, 0, n - 5000}, two{n / 2, n - n / 2};
+  std::vector<double> sums(3, -1.0), sums2(2, -1.0);
   dev->sum_squares(dg, groups, sums);
+  dev->sum_squares(dg, two, sums2);
+  dev->synchronize();
+  const auto squares = [&](std::size_t from, std::size_t to) {
+    double want = 0;
+    for (std::size_t i = from; i < to; ++i) want += static_cast<double>(g[i]) * g[i];
+    return want;
+  };
   std::size_t off = 0;
   for (std::size_t k = 0; k < groups.size(); ++k) {
-    double want = 0;
-    for (std::size_t i = off; i < off + groups[k]; ++i) want += static_cast<double>(g[i]) * g[i];
+    const double want = squares(off, off + groups[k]);
     off += groups[k];
     CAPTURE(k);
     CHECK(std::abs(sums[k] - want) <= 1e-9 * want);
   }
-  // AdamW with a clip scale, against update::adamw on the host. The gradients are only read:
-  // Runtime::zero_grad clears them, not the update.
-  const pipeoffload::update::AdamWParams hyper{0.9f, 0.95f, 1e-8f, 0.1f};
-  const float lr = 3e-3f, scale = 0.5f;
-  const pipeoffload::update::AdamBias bias = pipeoffload::update::adam_bias(hyper.beta1, hyper.beta2, 3);
-  dev->adamw(dp, dg, dm, dv, hyper, lr, bias, scale);
+  CHECK(std::abs(sums2[0] - squares(0, n / 2)) <= 1e-9 * sums2[0]);
+  CHECK(std::abs(sums2[1] - squares(n / 2, n)) <= 1e-9 * sums2[1]);
+  // AdamW over 100 segments (more than one launch takes) of seeded sizes, some empty, some
+  // longer than a block's tile, each with its own lr and weight decay, every other one writing
+  // a bfloat16 working copy; against update::adamw on the host. The gradients are only read.
+  const std::size_t words = n;
+  pb::Block work = dev->device_alloc(words * sizeof(std::uint16_t), pb::Memory::state);
+  owned.push_back(work);
+  const std::vector<std::uint16_t> blank(words, 0x7fc1);  // a NaN no update writes
+  dev->upload(work.ptr, blank.data(), words * sizeof(std::uint16_t));
+  auto* dwork = reinterpret_cast<std::uint16_t*>(work.ptr);
+  std::vector<up::Segment> segments;
   std::vector<float> want_p = p, want_m = m, want_v = v;
-  for (std::size_t i = 0; i < n; ++i)
-    pipeoffload::update::adamw(want_p[i], g[i] * scale, want_m[i], want_v[i], hyper, lr, bias);
+  std::vector<std::uint16_t> want_work = blank;
+  const up::AdamWStep step{0.9f, 0.95f, 1e-8f, up::adam_bias(0.9f, 0.95f, 3), 0.5f};
+  std::uint32_t seed = 12345;
+  const auto next = [&] { return seed = seed * 1664525u + 1013904223u; };
+  for (std::size_t k = 0, at = 0; k < 100 && at < n; ++k) {
+    const std::size_t count = std::min<std::size_t>(n - at, k % 7 == 3 ? 0 : (k % 9 == 0 ? 9000 : next() % 3000));
+    up::Segment s{dp.data() + at,
+                  dg.data() + at,
+                  dm.data() + at,
+                  dv.data() + at,
+                  k % 2 == 0 ? dwork + at : nullptr,
+                  count,
+                  1e-3f * static_cast<float>(1 + k % 4),
+                  k % 3 == 0 ? 0.0f : 0.1f};
+    segments.push_back(s);
+    const up::AdamWParams hyper{step.beta1, step.beta2, step.eps, s.weight_decay};
+    for (std::size_t i = at; i < at + count; ++i) {
+      up::adamw(want_p[i], g[i] * step.grad_scale, want_m[i], want_v[i], hyper, s.lr, step.bias);
+      if (s.working != nullptr) want_work[i] = pipeoffload::bf16_bits(want_p[i]);
+    }
+    at += count;
+  }
+  dev->adamw(std::span<const up::Segment>(segments), step);
   check_floats("adamw p", host_floats(*dev, dp), want_p, Traits::fp32_tolerance);
   check_floats("adamw m", host_floats(*dev, dm), want_m, Traits::fp32_tolerance);
   check_floats("adamw v", host_floats(*dev, dv), want_v, Traits::fp32_tolerance);
+  std::vector<std::uint16_t> got_work(words);
+  dev->download(got_work.data(), work.ptr, words * sizeof(std::uint16_t));
+  std::size_t bad_words = 0;
+  for (std::size_t i = 0; i < words; ++i) {
+    const bool both_blank = got_work[i] == 0x7fc1 && want_work[i] == 0x7fc1;
+    if (!both_blank && (Traits::fp32_tolerance == 0.0f
+                            ? got_work[i] != want_work[i]
+                            : std::abs(pipeoffload::bf16_value(got_work[i]) - pipeoffload::bf16_value(want_work[i])) >
+                                  1e-2f * std::abs(pipeoffload::bf16_value(want_work[i]))))
+      ++bad_words;
+  }
+  CHECK(bad_words == 0);
   CHECK(host_floats(*dev, dg) == g);
-  // Mismatched sizes are refused, naming them.
-  CHECK_THROWS_AS(dev->adamw(dp, dg.first(n - 1), dm, dv, hyper, lr, bias, scale), pipeoffload::error);
+  // A segment without its state is refused, naming it.
+  std::vector<up::Segment> broken(segments.begin(), segments.begin() + 2);
+  broken[1].count = 5;
+  broken[1].state1 = nullptr;
+  CHECK_THROWS_WITH_AS(dev->adamw(std::span<const up::Segment>(broken), step), doctest::Contains("segment 1 of 2"),
+                       pipeoffload::error);
   for (pb::Block b : owned) dev->device_free(b);
 }
 
@@ -410,19 +461,29 @@ void sgd_updates() {
     const std::span<float> dbuf =
         momentum ? device_floats(*dev, owned, std::vector<float>(n, 123.0f)) : std::span<float>{};
     std::vector<float> want_p = p0, want_buf(n, 123.0f);
+    // Two segments (the second with twice the learning rate), as po::Sgd passes a chunk.
+    const std::size_t half = n / 2;
+    up::Segment seg[2] = {{dp.data(), dg.data(), momentum ? dbuf.data() : nullptr, nullptr, nullptr, half, lr, 0},
+                          {dp.data() + half, dg.data() + half, momentum ? dbuf.data() + half : nullptr, nullptr,
+                           nullptr, n - half, 2 * lr, 0}};
+    for (up::Segment& x : seg) x.weight_decay = c.hyper.weight_decay;
     for (bool first : {true, false}) {
       CAPTURE(first);
-      dev->sgd(dp, dg, dbuf, c.hyper, lr, scale, first);
+      dev->sgd(std::span<const up::Segment>(seg),
+               up::SgdStep{c.hyper.momentum, c.hyper.dampening, c.hyper.nesterov, first, scale});
       float unused = 0;
       for (std::size_t i = 0; i < n; ++i)
-        up::sgd(want_p[i], g[i] * scale, momentum ? want_buf[i] : unused, c.hyper, lr, first);
+        up::sgd(want_p[i], g[i] * scale, momentum ? want_buf[i] : unused, c.hyper, i < half ? lr : 2 * lr, first);
       check_floats("sgd p", host_floats(*dev, dp), want_p, Traits::fp32_tolerance);
       if (momentum) check_floats("sgd buf", host_floats(*dev, dbuf), want_buf, Traits::fp32_tolerance);
       CHECK(host_floats(*dev, dg) == g);
     }
-    if (momentum)
-      CHECK_THROWS_AS(dev->sgd(dp, dg, std::span<float>{}, c.hyper, lr, scale, false),
-                      pipeoffload::error);  // momentum needs its buffer
+    // Momentum needs its buffer; without momentum there is none.
+    up::Segment wrong = seg[0];
+    wrong.state0 = momentum ? nullptr : dp.data();
+    CHECK_THROWS_AS(dev->sgd(std::span<const up::Segment>(&wrong, 1),
+                             up::SgdStep{c.hyper.momentum, c.hyper.dampening, c.hyper.nesterov, false, scale}),
+                    pipeoffload::error);
     for (pb::Block b : owned) dev->device_free(b);
   }
 }
@@ -588,7 +649,8 @@ void sum_parts() {
   TEST_CASE(name ": a stage's forward and backward match models/gpt/math.hpp") {                                    \
     conformance::stage_forward_backward<Traits>();                                                                  \
   }                                                                                                                 \
-  TEST_CASE(name ": upload, download, sums of squares and AdamW between steps, gradients left as they are") {       \
+  TEST_CASE(name                                                                                                    \
+            ": sums of squares by the next wait, multi-tensor AdamW with working copies, gradients as they are") {  \
     conformance::optimizer_operations<Traits>();                                                                    \
   }                                                                                                                 \
   TEST_CASE(name ": zero clears exactly the bytes asked for") { conformance::zero_clears_a_range<Traits>(); }       \

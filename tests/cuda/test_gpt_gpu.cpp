@@ -595,9 +595,14 @@ std::vector<float> train(Backend& dev, MakeStage make, int steps) {
       .add("targets", tgt, {static_cast<long long>(rows), mbs.seq});
   std::vector<float> losses;
   for (int s = 0; s < steps; ++s) {
+    const long long waits = dev.host_waits();
     rt.zero_grad();
     losses.push_back(rt.forward_backward(batch, {.step = s}).loss);
     opt.step(lr(s), po::clip_scale(po::grad_norm(rt), 1.0f));
+    // The host waits where it reads: two input uploads, the step's end and its one readback
+    // (the norm's sums behind it); zero_grad, the norm and AdamW (one launch a chunk) wait for
+    // nothing.
+    CHECK(dev.host_waits() - waits == 4);
   }
   return losses;
 }

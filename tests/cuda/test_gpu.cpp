@@ -36,7 +36,12 @@ TEST_CASE("AdamW, SGD and the non-finite check match the CPU updates") {
   float *dp = g.copy(p), *dgr = g.copy(gr), *dm = g.copy(m), *dv = g.copy(v);
   const up::AdamWParams o{};
   const up::AdamBias bc = up::adam_bias(o.beta1, o.beta2, 3);
-  pk::adamw(dp, dgr, dm, dv, static_cast<long long>(n), o, 1e-3f, bc, 0.5f, g.s);
+  // One segment through the multi-tensor kernel (cuda::segment_launches' shape).
+  const auto one = [&](float* params, float* s0, float* s1, float lr, float wd) {
+    return std::vector<up::Segment>{{params, dgr, s0, s1, nullptr, n, lr, wd}};
+  };
+  for (const po::cuda::SegmentLaunch& l : po::cuda::segment_launches(one(dp, dm, dv, 1e-3f, o.weight_decay)))
+    pk::adamw(l, up::AdamWStep{o.beta1, o.beta2, o.eps, bc, 0.5f}, g.s);
   for (std::size_t i = 0; i < n; ++i) up::adamw(p[i], gr[i] * 0.5f, m[i], v[i], o, 1e-3f, bc);
   check_close(g.get(dp, n), p, 1e-6f, 1e-7f);
   check_close(g.get(dm, n), m, 1e-6f, 1e-8f);
@@ -47,12 +52,14 @@ TEST_CASE("AdamW, SGD and the non-finite check match the CPU updates") {
   std::vector<float> buf(n, 0.0f);
   float* dbuf = g.copy(buf);
   for (bool first : {true, false}) {
-    pk::sgd(dp, dgr, dbuf, static_cast<long long>(n), nesterov, 0.1f, 0.5f, first, g.s);
+    for (const po::cuda::SegmentLaunch& l : po::cuda::segment_launches(one(dp, dbuf, nullptr, 0.1f, 0.01f)))
+      pk::sgd(l, up::SgdStep{0.9f, 0.0f, true, first, 0.5f}, g.s);
     for (std::size_t i = 0; i < n; ++i) up::sgd(p[i], gr[i] * 0.5f, buf[i], nesterov, 0.1f, first);
     check_close(g.get(dp, n), p, 1e-6f, 1e-7f);
     check_close(g.get(dbuf, n), buf, 1e-6f, 1e-7f);
   }
-  pk::sgd(dp, dgr, nullptr, static_cast<long long>(n), up::SgdParams{}, 0.1f, 1.0f, true, g.s);
+  for (const po::cuda::SegmentLaunch& l : po::cuda::segment_launches(one(dp, nullptr, nullptr, 0.1f, 0.0f)))
+    pk::sgd(l, up::SgdStep{0.0f, 0.0f, false, true, 1.0f}, g.s);
   float unused = 0;
   for (std::size_t i = 0; i < n; ++i) up::sgd(p[i], gr[i], unused, up::SgdParams{}, 0.1f, true);
   check_close(g.get(dp, n), p, 1e-6f, 1e-7f);
@@ -83,6 +90,7 @@ TEST_CASE("backend::Cuda::sum_squares gives cuda::sum_squares_reference's bits, 
   po::cuda::sum_squares_reference(host, groups, want);
   for (int round = 0; round < 2; ++round) {
     dev.sum_squares(values, groups, got);
+    dev.synchronize();  // the sums are written by the next wait
     for (std::size_t k = 0; k < groups.size(); ++k) {
       CAPTURE(k);
       CHECK(std::memcmp(&got[k], &want[k], sizeof(double)) == 0);
@@ -92,6 +100,7 @@ TEST_CASE("backend::Cuda::sum_squares gives cuda::sum_squares_reference's bits, 
   std::vector<double> want2(2), got2(2);
   po::cuda::sum_squares_reference(host, two, want2);
   dev.sum_squares(values, two, got2);
+  dev.synchronize();
   CHECK(std::memcmp(got2.data(), want2.data(), 2 * sizeof(double)) == 0);
   dev.device_free(b);
 }

@@ -161,6 +161,49 @@ TEST_CASE("elementwise launches cover every element once with a grid within CUDA
   CHECK_THROWS_AS(pc::elementwise_launch(-1), po::shape_error);
 }
 
+TEST_CASE("multi-tensor update launches cover every value of every run once, in at most segments_per_launch runs") {
+  // Seeded run sizes around the tile (4096) edges, empty runs among them; the walk is the
+  // kernel's: block b updates values [t * segment_tile, (t + 1) * segment_tile) of run
+  // segment_of(b), t its place among that run's blocks.
+  std::mt19937 rng(31);
+  for (int trial = 0; trial < 20; ++trial) {
+    CAPTURE(trial);
+    const std::size_t runs = 1 + rng() % 130;
+    const std::size_t sizes[] = {0, 1, 255, 4095, 4096, 4097, 8192, 12289};
+    std::vector<po::update::Segment> segments(runs);
+    std::vector<std::vector<int>> seen(runs);
+    std::size_t nonempty = 0;
+    for (std::size_t k = 0; k < runs; ++k) {
+      segments[k].count = rng() % 3 == 0 ? sizes[rng() % 8] : rng() % 20000;
+      segments[k].lr = static_cast<float>(k);  // names the run
+      seen[k].assign(segments[k].count, 0);
+      nonempty += segments[k].count > 0;
+    }
+    const std::vector<pc::SegmentLaunch> launches = pc::segment_launches(segments);
+    CHECK(launches.size() == (nonempty + pc::segments_per_launch - 1) / pc::segments_per_launch);
+    std::size_t listed = 0;
+    for (const pc::SegmentLaunch& l : launches) {
+      REQUIRE(l.count >= 1);
+      REQUIRE(static_cast<std::size_t>(l.count) <= pc::segments_per_launch);
+      listed += static_cast<std::size_t>(l.count);
+      CHECK(l.launch().block == pc::elementwise_block);
+      for (long long b = 0; b < static_cast<long long>(l.launch().grid); ++b) {
+        const int k = pc::segment_of(l, b);
+        const po::update::Segment& s = l.segments[k];
+        const long long begin = (b - l.first_block[k]) * pc::segment_tile;
+        const long long end = std::min(begin + pc::segment_tile, static_cast<long long>(s.count));
+        REQUIRE(begin < end);  // no block without work
+        for (long long i = begin; i < end; ++i) ++seen[static_cast<std::size_t>(s.lr)][static_cast<std::size_t>(i)];
+      }
+    }
+    CHECK(listed == nonempty);
+    std::size_t wrong = 0;
+    for (const std::vector<int>& v : seen)
+      for (int x : v) wrong += x != 1;
+    CHECK(wrong == 0);
+  }
+}
+
 TEST_CASE("per-row launches give one block of row_block threads per row and refuse grids CUDA cannot launch") {
   const pc::Launch l = pc::per_row_launch(4096 * 8, 4096);
   CHECK(l.grid == 4096u * 8u);

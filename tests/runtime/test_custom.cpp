@@ -176,6 +176,8 @@ struct Run {
   std::vector<std::size_t> optimizer_memory;  ///< per global rank: optimizer bytes after construction
   std::vector<std::size_t> fixed_state;       ///< per global rank: the step inputs', losses' and flags' bytes
   std::vector<std::vector<std::size_t>> chunk_params;  ///< per global rank: parameters of each chunk
+  std::vector<std::vector<long long>> waits;           ///< per global rank, per step: the host's waits (host_waits)
+  std::vector<std::size_t> inputs;                     ///< per global rank: the step inputs it uploads
 };
 
 const po::ParamGroup no_decay{"no decay", [](const po::ParamInfo& p) { return p.shape.size() < 2; }, 1.0f, 0.0f};
@@ -199,6 +201,8 @@ Run train(const Case& c) {
   run.optimizer_memory.resize(ranks);
   run.chunk_params.resize(ranks);
   run.fixed_state.resize(ranks);
+  run.waits.assign(ranks, std::vector<long long>(static_cast<std::size_t>(c.steps), -1));
+  run.inputs.resize(ranks);
   po::RuntimeOptions rt_options = options;
   rt_options.gradients = c.gradients;
   rt_options.reduce_bucket = c.reduce_bucket;
@@ -206,7 +210,8 @@ Run train(const Case& c) {
   std::mutex mu;
   const auto rank = [&](int g, po::comm::Threads& comm, po::comm::Threads* replicas) {
     const int r = g % sh.d, j = g / sh.d;
-    po::backend::Cpu dev({.rank = g, .copy_bytes_per_second = c.copy_bytes_per_second});
+    // Sums of squares held back until a wait, as on a GPU: the norm is NaN if it reads early.
+    po::backend::Cpu dev({.rank = g, .copy_bytes_per_second = c.copy_bytes_per_second, .defer_results = true});
     std::vector<custom::Stage> mine = custom::make_rank_stages(model, sh, r);
     std::vector<Bf16Stage> narrow;
     if (c.bf16)
@@ -242,11 +247,13 @@ Run train(const Case& c) {
               fixed += m * in.elements * po::dtype_size(in.dtype);
             }
         run.fixed_state[static_cast<std::size_t>(g)] = fixed;
+        run.inputs[static_cast<std::size_t>(g)] = names.size();
       }
       if (!c.load_dir.empty()) po::load_checkpoint(c.load_dir, rt, opt, config_hash);
       for (int step = c.first_step; step < c.steps; ++step) {
         std::vector<float> losses(m * static_cast<std::size_t>(c.parts * c.dp));
         if (replicas != nullptr && !c.overlap_gather) replicas->reset_traffic();
+        const long long waits = dev.host_waits();
         rt.zero_grad();
         for (int part = 0; part < c.parts; ++part) {
           const std::size_t first =
@@ -259,6 +266,7 @@ Run train(const Case& c) {
         }
         const double norm = po::grad_norm(rt);
         opt.step(lr(step), po::clip_scale(norm, 0.5f));
+        run.waits[static_cast<std::size_t>(g)][static_cast<std::size_t>(step)] = dev.host_waits() - waits;
         if (replicas != nullptr && !c.overlap_gather) {
           std::lock_guard lk(mu);
           run.traffic[static_cast<std::size_t>(g)] = replicas->traffic().total();
@@ -365,10 +373,9 @@ struct GapHead : custom::RegressionHead {
 class ThrowingCpu : public po::backend::Cpu {
  public:
   explicit ThrowingCpu(Options o) : Cpu(o), rank_(o.rank) {}
-  void adamw(std::span<float> p, std::span<const float> g, std::span<float> m, std::span<float> v,
-             const po::update::AdamWParams& o, float rate, po::update::AdamBias bias, float grad_scale) {
+  void adamw(std::span<const po::update::Segment> segments, const po::update::AdamWStep& step) {
     if (rank_ == 1) throw std::runtime_error("injected optimizer failure on rank 1");
-    Cpu::adamw(p, g, m, v, o, rate, bias, grad_scale);
+    Cpu::adamw(segments, step);
   }
 
  private:
@@ -797,6 +804,78 @@ TEST_CASE("a training step and an evaluation each read their results back in one
     });
     for (const std::string& e : rk.errors) CHECK(e == "");
   }
+}
+
+TEST_CASE(
+    "a training step makes the host wait only where it reads: its inputs and its results, the norm's sums among them") {
+  // The host's waits as backend::Cuda counts them (synchronize, download, upload; zero_grad,
+  // the norm's sums and the optimizers' updates are enqueued): each forward_backward uploads
+  // the rank's step inputs, waits once and reads its results once, the last of a step with the
+  // norm's sums behind its work; grad_norm does not wait; the optimizer waits once only for
+  // ZeRO-1's parameter gather.
+  struct Want {
+    Case c;
+    int extra;  // the optimizer's waits
+  };
+  const std::vector<Want> cases{
+      {{.program = po::PO_F::build({2, 2, 4})}, 0},
+      {{.program = po::GIS_H::build({4, 1, 4}), .parts = 2, .optim = Optim::sgd}, 0},
+      {{.program = po::ZB_V::build({2, 2, 4}), .dp = 2, .gradients = po::Gradients::standard}, 0},
+      {{.program = po::PO_H::build({2, 2, 4}), .dp = 2, .zero = 1, .gradients = po::Gradients::standard}, 1},
+      {{.program = po::PO_F::build({2, 2, 4}), .dp = 2, .zero = 1, .bf16 = true}, 1},
+  };
+  for (const Want& w : cases) {
+    CAPTURE(w.c.program.shape.d);
+    CAPTURE(w.c.dp);
+    CAPTURE(w.c.zero);
+    const Run run = train(w.c);
+    require_ok(run);
+    for (std::size_t g = 0; g < run.waits.size(); ++g)
+      for (std::size_t step = 0; step < run.waits[g].size(); ++step) {
+        CAPTURE(g);
+        CAPTURE(step);
+        CHECK(run.waits[g][step] ==
+              static_cast<long long>(w.c.parts) * (static_cast<long long>(run.inputs[g]) + 2) + w.extra);
+      }
+  }
+}
+
+TEST_CASE("grad_norm takes the sums the step's last call read back, and otherwise waits once for its own") {
+  // Exact gradients: two parts give the same bits in either order. In order, the last call
+  // (part 1 of 2) brings the norm's sums back with its results and grad_norm does not wait;
+  // reversed, the last call is part 0, so grad_norm sums and waits once: the same norm, bit for
+  // bit. After zero_grad it sums again (zero). The backend defers the sums as a GPU does.
+  const po::Program program = po::PO_F::build({2, 2, 4});
+  const Ranks rk = run_ranks(2, [&](int r, World& world) {
+    po::backend::Cpu dev({.rank = r, .defer_results = true});
+    po::comm::Threads comm(world, r);
+    std::vector<custom::Stage> mine = custom::make_rank_stages(model, program.shape, r);
+    const std::vector<custom::StageRef> stages = custom::refs(mine);
+    Runtime rt(program, dev, comm, stages, options);
+    const std::size_t part_rows = static_cast<std::size_t>(program.shape.m) * rows;
+    const auto a = data().train(0, part_rows), b = data().train(part_rows, part_rows);
+    const auto step = [&](std::initializer_list<int> parts) {
+      rt.zero_grad();
+      for (int part : parts) rt.forward_backward((part == 0 ? a : b).batch(), {.step = 0, .part = part, .parts = 2});
+      const long long before = dev.host_waits();
+      const double norm = po::grad_norm(rt);
+      return std::pair(norm, dev.host_waits() - before);
+    };
+    const auto [reversed, waits_reversed] = step({1, 0});
+    const auto [in_order, waits_in_order] = step({0, 1});
+    if (waits_in_order != 0 || waits_reversed != 1)
+      throw std::runtime_error("grad_norm waited " + std::to_string(waits_in_order) + " and " +
+                               std::to_string(waits_reversed) + " times; want 0 and 1");
+    if (!(in_order > 0) || !same_bits(in_order, reversed))
+      throw std::runtime_error("norms " + std::to_string(in_order) + " and " + std::to_string(reversed));
+    rt.evaluate(a.batch());  // leaves the gradients, and the step's sums, as they are
+    const long long before = dev.host_waits();
+    if (!same_bits(po::grad_norm(rt), in_order) || dev.host_waits() != before)
+      throw std::runtime_error("grad_norm after evaluate recomputed or changed");
+    rt.zero_grad();
+    if (po::grad_norm(rt) != 0.0) throw std::runtime_error("grad_norm after zero_grad is not 0");
+  });
+  for (const std::string& e : rk.errors) CHECK(e == "");
 }
 
 TEST_CASE(

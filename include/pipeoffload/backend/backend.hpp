@@ -18,16 +18,23 @@
 //   - set_error_hook(fn): fn(message) runs once, on the first failure, from the failing
 //     thread (the runtime uses it to abort the communicator, so peers blocked on this rank
 //     wake up).
-// Between passes, with every stream idle, the runtime and the optimizers also call these
-// blocking operations on device memory (a GPU backend runs them on the device and returns
-// once they are done):
-//   - download(host, device, bytes) / upload(device, host, bytes) / zero(device, bytes);
+// Between passes the runtime and the optimizers also call these operations on device memory:
+//   - download(host, device, bytes) / upload(device, host, bytes): blocking (the host waits);
+//   - zero(device, bytes): enqueued (below);
 // and, within a pass's stream order, one check:
 //   - flag_nonfinite(ctx, tensor, flag): sets the uint32 at `flag` (device memory) to 1 if any
 //     element of the floating-point `tensor` is NaN or infinite (the runtime's check of
 //     activations and gradients where they appear).
 // Optimizers need more of a backend (backend::updates_parameters below): sum_squares for
 // the gradient norm, and the adamw and sgd updates of backend/update.hpp.
+// Enqueued operations (zero and updates_parameters' calls) run in the order they are called,
+// after all work enqueued on any stream before them, and before any work enqueued after them
+// on any stream and any later host read (download, synchronize). They do not make the host
+// wait: a GPU backend puts them on a private stream that waits for every other stream and
+// that every other stream waits for, on the device (backend::Cpu lets its streams drain,
+// then runs them). A host result (sum_squares' `out`) is written by the time the next
+// synchronize() returns. So a training step makes the host wait only where it reads its
+// inputs' uploads and its results (docs/step.md).
 // Between steps the layers' parameters() and gradients() are device memory: host code reads
 // and writes them through download/upload (po::Runtime::download_parameters and friends).
 /// @file
@@ -86,11 +93,19 @@ inline void require_groups(const char* who, std::size_t values, std::span<const 
                 " of " + std::to_string(values) + " values with " + std::to_string(outs) +
                 " outputs; they must cover all values, one output each");
 }
-inline void require_update_sizes(const char* who, std::size_t p, std::size_t g, std::size_t m, std::size_t v) {
-  if (g != p || m != p || v != p)
-    throw error(std::string(who) + ": parameters, gradients and optimizer state have " + std::to_string(p) + ", " +
-                std::to_string(g) + ", " + std::to_string(m) + " and " + std::to_string(v) +
-                " elements; they must be equal");
+/// Each segment of an update has the buffers its rule reads: parameters and gradients, and
+/// `states` state buffers (AdamW 2; SGD 1 with momentum, 0 without, which must then be null).
+inline void require_segments(const char* who, std::span<const update::Segment> segments, int states) {
+  for (std::size_t k = 0; k < segments.size(); ++k) {
+    const update::Segment& s = segments[k];
+    const bool has0 = s.state0 != nullptr, has1 = s.state1 != nullptr;
+    if (s.count == 0) continue;
+    if (s.params == nullptr || s.grads == nullptr || has0 != (states >= 1) || has1 != (states >= 2))
+      throw error(std::string(who) + ": segment " + std::to_string(k) + " of " + std::to_string(segments.size()) +
+                  " has parameters " + (s.params ? "set" : "null") + ", gradients " + (s.grads ? "set" : "null") +
+                  " and " + std::to_string(int{has0} + int{has1}) + " state buffers; the rule needs parameters, " +
+                  "gradients and exactly " + std::to_string(states) + " state buffers (state0 first)");
+  }
 }
 
 inline void require_same_size(const char* who, std::size_t a, std::size_t b) {
@@ -185,24 +200,24 @@ concept backend =
     };
 
 /// Optional, on top of `backend`: what po::AdamW, po::Sgd and po::grad_norm run on the device,
-/// blocking (between steps, every stream idle):
+/// enqueued (see the file comment):
 ///   - sum_squares(values, groups, out): out[k] = sum of squares, in fp64 and a fixed order,
-///     of the k-th run of groups[k] values (the gradient norm's pieces);
-///   - adamw(params, grads, m, v, hyper, lr, bias, grad_scale): update::adamw on every element
-///     with grads * grad_scale (the clip);
-///   - sgd(params, grads, buf, hyper, lr, grad_scale, first): update::sgd likewise;
-///   - round_to_bf16(dst, src): dst (bfloat16, device memory) = src rounded to nearest even
-///     (po::bf16_bits): a mixed-precision stage's working parameters from the master copy.
+///     of the k-th run of groups[k] values (the gradient norm's pieces); `out` (host memory,
+///     alive until then) is written by the time the next synchronize() returns;
+///   - adamw(segments, step): update::adamw_at on every value of every segment, then the
+///     segment's bfloat16 working copy (where it has one) from the result, rounded to nearest
+///     even (po::bf16_bits): one call a chunk, one launch a GPU for up to
+///     cuda::segments_per_launch segments; the segment table is read during the call;
+///   - sgd(segments, step): update::sgd_at likewise.
 /// Gradients are left as they are (Runtime::zero_grad clears them).
 template <class B>
-concept updates_parameters = requires(
-    B& b, std::span<float> fs, std::span<const float> cfs, std::span<const std::size_t> groups, std::span<double> out,
-    const update::AdamWParams& aw, const update::SgdParams& sg, float lr, update::AdamBias bias, bool first) {
-  b.sum_squares(cfs, groups, out);
-  b.adamw(fs, cfs, fs, fs, aw, lr, bias, lr);
-  b.sgd(fs, cfs, fs, sg, lr, lr, first);
-  b.round_to_bf16(static_cast<std::byte*>(nullptr), cfs);
-};
+concept updates_parameters =
+    requires(B& b, std::span<const float> cfs, std::span<const std::size_t> groups, std::span<double> out,
+             std::span<const update::Segment> segments, const update::AdamWStep& aw, const update::SgdStep& sg) {
+      b.sum_squares(cfs, groups, out);
+      b.adamw(segments, aw);
+      b.sgd(segments, sg);
+    };
 
 /// What po::Runtime needs of a backend to sum and reduce gradients, on either path
 /// (RuntimeOptions::gradients), each in a stream's order (`ctx`: a GPU backend enqueues on its

@@ -1,12 +1,16 @@
 // pipeoffload/backend/update.hpp: the per-element optimizer updates every backend runs.
 //
 // Plain functions over one parameter, compiled for the CPU backend's loops and for the CUDA
-// kernels' grid-stride loops (kernels/elementwise.cu), so the CPU tests cover what the GPU
-// runs. The optimizers that call them (po::AdamW, po::Sgd) are in runtime/optimizer.hpp.
+// kernels (kernels/elementwise.cu), so the CPU tests cover what the GPU runs; and the runs
+// (Segment) one backend call updates together: a chunk's whole update is one call, one
+// launch on a GPU for up to cuda::segments_per_launch runs. The optimizers that build them
+// (po::AdamW, po::Sgd) are in runtime/optimizer.hpp.
 /// @file
 #pragma once
 
 #include <cmath>
+#include <cstddef>
+#include <cstdint>
 
 #include "../detail/host_device.hpp"
 
@@ -57,6 +61,50 @@ PIPEOFFLOAD_HOST_DEVICE inline void sgd(float& p, float g, float& buf, const Sgd
     g = o.nesterov ? g + o.momentum * buf : buf;
   }
   p -= lr * g;
+}
+
+/// One run of parameters a multi-tensor update call updates with one learning rate and weight
+/// decay. Every pointer is device memory of `count` values (or null where said).
+struct Segment {
+  float* params = nullptr;           ///< fp32 values updated: the master copy, or fp32 working parameters
+  const float* grads = nullptr;      ///< their gradients (only read)
+  float* state0 = nullptr;           ///< AdamW's m, SGD's momentum buffer (null without momentum)
+  float* state1 = nullptr;           ///< AdamW's v (null for SGD)
+  std::uint16_t* working = nullptr;  ///< bfloat16 working copy written from params after the update, or null
+  std::size_t count = 0;             ///< values in the run
+  float lr = 0;                      ///< the run's learning rate (the step's times its group's scale)
+  float weight_decay = 0;            ///< the run's weight decay
+};
+
+/// What one AdamW call applies to every segment besides the segment's lr and weight decay.
+struct AdamWStep {
+  float beta1 = 0.9f;    ///< decay of the first moment (AdamWParams::beta1)
+  float beta2 = 0.95f;   ///< decay of the second moment (AdamWParams::beta2)
+  float eps = 1e-8f;     ///< added to sqrt(v-hat) in the denominator (AdamWParams::eps)
+  AdamBias bias{};       ///< the step's bias corrections
+  float grad_scale = 1;  ///< gradients are multiplied by it (the clip)
+};
+/// What one SGD call applies to every segment besides the segment's lr and weight decay.
+struct SgdStep {
+  float momentum = 0;     ///< SgdParams::momentum (0: no buffer)
+  float dampening = 0;    ///< SgdParams::dampening
+  bool nesterov = false;  ///< SgdParams::nesterov
+  bool first = false;     ///< the momentum buffer's first step
+  float grad_scale = 1;   ///< gradients are multiplied by it (the clip)
+};
+
+/// Element i of segment s after one AdamW update (the value the working copy is rounded from).
+PIPEOFFLOAD_HOST_DEVICE inline float adamw_at(const Segment& s, std::size_t i, const AdamWStep& st) {
+  const AdamWParams o{st.beta1, st.beta2, st.eps, s.weight_decay};
+  adamw(s.params[i], s.grads[i] * st.grad_scale, s.state0[i], s.state1[i], o, s.lr, st.bias);
+  return s.params[i];
+}
+/// Element i of segment s after one SGD update (state0 is not touched without momentum).
+PIPEOFFLOAD_HOST_DEVICE inline float sgd_at(const Segment& s, std::size_t i, const SgdStep& st) {
+  const SgdParams o{st.momentum, st.dampening, st.nesterov, s.weight_decay};
+  float unused = 0;
+  sgd(s.params[i], s.grads[i] * st.grad_scale, s.state0 != nullptr ? s.state0[i] : unused, o, s.lr, st.first);
+  return s.params[i];
 }
 
 }  // namespace pipeoffload::update

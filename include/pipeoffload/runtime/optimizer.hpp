@@ -8,8 +8,9 @@
 //
 // An optimizer holds its state (AdamW moments, SGD momentum) in device memory, per chunk of
 // the rank, and updates every stage of its rank through the backend's update calls
-// (backend::updates_parameters), run by parameter group: runs of named parameter tensors
-// (Stage::parameter_info) with their own learning-rate scale and weight decay.
+// (backend::updates_parameters): one multi-tensor call a chunk, enqueued, over runs of named
+// parameter tensors (Stage::parameter_info) with their own learning-rate scale and weight
+// decay (parameter groups). What a step waits for: docs/step.md.
 /// @file
 #pragma once
 
@@ -55,7 +56,9 @@ inline float clip_scale(double norm, float max_norm) {
 
 /// The global L2 norm of every stage's gradients, the same on every rank. Collective over the
 /// runtime's ranks. Each stage's squared gradients are summed per norm group in fp64 on the
-/// device; the groups are added in stage order, then group order, so the norm does not
+/// device, behind the step's last forward_backward, which reads them with its results
+/// (Runtime::step_norm_sums; otherwise here, with one wait); the groups are added in stage
+/// order, then group order, so the norm does not
 /// depend on how the model is cut into stages (at group boundaries) nor on the rank count.
 /// On the standard path with replicas each replica sums the squares of the gradients it owns
 /// and the replicas' sums are added in replica order (Runtime::norm_pieces).
@@ -67,12 +70,23 @@ double grad_norm(Runtime& rt) {
   return rt.guard("grad_norm", [&] {
     const Shape& sh = rt.program().shape;
     const std::size_t v = static_cast<std::size_t>(sh.v), groups = rt.max_norm_groups(), width = v * groups;
-    std::vector<double> mine(width, 0.0), all(width * static_cast<std::size_t>(sh.d)), part;
-    for (std::size_t c = 0; c < v; ++c)
+    std::vector<double> mine(width, 0.0), all(width * static_cast<std::size_t>(sh.d));
+    // The sums the step's last forward_backward read with its results; otherwise every piece
+    // enqueued, then one wait (the backend writes the sums by then).
+    std::vector<std::vector<double>> computed;
+    if (!rt.step_norm_sums()) {
+      for (std::size_t c = 0; c < v; ++c)
+        for (const auto& p : rt.norm_pieces(static_cast<int>(c))) computed.emplace_back(p.sizes.size(), 0.0);
+      for (std::size_t c = 0, x = 0; c < v; ++c)
+        for (const auto& p : rt.norm_pieces(static_cast<int>(c)))
+          rt.device().sum_squares(rt.stages()[c].gradients().subspan(p.range.begin, p.range.size()), p.sizes,
+                                  std::span(computed[x++]));
+      rt.device().synchronize();
+    }
+    const std::vector<std::vector<double>>& parts = rt.step_norm_sums() ? *rt.step_norm_sums() : computed;
+    for (std::size_t c = 0, x = 0; c < v; ++c)
       for (const auto& p : rt.norm_pieces(static_cast<int>(c))) {
-        part.assign(p.sizes.size(), 0.0);
-        rt.device().sum_squares(rt.stages()[c].gradients().subspan(p.range.begin, p.range.size()), p.sizes,
-                                std::span(part));
+        const std::vector<double>& part = parts[x++];
         for (std::size_t k = 0; k < part.size(); ++k) mine[c * groups + p.first_group + k] += part[k];
       }
     if (rt.norm_by_shards()) {  // each replica summed its own shards: add them in replica order
@@ -332,39 +346,54 @@ class OptimizerBase {
     });
   }
 
-  /// Runs `update(chunk, run, params, grads)` over every run of every chunk of this rank, then
-  /// counts the step; a failure aborts every rank, naming this one and the step.
-  /// With ZeRO-1 each replica updates the runs' parts inside its shards (`run.offset` is then
-  /// the position in the state buffers, as state(c, k) is), and the replicas then all-gather
-  /// the parameters (Runtime::share_shards): the same values as one replica updating them all.
+  /// Chunk c's update as segments (update::Segment): every run's part inside each of this
+  /// replica's shards, with the run's learning rate (`lr` times its scale) and weight decay,
+  /// the state buffers this optimizer has, and the bfloat16 working copy where the stage keeps
+  /// an fp32 master. With ZeRO-1 `state`'s positions are the shards' places in the state buffers
+  /// (as state(c, k) is), the gradients' and working copy's the parameters' own.
+  std::vector<update::Segment> segments(int c, float lr) {
+    const auto& stage = rt_.stages()[static_cast<std::size_t>(c)];
+    const bool mixed = has_master(c);
+    auto* working = reinterpret_cast<std::uint16_t*>(stage.working().data);
+    std::vector<update::Segment> out;
+    std::size_t at = 0;  // where the shard starts in the state buffers
+    for (const ParamRange& s : shards_[static_cast<std::size_t>(c)]) {
+      for (const ParamRun& r : runs_[static_cast<std::size_t>(c)]) {
+        const std::size_t a = std::max(s.begin, r.offset), b = std::min(s.end, r.offset + r.count);
+        if (a >= b) continue;
+        const std::size_t state_at = at + (a - s.begin);
+        update::Segment seg;
+        seg.params = mixed ? master(c).data() + state_at : stage.parameters().data() + a;
+        seg.grads = stage.gradients().data() + a;
+        if (states_ >= 1) seg.state0 = state(c, 0).data() + state_at;
+        if (states_ >= 2) seg.state1 = state(c, 1).data() + state_at;
+        seg.working = mixed ? working + a : nullptr;
+        seg.count = b - a;
+        seg.lr = lr * r.lr_scale;
+        seg.weight_decay = r.weight_decay;
+        out.push_back(seg);
+      }
+      at += s.size();
+    }
+    return out;
+  }
+
+  /// Runs `update(segments)` for every chunk of this rank (one backend call a chunk, enqueued),
+  /// then counts the step; a failure aborts every rank, naming this one and the step. With
+  /// ZeRO-1 the replicas then all-gather the parameters (Runtime::share_shards; the host waits
+  /// once for all chunks unless the gather is left to overlap): the same values as one replica
+  /// updating them all.
   template <class F>
-  void each_run(const char* who, F&& update) {
+  void each_chunk(const char* who, float lr, F&& update) {
     rt_.settle();  // a step without a pass since the last one: its gather first
     rt_.guard(std::string(who) + " step " + std::to_string(steps_), [&] {
-      for (std::size_t c = 0; c < runs_.size(); ++c) {
-        const auto& stage = rt_.stages()[c];
-        std::size_t at = 0;  // where the shard starts in the state buffers
-        for (const ParamRange& s : shards_[c]) {
-          for (const ParamRun& r : runs_[c]) {
-            const std::size_t a = std::max(s.begin, r.offset), b = std::min(s.end, r.offset + r.count);
-            if (a >= b) continue;
-            const ParamRun run{at + (a - s.begin), b - a, r.lr_scale, r.weight_decay};
-            update(static_cast<int>(c), run,
-                   has_master(static_cast<int>(c)) ? master(static_cast<int>(c)).subspan(run.offset, run.count)
-                                                   : stage.parameters().subspan(a, b - a),
-                   stage.gradients().subspan(a, b - a));
-          }
-          // A mixed-precision stage's working parameters: the updated master, rounded.
-          if (has_master(static_cast<int>(c)))
-            rt_.device().round_to_bf16(stage.working().data + s.begin * sizeof(std::uint16_t),
-                                       master(static_cast<int>(c)).subspan(at, s.size()));
-          at += s.size();
-        }
-      }
+      for (std::size_t c = 0; c < runs_.size(); ++c) update(segments(static_cast<int>(c), lr));
       return 0;
     });
-    if (sharded_)
-      for (std::size_t c = 0; c < runs_.size(); ++c) rt_.share_shards(static_cast<int>(c), overlap_);
+    if (sharded_) {
+      for (std::size_t c = 0; c < runs_.size(); ++c) rt_.share_shards(static_cast<int>(c), true);
+      if (!overlap_) rt_.settle();
+    }
     rt_.share_tied(overlap_);
     ++steps_;
   }
@@ -412,14 +441,14 @@ class AdamW : public detail::OptimizerBase<Runtime> {
         opt_(std::move(opt)) {}
 
   /// One update of every parameter of this rank with learning rate `lr` (times its group's
-  /// scale) and gradients multiplied by `grad_scale` (the clip). Gradients are left as they
-  /// are. Not collective; a failure aborts every rank.
+  /// scale) and gradients multiplied by `grad_scale` (the clip): one backend call a chunk,
+  /// enqueued (the host does not wait, except for ZeRO-1's gather). Gradients are left as they
+  /// are. Not collective without ZeRO-1; a failure aborts every rank.
   void step(float lr, float grad_scale = 1.0f) {
-    const update::AdamBias bias = update::adam_bias(opt_.beta1, opt_.beta2, this->steps_ + 1);
-    this->each_run("po::AdamW", [&](int c, const detail::ParamRun& r, std::span<float> p, std::span<float> g) {
-      const update::AdamWParams hp{opt_.beta1, opt_.beta2, opt_.eps, r.weight_decay};
-      this->rt_.device().adamw(p, g, this->state(c, 0).subspan(r.offset, r.count),
-                               this->state(c, 1).subspan(r.offset, r.count), hp, lr * r.lr_scale, bias, grad_scale);
+    const update::AdamWStep st{opt_.beta1, opt_.beta2, opt_.eps,
+                               update::adam_bias(opt_.beta1, opt_.beta2, this->steps_ + 1), grad_scale};
+    this->each_chunk("po::AdamW", lr, [&](const std::vector<update::Segment>& segments) {
+      this->rt_.device().adamw(std::span<const update::Segment>(segments), st);
     });
   }
   /// The optimizer's name in checkpoints ("adamw").
@@ -460,12 +489,9 @@ class Sgd : public detail::OptimizerBase<Runtime> {
 
   /// One update of every parameter of this rank (see AdamW::step).
   void step(float lr, float grad_scale = 1.0f) {
-    const bool first = this->steps_ == 0;
-    this->each_run("po::Sgd", [&](int c, const detail::ParamRun& r, std::span<float> p, std::span<float> g) {
-      const update::SgdParams hp{opt_.momentum, opt_.dampening, opt_.nesterov, r.weight_decay};
-      const std::span<float> buf =
-          this->states_ > 0 ? this->state(c, 0).subspan(r.offset, r.count) : std::span<float>{};
-      this->rt_.device().sgd(p, g, buf, hp, lr * r.lr_scale, grad_scale, first);
+    const update::SgdStep st{opt_.momentum, opt_.dampening, opt_.nesterov, this->steps_ == 0, grad_scale};
+    this->each_chunk("po::Sgd", lr, [&](const std::vector<update::Segment>& segments) {
+      this->rt_.device().sgd(std::span<const update::Segment>(segments), st);
     });
   }
   /// The optimizer's name in checkpoints ("sgd").

@@ -304,6 +304,7 @@ class Runtime<Backend, Communicator> {
 
   /// Sets every stage's gradients (and, on the exact path, their sums) to zero (on the device).
   void zero_grad() {
+    norm_ready_ = false;
     guard("zero_grad", [&] {
       for (const Stage& s : stages_) dev_.zero(s.gradients().data(), s.gradients().size_bytes());
       for (const backend::Block& b : sums_) dev_.zero(b.ptr, b.bytes);
@@ -507,6 +508,11 @@ class Runtime<Backend, Communicator> {
   const std::vector<NormPiece>& norm_pieces(int chunk) const {
     return norm_pieces_[static_cast<std::size_t>(checked_index(chunk))];
   }
+  /// The sums of squares of every norm piece (norm_pieces, chunk by chunk) that the last call
+  /// of a step (forward_backward with part == parts - 1) computed behind its work and read
+  /// with its results; null when none was, or the gradients may have changed since (zero_grad,
+  /// another forward_backward). po::grad_norm uses them instead of waiting for the device again.
+  const std::vector<std::vector<double>>* step_norm_sums() const { return norm_ready_ ? &norm_sums_ : nullptr; }
   /// Whether the gradient norm is summed over replicas' shards (see norm_pieces).
   bool norm_by_shards() const { return dp_ > 1 && opt_.gradients == Gradients::standard; }
 
@@ -881,6 +887,8 @@ class Runtime<Backend, Communicator> {
   std::vector<backend::Block> staging_;              // reduction: reduction_staging_bytes' buffers, in its order
   std::vector<GradientLayout> layouts_;              // per chunk: reduction buckets and shards
   std::vector<std::vector<NormPiece>> norm_pieces_;  // per chunk: what grad_norm reads
+  std::vector<std::vector<double>> norm_sums_;       // per piece: the step's sums (step_norm_sums)
+  bool norm_ready_ = false;                          // norm_sums_ are the gradients' (step_norm_sums)
   std::vector<TiedParameter> ties_;                  // every shared parameter of the pipeline, by key
   std::vector<char> tie_chunk_;                      // per chunk: holds a shared parameter
   std::vector<char> tie_primary_;                    // per chunk: holds a primary

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -49,6 +50,9 @@ class Cpu {
   struct Options {
     int rank = 0;                      ///< for contexts and messages
     double copy_bytes_per_second = 0;  ///< transfer() pace; 0 = as fast as memcpy
+    /// Hold sum_squares' results back until the next synchronize() (its `out` reads NaN until
+    /// then), as an asynchronous device may: a check that callers wait before they read.
+    bool defer_results = false;
   };
 
   /// Device memory is host memory here (backend::host_addressable_memory).
@@ -130,14 +134,17 @@ class Cpu {
 
   /// Host waits until every stream is idle; throws the first error if any stream failed.
   void synchronize() {
+    ++host_waits_;
     std::unique_lock lk(mu_);
-    host_cv_.wait(lk, [&] {
-      for (const auto& s : streams_)
-        if (s->running || !s->queue.empty()) return false;
-      return true;
-    });
+    drain(lk);
+    for (Deferred& d : deferred_) std::copy(d.sums.begin(), d.sums.end(), d.out.begin());
+    deferred_.clear();
     if (failed_) throw error(error_);
   }
+
+  /// Times the host has waited for the device, counted as backend::Cuda counts them
+  /// (synchronize, download, upload): what a step would wait on a GPU.
+  long long host_waits() const { return host_waits_; }
 
   /// Fails the device: waits in progress and to come throw aborted_error naming `why`.
   void abort(std::string why) { fail(std::move(why)); }
@@ -261,15 +268,18 @@ class Cpu {
 
   /// Copies `bytes` of device memory to host memory (a memcpy here).
   void download(void* host, const void* device, std::size_t bytes) {
+    ++host_waits_;
     if (bytes > 0) std::memcpy(host, device, bytes);
   }
   /// Copies `bytes` of host memory to device memory (a memcpy here).
   void upload(void* device, const void* host, std::size_t bytes) {
+    ++host_waits_;
     if (bytes > 0) std::memcpy(device, host, bytes);
   }
 
-  /// Sets `bytes` of device memory to zero.
+  /// Sets `bytes` of device memory to zero, once the streams have drained (an enqueued operation).
   void zero(void* device, std::size_t bytes) {
+    after_streams();
     if (bytes > 0) std::memset(device, 0, bytes);
   }
 
@@ -313,43 +323,43 @@ class Cpu {
 
   // ---- optimizer updates (backend::updates_parameters) ----------------------------------
 
-  /// out[k] = sum of squares of the k-th run of groups[k] values, in fp64, in index order.
+  /// out[k] = sum of squares of the k-th run of groups[k] values, in fp64, in index order
+  /// (with Options::defer_results, written by the next synchronize()).
   void sum_squares(std::span<const float> values, std::span<const std::size_t> groups, std::span<double> out) {
     detail::require_groups("backend::Cpu::sum_squares", values.size(), groups, out.size());
+    after_streams();
+    std::vector<double> sums(groups.size());
     std::size_t off = 0;
     for (std::size_t k = 0; k < groups.size(); ++k) {
       double s = 0;
       for (std::size_t i = off; i < off + groups[k]; ++i)
         s += static_cast<double>(values[i]) * static_cast<double>(values[i]);
-      out[k] = s;
+      sums[k] = s;
       off += groups[k];
     }
-  }
-
-  /// update::adamw per element with grads * grad_scale.
-  void adamw(std::span<float> p, std::span<const float> g, std::span<float> m, std::span<float> v,
-             const update::AdamWParams& o, float lr, update::AdamBias bias, float grad_scale) {
-    detail::require_update_sizes("backend::Cpu::adamw", p.size(), g.size(), m.size(), v.size());
-    for (std::size_t i = 0; i < p.size(); ++i) update::adamw(p[i], g[i] * grad_scale, m[i], v[i], o, lr, bias);
-  }
-
-  /// update::sgd per element with grads * grad_scale; `buf` is the momentum buffer (unused,
-  /// and may be empty, without momentum).
-  void sgd(std::span<float> p, std::span<const float> g, std::span<float> buf, const update::SgdParams& o, float lr,
-           float grad_scale, bool first) {
-    const bool momentum = o.momentum != 0.0f;
-    detail::require_update_sizes("backend::Cpu::sgd", p.size(), g.size(), momentum ? buf.size() : p.size(), p.size());
-    float unused = 0;
-    for (std::size_t i = 0; i < p.size(); ++i)
-      update::sgd(p[i], g[i] * grad_scale, momentum ? buf[i] : unused, o, lr, first);
-  }
-
-  /// dst[i] = src[i] rounded to bfloat16 (po::bf16_bits), dst being bfloat16 device memory.
-  void round_to_bf16(std::byte* dst, std::span<const float> src) {
-    for (std::size_t i = 0; i < src.size(); ++i) {
-      const std::uint16_t bits = bf16_bits(src[i]);
-      std::memcpy(dst + i * sizeof bits, &bits, sizeof bits);
+    if (!opt_.defer_results) {
+      std::copy(sums.begin(), sums.end(), out.begin());
+      return;
     }
+    std::fill(out.begin(), out.end(), std::numeric_limits<double>::quiet_NaN());
+    std::lock_guard lk(mu_);
+    deferred_.push_back({out, std::move(sums)});
+  }
+
+  /// update::adamw_at on every value of every segment, then its bfloat16 working copy.
+  void adamw(std::span<const update::Segment> segments, const update::AdamWStep& step) {
+    detail::require_segments("backend::Cpu::adamw", segments, 2);
+    after_streams();
+    for (const update::Segment& s : segments)
+      for (std::size_t i = 0; i < s.count; ++i) store_working(s, i, update::adamw_at(s, i, step));
+  }
+
+  /// update::sgd_at on every value of every segment, then its bfloat16 working copy.
+  void sgd(std::span<const update::Segment> segments, const update::SgdStep& step) {
+    detail::require_segments("backend::Cpu::sgd", segments, step.momentum != 0.0f ? 1 : 0);
+    after_streams();
+    for (const update::Segment& s : segments)
+      for (std::size_t i = 0; i < s.count; ++i) store_working(s, i, update::sgd_at(s, i, step));
   }
 
   // ---- gradient sums (backend::reduces_gradients): on the calling stream's thread --------
@@ -401,7 +411,9 @@ class Cpu {
     if (bytes > 0) std::memmove(dst, src, bytes);
   }
   /// Sets `bytes` of device memory at dst to zero.
-  void zero(Context&, void* dst, std::size_t bytes) { zero(dst, bytes); }
+  void zero(Context&, void* dst, std::size_t bytes) {
+    if (bytes > 0) std::memset(dst, 0, bytes);
+  }
 
   // ---- PCIe pairs (backend::pairs_copies) -----------------------------------------------
 
@@ -458,6 +470,32 @@ class Cpu {
   const Options& options() const { return opt_; }
 
  private:
+  // Waits (holding `lk` on mu_) until every stream is idle: its queue run, or dropped by a failure.
+  void drain(std::unique_lock<std::mutex>& lk) {
+    host_cv_.wait(lk, [&] {
+      for (const auto& s : streams_)
+        if (s->running || !s->queue.empty()) return false;
+      return true;
+    });
+  }
+  // An enqueued operation's order: after all work enqueued on any stream before it (no host
+  // wait on a GPU, hence not counted in host_waits).
+  void after_streams() {
+    std::unique_lock lk(mu_);
+    drain(lk);
+  }
+
+  // A sum_squares result held back until the next synchronize() (Options::defer_results).
+  struct Deferred {
+    std::span<double> out;
+    std::vector<double> sums;
+  };
+
+  // A multi-tensor update's value i of segment s into its bfloat16 working copy, if it has one.
+  static void store_working(const update::Segment& s, std::size_t i, float value) {
+    if (s.working != nullptr) s.working[i] = bf16_bits(value);
+  }
+
   // Waits and records are queue items the worker handles under the lock, without running
   // user code: they cost no allocation and no extra wake-up.
   struct Item {
@@ -646,6 +684,8 @@ class Cpu {
   }
 
   Options opt_;
+  std::atomic<long long> host_waits_{0};  // see host_waits()
+  std::vector<Deferred> deferred_;        // sum_squares results for the next synchronize() (under mu_)
   mutable std::mutex mu_;
   std::condition_variable host_cv_;  // synchronize(): a stream went idle, or the device failed
   std::condition_variable pace_cv_;  // transfer(): only a failure cuts a paced copy short

@@ -21,9 +21,13 @@
 //     pin them then. No step takes memory from the system: with one thread per GPU
 //     in one process, a cudaHostAlloc during a step takes driver-wide locks while the other
 //     rank's NCCL kernel may be spinning, waiting for this rank (issue 15's hang class);
-//   - the between-steps operations (download, upload, zero, and the optimizers' sum_squares,
-//     adamw and sgd: backend::updates_parameters) run on a private stream and return once it
-//     is idle; flag_nonfinite enqueues its check on the pass's own stream;
+//   - the between-steps operations run on a private stream: download and upload return once
+//     it is idle; zero and the optimizers' sum_squares, adamw and sgd
+//     (backend::updates_parameters) are enqueued there behind every stream's work so far
+//     (join), and the first use of any stream after them (launch, record, wait, context) makes
+//     every stream wait for that stream, all on the GPU, so a training step makes the host
+//     wait only where it reads (host_waits() counts them; docs/step.md);
+//     flag_nonfinite enqueues its check on the pass's own stream;
 //   - the PCIe-pair counters' waits (Counter below) are invisible to CUDA's scheduler, so every
 //     stream needs a hardware queue of its own: CUDA_DEVICE_MAX_CONNECTIONS=32, set with eager
 //     module loading before the first CUDA call (backend/cuda/environment.hpp says why);
@@ -168,9 +172,10 @@ class Cuda {
     gemms_ = std::make_unique<cuda::GemmPlans>(lt_, round_up(opt_.workspace_bytes));
     // The workspace is carved first and never freed: it is not one of the runtime's kinds.
     workspace_ = carve(round_up(opt_.workspace_bytes));
-    // The stream of the blocking between-steps operations (download, upload, zero, sum_squares, adamw, sgd).
+    // The stream of the between-steps operations (download, upload, zero, sum_squares, adamw, sgd).
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamCreateWithFlags(&aux_, cudaStreamNonBlocking));
-    // (3 * max_norm_groups + 1) int64 table or max_norm_groups fp64 sums, pinned host, owned
+    PIPEOFFLOAD_CUDA_CHECK(cudaEventCreateWithFlags(&aux_done_, cudaEventDisableTiming));
+    // (3 * max_norm_groups + 1) int64 table and max_norm_groups fp64 sums, pinned host, owned
     // here: sum_squares' uploads and results, so that no step copies through pageable memory.
     void* staging = nullptr;
     PIPEOFFLOAD_CUDA_CHECK(cudaHostAlloc(&staging, norm_staging_bytes(), cudaHostAllocPortable));
@@ -191,11 +196,15 @@ class Cuda {
     for (auto& [size, list] : free_device_)
       for (const Free& f : list)
         if (f.guard) cudaEventDestroy(f.guard);
-    for (auto& s : streams_) cudaStreamDestroy(s.stream);
+    for (auto& s : streams_) {
+      cudaStreamDestroy(s.stream);
+      cudaEventDestroy(s.joined);
+    }
     if (aux_) {
       cudaStreamSynchronize(aux_);
       cudaStreamDestroy(aux_);
     }
+    if (aux_done_) cudaEventDestroy(aux_done_);
     if (norm_staging_) cudaFreeHost(norm_staging_);
     attention_.reset();  // its graphs were finalized against dnn_
     gemms_.reset();      // its descriptors belong to lt_'s device
@@ -210,7 +219,9 @@ class Cuda {
     select();
     cudaStream_t s = nullptr;
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    streams_.push_back({std::move(name), s});
+    cudaEvent_t joined = nullptr;
+    PIPEOFFLOAD_CUDA_CHECK(cudaEventCreateWithFlags(&joined, cudaEventDisableTiming));
+    streams_.push_back({std::move(name), s, joined});
     return static_cast<int>(streams_.size()) - 1;
   }
 
@@ -228,6 +239,7 @@ class Cuda {
     at(stream);
     if (failed()) return;  // a failed device drops new work, as backend::Cpu does
     select();
+    fence();
     const int saved = current_;
     current_ = stream;
     try {
@@ -244,6 +256,7 @@ class Cuda {
   void record(int event, int stream) {
     if (failed()) return;
     select();
+    fence();
     PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev(event), at(stream)));
   }
 
@@ -251,13 +264,21 @@ class Cuda {
   void wait(int stream, int event) {
     if (failed()) return;
     select();
+    fence();
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamWaitEvent(at(stream), ev(event), 0));
   }
 
-  /// Host waits for every stream; throws the first error (a failed pass, or a CUDA error
+  /// Host waits for every stream and the enqueued between-steps operations (sum_squares'
+  /// results are then in their `out`); throws the first error (a failed pass, or a CUDA error
   /// reported by a stream), after which the device stays failed.
   void synchronize() {
     select();
+    ++host_waits_;
+    try {
+      finish_aux(false);
+    } catch (const std::exception& e) {
+      fail(std::string("between-steps operations: ") + e.what());
+    }
     for (const auto& s : streams_) {
       try {
         if (polls_.empty())
@@ -302,6 +323,8 @@ class Cuda {
 
   /// What a pass on `stream` is given: the stream, the device's library handles and workspace.
   Context context(int stream) {
+    select();
+    fence();
     return Context{this,
                    opt_.rank,
                    stream,
@@ -429,20 +452,28 @@ class Cuda {
       if (c.bytes > 0) PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, s));
   }
 
-  // ---- between steps (every stream idle): blocking, on a private stream -----------------
+  // ---- between steps, on a private stream: copies blocking, the rest enqueued -------------
 
-  /// Copies `bytes` from device memory to host memory and waits for the copy.
+  /// Copies `bytes` from device memory to host memory, after the enqueued operations, and
+  /// waits for the copy.
   void download(void* host, const void* device, std::size_t bytes) { blocking_copy(host, device, bytes); }
-  /// Copies `bytes` from host memory to device memory and waits for the copy.
+  /// Copies `bytes` from host memory to device memory, after the enqueued operations, and
+  /// waits for the copy.
   void upload(void* device, const void* host, std::size_t bytes) { blocking_copy(device, host, bytes); }
 
-  /// Sets `bytes` of device memory to zero (Runtime::zero_grad, the runtime's check flags).
+  /// Enqueues setting `bytes` of device memory to zero (Runtime::zero_grad, the runtime's check
+  /// flags); the host does not wait.
   void zero(void* device, std::size_t bytes) {
     if (bytes == 0) return;
     select();
+    join();
     PIPEOFFLOAD_CUDA_CHECK(cudaMemsetAsync(device, 0, bytes, aux_));
-    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
+    aux_pending_ = true;
   }
+
+  /// Times the host has waited for the device: synchronize(), download() and upload() (the
+  /// enqueued operations never wait). A training step waits where it reads its results.
+  long long host_waits() const { return host_waits_; }
 
   // ---- within a pass's stream order --------------------------------------------------------
 
@@ -455,17 +486,20 @@ class Cuda {
     cuda::kernels::flag_nonfinite(t.data, static_cast<long long>(t.elements), t.dtype, flag, ctx.cuda_stream);
   }
 
-  // ---- optimizer updates (backend::updates_parameters): blocking, on the private stream ------
+  // ---- optimizer updates (backend::updates_parameters): enqueued on the private stream -------
 
-  /// out[k] = sum of squares of the k-th run of groups[k] values, in fp64 and in the fixed
-  /// order of cuda::sum_squares_reference (shapes.hpp): every group is cut into blocks of
+  /// Enqueues out[k] = sum of squares of the k-th run of groups[k] values, in fp64 and in the
+  /// fixed order of cuda::sum_squares_reference (shapes.hpp): every group is cut into blocks of
   /// norm_chunk values reduced by one thread block each, all groups in one launch, then one
   /// block per group adds its blocks' partial sums. The same gradients give the same bits,
-  /// whatever the GPU. Its buffers (the group table, the partials and the sums, one device block
-  /// of cuda::norm_buffer_bytes) are made by reserve_sum_squares, which po::Runtime calls at
-  /// construction for every chunk's groups, so no step carves; a call with larger groups than
-  /// reserved (a caller outside the runtime) carves a larger block then. The table is uploaded
-  /// again only when the groups change.
+  /// whatever the GPU. `out` is written when the next synchronize() (or download, upload)
+  /// returns, so every piece of a norm costs one wait together. Its buffers (the group table,
+  /// the partials and the sums, one device block of cuda::norm_buffer_bytes) are made by
+  /// reserve_sum_squares, which po::Runtime calls at construction for every chunk's groups, so
+  /// no step carves; a call with larger groups than reserved (a caller outside the runtime)
+  /// carves a larger block then. The table is uploaded again only when the groups change; the
+  /// tables and sums of the calls since the last wait share the pinned staging (a call that
+  /// finds it full waits for the ones before it first).
   void sum_squares(std::span<const float> values, std::span<const std::size_t> groups, std::span<double> out) {
     detail::require_groups("backend::Cuda::sum_squares", values.size(), groups, out.size());
     if (groups.empty()) return;
@@ -477,22 +511,27 @@ class Cuda {
     const cuda::NormPlan plan = cuda::sum_squares_plan(groups);
     const std::vector<long long> table = cuda::norm_table(plan, groups);
     const std::size_t g = groups.size(), table_bytes = table.size() * sizeof(long long);
+    if (staging_top_ + table_bytes + g * sizeof(double) > norm_staging_bytes()) finish_aux(true);
+    join();
     reserve_sum_squares(groups);  // a no-op where the runtime reserved them
     // norms_: (3g + 1) int64 table, then plan.blocks() fp64 partials, then g fp64 sums.
     auto* dev_table = reinterpret_cast<long long*>(norms_.ptr);
     auto* partials = reinterpret_cast<double*>(norms_.ptr + table_bytes);
     double* sums = partials + plan.blocks();
     if (table != norm_table_) {
-      std::memcpy(norm_staging_, table.data(), table_bytes);
-      PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(dev_table, norm_staging_, table_bytes, cudaMemcpyHostToDevice, aux_));
+      std::memcpy(norm_staging_ + staging_top_, table.data(), table_bytes);
+      PIPEOFFLOAD_CUDA_CHECK(
+          cudaMemcpyAsync(dev_table, norm_staging_ + staging_top_, table_bytes, cudaMemcpyHostToDevice, aux_));
+      staging_top_ += table_bytes;
       norm_table_ = table;
     }
     cuda::kernels::sum_squares(values.data(), dev_table, static_cast<long long>(g), plan.blocks(), partials, sums,
                                aux_);
-    // Stream order: the table's upload has read the staging before this copy overwrites it.
-    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(norm_staging_, sums, g * sizeof(double), cudaMemcpyDeviceToHost, aux_));
-    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
-    std::memcpy(out.data(), norm_staging_, g * sizeof(double));
+    PIPEOFFLOAD_CUDA_CHECK(
+        cudaMemcpyAsync(norm_staging_ + staging_top_, sums, g * sizeof(double), cudaMemcpyDeviceToHost, aux_));
+    pending_sums_.push_back({out, staging_top_});
+    staging_top_ += g * sizeof(double);
+    aux_pending_ = true;
   }
 
   /// Makes sum_squares' device block large enough for `groups` now (see sum_squares; the
@@ -507,39 +546,24 @@ class Cuda {
     norm_table_.clear();
   }
 
-  /// kernels::adamw: update::adamw per element with grads * grad_scale. Gradients are only
-  /// read (Runtime::zero_grad clears them), so several updates may follow one backward.
-  void adamw(std::span<float> p, std::span<const float> g, std::span<float> m, std::span<float> v,
-             const update::AdamWParams& o, float lr, update::AdamBias bias, float grad_scale) {
-    detail::require_update_sizes("backend::Cuda::adamw", p.size(), g.size(), m.size(), v.size());
-    if (p.empty()) return;
+  /// Enqueues update::adamw_at on every value of every segment and the bfloat16 working
+  /// copies (kernels::adamw: one launch per cuda::segments_per_launch segments). Gradients are
+  /// only read (Runtime::zero_grad clears them), so several updates may follow one backward.
+  void adamw(std::span<const update::Segment> segments, const update::AdamWStep& step) {
+    detail::require_segments("backend::Cuda::adamw", segments, 2);
     select();
-    cuda::kernels::adamw(p.data(), g.data(), m.data(), v.data(), static_cast<long long>(p.size()), o, lr, bias,
-                         grad_scale, aux_);
-    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
+    join();
+    for (const cuda::SegmentLaunch& l : cuda::segment_launches(segments)) cuda::kernels::adamw(l, step, aux_);
+    aux_pending_ = true;
   }
 
-  /// kernels::sgd: update::sgd per element with grads * grad_scale; `buf` is the momentum
-  /// buffer, unused (and may be empty) without momentum, as on backend::Cpu. `first`: the
-  /// buffer's first step.
-  void sgd(std::span<float> p, std::span<const float> g, std::span<float> buf, const update::SgdParams& o, float lr,
-           float grad_scale, bool first) {
-    const bool momentum = o.momentum != 0.0f;
-    detail::require_update_sizes("backend::Cuda::sgd", p.size(), g.size(), momentum ? buf.size() : p.size(), p.size());
-    if (p.empty()) return;
+  /// Enqueues update::sgd_at likewise (kernels::sgd); without momentum the segments have no state.
+  void sgd(std::span<const update::Segment> segments, const update::SgdStep& step) {
+    detail::require_segments("backend::Cuda::sgd", segments, step.momentum != 0.0f ? 1 : 0);
     select();
-    cuda::kernels::sgd(p.data(), g.data(), momentum ? buf.data() : nullptr, static_cast<long long>(p.size()), o, lr,
-                       grad_scale, first, aux_);
-    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
-  }
-
-  /// dst[i] = src[i] rounded to bfloat16 (to nearest even, as po::bf16_bits), dst being
-  /// bfloat16 device memory; blocking.
-  void round_to_bf16(std::byte* dst, std::span<const float> src) {
-    if (src.empty()) return;
-    select();
-    cuda::kernels::to_bf16(src.data(), reinterpret_cast<__nv_bfloat16*>(dst), static_cast<long long>(src.size()), aux_);
-    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
+    join();
+    for (const cuda::SegmentLaunch& l : cuda::segment_launches(segments)) cuda::kernels::sgd(l, step, aux_);
+    aux_pending_ = true;
   }
 
   // ---- gradient sums (backend::reduces_gradients): enqueued on the pass's stream ---------
@@ -647,6 +671,7 @@ class Cuda {
   void signal(int stream, Counter& c, std::uint64_t v) {
     if (failed()) return;
     select();
+    fence();
     PIPEOFFLOAD_CUDA_CHECK(cuda_detail::stream_mem_ops().write(reinterpret_cast<CUstream>(at(stream)),
                                                                c.device_address(), v, CU_STREAM_WRITE_VALUE_DEFAULT));
   }
@@ -654,14 +679,19 @@ class Cuda {
   void wait_counter(int stream, const Counter& c, std::uint64_t v) {
     if (failed()) return;
     select();
+    fence();
     PIPEOFFLOAD_CUDA_CHECK(cuda_detail::stream_mem_ops().wait(reinterpret_cast<CUstream>(at(stream)),
                                                               c.device_address(), v, CU_STREAM_WAIT_VALUE_GEQ));
   }
 
   // ---- CUDA specifics ------------------------------------------------------------------
 
-  /// The CUDA stream with id `s` (make_stream's id).
-  cudaStream_t stream(int s) { return at(s); }
+  /// The CUDA stream with id `s` (make_stream's id), ordered after the enqueued operations.
+  cudaStream_t stream(int s) {
+    select();
+    fence();
+    return at(s);
+  }
   /// The SDPA graphs of this device's cuDNN handle (a layer builds its shapes' graphs at
   /// construction through it, so that no step builds one: attention::workspace_bytes).
   cuda::attention::Graphs& attention_graphs() { return *attention_; }
@@ -677,16 +707,22 @@ class Cuda {
  private:
   static constexpr std::size_t alignment = cuda::pool_alignment;
   static std::size_t round_up(std::size_t n) { return cuda::pool_size_class(n); }
-  std::size_t norm_staging_bytes() const { return (3 * opt_.max_norm_groups + 1) * sizeof(long long); }
+  std::size_t norm_staging_bytes() const { return (4 * opt_.max_norm_groups + 1) * sizeof(long long); }
 
   struct Poll {
     int id = 0;
     std::function<void()> fn;
   };
+  /// A sum_squares result on its way: where it lands in the staging, and where it goes.
+  struct PendingSums {
+    std::span<double> out;
+    std::size_t staging = 0;
+  };
 
   struct StreamInfo {
     std::string name;
     cudaStream_t stream = nullptr;
+    cudaEvent_t joined = nullptr;  // recorded for join()
   };
   /// A freed block and the event its freeing stream recorded (null: freed outside launch(),
   /// where the caller has already synchronised).
@@ -701,8 +737,45 @@ class Cuda {
   void blocking_copy(void* dst, const void* src, std::size_t bytes) {
     if (bytes == 0) return;
     select();
+    ++host_waits_;
     PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, aux_));
-    PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
+    finish_aux(false);
+  }
+
+  /// Makes every stream wait, on the GPU, for the operations enqueued on aux_ since the last
+  /// fence (once: a stream's later work is behind that wait in stream order). Called before
+  /// any use of a stream, which join() then orders the next enqueued operation after.
+  void fence() {
+    streams_used_ = true;
+    if (!aux_pending_) return;
+    aux_pending_ = false;
+    PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(aux_done_, aux_));
+    for (const StreamInfo& s : streams_) PIPEOFFLOAD_CUDA_CHECK(cudaStreamWaitEvent(s.stream, aux_done_, 0));
+  }
+
+  /// Makes aux_ wait, on the GPU, for the work enqueued on every stream so far (before an
+  /// enqueued operation: backend.hpp's order), once per use of the streams.
+  void join() {
+    if (!streams_used_) return;
+    streams_used_ = false;
+    for (const StreamInfo& s : streams_) {
+      PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(s.joined, s.stream));
+      PIPEOFFLOAD_CUDA_CHECK(cudaStreamWaitEvent(aux_, s.joined, 0));
+    }
+  }
+
+  /// Waits for aux_ (polling as synchronize() does), then hands sum_squares' results to their
+  /// callers and empties the staging. `count`: a wait of its own (host_waits).
+  void finish_aux(bool count) {
+    if (count) ++host_waits_;
+    if (polls_.empty())
+      PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
+    else
+      poll_until_idle(aux_);
+    for (const PendingSums& p : pending_sums_)
+      std::memcpy(p.out.data(), norm_staging_ + p.staging, p.out.size() * sizeof(double));
+    pending_sums_.clear();
+    staging_top_ = 0;
   }
 
   std::byte* carve(std::size_t size) {
@@ -829,6 +902,12 @@ class Cuda {
   Block norms_{};                                       // sum_squares' table, partials and sums (see there)
   std::vector<long long> norm_table_;                   // the table norms_ holds now
   std::byte* norm_staging_ = nullptr;                   // pinned, see the constructor
+  std::size_t staging_top_ = 0;                         // staging bytes the pending sum_squares calls use
+  std::vector<PendingSums> pending_sums_;               // results to hand over at the next wait
+  cudaEvent_t aux_done_ = nullptr;                      // aux_'s fence (see fence())
+  bool aux_pending_ = false;                            // work enqueued on aux_ since the last fence
+  bool streams_used_ = false;                           // a stream used since the last join()
+  long long host_waits_ = 0;                            // see host_waits()
   std::vector<Poll> polls_;                             // wait polls (add_wait_poll), this thread's
   int next_poll_ = 0;
   cuda::PoolBook device_book_, host_book_;  // blocks and reservations per size class

@@ -22,6 +22,7 @@
 #include "../../tensor.hpp"
 #include "../exact.hpp"
 #include "../update.hpp"
+#include "shapes.hpp"
 
 namespace pipeoffload::cuda::kernels {
 
@@ -34,15 +35,11 @@ void to_bf16(const float* in, bf16* out, long long count, cudaStream_t stream);
 void to_float(const bf16* in, float* out, long long count, cudaStream_t stream);
 
 // ---- optimizer -----------------------------------------------------------------------------
-/// update::adamw on count parameters with gradients scaled by grad_scale (the clip); the
-/// gradients are only read.
-void adamw(float* params, const float* grads, float* m, float* v, long long count, update::AdamWParams hyper, float lr,
-           update::AdamBias bias, float grad_scale, cudaStream_t stream);
-/// update::sgd on count parameters with gradients scaled by grad_scale; `buf` is the momentum
-/// buffer (count floats), or null without momentum (update::sgd then never touches it).
-/// `first`: the buffer's first step (it is set to the gradient rather than decayed).
-void sgd(float* params, const float* grads, float* buf, long long count, update::SgdParams hyper, float lr,
-         float grad_scale, bool first, cudaStream_t stream);
+/// update::adamw_at on every value of launch's runs, then each run's bfloat16 working copy
+/// where it has one (cuda::SegmentLaunch: one block per segment_tile values of a run).
+void adamw(const SegmentLaunch& launch, const update::AdamWStep& step, cudaStream_t stream);
+/// update::sgd_at likewise.
+void sgd(const SegmentLaunch& launch, const update::SgdStep& step, cudaStream_t stream);
 /// out[k] = sum of squares of group k of `values` for k < groups, in fp64 and in the fixed
 /// order of cuda::sum_squares_reference (shapes.hpp): `table` (device) is cuda::norm_table of
 /// the groups' plan, `blocks` its plan's blocks(), `partials` (device) holds `blocks` fp64.

@@ -22,6 +22,7 @@
 #include "../../detail/host_device.hpp"
 #include "../../error.hpp"
 #include "../../tensor.hpp"
+#include "../update.hpp"
 
 namespace pipeoffload::cuda {
 
@@ -268,6 +269,56 @@ inline void sum_squares_reference(std::span<const float> values, std::span<const
     out[k] = norm_tree(s);
     at += groups[k];
   }
+}
+
+// ---- multi-tensor updates (backend::Cuda::adamw, sgd) ---------------------------------------
+//
+// One launch updates up to segments_per_launch runs (update::Segment): the runs travel in the
+// kernel's argument, each gets ceil(count / segment_tile) blocks, and block b updates values
+// [t * segment_tile, (t + 1) * segment_tile) of the run segment_of(b) finds, t being b's place
+// among that run's blocks. tests/cuda/test_host.cpp walks every block on the CPU.
+
+/// Runs one launch takes at most: its table (56 bytes a run, 8 for its first block) and the
+/// step's scalars stay under the 4 KiB of kernel arguments every CUDA version allows.
+inline constexpr std::size_t segments_per_launch = 48;
+/// Values one block of a multi-tensor update handles (elementwise_block threads, 16 each).
+inline constexpr long long segment_tile = static_cast<long long>(elementwise_block) * 16;
+
+/// One launch of a multi-tensor update: its runs and where each one's blocks start.
+struct SegmentLaunch {
+  update::Segment segments[segments_per_launch]{};   ///< the runs, count of them
+  long long first_block[segments_per_launch + 1]{};  ///< run k's blocks are [first_block[k], first_block[k + 1])
+  int count = 0;                                     ///< runs in this launch
+  /// Its launch shape: one block per tile of every run.
+  constexpr Launch launch() const { return {static_cast<unsigned>(first_block[count]), elementwise_block, 0}; }
+};
+static_assert(sizeof(SegmentLaunch) + 64 <= 4096, "a multi-tensor launch's argument must fit CUDA's 4 KiB");
+
+/// The run block `block` of `l` belongs to (first_block is increasing; a linear scan of at most
+/// segments_per_launch entries).
+PIPEOFFLOAD_HOST_DEVICE inline int segment_of(const SegmentLaunch& l, long long block) {
+  int k = 0;
+  while (k + 1 < l.count && l.first_block[k + 1] <= block) ++k;
+  return k;
+}
+
+/// The launches that update `segments` in order (runs of no values left out), at most
+/// segments_per_launch runs each.
+inline std::vector<SegmentLaunch> segment_launches(std::span<const update::Segment> segments) {
+  std::vector<SegmentLaunch> out;
+  for (const update::Segment& s : segments) {
+    if (s.count == 0) continue;
+    if (out.empty() || out.back().count == static_cast<int>(segments_per_launch)) out.emplace_back();
+    SegmentLaunch& l = out.back();
+    const long long tiles = (static_cast<long long>(s.count) + segment_tile - 1) / segment_tile;
+    const long long end = l.first_block[l.count] + tiles;
+    if (end > grid_x_limit)
+      throw shape_error("cuda::segment_launches: " + std::to_string(end) + " blocks exceed gridDim.x's limit " +
+                        std::to_string(grid_x_limit));
+    l.segments[l.count] = s;
+    l.first_block[++l.count] = end;
+  }
+  return out;
 }
 
 // ---- the non-finite check (backend::Cuda::flag_nonfinite) ---------------------------------

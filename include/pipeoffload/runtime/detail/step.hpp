@@ -37,8 +37,22 @@ PassStats Runtime<Backend, Communicator>::run(const Plan& plan, const Batch& bat
     buffers_.total_peak = buffers_total_;
   }
   const double t0 = dev_.now();
+  if (plan.training) norm_ready_ = false;  // (evaluation leaves the gradients as they are)
   enqueue(plan);
   if (plan.training) ++iterations_;
+  // A step's last call: the gradient norm's sums behind the step's work, read by its one wait
+  // (po::grad_norm takes them from step_norm_sums() instead of waiting again).
+  const bool norm = plan.training && info.part == info.parts - 1;
+  if constexpr (backend::updates_parameters<Backend>)
+    if (norm) {
+      norm_sums_.clear();
+      for (std::size_t c = 0; c < stages_.size(); ++c)
+        for (const NormPiece& p : norm_pieces_[c]) norm_sums_.emplace_back(p.sizes.size(), 0.0);
+      for (std::size_t c = 0, x = 0; c < stages_.size(); ++c)
+        for (const NormPiece& p : norm_pieces_[c])
+          dev_.sum_squares(stages_[c].gradients().subspan(p.range.begin, p.range.size()), p.sizes,
+                           std::span(norm_sums_[x++]));
+    }
   try {
     dev_.synchronize();
   } catch (const std::exception& e) {
@@ -49,6 +63,7 @@ PassStats Runtime<Backend, Communicator>::run(const Plan& plan, const Batch& bat
   st.seconds = dev_.now() - t0;
   st.memory = memory();
   verdict(plan, st);
+  if (plan.training) norm_ready_ = norm && backend::updates_parameters<Backend>;
   return st;
 }
 
