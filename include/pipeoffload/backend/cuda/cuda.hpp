@@ -768,10 +768,16 @@ class Cuda {
   /// callers and empties the staging. `count`: a wait of its own (host_waits).
   void finish_aux(bool count) {
     if (count) ++host_waits_;
-    if (polls_.empty())
-      PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
-    else
-      poll_until_idle(aux_);
+    try {
+      if (polls_.empty())
+        PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(aux_));
+      else
+        poll_until_idle(aux_);
+    } catch (...) {  // a failed device: the results never come, and nobody may wait for them
+      pending_sums_.clear();
+      staging_top_ = 0;
+      throw;
+    }
     for (const PendingSums& p : pending_sums_)
       std::memcpy(p.out.data(), norm_staging_ + p.staging, p.out.size() * sizeof(double));
     pending_sums_.clear();
