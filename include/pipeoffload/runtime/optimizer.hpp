@@ -57,7 +57,7 @@ inline float clip_scale(double norm, float max_norm) {
 /// The global L2 norm of every stage's gradients, the same on every rank. Collective over the
 /// runtime's ranks. Each stage's squared gradients are summed per norm group in fp64 on the
 /// device, behind the step's last forward_backward, which reads them with its results
-/// (Runtime::step_norm_sums; otherwise here, with one wait); the groups are added in stage
+/// (Runtime::norm_sums; otherwise then, with one wait); the groups are added in stage
 /// order, then group order, so the norm does not
 /// depend on how the model is cut into stages (at group boundaries) nor on the rank count.
 /// On the standard path with replicas each replica sums the squares of the gradients it owns
@@ -71,19 +71,8 @@ double grad_norm(Runtime& rt) {
     const Shape& sh = rt.program().shape;
     const std::size_t v = static_cast<std::size_t>(sh.v), groups = rt.max_norm_groups(), width = v * groups;
     std::vector<double> mine(width, 0.0), all(width * static_cast<std::size_t>(sh.d));
-    // The sums the step's last forward_backward read with its results; otherwise every piece
-    // enqueued, then one wait (the backend writes the sums by then).
-    std::vector<std::vector<double>> computed;
-    if (!rt.step_norm_sums()) {
-      for (std::size_t c = 0; c < v; ++c)
-        for (const auto& p : rt.norm_pieces(static_cast<int>(c))) computed.emplace_back(p.sizes.size(), 0.0);
-      for (std::size_t c = 0, x = 0; c < v; ++c)
-        for (const auto& p : rt.norm_pieces(static_cast<int>(c)))
-          rt.device().sum_squares(rt.stages()[c].gradients().subspan(p.range.begin, p.range.size()), p.sizes,
-                                  std::span(computed[x++]));
-      rt.device().synchronize();
-    }
-    const std::vector<std::vector<double>>& parts = rt.step_norm_sums() ? *rt.step_norm_sums() : computed;
+    // The sums the step's last forward_backward read with its results (or summed now).
+    const std::vector<std::vector<double>>& parts = rt.norm_sums();
     for (std::size_t c = 0, x = 0; c < v; ++c)
       for (const auto& p : rt.norm_pieces(static_cast<int>(c))) {
         const std::vector<double>& part = parts[x++];

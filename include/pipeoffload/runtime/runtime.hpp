@@ -508,11 +508,19 @@ class Runtime<Backend, Communicator> {
   const std::vector<NormPiece>& norm_pieces(int chunk) const {
     return norm_pieces_[static_cast<std::size_t>(checked_index(chunk))];
   }
-  /// The sums of squares of every norm piece (norm_pieces, chunk by chunk) that the last call
-  /// of a step (forward_backward with part == parts - 1) computed behind its work and read
-  /// with its results; null when none was, or the gradients may have changed since (zero_grad,
-  /// another forward_backward). po::grad_norm uses them instead of waiting for the device again.
-  const std::vector<std::vector<double>>* step_norm_sums() const { return norm_ready_ ? &norm_sums_ : nullptr; }
+  /// The sums of squares of every norm piece (norm_pieces, chunk by chunk, one vector a piece)
+  /// of the gradients as they are: those the last call of a step (forward_backward with
+  /// part == parts - 1) enqueued behind its work and read with its results, or, when the
+  /// gradients may have changed since (zero_grad, another forward_backward) or none were,
+  /// summed now with one wait. po::grad_norm adds them.
+  const std::vector<std::vector<double>>& norm_sums() {
+    if (!norm_ready_) {
+      enqueue_norm_sums();
+      dev_.synchronize();
+      norm_ready_ = true;
+    }
+    return norm_sums_;
+  }
   /// Whether the gradient norm is summed over replicas' shards (see norm_pieces).
   bool norm_by_shards() const { return dp_ > 1 && opt_.gradients == Gradients::standard; }
 
@@ -887,15 +895,25 @@ class Runtime<Backend, Communicator> {
   std::vector<backend::Block> staging_;              // reduction: reduction_staging_bytes' buffers, in its order
   std::vector<GradientLayout> layouts_;              // per chunk: reduction buckets and shards
   std::vector<std::vector<NormPiece>> norm_pieces_;  // per chunk: what grad_norm reads
-  std::vector<std::vector<double>> norm_sums_;       // per piece: the step's sums (step_norm_sums)
-  bool norm_ready_ = false;                          // norm_sums_ are the gradients' (step_norm_sums)
-  std::vector<TiedParameter> ties_;                  // every shared parameter of the pipeline, by key
-  std::vector<char> tie_chunk_;                      // per chunk: holds a shared parameter
-  std::vector<char> tie_primary_;                    // per chunk: holds a primary
-  std::vector<char> tie_copy_chunk_;                 // per chunk: holds a copy (tied_copies)
-  bool tie_here_ = false;                            // this rank holds a shared parameter
-  backend::Block tie_staging_{};                     // the primary's staging (tie_staging_bytes)
-  bool shard_gradients_ = false;                     // standard path: the reduction skips the all-gather
+  std::vector<std::vector<double>> norm_sums_;       // per piece: the gradients' sums (norm_sums)
+  bool norm_ready_ = false;                          // norm_sums_ are the gradients' (norm_sums)
+  // Enqueues every norm piece's sum_squares into norm_sums_ (written by the next synchronize()).
+  void enqueue_norm_sums() {
+    norm_sums_.clear();
+    for (std::size_t c = 0; c < stages_.size(); ++c)
+      for (const NormPiece& p : norm_pieces_[c]) norm_sums_.emplace_back(p.sizes.size(), 0.0);
+    for (std::size_t c = 0, x = 0; c < stages_.size(); ++c)
+      for (const NormPiece& p : norm_pieces_[c])
+        dev_.sum_squares(stages_[c].gradients().subspan(p.range.begin, p.range.size()), p.sizes,
+                         std::span(norm_sums_[x++]));
+  }
+  std::vector<TiedParameter> ties_;   // every shared parameter of the pipeline, by key
+  std::vector<char> tie_chunk_;       // per chunk: holds a shared parameter
+  std::vector<char> tie_primary_;     // per chunk: holds a primary
+  std::vector<char> tie_copy_chunk_;  // per chunk: holds a copy (tied_copies)
+  bool tie_here_ = false;             // this rank holds a shared parameter
+  backend::Block tie_staging_{};      // the primary's staging (tie_staging_bytes)
+  bool shard_gradients_ = false;      // standard path: the reduction skips the all-gather
   int compute_ = -1, copy_ = -1, comm_stream_ = -1;
   std::vector<int> gathered_;         // per chunk: recorded after share_shards(c, true)'s gather
   std::vector<char> gather_pending_;  // per chunk: that gather not yet waited for

@@ -41,18 +41,10 @@ PassStats Runtime<Backend, Communicator>::run(const Plan& plan, const Batch& bat
   enqueue(plan);
   if (plan.training) ++iterations_;
   // A step's last call: the gradient norm's sums behind the step's work, read by its one wait
-  // (po::grad_norm takes them from step_norm_sums() instead of waiting again).
+  // (po::grad_norm takes them from norm_sums() instead of waiting again).
   const bool norm = plan.training && info.part == info.parts - 1;
   if constexpr (backend::updates_parameters<Backend>)
-    if (norm) {
-      norm_sums_.clear();
-      for (std::size_t c = 0; c < stages_.size(); ++c)
-        for (const NormPiece& p : norm_pieces_[c]) norm_sums_.emplace_back(p.sizes.size(), 0.0);
-      for (std::size_t c = 0, x = 0; c < stages_.size(); ++c)
-        for (const NormPiece& p : norm_pieces_[c])
-          dev_.sum_squares(stages_[c].gradients().subspan(p.range.begin, p.range.size()), p.sizes,
-                           std::span(norm_sums_[x++]));
-    }
+    if (norm) enqueue_norm_sums();
   try {
     dev_.synchronize();
   } catch (const std::exception& e) {
