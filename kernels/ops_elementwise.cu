@@ -112,6 +112,14 @@ __global__ void position_embedding_forward_k(const bf16* table, bf16* out, long 
   for (long long i = first_index(); i < total; i += grid_stride())
     out[i] = st(ld(out, i) + ld(table, ((i / n) % seq) * n + i % n));
 }
+__global__ void position_ids_forward_k(const bf16* table, const std::int32_t* positions, bf16* out, long long total,
+                                       int n, int table_rows) {
+  for (long long i = first_index(); i < total; i += grid_stride()) {
+    const int p = positions[i / n];
+    out[i] =
+        st((p < 0 || p >= table_rows) ? nan_value() : ld(out, i) + ld(table, static_cast<long long>(p) * n + i % n));
+  }
+}
 /// One value of a bf16 (rows, n) gradient, for embedding_grad_cells.
 struct Bf16Grad {
   const bf16* d;
@@ -212,6 +220,11 @@ void position_embedding_forward(const CudaContext& ctx, const bf16* table, bf16*
     throw shape_error("ops::position_embedding_forward: seq = " + std::to_string(seq) + " is outside [1, ...)");
   PIPEOFFLOAD_LAUNCH(position_embedding_forward_k, elementwise_launch(rows * n), ctx.cuda_stream, table, out, rows * n,
                      n, seq);
+}
+void position_embedding_forward(const CudaContext& ctx, const bf16* table, const std::int32_t* positions, bf16* out,
+                                long long rows, int n, int table_rows) {
+  PIPEOFFLOAD_LAUNCH(position_ids_forward_k, elementwise_launch(rows * n), ctx.cuda_stream, table, positions, out,
+                     rows * n, n, table_rows);
 }
 void position_embedding_backward(const CudaContext& ctx, const bf16* d, float* dtable, long long rows, int n, int seq) {
   if (seq < 1 || rows % seq != 0)

@@ -3,7 +3,8 @@
 //
 // Token + position embedding, N pre-LN transformer blocks (causal multi-head self-attention,
 // GeLU MLP, residual dropout), final LayerNorm, LM head, softmax cross-entropy; fp32 on the
-// CPU with GEMMs on OpenBLAS (backend/cpu/blas.hpp). A stage is a run of blocks; stage 0 also
+// CPU with GEMMs on OpenBLAS (backend/cpu/blas.hpp) and everything else on the CPU ops
+// (ops/cpu.hpp), as the CUDA stage is on their twins. A stage is a run of blocks; stage 0 also
 // holds the embedding, the last stage the head. Which blocks, and where every parameter lives,
 // is layout.hpp's (shared with the CUDA implementation, cuda.hpp).
 //
@@ -36,7 +37,7 @@
 #include <pipeoffload/layer.hpp>
 #include <pipeoffload/packing.hpp>
 
-#include <pipeoffload/ops/math.hpp>
+#include <pipeoffload/ops/cpu.hpp>
 #include "layout.hpp"
 
 namespace pipeoffload::gpt {
@@ -139,7 +140,7 @@ class GptStage {
     return b;
   }
 
-  void forward(backend::CpuContext&, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
+  void forward(backend::CpuContext& ctx, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
     const std::size_t T = tokens(mb.shape);
     const float* x = xt.as<float>();
     float* y = yt.as<float>();
@@ -151,17 +152,9 @@ class GptStage {
     if (embeds()) {
       cur = count_ > 0 ? block_x(p) : tmp.data();
       const float* wte = params_.data();
-      const float* wpe = wte + static_cast<std::size_t>(layout_.wpe);
-      const std::int32_t* tokens = mb.input<std::int32_t>("tokens");
-      for (std::size_t t = 0; t < T; ++t) {
-        const int tok = tokens[t];
-        if (tok < 0 || tok >= c_.vocab)
-          throw error("GptStage: token " + std::to_string(tok) + " at position " + std::to_string(t) +
-                      " is outside [0, " + std::to_string(c_.vocab - 1) + "]");
-        const std::size_t pos = pos_[t];
-        for (std::size_t i = 0; i < h(); ++i)
-          cur[t * h() + i] = wte[static_cast<std::size_t>(tok) * h() + i] + wpe[pos * h() + i];
-      }
+      ops::embedding_forward(ctx, mb.input<std::int32_t>("tokens"), wte, cur, n(T), h_, c_.vocab);
+      ops::position_embedding_forward(ctx, wte + layout_.wpe, pos_.data(), cur, n(T), h_,
+                                      static_cast<int>(dims_.positions));
     } else {
       cur = count_ > 0 ? block_x(p) : tmp.data();
       std::memcpy(cur, x, T * h() * sizeof(float));
@@ -175,19 +168,19 @@ class GptStage {
         out = head_x(p + count_ * block_saved(mb.shape));
       else
         out = y;
-      block_forward(i, mb, bp, out);
+      block_forward(ctx, i, mb, bp, out);
       cur = out;
     }
     if (heads()) {
       std::byte* hp = p + count_ * block_saved(mb.shape);
       if (count_ == 0) std::memcpy(head_x(hp), cur, T * h() * sizeof(float));
-      *mb.loss = head_forward(mb, hp);
+      *mb.loss = head_forward(ctx, mb, hp);
       return;
     }
     if (count_ == 0 && y != nullptr) std::memcpy(y, cur, T * h() * sizeof(float));
   }
 
-  void backward_input(backend::CpuContext&, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved,
+  void backward_input(backend::CpuContext& ctx, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved,
                       std::byte* stash) {
     const std::size_t T = tokens(mb.shape);
     const float* dy = dyt.as<float>();
@@ -202,11 +195,11 @@ class GptStage {
     float* grad = g.data();  // (T, h) gradient flowing down through the blocks
     float* spare = grad + T * h();
     if (heads())
-      head_backward_input(mb, saved + count_ * block_saved(mb.shape), st_head, grad);
+      head_backward_input(ctx, mb, saved + count_ * block_saved(mb.shape), st_head, grad);
     else
       std::memcpy(grad, dy, T * h() * sizeof(float));
     for (int i = count_ - 1; i >= 0; --i) {
-      block_backward_input(i, mb, saved + static_cast<std::size_t>(i) * block_saved(mb.shape),
+      block_backward_input(ctx, i, mb, saved + static_cast<std::size_t>(i) * block_saved(mb.shape),
                            st_blocks + static_cast<std::size_t>(i) * block_stash_floats(mb.shape), grad, spare);
       std::swap(grad, spare);
     }
@@ -216,7 +209,7 @@ class GptStage {
       std::memcpy(dx, grad, T * h() * sizeof(float));
   }
 
-  void backward_weight(backend::CpuContext&, const Microbatch& mb, std::byte* saved, std::byte* stash) {
+  void backward_weight(backend::CpuContext& ctx, const Microbatch& mb, std::byte* saved, std::byte* stash) {
     const std::size_t T = tokens(mb.shape);
     check_shape(mb.shape);
     const float* st = reinterpret_cast<const float*>(stash);
@@ -225,20 +218,13 @@ class GptStage {
     if (embeds()) {
       documents(mb);
       float* gte = grads_.data();
-      float* gpe = gte + static_cast<std::size_t>(layout_.wpe);
-      const std::int32_t* tokens = mb.input<std::int32_t>("tokens");
-      for (std::size_t t = 0; t < T; ++t) {
-        const std::size_t tok = static_cast<std::size_t>(tokens[t]), pos = pos_[t];
-        for (std::size_t i = 0; i < h(); ++i) {
-          gte[tok * h() + i] += st[t * h() + i];
-          gpe[pos * h() + i] += st[t * h() + i];
-        }
-      }
+      ops::embedding_backward(ctx, mb.input<std::int32_t>("tokens"), st, gte, n(T), h_);
+      ops::embedding_backward(ctx, pos_.data(), st, gte + layout_.wpe, n(T), h_);  // positions as the ids
     }
     for (int i = 0; i < count_; ++i)
-      block_backward_weight(i, mb, saved + static_cast<std::size_t>(i) * block_saved(mb.shape),
+      block_backward_weight(ctx, i, mb, saved + static_cast<std::size_t>(i) * block_saved(mb.shape),
                             st_blocks + static_cast<std::size_t>(i) * block_stash_floats(mb.shape));
-    if (heads()) head_backward_weight(mb, saved + count_ * block_saved(mb.shape), st_head);
+    if (heads()) head_backward_weight(ctx, mb, saved + count_ * block_saved(mb.shape), st_head);
   }
 
  private:
@@ -246,6 +232,7 @@ class GptStage {
   std::size_t h() const { return static_cast<std::size_t>(h_); }
   std::size_t V() const { return static_cast<std::size_t>(c_.vocab); }
   static std::size_t tokens(MicrobatchShape sh) { return static_cast<std::size_t>(sh.tokens()); }
+  static long long n(std::size_t v) { return static_cast<long long>(v); }
   void check_shape(MicrobatchShape sh) const {
     if (sh.seq > c_.seq)
       throw shape_error("GptStage: microbatch seq = " + std::to_string(sh.seq) +
@@ -355,61 +342,12 @@ class GptStage {
   // ---- pieces ------------------------------------------------------------------------------
   using T_ = blas::Trans;
 
-  /// out = LayerNorm(x) row by row; writes each row's (mean, rstd) to stats.
-  void layernorm(const float* x, float* stats, const float* g, const float* b, float* out, std::size_t T) const {
-    for (std::size_t t = 0; t < T; ++t) {
-      const ops::RowStats st = ops::row_stats(x + t * h(), h_);
-      stats[2 * t] = st.mean;
-      stats[2 * t + 1] = st.rstd;
-      const float* xr = x + t * h();
-      elementwise(out + t * h(), h(), [&](std::size_t i) { return ops::layernorm_apply(xr[i], st, g[i], b[i]); });
-    }
-  }
-  /// The same output recomputed from saved statistics (selective recompute).
-  void relayernorm(const float* x, const float* stats, const float* g, const float* b, float* out,
-                   std::size_t T) const {
-    for (std::size_t t = 0; t < T; ++t) {
-      const ops::RowStats st{stats[2 * t], stats[2 * t + 1]};
-      const float* xr = x + t * h();
-      elementwise(out + t * h(), h(), [&](std::size_t i) { return ops::layernorm_apply(xr[i], st, g[i], b[i]); });
-    }
-  }
-  /// out[e] = f(e) for e in [0, n). g++ -O2 vectorises only loops that need neither a scalar
-  /// tail nor an alias check; these fixed 16-wide loops through a local buffer need neither,
-  /// so a branch-free f (ops/math.hpp's exp_approx, tanh_approx, gelu) runs on SIMD lanes. The
-  /// tail calls the same f, which gives the same bits. f may read out[e]: a group is written
-  /// back only after all of it is computed.
-  template <class F>
-  static void elementwise(float* out, std::size_t n, F&& f) {
-    constexpr std::size_t w = 16;
-    std::size_t i = 0;
-    for (; i + w <= n; i += w) {
-      float buf[w];
-      for (std::size_t j = 0; j < w; ++j) buf[j] = f(i + j);
-      for (std::size_t j = 0; j < w; ++j) out[i + j] = buf[j];
-    }
-    for (; i < n; ++i) out[i] = f(i);
-  }
-
-  static void add_bias(float* y, const float* b, std::size_t rows, std::size_t cols) {
-    for (std::size_t r = 0; r < rows; ++r) {
-      float* yr = y + r * cols;
-      elementwise(yr, cols, [&](std::size_t c) { return yr[c] + b[c]; });
-    }
-  }
-  static void col_sum_into(float* out, const float* x, std::size_t rows, std::size_t cols) {
-    // Row by row, so each column still sums in row order.
-    for (std::size_t r = 0; r < rows; ++r) {
-      const float* xr = x + r * cols;
-      elementwise(out, cols, [&](std::size_t c) { return out[c] + xr[c]; });
-    }
-  }
   // Y (rows x n) = X (rows x k) W (k x n) [+ bias]
-  static void linear(const float* X, const float* W, const float* bias, float* Y, std::size_t rows, std::size_t k,
-                     std::size_t n) {
+  static void linear(const backend::CpuContext& ctx, const float* X, const float* W, const float* bias, float* Y,
+                     std::size_t rows, std::size_t k, std::size_t n) {
     blas::sgemm(T_::no, T_::no, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k), 1.0f, X,
                 static_cast<int>(k), W, static_cast<int>(n), 0.0f, Y, static_cast<int>(n));
-    if (bias) add_bias(Y, bias, rows, n);
+    if (bias) ops::add_bias(ctx, Y, bias, GptStage::n(rows), static_cast<int>(n));
   }
   // dX (rows x k) = dY (rows x n) W^T
   static void linear_dx(const float* dY, const float* W, float* dX, std::size_t rows, std::size_t k, std::size_t n) {
@@ -417,11 +355,11 @@ class GptStage {
                 static_cast<int>(n), W, static_cast<int>(n), 0.0f, dX, static_cast<int>(k));
   }
   // dW (k x n) += X^T dY ; db += colsum dY
-  static void linear_dw(const float* X, const float* dY, float* dW, float* db, std::size_t rows, std::size_t k,
-                        std::size_t n) {
+  static void linear_dw(const backend::CpuContext& ctx, const float* X, const float* dY, float* dW, float* db,
+                        std::size_t rows, std::size_t k, std::size_t n) {
     blas::sgemm(T_::yes, T_::no, static_cast<int>(k), static_cast<int>(n), static_cast<int>(rows), 1.0f, X,
                 static_cast<int>(k), dY, static_cast<int>(n), 1.0f, dW, static_cast<int>(n));
-    if (db) col_sum_into(db, dY, rows, n);
+    if (db) ops::bias_grad(ctx, dY, db, GptStage::n(rows), static_cast<int>(n));
   }
 
   /// The microbatch's documents and every token's position in its document (docs_, pos_):
@@ -431,88 +369,16 @@ class GptStage {
                          static_cast<std::size_t>(mb.shape.batch), mb.shape.seq, docs_, pos_);
   }
 
-  /// Causal attention of one microbatch, document by document (docs_): att = softmax(q k^T /
-  /// sqrt(dh)) v per (document, head); writes the log-sum-exp of each score row for backward.
-  void attention_forward(const float* qkv, float* att, float* lse, MicrobatchShape sh) {
-    const std::size_t S = static_cast<std::size_t>(sh.seq), A = static_cast<std::size_t>(c_.heads), H = h(), dh = H / A;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-    if (scores_.size() < S * S + S) scores_.resize(S * S + S);
-    for (const Document& doc : docs_)
-      for (std::size_t a = 0; a < A; ++a) {
-        const std::size_t L = doc.length, first = doc.row * S + doc.begin;
-        float* P = scores_.data();
-        float* ex = P + L * L;  // (L) exp(s - max) of one score row
-        const float* q = qkv + first * 3 * H + a * dh;
-        const float* k = q + H;
-        const float* v = q + 2 * H;
-        blas::sgemm(T_::no, T_::yes, static_cast<int>(L), static_cast<int>(L), static_cast<int>(dh), scale, q,
-                    static_cast<int>(3 * H), k, static_cast<int>(3 * H), 0.0f, P, static_cast<int>(L));
-        float* l = lse + (doc.row * A + a) * S + doc.begin;
-        for (std::size_t i = 0; i < L; ++i) {
-          float* row = P + i * L;
-          float mx = row[0];
-          for (std::size_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
-          elementwise(ex, i + 1, [&](std::size_t j) { return ops::exp_approx(row[j] - mx); });
-          float sum = 0;
-          for (std::size_t j = 0; j <= i; ++j) sum += ex[j];  // in index order: the same sum on every run
-          const float li = mx + std::log(sum);
-          l[i] = li;
-          // exp(s - lse), as backward recomputes it, rather than ex / sum: the same P both ways.
-          elementwise(row, i + 1, [&](std::size_t j) { return ops::exp_approx(row[j] - li); });
-          for (std::size_t j = i + 1; j < L; ++j) row[j] = 0.0f;
-        }
-        blas::sgemm(T_::no, T_::no, static_cast<int>(L), static_cast<int>(dh), static_cast<int>(L), 1.0f, P,
-                    static_cast<int>(L), v, static_cast<int>(3 * H), 0.0f, att + first * H + a * dh,
-                    static_cast<int>(H));
-      }
+  /// Causal attention's shape and the packed [q | k | v] rows' strides.
+  ops::AttentionShape attention_shape(MicrobatchShape sh) const {
+    return {.batch = sh.batch, .seq = sh.seq, .heads = c_.heads, .kv_heads = 0, .head_dim = h_ / c_.heads};
+  }
+  ops::AttentionStrides qkv_strides() const {
+    const long long H = n(h());
+    return {.q = 3 * H, .k = 3 * H, .v = 3 * H, .out = H};
   }
 
-  /// dqkv from datt, document by document, recomputing the probabilities from q, k and the
-  /// log-sum-exps.
-  void attention_backward(const float* qkv, const float* att, const float* lse, const float* datt, float* dqkv,
-                          MicrobatchShape sh) {
-    const std::size_t S = static_cast<std::size_t>(sh.seq), A = static_cast<std::size_t>(c_.heads), H = h(), dh = H / A;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-    if (scores_.size() < 2 * S * S) scores_.resize(2 * S * S);
-    for (const Document& doc : docs_)
-      for (std::size_t a = 0; a < A; ++a) {
-        const std::size_t L = doc.length, first = doc.row * S + doc.begin;
-        const int n = static_cast<int>(L), ld = static_cast<int>(3 * H);
-        float* P = scores_.data();
-        float* dP = P + L * L;
-        const float* q = qkv + first * 3 * H + a * dh;
-        const float* k = q + H;
-        const float* v = q + 2 * H;
-        float* dq = dqkv + first * 3 * H + a * dh;
-        float* dk = dq + H;
-        float* dv = dq + 2 * H;
-        const float* o = att + first * H + a * dh;
-        const float* dO = datt + first * H + a * dh;
-        const float* l = lse + (doc.row * A + a) * S + doc.begin;
-        blas::sgemm(T_::no, T_::yes, n, n, static_cast<int>(dh), scale, q, ld, k, ld, 0.0f, P, n);
-        for (std::size_t i = 0; i < L; ++i) {
-          float* row = P + i * L;
-          const float li = l[i];
-          elementwise(row, i + 1, [&](std::size_t j) { return ops::exp_approx(row[j] - li); });
-          for (std::size_t j = i + 1; j < L; ++j) row[j] = 0.0f;
-        }
-        // dP = dO v^T ; dS = P (dP - rowsum(dO o)) ; dv = P^T dO ; dq = dS k scale ; dk = dS^T q scale
-        blas::sgemm(T_::no, T_::yes, n, n, static_cast<int>(dh), 1.0f, dO, static_cast<int>(H), v, ld, 0.0f, dP, n);
-        for (std::size_t i = 0; i < L; ++i) {
-          float D = 0;
-          for (std::size_t e = 0; e < dh; ++e) D += dO[i * H + e] * o[i * H + e];
-          const float* prow = P + i * L;
-          float* drow = dP + i * L;
-          elementwise(drow, i + 1, [&](std::size_t j) { return prow[j] * (drow[j] - D); });
-          for (std::size_t j = i + 1; j < L; ++j) drow[j] = 0.0f;
-        }
-        blas::sgemm(T_::yes, T_::no, n, static_cast<int>(dh), n, 1.0f, P, n, dO, static_cast<int>(H), 0.0f, dv, ld);
-        blas::sgemm(T_::no, T_::no, n, static_cast<int>(dh), n, scale, dP, n, k, ld, 0.0f, dq, ld);
-        blas::sgemm(T_::yes, T_::no, n, static_cast<int>(dh), n, scale, dP, n, q, ld, 0.0f, dk, ld);
-      }
-  }
-
-  void block_forward(int i, const Microbatch& mb, std::byte* bp, float* out) {
+  void block_forward(const backend::CpuContext& ctx, int i, const Microbatch& mb, std::byte* bp, float* out) {
     const std::size_t T = tokens(mb.shape), H = h();
     BlockView v = view(bp, mb.shape);
     BlockParams w = block(params_, i);
@@ -520,45 +386,43 @@ class GptStage {
     float* a1 = c_.recompute ? s.data() : v.a1;
     float* tmp = s.data() + T * H;                // (T, h) projection outputs
     float* g = c_.recompute ? tmp + T * H : v.g;  // (T, 4h)
-    layernorm(v.x, v.stats, w.ln1g, w.ln1b, a1, T);
-    linear(a1, w.wqkv, w.bqkv, v.qkv, T, H, 3 * H);
-    attention_forward(v.qkv, v.att, v.lse, mb.shape);
-    linear(v.att, w.wo, w.bo, tmp, T, H, H);
-    const std::uint64_t s1 = drop_seed(mb, i, 0), s2 = drop_seed(mb, i, 1);
-    residual_dropout(v.x1, v.x, tmp, s1, v.m1, T * H, dropout(mb));
+    ops::layernorm_forward(ctx, v.x, w.ln1g, w.ln1b, a1, v.stats, n(T), h_);
+    linear(ctx, a1, w.wqkv, w.bqkv, v.qkv, T, H, 3 * H);
+    ops::attention_forward(ctx, v.qkv, v.qkv + H, v.qkv + 2 * H, v.att, v.lse, attention_shape(mb.shape), docs_,
+                           qkv_strides());
+    linear(ctx, v.att, w.wo, w.bo, tmp, T, H, H);
+    residual_dropout(ctx, v.x1, v.x, tmp, drop_seed(mb, i, 0), v.m1, T * H, dropout(mb));
     float* a2 = c_.recompute ? s.data() : v.a2;
-    layernorm(v.x1, v.stats + 2 * T, w.ln2g, w.ln2b, a2, T);
-    linear(a2, w.wfc, w.bfc, v.f, T, H, 4 * H);
-    elementwise(g, 4 * T * H, [&](std::size_t e) { return ops::gelu(v.f[e]); });
-    linear(g, w.wpr, w.bpr, tmp, T, 4 * H, H);
-    residual_dropout(out, v.x1, tmp, s2, v.m2, T * H, dropout(mb));
+    ops::layernorm_forward(ctx, v.x1, w.ln2g, w.ln2b, a2, v.stats + 2 * T, n(T), h_);
+    linear(ctx, a2, w.wfc, w.bfc, v.f, T, H, 4 * H);
+    ops::gelu_forward(ctx, v.f, g, n(4 * T * H));
+    linear(ctx, g, w.wpr, w.bpr, tmp, T, 4 * H, H);
+    residual_dropout(ctx, out, v.x1, tmp, drop_seed(mb, i, 1), v.m2, T * H, dropout(mb));
   }
 
   /// Dropout's probability in this pass: none when evaluating.
   float dropout(const Microbatch& mb) const { return mb.training ? c_.dropout : 0.0f; }
 
   /// out = x + y * dropout mask (seed); with recompute off the mask is saved to `mask` too.
-  void residual_dropout(float* out, const float* x, const float* y, std::uint64_t seed, std::uint8_t* mask,
-                        std::size_t n, float p) const {
-    if (c_.recompute) {
-      elementwise(out, n, [&](std::size_t e) { return ops::residual_dropout(x[e], y[e], seed, e, p); });
-      return;
-    }
-    for (std::size_t e = 0; e < n; ++e) {
-      const float k = ops::dropout_scale(seed, e, p);
-      mask[e] = k != 0.0f;
-      out[e] = x[e] + y[e] * k;
-    }
+  void residual_dropout(const backend::CpuContext& ctx, float* out, const float* x, const float* y, std::uint64_t seed,
+                        std::uint8_t* mask, std::size_t count, float p) const {
+    if (c_.recompute)
+      ops::residual_dropout(ctx, x, y, out, n(count), seed, p);
+    else
+      ops::residual_dropout_mask(ctx, x, y, out, mask, n(count), seed, p);
   }
-
-  float mask_scale(const std::uint8_t* saved_mask, std::uint64_t seed, std::size_t e) const {
-    if (c_.dropout <= 0.0f) return 1.0f;
-    if (!c_.recompute) return ops::dropout_mask_scale(saved_mask[e] != 0, c_.dropout);  // as the CUDA stage
-    return ops::dropout_scale(seed, e, c_.dropout);
+  /// out = g * the dropout mask: regenerated from the seed, or the saved one (as the CUDA stage).
+  void dropout_backward(const backend::CpuContext& ctx, const float* g, const std::uint8_t* saved_mask,
+                        std::uint64_t seed, float* out, std::size_t count) const {
+    if (c_.recompute)
+      ops::dropout_backward(ctx, g, out, n(count), seed, c_.dropout);
+    else
+      ops::dropout_backward_mask(ctx, g, saved_mask, out, n(count), c_.dropout);
   }
 
   /// grad (T,h) = dL/d(block output) in; out (T,h) = dL/d(block input).
-  void block_backward_input(int i, const Microbatch& mb, std::byte* bp, float* st, const float* grad, float* out) {
+  void block_backward_input(const backend::CpuContext& ctx, int i, const Microbatch& mb, std::byte* bp, float* st,
+                            const float* grad, float* out) {
     const std::size_t T = tokens(mb.shape), H = h();
     BlockView v = view(bp, mb.shape);
     BlockParams w = block(params_, i);
@@ -571,30 +435,23 @@ class GptStage {
     // Not ws(): the caller's grad and out live there.
     float* dx1 = bwd_scratch(2 * T * H);  // (T, h) dL/dx1, then (T, h) dL/d(attention output)
     float* datt = dx1 + T * H;
-    const std::uint64_t s1 = drop_seed(mb, i, 0), s2 = drop_seed(mb, i, 1);
-    for (std::size_t e = 0; e < T * H; ++e) dP2[e] = grad[e] * mask_scale(v.m2, s2, e);
+    dropout_backward(ctx, grad, v.m2, drop_seed(mb, i, 1), dP2, T * H);
     linear_dx(dP2, w.wpr, dF, T, 4 * H, H);  // dG
-    elementwise(dF, 4 * T * H, [&](std::size_t e) { return dF[e] * ops::gelu_grad(v.f[e]); });
+    ops::gelu_backward(ctx, v.f, dF, n(4 * T * H));
     linear_dx(dF, w.wfc, dA2, T, H, 4 * H);
-    for (std::size_t t = 0; t < T; ++t) {
-      const ops::RowStats st2{v.stats[2 * T + 2 * t], v.stats[2 * T + 2 * t + 1]};
-      ops::layernorm_backward_row(dA2 + t * H, v.x1 + t * H, st2, w.ln2g, dx1 + t * H, h_);
-    }
-    for (std::size_t e = 0; e < T * H; ++e) {
-      dx1[e] += grad[e];
-      dO1[e] = dx1[e] * mask_scale(v.m1, s1, e);
-    }
+    ops::layernorm_backward(ctx, dA2, v.x1, v.stats + 2 * T, w.ln2g, dx1, n(T), h_, false);
+    ops::add(ctx, dx1, grad, dx1, n(T * H));
+    dropout_backward(ctx, dx1, v.m1, drop_seed(mb, i, 0), dO1, T * H);
     linear_dx(dO1, w.wo, datt, T, H, H);
-    attention_backward(v.qkv, v.att, v.lse, datt, dQKV, mb.shape);
+    ops::attention_backward(ctx, v.qkv, v.qkv + H, v.qkv + 2 * H, v.att, datt, v.lse, dQKV, dQKV + H, dQKV + 2 * H,
+                            attention_shape(mb.shape), docs_, qkv_strides());
     linear_dx(dQKV, w.wqkv, dA1, T, H, 3 * H);
-    for (std::size_t t = 0; t < T; ++t) {
-      const ops::RowStats st1{v.stats[2 * t], v.stats[2 * t + 1]};
-      ops::layernorm_backward_row(dA1 + t * H, v.x + t * H, st1, w.ln1g, out + t * H, h_);
-    }
-    for (std::size_t e = 0; e < T * H; ++e) out[e] += dx1[e];
+    ops::layernorm_backward(ctx, dA1, v.x, v.stats, w.ln1g, out, n(T), h_, false);
+    ops::add(ctx, out, dx1, out, n(T * H));
   }
 
-  void block_backward_weight(int i, const Microbatch& mb, std::byte* bp, const float* st) {
+  void block_backward_weight(const backend::CpuContext& ctx, int i, const Microbatch& mb, std::byte* bp,
+                             const float* st) {
     const std::size_t T = tokens(mb.shape), H = h();
     BlockView v = view(bp, mb.shape);
     BlockParams gw = block(grads_, i);
@@ -609,76 +466,62 @@ class GptStage {
     float* a = s.data();   // (T, h): a1, then a2 (recomputed LayerNorm outputs)
     float* g = a + T * H;  // (T, 4h): recomputed GeLU output
     // Attention-out projection and MLP output projection.
-    linear_dw(v.att, dO1, gw.wo, gw.bo, T, H, H);
+    linear_dw(ctx, v.att, dO1, gw.wo, gw.bo, T, H, H);
     const float* gsrc = v.g;
     if (c_.recompute) {
-      elementwise(g, 4 * T * H, [&](std::size_t e) { return ops::gelu(v.f[e]); });
+      ops::gelu_forward(ctx, v.f, g, n(4 * T * H));
       gsrc = g;
     }
-    linear_dw(gsrc, dP2, gw.wpr, gw.bpr, T, 4 * H, H);
+    linear_dw(ctx, gsrc, dP2, gw.wpr, gw.bpr, T, 4 * H, H);
     const float* a2 = v.a2;
     if (c_.recompute) {
-      relayernorm(v.x1, v.stats + 2 * T, w.ln2g, w.ln2b, a, T);
+      ops::layernorm_recompute(ctx, v.x1, v.stats + 2 * T, w.ln2g, w.ln2b, a, n(T), h_);
       a2 = a;
     }
-    linear_dw(a2, dF, gw.wfc, gw.bfc, T, H, 4 * H);
-    ln_weight_grads(v.x1, v.stats + 2 * T, dA2, gw.ln2g, gw.ln2b, T);
+    linear_dw(ctx, a2, dF, gw.wfc, gw.bfc, T, H, 4 * H);
+    ops::layernorm_weight_grad(ctx, dA2, v.x1, v.stats + 2 * T, gw.ln2g, gw.ln2b, n(T), h_);
     const float* a1 = v.a1;
     if (c_.recompute) {
-      relayernorm(v.x, v.stats, w.ln1g, w.ln1b, a, T);
+      ops::layernorm_recompute(ctx, v.x, v.stats, w.ln1g, w.ln1b, a, n(T), h_);
       a1 = a;
     }
-    linear_dw(a1, dQKV, gw.wqkv, gw.bqkv, T, H, 3 * H);
-    ln_weight_grads(v.x, v.stats, dA1, gw.ln1g, gw.ln1b, T);
+    linear_dw(ctx, a1, dQKV, gw.wqkv, gw.bqkv, T, H, 3 * H);
+    ops::layernorm_weight_grad(ctx, dA1, v.x, v.stats, gw.ln1g, gw.ln1b, n(T), h_);
   }
 
-  void ln_weight_grads(const float* x, const float* stats, const float* dy, float* gg, float* gb, std::size_t T) const {
-    for (std::size_t t = 0; t < T; ++t) {
-      const float mean = stats[2 * t], rstd = stats[2 * t + 1];
-      const float* dyr = dy + t * h();
-      const float* xr = x + t * h();
-      elementwise(gg, h(), [&](std::size_t i) { return gg[i] + dyr[i] * (xr[i] - mean) * rstd; });
-      elementwise(gb, h(), [&](std::size_t i) { return gb[i] + dyr[i]; });
-    }
-  }
-
-  float* bwd_scratch(std::size_t n) {
-    if (bwd_.size() < n) bwd_.resize(n);
+  float* bwd_scratch(std::size_t count) {
+    if (bwd_.size() < count) bwd_.resize(count);
     return bwd_.data();
   }
 
   // ---- head ----------------------------------------------------------------------------------
-  float head_forward(const Microbatch& mb, std::byte* hp) {
+  float head_forward(const backend::CpuContext& ctx, const Microbatch& mb, std::byte* hp) {
     const std::size_t T = tokens(mb.shape), H = h();
     float* x = head_x(hp);
     float* stats = x + T * H;
     float* dlogits = stats + 2 * T;
     const HeadParams p = head(params_);
-    std::vector<float>& s = ws(T * H + T * V());
+    std::vector<float>& s = ws(T * H + T * V() + T);
     float* a = s.data();
     float* logits = a + T * H;
-    layernorm(x, stats, p.lnfg, p.lnfb, a, T);
+    float* losses = logits + T * V();
+    ops::layernorm_forward(ctx, x, p.lnfg, p.lnfb, a, stats, n(T), h_);
     if (dims_.tied) {  // logits = a W^T + b, W (V, h)
       blas::sgemm(T_::no, T_::yes, static_cast<int>(T), static_cast<int>(V()), static_cast<int>(H), 1.0f, a,
                   static_cast<int>(H), p.w, static_cast<int>(H), 0.0f, logits, static_cast<int>(V()));
-      add_bias(logits, p.b, T, V());
+      ops::add_bias(ctx, logits, p.b, n(T), c_.vocab);
     } else {
-      linear(a, p.w, p.b, logits, T, H, V());
+      linear(ctx, a, p.w, p.b, logits, T, H, V());
     }
+    ops::cross_entropy(ctx, logits, mb.input<std::int32_t>("targets"), losses, dlogits, n(T), c_.vocab,
+                       mb.loss_scale / static_cast<float>(T));
+    // The mean in double, rows in order (ops::mean sums in float, as the CUDA stage does).
     double loss = 0;
-    const float scale = mb.loss_scale / static_cast<float>(T);
-    const std::int32_t* targets = mb.input<std::int32_t>("targets");
-    for (std::size_t t = 0; t < T; ++t) {
-      const int tgt = targets[t];
-      if (tgt < 0 || tgt >= c_.vocab)
-        throw error("GptStage: target " + std::to_string(tgt) + " at position " + std::to_string(t) +
-                    " is outside [0, " + std::to_string(c_.vocab - 1) + "]");
-      loss += ops::softmax_xent_row(logits + t * V(), c_.vocab, tgt, scale, dlogits + t * V());
-    }
+    for (std::size_t t = 0; t < T; ++t) loss += losses[t];
     return static_cast<float>(loss / static_cast<double>(T));
   }
 
-  void head_backward_input(const Microbatch& mb, std::byte* hp, float* st, float* dx) {
+  void head_backward_input(const backend::CpuContext& ctx, const Microbatch& mb, std::byte* hp, float* st, float* dx) {
     const std::size_t T = tokens(mb.shape), H = h();
     const float* x = head_x(hp);
     const float* stats = x + T * H;
@@ -686,28 +529,27 @@ class GptStage {
     const HeadParams p = head(params_);
     float* da = st;  // (T, h) stashed for the LayerNorm weight gradients
     if (dims_.tied)
-      linear(dlogits, p.w, nullptr, da, T, V(), H);  // da = dlogits W, W (V, h)
+      linear(ctx, dlogits, p.w, nullptr, da, T, V(), H);  // da = dlogits W, W (V, h)
     else
       linear_dx(dlogits, p.w, da, T, H, V());
-    for (std::size_t t = 0; t < T; ++t)
-      ops::layernorm_backward_row(da + t * H, x + t * H, {stats[2 * t], stats[2 * t + 1]}, p.lnfg, dx + t * H, h_);
+    ops::layernorm_backward(ctx, da, x, stats, p.lnfg, dx, n(T), h_, false);
   }
 
-  void head_backward_weight(const Microbatch& mb, std::byte* hp, const float* st) {
+  void head_backward_weight(const backend::CpuContext& ctx, const Microbatch& mb, std::byte* hp, const float* st) {
     const std::size_t T = tokens(mb.shape), H = h();
     const float* x = head_x(hp);
     const float* stats = x + T * H;
     const float* dlogits = stats + 2 * T;
     const HeadParams p = head(params_), g = head(grads_);
     std::vector<float>& s = ws(T * H);
-    relayernorm(x, stats, p.lnfg, p.lnfb, s.data(), T);
+    ops::layernorm_recompute(ctx, x, stats, p.lnfg, p.lnfb, s.data(), n(T), h_);
     if (dims_.tied) {  // dW (V, h) += dlogits^T a
-      linear_dw(dlogits, s.data(), g.w, nullptr, T, V(), H);
-      col_sum_into(g.b, dlogits, T, V());
+      linear_dw(ctx, dlogits, s.data(), g.w, nullptr, T, V(), H);
+      ops::bias_grad(ctx, dlogits, g.b, n(T), c_.vocab);
     } else {
-      linear_dw(s.data(), dlogits, g.w, g.b, T, H, V());
+      linear_dw(ctx, s.data(), dlogits, g.w, g.b, T, H, V());
     }
-    ln_weight_grads(x, stats, st, g.lnfg, g.lnfb, T);
+    ops::layernorm_weight_grad(ctx, st, x, stats, g.lnfg, g.lnfb, n(T), h_);
   }
 
   GptConfig c_;
@@ -716,9 +558,9 @@ class GptStage {
   GptStageParams layout_{};
   int first_ = 0, count_ = 0, h_ = 0;
   std::vector<float> params_, grads_;
-  std::vector<float> scratch_, bwd_, scores_;
-  std::vector<Document> docs_;    // the microbatch's documents (documents())
-  std::vector<std::size_t> pos_;  // each token's position in its document
+  std::vector<float> scratch_, bwd_;
+  std::vector<Document> docs_;     // the microbatch's documents (documents())
+  std::vector<std::int32_t> pos_;  // each token's position in its document
 };
 
 static_assert(layer_for<GptStage, backend::CpuContext>,

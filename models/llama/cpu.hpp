@@ -295,80 +295,14 @@ class LlamaStage {
     ops::rope(ctx, x, pos_.data(), n(tokens(sh)), n(width), rope_, inverse);
   }
 
-  /// Causal grouped-query attention of one microbatch, document by document (docs_): query
-  /// head a reads key/value head a / (heads / kv_heads); writes the log-sum-exp of each score row.
-  void attention_forward(const BlockView& b, MicrobatchShape sh) {
-    const std::size_t S = static_cast<std::size_t>(sh.seq), H = h(), K = kv(), dh = hd(), group = A() / (K / dh);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-    if (scores_.size() < S * S) scores_.resize(S * S);
-    float* P = scores_.data();
-    for (const Document& doc : docs_)
-      for (std::size_t a = 0; a < A(); ++a) {
-        const std::size_t L = doc.length, first = doc.row * S + doc.begin;
-        const float* q = b.q + first * H + a * dh;
-        const float* k = b.k + first * K + (a / group) * dh;
-        const float* v = b.v + first * K + (a / group) * dh;
-        blas::sgemm(T_::no, T_::yes, static_cast<int>(L), static_cast<int>(L), static_cast<int>(dh), scale, q,
-                    static_cast<int>(H), k, static_cast<int>(K), 0.0f, P, static_cast<int>(L));
-        float* l = b.lse + (doc.row * A() + a) * S + doc.begin;
-        for (std::size_t i = 0; i < L; ++i) {
-          float* row = P + i * L;
-          float mx = row[0];
-          for (std::size_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
-          float sum = 0;
-          for (std::size_t j = 0; j <= i; ++j) sum += ops::exp_approx(row[j] - mx);
-          const float li = mx + std::log(sum);
-          l[i] = li;
-          for (std::size_t j = 0; j <= i; ++j) row[j] = ops::exp_approx(row[j] - li);
-          for (std::size_t j = i + 1; j < L; ++j) row[j] = 0.0f;
-        }
-        blas::sgemm(T_::no, T_::no, static_cast<int>(L), static_cast<int>(dh), static_cast<int>(L), 1.0f, P,
-                    static_cast<int>(L), v, static_cast<int>(K), 0.0f, b.att + first * H + a * dh, static_cast<int>(H));
-      }
-  }
-
-  /// dq, dk, dv from datt, document by document, recomputing the probabilities; dk and dv sum
-  /// the heads of a group in head order.
-  void attention_backward(const BlockView& b, const float* datt, float* dq, float* dk, float* dv, MicrobatchShape sh) {
-    const std::size_t S = static_cast<std::size_t>(sh.seq), H = h(), K = kv(), dh = hd(), group = A() / (K / dh);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-    if (scores_.size() < 2 * S * S) scores_.resize(2 * S * S);
-    for (const Document& doc : docs_)
-      for (std::size_t a = 0; a < A(); ++a) {
-        const std::size_t L = doc.length, first = doc.row * S + doc.begin, g = a / group;
-        const int n = static_cast<int>(L);
-        float* P = scores_.data();
-        float* dP = P + L * L;
-        const float beta = a % group == 0 ? 0.0f : 1.0f;
-        const float* q = b.q + first * H + a * dh;
-        const float* k = b.k + first * K + g * dh;
-        const float* v = b.v + first * K + g * dh;
-        const float* o = b.att + first * H + a * dh;
-        const float* dO = datt + first * H + a * dh;
-        const float* l = b.lse + (doc.row * A() + a) * S + doc.begin;
-        blas::sgemm(T_::no, T_::yes, n, n, static_cast<int>(dh), scale, q, static_cast<int>(H), k, static_cast<int>(K),
-                    0.0f, P, n);
-        for (std::size_t i = 0; i < L; ++i) {
-          float* row = P + i * L;
-          for (std::size_t j = 0; j <= i; ++j) row[j] = ops::exp_approx(row[j] - l[i]);
-          for (std::size_t j = i + 1; j < L; ++j) row[j] = 0.0f;
-        }
-        // dP = dO v^T; dS = P (dP - rowsum(dO o)); dv = P^T dO; dq = dS k scale; dk = dS^T q scale
-        blas::sgemm(T_::no, T_::yes, n, n, static_cast<int>(dh), 1.0f, dO, static_cast<int>(H), v, static_cast<int>(K),
-                    0.0f, dP, n);
-        for (std::size_t i = 0; i < L; ++i) {
-          float D = 0;
-          for (std::size_t e = 0; e < dh; ++e) D += dO[i * H + e] * o[i * H + e];
-          for (std::size_t j = 0; j <= i; ++j) dP[i * L + j] = P[i * L + j] * (dP[i * L + j] - D);
-          for (std::size_t j = i + 1; j < L; ++j) dP[i * L + j] = 0.0f;
-        }
-        blas::sgemm(T_::yes, T_::no, n, static_cast<int>(dh), n, 1.0f, P, n, dO, static_cast<int>(H), beta,
-                    dv + first * K + g * dh, static_cast<int>(K));
-        blas::sgemm(T_::no, T_::no, n, static_cast<int>(dh), n, scale, dP, n, k, static_cast<int>(K), 0.0f,
-                    dq + first * H + a * dh, static_cast<int>(H));
-        blas::sgemm(T_::yes, T_::no, n, static_cast<int>(dh), n, scale, dP, n, q, static_cast<int>(H), beta,
-                    dk + first * K + g * dh, static_cast<int>(K));
-      }
+  /// Causal grouped-query attention of one microbatch, document by document (docs_), on the
+  /// block's separate q, k and v rows.
+  ops::AttentionShape attention_shape(MicrobatchShape sh) const {
+    return {.batch = sh.batch,
+            .seq = sh.seq,
+            .heads = static_cast<int>(d_.heads),
+            .kv_heads = static_cast<int>(kv() / hd()),
+            .head_dim = static_cast<int>(hd())};
   }
 
   // ---- a block -------------------------------------------------------------------------------
@@ -386,7 +320,7 @@ class LlamaStage {
     linear(a, w.wv, b.v, T, H, kv());
     rope(ctx, b.q, H, mb.shape, false);
     rope(ctx, b.k, kv(), mb.shape, false);
-    attention_forward(b, mb.shape);
+    ops::attention_forward(ctx, b.q, b.k, b.v, b.att, b.lse, attention_shape(mb.shape), docs_);
     linear(b.att, w.wo, tmp, T, H, H);
     ops::add(ctx, b.x, tmp, b.x1, n(T * H));
     ops::rmsnorm_forward(ctx, b.x1, w.ffn_norm, a, b.rstd + T, n(T), n(H), c_.norm_eps);
@@ -433,7 +367,7 @@ class LlamaStage {
     ops::rmsnorm_backward(ctx, z.da2, b.x1, b.rstd + T, w.ffn_norm, z.dx1, n(T), n(H), false);
     ops::add(ctx, z.dx1, grad, z.dx1, n(T * H));
     linear_dx(z.dx1, w.wo, datt, T, H, H);
-    attention_backward(b, datt, z.dq, z.dk, z.dv, mb.shape);
+    ops::attention_backward(ctx, b.q, b.k, b.v, b.att, datt, b.lse, z.dq, z.dk, z.dv, attention_shape(mb.shape), docs_);
     rope(ctx, z.dq, H, mb.shape, true);  // gradients of the projections before their rotation
     rope(ctx, z.dk, kv(), mb.shape, true);
     linear_dx(z.dq, w.wq, z.da1, T, H, H);
@@ -528,7 +462,7 @@ class LlamaStage {
   LlamaStageParams p_{};
   std::vector<float> params_, grads_;
   ops::RopeTable rope_;  // RoPE's angles for positions [0, seq)
-  std::vector<float> scratch_, bwd_, scores_;
+  std::vector<float> scratch_, bwd_;
   std::vector<Document> docs_;     // the microbatch's documents (documents())
   std::vector<std::int32_t> pos_;  // each token's position in its document
 };

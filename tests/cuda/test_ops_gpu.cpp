@@ -221,6 +221,15 @@ TEST_CASE("ops on the GPU: token and position embeddings and their gradients giv
   ops::position_embedding_backward(cpu, d.data(), cdp.data(), rows, n, seq);
   CHECK(g.get(dt, cdt.size()) == cdt);  // the same fp32 sums in the same order
   CHECK(g.get(dp, cdp.size()) == cdp);
+  // Positions given row by row (packed rows restart them at each document).
+  const std::vector<std::int32_t> positions = {0, 1, 2, 0, 1, 2, 3, 4, 0, 1};
+  ops::embedding_forward(g.ctx, dids, g.bf16(table), out, rows, n, vocab);
+  ops::position_embedding_forward(g.ctx, g.bf16(pos), g.copy(positions), out, rows, n, seq);
+  ops::embedding_forward(cpu, ids.data(), table.data(), cout.data(), rows, n, vocab);
+  ops::position_embedding_forward(cpu, pos.data(), positions.data(), cout.data(), rows, n, seq);
+  CHECK(g.get(out, cout.size()) == rounded(cout));
+  ops::position_embedding_forward(g.ctx, g.bf16(pos), g.copy(std::vector<std::int32_t>{seq}), out, 1, n, seq);
+  CHECK(std::isnan(g.get(out, 1)[0]));
   // An id outside the table: a NaN row on the GPU (the CPU twin throws).
   ops::embedding_forward(g.ctx, g.copy(std::vector<std::int32_t>{11}), g.bf16(table), out, 1, n, vocab);
   CHECK(std::isnan(g.get(out, 1)[0]));

@@ -3,7 +3,9 @@
 // here (the analytic gradient in fp32 within 1e-4 of the largest, far above fp32 rounding of
 // sums of 64 terms and far below an error in a term); RoPE as a rotation (its inverse undoes
 // it, it keeps inner products, position 0 is the identity); the embedding's gradient the rows'
-// sum in row order; bad ids and positions refused with their value and range.
+// sum in row order; bad ids and positions refused with their value and range; the GEMM
+// attention (documents, strides, head groups) against its plain twin, ops::reference, on seeded
+// random shapes.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -344,4 +346,125 @@ TEST_CASE("ops: grouped-query attention matches float64 softmax attention and it
         }) ==
         "ops::attention_forward: batch = 1, seq = 5, heads = 6, kv_heads = 4, head_dim = 4; need every size >= 1 "
         "and heads a multiple of kv_heads");
+}
+
+TEST_CASE("ops: position embeddings by row positions add the table's rows; bad positions are refused") {
+  const int n = 3, table_rows = 4, rows = 6;
+  const std::vector<std::int32_t> positions = {0, 1, 2, 0, 1, 3};
+  const std::vector<float> table = noise(table_rows * n, 37);
+  std::vector<float> out(rows * n, 1.0f);
+  ops::position_embedding_forward(ctx, table.data(), positions.data(), out.data(), rows, n, table_rows);
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < n; ++i) CHECK(out[r * n + i] == 1.0f + table[positions[r] * n + i]);
+  // Positions r % seq give the restarting overload's bits.
+  const std::vector<std::int32_t> cyclic = {0, 1, 2, 0, 1, 2};
+  std::vector<float> a(rows * n, 0.5f), b(rows * n, 0.5f);
+  ops::position_embedding_forward(ctx, table.data(), cyclic.data(), a.data(), rows, n, table_rows);
+  ops::position_embedding_forward(ctx, table.data(), b.data(), rows, n, 3);
+  CHECK(a == b);
+  const std::vector<std::int32_t> bad = {0, 1, 4};
+  CHECK(error_of([&] {
+          ops::position_embedding_forward(ctx, table.data(), bad.data(), out.data(), 3, n, table_rows);
+        }) == "ops::position_embedding_forward: position 4 at row 2 is outside [0, 3]");
+}
+
+TEST_CASE("ops: the GEMM attention equals the plain reference on random documents, strides and head groups") {
+  // Seeded shapes: 1 to 3 rows of 1 to 12 tokens cut into random documents, 1 to 3 key/value
+  // heads of 1 to 3 query heads each, head widths 1 to 8, dense rows or a packed [q | k | v]
+  // row with a padded output. Each document of the GEMM path against the reference on that
+  // document alone (one sequence): the same sums in another order with exp_approx for
+  // std::exp (a few ulps), so 1e-5 of the largest value is far above their rounding and far
+  // below any wrong term (a score is O(1)); a one-token document's dq and dk are 0 exactly in
+  // the reference and the rounding of dP - rowsum(dout o) (1e-8) in the GEMM path, hence the
+  // floor of 1e-2 under the largest value.
+  const auto close = [](const std::vector<float>& a, const std::vector<float>& b) {
+    double worst = 0, largest = 0;
+    for (std::size_t i = 0; i < b.size(); ++i) {
+      worst = std::max(worst, std::abs(static_cast<double>(a[i]) - b[i]));
+      largest = std::max(largest, static_cast<double>(std::abs(b[i])));
+    }
+    return worst <= 1e-5 * std::max(largest, 1e-2);
+  };
+  int checked = 0;
+  for (std::uint64_t trial = 0; trial < 40; ++trial) {
+    const auto pick = [&](std::uint64_t what, int lo, int hi) {
+      return lo + static_cast<int>(ops::mix64(ops::mix64(991, trial), what) % static_cast<std::uint64_t>(hi - lo + 1));
+    };
+    const int kvh = pick(1, 1, 3), per = pick(2, 1, 3), dh = pick(3, 1, 8), B = pick(4, 1, 3), S = pick(5, 1, 12);
+    const bool packed = pick(6, 0, 1) == 1;
+    const ops::AttentionShape s{.batch = B, .seq = S, .heads = kvh * per, .kv_heads = kvh, .head_dim = dh};
+    const long long H = static_cast<long long>(s.heads) * dh, K = static_cast<long long>(kvh) * dh, T = B * S;
+    const ops::AttentionStrides st =
+        packed ? ops::AttentionStrides{H + 2 * K, H + 2 * K, H + 2 * K, H + 3} : ops::AttentionStrides{};
+    const long long lq = packed ? H + 2 * K : H, lk = packed ? H + 2 * K : K, lo = packed ? H + 3 : H;
+    std::vector<pipeoffload::Document> docs;
+    for (int b = 0; b < B; ++b)
+      for (int begin = 0; begin < S;) {
+        const int len = std::min(S - begin, pick(100 + static_cast<std::uint64_t>(b * S + begin), 1, S));
+        docs.push_back({static_cast<std::size_t>(b), static_cast<std::size_t>(begin), static_cast<std::size_t>(len)});
+        begin += len;
+      }
+    const std::vector<float> qkv = noise(static_cast<std::size_t>(T * lq), 500 + trial, 3.0),
+                             kd = noise(static_cast<std::size_t>(T * K), 600 + trial, 3.0),
+                             vd = noise(static_cast<std::size_t>(T * K), 700 + trial),
+                             dout = noise(static_cast<std::size_t>(T * lo), 800 + trial);
+    const float* q = qkv.data();
+    const float* k = packed ? q + H : kd.data();
+    const float* v = packed ? q + H + K : vd.data();
+    std::vector<float> out(static_cast<std::size_t>(T * lo)), lse(static_cast<std::size_t>(B * s.heads * S));
+    std::vector<float> dq(static_cast<std::size_t>(T * lq)), dk(static_cast<std::size_t>(T * lk)),
+        dv(static_cast<std::size_t>(T * lk));
+    float* dkp = packed ? dq.data() + H : dk.data();
+    float* dvp = packed ? dq.data() + H + K : dv.data();
+    ops::attention_forward(ctx, q, k, v, out.data(), lse.data(), s, docs, st);
+    ops::attention_backward(ctx, q, k, v, out.data(), dout.data(), lse.data(), dq.data(), dkp, dvp, s, docs, st);
+    for (const pipeoffload::Document& doc : docs) {
+      // The document alone, dense: rows first .. first + L of every tensor.
+      const long long L = static_cast<long long>(doc.length),
+                      first = static_cast<long long>(doc.row) * S + static_cast<long long>(doc.begin);
+      const auto rows_of = [&](const float* p, long long stride, long long width) {
+        std::vector<float> r(static_cast<std::size_t>(L * width));
+        for (long long t = 0; t < L; ++t) std::copy_n(p + (first + t) * stride, width, r.begin() + t * width);
+        return r;
+      };
+      const ops::AttentionShape one{
+          .batch = 1, .seq = static_cast<int>(L), .heads = s.heads, .kv_heads = kvh, .head_dim = dh};
+      const std::vector<float> q1 = rows_of(q, lq, H), k1 = rows_of(k, lk, K), v1 = rows_of(v, lk, K),
+                               do1 = rows_of(dout.data(), lo, H);
+      std::vector<float> o1(static_cast<std::size_t>(L * H)), l1(static_cast<std::size_t>(s.heads * L)), dq1(o1.size()),
+          dk1(k1.size()), dv1(v1.size());
+      ops::reference::attention_forward(ctx, q1.data(), k1.data(), v1.data(), o1.data(), l1.data(), one);
+      ops::reference::attention_backward(ctx, q1.data(), k1.data(), v1.data(), o1.data(), do1.data(), l1.data(),
+                                         dq1.data(), dk1.data(), dv1.data(), one);
+      std::vector<float> lse_doc;
+      for (int a = 0; a < s.heads; ++a)
+        for (long long t = 0; t < L; ++t)
+          lse_doc.push_back(lse[(doc.row * static_cast<std::size_t>(s.heads) + static_cast<std::size_t>(a)) *
+                                    static_cast<std::size_t>(S) +
+                                doc.begin + static_cast<std::size_t>(t)]);
+      CHECK(close(rows_of(out.data(), lo, H), o1));
+      CHECK(close(lse_doc, l1));
+      CHECK(close(rows_of(dq.data(), lq, H), dq1));
+      CHECK(close(rows_of(dkp, lk, K), dk1));
+      CHECK(close(rows_of(dvp, lk, K), dv1));
+      ++checked;
+    }
+  }
+  CHECK(checked > 80);  // documents compared over the trials
+  // A stride narrower than a row, a document outside its row: refused with the values.
+  const ops::AttentionShape s{.batch = 1, .seq = 4, .heads = 2, .kv_heads = 1, .head_dim = 2};
+  const std::vector<float> x(64, 0.0f);
+  std::vector<float> y(64), l(8);
+  const std::vector<pipeoffload::Document> whole = {{0, 0, 4}}, outside = {{0, 2, 3}};
+  CHECK(error_of([&] {
+          ops::attention_forward(ctx, x.data(), x.data(), x.data(), y.data(), l.data(), s, whole, {.q = 3});
+        }) ==
+        "ops::attention_forward: strides q = 3, k = 2, v = 2, out = 4; need q and out >= heads * head_dim = 4 "
+        "and k, v >= kv_heads * head_dim = 2");
+  CHECK(error_of([&] {
+          ops::attention_backward(ctx, x.data(), x.data(), x.data(), x.data(), x.data(), x.data(), y.data(), y.data(),
+                                  y.data(), s, outside);
+        }) ==
+        "ops::attention_backward: a document at row 0, tokens [2, 5) is outside rows [0, 1) of tokens [0, 4) or "
+        "empty");
 }

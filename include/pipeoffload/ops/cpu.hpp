@@ -5,7 +5,8 @@
 // CudaContext, so a layer templated on its context calls them by the same names; the
 // per-element math is ops/math.hpp's, which the CUDA kernels share. Sums run in index order:
 // the same inputs give the same bits on every run. Bad ids are refused with a sentence naming
-// the value and the range.
+// the value and the range. Attention runs on OpenBLAS GEMMs, document by document (packed
+// rows, docs/packing.md), with strided q, k, v; ops::reference holds its plain twin.
 /// @file
 #pragma once
 
@@ -14,16 +15,44 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "../backend/cpu/blas.hpp"
 #include "../backend/cpu/context.hpp"
 #include "../error.hpp"
+#include "../packing.hpp"
 #include "math.hpp"
 
 namespace pipeoffload::ops {
 
 using backend::CpuContext;
+
+namespace detail {
+/// out[e] = f(e) for e in [0, n). g++ -O2 vectorises only loops that need neither a scalar tail
+/// nor an alias check; these fixed 16-wide groups through a local buffer need neither, so a
+/// branch-free f (math.hpp's exp_approx, gelu, ...) runs on SIMD lanes. The tail calls the same
+/// f, which gives the same bits. f may read out[e]: a group is written back only after all of
+/// it is computed. (A plain tail loop draws g++ 12's -Waggressive-loop-optimizations at
+/// constant counts.)
+template <class F>
+inline void elementwise(float* out, long long count, F&& f) {
+  if (count <= 0) return;
+  constexpr std::size_t w = 16;
+  const std::size_t n = static_cast<std::size_t>(count);
+  std::size_t i = 0;
+  for (; i + w <= n; i += w) {
+    float buf[w];
+    for (std::size_t j = 0; j < w; ++j) buf[j] = f(static_cast<long long>(i + j));
+    for (std::size_t j = 0; j < w; ++j) out[i + j] = buf[j];
+  }
+  const std::size_t rest = n - i;  // < w
+  float buf[w];
+  for (std::size_t j = 0; j < rest && j < w; ++j) buf[j] = f(static_cast<long long>(i + j));
+  for (std::size_t j = 0; j < rest && j < w; ++j) out[i + j] = buf[j];
+}
+}  // namespace detail
 
 /// float on the CPU backend.
 template <>
@@ -40,36 +69,44 @@ inline void layernorm_forward(const CpuContext&, const float* x, const float* ga
     const RowStats st = row_stats(x + r * n, n);
     stats[2 * r] = st.mean;
     stats[2 * r + 1] = st.rstd;
-    for (int i = 0; i < n; ++i) y[r * n + i] = layernorm_apply(x[r * n + i], st, gamma[i], beta[i]);
+    const float* xr = x + r * n;
+    detail::elementwise(y + r * n, n, [&](long long i) { return layernorm_apply(xr[i], st, gamma[i], beta[i]); });
   }
 }
 
 /// y from the saved stats (a layer that recomputes the normalized input in backward).
 inline void layernorm_recompute(const CpuContext&, const float* x, const float* stats, const float* gamma,
                                 const float* beta, float* y, long long rows, int n) {
-  for (long long r = 0; r < rows; ++r)
-    for (int i = 0; i < n; ++i)
-      y[r * n + i] = layernorm_apply(x[r * n + i], {stats[2 * r], stats[2 * r + 1]}, gamma[i], beta[i]);
+  for (long long r = 0; r < rows; ++r) {
+    const RowStats st{stats[2 * r], stats[2 * r + 1]};
+    const float* xr = x + r * n;
+    detail::elementwise(y + r * n, n, [&](long long i) { return layernorm_apply(xr[i], st, gamma[i], beta[i]); });
+  }
 }
 
 /// dx (rows, n) = LayerNorm's input gradient from dy; added to dx when `accumulate`.
 inline void layernorm_backward(const CpuContext&, const float* dy, const float* x, const float* stats,
                                const float* gamma, float* dx, long long rows, int n, bool accumulate) {
-  std::vector<float> row(static_cast<std::size_t>(n));
+  std::vector<float> row(accumulate ? static_cast<std::size_t>(n) : 0);
   for (long long r = 0; r < rows; ++r) {
-    layernorm_backward_row(dy + r * n, x + r * n, {stats[2 * r], stats[2 * r + 1]}, gamma, row.data(), n);
-    for (int i = 0; i < n; ++i) dx[r * n + i] = accumulate ? dx[r * n + i] + row[i] : row[i];
+    float* out = accumulate ? row.data() : dx + r * n;
+    layernorm_backward_row(dy + r * n, x + r * n, {stats[2 * r], stats[2 * r + 1]}, gamma, out, n);
+    if (accumulate) {
+      float* dr = dx + r * n;
+      detail::elementwise(dr, n, [&](long long i) { return dr[i] + row[static_cast<std::size_t>(i)]; });
+    }
   }
 }
 
 /// dgamma (n) += sum over rows of dy * xhat; dbeta (n) += sum over rows of dy, rows in order.
 inline void layernorm_weight_grad(const CpuContext&, const float* dy, const float* x, const float* stats, float* dgamma,
                                   float* dbeta, long long rows, int n) {
-  for (long long r = 0; r < rows; ++r)
-    for (int i = 0; i < n; ++i) {
-      dgamma[i] += dy[r * n + i] * (x[r * n + i] - stats[2 * r]) * stats[2 * r + 1];
-      dbeta[i] += dy[r * n + i];
-    }
+  for (long long r = 0; r < rows; ++r) {
+    const float mean = stats[2 * r], rstd = stats[2 * r + 1];
+    const float *dyr = dy + r * n, *xr = x + r * n;
+    detail::elementwise(dgamma, n, [&](long long i) { return dgamma[i] + dyr[i] * (xr[i] - mean) * rstd; });
+    detail::elementwise(dbeta, n, [&](long long i) { return dbeta[i] + dyr[i]; });
+  }
 }
 
 // ---- RMSNorm ---------------------------------------------------------------------------------
@@ -77,16 +114,21 @@ inline void layernorm_weight_grad(const CpuContext&, const float* dy, const floa
 /// y (rows, n) = x * rstd * weight, rstd (rows) = 1 / sqrt(mean(x^2) + eps) per row.
 inline void rmsnorm_forward(const CpuContext&, const float* x, const float* weight, float* y, float* rstd,
                             long long rows, int n, float eps) {
-  for (long long r = 0; r < rows; ++r) rstd[r] = rmsnorm_rstd(x + r * n, n, eps);
-  for (long long r = 0; r < rows; ++r)
-    for (int i = 0; i < n; ++i) y[r * n + i] = x[r * n + i] * rstd[r] * weight[i];
+  for (long long r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    const float s = rstd[r] = rmsnorm_rstd(xr, n, eps);
+    detail::elementwise(y + r * n, n, [&](long long i) { return xr[i] * s * weight[i]; });
+  }
 }
 
 /// y from the saved rstd (a layer that recomputes the normalized input in backward).
 inline void rmsnorm_recompute(const CpuContext&, const float* x, const float* rstd, const float* weight, float* y,
                               long long rows, int n) {
-  for (long long r = 0; r < rows; ++r)
-    for (int i = 0; i < n; ++i) y[r * n + i] = x[r * n + i] * rstd[r] * weight[i];
+  for (long long r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    const float s = rstd[r];
+    detail::elementwise(y + r * n, n, [&](long long i) { return xr[i] * s * weight[i]; });
+  }
 }
 
 /// dx (rows, n) = RMSNorm's input gradient from dy (the normalized output's gradient); added to
@@ -100,8 +142,11 @@ inline void rmsnorm_backward(const CpuContext&, const float* dy, const float* x,
 /// dweight (n) += sum over rows of dy * x * rstd, rows in order.
 inline void rmsnorm_weight_grad(const CpuContext&, const float* dy, const float* x, const float* rstd, float* dweight,
                                 long long rows, int n) {
-  for (long long r = 0; r < rows; ++r)
-    for (int i = 0; i < n; ++i) dweight[i] += dy[r * n + i] * x[r * n + i] * rstd[r];
+  for (long long r = 0; r < rows; ++r) {
+    const float *dyr = dy + r * n, *xr = x + r * n;
+    const float s = rstd[r];
+    detail::elementwise(dweight, n, [&](long long i) { return dweight[i] + dyr[i] * xr[i] * s; });
+  }
 }
 
 // ---- Rotary position embeddings -----------------------------------------------------------
@@ -172,19 +217,19 @@ inline void rope(const CpuContext& ctx, float* x, const std::int32_t* positions,
 
 /// y = GeLU(x) (tanh form), count elements.
 inline void gelu_forward(const CpuContext&, const float* x, float* y, long long count) {
-  for (long long e = 0; e < count; ++e) y[e] = gelu(x[e]);
+  detail::elementwise(y, count, [&](long long e) { return gelu(x[e]); });
 }
 
 /// g *= GeLU'(x), in place.
 inline void gelu_backward(const CpuContext&, const float* x, float* g, long long count) {
-  for (long long e = 0; e < count; ++e) g[e] *= gelu_grad(x[e]);
+  detail::elementwise(g, count, [&](long long e) { return g[e] * gelu_grad(x[e]); });
 }
 
 // ---- SwiGLU --------------------------------------------------------------------------------
 
 /// out = silu(gate) * up, count elements.
 inline void swiglu_forward(const CpuContext&, const float* gate, const float* up, float* out, long long count) {
-  for (long long e = 0; e < count; ++e) out[e] = silu(gate[e]) * up[e];
+  detail::elementwise(out, count, [&](long long e) { return silu(gate[e]) * up[e]; });
 }
 
 /// dgate = dout * up * silu'(gate), dup = dout * silu(gate).
@@ -201,14 +246,16 @@ inline void swiglu_backward(const CpuContext&, const float* dout, const float* g
 /// out = x + y * dropout_scale(seed, i, p): a residual after a dropped-out branch.
 inline void residual_dropout(const CpuContext&, const float* x, const float* y, float* out, long long count,
                              std::uint64_t seed, float p) {
-  for (long long e = 0; e < count; ++e)
-    out[e] = ops::residual_dropout(x[e], y[e], seed, static_cast<std::uint64_t>(e), p);
+  detail::elementwise(out, count, [&](long long e) {
+    return ops::residual_dropout(x[e], y[e], seed, static_cast<std::uint64_t>(e), p);
+  });
 }
 
 /// out = g * dropout_scale(seed, i, p): the mask regenerated from the seed.
 inline void dropout_backward(const CpuContext&, const float* g, float* out, long long count, std::uint64_t seed,
                              float p) {
-  for (long long e = 0; e < count; ++e) out[e] = g[e] * dropout_scale(seed, static_cast<std::uint64_t>(e), p);
+  detail::elementwise(out, count,
+                      [&](long long e) { return g[e] * dropout_scale(seed, static_cast<std::uint64_t>(e), p); });
 }
 
 /// residual_dropout that also keeps each element's keep decision as a byte (mask[i]).
@@ -224,19 +271,23 @@ inline void residual_dropout_mask(const CpuContext&, const float* x, const float
 /// out = g * dropout_mask_scale(mask[i], p).
 inline void dropout_backward_mask(const CpuContext&, const float* g, const std::uint8_t* mask, float* out,
                                   long long count, float p) {
-  for (long long e = 0; e < count; ++e) out[e] = g[e] * dropout_mask_scale(mask[e] != 0, p);
+  detail::elementwise(out, count, [&](long long e) { return g[e] * dropout_mask_scale(mask[e] != 0, p); });
 }
 
 /// y (rows, n) += bias (n).
 inline void add_bias(const CpuContext&, float* y, const float* bias, long long rows, int n) {
-  for (long long r = 0; r < rows; ++r)
-    for (int i = 0; i < n; ++i) y[r * n + i] += bias[i];
+  for (long long r = 0; r < rows; ++r) {
+    float* yr = y + r * n;
+    detail::elementwise(yr, n, [&](long long i) { return yr[i] + bias[i]; });
+  }
 }
 
 /// db (n) += sum over rows of dy, rows in order.
 inline void bias_grad(const CpuContext&, const float* dy, float* db, long long rows, int n) {
-  for (long long r = 0; r < rows; ++r)
-    for (int i = 0; i < n; ++i) db[i] += dy[r * n + i];
+  for (long long r = 0; r < rows; ++r) {
+    const float* dyr = dy + r * n;
+    detail::elementwise(db, n, [&](long long i) { return db[i] + dyr[i]; });
+  }
 }
 
 // ---- Token embedding -------------------------------------------------------------------------
@@ -263,8 +314,26 @@ inline void embedding_backward(const CpuContext&, const std::int32_t* tokens, co
 /// out[r] += table[r % seq]: learned absolute positions, restarting every seq rows.
 inline void position_embedding_forward(const CpuContext&, const float* table, float* out, long long rows, int n,
                                        int seq) {
-  for (long long r = 0; r < rows; ++r)
-    for (int i = 0; i < n; ++i) out[r * n + i] += table[(r % seq) * n + i];
+  for (long long r = 0; r < rows; ++r) {
+    const float* tr = table + (r % seq) * n;
+    float* o = out + r * n;
+    detail::elementwise(o, n, [&](long long i) { return o[i] + tr[i]; });
+  }
+}
+
+/// out[r] += table[positions[r]]: learned positions given row by row (packed rows restart them
+/// at every document, po::microbatch_documents); a position outside [0, table_rows) is refused.
+/// Its gradient is embedding_backward with the positions as the ids.
+inline void position_embedding_forward(const CpuContext&, const float* table, const std::int32_t* positions, float* out,
+                                       long long rows, int n, int table_rows) {
+  for (long long r = 0; r < rows; ++r) {
+    if (positions[r] < 0 || positions[r] >= table_rows)
+      throw shape_error("ops::position_embedding_forward: position " + std::to_string(positions[r]) + " at row " +
+                        std::to_string(r) + " is outside [0, " + std::to_string(table_rows - 1) + "]");
+    const float* tr = table + static_cast<long long>(positions[r]) * n;
+    float* o = out + r * n;
+    detail::elementwise(o, n, [&](long long i) { return o[i] + tr[i]; });
+  }
 }
 
 /// dtable[p] += d[b * seq + p] for b in order; rows must be a whole number of sequences.
@@ -273,8 +342,11 @@ inline void position_embedding_backward(const CpuContext&, const float* d, float
   if (seq < 1 || rows % seq != 0)
     throw shape_error("ops::position_embedding_backward: rows = " + std::to_string(rows) +
                       " is not a whole number of sequences of seq = " + std::to_string(seq));
-  for (long long r = 0; r < rows; ++r)
-    for (int i = 0; i < n; ++i) dtable[(r % seq) * n + i] += d[r * n + i];
+  for (long long r = 0; r < rows; ++r) {
+    float* tr = dtable + (r % seq) * n;
+    const float* dr = d + r * n;
+    detail::elementwise(tr, n, [&](long long i) { return tr[i] + dr[i]; });
+  }
 }
 
 // ---- Softmax cross-entropy -------------------------------------------------------------------
@@ -303,10 +375,20 @@ inline void mean(const CpuContext&, const float* losses, float* out, long long r
 
 /// out = a + b, count elements (out may be a or b).
 inline void add(const CpuContext&, const float* a, const float* b, float* out, long long count) {
-  for (long long e = 0; e < count; ++e) out[e] = a[e] + b[e];
+  detail::elementwise(out, count, [&](long long e) { return a[e] + b[e]; });
 }
 
 // ---- Attention -----------------------------------------------------------------------------
+
+/// Row strides, in elements, of attention's tensors (q and dq share one, k and dk, v and dv, out
+/// and dout); 0 takes the dense width: heads * head_dim for q and out, kv_heads * head_dim for
+/// k and v. A packed [q | k | v] row of width 3h is {3h, 3h, 3h, h} with k = q + h, v = q + 2h.
+struct AttentionStrides {
+  long long q = 0;    ///< q's and dq's row stride
+  long long k = 0;    ///< k's and dk's
+  long long v = 0;    ///< v's and dv's
+  long long out = 0;  ///< out's and dout's
+};
 
 namespace detail {
 /// The shape's sizes checked: positive, heads a multiple of the key/value heads.
@@ -317,16 +399,171 @@ inline void check_attention(AttentionShape s, const char* who) {
                       ", head_dim = " + std::to_string(s.head_dim) +
                       "; need every size >= 1 and heads a multiple of kv_heads");
 }
+
+/// What the GEMM path reads of a shape and its strides.
+struct AttentionDims {
+  long long q, k, v, out;  ///< row strides
+  int dh, per;             ///< a head's width; query heads per key/value head
+  float scale;             ///< 1 / sqrt(head_dim)
+};
+
+/// The shape, its strides and its documents checked (each inside its row, never empty); the
+/// dims the GEMM path reads.
+inline AttentionDims attention_dims(AttentionShape s, AttentionStrides st, std::span<const Document> docs,
+                                    const char* who) {
+  check_attention(s, who);
+  const long long H = static_cast<long long>(s.heads) * s.head_dim, K = static_cast<long long>(s.groups()) * s.head_dim;
+  const AttentionDims d{st.q ? st.q : H,
+                        st.k ? st.k : K,
+                        st.v ? st.v : K,
+                        st.out ? st.out : H,
+                        s.head_dim,
+                        s.heads / s.groups(),
+                        1.0f / std::sqrt(static_cast<float>(s.head_dim))};
+  if (d.q < H || d.k < K || d.v < K || d.out < H)
+    throw shape_error(std::string(who) + ": strides q = " + std::to_string(d.q) + ", k = " + std::to_string(d.k) +
+                      ", v = " + std::to_string(d.v) + ", out = " + std::to_string(d.out) +
+                      "; need q and out >= heads * head_dim = " + std::to_string(H) +
+                      " and k, v >= kv_heads * head_dim = " + std::to_string(K));
+  for (const Document& doc : docs)
+    if (doc.row >= static_cast<std::size_t>(s.batch) || doc.length < 1 ||
+        doc.begin + doc.length > static_cast<std::size_t>(s.seq))
+      throw shape_error(std::string(who) + ": a document at row " + std::to_string(doc.row) + ", tokens [" +
+                        std::to_string(doc.begin) + ", " + std::to_string(doc.begin + doc.length) +
+                        ") is outside rows [0, " + std::to_string(s.batch) + ") of tokens [0, " +
+                        std::to_string(s.seq) + ") or empty");
+  return d;
+}
+
+/// Each sequence of the shape as one document.
+inline std::vector<Document> whole_sequences(AttentionShape s) {
+  std::vector<Document> docs;
+  for (int b = 0; b < s.batch; ++b) docs.push_back({static_cast<std::size_t>(b), 0, static_cast<std::size_t>(s.seq)});
+  return docs;
+}
+
+/// The calling thread's scores, grown to n floats: a pass runs on one stream's thread, and its
+/// attention calls one at a time.
+inline float* attention_scratch(std::size_t n) {
+  thread_local std::vector<float> scores;
+  if (scores.size() < n) scores.resize(n);
+  return scores.data();
+}
 }  // namespace detail
 
-/// Causal attention (query i sees keys 0..i of its sequence, scale 1/sqrt(head_dim)) on
-/// separate q (b*s, heads*head_dim), k and v (b*s, kv_heads*head_dim) rows, grouped-query when
-/// kv_heads < heads; out is shaped as q, lse (b, heads, s) keeps the rows' log-sum-exps. A
-/// plain reference (scores, softmax, weighted sum per query, in key order), the twin of the
-/// CUDA op's cuDNN attention.
+/// Causal attention (query i sees keys 0..i of its document, scale 1/sqrt(head_dim)), document
+/// by document (`docs`: po::microbatch_documents; rows in no document are left as they are), on
+/// q rows of heads * head_dim and k, v rows of kv_heads * head_dim at the given strides,
+/// grouped-query when kv_heads < heads (query head a reads key/value head a / (heads /
+/// kv_heads)); out is shaped as q, lse (batch, heads, seq) keeps each query's log-sum-exp. Per
+/// (document, head): the scores by one GEMM, each row's softmax with exp_approx (exp(s - lse),
+/// as backward recomputes it), the output by a second GEMM.
+inline void attention_forward(const CpuContext&, const float* q, const float* k, const float* v, float* out, float* lse,
+                              AttentionShape s, std::span<const Document> docs, AttentionStrides strides = {}) {
+  using blas::Trans;
+  const detail::AttentionDims d = detail::attention_dims(s, strides, docs, "ops::attention_forward");
+  const std::size_t S = static_cast<std::size_t>(s.seq), A = static_cast<std::size_t>(s.heads);
+  const std::size_t dh = static_cast<std::size_t>(d.dh);
+  float* P = detail::attention_scratch(S * S + S);
+  for (const Document& doc : docs)
+    for (std::size_t a = 0; a < A; ++a) {
+      const std::size_t L = doc.length, first = doc.row * S + doc.begin, g = a / static_cast<std::size_t>(d.per);
+      const int n = static_cast<int>(L);
+      float* ex = P + L * L;  // (L) exp(s - max) of one score row
+      const float* qa = q + first * d.q + a * dh;
+      const float* kg = k + first * d.k + g * dh;
+      const float* vg = v + first * d.v + g * dh;
+      blas::sgemm(Trans::no, Trans::yes, n, n, d.dh, d.scale, qa, static_cast<int>(d.q), kg, static_cast<int>(d.k),
+                  0.0f, P, n);
+      float* l = lse + (doc.row * A + a) * S + doc.begin;
+      for (std::size_t i = 0; i < L; ++i) {
+        float* row = P + i * L;
+        float mx = row[0];
+        for (std::size_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
+        detail::elementwise(ex, static_cast<long long>(i + 1), [&](long long j) { return exp_approx(row[j] - mx); });
+        float sum = 0;
+        for (std::size_t j = 0; j <= i; ++j) sum += ex[j];  // in index order: the same sum on every run
+        const float li = mx + std::log(sum);
+        l[i] = li;
+        detail::elementwise(row, static_cast<long long>(i + 1), [&](long long j) { return exp_approx(row[j] - li); });
+        for (std::size_t j = i + 1; j < L; ++j) row[j] = 0.0f;
+      }
+      blas::sgemm(Trans::no, Trans::no, n, d.dh, n, 1.0f, P, n, vg, static_cast<int>(d.v), 0.0f,
+                  out + first * d.out + a * dh, static_cast<int>(d.out));
+    }
+}
+
+/// Causal attention on dense rows, each sequence one document: the CPU twin of the CUDA op
+/// (cuDNN's fused attention on the same layout).
+inline void attention_forward(const CpuContext& ctx, const float* q, const float* k, const float* v, float* out,
+                              float* lse, AttentionShape s) {
+  detail::check_attention(s, "ops::attention_forward");
+  attention_forward(ctx, q, k, v, out, lse, s, detail::whole_sequences(s));
+}
+
+/// dq, dk, dv (at q's, k's and v's strides; set, not added, within the documents) from dout
+/// (at out's stride), document by document, with the probabilities recomputed from q, k and
+/// lse: dS = P (dout v^T - rowsum(dout o)), dq = scale dS k, dk = scale dS^T q, dv = P^T dout;
+/// dk and dv sum the query heads of a group in head order.
+inline void attention_backward(const CpuContext&, const float* q, const float* k, const float* v, const float* out,
+                               const float* dout, const float* lse, float* dq, float* dk, float* dv, AttentionShape s,
+                               std::span<const Document> docs, AttentionStrides strides = {}) {
+  using blas::Trans;
+  const detail::AttentionDims d = detail::attention_dims(s, strides, docs, "ops::attention_backward");
+  const std::size_t S = static_cast<std::size_t>(s.seq), A = static_cast<std::size_t>(s.heads);
+  const std::size_t dh = static_cast<std::size_t>(d.dh), per = static_cast<std::size_t>(d.per);
+  const int ldq = static_cast<int>(d.q), ldk = static_cast<int>(d.k), ldv = static_cast<int>(d.v),
+            ldo = static_cast<int>(d.out);
+  float* P = detail::attention_scratch(2 * S * S);
+  for (const Document& doc : docs)
+    for (std::size_t a = 0; a < A; ++a) {
+      const std::size_t L = doc.length, first = doc.row * S + doc.begin, g = a / per;
+      const int n = static_cast<int>(L);
+      float* dP = P + L * L;
+      const float beta = a % per == 0 ? 0.0f : 1.0f;  // the group's first head sets dk, dv
+      const float* qa = q + first * d.q + a * dh;
+      const float* kg = k + first * d.k + g * dh;
+      const float* vg = v + first * d.v + g * dh;
+      const float* o = out + first * d.out + a * dh;
+      const float* dO = dout + first * d.out + a * dh;
+      const float* l = lse + (doc.row * A + a) * S + doc.begin;
+      blas::sgemm(Trans::no, Trans::yes, n, n, d.dh, d.scale, qa, ldq, kg, ldk, 0.0f, P, n);
+      for (std::size_t i = 0; i < L; ++i) {
+        float* row = P + i * L;
+        const float li = l[i];
+        detail::elementwise(row, static_cast<long long>(i + 1), [&](long long j) { return exp_approx(row[j] - li); });
+        for (std::size_t j = i + 1; j < L; ++j) row[j] = 0.0f;
+      }
+      blas::sgemm(Trans::no, Trans::yes, n, n, d.dh, 1.0f, dO, ldo, vg, ldv, 0.0f, dP, n);
+      for (std::size_t i = 0; i < L; ++i) {
+        float D = 0;
+        for (std::size_t e = 0; e < dh; ++e) D += dO[i * d.out + e] * o[i * d.out + e];
+        const float* prow = P + i * L;
+        float* drow = dP + i * L;
+        detail::elementwise(drow, static_cast<long long>(i + 1), [&](long long j) { return prow[j] * (drow[j] - D); });
+        for (std::size_t j = i + 1; j < L; ++j) drow[j] = 0.0f;
+      }
+      blas::sgemm(Trans::yes, Trans::no, n, d.dh, n, 1.0f, P, n, dO, ldo, beta, dv + first * d.v + g * dh, ldv);
+      blas::sgemm(Trans::no, Trans::no, n, d.dh, n, d.scale, dP, n, kg, ldk, 0.0f, dq + first * d.q + a * dh, ldq);
+      blas::sgemm(Trans::yes, Trans::no, n, d.dh, n, d.scale, dP, n, qa, ldq, beta, dk + first * d.k + g * dh, ldk);
+    }
+}
+
+/// Attention's backward on dense rows, each sequence one document (the CPU twin of the CUDA op).
+inline void attention_backward(const CpuContext& ctx, const float* q, const float* k, const float* v, const float* out,
+                               const float* dout, const float* lse, float* dq, float* dk, float* dv, AttentionShape s) {
+  detail::check_attention(s, "ops::attention_backward");
+  attention_backward(ctx, q, k, v, out, dout, lse, dq, dk, dv, s, detail::whole_sequences(s));
+}
+
+/// Plain twins of the GEMM paths above, for tests that compare the two.
+namespace reference {
+
+/// ops::attention_forward on dense rows, written plainly (scores, softmax with std::exp, a
+/// weighted sum per query, in key order): what the GEMM path is tested against.
 inline void attention_forward(const CpuContext&, const float* q, const float* k, const float* v, float* out, float* lse,
                               AttentionShape s) {
-  detail::check_attention(s, "ops::attention_forward");
+  detail::check_attention(s, "ops::reference::attention_forward");
   const long long H = static_cast<long long>(s.heads) * s.head_dim, K = static_cast<long long>(s.groups()) * s.head_dim;
   const int per = s.heads / s.groups();
   const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
@@ -359,12 +596,10 @@ inline void attention_forward(const CpuContext&, const float* q, const float* k,
       }
 }
 
-/// dq, dk, dv (shaped as q, k, v; set, not added) from dout, with the probabilities
-/// recomputed from q, k and lse: dS = P (dout v^T - rowsum(dout o)), dq = scale dS k,
-/// dk = scale dS^T q and dv = P^T dout, summed over the query heads of a group.
+/// ops::attention_backward on dense rows, written plainly, one query and key at a time.
 inline void attention_backward(const CpuContext&, const float* q, const float* k, const float* v, const float* out,
                                const float* dout, const float* lse, float* dq, float* dk, float* dv, AttentionShape s) {
-  detail::check_attention(s, "ops::attention_backward");
+  detail::check_attention(s, "ops::reference::attention_backward");
   const long long H = static_cast<long long>(s.heads) * s.head_dim, K = static_cast<long long>(s.groups()) * s.head_dim;
   const long long T = static_cast<long long>(s.batch) * s.seq;
   const int per = s.heads / s.groups();
@@ -403,5 +638,7 @@ inline void attention_backward(const CpuContext&, const float* q, const float* k
       }
     }
 }
+
+}  // namespace reference
 
 }  // namespace pipeoffload::ops

@@ -121,6 +121,11 @@ void embedding_backward(const CudaContext& ctx, const std::int32_t* ids, const b
                         int n, int vocab);
 /// out[r] += table[r % seq]: learned absolute positions, restarting every seq rows.
 void position_embedding_forward(const CudaContext& ctx, const bf16* table, bf16* out, long long rows, int n, int seq);
+/// out[r] += table[positions[r]]: positions given row by row (packed rows); a position outside
+/// [0, table_rows) writes a NaN row, as embedding_forward does. Its gradient is
+/// embedding_backward with the positions as the ids.
+void position_embedding_forward(const CudaContext& ctx, const bf16* table, const std::int32_t* positions, bf16* out,
+                                long long rows, int n, int table_rows);
 /// dtable[p] += d[b * seq + p] for b in order; rows must be a whole number of sequences.
 void position_embedding_backward(const CudaContext& ctx, const bf16* d, float* dtable, long long rows, int n, int seq);
 
