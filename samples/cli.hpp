@@ -54,7 +54,7 @@ inline po::ScheduleSpec schedule_option(const std::string& name, const std::opti
   } catch (const po::shape_error& e) {
     throw bad_argument(std::string("--") + e.what());
   }
-  const int lo = (d + 1) / 2;
+  const int lo = po::GroupSpec::smallest(d);
   if (name == "gis-g") {
     if (!group)
       throw bad_argument("--schedule gis-g needs --group G, an integer in [" + std::to_string(lo) + ", " +

@@ -8,7 +8,7 @@
 // ranks (220 TFLOP/s achieved, 15 GB/s PCIe per direction), one layer per stage (v = layers/d)
 // except 1F1B (v = 1). Per layer: F+B+W = 12bsh(6h+s) FLOPs split evenly, saved activation
 // 20bsh bytes (bf16, LayerNorm/GeLU/dropout recomputed), k = 10/(3(6h+s)) * Bc/Bo
-// (DESIGN.md section 1). Prints a table and writes one SVG per schedule.
+// (docs/design.md section 1). Prints a table and writes one SVG per schedule.
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>

@@ -636,7 +636,7 @@ int run_threads(const Options& o, const Setup& su) {
   // dp replicas of a d-rank pipeline: global rank g = replica * d + rank.
   po::comm::ThreadsGrid grid(o.dp, o.shape.d);
   // --pcie-pairs: ranks (r, r^1) are a PCIe pair, as the schedule's staggered slots assume,
-  // and their copies synchronise (DESIGN.md section 3). A last rank of an odd d has none.
+  // and their copies synchronise (docs/design.md section 3). A last rank of an odd d has none.
   std::vector<std::unique_ptr<po::PairLink<po::backend::Cpu>>> links;  // per replica, per pair
   for (int p = 0; o.pcie_pairs && p < o.dp * (o.shape.d / 2); ++p)
     links.push_back(std::make_unique<po::PairLink<po::backend::Cpu>>());

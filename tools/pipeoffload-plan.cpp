@@ -295,7 +295,7 @@ pipeoffload::ScheduleSpec schedule_spec(const Args& args, const std::string& nam
                        quoted(num(sh.m)));
   const std::string* g = find(args, "--group");
   if (name == "gis-g") {
-    const long long lo = (sh.d + 1) / 2;
+    const long long lo = GroupSpec::smallest(sh.d);
     const std::string range = "[" + num(lo) + ", " + num(sh.d) + "]";
     if (!g) throw bad_argument("--schedule gis-g needs --group G, an integer in " + range + " (ceil(d/2) to d)");
     spec.group.value =

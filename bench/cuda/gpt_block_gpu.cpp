@@ -1,7 +1,7 @@
 // bench/cuda/gpt_block_gpu.cpp: MFU of one real GPT block (gpt::CudaGptStage, a middle stage of
 // one block: LayerNorms, bias adds, GeLU, dropout, cuBLASLt GEMMs, cuDNN attention) for F, B and
 // W, beside the bare GEMMs and attention of the same block, then the pinned PCIe bandwidth per
-// direction and both at once, and k measured against k from the paper's formula (DESIGN.md
+// direction and both at once, and k measured against k from the paper's formula (docs/design.md
 // section 1).
 //   ./build/bench/cuda/gpt_block_gpu [--hidden 4096] [--seq 4096] [--heads 32] [--batch 1]
 //                                    [--iters 5] [--recompute 1] [--peak-tflops P]

@@ -5,7 +5,7 @@
 // layout.hpp's offsets (the CPU model's, byte for byte). Every offset it uses into its saved
 // activations, its stash and its workspace comes from these functions, which
 // tests/cuda/test_host.cpp checks on the CPU: saved bytes per block of 20 b s h with selective
-// recompute and 34 b s h without (DESIGN.md section 1), and regions that are aligned and never
+// recompute and 34 b s h without (docs/design.md section 1), and regions that are aligned and never
 // overlap.
 #pragma once
 

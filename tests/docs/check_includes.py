@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Includes flow one way (DESIGN.md section 4): fail on every back-edge of the include graph.
+"""Includes flow one way (docs/design.md section 4): fail on every back-edge of the include graph.
 
 usage: check_includes.py [REPO_ROOT]        (default: the checkout this script is in)
 
@@ -31,7 +31,6 @@ LAYERS = [
     ("tensor.hpp",             "core",     0),  # DType, tensor views
     ("fnv1a.hpp",              "core",     0),  # the one checksum
     ("detail/",                "core",     0),  # helpers of no layer (host_device.hpp)
-    ("core/",                  "core",     0),  # STYLE.md's core/: Shape, Costs, Op, Program
     ("policy/",                "policy",   1),
     ("memory/",                "memory",   1),  # sizes of what a rank holds: the runtime's and the planner's
     ("schedule/",              "schedule", 2),
@@ -39,7 +38,7 @@ LAYERS = [
     ("plan/",                  "plan",     3),
     ("backend/",               "backend",  3),
     ("comm/",                  "comm",     3),
-    ("layer.hpp",              "layer",    3),  # the layer concept (STYLE.md: beside comm/, backend/)
+    ("layer.hpp",              "layer",    3),  # the layer concept (docs/design.md section 4: beside comm/, backend/)
     ("packing.hpp",            "layer",    3),  # packed rows' document offsets, a step input layers read
     ("runtime/",               "runtime",  4),
     ("ops/",                   "ops",      4),  # ops for layers: element math, CPU (and CUDA) row ops
@@ -171,7 +170,7 @@ def main():
 
     n_edges = sum(len(e) for e in edges.values())
     if problems:
-        print(f"FAIL: {len(problems)} include(s) break the layering of DESIGN.md section 4 "
+        print(f"FAIL: {len(problems)} include(s) break the layering of docs/design.md section 4 "
               f"({len(headers)} headers, {n_edges} includes):")
         for p in problems:
             print("  " + p)

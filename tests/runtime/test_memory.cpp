@@ -146,7 +146,7 @@ TEST_CASE("memory: PO-F's measured peak stays flat as d*v grows") {
   CAPTURE(units[3]);
   MESSAGE("PO-F rank-0 peak in units of its largest stage, (d,v) = (2,2) (4,2) (4,4) (8,2): ", units[0], " ", units[1],
           " ", units[2], " ", units[3]);
-  for (double u : units) CHECK(u <= 5.0);  // a small constant (DESIGN.md: ~4 units), against d*v up to 16
+  for (double u : units) CHECK(u <= 5.0);  // a small constant (docs/design.md: ~4 units), against d*v up to 16
 }
 
 TEST_CASE("memory: after construction no step takes device or pinned host memory from the system") {

@@ -1,5 +1,5 @@
 // tests/schedule/reference.hpp: plain reference implementations of the schedule core, written
-// for clarity from DESIGN.md (sections 1-4), not from the speed-tuned code in include/. They
+// for clarity from docs/design.md (sections 1-4), not from the speed-tuned code in include/. They
 // are slow (sorts, maps of flags, loops that sweep until nothing moves) and meant to stay so:
 // test_differential.cpp compares every fast path with them.
 //
@@ -53,7 +53,7 @@ inline std::string describe(const Op& op) {
 /// where two correct computations may round differently; see each use).
 inline bool close(double a, double b) { return std::abs(a - b) <= 1e-9 * std::max({1.0, std::abs(a), std::abs(b)}); }
 
-// ---- names (DESIGN.md section 2, "Names"; section 4, Schedule) ------------------------------
+// ---- names (docs/design.md section 2, "Names"; section 4, Schedule) ------------------------------
 
 /// g of a grouped spec for d ranks: GIS g = d, GIS-H g = ceil(d/2), PO g = 1, GIS(g) its own.
 inline int group_size(const ScheduleSpec& s, int d) {
@@ -78,7 +78,7 @@ inline bool plans_on_grid(const ScheduleSpec& s, int d) {
   return s.family == po::Family::grouped && group_size(s, d) == 1;
 }
 
-/// Is chunk c of v offloaded (DESIGN.md section 3: half = chunks 0..ceil(v/2)-1, all, the
+/// Is chunk c of v offloaded (docs/design.md section 3: half = chunks 0..ceil(v/2)-1, all, the
 /// first n, or an explicit set)?
 inline bool chunk_offloaded(const po::offload::selection& sel, int c, int v) {
   using K = po::offload::selection::Kind;
@@ -97,7 +97,7 @@ inline bool chunk_offloaded(const po::offload::selection& sel, int c, int v) {
   return false;
 }
 
-// ---- 1. compute orders (DESIGN.md section 2) ---------------------------------------------
+// ---- 1. compute orders (docs/design.md section 2) ---------------------------------------------
 
 /// One rank's compute order; for the grouped families also each pass's slot on the shifted
 /// grid (the block slot + n*L + the rank's shift), PO's planning timeline.
@@ -217,7 +217,7 @@ inline Program program_of(const ScheduleSpec& spec, const Shape& sh, const Costs
   return p;
 }
 
-// ---- 2. as-soon-as-possible simulation (DESIGN.md sections 1, 3, 4 "sim") -----------------
+// ---- 2. as-soon-as-possible simulation (docs/design.md sections 1, 3, 4 "sim") -----------------
 
 /// Duration of an op under the cost model: T_F, T_B, T_W of its stage, T_B + T_W for a fused
 /// BW, T_O for a copy.
@@ -255,7 +255,7 @@ struct Times {
 
 enum class Streams { compute_only, compute_and_copy };
 
-/// A rank's memory timeline (DESIGN.md section 1): a unit is alive from its F's start to its
+/// A rank's memory timeline (docs/design.md section 1): a unit is alive from its F's start to its
 /// W's (or BW's) end, except from its offload's end to its reload's start; a stash from its
 /// B's start to its W's end, or a BW's start to its end (when Costs::stash_bytes is given). Intervals are
 /// half-open: at equal times releases count before acquisitions. One point per distinct event
@@ -431,7 +431,7 @@ inline Times simulate(const Program& p, const Costs& costs, Streams streams = St
 // ---- 3. planning timeline and P2P plan (build.hpp's header, steps 2 and 4) ----------------
 
 /// Planned start and end of every compute op: on PO's shifted grid slot t runs from t*tau to
-/// (t+1)*tau, tau = the mean over stages of (T_F + T_B + T_W)/3 (DESIGN.md section 2, g = 1);
+/// (t+1)*tau, tau = the mean over stages of (T_F + T_B + T_W)/3 (docs/design.md section 2, g = 1);
 /// every other family plans on the compute-only ASAP run of its orders.
 struct Plan {
   std::vector<std::vector<double>> start, end;
@@ -571,7 +571,7 @@ inline std::string p2p_properties(const Program& p) {
   return "";
 }
 
-// ---- 4. validity: the rules of DESIGN.md section 4 ---------------------------------------
+// ---- 4. validity: the rules of docs/design.md section 4 ---------------------------------------
 
 /// "" if `p` is a valid program, else the first broken rule found (in this file's words):
 ///   passes: each (stage, mb) has F, B and W (split families) or F and BW (fused) exactly once,
@@ -741,7 +741,7 @@ inline std::string check(const Program& p) {
   return "";
 }
 
-// ---- 5. offload plans (DESIGN.md section 3) ------------------------------------------------
+// ---- 5. offload plans (docs/design.md section 3) ------------------------------------------------
 
 /// The peak of a rank's plan: compute ops at their planned times, copy op y in its slot
 /// [slot*T, (slot+1)*T). A release counts before an acquisition up to `eps` later (the

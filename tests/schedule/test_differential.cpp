@@ -1,9 +1,9 @@
 // Differential tests of the schedule core: every speed-tuned path against a plain reference
-// (tests/schedule/reference.hpp, written from DESIGN.md) or against its own plain path, over
-// seeded random shapes, families, costs and mutated programs (STYLE.md: "test the fast path
+// (tests/schedule/reference.hpp, written from docs/design.md) or against its own plain path, over
+// seeded random shapes, families, costs and mutated programs (docs/design.md section 7: "test the fast path
 // against the definition").
 //
-//   - compute orders of every family = DESIGN.md section 2's definitions (an exhaustive sweep);
+//   - compute orders of every family = docs/design.md section 2's definitions (an exhaustive sweep);
 //   - P2P plans (the PO planner and the general one) = messages sorted by planning time, and
 //     the properties every deadlock-free plan has;
 //   - proven_valid (the linear proof validate() tries first) never accepts a mutant that the
@@ -341,8 +341,8 @@ std::vector<po::ScheduleSpec> every_spec(int d, int v, int m) {
 
 // ---- 1. compute orders -------------------------------------------------------------------
 
-TEST_CASE("the reference orders reproduce DESIGN.md's worked example (d=4, v=2, m=8) and its per-rank peaks") {
-  // The example's rank-0 prefixes, written as DESIGN.md prints them (F mb.chunk).
+TEST_CASE("the reference orders reproduce docs/design.md's worked example (d=4, v=2, m=8) and its per-rank peaks") {
+  // The example's rank-0 prefixes, written as docs/design.md prints them (F mb.chunk).
   const auto prefix = [](const po::ScheduleSpec& spec, std::size_t n) {
     const std::vector<ref::RankOrder> ord = ref::orders(spec, {4, 2, 8});
     std::string s;
@@ -370,7 +370,7 @@ TEST_CASE("the reference orders reproduce DESIGN.md's worked example (d=4, v=2, 
 }
 
 TEST_CASE(
-    "compute orders of every family and every legal g equal DESIGN.md's definitions over d 1..8, v 1..6, m 1..24") {
+    "compute orders of every family and every legal g equal docs/design.md's definitions over d 1..8, v 1..6, m 1..24") {
   long long builds = 0;
   for (int d = 1; d <= 8; ++d)
     for (int v = 1; v <= 6; ++v)
@@ -382,7 +382,7 @@ TEST_CASE(
           const std::string where = po::schedule_name(spec, v) + " g=" + std::to_string(ref::group_size(spec, d)) +
                                     " d=" + std::to_string(d) + " v=" + std::to_string(v) + " m=" + std::to_string(m);
           ++builds;
-          // The reference itself against DESIGN.md's table of warmups (forwards before the first
+          // The reference itself against docs/design.md's table of warmups (forwards before the first
           // backward on rank i), for the families the table gives exactly.
           const int g = ref::group_size(spec, d);
           for (int i = 0; i < d; ++i) {
@@ -393,7 +393,7 @@ TEST_CASE(
               want = std::min(std::min(g, m) * (v - 1) + std::min(d - i, m), m * v);
             if (want >= 0 && po::warmup(po::RankProgram{ord[static_cast<std::size_t>(i)].ops, {}, {}, 0, {}}) != want) {
               FAIL_CHECK(where << ": the reference order of rank " << i
-                               << " warms up with another count than DESIGN.md's table, " << want);
+                               << " warms up with another count than docs/design.md's table, " << want);
             }
           }
           if (std::string e = diff_orders(p, ord); !e.empty()) FAIL_CHECK(where << ": " << e);

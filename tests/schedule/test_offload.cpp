@@ -1,4 +1,4 @@
-// Offload placement (DESIGN.md section 3): one copy stream, one-offload-one-reload slots,
+// Offload placement (docs/design.md section 3): one copy stream, one-offload-one-reload slots,
 // longest lifespan first, units that cannot hide the round trip kept, PCIe pairs staggered,
 // cross-stream edges that keep execution within the planned memory.
 #include <doctest/doctest.h>

@@ -16,7 +16,7 @@ ScheduleSpec gis_g(int g, offload::selection off = offload::none) {
   return {Family::grouped, {GroupSpec::Kind::number, g}, off};
 }
 
-/// "F0.0 F1.0 ..." of rank r's first n compute ops (mb.chunk, as DESIGN.md writes them).
+/// "F0.0 F1.0 ..." of rank r's first n compute ops (mb.chunk, as docs/design.md writes them).
 std::string order_text(const Program& p, int r, std::size_t n) {
   std::string s;
   const auto& ops = p.ranks[static_cast<std::size_t>(r)].compute;
@@ -40,7 +40,7 @@ bool visit_m(int d, int m) { return d <= 8 || m <= 16 || m % 4 == 0 || m % d == 
 
 }  // namespace
 
-TEST_CASE("worked example d=4 v=2 m=8: each family's rank-0 order and per-rank peaks match DESIGN.md") {
+TEST_CASE("worked example d=4 v=2 m=8: each family's rank-0 order and per-rank peaks match docs/design.md") {
   const Shape s{4, 2, 8};
   const Program po_ = PO::build(s), gish = GIS_H::build(s), gis = GIS::build(s), i1f1b = Interleaved1F1B::build(s);
   CHECK(order_text(po_, 0, 16) == "F0.0 F1.0 F0.1 F2.0 F1.1 F3.0 B0.1 W0.1 F2.1 F4.0 B1.1 W1.1 F3.1 B0.0 W0.0 F5.0");

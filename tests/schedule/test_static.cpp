@@ -18,7 +18,7 @@ static_assert(po::validate(po::PO_F::build({8, 4, 32})));
 static_assert(po::peak(po::PO_F::build({8, 4, 32}), 0) <= 6);
 static_assert(po::validate(po::Interleaved1F1B::build({4, 2, 8})));
 
-// DESIGN.md section 2's worked example (d=4, v=2, m=8): per-rank peaks in units.
+// docs/design.md section 2's worked example (d=4, v=2, m=8): per-rank peaks in units.
 static_assert(po::peak(po::PO::build({4, 2, 8}), 0) == 7);
 static_assert(po::peak(po::GIS_H::build({4, 2, 8}), 0) == 6);
 static_assert(po::peak(po::GIS::build({4, 2, 8}), 0) == 8);

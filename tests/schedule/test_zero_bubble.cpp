@@ -101,7 +101,7 @@ TEST_CASE("zero-bubble families: every shape d 1..12, m 1..48 validates, with pe
       }
 }
 
-TEST_CASE("zero-bubble ZB-H1 and ZB-H2: peaks and unit-cost makespans equal DESIGN.md's formulas") {
+TEST_CASE("zero-bubble ZB-H1 and ZB-H2: peaks and unit-cost makespans equal docs/design.md's formulas") {
   for (int d = 1; d <= 12; ++d)
     for (int m = 1; m <= 48; ++m) {
       // ZB-H1: every rank min(d, m) units (1F1B's rank-0 peak); makespan 3m + d - 1 for m >= d

@@ -85,7 +85,7 @@ def main():
              ("W", 1, 1, "15", "16"), ("F", 5, 0, "16", "17")]
     check(rank0[: len(want)] == want, f"gis rank 0 first ops:\n  got  {rank0[:len(want)]}\n  want {want}")
 
-    # Compute orders of the worked example (DESIGN.md section 2), as "F mb.chunk".
+    # Compute orders of the worked example (docs/design.md section 2), as "F mb.chunk".
     orders = {
         "po": "F0.0 F1.0 F0.1 F2.0 F1.1 F3.0 B0.1 W0.1 F2.1 F4.0 B1.1 W1.1 F3.1 B0.0 W0.0 F5.0",
         "gis-h": "F0.0 F1.0 F0.1 F1.1 F2.0 F3.0 B0.1 W0.1 F2.1 B1.1 W1.1 F3.1 B0.0 W0.0 F4.0",

@@ -249,7 +249,7 @@ concept reduces_gradients =
     };
 
 /// Optional, on top of `backend`: the "synchronized interleaved" copies of two devices under
-/// one PCIe switch (DESIGN.md section 3). `B::Counter` is a monotone 64-bit counter that two
+/// one PCIe switch (docs/design.md section 3). `B::Counter` is a monotone 64-bit counter that two
 /// devices of one process share; signal(stream, c, v) sets it to v in stream order (after the
 /// stream's earlier work), wait_counter(stream, c, v) makes the stream wait until it is at
 /// least v. Monotone values, unlike events, need no care about which record a wait sees.

@@ -1,5 +1,5 @@
 // pipeoffload/detail/host_device.hpp: PIPEOFFLOAD_HOST_DEVICE, for math that nvcc compiles for
-// the device and the host compiler for the CPU (DESIGN.md section 6).
+// the device and the host compiler for the CPU (docs/design.md section 6).
 #pragma once
 
 #if defined(__CUDACC__)

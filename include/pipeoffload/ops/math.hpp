@@ -4,7 +4,7 @@
 //
 // Plain functions, no state, no allocation: CPU code (ops/cpu.hpp, the sample models) calls
 // them in loops and CUDA kernels call the same functions from grid-stride loops, so the CPU
-// tests cover the math the GPU runs (DESIGN.md section 6). Everything is float in, float out, with the
+// tests cover the math the GPU runs (docs/design.md section 6). Everything is float in, float out, with the
 // accumulations the callers need spelled out (double where a sum must not depend on length).
 #pragma once
 

@@ -5,7 +5,7 @@
 // FLOPs of one layer (or of the embedding / LM head) for one microbatch, derived here once;
 // the planner, the plan tool and bench/paper all take them from these functions.
 //
-// Saved activation bytes of one layer, per microbatch (DESIGN.md section 1). Notation: b
+// Saved activation bytes of one layer, per microbatch (docs/design.md section 1). Notation: b
 // microbatch size, s sequence length, h hidden size, a heads, G query groups (G = a is
 // multi-head attention), e = dtype bytes (2 for bf16), hd = h/a the head dimension. In
 // elements per token, what backward needs:
@@ -345,7 +345,7 @@ constexpr PassFlops head_flops(const TransformerSpec& m) {
   return {x, x, x};
 }
 
-/// k = round-trip copy time of one layer's activations / its F+B+W time (DESIGN.md section 1).
+/// k = round-trip copy time of one layer's activations / its F+B+W time (docs/design.md section 1).
 constexpr double copy_ratio(const TransformerSpec& m, const MachineSpec& x) {
   return (2 * activation_bytes_per_layer(m) / x.pcie_bytes_per_s) / (layer_flops(m).total() / x.flops);
 }
@@ -596,7 +596,7 @@ constexpr double stage_own_state_bytes(const TransformerSpec& m, const StageCont
 
 /// Bytes of pinned host memory one offloaded unit of `bytes` takes: the bins the runtime
 /// allocates for it (offload::plan_bins: the smallest sum of at most three powers of two that
-/// holds it, DESIGN.md section 3), for the unit's size rounded up to a whole byte.
+/// holds it, docs/design.md section 3), for the unit's size rounded up to a whole byte.
 constexpr double host_bin_bytes(double bytes) {
   if (!(bytes > 0)) return 0;
   auto whole = static_cast<std::uint64_t>(bytes);

@@ -432,7 +432,7 @@ constexpr std::vector<PlanOption> plan_options(int d, int v, int m, bool allow_o
     zero_bubble(Family::v_min, "v-min");
     if (m >= 2 * d) zero_bubble(Family::dualpipe_v, "dualpipe-v");  // DeepSeek's order needs m >= 2d
   }
-  const int lo = (d + 1) / 2;
+  const int lo = GroupSpec::smallest(d);
   for (int g = d; g >= lo; --g) {
     if (g == 1 && d == 2) continue;  // GIS(1) on two ranks is PO's order: PO below covers it
     if (g == d)

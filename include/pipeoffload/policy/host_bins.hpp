@@ -2,7 +2,7 @@
 // offload rule beside spec.hpp's (which chunks): the planner sizes host memory with it and the
 // runtime allocates by it.
 //
-// DESIGN.md section 3: one offload writes into at most 3 power-of-two bins whose total is the
+// docs/design.md section 3: one offload writes into at most 3 power-of-two bins whose total is the
 // minimum that fits. Power-of-two bins let a host pool serve every unit size from a few size
 // classes (pinned allocations are slow, so they are made once and reused); three bins keep
 // the waste small (under 1/4 of the unit in the worst case, against 1/2 for one bin).

@@ -58,6 +58,9 @@ struct GroupSpec {
   enum class Kind : std::uint8_t { number, full, half, uniform } kind = Kind::full;  ///< how g is chosen.
   int value = 0;                                                                     ///< g when kind == number.
 
+  /// The smallest group size of d ranks, ceil(d/2): GIS(g) takes g in [ceil(d/2), d] (GIS-H's g).
+  static constexpr int smallest(int d) { return (d + 1) / 2; }
+
   /// Field-by-field equality.
   friend constexpr bool operator==(const GroupSpec&, const GroupSpec&) = default;
 };

@@ -135,7 +135,7 @@ struct PassStats {
 };
 
 /// What ranks r and r^1 of a PCIe pair share when they run in one process: one counter per
-/// side, raised by that side's copy stream after each copy (DESIGN.md section 3, "synchronized
+/// side, raised by that side's copy stream after each copy (docs/design.md section 3, "synchronized
 /// interleaved"). Make one per pair, hand it to both ranks' runtimes with pair_with() before
 /// their first step, and keep it alive as long as they are.
 template <class Backend>

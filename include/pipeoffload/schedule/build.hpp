@@ -4,7 +4,7 @@
 //   1. each rank's compute order (1F1B, Megatron's 1F1B-I, or the GIS building block),
 //   2. a planning timeline of those orders (PO's shifted grid, otherwise ASAP),
 //   3. offload placement on one copy stream per rank, and the cross-stream edges that keep
-//      execution within the planned memory (DESIGN.md section 3); on PO's grid, edges that
+//      execution within the planned memory (docs/design.md section 3); on PO's grid, edges that
 //      keep the plan's peak rather than its order, and each PCIe pair's slot parities chosen
 //      so that its copies keep pace with the execution (settle_pair),
 //   4. the P2P plan: each rank posts its sends and receives in the order of the messages'

@@ -1,6 +1,6 @@
 // pipeoffload/schedule/program.hpp: what a schedule builds for one shape and cost model.
 //
-// Units (DESIGN.md section 1): d ranks, v chunks per rank, S = v*d stages, m microbatches.
+// Units (docs/design.md section 1): d ranks, v chunks per rank, S = v*d stages, m microbatches.
 // Stage s is chunk s / d of its rank; which rank is the placement's choice (Shape::rank_of).
 // One activation unit = the saved activations of one stage for one microbatch.
 /// @file
@@ -110,7 +110,7 @@ constexpr const char* op_name(OpKind k) {
 
 /// One op of one stream. `wait` is the cross-stream edge: the op may start only after the
 /// other stream of the same rank has finished its ops 0..wait (-1: no edge). Both streams run
-/// in order, so one index is all an edge needs (DESIGN.md section 3).
+/// in order, so one index is all an edge needs (docs/design.md section 3).
 /// Packed in 12 bytes (a schedule holds millions of ops): stage is a 24-bit field, enough for
 /// any stage of an allowed shape (S <= max_ranks * max_chunks = 2^20).
 struct Op {

@@ -359,7 +359,7 @@ constexpr Validation check_execution(const Program& p) {
 ///     one. Going around more often, or back and forth, reaches nothing earlier.
 /// Under those conditions the untimed execution of check_execution() completes: each rank's
 /// ops fit in one order with its messages, and the messages in one order for all ranks, so
-/// the ops of all ranks and the messages form no cycle (DESIGN.md section 4).
+/// the ops of all ranks and the messages form no cycle (docs/design.md section 4).
 /// The per-rank sweeps and the comparisons between neighbours run on the machine's cores
 /// (detail/parallel.hpp); going around the ring is one pass over the ranks.
 constexpr bool proven_valid(const Program& p, Workers threads = {}) {
@@ -646,7 +646,7 @@ constexpr bool proven_valid(const Program& p, Workers threads = {}) {
 
 }  // namespace detail
 
-/// Checks every rule of DESIGN.md section 4: each (stage, mb) has F, B and W (or BW) exactly
+/// Checks every rule of docs/design.md section 4: each (stage, mb) has F, B and W (or BW) exactly
 /// once on its own rank; every dependency is met; the P2P plan completes without deadlock and
 /// in order under the documented communicator semantics; every reload follows its offload and
 /// precedes its backward; the copy stream is never double-booked. `threads`: see po::Workers.

@@ -1,7 +1,7 @@
 // pipeoffload/sim/simulate.hpp: discrete-event simulation of a built schedule.
 //
 // Execution is as-soon-as-possible under each rank's orders, the data dependencies (+T_comm
-// between ranks) and the cross-stream edges (DESIGN.md section 3): exactly how the runtime
+// between ranks) and the cross-stream edges (docs/design.md section 3): exactly how the runtime
 // executes, so the simulated makespan and peaks are the numbers the runtime must meet.
 /// @file
 #pragma once
@@ -73,7 +73,7 @@ constexpr std::size_t memory_events(const RankProgram& rp, const Costs& costs) {
 /// finish them: each op's end, the rank's busy time and last end, and its memory timeline.
 ///
 /// Ends: an op's end is its start plus its duration (`dur`, see duration_table), the sum the
-/// run made. Busy: the sum of the compute ops' end - start, in stream order. Memory (DESIGN.md
+/// run made. Busy: the sum of the compute ops' end - start, in stream order. Memory (docs/design.md
 /// section 1): a unit is alive from its F's start to its W's (or BW's) end, except between the
 /// end of its offload and the start of its reload; a stash (Costs::stash) from its B's start
 /// to its W's end, or for a fused BW during the op (the runtime's B half leaves it for the W

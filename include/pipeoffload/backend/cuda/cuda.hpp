@@ -2,7 +2,7 @@
 //
 // The same `backend` concept as backend::Cpu (backend/backend.hpp), on CUDA's own primitives:
 //   - streams are non-blocking cudaStream_t (the runtime makes a compute, a copy and a comm
-//     stream; the one copy stream carries both offloads and reloads, DESIGN.md section 3);
+//     stream; the one copy stream carries both offloads and reloads, docs/design.md section 3);
 //   - events are cudaEvent_t without timing; record/wait are cudaEventRecord and
 //     cudaStreamWaitEvent, whose "latest record at the time of the call" semantics are the
 //     concept's;

@@ -3,7 +3,7 @@
 // the regions a layer cuts its buffers into, as plain host functions (constexpr where they can
 // be). A model's own layouts live with the model (models/gpt/layout.hpp, cuda_layout.hpp).
 //
-// DESIGN.md section 6: CUDA code is judged by reading, so nothing about a launch is computed
+// docs/design.md section 6: CUDA code is judged by reading, so nothing about a launch is computed
 // inside a kernel file or a wrapper. The kernels (kernels/*.cu) and the cuBLASLt wrapper call
 // these functions, and tests/cuda/test_host.cpp calls the same functions on the CPU and
 // checks grids, blocks, shared memory, limits and leading dimensions. No CUDA header here:

@@ -1,6 +1,6 @@
 // pipeoffload/backend/cuda/topology.hpp: which GPUs share a PCIe switch, as a pure function.
 //
-// DESIGN.md section 3: two GPUs under one PCIe switch share its uplink to the host, so their
+// docs/design.md section 3: two GPUs under one PCIe switch share its uplink to the host, so their
 // offload copies are staggered (the schedule's Costs::stagger_pairs gives ranks r and r^1
 // opposite copy-slot parities). Whether a machine has such pairs is decided here from each
 // GPU's PCI path (sysfs: /sys/bus/pci/devices/<bus id> resolves to

@@ -14,7 +14,7 @@ constexpr long long ceil_div(long long a, long long b) { return (a + b - 1) / b;
 
 /// Resolved group size g of a grouped spec for d ranks, checked against its legal range.
 constexpr int resolve_group(const GroupSpec& g, int d) {
-  const int lo = static_cast<int>(ceil_div(d, 2));
+  const int lo = GroupSpec::smallest(d);
   switch (g.kind) {
     case GroupSpec::Kind::full:
       return d;

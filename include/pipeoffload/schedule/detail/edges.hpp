@@ -41,7 +41,7 @@ struct SettleScratch {
   }
 };
 
-/// Cross-stream edges of rank r (DESIGN.md section 3) that keep every execution within the
+/// Cross-stream edges of rank r (docs/design.md section 3) that keep every execution within the
 /// peak of its plan: start and end of each compute op (ps, pe) and copy op (ks, ke). Take the
 /// plan's acquisitions (F and R starts) and releases (W/BW and O ends) in time order, a
 /// release first at equal times (`eps` apart). If every release before an acquisition a there
@@ -212,7 +212,7 @@ constexpr double copy_lag(const Program& p, int r, const double* release, double
   return lag;
 }
 
-/// The final edges and slot parities of a schedule planned on PO's grid (DESIGN.md section 3).
+/// The final edges and slot parities of a schedule planned on PO's grid (docs/design.md section 3).
 /// Place_offloads' edges replay the plan's order: every release planned before an
 /// acquisition stays before it, which keeps the plan's memory. But the grid is much sparser
 /// than the execution, where both streams run as soon as they can, so those edges also replay

@@ -14,7 +14,7 @@
 //      order) that the cap allows: the highest stage first (it brings a microbatch closer to
 //      its backward);
 //   3. else its oldest pending W (a B ran, its W not yet).
-// A unit is held from the start of its F to the end of its W (DESIGN.md section 1). A rank
+// A unit is held from the start of its F to the end of its W (docs/design.md section 1). A rank
 // admits the first-chunk F of a microbatch only if its held units plus one unit for each of
 // its later chunks of the microbatches it has admitted (reserved: they will come) plus this
 // microbatch's own units fit the cap; so every admitted microbatch can finish its forward on

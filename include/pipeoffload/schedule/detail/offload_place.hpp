@@ -1,5 +1,5 @@
 // pipeoffload/schedule/detail/offload_place.hpp: step 3 of build(): one rank's offloads and reloads placed on
-// its copy-slot grid, longest lifespan first (DESIGN.md section 3), with edges that replay the plan's order.
+// its copy-slot grid, longest lifespan first (docs/design.md section 3), with edges that replay the plan's order.
 #pragma once
 
 #include <algorithm>
@@ -241,7 +241,7 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
 /// grid's peak 3 units, the run's 2, and slower copies then reached 3). Each edge added is met
 /// in the run already (the op it waits for ends by then), so the run, and so the plan's
 /// timeline and peak, stay as they were; and now no execution frees later, relative to an
-/// acquisition, than the run did, so none holds more at once (DESIGN.md section 3).
+/// acquisition, than the run did, so none holds more at once (docs/design.md section 3).
 /// `dur` is duration_table(costs, stages).
 constexpr void pin_run_order(Program& p, const Costs& costs, const std::vector<double>& dur) {
   const std::size_t du = p.ranks.size();

@@ -1,5 +1,5 @@
 // pipeoffload/schedule/detail/orders.hpp: step 1 of build(): each rank's compute order (1F1B, Megatron's
-// 1F1B-I, the GIS(g) building block of DESIGN.md section 2 and its slot grid, Block).
+// 1F1B-I, the GIS(g) building block of docs/design.md section 2 and its slot grid, Block).
 #pragma once
 
 #include <algorithm>
@@ -51,7 +51,7 @@ constexpr void order_interleaved(Program& p) {
   }
 }
 
-/// Geometry of the GIS(g) building block of a program (DESIGN.md section 2): block slots,
+/// Geometry of the GIS(g) building block of a program (docs/design.md section 2): block slots,
 /// the repeat period L = 3gv, and the shift of each rank on PO's planning grid.
 struct Block {
   long long d = 1, v = 1, m = 1, g = 1, kp = 1, q = 1, L = 3, e = 0, groups = 1;
@@ -121,7 +121,7 @@ struct Block {
 };
 
 /// Rank i's compute order under the GIS(g) building block repeated every L = 3gv slots
-/// (DESIGN.md section 2): its passes sorted by slot.
+/// (docs/design.md section 2): its passes sorted by slot.
 constexpr void order_grouped_rank(Program& p, const Block& bk, long long i) {
   const long long d = bk.d, v = bk.v, m = bk.m, g = bk.g, L = bk.L, groups = bk.groups;
   const long long b0 = bk.b0(i), last = bk.last(i);
