@@ -497,7 +497,6 @@ inline void attention_forward(const CpuContext&, const float* q, const float* k,
 /// (cuDNN's fused attention on the same layout).
 inline void attention_forward(const CpuContext& ctx, const float* q, const float* k, const float* v, float* out,
                               float* lse, AttentionShape s) {
-  detail::check_attention(s, "ops::attention_forward");
   attention_forward(ctx, q, k, v, out, lse, s, detail::whole_sequences(s));
 }
 
@@ -552,7 +551,6 @@ inline void attention_backward(const CpuContext&, const float* q, const float* k
 /// Attention's backward on dense rows, each sequence one document (the CPU twin of the CUDA op).
 inline void attention_backward(const CpuContext& ctx, const float* q, const float* k, const float* v, const float* out,
                                const float* dout, const float* lse, float* dq, float* dk, float* dv, AttentionShape s) {
-  detail::check_attention(s, "ops::attention_backward");
   attention_backward(ctx, q, k, v, out, dout, lse, dq, dk, dv, s, detail::whole_sequences(s));
 }
 
