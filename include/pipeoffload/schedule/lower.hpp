@@ -562,10 +562,12 @@ constexpr void plan_memory(const Program& p, int rank, std::span<const StageByte
   };
   for (int k = 0; k < 3; ++k) lr.peak[static_cast<std::size_t>(k)] = peak_of(k);
   lr.peak_total = peak_of(-1);
-  // Offsets: buffers in a few orders (largest first, then earliest; longest-lived first;
-  // largest then longest-lived; earliest first; one kind after another, earliest first), each
-  // in the lowest (or the smallest) gap clear of the buffers already placed whose lifetimes
-  // meet its own; the smallest region wins.
+  // Offsets: buffers in a few orders (largest first; longest-lived first; largest then
+  // longest-lived; by time alone; one kind after another), each in the lowest (or the smallest)
+  // gap clear of the buffers already placed whose lifetimes meet its own; the smallest region
+  // wins. Each order breaks its ties by time, first forwards (earliest taken first), then
+  // backwards (last given back first: the plan of the program run in reverse, which packs a
+  // cooldown's stashes before the steady state's units that leave them holes of the wrong size).
   // `widen`: units and stashes take the largest of their sizes (equal slots suit first fit).
   std::size_t widest = 0;
   for (const Buffer& b : bufs)
@@ -628,29 +630,35 @@ constexpr void plan_memory(const Program& p, int rank, std::span<const StageByte
   const auto life = [&](const Buffer& b) { return b.give - b.take; };
   // Kind orders for the kind-first strategies: every permutation of (units, stashes, tensors).
   constexpr std::array<std::array<int, 3>, 6> kinds{{{0, 1, 2}, {0, 2, 1}, {1, 0, 2}, {1, 2, 0}, {2, 0, 1}, {2, 1, 0}}};
+  constexpr int orders = 4 + 6, fits = 4;  // (first or best fit) x (exact or widened sizes)
   // No region is smaller than the witness's peak: the first order that reaches it ends the search.
-  for (int strategy = 0; strategy < 4 * (4 + 6) && best > lr.peak_total; ++strategy) {
+  for (int strategy = 0; strategy < 2 * orders * fits && best > lr.peak_total; ++strategy) {
     for (std::size_t k = 0; k < bufs.size(); ++k) order_k[k] = k;
-    const int how = strategy / 4;
+    const int how = strategy / fits % orders;
+    const bool backwards = strategy >= orders * fits;
+    // Time as a sort key: the take forwards, the give reversed backwards.
+    const auto t = [&](const Buffer& b) {
+      return backwards ? -static_cast<long long>(b.give) : static_cast<long long>(b.take);
+    };
     std::sort(order_k.begin(), order_k.end(), [&](std::size_t a, std::size_t b) {
       const Buffer &x = bufs[a], &y = bufs[b];
       switch (how) {
         case 0:
-          return std::tuple(y.bytes, x.take) < std::tuple(x.bytes, y.take);
+          return std::tuple(y.bytes, t(x)) < std::tuple(x.bytes, t(y));
         case 1:
-          return std::tuple(life(y), x.take) < std::tuple(life(x), y.take);
+          return std::tuple(life(y), t(x)) < std::tuple(life(x), t(y));
         case 2:
-          return std::tuple(y.bytes, life(y), x.take) < std::tuple(x.bytes, life(x), y.take);
+          return std::tuple(y.bytes, life(y), t(x)) < std::tuple(x.bytes, life(x), t(y));
         case 3:
-          return x.take < y.take;
-        default: {  // one kind after another, each earliest first
+          return t(x) < t(y);
+        default: {  // one kind after another, each in time
           const auto& rank_of = kinds[static_cast<std::size_t>(how - 4)];
-          return std::tuple(rank_of[static_cast<std::size_t>(x.kind)], x.take) <
-                 std::tuple(rank_of[static_cast<std::size_t>(y.kind)], y.take);
+          return std::tuple(rank_of[static_cast<std::size_t>(x.kind)], t(x)) <
+                 std::tuple(rank_of[static_cast<std::size_t>(y.kind)], t(y));
         }
       }
     });
-    const std::size_t top = place(order_k, strategy % 2 == 1, strategy % 4 >= 2, at);
+    const std::size_t top = place(order_k, strategy % 2 == 1, strategy % fits >= 2, at);
     if (top < best) {
       best = top;
       best_at = at;
