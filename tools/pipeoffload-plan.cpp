@@ -275,7 +275,7 @@ struct Request {
 
 /// The spec --schedule names (po::parse_schedule: the alias's own spec), or bad_argument.
 pipeoffload::ScheduleSpec named_schedule(const std::string* name) {
-  const std::string names = pipeoffload::schedule_names;
+  const std::string names = pipeoffload::schedule_names();
   if (!name) throw bad_argument("missing --schedule (one of " + names + ")");
   try {
     return pipeoffload::parse_schedule(*name);

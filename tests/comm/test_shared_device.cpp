@@ -437,11 +437,8 @@ TEST_CASE("shared device: po::Runtime trains through it under every family, bit-
   const auto shared = [](po::comm::Threads h) {
     return po::comm::SharedDevice<ImmediateStreams>(h, po::comm::DeviceCopy<ImmediateStreams>{});
   };
-  std::string all = po::schedule_names;
-  for (std::size_t a = 0; a < all.size();) {
-    const std::size_t b = std::min(all.find(',', a), all.size());
-    const std::string name = all.substr(a, b - a);
-    a = b + 2;
+  for (const po::NamedSchedule& e : po::named_schedules) {
+    const std::string name(e.name);
     for (const int dp : {1, 2}) {
       if (dp == 2 && name != "1f1b-i" && name != "zb-v") continue;
       CAPTURE(name);

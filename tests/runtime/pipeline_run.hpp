@@ -143,15 +143,10 @@ inline std::pair<po::ScheduleSpec, po::Shape> family(const std::string& name, in
   throw std::runtime_error("no shape for " + name);
 }
 
-/// Every schedule name (po::schedule_names).
+/// Every schedule name (po::named_schedules).
 inline std::vector<std::string> schedule_names() {
   std::vector<std::string> out;
-  const std::string all = po::schedule_names;
-  for (std::size_t a = 0; a < all.size();) {
-    const std::size_t b = std::min(all.find(',', a), all.size());
-    out.push_back(all.substr(a, b - a));
-    a = b + 2;
-  }
+  for (const po::NamedSchedule& e : po::named_schedules) out.emplace_back(e.name);
   return out;
 }
 

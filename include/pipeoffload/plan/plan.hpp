@@ -947,16 +947,9 @@ constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const 
   detail::require_real("budget: reserved bytes (>= 0)", bud.reserved_bytes, 0, 1e18);
   detail::require_real("budget: workspace bytes (>= 0)", bud.workspace_bytes, 0, 1e18);
   if (!bud.schedule.empty()) {
-    bool known = false;  // one of schedule_names' comma-separated names
-    const std::string_view names = schedule_names;
-    for (std::size_t at = 0; at <= names.size();) {
-      const std::size_t end = std::min(names.find(", ", at), names.size());
-      known = known || names.substr(at, end - at) == bud.schedule;
-      at = end + 2;
-    }
-    if (!known)
-      throw shape_error("budget: schedule must be empty or one of " + std::string(schedule_names) + ", got '" +
-                        bud.schedule + "'");
+    if (find_schedule(bud.schedule) == nullptr)
+      throw shape_error("budget: schedule must be empty or one of " + schedule_names() + ", got '" + bud.schedule +
+                        "'");
   }
   detail::require_range("budget: max chunks (0 = no limit)", bud.max_chunks, 0, max_chunks);
   if (bud.backend == PlanBackend::cpu &&

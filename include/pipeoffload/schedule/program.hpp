@@ -6,8 +6,10 @@
 /// @file
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "../error.hpp"
@@ -182,48 +184,53 @@ constexpr int warmup(const RankProgram& rp) {
   return n;
 }
 
-/// The plan tool's name of a spec: 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1,
-/// zb-h2, zb-v, v-half, v-min, dualpipe-v; offload
-/// other than PO's own is appended as "+offload(...)".
+/// A schedule's name (the plan tool's and train_gpt's --schedule) and its spec.
+struct NamedSchedule {
+  std::string_view name;  ///< as --schedule takes it: lower case, words joined by '-'
+  ScheduleSpec spec;      ///< gis-g's group size is parse_schedule's argument (0 here)
+};
+
+/// Every named schedule, the paper's first: the one table that parse_schedule, schedule_name
+/// and schedule_names read (schedule.hpp checks each alias's spec against it).
+inline constexpr std::array<NamedSchedule, 14> named_schedules{{
+    {"1f1b", {Family::one_f1b}},
+    {"1f1b-i", {Family::interleaved_1f1b}},
+    {"gis", {Family::grouped}},
+    {"gis-h", {Family::grouped, {GroupSpec::Kind::half}}},
+    {"gis-g", {Family::grouped, {GroupSpec::Kind::number}}},
+    {"po", {Family::grouped, {GroupSpec::Kind::uniform, 1}}},
+    {"po-h", {Family::grouped, {GroupSpec::Kind::uniform, 1}, offload::half}},
+    {"po-f", {Family::grouped, {GroupSpec::Kind::uniform, 1}, offload::all}},
+    {"zb-h1", {Family::zb_h1}},
+    {"zb-h2", {Family::zb_h2}},
+    {"zb-v", {Family::zb_v, {}, offload::none, Placement::vshape}},
+    {"v-half", {Family::v_half, {}, offload::none, Placement::vshape}},
+    {"v-min", {Family::v_min, {}, offload::none, Placement::vshape}},
+    {"dualpipe-v", {Family::dualpipe_v, {}, offload::none, Placement::vshape}},
+}};
+
+/// The entry of named_schedules called `name`, or nullptr.
+constexpr const NamedSchedule* find_schedule(std::string_view name) {
+  for (const NamedSchedule& e : named_schedules)
+    if (e.name == name) return &e;
+  return nullptr;
+}
+
+/// The names of named_schedules, comma-separated (for messages and usage lines).
+constexpr std::string schedule_names() {
+  std::string out;
+  for (const NamedSchedule& e : named_schedules) out += (out.empty() ? "" : ", ") + std::string(e.name);
+  return out;
+}
+
+/// The plan tool's name of a spec: its entry in named_schedules (the grouped family's by its
+/// group rule); an offload other than the entry's own is appended as "+offload(...)".
 constexpr std::string schedule_name(const ScheduleSpec& s, int v = 0) {
   std::string base;
-  switch (s.family) {
-    case Family::one_f1b:
-      base = "1f1b";
-      break;
-    case Family::interleaved_1f1b:
-      base = "1f1b-i";
-      break;
-    case Family::grouped:
-      if (s.group.kind == GroupSpec::Kind::full)
-        base = "gis";
-      else if (s.group.kind == GroupSpec::Kind::half)
-        base = "gis-h";
-      else if (s.group.kind == GroupSpec::Kind::uniform) {
-        if (s.offload.kind == offload::selection::Kind::half) return "po-h";
-        if (s.offload.kind == offload::selection::Kind::all) return "po-f";
-        base = "po";
-      } else
-        base = "gis-g";
-      break;
-    case Family::zb_h1:
-      base = "zb-h1";
-      break;
-    case Family::zb_h2:
-      base = "zb-h2";
-      break;
-    case Family::zb_v:
-      base = "zb-v";
-      break;
-    case Family::v_half:
-      base = "v-half";
-      break;
-    case Family::v_min:
-      base = "v-min";
-      break;
-    case Family::dualpipe_v:
-      base = "dualpipe-v";
-      break;
+  for (const NamedSchedule& e : named_schedules) {
+    if (e.spec.family != s.family || (s.family == Family::grouped && e.spec.group.kind != s.group.kind)) continue;
+    if (e.spec.offload == s.offload) return std::string(e.name);
+    if (e.spec.offload == offload::none) base = e.name;
   }
   const int n = v > 0 ? offload::count(s.offload, v) : -1;
   switch (s.offload.kind) {

@@ -105,30 +105,31 @@ using V_Half = Schedule<ZeroBubble<Family::v_half>, VShape>;         ///< V-Half
 using V_Min = Schedule<ZeroBubble<Family::v_min>, VShape>;           ///< V-Min: about a third of 1F1B's bytes
 using DualPipeV = Schedule<ZeroBubble<Family::dualpipe_v>, VShape>;  ///< DeepSeek's DualPipeV: m >= 2d, 2d + 1 units
 
-/// The names of the schedules, as schedule_name() writes them.
-inline constexpr const char* schedule_names =
-    "1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v";
+/// Whether every alias above has its named_schedules entry's spec (gis-g's group aside).
+constexpr bool aliases_named() {
+  const auto is = [](std::string_view name, ScheduleSpec spec) {
+    if (spec.group.kind == GroupSpec::Kind::number) spec.group.value = 0;
+    return find_schedule(name)->spec == spec;
+  };
+  return is("1f1b", OneF1B::spec) && is("1f1b-i", Interleaved1F1B::spec) && is("gis", GIS::spec) &&
+         is("gis-h", GIS_H::spec) && is("gis-g", GIS_G<1>::spec) && is("po", PO::spec) && is("po-h", PO_H::spec) &&
+         is("po-f", PO_F::spec) && is("zb-h1", ZB_H1::spec) && is("zb-h2", ZB_H2::spec) && is("zb-v", ZB_V::spec) &&
+         is("v-half", V_Half::spec) && is("v-min", V_Min::spec) && is("dualpipe-v", DualPipeV::spec);
+}
+static_assert(aliases_named(), "pipeoffload: a schedule alias and its named_schedules entry disagree");
 
-/// The spec of a schedule named as schedule_name() names it (1f1b, 1f1b-i, gis, gis-h, gis-g,
-/// po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v): the alias's own spec (parse_schedule("po-f") == PO_F::spec), and for
-/// gis-g the group size `group` (checked against a shape by build). Throws shape_error with
-/// the allowed names for any other name. schedule_name(parse_schedule(n, g)) == n.
+/// The spec of a schedule named as schedule_name() names it (named_schedules: 1f1b, 1f1b-i,
+/// gis, gis-h, gis-g, po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v): the
+/// alias's own spec (parse_schedule("po-f") == PO_F::spec), and for gis-g the group size
+/// `group` (checked against a shape by build). Throws shape_error with the allowed names for
+/// any other name. schedule_name(parse_schedule(n, g)) == n.
 inline ScheduleSpec parse_schedule(std::string_view name, int group = 0) {
-  if (name == "1f1b") return OneF1B::spec;
-  if (name == "1f1b-i") return Interleaved1F1B::spec;
-  if (name == "gis") return GIS::spec;
-  if (name == "gis-h") return GIS_H::spec;
-  if (name == "gis-g") return {Family::grouped, {GroupSpec::Kind::number, group}, offload::none};
-  if (name == "po") return PO::spec;
-  if (name == "po-h") return PO_H::spec;
-  if (name == "po-f") return PO_F::spec;
-  if (name == "zb-h1") return ZB_H1::spec;
-  if (name == "zb-h2") return ZB_H2::spec;
-  if (name == "zb-v") return ZB_V::spec;
-  if (name == "v-half") return V_Half::spec;
-  if (name == "v-min") return V_Min::spec;
-  if (name == "dualpipe-v") return DualPipeV::spec;
-  throw shape_error("schedule must be one of " + std::string(schedule_names) + ", got '" + std::string(name) + "'");
+  const NamedSchedule* e = find_schedule(name);
+  if (e == nullptr)
+    throw shape_error("schedule must be one of " + schedule_names() + ", got '" + std::string(name) + "'");
+  ScheduleSpec spec = e->spec;
+  if (spec.group.kind == GroupSpec::Kind::number) spec.group.value = group;
+  return spec;
 }
 
 }  // namespace pipeoffload
