@@ -3,6 +3,7 @@
 #   bash scripts/dev.sh main   install what is missing, build the main job only (build-main/), train a small GPT with
 #                              PO-F, draw the paper's schedules
 #   bash scripts/dev.sh test   install what is missing, build everything (build/), run every test
+#                              but the long suite; `test full` runs that too (CI does)
 # Both work on a fresh Debian 12 machine (as root, or with sudo) and on a warm one, where
 # they install nothing and only rebuild what changed. Installing is scripts/install-deps.sh;
 # this script builds and runs.
@@ -32,7 +33,9 @@ case "${1:-}" in
     fi
     ninja -C "$build"
     status=0
-    meson test -C "$build" --print-errorlogs --num-processes "$(nproc)" || status=$?
+    setup=lean
+    if [ "${2:-}" = full ]; then setup=full; fi
+    meson test -C "$build" --setup "$setup" --print-errorlogs --num-processes "$(nproc)" || status=$?
     logs=("$build/meson-logs/testlog.json")
     # The runtime tests, the thread communicators and the schedule's threaded passes again under ThreadSanitizer and
     # under AddressSanitizer+UBSan (only their test binaries, the samples and train_gpt are
@@ -74,7 +77,7 @@ PY
     exit "$status"
     ;;
   *)
-    echo "usage: bash scripts/dev.sh main|test" >&2
+    echo "usage: bash scripts/dev.sh main|test [full]" >&2
     exit 2
     ;;
 esac

@@ -55,7 +55,7 @@ PEER_EDGES = {
 # Headers that may include CUDA (directly or through another header) and MPI.
 CUDA_PLACES = ("backend/cuda/", "comm/nccl/", "comm/cuda/", "ops/cuda.hpp", "cuda.hpp", "models/")
 MPI_PLACES = ("comm/mpi/",)
-# The worked example of README's "Your own model", which must build from an installed prefix.
+# The worked example of docs/your_model.md, which must build from an installed prefix.
 EXAMPLE = ("samples/custom_model.hpp", "samples/custom_model.cpp", "samples/cli.hpp")
 CUDA_SYSTEM = re.compile(r"^(cuda|cublas|cudnn|cufft|curand|cusparse|nccl|nvrtc|nvtx|cub/|thrust/|cuda/)")
 MPI_SYSTEM = re.compile(r"^mpi\.h$")

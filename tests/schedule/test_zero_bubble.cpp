@@ -1,6 +1,6 @@
 // tests/schedule/test_zero_bubble.cpp: the V placement and the zero-bubble families (ZB-H1,
 // ZB-H2, ZB-V, V-Half, V-Min, DualPipeV): names, placement, validity on every small shape, peaks and
-// unit-cost makespans against the formulas of README, "Zero-bubble families", offload on each.
+// unit-cost makespans against the formulas of docs/schedules.md, "Zero-bubble families", offload on each.
 #include <doctest/doctest.h>
 
 #include <algorithm>

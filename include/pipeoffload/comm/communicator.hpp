@@ -1,7 +1,7 @@
 // pipeoffload/comm/communicator.hpp: the `collective`, `communicator` and
 // `replica_communicator` concepts.
 //
-// Semantics (README "Communicator semantics"; validate() checks schedules against them):
+// Semantics (docs/schedules.md, "Communicator semantics"; validate() checks schedules against them):
 //   - a rank calls send and recv from its comm stream, in the order of RankProgram::comm (then
 //     a step's shared-parameter messages, po::SharedParam, tagged with a negative mb), and
 //     hands each call that stream's context (the backend's Context, as a layer's passes get

@@ -75,7 +75,7 @@ struct MegatronInterleave {
   static constexpr Family family = Family::interleaved_1f1b;  ///< interleaved 1F1B
 };
 
-/// The zero-bubble families (split backward; README, "Zero-bubble families"): a memory-capped list
+/// The zero-bubble families (split backward; docs/schedules.md, "Zero-bubble families"): a memory-capped list
 /// schedule, each family its cap. ZB-H1 and ZB-H2 take v = 1; ZB-V, V-Half and V-Min take
 /// v = 2 on the V placement (compose them with VShape, as their aliases do).
 /// @code

@@ -19,7 +19,7 @@ enum class Family : std::uint8_t {
   one_f1b,           ///< 1F1B: v = 1, fused backward (BW).
   interleaved_1f1b,  ///< Megatron's interleaved 1F1B: fused backward, warmup d(v-1)+2(d-i)-1.
   grouped,           ///< GIS(g) building block (split B/W); g = 1 is PipeOffload's uniform repeat.
-  // The zero-bubble families (split B/W; README, "Zero-bubble families"). ZB-H1 is 1F1B with
+  // The zero-bubble families (split B/W; docs/schedules.md, "Zero-bubble families"). ZB-H1 is 1F1B with
   // deferred W passes, V-Min a periodic pattern, DualPipeV DeepSeek's fixed steps; ZB-H2 is a
   // memory-capped list schedule (every rank runs, whenever it is free, a ready B, else a ready F
   // that keeps its units, and those its microbatches in flight still need, within the cap, else
@@ -32,7 +32,7 @@ enum class Family : std::uint8_t {
   v_min,   ///< V-Min: v = 2 on the V placement, peak 2*floor((d+1)/3) + 2 units (a third of 1F1B).
   /// DualPipeV (DeepSeek's order, "cut in half" onto the V placement): v = 2, m >= 2d, a fixed
   /// eight-step order per rank whose steady state pairs a forward of one microbatch with the full
-  /// backward of another; peak 2d + 1 units on rank 0 (README, "Zero-bubble families").
+  /// backward of another; peak 2d + 1 units on rank 0 (docs/schedules.md, "Zero-bubble families").
   dualpipe_v,
 };
 

@@ -97,7 +97,7 @@ using PO = Schedule<UniformRepeat>;                                  ///< PipeOf
 using PO_H = Schedule<UniformRepeat, OffloadPolicy<offload::half>>;  ///< chunks 0..ceil(v/2)-1 offloaded
 using PO_F = Schedule<UniformRepeat, OffloadPolicy<offload::all>>;   ///< every chunk offloaded
 
-// The zero-bubble families (README, "Zero-bubble families").
+// The zero-bubble families (docs/schedules.md, "Zero-bubble families").
 using ZB_H1 = Schedule<ZeroBubble<Family::zb_h1>>;                   ///< ZB-H1: 1F1B's peak, bubble (d-1)(T_F+T_B-T_W)
 using ZB_H2 = Schedule<ZeroBubble<Family::zb_h2>>;                   ///< ZB-H2: up to 2d units, no steady-state bubble
 using ZB_V = Schedule<ZeroBubble<Family::zb_v>, VShape>;             ///< ZB-V: v = 2 as a V, 1F1B's peak in bytes

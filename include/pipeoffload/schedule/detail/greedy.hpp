@@ -6,7 +6,7 @@
 // construction or that list schedule, whichever runs faster under the costs (order_v_family).
 //
 // The list schedule is run forward in time under the cost model (T_F, T_B, T_W per stage, T_comm
-// per hop between ranks) and each rank, whenever it is free, starts (README, "Zero-bubble families"):
+// per hop between ranks) and each rank, whenever it is free, starts (docs/schedules.md, "Zero-bubble families"):
 //   1. a ready B (its F has run and the gradient from the next stage has arrived): the
 //      lowest microbatch, then the highest stage; B passes are on the critical path of every
 //      rank before this one;
@@ -58,7 +58,7 @@ constexpr int greedy_cap(Family f, int d) {
 }
 
 /// ZB-H1's orders: 1F1B with a split backward whose W passes rank i defers by up to `i`
-/// (README, "Zero-bubble families"). Rank i runs min(d-i, m) forwards, then for each microbatch k its
+/// (docs/schedules.md, "Zero-bubble families"). Rank i runs min(d-i, m) forwards, then for each microbatch k its
 /// B(k), the oldest pending W passes while more than i are pending, and its next forward;
 /// then the W passes left. Units held: 1F1B's d-i plus the i deferred, so d on every rank.
 constexpr void order_zb_h1(Program& p) {
