@@ -14,8 +14,8 @@
 //   ./samples/custom_model                               # run-time schedule 1f1b-i
 //   ./samples/custom_model --schedule gis-g --group 3    # GIS(3) as the run-time Program
 //   ./samples/custom_model --schedule po-h --steps 80 --eval-every 20
-// Arguments: --schedule one of 1f1b, 1f1b-i, gis, gis-h, gis-g, po, po-h, po-f (default
-// 1f1b-i); --group G in [2, 4] (gis-g only); --steps N in [1, 10000] (default 40);
+// Arguments: --schedule NAME (po::named_schedules; default 1f1b-i; zb-h1 and zb-h2 take one
+// chunk a rank and are refused here); --group G in [2, 4] (gis-g only); --steps N in [1, 10000] (default 40);
 // --eval-every N in [1, 10000] (default 10); --gradients standard (default) or exact
 // (RuntimeOptions::gradients; every family runs its W in microbatch order, so the schedules
 // agree bit for bit on either path). A bad argument exits with status 2.

@@ -1,25 +1,6 @@
-// models/gpt/cpu.hpp: the reference GPT model on the CPU, as pipeline stages (a
-// po::layer_for<GptStage, backend::CpuContext>).
-//
-// Token + position embedding, N pre-LN transformer blocks (causal multi-head self-attention,
-// GeLU MLP, residual dropout), final LayerNorm, LM head, softmax cross-entropy; fp32 on the
-// CPU with GEMMs on OpenBLAS (backend/cpu/blas.hpp) and everything else on the CPU ops
-// (ops/cpu.hpp), as the CUDA stage is on their twins. A stage is a run of blocks; stage 0 also
-// holds the embedding, the last stage the head. Which blocks, and where every parameter lives,
-// is layout.hpp's (shared with the CUDA implementation, cuda.hpp).
-//
-// Split backward: B (backward_input) computes activation gradients only and stashes each
-// GEMM's output gradient; W (backward_weight) turns the stash into weight gradients.
-// Selective recompute: LayerNorm outputs, GeLU outputs and dropout masks are not saved but
-// recomputed (masks from a counter-based seed), so a block saves x, qkv, the attention output,
-// x1 and the MLP pre-activation: 10 floats per token and hidden unit, the fp32 counterpart of
-// the paper's 20bsh bytes in bf16 (plus per-row LayerNorm statistics and attention
-// log-sum-exps). With recompute off it also saves both LayerNorm outputs, the GeLU output
-// and both masks (bytes): 16 floats + 2 bytes, the counterpart of 34bsh.
-// Attention keeps no s x s matrix: backward recomputes the scores from q, k and the saved
-// log-sum-exps (flash-attention style), so there is no 5as^2b term. With packed rows
-// (GptConfig::packed, docs/packing.md) positions restart at every document and attention runs
-// document by document.
+// models/gpt/cpu.hpp: the reference GPT on the CPU, as pipeline stages (gpt::GptStage, a
+// po::layer_for<GptStage, backend::CpuContext>): fp32, GEMMs on OpenBLAS, the rest on the CPU
+// ops. What it saves, stashes and recomputes: docs/gpt.md.
 #pragma once
 
 #include <algorithm>

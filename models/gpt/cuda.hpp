@@ -1,54 +1,6 @@
-// models/gpt/cuda.hpp: gpt::CudaGptStage, the reference GPT's pipeline stage on one
-// GPU: bf16 working parameters and activations, fp32 gradients and accumulation.
-//
-// The same model as gpt::GptStage (cpu.hpp), stage for stage: the same blocks per stage and
-// the same parameter vector (order, offsets and norm_groups(): layout.hpp), the same dropout
-// seeds (ops::dropout_seed of run seed, step, block, site and microbatch) and the same
-// per-element math (pipeoffload/ops/math.hpp, through kernels/). What differs is precision and where the
-// work runs:
-//   - the parameters are bf16 (the working parameters, a po::Tensor: the optimizer keeps their
-//     fp32 master copy, of its shard with ZeRO-1, and rounds its update back into them), as
-//     are activations, saved tensors and stashed gradients; gradients, LayerNorm statistics,
-//     attention log-sum-exps, logits and losses are fp32;
-//   - GEMMs run on cuBLASLt (cuda::gemm: bf16 operands, fp32 accumulation); the linear layers'
-//     biases are the GEMM's epilogue (cuda::gemm_bias), the LM head's from an fp32 copy of its
-//     bf16 bias (the epilogue's bias has the fp32 logits' type), refreshed by the forward of
-//     microbatch 0 (every iteration's first pass of a stage, after the previous step's update);
-//   - attention is cuDNN's fused causal SDPA: F keeps qkv, the attention output and the
-//     log-sum-exps; B recomputes the probabilities inside cuDNN's backward (no s x s matrix);
-//   - the rest are thin kernels (kernels.hpp) over ops/math.hpp's functions.
-// Split backward as on the CPU: B runs the dgrad GEMMs (bf16 outputs) and stashes every GEMM's
-// output gradient; W runs the wgrad GEMMs, accumulating (beta = 1) into the fp32 gradients,
-// and the bias and LayerNorm weight gradients.
-//
-// Memory. What F keeps for B and W is all in `saved` (per block 20 b s h bytes with selective
-// recompute, 34 b s h without, plus fp32 statistics; cuda_layout.hpp gpt_block_saved),
-// what B keeps for W all in `stash`. The parameters (2 bytes each), gradients (4) and the
-// stage's scratch (gpt_workspace, sized for the largest microbatch) are cudaMalloc'd once, at
-// construction; no pass allocates. No scratch region lives from one pass to the next, but the
-// passes of one stage share it, so they must run in order on one stream (po::Runtime runs F, B
-// and W on its compute stream). backend::Cuda takes 3/4 of the free memory for its arena by
-// default: give it Options::arena_bytes so that the stage's own allocations fit beside it.
-//
-// Every pass checks its arguments on the host, enqueues work on ctx.cuda_stream and returns
-// (po::layer_for's asynchronous contract): the last stage's forward writes the microbatch's
-// mean loss to mb.loss on the device. The interface is gpt::GptStage's: fp32 boundaries
-// (input_boundary/output_boundary, converted to and from bf16 inside the stage; or bf16 ones,
-// Boundaries::bf16, which halve what crosses NCCL and give the same results), the step
-// inputs "tokens" (stage 0) and "targets" (the last stage) as int32 (inputs()), the same
-// parameter_info() names and offsets, and no dropout when !mb.training (Runtime::evaluate).
-// Tokens and targets are read on the device, where nothing can throw: a token outside the
-// vocabulary gives a NaN embedding row, a target outside it a NaN loss, both of which the
-// runtime's non-finite check reports (the CPU stage throws at once instead).
-//
-// @code
-//   po::gpt::GptConfig cfg{.vocab = 50304, .hidden = 2048, .heads = 16, .layers = 24, .seq = 2048};
-//   po::backend::Cuda dev({.arena_bytes = std::size_t{40} << 30});  // leaves room for the stage
-//   // Stage 3 of 8 (blocks 9..11), from the CPU model's initial parameters:
-//   po::gpt::CudaGptStage stage(dev, cfg, 3, 8, {.batch = 1, .seq = 2048});
-//   // A rank's stages go to po::Runtime(program, dev, comm, std::span(stages), {.microbatch = {1, 2048}}).
-//   static_assert(po::layer_for<po::gpt::CudaGptStage, po::backend::CudaContext>);
-// @endcode
+// models/gpt/cuda.hpp: gpt::CudaGptStage, the reference GPT's pipeline stage on one GPU (bf16
+// working parameters and activations, fp32 gradients; cuBLASLt GEMMs, cuDNN attention), stage
+// for stage the same model as gpt::GptStage. Its precision, memory and contract: docs/gpt.md.
 #pragma once
 
 #include <cuda_bf16.h>

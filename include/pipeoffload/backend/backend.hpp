@@ -1,42 +1,7 @@
-// pipeoffload/backend/backend.hpp: the `backend` concept the runtime drives.
-//
-// A backend is one device: in-order streams, events that are real completion signals, a
-// device memory arena and a pinned host arena that count bytes in use and their peak, and
-// copies between them. The runtime only ever enqueues work; where it runs is the backend's
-// business:
-//   - launch(stream, fn): fn's work happens in stream order. backend::Cpu runs fn on the
-//     stream's worker thread; a GPU backend calls fn on the host at once and fn enqueues
-//     kernels on the stream in its context. Either way memory that fn allocates or frees is
-//     allocated or freed in stream order.
-//   - record(event, stream) / wait(stream, event): as cudaEventRecord and
-//     cudaStreamWaitEvent: a wait waits for the event's latest record at the time of the call
-//     (a wait on a never-recorded event waits for nothing). The caller must therefore enqueue
-//     a record before the waits that target it.
-//   - synchronize(): the host waits until every stream is idle; it throws the first error
-//     any stream raised (naming what failed), after which the backend stays failed.
-//   - abort(why): every wait in progress or to come throws; queued work is dropped.
-//   - set_error_hook(fn): fn(message) runs once, on the first failure, from the failing
-//     thread (the runtime uses it to abort the communicator, so peers blocked on this rank
-//     wake up).
-// Between passes the runtime and the optimizers also call these operations on device memory:
-//   - download(host, device, bytes) / upload(device, host, bytes): blocking (the host waits);
-//   - zero(device, bytes): enqueued (below);
-// and, within a pass's stream order, one check:
-//   - flag_nonfinite(ctx, tensor, flag): sets the uint32 at `flag` (device memory) to 1 if any
-//     element of the floating-point `tensor` is NaN or infinite (the runtime's check of
-//     activations and gradients where they appear).
-// Optimizers need more of a backend (backend::updates_parameters below): sum_squares for
-// the gradient norm, and the adamw and sgd updates of backend/update.hpp.
-// Enqueued operations (zero and updates_parameters' calls) run in the order they are called,
-// after all work enqueued on any stream before them, and before any work enqueued after them
-// on any stream and any later host read (download, synchronize). They do not make the host
-// wait: a GPU backend puts them on a private stream that waits for every other stream and
-// that every other stream waits for, on the device (backend::Cpu lets its streams drain,
-// then runs them). A host result (sum_squares' `out`) is written by the time the next
-// synchronize() returns. So a training step makes the host wait only where it reads its
-// inputs' uploads and its results (docs/step.md).
-// Between steps the layers' parameters() and gradients() are device memory: host code reads
-// and writes them through download/upload (po::Runtime::download_parameters and friends).
+// pipeoffload/backend/backend.hpp: the `backend` concept the runtime drives (one device:
+// in-order streams, events, a device and a pinned host arena, copies, the between-steps
+// operations), and backend::updates_parameters for the optimizers. Its contract:
+// docs/backends.md, "The backend concept".
 /// @file
 #pragma once
 

@@ -1,24 +1,7 @@
-// pipeoffload/backend/exact.hpp: exact gradient sums, the same on every backend.
-//
-// A step's gradient is a sum over microbatches (and, with data parallelism, over replicas).
-// Floating-point addition is not associative, so a sum in fp32 depends on its order: two
-// replicas that each sum half the microbatches, then add their halves, do not get the bits of
-// one replica that sums them all. The runtime therefore sums in fixed point:
-//   - each microbatch's fp32 gradient value g is rounded once, to the nearest multiple of
-//     2^-fraction_bits (ties to even), and added to a 128-bit integer; integer addition is
-//     exact and associative, so the sum does not depend on the order of the microbatches, on
-//     how they are split over calls (StepInfo::parts) or replicas, nor on the order in which
-//     replicas' partial sums are added;
-//   - the sum is rounded once to fp32 (round to nearest even) when the step's gradients are read.
-// Range: a value must satisfy |g| < 2^32 (term_limit); with at most 2^16 terms (program.hpp's
-// max_microbatches) the sum stays below 2^124 units, inside the 128 bits. Resolution:
-// 2^-76 (about 1.3e-23); fp32 values of magnitude below 2^-52 lose low bits, those below 2^-77
-// count as zero; above that the sum is at least as accurate as a sequential fp32 sum. A NaN, an
-// infinity or a value beyond the limit poisons its sum (poison(), which reads back as NaN), so
-// the gradient norm still names the stage.
-//
-// Plain functions over one value, compiled for the CPU backend's loops and for the CUDA
-// kernels' grid-stride loops (kernels/elementwise.cu).
+// pipeoffload/backend/exact.hpp: exact gradient sums, the same on every backend: each value
+// rounded once to fixed point and added to a 128-bit integer, the sum rounded once to fp32.
+// Plain functions over one value, for the CPU backend's loops and the CUDA kernels
+// (kernels/elementwise.cu). Range, resolution and poisoning: docs/gradients.md, "Exact sums".
 /// @file
 #pragma once
 

@@ -1,43 +1,7 @@
 // pipeoffload/comm/communicator.hpp: the `collective`, `communicator` and
-// `replica_communicator` concepts.
-//
-// Semantics (docs/schedules.md, "Communicator semantics"; validate() checks schedules against them):
-//   - a rank calls send and recv from its comm stream, in the order of RankProgram::comm (then
-//     a step's shared-parameter messages, po::SharedParam, tagged with a negative mb), and
-//     hands each call that stream's context (the backend's Context, as a layer's passes get
-//     theirs): send(ctx, peer, tag, data), recv(ctx, peer, tag, out). A communicator that
-//     enqueues on a stream (comm::Nccl: CudaContext::cuda_stream; comm::SharedGpu, whose
-//     copies and events go on it) uses it; one that moves host bytes with the calling thread
-//     (comm::Threads, comm::Mpi) accepts any context and ignores it;
-//   - send(ctx, peer, tag, data) may block until the peer has posted the matching recv and
-//     taken the data (rendezvous, as NCCL's may); recv blocks until the matching send is posted;
-//   - between an ordered pair of ranks, messages are received in the order they were sent;
-//   - a message is bytes (a boundary tensor of any element type); every message carries its
-//     tag (stage, microbatch, forward|backward) and its size; a recv that meets another tag or
-//     size throws comm_error naming both, never a silent swap;
-//   - all_gather(mine, all), typed: every rank contributes mine.size() values of one trivially
-//     copyable T (the same count on every rank; counts are in elements of T), moved as bytes;
-//     `all` (size() * mine.size() of them) receives them in rank order. It is a collective
-//     on host memory, called outside the passes (start-up, between steps): every rank calls it
-//     the same number of times, with the same T;
-//   - the device collectives of a data-parallel group (replica_communicator), on bytes in the
-//     backend's device memory, posted from a stream whose context is given, as send and recv
-//     are (comm::Nccl enqueues on ctx's stream and returns; comm::Threads and comm::Mpi block
-//     and ignore ctx): all_to_all(ctx, in, out), where in and out hold size() blocks of
-//     in.size() / size() bytes, block i of `in` goes to rank i and block j of `out` comes from
-//     rank j (in and out do not overlap); all_gather(ctx, mine, all), the bytes of every rank
-//     in rank order. Every rank passes the same sizes (another size is comm_error on every
-//     rank on comm::Threads and comm::Mpi; NCCL cannot compare them) and calls them in the
-//     same order;
-//   - abort(why): every blocking call in progress or to come, on every rank, throws
-//     aborted_error naming `why` (the first abort wins); it is how one failing rank stops
-//     the others. The communicators of one job's groups (a rank's pipeline and
-//     data-parallel groups: comm::ThreadsGrid, comm::Mpi::split, comm::NcclWorld::split)
-//     share one abort: an abort on any of them ends every rank of every group (comm::Nccl:
-//     the abort sets a host flag of the process; each rank's own thread, polling its
-//     non-blocking communicators while it waits, sees it and calls ncclCommAbort on its own
-//     communicators only, as NCCL requires; other processes learn of the failure through
-//     MPI, as for one pipeline).
+// `replica_communicator` concepts, which comm::Threads, comm::Mpi, comm::Nccl and
+// comm::SharedGpu model. Their contract (order, rendezvous, tags, collectives, abort) is
+// docs/schedules.md, "Communicator semantics": validate() checks schedules against it.
 /// @file
 #pragma once
 

@@ -1,64 +1,7 @@
-// pipeoffload/plan/model.hpp: what the planner knows about a transformer and a machine.
-//
-// A GPT-like decoder (Megatron's layer: pre-LayerNorm attention, 4h GeLU MLP, dropout), bf16
-// by default, flash attention (no s^2 term is saved). Every figure below is a count of bytes or
-// FLOPs of one layer (or of the embedding / LM head) for one microbatch, derived here once;
-// the planner, the plan tool and bench/paper all take them from these functions.
-//
-// Saved activation bytes of one layer, per microbatch (docs/design.md section 1). Notation: b
-// microbatch size, s sequence length, h hidden size, a heads, G query groups (G = a is
-// multi-head attention), e = dtype bytes (2 for bf16), hd = h/a the head dimension. In
-// elements per token, what backward needs:
-//
-//   tensor                                   elements   kept with --recompute
-//   LayerNorm 1 input (layer input)          h          yes (recompute LN from it)
-//   LayerNorm 1 output = QKV input           h          no  (recomputed)
-//   Q                                        h          yes
-//   K                                        G*hd       yes
-//   V                                        G*hd       yes
-//   attention output = projection input      h          yes
-//   LayerNorm 2 input                        h          yes
-//   LayerNorm 2 output = fc1 input           h          no  (recomputed)
-//   fc1 output = GeLU input                  4h         yes
-//   GeLU output = fc2 input                  4h         no  (recomputed)
-//   2 dropout masks (1 byte per element)     2 x h      no  (regenerated from the RNG seed)
-//
-// so, in bytes per layer,
-//   without recompute  bsh * (e * (14 + 2G/a) + 2)   (e = 2:  30 + 4G/a)
-//   with recompute     bsh *  e * ( 8 + 2G/a)        (e = 2:  16 + 4G/a)
-// With multi-head attention (G = a) the K and V terms are 2 * 2bsh and these are the paper's
-// 34bsh and 20bsh (Korthikanti et al. 2022, with flash attention removing the 5as^2b term).
-// With grouped-query attention only K and V shrink, by G/a: 4bsh -> 4bsh * G/a. The paper's
-// models (G = 8 query groups, a = 32..80 heads) save 31bsh..30.4bsh, and 17bsh..16.4bsh with
-// recompute. Beside these a stage's unit holds each layer's fp32 statistics: the two norms'
-// (mean and reciprocal deviation: 4 values a token; RMSNorm's 2) and flash attention's
-// log-sum-exp (a values a token), 4bs*(4 + a) bytes, as gpt::CudaGptStage keeps them.
-//
-// FLOPs of one layer, per microbatch (matrix multiplies only; 2 FLOPs per multiply-add):
-//   linear part P = 2bsh * (h + 2G*hd)  (QKV)  + 2bsh*h (projection) + 16bsh*h (MLP)
-//                 = bsh^2 * (20 + 4G/a)       (= 24bsh^2 for MHA)
-//   F = P + 4bs^2h (QK^T and attention x V)
-//   B = P + 8bs^2h (input gradients of the linears; the attention core's backward is twice
-//                   its forward and has no weights)
-//   W = P          (weight gradients of the linears)
-// F + B + W = 3P + 12bs^2h, which for MHA is the paper's 72bsh^2 + 12bs^2h = 12bsh(6h + s).
-// k = round-trip copy time / compute time = (2A / Bo) / ((F+B+W) / Bc); for MHA with A = 20bsh
-// it is the paper's k = 10/(3(6h+s)) * Bc/Bo.
-// The MLP's width f (ffn_hidden) replaces 4h above. A Llama-class layer (swiglu) keeps its gate
-// and up outputs (2f) where GPT keeps fc1's, recomputes their product (f, fc2's input), has no
-// dropout masks, RMSNorms of one weight, no linear biases and no position table; its MLP costs
-// 6bshf (three h x f multiplies) where GPT's costs 4bshf.
-//
-// The embedding and the LM head (vocab_stages): stage 0 also holds the word and position
-// embeddings and stage S-1 the final LayerNorm and the LM head (weights tied to the word
-// embedding, a second copy on the last stage as in Megatron). For load balance each counts as
-// one layer slot, the paper's "one transformer layer removed from the first and last stages".
-// The LM head costs 2bshV FLOPs in each of F, B and W. Its F computes the loss and the
-// logits' gradient at once and saves that gradient (bsV*e) for B and W, with its input (bsh*e)
-// and the final norm's statistics (2 values a token; the norm is recomputed); the fp32 logits
-// live only in the stage's scratch. The embedding saves nothing (the token ids are the step's
-// input, which the runtime holds) and its passes are memory-bound, modelled as 1% of a layer's
-// forward each.
+// pipeoffload/plan/model.hpp: what the planner knows about a transformer and a machine: the
+// bytes one layer (and the embedding, the LM head) saves and the FLOPs of its passes, per
+// microbatch, for GPT-like and Llama-class layers, counted once here for the planner, the plan
+// tool and bench/paper. The derivation, term by term: docs/layer_counts.md.
 /// @file
 #pragma once
 

@@ -1,49 +1,8 @@
 // pipeoffload/plan/plan.hpp: from a model and a machine to the fastest schedule that fits.
-//
-// po::plan(model, machine, budget) lays the model out over v*d stages (plan/model.hpp), turns
-// each stage's FLOPs and saved bytes into per-stage costs (seconds) and unit sizes (bytes),
-// builds and simulates every candidate schedule with the same build()/simulate() the plan tool
-// and the runtime use, adds model state and workspace to each rank's simulated activation
-// peak, and picks, among the candidates that fit in device and host memory, the one with the
-// shortest simulated iteration. The candidate set does not depend on the memory sizes, so more
-// memory can only add candidates that fit: the choice never gets slower.
-//
-// Candidates (m = global batch / microbatch size, v from 1 to layer slots / d):
-//   1F1B (v = 1); 1F1B-I (v >= 2, m a multiple of d); GIS(g) for every g in [ceil(d/2), d]
-//   and every v (g = d is GIS, g = ceil(d/2) GIS-H); PO with 0..v chunks offloaded for every v
-//   (ceil(v/2) is PO-H, v is PO-F).
-// Per rank: device bytes = model state (po::state_bytes of its chunks' parameters: what the
-// layers, po::Runtime and the optimizer hold; memory/state.hpp) + simulated peak of saved
-// activations and stashes (B to W) + workspace (reserved bytes, the libraries' workspace, two
-// P2P activation buffers each way, and the stages' own scratch: plan/model.hpp); host bytes = the
-// most offloaded units resident at once (from the start of an offload to the end of its
-// reload), each rounded up to its pinned bins.
-// Costs: T_F, T_B, T_W of a stage = its FLOPs / Bc; a copy of a unit takes k x its stage's
-// (T_F+T_B+T_W) / 2, exact (its bytes / Bo) for stages of whole layers; P2P time is left out
-// (the same few hops in every schedule).
-//
-// Data parallelism (GridSpec): dp replicas of the d-rank pipeline, d*dp GPUs; global rank
-// g = j*d + r is pipeline rank r of replica j (replica-major; the balanced node layout permutes
-// r within the replica's d global ranks: plan/model.hpp says how and why). The global batch is
-// split over the replicas, so each pipeline runs m = global batch / (dp * microbatch size)
-// microbatches. Per rank, model state is po::state_bytes under the grid (ZeRO-1 shards the
-// optimizer's state and master copy by the runtime's bucket slices; replicas add the
-// reduction's staging), counted for replica 0, which owns the most. Each stage's gradients are
-// reduced across its replicas in po::traffic_bytes (the bytes a replica sends) / bandwidth
-// seconds, as the runtime does it: on the rank's comm stream, starting when the stage's last
-// W (or BW) of the iteration has ended, one stage after another in the order their last W's
-// end (ties: lower stage first); the optimizer waits for all of them. So from the simulation:
-// a rank's reductions end at E_r, and the iteration takes max(makespan, max over ranks of E_r);
-// allreduce_exposed_s = that minus the makespan, the part the cooldown does not hide. With
-// ZeRO-1 the planner counts the same ring all-reduce at the same place (its reduce-scatter and
-// all-gather halves), although the runtime's all-gather of the updated shards follows the
-// optimizer step. The all-reduce and the P2P of the passes do not slow each other down here.
-// With dp = 1 nothing of this changes a plan. dp = 0 searches: every dp that divides the GPUs
-// (d = gpus / dp) and the global batch, planned as above, and the fastest grid that fits wins;
-// the grids planned do not depend on the memory sizes, so the choice still never gets slower
-// with more memory.
-//
-// constexpr: a small model plans in a constant expression (tests/plan/test_plan.cpp).
+// po::plan lays the model out over stages, builds and simulates every candidate with the code
+// the runtime runs, and picks the fastest that fits, its memory counted as the runtime
+// reserves it (more memory never makes the choice slower). How, step by step:
+// docs/planner.md, "How po::plan chooses"; what it counts: docs/memory.md.
 /// @file
 #pragma once
 

@@ -1,28 +1,7 @@
-// pipeoffload/runtime/checkpoint.hpp: saving and resuming a pipeline's training state.
-//
-// Layout of a checkpoint directory D (shared by every rank; under MPI on several hosts, a
-// shared file system):
-//   D/step-00000012/stage-3.bin   one file per stage: parameters, the optimizer's state (its
-//                                 name, step and buffers: AdamW's two moments, SGD's momentum),
-//                                 the stage's named tensors (parameter_info(); a shared parameter
-//                                 only in its primary's file), RNG seed and
-//                                 data position, with a checksum
-//   D/latest                      "step-00000012": the newest complete checkpoint
-// Every file is written to a temporary name, flushed to disk and renamed, so a file is
-// either absent or whole. `latest` moves only after every rank has written all its stages
-// (a collective), so a crash at any point leaves `latest` naming a complete checkpoint: the
-// previous one until the new one is whole. The two newest step directories are kept.
-//
-// The RNG state is the run seed: dropout masks and data positions are counter-based on
-// (seed, step), so the step is the rest of it. A checkpoint is per stage, not per rank nor
-// per replica: with data parallelism replica 0 writes it (with ZeRO-1 after gathering the
-// optimizer state's slices), and every replica reads it. It can be resumed with another
-// schedule, rank count or number of replicas for the same global batch, on either gradient path
-// (on the exact one bit-identically to the uninterrupted run), under threads or MPI, and with
-// another cut of the same model (another stage count, other blocks per stage): a stage whose
-// tensors are not those of the file of its number takes each of its tensors, and the
-// optimizer's state for it, by name from whichever file holds it. checkpoint_owner says whose
-// checkpoints a directory holds, so a launcher can refuse to overwrite another run's.
+// pipeoffload/runtime/checkpoint.hpp: saving and resuming a pipeline's training state: one
+// file per stage (parameters, optimizer state, named tensors, checksum), written atomically,
+// a `latest` that only names complete checkpoints, resumable on another schedule, rank count,
+// replica count or cut. The directory's layout and guarantees: docs/checkpoints.md.
 /// @file
 #pragma once
 

@@ -1,42 +1,10 @@
-// pipeoffload/runtime/runtime.hpp: po::Runtime, one rank of a pipeline executing a Program.
-//
-// A Runtime executes its rank's part of any validated po::Program (built from a schedule type,
-// by po::build at run time, by po::plan, or imported) with the rank's stages, which may be of
-// different types. forward_backward() enqueues the rank's whole program as po::lower made it
-// (schedule/lower.hpp, docs/lowering.md): F/B/W/BW on the compute stream, O/R on the copy
-// stream, sends and receives on the comm stream in RankProgram::comm order, with every wait an
-// event (a received input, a produced output, the schedule's cross-stream edges, the memory
-// plan's reuse of bytes), and every buffer at its offset in the memory plan's region. The
-// streams then run as soon as possible under those waits. Gradients accumulate across calls
-// until zero_grad(), in one of two ways (RuntimeOptions::gradients, docs/gradients.md): in
-// place in the stages' fp32 gradients() (standard, the default), or in 128-bit fixed-point
-// sums rounded once to fp32 after the call (exact: independent of the order of the W passes).
-//
-// Data parallelism: dp replicas of the pipeline, each rank with a second communicator over
-// the dp ranks of its pipeline position (comm::ThreadsGrid, Mpi::split). After the last W of
-// a stage in the last call of a step, the comm stream reduces that stage's gradients across
-// the replicas, in buckets (GradientLayout): a reduce-scatter (an all_to_all; the owner of a
-// slice adds the replicas' parts in replica order), then, unless a ZeRO-1 optimizer keeps
-// only its shard (standard path), an all-gather hands every replica the whole bucket. It
-// starts while the other stages of the rank are still in their cooldown; forward_backward
-// returns when it is done.
-// The optimizer is not the runtime's: a training step is a few visible calls (runtime/optimizer.hpp):
-//
-//   rt.zero_grad();
-//   const po::PassStats fb = rt.forward_backward(batch, {.step = step});
-//   const double norm = po::grad_norm(rt);
-//   opt.step(lr(step), po::clip_scale(norm, 1.0f));
-//
-// Nothing in a pass needs a value back, so the same code drives a synchronous backend
-// (backend::Cpu) and an asynchronous one (backend::Cuda): a step's inputs are uploaded to
-// device memory before the passes, the last stage's losses are written to device memory and
-// downloaded after them.
-//
-// Failures: an exception anywhere in a rank (construction, a pass, a P2P, the optimizer, a
-// checkpoint) aborts the communicator, so every other rank's next wait throws aborted_error
-// naming it; no rank is left waiting. A NaN or infinity is caught where it appears: the first
-// stage, in data-flow order, whose output activation, loss or input gradient is not finite
-// is named in a po::nonfinite_error that every rank throws.
+// pipeoffload/runtime/runtime.hpp: po::Runtime, one rank of a pipeline executing a Program. It
+// interprets po::lower's value for its rank: F/B/W/BW on the compute stream, offloads and
+// reloads on the copy stream, messages and the data-parallel reductions on the comm stream,
+// every wait an event, every buffer at its offset in the memory plan's region. The optimizer
+// is not the runtime's (runtime/optimizer.hpp). What it runs: docs/lowering.md; the gradient
+// paths and reductions: docs/gradients.md; a step's calls and waits: docs/step.md; failures
+// and NaN: docs/faults.md.
 /// @file
 #pragma once
 

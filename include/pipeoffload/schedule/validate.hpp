@@ -1,21 +1,9 @@
-// pipeoffload/schedule/validate.hpp: the rules every built schedule must satisfy.
-//
-// The P2P plan is checked under the communicator semantics the runtime implements
-// (comm/ documents them; they are NCCL's, the strictest in use):
-//   - send and recv are posted on a rank's comm stream in the order of RankProgram::comm;
-//   - a send may block until the peer has posted the matching recv (rendezvous), and a recv
-//     blocks until the matching send is posted, so a pair completes only when both are at
-//     the head of their comm streams;
-//   - between an ordered pair of ranks, messages are received in the order they were sent,
-//     and a recv that meets a message with another (stage, mb, dir) tag is an error;
-//   - a send waits for the compute op that produces its data; a compute op waits for the
-//     recvs of its inputs, for its predecessor on the compute stream, and for its
-//     cross-stream edge; a copy op for its predecessor and its edge.
-// The schedule is valid only if the untimed execution of all ranks' streams under these
-// rules completes every op of every stream (check_execution). validate() first tries to prove
-// that in one linear sweep (proven_valid: a per-rank order of its three streams, and one
-// global order of the messages); only when the proof fails does it run the rules one by one
-// and the execution, which decide and name the broken rule.
+// pipeoffload/schedule/validate.hpp: the rules every built schedule must satisfy. Its P2P
+// plan is checked under the communicators' semantics (docs/schedules.md, "Communicator
+// semantics"; NCCL's, the strictest in use): valid only if the untimed execution of all ranks'
+// streams under them completes every op (check_execution). validate() first tries to prove
+// that in one linear sweep (proven_valid); only when the proof fails does it run the rules one
+// by one, which decide and name the broken rule.
 /// @file
 #pragma once
 

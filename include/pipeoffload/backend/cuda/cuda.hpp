@@ -1,41 +1,7 @@
-// pipeoffload/backend/cuda/cuda.hpp: backend::Cuda, one GPU as a pipeoffload device.
-//
-// The same `backend` concept as backend::Cpu (backend/backend.hpp), on CUDA's own primitives:
-//   - streams are non-blocking cudaStream_t (the runtime makes a compute, a copy and a comm
-//     stream; the one copy stream carries both offloads and reloads, docs/design.md section 3);
-//   - events are cudaEvent_t without timing; record/wait are cudaEventRecord and
-//     cudaStreamWaitEvent, whose "latest record at the time of the call" semantics are the
-//     concept's;
-//   - launch(stream, fn) calls fn on the host at once; fn enqueues on context(stream).cuda_stream
-//     (and hands that context to whatever enqueues for it: layers, comm::Nccl), while
-//     transfer() and the arena use the stream being launched. A failing fn fails the device:
-//     later launches are dropped and synchronize() throws;
-//   - device memory is one cudaMalloc slab taken at construction and cut into blocks; a freed
-//     block keeps an event recorded on the stream that freed it, and a later allocation from
-//     another stream waits on that event on the GPU (never on the host). Blocks are pooled by
-//     size (backend/cuda/pools.hpp), and there is never a cudaMalloc after construction;
-//   - pinned host memory (offload bins) comes from cudaHostAlloc, pooled by size with the same
-//     event guards;
-//   - backend::reserves_memory: po::Runtime reserves, when it is constructed, its memory plan's
-//     region and pinned bins (po::reservation_plan), and reserve_device/reserve_host carve and
-//     pin them then. No step takes memory from the system: with one thread per GPU
-//     in one process, a cudaHostAlloc during a step takes driver-wide locks while the other
-//     rank's NCCL kernel may be spinning, waiting for this rank (issue 15's hang class);
-//   - the between-steps operations run on a private stream: download and upload return once
-//     it is idle; zero and the optimizers' sum_squares, adamw and sgd
-//     (backend::updates_parameters) are enqueued there behind every stream's work so far
-//     (join), and the first use of any stream after them (launch, record, wait, context) makes
-//     every stream wait for that stream, all on the GPU, so a training step makes the host
-//     wait only where it reads (host_waits() counts them; docs/step.md);
-//     flag_nonfinite enqueues its check on the pass's own stream;
-//   - the PCIe-pair counters' waits (Counter below) are invisible to CUDA's scheduler, so every
-//     stream needs a hardware queue of its own: CUDA_DEVICE_MAX_CONNECTIONS=32, set with eager
-//     module loading before the first CUDA call (backend/cuda/environment.hpp says why);
-//   - synchronize() waits by polling the streams when a communicator has registered a wait
-//     poll (add_wait_poll): comm::Nccl checks there, on the rank's own thread, whether another
-//     rank failed or NCCL reported an error, and aborts its own communicator, which ends the
-//     NCCL kernel this rank's streams are waiting for.
-// Every CUDA call is checked (backend/cuda/check.hpp).
+// pipeoffload/backend/cuda/cuda.hpp: backend::Cuda, one GPU as a pipeoffload device: the
+// `backend` concept on CUDA streams, events, one device slab and pinned bins, with no
+// allocation after construction. How each part of the concept maps to CUDA: docs/backends.md,
+// "backend::Cuda".
 /// @file
 #pragma once
 

@@ -1,27 +1,7 @@
 // pipeoffload/backend/cuda/environment.hpp: the CUDA environment a process that trains on GPUs
-// sets before its first CUDA call, and why (plain host code, no CUDA header: tested on the CPU
-// in tests/cuda/test_host.cpp).
-//
-// Both variables are read once, when the CUDA driver creates a device's context (the first
-// CUDA call that touches the device), so a program sets them first thing in main, before
-// anything else calls CUDA: samples/train_gpt.cpp and tests/cuda/gpu_main.cpp call
-// apply_cuda_environment() there. A value the user has already set is left alone.
-//   - CUDA_MODULE_LOADING=EAGER. Since CUDA 12.2 the default is LAZY: a kernel's module is
-//     loaded the first time the kernel is launched. With one thread per GPU in one process
-//     (train_gpt --backend cuda --ranks 2, the GPU tests), the first step would load this
-//     library's kernels and cuBLASLt's while another rank's NCCL kernel is already running,
-//     and loading a module takes driver-wide locks that can wait on that kernel for ever.
-//     EAGER loads every module when the context is created, before any NCCL traffic (cuDNN's
-//     runtime-compiled SDPA kernels are built when a stage builds its graphs, at construction:
-//     models/gpt/cuda.hpp).
-//   - CUDA_DEVICE_MAX_CONNECTIONS=32 (the most CUDA allows; the default is 8). Each stream is
-//     mapped onto one of that many hardware work queues. The waits of PCIe-paired copies
-//     (cuStreamWaitValue64 on a pair counter, backend::Cuda::wait_counter) are not seen by
-//     CUDA's scheduler: a copy stream parked on one stalls its whole queue, and with more
-//     streams than queues it can share one with a compute or comm stream, which then waits
-//     for the copy, a dependency that no schedule validated. A device carries
-//     library_streams_per_device() streams of this library and NCCL's own, more than 8; 32
-//     gives each its own queue.
+// sets first thing in main (apply_cuda_environment: CUDA_MODULE_LOADING=EAGER,
+// CUDA_DEVICE_MAX_CONNECTIONS=32, a user's own values left alone). Plain host code, tested on
+// the CPU (tests/cuda/test_host.cpp). Why each: docs/processes_and_gpus.md, "The CUDA environment".
 /// @file
 #pragma once
 

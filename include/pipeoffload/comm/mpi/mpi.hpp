@@ -1,28 +1,7 @@
 // pipeoffload/comm/mpi/mpi.hpp: comm::Mpi, ranks that are MPI processes: one pipeline, or
-// (Mpi::split) the pipeline and data-parallel groups of a grid of pipeline replicas.
-//
-// The `replica_communicator` concept (comm/communicator.hpp) over MPI, with the same
-// semantics as comm::Threads (every call blocks the calling thread, so send, recv and the
-// device collectives take any backend context and ignore it):
-//   - send is synchronous (MPI_Issend): it completes only once the receiver has matched it,
-//     the rendezvous that validate() plans for, so a schedule that runs here cannot rely on
-//     buffering a GPU link would not give;
-//   - every message carries a header (stage, microbatch, direction, byte count) in front of
-//     its data; MPI keeps messages of one (source, tag, communicator) in order, and a recv
-//     that meets another tag or size throws comm_error naming both;
-//   - all_gather of any trivially copyable T moves MPI_BYTEs, and all_to_all moves blocks of
-//     bytes (MPI_Ialltoall), each after a round that compares every rank's op, count
-//     (elements of T, or bytes) and sizeof(T), so that a mismatch fails on every rank;
-//   - no wait is unbounded: every send, recv and collective polls its request and gives up
-//     after Options::timeout_seconds with a message naming the op, this rank and the peer;
-//   - abort(why) sends a short note to every other rank of the job (Options::parent of the
-//     first communicator; every communicator split from it shares its abort and its notes).
-//     Each rank polls for notes while it waits, so a failure on one rank wakes the others,
-//     in every group, with aborted_error naming the job rank that failed. MPI 4.1 cannot
-//     recover a job after a failure, so the program then ends the job
-//     (MpiSession::abort_job); a rank killed outright is reported by mpirun, which ends the rest.
-// Needs MPI_THREAD_MULTIPLE: the runtime's comm stream, its host thread and a failing stream's
-// error hook may all call into the communicator at once.
+// (Mpi::split) the pipeline and data-parallel groups of a grid of pipeline replicas. The
+// communicator concepts' contract over MPI (synchronous sends, tagged messages, bounded waits,
+// an abort that reaches every rank): docs/processes_and_gpus.md, "comm::Mpi".
 /// @file
 #pragma once
 

@@ -1,47 +1,7 @@
-// pipeoffload/comm/nccl/nccl.hpp: comm::Nccl, the communicator of GPU ranks.
-//
-// Semantics are the communicator concept's (comm/communicator.hpp) with NCCL's rendezvous:
-//   - send(ctx, ...) and recv(ctx, ...) enqueue an ncclSend/ncclRecv on ctx.cuda_stream (the
-//     runtime passes its comm stream's backend::CudaContext) and return at once. The runtime
-//     orders the comm stream after the compute op that produced a send's data, and the compute
-//     stream after a recv, with events, so the host never waits;
-//   - calls are posted in RankProgram::comm order, which validate() proved deadlock-free for a
-//     send that waits for its receive (NCCL's behaviour); each message is one NCCL group of
-//     two operations, a 24-byte tag header and the data. Messages are bytes (a boundary tensor
-//     of any element type: comm/communicator.hpp), sent as ncclUint8, so the header counts
-//     bytes, in 64 bits;
-//   - tags cannot be checked when the data arrives without a host sync, so each recv's header
-//     lands in a device log and is compared with the expected tag at the next all_gather (the
-//     runtime calls one per step, after synchronize): a mismatch throws comm_error naming both
-//     tags, never a silent swap (a step computed on swapped data is never applied, because the
-//     optimizer runs after that all_gather);
-//   - all_gather of any trivially copyable T is ncclAllGather of its bytes (ncclUint8) on a
-//     private stream, staged through a device buffer and synchronised on the host (it is called
-//     between steps). Ranks must contribute equal counts of one type: NCCL does not check;
-//   - the device collectives of a data-parallel group, all_to_all(ctx, in, out) (an NCCL group
-//     of one ncclSend and one ncclRecv per peer) and all_gather(ctx, mine, all)
-//     (ncclAllGather), enqueue on ctx.cuda_stream and return at once, like send and recv: no
-//     host sync and no staging. Ranks must pass equal sizes: NCCL does not check;
-//   - abort(why) sets a host flag shared by this world and every world split from it or from
-//     which it was split (a rank's pipeline and replicas groups), and does nothing else: NCCL
-//     forbids using one communicator from two threads at once, so each rank's own thread
-//     aborts its own communicator (ncclCommAbort) when it sees the flag, at its next NCCL call
-//     or while it waits (the host all_gather's wait, and backend::Cuda::synchronize, which
-//     calls this communicator's wait poll). Calls to come throw aborted_error;
-//   - communicators are non-blocking (ncclConfig_t::blocking = 0): no NCCL call blocks the
-//     host; after each one the rank's thread polls ncclCommGetAsyncError until the call has
-//     completed, watching the abort flag, so a rank whose peer died leaves instead of hanging.
-//     An error NCCL reports there aborts the world with a message naming rank and host;
-//   - no memory is allocated after construction: the host all_gather's staging (device and
-//     pinned host, Options::gather_bytes) is fixed, and a larger gather runs in pieces of it.
-//     With one thread per GPU in one process, a cudaMalloc or cudaFree while another rank's
-//     NCCL kernel spins can wait on that kernel for ever (issue 15's hang class).
-// Bootstrap: NcclWorld::all_local (one process driving every listed GPU, one thread per rank
-// as po::run_thread_ranks runs them; host_barrier() lines those threads up after construction,
-// before the first NCCL kernel) or NcclWorld::from_file / from_id (one process per GPU,
-// ncclGetUniqueId published through comm/nccl/id_file.hpp or broadcast over MPI). The groups
-// of a grid of pipeline replicas: NcclWorld::split (ncclCommSplit, NCCL >= 2.18). Every NCCL
-// call is checked; errors carry rank, host and ncclGetLastError.
+// pipeoffload/comm/nccl/nccl.hpp: comm::Nccl, the communicator of GPU ranks: the communicator
+// concepts' contract (docs/schedules.md, "Communicator semantics") over NCCL, non-blocking,
+// with tags checked from a device log and an abort shared by a job's groups. How each call
+// maps to NCCL, and the bootstrap (NcclWorld): docs/processes_and_gpus.md, "comm::Nccl".
 /// @file
 #pragma once
 

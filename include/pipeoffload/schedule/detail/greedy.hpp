@@ -1,29 +1,7 @@
-// pipeoffload/schedule/detail/greedy.hpp: step 1 of build() for the zero-bubble families: ZB-H1's
-// orders (1F1B with deferred W passes), V-Min's (a periodic pattern, squeezed), DualPipeV's (DeepSeek's
-// eight steps, order_dualpipe_v), ZB-V's (a unit-slot list schedule, forwards first within a
-// per-rank warmup limit, order_zb_v), V-Half's (a periodic pattern, squeezed, order_v_half), and
-// for ZB-H2 each rank's order from a memory-capped list schedule. ZB-V and V-Half take their
-// construction or that list schedule, whichever runs faster under the costs (order_v_family).
-//
-// The list schedule is run forward in time under the cost model (T_F, T_B, T_W per stage, T_comm
-// per hop between ranks) and each rank, whenever it is free, starts (docs/schedules.md, "Zero-bubble families"):
-//   1. a ready B (its F has run and the gradient from the next stage has arrived): the
-//      lowest microbatch, then the highest stage; B passes are on the critical path of every
-//      rank before this one;
-//   2. else a ready F (its input has arrived; each stage runs its forwards in microbatch
-//      order) that the cap allows: the highest stage first (it brings a microbatch closer to
-//      its backward);
-//   3. else its oldest pending W (a B ran, its W not yet).
-// A unit is held from the start of its F to the end of its W (docs/design.md section 1). A rank
-// admits the first-chunk F of a microbatch only if its held units plus one unit for each of
-// its later chunks of the microbatches it has admitted (reserved: they will come) plus this
-// microbatch's own units fit the cap; so every admitted microbatch can finish its forward on
-// every rank, and memory never deadlocks (a full rank runs its pending W passes, which free
-// units). Forwards of later chunks use their reservation. The rank's peak is at most the cap.
-// Events are taken in time order; a rank's choice at time t depends only on passes that ended
-// by t, all of which started earlier, so the result does not depend on the order in which
-// ranks with the same time are visited. The run is the ASAP execution of the orders it
-// returns (a rank idles only when nothing it could run is ready).
+// pipeoffload/schedule/detail/greedy.hpp: step 1 of build() for the zero-bubble families:
+// ZB-H1's orders, V-Min's, DualPipeV's, ZB-V's and V-Half's constructions, and the
+// memory-capped list schedule of ZB-H2 (and of ZB-V and V-Half where it runs faster). The list
+// schedule's rules, and why it cannot deadlock: docs/schedules.md, "The list schedule".
 #pragma once
 
 #include <algorithm>
