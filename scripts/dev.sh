@@ -36,7 +36,7 @@ case "${1:-}" in
     setup=lean
     if [ "${2:-}" = full ]; then setup=full; fi
     meson test -C "$build" --setup "$setup" --print-errorlogs --num-processes "$(nproc)" || status=$?
-    logs=("$build/meson-logs/testlog.json")
+    logs=("$build/meson-logs/testlog-$setup.json")  # meson names a run's log after its test setup
     # The runtime tests, the thread communicators and the schedule's threaded passes again under ThreadSanitizer and
     # under AddressSanitizer+UBSan (only their test binaries, the samples and train_gpt are
     # built there, without the CUDA backend, to keep this short). These builds are unity builds:
@@ -57,8 +57,9 @@ case "${1:-}" in
       ninja -C "$dir" tests/runtime/test_runtime tests/runtime/test_custom tests/test_schedule_threads tests/comm/test_comm_threads \
         tests/comm/test_comm_shared_device tests/mpi/test_handshake samples/train_gpt samples/custom_model
       UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 TSAN_OPTIONS=halt_on_error=1 \
-        meson test -C "$dir" --suite runtime --suite threads --suite comm --no-rebuild --print-errorlogs --num-processes "$(nproc)" || status=$?
-      logs+=("$dir/meson-logs/testlog.json")
+        meson test -C "$dir" --setup lean --suite runtime --suite threads --suite comm --no-rebuild --print-errorlogs \
+        --num-processes "$(nproc)" || status=$?
+      logs+=("$dir/meson-logs/testlog-lean.json")
     done
     # One closing line any CI reads: "N passed, N failed, N skipped".
     python3 - "${logs[@]}" <<'PY'
