@@ -16,6 +16,7 @@ Reads every tracked text file (git ls-files) and fails, listing each offending l
   target page (GitHub's anchors: lower case, punctuation dropped, spaces as '-');
 - it is README.md and has more than README_LINES lines (the rest belongs in docs/).
 """
+import functools
 import re
 import subprocess
 import sys
@@ -30,10 +31,11 @@ README_LINES = 200
 TITLED = re.compile(r"\b(docs/[A-Za-z0-9_\-]+\.md|README(?:\.md)?),?\s+\"([^\"]+)\"")
 
 
-def titles(text):
+@functools.cache
+def titles(page):
     """The text of a Markdown page's headings, lower case (fenced code skipped)."""
     out, fenced = [], False
-    for line in text.splitlines():
+    for line in page.read_text(encoding="utf-8").splitlines():
         if line.startswith("```"):
             fenced = not fenced
         elif not fenced and (m := re.match(r"^#{1,6}\s+(.*?)\s*$", line)):
@@ -41,15 +43,9 @@ def titles(text):
     return out
 
 
-def anchors(text):
-    """The anchors of a Markdown page's headings, as GitHub makes them (fenced code skipped)."""
-    out, fenced = set(), False
-    for line in text.splitlines():
-        if line.startswith("```"):
-            fenced = not fenced
-        elif not fenced and (m := re.match(r"^#{1,6}\s+(.*?)\s*$", line)):
-            out.add(re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-"))
-    return out
+def anchors(page):
+    """The anchors of a Markdown page's headings, as GitHub makes them from titles()."""
+    return {re.sub(r"[^\w\- ]", "", t).replace(" ", "-") for t in titles(page)}
 
 
 def check_links(root, rel, text, problems):
@@ -64,7 +60,7 @@ def check_links(root, rel, text, problems):
             page = (here / path).resolve() if path else root / rel
             if not page.exists() or root not in page.parents and page != root:
                 problems.append(f"{rel}:{no}: links to {target}, which is not in the repository")
-            elif anchor and page.suffix == ".md" and anchor not in anchors(page.read_text(encoding="utf-8")):
+            elif anchor and page.suffix == ".md" and anchor not in anchors(page):
                 problems.append(f"{rel}:{no}: links to {target}, whose page has no such heading")
 
 
@@ -96,7 +92,7 @@ def main():
             for m in TITLED.finditer(line):
                 page = root / ("README.md" if m.group(1).startswith("README") else m.group(1))
                 if page.is_file() and not any(t.startswith(m.group(2).lower())
-                                              for t in titles(page.read_text(encoding="utf-8"))):
+                                              for t in titles(page)):
                     problems.append(f"{rel}:{no}: cites {m.group(1)}, \"{m.group(2)}\", which has no such heading")
             for m in CITE.finditer(line):
                 page = root / "docs" / m.group(1)
