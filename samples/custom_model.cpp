@@ -1,28 +1,17 @@
 // samples/custom_model.cpp: your own model on pipeoffload, here a residual MLP that is not a GPT.
 //
-// Three stage types of their own (custom_model.hpp: InputProjection, ResidualStage,
-// RegressionHead; boundaries of different widths between stages) read float features and
-// float targets, and are trained on 4 thread ranks
-//   - under two schedules chosen at compile time (po::PO_F::build, po::GIS_H::build), and
-//   - under one Program built at run time from a schedule name (po::build(spec, shape, costs)),
-// each with po::AdamW (no weight decay on 1-d tensors: a parameter group) and with po::Sgd
-// (momentum 0.9, Nesterov), evaluating on a validation split every few steps. Every
-// schedule trains bit-identically, so runs with one optimizer end with the same final_loss
-// (1f1b is the exception: it has one chunk per rank, so its model has 4 stages, not 8).
+// Its three stage types (custom_model.hpp) train on 4 thread ranks under two compile-time
+// schedules (po::PO_F::build, po::GIS_H::build) and one run-time Program (po::build of
+// --schedule), each with po::AdamW and po::Sgd. Every schedule trains bit-identically, so the
+// runs of one optimizer end with one final_loss (1f1b has 4 stages, not 8: a different model).
 //
-// Run (from the build directory):
 //   ./samples/custom_model                               # run-time schedule 1f1b-i
 //   ./samples/custom_model --schedule gis-g --group 3    # GIS(3) as the run-time Program
 //   ./samples/custom_model --schedule po-h --steps 80 --eval-every 20
-// Arguments: --schedule NAME (po::named_schedules; default 1f1b-i; zb-h1 and zb-h2 take one
-// chunk a rank and are refused here); --group G in [2, 4] (gis-g only); --steps N in [1, 10000] (default 40);
-// --eval-every N in [1, 10000] (default 10); --gradients standard (default) or exact
-// (RuntimeOptions::gradients; every family runs its W in microbatch order, so the schedules
-// agree bit for bit on either path). A bad argument exits with status 2.
+// --help lists the arguments; a bad one exits with status 2.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -48,31 +37,33 @@ struct Options {
   po::Gradients gradients = po::Gradients::standard;  // RuntimeOptions::gradients
 };
 
-using sample::bad_argument;
+using cli::bad_argument;
+
+constexpr const char* usage_text =
+    "usage: custom_model [--schedule NAME] [--group G] [--steps N] [--eval-every N] [--gradients standard|exact]\n"
+    "  --schedule NAME   a run-time schedule (default 1f1b-i; zb-h1 and zb-h2 take one chunk a rank)\n"
+    "  --group G         GIS(g)'s group, in [2, 4] (gis-g only)\n"
+    "  --steps N         training steps, in [1, 10000] (default 40)\n"
+    "  --eval-every N    steps between validation losses, in [1, 10000] (default 10)\n"
+    "  --gradients P     standard (default) or exact (RuntimeOptions::gradients)\n";
+
+constexpr cli::Flag flags[] = {{"--schedule"}, {"--group"}, {"--steps"}, {"--eval-every"}, {"--gradients"}};
 
 Options parse(int argc, char** argv) {
-  Options o;
-  std::optional<std::string> group;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a != "--schedule" && a != "--group" && a != "--steps" && a != "--eval-every" && a != "--gradients")
-      throw bad_argument("unknown option '" + a +
-                         "'; the options are --schedule, --group, --steps, --eval-every and --gradients");
-    if (i + 1 >= argc) throw bad_argument(a + " needs a value");
-    const std::string v = argv[++i];
-    if (a == "--schedule")
-      o.schedule = v;
-    else if (a == "--group")
-      group = v;
-    else if (a == "--gradients") {
-      if (v != "standard" && v != "exact") throw bad_argument("--gradients must be standard or exact, got '" + v + "'");
-      o.gradients = v == "exact" ? po::Gradients::exact : po::Gradients::standard;
-    } else if (a == "--steps")
-      o.steps = static_cast<int>(sample::to_int(a, v, 1, 10000));
-    else
-      o.eval_every = static_cast<int>(sample::to_int(a, v, 1, 10000));
+  if (cli::wants_help(argc, argv)) {
+    std::fputs(usage_text, stdout);
+    std::exit(0);
   }
-  o.spec = sample::schedule_option(o.schedule, group, ranks);
+  const cli::Args args(argc, argv, flags);
+  Options o;
+  if (const std::string* v = args.get("--schedule")) o.schedule = *v;
+  if (const std::string* v = args.get("--gradients"))
+    o.gradients = cli::one_of("--gradients", *v, {"standard", "exact"}) == "exact" ? po::Gradients::exact
+                                                                                   : po::Gradients::standard;
+  if (const std::string* v = args.get("--steps")) o.steps = static_cast<int>(cli::to_int("--steps", *v, 1, 10000));
+  if (const std::string* v = args.get("--eval-every"))
+    o.eval_every = static_cast<int>(cli::to_int("--eval-every", *v, 1, 10000));
+  o.spec = cli::schedule_option(o.schedule, args.get("--group"), ranks);
   return o;
 }
 

@@ -19,6 +19,8 @@
 #include <pipeoffload/pipeoffload.hpp>
 #include <pipeoffload/sim/render.hpp>
 
+#include "cli.hpp"
+
 namespace {
 
 struct Options {
@@ -27,74 +29,49 @@ struct Options {
   std::string out_dir = "schedules";
 };
 
-[[noreturn]] void usage_error(const std::string& msg) {
-  std::fprintf(stderr, "plan_schedules: %s\n", msg.c_str());
-  std::exit(2);
-}
-
-long parse_int(const char* flag, const char* text, long lo, long hi) {
-  char* end = nullptr;
-  const long x = std::strtol(text, &end, 10);
-  if (end == text || *end != '\0' || x < lo || x > hi)
-    usage_error(std::string(flag) + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-                "], got '" + text + "'");
-  return x;
-}
-
-double parse_positive(const char* flag, const char* text) {
-  char* end = nullptr;
-  const double x = std::strtod(text, &end);
-  if (end == text || *end != '\0' || !(x > 0) || x > 1e12)
-    usage_error(std::string(flag) + " must be a number > 0, got '" + text + "'");
-  return x;
-}
+constexpr cli::Flag flags[] = {{"--layers"},       {"--hidden"}, {"--seq"},       {"--micro-batch"}, {"--ranks"},
+                               {"--microbatches"}, {"--tflops"}, {"--pcie-gbps"}, {"--out-dir"}};
 
 Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help") {
-      std::puts(
-          "usage: plan_schedules [--layers L] [--hidden H] [--seq S] [--micro-batch B] [--ranks D]\n"
-          "                      [--microbatches M] [--tflops T] [--pcie-gbps P] [--out-dir DIR]");
-      std::exit(0);
-    }
-    if (i + 1 >= argc) usage_error(a + " needs a value (see --help)");
-    const char* v = argv[++i];
-    if (a == "--layers")
-      o.layers = parse_int("--layers", v, 1, 4096);
-    else if (a == "--hidden")
-      o.hidden = parse_int("--hidden", v, 1, 1 << 20);
-    else if (a == "--seq")
-      o.seq = parse_int("--seq", v, 1, 1 << 24);
-    else if (a == "--micro-batch")
-      o.micro_batch = parse_int("--micro-batch", v, 1, 1 << 16);
-    else if (a == "--ranks")
-      o.ranks = parse_int("--ranks", v, 1, 512);
-    else if (a == "--microbatches")
-      o.microbatches = parse_int("--microbatches", v, 1, 4096);
-    else if (a == "--tflops")
-      o.tflops = parse_positive("--tflops", v);
-    else if (a == "--pcie-gbps")
-      o.pcie_gbps = parse_positive("--pcie-gbps", v);
-    else if (a == "--out-dir")
-      o.out_dir = v;
-    else
-      usage_error("unknown option " + a + " (see --help)");
+  if (cli::wants_help(argc, argv)) {
+    std::puts(
+        "usage: plan_schedules [--layers L] [--hidden H] [--seq S] [--micro-batch B] [--ranks D]\n"
+        "                      [--microbatches M] [--tflops T] [--pcie-gbps P] [--out-dir DIR]");
+    std::exit(0);
   }
+  const cli::Args args(argc, argv, flags);
+  Options o;
+  const auto integer = [&](std::string_view flag, long& dst, long hi) {
+    if (const std::string* v = args.get(flag)) dst = static_cast<long>(cli::to_int(flag, *v, 1, hi));
+  };
+  integer("--layers", o.layers, 4096);
+  integer("--hidden", o.hidden, 1 << 20);
+  integer("--seq", o.seq, 1 << 24);
+  integer("--micro-batch", o.micro_batch, 1 << 16);
+  integer("--ranks", o.ranks, 512);
+  integer("--microbatches", o.microbatches, 4096);
+  if (const std::string* v = args.get("--tflops")) o.tflops = cli::to_real("--tflops", *v, 0, 1e12, true);
+  if (const std::string* v = args.get("--pcie-gbps")) o.pcie_gbps = cli::to_real("--pcie-gbps", *v, 0, 1e12, true);
+  if (const std::string* v = args.get("--out-dir")) o.out_dir = *v;
   if (o.layers % o.ranks != 0)
-    usage_error("--layers " + std::to_string(o.layers) + " must be a multiple of --ranks " + std::to_string(o.ranks) +
-                " (one or more whole layers per stage)");
+    throw cli::bad_argument("--layers " + std::to_string(o.layers) + " must be a multiple of --ranks " +
+                            std::to_string(o.ranks) + " (one or more whole layers per stage)");
   if (o.microbatches % o.ranks != 0)
-    usage_error("--microbatches " + std::to_string(o.microbatches) + " must be a multiple of --ranks " +
-                std::to_string(o.ranks) + " (1F1B-I needs it)");
+    throw cli::bad_argument("--microbatches " + std::to_string(o.microbatches) + " must be a multiple of --ranks " +
+                            std::to_string(o.ranks) + " (1F1B-I needs it)");
   return o;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const Options o = parse(argc, argv);
+  Options o;
+  try {
+    o = parse(argc, argv);
+  } catch (const cli::bad_argument& e) {
+    std::fprintf(stderr, "plan_schedules: %s\n", e.what());
+    return 2;
+  }
   const double b = static_cast<double>(o.micro_batch), s = static_cast<double>(o.seq),
                h = static_cast<double>(o.hidden);
   const double bc = o.tflops * 1e12, bo = o.pcie_gbps * 1e9;

@@ -28,6 +28,8 @@
 
 namespace sample {
 
+using cli::bad_argument;
+
 inline constexpr std::int32_t shard_magic_u16 = 20240520, shard_magic_u32 = 20240801;
 inline constexpr std::int32_t shard_version_u16 = 1, shard_version_u32 = 7;
 inline constexpr std::size_t shard_header_bytes = 256 * sizeof(std::int32_t);

@@ -61,9 +61,9 @@
 
 namespace {
 
-using sample::bad_argument;
-using sample::hex64;
-using sample::mib;
+using cli::bad_argument;
+using cli::hex64;
+using cli::mib;
 using train_gpt::exit_status;
 using train_gpt::Options;
 using train_gpt::print_banner;

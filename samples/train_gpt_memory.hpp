@@ -306,7 +306,7 @@ inline void check_memory(const Options& o, const Setup& su, const po::Program& p
     std::snprintf(t, sizeof t, "%.2f GiB", static_cast<double>(b) / (1ull << 30));
     return std::string(t);
   };
-  throw sample::bad_argument(
+  throw cli::bad_argument(
       "this run needs " + gib(need) + " of memory for its " + std::to_string(count) + " rank" + (count > 1 ? "s" : "") +
       " (activations, stashes, messages, offload bins and model state; rank " + std::to_string(worst_rank) +
       " the most, " + gib(worst) + "), and 10 % more for scratch and stacks, but " + gib(avail) +

@@ -1,5 +1,5 @@
 // samples/train_gpt_options.hpp: train_gpt's command line: its usage text, its options and the
-// parser that checks them (a bad one is a sample::bad_argument naming the flag, the value and
+// parser that checks them (a bad one is a cli::bad_argument naming the flag, the value and
 // the allowed range; main exits with status 2), and the Setup every rank derives from them.
 #pragma once
 
@@ -7,8 +7,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <iterator>
-#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -33,9 +31,9 @@
 namespace train_gpt {
 
 namespace po = pipeoffload;
-using sample::bad_argument;
-using sample::to_int;
-using sample::to_real;
+using cli::bad_argument;
+using cli::to_int;
+using cli::to_real;
 
 inline constexpr const char* usage_text = R"(usage: train_gpt [options]
 
@@ -162,105 +160,77 @@ struct Options {
   } fault;
 };
 
+/// train_gpt's options; the switches take no value.
+inline constexpr cli::Flag flags[] = {{"--schedule"},
+                                      {"--import"},
+                                      {"--ranks"},
+                                      {"--chunks"},
+                                      {"--microbatches"},
+                                      {"--group"},
+                                      {"--offload-chunks"},
+                                      {"--k"},
+                                      {"--flops"},
+                                      {"--copy-gbps"},
+                                      {"--steps"},
+                                      {"--seed"},
+                                      {"--trace"},
+                                      {"--layers"},
+                                      {"--stage-blocks"},
+                                      {"--hidden"},
+                                      {"--heads"},
+                                      {"--seq"},
+                                      {"--batch"},
+                                      {"--lr"},
+                                      {"--dropout"},
+                                      {"--corpus"},
+                                      {"--comm"},
+                                      {"--comm-timeout"},
+                                      {"--checkpoint-every"},
+                                      {"--checkpoint-dir"},
+                                      {"--resume"},
+                                      {"--inject-fault"},
+                                      {"--backend"},
+                                      {"--eval-every"},
+                                      {"--dp"},
+                                      {"--zero"},
+                                      {"--exact-block"},
+                                      {"--gradients"},
+                                      {"--reduce-bucket"},
+                                      {"--reduce-dtype"},
+                                      {"--data"},
+                                      {"--val-data"},
+                                      {"--vocab"},
+                                      {"--model"},
+                                      {"--kv-heads"},
+                                      {"--ffn"},
+                                      {"--pack"},
+                                      {"--ranks-per-gpu"},
+                                      {"--quiet", false},
+                                      {"--pcie-pairs", false},
+                                      {"--overwrite", false},
+                                      {"--decay-all", false},
+                                      {"--tie-embeddings", false},
+                                      {"--no-check-finite", false}};
+
 inline Options parse(int argc, char** argv) {
-  std::map<std::string, std::string> a;
-  bool quiet = false, pairs = false, decay_all = false, no_check = false, overwrite = false, tie = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string f = argv[i];
-    if (f == "--help" || f == "-h") {
-      std::fputs(usage_text, stdout);
-      std::exit(0);
-    }
-    if (f == "--quiet") {
-      quiet = true;
-      continue;
-    }
-    if (f == "--pcie-pairs") {
-      pairs = true;
-      continue;
-    }
-    if (f == "--overwrite") {
-      overwrite = true;
-      continue;
-    }
-    if (f == "--decay-all") {
-      decay_all = true;
-      continue;
-    }
-    if (f == "--tie-embeddings") {
-      tie = true;
-      continue;
-    }
-    if (f == "--no-check-finite") {
-      no_check = true;
-      continue;
-    }
-    static const char* known[] = {"--schedule",
-                                  "--import",
-                                  "--ranks",
-                                  "--chunks",
-                                  "--microbatches",
-                                  "--group",
-                                  "--offload-chunks",
-                                  "--k",
-                                  "--flops",
-                                  "--copy-gbps",
-                                  "--steps",
-                                  "--seed",
-                                  "--trace",
-                                  "--layers",
-                                  "--stage-blocks",
-                                  "--hidden",
-                                  "--heads",
-                                  "--seq",
-                                  "--batch",
-                                  "--lr",
-                                  "--dropout",
-                                  "--corpus",
-                                  "--comm",
-                                  "--comm-timeout",
-                                  "--checkpoint-every",
-                                  "--checkpoint-dir",
-                                  "--resume",
-                                  "--inject-fault",
-                                  "--backend",
-                                  "--eval-every",
-                                  "--dp",
-                                  "--zero",
-                                  "--exact-block",
-                                  "--gradients",
-                                  "--reduce-bucket",
-                                  "--reduce-dtype",
-                                  "--data",
-                                  "--val-data",
-                                  "--vocab",
-                                  "--model",
-                                  "--kv-heads",
-                                  "--ffn",
-                                  "--pack",
-                                  "--ranks-per-gpu"};
-    if (std::find(std::begin(known), std::end(known), f) == std::end(known))
-      throw bad_argument("unknown option '" + f + "' (--help lists them)");
-    if (i + 1 >= argc) throw bad_argument(f + " needs a value");
-    if (a.count(f)) throw bad_argument(f + " was given twice");
-    a[f] = argv[++i];
+  if (cli::wants_help(argc, argv)) {
+    std::fputs(usage_text, stdout);
+    std::exit(0);
   }
+  const cli::Args args(argc, argv, flags);
+  const bool tie = args.has("--tie-embeddings");
   Options o;
-  o.quiet = quiet;
-  o.pcie_pairs = pairs;
-  o.decay_all = decay_all;
-  o.overwrite = overwrite;
-  o.check_finite = !no_check;
+  o.quiet = args.has("--quiet");
+  o.pcie_pairs = args.has("--pcie-pairs");
+  o.decay_all = args.has("--decay-all");
+  o.overwrite = args.has("--overwrite");
+  o.check_finite = !args.has("--no-check-finite");
   o.model.tie_embeddings = tie;
-  const auto get = [&](const char* f) -> const std::string* {
-    auto it = a.find(f);
-    return it == a.end() ? nullptr : &it->second;
-  };
+  const auto get = [&](std::string_view f) { return args.get(f); };
   if (auto v = get("--ranks")) o.shape.d = static_cast<int>(to_int("--ranks", *v, 1, 64));
   o.ranks_given = get("--ranks") != nullptr;
   if (auto v = get("--comm")) {
-    if (*v != "threads" && *v != "mpi") throw bad_argument("--comm must be threads or mpi, got '" + *v + "'");
-    o.mpi = *v == "mpi";
+    o.mpi = cli::one_of("--comm", *v, {"threads", "mpi"}) == "mpi";
 #ifndef PIPEOFFLOAD_WITH_MPI
     if (o.mpi)
       throw bad_argument(
@@ -268,14 +238,13 @@ inline Options parse(int argc, char** argv) {
 #endif
   }
   if (auto v = get("--model")) {
-    if (*v != "gpt" && *v != "llama") throw bad_argument("--model must be gpt or llama, got '" + *v + "'");
-    o.llama = *v == "llama";
+    o.llama = cli::one_of("--model", *v, {"gpt", "llama"}) == "llama";
   }
   for (const char* f : {"--kv-heads", "--ffn"})
     if (!o.llama && get(f)) throw bad_argument(std::string(f) + " applies only to --model llama");
   if (o.llama && get("--dropout")) throw bad_argument("--dropout does not apply to --model llama (it has no dropout)");
   if (auto v = get("--backend")) {
-    if (*v != "cpu" && *v != "cuda") throw bad_argument("--backend must be cpu or cuda, got '" + *v + "'");
+    cli::one_of("--backend", *v, {"cpu", "cuda"});
     if (*v == "cuda" && tie && !o.llama)
       throw bad_argument("--tie-embeddings: the CUDA GPT does not tie its embeddings yet; use --backend cpu");
     if (*v == "cuda" && get("--pack"))
@@ -333,14 +302,13 @@ inline Options parse(int argc, char** argv) {
   if (auto v = get("--dp")) o.dp = static_cast<int>(to_int("--dp", *v, 1, 64));
   if (auto v = get("--zero")) o.zero = static_cast<int>(to_int("--zero", *v, 0, 1));
   if (auto v = get("--gradients")) {
-    if (*v != "standard" && *v != "exact")
-      throw bad_argument("--gradients must be standard or exact, got '" + *v + "'");
+    cli::one_of("--gradients", *v, {"standard", "exact"});
     o.gradients = *v == "exact" ? po::Gradients::exact : po::Gradients::standard;
   }
   if (auto v = get("--reduce-bucket"))
     o.reduce_bucket = static_cast<std::size_t>(to_int("--reduce-bucket", *v, 64, 1LL << 30));
   if (auto v = get("--reduce-dtype")) {
-    if (*v != "fp32" && *v != "bf16") throw bad_argument("--reduce-dtype must be fp32 or bf16, got '" + *v + "'");
+    cli::one_of("--reduce-dtype", *v, {"fp32", "bf16"});
     o.reduce_dtype = *v == "bf16" ? po::DType::bfloat16 : po::DType::float32;
     if (o.reduce_dtype == po::DType::bfloat16 && o.gradients != po::Gradients::standard)
       throw bad_argument("--reduce-dtype bf16 needs --gradients standard (the exact path reduces 128-bit sums)");
@@ -422,8 +390,7 @@ inline Options parse(int argc, char** argv) {
 
   o.schedule = get("--schedule") ? *get("--schedule") : (o.shape.d == 1 ? "gis" : "po-f");
   const std::string& n = o.schedule;
-  o.spec = sample::schedule_option(n, get("--group") ? std::optional<std::string>(*get("--group")) : std::nullopt,
-                                   o.shape.d);
+  o.spec = cli::schedule_option(n, get("--group"), o.shape.d);
   o.shape.placement = o.spec.placement;  // which rank holds which stage (the V families: a V)
   if (auto f = get("--import")) {
     if (get("--schedule") || get("--group"))

@@ -22,8 +22,8 @@
 
 namespace train_gpt {
 
-using sample::hex64;
-using sample::mib;
+using cli::hex64;
+using cli::mib;
 
 /// Device bytes a stage holds for its parameters and gradients: its own state_bytes() where
 /// it has one (gpt::CudaGptStage: the bf16 parameters, the fp32 gradients, the head's fp32 bias),

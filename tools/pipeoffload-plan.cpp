@@ -21,17 +21,16 @@
 #include <pipeoffload/plan/report.hpp>
 #include <pipeoffload/sim/render.hpp>
 
+#include "../samples/cli.hpp"
+
 #include <cerrno>
-#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <system_error>
 #include <vector>
 
 namespace {
@@ -137,23 +136,54 @@ Exit status: 0 done, 2 bad argument, 3 nothing fits (--auto), 1 internal error.
 
 constexpr const char* tool = "pipeoffload-plan";
 
-/// A bad command line; what() is the one line printed after "pipeoffload-plan: ".
-struct bad_argument : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+using cli::bad_argument;
+using cli::quote;
 
-constexpr std::string_view flags[] = {
-    "--schedule", "--import", "--ranks", "--chunks", "--microbatches", "--group", "--offload-chunks", "--k", "--hidden",
-    "--seq", "--micro-batch", "--tflops", "--pcie-gbps", "--cost-f", "--cost-b", "--cost-w", "--cost-comm", "--format",
-    "--out",
-    // --auto
-    "--auto", "--recompute", "--layers", "--heads", "--query-groups", "--global-batch", "--vocab", "--device-mem-gib",
-    "--host-mem-gib", "--pcie-switch", "--gradients", "--ffn-hidden", "--swiglu", "--model", "--backend",
-    "--tied-embeddings",
-    // --auto, data parallelism
-    "--dp", "--search-dp", "--gpus", "--zero", "--dp-gbps", "--gpus-per-node", "--node-layout", "--reduce-dtype"};
-/// Flags that take no value.
-constexpr std::string_view switches[] = {"--auto", "--recompute", "--search-dp", "--swiglu", "--tied-embeddings"};
+constexpr cli::Flag flags[] = {{"--schedule"},
+                               {"--import"},
+                               {"--ranks"},
+                               {"--chunks"},
+                               {"--microbatches"},
+                               {"--group"},
+                               {"--offload-chunks"},
+                               {"--k"},
+                               {"--hidden"},
+                               {"--seq"},
+                               {"--micro-batch"},
+                               {"--tflops"},
+                               {"--pcie-gbps"},
+                               {"--cost-f"},
+                               {"--cost-b"},
+                               {"--cost-w"},
+                               {"--cost-comm"},
+                               {"--format"},
+                               {"--out"},
+                               // --auto
+                               {"--auto", false},
+                               {"--recompute", false},
+                               {"--layers"},
+                               {"--heads"},
+                               {"--query-groups"},
+                               {"--global-batch"},
+                               {"--vocab"},
+                               {"--device-mem-gib"},
+                               {"--host-mem-gib"},
+                               {"--pcie-switch"},
+                               {"--gradients"},
+                               {"--ffn-hidden"},
+                               {"--swiglu", false},
+                               {"--model"},
+                               {"--backend"},
+                               {"--tied-embeddings", false},
+                               // --auto, data parallelism
+                               {"--dp"},
+                               {"--search-dp", false},
+                               {"--gpus"},
+                               {"--zero"},
+                               {"--dp-gbps"},
+                               {"--gpus-per-node"},
+                               {"--node-layout"},
+                               {"--reduce-dtype"}};
 /// The data-parallel flags (any of them shows the grid in the report).
 constexpr std::string_view grid_flags[] = {"--dp",      "--search-dp",     "--gpus",        "--zero",
                                            "--dp-gbps", "--gpus-per-node", "--node-layout", "--reduce-dtype"};
@@ -168,19 +198,6 @@ constexpr std::string_view not_auto[] = {"--import", "--chunks", "--microbatches
 constexpr std::string_view hardware_flags[] = {"--hidden", "--seq", "--micro-batch", "--tflops", "--pcie-gbps"};
 constexpr std::string_view formats[] = {"text", "csv", "json", "chrome-trace", "svg", "torch-csv", "torch-csv-lowered"};
 
-/// Flag name -> its raw value, as given.
-using Args = std::map<std::string, std::string, std::less<>>;
-
-/// A user's text quoted for a one-line message: control characters shown as '?', long text cut.
-std::string quoted(std::string_view s) {
-  std::string out = "'";
-  for (std::size_t i = 0; i < s.size() && i < 40; ++i) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    out += (c < 0x20 || c == 0x7f) ? '?' : s[i];
-  }
-  return out + (s.size() > 40 ? "...'" : "'");
-}
-
 std::string num(long long x) { return std::to_string(x); }
 
 template <std::size_t N>
@@ -190,75 +207,15 @@ std::string join(const std::string_view (&list)[N], const char* sep = ", ") {
   return s;
 }
 
-/// Splits argv into flag -> value; rejects unknown, repeated and value-less flags.
-Args scan(int argc, char** argv) {
-  Args args;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view a = argv[i];
-    if (a.size() < 3 || a.substr(0, 2) != "--")
-      throw bad_argument("unexpected argument " + quoted(a) + "; options start with -- (see --help)");
-    std::string_view name = a, value;
-    bool has_value = false;
-    if (const auto eq = a.find('='); eq != std::string_view::npos) {
-      name = a.substr(0, eq);
-      value = a.substr(eq + 1);
-      has_value = true;
-    }
-    bool known = false;
-    for (std::string_view f : flags) known = known || f == name;
-    if (!known) throw bad_argument("unknown option " + quoted(name) + " (see --help for the options)");
-    if (args.count(name)) throw bad_argument(std::string(name) + " is given twice; give it once");
-    bool is_switch = false;
-    for (std::string_view f : switches) is_switch = is_switch || f == name;
-    if (is_switch) {
-      if (has_value) throw bad_argument(std::string(name) + " takes no value, got " + quoted(value));
-      args.emplace(std::string(name), std::string());
-      continue;
-    }
-    if (!has_value) {
-      if (i + 1 >= argc || std::string_view(argv[i + 1]).substr(0, 2) == "--")
-        throw bad_argument(std::string(name) + " needs a value (see --help)");
-      value = argv[++i];
-    }
-    args.emplace(std::string(name), std::string(value));
-  }
-  return args;
-}
-
-/// Strict integer: the whole text a decimal number in [lo, hi].
-long long parse_int(std::string_view flag, std::string_view text, long long lo, long long hi,
-                    const std::string& note = "") {
-  long long x = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), x);
-  if (text.empty() || ec != std::errc{} || end != text.data() + text.size() || x < lo || x > hi)
-    throw bad_argument(std::string(flag) + " must be an integer in [" + num(lo) + ", " + num(hi) + "]" + note +
-                       ", got " + quoted(text));
-  return x;
-}
-
-/// Strict real: the whole text a finite decimal number in (0, hi], or [0, hi] if zero_ok.
-double parse_real(std::string_view flag, std::string_view text, bool zero_ok, double hi) {
-  double x = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), x);
-  if (text.empty() || ec != std::errc{} || end != text.data() + text.size() || !std::isfinite(x) || x > hi ||
-      (zero_ok ? x < 0 : x <= 0))
-    throw bad_argument(std::string(flag) + " must be a number in " + (zero_ok ? "[0, " : "(0, ") +
-                       pipeoffload::detail::fmt(hi) + "], got " + quoted(text));
-  return x;
-}
-
-const std::string* find(const Args& args, std::string_view flag) {
-  const auto it = args.find(flag);
-  return it == args.end() ? nullptr : &it->second;
-}
+using cli::Args;
 
 /// A required integer flag.
 int required_int(const Args& args, std::string_view flag, const char* what, long long lo, long long hi) {
-  const std::string* v = find(args, flag);
+  const std::string* v = args.get(flag);
   if (!v)
     throw bad_argument("missing " + std::string(flag) + " (" + what + ", an integer in [" + num(lo) + ", " + num(hi) +
                        "])");
-  return static_cast<int>(parse_int(flag, *v, lo, hi));
+  return static_cast<int>(cli::to_int(flag, *v, lo, hi));
 }
 
 /// What the command line asks for.
@@ -273,44 +230,24 @@ struct Request {
   int import_offload = 0;                       ///< --offload-chunks with --import
 };
 
-/// The spec --schedule names (po::parse_schedule: the alias's own spec), or bad_argument.
-pipeoffload::ScheduleSpec named_schedule(const std::string* name) {
-  const std::string names = pipeoffload::schedule_names();
-  if (!name) throw bad_argument("missing --schedule (one of " + names + ")");
-  try {
-    return pipeoffload::parse_schedule(*name);
-  } catch (const pipeoffload::shape_error&) {
-    throw bad_argument("--schedule must be one of " + names + ", got " + quoted(*name));
-  }
-}
-
 /// --group and --offload-chunks applied to the spec --schedule `name` names, checked against the shape.
 pipeoffload::ScheduleSpec schedule_spec(const Args& args, const std::string& name, pipeoffload::ScheduleSpec spec,
                                         const pipeoffload::Shape& sh) {
   using namespace pipeoffload;
   if (name == "1f1b" && sh.v != 1)
-    throw bad_argument("--chunks must be 1 with --schedule 1f1b (one stage per rank), got " + quoted(num(sh.v)));
+    throw bad_argument("--chunks must be 1 with --schedule 1f1b (one stage per rank), got " + quote(num(sh.v)));
   if (name == "1f1b-i" && sh.m % sh.d != 0)
     throw bad_argument("--microbatches must be a multiple of --ranks (" + num(sh.d) + ") with --schedule 1f1b-i, got " +
-                       quoted(num(sh.m)));
-  const std::string* g = find(args, "--group");
-  if (name == "gis-g") {
-    const long long lo = GroupSpec::smallest(sh.d);
-    const std::string range = "[" + num(lo) + ", " + num(sh.d) + "]";
-    if (!g) throw bad_argument("--schedule gis-g needs --group G, an integer in " + range + " (ceil(d/2) to d)");
-    spec.group.value =
-        static_cast<int>(parse_int("--group", *g, lo, sh.d, " (ceil(d/2) to d for --ranks " + num(sh.d) + ")"));
-  } else if (g) {
-    throw bad_argument("--group applies only to --schedule gis-g, not " + name);
-  }
+                       quote(num(sh.m)));
+  spec = cli::with_group(spec, name, args.get("--group"), sh.d);
 
-  if (const std::string* n = find(args, "--offload-chunks")) {
-    const int x = static_cast<int>(parse_int("--offload-chunks", *n, 0, sh.v, " (at most --chunks)"));
+  if (const std::string* n = args.get("--offload-chunks")) {
+    const int x = static_cast<int>(cli::to_int("--offload-chunks", *n, 0, sh.v, " (at most --chunks)"));
     if (name == "po-h" || name == "po-f") {
       const int implied = offload::count(spec.offload, sh.v);
       if (x != implied)
         throw bad_argument("--offload-chunks must be " + num(implied) + " with --schedule " + name + " (chunks 0.." +
-                           num(implied - 1) + "), got " + quoted(*n) +
+                           num(implied - 1) + "), got " + quote(*n) +
                            "; use po with --offload-chunks for other counts");
     } else if (x > 0) {
       spec.offload = offload::first(x);  // 0 keeps offload::none, so the name stays plain
@@ -322,23 +259,23 @@ pipeoffload::ScheduleSpec schedule_spec(const Args& args, const std::string& nam
 /// k from --k, from the five hardware flags, or 1.
 double copy_ratio(const Args& args) {
   std::vector<std::string> given, missing;
-  for (std::string_view f : hardware_flags) (find(args, f) ? given : missing).push_back(std::string(f));
-  const std::string* k = find(args, "--k");
+  for (std::string_view f : hardware_flags) (args.get(f) ? given : missing).push_back(std::string(f));
+  const std::string* k = args.get("--k");
   if (k && !given.empty())
     throw bad_argument("--k cannot be combined with " + given.front() + ": give either --k or all of " +
                        join(hardware_flags, " "));
-  if (k) return parse_real("--k", *k, false, 1e6);
+  if (k) return cli::to_real("--k", *k, 0, 1e6, true);
   if (given.empty()) return 1;
   if (!missing.empty()) {
     std::string m;
     for (const auto& f : missing) m += (m.empty() ? "" : ", ") + f;
     throw bad_argument("missing " + m + ": k from hardware needs all of " + join(hardware_flags, " "));
   }
-  const double h = static_cast<double>(parse_int("--hidden", *find(args, "--hidden"), 1, 1 << 20));
-  const double s = static_cast<double>(parse_int("--seq", *find(args, "--seq"), 1, 1 << 24));
-  parse_int("--micro-batch", *find(args, "--micro-batch"), 1, 1 << 16);  // b cancels out of k, but must be sane
-  const double tflops = parse_real("--tflops", *find(args, "--tflops"), false, 1e6);
-  const double gbps = parse_real("--pcie-gbps", *find(args, "--pcie-gbps"), false, 1e6);
+  const double h = static_cast<double>(cli::to_int("--hidden", *args.get("--hidden"), 1, 1 << 20));
+  const double s = static_cast<double>(cli::to_int("--seq", *args.get("--seq"), 1, 1 << 24));
+  cli::to_int("--micro-batch", *args.get("--micro-batch"), 1, 1 << 16);  // b cancels out of k, but must be sane
+  const double tflops = cli::to_real("--tflops", *args.get("--tflops"), 0, 1e6, true);
+  const double gbps = cli::to_real("--pcie-gbps", *args.get("--pcie-gbps"), 0, 1e6, true);
   // k = 2*A*Bc / (12*b*s*h*(6h+s)*Bo) with A = 20*b*s*h bytes (bf16, selective recompute).
   return 10.0 / (3.0 * (6.0 * h + s)) * (tflops * 1e12) / (gbps * 1e9);
 }
@@ -347,24 +284,25 @@ double copy_ratio(const Args& args) {
 Request interpret(const Args& args) {
   Request rq;
   for (std::string_view f : auto_only)
-    if (find(args, f)) throw bad_argument(std::string(f) + " applies only with --auto (the planner)");
-  const std::string* name = find(args, "--schedule");
-  if (const std::string* file = find(args, "--import")) {
+    if (args.get(f)) throw bad_argument(std::string(f) + " applies only with --auto (the planner)");
+  const std::string* name = args.get("--schedule");
+  if (const std::string* file = args.get("--import")) {
     if (name) throw bad_argument("--import and --schedule cannot be combined: the file is the schedule");
-    if (find(args, "--group")) throw bad_argument("--group applies only to --schedule gis-g, not --import");
+    if (args.get("--group")) throw bad_argument("--group applies only to --schedule gis-g, not --import");
     if (file->empty()) throw bad_argument("--import needs a file name, got ''");
     rq.import = *file;
     const auto optional_int = [&](std::string_view flag, int hi) {
-      const std::string* v = find(args, flag);
-      return v ? static_cast<int>(parse_int(flag, *v, 1, hi)) : 0;
+      const std::string* v = args.get(flag);
+      return v ? static_cast<int>(cli::to_int(flag, *v, 1, hi)) : 0;
     };
     rq.import_options.d = optional_int("--ranks", pipeoffload::max_ranks);
     rq.import_options.v = optional_int("--chunks", pipeoffload::max_chunks);
     rq.import_options.m = optional_int("--microbatches", pipeoffload::max_microbatches);
-    if (const std::string* n = find(args, "--offload-chunks"))
-      rq.import_offload = static_cast<int>(parse_int("--offload-chunks", *n, 0, pipeoffload::max_chunks));
+    if (const std::string* n = args.get("--offload-chunks"))
+      rq.import_offload = static_cast<int>(cli::to_int("--offload-chunks", *n, 0, pipeoffload::max_chunks));
   } else {
-    const pipeoffload::ScheduleSpec named = named_schedule(name);
+    if (!name) throw bad_argument("missing --schedule (one of " + pipeoffload::schedule_names() + ")");
+    const pipeoffload::ScheduleSpec named = cli::schedule(*name);
     rq.shape.d = required_int(args, "--ranks", "pipeline ranks", 1, pipeoffload::max_ranks);
     rq.shape.v = required_int(args, "--chunks", "chunks per rank", 1, pipeoffload::max_chunks);
     rq.shape.m = required_int(args, "--microbatches", "microbatches", 1, pipeoffload::max_microbatches);
@@ -379,20 +317,20 @@ Request interpret(const Args& args) {
 
   rq.costs.k = copy_ratio(args);
   const auto cost = [&](std::string_view flag, double& dst, bool zero_ok) {
-    if (const std::string* v = find(args, flag)) dst = parse_real(flag, *v, zero_ok, 1e9);
+    if (const std::string* v = args.get(flag)) dst = cli::to_real(flag, *v, 0, 1e9, !zero_ok);
   };
   cost("--cost-f", rq.costs.f, false);
   cost("--cost-b", rq.costs.b, false);
   cost("--cost-w", rq.costs.w, false);
   cost("--cost-comm", rq.costs.comm, true);
 
-  if (const std::string* f = find(args, "--format")) {
+  if (const std::string* f = args.get("--format")) {
     bool known = false;
     for (std::string_view s : formats) known = known || s == *f;
-    if (!known) throw bad_argument("--format must be one of " + join(formats) + ", got " + quoted(*f));
+    if (!known) throw bad_argument("--format must be one of " + join(formats) + ", got " + quote(*f));
     rq.format = *f;
   }
-  if (const std::string* out = find(args, "--out")) {
+  if (const std::string* out = args.get("--out")) {
     if (out->empty()) throw bad_argument("--out needs a file name, got ''");
     rq.out = *out;
   }
@@ -443,14 +381,14 @@ pipeoffload::Program import_file(Request& rq) {
   using namespace pipeoffload;
   std::FILE* f = std::fopen(rq.import->c_str(), "rb");
   if (!f)
-    throw bad_argument("--import " + quoted(*rq.import) + " cannot be opened: " + std::string(std::strerror(errno)));
+    throw bad_argument("--import " + quote(*rq.import) + " cannot be opened: " + std::string(std::strerror(errno)));
   std::string text;
   char buf[1 << 16];
   for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) {
     text.append(buf, n);
     if (text.size() > (std::size_t{1} << 28)) {
       std::fclose(f);
-      throw bad_argument("--import " + quoted(*rq.import) + " is larger than 256 MiB");
+      throw bad_argument("--import " + quote(*rq.import) + " is larger than 256 MiB");
     }
   }
   std::fclose(f);
@@ -460,7 +398,7 @@ pipeoffload::Program import_file(Request& rq) {
     if (rq.import_offload > 0) {
       if (rq.import_offload > p.v())
         throw bad_argument("--offload-chunks must be at most the file's " + num(p.v()) + " chunks per rank, got " +
-                           quoted(num(rq.import_offload)));
+                           quote(num(rq.import_offload)));
       rq.spec = p.spec;
       rq.shape = p.shape;
       rq.spec.offload = offload::first(rq.import_offload);
@@ -478,14 +416,14 @@ pipeoffload::Program import_file(Request& rq) {
 int emit(const std::string& text, const std::optional<std::string>& path) {
   std::FILE* f = path ? std::fopen(path->c_str(), "wb") : stdout;
   if (!f) {
-    std::fprintf(stderr, "%s: --out %s cannot be opened for writing: %s\n", tool, quoted(*path).c_str(),
+    std::fprintf(stderr, "%s: --out %s cannot be opened for writing: %s\n", tool, quote(*path).c_str(),
                  std::strerror(errno));
     return 2;
   }
   const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
   const bool closed = path ? std::fclose(f) == 0 : std::fflush(f) == 0;
   if (!ok || !closed) {
-    std::fprintf(stderr, "%s: writing %s failed: %s\n", tool, path ? quoted(*path).c_str() : "standard output",
+    std::fprintf(stderr, "%s: writing %s failed: %s\n", tool, path ? quote(*path).c_str() : "standard output",
                  std::strerror(errno));
     return 1;
   }
@@ -508,32 +446,33 @@ struct AutoRequest {
 void interpret_grid(const Args& args, AutoRequest& rq) {
   namespace po = pipeoffload;
   po::GridSpec& g = rq.grid;
-  for (std::string_view f : grid_flags) rq.grid_given = rq.grid_given || find(args, f);
-  const std::string* dp = find(args, "--dp");
-  if (dp) g.dp = static_cast<int>(parse_int("--dp", *dp, 0, po::max_grid_gpus, " (replicas; 0 searches with --gpus)"));
-  if (find(args, "--search-dp")) {
+  for (std::string_view f : grid_flags) rq.grid_given = rq.grid_given || args.get(f);
+  const std::string* dp = args.get("--dp");
+  if (dp)
+    g.dp = static_cast<int>(cli::to_int("--dp", *dp, 0, po::max_grid_gpus, " (replicas; 0 searches with --gpus)"));
+  if (args.get("--search-dp")) {
     if (dp && g.dp != 0)
-      throw bad_argument("--search-dp cannot be combined with --dp " + quoted(*dp) + " (--search-dp is --dp 0)");
+      throw bad_argument("--search-dp cannot be combined with --dp " + quote(*dp) + " (--search-dp is --dp 0)");
     g.dp = 0;
   }
-  const std::string* gpus = find(args, "--gpus");
+  const std::string* gpus = args.get("--gpus");
   if (g.dp == 0) {
     const char* how = dp ? "--dp 0" : "--search-dp";
-    if (find(args, "--ranks"))
+    if (args.get("--ranks"))
       throw bad_argument(std::string("--ranks cannot be combined with ") + how +
                          ": the planner chooses the ranks d = --gpus / dp");
     if (!gpus)
       throw bad_argument(std::string("missing --gpus (") + how +
                          " searches the dp that divide the GPUs, an integer in [1, " + num(po::max_grid_gpus) + "])");
-    g.gpus = static_cast<int>(parse_int("--gpus", *gpus, 1, po::max_grid_gpus));
+    g.gpus = static_cast<int>(cli::to_int("--gpus", *gpus, 1, po::max_grid_gpus));
   } else {
     rq.machine.ranks = required_int(args, "--ranks", "pipeline ranks", 1, po::max_ranks);
     const long long all = 1LL * g.dp * rq.machine.ranks;
     if (all > po::max_grid_gpus)
       throw bad_argument("--dp " + num(g.dp) + " x --ranks " + num(rq.machine.ranks) + " = " + num(all) +
                          " GPUs; at most " + num(po::max_grid_gpus));
-    if (gpus && parse_int("--gpus", *gpus, 1, po::max_grid_gpus) != all)
-      throw bad_argument("--gpus must be --dp x --ranks = " + num(all) + " (or left out), got " + quoted(*gpus));
+    if (gpus && cli::to_int("--gpus", *gpus, 1, po::max_grid_gpus) != all)
+      throw bad_argument("--gpus must be --dp x --ranks = " + num(all) + " (or left out), got " + quote(*gpus));
     const int mb = rq.model.global_batch / rq.model.micro_batch;
     if (mb % g.dp != 0)
       throw bad_argument("--dp " + num(g.dp) + " does not split the global batch: --global-batch " +
@@ -541,15 +480,15 @@ void interpret_grid(const Args& args, AutoRequest& rq) {
                          num(mb) + " microbatches are not a multiple of it; --dp must divide " + num(mb) + " (" +
                          po::detail::divisors(mb, 12) + ")");
   }
-  if (const std::string* z = find(args, "--zero"))
-    g.zero = static_cast<int>(parse_int("--zero", *z, 0, 1, " (the ZeRO stage: 1 shards the optimizer state)"));
-  if (const std::string* b = find(args, "--dp-gbps"))
-    g.allreduce_bytes_per_s = parse_real("--dp-gbps", *b, false, 1e9) * 1e9;
-  if (const std::string* n = find(args, "--gpus-per-node"))
-    g.gpus_per_node = static_cast<int>(parse_int("--gpus-per-node", *n, 1, po::max_grid_gpus));
-  if (const std::string* l = find(args, "--node-layout")) {
+  if (const std::string* z = args.get("--zero"))
+    g.zero = static_cast<int>(cli::to_int("--zero", *z, 0, 1, " (the ZeRO stage: 1 shards the optimizer state)"));
+  if (const std::string* b = args.get("--dp-gbps"))
+    g.allreduce_bytes_per_s = cli::to_real("--dp-gbps", *b, 0, 1e9, true) * 1e9;
+  if (const std::string* n = args.get("--gpus-per-node"))
+    g.gpus_per_node = static_cast<int>(cli::to_int("--gpus-per-node", *n, 1, po::max_grid_gpus));
+  if (const std::string* l = args.get("--node-layout")) {
     if (*l != "contiguous" && *l != "balanced")
-      throw bad_argument("--node-layout must be contiguous or balanced, got " + quoted(*l));
+      throw bad_argument("--node-layout must be contiguous or balanced, got " + quote(*l));
     g.node_layout = *l == "balanced" ? po::NodeLayout::balanced : po::NodeLayout::contiguous;
   }
   const int d = rq.machine.ranks, G = g.gpus_per_node;
@@ -560,7 +499,7 @@ void interpret_grid(const Args& args, AutoRequest& rq) {
 
 AutoRequest interpret_auto(const Args& args) {
   for (std::string_view f : not_auto)
-    if (find(args, f))
+    if (args.get(f))
       throw bad_argument(std::string(f) + " cannot be combined with --auto (the planner chooses the schedule)");
   AutoRequest rq;
   auto& m = rq.model;
@@ -569,14 +508,14 @@ AutoRequest interpret_auto(const Args& args) {
   };
   // --model NAME starts from a preset; the model flags given beside it override its values.
   const po::ModelPreset* preset = nullptr;
-  if (const std::string* name = find(args, "--model")) {
+  if (const std::string* name = args.get("--model")) {
     preset = po::find_model_preset(*name);
     if (preset == nullptr)
-      throw bad_argument("--model must be one of " + po::model_preset_names() + ", got " + quoted(*name));
+      throw bad_argument("--model must be one of " + po::model_preset_names() + ", got " + quote(*name));
     m = preset->model;
   }
   const auto set = [&](int& field, std::string_view flag, const char* what, long long lo, long long hi) {
-    if (preset == nullptr || find(args, flag)) field = static_cast<int>(need(flag, what, lo, hi));
+    if (preset == nullptr || args.get(flag)) field = static_cast<int>(need(flag, what, lo, hi));
   };
   set(m.layers, "--layers", "transformer layers", 1, 4096);
   set(m.hidden, "--hidden", "hidden size", 1, 1 << 20);
@@ -586,58 +525,57 @@ AutoRequest interpret_auto(const Args& args) {
   set(m.micro_batch, "--micro-batch", "sequences per microbatch", 1, 1 << 16);
   set(m.global_batch, "--global-batch", "sequences per iteration", 1, 1 << 24);
   set(m.vocab, "--vocab", "vocabulary size", 1, 1 << 24);
-  m.recompute = find(args, "--recompute") != nullptr;
-  if (const std::string* s = find(args, "--schedule")) rq.budget.schedule = *s;  // checked by plan()
-  m.swiglu = m.swiglu || find(args, "--swiglu") != nullptr;
-  m.tied_embeddings = m.tied_embeddings || find(args, "--tied-embeddings") != nullptr;
-  if (find(args, "--ffn-hidden")) m.ffn_hidden = need("--ffn-hidden", "the MLP's inner width", 1, 1 << 22);
+  m.recompute = args.get("--recompute") != nullptr;
+  if (const std::string* s = args.get("--schedule")) rq.budget.schedule = *s;  // checked by plan()
+  m.swiglu = m.swiglu || args.get("--swiglu") != nullptr;
+  m.tied_embeddings = m.tied_embeddings || args.get("--tied-embeddings") != nullptr;
+  if (args.get("--ffn-hidden")) m.ffn_hidden = need("--ffn-hidden", "the MLP's inner width", 1, 1 << 22);
   if (m.query_groups > m.heads || m.heads % m.query_groups != 0)
-    throw bad_argument("--query-groups must divide --heads (" + num(m.heads) + "), got " + quoted(num(m.query_groups)));
+    throw bad_argument("--query-groups must divide --heads (" + num(m.heads) + "), got " + quote(num(m.query_groups)));
   if (m.hidden % m.heads != 0)
-    throw bad_argument("--hidden must be a multiple of --heads (" + num(m.heads) + "), got " + quoted(num(m.hidden)));
+    throw bad_argument("--hidden must be a multiple of --heads (" + num(m.heads) + "), got " + quote(num(m.hidden)));
   if (m.global_batch % m.micro_batch != 0)
     throw bad_argument("--global-batch must be a multiple of --micro-batch (" + num(m.micro_batch) + "), got " +
-                       quoted(num(m.global_batch)));
+                       quote(num(m.global_batch)));
   auto& x = rq.machine;
   interpret_grid(args, rq);
   const auto real = [&](std::string_view flag, const char* what, bool zero_ok) {
-    const std::string* v = find(args, flag);
+    const std::string* v = args.get(flag);
     if (!v) throw bad_argument("missing " + std::string(flag) + " (" + what + ")");
-    return parse_real(flag, *v, zero_ok, 1e6);
+    return cli::to_real(flag, *v, 0, 1e6, !zero_ok);
   };
   x.device_bytes = real("--device-mem-gib", "memory of one device in GiB, > 0", false) * pipeoffload::gib;
   x.host_bytes = real("--host-mem-gib", "pinned host memory per rank in GiB, >= 0", true) * pipeoffload::gib;
   x.flops = real("--tflops", "achieved TFLOP/s of one device, > 0", false) * 1e12;
-  if (const std::string* p = find(args, "--pcie-gbps"); p && parse_real("--pcie-gbps", *p, true, 1e6) == 0)
+  if (const std::string* p = args.get("--pcie-gbps"); p && cli::to_real("--pcie-gbps", *p, 0, 1e6, false) == 0)
     throw bad_argument(
         "--pcie-gbps must be > 0: k (offload copy time / compute time) needs a host<->device bandwidth, got " +
-        quoted(*p));
+        quote(*p));
   x.pcie_bytes_per_s = real("--pcie-gbps", "host<->device GB/s of one device in one direction, > 0", false) * 1e9;
-  if (const std::string* sw = find(args, "--pcie-switch")) {
-    if (*sw != "pairs" && *sw != "none") throw bad_argument("--pcie-switch must be pairs or none, got " + quoted(*sw));
+  if (const std::string* sw = args.get("--pcie-switch")) {
+    if (*sw != "pairs" && *sw != "none") throw bad_argument("--pcie-switch must be pairs or none, got " + quote(*sw));
     x.pairs_share_switch = *sw == "pairs";
   }
-  if (const std::string* g = find(args, "--gradients")) {
+  if (const std::string* g = args.get("--gradients")) {
     if (*g != "standard" && *g != "exact")
-      throw bad_argument("--gradients must be standard or exact, got " + quoted(*g));
+      throw bad_argument("--gradients must be standard or exact, got " + quote(*g));
     rq.budget.gradients = *g == "exact" ? pipeoffload::Gradients::exact : pipeoffload::Gradients::standard;
   }
-  if (const std::string* b = find(args, "--backend")) {
-    if (*b != "cuda" && *b != "cpu") throw bad_argument("--backend must be cuda or cpu, got " + quoted(*b));
+  if (const std::string* b = args.get("--backend")) {
+    if (*b != "cuda" && *b != "cpu") throw bad_argument("--backend must be cuda or cpu, got " + quote(*b));
     rq.budget.backend = *b == "cpu" ? pipeoffload::PlanBackend::cpu : pipeoffload::PlanBackend::cuda;
   }
-  if (const std::string* r = find(args, "--reduce-dtype")) {
-    if (*r != "fp32" && *r != "bf16") throw bad_argument("--reduce-dtype must be fp32 or bf16, got " + quoted(*r));
+  if (const std::string* r = args.get("--reduce-dtype")) {
+    if (*r != "fp32" && *r != "bf16") throw bad_argument("--reduce-dtype must be fp32 or bf16, got " + quote(*r));
     if (*r == "bf16" && rq.budget.gradients != pipeoffload::Gradients::standard)
       throw bad_argument("--reduce-dtype bf16 needs --gradients standard (the exact path reduces 128-bit sums)");
     rq.budget.reduce_bytes = *r == "bf16" ? 2 : 4;
   }
-  if (const std::string* f = find(args, "--format")) {
-    if (*f != "text" && *f != "json")
-      throw bad_argument("--format must be text or json with --auto, got " + quoted(*f));
+  if (const std::string* f = args.get("--format")) {
+    if (*f != "text" && *f != "json") throw bad_argument("--format must be text or json with --auto, got " + quote(*f));
     rq.format = *f;
   }
-  if (const std::string* out = find(args, "--out")) {
+  if (const std::string* out = args.get("--out")) {
     if (out->empty()) throw bad_argument("--out needs a file name, got ''");
     rq.out = *out;
   }
@@ -660,20 +598,19 @@ int run_auto(const Args& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i)
-    if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") {
-      std::fputs(usage_text, stdout);
-      return 0;
-    }
+  if (cli::wants_help(argc, argv)) {
+    std::fputs(usage_text, stdout);
+    return 0;
+  }
   try {
-    const Args args = scan(argc, argv);
-    if (args.count("--auto")) return run_auto(args);
+    const cli::Args args(argc, argv, flags);
+    if (args.has("--auto")) return run_auto(args);
     Request rq = interpret(args);
     pipeoffload::Program p;
     if (rq.import) {
       p = import_file(rq);
     } else {
-      check_copy_plan(rq, args.count("--tflops") > 0);
+      check_copy_plan(rq, args.has("--tflops"));
       p = pipeoffload::build(rq.spec, rq.shape, rq.costs);
     }
     if (const pipeoffload::Validation v = pipeoffload::validate(p); !v) {

@@ -128,7 +128,7 @@ TEST_CASE("train_gpt's memory check: a run larger than the memory available is r
   CHECK_THROWS_WITH_AS(
       train_gpt::check_memory(o, su, program, 0, 1024),
       doctest::Contains("ranks (activations, stashes, messages, offload bins and model state; rank 0 the most"),
-      sample::bad_argument);
+      cli::bad_argument);
 }
 
 TEST_CASE("train_gpt's CUDA memory for the Llama: its stages' buffers are llama::CudaLlamaStage's, its own bytes too") {
