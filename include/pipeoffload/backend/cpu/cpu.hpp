@@ -33,6 +33,7 @@
 
 #include "../../error.hpp"
 #include "../backend.hpp"
+#include "../failure.hpp"
 #include "context.hpp"
 
 namespace pipeoffload {
@@ -42,7 +43,7 @@ namespace backend {
 /// The CPU backend: streams are worker threads, device and pinned host memory are pooled host
 /// memory, and copies can be paced to a PCIe-like bandwidth (the `backend` concept and its
 /// optional parts).
-class Cpu {
+class Cpu : public detail::Failure<Cpu> {
  public:
   using Context = CpuContext;  ///< what a pass is given (this backend, the rank, the stream)
 
@@ -145,21 +146,6 @@ class Cpu {
   /// Times the host has waited for the device, counted as backend::Cuda counts them
   /// (synchronize, download, upload): what a step would wait on a GPU.
   long long host_waits() const { return host_waits_; }
-
-  /// Fails the device: waits in progress and to come throw aborted_error naming `why`.
-  void abort(std::string why) { fail(std::move(why)); }
-
-  /// Has a pass or abort() failed the device?
-  bool failed() const {
-    std::lock_guard lk(mu_);
-    return failed_;
-  }
-
-  /// `hook(message)` runs once, on the first failure, from the failing thread.
-  void set_error_hook(std::function<void(const std::string&)> hook) {
-    std::lock_guard lk(mu_);
-    hook_ = std::move(hook);
-  }
 
   /// What a pass on `stream` is given.
   Context context(int stream) { return Context{this, opt_.rank, stream}; }
@@ -581,18 +567,8 @@ class Cpu {
     pace_cv_.notify_all();
   }
 
-  void fail(std::string why) {
-    std::function<void(const std::string&)> hook;
-    {
-      std::lock_guard lk(mu_);
-      if (failed_) return;
-      failed_ = true;
-      error_ = std::move(why);
-      hook = hook_;
-    }
-    wake_everyone();
-    if (hook) hook(error_);  // error_ no longer changes once failed_ is set
-  }
+  friend class detail::Failure<Cpu>;
+  void on_failure() { wake_everyone(); }
 
   // The worker of one stream. A thread wakes only when it has something to do: its stream got
   // work, an event it sleeps on was recorded, the device failed or is being destroyed. (A
@@ -686,15 +662,11 @@ class Cpu {
   Options opt_;
   std::atomic<long long> host_waits_{0};  // see host_waits()
   std::vector<Deferred> deferred_;        // sum_squares results for the next synchronize() (under mu_)
-  mutable std::mutex mu_;
-  std::condition_variable host_cv_;  // synchronize(): a stream went idle, or the device failed
-  std::condition_variable pace_cv_;  // transfer(): only a failure cuts a paced copy short
+  std::condition_variable host_cv_;       // synchronize(): a stream went idle, or the device failed
+  std::condition_variable pace_cv_;       // transfer(): only a failure cuts a paced copy short
   std::vector<std::unique_ptr<Stream>> streams_;
   std::deque<Event> events_;
   bool stop_ = false;
-  bool failed_ = false;
-  std::string error_;
-  std::function<void(const std::string&)> hook_;
 
   mutable std::mutex mem_mu_;
   std::map<std::size_t, Pool> device_, host_;  // by block size (bytes rounded up to 64)

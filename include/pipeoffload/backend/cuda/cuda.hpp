@@ -30,6 +30,7 @@
 
 #include "../../error.hpp"
 #include "../backend.hpp"
+#include "../failure.hpp"
 #include "attention.hpp"
 #include "check.hpp"
 #include "context.hpp"
@@ -96,7 +97,7 @@ inline std::string arena_refusal(std::size_t arena_bytes, int device, int rank, 
 
 /// The CUDA backend: one GPU, its streams and events, a device arena carved from one slab and
 /// a pinned host arena (the `backend` concept, backend/backend.hpp, and its optional parts).
-class Cuda {
+class Cuda : public detail::Failure<Cuda> {
  public:
   using Context = CudaContext;  ///< what a pass is given (stream, library handles, workspace)
 
@@ -270,21 +271,6 @@ class Cuda {
   /// Unregisters the poll add_wait_poll returned `id` for.
   void remove_wait_poll(int id) {
     std::erase_if(polls_, [id](const Poll& p) { return p.id == id; });
-  }
-
-  /// Fails the device with `why`: new work is dropped and synchronize() throws.
-  void abort(std::string why) { fail(std::move(why)); }
-
-  /// Has a pass, a CUDA call or abort() failed the device?
-  bool failed() const {
-    std::lock_guard lk(mu_);
-    return failed_;
-  }
-
-  /// `hook(message)` runs once, on the first failure, from the failing thread.
-  void set_error_hook(std::function<void(const std::string&)> hook) {
-    std::lock_guard lk(mu_);
-    hook_ = std::move(hook);
   }
 
   /// What a pass on `stream` is given: the stream, the device's library handles and workspace.
@@ -842,26 +828,13 @@ class Cuda {
     return events_[static_cast<std::size_t>(e)];
   }
 
-  void fail(std::string why) {
-    std::function<void(const std::string&)> hook;
-    {
-      std::lock_guard lk(mu_);
-      if (failed_) return;
-      failed_ = true;
-      error_ = std::move(why);
-      hook = hook_;
-    }
-    if (hook) hook(error_);
-  }
+  friend class detail::Failure<Cuda>;
+  void on_failure() {}  // no thread sleeps on its state: its calls check failed() themselves
 
   Options opt_;
   std::vector<StreamInfo> streams_;
   std::vector<cudaEvent_t> events_;
   int current_ = -1;
-  mutable std::mutex mu_;  // failure state: the hook and abort() may come from other threads
-  bool failed_ = false;
-  std::string error_;
-  std::function<void(const std::string&)> hook_;
 
   std::byte* slab_ = nullptr;  // (arena_bytes) device, owned; blocks are carved from its front
   std::size_t top_ = 0;
