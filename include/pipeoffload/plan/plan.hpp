@@ -7,7 +7,9 @@
 #pragma once
 
 #include <algorithm>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -368,49 +370,47 @@ struct PlanOption {
 };
 
 /// The schedules plan() tries for d ranks, v chunks per rank and m microbatches (those with
-/// offload only when allow_offload), in search order.
+/// offload only when allow_offload), in search order. Each is its named_schedules entry, with
+/// GIS(g)'s group and the offload it is tried with.
 constexpr std::vector<PlanOption> plan_options(int d, int v, int m, bool allow_offload) {
-  using GK = GroupSpec::Kind;
   std::vector<PlanOption> out;
-  if (v == 1) out.push_back({{Family::one_f1b, {}, offload::none}, "1f1b", 0, 0});
-  if (v >= 2 && m % d == 0) out.push_back({{Family::interleaved_1f1b, {}, offload::none}, "1f1b-i", 0, 0});
-  // The zero-bubble families, plain and with every chunk offloaded (ZB-V, V-Half, V-Min, DualPipeV
-  // run on the V placement: plan() evaluates them on a layout of their own).
-  const auto zero_bubble = [&](Family f, const char* name) {
-    const Placement pl = v == 2 ? Placement::vshape : Placement::interleaved;
-    out.push_back({{f, {}, offload::none, pl}, name, 0, 0});
-    if (allow_offload) out.push_back({{f, {}, offload::all, pl}, name, 0, v});
+  const auto add = [&](std::string_view name, int group, int chunks, std::optional<offload::selection> off = {}) {
+    ScheduleSpec s = find_schedule(name)->spec;
+    if (s.group.kind == GroupSpec::Kind::number) s.group.value = group;
+    if (off) s.offload = *off;
+    out.push_back({s, std::string(name), group, chunks});
+  };
+  if (v == 1) add("1f1b", 0, 0);
+  if (v >= 2 && m % d == 0) add("1f1b-i", 0, 0);
+  // The zero-bubble families, plain and with every chunk offloaded; ZB-H1 and ZB-H2 run one
+  // chunk a rank, the V families (on their own V placement, which plan() lays out) two.
+  const auto zero_bubble = [&](std::string_view name) {
+    add(name, 0, 0);
+    if (allow_offload) add(name, 0, v, offload::all);
   };
   if (v == 1) {
-    zero_bubble(Family::zb_h1, "zb-h1");
-    zero_bubble(Family::zb_h2, "zb-h2");
+    zero_bubble("zb-h1");
+    zero_bubble("zb-h2");
   }
   if (v == 2) {
-    zero_bubble(Family::zb_v, "zb-v");
-    zero_bubble(Family::v_half, "v-half");
-    zero_bubble(Family::v_min, "v-min");
-    if (m >= 2 * d) zero_bubble(Family::dualpipe_v, "dualpipe-v");  // DeepSeek's order needs m >= 2d
+    zero_bubble("zb-v");
+    zero_bubble("v-half");
+    zero_bubble("v-min");
+    if (m >= 2 * d) zero_bubble("dualpipe-v");  // DeepSeek's order needs m >= 2d
   }
   const int lo = GroupSpec::smallest(d);
   for (int g = d; g >= lo; --g) {
     if (g == 1 && d == 2) continue;  // GIS(1) on two ranks is PO's order: PO below covers it
-    if (g == d)
-      out.push_back({{Family::grouped, {GK::full, 0}, offload::none}, "gis", g, 0});
-    else if (g == lo)
-      out.push_back({{Family::grouped, {GK::half, 0}, offload::none}, "gis-h", g, 0});
-    else
-      out.push_back({{Family::grouped, {GK::number, g}, offload::none}, "gis-g", g, 0});
+    add(g == d ? "gis" : g == lo ? "gis-h" : "gis-g", g, 0);
   }
   const int half = (v + 1) / 2;
   for (int n = 0; n <= (allow_offload ? v : 0); ++n) {
-    if (n == 0)
-      out.push_back({{Family::grouped, {GK::uniform, 1}, offload::none}, "po", 1, 0});
-    else if (n == v)
-      out.push_back({{Family::grouped, {GK::uniform, 1}, offload::all}, "po-f", 1, n});
-    else if (n == half)
-      out.push_back({{Family::grouped, {GK::uniform, 1}, offload::half}, "po-h", 1, n});
+    if (n > 0 && n == v)
+      add("po-f", 1, n);
+    else if (n > 0 && n == half)
+      add("po-h", 1, n);
     else
-      out.push_back({{Family::grouped, {GK::uniform, 1}, offload::first(n)}, "po", 1, n});
+      add("po", 1, n, n == 0 ? offload::none : offload::first(n));
   }
   return out;
 }
