@@ -1,37 +1,13 @@
-// samples/custom_model.hpp: a model that is not a GPT, as pipeline stages of three types.
-//
-// A residual MLP regressing one float target from float features:
+// samples/custom_model.hpp: a model that is not a GPT, as pipeline stages of three types: a
+// residual MLP regressing one float target from float features (docs/your_model.md, "The sample
+// model", has its equations, boundaries, norm groups, names and step inputs).
 //
 //   stage 0          InputProjection  h = gelu(x W + b)                    features -> hidden
 //   stages 1..S-2    ResidualStage    [h = h A + a when widths differ], then N blocks
 //                                     h = h + gelu(h W1 + b1) W2 + b2      (4w inner width)
 //   stage S-1        RegressionHead   pred = h w + b, loss = mean over rows of 0.5 (pred - t)^2
 //
-// Each type is its own po::layer_for<_, CpuContext> (no flags): the runtime holds them as po::StageRef, and
-// checks at construction that every producer's output_boundary equals its consumer's
-// input_boundary. Middle stages alternate between width `hidden` (odd stages) and 3/4 of
-// it (even stages), so the boundaries between stages differ in size, and every other middle
-// stage starts with a projection between the two widths.
-//
-// Everything is fp32 on the host, in plain loops with a fixed summation order and no
-// threads inside a pass, so a run is bit-identical under every schedule and rank count.
-// Parameters are drawn from a counter-based hash of (seed, tensor name, element): the
-// model is the same however its S stages are spread over ranks.
-//
-// Norm groups: one per layer (the input projection, a middle stage's projection, each block,
-// the head). po::grad_norm sums squared gradients per group and adds the groups in model
-// order, so the gradient norm, and with it the clip, is the same bits on any rank count (and
-// would be for any cut of the layers into stages at group boundaries). Parameter names (parameter_info) are global ("blocks.3.fc1.weight", {w, 4w}; biases
-// 1-d), which is what optimizer parameter groups select on.
-//
-// Split backward: B (backward_input) computes activation gradients and stashes what W needs;
-// W (backward_weight) adds this microbatch's weight gradients (+=). A stage keeps its saved
-// activations for one microbatch in the one contiguous buffer the runtime gives it (what
-// offload moves to host memory and back).
-//
-// Step inputs: "features", float32, (rows, features) per microbatch, read by stage 0;
-// "targets", float32, (rows) per microbatch, read by the last stage. A microbatch is
-// po::MicrobatchShape{rows, 1}.
+// fp32 plain loops in a fixed order, so a run is bit-identical under every schedule and cut.
 #pragma once
 
 #include <cmath>

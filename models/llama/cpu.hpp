@@ -1,23 +1,7 @@
 // models/llama/cpu.hpp: the Llama-class reference model on the CPU, as pipeline stages (a
-// po::layer_for<LlamaStage, backend::CpuContext>).
-//
-// Token embedding, N pre-norm blocks (RMSNorm; causal grouped-query self-attention with
-// rotary position embeddings, RoPE; RMSNorm; SwiGLU MLP, w2(silu(w1 x) * w3 x)), final
-// RMSNorm, output projection (its own, or the embedding: LlamaConfig::tie_embeddings),
-// softmax cross-entropy; no biases, no dropout. fp32: GEMMs on OpenBLAS, the norms, RoPE,
-// SwiGLU, embedding, cross-entropy and residual adds are po::ops (pipeoffload/ops/cpu.hpp);
-// the layout (which blocks, where every parameter lives, the names) is layout.hpp's.
-//
-// Split backward as the GPT's: B computes activation gradients and stashes each GEMM's output
-// gradient (and each norm's input gradient), W turns the stash into weight gradients. A block
-// saves x, the rotated q and k, v, the attention output, x1, the gate and up projections, the
-// two norms' reciprocal RMS and the attention's log-sum-exps; the normalized inputs and
-// silu(gate) * up are recomputed. Attention keeps no s x s matrix (backward recomputes the
-// scores from q, k and the log-sum-exps). Positions restart at every sequence of the
-// microbatch (token t sits at position t % seq) and, with packed rows (LlamaConfig::packed), at
-// every document of a row, whose tokens attend only to earlier tokens of the same document:
-// each document's attention is the same computation as the document's alone in a row of its
-// own (its scores, softmax and GEMMs of its length), so its outputs are the same bits.
+// po::layer_for<LlamaStage, backend::CpuContext>): fp32, GEMMs on OpenBLAS, the rest po::ops
+// (pipeoffload/ops/cpu.hpp), the layout layout.hpp's. What a block saves, stashes and
+// recomputes, and how packed rows restart positions: docs/llama.md.
 #pragma once
 
 #include <algorithm>

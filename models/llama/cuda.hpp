@@ -1,21 +1,8 @@
 // models/llama/cuda.hpp: llama::CudaLlamaStage, the Llama-class model's pipeline stage on one
 // GPU (a po::layer_for<CudaLlamaStage, backend::CudaContext>), written on the library's CUDA ops
-// (pipeoffload/ops/cuda.hpp) and GEMMs (backend/cuda/gemm.hpp), with no kernels of its own.
-//
-// The same model as llama::LlamaStage (cpu.hpp), stage for stage: the same blocks, parameter
-// vector (layout.hpp), names and step inputs, the same sequence of ops in each pass. What
-// differs is precision: working parameters, activations, saved tensors and the stash are bf16
-// (the optimizer keeps the fp32 master copy), gradients, norm statistics, the attention's
-// log-sum-exps, logits and losses fp32; GEMMs are cuBLASLt's (bf16 operands, fp32
-// accumulation), attention cuDNN's fused SDPA with grouped-query heads. Boundaries are fp32
-// (the CPU stage's, converted at the stage's edges) or bf16 (`boundaries`: half of what crosses
-// between ranks, the same results). Packed rows are refused (cuDNN's ragged offsets are not
-// wired yet: docs/packing.md).
-//
-// Memory: saved and stash per llama_cuda_buffers, the stage's parameters, gradients, RoPE table
-// (llama_cuda_state_bytes) and workspace (llama_cuda_workspace, for its largest microbatch)
-// cudaMalloc'd once at construction; no pass allocates. The passes of a stage share its
-// workspace, so they run in order on one stream (po::Runtime's compute stream).
+// (pipeoffload/ops/cuda.hpp) and GEMMs (backend/cuda/gemm.hpp), with no kernels of its own: the
+// CPU stage's passes op for op on bf16 tensors. Its precisions, memory regions and what it
+// refuses: docs/llama.md.
 #pragma once
 
 #include <cuda_bf16.h>

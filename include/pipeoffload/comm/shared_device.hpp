@@ -1,19 +1,8 @@
 // pipeoffload/comm/shared_device.hpp: comm::SharedDevice<Streams>, thread ranks of one process
 // that share one device: comm::Threads' matching, tags, rendezvous and abort, with the bytes
 // moved by copies enqueued on the callers' streams and ordered by events (DeviceCopy), never
-// through the host. comm/cuda/shared_gpu.hpp instantiates it for CUDA (comm::SharedGpu); the
-// tests drive the same code with host streams of their own.
-//
-// A send records "ready" on the sender's stream and posts the message; the receiver's stream
-// waits for "ready", copies, and records "copied"; the sender, woken when the receiver has
-// taken the message (rendezvous), makes its stream wait for "copied", so its buffer is not
-// reused before the copy has read it. The device collectives publish each rank's buffer and a
-// "ready" event in a host round (a typed all_gather), copy every rank's share on the caller's
-// stream, record "done", and in a second round make every stream wait for every other's
-// "done", so no rank overwrites its input while another still reads it. Every wait is on a
-// record already made, so no stream waits for work not yet enqueued. An event is used again
-// only once every wait on its last record has been enqueued: a message's two events when the
-// sender has made its wait; a collective's after the next collective's first round.
+// through the host. comm/cuda/shared_gpu.hpp instantiates it for CUDA (comm::SharedGpu). How
+// sends, receives and collectives order their events: docs/shared_device.md.
 /// @file
 #pragma once
 

@@ -1,20 +1,8 @@
 // pipeoffload/comm/threads.hpp: comm::Threads, ranks that are threads of one process, and
-// comm::ThreadsGrid, dp replicas of a d-rank pipeline as threads.
-//
-// Sends are rendezvous: a send waits until its receiver has taken the data, the strictest of
-// the semantics in comm/communicator.hpp (NCCL's may do the same), so a schedule that runs here
-// cannot deadlock on a GPU for want of buffering. Every call blocks the calling thread.
-//
-// How the bytes move is the transport's (BasicThreads<Transport>): comm::Threads copies host
-// memory with the calling thread (detail::HostCopy: send, recv and the device collectives take
-// any backend context and ignore it); comm/shared_device.hpp's DeviceCopy enqueues copies on
-// the callers' streams, ordered by events, for ranks that share one device. The matching,
-// tags, size checks, rendezvous and abort are this file's, the same for both.
-//
-// Abort: the worlds of one job share one abort (a plain ThreadsWorld has its own; the worlds
-// of a ThreadsGrid share the grid's). The first reason is stored under the shared mutex, then
-// each world is woken in turn under its own lock: no two locks are ever held at once, and a
-// waiter cannot miss the flag between its check and its sleep.
+// comm::ThreadsGrid, dp replicas of a d-rank pipeline as threads. Sends are rendezvous (the
+// strictest semantics of docs/schedules.md, "Communicator semantics"); every call blocks the
+// calling thread. BasicThreads<Transport> holds the matching, tags, size checks, rendezvous and
+// abort once for comm::Threads (host copies) and comm::SharedDevice (docs/shared_device.md).
 /// @file
 #pragma once
 
