@@ -4,27 +4,8 @@
 //   mpirun -np 8 ./build/bench/dp_overlap [--trace FILE]     # dp = 2 replicas of PO-F, d = 4, v = 2..16,
 //                                                            # comm::Mpi polling capped at 1000 us, then at its default
 //
-// Layers sleep a fixed T per pass (T_F = T_B = T_W = 2 ms, as bench/runtime_fidelity) and hold
-// P = 2^12 parameters whose gradients the runtime really sums and reduces; the replicas'
-// collectives are paced (a wrapper sleeps, after each real all_to_all and all_gather, the rest
-// of bytes / rate, as a link of that rate would take) so that a rank's reductions take R = 4 T
-// in all (R / v per stage). PO-F, d = 4, m = 16, v in {2, 4, 8, 16}, copies paced to k = 1.
-// Predicted: simulate() of the program, then each stage's reduction after its last W and the
-// rank's previous reduction (po::detail::reduce_gradients, the planner's model); the iteration
-// is the later of the compute makespan and the last reduction.
-// Measured: the slowest rank's forward_backward (enqueue to last stream idle, reductions
-// included), median of 5 steps after one warm-up; "alone": the same two pipelines without
-// replicas in the same job, so "matched" = (dp=2 / alone) / (predicted / compute makespan)
-// compares under the same load (8 processes on this machine's cores). "Calibrated": the same
-// model fed what the last step measured (means over all ranks): pass, copy and reduction
-// durations, the dispatch gap between passes (added to each pass) and the message latency
-// (T_comm: a pass that waited for another rank starts this long after that rank's pass ends),
-// so measured / calibrated judges the model's composition rather than this machine's speeds.
-// Hidden fraction of rank
-// r, from the run's own trace (Runtime::trace, Runtime::reductions): 1 - max(0, end of its
-// last reduction - end of its last compute op) / (sum of its reductions' durations); the
-// model's own bound for the worst rank is printed beside it (its last stage's reduction
-// always follows the step's last W: at most (v-1)/v of equal stages can hide).
+// Sleeping layers with real gradients and paced collectives; what is predicted, measured,
+// calibrated and hidden: docs/benchmarks.md, "bench/dp_overlap".
 #include <pipeoffload/comm/mpi/mpi.hpp>
 #include <pipeoffload/plan/plan.hpp>
 #include <pipeoffload/runtime.hpp>

@@ -1,29 +1,12 @@
-// bench/cuda/gpt_block_gpu.cpp: MFU of one real GPT block (gpt::CudaGptStage, a middle stage of
-// one block: LayerNorms, bias adds, GeLU, dropout, cuBLASLt GEMMs, cuDNN attention) for F, B and
-// W, beside the bare GEMMs and attention of the same block, then the pinned PCIe bandwidth per
-// direction and both at once, and k measured against k from the paper's formula (docs/design.md
-// section 1).
+// bench/cuda/gpt_block_gpu.cpp: MFU of one real GPT block (gpt::CudaGptStage: LayerNorms, bias
+// adds, GeLU, dropout, cuBLASLt GEMMs, cuDNN attention) and of one Llama-class block for F, B
+// and W, beside the bare GEMMs and attention, then the pinned PCIe bandwidth and k measured
+// against the paper's formula. Exits 77 without a GPU; checks the stage against the CPU
+// reference first, then times with CUDA events (medians of --iters runs).
 //   ./build/bench/cuda/gpt_block_gpu [--hidden 4096] [--seq 4096] [--heads 32] [--batch 1]
 //                                    [--iters 5] [--recompute 1] [--peak-tflops P]
 //                                    [--kv-heads 8] [--ffn 14336]
-// Beside it, one Llama-class block (llama::CudaLlamaStage: RMSNorm, RoPE, grouped-query
-// attention with --kv-heads, SwiGLU of width --ffn) of the same h, s and heads, F+B+W timed the
-// same way, its MFU from the same formula's terms for its shapes and its ratio to the GPT's.
-// Exits 77 without a GPU. It checks first: the same stage code at a small size (h = 256,
-// s = 256, one block) against the CPU reference gpt::GptStage (y, dx and all weight
-// gradients, norm-wise relative error; tests/cuda/test_gpt_gpu.cpp checks every stage kind),
-// then times with CUDA events and reports medians of --iters runs.
-//   FLOPs of F+B+W = 12 b s h (6h + s): the paper's count, 72bsh^2 (GEMMs) + 12bs^2h (attention,
-//   causal counted in full as the paper does); F is a third of it, B and W the rest.
-//   MFU = FLOPs / time / peak, peak = dense bf16 of the device (A100 312, H100/H200 989,
-//   B200 2250 TFLOP/s; other devices: pass --peak-tflops).
-//   Timed forwards use microbatch 1, as a step's later forwards do (microbatch 0's also
-//   refreshes the last stage's fp32 head bias; this middle stage has none).
-//   Bo = bytes / time of one D2H copy of the block's saved activations (saved_bytes: 20bsh plus
-//   fp32 statistics with recompute) on one stream into pinned host memory; H2D the same the
-//   other way; "both at once" a D2H and an H2D of that size on two streams, timed together.
-//   k measured = round trip 2A/Bo over the measured F+B+W time;
-//   k formula  = 10 / (3 (6h + s)) * Bc / Bo with the measured Bc.
+// FLOPs, MFU's peaks, Bo and k as it measures them: docs/benchmarks.md, "bench/cuda/gpt_block_gpu".
 #include <algorithm>
 #include <cmath>
 #include <cstdio>

@@ -7,8 +7,7 @@
 //
 // Writes to --out-dir (default "paper"):
 //   table1.csv, table1_a100.svg, table1_h100.svg  activation memory and bubble of each family for
-//       the paper's models (its Table 2), A100-class (Bc 220 TFLOP/s, Bo 15 GB/s) and H100-class
-//       (Bc 400 TFLOP/s, Bo 30 GB/s: bench/paper/README.md says why)
+//       the paper's models (its Table 2), A100-class and H100-class (bench/paper/README.md)
 //   k.csv, k.svg                                  k over hidden size and sequence length (Figure 1 left)
 //   better_than_linear.csv/.svg                   peak memory as chunks are offloaded one by one,
 //                                                 d = 8, v = 16: PO against GIS-H

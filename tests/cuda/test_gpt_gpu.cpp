@@ -2,34 +2,12 @@
 // gpt::CudaGptStage against gpt::GptStage and llama::CudaLlamaStage against llama::LlamaStage
 // (needs a GPU; gpu_main.cpp exits 77 without one).
 //
-// Each case runs the same stage on both backends from the same parameters and inputs, in the
-// order a pipeline runs two microbatches, F0 F1 B0 B1 W0 W1, and compares the last stage's
-// losses, the boundary outputs y, B's input gradients dx and W's accumulated gradients, tensor
-// by tensor (the tensors of parameter_info()). An evaluation case runs the forwards alone with
-// mb.training false: no dropout on either side. Along the way the GPU side is held to the layer contract: saved and stash buffers
-// start as NaN (0xFF bytes), so reading a region before writing it poisons the results; F1,
-// B1 run between F0 and B0/W0 and overwrite the stage's scratch, so nothing may live there
-// between passes; and microbatch 0's saved buffer is "offloaded" between F and B (copied to
-// the host, its device buffer poisoned, reloaded into a different buffer), as PO does.
-//
-// Parameters are drawn for sensitivity, not taken from the model's init (whose zero biases,
-// unit gains and small residual projections would hide a missing bias or a wrong branch
-// behind the residual stream): gains 1 +- 0.1, biases and shifts +- 0.1, weights with std
-// 1/sqrt(fan_in), so every branch moves the residual stream by O(1). They, x and dy are rounded
-// to bf16 first, so both sides start from the same numbers and the difference is the GPU's
-// arithmetic alone.
-//
-// Tolerance: the norm-wise relative error ||gpu - cpu|| / ||cpu|| of each tensor. The GPU rounds
-// every stored activation and gradient to bf16 (unit roundoff u = 2^-8; the RMS relative error
-// of one rounding is about u / 3 = 1.3e-3), GEMMs and reductions accumulate in fp32 (error
-// ~1e-6, negligible), cuDNN's attention rounds its probabilities to bf16 inside. Independent
-// roundings add in quadrature: a forward output of a two-block stage sits behind about 30
-// roundings (sqrt(30) * 1.3e-3 = 7e-3), a gradient behind about 60 of F and B
-// (sqrt(60) * 1.3e-3 = 1e-2), and LayerNorm's and softmax's backward cancel and can amplify
-// that by 2 or 3. So: y and the loss within 2e-2, dx and weight gradients within 5e-2, three
-// to five times the expected error and well below what any wrong offset, transpose, seed or
-// missing term gives (tens of percent: with these parameters every term is O(1)). Every case
-// prints its errors (doctest -s) for tuning on a new GPU.
+// Each case runs the same stage on both backends from the same bf16-rounded parameters and
+// inputs, in a pipeline's order F0 F1 B0 B1 W0 W1, with NaN-poisoned saved and stash buffers and
+// microbatch 0's saved buffer offloaded and reloaded elsewhere, and compares losses, y, dx and
+// every weight gradient by norm-wise relative error. Why the parameters are drawn as they are,
+// and the tolerances' derivation (2e-2 for y and the loss, 5e-2 for gradients): docs/testing.md,
+// "GPU stages against their CPU references".
 #include <doctest/doctest.h>
 
 #include <cmath>
