@@ -18,8 +18,10 @@
 //
 // This file only orchestrates; each step is a file of detail/:
 //   checks.hpp         the specs, shapes and costs accepted (step 0)
-//   orders.hpp         step 1, and PO's slot grid (Block)
-//   greedy.hpp         step 1 of the zero-bubble families (a memory-capped list schedule)
+//   orders.hpp         step 1 (ZB-H1's too), and PO's slot grid (Block)
+//   greedy.hpp         step 1 of ZB-H2 (a memory-capped list schedule), the families' caps
+//   v_shape.hpp        step 1 of ZB-V, V-Half and V-Min (constructions on unit slots)
+//   dualpipe_v.hpp     step 1 of DualPipeV (DeepSeek's fixed steps)
 //   asap.hpp           step 2 (the one timing engine, shared with simulate)
 //   offload_place.hpp  step 3: offloads and reloads on the copy-slot grid
 //   edges.hpp          step 3 on PO's grid: peak-keeping edges, PCIe pair parities
@@ -38,12 +40,14 @@
 #include "detail/asap.hpp"
 #include "detail/checks.hpp"
 #include "detail/default_init.hpp"
+#include "detail/dualpipe_v.hpp"
 #include "detail/edges.hpp"
 #include "detail/greedy.hpp"
 #include "detail/offload_place.hpp"
 #include "detail/orders.hpp"
 #include "detail/p2p.hpp"
 #include "detail/parallel.hpp"
+#include "detail/v_shape.hpp"
 #include "program.hpp"
 
 namespace pipeoffload {

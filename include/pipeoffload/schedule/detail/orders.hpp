@@ -1,5 +1,7 @@
-// pipeoffload/schedule/detail/orders.hpp: step 1 of build(): each rank's compute order (1F1B, Megatron's
-// 1F1B-I, the GIS(g) building block of docs/design.md section 2 and its slot grid, Block).
+// pipeoffload/schedule/detail/orders.hpp: step 1 of build(): each rank's compute order (1F1B, ZB-H1's
+// 1F1B with deferred W passes, Megatron's 1F1B-I, the GIS(g) building block of docs/design.md
+// section 2 and its slot grid, Block). The other zero-bubble families: greedy.hpp, v_shape.hpp,
+// dualpipe_v.hpp.
 #pragma once
 
 #include <algorithm>
@@ -26,6 +28,26 @@ constexpr void order_1f1b(Program& p) {
       ops.push_back({OpKind::BW, i, k});
     }
     for (int k = m - w; k < m; ++k) ops.push_back({OpKind::BW, i, k});
+  }
+}
+
+/// ZB-H1's orders: 1F1B with a split backward whose W passes rank i defers by up to `i`
+/// (docs/schedules.md, "Zero-bubble families"). Rank i runs min(d-i, m) forwards, then for each microbatch k its
+/// B(k), the oldest pending W passes while more than i are pending, and its next forward;
+/// then the W passes left. Units held: 1F1B's d-i plus the i deferred, so d on every rank.
+constexpr void order_zb_h1(Program& p) {
+  const int d = p.shape.d, m = p.shape.m;
+  for (int i = 0; i < d; ++i) {
+    auto& ops = p.ranks[static_cast<std::size_t>(i)].compute;
+    ops.reserve(3 * static_cast<std::size_t>(m));
+    int f = 0, w = 0;
+    for (; f < std::min(d - i, m); ++f) ops.push_back({OpKind::F, i, f});
+    for (int k = 0; k < m; ++k) {
+      ops.push_back({OpKind::B, i, k});
+      for (; k + 1 - w > i; ++w) ops.push_back({OpKind::W, i, w});
+      if (f < m) ops.push_back({OpKind::F, i, f++});
+    }
+    for (; w < m; ++w) ops.push_back({OpKind::W, i, w});
   }
 }
 
