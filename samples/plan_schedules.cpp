@@ -17,7 +17,7 @@
 #include <vector>
 
 #include <pipeoffload/pipeoffload.hpp>
-#include <pipeoffload/sim/render.hpp>
+#include <pipeoffload/sim/svg.hpp>
 
 #include "cli.hpp"
 

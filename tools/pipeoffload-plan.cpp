@@ -15,11 +15,13 @@
 // an --import file that is not a valid schedule (one line naming its row and cell);
 // 3 (--auto) nothing fits: the closest plan is printed with fits false, the shortfall on stderr;
 // 1 an internal failure (a schedule that does not validate, an output that cannot be written).
-// Other tools parse the output formats; they are documented in pipeoffload/sim/render.hpp.
+// Other tools parse the output formats; they are documented in pipeoffload/sim/render.hpp (the
+// SVG drawing in pipeoffload/sim/svg.hpp).
 #include <pipeoffload/pipeoffload.hpp>
 #include <pipeoffload/plan/presets.hpp>
 #include <pipeoffload/plan/report.hpp>
 #include <pipeoffload/sim/render.hpp>
+#include <pipeoffload/sim/svg.hpp>
 
 #include "../samples/cli.hpp"
 
