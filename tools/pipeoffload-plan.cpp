@@ -1,22 +1,16 @@
-// tools/pipeoffload-plan.cpp: build a schedule, simulate it, and print or draw it.
+// tools/pipeoffload-plan.cpp: build a schedule, simulate it, and print or draw it; or (--auto)
+// plan which schedule fits a model on a machine. docs/planner.md walks through it; --help lists
+// every option.
 //
 //   ./build/pipeoffload-plan --schedule po-h --ranks 4 --chunks 2 --microbatches 8
-//   ./build/pipeoffload-plan --schedule gis-g --group 3 --ranks 4 --chunks 2 --microbatches 8 --format csv
 //   ./build/pipeoffload-plan --schedule po-f --ranks 8 --chunks 4 --microbatches 32 --format svg --out po-f.svg
-//   ./build/pipeoffload-plan --schedule zb-v --ranks 4 --chunks 2 --microbatches 8 --format torch-csv --out zb-v.csv
 //   ./build/pipeoffload-plan --import zb-v.csv --offload-chunks 1     (torch.distributed.pipelining's CSV)
-//   ./build/pipeoffload-plan --auto --layers 78 --hidden 10240 --heads 80 --query-groups 8 --seq 4096
-//       --micro-batch 1 --global-batch 256 --vocab 51200 --ranks 32 --device-mem-gib 80 --host-mem-gib 512
+//   ./build/pipeoffload-plan --auto --model paper-42.9b --ranks 32 --device-mem-gib 80 --host-mem-gib 512
 //       --tflops 220 --pcie-gbps 15 --recompute
-//   ./build/pipeoffload-plan --auto ... --ranks 8 --dp 4 --zero 1 --dp-gbps 50     (4 replicas of 8 ranks)
-//   ./build/pipeoffload-plan --auto ... --gpus 32 --search-dp                        (dp and d chosen)
 //
-// Exit status: 0 done; 2 a bad argument (one line on stderr naming it and what is allowed), or
-// an --import file that is not a valid schedule (one line naming its row and cell);
-// 3 (--auto) nothing fits: the closest plan is printed with fits false, the shortfall on stderr;
-// 1 an internal failure (a schedule that does not validate, an output that cannot be written).
-// Other tools parse the output formats; they are documented in pipeoffload/sim/render.hpp (the
-// SVG drawing in pipeoffload/sim/svg.hpp).
+// Exit status: 0 done; 2 a bad argument or --import file (one line naming it and what is
+// allowed); 3 (--auto) nothing fits (the closest plan printed, the shortfall on stderr); 1 an
+// internal failure. The output formats: pipeoffload/sim/render.hpp and sim/svg.hpp.
 #include <pipeoffload/pipeoffload.hpp>
 #include <pipeoffload/plan/presets.hpp>
 #include <pipeoffload/plan/report.hpp>

@@ -6,15 +6,11 @@
 //   orders()      each rank's compute order, from the definitions of section 2;
 //   simulate()    as-soon-as-possible execution under the cost model of section 1, with
 //                 per-op times, per-rank memory timelines and peaks;
-//   p2p_plan()    the P2P plan: every message between ranks in the order of its producer's end
-//                 on the planning timeline (step 4 of build.hpp's header comment);
-//   check()       the rules of section 4 and the communicator semantics of validate.hpp's
-//                 header (rendezvous send/recv, FIFO per pair of ranks), as an untimed run;
-//   p2p_properties(), offload_properties()  what any correct plan satisfies, whatever its
-//                 tie-breaking: one global order of the messages, copies inside their plan.
-//
-// Only the library's public types (Program, Op, CommOp, Shape, Costs and its cost accessors,
-// ScheduleSpec) are used; no algorithm of include/ is called.
+//   p2p_plan()    the P2P plan: every message in the order of its producer's end on the
+//                 planning timeline (docs/schedules.md, step 4 of build);
+//   check()       the rules of section 4 and the communicator semantics (docs/schedules.md) as
+//                 an untimed run; p2p_properties(), offload_properties(): what any correct plan
+//                 satisfies. Only the library's public types are used; no algorithm of include/.
 #pragma once
 
 #include <algorithm>

@@ -1,26 +1,10 @@
-// Differential tests of the schedule core: every speed-tuned path against a plain reference
-// (tests/schedule/reference.hpp, written from docs/design.md) or against its own plain path, over
-// seeded random shapes, families, costs and mutated programs (docs/design.md section 7: "test the fast path
-// against the definition").
+// tests/schedule/test_differential.cpp: the schedule core's speed-tuned paths against a plain
+// reference (reference.hpp, written from docs/design.md) or against their own plain paths, over
+// seeded random shapes, families, costs and mutated programs: compute orders, P2P plans,
+// proven_valid, threads and reused outputs, simulate, offload plans. What each case compares,
+// and how to run more cases: docs/testing.md, "Differential tests of the schedule core".
 //
-//   - compute orders of every family = docs/design.md section 2's definitions (an exhaustive sweep);
-//   - P2P plans (the PO planner and the general one) = messages sorted by planning time, and
-//     the properties every deadlock-free plan has;
-//   - proven_valid (the linear proof validate() tries first) never accepts a mutant that the
-//     rule-by-rule check rejects, and that check agrees with reference.hpp's rules;
-//   - threads (1, default, 3, 8) and reused outputs (build_into, simulate_into) are bit-identical
-//     to one thread and fresh outputs, also on shapes large enough that every pass splits;
-//   - simulate = an as-soon-as-possible reference simulator, op by op;
-//   - offload plans keep their promises (slot parities, slots inside the plan, execution within
-//     the plan's peak).
-//
-// Deterministic: every random case comes from a fixed seed (its number is printed on failure,
-// with the case). The CI size runs in well under a minute on two cores; more cases with
-//   PIPEOFFLOAD_DIFF_CASES=20000 ./build/tests/test_schedule_differential
-// (the number of random configurations each randomized test case draws; default 400).
-// Build and run alone:
-//   meson setup build-diff --buildtype=debugoptimized -Dcuda=disabled -Dbench=false
-//   ninja -C build-diff tests/test_schedule_differential && ./build-diff/tests/test_schedule_differential
+//   PIPEOFFLOAD_DIFF_CASES=20000 ./build/tests/test_schedule_differential   (default 400)
 #include <doctest/doctest.h>
 
 #include <algorithm>

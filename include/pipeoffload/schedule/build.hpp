@@ -1,32 +1,11 @@
 // pipeoffload/schedule/build.hpp: from a schedule spec, a shape and a cost model to op lists.
 //
-// build() runs in four steps, all constexpr:
-//   1. each rank's compute order (1F1B, Megatron's 1F1B-I, or the GIS building block),
-//   2. a planning timeline of those orders (PO's shifted grid, otherwise ASAP),
-//   3. offload placement on one copy stream per rank, and the cross-stream edges that keep
-//      execution within the planned memory (docs/design.md section 3); on PO's grid, edges that
-//      keep the plan's peak rather than its order, and each PCIe pair's slot parities chosen
-//      so that its copies keep pace with the execution (settle_pair),
-//   4. the P2P plan: each rank posts its sends and receives in the order of the messages'
-//      times on the planning timeline, one global order that every rank agrees with, so a
-//      communicator whose send waits for the matching receive cannot deadlock (a message's
-//      producer starts after every message it consumes, so induction over that order
-//      completes them all; validate() checks it).
-// For PO the grid gives each pass's slot from the pass itself (Block::slot), so the four steps
-// run rank by rank while that rank's lists are in cache; its P2P plan comes from its own
-// compute list, since the messages it receives are those its passes consume.
-//
-// This file only orchestrates; each step is a file of detail/:
-//   checks.hpp         the specs, shapes and costs accepted (step 0)
-//   orders.hpp         step 1 (ZB-H1's too), and PO's slot grid (Block)
-//   greedy.hpp         step 1 of ZB-H2 (a memory-capped list schedule), the families' caps
-//   v_shape.hpp        step 1 of ZB-V, V-Half and V-Min (constructions on unit slots)
-//   dualpipe_v.hpp     step 1 of DualPipeV (DeepSeek's fixed steps)
-//   asap.hpp           step 2 (the one timing engine, shared with simulate)
-//   offload_place.hpp  step 3: offloads and reloads on the copy-slot grid
-//   edges.hpp          step 3 on PO's grid: peak-keeping edges, PCIe pair parities
-//   p2p.hpp            step 4: the general planner and PO's (tested equal to it)
-//   numeric.hpp        FastDiv, tolerance
+// build() runs in four constexpr steps: each rank's compute order, a planning timeline of
+// those orders (PO's shifted grid, otherwise ASAP), offload placement on one copy stream per
+// rank with the cross-stream edges that keep execution within the planned memory
+// (docs/design.md section 3), and the P2P plan, one global order of the messages, so that a
+// rendezvous communicator cannot deadlock. This file only orchestrates: each step is a file of
+// detail/ (docs/schedules.md, "How a schedule is built, checked and simulated").
 /// @file
 #pragma once
 
