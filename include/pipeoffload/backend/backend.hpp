@@ -5,6 +5,7 @@
 /// @file
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <concepts>
 #include <cstddef>
@@ -97,10 +98,38 @@ struct MemoryStats {
   std::size_t host_peak = 0;    ///< most pinned host bytes in use at once
   long long host_allocations = 0;  ///< times the pinned arena had to get new memory from the system
   std::size_t host_held = 0;       ///< pinned host bytes the arena holds for blocks
+  std::size_t total_in_use = 0;    ///< device bytes in use, all kinds together
   /// Device bytes of kind `m` in use.
   std::size_t in(Memory m) const { return in_use[static_cast<std::size_t>(m)]; }
   /// Most device bytes of kind `m` in use at once.
   std::size_t peak_of(Memory m) const { return peak[static_cast<std::size_t>(m)]; }
+
+  /// Counts `bytes` of kind `m` (device) handed out; the peaks follow. (The backends' one
+  /// bookkeeping of their arenas.)
+  void take(Memory m, std::size_t bytes) {
+    std::size_t& in = in_use[static_cast<std::size_t>(m)];
+    in += bytes;
+    peak[static_cast<std::size_t>(m)] = std::max(peak[static_cast<std::size_t>(m)], in);
+    total_in_use += bytes;
+    total_peak = std::max(total_peak, total_in_use);
+  }
+  /// Counts `bytes` of kind `m` (device) given back.
+  void give(Memory m, std::size_t bytes) {
+    in_use[static_cast<std::size_t>(m)] -= bytes;
+    total_in_use -= bytes;
+  }
+  /// Counts `bytes` of pinned host memory handed out, or given back.
+  void take_host(std::size_t bytes) {
+    host_in_use += bytes;
+    host_peak = std::max(host_peak, host_in_use);
+  }
+  void give_host(std::size_t bytes) { host_in_use -= bytes; }
+  /// Restarts every peak at the bytes in use now (allocation counts are kept).
+  void reset_peaks() {
+    peak = in_use;
+    total_peak = total_in_use;
+    host_peak = host_in_use;
+  }
 };
 
 /// A device buffer from the arena.

@@ -165,12 +165,7 @@ class Cpu : public detail::Failure<Cpu> {
     std::lock_guard lk(mem_mu_);
     const std::size_t size = round_up(bytes);
     std::byte* p = take(device_, size, stats_.device_allocations, stats_.device_held);
-    auto& in = stats_.in_use[static_cast<std::size_t>(kind)];
-    in += bytes;
-    auto& pk = stats_.peak[static_cast<std::size_t>(kind)];
-    pk = std::max(pk, in);
-    device_total_ += bytes;
-    stats_.total_peak = std::max(stats_.total_peak, device_total_);
+    stats_.take(kind, bytes);
     return Block{p, bytes, kind};
   }
 
@@ -179,16 +174,14 @@ class Cpu : public detail::Failure<Cpu> {
     if (b.ptr == nullptr) return;
     std::lock_guard lk(mem_mu_);
     device_[round_up(b.bytes)].free.push_back(b.ptr);
-    stats_.in_use[static_cast<std::size_t>(b.kind)] -= b.bytes;
-    device_total_ -= b.bytes;
+    stats_.give(b.kind, b.bytes);
   }
 
   /// A pinned host buffer of exactly `bytes` (the offload layer asks for power-of-two bins).
   HostBlock host_alloc(std::size_t bytes) {
     std::lock_guard lk(mem_mu_);
     std::byte* p = take(host_, round_up(bytes), stats_.host_allocations, stats_.host_held);
-    stats_.host_in_use += bytes;
-    stats_.host_peak = std::max(stats_.host_peak, stats_.host_in_use);
+    stats_.take_host(bytes);
     return HostBlock{p, bytes};
   }
 
@@ -197,7 +190,7 @@ class Cpu : public detail::Failure<Cpu> {
     if (b.ptr == nullptr) return;
     std::lock_guard lk(mem_mu_);
     host_[round_up(b.bytes)].free.push_back(b.ptr);
-    stats_.host_in_use -= b.bytes;
+    stats_.give_host(b.bytes);
   }
 
   /// Adds `count` blocks of `bytes` to what the arena holds (see backend::reserves_memory):
@@ -225,9 +218,7 @@ class Cpu : public detail::Failure<Cpu> {
   /// Restarts every peak at the bytes in use now (allocation counts are kept).
   void reset_peaks() {
     std::lock_guard lk(mem_mu_);
-    stats_.peak = stats_.in_use;
-    stats_.total_peak = device_total_;
-    stats_.host_peak = stats_.host_in_use;
+    stats_.reset_peaks();
   }
 
   /// Copies `pieces` in order, from inside work launched on a stream (the copy stream, for
@@ -672,7 +663,6 @@ class Cpu : public detail::Failure<Cpu> {
   std::map<std::size_t, Pool> device_, host_;  // by block size (bytes rounded up to 64)
   std::vector<std::byte*> owned_;              // every block ever allocated (device and host), freed at destruction
   MemoryStats stats_;
-  std::size_t device_total_ = 0;
 };
 
 static_assert(backend<Cpu>, "backend::Cpu must model the backend concept.");

@@ -309,12 +309,7 @@ class Cuda : public detail::Failure<Cuda> {
       device_book_.add_block(size);
       ++stats_.device_allocations;
     }
-    auto& in = stats_.in_use[static_cast<std::size_t>(kind)];
-    in += bytes;
-    auto& pk = stats_.peak[static_cast<std::size_t>(kind)];
-    pk = std::max(pk, in);
-    device_total_ += bytes;
-    stats_.total_peak = std::max(stats_.total_peak, device_total_);
+    stats_.take(kind, bytes);
     return Block{p, bytes, kind};
   }
 
@@ -323,8 +318,7 @@ class Cuda : public detail::Failure<Cuda> {
     if (b.ptr == nullptr) return;
     select();
     free_device_[round_up(b.bytes)].push_back(guarded(b.ptr));
-    stats_.in_use[static_cast<std::size_t>(b.kind)] -= b.bytes;
-    device_total_ -= b.bytes;
+    stats_.give(b.kind, b.bytes);
   }
 
   /// A pinned host buffer of `bytes` (the runtime asks for power-of-two bins).
@@ -338,8 +332,7 @@ class Cuda : public detail::Failure<Cuda> {
       ++stats_.host_allocations;
     }
     host_in_use_.push_back(p);
-    stats_.host_in_use += bytes;
-    stats_.host_peak = std::max(stats_.host_peak, stats_.host_in_use);
+    stats_.take_host(bytes);
     return HostBlock{p, bytes};
   }
 
@@ -352,7 +345,7 @@ class Cuda : public detail::Failure<Cuda> {
       throw error("backend::Cuda::host_free: the block was not handed out by this device's host_alloc");
     host_in_use_.erase(it);
     free_host_[round_up(b.bytes)].push_back(guarded(b.ptr));
-    stats_.host_in_use -= b.bytes;
+    stats_.give_host(b.bytes);
   }
 
   /// backend::reserves_memory: adds `count` blocks of `bytes` to what the pools hold for their
@@ -388,11 +381,7 @@ class Cuda : public detail::Failure<Cuda> {
   MemoryStats memory() const { return stats_; }
 
   /// Starts new peaks: every peak becomes what is in use now.
-  void reset_peaks() {
-    stats_.peak = stats_.in_use;
-    stats_.total_peak = device_total_;
-    stats_.host_peak = stats_.host_in_use;
-  }
+  void reset_peaks() { stats_.reset_peaks(); }
 
   /// Enqueues the pieces, in order, on the current stream (cudaMemcpyAsync with
   /// cudaMemcpyDefault: unified addressing tells host from device). Called from work launched
@@ -860,7 +849,6 @@ class Cuda : public detail::Failure<Cuda> {
   std::vector<std::byte*> host_in_use_;  // pinned bins handed out, freed at destruction if never returned
   std::vector<cudaEvent_t> guard_pool_;
   MemoryStats stats_;
-  std::size_t device_total_ = 0;
 };
 
 static_assert(backend<Cuda>, "backend::Cuda must model the backend concept.");
