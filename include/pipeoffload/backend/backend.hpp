@@ -118,11 +118,12 @@ struct MemoryStats {
     in_use[static_cast<std::size_t>(m)] -= bytes;
     total_in_use -= bytes;
   }
-  /// Counts `bytes` of pinned host memory handed out, or given back.
+  /// Counts `bytes` of pinned host memory handed out; the host peak follows.
   void take_host(std::size_t bytes) {
     host_in_use += bytes;
     host_peak = std::max(host_peak, host_in_use);
   }
+  /// Counts `bytes` of pinned host memory given back.
   void give_host(std::size_t bytes) { host_in_use -= bytes; }
   /// Restarts every peak at the bytes in use now (allocation counts are kept).
   void reset_peaks() {
