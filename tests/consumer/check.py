@@ -5,30 +5,36 @@ run, and build nothing of pipeoffload's own.
   check.py SOURCE_ROOT find_package     meson-install a lean configure of the checkout (tests,
                                         bench, samples, tools off, no CUDA) into a temporary
                                         prefix with --tags devel; check what it installed and
-                                        its pkg-config file; a CMake project finds it with
-                                        find_package(pipeoffload 0.1 REQUIRED); and
-                                        COMPONENTS cuda fails, saying the prefix has no CUDA
-                                        backend and naming -Dcuda=enabled
+                                        its pkg-config file (its version VERSION's); a CMake
+                                        project finds it with find_package(pipeoffload X.Y
+                                        REQUIRED), X.Y VERSION's series, and gets VERSION's
+                                        version; and COMPONENTS cuda fails, saying the prefix has
+                                        no CUDA backend and naming -Dcuda=enabled
   check.py SOURCE_ROOT add_subdirectory a CMake project adds the checkout with add_subdirectory
+                                        (the project's version VERSION's)
   check.py SOURCE_ROOT fetch_content    a CMake project gets pipeoffload with FetchContent from a
                                         file:// URL: a .tar.gz of the checkout's files (those git
                                         tracks or would track), as a release archive, with its
                                         SHA-256; no network
   check.py SOURCE_ROOT meson_subproject a Meson project with the checkout as subprojects/pipeoffload
+                                        (the subproject's version VERSION's)
   check.py SOURCE_ROOT find_package_cuda BUILD_ROOT
                                         the CUDA backend from an installed prefix: meson install
                                         --no-rebuild --tags devel of the Meson build at BUILD_ROOT
                                         (its CUDA libraries already built; nothing is rebuilt)
                                         under a temporary DESTDIR; a CMake project finds it with
-                                        find_package(pipeoffload 0.1 REQUIRED COMPONENTS cuda)
+                                        find_package(pipeoffload X.Y REQUIRED COMPONENTS cuda)
                                         and links pipeoffload::cuda: the attention library, then
-                                        the kernels library, then cudart, cuDNN, NCCL
+                                        the kernels library, then every NVIDIA library
+                                        cmake/pipeoffloadCuda.txt lists
   check.py SOURCE_ROOT add_subdirectory_cuda BUILD_ROOT [--build]
                                         the CUDA backend from the checkout: a CMake project adds
                                         it with add_subdirectory and -DPIPEOFFLOAD_CUDA=ON; check
                                         it would compile the backend's kernels/*.cu with nvcc
-                                        for sm_80, sm_90, sm_100 and -std=c++20, and
-                                        attention.cpp with the cuDNN frontend's headers; with
+                                        for exactly the architectures cmake/pipeoffloadCuda.txt
+                                        lists, as the Meson build at BUILD_ROOT does, and
+                                        -std=c++20, and attention.cpp with the cuDNN frontend's
+                                        headers; with
                                         --build, build it (minutes: the libraries too) and run it.
                                         SKIP where the Meson build at BUILD_ROOT has no CUDA
                                         backend (nvcc, cuDNN, NCCL or the frontend missing)
@@ -40,8 +46,10 @@ backend::Cuda (the attention library, cuBLASLt, cuDNN) and asks NCCL its version
 proves pipeoffload::cuda; they accept its exit 77 without a GPU (the link is what is tested).
 All but add_subdirectory_cuda assert the build has one target, the consumer: CMake's
 compile_commands.json has one entry and `ninja -t commands` two commands (compile, link);
-Meson's introspection lists one target. CMake's configure must print no warning. Exit 77 (skip)
-when cmake, ninja or meson is missing, or (the CUDA routes) when BUILD_ROOT has no CUDA backend.
+Meson's introspection lists one target. CMake's configure must print no warning. The CMake
+projects get VERSION's version as -DPIPEOFFLOAD_EXPECT_VERSION: they ask for its series and
+fail when pipeoffload's version differs. Exit 77 (skip) when cmake, ninja or meson is missing,
+or (the CUDA routes) when BUILD_ROOT has no CUDA backend.
 """
 import hashlib
 import json
@@ -56,6 +64,29 @@ import tempfile
 SKIP = 77
 # The CUDA backend's static libraries (kernels/meson.build).
 CUDA_LIBRARIES = ["pipeoffload_cuda_attention", "pipeoffload_cuda_kernels"]
+
+
+def version(root):
+    """VERSION's version, MAJOR.MINOR.PATCH (the one place it is written)."""
+    with open(os.path.join(root, "VERSION"), encoding="utf-8") as f:
+        text = f.read().strip()
+    if not re.fullmatch(r"\d+\.\d+\.\d+", text):
+        fail(f"VERSION should hold MAJOR.MINOR.PATCH, it holds {text!r}")
+    return text
+
+
+def cuda_list(root, key):
+    """A list of cmake/pipeoffloadCuda.txt (architectures, toolkit_libraries, separate_libraries)."""
+    with open(os.path.join(root, "cmake", "pipeoffloadCuda.txt"), encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return line.split(":", 1)[1].split()
+    fail(f"cmake/pipeoffloadCuda.txt has no line '{key}: ...'")
+
+
+def gencode_flags(root):
+    """The nvcc flags of the architectures cmake/pipeoffloadCuda.txt lists: real, no PTX."""
+    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in cuda_list(root, "architectures")]
 
 
 def fail(msg):
@@ -87,9 +118,10 @@ def no_warnings(output, what):
         fail(f"{what} printed warnings:\n" + "\n".join(bad))
 
 
-def cmake_consumer(cmake, ninja, consumer_src, build, defines, exit_codes=(0,)):
+def cmake_consumer(cmake, ninja, root, consumer_src, build, defines, exit_codes=(0,)):
     """Configures, builds and runs the CMake consumer; asserts it is the build's only target.
     The consumer may exit with any of exit_codes. Returns the link command."""
+    defines = dict(defines, PIPEOFFLOAD_EXPECT_VERSION=version(root))
     out = run([cmake, "-S", consumer_src, "-B", build, "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
                "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"] + [f"-D{k}={v}" for k, v in defines.items()])
     if "CMake Warning" in out or "CMake Deprecation Warning" in out:
@@ -140,33 +172,31 @@ def find_package(root, work, consumer_src):
         cflags = run([pkg_config, "--cflags", "pipeoffload"], env=env).split()
         if f"-I{prefix}/include" not in cflags or any(f.startswith("-std=") for f in cflags):
             fail(f"pkg-config --cflags pipeoffload: expected -I{prefix}/include and no -std flag, got {cflags}")
+        modversion = run([pkg_config, "--modversion", "pipeoffload"], env=env).strip()
+        if modversion != version(root):
+            fail(f"pkg-config --modversion pipeoffload says {modversion}, VERSION {version(root)}")
     else:
         print("pkg-config is not installed: its file is not checked")
-    cmake_consumer(cmake, ninja, consumer_src, os.path.join(work, "consumer"), {"CMAKE_PREFIX_PATH": prefix})
+    cmake_consumer(cmake, ninja, root, consumer_src, os.path.join(work, "consumer"), {"CMAKE_PREFIX_PATH": prefix})
     # The lean configure has no CUDA backend: asking for it must fail with a reason.
+    series = ".".join(version(root).split(".")[:2])
     cuda_src = os.path.join(work, "wants_cuda")
     os.makedirs(cuda_src)
     with open(os.path.join(cuda_src, "CMakeLists.txt"), "w", encoding="utf-8") as f:
         f.write("cmake_minimum_required(VERSION 3.20)\nproject(wants_cuda LANGUAGES CXX)\n"
-                "find_package(pipeoffload 0.1 REQUIRED COMPONENTS cuda)\n")
+                f"find_package(pipeoffload {series} REQUIRED COMPONENTS cuda)\n")
     p = subprocess.run([cmake, "-S", cuda_src, "-B", os.path.join(cuda_src, "build"), "-G", "Ninja",
                         f"-DCMAKE_MAKE_PROGRAM={ninja}", f"-DCMAKE_PREFIX_PATH={prefix}"],
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if p.returncode == 0 or "without the CUDA backend" not in p.stdout or "-Dcuda=enabled" not in p.stdout:
         print(p.stdout)
-        fail("find_package(pipeoffload 0.1 REQUIRED COMPONENTS cuda) should fail saying the prefix was installed "
-             "without the CUDA backend, and how to build it (-Dcuda=enabled)")
+        fail(f"find_package(pipeoffload {series} REQUIRED COMPONENTS cuda) should fail saying the prefix was "
+             "installed without the CUDA backend, and how to build it (-Dcuda=enabled)")
 
 
 def add_subdirectory(root, work, consumer_src):
     cmake, ninja = tool("cmake"), tool("ninja")
-    with open(os.path.join(root, "meson.build"), encoding="utf-8") as f:
-        meson_version = re.search(r"version:\s*'([^']+)'", f.read()).group(1)
-    with open(os.path.join(root, "CMakeLists.txt"), encoding="utf-8") as f:
-        cmake_version = re.search(r"project\(pipeoffload VERSION (\S+)", f.read()).group(1)
-    if meson_version != cmake_version:
-        fail(f"CMakeLists.txt says version {cmake_version}, meson.build {meson_version}")
-    cmake_consumer(cmake, ninja, consumer_src, os.path.join(work, "consumer"), {"PIPEOFFLOAD_CHECKOUT": root})
+    cmake_consumer(cmake, ninja, root, consumer_src, os.path.join(work, "consumer"), {"PIPEOFFLOAD_CHECKOUT": root})
 
 
 def source_files(root):
@@ -193,7 +223,7 @@ def fetch_content(root, work, consumer_src):
     with open(archive, "rb") as f:
         sha256 = hashlib.sha256(f.read()).hexdigest()
     build = os.path.join(work, "consumer")
-    cmake_consumer(cmake, ninja, consumer_src, build,
+    cmake_consumer(cmake, ninja, root, consumer_src, build,
                    {"PIPEOFFLOAD_URL": "file://" + archive, "PIPEOFFLOAD_URL_SHA256": sha256})
     if not os.path.isfile(os.path.join(build, "_deps", "pipeoffload-src", "include", "pipeoffload", "pipeoffload.hpp")):
         fail("FetchContent did not unpack the archive into _deps/pipeoffload-src")
@@ -212,6 +242,10 @@ def meson_subproject(root, work, consumer_src):
     names = [t["name"] for t in json.loads(run([meson, "introspect", "--targets", build]))]
     if names != ["consumer"]:
         fail(f"the Meson project should define one target, consumer; it defines {names}")
+    subprojects = json.loads(run([meson, "introspect", "--projectinfo", build]))["subprojects"]
+    versions = {p["name"]: p["version"] for p in subprojects}
+    if versions.get("pipeoffload") != version(root):
+        fail(f"the subproject pipeoffload should have VERSION's version, {version(root)}; Meson says {versions}")
     run([ninja, "-C", build])
     run_consumer(os.path.join(build, "consumer"), (0,))
 
@@ -241,18 +275,22 @@ def find_package_cuda(root, work, consumer_src, build_root):
     libdir = os.path.join(prefix, options["libdir"])  # an absolute libdir replaces the prefix
     installed = [os.path.join(libdir, os.path.basename(path)) for path in
                  (libs["pipeoffload_cuda_attention"], libs["pipeoffload_cuda_kernels"])]
-    for path in installed + [os.path.join(prefix, "lib", "cmake", "pipeoffload", "pipeoffloadCudaLibraries.cmake")]:
+    cmake_dir = os.path.join(prefix, "lib", "cmake", "pipeoffload")
+    package = [os.path.join(cmake_dir, f) for f in ["pipeoffloadCudaLibraries.cmake", "pipeoffloadCuda.txt"]]
+    for path in installed + package:
         if not os.path.isfile(path):
             fail(f"meson install --tags devel did not install {os.path.relpath(path, destdir)}")
     if os.path.exists(os.path.join(prefix, options["bindir"])):
         fail("meson install --tags devel installed programs: " + str(os.listdir(os.path.join(prefix, options["bindir"]))))
-    link = cmake_consumer(cmake, ninja, consumer_src, os.path.join(work, "consumer"), {"CMAKE_PREFIX_PATH": prefix},
-                          exit_codes=(0, SKIP))
-    # Attention's library before the kernels', both before the NVIDIA libraries they call.
-    at = [link.find(path) for path in installed] + [link.find(f"lib{name}.") for name in ["cudart", "cudnn", "nccl"]]
+    link = cmake_consumer(cmake, ninja, root, consumer_src, os.path.join(work, "consumer"),
+                          {"CMAKE_PREFIX_PATH": prefix}, exit_codes=(0, SKIP))
+    # Attention's library before the kernels', both before the NVIDIA libraries they call: every
+    # one cmake/pipeoffloadCuda.txt lists.
+    nvidia = cuda_list(root, "toolkit_libraries") + cuda_list(root, "separate_libraries")
+    at = [link.find(path) for path in installed] + [link.find(f"lib{name}.") for name in nvidia]
     if -1 in at or at[0] > at[1] or max(at[:2]) > min(at[2:]):
-        fail("the consumer's link should name the attention library, the kernels library, then cudart, cuDNN and "
-             "NCCL: " + link)
+        fail("the consumer's link should name the attention library, the kernels library, then " + ", ".join(nvidia) +
+             ": " + link)
 
 
 def add_subdirectory_cuda(root, work, consumer_src, build_root):
@@ -260,7 +298,8 @@ def add_subdirectory_cuda(root, work, consumer_src, build_root):
     cuda_libraries(meson, build_root)  # skips where Meson found no CUDA backend to build
     build = os.path.join(work, "consumer")
     out = run([cmake, "-S", consumer_src, "-B", build, "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
-               "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON", f"-DPIPEOFFLOAD_CHECKOUT={root}"])
+               "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON", f"-DPIPEOFFLOAD_CHECKOUT={root}",
+               f"-DPIPEOFFLOAD_EXPECT_VERSION={version(root)}"])
     if "CMake Warning" in out or "CMake Deprecation Warning" in out:
         print(out)
         fail("configuring the CMake consumer with -DPIPEOFFLOAD_CUDA=ON printed a warning (above)")
@@ -270,11 +309,17 @@ def add_subdirectory_cuda(root, work, consumer_src, build_root):
     if sorted(commands) != sorted(["attention.cpp", "consumer.cpp"] + kernels):
         fail("the CMake build should compile consumer.cpp and the library's kernels/attention.cpp, " +
              ", ".join(kernels) + "; it compiles " + ", ".join(sorted(commands)))
+    # The same architectures in both builds: exactly those the list names, nothing CMake or
+    # Meson adds of their own.
+    wanted = gencode_flags(root) + ["-std=c++20"]
+    with open(os.path.join(build_root, "compile_commands.json"), encoding="utf-8") as f:
+        meson_commands = {os.path.basename(e["file"]): e["command"] for e in json.load(f)
+                          if os.path.basename(e["file"]) in kernels}
     for name in kernels:
-        flags = commands[name].split()
-        wanted = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in (80, 90, 100)] + ["-std=c++20"]
-        if sorted(f for f in flags if f.startswith(("-gencode", "-arch", "--generate-code", "-std"))) != sorted(wanted):
-            fail(f"{name} should be compiled with exactly {' '.join(wanted)}: {commands[name]}")
+        for build_system, command in [("CMake", commands[name]), ("Meson", meson_commands.get(name, ""))]:
+            flags = [f for f in command.split() if f.startswith(("-gencode", "-arch", "--generate-code", "-std"))]
+            if sorted(flags) != sorted(wanted):
+                fail(f"{build_system} should compile {name} with exactly {' '.join(wanted)}: {command}")
     frontend = run([sys.executable, os.path.join(root, "kernels", "find_cudnn_frontend.py")]).strip()
     if frontend not in commands["attention.cpp"]:
         fail(f"attention.cpp should be compiled with the cuDNN frontend's headers ({frontend}): {commands['attention.cpp']}")
