@@ -1,10 +1,9 @@
-// pipeoffload/version.hpp
+// pipeoffload/version.hpp: the library's version, as three macros and pipeoffload::version.
+// The one source is the top-level VERSION file, which meson.build and CMakeLists.txt read; this
+// header is checked in rather than generated, since the library is also used with no build
+// system (`include/` on the include path, docs/using.md), so it writes the three numbers once,
+// below, and tests/docs/check_version.py fails when they differ from VERSION.
 /// @file
-// The version is the one in the top-level VERSION file, which meson.build and CMakeLists.txt
-// read. This header is not generated from it, because the library is also used without a build
-// system (`include/` on the include path, docs/using.md): it writes the three numbers once, below
-// (pipeoffload::version is spelled from them), and tests/docs/check_version.py fails when they
-// differ from VERSION. Change VERSION, then these three.
 #pragma once
 
 /// The library's major version.
