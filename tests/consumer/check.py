@@ -30,7 +30,7 @@ run, and build nothing of pipeoffload's own.
   check.py SOURCE_ROOT add_subdirectory_cuda BUILD_ROOT [--build]
                                         the CUDA backend from the checkout: a CMake project adds
                                         it with add_subdirectory and -DPIPEOFFLOAD_CUDA=ON; check
-                                        it would compile the backend's kernels/*.cu with nvcc
+                                        it would compile the backend's src/*.cu with nvcc
                                         for exactly the architectures cmake/pipeoffloadCuda.txt
                                         lists, as the Meson build at BUILD_ROOT does, and
                                         -std=c++20, and attention.cpp with the cuDNN frontend's
@@ -62,7 +62,7 @@ import tarfile
 import tempfile
 
 SKIP = 77
-# The CUDA backend's static libraries (kernels/meson.build).
+# The CUDA backend's static libraries (src/meson.build).
 CUDA_LIBRARIES = ["pipeoffload_cuda_attention", "pipeoffload_cuda_kernels"]
 
 
@@ -307,7 +307,7 @@ def add_subdirectory_cuda(root, work, consumer_src, build_root):
         commands = {os.path.basename(e["file"]): e["command"] for e in json.load(f)}
     kernels = ["elementwise.cu", "ops_elementwise.cu", "ops_rows.cu", "reduce.cu"]
     if sorted(commands) != sorted(["attention.cpp", "consumer.cpp"] + kernels):
-        fail("the CMake build should compile consumer.cpp and the library's kernels/attention.cpp, " +
+        fail("the CMake build should compile consumer.cpp and the library's src/attention.cpp, " +
              ", ".join(kernels) + "; it compiles " + ", ".join(sorted(commands)))
     # The same architectures in both builds: exactly those the list names, nothing CMake or
     # Meson adds of their own.
@@ -320,7 +320,7 @@ def add_subdirectory_cuda(root, work, consumer_src, build_root):
             flags = [f for f in command.split() if f.startswith(("-gencode", "-arch", "--generate-code", "-std"))]
             if sorted(flags) != sorted(wanted):
                 fail(f"{build_system} should compile {name} with exactly {' '.join(wanted)}: {command}")
-    frontend = run([sys.executable, os.path.join(root, "kernels", "find_cudnn_frontend.py")]).strip()
+    frontend = run([sys.executable, os.path.join(root, "src", "find_cudnn_frontend.py")]).strip()
     if frontend not in commands["attention.cpp"]:
         fail(f"attention.cpp should be compiled with the cuDNN frontend's headers ({frontend}): {commands['attention.cpp']}")
     if "--build" in sys.argv:

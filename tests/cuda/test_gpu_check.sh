@@ -47,7 +47,7 @@ out=$(unshare -n bash "$kit" --from "$work/corrupt" --build-only --build-dir "$w
 
 # 5. Offline: build from the bundle alone, then run what was built against its OpenBLAS.
 build="$work/build"
-targets="kernels/libpipeoffload_cuda_kernels.a kernels/libpipeoffload_cuda_attention.a tests/cuda/test_cuda_host samples/train_gpt"
+targets="src/libpipeoffload_cuda_kernels.a src/libpipeoffload_cuda_attention.a tests/cuda/test_cuda_host samples/train_gpt"
 unshare -n bash "$kit" --from "$work/bundle" --bundled-tools --build-only --build-dir "$build" --targets "$targets" >"$work/build.log" 2>&1 ||
   fail "the offline build failed: $(tail -n 20 "$work/build.log")"
 grep -q "gpu-deps/cudnn-frontend" "$build/compile_commands.json" || fail "the build did not use the bundle's cuDNN frontend headers"

@@ -5,7 +5,7 @@ usage: check_format.py [REPO_ROOT]
 
 Runs the pinned clang-format (19.1.7, installed by scripts/install-deps.sh into
 /usr/local/lib/clang-format-19; CLANG_FORMAT overrides the path) with --dry-run --Werror over
-every C++ and CUDA file under include/, models/, kernels/, samples/, tools/, tests/ and bench/.
+every C++ and CUDA file under include/, models/, src/, samples/, tools/, tests/ and bench/.
 Exits 77 (Meson's SKIP) when that clang-format is not there: another release lays code out
 differently, so its verdict would not be this project's. Fix a failure with
 `<clang-format> -i FILE` (the message prints the command).
@@ -17,7 +17,7 @@ from pathlib import Path
 
 PINNED = "19.1.7"
 DEFAULT = "/usr/local/lib/clang-format-19/clang_format/data/bin/clang-format"
-FOLDERS = ("include", "models", "kernels", "samples", "tools", "tests", "bench")
+FOLDERS = ("include", "models", "src", "samples", "tools", "tests", "bench")
 SUFFIXES = (".hpp", ".cpp", ".h", ".cu", ".cuh")
 
 

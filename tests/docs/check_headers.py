@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 LIMIT = 15
-FOLDERS = ("include", "models", "kernels", "samples", "tools", "tests", "bench")
+FOLDERS = ("include", "models", "src", "samples", "tools", "tests", "bench")
 SUFFIXES = (".hpp", ".cpp", ".h", ".cu", ".cuh")
 LONGER = {}  # path -> (lines allowed, why)
 

@@ -1,7 +1,7 @@
 // pipeoffload/backend/exact.hpp: exact gradient sums, the same on every backend: each value
 // rounded once to fixed point and added to a 128-bit integer, the sum rounded once to fp32.
 // Plain functions over one value, for the CPU backend's loops and the CUDA kernels
-// (kernels/elementwise.cu). Range, resolution and poisoning: docs/gradients.md, "Exact sums".
+// (src/elementwise.cu). Range, resolution and poisoning: docs/gradients.md, "Exact sums".
 /// @file
 #pragma once
 

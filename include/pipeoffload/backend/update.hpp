@@ -1,7 +1,7 @@
 // pipeoffload/backend/update.hpp: the per-element optimizer updates every backend runs.
 //
 // Plain functions over one parameter, compiled for the CPU backend's loops and for the CUDA
-// kernels (kernels/elementwise.cu), so the CPU tests cover what the GPU runs; and the runs
+// kernels (src/elementwise.cu), so the CPU tests cover what the GPU runs; and the runs
 // (Segment) one backend call updates together: a chunk's whole update is one call, one
 // launch on a GPU for up to cuda::segments_per_launch runs. The optimizers that build them
 // (po::AdamW, po::Sgd) are in runtime/optimizer.hpp.

@@ -10,7 +10,7 @@
 // over rows (weight and bias gradients, embedding gradients) run in a fixed order: the same
 // inputs give the same bits on every run. Ids read on the device cannot throw: a token,
 // target or position outside its range writes NaN where the CPU twin throws, and the runtime's
-// non-finite check reports it. Defined in kernels/ (ops_rows.cu, ops_elementwise.cu; attention
+// non-finite check reports it. Defined in src/ (ops_rows.cu, ops_elementwise.cu; attention
 // through backend/cuda/attention.hpp), installed as the pipeoffload_cuda_kernels library.
 /// @file
 #pragma once

@@ -1,6 +1,6 @@
 // pipeoffload/backend/cuda/attention.hpp: causal flash attention through cuDNN's fused SDPA.
 //
-// Three functions, implemented in kernels/attention.cpp with NVIDIA's cuDNN frontend graph
+// Three functions, implemented in src/attention.cpp with NVIDIA's cuDNN frontend graph
 // API (its headers come from the nvidia-cudnn-frontend package that scripts/dev.sh installs;
 // only that one file includes them, so its compile cost is paid once). Tensors use the GPT's
 // layouts (backend/cuda/shapes.hpp sdpa_layout): qkv (b*s, 3h) bf16 with rows [q | k | v],
@@ -51,7 +51,7 @@ class Graphs {
   bool deterministic() const;
 
   struct Impl;
-  /// The graphs and their lock (defined in kernels/attention.cpp, which builds and runs them).
+  /// The graphs and their lock (defined in src/attention.cpp, which builds and runs them).
   Impl& impl() { return *impl_; }
 
  private:

@@ -1,4 +1,4 @@
-// pipeoffload/backend/cuda/device.cuh: what every kernel file shares (the backend's in kernels/,
+// pipeoffload/backend/cuda/device.cuh: what every kernel file shares (the backend's in src/,
 // a model's beside it, a user's own): the launch check, bf16 loads and stores, grid-stride
 // indices. nvcc only.
 /// @file

@@ -1,5 +1,5 @@
 // pipeoffload/backend/cuda/kernels.hpp: plain C++ declarations of the CUDA backend's kernels
-// in kernels/ (precision conversions, optimizer updates, gradient norms, the non-finite check).
+// in src/ (precision conversions, optimizer updates, gradient norms, the non-finite check).
 //
 // The kernels are compiled by nvcc into the build's pipeoffload_cuda_kernels library; this
 // header is all host code sees (llm.c's habit of keeping device code behind a small header).

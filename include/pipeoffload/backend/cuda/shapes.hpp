@@ -4,7 +4,7 @@
 // be). A model's own layouts live with the model (models/gpt/layout.hpp, cuda_layout.hpp).
 //
 // docs/design.md section 6: CUDA code is judged by reading, so nothing about a launch is computed
-// inside a kernel file or a wrapper. The kernels (kernels/*.cu) and the cuBLASLt wrapper call
+// inside a kernel file or a wrapper. The kernels (src/*.cu) and the cuBLASLt wrapper call
 // these functions, and tests/cuda/test_host.cpp calls the same functions on the CPU and
 // checks grids, blocks, shared memory, limits and leading dimensions. No CUDA header here:
 // the file builds and is tested on machines without the toolkit.

@@ -1,4 +1,4 @@
-// kernels/reduce.cu: the gradient norm's sums of squares in fp64, in the fixed order of
+// src/reduce.cu: the gradient norm's sums of squares in fp64, in the fixed order of
 // cuda::sum_squares_reference (backend/cuda/shapes.hpp): one block per chunk of every group in
 // one launch, then one block per group adding its chunks' partials. Every block ends with the
 // same pairwise tree over its lanes (s[t] += s[t + w], w halving), which the CPU reference runs

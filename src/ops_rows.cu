@@ -1,4 +1,4 @@
-// kernels/ops_rows.cu: the row and column reductions of ops/cuda.hpp (LayerNorm, RMSNorm,
+// src/ops_rows.cu: the row and column reductions of ops/cuda.hpp (LayerNorm, RMSNorm,
 // softmax cross-entropy, the mean, weight and bias gradients). One block of row_block threads
 // per row, with cub::BlockReduce; column sums over a tile of columns (column_sum_launch: one
 // barrier, then a fixed-order sum of the lanes' partials).

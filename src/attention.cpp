@@ -1,4 +1,4 @@
-// kernels/attention.cpp: backend/cuda/attention.hpp on the cuDNN frontend's SDPA graphs.
+// src/attention.cpp: backend/cuda/attention.hpp on the cuDNN frontend's SDPA graphs.
 // Host C++ (no device code): built by the C++ compiler into pipeoffload_cuda_kernels.
 #include <pipeoffload/backend/cuda/attention.hpp>
 

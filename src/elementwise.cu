@@ -1,4 +1,4 @@
-// kernels/elementwise.cu: grid-stride loops for the backend: precision conversions,
+// src/elementwise.cu: grid-stride loops for the backend: precision conversions,
 // backend/update.hpp's optimizer updates (multi-tensor: cuda::SegmentLaunch), backend/exact.hpp's gradient sums, the non-finite
 // check, and a spin for tests.
 #include <pipeoffload/backend/cuda/device.cuh>

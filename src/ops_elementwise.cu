@@ -1,4 +1,4 @@
-// kernels/ops_elementwise.cu: the element-wise ops of ops/cuda.hpp, grid-stride loops over
+// src/ops_elementwise.cu: the element-wise ops of ops/cuda.hpp, grid-stride loops over
 // ops/math.hpp's functions (GeLU, SwiGLU, rotary embeddings, dropout, residuals, biases, the
 // norms' recompute), and the embeddings, whose table gradient gives each cell to one thread
 // that adds its rows in order (deterministic: backend/cuda/shapes.hpp
