@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "../samples/cli.hpp"
 #include "sleep_layer.hpp"
 
 namespace {
@@ -259,8 +260,15 @@ bool run(po::comm::Mpi& world, po::comm::Mpi& pipe_mpi, po::comm::Mpi& reps_mpi,
 int main(int argc, char** argv) {
   po::comm::MpiSession session(argc, argv);
   std::string trace;
-  for (int i = 1; i < argc; ++i)
-    if (std::string(argv[i]) == "--trace" && i + 1 < argc) trace = argv[++i];
+  try {
+    cli::help(argc, argv, "usage: mpirun -np 8 dp_overlap [--trace FILE]\n");
+    constexpr cli::Flag flags[] = {{"--trace"}};
+    const cli::Args args(argc, argv, flags);
+    if (const std::string* v = args.get("--trace")) trace = *v;
+  } catch (const cli::bad_argument& e) {
+    if (session.rank() == 0) std::fprintf(stderr, "dp_overlap: %s\n", e.what());
+    return 2;
+  }
   const int dp = 2, d = 4, g = session.rank();
   if (session.size() != dp * d) {
     if (g == 0)

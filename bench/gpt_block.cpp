@@ -1,7 +1,7 @@
 // bench/gpt_block: one GPT block's F + B + W on one core against the best single-thread
 // SGEMM rate of the same BLAS, measured in the same run.
 //
-//   ./build/bench/gpt_block [hidden=512] [seq=256] [batch=2] [heads=8]
+//   ./build/bench/gpt_block [--hidden 512] [--seq 256] [--batch 2] [--heads 8]
 //
 // Formula: block FLOPs per pass set = 3 * (24 T h^2 + 4 T s h), T = batch * seq tokens (the
 // GEMMs of F, and twice that for B + W; attention counted over the full s x s it computes;
@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+#include "../samples/cli.hpp"
 
 namespace {
 
@@ -41,10 +42,26 @@ double sgemm_rate(int M, int N, int K) {
 
 int main(int argc, char** argv) {
   po::gpt::GptConfig cfg;
-  cfg.hidden = argc > 1 ? std::atoi(argv[1]) : 512;
-  cfg.seq = argc > 2 ? std::atoi(argv[2]) : 256;
-  const int batch = argc > 3 ? std::atoi(argv[3]) : 2;
-  cfg.heads = argc > 4 ? std::atoi(argv[4]) : 8;
+  int batch = 2;
+  try {
+    cli::help(argc, argv, "usage: gpt_block [--hidden 512] [--seq 256] [--batch 2] [--heads 8]\n");
+    constexpr cli::Flag flags[] = {{"--hidden"}, {"--seq"}, {"--batch"}, {"--heads"}};
+    const cli::Args args(argc, argv, flags);
+    const auto get = [&](std::string_view f, long long fallback, long long hi) {
+      const std::string* v = args.get(f);
+      return static_cast<int>(v ? cli::to_int(f, *v, 1, hi) : fallback);
+    };
+    cfg.hidden = get("--hidden", 512, 8192);
+    cfg.seq = get("--seq", 256, 8192);
+    batch = get("--batch", 2, 4096);
+    cfg.heads = get("--heads", 8, 1024);
+    if (cfg.hidden % cfg.heads != 0)
+      throw cli::bad_argument("--heads " + std::to_string(cfg.heads) + " must divide --hidden " +
+                              std::to_string(cfg.hidden));
+  } catch (const cli::bad_argument& e) {
+    std::fprintf(stderr, "gpt_block: %s\n", e.what());
+    return 2;
+  }
   cfg.layers = 3;
   cfg.dropout = 0.1f;
   const po::MicrobatchShape sh{batch, cfg.seq};

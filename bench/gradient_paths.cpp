@@ -22,6 +22,7 @@
 #include <vector>
 
 #include <models/gpt/cpu.hpp>
+#include "../samples/cli.hpp"
 
 namespace {
 
@@ -100,8 +101,15 @@ void one_round(po::comm::Mpi& world, po::comm::Mpi& pipe, po::comm::Mpi& reps, c
 int main(int argc, char** argv) {
   po::comm::MpiSession session(argc, argv);
   int rounds = 5;
-  for (int i = 1; i + 1 < argc; i += 2)
-    if (std::string(argv[i]) == "--rounds") rounds = std::max(1, std::atoi(argv[i + 1]));
+  try {
+    cli::help(argc, argv, "usage: mpirun -np 4 gradient_paths [--rounds N]\n");
+    constexpr cli::Flag flags[] = {{"--rounds"}};
+    const cli::Args args(argc, argv, flags);
+    if (const std::string* v = args.get("--rounds")) rounds = static_cast<int>(cli::to_int("--rounds", *v, 1, 1000));
+  } catch (const cli::bad_argument& e) {
+    if (session.rank() == 0) std::fprintf(stderr, "gradient_paths: %s\n", e.what());
+    return 2;
+  }
   po::comm::Mpi world;
   if (world.size() != 4) {
     if (world.rank() == 0) std::fprintf(stderr, "gradient_paths: run under mpirun -np 4 (got %d)\n", world.size());

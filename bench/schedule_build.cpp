@@ -16,6 +16,7 @@
 #include <vector>
 
 #include <pipeoffload/pipeoffload.hpp>
+#include "../samples/cli.hpp"
 
 namespace {
 
@@ -80,7 +81,15 @@ Phases measure(const po::Shape& s, int reps, bool reuse = false, po::Workers wor
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  bool quick = false;
+  try {
+    cli::help(argc, argv, "usage: schedule_build [--quick]\n");
+    constexpr cli::Flag flags[] = {{"--quick", false}};
+    quick = cli::Args(argc, argv, flags).has("--quick");
+  } catch (const cli::bad_argument& e) {
+    std::fprintf(stderr, "schedule_build: %s\n", e.what());
+    return 2;
+  }
   const po::Shape target{64, 8, 512};
   const unsigned cores = std::thread::hardware_concurrency();
   const int reps = quick ? 3 : 7;

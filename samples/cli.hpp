@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <optional>
 #include <span>
@@ -51,6 +52,13 @@ inline bool wants_help(int argc, char** argv) {
   for (int i = 1; i < argc; ++i)
     if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") return true;
   return false;
+}
+
+/// Prints `usage` and ends the process with status 0 when the command line asks for --help.
+inline void help(int argc, char** argv, const char* usage) {
+  if (!wants_help(argc, argv)) return;
+  std::fputs(usage, stdout);
+  std::exit(0);
 }
 
 /// A command line's options as given: flag -> value ("" for a switch). Each flag is written

@@ -50,10 +50,7 @@ constexpr const char* usage_text =
 constexpr cli::Flag flags[] = {{"--schedule"}, {"--group"}, {"--steps"}, {"--eval-every"}, {"--gradients"}};
 
 Options parse(int argc, char** argv) {
-  if (cli::wants_help(argc, argv)) {
-    std::fputs(usage_text, stdout);
-    std::exit(0);
-  }
+  cli::help(argc, argv, usage_text);
   const cli::Args args(argc, argv, flags);
   Options o;
   if (const std::string* v = args.get("--schedule")) o.schedule = *v;

@@ -33,12 +33,9 @@ constexpr cli::Flag flags[] = {{"--layers"},       {"--hidden"}, {"--seq"},     
                                {"--microbatches"}, {"--tflops"}, {"--pcie-gbps"}, {"--out-dir"}};
 
 Options parse(int argc, char** argv) {
-  if (cli::wants_help(argc, argv)) {
-    std::puts(
-        "usage: plan_schedules [--layers L] [--hidden H] [--seq S] [--micro-batch B] [--ranks D]\n"
-        "                      [--microbatches M] [--tflops T] [--pcie-gbps P] [--out-dir DIR]");
-    std::exit(0);
-  }
+  cli::help(argc, argv,
+            "usage: plan_schedules [--layers L] [--hidden H] [--seq S] [--micro-batch B] [--ranks D]\n"
+            "                      [--microbatches M] [--tflops T] [--pcie-gbps P] [--out-dir DIR]\n");
   const cli::Args args(argc, argv, flags);
   Options o;
   const auto integer = [&](std::string_view flag, long& dst, long hi) {

@@ -213,10 +213,7 @@ inline constexpr cli::Flag flags[] = {{"--schedule"},
                                       {"--no-check-finite", false}};
 
 inline Options parse(int argc, char** argv) {
-  if (cli::wants_help(argc, argv)) {
-    std::fputs(usage_text, stdout);
-    std::exit(0);
-  }
+  cli::help(argc, argv, usage_text);
   const cli::Args args(argc, argv, flags);
   const bool tie = args.has("--tie-embeddings");
   Options o;

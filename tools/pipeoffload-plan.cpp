@@ -594,10 +594,7 @@ int run_auto(const Args& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (cli::wants_help(argc, argv)) {
-    std::fputs(usage_text, stdout);
-    return 0;
-  }
+  cli::help(argc, argv, usage_text);
   try {
     const cli::Args args(argc, argv, flags);
     if (args.has("--auto")) return run_auto(args);

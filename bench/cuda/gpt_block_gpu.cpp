@@ -19,6 +19,7 @@
 #include <models/gpt/cuda.hpp>
 #include <models/llama/cuda.hpp>
 #include <pipeoffload/cuda.hpp>
+#include "../../samples/cli.hpp"
 
 namespace po = pipeoffload;
 namespace pc = pipeoffload::cuda;
@@ -223,31 +224,34 @@ int main(int argc, char** argv) {
   int iters = 5;
   bool recompute = true;
   double peak_tflops = 0;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    const long long v = std::atoll(argv[i + 1]);
-    if (a == "--hidden")
-      h = v;
-    else if (a == "--seq")
-      s = v;
-    else if (a == "--heads")
-      heads = v;
-    else if (a == "--batch")
-      b = v;
-    else if (a == "--kv-heads")
-      kv_heads = v;
-    else if (a == "--ffn")
-      ffn = v;
-    else if (a == "--iters")
-      iters = static_cast<int>(v);
-    else if (a == "--recompute")
-      recompute = v != 0;
-    else if (a == "--peak-tflops")
-      peak_tflops = std::atof(argv[i + 1]);
-    else {
-      std::fprintf(stderr, "unknown option %s\n", a.c_str());
-      return 2;
-    }
+  try {
+    cli::help(
+        argc, argv,
+        "usage: gpt_block_gpu [--hidden 4096] [--seq 4096] [--heads 32] [--batch 1] [--iters 5] [--recompute 1]\n                     [--peak-tflops P] [--kv-heads 8] [--ffn 14336]\n");
+    constexpr cli::Flag flags[] = {{"--hidden"}, {"--seq"},   {"--heads"},     {"--batch"},      {"--kv-heads"},
+                                   {"--ffn"},    {"--iters"}, {"--recompute"}, {"--peak-tflops"}};
+    const cli::Args args(argc, argv, flags);
+    const auto get = [&](std::string_view f, long long& dst, long long lo, long long hi) {
+      if (const std::string* v = args.get(f)) dst = cli::to_int(f, *v, lo, hi);
+    };
+    get("--hidden", h, 1, 1 << 16);
+    get("--seq", s, 1, 1 << 20);
+    get("--heads", heads, 1, 1024);
+    get("--batch", b, 1, 4096);
+    get("--kv-heads", kv_heads, 1, 1024);
+    get("--ffn", ffn, 1, 1 << 20);
+    long long n = iters, rc = recompute ? 1 : 0;
+    get("--iters", n, 1, 1000);
+    get("--recompute", rc, 0, 1);
+    iters = static_cast<int>(n);
+    recompute = rc != 0;
+    if (const std::string* v = args.get("--peak-tflops")) peak_tflops = cli::to_real("--peak-tflops", *v, 0, 1e6, true);
+    if (h % heads != 0 || heads % kv_heads != 0)
+      throw cli::bad_argument("--heads " + std::to_string(heads) + " must divide --hidden " + std::to_string(h) +
+                              ", and --kv-heads " + std::to_string(kv_heads) + " must divide --heads");
+  } catch (const cli::bad_argument& e) {
+    std::fprintf(stderr, "gpt_block_gpu: %s\n", e.what());
+    return 2;
   }
   if (po::backend::device_count() == 0) {
     std::puts("no CUDA device: SKIP");

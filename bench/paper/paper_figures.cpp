@@ -24,6 +24,7 @@
 #include <pipeoffload/pipeoffload.hpp>
 #include <pipeoffload/plan/plan.hpp>
 
+#include "../../samples/cli.hpp"
 #include "models.hpp"
 #include "svg_plot.hpp"
 
@@ -349,14 +350,14 @@ void scaling(const std::string& dir) {
 
 int main(int argc, char** argv) {
   std::string dir = "paper";
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--out-dir" && i + 1 < argc)
-      dir = argv[++i];
-    else {
-      std::fprintf(stderr, "usage: paper_figures [--out-dir DIR]\n");
-      return 2;
-    }
+  try {
+    cli::help(argc, argv, "usage: paper_figures [--out-dir DIR]\n");
+    constexpr cli::Flag flags[] = {{"--out-dir"}};
+    const cli::Args args(argc, argv, flags);
+    if (const std::string* v = args.get("--out-dir")) dir = *v;
+  } catch (const cli::bad_argument& e) {
+    std::fprintf(stderr, "paper_figures: %s\n", e.what());
+    return 2;
   }
   std::filesystem::create_directories(dir);
   table1(dir);

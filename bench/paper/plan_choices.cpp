@@ -20,6 +20,7 @@
 #include <pipeoffload/plan/plan.hpp>
 #include <pipeoffload/plan/presets.hpp>
 
+#include "../../samples/cli.hpp"
 #include "models.hpp"
 
 namespace {
@@ -58,18 +59,14 @@ PlanCandidate fastest_fitting(const PlanResult& r, const TransformerSpec& m, con
 
 int main(int argc, char** argv) {
   double device_gib = 80;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--device-gib") == 0 && i + 1 < argc) {
-      char* end = nullptr;
-      device_gib = std::strtod(argv[++i], &end);
-      if (*end != '\0' || !(device_gib > 0 && device_gib <= 4096)) {
-        std::fprintf(stderr, "plan_choices: --device-gib must be a number in (0, 4096], got '%s'\n", argv[i]);
-        return 2;
-      }
-    } else {
-      std::fprintf(stderr, "usage: plan_choices [--device-gib G]\n");
-      return 2;
-    }
+  try {
+    cli::help(argc, argv, "usage: plan_choices [--device-gib G]\n");
+    constexpr cli::Flag flags[] = {{"--device-gib"}};
+    const cli::Args args(argc, argv, flags);
+    if (const std::string* v = args.get("--device-gib")) device_gib = cli::to_real("--device-gib", *v, 0, 4096, true);
+  } catch (const cli::bad_argument& e) {
+    std::fprintf(stderr, "plan_choices: %s\n", e.what());
+    return 2;
   }
   // Every paper model, recompute on and off, planned once for both tables.
   struct Planned {

@@ -12,9 +12,18 @@
 #include <vector>
 
 #include <pipeoffload/plan/plan.hpp>
+#include "../../samples/cli.hpp"
 
 int main(int argc, char** argv) {
-  const bool check = argc > 1 && std::strcmp(argv[1], "--check") == 0;
+  bool check = false;
+  try {
+    cli::help(argc, argv, "usage: plan_speed [--check]\n");
+    constexpr cli::Flag flags[] = {{"--check", false}};
+    check = cli::Args(argc, argv, flags).has("--check");
+  } catch (const cli::bad_argument& e) {
+    std::fprintf(stderr, "plan_speed: %s\n", e.what());
+    return 2;
+  }
   using namespace pipeoffload;
   TransformerSpec m;
   m.layers = 78;
