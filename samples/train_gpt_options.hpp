@@ -79,6 +79,9 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
   --decay-all           weight decay on every parameter, as before parameter groups (default: none on
                         biases and LayerNorm gains, GPT-2's rule)
   --no-check-finite     do not scan activations and input gradients for NaN/Inf (losses are still checked)
+  --graphs              capture each rank's training call once (the second step) and replay it at every
+                        later step (CUDA graphs on --backend cuda, one rank: --ranks 1 --dp 1;
+                        RuntimeOptions::graphs)
   --seed S              model, dropout and data seed (default 1)
   --trace FILE          write a Chrome trace of the last step's real run (compute and copy streams per rank)
   --layers L --hidden H --heads A --seq S --batch B --lr LR --dropout P
@@ -151,6 +154,7 @@ struct Options {
   int eval_every = 0;                                 // steps between validation losses; 0: no held-out split
   bool decay_all = false;                             // weight decay on every parameter (before parameter groups)
   bool check_finite = true;
+  bool graphs = false;  // RuntimeOptions::graphs
   int checkpoint_every = 0;
   std::string checkpoint_dir, resume;
   bool overwrite = false;  // --overwrite: a fresh run may replace another run's checkpoints
@@ -210,7 +214,8 @@ inline constexpr cli::Flag flags[] = {{"--schedule"},
                                       {"--overwrite", false},
                                       {"--decay-all", false},
                                       {"--tie-embeddings", false},
-                                      {"--no-check-finite", false}};
+                                      {"--no-check-finite", false},
+                                      {"--graphs", false}};
 
 inline Options parse(int argc, char** argv) {
   cli::help(argc, argv, usage_text);
@@ -222,6 +227,7 @@ inline Options parse(int argc, char** argv) {
   o.decay_all = args.has("--decay-all");
   o.overwrite = args.has("--overwrite");
   o.check_finite = !args.has("--no-check-finite");
+  o.graphs = args.has("--graphs");
   o.model.tie_embeddings = tie;
   const auto get = [&](std::string_view f) { return args.get(f); };
   if (auto v = get("--ranks")) o.shape.d = static_cast<int>(to_int("--ranks", *v, 1, 64));
@@ -415,6 +421,14 @@ inline Options parse(int argc, char** argv) {
     throw bad_argument(
         "--k auto measures on --backend cpu only (a GPU's arena is sized for its program before the run); give "
         "--k K");
+  if (o.graphs && o.pcie_pairs)
+    throw bad_argument(
+        "--graphs replays captured copies, which cannot follow --pcie-pairs' counters; give one of them");
+  if (o.graphs && o.cuda && (o.shape.d != 1 || o.dp != 1))
+    throw bad_argument(
+        "--graphs on --backend cuda captures one rank without replicas (--ranks 1 --dp 1); this run has "
+        "--ranks " +
+        std::to_string(o.shape.d) + " --dp " + std::to_string(o.dp));
   if (o.pcie_pairs && (o.mpi || o.cuda))
     throw bad_argument(
         "--pcie-pairs applies only to --backend cpu with thread ranks (MPI processes run unpaired; --backend cuda pairs GPUs by their PCIe switches)");
@@ -544,7 +558,8 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
                .gradients = o.gradients,
                .reduce_bucket = o.reduce_bucket,
                .reduce_dtype = o.reduce_dtype,
-               .exact_block = o.exact_block};
+               .exact_block = o.exact_block,
+               .graphs = o.graphs};
   s.lr = {.lr = o.lr,
           .warmup_steps = std::max(1, std::min(20, o.steps / 10)),
           .total_steps = o.steps,
@@ -593,7 +608,7 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
   s.fields.push_back({"run", "checkpoint-every=" + std::to_string(o.checkpoint_every) +
                                  " resume=" + (o.resume.empty() ? "no" : "yes") + " trace=" + (o.trace ? "yes" : "no") +
                                  " eval-every=" + std::to_string(o.eval_every) +
-                                 " check-finite=" + (o.check_finite ? "yes" : "no")});
+                                 " check-finite=" + (o.check_finite ? "yes" : "no") + (o.graphs ? " graphs=yes" : "")});
   // The training state depends on these, not on the schedule, the cut into stages, the rank
   // count or the replica count (every schedule, cut and split of the global batch trains
   // bit-identically), so a checkpoint resumes under any of them (another cut by tensor names).

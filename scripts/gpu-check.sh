@@ -34,6 +34,8 @@
 #   3. train_gpt --backend cuda against --backend cpu (meson test --suite cuda);
 #   4. bench/cuda/gpt_block_gpu: MFU of a GPT block's F+B+W at h = s = 4096 in bf16, pinned
 #      D2H and H2D bandwidth per direction and both at once, the measured k;
+#   4b. bench/cuda/train_step: the steady-state step of one rank x 2 chunks at h = s = 4096, 4
+#      layers, 8 microbatches (PO-F, GIS-H, ZB-V, 1F1B-I), run and replayed as a CUDA graph;
 #   5. several ranks on one GPU (--ranks-per-gpu, comm::SharedGpu): PO-F and ZB-V at d = 4 and
 #      dp 2 x d 2 with ZeRO-1, each the one-rank bits on the exact path (tests/cuda/test_shared_gpu.py);
 #   6. train_gpt --backend cuda with PO-F on the GPUs present (one GPU: one rank, 4 chunks);
@@ -195,7 +197,7 @@ log_dir="$build/gpu-check"
 mkdir -p "$log_dir"
 [ -n "$report" ] || report="$log_dir/report.md"
 jobs=$(nproc)
-check_targets="tests/cuda/test_cuda_host tests/cuda/test_cuda_gpu bench/cuda/gpt_block_gpu samples/train_gpt pipeoffload-plan"
+check_targets="tests/cuda/test_cuda_host tests/cuda/test_cuda_gpu bench/cuda/gpt_block_gpu bench/cuda/train_step samples/train_gpt pipeoffload-plan"
 if [ "$no_build" = 1 ]; then
   for t in $check_targets; do
     [ -x "$build/$t" ] || die "--no-build: $build/$t is missing (build it first: bash scripts/gpu-check.sh --build-only --build-dir DIR)"
@@ -240,6 +242,7 @@ step cuda-host 300 "$build/tests/cuda/test_cuda_host"
 step gpu-tests 900 "$build/tests/cuda/test_cuda_gpu" --duration=true
 step train-gpt-cuda-vs-cpu 900 python3 tests/cuda/test_train_gpt_cuda.py "$build/samples/train_gpt"
 step gpt-block-bench 600 "$build/bench/cuda/gpt_block_gpu"
+step train-step-bench 600 "$build/bench/cuda/train_step"
 step shared-gpu 900 python3 tests/cuda/test_shared_gpu.py "$build/samples/train_gpt"
 ranks=$gpus chunks=2
 [ "$gpus" -gt 8 ] && ranks=8
@@ -293,6 +296,7 @@ total=$(($(date +%s) - t_start))
   echo
   echo '```'
   grep -hE "MFU|GB/s|k measured|check vs CPU|saved activations|device " "$log_dir/gpt-block-bench.log" 2>/dev/null
+  grep -hE "^train_step| step .* ms|graphs / run" "$log_dir/train-step-bench.log" 2>/dev/null
   grep -hE "^(wall|final_loss|params_hash|peak activation)" "$log_dir/train-gpt-po-f.log" 2>/dev/null
   grep -hE "^ok: GPU final loss" "$log_dir/train-gpt-cuda-vs-cpu.log" 2>/dev/null
   grep -hE "test cases:|assertions:" "$log_dir/gpu-tests.log" 2>/dev/null

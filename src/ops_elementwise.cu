@@ -60,16 +60,21 @@ __global__ void rope_k(bf16* x, const std::int32_t* positions, long long pairs, 
 __global__ void sequence_positions_k(std::int32_t* positions, long long rows, int seq) {
   for (long long i = first_index(); i < rows; i += grid_stride()) positions[i] = static_cast<std::int32_t>(i % seq);
 }
-__global__ void residual_dropout_k(const bf16* x, const bf16* y, bf16* out, long long n, std::uint64_t seed, float p) {
+// The dropout kernels take the site (DropoutSeed) and make its seed once a thread: the step
+// may be read from device memory (a captured pass replayed at a later step).
+__global__ void residual_dropout_k(const bf16* x, const bf16* y, bf16* out, long long n, DropoutSeed site, float p) {
+  const std::uint64_t seed = site.value();
   for (long long i = first_index(); i < n; i += grid_stride())
     out[i] = st(residual_dropout(ld(x, i), ld(y, i), seed, static_cast<std::uint64_t>(i), p));
 }
-__global__ void dropout_backward_k(const bf16* g, bf16* out, long long n, std::uint64_t seed, float p) {
+__global__ void dropout_backward_k(const bf16* g, bf16* out, long long n, DropoutSeed site, float p) {
+  const std::uint64_t seed = site.value();
   for (long long i = first_index(); i < n; i += grid_stride())
     out[i] = st(ld(g, i) * dropout_scale(seed, static_cast<std::uint64_t>(i), p));
 }
 __global__ void residual_dropout_mask_k(const bf16* x, const bf16* y, bf16* out, std::uint8_t* mask, long long n,
-                                        std::uint64_t seed, float p) {
+                                        DropoutSeed site, float p) {
+  const std::uint64_t seed = site.value();
   for (long long i = first_index(); i < n; i += grid_stride()) {
     // residual_dropout's x + y * dropout_scale, with the factor kept for the mask.
     const float k = dropout_scale(seed, static_cast<std::uint64_t>(i), p);
@@ -174,14 +179,14 @@ void add(const CudaContext& ctx, const bf16* a, const bf16* b, bf16* out, long l
   PIPEOFFLOAD_LAUNCH(add_k, elementwise_launch(count), ctx.cuda_stream, a, b, out, count);
 }
 void residual_dropout(const CudaContext& ctx, const bf16* x, const bf16* y, bf16* out, long long count,
-                      std::uint64_t seed, float p) {
+                      DropoutSeed seed, float p) {
   PIPEOFFLOAD_LAUNCH(residual_dropout_k, elementwise_launch(count), ctx.cuda_stream, x, y, out, count, seed, p);
 }
-void dropout_backward(const CudaContext& ctx, const bf16* g, bf16* out, long long count, std::uint64_t seed, float p) {
+void dropout_backward(const CudaContext& ctx, const bf16* g, bf16* out, long long count, DropoutSeed seed, float p) {
   PIPEOFFLOAD_LAUNCH(dropout_backward_k, elementwise_launch(count), ctx.cuda_stream, g, out, count, seed, p);
 }
 void residual_dropout_mask(const CudaContext& ctx, const bf16* x, const bf16* y, bf16* out, std::uint8_t* mask,
-                           long long count, std::uint64_t seed, float p) {
+                           long long count, DropoutSeed seed, float p) {
   PIPEOFFLOAD_LAUNCH(residual_dropout_mask_k, elementwise_launch(count), ctx.cuda_stream, x, y, out, mask, count, seed,
                      p);
 }

@@ -92,11 +92,16 @@ struct StepInput {
 
 /// What the runtime tells a pass about its microbatch.
 struct Microbatch {
-  int stage = 0;            ///< this layer's stage, 0..S-1
-  int stages = 1;           ///< S
-  int mb = 0;               ///< microbatch index within the optimizer step, 0..microbatches-1
-  int microbatches = 1;     ///< microbatches whose gradients one optimizer step sums (m x accumulation parts)
-  int step = 0;             ///< 0-based optimizer step (dropout seeds depend on it)
+  int stage = 0;         ///< this layer's stage, 0..S-1
+  int stages = 1;        ///< S
+  int mb = 0;            ///< microbatch index within the optimizer step, 0..microbatches-1
+  int microbatches = 1;  ///< microbatches whose gradients one optimizer step sums (m x accumulation parts)
+  int step = 0;          ///< 0-based optimizer step (dropout seeds depend on it)
+  /// The step again, as an int32 in device memory (read in stream order), when the runtime
+  /// replays captured calls (RuntimeOptions::graphs); null otherwise. A replayed pass gets the
+  /// Microbatch of the capture, so what changes from step to step is read from here
+  /// (ops::DropoutSeed takes it).
+  const std::int32_t* device_step = nullptr;
   bool training = true;     ///< false in Runtime::evaluate (no dropout, nothing kept for backward)
   MicrobatchShape shape{};  ///< the microbatch's shape (RuntimeOptions::microbatch)
   /// This microbatch's slices of the step inputs this stage declared in inputs(), in the
@@ -177,6 +182,10 @@ concept working_parameters = std::convertible_to<P, std::span<float>> || std::co
 /// - parameter_info() -> std::vector<po::ParamInfo>: named tensors covering parameters()
 ///   (default: one 1-d tensor "parameters"), for optimizer parameter groups;
 /// - name() -> std::string: the stage type's name in messages (default: the C++ type name).
+/// - capturable() -> bool: true when the passes enqueue the same work at every call but for
+///   what they read from device memory, so RuntimeOptions::graphs may capture a call once and
+///   replay it: the passes read the step from mb.device_step, never mb.step, and make no host
+///   call that waits for the device (default: false, and graphs refuse the stage).
 ///
 /// A minimal user layer, y = tanh(w * x) per element on a boundary of `n` floats:
 /// @code
@@ -248,6 +257,10 @@ concept has_parameter_info = requires(const L& l) {
 template <class L>
 concept has_shared_parameters = requires(const L& l) {
   { l.shared_parameters() } -> std::convertible_to<std::vector<SharedParam>>;
+};
+template <class L>
+concept has_capturable = requires(const L& l) {
+  { l.capturable() } -> std::convertible_to<bool>;
 };
 template <class L>
 concept has_name = requires(const L& l) {

@@ -104,6 +104,8 @@ class GptStage {
   std::vector<SharedParam> shared_parameters() const { return gpt_shared_parameters(dims_); }
   /// The stage type's name in the runtime's messages.
   std::string name() const { return "gpt::GptStage"; }
+  /// Its calls may be captured and replayed (RuntimeOptions::graphs): its dropout reads the step from mb.device_step.
+  bool capturable() const { return true; }
 
   /// Saved bytes of one block for a microbatch, split into what the 20bsh / 34bsh accounting
   /// counts (per-token tensors) and the small per-row extras (statistics, log-sum-exps).
@@ -278,8 +280,9 @@ class GptStage {
     return scratch_;
   }
 
-  std::uint64_t drop_seed(const Microbatch& mb, int block, int site) const {
-    return ops::dropout_seed(c_.seed, mb.step, first_ + block, site, mb.mb);
+  /// A dropout site's seed; the step is read from mb.device_step when the runtime gives it.
+  ops::DropoutSeed drop_seed(const Microbatch& mb, int block, int site) const {
+    return {c_.seed, mb.step, mb.device_step, first_ + block, site, mb.mb};
   }
 
   void init() {
@@ -385,8 +388,8 @@ class GptStage {
   float dropout(const Microbatch& mb) const { return mb.training ? c_.dropout : 0.0f; }
 
   /// out = x + y * dropout mask (seed); with recompute off the mask is saved to `mask` too.
-  void residual_dropout(const backend::CpuContext& ctx, float* out, const float* x, const float* y, std::uint64_t seed,
-                        std::uint8_t* mask, std::size_t count, float p) const {
+  void residual_dropout(const backend::CpuContext& ctx, float* out, const float* x, const float* y,
+                        ops::DropoutSeed seed, std::uint8_t* mask, std::size_t count, float p) const {
     if (c_.recompute)
       ops::residual_dropout(ctx, x, y, out, n(count), seed, p);
     else
@@ -394,7 +397,7 @@ class GptStage {
   }
   /// out = g * the dropout mask: regenerated from the seed, or the saved one (as the CUDA stage).
   void dropout_backward(const backend::CpuContext& ctx, const float* g, const std::uint8_t* saved_mask,
-                        std::uint64_t seed, float* out, std::size_t count) const {
+                        ops::DropoutSeed seed, float* out, std::size_t count) const {
     if (c_.recompute)
       ops::dropout_backward(ctx, g, out, n(count), seed, c_.dropout);
     else

@@ -136,6 +136,8 @@ class CudaGptStage {
   std::vector<ParamInfo> parameter_info() const { return gpt::gpt_parameter_info(dims_); }
   /// The stage type's name in the runtime's messages.
   std::string name() const { return "gpt::CudaGptStage"; }
+  /// Its calls may be captured and replayed (RuntimeOptions::graphs): its dropout reads the step from mb.device_step.
+  bool capturable() const { return true; }
 
   void forward(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
     const Pass p = begin("forward", ctx, mb, saved, nullptr, false);
@@ -338,8 +340,10 @@ class CudaGptStage {
             at<bf16>(b, L.dO1), at<bf16>(b, L.dQKV), at<bf16>(b, L.dA1)};
   }
 
-  std::uint64_t drop_seed(const Microbatch& mb, int block, int site) const {
-    return ops::dropout_seed(cfg_.seed, mb.step, dims_.first_block + block, site, mb.mb);
+  /// A dropout site's seed; the kernels read the step from mb.device_step when the runtime
+  /// gives it (a captured step replays with later steps).
+  ops::DropoutSeed drop_seed(const Microbatch& mb, int block, int site) const {
+    return {cfg_.seed, mb.step, mb.device_step, dims_.first_block + block, site, mb.mb};
   }
   /// Dropout's probability in a forward: none when evaluating (gpt::GptStage::dropout). B
   /// runs only in training, so it uses cfg_.dropout, as the CPU stage does.

@@ -85,6 +85,8 @@ class LlamaStage {
   std::vector<ParamInfo> parameter_info() const { return llama_parameter_info(d_); }
   std::vector<SharedParam> shared_parameters() const { return llama_shared_parameters(d_); }
   std::string name() const { return "llama::LlamaStage"; }
+  /// Its calls may be captured and replayed (RuntimeOptions::graphs): it reads no step.
+  bool capturable() const { return true; }
   /// This stage's dims (sizes and place in the model).
   const LlamaDims& dims() const { return d_; }
 

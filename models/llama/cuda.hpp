@@ -110,6 +110,8 @@ class CudaLlamaStage {
   std::vector<ParamInfo> parameter_info() const { return llama_parameter_info(d_); }
   std::vector<SharedParam> shared_parameters() const { return llama_shared_parameters(d_); }
   std::string name() const { return "llama::CudaLlamaStage"; }
+  /// Its calls may be captured and replayed (RuntimeOptions::graphs): it reads no step.
+  bool capturable() const { return true; }
   /// Device bytes of the stage's state (llama_cuda_state_bytes) and of its scratch.
   std::size_t state_bytes() const { return llama_cuda_state_bytes(d_, c_.seq); }
   std::size_t scratch_bytes() const { return llama_cuda_workspace(d_, max_.tokens()).bytes; }

@@ -548,7 +548,7 @@ namespace {
 /// (d = 1, v = 2, m = 4) under PO with every activation offloaded, on `Backend` with `Stage`:
 /// the visible training step (zero_grad, forward_backward, grad_norm, clip, AdamW).
 template <class Stage, class Backend, class MakeStage>
-std::vector<float> train(Backend& dev, MakeStage make, int steps) {
+std::vector<float> train(Backend& dev, MakeStage make, int steps, bool graphs = false) {
   const po::Shape shape{1, 2, 4};
   const po::MicrobatchShape mbs{2, 16};
   const po::Program program =
@@ -558,7 +558,7 @@ std::vector<float> train(Backend& dev, MakeStage make, int steps) {
   std::vector<Stage> layers;
   layers.reserve(2);
   for (int c = 0; c < shape.v; ++c) layers.push_back(make(shape.stage_of(0, c), shape.stages(), mbs));
-  po::Runtime rt(program, dev, comm, std::span<Stage>(layers), {.microbatch = mbs});
+  po::Runtime rt(program, dev, comm, std::span<Stage>(layers), {.microbatch = mbs, .graphs = graphs});
   po::AdamW opt(rt);  // the defaults: weight decay 0.1 on every tensor
   const po::WarmupCosine lr{.lr = 1e-2f, .warmup_steps = 1};
   const std::size_t rows = static_cast<std::size_t>(mbs.batch) * static_cast<std::size_t>(shape.m);
@@ -579,8 +579,8 @@ std::vector<float> train(Backend& dev, MakeStage make, int steps) {
     opt.step(lr(s), po::clip_scale(po::grad_norm(rt), 1.0f));
     // The host waits where it reads: two input uploads, the step's end and its one readback
     // (the norm's sums behind it); zero_grad, the norm and AdamW (one launch a chunk) wait for
-    // nothing.
-    CHECK(dev.host_waits() - waits == 4);
+    // nothing. With graphs also the step's upload, and at the capture (step 1) its start.
+    CHECK(dev.host_waits() - waits == 4 + (graphs ? 1 : 0) + (graphs && s == 1 ? 1 : 0));
   }
   return losses;
 }
@@ -610,6 +610,26 @@ TEST_CASE("po::Runtime trains gpt::CudaGptStage stages (PO, every unit offloaded
   }
   CHECK(want[steps - 1] < want[0]);  // both learn
   CHECK(got[steps - 1] < got[0]);
+}
+
+TEST_CASE("po::Runtime replays captured steps on a GPU (CUDA graphs) bit for bit as it runs them (PO, dropout)") {
+  po::gpt::GptConfig c = test_config(4, true);
+  c.hidden = 64;
+  c.heads = 2;
+  c.seq = 16;
+  c.dropout = 0.1f;     // the masks follow the step only through Microbatch::device_step
+  const int steps = 5;  // step 0 runs, step 1 is captured, steps 2 to 4 are replayed
+  const auto run = [&](bool graphs) {
+    po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
+    return train<pm::CudaGptStage>(
+        dev, [&](int s, int S, po::MicrobatchShape mbs) { return pm::CudaGptStage(dev, c, s, S, mbs); }, steps, graphs);
+  };
+  const std::vector<float> eager = run(false), graphed = run(true);
+  for (int s = 0; s < steps; ++s) {
+    const std::size_t i = static_cast<std::size_t>(s);
+    MESSAGE("step " << s << ": loss " << eager[i] << " run, " << graphed[i] << " replayed");
+    CHECK(std::memcmp(&eager[i], &graphed[i], sizeof(float)) == 0);
+  }
 }
 
 // ---- the Llama-class model ----------------------------------------------------------------------

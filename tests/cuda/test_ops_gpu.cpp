@@ -164,7 +164,7 @@ TEST_CASE("ops on the GPU: GeLU, SwiGLU, residual, dropout and bias ops match th
   ops::add(g.ctx, dx, dy, out, n);
   ops::add(cpu, x.data(), y.data(), want.data(), n);
   check_close(g.get(out, n), want, bf16_rel, 0.0f);
-  const std::uint64_t seed = ops::dropout_seed(3, 1, 2, 0, 4);
+  const ops::DropoutSeed seed{3, 1, nullptr, 2, 0, 4};
   ops::residual_dropout(g.ctx, dx, dy, out, n, seed, 0.1f);
   ops::residual_dropout(cpu, x.data(), y.data(), want.data(), n, seed, 0.1f);
   check_close(g.get(out, n), want, bf16_rel, 1e-6f);
@@ -181,6 +181,11 @@ TEST_CASE("ops on the GPU: GeLU, SwiGLU, residual, dropout and bias ops match th
   check_close(g.get(out2, n), want, bf16_rel, 1e-6f);
   ops::dropout_backward_mask(g.ctx, dy, mask, out2, n, 0.1f);
   check_close(g.get(out2, n), got, 0.0f, 0.0f);  // one product with the same factor: exact
+  // The step read from device memory (a pass captured in a CUDA graph): the kernel's mask is
+  // the one of the step stored there, not of the host field.
+  const std::int32_t* step_word = g.copy(std::vector<std::int32_t>{1});
+  ops::dropout_backward(g.ctx, dy, out2, n, ops::DropoutSeed{3, 99, step_word, 2, 0, 4}, 0.1f);
+  check_close(g.get(out2, n), got, 0.0f, 0.0f);
   // Biases: a bf16 and an fp32 row vector added, and the column sums of a gradient.
   const int rows = 333, cols = 1000;
   const std::vector<float> m = random_bf16(static_cast<std::size_t>(rows) * cols, 21), b = random_bf16(cols, 22);

@@ -251,11 +251,15 @@ TEST_CASE("ops: GeLU's gradient matches float64 central differences of its tanh 
 TEST_CASE("ops: dropout keeps what its seed says, the mask variant agrees, biases add and sum in row order") {
   const long long count = 1000;
   const std::vector<float> x = noise(count, 27), y = noise(count, 28);
+  const ops::DropoutSeed site{1, 2, nullptr, 3, 0, 4};
   const std::uint64_t seed = ops::dropout_seed(1, 2, 3, 0, 4);
+  CHECK(site.value() == seed);
+  const std::int32_t step_on_device = 2;  // the step read at run time gives the same seed
+  CHECK(ops::DropoutSeed{1, 99, &step_on_device, 3, 0, 4}.value() == seed);
   std::vector<float> out(count), out2(count), back(count), back2(count);
   std::vector<std::uint8_t> mask(count);
-  ops::residual_dropout(ctx, x.data(), y.data(), out.data(), count, seed, 0.25f);
-  ops::residual_dropout_mask(ctx, x.data(), y.data(), out2.data(), mask.data(), count, seed, 0.25f);
+  ops::residual_dropout(ctx, x.data(), y.data(), out.data(), count, site, 0.25f);
+  ops::residual_dropout_mask(ctx, x.data(), y.data(), out2.data(), mask.data(), count, site, 0.25f);
   CHECK(out == out2);
   long long kept = 0;
   for (long long e = 0; e < count; ++e) {
@@ -265,7 +269,7 @@ TEST_CASE("ops: dropout keeps what its seed says, the mask variant agrees, biase
   }
   CHECK(kept > 650);  // about 750 of 1000 kept
   CHECK(kept < 850);
-  ops::dropout_backward(ctx, y.data(), back.data(), count, seed, 0.25f);
+  ops::dropout_backward(ctx, y.data(), back.data(), count, site, 0.25f);
   ops::dropout_backward_mask(ctx, y.data(), mask.data(), back2.data(), count, 0.25f);
   CHECK(back == back2);
   const int rows = 3, n = 4;

@@ -53,6 +53,8 @@ struct RunOptions {
   std::filesystem::path save_dir{}, load_dir{};
   int save_after = -1, first_step = 0;
   bool packed = false;  // each row holds one to three documents (packed_offsets), given as cu_seqlens
+  bool graphs = false;  // RuntimeOptions::graphs
+  int parts = 1;        // forward_backward calls a step (gradient accumulation), each of the batch's rows in turn
 };
 
 /// Document offsets of a microbatch row (8 tokens) at position `k` of the global batch: one
@@ -88,7 +90,8 @@ Run train(po::ScheduleSpec spec, po::Shape asked, int steps, const RunOptions<Co
     Counting reps(grid.replicas(g), &sent[static_cast<std::size_t>(g)]);
     std::vector<Layer> layers;
     for (int c = 0; c < shape.v; ++c) layers.emplace_back(o.cfg, shape.stage_of(r, c), shape.stages());
-    po::Runtime rt(program, dev, comm, reps, std::span<Layer>(layers), {.microbatch = mbs, .gradients = o.gradients});
+    po::Runtime rt(program, dev, comm, reps, std::span<Layer>(layers),
+                   {.microbatch = mbs, .gradients = o.gradients, .graphs = o.graphs});
     po::AdamW opt(rt, {.weight_decay = 0.1f, .zero = o.zero});
     const std::size_t per = static_cast<std::size_t>(mbs.tokens()) * static_cast<std::size_t>(shape.m);
     std::vector<std::int32_t> tok(per), tgt(per);
@@ -106,7 +109,10 @@ Run train(po::ScheduleSpec spec, po::Shape asked, int steps, const RunOptions<Co
       batch.add("tokens", tok, {shape.m * mbs.batch, mbs.seq}).add("targets", tgt, {shape.m * mbs.batch, mbs.seq});
       if (o.packed) batch.add(po::document_offsets_input, offsets, {shape.m * mbs.batch, mbs.seq + 1});
       rt.zero_grad();
-      const po::PassStats st = rt.forward_backward(batch, {.step = s});
+      po::PassStats st;
+      for (int part = 0; part < o.parts; ++part) {  // (the same rows each part: enough to accumulate)
+        st = rt.forward_backward(batch, {.step = s, .part = part, .parts = o.parts});
+      }
       if (s + 1 == steps && j == 0) {
         std::lock_guard lk(mu);
         for (int c = 0; c < shape.v; ++c)

@@ -53,6 +53,16 @@ for extra in (["--schedule", "po-f", "--ranks", "2", "--chunks", "2"],
     if got != ref:
         sys.exit(f"FAIL: {' '.join(extra)} gave {got}, the one-rank reference {ref}")
 
+# --graphs (RuntimeOptions::graphs): steps captured once and replayed give the bits of steps run.
+for extra in (["--ranks", "1", "--chunks", "1"], ["--schedule", "po-f", "--ranks", "2", "--chunks", "2"],
+              ["--schedule", "zb-v", "--ranks", "2", "--chunks", "2", "--dp", "2", "--zero", "1"]):
+    plain = finals(run(*extra, *small).stdout)
+    out = run(*extra, *small, "--graphs").stdout
+    if finals(out) != plain:
+        sys.exit(f"FAIL: {' '.join(extra)} --graphs gave {finals(out)}, without it {plain}")
+err = run("--graphs", "--pcie-pairs", "--schedule", "po-f", "--ranks", "2", code=2).stderr
+assert "--graphs replays captured copies, which cannot follow --pcie-pairs' counters" in err, err
+
 # The exact gradient path (--gradients exact) has its own bits, the same for every schedule too.
 exact_ref = finals(run("--ranks", "1", "--chunks", "1", *small, "--gradients", "exact").stdout)
 if exact_ref == ref:
@@ -287,6 +297,8 @@ else:
     assert "--copy-gbps applies only to --backend cpu" in err, err
     err = run("--backend", "cuda", "--k", "auto", code=2).stderr
     assert "--k auto measures on --backend cpu only" in err, err
+    err = run("--backend", "cuda", "--graphs", "--ranks", "2", code=2).stderr
+    assert "--graphs on --backend cuda captures one rank without replicas (--ranks 1 --dp 1); this run has --ranks 2 --dp 1" in err, err
     if "this machine has 0" in probe.stderr:
         assert probe.returncode == 2, probe
         assert "--backend cuda --ranks 1 needs 1 GPUs; this machine has 0" in probe.stderr, probe.stderr

@@ -275,6 +275,24 @@ template <class B>
 concept reserves_norm_buffers =
     reserves_memory<B> && requires(B& b, std::span<const std::size_t> groups) { b.reserve_sum_squares(groups); };
 
+/// Optional, on top of `backend`: work enqueued once and replayed (RuntimeOptions::graphs).
+/// begin_capture(origin) starts a capture of every stream: launch, record and wait are
+/// recorded, not run, until end_capture() returns the Graph; replay(g) enqueues the captured
+/// work again, after every stream's earlier work and before any stream's later work. What a
+/// replay repeats: backend::Cuda's CUDA graph repeats the device work the launches enqueued
+/// (the host code in them ran once, during the capture); backend::Cpu repeats the launches
+/// themselves (B::replays_launches). A capture holds no host wait (synchronize, upload,
+/// download; a layer's pass that makes one cannot be captured). A capture that fails (a pass
+/// threw, or CUDA refused a call) fails the device and end_capture() throws its message.
+template <class B>
+concept captures_graphs = requires(B& b, int stream, const typename B::Graph& g) {
+  typename B::Graph;
+  { B::replays_launches } -> std::convertible_to<bool>;
+  b.begin_capture(stream);
+  { b.end_capture() } -> std::same_as<typename B::Graph>;
+  b.replay(g);
+};
+
 /// A backend whose device memory the host reads and writes directly (backend::Cpu says so
 /// with `static constexpr bool device_memory_is_host = true`): the runtime's buffer guard
 /// (RuntimeOptions::guard_buffers) checks its canaries there.

@@ -245,22 +245,25 @@ inline void swiglu_backward(const CpuContext&, const float* dout, const float* g
 
 /// out = x + y * dropout_scale(seed, i, p): a residual after a dropped-out branch.
 inline void residual_dropout(const CpuContext&, const float* x, const float* y, float* out, long long count,
-                             std::uint64_t seed, float p) {
+                             DropoutSeed site, float p) {
+  const std::uint64_t seed = site.value();
   detail::elementwise(out, count, [&](long long e) {
     return ops::residual_dropout(x[e], y[e], seed, static_cast<std::uint64_t>(e), p);
   });
 }
 
 /// out = g * dropout_scale(seed, i, p): the mask regenerated from the seed.
-inline void dropout_backward(const CpuContext&, const float* g, float* out, long long count, std::uint64_t seed,
+inline void dropout_backward(const CpuContext&, const float* g, float* out, long long count, DropoutSeed site,
                              float p) {
+  const std::uint64_t seed = site.value();
   detail::elementwise(out, count,
                       [&](long long e) { return g[e] * dropout_scale(seed, static_cast<std::uint64_t>(e), p); });
 }
 
 /// residual_dropout that also keeps each element's keep decision as a byte (mask[i]).
 inline void residual_dropout_mask(const CpuContext&, const float* x, const float* y, float* out, std::uint8_t* mask,
-                                  long long count, std::uint64_t seed, float p) {
+                                  long long count, DropoutSeed site, float p) {
+  const std::uint64_t seed = site.value();
   for (long long e = 0; e < count; ++e) {
     const float k = dropout_scale(seed, static_cast<std::uint64_t>(e), p);
     mask[e] = k != 0.0f;

@@ -95,12 +95,12 @@ void swiglu_backward(const CudaContext& ctx, const bf16* dout, const bf16* gate,
 void add(const CudaContext& ctx, const bf16* a, const bf16* b, bf16* out, long long count);
 /// out = x + y * dropout_scale(seed, i, p): a residual after a dropped-out branch.
 void residual_dropout(const CudaContext& ctx, const bf16* x, const bf16* y, bf16* out, long long count,
-                      std::uint64_t seed, float p);
+                      DropoutSeed seed, float p);
 /// out = g * dropout_scale(seed, i, p): the mask regenerated from the seed, never stored.
-void dropout_backward(const CudaContext& ctx, const bf16* g, bf16* out, long long count, std::uint64_t seed, float p);
+void dropout_backward(const CudaContext& ctx, const bf16* g, bf16* out, long long count, DropoutSeed seed, float p);
 /// residual_dropout that also keeps each element's keep decision as a byte (mask[i]).
 void residual_dropout_mask(const CudaContext& ctx, const bf16* x, const bf16* y, bf16* out, std::uint8_t* mask,
-                           long long count, std::uint64_t seed, float p);
+                           long long count, DropoutSeed seed, float p);
 /// out = g * dropout_mask_scale(mask[i], p): dropout_backward from the kept mask.
 void dropout_backward_mask(const CudaContext& ctx, const bf16* g, const std::uint8_t* mask, bf16* out, long long count,
                            float p);

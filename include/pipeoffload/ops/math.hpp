@@ -205,6 +205,23 @@ PIPEOFFLOAD_HOST_DEVICE inline std::uint64_t dropout_seed(std::uint64_t run_seed
   return mix64(s, static_cast<std::uint64_t>(mb));
 }
 
+/// The seed of one dropout site as a pass hands it to the dropout ops: dropout_seed(run_seed,
+/// step, layer, site, mb), with the step read where the mask is made from `step_at` (device
+/// memory, Microbatch::device_step) when that is set, else `step`. A pass captured in a CUDA
+/// graph (RuntimeOptions::graphs) is replayed at later steps: the kernel reads the step then.
+struct DropoutSeed {
+  std::uint64_t run_seed = 0;             ///< the run's seed
+  int step = 0;                           ///< the optimizer step (when step_at is null)
+  const std::int32_t* step_at = nullptr;  ///< the step in device memory, read at run time (null: `step`)
+  int layer = 0,                          ///< the layer (block) index in the model
+      site = 0,                           ///< which dropout of the layer
+      mb = 0;                             ///< the microbatch index within the step
+  /// The seed: dropout_seed of the fields, the step from step_at where set.
+  PIPEOFFLOAD_HOST_DEVICE std::uint64_t value() const {
+    return dropout_seed(run_seed, step_at != nullptr ? *step_at : step, layer, site, mb);
+  }
+};
+
 /// Keep element i? (probability 1 - p). Uses the top 24 bits as a uniform in [0, 1).
 PIPEOFFLOAD_HOST_DEVICE inline bool dropout_keep(std::uint64_t seed, std::uint64_t i, float p) {
   const float u = static_cast<float>(mix64(seed, i) >> 40) * (1.0f / 16777216.0f);

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <span>
 #include <string>
@@ -75,6 +76,16 @@ struct RuntimeOptions {
   /// first byte changed). Needs a backend whose device memory the host reads (backend::Cpu);
   /// the reservation grows by guard_bytes a buffer. Off by default.
   bool guard_buffers = false;
+  /// Capture each kind of training call (its part of the step) once and replay it at later
+  /// steps: one launch of a CUDA graph a call on backend::Cuda instead of a launch per kernel.
+  /// The first call of each kind runs as usual (libraries plan their work there), the second
+  /// is captured; every later one is replayed, bit-identical to running it. Needs a backend
+  /// that captures (backend::captures_graphs) and stages that are capturable() (layer.hpp);
+  /// the step reaches the passes in device memory (Microbatch::device_step). On backend::Cuda
+  /// one rank without replicas (d = 1, dp = 1): the communicators keep host-side bookkeeping a
+  /// replay would not repeat. A parameter gather left running by the optimizer is waited for
+  /// before the replay, not by the first pass that needs it. docs/backends.md, "Captured steps".
+  bool graphs = false;
 };
 
 /// Canary bytes after each saved and stash buffer under RuntimeOptions::guard_buffers.
@@ -298,6 +309,10 @@ class Runtime<Backend, Communicator> {
       throw error(
           "po::Runtime::pair_with: the schedule was planned with Costs::stagger_pairs = false; pairs need staggered copy slots");
     if (iterations_ > 0) throw error("po::Runtime::pair_with: call it before the first step");
+    if (opt_.graphs)
+      throw error(
+          "po::Runtime::pair_with: RuntimeOptions::graphs replays captured copies, which cannot follow the "
+          "pairs' counters; run pairs without graphs");
     if (!train_.lowered.paired)
       throw error(
           "po::Runtime::pair_with: this program's copies cannot keep the pairs' staggered grid: with the pair waits, "
@@ -588,6 +603,20 @@ class Runtime<Backend, Communicator> {
     LoweredRank lowered;
     std::vector<int> compute_done, copy_done, comm_done;
   };
+  // A captured kind of training call (RuntimeOptions::graphs): (part, parts) -> its graph.
+  template <class B>
+  struct GraphOf {
+    using type = char;  // (a backend that cannot capture; construct() refuses graphs)
+  };
+  template <backend::captures_graphs B>
+  struct GraphOf<B> {
+    using type = typename B::Graph;
+  };
+  struct Captured {
+    typename GraphOf<Backend>::type graph{};
+    StepInfo info{};  // the call it was captured at: what a replay's passes see
+    int calls = 0;    // calls of this kind so far (the first runs as usual, the second is captured)
+  };
   // The step in progress, as the passes see it.
   struct Call {
     StepInfo info{};
@@ -740,6 +769,7 @@ class Runtime<Backend, Communicator> {
     mb.mb = (replica_ * in.parts + in.part) * sh.m + op.mb;
     mb.microbatches = dp_ * in.parts * sh.m;
     mb.step = in.step;
+    if (opt_.graphs) mb.device_step = step_dev();
     mb.training = call_.plan->training;
     mb.shape = opt_.microbatch;
     mb.inputs = views_[c * static_cast<std::size_t>(sh.m) + static_cast<std::size_t>(op.mb)];
@@ -859,6 +889,15 @@ class Runtime<Backend, Communicator> {
   float* losses_dev() const {
     return reinterpret_cast<float*>(results_dev_.ptr + flag_count() * sizeof(std::uint32_t));
   }
+  // RuntimeOptions::graphs: the step, one int32 after the losses (Microbatch::device_step).
+  std::int32_t* step_dev() const {
+    return reinterpret_cast<std::int32_t*>(results_dev_.ptr + flag_count() * sizeof(std::uint32_t) +
+                                           static_cast<std::size_t>(program_.shape.m) * sizeof(float));
+  }
+  std::map<std::pair<int, int>, Captured> captured_;  // RuntimeOptions::graphs, by (part, parts)
+  long long step_written_ = -1;                       // the step step_dev() holds (-1: none yet)
+  /// RuntimeOptions::graphs: runs a training call by its kind's graph (see there).
+  void run_graph(const Plan& plan, StepInfo info);
   std::vector<backend::Block> sums_;                 // per chunk: exact::Fixed gradient sums, padded to whole buckets
   std::vector<backend::Block> staging_;              // reduction: reduction_staging_bytes' buffers, in its order
   std::vector<GradientLayout> layouts_;              // per chunk: reduction buckets and shards

@@ -109,6 +109,9 @@ class StageRef {
   std::vector<SharedParam> shared_parameters() const { return vt_->shared_parameters(obj_); }
   /// The stage type's name() or, without one, its C++ type name.
   std::string name() const { return vt_->name(obj_); }
+  /// Whether RuntimeOptions::graphs may capture the stage's passes (the layer's capturable();
+  /// false when it declares none).
+  bool capturable() const { return vt_->capturable(obj_); }
 
   /// The layer itself, when the caller knows its type (nullptr for another type).
   template <class L>
@@ -132,6 +135,7 @@ class StageRef {
     std::vector<ParamInfo> (*parameter_info)(void*);
     std::vector<SharedParam> (*shared_parameters)(void*);
     std::string (*name)(void*);
+    bool (*capturable)(void*);
   };
 
   // Only for layers: a type that is not one gets the static_assert's sentence and nothing else.
@@ -206,6 +210,12 @@ class StageRef {
           return std::string(self<L>(p).name());
         else
           return detail::type_name<L>();
+      },
+      [](void* p) {
+        if constexpr (detail::has_capturable<L>)
+          return static_cast<bool>(self<L>(p).capturable());
+        else
+          return false;
       },
   };
 

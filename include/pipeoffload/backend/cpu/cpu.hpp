@@ -110,10 +110,14 @@ class Cpu : public detail::Failure<Cpu> {
   }
 
   /// Queues fn on `stream`: its worker thread runs it after the stream's earlier work.
-  void launch(int stream, std::function<void()> fn) { push(stream, Item{Item::run, 0, 0, std::move(fn)}); }
+  void launch(int stream, std::function<void()> fn) {
+    if (captured(Graph::launch, stream, 0, &fn)) return;
+    push(stream, Item{Item::run, 0, 0, std::move(fn)});
+  }
 
   /// Records `event` on `stream`: it completes when the stream reaches this point.
   void record(int event, int stream) {
+    if (captured(Graph::record, stream, event)) return;
     std::uint64_t target;
     {
       std::lock_guard lk(mu_);
@@ -124,6 +128,7 @@ class Cpu : public detail::Failure<Cpu> {
 
   /// Makes `stream` wait for the latest record of `event` (none yet: no wait).
   void wait(int stream, int event) {
+    if (captured(Graph::wait, stream, event)) return;
     std::uint64_t target;
     {
       std::lock_guard lk(mu_);
@@ -133,8 +138,65 @@ class Cpu : public detail::Failure<Cpu> {
     push(stream, Item{Item::wait, event, target, {}});
   }
 
+  // ---- captured work (backend::captures_graphs) ---------------------------------------------
+
+  /// A captured stretch of work: the launches, records and waits, in the order they were made.
+  struct Graph {
+    /// Which call was captured.
+    enum Kind : std::uint8_t { launch, record, wait };
+    /// One captured call.
+    struct Call {
+      Kind kind = launch;        ///< launch, record or wait
+      int stream = 0,            ///< the stream it was made on
+          event = 0;             ///< record and wait: the event
+      std::function<void()> fn;  ///< launch: the work
+    };
+    std::vector<Call> calls;  ///< what replay() makes again
+  };
+  /// A replay repeats the launches themselves: their host code runs again (backend.hpp).
+  static constexpr bool replays_launches = true;
+
+  /// Starts recording launch, record and wait (on any stream) instead of running them.
+  void begin_capture(int origin) {
+    std::lock_guard lk(mu_);
+    at(origin);
+    if (capture_) throw error("backend::Cpu::begin_capture: a capture is under way already");
+    capture_ = std::make_unique<Graph>();
+    capturing_ = true;
+  }
+  /// Ends the capture and returns what it recorded (throws the device's error if it failed).
+  Graph end_capture() {
+    std::unique_ptr<Graph> g;
+    {
+      std::lock_guard lk(mu_);
+      if (!capture_) throw error("backend::Cpu::end_capture: no capture is under way (begin_capture)");
+      g = std::move(capture_);
+      capturing_ = false;
+      if (failed_) throw error(error_);
+    }
+    return std::move(*g);
+  }
+  /// Makes the captured calls again, after every stream's earlier work and before any
+  /// stream's later work (as a CUDA graph's launch is ordered).
+  void replay(const Graph& g) {
+    cross_fence();
+    for (const Graph::Call& c : g.calls) switch (c.kind) {
+        case Graph::launch:
+          launch(c.stream, c.fn);
+          break;
+        case Graph::record:
+          record(c.event, c.stream);
+          break;
+        case Graph::wait:
+          wait(c.stream, c.event);
+          break;
+      }
+    cross_fence();
+  }
+
   /// Host waits until every stream is idle; throws the first error if any stream failed.
   void synchronize() {
+    require_no_capture("synchronize");
     ++host_waits_;
     std::unique_lock lk(mu_);
     drain(lk);
@@ -245,11 +307,13 @@ class Cpu : public detail::Failure<Cpu> {
 
   /// Copies `bytes` of device memory to host memory (a memcpy here).
   void download(void* host, const void* device, std::size_t bytes) {
+    require_no_capture("download");
     ++host_waits_;
     if (bytes > 0) std::memcpy(host, device, bytes);
   }
   /// Copies `bytes` of host memory to device memory (a memcpy here).
   void upload(void* device, const void* host, std::size_t bytes) {
+    require_no_capture("upload");
     ++host_waits_;
     if (bytes > 0) std::memcpy(device, host, bytes);
   }
@@ -540,6 +604,37 @@ class Cpu : public detail::Failure<Cpu> {
     return events_[static_cast<std::size_t>(e)];
   }
 
+  /// A host wait during a capture is refused, as on a GPU (backend.hpp).
+  void require_no_capture(const char* who) const {
+    if (capturing_.load(std::memory_order_relaxed))
+      throw error(std::string("backend::Cpu::") + who +
+                  " during a capture: a captured step may only launch work on the device's streams");
+  }
+  /// During a capture: keeps the call (a launch's fn moved) for the graph and returns true;
+  /// otherwise false.
+  bool captured(Graph::Kind kind, int stream, int event, std::function<void()>* fn = nullptr) {
+    if (!capturing_.load(std::memory_order_relaxed)) return false;  // (no lock on the usual path)
+    std::lock_guard lk(mu_);
+    if (!capture_) return false;
+    at(stream);
+    if (kind != Graph::launch) ev(event);
+    capture_->calls.push_back({kind, stream, event, fn != nullptr ? std::move(*fn) : std::function<void()>{}});
+    return true;
+  }
+  /// Every stream's later work after every stream's work so far (a replay's edges).
+  void cross_fence() {
+    std::size_t n;
+    {
+      std::lock_guard lk(mu_);
+      n = streams_.size();
+    }
+    while (fences_.size() < n) fences_.push_back(make_event());
+    for (std::size_t s = 0; s < n; ++s) record(fences_[s], static_cast<int>(s));
+    for (std::size_t t = 0; t < n; ++t)
+      for (std::size_t s = 0; s < n; ++s)
+        if (s != t) wait(static_cast<int>(t), fences_[s]);
+  }
+
   void push(int stream, Item item) {
     Stream* s;
     {
@@ -658,6 +753,9 @@ class Cpu : public detail::Failure<Cpu> {
   std::vector<std::unique_ptr<Stream>> streams_;
   std::deque<Event> events_;
   bool stop_ = false;
+  std::unique_ptr<Graph> capture_;      // the capture under way (under mu_)
+  std::atomic<bool> capturing_{false};  // capture_ is set (read without the lock by the capturing thread)
+  std::vector<int> fences_;             // one event per stream for replay's edges
 
   mutable std::mutex mem_mu_;
   std::map<std::size_t, Pool> device_, host_;  // by block size (bytes rounded up to 64)
@@ -667,6 +765,7 @@ class Cpu : public detail::Failure<Cpu> {
 
 static_assert(backend<Cpu>, "backend::Cpu must model the backend concept.");
 static_assert(updates_parameters<Cpu>, "backend::Cpu must run the optimizers' updates.");
+static_assert(captures_graphs<Cpu>, "backend::Cpu must capture and replay a step.");
 
 }  // namespace backend
 }  // namespace pipeoffload

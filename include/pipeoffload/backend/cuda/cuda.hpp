@@ -142,6 +142,7 @@ class Cuda : public detail::Failure<Cuda> {
     // The stream of the between-steps operations (download, upload, zero, sum_squares, adamw, sgd).
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamCreateWithFlags(&aux_, cudaStreamNonBlocking));
     PIPEOFFLOAD_CUDA_CHECK(cudaEventCreateWithFlags(&aux_done_, cudaEventDisableTiming));
+    PIPEOFFLOAD_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     // (3 * max_norm_groups + 1) int64 table and max_norm_groups fp64 sums, pinned host, owned
     // here: sum_squares' uploads and results, so that no step copies through pageable memory.
     void* staging = nullptr;
@@ -172,6 +173,7 @@ class Cuda : public detail::Failure<Cuda> {
       cudaStreamDestroy(aux_);
     }
     if (aux_done_) cudaEventDestroy(aux_done_);
+    if (fork_) cudaEventDestroy(fork_);
     if (norm_staging_) cudaFreeHost(norm_staging_);
     attention_.reset();  // its graphs were finalized against dnn_
     gemms_.reset();      // its descriptors belong to lt_'s device
@@ -239,6 +241,7 @@ class Cuda : public detail::Failure<Cuda> {
   /// results are then in their `out`); throws the first error (a failed pass, or a CUDA error
   /// reported by a stream), after which the device stays failed.
   void synchronize() {
+    require_no_capture("synchronize");
     select();
     ++host_waits_;
     try {
@@ -258,6 +261,126 @@ class Cuda : public detail::Failure<Cuda> {
     }
     std::lock_guard lk(mu_);
     if (failed_) throw error(error_);
+  }
+
+  // ---- captured work (backend::captures_graphs) ---------------------------------------------
+
+  /// A captured stretch of work: an instantiated CUDA graph and the stream it is launched on.
+  class Graph {
+   public:
+    Graph() = default;
+    /// Takes `o`'s graph (`o` is left empty).
+    Graph(Graph&& o) noexcept : exec_(std::exchange(o.exec_, nullptr)), origin_(o.origin_) {}
+    /// Drops this graph and takes `o`'s (`o` is left empty).
+    Graph& operator=(Graph&& o) noexcept {
+      if (this != &o) {
+        reset();
+        exec_ = std::exchange(o.exec_, nullptr);
+        origin_ = o.origin_;
+      }
+      return *this;
+    }
+    Graph(const Graph&) = delete;
+    Graph& operator=(const Graph&) = delete;
+    ~Graph() { reset(); }
+    /// Whether it holds a graph (end_capture's do).
+    explicit operator bool() const { return exec_ != nullptr; }
+
+   private:
+    friend class Cuda;
+    void reset() {
+      if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+      exec_ = nullptr;
+    }
+    cudaGraphExec_t exec_ = nullptr;
+    int origin_ = -1;
+  };
+  /// A replay repeats the device work the launches enqueued, not the launches (backend.hpp).
+  static constexpr bool replays_launches = false;
+
+  /// Starts capturing every stream into one CUDA graph (cudaStreamBeginCapture on `origin`,
+  /// thread-local mode, the other streams forked from it). Waits for the device first, so no
+  /// earlier work or block guard crosses into the capture.
+  void begin_capture(int origin) {
+    if (capturing_ >= 0)
+      throw error("backend::Cuda::begin_capture: stream " + std::to_string(capturing_) + " is capturing already");
+    at(origin);
+    synchronize();
+    fence();  // (the between-steps work is done: its fence stays outside the capture)
+    forget_guards();
+    select();
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamBeginCapture(at(origin), cudaStreamCaptureModeThreadLocal));
+    capturing_ = origin;
+    try {
+      PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(fork_, at(origin)));
+      for (std::size_t i = 0; i < streams_.size(); ++i)
+        if (static_cast<int>(i) != origin) PIPEOFFLOAD_CUDA_CHECK(cudaStreamWaitEvent(streams_[i].stream, fork_, 0));
+    } catch (...) {
+      end_capture_quietly();
+      throw;
+    }
+  }
+
+  /// Ends the capture: joins the other streams back into the origin, instantiates the graph
+  /// and returns it. Throws (the device failed, with the first error) when a pass failed or
+  /// CUDA refused a call during the capture. Blocks freed during the capture are free again
+  /// without a guard: their last use is in the graph, which replay() orders before every
+  /// stream's later work.
+  Graph end_capture() {
+    if (capturing_ < 0) throw error("backend::Cuda::end_capture: no capture is under way (begin_capture)");
+    const int origin = capturing_;
+    select();
+    cudaError_t joined = cudaSuccess;
+    for (std::size_t i = 0; i < streams_.size() && joined == cudaSuccess; ++i) {
+      if (static_cast<int>(i) == origin) continue;
+      joined = cudaEventRecord(streams_[i].joined, streams_[i].stream);
+      if (joined == cudaSuccess) joined = cudaStreamWaitEvent(at(origin), streams_[i].joined, 0);
+    }
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(at(origin), &graph);
+    capturing_ = -1;
+    forget_guards();
+    std::string why;
+    {
+      std::lock_guard lk(mu_);
+      if (failed_) why = error_;
+    }
+    const auto text = [](const char* call, cudaError_t e) {
+      return std::string(call) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+    };
+    if (why.empty() && joined != cudaSuccess) why = text("joining the streams", joined);
+    if (why.empty() && ended != cudaSuccess) why = text("cudaStreamEndCapture", ended);
+    Graph g;
+    g.origin_ = origin;
+    if (why.empty())
+      if (const cudaError_t e = cudaGraphInstantiate(&g.exec_, graph, 0); e != cudaSuccess)
+        why = text("cudaGraphInstantiate", e);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (!why.empty()) {
+      cudaGetLastError();
+      fail("capturing a step: " + why);
+      throw error("backend::Cuda: the capture failed: " + why);
+    }
+    return g;
+  }
+
+  /// Launches `g` on its origin stream, after every stream's earlier work; every stream's
+  /// later work waits for it. Nothing once the device has failed.
+  void replay(const Graph& g) {
+    if (!g) throw error("backend::Cuda::replay: an empty Graph (end_capture makes them)");
+    if (failed()) return;
+    select();
+    fence();
+    const int o = g.origin_;
+    for (std::size_t i = 0; i < streams_.size(); ++i)
+      if (static_cast<int>(i) != o) {
+        PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(streams_[i].joined, streams_[i].stream));
+        PIPEOFFLOAD_CUDA_CHECK(cudaStreamWaitEvent(at(o), streams_[i].joined, 0));
+      }
+    PIPEOFFLOAD_CUDA_CHECK(cudaGraphLaunch(g.exec_, at(o)));
+    PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(fork_, at(o)));
+    for (std::size_t i = 0; i < streams_.size(); ++i)
+      if (static_cast<int>(i) != o) PIPEOFFLOAD_CUDA_CHECK(cudaStreamWaitEvent(streams_[i].stream, fork_, 0));
   }
 
   /// Registers `poll`, which synchronize() calls on the waiting (the rank's own) thread while
@@ -676,6 +799,7 @@ class Cuda : public detail::Failure<Cuda> {
   void select() const { PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(opt_.device)); }
 
   void blocking_copy(void* dst, const void* src, std::size_t bytes) {
+    require_no_capture("upload/download");
     if (bytes == 0) return;
     select();
     ++host_waits_;
@@ -697,6 +821,7 @@ class Cuda : public detail::Failure<Cuda> {
   /// Makes aux_ wait, on the GPU, for the work enqueued on every stream so far (before an
   /// enqueued operation: backend.hpp's order), once per use of the streams.
   void join() {
+    require_no_capture("a between-steps operation");
     if (!streams_used_) return;
     streams_used_ = false;
     for (const StreamInfo& s : streams_) {
@@ -762,6 +887,30 @@ class Cuda : public detail::Failure<Cuda> {
       else
         std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
+  }
+
+  /// Every freed block's guard dropped (its event back to the pool): for when no guard can be
+  /// waited on, at the edges of a capture (see begin_capture and end_capture).
+  void forget_guards() {
+    for (auto* pools : {&free_device_, &free_host_})
+      for (auto& [size, list] : *pools)
+        for (Free& f : list)
+          if (f.guard != nullptr) guard_pool_.push_back(std::exchange(f.guard, nullptr));
+  }
+  /// Ends a capture that cannot go on (its graph is dropped).
+  void end_capture_quietly() {
+    cudaGraph_t graph = nullptr;
+    cudaStreamEndCapture(at(capturing_), &graph);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    capturing_ = -1;
+    cudaGetLastError();
+  }
+  /// The between-steps operations wait for the device or run on aux_, outside any capture:
+  /// refused while one is under way.
+  void require_no_capture(const char* who) const {
+    if (capturing_ >= 0)
+      throw error(std::string("backend::Cuda::") + who +
+                  " during a capture: a captured step may only launch work on the device's streams");
   }
 
   Free guarded(std::byte* p) {
@@ -839,6 +988,8 @@ class Cuda : public detail::Failure<Cuda> {
   std::size_t staging_top_ = 0;                         // staging bytes the pending sum_squares calls use
   std::vector<PendingSums> pending_sums_;               // results to hand over at the next wait
   cudaEvent_t aux_done_ = nullptr;                      // aux_'s fence (see fence())
+  cudaEvent_t fork_ = nullptr;                          // a capture's and a replay's fork (begin_capture, replay)
+  int capturing_ = -1;                                  // the origin stream of the capture under way
   bool aux_pending_ = false;                            // work enqueued on aux_ since the last fence
   bool streams_used_ = false;                           // a stream used since the last join()
   long long host_waits_ = 0;                            // see host_waits()
@@ -854,6 +1005,7 @@ class Cuda : public detail::Failure<Cuda> {
 static_assert(backend<Cuda>, "backend::Cuda must model the backend concept.");
 static_assert(updates_parameters<Cuda>, "backend::Cuda must run the optimizers' updates on the device.");
 static_assert(reserves_memory<Cuda>, "backend::Cuda must reserve the runtime's blocks when it is constructed.");
+static_assert(captures_graphs<Cuda>, "backend::Cuda must capture and replay a step (CUDA graphs).");
 
 /// The sysfs PCI path of CUDA device `device` (for cuda::pair_devices).
 inline std::string pci_path(int device) {

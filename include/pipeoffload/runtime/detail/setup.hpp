@@ -40,6 +40,25 @@ void Runtime<Backend, Communicator>::construct() {
       throw error(
           "po::Runtime: RuntimeOptions::guard_buffers needs a backend whose device memory the host reads "
           "(backend::Cpu); run the layer's tests with it on the CPU backend");
+  if (opt_.graphs) {
+    if constexpr (!backend::captures_graphs<Backend>) {
+      throw error(
+          "po::Runtime: RuntimeOptions::graphs needs a backend that captures and replays work "
+          "(backend::captures_graphs: backend::Cpu, backend::Cuda)");
+    } else {
+      for (const Stage& st : stages_)
+        if (!st.capturable())
+          throw error("po::Runtime: RuntimeOptions::graphs: the stage type " + st.name() +
+                      " does not say its passes can be captured (a member bool capturable() const returning "
+                      "true: the passes read the step from mb.device_step and make no host wait; layer.hpp)");
+      if (!Backend::replays_launches && (sh.d != 1 || replicas_ != nullptr))
+        throw error(
+            "po::Runtime: RuntimeOptions::graphs on this backend captures one rank without replicas (d = 1, "
+            "dp = 1); this run has d = " +
+            std::to_string(sh.d) + " and " + (replicas_ != nullptr ? "replicas" : "no replicas") +
+            " (the communicators keep host-side bookkeeping that a replay would not repeat)");
+    }
+  }
   if (opt_.exact_block < 1 || sh.m % opt_.exact_block != 0)
     throw error("po::Runtime: RuntimeOptions::exact_block = " + std::to_string(opt_.exact_block) +
                 " must be >= 1 and divide m = " + std::to_string(sh.m));
@@ -365,7 +384,8 @@ void Runtime<Backend, Communicator>::allocate_state() {
     if (t.holders[0].rank == rank_) primary = std::max(primary, t.holders[0].count);
   if (const std::size_t bytes = tie_staging_bytes(primary, opt_.reduce_bucket, opt_.gradients); bytes > 0)
     tie_staging_ = take(bytes);
-  results_dev_ = take(flag_count() * sizeof(std::uint32_t) + m * sizeof(float));
+  results_dev_ =
+      take(flag_count() * sizeof(std::uint32_t) + m * sizeof(float) + (opt_.graphs ? sizeof(std::int32_t) : 0));
   // Each stage's view of each microbatch's inputs: fixed device addresses, built once.
   views_.resize(static_cast<std::size_t>(sh.v) * m);
   for (int c = 0; c < sh.v; ++c)

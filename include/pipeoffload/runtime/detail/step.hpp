@@ -38,7 +38,10 @@ PassStats Runtime<Backend, Communicator>::run(const Plan& plan, const Batch& bat
   }
   const double t0 = dev_.now();
   if (plan.training) norm_ready_ = false;  // (evaluation leaves the gradients as they are)
-  enqueue(plan);
+  if (opt_.graphs && plan.training)
+    run_graph(plan, info);
+  else
+    enqueue(plan);
   if (plan.training) ++iterations_;
   // A step's last call: the gradient norm's sums behind the step's work, read by its one wait
   // (po::grad_norm takes them from norm_sums() instead of waiting again).
@@ -51,12 +54,53 @@ PassStats Runtime<Backend, Communicator>::run(const Plan& plan, const Batch& bat
     comm_.abort(e.what());
     throw;
   }
+  call_.info = info;  // (a replay's passes saw the captured call's)
   PassStats st;
   st.seconds = dev_.now() - t0;
   st.memory = memory();
   verdict(plan, st);
   if (plan.training) norm_ready_ = norm && backend::updates_parameters<Backend>;
   return st;
+}
+
+// A training call under RuntimeOptions::graphs. Its kind (part of parts) runs as usual the
+// first time, is captured the second and replayed from then on; the step is in device memory
+// (step_dev), and the passes of a replay see the captured call's StepInfo, on backend::Cpu too
+// (whose replay runs the launches again), so a pass that reads a host value that changes from
+// step to step shows on the CPU as it would on a GPU.
+template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::run_graph(const Plan& plan, StepInfo info) {
+  if constexpr (backend::captures_graphs<Backend>) {
+    if (step_written_ != info.step) {
+      const std::int32_t step = info.step;
+      dev_.upload(step_dev(), &step, sizeof step);
+      step_written_ = info.step;
+    }
+    Captured& c = captured_[{info.part, info.parts}];
+    if (c.calls++ == 0) {
+      enqueue(plan);
+      return;
+    }
+    // A gather the optimizer left running is behind the replay (which follows every stream's
+    // earlier work), not a wait inside the graph.
+    std::fill(gather_pending_.begin(), gather_pending_.end(), 0);
+    if (c.calls == 2) {
+      dev_.begin_capture(compute_);
+      try {
+        enqueue(plan);
+      } catch (...) {
+        try {
+          dev_.end_capture();
+        } catch (...) {  // the enqueue's own error is the one to report
+        }
+        throw;
+      }
+      c.graph = dev_.end_capture();
+      c.info = info;
+    }
+    call_.info = c.info;
+    dev_.replay(c.graph);
+  }
 }
 
 template <class Backend, class Communicator>

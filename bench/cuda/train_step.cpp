@@ -1,0 +1,224 @@
+// bench/cuda/train_step.cpp: the steady-state training step of a GPT held by one rank in v
+// chunks, as a user runs it (zero_grad, forward_backward, grad_norm, clip, AdamW): after
+// --warmup steps, --steps timed ones; median and p90 step time, tokens/s, MFU, host waits a
+// step, device and pinned peaks, for each schedule asked, each run as usual and with its
+// steps captured and replayed (RuntimeOptions::graphs), side by side in one run. --backend cpu
+// runs the CPU model through the same code (a check that it runs; no MFU). Exits 77 on
+// --backend cuda without a GPU.
+//   ./build/bench/cuda/train_step [--backend cuda] [--hidden 4096] [--seq 4096] [--heads 32]
+//       [--layers 4] [--chunks 2] [--microbatches 8] [--batch 1] [--vocab 50304]
+//       [--schedules po-f,gis-h,zb-v,1f1b-i] [--warmup 3] [--steps 10] [--peak-tflops P]
+// FLOPs and MFU: docs/benchmarks.md, "bench/cuda/train_step".
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <models/gpt/cpu.hpp>
+#include <models/gpt/cuda.hpp>
+#include <pipeoffload/cuda.hpp>
+#include <pipeoffload/runtime.hpp>
+#include "../../samples/cli.hpp"
+
+namespace po = pipeoffload;
+
+namespace {
+
+struct Settings {
+  bool cuda = true;
+  po::gpt::GptConfig cfg{};
+  int chunks = 2, microbatches = 8, batch = 1, warmup = 3, steps = 10;
+  std::vector<std::string> schedules{"po-f", "gis-h", "zb-v", "1f1b-i"};
+  double peak_tflops = 0;
+};
+
+struct Timing {
+  std::vector<double> step_seconds;  // the timed steps, start to start (the last: to the end)
+  double host_waits = 0;             // per timed step
+  std::size_t device_held = 0, pinned_peak = 0;
+  float last_loss = 0;
+};
+
+double quantile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<std::size_t>(q * static_cast<double>(v.size())))];
+}
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+/// Warm-up and timed steps of `program` on `dev` with stages made by `make(stage, stages)`.
+template <class Stage, class Backend, class Make>
+Timing run(const Settings& s, const po::Program& program, Backend& dev, Make make, bool graphs) {
+  const po::Shape& shape = program.shape;
+  const po::MicrobatchShape mbs{s.batch, s.cfg.seq};
+  po::comm::ThreadsWorld world(1);
+  po::comm::Threads comm(world, 0);
+  std::vector<Stage> layers;
+  layers.reserve(static_cast<std::size_t>(shape.v));
+  for (int c = 0; c < shape.v; ++c) layers.push_back(make(shape.stage_of(0, c), shape.stages()));
+  po::Runtime rt(program, dev, comm, std::span<Stage>(layers), {.microbatch = mbs, .graphs = graphs});
+  po::AdamW opt(rt);
+  const po::WarmupCosine lr{.lr = 1e-4f, .warmup_steps = 1};
+  const std::size_t n = static_cast<std::size_t>(mbs.tokens()) * static_cast<std::size_t>(shape.m);
+  std::vector<std::int32_t> tok(n), tgt(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    tok[i] = static_cast<std::int32_t>((i * 2654435761u) % static_cast<std::size_t>(s.cfg.vocab));
+    tgt[i] = static_cast<std::int32_t>((i * 40503u + 7) % static_cast<std::size_t>(s.cfg.vocab));
+  }
+  const long long rows = static_cast<long long>(mbs.batch) * shape.m;
+  po::Batch batch;
+  batch.add("tokens", tok, {rows, mbs.seq}).add("targets", tgt, {rows, mbs.seq});
+  Timing t;
+  std::vector<double> starts;
+  long long waits = 0;
+  for (int step = 0; step < s.warmup + s.steps; ++step) {
+    if (step == s.warmup) {
+      dev.synchronize();
+      dev.reset_peaks();
+      waits = dev.host_waits();
+    }
+    if (step >= s.warmup) starts.push_back(now());
+    rt.zero_grad();
+    t.last_loss = rt.forward_backward(batch, {.step = step}).loss;
+    opt.step(lr(step), po::clip_scale(po::grad_norm(rt), 1.0f));
+  }
+  dev.synchronize();
+  starts.push_back(now());
+  t.host_waits = static_cast<double>(dev.host_waits() - waits - 1) / s.steps;  // (less the closing wait)
+  for (std::size_t i = 0; i + 1 < starts.size(); ++i) t.step_seconds.push_back(starts[i + 1] - starts[i]);
+  t.device_held = dev.memory().device_held;
+  t.pinned_peak = dev.memory().host_peak;
+  return t;
+}
+
+/// One schedule with and without graphs: a line each, and the ratio.
+template <class Fn>
+void compare(const Settings& s, const std::string& name, double flops_per_step, double tokens_per_step, Fn&& time) {
+  po::Program program;
+  try {
+    program = po::build(po::parse_schedule(name), {1, s.chunks, s.microbatches});
+  } catch (const std::exception& e) {
+    std::printf("%-10s skipped: %s\n", name.c_str(), e.what());
+    return;
+  }
+  double median[2] = {0, 0};
+  for (const bool graphs : {false, true}) {
+    const Timing t = time(program, graphs);
+    const double med = quantile(t.step_seconds, 0.5), p90 = quantile(t.step_seconds, 0.9);
+    median[graphs] = med;
+    std::printf("%-10s %-6s step %9.3f ms (p90 %9.3f)  %11.0f tokens/s", name.c_str(), graphs ? "graphs" : "run",
+                med * 1e3, p90 * 1e3, tokens_per_step / med);
+    if (s.cuda && s.peak_tflops > 0)
+      std::printf("  MFU %5.1f%%", 100.0 * flops_per_step / med / (s.peak_tflops * 1e12));
+    std::printf("  host waits %.1f  device %.2f GiB  pinned %.2f GiB  loss %.4f\n", t.host_waits,
+                static_cast<double>(t.device_held) / (1ull << 30), static_cast<double>(t.pinned_peak) / (1ull << 30),
+                static_cast<double>(t.last_loss));
+  }
+  std::printf("%-10s graphs / run: %.3f\n", name.c_str(), median[1] / median[0]);
+}
+
+Settings parse(int argc, char** argv) {
+  cli::help(argc, argv,
+            "usage: train_step [--backend cuda] [--hidden 4096] [--seq 4096] [--heads 32] [--layers 4] [--chunks 2]\n"
+            "                  [--microbatches 8] [--batch 1] [--vocab 50304] [--schedules po-f,gis-h,zb-v,1f1b-i]\n"
+            "                  [--warmup 3] [--steps 10] [--peak-tflops P]\n");
+  constexpr cli::Flag flags[] = {{"--backend"}, {"--hidden"},       {"--seq"},     {"--heads"},      {"--layers"},
+                                 {"--chunks"},  {"--microbatches"}, {"--batch"},   {"--vocab"},      {"--schedules"},
+                                 {"--warmup"},  {"--steps"},        {"--dropout"}, {"--peak-tflops"}};
+  const cli::Args args(argc, argv, flags);
+  Settings s;
+  s.cfg.hidden = 4096;
+  s.cfg.seq = 4096;
+  s.cfg.heads = 32;
+  s.cfg.layers = 4;
+  s.cfg.vocab = 50304;
+  const auto get = [&](std::string_view f, int& out, long long lo, long long hi) {
+    if (const std::string* v = args.get(f)) out = static_cast<int>(cli::to_int(f, *v, lo, hi));
+  };
+  if (const std::string* v = args.get("--backend")) s.cuda = cli::one_of("--backend", *v, {"cuda", "cpu"}) == "cuda";
+  get("--hidden", s.cfg.hidden, 8, 65536);
+  get("--seq", s.cfg.seq, 1, 1 << 20);
+  get("--heads", s.cfg.heads, 1, 1024);
+  get("--layers", s.cfg.layers, 1, 1024);
+  get("--chunks", s.chunks, 1, 64);
+  get("--microbatches", s.microbatches, 1, 4096);
+  get("--batch", s.batch, 1, 4096);
+  get("--vocab", s.cfg.vocab, 2, 1 << 20);
+  get("--warmup", s.warmup, 2, 1000);  // (a captured kind runs once, then is captured: 2 steps)
+  get("--steps", s.steps, 1, 100000);
+  if (const std::string* v = args.get("--dropout"))
+    s.cfg.dropout = static_cast<float>(cli::to_real("--dropout", *v, 0, 1, false));
+  if (const std::string* v = args.get("--peak-tflops")) s.peak_tflops = cli::to_real("--peak-tflops", *v, 0, 1e6, true);
+  if (const std::string* v = args.get("--schedules")) {
+    s.schedules.clear();
+    std::stringstream in(*v);
+    for (std::string name; std::getline(in, name, ',');) {
+      if (po::find_schedule(name) == nullptr)
+        throw cli::bad_argument("--schedules: " + cli::quote(name) + " is not a schedule (pipeoffload-plan --list)");
+      s.schedules.push_back(name);
+    }
+  }
+  if (s.cfg.hidden % s.cfg.heads != 0)
+    throw cli::bad_argument("--heads " + std::to_string(s.cfg.heads) + " must divide --hidden " +
+                            std::to_string(s.cfg.hidden));
+  if (s.cfg.layers < s.chunks)
+    throw cli::bad_argument("--layers " + std::to_string(s.cfg.layers) + " must be at least --chunks " +
+                            std::to_string(s.chunks));
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  try {
+    s = parse(argc, argv);
+  } catch (const cli::bad_argument& e) {
+    std::fprintf(stderr, "train_step: %s\n", e.what());
+    return 2;
+  }
+  const double b = s.batch, seq = s.cfg.seq, h = s.cfg.hidden, V = s.cfg.vocab;
+  // A step's FLOPs: every block's F+B+W, 12 b s h (6h + s) (gpt_block_gpu's count), and the
+  // head's GEMM, 6 b s h V, for each microbatch.
+  const double flops = s.microbatches * (s.cfg.layers * 12 * b * seq * h * (6 * h + seq) + 6 * b * seq * h * V);
+  const double tokens = s.microbatches * b * seq;
+  try {
+    if (!s.cuda) {
+      std::printf("train_step --backend cpu: h %d, s %d, %d layers, 1 rank x %d chunks, %d microbatches of %d\n",
+                  s.cfg.hidden, s.cfg.seq, s.cfg.layers, s.chunks, s.microbatches, s.batch);
+      for (const std::string& name : s.schedules)
+        compare(s, name, flops, tokens, [&](const po::Program& p, bool graphs) {
+          po::backend::Cpu dev;
+          return run<po::gpt::GptStage>(
+              s, p, dev, [&](int st, int S) { return po::gpt::GptStage(s.cfg, st, S); }, graphs);
+        });
+      return 0;
+    }
+    if (po::backend::device_count() == 0) {
+      std::printf("train_step: no GPU; skipped\n");
+      return 77;
+    }
+    cudaDeviceProp prop{};
+    PIPEOFFLOAD_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    if (s.peak_tflops == 0) s.peak_tflops = prop.major == 8 ? 312 : prop.major == 9 ? 989 : prop.major == 10 ? 2250 : 0;
+    std::printf(
+        "train_step on %s (bf16 peak %.0f TFLOP/s): h %d, s %d, %d layers, 1 rank x %d chunks, %d "
+        "microbatches of %d; %.1f TFLOP a step\n",
+        prop.name, s.peak_tflops, s.cfg.hidden, s.cfg.seq, s.cfg.layers, s.chunks, s.microbatches, s.batch,
+        flops / 1e12);
+    const po::MicrobatchShape mbs{s.batch, s.cfg.seq};
+    for (const std::string& name : s.schedules)
+      compare(s, name, flops, tokens, [&](const po::Program& p, bool graphs) {
+        po::backend::Cuda dev;
+        return run<po::gpt::CudaGptStage>(
+            s, p, dev, [&](int st, int S) { return po::gpt::CudaGptStage(dev, s.cfg, st, S, mbs); }, graphs);
+      });
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_step: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
