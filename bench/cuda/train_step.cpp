@@ -2,9 +2,10 @@
 // chunks, as a user runs it (zero_grad, forward_backward, grad_norm, clip, AdamW): after
 // --warmup steps, --steps timed ones; median and p90 step time, tokens/s, MFU, host waits a
 // step, device and pinned peaks, for each schedule asked, each run as usual and with its
-// steps captured and replayed (RuntimeOptions::graphs), side by side in one run. --backend cpu
-// runs the CPU model through the same code (a check that it runs; no MFU). Exits 77 on
-// --backend cuda without a GPU.
+// steps captured and replayed (RuntimeOptions::graphs), side by side in one run; from the
+// runtime's trace of the last step run, the passes' and copies' busy shares, the measured k and
+// the simulator's step under the measured times. --backend cpu runs the CPU model through the
+// same code (a check that it runs; no MFU). Exits 77 on --backend cuda without a GPU.
 //   ./build/bench/cuda/train_step [--backend cuda] [--hidden 4096] [--seq 4096] [--heads 32]
 //       [--layers 4] [--chunks 2] [--microbatches 8] [--batch 1] [--vocab 50304]
 //       [--schedules po-f,gis-h,zb-v,1f1b-i] [--warmup 3] [--steps 10] [--peak-tflops P]
@@ -21,6 +22,7 @@
 #include <models/gpt/cuda.hpp>
 #include <pipeoffload/cuda.hpp>
 #include <pipeoffload/runtime.hpp>
+#include <pipeoffload/sim/measure.hpp>
 #include "../../samples/cli.hpp"
 
 namespace po = pipeoffload;
@@ -40,6 +42,9 @@ struct Timing {
   double host_waits = 0;             // per timed step
   std::size_t device_held = 0, pinned_peak = 0;
   float last_loss = 0;
+  // The last step's forward_backward, from the runtime's trace (where the device ran each op):
+  double span = 0, passes = 0, copies = 0;  // first start to last end; busy seconds of each stream
+  double k = 0, simulated = 0;              // measured k; po::simulate under the measured costs
 };
 
 double quantile(std::vector<double> v, double q) {
@@ -91,6 +96,22 @@ Timing run(const Settings& s, const po::Program& program, Backend& dev, Make mak
   for (std::size_t i = 0; i + 1 < starts.size(); ++i) t.step_seconds.push_back(starts[i + 1] - starts[i]);
   t.device_held = dev.memory().device_held;
   t.pinned_peak = dev.memory().host_peak;
+  const po::RankSim& tr = rt.trace();
+  double first = 1e300, last = -1e300;
+  for (std::size_t x = 0; x < tr.compute_start.size(); ++x) {
+    t.passes += tr.compute_end[x] - tr.compute_start[x];
+    first = std::min(first, tr.compute_start[x]);
+    last = std::max(last, tr.compute_end[x]);
+  }
+  for (std::size_t y = 0; y < tr.copy_start.size(); ++y) {
+    t.copies += tr.copy_end[y] - tr.copy_start[y];
+    first = std::min(first, tr.copy_start[y]);
+    last = std::max(last, tr.copy_end[y]);
+  }
+  t.span = last - first;
+  const po::Costs measured = po::measured_costs(program, std::span<const po::RankSim>(&tr, 1), po::Costs{});
+  t.k = measured.k;
+  t.simulated = po::simulate(program, measured).makespan;
   return t;
 }
 
@@ -116,6 +137,12 @@ void compare(const Settings& s, const std::string& name, double flops_per_step, 
     std::printf("  host waits %.1f  device %.2f GiB  pinned %.2f GiB  loss %.4f\n", t.host_waits,
                 static_cast<double>(t.device_held) / (1ull << 30), static_cast<double>(t.pinned_peak) / (1ull << 30),
                 static_cast<double>(t.last_loss));
+    if (!graphs)  // (a replay records no times: its trace is the capture's)
+      std::printf(
+          "%-10s passes %.1f%% and copies %.1f%% of the passes' span %.3f ms; k measured %.3g; simulated "
+          "%.3f ms from the measured passes (%.3f of the span)\n",
+          name.c_str(), 100 * t.passes / t.span, 100 * t.copies / t.span, t.span * 1e3, t.k, t.simulated * 1e3,
+          t.simulated / t.span);
   }
   std::printf("%-10s graphs / run: %.3f\n", name.c_str(), median[1] / median[0]);
 }

@@ -291,8 +291,6 @@ probe = subprocess.run([exe, "--backend", "cuda", "--ranks", "1", "--chunks", "1
 if "built without CUDA" in probe.stderr:
     assert probe.returncode == 2, probe
 else:
-    err = run("--backend", "cuda", "--trace", "t.json", code=2).stderr
-    assert "--trace applies only to --backend cpu" in err, err
     err = run("--backend", "cuda", "--copy-gbps", "1", code=2).stderr
     assert "--copy-gbps applies only to --backend cpu" in err, err
     err = run("--backend", "cuda", "--k", "auto", code=2).stderr

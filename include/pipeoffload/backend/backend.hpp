@@ -275,6 +275,15 @@ template <class B>
 concept reserves_norm_buffers =
     reserves_memory<B> && requires(B& b, std::span<const std::size_t> groups) { b.reserve_sum_squares(groups); };
 
+/// Optional, on top of `backend`: where a stream is, in time. Called from work launched on a
+/// stream, mark(slot) writes into *slot (host memory, alive until then), by the next
+/// synchronize(), the time on now()'s clock at which the stream reached that point; the
+/// runtime's trace of every op (Runtime::trace) is made of them. backend::Cpu writes now() as
+/// the stream's thread gets there; backend::Cuda records a timing event there and converts it
+/// at the next synchronize (during a capture: the time of the call, as a replay runs later).
+template <class B>
+concept marks_times = requires(B& b, double* slot) { b.mark(slot); };
+
 /// Optional, on top of `backend`: work enqueued once and replayed (RuntimeOptions::graphs).
 /// begin_capture(origin) starts a capture of every stream: launch, record and wait are
 /// recorded, not run, until end_capture() returns the Graph; replay(g) enqueues the captured

@@ -578,6 +578,9 @@ class Runtime<Backend, Communicator> {
 
   /// Measured start and end (backend clock, seconds) of every op of the last forward_backward,
   /// parallel to this rank's RankProgram: fill a SimResult's RankSim with it to render a real run.
+  /// Where the device ran them (backend::marks_times: on a GPU, timing events). Under
+  /// RuntimeOptions::graphs the captured call's times (when it was enqueued) stay: a replay
+  /// records none.
   const RankSim& trace() const { return trace_; }
   /// Measured start and end (backend clock, seconds) of each gradient reduction of the last
   /// forward_backward (with replicas; in the comm stream's order).
@@ -758,6 +761,15 @@ class Runtime<Backend, Communicator> {
   void verdict(const Plan& plan, PassStats& st);
 
   // ---- the streams ----------------------------------------------------------------------
+
+  /// Where the current stream is, into `slot` by the call's synchronize (backend::marks_times;
+  /// without it, the time of the call).
+  void stamp(double& slot) {
+    if constexpr (backend::marks_times<Backend>)
+      dev_.mark(&slot);
+    else
+      slot = dev_.now();
+  }
 
   Microbatch info(const Op& op) const {
     const Shape& sh = program_.shape;

@@ -212,6 +212,9 @@ class Cpu : public detail::Failure<Cpu> {
   /// What a pass on `stream` is given.
   Context context(int stream) { return Context{this, opt_.rank, stream}; }
 
+  /// backend::marks_times: the stream is here now (fn runs on the stream's own thread).
+  void mark(double* slot) const { *slot = now(); }
+
   /// Seconds on a clock shared by every Cpu in the process (for traces).
   double now() const {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -766,6 +769,7 @@ class Cpu : public detail::Failure<Cpu> {
 static_assert(backend<Cpu>, "backend::Cpu must model the backend concept.");
 static_assert(updates_parameters<Cpu>, "backend::Cpu must run the optimizers' updates.");
 static_assert(captures_graphs<Cpu>, "backend::Cpu must capture and replay a step.");
+static_assert(marks_times<Cpu>, "backend::Cpu must time where its streams are.");
 
 }  // namespace backend
 }  // namespace pipeoffload

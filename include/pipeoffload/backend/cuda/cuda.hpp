@@ -143,6 +143,8 @@ class Cuda : public detail::Failure<Cuda> {
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamCreateWithFlags(&aux_, cudaStreamNonBlocking));
     PIPEOFFLOAD_CUDA_CHECK(cudaEventCreateWithFlags(&aux_done_, cudaEventDisableTiming));
     PIPEOFFLOAD_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+    PIPEOFFLOAD_CUDA_CHECK(cudaStreamCreateWithFlags(&clock_, cudaStreamNonBlocking));
+    PIPEOFFLOAD_CUDA_CHECK(cudaEventCreate(&anchor_));
     // (3 * max_norm_groups + 1) int64 table and max_norm_groups fp64 sums, pinned host, owned
     // here: sum_squares' uploads and results, so that no step copies through pageable memory.
     void* staging = nullptr;
@@ -174,6 +176,10 @@ class Cuda : public detail::Failure<Cuda> {
     }
     if (aux_done_) cudaEventDestroy(aux_done_);
     if (fork_) cudaEventDestroy(fork_);
+    for (const Mark& m : marks_) cudaEventDestroy(m.event);
+    for (cudaEvent_t e : timing_pool_) cudaEventDestroy(e);
+    if (anchor_) cudaEventDestroy(anchor_);
+    if (clock_) cudaStreamDestroy(clock_);
     if (norm_staging_) cudaFreeHost(norm_staging_);
     attention_.reset();  // its graphs were finalized against dnn_
     gemms_.reset();      // its descriptors belong to lt_'s device
@@ -259,6 +265,7 @@ class Cuda : public detail::Failure<Cuda> {
         fail("stream " + s.name + ": " + e.what());
       }
     }
+    resolve_marks();
     std::lock_guard lk(mu_);
     if (failed_) throw error(error_);
   }
@@ -412,11 +419,36 @@ class Cuda : public detail::Failure<Cuda> {
                    gemms_.get()};
   }
 
-  /// Host seconds on a clock shared by every device of the process. The runtime's trace
-  /// records enqueue times with it on this backend (the GPU runs later); use Nsight Systems for
-  /// execution times.
+  /// Host seconds on a clock shared by every device of the process (the clock of mark()).
   double now() const {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+
+  /// backend::marks_times: a timing event on the current stream, converted at the next
+  /// synchronize() to now()'s clock through an anchor event recorded on an idle stream of its
+  /// own at the first mark after a synchronize (the GPU reaches it within microseconds of the
+  /// call). During a capture, or on a failed device: the time of the call.
+  void mark(double* slot) {
+    const int s = current_or_throw("mark");
+    if (capturing_ >= 0 || failed()) {
+      *slot = now();
+      return;
+    }
+    select();
+    if (!anchored_) {
+      PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(anchor_, clock_));
+      anchor_host_ = now();
+      anchored_ = true;
+    }
+    if (timing_pool_.empty()) {
+      cudaEvent_t e = nullptr;
+      PIPEOFFLOAD_CUDA_CHECK(cudaEventCreate(&e));  // (timing on)
+      timing_pool_.push_back(e);
+    }
+    const cudaEvent_t e = timing_pool_.back();
+    PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(e, at(s)));
+    timing_pool_.pop_back();
+    marks_.push_back({e, slot});
   }
 
   // ---- memory ------------------------------------------------------------------------
@@ -889,6 +921,22 @@ class Cuda : public detail::Failure<Cuda> {
     }
   }
 
+  /// The marks' times, once every stream is idle (synchronize); their events back to the pool.
+  /// A mark whose time cannot be read (a failed device) keeps the time of its call's anchor.
+  void resolve_marks() {
+    if (marks_.empty()) return;
+    const bool ok = !failed() && cudaEventSynchronize(anchor_) == cudaSuccess;
+    for (const Mark& m : marks_) {
+      float ms = 0;
+      *m.slot =
+          ok && cudaEventElapsedTime(&ms, anchor_, m.event) == cudaSuccess ? anchor_host_ + 1e-3 * ms : anchor_host_;
+      timing_pool_.push_back(m.event);
+    }
+    cudaGetLastError();
+    marks_.clear();
+    anchored_ = false;
+  }
+
   /// Every freed block's guard dropped (its event back to the pool): for when no guard can be
   /// waited on, at the edges of a capture (see begin_capture and end_capture).
   void forget_guards() {
@@ -989,11 +1037,21 @@ class Cuda : public detail::Failure<Cuda> {
   std::vector<PendingSums> pending_sums_;               // results to hand over at the next wait
   cudaEvent_t aux_done_ = nullptr;                      // aux_'s fence (see fence())
   cudaEvent_t fork_ = nullptr;                          // a capture's and a replay's fork (begin_capture, replay)
-  int capturing_ = -1;                                  // the origin stream of the capture under way
-  bool aux_pending_ = false;                            // work enqueued on aux_ since the last fence
-  bool streams_used_ = false;                           // a stream used since the last join()
-  long long host_waits_ = 0;                            // see host_waits()
-  std::vector<Poll> polls_;                             // wait polls (add_wait_poll), this thread's
+  struct Mark {
+    cudaEvent_t event = nullptr;
+    double* slot = nullptr;
+  };
+  cudaStream_t clock_ = nullptr;          // idle but for the marks' anchor
+  cudaEvent_t anchor_ = nullptr;          // (timing) recorded on clock_ at anchor_host_
+  double anchor_host_ = 0;                // now() when anchor_ was recorded
+  bool anchored_ = false;                 // anchor_ recorded since the last synchronize
+  std::vector<Mark> marks_;               // marks to convert at the next synchronize
+  std::vector<cudaEvent_t> timing_pool_;  // timing events for marks
+  int capturing_ = -1;                    // the origin stream of the capture under way
+  bool aux_pending_ = false;              // work enqueued on aux_ since the last fence
+  bool streams_used_ = false;             // a stream used since the last join()
+  long long host_waits_ = 0;              // see host_waits()
+  std::vector<Poll> polls_;               // wait polls (add_wait_poll), this thread's
   int next_poll_ = 0;
   cuda::PoolBook device_book_, host_book_;  // blocks and reservations per size class
   std::map<std::size_t, std::vector<Free>> free_device_, free_host_;
@@ -1006,6 +1064,7 @@ static_assert(backend<Cuda>, "backend::Cuda must model the backend concept.");
 static_assert(updates_parameters<Cuda>, "backend::Cuda must run the optimizers' updates on the device.");
 static_assert(reserves_memory<Cuda>, "backend::Cuda must reserve the runtime's blocks when it is constructed.");
 static_assert(captures_graphs<Cuda>, "backend::Cuda must capture and replay a step (CUDA graphs).");
+static_assert(marks_times<Cuda>, "backend::Cuda must time where its streams are (timing events).");
 
 /// The sysfs PCI path of CUDA device `device` (for cuda::pair_devices).
 inline std::string pci_path(int device) {

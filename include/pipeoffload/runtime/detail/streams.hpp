@@ -36,7 +36,7 @@ template <class Backend, class Communicator>
 void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
   const Plan& plan = *call_.plan;
   const Op op = plan.rp->compute[x];
-  if (plan.training) trace_.compute_start[x] = dev_.now();
+  if (plan.training) stamp(trace_.compute_start[x]);
   guarded("compute", x, op, [&] {
     const int S = program_.shape.stages();
     const std::size_t c = static_cast<std::size_t>(program_.shape.chunk_of(op.stage));
@@ -107,13 +107,13 @@ void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
       give_buffer(u.device);
     }
   });
-  if (plan.training) trace_.compute_end[x] = dev_.now();
+  if (plan.training) stamp(trace_.compute_end[x]);
 }
 
 template <class Backend, class Communicator>
 void Runtime<Backend, Communicator>::run_copy(std::size_t y) {
   const Op op = call_.plan->rp->copy[y];
-  trace_.copy_start[y] = dev_.now();
+  stamp(trace_.copy_start[y]);
   guarded("copy", y, op, [&] {
     Unit& u = units_[unit_index(op.stage, op.mb)];
     const std::size_t bytes = saved_[static_cast<std::size_t>(program_.shape.chunk_of(op.stage))];
@@ -149,7 +149,7 @@ void Runtime<Backend, Communicator>::run_copy(std::size_t y) {
       }
     }
   });
-  trace_.copy_end[y] = dev_.now();
+  stamp(trace_.copy_end[y]);
 }
 
 template <class Backend, class Communicator>
