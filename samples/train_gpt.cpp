@@ -151,9 +151,7 @@ std::vector<std::vector<T>> gather_ragged(Comm& comm, std::span<const T> mine) {
 template <class Comm, class Device, class Layer>
 po::Costs measure_costs(const Options& o, const Setup& su, Comm& comm, Comm& replicas, Device& dev,
                         std::vector<Layer>& mine, const po::Batch& batch, bool lead) {
-  Options all = o;
-  if (all.import_text.empty()) all.spec.offload = po::offload::all;
-  const po::Program probe = train_gpt::program_of(all, su.costs);
+  const po::Program probe = train_gpt::probe_program(o, su.costs);
   const po::Shape& sh = probe.shape;
   std::vector<po::RankSim> traces(static_cast<std::size_t>(sh.d));
   {
@@ -190,6 +188,19 @@ po::Costs measure_costs(const Options& o, const Setup& su, Comm& comm, Comm& rep
   }
   return measured;
 }
+
+/// The arena reset_arena gives `dev` for the program it runs after --k auto's profiling pass:
+/// backend::Cpu has no size (0); backend::Cuda's slab is what train_gpt::cuda_arena_bytes
+/// counts for that program (its workspace as constructed).
+std::size_t arena_bytes(const Options&, const Setup&, const po::Program&, int, int, const po::backend::Cpu&) {
+  return 0;
+}
+#ifdef PIPEOFFLOAD_WITH_CUDA
+std::size_t arena_bytes(const Options& o, const Setup& su, const po::Program& program, int r, int replica,
+                        const po::backend::Cuda& dev) {
+  return train_gpt::cuda_arena_bytes(o, su, program, r, replica, dev.options().workspace_bytes);
+}
+#endif
 
 /// One rank's whole run on `dev` with its v stages `mine`, the same code under threads and
 /// MPI and on every backend: handshake, train, checkpoint, then gather what global rank 0
@@ -247,7 +258,15 @@ int train_rank(
     });
   };
   // --k auto: the schedule built from a profiling pass's measured times (measure_costs).
+  // Its runtime is gone: the arena starts over, sized for the program the run builds (on a GPU
+  // the slab is the rebuilt program's; without this the two runtimes' reservations add up).
+  // The ranks that share this process line up first: no slab is freed while another's NCCL
+  // kernel may still be launched.
   const po::Costs costs = o.k_auto ? measure_costs(o, su, comm, replicas, dev, mine, step_batch(0), lead) : su.costs;
+  if (o.k_auto) {
+    barrier();
+    dev.reset_arena(arena_bytes(o, su, train_gpt::program_of(o, costs), r, replica, dev));
+  }
   po::Runtime rt(train_gpt::program_of(o, costs), dev, comm, replicas, std::span<Layer>(mine), su.runtime);
   if (pair != nullptr) rt.pair_with(*pair);
   po::AdamW opt(rt, su.adamw);
@@ -466,7 +485,8 @@ int with_cuda_stages(const Options& o, const Setup& su, po::backend::Cuda& dev, 
 /// A rank's backend options, sized before anything is constructed: the cuBLASLt/cuDNN
 /// workspace is the default 256 MiB or what cuDNN's attention asks for this microbatch shape,
 /// whichever is larger (1 GiB at 4096 tokens of 32 heads); the arena holds it and everything
-/// else the runtime, AdamW and the backend reserve for rank `r` (train_gpt::cuda_arena_bytes).
+/// else the runtime, AdamW and the backend reserve for rank `r` (train_gpt::cuda_arena_bytes)
+/// under the program it runs first.
 /// The stages' parameters, gradients and scratch are cudaMalloc'd outside it.
 po::backend::Cuda::Options cuda_options(const Options& o, const Setup& su, int device, int global_rank, int r) {
   po::backend::Cuda::Options opt{.device = device, .rank = global_rank};
@@ -477,8 +497,10 @@ po::backend::Cuda::Options cuda_options(const Options& o, const Setup& su, int d
                  po::cuda::attention::workspace_bytes({mb.batch, o.model.heads, mb.seq, o.model.hidden / o.model.heads,
                                                        o.llama ? train_gpt::llama_config(o).kv_heads : 0},
                                                       true, device));
-  opt.arena_bytes = train_gpt::cuda_arena_bytes(o, su, train_gpt::program_of(o, su.costs), r, global_rank / o.shape.d,
-                                                opt.workspace_bytes);
+  // --k auto: the profiling program's first (train_rank resizes the slab for the rebuilt one).
+  opt.arena_bytes = train_gpt::cuda_arena_bytes(
+      o, su, o.k_auto ? train_gpt::probe_program(o, su.costs) : train_gpt::program_of(o, su.costs), r,
+      global_rank / o.shape.d, opt.workspace_bytes);
   return opt;
 }
 

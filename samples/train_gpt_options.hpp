@@ -66,9 +66,9 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
   --group G             group size of gis-g (required there), ceil(D/2)..D
   --offload-chunks N    offload chunks 0..N-1 (0..V) for any schedule (po-h, po-f imply ceil(V/2), V)
   --k K                 planning: round-trip copy time / (T_F+T_B+T_W), (0, 100]; default 1; auto:
-                        measured (--backend cpu): a first forward and backward with every chunk
-                        offloaded times each stage's passes and copies (po::measured_costs), and
-                        the schedule is rebuilt with those times (not counted as a step)
+                        measured: a first forward and backward with every chunk offloaded times
+                        each stage's passes and copies (po::measured_costs), and the schedule is
+                        rebuilt with those times (not counted as a step; the arena starts over)
   --flops F             planning: each stage's F, B and W cost its FLOPs at F FLOP/s, (0, 1e18], as
                         pipeoffload-plan times them (its train_gpt line passes its own); default:
                         every pass of every stage costs 1
@@ -415,10 +415,6 @@ inline Options parse(int argc, char** argv) {
       throw bad_argument("--exact-block " + std::to_string(o.exact_block) + " must divide the file's " +
                          std::to_string(o.shape.m) + " microbatches");
   }
-  if (o.k_auto && o.cuda)
-    throw bad_argument(
-        "--k auto measures on --backend cpu only (a GPU's arena is sized for its program before the run); give "
-        "--k K");
   if (o.graphs && o.pcie_pairs)
     throw bad_argument(
         "--graphs replays captured copies, which cannot follow --pcie-pairs' counters; give one of them");
@@ -489,6 +485,13 @@ inline po::Program program_of(const Options& o, const po::Costs& costs = {}) {
   io.offload = o.spec.offload;
   io.costs = costs;
   return po::from_torch_csv(o.import_text, io);
+}
+
+/// --k auto's profiling program: the run's schedule with every chunk offloaded (an imported
+/// schedule offloads what its file says), so that every stage's copies are timed.
+inline po::Program probe_program(Options o, const po::Costs& costs) {
+  if (o.import_text.empty()) o.spec.offload = po::offload::all;
+  return program_of(o, costs);
 }
 
 /// The costs the program is built with: with --flops, po::stage_costs of this GPT and its cut

@@ -112,6 +112,53 @@ void allocation_and_reuse() {
   CHECK(dev->memory().host_in_use == 0);
 }
 
+/// reset_arena between two users of a device: refused, naming the bytes, while a block is
+/// handed out; then every pooled block goes and the reservations are forgotten (the same
+/// reservation again holds what the first did, not twice that), and the device works on.
+template <class Traits>
+void arena_reset() {
+  auto dev = Traits::make();
+  const int s = dev->make_stream("compute");
+  const pb::MemoryStats start = dev->memory();  // backend::Cuda: its workspace is held already
+  dev->reserve_device(3000, 2);
+  dev->reserve_host(4096, 1);
+  const pb::MemoryStats reserved = dev->memory();
+  CHECK(reserved.device_held - start.device_held >= 6000);
+  CHECK(reserved.host_held - start.host_held >= 4096);
+  pb::Block a;
+  dev->launch(s, [&] { a = dev->device_alloc(3000, pb::Memory::activation); });
+  pb::HostBlock h = dev->host_alloc(4096);
+  dev->synchronize();
+  const std::size_t block = reserved.host_held - start.host_held;  // one pinned block's size class
+  const std::string both = std::to_string((reserved.device_held - start.device_held) / 2) + " device and " +
+                           std::to_string(block) + " pinned host bytes are still handed out";
+  CHECK_THROWS_WITH_AS(dev->reset_arena(0), doctest::Contains(both.c_str()), pipeoffload::error);
+  dev->host_free(h);
+  CHECK_THROWS_WITH_AS(dev->reset_arena(0), doctest::Contains(" device and 0 pinned host bytes"), pipeoffload::error);
+  CHECK(dev->memory().device_held == reserved.device_held);  // a refusal changes nothing
+  dev->launch(s, [&] { dev->device_free(a); });
+  dev->reset_arena(0);
+  const pb::MemoryStats m = dev->memory();
+  CHECK(m.device_held == start.device_held);
+  CHECK(m.host_held == start.host_held);
+  CHECK(m.total_in_use == 0);
+  dev->reserve_device(3000, 2);
+  dev->reserve_host(4096, 1);
+  CHECK(dev->memory().device_held == reserved.device_held);
+  CHECK(dev->memory().host_held == reserved.host_held);
+  CHECK(dev->memory().device_allocations - m.device_allocations == 2);
+  std::vector<float> v(750);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = 0.5f * static_cast<float>(i);
+  pb::Block b;
+  dev->launch(s, [&] { b = dev->device_alloc(3000, pb::Memory::activation); });
+  dev->synchronize();
+  upload(*dev, s, b, v.data(), 3000);
+  const std::vector<std::byte> back = download(*dev, s, b);
+  CHECK(std::memcmp(back.data(), v.data(), 3000) == 0);
+  dev->launch(s, [&] { dev->device_free(b); });
+  dev->synchronize();
+}
+
 template <class Traits>
 void event_ordering() {
   auto dev = Traits::make();
@@ -142,6 +189,46 @@ void event_ordering() {
   dev->host_free(h);
   dev->device_free(src);
   dev->device_free(dst);
+}
+
+/// upload is enqueued: it lands after a stream's late write to the same block, the caller's
+/// memory may be reused as soon as it returns, and the host waits only for an upload that the
+/// staging cannot hold (backend::Cpu counts the waits backend::Cuda makes).
+template <class Traits>
+void staged_uploads() {
+  auto dev = Traits::make();
+  const int s = dev->make_stream("compute");
+  const std::size_t n = 1 << 16, bytes = n * sizeof(float);
+  pb::Block b = dev->device_alloc(bytes, pb::Memory::state);
+  std::vector<float> late(n, 3.0f), mine(n), want(n);
+  for (std::size_t i = 0; i < n; ++i) mine[i] = want[i] = 0.25f * static_cast<float>(i);
+  pb::HostBlock h = dev->host_alloc(bytes);
+  std::memcpy(h.ptr, late.data(), bytes);
+  dev->launch(s, [&] { Traits::delay(dev->context(s)); });
+  dev->launch(s, [&] {
+    const pb::CopyPiece p{b.ptr, h.ptr, bytes};
+    dev->transfer(std::span<const pb::CopyPiece>(&p, 1));
+  });
+  const long long waits = dev->host_waits();
+  dev->upload(b.ptr, mine.data(), bytes);
+  std::fill(mine.begin(), mine.end(), -1.0f);  // reused at once
+  dev->upload(b.ptr, mine.data(), 0);          // nothing to copy
+  CHECK(dev->host_waits() == waits);           // staged: no wait
+  const std::vector<std::byte> got = download(*dev, s, b);
+  CHECK(std::memcmp(got.data(), want.data(), bytes) == 0);  // after the late write, the values as uploaded
+  // Larger than the whole staging: the upload waits for its own copy.
+  const std::size_t big = pb::default_upload_staging + 4;
+  std::vector<unsigned char> pattern(big);
+  for (std::size_t i = 0; i < big; ++i) pattern[i] = static_cast<unsigned char>(i * 7 + 1);
+  pb::Block large = dev->device_alloc(big, pb::Memory::state);
+  const long long before = dev->host_waits();
+  dev->upload(large.ptr, pattern.data(), big);
+  CHECK(dev->host_waits() == before + 1);
+  const std::vector<std::byte> round = download(*dev, s, large);
+  CHECK(std::memcmp(round.data(), pattern.data(), big) == 0);
+  dev->host_free(h);
+  dev->device_free(b);
+  dev->device_free(large);
 }
 
 template <class Traits>
@@ -639,6 +726,12 @@ void sum_parts() {
 #define PIPEOFFLOAD_CONFORMANCE_CASES(Traits, name)                                                                 \
   TEST_CASE(name ": blocks are pooled by size and reused across streams without new allocations") {                 \
     conformance::allocation_and_reuse<Traits>();                                                                    \
+  }                                                                                                                 \
+  TEST_CASE(name ": reset_arena gives every block back and forgets the reservations once nothing is handed out") {  \
+    conformance::arena_reset<Traits>();                                                                             \
+  }                                                                                                                 \
+  TEST_CASE(name ": an upload is enqueued behind the streams' work and waits only when the staging is full") {      \
+    conformance::staged_uploads<Traits>();                                                                          \
   }                                                                                                                 \
   TEST_CASE(name ": a wait orders one stream after another stream's record") {                                      \
     conformance::event_ordering<Traits>();                                                                          \

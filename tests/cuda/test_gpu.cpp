@@ -29,6 +29,25 @@ TEST_CASE("backend::Cuda refuses an arena larger than the device's free memory, 
                        po::error);
 }
 
+TEST_CASE("backend::Cuda::reset_arena makes the slab again at a new size; one the GPU cannot give keeps the old") {
+  po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
+  const std::size_t workspace = dev.memory().device_held;
+  dev.reserve_device(std::size_t{64} << 20, 2);
+  dev.reset_arena(std::size_t{1} << 30);
+  CHECK(dev.options().arena_bytes == std::size_t{1} << 30);
+  CHECK(dev.memory().device_held == workspace);
+  dev.reserve_device(std::size_t{300} << 20, 2);  // 600 MiB: more than the first slab held
+  CHECK_THROWS_WITH_AS(dev.reset_arena(std::size_t{1} << 50),
+                       doctest::Contains("reset_arena: rank 0 needs 1048576.00 GiB of GPU 0's memory"), po::error);
+  CHECK(dev.options().arena_bytes == std::size_t{1} << 30);
+  CHECK(!dev.failed());
+  CHECK_THROWS_WITH_AS(dev.reset_arena(4096), doctest::Contains("cannot hold the"), po::error);
+  dev.reserve_device(std::size_t{300} << 20, 2);
+  const po::backend::Block b = dev.device_alloc(std::size_t{300} << 20, po::backend::Memory::activation);
+  CHECK(b.ptr != nullptr);
+  dev.device_free(b);
+}
+
 TEST_CASE("AdamW, SGD and the non-finite check match the CPU updates") {
   Gpu g;
   const std::size_t n = 4099;

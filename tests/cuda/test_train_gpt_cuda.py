@@ -5,7 +5,8 @@ when the machine has no GPU).
 The same model, data, seed and PO-F schedule on 2 GPUs (1 GPU: one rank, 4 chunks) and on CPU
 thread ranks, for the GPT and the Llama: the GPU run must print the same closing lines, its loss
 must fall, and its final loss must be within 3% of the CPU run's (bf16 activations against fp32: close, not bit-equal;
-tests/cuda/test_runtime_gpu.cpp argues the bound per step). And the planner's CUDA memory is
+tests/cuda/test_runtime_gpu.cpp argues the bound per step); --k auto (a profiling pass, then the
+slab made again for the rebuilt program) ends as --k 1, bit for bit. And the planner's CUDA memory is
 what the GPU run reserves: pipeoffload-plan --auto's train_gpt command, run on the GPUs, prints
 reserved_bytes_per_rank equal to the plan's per_rank device_bytes less its reserve (the CUDA
 context and NCCL), to the byte (tests/runtime/test_plan_memory.cpp holds the same on the
@@ -63,6 +64,15 @@ assert abs(gl - cl) <= 0.03 * abs(cl), f"the Llama's final loss on the GPU {gl} 
 
 # Loss falls on the GPU (progress lines: "[...] step N/M loss X ...").
 verbose = run("--backend", "cuda", *shape, *[a for a in common if a != "--quiet"])
+# --k auto on the GPU: the profiling pass runs on a slab sized for the all-offloaded program,
+# the slab is made again for the program rebuilt from the measured times (reset_arena), and
+# the run ends as the --k 1 run, bit for bit (PO-F's passes and sums do not depend on which
+# units it offloads).
+auto = run("--backend", "cuda", *shape, *[a for a in common if a != "--quiet"], "--k", "auto")
+final_loss(auto, "--backend cuda --k auto")
+closing = [[l for l in p.stdout.splitlines() if l.startswith(("final_loss=", "params_hash="))] for p in (verbose, auto)]
+if closing[0] != closing[1] or "k auto: measured k = " not in auto.stdout:
+    sys.exit(f"FAIL: --backend cuda --k auto ends {closing[1]}; --k 1 ends {closing[0]}\n{auto.stdout[-2000:]}")
 losses = [float(l.split(" loss ")[1].split()[0]) for l in verbose.stdout.splitlines() if l.startswith("[")]
 assert len(losses) >= 2 and losses[-1] < losses[0] - 0.5, losses
 # The plan's memory is the run's: the planner's choice for this GPT on these GPUs, run by train_gpt.
@@ -84,4 +94,4 @@ reserved = [int(b) for b in line[0].split("=", 1)[1].split(",")]
 planned = [int(r["device_bytes"] - r["reserve_bytes"]) for r in doc["per_rank"]]
 assert reserved == planned, f"train_gpt {' '.join(args)} reserved {reserved}; the plan says {planned}"
 planned_run = f"{doc['schedule']} v={doc['chunks']} reserved {reserved} bytes, as planned"
-print("ok: GPU final loss", g, "CPU", c, "; the Llama's", gl, "and", cl, ";", planned_run)
+print("ok: GPU final loss", g, "CPU", c, "; the Llama's", gl, "and", cl, "; --k auto as --k 1;", planned_run)

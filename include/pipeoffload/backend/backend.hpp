@@ -48,7 +48,15 @@ constexpr const char* memory_name(Memory m) {
   return "?";
 }
 
+/// Bytes of pinned staging an upload may use without a wait, by default (the Options'
+/// upload_staging_bytes of backend::Cuda, and of backend::Cpu, which counts waits as it would).
+inline constexpr std::size_t default_upload_staging = std::size_t{8} << 20;
+
 namespace detail {
+
+/// The staging bytes an upload of `bytes` takes (whole 256-byte pieces, so that every staged
+/// copy starts aligned).
+constexpr std::size_t staged_bytes(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 /// The argument checks every backend's sum_squares, adamw and sgd make (`who` names the call).
 inline void require_groups(const char* who, std::size_t values, std::span<const std::size_t> groups, std::size_t outs) {
@@ -268,6 +276,17 @@ concept reserves_memory = requires(B& b, std::size_t bytes, std::size_t count) {
   b.reserve_host(bytes, count);
 };
 
+/// Optional, on top of reserves_memory: reset_arena(bytes) starts the arena over between two
+/// users of a device, once they have given back every block they took (a profiling po::Runtime
+/// and the one its measurements sized, as `train_gpt --k auto` runs them): it waits for the
+/// device, gives every pooled block back (pinned host blocks to the system, device blocks to
+/// the arena) and forgets every reservation, so that the next reservation is counted from
+/// nothing instead of adding to the last. `bytes` (0: unchanged) is the device arena's new size
+/// where the backend has one (backend::Cuda's slab; backend::Cpu takes from the system as it
+/// goes). Refused with a sentence while a block is handed out.
+template <class B>
+concept resets_arena = reserves_memory<B> && requires(B& b, std::size_t bytes) { b.reset_arena(bytes); };
+
 /// Optional, on top of reserves_memory: sum_squares keeps device buffers of its own (the CUDA
 /// backend's table, partials and sums); reserve_sum_squares(groups) makes them large enough for
 /// `groups` ahead of use. po::Runtime calls it at construction for each chunk's norm groups.
@@ -290,8 +309,9 @@ concept marks_times = requires(B& b, double* slot) { b.mark(slot); };
 /// work again, after every stream's earlier work and before any stream's later work. What a
 /// replay repeats: backend::Cuda's CUDA graph repeats the device work the launches enqueued
 /// (the host code in them ran once, during the capture); backend::Cpu repeats the launches
-/// themselves (B::replays_launches). A capture holds no host wait (synchronize, upload,
-/// download; a layer's pass that makes one cannot be captured). A capture that fails (a pass
+/// themselves (B::replays_launches). A capture holds no host wait and no between-steps
+/// operation (synchronize, upload, download, zero...; a layer's pass that makes one cannot be
+/// captured). A capture that fails (a pass
 /// threw, or CUDA refused a call) fails the device and end_capture() throws its message.
 template <class B>
 concept captures_graphs = requires(B& b, int stream, const typename B::Graph& g) {

@@ -54,6 +54,9 @@ class Cpu : public detail::Failure<Cpu> {
     /// Hold sum_squares' results back until the next synchronize() (its `out` reads NaN until
     /// then), as an asynchronous device may: a check that callers wait before they read.
     bool defer_results = false;
+    /// The staging backend::Cuda's upload would have (its Options::upload_staging_bytes): what
+    /// host_waits() counts uploads against.
+    std::size_t upload_staging_bytes = default_upload_staging;
   };
 
   /// Device memory is host memory here (backend::host_addressable_memory).
@@ -198,6 +201,7 @@ class Cpu : public detail::Failure<Cpu> {
   void synchronize() {
     require_no_capture("synchronize");
     ++host_waits_;
+    staged_ = 0;
     std::unique_lock lk(mu_);
     drain(lk);
     for (Deferred& d : deferred_) std::copy(d.sums.begin(), d.sums.end(), d.out.begin());
@@ -206,7 +210,8 @@ class Cpu : public detail::Failure<Cpu> {
   }
 
   /// Times the host has waited for the device, counted as backend::Cuda counts them
-  /// (synchronize, download, upload): what a step would wait on a GPU.
+  /// (synchronize, download, an upload that overflows the staging): what a step would wait on
+  /// a GPU.
   long long host_waits() const { return host_waits_; }
 
   /// What a pass on `stream` is given.
@@ -270,6 +275,29 @@ class Cpu : public detail::Failure<Cpu> {
     grow(host_[round_up(bytes)], round_up(bytes), count, stats_.host_allocations, stats_.host_held);
   }
 
+  /// backend::resets_arena: waits for the streams, then frees every pooled block and forgets
+  /// every reservation (device_held and host_held return to 0). There is no arena size here:
+  /// `bytes` is accepted for the concept and ignored. Refused with a sentence, changing nothing,
+  /// while a device or host block is handed out.
+  void reset_arena(std::size_t bytes = 0) {
+    (void)bytes;
+    synchronize();
+    std::lock_guard lk(mem_mu_);
+    std::size_t out[2] = {0, 0};  // bytes of the blocks handed out (whole size classes)
+    for (int i = 0; i < 2; ++i)
+      for (const auto& [size, pool] : i == 0 ? device_ : host_) out[i] += size * (pool.blocks - pool.free.size());
+    if (out[0] + out[1] > 0)
+      throw error("backend::Cpu::reset_arena: " + std::to_string(out[0]) + " device and " + std::to_string(out[1]) +
+                  " pinned host bytes are still handed out; give every block back first (destroy the po::Runtime "
+                  "and optimizer that hold them)");
+    for (std::byte* p : owned_) ::operator delete(p, std::align_val_t{64});
+    owned_.clear();
+    device_.clear();
+    host_.clear();
+    stats_.device_held = 0;
+    stats_.host_held = 0;
+  }
+
   /// The bytes a block of `n` holds in the arena: its pool's size class, `n` rounded up to a
   /// multiple of 64 (at least 64). A launcher sizing memory ahead counts blocks with it.
   static std::size_t round_up(std::size_t n) { return (std::max<std::size_t>(n, 1) + 63) / 64 * 64; }
@@ -312,13 +340,24 @@ class Cpu : public detail::Failure<Cpu> {
   void download(void* host, const void* device, std::size_t bytes) {
     require_no_capture("download");
     ++host_waits_;
+    staged_ = 0;
     if (bytes > 0) std::memcpy(host, device, bytes);
   }
-  /// Copies `bytes` of host memory to device memory (a memcpy here).
+  /// Copies `bytes` of host memory to device memory, an enqueued operation: once the streams
+  /// have drained, a memcpy. It counts the waits backend::Cuda's staged upload makes: none
+  /// while the uploads since the last wait fit in Options::upload_staging_bytes, one when the
+  /// staging is full or the upload is larger than all of it.
   void upload(void* device, const void* host, std::size_t bytes) {
     require_no_capture("upload");
-    ++host_waits_;
-    if (bytes > 0) std::memcpy(device, host, bytes);
+    if (bytes == 0) return;
+    const std::size_t size = detail::staged_bytes(bytes);
+    if (size > opt_.upload_staging_bytes || staged_ + size > opt_.upload_staging_bytes) {
+      ++host_waits_;
+      staged_ = 0;
+    }
+    if (size <= opt_.upload_staging_bytes) staged_ += size;
+    after_streams();
+    std::memcpy(device, host, bytes);
   }
 
   /// Sets `bytes` of device memory to zero, once the streams have drained (an enqueued operation).
@@ -762,7 +801,8 @@ class Cpu : public detail::Failure<Cpu> {
 
   mutable std::mutex mem_mu_;
   std::map<std::size_t, Pool> device_, host_;  // by block size (bytes rounded up to 64)
-  std::vector<std::byte*> owned_;              // every block ever allocated (device and host), freed at destruction
+  std::size_t staged_ = 0;         // upload bytes since the last wait (as backend::Cuda's staging counts them)
+  std::vector<std::byte*> owned_;  // every block ever allocated (device and host), freed at destruction
   MemoryStats stats_;
 };
 
@@ -770,6 +810,7 @@ static_assert(backend<Cpu>, "backend::Cpu must model the backend concept.");
 static_assert(updates_parameters<Cpu>, "backend::Cpu must run the optimizers' updates.");
 static_assert(captures_graphs<Cpu>, "backend::Cpu must capture and replay a step.");
 static_assert(marks_times<Cpu>, "backend::Cpu must time where its streams are.");
+static_assert(resets_arena<Cpu>, "backend::Cpu must start its arena over between runtimes.");
 
 }  // namespace backend
 }  // namespace pipeoffload

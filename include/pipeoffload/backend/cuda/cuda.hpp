@@ -109,6 +109,9 @@ class Cuda : public detail::Failure<Cuda> {
     std::size_t workspace_bytes = std::size_t{256} << 20;  ///< cuBLASLt + cuDNN scratch, inside the slab
     bool deterministic_attention = true;  ///< cuDNN's deterministic SDPA backward (runs repeat bit for bit)
     std::size_t max_norm_groups = 4096;   ///< most groups one sum_squares call takes (its pinned staging)
+    /// Pinned host bytes the uploads since the last wait may use: an upload that fits does not
+    /// wait (see upload).
+    std::size_t upload_staging_bytes = default_upload_staging;
   };
 
   Cuda() : Cuda(Options{}) {}
@@ -145,11 +148,14 @@ class Cuda : public detail::Failure<Cuda> {
     PIPEOFFLOAD_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamCreateWithFlags(&clock_, cudaStreamNonBlocking));
     PIPEOFFLOAD_CUDA_CHECK(cudaEventCreate(&anchor_));
-    // (3 * max_norm_groups + 1) int64 table and max_norm_groups fp64 sums, pinned host, owned
-    // here: sum_squares' uploads and results, so that no step copies through pageable memory.
+    // (3 * max_norm_groups + 1) int64 table and max_norm_groups fp64 sums, then the uploads'
+    // staging, pinned host, owned here: sum_squares' uploads and results and upload()'s copies,
+    // so that no step copies through pageable memory.
     void* staging = nullptr;
-    PIPEOFFLOAD_CUDA_CHECK(cudaHostAlloc(&staging, norm_staging_bytes(), cudaHostAllocPortable));
+    PIPEOFFLOAD_CUDA_CHECK(
+        cudaHostAlloc(&staging, norm_staging_bytes() + opt_.upload_staging_bytes, cudaHostAllocPortable));
     norm_staging_ = static_cast<std::byte*>(staging);
+    upload_staging_ = norm_staging_ + norm_staging_bytes();
   }
   Cuda(const Cuda&) = delete;
   Cuda& operator=(const Cuda&) = delete;
@@ -532,6 +538,50 @@ class Cuda : public detail::Failure<Cuda> {
     host_book_.reserve(bytes, count);
   }
 
+  /// backend::resets_arena: once every block is given back, waits for the device, frees the
+  /// pooled pinned blocks, rewinds the slab to the workspace and forgets every reservation (the
+  /// next ones are carved from the front again); sum_squares' own block goes too and is taken
+  /// again by the next reserve_sum_squares. `arena_bytes` (0: unchanged) becomes the slab's
+  /// size: the old slab is freed first, then the new size is checked against the device's free
+  /// memory as the constructor checks it; a size refused there keeps the old size (the arena
+  /// is started over all the same) and the refusal is thrown. Refused with a sentence, changing
+  /// nothing, while a block is handed out, during a capture, or when the new size cannot hold
+  /// the workspace.
+  void reset_arena(std::size_t arena_bytes = 0) {
+    require_no_capture("reset_arena");
+    synchronize();
+    if (arena_bytes != 0 && round_up(opt_.workspace_bytes) > arena_bytes / alignment * alignment)
+      throw error("backend::Cuda::reset_arena: arena_bytes = " + std::to_string(arena_bytes) + " cannot hold the " +
+                  std::to_string(round_up(opt_.workspace_bytes)) + "-byte cuBLASLt/cuDNN workspace carved from it");
+    std::size_t pooled[2] = {0, 0};
+    for (int i = 0; i < 2; ++i)
+      for (const auto& [size, list] : i == 0 ? free_device_ : free_host_) pooled[i] += size * list.size();
+    const std::size_t own = norms_.ptr != nullptr ? round_up(norms_.bytes) : 0;
+    const std::size_t out[2] = {device_book_.bytes_held() - pooled[0] - own, host_book_.bytes_held() - pooled[1]};
+    if (out[0] + out[1] > 0)
+      throw error("backend::Cuda::reset_arena: " + std::to_string(out[0]) + " device and " + std::to_string(out[1]) +
+                  " pinned host bytes are still handed out; give every block back first (destroy the po::Runtime and "
+                  "optimizer that hold them)");
+    device_free(norms_);  // outside launch(): no guard, the device is idle
+    norms_ = {};
+    norm_table_.clear();
+    forget_guards();
+    for (auto& [size, list] : free_host_)
+      for (const Free& f : list) {
+        PIPEOFFLOAD_CUDA_CHECK(cudaFreeHost(f.ptr));
+        stats_.host_held -= size;
+      }
+    free_host_.clear();
+    free_device_.clear();
+    host_book_ = {};
+    device_book_ = {};
+    top_ = 0;
+    std::string refused;
+    if (arena_bytes != 0 && arena_bytes / alignment * alignment != opt_.arena_bytes) refused = resize_slab(arena_bytes);
+    workspace_ = carve(round_up(opt_.workspace_bytes));
+    if (!refused.empty()) throw error("backend::Cuda::reset_arena: " + refused);
+  }
+
   /// Bytes in use and peaks, device and pinned host.
   MemoryStats memory() const { return stats_; }
 
@@ -553,9 +603,28 @@ class Cuda : public detail::Failure<Cuda> {
   /// Copies `bytes` from device memory to host memory, after the enqueued operations, and
   /// waits for the copy.
   void download(void* host, const void* device, std::size_t bytes) { blocking_copy(host, device, bytes); }
-  /// Copies `bytes` from host memory to device memory, after the enqueued operations, and
-  /// waits for the copy.
-  void upload(void* device, const void* host, std::size_t bytes) { blocking_copy(device, host, bytes); }
+  /// Copies `bytes` from host memory to device memory, enqueued (after every stream's work so
+  /// far, before any later work; `host` may be reused when it returns): through the pinned
+  /// staging with no wait when it fits in what the uploads since the last wait have left of
+  /// Options::upload_staging_bytes; one that finds the staging full waits for the copies
+  /// before it first, and one larger than the whole staging waits for its own copy.
+  void upload(void* device, const void* host, std::size_t bytes) {
+    require_no_capture("upload");
+    if (bytes == 0) return;
+    select();
+    join();
+    const std::size_t size = detail::staged_bytes(bytes);
+    if (size > opt_.upload_staging_bytes) {
+      blocking_copy(device, host, bytes);
+      return;
+    }
+    if (upload_top_ + size > opt_.upload_staging_bytes) finish_aux(true);
+    std::byte* staged = upload_staging_ + upload_top_;
+    std::memcpy(staged, host, bytes);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(device, staged, bytes, cudaMemcpyHostToDevice, aux_));
+    upload_top_ += size;
+    aux_pending_ = true;
+  }
 
   /// Enqueues setting `bytes` of device memory to zero (Runtime::zero_grad, the runtime's check
   /// flags); the host does not wait.
@@ -567,8 +636,9 @@ class Cuda : public detail::Failure<Cuda> {
     aux_pending_ = true;
   }
 
-  /// Times the host has waited for the device: synchronize(), download() and upload() (the
-  /// enqueued operations never wait). A training step waits where it reads its results.
+  /// Times the host has waited for the device: synchronize(), download(), and upload() where
+  /// its staging is full (the enqueued operations never wait). A training step waits where it
+  /// reads its results.
   long long host_waits() const { return host_waits_; }
 
   // ---- within a pass's stream order --------------------------------------------------------
@@ -873,13 +943,38 @@ class Cuda : public detail::Failure<Cuda> {
         poll_until_idle(aux_);
     } catch (...) {  // a failed device: the results never come, and nobody may wait for them
       pending_sums_.clear();
-      staging_top_ = 0;
+      staging_top_ = upload_top_ = 0;
       throw;
     }
     for (const PendingSums& p : pending_sums_)
       std::memcpy(p.out.data(), norm_staging_ + p.staging, p.out.size() * sizeof(double));
     pending_sums_.clear();
-    staging_top_ = 0;
+    staging_top_ = upload_top_ = 0;
+  }
+
+  /// reset_arena's new slab of `bytes` (the old one freed first, so that both never exist at
+  /// once); a size the device cannot give keeps the old size and returns the refusal.
+  std::string resize_slab(std::size_t bytes) {
+    PIPEOFFLOAD_CUDA_CHECK(cudaFree(slab_));
+    slab_ = nullptr;
+    DeviceMemory m;
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemGetInfo(&m.free, &m.total));
+    const std::string no = arena_refusal(bytes, opt_.device, opt_.rank, m);
+    const std::size_t size = no.empty() ? bytes / alignment * alignment : opt_.arena_bytes;
+    void* slab = nullptr;
+    if (const cudaError_t e = cudaMalloc(&slab, size); e != cudaSuccess) {
+      cudaGetLastError();
+      opt_.arena_bytes = 0;  // nothing can be carved any more
+      workspace_ = nullptr;
+      stats_.device_held = 0;
+      const std::string why = "backend::Cuda::reset_arena: cannot take a slab of " + std::to_string(size) +
+                              " bytes: " + cudaGetErrorString(e);
+      fail(why);
+      throw error(why);
+    }
+    slab_ = static_cast<std::byte*>(slab);
+    opt_.arena_bytes = size;
+    return no;
   }
 
   std::byte* carve(std::size_t size) {
@@ -1034,6 +1129,8 @@ class Cuda : public detail::Failure<Cuda> {
   std::vector<long long> norm_table_;                   // the table norms_ holds now
   std::byte* norm_staging_ = nullptr;                   // pinned, see the constructor
   std::size_t staging_top_ = 0;                         // staging bytes the pending sum_squares calls use
+  std::byte* upload_staging_ = nullptr;                 // upload()'s (after norm_staging_'s, in its allocation)
+  std::size_t upload_top_ = 0;                          // of it, bytes the uploads since the last wait use
   std::vector<PendingSums> pending_sums_;               // results to hand over at the next wait
   cudaEvent_t aux_done_ = nullptr;                      // aux_'s fence (see fence())
   cudaEvent_t fork_ = nullptr;                          // a capture's and a replay's fork (begin_capture, replay)
@@ -1065,6 +1162,7 @@ static_assert(updates_parameters<Cuda>, "backend::Cuda must run the optimizers' 
 static_assert(reserves_memory<Cuda>, "backend::Cuda must reserve the runtime's blocks when it is constructed.");
 static_assert(captures_graphs<Cuda>, "backend::Cuda must capture and replay a step (CUDA graphs).");
 static_assert(marks_times<Cuda>, "backend::Cuda must time where its streams are (timing events).");
+static_assert(resets_arena<Cuda>, "backend::Cuda must start its arena over between runtimes.");
 
 /// The sysfs PCI path of CUDA device `device` (for cuda::pair_devices).
 inline std::string pci_path(int device) {
