@@ -290,6 +290,7 @@ int train_rank(
     if (lead && !o.quiet) std::printf("resumed from %s at step %d\n", o.resume.c_str(), first);
   }
   double tokens_seconds = 0;
+  std::vector<double> fb_seconds;  // each step's forward_backward (--k auto sets it beside the simulator's)
   float final_loss = 0;
   std::uint64_t step_traffic = 0;  // bytes this rank sent in the last step's replica collectives
   for (int step = first; step < o.steps; ++step) {
@@ -306,6 +307,7 @@ int train_rank(
     const po::PassStats st = rt.forward_backward(batch, {.step = step});
     const double norm = po::grad_norm(rt);
     tokens_seconds += st.seconds;
+    fb_seconds.push_back(st.seconds);
     final_loss = st.loss;
     // The peaks, and whether a stop signal came (the largest signal number any rank saw):
     // every rank of every replica decides from the same value. Before the update, whose
@@ -374,6 +376,19 @@ int train_rank(
         std::fflush(stdout);
       }
     }
+  }
+
+  // --k auto: what the rebuilt program took against what the simulator said it would under the
+  // measured costs (the median after the first step, which warms the pools and caches).
+  if (o.k_auto && lead && !o.quiet && !fb_seconds.empty()) {
+    const std::size_t skip = fb_seconds.size() > 1 ? 1 : 0, n = fb_seconds.size() - skip;
+    std::vector<double> t(fb_seconds.begin() + static_cast<std::ptrdiff_t>(skip), fb_seconds.end());
+    std::sort(t.begin(), t.end());
+    const double median = n % 2 ? t[n / 2] : (t[n / 2 - 1] + t[n / 2]) / 2;
+    std::printf(
+        "k auto: the rebuilt program's forward and backward: %.4g s measured (median of %zu steps%s), %.4g s "
+        "simulated\n",
+        median, n, skip ? " after the first" : "", po::simulate(rt.program(), costs).makespan);
   }
 
   // Unit bytes of every stage, for the simulator's view of this run and of 1F1B-I.

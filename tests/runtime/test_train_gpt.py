@@ -263,6 +263,12 @@ for gbps, big in (("0", False), ("0.002", True)):
     rebuilt, fixed = (float(x) for x in re.findall(r"([0-9.e+-]+) s", line[0]))
     if (k > 1) != big or rebuilt > fixed or (big and not rebuilt < fixed):
         sys.exit(f"FAIL: --k auto --copy-gbps {gbps}: {line[0]}")
+    # and, after training, the rebuilt program's measured forward and backward beside the
+    # simulator's (times of this machine: present and positive, not compared).
+    after = re.findall(r"^k auto: the rebuilt program's forward and backward: ([0-9.e+-]+) s measured "
+                       r"\(median of 3 steps after the first\), ([0-9.e+-]+) s simulated$", out, re.M)
+    if len(after) != 1 or not all(float(x) > 0 for x in after[0]):
+        sys.exit(f"FAIL: --k auto --copy-gbps {gbps}: no measured-against-simulated line\n{out}")
 
 # The profiling pass's runtime is gone before the run's is built and the arena starts over
 # (reset_arena), so the run reserves what its own program needs, not that on top of the

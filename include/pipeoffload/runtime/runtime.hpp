@@ -618,7 +618,7 @@ class Runtime<Backend, Communicator> {
   struct Captured {
     typename GraphOf<Backend>::type graph{};
     StepInfo info{};  // the call it was captured at: what a replay's passes see
-    int calls = 0;    // calls of this kind so far (the first runs as usual, the second is captured)
+    int calls = 0;    // 0: none yet (the first runs as usual); 1: one (the next is captured); 2: captured
   };
   // The step in progress, as the passes see it.
   struct Call {

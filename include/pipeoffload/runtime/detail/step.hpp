@@ -77,14 +77,15 @@ void Runtime<Backend, Communicator>::run_graph(const Plan& plan, StepInfo info) 
       step_written_ = info.step;
     }
     Captured& c = captured_[{info.part, info.parts}];
-    if (c.calls++ == 0) {
+    if (c.calls == 0) {
+      c.calls = 1;
       enqueue(plan);
       return;
     }
     // A gather the optimizer left running is behind the replay (which follows every stream's
     // earlier work), not a wait inside the graph.
     std::fill(gather_pending_.begin(), gather_pending_.end(), 0);
-    if (c.calls == 2) {
+    if (c.calls == 1) {
       dev_.begin_capture(compute_);
       try {
         enqueue(plan);
@@ -97,6 +98,7 @@ void Runtime<Backend, Communicator>::run_graph(const Plan& plan, StepInfo info) 
       }
       c.graph = dev_.end_capture();
       c.info = info;
+      c.calls = 2;
     }
     call_.info = c.info;
     dev_.replay(c.graph);
