@@ -43,7 +43,7 @@ double sgemm_rate(int M, int N, int K) {
 int main(int argc, char** argv) {
   po::gpt::GptConfig cfg;
   int batch = 2;
-  try {
+  cli::parsed_or_exit("gpt_block", [&] {
     cli::help(argc, argv, "usage: gpt_block [--hidden 512] [--seq 256] [--batch 2] [--heads 8]\n");
     constexpr cli::Flag flags[] = {{"--hidden"}, {"--seq"}, {"--batch"}, {"--heads"}};
     const cli::Args args(argc, argv, flags);
@@ -58,10 +58,7 @@ int main(int argc, char** argv) {
     if (cfg.hidden % cfg.heads != 0)
       throw cli::bad_argument("--heads " + std::to_string(cfg.heads) + " must divide --hidden " +
                               std::to_string(cfg.hidden));
-  } catch (const cli::bad_argument& e) {
-    std::fprintf(stderr, "gpt_block: %s\n", e.what());
-    return 2;
-  }
+  });
   cfg.layers = 3;
   cfg.dropout = 0.1f;
   const po::MicrobatchShape sh{batch, cfg.seq};

@@ -82,14 +82,11 @@ Phases measure(const po::Shape& s, int reps, bool reuse = false, po::Workers wor
 
 int main(int argc, char** argv) {
   bool quick = false;
-  try {
+  cli::parsed_or_exit("schedule_build", [&] {
     cli::help(argc, argv, "usage: schedule_build [--quick]\n");
     constexpr cli::Flag flags[] = {{"--quick", false}};
     quick = cli::Args(argc, argv, flags).has("--quick");
-  } catch (const cli::bad_argument& e) {
-    std::fprintf(stderr, "schedule_build: %s\n", e.what());
-    return 2;
-  }
+  });
   const po::Shape target{64, 8, 512};
   const unsigned cores = std::thread::hardware_concurrency();
   const int reps = quick ? 3 : 7;

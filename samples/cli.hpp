@@ -61,6 +61,18 @@ inline void help(int argc, char** argv, const char* usage) {
   std::exit(0);
 }
 
+/// parse()'s result; when it throws bad_argument, prints "program: sentence" to stderr and ends
+/// the process with status 2 (every program's answer to a bad command line).
+template <class Parse>
+auto parsed_or_exit(const char* program, Parse&& parse) -> decltype(parse()) {
+  try {
+    return parse();
+  } catch (const bad_argument& e) {
+    std::fprintf(stderr, "%s: %s\n", program, e.what());
+    std::exit(2);
+  }
+}
+
 /// A command line's options as given: flag -> value ("" for a switch). Each flag is written
 /// `--name value` or `--name=value`; unknown, repeated and value-less flags are refused.
 class Args {

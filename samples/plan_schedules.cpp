@@ -62,13 +62,7 @@ Options parse(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options o;
-  try {
-    o = parse(argc, argv);
-  } catch (const cli::bad_argument& e) {
-    std::fprintf(stderr, "plan_schedules: %s\n", e.what());
-    return 2;
-  }
+  Options o = cli::parsed_or_exit("plan_schedules", [&] { return parse(argc, argv); });
   const double b = static_cast<double>(o.micro_batch), s = static_cast<double>(o.seq),
                h = static_cast<double>(o.hidden);
   const double bc = o.tflops * 1e12, bo = o.pcie_gbps * 1e9;

@@ -224,7 +224,7 @@ int main(int argc, char** argv) {
   int iters = 5;
   bool recompute = true;
   double peak_tflops = 0;
-  try {
+  cli::parsed_or_exit("gpt_block_gpu", [&] {
     cli::help(
         argc, argv,
         "usage: gpt_block_gpu [--hidden 4096] [--seq 4096] [--heads 32] [--batch 1] [--iters 5] [--recompute 1]\n                     [--peak-tflops P] [--kv-heads 8] [--ffn 14336]\n");
@@ -249,10 +249,7 @@ int main(int argc, char** argv) {
     if (h % heads != 0 || heads % kv_heads != 0)
       throw cli::bad_argument("--heads " + std::to_string(heads) + " must divide --hidden " + std::to_string(h) +
                               ", and --kv-heads " + std::to_string(kv_heads) + " must divide --heads");
-  } catch (const cli::bad_argument& e) {
-    std::fprintf(stderr, "gpt_block_gpu: %s\n", e.what());
-    return 2;
-  }
+  });
   if (po::backend::device_count() == 0) {
     std::puts("no CUDA device: SKIP");
     return 77;

@@ -350,15 +350,12 @@ void scaling(const std::string& dir) {
 
 int main(int argc, char** argv) {
   std::string dir = "paper";
-  try {
+  cli::parsed_or_exit("paper_figures", [&] {
     cli::help(argc, argv, "usage: paper_figures [--out-dir DIR]\n");
     constexpr cli::Flag flags[] = {{"--out-dir"}};
     const cli::Args args(argc, argv, flags);
     if (const std::string* v = args.get("--out-dir")) dir = *v;
-  } catch (const cli::bad_argument& e) {
-    std::fprintf(stderr, "paper_figures: %s\n", e.what());
-    return 2;
-  }
+  });
   std::filesystem::create_directories(dir);
   table1(dir);
   k_figure(dir);

@@ -59,15 +59,12 @@ PlanCandidate fastest_fitting(const PlanResult& r, const TransformerSpec& m, con
 
 int main(int argc, char** argv) {
   double device_gib = 80;
-  try {
+  cli::parsed_or_exit("plan_choices", [&] {
     cli::help(argc, argv, "usage: plan_choices [--device-gib G]\n");
     constexpr cli::Flag flags[] = {{"--device-gib"}};
     const cli::Args args(argc, argv, flags);
     if (const std::string* v = args.get("--device-gib")) device_gib = cli::to_real("--device-gib", *v, 0, 4096, true);
-  } catch (const cli::bad_argument& e) {
-    std::fprintf(stderr, "plan_choices: %s\n", e.what());
-    return 2;
-  }
+  });
   // Every paper model, recompute on and off, planned once for both tables.
   struct Planned {
     const paper::PaperModel* pm;

@@ -16,14 +16,11 @@
 
 int main(int argc, char** argv) {
   bool check = false;
-  try {
+  cli::parsed_or_exit("plan_speed", [&] {
     cli::help(argc, argv, "usage: plan_speed [--check]\n");
     constexpr cli::Flag flags[] = {{"--check", false}};
     check = cli::Args(argc, argv, flags).has("--check");
-  } catch (const cli::bad_argument& e) {
-    std::fprintf(stderr, "plan_speed: %s\n", e.what());
-    return 2;
-  }
+  });
   using namespace pipeoffload;
   TransformerSpec m;
   m.layers = 78;
