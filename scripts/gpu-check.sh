@@ -36,6 +36,7 @@
 #      D2H and H2D bandwidth per direction and both at once, the measured k;
 #   4b. bench/cuda/train_step: the steady-state step of one rank x 2 chunks at h = s = 4096, 4
 #      layers, 8 microbatches (PO-F, GIS-H, ZB-V, 1F1B-I), run and replayed as a CUDA graph;
+#      then 2 ranks x 2 chunks sharing the GPU (PO-F, ZB-V, 1F1B-I; comm::SharedGpu, no graphs);
 #   5. several ranks on one GPU (--ranks-per-gpu, comm::SharedGpu): PO-F and ZB-V at d = 4 and
 #      dp 2 x d 2 with ZeRO-1, each the one-rank bits on the exact path (tests/cuda/test_shared_gpu.py);
 #   6. train_gpt --backend cuda with PO-F on the GPUs present (one GPU: one rank, 4 chunks);
@@ -243,6 +244,7 @@ step gpu-tests 900 "$build/tests/cuda/test_cuda_gpu" --duration=true
 step train-gpt-cuda-vs-cpu 900 python3 tests/cuda/test_train_gpt_cuda.py "$build/samples/train_gpt"
 step gpt-block-bench 600 "$build/bench/cuda/gpt_block_gpu"
 step train-step-bench 600 "$build/bench/cuda/train_step"
+step train-step-bench-ranks 600 "$build/bench/cuda/train_step" --ranks 2 --schedules po-f,zb-v,1f1b-i --steps 5
 step shared-gpu 900 python3 tests/cuda/test_shared_gpu.py "$build/samples/train_gpt"
 ranks=$gpus chunks=2
 [ "$gpus" -gt 8 ] && ranks=8
@@ -296,7 +298,7 @@ total=$(($(date +%s) - t_start))
   echo
   echo '```'
   grep -hE "MFU|GB/s|k measured|check vs CPU|saved activations|device " "$log_dir/gpt-block-bench.log" 2>/dev/null
-  grep -hE "^train_step| step .* ms|graphs / run" "$log_dir/train-step-bench.log" 2>/dev/null
+  grep -hE "^train_step| step .* ms|graphs / run" "$log_dir/train-step-bench.log" "$log_dir/train-step-bench-ranks.log" 2>/dev/null
   grep -hE "^(wall|final_loss|params_hash|peak activation)" "$log_dir/train-gpt-po-f.log" 2>/dev/null
   grep -hE "^ok: GPU final loss" "$log_dir/train-gpt-cuda-vs-cpu.log" 2>/dev/null
   grep -hE "test cases:|assertions:" "$log_dir/gpu-tests.log" 2>/dev/null

@@ -1,13 +1,15 @@
-// bench/cuda/train_step.cpp: the steady-state training step of a GPT held by one rank in v
-// chunks, as a user runs it (zero_grad, forward_backward, grad_norm, clip, AdamW): after
-// --warmup steps, --steps timed ones; median and p90 step time, tokens/s, MFU, host waits a
-// step, device and pinned peaks, for each schedule asked, each run as usual and with its
-// steps captured and replayed (RuntimeOptions::graphs), side by side in one run; from the
-// runtime's trace of the last step run, the passes' and copies' busy shares, the measured k and
-// the simulator's step under the measured times. --backend cpu runs the CPU model through the
-// same code (a check that it runs; no MFU). Exits 77 on --backend cuda without a GPU.
+// bench/cuda/train_step.cpp: the steady-state training step of a GPT held by --ranks thread
+// ranks in v chunks each, as a user runs it (zero_grad, forward_backward, grad_norm, clip,
+// AdamW): after --warmup steps, --steps timed ones; median and p90 step time, tokens/s, MFU,
+// host waits a step, device and pinned peaks, for each schedule asked, each run as usual and
+// with its steps captured and replayed (RuntimeOptions::graphs; one rank only on a GPU), side
+// by side in one run; from the runtime's traces of the last step run, the passes' and copies'
+// busy shares, the measured k and the simulator's step under the measured times. Several
+// ranks share the one GPU (comm::SharedGpu) or the CPU (comm::Threads). --backend cpu runs the
+// CPU model through the same code (a check that it runs; no MFU). Exits 77 on --backend cuda
+// without a GPU.
 //   ./build/bench/cuda/train_step [--backend cuda] [--hidden 4096] [--seq 4096] [--heads 32]
-//       [--layers 4] [--chunks 2] [--microbatches 8] [--batch 1] [--vocab 50304]
+//       [--layers 4] [--ranks 1] [--chunks 2] [--microbatches 8] [--batch 1] [--vocab 50304]
 //       [--schedules po-f,gis-h,zb-v,1f1b-i] [--warmup 3] [--steps 10] [--peak-tflops P]
 // FLOPs and MFU: docs/benchmarks.md, "bench/cuda/train_step".
 #include <algorithm>
@@ -32,19 +34,22 @@ namespace {
 struct Settings {
   bool cuda = true;
   po::gpt::GptConfig cfg{};
-  int chunks = 2, microbatches = 8, batch = 1, warmup = 3, steps = 10;
+  int ranks = 1, chunks = 2, microbatches = 8, batch = 1, warmup = 3, steps = 10;
   std::vector<std::string> schedules{"po-f", "gis-h", "zb-v", "1f1b-i"};
   double peak_tflops = 0;
 };
 
+/// What one rank measured (rank_run), then the pipeline's figures (run).
 struct Timing {
-  std::vector<double> step_seconds;  // the timed steps, start to start (the last: to the end)
-  double host_waits = 0;             // per timed step
-  std::size_t device_held = 0, pinned_peak = 0;
+  std::vector<double> step_seconds;              // the timed steps, start to start (the last: to the end)
+  double host_waits = 0;                         // per timed step (the pipeline: its most waiting rank)
+  std::size_t device_held = 0, pinned_peak = 0;  // (the pipeline: its largest rank)
   float last_loss = 0;
-  // The last step's forward_backward, from the runtime's trace (where the device ran each op):
-  double span = 0, passes = 0, copies = 0;  // first start to last end; busy seconds of each stream
-  double k = 0, simulated = 0;              // measured k; po::simulate under the measured costs
+  po::RankSim trace;  // the last forward_backward's op times (where the device ran each op)
+  // From every rank's trace: first start to last end; busy seconds of passes and copies, a
+  // rank on average; the measured k; po::simulate under the measured costs.
+  double span = 0, passes = 0, copies = 0;
+  double k = 0, simulated = 0;
 };
 
 double quantile(std::vector<double> v, double q) {
@@ -54,16 +59,15 @@ double quantile(std::vector<double> v, double q) {
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-/// Warm-up and timed steps of `program` on `dev` with stages made by `make(stage, stages)`.
-template <class Stage, class Backend, class Make>
-Timing run(const Settings& s, const po::Program& program, Backend& dev, Make make, bool graphs) {
+/// Warm-up and timed steps of `program` on pipeline rank comm.rank(), on `dev`, with stages
+/// made by `make(stage, stages)`.
+template <class Stage, class Backend, class Comm, class Make>
+Timing rank_run(const Settings& s, const po::Program& program, Backend& dev, Comm& comm, Make make, bool graphs) {
   const po::Shape& shape = program.shape;
   const po::MicrobatchShape mbs{s.batch, s.cfg.seq};
-  po::comm::ThreadsWorld world(1);
-  po::comm::Threads comm(world, 0);
   std::vector<Stage> layers;
   layers.reserve(static_cast<std::size_t>(shape.v));
-  for (int c = 0; c < shape.v; ++c) layers.push_back(make(shape.stage_of(0, c), shape.stages()));
+  for (int c = 0; c < shape.v; ++c) layers.push_back(make(shape.stage_of(comm.rank(), c), shape.stages()));
   po::Runtime rt(program, dev, comm, std::span<Stage>(layers), {.microbatch = mbs, .graphs = graphs});
   po::AdamW opt(rt);
   const po::WarmupCosine lr{.lr = 1e-4f, .warmup_steps = 1};
@@ -96,37 +100,70 @@ Timing run(const Settings& s, const po::Program& program, Backend& dev, Make mak
   for (std::size_t i = 0; i + 1 < starts.size(); ++i) t.step_seconds.push_back(starts[i + 1] - starts[i]);
   t.device_held = dev.memory().device_held;
   t.pinned_peak = dev.memory().host_peak;
-  const po::RankSim& tr = rt.trace();
+  t.trace = rt.trace();
+  return t;
+}
+
+/// The pipeline's figures from its ranks' (`ranks[r]`: rank r's): rank 0's step times, the
+/// most host waits and bytes of any rank, and from every rank's trace the span, the busy shares
+/// (a rank on average), the measured k and the simulated step.
+Timing pipeline_figures(const po::Program& program, std::vector<Timing> ranks) {
+  Timing t = ranks[0];
+  std::vector<po::RankSim> traces;
   double first = 1e300, last = -1e300;
-  for (std::size_t x = 0; x < tr.compute_start.size(); ++x) {
-    t.passes += tr.compute_end[x] - tr.compute_start[x];
-    first = std::min(first, tr.compute_start[x]);
-    last = std::max(last, tr.compute_end[x]);
+  for (const Timing& rk : ranks) {
+    t.host_waits = std::max(t.host_waits, rk.host_waits);
+    t.device_held = std::max(t.device_held, rk.device_held);
+    t.pinned_peak = std::max(t.pinned_peak, rk.pinned_peak);
+    const po::RankSim& tr = rk.trace;
+    for (std::size_t x = 0; x < tr.compute_start.size(); ++x) {
+      t.passes += tr.compute_end[x] - tr.compute_start[x];
+      first = std::min(first, tr.compute_start[x]);
+      last = std::max(last, tr.compute_end[x]);
+    }
+    for (std::size_t y = 0; y < tr.copy_start.size(); ++y) {
+      t.copies += tr.copy_end[y] - tr.copy_start[y];
+      first = std::min(first, tr.copy_start[y]);
+      last = std::max(last, tr.copy_end[y]);
+    }
+    traces.push_back(tr);
   }
-  for (std::size_t y = 0; y < tr.copy_start.size(); ++y) {
-    t.copies += tr.copy_end[y] - tr.copy_start[y];
-    first = std::min(first, tr.copy_start[y]);
-    last = std::max(last, tr.copy_end[y]);
-  }
+  t.passes /= static_cast<double>(ranks.size());
+  t.copies /= static_cast<double>(ranks.size());
   t.span = last - first;
-  const po::Costs measured = po::measured_costs(program, std::span<const po::RankSim>(&tr, 1), po::Costs{});
+  const po::Costs measured = po::measured_costs(program, std::span<const po::RankSim>(traces), po::Costs{});
   t.k = measured.k;
   t.simulated = po::simulate(program, measured).makespan;
   return t;
 }
 
-/// One schedule with and without graphs: a line each, and the ratio.
+/// Every rank of `program` on its own thread: `rank(r, world)` returns rank r's Timing (its
+/// device and communicator made on that thread); the first rank's error is thrown.
+template <class Rank>
+Timing run(const po::Program& program, Rank rank) {
+  po::comm::ThreadsWorld world(program.shape.d);
+  std::vector<Timing> ranks(static_cast<std::size_t>(program.shape.d));
+  const std::vector<std::string> errors =
+      po::run_thread_ranks(world, [&](int r) { ranks[static_cast<std::size_t>(r)] = rank(r, world); });
+  for (const std::string& e : errors)
+    if (!e.empty()) throw po::error(e);
+  return pipeline_figures(program, std::move(ranks));
+}
+
+/// One schedule as usual and, where `graphs` allows, with graphs: a line each, and the ratio.
 template <class Fn>
-void compare(const Settings& s, const std::string& name, double flops_per_step, double tokens_per_step, Fn&& time) {
+void compare(const Settings& s, const std::string& name, double flops_per_step, double tokens_per_step, bool graphs_too,
+             Fn&& time) {
   po::Program program;
   try {
-    program = po::build(po::parse_schedule(name), {1, s.chunks, s.microbatches});
+    program = po::build(po::parse_schedule(name), {s.ranks, s.chunks, s.microbatches});
   } catch (const std::exception& e) {
     std::printf("%-10s skipped: %s\n", name.c_str(), e.what());
     return;
   }
   double median[2] = {0, 0};
   for (const bool graphs : {false, true}) {
+    if (graphs && !graphs_too) break;
     const Timing t = time(program, graphs);
     const double med = quantile(t.step_seconds, 0.5), p90 = quantile(t.step_seconds, 0.9);
     median[graphs] = med;
@@ -144,17 +181,19 @@ void compare(const Settings& s, const std::string& name, double flops_per_step, 
           name.c_str(), 100 * t.passes / t.span, 100 * t.copies / t.span, t.span * 1e3, t.k, t.simulated * 1e3,
           t.simulated / t.span);
   }
-  std::printf("%-10s graphs / run: %.3f\n", name.c_str(), median[1] / median[0]);
+  if (graphs_too) std::printf("%-10s graphs / run: %.3f\n", name.c_str(), median[1] / median[0]);
 }
 
 Settings parse(int argc, char** argv) {
   cli::help(argc, argv,
-            "usage: train_step [--backend cuda] [--hidden 4096] [--seq 4096] [--heads 32] [--layers 4] [--chunks 2]\n"
-            "                  [--microbatches 8] [--batch 1] [--vocab 50304] [--schedules po-f,gis-h,zb-v,1f1b-i]\n"
-            "                  [--warmup 3] [--steps 10] [--peak-tflops P]\n");
-  constexpr cli::Flag flags[] = {{"--backend"}, {"--hidden"},       {"--seq"},     {"--heads"},      {"--layers"},
-                                 {"--chunks"},  {"--microbatches"}, {"--batch"},   {"--vocab"},      {"--schedules"},
-                                 {"--warmup"},  {"--steps"},        {"--dropout"}, {"--peak-tflops"}};
+            "usage: train_step [--backend cuda] [--hidden 4096] [--seq 4096] [--heads 32] [--layers 4] [--ranks 1]\n"
+            "                  [--chunks 2] [--microbatches 8] [--batch 1] [--vocab 50304]\n"
+            "                  [--schedules po-f,gis-h,zb-v,1f1b-i] [--warmup 3] [--steps 10] [--peak-tflops P]\n"
+            "  --ranks D: D pipeline ranks as threads sharing the one GPU (or the CPU); with graphs only at D = 1 on a "
+            "GPU\n");
+  constexpr cli::Flag flags[] = {{"--backend"},   {"--hidden"}, {"--seq"},          {"--heads"},   {"--layers"},
+                                 {"--ranks"},     {"--chunks"}, {"--microbatches"}, {"--batch"},   {"--vocab"},
+                                 {"--schedules"}, {"--warmup"}, {"--steps"},        {"--dropout"}, {"--peak-tflops"}};
   const cli::Args args(argc, argv, flags);
   Settings s;
   s.cfg.hidden = 4096;
@@ -170,6 +209,7 @@ Settings parse(int argc, char** argv) {
   get("--seq", s.cfg.seq, 1, 1 << 20);
   get("--heads", s.cfg.heads, 1, 1024);
   get("--layers", s.cfg.layers, 1, 1024);
+  get("--ranks", s.ranks, 1, 64);
   get("--chunks", s.chunks, 1, 64);
   get("--microbatches", s.microbatches, 1, 4096);
   get("--batch", s.batch, 1, 4096);
@@ -191,22 +231,16 @@ Settings parse(int argc, char** argv) {
   if (s.cfg.hidden % s.cfg.heads != 0)
     throw cli::bad_argument("--heads " + std::to_string(s.cfg.heads) + " must divide --hidden " +
                             std::to_string(s.cfg.hidden));
-  if (s.cfg.layers < s.chunks)
-    throw cli::bad_argument("--layers " + std::to_string(s.cfg.layers) + " must be at least --chunks " +
-                            std::to_string(s.chunks));
+  if (s.cfg.layers < s.ranks * s.chunks)
+    throw cli::bad_argument("--layers " + std::to_string(s.cfg.layers) + " must be at least --ranks x --chunks = " +
+                            std::to_string(s.ranks * s.chunks) + " (a block a stage)");
   return s;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  Settings s;
-  try {
-    s = parse(argc, argv);
-  } catch (const cli::bad_argument& e) {
-    std::fprintf(stderr, "train_step: %s\n", e.what());
-    return 2;
-  }
+  Settings s = cli::parsed_or_exit("train_step", [&] { return parse(argc, argv); });
   const double b = s.batch, seq = s.cfg.seq, h = s.cfg.hidden, V = s.cfg.vocab;
   // A step's FLOPs: every block's F+B+W, 12 b s h (6h + s) (gpt_block_gpu's count), and the
   // head's GEMM, 6 b s h V, for each microbatch.
@@ -214,13 +248,16 @@ int main(int argc, char** argv) {
   const double tokens = s.microbatches * b * seq;
   try {
     if (!s.cuda) {
-      std::printf("train_step --backend cpu: h %d, s %d, %d layers, 1 rank x %d chunks, %d microbatches of %d\n",
-                  s.cfg.hidden, s.cfg.seq, s.cfg.layers, s.chunks, s.microbatches, s.batch);
+      std::printf("train_step --backend cpu: h %d, s %d, %d layers, %d ranks x %d chunks, %d microbatches of %d\n",
+                  s.cfg.hidden, s.cfg.seq, s.cfg.layers, s.ranks, s.chunks, s.microbatches, s.batch);
       for (const std::string& name : s.schedules)
-        compare(s, name, flops, tokens, [&](const po::Program& p, bool graphs) {
-          po::backend::Cpu dev;
-          return run<po::gpt::GptStage>(
-              s, p, dev, [&](int st, int S) { return po::gpt::GptStage(s.cfg, st, S); }, graphs);
+        compare(s, name, flops, tokens, true, [&](const po::Program& p, bool graphs) {
+          return run(p, [&](int r, po::comm::ThreadsWorld& world) {
+            po::backend::Cpu dev({.rank = r});
+            po::comm::Threads comm(world, r);
+            return rank_run<po::gpt::GptStage>(
+                s, p, dev, comm, [&](int st, int S) { return po::gpt::GptStage(s.cfg, st, S); }, graphs);
+          });
         });
       return 0;
     }
@@ -232,16 +269,22 @@ int main(int argc, char** argv) {
     PIPEOFFLOAD_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     if (s.peak_tflops == 0) s.peak_tflops = prop.major == 8 ? 312 : prop.major == 9 ? 989 : prop.major == 10 ? 2250 : 0;
     std::printf(
-        "train_step on %s (bf16 peak %.0f TFLOP/s): h %d, s %d, %d layers, 1 rank x %d chunks, %d "
+        "train_step on %s (bf16 peak %.0f TFLOP/s): h %d, s %d, %d layers, %d ranks x %d chunks, %d "
         "microbatches of %d; %.1f TFLOP a step\n",
-        prop.name, s.peak_tflops, s.cfg.hidden, s.cfg.seq, s.cfg.layers, s.chunks, s.microbatches, s.batch,
+        prop.name, s.peak_tflops, s.cfg.hidden, s.cfg.seq, s.cfg.layers, s.ranks, s.chunks, s.microbatches, s.batch,
         flops / 1e12);
     const po::MicrobatchShape mbs{s.batch, s.cfg.seq};
+    // Several ranks share the GPU: each takes 3/4 of an equal share of its free memory for its
+    // arena (its stages' own buffers come from the rest).
+    const std::size_t share = po::backend::device_memory(0).free / static_cast<std::size_t>(s.ranks) / 4 * 3;
     for (const std::string& name : s.schedules)
-      compare(s, name, flops, tokens, [&](const po::Program& p, bool graphs) {
-        po::backend::Cuda dev;
-        return run<po::gpt::CudaGptStage>(
-            s, p, dev, [&](int st, int S) { return po::gpt::CudaGptStage(dev, s.cfg, st, S, mbs); }, graphs);
+      compare(s, name, flops, tokens, s.ranks == 1, [&](const po::Program& p, bool graphs) {
+        return run(p, [&](int r, po::comm::ThreadsWorld& world) {
+          po::backend::Cuda dev({.rank = r, .arena_bytes = s.ranks == 1 ? 0 : share});
+          po::comm::SharedGpu comm(world, r);
+          return rank_run<po::gpt::CudaGptStage>(
+              s, p, dev, comm, [&](int st, int S) { return po::gpt::CudaGptStage(dev, s.cfg, st, S, mbs); }, graphs);
+        });
       });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_step: %s\n", e.what());
