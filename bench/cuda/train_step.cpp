@@ -18,6 +18,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <models/gpt/cpu.hpp>
@@ -111,7 +112,7 @@ Timing pipeline_figures(const po::Program& program, std::vector<Timing> ranks) {
   Timing t = ranks[0];
   std::vector<po::RankSim> traces;
   double first = 1e300, last = -1e300;
-  for (const Timing& rk : ranks) {
+  for (Timing& rk : ranks) {
     t.host_waits = std::max(t.host_waits, rk.host_waits);
     t.device_held = std::max(t.device_held, rk.device_held);
     t.pinned_peak = std::max(t.pinned_peak, rk.pinned_peak);
@@ -126,7 +127,7 @@ Timing pipeline_figures(const po::Program& program, std::vector<Timing> ranks) {
       first = std::min(first, tr.copy_start[y]);
       last = std::max(last, tr.copy_end[y]);
     }
-    traces.push_back(tr);
+    traces.push_back(std::move(rk.trace));
   }
   t.passes /= static_cast<double>(ranks.size());
   t.copies /= static_cast<double>(ranks.size());

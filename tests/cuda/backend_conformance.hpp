@@ -192,8 +192,8 @@ void event_ordering() {
 }
 
 /// upload is enqueued: it lands after a stream's late write to the same block, the caller's
-/// memory may be reused as soon as it returns, and the host waits only for an upload that the
-/// staging cannot hold (backend::Cpu counts the waits backend::Cuda makes).
+/// memory may be reused as soon as it returns, and the host waits only where the staging is
+/// full or cannot hold the upload at all (backend::Cpu counts the waits backend::Cuda makes).
 template <class Traits>
 void staged_uploads() {
   auto dev = Traits::make();
@@ -216,6 +216,19 @@ void staged_uploads() {
   CHECK(dev->host_waits() == waits);           // staged: no wait
   const std::vector<std::byte> got = download(*dev, s, b);
   CHECK(std::memcmp(got.data(), want.data(), bytes) == 0);  // after the late write, the values as uploaded
+  // Two uploads of more than half the staging: the second finds it full and waits first.
+  const std::size_t half = pb::default_upload_staging / 2 + 256;
+  std::vector<unsigned char> halves(2 * half);
+  for (std::size_t i = 0; i < halves.size(); ++i) halves[i] = static_cast<unsigned char>(i * 5 + 3);
+  pb::Block two = dev->device_alloc(2 * half, pb::Memory::state);
+  dev->synchronize();  // (the staging starts empty)
+  const long long before_halves = dev->host_waits();
+  dev->upload(two.ptr, halves.data(), half);
+  CHECK(dev->host_waits() == before_halves);
+  dev->upload(two.ptr + half, halves.data() + half, half);
+  CHECK(dev->host_waits() == before_halves + 1);
+  const std::vector<std::byte> both = download(*dev, s, two);
+  CHECK(std::memcmp(both.data(), halves.data(), 2 * half) == 0);
   // Larger than the whole staging: the upload waits for its own copy.
   const std::size_t big = pb::default_upload_staging + 4;
   std::vector<unsigned char> pattern(big);
@@ -228,6 +241,7 @@ void staged_uploads() {
   CHECK(std::memcmp(round.data(), pattern.data(), big) == 0);
   dev->host_free(h);
   dev->device_free(b);
+  dev->device_free(two);
   dev->device_free(large);
 }
 

@@ -54,9 +54,25 @@ inline constexpr std::size_t default_upload_staging = std::size_t{8} << 20;
 
 namespace detail {
 
-/// The staging bytes an upload of `bytes` takes (whole 256-byte pieces, so that every staged
-/// copy starts aligned).
-constexpr std::size_t staged_bytes(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+/// Where an upload goes in a pinned staging of `capacity` bytes: backend::Cuda's staged
+/// uploads follow it, and backend::Cpu counts its waits by it, so the two count alike.
+struct StagedUpload {
+  bool staged = true;    ///< through the staging; false: larger than all of it, a blocking copy
+  bool wait = false;     ///< the host waits first (staged: for the copies using the staging; else: its own)
+  std::size_t at = 0;    ///< its offset in the staging (staged only)
+  std::size_t used = 0;  ///< the staging's bytes in use after it (until the next wait)
+};
+
+/// An upload of `bytes` with `used` bytes of the staging taken since the last wait: each takes
+/// whole 256-byte pieces (so that every staged copy starts aligned); one that does not fit in
+/// what is left waits for the staging to empty first.
+constexpr StagedUpload stage_upload(std::size_t bytes, std::size_t used, std::size_t capacity) {
+  const std::size_t size = (bytes + 255) / 256 * 256;
+  if (size > capacity) return {false, true, 0, 0};
+  const bool full = used + size > capacity;
+  const std::size_t at = full ? 0 : used;
+  return {true, full, at, at + size};
+}
 
 /// The argument checks every backend's sum_squares, adamw and sgd make (`who` names the call).
 inline void require_groups(const char* who, std::size_t values, std::span<const std::size_t> groups, std::size_t outs) {

@@ -350,12 +350,9 @@ class Cpu : public detail::Failure<Cpu> {
   void upload(void* device, const void* host, std::size_t bytes) {
     require_no_capture("upload");
     if (bytes == 0) return;
-    const std::size_t size = detail::staged_bytes(bytes);
-    if (size > opt_.upload_staging_bytes || staged_ + size > opt_.upload_staging_bytes) {
-      ++host_waits_;
-      staged_ = 0;
-    }
-    if (size <= opt_.upload_staging_bytes) staged_ += size;
+    const detail::StagedUpload u = detail::stage_upload(bytes, staged_, opt_.upload_staging_bytes);
+    if (u.wait) ++host_waits_;
+    staged_ = u.used;
     after_streams();
     std::memcpy(device, host, bytes);
   }

@@ -613,16 +613,16 @@ class Cuda : public detail::Failure<Cuda> {
     if (bytes == 0) return;
     select();
     join();
-    const std::size_t size = detail::staged_bytes(bytes);
-    if (size > opt_.upload_staging_bytes) {
+    const detail::StagedUpload u = detail::stage_upload(bytes, upload_top_, opt_.upload_staging_bytes);
+    if (!u.staged) {
       blocking_copy(device, host, bytes);
       return;
     }
-    if (upload_top_ + size > opt_.upload_staging_bytes) finish_aux(true);
-    std::byte* staged = upload_staging_ + upload_top_;
+    if (u.wait) finish_aux(true);  // (empties the staging)
+    std::byte* staged = upload_staging_ + u.at;
     std::memcpy(staged, host, bytes);
     PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(device, staged, bytes, cudaMemcpyHostToDevice, aux_));
-    upload_top_ += size;
+    upload_top_ = u.used;
     aux_pending_ = true;
   }
 
