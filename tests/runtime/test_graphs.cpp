@@ -140,6 +140,9 @@ TEST_CASE("graphs: backend::Cpu's capture records launches, records and waits, a
   CHECK_THROWS_WITH(dev.synchronize(),
                     "backend::Cpu::synchronize during a capture: a captured step may only launch work on the "
                     "device's streams");
+  CHECK_THROWS_WITH(dev.reset_arena(0),
+                    "backend::Cpu::reset_arena during a capture: a captured step may only launch work on the "
+                    "device's streams");
   CHECK_THROWS_WITH(dev.begin_capture(a), "backend::Cpu::begin_capture: a capture is under way already");
   const po::backend::Cpu::Graph g = dev.end_capture();
   CHECK(g.calls.size() == 4);

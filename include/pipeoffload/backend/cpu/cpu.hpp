@@ -281,6 +281,7 @@ class Cpu : public detail::Failure<Cpu> {
   /// while a device or host block is handed out.
   void reset_arena(std::size_t bytes = 0) {
     (void)bytes;
+    require_no_capture("reset_arena");
     synchronize();
     std::lock_guard lk(mem_mu_);
     std::size_t out[2] = {0, 0};  // bytes of the blocks handed out (whole size classes)

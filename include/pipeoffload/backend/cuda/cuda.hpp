@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cctype>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -994,14 +995,31 @@ class Cuda : public detail::Failure<Cuda> {
     return static_cast<std::byte*>(raw);
   }
 
-  /// Waits for `s` by querying it, running the wait polls between queries: spinning first (a
-  /// step's tail is short), then sleeping 100 us at a time. A poll that throws fails the
-  /// device (its hook aborts the communicators) and the wait goes on until `s` drains.
+  /// Set by a host function enqueued behind a stream's work when the stream reaches it.
+  struct Drained {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+
+  /// The host function behind poll_until_idle's stream: wakes the waiting thread, then lets
+  /// go of its share of the state (the waiter may have left already, on a failure).
+  static void CUDART_CB on_drained(void* hold) {
+    const std::unique_ptr<std::shared_ptr<Drained>> h(static_cast<std::shared_ptr<Drained>*>(hold));
+    {
+      std::lock_guard lk((*h)->mu);
+      (*h)->done = true;
+    }
+    (*h)->cv.notify_all();
+  }
+
+  /// Waits for `s`, running the wait polls meanwhile: querying and yielding first (a step's
+  /// tail is short), then blocking until a host function enqueued behind `s`'s work wakes this
+  /// thread, with the polls run at least once a millisecond until then. So the wait ends when
+  /// the stream does, never a sleep later. A poll that throws fails the device (its hook aborts
+  /// the communicators) and the wait goes on until `s` drains.
   void poll_until_idle(cudaStream_t s) {
-    for (long spins = 0;; ++spins) {
-      const cudaError_t q = cudaStreamQuery(s);
-      if (q == cudaSuccess) return;
-      if (q != cudaErrorNotReady) PIPEOFFLOAD_CUDA_CHECK(q);
+    const auto poll = [&] {
       for (const Poll& p : polls_) {
         try {
           p.fn();
@@ -1009,10 +1027,28 @@ class Cuda : public detail::Failure<Cuda> {
           fail(e.what());
         }
       }
-      if (spins < 1000)
-        std::this_thread::yield();
-      else
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
+    };
+    const auto idle = [&] {
+      const cudaError_t q = cudaStreamQuery(s);
+      if (q != cudaSuccess && q != cudaErrorNotReady) PIPEOFFLOAD_CUDA_CHECK(q);
+      return q == cudaSuccess;
+    };
+    for (int spins = 0; spins < 1000; ++spins) {
+      if (idle()) return;
+      poll();
+      std::this_thread::yield();
+    }
+    const auto drained = std::make_shared<Drained>();
+    auto hold = std::make_unique<std::shared_ptr<Drained>>(drained);
+    PIPEOFFLOAD_CUDA_CHECK(cudaLaunchHostFunc(s, &Cuda::on_drained, hold.get()));
+    hold.release();  // on_drained's now
+    while (!idle()) {
+      poll();
+      std::unique_lock lk(drained->mu);
+      if (drained->cv.wait_for(lk, std::chrono::milliseconds(1), [&] { return drained->done; })) {
+        lk.unlock();
+        std::this_thread::yield();  // the host function has run; the stream ends as it returns
+      }
     }
   }
 
