@@ -165,7 +165,9 @@ po::Costs measure_costs(const Options& o, const Setup& su, Comm& comm, Comm& rep
     }
     prt.zero_grad();
   }
-  po::Costs measured = po::measured_costs(probe, traces, su.costs);
+  po::Costs measured = po::measured_costs(probe, traces, probe.costs);
+  measured.copy_streams = su.costs.copy_streams;  // (the probe times each copy alone, on one stream)
+  measured.duplex_slowdown = su.costs.duplex_slowdown;
   // Replica 0's, on every replica: F, B, W of each stage, then k.
   const std::size_t S = static_cast<std::size_t>(sh.stages()), width = 3 * S + 1;
   std::vector<double> packed, every(width * static_cast<std::size_t>(o.dp));
@@ -267,7 +269,10 @@ int train_rank(
     barrier();
     dev.reset_arena(arena_bytes(o, su, train_gpt::program_of(o, costs), r, replica, dev));
   }
-  po::Runtime rt(train_gpt::program_of(o, costs), dev, comm, replicas, std::span<Layer>(mine), su.runtime);
+  const po::Program program = train_gpt::program_of(o, costs);
+  if (lead && !o.quiet && o.copy_streams == 0)
+    std::printf("copy streams: %d (auto: the faster in the simulator)\n", program.costs.copy_streams);
+  po::Runtime rt(program, dev, comm, replicas, std::span<Layer>(mine), su.runtime);
   if (pair != nullptr) rt.pair_with(*pair);
   po::AdamW opt(rt, su.adamw);
   // bf16 stages: the optimizer's fp32 master starts from the model's fp32 initial values, not
@@ -587,6 +592,12 @@ int run_cuda_threads(const Options& o, Setup su) {
   bool paired = o.shape.d >= 2 && o.shape.d % 2 == 0;
   for (int g = 0; g < need && paired; ++g) paired = pairing.partner_of_rank[static_cast<std::size_t>(g)] == (g ^ 1);
   su.costs.stagger_pairs = paired;
+  if (paired && o.copy_streams == 2) {
+    std::fprintf(stderr,
+                 "train_gpt: --copy-streams 2: these GPUs share PCIe switches in pairs, whose partners fill the "
+                 "other direction's slots already (a second stream gains nothing); give --copy-streams 1 or auto\n");
+    return 2;
+  }
   // Each rank's arena (cuda_options: the runtime's reservation, model state, workspace)
   // against its GPU's free memory, before any rank takes any.
   for (int g = 0; g < need; ++g) {

@@ -73,6 +73,12 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
                         pipeoffload-plan times them (its train_gpt line passes its own); default:
                         every pass of every stage costs 1
   --copy-gbps X         pace the copy engine at X GB/s (a PCIe link); 0 = memcpy speed (default 0)
+  --copy-streams N      1: offloads and reloads take turns on one copy stream (default); 2: each on a
+                        stream of its own, both directions of the link at once (Costs::copy_streams;
+                        ranks with a PCIe partner keep one stream's slots); auto: whichever the
+                        simulator says is faster under the planning (or, with --k auto, measured) times
+  --duplex-slowdown X   with --copy-streams 2 or auto: a copy's time while the other direction
+                        copies too, over its time alone, [1, 100] (default 1; an H100 SXM: 1.31)
   --steps N             optimizer steps, 1..1000000 (default 200)
   --eval-every N        hold out the corpus's last 10% and print the loss on it every N steps (forward
                         passes only); 0 = off, the whole corpus trains (default 0)
@@ -127,8 +133,10 @@ struct Options {
   po::ScheduleSpec spec{};
   po::Shape shape{4, 2, 8};
   double k = 1, copy_gbps = 0;
-  double flops = 0;     // --flops; 0: unit pass costs
-  bool k_auto = false;  // --k auto: measured in a profiling pass
+  int copy_streams = 1;        // --copy-streams: 1 or 2; 0: auto
+  double duplex_slowdown = 1;  // --duplex-slowdown (Costs::duplex_slowdown)
+  double flops = 0;            // --flops; 0: unit pass costs
+  bool k_auto = false;         // --k auto: measured in a profiling pass
   int steps = 200;
   std::uint64_t seed = 1;
   std::optional<std::string> trace;
@@ -176,6 +184,8 @@ inline constexpr cli::Flag flags[] = {{"--schedule"},
                                       {"--k"},
                                       {"--flops"},
                                       {"--copy-gbps"},
+                                      {"--copy-streams"},
+                                      {"--duplex-slowdown"},
                                       {"--steps"},
                                       {"--seed"},
                                       {"--trace"},
@@ -335,6 +345,21 @@ inline Options parse(int argc, char** argv) {
   }
   if (auto v = get("--flops")) o.flops = to_real("--flops", *v, 0, 1e18, true);
   if (auto v = get("--copy-gbps")) o.copy_gbps = to_real("--copy-gbps", *v, 0, 1e4, false);
+  if (auto v = get("--copy-streams")) {
+    if (*v != "1" && *v != "2" && *v != "auto")
+      throw bad_argument("--copy-streams " + std::string(*v) + " is not one of 1, 2, auto");
+    o.copy_streams = *v == "auto" ? 0 : *v == "2" ? 2 : 1;
+  }
+  if (auto v = get("--duplex-slowdown")) {
+    o.duplex_slowdown = to_real("--duplex-slowdown", *v, 1, 100, false);
+    if (o.copy_streams == 1)
+      throw bad_argument("--duplex-slowdown needs --copy-streams 2 or auto (one copy stream never copies both ways)");
+  }
+  if (o.copy_streams != 1 && o.pcie_pairs)
+    throw bad_argument(
+        "--copy-streams " + std::string(o.copy_streams == 0 ? "auto" : "2") +
+        " with --pcie-pairs: paired ranks share their switch's link, so a second stream gains nothing and their "
+        "counters count one stream's copies; give one of them");
   if (auto v = get("--trace")) o.trace = *v;
   if (auto v = get("--corpus")) o.corpus = *v;
   if (auto v = get("--data")) o.data = *v;
@@ -473,24 +498,44 @@ inline std::string stage_blocks_text(const po::gpt::GptConfig& m) {
   return s;
 }
 
+/// --copy-streams auto: the program `make(costs)` builds with one copy stream and with two,
+/// whichever simulates faster under its costs (one on a tie, and wherever ranks are paired:
+/// Costs::stagger_pairs with d >= 2, whose PCIe partners fill the other direction already).
+template <class Make>
+po::Program best_copy_streams(po::Costs costs, const Make& make) {
+  costs.copy_streams = 1;
+  po::Program single = make(costs);
+  if (single.shape.d >= 2 && costs.stagger_pairs) return single;
+  costs.copy_streams = 2;
+  po::Program two = make(costs);
+  return po::simulate(two).makespan < po::simulate(single).makespan ? two : single;
+}
+
 /// The program of the options: --import's file (with --offload-chunks as its offload) or
 /// --schedule's build, under `costs`.
 inline po::Program program_of(const Options& o, const po::Costs& costs = {}) {
-  if (o.import_text.empty()) return po::build(o.spec, o.shape, costs);
-  po::TorchCsvOptions io;
-  io.d = o.shape.d;
-  io.v = o.shape.v;
-  io.m = o.shape.m;
-  io.placement = o.shape.placement;
-  io.offload = o.spec.offload;
-  io.costs = costs;
-  return po::from_torch_csv(o.import_text, io);
+  const auto one = [&](const po::Costs& c) {
+    if (o.import_text.empty()) return po::build(o.spec, o.shape, c);
+    po::TorchCsvOptions io;
+    io.d = o.shape.d;
+    io.v = o.shape.v;
+    io.m = o.shape.m;
+    io.placement = o.shape.placement;
+    io.offload = o.spec.offload;
+    io.costs = c;
+    return po::from_torch_csv(o.import_text, io);
+  };
+  if (o.copy_streams != 0) return one(costs);
+  return best_copy_streams(costs, one);
 }
 
 /// --k auto's profiling program: the run's schedule with every chunk offloaded (an imported
 /// schedule offloads what its file says), so that every stage's copies are timed.
-inline po::Program probe_program(Options o, const po::Costs& costs) {
+inline po::Program probe_program(Options o, po::Costs costs) {
   if (o.import_text.empty()) o.spec.offload = po::offload::all;
+  // One copy stream: each copy timed alone (two streams' copies include the slowdown).
+  o.copy_streams = 1;
+  costs.copy_streams = 1;
   return program_of(o, costs);
 }
 
@@ -501,6 +546,8 @@ inline po::Program probe_program(Options o, const po::Costs& costs) {
 inline po::Costs program_costs(const Options& o) {
   po::Costs c;
   c.k = o.k;
+  c.copy_streams = o.copy_streams == 2 ? 2 : 1;  // auto: program_of tries both
+  c.duplex_slowdown = o.duplex_slowdown;
   if (!(o.flops > 0)) return c;
   const po::TransformerSpec m{.layers = o.model.layers,
                               .hidden = o.model.hidden,
@@ -516,7 +563,10 @@ inline po::Costs program_costs(const Options& o) {
   std::vector<po::StageContent> cut;
   const int S = o.shape.stages();
   for (int s = 0; s < S; ++s) cut.push_back(stage_content(o, s, S));
-  return po::stage_costs(m, cut, o.flops, o.k, o.cuda ? po::PlanBackend::cuda : po::PlanBackend::cpu);
+  po::Costs out = po::stage_costs(m, cut, o.flops, o.k, o.cuda ? po::PlanBackend::cuda : po::PlanBackend::cpu);
+  out.copy_streams = c.copy_streams;
+  out.duplex_slowdown = c.duplex_slowdown;
+  return out;
 }
 
 /// What every rank shares: the data, the schedule and its costs, the optimizer's settings,
@@ -604,8 +654,11 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
                                            " gradients=" + po::gradients_name(o.gradients) +
                                            (o.reduce_dtype == po::DType::bfloat16 ? " reduce=bf16" : "")});
   s.fields.push_back({"data", data});
-  s.fields.push_back({"planning", "k=" + (o.k_auto ? std::string("auto") : std::string(k)) + " flops=" + flops +
-                                      " offload=" + std::to_string(po::offload::count(o.spec.offload, sh.v))});
+  s.fields.push_back(
+      {"planning",
+       "k=" + (o.k_auto ? std::string("auto") : std::string(k)) + " flops=" + flops +
+           " offload=" + std::to_string(po::offload::count(o.spec.offload, sh.v)) +
+           (o.copy_streams != 1 ? " copy-streams=" + std::string(o.copy_streams == 0 ? "auto" : "2") : std::string())});
   s.fields.push_back({"run", "checkpoint-every=" + std::to_string(o.checkpoint_every) +
                                  " resume=" + (o.resume.empty() ? "no" : "yes") + " trace=" + (o.trace ? "yes" : "no") +
                                  " eval-every=" + std::to_string(o.eval_every) +

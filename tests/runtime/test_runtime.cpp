@@ -102,6 +102,51 @@ TEST_CASE("offload with a rate-limited copy engine still trains bit-identically"
   CHECK(run.memory[0].host_in_use == 0);
 }
 
+TEST_CASE("two copy streams (offloads and reloads apart) train bit-identically, paced or not, paired slots or not") {
+  for (const char* name : {"po-f", "po-h", "po"})
+    for (const po::Shape sh : {po::Shape{1, 4, 6}, po::Shape{2, 2, 6}, po::Shape{3, 2, 5}})
+      for (const double rate : {0.0, 20e6})
+        for (const bool stagger : {true, false}) {
+          CAPTURE(name);
+          CAPTURE(sh.d);
+          CAPTURE(rate);
+          CAPTURE(stagger);
+          test::Config c;
+          c.spec = po::parse_schedule(name);
+          c.shape = sh;
+          c.copy_bytes_per_second = rate;
+          c.costs.copy_streams = 2;
+          c.costs.stagger_pairs = stagger;
+          c.steps = 2;
+          const test::Run ref = reference(c);
+          const test::Run run = test::train_within(c, 120);
+          for (const std::string& e : run.errors) REQUIRE(e == "");
+          CHECK(same_bits(run.losses, ref.losses));
+          for (int s = 0; s < sh.stages(); ++s)
+            CHECK(same_bits(run.params[static_cast<std::size_t>(s)], ref.params[static_cast<std::size_t>(s)]));
+          CHECK(run.memory[0].host_in_use == 0);
+        }
+  // A rank with a PCIe partner gains nothing from a second stream, and the pairs' counters
+  // count copies in order: refused.
+  po::comm::ThreadsWorld world(2);
+  po::Costs two;
+  two.copy_streams = 2;
+  const po::Program p = po::build(po::parse_schedule("po-f"), {2, 1, 4}, two);
+  const auto errors = po::run_thread_ranks(world, [&](int r) {
+    po::backend::Cpu dev({.rank = r});
+    po::comm::Threads comm(world, r);
+    std::vector<test::TanhLayer> layers;
+    layers.emplace_back(r, 4, 1, test::Timing{}, nullptr, r);
+    po::Runtime rt(p, dev, comm, std::span<test::TanhLayer>(layers), {.microbatch = {1, 1}});
+    po::PairLink<po::backend::Cpu> link;
+    rt.pair_with(link);
+  });
+  CHECK(errors[0] ==
+        "po::Runtime::pair_with: the schedule runs two copy streams (Costs::copy_streams = 2), whose copies end out "
+        "of order, and the pairs' counters count them in order; a rank with a PCIe partner gains nothing from a "
+        "second stream (its partner's copies fill the other direction's slots): plan it with one");
+}
+
 TEST_CASE("PCIe pairs: a pair never copies in one direction at once, and keeps its slot order") {
   // Copies slow enough and passes short enough that an unsynchronised pair drifts off the
   // planned grid; linked, each copy of rank r starts only after rank r^1 has completed every

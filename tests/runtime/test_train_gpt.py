@@ -63,6 +63,24 @@ for extra in (["--ranks", "1", "--chunks", "1"], ["--schedule", "po-f", "--ranks
 err = run("--graphs", "--pcie-pairs", "--schedule", "po-f", "--ranks", "2", code=2).stderr
 assert "--graphs replays captured copies, which cannot follow --pcie-pairs' counters" in err, err
 
+# --copy-streams 2: offloads and reloads on streams of their own (paced copies, so that they
+# overlap for real), the same bits; auto says which it took; bad values exit 2.
+for extra in (["--schedule", "po-f", "--ranks", "1", "--chunks", "4", "--copy-gbps", "0.5", "--copy-streams", "2"],
+              ["--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--copy-gbps", "0.5", "--copy-streams", "2",
+               "--duplex-slowdown", "1.3"],
+              ["--schedule", "po-h", "--ranks", "3", "--chunks", "2", "--copy-streams", "auto", "--k", "auto"]):
+    got = finals(run(*extra, *small).stdout)
+    if got != ref:
+        sys.exit(f"FAIL: {' '.join(extra)} gave {got}, the one-rank reference {ref}")
+out = run("--schedule", "po-f", "--ranks", "1", "--chunks", "4", "--copy-streams", "auto", "--k", "4", *small[:-1]).stdout
+assert re.search(r"^copy streams: [12] \(auto: the faster in the simulator\)$", out, re.M), out
+err = run("--copy-streams", "3", code=2).stderr
+assert "--copy-streams 3 is not one of 1, 2, auto" in err, err
+err = run("--duplex-slowdown", "1.3", code=2).stderr
+assert "--duplex-slowdown needs --copy-streams 2 or auto" in err, err
+err = run("--copy-streams", "2", "--pcie-pairs", "--ranks", "2", code=2).stderr
+assert "--copy-streams 2 with --pcie-pairs: paired ranks share their switch's link" in err, err
+
 # The exact gradient path (--gradients exact) has its own bits, the same for every schedule too.
 exact_ref = finals(run("--ranks", "1", "--chunks", "1", *small, "--gradients", "exact").stdout)
 if exact_ref == ref:

@@ -1,4 +1,4 @@
-// Offload placement (docs/design.md section 3): one copy stream, one-offload-one-reload slots,
+// Offload placement (docs/design.md section 3): one copy stream (or two), one-offload-one-reload slots,
 // longest lifespan first, units that cannot hide the round trip kept, PCIe pairs staggered,
 // cross-stream edges that keep execution within the planned memory.
 #include <doctest/doctest.h>
@@ -27,9 +27,11 @@ int offloaded_units(const Program& p) {
 }
 
 /// Every copy op runs in simulated time where the rules say: O after its F, R after its O and
-/// before its B, and the copy stream runs one op at a time.
+/// before its B, and the copy stream runs one op at a time (with two copy streams: each stream
+/// one op at a time, a reload after every copy before it).
 void check_copy_timing(const Program& p) {
   const SimResult sim = simulate(p);
+  const bool duplex = p.costs.duplex();
   const int m = p.shape.m;
   for (int r = 0; r < p.shape.d; ++r) {
     const auto& rp = p.ranks[static_cast<std::size_t>(r)];
@@ -41,10 +43,13 @@ void check_copy_timing(const Program& p) {
       if (op.kind == OpKind::F) fend[u] = rs.compute_end[x];
       if (op.kind == OpKind::B || op.kind == OpKind::BW) bstart[u] = rs.compute_start[x];
     }
+    double all_end = 0, o_end = 0;  // latest end of any copy so far, of any offload so far
     for (std::size_t y = 0; y < rp.copy.size(); ++y) {
       const Op& op = rp.copy[y];
       const auto u = static_cast<std::size_t>(op.stage * m + op.mb);
-      if (y > 0) REQUIRE(rs.copy_start[y] >= rs.copy_end[y - 1]);
+      REQUIRE(rs.copy_start[y] >= (duplex && op.kind == OpKind::O ? o_end : all_end));
+      all_end = std::max(all_end, rs.copy_end[y]);
+      if (op.kind == OpKind::O) o_end = rs.copy_end[y];
       if (op.kind == OpKind::O) {
         REQUIRE(rs.copy_start[y] >= fend[u]);
         oend[u] = rs.copy_end[y];
@@ -311,4 +316,105 @@ TEST_CASE("a chunk none of whose units can be offloaded does not stretch the ran
   CHECK(p.ranks[3].slot_length == c.T_O(3));
   for (const Op& op : p.ranks[3].copy) CHECK(op.stage == 3);
   CHECK_FALSE(p.ranks[3].copy.empty());
+}
+
+TEST_CASE("two copy streams: every family validates, and each copy keeps its order in simulated time") {
+  for (int d : {1, 2, 3, 4})
+    for (int v : {1, 2, 4})
+      for (int m : {d, 3 * d + 1})
+        for (bool stagger : {true, false}) {
+          std::vector<ScheduleSpec> specs = {with_offload(GIS_H::spec, offload::half), PO_H::spec, PO_F::spec,
+                                             with_offload(PO::spec, offload::chunks({v - 1}))};
+          if (m % d == 0) specs.push_back(with_offload(Interleaved1F1B::spec, offload::all));
+          for (const auto& spec : specs)
+            for (double k : {0.5, 2.0}) {
+              Costs c;
+              c.k = k;
+              c.comm = 0.25;
+              c.copy_streams = 2;
+              c.duplex_slowdown = 1.31;
+              c.stagger_pairs = stagger;
+              const Program p = build(spec, {d, v, m}, c);
+              const Validation ok = validate(p);
+              REQUIRE_MESSAGE(ok, schedule_name(spec, v), " d=", d, " v=", v, " m=", m, " k=", k, ": ", ok.error);
+              check_copy_timing(p);
+              // A rank with a PCIe partner keeps one stream's slots: one copy a slot, offloads
+              // on one parity and reloads on the other.
+              for (int r = 0; r < d; ++r) {
+                const RankProgram& rp = p.ranks[static_cast<std::size_t>(r)];
+                if (!stagger || (r ^ 1) >= d) continue;
+                for (std::size_t y = 1; y < rp.copy.size(); ++y) REQUIRE(rp.copy_slot[y] > rp.copy_slot[y - 1]);
+                if (!rp.copy.empty()) offload_parity(rp);
+              }
+            }
+        }
+}
+
+TEST_CASE("two copy streams: a rank without a PCIe partner offloads and reloads in one slot") {
+  Costs c;
+  c.k = 2;
+  c.copy_streams = 2;
+  const Program p = PO_F::build({1, 4, 8}, c);
+  const RankProgram& rp = p.ranks[0];
+  int shared = 0;
+  for (std::size_t y = 1; y < rp.copy.size(); ++y)
+    if (rp.copy_slot[y] == rp.copy_slot[y - 1]) {
+      ++shared;
+      CHECK(rp.copy[y - 1].kind == OpKind::R);  // the slot's reload, then its offload
+      CHECK(rp.copy[y].kind == OpKind::O);
+    }
+  CHECK(shared > 0);
+  // Slots are what validate() checks: an offload before a reload in one slot, or two of a
+  // kind, double-book a stream.
+  Program bad = p;
+  for (std::size_t y = 1; y < bad.ranks[0].copy.size(); ++y)
+    if (bad.ranks[0].copy_slot[y] == bad.ranks[0].copy_slot[y - 1]) {
+      std::swap(bad.ranks[0].copy[y], bad.ranks[0].copy[y - 1]);
+      break;
+    }
+  CHECK(!validate(bad));
+  Costs one = c;
+  one.copy_streams = 1;
+  Program single = p;
+  single.costs = one;
+  CHECK(!validate(single));
+}
+
+TEST_CASE("one or two copy streams, whichever the times say (an H100's copies: 55 GB/s one way, 41.9 each both ways)") {
+  // PO-F, d = 4, v = 2, m = 16, ranks without PCIe partners, the passes of a GPT block at
+  // h = s = 4096 (ms). With recompute (k = 1.279) one stream carries the copies and two only
+  // slow each copy down; without (k = 2.224) one stream falls behind and two catch up.
+  const auto run = [](double k, int streams) {
+    Costs c;
+    c.f = 3.09;
+    c.b = 3.66;
+    c.w = 2.81;
+    c.k = k;
+    c.stagger_pairs = false;
+    c.copy_streams = streams;
+    c.duplex_slowdown = 55.0 / 41.9;
+    const Program p = PO_F::build({4, 2, 16}, c);
+    REQUIRE(validate(p));
+    return simulate(p);
+  };
+  const SimResult one = run(1.279, 1), two = run(1.279, 2);
+  CHECK(one.makespan < two.makespan);
+  const SimResult one_slow = run(2.224, 1), two_slow = run(2.224, 2);
+  CHECK(two_slow.makespan < 0.97 * one_slow.makespan);
+  CHECK(two_slow.max_peak() < one_slow.max_peak());
+}
+
+TEST_CASE("copy streams and the duplex slowdown are checked") {
+  Costs c;
+  c.copy_streams = 3;
+  CHECK_THROWS_WITH(PO_F::build({2, 2, 4}, c), "costs: copy_streams = 3 is outside the allowed range [1, 2]");
+  c.copy_streams = 2;
+  c.duplex_slowdown = 0.5;
+  CHECK_THROWS_WITH(PO_F::build({2, 2, 4}, c),
+                    "costs: duplex_slowdown must be a finite number >= 1 (a copy is no faster while the other "
+                    "direction copies too)");
+  // T_O of a duplex copy includes the slowdown.
+  c.duplex_slowdown = 1.5;
+  c.k = 1;
+  CHECK(c.T_O(0) == 1.5 * 1.5);
 }

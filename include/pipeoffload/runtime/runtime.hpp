@@ -309,6 +309,11 @@ class Runtime<Backend, Communicator> {
       throw error(
           "po::Runtime::pair_with: the schedule was planned with Costs::stagger_pairs = false; pairs need staggered copy slots");
     if (iterations_ > 0) throw error("po::Runtime::pair_with: call it before the first step");
+    if (program_.costs.duplex())
+      throw error(
+          "po::Runtime::pair_with: the schedule runs two copy streams (Costs::copy_streams = 2), whose copies end out "
+          "of order, and the pairs' counters count them in order; a rank with a PCIe partner gains nothing from a "
+          "second stream (its partner's copies fill the other direction's slots): plan it with one");
     if (opt_.graphs)
       throw error(
           "po::Runtime::pair_with: RuntimeOptions::graphs replays captured copies, which cannot follow the "
@@ -605,6 +610,9 @@ class Runtime<Backend, Communicator> {
     bool training = true;
     LoweredRank lowered;
     std::vector<int> compute_done, copy_done, comm_done;
+    // Two copy streams (Costs::copy_streams): a wait for copy op k is for the last offload
+    // and the last reload up to k (-1: none), each on its own stream.
+    std::vector<std::array<int, 2>> copy_upto;
   };
   // A captured kind of training call (RuntimeOptions::graphs): (part, parts) -> its graph.
   template <class B>
@@ -668,9 +676,15 @@ class Runtime<Backend, Communicator> {
     for (std::size_t x = 0; x < rp.compute.size(); ++x) plan.compute_done.push_back(dev_.make_event());
     for (std::size_t y = 0; y < rp.copy.size(); ++y) plan.copy_done.push_back(dev_.make_event());
     for (std::size_t k = 0; k < rp.comm.size(); ++k) plan.comm_done.push_back(dev_.make_event());
+    std::array<int, 2> upto{-1, -1};
+    for (std::size_t y = 0; y < rp.copy.size(); ++y) {
+      upto[rp.copy[y].kind == OpKind::R ? 1 : 0] = static_cast<int>(y);
+      plan.copy_upto.push_back(upto);
+    }
     if (compute_ < 0) {
       compute_ = dev_.make_stream("compute");
       copy_ = dev_.make_stream("copy");
+      reload_ = program_.costs.duplex() ? dev_.make_stream("reload") : copy_;
       comm_stream_ = dev_.make_stream("comm");
       for (int c = 0; c < program_.shape.v; ++c) gathered_.push_back(dev_.make_event());
       gather_pending_.assign(static_cast<std::size_t>(program_.shape.v), 0);
@@ -934,6 +948,7 @@ class Runtime<Backend, Communicator> {
   backend::Block tie_staging_{};      // the primary's staging (tie_staging_bytes)
   bool shard_gradients_ = false;      // standard path: the reduction skips the all-gather
   int compute_ = -1, copy_ = -1, comm_stream_ = -1;
+  int reload_ = -1;                   // the reloads' stream: copy_, or a second one (Costs::copy_streams = 2)
   std::vector<int> gathered_;         // per chunk: recorded after share_shards(c, true)'s gather
   std::vector<char> gather_pending_;  // per chunk: that gather not yet waited for
   Plan train_, eval_;

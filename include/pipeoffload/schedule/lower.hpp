@@ -66,7 +66,9 @@ enum class Stream : std::uint8_t { compute, copy, comm };
 
 /// What one op waits for before it starts: per stream, the last op of the rank's stream whose
 /// end it needs (-1: none; its own stream's entry stays -1, stream order covers it). Streams
-/// run in order, so one index per stream is all a wait needs.
+/// run in order, so one index per stream is all a wait needs. With two copy streams
+/// (Costs::copy_streams) a wait for copy op k is for every copy op up to k, on both of them
+/// (copy_waits), and a copy op's own entry is that of the other copy stream.
 struct Waits {
   std::array<int, 3> last{-1, -1, -1};  ///< indexed by Stream
   /// The index waited for on `s` (-1: none).
@@ -197,7 +199,7 @@ constexpr StreamLinks stream_links(const Shape& sh, const RankProgram& rp) {
 }
 
 /// The data edges of one rank and where its reductions go.
-constexpr LoweredRank data_edges(const Shape& sh, const RankProgram& rp) {
+constexpr LoweredRank data_edges(const Shape& sh, const RankProgram& rp, bool duplex) {
   LoweredRank lr;
   const StreamLinks links = stream_links(sh, rp);
   lr.compute.resize(rp.compute.size());
@@ -207,8 +209,13 @@ constexpr LoweredRank data_edges(const Shape& sh, const RankProgram& rp) {
     if (links.input_recv[x] >= 0) lr.compute[x].add(Stream::comm, links.input_recv[x]);
     if (rp.compute[x].wait >= 0) lr.compute[x].add(Stream::copy, rp.compute[x].wait);
   }
-  for (std::size_t y = 0; y < rp.copy.size(); ++y)
+  for (std::size_t y = 0, last_o = 0; y < rp.copy.size(); ++y) {
     if (rp.copy[y].wait >= 0) lr.copy[y].add(Stream::compute, rp.copy[y].wait);
+    // Two copy streams: a reload follows every copy before it (the offloads' stream too).
+    if (duplex && rp.copy[y].kind == OpKind::R && last_o > 0)
+      lr.copy[y].add(Stream::copy, static_cast<int>(last_o) - 1);
+    if (rp.copy[y].kind == OpKind::O) last_o = y + 1;
+  }
   for (std::size_t k = 0; k < rp.comm.size(); ++k)
     if (rp.comm[k].send && links.send_producer[k] >= 0) lr.comm[k].add(Stream::compute, links.send_producer[k]);
   // A reduction goes right after the last P2P message that comes from, or feeds, a compute op
@@ -244,7 +251,8 @@ struct Event {
 };
 
 /// The witness: every rank's ops as soon as possible under the data edges, the streams'
-/// orders, the PCIe pairs' waits (with staggered pairs) and the reductions' places, a send and
+/// orders (two copy streams' copies too, one after another in the copy list's order: an
+/// execution of either, so that every wait the memory plan adds points back in that order), the PCIe pairs' waits (with staggered pairs) and the reductions' places, a send and
 /// its receive starting together; then each rank's starts and ends in one order that every
 /// edge respects (an op's end before the start of any op that waits for it, a zero-length op
 /// starting and ending at once). Empty when the edges form a cycle. `pairs`: honour the PCIe
@@ -421,18 +429,40 @@ constexpr std::vector<std::vector<Event>> witness(const Program& p, const std::v
   return out;
 }
 
-/// Blocks of one pinned host bin size: the lowest free one is taken (one stream uses them).
+/// Blocks of one pinned host bin size. With one copy stream the lowest free one is taken (that
+/// stream's order covers every reuse); with two (`fifo`), the one given back longest ago, and
+/// the offload that takes it waits for the reload that gave it back (`giver`), which then has
+/// most likely ended already.
 struct BinPool {
   std::size_t bytes = 0, count = 0;
-  std::vector<std::size_t> free;  // a min-heap
+  bool fifo = false;
+  std::vector<std::size_t> free;  // a min-heap; fifo: a queue from `head`
+  std::size_t head = 0;
+  std::vector<int> giver;  // per block: the copy op that last gave it back (-1: none)
   constexpr std::size_t take() {
+    if (fifo) {
+      if (head == free.size()) {
+        giver.push_back(-1);
+        return count++;
+      }
+      return free[head++];
+    }
     if (free.empty()) return count++;
     std::pop_heap(free.begin(), free.end(), std::greater<>{});
     const std::size_t b = free.back();
     free.pop_back();
     return b;
   }
-  constexpr void give(std::size_t b) {
+  constexpr void give(std::size_t b, int by) {
+    if (fifo) {
+      if (head > 64 && 2 * head > free.size()) {
+        free.erase(free.begin(), free.begin() + static_cast<std::ptrdiff_t>(head));
+        head = 0;
+      }
+      free.push_back(b);
+      giver[b] = by;
+      return;
+    }
     free.push_back(b);
     std::push_heap(free.begin(), free.end(), std::greater<>{});
   }
@@ -486,7 +516,10 @@ constexpr void plan_memory(const Program& p, int rank, std::span<const StageByte
   const auto bin_pool = [&](std::size_t b) -> BinPool& {
     for (BinPool& bp : bins)
       if (bp.bytes == b) return bp;
-    bins.push_back(BinPool{b, 0, {}});
+    BinPool fresh;
+    fresh.bytes = b;
+    fresh.fifo = p.costs.duplex();
+    bins.push_back(std::move(fresh));
     return bins.back();
   };
   const auto box_bytes = [&](int stage, Dir dir) {
@@ -533,10 +566,12 @@ constexpr void plan_memory(const Program& p, int rank, std::span<const StageByte
         for (int j = 0; j < plan.count; ++j) {
           BinPool& bp = bin_pool(static_cast<std::size_t>(plan.bins[static_cast<std::size_t>(j)]));
           std::size_t& at = bin_at[u * 3 + static_cast<std::size_t>(j)];
-          if (o)
+          if (o) {
             at = bp.take();
-          else
-            bp.give(at);
+            if (bp.fifo && bp.giver[at] >= 0) lr.copy[i].add(Stream::copy, bp.giver[at]);
+          } else {
+            bp.give(at, static_cast<int>(i));
+          }
         }
       if (o && !e.start) give(unit_of[u]);
       if (!o && e.start) take(activation, saved, unit_of[u], lr.copy_at[i]);
@@ -731,7 +766,7 @@ constexpr void check_lowering(const Program& p, std::span<const StageBytes> stag
 constexpr std::vector<std::vector<Event>> witness(const Program& p, std::vector<LoweredRank>& data) {
   data.clear();
   data.reserve(p.ranks.size());
-  for (const RankProgram& rp : p.ranks) data.push_back(data_edges(p.shape, rp));
+  for (const RankProgram& rp : p.ranks) data.push_back(data_edges(p.shape, rp, p.costs.duplex()));
   std::vector<std::vector<Event>> order = witness(p, data, true);
   bool paired = !order.empty();
   if (!paired) order = witness(p, data, false);

@@ -58,13 +58,22 @@ struct Shape {
 /// Cost model. Times are in any one unit (the tools use seconds or "unit passes").
 /// Per-stage vectors, when non-empty, have S entries and override the scalars.
 struct Costs {
-  double f = 1;                    ///< T_F: forward of one stage for one microbatch.
-  double b = 1;                    ///< T_B: activation-gradient backward.
-  double w = 1;                    ///< T_W: weight-gradient backward (fused BW takes T_B + T_W).
-  double comm = 0;                 ///< T_comm: one P2P hop between ranks.
-  double k = 1;                    ///< round-trip copy time / (T_F + T_B + T_W); gives T_O = k(T_F+T_B+T_W)/2.
-  double t_o = 0;                  ///< one-way copy of one unit; when > 0 it overrides k.
-  bool stagger_pairs = true;       ///< ranks r and r^1 share a PCIe switch: stagger their copy slots.
+  double f = 1;               ///< T_F: forward of one stage for one microbatch.
+  double b = 1;               ///< T_B: activation-gradient backward.
+  double w = 1;               ///< T_W: weight-gradient backward (fused BW takes T_B + T_W).
+  double comm = 0;            ///< T_comm: one P2P hop between ranks.
+  double k = 1;               ///< round-trip copy time / (T_F + T_B + T_W); gives T_O = k(T_F+T_B+T_W)/2.
+  double t_o = 0;             ///< one-way copy of one unit; when > 0 it overrides k.
+  bool stagger_pairs = true;  ///< ranks r and r^1 share a PCIe switch: stagger their copy slots.
+  /// Copy streams of a rank: 1, offloads and reloads in turn on one stream (docs/design.md
+  /// section 3); 2, offloads on one and reloads on another, so that the two directions of a
+  /// full-duplex link overlap (a rank without a PCIe partner may then offload and reload in
+  /// the same slot; a reload still follows every copy listed before it).
+  int copy_streams = 1;
+  /// With two copy streams: a copy's time while the other direction copies too, over its time
+  /// alone (>= 1; an H100 SXM measured 55 GB/s one way, 41.9 each way both at once: 1.31).
+  /// T_O and the slot length include it.
+  double duplex_slowdown = 1;
   std::vector<double> stage_f,     ///< per-stage T_F (size S or empty).
       stage_b,                     ///< per-stage T_B (size S or empty).
       stage_w;                     ///< per-stage T_W (size S or empty).
@@ -84,7 +93,11 @@ struct Costs {
   /// Size of stage s's stash (stash_bytes[s], or 0 when stash_bytes is empty).
   constexpr double stash(int s) const { return stash_bytes.empty() ? 0.0 : stash_bytes[static_cast<std::size_t>(s)]; }
   /// One-way copy time of stage s's unit.
-  constexpr double T_O(int s) const { return t_o > 0 ? t_o : k * (F(s) + B(s) + W(s)) / 2; }
+  constexpr double T_O(int s) const {
+    return (t_o > 0 ? t_o : k * (F(s) + B(s) + W(s)) / 2) * (copy_streams == 2 ? duplex_slowdown : 1.0);
+  }
+  /// Offloads and reloads run on streams of their own (copy_streams == 2).
+  constexpr bool duplex() const { return copy_streams == 2; }
 };
 
 /// A pass on a rank's compute stream (F, B, W, BW) or copy stream (O: device->host offload,

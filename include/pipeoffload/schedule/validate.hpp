@@ -95,6 +95,13 @@ constexpr Validation check_passes(const Program& p) {
   return {};
 }
 
+/// Whether copy y (> 0) of `rp` takes a later place than copy y - 1: a later slot, or with
+/// two copy streams (Costs::copy_streams) the offload beside a reload in the same slot.
+constexpr bool slots_in_order(const Costs& c, const RankProgram& rp, std::size_t y) {
+  const long long a = rp.copy_slot[y - 1], b = rp.copy_slot[y];
+  return b > a || (c.duplex() && b == a && rp.copy[y - 1].kind == OpKind::R && rp.copy[y].kind == OpKind::O);
+}
+
 constexpr Validation check_copies(const Program& p) {
   const Shape& sh = p.shape;
   const int m = sh.m;
@@ -113,7 +120,7 @@ constexpr Validation check_copies(const Program& p) {
       if (op.wait >= nc)
         return fail_v("rank " + num(r) + ": copy op " + describe(op) + " waits for compute op " + num(op.wait) +
                       ", past the end");
-      if (y > 0 && rp.copy_slot[static_cast<std::size_t>(y)] <= rp.copy_slot[static_cast<std::size_t>(y - 1)])
+      if (y > 0 && !slots_in_order(p.costs, rp, static_cast<std::size_t>(y)))
         return fail_v("rank " + num(r) + ": the copy stream is double-booked at slot " +
                       num(rp.copy_slot[static_cast<std::size_t>(y)]));
       auto& pos = op.kind == OpKind::O ? opos : rpos;

@@ -71,7 +71,8 @@ inline Costs measured_costs(const Program& p, std::span<const RankSim> traces, c
     const double o = median(slot(s, OpKind::O)), back = median(slot(s, OpKind::R));
     if (o > 0 && back > 0) ks.push_back((o + back) / (out.stage_f[u] + out.stage_b[u] + out.stage_w[u]));
   }
-  if (!ks.empty()) out.k = median(ks);
+  // (With two copy streams T_O includes Costs::duplex_slowdown: the measured copies did too.)
+  if (!ks.empty()) out.k = median(ks) / (base.duplex() ? base.duplex_slowdown : 1.0);
   out.t_o = 0;
   return out;
 }

@@ -147,35 +147,58 @@ class RankFollower {
       }
       s.cstate = s.x == all_c ? Cursor::done : Cursor::unknown;
     };
-    const auto next_copy = [&] {
-      for (; s.y < nk; ++s.y) {
-        const Op& op = copy[s.y];
+    // The copy stream's events: one cursor over every copy op with one stream; with two
+    // (Costs::copy_streams) one over the offloads (k) and one over the reloads (k2), each
+    // stream's own events being in time order while the two may interleave in any way.
+    const bool two = costs.duplex();
+    const auto next_copy = [&](std::size_t& y, double& t, double& delta, Cursor& state, int only) {
+      for (; y < nk; ++y) {
+        const Op& op = copy[y];
+        if (only >= 0 && (op.kind == OpKind::R) != (only == 1)) continue;
         if (op.kind == OpKind::R) {
-          s.kt = ks[s.y];
-          s.kd = unit ? 1.0 : costs.bytes(op.stage);
+          t = ks[y];
+          delta = unit ? 1.0 : costs.bytes(op.stage);
         } else if (op.kind == OpKind::O) {
-          s.kt = ke[s.y];
-          s.kd = -(unit ? 1.0 : costs.bytes(op.stage));
+          t = ke[y];
+          delta = -(unit ? 1.0 : costs.bytes(op.stage));
         } else
           continue;
-        ++s.y;
-        s.kstate = Cursor::event;
+        ++y;
+        state = Cursor::event;
         return;
       }
-      s.kstate = s.y == all_k ? Cursor::done : Cursor::unknown;
+      state = y == all_k ? Cursor::done : Cursor::unknown;
+    };
+    const auto next_k = [&] { next_copy(s.y, s.kt, s.kd, s.kstate, two ? 0 : -1); };
+    const auto next_k2 = [&] {
+      if (two)
+        next_copy(s.y2, s.kt2, s.kd2, s.kstate2, 1);
+      else
+        s.kstate2 = Cursor::done;
     };
     if (s.cstate == Cursor::unknown) next_compute();
-    if (s.kstate == Cursor::unknown) next_copy();
+    if (s.kstate == Cursor::unknown) next_k();
+    if (s.kstate2 == Cursor::unknown) next_k2();
     auto& mem = rs.memory;
-    while (s.cstate != Cursor::unknown && s.kstate != Cursor::unknown &&
-           (s.cstate == Cursor::event || s.kstate == Cursor::event)) {
-      // Earlier first; at equal times a release before an acquisition (half-open intervals).
-      const bool take_comp =
-          s.kstate == Cursor::done || (s.cstate == Cursor::event && (s.ct < s.kt || (s.ct == s.kt && s.cd <= s.kd)));
-      const double t = take_comp ? s.ct : s.kt;
-      s.alive += take_comp ? s.cd : s.kd;
+    while (s.cstate != Cursor::unknown && s.kstate != Cursor::unknown && s.kstate2 != Cursor::unknown &&
+           (s.cstate == Cursor::event || s.kstate == Cursor::event || s.kstate2 == Cursor::event)) {
+      // Earlier first; at equal times a release before an acquisition (half-open intervals),
+      // then compute before copies.
+      int take = -1;  // 0: compute, 1: copy, 2: the reloads' copy stream
+      double t = 0, delta = 0;
+      const auto consider = [&](int which, Cursor st, double et, double ed) {
+        if (st == Cursor::event && (take < 0 || et < t || (et == t && ed < delta))) {
+          take = which;
+          t = et;
+          delta = ed;
+        }
+      };
+      consider(0, s.cstate, s.ct, s.cd);
+      consider(1, s.kstate, s.kt, s.kd);
+      consider(2, s.kstate2, s.kt2, s.kd2);
+      s.alive += delta;
       s.peak = std::max(s.peak, s.alive);
-      if (take_comp) {
+      if (take == 0) {
         s.stash += s.cs;
         s.stash_peak = std::max(s.stash_peak, s.stash);
       }
@@ -183,10 +206,12 @@ class RankFollower {
         mem.back().alive = s.alive;
       else
         mem.push_back({t, s.alive});
-      if (take_comp)
+      if (take == 0)
         next_compute();
+      else if (take == 1)
+        next_k();
       else
-        next_copy();
+        next_k2();
     }
     rs.peak = s.peak;
     rs.stash_peak = s.stash_peak;
@@ -202,11 +227,11 @@ class RankFollower {
   struct State {
     std::size_t xe = 0, ye = 0;  // ends filled below these
     double busy = 0, last = 0;
-    std::size_t x = 0, y = 0;  // the merge's cursors: past the op of the current event
-    double ct = 0, cd = 0, kt = 0, kd = 0, alive = 0, peak = 0;
+    std::size_t x = 0, y = 0, y2 = 0;  // the merge's cursors: past the op of the current event
+    double ct = 0, cd = 0, kt = 0, kd = 0, kt2 = 0, kd2 = 0, alive = 0, peak = 0;
     double cs = 0, stash = 0, stash_peak = 0;  // the compute event's change of stash bytes; alive; peak
     bool opened = false;                       // the BW at x has had its start event
-    Cursor cstate = Cursor::unknown, kstate = Cursor::unknown;
+    Cursor cstate = Cursor::unknown, kstate = Cursor::unknown, kstate2 = Cursor::unknown;
   };
   State state_;
   bool begun_ = false;

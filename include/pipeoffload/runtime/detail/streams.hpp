@@ -297,8 +297,20 @@ void Runtime<Backend, Communicator>::enqueue(const Plan& plan) {
     return true;
   };
   const auto wait_for = [&](int stream, const Waits& w) {
-    for (std::size_t s = 0; s < 3; ++s)
-      if (w.last[s] >= 0 && stream_of[s] != stream) dev_.wait(stream, (*done[s])[static_cast<std::size_t>(w.last[s])]);
+    for (std::size_t s = 0; s < 3; ++s) {
+      if (w.last[s] < 0) continue;
+      const auto i = static_cast<std::size_t>(w.last[s]);
+      if (s == static_cast<std::size_t>(Stream::copy) && reload_ != copy_) {
+        // Two copy streams: every copy up to i, the offloads' and the reloads' streams.
+        for (int q = 0; q < 2; ++q) {
+          const int y = plan.copy_upto[i][static_cast<std::size_t>(q)];
+          if (y >= 0 && (q == 0 ? copy_ : reload_) != stream)
+            dev_.wait(stream, plan.copy_done[static_cast<std::size_t>(y)]);
+        }
+      } else if (stream_of[s] != stream) {
+        dev_.wait(stream, (*done[s])[i]);
+      }
+    }
   };
   std::size_t& ic = issued[0];
   std::size_t& iy = issued[1];
@@ -320,13 +332,14 @@ void Runtime<Backend, Communicator>::enqueue(const Plan& plan) {
       moved = true;
     }
     while (iy < ny && ready(lr.copy[iy])) {
-      wait_for(copy_, lr.copy[iy]);
+      const int on = rp.copy[iy].kind == OpKind::R ? reload_ : copy_;
+      wait_for(on, lr.copy[iy]);
       if constexpr (backend::pairs_copies<Backend>)
         if (pair_ != nullptr && pair_wait_[iy] > 0)
           dev_.wait_counter(copy_, pair_->side[(rank_ ^ 1) & 1],
                             static_cast<std::uint64_t>(iterations_ * partner_copies_ + pair_wait_[iy]));
-      dev_.launch(copy_, [this, y = iy] { run_copy(y); });
-      dev_.record(plan.copy_done[iy], copy_);
+      dev_.launch(on, [this, y = iy] { run_copy(y); });
+      dev_.record(plan.copy_done[iy], on);
       if constexpr (backend::pairs_copies<Backend>)
         if (pair_ != nullptr)
           dev_.signal(copy_, pair_->side[rank_ & 1], static_cast<std::uint64_t>(iterations_ * ny + iy + 1));

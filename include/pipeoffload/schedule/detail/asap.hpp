@@ -114,13 +114,25 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
     double* cs = nullptr;  // the rank's output arrays
     double* ks = nullptr;
     std::size_t* progress = nullptr;
+    double* kdone = nullptr;  // per copy op: when it and every copy before it have ended
     std::size_t nc = 0, ci = 0, nk = 0, ki = 0;
-    double cfree = 0, kfree = 0;
-    const double* need = nullptr;  // parked: the value this rank waits for (nullptr: none can come)
-    int on = -1;                   // parked: the rank that produces it
+    double cfree = 0, kfree = 0, kfree_r = 0;  // kfree_r: the reload stream's, with two copy streams
+    const double* need = nullptr;              // parked: the value this rank waits for (nullptr: none can come)
+    int on = -1;                               // parked: the rank that produces it
     bool queued = true;
   };
   std::vector<Lane> lanes(static_cast<std::size_t>(d));
+  // With two copy streams (Costs::copy_streams) offloads queue on one and reloads on the
+  // other, a reload after every copy listed before it; a wait for copy op k is for every copy
+  // up to k (kdone). With one stream kdone[k] is copy k's end.
+  [[maybe_unused]] const bool duplex = costs.duplex();
+  std::vector<double> kdone;
+  if constexpr (WithCopy) {
+    std::size_t all = 0;
+    for (const RankProgram& rp : p.ranks) all += rp.copy.size();
+    kdone.resize(all);
+  }
+  std::size_t kbase = 0;
   for (int r = 0; r < d; ++r) {
     const auto& rp = p.ranks[static_cast<std::size_t>(r)];
     Lane& L = lanes[static_cast<std::size_t>(r)];
@@ -133,6 +145,8 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
       L.copy = rp.copy.data();
       L.nk = rp.copy.size();
       L.ks = o.copy_start;
+      L.kdone = kdone.data() + kbase;
+      kbase += rp.copy.size();
     }
   }
   // A stack of the ranks to visit; each rank is on it at most once.
@@ -156,7 +170,8 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
     };
     std::size_t ci = L.ci, ki = L.ki;
     const std::size_t nc = L.nc, nk = L.nk;
-    double cfree = L.cfree, kfree = L.kfree;
+    double cfree = L.cfree, kfree = L.kfree, kfree_r = L.kfree_r;
+    [[maybe_unused]] double* const kd = L.kdone;
     const double* need = nullptr;
     int on = -1;
     // Each stream runs as far as it can; then the other. Compute goes on only if the copy
@@ -210,7 +225,7 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
               copy_wait = static_cast<std::size_t>(op.wait);
               break;
             }
-            ready = std::max(ready, end_of(ks, copy, static_cast<std::size_t>(op.wait)));
+            ready = std::max(ready, kd[op.wait]);
           }
         }
         const double end = ready + table_duration(table, op);
@@ -225,13 +240,16 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
       if constexpr (WithCopy) {
         while (ki < nk) {
           const Op& op = copy[ki];
-          double ready = kfree;
+          const bool second = duplex && op.kind == OpKind::R;
+          double ready = second ? std::max(kfree, kfree_r) : kfree;
           if (op.wait >= 0) {
             if (ci <= static_cast<std::size_t>(op.wait)) break;
             ready = std::max(ready, end_of(cs, comp, static_cast<std::size_t>(op.wait)));
           }
           ks[ki] = ready;
-          kfree = ready + table_duration(table, op);
+          const double end = ready + table_duration(table, op);
+          (second ? kfree_r : kfree) = end;
+          kd[ki] = ki > 0 ? std::max(kd[ki - 1], end) : end;
           ++ki;
         }
         if (copy_wait != ~std::size_t{0} && ki > copy_wait) continue;
@@ -263,6 +281,7 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
     }
     L.cfree = cfree;
     L.kfree = kfree;
+    L.kfree_r = kfree_r;
     // Parked on a neighbour's pass only if that is all the compute head lacks; whatever else
     // it lacks (a pass of its own rank, a copy op that waits for compute) can never come.
     L.need = need;

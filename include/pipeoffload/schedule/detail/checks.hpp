@@ -68,6 +68,12 @@ constexpr void check_costs(const Costs& c, const Shape& s) {
   if (!finite_positive(c.k) && !finite_positive(c.t_o))
     throw shape_error("costs: k (or T_O) must be a finite number > 0");
   if (!(c.t_o >= 0 && c.t_o < 1e300)) throw shape_error("costs: T_O must be a finite number >= 0 (0 means: from k)");
+  if (c.copy_streams != 1 && c.copy_streams != 2)
+    throw shape_error("costs: copy_streams = " + num(c.copy_streams) + " is outside the allowed range [1, 2]");
+  if (!(c.duplex_slowdown >= 1 && c.duplex_slowdown < 1e300))
+    throw shape_error(
+        "costs: duplex_slowdown must be a finite number >= 1 (a copy is no faster while the other "
+        "direction copies too)");
   const auto check_vec = [&](const std::vector<double>& vec, const char* what, bool positive) {
     if (vec.empty()) return;
     if (static_cast<long long>(vec.size()) != s.stages())

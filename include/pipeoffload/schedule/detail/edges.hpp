@@ -183,7 +183,8 @@ constexpr double copy_lag(const Program& p, int r, const double* release, double
   const double* const dur = ws.dur.data();
   const auto duration_of = [dur](const Op& op) { return table_duration(dur, op); };
   std::size_t x = 0, y = 0;
-  double cfree = 0, kfree = 0, lag = 0,
+  const bool duplex = p.costs.duplex();  // reloads on a stream of their own, after every copy before them
+  double cfree = 0, kfree = 0, kfree_r = 0, lag = 0,
          sum = busy;  // sum: kept in a register, not in `busy`, which the stores could alias
   while (x < nc || y < nk) {
     const std::size_t x0 = x, y0 = y;
@@ -200,8 +201,12 @@ constexpr double copy_lag(const Program& p, int r, const double* release, double
     for (; y < nk; ++y) {
       const int w = copy[y].wait;
       if (w >= 0 && static_cast<std::size_t>(w) >= x) break;
-      const double t = w >= 0 ? std::max(kfree, ce[static_cast<std::size_t>(w)]) : kfree;
-      kfree = ke[y] = t + duration_of(copy[y]);
+      const bool second = duplex && copy[y].kind == OpKind::R;
+      const double free = second ? std::max(kfree, kfree_r) : kfree;
+      const double t = w >= 0 ? std::max(free, ce[static_cast<std::size_t>(w)]) : free;
+      const double end = t + duration_of(copy[y]);
+      (second ? kfree_r : kfree) = end;
+      ke[y] = y > 0 ? std::max(ke[y - 1], end) : end;  // every copy up to y has ended (what a wait needs)
     }
     if (x == x0 && y == y0) {
       busy = sum;

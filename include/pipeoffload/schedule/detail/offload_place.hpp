@@ -119,6 +119,13 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
   // Slot n = [nT, (n+1)T). Offload slots have parity `po`; the odd rank of a PCIe pair
   // (r, r^1) takes the other parity, so the pair never copies in one direction at once.
   const long long po = ((p.costs.stagger_pairs && (r & 1) == 1) ? 1 : 0) ^ (parities == Parities::swapped ? 1 : 0);
+  // With two copy streams a rank without a PCIe partner offloads and reloads in any slot, both
+  // in one slot at once (a partner's copies already fill the other direction's slots). Slot n
+  // then has two places, its reload's (key 2n) and its offload's (2n + 1), so the copy list
+  // has a slot's reload before its offload; with one stream a slot has one place (key n).
+  const bool free_slots = p.costs.duplex() && !(p.costs.stagger_pairs && (r ^ 1) < d);
+  const long long step = free_slots ? 1 : 2;  // from one slot a copy may take to the next
+  const auto key = [free_slots](long long n, bool reload) { return free_slots ? 2 * n + (reload ? 0 : 1) : n; };
 
   // Longest lifespan (forward end to backward start) first; chunk 0 wins ties.
   auto& life = ws.life;
@@ -159,10 +166,10 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
       const double fe = pe[static_cast<std::size_t>(fidx[u])];
       long long n = std::max(0LL, static_cast<long long>((fe - eps) / T));
       while (static_cast<double>(n) * T + eps < fe) ++n;
-      if ((n & 1) != po) ++n;
-      while (is_used(n)) n += 2;
+      if (!free_slots && (n & 1) != po) ++n;
+      while (is_used(key(n, false))) n += step;
       oslot[u] = n;
-      mark(n, static_cast<int>(2 * u));
+      mark(key(n, false), static_cast<int>(2 * u));
     }
     // Reloads right to left: the latest free reload slot that ends before B starts.
     for (int k = nb[uc] - 1; k >= 0; --k) {
@@ -171,13 +178,13 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
       const double bs = ps[static_cast<std::size_t>(bidx[u])];
       long long n = static_cast<long long>((bs + eps) / T) - 1;
       while (n >= 0 && (n + 1) * T > bs + eps) --n;
-      if (n >= 0 && (n & 1) == po) --n;
-      while (n > oslot[u] && is_used(n)) n -= 2;
+      if (!free_slots && n >= 0 && (n & 1) == po) --n;
+      while (n > oslot[u] && is_used(key(n, true))) n -= step;
       if (n > oslot[u]) {
         rslot[u] = n;
-        mark(n, static_cast<int>(2 * u + 1));
+        mark(key(n, true), static_cast<int>(2 * u + 1));
       } else {
-        mark(oslot[u], -1);  // no reload slot after the offload: keep this unit on the device
+        mark(key(oslot[u], false), -1);  // no reload slot after the offload: keep this unit on the device
         oslot[u] = -1;
       }
     }
@@ -197,9 +204,10 @@ constexpr void place_offloads(Program& p, int r, const std::vector<double>& ps, 
   // u / m without a division.
   const FastDiv by_m(static_cast<std::uint64_t>(m), units - 1);
   int x = 0;
-  for (std::size_t n = 0; n < owner.size(); ++n) {
-    const int o = owner[n];
+  for (std::size_t i = 0; i < owner.size(); ++i) {
+    const int o = owner[i];
     if (o < 0) continue;
+    const std::size_t n = free_slots ? i / 2 : i;  // the slot of key i
     const auto u = static_cast<std::size_t>(o / 2);
     const int c = static_cast<int>(by_m(u)), mb = static_cast<int>(u) - c * m, s = sh.stage_of(r, c);
     if ((o & 1) == 0) {
@@ -263,13 +271,18 @@ constexpr void pin_run_order(Program& p, const Costs& costs, const std::vector<d
     const auto end_c = [&](int x) {
       return cs[r][static_cast<std::size_t>(x)] + table_duration(dur.data(), comp[static_cast<std::size_t>(x)]);
     };
-    const auto end_k = [&](int x) {
-      return ks[r][static_cast<std::size_t>(x)] + table_duration(dur.data(), copy[static_cast<std::size_t>(x)]);
+    // When copy x and every copy before it have ended (two copy streams may end them out of
+    // order; a wait for copy x is for all of them).
+    double done = 0;
+    const auto done_k = [&](int x) {
+      return std::max(
+          done, ks[r][static_cast<std::size_t>(x)] + table_duration(dur.data(), copy[static_cast<std::size_t>(x)]));
     };
     int k = 0, last_o = -1;
     for (int y = 0; y < nc; ++y) {
       const double start = cs[r][static_cast<std::size_t>(y)];
-      while (k < nk && end_k(k) <= start) {
+      while (k < nk && done_k(k) <= start) {
+        done = done_k(k);
         if (copy[static_cast<std::size_t>(k)].kind == OpKind::O) last_o = k;
         ++k;
       }

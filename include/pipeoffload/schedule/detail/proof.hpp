@@ -48,6 +48,7 @@ constexpr bool proven_valid(const Program& p, Workers threads = {}) {
   if (static_cast<int>(p.ranks.size()) != d) return false;
   const int S = d * v;
   const bool fused = fused_backward(p.spec.family);
+  const bool duplex = p.costs.duplex();  // a slot may hold a reload and then an offload
   // chunk_of(s) = s / d without a division.
   const FastDiv by_d(static_cast<std::uint64_t>(d), static_cast<std::uint64_t>(d) * static_cast<std::uint64_t>(v));
   const auto chunk = [by_d](int s) { return static_cast<int>(by_d(static_cast<std::uint64_t>(s))); };
@@ -89,7 +90,7 @@ constexpr bool proven_valid(const Program& p, Workers threads = {}) {
 
   // Rank r's sweep; false if it finds a broken rule or cannot finish. (The shape is copied
   // in: the unit table's stores cannot then be taken to change it.)
-  const auto sweep = [&p, &ring, d, S, m, units, fused, chunk](int r, std::vector<Unit>& st) {
+  const auto sweep = [&p, &ring, d, S, m, units, fused, duplex, chunk](int r, std::vector<Unit>& st) {
     const RankProgram& rp = p.ranks[static_cast<std::size_t>(r)];
     const Op* const comp = rp.compute.data();
     const Op* const copy = rp.copy.data();
@@ -171,7 +172,9 @@ constexpr bool proven_valid(const Program& p, Workers threads = {}) {
           return false;
         const int c = chunk(s);
         if (s - c * d != r || w >= static_cast<long long>(nc)) return false;
-        if (ki > 0 && slot[ki] <= slot[ki - 1]) return false;
+        if (ki > 0 && slot[ki] <= slot[ki - 1] &&
+            !(duplex && slot[ki] == slot[ki - 1] && copy[ki - 1].kind == OpKind::R && op.kind == OpKind::O))
+          return false;
         if (w >= 0 && ci <= static_cast<std::size_t>(w)) break;
         Unit& u = st[static_cast<std::size_t>(c) * static_cast<std::size_t>(m) + static_cast<std::size_t>(mb)];
         const std::uint16_t has = u.has;
