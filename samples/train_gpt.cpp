@@ -352,6 +352,12 @@ int train_rank(
                           : "no checkpoint saved (--checkpoint-every was not given)");
         std::fflush(stderr);
       }
+      if (o.dp > 1) {
+        // Every replica has enqueued its part of the optimizer's overlapped gathers before any
+        // tears down: on a shared GPU (comm::SharedGpu) they wait for each other's events.
+        std::vector<std::size_t> stops(static_cast<std::size_t>(o.dp));
+        replicas.all_gather(std::span<const std::size_t>(&stop, 1), std::span(stops));
+      }
       return static_cast<int>(128 + stop);
     }
     if (o.eval_every > 0 && ((step + 1) % o.eval_every == 0 || step + 1 == o.steps)) {
@@ -530,14 +536,22 @@ po::backend::Cuda::Options cuda_options(const Options& o, const Setup& su, int d
 int run_shared_gpus(const Options& o, Setup su) {
   const int n = o.ranks_per_gpu, need = o.dp * o.shape.d, gpus = (need + n - 1) / n;
   su.costs.stagger_pairs = false;
+  // Each rank's arena and its stages' own buffers (train_gpt::cuda_rank_bytes), all of them
+  // together: then no rank's own check at construction can fail for want of what an earlier
+  // one took.
   std::vector<std::size_t> arenas(static_cast<std::size_t>(gpus), 0);
-  for (int g = 0; g < need; ++g)
-    arenas[static_cast<std::size_t>(g / n)] += cuda_options(o, su, g / n, g, g % o.shape.d).arena_bytes;
+  const po::Program first = o.k_auto ? train_gpt::probe_program(o, su.costs) : train_gpt::program_of(o, su.costs);
+  for (int g = 0; g < need; ++g) {
+    const po::backend::Cuda::Options opt = cuda_options(o, su, g / n, g, g % o.shape.d);
+    arenas[static_cast<std::size_t>(g / n)] +=
+        train_gpt::cuda_rank_bytes(o, su, first, g % o.shape.d, g / o.shape.d, opt.workspace_bytes).device;
+  }
   for (int dv = 0; dv < gpus; ++dv) {
     const po::backend::DeviceMemory m = po::backend::device_memory(dv);
     if (arenas[static_cast<std::size_t>(dv)] > m.free) {
       std::fprintf(stderr,
-                   "train_gpt: GPU %d holds ranks %d..%d (--ranks-per-gpu %d), whose arenas need %.3f GiB together; "
+                   "train_gpt: GPU %d holds ranks %d..%d (--ranks-per-gpu %d), whose arenas and stages need %.3f GiB "
+                   "together; "
                    "it has %.3f GiB free (use fewer ranks per GPU, a smaller --batch or more GPUs)\n",
                    dv, dv * n, std::min(need, (dv + 1) * n) - 1, n,
                    static_cast<double>(arenas[static_cast<std::size_t>(dv)]) / (1 << 30),
@@ -572,11 +586,19 @@ int run_shared_gpus(const Options& o, Setup su) {
 /// synchronise), or --ranks-per-gpu N of them on each GPU (run_shared_gpus).
 int run_cuda_threads(const Options& o, Setup su) {
   const int gpus = po::backend::device_count(), need = o.dp * o.shape.d;
+  if (o.ranks_per_gpu > 1 && o.ranks_per_gpu < need) {
+    std::fprintf(stderr,
+                 "train_gpt: --ranks-per-gpu %d would spread the %d ranks over %d GPUs; comm::SharedGpu moves "
+                 "messages within one GPU only (ranks on two GPUs would record each other's events, which CUDA "
+                 "refuses): give --ranks-per-gpu %d to put every rank on one GPU\n",
+                 o.ranks_per_gpu, need, (need + o.ranks_per_gpu - 1) / o.ranks_per_gpu, need);
+    return 2;
+  }
   const int needed = (need + o.ranks_per_gpu - 1) / o.ranks_per_gpu;
   if (gpus < needed) {
     const std::string dp = o.dp > 1 ? " --dp " + std::to_string(o.dp) : "";
     const std::string per = o.ranks_per_gpu > 1 ? " --ranks-per-gpu " + std::to_string(o.ranks_per_gpu) : "";
-    const int fit = (need + std::max(gpus, 1) - 1) / std::max(gpus, 1);
+    const int fit = need;  // comm::SharedGpu: every rank on one GPU (run_shared_gpus)
     std::fprintf(stderr, "train_gpt: --backend cuda --ranks %d%s%s needs %d GPUs; this machine has %d%s\n", o.shape.d,
                  dp.c_str(), per.c_str(), needed, gpus,
                  gpus > 0 && fit <= 64

@@ -119,9 +119,9 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
                         without it)
   --inject-fault R:S:K  testing: global rank R fails in step S (0-based), mid-iteration, by K = kill (SIGKILL),
                         throw, or hang (--comm mpi only: its peers' timeout ends the run)
-  --ranks-per-gpu N     --backend cuda, thread ranks: N ranks share each GPU (1..64; default 1), their
+  --ranks-per-gpu N     --backend cuda, thread ranks: N = R x D ranks share one GPU (1..64; default 1), their
                         messages and replica collectives device copies ordered by events (comm::SharedGpu,
-                        no NCCL); a mode to debug and check a pipeline on fewer GPUs, not a speed-up
+                        no NCCL); a mode to debug and check a pipeline on one GPU, not a speed-up
   --pcie-pairs          CPU thread ranks: treat ranks (r, r^1) as a PCIe pair and synchronise their copies
                         (po::PairLink); --backend cuda pairs the GPUs that share a switch by itself
   --quiet               no progress lines

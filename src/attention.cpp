@@ -178,8 +178,8 @@ Graphs::~Graphs() = default;
 cudnnHandle_t Graphs::handle() const { return impl_->handle; }
 bool Graphs::deterministic() const { return impl_->deterministic; }
 
-std::size_t workspace_bytes(Graphs& graphs, Shape shape) {
-  const bool fused = kv_heads_of(shape) == shape.heads;
+std::size_t workspace_bytes(Graphs& graphs, Shape shape, bool separate) {
+  const bool fused = !separate && kv_heads_of(shape) == shape.heads;
   const auto f = graphs.impl().get(false, shape, fused).workspace, bw = graphs.impl().get(true, shape, fused).workspace;
   return static_cast<std::size_t>(std::max(f, bw));
 }

@@ -60,6 +60,10 @@ Builds a pipeline schedule, simulates it (as-soon-as-possible execution) and pri
                         time of one forward, activation-gradient and weight-gradient pass
                         of one stage for one microbatch, > 0; default 1
   --cost-comm T         time of one P2P hop between ranks, >= 0; default 0
+  --copy-streams N      1 (default): offloads and reloads take turns on one copy stream; 2: each on
+                        a stream of its own (ranks without a PCIe partner may copy both ways at once)
+  --duplex-slowdown X   with --copy-streams 2: a copy's time while the other direction copies
+                        too, over its time alone, [1, 100]; default 1
   --format FMT          text (default), csv, json, chrome-trace, svg, torch-csv (torch's
                         schedule CSV: compute actions only), torch-csv-lowered (with its
                         SEND/RECV actions); offload ops have no torch action and are left out
@@ -152,6 +156,8 @@ constexpr cli::Flag flags[] = {{"--schedule"},
                                {"--cost-b"},
                                {"--cost-w"},
                                {"--cost-comm"},
+                               {"--copy-streams"},
+                               {"--duplex-slowdown"},
                                {"--format"},
                                {"--out"},
                                // --auto
@@ -189,8 +195,9 @@ constexpr std::string_view auto_only[] = {
     "--device-mem-gib", "--host-mem-gib", "--pcie-switch",   "--dp",           "--search-dp",      "--gpus",
     "--zero",           "--dp-gbps",      "--gpus-per-node", "--node-layout",  "--gradients",      "--ffn-hidden",
     "--swiglu",         "--reduce-dtype", "--model",         "--backend",      "--tied-embeddings"};
-constexpr std::string_view not_auto[] = {"--import", "--chunks", "--microbatches", "--group",  "--offload-chunks",
-                                         "--k",      "--cost-f", "--cost-b",       "--cost-w", "--cost-comm"};
+constexpr std::string_view not_auto[] = {"--import",         "--chunks",    "--microbatches", "--group",
+                                         "--offload-chunks", "--k",         "--cost-f",       "--cost-b",
+                                         "--cost-w",         "--cost-comm", "--copy-streams", "--duplex-slowdown"};
 constexpr std::string_view hardware_flags[] = {"--hidden", "--seq", "--micro-batch", "--tflops", "--pcie-gbps"};
 constexpr std::string_view formats[] = {"text", "csv", "json", "chrome-trace", "svg", "torch-csv", "torch-csv-lowered"};
 
@@ -319,6 +326,13 @@ Request interpret(const Args& args) {
   cost("--cost-b", rq.costs.b, false);
   cost("--cost-w", rq.costs.w, false);
   cost("--cost-comm", rq.costs.comm, true);
+  if (const std::string* v = args.get("--copy-streams"))
+    rq.costs.copy_streams = static_cast<int>(cli::to_int("--copy-streams", *v, 1, 2));
+  if (const std::string* v = args.get("--duplex-slowdown")) {
+    if (rq.costs.copy_streams != 2)
+      throw bad_argument("--duplex-slowdown needs --copy-streams 2 (one copy stream never copies both ways)");
+    rq.costs.duplex_slowdown = cli::to_real("--duplex-slowdown", *v, 1, 100, false);
+  }
 
   if (const std::string* f = args.get("--format")) {
     bool known = false;

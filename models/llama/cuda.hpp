@@ -85,7 +85,9 @@ class CudaLlamaStage {
     // cuDNN builds the attention graphs of the largest microbatch now, not during a step, and
     // their workspace is checked against the device's (seq = 1 has no backward graph).
     if (d_.blocks > 0 && max_shape.seq >= 2) {
-      const std::size_t need = cuda::attention::workspace_bytes(dev.attention_graphs(), attention_shape(max_shape));
+      // (The separate q, k, v tensors' graphs, the ones the passes run, whatever the heads.)
+      const std::size_t need =
+          cuda::attention::workspace_bytes(dev.attention_graphs(), attention_shape(max_shape), true);
       if (need > dev.options().workspace_bytes)
         throw error("llama::CudaLlamaStage: cuDNN's attention needs a workspace of " + std::to_string(need) +
                     " bytes for microbatches of " + std::to_string(max_shape.batch) + " x " +
@@ -208,9 +210,11 @@ class CudaLlamaStage {
   };
   Pass begin(const char* pass, const Microbatch& mb, const std::byte* saved, const std::byte* stash) const {
     const MicrobatchShape sh = mb.shape;
-    if (sh.batch < 1 || sh.seq < 1 || sh.seq > c_.seq || sh.tokens() > max_.tokens())
-      throw shape_error(who(pass) + ": microbatch shape batch = " + std::to_string(sh.batch) + ", seq = " +
-                        std::to_string(sh.seq) + " (need batch, seq >= 1, seq <= " + std::to_string(c_.seq) +
+    // (seq beyond the constructor's would need more attention workspace than it checked.)
+    if (sh.batch < 1 || sh.seq < 1 || sh.seq > std::min(c_.seq, max_.seq) || sh.tokens() > max_.tokens())
+      throw shape_error(who(pass) + ": microbatch shape batch = " + std::to_string(sh.batch) +
+                        ", seq = " + std::to_string(sh.seq) +
+                        " (need batch, seq >= 1, seq <= " + std::to_string(std::min(c_.seq, max_.seq)) +
                         ", batch * seq <= the constructor's " + std::to_string(max_.tokens()) + ")");
     Pass p;
     p.T = sh.tokens();

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdio>
+#include <string>
 
 #include <pipeoffload/backend/cuda/cuda.hpp>
 #include <pipeoffload/backend/cuda/environment.hpp>
@@ -12,6 +13,10 @@
 int main(int argc, char** argv) {
   pipeoffload::cuda::apply_cuda_environment();
   if (pipeoffload::backend::device_count() == 0) {
+    if (const std::string why = pipeoffload::backend::device_count_problem(); !why.empty()) {
+      std::printf("FAIL: %s\n", why.c_str());  // a GPU that cannot be used is no reason to SKIP
+      return 1;
+    }
     std::puts("no CUDA device (cudaGetDeviceCount): SKIP");
     return 77;
   }

@@ -42,7 +42,9 @@ if "built without CUDA" in probe.stderr or "this machine has 0" in probe.stderr:
 err = run("--ranks-per-gpu", "2", code=2).stderr
 assert "--ranks-per-gpu applies only to --backend cuda" in err, err
 err = run("--backend", "cuda", "--ranks", "4", "--dp", "8", "--chunks", "2", *model, code=2).stderr
-assert "needs" in err and "--ranks-per-gpu" in err, err
+assert "needs" in err and "--ranks-per-gpu 32" in err, err
+err = run("--backend", "cuda", "--ranks", "4", "--chunks", "2", "--ranks-per-gpu", "2", *model, code=2).stderr
+assert "--ranks-per-gpu 2 would spread the 4 ranks over 2 GPUs" in err and "give --ranks-per-gpu 4" in err, err
 
 one = finals(run("--backend", "cuda", "--ranks", "1", "--chunks", "8", "--schedule", "gis", "--microbatches", "8", *model))
 for schedule in ("po-f", "zb-v"):

@@ -1,8 +1,8 @@
 // pipeoffload/schedule/build.hpp: from a schedule spec, a shape and a cost model to op lists.
 //
 // build() runs in four constexpr steps: each rank's compute order, a planning timeline of
-// those orders (PO's shifted grid, otherwise ASAP), offload placement on one copy stream per
-// rank with the cross-stream edges that keep execution within the planned memory
+// those orders (PO's shifted grid, otherwise ASAP), offload placement on each rank's copy
+// stream (or its two, Costs::copy_streams) with the cross-stream edges that keep execution within the planned memory
 // (docs/design.md section 3), and the P2P plan, one global order of the messages, so that a
 // rendezvous communicator cannot deadlock. This file only orchestrates: each step is a file of
 // detail/ (docs/schedules.md, "How a schedule is built, checked and simulated").

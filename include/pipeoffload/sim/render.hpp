@@ -177,7 +177,8 @@ inline std::string render_json(const Program& p, const SimResult& sim) {
 }
 
 /// Chrome trace event format (chrome://tracing, Perfetto): one process per rank (pid = rank),
-/// thread 0 "compute" and thread 1 "copy", an "X" event per op named op+microbatch.chunk, and
+/// thread 0 "compute" and thread 1 "copy" (with two copy streams thread 2 "reload" beside it),
+/// an "X" event per op named op+microbatch.chunk, and
 /// an "activation" counter per rank from the memory timeline. One time unit = 1000 us.
 inline std::string render_chrome_trace(const Program& p, const SimResult& sim) {
   using detail::fmt;
@@ -198,10 +199,16 @@ inline std::string render_chrome_trace(const Program& p, const SimResult& sim) {
     add("{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": " + pid +
         ", \"tid\": 0, \"args\": {\"name\": \"compute\"}}");
     add("{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": " + pid + ", \"tid\": 1, \"args\": {\"name\": \"copy\"}}");
+    if (p.costs.duplex())
+      add("{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": " + pid +
+          ", \"tid\": 2, \"args\": {\"name\": \"reload\"}}");
   }
   for (const TimedOp& t : timed_ops(p, sim)) {
     add("{\"ph\": \"X\", \"name\": \"" + detail::op_label(p, t.op) + "\", \"cat\": \"" + (t.copy ? "copy" : "compute") +
-        "\", \"pid\": " + detail::num(t.rank) + ", \"tid\": " + (t.copy ? "1" : "0") +
+        "\", \"pid\": " + detail::num(t.rank) + ", \"tid\": " +
+        (!t.copy                                      ? "0"
+         : p.costs.duplex() && t.op.kind == OpKind::R ? "2"
+                                                      : "1") +
         ", \"ts\": " + fmt(t.start * us) + ", \"dur\": " + fmt((t.end - t.start) * us) + ", \"args\": {\"stage\": " +
         detail::num(t.op.stage) + ", \"chunk\": " + detail::num(p.shape.chunk_of(t.op.stage)) +
         ", \"microbatch\": " + detail::num(t.op.mb) + "}}");
@@ -241,8 +248,9 @@ inline std::string render_text(const Program& p, const SimResult& sim, int max_w
   std::string s = "schedule=" + schedule_name(p.spec, p.v()) + " ranks=" + detail::num(p.d()) +
                   " chunks=" + detail::num(p.v()) + " microbatches=" + detail::num(p.m()) +
                   " group=" + detail::num(p.group) + " offload_chunks=" + detail::num(detail::offloaded_chunks(p)) +
-                  " k=" + fmt(p.costs.k) + " makespan=" + fmt(sim.makespan) +
-                  " bubble_fraction=" + fmt(sim.bubble_fraction()) + "\n";
+                  " k=" + fmt(p.costs.k) +
+                  (p.costs.duplex() ? " copy_streams=2 duplex_slowdown=" + fmt(p.costs.duplex_slowdown) : "") +
+                  " makespan=" + fmt(sim.makespan) + " bubble_fraction=" + fmt(sim.bubble_fraction()) + "\n";
 
   const double step = detail::text_step(p);
   // Columns in double first: a makespan of very many steps must not overflow a long long.

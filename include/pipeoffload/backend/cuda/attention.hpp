@@ -59,10 +59,11 @@ class Graphs {
 };
 
 /// Bytes of workspace the larger of the forward and backward graphs needs for `shape` (the
-/// fused qkv layout when kv_heads is 0 or heads, the separate one otherwise)
-/// (builds both graphs; call once before the steady state). The frontend's backward needs
-/// seq >= 2: seq = 1 throws cuda_error with a sentence.
-std::size_t workspace_bytes(Graphs& graphs, Shape shape);
+/// fused qkv layout when kv_heads is 0 or heads and `separate` is false, the separate one
+/// otherwise: what the caller's passes will run) (builds both graphs; call once before the
+/// steady state). The frontend's backward needs seq >= 2: seq = 1 throws cuda_error with a
+/// sentence.
+std::size_t workspace_bytes(Graphs& graphs, Shape shape, bool separate = false);
 
 /// The same need before any backend exists, to size backend::Cuda::Options::workspace_bytes:
 /// builds the graphs on a cuDNN handle of its own on `device` (the current device is restored)

@@ -10,6 +10,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 #include <cudnn.h>
+#include <dlfcn.h>
 #include <limits.h>
 #include <stdlib.h>
 
@@ -165,6 +166,9 @@ class Cuda : public detail::Failure<Cuda> {
   ~Cuda() {
     cudaSetDevice(opt_.device);
     for (auto& s : streams_) cudaStreamSynchronize(s.stream);
+    // And every other user's work on the device: ranks sharing a GPU (comm::SharedGpu) may
+    // have copies queued that read this one's memory (each waits only for records made).
+    cudaDeviceSynchronize();
     for (auto& [size, list] : free_host_)
       for (const Free& f : list) cudaFreeHost(f.ptr);
     for (std::byte* p : host_in_use_) cudaFreeHost(p);
@@ -613,13 +617,15 @@ class Cuda : public detail::Failure<Cuda> {
     require_no_capture("upload");
     if (bytes == 0) return;
     select();
-    join();
     const detail::StagedUpload u = detail::stage_upload(bytes, upload_top_, opt_.upload_staging_bytes);
+    // A full staging waits for the uploads before (empties it), not for the streams' work:
+    // the copy is ordered after that (join) only once it is enqueued.
+    if (u.staged && u.wait) finish_aux(true);
+    join();
     if (!u.staged) {
       blocking_copy(device, host, bytes);
       return;
     }
-    if (u.wait) finish_aux(true);  // (empties the staging)
     std::byte* staged = upload_staging_ + u.at;
     std::memcpy(staged, host, bytes);
     PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(device, staged, bytes, cudaMemcpyHostToDevice, aux_));
@@ -874,7 +880,11 @@ class Cuda : public detail::Failure<Cuda> {
  private:
   static constexpr std::size_t alignment = cuda::pool_alignment;
   static std::size_t round_up(std::size_t n) { return cuda::pool_size_class(n); }
-  std::size_t norm_staging_bytes() const { return (4 * opt_.max_norm_groups + 1) * sizeof(long long); }
+  /// The norm's part of the pinned staging, rounded up to 256 bytes: the uploads' part after it
+  /// starts aligned (and so does every staged upload, stage_upload).
+  std::size_t norm_staging_bytes() const {
+    return ((4 * opt_.max_norm_groups + 1) * sizeof(long long) + 255) / 256 * 256;
+  }
 
   struct Poll {
     int id = 0;
@@ -989,6 +999,7 @@ class Cuda : public detail::Failure<Cuda> {
   /// A new pinned host block. Portable: a pair of GPUs driven from one process may read each
   /// other's bins.
   std::byte* pin(std::size_t size) {
+    require_no_capture("host_alloc beyond the reserved pinned blocks (po::Runtime reserves them)");
     void* raw = nullptr;
     PIPEOFFLOAD_CUDA_CHECK(cudaHostAlloc(&raw, size, cudaHostAllocPortable));
     stats_.host_held += size;
@@ -1030,8 +1041,12 @@ class Cuda : public detail::Failure<Cuda> {
     };
     const auto idle = [&] {
       const cudaError_t q = cudaStreamQuery(s);
-      if (q != cudaSuccess && q != cudaErrorNotReady) PIPEOFFLOAD_CUDA_CHECK(q);
-      return q == cudaSuccess;
+      if (q == cudaErrorNotReady) {
+        cudaGetLastError();  // "not ready" is no error, but it is the thread's last one until cleared
+        return false;
+      }
+      PIPEOFFLOAD_CUDA_CHECK(q);
+      return true;
     };
     for (int spins = 0; spins < 1000; ++spins) {
       if (idle()) return;
@@ -1243,6 +1258,23 @@ inline int device_count() {
   if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
   cudaGetLastError();
   return n;
+}
+
+/// Why CUDA finds no device although a driver is installed (one older than this toolkit needs,
+/// a broken installation): cudaGetDeviceCount's error, in words. Empty where it finds devices,
+/// or none for want of a GPU or of any driver (libcuda.so.1 not there): only then may a test
+/// SKIP, never when the GPU is there and unusable.
+inline std::string device_count_problem() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  cudaGetLastError();
+  if (e == cudaSuccess || e == cudaErrorNoDevice) return "";
+  void* driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+  if (driver == nullptr) return "";
+  dlclose(driver);
+  return std::string("cudaGetDeviceCount: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
+         "), with a CUDA driver installed: this build's CUDA runtime " + std::to_string(CUDART_VERSION / 1000) + "." +
+         std::to_string(CUDART_VERSION % 1000 / 10) + " needs a driver at least as new";
 }
 
 }  // namespace pipeoffload::backend

@@ -635,6 +635,7 @@ class Nccl {
       const cudaError_t q = cudaStreamQuery(gather_stream_);
       if (q == cudaSuccess) return;
       if (q != cudaErrorNotReady) PIPEOFFLOAD_CUDA_CHECK(q);
+      cudaGetLastError();  // "not ready" is no error, but it is the thread's last one until cleared
       poll();
       if (spins < 1000)
         std::this_thread::yield();
