@@ -11,6 +11,7 @@
 //   ./build/bench/cuda/train_step [--backend cuda] [--hidden 4096] [--seq 4096] [--heads 32]
 //       [--layers 4] [--ranks 1] [--chunks 2] [--microbatches 8] [--batch 1] [--vocab 50304]
 //       [--schedules po-f,gis-h,zb-v,1f1b-i] [--warmup 3] [--steps 10] [--peak-tflops P]
+//       [--copy-streams 1|2] [--duplex-slowdown X]
 // FLOPs and MFU: docs/benchmarks.md, "bench/cuda/train_step".
 #include <algorithm>
 #include <chrono>
@@ -38,6 +39,7 @@ struct Settings {
   int ranks = 1, chunks = 2, microbatches = 8, batch = 1, warmup = 3, steps = 10;
   std::vector<std::string> schedules{"po-f", "gis-h", "zb-v", "1f1b-i"};
   double peak_tflops = 0;
+  po::Costs costs{};  // the programs' build costs: unit passes, k = 1; --copy-streams, --duplex-slowdown
 };
 
 /// What one rank measured (rank_run), then the pipeline's figures (run).
@@ -157,7 +159,7 @@ void compare(const Settings& s, const std::string& name, double flops_per_step, 
              Fn&& time) {
   po::Program program;
   try {
-    program = po::build(po::parse_schedule(name), {s.ranks, s.chunks, s.microbatches});
+    program = po::build(po::parse_schedule(name), {s.ranks, s.chunks, s.microbatches}, s.costs);
   } catch (const std::exception& e) {
     std::printf("%-10s skipped: %s\n", name.c_str(), e.what());
     return;
@@ -190,11 +192,15 @@ Settings parse(int argc, char** argv) {
             "usage: train_step [--backend cuda] [--hidden 4096] [--seq 4096] [--heads 32] [--layers 4] [--ranks 1]\n"
             "                  [--chunks 2] [--microbatches 8] [--batch 1] [--vocab 50304]\n"
             "                  [--schedules po-f,gis-h,zb-v,1f1b-i] [--warmup 3] [--steps 10] [--peak-tflops P]\n"
+            "                  [--copy-streams 1|2] [--duplex-slowdown X]\n"
+            "  --copy-streams 2: offloads and reloads on streams of their own (Costs::copy_streams), the\n"
+            "  schedules built with Costs::duplex_slowdown X (default 1)\n"
             "  --ranks D: D pipeline ranks as threads sharing the one GPU (or the CPU); with graphs only at D = 1 on a "
             "GPU\n");
-  constexpr cli::Flag flags[] = {{"--backend"},   {"--hidden"}, {"--seq"},          {"--heads"},   {"--layers"},
-                                 {"--ranks"},     {"--chunks"}, {"--microbatches"}, {"--batch"},   {"--vocab"},
-                                 {"--schedules"}, {"--warmup"}, {"--steps"},        {"--dropout"}, {"--peak-tflops"}};
+  constexpr cli::Flag flags[] = {
+      {"--backend"}, {"--hidden"},       {"--seq"},         {"--heads"},        {"--layers"},         {"--ranks"},
+      {"--chunks"},  {"--microbatches"}, {"--batch"},       {"--vocab"},        {"--schedules"},      {"--warmup"},
+      {"--steps"},   {"--dropout"},      {"--peak-tflops"}, {"--copy-streams"}, {"--duplex-slowdown"}};
   const cli::Args args(argc, argv, flags);
   Settings s;
   s.cfg.hidden = 4096;
@@ -220,6 +226,13 @@ Settings parse(int argc, char** argv) {
   if (const std::string* v = args.get("--dropout"))
     s.cfg.dropout = static_cast<float>(cli::to_real("--dropout", *v, 0, 1, false));
   if (const std::string* v = args.get("--peak-tflops")) s.peak_tflops = cli::to_real("--peak-tflops", *v, 0, 1e6, true);
+  if (const std::string* v = args.get("--copy-streams"))
+    s.costs.copy_streams = static_cast<int>(cli::to_int("--copy-streams", *v, 1, 2));
+  if (const std::string* v = args.get("--duplex-slowdown")) {
+    if (s.costs.copy_streams != 2)
+      throw cli::bad_argument("--duplex-slowdown needs --copy-streams 2 (one copy stream never copies both ways)");
+    s.costs.duplex_slowdown = cli::to_real("--duplex-slowdown", *v, 1, 100, false);
+  }
   if (const std::string* v = args.get("--schedules")) {
     s.schedules.clear();
     std::stringstream in(*v);
