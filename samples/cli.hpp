@@ -194,4 +194,26 @@ inline std::string mib(double bytes) {
 }
 inline std::string mib(std::size_t bytes) { return mib(static_cast<double>(bytes)); }
 
+/// --copy-streams and --duplex-slowdown (po::Costs::copy_streams and duplex_slowdown): 1 or 2
+/// streams, or 0 for "auto" where `allow_auto`; a slowdown only beside a second stream.
+struct CopyStreams {
+  int streams = 1;
+  double slowdown = 1;
+};
+inline CopyStreams copy_streams(const Args& args, bool allow_auto) {
+  CopyStreams c;
+  if (const std::string* v = args.get("--copy-streams")) {
+    if (*v != "1" && *v != "2" && !(allow_auto && *v == "auto"))
+      throw bad_argument("--copy-streams " + *v + " is not one of 1, 2" + (allow_auto ? ", auto" : ""));
+    c.streams = *v == "auto" ? 0 : *v == "2" ? 2 : 1;
+  }
+  if (const std::string* v = args.get("--duplex-slowdown")) {
+    if (c.streams == 1)
+      throw bad_argument(std::string("--duplex-slowdown needs --copy-streams 2") + (allow_auto ? " or auto" : "") +
+                         " (one copy stream never copies both ways)");
+    c.slowdown = to_real("--duplex-slowdown", *v, 1, 100, false);
+  }
+  return c;
+}
+
 }  // namespace cli

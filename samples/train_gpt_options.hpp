@@ -345,16 +345,9 @@ inline Options parse(int argc, char** argv) {
   }
   if (auto v = get("--flops")) o.flops = to_real("--flops", *v, 0, 1e18, true);
   if (auto v = get("--copy-gbps")) o.copy_gbps = to_real("--copy-gbps", *v, 0, 1e4, false);
-  if (auto v = get("--copy-streams")) {
-    if (*v != "1" && *v != "2" && *v != "auto")
-      throw bad_argument("--copy-streams " + std::string(*v) + " is not one of 1, 2, auto");
-    o.copy_streams = *v == "auto" ? 0 : *v == "2" ? 2 : 1;
-  }
-  if (auto v = get("--duplex-slowdown")) {
-    o.duplex_slowdown = to_real("--duplex-slowdown", *v, 1, 100, false);
-    if (o.copy_streams == 1)
-      throw bad_argument("--duplex-slowdown needs --copy-streams 2 or auto (one copy stream never copies both ways)");
-  }
+  const cli::CopyStreams streams = cli::copy_streams(args, true);
+  o.copy_streams = streams.streams;
+  o.duplex_slowdown = streams.slowdown;
   if (o.copy_streams != 1 && o.pcie_pairs)
     throw bad_argument(
         "--copy-streams " + std::string(o.copy_streams == 0 ? "auto" : "2") +

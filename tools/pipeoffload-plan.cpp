@@ -326,13 +326,9 @@ Request interpret(const Args& args) {
   cost("--cost-b", rq.costs.b, false);
   cost("--cost-w", rq.costs.w, false);
   cost("--cost-comm", rq.costs.comm, true);
-  if (const std::string* v = args.get("--copy-streams"))
-    rq.costs.copy_streams = static_cast<int>(cli::to_int("--copy-streams", *v, 1, 2));
-  if (const std::string* v = args.get("--duplex-slowdown")) {
-    if (rq.costs.copy_streams != 2)
-      throw bad_argument("--duplex-slowdown needs --copy-streams 2 (one copy stream never copies both ways)");
-    rq.costs.duplex_slowdown = cli::to_real("--duplex-slowdown", *v, 1, 100, false);
-  }
+  const cli::CopyStreams streams = cli::copy_streams(args, false);
+  rq.costs.copy_streams = streams.streams;
+  rq.costs.duplex_slowdown = streams.slowdown;
 
   if (const std::string* f = args.get("--format")) {
     bool known = false;

@@ -226,13 +226,9 @@ Settings parse(int argc, char** argv) {
   if (const std::string* v = args.get("--dropout"))
     s.cfg.dropout = static_cast<float>(cli::to_real("--dropout", *v, 0, 1, false));
   if (const std::string* v = args.get("--peak-tflops")) s.peak_tflops = cli::to_real("--peak-tflops", *v, 0, 1e6, true);
-  if (const std::string* v = args.get("--copy-streams"))
-    s.costs.copy_streams = static_cast<int>(cli::to_int("--copy-streams", *v, 1, 2));
-  if (const std::string* v = args.get("--duplex-slowdown")) {
-    if (s.costs.copy_streams != 2)
-      throw cli::bad_argument("--duplex-slowdown needs --copy-streams 2 (one copy stream never copies both ways)");
-    s.costs.duplex_slowdown = cli::to_real("--duplex-slowdown", *v, 1, 100, false);
-  }
+  const cli::CopyStreams streams = cli::copy_streams(args, false);
+  s.costs.copy_streams = streams.streams;
+  s.costs.duplex_slowdown = streams.slowdown;
   if (const std::string* v = args.get("--schedules")) {
     s.schedules.clear();
     std::stringstream in(*v);

@@ -165,9 +165,9 @@ class Cuda : public detail::Failure<Cuda> {
   /// Waits for the device, then releases everything (errors are not thrown from here).
   ~Cuda() {
     cudaSetDevice(opt_.device);
-    for (auto& s : streams_) cudaStreamSynchronize(s.stream);
-    // And every other user's work on the device: ranks sharing a GPU (comm::SharedGpu) may
-    // have copies queued that read this one's memory (each waits only for records made).
+    // Every stream's work, this backend's and every other user's of the device: ranks sharing
+    // a GPU (comm::SharedGpu) may have copies queued that read this one's memory (each waits
+    // only for records made).
     cudaDeviceSynchronize();
     for (auto& [size, list] : free_host_)
       for (const Free& f : list) cudaFreeHost(f.ptr);
@@ -181,10 +181,7 @@ class Cuda : public detail::Failure<Cuda> {
       cudaStreamDestroy(s.stream);
       cudaEventDestroy(s.joined);
     }
-    if (aux_) {
-      cudaStreamSynchronize(aux_);
-      cudaStreamDestroy(aux_);
-    }
+    if (aux_) cudaStreamDestroy(aux_);
     if (aux_done_) cudaEventDestroy(aux_done_);
     if (fork_) cudaEventDestroy(fork_);
     for (const Mark& m : marks_) cudaEventDestroy(m.event);
