@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "error.hpp"
+#include "schedule/program.hpp"  // blocks_per_saved_part, max_reload_parts
 #include "tensor.hpp"
 
 namespace pipeoffload {
@@ -84,6 +85,51 @@ struct SharedParam {
   std::string key;     ///< the tensors declared under one key, on any stages, are one parameter
 };
 
+/// One part of a stage's saved activations (the layer's optional saved_parts()): bytes
+/// [offset, offset + bytes) of the saved buffer.
+struct SavedPart {
+  std::size_t offset = 0;  ///< first byte within the saved buffer
+  std::size_t bytes = 0;   ///< its length
+  /// Field-by-field equality.
+  friend constexpr bool operator==(const SavedPart&, const SavedPart&) = default;
+};
+
+/// saved_parts() of a stage whose saved buffer is `blocks` slices of `block_bytes` from offset
+/// 0, then a head's `head_bytes` (0: none), and whose backward_input reads the head, then the
+/// blocks last to first: the head's part, then the blocks' from the last down,
+/// blocks_per_saved_part(blocks, head) blocks a part (so it awaits a part before the highest
+/// block of it). Empty when the buffer is (never a zero-byte part).
+inline std::vector<SavedPart> stacked_saved_parts(int blocks, std::size_t block_bytes, std::size_t head_bytes) {
+  std::vector<SavedPart> parts;
+  if (head_bytes > 0) parts.push_back({static_cast<std::size_t>(blocks) * block_bytes, head_bytes});
+  if (block_bytes == 0) return parts;
+  const int per = blocks_per_saved_part(blocks, head_bytes > 0);
+  for (int top = blocks; top > 0; top -= per) {
+    const int lo = top > per ? top - per : 0;
+    parts.push_back({static_cast<std::size_t>(lo) * block_bytes, static_cast<std::size_t>(top - lo) * block_bytes});
+  }
+  return parts;
+}
+
+/// Costs::reload_shares of a stage with these saved_parts: each part's share of their bytes, in
+/// their order; none for fewer than two parts (a unit that reloads whole).
+inline std::vector<double> saved_part_shares(std::span<const SavedPart> parts) {
+  std::vector<double> out;
+  if (parts.size() < 2) return out;
+  double total = 0;
+  for (const SavedPart& p : parts) total += static_cast<double>(p.bytes);
+  for (const SavedPart& p : parts) out.push_back(static_cast<double>(p.bytes) / total);
+  return out;
+}
+
+namespace detail {
+/// How Microbatch::await_saved reaches the runtime: fn(self, part).
+struct SavedWait {
+  void (*fn)(void* self, int part) = nullptr;
+  void* self = nullptr;
+};
+}  // namespace detail
+
 /// One microbatch's slice of a step input, as a pass sees it.
 struct StepInput {
   std::string_view name;  ///< the step input's name (as in InputSpec::name)
@@ -113,6 +159,19 @@ struct Microbatch {
   /// The last stage scales its loss gradient by this: 1/microbatches, so gradients are the
   /// mean over the step's microbatches of each microbatch's mean loss.
   float loss_scale = 1;
+  /// Set by the runtime for backward_input (null elsewhere): what await_saved calls.
+  const detail::SavedWait* saved_wait = nullptr;
+
+  /// For a layer that declares saved_parts(): its backward_input calls await_saved(i) before
+  /// it first reads part i (parts in saved_parts() order; awaiting part i awaits every part
+  /// before it, and a part awaited already returns at once). On a unit that was offloaded, the
+  /// reload copies the parts in that order, and the pass waits (in stream order: a GPU layer's
+  /// later kernels wait, a CPU pass blocks) only up to part i, so the B starts once the first
+  /// part is back instead of the whole unit. The runtime checks, after each B, that every part
+  /// was awaited.
+  void await_saved(int part) const {
+    if (saved_wait != nullptr) saved_wait->fn(saved_wait->self, part);
+  }
 
   /// Is this the first stage (stage 0)?
   bool first() const { return stage == 0; }
@@ -182,6 +241,12 @@ concept working_parameters = std::convertible_to<P, std::span<float>> || std::co
 /// - parameter_info() -> std::vector<po::ParamInfo>: named tensors covering parameters()
 ///   (default: one 1-d tensor "parameters"), for optimizer parameter groups;
 /// - name() -> std::string: the stage type's name in messages (default: the C++ type name).
+/// - saved_parts(shape) -> std::vector<po::SavedPart>: the saved buffer cut into parts, in the
+///   order backward_input first reads them (they must tile [0, saved_bytes) without overlap);
+///   backward_input then calls mb.await_saved(i) before it reads part i, and a reload copies
+///   the parts in that order so that the B waits only for the part it needs next
+///   (docs/design.md section 3; a model of blocks lists the head, then the blocks last to
+///   first). Default: one part, the whole buffer, awaited before the B starts.
 /// - capturable() -> bool: true when the passes enqueue the same work at every call but for
 ///   what they read from device memory, so RuntimeOptions::graphs may capture a call once and
 ///   replay it: the passes read the step from mb.device_step, never mb.step, and make no host
@@ -261,6 +326,10 @@ concept has_shared_parameters = requires(const L& l) {
 template <class L>
 concept has_capturable = requires(const L& l) {
   { l.capturable() } -> std::convertible_to<bool>;
+};
+template <class L>
+concept has_saved_parts = requires(const L& l, MicrobatchShape s) {
+  { l.saved_parts(s) } -> std::convertible_to<std::vector<SavedPart>>;
 };
 template <class L>
 concept has_name = requires(const L& l) {

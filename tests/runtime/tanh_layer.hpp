@@ -72,6 +72,20 @@ class TanhLayer {
     return (2 * boundary_floats(sh) + pad_floats(sh)) * sizeof(float);
   }
   std::size_t stash_bytes(po::MicrobatchShape sh) const { return boundary_floats(sh) * sizeof(float); }
+  /// With parts (Config::parts): y (what B reads), then x, then the pad (what only W reads).
+  std::vector<po::SavedPart> saved_parts(po::MicrobatchShape sh) const {
+    if (!parts_) return {};
+    const std::size_t n = boundary_floats(sh) * sizeof(float);
+    std::vector<po::SavedPart> p = {{n, n}, {0, n}};
+    if (pad_floats(sh) > 0) p.push_back({2 * n, pad_floats(sh) * sizeof(float)});
+    return p;
+  }
+  /// Declare saved_parts; `await_all`: B awaits every part (false: only the first, a bug
+  /// the runtime reports).
+  void use_parts(bool await_all = true) {
+    parts_ = true;
+    await_all_ = await_all;
+  }
 
   void forward(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor xt, po::Tensor yt,
                std::byte* saved) {
@@ -109,6 +123,7 @@ class TanhLayer {
 
   void backward_input(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor dyt, po::Tensor dxt,
                       std::byte* saved, std::byte* stash) {
+    mb.await_saved(0);  // y (with parts; otherwise the whole unit, already there)
     pass(timing_.b);
     const float* dy = dyt.as<float>();
     float* dx = dxt.as<float>();
@@ -121,6 +136,8 @@ class TanhLayer {
         const float g = dy ? dy[t * h + i] : mb.loss_scale * (y - target(mb, t, i)) / static_cast<float>(T * h);
         dz[t * h + i] = g * (1.0f - y * y);
       }
+    // x and the pad, which only W reads: awaiting the last part awaits every part before it.
+    if (parts_ && await_all_) mb.await_saved(static_cast<int>(saved_parts(mb.shape).size()) - 1);
     if (dx == nullptr) return;
     const float* W = params_.data();
     for (std::size_t t = 0; t < T; ++t)
@@ -177,6 +194,7 @@ class TanhLayer {
   }
 
   int stage_, h_;
+  bool parts_ = false, await_all_ = true;
   Timing timing_;
   Failure* failure_;
   int rank_;
@@ -211,6 +229,9 @@ struct Config {
   po::Costs costs{};
   Failure* failure = nullptr;
   bool pairs = false;  ///< link ranks (r, r^1) with po::PairLink (synchronised copies)
+  /// Layers declare saved_parts (TanhLayer::use_parts); RuntimeOptions::reload_parts.
+  bool parts = false;
+  bool reload_parts = true;
   /// The exact path: every family's run is compared with one rank's, bit for bit.
   po::Gradients gradients = po::Gradients::exact;
 };
@@ -269,8 +290,12 @@ inline Run train(const Config& c) {
     po::backend::Cpu dev({.rank = r, .copy_bytes_per_second = c.copy_bytes_per_second});
     po::comm::Threads comm(world, r);
     std::vector<TanhLayer> layers;
-    for (int ch = 0; ch < sh.v; ++ch) layers.emplace_back(sh.stage_of(r, ch), c.h, c.seed, c.timing, c.failure, r);
-    po::Runtime rt(program, dev, comm, std::span<TanhLayer>(layers), {.microbatch = c.mb, .gradients = c.gradients});
+    for (int ch = 0; ch < sh.v; ++ch) {
+      layers.emplace_back(sh.stage_of(r, ch), c.h, c.seed, c.timing, c.failure, r);
+      if (c.parts) layers.back().use_parts();
+    }
+    po::Runtime rt(program, dev, comm, std::span<TanhLayer>(layers),
+                   {.microbatch = c.mb, .gradients = c.gradients, .reload_parts = c.reload_parts});
     if (static_cast<std::size_t>(r / 2) < links.size()) rt.pair_with(*links[static_cast<std::size_t>(r / 2)]);
     po::AdamW opt(rt, {.weight_decay = 0.1f});
     auto& dev_allocs = run.device_allocations[static_cast<std::size_t>(r)];

@@ -147,6 +147,120 @@ TEST_CASE("two copy streams (offloads and reloads apart) train bit-identically, 
         "second stream (its partner's copies fill the other direction's slots): plan it with one");
 }
 
+TEST_CASE("reloads in parts (saved_parts) train bit-identically, on one copy stream or two, paced or not") {
+  for (const char* name : {"po-f", "po-h"})
+    for (const po::Shape sh : {po::Shape{1, 4, 6}, po::Shape{2, 2, 6}})
+      for (const double rate : {0.0, 20e6})
+        for (const int streams : {1, 2}) {
+          CAPTURE(name);
+          CAPTURE(sh.d);
+          CAPTURE(rate);
+          CAPTURE(streams);
+          test::Config c;
+          c.spec = po::parse_schedule(name);
+          c.shape = sh;
+          c.copy_bytes_per_second = rate;
+          c.costs.copy_streams = streams;
+          c.costs.reload_shares.assign(static_cast<std::size_t>(sh.stages()), {0.4, 0.4, 0.2});
+          c.parts = true;
+          c.steps = 2;
+          const test::Run ref = reference(c);
+          const test::Run run = test::train_within(c, 120);
+          for (const std::string& e : run.errors) REQUIRE(e == "");
+          CHECK(same_bits(run.losses, ref.losses));
+          for (int s = 0; s < sh.stages(); ++s)
+            CHECK(same_bits(run.params[static_cast<std::size_t>(s)], ref.params[static_cast<std::size_t>(s)]));
+          CHECK(run.memory[0].host_in_use == 0);
+        }
+}
+
+TEST_CASE("a B whose unit reloads in parts starts once the first part is back, not after the whole reload") {
+  // Paced copies of ~30 ms a part (y, x, and on some stages a pad): a B that waits for the
+  // whole unit starts after its reload ends; one that waits for the first part starts about
+  // 30 ms before.
+  const auto early_bs = [](bool reload_parts) {
+    test::Config c;
+    c.spec = po::parse_schedule("po-f");
+    c.shape = {1, 4, 4};
+    c.h = 64;
+    c.copy_bytes_per_second = 51200;  // a (T = 6, h = 64) fp32 tensor, 1536 bytes, in 30 ms
+    c.parts = true;
+    c.reload_parts = reload_parts;
+    c.steps = 1;
+    const test::Run run = test::train_within(c, 120);
+    for (const std::string& e : run.errors) REQUIRE(e == "");
+    const po::RankProgram& rp = run.program.ranks[0];
+    const po::RankSim& t = run.traces[0];
+    int early = 0, reloaded = 0;
+    for (std::size_t x = 0; x < rp.compute.size(); ++x) {
+      const po::Op& b = rp.compute[x];
+      if (b.kind != po::OpKind::B) continue;
+      for (std::size_t y = 0; y < rp.copy.size(); ++y) {
+        const po::Op& r = rp.copy[y];
+        if (r.kind != po::OpKind::R || r.stage != b.stage || r.mb != b.mb) continue;
+        ++reloaded;
+        CHECK(t.compute_end[x] >= t.copy_end[y]);  // a B never ends before its reload
+        if (t.compute_start[x] < t.copy_end[y] - 0.010) ++early;
+      }
+    }
+    REQUIRE(reloaded > 0);
+    return std::pair{early, reloaded};
+  };
+  const auto [whole, n1] = early_bs(false);
+  const auto [parts, n2] = early_bs(true);
+  CHECK(whole == 0);
+  CHECK(parts > 0);
+  CHECK(n1 == n2);
+}
+
+TEST_CASE("saved_parts is checked: it tiles the saved buffer, and B awaits every part") {
+  struct Parts : test::TanhLayer {
+    using TanhLayer::TanhLayer;
+    std::vector<po::SavedPart> parts;
+    std::vector<po::SavedPart> saved_parts(po::MicrobatchShape) const { return parts; }
+  };
+  // Stage 0 of width 4, one token: x (16 bytes) | y (16 bytes), no pad.
+  const po::Program program = po::GIS::build({1, 1, 2});
+  const auto refusal = [&](std::vector<po::SavedPart> parts) {
+    po::comm::ThreadsWorld world(1);
+    po::comm::Threads comm(world, 0);
+    po::backend::Cpu dev;
+    std::vector<Parts> one;
+    one.emplace_back(0, 4, 1);
+    one[0].parts = std::move(parts);
+    try {
+      po::Runtime rt(program, dev, comm, std::span<Parts>(one), {.microbatch = {1, 1}});
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  const std::string tail =
+      " (they must tile [0, saved_bytes() = 32) in the order backward_input reads them; layer.hpp)";
+  const std::string head = "po::Runtime: stage 0 (" + po::detail::type_name<Parts>() + ")'s saved_parts(): ";
+  CHECK(refusal({{16, 16}, {0, 16}}) == "accepted");
+  CHECK(refusal({{16, 16}, {0, 20}}) == head + "two parts overlap at byte 16" + tail);
+  CHECK(refusal({{16, 16}, {0, 8}}) == head + "bytes [8, 16) are in no part" + tail);
+  CHECK(refusal({{0, 16}}) == head + "bytes [16, 32) are in no part" + tail);
+  CHECK(refusal({{0, 32}, {32, 0}}) == head + "part 1 has 0 bytes" + tail);
+  CHECK(refusal({{0, 16}, {16, 20}}) == head + "part 1 = [16, 36) runs past the buffer" + tail);
+
+  // A B that reads a part it did not await is named (here it awaits only the first).
+  po::comm::ThreadsWorld world(1);
+  po::comm::Threads comm(world, 0);
+  po::backend::Cpu dev;
+  std::vector<test::TanhLayer> one;
+  one.emplace_back(0, 4, 1);
+  one[0].use_parts(false);
+  po::Runtime rt(program, dev, comm, std::span<test::TanhLayer>(one), {.microbatch = {1, 1}});
+  const std::vector<std::int32_t> tok(2, 1);
+  po::Batch b;
+  b.add("tokens", tok, {2, 1}).add("targets", tok, {2, 1});
+  CHECK_THROWS_WITH(rt.forward_backward(b),
+                    "rank 0, compute op 1 B(stage 0, mb 0): backward_input awaited 1 of the stage's 2 saved parts: it "
+                    "must call mb.await_saved(i) for every part i of saved_parts() before it reads it (layer.hpp)");
+}
+
 TEST_CASE("PCIe pairs: a pair never copies in one direction at once, and keeps its slot order") {
   // Copies slow enough and passes short enough that an unsynchronised pair drifts off the
   // planned grid; linked, each copy of rank r starts only after rank r^1 has completed every

@@ -418,3 +418,84 @@ TEST_CASE("copy streams and the duplex slowdown are checked") {
   c.k = 1;
   CHECK(c.T_O(0) == 1.5 * 1.5);
 }
+
+TEST_CASE("reloads in parts: a B starts once its first part is back, and copy-bound schedules run faster") {
+  // The H100's times at h = s = 4096 (ms), as above, with each unit reloaded whole or in 4
+  // equal parts (Costs::reload_shares: a chunk of 4 blocks).
+  const auto run = [](double k, int streams, int parts) {
+    Costs c;
+    c.f = 3.09;
+    c.b = 3.66;
+    c.w = 2.81;
+    c.k = k;
+    c.stagger_pairs = false;
+    c.copy_streams = streams;
+    c.duplex_slowdown = 55.0 / 41.9;
+    if (parts > 1) c.reload_shares.assign(8, std::vector<double>(static_cast<std::size_t>(parts), 1.0 / parts));
+    const Program p = PO_F::build({4, 2, 16}, c);
+    REQUIRE(validate(p));
+    return std::pair{p, simulate(p)};
+  };
+  for (double k : {1.279, 2.224})
+    for (int streams : {1, 2}) {
+      CAPTURE(k);
+      CAPTURE(streams);
+      const auto [p1, one] = run(k, streams, 1);
+      const auto [p4, four] = run(k, streams, 4);
+      // Every B on its own reload starts no earlier than reload_overlap before the
+      // reload ends, and some start exactly then (the reload is what they wait for).
+      int limited = 0;
+      for (std::size_t r = 0; r < p4.ranks.size(); ++r) {
+        const RankProgram& rp = p4.ranks[r];
+        const RankSim& t = four.ranks[r];
+        for (std::size_t x = 0; x < rp.compute.size(); ++x) {
+          const Op& op = rp.compute[x];
+          if (op.kind != OpKind::B || op.wait < 0) continue;
+          const Op& c = rp.copy[static_cast<std::size_t>(op.wait)];
+          if (c.kind != OpKind::R || c.stage != op.stage || c.mb != op.mb) continue;
+          const double earliest = t.copy_end[static_cast<std::size_t>(op.wait)] - p4.costs.reload_overlap(op.stage);
+          CHECK(t.compute_start[x] >= earliest - 1e-9);
+          limited += std::abs(t.compute_start[x] - earliest) < 1e-9;
+        }
+      }
+      if (k == 1.279 && streams == 1) {
+        CHECK(four.makespan == doctest::Approx(one.makespan));  // the copies keep up: nothing to gain
+      } else {
+        CHECK(limited > 0);
+        CHECK(four.makespan < 0.995 * one.makespan);
+      }
+      CHECK(four.max_peak() == one.max_peak());
+    }
+  // 2.224, one stream: 356.49 -> 353.75; 1.279, two streams: 343.85 -> 338.68 (the figures
+  // docs/design.md section 3 quotes).
+  CHECK(run(2.224, 1, 4).second.makespan == doctest::Approx(353.748).epsilon(1e-5));
+  CHECK(run(1.279, 2, 4).second.makespan == doctest::Approx(338.675).epsilon(1e-5));
+}
+
+TEST_CASE("reload shares are checked, and reload_overlap follows the parts' sizes") {
+  Costs c;
+  c.reload_shares = {{0.5, 0.5}, {}, {1}};
+  CHECK_THROWS_WITH(PO_F::build({2, 2, 4}, c),
+                    "costs: per-stage reload shares has 3 entries; it must have S = v*d = 4 (or none)");
+  c.reload_shares = {{0.5, 0.5}, {0.5, 0}, {}, {}};
+  CHECK_THROWS_WITH(PO_F::build({2, 2, 4}, c), "costs: stage 1's reload shares must be finite numbers > 0");
+  c.reload_shares = {{0.5, 0.25}, {}, {}, {}};
+  CHECK_THROWS_WITH(PO_F::build({2, 2, 4}, c),
+                    "costs: stage 0's reload shares add up to 750000 millionths; they must add up to 1 (each part's "
+                    "share of the unit's bytes)");
+  c.reload_shares = {{}, std::vector<double>(1025, 1.0 / 1025), {}, {}};
+  CHECK_THROWS_WITH(PO_F::build({2, 2, 4}, c), "costs: stage 1 reloads in 1025 parts; at most 1024 are allowed");
+  // T_O = 1.5, T_B = 1 (k = 1): equal halves min(1.5, 1)(1 - 1/2) = 0.5; a first part of half
+  // the unit and two quarters: min(0.5 * 1.5, 0.25 * 1.5 + 0.5, 0.75) = 0.75; a large first
+  // part (an LM head) leaves little: min(0.2 * 1.5, 0.8) = 0.3.
+  c.reload_shares = {{}, {0.5, 0.5}, {0.5, 0.25, 0.25}, {0.8, 0.2}};
+  c.k = 1;
+  CHECK(c.reload_overlap(0) == 0);
+  CHECK(c.reload_overlap(1) == doctest::Approx(0.5));
+  CHECK(c.reload_overlap(2) == doctest::Approx(0.75));
+  CHECK(c.reload_overlap(3) == doctest::Approx(0.3));
+  // The sample models' shares: the head's, then the blocks' from the last down.
+  CHECK(stacked_reload_shares(2, 10, 20) == std::vector<double>{0.5, 0.25, 0.25});
+  CHECK(stacked_reload_shares(1, 10, 0).empty());
+  CHECK(stacked_reload_shares(0, 10, 5).empty());
+}

@@ -310,6 +310,14 @@ template <class B>
 concept reserves_norm_buffers =
     reserves_memory<B> && requires(B& b, std::span<const std::size_t> groups) { b.reserve_sum_squares(groups); };
 
+/// Optional, on top of `backend`: wait_in_pass(ctx, event), called by a pass launched on
+/// ctx's stream, makes the rest of that pass (and the stream) wait for the latest record of
+/// `event`: backend::Cuda enqueues the wait on the stream, backend::Cpu blocks the stream's
+/// thread. po::Runtime uses it to let a B start once the first part of its reloaded unit is
+/// back (the layer's saved_parts, Microbatch::await_saved); without it the B waits for the whole.
+template <class B>
+concept waits_in_pass = requires(B& b, const typename B::Context& ctx, int event) { b.wait_in_pass(ctx, event); };
+
 /// Optional, on top of `backend`: where a stream is, in time. Called from work launched on a
 /// stream, mark(slot) writes into *slot (host memory, alive until then), by the next
 /// synchronize(), the time on now()'s clock at which the stream reached that point; the

@@ -473,7 +473,9 @@ constexpr PassFlops stage_flops(const TransformerSpec& m, const StageContent& c)
 
 /// The costs a schedule of `m` cut into `stages` is built and simulated with: each stage's T_F,
 /// T_B and T_W (stage_flops / `flops`: seconds on a device of `flops` FLOP/s), its unit and
-/// stash bytes as `backend` holds them (cpu: the CPU GPT's fp32 layout), and the copy ratio `k`.
+/// stash bytes as `backend` holds them (cpu: the CPU GPT's fp32 layout), the parts its units
+/// reload in (the sample models' saved_parts: the head's, then each layer's;
+/// Costs::reload_shares; clear them for layers that declare none), and the copy ratio `k`.
 /// The planner builds every candidate with these; a launcher that builds the plan's schedule
 /// with the same arguments (train_gpt: --flops and --k) runs the program the planner timed and
 /// lowered.
@@ -489,6 +491,11 @@ constexpr Costs stage_costs(const TransformerSpec& m, std::span<const StageConte
     out.stage_w.push_back(fl.w / flops);
     out.unit_bytes.push_back(cpu ? cpu_stage_unit_bytes(m, c) : stage_activation_bytes(m, c));
     out.stash_bytes.push_back(cpu ? cpu_stage_stash_bytes(m, c) : stage_stash_bytes(m, c));
+    // The unit's bytes per layer and the head's (what the rest of the stage's unit holds).
+    const double unit = out.unit_bytes.back();
+    const StageContent one{1, false, false};
+    const double layer = c.layers > 0 ? (cpu ? cpu_stage_unit_bytes(m, one) : stage_activation_bytes(m, one)) : 0.0;
+    out.reload_shares.push_back(stacked_reload_shares(c.layers, layer, c.head ? unit - c.layers * layer : 0.0));
   }
   return out;
 }

@@ -86,6 +86,11 @@ struct RuntimeOptions {
   /// replay would not repeat. A parameter gather left running by the optimizer is waited for
   /// before the replay, not by the first pass that needs it. docs/backends.md, "Captured steps".
   bool graphs = false;
+  /// Reload a unit of a stage that declares saved_parts() part by part, in the order its B
+  /// reads them, and start the B once the first part is back (Microbatch::await_saved), where
+  /// the backend lets a pass wait (backend::waits_in_pass). False: the B waits for the whole
+  /// unit. Either way the results are the same, bit for bit.
+  bool reload_parts = true;
 };
 
 /// Canary bytes after each saved and stash buffer under RuntimeOptions::guard_buffers.
@@ -613,6 +618,9 @@ class Runtime<Backend, Communicator> {
     // Two copy streams (Costs::copy_streams): a wait for copy op k is for the last offload
     // and the last reload up to k (-1: none), each on its own stream.
     std::vector<std::array<int, 2>> copy_upto;
+    // A reload copied in parts (reload_parts): an event per part but the last (whose event
+    // is copy_done); empty for the other copy ops.
+    std::vector<std::vector<int>> part_done;
   };
   // A captured kind of training call (RuntimeOptions::graphs): (part, parts) -> its graph.
   template <class B>
@@ -647,6 +655,9 @@ class Runtime<Backend, Communicator> {
   }
 
   void construct();
+  /// Checks stage `stage`'s saved_parts() (layer.hpp) against its `declared` saved bytes and
+  /// appends its chunk's parts_ and declared_parts_ (`guard`: the canary after the buffer).
+  void set_parts(const Stage& l, int stage, std::size_t declared, std::size_t guard);
 
   /// The step inputs this rank's stages declare: each name once (two stages that declare one
   /// name must agree on its type and size), and each stage's view of each microbatch's slice.
@@ -676,6 +687,11 @@ class Runtime<Backend, Communicator> {
     for (std::size_t x = 0; x < rp.compute.size(); ++x) plan.compute_done.push_back(dev_.make_event());
     for (std::size_t y = 0; y < rp.copy.size(); ++y) plan.copy_done.push_back(dev_.make_event());
     for (std::size_t k = 0; k < rp.comm.size(); ++k) plan.comm_done.push_back(dev_.make_event());
+    plan.part_done.resize(rp.copy.size());
+    for (std::size_t y = 0; y < rp.copy.size(); ++y)
+      if (rp.copy[y].kind == OpKind::R)
+        for (std::size_t i = 1; i < reload_parts(program_.shape.chunk_of(rp.copy[y].stage)).size(); ++i)
+          plan.part_done[y].push_back(dev_.make_event());
     std::array<int, 2> upto{-1, -1};
     for (std::size_t y = 0; y < rp.copy.size(); ++y) {
       upto[rp.copy[y].kind == OpKind::R ? 1 : 0] = static_cast<int>(y);
@@ -842,7 +858,19 @@ class Runtime<Backend, Communicator> {
 
   void run_compute(std::size_t x);
 
-  void run_copy(std::size_t y);
+  /// Copy op y, or (a reload copied in parts) part `part` of it.
+  void run_copy(std::size_t y, std::size_t part);
+  /// The reload of compute op x's own unit, if x is a B or BW that waits for no more of the
+  /// copy stream than that reload and the reload is copied in parts (-1 otherwise): then x
+  /// waits only for its first part, and the pass for the others (Microbatch::await_saved).
+  int split_reload(const Plan& plan, std::size_t x) const {
+    const Op& op = plan.rp->compute[x];
+    if (op.kind != OpKind::B && op.kind != OpKind::BW) return -1;
+    const int y = plan.lowered.compute[x].on(Stream::copy);
+    if (y < 0 || plan.part_done[static_cast<std::size_t>(y)].empty()) return -1;
+    const Op& r = plan.rp->copy[static_cast<std::size_t>(y)];
+    return r.kind == OpKind::R && r.stage == op.stage && r.mb == op.mb ? y : -1;
+  }
 
   void run_comm(std::size_t k);
 
@@ -900,8 +928,16 @@ class Runtime<Backend, Communicator> {
   std::vector<Stage> stages_;
   Program program_, eval_program_;
   int rank_ = 0;
-  std::vector<StageInfo> table_;                       // every stage of the pipeline
-  std::vector<std::size_t> saved_, stash_;             // per chunk
+  std::vector<StageInfo> table_;            // every stage of the pipeline
+  std::vector<std::size_t> saved_, stash_;  // per chunk
+  // Per chunk: the parts of its saved buffer (each byte ranges: the layer's saved_parts, the
+  // guard's canary added to the last), as its reloads copy them; one part when it declares
+  // none or RuntimeOptions::reload_parts is off. declared_parts_: how many await_saved counts.
+  std::vector<std::vector<std::vector<std::array<std::size_t, 2>>>> parts_;
+  std::vector<int> declared_parts_;
+  const std::vector<std::vector<std::array<std::size_t, 2>>>& reload_parts(int chunk) const {
+    return parts_[static_cast<std::size_t>(chunk)];
+  }
   std::vector<std::vector<std::size_t>> norm_groups_;  // per chunk
   std::size_t max_groups_ = 1;
   std::vector<Declared> inputs_;               // step inputs this rank uploads

@@ -99,6 +99,9 @@ class StageRef {
   /// The layer's gradients (device memory), parallel to its parameters.
   std::span<float> gradients() const { return vt_->gradients(obj_); }
 
+  /// The parts of the saved buffer in the order backward_input reads them (layer.hpp); empty
+  /// when the stage declares none (one part).
+  std::vector<SavedPart> saved_parts(MicrobatchShape s) const { return vt_->saved_parts(obj_, s); }
   /// The step inputs the stage reads (none when it declares none).
   std::vector<InputSpec> inputs(MicrobatchShape s) const { return vt_->inputs(obj_, s); }
   /// Norm groups (one group of every parameter when the stage declares none).
@@ -130,6 +133,7 @@ class StageRef {
     void (*backward_weight)(void*, Ctx&, const Microbatch&, std::byte*, std::byte*);
     Tensor (*parameters)(void*);
     std::span<float> (*gradients)(void*);
+    std::vector<SavedPart> (*saved_parts)(void*, MicrobatchShape);
     std::vector<InputSpec> (*inputs)(void*, MicrobatchShape);
     std::vector<std::size_t> (*norm_groups)(void*);
     std::vector<ParamInfo> (*parameter_info)(void*);
@@ -179,6 +183,12 @@ class StageRef {
       },
       [](void* p) { return working_of(self<L>(p).parameters()); },
       [](void* p) { return std::span<float>(self<L>(p).gradients()); },
+      [](void* p, MicrobatchShape s) {
+        if constexpr (detail::has_saved_parts<L>)
+          return std::vector<SavedPart>(self<L>(p).saved_parts(s));
+        else
+          return std::vector<SavedPart>{};
+      },
       [](void* p, MicrobatchShape s) {
         if constexpr (detail::declares_inputs<L>)
           return std::vector<InputSpec>(self<L>(p).inputs(s));

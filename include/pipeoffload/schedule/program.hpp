@@ -6,6 +6,7 @@
 /// @file
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
@@ -21,6 +22,8 @@ namespace pipeoffload {
 inline constexpr int max_ranks = 4096;
 inline constexpr int max_chunks = 256;            ///< most chunks per rank (v)
 inline constexpr int max_microbatches = 1 << 16;  ///< most microbatches (m)
+inline constexpr int max_reload_parts =
+    1024;  ///< most parts a unit reloads in (Costs::reload_shares, a layer's saved_parts)
 
 /// Pipeline shape: d ranks, v chunks (stages) per rank, m microbatches per iteration, and
 /// where the stages live. Chunk c of every rank holds stages c*d .. c*d + d-1, one per rank:
@@ -81,6 +84,13 @@ struct Costs {
   /// Per-stage stash size (size S or empty = none): what a split B leaves for its W, alive
   /// from the B's start to the W's end (a fused BW holds one while it runs), in unit_bytes' unit.
   std::vector<double> stash_bytes;
+  /// Per stage (size S or empty): the parts its unit reloads in, in the order its B reads
+  /// them (the layer's saved_parts, layer.hpp; po::saved_part_shares), each as its share of the
+  /// unit's bytes; none or one: the unit reloads whole. A B may start once the first part is
+  /// back; a part's share of the copy and of the B's work is taken to be its share of the
+  /// bytes, which puts the B's earliest start reload_overlap before its reload ends
+  /// (docs/design.md section 3).
+  std::vector<std::vector<double>> reload_shares;
 
   /// T_F of stage s (stage_f[s], or f when stage_f is empty).
   constexpr double F(int s) const { return stage_f.empty() ? f : stage_f[static_cast<std::size_t>(s)]; }
@@ -92,6 +102,31 @@ struct Costs {
   constexpr double bytes(int s) const { return unit_bytes.empty() ? 1.0 : unit_bytes[static_cast<std::size_t>(s)]; }
   /// Size of stage s's stash (stash_bytes[s], or 0 when stash_bytes is empty).
   constexpr double stash(int s) const { return stash_bytes.empty() ? 0.0 : stash_bytes[static_cast<std::size_t>(s)]; }
+  /// Parts stage s's unit reloads in (1 when it reloads whole).
+  constexpr int parts(int s) const {
+    return reload_shares.empty()
+               ? 1
+               : std::max<int>(1, static_cast<int>(reload_shares[static_cast<std::size_t>(s)].size()));
+  }
+  /// How long before the end of its own reload a B (or BW) of stage s may start. Part i is back
+  /// a (1 - c_i) T_O before the reload ends (c_i: the shares of parts 0..i) and the B reaches it
+  /// after a c_(i-1) share of its T_B, so it starts no earlier than the least of
+  /// (1 - c_i) T_O + c_(i-1) T_B before the reload ends (the last term: the B's work after its
+  /// last part). Equal parts: min(T_O, T_B)(1 - 1/parts). 0 for a unit reloaded whole.
+  constexpr double reload_overlap(int s) const {
+    if (parts(s) <= 1) return 0.0;
+    const std::vector<double>& sh = reload_shares[static_cast<std::size_t>(s)];
+    double total = 0;
+    for (double x : sh) total += x;
+    const double t = T_O(s), b = B(s);
+    double done = 0, best = 1e308;
+    for (double x : sh) {
+      const double before = done / total;
+      done += x;
+      best = std::min(best, (1.0 - done / total) * t + before * b);
+    }
+    return std::max(0.0, best);
+  }
   /// One-way copy time of stage s's unit.
   constexpr double T_O(int s) const {
     return (t_o > 0 ? t_o : k * (F(s) + B(s) + W(s)) / 2) * (copy_streams == 2 ? duplex_slowdown : 1.0);
@@ -99,6 +134,29 @@ struct Costs {
   /// Offloads and reloads run on streams of their own (copy_streams == 2).
   constexpr bool duplex() const { return copy_streams == 2; }
 };
+
+/// How many blocks each part of po::stacked_saved_parts holds for a stage of `blocks` blocks
+/// (and a head's part, if `head`): 1, or as many as keep its parts within max_reload_parts.
+constexpr int blocks_per_saved_part(int blocks, bool head) {
+  const int room = max_reload_parts - (head ? 1 : 0);
+  return blocks <= room ? 1 : (blocks + room - 1) / room;
+}
+
+/// Costs::reload_shares of a stage of `blocks` blocks of `block_bytes` each and a head of
+/// `head_bytes` (0: none) whose parts are po::stacked_saved_parts' (the sample models'): the
+/// head's share, then the blocks' from the last down; none when it has fewer than two parts.
+constexpr std::vector<double> stacked_reload_shares(int blocks, double block_bytes, double head_bytes) {
+  std::vector<double> out;
+  const double total = blocks * block_bytes + head_bytes;
+  if (!(total > 0)) return out;
+  if (head_bytes > 0) out.push_back(head_bytes / total);
+  if (block_bytes > 0) {
+    const int per = blocks_per_saved_part(blocks, head_bytes > 0);
+    for (int top = blocks; top > 0; top -= per) out.push_back((top > per ? per : top) * block_bytes / total);
+  }
+  if (out.size() < 2) out.clear();
+  return out;
+}
 
 /// A pass on a rank's compute stream (F, B, W, BW) or copy stream (O: device->host offload,
 /// R: host->device reload).

@@ -141,6 +141,21 @@ class Cpu : public detail::Failure<Cpu> {
     push(stream, Item{Item::wait, event, target, {}});
   }
 
+  /// From inside a pass launched on ctx's stream: blocks the stream's thread until the latest
+  /// record of `event` (none yet: no wait) completes (backend::waits_in_pass); throws
+  /// aborted_error if the device fails meanwhile.
+  void wait_in_pass(const CpuContext& ctx, int event) {
+    std::unique_lock lk(mu_);
+    Event& e = ev(event);
+    Stream& s = at(ctx.stream);
+    const std::uint64_t target = e.recorded;
+    while (!failed_ && e.completed < target) {
+      if (std::find(e.waiters.begin(), e.waiters.end(), &s) == e.waiters.end()) e.waiters.push_back(&s);
+      s.cv.wait(lk);
+    }
+    if (failed_) throw aborted_error("aborted: " + error_);
+  }
+
   // ---- captured work (backend::captures_graphs) ---------------------------------------------
 
   /// A captured stretch of work: the launches, records and waits, in the order they were made.
@@ -808,6 +823,7 @@ static_assert(backend<Cpu>, "backend::Cpu must model the backend concept.");
 static_assert(updates_parameters<Cpu>, "backend::Cpu must run the optimizers' updates.");
 static_assert(captures_graphs<Cpu>, "backend::Cpu must capture and replay a step.");
 static_assert(marks_times<Cpu>, "backend::Cpu must time where its streams are.");
+static_assert(waits_in_pass<Cpu>, "backend::Cpu must let a pass wait for a part of a reload.");
 static_assert(resets_arena<Cpu>, "backend::Cpu must start its arena over between runtimes.");
 
 }  // namespace backend

@@ -251,6 +251,11 @@ class Cuda : public detail::Failure<Cuda> {
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamWaitEvent(at(stream), ev(event), 0));
   }
 
+  /// From inside a pass on ctx's stream: the pass's later kernels wait for the latest record
+  /// of `event` (backend::waits_in_pass; the host code of a pass runs as it is launched, so
+  /// this is wait() on the pass's stream).
+  void wait_in_pass(const Context& ctx, int event) { wait(ctx.stream, event); }
+
   /// Host waits for every stream and the enqueued between-steps operations (sum_squares'
   /// results are then in their `out`); throws the first error (a failed pass, or a CUDA error
   /// reported by a stream), after which the device stays failed.
@@ -1210,6 +1215,7 @@ static_assert(updates_parameters<Cuda>, "backend::Cuda must run the optimizers' 
 static_assert(reserves_memory<Cuda>, "backend::Cuda must reserve the runtime's blocks when it is constructed.");
 static_assert(captures_graphs<Cuda>, "backend::Cuda must capture and replay a step (CUDA graphs).");
 static_assert(marks_times<Cuda>, "backend::Cuda must time where its streams are (timing events).");
+static_assert(waits_in_pass<Cuda>, "backend::Cuda must let a pass wait for a part of a reload.");
 static_assert(resets_arena<Cuda>, "backend::Cuda must start its arena over between runtimes.");
 
 /// The sysfs PCI path of CUDA device `device` (for cuda::pair_devices).

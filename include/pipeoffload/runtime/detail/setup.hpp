@@ -11,6 +11,47 @@
 
 namespace pipeoffload {
 
+// The layer's saved_parts must tile [0, saved_bytes) with parts of at least a byte; the
+// reloads copy them in their order (the canary, under guard_buffers, with the last).
+template <class Backend, class Communicator>
+void Runtime<Backend, Communicator>::set_parts(const Stage& l, int stage, std::size_t declared, std::size_t guard) {
+  const std::vector<SavedPart> parts = l.saved_parts(opt_.microbatch);
+  const auto refuse = [&](const std::string& why) {
+    throw error("po::Runtime: stage " + std::to_string(stage) + " (" + l.name() + ")'s saved_parts(): " + why +
+                " (they must tile [0, saved_bytes() = " + std::to_string(declared) +
+                ") in the order backward_input reads them; layer.hpp)");
+  };
+  if (parts.size() > static_cast<std::size_t>(max_reload_parts))
+    refuse(std::to_string(parts.size()) + " parts, more than the allowed " + std::to_string(max_reload_parts));
+  std::vector<std::array<std::size_t, 2>> sorted;
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    const SavedPart& p = parts[i];
+    if (p.bytes == 0) refuse("part " + std::to_string(i) + " has 0 bytes");
+    if (p.offset > declared || p.bytes > declared - p.offset)
+      refuse("part " + std::to_string(i) + " = [" + std::to_string(p.offset) + ", " +
+             std::to_string(p.offset + p.bytes) + ") runs past the buffer");
+    sorted.push_back({p.offset, p.bytes});
+  }
+  std::sort(sorted.begin(), sorted.end());
+  std::size_t at = 0;
+  for (const auto& [off, len] : sorted) {
+    if (off != at)
+      refuse(off < at ? "two parts overlap at byte " + std::to_string(off)
+                      : "bytes [" + std::to_string(at) + ", " + std::to_string(off) + ") are in no part");
+    at = off + len;
+  }
+  if (!parts.empty() && at != declared)
+    refuse("bytes [" + std::to_string(at) + ", " + std::to_string(declared) + ") are in no part");
+  declared_parts_.push_back(static_cast<int>(parts.size()));
+  std::vector<std::vector<std::array<std::size_t, 2>>> mine;
+  if (opt_.reload_parts && backend::waits_in_pass<Backend> && parts.size() > 1)
+    for (const SavedPart& p : parts) mine.push_back({{p.offset, p.bytes}});
+  else
+    mine.push_back({{0, declared}});
+  if (guard > 0) mine.back().push_back({declared, guard});
+  parts_.push_back(std::move(mine));
+}
+
 template <class Backend, class Communicator>
 void Runtime<Backend, Communicator>::construct() {
   require_valid(program_);
@@ -102,6 +143,7 @@ void Runtime<Backend, Communicator>::construct() {
     const std::size_t guard = opt_.guard_buffers ? guard_bytes : 0;
     saved_.push_back(l.saved_bytes(mbs) + guard);
     stash_.push_back(l.stash_bytes(mbs) + guard);
+    set_parts(l, s, l.saved_bytes(mbs), guard);
     norm_groups_.push_back(groups);
   }
   // With blocks of more than one microbatch, a stage sums a block in fp32 in microbatch

@@ -69,7 +69,41 @@ void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
       u.stash = take_buffer(plan.lowered.compute_at[x][0], stash_[c], backend::Memory::stash);
       if constexpr (backend::host_addressable_memory<Backend>)
         if (opt_.guard_buffers) detail::arm_guard(u.stash.ptr, stash_[c]);
-      l.backward_input(ctx, mb, dy, dx, u.device.ptr, u.stash.ptr);
+      // The layer awaits each part of its saved buffer before it reads it (await_saved); for a
+      // reload copied in parts that waits for the part's copy.
+      struct Await {
+        Runtime* rt;
+        const Context* ctx;
+        const std::vector<int>* events;  // the parts' events but the last (null: nothing to wait for)
+        int done;                        // the last part's: the reload's copy_done
+        int parts;                       // what the layer declares (0: none, one part)
+        int next = 0;                    // parts awaited so far
+        static void call(void* self, int part) {
+          auto& a = *static_cast<Await*>(self);
+          if (part < 0 || part >= std::max(a.parts, 1))
+            throw error("backward_input called mb.await_saved(" + std::to_string(part) +
+                        "); the stage's saved parts are 0.." + std::to_string(std::max(a.parts, 1) - 1));
+          if (part < a.next) return;
+          if constexpr (backend::waits_in_pass<Backend>)
+            if (a.events != nullptr)
+              a.rt->dev_.wait_in_pass(*a.ctx, static_cast<std::size_t>(part) < a.events->size()
+                                                  ? (*a.events)[static_cast<std::size_t>(part)]
+                                                  : a.done);
+          a.next = part + 1;
+        }
+      };
+      const int y = split_reload(plan, x);
+      Await aw{this, &ctx, y >= 0 ? &plan.part_done[static_cast<std::size_t>(y)] : nullptr,
+               y >= 0 ? plan.copy_done[static_cast<std::size_t>(y)] : -1, declared_parts_[c]};
+      const detail::SavedWait hook{&Await::call, &aw};
+      Microbatch bmb = mb;
+      bmb.saved_wait = &hook;
+      l.backward_input(ctx, bmb, dy, dx, u.device.ptr, u.stash.ptr);
+      if (aw.parts > 0 && aw.next != aw.parts)
+        throw error("backward_input awaited " + std::to_string(aw.next) + " of the stage's " +
+                    std::to_string(aw.parts) +
+                    " saved parts: it must call mb.await_saved(i) for every part i of saved_parts() before it "
+                    "reads it (layer.hpp)");
       if constexpr (backend::host_addressable_memory<Backend>)
         if (opt_.guard_buffers) {
           detail::check_guard(u.device.ptr, saved_[c], "backward_input", "saved_bytes");
@@ -110,25 +144,37 @@ void Runtime<Backend, Communicator>::run_compute(std::size_t x) {
   if (plan.training) stamp(trace_.compute_end[x]);
 }
 
+// A copy op, or one part of a reload copied in parts (RuntimeOptions::reload_parts): its byte ranges of the
+// unit, each cut where the unit's power-of-two host bins meet. The first part takes the device
+// buffer, the last gives back the host bins.
 template <class Backend, class Communicator>
-void Runtime<Backend, Communicator>::run_copy(std::size_t y) {
+void Runtime<Backend, Communicator>::run_copy(std::size_t y, std::size_t part) {
   const Op op = call_.plan->rp->copy[y];
-  stamp(trace_.copy_start[y]);
+  const auto c = static_cast<std::size_t>(program_.shape.chunk_of(op.stage));
+  const std::array<std::size_t, 2> whole{0, saved_[c]};
+  const std::span<const std::array<std::size_t, 2>> ranges =
+      op.kind == OpKind::R ? std::span(reload_parts(static_cast<int>(c))[part]) : std::span(&whole, 1);
+  const bool first = part == 0, last = op.kind == OpKind::O || part + 1 == reload_parts(static_cast<int>(c)).size();
+  if (first) stamp(trace_.copy_start[y]);
   guarded("copy", y, op, [&] {
     Unit& u = units_[unit_index(op.stage, op.mb)];
-    const std::size_t bytes = saved_[static_cast<std::size_t>(program_.shape.chunk_of(op.stage))];
+    const std::size_t bytes = saved_[c];
     const offload::BinPlan plan = offload::plan_bins(bytes);
-    std::array<backend::CopyPiece, 3> pieces{};
+    std::vector<backend::CopyPiece> pieces;
     const auto lay_out = [&](bool to_host) {
-      std::size_t off = 0;
-      for (int i = 0; i < plan.count && off < bytes; ++i) {
-        const std::size_t n =
-            std::min<std::size_t>(static_cast<std::size_t>(plan.bins[static_cast<std::size_t>(i)]), bytes - off);
-        std::byte* dev = u.device.ptr + off;
-        std::byte* host = u.host[static_cast<std::size_t>(i)].ptr;
-        pieces[static_cast<std::size_t>(i)] =
-            to_host ? backend::CopyPiece{host, dev, n} : backend::CopyPiece{dev, host, n};
-        off += n;
+      for (const auto& [from, len] : ranges) {
+        // Bin i holds bytes [off, off + bins[i]) of the unit.
+        std::size_t off = 0;
+        for (int i = 0; i < plan.count; ++i) {
+          const auto b = static_cast<std::size_t>(plan.bins[static_cast<std::size_t>(i)]);
+          const std::size_t lo = std::max(off, from), hi = std::min(off + b, from + len);
+          if (lo < hi) {
+            std::byte* dev = u.device.ptr + lo;
+            std::byte* host = u.host[static_cast<std::size_t>(i)].ptr + (lo - off);
+            pieces.push_back(to_host ? backend::CopyPiece{host, dev, hi - lo} : backend::CopyPiece{dev, host, hi - lo});
+          }
+          off += b;
+        }
       }
     };
     if (op.kind == OpKind::O) {
@@ -136,20 +182,23 @@ void Runtime<Backend, Communicator>::run_copy(std::size_t y) {
       for (int i = 0; i < plan.count; ++i)
         u.host[static_cast<std::size_t>(i)] = dev_.host_alloc(plan.bins[static_cast<std::size_t>(i)]);
       lay_out(true);
-      dev_.transfer(std::span<const backend::CopyPiece>(pieces.data(), static_cast<std::size_t>(plan.count)));
+      dev_.transfer(std::span<const backend::CopyPiece>(pieces));
       give_buffer(u.device);
     } else {
-      if (u.host[0].ptr == nullptr && bytes > 0) throw error("nothing to reload (the unit was not offloaded)");
-      u.device = take_buffer(call_.plan->lowered.copy_at[y], bytes, backend::Memory::activation);
-      lay_out(false);
-      dev_.transfer(std::span<const backend::CopyPiece>(pieces.data(), static_cast<std::size_t>(plan.count)));
-      for (auto& h : u.host) {
-        dev_.host_free(h);
-        h = {};
+      if (first) {
+        if (u.host[0].ptr == nullptr && bytes > 0) throw error("nothing to reload (the unit was not offloaded)");
+        u.device = take_buffer(call_.plan->lowered.copy_at[y], bytes, backend::Memory::activation);
       }
+      lay_out(false);
+      dev_.transfer(std::span<const backend::CopyPiece>(pieces));
+      if (last)
+        for (auto& h : u.host) {
+          dev_.host_free(h);
+          h = {};
+        }
     }
   });
-  stamp(trace_.copy_end[y]);
+  if (last) stamp(trace_.copy_end[y]);
 }
 
 template <class Backend, class Communicator>
@@ -320,7 +369,16 @@ void Runtime<Backend, Communicator>::enqueue(const Plan& plan) {
     bool moved = false;
     while (ic < nc && ready(lr.compute[ic])) {
       const Op& op = rp.compute[ic];
-      wait_for(compute_, lr.compute[ic]);
+      if (const int y = split_reload(plan, ic); y >= 0) {
+        // The first part of its reload (which follows every copy before it); the pass waits
+        // for the others.
+        Waits w = lr.compute[ic];
+        w.last[static_cast<std::size_t>(Stream::copy)] = -1;
+        wait_for(compute_, w);
+        dev_.wait(compute_, plan.part_done[static_cast<std::size_t>(y)][0]);
+      } else {
+        wait_for(compute_, lr.compute[ic]);
+      }
       const std::size_t chunk = static_cast<std::size_t>(program_.shape.chunk_of(op.stage));
       if (gather[chunk] != 0) {
         dev_.wait(compute_, gathered_[chunk]);
@@ -338,7 +396,12 @@ void Runtime<Backend, Communicator>::enqueue(const Plan& plan) {
         if (pair_ != nullptr && pair_wait_[iy] > 0)
           dev_.wait_counter(copy_, pair_->side[(rank_ ^ 1) & 1],
                             static_cast<std::uint64_t>(iterations_ * partner_copies_ + pair_wait_[iy]));
-      dev_.launch(on, [this, y = iy] { run_copy(y); });
+      const std::vector<int>& parts = plan.part_done[iy];
+      for (std::size_t i = 0; i < parts.size(); ++i) {
+        dev_.launch(on, [this, y = iy, i] { run_copy(y, i); });
+        dev_.record(parts[i], on);
+      }
+      dev_.launch(on, [this, y = iy, i = parts.size()] { run_copy(y, i); });
       dev_.record(plan.copy_done[iy], on);
       if constexpr (backend::pairs_copies<Backend>)
         if (pair_ != nullptr)

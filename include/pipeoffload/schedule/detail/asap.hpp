@@ -132,6 +132,14 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
     for (const RankProgram& rp : p.ranks) all += rp.copy.size();
     kdone.resize(all);
   }
+  // A B (or BW) whose wait is its own reload, cut into parts (Costs::reload_shares), may start
+  // reload_overlap before that reload ends.
+  std::vector<double> overlap;
+  if constexpr (WithCopy)
+    if (!costs.reload_shares.empty()) {
+      overlap.resize(static_cast<std::size_t>(S));
+      for (int s = 0; s < S; ++s) overlap[static_cast<std::size_t>(s)] = costs.reload_overlap(s);
+    }
   std::size_t kbase = 0;
   for (int r = 0; r < d; ++r) {
     const auto& rp = p.ranks[static_cast<std::size_t>(r)];
@@ -225,7 +233,13 @@ constexpr void asap_into(const Program& p, const Costs& costs, const std::vector
               copy_wait = static_cast<std::size_t>(op.wait);
               break;
             }
-            ready = std::max(ready, kd[op.wait]);
+            double t = kd[op.wait];
+            if (!overlap.empty() && (kind == OpKind::B || kind == OpKind::BW)) {
+              const Op& c = copy[op.wait];
+              if (c.kind == OpKind::R && c.stage == stage && c.mb == op.mb)
+                t -= overlap[static_cast<std::size_t>(stage)];
+            }
+            ready = std::max(ready, t);
           }
         }
         const double end = ready + table_duration(table, op);

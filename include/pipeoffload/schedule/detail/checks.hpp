@@ -89,6 +89,29 @@ constexpr void check_costs(const Costs& c, const Shape& s) {
   check_vec(c.stage_w, "T_W", true);
   check_vec(c.unit_bytes, "unit size", false);
   check_vec(c.stash_bytes, "stash size", false);
+  if (!c.reload_shares.empty()) {
+    if (static_cast<long long>(c.reload_shares.size()) != s.stages())
+      throw shape_error("costs: per-stage reload shares has " + num(static_cast<long long>(c.reload_shares.size())) +
+                        " entries; it must have S = v*d = " + num(s.stages()) + " (or none)");
+    for (std::size_t st = 0; st < c.reload_shares.size(); ++st) {
+      const std::vector<double>& sh = c.reload_shares[st];
+      if (static_cast<long long>(sh.size()) > max_reload_parts)
+        throw shape_error("costs: stage " + num(static_cast<long long>(st)) + " reloads in " +
+                          num(static_cast<long long>(sh.size())) + " parts; at most " + num(max_reload_parts) +
+                          " are allowed");
+      double total = 0;
+      for (double x : sh) {
+        if (!finite_positive(x))
+          throw shape_error("costs: stage " + num(static_cast<long long>(st)) +
+                            "'s reload shares must be finite numbers > 0");
+        total += x;
+      }
+      if (!sh.empty() && !(total > 1 - 1e-6 && total < 1 + 1e-6))
+        throw shape_error("costs: stage " + num(static_cast<long long>(st)) + "'s reload shares add up to " +
+                          num(static_cast<long long>(total * 1e6 + 0.5)) +
+                          " millionths; they must add up to 1 (each part's share of the unit's bytes)");
+    }
+  }
 }
 
 }  // namespace detail

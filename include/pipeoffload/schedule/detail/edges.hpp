@@ -192,7 +192,14 @@ constexpr double copy_lag(const Program& p, int r, const double* release, double
       const int w = comp[x].wait;
       if (w >= 0 && static_cast<std::size_t>(w) >= y) break;
       double t = std::max(cfree, release[x]);
-      if (w >= 0) t = std::max(t, ke[static_cast<std::size_t>(w)]);
+      if (w >= 0) {
+        double k = ke[static_cast<std::size_t>(w)];
+        const Op& c = copy[w];  // a backward's own reload in parts: it may start before the reload ends
+        const bool back = comp[x].kind == OpKind::B || comp[x].kind == OpKind::BW;
+        if (back && c.kind == OpKind::R && c.stage == comp[x].stage && c.mb == comp[x].mb)
+          k -= p.costs.reload_overlap(c.stage);
+        t = std::max(t, k);
+      }
       lag += t - release[x];
       const double d = duration_of(comp[x]);
       sum += d;
