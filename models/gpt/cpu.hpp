@@ -49,6 +49,10 @@ inline std::size_t head_saved(const GptDims& d, MicrobatchShape sh) {
 inline std::size_t saved(const GptDims& d, MicrobatchShape sh) {
   return static_cast<std::size_t>(d.blocks) * block_saved(d, sh) + (d.has_head ? head_saved(d, sh) : 0);
 }
+/// The activation unit's parts (layer::saved_parts): the head's region, then each block's, last to first.
+inline std::vector<SavedPart> saved_parts(const GptDims& d, MicrobatchShape sh) {
+  return stacked_saved_parts(d.blocks, block_saved(d, sh), d.has_head ? head_saved(d, sh) : 0);
+}
 /// The stage's B-to-W stash (layer::stash_bytes): the embedding's and the head's (T,h) and each block's.
 inline std::size_t stash(const GptDims& d, MicrobatchShape sh) {
   const std::size_t Th = tokens(sh) * static_cast<std::size_t>(d.hidden);
@@ -93,6 +97,9 @@ class GptStage {
   std::vector<InputSpec> inputs(MicrobatchShape sh) const { return gpt_inputs(dims_, sh); }
   std::size_t saved_bytes(MicrobatchShape sh) const { return gpt_cpu_bytes::saved(dims_, sh); }
   std::size_t stash_bytes(MicrobatchShape sh) const { return gpt_cpu_bytes::stash(dims_, sh); }
+  /// The saved buffer in backward_input's reading order: the head's region, then the blocks'
+  /// last to first (each awaited just before its backward reads it).
+  std::vector<SavedPart> saved_parts(MicrobatchShape sh) const { return gpt_cpu_bytes::saved_parts(dims_, sh); }
   std::span<float> parameters() { return params_; }
   std::span<float> gradients() { return grads_; }
   /// One group per embedding, block and head: the runtime sums squared gradients per group
@@ -177,11 +184,16 @@ class GptStage {
     if (count_ > 0) documents(mb);
     float* grad = g.data();  // (T, h) gradient flowing down through the blocks
     float* spare = grad + T * h();
-    if (heads())
+    int part = 0;  // the next of saved_parts() to await
+    if (heads()) {
+      mb.await_saved(part++);
       head_backward_input(ctx, mb, saved + count_ * block_saved(mb.shape), st_head, grad);
-    else
+    } else {
       std::memcpy(grad, dy, T * h() * sizeof(float));
+    }
+    const int per = blocks_per_saved_part(count_, heads());
     for (int i = count_ - 1; i >= 0; --i) {
+      if ((count_ - 1 - i) % per == 0) mb.await_saved(part++);  // a part's last block comes first
       block_backward_input(ctx, i, mb, saved + static_cast<std::size_t>(i) * block_saved(mb.shape),
                            st_blocks + static_cast<std::size_t>(i) * block_stash_floats(mb.shape), grad, spare);
       std::swap(grad, spare);

@@ -120,6 +120,9 @@ class CudaGptStage {
   std::vector<InputSpec> inputs(MicrobatchShape sh) const { return gpt::gpt_inputs(dims_, sh); }
   std::size_t saved_bytes(MicrobatchShape sh) const { return gpt_stage_buffers(dims_, sh.tokens()).saved_bytes; }
   std::size_t stash_bytes(MicrobatchShape sh) const { return gpt_stage_buffers(dims_, sh.tokens()).stash_bytes; }
+  /// The saved buffer in backward_input's reading order: the head's slice, then the blocks'
+  /// last to first (each awaited on the pass's stream just before its kernels read it).
+  std::vector<SavedPart> saved_parts(MicrobatchShape sh) const { return gpt_cuda_saved_parts(dims_, sh.tokens()); }
   /// The bf16 working parameters (a po::Tensor of bfloat16 values) and the fp32 gradients,
   /// device memory, gpt::GptStage's layout. The optimizer holds the fp32 master copy.
   Tensor parameters() {
@@ -180,11 +183,18 @@ class CudaGptStage {
     // (T, h) bf16 gradient flowing down through the blocks. Stage 0 keeps the last one in the
     // stash, where W's embedding gradient reads it.
     bf16* g = dims_.embeds ? at<bf16>(stash, p.buf.stash_embed) : scratch<bf16>(p.ws.io);
-    if (dims_.has_head)
+    int part = 0;  // the next of saved_parts() to await
+    if (dims_.has_head) {
+      mb.await_saved(part++);
       head_backward_input(ctx, p, saved, stash, g);
-    else
+    } else {
       from_boundary(dy, g, p);
-    for (int i = dims_.blocks - 1; i >= 0; --i) block_backward_input(ctx, mb, p, i, saved, stash, g);
+    }
+    const int per = blocks_per_saved_part(dims_.blocks, dims_.has_head);
+    for (int i = dims_.blocks - 1; i >= 0; --i) {
+      if ((dims_.blocks - 1 - i) % per == 0) mb.await_saved(part++);  // a part's last block comes first
+      block_backward_input(ctx, mb, p, i, saved, stash, g);
+    }
     if (!dims_.embeds) to_boundary(g, dx, p);
   }
 

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
 #include <pipeoffload/backend/cuda/shapes.hpp>  // Region, RegionCarver, align_up
 #include <pipeoffload/error.hpp>
@@ -138,6 +139,13 @@ constexpr GptStageBuffers gpt_stage_buffers(const gpt::GptDims& d, long long tok
   b.stash_head = st.take(d.has_head ? T * h * 2 : 0);
   b.stash_bytes = st.total();
   return b;
+}
+
+/// saved_parts() of gpt::CudaGptStage: gpt_stage_buffers' head slice, then its block slices
+/// last to first (backward_input's reading order); they tile [0, saved_bytes).
+inline std::vector<SavedPart> gpt_cuda_saved_parts(const gpt::GptDims& d, long long tokens) {
+  const GptStageBuffers b = gpt_stage_buffers(d, tokens);
+  return stacked_saved_parts(d.blocks, b.block.bytes, b.head.bytes);
 }
 
 /// The stage's own workspace, allocated once for its largest microbatch; no region lives from

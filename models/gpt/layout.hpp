@@ -17,7 +17,7 @@
 #include <vector>
 
 #include <pipeoffload/error.hpp>
-#include <pipeoffload/layer.hpp>    // ParamInfo, InputSpec, MicrobatchShape
+#include <pipeoffload/layer.hpp>    // ParamInfo, InputSpec, MicrobatchShape, SavedPart
 #include <pipeoffload/packing.hpp>  // document_offsets_input
 #include <pipeoffload/tensor.hpp>
 

@@ -48,6 +48,10 @@ inline std::size_t head_saved(const LlamaDims& d, MicrobatchShape sh) {
 inline std::size_t saved(const LlamaDims& d, MicrobatchShape sh) {
   return static_cast<std::size_t>(d.blocks) * block_saved(d, sh) + (d.has_head ? head_saved(d, sh) : 0);
 }
+/// The activation unit's parts (layer::saved_parts): the head's region, then each block's, last to first.
+inline std::vector<SavedPart> saved_parts(const LlamaDims& d, MicrobatchShape sh) {
+  return stacked_saved_parts(d.blocks, block_saved(d, sh), d.has_head ? head_saved(d, sh) : 0);
+}
 /// The stage's B-to-W stash (layer::stash_bytes): the embedding's and the head's (T, h) and each block's.
 inline std::size_t stash(const LlamaDims& d, MicrobatchShape sh) {
   const std::size_t Th = tokens(sh) * static_cast<std::size_t>(d.hidden);
@@ -79,6 +83,9 @@ class LlamaStage {
   std::vector<InputSpec> inputs(MicrobatchShape sh) const { return llama_inputs(d_, sh); }
   std::size_t saved_bytes(MicrobatchShape sh) const { return cpu_bytes::saved(d_, sh); }
   std::size_t stash_bytes(MicrobatchShape sh) const { return cpu_bytes::stash(d_, sh); }
+  /// The saved buffer in backward_input's reading order: the head's region, then the blocks'
+  /// last to first (each awaited just before its backward reads it).
+  std::vector<SavedPart> saved_parts(MicrobatchShape sh) const { return cpu_bytes::saved_parts(d_, sh); }
   std::span<float> parameters() { return params_; }
   std::span<float> gradients() { return grads_; }
   std::vector<std::size_t> norm_groups() const { return llama_norm_groups(d_); }
@@ -129,11 +136,16 @@ class LlamaStage {
     float* grad = g.data();
     float* spare = grad + T * h();
     if (d_.blocks > 0) documents(mb);
-    if (d_.has_head)
+    int part = 0;  // the next of saved_parts() to await
+    if (d_.has_head) {
+      mb.await_saved(part++);
       head_backward_input(ctx, mb, saved, head_stash(st, mb.shape), grad);
-    else
+    } else {
       std::memcpy(grad, dyt.as<float>(), T * h() * sizeof(float));
+    }
+    const int per = blocks_per_saved_part(d_.blocks, d_.has_head);
     for (int i = d_.blocks - 1; i >= 0; --i) {
+      if ((d_.blocks - 1 - i) % per == 0) mb.await_saved(part++);  // a part's last block comes first
       block_backward_input(ctx, i, mb, saved, block_stash(st, i, mb.shape), grad, spare);
       std::swap(grad, spare);
     }

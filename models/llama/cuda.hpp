@@ -103,6 +103,9 @@ class CudaLlamaStage {
   std::vector<InputSpec> inputs(MicrobatchShape sh) const { return llama_inputs(d_, sh); }
   std::size_t saved_bytes(MicrobatchShape sh) const { return llama_cuda_buffers(d_, sh.tokens()).saved_bytes; }
   std::size_t stash_bytes(MicrobatchShape sh) const { return llama_cuda_buffers(d_, sh.tokens()).stash_bytes; }
+  /// The saved buffer in backward_input's reading order: the head's slice, then the blocks'
+  /// last to first (each awaited on the pass's stream just before its kernels read it).
+  std::vector<SavedPart> saved_parts(MicrobatchShape sh) const { return llama_cuda_saved_parts(d_, sh.tokens()); }
   /// The bf16 working parameters (device memory, LlamaStage's layout) and fp32 gradients.
   Tensor parameters() {
     return {reinterpret_cast<std::byte*>(work()), static_cast<std::size_t>(p_.total), DType::bfloat16};
@@ -150,12 +153,17 @@ class CudaLlamaStage {
     const long long T = p.T;
     bf16* g = scratch<bf16>(p.ws.io);
     bf16* spare = scratch<bf16>(p.ws.io2);
-    if (d_.has_head)
+    int part = 0;  // the next of saved_parts() to await
+    if (d_.has_head) {
+      mb.await_saved(part++);
       head_backward_input(ctx, p, saved, stash, g);
-    else
+    } else {
       from_boundary(ctx, boundary(dyt, "backward_input", "dy", T), g, T);
+    }
     if (d_.blocks > 0) ops::sequence_positions(ctx, scratch<std::int32_t>(p.ws.positions), T, mb.shape.seq);
+    const int per = blocks_per_saved_part(d_.blocks, d_.has_head);
     for (int i = d_.blocks - 1; i >= 0; --i) {
+      if ((d_.blocks - 1 - i) % per == 0) mb.await_saved(part++);  // a part's last block comes first
       block_backward_input(ctx, p, mb, i, saved, stash, g, spare);
       std::swap(g, spare);
     }

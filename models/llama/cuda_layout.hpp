@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include <pipeoffload/backend/cuda/shapes.hpp>  // Region, RegionCarver
 #include <pipeoffload/error.hpp>
@@ -122,6 +123,13 @@ constexpr LlamaStageBuffers llama_cuda_buffers(const LlamaDims& d, long long tok
   b.stash_head = st.take(d.has_head ? T * h * bf : 0);
   b.stash_bytes = st.total();
   return b;
+}
+
+/// saved_parts() of llama::CudaLlamaStage: llama_cuda_buffers' head slice, then its block slices
+/// last to first (backward_input's reading order); they tile [0, saved_bytes).
+inline std::vector<SavedPart> llama_cuda_saved_parts(const LlamaDims& d, long long tokens) {
+  const LlamaStageBuffers b = llama_cuda_buffers(d, tokens);
+  return stacked_saved_parts(d.blocks, b.block.bytes, b.head.bytes);
 }
 
 /// The stage's workspace for microbatches of up to `tokens` tokens.

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include <pipeoffload/error.hpp>
-#include <pipeoffload/layer.hpp>    // ParamInfo, InputSpec, SharedParam, MicrobatchShape
+#include <pipeoffload/layer.hpp>    // ParamInfo, InputSpec, SharedParam, MicrobatchShape, SavedPart
 #include <pipeoffload/packing.hpp>  // document_offsets_input
 
 namespace pipeoffload::llama {

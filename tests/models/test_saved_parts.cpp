@@ -18,6 +18,7 @@
 #include <models/llama/cpu.hpp>
 #include <models/llama/cuda_layout.hpp>
 #include <pipeoffload/packing.hpp>
+#include <pipeoffload/plan/model.hpp>
 
 namespace {
 
@@ -259,5 +260,46 @@ TEST_CASE("saved parts: a stage of more blocks than po::max_reload_parts puts tw
       const po::llama::LlamaStageBuffers lb = po::llama::llama_cuda_buffers(ld, sh.tokens());
       check_stage(po::llama::llama_cuda_saved_parts(ld, sh.tokens()), lb.saved_bytes, ld.blocks, lper, lb.block.bytes,
                   lb.head.bytes);
+    }
+}
+
+TEST_CASE("saved parts: the planner's reload shares are the CPU GPT stages' own") {
+  // po::stage_costs times a schedule with the sample models' parts (Costs::reload_shares); on
+  // the CPU backend they must be the shares of GptStage::saved_parts, or a plan would time
+  // reloads the runtime does not make. (The planner's CPU GPT recomputes, as train_gpt's does.)
+  for (const bool recompute : {true})
+    for (const int stages : {1, 2, 4}) {
+      CAPTURE(stages);
+      po::gpt::GptConfig cfg;
+      cfg.layers = 8;
+      cfg.hidden = 32;
+      cfg.heads = 4;
+      cfg.seq = 16;
+      cfg.vocab = 300;
+      cfg.recompute = recompute;
+      const po::MicrobatchShape mb{2, cfg.seq};
+      const po::TransformerSpec m{.layers = cfg.layers,
+                                  .hidden = cfg.hidden,
+                                  .heads = cfg.heads,
+                                  .query_groups = cfg.heads,
+                                  .seq = cfg.seq,
+                                  .micro_batch = mb.batch,
+                                  .vocab = cfg.vocab,
+                                  .recompute = recompute};
+      std::vector<po::StageContent> cut;
+      for (int s = 0; s < stages; ++s) {
+        const po::gpt::GptDims d = po::gpt::gpt_dims(cfg, s, stages);
+        cut.push_back({d.blocks, d.embeds, d.has_head});
+      }
+      const po::Costs c = po::stage_costs(m, cut, 1e12, 1, po::PlanBackend::cpu);
+      REQUIRE(c.reload_shares.size() == static_cast<std::size_t>(stages));
+      for (int s = 0; s < stages; ++s) {
+        CAPTURE(s);
+        const po::gpt::GptStage st(cfg, s, stages);
+        const std::vector<double> want = po::saved_part_shares(st.saved_parts(mb));
+        const std::vector<double>& got = c.reload_shares[static_cast<std::size_t>(s)];
+        REQUIRE(got.size() == want.size());
+        for (std::size_t i = 0; i < got.size(); ++i) CHECK(got[i] == doctest::Approx(want[i]).epsilon(1e-12));
+      }
     }
 }
