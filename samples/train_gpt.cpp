@@ -155,7 +155,10 @@ po::Costs measure_costs(const Options& o, const Setup& su, Comm& comm, Comm& rep
   const po::Shape& sh = probe.shape;
   std::vector<po::RankSim> traces(static_cast<std::size_t>(sh.d));
   {
-    po::Runtime prt(probe, dev, comm, replicas, std::span<Layer>(mine), su.runtime);
+    // Reloads whole: a B timed from its start then includes no wait for the rest of its unit.
+    po::RuntimeOptions whole = su.runtime;
+    whole.reload_parts = false;
+    po::Runtime prt(probe, dev, comm, replicas, std::span<Layer>(mine), whole);
     prt.zero_grad();
     prt.forward_backward(batch, {.step = 0});
     for (auto times :
@@ -168,6 +171,7 @@ po::Costs measure_costs(const Options& o, const Setup& su, Comm& comm, Comm& rep
   po::Costs measured = po::measured_costs(probe, traces, probe.costs);
   measured.copy_streams = su.costs.copy_streams;  // (the probe times each copy alone, on one stream)
   measured.duplex_slowdown = su.costs.duplex_slowdown;
+  measured.reload_shares = su.costs.reload_shares;
   // Replica 0's, on every replica: F, B, W of each stage, then k.
   const std::size_t S = static_cast<std::size_t>(sh.stages()), width = 3 * S + 1;
   std::vector<double> packed, every(width * static_cast<std::size_t>(o.dp));

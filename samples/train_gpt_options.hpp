@@ -18,7 +18,11 @@
 #include <pipeoffload/schedule/schedule.hpp>
 #include <pipeoffload/schedule/torch_csv.hpp>
 
+#include <models/gpt/cpu.hpp>
+#include <models/gpt/cuda_layout.hpp>
 #include <models/gpt/layout.hpp>
+#include <models/llama/cpu.hpp>
+#include <models/llama/cuda_layout.hpp>
 #include <models/llama/layout.hpp>
 
 #include "cli.hpp"
@@ -79,6 +83,9 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
                         simulator says is faster under the planning (or, with --k auto, measured) times
   --duplex-slowdown X   with --copy-streams 2 or auto: a copy's time while the other direction
                         copies too, over its time alone, [1, 100] (default 1; an H100 SXM: 1.31)
+  --no-reload-parts     reload each offloaded unit whole, its B after it (default: in the model's
+                        saved_parts, the head's then each block's, a B starting once the first is
+                        back; RuntimeOptions::reload_parts, Costs::reload_parts)
   --steps N             optimizer steps, 1..1000000 (default 200)
   --eval-every N        hold out the corpus's last 10% and print the loss on it every N steps (forward
                         passes only); 0 = off, the whole corpus trains (default 0)
@@ -163,7 +170,8 @@ struct Options {
   int eval_every = 0;                                 // steps between validation losses; 0: no held-out split
   bool decay_all = false;                             // weight decay on every parameter (before parameter groups)
   bool check_finite = true;
-  bool graphs = false;  // RuntimeOptions::graphs
+  bool graphs = false;       // RuntimeOptions::graphs
+  bool reload_parts = true;  // RuntimeOptions::reload_parts (and Costs::reload_shares from the stages)
   int checkpoint_every = 0;
   std::string checkpoint_dir, resume;
   bool overwrite = false;  // --overwrite: a fresh run may replace another run's checkpoints
@@ -226,7 +234,8 @@ inline constexpr cli::Flag flags[] = {{"--schedule"},
                                       {"--decay-all", false},
                                       {"--tie-embeddings", false},
                                       {"--no-check-finite", false},
-                                      {"--graphs", false}};
+                                      {"--graphs", false},
+                                      {"--no-reload-parts", false}};
 
 inline Options parse(int argc, char** argv) {
   cli::help(argc, argv, usage_text);
@@ -239,6 +248,7 @@ inline Options parse(int argc, char** argv) {
   o.overwrite = args.has("--overwrite");
   o.check_finite = !args.has("--no-check-finite");
   o.graphs = args.has("--graphs");
+  o.reload_parts = !args.has("--no-reload-parts");
   o.model.tie_embeddings = tie;
   const auto get = [&](std::string_view f) { return args.get(f); };
   if (auto v = get("--ranks")) o.shape.d = static_cast<int>(to_int("--ranks", *v, 1, 64));
@@ -484,6 +494,27 @@ inline po::StageContent stage_content(const Options& o, int s, int S) {
   return {d.blocks, d.embeds, d.has_head};
 }
 
+/// Costs::reload_shares of the model's stages: each stage's saved_parts as its backend lays
+/// them out (the head's, then the blocks'), as shares of its unit; none with --no-reload-parts.
+inline std::vector<std::vector<double>> reload_shares_of(const Options& o) {
+  if (!o.reload_parts) return {};
+  const po::MicrobatchShape mb{o.batch, o.model.seq};
+  const int S = o.shape.stages();
+  std::vector<std::vector<double>> out;
+  for (int s = 0; s < S; ++s) {
+    std::vector<po::SavedPart> parts;
+    if (o.llama) {
+      const po::llama::LlamaDims d = po::llama::llama_dims(llama_config(o), s, S);
+      parts = o.cuda ? po::llama::llama_cuda_saved_parts(d, mb.tokens()) : po::llama::cpu_bytes::saved_parts(d, mb);
+    } else {
+      const po::gpt::GptDims d = po::gpt::gpt_dims(o.model, s, S);
+      parts = o.cuda ? po::gpt::gpt_cuda_saved_parts(d, mb.tokens()) : po::gpt::gpt_cpu_bytes::saved_parts(d, mb);
+    }
+    out.push_back(po::saved_part_shares(parts));
+  }
+  return out;
+}
+
 /// " stage-blocks=B0,B1,..." for an uneven layout, "" for the default one.
 inline std::string stage_blocks_text(const po::gpt::GptConfig& m) {
   std::string s;
@@ -541,6 +572,7 @@ inline po::Costs program_costs(const Options& o) {
   c.k = o.k;
   c.copy_streams = o.copy_streams == 2 ? 2 : 1;  // auto: program_of tries both
   c.duplex_slowdown = o.duplex_slowdown;
+  c.reload_shares = reload_shares_of(o);
   if (!(o.flops > 0)) return c;
   const po::TransformerSpec m{.layers = o.model.layers,
                               .hidden = o.model.hidden,
@@ -559,6 +591,7 @@ inline po::Costs program_costs(const Options& o) {
   po::Costs out = po::stage_costs(m, cut, o.flops, o.k, o.cuda ? po::PlanBackend::cuda : po::PlanBackend::cpu);
   out.copy_streams = c.copy_streams;
   out.duplex_slowdown = c.duplex_slowdown;
+  if (!o.reload_parts) out.reload_shares.clear();  // (po::stage_costs': the models' parts, as the planner has them)
   return out;
 }
 
@@ -603,7 +636,8 @@ inline Setup make_setup(const Options& o, sample::Tokens tokens, std::optional<s
                .reduce_bucket = o.reduce_bucket,
                .reduce_dtype = o.reduce_dtype,
                .exact_block = o.exact_block,
-               .graphs = o.graphs};
+               .graphs = o.graphs,
+               .reload_parts = o.reload_parts};
   s.lr = {.lr = o.lr,
           .warmup_steps = std::max(1, std::min(20, o.steps / 10)),
           .total_steps = o.steps,

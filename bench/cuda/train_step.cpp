@@ -39,7 +39,8 @@ struct Settings {
   int ranks = 1, chunks = 2, microbatches = 8, batch = 1, warmup = 3, steps = 10;
   std::vector<std::string> schedules{"po-f", "gis-h", "zb-v", "1f1b-i"};
   double peak_tflops = 0;
-  po::Costs costs{};  // the programs' build costs: unit passes, k = 1; --copy-streams, --duplex-slowdown
+  po::Costs costs{};         // the programs' build costs: unit passes, k = 1; --copy-streams, --duplex-slowdown
+  bool reload_parts = true;  // --no-reload-parts: reloads whole (RuntimeOptions::reload_parts)
 };
 
 /// What one rank measured (rank_run), then the pipeline's figures (run).
@@ -71,7 +72,8 @@ Timing rank_run(const Settings& s, const po::Program& program, Backend& dev, Com
   std::vector<Stage> layers;
   layers.reserve(static_cast<std::size_t>(shape.v));
   for (int c = 0; c < shape.v; ++c) layers.push_back(make(shape.stage_of(comm.rank(), c), shape.stages()));
-  po::Runtime rt(program, dev, comm, std::span<Stage>(layers), {.microbatch = mbs, .graphs = graphs});
+  po::Runtime rt(program, dev, comm, std::span<Stage>(layers),
+                 {.microbatch = mbs, .graphs = graphs, .reload_parts = s.reload_parts});
   po::AdamW opt(rt);
   const po::WarmupCosine lr{.lr = 1e-4f, .warmup_steps = 1};
   const std::size_t n = static_cast<std::size_t>(mbs.tokens()) * static_cast<std::size_t>(shape.m);
@@ -134,7 +136,8 @@ Timing pipeline_figures(const po::Program& program, std::vector<Timing> ranks) {
   t.passes /= static_cast<double>(ranks.size());
   t.copies /= static_cast<double>(ranks.size());
   t.span = last - first;
-  const po::Costs measured = po::measured_costs(program, std::span<const po::RankSim>(traces), po::Costs{});
+  // (The program's own costs as the base: its copy streams and reload parts stay.)
+  const po::Costs measured = po::measured_costs(program, std::span<const po::RankSim>(traces), program.costs);
   t.k = measured.k;
   t.simulated = po::simulate(program, measured).makespan;
   return t;
@@ -192,15 +195,19 @@ Settings parse(int argc, char** argv) {
             "usage: train_step [--backend cuda] [--hidden 4096] [--seq 4096] [--heads 32] [--layers 4] [--ranks 1]\n"
             "                  [--chunks 2] [--microbatches 8] [--batch 1] [--vocab 50304]\n"
             "                  [--schedules po-f,gis-h,zb-v,1f1b-i] [--warmup 3] [--steps 10] [--peak-tflops P]\n"
-            "                  [--copy-streams 1|2] [--duplex-slowdown X]\n"
+            "                  [--copy-streams 1|2] [--duplex-slowdown X] [--no-reload-parts]\n"
             "  --copy-streams 2: offloads and reloads on streams of their own (Costs::copy_streams), the\n"
             "  schedules built with Costs::duplex_slowdown X (default 1)\n"
+            "  --no-reload-parts: each offloaded unit reloads whole, its B after it (default: the head's part,\n"
+            "  then each block's, the B starting at the first; Costs::reload_shares)\n"
             "  --ranks D: D pipeline ranks as threads sharing the one GPU (or the CPU); with graphs only at D = 1 on a "
             "GPU\n");
-  constexpr cli::Flag flags[] = {
-      {"--backend"}, {"--hidden"},       {"--seq"},         {"--heads"},        {"--layers"},         {"--ranks"},
-      {"--chunks"},  {"--microbatches"}, {"--batch"},       {"--vocab"},        {"--schedules"},      {"--warmup"},
-      {"--steps"},   {"--dropout"},      {"--peak-tflops"}, {"--copy-streams"}, {"--duplex-slowdown"}};
+  constexpr cli::Flag flags[] = {{"--backend"},      {"--hidden"},          {"--seq"},
+                                 {"--heads"},        {"--layers"},          {"--ranks"},
+                                 {"--chunks"},       {"--microbatches"},    {"--batch"},
+                                 {"--vocab"},        {"--schedules"},       {"--warmup"},
+                                 {"--steps"},        {"--dropout"},         {"--peak-tflops"},
+                                 {"--copy-streams"}, {"--duplex-slowdown"}, {"--no-reload-parts", false}};
   const cli::Args args(argc, argv, flags);
   Settings s;
   s.cfg.hidden = 4096;
@@ -229,6 +236,7 @@ Settings parse(int argc, char** argv) {
   const cli::CopyStreams streams = cli::copy_streams(args, false);
   s.costs.copy_streams = streams.streams;
   s.costs.duplex_slowdown = streams.slowdown;
+  s.reload_parts = !args.has("--no-reload-parts");
   if (const std::string* v = args.get("--schedules")) {
     s.schedules.clear();
     std::stringstream in(*v);
@@ -244,6 +252,14 @@ Settings parse(int argc, char** argv) {
   if (s.cfg.layers < s.ranks * s.chunks)
     throw cli::bad_argument("--layers " + std::to_string(s.cfg.layers) + " must be at least --ranks x --chunks = " +
                             std::to_string(s.ranks * s.chunks) + " (a block a stage)");
+  // The stages' saved_parts, as the schedules are timed (po::stacked_saved_parts: the head's, the blocks').
+  const int S = s.ranks * s.chunks;
+  for (int st = 0; s.reload_parts && st < S; ++st) {
+    const po::gpt::GptDims d = po::gpt::gpt_dims(s.cfg, st, S);
+    const po::MicrobatchShape mb{s.batch, s.cfg.seq};
+    s.costs.reload_shares.push_back(po::saved_part_shares(s.cuda ? po::gpt::gpt_cuda_saved_parts(d, mb.tokens())
+                                                                 : po::gpt::gpt_cpu_bytes::saved_parts(d, mb)));
+  }
   return s;
 }
 

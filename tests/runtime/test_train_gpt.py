@@ -63,6 +63,15 @@ for extra in (["--ranks", "1", "--chunks", "1"], ["--schedule", "po-f", "--ranks
 err = run("--graphs", "--pcie-pairs", "--schedule", "po-f", "--ranks", "2", code=2).stderr
 assert "--graphs replays captured copies, which cannot follow --pcie-pairs' counters" in err, err
 
+# Reloads in parts (the default: the head's, then each block's) or whole (--no-reload-parts):
+# the same bits, paced or not, with one copy stream or two.
+for extra in (["--schedule", "po-f", "--ranks", "1", "--chunks", "2", "--copy-gbps", "0.5", "--no-reload-parts"],
+              ["--schedule", "po-h", "--ranks", "2", "--chunks", "2", "--copy-gbps", "0.5", "--copy-streams", "2",
+               "--no-reload-parts"]):
+    got = finals(run(*extra, *small).stdout)
+    if got != ref:
+        sys.exit(f"FAIL: {' '.join(extra)} gave {got}, the one-rank reference {ref}")
+
 # --copy-streams 2: offloads and reloads on streams of their own (paced copies, so that they
 # overlap for real), the same bits; auto says which it took; bad values exit 2.
 for extra in (["--schedule", "po-f", "--ranks", "1", "--chunks", "4", "--copy-gbps", "0.5", "--copy-streams", "2"],
