@@ -315,6 +315,21 @@ def torch_csv():
         rc, out, err = run("--import", os.path.join(tmp, "missing.csv"))
         check(rc == 2 and len(err.splitlines()) == 1, f"--import of a missing file: exit {rc}, stderr {err!r}")
 
+    # Two copy streams: the text grid has a row per copy stream, offloads in "copy", reloads
+    # in "reload", and one stream keeps both in "copy".
+    for streams in ("1", "2"):
+        out = ok("--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--microbatches", "8", "--k", "1.5",
+                 "--copy-streams", streams)
+        rows = {name: [ln for ln in out.splitlines() if ln.startswith("  " + name + " ")] for name in ("copy", "reload")}
+        cells = {name: set(re.findall(r"[A-Za-z]+(?=\d)", " ".join(r[9:] for r in rows[name]))) for name in rows}
+        if streams == "2":
+            check(len(rows["copy"]) == 2 and len(rows["reload"]) == 2, f"--copy-streams 2: rows {rows}")
+            check(cells["copy"] <= {"O", "o"} and cells["reload"] <= {"R", "r"} and cells["reload"],
+                  f"--copy-streams 2: copy row cells {cells['copy']}, reload row cells {cells['reload']}")
+        else:
+            check(len(rows["copy"]) == 2 and not rows["reload"] and {"O", "R"} <= {c.upper() for c in cells["copy"]},
+                  f"--copy-streams 1: rows {rows}")
+
 
 try:
     main()

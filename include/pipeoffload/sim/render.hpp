@@ -240,7 +240,8 @@ inline std::string fit(std::string s, std::size_t n) {
 }  // namespace detail
 
 /// Terminal view: a header line of key=value pairs, a rank-by-time grid (one row per rank's
-/// compute stream, one for each copy stream in use; cells show op letter and microbatch, with
+/// compute stream, one for each copy stream in use: "copy", and with two copy streams "reload"
+/// for the reloads' own; cells show op letter and microbatch, with
 /// chunk 1 in lower case when v <= 2 and ".chunk" appended when v > 2, '.' for idle), and one
 /// `rank R: warmup=W peak=P bubble=B` line per rank. The grid is cut at `max_width` characters.
 inline std::string render_text(const Program& p, const SimResult& sim, int max_width = 240) {
@@ -261,7 +262,8 @@ inline std::string render_text(const Program& p, const SimResult& sim, int max_w
   const int chunk_digits = by_case ? 0 : 1 + static_cast<int>(detail::num(p.v() - 1).size());
   const int cw = 2 + mb_digits + chunk_digits;  // letter, microbatch, [.chunk], one space
   const std::string row_label = "rank " + detail::num(std::max(0, p.d() - 1));
-  const int lw = static_cast<int>(row_label.size()) + 2;
+  const bool duplex = p.costs.duplex();  // a "reload" row per rank: one more column of labels
+  const int lw = std::max(static_cast<int>(row_label.size()) + 2, duplex ? 9 : 0);
   const long long fit_cols = std::max(1, (max_width - lw) / cw);
   const long long cols = std::min(total_cols, fit_cols);
 
@@ -280,10 +282,11 @@ inline std::string render_text(const Program& p, const SimResult& sim, int max_w
   s += ruler + "\n";
 
   const std::vector<TimedOp> ops = timed_ops(p, sim);
-  std::vector<std::string> rows(p.ranks.size() * 2);
+  // Per rank: compute, copy (with two copy streams: the offloads), the reloads' stream.
+  std::vector<std::string> rows(p.ranks.size() * 3);
   for (std::size_t r = 0; r < p.ranks.size(); ++r)
-    for (int stream = 0; stream < 2; ++stream) {
-      std::string& row = rows[r * 2 + static_cast<std::size_t>(stream)];
+    for (int stream = 0; stream < 3; ++stream) {
+      std::string& row = rows[r * 3 + static_cast<std::size_t>(stream)];
       row.assign(static_cast<std::size_t>(cols * cw), ' ');
       for (long long c = 0; c < cols; ++c) row[static_cast<std::size_t>(c * cw)] = '.';
     }
@@ -303,16 +306,18 @@ inline std::string render_text(const Program& p, const SimResult& sim, int max_w
     // The op covers columns [c0, c1): its label, then '-' to its last column.
     const auto span = static_cast<std::size_t>((c1 - c0) * cw - 1);
     std::string cell = label.size() >= span ? label.substr(0, span) : label + std::string(span - label.size(), '-');
-    rows[static_cast<std::size_t>(t.rank) * 2 + (t.copy ? 1 : 0)].replace(static_cast<std::size_t>(c0 * cw), span,
-                                                                          cell);
+    const std::size_t stream = !t.copy ? 0 : duplex && t.op.kind == OpKind::R ? 2 : 1;
+    rows[static_cast<std::size_t>(t.rank) * 3 + stream].replace(static_cast<std::size_t>(c0 * cw), span, cell);
   }
   for (std::size_t r = 0; r < p.ranks.size(); ++r) {
     std::string line =
-        detail::fit("rank " + detail::num(static_cast<long long>(r)), static_cast<std::size_t>(lw)) + rows[r * 2];
+        detail::fit("rank " + detail::num(static_cast<long long>(r)), static_cast<std::size_t>(lw)) + rows[r * 3];
     while (!line.empty() && line.back() == ' ') line.pop_back();
     s += line + "\n";
-    if (!p.ranks[r].copy.empty()) {
-      line = detail::fit("  copy", static_cast<std::size_t>(lw)) + rows[r * 2 + 1];
+    if (p.ranks[r].copy.empty()) continue;
+    for (int stream = 1; stream < (duplex ? 3 : 2); ++stream) {
+      line = detail::fit(stream == 1 ? "  copy" : "  reload", static_cast<std::size_t>(lw)) +
+             rows[r * 3 + static_cast<std::size_t>(stream)];
       while (!line.empty() && line.back() == ' ') line.pop_back();
       s += line + "\n";
     }
