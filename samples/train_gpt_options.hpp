@@ -85,7 +85,7 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
                         copies too, over its time alone, [1, 100] (default 1; an H100 SXM: 1.31)
   --no-reload-parts     reload each offloaded unit whole, its B after it (default: in the model's
                         saved_parts, the head's then each block's, a B starting once the first is
-                        back; RuntimeOptions::reload_parts, Costs::reload_parts)
+                        back; RuntimeOptions::reload_parts, Costs::reload_shares)
   --steps N             optimizer steps, 1..1000000 (default 200)
   --eval-every N        hold out the corpus's last 10% and print the loss on it every N steps (forward
                         passes only); 0 = off, the whole corpus trains (default 0)
