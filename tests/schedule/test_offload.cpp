@@ -380,20 +380,28 @@ TEST_CASE("two copy streams: a rank without a PCIe partner offloads and reloads 
   CHECK(!validate(single));
 }
 
+namespace {
+/// The passes of a GPT block at h = s = 4096 on an H100 (ms), k and `streams` copy streams
+/// (55 GB/s one way, 41.9 each way both at once), ranks without PCIe partners.
+Costs h100_block(double k, int streams) {
+  Costs c;
+  c.f = 3.09;
+  c.b = 3.66;
+  c.w = 2.81;
+  c.k = k;
+  c.stagger_pairs = false;
+  c.copy_streams = streams;
+  c.duplex_slowdown = 55.0 / 41.9;
+  return c;
+}
+}  // namespace
+
 TEST_CASE("one or two copy streams, whichever the times say (an H100's copies: 55 GB/s one way, 41.9 each both ways)") {
   // PO-F, d = 4, v = 2, m = 16, ranks without PCIe partners, the passes of a GPT block at
   // h = s = 4096 (ms). With recompute (k = 1.279) one stream carries the copies and two only
   // slow each copy down; without (k = 2.224) one stream falls behind and two catch up.
   const auto run = [](double k, int streams) {
-    Costs c;
-    c.f = 3.09;
-    c.b = 3.66;
-    c.w = 2.81;
-    c.k = k;
-    c.stagger_pairs = false;
-    c.copy_streams = streams;
-    c.duplex_slowdown = 55.0 / 41.9;
-    const Program p = PO_F::build({4, 2, 16}, c);
+    const Program p = PO_F::build({4, 2, 16}, h100_block(k, streams));
     REQUIRE(validate(p));
     return simulate(p);
   };
@@ -423,14 +431,7 @@ TEST_CASE("reloads in parts: a B starts once its first part is back, and copy-bo
   // The H100's times at h = s = 4096 (ms), as above, with each unit reloaded whole or in 4
   // equal parts (Costs::reload_shares: a chunk of 4 blocks).
   const auto run = [](double k, int streams, int parts) {
-    Costs c;
-    c.f = 3.09;
-    c.b = 3.66;
-    c.w = 2.81;
-    c.k = k;
-    c.stagger_pairs = false;
-    c.copy_streams = streams;
-    c.duplex_slowdown = 55.0 / 41.9;
+    Costs c = h100_block(k, streams);
     if (parts > 1) c.reload_shares.assign(8, std::vector<double>(static_cast<std::size_t>(parts), 1.0 / parts));
     const Program p = PO_F::build({4, 2, 16}, c);
     REQUIRE(validate(p));
