@@ -329,6 +329,23 @@ def torch_csv():
         else:
             check(len(rows["copy"]) == 2 and not rows["reload"] and {"O", "R"} <= {c.upper() for c in cells["copy"]},
                   f"--copy-streams 1: rows {rows}")
+        # The SVG likewise: offload arrows (pointing right) and reload arrows (pointing left)
+        # each on their own rows' heights with two streams, all on the copy rows' with one.
+        svg = ok("--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--microbatches", "8", "--k", "1.5",
+                 "--copy-streams", streams, "--format", "svg")
+        ys = {"O": set(), "R": set()}
+        for pts in re.findall(r'<polygon points="([^"]+)" fill="#[0-9a-f]{6}">', svg):  # not the legend's
+            xy = [tuple(map(float, q.split(","))) for q in pts.split()]
+            # An offload's first and last points share the flat left side; a reload's last is its tip.
+            kind = "O" if xy[0][0] == xy[4][0] else "R"
+            ys[kind].add(min(y for _, y in xy))
+        labels = re.findall(r'fill="#555">(copy|reload)</text>', svg)
+        if streams == "2":
+            check(ys["O"] and ys["R"] and not ys["O"] & ys["R"] and labels == ["copy", "reload"] * 2,
+                  f"--copy-streams 2 SVG: offload rows {sorted(ys['O'])}, reload rows {sorted(ys['R'])}, labels {labels}")
+        else:
+            check(ys["O"] and ys["O"] == ys["R"] and labels == ["copy"] * 2,
+                  f"--copy-streams 1 SVG: offload rows {sorted(ys['O'])}, reload rows {sorted(ys['R'])}, labels {labels}")
 
 
 try:

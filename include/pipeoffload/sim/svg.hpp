@@ -139,7 +139,7 @@ inline std::string arrow_box(double x, double y, double w, double h, bool right,
 }  // namespace detail
 
 /// Standalone SVG Gantt chart: per rank a compute row and, where the rank copies, a thinner
-/// copy row beneath; one colour per chunk, F solid, B darker, W lighter, BW split into its B and
+/// copy row beneath (two with two copy streams: "copy" for offloads, "reload"); one colour per chunk, F solid, B darker, W lighter, BW split into its B and
 /// W parts; offloads as right-pointing and reloads as left-pointing arrows; microbatch numbers
 /// where boxes are wide enough; time axis, legend and a title with the schedule and makespan.
 /// About 18 px per mean pass, the plot between 480 and 2800 px wide.
@@ -152,11 +152,14 @@ inline std::string render_svg(const Program& p, const SimResult& sim) {
   const double left = 64, right = 92, top = 48, row_h = 26, copy_h = 13, gap = 8;
   const int d = static_cast<int>(p.ranks.size());
 
+  // With two copy streams (Costs::duplex) a rank that copies has two copy rows: "copy" (the
+  // offloads) and "reload", so that an offload and a reload at once do not overdraw each other.
+  const int copy_rows = p.costs.duplex() ? 2 : 1;
   std::vector<double> row_y(static_cast<std::size_t>(d));
   double y = top;
   for (int r = 0; r < d; ++r) {
     row_y[static_cast<std::size_t>(r)] = y;
-    y += row_h + (p.ranks[static_cast<std::size_t>(r)].copy.empty() ? 0 : copy_h + 2) + gap;
+    y += row_h + (p.ranks[static_cast<std::size_t>(r)].copy.empty() ? 0 : copy_rows * (copy_h + 2)) + gap;
   }
   const double axis_y = y - gap + 4;
   const double width = left + plot_w + right;
@@ -247,8 +250,9 @@ inline std::string render_svg(const Program& p, const SimResult& sim) {
     s += "<text x=\"" + px(left - 6) + "\" y=\"" + px(ry + row_h / 2 + 4) + "\" text-anchor=\"end\">rank " +
          detail::num(r) + "</text>\n";
     if (!p.ranks[static_cast<std::size_t>(r)].copy.empty())
-      s += "<text x=\"" + px(left - 6) + "\" y=\"" + px(ry + row_h + 2 + copy_h - 3) +
-           "\" text-anchor=\"end\" font-size=\"9\" fill=\"#555\">copy</text>\n";
+      for (int c = 0; c < copy_rows; ++c)
+        s += "<text x=\"" + px(left - 6) + "\" y=\"" + px(ry + row_h + 2 + c * (copy_h + 2) + copy_h - 3) +
+             "\" text-anchor=\"end\" font-size=\"9\" fill=\"#555\">" + (c == 0 ? "copy" : "reload") + "</text>\n";
     if (static_cast<std::size_t>(r) < sim.ranks.size())
       s += "<text x=\"" + px(left + plot_w + 8) + "\" y=\"" + px(ry + row_h / 2 + 4) + "\" fill=\"#333\">peak " +
            detail::fmt(sim.ranks[static_cast<std::size_t>(r)].peak) + "</text>\n";
@@ -271,7 +275,8 @@ inline std::string render_svg(const Program& p, const SimResult& sim) {
                                        detail::fmt(t.start) + ", " + detail::fmt(t.end) + ")</title>"
                                  : "";
     const double ry = row_y[static_cast<std::size_t>(t.rank)];
-    const double oy = t.copy ? ry + row_h + 2 : ry, oh = t.copy ? copy_h : row_h;
+    const int copy_row = copy_rows == 2 && t.op.kind == OpKind::R ? 1 : 0;
+    const double oy = t.copy ? ry + row_h + 2 + copy_row * (copy_h + 2) : ry, oh = t.copy ? copy_h : row_h;
     // A fused BW is drawn as its B part then its W part, and carries its label in the B part.
     const double bpart =
         t.op.kind == OpKind::BW ? p.costs.B(t.op.stage) / (p.costs.B(t.op.stage) + p.costs.W(t.op.stage)) : 1;
