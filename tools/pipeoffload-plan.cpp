@@ -75,7 +75,7 @@ usage: pipeoffload-plan --auto (--model NAME | --layers L --hidden H --heads A -
          --seq S --micro-batch B --global-batch N --vocab V) --ranks D --device-mem-gib X
          --host-mem-gib Y --tflops T --pcie-gbps P [--recompute] [--format text|json]
          [--dp R | --search-dp --gpus GPUS] [--zero 0|1] [--dp-gbps X] [--gpus-per-node G]
-         [--node-layout contiguous|balanced] [--schedule NAME]
+         [--node-layout contiguous|balanced] [--schedule NAME] [--copy-streams 1|2|auto]
 
 Plans: builds and simulates 1f1b, 1f1b-i, gis, gis(g) for every legal g, and po with 0..v
 chunks offloaded for every v up to (L+2)/D, and prints the fastest whose every rank fits in
@@ -95,6 +95,12 @@ B-to-W stashes; workspace), with a command line that draws it.
   --pcie-gbps P                host<->device GB/s of one device in one direction (Bo), > 0
   --recompute                  recompute LayerNorm, GeLU and dropout (34bsh -> 20bsh per layer)
   --pcie-switch pairs|none     ranks r and r^1 share a PCIe switch (default pairs)
+  --copy-streams 1|2|auto      copy streams a rank offloads and reloads on (default 1); auto plans
+                               each candidate that offloads on one and on two and keeps the
+                               faster, two only where ranks have no PCIe partner (--ranks 1 or
+                               --pcie-switch none); 2 needs one of those
+  --duplex-slowdown X          with --copy-streams 2 or auto: a copy's time while the other
+                               direction copies too, over its time alone, [1, 100]; default 1
   --ffn-hidden F               the MLP's inner width (default 4 x --hidden)
   --swiglu                     Llama-class layers: a SwiGLU MLP (three h x F matrices), RMSNorm,
                                no biases, no dropout, no position table
@@ -195,9 +201,8 @@ constexpr std::string_view auto_only[] = {
     "--device-mem-gib", "--host-mem-gib", "--pcie-switch",   "--dp",           "--search-dp",      "--gpus",
     "--zero",           "--dp-gbps",      "--gpus-per-node", "--node-layout",  "--gradients",      "--ffn-hidden",
     "--swiglu",         "--reduce-dtype", "--model",         "--backend",      "--tied-embeddings"};
-constexpr std::string_view not_auto[] = {"--import",         "--chunks",    "--microbatches", "--group",
-                                         "--offload-chunks", "--k",         "--cost-f",       "--cost-b",
-                                         "--cost-w",         "--cost-comm", "--copy-streams", "--duplex-slowdown"};
+constexpr std::string_view not_auto[] = {"--import", "--chunks", "--microbatches", "--group",  "--offload-chunks",
+                                         "--k",      "--cost-f", "--cost-b",       "--cost-w", "--cost-comm"};
 constexpr std::string_view hardware_flags[] = {"--hidden", "--seq", "--micro-batch", "--tflops", "--pcie-gbps"};
 constexpr std::string_view formats[] = {"text", "csv", "json", "chrome-trace", "svg", "torch-csv", "torch-csv-lowered"};
 
@@ -562,6 +567,14 @@ AutoRequest interpret_auto(const Args& args) {
     if (*sw != "pairs" && *sw != "none") throw bad_argument("--pcie-switch must be pairs or none, got " + quote(*sw));
     x.pairs_share_switch = *sw == "pairs";
   }
+  const cli::CopyStreams streams = cli::copy_streams(args, true);
+  x.copy_streams = streams.streams;
+  x.duplex_slowdown = streams.slowdown;
+  if (x.copy_streams == 2 && x.pairs_share_switch && !(rq.grid.dp != 0 && x.ranks == 1))
+    throw bad_argument(
+        "--copy-streams 2 with --pcie-switch pairs (the default): paired ranks share their switch's link, whose "
+        "partner fills the other direction already (a second stream gains nothing); give --pcie-switch none, "
+        "--copy-streams 1 or auto");
   if (const std::string* g = args.get("--gradients")) {
     if (*g != "standard" && *g != "exact")
       throw bad_argument("--gradients must be standard or exact, got " + quote(*g));

@@ -4,6 +4,7 @@
 #include <pipeoffload/pipeoffload.hpp>
 #include <pipeoffload/plan/plan.hpp>
 #include <pipeoffload/plan/presets.hpp>
+#include <pipeoffload/plan/report.hpp>
 #include <pipeoffload/runtime/reserve.hpp>
 
 #include <cmath>
@@ -971,4 +972,94 @@ TEST_CASE("PlanBudget::schedule pins one family: every candidate is of it, the c
                        doctest::Contains("budget: schedule must be empty or one of 1f1b, 1f1b-i, gis, gis-h, gis-g, "
                                          "po, po-h, po-f, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v, got 'zb-w'"),
                        shape_error);
+}
+
+TEST_CASE(
+    "copy streams: auto plans every offloading candidate on one stream and on two and keeps the faster; two only "
+    "without PCIe partners") {
+  const TransformerSpec m = small();
+  MachineSpec x = small_machine(80);
+  x.pcie_bytes_per_s = 36e9;  // k = 2.3: copies, not compute, bound how much a rank offloads
+  x.pairs_share_switch = false;
+  x.duplex_slowdown = 1.31;
+  const PlanResult one = plan(m, x);
+  x.copy_streams = 0;
+  const PlanResult both = plan(m, x);
+  // The same candidates in the same order, each offloading one followed by its two-stream twin.
+  std::size_t i = 0, twins = 0, better = 0;
+  for (const PlanCandidate& c : one.candidates) {
+    REQUIRE(i < both.candidates.size());
+    const PlanCandidate& a = both.candidates[i++];
+    CHECK(a.name == c.name);
+    CHECK(a.copy_streams == 1);
+    CHECK(a.iteration_time_s == c.iteration_time_s);
+    if (c.offload_chunks == 0) continue;
+    REQUIRE(i < both.candidates.size());
+    const PlanCandidate& b = both.candidates[i++];
+    CHECK((b.name == c.name && b.chunks == c.chunks && b.cut == c.cut && b.offload_chunks == c.offload_chunks));
+    CHECK(b.copy_streams == 2);
+    ++twins;
+    // Better: faster, or as fast in less memory (a reload no longer waits behind offloads, so
+    // PO's placement offloads more of its units in the same time).
+    better += detail::faster(b, c) ? 1 : 0;
+    // Its time is the simulated makespan of its schedule built on two copy streams.
+    detail::Layout L = detail::make_layout(m, x, {}, b.chunks, {}, b.spec.placement, b.cut);
+    L.costs.copy_streams = 2;
+    CHECK(b.iteration_time_s == simulate(build(b.spec, {x.ranks, b.chunks, both.microbatches}, L.costs)).makespan);
+  }
+  CHECK(i == both.candidates.size());
+  CHECK(twins >= 10);
+  CHECK(better > 0);
+  REQUIRE(both.fits);
+  for (const PlanCandidate& c : both.candidates)
+    if (c.fits) CHECK(c.iteration_time_s >= both.choice.iteration_time_s);
+
+  // Over device memory: auto fits wherever one stream does and is never slower (its candidates
+  // are a superset), and somewhere it is faster, on two streams, which its command lines carry
+  // (16 layers of h = 1024 at s = 4096 on 4 ranks: at 4.7 GiB DualPipeV offloading on two
+  // streams, 0.396 s, where one stream's best that fits is V-Half, 0.451 s).
+  TransformerSpec wide = model(16, 1024, 16, 4, 4096, 1, false);
+  wide.global_batch = 16;
+  wide.vocab = 32000;
+  MachineSpec y{.ranks = 4, .host_bytes = 64 * gib, .flops = 100e12, .pcie_bytes_per_s = 30e9};
+  y.pairs_share_switch = false;
+  y.duplex_slowdown = 1.31;
+  int wins = 0;
+  for (double g = 4; g <= 6; g *= 1.02) {
+    CAPTURE(g);
+    y.device_bytes = g * gib;
+    y.copy_streams = 1;
+    const PlanResult a = plan(wide, y);
+    y.copy_streams = 0;
+    const PlanResult b = plan(wide, y);
+    CHECK((b.fits || !a.fits));
+    if (!a.fits || !b.fits) continue;
+    CHECK(b.choice.iteration_time_s <= a.choice.iteration_time_s);
+    if (!(b.choice.iteration_time_s < a.choice.iteration_time_s)) continue;
+    ++wins;
+    CHECK(b.choice.copy_streams == 2);
+    CHECK(b.duplex_slowdown == 1.31);
+    CHECK(plan_command(b, y.ranks).find(" --copy-streams 2 --duplex-slowdown 1.31 ") != std::string::npos);
+  }
+  CHECK(wins > 0);
+
+  // Ranks with PCIe partners: auto tries one stream only, and plans as with one.
+  x.pairs_share_switch = true;
+  x.copy_streams = 0;
+  const PlanResult paired = plan(m, x);
+  x.copy_streams = 1;
+  const PlanResult paired_one = plan(m, x);
+  CHECK(paired.candidates.size() == paired_one.candidates.size());
+  for (const PlanCandidate& c : paired.candidates) CHECK(c.copy_streams == 1);
+  CHECK(paired.choice.iteration_time_s == paired_one.choice.iteration_time_s);
+
+  // Bad values are refused with the field's name.
+  x.copy_streams = 3;
+  CHECK_THROWS_WITH_AS(plan(m, x),
+                       doctest::Contains("machine: copy streams (0 = try one and two) = 3 is outside the allowed range "
+                                         "[0, 2]"),
+                       shape_error);
+  x.copy_streams = 2;
+  x.duplex_slowdown = 0.5;
+  CHECK_THROWS_WITH_AS(plan(m, x), doctest::Contains("machine: duplex slowdown"), shape_error);
 }

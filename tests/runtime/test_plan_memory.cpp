@@ -97,6 +97,7 @@ namespace {
 /// Configurations compared and the largest relative difference seen.
 struct Sweep {
   int configs = 0;
+  int two_streams = 0;  ///< of which planned on two copy streams
   double worst = 0;
 };
 
@@ -113,11 +114,13 @@ void sweep(const po::TransformerSpec& m, const po::MachineSpec& x, const po::Pla
   const po::PlanResult r = po::plan(m, x, bud, grid);
   std::vector<std::string> seen;
   for (po::PlanCandidate c : r.candidates) {
-    const std::string key = c.name + " v=" + std::to_string(c.chunks) + " " + po::stage_cut_name(c.cut);
+    const std::string key = c.name + " v=" + std::to_string(c.chunks) + " " + po::stage_cut_name(c.cut) +
+                            " streams=" + std::to_string(c.copy_streams);
     if (std::find(seen.begin(), seen.end(), key) != seen.end()) continue;
     seen.push_back(key);
     CAPTURE(key);
-    const po::detail::Layout L = po::detail::make_layout(m, x, bud, c.chunks, grid, c.spec.placement, c.cut);
+    po::detail::Layout L = po::detail::make_layout(m, x, bud, c.chunks, grid, c.spec.placement, c.cut);
+    if (c.offload_chunks > 0) L.costs.copy_streams = c.copy_streams;
     po::Program scratch;
     po::lower_candidate(c, L, m, x, scratch);
     po::PlanResult q = r;
@@ -153,6 +156,7 @@ void sweep(const po::TransformerSpec& m, const po::MachineSpec& x, const po::Pla
       out.worst = std::max(out.worst, std::abs(static_cast<double>(want.device) - planned) / planned);
     }
     ++out.configs;
+    out.two_streams += c.copy_streams == 2 ? 1 : 0;
   }
 }
 
@@ -327,4 +331,54 @@ TEST_CASE(
   MESSAGE("CUDA, Llama: " << s.configs << " configurations, largest difference " << s.worst);
   CHECK(s.configs >= 800);
   CHECK(s.worst == 0);
+}
+
+TEST_CASE(
+    "two copy streams: the planner's memory is what train_gpt --copy-streams 2 reserves for its command, to the "
+    "byte (the CPU GPT on one rank; the CUDA GPT on ranks without PCIe partners)") {
+  const std::string text = corpus();
+  Sweep cpu, cuda;
+  for (const auto& [dp, zero] : {std::pair{1, 0}, std::pair{2, 1}}) {
+    CAPTURE(dp);
+    const po::TransformerSpec m{.layers = 6,
+                                .hidden = 32,
+                                .heads = 4,
+                                .query_groups = 4,
+                                .seq = 16,
+                                .micro_batch = 2,
+                                .global_batch = 2 * 4 * dp,
+                                .vocab = 256};
+    const po::MachineSpec x{.ranks = 1,
+                            .device_bytes = 64 * po::gib,
+                            .host_bytes = 64 * po::gib,
+                            .flops = 5e11,
+                            .copy_streams = 0,
+                            .duplex_slowdown = 1.31};
+    sweep(m, x, {.backend = po::PlanBackend::cpu}, {.dp = dp, .zero = zero}, text, cpu);
+  }
+  for (const int d : {2, 4}) {
+    CAPTURE(d);
+    const po::TransformerSpec m{.layers = 30,
+                                .hidden = 512,
+                                .heads = 8,
+                                .query_groups = 8,
+                                .seq = 256,
+                                .micro_batch = 2,
+                                .global_batch = 2 * 2 * d,
+                                .vocab = 256,
+                                .recompute = true};
+    const po::MachineSpec x{.ranks = d,
+                            .device_bytes = 80 * po::gib,
+                            .flops = 2e11,
+                            .pairs_share_switch = false,
+                            .copy_streams = 0,
+                            .duplex_slowdown = 1.31};
+    sweep(m, x, {}, {}, text, cuda);
+  }
+  MESSAGE("two copy streams: CPU " << cpu.configs << " configurations (" << cpu.two_streams << " on two streams), CUDA "
+                                   << cuda.configs << " (" << cuda.two_streams << ")");
+  CHECK(cpu.two_streams >= 10);
+  CHECK(cuda.two_streams >= 20);
+  CHECK(cpu.worst == 0);
+  CHECK(cuda.worst == 0);
 }

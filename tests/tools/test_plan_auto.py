@@ -16,7 +16,8 @@ failures = []
 SMALL = {"--layers": "14", "--hidden": "1024", "--heads": "16", "--query-groups": "16", "--seq": "2048",
          "--micro-batch": "1", "--global-batch": "16", "--vocab": "32000", "--ranks": "8",
          "--device-mem-gib": "8", "--host-mem-gib": "64", "--tflops": "220", "--pcie-gbps": "15"}
-KEYS = {"schedule": str, "group": int, "chunks": int, "cut": str, "offload_chunks": int, "k": (int, float),
+KEYS = {"schedule": str, "group": int, "chunks": int, "cut": str, "offload_chunks": int, "copy_streams": int,
+        "k": (int, float),
         "activation_bytes_per_layer": (int, float), "peak_device_bytes": list, "host_bytes": list,
         "bubble_fraction": (int, float), "iteration_time_s": (int, float), "fits": bool}
 NAMES = {"1f1b", "1f1b-i", "gis", "gis-h", "gis-g", "po", "po-h", "po-f", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe-v"}
@@ -201,6 +202,7 @@ def main():
 
     data_parallel()
     presets()
+    copy_streams()
     runs_in_train_gpt()
 
     if failures:
@@ -273,6 +275,8 @@ def runs_in_train_gpt():
     check(doc.get("train_gpt_args") is None and "CUDA Llama recomputes" in doc.get("train_gpt_args_why_not", ""),
           f"--swiglu on cuda without --recompute: {doc.get('train_gpt_args_why_not')!r}")
     plans.append((llama, ["--swiglu"]))
+    # Two copy streams (one rank: no PCIe partner): the command carries them, and reserves what the plan says.
+    plans.append(({**TINY, "--ranks": "1"}, ["--schedule", "po-f", "--copy-streams", "2", "--duplex-slowdown", "1.31"]))
     plans.append((llama, ["--swiglu", "--tied-embeddings", "--dp", "2", "--zero", "1"]))
     # --backend cpu: each command runs, and each rank reserves what the plan says it holds.
     for opts, extra in plans:
@@ -284,6 +288,9 @@ def runs_in_train_gpt():
         blocks = args[args.index("--stage-blocks") + 1].split(",")
         check([int(b) for b in blocks] == doc["layers_per_stage"], f"--stage-blocks {blocks} is not layers_per_stage")
         check(args[-2:] == ["--backend", "cpu"], f"{extra}: train_gpt_args end {args[-2:]!r}")
+        if "--copy-streams" in extra:
+            check(doc.get("copy_streams") == 2 and " ".join(args).find("--copy-streams 2 --duplex-slowdown 1.31 ") > 0,
+                  f"{extra}: copy_streams {doc.get('copy_streams')!r}, train_gpt_args {args!r}")
         if "--swiglu" in extra:
             at = args.index("--model") if "--model" in args else 0
             check(args[at:at + 6] == ["--model", "llama", "--kv-heads", "2", "--ffn", "96"],
@@ -330,6 +337,37 @@ def runs_in_train_gpt():
         doc, _ = plan(opts, *extra)
         check(doc.get("train_gpt_args", 0) is None and words in doc.get("train_gpt_args_why_not", ""),
               f"{extra}: train_gpt_args {doc.get('train_gpt_args')!r}, why not {doc.get('train_gpt_args_why_not')!r}")
+
+
+# ---- --copy-streams 1|2|auto ----------------------------------------------------------------------
+# 16 layers of h = 1024 at s = 4096 on 4 ranks without PCIe partners, 4.7 GiB: DualPipeV offloading on
+# two streams beats the best that fits on one (tests/plan/test_plan.cpp sweeps the memory).
+WIDE = {"--layers": "16", "--hidden": "1024", "--heads": "16", "--query-groups": "4", "--seq": "4096",
+        "--micro-batch": "1", "--global-batch": "16", "--vocab": "32000", "--ranks": "4", "--device-mem-gib": "4.7",
+        "--host-mem-gib": "64", "--tflops": "100", "--pcie-gbps": "30", "--pcie-switch": "none"}
+
+
+def copy_streams():
+    one, _ = plan(WIDE)
+    auto, _ = plan(WIDE, "--copy-streams", "auto", "--duplex-slowdown", "1.31")
+    check(one.get("copy_streams") == 1 and auto.get("copy_streams") == 2 and
+          auto.get("iteration_time_s", 1) < one.get("iteration_time_s", 0),
+          f"--copy-streams auto: {auto.get('schedule')} on {auto.get('copy_streams')} streams, "
+          f"{auto.get('iteration_time_s')} s; one stream: {one.get('schedule')}, {one.get('iteration_time_s')} s")
+    check(" --copy-streams 2 --duplex-slowdown 1.31 " in auto.get("command", ""), f"command {auto.get('command')!r}")
+    rc, out, err = run(*args_of(WIDE, "--copy-streams", "auto", "--duplex-slowdown", "1.31"))
+    choice = [ln for ln in out.splitlines() if ln.startswith("choice ")]
+    check(rc == 0 and choice and choice[0].endswith(" on 2 copy streams"), f"text choice line {choice!r}")
+    # PCIe partners (the default switch layout) on 4 ranks: auto keeps one stream, 2 is refused.
+    paired = {k: v for k, v in WIDE.items() if k != "--pcie-switch"}
+    doc, _ = plan(paired, "--copy-streams", "auto")
+    check(doc.get("copy_streams") == 1, f"paired ranks, auto: copy_streams {doc.get('copy_streams')!r}")
+    for extra, words in ((["--copy-streams", "2"], "--copy-streams 2 with --pcie-switch pairs"),
+                         (["--copy-streams", "3"], "--copy-streams 3 is not one of 1, 2, auto"),
+                         (["--duplex-slowdown", "1.3"], "--duplex-slowdown needs --copy-streams 2 or auto"),
+                         (["--copy-streams", "auto", "--duplex-slowdown", "0.5"], "--duplex-slowdown")):
+        rc, _, err = run(*args_of(paired, *extra))
+        check(rc == 2 and len(err.splitlines()) == 1 and words in err, f"{extra}: exit {rc}, {err!r}")
 
 
 # ---- data parallelism: --dp, --zero, --dp-gbps, --search-dp, node layouts ------------------------

@@ -59,6 +59,14 @@ struct MachineSpec {
   double flops = 220e12;           ///< Bc: achieved FLOP/s of one device
   double pcie_bytes_per_s = 15e9;  ///< Bo: host<->device bandwidth of one device, one direction
   bool pairs_share_switch = true;  ///< ranks r and r^1 share a PCIe switch (stagger their copies)
+  /// Copy streams a rank offloads and reloads on (Costs::copy_streams): 1, 2, or 0 to plan
+  /// every candidate that offloads with one and with two and keep the faster (one on a tie).
+  /// With 0, two are tried only where ranks have no PCIe partner (one rank, or
+  /// pairs_share_switch false): a partner fills the other direction's slots already.
+  int copy_streams = 1;
+  /// With two copy streams: a copy's time while the other direction copies too, over its time
+  /// alone (Costs::duplex_slowdown, >= 1; an H100 SXM measured 1.31).
+  double duplex_slowdown = 1;
 };
 
 /// Whose memory a plan counts: the CUDA GPT's on backend::Cuda (bf16 activations, boundaries
@@ -232,6 +240,9 @@ constexpr void check_machine(const MachineSpec& x) {
   if (!(x.pcie_bytes_per_s > 0))
     throw shape_error("machine: PCIe bandwidth must be > 0 bytes/s: k (copy time / compute time) needs a bandwidth");
   detail::require_real("machine: PCIe bandwidth (bytes/s)", x.pcie_bytes_per_s, 1, 1e18);
+  detail::require_range("machine: copy streams (0 = try one and two)", x.copy_streams, 0, 2);
+  detail::require_real("machine: duplex slowdown (a copy's time with the other direction busy / alone)",
+                       x.duplex_slowdown, 1, 100);
 }
 
 /// b*s*h of a model (the unit the paper counts activation bytes in).

@@ -30,6 +30,7 @@ struct PlanCandidate {
   StageCut cut = StageCut::slots;         ///< how the model is cut into its v*d stages
   int group = 0;                          ///< g of GIS(g) (1 for PO, 0 for 1F1B and 1F1B-I)
   int offload_chunks = 0;                 ///< chunks 0..n-1 offloaded
+  int copy_streams = 1;                   ///< copy streams its offloads are planned on (1 when it offloads nothing)
   double iteration_time_s = 0;            ///< max(compute_time_s, every rank's last all-reduce end)
   double compute_time_s = 0;              ///< simulated makespan of the passes alone
   double allreduce_exposed_s = 0;         ///< iteration_time_s - compute_time_s: all-reduce the cooldown does not hide
@@ -112,7 +113,8 @@ struct PlanResult {
   int gpus_per_node = 8;                      ///< GridSpec's
   NodeLayout node_layout = NodeLayout::contiguous;  ///< GridSpec's
   double k = 0;                                     ///< round-trip copy / compute of one layer
-  double flops = 0;  ///< MachineSpec::flops: the FLOP/s the choice's stage costs assume (stage_costs)
+  double duplex_slowdown = 1;  ///< MachineSpec's: with the choice's two copy streams, a copy's slowdown
+  double flops = 0;            ///< MachineSpec::flops: the FLOP/s the choice's stage costs assume (stage_costs)
   double activation_bytes_per_layer = 0;  ///< saved bytes of one layer per microbatch
   std::vector<int> layers_per_stage;      ///< of the choice's v*d stages (embedding and LM head not counted)
   std::vector<double> model_state_bytes;  ///< per rank, of the choice's layout
@@ -196,6 +198,8 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
   L.stages = cut_layout(m, S, cut);
   L.costs = stage_costs(m, L.stages, x.flops, copy_ratio(m, x), bud.backend);
   L.costs.stagger_pairs = x.pairs_share_switch;
+  L.costs.copy_streams = x.copy_streams == 2 ? 2 : 1;  // 0: plan_grid adds a two-stream layout beside
+  L.costs.duplex_slowdown = x.duplex_slowdown;
   L.model_state.assign(static_cast<std::size_t>(d), 0.0);
   L.workspace.assign(static_cast<std::size_t>(d), 0.0);
   std::vector<double> transient(static_cast<std::size_t>(d), 0.0);
@@ -339,6 +343,7 @@ constexpr std::string describe(const PlanCandidate& c) {
   std::string s = c.name + " (v=" + num(c.chunks);
   if (c.name == "gis-g") s += ", g=" + num(c.group);
   if (c.offload_chunks > 0 && c.name != "po-h" && c.name != "po-f") s += ", offload " + num(c.offload_chunks);
+  if (c.copy_streams == 2) s += ", 2 copy streams";
   if (c.cut != StageCut::slots) {
     s += ", ";
     s += stage_cut_name(c.cut);
@@ -521,6 +526,7 @@ constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, c
   c.cut = L.cut;
   c.group = p.group;
   c.offload_chunks = o.offload_chunks;
+  c.copy_streams = o.offload_chunks > 0 ? L.costs.copy_streams : 1;
   c.compute_time_s = sim.makespan;
   detail::reduce_gradients(p, sim, L.allreduce, c.allreduce_s, c.allreduce_end_s);
   c.iteration_time_s = sim.makespan;
@@ -606,14 +612,21 @@ constexpr int plan_vmax(const TransformerSpec& m, int d, int mb, const PlanBudge
   return static_cast<int>(std::min<long long>(vmax, max_plan_units / (static_cast<long long>(d) * mb)));
 }
 
+/// Whether a plan of d ranks on machine x tries each candidate that offloads on two copy
+/// streams as well as on one (MachineSpec::copy_streams 0, ranks without a PCIe partner).
+constexpr bool tries_two_streams(const MachineSpec& x, int d) {
+  return x.copy_streams == 0 && (d == 1 || !x.pairs_share_switch);
+}
+
 /// Stage-microbatch pairs (d*v*m) such a plan builds and simulates over all its candidates.
-constexpr long long plan_work(const TransformerSpec& m, int d, int mb, const PlanBudget& bud) {
+constexpr long long plan_work(const TransformerSpec& m, int d, int mb, const PlanBudget& bud, const MachineSpec& x) {
   long long work = 0;
   for (int v = 1; v <= plan_vmax(m, d, mb, bud); ++v)
     for (const StageCut cut : {StageCut::slots, StageCut::even})
       if (distinct_cut(m, v * d, cut))
         for (const PlanOption& o : plan_options(d, v, mb, bud.allow_offload))
-          if (bud.schedule.empty() || o.name == bud.schedule) work += static_cast<long long>(d) * v * mb;
+          if (bud.schedule.empty() || o.name == bud.schedule)
+            work += static_cast<long long>(d) * v * mb * (o.offload_chunks > 0 && tries_two_streams(x, d) ? 2 : 1);
   return work;
 }
 
@@ -630,7 +643,7 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
     throw shape_error("plan: ranks x microbatches = " + num(static_cast<long long>(d) * mb) +
                       " is too large to simulate; at most " + num(max_plan_units));
   const int vmax = plan_vmax(m, d, mb, bud);
-  const long long work = plan_work(m, d, mb, bud);
+  const long long work = plan_work(m, d, mb, bud, x);
   if (work > max_plan_work)
     throw shape_error("plan: the search would simulate " + num(work) +
                       " stage-microbatch pairs over all candidates, more than " + num(max_plan_work) +
@@ -641,28 +654,42 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
   res.k = copy_ratio(m, x);
   res.flops = x.flops;
   res.activation_bytes_per_layer = activation_bytes_per_layer(m);
+  res.duplex_slowdown = x.duplex_slowdown;
   std::vector<detail::Layout> layouts;
   Program program;  // reused by every candidate
   SimResult sim;
   // One layout per v and cut (the slot cut, and the even one where it differs), and for v = 2
-  // one on the V placement too.
-  const auto layout_of = [&](int v, Placement pl, StageCut cut) -> const detail::Layout& {
+  // one on the V placement too; each once more on two copy streams where those are tried.
+  const int base_streams = x.copy_streams == 2 ? 2 : 1;
+  const bool two = detail::tries_two_streams(x, d);
+  const auto layout_of = [&](int v, Placement pl, StageCut cut, int streams) -> const detail::Layout& {
     for (const detail::Layout& L : layouts)
-      if (L.v == v && L.placement == pl && L.cut == cut) return L;
+      if (L.v == v && L.placement == pl && L.cut == cut && L.costs.copy_streams == streams) return L;
     return layouts.front();  // not reached: every option's layout is made before it is evaluated
+  };
+  const auto layout_for = [&](const PlanCandidate& c) -> const detail::Layout& {
+    return layout_of(c.chunks, c.spec.placement, c.cut, c.offload_chunks > 0 ? c.copy_streams : base_streams);
   };
   for (int v = 1; v <= vmax; ++v)
     for (const StageCut cut : {StageCut::slots, StageCut::even}) {
       if (!distinct_cut(m, v * d, cut)) continue;
-      layouts.push_back(detail::make_layout(m, x, bud, v, grid, Placement::interleaved, cut));
-      if (v == 2) layouts.push_back(detail::make_layout(m, x, bud, v, grid, Placement::vshape, cut));
+      for (const Placement pl : {Placement::interleaved, Placement::vshape}) {
+        if (pl == Placement::vshape && v != 2) continue;
+        layouts.push_back(detail::make_layout(m, x, bud, v, grid, pl, cut));
+        if (!two) continue;
+        detail::Layout duplex = layouts.back();
+        duplex.costs.copy_streams = 2;
+        layouts.push_back(std::move(duplex));
+      }
       for (const PlanOption& o : plan_options(d, v, mb, bud.allow_offload)) {
         if (!bud.schedule.empty() && o.name != bud.schedule) continue;
-        try {
-          res.candidates.push_back(evaluate(o, layout_of(v, o.spec.placement, cut), m, x, program, sim));
-        } catch (const shape_error&) {
-          // A copy-slot grid too fine for build() (k tiny against the run): that offload
-          // candidate is not planned; its no-offload siblings are.
+        for (int streams = base_streams; streams <= (two && o.offload_chunks > 0 ? 2 : base_streams); ++streams) {
+          try {
+            res.candidates.push_back(evaluate(o, layout_of(v, o.spec.placement, cut, streams), m, x, program, sim));
+          } catch (const shape_error&) {
+            // A copy-slot grid too fine for build() (k tiny against the run): that offload
+            // candidate is not planned; its no-offload siblings are.
+          }
         }
       }
     }
@@ -680,19 +707,18 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
     for (PlanCandidate& c : res.candidates)
       if (c.fits && (!best || detail::faster(c, *best))) best = &c;
     if (best == nullptr || best->lowered) break;
-    lower_candidate(*best, layout_of(best->chunks, best->spec.placement, best->cut), m, x, program);
+    lower_candidate(*best, layout_for(*best), m, x, program);
     if (best->fits) break;
   }
   PlanCandidate* nearest = nullptr;
   if (best == nullptr) {
     for (PlanCandidate& c : res.candidates)
       if (!nearest || detail::closer(c, *nearest)) nearest = &c;
-    if (!nearest->lowered)
-      lower_candidate(*nearest, layout_of(nearest->chunks, nearest->spec.placement, nearest->cut), m, x, program);
+    if (!nearest->lowered) lower_candidate(*nearest, layout_for(*nearest), m, x, program);
   }
   res.fits = best != nullptr;
   res.choice = best ? *best : *nearest;
-  const detail::Layout& L = layout_of(res.choice.chunks, res.choice.spec.placement, res.choice.cut);
+  const detail::Layout& L = layout_for(res.choice);
   for (const StageContent& c : L.stages) res.layers_per_stage.push_back(c.layers);
   res.model_state_bytes = L.model_state;
   res.workspace_bytes = L.workspace;
@@ -767,8 +793,8 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
 
 /// Why a dp search cannot plan grid `o` (its dp, ranks and microbatches per replica set), or
 /// "" when it can; then `work` is what planning it simulates (plan_work).
-constexpr std::string unplannable(const TransformerSpec& m, const PlanBudget& bud, const GridSpec& grid,
-                                  const GridOption& o, long long& work) {
+constexpr std::string unplannable(const TransformerSpec& m, const MachineSpec& x, const PlanBudget& bud,
+                                  const GridSpec& grid, const GridOption& o, long long& work) {
   const int d = o.ranks, G = grid.gpus_per_node, slots = layer_slots(m);
   const int mb_all = m.global_batch / m.micro_batch;
   if (o.microbatches == 0)
@@ -782,7 +808,7 @@ constexpr std::string unplannable(const TransformerSpec& m, const PlanBudget& bu
   }
   const long long units = static_cast<long long>(d) * o.microbatches;
   if (units > max_plan_units) return "ranks x microbatches = " + num(units) + " is too large to simulate";
-  const long long w = plan_work(m, d, o.microbatches, bud);
+  const long long w = plan_work(m, d, o.microbatches, bud, x);
   if (w > max_plan_work)
     return "its search would simulate " + num(w) + " stage-microbatch pairs, more than " + num(max_plan_work);
   work = w;
@@ -804,7 +830,7 @@ constexpr PlanResult plan_search(const TransformerSpec& m, const MachineSpec& x,
     o.ranks = N / dp;
     if (mb_all % dp == 0) o.microbatches = mb_all / dp;
     long long work = 0;
-    o.note = unplannable(m, bud, grid, o, work);
+    o.note = unplannable(m, x, bud, grid, o, work);
     o.planned = o.note.empty();
     total += work;
     grids.push_back(o);

@@ -1,7 +1,7 @@
 // pipeoffload/plan/report.hpp: a plan as a short table a person reads, or as JSON.
 //
 // Pure functions to std::string (no I/O); `pipeoffload-plan --auto` prints them. The JSON keys
-// are a contract scripts rely on: schedule, group, chunks, cut, offload_chunks, k,
+// are a contract scripts rely on: schedule, group, chunks, cut, offload_chunks, copy_streams, k,
 // activation_bytes_per_layer, peak_device_bytes, host_bytes, bubble_fraction,
 // iteration_time_s, fits, and more besides. A plan of a data-parallel grid (dp > 1, ZeRO-1 or
 // a dp search; or asked for) adds its lines and keys: dp, zero, gpus, allreduce_exposed_s,
@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -21,8 +22,18 @@
 namespace pipeoffload {
 
 namespace detail {
+/// The shortest decimal (15 to 17 digits) that reads back as `x` to the bit.
+inline std::string exact_real(double x) {
+  char buf[32];
+  for (int digits = 15;; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, x);
+    if (digits == 17 || std::strtod(buf, nullptr) == x) return buf;
+  }
+}
+
 /// The chosen schedule as the plan tool and train_gpt both take it: --schedule, --ranks,
-/// --chunks, --microbatches, and --group / --offload-chunks where they apply.
+/// --chunks, --microbatches, and --group / --offload-chunks / --copy-streams 2 (with its
+/// --duplex-slowdown) where they apply.
 inline std::vector<std::string> schedule_args(const PlanResult& r, int ranks) {
   const PlanCandidate& c = r.choice;
   std::vector<std::string> a = {"--schedule", c.name,        "--ranks",        num(ranks),
@@ -30,6 +41,10 @@ inline std::vector<std::string> schedule_args(const PlanResult& r, int ranks) {
   if (c.name == "gis-g") a.insert(a.end(), {"--group", num(c.group)});
   if (c.name != "po-h" && c.name != "po-f" && c.offload_chunks > 0)
     a.insert(a.end(), {"--offload-chunks", num(c.offload_chunks)});
+  if (c.copy_streams == 2) {
+    a.insert(a.end(), {"--copy-streams", "2"});
+    if (r.duplex_slowdown != 1) a.insert(a.end(), {"--duplex-slowdown", exact_real(r.duplex_slowdown)});
+  }
   return a;
 }
 }  // namespace detail
@@ -177,7 +192,8 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
        " TFLOP/s, " + printf_str("%g", x.pcie_bytes_per_s / 1e9) + " GB/s PCIe per direction\n";
   s += std::string("choice     ") + (r.fits ? "" : "NOTHING FITS; closest: ") + c.name +
        ", v=" + detail::num(c.chunks) + " (" + detail::num(c.chunks * d) + " stages), g=" + detail::num(c.group) +
-       ", offloaded chunks " + detail::num(c.offload_chunks) + " of " + detail::num(c.chunks) + "\n";
+       ", offloaded chunks " + detail::num(c.offload_chunks) + " of " + detail::num(c.chunks) +
+       (c.copy_streams == 2 ? " on 2 copy streams" : "") + "\n";
   s += "run        " + plan_command(r, d) + "\n";
   {
     std::string no;
@@ -289,6 +305,7 @@ inline std::string render_plan_json(const PlanResult& r, const TransformerSpec& 
   s += "  \"chunks\": " + detail::num(c.chunks) + ",\n";
   s += "  \"cut\": " + detail::json_str(stage_cut_name(c.cut)) + ",\n";
   s += "  \"offload_chunks\": " + detail::num(c.offload_chunks) + ",\n";
+  s += "  \"copy_streams\": " + detail::num(c.copy_streams) + ",\n";
   s += "  \"ranks\": " + detail::num(r.ranks) + ",\n";
   s += "  \"microbatches\": " + detail::num(r.microbatches) + ",\n";
   s += "  \"k\": " + fmt(r.k) + ",\n";
