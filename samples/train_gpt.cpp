@@ -201,11 +201,14 @@ po::Costs measure_costs(const Options& o, const Setup& su, Comm& comm, Comm& rep
 std::size_t arena_bytes(const Options&, const Setup&, const po::Program&, int, int, const po::backend::Cpu&) {
   return 0;
 }
+/// The slab `dev` holds now (backend::Cpu has none).
+std::size_t slab_bytes(const po::backend::Cpu&) { return 0; }
 #ifdef PIPEOFFLOAD_WITH_CUDA
 std::size_t arena_bytes(const Options& o, const Setup& su, const po::Program& program, int r, int replica,
                         const po::backend::Cuda& dev) {
   return train_gpt::cuda_arena_bytes(o, su, program, r, replica, dev.options().workspace_bytes);
 }
+std::size_t slab_bytes(const po::backend::Cuda& dev) { return dev.options().arena_bytes; }
 #endif
 
 /// One rank's whole run on `dev` with its v stages `mine`, the same code under threads and
@@ -214,9 +217,11 @@ std::size_t arena_bytes(const Options& o, const Setup& su, const po::Program& pr
 /// pipeline, `replicas` its data-parallel peers (dp of them, replica order). `pair`: the
 /// PCIe-pair link of this rank and rank^1 (thread ranks share one; MPI ranks, separate
 /// processes, run unpaired), or null. `barrier` lines up the ranks that share this process
-/// and its GPUs' driver (--backend cuda --comm threads: NcclWorld::host_barrier) after each
-/// rank has made its allocations and before its first NCCL kernel: once before the handshake
-/// (the stages are built) and once before the first step (the runtime and optimizer are).
+/// and its GPUs' driver (--backend cuda --comm threads: NcclWorld::host_barrier; with
+/// --ranks-per-gpu a host all-gather over both groups) after each rank has made its
+/// allocations and before its first NCCL kernel: once before the handshake (the stages are
+/// built) and once before the first step (the runtime and optimizer are); with --k auto also
+/// around the slabs made again (remake_arena).
 /// Returns 0, or 128 + the signal when a stop signal ended the run early (stop_signal).
 template <class Comm, class Device, class Layer>
 int train_rank(
@@ -267,11 +272,12 @@ int train_rank(
   // Its runtime is gone: the arena starts over, sized for the program the run builds (on a GPU
   // the slab is the rebuilt program's; without this the two runtimes' reservations add up).
   // The ranks that share this process line up first: no slab is freed while another's NCCL
-  // kernel may still be launched.
+  // kernel may still be launched; ranks that share a GPU then make theirs in turns.
   const po::Costs costs = o.k_auto ? measure_costs(o, su, comm, replicas, dev, mine, step_batch(0), lead) : su.costs;
   if (o.k_auto) {
     barrier();
-    dev.reset_arena(arena_bytes(o, su, train_gpt::program_of(o, costs), r, replica, dev));
+    train_gpt::remake_arena(dev, arena_bytes(o, su, train_gpt::program_of(o, costs), r, replica, dev), slab_bytes(dev),
+                            o.ranks_per_gpu > 1, barrier);
   }
   const po::Program program = train_gpt::program_of(o, costs);
   if (lead && !o.quiet && o.copy_streams == 0)
@@ -577,9 +583,18 @@ int run_shared_gpus(const Options& o, Setup su) {
     po::comm::SharedGpu replicas(grid.replicas(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
     std::vector<std::vector<float>> initial;
     stopped = with_cuda_stages(o, su, dev, g, initial, [&](auto& mine) {
-      return train_rank(
-          o, su, comm, replicas, dev, mine, t_start, static_cast<po::PairLink<po::backend::Cuda>*>(nullptr), [] {},
-          std::move(initial));
+      // The ranks share the GPU's memory: --k auto's slabs are made again in turns (remake_arena),
+      // lined up by a host all-gather over both groups (every rank of the run; abort-aware).
+      const auto line_up = [&] {
+        int none = 0;
+        std::vector<int> all(static_cast<std::size_t>(std::max(comm.size(), replicas.size())));
+        comm.all_gather(std::span<const int>(&none, 1),
+                        std::span<int>(all.data(), static_cast<std::size_t>(comm.size())));
+        replicas.all_gather(std::span<const int>(&none, 1),
+                            std::span<int>(all.data(), static_cast<std::size_t>(replicas.size())));
+      };
+      return train_rank(o, su, comm, replicas, dev, mine, t_start,
+                        static_cast<po::PairLink<po::backend::Cuda>*>(nullptr), line_up, std::move(initial));
     });
   });
   return exit_status(errors, stopped);

@@ -313,4 +313,23 @@ inline void check_memory(const Options& o, const Setup& su, const po::Program& p
       " is available (MemAvailable, or the address-space limit); use fewer ranks, microbatches, layers or a smaller --hidden, --seq or --batch");
 }
 
+/// --k auto after its profiling pass: `dev`'s arena made again at `bytes` (reset_arena; 0 keeps
+/// its size) where it now holds `held`. Ranks that share one GPU (`shared`: --ranks-per-gpu)
+/// take turns, so that no new slab asks for memory a neighbour's old one still holds: every
+/// rank lines up (`line_up`: a barrier of every rank of the run, abort-aware), the ranks whose
+/// slab shrinks or stays make theirs, every rank lines up again, then the ranks whose slab
+/// grows make theirs (together they need what the GPU has free once the others are done).
+template <class Device, class LineUp>
+void remake_arena(Device& dev, std::size_t bytes, std::size_t held, bool shared, const LineUp& line_up) {
+  if (!shared) {
+    dev.reset_arena(bytes);
+    return;
+  }
+  const bool grows = bytes > held;
+  line_up();
+  if (!grows) dev.reset_arena(bytes);
+  line_up();
+  if (grows) dev.reset_arena(bytes);
+}
+
 }  // namespace train_gpt

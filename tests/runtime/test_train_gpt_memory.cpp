@@ -6,7 +6,11 @@
 // against the same functions: test_plan_memory.cpp.)
 #include <doctest/doctest.h>
 
+#include <chrono>
+#include <mutex>
+#include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <models/llama/cpu.hpp>
@@ -158,4 +162,76 @@ TEST_CASE("train_gpt's CUDA memory for the Llama: its stages' buffers are llama:
     CHECK(train_gpt::cuda_rank_bytes(o, su, program, r, 0, workspace).device ==
           train_gpt::cuda_arena_bytes(o, su, program, r, 0, workspace) + own);
   }
+}
+
+namespace {
+
+/// One GPU's memory as ranks sharing it see it: cudaMalloc fails past what is free.
+struct FakeGpu {
+  std::mutex mu;
+  std::size_t free = 0;
+};
+
+/// A rank's device: reset_arena frees its slab, then takes one of the new size (a shrinking
+/// rank slowly, as a loaded device would), or throws as a refused cudaMalloc would.
+struct FakeDevice {
+  FakeGpu& gpu;
+  std::size_t slab = 0;
+  void reset_arena(std::size_t bytes) {
+    if (bytes <= slab) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::lock_guard lk(gpu.mu);
+    gpu.free += slab;
+    slab = 0;
+    if (bytes > gpu.free)
+      throw po::error("cannot take a slab of " + std::to_string(bytes) + " bytes: " + std::to_string(gpu.free) +
+                      " free");
+    gpu.free -= bytes;
+    slab = bytes;
+  }
+};
+
+/// Ranks of a 2 x 2 grid sharing one fake GPU remake their slabs from `before` to `after`
+/// (per global rank) in turns (`turns`) or each at once; the errors of the ranks, and into
+/// `slabs` what each holds after.
+std::vector<std::string> remake(const std::vector<std::size_t>& before, const std::vector<std::size_t>& after,
+                                std::size_t spare, bool turns, std::vector<std::size_t>& slabs) {
+  po::comm::ThreadsGrid grid(2, 2);
+  FakeGpu gpu;
+  gpu.free = spare;
+  slabs.assign(before.size(), 0);
+  return po::run_thread_ranks(grid, [&](int g) {
+    po::comm::Threads comm = grid.pipeline(g), replicas = grid.replicas(g);
+    FakeDevice dev{gpu, before[static_cast<std::size_t>(g)]};
+    const auto line_up = [&] {
+      int none = 0, all[2];
+      comm.all_gather(std::span<const int>(&none, 1), std::span<int>(all));
+      replicas.all_gather(std::span<const int>(&none, 1), std::span<int>(all));
+    };
+    try {
+      train_gpt::remake_arena(dev, after[static_cast<std::size_t>(g)], dev.slab, turns, line_up);
+    } catch (...) {
+      slabs[static_cast<std::size_t>(g)] = dev.slab;
+      throw;
+    }
+    slabs[static_cast<std::size_t>(g)] = dev.slab;
+  });
+}
+
+}  // namespace
+
+TEST_CASE(
+    "--k auto with --ranks-per-gpu: ranks sharing a GPU make their slabs again in turns, the shrinking first, so no "
+    "new slab waits for memory a neighbour still holds") {
+  // Four ranks of 100 each on a GPU with 10 spare: ranks 0 and 2 shrink to 50, ranks 1 and 3
+  // grow to 150 (400 + 10 in all; the new slabs need exactly 400).
+  const std::vector<std::size_t> before = {100, 100, 100, 100}, after = {50, 150, 50, 150};
+  std::vector<std::size_t> slabs;
+  std::vector<std::string> errors = remake(before, after, 10, true, slabs);
+  for (const std::string& e : errors) CHECK(e.empty());
+  CHECK(slabs == after);
+  // All at once, a growing rank asks before the shrinking ones have given theirs back.
+  errors = remake(before, after, 10, false, slabs);
+  int refused = 0;
+  for (const std::string& e : errors) refused += e.find("cannot take a slab of 150 bytes") != std::string::npos;
+  CHECK(refused > 0);
 }
