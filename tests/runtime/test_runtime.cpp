@@ -4,9 +4,11 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <span>
 #include <string>
@@ -145,6 +147,56 @@ TEST_CASE("two copy streams (offloads and reloads apart) train bit-identically, 
         "po::Runtime::pair_with: the schedule runs two copy streams (Costs::copy_streams = 2), whose copies end out "
         "of order, and the pairs' counters count them in order; a rank with a PCIe partner gains nothing from a "
         "second stream (its partner's copies fill the other direction's slots): plan it with one");
+}
+
+namespace {
+
+/// backend::Cpu with wait polls, as backend::Cuda has them, and counters that count
+/// keep_aborted calls (backend::Cuda's Counter::keep_aborted raises an aborted counter back).
+struct PollingCpu : po::backend::Cpu {
+  using Cpu::Cpu;
+  struct Counter : po::backend::Cpu::Counter {
+    std::atomic<int> kept{0};
+    void keep_aborted() { ++kept; }
+  };
+  std::vector<std::pair<int, std::function<void()>>> polls;
+  int next_poll = 0;
+  int add_wait_poll(std::function<void()> f) {
+    polls.emplace_back(next_poll, std::move(f));
+    return next_poll++;
+  }
+  void remove_wait_poll(int id) {
+    std::erase_if(polls, [id](const auto& p) { return p.first == id; });
+  }
+};
+
+}  // namespace
+
+TEST_CASE(
+    "pair_with: where the backend polls while it waits, a poll keeps an abort of the pair's counters in force; the "
+    "runtime removes it when it goes") {
+  po::comm::ThreadsWorld world(2);
+  const po::Program p = po::build(po::parse_schedule("po-f"), {2, 1, 4});
+  po::PairLink<PollingCpu> link;
+  std::vector<std::size_t> during(2), after(2);
+  const auto errors = po::run_thread_ranks(world, [&](int r) {
+    PollingCpu dev({.rank = r});
+    po::comm::Threads comm(world, r);
+    std::vector<test::TanhLayer> layers;
+    layers.emplace_back(r, 4, 1, test::Timing{}, nullptr, r);
+    {
+      po::Runtime rt(p, dev, comm, std::span<test::TanhLayer>(layers), {.microbatch = {1, 1}});
+      rt.pair_with(link);
+      during[static_cast<std::size_t>(r)] = dev.polls.size();
+      for (const auto& [id, poll] : dev.polls) poll();
+    }
+    after[static_cast<std::size_t>(r)] = dev.polls.size();
+  });
+  for (const std::string& e : errors) CHECK(e == "");
+  CHECK(during == std::vector<std::size_t>{1, 1});
+  CHECK(after == std::vector<std::size_t>{0, 0});
+  CHECK(link.side[0].kept == 2);  // each rank's poll keeps both counters
+  CHECK(link.side[1].kept == 2);
 }
 
 TEST_CASE("reloads in parts (saved_parts) train bit-identically, on one copy stream or two, paced or not") {

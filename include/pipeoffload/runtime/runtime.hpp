@@ -131,6 +131,13 @@ struct PairLink {
   void abort(const std::string& why) {
     for (auto& c : side) c.abort(why);
   }
+  /// After abort(), where a counter's abort can be undone by a stream's write that lands later
+  /// (backend::Cuda's: Counter::keep_aborted): raises both back. Runtime::pair_with has the
+  /// backend call it while it waits for its streams.
+  void keep_aborted() {
+    for (auto& c : side)
+      if constexpr (requires { c.keep_aborted(); }) c.keep_aborted();
+  }
 };
 
 /// One stage of the pipeline as every rank knows it after construction.
@@ -263,6 +270,8 @@ class Runtime<Backend, Communicator> {
     } catch (...) {  // the failure was reported by the call that threw
     }
     dev_.set_error_hook(nullptr);
+    if constexpr (requires { dev_.remove_wait_poll(0); })
+      if (pair_poll_ >= 0) dev_.remove_wait_poll(pair_poll_);
     for (backend::Block& b : inputs_dev_) dev_.device_free(b);
     for (backend::Block& b : sums_) dev_.device_free(b);
     for (backend::Block& b : staging_) dev_.device_free(b);
@@ -328,6 +337,10 @@ class Runtime<Backend, Communicator> {
           "po::Runtime::pair_with: this program's copies cannot keep the pairs' staggered grid: with the pair waits, "
           "its streams would wait for each other in a cycle (docs/lowering.md)");
     pair_ = &link;
+    // Where the backend polls while it waits for its streams (backend::Cuda::add_wait_poll),
+    // each wait keeps an abort of the pair's counters in force (PairLink::keep_aborted).
+    if constexpr (requires { dev_.add_wait_poll([] {}); })
+      pair_poll_ = dev_.add_wait_poll([&link] { link.keep_aborted(); });
     pair_wait_ =
         pair_waits(program_.ranks[static_cast<std::size_t>(rank_)], program_.ranks[static_cast<std::size_t>(partner)]);
     partner_copies_ = program_.ranks[static_cast<std::size_t>(partner)].copy.size();
@@ -999,6 +1012,7 @@ class Runtime<Backend, Communicator> {
   std::vector<std::size_t> pair_wait_;  // per copy op: partner copies to wait for
   std::size_t partner_copies_ = 0;      // the partner's copies per step
   PairLink<Backend>* pair_ = nullptr;   // PCIe partner's link, or none
+  int pair_poll_ = -1;                  // the backend's wait poll keeping the link's abort (pair_with), or none
   RankSim trace_;
   std::vector<Reduction> reduce_trace_;
 };

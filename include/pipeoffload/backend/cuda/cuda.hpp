@@ -809,7 +809,10 @@ class Cuda : public detail::Failure<Cuda> {
   /// A monotone counter in pinned, mapped host memory (portable: every device of the process
   /// sees it). A stream raises it with cuStreamWriteValue64 after its earlier work and waits
   /// for it with cuStreamWaitValue64 (GEQ); the host never blocks. abort() writes a value far
-  /// above any wait's, so a stream parked on it drains (the device is failed by then).
+  /// above any wait's, so a stream parked on it drains (the device is failed by then). A write
+  /// enqueued before the abort may still land after it and lower the value again, parking a
+  /// stream that waits for more: keep_aborted() raises it back, and po::Runtime::pair_with
+  /// registers it as a wait poll, so that every wait for the streams keeps the abort in force.
   /// CUDA's scheduler does not see these waits: a parked stream stalls the hardware queue it
   /// is mapped to, and with more streams than queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by
   /// default) a compute or comm stream may share it and wait for the copy, a dependency no
@@ -831,7 +834,14 @@ class Cuda : public detail::Failure<Cuda> {
     ~Counter() { cudaFreeHost(host_); }
     /// Raises the counter far above any wait's value, releasing every stream waiting on it.
     void abort(std::string) {
-      std::atomic_ref<std::uint64_t>(*host_).store(std::uint64_t{1} << 62, std::memory_order_release);
+      aborted_.store(true, std::memory_order_release);
+      std::atomic_ref<std::uint64_t>(*host_).store(aborted_value, std::memory_order_release);
+    }
+    /// After abort(): raises the counter back above every wait's value if a stream's write
+    /// has lowered it since (before abort(): nothing).
+    void keep_aborted() {
+      if (aborted_.load(std::memory_order_acquire) && value() < aborted_value)
+        std::atomic_ref<std::uint64_t>(*host_).store(aborted_value, std::memory_order_release);
     }
     /// The counter's current value, read on the host.
     std::uint64_t value() const { return std::atomic_ref<std::uint64_t>(*host_).load(std::memory_order_acquire); }
@@ -839,8 +849,10 @@ class Cuda : public detail::Failure<Cuda> {
     CUdeviceptr device_address() const { return device_; }
 
    private:
+    static constexpr std::uint64_t aborted_value = std::uint64_t{1} << 62;
     std::uint64_t* host_ = nullptr;
     CUdeviceptr device_ = 0;
+    std::atomic<bool> aborted_{false};
   };
   /// Sets `c` to `v` on `stream`, after the stream's earlier work (cuStreamWriteValue64).
   void signal(int stream, Counter& c, std::uint64_t v) {
