@@ -370,10 +370,17 @@ TEST_CASE("bad models, machines and budgets throw shape_error with a sentence") 
   CHECK_THROWS_WITH_AS(plan(small(), y), doctest::Contains("needs a bandwidth"), shape_error);
   y = x;
   y.device_bytes = -1;
-  CHECK_THROWS_AS(plan(small(), y), shape_error);
+  CHECK_THROWS_WITH_AS(plan(small(), y),
+                       "machine: device memory (bytes, > 0) = -1 is outside the allowed range [1, 1e+18]", shape_error);
   y = x;
   y.flops = std::nan("");
-  CHECK_THROWS_AS(plan(small(), y), shape_error);
+  CHECK_THROWS_WITH_AS(plan(small(), y), "machine: achieved FLOP/s (> 0) = nan is outside the allowed range [1, 1e+22]",
+                       shape_error);
+  y = x;
+  y.host_bytes = 2.5e19;
+  CHECK_THROWS_WITH_AS(plan(small(), y),
+                       "machine: host memory per rank (bytes, >= 0) = 2.5e+19 is outside the allowed range [0, 1e+18]",
+                       shape_error);
   y = x;
   y.ranks = 17;  // 16 layer slots
   CHECK_THROWS_WITH_AS(plan(small(), y), doctest::Contains("layer slots"), shape_error);
@@ -1062,4 +1069,25 @@ TEST_CASE(
   x.copy_streams = 2;
   x.duplex_slowdown = 0.5;
   CHECK_THROWS_WITH_AS(plan(m, x), doctest::Contains("machine: duplex slowdown"), shape_error);
+}
+
+TEST_CASE("messages' real numbers: three decimals, and a power of ten from 1e9 up and below 1e-3") {
+  for (const auto& [x, want] : std::initializer_list<std::pair<double, const char*>>{{0, "0"},
+                                                                                     {12.5, "12.5"},
+                                                                                     {-3, "-3"},
+                                                                                     {0.0015, "0.002"},
+                                                                                     {999999999, "999999999"},
+                                                                                     {1e9, "1e+09"},
+                                                                                     {1e18, "1e+18"},
+                                                                                     {2.5e21, "2.5e+21"},
+                                                                                     {9.9999e12, "1e+13"},
+                                                                                     {2.5e-5, "2.5e-05"},
+                                                                                     {1.23456e-300, "1.235e-300"},
+                                                                                     {1e308 * 10, "inf"},
+                                                                                     {-1e308 * 10, "-inf"},
+                                                                                     {std::nan(""), "nan"}}) {
+    CAPTURE(want);
+    CHECK(detail::fmt_real(x) == want);
+  }
+  static_assert(detail::fmt_real(1e21) == "1e+21");
 }

@@ -195,11 +195,46 @@ constexpr GridRank grid_rank(NodeLayout layout, int d, int G, int g) {
 
 namespace detail {
 
-/// Throws shape_error naming `what` unless lo <= x <= hi (doubles; NaN fails).
+/// A real number for a message (constexpr): "12.5", "-3", "nan", "inf", three decimals at
+/// most; from 1e9 up and below 1e-3 with a power of ten ("1e+18", "2.5e-05": three decimals
+/// of the mantissa).
+constexpr std::string fmt_real(double x) {
+  if (x != x) return "nan";
+  if (x < 0) return "-" + fmt_real(-x);
+  if (x > 1.7976931348623157e308) return "inf";
+  if (x != 0 && (x >= 1e9 || x < 1e-3)) {
+    int e = 0;
+    while (x >= 10) {
+      x /= 10;
+      ++e;
+    }
+    while (x < 1) {
+      x *= 10;
+      --e;
+    }
+    if (x >= 9.9995) {  // rounds to 10 at three decimals
+      x /= 10;
+      ++e;
+    }
+    const std::string exp = num(e < 0 ? -e : e);
+    return fmt_real(x) + (e < 0 ? "e-" : "e+") + (exp.size() < 2 ? "0" : "") + exp;
+  }
+  const auto whole = static_cast<long long>(x);
+  const auto milli = static_cast<long long>((x - static_cast<double>(whole)) * 1000 + 0.5);
+  if (milli == 0) return num(whole);
+  if (milli == 1000) return num(whole + 1);
+  std::string frac = num(milli);
+  while (frac.size() < 3) frac = "0" + frac;
+  while (frac.back() == '0') frac.pop_back();
+  return num(whole) + "." + frac;
+}
+
+/// Throws shape_error naming `what`, the value and the range unless lo <= x <= hi (doubles;
+/// NaN fails).
 constexpr void require_real(const char* what, double x, double lo, double hi) {
   if (!(x >= lo && x <= hi))
-    throw shape_error(std::string(what) + " is outside its allowed range (" +
-                      (x < lo ? "too small" : "too large or not a number") + ")");
+    throw shape_error(std::string(what) + " = " + fmt_real(x) + " is outside the allowed range [" + fmt_real(lo) +
+                      ", " + fmt_real(hi) + "]");
 }
 
 constexpr double sq(double x) { return x * x; }

@@ -312,21 +312,6 @@ constexpr std::string fmt_gib(double bytes) {
   return num(centi / 100) + "." + frac + " GiB";
 }
 
-/// A real number for a message: "12.5", "-3", "nan", "inf" (three decimals at most, constexpr).
-constexpr std::string fmt_real(double x) {
-  if (x != x) return "nan";
-  if (x < 0) return "-" + fmt_real(-x);
-  if (x > 9e18) return "inf";
-  const auto whole = static_cast<long long>(x);
-  const auto milli = static_cast<long long>((x - static_cast<double>(whole)) * 1000 + 0.5);
-  if (milli == 0) return num(whole);
-  if (milli == 1000) return num(whole + 1);
-  std::string frac = num(milli);
-  while (frac.size() < 3) frac = "0" + frac;
-  while (frac.back() == '0') frac.pop_back();
-  return num(whole) + "." + frac;
-}
-
 /// The divisors of n > 0 in increasing order, the first `most` of them: "1, 2, 4, 8, ...".
 constexpr std::string divisors(long long n, int most) {
   std::string s;
