@@ -231,7 +231,8 @@ inline std::size_t cuda_arena_bytes(const Options& o, const Setup& su, const po:
 /// Everything pipeline rank `r` of replica `replica` holds on its GPU with either CUDA model:
 /// its arena (cuda_arena_bytes) and its stages' own cudaMalloc'd bf16 parameters, fp32
 /// gradients and scratch (gpt::gpt_state_bytes and gpt_workspace, or llama::
-/// llama_cuda_state_bytes and llama_cuda_workspace); `host`: the pinned offload bins.
+/// llama_cuda_state_bytes and llama_cuda_workspace); `host`: the pinned offload bins and
+/// backend::Cuda's own pinned staging (po::cuda_staging_bytes of its default Options).
 /// What train_gpt --backend cuda reports as reserved_bytes_per_rank; the CUDA context and
 /// NCCL's buffers are not counted (the planner's PlanBudget::reserved_bytes).
 inline RankBytes cuda_rank_bytes(const Options& o, const Setup& su, const po::Program& program, int r, int replica,
@@ -240,7 +241,7 @@ inline RankBytes cuda_rank_bytes(const Options& o, const Setup& su, const po::Pr
   const RankStages rs = rank_stages(o, su, sh, r, true);
   const po::Reservation mine = res ? *res : po::reservation_plan(program, r, rs.stages);
   RankBytes out{.device = cuda_arena_bytes(o, su, program, r, replica, workspace, &mine),
-                .host = po::cuda::pinned_bytes_for(mine)};
+                .host = po::cuda::pinned_bytes_for(mine) + po::cuda_staging_bytes()};
   const long long T = su.runtime.microbatch.tokens();
   for (int c = 0; c < sh.v; ++c) {
     if (o.llama) {

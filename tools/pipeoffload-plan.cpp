@@ -90,7 +90,8 @@ B-to-W stashes; workspace), with a command line that draws it.
   --heads A --query-groups G   attention heads and key/value groups (G = A: multi-head)
   --global-batch N             sequences per iteration; microbatches m = N / B
   --device-mem-gib X           memory of one device, GiB
-  --host-mem-gib Y             pinned host memory one rank may use, GiB (>= 0)
+  --host-mem-gib Y             pinned host memory one rank may use, GiB (>= 0); on CUDA it
+                               holds backend::Cuda's own staging too (about 8 MiB)
   --tflops T                   achieved TFLOP/s of one device (Bc)
   --pcie-gbps P                host<->device GB/s of one device in one direction (Bo), > 0
   --recompute                  recompute LayerNorm, GeLU and dropout (34bsh -> 20bsh per layer)

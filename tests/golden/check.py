@@ -82,7 +82,7 @@ PLAN_AUTO = {
                               "--duplex-slowdown", "1.31"],
     "auto-recompute": ["--auto", "--layers", "8", "--hidden", "1024", "--heads", "16", "--query-groups", "16", "--seq", "1024",
                        "--micro-batch", "1", "--global-batch", "16", "--vocab", "32000", "--ranks", "4", "--device-mem-gib", "16",
-                       "--host-mem-gib", "0", "--tflops", "100", "--pcie-gbps", "20", "--recompute", "--pcie-switch", "none"],
+                       "--host-mem-gib", "0.01", "--tflops", "100", "--pcie-gbps", "20", "--recompute", "--pcie-switch", "none"],
     "auto-nothing-fits": [*AUTO, "--device-mem-gib", "3.6"],
     "auto-nothing-fits-json": [*AUTO, "--device-mem-gib", "0.5", "--recompute", "--format", "json"],
 }

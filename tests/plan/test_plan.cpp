@@ -273,7 +273,7 @@ TEST_CASE(
       } else {
         CHECK(c.peak_device_bytes[u] == L.model_state[u] + sim.ranks[u].peak + L.workspace[u]);
       }
-      if (c.offload_chunks == 0) CHECK(c.host_bytes[u] == 0);
+      if (c.offload_chunks == 0) CHECK(c.host_bytes[u] == L.staging);  // backend::Cuda's pinned staging only
     }
   }
   CHECK(r.choice.lowered);
@@ -338,19 +338,28 @@ TEST_CASE("host memory counts: offload candidates need host bytes, and too littl
       some = some || total > 0;
     }
   CHECK(some);
-  x.host_bytes = 0;
+  // Every CUDA rank pins backend::Cuda's staging (po::cuda_staging_bytes); with only that much
+  // host memory nothing that offloads fits.
+  const double staging = static_cast<double>(cuda_staging_bytes());
+  CHECK(staging == ((4 * 4096 + 1) * 8 + 255) / 256 * 256 + 8 * 1024 * 1024);
+  x.host_bytes = staging;
   r = plan(small(), x);
   int ruled_out = 0;
   for (const PlanCandidate& c : r.candidates) {
-    double total = 0;
-    for (double h : c.host_bytes) total += h;
-    if (c.fits) CHECK(total == 0);
-    if (total > 0) {
+    double most = 0;
+    for (double h : c.host_bytes) most = std::max(most, h);
+    CHECK(most >= staging);
+    if (c.fits) CHECK(most == staging);
+    if (most > staging) {
       CHECK(c.shortfall_on_host);
       ++ruled_out;
     }
   }
   CHECK(ruled_out > 0);
+  // Less than the staging: nothing fits.
+  x.host_bytes = staging - 1;
+  CHECK_FALSE(plan(small(), x).fits);
+  CHECK(plan(small(), x).why.find("more host memory") != std::string::npos);
 }
 
 TEST_CASE("bad models, machines and budgets throw shape_error with a sentence") {
@@ -594,6 +603,8 @@ TEST_CASE("per_rank: the choice's device bytes by kind add up to its peak, and e
         CHECK(k.device == c.peak_device_bytes[u]);
         CHECK(k.device == k.state + k.optimizer + k.buffers + k.scratch + k.workspace + k.reserve);
         CHECK(k.host == c.host_bytes[u]);
+        CHECK(k.staging == static_cast<double>(cuda_staging_bytes()));
+        CHECK(k.host >= k.staging);
         CHECK(k.state + k.optimizer == L.model_state[u] + c.runtime_bytes[u]);  // and the runtime's own blocks
         CHECK(k.optimizer == L.optimizer[u]);
         CHECK(k.scratch == L.scratch[u]);

@@ -137,9 +137,17 @@ def main():
           "nothing fits: shortfall_bytes is not the worst rank's excess")
     rc, out, err = run(*args_of({**SMALL, "--device-mem-gib": "1.2"}))
     check(rc == 3 and "NOTHING FITS" in out, f"nothing fits, text: exit {rc}")
-    # Host memory too small for any offload still plans (without offload).
-    doc4, _ = plan({**SMALL, "--host-mem-gib": "0", "--device-mem-gib": "64"})
-    check(doc4.get("offload_chunks") == 0 and max(doc4.get("host_bytes", [1])) == 0, "host 0 GiB: chose an offload")
+    # Host memory too small for any offload still plans (without offload): each rank holds
+    # backend::Cuda's pinned staging only (staging_bytes); less than that, nothing fits.
+    doc4, _ = plan({**SMALL, "--host-mem-gib": "0.01", "--device-mem-gib": "64"})
+    staging = [r.get("staging_bytes") for r in doc4.get("per_rank", [])]
+    check(doc4.get("offload_chunks") == 0 and staging and staging[0] > 0 and doc4.get("host_bytes") == staging,
+          f"host 0.01 GiB: offload {doc4.get('offload_chunks')}, host {doc4.get('host_bytes')}, staging {staging}")
+    rc, out, err = run(*args_of({**SMALL, "--host-mem-gib": "0", "--device-mem-gib": "64"}))
+    check(rc == 3 and "more host memory" in err, f"host 0 GiB: exit {rc}, {err!r}")
+    doc5, _ = plan({**TINY, "--device-mem-gib": "64", "--host-mem-gib": "0"}, "--backend", "cpu")
+    check(doc5.get("fits") is True and doc5.get("per_rank", [{}])[0].get("staging_bytes") == 0,
+          f"--backend cpu pins no staging: {doc5.get('per_rank')}")
 
     # ---- --gradients exact: 16 more bytes of model state per parameter (the 128-bit sums) --------
     std, _ = plan(SMALL)

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "../error.hpp"
+#include "../memory/state.hpp"
 #include "../tensor.hpp"
 #include "exact.hpp"
 #include "update.hpp"
@@ -48,9 +49,7 @@ constexpr const char* memory_name(Memory m) {
   return "?";
 }
 
-/// Bytes of pinned staging an upload may use without a wait, by default (the Options'
-/// upload_staging_bytes of backend::Cuda, and of backend::Cpu, which counts waits as it would).
-inline constexpr std::size_t default_upload_staging = std::size_t{8} << 20;
+using pipeoffload::default_upload_staging;  // memory/state.hpp
 
 namespace detail {
 

@@ -19,6 +19,22 @@
 
 namespace pipeoffload {
 
+/// Pinned staging an upload may use without a wait, by default (backend::Cuda's and
+/// backend::Cpu's Options::upload_staging_bytes; Cpu counts its waits as Cuda would).
+inline constexpr std::size_t default_upload_staging = std::size_t{8} << 20;
+/// Most groups one sum_squares call takes, by default (backend::Cuda::Options::max_norm_groups).
+inline constexpr std::size_t default_max_norm_groups = 4096;
+
+/// Pinned host bytes backend::Cuda stages through, taken at its construction: the gradient
+/// norm's part (a table of 3 int64 a group and one more, then a double a group, for
+/// `max_norm_groups` groups: (4g + 1) x 8 bytes, rounded up to 256 so that the uploads' part
+/// starts aligned) and the uploads' `upload_staging` bytes. Each CUDA rank's host bytes count it (the planner,
+/// train_gpt's cuda_rank_bytes: docs/memory.md).
+constexpr std::size_t cuda_staging_bytes(std::size_t max_norm_groups = default_max_norm_groups,
+                                         std::size_t upload_staging = default_upload_staging) {
+  return ((4 * max_norm_groups + 1) * sizeof(long long) + 255) / 256 * 256 + upload_staging;
+}
+
 /// Bytes of one exact gradient sum (backend/exact.hpp's 128-bit exact::Fixed; runtime.hpp asserts they agree).
 inline constexpr std::size_t exact_sum_bytes = 16;
 

@@ -100,6 +100,10 @@ struct PlanBudget {
   /// workspace_bytes' default; train_gpt takes cuDNN attention's need where a shape asks for
   /// more, which only a device can say). Not counted on the CPU.
   double workspace_bytes = 256.0 * 1024 * 1024;
+  /// Pinned host bytes backend::Cuda stages through (po::cuda_staging_bytes of its Options'
+  /// defaults: the norm's tables and sums, the uploads' staging), in every rank's host bytes on
+  /// CUDA (not on the CPU, whose memory is not pinned).
+  double staging_bytes = static_cast<double>(cuda_staging_bytes());
   /// Largest v searched (0: as many as the layout allows, at most 64).
   int max_chunks = 0;
   /// Consider schedules that offload activations to host memory.

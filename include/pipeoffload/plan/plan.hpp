@@ -44,7 +44,7 @@ struct PlanCandidate {
   std::vector<double> buffer_bytes;       ///< per rank (lowered): the memory plan's region, what the runtime reserves
   std::vector<double> message_bytes;      ///< per rank (lowered): the most boundary tensors alive at once
   std::vector<double> runtime_bytes;      ///< per rank (lowered): the runtime's step inputs, losses and flags
-  std::vector<double> host_bytes;         ///< per rank: pinned host memory for offloaded units
+  std::vector<double> host_bytes;         ///< per rank: pinned host memory, offloaded units' bins and staging
   bool fits = false;                      ///< every rank's device and host memory holds what it needs
   double shortfall_bytes = 0;             ///< 0 if it fits; else the largest excess over device or host memory
   int shortfall_rank = -1;                ///< the rank with that excess
@@ -71,7 +71,7 @@ struct PlanCandidate {
 /// what the buffers' region holds at its fullest (docs/lowering.md).
 struct RankMemory {
   double device = 0;       ///< the rank's peak device bytes (PlanCandidate::peak_device_bytes)
-  double host = 0;         ///< pinned host bytes for offloaded units (PlanCandidate::host_bytes)
+  double host = 0;         ///< pinned host bytes: offloaded units' bins and `staging` (PlanCandidate::host_bytes)
   double state = 0;        ///< working parameters, main gradients, the runtime's sums and staging
   double optimizer = 0;    ///< the optimizer's state and fp32 master (its shard with ZeRO-1)
   double buffers = 0;      ///< the lowered memory plan's region: units, stashes, boundary tensors at their offsets
@@ -81,6 +81,7 @@ struct RankMemory {
   double scratch = 0;      ///< the stages' own scratch (stage_scratch_bytes of each: logits, workspaces)
   double workspace = 0;    ///< the libraries' workspace in the backend's arena (PlanBudget::workspace_bytes)
   double reserve = 0;      ///< PlanBudget::reserved_bytes (CUDA context, NCCL, libraries' allocations)
+  double staging = 0;      ///< of host: the backend's pinned staging (PlanBudget::staging_bytes; 0 on the CPU)
 };
 
 /// One data-parallel degree a search (GridSpec::dp = 0) tried.
@@ -146,6 +147,7 @@ struct Layout {
   double messages = 0;                         ///< P2P buffers of a rank (part of workspace): the estimate's
   double libraries = 0;                        ///< PlanBudget::workspace_bytes in its size class (part of workspace)
   double reserve = 0;                          ///< PlanBudget::reserved_bytes (part of workspace)
+  double staging = 0;                          ///< PlanBudget::staging_bytes on CUDA, 0 on the CPU (host bytes)
   double boundary = 0;                         ///< bytes of one boundary tensor (b s h values)
   double block = 256;                          ///< the backend's block rounding (arena size classes)
   bool cpu = false;                            ///< PlanBackend::cpu: train_gpt's CPU GPT is counted
@@ -246,6 +248,7 @@ constexpr Layout make_layout(const TransformerSpec& m, const MachineSpec& x, con
   L.messages = p2p;
   L.scratch = transient;
   L.reserve = cpu ? 0.0 : bud.reserved_bytes;
+  L.staging = cpu ? 0.0 : bud.staging_bytes;
   L.libraries = cpu ? 0.0 : detail::round_to(bud.workspace_bytes, L.block);
   for (int r = 0; r < d; ++r)
     L.workspace[static_cast<std::size_t>(r)] = L.reserve + L.libraries + p2p + transient[static_cast<std::size_t>(r)];
@@ -484,7 +487,7 @@ constexpr void lower_candidate(PlanCandidate& c, const detail::Layout& L, const 
     c.runtime_bytes.push_back(fixed);
     double host = 0;  // the pinned bins the runtime reserves (training's; evaluation has none)
     for (const BlockCount& b : train[u].host) host += static_cast<double>(b.bytes * b.count);
-    c.host_bytes[u] = host;
+    c.host_bytes[u] = host + L.staging;
     c.peak_device_bytes[u] = L.model_state[u] + fixed + region + L.scratch[u] + L.libraries + L.reserve;
   }
   detail::judge(c, x);
@@ -524,7 +527,7 @@ constexpr PlanCandidate evaluate(const PlanOption& o, const detail::Layout& L, c
     c.activation_bytes.push_back(act);
     c.stash_bytes.push_back(sim.ranks[ur].stash_peak);
     c.peak_device_bytes.push_back(L.model_state[ur] + act + L.workspace[ur]);
-    c.host_bytes.push_back(detail::host_peak(p, sim.ranks[ur], r));
+    c.host_bytes.push_back(detail::host_peak(p, sim.ranks[ur], r) + L.staging);
   }
   detail::judge(c, x);
   return c;
@@ -765,7 +768,8 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
                             .messages = res.choice.message_bytes[u],
                             .scratch = L.scratch[u],
                             .workspace = L.libraries,
-                            .reserve = L.reserve});
+                            .reserve = L.reserve,
+                            .staging = L.staging});
   }
   res.allreduce_stage_s = L.allreduce;
   res.host_bytes_per_node_contiguous =
@@ -916,6 +920,7 @@ constexpr PlanResult plan(const TransformerSpec& m, const MachineSpec& x, const 
                       detail::num(static_cast<long long>(bud.reduce_bucket)));
   detail::require_real("budget: reserved bytes (>= 0)", bud.reserved_bytes, 0, 1e18);
   detail::require_real("budget: workspace bytes (>= 0)", bud.workspace_bytes, 0, 1e18);
+  detail::require_real("budget: pinned staging bytes (>= 0)", bud.staging_bytes, 0, 1e18);
   if (!bud.schedule.empty()) {
     if (find_schedule(bud.schedule) == nullptr)
       throw shape_error("budget: schedule must be empty or one of " + schedule_names() + ", got '" + bud.schedule +

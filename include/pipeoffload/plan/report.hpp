@@ -334,7 +334,8 @@ inline std::string render_plan_json(const PlanResult& r, const TransformerSpec& 
          ", \"optimizer_bytes\": " + fmt(k.optimizer) + ", \"buffer_bytes\": " + fmt(k.buffers) +
          ", \"activation_bytes\": " + fmt(k.activations) + ", \"stash_bytes\": " + fmt(k.stash) +
          ", \"message_bytes\": " + fmt(k.messages) + ", \"scratch_bytes\": " + fmt(k.scratch) +
-         ", \"workspace_bytes\": " + fmt(k.workspace) + ", \"reserve_bytes\": " + fmt(k.reserve) + "}";
+         ", \"workspace_bytes\": " + fmt(k.workspace) + ", \"reserve_bytes\": " + fmt(k.reserve) +
+         ", \"staging_bytes\": " + fmt(k.staging) + "}";
   }
   s += r.per_rank.empty() ? "],\n" : "\n  ],\n";
   if (grid) {

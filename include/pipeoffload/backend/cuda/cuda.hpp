@@ -110,7 +110,8 @@ class Cuda : public detail::Failure<Cuda> {
     std::size_t arena_bytes = 0;                           ///< device slab; 0 = 3/4 of the device's free memory
     std::size_t workspace_bytes = std::size_t{256} << 20;  ///< cuBLASLt + cuDNN scratch, inside the slab
     bool deterministic_attention = true;  ///< cuDNN's deterministic SDPA backward (runs repeat bit for bit)
-    std::size_t max_norm_groups = 4096;   ///< most groups one sum_squares call takes (its pinned staging)
+    std::size_t max_norm_groups =
+        default_max_norm_groups;  ///< most groups one sum_squares call takes (its pinned staging)
     /// Pinned host bytes the uploads since the last wait may use: an upload that fits does not
     /// wait (see upload).
     std::size_t upload_staging_bytes = default_upload_staging;
@@ -154,8 +155,8 @@ class Cuda : public detail::Failure<Cuda> {
     // staging, pinned host, owned here: sum_squares' uploads and results and upload()'s copies,
     // so that no step copies through pageable memory.
     void* staging = nullptr;
-    PIPEOFFLOAD_CUDA_CHECK(
-        cudaHostAlloc(&staging, norm_staging_bytes() + opt_.upload_staging_bytes, cudaHostAllocPortable));
+    PIPEOFFLOAD_CUDA_CHECK(cudaHostAlloc(&staging, cuda_staging_bytes(opt_.max_norm_groups, opt_.upload_staging_bytes),
+                                         cudaHostAllocPortable));
     norm_staging_ = static_cast<std::byte*>(staging);
     upload_staging_ = norm_staging_ + norm_staging_bytes();
   }
@@ -894,11 +895,9 @@ class Cuda : public detail::Failure<Cuda> {
  private:
   static constexpr std::size_t alignment = cuda::pool_alignment;
   static std::size_t round_up(std::size_t n) { return cuda::pool_size_class(n); }
-  /// The norm's part of the pinned staging, rounded up to 256 bytes: the uploads' part after it
-  /// starts aligned (and so does every staged upload, stage_upload).
-  std::size_t norm_staging_bytes() const {
-    return ((4 * opt_.max_norm_groups + 1) * sizeof(long long) + 255) / 256 * 256;
-  }
+  /// The norm's part of the pinned staging (po::cuda_staging_bytes), rounded up to 256 bytes:
+  /// the uploads' part after it starts aligned (and so does every staged upload, stage_upload).
+  std::size_t norm_staging_bytes() const { return cuda_staging_bytes(opt_.max_norm_groups, 0); }
 
   struct Poll {
     int id = 0;
