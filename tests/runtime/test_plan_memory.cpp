@@ -179,6 +179,31 @@ void sweep_llama(po::TransformerSpec m, po::MachineSpec x, po::PlanBackend backe
       }
 }
 
+/// train_gpt's CPU GPT at the size the CPU sweeps run, `batch` sequences an iteration.
+po::TransformerSpec cpu_gpt(int batch) {
+  return {.layers = 6,
+          .hidden = 32,
+          .heads = 4,
+          .query_groups = 4,
+          .seq = 16,
+          .micro_batch = 2,
+          .global_batch = batch,
+          .vocab = 256};
+}
+
+/// The CUDA GPT the CUDA sweeps compute (recomputing in backward, as train_gpt's does).
+po::TransformerSpec cuda_gpt(int batch) {
+  return {.layers = 30,
+          .hidden = 512,
+          .heads = 8,
+          .query_groups = 8,
+          .seq = 256,
+          .micro_batch = 2,
+          .global_batch = batch,
+          .vocab = 256,
+          .recompute = true};
+}
+
 std::string corpus() {
   std::string text;
   for (int i = 0; text.size() < 20000; ++i) text += "the quick brown fox " + std::to_string(i * 7919 % 1000) + ". ";
@@ -199,14 +224,7 @@ TEST_CASE(
       CAPTURE(d);
       CAPTURE(dp);
       CAPTURE(zero);
-      const po::TransformerSpec m{.layers = 6,
-                                  .hidden = 32,
-                                  .heads = 4,
-                                  .query_groups = 4,
-                                  .seq = 16,
-                                  .micro_batch = 2,
-                                  .global_batch = 2 * 2 * d * dp,
-                                  .vocab = 256};
+      const po::TransformerSpec m = cpu_gpt(2 * 2 * d * dp);
       // A slow device keeps the copy ratio k near 1 for this tiny model (train_gpt takes k <= 100).
       const po::MachineSpec x{.ranks = d, .device_bytes = 64 * po::gib, .host_bytes = 64 * po::gib, .flops = 5e11};
       const po::PlanBudget bud{.gradients = gradients, .backend = po::PlanBackend::cpu};
@@ -227,15 +245,8 @@ TEST_CASE(
          {std::tuple{1, 0, po::Gradients::exact}, std::tuple{2, 1, po::Gradients::standard}}) {
       CAPTURE(d);
       CAPTURE(dp);
-      po::TransformerSpec m{.layers = 6,
-                            .hidden = 32,
-                            .heads = 4,
-                            .query_groups = 4,
-                            .seq = 16,
-                            .micro_batch = 2,
-                            .global_batch = 2 * 2 * d * dp,
-                            .vocab = 256,
-                            .tied_embeddings = true};
+      po::TransformerSpec m = cpu_gpt(2 * 2 * d * dp);
+      m.tied_embeddings = true;
       const po::MachineSpec x{.ranks = d, .device_bytes = 64 * po::gib, .host_bytes = 64 * po::gib, .flops = 5e11};
       const po::PlanBudget bud{.gradients = gradients, .backend = po::PlanBackend::cpu};
       const po::GridSpec grid{.dp = dp, .zero = zero};
@@ -295,15 +306,7 @@ TEST_CASE(
           std::tuple{2, 1, po::Gradients::standard}, std::tuple{4, 1, po::Gradients::exact}}) {
       CAPTURE(d);
       CAPTURE(dp);
-      const po::TransformerSpec m{.layers = 30,
-                                  .hidden = 512,
-                                  .heads = 8,
-                                  .query_groups = 8,
-                                  .seq = 256,
-                                  .micro_batch = 2,
-                                  .global_batch = 2 * 2 * d * dp,
-                                  .vocab = 256,
-                                  .recompute = true};
+      const po::TransformerSpec m = cuda_gpt(2 * 2 * d * dp);
       const po::MachineSpec x{.ranks = d, .device_bytes = 80 * po::gib, .flops = 2e11};
       const po::PlanBudget bud{.gradients = gradients};
       sweep(m, x, bud, {.dp = dp, .zero = zero}, text, s);
@@ -340,14 +343,7 @@ TEST_CASE(
   Sweep cpu, cuda;
   for (const auto& [dp, zero] : {std::pair{1, 0}, std::pair{2, 1}}) {
     CAPTURE(dp);
-    const po::TransformerSpec m{.layers = 6,
-                                .hidden = 32,
-                                .heads = 4,
-                                .query_groups = 4,
-                                .seq = 16,
-                                .micro_batch = 2,
-                                .global_batch = 2 * 4 * dp,
-                                .vocab = 256};
+    const po::TransformerSpec m = cpu_gpt(2 * 4 * dp);
     const po::MachineSpec x{.ranks = 1,
                             .device_bytes = 64 * po::gib,
                             .host_bytes = 64 * po::gib,
@@ -358,15 +354,7 @@ TEST_CASE(
   }
   for (const int d : {2, 4}) {
     CAPTURE(d);
-    const po::TransformerSpec m{.layers = 30,
-                                .hidden = 512,
-                                .heads = 8,
-                                .query_groups = 8,
-                                .seq = 256,
-                                .micro_batch = 2,
-                                .global_batch = 2 * 2 * d,
-                                .vocab = 256,
-                                .recompute = true};
+    const po::TransformerSpec m = cuda_gpt(2 * 2 * d);
     const po::MachineSpec x{.ranks = d,
                             .device_bytes = 80 * po::gib,
                             .flops = 2e11,
