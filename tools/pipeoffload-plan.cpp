@@ -64,6 +64,9 @@ Builds a pipeline schedule, simulates it (as-soon-as-possible execution) and pri
                         a stream of its own (ranks without a PCIe partner may copy both ways at once)
   --duplex-slowdown X   with --copy-streams 2: a copy's time while the other direction copies
                         too, over its time alone, [1, 100]; default 1
+  --pcie-switch pairs|none
+                        ranks r and r^1 share a PCIe switch and stagger their copy slots
+                        (default pairs), or each rank has its link to itself
   --format FMT          text (default), csv, json, chrome-trace, svg, torch-csv (torch's
                         schedule CSV: compute actions only), torch-csv-lowered (with its
                         SEND/RECV actions); offload ops have no torch action and are left out
@@ -198,10 +201,10 @@ constexpr std::string_view grid_flags[] = {"--dp",      "--search-dp",     "--gp
                                            "--dp-gbps", "--gpus-per-node", "--node-layout", "--reduce-dtype"};
 /// Flags only --auto reads, and flags --auto does not take.
 constexpr std::string_view auto_only[] = {
-    "--recompute",      "--layers",       "--heads",         "--query-groups", "--global-batch",   "--vocab",
-    "--device-mem-gib", "--host-mem-gib", "--pcie-switch",   "--dp",           "--search-dp",      "--gpus",
-    "--zero",           "--dp-gbps",      "--gpus-per-node", "--node-layout",  "--gradients",      "--ffn-hidden",
-    "--swiglu",         "--reduce-dtype", "--model",         "--backend",      "--tied-embeddings"};
+    "--recompute",      "--layers",        "--heads",       "--query-groups",   "--global-batch", "--vocab",
+    "--device-mem-gib", "--host-mem-gib",  "--dp",          "--search-dp",      "--gpus",         "--zero",
+    "--dp-gbps",        "--gpus-per-node", "--node-layout", "--gradients",      "--ffn-hidden",   "--swiglu",
+    "--reduce-dtype",   "--model",         "--backend",     "--tied-embeddings"};
 constexpr std::string_view not_auto[] = {"--import", "--chunks", "--microbatches", "--group",  "--offload-chunks",
                                          "--k",      "--cost-f", "--cost-b",       "--cost-w", "--cost-comm"};
 constexpr std::string_view hardware_flags[] = {"--hidden", "--seq", "--micro-batch", "--tflops", "--pcie-gbps"};
@@ -217,6 +220,14 @@ std::string join(const std::string_view (&list)[N], const char* sep = ", ") {
 }
 
 using cli::Args;
+
+/// --pcie-switch pairs (the default) or none: whether ranks r and r^1 share a PCIe switch.
+bool pcie_pairs(const Args& args) {
+  const std::string* sw = args.get("--pcie-switch");
+  if (sw && *sw != "pairs" && *sw != "none")
+    throw bad_argument("--pcie-switch must be pairs or none, got " + quote(*sw));
+  return !sw || *sw == "pairs";
+}
 
 /// A required integer flag.
 int required_int(const Args& args, std::string_view flag, const char* what, long long lo, long long hi) {
@@ -335,6 +346,7 @@ Request interpret(const Args& args) {
   const cli::CopyStreams streams = cli::copy_streams(args, false);
   rq.costs.copy_streams = streams.streams;
   rq.costs.duplex_slowdown = streams.slowdown;
+  rq.costs.stagger_pairs = pcie_pairs(args);
 
   if (const std::string* f = args.get("--format")) {
     bool known = false;
@@ -564,10 +576,7 @@ AutoRequest interpret_auto(const Args& args) {
         "--pcie-gbps must be > 0: k (offload copy time / compute time) needs a host<->device bandwidth, got " +
         quote(*p));
   x.pcie_bytes_per_s = real("--pcie-gbps", "host<->device GB/s of one device in one direction, > 0", false) * 1e9;
-  if (const std::string* sw = args.get("--pcie-switch")) {
-    if (*sw != "pairs" && *sw != "none") throw bad_argument("--pcie-switch must be pairs or none, got " + quote(*sw));
-    x.pairs_share_switch = *sw == "pairs";
-  }
+  x.pairs_share_switch = pcie_pairs(args);
   const cli::CopyStreams streams = cli::copy_streams(args, true);
   x.copy_streams = streams.streams;
   x.duplex_slowdown = streams.slowdown;

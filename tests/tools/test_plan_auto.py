@@ -362,7 +362,8 @@ def copy_streams():
           auto.get("iteration_time_s", 1) < one.get("iteration_time_s", 0),
           f"--copy-streams auto: {auto.get('schedule')} on {auto.get('copy_streams')} streams, "
           f"{auto.get('iteration_time_s')} s; one stream: {one.get('schedule')}, {one.get('iteration_time_s')} s")
-    check(" --copy-streams 2 --duplex-slowdown 1.31 " in auto.get("command", ""), f"command {auto.get('command')!r}")
+    check(" --copy-streams 2 --duplex-slowdown 1.31 --pcie-switch none " in auto.get("command", ""),
+          f"command {auto.get('command')!r}")
     rc, out, err = run(*args_of(WIDE, "--copy-streams", "auto", "--duplex-slowdown", "1.31"))
     choice = [ln for ln in out.splitlines() if ln.startswith("choice ")]
     check(rc == 0 and choice and choice[0].endswith(" on 2 copy streams"), f"text choice line {choice!r}")

@@ -329,6 +329,15 @@ def torch_csv():
         else:
             check(len(rows["copy"]) == 2 and not rows["reload"] and {"O", "R"} <= {c.upper() for c in cells["copy"]},
                   f"--copy-streams 1: rows {rows}")
+        # --pcie-switch none: no partner, so no staggered copy slots (a different placement);
+        # a bad value is refused.
+        paired = ok("--schedule", "po-f", "--ranks", "4", "--chunks", "2", "--microbatches", "8", "--k", "1.5",
+                    "--copy-streams", streams, "--format", "csv")
+        alone = ok("--schedule", "po-f", "--ranks", "4", "--chunks", "2", "--microbatches", "8", "--k", "1.5",
+                   "--copy-streams", streams, "--format", "csv", "--pcie-switch", "none")
+        check(paired != alone, f"--copy-streams {streams}: --pcie-switch none places the copies as pairs do")
+        rc, _, err = run("--schedule", "po-f", "--ranks", "4", "--chunks", "2", "--microbatches", "8", "--pcie-switch", "x")
+        check(rc == 2 and err.strip().endswith("--pcie-switch must be pairs or none, got 'x'"), f"--pcie-switch x: {rc} {err!r}")
         # The SVG likewise: offload arrows (pointing right) and reload arrows (pointing left)
         # each on their own rows' heights with two streams, all on the copy rows' with one.
         svg = ok("--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--microbatches", "8", "--k", "1.5",

@@ -114,8 +114,9 @@ struct PlanResult {
   int gpus_per_node = 8;                      ///< GridSpec's
   NodeLayout node_layout = NodeLayout::contiguous;  ///< GridSpec's
   double k = 0;                                     ///< round-trip copy / compute of one layer
-  double duplex_slowdown = 1;  ///< MachineSpec's: with the choice's two copy streams, a copy's slowdown
-  double flops = 0;            ///< MachineSpec::flops: the FLOP/s the choice's stage costs assume (stage_costs)
+  double duplex_slowdown = 1;      ///< MachineSpec's: with the choice's two copy streams, a copy's slowdown
+  bool pairs_share_switch = true;  ///< MachineSpec's: ranks r and r^1 share a PCIe switch
+  double flops = 0;                ///< MachineSpec::flops: the FLOP/s the choice's stage costs assume (stage_costs)
   double activation_bytes_per_layer = 0;  ///< saved bytes of one layer per microbatch
   std::vector<int> layers_per_stage;      ///< of the choice's v*d stages (embedding and LM head not counted)
   std::vector<double> model_state_bytes;  ///< per rank, of the choice's layout
@@ -643,6 +644,7 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
   res.flops = x.flops;
   res.activation_bytes_per_layer = activation_bytes_per_layer(m);
   res.duplex_slowdown = x.duplex_slowdown;
+  res.pairs_share_switch = x.pairs_share_switch;
   std::vector<detail::Layout> layouts;
   Program program;  // reused by every candidate
   SimResult sim;

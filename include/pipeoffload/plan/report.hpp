@@ -49,11 +49,13 @@ inline std::vector<std::string> schedule_args(const PlanResult& r, int ranks) {
 }
 }  // namespace detail
 
-/// The plan tool's command line that draws the chosen schedule (orders and offload; the
-/// costs there are unit passes with this plan's k).
+/// The plan tool's command line that draws the chosen schedule (orders and offload, with
+/// --pcie-switch none where ranks have no PCIe partner; the costs there are unit passes with
+/// this plan's k).
 inline std::string plan_command(const PlanResult& r, int ranks) {
   std::string s = "pipeoffload-plan";
   for (const std::string& a : detail::schedule_args(r, ranks)) s += " " + a;
+  if (!r.pairs_share_switch && ranks >= 2 && r.choice.offload_chunks > 0) s += " --pcie-switch none";
   char k[32];
   std::snprintf(k, sizeof k, "%.4g", r.k);
   return s + " --k " + k;
