@@ -329,6 +329,14 @@ def torch_csv():
         else:
             check(len(rows["copy"]) == 2 and not rows["reload"] and {"O", "R"} <= {c.upper() for c in cells["copy"]},
                   f"--copy-streams 1: rows {rows}")
+        # JSON: copy_streams, and each op on its stream ("reload" for reloads with two streams).
+        doc = json.loads(ok("--schedule", "po-f", "--ranks", "2", "--chunks", "2", "--microbatches", "8", "--k", "1.5",
+                            "--copy-streams", streams, "--format", "json"))
+        kinds = {(o["stream"], o["op"]) for o in doc["ops"]}
+        want = {("compute", "F"), ("compute", "B"), ("compute", "W"), ("copy", "O"),
+                ("reload" if streams == "2" else "copy", "R")}
+        check(doc.get("copy_streams") == int(streams) and kinds == want,
+              f"--copy-streams {streams} json: copy_streams {doc.get('copy_streams')}, streams and ops {sorted(kinds)}")
         # --pcie-switch none: no partner, so no staggered copy slots (a different placement);
         # a bad value is refused.
         paired = ok("--schedule", "po-f", "--ranks", "4", "--chunks", "2", "--microbatches", "8", "--k", "1.5",

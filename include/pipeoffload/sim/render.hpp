@@ -140,8 +140,10 @@ inline std::string render_csv(const Program& p, const SimResult& sim) {
   return s;
 }
 
-/// JSON: schedule, shape, group, offload_chunks, k, costs, makespan, bubble_fraction,
-/// max_peak; per-rank arrays warmup, peak, bubble, busy; and "ops" in timed_ops() order.
+/// JSON: schedule, shape, group, offload_chunks, copy_streams, k, costs, makespan,
+/// bubble_fraction, max_peak; per-rank arrays warmup, peak, bubble, busy; and "ops" in
+/// timed_ops() order, each on its stream: "compute", "copy", and with two copy streams
+/// "reload" for the reloads' own.
 inline std::string render_json(const Program& p, const SimResult& sim) {
   using detail::fmt;
   std::string s = "{\n";
@@ -151,6 +153,7 @@ inline std::string render_json(const Program& p, const SimResult& sim) {
   s += "  \"microbatches\": " + detail::num(p.m()) + ",\n";
   s += "  \"group\": " + detail::num(p.group) + ",\n";
   s += "  \"offload_chunks\": " + detail::num(detail::offloaded_chunks(p)) + ",\n";
+  s += "  \"copy_streams\": " + detail::num(p.costs.duplex() ? 2 : 1) + ",\n";
   s += "  \"k\": " + fmt(p.costs.k) + ",\n";
   s += "  \"costs\": {\"f\": " + fmt(p.costs.f) + ", \"b\": " + fmt(p.costs.b) + ", \"w\": " + fmt(p.costs.w) +
        ", \"comm\": " + fmt(p.costs.comm) + "},\n";
@@ -167,10 +170,11 @@ inline std::string render_json(const Program& p, const SimResult& sim) {
   for (const TimedOp& t : timed_ops(p, sim)) {
     s += first ? "\n    " : ",\n    ";
     first = false;
-    s += "{\"rank\": " + detail::num(t.rank) + ", \"stream\": \"" + (t.copy ? "copy" : "compute") + "\", \"op\": \"" +
-         op_name(t.op.kind) + "\", \"stage\": " + detail::num(t.op.stage) +
-         ", \"chunk\": " + detail::num(p.shape.chunk_of(t.op.stage)) + ", \"microbatch\": " + detail::num(t.op.mb) +
-         ", \"start\": " + fmt(t.start) + ", \"end\": " + fmt(t.end) + "}";
+    const char* stream = !t.copy ? "compute" : p.costs.duplex() && t.op.kind == OpKind::R ? "reload" : "copy";
+    s += "{\"rank\": " + detail::num(t.rank) + ", \"stream\": \"" + stream + "\", \"op\": \"" + op_name(t.op.kind) +
+         "\", \"stage\": " + detail::num(t.op.stage) + ", \"chunk\": " + detail::num(p.shape.chunk_of(t.op.stage)) +
+         ", \"microbatch\": " + detail::num(t.op.mb) + ", \"start\": " + fmt(t.start) + ", \"end\": " + fmt(t.end) +
+         "}";
   }
   s += first ? "]\n}\n" : "\n  ]\n}\n";
   return s;
