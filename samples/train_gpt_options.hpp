@@ -523,13 +523,13 @@ inline std::string stage_blocks_text(const po::gpt::GptConfig& m) {
 }
 
 /// --copy-streams auto: the program `make(costs)` builds with one copy stream and with two,
-/// whichever simulates faster under its costs (one on a tie, and wherever ranks are paired:
-/// Costs::stagger_pairs with d >= 2, whose PCIe partners fill the other direction already).
+/// whichever simulates faster under its costs (one on a tie, and where a second stream cannot
+/// help: po::second_copy_stream_may_help).
 template <class Make>
 po::Program best_copy_streams(po::Costs costs, const Make& make) {
   costs.copy_streams = 1;
   po::Program single = make(costs);
-  if (single.shape.d >= 2 && costs.stagger_pairs) return single;
+  if (!po::second_copy_stream_may_help(single.shape.d, costs.stagger_pairs)) return single;
   costs.copy_streams = 2;
   po::Program two = make(costs);
   return po::simulate(two).makespan < po::simulate(single).makespan ? two : single;

@@ -42,6 +42,20 @@ test::Run reference(test::Config c) {
   return test::train_within(c, 120);
 }
 
+/// Trains `c` and its one-rank reference and checks that the run fails nowhere and ends with the
+/// reference's losses and parameters, bit for bit; returns the run for further checks.
+test::Run trains_like_reference(const test::Config& c) {
+  const test::Run ref = reference(c);
+  test::Run run = test::train_within(c, 120);
+  for (const std::string& e : run.errors) REQUIRE(e == "");
+  CHECK(same_bits(run.losses, ref.losses));
+  for (int s = 0; s < c.shape.stages(); ++s) {
+    CAPTURE(s);
+    CHECK(same_bits(run.params[static_cast<std::size_t>(s)], ref.params[static_cast<std::size_t>(s)]));
+  }
+  return run;
+}
+
 }  // namespace
 
 TEST_CASE("every family trains bit-identically to a one-rank sequential run (3 steps: losses and parameters)") {
@@ -93,12 +107,7 @@ TEST_CASE("offload with a rate-limited copy engine still trains bit-identically"
   c.spec = po::parse_schedule("po-f");
   c.shape = {2, 2, 6};
   c.copy_bytes_per_second = 20e6;  // ~40 us per unit: copies overlap compute for real
-  const test::Run ref = reference(c);
-  const test::Run run = test::train_within(c, 120);
-  for (const std::string& e : run.errors) REQUIRE(e == "");
-  CHECK(same_bits(run.losses, ref.losses));
-  for (int s = 0; s < c.shape.stages(); ++s)
-    CHECK(same_bits(run.params[static_cast<std::size_t>(s)], ref.params[static_cast<std::size_t>(s)]));
+  const test::Run run = trains_like_reference(c);
   // Every offloaded unit went through host bins and came back.
   CHECK(run.memory[0].host_peak > 0);
   CHECK(run.memory[0].host_in_use == 0);
@@ -120,13 +129,7 @@ TEST_CASE("two copy streams (offloads and reloads apart) train bit-identically, 
           c.costs.copy_streams = 2;
           c.costs.stagger_pairs = stagger;
           c.steps = 2;
-          const test::Run ref = reference(c);
-          const test::Run run = test::train_within(c, 120);
-          for (const std::string& e : run.errors) REQUIRE(e == "");
-          CHECK(same_bits(run.losses, ref.losses));
-          for (int s = 0; s < sh.stages(); ++s)
-            CHECK(same_bits(run.params[static_cast<std::size_t>(s)], ref.params[static_cast<std::size_t>(s)]));
-          CHECK(run.memory[0].host_in_use == 0);
+          CHECK(trains_like_reference(c).memory[0].host_in_use == 0);
         }
   // A rank with a PCIe partner gains nothing from a second stream, and the pairs' counters
   // count copies in order: refused.
@@ -216,13 +219,7 @@ TEST_CASE("reloads in parts (saved_parts) train bit-identically, on one copy str
           c.costs.reload_shares.assign(static_cast<std::size_t>(sh.stages()), {0.4, 0.4, 0.2});
           c.parts = true;
           c.steps = 2;
-          const test::Run ref = reference(c);
-          const test::Run run = test::train_within(c, 120);
-          for (const std::string& e : run.errors) REQUIRE(e == "");
-          CHECK(same_bits(run.losses, ref.losses));
-          for (int s = 0; s < sh.stages(); ++s)
-            CHECK(same_bits(run.params[static_cast<std::size_t>(s)], ref.params[static_cast<std::size_t>(s)]));
-          CHECK(run.memory[0].host_in_use == 0);
+          CHECK(trains_like_reference(c).memory[0].host_in_use == 0);
         }
 }
 
@@ -326,12 +323,7 @@ TEST_CASE("PCIe pairs: a pair never copies in one direction at once, and keeps i
     c.copy_bytes_per_second = 2e6;
     c.timing = {0.0002, 0.0002, 0.0002};
     c.pairs = true;
-    const test::Run ref = reference(c);
-    const test::Run run = test::train_within(c, 120);
-    for (const std::string& e : run.errors) REQUIRE(e == "");
-    CHECK(same_bits(run.losses, ref.losses));
-    for (int s = 0; s < c.shape.stages(); ++s)
-      CHECK(same_bits(run.params[static_cast<std::size_t>(s)], ref.params[static_cast<std::size_t>(s)]));
+    const test::Run run = trains_like_reference(c);
     for (int r = 0; r < c.shape.d; r += 2) {
       CAPTURE(r);
       const po::RankSim& a = run.traces[static_cast<std::size_t>(r)];

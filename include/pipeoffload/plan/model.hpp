@@ -69,6 +69,12 @@ struct MachineSpec {
   double duplex_slowdown = 1;
 };
 
+/// Whether a second copy stream can gain anything on d ranks: only where ranks have no PCIe
+/// partner (one rank, or no shared switches); a partner's copies fill the other direction's
+/// slots already. The planner (MachineSpec::copy_streams 0) and train_gpt --copy-streams auto
+/// try two streams only where this holds.
+constexpr bool second_copy_stream_may_help(int d, bool pairs_share_switch) { return d == 1 || !pairs_share_switch; }
+
 /// Whose memory a plan counts: the CUDA GPT's on backend::Cuda (bf16 activations, boundaries
 /// and working parameters, the arena's 256-byte blocks, a reserve for the CUDA context), or
 /// train_gpt's CPU GPT's on backend::Cpu (fp32 everything, its own saved layout, 64-byte

@@ -604,7 +604,7 @@ constexpr int plan_vmax(const TransformerSpec& m, int d, int mb, const PlanBudge
 /// Whether a plan of d ranks on machine x tries each candidate that offloads on two copy
 /// streams as well as on one (MachineSpec::copy_streams 0, ranks without a PCIe partner).
 constexpr bool tries_two_streams(const MachineSpec& x, int d) {
-  return x.copy_streams == 0 && (d == 1 || !x.pairs_share_switch);
+  return x.copy_streams == 0 && second_copy_stream_may_help(d, x.pairs_share_switch);
 }
 
 /// Stage-microbatch pairs (d*v*m) such a plan builds and simulates over all its candidates.
