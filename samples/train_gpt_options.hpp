@@ -106,7 +106,8 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
   --ffn F               llama: the SwiGLU MLP's inner width, 1..1048576 (default 8h/3 rounded up to 32)
   --pack ID             pack documents into each sequence, a new one starting at every token ID (an
                         end-of-text id: 50256 in GPT-2 shards, 10 for the corpus's lines); attention stays
-                        within a document and positions restart (the step input cu_seqlens; --backend cpu)
+                        within a document and positions restart (the step input cu_seqlens; the CUDA
+                        backend packs --model llama only)
   --tie-embeddings      the LM head's weight is the token embedding (one parameter held by the first and
                         the last stage, po::SharedParam; --backend cpu)
   --stage-blocks B0,B1,...
@@ -271,10 +272,10 @@ inline Options parse(int argc, char** argv) {
     cli::one_of("--backend", *v, {"cpu", "cuda"});
     if (*v == "cuda" && tie && !o.llama)
       throw bad_argument("--tie-embeddings: the CUDA GPT does not tie its embeddings yet; use --backend cpu");
-    if (*v == "cuda" && get("--pack"))
+    if (*v == "cuda" && get("--pack") && !o.llama)
       throw bad_argument(
-          "--pack: the CUDA models do not pack sequences yet (their cuDNN attention is causal over whole rows); use "
-          "--backend cpu");
+          "--pack: the CUDA GPT does not pack sequences yet (its fused-qkv attention is causal over whole rows); use "
+          "--model llama or --backend cpu");
     o.cuda = *v == "cuda";
 #ifndef PIPEOFFLOAD_WITH_CUDA
     if (o.cuda)

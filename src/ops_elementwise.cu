@@ -5,6 +5,7 @@
 // embedding_table_grad_launch).
 #include <pipeoffload/backend/cuda/device.cuh>
 #include <pipeoffload/ops/cuda.hpp>
+#include <pipeoffload/packing.hpp>
 
 namespace pipeoffload::ops {
 namespace {
@@ -59,6 +60,10 @@ __global__ void rope_k(bf16* x, const std::int32_t* positions, long long pairs, 
 }
 __global__ void sequence_positions_k(std::int32_t* positions, long long rows, int seq) {
   for (long long i = first_index(); i < rows; i += grid_stride()) positions[i] = static_cast<std::int32_t>(i % seq);
+}
+__global__ void document_positions_k(const std::int32_t* offsets, std::int32_t* positions, long long rows, int seq) {
+  for (long long i = first_index(); i < rows; i += grid_stride())
+    positions[i] = document_position(offsets + (i / seq) * (seq + 1), seq, static_cast<int>(i % seq));
 }
 // The dropout kernels take the site (DropoutSeed) and make its seed once a thread: the step
 // may be read from device memory (a captured pass replayed at a later step).
@@ -174,6 +179,13 @@ void rope(const CudaContext& ctx, bf16* x, const std::int32_t* positions, long l
 void sequence_positions(const CudaContext& ctx, std::int32_t* positions, long long rows, int seq) {
   if (seq < 1) throw shape_error("ops::sequence_positions: seq = " + std::to_string(seq) + " is outside [1, ...)");
   PIPEOFFLOAD_LAUNCH(sequence_positions_k, elementwise_launch(rows), ctx.cuda_stream, positions, rows, seq);
+}
+void document_positions(const CudaContext& ctx, const std::int32_t* offsets, std::int32_t* positions, long long rows,
+                        int seq) {
+  if (seq < 1 || rows % seq != 0)
+    throw shape_error("ops::document_positions: rows = " + std::to_string(rows) + ", seq = " + std::to_string(seq) +
+                      "; need seq >= 1 and whole rows of seq tokens");
+  PIPEOFFLOAD_LAUNCH(document_positions_k, elementwise_launch(rows), ctx.cuda_stream, offsets, positions, rows, seq);
 }
 void add(const CudaContext& ctx, const bf16* a, const bf16* b, bf16* out, long long count) {
   PIPEOFFLOAD_LAUNCH(add_k, elementwise_launch(count), ctx.cuda_stream, a, b, out, count);

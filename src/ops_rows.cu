@@ -3,9 +3,11 @@
 // per row, with cub::BlockReduce; column sums over a tile of columns (column_sum_launch: one
 // barrier, then a fixed-order sum of the lanes' partials).
 #include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 
 #include <pipeoffload/backend/cuda/device.cuh>
 #include <pipeoffload/ops/cuda.hpp>
+#include <pipeoffload/packing.hpp>
 
 namespace pipeoffload::ops {
 namespace {
@@ -199,6 +201,27 @@ __global__ void __launch_bounds__(column_tile* column_lanes)
       out);
 }
 
+/// One block: each thread counts the documents of a run of rows, a block scan gives each run
+/// its first document, then each thread writes its rows' entries (po::row_document_table).
+constexpr int table_block = 256;
+__global__ void __launch_bounds__(table_block)
+    document_table_k(const std::int32_t* offsets, long long rows, int seq, DocumentTableView t) {
+  using Scan = cub::BlockScan<long long, table_block>;
+  __shared__ Scan::TempStorage tmp;
+  const long long per = (rows + table_block - 1) / table_block;
+  const long long first_row = static_cast<long long>(threadIdx.x) * per;
+  const long long end_row = first_row + per < rows ? first_row + per : rows;
+  long long mine = 0;
+  for (long long r = first_row; r < end_row; ++r) mine += row_documents(offsets + r * (seq + 1), seq);
+  long long first = 0;
+  Scan(tmp).ExclusiveSum(mine, first);
+  for (long long r = first_row; r < end_row; ++r) {
+    const std::int32_t* o = offsets + r * (seq + 1);
+    row_document_table(o, seq, r, first, t);
+    first += row_documents(o, seq);
+  }
+}
+
 }  // namespace
 
 void layernorm_forward(const CudaContext& ctx, const bf16* x, const bf16* gamma, const bf16* beta, bf16* y,
@@ -243,6 +266,29 @@ void cross_entropy(const CudaContext& ctx, const bf16* logits, const std::int32_
 }
 void mean(const CudaContext& ctx, const float* losses, float* out, long long rows) {
   PIPEOFFLOAD_LAUNCH(mean_k, per_row_launch(rows > 0 ? 1 : 0, 1), ctx.cuda_stream, losses, out, rows);
+}
+
+DeviceDocuments document_table(const CudaContext& ctx, const std::int32_t* offsets, long long rows, int seq, int count,
+                               AttentionShape s, AttentionStrides strides, std::byte* memory) {
+  const long long T = rows * seq;
+  if (rows < 1 || seq < 1 || count < rows || count > T)
+    throw shape_error("ops::document_table: count = " + std::to_string(count) +
+                      " documents in rows = " + std::to_string(rows) + " of seq = " + std::to_string(seq) +
+                      " tokens; need rows, seq >= 1 and count in [rows, rows * seq]");
+  const long long H = static_cast<long long>(s.heads) * s.head_dim, K = static_cast<long long>(s.groups()) * s.head_dim;
+  const long long q = strides.q ? strides.q : H, k = strides.k ? strides.k : K, v = strides.v ? strides.v : K,
+                  out = strides.out ? strides.out : H;
+  if (k != v)
+    throw shape_error("ops::document_table: k's row stride " + std::to_string(k) + " differs from v's " +
+                      std::to_string(v) + "; cuDNN's packed attention reads one offset array for both");
+  if (memory == nullptr || reinterpret_cast<std::uintptr_t>(memory) % 8 != 0)
+    throw error("ops::document_table: memory must be device memory aligned to 8 bytes");
+  auto* lengths = reinterpret_cast<std::int32_t*>(memory);
+  auto* arrays = reinterpret_cast<std::int64_t*>(memory + (static_cast<std::size_t>(T) * 4 + 7) / 8 * 8);
+  const std::size_t n = static_cast<std::size_t>(T) + 1;
+  DocumentTableView view{lengths, {arrays, arrays + n, arrays + 2 * n, arrays + 3 * n}, {q, k, out, s.heads}};
+  PIPEOFFLOAD_LAUNCH(document_table_k, (cuda::Launch{1, table_block, 0}), ctx.cuda_stream, offsets, rows, seq, view);
+  return {count, {lengths, view.offsets[0], view.offsets[1], view.offsets[2], view.offsets[3]}};
 }
 
 }  // namespace pipeoffload::ops

@@ -134,6 +134,10 @@ struct SavedWait {
 struct StepInput {
   std::string_view name;  ///< the step input's name (as in InputSpec::name)
   ConstTensor tensor;     ///< this microbatch's slice of it, in the backend's device memory
+  /// The same slice in host memory: the batch given to the runtime's step (its caller's
+  /// memory), readable on the host while the pass is called, never in stream order (a GPU
+  /// layer reads it to size its launches, e.g. a packed row's document count).
+  ConstTensor host;
 };
 
 /// What the runtime tells a pass about its microbatch.
@@ -191,6 +195,23 @@ struct Microbatch {
   template <class T>
   const T* input(std::string_view name) const {
     return input(name).template as<T>();
+  }
+  /// The step input `name` in host memory (StepInput::host); throws as input() does, and when
+  /// the caller of the pass gave no host view.
+  ConstTensor host_input(std::string_view name) const {
+    for (const StepInput& in : inputs)
+      if (in.name == name) {
+        if (!in.host)
+          throw error("stage " + std::to_string(stage) + " reads the step input '" + std::string(name) +
+                      "' on the host, and its caller gave no host view (StepInput::host; po::Runtime gives one)");
+        return in.host;
+      }
+    return input(name);  // throws naming the inputs there are
+  }
+  /// The same as T elements.
+  template <class T>
+  const T* host_input(std::string_view name) const {
+    return host_input(name).template as<T>();
   }
 };
 

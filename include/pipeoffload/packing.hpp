@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "detail/host_device.hpp"
 #include "error.hpp"
 
 namespace pipeoffload {
@@ -92,6 +93,61 @@ void microbatch_documents(const std::int32_t* offsets, std::size_t rows, int seq
   positions.resize(rows * S);
   for (const Document& doc : docs)
     for (std::size_t i = 0; i < doc.length; ++i) positions[doc.row * S + doc.begin + i] = static_cast<Position>(i);
+}
+
+// ---- The documents of checked rows, token by token: what a GPU computes from the offsets ----
+// (append_documents checks the rows on the host first; these trust them.)
+
+/// The documents in one row's offsets `o` (seq + 1 values): the i < seq with o[i + 1] > o[i].
+PIPEOFFLOAD_HOST_DEVICE inline int row_documents(const std::int32_t* o, int seq) {
+  int n = 0;
+  for (int i = 0; i < seq; ++i) n += o[i + 1] > o[i] ? 1 : 0;
+  return n;
+}
+
+/// The position of token j (in [0, seq)) of a row in its document: j - o[i] for the last i with
+/// o[i] <= j (a binary search: the offsets never decrease and o[seq] = seq > j).
+PIPEOFFLOAD_HOST_DEVICE inline std::int32_t document_position(const std::int32_t* o, int seq, int j) {
+  int lo = 0, hi = seq;  // o[lo] <= j < o[hi]
+  while (hi - lo > 1) {
+    const int mid = lo + (hi - lo) / 2;
+    if (o[mid] <= j)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return j - o[lo];
+}
+
+/// The ragged table of a microbatch's documents (in append_documents's order), as cuDNN's
+/// packed attention reads it: for document n, its length and, for four tensors of `widths`
+/// elements a token (attention's q, its k and v, its output, its log-sum-exps), the element
+/// offset of its first token; entry `count` of each offset array is the end of the last
+/// document.
+struct DocumentTableView {
+  static constexpr int tensors = 4;             ///< offset arrays
+  std::int32_t* lengths = nullptr;              ///< (count) tokens of each document
+  std::int64_t* offsets[tensors] = {};          ///< (count + 1) each: first token * widths[x]
+  std::int64_t widths[tensors] = {1, 1, 1, 1};  ///< elements a token of each tensor
+};
+
+/// Writes the table's entries of row `row` of rows of `seq` tokens (offsets `o`, seq + 1 values),
+/// whose first document is entry `first`; each document also writes the next entry's offsets
+/// (its end: the next document's start, which that one writes too, with the same values), so
+/// the last row's last document writes the end.
+PIPEOFFLOAD_HOST_DEVICE inline void row_document_table(const std::int32_t* o, int seq, long long row, long long first,
+                                                       DocumentTableView t) {
+  long long n = first;
+  for (int i = 0; i < seq; ++i) {
+    if (o[i + 1] <= o[i]) continue;
+    const long long start = row * seq + o[i];
+    t.lengths[n] = o[i + 1] - o[i];
+    for (int x = 0; x < DocumentTableView::tensors; ++x) {
+      t.offsets[x][n] = start * t.widths[x];
+      t.offsets[x][n + 1] = (row * seq + o[i + 1]) * t.widths[x];
+    }
+    ++n;
+  }
 }
 
 }  // namespace pipeoffload

@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -24,6 +25,7 @@
 #include <pipeoffload/layer.hpp>
 #include <pipeoffload/ops/cpu.hpp>  // RopeTable
 #include <pipeoffload/ops/cuda.hpp>
+#include <pipeoffload/packing.hpp>
 
 #include "cpu.hpp"  // the initial parameters
 #include "cuda_layout.hpp"
@@ -56,10 +58,6 @@ class CudaLlamaStage {
       throw shape_error("llama::CudaLlamaStage: microbatch shape batch = " + std::to_string(max_shape.batch) +
                         ", seq = " + std::to_string(max_shape.seq) + " (need batch >= 1 and seq in [1, " +
                         std::to_string(cfg.seq) + "])");
-    if (cfg.packed)
-      throw error(
-          "llama::CudaLlamaStage: LlamaConfig::packed is not implemented on the CUDA Llama yet (its cuDNN attention is "
-          "causal over whole rows); pack sequences on the CPU Llama (llama::LlamaStage)");
     if (d_.blocks > 0)
       (void)cuda::sdpa_layout_separate(max_shape.batch, d_.heads, d_.kv_heads, max_shape.seq, d_.head_dim());
     const std::size_t n = static_cast<std::size_t>(p_.total);
@@ -86,8 +84,13 @@ class CudaLlamaStage {
     // their workspace is checked against the device's (seq = 1 has no backward graph).
     if (d_.blocks > 0 && max_shape.seq >= 2) {
       // (The separate q, k, v tensors' graphs, the ones the passes run, whatever the heads.)
+      // Packed, the graphs of one document a row too (cuDNN bounds a packed call's workspace by
+      // its tokens, whatever its document count; a count needing more throws when it runs).
+      cuda::attention::Shape packed = attention_shape(max_shape);
+      packed.documents = packed.batch;
       const std::size_t need =
-          cuda::attention::workspace_bytes(dev.attention_graphs(), attention_shape(max_shape), true);
+          std::max(cuda::attention::workspace_bytes(dev.attention_graphs(), attention_shape(max_shape), true),
+                   d_.packed ? cuda::attention::workspace_bytes(dev.attention_graphs(), packed, true) : std::size_t{0});
       if (need > dev.options().workspace_bytes)
         throw error("llama::CudaLlamaStage: cuDNN's attention needs a workspace of " + std::to_string(need) +
                     " bytes for microbatches of " + std::to_string(max_shape.batch) + " x " +
@@ -115,15 +118,16 @@ class CudaLlamaStage {
   std::vector<ParamInfo> parameter_info() const { return llama_parameter_info(d_); }
   std::vector<SharedParam> shared_parameters() const { return llama_shared_parameters(d_); }
   std::string name() const { return "llama::CudaLlamaStage"; }
-  /// Its calls may be captured and replayed (RuntimeOptions::graphs): it reads no step.
-  bool capturable() const { return true; }
+  /// Its calls may be captured and replayed (RuntimeOptions::graphs): it reads no step; packed
+  /// rows are not, as their attention's graph follows the document count read on the host.
+  bool capturable() const { return !(d_.packed && d_.blocks > 0); }
   /// Device bytes of the stage's state (llama_cuda_state_bytes) and of its scratch.
   std::size_t state_bytes() const { return llama_cuda_state_bytes(d_, c_.seq); }
   std::size_t scratch_bytes() const { return llama_cuda_workspace(d_, max_.tokens()).bytes; }
   const LlamaDims& dims() const { return d_; }
 
   void forward(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
-    const Pass p = begin("forward", mb, saved, nullptr);
+    Pass p = begin("forward", mb, saved, nullptr);
     const long long T = p.T;
     if (d_.has_head && mb.loss == nullptr) throw error(who("forward") + ": mb.loss is null on the last stage");
     const std::int32_t* targets = d_.has_head ? step_input(mb, "targets", "forward", T) : nullptr;
@@ -134,7 +138,7 @@ class CudaLlamaStage {
       ops::embedding_forward(ctx, step_input(mb, "tokens", "forward", T), work(), in, T, h(), V());
     else
       from_boundary(ctx, boundary(xt, "forward", "x", T), in, T);
-    if (d_.blocks > 0) ops::sequence_positions(ctx, scratch<std::int32_t>(p.ws.positions), T, mb.shape.seq);
+    if (d_.blocks > 0) documents(ctx, mb, "forward", p);
     for (int i = 0; i < d_.blocks; ++i) {
       bf16* out = i + 1 < d_.blocks ? at<bf16>(saved + p.buf.block_saved(i + 1), p.buf.block.x)
                   : d_.has_head     ? at<bf16>(saved + p.buf.head_saved, p.buf.head.x)
@@ -149,7 +153,7 @@ class CudaLlamaStage {
 
   void backward_input(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved,
                       std::byte* stash) {
-    const Pass p = begin("backward_input", mb, saved, stash);
+    Pass p = begin("backward_input", mb, saved, stash);
     const long long T = p.T;
     bf16* g = scratch<bf16>(p.ws.io);
     bf16* spare = scratch<bf16>(p.ws.io2);
@@ -160,7 +164,7 @@ class CudaLlamaStage {
     } else {
       from_boundary(ctx, boundary(dyt, "backward_input", "dy", T), g, T);
     }
-    if (d_.blocks > 0) ops::sequence_positions(ctx, scratch<std::int32_t>(p.ws.positions), T, mb.shape.seq);
+    if (d_.blocks > 0) documents(ctx, mb, "backward_input", p);
     const int per = blocks_per_saved_part(d_.blocks, d_.has_head);
     for (int i = d_.blocks - 1; i >= 0; --i) {
       if ((d_.blocks - 1 - i) % per == 0) mb.await_saved(part++);  // a part's last block comes first
@@ -215,6 +219,7 @@ class CudaLlamaStage {
     LlamaStageBuffers buf{};
     LlamaWorkspace ws{};
     ops::AttentionShape att{};
+    ops::DeviceDocuments docs{};  ///< packed rows' documents (count 0: unpacked)
   };
   Pass begin(const char* pass, const Microbatch& mb, const std::byte* saved, const std::byte* stash) const {
     const MicrobatchShape sh = mb.shape;
@@ -263,6 +268,29 @@ class CudaLlamaStage {
       copy(ctx, reinterpret_cast<bf16*>(b), in, T * h());
     else
       cuda::kernels::to_float(in, reinterpret_cast<float*>(b), T * h(), ctx.cuda_stream);
+  }
+  /// Every token's position in its document (ws.positions) and, packed, the documents' table
+  /// (ws.documents, p.docs): the rows' offsets are checked and their documents counted on the
+  /// host (Microbatch::host_input), the table and positions computed from the device copy.
+  void documents(const backend::CudaContext& ctx, const Microbatch& mb, const char* pass, Pass& p) {
+    const int seq = mb.shape.seq;
+    std::int32_t* positions = scratch<std::int32_t>(p.ws.positions);
+    if (!d_.packed) {
+      ops::sequence_positions(ctx, positions, p.T, seq);
+      return;
+    }
+    const std::size_t rows = static_cast<std::size_t>(mb.shape.batch), want = rows * static_cast<std::size_t>(seq + 1);
+    const ConstTensor dev = mb.input(document_offsets_input), host = mb.host_input(document_offsets_input);
+    if (dev.elements != want || host.elements != want || dev.dtype != DType::int32 || host.dtype != DType::int32)
+      throw shape_error(who(pass) + ": the step input '" + document_offsets_input + "' holds " +
+                        std::to_string(dev.elements) + " " + dtype_name(dev.dtype) + " values; " +
+                        std::to_string(rows) + " packed rows of " + std::to_string(seq) +
+                        " tokens need rows * (seq + 1) = " + std::to_string(want) + " int32");
+    docs_.clear();
+    append_documents(host.as<std::int32_t>(), rows, seq, docs_);
+    ops::document_positions(ctx, dev.as<std::int32_t>(), positions, p.T, seq);
+    p.docs = ops::document_table(ctx, dev.as<std::int32_t>(), mb.shape.batch, seq, static_cast<int>(docs_.size()),
+                                 p.att, {}, scratch<std::byte>(p.ws.documents));
   }
   /// The int32 step input `name` (one value a token), checked on the host.
   const std::int32_t* step_input(const Microbatch& mb, const char* name, const char* pass, long long T) const {
@@ -331,6 +359,23 @@ class CudaLlamaStage {
             at<bf16>(b, L.dq), at<bf16>(b, L.dk),    at<bf16>(b, L.dv),  at<bf16>(b, L.da1)};
   }
 
+  // ---- attention over whole rows or, packed, within each document ---------------------------
+  static void attention_forward(const backend::CudaContext& ctx, const Pass& p, const bf16* q, const bf16* k,
+                                const bf16* v, bf16* out, float* lse) {
+    if (p.docs.count > 0)
+      ops::attention_forward(ctx, q, k, v, out, lse, p.att, p.docs);
+    else
+      ops::attention_forward(ctx, q, k, v, out, lse, p.att);
+  }
+  static void attention_backward(const backend::CudaContext& ctx, const Pass& p, const bf16* q, const bf16* k,
+                                 const bf16* v, const bf16* out, const bf16* dout, const float* lse, bf16* dq, bf16* dk,
+                                 bf16* dv) {
+    if (p.docs.count > 0)
+      ops::attention_backward(ctx, q, k, v, out, dout, lse, dq, dk, dv, p.att, p.docs);
+    else
+      ops::attention_backward(ctx, q, k, v, out, dout, lse, dq, dk, dv, p.att);
+  }
+
   // ---- a block: cpu.hpp's block_forward, block_backward_input, block_backward_weight -----------
 
   void block_forward(const backend::CudaContext& ctx, const Pass& p, const Microbatch&, int i, std::byte* saved,
@@ -347,7 +392,7 @@ class CudaLlamaStage {
     linear(ctx, T, a, w.wv, b.v, H, kv());
     ops::rope(ctx, b.q, pos, T, h(), rope_view_, false);
     ops::rope(ctx, b.k, pos, T, static_cast<int>(kv()), rope_view_, false);
-    ops::attention_forward(ctx, b.q, b.k, b.v, b.att, b.lse, p.att);
+    attention_forward(ctx, p, b.q, b.k, b.v, b.att, b.lse);
     linear(ctx, T, b.att, w.wo, tmp, H, H);
     ops::add(ctx, b.x, tmp, b.x1, T * H);
     ops::rmsnorm_forward(ctx, b.x1, w.ffn_norm, a, b.rstd + T, T, h(), c_.norm_eps);
@@ -376,7 +421,7 @@ class CudaLlamaStage {
     ops::rmsnorm_backward(ctx, z.da2, b.x1, b.rstd + T, w.ffn_norm, z.dx1, T, h(), false);
     ops::add(ctx, z.dx1, grad, z.dx1, T * H);
     linear_dx(ctx, T, z.dx1, w.wo, datt, H, H);
-    ops::attention_backward(ctx, b.q, b.k, b.v, b.att, datt, b.lse, z.dq, z.dk, z.dv, p.att);
+    attention_backward(ctx, p, b.q, b.k, b.v, b.att, datt, b.lse, z.dq, z.dk, z.dv);
     ops::rope(ctx, z.dq, pos, T, h(), rope_view_, true);  // gradients of the projections before their rotation
     ops::rope(ctx, z.dk, pos, T, static_cast<int>(kv()), rope_view_, true);
     linear_dx(ctx, T, z.dq, w.wq, z.da1, H, H);
@@ -477,6 +522,7 @@ class CudaLlamaStage {
   cuda::DeviceMemory scratch_;  // llama_cuda_workspace(dims, max tokens) bytes
   cuda::DeviceMemory rope_;     // RoPE's cos then sin, fp32 (seq, head_dim / 2) each
   ops::RopeView rope_view_{};   // rope_ as the ops read it
+  std::vector<Document> docs_;  // a packed microbatch's documents, counted on the host
 };
 
 static_assert(layer_for<CudaLlamaStage, backend::CudaContext>,

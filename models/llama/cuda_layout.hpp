@@ -60,10 +60,11 @@ struct LlamaStageBuffers {
 /// The stage's workspace, allocated once for its largest microbatch; no region lives from one
 /// pass to the next: bf16 a (T, h) a normalized input | tmp (T, max(h, f)) a projection's
 /// output, silu(gate) * up, its gradient | datt (T, h) | io, io2 (T, h) the stage's bf16 output
-/// and the gradient flowing down | int32 positions (T) | fp32 logits (T, V) and losses (T) on the
-/// last stage.
+/// and the gradient flowing down | int32 positions (T) | packed rows' document table
+/// (cuda::document_table_bytes(T), on a packed stage with blocks) | fp32 logits (T, V) and
+/// losses (T) on the last stage.
 struct LlamaWorkspace {
-  cuda::Region a, tmp, datt, io, io2, positions, logits, losses;
+  cuda::Region a, tmp, datt, io, io2, positions, documents, logits, losses;
   std::size_t bytes = 0;
 };
 
@@ -145,6 +146,7 @@ constexpr LlamaWorkspace llama_cuda_workspace(const LlamaDims& d, long long toke
   w.io = c.take(T * h * 2);
   w.io2 = c.take(T * h * 2);
   w.positions = c.take(T * 4);
+  w.documents = c.take(d.packed && d.blocks > 0 ? cuda::document_table_bytes(tokens) : 0);
   w.logits = c.take(d.has_head ? T * V * 4 : 0);
   w.losses = c.take(d.has_head ? T * 4 : 0);
   w.bytes = c.total();

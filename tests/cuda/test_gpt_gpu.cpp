@@ -103,6 +103,7 @@ struct Inputs {
   po::MicrobatchShape shape;
   bool training = true;
   std::vector<std::int32_t> tokens[2], targets[2];
+  std::vector<std::int32_t> offsets[2];  ///< packed rows' document offsets (empty: unpacked)
   std::vector<float> x[2], dy[2];
 };
 
@@ -138,14 +139,21 @@ po::ConstTensor view(const float* p, std::size_t n) {
 }
 po::Tensor view(float* p, std::size_t n) { return {reinterpret_cast<std::byte*>(p), n, po::DType::float32}; }
 
-/// The step inputs a stage reads for one microbatch (tokens on stage 0, targets on the last),
-/// int32 at `tokens` and `targets` (host or device memory), as the runtime hands them over.
+/// The step inputs a stage reads for one microbatch (tokens on stage 0, targets on the last,
+/// packed rows' offsets on every stage), int32 at `tokens` and `targets` (host or device
+/// memory), the offsets at `offsets` and on the host at `host_offsets`, as the runtime hands
+/// them over.
 std::vector<po::StepInput> step_inputs(int stage, int stages, const std::int32_t* tokens, const std::int32_t* targets,
-                                       std::size_t T) {
+                                       std::size_t T, const std::int32_t* offsets = nullptr,
+                                       const std::vector<std::int32_t>* host_offsets = nullptr) {
   std::vector<po::StepInput> in;
-  if (stage == 0) in.push_back({"tokens", {reinterpret_cast<const std::byte*>(tokens), T, po::DType::int32}});
+  if (stage == 0) in.push_back({"tokens", {reinterpret_cast<const std::byte*>(tokens), T, po::DType::int32}, {}});
   if (stage == stages - 1)
-    in.push_back({"targets", {reinterpret_cast<const std::byte*>(targets), T, po::DType::int32}});
+    in.push_back({"targets", {reinterpret_cast<const std::byte*>(targets), T, po::DType::int32}, {}});
+  if (host_offsets != nullptr && !host_offsets->empty())
+    in.push_back({po::document_offsets_input,
+                  {reinterpret_cast<const std::byte*>(offsets), host_offsets->size(), po::DType::int32},
+                  po::ConstTensor(po::view(*host_offsets))});
   return in;
 }
 
@@ -178,7 +186,8 @@ Outputs run_cpu(Stage& l, int stage, int stages, const Inputs& in) {
     stash[k].resize(l.stash_bytes(in.shape));
     out.y[k].assign(last ? 0 : n, 0.0f);
     out.dx[k].assign(first ? 0 : n, 0.0f);
-    inputs[k] = step_inputs(stage, stages, in.tokens[k].data(), in.targets[k].data(), T);
+    inputs[k] =
+        step_inputs(stage, stages, in.tokens[k].data(), in.targets[k].data(), T, in.offsets[k].data(), &in.offsets[k]);
   }
   for (int k = 0; k < 2; ++k) {
     const po::Microbatch mb = microbatch(stage, stages, k, in, inputs[k], last ? &out.loss[k] : nullptr);
@@ -261,7 +270,8 @@ Outputs run_gpu(Stage& l, po::backend::Cuda& dev, int stream, int stage, int sta
   std::vector<po::StepInput> inputs[2];  // views of the device copies of tokens and targets
   float* loss = b.alloc<float>(2);
   for (int k = 0; k < 2; ++k) {
-    inputs[k] = step_inputs(stage, stages, b.copy(in.tokens[k]), b.copy(in.targets[k]), T);
+    inputs[k] = step_inputs(stage, stages, b.copy(in.tokens[k]), b.copy(in.targets[k]), T,
+                            in.offsets[k].empty() ? nullptr : b.copy(in.offsets[k]), &in.offsets[k]);
     x[k] = b.copy(in.x[k]);
     dy[k] = b.copy(in.dy[k]);
     y[k] = b.alloc<float>(n);
@@ -669,6 +679,7 @@ void check_llama_stage(const po::llama::LlamaConfig& c, int stage, int stages) {
   CAPTURE(stage);
   CAPTURE(stages);
   CAPTURE(c.tie_embeddings);
+  CAPTURE(c.packed);
   const po::MicrobatchShape shape{2, 32};
   po::llama::LlamaStage cpu(c, stage, stages);
   draw_llama(cpu.parameters(), cpu.parameter_info(), c.hidden, 200 + static_cast<unsigned>(stage));
@@ -678,7 +689,15 @@ void check_llama_stage(const po::llama::LlamaConfig& c, int stage, int stages) {
   CHECK(gpu.norm_groups() == cpu.norm_groups());
   CHECK(download_parameters(gpu) == std::vector<float>(cpu.parameters().begin(), cpu.parameters().end()));
   CHECK(gpu.input_boundary(shape) == cpu.input_boundary(shape));
-  const Inputs in = make_inputs(c, shape, 2000 + static_cast<unsigned>(stage));
+  Inputs in = make_inputs(c, shape, 2000 + static_cast<unsigned>(stage));
+  if (c.packed)  // rows of 32 tokens: documents of 5, 1, 18 and 8 tokens; of 31 and 1
+    for (int k = 0; k < 2; ++k) {
+      in.offsets[k] = {0, 5, 6, 24};
+      in.offsets[k].resize(33, 32);
+      std::vector<std::int32_t> second = {0, k == 0 ? 31 : 2};
+      second.resize(33, 32);
+      in.offsets[k].insert(in.offsets[k].end(), second.begin(), second.end());
+    }
   const Outputs want = run_cpu(cpu, stage, stages, in);
   const Outputs got = run_gpu(gpu, dev, s, stage, stages, in);
   compare(got, want, cpu.parameter_info(), cpu.dims().embeds, cpu.dims().has_head);
@@ -688,6 +707,12 @@ void check_llama_stage(const po::llama::LlamaConfig& c, int stage, int stages) {
 
 TEST_CASE("llama::CudaLlamaStage matches llama::LlamaStage on the first, a middle and the last stage (GQA 4/2 heads)") {
   const po::llama::LlamaConfig c = llama_config(6);
+  for (int s = 0; s < 3; ++s) check_llama_stage(c, s, 3);
+}
+
+TEST_CASE("llama::CudaLlamaStage over packed rows (cuDNN's ragged attention) matches llama::LlamaStage packed") {
+  po::llama::LlamaConfig c = llama_config(6);
+  c.packed = true;
   for (int s = 0; s < 3; ++s) check_llama_stage(c, s, 3);
 }
 

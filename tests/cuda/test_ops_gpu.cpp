@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <pipeoffload/backend/cuda/attention.hpp>
+#include <pipeoffload/backend/cuda/shapes.hpp>
 #include <pipeoffload/ops/cpu.hpp>
 #include <pipeoffload/ops/cuda.hpp>
 
@@ -285,6 +286,75 @@ TEST_CASE("ops on the GPU: grouped-query attention through cuDNN matches the CPU
                           cdk.data(), cdv.data(), s);
   check_norm(gout, cout, 0.02);
   check_close(g.get(lse, L), clse, 1e-3f, 1e-3f);
+  check_norm(g.get(dq, T * H), cdq, 0.02);
+  check_norm(g.get(dk, T * K), cdk, 0.02);
+  check_norm(g.get(dv, T * K), cdv, 0.02);
+}
+
+TEST_CASE(
+    "ops on the GPU: attention over packed rows (cuDNN's ragged layout) matches the CPU twin document by document") {
+  // Rows of 128 tokens holding documents of 17, 43, 1 and 67 tokens, and of 100 and 28: the
+  // table and positions computed on the GPU from the device offsets, checked exactly against
+  // the host's documents; the attention within each document against the CPU twin's `docs`
+  // overload, at the tolerances of the unpacked case above.
+  Ops g;
+  const ops::AttentionShape s{.batch = 2, .seq = 128, .heads = 8, .kv_heads = 2, .head_dim = 64};
+  std::vector<std::int32_t> offsets = {0, 17, 60, 61};
+  offsets.resize(129, 128);
+  std::vector<std::int32_t> second = {0, 100};
+  second.resize(129, 128);
+  offsets.insert(offsets.end(), second.begin(), second.end());
+  std::vector<po::Document> docs;
+  std::vector<std::int32_t> positions;
+  po::microbatch_documents(offsets.data(), 2, s.seq, docs, positions);
+  REQUIRE(docs.size() == 6);
+  const int count = static_cast<int>(docs.size());
+  g.attention({s.batch, s.heads, s.seq, s.head_dim, s.kv_heads, count});
+  const std::size_t T = static_cast<std::size_t>(s.batch) * s.seq, H = static_cast<std::size_t>(s.heads) * s.head_dim,
+                    K = static_cast<std::size_t>(s.kv_heads) * s.head_dim, A = static_cast<std::size_t>(s.heads);
+  const std::int32_t* doffsets = g.copy(offsets);
+  std::int32_t* dpositions = g.alloc<std::int32_t>(T);
+  auto* table = g.alloc<std::byte>(po::cuda::document_table_bytes(static_cast<long long>(T)));
+  ops::document_positions(g.ctx, doffsets, dpositions, static_cast<long long>(T), s.seq);
+  const ops::DeviceDocuments dd = ops::document_table(g.ctx, doffsets, s.batch, s.seq, count, s, {}, table);
+  std::vector<std::int32_t> got_positions(T), lengths(docs.size());
+  std::vector<std::int64_t> qo(docs.size() + 1), kvo(docs.size() + 1), oo(docs.size() + 1), so(docs.size() + 1);
+  PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(g.s));
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(got_positions.data(), dpositions, T * 4, cudaMemcpyDeviceToHost));
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(lengths.data(), dd.table.lengths, lengths.size() * 4, cudaMemcpyDeviceToHost));
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(qo.data(), dd.table.q_offsets, qo.size() * 8, cudaMemcpyDeviceToHost));
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(kvo.data(), dd.table.kv_offsets, kvo.size() * 8, cudaMemcpyDeviceToHost));
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(oo.data(), dd.table.out_offsets, oo.size() * 8, cudaMemcpyDeviceToHost));
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(so.data(), dd.table.stats_offsets, so.size() * 8, cudaMemcpyDeviceToHost));
+  CHECK(got_positions == positions);
+  for (std::size_t n = 0; n <= docs.size(); ++n) {
+    const long long start =
+        n < docs.size() ? static_cast<long long>(docs[n].row * 128 + docs[n].begin) : static_cast<long long>(T);
+    if (n < docs.size()) CHECK(lengths[n] == static_cast<std::int32_t>(docs[n].length));
+    CHECK(qo[n] == start * static_cast<long long>(H));
+    CHECK(kvo[n] == start * static_cast<long long>(K));
+    CHECK(oo[n] == start * static_cast<long long>(H));
+    CHECK(so[n] == start * static_cast<long long>(A));
+  }
+  const std::vector<float> q = random_bf16(T * H, 23), k = random_bf16(T * K, 24), v = random_bf16(T * K, 25),
+                           dout = random_bf16(T * H, 26);
+  bf16 *dq_in = g.bf16(q), *dk_in = g.bf16(k), *dv_in = g.bf16(v), *ddout = g.bf16(dout), *out = g.alloc<bf16>(T * H),
+       *dq = g.alloc<bf16>(T * H), *dk = g.alloc<bf16>(T * K), *dv = g.alloc<bf16>(T * K);
+  float* lse = g.alloc<float>(T * A);
+  ops::attention_forward(g.ctx, dq_in, dk_in, dv_in, out, lse, s, dd);
+  ops::attention_backward(g.ctx, dq_in, dk_in, dv_in, out, ddout, lse, dq, dk, dv, s, dd);
+  std::vector<float> cout(T * H), clse(T * A), cdq(T * H), cdk(T * K), cdv(T * K);
+  ops::attention_forward(cpu, q.data(), k.data(), v.data(), cout.data(), clse.data(), s, docs);
+  const std::vector<float> gout = g.get(out, T * H);
+  ops::attention_backward(cpu, q.data(), k.data(), v.data(), gout.data(), dout.data(), clse.data(), cdq.data(),
+                          cdk.data(), cdv.data(), s, docs);
+  check_norm(gout, cout, 0.02);
+  // The GPU's statistics are token-major (tokens, heads); the CPU's (batch, heads, seq).
+  const std::vector<float> glse = g.get(lse, T * A);
+  std::vector<float> glse_bhs(T * A);
+  for (std::size_t t = 0; t < T; ++t)
+    for (std::size_t a = 0; a < A; ++a) glse_bhs[(t / 128) * A * 128 + a * 128 + t % 128] = glse[t * A + a];
+  check_close(glse_bhs, clse, 1e-3f, 1e-3f);
   check_norm(g.get(dq, T * H), cdq, 0.02);
   check_norm(g.get(dk, T * K), cdk, 0.02);
   check_norm(g.get(dv, T * K), cdv, 0.02);

@@ -87,9 +87,10 @@ void check_reload(Stage& st, int stage, int stages, bool packed, int vocab) {
   }
   tok[3] = tok[12] = 0;  // packed: documents open at id 0
   const std::vector<std::int32_t> offsets = po::document_offsets(tok, sh.seq, 0);
-  std::vector<po::StepInput> in = {{"tokens", po::ConstTensor(po::view(tok))},
-                                   {"targets", po::ConstTensor(po::view(tgt))}};
-  if (packed) in.push_back({po::document_offsets_input, po::ConstTensor(po::view(offsets))});
+  std::vector<po::StepInput> in = {{"tokens", po::ConstTensor(po::view(tok)), po::ConstTensor(po::view(tok))},
+                                   {"targets", po::ConstTensor(po::view(tgt)), po::ConstTensor(po::view(tgt))}};
+  if (packed)
+    in.push_back({po::document_offsets_input, po::ConstTensor(po::view(offsets)), po::ConstTensor(po::view(offsets))});
   po::backend::CpuContext ctx;
   float loss = 0;
   po::Microbatch mb;

@@ -141,8 +141,8 @@ double reference_loss(const LlamaConfig& cfg, const std::vector<double>& params,
 double model_pass(LlamaStage& st, const std::vector<std::int32_t>& tok, const std::vector<std::int32_t>& tgt,
                   po::MicrobatchShape sh, std::vector<float>& grads) {
   po::backend::CpuContext ctx;
-  const std::vector<po::StepInput> in = {{"tokens", po::ConstTensor(po::view(tok))},
-                                         {"targets", po::ConstTensor(po::view(tgt))}};
+  const std::vector<po::StepInput> in = {{"tokens", po::ConstTensor(po::view(tok)), po::ConstTensor(po::view(tok))},
+                                         {"targets", po::ConstTensor(po::view(tgt)), po::ConstTensor(po::view(tgt))}};
   float loss = 0;
   po::Microbatch mb;
   mb.shape = sh;

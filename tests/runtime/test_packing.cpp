@@ -62,7 +62,9 @@ struct Pass {
   }
 };
 
-po::StepInput input(const char* name, const std::vector<std::int32_t>& v) { return {name, po::view(v)}; }
+po::StepInput input(const char* name, const std::vector<std::int32_t>& v) {
+  return {name, po::ConstTensor(po::view(v)), po::ConstTensor(po::view(v))};
+}
 
 std::vector<float> noise(std::size_t n, std::uint64_t seed) {
   std::vector<float> v(n);
@@ -99,6 +101,105 @@ TEST_CASE("packing: offsets from a boundary token, and every malformed row refus
   CHECK(refused({0, 2, 4, 4, 3}) == "cu_seqlens row 0: offset 4 is 3; expected 4" + rule);
   CHECK(refused({0, 3, 2, 4, 4}) == "cu_seqlens row 0: offset 2 is 2; outside [3, 4]" + rule);
   CHECK(refused({0, 5, 4, 4, 4}) == "cu_seqlens row 0: offset 1 is 5; outside [0, 4]" + rule);
+}
+
+TEST_CASE("packing: the per-token functions a GPU runs agree with append_documents and microbatch_documents") {
+  // Seeded random rows (documents of random lengths, repeats of seq after the last), then
+  // row_documents, document_position and row_document_table against the host's documents.
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
+    const int seq = 1 + static_cast<int>(po::ops::mix64(seed, 0) % 37);
+    const std::size_t rows = 1 + po::ops::mix64(seed, 1) % 5;
+    std::vector<std::int32_t> o(rows * static_cast<std::size_t>(seq + 1), seq);
+    for (std::size_t r = 0; r < rows; ++r) {
+      std::int32_t* row = o.data() + r * static_cast<std::size_t>(seq + 1);
+      std::size_t k = 0;
+      row[k++] = 0;
+      for (int t = 1; t < seq; ++t)
+        if (po::ops::mix64(seed, 100 + r * 64 + static_cast<std::size_t>(t)) % 4 == 0) row[k++] = t;
+    }
+    std::vector<po::Document> docs;
+    std::vector<std::int32_t> positions;
+    po::microbatch_documents(o.data(), rows, seq, docs, positions);
+    std::vector<std::int32_t> lengths(docs.size(), -1);
+    std::vector<std::int64_t> offsets[4];
+    for (auto& x : offsets) x.assign(docs.size() + 1, -1);
+    const po::DocumentTableView t{
+        lengths.data(), {offsets[0].data(), offsets[1].data(), offsets[2].data(), offsets[3].data()}, {1, 6, 3, 5}};
+    long long first = 0;
+    for (std::size_t r = 0; r < rows; ++r) {
+      const std::int32_t* row = o.data() + r * static_cast<std::size_t>(seq + 1);
+      po::row_document_table(row, seq, static_cast<long long>(r), first, t);
+      first += po::row_documents(row, seq);
+      for (int j = 0; j < seq; ++j)
+        CHECK(po::document_position(row, seq, j) ==
+              positions[r * static_cast<std::size_t>(seq) + static_cast<std::size_t>(j)]);
+    }
+    REQUIRE(first == static_cast<long long>(docs.size()));
+    for (std::size_t n = 0; n < docs.size(); ++n) {
+      CHECK(lengths[n] == static_cast<std::int32_t>(docs[n].length));
+      const long long start = static_cast<long long>(docs[n].row) * seq + static_cast<long long>(docs[n].begin);
+      for (int x = 0; x < 4; ++x) CHECK(offsets[x][n] == start * t.widths[x]);
+    }
+    for (int x = 0; x < 4; ++x) CHECK(offsets[x][docs.size()] == static_cast<long long>(rows) * seq * t.widths[x]);
+  }
+}
+
+// One stage that notes, in forward, where its host view of the step input "x" points and what
+// it holds beside the device view's value (a GPU layer reads a packed row's documents there).
+struct HostViews {
+  std::vector<const float*> where;
+  std::vector<float> host, device;
+  float w = 1, gw = 0;
+  po::Boundary input_boundary(po::MicrobatchShape) const { return {1}; }
+  po::Boundary output_boundary(po::MicrobatchShape) const { return {1}; }
+  std::size_t saved_bytes(po::MicrobatchShape) const { return 0; }
+  std::size_t stash_bytes(po::MicrobatchShape) const { return 0; }
+  std::vector<po::InputSpec> inputs(po::MicrobatchShape) const { return {{"x", po::DType::float32, 2}}; }
+  void forward(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor, po::Tensor, std::byte*) {
+    const float* h = mb.host_input<float>("x");
+    where.push_back(h);
+    host.insert(host.end(), h, h + 2);
+    device.insert(device.end(), mb.input<float>("x"), mb.input<float>("x") + 2);
+    *mb.loss = w;
+  }
+  void backward_input(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor, std::byte*,
+                      std::byte*) {}
+  void backward_weight(po::backend::CpuContext&, const po::Microbatch&, std::byte*, std::byte*) {}
+  std::span<float> parameters() { return {&w, 1}; }
+  std::span<float> gradients() { return {&gw, 1}; }
+};
+
+TEST_CASE("step inputs: each pass's host view is its slice of the batch given to the call, beside the device copy") {
+  const po::Program program = po::build(pipeline_test::one_rank, {1, 1, 3});
+  po::comm::ThreadsWorld world(1);
+  std::vector<HostViews> layers(1);
+  const auto errors = po::run_thread_ranks(world, [&](int r) {
+    po::backend::Cpu dev({.rank = r});
+    po::comm::Threads comm(world, r);
+    po::Runtime rt(program, dev, comm, std::span<HostViews>(layers), {.microbatch = {1, 1}});
+    for (int step = 0; step < 2; ++step) {
+      const std::vector<float> x{1, 2, 3, 4, 5, 6 + static_cast<float>(step)};
+      po::Batch batch;
+      batch.add("x", x, {3, 2});
+      rt.forward_backward(batch, {.step = step});
+      for (std::size_t b = 0; b < 3; ++b)
+        CHECK(layers[0].where[3 * static_cast<std::size_t>(step) + b] == x.data() + 2 * b);
+    }
+  });
+  for (const auto& e : errors) REQUIRE(e == "");
+  CHECK(layers[0].host == std::vector<float>{1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 7});
+  CHECK(layers[0].device == layers[0].host);
+  // A caller of a pass that gives no host view (a layer's own test) is told so.
+  float loss = 0, x[2] = {0, 0};
+  const std::vector<po::StepInput> in{
+      {"x", po::ConstTensor{reinterpret_cast<const std::byte*>(x), 2, po::DType::float32}, {}}};
+  const po::Microbatch mb{.inputs = in, .loss = &loss};
+  po::backend::CpuContext ctx{};
+  CHECK(error_of([&] { layers[0].forward(ctx, mb, {}, {}, nullptr); }) ==
+        "stage 0 reads the step input 'x' on the host, and its caller gave no host view (StepInput::host; "
+        "po::Runtime gives one)");
+  CHECK(error_of([&] { (void)mb.host_input("y"); }) ==
+        "stage 0 reads the step input 'y', which it did not declare in inputs() (it declared: x)");
 }
 
 /// The checks of the case below on a model whose stage 1 of 3 holds every block (stage 0 the

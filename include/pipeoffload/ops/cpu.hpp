@@ -383,16 +383,6 @@ inline void add(const CpuContext&, const float* a, const float* b, float* out, l
 
 // ---- Attention -----------------------------------------------------------------------------
 
-/// Row strides, in elements, of attention's tensors (q and dq share one, k and dk, v and dv, out
-/// and dout); 0 takes the dense width: heads * head_dim for q and out, kv_heads * head_dim for
-/// k and v. A packed [q | k | v] row of width 3h is {3h, 3h, 3h, h} with k = q + h, v = q + 2h.
-struct AttentionStrides {
-  long long q = 0;    ///< q's and dq's row stride
-  long long k = 0;    ///< k's and dk's
-  long long v = 0;    ///< v's and dv's
-  long long out = 0;  ///< out's and dout's
-};
-
 namespace detail {
 /// The shape's sizes checked: positive, heads a multiple of the key/value heads.
 inline void check_attention(AttentionShape s, const char* who) {

@@ -21,6 +21,7 @@
 
 #include <cuda_bf16.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "../backend/cuda/attention.hpp"
@@ -78,6 +79,11 @@ void rope(const CudaContext& ctx, bf16* x, const std::int32_t* positions, long l
 /// positions[r] = r % seq (device int32): every row's position when each sequence of seq rows
 /// is one document.
 void sequence_positions(const CudaContext& ctx, std::int32_t* positions, long long rows, int seq);
+/// positions[r] = the position of token r in its document (device int32), from packed rows'
+/// offsets on the device (po::document_offsets_input: seq + 1 int32 a row, checked on the host
+/// by po::microbatch_documents first); the positions microbatch_documents gives.
+void document_positions(const CudaContext& ctx, const std::int32_t* offsets, std::int32_t* positions, long long rows,
+                        int seq);
 
 // ---- Activations -----------------------------------------------------------------------------
 /// y = GeLU(x) (tanh form), count elements.
@@ -144,6 +150,23 @@ void cross_entropy(const CudaContext& ctx, const bf16* logits, const std::int32_
 void mean(const CudaContext& ctx, const float* losses, float* out, long long rows);
 
 // ---- Attention -------------------------------------------------------------------------------
+/// A packed microbatch's documents as the GPU's attention reads them: how many (counted on the
+/// host: po::microbatch_documents over Microbatch::host_input) and where (device memory that
+/// document_table writes). A count of 0 is an unpacked microbatch, each row one sequence.
+struct DeviceDocuments {
+  int count = 0;                          ///< documents in the microbatch's rows
+  cuda::attention::Documents table = {};  ///< their lengths and ragged offsets
+};
+
+/// Writes, in stream order, the table of the documents of `rows` packed rows of `seq` tokens
+/// (offsets: the step input po::document_offsets_input on the device, checked on the host by
+/// po::microbatch_documents, which also gives `count`) into `memory` (device,
+/// cuda::document_table_bytes(rows * seq) bytes, 8-byte aligned), offsets in units of the
+/// attention's row strides (`strides`, 0 the dense widths; k's and v's must be equal). One
+/// block; each thread a run of rows.
+DeviceDocuments document_table(const CudaContext& ctx, const std::int32_t* offsets, long long rows, int seq, int count,
+                               AttentionShape s, AttentionStrides strides, std::byte* memory);
+
 /// Causal attention through cuDNN's fused SDPA on separate q (b*s, heads*head_dim), k and v
 /// (b*s, kv_heads*head_dim) rows, grouped-query when kv_heads < heads; out is shaped as q and
 /// lse (b, heads, s) keeps the rows' log-sum-exps for the backward. Uses ctx.workspace:
@@ -153,12 +176,28 @@ inline void attention_forward(const CudaContext& ctx, const bf16* q, const bf16*
   cuda::attention::forward(*ctx.attention, ctx.cuda_stream, {s.batch, s.heads, s.seq, s.head_dim, s.kv_heads}, q, k, v,
                            out, lse, ctx.workspace, ctx.workspace_bytes);
 }
+/// The same over packed rows, causal within each of `docs` (the CPU twin's `docs` overload);
+/// lse is then (tokens, heads), cuDNN's ragged statistics.
+inline void attention_forward(const CudaContext& ctx, const bf16* q, const bf16* k, const bf16* v, bf16* out,
+                              float* lse, AttentionShape s, const DeviceDocuments& docs) {
+  cuda::attention::forward(*ctx.attention, ctx.cuda_stream,
+                           {s.batch, s.heads, s.seq, s.head_dim, s.kv_heads, docs.count}, q, k, v, out, lse,
+                           ctx.workspace, ctx.workspace_bytes, docs.table);
+}
 /// dq, dk, dv (shaped as q, k, v; set, not added) from dout, recomputing the probabilities
 /// from q, k and lse.
 inline void attention_backward(const CudaContext& ctx, const bf16* q, const bf16* k, const bf16* v, const bf16* out,
                                const bf16* dout, const float* lse, bf16* dq, bf16* dk, bf16* dv, AttentionShape s) {
   cuda::attention::backward(*ctx.attention, ctx.cuda_stream, {s.batch, s.heads, s.seq, s.head_dim, s.kv_heads}, q, k, v,
                             out, dout, lse, dq, dk, dv, ctx.workspace, ctx.workspace_bytes);
+}
+/// The same over packed rows (attention_forward's `docs` overload).
+inline void attention_backward(const CudaContext& ctx, const bf16* q, const bf16* k, const bf16* v, const bf16* out,
+                               const bf16* dout, const float* lse, bf16* dq, bf16* dk, bf16* dv, AttentionShape s,
+                               const DeviceDocuments& docs) {
+  cuda::attention::backward(*ctx.attention, ctx.cuda_stream,
+                            {s.batch, s.heads, s.seq, s.head_dim, s.kv_heads, docs.count}, q, k, v, out, dout, lse, dq,
+                            dk, dv, ctx.workspace, ctx.workspace_bytes, docs.table);
 }
 
 }  // namespace pipeoffload::ops

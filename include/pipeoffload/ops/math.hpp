@@ -353,6 +353,16 @@ struct AttentionShape {
   PIPEOFFLOAD_HOST_DEVICE constexpr int groups() const { return kv_heads == 0 ? heads : kv_heads; }
 };
 
+/// Row strides, in elements, of attention's tensors (q and dq share one, k and dk, v and dv, out
+/// and dout); 0 takes the dense width: heads * head_dim for q and out, kv_heads * head_dim for
+/// k and v. A packed [q | k | v] row of width 3h is {3h, 3h, 3h, h} with k = q + h, v = q + 2h.
+struct AttentionStrides {
+  long long q = 0;    ///< q's and dq's row stride
+  long long k = 0;    ///< k's and dk's
+  long long v = 0;    ///< v's and dv's
+  long long out = 0;  ///< out's and dout's
+};
+
 /// Rotates the pair (a, b) = (p[0], p[1]) by the angle whose cosine and sine are c and s:
 /// (a c - b s, a s + b c). The inverse rotation is the same with -s.
 PIPEOFFLOAD_HOST_DEVICE inline void rope_pair(float* p, float c, float s) {

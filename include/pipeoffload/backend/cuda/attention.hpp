@@ -21,17 +21,32 @@
 #include <cudnn.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 
 namespace pipeoffload::cuda::attention {
 
 /// The shape of one SDPA call (what its graphs are built for).
 struct Shape {
-  int batch = 1,     ///< B: sequences
-      heads = 1,     ///< attention (query) heads
-      seq = 1,       ///< S: tokens per sequence
-      head_dim = 8,  ///< elements per head (a multiple of 8, at most 256)
-      kv_heads = 0;  ///< key/value heads, dividing heads (grouped-query attention); 0: heads
+  int batch = 1,      ///< B: sequences
+      heads = 1,      ///< attention (query) heads
+      seq = 1,        ///< S: tokens per sequence
+      head_dim = 8,   ///< elements per head (a multiple of 8, at most 256)
+      kv_heads = 0,   ///< key/value heads, dividing heads (grouped-query attention); 0: heads
+      documents = 0;  ///< packed rows: the documents in the batch's rows, each causal on its
+                      ///< own (a Documents table says where); 0: each row is one sequence
+};
+
+/// Where a packed microbatch's documents are (device memory, ops::document_table writes it):
+/// cuDNN's ragged layout, the documents as its batch and the rows' length as the longest.
+/// Offsets are in elements from each tensor's base, Shape::documents + 1 of each (the last
+/// is the end of the last document). The statistics of a packed call are (tokens, heads).
+struct Documents {
+  const std::int32_t* lengths = nullptr;        ///< (documents) tokens of each
+  const std::int64_t* q_offsets = nullptr;      ///< first token * q's row stride (also dq's)
+  const std::int64_t* kv_offsets = nullptr;     ///< first token * k's and v's row stride
+  const std::int64_t* out_offsets = nullptr;    ///< first token * the output's (and dout's)
+  const std::int64_t* stats_offsets = nullptr;  ///< first token * heads
 };
 
 /// The SDPA graphs of one cuDNN handle, built on first use per (direction, shape) under a lock
@@ -72,23 +87,29 @@ std::size_t workspace_bytes(Graphs& graphs, Shape shape, bool separate = false);
 /// covers a few hundred tokens).
 std::size_t workspace_bytes(Shape shape, bool deterministic = true, int device = 0);
 
-/// out = softmax(q k^T / sqrt(head_dim), causal) v; stats = the rows' log-sum-exps.
+/// out = softmax(q k^T / sqrt(head_dim), causal) v; stats = the rows' log-sum-exps. With
+/// shape.documents > 0 the rows are packed and `docs` says where each document is (its q and
+/// kv offsets both in units of the fused row, 3 * heads * head_dim; stats (tokens, heads)).
 void forward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloat16* qkv, __nv_bfloat16* out,
-             float* stats, void* workspace, std::size_t workspace_bytes);
+             float* stats, void* workspace, std::size_t workspace_bytes, Documents docs = {});
 
 /// dqkv from dout, recomputing the probabilities from qkv and stats (no s x s matrix kept).
 void backward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloat16* qkv, const __nv_bfloat16* out,
               const __nv_bfloat16* dout, const float* stats, __nv_bfloat16* dqkv, void* workspace,
-              std::size_t workspace_bytes);
+              std::size_t workspace_bytes, Documents docs = {});
 
 /// The same on separate tensors (shapes.hpp sdpa_layout_separate): q (b*s, heads*head_dim), k
-/// and v (b*s, kv_heads*head_dim), grouped-query when kv_heads < heads.
+/// and v (b*s, kv_heads*head_dim), grouped-query when kv_heads < heads. With
+/// shape.documents > 0 the rows are packed and `docs` says where each document is (causal
+/// within each; stats (tokens, heads)); a graph is built per document count.
 void forward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloat16* q, const __nv_bfloat16* k,
-             const __nv_bfloat16* v, __nv_bfloat16* out, float* stats, void* workspace, std::size_t workspace_bytes);
+             const __nv_bfloat16* v, __nv_bfloat16* out, float* stats, void* workspace, std::size_t workspace_bytes,
+             Documents docs = {});
 
-/// dq, dk, dv (shaped as q, k, v) from dout, on separate tensors.
+/// dq, dk, dv (shaped as q, k, v) from dout, on separate tensors (packed as forward).
 void backward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloat16* q, const __nv_bfloat16* k,
               const __nv_bfloat16* v, const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* stats,
-              __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, void* workspace, std::size_t workspace_bytes);
+              __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, void* workspace, std::size_t workspace_bytes,
+              Documents docs = {});
 
 }  // namespace pipeoffload::cuda::attention

@@ -535,6 +535,26 @@ constexpr SdpaLayout sdpa_layout(long long batch, long long heads, long long seq
   return l;
 }
 
+/// The layout of a packed call (several documents a row): `l` is sdpa_layout or
+/// sdpa_layout_separate built with the microbatch's documents as its batch and its rows' length
+/// as seq (the longest a document can be); each document's first element in every tensor comes
+/// from cuDNN's ragged offsets (ops::document_table), not from the batch stride, and the
+/// statistics are token-major, (tokens, heads), as cuDNN's ragged statistics are.
+constexpr SdpaLayout ragged(SdpaLayout l) {
+  const long long heads = l.dims[1], seq = l.dims[2];
+  const long long ss[4] = {seq * heads, 1, heads, 1};
+  for (int i = 0; i < 4; ++i) l.stats_strides[i] = ss[i];
+  return l;
+}
+
+/// Bytes of a packed microbatch's document table (ops::document_table) for microbatches of up
+/// to `tokens` tokens (at most one document a token): int32 lengths, padded to 8 bytes, then
+/// four int64 offset arrays of tokens + 1.
+constexpr std::size_t document_table_bytes(long long tokens) {
+  const std::size_t T = tokens > 0 ? static_cast<std::size_t>(tokens) : 0;
+  return (T * 4 + 7) / 8 * 8 + 4 * (T + 1) * 8;
+}
+
 // ---- regions of a buffer ------------------------------------------------------------------
 
 /// A byte range of a buffer.

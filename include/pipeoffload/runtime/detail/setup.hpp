@@ -437,7 +437,7 @@ void Runtime<Backend, Communicator>::allocate_state() {
       const std::size_t bytes = in.elements * dtype_size(in.dtype);
       for (std::size_t b = 0; b < m; ++b)
         views_[static_cast<std::size_t>(c) * m + b].push_back(
-            {inputs_[k].spec.name, ConstTensor{inputs_dev_[k].ptr + b * bytes, in.elements, in.dtype}});
+            {inputs_[k].spec.name, ConstTensor{inputs_dev_[k].ptr + b * bytes, in.elements, in.dtype}, {}});
     }
 }
 

@@ -128,6 +128,12 @@ void Runtime<Backend, Communicator>::upload_inputs(const Batch& batch) {
                   " rows (its first dimension); they must split into m = " + std::to_string(m) + " equal microbatches");
     dev_.upload(inputs_dev_[k].ptr, t->data, t->bytes());
   }
+  // The passes' host views: this batch's slices, valid while the call lasts.
+  for (std::size_t x = 0; x < views_.size(); ++x)
+    for (StepInput& in : views_[x]) {
+      const HostTensor& t = *batch.find(in.name);
+      in.host = {t.data + (x % m) * in.tensor.bytes(), in.tensor.elements, in.tensor.dtype};
+    }
 }
 
 template <class Backend, class Communicator>
