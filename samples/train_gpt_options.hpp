@@ -106,8 +106,8 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
   --ffn F               llama: the SwiGLU MLP's inner width, 1..1048576 (default 8h/3 rounded up to 32)
   --pack ID             pack documents into each sequence, a new one starting at every token ID (an
                         end-of-text id: 50256 in GPT-2 shards, 10 for the corpus's lines); attention stays
-                        within a document and positions restart (the step input cu_seqlens; the CUDA
-                        backend packs --model llama only)
+                        within a document and positions restart (the step input cu_seqlens; on a GPU
+                        through cuDNN's ragged attention)
   --tie-embeddings      the LM head's weight is the token embedding (one parameter held by the first and
                         the last stage, po::SharedParam; --backend cpu)
   --stage-blocks B0,B1,...
@@ -272,10 +272,6 @@ inline Options parse(int argc, char** argv) {
     cli::one_of("--backend", *v, {"cpu", "cuda"});
     if (*v == "cuda" && tie && !o.llama)
       throw bad_argument("--tie-embeddings: the CUDA GPT does not tie its embeddings yet; use --backend cpu");
-    if (*v == "cuda" && get("--pack") && !o.llama)
-      throw bad_argument(
-          "--pack: the CUDA GPT does not pack sequences yet (its fused-qkv attention is causal over whole rows); use "
-          "--model llama or --backend cpu");
     o.cuda = *v == "cuda";
 #ifndef PIPEOFFLOAD_WITH_CUDA
     if (o.cuda)
@@ -447,6 +443,10 @@ inline Options parse(int argc, char** argv) {
   if (o.graphs && o.pcie_pairs)
     throw bad_argument(
         "--graphs replays captured copies, which cannot follow --pcie-pairs' counters; give one of them");
+  if (o.graphs && o.cuda && o.pack >= 0)
+    throw bad_argument(
+        "--graphs with --pack on --backend cuda: a packed microbatch's attention follows its document count, read on "
+        "the host at every call, which a replayed capture cannot; give one of them");
   if (o.graphs && o.cuda && (o.shape.d != 1 || o.dp != 1))
     throw bad_argument(
         "--graphs on --backend cuda captures one rank without replicas (--ranks 1 --dp 1); this run has "

@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -24,6 +25,7 @@
 #include <pipeoffload/layer.hpp>
 
 #include <pipeoffload/ops/cuda.hpp>
+#include <pipeoffload/packing.hpp>
 #include "cpu.hpp"  // the initial parameters
 #include "cuda_layout.hpp"
 #include "layout.hpp"
@@ -70,10 +72,6 @@ class CudaGptStage {
       throw error(
           "gpt::CudaGptStage: GptConfig::tie_embeddings is not implemented on the CUDA GPT yet (its head GEMMs take the "
           "weight (h, V)); tie the embeddings on the CPU GPT (gpt::GptStage)");
-    if (cfg.packed)
-      throw error(
-          "gpt::CudaGptStage: GptConfig::packed is not implemented on the CUDA GPT yet (its cuDNN attention is causal over "
-          "whole rows); pack sequences on the CPU GPT (gpt::GptStage)");
     if (dims_.blocks > 0)
       (void)cuda::sdpa_layout(max_shape.batch, cfg.heads, max_shape.seq,
                               cfg.hidden / cfg.heads);  // cuDNN's head_dim limits
@@ -100,9 +98,15 @@ class CudaGptStage {
     // their workspace is checked against the device's. seq = 1 has no backward graph
     // (attention.hpp); such a stage builds its graphs on first use.
     if (dims_.blocks > 0 && max_shape.seq >= 2) {
-      const std::size_t need = cuda::attention::workspace_bytes(
-          dev.attention_graphs(), cuda::attention::Shape{max_shape.batch, static_cast<int>(dims_.heads), max_shape.seq,
-                                                         static_cast<int>(dims_.hidden / dims_.heads)});
+      // Packed, the graphs of one document a row too (cuDNN bounds a packed call's workspace by
+      // its tokens, whatever its document count; a count needing more throws when it runs).
+      const cuda::attention::Shape whole{max_shape.batch, static_cast<int>(dims_.heads), max_shape.seq,
+                                         static_cast<int>(dims_.hidden / dims_.heads)};
+      cuda::attention::Shape packed = whole;
+      packed.documents = packed.batch;
+      const std::size_t need =
+          std::max(cuda::attention::workspace_bytes(dev.attention_graphs(), whole),
+                   dims_.packed ? cuda::attention::workspace_bytes(dev.attention_graphs(), packed) : std::size_t{0});
       if (need > dev.options().workspace_bytes)
         throw error("gpt::CudaGptStage: cuDNN's attention needs a workspace of " + std::to_string(need) +
                     " bytes for microbatches of " + std::to_string(max_shape.batch) + " x " +
@@ -139,11 +143,13 @@ class CudaGptStage {
   std::vector<ParamInfo> parameter_info() const { return gpt::gpt_parameter_info(dims_); }
   /// The stage type's name in the runtime's messages.
   std::string name() const { return "gpt::CudaGptStage"; }
-  /// Its calls may be captured and replayed (RuntimeOptions::graphs): its dropout reads the step from mb.device_step.
-  bool capturable() const { return true; }
+  /// Its calls may be captured and replayed (RuntimeOptions::graphs): its dropout reads the step
+  /// from mb.device_step. Packed rows through blocks are not: their attention's graph follows the
+  /// document count read on the host.
+  bool capturable() const { return !(dims_.packed && dims_.blocks > 0); }
 
   void forward(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
-    const Pass p = begin("forward", ctx, mb, saved, nullptr, false);
+    Pass p = begin("forward", ctx, mb, saved, nullptr, false);
     const std::byte* x = boundary_data(xt, !dims_.embeds, "forward", "x", "only stage 0 reads tokens instead", p.T);
     std::byte* y = boundary_data(yt, !dims_.has_head, "forward", "y", "only the last stage has no output", p.T);
     const std::int32_t* tokens = dims_.embeds ? step_input(mb, "tokens", "forward", p.T) : nullptr;
@@ -158,9 +164,14 @@ class CudaGptStage {
                                 : scratch<bf16>(p.ws.io);
     if (dims_.embeds) {
       ops::embedding_forward(ctx, tokens, work(), in, T, h(), V());
-      ops::position_embedding_forward(ctx, work() + params_.wpe, in, T, h(), mb.shape.seq);
+      if (dims_.packed)  // learned positions restart at every document
+        ops::position_embedding_forward(ctx, work() + params_.wpe, positions(ctx, mb, "forward", p), in, T, h(),
+                                        static_cast<int>(dims_.positions));
+      else
+        ops::position_embedding_forward(ctx, work() + params_.wpe, in, T, h(), mb.shape.seq);
     } else
       from_boundary(x, in, p);
+    if (dims_.blocks > 0) documents(ctx, mb, "forward", p);
     for (int i = 0; i < dims_.blocks; ++i) {
       bf16* out = i + 1 < dims_.blocks ? saved_block(saved, p, i + 1).x
                   : dims_.has_head     ? head_x(saved, p)
@@ -175,7 +186,8 @@ class CudaGptStage {
 
   void backward_input(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved,
                       std::byte* stash) {
-    const Pass p = begin("backward_input", ctx, mb, saved, stash, true);
+    Pass p = begin("backward_input", ctx, mb, saved, stash, true);
+    if (dims_.blocks > 0) documents(ctx, mb, "backward_input", p);
     const std::byte* dy =
         boundary_data(dyt, !dims_.has_head, "backward_input", "dy", "only the last stage starts from its loss", p.T);
     std::byte* dx =
@@ -203,8 +215,12 @@ class CudaGptStage {
     if (dims_.embeds) {
       const std::int32_t* tokens = step_input(mb, "tokens", "backward_weight", p.T);
       ops::embedding_backward(ctx, tokens, at<bf16>(stash, p.buf.stash_embed), grad(), p.T, h(), V());
-      ops::position_embedding_backward(ctx, at<bf16>(stash, p.buf.stash_embed), grad() + params_.wpe, p.T, h(),
-                                       mb.shape.seq);
+      if (dims_.packed)  // the positions as the ids
+        ops::embedding_backward(ctx, positions(ctx, mb, "backward_weight", p), at<bf16>(stash, p.buf.stash_embed),
+                                grad() + params_.wpe, p.T, h(), static_cast<int>(dims_.positions));
+      else
+        ops::position_embedding_backward(ctx, at<bf16>(stash, p.buf.stash_embed), grad() + params_.wpe, p.T, h(),
+                                         mb.shape.seq);
     }
     for (int i = 0; i < dims_.blocks; ++i) block_backward_weight(ctx, p, i, saved, stash);
     if (dims_.has_head) head_backward_weight(ctx, p, saved, stash);
@@ -281,7 +297,8 @@ class CudaGptStage {
     long long T = 0;
     GptStageBuffers buf{};
     GptWorkspace ws{};
-    cuda::attention::Shape att{};
+    cuda::attention::Shape att{};       ///< att.documents: packed rows' document count (0: unpacked)
+    cuda::attention::Documents docs{};  ///< where they are (packed)
   };
   Pass begin(const char* pass, const backend::CudaContext& ctx, const Microbatch& mb, const std::byte* saved,
              const std::byte* stash, bool needs_stash) const {
@@ -306,6 +323,42 @@ class CudaGptStage {
     p.att = cuda::attention::Shape{sh.batch, static_cast<int>(dims_.heads), sh.seq,
                                    static_cast<int>(dims_.hidden / dims_.heads)};
     return p;
+  }
+
+  /// The packed rows' offsets (device memory), checked against the microbatch's shape.
+  const std::int32_t* row_offsets(const Microbatch& mb, const char* pass) const {
+    const std::size_t rows = static_cast<std::size_t>(mb.shape.batch),
+                      want = rows * (static_cast<std::size_t>(mb.shape.seq) + 1);
+    const ConstTensor t = mb.input(document_offsets_input);
+    if (t.elements != want)
+      throw shape_error(who(pass) + ": the step input '" + document_offsets_input + "' holds " +
+                        std::to_string(t.elements) + " values; " + std::to_string(rows) + " packed rows of " +
+                        std::to_string(mb.shape.seq) + " tokens need rows * (seq + 1) = " + std::to_string(want));
+    return t.as<std::int32_t>();
+  }
+  /// Every token's position in its document (ws.positions), computed on the device.
+  const std::int32_t* positions(const backend::CudaContext& ctx, const Microbatch& mb, const char* pass,
+                                const Pass& p) const {
+    std::int32_t* out = scratch<std::int32_t>(p.ws.positions);
+    ops::document_positions(ctx, row_offsets(mb, pass), out, p.T, mb.shape.seq);
+    return out;
+  }
+  /// Packed rows' documents for the blocks' attention: checked and counted on the host
+  /// (Microbatch::host_input), their table (ws.documents) written on the device, offsets in
+  /// units of the fused [q | k | v] row and of the output's.
+  void documents(const backend::CudaContext& ctx, const Microbatch& mb, const char* pass, Pass& p) {
+    if (!dims_.packed) return;
+    const std::int32_t* dev = row_offsets(mb, pass);
+    const ConstTensor host = mb.host_input(document_offsets_input);
+    docs_.clear();
+    append_documents(host.as<std::int32_t>(), static_cast<std::size_t>(mb.shape.batch), mb.shape.seq, docs_);
+    const long long H = dims_.hidden;
+    const ops::DeviceDocuments d =
+        ops::document_table(ctx, dev, mb.shape.batch, mb.shape.seq, static_cast<int>(docs_.size()),
+                            {mb.shape.batch, mb.shape.seq, p.att.heads, 0, p.att.head_dim}, {3 * H, 3 * H, 3 * H, H},
+                            scratch<std::byte>(p.ws.documents));
+    p.att.documents = d.count;
+    p.docs = d.table;
   }
 
   /// A (T, h) boundary into the stage's bf16, and back: a conversion (fp32) or a copy (bf16).
@@ -392,7 +445,8 @@ class CudaGptStage {
     bf16* a1 = cfg_.recompute ? scratch<bf16>(p.ws.ln) : v.a1;
     ops::layernorm_forward(ctx, v.x, weight(i, o.ln1g), weight(i, o.ln1b), a1, v.stats, T, h());
     linear(ctx, p, a1, weight(i, o.wqkv), weight(i, o.bqkv), v.qkv, H, 3 * H);
-    cuda::attention::forward(*ctx.attention, p.s, p.att, v.qkv, v.att, v.lse, ctx.workspace, ctx.workspace_bytes);
+    cuda::attention::forward(*ctx.attention, p.s, p.att, v.qkv, v.att, v.lse, ctx.workspace, ctx.workspace_bytes,
+                             p.docs);
     linear(ctx, p, v.att, weight(i, o.wo), weight(i, o.bo), proj, H, H);
     if (cfg_.recompute)
       ops::residual_dropout(ctx, v.x, proj, v.x1, T * H, drop_seed(mb, i, 0), drop);
@@ -437,7 +491,7 @@ class CudaGptStage {
     bf16* datt = scratch<bf16>(p.ws.proj);
     cuda::gemm(ctx, cuda::linear_dgrad(T, H, H), st.dO1, weight(i, o.wo), datt, cuda::Out::bf16);
     cuda::attention::backward(*ctx.attention, p.s, p.att, v.qkv, v.att, datt, v.lse, st.dQKV, ctx.workspace,
-                              ctx.workspace_bytes);
+                              ctx.workspace_bytes, p.docs);
     cuda::gemm(ctx, cuda::linear_dgrad(T, H, 3 * H), st.dQKV, weight(i, o.wqkv), st.dA1, cuda::Out::bf16);
     // g becomes dL/dx = dL/dx1 + LN1's input gradient.
     ops::layernorm_backward(ctx, st.dA1, v.x, v.stats, weight(i, o.ln1g), g, T, h(), true);
@@ -529,6 +583,7 @@ class CudaGptStage {
   cuda::DeviceMemory grads_;      // (total) fp32 gradients, accumulated by W, zeroed by Runtime::zero_grad
   cuda::DeviceMemory head_bias_;  // (vocab) fp32 copy of the head's bias (the last stage only)
   cuda::DeviceMemory scratch_;    // gpt_workspace(dims, max tokens) bytes
+  std::vector<Document> docs_;    // a packed microbatch's documents, counted on the host
 };
 
 static_assert(layer_for<CudaGptStage, backend::CudaContext>,

@@ -153,9 +153,11 @@ inline std::vector<SavedPart> gpt_cuda_saved_parts(const gpt::GptDims& d, long l
 ///   bf16 ln (T, h): a LayerNorm output (F; W's recompute) | proj (T, h): an attention or MLP
 ///   projection output (F), the attention output's gradient (B) | gelu (T, 4h): GeLU output
 ///   (F and W with recompute) | io (T, h): the stage's bf16 output before to_float (F), the
-///   gradient flowing down (B) | fp32 logits (T, V) and per-row losses (T) on the last stage.
+///   gradient flowing down (B) | packed rows: int32 positions (T) on the embedding's stage and
+///   the documents' table (cuda::document_table_bytes(T)) on a stage with blocks | fp32 logits
+///   (T, V) and per-row losses (T) on the last stage.
 struct GptWorkspace {
-  Region ln, proj, gelu, io, logits, losses;
+  Region ln, proj, gelu, io, positions, documents, logits, losses;
   std::size_t bytes = 0;
 };
 /// Device bytes gpt::CudaGptStage holds for its parameters and gradients: bf16 working
@@ -177,6 +179,8 @@ constexpr GptWorkspace gpt_workspace(const gpt::GptDims& d, long long tokens) {
   w.proj = c.take(T * h * 2);
   w.gelu = c.take(d.recompute ? 4 * T * h * 2 : 0);
   w.io = c.take(T * h * 2);
+  w.positions = c.take(d.packed && d.embeds ? T * 4 : 0);
+  w.documents = c.take(d.packed && d.blocks > 0 ? cuda::document_table_bytes(tokens) : 0);
   w.logits = c.take(d.has_head ? T * V * 4 : 0);
   w.losses = c.take(d.has_head ? T * 4 : 0);
   w.bytes = c.total();

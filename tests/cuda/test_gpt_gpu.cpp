@@ -127,6 +127,20 @@ Inputs make_inputs(const Config& c, po::MicrobatchShape shape, unsigned seed) {
   return in;
 }
 
+/// Packs both microbatches' rows (two of 32 tokens each): documents of 5, 1, 18 and 8 tokens,
+/// then of 31 and 1 tokens (microbatch 0) or 2 and 30 (microbatch 1).
+void pack_rows(Inputs& in) {
+  REQUIRE(in.shape.batch == 2);
+  REQUIRE(in.shape.seq == 32);
+  for (int k = 0; k < 2; ++k) {
+    in.offsets[k] = {0, 5, 6, 24};
+    in.offsets[k].resize(33, 32);
+    std::vector<std::int32_t> second = {0, k == 0 ? 31 : 2};
+    second.resize(33, 32);
+    in.offsets[k].insert(in.offsets[k].end(), second.begin(), second.end());
+  }
+}
+
 /// What a stage produced for the two microbatches.
 struct Outputs {
   float loss[2] = {0, 0};
@@ -369,6 +383,7 @@ void check_stage(const po::gpt::GptConfig& c, int stage, int stages, bool traini
   CAPTURE(stage);
   CAPTURE(stages);
   CAPTURE(c.recompute);
+  CAPTURE(c.packed);
   CAPTURE(training);
   const po::MicrobatchShape shape{2, 32};
   po::gpt::GptStage cpu(c, stage, stages);
@@ -388,6 +403,7 @@ void check_stage(const po::gpt::GptConfig& c, int stage, int stages, bool traini
   CHECK(gpu.output_boundary(shape) == cpu.output_boundary(shape));
   Inputs in = make_inputs(c, shape, 1000 + static_cast<unsigned>(stage));
   in.training = training;
+  if (c.packed) pack_rows(in);
   const Outputs want = run_cpu(cpu, stage, stages, in);
   const Outputs got = run_gpu(gpu, dev, s, stage, stages, in);
   compare(got, want, pm::gpt_parameter_info(d), d.embeds, d.has_head, training);
@@ -405,6 +421,16 @@ TEST_CASE(
     "gpt::CudaGptStage matches gpt::GptStage on the first, a middle and the last stage, recompute off (saved LayerNorm, GeLU, masks)") {
   const po::gpt::GptConfig c = test_config(6, false);
   for (int s = 0; s < 3; ++s) check_stage(c, s, 3);
+}
+
+TEST_CASE(
+    "gpt::CudaGptStage over packed rows (cuDNN's ragged attention on fused qkv, positions restarting) matches "
+    "gpt::GptStage packed") {
+  po::gpt::GptConfig c = test_config(6, true);
+  c.packed = true;
+  for (int s = 0; s < 3; ++s) check_stage(c, s, 3);
+  c.recompute = false;
+  check_stage(c, 0, 1);
 }
 
 TEST_CASE(
@@ -690,14 +716,7 @@ void check_llama_stage(const po::llama::LlamaConfig& c, int stage, int stages) {
   CHECK(download_parameters(gpu) == std::vector<float>(cpu.parameters().begin(), cpu.parameters().end()));
   CHECK(gpu.input_boundary(shape) == cpu.input_boundary(shape));
   Inputs in = make_inputs(c, shape, 2000 + static_cast<unsigned>(stage));
-  if (c.packed)  // rows of 32 tokens: documents of 5, 1, 18 and 8 tokens; of 31 and 1
-    for (int k = 0; k < 2; ++k) {
-      in.offsets[k] = {0, 5, 6, 24};
-      in.offsets[k].resize(33, 32);
-      std::vector<std::int32_t> second = {0, k == 0 ? 31 : 2};
-      second.resize(33, 32);
-      in.offsets[k].insert(in.offsets[k].end(), second.begin(), second.end());
-    }
+  if (c.packed) pack_rows(in);
   const Outputs want = run_cpu(cpu, stage, stages, in);
   const Outputs got = run_gpu(gpu, dev, s, stage, stages, in);
   compare(got, want, cpu.parameter_info(), cpu.dims().embeds, cpu.dims().has_head);

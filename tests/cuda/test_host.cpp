@@ -618,13 +618,36 @@ TEST_CASE("the CUDA GPT stage's saved, stash and scratch regions are aligned, di
             CHECK(b.saved_bytes == static_cast<std::size_t>(d.blocks) * b.block.bytes + b.head.bytes);
             if (d.has_head) CHECK(b.head.dlogits.bytes == static_cast<std::size_t>(T * d.vocab * 2));
             const pm::GptWorkspace w = pm::gpt_workspace(d, T);
-            check_regions({w.ln, w.proj, w.gelu, w.io, w.logits, w.losses}, w.bytes);
+            check_regions({w.ln, w.proj, w.gelu, w.io, w.positions, w.documents, w.logits, w.losses}, w.bytes);
             CHECK((w.gelu.bytes > 0) == recompute);
             CHECK((w.logits.bytes > 0) == d.has_head);
+            CHECK(w.positions.bytes == 0);
+            CHECK(w.documents.bytes == 0);
+            // Packed: the embedding's positions (T int32) and the blocks' document table.
+            pm::GptDims packed = d;
+            packed.packed = true;
+            const pm::GptWorkspace wp = pm::gpt_workspace(packed, T);
+            check_regions({wp.ln, wp.proj, wp.gelu, wp.io, wp.positions, wp.documents, wp.logits, wp.losses}, wp.bytes);
+            CHECK(wp.positions.bytes == (d.embeds ? static_cast<std::size_t>(T) * 4 : 0));
+            CHECK(wp.documents.bytes == (d.blocks > 0 ? pc::document_table_bytes(T) : 0));
           }
   CHECK_THROWS_AS(pm::gpt_stage_buffers(pm::GptDims{10, 64, 3, 8, 0, 1, false, false, true}, 4),
                   po::shape_error);  // 3 does not divide 64
   CHECK_THROWS_AS(pm::gpt_workspace(pm::GptDims{10, 64, 4, 8, 0, 1, false, false, true}, 0), po::shape_error);
+}
+
+TEST_CASE("packed attention's layout: the documents as the batch, token-major statistics, and the table's bytes") {
+  const pc::SdpaLayout l = pc::ragged(pc::sdpa_layout_separate(5, 8, 2, 128, 64));
+  CHECK(l.dims[0] == 5);
+  CHECK(l.dims[2] == 128);
+  CHECK(l.kv_dims[1] == 2);
+  const long long stats[4] = {128 * 8, 1, 8, 1};  // element (doc, head, i) at its offset + i * heads + head
+  for (int i = 0; i < 4; ++i) CHECK(l.stats_strides[i] == stats[i]);
+  const long long q[4] = {128 * 512, 64, 512, 1};  // q's own strides: packed ragged rows of heads * head_dim
+  for (int i = 0; i < 4; ++i) CHECK(l.q_strides[i] == q[i]);
+  // int32 lengths padded to 8 bytes, then four int64 arrays of tokens + 1.
+  CHECK(pc::document_table_bytes(3) == 16 + 4 * 4 * 8);
+  CHECK(pc::document_table_bytes(4096) == 4096 * 4 + 4 * 4097 * 8);
 }
 
 TEST_CASE("the CUDA Llama stage's saved, stash and scratch regions are aligned, disjoint, inside and of their sizes") {
@@ -676,7 +699,14 @@ TEST_CASE("the CUDA Llama stage's saved, stash and scratch regions are aligned, 
           CHECK((b.stash_embed.bytes > 0) == d.embeds);
           CHECK((b.head.bytes > 0) == d.has_head);
           const po::llama::LlamaWorkspace w = po::llama::llama_cuda_workspace(d, T);
-          check_regions({w.a, w.tmp, w.datt, w.io, w.io2, w.positions, w.logits, w.losses}, w.bytes);
+          check_regions({w.a, w.tmp, w.datt, w.io, w.io2, w.positions, w.documents, w.logits, w.losses}, w.bytes);
+          CHECK(w.documents.bytes == 0);
+          po::llama::LlamaDims packed = d;
+          packed.packed = true;  // the blocks' document table besides
+          const po::llama::LlamaWorkspace wp = po::llama::llama_cuda_workspace(packed, T);
+          check_regions({wp.a, wp.tmp, wp.datt, wp.io, wp.io2, wp.positions, wp.documents, wp.logits, wp.losses},
+                        wp.bytes);
+          CHECK(wp.documents.bytes == (d.blocks > 0 ? pc::document_table_bytes(T) : 0));
           CHECK(w.tmp.bytes == Tz * f * 2);
           CHECK((w.logits.bytes > 0) == d.has_head);
           CHECK(po::llama::llama_cuda_state_bytes(d, 64) ==

@@ -181,8 +181,8 @@ losses = [float(l.split(" loss ")[1].split()[0]) for l in out.splitlines() if l.
 if not losses[-1] < losses[0] - 0.5 or "packed (a document at every token 10)" not in out:
     sys.exit(f"FAIL: --pack does not learn or say so: {losses}\n{out[:300]}")
 for args, text in ((["--kv-heads", "2"], "--kv-heads applies only to --model llama"),
-                   (["--backend", "cuda", "--pack", "10"], "--pack: the CUDA GPT does not pack sequences yet"),
                    (["--ranks-per-gpu", "2"], "--ranks-per-gpu applies only to --backend cuda"),
+                   (["--backend", "cuda", "--graphs", "--pack", "10"], "--graphs with --pack on --backend cuda"),
                    ([*llama, "--pack", "256"], "--pack 256 is outside the vocabulary [0, 255]"),
                    ([*llama, "--pack", "-1"], "--pack must be an integer in [0, 1048575], got '-1'"),
                    (["--model", "llama", "--kv-heads", "3"], "--kv-heads 3 must divide --heads 4"),
