@@ -272,6 +272,10 @@ inline Options parse(int argc, char** argv) {
     cli::one_of("--backend", *v, {"cpu", "cuda"});
     if (*v == "cuda" && tie && !o.llama)
       throw bad_argument("--tie-embeddings: the CUDA GPT does not tie its embeddings yet; use --backend cpu");
+    if (*v == "cuda" && get("--pack") && o.graphs)
+      throw bad_argument(
+          "--graphs with --pack on --backend cuda: a packed microbatch's attention follows its document count, read "
+          "on the host at every call, which a replayed capture cannot; give one of them");
     o.cuda = *v == "cuda";
 #ifndef PIPEOFFLOAD_WITH_CUDA
     if (o.cuda)
@@ -443,10 +447,6 @@ inline Options parse(int argc, char** argv) {
   if (o.graphs && o.pcie_pairs)
     throw bad_argument(
         "--graphs replays captured copies, which cannot follow --pcie-pairs' counters; give one of them");
-  if (o.graphs && o.cuda && o.pack >= 0)
-    throw bad_argument(
-        "--graphs with --pack on --backend cuda: a packed microbatch's attention follows its document count, read on "
-        "the host at every call, which a replayed capture cannot; give one of them");
   if (o.graphs && o.cuda && (o.shape.d != 1 || o.dp != 1))
     throw bad_argument(
         "--graphs on --backend cuda captures one rank without replicas (--ranks 1 --dp 1); this run has "
