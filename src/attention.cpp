@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -120,6 +121,24 @@ Packed packed_tensors(fe::graph::Graph& g, Shape s) {
 /// Tokens of a call (its rows' and the packed tensors' extent).
 std::int64_t tokens_of(Shape s) { return static_cast<std::int64_t>(s.batch) * s.seq; }
 
+/// A packed call's inputs ragged and its attributes (forward or backward) masked to each
+/// document's length, the packed tensors' extent the call's tokens.
+template <class Attributes>
+Packed make_packed(fe::graph::Graph& g, Shape s, Attributes& opts,
+                   std::initializer_list<std::shared_ptr<fe::graph::Tensor_attributes>> qkv) {
+  Packed p = packed_tensors(g, s);
+  const std::shared_ptr<fe::graph::Tensor_attributes>* t = qkv.begin();
+  t[0]->set_ragged_offset(p.q);
+  t[1]->set_ragged_offset(p.k);
+  t[2]->set_ragged_offset(p.v);
+  opts.set_padding_mask(true)
+      .set_seq_len_q(p.seq_q)
+      .set_seq_len_kv(p.seq_kv)
+      .set_max_total_seq_len_q(tokens_of(s))
+      .set_max_total_seq_len_kv(tokens_of(s));
+  return p;
+}
+
 Built build_forward(cudnnHandle_t h, Shape s, bool fused) {
   const SdpaLayout l = layout_of(s, fused);
   Built b;
@@ -135,18 +154,7 @@ Built build_forward(cudnnHandle_t h, Shape s, bool fused) {
                   .set_attn_scale(scale_of(s))
                   .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
                   .set_diagonal_band_right_bound(0);  // causal: key j <= query i (of its document)
-  Packed p;
-  if (s.documents > 0) {
-    p = packed_tensors(g, s);
-    q->set_ragged_offset(p.q);
-    k->set_ragged_offset(p.k);
-    v->set_ragged_offset(p.v);
-    opts.set_padding_mask(true)
-        .set_seq_len_q(p.seq_q)
-        .set_seq_len_kv(p.seq_kv)
-        .set_max_total_seq_len_q(tokens_of(s))
-        .set_max_total_seq_len_kv(tokens_of(s));
-  }
+  const Packed p = s.documents > 0 ? make_packed(g, s, opts, {q, k, v}) : Packed{};
   auto [o, stats] = g.sdpa(q, k, v, opts);
   o->set_output(true).set_uid(O).set_dim(vec(l.dims)).set_stride(vec(l.out_strides));
   stats->set_output(true)
@@ -185,20 +193,11 @@ Built build_backward(cudnnHandle_t h, Shape s, bool fused, bool deterministic) {
                   .set_attn_scale(scale_of(s))
                   .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
                   .set_diagonal_band_right_bound(0);
-  Packed p;
+  const Packed p = s.documents > 0 ? make_packed(g, s, opts, {q, k, v}) : Packed{};
   if (s.documents > 0) {
-    p = packed_tensors(g, s);
-    q->set_ragged_offset(p.q);
-    k->set_ragged_offset(p.k);
-    v->set_ragged_offset(p.v);
     o->set_ragged_offset(p.o);
     dout->set_ragged_offset(p.o);
     stats->set_ragged_offset(p.stats);
-    opts.set_padding_mask(true)
-        .set_seq_len_q(p.seq_q)
-        .set_seq_len_kv(p.seq_kv)
-        .set_max_total_seq_len_q(tokens_of(s))
-        .set_max_total_seq_len_kv(tokens_of(s));
   }
   auto [dq, dk, dv] = g.sdpa_backward(q, k, v, o, dout, stats, opts);
   dq->set_output(true).set_uid(DQ).set_dim(vec(l.dims)).set_stride(vec(l.q_strides));
@@ -283,6 +282,16 @@ std::size_t workspace_bytes(Graphs& graphs, Shape shape, bool separate) {
   const bool fused = !separate && kv_heads_of(shape) == shape.heads;
   const auto f = graphs.impl().get(false, shape, fused).workspace, bw = graphs.impl().get(true, shape, fused).workspace;
   return static_cast<std::size_t>(std::max(f, bw));
+}
+
+void require_workspace(Graphs& graphs, Shape shape, bool separate, std::size_t limit, const std::string& who) {
+  const std::size_t need = workspace_bytes(graphs, shape, separate);
+  if (need <= limit) return;
+  throw cuda_error(who + ": cuDNN's attention needs a workspace of " + std::to_string(need) +
+                   " bytes for microbatches of " + std::to_string(shape.batch) + " x " + std::to_string(shape.seq) +
+                   " tokens" +
+                   (shape.documents > 0 ? " in " + std::to_string(shape.documents) + " packed documents" : "") +
+                   "; backend::Cuda::Options::workspace_bytes = " + std::to_string(limit) + " is below it");
 }
 
 std::size_t workspace_bytes(Shape shape, bool deterministic, int device) {

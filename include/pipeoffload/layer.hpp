@@ -272,6 +272,13 @@ concept working_parameters = std::convertible_to<P, std::span<float>> || std::co
 ///   what they read from device memory, so RuntimeOptions::graphs may capture a call once and
 ///   replay it: the passes read the step from mb.device_step, never mb.step, and make no host
 ///   call that waits for the device (default: false, and graphs refuse the stage).
+/// - prepare(mb): called on the host for every microbatch of a runtime call (forward_backward,
+///   evaluate), its step inputs' device and host views in mb, after the inputs are uploaded and
+///   before any pass of the call is enqueued or any message of it sent: where a layer makes
+///   what its passes will need for these inputs (a GPU layer's kernels or cuDNN graphs for a
+///   size it reads on the host, mb.host_input), so that nothing is compiled or loaded while a
+///   communication kernel of the step waits for another rank (a hang: docs/faults.md), and a
+///   bad input is refused before the step starts.
 ///
 /// A minimal user layer, y = tanh(w * x) per element on a boundary of `n` floats:
 /// @code
@@ -348,6 +355,8 @@ template <class L>
 concept has_capturable = requires(const L& l) {
   { l.capturable() } -> std::convertible_to<bool>;
 };
+template <class L>
+concept has_prepare = requires(L& l, const Microbatch& mb) { l.prepare(mb); };
 template <class L>
 concept has_saved_parts = requires(const L& l, MicrobatchShape s) {
   { l.saved_parts(s) } -> std::convertible_to<std::vector<SavedPart>>;

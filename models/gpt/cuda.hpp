@@ -61,7 +61,7 @@ class CudaGptStage {
   /// CPU run's current ones (same layout, copied as they are).
   CudaGptStage(backend::Cuda& dev, const gpt::GptConfig& cfg, int stage, int stages, MicrobatchShape max_shape,
                std::span<const float> initial, Boundaries boundaries = Boundaries::f32)
-      : cfg_(cfg), max_(max_shape), device_(dev.device()), boundaries_(boundaries) {
+      : cfg_(cfg), max_(max_shape), device_(dev.device()), boundaries_(boundaries), dev_(&dev) {
     dims_ = gpt::gpt_dims(cfg, stage, stages);
     params_ = gpt::gpt_stage_params(dims_);
     if (max_shape.batch < 1 || max_shape.seq < 1 || max_shape.seq > cfg.seq)
@@ -99,19 +99,12 @@ class CudaGptStage {
     // (attention.hpp); such a stage builds its graphs on first use.
     if (dims_.blocks > 0 && max_shape.seq >= 2) {
       // Packed, the graphs of one document a row too (cuDNN bounds a packed call's workspace by
-      // its tokens, whatever its document count; a count needing more throws when it runs).
-      const cuda::attention::Shape whole{max_shape.batch, static_cast<int>(dims_.heads), max_shape.seq,
-                                         static_cast<int>(dims_.hidden / dims_.heads)};
-      cuda::attention::Shape packed = whole;
-      packed.documents = packed.batch;
-      const std::size_t need =
-          std::max(cuda::attention::workspace_bytes(dev.attention_graphs(), whole),
-                   dims_.packed ? cuda::attention::workspace_bytes(dev.attention_graphs(), packed) : std::size_t{0});
-      if (need > dev.options().workspace_bytes)
-        throw error("gpt::CudaGptStage: cuDNN's attention needs a workspace of " + std::to_string(need) +
-                    " bytes for microbatches of " + std::to_string(max_shape.batch) + " x " +
-                    std::to_string(max_shape.seq) + " tokens; backend::Cuda::Options::workspace_bytes = " +
-                    std::to_string(dev.options().workspace_bytes) + " is below it");
+      // its tokens, whatever its document count; prepare() builds and checks each count's).
+      cuda::attention::Shape s{max_shape.batch, static_cast<int>(dims_.heads), max_shape.seq,
+                               static_cast<int>(dims_.hidden / dims_.heads)};
+      require_attention(s, "gpt::CudaGptStage");
+      s.documents = s.batch;
+      if (dims_.packed) require_attention(s, "gpt::CudaGptStage");
     }
   }
 
@@ -147,6 +140,20 @@ class CudaGptStage {
   /// from mb.device_step. Packed rows through blocks are not: their attention's graph follows the
   /// document count read on the host.
   bool capturable() const { return !(dims_.packed && dims_.blocks > 0); }
+
+  /// Before a call's passes (layer.hpp): packed, the microbatch's rows checked and its documents
+  /// counted on the host, and cuDNN's graphs for that count built, their workspace checked,
+  /// now rather than in a pass.
+  void prepare(const Microbatch& mb) {
+    if (!dims_.packed || dims_.blocks == 0 || mb.shape.seq < 2) return;
+    const cuda::attention::Shape s{mb.shape.batch,
+                                   static_cast<int>(dims_.heads),
+                                   mb.shape.seq,
+                                   static_cast<int>(dims_.hidden / dims_.heads),
+                                   0,
+                                   count_documents(mb, "prepare")};
+    require_attention(s, who("prepare"));
+  }
 
   void forward(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
     Pass p = begin("forward", ctx, mb, saved, nullptr, false);
@@ -254,6 +261,10 @@ class CudaGptStage {
     return at<T>(scratch_.as<std::byte>(), r);
   }
 
+  /// The attention graphs of `s` (the fused qkv layout) built and their workspace checked.
+  void require_attention(const cuda::attention::Shape& s, const std::string& by) const {
+    cuda::attention::require_workspace(dev_->attention_graphs(), s, false, dev_->options().workspace_bytes, by);
+  }
   std::string who(const char* pass) const {
     return std::string("gpt::CudaGptStage (blocks ") + std::to_string(dims_.first_block) + ".." +
            std::to_string(dims_.first_block + dims_.blocks) + ")::" + pass;
@@ -348,17 +359,26 @@ class CudaGptStage {
   /// units of the fused [q | k | v] row and of the output's.
   void documents(const backend::CudaContext& ctx, const Microbatch& mb, const char* pass, Pass& p) {
     if (!dims_.packed) return;
-    const std::int32_t* dev = row_offsets(mb, pass);
-    const ConstTensor host = mb.host_input(document_offsets_input);
-    docs_.clear();
-    append_documents(host.as<std::int32_t>(), static_cast<std::size_t>(mb.shape.batch), mb.shape.seq, docs_);
+    const int count = count_documents(mb, pass);
     const long long H = dims_.hidden;
-    const ops::DeviceDocuments d =
-        ops::document_table(ctx, dev, mb.shape.batch, mb.shape.seq, static_cast<int>(docs_.size()),
-                            {mb.shape.batch, mb.shape.seq, p.att.heads, 0, p.att.head_dim}, {3 * H, 3 * H, 3 * H, H},
-                            scratch<std::byte>(p.ws.documents));
+    const ops::DeviceDocuments d = ops::document_table(ctx, row_offsets(mb, pass), mb.shape.batch, mb.shape.seq, count,
+                                                       {mb.shape.batch, mb.shape.seq, p.att.heads, 0, p.att.head_dim},
+                                                       {3 * H, 3 * H, 3 * H, H}, scratch<std::byte>(p.ws.documents));
     p.att.documents = d.count;
     p.docs = d.table;
+  }
+  /// The documents of a packed microbatch, counted on the host (Microbatch::host_input) after
+  /// po::append_documents checks its rows.
+  int count_documents(const Microbatch& mb, const char* pass) {
+    (void)row_offsets(mb, pass);  // the device view's size
+    const ConstTensor host = mb.host_input(document_offsets_input);
+    if (host.elements != mb.input(document_offsets_input).elements)
+      throw shape_error(who(pass) + ": the step input '" + document_offsets_input + "' has " +
+                        std::to_string(host.elements) + " values on the host and " +
+                        std::to_string(mb.input(document_offsets_input).elements) + " on the device");
+    docs_.clear();
+    append_documents(host.as<std::int32_t>(), static_cast<std::size_t>(mb.shape.batch), mb.shape.seq, docs_);
+    return static_cast<int>(docs_.size());
   }
 
   /// A (T, h) boundary into the stage's bf16, and back: a conversion (fp32) or a copy (bf16).
@@ -584,6 +604,7 @@ class CudaGptStage {
   cuda::DeviceMemory head_bias_;  // (vocab) fp32 copy of the head's bias (the last stage only)
   cuda::DeviceMemory scratch_;    // gpt_workspace(dims, max tokens) bytes
   std::vector<Document> docs_;    // a packed microbatch's documents, counted on the host
+  backend::Cuda* dev_ = nullptr;  // its cuDNN graphs and workspace (prepare builds packed ones)
 };
 
 static_assert(layer_for<CudaGptStage, backend::CudaContext>,

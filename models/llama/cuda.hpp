@@ -48,7 +48,7 @@ class CudaLlamaStage {
   /// `boundaries` is the boundary tensors' type, DType::float32 or DType::bfloat16.
   CudaLlamaStage(backend::Cuda& dev, const LlamaConfig& cfg, int stage, int stages, MicrobatchShape max_shape,
                  std::span<const float> initial, DType boundaries = DType::float32)
-      : c_(cfg), max_(max_shape), device_(dev.device()), boundaries_(boundaries) {
+      : c_(cfg), max_(max_shape), device_(dev.device()), boundaries_(boundaries), dev_(&dev) {
     if (boundaries != DType::float32 && boundaries != DType::bfloat16)
       throw error(std::string("llama::CudaLlamaStage: boundaries = ") + dtype_name(boundaries) +
                   "; a stage's boundaries are float32 or bfloat16");
@@ -85,17 +85,11 @@ class CudaLlamaStage {
     if (d_.blocks > 0 && max_shape.seq >= 2) {
       // (The separate q, k, v tensors' graphs, the ones the passes run, whatever the heads.)
       // Packed, the graphs of one document a row too (cuDNN bounds a packed call's workspace by
-      // its tokens, whatever its document count; a count needing more throws when it runs).
+      // its tokens, whatever its document count; prepare() builds and checks each count's).
+      require_attention(attention_shape(max_shape), "llama::CudaLlamaStage");
       cuda::attention::Shape packed = attention_shape(max_shape);
       packed.documents = packed.batch;
-      const std::size_t need =
-          std::max(cuda::attention::workspace_bytes(dev.attention_graphs(), attention_shape(max_shape), true),
-                   d_.packed ? cuda::attention::workspace_bytes(dev.attention_graphs(), packed, true) : std::size_t{0});
-      if (need > dev.options().workspace_bytes)
-        throw error("llama::CudaLlamaStage: cuDNN's attention needs a workspace of " + std::to_string(need) +
-                    " bytes for microbatches of " + std::to_string(max_shape.batch) + " x " +
-                    std::to_string(max_shape.seq) + " tokens; backend::Cuda::Options::workspace_bytes = " +
-                    std::to_string(dev.options().workspace_bytes) + " is below it");
+      if (d_.packed) require_attention(packed, "llama::CudaLlamaStage");
     }
   }
 
@@ -125,6 +119,16 @@ class CudaLlamaStage {
   std::size_t state_bytes() const { return llama_cuda_state_bytes(d_, c_.seq); }
   std::size_t scratch_bytes() const { return llama_cuda_workspace(d_, max_.tokens()).bytes; }
   const LlamaDims& dims() const { return d_; }
+
+  /// Before a call's passes (layer.hpp): packed, the microbatch's rows checked and its documents
+  /// counted on the host, and cuDNN's graphs for that count built, their workspace checked,
+  /// now rather than in a pass.
+  void prepare(const Microbatch& mb) {
+    if (!d_.packed || d_.blocks == 0 || mb.shape.seq < 2) return;
+    cuda::attention::Shape s = attention_shape(mb.shape);
+    s.documents = count_documents(mb, "prepare");
+    require_attention(s, who("prepare"));
+  }
 
   void forward(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
     Pass p = begin("forward", mb, saved, nullptr);
@@ -209,6 +213,10 @@ class CudaLlamaStage {
     return {sh.batch, static_cast<int>(d_.heads), sh.seq, static_cast<int>(d_.head_dim()),
             static_cast<int>(d_.kv_heads)};
   }
+  /// The attention graphs of `s` (separate q, k, v) built and their workspace checked.
+  void require_attention(cuda::attention::Shape s, const std::string& by) const {
+    cuda::attention::require_workspace(dev_->attention_graphs(), s, true, dev_->options().workspace_bytes, by);
+  }
   std::string who(const char* pass) const {
     return std::string("llama::CudaLlamaStage (blocks ") + std::to_string(d_.first_block) + ".." +
            std::to_string(d_.first_block + d_.blocks) + ")::" + pass;
@@ -279,6 +287,15 @@ class CudaLlamaStage {
       ops::sequence_positions(ctx, positions, p.T, seq);
       return;
     }
+    const int count = count_documents(mb, pass);
+    const std::int32_t* dev = mb.input<std::int32_t>(document_offsets_input);
+    ops::document_positions(ctx, dev, positions, p.T, seq);
+    p.docs = ops::document_table(ctx, dev, mb.shape.batch, seq, count, p.att, {}, scratch<std::byte>(p.ws.documents));
+  }
+  /// The documents of a packed microbatch, counted on the host (Microbatch::host_input) after
+  /// po::append_documents checks its rows; the step input's size checked on both views.
+  int count_documents(const Microbatch& mb, const char* pass) {
+    const int seq = mb.shape.seq;
     const std::size_t rows = static_cast<std::size_t>(mb.shape.batch), want = rows * static_cast<std::size_t>(seq + 1);
     const ConstTensor dev = mb.input(document_offsets_input), host = mb.host_input(document_offsets_input);
     if (dev.elements != want || host.elements != want || dev.dtype != DType::int32 || host.dtype != DType::int32)
@@ -288,9 +305,7 @@ class CudaLlamaStage {
                         " tokens need rows * (seq + 1) = " + std::to_string(want) + " int32");
     docs_.clear();
     append_documents(host.as<std::int32_t>(), rows, seq, docs_);
-    ops::document_positions(ctx, dev.as<std::int32_t>(), positions, p.T, seq);
-    p.docs = ops::document_table(ctx, dev.as<std::int32_t>(), mb.shape.batch, seq, static_cast<int>(docs_.size()),
-                                 p.att, {}, scratch<std::byte>(p.ws.documents));
+    return static_cast<int>(docs_.size());
   }
   /// The int32 step input `name` (one value a token), checked on the host.
   const std::int32_t* step_input(const Microbatch& mb, const char* name, const char* pass, long long T) const {
@@ -517,12 +532,13 @@ class CudaLlamaStage {
   DType boundaries_ = DType::float32;
   LlamaDims d_{};
   LlamaStageParams p_{};
-  cuda::DeviceMemory work_;     // (total) bf16 working parameters; the optimizer updates them
-  cuda::DeviceMemory grads_;    // (total) fp32 gradients, accumulated by W
-  cuda::DeviceMemory scratch_;  // llama_cuda_workspace(dims, max tokens) bytes
-  cuda::DeviceMemory rope_;     // RoPE's cos then sin, fp32 (seq, head_dim / 2) each
-  ops::RopeView rope_view_{};   // rope_ as the ops read it
-  std::vector<Document> docs_;  // a packed microbatch's documents, counted on the host
+  cuda::DeviceMemory work_;       // (total) bf16 working parameters; the optimizer updates them
+  cuda::DeviceMemory grads_;      // (total) fp32 gradients, accumulated by W
+  cuda::DeviceMemory scratch_;    // llama_cuda_workspace(dims, max tokens) bytes
+  cuda::DeviceMemory rope_;       // RoPE's cos then sin, fp32 (seq, head_dim / 2) each
+  ops::RopeView rope_view_{};     // rope_ as the ops read it
+  std::vector<Document> docs_;    // a packed microbatch's documents, counted on the host
+  backend::Cuda* dev_ = nullptr;  // its cuDNN graphs and workspace (prepare builds packed ones)
 };
 
 static_assert(layer_for<CudaLlamaStage, backend::CudaContext>,

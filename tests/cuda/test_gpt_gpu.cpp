@@ -785,6 +785,25 @@ TEST_CASE("llama::CudaLlamaStage: a packed microbatch's loss is its documents' l
   }
 }
 
+TEST_CASE("llama::CudaLlamaStage::prepare builds a packed microbatch's graphs and refuses a malformed row first") {
+  po::llama::LlamaConfig c = llama_config(6);
+  c.packed = true;
+  const po::MicrobatchShape shape{2, 32};
+  po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
+  po::llama::CudaLlamaStage gpu(dev, c, 1, 3, shape);
+  Inputs in = make_inputs(c, shape, 99);
+  pack_rows(in);
+  DeviceBuffers b;
+  const std::vector<po::StepInput> good =
+      step_inputs(1, 3, nullptr, nullptr, 64, b.copy(in.offsets[0]), &in.offsets[0]);
+  gpu.prepare(microbatch(1, 3, 0, in, good, nullptr));  // builds the graphs of 6 documents
+  std::vector<std::int32_t> bad = in.offsets[0];
+  bad[3] = 40;  // row 0's offset 3 beyond seq
+  const std::vector<po::StepInput> wrong = step_inputs(1, 3, nullptr, nullptr, 64, b.copy(bad), &bad);
+  CHECK_THROWS_WITH(gpu.prepare(microbatch(1, 3, 0, in, wrong, nullptr)),
+                    doctest::Contains("cu_seqlens row 0: offset 3 is 40; outside [6, 32]"));
+}
+
 TEST_CASE("llama::CudaLlamaStage with bf16 boundaries gives the bits it gives with fp32 boundaries (a middle stage)") {
   const po::llama::LlamaConfig c = llama_config(6);
   const int stage = 1, stages = 3;

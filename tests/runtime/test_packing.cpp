@@ -145,10 +145,16 @@ TEST_CASE("packing: the per-token functions a GPU runs agree with append_documen
 }
 
 // One stage that notes, in forward, where its host view of the step input "x" points and what
-// it holds beside the device view's value (a GPU layer reads a packed row's documents there).
+// it holds beside the device view's value (a GPU layer reads a packed row's documents there),
+// and in what order the runtime calls its prepare() and its forwards.
 struct HostViews {
   std::vector<const float*> where;
   std::vector<float> host, device;
+  std::string order;  // "p<mb>" for prepare, "f<mb>" for forward
+  void prepare(const po::Microbatch& mb) {
+    order += "p" + std::to_string(mb.mb);
+    CHECK(mb.host_input<float>("x") != nullptr);
+  }
   float w = 1, gw = 0;
   po::Boundary input_boundary(po::MicrobatchShape) const { return {1}; }
   po::Boundary output_boundary(po::MicrobatchShape) const { return {1}; }
@@ -157,6 +163,7 @@ struct HostViews {
   std::vector<po::InputSpec> inputs(po::MicrobatchShape) const { return {{"x", po::DType::float32, 2}}; }
   void forward(po::backend::CpuContext&, const po::Microbatch& mb, po::ConstTensor, po::Tensor, std::byte*) {
     const float* h = mb.host_input<float>("x");
+    order += "f" + std::to_string(mb.mb);
     where.push_back(h);
     host.insert(host.end(), h, h + 2);
     device.insert(device.end(), mb.input<float>("x"), mb.input<float>("x") + 2);
@@ -169,7 +176,9 @@ struct HostViews {
   std::span<float> gradients() { return {&gw, 1}; }
 };
 
-TEST_CASE("step inputs: each pass's host view is its slice of the batch given to the call, beside the device copy") {
+TEST_CASE(
+    "step inputs: each pass's host view is its slice of the batch given to the call, beside the device copy; "
+    "prepare() sees every microbatch before any pass runs") {
   const po::Program program = po::build(pipeline_test::one_rank, {1, 1, 3});
   po::comm::ThreadsWorld world(1);
   std::vector<HostViews> layers(1);
@@ -188,6 +197,7 @@ TEST_CASE("step inputs: each pass's host view is its slice of the batch given to
   });
   for (const auto& e : errors) REQUIRE(e == "");
   CHECK(layers[0].host == std::vector<float>{1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 7});
+  CHECK(layers[0].order == "p0p1p2f0f1f2p0p1p2f0f1f2");
   CHECK(layers[0].device == layers[0].host);
   // A caller of a pass that gives no host view (a layer's own test) is told so.
   float loss = 0, x[2] = {0, 0};

@@ -115,6 +115,12 @@ class StageRef {
   /// Whether RuntimeOptions::graphs may capture the stage's passes (the layer's capturable();
   /// false when it declares none).
   bool capturable() const { return vt_->capturable(obj_); }
+  /// Whether the layer has a prepare(mb) (layer.hpp).
+  bool prepares() const { return vt_->prepare != nullptr; }
+  /// The layer's prepare(mb) (nothing when it declares none).
+  void prepare(const Microbatch& mb) const {
+    if (vt_->prepare != nullptr) vt_->prepare(obj_, mb);
+  }
 
   /// The layer itself, when the caller knows its type (nullptr for another type).
   template <class L>
@@ -140,6 +146,7 @@ class StageRef {
     std::vector<SharedParam> (*shared_parameters)(void*);
     std::string (*name)(void*);
     bool (*capturable)(void*);
+    void (*prepare)(void*, const Microbatch&);  // null when the layer has none
   };
 
   // Only for layers: a type that is not one gets the static_assert's sentence and nothing else.
@@ -164,6 +171,15 @@ class StageRef {
   template <class L>
   static L& self(void* p) {
     return *static_cast<L*>(p);
+  }
+
+  /// The layer's prepare(mb), or null when it has none (Stage::prepares).
+  template <class L>
+  static constexpr void (*prepare_of())(void*, const Microbatch&) {
+    if constexpr (detail::has_prepare<L>)
+      return [](void* p, const Microbatch& mb) { self<L>(p).prepare(mb); };
+    else
+      return nullptr;
   }
 
   template <class L>
@@ -227,6 +243,7 @@ class StageRef {
         else
           return false;
       },
+      prepare_of<L>(),
   };
 
   void* obj_;

@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 namespace pipeoffload::cuda::attention {
 
@@ -79,6 +80,11 @@ class Graphs {
 /// steady state). The frontend's backward needs seq >= 2: seq = 1 throws cuda_error with a
 /// sentence.
 std::size_t workspace_bytes(Graphs& graphs, Shape shape, bool separate = false);
+
+/// workspace_bytes(graphs, shape, separate), checked against `limit` (the backend's
+/// Options::workspace_bytes): throws cuda_error with `who`, the need, the shape (and its packed
+/// documents) and the limit when the need is larger.
+void require_workspace(Graphs& graphs, Shape shape, bool separate, std::size_t limit, const std::string& who);
 
 /// The same need before any backend exists, to size backend::Cuda::Options::workspace_bytes:
 /// builds the graphs on a cuDNN handle of its own on `device` (the current device is restored)

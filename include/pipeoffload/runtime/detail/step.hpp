@@ -24,6 +24,15 @@ PassStats Runtime<Backend, Communicator>::run(const Plan& plan, const Batch& bat
   const RankProgram& rp = *plan.rp;
   dev_.zero(flags_dev(), rp.compute.size() * sizeof(std::uint32_t));
   call_ = {info, &plan};
+  // Each stage's prepare() of each microbatch, on the host, before any pass is enqueued and any
+  // message sent (layer.hpp).
+  for (int c = 0; c < sh.v; ++c) {
+    const Stage& st = stages_[static_cast<std::size_t>(c)];
+    if (!st.prepares()) continue;
+    Op op;
+    op.stage = sh.stage_of(rank_, c);
+    for (op.mb = 0; op.mb < sh.m; ++op.mb) st.prepare(this->info(op));
+  }
   // A replay (RuntimeOptions::graphs) stamps no times on a GPU: the captured call's stay.
   const auto kind = captured_.find({info.part, info.parts});
   const bool replay = opt_.graphs && plan.training && kind != captured_.end() && kind->second.calls == 2;
