@@ -3,7 +3,7 @@
 when the machine has no GPU).
 
 The same model, data, seed and PO-F schedule on 2 GPUs (1 GPU: one rank, 4 chunks) and on CPU
-thread ranks, for the GPT and the Llama: the GPU run must print the same closing lines, its loss
+thread ranks, for the GPT and the Llama, unpacked and packed (--pack): the GPU run must print the same closing lines, its loss
 must fall, and its final loss must be within 3% of the CPU run's (bf16 activations against fp32: close, not bit-equal;
 tests/cuda/test_runtime_gpu.cpp argues the bound per step); --k auto (a profiling pass, then the
 slab made again for the rebuilt program) ends as --k 1, bit for bit. And the planner's CUDA memory is
@@ -61,6 +61,14 @@ llama = ["--model", "llama", "--kv-heads", "2", "--ffn", "128", "--tie-embedding
 gl = final_loss(run("--backend", "cuda", *shape, *llama, *common), "--model llama --backend cuda")
 cl = final_loss(run("--backend", "cpu", *shape, *llama, *common), "--model llama --backend cpu")
 assert abs(gl - cl) <= 0.03 * abs(cl), f"the Llama's final loss on the GPU {gl} vs the CPU {cl}: more than 3% apart"
+
+# Packed rows (--pack 10: a document at every newline of the corpus) through cuDNN's ragged
+# attention, both models, against the same packed run on the CPU.
+for model in ([], llama):
+    what = "--pack 10" + (" --model llama" if model else "")
+    gp = final_loss(run("--backend", "cuda", *shape, *model, *common, "--pack", "10"), what + " --backend cuda")
+    cp = final_loss(run("--backend", "cpu", *shape, *model, *common, "--pack", "10"), what + " --backend cpu")
+    assert abs(gp - cp) <= 0.03 * abs(cp), f"{what}: final loss on the GPU {gp} vs the CPU {cp}: more than 3% apart"
 
 # Loss falls on the GPU (progress lines: "[...] step N/M loss X ...").
 verbose = run("--backend", "cuda", *shape, *[a for a in common if a != "--quiet"])
