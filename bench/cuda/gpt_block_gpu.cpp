@@ -13,6 +13,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <models/gpt/cpu.hpp>
@@ -164,9 +165,12 @@ struct LlamaBlock {
 };
 
 /// One middle Llama block (llama::CudaLlamaStage, stage 1 of 3 of a 3-block model) timed as the
-/// GPT block is, on a backend of its own (destroyed before the GPT's is made).
+/// GPT block is, on a backend of its own (destroyed before the GPT's is made). With `documents`
+/// > 0 its rows are packed, each holding that many documents of equal length (the last takes
+/// the remainder), through cuDNN's ragged attention; its FLOPs then count the documents'
+/// attention, 4 b h sum(length^2), in the place of 4 b s^2 h.
 LlamaBlock llama_block(long long h, long long s, long long heads, long long kv_heads, long long ffn, long long b,
-                       int iters) {
+                       int iters, int documents = 0) {
   po::llama::LlamaConfig cfg;
   cfg.vocab = 256;
   cfg.hidden = static_cast<int>(h);
@@ -175,21 +179,54 @@ LlamaBlock llama_block(long long h, long long s, long long heads, long long kv_h
   cfg.ffn = static_cast<int>(ffn);
   cfg.layers = 3;
   cfg.seq = static_cast<int>(s);
+  cfg.packed = documents > 0;
   const po::MicrobatchShape shape{static_cast<int>(b), static_cast<int>(s)};
+  // The rows' offsets (po::document_offsets_input): equal documents, the remainder in the last.
+  std::vector<std::int32_t> offsets;
+  double squares = static_cast<double>(b) * static_cast<double>(s) * static_cast<double>(s);
+  if (documents > 0) {
+    squares = 0;
+    const long long len = s / documents;
+    for (long long r = 0; r < b; ++r) {
+      for (int d = 0; d < documents; ++d) offsets.push_back(static_cast<std::int32_t>(d * len));
+      offsets.resize(static_cast<std::size_t>((r + 1) * (s + 1)), static_cast<std::int32_t>(s));
+      const double last = static_cast<double>(s - (documents - 1) * len);
+      squares += (documents - 1) * static_cast<double>(len) * static_cast<double>(len) + last * last;
+    }
+  }
   const po::llama::LlamaDims dims = po::llama::llama_dims(cfg, 1, 3);
   const po::llama::LlamaStageBuffers bufs = po::llama::llama_cuda_buffers(dims, b * s);
   const std::size_t Th = static_cast<std::size_t>(b * s * h);
   po::backend::Cuda::Options opt;
-  opt.workspace_bytes =
-      std::max(opt.workspace_bytes,
-               pc::attention::workspace_bytes({static_cast<int>(b), static_cast<int>(heads), static_cast<int>(s),
-                                               static_cast<int>(h / heads), static_cast<int>(kv_heads)}));
+  const pc::attention::Shape att{static_cast<int>(b), static_cast<int>(heads), static_cast<int>(s),
+                                 static_cast<int>(h / heads), static_cast<int>(kv_heads)};
+  opt.workspace_bytes = std::max(opt.workspace_bytes, pc::attention::workspace_bytes(att));
+  if (documents > 0) {
+    pc::attention::Shape packed = att;
+    packed.documents = static_cast<int>(b) * documents;
+    opt.workspace_bytes = std::max(opt.workspace_bytes, pc::attention::workspace_bytes(packed));
+  }
   opt.arena_bytes = bufs.saved_bytes + bufs.stash_bytes + 16 * Th + opt.workspace_bytes + (std::size_t{512} << 20);
   po::backend::Cuda dev(opt);
   const int cs = dev.make_stream("compute");
   std::printf("building the Llama block's parameters on the CPU (llama::LlamaStage init)...\n");
   po::llama::CudaLlamaStage stage(dev, cfg, 1, 3, shape);
   const BlockBuffers bb = block_buffers(dev, Th, bufs.saved_bytes, bufs.stash_bytes, 5);
+  std::vector<po::StepInput> inputs;
+  if (documents > 0) {
+    auto* d = reinterpret_cast<std::int32_t*>(dev.device_alloc(offsets.size() * 4, po::backend::Memory::state).ptr);
+    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(d, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice));
+    PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
+    inputs.push_back({po::document_offsets_input,
+                      {reinterpret_cast<const std::byte*>(d), offsets.size(), po::DType::int32},
+                      po::ConstTensor(po::view(std::as_const(offsets)))});
+  }
+  const auto microbatch = [&] {
+    po::Microbatch m = middle_microbatch(shape, 1);
+    m.inputs = inputs;
+    return m;
+  };
+  stage.prepare(microbatch());  // a packed microbatch's graphs, before the timing
   float *x = bb.x, *y = bb.y, *dy = bb.dy, *dx = bb.dx;
   std::byte *saved = bb.saved, *stash = bb.stash;
   cudaEvent_t ev[2];
@@ -198,7 +235,7 @@ LlamaBlock llama_block(long long h, long long s, long long heads, long long kv_h
   for (int it = 0; it <= iters; ++it) {  // run 0 warms up
     dev.launch(cs, [&] {
       po::backend::CudaContext c = dev.context(cs);
-      const po::Microbatch m = middle_microbatch(shape, 1);
+      const po::Microbatch m = microbatch();
       PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(ev[0], c.cuda_stream));
       stage.forward(c, m, in_view(x, Th), out_view(y, Th), saved);
       stage.backward_input(c, m, in_view(dy, Th), out_view(dx, Th), saved, stash);
@@ -213,23 +250,23 @@ LlamaBlock llama_block(long long h, long long s, long long heads, long long kv_h
   for (cudaEvent_t e : ev) cudaEventDestroy(e);
   const double T = static_cast<double>(b * s), kv = static_cast<double>(kv_heads * (h / heads));
   const double hd = static_cast<double>(h), f = static_cast<double>(ffn);
-  return {median(t), 3.0 * (2.0 * T * (2.0 * hd * hd + 2.0 * hd * kv + 3.0 * hd * f) +
-                            4.0 * static_cast<double>(b) * static_cast<double>(s) * static_cast<double>(s) * hd)};
+  return {median(t), 3.0 * (2.0 * T * (2.0 * hd * hd + 2.0 * hd * kv + 3.0 * hd * f) + 4.0 * squares * hd)};
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  long long h = 4096, s = 4096, heads = 32, b = 1, kv_heads = 8, ffn = 14336;
+  long long h = 4096, s = 4096, heads = 32, b = 1, kv_heads = 8, ffn = 14336, documents = 8;
   int iters = 5;
   bool recompute = true;
   double peak_tflops = 0;
   cli::parsed_or_exit("gpt_block_gpu", [&] {
     cli::help(
         argc, argv,
-        "usage: gpt_block_gpu [--hidden 4096] [--seq 4096] [--heads 32] [--batch 1] [--iters 5] [--recompute 1]\n                     [--peak-tflops P] [--kv-heads 8] [--ffn 14336]\n");
-    constexpr cli::Flag flags[] = {{"--hidden"}, {"--seq"},   {"--heads"},     {"--batch"},      {"--kv-heads"},
-                                   {"--ffn"},    {"--iters"}, {"--recompute"}, {"--peak-tflops"}};
+        "usage: gpt_block_gpu [--hidden 4096] [--seq 4096] [--heads 32] [--batch 1] [--iters 5] [--recompute 1]\n                     [--peak-tflops P] [--kv-heads 8] [--ffn 14336] [--documents 8]\n"
+        "  --documents D: the Llama block again with each row packed with D equal documents (0: not)\n");
+    constexpr cli::Flag flags[] = {{"--hidden"}, {"--seq"},   {"--heads"},     {"--batch"},       {"--kv-heads"},
+                                   {"--ffn"},    {"--iters"}, {"--recompute"}, {"--peak-tflops"}, {"--documents"}};
     const cli::Args args(argc, argv, flags);
     const auto get = [&](std::string_view f, long long& dst, long long lo, long long hi) {
       if (const std::string* v = args.get(f)) dst = cli::to_int(f, *v, lo, hi);
@@ -240,6 +277,7 @@ int main(int argc, char** argv) {
     get("--batch", b, 1, 4096);
     get("--kv-heads", kv_heads, 1, 1024);
     get("--ffn", ffn, 1, 1 << 20);
+    get("--documents", documents, 0, 1 << 20);
     long long n = iters, rc = recompute ? 1 : 0;
     get("--iters", n, 1, 1000);
     get("--recompute", rc, 0, 1);
@@ -249,6 +287,9 @@ int main(int argc, char** argv) {
     if (h % heads != 0 || heads % kv_heads != 0)
       throw cli::bad_argument("--heads " + std::to_string(heads) + " must divide --hidden " + std::to_string(h) +
                               ", and --kv-heads " + std::to_string(kv_heads) + " must divide --heads");
+    if (documents > s)
+      throw cli::bad_argument("--documents " + std::to_string(documents) + " is outside [0, --seq " +
+                              std::to_string(s) + "] (at most one a token)");
   });
   if (po::backend::device_count() == 0) {
     std::puts("no CUDA device: SKIP");
@@ -261,6 +302,8 @@ int main(int argc, char** argv) {
     if (!check_against_cpu(recompute)) return 1;
     // The Llama block first, on a backend of its own, so that the GPT's has the memory after it.
     const LlamaBlock llama = llama_block(h, s, heads, kv_heads, ffn, b, iters);
+    const LlamaBlock packed =
+        documents > 0 ? llama_block(h, s, heads, kv_heads, ffn, b, iters, static_cast<int>(documents)) : LlamaBlock{};
 
     // ---- the block: stage 1 of 3 of a 3-block model, so exactly one block, no embedding or head.
     po::gpt::GptConfig cfg;
@@ -440,6 +483,12 @@ int main(int argc, char** argv) {
         heads, kv_heads, ffn, llama.seconds * 1e3, llama.flops / llama.seconds / 1e12,
         peak_tflops > 0 ? 100.0 * llama.flops / llama.seconds / (peak_tflops * 1e12) : 0.0,
         (llama.flops / llama.seconds) / Bc);
+    if (documents > 0)
+      std::printf(
+          "the same Llama block, each row packed with %lld documents (cuDNN's ragged attention): F+B+W %.3f ms, "
+          "%.3fx the unpacked block's time; %.1f TFLOP/s counting the documents' attention, MFU %.1f%%\n",
+          documents, packed.seconds * 1e3, packed.seconds / llama.seconds, packed.flops / packed.seconds / 1e12,
+          peak_tflops > 0 ? 100.0 * packed.flops / packed.seconds / (peak_tflops * 1e12) : 0.0);
     const double k_measured = 2.0 * tc / t;
     const double k_formula = 10.0 / (3.0 * (6.0 * h + s)) * Bc / Bo;
     std::printf("k measured (2 A / Bo over T_F+T_B+T_W) = %.3f; k formula 10/(3(6h+s)) * Bc/Bo = %.3f\n", k_measured,
