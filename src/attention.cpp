@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -121,16 +120,17 @@ Packed packed_tensors(fe::graph::Graph& g, Shape s) {
 /// Tokens of a call (its rows' and the packed tensors' extent).
 std::int64_t tokens_of(Shape s) { return static_cast<std::int64_t>(s.batch) * s.seq; }
 
+using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
 /// A packed call's inputs ragged and its attributes (forward or backward) masked to each
 /// document's length, the packed tensors' extent the call's tokens.
 template <class Attributes>
-Packed make_packed(fe::graph::Graph& g, Shape s, Attributes& opts,
-                   std::initializer_list<std::shared_ptr<fe::graph::Tensor_attributes>> qkv) {
+Packed make_packed(fe::graph::Graph& g, Shape s, Attributes& opts, const TensorPtr& q, const TensorPtr& k,
+                   const TensorPtr& v) {
   Packed p = packed_tensors(g, s);
-  const std::shared_ptr<fe::graph::Tensor_attributes>* t = qkv.begin();
-  t[0]->set_ragged_offset(p.q);
-  t[1]->set_ragged_offset(p.k);
-  t[2]->set_ragged_offset(p.v);
+  q->set_ragged_offset(p.q);
+  k->set_ragged_offset(p.k);
+  v->set_ragged_offset(p.v);
   opts.set_padding_mask(true)
       .set_seq_len_q(p.seq_q)
       .set_seq_len_kv(p.seq_kv)
@@ -154,7 +154,7 @@ Built build_forward(cudnnHandle_t h, Shape s, bool fused) {
                   .set_attn_scale(scale_of(s))
                   .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
                   .set_diagonal_band_right_bound(0);  // causal: key j <= query i (of its document)
-  const Packed p = s.documents > 0 ? make_packed(g, s, opts, {q, k, v}) : Packed{};
+  const Packed p = s.documents > 0 ? make_packed(g, s, opts, q, k, v) : Packed{};
   auto [o, stats] = g.sdpa(q, k, v, opts);
   o->set_output(true).set_uid(O).set_dim(vec(l.dims)).set_stride(vec(l.out_strides));
   stats->set_output(true)
@@ -193,7 +193,7 @@ Built build_backward(cudnnHandle_t h, Shape s, bool fused, bool deterministic) {
                   .set_attn_scale(scale_of(s))
                   .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
                   .set_diagonal_band_right_bound(0);
-  const Packed p = s.documents > 0 ? make_packed(g, s, opts, {q, k, v}) : Packed{};
+  const Packed p = s.documents > 0 ? make_packed(g, s, opts, q, k, v) : Packed{};
   if (s.documents > 0) {
     o->set_ragged_offset(p.o);
     dout->set_ragged_offset(p.o);

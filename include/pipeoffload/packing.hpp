@@ -18,6 +18,7 @@
 
 #include "detail/host_device.hpp"
 #include "error.hpp"
+#include "layer.hpp"
 
 namespace pipeoffload {
 
@@ -93,6 +94,24 @@ void microbatch_documents(const std::int32_t* offsets, std::size_t rows, int seq
   positions.resize(rows * S);
   for (const Document& doc : docs)
     for (std::size_t i = 0; i < doc.length; ++i) positions[doc.row * S + doc.begin + i] = static_cast<Position>(i);
+}
+
+/// A packed microbatch's row offsets as a GPU layer reads them: both views of the step input
+/// (mb.input, device memory, and mb.host_input) checked to hold rows * (seq + 1) int32 values,
+/// the host's rows checked by append_documents and their documents put in `docs` (cleared
+/// first: its size is the count a cuDNN graph is built for); returns the device view for the
+/// kernels. Errors begin with `who`.
+inline const std::int32_t* packed_rows(const Microbatch& mb, const std::string& who, std::vector<Document>& docs) {
+  const int seq = mb.shape.seq;
+  const std::size_t rows = static_cast<std::size_t>(mb.shape.batch), want = rows * static_cast<std::size_t>(seq + 1);
+  const ConstTensor dev = mb.input(document_offsets_input), host = mb.host_input(document_offsets_input);
+  if (dev.elements != want || host.elements != want || dev.dtype != DType::int32 || host.dtype != DType::int32)
+    throw shape_error(who + ": the step input '" + document_offsets_input + "' holds " + std::to_string(dev.elements) +
+                      " " + dtype_name(dev.dtype) + " values; " + std::to_string(rows) + " packed rows of " +
+                      std::to_string(seq) + " tokens need rows * (seq + 1) = " + std::to_string(want) + " int32");
+  docs.clear();
+  append_documents(host.as<std::int32_t>(), rows, seq, docs);
+  return dev.as<std::int32_t>();
 }
 
 // ---- The documents of checked rows, token by token: what a GPU computes from the offsets ----

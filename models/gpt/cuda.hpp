@@ -146,12 +146,13 @@ class CudaGptStage {
   /// now rather than in a pass.
   void prepare(const Microbatch& mb) {
     if (!dims_.packed || dims_.blocks == 0 || mb.shape.seq < 2) return;
+    (void)packed_rows(mb, who("prepare"), docs_);
     const cuda::attention::Shape s{mb.shape.batch,
                                    static_cast<int>(dims_.heads),
                                    mb.shape.seq,
                                    static_cast<int>(dims_.hidden / dims_.heads),
                                    0,
-                                   count_documents(mb, "prepare")};
+                                   static_cast<int>(docs_.size())};
     require_attention(s, who("prepare"));
   }
 
@@ -336,22 +337,11 @@ class CudaGptStage {
     return p;
   }
 
-  /// The packed rows' offsets (device memory), checked against the microbatch's shape.
-  const std::int32_t* row_offsets(const Microbatch& mb, const char* pass) const {
-    const std::size_t rows = static_cast<std::size_t>(mb.shape.batch),
-                      want = rows * (static_cast<std::size_t>(mb.shape.seq) + 1);
-    const ConstTensor t = mb.input(document_offsets_input);
-    if (t.elements != want)
-      throw shape_error(who(pass) + ": the step input '" + document_offsets_input + "' holds " +
-                        std::to_string(t.elements) + " values; " + std::to_string(rows) + " packed rows of " +
-                        std::to_string(mb.shape.seq) + " tokens need rows * (seq + 1) = " + std::to_string(want));
-    return t.as<std::int32_t>();
-  }
   /// Every token's position in its document (ws.positions), computed on the device.
   const std::int32_t* positions(const backend::CudaContext& ctx, const Microbatch& mb, const char* pass,
-                                const Pass& p) const {
+                                const Pass& p) {
     std::int32_t* out = scratch<std::int32_t>(p.ws.positions);
-    ops::document_positions(ctx, row_offsets(mb, pass), out, p.T, mb.shape.seq);
+    ops::document_positions(ctx, packed_rows(mb, who(pass), docs_), out, p.T, mb.shape.seq);
     return out;
   }
   /// Packed rows' documents for the blocks' attention: checked and counted on the host
@@ -359,28 +349,15 @@ class CudaGptStage {
   /// units of the fused [q | k | v] row and of the output's.
   void documents(const backend::CudaContext& ctx, const Microbatch& mb, const char* pass, Pass& p) {
     if (!dims_.packed) return;
-    const int count = count_documents(mb, pass);
+    const std::int32_t* dev = packed_rows(mb, who(pass), docs_);
+    const int count = static_cast<int>(docs_.size());
     const long long H = dims_.hidden;
-    const ops::DeviceDocuments d = ops::document_table(ctx, row_offsets(mb, pass), mb.shape.batch, mb.shape.seq, count,
+    const ops::DeviceDocuments d = ops::document_table(ctx, dev, mb.shape.batch, mb.shape.seq, count,
                                                        {mb.shape.batch, mb.shape.seq, p.att.heads, 0, p.att.head_dim},
                                                        {3 * H, 3 * H, 3 * H, H}, scratch<std::byte>(p.ws.documents));
     p.att.documents = d.count;
     p.docs = d.table;
   }
-  /// The documents of a packed microbatch, counted on the host (Microbatch::host_input) after
-  /// po::append_documents checks its rows.
-  int count_documents(const Microbatch& mb, const char* pass) {
-    (void)row_offsets(mb, pass);  // the device view's size
-    const ConstTensor host = mb.host_input(document_offsets_input);
-    if (host.elements != mb.input(document_offsets_input).elements)
-      throw shape_error(who(pass) + ": the step input '" + document_offsets_input + "' has " +
-                        std::to_string(host.elements) + " values on the host and " +
-                        std::to_string(mb.input(document_offsets_input).elements) + " on the device");
-    docs_.clear();
-    append_documents(host.as<std::int32_t>(), static_cast<std::size_t>(mb.shape.batch), mb.shape.seq, docs_);
-    return static_cast<int>(docs_.size());
-  }
-
   /// A (T, h) boundary into the stage's bf16, and back: a conversion (fp32) or a copy (bf16).
   void from_boundary(const std::byte* b, bf16* out, const Pass& p) const {
     if (boundaries_ == Boundaries::bf16)

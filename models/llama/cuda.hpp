@@ -126,7 +126,8 @@ class CudaLlamaStage {
   void prepare(const Microbatch& mb) {
     if (!d_.packed || d_.blocks == 0 || mb.shape.seq < 2) return;
     cuda::attention::Shape s = attention_shape(mb.shape);
-    s.documents = count_documents(mb, "prepare");
+    (void)packed_rows(mb, who("prepare"), docs_);
+    s.documents = static_cast<int>(docs_.size());
     require_attention(s, who("prepare"));
   }
 
@@ -287,25 +288,10 @@ class CudaLlamaStage {
       ops::sequence_positions(ctx, positions, p.T, seq);
       return;
     }
-    const int count = count_documents(mb, pass);
-    const std::int32_t* dev = mb.input<std::int32_t>(document_offsets_input);
+    const std::int32_t* dev = packed_rows(mb, who(pass), docs_);
+    const int count = static_cast<int>(docs_.size());
     ops::document_positions(ctx, dev, positions, p.T, seq);
     p.docs = ops::document_table(ctx, dev, mb.shape.batch, seq, count, p.att, {}, scratch<std::byte>(p.ws.documents));
-  }
-  /// The documents of a packed microbatch, counted on the host (Microbatch::host_input) after
-  /// po::append_documents checks its rows; the step input's size checked on both views.
-  int count_documents(const Microbatch& mb, const char* pass) {
-    const int seq = mb.shape.seq;
-    const std::size_t rows = static_cast<std::size_t>(mb.shape.batch), want = rows * static_cast<std::size_t>(seq + 1);
-    const ConstTensor dev = mb.input(document_offsets_input), host = mb.host_input(document_offsets_input);
-    if (dev.elements != want || host.elements != want || dev.dtype != DType::int32 || host.dtype != DType::int32)
-      throw shape_error(who(pass) + ": the step input '" + document_offsets_input + "' holds " +
-                        std::to_string(dev.elements) + " " + dtype_name(dev.dtype) + " values; " +
-                        std::to_string(rows) + " packed rows of " + std::to_string(seq) +
-                        " tokens need rows * (seq + 1) = " + std::to_string(want) + " int32");
-    docs_.clear();
-    append_documents(host.as<std::int32_t>(), rows, seq, docs_);
-    return static_cast<int>(docs_.size());
   }
   /// The int32 step input `name` (one value a token), checked on the host.
   const std::int32_t* step_input(const Microbatch& mb, const char* name, const char* pass, long long T) const {

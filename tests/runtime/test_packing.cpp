@@ -144,6 +144,33 @@ TEST_CASE("packing: the per-token functions a GPU runs agree with append_documen
   }
 }
 
+TEST_CASE("packing: packed_rows checks both views of the offsets and lists the host's documents") {
+  std::vector<std::int32_t> dev = {0, 3, 4, 4, 4, 0, 1, 4, 4, 4}, host = dev;  // 2 rows of 4 tokens
+  std::vector<po::Document> docs;
+  const auto mb = [&](const std::vector<std::int32_t>& d, const std::vector<std::int32_t>* h,
+                      std::vector<po::StepInput>& in) {
+    in = {{po::document_offsets_input, po::ConstTensor(po::view(d)),
+           h != nullptr ? po::ConstTensor(po::view(*h)) : po::ConstTensor{}}};
+    return po::Microbatch{.shape = {2, 4}, .inputs = in};
+  };
+  std::vector<po::StepInput> in;
+  CHECK(po::packed_rows(mb(dev, &host, in), "L", docs) == dev.data());
+  REQUIRE(docs.size() == 4);
+  CHECK((docs[1].row == 0 && docs[1].begin == 3 && docs[1].length == 1));
+  CHECK((docs[3].row == 1 && docs[3].begin == 1 && docs[3].length == 3));
+  const std::vector<std::int32_t> short_dev(9, 0);
+  CHECK(error_of([&] { po::packed_rows(mb(short_dev, &host, in), "L", docs); }) ==
+        "L: the step input 'cu_seqlens' holds 9 int32 values; 2 packed rows of 4 tokens need rows * (seq + 1) = 10 "
+        "int32");
+  CHECK(error_of([&] { po::packed_rows(mb(dev, nullptr, in), "L", docs); }) ==
+        "stage 0 reads the step input 'cu_seqlens' on the host, and its caller gave no host view (StepInput::host; "
+        "po::Runtime gives one)");
+  host[6] = 5;  // row 1's offset 1 beyond seq
+  CHECK(error_of([&] { po::packed_rows(mb(dev, &host, in), "L", docs); }) ==
+        "cu_seqlens row 1: offset 1 is 5; outside [0, 4] (a row's seq + 1 offsets start at 0, never decrease and end "
+        "at seq = 4)");
+}
+
 // One stage that notes, in forward, where its host view of the step input "x" points and what
 // it holds beside the device view's value (a GPU layer reads a packed row's documents there),
 // and in what order the runtime calls its prepare() and its forwards.
