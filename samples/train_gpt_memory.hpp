@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <models/gpt/cpu.hpp>
@@ -37,22 +38,28 @@ struct RankBytes {
 };
 
 /// What one stage of the run's model holds: its saved and stash bytes per microbatch on the
-/// CPU (`cuda` false) or the GPU, its parameters, whether it reads the token ids, the
-/// targets or (--pack) the document offsets, and with tied embeddings the run of its parameters that is the head's copy (or,
-/// on stage 0, the primary's values).
+/// CPU (`cuda` false) or the GPU, its parameters, the step inputs it reads (the layer's own
+/// inputs(): the token ids, the targets, with --pack the document offsets), and with tied
+/// embeddings the run of its parameters that is the head's copy (or, on stage 0, the primary's
+/// values).
 struct StageFacts {
   po::StageBytes own{};
   std::size_t params = 0;
-  bool embeds = false, head = false, documents = false;
+  bool embeds = false, tokens = false, targets = false, documents = false;
   std::size_t tied_values = 0;  ///< V * h where the stage holds a tied tensor, else 0
   po::ParamRange copy{};        ///< the head's tied copy (empty elsewhere)
 };
-/// `f` with what either model's dims `d` and parameter layout `p` say: the parameters, the
-/// embedding and the head, and the tied tensor.
-inline StageFacts with_layout(StageFacts f, const auto& d, const auto& p) {
+/// `f` with what either model's dims `d`, parameter layout `p` and step inputs `in` say: the
+/// parameters, the inputs read, and the tied tensor.
+inline StageFacts with_layout(StageFacts f, const auto& d, const auto& p, const std::vector<po::InputSpec>& in) {
   f.params = static_cast<std::size_t>(p.total);
   f.embeds = d.embeds;
-  f.head = d.has_head;
+  for (const po::InputSpec& i : in) {
+    const std::string_view name = i.name;
+    f.tokens = f.tokens || name == "tokens";
+    f.targets = f.targets || name == "targets";
+    f.documents = f.documents || name == po::document_offsets_input;
+  }
   if (d.tied) {
     f.tied_values = static_cast<std::size_t>(d.vocab * d.hidden);
     const auto at = static_cast<std::size_t>(p.head_begin + p.head_w);
@@ -64,26 +71,22 @@ inline StageFacts stage_facts(const Options& o, int s, int S, bool cuda, po::Mic
   StageFacts f;
   if (o.llama) {
     const po::llama::LlamaDims d = po::llama::llama_dims(llama_config(o), s, S);
-    const po::llama::LlamaStageParams p = po::llama::llama_stage_params(d);
     if (cuda) {
       const po::llama::LlamaStageBuffers b = po::llama::llama_cuda_buffers(d, mb.tokens());
       f.own = {.saved = b.saved_bytes, .stash = b.stash_bytes};
     } else {
       f.own = {.saved = po::llama::cpu_bytes::saved(d, mb), .stash = po::llama::cpu_bytes::stash(d, mb)};
     }
-    f.documents = d.packed && d.blocks > 0;
-    return with_layout(f, d, p);
+    return with_layout(f, d, po::llama::llama_stage_params(d), po::llama::llama_inputs(d, mb));
   }
   const po::gpt::GptDims d = po::gpt::gpt_dims(o.model, s, S);
-  const po::gpt::GptStageParams p = po::gpt::gpt_stage_params(d);
   if (cuda) {
     const po::gpt::GptStageBuffers b = po::gpt::gpt_stage_buffers(d, mb.tokens());
     f.own = {.saved = b.saved_bytes, .stash = b.stash_bytes};
   } else {
     f.own = {.saved = po::gpt::gpt_cpu_bytes::saved(d, mb), .stash = po::gpt::gpt_cpu_bytes::stash(d, mb)};
-    f.documents = d.packed && (d.embeds || d.blocks > 0);
   }
-  return with_layout(f, d, p);
+  return with_layout(f, d, po::gpt::gpt_stage_params(d), po::gpt::gpt_inputs(d, mb));
 }
 
 /// Every stage's buffer sizes as pipeline rank `r` sees them (every boundary tensor's bytes;
@@ -118,8 +121,8 @@ inline RankStages rank_stages(const Options& o, const Setup& su, const po::Shape
     b.saved = f.own.saved;
     b.stash = f.own.stash;
     out.params[static_cast<std::size_t>(sh.chunk_of(s))] = f.params;
-    out.tokens = out.tokens || f.embeds;
-    out.targets = out.targets || f.head;
+    out.tokens = out.tokens || f.tokens;
+    out.targets = out.targets || f.targets;
     out.documents = out.documents || f.documents;
     if (f.tied_values > 0) {
       out.ties.copies.resize(static_cast<std::size_t>(sh.v));

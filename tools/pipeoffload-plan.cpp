@@ -110,6 +110,9 @@ B-to-W stashes; workspace), with a command line that draws it.
                                no biases, no dropout, no position table
   --tied-embeddings            the LM head's weight is the token embedding: one parameter on the
                                first and last stage, its optimizer state held once
+  --packed                     each sequence packs several documents (train_gpt --pack): the
+                               stages read the rows' document offsets and on cuda hold the
+                               documents' table; times stay the unpacked rows'
   --gradients standard|exact   the runtime's gradient path (default standard); exact adds its
                                128-bit sums, 16 bytes per parameter, and sends them
   --schedule NAME              only that family's candidates (1f1b, ..., dualpipe-v), for
@@ -187,6 +190,7 @@ constexpr cli::Flag flags[] = {{"--schedule"},
                                {"--model"},
                                {"--backend"},
                                {"--tied-embeddings", false},
+                               {"--packed", false},
                                // --auto, data parallelism
                                {"--dp"},
                                {"--search-dp", false},
@@ -201,10 +205,10 @@ constexpr std::string_view grid_flags[] = {"--dp",      "--search-dp",     "--gp
                                            "--dp-gbps", "--gpus-per-node", "--node-layout", "--reduce-dtype"};
 /// Flags only --auto reads, and flags --auto does not take.
 constexpr std::string_view auto_only[] = {
-    "--recompute",      "--layers",        "--heads",       "--query-groups",   "--global-batch", "--vocab",
-    "--device-mem-gib", "--host-mem-gib",  "--dp",          "--search-dp",      "--gpus",         "--zero",
-    "--dp-gbps",        "--gpus-per-node", "--node-layout", "--gradients",      "--ffn-hidden",   "--swiglu",
-    "--reduce-dtype",   "--model",         "--backend",     "--tied-embeddings"};
+    "--recompute",      "--layers",        "--heads",       "--query-groups",    "--global-batch", "--vocab",
+    "--device-mem-gib", "--host-mem-gib",  "--dp",          "--search-dp",       "--gpus",         "--zero",
+    "--dp-gbps",        "--gpus-per-node", "--node-layout", "--gradients",       "--ffn-hidden",   "--swiglu",
+    "--reduce-dtype",   "--model",         "--backend",     "--tied-embeddings", "--packed"};
 constexpr std::string_view not_auto[] = {"--import", "--chunks", "--microbatches", "--group",  "--offload-chunks",
                                          "--k",      "--cost-f", "--cost-b",       "--cost-w", "--cost-comm"};
 constexpr std::string_view hardware_flags[] = {"--hidden", "--seq", "--micro-batch", "--tflops", "--pcie-gbps"};
@@ -553,6 +557,7 @@ AutoRequest interpret_auto(const Args& args) {
   if (const std::string* s = args.get("--schedule")) rq.budget.schedule = *s;  // checked by plan()
   m.swiglu = m.swiglu || args.get("--swiglu") != nullptr;
   m.tied_embeddings = m.tied_embeddings || args.get("--tied-embeddings") != nullptr;
+  m.packed = args.get("--packed") != nullptr;
   if (args.get("--ffn-hidden")) m.ffn_hidden = need("--ffn-hidden", "the MLP's inner width", 1, 1 << 22);
   if (m.query_groups > m.heads || m.heads % m.query_groups != 0)
     throw bad_argument("--query-groups must divide --heads (" + num(m.heads) + "), got " + quote(num(m.query_groups)));

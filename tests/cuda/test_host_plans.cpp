@@ -453,6 +453,33 @@ TEST_CASE("model state: the CUDA GPT's device bytes per parameter, both gradient
   CHECK(now <= 2 + 4 + 12.0 / 8 + static_cast<double>(eight.staging) / static_cast<double>(2 * P) + 1e-3);
 }
 
+namespace {
+
+/// Packed rows, and unpacked, at the test's sequence length and one whose tokens are no multiple
+/// of 64 (regions rounded to 256 bytes): the planner's scratch is the model's workspace
+/// (`workspace(dims, T)`) and the step inputs it counts are the model's inputs() (`inputs`).
+void check_packed(po::TransformerSpec m, const po::StageContent& c, auto d, const auto& workspace, const auto& inputs) {
+  for (const bool packed : {false, true})
+    for (const int seq : {m.seq, 50}) {
+      CAPTURE(packed);
+      CAPTURE(seq);
+      m.packed = d.packed = packed;
+      m.seq = seq;
+      const po::MicrobatchShape sh{m.micro_batch, seq};
+      CHECK(po::stage_scratch_bytes(m, c) == static_cast<double>(workspace(d, sh.tokens())));
+      const po::StageInputs want = po::stage_inputs(m, c);
+      std::vector<std::string> got;
+      for (const po::InputSpec& in : inputs(d, sh)) got.emplace_back(in.name);
+      const auto has = [&](const char* name) { return std::find(got.begin(), got.end(), name) != got.end(); };
+      CHECK(want.tokens == has("tokens"));
+      CHECK(want.targets == has("targets"));
+      CHECK(want.documents == has(po::document_offsets_input));
+      CHECK(got.size() == static_cast<std::size_t>(want.tokens + want.targets + want.documents));
+    }
+}
+
+}  // namespace
+
 TEST_CASE(
     "the planner's per-layer formulas are the GPT code's: a block's parameters, every stage's unit, stash and scratch") {
   // plan/model.hpp counts what po::plan puts on each rank; gpt::CudaGptStage allocates it. A change
@@ -491,6 +518,9 @@ TEST_CASE(
                 static_cast<double>(pc::norm_buffer_bytes(po::gpt::gpt_norm_groups(d))));
           // Every parameter, the head's bias (V values) included.
           CHECK(po::stage_parameters(m, c) == static_cast<double>(po::gpt::gpt_stage_params(d).total));
+          check_packed(
+              m, c, d, [](const po::gpt::GptDims& e, long long T) { return pm::gpt_workspace(e, T).bytes; },
+              [](const po::gpt::GptDims& e, po::MicrobatchShape sh) { return po::gpt::gpt_inputs(e, sh); });
         }
       }
 }
@@ -541,6 +571,10 @@ TEST_CASE(
           // bf16 working parameters and fp32 gradients (the planner's state_bytes), and the rest.
           CHECK(P * (2 + 4) + po::stage_own_state_bytes(m, c) ==
                 static_cast<double>(po::llama::llama_cuda_state_bytes(d, m.seq)));
+          check_packed(
+              m, c, d,
+              [](const po::llama::LlamaDims& e, long long T) { return po::llama::llama_cuda_workspace(e, T).bytes; },
+              [](const po::llama::LlamaDims& e, po::MicrobatchShape sh) { return po::llama::llama_inputs(e, sh); });
         }
       }
 }

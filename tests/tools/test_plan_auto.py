@@ -286,6 +286,10 @@ def runs_in_train_gpt():
     # Two copy streams (one rank: no PCIe partner): the command carries them, and reserves what the plan says.
     plans.append(({**TINY, "--ranks": "1"}, ["--schedule", "po-f", "--copy-streams", "2", "--duplex-slowdown", "1.31"]))
     plans.append((llama, ["--swiglu", "--tied-embeddings", "--dp", "2", "--zero", "1"]))
+    # Packed rows (--packed): the command packs (--pack 10, a document a line), and its ranks read
+    # the document offsets the plan counts.
+    plans.append((TINY, ["--packed", "--schedule", "zb-v"]))
+    plans.append((llama, ["--swiglu", "--packed", "--dp", "2", "--zero", "1"]))
     # --backend cpu: each command runs, and each rank reserves what the plan says it holds.
     for opts, extra in plans:
         doc, _ = plan(opts, *extra, "--backend", "cpu")
@@ -299,6 +303,7 @@ def runs_in_train_gpt():
         if "--copy-streams" in extra:
             check(doc.get("copy_streams") == 2 and " ".join(args).find("--copy-streams 2 --duplex-slowdown 1.31 ") > 0,
                   f"{extra}: copy_streams {doc.get('copy_streams')!r}, train_gpt_args {args!r}")
+        check(("--packed" in extra) == (" --pack 10 " in " ".join(args)), f"{extra}: train_gpt_args {args!r}")
         if "--swiglu" in extra:
             at = args.index("--model") if "--model" in args else 0
             check(args[at:at + 6] == ["--model", "llama", "--kv-heads", "2", "--ffn", "96"],

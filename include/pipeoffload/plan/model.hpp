@@ -49,6 +49,10 @@ struct TransformerSpec {
   /// head's copy without optimizer state (head_weight_range), stage 0's rank with the runtime's
   /// staging for the copy's gradients (po::tie_staging_bytes).
   bool tied_embeddings = false;
+  /// Each row packs several documents (train_gpt --pack): the stages read the rows' document
+  /// offsets (stage_inputs) and on CUDA hold the documents' table (stage_scratch_bytes). The
+  /// times stay the unpacked rows' (an upper bound: attention within documents does less).
+  bool packed = false;
 };
 
 /// One pipeline of `ranks` devices (one rank per device).
@@ -584,11 +588,37 @@ constexpr double stage_norm_buffer_bytes(const TransformerSpec& m, const StageCo
 /// (swiglu): four T x h tensors (a normalized input, the attention's gradient, the stage's
 /// output and the gradient flowing down), one T x max(h, f) (a projection's output, silu(gate)
 /// * up and its gradient) and the tokens' int32 RoPE positions. A rank holds one per stage.
+/// Packed (TransformerSpec::packed), a stage with blocks also holds the documents' table
+/// (cuda::document_table_bytes(T): int32 lengths padded to 8 bytes, four int64 offset arrays of
+/// T + 1) and the GPT's embedding stage the documents' int32 positions (T). Each region starts
+/// at a multiple of 256 bytes (cuda::region_alignment), so each counts rounded up to one.
 constexpr double stage_scratch_bytes(const TransformerSpec& m, const StageContent& c) {
+  const auto region = [](double bytes) {
+    return static_cast<double>((static_cast<std::uint64_t>(bytes) + 255) / 256 * 256);
+  };
   const double T = static_cast<double>(m.micro_batch) * m.seq, e = m.dtype_bytes, h = m.hidden;
-  const double head = c.head ? 4 * T * m.vocab + 4 * T : 0.0;
-  if (m.swiglu) return e * T * (4 * h + std::max(h, ffn_width(m))) + 4 * T + head;
-  return 3 * bsh(m) * e + (m.recompute ? T * ffn_width(m) * e : 0.0) + head;
+  const double head = c.head ? region(4 * T * m.vocab) + region(4 * T) : 0.0;
+  const auto T64 = static_cast<std::uint64_t>(T);
+  const double table =
+      m.packed && c.layers > 0 ? region(static_cast<double>((4 * T64 + 7) / 8 * 8 + 32 * (T64 + 1))) : 0.0;
+  if (m.swiglu) return region(e * T * h) * 4 + region(e * T * std::max(h, ffn_width(m))) + region(4 * T) + table + head;
+  const double positions = m.packed && c.embedding ? region(4 * T) : 0.0;
+  return 3 * region(bsh(m) * e) + (m.recompute ? region(T * ffn_width(m) * e) : 0.0) + positions + table + head;
+}
+
+/// Which step inputs a stage reads (its layer's inputs()): the embedding's stage the token ids,
+/// the head's the targets (int32, T a microbatch), and with packed rows the rows' document
+/// offsets (int32, seq + 1 a row): every stage with blocks, and the GPT's embedding stage (its
+/// learned positions restart at each document). A rank's runtime uploads each name once.
+struct StageInputs {
+  bool tokens = false;     ///< "tokens": the token ids
+  bool targets = false;    ///< "targets": the next-token targets
+  bool documents = false;  ///< po::document_offsets_input: the rows' document offsets
+};
+/// The StageInputs of stage content `c` of model `m`.
+constexpr StageInputs stage_inputs(const TransformerSpec& m, const StageContent& c) {
+  return {
+      .tokens = c.embedding, .targets = c.head, .documents = m.packed && (c.layers > 0 || (c.embedding && !m.swiglu))};
 }
 
 /// Device bytes a stage holds for itself beyond its parameters and gradients: the GPT head's

@@ -468,10 +468,16 @@ constexpr void lower_candidate(PlanCandidate& c, const detail::Layout& L, const 
   for (int r = 0; r < d; ++r) {
     const auto u = static_cast<std::size_t>(r);
     const double region = static_cast<double>(std::max(train[u].region, eval[u].region));
-    // The runtime's own blocks: the step's token ids (the embedding's rank) and targets (the
-    // head's), and its results: a non-finite flag per compute op and each microbatch's loss.
-    const bool first = p.shape.rank_of(0) == r, last = p.shape.rank_of(p.shape.stages() - 1) == r;
-    const double inputs = (first ? rounded(4 * mb * T) : 0.0) + (last ? rounded(4 * mb * T) : 0.0);
+    // The runtime's own blocks: the step inputs its stages read (stage_inputs; one block a name),
+    // and its results: a non-finite flag per compute op and each microbatch's loss.
+    StageInputs reads;
+    for (int k = 0; k < L.v; ++k) {
+      const StageInputs s = stage_inputs(m, L.stages[static_cast<std::size_t>(p.shape.stage_of(r, k))]);
+      reads = {reads.tokens || s.tokens, reads.targets || s.targets, reads.documents || s.documents};
+    }
+    const double offsets = static_cast<double>(m.micro_batch) * (m.seq + 1.0);  // a microbatch's, int32
+    const double inputs = (reads.tokens ? rounded(4 * mb * T) : 0.0) + (reads.targets ? rounded(4 * mb * T) : 0.0) +
+                          (reads.documents ? rounded(4 * mb * offsets) : 0.0);
     double fixed =
         inputs + rounded(4.0 * (mb + static_cast<double>(std::max<std::size_t>(1, p.ranks[u].compute.size()))));
     // backend::Cuda's gradient-norm buffer: the runtime reserves each chunk's in chunk order,

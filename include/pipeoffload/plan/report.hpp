@@ -64,7 +64,7 @@ inline std::string plan_command(const PlanResult& r, int ranks) {
 /// samples/train_gpt's arguments that run the chosen plan (the schedule, the grid, the shape,
 /// the cut: --stage-blocks from layers_per_stage, the embedding and the head on the first and
 /// last stage, the model: its GPT, or with swiglu its Llama with --kv-heads and --ffn, and the
-/// backend whose memory was counted), or empty with `why` set when train_gpt cannot build the
+/// backend whose memory was counted; packed rows: --pack 10, a document a line), or empty with `why` set when train_gpt cannot build the
 /// model: its GPT has multi-head attention and a 4h GeLU MLP, its Llama an even head size, both
 /// hold the embedding and head stages and learn from a byte-level corpus (vocabulary 256), on
 /// CUDA recompute, within its options' ranges.
@@ -102,6 +102,7 @@ inline std::vector<std::string> train_gpt_args(const PlanResult& r, const Transf
   if (r.dp > 1) a.insert(a.end(), {"--dp", detail::num(r.dp), "--zero", detail::num(r.zero)});
   if (r.gradients == Gradients::exact) a.insert(a.end(), {"--gradients", "exact"});
   if (m.tied_embeddings) a.push_back("--tie-embeddings");
+  if (m.packed) a.insert(a.end(), {"--pack", "10"});  // a document a line of the byte-level corpus
   // The plan's k and FLOP/s, to the bit: the program is built with them (stage_costs).
   char k[32], flops[32];
   std::snprintf(k, sizeof k, "%.17g", r.k);
@@ -185,7 +186,8 @@ inline std::string render_plan_text(const PlanResult& r, const TransformerSpec& 
   s += "model      " + detail::num(m.layers) + " layers, h " + detail::num(m.hidden) + ", " + detail::num(m.heads) +
        " heads, " + detail::num(m.query_groups) + " query groups, s " + detail::num(m.seq) + ", b " +
        detail::num(m.micro_batch) + ", vocab " + detail::num(m.vocab) + (m.tied_embeddings ? " (tied)" : "") +
-       ", recompute " + (m.recompute ? "on" : "off") + "; " + detail::num(r.microbatches) +
+       (m.packed ? ", packed rows" : "") + ", recompute " + (m.recompute ? "on" : "off") + "; " +
+       detail::num(r.microbatches) +
        (grid ? " microbatches per replica (global batch " + detail::num(m.global_batch) + " = dp " + detail::num(r.dp) +
                    " x " + detail::num(r.microbatches) + " x b " + detail::num(m.micro_batch) + ")\n"
              : std::string(" microbatches per iteration\n"));
