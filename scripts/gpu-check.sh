@@ -14,6 +14,12 @@
 #   --build-dir DIR   where to build (default build-gpu)
 #   --report FILE     the Markdown report (default <build-dir>/gpu-check/report.md)
 #   --step-limit S    no check runs longer than S seconds (default: each its own, 300 to 900 s)
+#   --budget S        the checks together take at most S seconds: each step gets at most what is
+#                     left, and a step that would start with under 20 s left is reported as not run
+#   --only "N..."     run only the named steps (the report's names; --help of an unknown one lists
+#                     them), in the kit's order
+#   --log-dir DIR     each step's log and the report there (default <build-dir>/gpu-check); the
+#                     report is rewritten after every step, so a run cut short keeps what it did
 #   --build-only      configure and build, run nothing (no GPU needed; the bundle round trip uses it)
 #   --no-build        run the checks on the binaries already in --build-dir, built elsewhere with
 #                     --build-only (a login node, a workstation with the same CUDA major): nothing
@@ -53,6 +59,7 @@ die() {
 }
 
 bundle_out="" from="" build="build-gpu" report="" build_only=0 no_build=0 step_limit=0 with_libs=0 bundled_tools=0 targets=""
+budget=0 only="" log_dir=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) [ $# -ge 2 ] || die "--bundle needs a directory"; bundle_out=$2; shift 2 ;;
@@ -66,6 +73,12 @@ while [ $# -gt 0 ]; do
       [ $# -ge 2 ] || die "--step-limit needs a number of seconds"
       [[ $2 =~ ^[1-9][0-9]*$ ]] || die "--step-limit takes whole seconds >= 1, got '$2'"
       step_limit=$2; shift 2 ;;
+    --budget)
+      [ $# -ge 2 ] || die "--budget needs a number of seconds"
+      [[ $2 =~ ^[1-9][0-9]*$ ]] || die "--budget takes whole seconds >= 1, got '$2'"
+      budget=$2; shift 2 ;;
+    --only) [ $# -ge 2 ] || die "--only needs a list of step names"; only=$2; shift 2 ;;
+    --log-dir) [ $# -ge 2 ] || die "--log-dir needs a directory"; log_dir=$2; shift 2 ;;
     --with-cuda-libs) with_libs=1; shift ;;
     --bundled-tools) bundled_tools=1; shift ;;
     -h | --help) usage; exit 0 ;;
@@ -78,6 +91,12 @@ done
 [ -n "$targets" ] && [ "$build_only" = 0 ] && die "--targets applies only to --build-only"
 [ "$no_build" = 1 ] && [ "$build_only" = 1 ] && die "--no-build and --build-only exclude each other: build with --build-only, check with --no-build"
 [ "$no_build" = 1 ] && [ -n "$bundle_out" ] && die "--no-build applies to the check, not to --bundle"
+# The steps, in the order they run (the report's names; --only picks among them).
+all_steps="cuda-host gpu-tests train-gpt-cuda-vs-cpu gpt-block-bench train-step-bench train-step-bench-ranks shared-gpu
+train-gpt-po-f sanitizer-memcheck sanitizer-racecheck sanitizer-memcheck-shared sanitizer-racecheck-shared"
+for n in $only; do
+  [[ " ${all_steps//$'\n'/ } " == *" $n "* ]] || die "--only: no step named '$n' (the steps: ${all_steps//$'\n'/ })"
+done
 
 # Pinned versions: what the project builds and tests with (scripts/dev.sh, Debian 12).
 frontend_version=1.32.0
@@ -194,8 +213,9 @@ for pkg in cudnn nccl; do
 done
 
 # ---- build --------------------------------------------------------------------------------
-log_dir="$build/gpu-check"
-mkdir -p "$log_dir"
+[ -n "$log_dir" ] || log_dir="$build/gpu-check"
+mkdir -p "$log_dir" || die "cannot create $log_dir"
+log_dir=$(cd "$log_dir" && pwd)
 [ -n "$report" ] || report="$log_dir/report.md"
 jobs=$(nproc)
 check_targets="tests/cuda/test_cuda_host tests/cuda/test_cuda_gpu bench/cuda/gpt_block_gpu bench/cuda/train_step samples/train_gpt pipeoffload-plan"
@@ -218,13 +238,60 @@ if [ "$build_only" = 1 ]; then
   exit 0
 fi
 
+# ---- the report (rewritten after every step: a run cut short keeps what it did) ------------------
+write_report() {
+  {
+    echo "# pipeoffload GPU check"
+    echo
+    echo "- date: $(date -u +%Y-%m-%dT%H:%MZ); commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "- GPUs ($gpus):"
+    nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/  - /'
+    echo "- CUDA: $(command -v nvcc >/dev/null 2>&1 && nvcc --version | tail -n 1 || echo "no nvcc on the node"); bundle: ${from:-none}; binaries: $([ "$no_build" = 1 ] && echo "built elsewhere (--no-build)" || echo "built here")"
+    echo "- checks: $(($(date +%s) - t_start)) s in all$([ "$budget" -gt 0 ] && echo " (--budget $budget s)")$([ -n "$only" ] && echo "; --only $only")"
+    echo
+    echo "| step | result | seconds |"
+    echo "|---|---|---:|"
+    for i in "${!names[@]}"; do echo "| ${names[$i]} | ${results[$i]} | ${seconds[$i]} |"; done
+    command -v compute-sanitizer >/dev/null 2>&1 || echo "| compute-sanitizer | not installed: memcheck and racecheck not run | |"
+    echo
+    echo "## Figures"
+    echo
+    echo '```'
+    grep -hE "MFU|GB/s|k measured|check vs CPU|saved activations|device " "$log_dir/gpt-block-bench.log" 2>/dev/null
+    grep -hE "^train_step| step .* ms|graphs / run" "$log_dir/train-step-bench.log" "$log_dir/train-step-bench-ranks.log" 2>/dev/null
+    grep -hE "^(wall|final_loss|params_hash|peak activation)" "$log_dir/train-gpt-po-f.log" 2>/dev/null
+    grep -hE "^ok: GPU final loss" "$log_dir/train-gpt-cuda-vs-cpu.log" 2>/dev/null
+    grep -hE "test cases:|assertions:" "$log_dir/gpu-tests.log" 2>/dev/null
+    echo '```'
+    for i in "${!names[@]}"; do
+      echo
+      echo "## ${names[$i]}: ${results[$i]}"
+      echo
+      echo '```'
+      tail -n 25 "$log_dir/${names[$i]}.log"
+      echo '```'
+    done
+  } >"$report"
+}
+
 # ---- the checks ------------------------------------------------------------------------------
 declare -a names results seconds
 failed=0
+t_start=$(date +%s)
 step() {  # step NAME TIMEOUT CMD...: runs CMD, logs to $log_dir/NAME.log, records pass/fail/skip and time
   local name=$1 limit=$2
   shift 2
+  if [ -n "$only" ] && [[ " $only " != *" $name "* ]]; then return 0; fi
   [ "$step_limit" -gt 0 ] && [ "$step_limit" -lt "$limit" ] && limit=$step_limit
+  if [ "$budget" -gt 0 ]; then
+    local left=$((budget - ($(date +%s) - t_start)))
+    if [ "$left" -lt 20 ]; then
+      names+=("$name") seconds+=("0.0") results+=("not run (--budget $budget s spent)")
+      write_report
+      return 0
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   local t0 rc
   t0=$(date +%s%N)
   timeout "$limit" "$@" >"$log_dir/$name.log" 2>&1
@@ -237,8 +304,8 @@ step() {  # step NAME TIMEOUT CMD...: runs CMD, logs to $log_dir/NAME.log, recor
     124) results+=("FAIL (timed out after $limit s)"); failed=1 ;;
     *) results+=("FAIL (exit $rc)"); failed=1 ;;
   esac
+  write_report
 }
-t_start=$(date +%s)
 step cuda-host 300 "$build/tests/cuda/test_cuda_host"
 step gpu-tests 900 "$build/tests/cuda/test_cuda_gpu" --duration=true
 step train-gpt-cuda-vs-cpu 900 python3 tests/cuda/test_train_gpt_cuda.py "$build/samples/train_gpt"
@@ -278,39 +345,7 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
     "$build/samples/train_gpt" "${shared[@]}"
 fi
 total=$(($(date +%s) - t_start))
+write_report
 
-# ---- the report ------------------------------------------------------------------------------
-{
-  echo "# pipeoffload GPU check"
-  echo
-  echo "- date: $(date -u +%Y-%m-%dT%H:%MZ); commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-  echo "- GPUs ($gpus):"
-  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/  - /'
-  echo "- CUDA: $(command -v nvcc >/dev/null 2>&1 && nvcc --version | tail -n 1 || echo "no nvcc on the node"); bundle: ${from:-none}; binaries: $([ "$no_build" = 1 ] && echo "built elsewhere (--no-build)" || echo "built here")"
-  echo "- checks: $total s in all"
-  echo
-  echo "| step | result | seconds |"
-  echo "|---|---|---:|"
-  for i in "${!names[@]}"; do echo "| ${names[$i]} | ${results[$i]} | ${seconds[$i]} |"; done
-  command -v compute-sanitizer >/dev/null 2>&1 || echo "| compute-sanitizer | not installed: memcheck and racecheck not run | |"
-  echo
-  echo "## Figures"
-  echo
-  echo '```'
-  grep -hE "MFU|GB/s|k measured|check vs CPU|saved activations|device " "$log_dir/gpt-block-bench.log" 2>/dev/null
-  grep -hE "^train_step| step .* ms|graphs / run" "$log_dir/train-step-bench.log" "$log_dir/train-step-bench-ranks.log" 2>/dev/null
-  grep -hE "^(wall|final_loss|params_hash|peak activation)" "$log_dir/train-gpt-po-f.log" 2>/dev/null
-  grep -hE "^ok: GPU final loss" "$log_dir/train-gpt-cuda-vs-cpu.log" 2>/dev/null
-  grep -hE "test cases:|assertions:" "$log_dir/gpu-tests.log" 2>/dev/null
-  echo '```'
-  for i in "${!names[@]}"; do
-    echo
-    echo "## ${names[$i]}: ${results[$i]}"
-    echo
-    echo '```'
-    tail -n 25 "$log_dir/${names[$i]}.log"
-    echo '```'
-  done
-} >"$report"
 echo "gpu-check: $([ $failed = 0 ] && echo "every check passed" || echo "a check FAILED") in $total s; report: $report"
 exit $failed
