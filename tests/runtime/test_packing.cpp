@@ -194,7 +194,7 @@ struct HostViews {
     where.push_back(h);
     host.insert(host.end(), h, h + 2);
     device.insert(device.end(), mb.input<float>("x"), mb.input<float>("x") + 2);
-    *mb.loss = w;
+    if (mb.loss != nullptr) *mb.loss = w;  // (the last stage's only)
   }
   void backward_input(po::backend::CpuContext&, const po::Microbatch&, po::ConstTensor, po::Tensor, std::byte*,
                       std::byte*) {}
@@ -237,6 +237,42 @@ TEST_CASE(
         "po::Runtime gives one)");
   CHECK(error_of([&] { (void)mb.host_input("y"); }) ==
         "stage 0 reads the step input 'y', which it did not declare in inputs() (it declared: x)");
+}
+
+/// HostViews whose prepare() throws on its `fail_at`-th call, as a GPU layer refuses a
+/// malformed row there.
+struct RefusingPrepare : HostViews {
+  int calls = 0, fail_at = 0;
+  void prepare(const po::Microbatch& mb) {
+    if (++calls == fail_at) throw po::error("stage refuses microbatch " + std::to_string(mb.mb));
+    HostViews::prepare(mb);
+  }
+};
+
+TEST_CASE("a prepare() that throws on one rank ends every rank with its message, before any pass of that call") {
+  // Two ranks, one stage each; rank 1's stage refuses its 5th microbatch (the second step's
+  // second): rank 0 has sent its forwards of that step or waits to, and must not hang.
+  const po::Program program = po::build(po::parse_schedule("1f1b"), {2, 1, 3});
+  po::comm::ThreadsWorld world(2);
+  std::vector<RefusingPrepare> layers(2);
+  layers[1].fail_at = 5;
+  const auto errors = po::run_thread_ranks(world, [&](int r) {
+    po::backend::Cpu dev({.rank = r});
+    po::comm::Threads comm(world, r);
+    po::Runtime rt(program, dev, comm, std::span<RefusingPrepare>(&layers[static_cast<std::size_t>(r)], 1),
+                   {.microbatch = {1, 1}});
+    for (int step = 0; step < 3; ++step) {
+      const std::vector<float> x(6, 1.0f);
+      po::Batch batch;
+      batch.add("x", x, {3, 2});
+      rt.forward_backward(batch, {.step = step});
+    }
+  });
+  REQUIRE(errors.size() == 2);
+  CHECK(errors[1] == "rank 1, forward_backward: stage refuses microbatch 1");
+  CHECK(errors[0].find("rank 1, forward_backward: stage refuses microbatch 1") != std::string::npos);
+  // Rank 1 ran no pass of the refused call: its first step's three forwards only.
+  CHECK(layers[1].order == "p0p1p2f0f1f2p0");
 }
 
 /// The checks of the case below on a model whose stage 1 of 3 holds every block (stage 0 the
