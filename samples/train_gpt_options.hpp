@@ -276,6 +276,9 @@ inline Options parse(int argc, char** argv) {
       throw bad_argument(
           "--graphs with --pack on --backend cuda: a packed microbatch's attention follows its document count, read "
           "on the host at every call, which a replayed capture cannot; give one of them");
+    if (const std::string* seq = get("--seq"); *v == "cuda" && seq && to_int("--seq", *seq, 1, 8192) < 2)
+      throw bad_argument(
+          "--seq 1 on --backend cuda: cuDNN's attention backward needs seq >= 2 (--backend cpu trains it)");
     o.cuda = *v == "cuda";
 #ifndef PIPEOFFLOAD_WITH_CUDA
     if (o.cuda)

@@ -79,9 +79,13 @@ SdpaLayout layout_of(Shape s, bool fused) {
                       std::to_string(s.batch) + ", " + std::to_string(static_cast<long long>(s.batch) * s.seq) +
                       "] (at least one a row, at most one a token) for batch = " + std::to_string(s.batch) +
                       ", seq = " + std::to_string(s.seq));
+  if (s.documents > 0 && (s.length < 0 || s.length > s.seq))
+    throw shape_error("cuda::attention: length = " + std::to_string(s.length) +
+                      " is outside [0, seq = " + std::to_string(s.seq) + "] (a packed call's graph length; 0: seq)");
   const int b = s.documents > 0 ? s.documents : s.batch;
-  const SdpaLayout l = fused ? sdpa_layout(b, s.heads, s.seq, s.head_dim)
-                             : sdpa_layout_separate(b, s.heads, kv_heads_of(s), s.seq, s.head_dim);
+  const int S = s.documents > 0 && s.length > 0 ? s.length : s.seq;
+  const SdpaLayout l =
+      fused ? sdpa_layout(b, s.heads, S, s.head_dim) : sdpa_layout_separate(b, s.heads, kv_heads_of(s), S, s.head_dim);
   return s.documents > 0 ? ragged(l) : l;
 }
 
@@ -249,8 +253,8 @@ struct Graphs::Impl {
   cudnnHandle_t handle = nullptr;
   bool deterministic = true;
   std::mutex mu;
-  // (backward, fused, batch, heads, kv_heads, seq, head_dim, documents)
-  std::map<std::tuple<bool, bool, int, int, int, int, int, int>, Built> built;
+  // (backward, fused, batch, heads, kv_heads, seq, head_dim, documents, length)
+  std::map<std::tuple<bool, bool, int, int, int, int, int, int, int>, Built> built;
 
   /// The graph of one direction, layout and shape, built on first use.
   const Built& get(bool backward, Shape s, bool fused = true) {
@@ -258,8 +262,10 @@ struct Graphs::Impl {
       throw cuda_error(
           "cuda::attention: seq = " + std::to_string(s.seq) +
           " is outside the range the cuDNN frontend's SDPA backward supports ([2, ...)); train with seq >= 2");
+    s.length = s.documents == 0 ? 0 : s.length == 0 ? s.seq : s.length;  // one graph for 0 and seq
     std::lock_guard lk(mu);
-    const auto key = std::make_tuple(backward, fused, s.batch, s.heads, kv_heads_of(s), s.seq, s.head_dim, s.documents);
+    const auto key =
+        std::make_tuple(backward, fused, s.batch, s.heads, kv_heads_of(s), s.seq, s.head_dim, s.documents, s.length);
     auto it = built.find(key);
     if (it == built.end())
       it = built
@@ -287,11 +293,13 @@ std::size_t workspace_bytes(Graphs& graphs, Shape shape, bool separate) {
 void require_workspace(Graphs& graphs, Shape shape, bool separate, std::size_t limit, const std::string& who) {
   const std::size_t need = workspace_bytes(graphs, shape, separate);
   if (need <= limit) return;
-  throw cuda_error(who + ": cuDNN's attention needs a workspace of " + std::to_string(need) +
-                   " bytes for microbatches of " + std::to_string(shape.batch) + " x " + std::to_string(shape.seq) +
-                   " tokens" +
-                   (shape.documents > 0 ? " in " + std::to_string(shape.documents) + " packed documents" : "") +
-                   "; backend::Cuda::Options::workspace_bytes = " + std::to_string(limit) + " is below it");
+  throw cuda_error(
+      who + ": cuDNN's attention needs a workspace of " + std::to_string(need) + " bytes for microbatches of " +
+      std::to_string(shape.batch) + " x " + std::to_string(shape.seq) + " tokens" +
+      (shape.documents > 0 ? " in " + std::to_string(shape.documents) + " packed documents (graph length " +
+                                 std::to_string(shape.length > 0 ? shape.length : shape.seq) + ")"
+                           : "") +
+      "; backend::Cuda::Options::workspace_bytes = " + std::to_string(limit) + " is below it");
 }
 
 std::size_t workspace_bytes(Shape shape, bool deterministic, int device) {

@@ -269,7 +269,7 @@ void mean(const CudaContext& ctx, const float* losses, float* out, long long row
 }
 
 DeviceDocuments document_table(const CudaContext& ctx, const std::int32_t* offsets, long long rows, int seq, int count,
-                               AttentionShape s, AttentionStrides strides, std::byte* memory) {
+                               int longest, AttentionShape s, AttentionStrides strides, std::byte* memory) {
   const long long T = rows * seq;
   if (rows < 1 || seq < 1 || count < rows || count > T)
     throw shape_error("ops::document_table: count = " + std::to_string(count) +
@@ -281,14 +281,16 @@ DeviceDocuments document_table(const CudaContext& ctx, const std::int32_t* offse
   if (k != v)
     throw shape_error("ops::document_table: k's row stride " + std::to_string(k) + " differs from v's " +
                       std::to_string(v) + "; cuDNN's packed attention reads one offset array for both");
-  if (memory == nullptr || reinterpret_cast<std::uintptr_t>(memory) % 8 != 0)
-    throw error("ops::document_table: memory must be device memory aligned to 8 bytes");
+  if (memory == nullptr || reinterpret_cast<std::uintptr_t>(memory) % 16 != 0)
+    throw error("ops::document_table: memory must be device memory aligned to 16 bytes");
+  const cuda::DocumentTableLayout at = cuda::document_table_layout(T);
   auto* lengths = reinterpret_cast<std::int32_t*>(memory);
-  auto* arrays = reinterpret_cast<std::int64_t*>(memory + (static_cast<std::size_t>(T) * 4 + 7) / 8 * 8);
-  const std::size_t n = static_cast<std::size_t>(T) + 1;
-  DocumentTableView view{lengths, {arrays, arrays + n, arrays + 2 * n, arrays + 3 * n}, {q, k, out, s.heads}};
+  const auto array = [&](int x) { return reinterpret_cast<std::int64_t*>(memory + at.offsets[x]); };
+  DocumentTableView view{lengths, {array(0), array(1), array(2), array(3)}, {q, k, out, s.heads}};
   PIPEOFFLOAD_LAUNCH(document_table_k, (cuda::Launch{1, table_block, 0}), ctx.cuda_stream, offsets, rows, seq, view);
-  return {count, {lengths, view.offsets[0], view.offsets[1], view.offsets[2], view.offsets[3]}};
+  return {count,
+          cuda::packed_length(longest, seq),
+          {lengths, view.offsets[0], view.offsets[1], view.offsets[2], view.offsets[3]}};
 }
 
 }  // namespace pipeoffload::ops

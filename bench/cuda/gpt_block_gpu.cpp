@@ -204,6 +204,8 @@ LlamaBlock llama_block(long long h, long long s, long long heads, long long kv_h
   if (documents > 0) {
     pc::attention::Shape packed = att;
     packed.documents = static_cast<int>(b) * documents;
+    // (the graphs' length: the longest document's, the last, rounded up as the stage rounds it)
+    packed.length = pc::packed_length(static_cast<int>(s - (documents - 1) * (s / documents)), static_cast<int>(s));
     opt.workspace_bytes = std::max(opt.workspace_bytes, pc::attention::workspace_bytes(packed));
   }
   opt.arena_bytes = bufs.saved_bytes + bufs.stash_bytes + 16 * Th + opt.workspace_bytes + (std::size_t{512} << 20);

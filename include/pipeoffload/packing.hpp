@@ -10,6 +10,7 @@
 /// @file
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -94,6 +95,13 @@ void microbatch_documents(const std::int32_t* offsets, std::size_t rows, int seq
   positions.resize(rows * S);
   for (const Document& doc : docs)
     for (std::size_t i = 0; i < doc.length; ++i) positions[doc.row * S + doc.begin + i] = static_cast<Position>(i);
+}
+
+/// The tokens of the longest of `docs` (0 when there are none).
+inline int longest_document(const std::vector<Document>& docs) {
+  std::size_t most = 0;
+  for (const Document& d : docs) most = std::max(most, d.length);
+  return static_cast<int>(most);
 }
 
 /// A packed microbatch's row offsets as a GPU layer reads them: both views of the step input

@@ -96,10 +96,11 @@ class CudaGptStage {
     // cuDNN builds (and compiles, and loads) the SDPA graphs of the microbatch shape now, not
     // in the first step while another rank's NCCL kernel may run (issue 15's hang class), and
     // their workspace is checked against the device's. seq = 1 has no backward graph
-    // (attention.hpp); such a stage builds its graphs on first use.
+    // (attention.hpp): prepare() refuses it in training.
     if (dims_.blocks > 0 && max_shape.seq >= 2) {
-      // Packed, the graphs of one document a row too (cuDNN bounds a packed call's workspace by
-      // its tokens, whatever its document count; prepare() builds and checks each count's).
+      // Packed, the graphs of one document a row too: the fewest documents a call can hold.
+      // cuDNN's deterministic backward needs more workspace the more documents (docs/packing.md),
+      // so prepare() builds and checks each count's before the call's passes.
       cuda::attention::Shape s{max_shape.batch, static_cast<int>(dims_.heads), max_shape.seq,
                                static_cast<int>(dims_.hidden / dims_.heads)};
       require_attention(s, "gpt::CudaGptStage");
@@ -141,18 +142,24 @@ class CudaGptStage {
   /// document count read on the host.
   bool capturable() const { return !(dims_.packed && dims_.blocks > 0); }
 
-  /// Before a call's passes (layer.hpp): packed, the microbatch's rows checked and its documents
-  /// counted on the host, and cuDNN's graphs for that count built, their workspace checked,
-  /// now rather than in a pass.
+  /// Before a call's passes (layer.hpp): cuDNN's graphs for the microbatch's shape built and
+  /// their workspace checked now rather than in a pass (a shape built before is a lookup);
+  /// packed, for its document count, its rows checked and counted on the host. A training
+  /// microbatch of seq 1, which cuDNN's backward refuses, is refused here, before any pass.
   void prepare(const Microbatch& mb) {
-    if (!dims_.packed || dims_.blocks == 0 || mb.shape.seq < 2) return;
-    (void)packed_rows(mb, who("prepare"), docs_);
+    if (dims_.blocks == 0) return;
+    if (mb.shape.seq < 2) {
+      if (mb.training) throw shape_error(who("prepare") + ": " + cuda::attention::seq_one_refused);
+      return;
+    }
+    if (dims_.packed) (void)packed_rows(mb, who("prepare"), docs_);
     const cuda::attention::Shape s{mb.shape.batch,
                                    static_cast<int>(dims_.heads),
                                    mb.shape.seq,
                                    static_cast<int>(dims_.hidden / dims_.heads),
                                    0,
-                                   static_cast<int>(docs_.size())};
+                                   dims_.packed ? static_cast<int>(docs_.size()) : 0,
+                                   dims_.packed ? cuda::packed_length(longest_document(docs_), mb.shape.seq) : 0};
     require_attention(s, who("prepare"));
   }
 
@@ -352,10 +359,12 @@ class CudaGptStage {
     const std::int32_t* dev = packed_rows(mb, who(pass), docs_);
     const int count = static_cast<int>(docs_.size());
     const long long H = dims_.hidden;
-    const ops::DeviceDocuments d = ops::document_table(ctx, dev, mb.shape.batch, mb.shape.seq, count,
-                                                       {mb.shape.batch, mb.shape.seq, p.att.heads, 0, p.att.head_dim},
-                                                       {3 * H, 3 * H, 3 * H, H}, scratch<std::byte>(p.ws.documents));
+    const ops::DeviceDocuments d =
+        ops::document_table(ctx, dev, mb.shape.batch, mb.shape.seq, count, longest_document(docs_),
+                            {mb.shape.batch, mb.shape.seq, p.att.heads, 0, p.att.head_dim}, {3 * H, 3 * H, 3 * H, H},
+                            scratch<std::byte>(p.ws.documents));
     p.att.documents = d.count;
+    p.att.length = d.length;
     p.docs = d.table;
   }
   /// A (T, h) boundary into the stage's bf16, and back: a conversion (fp32) or a copy (bf16).

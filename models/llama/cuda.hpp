@@ -81,11 +81,13 @@ class CudaLlamaStage {
     PIPEOFFLOAD_CUDA_CHECK(cudaMemset(grad(), 0, n * sizeof(float)));
     PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());  // the passes' streams do not wait for the legacy one
     // cuDNN builds the attention graphs of the largest microbatch now, not during a step, and
-    // their workspace is checked against the device's (seq = 1 has no backward graph).
+    // their workspace is checked against the device's (seq = 1 has no backward graph:
+    // prepare() refuses it in training).
     if (d_.blocks > 0 && max_shape.seq >= 2) {
       // (The separate q, k, v tensors' graphs, the ones the passes run, whatever the heads.)
-      // Packed, the graphs of one document a row too (cuDNN bounds a packed call's workspace by
-      // its tokens, whatever its document count; prepare() builds and checks each count's).
+      // Packed, the graphs of one document a row too: the fewest documents a call can hold.
+      // cuDNN's deterministic backward needs more workspace the more documents (docs/packing.md),
+      // so prepare() builds and checks each count's before the call's passes.
       require_attention(attention_shape(max_shape), "llama::CudaLlamaStage");
       cuda::attention::Shape packed = attention_shape(max_shape);
       packed.documents = packed.batch;
@@ -120,14 +122,22 @@ class CudaLlamaStage {
   std::size_t scratch_bytes() const { return llama_cuda_workspace(d_, max_.tokens()).bytes; }
   const LlamaDims& dims() const { return d_; }
 
-  /// Before a call's passes (layer.hpp): packed, the microbatch's rows checked and its documents
-  /// counted on the host, and cuDNN's graphs for that count built, their workspace checked,
-  /// now rather than in a pass.
+  /// Before a call's passes (layer.hpp): cuDNN's graphs for the microbatch's shape built and
+  /// their workspace checked now rather than in a pass (a shape built before is a lookup);
+  /// packed, for its document count, its rows checked and counted on the host. A training
+  /// microbatch of seq 1, which cuDNN's backward refuses, is refused here, before any pass.
   void prepare(const Microbatch& mb) {
-    if (!d_.packed || d_.blocks == 0 || mb.shape.seq < 2) return;
+    if (d_.blocks == 0) return;
+    if (mb.shape.seq < 2) {
+      if (mb.training) throw shape_error(who("prepare") + ": " + cuda::attention::seq_one_refused);
+      return;
+    }
     cuda::attention::Shape s = attention_shape(mb.shape);
-    (void)packed_rows(mb, who("prepare"), docs_);
-    s.documents = static_cast<int>(docs_.size());
+    if (d_.packed) {
+      (void)packed_rows(mb, who("prepare"), docs_);
+      s.documents = static_cast<int>(docs_.size());
+      s.length = cuda::packed_length(longest_document(docs_), mb.shape.seq);
+    }
     require_attention(s, who("prepare"));
   }
 
@@ -291,7 +301,8 @@ class CudaLlamaStage {
     const std::int32_t* dev = packed_rows(mb, who(pass), docs_);
     const int count = static_cast<int>(docs_.size());
     ops::document_positions(ctx, dev, positions, p.T, seq);
-    p.docs = ops::document_table(ctx, dev, mb.shape.batch, seq, count, p.att, {}, scratch<std::byte>(p.ws.documents));
+    p.docs = ops::document_table(ctx, dev, mb.shape.batch, seq, count, longest_document(docs_), p.att, {},
+                                 scratch<std::byte>(p.ws.documents));
   }
   /// The int32 step input `name` (one value a token), checked on the host.
   const std::int32_t* step_input(const Microbatch& mb, const char* name, const char* pass, long long T) const {

@@ -645,9 +645,41 @@ TEST_CASE("packed attention's layout: the documents as the batch, token-major st
   for (int i = 0; i < 4; ++i) CHECK(l.stats_strides[i] == stats[i]);
   const long long q[4] = {128 * 512, 64, 512, 1};  // q's own strides: packed ragged rows of heads * head_dim
   for (int i = 0; i < 4; ++i) CHECK(l.q_strides[i] == q[i]);
-  // int32 lengths padded to 8 bytes, then four int64 arrays of tokens + 1.
+  // int32 lengths, then four int64 arrays of tokens + 1, each at a multiple of 16 bytes (cuDNN
+  // takes every tensor 16-byte aligned), disjoint, in order, within the table.
   CHECK(pc::document_table_bytes(3) == 16 + 4 * 4 * 8);
-  CHECK(pc::document_table_bytes(4096) == 4096 * 4 + 4 * 4097 * 8);
+  CHECK(pc::document_table_bytes(4096) == 4096 * 4 + 4 * 4098 * 8);
+  // A packed call's graph length: the longest document rounded up to a power of two, at least
+  // 64, at most the rows' length; outside [1, seq] refused with the range.
+  CHECK(pc::packed_length(1, 4096) == 64);
+  CHECK(pc::packed_length(64, 4096) == 64);
+  CHECK(pc::packed_length(65, 4096) == 128);
+  CHECK(pc::packed_length(100, 128) == 128);
+  CHECK(pc::packed_length(2049, 3000) == 3000);
+  CHECK(pc::packed_length(30, 32) == 32);
+  for (int longest = 1; longest <= 300; ++longest) {
+    const int l = pc::packed_length(longest, 300);
+    CHECK(l >= longest);
+    CHECK((l == 300 || (l >= 64 && (l & (l - 1)) == 0 && (l == 64 || l / 2 < longest))));
+  }
+  for (const int bad : {0, 33})
+    CHECK_THROWS_WITH(pc::packed_length(bad, 32), ("cuda::packed_length: the longest document has " +
+                                                   std::to_string(bad) + " tokens; it must be in [1, seq = 32]")
+                                                      .c_str());
+  for (long long T = 1; T <= 67; ++T) {
+    CAPTURE(T);
+    const pc::DocumentTableLayout t = pc::document_table_layout(T);
+    std::size_t end = static_cast<std::size_t>(T) * 4;  // the lengths
+    for (const std::size_t at : t.offsets) {
+      CHECK(at % 16 == 0);
+      CHECK(at >= end);
+      CHECK(at - end < 16);
+      end = at + static_cast<std::size_t>(T + 1) * 8;
+    }
+    CHECK(t.bytes >= end);
+    CHECK(t.bytes - end < 16);
+    CHECK(pc::document_table_bytes(T) == t.bytes);
+  }
 }
 
 TEST_CASE("the CUDA Llama stage's saved, stash and scratch regions are aligned, disjoint, inside and of their sizes") {

@@ -316,7 +316,9 @@ TEST_CASE(
   std::int32_t* dpositions = g.alloc<std::int32_t>(T);
   auto* table = g.alloc<std::byte>(po::cuda::document_table_bytes(static_cast<long long>(T)));
   ops::document_positions(g.ctx, doffsets, dpositions, static_cast<long long>(T), s.seq);
-  const ops::DeviceDocuments dd = ops::document_table(g.ctx, doffsets, s.batch, s.seq, count, s, {}, table);
+  const ops::DeviceDocuments dd =
+      ops::document_table(g.ctx, doffsets, s.batch, s.seq, count, po::longest_document(docs), s, {}, table);
+  CHECK(dd.length == 128);  // the longest document has 100 tokens: the next power of two
   std::vector<std::int32_t> got_positions(T), lengths(docs.size());
   std::vector<std::int64_t> qo(docs.size() + 1), kvo(docs.size() + 1), oo(docs.size() + 1), so(docs.size() + 1);
   PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(g.s));

@@ -183,6 +183,7 @@ if not losses[-1] < losses[0] - 0.5 or "packed (a document at every token 10)" n
 for args, text in ((["--kv-heads", "2"], "--kv-heads applies only to --model llama"),
                    (["--ranks-per-gpu", "2"], "--ranks-per-gpu applies only to --backend cuda"),
                    (["--backend", "cuda", "--graphs", "--pack", "10"], "--graphs with --pack on --backend cuda"),
+                   (["--backend", "cuda", "--seq", "1"], "--seq 1 on --backend cuda: cuDNN's attention backward needs"),
                    ([*llama, "--pack", "256"], "--pack 256 is outside the vocabulary [0, 255]"),
                    ([*llama, "--pack", "-1"], "--pack must be an integer in [0, 1048575], got '-1'"),
                    (["--model", "llama", "--kv-heads", "3"], "--kv-heads 3 must divide --heads 4"),

@@ -155,17 +155,20 @@ void mean(const CudaContext& ctx, const float* losses, float* out, long long row
 /// document_table writes). A count of 0 is an unpacked microbatch, each row one sequence.
 struct DeviceDocuments {
   int count = 0;                          ///< documents in the microbatch's rows
+  int length = 0;                         ///< the graphs' length: cuda::packed_length of the longest
   cuda::attention::Documents table = {};  ///< their lengths and ragged offsets
 };
 
 /// Writes, in stream order, the table of the documents of `rows` packed rows of `seq` tokens
 /// (offsets: the step input po::document_offsets_input on the device, checked on the host by
-/// po::microbatch_documents, which also gives `count`) into `memory` (device,
-/// cuda::document_table_bytes(rows * seq) bytes, 8-byte aligned), offsets in units of the
+/// po::microbatch_documents, which also gives `count` and the `longest` document's tokens)
+/// into `memory` (device,
+/// cuda::document_table_bytes(rows * seq) bytes, 16-byte aligned; cuda::document_table_layout
+/// says where each array lies), offsets in units of the
 /// attention's row strides (`strides`, 0 the dense widths; k's and v's must be equal). One
 /// block; each thread a run of rows.
 DeviceDocuments document_table(const CudaContext& ctx, const std::int32_t* offsets, long long rows, int seq, int count,
-                               AttentionShape s, AttentionStrides strides, std::byte* memory);
+                               int longest, AttentionShape s, AttentionStrides strides, std::byte* memory);
 
 /// Causal attention through cuDNN's fused SDPA on separate q (b*s, heads*head_dim), k and v
 /// (b*s, kv_heads*head_dim) rows, grouped-query when kv_heads < heads; out is shaped as q and
@@ -181,8 +184,8 @@ inline void attention_forward(const CudaContext& ctx, const bf16* q, const bf16*
 inline void attention_forward(const CudaContext& ctx, const bf16* q, const bf16* k, const bf16* v, bf16* out,
                               float* lse, AttentionShape s, const DeviceDocuments& docs) {
   cuda::attention::forward(*ctx.attention, ctx.cuda_stream,
-                           {s.batch, s.heads, s.seq, s.head_dim, s.kv_heads, docs.count}, q, k, v, out, lse,
-                           ctx.workspace, ctx.workspace_bytes, docs.table);
+                           {s.batch, s.heads, s.seq, s.head_dim, s.kv_heads, docs.count, docs.length}, q, k, v, out,
+                           lse, ctx.workspace, ctx.workspace_bytes, docs.table);
 }
 /// dq, dk, dv (shaped as q, k, v; set, not added) from dout, recomputing the probabilities
 /// from q, k and lse.
@@ -196,8 +199,8 @@ inline void attention_backward(const CudaContext& ctx, const bf16* q, const bf16
                                const bf16* dout, const float* lse, bf16* dq, bf16* dk, bf16* dv, AttentionShape s,
                                const DeviceDocuments& docs) {
   cuda::attention::backward(*ctx.attention, ctx.cuda_stream,
-                            {s.batch, s.heads, s.seq, s.head_dim, s.kv_heads, docs.count}, q, k, v, out, dout, lse, dq,
-                            dk, dv, ctx.workspace, ctx.workspace_bytes, docs.table);
+                            {s.batch, s.heads, s.seq, s.head_dim, s.kv_heads, docs.count, docs.length}, q, k, v, out,
+                            dout, lse, dq, dk, dv, ctx.workspace, ctx.workspace_bytes, docs.table);
 }
 
 }  // namespace pipeoffload::ops

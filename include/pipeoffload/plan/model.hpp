@@ -589,8 +589,8 @@ constexpr double stage_norm_buffer_bytes(const TransformerSpec& m, const StageCo
 /// output and the gradient flowing down), one T x max(h, f) (a projection's output, silu(gate)
 /// * up and its gradient) and the tokens' int32 RoPE positions. A rank holds one per stage.
 /// Packed (TransformerSpec::packed), a stage with blocks also holds the documents' table
-/// (cuda::document_table_bytes(T): int32 lengths padded to 8 bytes, four int64 offset arrays of
-/// T + 1) and the GPT's embedding stage the documents' int32 positions (T). Each region starts
+/// (cuda::document_table_bytes(T): int32 lengths, then four int64 offset arrays of T + 1, each
+/// at a multiple of 16 bytes) and the GPT's embedding stage the documents' int32 positions (T). Each region starts
 /// at a multiple of 256 bytes (cuda::region_alignment), so each counts rounded up to one.
 constexpr double stage_scratch_bytes(const TransformerSpec& m, const StageContent& c) {
   const auto region = [](double bytes) {
@@ -599,8 +599,9 @@ constexpr double stage_scratch_bytes(const TransformerSpec& m, const StageConten
   const double T = static_cast<double>(m.micro_batch) * m.seq, e = m.dtype_bytes, h = m.hidden;
   const double head = c.head ? region(4 * T * m.vocab) + region(4 * T) : 0.0;
   const auto T64 = static_cast<std::uint64_t>(T);
+  const auto align16 = [](std::uint64_t n) { return (n + 15) / 16 * 16; };
   const double table =
-      m.packed && c.layers > 0 ? region(static_cast<double>((4 * T64 + 7) / 8 * 8 + 32 * (T64 + 1))) : 0.0;
+      m.packed && c.layers > 0 ? region(static_cast<double>(align16(4 * T64) + 4 * align16(8 * (T64 + 1)))) : 0.0;
   if (m.swiglu) return region(e * T * h) * 4 + region(e * T * std::max(h, ffn_width(m))) + region(4 * T) + table + head;
   const double positions = m.packed && c.embedding ? region(4 * T) : 0.0;
   return 3 * region(bsh(m) * e) + (m.recompute ? region(T * ffn_width(m) * e) : 0.0) + positions + table + head;

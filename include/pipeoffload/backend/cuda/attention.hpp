@@ -34,8 +34,10 @@ struct Shape {
       seq = 1,        ///< S: tokens per sequence
       head_dim = 8,   ///< elements per head (a multiple of 8, at most 256)
       kv_heads = 0,   ///< key/value heads, dividing heads (grouped-query attention); 0: heads
-      documents = 0;  ///< packed rows: the documents in the batch's rows, each causal on its
+      documents = 0,  ///< packed rows: the documents in the batch's rows, each causal on its
                       ///< own (a Documents table says where); 0: each row is one sequence
+      length = 0;     ///< packed rows: the graph's length, at least the longest document and
+                      ///< at most seq (cuda::packed_length); 0: seq
 };
 
 /// Where a packed microbatch's documents are (device memory, ops::document_table writes it):
@@ -73,6 +75,12 @@ class Graphs {
  private:
   std::unique_ptr<Impl> impl_;
 };
+
+/// Why a training microbatch of one token a row is refused (a layer's prepare() says it, before
+/// any pass): the frontend's SDPA backward needs seq >= 2.
+inline constexpr const char* seq_one_refused =
+    "seq = 1 is outside the range the cuDNN frontend's SDPA backward supports ([2, ...)); train with seq >= 2 "
+    "(evaluation takes seq = 1)";
 
 /// Bytes of workspace the larger of the forward and backward graphs needs for `shape` (the
 /// fused qkv layout when kv_heads is 0 or heads and `separate` is false, the separate one

@@ -547,13 +547,44 @@ constexpr SdpaLayout ragged(SdpaLayout l) {
   return l;
 }
 
-/// Bytes of a packed microbatch's document table (ops::document_table) for microbatches of up
-/// to `tokens` tokens (at most one document a token): int32 lengths, padded to 8 bytes, then
-/// four int64 offset arrays of tokens + 1.
-constexpr std::size_t document_table_bytes(long long tokens) {
-  const std::size_t T = tokens > 0 ? static_cast<std::size_t>(tokens) : 0;
-  return (T * 4 + 7) / 8 * 8 + 4 * (T + 1) * 8;
+/// The length cuDNN's graph of a packed call is built for (its S), given the call's longest
+/// document and its rows' length `seq`: the smallest power of two at least `longest` and 64,
+/// at most `seq`. The deterministic backward's workspace grows with documents x S^2
+/// (docs/packing.md), so S follows the documents rather than the rows; a few lengths (powers of
+/// two) keep the graphs built few.
+constexpr int packed_length(int longest, int seq) {
+  if (longest < 1 || longest > seq)
+    throw shape_error("cuda::packed_length: the longest document has " + pipeoffload::detail::num(longest) +
+                      " tokens; it must be in [1, seq = " + pipeoffload::detail::num(seq) + "]");
+  long long s = 64;
+  while (s < longest) s *= 2;
+  return static_cast<int>(std::min<long long>(s, seq));
 }
+
+/// Where a packed microbatch's document table (ops::document_table) lies in its memory, for
+/// microbatches of up to `tokens` tokens (at most one document a token): int32 lengths, then
+/// four int64 offset arrays of tokens + 1 (q, k and v, the output, the statistics), each at a
+/// multiple of 16 bytes: cuDNN's frontend declares every tensor, ragged offsets included,
+/// 16-byte aligned.
+struct DocumentTableLayout {
+  std::size_t offsets[4] = {};  ///< byte offset of each int64 array (the lengths start at 0)
+  std::size_t bytes = 0;        ///< the table's bytes
+};
+/// The DocumentTableLayout of a table for microbatches of up to `tokens` tokens.
+constexpr DocumentTableLayout document_table_layout(long long tokens) {
+  const std::size_t T = tokens > 0 ? static_cast<std::size_t>(tokens) : 0;
+  const auto align16 = [](std::size_t n) { return (n + 15) / 16 * 16; };
+  DocumentTableLayout l;
+  std::size_t at = align16(T * 4);
+  for (std::size_t& o : l.offsets) {
+    o = at;
+    at += align16((T + 1) * 8);
+  }
+  l.bytes = at;
+  return l;
+}
+/// document_table_layout(tokens).bytes.
+constexpr std::size_t document_table_bytes(long long tokens) { return document_table_layout(tokens).bytes; }
 
 // ---- regions of a buffer ------------------------------------------------------------------
 
