@@ -320,6 +320,17 @@ TEST_CASE("shared device: all_to_all and all_gather on the streams, inputs rewri
     CHECK(e ==
           "comm::SharedDevice: ranks passed buffers of different sizes to a device collective (rank 0: 3 bytes, "
           "rank 1: 6 bytes)");
+    // Another collective on one rank, of the same bytes: a comm_error naming both, on every rank.
+    std::vector<std::byte> three(dp), scattered(dp);
+    const std::string other = error_of([&] {
+      if (r == 2)
+        comm.all_gather(ctx, std::span<const std::byte>(three.data(), 1), std::span(three));
+      else
+        comm.all_to_all(ctx, std::span<const std::byte>(three), std::span(scattered));
+    });
+    CHECK(other ==
+          "comm::SharedDevice: ranks called different device collectives at once (rank 0: all_to_all, rank 2: "
+          "all_gather)");
     stream.drain();
   });
   for (const auto& e : errors) REQUIRE(e == "");

@@ -92,23 +92,29 @@ class DeviceCopy {
     free_.push_back(event(m.transport[1]));
   }
 
-  /// A device collective of the ranks of `c` (the file comment): every rank passes `mine`
-  /// (the same size on every rank, else comm_error on every rank); place(j, rank j's bytes)
-  /// gives where this rank's share of them goes and which bytes that share is.
+  /// A device collective named `op` (a string literal: the ranks, threads of one process,
+  /// compare its address) of the ranks of `c` (the file comment): every rank calls the same op
+  /// and passes `mine` of the same size, else comm_error on every rank; place(j, rank j's
+  /// bytes) gives where this rank's share of them goes and which bytes that share is.
   template <class Comm, class Place>
-  void collective(const Context& ctx, Comm& c, std::span<const std::byte> mine, Place place) {
+  void collective(const Context& ctx, Comm& c, const char* op, std::span<const std::byte> mine, Place place) {
     struct Posted {
-      std::uintptr_t data = 0, bytes = 0, event = 0;
+      std::uintptr_t data = 0, bytes = 0, event = 0, op = 0;
     };
     const std::size_t n = static_cast<std::size_t>(c.size());
     std::vector<Posted> all(n);
     const Event ready = next_event();
     s_.record(ctx, ready);
-    const Posted own{word(mine.data()), mine.size(), word(ready)};
+    const Posted own{word(mine.data()), mine.size(), word(ready), word(op)};
     c.all_gather(std::span<const Posted>(&own, 1), std::span<Posted>(all));
     // Every rank has left the previous collective's second round: its waits are enqueued.
     for (const Event e : retired_) free_.push_back(e);
     retired_.clear();
+    const auto name = [](std::uintptr_t o) { return std::string(reinterpret_cast<const char*>(o)); };
+    for (std::size_t j = 1; j < n; ++j)
+      if (all[j].op != all[0].op)
+        throw comm_error("comm::SharedDevice: ranks called different device collectives at once (rank 0: " +
+                         name(all[0].op) + ", rank " + std::to_string(j) + ": " + name(all[j].op) + ")");
     for (std::size_t j = 1; j < n; ++j)
       if (all[j].bytes != all[0].bytes)
         throw comm_error(

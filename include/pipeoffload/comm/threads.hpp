@@ -238,7 +238,7 @@ class BasicThreads {
       if (all.size() != n * static_cast<std::size_t>(size()))
         throw comm_error("comm::Threads::all_gather: the output holds " + std::to_string(all.size()) +
                          " bytes; it must hold size() * mine.size() = " + std::to_string(n * size()));
-      t_.collective(ctx, *this, mine, [&](int j, const std::byte* theirs) {
+      t_.collective(ctx, *this, "all_gather", mine, [&](int j, const std::byte* theirs) {
         return std::pair{all.data() + static_cast<std::size_t>(j) * n, std::span<const std::byte>(theirs, n)};
       });
     } else {
@@ -255,7 +255,7 @@ class BasicThreads {
     check_all_to_all("comm::Threads::all_to_all", n, out.size(), d);
     const std::size_t block = n / d;
     if constexpr (Transport::device_memory) {
-      t_.collective(ctx, *this, in, [&](int j, const std::byte* theirs) {
+      t_.collective(ctx, *this, "all_to_all", in, [&](int j, const std::byte* theirs) {
         return std::pair{out.data() + static_cast<std::size_t>(j) * block,
                          std::span<const std::byte>(theirs + static_cast<std::size_t>(rank_) * block, block)};
       });
