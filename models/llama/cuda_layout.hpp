@@ -18,7 +18,7 @@ namespace pipeoffload::llama {
 
 /// One block's slice of the saved buffer for T = b*s tokens (f = ffn, kv = kv_width):
 ///   bf16 x, q (T, h) | k, v (T, kv) | att, x1 (T, h) | gate, up (T, f): 2T (4h + 2kv + 2f) bytes
-///   fp32 rstd (T, 2): the two norms' | lse (b, heads, s): 4T (2 + heads) bytes.
+///   fp32 rstd (2, T): attention's norm's, then the MLP's | lse (b, heads, s): 4T (2 + heads) bytes.
 /// q and k are saved rotated; the normalized inputs and silu(gate) * up are recomputed.
 struct LlamaBlockSaved {
   cuda::Region x, q, k, v, att, x1, gate, up, rstd, lse;

@@ -204,6 +204,33 @@ po::TransformerSpec cuda_gpt(int batch) {
           .recompute = true};
 }
 
+/// train_gpt's Llama at the size the CPU sweeps run (grouped-query attention, its own MLP width).
+po::TransformerSpec cpu_llama() {
+  return {.layers = 6,
+          .hidden = 32,
+          .heads = 4,
+          .query_groups = 2,
+          .seq = 16,
+          .micro_batch = 2,
+          .vocab = 256,
+          .ffn_hidden = 48,
+          .swiglu = true};
+}
+
+/// The CUDA Llama the CUDA sweeps compute (recomputing its norms and silu(gate) * up).
+po::TransformerSpec cuda_llama() {
+  return {.layers = 18,
+          .hidden = 512,
+          .heads = 8,
+          .query_groups = 2,
+          .seq = 256,
+          .micro_batch = 2,
+          .vocab = 256,
+          .ffn_hidden = 1376,
+          .swiglu = true,
+          .recompute = true};
+}
+
 std::string corpus() {
   std::string text;
   for (int i = 0; text.size() < 20000; ++i) text += "the quick brown fox " + std::to_string(i * 7919 % 1000) + ". ";
@@ -278,17 +305,8 @@ TEST_CASE(
     "the planner's CPU memory for a Llama-class model (swiglu, grouped-query attention, its own ffn width) is what "
     "train_gpt --model llama reserves for its command, to the byte, tied and untied") {
   Sweep s;
-  sweep_llama({.layers = 6,
-               .hidden = 32,
-               .heads = 4,
-               .query_groups = 2,
-               .seq = 16,
-               .micro_batch = 2,
-               .vocab = 256,
-               .ffn_hidden = 48,
-               .swiglu = true},
-              {.device_bytes = 64 * po::gib, .host_bytes = 64 * po::gib, .flops = 5e11}, po::PlanBackend::cpu, {2, 4},
-              corpus(), s);
+  sweep_llama(cpu_llama(), {.device_bytes = 64 * po::gib, .host_bytes = 64 * po::gib, .flops = 5e11},
+              po::PlanBackend::cpu, {2, 4}, corpus(), s);
   MESSAGE("CPU, Llama: " << s.configs << " configurations, largest difference " << s.worst);
   CHECK(s.configs >= 250);
   CHECK(s.worst == 0);
@@ -320,17 +338,8 @@ TEST_CASE(
     "the planner's CUDA memory for a Llama-class model is what train_gpt --model llama --backend cuda reserves for "
     "its command, to the byte: every family, offload on and off, v, d up to 8, dp, ZeRO-1, tied and untied") {
   Sweep s;
-  sweep_llama({.layers = 18,
-               .hidden = 512,
-               .heads = 8,
-               .query_groups = 2,
-               .seq = 256,
-               .micro_batch = 2,
-               .vocab = 256,
-               .ffn_hidden = 1376,
-               .swiglu = true,
-               .recompute = true},
-              {.device_bytes = 80 * po::gib, .flops = 2e11}, po::PlanBackend::cuda, {2, 4, 8}, corpus(), s);
+  sweep_llama(cuda_llama(), {.device_bytes = 80 * po::gib, .flops = 2e11}, po::PlanBackend::cuda, {2, 4, 8}, corpus(),
+              s);
   MESSAGE("CUDA, Llama: " << s.configs << " configurations, largest difference " << s.worst);
   CHECK(s.configs >= 800);
   CHECK(s.worst == 0);
@@ -390,26 +399,13 @@ TEST_CASE(
       sweep(big, {.ranks = d, .device_bytes = 80 * po::gib, .flops = 2e11}, {.gradients = gradients},
             {.dp = dp, .zero = zero}, text, s);
     }
-  const po::TransformerSpec llama{.layers = 6,
-                                  .hidden = 32,
-                                  .heads = 4,
-                                  .query_groups = 2,
-                                  .seq = 16,
-                                  .micro_batch = 2,
-                                  .vocab = 256,
-                                  .ffn_hidden = 48,
-                                  .swiglu = true,
-                                  .packed = true};
+  po::TransformerSpec llama = cpu_llama();
+  llama.packed = true;
   sweep_llama(llama, {.device_bytes = 64 * po::gib, .host_bytes = 64 * po::gib, .flops = 5e11}, po::PlanBackend::cpu,
               {2}, text, s);
-  po::TransformerSpec cuda_llama = llama;
-  cuda_llama.layers = 18;
-  cuda_llama.hidden = 512;
-  cuda_llama.heads = 8;
-  cuda_llama.seq = 256;
-  cuda_llama.ffn_hidden = 1376;
-  cuda_llama.recompute = true;
-  sweep_llama(cuda_llama, {.device_bytes = 80 * po::gib, .flops = 2e11}, po::PlanBackend::cuda, {2}, text, s);
+  po::TransformerSpec big_llama = cuda_llama();
+  big_llama.packed = true;
+  sweep_llama(big_llama, {.device_bytes = 80 * po::gib, .flops = 2e11}, po::PlanBackend::cuda, {2}, text, s);
   MESSAGE("packed: " << s.configs << " configurations, largest difference " << s.worst);
   CHECK(s.configs >= 1200);  // docs/memory.md says more than 1,200
   CHECK(s.worst == 0);
