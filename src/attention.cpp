@@ -290,8 +290,11 @@ std::size_t workspace_bytes(Graphs& graphs, Shape shape, bool separate) {
   return static_cast<std::size_t>(std::max(f, bw));
 }
 
-void require_workspace(Graphs& graphs, Shape shape, bool separate, std::size_t limit, const std::string& who) {
-  const std::size_t need = workspace_bytes(graphs, shape, separate);
+void require_workspace(Graphs& graphs, Shape shape, bool separate, std::size_t limit, const std::string& who,
+                       bool backward) {
+  const bool fused = !separate && kv_heads_of(shape) == shape.heads;
+  const std::size_t need = backward ? workspace_bytes(graphs, shape, separate)
+                                    : static_cast<std::size_t>(graphs.impl().get(false, shape, fused).workspace);
   if (need <= limit) return;
   throw cuda_error(
       who + ": cuDNN's attention needs a workspace of " + std::to_string(need) + " bytes for microbatches of " +

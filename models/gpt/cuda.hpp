@@ -143,15 +143,13 @@ class CudaGptStage {
   bool capturable() const { return !(dims_.packed && dims_.blocks > 0); }
 
   /// Before a call's passes (layer.hpp): cuDNN's graphs for the microbatch's shape built and
-  /// their workspace checked now rather than in a pass (a shape built before is a lookup);
-  /// packed, for its document count, its rows checked and counted on the host. A training
-  /// microbatch of seq 1, which cuDNN's backward refuses, is refused here, before any pass.
+  /// their workspace checked now rather than in a pass (a shape built before is a lookup; an
+  /// evaluation call's forward graph alone); packed, for its document count and length, its
+  /// rows checked and counted on the host. A training microbatch of seq 1, which cuDNN's
+  /// backward refuses, is refused here, before any pass.
   void prepare(const Microbatch& mb) {
     if (dims_.blocks == 0) return;
-    if (mb.shape.seq < 2) {
-      if (mb.training) throw shape_error(who("prepare") + ": " + cuda::attention::seq_one_refused);
-      return;
-    }
+    if (mb.shape.seq < 2 && mb.training) throw shape_error(who("prepare") + ": " + cuda::attention::seq_one_refused);
     if (dims_.packed) (void)packed_rows(mb, who("prepare"), docs_);
     const cuda::attention::Shape s{mb.shape.batch,
                                    static_cast<int>(dims_.heads),
@@ -160,7 +158,7 @@ class CudaGptStage {
                                    0,
                                    dims_.packed ? static_cast<int>(docs_.size()) : 0,
                                    dims_.packed ? cuda::packed_length(longest_document(docs_), mb.shape.seq) : 0};
-    require_attention(s, who("prepare"));
+    require_attention(s, who("prepare"), mb.training);
   }
 
   void forward(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
@@ -270,8 +268,9 @@ class CudaGptStage {
   }
 
   /// The attention graphs of `s` (the fused qkv layout) built and their workspace checked.
-  void require_attention(const cuda::attention::Shape& s, const std::string& by) const {
-    cuda::attention::require_workspace(dev_->attention_graphs(), s, false, dev_->options().workspace_bytes, by);
+  void require_attention(const cuda::attention::Shape& s, const std::string& by, bool backward = true) const {
+    cuda::attention::require_workspace(dev_->attention_graphs(), s, false, dev_->options().workspace_bytes, by,
+                                       backward);
   }
   std::string who(const char* pass) const {
     return std::string("gpt::CudaGptStage (blocks ") + std::to_string(dims_.first_block) + ".." +

@@ -123,22 +123,20 @@ class CudaLlamaStage {
   const LlamaDims& dims() const { return d_; }
 
   /// Before a call's passes (layer.hpp): cuDNN's graphs for the microbatch's shape built and
-  /// their workspace checked now rather than in a pass (a shape built before is a lookup);
-  /// packed, for its document count, its rows checked and counted on the host. A training
-  /// microbatch of seq 1, which cuDNN's backward refuses, is refused here, before any pass.
+  /// their workspace checked now rather than in a pass (a shape built before is a lookup; an
+  /// evaluation call's forward graph alone); packed, for its document count and length, its
+  /// rows checked and counted on the host. A training microbatch of seq 1, which cuDNN's
+  /// backward refuses, is refused here, before any pass.
   void prepare(const Microbatch& mb) {
     if (d_.blocks == 0) return;
-    if (mb.shape.seq < 2) {
-      if (mb.training) throw shape_error(who("prepare") + ": " + cuda::attention::seq_one_refused);
-      return;
-    }
+    if (mb.shape.seq < 2 && mb.training) throw shape_error(who("prepare") + ": " + cuda::attention::seq_one_refused);
     cuda::attention::Shape s = attention_shape(mb.shape);
     if (d_.packed) {
       (void)packed_rows(mb, who("prepare"), docs_);
       s.documents = static_cast<int>(docs_.size());
       s.length = cuda::packed_length(longest_document(docs_), mb.shape.seq);
     }
-    require_attention(s, who("prepare"));
+    require_attention(s, who("prepare"), mb.training);
   }
 
   void forward(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
@@ -225,8 +223,9 @@ class CudaLlamaStage {
             static_cast<int>(d_.kv_heads)};
   }
   /// The attention graphs of `s` (separate q, k, v) built and their workspace checked.
-  void require_attention(cuda::attention::Shape s, const std::string& by) const {
-    cuda::attention::require_workspace(dev_->attention_graphs(), s, true, dev_->options().workspace_bytes, by);
+  void require_attention(cuda::attention::Shape s, const std::string& by, bool backward = true) const {
+    cuda::attention::require_workspace(dev_->attention_graphs(), s, true, dev_->options().workspace_bytes, by,
+                                       backward);
   }
   std::string who(const char* pass) const {
     return std::string("llama::CudaLlamaStage (blocks ") + std::to_string(d_.first_block) + ".." +

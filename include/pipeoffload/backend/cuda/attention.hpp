@@ -89,10 +89,12 @@ inline constexpr const char* seq_one_refused =
 /// sentence.
 std::size_t workspace_bytes(Graphs& graphs, Shape shape, bool separate = false);
 
-/// workspace_bytes(graphs, shape, separate), checked against `limit` (the backend's
+/// workspace_bytes(graphs, shape, separate) (with `backward` false the forward graph's alone:
+/// an evaluation call builds and needs no backward), checked against `limit` (the backend's
 /// Options::workspace_bytes): throws cuda_error with `who`, the need, the shape (and its packed
 /// documents) and the limit when the need is larger.
-void require_workspace(Graphs& graphs, Shape shape, bool separate, std::size_t limit, const std::string& who);
+void require_workspace(Graphs& graphs, Shape shape, bool separate, std::size_t limit, const std::string& who,
+                       bool backward = true);
 
 /// The same need before any backend exists, to size backend::Cuda::Options::workspace_bytes:
 /// builds the graphs on a cuDNN handle of its own on `device` (the current device is restored)
