@@ -65,6 +65,11 @@ void common(fe::graph::Graph& g) {
 float scale_of(Shape s) { return 1.0f / std::sqrt(static_cast<float>(s.head_dim)); }
 
 int kv_heads_of(Shape s) { return s.kv_heads == 0 ? s.heads : s.kv_heads; }
+/// The graph's per-sequence length: a packed call's Shape::length (0: seq), else seq.
+int length_of(Shape s) { return s.documents > 0 && s.length > 0 ? s.length : s.seq; }
+/// Whether the call reads one fused qkv tensor: not asked for separate tensors, and as many
+/// key/value heads as query heads.
+bool fused_of(Shape s, bool separate) { return !separate && kv_heads_of(s) == s.heads; }
 
 /// The layout of a call: Q, K and V in one fused qkv tensor, or in three; packed (ragged, the
 /// documents as the batch) when shape.documents > 0.
@@ -83,7 +88,7 @@ SdpaLayout layout_of(Shape s, bool fused) {
     throw shape_error("cuda::attention: length = " + std::to_string(s.length) +
                       " is outside [0, seq = " + std::to_string(s.seq) + "] (a packed call's graph length; 0: seq)");
   const int b = s.documents > 0 ? s.documents : s.batch;
-  const int S = s.documents > 0 && s.length > 0 ? s.length : s.seq;
+  const int S = length_of(s);
   const SdpaLayout l =
       fused ? sdpa_layout(b, s.heads, S, s.head_dim) : sdpa_layout_separate(b, s.heads, kv_heads_of(s), S, s.head_dim);
   return s.documents > 0 ? ragged(l) : l;
@@ -262,10 +267,9 @@ struct Graphs::Impl {
       throw cuda_error(
           "cuda::attention: seq = " + std::to_string(s.seq) +
           " is outside the range the cuDNN frontend's SDPA backward supports ([2, ...)); train with seq >= 2");
-    s.length = s.documents == 0 ? 0 : s.length == 0 ? s.seq : s.length;  // one graph for 0 and seq
     std::lock_guard lk(mu);
-    const auto key =
-        std::make_tuple(backward, fused, s.batch, s.heads, kv_heads_of(s), s.seq, s.head_dim, s.documents, s.length);
+    const auto key = std::make_tuple(backward, fused, s.batch, s.heads, kv_heads_of(s), s.seq, s.head_dim, s.documents,
+                                     length_of(s));
     auto it = built.find(key);
     if (it == built.end())
       it = built
@@ -284,23 +288,29 @@ Graphs::~Graphs() = default;
 cudnnHandle_t Graphs::handle() const { return impl_->handle; }
 bool Graphs::deterministic() const { return impl_->deterministic; }
 
+namespace {
+/// Workspace the forward graph of `shape` needs, and with `backward` the larger of it and the
+/// backward graph's (building both).
+std::size_t need_of(Graphs& graphs, Shape shape, bool separate, bool backward) {
+  const bool fused = fused_of(shape, separate);
+  const auto f = graphs.impl().get(false, shape, fused).workspace;
+  return static_cast<std::size_t>(backward ? std::max(f, graphs.impl().get(true, shape, fused).workspace) : f);
+}
+}  // namespace
+
 std::size_t workspace_bytes(Graphs& graphs, Shape shape, bool separate) {
-  const bool fused = !separate && kv_heads_of(shape) == shape.heads;
-  const auto f = graphs.impl().get(false, shape, fused).workspace, bw = graphs.impl().get(true, shape, fused).workspace;
-  return static_cast<std::size_t>(std::max(f, bw));
+  return need_of(graphs, shape, separate, true);
 }
 
 void require_workspace(Graphs& graphs, Shape shape, bool separate, std::size_t limit, const std::string& who,
                        bool backward) {
-  const bool fused = !separate && kv_heads_of(shape) == shape.heads;
-  const std::size_t need = backward ? workspace_bytes(graphs, shape, separate)
-                                    : static_cast<std::size_t>(graphs.impl().get(false, shape, fused).workspace);
+  const std::size_t need = need_of(graphs, shape, separate, backward);
   if (need <= limit) return;
   throw cuda_error(
       who + ": cuDNN's attention needs a workspace of " + std::to_string(need) + " bytes for microbatches of " +
       std::to_string(shape.batch) + " x " + std::to_string(shape.seq) + " tokens" +
       (shape.documents > 0 ? " in " + std::to_string(shape.documents) + " packed documents (graph length " +
-                                 std::to_string(shape.length > 0 ? shape.length : shape.seq) + ")"
+                                 std::to_string(length_of(shape)) + ")"
                            : "") +
       "; backend::Cuda::Options::workspace_bytes = " + std::to_string(limit) + " is below it");
 }

@@ -101,8 +101,7 @@ class CudaGptStage {
       // Packed, the graphs of one document a row too: the fewest documents a call can hold.
       // cuDNN's deterministic backward needs more workspace the more documents (docs/packing.md),
       // so prepare() builds and checks each count's before the call's passes.
-      cuda::attention::Shape s{max_shape.batch, static_cast<int>(dims_.heads), max_shape.seq,
-                               static_cast<int>(dims_.hidden / dims_.heads)};
+      cuda::attention::Shape s = attention_shape(max_shape);
       require_attention(s, "gpt::CudaGptStage");
       s.documents = s.batch;
       if (dims_.packed) require_attention(s, "gpt::CudaGptStage");
@@ -150,14 +149,12 @@ class CudaGptStage {
   void prepare(const Microbatch& mb) {
     if (dims_.blocks == 0) return;
     if (mb.shape.seq < 2 && mb.training) throw shape_error(who("prepare") + ": " + cuda::attention::seq_one_refused);
-    if (dims_.packed) (void)packed_rows(mb, who("prepare"), docs_);
-    const cuda::attention::Shape s{mb.shape.batch,
-                                   static_cast<int>(dims_.heads),
-                                   mb.shape.seq,
-                                   static_cast<int>(dims_.hidden / dims_.heads),
-                                   0,
-                                   dims_.packed ? static_cast<int>(docs_.size()) : 0,
-                                   dims_.packed ? cuda::packed_length(longest_document(docs_), mb.shape.seq) : 0};
+    cuda::attention::Shape s = attention_shape(mb.shape);
+    if (dims_.packed) {
+      (void)packed_rows(mb, who("prepare"), docs_);
+      s.documents = static_cast<int>(docs_.size());
+      s.length = cuda::packed_length(longest_document(docs_), mb.shape.seq);
+    }
     require_attention(s, who("prepare"), mb.training);
   }
 
@@ -267,6 +264,10 @@ class CudaGptStage {
     return at<T>(scratch_.as<std::byte>(), r);
   }
 
+  /// The attention shape of an unpacked microbatch of shape `sh` (as many key/value heads as heads).
+  cuda::attention::Shape attention_shape(MicrobatchShape sh) const {
+    return {sh.batch, static_cast<int>(dims_.heads), sh.seq, static_cast<int>(dims_.hidden / dims_.heads)};
+  }
   /// The attention graphs of `s` (the fused qkv layout) built and their workspace checked.
   void require_attention(const cuda::attention::Shape& s, const std::string& by, bool backward = true) const {
     cuda::attention::require_workspace(dev_->attention_graphs(), s, false, dev_->options().workspace_bytes, by,
@@ -338,8 +339,7 @@ class CudaGptStage {
     if (p.buf.saved_bytes > 0 && !aligned(saved)) throw error(who(pass) + ": saved" + align);
     if (needs_stash && p.buf.stash_bytes > 0 && !aligned(stash)) throw error(who(pass) + ": stash" + align);
     p.ws = gpt_workspace(dims_, p.T);
-    p.att = cuda::attention::Shape{sh.batch, static_cast<int>(dims_.heads), sh.seq,
-                                   static_cast<int>(dims_.hidden / dims_.heads)};
+    p.att = attention_shape(sh);
     return p;
   }
 
