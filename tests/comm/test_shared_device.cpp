@@ -4,12 +4,14 @@
 // last record made before it), copies with random delays. Checked: data arrive intact while
 // both sides reuse their buffers at once; a sender's stream waits for the receiver's copy and a
 // receiver's for the sender's data (deterministically, behind closed gates); the collectives;
-// tags, sizes and abort as comm::Threads'; the event pool stays small; and po::Runtime trains
+// tags, sizes and abort as comm::Threads'; no rank destroys an event or frees memory a peer is
+// still enqueuing on, leaving or unwinding; the event pool stays small; and po::Runtime trains
 // under every family on the CPU with it, bit-identical to comm::Threads. A communicator is
 // declared before the streams it posts to, so the streams finish their tasks (which touch its
 // events) before it destroys them.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -94,13 +96,75 @@ struct StreamContext {
   HostStream* stream = nullptr;
 };
 
-/// The device calls on HostStreams, with a random delay before every copy.
+/// What the teardown tests watch: events destroyed (kept, not deleted, so that a late call on
+/// one is counted rather than undefined), memory a rank has freed, and every call that used
+/// either after the fact.
+struct Teardown {
+  std::mutex mu;
+  std::vector<HostEvent*> dead;
+  std::vector<std::span<const std::byte>> freed;
+  int misuse = 0;
+  void check_event(HostEvent* e) {
+    std::lock_guard lk(mu);
+    if (std::find(dead.begin(), dead.end(), e) != dead.end()) ++misuse;
+  }
+  void check_memory(const std::byte* p) {
+    std::lock_guard lk(mu);
+    for (const auto& f : freed)
+      if (p >= f.data() && p < f.data() + f.size()) ++misuse;
+  }
+  void free(std::span<const std::byte> m) {
+    std::lock_guard lk(mu);
+    freed.push_back(m);
+  }
+  // The "device": every stream of the test, which synchronize() drains, as backend::Cuda's
+  // destructor synchronizes the device before it frees its memory.
+  std::mutex streams_mu;
+  std::vector<HostStream*> streams;
+  void synchronize() {
+    std::lock_guard lk(streams_mu);
+    for (HostStream* st : streams) st->drain();
+  }
+  /// A rank's stream, on the device from construction to destruction.
+  struct Attached {
+    Teardown& t;
+    HostStream* st;
+    Attached(Teardown& td, HostStream& s) : t(td), st(&s) {
+      std::lock_guard lk(t.streams_mu);
+      t.streams.push_back(st);
+    }
+    ~Attached() {
+      std::lock_guard lk(t.streams_mu);
+      t.streams.erase(std::find(t.streams.begin(), t.streams.end(), st));
+    }
+  };
+  /// A rank's memory: freed (after the device synchronizes) when it goes.
+  struct Frees {
+    Teardown& t;
+    std::span<const std::byte> m;
+    ~Frees() {
+      t.synchronize();
+      t.free(m);
+    }
+  };
+  ~Teardown() {
+    for (HostEvent* e : dead) delete e;
+  }
+};
+
+/// The device calls on HostStreams, with a random delay before every copy. With `teardown`,
+/// destroyed events are kept and every call is checked against it; `slow_us` delays each wait
+/// call itself (a rank's thread slow between a round and its enqueues); `fail_copy` makes each
+/// copy call throw.
 struct HostStreams {
   using Context = StreamContext;
   using Event = HostEvent*;
   std::atomic<int>* live = nullptr;  // events alive, across every transport of a test
   unsigned seed = 1;
   std::mt19937 rng{seed};
+  Teardown* teardown = nullptr;
+  int slow_us = 0;
+  bool fail_copy = false;
 
   Event create() {
     if (live) ++*live;
@@ -108,9 +172,15 @@ struct HostStreams {
   }
   void destroy(Event e) {
     if (live) --*live;
+    if (teardown) {
+      std::lock_guard lk(teardown->mu);
+      teardown->dead.push_back(e);
+      return;
+    }
     delete e;
   }
   void record(const Context& c, Event e) {
+    if (teardown) teardown->check_event(e);
     std::uint64_t g = 0;
     {
       std::lock_guard lk(e->mu);
@@ -123,6 +193,8 @@ struct HostStreams {
     });
   }
   void wait(const Context& c, Event e) {
+    if (slow_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(slow_us));
+    if (teardown) teardown->check_event(e);
     std::uint64_t g = 0;
     {
       std::lock_guard lk(e->mu);
@@ -134,6 +206,8 @@ struct HostStreams {
     });
   }
   void copy(const Context& c, std::byte* dst, const std::byte* src, std::size_t n) {
+    if (fail_copy) throw po::error("the copy failed");
+    if (teardown) teardown->check_memory(src);
     const int us = static_cast<int>(rng() % 40);
     c.stream->enqueue([=] {
       std::this_thread::sleep_for(std::chrono::microseconds(us));
@@ -340,6 +414,47 @@ TEST_CASE("shared device: all_to_all and all_gather on the streams, inputs rewri
     CHECK(traffic[static_cast<std::size_t>(r)].all_to_all == rounds * (dp - 1) * block);
     CHECK(traffic[static_cast<std::size_t>(r)].all_gather == rounds * (dp - 1) * block);
   }
+}
+
+TEST_CASE("shared device: no rank destroys events or frees memory a peer is still enqueuing on") {
+  // Each rank's memory is declared before its handle (as a backend is) and marked freed once
+  // the handle has gone and every stream has drained (backend::Cuda synchronizes the device
+  // before it frees); rank 0's thread is slow between each round and its enqueues.
+  Teardown t;
+  const std::size_t block = 64;
+  SUBCASE("a collective's end: the fast rank leaves while the slow one still waits on its event") {
+    po::comm::ThreadsWorld world(2);
+    const auto errors = po::run_thread_ranks(world, [&](int r) {
+      HostStream stream;
+      const Teardown::Attached on_device(t, stream);
+      std::vector<std::byte> mine(block, std::byte{1}), all(2 * block);
+      const Teardown::Frees frees{t, mine};
+      Shared comm(world, r,
+                  po::comm::DeviceCopy<HostStreams>(HostStreams{.teardown = &t, .slow_us = r == 0 ? 30000 : 0}));
+      comm.all_gather(StreamContext{&stream}, std::span<const std::byte>(mine), std::span(all));
+      stream.drain();
+    });
+    for (const auto& e : errors) CHECK(e == "");
+  }
+  SUBCASE("the abort path: a rank that throws mid-collective unwinds while the slow one still copies from it") {
+    po::comm::ThreadsWorld world(2);
+    const auto errors = po::run_thread_ranks(world, [&](int r) {
+      HostStream stream;
+      const Teardown::Attached on_device(t, stream);
+      std::vector<std::byte> mine(block, std::byte{1}), all(2 * block);
+      const Teardown::Frees frees{t, mine};
+      Shared comm(world, r,
+                  po::comm::DeviceCopy<HostStreams>(
+                      HostStreams{.teardown = &t, .slow_us = r == 0 ? 30000 : 0, .fail_copy = r == 1}));
+      const std::string e =
+          error_of([&] { comm.all_gather(StreamContext{&stream}, std::span<const std::byte>(mine), std::span(all)); });
+      stream.drain();
+      if (!e.empty()) throw po::error(e);
+    });
+    CHECK(errors[1] == "the copy failed");
+    CHECK(errors[0] == "aborted: rank 1 failed: the copy failed");
+  }
+  CHECK(t.misuse == 0);
 }
 
 TEST_CASE("shared device: tags, sizes and abort as comm::Threads") {

@@ -428,38 +428,46 @@ TEST_CASE("comm::SharedGpu: ranks sharing one GPU pass tagged messages on their 
     return;
   }
   // Two ranks on GPU 0, each with its own arena and comm stream: rank 0's block reaches rank 1's
-  // through a device copy ordered by events; a wrong tag is refused at the receive.
+  // through a device copy ordered by events, while each rewrites its buffer on its stream right
+  // after the call returns (the sender for its next message, the receiver scribbling on what it
+  // read): only the events keep the copy between the two; a wrong tag is refused at the receive.
   po::comm::ThreadsWorld world(2);
-  const std::size_t n = 1 << 16, bytes = n * sizeof(float);
+  const std::size_t bytes = std::size_t{1} << 20;
   const std::size_t arena = po::backend::Cuda::Options{}.workspace_bytes + bytes + 4096;
-  std::vector<float> got(n, 0.0f);
+  const int messages = 4;
+  std::vector<std::vector<unsigned char>> seen(messages, std::vector<unsigned char>(bytes, 0));  // rank 1's reads
   const std::vector<std::string> errors = po::run_thread_ranks(world, [&](int r) {
     po::backend::Cuda dev({.device = 0, .rank = r, .arena_bytes = arena});
     po::comm::SharedGpu comm(po::comm::Threads(world, r), po::comm::DeviceCopy<po::comm::CudaStreams>{});
     const int cs = dev.make_stream("comm");
     po::backend::Block b = dev.device_alloc(bytes, po::backend::Memory::message);
-    std::vector<float> mine(n);
-    for (std::size_t i = 0; i < n; ++i) mine[i] = static_cast<float>(r * 1000000 + static_cast<int>(i));
-    PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(b.ptr, mine.data(), bytes, cudaMemcpyHostToDevice));
     const std::span<std::byte> data(b.ptr, bytes);
     const po::backend::CudaContext ctx = dev.context(cs);
-    for (int k = 0; k < 3; ++k) {  // the same buffers again: the events order each reuse
-      if (r == 0)
+    for (int k = 0; k < messages; ++k) {
+      if (r == 0) {
+        PIPEOFFLOAD_CUDA_CHECK(cudaMemsetAsync(b.ptr, k + 1, bytes, ctx.cuda_stream));  // message k, on the stream
         comm.send(ctx, 1, {1, k, po::Dir::forward}, data);
-      else
+        PIPEOFFLOAD_CUDA_CHECK(cudaMemsetAsync(b.ptr, 0xee, bytes, ctx.cuda_stream));  // rewritten at once
+      } else {
         comm.recv(ctx, 0, {1, k, po::Dir::forward}, data);
+        PIPEOFFLOAD_CUDA_CHECK(cudaMemcpyAsync(seen[static_cast<std::size_t>(k)].data(), b.ptr, bytes,
+                                               cudaMemcpyDeviceToHost, ctx.cuda_stream));
+        PIPEOFFLOAD_CUDA_CHECK(cudaMemsetAsync(b.ptr, 0xdd, bytes, ctx.cuda_stream));  // scribbled on at once
+      }
     }
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(ctx.cuda_stream));
-    if (r == 1) PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(got.data(), b.ptr, bytes, cudaMemcpyDeviceToHost));
     if (r == 0)
-      comm.send(ctx, 1, {1, 3, po::Dir::forward}, data);
+      comm.send(ctx, 1, {1, messages, po::Dir::forward}, data);
     else
-      comm.recv(ctx, 0, {1, 4, po::Dir::forward}, data);
+      comm.recv(ctx, 0, {1, messages + 1, po::Dir::forward}, data);
   });
-  for (std::size_t i = 0; i < n; ++i) CHECK(got[i] == static_cast<float>(i));
-  CHECK(errors[1] == "comm::Threads: rank 1 expected (forward, stage 1, mb 4) of " + std::to_string(bytes) +
-                         " bytes from rank 0 but received (forward, stage 1, mb 3) of " + std::to_string(bytes) +
-                         " bytes");
+  for (int k = 0; k < messages; ++k) {
+    const std::vector<unsigned char>& v = seen[static_cast<std::size_t>(k)];
+    CHECK(std::count(v.begin(), v.end(), static_cast<unsigned char>(k + 1)) == static_cast<long>(bytes));
+  }
+  CHECK(errors[1] == "comm::Threads: rank 1 expected (forward, stage 1, mb " + std::to_string(messages + 1) + ") of " +
+                         std::to_string(bytes) + " bytes from rank 0 but received (forward, stage 1, mb " +
+                         std::to_string(messages) + ") of " + std::to_string(bytes) + " bytes");
   CHECK(errors[0].rfind("aborted: ", 0) == 0);  // rank 1's failure ended rank 0's send
 }
 

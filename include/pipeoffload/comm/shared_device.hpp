@@ -106,30 +106,34 @@ class DeviceCopy {
     const Event ready = next_event();
     s_.record(ctx, ready);
     const Posted own{word(mine.data()), mine.size(), word(ready), word(op)};
-    c.all_gather(std::span<const Posted>(&own, 1), std::span<Posted>(all));
-    // Every rank has left the previous collective's second round: its waits are enqueued.
-    for (const Event e : retired_) free_.push_back(e);
-    retired_.clear();
-    const auto name = [](std::uintptr_t o) { return std::string(reinterpret_cast<const char*>(o)); };
-    for (std::size_t j = 1; j < n; ++j)
-      if (all[j].op != all[0].op)
-        throw comm_error("comm::SharedDevice: ranks called different device collectives at once (rank 0: " +
-                         name(all[0].op) + ", rank " + std::to_string(j) + ": " + name(all[j].op) + ")");
-    for (std::size_t j = 1; j < n; ++j)
-      if (all[j].bytes != all[0].bytes)
-        throw comm_error(
-            "comm::SharedDevice: ranks passed buffers of different sizes to a device collective (rank 0: " +
-            std::to_string(all[0].bytes) + " bytes, rank " + std::to_string(j) + ": " + std::to_string(all[j].bytes) +
-            " bytes)");
-    for (std::size_t j = 0; j < n; ++j) {
-      s_.wait(ctx, event(all[j].event));
-      const auto [dst, src] = place(static_cast<int>(j), reinterpret_cast<const std::byte*>(all[j].data));
-      if (!src.empty()) s_.copy(ctx, dst, src.data(), src.size());
+    {
+      // Until `first` goes, no rank destroys the events or frees the memory this round tells of
+      // (BasicThreads::gather_to_enqueue), even if the world is aborted meanwhile.
+      const auto first = c.gather_to_enqueue(std::span<const Posted>(&own, 1), std::span<Posted>(all));
+      // Every rank has left the previous collective's second round: its waits are enqueued.
+      for (const Event e : retired_) free_.push_back(e);
+      retired_.clear();
+      const auto name = [](std::uintptr_t o) { return std::string(reinterpret_cast<const char*>(o)); };
+      for (std::size_t j = 1; j < n; ++j)
+        if (all[j].op != all[0].op)
+          throw comm_error("comm::SharedDevice: ranks called different device collectives at once (rank 0: " +
+                           name(all[0].op) + ", rank " + std::to_string(j) + ": " + name(all[j].op) + ")");
+      for (std::size_t j = 1; j < n; ++j)
+        if (all[j].bytes != all[0].bytes)
+          throw comm_error(
+              "comm::SharedDevice: ranks passed buffers of different sizes to a device collective (rank 0: " +
+              std::to_string(all[0].bytes) + " bytes, rank " + std::to_string(j) + ": " + std::to_string(all[j].bytes) +
+              " bytes)");
+      for (std::size_t j = 0; j < n; ++j) {
+        s_.wait(ctx, event(all[j].event));
+        const auto [dst, src] = place(static_cast<int>(j), reinterpret_cast<const std::byte*>(all[j].data));
+        if (!src.empty()) s_.copy(ctx, dst, src.data(), src.size());
+      }
     }
     const Event done = next_event();
     s_.record(ctx, done);
     const Posted fin{0, 0, word(done)};
-    c.all_gather(std::span<const Posted>(&fin, 1), std::span<Posted>(all));
+    const auto second = c.gather_to_enqueue(std::span<const Posted>(&fin, 1), std::span<Posted>(all));
     for (std::size_t j = 0; j < n; ++j)
       if (j != static_cast<std::size_t>(c.rank())) s_.wait(ctx, event(all[j].event));
     retired_ = {ready, done};

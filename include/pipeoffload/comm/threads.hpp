@@ -145,6 +145,9 @@ class ThreadsWorld {
   std::vector<std::byte> published_;  // every rank's bytes, in rank order
   int arrived_ = 0;
   unsigned long long round_ = 0;
+  // Ranks of a device transport's collective between a round and the end of the stream work
+  // they enqueue on the other ranks' events and memory (BasicThreads::gather_to_enqueue).
+  int enqueuing_ = 0;
 };
 
 /// One rank's handle on a ThreadsWorld, moving bytes with `Transport` (the file comment):
@@ -161,6 +164,21 @@ class BasicThreads {
   /// The rank of `host` (a ThreadsGrid's handle, say) in its world, with transport `t`.
   template <class Other>
   BasicThreads(const BasicThreads<Other>& host, Transport t) : BasicThreads(*host.w_, host.rank_, std::move(t)) {}
+  BasicThreads(const BasicThreads&) = default;             ///< another handle on the same rank
+  BasicThreads& operator=(const BasicThreads&) = default;  ///< another handle on the same rank
+  BasicThreads(BasicThreads&&) = default;                  ///< takes `o`'s transport
+  BasicThreads& operator=(BasicThreads&&) = default;       ///< takes `o`'s transport
+  /// With a device transport, first waits until no rank of the world is still enqueuing stream
+  /// work on this rank's events and memory (gather_to_enqueue): then the transport destroys its
+  /// events, and the backend, declared before the handle, frees its memory after it. A bounded
+  /// wait (the work between a round and its end only enqueues), whatever the other ranks do next
+  /// and whether or not the world was aborted; a rank that never started holds no one up.
+  ~BasicThreads() {
+    if constexpr (Transport::device_memory) {
+      std::unique_lock lk(w_->mu_);
+      w_->cv_.wait(lk, [&] { return w_->enqueuing_ == 0; });
+    }
+  }
   /// This handle's rank.
   int rank() const { return rank_; }
   /// Ranks in the world.
@@ -229,6 +247,48 @@ class BasicThreads {
     if (!all.empty()) std::memcpy(all.data(), w_->published_.data(), all.size_bytes());
   }
 
+  /// Counts its rank as enqueuing stream work on the other ranks' events and memory until it
+  /// goes (gather_to_enqueue); the handles' destructors wait for none to be.
+  class Enqueuing {
+   public:
+    Enqueuing() = default;
+    Enqueuing(const Enqueuing&) = delete;
+    Enqueuing& operator=(const Enqueuing&) = delete;
+    /// Takes `o`'s count (o counts nothing).
+    Enqueuing(Enqueuing&& o) noexcept : w_(std::exchange(o.w_, nullptr)) {}
+    Enqueuing& operator=(Enqueuing&&) = delete;
+    ~Enqueuing() {
+      if (w_ == nullptr) return;
+      std::lock_guard lk(w_->mu_);
+      if (--w_->enqueuing_ == 0) w_->cv_.notify_all();
+    }
+
+   private:
+    friend class BasicThreads;
+    ThreadsWorld* w_ = nullptr;
+  };
+
+  /// all_gather for a device transport's collective (DeviceCopy::collective), whose ranks then
+  /// enqueue waits on the events and copies from the memory the round told them of: every rank
+  /// of the round counts as enqueuing from the moment the round completes until its returned
+  /// Enqueuing goes, so that no rank destroys those events or frees that memory meanwhile
+  /// (~BasicThreads), on the abort path too.
+  template <class T>
+  [[nodiscard]] Enqueuing gather_to_enqueue(std::span<const T> mine, std::span<T> all) {
+    static_assert(std::is_trivially_copyable_v<T>,
+                  "comm::Threads::gather_to_enqueue: T must be trivially copyable; values travel as bytes.");
+    if (all.size() != mine.size() * static_cast<std::size_t>(size()))
+      throw comm_error("comm::Threads::gather_to_enqueue: the output holds " + std::to_string(all.size()) +
+                       " values; it must hold size() * mine.size() = " +
+                       std::to_string(mine.size() * static_cast<std::size_t>(size())));
+    Enqueuing counted;  // declared before the lock: released after it, should anything throw
+    std::unique_lock lk(w_->mu_);
+    join_round(lk, ThreadsWorld::Op::all_gather, std::as_bytes(mine), mine.size(), sizeof(T), true);
+    counted.w_ = w_;
+    if (!all.empty()) std::memcpy(all.data(), w_->published_.data(), all.size_bytes());
+    return counted;
+  }
+
   /// all_gather of bytes in the backend's memory, from a stream whose context is given
   /// (HostCopy: the calling thread copies, so the context is ignored; comm/communicator.hpp).
   template <class Context>
@@ -293,11 +353,11 @@ class BasicThreads {
 
   /// Joins the world's collective round with `bytes` (`count` values of `value_bytes` each) and
   /// returns, with the lock held, once every rank has joined and published_ holds every rank's
-  /// bytes in rank order. Ranks that joined with another op, count or value size all fail: the
+  /// bytes in rank order (`enqueue_after`: every rank of the round then counts as enqueuing). Ranks that joined with another op, count or value size all fail: the
   /// last to arrive throws comm_error naming rank 0 and one that differs, and aborts the others
   /// with that text (after releasing the lock: the abort takes each world's lock in turn).
   void join_round(std::unique_lock<std::mutex>& lk, ThreadsWorld::Op op, std::span<const std::byte> bytes,
-                  std::size_t count, std::size_t value_bytes) {
+                  std::size_t count, std::size_t value_bytes, bool enqueue_after = false) {
     if (w_->aborted()) w_->throw_aborted();
     ThreadsWorld::Contribution& own = w_->gathered_[static_cast<std::size_t>(rank_)];
     own.bytes.assign(bytes.begin(), bytes.end());
@@ -317,6 +377,7 @@ class BasicThreads {
       for (const ThreadsWorld::Contribution& g : w_->gathered_)
         w_->published_.insert(w_->published_.end(), g.bytes.begin(), g.bytes.end());
       w_->arrived_ = 0;
+      if (enqueue_after) w_->enqueuing_ += size();  // every rank of the round, until its Enqueuing goes
       ++w_->round_;
       w_->cv_.notify_all();
     } else {
