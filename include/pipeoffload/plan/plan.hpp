@@ -711,6 +711,9 @@ constexpr PlanResult plan_grid(const TransformerSpec& m, const MachineSpec& x, c
     for (PlanCandidate& c : res.candidates)
       if (!nearest || detail::closer(c, *nearest)) nearest = &c;
     if (!nearest->lowered) lower_candidate(*nearest, layout_for(*nearest), m, x, program);
+    // Its estimate (stand-in message buffers) was above what its lowered program reserves,
+    // which fits: a plan that fits, as a candidate that fits by its estimate would be.
+    if (nearest->fits) best = nearest;
   }
   res.fits = best != nullptr;
   res.choice = best ? *best : *nearest;
