@@ -541,17 +541,24 @@ class CudaGptStage {
     const bf16* x = at<bf16>(hp, p.buf.head.x);
     float* stats = at<float>(hp, p.buf.head.stats);
     bf16* a = scratch<bf16>(p.ws.ln);
-    float* logits = scratch<float>(p.ws.logits);  // (T, V) fp32, then the loss gradient in place
+    float* logits = scratch<float>(p.ws.logits);  // (rows, V) fp32, then the loss gradient in place
     float* losses = scratch<float>(p.ws.losses);
+    bf16* dlogits = at<bf16>(hp, p.buf.head.dlogits);
     ops::layernorm_forward(ctx, x, head_weight(params_.lnfg), head_weight(params_.lnfb), a, stats, p.T, h());
-    // fp32 logits with the bias (its fp32 copy) in cuBLASLt's epilogue (or after the GEMM where
-    // it has none).
-    if (!cuda::gemm_bias(ctx, cuda::linear_forward(p.T, dims_.hidden, dims_.vocab), a, head_weight(params_.head_w),
-                         logits, cuda::Out::f32, head_bias_.as<float>()))
-      ops::add_bias(ctx, logits, head_bias_.as<float>(), p.T, V());
-    // As models/gpt/cpu.hpp: the loss gradient is computed with the loss, scaled by loss_scale / T.
-    ops::cross_entropy(ctx, logits, targets, losses, logits, p.T, V(), mb.loss_scale / static_cast<float>(p.T));
-    cuda::kernels::to_bf16(logits, at<bf16>(hp, p.buf.head.dlogits), p.T * dims_.vocab, p.s);
+    // A block of cuda::logits_rows rows at a time (the scratch holds one block): fp32 logits with
+    // the bias (its fp32 copy) in cuBLASLt's epilogue (or after the GEMM where it has none), the
+    // loss and its gradient in place (as models/gpt/cpu.hpp, scaled by loss_scale / T), saved in
+    // bf16 for B and W.
+    const long long block = cuda::logits_rows(p.T, V());
+    for (long long r = 0; r < p.T; r += block) {
+      const long long rows = std::min(block, p.T - r);
+      if (!cuda::gemm_bias(ctx, cuda::linear_forward(rows, dims_.hidden, dims_.vocab), a + r * dims_.hidden,
+                           head_weight(params_.head_w), logits, cuda::Out::f32, head_bias_.as<float>()))
+        ops::add_bias(ctx, logits, head_bias_.as<float>(), rows, V());
+      ops::cross_entropy(ctx, logits, targets + r, losses + r, logits, rows, V(),
+                         mb.loss_scale / static_cast<float>(p.T));
+      cuda::kernels::to_bf16(logits, dlogits + r * dims_.vocab, rows * dims_.vocab, p.s);
+    }
     ops::mean(ctx, losses, mb.loss, p.T);
   }
 

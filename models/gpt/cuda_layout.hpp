@@ -155,7 +155,7 @@ inline std::vector<SavedPart> gpt_cuda_saved_parts(const gpt::GptDims& d, long l
 ///   (F and W with recompute) | io (T, h): the stage's bf16 output before to_float (F), the
 ///   gradient flowing down (B) | packed rows: int32 positions (T) on the embedding's stage and
 ///   the documents' table (cuda::document_table_bytes(T)) on a stage with blocks | fp32 logits
-///   (T, V) and per-row losses (T) on the last stage.
+///   of a block of rows (cuda::logits_rows(T, V), V) and per-row losses (T) on the last stage.
 struct GptWorkspace {
   Region ln, proj, gelu, io, positions, documents, logits, losses;
   std::size_t bytes = 0;
@@ -181,7 +181,7 @@ constexpr GptWorkspace gpt_workspace(const gpt::GptDims& d, long long tokens) {
   w.io = c.take(T * h * 2);
   w.positions = c.take(d.packed && d.embeds ? T * 4 : 0);
   w.documents = c.take(d.packed && d.blocks > 0 ? cuda::document_table_bytes(tokens) : 0);
-  w.logits = c.take(d.has_head ? T * V * 4 : 0);
+  w.logits = c.take(d.has_head ? static_cast<std::size_t>(cuda::logits_rows(tokens, d.vocab)) * V * 4 : 0);
   w.losses = c.take(d.has_head ? T * 4 : 0);
   w.bytes = c.total();
   return w;

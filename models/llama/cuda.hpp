@@ -478,15 +478,24 @@ class CudaLlamaStage {
     const bf16* norm = work() + p_.head_begin;
     const bf16* W = norm + p_.head_w;
     bf16* a = scratch<bf16>(p.ws.a);
-    float* logits = scratch<float>(p.ws.logits);
+    float* logits = scratch<float>(p.ws.logits);  // (rows, V) fp32, then the loss gradient in place
     float* losses = scratch<float>(p.ws.losses);
+    bf16* dlogits = at<bf16>(hp, p.buf.head.dlogits);
     ops::rmsnorm_forward(ctx, x, norm, a, rstd, T, h(), c_.norm_eps);
-    if (d_.tied)
-      cuda::gemm(ctx, {cuda::Op::n, cuda::Op::t, T, V(), H, H, H, V(), 1.0f, 0.0f}, a, W, logits, Out::f32);
-    else
-      cuda::gemm(ctx, cuda::linear_forward(T, H, V()), a, W, logits, Out::f32);
-    ops::cross_entropy(ctx, logits, targets, losses, logits, T, V(), mb.loss_scale / static_cast<float>(T));
-    cuda::kernels::to_bf16(logits, at<bf16>(hp, p.buf.head.dlogits), T * V(), ctx.cuda_stream);
+    // A block of cuda::logits_rows rows at a time (the scratch holds one block): the logits, the
+    // loss and its gradient in place (scaled by loss_scale / T), saved in bf16 for B and W.
+    const long long block = cuda::logits_rows(T, V());
+    for (long long r = 0; r < T; r += block) {
+      const long long rows = std::min(block, T - r);
+      if (d_.tied)
+        cuda::gemm(ctx, {cuda::Op::n, cuda::Op::t, rows, V(), H, H, H, V(), 1.0f, 0.0f}, a + r * H, W, logits,
+                   Out::f32);
+      else
+        cuda::gemm(ctx, cuda::linear_forward(rows, H, V()), a + r * H, W, logits, Out::f32);
+      ops::cross_entropy(ctx, logits, targets + r, losses + r, logits, rows, V(),
+                         mb.loss_scale / static_cast<float>(T));
+      cuda::kernels::to_bf16(logits, dlogits + r * V(), rows * V(), ctx.cuda_stream);
+    }
     ops::mean(ctx, losses, mb.loss, T);
   }
 

@@ -61,8 +61,8 @@ struct LlamaStageBuffers {
 /// pass to the next: bf16 a (T, h) a normalized input | tmp (T, max(h, f)) a projection's
 /// output, silu(gate) * up, its gradient | datt (T, h) | io, io2 (T, h) the stage's bf16 output
 /// and the gradient flowing down | int32 positions (T) | packed rows' document table
-/// (cuda::document_table_bytes(T), on a packed stage with blocks) | fp32 logits (T, V) and
-/// losses (T) on the last stage.
+/// (cuda::document_table_bytes(T), on a packed stage with blocks) | fp32 logits of a block of
+/// rows (cuda::logits_rows(T, V), V) and losses (T) on the last stage.
 struct LlamaWorkspace {
   cuda::Region a, tmp, datt, io, io2, positions, documents, logits, losses;
   std::size_t bytes = 0;
@@ -147,7 +147,7 @@ constexpr LlamaWorkspace llama_cuda_workspace(const LlamaDims& d, long long toke
   w.io2 = c.take(T * h * 2);
   w.positions = c.take(T * 4);
   w.documents = c.take(d.packed && d.blocks > 0 ? cuda::document_table_bytes(tokens) : 0);
-  w.logits = c.take(d.has_head ? T * V * 4 : 0);
+  w.logits = c.take(d.has_head ? static_cast<std::size_t>(cuda::logits_rows(tokens, d.vocab)) * V * 4 : 0);
   w.losses = c.take(d.has_head ? T * 4 : 0);
   w.bytes = c.total();
   return w;

@@ -378,21 +378,20 @@ po::gpt::GptConfig test_config(int layers, bool recompute) {
 }
 
 /// Runs stage `stage` of `stages` on both backends and compares (`training` false: the
-/// forwards alone, without dropout).
-void check_stage(const po::gpt::GptConfig& c, int stage, int stages, bool training = true) {
+/// forwards alone, without dropout) on microbatches of `shape`.
+void check_stage(const po::gpt::GptConfig& c, int stage, int stages, bool training = true,
+                 po::MicrobatchShape shape = {2, 32}, std::size_t arena = std::size_t{512} << 20) {
   CAPTURE(stage);
   CAPTURE(stages);
   CAPTURE(c.recompute);
   CAPTURE(c.packed);
   CAPTURE(training);
-  const po::MicrobatchShape shape{2, 32};
   po::gpt::GptStage cpu(c, stage, stages);
   const pm::BlockRange r = pm::gpt_blocks_of_stage(c.layers, stage, stages);
   const pm::GptDims d{c.vocab,    c.hidden, c.heads, c.seq, r.first, r.count, stage == 0, stage == stages - 1,
                       c.recompute};
   draw_parameters(cpu.parameters(), d, 100 + static_cast<unsigned>(stage));
-  po::backend::Cuda dev(
-      {.arena_bytes = std::size_t{512} << 20});  // the cuBLASLt + cuDNN workspace (256 MiB) lives here
+  po::backend::Cuda dev({.arena_bytes = arena});  // the cuBLASLt + cuDNN workspace (256 MiB) lives here
   const int s = dev.make_stream("compute");
   pm::CudaGptStage gpu(dev, c, stage, stages, shape, cpu.parameters());
   CHECK(gpu.norm_groups() == cpu.norm_groups());
@@ -701,15 +700,15 @@ po::llama::LlamaConfig llama_config(int layers) {
   return c;
 }
 
-void check_llama_stage(const po::llama::LlamaConfig& c, int stage, int stages) {
+void check_llama_stage(const po::llama::LlamaConfig& c, int stage, int stages, po::MicrobatchShape shape = {2, 32},
+                       std::size_t arena = std::size_t{512} << 20) {
   CAPTURE(stage);
   CAPTURE(stages);
   CAPTURE(c.tie_embeddings);
   CAPTURE(c.packed);
-  const po::MicrobatchShape shape{2, 32};
   po::llama::LlamaStage cpu(c, stage, stages);
   draw_llama(cpu.parameters(), cpu.parameter_info(), c.hidden, 200 + static_cast<unsigned>(stage));
-  po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
+  po::backend::Cuda dev({.arena_bytes = arena});
   const int s = dev.make_stream("compute");
   po::llama::CudaLlamaStage gpu(dev, c, stage, stages, shape, cpu.parameters());
   CHECK(gpu.norm_groups() == cpu.norm_groups());
@@ -821,6 +820,25 @@ TEST_CASE("llama::CudaLlamaStage matches llama::LlamaStage as one stage holding 
   check_llama_stage(c, 0, 1);
   c.tie_embeddings = true;
   check_llama_stage(c, 0, 1);
+}
+
+// A vocabulary wide enough that the head's fp32 logits come in blocks of 64 rows
+// (cuda::logits_rows): 160 tokens run as 64 + 64 + 32, the last block partial.
+constexpr int wide_vocab = 600000;
+constexpr po::MicrobatchShape wide_shape{2, 80};
+static_assert(po::cuda::logits_rows(2 * 80, wide_vocab) == 64);
+
+TEST_CASE("the CUDA heads run their logits in blocks of rows (a 600k vocabulary) and match the CPU stages") {
+  po::gpt::GptConfig g = test_config(1, true);
+  g.vocab = wide_vocab;
+  g.seq = 80;
+  check_stage(g, 1, 2, true, wide_shape, std::size_t{3} << 30);  // the head's stage
+  po::llama::LlamaConfig c = llama_config(1);
+  c.vocab = wide_vocab;
+  c.seq = 80;
+  check_llama_stage(c, 0, 1, wide_shape, std::size_t{3} << 30);  // embedding, a block and the head
+  c.tie_embeddings = true;
+  check_llama_stage(c, 0, 1, wide_shape, std::size_t{3} << 30);
 }
 
 TEST_CASE(

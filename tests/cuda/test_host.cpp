@@ -636,6 +636,27 @@ TEST_CASE("the CUDA GPT stage's saved, stash and scratch regions are aligned, di
   CHECK_THROWS_AS(pm::gpt_workspace(pm::GptDims{10, 64, 4, 8, 0, 1, false, false, true}, 0), po::shape_error);
 }
 
+TEST_CASE("the LM head's logits block: rows of 64 within 256 MiB, at least 64, at most the microbatch") {
+  // The heads compute their fp32 logits a block of logits_rows rows at a time.
+  CHECK(pc::logits_rows(4096, 50304) == 1280);  // GPT-2's vocabulary: 1280 x 50304 x 4 = 245.6 MiB
+  CHECK(pc::logits_rows(4096, 128256) == 512);  // Llama 3's: 512 x 128256 x 4 = 250.5 MiB, not 2 GiB
+  CHECK(pc::logits_rows(100, 256) == 100);      // the tests' models: the whole microbatch at once
+  CHECK(pc::logits_rows(4096, 1 << 24) == 64);  // a vocabulary too wide for 64 rows in the budget: 64
+  for (const long long V : {1LL, 255LL, 50257LL, 65536LL, 128256LL, 262144LL, 1LL << 22})
+    for (const long long T : {1LL, 63LL, 64LL, 1000LL, 8192LL}) {
+      CAPTURE(V);
+      CAPTURE(T);
+      const long long r = pc::logits_rows(T, V);
+      CHECK(r >= 1);
+      CHECK(r <= T);
+      CHECK((r == T || r % 64 == 0));
+      CHECK((r <= 64 || static_cast<std::size_t>(r) * static_cast<std::size_t>(V) * 4 <= pc::logits_block_bytes));
+      CHECK((r == T || static_cast<std::size_t>(r + 64) * static_cast<std::size_t>(V) * 4 > pc::logits_block_bytes));
+    }
+  CHECK_THROWS_WITH(pc::logits_rows(0, 10), "cuda::logits_rows: tokens = 0 and vocab = 10 must both be >= 1");
+  CHECK_THROWS_WITH(pc::logits_rows(10, 0), "cuda::logits_rows: tokens = 10 and vocab = 0 must both be >= 1");
+}
+
 TEST_CASE("packed attention's layout: the documents as the batch, token-major statistics, and the table's bytes") {
   const pc::SdpaLayout l = pc::ragged(pc::sdpa_layout_separate(5, 8, 2, 128, 64));
   CHECK(l.dims[0] == 5);

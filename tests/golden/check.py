@@ -73,7 +73,8 @@ AUTO = ["--auto", "--layers", "16", "--hidden", "1024", "--heads", "16", "--quer
         "--micro-batch", "1", "--global-batch", "16", "--vocab", "32000", "--ranks", "4", "--host-mem-gib", "64",
         "--tflops", "100", "--pcie-gbps", "60"]
 PLAN_AUTO = {
-    "auto-po-h": [*AUTO, "--device-mem-gib", "4.0"],
+    "auto-po-f": [*AUTO, "--device-mem-gib", "4.0"],
+    "auto-pinned-po-h-lowered": [*AUTO, "--device-mem-gib", "3.6", "--schedule", "po-h"],
     "auto-po-offload": [*AUTO, "--device-mem-gib", "3.8", "--format", "json"],
     "auto-pinned-zb-v": [*AUTO, "--device-mem-gib", "5.5", "--schedule", "zb-v"],
     "auto-dualpipe-v": [*AUTO, "--device-mem-gib", "4.7", "--format", "json"],
@@ -83,7 +84,7 @@ PLAN_AUTO = {
     "auto-recompute": ["--auto", "--layers", "8", "--hidden", "1024", "--heads", "16", "--query-groups", "16", "--seq", "1024",
                        "--micro-batch", "1", "--global-batch", "16", "--vocab", "32000", "--ranks", "4", "--device-mem-gib", "16",
                        "--host-mem-gib", "0.01", "--tflops", "100", "--pcie-gbps", "20", "--recompute", "--pcie-switch", "none"],
-    "auto-nothing-fits": [*AUTO, "--device-mem-gib", "3.6"],
+    "auto-nothing-fits": [*AUTO, "--device-mem-gib", "3.4"],
     "auto-nothing-fits-json": [*AUTO, "--device-mem-gib", "0.5", "--recompute", "--format", "json"],
 }
 # Bad arguments: exit 2 and one line on standard error; the order of the checks is part of

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../error.hpp"
+#include "../memory/scratch.hpp"
 #include "../memory/state.hpp"
 #include "../policy/host_bins.hpp"
 #include "../schedule/program.hpp"
@@ -581,27 +582,27 @@ constexpr double stage_norm_buffer_bytes(const TransformerSpec& m, const StageCo
 }
 
 /// Device bytes of a stage's own scratch, allocated once for the run (no region of it lives
-/// from one pass to the next), and on the head's stage the fp32 logits (T x V) and per-token
-/// losses (T) besides. gpt::CudaGptStage's gpt_workspace: three T x h tensors (a norm output, a
-/// projection output, the stage's output or the gradient flowing down) and the MLP's
-/// recomputed activation (T x f) with recompute. llama::CudaLlamaStage's llama_cuda_workspace
-/// (swiglu): four T x h tensors (a normalized input, the attention's gradient, the stage's
-/// output and the gradient flowing down), one T x max(h, f) (a projection's output, silu(gate)
-/// * up and its gradient) and the tokens' int32 RoPE positions. A rank holds one per stage.
-/// Packed (TransformerSpec::packed), a stage with blocks also holds the documents' table
-/// (cuda::document_table_bytes(T): int32 lengths, then four int64 offset arrays of T + 1, each
-/// at a multiple of 16 bytes) and the GPT's embedding stage the documents' int32 positions (T). Each region starts
-/// at a multiple of 256 bytes (cuda::region_alignment), so each counts rounded up to one.
+/// from one pass to the next), and on the head's stage one block of fp32 logits
+/// (cuda::logits_rows(T, V) x V: the head runs its logits a block of rows at a time) and the
+/// per-token losses (T) besides. gpt::CudaGptStage's gpt_workspace: three T x h tensors (a
+/// norm output, a projection output, the stage's output or the gradient flowing down) and the
+/// MLP's recomputed activation (T x f) with recompute. llama::CudaLlamaStage's
+/// llama_cuda_workspace (swiglu): four T x h tensors (a normalized input, the attention's
+/// gradient, the stage's output and the gradient flowing down), one T x max(h, f) (a
+/// projection's output, silu(gate) * up and its gradient) and the tokens' int32 RoPE
+/// positions. A rank holds one per stage. Packed (TransformerSpec::packed), a stage with
+/// blocks also holds the documents' table (cuda::document_table_bytes(T)) and the GPT's
+/// embedding stage the documents' int32 positions (T). Each region starts at a multiple of 256
+/// bytes (cuda::region_alignment), so each counts rounded up to one.
 constexpr double stage_scratch_bytes(const TransformerSpec& m, const StageContent& c) {
   const auto region = [](double bytes) {
     return static_cast<double>((static_cast<std::uint64_t>(bytes) + 255) / 256 * 256);
   };
   const double T = static_cast<double>(m.micro_batch) * m.seq, e = m.dtype_bytes, h = m.hidden;
-  const double head = c.head ? region(4 * T * m.vocab) + region(4 * T) : 0.0;
-  const auto T64 = static_cast<std::uint64_t>(T);
-  const auto align16 = [](std::uint64_t n) { return (n + 15) / 16 * 16; };
-  const double table =
-      m.packed && c.layers > 0 ? region(static_cast<double>(align16(4 * T64) + 4 * align16(8 * (T64 + 1)))) : 0.0;
+  const auto tokens = static_cast<long long>(m.micro_batch) * m.seq;
+  const double head =
+      c.head ? region(4.0 * static_cast<double>(cuda::logits_rows(tokens, m.vocab)) * m.vocab) + region(4 * T) : 0.0;
+  const double table = m.packed && c.layers > 0 ? region(static_cast<double>(cuda::document_table_bytes(tokens))) : 0.0;
   if (m.swiglu) return region(e * T * h) * 4 + region(e * T * std::max(h, ffn_width(m))) + region(4 * T) + table + head;
   const double positions = m.packed && c.embedding ? region(4 * T) : 0.0;
   return 3 * region(bsh(m) * e) + (m.recompute ? region(T * ffn_width(m) * e) : 0.0) + positions + table + head;

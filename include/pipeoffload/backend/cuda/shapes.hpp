@@ -21,6 +21,7 @@
 
 #include "../../detail/host_device.hpp"
 #include "../../error.hpp"
+#include "../../memory/scratch.hpp"
 #include "../../tensor.hpp"
 #include "../update.hpp"
 
@@ -560,31 +561,6 @@ constexpr int packed_length(int longest, int seq) {
   while (s < longest) s *= 2;
   return static_cast<int>(std::min<long long>(s, seq));
 }
-
-/// Where a packed microbatch's document table (ops::document_table) lies in its memory, for
-/// microbatches of up to `tokens` tokens (at most one document a token): int32 lengths, then
-/// four int64 offset arrays of tokens + 1 (q, k and v, the output, the statistics), each at a
-/// multiple of 16 bytes: cuDNN's frontend declares every tensor, ragged offsets included,
-/// 16-byte aligned.
-struct DocumentTableLayout {
-  std::size_t offsets[4] = {};  ///< byte offset of each int64 array (the lengths start at 0)
-  std::size_t bytes = 0;        ///< the table's bytes
-};
-/// The DocumentTableLayout of a table for microbatches of up to `tokens` tokens.
-constexpr DocumentTableLayout document_table_layout(long long tokens) {
-  const std::size_t T = tokens > 0 ? static_cast<std::size_t>(tokens) : 0;
-  const auto align16 = [](std::size_t n) { return (n + 15) / 16 * 16; };
-  DocumentTableLayout l;
-  std::size_t at = align16(T * 4);
-  for (std::size_t& o : l.offsets) {
-    o = at;
-    at += align16((T + 1) * 8);
-  }
-  l.bytes = at;
-  return l;
-}
-/// document_table_layout(tokens).bytes.
-constexpr std::size_t document_table_bytes(long long tokens) { return document_table_layout(tokens).bytes; }
 
 // ---- regions of a buffer ------------------------------------------------------------------
 
