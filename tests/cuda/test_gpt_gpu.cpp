@@ -581,9 +581,11 @@ namespace {
 
 /// Losses of `steps` training steps of a 4-block GPT cut into 2 stages held by one rank
 /// (d = 1, v = 2, m = 4) under PO with every activation offloaded, on `Backend` with `Stage`:
-/// the visible training step (zero_grad, forward_backward, grad_norm, clip, AdamW).
+/// the visible training step (zero_grad, forward_backward, grad_norm, clip, AdamW); `memory`,
+/// if given, receives each step's PassStats::memory.
 template <class Stage, class Backend, class MakeStage>
-std::vector<float> train(Backend& dev, MakeStage make, int steps, bool graphs = false) {
+std::vector<float> train(Backend& dev, MakeStage make, int steps, bool graphs = false,
+                         std::vector<po::backend::MemoryStats>* memory = nullptr) {
   const po::Shape shape{1, 2, 4};
   const po::MicrobatchShape mbs{2, 16};
   const po::Program program =
@@ -610,7 +612,9 @@ std::vector<float> train(Backend& dev, MakeStage make, int steps, bool graphs = 
   for (int s = 0; s < steps; ++s) {
     const long long waits = dev.host_waits();
     rt.zero_grad();
-    losses.push_back(rt.forward_backward(batch, {.step = s}).loss);
+    const po::PassStats st = rt.forward_backward(batch, {.step = s});
+    losses.push_back(st.loss);
+    if (memory != nullptr) memory->push_back(st.memory);
     opt.step(lr(s), po::clip_scale(po::grad_norm(rt), 1.0f));
     // The host waits where it reads: the step's end and its one readback (the norm's sums
     // behind it); the two input uploads (through the pinned staging), zero_grad, the norm and
@@ -654,16 +658,23 @@ TEST_CASE("po::Runtime replays captured steps on a GPU (CUDA graphs) bit for bit
   c.seq = 16;
   c.dropout = 0.1f;     // the masks follow the step only through Microbatch::device_step
   const int steps = 5;  // step 0 runs, step 1 is captured, steps 2 to 4 are replayed
-  const auto run = [&](bool graphs) {
+  std::vector<po::backend::MemoryStats> eager_memory, graphed_memory;
+  const auto run = [&](bool graphs, std::vector<po::backend::MemoryStats>& memory) {
     po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
     return train<pm::CudaGptStage>(
-        dev, [&](int s, int S, po::MicrobatchShape mbs) { return pm::CudaGptStage(dev, c, s, S, mbs); }, steps, graphs);
+        dev, [&](int s, int S, po::MicrobatchShape mbs) { return pm::CudaGptStage(dev, c, s, S, mbs); }, steps, graphs,
+        &memory);
   };
-  const std::vector<float> eager = run(false), graphed = run(true);
+  const std::vector<float> eager = run(false, eager_memory), graphed = run(true, graphed_memory);
   for (int s = 0; s < steps; ++s) {
     const std::size_t i = static_cast<std::size_t>(s);
     MESSAGE("step " << s << ": loss " << eager[i] << " run, " << graphed[i] << " replayed");
     CHECK(std::memcmp(&eager[i], &graphed[i], sizeof(float)) == 0);
+    // A replay takes no buffer itself: it reports its captured call's memory, the run's.
+    for (const po::backend::Memory k :
+         {po::backend::Memory::activation, po::backend::Memory::stash, po::backend::Memory::message})
+      CHECK(graphed_memory[i].peak_of(k) == eager_memory[i].peak_of(k));
+    CHECK(graphed_memory[i].host_peak == eager_memory[i].host_peak);
   }
 }
 

@@ -42,7 +42,8 @@ struct Run {
   std::vector<std::vector<float>> by_stage;
   std::vector<std::vector<float>> grads;  // every stage's gradients after the last step's pass (before the update)
   std::vector<std::string> errors;
-  std::vector<int> sent;  // shared-parameter messages each pipeline rank of replica 0 sent
+  std::vector<int> sent;                         // shared-parameter messages each pipeline rank of replica 0 sent
+  std::vector<po::backend::MemoryStats> memory;  // global rank 0's PassStats::memory, a step (its last call)
 };
 
 template <class Config>
@@ -119,7 +120,10 @@ Run train(po::ScheduleSpec spec, po::Shape asked, int steps, const RunOptions<Co
           run.grads[static_cast<std::size_t>(shape.stage_of(r, c))] = rt.download_gradients(c);
       }
       opt.step(lr(s), po::clip_scale(po::grad_norm(rt), 0.5f));
-      if (g == 0) run.losses[static_cast<std::size_t>(s)] = st.loss;
+      if (g == 0) {
+        run.losses[static_cast<std::size_t>(s)] = st.loss;
+        run.memory.push_back(st.memory);
+      }
       if (s + 1 == o.save_after) po::save_checkpoint(o.save_dir, rt, opt, {42, 1, s + 1});
     }
     if (j != 0) return;

@@ -48,6 +48,33 @@ TEST_CASE("graphs: replayed training calls are bit-identical to run ones under e
   }
 }
 
+// A replay reports its captured call's memory (a CUDA graph's replay takes no buffer on the
+// host; tests/cuda/test_gpt_gpu.cpp checks it there). backend::Cpu's replay runs the launches
+// again, so here the figures hold either way: the property, kept for both backends.
+TEST_CASE("graphs: a replayed call reports the memory its captured call took, as a run call does") {
+  for (const char* family : {"po-f", "zb-v"}) {
+    CAPTURE(family);
+    const auto [spec, shape] = pipeline_test::family(family);
+    pipeline_test::RunOptions<GptConfig> o{.cfg = tiny};
+    const Run eager = pipeline_test::train<GptStage>(spec, shape, steps, o);
+    o.graphs = true;
+    const Run replayed = pipeline_test::train<GptStage>(spec, shape, steps, o);
+    REQUIRE(eager.memory.size() == static_cast<std::size_t>(steps));
+    REQUIRE(replayed.memory.size() == static_cast<std::size_t>(steps));
+    for (int s = 0; s < steps; ++s) {
+      CAPTURE(s);
+      const po::backend::MemoryStats &a = eager.memory[static_cast<std::size_t>(s)],
+                                     &b = replayed.memory[static_cast<std::size_t>(s)];
+      // (The state differs by the step's int32, which a captured run keeps on the device.)
+      CHECK(b.peak_of(po::backend::Memory::activation) > 0);
+      for (const po::backend::Memory k :
+           {po::backend::Memory::activation, po::backend::Memory::stash, po::backend::Memory::message})
+        CHECK(b.peak_of(k) == a.peak_of(k));
+      CHECK(b.host_peak == a.host_peak);
+    }
+  }
+}
+
 TEST_CASE("graphs: with replicas, ZeRO-1, accumulation and either gradient path, replays equal runs") {
   struct Case {
     po::Gradients gradients;
@@ -170,6 +197,37 @@ TEST_CASE("graphs: a stage that does not say it can be captured is refused, nami
         "po::Runtime: RuntimeOptions::graphs: the stage type test::TanhLayer does not say its passes can be captured "
         "(a member bool capturable() const returning true: the passes read the step from mb.device_step and make "
         "no host wait; layer.hpp)");
+}
+
+// backend::Cpu as a backend whose captures do not replay its communicators' calls (as
+// backend::Cuda's CUDA graphs): the runtime then captures one rank without replicas.
+struct GraphsCpu : po::backend::Cpu {
+  using po::backend::Cpu::Cpu;
+  static constexpr bool replays_launches = false;
+};
+static_assert(po::backend::captures_graphs<GraphsCpu>);
+
+TEST_CASE(
+    "graphs: on a backend that does not replay communicators, one rank of one replica is captured, more refused") {
+  const po::Program program = po::build(po::parse_schedule("po-f"), {1, 2, 4});
+  for (const int dp : {1, 2}) {
+    CAPTURE(dp);
+    po::comm::ThreadsGrid grid(dp, 1);
+    const auto errors = po::run_thread_ranks(grid, [&](int g) {
+      GraphsCpu dev({.rank = g});
+      po::comm::Threads comm = grid.pipeline(g), replicas = grid.replicas(g);
+      std::vector<GptStage> layers;
+      for (int c = 0; c < 2; ++c) layers.emplace_back(tiny, program.shape.stage_of(0, c), program.shape.stages());
+      po::Runtime rt(program, dev, comm, replicas, std::span<GptStage>(layers), {.microbatch = {2, 8}, .graphs = true});
+    });
+    // A replicas communicator of one rank (as train_gpt passes at --dp 1) is no replica.
+    if (dp == 1)
+      CHECK(errors[0] == "");
+    else
+      for (const std::string& e : errors)
+        CHECK(e.find("po::Runtime: RuntimeOptions::graphs on this backend captures one rank without replicas (d = 1, "
+                     "dp = 1); this run has d = 1 and dp = 2") != std::string::npos);
+  }
 }
 
 TEST_CASE("graphs: the runtime reserves one int32 more (the step), within the state's alignment") {

@@ -646,8 +646,9 @@ class Runtime<Backend, Communicator> {
   };
   struct Captured {
     typename GraphOf<Backend>::type graph{};
-    StepInfo info{};  // the call it was captured at: what a replay's passes see
-    int calls = 0;    // 0: none yet (the first runs as usual); 1: one (the next is captured); 2: captured
+    StepInfo info{};                // the call it was captured at: what a replay's passes see
+    int calls = 0;                  // 0: none yet (the first runs as usual); 1: one (the next is captured); 2: captured
+    backend::MemoryStats memory{};  // the captured call's: a replay takes no buffer and allocates nothing
   };
   // The step in progress, as the passes see it.
   struct Call {

@@ -92,11 +92,12 @@ void Runtime<Backend, Communicator>::construct() {
           throw error("po::Runtime: RuntimeOptions::graphs: the stage type " + st.name() +
                       " does not say its passes can be captured (a member bool capturable() const returning "
                       "true: the passes read the step from mb.device_step and make no host wait; layer.hpp)");
-      if (!Backend::replays_launches && (sh.d != 1 || replicas_ != nullptr))
+      // (A replicas communicator of one rank makes no call inside a step: no reduction to run.)
+      if (!Backend::replays_launches && (sh.d != 1 || dp_ != 1))
         throw error(
             "po::Runtime: RuntimeOptions::graphs on this backend captures one rank without replicas (d = 1, "
             "dp = 1); this run has d = " +
-            std::to_string(sh.d) + " and " + (replicas_ != nullptr ? "replicas" : "no replicas") +
+            std::to_string(sh.d) + " and dp = " + std::to_string(dp_) +
             " (the communicators keep host-side bookkeeping that a replay would not repeat)");
     }
   }

@@ -58,9 +58,9 @@ PassStats Runtime<Backend, Communicator>::run(const Plan& plan, const Batch& bat
   // A step's last call: the gradient norm's sums behind the step's work, read by its one wait
   // (po::grad_norm takes them from norm_sums() instead of waiting again).
   const bool norm = plan.training && info.part == info.parts - 1;
-  if constexpr (backend::updates_parameters<Backend>)
-    if (norm) enqueue_norm_sums();
   try {
+    if constexpr (backend::updates_parameters<Backend>)
+      if (norm) enqueue_norm_sums();
     dev_.synchronize();
   } catch (const std::exception& e) {
     comm_.abort(e.what());
@@ -70,6 +70,13 @@ PassStats Runtime<Backend, Communicator>::run(const Plan& plan, const Batch& bat
   PassStats st;
   st.seconds = dev_.now() - t0;
   st.memory = memory();
+  if (opt_.graphs && plan.training) {  // a replay reports its captured call's memory (it takes none itself)
+    Captured& c = captured_[{info.part, info.parts}];
+    if (replay)
+      st.memory = c.memory;
+    else if (c.calls == 2)
+      c.memory = st.memory;
+  }
   verdict(plan, st);
   if (plan.training) norm_ready_ = norm && backend::updates_parameters<Backend>;
   return st;
