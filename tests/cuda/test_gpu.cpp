@@ -94,6 +94,20 @@ TEST_CASE("AdamW, SGD and the non-finite check match the CPU updates") {
   CHECK(g.get(flag, 1)[0] == 1u);
 }
 
+TEST_CASE("backend::Cuda refuses more norm groups than its staging holds when the runtime reserves them") {
+  if (po::backend::device_count() < 1) {
+    MESSAGE("needs a GPU; skipped");
+    return;
+  }
+  // Refused at reservation (a Runtime's construction), not inside a step where a throw could
+  // leave queued results pointing into freed memory.
+  po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20, .max_norm_groups = 1});
+  const std::size_t groups[2] = {4, 4};
+  CHECK_THROWS_WITH(dev.reserve_sum_squares(groups),
+                    "backend::Cuda::reserve_sum_squares: 2 groups is outside the allowed range [0, 1] "
+                    "(Options::max_norm_groups, the size of its pinned staging)");
+}
+
 TEST_CASE("backend::Cuda::sum_squares gives cuda::sum_squares_reference's bits, all groups in one launch") {
   // Sizes around the chunk (4096) and block (256) edges, an empty group, a large one, and the
   // same call twice (the cached group table) and with other groups (a new table).

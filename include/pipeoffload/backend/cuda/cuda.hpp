@@ -679,10 +679,7 @@ class Cuda : public detail::Failure<Cuda> {
   void sum_squares(std::span<const float> values, std::span<const std::size_t> groups, std::span<double> out) {
     detail::require_groups("backend::Cuda::sum_squares", values.size(), groups, out.size());
     if (groups.empty()) return;
-    if (groups.size() > opt_.max_norm_groups)
-      throw error("backend::Cuda::sum_squares: " + std::to_string(groups.size()) +
-                  " groups is outside the allowed range [0, " + std::to_string(opt_.max_norm_groups) +
-                  "] (Options::max_norm_groups, the size of its pinned staging)");
+    check_norm_groups("backend::Cuda::sum_squares", groups.size());
     select();
     const cuda::NormPlan plan = cuda::sum_squares_plan(groups);
     const std::vector<long long> table = cuda::norm_table(plan, groups);
@@ -713,6 +710,8 @@ class Cuda : public detail::Failure<Cuda> {
   /// Makes sum_squares' device block large enough for `groups` now (see sum_squares; the
   /// runtime calls it for each chunk's norm groups at construction). It only grows.
   void reserve_sum_squares(std::span<const std::size_t> groups) {
+    // Refused here, when the runtime reserves, rather than inside a step.
+    check_norm_groups("backend::Cuda::reserve_sum_squares", groups.size());
     // Whole size classes: a need that its block's class holds takes no new block.
     const std::size_t need = round_up(cuda::norm_buffer_bytes(groups));
     if (norms_.bytes >= need) return;
@@ -898,6 +897,13 @@ class Cuda : public detail::Failure<Cuda> {
   /// The norm's part of the pinned staging (po::cuda_staging_bytes), rounded up to 256 bytes:
   /// the uploads' part after it starts aligned (and so does every staged upload, stage_upload).
   std::size_t norm_staging_bytes() const { return cuda_staging_bytes(opt_.max_norm_groups, 0); }
+  /// Throws when one call's `groups` exceed Options::max_norm_groups (its staging's size).
+  void check_norm_groups(const char* who, std::size_t groups) const {
+    if (groups > opt_.max_norm_groups)
+      throw error(std::string(who) + ": " + std::to_string(groups) + " groups is outside the allowed range [0, " +
+                  std::to_string(opt_.max_norm_groups) +
+                  "] (Options::max_norm_groups, the size of its pinned staging)");
+  }
 
   struct Poll {
     int id = 0;
