@@ -532,7 +532,7 @@ po::backend::Cuda::Options cuda_options(const Options& o, const Setup& su, int d
         std::max(opt.workspace_bytes,
                  po::cuda::attention::workspace_bytes({mb.batch, o.model.heads, mb.seq, o.model.hidden / o.model.heads,
                                                        o.llama ? train_gpt::llama_config(o).kv_heads : 0},
-                                                      true, device));
+                                                      true, device, o.llama));  // the Llama: q, k, v apart
   // --k auto: the profiling program's first (train_rank resizes the slab for the rebuilt one).
   opt.arena_bytes = train_gpt::cuda_arena_bytes(
       o, su, o.k_auto ? train_gpt::probe_program(o, su.costs) : train_gpt::program_of(o, su.costs), r,

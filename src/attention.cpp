@@ -315,7 +315,7 @@ void require_workspace(Graphs& graphs, Shape shape, bool separate, std::size_t l
       "; backend::Cuda::Options::workspace_bytes = " + std::to_string(limit) + " is below it");
 }
 
-std::size_t workspace_bytes(Shape shape, bool deterministic, int device) {
+std::size_t workspace_bytes(Shape shape, bool deterministic, int device, bool separate) {
   // Restores the caller's device and destroys the handle, however this returns.
   struct Scope {
     int previous = 0;
@@ -329,7 +329,7 @@ std::size_t workspace_bytes(Shape shape, bool deterministic, int device) {
   PIPEOFFLOAD_CUDA_CHECK(cudaSetDevice(device));
   PIPEOFFLOAD_CUDA_CHECK(cudnnCreate(&scope.handle));
   Graphs graphs(scope.handle, deterministic);  // destroyed before the scope's handle
-  return workspace_bytes(graphs, shape);
+  return workspace_bytes(graphs, shape, separate);
 }
 
 void forward(Graphs& graphs, cudaStream_t stream, Shape s, const __nv_bfloat16* qkv, __nv_bfloat16* out, float* stats,

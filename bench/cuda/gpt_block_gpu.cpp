@@ -200,13 +200,13 @@ LlamaBlock llama_block(long long h, long long s, long long heads, long long kv_h
   po::backend::Cuda::Options opt;
   const pc::attention::Shape att{static_cast<int>(b), static_cast<int>(heads), static_cast<int>(s),
                                  static_cast<int>(h / heads), static_cast<int>(kv_heads)};
-  opt.workspace_bytes = std::max(opt.workspace_bytes, pc::attention::workspace_bytes(att));
+  opt.workspace_bytes = std::max(opt.workspace_bytes, pc::attention::workspace_bytes(att, true, 0, true));
   if (documents > 0) {
     pc::attention::Shape packed = att;
     packed.documents = static_cast<int>(b) * documents;
     // (the graphs' length: the longest document's, the last, rounded up as the stage rounds it)
     packed.length = pc::packed_length(static_cast<int>(s - (documents - 1) * (s / documents)), static_cast<int>(s));
-    opt.workspace_bytes = std::max(opt.workspace_bytes, pc::attention::workspace_bytes(packed));
+    opt.workspace_bytes = std::max(opt.workspace_bytes, pc::attention::workspace_bytes(packed, true, 0, true));
   }
   opt.arena_bytes = bufs.saved_bytes + bufs.stash_bytes + 16 * Th + opt.workspace_bytes + (std::size_t{512} << 20);
   po::backend::Cuda dev(opt);

@@ -98,10 +98,11 @@ void require_workspace(Graphs& graphs, Shape shape, bool separate, std::size_t l
 
 /// The same need before any backend exists, to size backend::Cuda::Options::workspace_bytes:
 /// builds the graphs on a cuDNN handle of its own on `device` (the current device is restored)
-/// and destroys them. The deterministic backward needs far more than the other at long
-/// sequences (1 GiB for 32 heads of 128 at 4096 tokens on an H100, where the 256 MiB default
-/// covers a few hundred tokens).
-std::size_t workspace_bytes(Shape shape, bool deterministic = true, int device = 0);
+/// and destroys them; `separate` as above (a stage that passes q, k and v apart, as
+/// llama::CudaLlamaStage does, sizes those graphs). The deterministic backward needs far more
+/// than the other at long sequences (1 GiB for 32 heads of 128 at 4096 tokens on an H100,
+/// where the 256 MiB default covers a few hundred tokens).
+std::size_t workspace_bytes(Shape shape, bool deterministic = true, int device = 0, bool separate = false);
 
 /// out = softmax(q k^T / sqrt(head_dim), causal) v; stats = the rows' log-sum-exps. With
 /// shape.documents > 0 the rows are packed and `docs` says where each document is (its q and
