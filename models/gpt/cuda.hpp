@@ -145,9 +145,13 @@ class CudaGptStage {
   /// their workspace checked now rather than in a pass (a shape built before is a lookup; an
   /// evaluation call's forward graph alone); packed, for its document count and length, its
   /// rows checked and counted on the host. A training microbatch of seq 1, which cuDNN's
-  /// backward refuses, is refused here, before any pass.
+  /// backward refuses, is refused here, before any pass. The embedding's stage without blocks
+  /// checks its packed rows here too: its passes may be a replayed graph's, which checks nothing.
   void prepare(const Microbatch& mb) {
-    if (dims_.blocks == 0) return;
+    if (dims_.blocks == 0) {
+      if (dims_.packed && dims_.embeds) (void)packed_rows(mb, who("prepare"), docs_);
+      return;
+    }
     if (mb.shape.seq < 2 && mb.training) throw shape_error(who("prepare") + ": " + cuda::attention::seq_one_refused);
     cuda::attention::Shape s = attention_shape(mb.shape);
     if (dims_.packed) {
