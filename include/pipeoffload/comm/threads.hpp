@@ -236,15 +236,7 @@ class BasicThreads {
   /// Every rank contributes mine.size() values of T; `all` receives them in rank order.
   template <class T>
   void all_gather(std::span<const T> mine, std::span<T> all) {
-    static_assert(std::is_trivially_copyable_v<T>,
-                  "comm::Threads::all_gather: T must be trivially copyable; values travel as bytes.");
-    const std::size_t n = mine.size(), d = static_cast<std::size_t>(size());
-    if (all.size() != n * d)
-      throw comm_error("comm::Threads::all_gather: the output holds " + std::to_string(all.size()) +
-                       " values; it must hold size() * mine.size() = " + std::to_string(n * d));
-    std::unique_lock lk(w_->mu_);
-    join_round(lk, ThreadsWorld::Op::all_gather, std::as_bytes(mine), n, sizeof(T));
-    if (!all.empty()) std::memcpy(all.data(), w_->published_.data(), all.size_bytes());
+    gather(mine, all, nullptr);
   }
 
   /// Counts its rank as enqueuing stream work on the other ranks' events and memory until it
@@ -275,17 +267,8 @@ class BasicThreads {
   /// (~BasicThreads), on the abort path too.
   template <class T>
   [[nodiscard]] Enqueuing gather_to_enqueue(std::span<const T> mine, std::span<T> all) {
-    static_assert(std::is_trivially_copyable_v<T>,
-                  "comm::Threads::gather_to_enqueue: T must be trivially copyable; values travel as bytes.");
-    if (all.size() != mine.size() * static_cast<std::size_t>(size()))
-      throw comm_error("comm::Threads::gather_to_enqueue: the output holds " + std::to_string(all.size()) +
-                       " values; it must hold size() * mine.size() = " +
-                       std::to_string(mine.size() * static_cast<std::size_t>(size())));
-    Enqueuing counted;  // declared before the lock: released after it, should anything throw
-    std::unique_lock lk(w_->mu_);
-    join_round(lk, ThreadsWorld::Op::all_gather, std::as_bytes(mine), mine.size(), sizeof(T), true);
-    counted.w_ = w_;
-    if (!all.empty()) std::memcpy(all.data(), w_->published_.data(), all.size_bytes());
+    Enqueuing counted;  // before gather's lock: released after it, should anything throw
+    gather(mine, all, &counted);
     return counted;
   }
 
@@ -346,6 +329,22 @@ class BasicThreads {
  private:
   template <class>
   friend class BasicThreads;
+
+  /// all_gather; with `counted`, every rank of the round counts as enqueuing once it completes
+  /// and `counted` holds this rank's count (gather_to_enqueue).
+  template <class T>
+  void gather(std::span<const T> mine, std::span<T> all, Enqueuing* counted) {
+    static_assert(std::is_trivially_copyable_v<T>,
+                  "comm::Threads::all_gather: T must be trivially copyable; values travel as bytes.");
+    const std::size_t n = mine.size(), d = static_cast<std::size_t>(size());
+    if (all.size() != n * d)
+      throw comm_error("comm::Threads::all_gather: the output holds " + std::to_string(all.size()) +
+                       " values; it must hold size() * mine.size() = " + std::to_string(n * d));
+    std::unique_lock lk(w_->mu_);
+    join_round(lk, ThreadsWorld::Op::all_gather, std::as_bytes(mine), n, sizeof(T), counted != nullptr);
+    if (counted != nullptr) counted->w_ = w_;
+    if (!all.empty()) std::memcpy(all.data(), w_->published_.data(), all.size_bytes());
+  }
 
   static const char* op_name(ThreadsWorld::Op op) {
     return op == ThreadsWorld::Op::all_gather ? "all_gather" : "all_to_all";
