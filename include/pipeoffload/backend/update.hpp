@@ -1,7 +1,10 @@
 // pipeoffload/backend/update.hpp: the per-element optimizer updates every backend runs.
 //
 // Plain functions over one parameter, compiled for the CPU backend's loops and for the CUDA
-// kernels (src/elementwise.cu), so the CPU tests cover what the GPU runs; and the runs
+// kernels (src/elementwise.cu), so the CPU tests cover what the GPU runs: every product is
+// rounded on its own (detail::mul, which nvcc never fuses into an FMA), so the GPU's values equal
+// the CPU's bit for bit where the host compiler does not contract either (x86-64 without FMA
+// code generation, this project's build; -ffp-contract=off elsewhere). And the runs
 // (Segment) one backend call updates together: a chunk's whole update is one call, one
 // launch on a GPU for up to cuda::segments_per_launch runs. The optimizers that build them
 // (po::AdamW, po::Sgd) are in runtime/optimizer.hpp.
@@ -15,6 +18,18 @@
 #include "../detail/host_device.hpp"
 
 namespace pipeoffload::update {
+
+namespace detail {
+/// a * b rounded to nearest: on the device __fmul_rn, which nvcc never contracts with an
+/// addition into an FMA (its default, -fmad=true, would: one rounding fewer than the CPU's).
+PIPEOFFLOAD_HOST_DEVICE inline float mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+}  // namespace detail
 
 /// AdamW's hyperparameters for one run of parameters (the learning rate comes per step).
 struct AdamWParams {
@@ -37,11 +52,12 @@ PIPEOFFLOAD_HOST_DEVICE inline AdamBias adam_bias(float beta1, float beta2, int 
 /// One AdamW update of one parameter (decoupled weight decay); `g` is already clipped.
 PIPEOFFLOAD_HOST_DEVICE inline void adamw(float& p, float g, float& m, float& v, const AdamWParams& o, float lr,
                                           AdamBias bc) {
-  m = o.beta1 * m + (1.0f - o.beta1) * g;
-  v = o.beta2 * v + (1.0f - o.beta2) * g * g;
+  using detail::mul;
+  m = mul(o.beta1, m) + mul(1.0f - o.beta1, g);
+  v = mul(o.beta2, v) + mul(mul(1.0f - o.beta2, g), g);
   const float mhat = m / bc.c1;
   const float vhat = v / bc.c2;
-  p -= lr * (mhat / (std::sqrt(vhat) + o.eps) + o.weight_decay * p);
+  p -= mul(lr, mhat / (std::sqrt(vhat) + o.eps) + mul(o.weight_decay, p));
 }
 
 /// SGD's hyperparameters for one run of parameters (PyTorch's torch.optim.SGD semantics).
@@ -55,12 +71,13 @@ struct SgdParams {
 /// One SGD update of one parameter: g += wd p; buf = first ? g : momentum buf + (1 - dampening) g;
 /// g = nesterov ? g + momentum buf : buf; p -= lr g. `first`: the buffer's first step.
 PIPEOFFLOAD_HOST_DEVICE inline void sgd(float& p, float g, float& buf, const SgdParams& o, float lr, bool first) {
-  if (o.weight_decay != 0.0f) g = g + o.weight_decay * p;
+  using detail::mul;
+  if (o.weight_decay != 0.0f) g = g + mul(o.weight_decay, p);
   if (o.momentum != 0.0f) {
-    buf = first ? g : o.momentum * buf + (1.0f - o.dampening) * g;
-    g = o.nesterov ? g + o.momentum * buf : buf;
+    buf = first ? g : mul(o.momentum, buf) + mul(1.0f - o.dampening, g);
+    g = o.nesterov ? g + mul(o.momentum, buf) : buf;
   }
-  p -= lr * g;
+  p -= mul(lr, g);
 }
 
 /// One run of parameters a multi-tensor update call updates with one learning rate and weight
@@ -96,14 +113,15 @@ struct SgdStep {
 /// Element i of segment s after one AdamW update (the value the working copy is rounded from).
 PIPEOFFLOAD_HOST_DEVICE inline float adamw_at(const Segment& s, std::size_t i, const AdamWStep& st) {
   const AdamWParams o{st.beta1, st.beta2, st.eps, s.weight_decay};
-  adamw(s.params[i], s.grads[i] * st.grad_scale, s.state0[i], s.state1[i], o, s.lr, st.bias);
+  adamw(s.params[i], detail::mul(s.grads[i], st.grad_scale), s.state0[i], s.state1[i], o, s.lr, st.bias);
   return s.params[i];
 }
 /// Element i of segment s after one SGD update (state0 is not touched without momentum).
 PIPEOFFLOAD_HOST_DEVICE inline float sgd_at(const Segment& s, std::size_t i, const SgdStep& st) {
   const SgdParams o{st.momentum, st.dampening, st.nesterov, s.weight_decay};
   float unused = 0;
-  sgd(s.params[i], s.grads[i] * st.grad_scale, s.state0 != nullptr ? s.state0[i] : unused, o, s.lr, st.first);
+  sgd(s.params[i], detail::mul(s.grads[i], st.grad_scale), s.state0 != nullptr ? s.state0[i] : unused, o, s.lr,
+      st.first);
   return s.params[i];
 }
 
