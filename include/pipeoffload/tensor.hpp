@@ -89,18 +89,19 @@ constexpr DType dtype_of() {
                   "po::dtype_of<T>: T must be float, double, std::int32_t, std::int64_t, std::uint8_t or std::int8_t.");
 }
 
-/// `x` rounded to bfloat16 (to nearest, ties to even; a NaN stays a quiet NaN): its 16 bits,
-/// as cuda_bf16.h's __float2bfloat16 rounds. Host code: the CPU backend's conversions.
+/// `x` rounded to bfloat16 (to nearest, ties to even; every NaN becomes the canonical 0x7fff):
+/// its 16 bits, as cuda_bf16.h's __float2bfloat16 gives them on the host and the GPU
+/// (cvt.rn.bf16.f32), so the CPU backend's conversions equal the CUDA kernels' bit for bit.
 constexpr std::uint16_t bf16_bits(float x) {
   const auto u = std::bit_cast<std::uint32_t>(x);
-  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu) != 0)
-    return static_cast<std::uint16_t>((u >> 16) | 0x0040u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;
   return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 /// The float a bfloat16's 16 bits hold (exact).
 constexpr float bf16_value(std::uint16_t bits) { return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16); }
 static_assert(bf16_bits(1.0f) == 0x3f80 && bf16_value(0x3f80) == 1.0f && bf16_bits(1.00390625f) == 0x3f80 &&
-              bf16_bits(1.01171875f) == 0x3f82);
+              bf16_bits(1.01171875f) == 0x3f82 && bf16_bits(std::bit_cast<float>(0xffc00001u)) == 0x7fff &&
+              bf16_bits(std::bit_cast<float>(0x7f800000u)) == 0x7f80);
 
 namespace detail {
 
