@@ -202,10 +202,11 @@ __global__ void __launch_bounds__(column_tile* column_lanes)
 }
 
 /// One block: each thread counts the documents of a run of rows, a block scan gives each run
-/// its first document, then each thread writes its rows' entries (po::row_document_table).
+/// its first document, then each thread writes its rows' entries (po::row_document_table); the
+/// last thread, whose count is then the total, pads the table to `slots` entries.
 constexpr int table_block = 256;
 __global__ void __launch_bounds__(table_block)
-    document_table_k(const std::int32_t* offsets, long long rows, int seq, DocumentTableView t) {
+    document_table_k(const std::int32_t* offsets, long long rows, int seq, long long slots, DocumentTableView t) {
   using Scan = cub::BlockScan<long long, table_block>;
   __shared__ Scan::TempStorage tmp;
   const long long per = (rows + table_block - 1) / table_block;
@@ -220,6 +221,7 @@ __global__ void __launch_bounds__(table_block)
     row_document_table(o, seq, r, first, t);
     first += row_documents(o, seq);
   }
+  if (threadIdx.x == table_block - 1) pad_document_table(first, slots, rows * seq, t);
 }
 
 }  // namespace
@@ -287,8 +289,10 @@ DeviceDocuments document_table(const CudaContext& ctx, const std::int32_t* offse
   auto* lengths = reinterpret_cast<std::int32_t*>(memory);
   const auto array = [&](int x) { return reinterpret_cast<std::int64_t*>(memory + at.offsets[x]); };
   DocumentTableView view{lengths, {array(0), array(1), array(2), array(3)}, {q, k, out, s.heads}};
-  PIPEOFFLOAD_LAUNCH(document_table_k, (cuda::Launch{1, table_block, 0}), ctx.cuda_stream, offsets, rows, seq, view);
-  return {count,
+  const int slots = cuda::document_slots(count, T);
+  PIPEOFFLOAD_LAUNCH(document_table_k, (cuda::Launch{1, table_block, 0}), ctx.cuda_stream, offsets, rows, seq,
+                     static_cast<long long>(slots), view);
+  return {slots,
           cuda::packed_length(longest, seq),
           {lengths, view.offsets[0], view.offsets[1], view.offsets[2], view.offsets[3]}};
 }

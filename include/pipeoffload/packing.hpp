@@ -177,4 +177,16 @@ PIPEOFFLOAD_HOST_DEVICE inline void row_document_table(const std::int32_t* o, in
   }
 }
 
+/// Writes entries [count, slots) of a table whose `count` documents fill `tokens` tokens: empty
+/// documents at the end (length 0, every offset the end's, as the last document's end entry):
+/// the padding up to the count a packed call's graph is built for (cuda::document_slots), which
+/// attention reads as documents with nothing to attend.
+PIPEOFFLOAD_HOST_DEVICE inline void pad_document_table(long long count, long long slots, long long tokens,
+                                                       DocumentTableView t) {
+  for (long long n = count; n < slots; ++n) {
+    t.lengths[n] = 0;
+    for (int x = 0; x < DocumentTableView::tensors; ++x) t.offsets[x][n + 1] = tokens * t.widths[x];
+  }
+}
+
 }  // namespace pipeoffload

@@ -100,10 +100,10 @@ class CudaGptStage {
     if (dims_.blocks > 0 && max_shape.seq >= 2) {
       // Packed, the graphs of one document a row too: the fewest documents a call can hold.
       // cuDNN's deterministic backward needs more workspace the more documents (docs/packing.md),
-      // so prepare() builds and checks each count's before the call's passes.
+      // so prepare() builds and checks each bucket's (cuda::document_slots) before its passes.
       cuda::attention::Shape s = attention_shape(max_shape);
       require_attention(s, "gpt::CudaGptStage");
-      s.documents = s.batch;
+      s.documents = cuda::document_slots(s.batch, max_shape.tokens());
       if (dims_.packed) require_attention(s, "gpt::CudaGptStage");
     }
   }
@@ -156,7 +156,7 @@ class CudaGptStage {
     cuda::attention::Shape s = attention_shape(mb.shape);
     if (dims_.packed) {
       (void)packed_rows(mb, who("prepare"), docs_);
-      s.documents = static_cast<int>(docs_.size());
+      s.documents = cuda::document_slots(static_cast<long long>(docs_.size()), mb.shape.tokens());
       s.length = cuda::packed_length(longest_document(docs_), mb.shape.seq);
     }
     require_attention(s, who("prepare"), mb.training);

@@ -87,10 +87,10 @@ class CudaLlamaStage {
       // (The separate q, k, v tensors' graphs, the ones the passes run, whatever the heads.)
       // Packed, the graphs of one document a row too: the fewest documents a call can hold.
       // cuDNN's deterministic backward needs more workspace the more documents (docs/packing.md),
-      // so prepare() builds and checks each count's before the call's passes.
+      // so prepare() builds and checks each bucket's (cuda::document_slots) before its passes.
       require_attention(attention_shape(max_shape), "llama::CudaLlamaStage");
       cuda::attention::Shape packed = attention_shape(max_shape);
-      packed.documents = packed.batch;
+      packed.documents = cuda::document_slots(packed.batch, max_shape.tokens());
       if (d_.packed) require_attention(packed, "llama::CudaLlamaStage");
     }
   }
@@ -133,7 +133,7 @@ class CudaLlamaStage {
     cuda::attention::Shape s = attention_shape(mb.shape);
     if (d_.packed) {
       (void)packed_rows(mb, who("prepare"), docs_);
-      s.documents = static_cast<int>(docs_.size());
+      s.documents = cuda::document_slots(static_cast<long long>(docs_.size()), mb.shape.tokens());
       s.length = cuda::packed_length(longest_document(docs_), mb.shape.seq);
     }
     require_attention(s, who("prepare"), mb.training);

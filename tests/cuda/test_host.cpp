@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <limits>
 #include <random>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -655,6 +656,36 @@ TEST_CASE("the LM head's logits block: rows of 64 within 256 MiB, at least 64, a
     }
   CHECK_THROWS_WITH(pc::logits_rows(0, 10), "cuda::logits_rows: tokens = 0 and vocab = 10 must both be >= 1");
   CHECK_THROWS_WITH(pc::logits_rows(10, 0), "cuda::logits_rows: tokens = 10 and vocab = 0 must both be >= 1");
+}
+
+TEST_CASE(
+    "a packed call's graph document count: exact up to 8, then buckets of a quarter doubling, at most the tokens") {
+  CHECK(pc::document_slots(1, 4096) == 1);
+  CHECK(pc::document_slots(8, 4096) == 8);
+  CHECK(pc::document_slots(9, 4096) == 10);
+  CHECK(pc::document_slots(17, 4096) == 20);
+  CHECK(pc::document_slots(33, 4096) == 40);
+  CHECK(pc::document_slots(100, 4096) == 112);
+  CHECK(pc::document_slots(9, 9) == 9);  // capped by the tokens: one document a token at most
+  // Every count of a 4,096-token microbatch: its bucket holds it, within 25 % and the tokens;
+  // buckets never shrink as counts grow; counts 8 to 1,000 need 29 graphs, not 993.
+  std::set<int> buckets;
+  int last = 0;
+  for (long long c = 1; c <= 4096; ++c) {
+    CAPTURE(c);
+    const int b = pc::document_slots(c, 4096);
+    CHECK(b >= c);
+    CHECK(b <= 4096);
+    CHECK(4 * static_cast<long long>(b) <= 5 * c);
+    CHECK(b >= last);
+    last = b;
+    if (c >= 8 && c <= 1000) buckets.insert(b);
+  }
+  CHECK(buckets.size() == 29);
+  for (const long long bad : {0LL, 4097LL})
+    CHECK_THROWS_WITH(pc::document_slots(bad, 4096), ("cuda::document_slots: count = " + std::to_string(bad) +
+                                                      " documents is outside the allowed range [1, tokens = 4096]")
+                                                         .c_str());
 }
 
 TEST_CASE("packed attention's layout: the documents as the batch, token-major statistics, and the table's bytes") {

@@ -291,36 +291,40 @@ TEST_CASE("ops on the GPU: grouped-query attention through cuDNN matches the CPU
   check_norm(g.get(dv, T * K), cdv, 0.02);
 }
 
-TEST_CASE(
-    "ops on the GPU: attention over packed rows (cuDNN's ragged layout) matches the CPU twin document by document") {
-  // Rows of 128 tokens holding documents of 17, 43, 1 and 67 tokens, and of 100 and 28: the
-  // table and positions computed on the GPU from the device offsets, checked exactly against
-  // the host's documents; the attention within each document against the CPU twin's `docs`
-  // overload, at the tolerances of the unpacked case above.
+namespace {
+
+/// Two rows of 128 tokens whose documents start at `first` and `second`: the table and positions
+/// computed on the GPU from the device offsets, checked exactly against the host's documents
+/// (and the table's padding up to `slots` entries: empty documents at the end); the attention
+/// within each document against the CPU twin's `docs` overload, at the tolerances of the
+/// unpacked case above.
+void packed_attention_case(std::vector<std::int32_t> first, std::vector<std::int32_t> second, std::size_t count,
+                           int slots) {
   Ops g;
   const ops::AttentionShape s{.batch = 2, .seq = 128, .heads = 8, .kv_heads = 2, .head_dim = 64};
-  std::vector<std::int32_t> offsets = {0, 17, 60, 61};
+  std::vector<std::int32_t> offsets = std::move(first);
   offsets.resize(129, 128);
-  std::vector<std::int32_t> second = {0, 100};
   second.resize(129, 128);
   offsets.insert(offsets.end(), second.begin(), second.end());
   std::vector<po::Document> docs;
   std::vector<std::int32_t> positions;
   po::microbatch_documents(offsets.data(), 2, s.seq, docs, positions);
-  REQUIRE(docs.size() == 6);
-  const int count = static_cast<int>(docs.size());
-  g.attention({s.batch, s.heads, s.seq, s.head_dim, s.kv_heads, count});
+  REQUIRE(docs.size() == count);
+  REQUIRE(po::cuda::document_slots(static_cast<long long>(count), 256) == slots);
+  g.attention({s.batch, s.heads, s.seq, s.head_dim, s.kv_heads, slots});
   const std::size_t T = static_cast<std::size_t>(s.batch) * s.seq, H = static_cast<std::size_t>(s.heads) * s.head_dim,
                     K = static_cast<std::size_t>(s.kv_heads) * s.head_dim, A = static_cast<std::size_t>(s.heads);
   const std::int32_t* doffsets = g.copy(offsets);
   std::int32_t* dpositions = g.alloc<std::int32_t>(T);
   auto* table = g.alloc<std::byte>(po::cuda::document_table_bytes(static_cast<long long>(T)));
   ops::document_positions(g.ctx, doffsets, dpositions, static_cast<long long>(T), s.seq);
-  const ops::DeviceDocuments dd =
-      ops::document_table(g.ctx, doffsets, s.batch, s.seq, count, po::longest_document(docs), s, {}, table);
-  CHECK(dd.length == 128);  // the longest document has 100 tokens: the next power of two
-  std::vector<std::int32_t> got_positions(T), lengths(docs.size());
-  std::vector<std::int64_t> qo(docs.size() + 1), kvo(docs.size() + 1), oo(docs.size() + 1), so(docs.size() + 1);
+  const ops::DeviceDocuments dd = ops::document_table(g.ctx, doffsets, s.batch, s.seq, static_cast<int>(count),
+                                                      po::longest_document(docs), s, {}, table);
+  CHECK(dd.length == 128);  // the longest document has 65 to 128 tokens: the next power of two
+  CHECK(dd.count == slots);
+  const std::size_t n_slots = static_cast<std::size_t>(slots);
+  std::vector<std::int32_t> got_positions(T), lengths(n_slots);
+  std::vector<std::int64_t> qo(n_slots + 1), kvo(n_slots + 1), oo(n_slots + 1), so(n_slots + 1);
   PIPEOFFLOAD_CUDA_CHECK(cudaStreamSynchronize(g.s));
   PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(got_positions.data(), dpositions, T * 4, cudaMemcpyDeviceToHost));
   PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(lengths.data(), dd.table.lengths, lengths.size() * 4, cudaMemcpyDeviceToHost));
@@ -329,10 +333,10 @@ TEST_CASE(
   PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(oo.data(), dd.table.out_offsets, oo.size() * 8, cudaMemcpyDeviceToHost));
   PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(so.data(), dd.table.stats_offsets, so.size() * 8, cudaMemcpyDeviceToHost));
   CHECK(got_positions == positions);
-  for (std::size_t n = 0; n <= docs.size(); ++n) {
+  for (std::size_t n = 0; n <= n_slots; ++n) {
     const long long start =
         n < docs.size() ? static_cast<long long>(docs[n].row * 128 + docs[n].begin) : static_cast<long long>(T);
-    if (n < docs.size()) CHECK(lengths[n] == static_cast<std::int32_t>(docs[n].length));
+    if (n < n_slots) CHECK(lengths[n] == (n < docs.size() ? static_cast<std::int32_t>(docs[n].length) : 0));
     CHECK(qo[n] == start * static_cast<long long>(H));
     CHECK(kvo[n] == start * static_cast<long long>(K));
     CHECK(oo[n] == start * static_cast<long long>(H));
@@ -360,4 +364,15 @@ TEST_CASE(
   check_norm(g.get(dq, T * H), cdq, 0.02);
   check_norm(g.get(dk, T * K), cdk, 0.02);
   check_norm(g.get(dv, T * K), cdv, 0.02);
+}
+
+}  // namespace
+
+TEST_CASE(
+    "ops on the GPU: attention over packed rows (cuDNN's ragged layout) matches the CPU twin document by document") {
+  // Documents of 17, 43, 1 and 67 tokens, and of 100 and 28: six, a graph of six.
+  packed_attention_case({0, 17, 60, 61}, {0, 100}, 6, 6);
+  // Eleven documents (8 and 3 a row, one of a single token, the longest 98 tokens): the table
+  // padded to 12 with one empty document at the end, which cuDNN must pass over.
+  packed_attention_case({0, 10, 20, 30, 45, 60, 61, 90}, {0, 10, 30}, 11, 12);
 }

@@ -120,9 +120,11 @@ TEST_CASE("packing: the per-token functions a GPU runs agree with append_documen
     std::vector<po::Document> docs;
     std::vector<std::int32_t> positions;
     po::microbatch_documents(o.data(), rows, seq, docs, positions);
-    std::vector<std::int32_t> lengths(docs.size(), -1);
+    // Room for three empty documents past the real ones (pad_document_table's padding).
+    const std::size_t slots = docs.size() + 3;
+    std::vector<std::int32_t> lengths(slots, -1);
     std::vector<std::int64_t> offsets[4];
-    for (auto& x : offsets) x.assign(docs.size() + 1, -1);
+    for (auto& x : offsets) x.assign(slots + 1, -1);
     const po::DocumentTableView t{
         lengths.data(), {offsets[0].data(), offsets[1].data(), offsets[2].data(), offsets[3].data()}, {1, 6, 3, 5}};
     long long first = 0;
@@ -141,6 +143,15 @@ TEST_CASE("packing: the per-token functions a GPU runs agree with append_documen
       for (int x = 0; x < 4; ++x) CHECK(offsets[x][n] == start * t.widths[x]);
     }
     for (int x = 0; x < 4; ++x) CHECK(offsets[x][docs.size()] == static_cast<long long>(rows) * seq * t.widths[x]);
+    // Nothing written past the real documents' table; then the padding: empty documents at the end.
+    CHECK(lengths[docs.size()] == -1);
+    CHECK(offsets[0][docs.size() + 1] == -1);
+    const long long tokens = static_cast<long long>(rows) * seq;
+    po::pad_document_table(static_cast<long long>(docs.size()), static_cast<long long>(slots), tokens, t);
+    for (std::size_t n = docs.size(); n < slots; ++n) CHECK(lengths[n] == 0);
+    for (std::size_t n = docs.size(); n <= slots; ++n)
+      for (int x = 0; x < 4; ++x) CHECK(offsets[x][n] == tokens * t.widths[x]);
+    CHECK(lengths[docs.size() - 1] == static_cast<std::int32_t>(docs.back().length));  // the real ones untouched
   }
 }
 

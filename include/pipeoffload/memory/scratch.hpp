@@ -1,6 +1,6 @@
 // pipeoffload/memory/scratch.hpp: sizes in a CUDA stage's scratch that the planner counts as
 // the stages lay them out: the LM head's block of fp32 logits and a packed microbatch's
-// document table. The CUDA GPT and Llama stages (models/*/cuda_layout.hpp), the kernels' host
+// document table (with the document count its attention graph is built for). The CUDA GPT and Llama stages (models/*/cuda_layout.hpp), the kernels' host
 // wrappers and po::stage_scratch_bytes (plan/model.hpp) all size them here, so the plan is what
 // the stages take; plain arithmetic, no CUDA (tests/cuda/test_host.cpp checks them).
 /// @file
@@ -52,5 +52,21 @@ constexpr DocumentTableLayout document_table_layout(long long tokens) {
 }
 /// document_table_layout(tokens).bytes.
 constexpr std::size_t document_table_bytes(long long tokens) { return document_table_layout(tokens).bytes; }
+
+/// The document count a packed call's attention graphs are built for when its microbatch of
+/// `tokens` tokens holds `count` documents: `count` itself up to 8, then rounded up to a
+/// quarter of its power of two (9 -> 10, 17 -> 20, 33 -> 40: at most 25 % more), at most
+/// `tokens`. The table's entries past `count` are empty documents at the end (ops::document_table),
+/// so a run builds a graph per bucket (about 4 a doubling), not one per count a batch brings.
+constexpr int document_slots(long long count, long long tokens) {
+  if (tokens < 1 || count < 1 || count > tokens)
+    throw shape_error("cuda::document_slots: count = " + pipeoffload::detail::num(count) +
+                      " documents is outside the allowed range [1, tokens = " + pipeoffload::detail::num(tokens) + "]");
+  if (count <= 8) return static_cast<int>(count);
+  long long power = 8;
+  while (power * 2 <= count) power *= 2;
+  const long long step = power / 4;
+  return static_cast<int>(std::min(tokens, (count + step - 1) / step * step));
+}
 
 }  // namespace pipeoffload::cuda

@@ -154,7 +154,8 @@ void mean(const CudaContext& ctx, const float* losses, float* out, long long row
 /// host: po::microbatch_documents over Microbatch::host_input) and where (device memory that
 /// document_table writes). A count of 0 is an unpacked microbatch, each row one sequence.
 struct DeviceDocuments {
-  int count = 0;                          ///< documents in the microbatch's rows
+  int count = 0;                          ///< the graphs' document count: the rows' documents
+                                          ///< padded with empty ones (cuda::document_slots)
   int length = 0;                         ///< the graphs' length: cuda::packed_length of the longest
   cuda::attention::Documents table = {};  ///< their lengths and ragged offsets
 };
@@ -165,8 +166,10 @@ struct DeviceDocuments {
 /// into `memory` (device,
 /// cuda::document_table_bytes(rows * seq) bytes, 16-byte aligned; cuda::document_table_layout
 /// says where each array lies), offsets in units of the
-/// attention's row strides (`strides`, 0 the dense widths; k's and v's must be equal). One
-/// block; each thread a run of rows.
+/// attention's row strides (`strides`, 0 the dense widths; k's and v's must be equal), padded
+/// with empty documents at the end up to cuda::document_slots(count, rows * seq) entries, the
+/// count it returns (so calls of nearby counts share a graph). One block; each thread a run of
+/// rows.
 DeviceDocuments document_table(const CudaContext& ctx, const std::int32_t* offsets, long long rows, int seq, int count,
                                int longest, AttentionShape s, AttentionStrides strides, std::byte* memory);
 

@@ -118,7 +118,8 @@ void backward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloa
 /// The same on separate tensors (shapes.hpp sdpa_layout_separate): q (b*s, heads*head_dim), k
 /// and v (b*s, kv_heads*head_dim), grouped-query when kv_heads < heads. With
 /// shape.documents > 0 the rows are packed and `docs` says where each document is (causal
-/// within each; stats (tokens, heads)); a graph is built per document count.
+/// within each; stats (tokens, heads)); a graph is built per document count (ops::document_table
+/// pads the count to cuda::document_slots with empty documents, so nearby counts share one).
 void forward(Graphs& graphs, cudaStream_t stream, Shape shape, const __nv_bfloat16* q, const __nv_bfloat16* k,
              const __nv_bfloat16* v, __nv_bfloat16* out, float* stats, void* workspace, std::size_t workspace_bytes,
              Documents docs = {});
