@@ -25,6 +25,13 @@
 #                     --build-only (a login node, a workstation with the same CUDA major): nothing
 #                     is configured or compiled on the GPU node
 #   --targets "T..."  with --build-only: these Ninja targets instead of every CUDA one
+#   --pack FILE       with --build-only: also write FILE (.tar.gz, about 20 MB): the checks'
+#                     binaries, stripped, with the run-time libraries a GPU image may lack
+#                     (OpenBLAS for the CPU references, its Fortran run-time, libstdc++). The
+#                     build directory itself is too big to carry (about 63 MB of objects)
+#   --unpack FILE     with --no-build: unpack FILE (made by --pack) into --build-dir first and
+#                     load its libraries (libstdc++ only where the node's is older than the
+#                     build machine's)
 #   --bundle DIR      gather the bundle (needs PyPI and Debian's archive): Python wheels of
 #                     nvidia-cudnn-frontend, meson and ninja, and Debian packages of doctest and
 #                     OpenBLAS, with a SHA256 manifest
@@ -59,7 +66,7 @@ die() {
 }
 
 bundle_out="" from="" build="build-gpu" report="" build_only=0 no_build=0 step_limit=0 with_libs=0 bundled_tools=0 targets=""
-budget=0 only="" log_dir=""
+budget=0 only="" log_dir="" pack="" unpack=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) [ $# -ge 2 ] || die "--bundle needs a directory"; bundle_out=$2; shift 2 ;;
@@ -80,6 +87,8 @@ while [ $# -gt 0 ]; do
     --only) [ $# -ge 2 ] || die "--only needs a list of step names"; only=$2; shift 2 ;;
     --log-dir) [ $# -ge 2 ] || die "--log-dir needs a directory"; log_dir=$2; shift 2 ;;
     --with-cuda-libs) with_libs=1; shift ;;
+    --pack) [ $# -ge 2 ] || die "--pack needs a file"; pack=$2; shift 2 ;;
+    --unpack) [ $# -ge 2 ] || die "--unpack needs a file"; unpack=$2; shift 2 ;;
     --bundled-tools) bundled_tools=1; shift ;;
     -h | --help) usage; exit 0 ;;
     *) die "unknown option '$1' (--help lists them)" ;;
@@ -91,6 +100,9 @@ done
 [ -n "$targets" ] && [ "$build_only" = 0 ] && die "--targets applies only to --build-only"
 [ "$no_build" = 1 ] && [ "$build_only" = 1 ] && die "--no-build and --build-only exclude each other: build with --build-only, check with --no-build"
 [ "$no_build" = 1 ] && [ -n "$bundle_out" ] && die "--no-build applies to the check, not to --bundle"
+[ -n "$pack" ] && [ "$build_only" = 0 ] && die "--pack applies only to --build-only"
+[ -n "$unpack" ] && [ "$no_build" = 0 ] && die "--unpack applies only to --no-build"
+[ -z "$unpack" ] || [ -f "$unpack" ] || die "--unpack: no file '$unpack'"
 # The steps, in the order they run (the report's names; --only picks among them).
 all_steps="cuda-host gpu-tests train-gpt-cuda-vs-cpu gpt-block-bench train-step-bench train-step-bench-ranks shared-gpu
 train-gpt-po-f sanitizer-memcheck sanitizer-racecheck sanitizer-memcheck-shared sanitizer-racecheck-shared"
@@ -141,6 +153,17 @@ mkdir -p "$build" || die "cannot create $build"
 build=$(cd "$build" && pwd)
 deps="$build/gpu-deps"
 mkdir -p "$deps"
+check_targets="tests/cuda/test_cuda_host tests/cuda/test_cuda_gpu bench/cuda/gpt_block_gpu bench/cuda/train_step samples/train_gpt pipeoffload-plan"
+
+# ---- --unpack: binaries built elsewhere, with their run-time libraries ----------------------
+if [ -n "$unpack" ]; then
+  tar xzf "$unpack" -C "$build" || die "cannot unpack $unpack into $build"
+  [ -d "$build/carried-lib" ] || die "$unpack holds no carried-lib/: make it with --build-only --pack FILE"
+  export LD_LIBRARY_PATH="$build/carried-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  if ldd "$build/samples/train_gpt" 2>&1 | grep -q "GLIBCXX.*not found"; then
+    export LD_LIBRARY_PATH="$build/carried-lib/cxx:$LD_LIBRARY_PATH"
+  fi
+fi
 
 # ---- dependencies: from the bundle, or what the machine has ---------------------------------
 # Python's nvidia-* wheels ship versioned libraries only (libcudnn.so.9): links with the plain
@@ -218,7 +241,6 @@ mkdir -p "$log_dir" || die "cannot create $log_dir"
 log_dir=$(cd "$log_dir" && pwd)
 [ -n "$report" ] || report="$log_dir/report.md"
 jobs=$(nproc)
-check_targets="tests/cuda/test_cuda_host tests/cuda/test_cuda_gpu bench/cuda/gpt_block_gpu bench/cuda/train_step samples/train_gpt pipeoffload-plan"
 if [ "$no_build" = 1 ]; then
   for t in $check_targets; do
     [ -x "$build/$t" ] || die "--no-build: $build/$t is missing (build it first: bash scripts/gpu-check.sh --build-only --build-dir DIR)"
@@ -235,6 +257,25 @@ if [ "$no_build" = 0 ] && ! ninja -C "$build" -j "$jobs" $targets >"$log_dir/bui
 fi
 if [ "$build_only" = 1 ]; then
   echo "gpu-check: built $targets in $build"
+  if [ -n "$pack" ]; then
+    stage=$(mktemp -d) || die "cannot make a temporary directory"
+    trap 'rm -rf "$stage"' EXIT
+    for t in $check_targets; do
+      [ -x "$build/$t" ] || die "--pack: $build/$t was not built (--pack takes the checks' binaries: leave out --targets)"
+      mkdir -p "$stage/$(dirname "$t")" && cp "$build/$t" "$stage/$t" && strip "$stage/$t" || die "--pack: cannot copy $t"
+    done
+    # The CPU references' OpenBLAS (opened at run time by its soname) and what it needs beyond
+    # glibc; libstdc++ apart, used only where the node's is older.
+    blas=$(ldconfig -p | awk '/libopenblas\.so\.0 .*x86-64/ { print $NF; exit }')
+    [ -n "$blas" ] || die "--pack: libopenblas.so.0 not found (install libopenblas0-pthread: scripts/dev.sh does)"
+    mkdir -p "$stage/carried-lib/cxx"
+    cp -L "$blas" "$stage/carried-lib/libopenblas.so.0" || die "--pack: cannot copy $blas"
+    ldd "$blas" | awk '/libgfortran|libquadmath/ { print $3 }' | while read -r l; do cp -L "$l" "$stage/carried-lib/"; done
+    cp -L "$(ldd "$build/samples/train_gpt" | awk '/libstdc\+\+/ { print $3 }')" "$stage/carried-lib/cxx/" ||
+      die "--pack: cannot copy libstdc++"
+    mkdir -p "$(dirname "$pack")" && tar czf "$pack" -C "$stage" . || die "--pack: cannot write $pack"
+    echo "gpu-check: packed $(du -h "$pack" | cut -f1) into $pack (on the node: --no-build --unpack $pack)"
+  fi
   exit 0
 fi
 

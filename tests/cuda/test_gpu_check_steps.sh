@@ -3,7 +3,8 @@
 # in a --no-build directory. Checks that --budget cuts a step to what is left and reports the
 # rest as not run, that --only runs the named steps alone, that the report is rewritten after
 # every step (a run cut short keeps what it did), that --log-dir holds the logs and the report,
-# and that every step the kit runs is one --only accepts, in the kit's order.
+# that every step the kit runs is one --only accepts, in the kit's order, and that --unpack
+# takes binaries packed elsewhere with their libraries.
 #
 # usage: test_gpu_check_steps.sh SOURCE_ROOT WORK_DIR
 set -uo pipefail
@@ -73,5 +74,28 @@ steps=$(grep -oE '^ *step [a-z-]+' "$kit" | awk '{ print $2 }' | tr '\n' ' ')
 listed=$(bash "$kit" --only nope 2>&1 | sed 's/.*(the steps: \(.*\))$/\1/')
 [ "$listed " = "$steps" ] || fail "--only's list ($listed) is not the kit's steps ($steps)"
 
+# 3. --unpack: binaries and libraries packed elsewhere (--build-only --pack's layout) unpacked
+# into an empty --build-dir, the steps run from there with the carried libraries on the path.
+mkdir -p "$work/packed/carried-lib/cxx" "$work/packed/tests/cuda"
+cp -r "$work/build/." "$work/packed/"
+rm -rf "$work/packed/gpu-deps"
+printf '#!/usr/bin/env bash\necho "$LD_LIBRARY_PATH" >"%s"\n' "$work/seen-path" >"$work/packed/tests/cuda/test_cuda_host"
+chmod +x "$work/packed/tests/cuda/test_cuda_host"
+tar czf "$work/carry.tar.gz" -C "$work/packed" . || fail "cannot pack the stand-ins"
+out=$(bash "$kit" --no-build --unpack "$work/carry.tar.gz" --build-dir "$work/fresh" --log-dir "$work/logs" \
+  --only cuda-host 2>&1) || fail "--unpack: the check failed: $out"
+[ -x "$work/fresh/samples/train_gpt" ] || fail "--unpack did not unpack the binaries into --build-dir"
+grep -Eq "^$work/fresh/carried-lib(:|\$)" "$work/seen-path" 2>/dev/null ||
+  fail "the step did not see carried-lib first on LD_LIBRARY_PATH: $(cat "$work/seen-path" 2>/dev/null)"
+grep -q "carried-lib/cxx" "$work/seen-path" && fail "libstdc++ was put first although the node's is not older"
+tar czf "$work/bare.tar.gz" -C "$work/packed" tests || fail "cannot pack the stand-ins"
+for bad in "--no-build --unpack $work/bare.tar.gz:holds no carried-lib/" "--unpack $work/carry.tar.gz:--unpack applies only to --no-build" \
+  "--no-build --unpack $work/none.tar.gz:--unpack: no file" "--pack $work/x.tar.gz:--pack applies only to --build-only"; do
+  # shellcheck disable=SC2086
+  out=$(bash "$kit" ${bad%%:*} --build-dir "$work/fresh2" 2>&1)
+  rc=$?
+  [ $rc -eq 2 ] && grep -q -- "${bad#*:}" <<<"$out" || fail "'${bad%%:*}' should be refused with '${bad#*:}' (exit 2); got $rc: $out"
+done
+
 rm -rf "$work"
-echo "ok: --budget cuts and skips, --only, the report after every step, --log-dir, the step list"
+echo "ok: --budget cuts and skips, --only, the report after every step, --log-dir, the step list, --unpack"
