@@ -93,8 +93,8 @@ inline constexpr const char* usage_text = R"(usage: train_gpt [options]
                         biases and LayerNorm gains, GPT-2's rule)
   --no-check-finite     do not scan activations and input gradients for NaN/Inf (losses are still checked)
   --graphs              capture each rank's training call once (the second step) and replay it at every
-                        later step (CUDA graphs on --backend cuda, one rank: --ranks 1 --dp 1;
-                        RuntimeOptions::graphs)
+                        later step (CUDA graphs on --backend cuda, one rank: --ranks 1 --dp 1, not
+                        with --pack or --trace; RuntimeOptions::graphs)
   --seed S              model, dropout and data seed (default 1)
   --trace FILE          write a Chrome trace of the last step's real run (compute and copy streams per rank;
                         on a GPU the times of CUDA events where each op starts and ends)
@@ -276,6 +276,10 @@ inline Options parse(int argc, char** argv) {
       throw bad_argument(
           "--graphs with --pack on --backend cuda: a packed microbatch's attention follows its document count, read "
           "on the host at every call, which a replayed capture cannot; give one of them");
+    if (*v == "cuda" && get("--trace") && o.graphs)
+      throw bad_argument(
+          "--trace with --graphs on --backend cuda: a replayed step records no event times, so the trace would be the "
+          "captured step's enqueue times, not the last step's run; give one of them");
     if (const std::string* seq = get("--seq"); *v == "cuda" && seq && to_int("--seq", *seq, 1, 8192) < 2)
       throw bad_argument(
           "--seq 1 on --backend cuda: cuDNN's attention backward needs seq >= 2 (--backend cpu trains it)");

@@ -183,6 +183,8 @@ if not losses[-1] < losses[0] - 0.5 or "packed (a document at every token 10)" n
 for args, text in ((["--kv-heads", "2"], "--kv-heads applies only to --model llama"),
                    (["--ranks-per-gpu", "2"], "--ranks-per-gpu applies only to --backend cuda"),
                    (["--backend", "cuda", "--graphs", "--pack", "10"], "--graphs with --pack on --backend cuda"),
+                   (["--backend", "cuda", "--graphs", "--trace", "t.json"],
+                    "--trace with --graphs on --backend cuda: a replayed step records no event times"),
                    (["--backend", "cuda", "--seq", "1"], "--seq 1 on --backend cuda: cuDNN's attention backward needs"),
                    ([*llama, "--pack", "256"], "--pack 256 is outside the vocabulary [0, 255]"),
                    ([*llama, "--pack", "-1"], "--pack must be an integer in [0, 1048575], got '-1'"),
