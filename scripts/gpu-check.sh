@@ -168,7 +168,8 @@ fi
 # ---- dependencies: from the bundle, or what the machine has ---------------------------------
 # Python's nvidia-* wheels ship versioned libraries only (libcudnn.so.9): links with the plain
 # names let the linker find them.
-link_libs() {  # link_libs DIR...: lib*.so.N in each DIR get a lib*.so link in $deps/cuda/lib
+link_libs() {  # link_libs DIR...: lib*.so.N in each DIR get a lib*.so link in $deps/cuda/lib (for
+  # the linker); each DIR goes on the loader's path too (the binaries need the sonames, lib*.so.N)
   mkdir -p "$deps/cuda/lib"
   for dir in "$@"; do
     for f in "$dir"/lib*.so.*; do
@@ -176,6 +177,7 @@ link_libs() {  # link_libs DIR...: lib*.so.N in each DIR get a lib*.so link in $
       local base=${f##*/}
       ln -sf "$f" "$deps/cuda/lib/${base%%.so.*}.so"
     done
+    export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   done
   export LIBRARY_PATH="$deps/cuda/lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
   export LD_LIBRARY_PATH="$deps/cuda/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -225,14 +227,23 @@ PY
 fi
 # cuDNN and NCCL from this Python's nvidia-* packages (GPU images often have them only there),
 # or from a bundle's wheels unpacked above.
+# With --no-build only the libraries matter: looked for where the loader cannot find them.
 for pkg in cudnn nccl; do
-  if ! has_header "$pkg.h"; then
-    dir=$(python3 -c "import importlib.util as u, os; s = u.find_spec('nvidia.$pkg'); print(os.path.dirname(s.origin) if s and s.origin else (list(s.submodule_search_locations)[0] if s else ''))" 2>/dev/null)
-    [ -z "$dir" ] && [ -d "$deps/wheels/nvidia/$pkg" ] && dir="$deps/wheels/nvidia/$pkg"
+  if [ "$no_build" = 1 ]; then
+    [ -x "$build/samples/train_gpt" ] && ldd "$build/samples/train_gpt" 2>/dev/null | grep -q "lib$pkg\.so.* => not found" ||
+      continue
+  elif has_header "$pkg.h"; then
+    continue
+  fi
+  dir=$(python3 -c "import importlib.util as u, os; s = u.find_spec('nvidia.$pkg'); print(os.path.dirname(s.origin) if s and s.origin else (list(s.submodule_search_locations)[0] if s else ''))" 2>/dev/null)
+  [ -z "$dir" ] && [ -d "$deps/wheels/nvidia/$pkg" ] && dir="$deps/wheels/nvidia/$pkg"
+  if [ "$no_build" = 1 ]; then
+    [ -n "$dir" ] && [ -d "$dir/lib" ] || die "lib$pkg not found (not on the loader's path, nor as Python's nvidia-$pkg package): install $pkg"
+  else
     [ -n "$dir" ] && [ -d "$dir/include" ] || die "$pkg.h not found (not with the CUDA toolkit, nor as Python's nvidia-$pkg package): install $pkg, or bundle it with --with-cuda-libs"
     export CPATH="$dir/include${CPATH:+:$CPATH}"
-    link_libs "$dir/lib"
   fi
+  link_libs "$dir/lib"
 done
 
 # ---- build --------------------------------------------------------------------------------

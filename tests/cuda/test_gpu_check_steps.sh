@@ -3,8 +3,9 @@
 # in a --no-build directory. Checks that --budget cuts a step to what is left and reports the
 # rest as not run, that --only runs the named steps alone, that the report is rewritten after
 # every step (a run cut short keeps what it did), that --log-dir holds the logs and the report,
-# that every step the kit runs is one --only accepts, in the kit's order, and that --unpack
-# takes binaries packed elsewhere with their libraries.
+# that every step the kit runs is one --only accepts, in the kit's order, that --unpack takes
+# binaries packed elsewhere with their libraries, and that --no-build finds cuDNN where a GPU
+# image has it only as a Python package.
 #
 # usage: test_gpu_check_steps.sh SOURCE_ROOT WORK_DIR
 set -uo pipefail
@@ -97,5 +98,26 @@ for bad in "--no-build --unpack $work/bare.tar.gz:holds no carried-lib/" "--unpa
   [ $rc -eq 2 ] && grep -q -- "${bad#*:}" <<<"$out" || fail "'${bad%%:*}' should be refused with '${bad#*:}' (exit 2); got $rc: $out"
 done
 
+# 4. --no-build on a node whose loader cannot find cuDNN but whose Python has it as a package
+# (nvidia-cudnn-cu13, as GPU images ship it): its lib/ goes on the loader's path; with neither,
+# a sentence. A train_gpt stand-in that needs libcudnn.so.99 (a soname no real cuDNN has), from
+# a stub library.
+mkdir -p "$work/site/nvidia/cudnn/lib" "$work/nb"
+printf 'int cudnn_stub(void) { return 0; }\n' >"$work/stub.c"
+printf 'int cudnn_stub(void);\nint main(void) { return cudnn_stub(); }\n' >"$work/main.c"
+cc -shared -fPIC -Wl,-soname,libcudnn.so.99 -o "$work/site/nvidia/cudnn/lib/libcudnn.so.99" "$work/stub.c" &&
+  cc -o "$work/main" "$work/main.c" "$work/site/nvidia/cudnn/lib/libcudnn.so.99" || fail "cannot build the cuDNN stand-ins"
+cp -r "$work/packed/." "$work/nb/" && rm -rf "$work/nb/carried-lib" && cp "$work/main" "$work/nb/samples/train_gpt"
+ldd "$work/nb/samples/train_gpt" | grep -q "libcudnn.so.99 => not found" || fail "the stand-in finds libcudnn without help"
+rm -f "$work/seen-path"
+out=$(PYTHONPATH="$work/site" bash "$kit" --no-build --build-dir "$work/nb" --log-dir "$work/logs" --only cuda-host 2>&1) ||
+  fail "--no-build with cuDNN as a Python package: $out"
+grep -q "$work/site/nvidia/cudnn/lib" "$work/seen-path" 2>/dev/null ||
+  fail "the package's lib/ is not on the loader's path: $(cat "$work/seen-path" 2>/dev/null)"
+out=$(bash "$kit" --no-build --build-dir "$work/nb" --log-dir "$work/logs" --only cuda-host 2>&1)
+rc=$?
+[ $rc -eq 2 ] && grep -q "libcudnn not found (not on the loader's path, nor as Python's nvidia-cudnn package)" <<<"$out" ||
+  fail "no cuDNN anywhere should be refused with a sentence (exit 2); got $rc: $out"
+
 rm -rf "$work"
-echo "ok: --budget cuts and skips, --only, the report after every step, --log-dir, the step list, --unpack"
+echo "ok: --budget cuts and skips, --only, the report after every step, --log-dir, the step list, --unpack, cuDNN from Python's package"
