@@ -140,8 +140,11 @@ class CudaLlamaStage {
   }
 
   void forward(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor xt, Tensor yt, std::byte* saved) {
-    Pass p = begin("forward", mb, saved, nullptr);
+    Pass p = begin("forward", mb, saved, nullptr, false);
     const long long T = p.T;
+    // Both boundaries checked before any kernel is queued (a bad one throws with nothing written).
+    std::byte* y = d_.has_head ? nullptr : boundary(yt, "forward", "y", T);
+    const std::byte* x = d_.embeds ? nullptr : boundary(xt, "forward", "x", T);
     if (d_.has_head && mb.loss == nullptr) throw error(who("forward") + ": mb.loss is null on the last stage");
     const std::int32_t* targets = d_.has_head ? step_input(mb, "targets", "forward", T) : nullptr;
     bf16* in = d_.blocks > 0 ? at<bf16>(saved + p.buf.block_saved(0), p.buf.block.x)
@@ -150,7 +153,7 @@ class CudaLlamaStage {
     if (d_.embeds)
       ops::embedding_forward(ctx, step_input(mb, "tokens", "forward", T), work(), in, T, h(), V());
     else
-      from_boundary(ctx, boundary(xt, "forward", "x", T), in, T);
+      from_boundary(ctx, x, in, T);
     if (d_.blocks > 0) documents(ctx, mb, "forward", p);
     for (int i = 0; i < d_.blocks; ++i) {
       bf16* out = i + 1 < d_.blocks ? at<bf16>(saved + p.buf.block_saved(i + 1), p.buf.block.x)
@@ -161,13 +164,15 @@ class CudaLlamaStage {
     if (d_.has_head)
       head_forward(ctx, p, mb, saved, targets);
     else
-      to_boundary(ctx, scratch<bf16>(p.ws.io), boundary(yt, "forward", "y", T), T);
+      to_boundary(ctx, scratch<bf16>(p.ws.io), y, T);
   }
 
   void backward_input(backend::CudaContext& ctx, const Microbatch& mb, ConstTensor dyt, Tensor dxt, std::byte* saved,
                       std::byte* stash) {
-    Pass p = begin("backward_input", mb, saved, stash);
+    Pass p = begin("backward_input", mb, saved, stash, true);
     const long long T = p.T;
+    const std::byte* dy = d_.has_head ? nullptr : boundary(dyt, "backward_input", "dy", T);
+    std::byte* dx = d_.embeds ? nullptr : boundary(dxt, "backward_input", "dx", T);
     bf16* g = scratch<bf16>(p.ws.io);
     bf16* spare = scratch<bf16>(p.ws.io2);
     int part = 0;  // the next of saved_parts() to await
@@ -175,7 +180,7 @@ class CudaLlamaStage {
       mb.await_saved(part++);
       head_backward_input(ctx, p, saved, stash, g);
     } else {
-      from_boundary(ctx, boundary(dyt, "backward_input", "dy", T), g, T);
+      from_boundary(ctx, dy, g, T);
     }
     if (d_.blocks > 0) documents(ctx, mb, "backward_input", p);
     const int per = blocks_per_saved_part(d_.blocks, d_.has_head);
@@ -187,11 +192,11 @@ class CudaLlamaStage {
     if (d_.embeds)
       copy(ctx, at<bf16>(stash, p.buf.stash_embed), g, T * h());
     else
-      to_boundary(ctx, g, boundary(dxt, "backward_input", "dx", T), T);
+      to_boundary(ctx, g, dx, T);
   }
 
   void backward_weight(backend::CudaContext& ctx, const Microbatch& mb, std::byte* saved, std::byte* stash) {
-    const Pass p = begin("backward_weight", mb, saved, stash);
+    const Pass p = begin("backward_weight", mb, saved, stash, true);
     if (d_.embeds)
       ops::embedding_backward(ctx, step_input(mb, "tokens", "backward_weight", p.T), at<bf16>(stash, p.buf.stash_embed),
                               grad(), p.T, h(), V());
@@ -239,7 +244,10 @@ class CudaLlamaStage {
     ops::AttentionShape att{};
     ops::DeviceDocuments docs{};  ///< packed rows' documents (count 0: unpacked)
   };
-  Pass begin(const char* pass, const Microbatch& mb, const std::byte* saved, const std::byte* stash) const {
+  /// A pass's sizes and pointers, checked on the host; `needs_stash`: B and W read and write the
+  /// stash (the forward has none, so a null one there is no error).
+  Pass begin(const char* pass, const Microbatch& mb, const std::byte* saved, const std::byte* stash,
+             bool needs_stash) const {
     const MicrobatchShape sh = mb.shape;
     // (seq beyond the constructor's would need more attention workspace than it checked.)
     if (sh.batch < 1 || sh.seq < 1 || sh.seq > std::min(c_.seq, max_.seq) || sh.tokens() > max_.tokens())
@@ -257,7 +265,7 @@ class CudaLlamaStage {
     const std::string align = " must be a device buffer aligned to " + std::to_string(cuda::region_alignment) +
                               " bytes (backend::Cuda's are)";
     if (p.buf.saved_bytes > 0 && !aligned(saved)) throw error(who(pass) + ": saved" + align);
-    if (stash != nullptr && p.buf.stash_bytes > 0 && !aligned(stash)) throw error(who(pass) + ": stash" + align);
+    if (needs_stash && p.buf.stash_bytes > 0 && !aligned(stash)) throw error(who(pass) + ": stash" + align);
     p.att = {sh.batch, sh.seq, static_cast<int>(d_.heads), static_cast<int>(d_.kv_heads),
              static_cast<int>(d_.head_dim())};
     return p;

@@ -10,6 +10,7 @@
 // "GPU stages against their CPU references".
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -812,6 +813,35 @@ TEST_CASE("llama::CudaLlamaStage::prepare builds a packed microbatch's graphs an
   const std::vector<po::StepInput> wrong = step_inputs(1, 3, nullptr, nullptr, 64, b.copy(bad), &bad);
   CHECK_THROWS_WITH(gpu.prepare(microbatch(1, 3, 0, in, wrong, nullptr)),
                     doctest::Contains("cu_seqlens row 0: offset 3 is 40; outside [6, 32]"));
+}
+
+TEST_CASE("llama::CudaLlamaStage checks its boundaries before queuing anything and refuses a null stash in B and W") {
+  const po::llama::LlamaConfig c = llama_config(6);
+  const po::MicrobatchShape shape{1, 32};
+  po::backend::Cuda dev({.arena_bytes = std::size_t{512} << 20});
+  const int s = dev.make_stream("compute");
+  po::llama::CudaLlamaStage gpu(dev, c, 1, 3, shape);  // a middle stage: boundaries both ways
+  DeviceBuffers b;
+  const std::size_t n = gpu.input_boundary(shape).elements, saved_bytes = gpu.saved_bytes(shape);
+  float* x = b.alloc<float>(n);
+  float* y = b.alloc<float>(n);
+  std::byte* saved = b.poisoned(saved_bytes);
+  Inputs in;
+  in.shape = shape;
+  po::backend::CudaContext ctx = dev.context(s);
+  // y one value short: refused with nothing written into the saved buffer.
+  CHECK_THROWS_WITH_AS(gpu.forward(ctx, microbatch(1, 3, 0, in, {}, nullptr), view(x, n), view(y, n - 1), saved),
+                       doctest::Contains(": y holds"), po::shape_error);
+  PIPEOFFLOAD_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<unsigned char> after(saved_bytes);
+  PIPEOFFLOAD_CUDA_CHECK(cudaMemcpy(after.data(), saved, saved_bytes, cudaMemcpyDeviceToHost));
+  CHECK(std::all_of(after.begin(), after.end(), [](unsigned char v) { return v == 0xFF; }));
+  // B and W without a stash: refused on the host, not a fault on the device.
+  CHECK_THROWS_WITH_AS(
+      gpu.backward_input(ctx, microbatch(1, 3, 0, in, {}, nullptr), view(y, n), view(x, n), saved, nullptr),
+      doctest::Contains("::backward_input: stash must be a device buffer aligned to"), po::error);
+  CHECK_THROWS_WITH_AS(gpu.backward_weight(ctx, microbatch(1, 3, 0, in, {}, nullptr), saved, nullptr),
+                       doctest::Contains("::backward_weight: stash must be a device buffer aligned to"), po::error);
 }
 
 TEST_CASE("llama::CudaLlamaStage with bf16 boundaries gives the bits it gives with fp32 boundaries (a middle stage)") {
