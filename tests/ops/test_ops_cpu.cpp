@@ -161,13 +161,18 @@ TEST_CASE("ops: the embedding copies its rows and its gradient adds them in row 
   ops::embedding_forward(ctx, tokens.data(), table.data(), out.data(), rows, n, vocab);
   for (int r = 0; r < rows; ++r)
     for (int i = 0; i < n; ++i) CHECK(out[r * n + i] == table[tokens[r] * n + i]);
-  ops::embedding_backward(ctx, tokens.data(), d.data(), dtable.data(), rows, n);
+  ops::embedding_backward(ctx, tokens.data(), d.data(), dtable.data(), rows, n, vocab);
   for (int r = 0; r < rows; ++r)
     for (int i = 0; i < n; ++i) want[tokens[r] * n + i] += d[r * n + i];
   CHECK(dtable == want);
   const std::vector<std::int32_t> bad = {1, 5};
   CHECK(error_of([&] { ops::embedding_forward(ctx, bad.data(), table.data(), out.data(), 2, n, vocab); }) ==
         "ops::embedding_forward: token 5 at row 1 is outside [0, 4]");
+  // The gradient refuses a bad id before it adds anything (no row added, then a throw).
+  const std::vector<float> before = dtable;
+  CHECK(error_of([&] { ops::embedding_backward(ctx, bad.data(), d.data(), dtable.data(), 2, n, vocab); }) ==
+        "ops::embedding_backward: id 5 at row 1 is outside [0, 4]");
+  CHECK(dtable == before);
 }
 
 TEST_CASE("ops: cross-entropy's losses and logit gradients match float64; bad targets are refused") {
@@ -193,6 +198,11 @@ TEST_CASE("ops: cross-entropy's losses and logit gradients match float64; bad ta
   for (float l : losses) total += scale * l;
   CHECK(std::abs(total - loss(zd)) <= 1e-6 * std::abs(loss(zd)));
   CHECK(rel_error(dlogits, numeric_grad(logits, loss)) < 1e-4);
+  // In place (dlogits = logits, as the CUDA heads call it): the same losses and gradients, bit for bit.
+  std::vector<float> in_place = logits, in_place_losses(rows);
+  ops::cross_entropy(ctx, in_place.data(), targets.data(), in_place_losses.data(), in_place.data(), rows, vocab, scale);
+  CHECK(in_place_losses == losses);
+  CHECK(in_place == dlogits);
   const std::vector<std::int32_t> bad = {0, -1};
   CHECK(error_of([&] {
           ops::cross_entropy(ctx, logits.data(), bad.data(), losses.data(), dlogits.data(), 2, vocab, 1.0f);

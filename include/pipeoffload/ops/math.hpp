@@ -243,9 +243,11 @@ PIPEOFFLOAD_HOST_DEVICE inline float dropout_scale(std::uint64_t seed, std::uint
 // ---- Softmax cross-entropy ----------------------------------------------------------------------
 
 /// Loss of one row of n logits against `target`, and (when dlogits is not null) its gradient
-/// times `scale`: scale * (softmax(logits) - onehot(target)).
+/// times `scale`: scale * (softmax(logits) - onehot(target)). dlogits may be logits itself (the
+/// target's logit is read before any gradient is written).
 PIPEOFFLOAD_HOST_DEVICE inline float softmax_xent_row(const float* logits, int n, int target, float scale,
                                                       float* dlogits) {
+  const float target_logit = logits[target];
   float mx = logits[0];
   for (int i = 1; i < n; ++i) mx = logits[i] > mx ? logits[i] : mx;
   float sum = 0;
@@ -257,7 +259,7 @@ PIPEOFFLOAD_HOST_DEVICE inline float softmax_xent_row(const float* logits, int n
       dlogits[i] = scale * (p - (i == target ? 1.0f : 0.0f));
     }
   }
-  return lse - logits[target];
+  return lse - target_logit;
 }
 
 /// Residual plus dropped-out branch of one element: x + y * dropout_scale(seed, i, p), as the
