@@ -213,8 +213,9 @@ class GptStage {
     if (embeds()) {
       documents(mb);
       float* gte = grads_.data();
-      ops::embedding_backward(ctx, mb.input<std::int32_t>("tokens"), st, gte, n(T), h_);
-      ops::embedding_backward(ctx, pos_.data(), st, gte + layout_.wpe, n(T), h_);  // positions as the ids
+      ops::embedding_backward(ctx, mb.input<std::int32_t>("tokens"), st, gte, n(T), h_, c_.vocab);
+      ops::embedding_backward(ctx, pos_.data(), st, gte + layout_.wpe, n(T), h_,
+                              static_cast<int>(dims_.positions));  // positions as the ids
     }
     for (int i = 0; i < count_; ++i)
       block_backward_weight(ctx, i, mb, saved + static_cast<std::size_t>(i) * block_saved(mb.shape),

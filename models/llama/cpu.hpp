@@ -159,7 +159,8 @@ class LlamaStage {
     const std::size_t T = tokens(mb.shape);
     check_shape(mb.shape);
     float* st = reinterpret_cast<float*>(stash);
-    if (d_.embeds) ops::embedding_backward(ctx, mb.input<std::int32_t>("tokens"), st, grads_.data(), n(T), n(h()));
+    if (d_.embeds)
+      ops::embedding_backward(ctx, mb.input<std::int32_t>("tokens"), st, grads_.data(), n(T), n(h()), c_.vocab);
     for (int i = 0; i < d_.blocks; ++i) block_backward_weight(ctx, i, mb, saved, block_stash(st, i, mb.shape));
     if (d_.has_head) head_backward_weight(ctx, mb, saved, head_stash(st, mb.shape));
   }

@@ -223,7 +223,7 @@ TEST_CASE("ops on the GPU: token and position embeddings and their gradients giv
   bf16* dd = g.bf16(d);
   ops::embedding_backward(g.ctx, dids, dd, dt, rows, n, vocab);
   ops::position_embedding_backward(g.ctx, dd, dp, rows, n, seq);
-  ops::embedding_backward(cpu, ids.data(), d.data(), cdt.data(), rows, n);
+  ops::embedding_backward(cpu, ids.data(), d.data(), cdt.data(), rows, n, vocab);
   ops::position_embedding_backward(cpu, d.data(), cdp.data(), rows, n, seq);
   CHECK(g.get(dt, cdt.size()) == cdt);  // the same fp32 sums in the same order
   CHECK(g.get(dp, cdp.size()) == cdp);

@@ -307,11 +307,16 @@ inline void embedding_forward(const CpuContext&, const std::int32_t* tokens, con
   }
 }
 
-/// dtable[tokens[r]] += d[r] for r in order (each cell adds its token's rows in row order).
-inline void embedding_backward(const CpuContext&, const std::int32_t* tokens, const float* d, float* dtable,
-                               long long rows, int n) {
+/// dtable[ids[r]] += d[r] for r in order (each cell adds its id's rows in row order; dtable
+/// (vocab, n)); an id outside [0, vocab) is refused before anything is added.
+inline void embedding_backward(const CpuContext&, const std::int32_t* ids, const float* d, float* dtable,
+                               long long rows, int n, int vocab) {
   for (long long r = 0; r < rows; ++r)
-    for (int i = 0; i < n; ++i) dtable[static_cast<long long>(tokens[r]) * n + i] += d[r * n + i];
+    if (ids[r] < 0 || ids[r] >= vocab)
+      throw error("ops::embedding_backward: id " + std::to_string(ids[r]) + " at row " + std::to_string(r) +
+                  " is outside [0, " + std::to_string(vocab - 1) + "]");
+  for (long long r = 0; r < rows; ++r)
+    for (int i = 0; i < n; ++i) dtable[static_cast<long long>(ids[r]) * n + i] += d[r * n + i];
 }
 
 /// out[r] += table[r % seq]: learned absolute positions, restarting every seq rows.
