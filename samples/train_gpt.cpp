@@ -579,10 +579,13 @@ int run_shared_gpus(const Options& o, Setup su) {
   const auto errors = po::run_thread_ranks(grid, [&](int g) {
     const int r = g % o.shape.d;
     po::backend::Cuda dev(cuda_options(o, su, g / n, g, r));
-    po::comm::SharedGpu comm(grid.pipeline(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
-    po::comm::SharedGpu replicas(grid.replicas(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
     std::vector<std::vector<float>> initial;
     stopped = with_cuda_stages(o, su, dev, g, initial, [&](auto& mine) {
+      // The handles after the stages, so they go first: their teardown wait (peers still
+      // enqueuing copies that read this rank's memory, the stages' gradients among it: the
+      // reduce-scatter reads a full bucket in place) ends before the stages free that memory.
+      po::comm::SharedGpu comm(grid.pipeline(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
+      po::comm::SharedGpu replicas(grid.replicas(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
       // The ranks share the GPU's memory: --k auto's slabs are made again in turns (remake_arena),
       // lined up by a host all-gather over both groups (every rank of the run; abort-aware).
       const auto line_up = [&] {

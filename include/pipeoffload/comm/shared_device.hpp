@@ -115,7 +115,7 @@ class DeviceCopy {
       retired_.clear();
       const auto name = [](std::uintptr_t o) { return std::string(reinterpret_cast<const char*>(o)); };
       for (std::size_t j = 1; j < n; ++j)
-        if (all[j].op != all[0].op)
+        if (name(all[j].op) != name(all[0].op))  // by text: one literal may have two addresses
           throw comm_error("comm::SharedDevice: ranks called different device collectives at once (rank 0: " +
                            name(all[0].op) + ", rank " + std::to_string(j) + ": " + name(all[j].op) + ")");
       for (std::size_t j = 1; j < n; ++j)

@@ -53,9 +53,11 @@ struct CudaStreams {
 ///   po::comm::ThreadsGrid grid(2, 4);                  // 2 replicas of a 4-rank pipeline, one GPU
 ///   po::run_thread_ranks(grid, [&](int g) {
 ///     po::backend::Cuda dev({.device = 0, .rank = g, .arena_bytes = std::size_t{8} << 30});  // 8 GiB each
+///     // ... the rank's stages (their own device memory) before the handles: whatever a peer
+///     // may copy from must outlive them (a handle's destructor waits for its peers' copies)
 ///     po::comm::SharedGpu pipe(grid.pipeline(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
 ///     po::comm::SharedGpu reps(grid.replicas(g), po::comm::DeviceCopy<po::comm::CudaStreams>{});
-///     // ... a po::Runtime on dev, pipe and reps
+///     // ... a po::Runtime on dev, the stages, pipe and reps
 ///   });
 /// @endcode
 using SharedGpu = SharedDevice<CudaStreams>;
