@@ -445,6 +445,49 @@ void optimizer_operations() {
   for (pb::Block b : owned) dev->device_free(b);
 }
 
+/// hold(stream): a between-steps operation (zero) waits for the stream's work before the hold,
+/// not for what it is given after (ZeRO-1's gather left running); release() makes the next one
+/// wait for all of it again. The order shows in the bytes: a zero behind a copy leaves zeros,
+/// one ahead of it leaves the copy's ones.
+template <class Traits>
+void hold_and_release() {
+  auto dev = Traits::make();
+  const int s = dev->make_stream("comm");
+  const std::size_t n = 4096;
+  const std::vector<unsigned char> ones(n, 1);
+  pb::Block src = dev->device_alloc(n, pb::Memory::state), before = dev->device_alloc(n, pb::Memory::state),
+            after = dev->device_alloc(n, pb::Memory::state), again = dev->device_alloc(n, pb::Memory::state);
+  dev->upload(src.ptr, ones.data(), n);
+  const auto copy_to = [&](pb::Block dst) {
+    dev->launch(s, [&, dst] {
+      auto ctx = dev->context(s);
+      dev->copy(ctx, dst.ptr, src.ptr, n);
+    });
+  };
+  dev->launch(s, [&] { Traits::delay(dev->context(s)); });
+  copy_to(before);
+  dev->hold(s);
+  dev->hold(s);  // a second hold keeps the first point
+  for (int i = 0; i < 4; ++i) dev->launch(s, [&] { Traits::delay(dev->context(s)); });
+  copy_to(after);
+  dev->zero(before.ptr, n);  // behind the copy before the hold
+  dev->zero(after.ptr, n);   // ahead of the copy after it (four delays later)
+  dev->release();
+  dev->launch(s, [&] { Traits::delay(dev->context(s)); });
+  copy_to(again);
+  dev->zero(again.ptr, n);  // released: behind every copy
+  dev->synchronize();
+  const auto all = [&](pb::Block b, unsigned char v) {
+    std::vector<unsigned char> got(n);
+    dev->download(got.data(), b.ptr, n);
+    return std::all_of(got.begin(), got.end(), [v](unsigned char x) { return x == v; });
+  };
+  CHECK(all(before, 0));
+  CHECK(all(after, 1));
+  CHECK(all(again, 0));
+  for (pb::Block b : {src, before, after, again}) dev->device_free(b);
+}
+
 /// zero(device, bytes) clears exactly the bytes asked for, at any offset and length.
 template <class Traits>
 void zero_clears_a_range() {
@@ -691,6 +734,27 @@ void exact_sums() {
     differ += std::memcmp(&want, &got[i], sizeof want) != 0;
   }
   CHECK(differ == 0);
+  // Sums past 64 bits whose rounding a bit below the 64 the conversion keeps decides (a
+  // 128-bit conversion through double would round the first to even, not up).
+  const ex::Fixed one = 1;
+  const std::vector<ex::Fixed> edge = {(one << 100) + (one << 76) + 1, -((one << 100) + (one << 76) + 1),
+                                       (one << 100) + (one << 76),     (one << 120) + (one << 96) + (one << 30),
+                                       (one << 70) + (one << 46) + 1,  (one << 126) - 1};
+  pb::Block e = dev->device_alloc(edge.size() * sizeof(ex::Fixed), pb::Memory::state);
+  dev->upload(e.ptr, edge.data(), edge.size() * sizeof(ex::Fixed));
+  dev->launch(s, [&] {
+    auto ctx = dev->context(s);
+    dev->exact_round(ctx, out.first(edge.size()),
+                     std::span<const ex::Fixed>(reinterpret_cast<const ex::Fixed*>(e.ptr), edge.size()));
+  });
+  dev->synchronize();
+  const std::vector<float> rounded = host_floats(*dev, out);
+  for (std::size_t i = 0; i < edge.size(); ++i) {
+    CAPTURE(i);
+    const float want = ex::to_float(edge[i]);
+    CHECK(std::memcmp(&want, &rounded[i], sizeof want) == 0);
+  }
+  dev->device_free(e);
   dev->device_free(acc);
   dev->device_free(total);
   for (pb::Block b : owned) dev->device_free(b);
@@ -772,6 +836,9 @@ void sum_parts() {
     conformance::optimizer_operations<Traits>();                                                                    \
   }                                                                                                                 \
   TEST_CASE(name ": zero clears exactly the bytes asked for") { conformance::zero_clears_a_range<Traits>(); }       \
+  TEST_CASE(name ": a between-steps operation waits for a held stream up to its hold only, until release") {        \
+    conformance::hold_and_release<Traits>();                                                                        \
+  }                                                                                                                 \
   TEST_CASE(name ": flag_nonfinite flags NaN and infinities of every floating type, nothing finite, no integers") { \
     conformance::nonfinite_flags<Traits>();                                                                         \
   }                                                                                                                 \

@@ -250,12 +250,17 @@ concept updates_parameters =
 ///   - exact_sum(ctx, out, parts): out[i] = parts[i] + parts[n + i] + ... (n = out.size(),
 ///     parts.size() a multiple of it; exact, so the order does not matter);
 ///   - exact_round(ctx, out, acc): out[i] = exact::to_float(acc[i]);
-///   - copy(ctx, dst, src, bytes), zero(ctx, dst, bytes): device memory.
+///   - copy(ctx, dst, src, bytes), zero(ctx, dst, bytes): device memory;
+///   - hold(stream): until release(), the between-steps operations (zero, upload, download,
+///     sum_squares, adamw, sgd) wait for `stream` only up to this point, not for what it is
+///     given after (a second hold keeps the first point): ZeRO-1's parameter gather left running
+///     (AdamWOptions::overlap_gather), which the next step's zeroing and uploads need not wait
+///     for and its passes wait for by events; release(): every stream waited for whole again.
 template <class B>
 concept reduces_gradients =
     requires(B& b, typename B::Context& ctx, std::span<exact::Fixed> acc, std::span<const exact::Fixed> cacc,
              std::span<float> fs, std::span<const float> cfs, std::span<std::uint16_t> hs,
-             std::span<const std::uint16_t> chs, void* p, const void* cp, std::size_t n) {
+             std::span<const std::uint16_t> chs, void* p, const void* cp, std::size_t n, int stream) {
       b.sum_parts(ctx, fs, cfs);
       b.sum_parts(ctx, fs, chs);
       b.to_bf16(ctx, hs, cfs);
@@ -264,6 +269,8 @@ concept reduces_gradients =
       b.exact_round(ctx, fs, cacc);
       b.copy(ctx, p, cp, n);
       b.zero(ctx, p, n);
+      b.hold(stream);
+      b.release();
     };
 
 /// Optional, on top of `backend`: the "synchronized interleaved" copies of two devices under

@@ -198,7 +198,7 @@ class Runtime<Backend, Communicator> {
   static_assert(
       backend::reduces_gradients<Backend>,
       "po::Runtime: Backend must model po::backend::reduces_gradients (sum_parts, exact_add, exact_sum, exact_round, "
-      "copy and zero in a stream's context); see backend/backend.hpp.");
+      "copy and zero in a stream's context, hold and release); see backend/backend.hpp.");
   static_assert(
       communicator<Communicator, typename Backend::Context>,
       "po::Runtime: Communicator must model po::communicator<C, Backend::Context> (rank, size, send(ctx, ...) and "
@@ -479,6 +479,7 @@ class Runtime<Backend, Communicator> {
   void share_tied(bool overlap = false) {
     guard("share_tied", [&] {
       if (ties_.empty()) return 0;
+      if (overlap) dev_.hold(comm_stream_);  // the next step's zeroing and uploads need not wait for it
       push_tied();
       if (overlap) {
         for (std::size_t c = 0; c < tie_copy_chunk_.size(); ++c)
@@ -557,6 +558,9 @@ class Runtime<Backend, Communicator> {
         const std::size_t e = dtype_size(values.dtype), slice = l.slice() * e, len = l.len * e;
         std::byte* mine = slice_staging().ptr;  // fp32-sized: room for either type
         std::byte* all = bucket_staging().ptr;
+        // Left running: the next step's zeroing and uploads (between-steps operations) need not
+        // wait for it, only its passes do (gathered_); run() releases the hold before them.
+        if (overlap) dev_.hold(comm_stream_);
         Context ctx = dev_.context(comm_stream_);
         for (std::size_t b = 0; b < l.buckets && b * l.len < l.values; ++b) {
           const ParamRange r = l.shard(b, replica_);
@@ -581,6 +585,7 @@ class Runtime<Backend, Communicator> {
     std::fill(gather_pending_.begin(), gather_pending_.end(), 0);
     guard("share_shards", [&] {
       dev_.synchronize();
+      dev_.release();
       return 0;
     });
   }

@@ -458,6 +458,34 @@ class Cpu : public detail::Failure<Cpu> {
       for (std::size_t i = 0; i < s.count; ++i) store_working(s, i, update::sgd_at(s, i, step));
   }
 
+  /// Until release(), the between-steps operations (zero, upload, download, sum_squares,
+  /// adamw, sgd: those after every stream's earlier work) wait for `stream` only up to this
+  /// point, not for what it is given after (a second hold keeps the first point); the caller
+  /// orders what depends on that with events (backend::reduces_gradients).
+  void hold(int stream) {
+    require_no_capture("hold");
+    std::uint64_t target;
+    int event;
+    {
+      std::lock_guard lk(mu_);
+      Stream& s = at(stream);
+      if (s.held_until != 0) return;
+      if (s.held < 0) {
+        events_.emplace_back();
+        s.held = static_cast<int>(events_.size()) - 1;
+      }
+      event = s.held;
+      target = ++ev(event).recorded;
+      s.held_until = target;
+    }
+    push(stream, Item{Item::record, event, target, {}});
+  }
+  /// Every stream waited for whole again by the between-steps operations.
+  void release() {
+    std::lock_guard lk(mu_);
+    for (const auto& s : streams_) s->held_until = 0;
+  }
+
   // ---- gradient sums (backend::reduces_gradients): on the calling stream's thread --------
 
   /// out[i] = ((parts[i] + parts[n + i]) + parts[2n + i]) + ... in fp32 (n = out.size()).
@@ -574,11 +602,20 @@ class Cpu : public detail::Failure<Cpu> {
       return true;
     });
   }
-  // An enqueued operation's order: after all work enqueued on any stream before it (no host
-  // wait on a GPU, hence not counted in host_waits).
+  // An enqueued operation's order: after all work enqueued on any stream before it, or, on a
+  // held stream, before its hold() (no host wait on a GPU, hence not counted in host_waits).
   void after_streams() {
     std::unique_lock lk(mu_);
-    drain(lk);
+    host_cv_.wait(lk, [&] {
+      for (const auto& s : streams_) {
+        if (s->held_until != 0) {
+          if (!failed_ && events_[static_cast<std::size_t>(s->held)].completed < s->held_until) return false;
+        } else if (s->running || !s->queue.empty()) {
+          return false;
+        }
+      }
+      return true;
+    });
   }
 
   // A sum_squares result held back until the next synchronize() (Options::defer_results).
@@ -604,7 +641,9 @@ class Cpu : public detail::Failure<Cpu> {
     std::string name;
     std::deque<Item> queue;
     bool running = false;
-    std::condition_variable cv;  // this worker's alone: new work, an awaited record, failure, stop
+    int held = -1;                 // hold()'s event (made on first hold)
+    std::uint64_t held_until = 0;  // hold(): its record; 0 when not held
+    std::condition_variable cv;    // this worker's alone: new work, an awaited record, failure, stop
     std::thread worker;
   };
   struct Event {
@@ -767,6 +806,7 @@ class Cpu : public detail::Failure<Cpu> {
         e.completed = std::max(e.completed, item.target);
         wake.insert(wake.end(), e.waiters.begin(), e.waiters.end());
         e.waiters.clear();
+        if (item.event == s.held) host_cv_.notify_all();  // after_streams() may wait for it
         s.queue.pop_front();
       } else if (item.kind == Item::wait) {
         Event& e = events_[static_cast<std::size_t>(item.event)];

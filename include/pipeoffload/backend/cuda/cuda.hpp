@@ -181,6 +181,7 @@ class Cuda : public detail::Failure<Cuda> {
     for (auto& s : streams_) {
       cudaStreamDestroy(s.stream);
       cudaEventDestroy(s.joined);
+      if (s.held) cudaEventDestroy(s.held);
     }
     if (aux_) cudaStreamDestroy(aux_);
     if (aux_done_) cudaEventDestroy(aux_done_);
@@ -205,7 +206,7 @@ class Cuda : public detail::Failure<Cuda> {
     PIPEOFFLOAD_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     cudaEvent_t joined = nullptr;
     PIPEOFFLOAD_CUDA_CHECK(cudaEventCreateWithFlags(&joined, cudaEventDisableTiming));
-    streams_.push_back({std::move(name), s, joined});
+    streams_.push_back({std::move(name), s, joined, nullptr, false});
     return static_cast<int>(streams_.size()) - 1;
   }
 
@@ -741,6 +742,31 @@ class Cuda : public detail::Failure<Cuda> {
     aux_pending_ = true;
   }
 
+  /// Until release(), the between-steps operations (zero, upload, sum_squares, adamw, sgd:
+  /// those after every stream's earlier work) wait for `stream` only up to this point, not for
+  /// what it is given after (a second hold keeps the first point); the caller orders what
+  /// depends on that with events (backend::reduces_gradients: ZeRO-1's overlapped parameter
+  /// gather, which the next step's zeroing and uploads need not wait for).
+  void hold(int stream) {
+    require_no_capture("hold");
+    (void)at(stream);
+    StreamInfo& s = streams_[static_cast<std::size_t>(stream)];
+    if (s.holding) return;
+    select();
+    if (s.held == nullptr) PIPEOFFLOAD_CUDA_CHECK(cudaEventCreateWithFlags(&s.held, cudaEventDisableTiming));
+    PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(s.held, s.stream));
+    s.holding = true;
+    streams_used_ = true;  // the next between-steps operation waits for that point
+  }
+  /// Every stream waited for whole again by the between-steps operations.
+  void release() {
+    for (StreamInfo& s : streams_)
+      if (s.holding) {
+        s.holding = false;
+        streams_used_ = true;
+      }
+  }
+
   // ---- gradient sums (backend::reduces_gradients): enqueued on the pass's stream ---------
 
   /// out[i] = ((parts[i] + parts[n + i]) + ...) in fp32 (n = out.size()), enqueued on ctx's stream.
@@ -919,6 +945,8 @@ class Cuda : public detail::Failure<Cuda> {
     std::string name;
     cudaStream_t stream = nullptr;
     cudaEvent_t joined = nullptr;  // recorded for join()
+    cudaEvent_t held = nullptr;    // hold()'s point, which join() waits for instead (made on first hold)
+    bool holding = false;          // hold() until release()
   };
   /// A freed block and the event its freeing stream recorded (null: freed outside launch(),
   /// where the caller has already synchronised).
@@ -957,6 +985,10 @@ class Cuda : public detail::Failure<Cuda> {
     if (!streams_used_) return;
     streams_used_ = false;
     for (const StreamInfo& s : streams_) {
+      if (s.holding) {  // up to hold()'s point only
+        PIPEOFFLOAD_CUDA_CHECK(cudaStreamWaitEvent(aux_, s.held, 0));
+        continue;
+      }
       PIPEOFFLOAD_CUDA_CHECK(cudaEventRecord(s.joined, s.stream));
       PIPEOFFLOAD_CUDA_CHECK(cudaStreamWaitEvent(aux_, s.joined, 0));
     }

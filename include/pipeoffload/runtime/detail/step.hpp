@@ -50,6 +50,10 @@ PassStats Runtime<Backend, Communicator>::run(const Plan& plan, const Batch& bat
   }
   const double t0 = dev_.now();
   if (plan.training) norm_ready_ = false;  // (evaluation leaves the gradients as they are)
+  // A gather the optimizer left running (share_shards, share_tied): the uploads and zeroing
+  // above did not wait for it; what comes after it (the passes, their first of each chunk after
+  // its event, and every later between-steps operation) does.
+  dev_.release();
   if (opt_.graphs && plan.training)
     run_graph(plan, info);
   else
