@@ -109,6 +109,37 @@ TEST_CASE("exact sums: one term and one sum's fp32 value match a plain integer r
   }
 }
 
+TEST_CASE(
+    "exact sums: to_float rounds every 128-bit sum as one correct rounding, ties and sticky bits beyond 64 bits") {
+  // Sums above 2^64 units (to_float cuts them to 64 bits with a sticky bit): exact ties, ties
+  // broken by a bit below the 64 kept, both signs; against the integer reference and the host's
+  // own 128-bit conversion (libgcc's, correctly rounded).
+  const auto host = [](Fixed a) { return static_cast<float>(a) * 0x1p-76f; };
+  std::vector<Fixed> cases;
+  for (int top = 60; top <= 120; ++top)
+    for (int guard : {top - 24, top - 25}) {
+      const Fixed base = static_cast<Fixed>(1) << top;
+      for (const Fixed extra : {Fixed{0}, Fixed{1}, static_cast<Fixed>(1) << (guard > 1 ? guard - 1 : 0)}) {
+        cases.push_back(base + (static_cast<Fixed>(1) << guard) + extra);  // a tie, then just above it
+        cases.push_back(base + (static_cast<Fixed>(3) << guard) + extra);  // odd kept bits: ties round up
+        cases.push_back(base + (static_cast<Fixed>(1) << guard) - 1);      // just below the tie
+      }
+    }
+  cases.push_back((static_cast<Fixed>(1) << 100) + (static_cast<Fixed>(1) << 76) + 1);
+  std::mt19937_64 rng(20261129);
+  for (int i = 0; i < 200000; ++i) {
+    const int bits = 1 + static_cast<int>(rng() % 120);
+    Bits u = (static_cast<Bits>(rng()) << 64) | rng();
+    u >>= 128 - bits;
+    cases.push_back(static_cast<Fixed>(u));
+  }
+  std::size_t differ = 0;
+  for (const Fixed a : cases)
+    for (const Fixed x : {a, -a}) differ += !same(ex::to_float(x), ref_float(x)) || !same(ex::to_float(x), host(x));
+  CHECK(cases.size() > 200000);
+  CHECK(differ == 0);
+}
+
 TEST_CASE("exact sums: any order and any split into partial sums give the same bits; bad values poison") {
   std::mt19937_64 rng(7);
   const std::size_t terms = 96, n = 257;

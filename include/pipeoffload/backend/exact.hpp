@@ -40,10 +40,27 @@ PIPEOFFLOAD_HOST_DEVICE inline Fixed sum(Fixed a, Fixed b) { return a == poison(
 
 /// The sum as fp32: one rounding (128-bit integer to fp32, to nearest even, then an exact
 /// power-of-two scale: a nonzero sum is at least 2^-76, far above fp32's subnormals). NaN
-/// for a poisoned sum.
+/// for a poisoned sum. The integer is cut to 64 bits with a sticky bit (any dropped bit set
+/// sets the lowest kept one, which lies below fp32's rounding bit) and converted by the
+/// 64-bit conversion, correctly rounded on the host and the GPU alike: a 128-bit one is
+/// correctly rounded by the host's libgcc but not promised by nvcc.
 PIPEOFFLOAD_HOST_DEVICE inline float to_float(Fixed a) {
   if (a == poison()) return NAN;
-  return static_cast<float>(a) * 0x1p-76f;
+  const bool negative = a < 0;
+  const FixedBits u = negative ? static_cast<FixedBits>(0) - static_cast<FixedBits>(a) : static_cast<FixedBits>(a);
+  const auto high = static_cast<std::uint64_t>(u >> 64);
+  int shift = 0;  // |a| = kept * 2^shift, rounded as one
+  if (high != 0) {
+#if defined(__CUDA_ARCH__)
+    shift = 64 - __clzll(static_cast<long long>(high));
+#else
+    shift = 64 - __builtin_clzll(high);
+#endif
+  }
+  const FixedBits dropped = shift == 0 ? 0 : u & ((static_cast<FixedBits>(1) << shift) - 1);
+  const auto kept = static_cast<std::uint64_t>(u >> shift) | (dropped != 0 ? 1u : 0u);
+  const float v = std::ldexp(static_cast<float>(kept), shift - fraction_bits);  // exact: a power of two
+  return negative ? -v : v;
 }
 
 }  // namespace pipeoffload::exact
