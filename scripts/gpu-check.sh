@@ -160,7 +160,8 @@ if [ -n "$unpack" ]; then
   tar xzf "$unpack" -C "$build" || die "cannot unpack $unpack into $build"
   [ -d "$build/carried-lib" ] || die "$unpack holds no carried-lib/: make it with --build-only --pack FILE"
   export LD_LIBRARY_PATH="$build/carried-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  if ldd "$build/samples/train_gpt" 2>&1 | grep -q "GLIBCXX.*not found"; then
+  # (ldd's output taken whole first: with pipefail, grep -q quitting early fails ldd's write.)
+  if grep -q "GLIBCXX.*not found" <<<"$(ldd "$build/samples/train_gpt" 2>&1)"; then
     export LD_LIBRARY_PATH="$build/carried-lib/cxx:$LD_LIBRARY_PATH"
   fi
 fi
@@ -230,8 +231,8 @@ fi
 # With --no-build only the libraries matter: looked for where the loader cannot find them.
 for pkg in cudnn nccl; do
   if [ "$no_build" = 1 ]; then
-    [ -x "$build/samples/train_gpt" ] && ldd "$build/samples/train_gpt" 2>/dev/null | grep -q "lib$pkg\.so.* => not found" ||
-      continue
+    [ -x "$build/samples/train_gpt" ] &&
+      grep -q "lib$pkg\.so.* => not found" <<<"$(ldd "$build/samples/train_gpt" 2>/dev/null)" || continue
   elif has_header "$pkg.h"; then
     continue
   fi

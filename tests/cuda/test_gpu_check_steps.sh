@@ -108,7 +108,7 @@ printf 'int cudnn_stub(void);\nint main(void) { return cudnn_stub(); }\n' >"$wor
 cc -shared -fPIC -Wl,-soname,libcudnn.so.99 -o "$work/site/nvidia/cudnn/lib/libcudnn.so.99" "$work/stub.c" &&
   cc -o "$work/main" "$work/main.c" "$work/site/nvidia/cudnn/lib/libcudnn.so.99" || fail "cannot build the cuDNN stand-ins"
 cp -r "$work/packed/." "$work/nb/" && rm -rf "$work/nb/carried-lib" && cp "$work/main" "$work/nb/samples/train_gpt"
-ldd "$work/nb/samples/train_gpt" | grep -q "libcudnn.so.99 => not found" || fail "the stand-in finds libcudnn without help"
+grep -q "libcudnn.so.99 => not found" <<<"$(ldd "$work/nb/samples/train_gpt")" || fail "the stand-in finds libcudnn without help"
 rm -f "$work/seen-path"
 out=$(PYTHONPATH="$work/site" bash "$kit" --no-build --build-dir "$work/nb" --log-dir "$work/logs" --only cuda-host 2>&1) ||
   fail "--no-build with cuDNN as a Python package: $out"
