@@ -594,21 +594,12 @@ class Cpu : public detail::Failure<Cpu> {
   const Options& options() const { return opt_; }
 
  private:
-  // Waits (holding `lk` on mu_) until every stream is idle: its queue run, or dropped by a failure.
-  void drain(std::unique_lock<std::mutex>& lk) {
-    host_cv_.wait(lk, [&] {
-      for (const auto& s : streams_)
-        if (s->running || !s->queue.empty()) return false;
-      return true;
-    });
-  }
-  // An enqueued operation's order: after all work enqueued on any stream before it, or, on a
-  // held stream, before its hold() (no host wait on a GPU, hence not counted in host_waits).
-  void after_streams() {
-    std::unique_lock lk(mu_);
+  // Waits (holding `lk` on mu_) until every stream is idle: its queue run, or dropped by a
+  // failure; with `holds`, a held stream only up to its hold().
+  void drain(std::unique_lock<std::mutex>& lk, bool holds = false) {
     host_cv_.wait(lk, [&] {
       for (const auto& s : streams_) {
-        if (s->held_until != 0) {
+        if (holds && s->held_until != 0) {
           if (!failed_ && events_[static_cast<std::size_t>(s->held)].completed < s->held_until) return false;
         } else if (s->running || !s->queue.empty()) {
           return false;
@@ -616,6 +607,12 @@ class Cpu : public detail::Failure<Cpu> {
       }
       return true;
     });
+  }
+  // An enqueued operation's order: after all work enqueued on any stream before it, or, on a
+  // held stream, before its hold() (no host wait on a GPU, hence not counted in host_waits).
+  void after_streams() {
+    std::unique_lock lk(mu_);
+    drain(lk, true);
   }
 
   // A sum_squares result held back until the next synchronize() (Options::defer_results).
